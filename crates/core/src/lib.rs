@@ -1,0 +1,132 @@
+//! # stowage-core: the sans-I/O state machine of a storage unit
+//!
+//! A storage unit owns one slab of memory and an index of what lives in it.
+//! This crate is that state, as plain data structures, with no sockets,
+//! threads, clocks or randomness: the unit server (`stowage-unit`) feeds it
+//! requests with the current time and applies the answers; tests drive it
+//! directly with a virtual clock.
+//!
+//! ## Flow of a blob
+//!
+//! ```text
+//!  alloc(blob, nbytes, n_entries) ──▶ Reserved (lease) ──commit(entries)──▶ Committed
+//!                                       │      │                              │
+//!                     abort(in_flight)──┘      └─ lease expires               │ release_rows / replace
+//!                                       ▼                ▼                    ▼
+//!                                 Quarantined ◀──────────┘      freed once no entry and no pin holds it
+//!                                       │ quarantine ends
+//!                                       ▼
+//!                                     freed
+//! ```
+//!
+//! * [`slab::SlabAllocator`] hands out aligned byte ranges of the slab.
+//! * [`UnitCore::alloc`] reserves a range for a client-chosen [`BlobId`]
+//!   under a lease; the client writes the bytes itself (shm) or the server
+//!   streams them in (tcp); [`UnitCore::commit`] publishes the blob's
+//!   entries, each a [`Key`] → (offset, length) inside the blob.
+//!   Commit is idempotent, so a client whose reply was lost asks again.
+//! * [`UnitCore::resolve`] turns keys into slab [`Location`]s and pins the
+//!   blobs that hold them under a lease, so their bytes neither move nor
+//!   change until [`UnitCore::unpin`] or the lease ends.
+//! * [`UnitCore::release_rows`] clears whole rows; a blob's memory returns
+//!   to the allocator once no entry and no pin refers to it.
+//! * [`UnitCore::tick`] reclaims what dead clients left behind: expired
+//!   reservations (quarantined first, since a writer may still be copying
+//!   into them), expired pins and ended quarantines.
+//!
+//! Lack of space is an answer ([`CoreError::Full`], [`CoreError::Busy`]),
+//! never a panic.
+
+#![forbid(unsafe_code)]
+
+pub mod slab;
+mod unit;
+
+pub use unit::{CoreConfig, Stats, UnitCore};
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// Time as the driver measures it: the duration since an epoch of its
+/// choosing (the server uses its start; tests use a virtual clock).
+pub type Time = Duration;
+
+/// A blob's id, chosen by the client so that a retried alloc or commit is
+/// recognised as the same blob.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct BlobId(pub u128);
+
+/// A pin taken by [`UnitCore::resolve`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct PinId(pub u64);
+
+/// One value's name: a row and a field of it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Key {
+    pub row: u64,
+    pub field: String,
+}
+
+impl Key {
+    pub fn new(row: u64, field: impl Into<String>) -> Self {
+        Self {
+            row,
+            field: field.into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Key {
+    /// TransferQueue's text form, `"{row}@{field}"`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}@{}", self.row, self.field)
+    }
+}
+
+/// An entry of a blob being committed: `key` is the `len` bytes at `offset`
+/// from the blob's start.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EntrySpec {
+    pub key: Key,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Where a committed value lives in the slab.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Location {
+    /// Byte offset in the slab.
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Why the core refused a request.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CoreError {
+    /// Not enough memory now nor once pending reclamation ends.
+    #[error("unit full: {needed} bytes requested, {free} free of {capacity}")]
+    Full {
+        needed: u64,
+        free: u64,
+        capacity: u64,
+    },
+    /// Not enough free memory now, but expiring reservations or quarantined
+    /// ranges will free enough: ask again shortly.
+    #[error("unit busy: {needed} bytes requested, {reclaimable} bytes awaiting reclamation")]
+    Busy { needed: u64, reclaimable: u64 },
+    /// The blob is not reserved (never allocated, or its lease ended).
+    #[error("unknown blob {0:?} (never allocated, or its reservation expired)")]
+    UnknownBlob(BlobId),
+    /// The request contradicts itself or the unit's state.
+    #[error("invalid request: {0}")]
+    Invalid(String),
+}
+
+/// The answer to an alloc.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Allocated {
+    /// Reserved (or already reserved by an earlier try): write the bytes here.
+    Reserved { offset: u64 },
+    /// The blob was committed by an earlier try: nothing to write.
+    AlreadyCommitted,
+}
