@@ -1,1 +1,664 @@
+//! # stowage-client: put, get and clear on storage units
+//!
+//! A [`Client`] knows a list of units ([`UnitAddr`]: a Unix socket for the
+//! same host, TCP otherwise) and keeps a small pool of connections to each.
+//! Each connection is a [`Transport`]: [`transport::ShmTransport`] maps the
+//! unit's slab (its memfd arrives at the handshake) and copies bytes
+//! itself; [`transport::TcpTransport`] streams them through the socket.
+//!
+//! The blob API mirrors `UnitSlabStore`:
+//!
+//! * [`Client::put_many`] writes blobs, one per unit per round, all units
+//!   in the same round (a put waits for the slowest unit, not the sum).
+//!   A unit answering Busy is asked again after 0.2 s, doubling to 2 s,
+//!   inside the deadline. Blob ids ([`BlobId`], chosen by the caller, e.g.
+//!   [`new_blob_id`]) make a retried put idempotent.
+//! * [`Client::get_into`] resolves and reads every unit's keys at once,
+//!   into buffers the caller's [`GetSink`] provides.
+//! * [`Client::release_rows`] clears rows on every unit at once.
+//!
+//! Every call takes a deadline. Failures are typed ([`Error`]). When a unit
+//! fails, and only then, the [`Directory`] is asked whether it is dead or
+//! restarted (its blobs are lost: [`Error::LostBlobs`]) or alive (the
+//! failure is retryable: [`Error::TransferFailed`]).
+//!
+//! Convenience over the blob API, placing row `r` on unit `r % N`:
+//! [`Client::put_rows`], [`Client::get_rows`], [`Client::clear_rows`].
 
+#![forbid(unsafe_code)]
+
+mod conn;
+mod directory;
+mod error;
+pub mod transport;
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+pub use conn::UnitAddr;
+pub use directory::{Directory, Liveness, ProbeDirectory};
+pub use error::{Error, Result};
+pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
+pub use transport::{GetSink, Transport};
+
+use conn::Conn;
+use stowage_shm::Slab;
+use stowage_wire::{ErrorCode, Request, Response};
+use transport::{ConnFailure, OpFailure, ShmTransport, TcpTransport};
+
+/// First Busy backoff.
+pub const BUSY_RETRY: Duration = Duration::from_millis(200);
+/// Largest Busy backoff.
+pub const BUSY_RETRY_MAX: Duration = Duration::from_secs(2);
+
+/// Settings of a client.
+#[derive(Clone)]
+pub struct ClientConfig {
+    /// The namespace every request acts in (isolates runs sharing units).
+    pub namespace: String,
+    /// The units, in order: unit `i` is `units[i]`.
+    pub units: Vec<UnitAddr>,
+    /// Default deadline of an operation ([`Client::deadline`]). Default 30 s.
+    pub timeout: Duration,
+    /// Use the shm transport for Unix-socket units (default true); false
+    /// streams bytes through the socket as the tcp transport does.
+    pub shm: bool,
+    /// Asked about a unit after a failure. Default [`ProbeDirectory`].
+    pub directory: Arc<dyn Directory>,
+}
+
+impl ClientConfig {
+    pub fn new(namespace: impl Into<String>, units: Vec<UnitAddr>) -> Self {
+        Self {
+            namespace: namespace.into(),
+            units,
+            timeout: Duration::from_secs(30),
+            shm: true,
+            directory: Arc::new(ProbeDirectory::default()),
+        }
+    }
+}
+
+/// One blob to write: its bytes are the concatenation of `segments`;
+/// `entries` name sub-ranges of it.
+#[derive(Clone, Debug)]
+pub struct BlobPut<'a> {
+    pub unit: usize,
+    pub blob: BlobId,
+    pub segments: Vec<&'a [u8]>,
+    pub entries: Vec<EntrySpec>,
+}
+
+/// A fresh random blob id.
+pub fn new_blob_id() -> BlobId {
+    let mut b = [0u8; 16];
+    // getrandom fails only without any OS entropy source; fall back to a
+    // clock-and-counter id, still unique within this process.
+    if getrandom::fill(&mut b).is_err() {
+        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos() as u64)
+            .unwrap_or(0);
+        return BlobId((u128::from(t) << 64) | u128::from(n) | (u128::from(std::process::id()) << 32));
+    }
+    BlobId(u128::from_le_bytes(b))
+}
+
+struct UnitSlot {
+    addr: UnitAddr,
+    pool: Mutex<Vec<Box<dyn Transport>>>,
+    /// The slab mapping of the current instance, shared by its connections.
+    slab: Mutex<Option<(u128, Arc<Slab>)>>,
+    /// The instance the client first met at this address.
+    first_instance: Mutex<Option<u128>>,
+}
+
+/// A connection-pooling client of a set of units. Cheap to share between
+/// threads (`&Client` is enough for every operation).
+pub struct Client {
+    cfg: ClientConfig,
+    units: Vec<UnitSlot>,
+}
+
+/// A sink that collects values into fresh vectors.
+struct VecSink(Vec<Option<Vec<u8>>>);
+
+impl GetSink for VecSink {
+    fn slot(&mut self, index: usize, len: u64) -> std::result::Result<&mut [u8], String> {
+        let len = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+        let v = self.0.get_mut(index).ok_or("key index out of range")?;
+        Ok(v.insert(vec![0u8; len]).as_mut_slice())
+    }
+}
+
+/// A sink over caller buffers: value `i` goes to the front of `bufs[i]`,
+/// its length to `lens[i]`.
+pub struct SliceSink<'a, 'b> {
+    pub bufs: &'a mut [&'b mut [u8]],
+    pub lens: Vec<u64>,
+}
+
+impl<'a, 'b> SliceSink<'a, 'b> {
+    pub fn new(bufs: &'a mut [&'b mut [u8]]) -> Self {
+        let n = bufs.len();
+        Self {
+            bufs,
+            lens: vec![0; n],
+        }
+    }
+}
+
+impl GetSink for SliceSink<'_, '_> {
+    fn slot(&mut self, index: usize, len: u64) -> std::result::Result<&mut [u8], String> {
+        let buf = self.bufs.get_mut(index).ok_or("key index out of range")?;
+        let n = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+        if n > buf.len() {
+            return Err(format!(
+                "value {index} is {len} bytes, its buffer only {}",
+                buf.len()
+            ));
+        }
+        self.lens[index] = len;
+        Ok(&mut buf[..n])
+    }
+}
+
+/// How one unit's part of an operation ended.
+enum Outcome {
+    Failed(Error),
+    Busy,
+}
+
+impl Client {
+    /// Connect to every unit (one handshake each) and check that they
+    /// answer. A unit that cannot be reached fails the call.
+    pub fn connect(cfg: ClientConfig) -> Result<Client> {
+        if cfg.units.is_empty() {
+            return Err(Error::InvalidRequest("no units given".into()));
+        }
+        let units = cfg
+            .units
+            .iter()
+            .map(|a| UnitSlot {
+                addr: a.clone(),
+                pool: Mutex::new(Vec::new()),
+                slab: Mutex::new(None),
+                first_instance: Mutex::new(None),
+            })
+            .collect();
+        let client = Client { cfg, units };
+        let deadline = client.deadline();
+        for u in 0..client.units.len() {
+            let t = client.open(u, deadline).map_err(|e| match e {
+                OpFailure::Conn { error, .. } => Error::Io(format!(
+                    "cannot reach unit {u} at {}: {error:?}",
+                    client.units[u].addr
+                )),
+                OpFailure::Unit { code, message } => unit_error(u, code, message, vec![]),
+            })?;
+            client.checkin(u, t);
+        }
+        Ok(client)
+    }
+
+    /// Number of units.
+    pub fn unit_count(&self) -> usize {
+        self.units.len()
+    }
+
+    /// The unit of integer row `row`: `row % N`.
+    pub fn unit_of_row(&self, row: u64) -> usize {
+        (row % self.units.len() as u64) as usize
+    }
+
+    /// Now plus the configured default timeout.
+    pub fn deadline(&self) -> Instant {
+        Instant::now() + self.cfg.timeout
+    }
+
+    pub fn config(&self) -> &ClientConfig {
+        &self.cfg
+    }
+
+    fn open(&self, unit: usize, deadline: Instant) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+        let slot = &self.units[unit];
+        let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
+        let cached = lock(&slot.slab).clone();
+        let conn = Conn::connect(&slot.addr, &self.cfg.namespace, want_fd, cached, deadline)
+            .map_err(|e| OpFailure::conn(e, false))?;
+        lock(&slot.first_instance).get_or_insert(conn.instance_id);
+        if let Some(s) = &conn.slab {
+            *lock(&slot.slab) = Some((conn.instance_id, s.clone()));
+        }
+        if !want_fd {
+            return Ok(Box::new(TcpTransport::new(conn)));
+        }
+        match ShmTransport::new(conn) {
+            Some(t) => Ok(Box::new(t)),
+            None => Err(OpFailure::conn(
+                conn::ConnError::Protocol("the unit handed over no slab".into()),
+                false,
+            )),
+        }
+    }
+
+    fn checkout(&self, unit: usize, deadline: Instant) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+        if let Some(t) = lock(&self.units[unit].pool).pop() {
+            return Ok(t);
+        }
+        self.open(unit, deadline)
+    }
+
+    fn checkin(&self, unit: usize, t: Box<dyn Transport>) {
+        lock(&self.units[unit].pool).push(t);
+    }
+
+    /// Turn a unit's failure into an [`Error`], asking the directory when
+    /// the connection broke. `blobs`/`keys`: what the operation touched.
+    fn classify(
+        &self,
+        unit: usize,
+        f: OpFailure,
+        blobs: Vec<BlobId>,
+        keys: Vec<Key>,
+        deadline: Instant,
+    ) -> Outcome {
+        match f {
+            OpFailure::Unit {
+                code: ErrorCode::Busy,
+                ..
+            } => Outcome::Busy,
+            OpFailure::Unit { code, message } => Outcome::Failed(unit_error(unit, code, message, blobs)),
+            OpFailure::Conn {
+                error: ConnFailure::Timeout,
+                ..
+            } => Outcome::Failed(Error::Timeout {
+                unit: Some(unit),
+                what: "no answer before the deadline".into(),
+            }),
+            OpFailure::Conn { error, in_flight } => {
+                let known = lock(&self.units[unit].first_instance).unwrap_or(0);
+                let reason = match &error {
+                    ConnFailure::Broken(m) | ConnFailure::Protocol(m) => m.clone(),
+                    ConnFailure::Timeout => "timeout".into(),
+                };
+                match self
+                    .cfg
+                    .directory
+                    .liveness(unit, &self.units[unit].addr, known, deadline)
+                {
+                    Liveness::Dead | Liveness::Restarted => {
+                        // Connections to the old instance are useless now.
+                        lock(&self.units[unit].pool).clear();
+                        Outcome::Failed(Error::LostBlobs { unit, blobs, keys })
+                    }
+                    Liveness::Alive => Outcome::Failed(Error::TransferFailed {
+                        unit,
+                        blobs,
+                        reason,
+                        in_flight,
+                    }),
+                    Liveness::Unresponsive => Outcome::Failed(Error::Timeout {
+                        unit: Some(unit),
+                        what: format!("connection failed ({reason}) and the unit does not answer"),
+                    }),
+                }
+            }
+        }
+    }
+
+    /// Write blobs: the first blob of every unit goes out in one round over
+    /// all units, then the next, and so on. Returns once every blob is
+    /// committed, or with the first unit's error (blobs committed on other
+    /// units stay committed; retrying with the same ids is idempotent).
+    pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
+        let mut queues: BTreeMap<usize, std::collections::VecDeque<usize>> = BTreeMap::new();
+        for (i, b) in blobs.iter().enumerate() {
+            if b.unit >= self.units.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "unit {} does not exist ({} units)",
+                    b.unit,
+                    self.units.len()
+                )));
+            }
+            queues.entry(b.unit).or_default().push_back(i);
+        }
+        let mut backoff: HashMap<usize, (Duration, Instant)> = HashMap::new();
+        let mut first_error: Option<Error> = None;
+        while !queues.is_empty() {
+            let now = Instant::now();
+            let round: Vec<(usize, usize)> = queues
+                .iter()
+                .filter(|(u, _)| backoff.get(u).is_none_or(|(_, at)| *at <= now))
+                .filter_map(|(u, q)| q.front().map(|&i| (*u, i)))
+                .collect();
+            if round.is_empty() {
+                // Everyone left is backing off: sleep until the first is due.
+                let next = backoff.values().map(|(_, at)| *at).min().unwrap_or(now);
+                if next >= deadline {
+                    return Err(first_error.unwrap_or(Error::Timeout {
+                        unit: backoff.keys().next().copied(),
+                        what: "the unit kept answering Busy".into(),
+                    }));
+                }
+                std::thread::sleep(next.saturating_duration_since(now));
+                continue;
+            }
+            for (unit, result) in self.put_round(blobs, &round, deadline) {
+                match result {
+                    None => {
+                        backoff.remove(&unit);
+                        if let Some(q) = queues.get_mut(&unit) {
+                            q.pop_front();
+                            if q.is_empty() {
+                                queues.remove(&unit);
+                            }
+                        }
+                    }
+                    Some(Outcome::Busy) => {
+                        let step = backoff
+                            .get(&unit)
+                            .map(|(d, _)| (*d * 2).min(BUSY_RETRY_MAX))
+                            .unwrap_or(BUSY_RETRY);
+                        let at = Instant::now() + step;
+                        if at >= deadline {
+                            queues.remove(&unit);
+                            first_error.get_or_insert(Error::Timeout {
+                                unit: Some(unit),
+                                what: "the unit kept answering Busy".into(),
+                            });
+                        } else {
+                            backoff.insert(unit, (step, at));
+                        }
+                    }
+                    Some(Outcome::Failed(e)) => {
+                        queues.remove(&unit);
+                        first_error.get_or_insert(e);
+                    }
+                }
+            }
+        }
+        match first_error {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+
+    /// One round: `round` lists (unit, blob index), one per unit.
+    fn put_round(
+        &self,
+        blobs: &[BlobPut<'_>],
+        round: &[(usize, usize)],
+        deadline: Instant,
+    ) -> Vec<(usize, Option<Outcome>)> {
+        let mut results = Vec::with_capacity(round.len());
+        let mut active: Vec<(usize, usize, Box<dyn Transport>)> = Vec::with_capacity(round.len());
+        for &(unit, i) in round {
+            let started = self
+                .checkout(unit, deadline)
+                .and_then(|mut t| t.start_put(&blobs[i], deadline).map(|()| t));
+            match started {
+                Ok(t) => active.push((unit, i, t)),
+                Err(f) => results.push((unit, Some(self.classify(unit, f, vec![blobs[i].blob], vec![], deadline)))),
+            }
+        }
+        while !active.is_empty() {
+            let mut still = Vec::with_capacity(active.len());
+            for (unit, i, mut t) in active {
+                match t.advance_put(&blobs[i], deadline) {
+                    Ok(true) => {
+                        self.checkin(unit, t);
+                        results.push((unit, None));
+                    }
+                    Ok(false) => still.push((unit, i, t)),
+                    Err(f) => {
+                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest) {
+                            self.checkin(unit, t);
+                        }
+                        let blob = blobs[i].blob;
+                        let keys = blobs[i].entries.iter().map(|e| e.key.clone()).collect();
+                        results.push((unit, Some(self.classify(unit, f, vec![blob], keys, deadline))));
+                    }
+                }
+            }
+            active = still;
+        }
+        results
+    }
+
+    /// Read `keys` (each with its unit): one resolve and one read per unit,
+    /// all units at once. Every value is handed to `sink` under its index
+    /// in `keys`. Keys that are not stored fail the call with
+    /// [`Error::NotFound`] naming each of them.
+    pub fn get_into(&self, keys: &[(usize, Key)], sink: &mut dyn GetSink, deadline: Instant) -> Result<()> {
+        let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
+        for (i, (unit, key)) in keys.iter().enumerate() {
+            if *unit >= self.units.len() {
+                return Err(Error::InvalidRequest(format!("unit {unit} does not exist")));
+            }
+            let e = by_unit.entry(*unit).or_default();
+            e.0.push(key.clone());
+            e.1.push(i);
+        }
+        let mut errors: Vec<Error> = Vec::new();
+        let mut missing: Vec<Key> = Vec::new();
+        let mut active = Vec::with_capacity(by_unit.len());
+        for (&unit, (ks, _)) in &by_unit {
+            match self
+                .checkout(unit, deadline)
+                .and_then(|mut t| t.start_get(ks, deadline).map(|()| t))
+            {
+                Ok(t) => active.push((unit, t)),
+                Err(f) => errors.push(self.failed_get(unit, f, ks, deadline)),
+            }
+        }
+        for (unit, mut t) in active {
+            let (ks, idx) = &by_unit[&unit];
+            match t.advance_get(ks, idx, sink, deadline) {
+                Ok(Some(miss)) => {
+                    let restarted = {
+                        let first = *lock(&self.units[unit].first_instance);
+                        first.is_some_and(|f| f != t.instance_id())
+                    };
+                    self.checkin(unit, t);
+                    let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
+                    if restarted && !miss.is_empty() {
+                        errors.push(Error::LostBlobs {
+                            unit,
+                            blobs: vec![],
+                            keys: miss,
+                        });
+                    } else {
+                        missing.extend(miss);
+                    }
+                }
+                Ok(None) => {
+                    self.checkin(unit, t);
+                    errors.push(Error::TransferFailed {
+                        unit,
+                        blobs: vec![],
+                        reason: "get did not finish".into(),
+                        in_flight: false,
+                    });
+                }
+                Err(f) => {
+                    if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest) {
+                        self.checkin(unit, t);
+                    }
+                    errors.push(self.failed_get(unit, f, ks, deadline));
+                }
+            }
+        }
+        if let Some(e) = errors.into_iter().next() {
+            return Err(e);
+        }
+        if !missing.is_empty() {
+            return Err(Error::NotFound { keys: missing });
+        }
+        Ok(())
+    }
+
+    fn failed_get(&self, unit: usize, f: OpFailure, keys: &[Key], deadline: Instant) -> Error {
+        match self.classify(unit, f, vec![], keys.to_vec(), deadline) {
+            Outcome::Failed(e) => e,
+            Outcome::Busy => Error::TransferFailed {
+                unit,
+                blobs: vec![],
+                reason: "unit busy".into(),
+                in_flight: false,
+            },
+        }
+    }
+
+    /// Read `keys` into fresh vectors, in order.
+    pub fn get(&self, keys: &[(usize, Key)], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+        let mut sink = VecSink(vec![None; keys.len()]);
+        self.get_into(keys, &mut sink, deadline)?;
+        Ok(sink.0.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Clear whole rows (each with its unit): one awaited release_rows per
+    /// unit, all units at once. Rows on a dead unit are already gone, so
+    /// clearing them succeeds; a live unit that does not answer fails the
+    /// call (retryable). Returns the number of entries removed.
+    pub fn release_rows(&self, rows: &[(usize, u64)], deadline: Instant) -> Result<u64> {
+        let mut by_unit: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for &(unit, row) in rows {
+            if unit >= self.units.len() {
+                return Err(Error::InvalidRequest(format!("unit {unit} does not exist")));
+            }
+            by_unit.entry(unit).or_default().push(row);
+        }
+        let mut removed = 0;
+        let replies = self.call_units(
+            by_unit
+                .into_iter()
+                .map(|(u, rows)| (u, Request::ReleaseRows { rows }))
+                .collect(),
+            deadline,
+        );
+        for (unit, r) in replies {
+            match r {
+                Ok(Response::Released { entries }) => removed += entries,
+                Ok(other) => {
+                    return Err(Error::TransferFailed {
+                        unit,
+                        blobs: vec![],
+                        reason: format!("unexpected reply {other:?}"),
+                        in_flight: false,
+                    })
+                }
+                Err(Error::LostBlobs { .. }) => {} // a dead unit's rows are gone already
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Every unit's counters.
+    pub fn stats(&self, deadline: Instant) -> Vec<Result<Stats>> {
+        let reqs = (0..self.units.len()).map(|u| (u, Request::Stats)).collect();
+        self.call_units(reqs, deadline)
+            .into_iter()
+            .map(|(unit, r)| match r? {
+                Response::Stats(s) => Ok(s),
+                other => Err(Error::TransferFailed {
+                    unit,
+                    blobs: vec![],
+                    reason: format!("unexpected reply {other:?}"),
+                    in_flight: false,
+                }),
+            })
+            .collect()
+    }
+
+    /// Send one control request per unit, all before any reply is read.
+    fn call_units(&self, reqs: Vec<(usize, Request)>, deadline: Instant) -> Vec<(usize, Result<Response>)> {
+        let mut out = Vec::with_capacity(reqs.len());
+        let mut active = Vec::with_capacity(reqs.len());
+        for (unit, req) in reqs {
+            match self
+                .checkout(unit, deadline)
+                .and_then(|mut t| t.start_call(&req, deadline).map(|()| t))
+            {
+                Ok(t) => active.push((unit, t)),
+                Err(f) => out.push((unit, Err(self.failed_get(unit, f, &[], deadline)))),
+            }
+        }
+        for (unit, mut t) in active {
+            match t.finish_call(deadline) {
+                Ok(Response::Error { code, message }) => {
+                    self.checkin(unit, t);
+                    out.push((unit, Err(unit_error(unit, code, message, vec![]))));
+                }
+                Ok(r) => {
+                    self.checkin(unit, t);
+                    out.push((unit, Ok(r)));
+                }
+                Err(f) => out.push((unit, Err(self.failed_get(unit, f, &[], deadline)))),
+            }
+        }
+        out
+    }
+
+    /// Put values by key, one blob per unit (row `r` on unit `r % N`), all
+    /// units in one round.
+    pub fn put_rows(&self, values: &[(Key, &[u8])], deadline: Instant) -> Result<()> {
+        let mut by_unit: BTreeMap<usize, BlobPut<'_>> = BTreeMap::new();
+        let mut sizes: HashMap<usize, u64> = HashMap::new();
+        for (key, bytes) in values {
+            let unit = self.unit_of_row(key.row);
+            let b = by_unit.entry(unit).or_insert_with(|| BlobPut {
+                unit,
+                blob: new_blob_id(),
+                segments: Vec::new(),
+                entries: Vec::new(),
+            });
+            let off = sizes.entry(unit).or_insert(0);
+            b.entries.push(EntrySpec {
+                key: key.clone(),
+                offset: *off,
+                len: bytes.len() as u64,
+            });
+            b.segments.push(bytes);
+            *off += bytes.len() as u64;
+        }
+        let blobs: Vec<BlobPut<'_>> = by_unit.into_values().collect();
+        self.put_many(&blobs, deadline)
+    }
+
+    /// Get values by key (row `r` on unit `r % N`), in order.
+    pub fn get_rows(&self, keys: &[Key], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+        let placed: Vec<(usize, Key)> = keys.iter().map(|k| (self.unit_of_row(k.row), k.clone())).collect();
+        self.get(&placed, deadline)
+    }
+
+    /// Clear rows (row `r` on unit `r % N`).
+    pub fn clear_rows(&self, rows: &[u64], deadline: Instant) -> Result<u64> {
+        let placed: Vec<(usize, u64)> = rows.iter().map(|&r| (self.unit_of_row(r), r)).collect();
+        self.release_rows(&placed, deadline)
+    }
+}
+
+fn unit_error(unit: usize, code: ErrorCode, message: String, blobs: Vec<BlobId>) -> Error {
+    match code {
+        ErrorCode::Full => Error::UnitFull { unit, message },
+        ErrorCode::InvalidRequest | ErrorCode::VersionMismatch => Error::InvalidRequest(message),
+        ErrorCode::Unauthorized => Error::Unauthorized(message),
+        ErrorCode::Busy | ErrorCode::UnknownBlob | ErrorCode::Internal => Error::TransferFailed {
+            unit,
+            blobs,
+            reason: message,
+            in_flight: false,
+        },
+    }
+}
+
+/// Lock a mutex; a panic elsewhere while holding it leaves only a pool or
+/// cache behind, which stays usable.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}

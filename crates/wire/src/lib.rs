@@ -1,1 +1,534 @@
+//! # stowage-wire: the control protocol between clients and storage units
+//!
+//! Every message travels in a **frame**:
+//!
+//! ```text
+//!  ┌────────────────┬─────────────────┬──────────────────────────────┬──────────────┐
+//!  │ header_len u32 │ payload_len u64 │ header: postcard(Envelope)   │ payload bytes │
+//!  └────────────────┴─────────────────┴──────────────────────────────┴──────────────┘
+//!        little-endian prefix (12 bytes)
+//! ```
+//!
+//! The header is an [`Envelope`]: a request id chosen by the client (the
+//! reply carries the same id, so many requests can be in flight on one
+//! connection) and a [`Request`] or [`Response`]. The payload carries raw
+//! value bytes where a message has them ([`Request::Put`]'s blob,
+//! [`Response::Data`]'s values), so bytes go between the socket and the
+//! slab without being re-encoded.
+//!
+//! Parsing checks every length before allocating: the prefix against
+//! [`Limits`] (a frame longer than the limit is refused before its header
+//! is read), the header by postcard against the header's own length (serde
+//! preallocates sequences only cautiously), and then counts and string
+//! lengths with [`Request::validate`].
+//!
+//! The first request on a connection is [`Request::Hello`], carrying
+//! [`PROTOCOL_VERSION`] and the namespace every later request acts in. Enum
+//! variants are only ever appended, and any incompatible change bumps the
+//! version.
 
+#![forbid(unsafe_code)]
+
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
+pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
+
+/// The protocol this build speaks. A unit refuses any other.
+pub const PROTOCOL_VERSION: u16 = 1;
+
+/// Bytes of the frame prefix.
+pub const PREFIX_LEN: usize = 12;
+
+/// Bounds checked while parsing. Defaults suit RL batches (10^5 keys per
+/// request) with ample margin.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    /// Largest encoded header. Default 64 MiB.
+    pub max_header: u32,
+    /// Largest payload. Default 64 GiB (payloads are streamed to the slab,
+    /// never buffered whole; the unit also refuses a blob larger than its
+    /// slab).
+    pub max_payload: u64,
+    /// Most keys, entries or rows in one request. Default 2^20.
+    pub max_keys: usize,
+    /// Longest field name or namespace, in bytes. Default 1024.
+    pub max_name: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_header: 64 << 20,
+            max_payload: 64 << 30,
+            max_keys: 1 << 20,
+            max_name: 1024,
+        }
+    }
+}
+
+/// Why a frame could not be parsed.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WireError {
+    #[error("frame header of {len} bytes exceeds the limit of {max}")]
+    HeaderTooLarge { len: u32, max: u32 },
+    #[error("frame payload of {len} bytes exceeds the limit of {max}")]
+    PayloadTooLarge { len: u64, max: u64 },
+    #[error("malformed frame header: {0}")]
+    Malformed(String),
+    #[error("{what}: {count} exceeds the limit of {max}")]
+    TooMany {
+        what: &'static str,
+        count: usize,
+        max: usize,
+    },
+    #[error("frame is truncated")]
+    Truncated,
+}
+
+/// The header of a frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    /// Chosen by the client; echoed in the reply.
+    pub id: u64,
+    pub body: T,
+}
+
+/// Client → unit.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// First message on a connection. `want_fd`: hand over the slab's memfd
+    /// (Unix sockets only) so the client can copy bytes itself.
+    Hello {
+        version: u16,
+        namespace: String,
+        want_fd: bool,
+    },
+    /// Reserve `nbytes` for a blob of `n_entries` entries.
+    Alloc {
+        blob: BlobId,
+        nbytes: u64,
+        n_entries: u32,
+    },
+    /// Publish a reserved blob's entries (offsets relative to the blob).
+    Commit {
+        blob: BlobId,
+        entries: Vec<EntrySpec>,
+    },
+    /// Give up a reservation; `in_flight` when a transfer may still write.
+    Abort { blob: BlobId, in_flight: bool },
+    /// Locate keys and pin their blobs.
+    Resolve { keys: Vec<Key> },
+    /// Drop a pin. With `reply: false` the unit sends nothing back.
+    Unpin { pin: PinId, reply: bool },
+    /// Clear whole rows.
+    ReleaseRows { rows: Vec<u64> },
+    Stats,
+    /// alloc + the blob's bytes (the frame's payload) + commit, in one
+    /// request: the unit reads the payload straight into the slab.
+    Put {
+        blob: BlobId,
+        entries: Vec<EntrySpec>,
+    },
+    /// resolve + the values' bytes in the reply's payload + unpin.
+    Read { keys: Vec<Key> },
+}
+
+/// Unit → client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    /// Reply to Hello. `fd_attached`: the slab's memfd rides along with
+    /// this frame as SCM_RIGHTS ancillary data.
+    Hello {
+        version: u16,
+        /// Random per unit process: a restarted unit (empty memory) has a
+        /// new one.
+        instance_id: u128,
+        slab_bytes: u64,
+        fd_attached: bool,
+    },
+    Allocated { offset: u64 },
+    AlreadyCommitted,
+    /// Commit, Abort, Unpin and Put succeeded.
+    Done,
+    Resolved {
+        pin: Option<PinId>,
+        locations: Vec<Option<Location>>,
+    },
+    Released { entries: u64 },
+    Stats(Stats),
+    /// Reply to Read: the length of each key's value (`None`: not found);
+    /// the found values follow in the payload, in key order.
+    Data { lens: Vec<Option<u64>> },
+    Error { code: ErrorCode, message: String },
+}
+
+/// Error classes a unit reports. Only ever appended to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// Not enough memory, now or after pending reclamation.
+    Full,
+    /// Memory will free up shortly; retry with backoff.
+    Busy,
+    /// The blob is not reserved (never allocated or lease expired).
+    UnknownBlob,
+    /// Malformed or contradictory request.
+    InvalidRequest,
+    /// The protocol versions differ.
+    VersionMismatch,
+    /// The connection did not say Hello first, or was refused.
+    Unauthorized,
+    /// The unit failed internally (I/O); the request may be retried.
+    Internal,
+}
+
+impl Request {
+    /// Check counts and name lengths against `limits`.
+    pub fn validate(&self, limits: &Limits) -> Result<(), WireError> {
+        let count = |what, n: usize| {
+            if n > limits.max_keys {
+                Err(WireError::TooMany {
+                    what,
+                    count: n,
+                    max: limits.max_keys,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let name = |what, s: &str| {
+            if s.len() > limits.max_name {
+                Err(WireError::TooMany {
+                    what,
+                    count: s.len(),
+                    max: limits.max_name,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        match self {
+            Request::Hello { namespace, .. } => name("namespace bytes", namespace),
+            Request::Alloc { n_entries, .. } => count("entries", *n_entries as usize),
+            Request::Commit { entries, .. } | Request::Put { entries, .. } => {
+                count("entries", entries.len())?;
+                entries
+                    .iter()
+                    .try_for_each(|e| name("field name bytes", &e.key.field))
+            }
+            Request::Resolve { keys } | Request::Read { keys } => {
+                count("keys", keys.len())?;
+                keys.iter().try_for_each(|k| name("field name bytes", &k.field))
+            }
+            Request::ReleaseRows { rows } => count("rows", rows.len()),
+            Request::Abort { .. } | Request::Unpin { .. } | Request::Stats => Ok(()),
+        }
+    }
+}
+
+/// The parsed frame prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FramePrefix {
+    pub header_len: u32,
+    pub payload_len: u64,
+}
+
+impl FramePrefix {
+    /// Parse and bound-check a prefix.
+    pub fn parse(bytes: &[u8; PREFIX_LEN], limits: &Limits) -> Result<Self, WireError> {
+        let header_len = u32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]);
+        let mut p = [0u8; 8];
+        p.copy_from_slice(&bytes[4..12]);
+        let payload_len = u64::from_le_bytes(p);
+        if header_len > limits.max_header {
+            return Err(WireError::HeaderTooLarge {
+                len: header_len,
+                max: limits.max_header,
+            });
+        }
+        if header_len == 0 {
+            return Err(WireError::Malformed("empty header".into()));
+        }
+        if payload_len > limits.max_payload {
+            return Err(WireError::PayloadTooLarge {
+                len: payload_len,
+                max: limits.max_payload,
+            });
+        }
+        Ok(Self {
+            header_len,
+            payload_len,
+        })
+    }
+}
+
+/// Append a frame's prefix and header to `out`; the caller sends
+/// `payload_len` payload bytes after it.
+pub fn encode<T: Serialize>(
+    id: u64,
+    body: &T,
+    payload_len: u64,
+    out: &mut Vec<u8>,
+) -> Result<(), WireError> {
+    let start = out.len();
+    out.extend_from_slice(&[0u8; PREFIX_LEN]);
+    let env = EnvelopeRef { id, body };
+    let buf = std::mem::take(out);
+    let mut buf = postcard::to_extend(&env, buf).map_err(|e| WireError::Malformed(e.to_string()))?;
+    let header_len = u32::try_from(buf.len() - start - PREFIX_LEN)
+        .map_err(|_| WireError::Malformed("header over 4 GiB".into()))?;
+    buf[start..start + 4].copy_from_slice(&header_len.to_le_bytes());
+    buf[start + 4..start + 12].copy_from_slice(&payload_len.to_le_bytes());
+    *out = buf;
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct EnvelopeRef<'a, T> {
+    id: u64,
+    body: &'a T,
+}
+
+/// Decode a header of `prefix.header_len` bytes.
+pub fn decode_header<T: DeserializeOwned>(bytes: &[u8]) -> Result<Envelope<T>, WireError> {
+    let (env, rest): (Envelope<T>, &[u8]) =
+        postcard::take_from_bytes(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+    if !rest.is_empty() {
+        return Err(WireError::Malformed(format!(
+            "{} trailing bytes after the header",
+            rest.len()
+        )));
+    }
+    Ok(env)
+}
+
+/// A whole frame parsed from a buffer (tests and the fuzzer; servers read
+/// the prefix, header and payload from the socket separately).
+#[derive(Debug, PartialEq, Eq)]
+pub struct Frame<'a, T> {
+    pub envelope: Envelope<T>,
+    pub payload: &'a [u8],
+}
+
+/// Parse one frame from the front of `buf`: `Ok(None)` when more bytes are
+/// needed, the frame and the bytes it took otherwise.
+pub fn decode_frame<'a, T: DeserializeOwned>(
+    buf: &'a [u8],
+    limits: &Limits,
+) -> Result<Option<(Frame<'a, T>, usize)>, WireError> {
+    let Some(prefix) = buf.get(..PREFIX_LEN) else {
+        return Ok(None);
+    };
+    let mut p = [0u8; PREFIX_LEN];
+    p.copy_from_slice(prefix);
+    let prefix = FramePrefix::parse(&p, limits)?;
+    let header_end = PREFIX_LEN + prefix.header_len as usize;
+    let Some(header) = buf.get(PREFIX_LEN..header_end) else {
+        return Ok(None);
+    };
+    let envelope = decode_header(header)?;
+    let Some(end) = usize::try_from(prefix.payload_len)
+        .ok()
+        .and_then(|n| header_end.checked_add(n))
+    else {
+        return Err(WireError::PayloadTooLarge {
+            len: prefix.payload_len,
+            max: limits.max_payload,
+        });
+    };
+    let Some(payload) = buf.get(header_end..end) else {
+        return Ok(None);
+    };
+    Ok(Some((Frame { envelope, payload }, end)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key(row: u64, f: &str) -> Key {
+        Key::new(row, f)
+    }
+
+    fn all_requests() -> Vec<Request> {
+        let e = EntrySpec {
+            key: key(3, "input_ids"),
+            offset: 64,
+            len: 100,
+        };
+        vec![
+            Request::Hello {
+                version: PROTOCOL_VERSION,
+                namespace: "run-1".into(),
+                want_fd: true,
+            },
+            Request::Alloc {
+                blob: BlobId(u128::MAX - 1),
+                nbytes: 1 << 40,
+                n_entries: 7,
+            },
+            Request::Commit {
+                blob: BlobId(5),
+                entries: vec![e.clone(), e.clone()],
+            },
+            Request::Abort {
+                blob: BlobId(5),
+                in_flight: true,
+            },
+            Request::Resolve {
+                keys: vec![key(0, ""), key(u64::MAX, "x")],
+            },
+            Request::Unpin {
+                pin: PinId(9),
+                reply: false,
+            },
+            Request::ReleaseRows {
+                rows: vec![0, 1, u64::MAX],
+            },
+            Request::Stats,
+            Request::Put {
+                blob: BlobId(1),
+                entries: vec![e],
+            },
+            Request::Read {
+                keys: vec![key(1, "a")],
+            },
+        ]
+    }
+
+    fn all_responses() -> Vec<Response> {
+        vec![
+            Response::Hello {
+                version: 1,
+                instance_id: 0xdead_beef_u128 << 64,
+                slab_bytes: 1 << 30,
+                fd_attached: true,
+            },
+            Response::Allocated { offset: 4096 },
+            Response::AlreadyCommitted,
+            Response::Done,
+            Response::Resolved {
+                pin: Some(PinId(3)),
+                locations: vec![
+                    None,
+                    Some(Location {
+                        offset: 64,
+                        len: 10,
+                    }),
+                ],
+            },
+            Response::Released { entries: 12 },
+            Response::Stats(Stats {
+                capacity: 1,
+                used: 2,
+                reserved_bytes: 3,
+                quarantined_bytes: 4,
+                blobs: 5,
+                entries: 6,
+                rows: 7,
+                pins: 8,
+            }),
+            Response::Data {
+                lens: vec![Some(3), None],
+            },
+            Response::Error {
+                code: ErrorCode::Busy,
+                message: "later".into(),
+            },
+        ]
+    }
+
+    fn round_trip<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(msg: T) {
+        let mut buf = Vec::new();
+        encode(42, &msg, 3, &mut buf).unwrap();
+        buf.extend_from_slice(b"abc");
+        let (frame, used) = decode_frame::<T>(&buf, &Limits::default()).unwrap().unwrap();
+        assert_eq!(used, buf.len());
+        assert_eq!(frame.envelope, Envelope { id: 42, body: msg });
+        assert_eq!(frame.payload, b"abc");
+        // Every strict prefix asks for more bytes, never errors or panics.
+        for cut in 0..buf.len() {
+            assert!(decode_frame::<T>(&buf[..cut], &Limits::default())
+                .unwrap()
+                .is_none());
+        }
+    }
+
+    #[test]
+    fn every_request_round_trips() {
+        for r in all_requests() {
+            r.validate(&Limits::default()).unwrap();
+            round_trip(r);
+        }
+    }
+
+    #[test]
+    fn every_response_round_trips() {
+        for r in all_responses() {
+            round_trip(r);
+        }
+    }
+
+    #[test]
+    fn oversized_prefixes_are_refused_before_reading() {
+        let limits = Limits {
+            max_header: 100,
+            max_payload: 1000,
+            ..Limits::default()
+        };
+        let mut p = [0u8; PREFIX_LEN];
+        p[..4].copy_from_slice(&101u32.to_le_bytes());
+        assert_eq!(
+            FramePrefix::parse(&p, &limits),
+            Err(WireError::HeaderTooLarge { len: 101, max: 100 })
+        );
+        p[..4].copy_from_slice(&10u32.to_le_bytes());
+        p[4..].copy_from_slice(&1001u64.to_le_bytes());
+        assert_eq!(
+            FramePrefix::parse(&p, &limits),
+            Err(WireError::PayloadTooLarge {
+                len: 1001,
+                max: 1000
+            })
+        );
+    }
+
+    #[test]
+    fn garbage_headers_are_malformed() {
+        let mut buf = vec![0u8; PREFIX_LEN];
+        buf[..4].copy_from_slice(&4u32.to_le_bytes());
+        buf.extend_from_slice(&[0xff, 0xff, 0xff, 0xff]);
+        assert!(matches!(
+            decode_frame::<Request>(&buf, &Limits::default()),
+            Err(WireError::Malformed(_))
+        ));
+    }
+
+    #[test]
+    fn counts_are_limited() {
+        let limits = Limits {
+            max_keys: 2,
+            max_name: 4,
+            ..Limits::default()
+        };
+        let r = Request::ReleaseRows {
+            rows: vec![1, 2, 3],
+        };
+        assert!(matches!(
+            r.validate(&limits),
+            Err(WireError::TooMany { what: "rows", .. })
+        ));
+        let r = Request::Resolve {
+            keys: vec![key(1, "long-name")],
+        };
+        assert!(r.validate(&limits).is_err());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
+            let _ = decode_frame::<Request>(&bytes, &Limits::default());
+            let _ = decode_frame::<Response>(&bytes, &Limits::default());
+        }
+    }
+}
+
+pub mod io;

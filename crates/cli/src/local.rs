@@ -1,0 +1,179 @@
+//! A local data plane: N `stowage unit` child processes on this machine.
+//!
+//! Each unit listens on a Unix socket in a private temporary directory and
+//! on an ephemeral loopback TCP port, and exits when its stdin closes — so
+//! units never outlive the process that started them, even when that
+//! process is killed. Dropping a [`LocalPlane`] also kills and reaps them.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use rustix::process::{kill_process, Pid, Signal};
+use stowage_client::UnitAddr;
+
+/// Settings of a local plane.
+#[derive(Clone, Debug)]
+pub struct LocalOptions {
+    pub units: usize,
+    /// Slab bytes per unit.
+    pub memory: u64,
+    /// Extra arguments for every `stowage unit` (e.g. `--pin-lease 1s`).
+    pub unit_args: Vec<String>,
+    /// How long to wait for each unit to report ready. Default 30 s.
+    pub start_timeout: Duration,
+}
+
+impl LocalOptions {
+    pub fn new(units: usize, memory: u64) -> Self {
+        Self {
+            units,
+            memory,
+            unit_args: Vec::new(),
+            start_timeout: Duration::from_secs(30),
+        }
+    }
+}
+
+/// One running unit process.
+pub struct LocalUnit {
+    child: Child,
+    pub uds: PathBuf,
+    pub tcp: SocketAddr,
+}
+
+impl LocalUnit {
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Send a signal to the unit process.
+    pub fn signal(&self, sig: Signal) -> std::io::Result<()> {
+        let pid = Pid::from_child(&self.child);
+        kill_process(pid, sig).map_err(Into::into)
+    }
+}
+
+/// A set of units on this machine, stopped on drop.
+pub struct LocalPlane {
+    pub units: Vec<LocalUnit>,
+    binary: PathBuf,
+    dir: tempfile::TempDir,
+}
+
+impl LocalPlane {
+    /// Start `opts.units` units from the `stowage` binary at `binary`.
+    pub fn start(binary: &Path, opts: &LocalOptions) -> Result<Self, String> {
+        let dir = tempfile::Builder::new()
+            .prefix("stowage-local-")
+            .tempdir()
+            .map_err(|e| format!("creating a socket directory: {e}"))?;
+        let mut plane = LocalPlane {
+            units: Vec::new(),
+            binary: binary.to_owned(),
+            dir,
+        };
+        for i in 0..opts.units {
+            let u = plane.spawn(i, opts)?;
+            plane.units.push(u);
+        }
+        Ok(plane)
+    }
+
+    fn spawn(&self, i: usize, opts: &LocalOptions) -> Result<LocalUnit, String> {
+        let uds = self.dir.path().join(format!("unit-{i}.sock"));
+        let mut child = Command::new(&self.binary)
+            .arg("unit")
+            .arg("--name")
+            .arg(format!("unit-{i}"))
+            .arg("--memory")
+            .arg(opts.memory.to_string())
+            .arg("--listen")
+            .arg(format!("unix:{}", uds.display()))
+            .arg("--listen")
+            .arg("tcp:127.0.0.1:0")
+            .arg("--exit-with-stdin")
+            .args(&opts.unit_args)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
+            )
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
+        let stdout = child.stdout.take().ok_or("unit stdout missing")?;
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut lines = BufReader::new(stdout).lines();
+            while let Some(Ok(line)) = lines.next() {
+                if line.starts_with("READY ") {
+                    let _ = tx.send(line);
+                    return;
+                }
+            }
+        });
+        let line = match rx.recv_timeout(opts.start_timeout) {
+            Ok(l) => l,
+            Err(_) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("unit {i} did not report ready within {:?}", opts.start_timeout));
+            }
+        };
+        let tcp = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("tcp="))
+            .and_then(|a| a.parse().ok())
+            .ok_or_else(|| format!("unit {i} reported no TCP address: {line}"))?;
+        Ok(LocalUnit { child, uds, tcp })
+    }
+
+    /// Start unit `i` again (after it was killed) on the same addresses'
+    /// socket path; its TCP port changes.
+    pub fn restart(&mut self, i: usize, opts: &LocalOptions) -> Result<(), String> {
+        let u = &mut self.units[i];
+        let _ = u.child.kill();
+        let _ = u.child.wait();
+        let fresh = self.spawn(i, opts)?;
+        self.units[i] = fresh;
+        Ok(())
+    }
+
+    /// The units' Unix-socket addresses (shm transport).
+    pub fn uds_addrs(&self) -> Vec<UnitAddr> {
+        self.units.iter().map(|u| UnitAddr::Unix(u.uds.clone())).collect()
+    }
+
+    /// The units' TCP addresses (tcp transport).
+    pub fn tcp_addrs(&self) -> Vec<UnitAddr> {
+        self.units.iter().map(|u| UnitAddr::Tcp(u.tcp)).collect()
+    }
+
+    /// Kill unit `i` with SIGKILL and reap it.
+    pub fn kill9(&mut self, i: usize) {
+        let u = &mut self.units[i];
+        let _ = u.child.kill();
+        let _ = u.child.wait();
+    }
+
+    /// Stop every unit (SIGKILL; units hold no state worth a graceful exit
+    /// yet) and reap them.
+    pub fn stop(&mut self) {
+        for u in &mut self.units {
+            let _ = u.signal(Signal::CONT);
+            let _ = u.child.kill();
+            let _ = u.child.wait();
+        }
+    }
+}
+
+impl Drop for LocalPlane {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}

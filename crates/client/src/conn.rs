@@ -1,0 +1,321 @@
+//! One connection to one unit: handshake, framed send and bounded receive.
+
+use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use stowage_shm::Slab;
+use stowage_wire::io::{read_header, read_prefix, write_all_vectored, ReadError};
+use stowage_wire::{encode, Envelope, Limits, Request, Response, PROTOCOL_VERSION};
+
+/// Where a unit listens.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub enum UnitAddr {
+    /// A Unix socket: same host; the shm transport.
+    Unix(PathBuf),
+    /// A TCP address: any host; the tcp transport.
+    Tcp(SocketAddr),
+}
+
+impl std::str::FromStr for UnitAddr {
+    type Err = String;
+
+    /// `unix:/path`, `tcp:host:port`, or a bare path (contains `/`) or
+    /// `host:port`.
+    fn from_str(s: &str) -> Result<Self, String> {
+        if let Some(p) = s.strip_prefix("unix:") {
+            return Ok(UnitAddr::Unix(p.into()));
+        }
+        let t = s.strip_prefix("tcp:").unwrap_or(s);
+        if let Ok(a) = t.parse::<SocketAddr>() {
+            return Ok(UnitAddr::Tcp(a));
+        }
+        if s.contains('/') {
+            return Ok(UnitAddr::Unix(s.into()));
+        }
+        Err(format!("not a unit address: {s:?} (use unix:/path or tcp:127.0.0.1:PORT)"))
+    }
+}
+
+impl std::fmt::Display for UnitAddr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UnitAddr::Unix(p) => write!(f, "unix:{}", p.display()),
+            UnitAddr::Tcp(a) => write!(f, "tcp:{a}"),
+        }
+    }
+}
+
+/// A failure on a connection, before classification.
+#[derive(Debug)]
+pub(crate) enum ConnError {
+    /// The deadline passed.
+    Timeout,
+    /// The connection broke or could not be made.
+    Broken(io::Error),
+    /// The unit sent something this client cannot parse.
+    Protocol(String),
+}
+
+impl From<io::Error> for ConnError {
+    fn from(e: io::Error) -> Self {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ConnError::Timeout,
+            _ => ConnError::Broken(e),
+        }
+    }
+}
+
+impl From<ReadError> for ConnError {
+    fn from(e: ReadError) -> Self {
+        match e {
+            ReadError::Io(e) => e.into(),
+            ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
+        }
+    }
+}
+
+enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+/// The remaining time, or Timeout when none is left.
+pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
+    let left = deadline.saturating_duration_since(Instant::now());
+    if left.is_zero() {
+        Err(ConnError::Timeout)
+    } else {
+        Ok(left)
+    }
+}
+
+pub(crate) struct Conn {
+    reader: BufReader<Stream>,
+    writer: Stream,
+    pub(crate) instance_id: u128,
+    pub(crate) slab: Option<Arc<Slab>>,
+    next_id: u64,
+    out: Vec<u8>,
+    scratch: Vec<u8>,
+    limits: Limits,
+    /// The read timeout last set, to skip redundant setsockopt calls.
+    read_timeout: Option<Duration>,
+}
+
+impl Conn {
+    /// Connect and say Hello. `cached_slab`: a mapping of this unit's slab
+    /// from an earlier connection, reused when the instance is the same.
+    pub(crate) fn connect(
+        addr: &UnitAddr,
+        namespace: &str,
+        want_fd: bool,
+        cached_slab: Option<(u128, Arc<Slab>)>,
+        deadline: Instant,
+    ) -> Result<Conn, ConnError> {
+        let left = remaining(deadline)?;
+        let (reader, writer) = match addr {
+            UnitAddr::Unix(p) => {
+                let s = UnixStream::connect(p)?;
+                (Stream::Unix(s.try_clone()?), Stream::Unix(s))
+            }
+            UnitAddr::Tcp(a) => {
+                let s = TcpStream::connect_timeout(a, left)?;
+                s.set_nodelay(true)?;
+                (Stream::Tcp(s.try_clone()?), Stream::Tcp(s))
+            }
+        };
+        let want_fd = want_fd && matches!(writer, Stream::Unix(_));
+        let mut c = Conn {
+            reader: BufReader::with_capacity(64 << 10, reader),
+            writer,
+            instance_id: 0,
+            slab: None,
+            next_id: 1,
+            out: Vec::with_capacity(4096),
+            scratch: Vec::new(),
+            limits: Limits::default(),
+            read_timeout: None,
+        };
+        let id = c.send(
+            &Request::Hello {
+                version: PROTOCOL_VERSION,
+                namespace: namespace.to_owned(),
+                want_fd,
+            },
+            &mut [],
+            deadline,
+        )?;
+        let (resp, fd) = if want_fd {
+            c.recv_hello_with_fd(deadline)?
+        } else {
+            (c.recv(id, deadline)?, None)
+        };
+        match resp {
+            Response::Hello {
+                instance_id,
+                fd_attached,
+                ..
+            } => {
+                c.instance_id = instance_id;
+                if want_fd {
+                    if !fd_attached {
+                        return Err(ConnError::Protocol("unit did not hand over its slab".into()));
+                    }
+                    c.slab = match (cached_slab, fd) {
+                        (Some((inst, slab)), _) if inst == instance_id => Some(slab),
+                        (_, Some(fd)) => Some(Arc::new(Slab::open(fd)?)),
+                        (_, None) => {
+                            return Err(ConnError::Protocol("slab fd missing from Hello".into()))
+                        }
+                    };
+                }
+                Ok(c)
+            }
+            Response::Error { code, message } => Err(ConnError::Protocol(format!("{code:?}: {message}"))),
+            other => Err(ConnError::Protocol(format!("unexpected reply to Hello: {other:?}"))),
+        }
+    }
+
+    /// The Hello reply with its SCM_RIGHTS fd: the fd arrives with the
+    /// first bytes, so the first read must be a recvmsg.
+    fn recv_hello_with_fd(
+        &mut self,
+        deadline: Instant,
+    ) -> Result<(Response, Option<std::os::fd::OwnedFd>), ConnError> {
+        let Stream::Unix(s) = self.reader.get_ref() else {
+            return Err(ConnError::Protocol("fd passing needs a Unix socket".into()));
+        };
+        s.set_read_timeout(Some(remaining(deadline)?))?;
+        let mut buf = vec![0u8; 4096];
+        let (mut n, fd) = stowage_shm::recv_with_fd(s, &mut buf)?;
+        if n == 0 {
+            return Err(ConnError::Broken(io::ErrorKind::UnexpectedEof.into()));
+        }
+        loop {
+            match stowage_wire::decode_frame::<Response>(&buf[..n], &self.limits) {
+                Ok(Some((f, _))) => return Ok((f.envelope.body, fd)),
+                Ok(None) if n < buf.len() => {
+                    let m = self.reader.get_mut().read(&mut buf[n..])?;
+                    if m == 0 {
+                        return Err(ConnError::Broken(io::ErrorKind::UnexpectedEof.into()));
+                    }
+                    n += m;
+                }
+                Ok(None) => return Err(ConnError::Protocol("Hello reply too long".into())),
+                Err(e) => return Err(ConnError::Protocol(e.to_string())),
+            }
+        }
+    }
+
+    fn set_timeouts(&mut self, deadline: Instant) -> Result<(), ConnError> {
+        let left = remaining(deadline)?;
+        // Only tighten or refresh when it matters: a stale longer timeout is
+        // refreshed, a slightly shorter one is close enough to the deadline.
+        let stale = match self.read_timeout {
+            Some(t) => t > left || left.saturating_sub(t) > Duration::from_millis(50),
+            None => true,
+        };
+        if stale {
+            match &self.writer {
+                Stream::Unix(s) => {
+                    s.set_read_timeout(Some(left))?;
+                    s.set_write_timeout(Some(left))?;
+                }
+                Stream::Tcp(s) => {
+                    s.set_read_timeout(Some(left))?;
+                    s.set_write_timeout(Some(left))?;
+                }
+            }
+            self.read_timeout = Some(left);
+        }
+        Ok(())
+    }
+
+    /// Send a request and its payload; returns its id.
+    pub(crate) fn send(
+        &mut self,
+        req: &Request,
+        payload: &mut [IoSlice<'_>],
+        deadline: Instant,
+    ) -> Result<u64, ConnError> {
+        self.set_timeouts(deadline)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        let payload_len: u64 = payload.iter().map(|s| s.len() as u64).sum();
+        self.out.clear();
+        encode(id, req, payload_len, &mut self.out).map_err(|e| ConnError::Protocol(e.to_string()))?;
+        let mut w = WriterRef(&mut self.writer);
+        if payload.is_empty() {
+            w.write_all(&self.out)?;
+        } else {
+            let mut all = Vec::with_capacity(payload.len() + 1);
+            all.push(IoSlice::new(&self.out));
+            all.extend(payload.iter().map(|s| IoSlice::new(s)));
+            write_all_vectored(&mut w, &mut all)?;
+        }
+        Ok(id)
+    }
+
+    /// Receive the reply to request `id` (its payload, if any, is left on
+    /// the stream for [`Conn::read_payload`]).
+    pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, ConnError> {
+        self.set_timeouts(deadline)?;
+        let prefix = read_prefix(&mut self.reader, &self.limits)?
+            .ok_or_else(|| ConnError::Broken(io::ErrorKind::UnexpectedEof.into()))?;
+        let env: Envelope<Response> = read_header(&mut self.reader, &prefix, &mut self.scratch)?;
+        if env.id != id && env.id != 0 {
+            return Err(ConnError::Protocol(format!(
+                "reply for request {} while waiting for {id}",
+                env.id
+            )));
+        }
+        Ok(env.body)
+    }
+
+    /// Read payload bytes of the last reply straight into `dst`.
+    pub(crate) fn read_payload(&mut self, dst: &mut [u8], deadline: Instant) -> Result<(), ConnError> {
+        self.set_timeouts(deadline)?;
+        self.reader.read_exact(dst)?;
+        Ok(())
+    }
+
+    /// Discard payload bytes of the last reply.
+    pub(crate) fn skip_payload(&mut self, n: u64, deadline: Instant) -> Result<(), ConnError> {
+        self.set_timeouts(deadline)?;
+        stowage_wire::io::drain(&mut self.reader, n)?;
+        Ok(())
+    }
+}
+
+struct WriterRef<'a>(&'a mut Stream);
+
+impl Write for WriterRef<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self.0 {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self.0 {
+            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Tcp(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}

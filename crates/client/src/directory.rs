@@ -1,0 +1,54 @@
+//! The directory: who the units are, and — only after a failure — whether
+//! a unit is dead, restarted or merely slow.
+
+use std::time::{Duration, Instant};
+
+use crate::conn::{Conn, ConnError, UnitAddr};
+
+/// What the directory says of a unit after an operation on it failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Liveness {
+    /// The same unit instance answers: its blobs are still there.
+    Alive,
+    /// A new instance answers at the address: the old one's memory is gone.
+    Restarted,
+    /// Nothing answers at the address: the unit and its blobs are gone.
+    Dead,
+    /// Something holds the address but does not answer in time (stopped,
+    /// overloaded): its blobs may still be there.
+    Unresponsive,
+}
+
+/// Answers liveness questions about units. Asked only after a failure,
+/// never on the operation path.
+pub trait Directory: Send + Sync {
+    /// `instance`: the instance id the client knew for this unit.
+    fn liveness(&self, unit: usize, addr: &UnitAddr, instance: u128, deadline: Instant) -> Liveness;
+}
+
+/// A directory that asks the unit's address itself: a refused connection
+/// means dead, a handshake with another instance id means restarted. Fits
+/// units started by hand or by the local data plane; a cluster launcher
+/// (Ray) supplies its own.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ProbeDirectory {
+    /// Longest probe. Default 1 s.
+    pub max_wait: Option<Duration>,
+}
+
+impl Directory for ProbeDirectory {
+    fn liveness(&self, _unit: usize, addr: &UnitAddr, instance: u128, deadline: Instant) -> Liveness {
+        let max_wait = self.max_wait.unwrap_or(Duration::from_secs(1));
+        // Even with the caller's deadline spent, a dead unit refuses at once;
+        // give the probe a floor so that it can tell.
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .clamp(Duration::from_millis(100), max_wait);
+        match Conn::connect(addr, "", false, None, Instant::now() + left) {
+            Ok(c) if c.instance_id == instance => Liveness::Alive,
+            Ok(_) => Liveness::Restarted,
+            Err(ConnError::Broken(_)) => Liveness::Dead,
+            Err(ConnError::Timeout) | Err(ConnError::Protocol(_)) => Liveness::Unresponsive,
+        }
+    }
+}

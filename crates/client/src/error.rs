@@ -1,0 +1,69 @@
+//! The client's errors, grouped by cause, with retryability in the type.
+
+use stowage_core::{BlobId, Key};
+
+/// What went wrong with an operation. See [`Error::is_retryable`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The unit refused for lack of space (memory is taken by committed or
+    /// pinned data). Clear rows, then retry.
+    #[error("unit {unit} is full: {message}")]
+    UnitFull { unit: usize, message: String },
+    /// A transfer or a control call failed, but the unit still has whatever
+    /// it had: the operation may be retried. `in_flight`: bytes of a put may
+    /// still be travelling to the unit.
+    #[error("transfer to unit {unit} failed ({reason}); blobs {blobs:?}, in_flight={in_flight}")]
+    TransferFailed {
+        unit: usize,
+        blobs: Vec<BlobId>,
+        reason: String,
+        in_flight: bool,
+    },
+    /// The unit is gone (dead, or restarted with empty memory): the blobs
+    /// and keys it held are lost.
+    #[error("unit {unit} is gone; lost {} keys and {} blobs", keys.len(), blobs.len())]
+    LostBlobs {
+        unit: usize,
+        blobs: Vec<BlobId>,
+        keys: Vec<Key>,
+    },
+    /// The deadline passed before the unit answered (or while it kept
+    /// answering Busy).
+    #[error("deadline passed waiting for unit {unit:?}: {what}")]
+    Timeout { unit: Option<usize>, what: String },
+    /// Keys that are not stored (every missing key is named).
+    #[error("{} keys not found: {}", keys.len(), preview(keys))]
+    NotFound { keys: Vec<Key> },
+    /// Malformed input or a request the unit refused as invalid.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The unit refused the connection.
+    #[error("unauthorized: {0}")]
+    Unauthorized(String),
+    /// A local I/O failure that is none of the above (e.g. no unit address
+    /// could be opened at connect time).
+    #[error("i/o: {0}")]
+    Io(String),
+}
+
+fn preview(keys: &[Key]) -> String {
+    let mut s: Vec<String> = keys.iter().take(8).map(|k| k.to_string()).collect();
+    if keys.len() > 8 {
+        s.push(format!("… {} more", keys.len() - 8));
+    }
+    s.join(", ")
+}
+
+impl Error {
+    /// Whether the same call may succeed if made again (with the same blob
+    /// ids: they make the retry idempotent).
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            Error::TransferFailed { .. } | Error::Timeout { .. } | Error::UnitFull { .. }
+        )
+    }
+}
+
+pub type Result<T> = std::result::Result<T, Error>;

@@ -1,0 +1,380 @@
+//! One client connection: read a frame, act on the core and the slab,
+//! reply; repeat until the client leaves or misbehaves.
+
+use std::collections::HashSet;
+use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+
+use stowage_core::{Allocated, BlobId, CoreError, PinId};
+use stowage_wire::io::{drain, read_header, read_prefix, write_all_vectored, ReadError};
+use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
+
+use crate::Shared;
+
+pub(crate) enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+        })
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write_vectored(bufs),
+            Stream::Tcp(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// What a connection holds on the unit, given back when it ends.
+#[derive(Default)]
+struct Holdings {
+    pins: HashSet<PinId>,
+    reservations: HashSet<BlobId>,
+}
+
+struct Conn {
+    shared: Arc<Shared>,
+    reader: BufReader<Stream>,
+    writer: Stream,
+    namespace: Option<String>,
+    holdings: Holdings,
+    out: Vec<u8>,
+    scratch: Vec<u8>,
+}
+
+/// Serve one connection until it ends.
+pub(crate) fn serve(shared: Arc<Shared>, stream: Stream) {
+    let writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot clone a connection's socket");
+            return;
+        }
+    };
+    let mut c = Conn {
+        shared,
+        reader: BufReader::with_capacity(64 << 10, stream),
+        writer,
+        namespace: None,
+        holdings: Holdings::default(),
+        out: Vec::with_capacity(4096),
+        scratch: Vec::new(),
+    };
+    if let Err(e) = c.run() {
+        tracing::debug!(error = %e, "connection ended");
+    }
+    c.release_holdings();
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConnEnd {
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    #[error("closed after an invalid request: {0}")]
+    Invalid(String),
+}
+
+impl Conn {
+    fn run(&mut self) -> Result<(), ConnEnd> {
+        let limits = self.shared.limits;
+        loop {
+            let prefix = match read_prefix(&mut self.reader, &limits) {
+                Ok(Some(p)) => p,
+                Ok(None) => return Ok(()),
+                Err(ReadError::Io(e)) => return Err(e.into()),
+                Err(ReadError::Wire(e)) => return self.refuse(0, e.to_string()),
+            };
+            let env = match read_header::<_, Request>(&mut self.reader, &prefix, &mut self.scratch) {
+                Ok(env) => env,
+                Err(ReadError::Io(e)) => return Err(e.into()),
+                Err(ReadError::Wire(e)) => return self.refuse(0, e.to_string()),
+            };
+            if let Err(e) = env.body.validate(&limits) {
+                return self.refuse(env.id, e.to_string());
+            }
+            let carries_payload = matches!(env.body, Request::Put { .. });
+            if prefix.payload_len > 0 && !carries_payload {
+                return self.refuse(env.id, "this request carries no payload".into());
+            }
+            self.handle(env.id, env.body, prefix.payload_len)?;
+        }
+    }
+
+    /// Answer InvalidRequest and end the connection.
+    fn refuse(&mut self, id: u64, message: String) -> Result<(), ConnEnd> {
+        tracing::warn!(%message, "invalid request; closing the connection");
+        let _ = self.reply(
+            id,
+            &Response::Error {
+                code: ErrorCode::InvalidRequest,
+                message: message.clone(),
+            },
+        );
+        Err(ConnEnd::Invalid(message))
+    }
+
+    fn reply(&mut self, id: u64, r: &Response) -> io::Result<()> {
+        self.out.clear();
+        encode(id, r, 0, &mut self.out).map_err(io::Error::other)?;
+        self.writer.write_all(&self.out)
+    }
+
+    fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), ConnEnd> {
+        let ns = match (&self.namespace, &req) {
+            (None, Request::Hello { .. }) => String::new(),
+            (None, _) => {
+                self.reply(
+                    id,
+                    &Response::Error {
+                        code: ErrorCode::Unauthorized,
+                        message: "the first request must be Hello".into(),
+                    },
+                )?;
+                return Err(ConnEnd::Invalid("no Hello".into()));
+            }
+            (Some(_), Request::Hello { .. }) => {
+                return self.refuse(id, "Hello was already said on this connection".into())
+            }
+            (Some(ns), _) => ns.clone(),
+        };
+        let now = self.shared.now();
+        let resp = match req {
+            Request::Hello {
+                version,
+                namespace,
+                want_fd,
+            } => return self.hello(id, version, namespace, want_fd),
+            Request::Alloc {
+                blob,
+                nbytes,
+                n_entries,
+            } => {
+                let r = self.shared.core().alloc(blob, nbytes, n_entries, now);
+                match r {
+                    Ok(Allocated::Reserved { offset }) => {
+                        self.holdings.reservations.insert(blob);
+                        Response::Allocated { offset }
+                    }
+                    Ok(Allocated::AlreadyCommitted) => Response::AlreadyCommitted,
+                    Err(e) => error_response(&e),
+                }
+            }
+            Request::Commit { blob, entries } => {
+                let r = self.shared.core().commit(&ns, blob, &entries);
+                match r {
+                    Ok(()) => {
+                        self.holdings.reservations.remove(&blob);
+                        Response::Done
+                    }
+                    Err(e) => error_response(&e),
+                }
+            }
+            Request::Abort { blob, in_flight } => {
+                self.shared.core().abort(blob, in_flight, now);
+                self.holdings.reservations.remove(&blob);
+                Response::Done
+            }
+            Request::Resolve { keys } => {
+                let (pin, locations) = self.shared.core().resolve(&ns, &keys, now);
+                if let Some(p) = pin {
+                    self.holdings.pins.insert(p);
+                }
+                Response::Resolved { pin, locations }
+            }
+            Request::Unpin { pin, reply } => {
+                self.shared.core().unpin(pin);
+                self.holdings.pins.remove(&pin);
+                if !reply {
+                    return Ok(());
+                }
+                Response::Done
+            }
+            Request::ReleaseRows { rows } => {
+                let entries = self.shared.core().release_rows(&ns, &rows);
+                Response::Released { entries }
+            }
+            Request::Stats => Response::Stats(self.shared.core().stats()),
+            Request::Put { blob, entries } => return self.put(id, &ns, blob, entries, payload_len),
+            Request::Read { keys } => return self.read(id, &ns, keys),
+        };
+        self.reply(id, &resp)?;
+        Ok(())
+    }
+
+    fn hello(&mut self, id: u64, version: u16, namespace: String, want_fd: bool) -> Result<(), ConnEnd> {
+        if version != PROTOCOL_VERSION {
+            self.reply(
+                id,
+                &Response::Error {
+                    code: ErrorCode::VersionMismatch,
+                    message: format!("unit speaks protocol {PROTOCOL_VERSION}, client {version}"),
+                },
+            )?;
+            return Err(ConnEnd::Invalid("protocol version mismatch".into()));
+        }
+        self.namespace = Some(namespace);
+        let attach = want_fd && matches!(self.writer, Stream::Unix(_));
+        let r = Response::Hello {
+            version: PROTOCOL_VERSION,
+            instance_id: self.shared.instance_id,
+            slab_bytes: self.shared.slab.len(),
+            fd_attached: attach,
+        };
+        self.out.clear();
+        encode(id, &r, 0, &mut self.out).map_err(io::Error::other)?;
+        match &self.writer {
+            Stream::Unix(s) if attach => {
+                let sent = stowage_shm::send_with_fd(s, &self.out, self.shared.slab.fd())?;
+                let rest = self.out[sent..].to_vec();
+                self.writer.write_all(&rest)?;
+            }
+            _ => {
+                let out = std::mem::take(&mut self.out);
+                self.writer.write_all(&out)?;
+                self.out = out;
+            }
+        }
+        Ok(())
+    }
+
+    /// Fused alloc + bytes + commit: the payload goes straight from the
+    /// socket into the slab.
+    fn put(
+        &mut self,
+        id: u64,
+        ns: &str,
+        blob: BlobId,
+        entries: Vec<stowage_core::EntrySpec>,
+        nbytes: u64,
+    ) -> Result<(), ConnEnd> {
+        let now = self.shared.now();
+        let n_entries = u32::try_from(entries.len()).unwrap_or(u32::MAX);
+        let alloc = self.shared.core().alloc(blob, nbytes, n_entries, now);
+        let offset = match alloc {
+            Ok(Allocated::Reserved { offset }) => offset,
+            Ok(Allocated::AlreadyCommitted) => {
+                drain(&mut self.reader, nbytes)?;
+                self.reply(id, &Response::Done)?;
+                return Ok(());
+            }
+            Err(e) => {
+                drain(&mut self.reader, nbytes)?;
+                self.reply(id, &error_response(&e))?;
+                return Ok(());
+            }
+        };
+        self.holdings.reservations.insert(blob);
+        let len = usize::try_from(nbytes).map_err(|_| io::Error::other("payload too large"))?;
+        let reader = &mut self.reader;
+        let filled = self
+            .shared
+            .slab
+            .with_mut(offset, len, |dst| reader.read_exact(dst))
+            .map_err(io::Error::other)?;
+        if let Err(e) = filled {
+            // Only this thread writes the range, and it has stopped: no
+            // quarantine needed.
+            self.shared.core().abort(blob, false, now);
+            self.holdings.reservations.remove(&blob);
+            return Err(e.into());
+        }
+        let r = self.shared.core().commit(ns, blob, &entries);
+        let resp = match r {
+            Ok(()) => {
+                self.holdings.reservations.remove(&blob);
+                Response::Done
+            }
+            Err(e) => {
+                self.shared.core().abort(blob, false, now);
+                self.holdings.reservations.remove(&blob);
+                error_response(&e)
+            }
+        };
+        self.reply(id, &resp)?;
+        Ok(())
+    }
+
+    /// Fused resolve + bytes + unpin: the values go straight from the slab
+    /// to the socket.
+    fn read(&mut self, id: u64, ns: &str, keys: Vec<stowage_core::Key>) -> Result<(), ConnEnd> {
+        let now = self.shared.now();
+        let (pin, locations) = self.shared.core().resolve(ns, &keys, now);
+        let lens: Vec<Option<u64>> = locations.iter().map(|l| l.map(|l| l.len)).collect();
+        let ranges: Vec<(u64, usize)> = locations
+            .iter()
+            .flatten()
+            .map(|l| (l.offset, l.len as usize))
+            .collect();
+        let total: u64 = ranges.iter().map(|r| r.1 as u64).sum();
+        self.out.clear();
+        encode(id, &Response::Data { lens }, total, &mut self.out).map_err(io::Error::other)?;
+        let header = std::mem::take(&mut self.out);
+        let writer = &mut self.writer;
+        let sent = self.shared.slab.with_io_slices(&ranges, |slices| {
+            let mut all = Vec::with_capacity(slices.len() + 1);
+            all.push(IoSlice::new(&header));
+            all.extend_from_slice(slices);
+            write_all_vectored(writer, &mut all)
+        });
+        self.out = header;
+        if let Some(p) = pin {
+            self.shared.core().unpin(p);
+        }
+        sent.map_err(io::Error::other)??;
+        Ok(())
+    }
+
+    fn release_holdings(&mut self) {
+        let now = self.shared.now();
+        let mut core = self.shared.core();
+        for pin in self.holdings.pins.drain() {
+            core.unpin(pin);
+        }
+        for blob in self.holdings.reservations.drain() {
+            // The client may still be copying into it (shm): quarantine.
+            core.abort(blob, true, now);
+        }
+    }
+}
+
+fn error_response(e: &CoreError) -> Response {
+    let code = match e {
+        CoreError::Full { .. } => ErrorCode::Full,
+        CoreError::Busy { .. } => ErrorCode::Busy,
+        CoreError::UnknownBlob(_) => ErrorCode::UnknownBlob,
+        CoreError::Invalid(_) => ErrorCode::InvalidRequest,
+    };
+    Response::Error {
+        code,
+        message: e.to_string(),
+    }
+}

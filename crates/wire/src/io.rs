@@ -1,0 +1,111 @@
+//! Blocking frame I/O over any `Read`/`Write` stream, shared by the unit
+//! server and the client.
+
+use std::io::{self, IoSlice, Read, Write};
+
+use serde::de::DeserializeOwned;
+
+use crate::{decode_header, Envelope, FramePrefix, Limits, WireError, PREFIX_LEN};
+
+/// Why reading a frame failed: the stream, or the bytes on it.
+#[derive(Debug, thiserror::Error)]
+pub enum ReadError {
+    #[error("connection: {0}")]
+    Io(#[from] io::Error),
+    #[error(transparent)]
+    Wire(#[from] WireError),
+}
+
+/// Read a frame prefix. `Ok(None)` on a clean end of stream before its
+/// first byte; a stream that ends inside the prefix is `UnexpectedEof`.
+pub fn read_prefix<R: Read>(r: &mut R, limits: &Limits) -> Result<Option<FramePrefix>, ReadError> {
+    let mut p = [0u8; PREFIX_LEN];
+    let mut got = 0;
+    while got < PREFIX_LEN {
+        match r.read(&mut p[got..]) {
+            Ok(0) if got == 0 => return Ok(None),
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(Some(FramePrefix::parse(&p, limits)?))
+}
+
+/// Read and decode the header that follows `prefix`, using `buf` as
+/// scratch (its capacity is reused across frames).
+pub fn read_header<R: Read, T: DeserializeOwned>(
+    r: &mut R,
+    prefix: &FramePrefix,
+    buf: &mut Vec<u8>,
+) -> Result<Envelope<T>, ReadError> {
+    buf.clear();
+    buf.resize(prefix.header_len as usize, 0);
+    r.read_exact(buf)?;
+    Ok(decode_header(buf)?)
+}
+
+/// Write every byte of every slice, with as few syscalls as the stream
+/// allows.
+pub fn write_all_vectored<W: Write>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -> io::Result<()> {
+    IoSlice::advance_slices(&mut slices, 0);
+    while !slices.is_empty() {
+        // Linux takes at most 1024 slices per writev.
+        let n = slices.len().min(1024);
+        match w.write_vectored(&slices[..n]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(written) => IoSlice::advance_slices(&mut slices, written),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Read and discard `n` bytes.
+pub fn drain<R: Read>(r: &mut R, n: u64) -> io::Result<()> {
+    let copied = io::copy(&mut r.take(n), &mut io::sink())?;
+    if copied < n {
+        return Err(io::ErrorKind::UnexpectedEof.into());
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{encode, Request};
+
+    #[test]
+    fn frames_read_back_from_a_stream() {
+        let mut buf = Vec::new();
+        encode(1, &Request::Stats, 0, &mut buf).unwrap();
+        encode(2, &Request::ReleaseRows { rows: vec![4] }, 5, &mut buf).unwrap();
+        buf.extend_from_slice(b"12345");
+        let mut r = &buf[..];
+        let limits = Limits::default();
+        let mut scratch = Vec::new();
+        let p = read_prefix(&mut r, &limits).unwrap().unwrap();
+        let e: Envelope<Request> = read_header(&mut r, &p, &mut scratch).unwrap();
+        assert_eq!(e, Envelope { id: 1, body: Request::Stats });
+        let p = read_prefix(&mut r, &limits).unwrap().unwrap();
+        let e: Envelope<Request> = read_header(&mut r, &p, &mut scratch).unwrap();
+        assert_eq!(e.id, 2);
+        drain(&mut r, p.payload_len).unwrap();
+        assert!(read_prefix(&mut r, &limits).unwrap().is_none());
+        let mut cut = &buf[..5];
+        assert!(matches!(read_prefix(&mut cut, &limits), Err(ReadError::Io(_))));
+    }
+
+    #[test]
+    fn vectored_writes_write_everything() {
+        let a = vec![1u8; 3000];
+        let b = vec![2u8; 5];
+        let mut out = Vec::new();
+        let mut slices = vec![IoSlice::new(&a), IoSlice::new(&[]), IoSlice::new(&b)];
+        write_all_vectored(&mut out, &mut slices).unwrap();
+        assert_eq!(out.len(), 3005);
+        assert_eq!(out[3004], 2);
+    }
+}
