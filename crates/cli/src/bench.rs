@@ -117,11 +117,18 @@ pub fn stowage_gbps(client: &Client, size: usize, iters: usize) -> Result<(f64, 
         return Err("bench value read back wrong".into());
     }
     let bytes = (size * iters) as f64;
-    Ok((bytes / put_t.as_secs_f64() / 1e9, bytes / get_t.as_secs_f64() / 1e9))
+    Ok((
+        bytes / put_t.as_secs_f64() / 1e9,
+        bytes / get_t.as_secs_f64() / 1e9,
+    ))
 }
 
 /// Latency percentiles (µs) of single puts and gets of `size` bytes.
-pub fn latency_us(client: &Client, size: usize, iters: usize) -> Result<(Vec<f64>, Vec<f64>), String> {
+pub fn latency_us(
+    client: &Client,
+    size: usize,
+    iters: usize,
+) -> Result<(Vec<f64>, Vec<f64>), String> {
     let value = vec![1u8; size];
     let mut out = vec![0u8; size];
     let mut puts = Vec::with_capacity(iters);
@@ -176,12 +183,29 @@ pub fn run(binary: &std::path::Path, quick: bool) -> Result<(), String> {
     let sizes = [64usize << 10, 1 << 20, 16 << 20];
     let memory = 512u64 << 20;
     let mut plane = LocalPlane::start(binary, &LocalOptions::new(2, memory))?;
-    let shm = Client::connect(ClientConfig::new("bench", plane.uds_addrs())).map_err(|e| e.to_string())?;
-    let tcp = Client::connect(ClientConfig::new("bench", plane.tcp_addrs())).map_err(|e| e.to_string())?;
-    println!("stowage bench: 2 units x {} MiB, {} cores", memory >> 20, cores());
+    let shm = Client::connect(ClientConfig::new("bench", plane.uds_addrs()))
+        .map_err(|e| e.to_string())?;
+    let tcp = Client::connect(ClientConfig::new("bench", plane.tcp_addrs()))
+        .map_err(|e| e.to_string())?;
+    println!(
+        "stowage bench: 2 units x {} MiB, {} cores",
+        memory >> 20,
+        cores()
+    );
     println!(
         "{:>8} | {:>8} | {:>8} {:>8} | {:>8} {:>8} | {:>8} {:>8} | {:>6} {:>6} {:>6} {:>6}",
-        "size", "memcpy", "shm put", "shm get", "tcp raw>", "tcp raw<", "tcp put", "tcp get", "shmP/m", "shmG/m", "tcpP/r", "tcpG/r"
+        "size",
+        "memcpy",
+        "shm put",
+        "shm get",
+        "tcp raw>",
+        "tcp raw<",
+        "tcp put",
+        "tcp get",
+        "shmP/m",
+        "shmG/m",
+        "tcpP/r",
+        "tcpG/r"
     );
     for &size in &sizes {
         let iters = iterations(size, quick);
@@ -222,5 +246,7 @@ pub fn run(binary: &std::path::Path, quick: bool) -> Result<(), String> {
 }
 
 fn cores() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1)
 }

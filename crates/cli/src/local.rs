@@ -122,7 +122,10 @@ impl LocalPlane {
             Err(_) => {
                 let _ = child.kill();
                 let _ = child.wait();
-                return Err(format!("unit {i} did not report ready within {:?}", opts.start_timeout));
+                return Err(format!(
+                    "unit {i} did not report ready within {:?}",
+                    opts.start_timeout
+                ));
             }
         };
         let tcp = line
@@ -146,7 +149,10 @@ impl LocalPlane {
 
     /// The units' Unix-socket addresses (shm transport).
     pub fn uds_addrs(&self) -> Vec<UnitAddr> {
-        self.units.iter().map(|u| UnitAddr::Unix(u.uds.clone())).collect()
+        self.units
+            .iter()
+            .map(|u| UnitAddr::Unix(u.uds.clone()))
+            .collect()
     }
 
     /// The units' TCP addresses (tcp transport).

@@ -12,7 +12,11 @@ use stowage_cli::{bench, parse_duration, parse_size, workload};
 use stowage_client::{Client, ClientConfig, UnitAddr};
 
 #[derive(Parser)]
-#[command(name = "stowage", version, about = "A data plane for RL post-training of LLMs")]
+#[command(
+    name = "stowage",
+    version,
+    about = "A data plane for RL post-training of LLMs"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -141,7 +145,11 @@ fn run(cli: Cli) -> Result<(), String> {
             // One line on stdout tells a launcher where the unit listens.
             println!(
                 "READY uds={} tcp={} instance={:032x}",
-                handle.uds.as_ref().map(|p| p.display().to_string()).unwrap_or_default(),
+                handle
+                    .uds
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
                 handle.tcp.map(|a| a.to_string()).unwrap_or_default(),
                 handle.instance_id()
             );
@@ -179,7 +187,8 @@ fn run(cli: Cli) -> Result<(), String> {
             for (i, a) in addrs.iter().enumerate() {
                 println!("  unit {i}: {a} (pid {})", plane.units[i].pid());
             }
-            let client = Client::connect(ClientConfig::new("local", addrs)).map_err(|e| e.to_string())?;
+            let client =
+                Client::connect(ClientConfig::new("local", addrs)).map_err(|e| e.to_string())?;
             let w = workload::Workload {
                 steps,
                 rows,
@@ -198,7 +207,10 @@ fn run(cli: Cli) -> Result<(), String> {
             });
             for (i, s) in client.stats(client.deadline()).into_iter().enumerate() {
                 let s = s.map_err(|e| e.to_string())?;
-                println!("  unit {i} after the run: {} entries, {} bytes used, {} pins", s.entries, s.used, s.pins);
+                println!(
+                    "  unit {i} after the run: {} entries, {} bytes used, {} pins",
+                    s.entries, s.used, s.pins
+                );
             }
             plane.stop();
             Ok(())
@@ -229,4 +241,3 @@ fn run(cli: Cli) -> Result<(), String> {
         }
     }
 }
-

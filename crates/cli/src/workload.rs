@@ -62,7 +62,10 @@ pub fn run(client: &Client, w: &Workload) -> Result<Report, String> {
                 data.push((Key::new(base + r, name.clone()), v));
             }
         }
-        let values: Vec<(Key, &[u8])> = data.iter().map(|(k, v)| (k.clone(), v.as_slice())).collect();
+        let values: Vec<(Key, &[u8])> = data
+            .iter()
+            .map(|(k, v)| (k.clone(), v.as_slice()))
+            .collect();
         let keys: Vec<Key> = data.iter().map(|(k, _)| k.clone()).collect();
 
         let t = Instant::now();

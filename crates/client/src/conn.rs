@@ -36,7 +36,9 @@ impl std::str::FromStr for UnitAddr {
         if s.contains('/') {
             return Ok(UnitAddr::Unix(s.into()));
         }
-        Err(format!("not a unit address: {s:?} (use unix:/path or tcp:127.0.0.1:PORT)"))
+        Err(format!(
+            "not a unit address: {s:?} (use unix:/path or tcp:127.0.0.1:PORT)"
+        ))
     }
 }
 
@@ -172,7 +174,9 @@ impl Conn {
                 c.instance_id = instance_id;
                 if want_fd {
                     if !fd_attached {
-                        return Err(ConnError::Protocol("unit did not hand over its slab".into()));
+                        return Err(ConnError::Protocol(
+                            "unit did not hand over its slab".into(),
+                        ));
                     }
                     c.slab = match (cached_slab, fd) {
                         (Some((inst, slab)), _) if inst == instance_id => Some(slab),
@@ -184,8 +188,12 @@ impl Conn {
                 }
                 Ok(c)
             }
-            Response::Error { code, message } => Err(ConnError::Protocol(format!("{code:?}: {message}"))),
-            other => Err(ConnError::Protocol(format!("unexpected reply to Hello: {other:?}"))),
+            Response::Error { code, message } => {
+                Err(ConnError::Protocol(format!("{code:?}: {message}")))
+            }
+            other => Err(ConnError::Protocol(format!(
+                "unexpected reply to Hello: {other:?}"
+            ))),
         }
     }
 
@@ -256,7 +264,8 @@ impl Conn {
         self.next_id += 1;
         let payload_len: u64 = payload.iter().map(|s| s.len() as u64).sum();
         self.out.clear();
-        encode(id, req, payload_len, &mut self.out).map_err(|e| ConnError::Protocol(e.to_string()))?;
+        encode(id, req, payload_len, &mut self.out)
+            .map_err(|e| ConnError::Protocol(e.to_string()))?;
         let mut w = WriterRef(&mut self.writer);
         if payload.is_empty() {
             w.write_all(&self.out)?;
@@ -286,7 +295,11 @@ impl Conn {
     }
 
     /// Read payload bytes of the last reply straight into `dst`.
-    pub(crate) fn read_payload(&mut self, dst: &mut [u8], deadline: Instant) -> Result<(), ConnError> {
+    pub(crate) fn read_payload(
+        &mut self,
+        dst: &mut [u8],
+        deadline: Instant,
+    ) -> Result<(), ConnError> {
         self.set_timeouts(deadline)?;
         self.reader.read_exact(dst)?;
         Ok(())

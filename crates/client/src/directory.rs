@@ -23,7 +23,8 @@ pub enum Liveness {
 /// never on the operation path.
 pub trait Directory: Send + Sync {
     /// `instance`: the instance id the client knew for this unit.
-    fn liveness(&self, unit: usize, addr: &UnitAddr, instance: u128, deadline: Instant) -> Liveness;
+    fn liveness(&self, unit: usize, addr: &UnitAddr, instance: u128, deadline: Instant)
+        -> Liveness;
 }
 
 /// A directory that asks the unit's address itself: a refused connection
@@ -37,7 +38,13 @@ pub struct ProbeDirectory {
 }
 
 impl Directory for ProbeDirectory {
-    fn liveness(&self, _unit: usize, addr: &UnitAddr, instance: u128, deadline: Instant) -> Liveness {
+    fn liveness(
+        &self,
+        _unit: usize,
+        addr: &UnitAddr,
+        instance: u128,
+        deadline: Instant,
+    ) -> Liveness {
         let max_wait = self.max_wait.unwrap_or(Duration::from_secs(1));
         // Even with the caller's deadline spent, a dead unit refuses at once;
         // give the probe a floor so that it can tell.

@@ -102,7 +102,9 @@ pub fn new_blob_id() -> BlobId {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_nanos() as u64)
             .unwrap_or(0);
-        return BlobId((u128::from(t) << 64) | u128::from(n) | (u128::from(std::process::id()) << 32));
+        return BlobId(
+            (u128::from(t) << 64) | u128::from(n) | (u128::from(std::process::id()) << 32),
+        );
     }
     BlobId(u128::from_le_bytes(b))
 }
@@ -223,7 +225,11 @@ impl Client {
         &self.cfg
     }
 
-    fn open(&self, unit: usize, deadline: Instant) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+    fn open(
+        &self,
+        unit: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
         let slot = &self.units[unit];
         let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
         let cached = lock(&slot.slab).clone();
@@ -245,7 +251,11 @@ impl Client {
         }
     }
 
-    fn checkout(&self, unit: usize, deadline: Instant) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+    fn checkout(
+        &self,
+        unit: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
         if let Some(t) = lock(&self.units[unit].pool).pop() {
             return Ok(t);
         }
@@ -271,7 +281,9 @@ impl Client {
                 code: ErrorCode::Busy,
                 ..
             } => Outcome::Busy,
-            OpFailure::Unit { code, message } => Outcome::Failed(unit_error(unit, code, message, blobs)),
+            OpFailure::Unit { code, message } => {
+                Outcome::Failed(unit_error(unit, code, message, blobs))
+            }
             OpFailure::Conn {
                 error: ConnFailure::Timeout,
                 ..
@@ -402,7 +414,10 @@ impl Client {
                 .and_then(|mut t| t.start_put(&blobs[i], deadline).map(|()| t));
             match started {
                 Ok(t) => active.push((unit, i, t)),
-                Err(f) => results.push((unit, Some(self.classify(unit, f, vec![blobs[i].blob], vec![], deadline)))),
+                Err(f) => results.push((
+                    unit,
+                    Some(self.classify(unit, f, vec![blobs[i].blob], vec![], deadline)),
+                )),
             }
         }
         while !active.is_empty() {
@@ -415,12 +430,16 @@ impl Client {
                     }
                     Ok(false) => still.push((unit, i, t)),
                     Err(f) => {
-                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest) {
+                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
+                        {
                             self.checkin(unit, t);
                         }
                         let blob = blobs[i].blob;
                         let keys = blobs[i].entries.iter().map(|e| e.key.clone()).collect();
-                        results.push((unit, Some(self.classify(unit, f, vec![blob], keys, deadline))));
+                        results.push((
+                            unit,
+                            Some(self.classify(unit, f, vec![blob], keys, deadline)),
+                        ));
                     }
                 }
             }
@@ -433,7 +452,12 @@ impl Client {
     /// all units at once. Every value is handed to `sink` under its index
     /// in `keys`. Keys that are not stored fail the call with
     /// [`Error::NotFound`] naming each of them.
-    pub fn get_into(&self, keys: &[(usize, Key)], sink: &mut dyn GetSink, deadline: Instant) -> Result<()> {
+    pub fn get_into(
+        &self,
+        keys: &[(usize, Key)],
+        sink: &mut dyn GetSink,
+        deadline: Instant,
+    ) -> Result<()> {
         let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
         for (i, (unit, key)) in keys.iter().enumerate() {
             if *unit >= self.units.len() {
@@ -485,7 +509,8 @@ impl Client {
                     });
                 }
                 Err(f) => {
-                    if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest) {
+                    if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
+                    {
                         self.checkin(unit, t);
                     }
                     errors.push(self.failed_get(unit, f, ks, deadline));
@@ -576,7 +601,11 @@ impl Client {
     }
 
     /// Send one control request per unit, all before any reply is read.
-    fn call_units(&self, reqs: Vec<(usize, Request)>, deadline: Instant) -> Vec<(usize, Result<Response>)> {
+    fn call_units(
+        &self,
+        reqs: Vec<(usize, Request)>,
+        deadline: Instant,
+    ) -> Vec<(usize, Result<Response>)> {
         let mut out = Vec::with_capacity(reqs.len());
         let mut active = Vec::with_capacity(reqs.len());
         for (unit, req) in reqs {
@@ -632,7 +661,10 @@ impl Client {
 
     /// Get values by key (row `r` on unit `r % N`), in order.
     pub fn get_rows(&self, keys: &[Key], deadline: Instant) -> Result<Vec<Vec<u8>>> {
-        let placed: Vec<(usize, Key)> = keys.iter().map(|k| (self.unit_of_row(k.row), k.clone())).collect();
+        let placed: Vec<(usize, Key)> = keys
+            .iter()
+            .map(|k| (self.unit_of_row(k.row), k.clone()))
+            .collect();
         self.get(&placed, deadline)
     }
 

@@ -56,7 +56,10 @@ impl OpFailure {
     fn unexpected(r: Response) -> Self {
         match r {
             Response::Error { code, message } => OpFailure::Unit { code, message },
-            other => OpFailure::conn(ConnError::Protocol(format!("unexpected reply {other:?}")), false),
+            other => OpFailure::conn(
+                ConnError::Protocol(format!("unexpected reply {other:?}")),
+                false,
+            ),
         }
     }
 }
@@ -147,7 +150,9 @@ impl ShmTransport {
 
     fn recv(&mut self, deadline: Instant) -> Result<Response, OpFailure> {
         let id = self.awaiting.take().unwrap_or(0);
-        self.conn.recv(id, deadline).map_err(|e| OpFailure::conn(e, false))
+        self.conn
+            .recv(id, deadline)
+            .map_err(|e| OpFailure::conn(e, false))
     }
 }
 
@@ -211,7 +216,12 @@ impl Transport for ShmTransport {
     }
 
     fn start_get(&mut self, keys: &[Key], deadline: Instant) -> Result<(), OpFailure> {
-        self.send(&Request::Resolve { keys: keys.to_vec() }, deadline)
+        self.send(
+            &Request::Resolve {
+                keys: keys.to_vec(),
+            },
+            deadline,
+        )
     }
 
     fn advance_get(
@@ -222,7 +232,9 @@ impl Transport for ShmTransport {
         deadline: Instant,
     ) -> Result<Option<Missing>, OpFailure> {
         let (pin, locations) = match self.recv(deadline)? {
-            Response::Resolved { pin, locations } if locations.len() == keys.len() => (pin, locations),
+            Response::Resolved { pin, locations } if locations.len() == keys.len() => {
+                (pin, locations)
+            }
             other => return Err(OpFailure::unexpected(other)),
         };
         let mut missing = Vec::new();
@@ -277,7 +289,10 @@ pub struct TcpTransport {
 
 impl TcpTransport {
     pub(crate) fn new(conn: Conn) -> Self {
-        Self { conn, awaiting: None }
+        Self {
+            conn,
+            awaiting: None,
+        }
     }
 
     fn recv(&mut self, deadline: Instant, in_flight: bool) -> Result<Response, OpFailure> {
@@ -322,7 +337,13 @@ impl Transport for TcpTransport {
     fn start_get(&mut self, keys: &[Key], deadline: Instant) -> Result<(), OpFailure> {
         let id = self
             .conn
-            .send(&Request::Read { keys: keys.to_vec() }, &mut [], deadline)
+            .send(
+                &Request::Read {
+                    keys: keys.to_vec(),
+                },
+                &mut [],
+                deadline,
+            )
             .map_err(|e| OpFailure::conn(e, false))?;
         self.awaiting = Some(id);
         Ok(())

@@ -229,7 +229,12 @@ impl UnitCore {
     /// Idempotent: committing a committed blob again succeeds without
     /// change. A key that already has a value is replaced atomically (the
     /// old value stays readable to whoever pinned it).
-    pub fn commit(&mut self, ns: &str, blob: BlobId, entries: &[EntrySpec]) -> Result<(), CoreError> {
+    pub fn commit(
+        &mut self,
+        ns: &str,
+        blob: BlobId,
+        entries: &[EntrySpec],
+    ) -> Result<(), CoreError> {
         let b = self.blobs.get(&blob).ok_or(CoreError::UnknownBlob(blob))?;
         let (nbytes, base) = (b.nbytes, b.region.offset);
         match b.state {
@@ -532,13 +537,25 @@ mod tests {
         let Allocated::Reserved { offset } = c.alloc(b, 100, 2, t(0)).unwrap() else {
             panic!("expected a reservation");
         };
-        assert_eq!(c.alloc(b, 100, 2, t(1)).unwrap(), Allocated::Reserved { offset });
+        assert_eq!(
+            c.alloc(b, 100, 2, t(1)).unwrap(),
+            Allocated::Reserved { offset }
+        );
         c.commit("ns", b, &[entry(1, "a", 0, 40), entry(1, "b", 40, 60)])
             .unwrap();
         c.commit("ns", b, &[]).unwrap(); // idempotent, whatever it names
-        assert_eq!(c.alloc(b, 100, 2, t(2)).unwrap(), Allocated::AlreadyCommitted);
+        assert_eq!(
+            c.alloc(b, 100, 2, t(2)).unwrap(),
+            Allocated::AlreadyCommitted
+        );
         let (pin, locs) = c.resolve("ns", &[Key::new(1, "b"), Key::new(2, "a")], t(3));
-        assert_eq!(locs[0], Some(Location { offset: offset + 40, len: 60 }));
+        assert_eq!(
+            locs[0],
+            Some(Location {
+                offset: offset + 40,
+                len: 60
+            })
+        );
         assert_eq!(locs[1], None);
         c.unpin(pin.unwrap());
         assert_eq!(c.stats().entries, 2);
@@ -571,7 +588,8 @@ mod tests {
         ));
         c.commit("ns", BlobId(2), &[]).unwrap(); // no entries: freed at once
         c.alloc(BlobId(3), 4096, 1, t(0)).unwrap();
-        c.commit("ns", BlobId(3), &[entry(0, "f", 0, 4096)]).unwrap();
+        c.commit("ns", BlobId(3), &[entry(0, "f", 0, 4096)])
+            .unwrap();
         assert!(matches!(
             c.alloc(BlobId(4), 64, 0, t(0)),
             Err(CoreError::Full { .. })
@@ -607,8 +625,14 @@ mod tests {
         c.tick(t(30_000));
         let s = c.stats();
         assert_eq!(s.pins, 0);
-        assert_eq!(s.quarantined_bytes, 128, "expired reservation is quarantined");
-        assert_eq!(c.commit("ns", BlobId(1), &[entry(0, "f", 0, 1)]), Err(CoreError::UnknownBlob(BlobId(1))));
+        assert_eq!(
+            s.quarantined_bytes, 128,
+            "expired reservation is quarantined"
+        );
+        assert_eq!(
+            c.commit("ns", BlobId(1), &[entry(0, "f", 0, 1)]),
+            Err(CoreError::UnknownBlob(BlobId(1)))
+        );
         c.tick(t(35_000));
         assert_eq!(c.stats().used, 0);
         assert_eq!(c.next_deadline(), None);

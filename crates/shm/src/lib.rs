@@ -156,7 +156,11 @@ impl Slab {
             // destination is the caller's exclusive slice, split into
             // disjoint chunks, one per thread; the two cannot overlap.
             unsafe {
-                std::ptr::copy_nonoverlapping((base + off) as *const u8, (dst_base + off) as *mut u8, n);
+                std::ptr::copy_nonoverlapping(
+                    (base + off) as *const u8,
+                    (dst_base + off) as *mut u8,
+                    n,
+                );
             }
         });
         Ok(())
@@ -175,7 +179,8 @@ impl Slab {
         // SAFETY: in bounds (`check`); the reservation protocol (see the
         // crate docs) gives this caller exclusive use of the range for the
         // duration of `f`, and the slice does not escape `f`.
-        let slice = unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(start), len) };
+        let slice =
+            unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(start), len) };
         Ok(f(slice))
     }
 
@@ -256,7 +261,12 @@ pub fn send_with_fd(sock: impl AsFd, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Re
     if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
         return Err(io::Error::other("control buffer too small for one fd"));
     }
-    let n = rustix::net::sendmsg(sock, &[io::IoSlice::new(bytes)], &mut control, SendFlags::NOSIGNAL)?;
+    let n = rustix::net::sendmsg(
+        sock,
+        &[io::IoSlice::new(bytes)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )?;
     Ok(n)
 }
 

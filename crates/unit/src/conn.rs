@@ -113,7 +113,8 @@ impl Conn {
                 Err(ReadError::Io(e)) => return Err(e.into()),
                 Err(ReadError::Wire(e)) => return self.refuse(0, e.to_string()),
             };
-            let env = match read_header::<_, Request>(&mut self.reader, &prefix, &mut self.scratch) {
+            let env = match read_header::<_, Request>(&mut self.reader, &prefix, &mut self.scratch)
+            {
                 Ok(env) => env,
                 Err(ReadError::Io(e)) => return Err(e.into()),
                 Err(ReadError::Wire(e)) => return self.refuse(0, e.to_string()),
@@ -230,7 +231,13 @@ impl Conn {
         Ok(())
     }
 
-    fn hello(&mut self, id: u64, version: u16, namespace: String, want_fd: bool) -> Result<(), ConnEnd> {
+    fn hello(
+        &mut self,
+        id: u64,
+        version: u16,
+        namespace: String,
+        want_fd: bool,
+    ) -> Result<(), ConnEnd> {
         if version != PROTOCOL_VERSION {
             self.reply(
                 id,

@@ -141,7 +141,9 @@ pub enum StartError {
 /// Create the slab, bind the listeners and start serving.
 pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     if cfg.uds.is_none() && cfg.tcp.is_none() {
-        return Err(StartError::Config("no listener: give a Unix socket path or a TCP address".into()));
+        return Err(StartError::Config(
+            "no listener: give a Unix socket path or a TCP address".into(),
+        ));
     }
     let mut core_cfg = CoreConfig::new(cfg.memory);
     core_cfg.reservation_lease = cfg.reservation_lease;
@@ -151,10 +153,13 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     if cfg.memory < 4096 {
         return Err(StartError::Config("memory must be at least 4 KiB".into()));
     }
-    let slab = Slab::create(&format!("stowage-{}", cfg.name), cfg.memory).map_err(StartError::Slab)?;
+    let slab =
+        Slab::create(&format!("stowage-{}", cfg.name), cfg.memory).map_err(StartError::Slab)?;
     if cfg.mlock {
         match slab.lock() {
-            LockOutcome::Locked => tracing::info!(unit = %cfg.name, bytes = cfg.memory, "slab mlocked"),
+            LockOutcome::Locked => {
+                tracing::info!(unit = %cfg.name, bytes = cfg.memory, "slab mlocked")
+            }
             LockOutcome::NotLocked(e) => tracing::warn!(
                 unit = %cfg.name,
                 error = %e,

@@ -88,14 +88,23 @@ mod tests {
         let mut scratch = Vec::new();
         let p = read_prefix(&mut r, &limits).unwrap().unwrap();
         let e: Envelope<Request> = read_header(&mut r, &p, &mut scratch).unwrap();
-        assert_eq!(e, Envelope { id: 1, body: Request::Stats });
+        assert_eq!(
+            e,
+            Envelope {
+                id: 1,
+                body: Request::Stats
+            }
+        );
         let p = read_prefix(&mut r, &limits).unwrap().unwrap();
         let e: Envelope<Request> = read_header(&mut r, &p, &mut scratch).unwrap();
         assert_eq!(e.id, 2);
         drain(&mut r, p.payload_len).unwrap();
         assert!(read_prefix(&mut r, &limits).unwrap().is_none());
         let mut cut = &buf[..5];
-        assert!(matches!(read_prefix(&mut cut, &limits), Err(ReadError::Io(_))));
+        assert!(matches!(
+            read_prefix(&mut cut, &limits),
+            Err(ReadError::Io(_))
+        ));
     }
 
     #[test]

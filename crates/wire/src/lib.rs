@@ -114,13 +114,23 @@ pub enum Request {
         entries: Vec<EntrySpec>,
     },
     /// Give up a reservation; `in_flight` when a transfer may still write.
-    Abort { blob: BlobId, in_flight: bool },
+    Abort {
+        blob: BlobId,
+        in_flight: bool,
+    },
     /// Locate keys and pin their blobs.
-    Resolve { keys: Vec<Key> },
+    Resolve {
+        keys: Vec<Key>,
+    },
     /// Drop a pin. With `reply: false` the unit sends nothing back.
-    Unpin { pin: PinId, reply: bool },
+    Unpin {
+        pin: PinId,
+        reply: bool,
+    },
     /// Clear whole rows.
-    ReleaseRows { rows: Vec<u64> },
+    ReleaseRows {
+        rows: Vec<u64>,
+    },
     Stats,
     /// alloc + the blob's bytes (the frame's payload) + commit, in one
     /// request: the unit reads the payload straight into the slab.
@@ -129,7 +139,9 @@ pub enum Request {
         entries: Vec<EntrySpec>,
     },
     /// resolve + the values' bytes in the reply's payload + unpin.
-    Read { keys: Vec<Key> },
+    Read {
+        keys: Vec<Key>,
+    },
 }
 
 /// Unit → client.
@@ -145,7 +157,9 @@ pub enum Response {
         slab_bytes: u64,
         fd_attached: bool,
     },
-    Allocated { offset: u64 },
+    Allocated {
+        offset: u64,
+    },
     AlreadyCommitted,
     /// Commit, Abort, Unpin and Put succeeded.
     Done,
@@ -153,12 +167,19 @@ pub enum Response {
         pin: Option<PinId>,
         locations: Vec<Option<Location>>,
     },
-    Released { entries: u64 },
+    Released {
+        entries: u64,
+    },
     Stats(Stats),
     /// Reply to Read: the length of each key's value (`None`: not found);
     /// the found values follow in the payload, in key order.
-    Data { lens: Vec<Option<u64>> },
-    Error { code: ErrorCode, message: String },
+    Data {
+        lens: Vec<Option<u64>>,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
 }
 
 /// Error classes a unit reports. Only ever appended to.
@@ -216,7 +237,8 @@ impl Request {
             }
             Request::Resolve { keys } | Request::Read { keys } => {
                 count("keys", keys.len())?;
-                keys.iter().try_for_each(|k| name("field name bytes", &k.field))
+                keys.iter()
+                    .try_for_each(|k| name("field name bytes", &k.field))
             }
             Request::ReleaseRows { rows } => count("rows", rows.len()),
             Request::Abort { .. } | Request::Unpin { .. } | Request::Stats => Ok(()),
@@ -272,7 +294,8 @@ pub fn encode<T: Serialize>(
     out.extend_from_slice(&[0u8; PREFIX_LEN]);
     let env = EnvelopeRef { id, body };
     let buf = std::mem::take(out);
-    let mut buf = postcard::to_extend(&env, buf).map_err(|e| WireError::Malformed(e.to_string()))?;
+    let mut buf =
+        postcard::to_extend(&env, buf).map_err(|e| WireError::Malformed(e.to_string()))?;
     let header_len = u32::try_from(buf.len() - start - PREFIX_LEN)
         .map_err(|_| WireError::Malformed("header over 4 GiB".into()))?;
     buf[start..start + 4].copy_from_slice(&header_len.to_le_bytes());
@@ -440,7 +463,9 @@ mod tests {
         let mut buf = Vec::new();
         encode(42, &msg, 3, &mut buf).unwrap();
         buf.extend_from_slice(b"abc");
-        let (frame, used) = decode_frame::<T>(&buf, &Limits::default()).unwrap().unwrap();
+        let (frame, used) = decode_frame::<T>(&buf, &Limits::default())
+            .unwrap()
+            .unwrap();
         assert_eq!(used, buf.len());
         assert_eq!(frame.envelope, Envelope { id: 42, body: msg });
         assert_eq!(frame.payload, b"abc");

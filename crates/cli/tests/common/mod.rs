@@ -1,0 +1,150 @@
+//! Helpers shared by the integration tests: local planes of real unit
+//! processes, clients over either transport, and a raw wire connection for
+//! misbehaving on purpose.
+
+#![allow(dead_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use stowage_cli::local::{LocalOptions, LocalPlane};
+use stowage_client::{Client, ClientConfig};
+use stowage_wire::{
+    decode_header, encode, Envelope, FramePrefix, Limits, Request, Response, PREFIX_LEN,
+};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Kind {
+    Shm,
+    Tcp,
+}
+
+pub fn binary() -> &'static Path {
+    Path::new(env!("CARGO_BIN_EXE_stowage"))
+}
+
+/// A plane of `units` unit processes with `memory` bytes each (not
+/// mlocked, to start fast) and extra unit arguments.
+pub fn plane(units: usize, memory: u64, extra: &[&str]) -> (LocalPlane, LocalOptions) {
+    let mut opts = LocalOptions::new(units, memory);
+    opts.unit_args = std::iter::once("--no-mlock")
+        .chain(extra.iter().copied())
+        .map(String::from)
+        .collect();
+    let p = LocalPlane::start(binary(), &opts).expect("local plane starts");
+    (p, opts)
+}
+
+pub fn client(p: &LocalPlane, kind: Kind, timeout: Duration) -> Client {
+    let addrs = match kind {
+        Kind::Shm => p.uds_addrs(),
+        Kind::Tcp => p.tcp_addrs(),
+    };
+    let mut cfg = ClientConfig::new("test", addrs);
+    cfg.timeout = timeout;
+    Client::connect(cfg).expect("client connects")
+}
+
+/// Deterministic bytes for (row, field, len).
+pub fn pattern(row: u64, salt: u64, len: usize) -> Vec<u8> {
+    let mut x = row.wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ salt.wrapping_mul(0xD1B5_4A32_D192_ED03)
+        ^ len as u64;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A raw protocol connection over a unit's Unix socket.
+pub struct Raw {
+    pub s: UnixStream,
+    next: u64,
+}
+
+impl Raw {
+    pub fn connect(path: &Path) -> Raw {
+        let s = UnixStream::connect(path).expect("raw connect");
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Raw { s, next: 1 }
+    }
+
+    pub fn hello(path: &Path, ns: &str) -> Raw {
+        let mut r = Raw::connect(path);
+        let resp = r.call(&Request::Hello {
+            version: stowage_wire::PROTOCOL_VERSION,
+            namespace: ns.into(),
+            want_fd: false,
+        });
+        assert!(matches!(resp, Response::Hello { .. }), "{resp:?}");
+        r
+    }
+
+    pub fn send(&mut self, req: &Request) -> u64 {
+        let id = self.next;
+        self.next += 1;
+        let mut buf = Vec::new();
+        encode(id, req, 0, &mut buf).unwrap();
+        self.s.write_all(&buf).unwrap();
+        id
+    }
+
+    /// Read one frame; `None` when the unit closed the connection.
+    pub fn recv(&mut self) -> Option<Envelope<Response>> {
+        let mut p = [0u8; PREFIX_LEN];
+        if self.s.read_exact(&mut p).is_err() {
+            return None;
+        }
+        let prefix = FramePrefix::parse(&p, &Limits::default()).expect("unit frames parse");
+        let mut h = vec![0u8; prefix.header_len as usize];
+        self.s.read_exact(&mut h).ok()?;
+        let mut payload = vec![0u8; prefix.payload_len as usize];
+        self.s.read_exact(&mut payload).ok()?;
+        Some(decode_header(&h).expect("unit headers decode"))
+    }
+
+    pub fn call(&mut self, req: &Request) -> Response {
+        let id = self.send(req);
+        let e = self.recv().expect("a reply");
+        assert_eq!(e.id, id);
+        e.body
+    }
+
+    /// Whether the unit has closed this connection (EOF within 5 s).
+    pub fn closed(&mut self) -> bool {
+        self.s
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        matches!(self.s.read(&mut b), Ok(0))
+            || matches!(self.s.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+    }
+}
+
+/// Poll `f` every 20 ms until it returns true or `within` passes.
+pub fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + within;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() >= end {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Whether process `pid` is stopped (state T in /proc).
+pub fn is_stopped(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
+        .unwrap_or(false)
+}

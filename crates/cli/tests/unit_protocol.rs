@@ -1,0 +1,311 @@
+//! A unit under misbehaving clients: bad frames, dead clients, leases, a
+//! restart.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{client, eventually, pattern, plane, Kind, Raw};
+use stowage_client::{Error, Key};
+use stowage_wire::{encode, BlobId, EntrySpec, ErrorCode, Request, Response, PREFIX_LEN};
+
+const MIB: u64 = 1 << 20;
+
+fn stats(raw: &mut Raw) -> stowage_wire::Stats {
+    match raw.call(&Request::Stats) {
+        Response::Stats(s) => s,
+        other => panic!("expected Stats, got {other:?}"),
+    }
+}
+
+fn expect_invalid_then_closed(mut r: Raw, what: &str) {
+    let e = r
+        .recv()
+        .unwrap_or_else(|| panic!("{what}: no reply before the close"));
+    match e.body {
+        Response::Error {
+            code: ErrorCode::InvalidRequest,
+            ..
+        } => {}
+        other => panic!("{what}: expected InvalidRequest, got {other:?}"),
+    }
+    assert!(r.closed(), "{what}: connection left open");
+}
+
+#[test]
+fn bad_frames_get_invalid_request_while_others_carry_on() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let sock = p.units[0].uds.clone();
+    let c = client(&p, Kind::Shm, Duration::from_secs(10));
+    let v = pattern(9, 9, 4096);
+    c.put_rows(&[(Key::new(0, "kept"), &v)], c.deadline())
+        .unwrap();
+
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        let worker = s.spawn(|| {
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let k = Key::new(2 + n % 50, "busy");
+                c.put_rows(&[(k.clone(), &v)], c.deadline()).unwrap();
+                assert!(c.get_rows(&[k], c.deadline()).unwrap()[0] == v);
+                n += 1;
+            }
+            n
+        });
+
+        // Garbage: a prefix that declares a small header full of noise.
+        let mut r = Raw::hello(&sock, "test");
+        let mut junk = vec![0u8; PREFIX_LEN];
+        junk[..4].copy_from_slice(&20u32.to_le_bytes());
+        junk.extend((0..20u8).map(|i| i.wrapping_mul(37) | 0x80));
+        r.s.write_all(&junk).unwrap();
+        expect_invalid_then_closed(r, "garbage");
+
+        // Truncated: a real header with its tail cut off.
+        let mut r = Raw::hello(&sock, "test");
+        let mut frame = Vec::new();
+        let keys = vec![Key::new(1, "a-long-field-name")];
+        encode(7, &Request::Resolve { keys }, 0, &mut frame).unwrap();
+        let cut = frame.len() - 6;
+        let header_len = (cut - PREFIX_LEN) as u32;
+        frame[..4].copy_from_slice(&header_len.to_le_bytes());
+        r.s.write_all(&frame[..cut]).unwrap();
+        expect_invalid_then_closed(r, "truncated");
+
+        // Oversized: a header longer than the unit accepts (refused before
+        // a byte of it is read or allocated).
+        let mut r = Raw::hello(&sock, "test");
+        let mut big = vec![0u8; PREFIX_LEN];
+        big[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        r.s.write_all(&big).unwrap();
+        expect_invalid_then_closed(r, "oversized header");
+
+        // Oversized payload.
+        let mut r = Raw::hello(&sock, "test");
+        let mut big = vec![0u8; PREFIX_LEN];
+        big[..4].copy_from_slice(&4u32.to_le_bytes());
+        big[4..].copy_from_slice(&u64::MAX.to_le_bytes());
+        r.s.write_all(&big).unwrap();
+        expect_invalid_then_closed(r, "oversized payload");
+
+        // A payload on a request that takes none.
+        let mut r = Raw::hello(&sock, "test");
+        let mut f = Vec::new();
+        encode(3, &Request::Stats, 10, &mut f).unwrap();
+        f.extend_from_slice(&[0u8; 10]);
+        r.s.write_all(&f).unwrap();
+        expect_invalid_then_closed(r, "stray payload");
+
+        // Too many keys for the unit's limits is refused as well.
+        let mut r = Raw::hello(&sock, "test");
+        r.send(&Request::ReleaseRows {
+            rows: (0..(1u64 << 20) + 1).collect(),
+        });
+        expect_invalid_then_closed(r, "too many rows");
+
+        // Requests before Hello are refused.
+        let mut r = Raw::connect(&sock);
+        match r.call(&Request::Stats) {
+            Response::Error {
+                code: ErrorCode::Unauthorized,
+                ..
+            } => {}
+            other => panic!("expected Unauthorized, got {other:?}"),
+        }
+        assert!(r.closed());
+
+        // Another protocol version is refused.
+        let mut r = Raw::connect(&sock);
+        match r.call(&Request::Hello {
+            version: 999,
+            namespace: "x".into(),
+            want_fd: false,
+        }) {
+            Response::Error {
+                code: ErrorCode::VersionMismatch,
+                ..
+            } => {}
+            other => panic!("expected VersionMismatch, got {other:?}"),
+        }
+
+        stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        let done = worker.join().unwrap();
+        assert!(done > 0, "the well-behaved client made no progress");
+    });
+    // The unit is still up and its data intact.
+    assert!(c.get_rows(&[Key::new(0, "kept")], c.deadline()).unwrap()[0] == v);
+}
+
+#[test]
+fn leases_reclaim_pins_and_reservations_of_a_silent_client() {
+    let (p, _) = plane(
+        1,
+        16 * MIB,
+        &[
+            "--pin-lease",
+            "1s",
+            "--reservation-lease",
+            "1s",
+            "--quarantine",
+            "200ms",
+        ],
+    );
+    let sock = p.units[0].uds.clone();
+    let mut r = Raw::hello(&sock, "ns");
+    let blob = BlobId(42);
+    assert!(matches!(
+        r.call(&Request::Alloc {
+            blob,
+            nbytes: 100,
+            n_entries: 1
+        }),
+        Response::Allocated { .. }
+    ));
+    let entries = vec![EntrySpec {
+        key: Key::new(1, "f"),
+        offset: 0,
+        len: 100,
+    }];
+    assert_eq!(
+        r.call(&Request::Commit {
+            blob,
+            entries: entries.clone()
+        }),
+        Response::Done
+    );
+    // Commit is idempotent.
+    assert_eq!(r.call(&Request::Commit { blob, entries }), Response::Done);
+    let pinned = r.call(&Request::Resolve {
+        keys: vec![Key::new(1, "f")],
+    });
+    assert!(
+        matches!(pinned, Response::Resolved { pin: Some(_), .. }),
+        "{pinned:?}"
+    );
+    assert!(matches!(
+        r.call(&Request::Alloc {
+            blob: BlobId(43),
+            nbytes: 1000,
+            n_entries: 1
+        }),
+        Response::Allocated { .. }
+    ));
+    let mut watcher = Raw::hello(&sock, "ns");
+    let s = stats(&mut watcher);
+    assert_eq!((s.pins, s.reserved_bytes), (1, 1024), "{s:?}");
+    // The client stays connected but silent: the leases reclaim.
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let s = stats(&mut watcher);
+            s.pins == 0 && s.reserved_bytes == 0 && s.quarantined_bytes == 0
+        }),
+        "{:?}",
+        stats(&mut watcher)
+    );
+    // The committed value is still there; the expired blob is unknown.
+    let s = stats(&mut watcher);
+    assert_eq!((s.entries, s.used), (1, 128));
+    assert!(matches!(
+        r.call(&Request::Commit {
+            blob: BlobId(43),
+            entries: vec![]
+        }),
+        Response::Error {
+            code: ErrorCode::UnknownBlob,
+            ..
+        }
+    ));
+}
+
+/// Not a test on its own: run by `pins_of_a_killed_client_are_reclaimed`
+/// in a child process, where it pins a key and then waits to be killed.
+#[test]
+#[ignore = "a helper process of pins_of_a_killed_client_are_reclaimed"]
+fn pin_holder_child() {
+    let sock = std::env::var("STOWAGE_TEST_PIN_HOLDER")
+        .expect("run only by pins_of_a_killed_client_are_reclaimed");
+    let mut r = Raw::hello(std::path::Path::new(&sock), "ns");
+    let resp = r.call(&Request::Resolve {
+        keys: vec![Key::new(0, "v")],
+    });
+    assert!(matches!(resp, Response::Resolved { pin: Some(_), .. }));
+    println!("PINNED");
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn pins_of_a_killed_client_are_reclaimed() {
+    let (p, _) = plane(1, 16 * MIB, &["--pin-lease", "2s"]);
+    let sock = p.units[0].uds.clone();
+    let mut cfg = stowage_client::ClientConfig::new("ns", p.uds_addrs());
+    cfg.timeout = Duration::from_secs(10);
+    let c = stowage_client::Client::connect(cfg).unwrap();
+    c.put_rows(&[(Key::new(0, "v"), &pattern(0, 0, 1000))], c.deadline())
+        .unwrap();
+
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "pin_holder_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("STOWAGE_TEST_PIN_HOLDER", &sock)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.contains("PINNED") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    let pinned = rx.recv_timeout(Duration::from_secs(30));
+    let mut watcher = Raw::hello(&sock, "ns");
+    let pins_before = stats(&mut watcher).pins;
+    // Stop the child by its pid before asserting anything.
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(pinned.is_ok(), "the pin holder never pinned");
+    assert_eq!(pins_before, 1);
+    // The pin is gone within its lease (the unit also drops a dead
+    // connection's pins at once).
+    assert!(eventually(Duration::from_secs(4), || stats(&mut watcher)
+        .pins
+        == 0));
+    // And the value can be cleared and its memory freed.
+    c.clear_rows(&[0], c.deadline()).unwrap();
+    assert_eq!(stats(&mut watcher).used, 0);
+}
+
+#[test]
+fn a_restarted_unit_is_told_apart_from_the_one_that_held_the_blobs() {
+    let (mut p, opts) = plane(2, 16 * MIB, &[]);
+    let c = client(&p, Kind::Shm, Duration::from_secs(10));
+    let v = pattern(1, 1, 2000);
+    c.put_rows(
+        &[(Key::new(0, "a"), &v), (Key::new(1, "a"), &v)],
+        c.deadline(),
+    )
+    .unwrap();
+    p.restart(0, &opts).unwrap();
+    // The same socket path answers, with empty memory: the keys are lost,
+    // not merely missing.
+    match c.get_rows(&[Key::new(0, "a")], c.deadline()) {
+        Err(Error::LostBlobs { unit: 0, keys, .. }) => assert_eq!(keys, vec![Key::new(0, "a")]),
+        other => panic!("expected LostBlobs, got {:?}", other.map(|_| ())),
+    }
+    assert!(c.get_rows(&[Key::new(1, "a")], c.deadline()).unwrap()[0] == v);
+    // The new instance takes puts.
+    c.put_rows(&[(Key::new(2, "a"), &v)], c.deadline()).unwrap();
+    assert!(c.get_rows(&[Key::new(2, "a")], c.deadline()).unwrap()[0] == v);
+}
