@@ -179,18 +179,24 @@ pub fn quantile(v: &mut [f64], q: f64) -> f64 {
 }
 
 /// Run the whole benchmark and print it.
-pub fn run(binary: &std::path::Path, quick: bool) -> Result<(), String> {
+pub fn run(binary: &std::path::Path, quick: bool, spin: Duration) -> Result<(), String> {
     let sizes = [64usize << 10, 1 << 20, 16 << 20];
     let memory = 512u64 << 20;
-    let mut plane = LocalPlane::start(binary, &LocalOptions::new(2, memory))?;
-    let shm = Client::connect(ClientConfig::new("bench", plane.uds_addrs()))
-        .map_err(|e| e.to_string())?;
-    let tcp = Client::connect(ClientConfig::new("bench", plane.tcp_addrs()))
-        .map_err(|e| e.to_string())?;
+    let mut opts = LocalOptions::new(2, memory);
+    opts.unit_args = vec!["--spin".into(), format!("{}us", spin.as_micros())];
+    let mut plane = LocalPlane::start(binary, &opts)?;
+    let connect = |addrs| {
+        let mut cfg = ClientConfig::new("bench", addrs);
+        cfg.spin = spin;
+        Client::connect(cfg).map_err(|e| e.to_string())
+    };
+    let shm = connect(plane.uds_addrs())?;
+    let tcp = connect(plane.tcp_addrs())?;
     println!(
-        "stowage bench: 2 units x {} MiB, {} cores",
+        "stowage bench: 2 units x {} MiB, {} cores, adaptive polling {:?}",
         memory >> 20,
-        cores()
+        cores(),
+        spin
     );
     println!(
         "{:>8} | {:>8} | {:>8} {:>8} | {:>8} {:>8} | {:>8} {:>8} | {:>6} {:>6} {:>6} {:>6}",

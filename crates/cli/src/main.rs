@@ -57,6 +57,10 @@ enum Cmd {
         /// Exit when standard input closes (the parent is gone).
         #[arg(long)]
         exit_with_stdin: bool,
+        /// How long a connection thread polls for the next request before
+        /// blocking (0 disables adaptive polling).
+        #[arg(long, value_parser = parse_duration, default_value = "0s")]
+        spin: Duration,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -84,6 +88,9 @@ enum Cmd {
         /// A shorter run (a minute or less).
         #[arg(long)]
         quick: bool,
+        /// Adaptive polling budget of the client and the units.
+        #[arg(long, value_parser = parse_duration, default_value = "0s")]
+        spin: Duration,
     },
     /// Print every unit's counters.
     Stats {
@@ -124,12 +131,14 @@ fn run(cli: Cli) -> Result<(), String> {
             quarantine,
             no_mlock,
             exit_with_stdin,
+            spin,
         } => {
             let mut cfg = stowage_unit::UnitConfig::new(name, memory);
             cfg.pin_lease = pin_lease;
             cfg.reservation_lease = reservation_lease;
             cfg.quarantine = quarantine;
             cfg.mlock = !no_mlock;
+            cfg.spin = spin;
             let listen = if listen.is_empty() {
                 vec!["unix:/tmp/stowage-unit-0.sock".to_string()]
             } else {
@@ -215,9 +224,9 @@ fn run(cli: Cli) -> Result<(), String> {
             plane.stop();
             Ok(())
         }
-        Cmd::Bench { quick } => {
+        Cmd::Bench { quick, spin } => {
             let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-            bench::run(&exe, quick)
+            bench::run(&exe, quick, spin)
         }
         Cmd::Stats { units, namespace } => {
             let addrs = units

@@ -3,7 +3,7 @@
 
 use std::time::{Duration, Instant};
 
-use stowage_client::{Client, Key};
+use stowage_client::{Client, Key, SliceSink};
 
 /// Shape of the workload.
 #[derive(Clone, Debug)]
@@ -52,6 +52,7 @@ impl Report {
 pub fn run(client: &Client, w: &Workload) -> Result<Report, String> {
     let mut report = Report::default();
     let mut data = Vec::with_capacity(w.rows * w.fields.len());
+    let (mut out_a, mut out_b) = (Vec::new(), Vec::new());
     for step in 0..w.steps {
         let base = (step * w.rows) as u64;
         data.clear();
@@ -76,17 +77,26 @@ pub fn run(client: &Client, w: &Workload) -> Result<Report, String> {
         report.bytes_put += (values.len() * w.value_bytes) as u64;
         report.ops += values.len() as u64;
 
-        // Two reader groups, as logprob workers and trainer ranks do.
-        for _ in 0..2 {
+        // Two reader groups, as logprob workers and trainer ranks do, each
+        // reading into its own preallocated buffer (as into a tensor).
+        let placed: Vec<(usize, Key)> = keys
+            .iter()
+            .map(|k| (client.unit_of_row(k.row), k.clone()))
+            .collect();
+        for out in [&mut out_a, &mut out_b] {
+            out.resize(data.len() * w.value_bytes, 0);
+            let mut bufs: Vec<&mut [u8]> = out.chunks_mut(w.value_bytes.max(1)).collect();
+            bufs.resize_with(data.len(), Default::default);
             let t = Instant::now();
-            let got = client
-                .get_rows(&keys, client.deadline())
+            let mut sink = SliceSink::new(&mut bufs);
+            client
+                .get_into(&placed, &mut sink, client.deadline())
                 .map_err(|e| format!("step {step}: get: {e}"))?;
             report.get_time += t.elapsed();
-            report.bytes_got += got.iter().map(|v| v.len() as u64).sum::<u64>();
-            report.ops += got.len() as u64;
-            for ((k, want), have) in data.iter().zip(&got) {
-                if want != have {
+            report.bytes_got += sink.lens.iter().sum::<u64>();
+            report.ops += data.len() as u64;
+            for ((k, want), have) in data.iter().zip(out.chunks(w.value_bytes.max(1))) {
+                if want[..] != have[..want.len()] {
                     return Err(format!("step {step}: {k} read back different bytes"));
                 }
             }

@@ -51,7 +51,9 @@ fn round_trips_from_1_byte_to_64_mib(kind: Kind) {
         let key = Key::new(i as u64, "v");
         let v = pattern(i as u64, 1, size);
         c.put_rows(&[(key.clone(), &v)], c.deadline()).unwrap();
-        let got = c.get_rows(std::slice::from_ref(&key), c.deadline()).unwrap();
+        let got = c
+            .get_rows(std::slice::from_ref(&key), c.deadline())
+            .unwrap();
         assert!(got[0] == v, "size {size} read back different bytes");
         // Into a caller buffer larger than the value.
         let mut buf = vec![0xEEu8; size + 10];

@@ -2,13 +2,14 @@
 
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stowage_shm::Slab;
-use stowage_wire::io::{read_header, read_prefix, write_all_vectored, ReadError};
+use stowage_wire::io::{read_header, read_prefix, spin_read, write_all_vectored, ReadError};
 use stowage_wire::{encode, Envelope, Limits, Request, Response, PROTOCOL_VERSION};
 
 /// Where a unit listens.
@@ -94,6 +95,25 @@ impl Read for Stream {
     }
 }
 
+/// The read half, polling for `spin` before it blocks.
+struct SpinReader {
+    stream: Stream,
+    spin: Duration,
+}
+
+impl Read for SpinReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let fd = match &self.stream {
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Tcp(s) => s.as_fd(),
+        };
+        if let Some(r) = spin_read(fd, buf, self.spin) {
+            return r;
+        }
+        self.stream.read(buf)
+    }
+}
+
 /// The remaining time, or Timeout when none is left.
 pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -105,7 +125,7 @@ pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
 }
 
 pub(crate) struct Conn {
-    reader: BufReader<Stream>,
+    reader: BufReader<SpinReader>,
     writer: Stream,
     pub(crate) instance_id: u128,
     pub(crate) slab: Option<Arc<Slab>>,
@@ -125,6 +145,7 @@ impl Conn {
         namespace: &str,
         want_fd: bool,
         cached_slab: Option<(u128, Arc<Slab>)>,
+        spin: Duration,
         deadline: Instant,
     ) -> Result<Conn, ConnError> {
         let left = remaining(deadline)?;
@@ -141,7 +162,13 @@ impl Conn {
         };
         let want_fd = want_fd && matches!(writer, Stream::Unix(_));
         let mut c = Conn {
-            reader: BufReader::with_capacity(64 << 10, reader),
+            reader: BufReader::with_capacity(
+                64 << 10,
+                SpinReader {
+                    stream: reader,
+                    spin,
+                },
+            ),
             writer,
             instance_id: 0,
             slab: None,
@@ -203,7 +230,7 @@ impl Conn {
         &mut self,
         deadline: Instant,
     ) -> Result<(Response, Option<std::os::fd::OwnedFd>), ConnError> {
-        let Stream::Unix(s) = self.reader.get_ref() else {
+        let Stream::Unix(s) = &self.reader.get_ref().stream else {
             return Err(ConnError::Protocol("fd passing needs a Unix socket".into()));
         };
         s.set_read_timeout(Some(remaining(deadline)?))?;

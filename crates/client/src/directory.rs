@@ -51,7 +51,7 @@ impl Directory for ProbeDirectory {
         let left = deadline
             .saturating_duration_since(Instant::now())
             .clamp(Duration::from_millis(100), max_wait);
-        match Conn::connect(addr, "", false, None, Instant::now() + left) {
+        match Conn::connect(addr, "", false, None, Duration::ZERO, Instant::now() + left) {
             Ok(c) if c.instance_id == instance => Liveness::Alive,
             Ok(_) => Liveness::Restarted,
             Err(ConnError::Broken(_)) => Liveness::Dead,

@@ -66,6 +66,9 @@ pub struct ClientConfig {
     pub shm: bool,
     /// Asked about a unit after a failure. Default [`ProbeDirectory`].
     pub directory: Arc<dyn Directory>,
+    /// How long to poll for a reply before blocking (adaptive polling;
+    /// costs CPU while polling). Default 0 (off).
+    pub spin: Duration,
 }
 
 impl ClientConfig {
@@ -76,6 +79,7 @@ impl ClientConfig {
             timeout: Duration::from_secs(30),
             shm: true,
             directory: Arc::new(ProbeDirectory::default()),
+            spin: Duration::ZERO,
         }
     }
 }
@@ -233,8 +237,15 @@ impl Client {
         let slot = &self.units[unit];
         let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
         let cached = lock(&slot.slab).clone();
-        let conn = Conn::connect(&slot.addr, &self.cfg.namespace, want_fd, cached, deadline)
-            .map_err(|e| OpFailure::conn(e, false))?;
+        let conn = Conn::connect(
+            &slot.addr,
+            &self.cfg.namespace,
+            want_fd,
+            cached,
+            self.cfg.spin,
+            deadline,
+        )
+        .map_err(|e| OpFailure::conn(e, false))?;
         lock(&slot.first_instance).get_or_insert(conn.instance_id);
         if let Some(s) = &conn.slab {
             *lock(&slot.slab) = Some((conn.instance_id, s.clone()));

@@ -31,6 +31,10 @@ use rustix::net::{
 /// A copy above this size is split over threads (see [`Slab::write`]).
 pub const PARALLEL_COPY_MIN: usize = 8 << 20;
 
+/// Clients pre-fault mappings of slabs up to this size (page tables of
+/// larger slabs cost too much per client to fill eagerly).
+pub const POPULATE_MAX: u64 = 8 << 30;
+
 /// A range outside the slab.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutOfBounds {
@@ -74,21 +78,28 @@ impl Slab {
         rustix::fs::ftruncate(&fd, len)?;
         // A client must never see the mapping shrink under it (SIGBUS).
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
-        Self::map(fd, len_usize)
+        Self::map(fd, len_usize, false)
     }
 
-    /// Map a slab whose fd a unit handed over.
+    /// Map a slab whose fd a unit handed over. Slabs up to
+    /// [`POPULATE_MAX`] are mapped with their page tables filled in, so
+    /// that copies never stop for a first-touch fault.
     pub fn open(fd: OwnedFd) -> io::Result<Self> {
         let st = rustix::fs::fstat(&fd)?;
         let len = usize::try_from(st.st_size).map_err(|_| io::ErrorKind::InvalidData)?;
-        Self::map(fd, len)
+        Self::map(fd, len, len as u64 <= POPULATE_MAX)
     }
 
-    fn map(fd: OwnedFd, len: usize) -> io::Result<Self> {
+    fn map(fd: OwnedFd, len: usize, populate: bool) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty slab"));
         }
-        let map = memmap2::MmapOptions::new().len(len).map_raw(&fd)?;
+        let mut opts = memmap2::MmapOptions::new();
+        opts.len(len);
+        if populate {
+            opts.populate();
+        }
+        let map = opts.map_raw(&fd)?;
         Ok(Self { map, fd, len })
     }
 

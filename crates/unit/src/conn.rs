@@ -4,11 +4,13 @@
 use std::collections::HashSet;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::TcpStream;
+use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
+use std::time::Duration;
 
 use stowage_core::{Allocated, BlobId, CoreError, PinId};
-use stowage_wire::io::{drain, read_header, read_prefix, write_all_vectored, ReadError};
+use stowage_wire::io::{drain, read_header, read_prefix, spin_read, write_all_vectored, ReadError};
 use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
 
 use crate::Shared;
@@ -16,6 +18,25 @@ use crate::Shared;
 pub(crate) enum Stream {
     Unix(UnixStream),
     Tcp(TcpStream),
+}
+
+/// The read half of a connection, polling for `spin` before it blocks.
+pub(crate) struct SpinReader {
+    stream: Stream,
+    spin: Duration,
+}
+
+impl Read for SpinReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let fd = match &self.stream {
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Tcp(s) => s.as_fd(),
+        };
+        if let Some(r) = spin_read(fd, buf, self.spin) {
+            return r;
+        }
+        self.stream.read(buf)
+    }
 }
 
 impl Stream {
@@ -63,7 +84,7 @@ struct Holdings {
 
 struct Conn {
     shared: Arc<Shared>,
-    reader: BufReader<Stream>,
+    reader: BufReader<SpinReader>,
     writer: Stream,
     namespace: Option<String>,
     holdings: Holdings,
@@ -81,8 +102,14 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Stream) {
         }
     };
     let mut c = Conn {
-        shared,
-        reader: BufReader::with_capacity(64 << 10, stream),
+        shared: shared.clone(),
+        reader: BufReader::with_capacity(
+            64 << 10,
+            SpinReader {
+                stream,
+                spin: shared.spin,
+            },
+        ),
         writer,
         namespace: None,
         holdings: Holdings::default(),

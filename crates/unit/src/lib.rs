@@ -56,6 +56,9 @@ pub struct UnitConfig {
     pub limits: Limits,
     /// Try to mlock the slab. Default true.
     pub mlock: bool,
+    /// How long a connection thread polls for the next request before it
+    /// blocks (adaptive polling; costs CPU while polling). Default 0 (off).
+    pub spin: Duration,
 }
 
 impl UnitConfig {
@@ -70,6 +73,7 @@ impl UnitConfig {
             quarantine: Duration::from_secs(5),
             limits: Limits::default(),
             mlock: true,
+            spin: Duration::ZERO,
         }
     }
 }
@@ -82,6 +86,7 @@ pub(crate) struct Shared {
     pub(crate) instance_id: u128,
     pub(crate) limits: Limits,
     pub(crate) stop: AtomicBool,
+    pub(crate) spin: Duration,
 }
 
 impl Shared {
@@ -176,6 +181,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         instance_id: u128::from_le_bytes(id),
         limits: cfg.limits,
         stop: AtomicBool::new(false),
+        spin: cfg.spin,
     });
 
     let mut handle = UnitHandle {
