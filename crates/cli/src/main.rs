@@ -59,7 +59,7 @@ enum Cmd {
         exit_with_stdin: bool,
         /// How long a connection thread polls for the next request before
         /// blocking (0 disables adaptive polling).
-        #[arg(long, value_parser = parse_duration, default_value = "0s")]
+        #[arg(long, value_parser = parse_duration, default_value = "50us")]
         spin: Duration,
     },
     /// Start a local data plane and run a workload against it.
@@ -89,7 +89,7 @@ enum Cmd {
         #[arg(long)]
         quick: bool,
         /// Adaptive polling budget of the client and the units.
-        #[arg(long, value_parser = parse_duration, default_value = "0s")]
+        #[arg(long, value_parser = parse_duration, default_value = "50us")]
         spin: Duration,
     },
     /// Print every unit's counters.

@@ -309,3 +309,43 @@ fn a_restarted_unit_is_told_apart_from_the_one_that_held_the_blobs() {
     c.put_rows(&[(Key::new(2, "a"), &v)], c.deadline()).unwrap();
     assert!(c.get_rows(&[Key::new(2, "a")], c.deadline()).unwrap()[0] == v);
 }
+
+#[test]
+fn busy_backs_off_until_reservations_expire_or_the_deadline_passes() {
+    let (p, _) = plane(
+        1,
+        4 * MIB,
+        &["--reservation-lease", "1s", "--quarantine", "100ms"],
+    );
+    let sock = p.units[0].uds.clone();
+    // A client reserves the whole slab and goes silent (but stays connected).
+    let mut hog = Raw::hello(&sock, "test");
+    assert!(matches!(
+        hog.call(&Request::Alloc {
+            blob: BlobId(1),
+            nbytes: 4 * MIB,
+            n_entries: 0
+        }),
+        Response::Allocated { .. }
+    ));
+    let v = pattern(0, 0, MIB as usize);
+    // A short deadline: Busy until it passes, then Timeout.
+    let c = client(&p, Kind::Shm, Duration::from_millis(300));
+    let t = std::time::Instant::now();
+    let r = c.put_rows(&[(Key::new(0, "v"), &v)], c.deadline());
+    assert!(
+        matches!(r, Err(Error::Timeout { unit: Some(0), .. })),
+        "{r:?}"
+    );
+    assert!(t.elapsed() < Duration::from_millis(300 + 1500));
+    // A long deadline: the reservation expires (1 s), its quarantine ends,
+    // and a retry after backoff gets the memory.
+    let c = client(&p, Kind::Shm, Duration::from_secs(10));
+    let t = std::time::Instant::now();
+    c.put_rows(&[(Key::new(0, "v"), &v)], c.deadline()).unwrap();
+    assert!(
+        t.elapsed() >= Duration::from_millis(500),
+        "put did not wait for the reservation"
+    );
+    assert!(c.get_rows(&[Key::new(0, "v")], c.deadline()).unwrap()[0] == v);
+}

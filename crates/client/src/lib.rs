@@ -67,7 +67,7 @@ pub struct ClientConfig {
     /// Asked about a unit after a failure. Default [`ProbeDirectory`].
     pub directory: Arc<dyn Directory>,
     /// How long to poll for a reply before blocking (adaptive polling;
-    /// costs CPU while polling). Default 0 (off).
+    /// costs CPU while polling). Default 50 µs; zero disables it.
     pub spin: Duration,
 }
 
@@ -79,7 +79,7 @@ impl ClientConfig {
             timeout: Duration::from_secs(30),
             shm: true,
             directory: Arc::new(ProbeDirectory::default()),
-            spin: Duration::ZERO,
+            spin: Duration::from_micros(50),
         }
     }
 }

@@ -1,10 +1,15 @@
 //! The unit's state: blobs, the key index and pins.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use crate::slab::{Region, SlabAllocator};
 use crate::{Allocated, BlobId, CoreError, EntrySpec, Key, Location, PinId, Time};
+
+/// How many freed committed blob ids a unit remembers, so that a retried
+/// alloc or commit of a blob that was committed and has since been freed
+/// still answers "already committed" instead of storing stale bytes again.
+pub const REMEMBERED_COMMITS: usize = 1 << 16;
 
 /// Settings of the core. Durations are measured on the driver's clock.
 #[derive(Clone, Debug)]
@@ -100,6 +105,10 @@ pub struct UnitCore {
     entries: u64,
     reserved_bytes: u64,
     quarantined_bytes: u64,
+    /// Ids of committed blobs freed lately (at most [`REMEMBERED_COMMITS`]),
+    /// oldest first.
+    freed_commits: VecDeque<BlobId>,
+    freed_commit_set: HashSet<BlobId>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -131,6 +140,8 @@ impl UnitCore {
             entries: 0,
             reserved_bytes: 0,
             quarantined_bytes: 0,
+            freed_commits: VecDeque::new(),
+            freed_commit_set: HashSet::new(),
         })
     }
 
@@ -180,6 +191,9 @@ impl UnitCore {
                     "blob {blob:?} was aborted or expired; use a new blob id"
                 ))),
             };
+        }
+        if self.freed_commit_set.contains(&blob) {
+            return Ok(Allocated::AlreadyCommitted);
         }
         let capacity = self.slab.capacity();
         if SlabAllocator::rounded(nbytes) > capacity {
@@ -235,7 +249,13 @@ impl UnitCore {
         blob: BlobId,
         entries: &[EntrySpec],
     ) -> Result<(), CoreError> {
-        let b = self.blobs.get(&blob).ok_or(CoreError::UnknownBlob(blob))?;
+        let Some(b) = self.blobs.get(&blob) else {
+            return if self.freed_commit_set.contains(&blob) {
+                Ok(())
+            } else {
+                Err(CoreError::UnknownBlob(blob))
+            };
+        };
         let (nbytes, base) = (b.nbytes, b.region.offset);
         match b.state {
             State::Committed { .. } => return Ok(()),
@@ -438,8 +458,19 @@ impl UnitCore {
         {
             if let Some(b) = self.blobs.remove(&blob) {
                 self.slab.free(b.region);
+                self.remember_commit(blob);
             }
         }
+    }
+
+    fn remember_commit(&mut self, blob: BlobId) {
+        if self.freed_commits.len() >= REMEMBERED_COMMITS {
+            if let Some(old) = self.freed_commits.pop_front() {
+                self.freed_commit_set.remove(&old);
+            }
+        }
+        self.freed_commits.push_back(blob);
+        self.freed_commit_set.insert(blob);
     }
 
     /// Reclaim what is due at `now`: expired reservations (into quarantine),
@@ -561,6 +592,16 @@ mod tests {
         assert_eq!(c.stats().entries, 2);
         assert_eq!(c.release_rows("ns", &[1]), 2);
         assert_eq!(c.stats().used, 0);
+        assert_eq!(
+            c.alloc(b, 100, 2, t(4)).unwrap(),
+            Allocated::AlreadyCommitted
+        );
+        c.commit("ns", b, &[entry(9, "a", 0, 1)]).unwrap();
+        assert_eq!(
+            c.stats().entries,
+            0,
+            "a late commit retry publishes nothing"
+        );
     }
 
     #[test]

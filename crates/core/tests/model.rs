@@ -191,6 +191,9 @@ struct Harness {
     pins: BTreeMap<PinId, MPin>,
     /// Pins unpinned or reclaimed: unpinning them again must change nothing.
     dead_pins: Vec<PinId>,
+    /// Committed blobs since freed: the unit remembers them, so a retried
+    /// alloc answers AlreadyCommitted and a retried commit succeeds.
+    freed_commits: BTreeSet<BlobId>,
 }
 
 impl Harness {
@@ -210,6 +213,7 @@ impl Harness {
             values: BTreeMap::new(),
             pins: BTreeMap::new(),
             dead_pins: Vec::new(),
+            freed_commits: BTreeSet::new(),
         }
     }
 
@@ -280,8 +284,14 @@ impl Harness {
         for p in self.pins.values() {
             held.extend(p.blobs.iter().copied());
         }
-        self.blobs
-            .retain(|id, b| b.state != MState::Committed || held.contains(id));
+        let freed = &mut self.freed_commits;
+        self.blobs.retain(|id, b| {
+            let keep = b.state != MState::Committed || held.contains(id);
+            if !keep {
+                freed.insert(*id);
+            }
+            keep
+        });
     }
 
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
@@ -463,6 +473,14 @@ impl Harness {
                     id
                 );
             }
+            None if self.freed_commits.contains(&id) => {
+                prop_assert_eq!(
+                    got,
+                    Ok(Allocated::AlreadyCommitted),
+                    "alloc of committed-then-freed {:?}",
+                    id
+                );
+            }
             None => {
                 let len = rounded(nbytes);
                 let free = CAP - self.used();
@@ -547,8 +565,12 @@ impl Harness {
 
     fn commit(&mut self, id: BlobId, specs: &[EntrySpec]) -> Result<(), TestCaseError> {
         let got = self.core.commit(NS, id, specs);
+        if !self.blobs.contains_key(&id) && self.freed_commits.contains(&id) {
+            prop_assert_eq!(got, Ok(()), "commit retry of committed-then-freed {:?}", id);
+            return Ok(());
+        }
         match self.blobs.get(&id).copied() {
-            // Never allocated, freed, or a reservation whose lease ended and
+            // Never allocated, or a reservation whose lease ended and
             // was reclaimed by a tick (quarantined, or already freed).
             None
             | Some(MBlob {
