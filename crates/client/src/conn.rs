@@ -2,14 +2,15 @@
 
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsFd;
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stowage_shm::Slab;
-use stowage_wire::io::{read_header, read_prefix, spin_read, write_all_vectored, ReadError};
+use stowage_wire::io::{
+    read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
+};
 use stowage_wire::{encode, Envelope, Limits, Request, Response, PROTOCOL_VERSION};
 
 /// Where a unit listens.
@@ -81,39 +82,6 @@ impl From<ReadError> for ConnError {
     }
 }
 
-enum Stream {
-    Unix(UnixStream),
-    Tcp(TcpStream),
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.read(buf),
-            Stream::Tcp(s) => s.read(buf),
-        }
-    }
-}
-
-/// The read half, polling for `spin` before it blocks.
-struct SpinReader {
-    stream: Stream,
-    spin: Duration,
-}
-
-impl Read for SpinReader {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let fd = match &self.stream {
-            Stream::Unix(s) => s.as_fd(),
-            Stream::Tcp(s) => s.as_fd(),
-        };
-        if let Some(r) = spin_read(fd, buf, self.spin) {
-            return r;
-        }
-        self.stream.read(buf)
-    }
-}
-
 /// The remaining time, or Timeout when none is left.
 pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -126,7 +94,7 @@ pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
 
 pub(crate) struct Conn {
     reader: BufReader<SpinReader>,
-    writer: Stream,
+    writer: Socket,
     pub(crate) instance_id: u128,
     pub(crate) slab: Option<Arc<Slab>>,
     next_id: u64,
@@ -152,20 +120,20 @@ impl Conn {
         let (reader, writer) = match addr {
             UnitAddr::Unix(p) => {
                 let s = UnixStream::connect(p)?;
-                (Stream::Unix(s.try_clone()?), Stream::Unix(s))
+                (Socket::Unix(s.try_clone()?), Socket::Unix(s))
             }
             UnitAddr::Tcp(a) => {
                 let s = TcpStream::connect_timeout(a, left)?;
                 s.set_nodelay(true)?;
-                (Stream::Tcp(s.try_clone()?), Stream::Tcp(s))
+                (Socket::Tcp(s.try_clone()?), Socket::Tcp(s))
             }
         };
-        let want_fd = want_fd && matches!(writer, Stream::Unix(_));
+        let want_fd = want_fd && matches!(writer, Socket::Unix(_));
         let mut c = Conn {
             reader: BufReader::with_capacity(
                 64 << 10,
                 SpinReader {
-                    stream: reader,
+                    socket: reader,
                     spin,
                 },
             ),
@@ -230,7 +198,7 @@ impl Conn {
         &mut self,
         deadline: Instant,
     ) -> Result<(Response, Option<std::os::fd::OwnedFd>), ConnError> {
-        let Stream::Unix(s) = &self.reader.get_ref().stream else {
+        let Socket::Unix(s) = &self.reader.get_ref().socket else {
             return Err(ConnError::Protocol("fd passing needs a Unix socket".into()));
         };
         s.set_read_timeout(Some(remaining(deadline)?))?;
@@ -264,16 +232,7 @@ impl Conn {
             None => true,
         };
         if stale {
-            match &self.writer {
-                Stream::Unix(s) => {
-                    s.set_read_timeout(Some(left))?;
-                    s.set_write_timeout(Some(left))?;
-                }
-                Stream::Tcp(s) => {
-                    s.set_read_timeout(Some(left))?;
-                    s.set_write_timeout(Some(left))?;
-                }
-            }
+            self.writer.set_timeouts(Some(left))?;
             self.read_timeout = Some(left);
         }
         Ok(())
@@ -293,14 +252,13 @@ impl Conn {
         self.out.clear();
         encode(id, req, payload_len, &mut self.out)
             .map_err(|e| ConnError::Protocol(e.to_string()))?;
-        let mut w = WriterRef(&mut self.writer);
         if payload.is_empty() {
-            w.write_all(&self.out)?;
+            self.writer.write_all(&self.out)?;
         } else {
             let mut all = Vec::with_capacity(payload.len() + 1);
             all.push(IoSlice::new(&self.out));
             all.extend(payload.iter().map(|s| IoSlice::new(s)));
-            write_all_vectored(&mut w, &mut all)?;
+            write_all_vectored(&mut self.writer, &mut all)?;
         }
         Ok(id)
     }
@@ -336,26 +294,6 @@ impl Conn {
     pub(crate) fn skip_payload(&mut self, n: u64, deadline: Instant) -> Result<(), ConnError> {
         self.set_timeouts(deadline)?;
         stowage_wire::io::drain(&mut self.reader, n)?;
-        Ok(())
-    }
-}
-
-struct WriterRef<'a>(&'a mut Stream);
-
-impl Write for WriterRef<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self.0 {
-            Stream::Unix(s) => s.write(buf),
-            Stream::Tcp(s) => s.write(buf),
-        }
-    }
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self.0 {
-            Stream::Unix(s) => s.write_vectored(bufs),
-            Stream::Tcp(s) => s.write_vectored(bufs),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
         Ok(())
     }
 }

@@ -3,77 +3,15 @@
 
 use std::collections::HashSet;
 use std::io::{self, BufReader, IoSlice, Read, Write};
-use std::net::TcpStream;
-use std::os::fd::AsFd;
-use std::os::unix::net::UnixStream;
 use std::sync::Arc;
-use std::time::Duration;
 
 use stowage_core::{Allocated, BlobId, CoreError, PinId};
-use stowage_wire::io::{drain, read_header, read_prefix, spin_read, write_all_vectored, ReadError};
+use stowage_wire::io::{
+    drain, read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
+};
 use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
 
 use crate::Shared;
-
-pub(crate) enum Stream {
-    Unix(UnixStream),
-    Tcp(TcpStream),
-}
-
-/// The read half of a connection, polling for `spin` before it blocks.
-pub(crate) struct SpinReader {
-    stream: Stream,
-    spin: Duration,
-}
-
-impl Read for SpinReader {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let fd = match &self.stream {
-            Stream::Unix(s) => s.as_fd(),
-            Stream::Tcp(s) => s.as_fd(),
-        };
-        if let Some(r) = spin_read(fd, buf, self.spin) {
-            return r;
-        }
-        self.stream.read(buf)
-    }
-}
-
-impl Stream {
-    fn try_clone(&self) -> io::Result<Stream> {
-        Ok(match self {
-            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
-            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
-        })
-    }
-}
-
-impl Read for Stream {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.read(buf),
-            Stream::Tcp(s) => s.read(buf),
-        }
-    }
-}
-
-impl Write for Stream {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.write(buf),
-            Stream::Tcp(s) => s.write(buf),
-        }
-    }
-    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-        match self {
-            Stream::Unix(s) => s.write_vectored(bufs),
-            Stream::Tcp(s) => s.write_vectored(bufs),
-        }
-    }
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
 
 /// What a connection holds on the unit, given back when it ends.
 #[derive(Default)]
@@ -85,7 +23,7 @@ struct Holdings {
 struct Conn {
     shared: Arc<Shared>,
     reader: BufReader<SpinReader>,
-    writer: Stream,
+    writer: Socket,
     namespace: Option<String>,
     holdings: Holdings,
     out: Vec<u8>,
@@ -93,7 +31,7 @@ struct Conn {
 }
 
 /// Serve one connection until it ends.
-pub(crate) fn serve(shared: Arc<Shared>, stream: Stream) {
+pub(crate) fn serve(shared: Arc<Shared>, stream: Socket) {
     let writer = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => {
@@ -106,7 +44,7 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Stream) {
         reader: BufReader::with_capacity(
             64 << 10,
             SpinReader {
-                stream,
+                socket: stream,
                 spin: shared.spin,
             },
         ),
@@ -276,7 +214,7 @@ impl Conn {
             return Err(ConnEnd::Invalid("protocol version mismatch".into()));
         }
         self.namespace = Some(namespace);
-        let attach = want_fd && matches!(self.writer, Stream::Unix(_));
+        let attach = want_fd && matches!(self.writer, Socket::Unix(_));
         let r = Response::Hello {
             version: PROTOCOL_VERSION,
             instance_id: self.shared.instance_id,
@@ -286,7 +224,7 @@ impl Conn {
         self.out.clear();
         encode(id, &r, 0, &mut self.out).map_err(io::Error::other)?;
         match &self.writer {
-            Stream::Unix(s) if attach => {
+            Socket::Unix(s) if attach => {
                 let sent = stowage_shm::send_with_fd(s, &self.out, self.shared.slab.fd())?;
                 let rest = self.out[sent..].to_vec();
                 self.writer.write_all(&rest)?;

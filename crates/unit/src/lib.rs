@@ -32,6 +32,7 @@ use std::time::{Duration, Instant};
 
 use stowage_core::{CoreConfig, UnitCore};
 use stowage_shm::{LockOutcome, Slab};
+use stowage_wire::io::Socket;
 use stowage_wire::Limits;
 
 /// Settings of one unit.
@@ -266,7 +267,7 @@ fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
                 let sh = shared.clone();
                 let _ = std::thread::Builder::new()
                     .name("conn-uds".into())
-                    .spawn(move || conn::serve(sh, conn::Stream::Unix(s)));
+                    .spawn(move || conn::serve(sh, Socket::Unix(s)));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on the Unix socket failed");
@@ -287,7 +288,7 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
                 let sh = shared.clone();
                 let _ = std::thread::Builder::new()
                     .name("conn-tcp".into())
-                    .spawn(move || conn::serve(sh, conn::Stream::Tcp(s)));
+                    .spawn(move || conn::serve(sh, Socket::Tcp(s)));
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on TCP failed");

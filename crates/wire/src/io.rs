@@ -2,7 +2,9 @@
 //! server and the client.
 
 use std::io::{self, IoSlice, Read, Write};
-use std::os::fd::BorrowedFd;
+use std::net::TcpStream;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use serde::de::DeserializeOwned;
@@ -91,6 +93,87 @@ pub fn spin_read(
             }
             Err(e) => return Some(Err(e.into())),
         }
+    }
+}
+
+/// A connected stream socket: a Unix socket (same host) or TCP.
+pub enum Socket {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Socket {
+    pub fn try_clone(&self) -> io::Result<Socket> {
+        Ok(match self {
+            Socket::Unix(s) => Socket::Unix(s.try_clone()?),
+            Socket::Tcp(s) => Socket::Tcp(s.try_clone()?),
+        })
+    }
+
+    /// Bound blocking reads and writes (`None`: unbounded).
+    pub fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Socket::Unix(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+            Socket::Tcp(s) => {
+                s.set_read_timeout(t)?;
+                s.set_write_timeout(t)
+            }
+        }
+    }
+}
+
+impl AsFd for Socket {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Socket::Unix(s) => s.as_fd(),
+            Socket::Tcp(s) => s.as_fd(),
+        }
+    }
+}
+
+impl Read for Socket {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => s.read(buf),
+            Socket::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Socket {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => s.write(buf),
+            Socket::Tcp(s) => s.write(buf),
+        }
+    }
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        match self {
+            Socket::Unix(s) => s.write_vectored(bufs),
+            Socket::Tcp(s) => s.write_vectored(bufs),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A socket's read half that polls for `spin` before it blocks (see
+/// [`spin_read`]).
+pub struct SpinReader {
+    pub socket: Socket,
+    pub spin: Duration,
+}
+
+impl Read for SpinReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if let Some(r) = spin_read(self.socket.as_fd(), buf, self.spin) {
+            return r;
+        }
+        self.socket.read(buf)
     }
 }
 
