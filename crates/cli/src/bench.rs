@@ -179,12 +179,17 @@ pub fn quantile(v: &mut [f64], q: f64) -> f64 {
 }
 
 /// Run the whole benchmark and print it.
-pub fn run(binary: &std::path::Path, quick: bool, spin: Duration) -> Result<(), String> {
+pub fn run(
+    unit_command: Vec<std::ffi::OsString>,
+    quick: bool,
+    spin: Duration,
+) -> Result<(), String> {
     let sizes = [64usize << 10, 1 << 20, 16 << 20];
     let memory = 512u64 << 20;
     let mut opts = LocalOptions::new(2, memory);
+    opts.command = unit_command;
     opts.unit_args = vec!["--spin".into(), format!("{}us", spin.as_micros())];
-    let mut plane = LocalPlane::start(binary, &opts)?;
+    let mut plane = LocalPlane::start(&opts)?;
     let connect = |addrs| {
         let mut cfg = ClientConfig::new("bench", addrs);
         cfg.spin = spin;

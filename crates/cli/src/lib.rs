@@ -14,6 +14,7 @@
 #![forbid(unsafe_code)]
 
 pub mod bench;
+pub mod cli;
 pub mod local;
 pub mod workload;
 

@@ -7,7 +7,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -18,6 +18,9 @@ use stowage_client::UnitAddr;
 /// Settings of a local plane.
 #[derive(Clone, Debug)]
 pub struct LocalOptions {
+    /// The command that runs one unit, without the unit's own arguments:
+    /// e.g. `["/usr/bin/stowage", "unit"]`.
+    pub command: Vec<std::ffi::OsString>,
     pub units: usize,
     /// Slab bytes per unit.
     pub memory: u64,
@@ -30,6 +33,7 @@ pub struct LocalOptions {
 impl LocalOptions {
     pub fn new(units: usize, memory: u64) -> Self {
         Self {
+            command: vec!["stowage".into(), "unit".into()],
             units,
             memory,
             unit_args: Vec::new(),
@@ -60,20 +64,21 @@ impl LocalUnit {
 /// A set of units on this machine, stopped on drop.
 pub struct LocalPlane {
     pub units: Vec<LocalUnit>,
-    binary: PathBuf,
     dir: tempfile::TempDir,
 }
 
 impl LocalPlane {
-    /// Start `opts.units` units from the `stowage` binary at `binary`.
-    pub fn start(binary: &Path, opts: &LocalOptions) -> Result<Self, String> {
+    /// Start `opts.units` units with `opts.command`.
+    pub fn start(opts: &LocalOptions) -> Result<Self, String> {
+        if opts.command.is_empty() {
+            return Err("no command to start a unit with".into());
+        }
         let dir = tempfile::Builder::new()
             .prefix("stowage-local-")
             .tempdir()
             .map_err(|e| format!("creating a socket directory: {e}"))?;
         let mut plane = LocalPlane {
             units: Vec::new(),
-            binary: binary.to_owned(),
             dir,
         };
         for i in 0..opts.units {
@@ -85,8 +90,8 @@ impl LocalPlane {
 
     fn spawn(&self, i: usize, opts: &LocalOptions) -> Result<LocalUnit, String> {
         let uds = self.dir.path().join(format!("unit-{i}.sock"));
-        let mut child = Command::new(&self.binary)
-            .arg("unit")
+        let mut child = Command::new(&opts.command[0])
+            .args(&opts.command[1..])
             .arg("--name")
             .arg(format!("unit-{i}"))
             .arg("--memory")
@@ -105,7 +110,7 @@ impl LocalPlane {
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
-            .map_err(|e| format!("starting {}: {e}", self.binary.display()))?;
+            .map_err(|e| format!("starting {:?}: {e}", opts.command))?;
         let stdout = child.stdout.take().ok_or("unit stdout missing")?;
         let (tx, rx) = mpsc::channel();
         std::thread::spawn(move || {

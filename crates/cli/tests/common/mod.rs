@@ -29,11 +29,12 @@ pub fn binary() -> &'static Path {
 /// mlocked, to start fast) and extra unit arguments.
 pub fn plane(units: usize, memory: u64, extra: &[&str]) -> (LocalPlane, LocalOptions) {
     let mut opts = LocalOptions::new(units, memory);
+    opts.command = vec![binary().into(), "unit".into()];
     opts.unit_args = std::iter::once("--no-mlock")
         .chain(extra.iter().copied())
         .map(String::from)
         .collect();
-    let p = LocalPlane::start(binary(), &opts).expect("local plane starts");
+    let p = LocalPlane::start(&opts).expect("local plane starts");
     (p, opts)
 }
 

@@ -1,0 +1,282 @@
+//! The `stowage` command line, as a library function so that the binary
+//! and the Python package (`python -m stowage ...`) run the same code.
+
+use std::io::Read;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use crate::local::{LocalOptions, LocalPlane};
+use crate::{bench, parse_duration, parse_size, workload};
+use clap::{Parser, Subcommand, ValueEnum};
+use stowage_client::{Client, ClientConfig, UnitAddr};
+
+#[derive(Parser)]
+#[command(
+    name = "stowage",
+    version,
+    about = "A data plane for RL post-training of LLMs"
+)]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum TransportArg {
+    Shm,
+    Tcp,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Run one storage unit.
+    Unit {
+        /// Slab memory, e.g. 1GiB.
+        #[arg(long, value_parser = parse_size, default_value = "1GiB")]
+        memory: u64,
+        /// Where to listen: unix:/path/unit.sock and/or tcp:127.0.0.1:PORT
+        /// (repeatable). Default: unix:/tmp/stowage-unit-0.sock.
+        #[arg(long)]
+        listen: Vec<String>,
+        /// A name for logs.
+        #[arg(long, default_value = "unit-0")]
+        name: String,
+        /// Lease of pins taken by reads.
+        #[arg(long, value_parser = parse_duration, default_value = "30s")]
+        pin_lease: Duration,
+        /// Lease of uncommitted reservations.
+        #[arg(long, value_parser = parse_duration, default_value = "30s")]
+        reservation_lease: Duration,
+        /// Quarantine of ranges a writer may still touch.
+        #[arg(long, value_parser = parse_duration, default_value = "5s")]
+        quarantine: Duration,
+        /// Do not try to mlock the slab.
+        #[arg(long)]
+        no_mlock: bool,
+        /// Exit when standard input closes (the parent is gone).
+        #[arg(long)]
+        exit_with_stdin: bool,
+        /// How long a connection thread polls for the next request before
+        /// blocking (0 disables adaptive polling).
+        #[arg(long, value_parser = parse_duration, default_value = "50us")]
+        spin: Duration,
+    },
+    /// Start a local data plane and run a workload against it.
+    Local {
+        /// Number of units.
+        #[arg(long, default_value_t = 2)]
+        units: usize,
+        /// Memory per unit.
+        #[arg(long, value_parser = parse_size, default_value = "256MiB")]
+        memory: u64,
+        /// Transport between the workload and the units.
+        #[arg(long, value_enum, default_value = "shm")]
+        transport: TransportArg,
+        /// RL steps to run.
+        #[arg(long, default_value_t = 5)]
+        steps: usize,
+        /// Rows per step.
+        #[arg(long, default_value_t = 1024)]
+        rows: usize,
+        /// Bytes per value.
+        #[arg(long, value_parser = parse_size, default_value = "16KiB")]
+        value: u64,
+    },
+    /// Measure put/get against memcpy and raw TCP on this machine.
+    Bench {
+        /// A shorter run (a minute or less).
+        #[arg(long)]
+        quick: bool,
+        /// Adaptive polling budget of the client and the units.
+        #[arg(long, value_parser = parse_duration, default_value = "50us")]
+        spin: Duration,
+    },
+    /// Print every unit's counters.
+    Stats {
+        /// Unit addresses (unix:/path or tcp:host:port).
+        #[arg(required = true)]
+        units: Vec<String>,
+        #[arg(long, default_value = "default")]
+        namespace: String,
+    },
+}
+
+/// Run the command line `args` (the first is the program name). Sets up
+/// logging to stderr once per process.
+pub fn main_with_args<I, T>(args: I) -> ExitCode
+where
+    I: IntoIterator<Item = T>,
+    T: Into<std::ffi::OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(c) => c,
+        Err(e) => {
+            let _ = e.print();
+            return if e.use_stderr() {
+                ExitCode::from(2)
+            } else {
+                ExitCode::SUCCESS
+            };
+        }
+    };
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .try_init();
+    match run(cli) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("stowage: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    match cli.cmd {
+        Cmd::Unit {
+            memory,
+            listen,
+            name,
+            pin_lease,
+            reservation_lease,
+            quarantine,
+            no_mlock,
+            exit_with_stdin,
+            spin,
+        } => {
+            let mut cfg = stowage_unit::UnitConfig::new(name, memory);
+            cfg.pin_lease = pin_lease;
+            cfg.reservation_lease = reservation_lease;
+            cfg.quarantine = quarantine;
+            cfg.mlock = !no_mlock;
+            cfg.spin = spin;
+            let listen = if listen.is_empty() {
+                vec!["unix:/tmp/stowage-unit-0.sock".to_string()]
+            } else {
+                listen
+            };
+            for l in &listen {
+                match l.parse::<UnitAddr>()? {
+                    UnitAddr::Unix(p) => cfg.uds = Some(p),
+                    UnitAddr::Tcp(a) => cfg.tcp = Some(a),
+                }
+            }
+            let handle = stowage_unit::start(cfg).map_err(|e| e.to_string())?;
+            // One line on stdout tells a launcher where the unit listens.
+            println!(
+                "READY uds={} tcp={} instance={:032x}",
+                handle
+                    .uds
+                    .as_ref()
+                    .map(|p| p.display().to_string())
+                    .unwrap_or_default(),
+                handle.tcp.map(|a| a.to_string()).unwrap_or_default(),
+                handle.instance_id()
+            );
+            if exit_with_stdin {
+                let mut sink = [0u8; 256];
+                let mut stdin = std::io::stdin();
+                while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+                handle.stop();
+                tracing::info!("standard input closed; unit exiting");
+                Ok(())
+            } else {
+                loop {
+                    std::thread::park();
+                }
+            }
+        }
+        Cmd::Local {
+            units,
+            memory,
+            transport,
+            steps,
+            rows,
+            value,
+        } => {
+            let exe = unit_command()?;
+            println!(
+                "starting a local data plane: {units} units x {}",
+                bytesize::ByteSize(memory).display().iec()
+            );
+            let mut opts = LocalOptions::new(units, memory);
+            opts.command = exe;
+            let mut plane = LocalPlane::start(&opts)?;
+            let addrs = match transport {
+                TransportArg::Shm => plane.uds_addrs(),
+                TransportArg::Tcp => plane.tcp_addrs(),
+            };
+            for (i, a) in addrs.iter().enumerate() {
+                println!("  unit {i}: {a} (pid {})", plane.units[i].pid());
+            }
+            let client =
+                Client::connect(ClientConfig::new("local", addrs)).map_err(|e| e.to_string())?;
+            let w = workload::Workload {
+                steps,
+                rows,
+                fields: vec!["input_ids".into(), "logprobs".into()],
+                value_bytes: value as usize,
+            };
+            println!(
+                "workload: {steps} steps of {rows} rows x {} fields x {} (put, 2 reads, clear), all bytes checked",
+                w.fields.len(),
+                bytesize::ByteSize(value).display().iec()
+            );
+            let report = workload::run(&client, &w)?;
+            report.print(match transport {
+                TransportArg::Shm => "shm",
+                TransportArg::Tcp => "tcp",
+            });
+            for (i, s) in client.stats(client.deadline()).into_iter().enumerate() {
+                let s = s.map_err(|e| e.to_string())?;
+                println!(
+                    "  unit {i} after the run: {} entries, {} bytes used, {} pins",
+                    s.entries, s.used, s.pins
+                );
+            }
+            plane.stop();
+            Ok(())
+        }
+        Cmd::Bench { quick, spin } => bench::run(unit_command()?, quick, spin),
+        Cmd::Stats { units, namespace } => {
+            let addrs = units
+                .iter()
+                .map(|u| u.parse::<UnitAddr>())
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut cfg = ClientConfig::new(namespace, addrs.clone());
+            cfg.shm = false;
+            cfg.timeout = Duration::from_secs(5);
+            let client = Client::connect(cfg).map_err(|e| e.to_string())?;
+            for (a, s) in addrs.iter().zip(client.stats(client.deadline())) {
+                match s {
+                    Ok(s) => println!(
+                        "{a}: {}/{} bytes used ({} reserved, {} quarantined), {} blobs, {} entries, {} rows, {} pins",
+                        s.used, s.capacity, s.reserved_bytes, s.quarantined_bytes, s.blobs, s.entries, s.rows, s.pins
+                    ),
+                    Err(e) => println!("{a}: {e}"),
+                }
+            }
+            Ok(())
+        }
+    }
+}
+
+/// How to start a unit process from this process: this executable with the
+/// `unit` subcommand, unless `STOWAGE_UNIT_COMMAND` names another command
+/// (whitespace-separated, e.g. `python3 -m stowage unit`).
+pub fn unit_command() -> Result<Vec<std::ffi::OsString>, String> {
+    if let Ok(cmd) = std::env::var("STOWAGE_UNIT_COMMAND") {
+        let parts: Vec<std::ffi::OsString> = cmd.split_whitespace().map(Into::into).collect();
+        if parts.is_empty() {
+            return Err("STOWAGE_UNIT_COMMAND is empty".into());
+        }
+        return Ok(parts);
+    }
+    let exe = std::env::current_exe().map_err(|e| format!("locating this executable: {e}"))?;
+    Ok(vec![exe.into(), "unit".into()])
+}
