@@ -102,7 +102,12 @@ pub fn stowage_gbps(client: &Client, size: usize, iters: usize) -> Result<(f64, 
         let mut bufs = [&mut out[..]];
         let mut sink = stowage_client::SliceSink::new(&mut bufs);
         client
-            .get_into(&[(0, key.clone())], &mut sink, client.deadline())
+            .get_into(
+                stowage_client::DEFAULT_PARTITION,
+                &[(0, key.clone())],
+                &mut sink,
+                client.deadline(),
+            )
             .map_err(|e| e.to_string())?;
         let t2 = Instant::now();
         if i >= warmup {
@@ -140,12 +145,14 @@ pub fn latency_us(
             .put_many(
                 &[stowage_client::BlobPut {
                     unit: 0,
+                    partition: stowage_client::DEFAULT_PARTITION,
                     blob: stowage_client::new_blob_id(),
                     segments: vec![&value],
                     entries: vec![stowage_client::EntrySpec {
                         key: key.clone(),
                         offset: 0,
                         len: size as u64,
+                        meta: Vec::new(),
                     }],
                 }],
                 client.deadline(),
@@ -155,7 +162,12 @@ pub fn latency_us(
         let mut bufs = [&mut out[..]];
         let mut sink = stowage_client::SliceSink::new(&mut bufs);
         client
-            .get_into(&[(0, key)], &mut sink, client.deadline())
+            .get_into(
+                stowage_client::DEFAULT_PARTITION,
+                &[(0, key)],
+                &mut sink,
+                client.deadline(),
+            )
             .map_err(|e| e.to_string())?;
         let t2 = Instant::now();
         if i >= 50 {

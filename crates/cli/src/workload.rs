@@ -90,7 +90,12 @@ pub fn run(client: &Client, w: &Workload) -> Result<Report, String> {
             let t = Instant::now();
             let mut sink = SliceSink::new(&mut bufs);
             client
-                .get_into(&placed, &mut sink, client.deadline())
+                .get_into(
+                    stowage_client::DEFAULT_PARTITION,
+                    &placed,
+                    &mut sink,
+                    client.deadline(),
+                )
                 .map_err(|e| format!("step {step}: get: {e}"))?;
             report.get_time += t.elapsed();
             report.bytes_got += sink.lens.iter().sum::<u64>();

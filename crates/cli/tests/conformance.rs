@@ -59,8 +59,13 @@ fn round_trips_from_1_byte_to_64_mib(kind: Kind) {
         let mut buf = vec![0xEEu8; size + 10];
         let mut bufs = [&mut buf[..]];
         let mut sink = SliceSink::new(&mut bufs);
-        c.get_into(&[(c.unit_of_row(key.row), key)], &mut sink, c.deadline())
-            .unwrap();
+        c.get_into(
+            stowage_client::DEFAULT_PARTITION,
+            &[(c.unit_of_row(key.row), key)],
+            &mut sink,
+            c.deadline(),
+        )
+        .unwrap();
         assert_eq!(sink.lens[0], size as u64);
         assert!(buf[..size] == v[..]);
         assert!(
@@ -322,7 +327,7 @@ fn replaced_values_and_missing_keys(kind: Kind) {
         ],
         c.deadline(),
     ) {
-        Err(Error::NotFound { mut keys }) => {
+        Err(Error::NotFound { mut keys, .. }) => {
             keys.sort();
             assert_eq!(
                 keys,

@@ -68,7 +68,12 @@ fn bad_frames_get_invalid_request_while_others_carry_on() {
         let mut r = Raw::hello(&sock, "test");
         let mut frame = Vec::new();
         let keys = vec![Key::new(1, "a-long-field-name")];
-        encode(7, &Request::Resolve { keys }, 0, &mut frame).unwrap();
+        let req = Request::Resolve {
+            partition: String::new(),
+            keys,
+            hold: false,
+        };
+        encode(7, &req, 0, &mut frame).unwrap();
         let cut = frame.len() - 6;
         let header_len = (cut - PREFIX_LEN) as u32;
         frame[..4].copy_from_slice(&header_len.to_le_bytes());
@@ -102,6 +107,7 @@ fn bad_frames_get_invalid_request_while_others_carry_on() {
         // Too many keys for the unit's limits is refused as well.
         let mut r = Raw::hello(&sock, "test");
         r.send(&Request::ReleaseRows {
+            partition: String::new(),
             rows: (0..(1u64 << 20) + 1).collect(),
         });
         expect_invalid_then_closed(r, "too many rows");
@@ -168,18 +174,29 @@ fn leases_reclaim_pins_and_reservations_of_a_silent_client() {
         key: Key::new(1, "f"),
         offset: 0,
         len: 100,
+        meta: vec![],
     }];
     assert_eq!(
         r.call(&Request::Commit {
             blob,
+            partition: String::new(),
             entries: entries.clone()
         }),
         Response::Done
     );
     // Commit is idempotent.
-    assert_eq!(r.call(&Request::Commit { blob, entries }), Response::Done);
+    assert_eq!(
+        r.call(&Request::Commit {
+            blob,
+            partition: String::new(),
+            entries
+        }),
+        Response::Done
+    );
     let pinned = r.call(&Request::Resolve {
+        partition: String::new(),
         keys: vec![Key::new(1, "f")],
+        hold: false,
     });
     assert!(
         matches!(pinned, Response::Resolved { pin: Some(_), .. }),
@@ -211,6 +228,7 @@ fn leases_reclaim_pins_and_reservations_of_a_silent_client() {
     assert!(matches!(
         r.call(&Request::Commit {
             blob: BlobId(43),
+            partition: String::new(),
             entries: vec![]
         }),
         Response::Error {
@@ -229,7 +247,9 @@ fn pin_holder_child() {
         .expect("run only by pins_of_a_killed_client_are_reclaimed");
     let mut r = Raw::hello(std::path::Path::new(&sock), "ns");
     let resp = r.call(&Request::Resolve {
+        partition: String::new(),
         keys: vec![Key::new(0, "v")],
+        hold: false,
     });
     assert!(matches!(resp, Response::Resolved { pin: Some(_), .. }));
     println!("PINNED");

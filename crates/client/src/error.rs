@@ -21,20 +21,23 @@ pub enum Error {
         in_flight: bool,
     },
     /// The unit is gone (dead, or restarted with empty memory): the blobs
-    /// and keys it held are lost.
+    /// and keys it held are lost. `named`: the keys as the caller named them
+    /// (`"row@field"`, or `"uid@field"` for string row keys).
     #[error("unit {unit} is gone; lost {} keys and {} blobs", keys.len(), blobs.len())]
     LostBlobs {
         unit: usize,
         blobs: Vec<BlobId>,
         keys: Vec<Key>,
+        named: Vec<String>,
     },
     /// The deadline passed before the unit answered (or while it kept
     /// answering Busy).
     #[error("deadline passed waiting for unit {unit:?}: {what}")]
     Timeout { unit: Option<usize>, what: String },
-    /// Keys that are not stored (every missing key is named).
-    #[error("{} keys not found: {}", keys.len(), preview(keys))]
-    NotFound { keys: Vec<Key> },
+    /// Keys that are not stored (every missing key is named; `named` as
+    /// the caller named them).
+    #[error("{} keys not found: {}", keys.len(), preview(named))]
+    NotFound { keys: Vec<Key>, named: Vec<String> },
     /// Malformed input or a request the unit refused as invalid.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
@@ -47,12 +50,17 @@ pub enum Error {
     Io(String),
 }
 
-fn preview(keys: &[Key]) -> String {
-    let mut s: Vec<String> = keys.iter().take(8).map(|k| k.to_string()).collect();
+fn preview(keys: &[String]) -> String {
+    let mut s: Vec<String> = keys.iter().take(8).cloned().collect();
     if keys.len() > 8 {
         s.push(format!("… {} more", keys.len() - 8));
     }
     s.join(", ")
+}
+
+/// The text form of keys, `"row@field"`.
+pub(crate) fn names(keys: &[Key]) -> Vec<String> {
+    keys.iter().map(|k| k.to_string()).collect()
 }
 
 impl Error {

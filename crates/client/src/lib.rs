@@ -30,6 +30,7 @@
 mod conn;
 mod directory;
 mod error;
+pub mod rows;
 pub mod transport;
 
 use std::collections::{BTreeMap, HashMap};
@@ -39,6 +40,7 @@ use std::time::{Duration, Instant};
 pub use conn::UnitAddr;
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
+pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
 pub use transport::{GetSink, Transport};
 
@@ -46,6 +48,10 @@ use conn::Conn;
 use stowage_shm::Slab;
 use stowage_wire::{ErrorCode, Request, Response};
 use transport::{ConnFailure, OpFailure, ShmTransport, TcpTransport};
+
+/// The partition of the raw-bytes conveniences ([`Client::put_rows`] and
+/// friends).
+pub const DEFAULT_PARTITION: &str = "";
 
 /// First Busy backoff.
 pub const BUSY_RETRY: Duration = Duration::from_millis(200);
@@ -89,6 +95,8 @@ impl ClientConfig {
 #[derive(Clone, Debug)]
 pub struct BlobPut<'a> {
     pub unit: usize,
+    /// The partition whose keys the entries are.
+    pub partition: &'a str,
     pub blob: BlobId,
     pub segments: Vec<&'a [u8]>,
     pub entries: Vec<EntrySpec>,
@@ -120,6 +128,8 @@ struct UnitSlot {
     slab: Mutex<Option<(u128, Arc<Slab>)>>,
     /// The instance the client first met at this address.
     first_instance: Mutex<Option<u128>>,
+    /// The connection whose held pins back zero-copy views.
+    view_conn: Mutex<Option<Box<dyn Transport>>>,
 }
 
 /// A connection-pooling client of a set of units. Cheap to share between
@@ -133,7 +143,12 @@ pub struct Client {
 struct VecSink(Vec<Option<Vec<u8>>>);
 
 impl GetSink for VecSink {
-    fn slot(&mut self, index: usize, len: u64) -> std::result::Result<&mut [u8], String> {
+    fn slot(
+        &mut self,
+        index: usize,
+        len: u64,
+        _meta: &[u8],
+    ) -> std::result::Result<&mut [u8], String> {
         let len = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
         let v = self.0.get_mut(index).ok_or("key index out of range")?;
         Ok(v.insert(vec![0u8; len]).as_mut_slice())
@@ -158,7 +173,12 @@ impl<'a, 'b> SliceSink<'a, 'b> {
 }
 
 impl GetSink for SliceSink<'_, '_> {
-    fn slot(&mut self, index: usize, len: u64) -> std::result::Result<&mut [u8], String> {
+    fn slot(
+        &mut self,
+        index: usize,
+        len: u64,
+        _meta: &[u8],
+    ) -> std::result::Result<&mut [u8], String> {
         let buf = self.bufs.get_mut(index).ok_or("key index out of range")?;
         let n = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
         if n > buf.len() {
@@ -193,6 +213,7 @@ impl Client {
                 pool: Mutex::new(Vec::new()),
                 slab: Mutex::new(None),
                 first_instance: Mutex::new(None),
+                view_conn: Mutex::new(None),
             })
             .collect();
         let client = Client { cfg, units };
@@ -316,7 +337,12 @@ impl Client {
                     Liveness::Dead | Liveness::Restarted => {
                         // Connections to the old instance are useless now.
                         lock(&self.units[unit].pool).clear();
-                        Outcome::Failed(Error::LostBlobs { unit, blobs, keys })
+                        Outcome::Failed(Error::LostBlobs {
+                            unit,
+                            blobs,
+                            named: error::names(&keys),
+                            keys,
+                        })
                     }
                     Liveness::Alive => Outcome::Failed(Error::TransferFailed {
                         unit,
@@ -465,6 +491,7 @@ impl Client {
     /// [`Error::NotFound`] naming each of them.
     pub fn get_into(
         &self,
+        partition: &str,
         keys: &[(usize, Key)],
         sink: &mut dyn GetSink,
         deadline: Instant,
@@ -484,7 +511,7 @@ impl Client {
         for (&unit, (ks, _)) in &by_unit {
             match self
                 .checkout(unit, deadline)
-                .and_then(|mut t| t.start_get(ks, deadline).map(|()| t))
+                .and_then(|mut t| t.start_get(partition, ks, deadline).map(|()| t))
             {
                 Ok(t) => active.push((unit, t)),
                 Err(f) => errors.push(self.failed_get(unit, f, ks, deadline)),
@@ -504,6 +531,7 @@ impl Client {
                         errors.push(Error::LostBlobs {
                             unit,
                             blobs: vec![],
+                            named: error::names(&miss),
                             keys: miss,
                         });
                     } else {
@@ -532,7 +560,10 @@ impl Client {
             return Err(e);
         }
         if !missing.is_empty() {
-            return Err(Error::NotFound { keys: missing });
+            return Err(Error::NotFound {
+                named: error::names(&missing),
+                keys: missing,
+            });
         }
         Ok(())
     }
@@ -550,9 +581,14 @@ impl Client {
     }
 
     /// Read `keys` into fresh vectors, in order.
-    pub fn get(&self, keys: &[(usize, Key)], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+    pub fn get(
+        &self,
+        partition: &str,
+        keys: &[(usize, Key)],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>> {
         let mut sink = VecSink(vec![None; keys.len()]);
-        self.get_into(keys, &mut sink, deadline)?;
+        self.get_into(partition, keys, &mut sink, deadline)?;
         Ok(sink.0.into_iter().map(Option::unwrap_or_default).collect())
     }
 
@@ -560,7 +596,12 @@ impl Client {
     /// unit, all units at once. Rows on a dead unit are already gone, so
     /// clearing them succeeds; a live unit that does not answer fails the
     /// call (retryable). Returns the number of entries removed.
-    pub fn release_rows(&self, rows: &[(usize, u64)], deadline: Instant) -> Result<u64> {
+    pub fn release_rows(
+        &self,
+        partition: &str,
+        rows: &[(usize, u64)],
+        deadline: Instant,
+    ) -> Result<u64> {
         let mut by_unit: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
         for &(unit, row) in rows {
             if unit >= self.units.len() {
@@ -572,7 +613,15 @@ impl Client {
         let replies = self.call_units(
             by_unit
                 .into_iter()
-                .map(|(u, rows)| (u, Request::ReleaseRows { rows }))
+                .map(|(u, rows)| {
+                    (
+                        u,
+                        Request::ReleaseRows {
+                            partition: partition.to_owned(),
+                            rows,
+                        },
+                    )
+                })
                 .collect(),
             deadline,
         );
@@ -644,7 +693,7 @@ impl Client {
         out
     }
 
-    /// Put values by key, one blob per unit (row `r` on unit `r % N`), all
+    /// Put raw values by key in the default partition, one blob per unit (row `r` on unit `r % N`), all
     /// units in one round.
     pub fn put_rows(&self, values: &[(Key, &[u8])], deadline: Instant) -> Result<()> {
         let mut by_unit: BTreeMap<usize, BlobPut<'_>> = BTreeMap::new();
@@ -653,6 +702,7 @@ impl Client {
             let unit = self.unit_of_row(key.row);
             let b = by_unit.entry(unit).or_insert_with(|| BlobPut {
                 unit,
+                partition: DEFAULT_PARTITION,
                 blob: new_blob_id(),
                 segments: Vec::new(),
                 entries: Vec::new(),
@@ -662,6 +712,7 @@ impl Client {
                 key: key.clone(),
                 offset: *off,
                 len: bytes.len() as u64,
+                meta: Vec::new(),
             });
             b.segments.push(bytes);
             *off += bytes.len() as u64;
@@ -670,19 +721,20 @@ impl Client {
         self.put_many(&blobs, deadline)
     }
 
-    /// Get values by key (row `r` on unit `r % N`), in order.
+    /// Get raw values by key from the default partition (row `r` on unit
+    /// `r % N`), in order.
     pub fn get_rows(&self, keys: &[Key], deadline: Instant) -> Result<Vec<Vec<u8>>> {
         let placed: Vec<(usize, Key)> = keys
             .iter()
             .map(|k| (self.unit_of_row(k.row), k.clone()))
             .collect();
-        self.get(&placed, deadline)
+        self.get(DEFAULT_PARTITION, &placed, deadline)
     }
 
-    /// Clear rows (row `r` on unit `r % N`).
+    /// Clear rows of the default partition (row `r` on unit `r % N`).
     pub fn clear_rows(&self, rows: &[u64], deadline: Instant) -> Result<u64> {
         let placed: Vec<(usize, u64)> = rows.iter().map(|&r| (self.unit_of_row(r), r)).collect();
-        self.release_rows(&placed, deadline)
+        self.release_rows(DEFAULT_PARTITION, &placed, deadline)
     }
 }
 

@@ -67,8 +67,9 @@ impl OpFailure {
 /// Where a get puts each value: asked once per found key with the value's
 /// length, it returns the buffer of exactly that length to fill.
 pub trait GetSink {
-    /// `index` is the key's position in the call's key list.
-    fn slot(&mut self, index: usize, len: u64) -> Result<&mut [u8], String>;
+    /// `index` is the key's position in the call's key list; `meta` the
+    /// metadata stored with the value.
+    fn slot(&mut self, index: usize, len: u64, meta: &[u8]) -> Result<&mut [u8], String>;
 }
 
 /// What a finished get on one unit reports: the positions (in its own key
@@ -86,7 +87,12 @@ pub trait Transport: Send {
     /// `Ok(true)` once the blob is committed.
     fn advance_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<bool, OpFailure>;
 
-    fn start_get(&mut self, keys: &[Key], deadline: Instant) -> Result<(), OpFailure>;
+    fn start_get(
+        &mut self,
+        partition: &str,
+        keys: &[Key],
+        deadline: Instant,
+    ) -> Result<(), OpFailure>;
     /// `index_of[i]` is the call-wide index of `keys[i]`, passed to `sink`.
     /// `Ok(Some(missing))` once every value has been delivered.
     fn advance_get(
@@ -99,8 +105,16 @@ pub trait Transport: Send {
 
     /// Send a control request (no payload) without waiting.
     fn start_call(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure>;
+    /// Send a request the unit does not answer (an Unpin with
+    /// `reply: false`).
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure>;
     /// Await the reply to `start_call`.
     fn finish_call(&mut self, deadline: Instant) -> Result<Response, OpFailure>;
+
+    /// The unit's slab as this process maps it (shm transport only).
+    fn slab(&self) -> Option<Arc<Slab>> {
+        None
+    }
 }
 
 fn total_len(put: &BlobPut<'_>) -> u64 {
@@ -190,6 +204,7 @@ impl Transport for ShmTransport {
                     }
                     let req = Request::Commit {
                         blob: put.blob,
+                        partition: put.partition.to_owned(),
                         entries: put.entries.clone(),
                     };
                     self.send(&req, deadline)?;
@@ -215,13 +230,18 @@ impl Transport for ShmTransport {
         }
     }
 
-    fn start_get(&mut self, keys: &[Key], deadline: Instant) -> Result<(), OpFailure> {
-        self.send(
-            &Request::Resolve {
-                keys: keys.to_vec(),
-            },
-            deadline,
-        )
+    fn start_get(
+        &mut self,
+        partition: &str,
+        keys: &[Key],
+        deadline: Instant,
+    ) -> Result<(), OpFailure> {
+        let req = Request::Resolve {
+            partition: partition.to_owned(),
+            keys: keys.to_vec(),
+            hold: false,
+        };
+        self.send(&req, deadline)
     }
 
     fn advance_get(
@@ -231,20 +251,18 @@ impl Transport for ShmTransport {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<Option<Missing>, OpFailure> {
-        let (pin, locations) = match self.recv(deadline)? {
-            Response::Resolved { pin, locations } if locations.len() == keys.len() => {
-                (pin, locations)
-            }
+        let (pin, found) = match self.recv(deadline)? {
+            Response::Resolved { pin, found } if found.len() == keys.len() => (pin, found),
             other => return Err(OpFailure::unexpected(other)),
         };
         let mut missing = Vec::new();
         let mut result = Ok(());
-        for (i, loc) in locations.iter().enumerate() {
-            match loc {
+        for (i, f) in found.iter().enumerate() {
+            match f {
                 None => missing.push(i),
                 Some(l) => {
                     let copied = sink
-                        .slot(index_of[i], l.len)
+                        .slot(index_of[i], l.len, &l.meta)
                         .and_then(|dst| self.slab.read(l.offset, dst).map_err(|e| e.to_string()));
                     if let Err(m) = copied {
                         result = Err(OpFailure::Unit {
@@ -268,6 +286,17 @@ impl Transport for ShmTransport {
 
     fn finish_call(&mut self, deadline: Instant) -> Result<Response, OpFailure> {
         self.recv(deadline)
+    }
+
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
+        self.conn
+            .send(req, &mut [], deadline)
+            .map_err(|e| OpFailure::conn(e, false))?;
+        Ok(())
+    }
+
+    fn slab(&self) -> Option<Arc<Slab>> {
+        Some(self.slab.clone())
     }
 }
 
@@ -316,6 +345,7 @@ impl Transport for TcpTransport {
         n_entries(&put.entries)?;
         let req = Request::Put {
             blob: put.blob,
+            partition: put.partition.to_owned(),
             entries: put.entries.clone(),
         };
         let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
@@ -334,16 +364,19 @@ impl Transport for TcpTransport {
         }
     }
 
-    fn start_get(&mut self, keys: &[Key], deadline: Instant) -> Result<(), OpFailure> {
+    fn start_get(
+        &mut self,
+        partition: &str,
+        keys: &[Key],
+        deadline: Instant,
+    ) -> Result<(), OpFailure> {
+        let req = Request::Read {
+            partition: partition.to_owned(),
+            keys: keys.to_vec(),
+        };
         let id = self
             .conn
-            .send(
-                &Request::Read {
-                    keys: keys.to_vec(),
-                },
-                &mut [],
-                deadline,
-            )
+            .send(&req, &mut [], deadline)
             .map_err(|e| OpFailure::conn(e, false))?;
         self.awaiting = Some(id);
         Ok(())
@@ -356,21 +389,22 @@ impl Transport for TcpTransport {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<Option<Missing>, OpFailure> {
-        let lens = match self.recv(deadline, false)? {
-            Response::Data { lens } if lens.len() == keys.len() => lens,
+        let items = match self.recv(deadline, false)? {
+            Response::Data { items } if items.len() == keys.len() => items,
             other => return Err(OpFailure::unexpected(other)),
         };
         let mut missing = Vec::new();
         let mut sink_error = None;
-        for (i, len) in lens.iter().enumerate() {
-            let Some(len) = *len else {
+        for (i, item) in items.iter().enumerate() {
+            let Some(item) = item else {
                 missing.push(i);
                 continue;
             };
+            let len = item.len;
             // After a sink error the rest of the payload is still read, so
             // the connection stays usable.
             let slot = if sink_error.is_none() {
-                match sink.slot(index_of[i], len) {
+                match sink.slot(index_of[i], len, &item.meta) {
                     Ok(s) => Some(s),
                     Err(m) => {
                         sink_error = Some(m);
@@ -406,5 +440,12 @@ impl Transport for TcpTransport {
 
     fn finish_call(&mut self, deadline: Instant) -> Result<Response, OpFailure> {
         self.recv(deadline, false)
+    }
+
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
+        self.conn
+            .send(req, &mut [], deadline)
+            .map_err(|e| OpFailure::conn(e, false))?;
+        Ok(())
     }
 }

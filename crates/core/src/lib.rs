@@ -42,7 +42,7 @@
 pub mod slab;
 mod unit;
 
-pub use unit::{CoreConfig, Stats, UnitCore};
+pub use unit::{CoreConfig, Located, Stats, UnitCore};
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -84,12 +84,14 @@ impl std::fmt::Display for Key {
 }
 
 /// An entry of a blob being committed: `key` is the `len` bytes at `offset`
-/// from the blob's start.
+/// from the blob's start. `meta` is opaque to the unit and handed back with
+/// every read of the key (the rows API keeps dtype and shape there).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EntrySpec {
     pub key: Key,
     pub offset: u64,
     pub len: u64,
+    pub meta: Vec<u8>,
 }
 
 /// Where a committed value lives in the slab.

@@ -75,18 +75,24 @@ struct Blob {
     state: State,
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 struct Entry {
     blob: BlobId,
     location: Location,
+    meta: Box<[u8]>,
 }
 
 struct Pin {
     blobs: Vec<BlobId>,
-    expires: Time,
+    /// `None`: held until unpinned (the server drops such pins when their
+    /// connection ends).
+    expires: Option<Time>,
 }
 
 type Rows = HashMap<u64, HashMap<String, Entry>>;
+
+/// A found key: where its value is, and the metadata stored with it.
+pub type Located = (Location, Vec<u8>);
 
 /// The sans-I/O state machine of one storage unit. See the crate docs.
 pub struct UnitCore {
@@ -292,6 +298,7 @@ impl UnitCore {
                     offset: base + e.offset,
                     len: e.len,
                 },
+                meta: e.meta.clone().into_boxed_slice(),
             };
             match rows
                 .entry(e.key.row)
@@ -359,18 +366,32 @@ impl UnitCore {
         keys: &[Key],
         now: Time,
     ) -> (Option<PinId>, Vec<Option<Location>>) {
+        let (pin, found) = self.resolve_with_meta(ns, keys, now, false);
+        (pin, found.into_iter().map(|f| f.map(|(l, _)| l)).collect())
+    }
+
+    /// [`UnitCore::resolve`], with each found key's metadata. With `hold`
+    /// the pin has no lease: it lasts until [`UnitCore::unpin`] (zero-copy
+    /// views that live as long as the caller keeps them).
+    pub fn resolve_with_meta(
+        &mut self,
+        ns: &str,
+        keys: &[Key],
+        now: Time,
+        hold: bool,
+    ) -> (Option<PinId>, Vec<Option<Located>>) {
         let rows = self.index.get(ns);
         let mut blobs = Vec::new();
-        let locs = keys
+        let found = keys
             .iter()
             .map(|k| {
                 let e = rows?.get(&k.row)?.get(&k.field)?;
                 blobs.push(e.blob);
-                Some(e.location)
+                Some((e.location, e.meta.to_vec()))
             })
             .collect();
         if blobs.is_empty() {
-            return (None, locs);
+            return (None, found);
         }
         blobs.sort_unstable();
         blobs.dedup();
@@ -385,10 +406,44 @@ impl UnitCore {
         }
         let pin = PinId(self.next_pin);
         self.next_pin += 1;
-        let expires = now + self.cfg.pin_lease;
+        let expires = (!hold).then(|| now + self.cfg.pin_lease);
         self.pins.insert(pin, Pin { blobs, expires });
-        self.add_timer(expires, Timer::Pin(pin));
-        (Some(pin), locs)
+        if let Some(at) = expires {
+            self.add_timer(at, Timer::Pin(pin));
+        }
+        (Some(pin), found)
+    }
+
+    /// The rows of namespace `ns` and the fields of each, rows ascending,
+    /// fields sorted.
+    pub fn list(&self, ns: &str) -> Vec<(u64, Vec<String>)> {
+        let mut rows: Vec<(u64, Vec<String>)> = self
+            .index
+            .get(ns)
+            .map(|r| {
+                r.iter()
+                    .map(|(row, fields)| {
+                        let mut f: Vec<String> = fields.keys().cloned().collect();
+                        f.sort();
+                        (*row, f)
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        rows.sort_by_key(|(r, _)| *r);
+        rows
+    }
+
+    /// Namespaces that hold entries and start with `prefix`, sorted.
+    pub fn namespaces(&self, prefix: &str) -> Vec<String> {
+        let mut n: Vec<String> = self
+            .index
+            .keys()
+            .filter(|k| k.starts_with(prefix))
+            .cloned()
+            .collect();
+        n.sort();
+        n
     }
 
     /// Drop a pin early. Unknown pins (already expired) are ignored.
@@ -507,7 +562,11 @@ impl UnitCore {
                     }
                 }
                 Timer::Pin(pin) => {
-                    if self.pins.get(&pin).is_some_and(|p| p.expires <= now) {
+                    if self
+                        .pins
+                        .get(&pin)
+                        .is_some_and(|p| p.expires.is_some_and(|e| e <= now))
+                    {
                         self.unpin(pin);
                     }
                 }
@@ -558,6 +617,7 @@ mod tests {
             key: Key::new(row, field),
             offset,
             len,
+            meta: vec![row as u8],
         }
     }
 
@@ -602,6 +662,39 @@ mod tests {
             0,
             "a late commit retry publishes nothing"
         );
+    }
+
+    #[test]
+    fn metadata_listing_and_held_pins() {
+        let mut c = core(1 << 20);
+        c.alloc(BlobId(1), 16, 3, t(0)).unwrap();
+        c.commit(
+            "p",
+            BlobId(1),
+            &[
+                entry(5, "b", 0, 8),
+                entry(5, "a", 8, 8),
+                entry(2, "a", 0, 0),
+            ],
+        )
+        .unwrap();
+        assert_eq!(
+            c.list("p"),
+            vec![
+                (2, vec!["a".to_string()]),
+                (5, vec!["a".to_string(), "b".to_string()])
+            ]
+        );
+        assert_eq!(c.namespaces(""), vec!["p".to_string()]);
+        let (pin, found) = c.resolve_with_meta("p", &[Key::new(5, "a")], t(0), true);
+        assert_eq!(found[0].as_ref().map(|(_, m)| m.clone()), Some(vec![5]));
+        c.release_rows("p", &[5, 2]);
+        // A held pin outlives any lease, and keeps the blob.
+        c.tick(t(3_600_000));
+        assert_eq!(c.stats().pins, 1);
+        assert_eq!(c.stats().blobs, 1);
+        c.unpin(pin.unwrap());
+        assert_eq!(c.stats().used, 0);
     }
 
     #[test]

@@ -339,6 +339,7 @@ impl Harness {
                             key: key(row, field),
                             offset,
                             len,
+                            meta: vec![],
                         }
                     })
                     .collect();

@@ -229,6 +229,17 @@ impl Slab {
         Ok(f(&mut slices))
     }
 
+    /// The slab range as a slice, for zero-copy views. The caller must hold
+    /// a pin of the range for as long as the borrow lives (a view keeps both
+    /// the slab and the pin).
+    pub fn pinned_slice(&self, offset: u64, len: usize) -> Result<&[u8], OutOfBounds> {
+        let start = self.check(offset, len)?;
+        // SAFETY: in bounds (`check`) of a mapping that lives as long as
+        // `self` and never shrinks; the caller's pin keeps every writer away
+        // from the range while the borrow lives.
+        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(start), len) })
+    }
+
     /// The mapping's address, for zero-copy views that keep a pin alive.
     pub fn as_ptr(&self) -> *const u8 {
         self.map.as_ptr()

@@ -9,7 +9,9 @@ use stowage_core::{Allocated, BlobId, CoreError, PinId};
 use stowage_wire::io::{
     drain, read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
-use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
+use stowage_wire::{
+    encode, ErrorCode, Found, Item, Request, Response, PARTITION_SEPARATOR, PROTOCOL_VERSION,
+};
 
 use crate::Shared;
 
@@ -154,8 +156,15 @@ impl Conn {
                     Err(e) => error_response(&e),
                 }
             }
-            Request::Commit { blob, entries } => {
-                let r = self.shared.core().commit(&ns, blob, &entries);
+            Request::Commit {
+                blob,
+                partition,
+                entries,
+            } => {
+                let r = self
+                    .shared
+                    .core()
+                    .commit(&scope(&ns, &partition), blob, &entries);
                 match r {
                     Ok(()) => {
                         self.holdings.reservations.remove(&blob);
@@ -169,12 +178,29 @@ impl Conn {
                 self.holdings.reservations.remove(&blob);
                 Response::Done
             }
-            Request::Resolve { keys } => {
-                let (pin, locations) = self.shared.core().resolve(&ns, &keys, now);
+            Request::Resolve {
+                partition,
+                keys,
+                hold,
+            } => {
+                let (pin, found) =
+                    self.shared
+                        .core()
+                        .resolve_with_meta(&scope(&ns, &partition), &keys, now, hold);
                 if let Some(p) = pin {
                     self.holdings.pins.insert(p);
                 }
-                Response::Resolved { pin, locations }
+                let found = found
+                    .into_iter()
+                    .map(|f| {
+                        f.map(|(l, meta)| Found {
+                            offset: l.offset,
+                            len: l.len,
+                            meta,
+                        })
+                    })
+                    .collect();
+                Response::Resolved { pin, found }
             }
             Request::Unpin { pin, reply } => {
                 self.shared.core().unpin(pin);
@@ -184,13 +210,39 @@ impl Conn {
                 }
                 Response::Done
             }
-            Request::ReleaseRows { rows } => {
-                let entries = self.shared.core().release_rows(&ns, &rows);
+            Request::ReleaseRows { partition, rows } => {
+                let entries = self
+                    .shared
+                    .core()
+                    .release_rows(&scope(&ns, &partition), &rows);
                 Response::Released { entries }
             }
             Request::Stats => Response::Stats(self.shared.core().stats()),
-            Request::Put { blob, entries } => return self.put(id, &ns, blob, entries, payload_len),
-            Request::Read { keys } => return self.read(id, &ns, keys),
+            Request::Put {
+                blob,
+                partition,
+                entries,
+            } => return self.put(id, &scope(&ns, &partition), blob, entries, payload_len),
+            Request::Read { partition, keys } => {
+                return self.read(id, &scope(&ns, &partition), keys)
+            }
+            Request::List { partition } => Response::Listed {
+                rows: self.shared.core().list(&scope(&ns, &partition)),
+            },
+            Request::DropPartition { partition } => Response::Released {
+                entries: self.shared.core().drop_namespace(&scope(&ns, &partition)),
+            },
+            Request::ListPartitions => {
+                let prefix = scope(&ns, "");
+                let names = self
+                    .shared
+                    .core()
+                    .namespaces(&prefix)
+                    .into_iter()
+                    .map(|n| n[prefix.len()..].to_owned())
+                    .collect();
+                Response::Partitions { names }
+            }
         };
         self.reply(id, &resp)?;
         Ok(())
@@ -299,16 +351,19 @@ impl Conn {
     /// to the socket.
     fn read(&mut self, id: u64, ns: &str, keys: Vec<stowage_core::Key>) -> Result<(), ConnEnd> {
         let now = self.shared.now();
-        let (pin, locations) = self.shared.core().resolve(ns, &keys, now);
-        let lens: Vec<Option<u64>> = locations.iter().map(|l| l.map(|l| l.len)).collect();
-        let ranges: Vec<(u64, usize)> = locations
+        let (pin, found) = self.shared.core().resolve_with_meta(ns, &keys, now, false);
+        let ranges: Vec<(u64, usize)> = found
             .iter()
             .flatten()
-            .map(|l| (l.offset, l.len as usize))
+            .map(|(l, _)| (l.offset, l.len as usize))
+            .collect();
+        let items: Vec<Option<Item>> = found
+            .into_iter()
+            .map(|f| f.map(|(l, meta)| Item { len: l.len, meta }))
             .collect();
         let total: u64 = ranges.iter().map(|r| r.1 as u64).sum();
         self.out.clear();
-        encode(id, &Response::Data { lens }, total, &mut self.out).map_err(io::Error::other)?;
+        encode(id, &Response::Data { items }, total, &mut self.out).map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
         let writer = &mut self.writer;
         let sent = self.shared.slab.with_io_slices(&ranges, |slices| {
@@ -349,4 +404,13 @@ fn error_response(e: &CoreError) -> Response {
         code,
         message: e.to_string(),
     }
+}
+
+/// The core namespace of a partition of a connection's namespace.
+fn scope(ns: &str, partition: &str) -> String {
+    let mut s = String::with_capacity(ns.len() + 1 + partition.len());
+    s.push_str(ns);
+    s.push(PARTITION_SEPARATOR);
+    s.push_str(partition);
+    s
 }

@@ -195,7 +195,16 @@ mod tests {
     fn frames_read_back_from_a_stream() {
         let mut buf = Vec::new();
         encode(1, &Request::Stats, 0, &mut buf).unwrap();
-        encode(2, &Request::ReleaseRows { rows: vec![4] }, 5, &mut buf).unwrap();
+        encode(
+            2,
+            &Request::ReleaseRows {
+                partition: String::new(),
+                rows: vec![4],
+            },
+            5,
+            &mut buf,
+        )
+        .unwrap();
         buf.extend_from_slice(b"12345");
         let mut r = &buf[..];
         let limits = Limits::default();

@@ -50,8 +50,10 @@ pub struct Limits {
     pub max_payload: u64,
     /// Most keys, entries or rows in one request. Default 2^20.
     pub max_keys: usize,
-    /// Longest field name or namespace, in bytes. Default 1024.
+    /// Longest field name, namespace or partition, in bytes. Default 1024.
     pub max_name: usize,
+    /// Most metadata bytes per entry. Default 1024.
+    pub max_meta: usize,
 }
 
 impl Default for Limits {
@@ -61,6 +63,7 @@ impl Default for Limits {
             max_payload: 64 << 30,
             max_keys: 1 << 20,
             max_name: 1024,
+            max_meta: 1024,
         }
     }
 }
@@ -92,7 +95,9 @@ pub struct Envelope<T> {
     pub body: T,
 }
 
-/// Client → unit.
+/// Client → unit. Requests that name keys or rows act in a **partition**
+/// of the connection's namespace (e.g. one RL step's rows); partitions are
+/// isolated from each other like namespaces are.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     /// First message on a connection. `want_fd`: hand over the slab's memfd
@@ -111,6 +116,7 @@ pub enum Request {
     /// Publish a reserved blob's entries (offsets relative to the blob).
     Commit {
         blob: BlobId,
+        partition: String,
         entries: Vec<EntrySpec>,
     },
     /// Give up a reservation; `in_flight` when a transfer may still write.
@@ -118,9 +124,12 @@ pub enum Request {
         blob: BlobId,
         in_flight: bool,
     },
-    /// Locate keys and pin their blobs.
+    /// Locate keys and pin their blobs. `hold`: the pin has no lease and
+    /// lasts until Unpin or the end of this connection.
     Resolve {
+        partition: String,
         keys: Vec<Key>,
+        hold: bool,
     },
     /// Drop a pin. With `reply: false` the unit sends nothing back.
     Unpin {
@@ -129,6 +138,7 @@ pub enum Request {
     },
     /// Clear whole rows.
     ReleaseRows {
+        partition: String,
         rows: Vec<u64>,
     },
     Stats,
@@ -136,12 +146,39 @@ pub enum Request {
     /// request: the unit reads the payload straight into the slab.
     Put {
         blob: BlobId,
+        partition: String,
         entries: Vec<EntrySpec>,
     },
     /// resolve + the values' bytes in the reply's payload + unpin.
     Read {
+        partition: String,
         keys: Vec<Key>,
     },
+    /// The rows of a partition and their fields.
+    List {
+        partition: String,
+    },
+    /// Clear a whole partition.
+    DropPartition {
+        partition: String,
+    },
+    /// The partitions of this namespace that hold data.
+    ListPartitions,
+}
+
+/// A found key: where its bytes are in the slab, and its metadata.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Found {
+    pub offset: u64,
+    pub len: u64,
+    pub meta: Vec<u8>,
+}
+
+/// A value in a [`Response::Data`] payload: its length and metadata.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Item {
+    pub len: u64,
+    pub meta: Vec<u8>,
 }
 
 /// Unit → client.
@@ -165,16 +202,24 @@ pub enum Response {
     Done,
     Resolved {
         pin: Option<PinId>,
-        locations: Vec<Option<Location>>,
+        found: Vec<Option<Found>>,
     },
     Released {
         entries: u64,
     },
     Stats(Stats),
-    /// Reply to Read: the length of each key's value (`None`: not found);
-    /// the found values follow in the payload, in key order.
+    /// Reply to Read: each key's value (`None`: not found); the found
+    /// values' bytes follow in the payload, in key order.
     Data {
-        lens: Vec<Option<u64>>,
+        items: Vec<Option<Item>>,
+    },
+    /// Reply to List: (row, fields) pairs, rows ascending.
+    Listed {
+        rows: Vec<(u64, Vec<String>)>,
+    },
+    /// Reply to ListPartitions.
+    Partitions {
+        names: Vec<String>,
     },
     Error {
         code: ErrorCode,
@@ -226,25 +271,69 @@ impl Request {
                 Ok(())
             }
         };
+        let partition = |p: &str| {
+            name("partition name bytes", p)?;
+            if p.contains(PARTITION_SEPARATOR) {
+                return Err(WireError::Malformed(
+                    "partition names may not contain U+001F".into(),
+                ));
+            }
+            Ok(())
+        };
         match self {
             Request::Hello { namespace, .. } => name("namespace bytes", namespace),
             Request::Alloc { n_entries, .. } => count("entries", *n_entries as usize),
-            Request::Commit { entries, .. } | Request::Put { entries, .. } => {
-                count("entries", entries.len())?;
-                entries
-                    .iter()
-                    .try_for_each(|e| name("field name bytes", &e.key.field))
+            Request::Commit {
+                entries,
+                partition: p,
+                ..
             }
-            Request::Resolve { keys } | Request::Read { keys } => {
+            | Request::Put {
+                entries,
+                partition: p,
+                ..
+            } => {
+                partition(p)?;
+                count("entries", entries.len())?;
+                entries.iter().try_for_each(|e| {
+                    name("field name bytes", &e.key.field)?;
+                    if e.meta.len() > limits.max_meta {
+                        return Err(WireError::TooMany {
+                            what: "metadata bytes",
+                            count: e.meta.len(),
+                            max: limits.max_meta,
+                        });
+                    }
+                    Ok(())
+                })
+            }
+            Request::Resolve {
+                keys, partition: p, ..
+            }
+            | Request::Read { keys, partition: p } => {
+                partition(p)?;
                 count("keys", keys.len())?;
                 keys.iter()
                     .try_for_each(|k| name("field name bytes", &k.field))
             }
-            Request::ReleaseRows { rows } => count("rows", rows.len()),
-            Request::Abort { .. } | Request::Unpin { .. } | Request::Stats => Ok(()),
+            Request::ReleaseRows { rows, partition: p } => {
+                partition(p)?;
+                count("rows", rows.len())
+            }
+            Request::List { partition: p } | Request::DropPartition { partition: p } => {
+                partition(p)
+            }
+            Request::Abort { .. }
+            | Request::Unpin { .. }
+            | Request::Stats
+            | Request::ListPartitions => Ok(()),
         }
     }
 }
+
+/// Separates namespace and partition in the unit's index; not allowed in
+/// partition names.
+pub const PARTITION_SEPARATOR: char = '\u{1f}';
 
 /// The parsed frame prefix.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -376,6 +465,7 @@ mod tests {
             key: key(3, "input_ids"),
             offset: 64,
             len: 100,
+            meta: vec![1, 2, 3],
         };
         vec![
             Request::Hello {
@@ -390,6 +480,7 @@ mod tests {
             },
             Request::Commit {
                 blob: BlobId(5),
+                partition: "step-3".into(),
                 entries: vec![e.clone(), e.clone()],
             },
             Request::Abort {
@@ -397,23 +488,35 @@ mod tests {
                 in_flight: true,
             },
             Request::Resolve {
+                partition: String::new(),
                 keys: vec![key(0, ""), key(u64::MAX, "x")],
+                hold: true,
             },
             Request::Unpin {
                 pin: PinId(9),
                 reply: false,
             },
             Request::ReleaseRows {
+                partition: "p".into(),
                 rows: vec![0, 1, u64::MAX],
             },
             Request::Stats,
             Request::Put {
                 blob: BlobId(1),
+                partition: "p".into(),
                 entries: vec![e],
             },
             Request::Read {
+                partition: "p".into(),
                 keys: vec![key(1, "a")],
             },
+            Request::List {
+                partition: "p".into(),
+            },
+            Request::DropPartition {
+                partition: "p".into(),
+            },
+            Request::ListPartitions,
         ]
     }
 
@@ -430,11 +533,12 @@ mod tests {
             Response::Done,
             Response::Resolved {
                 pin: Some(PinId(3)),
-                locations: vec![
+                found: vec![
                     None,
-                    Some(Location {
+                    Some(Found {
                         offset: 64,
                         len: 10,
+                        meta: vec![9],
                     }),
                 ],
             },
@@ -450,7 +554,19 @@ mod tests {
                 pins: 8,
             }),
             Response::Data {
-                lens: vec![Some(3), None],
+                items: vec![
+                    Some(Item {
+                        len: 3,
+                        meta: vec![],
+                    }),
+                    None,
+                ],
+            },
+            Response::Listed {
+                rows: vec![(1, vec!["a".into(), "b".into()])],
+            },
+            Response::Partitions {
+                names: vec!["p".into()],
             },
             Response::Error {
                 code: ErrorCode::Busy,
@@ -535,6 +651,7 @@ mod tests {
             ..Limits::default()
         };
         let r = Request::ReleaseRows {
+            partition: String::new(),
             rows: vec![1, 2, 3],
         };
         assert!(matches!(
@@ -542,7 +659,13 @@ mod tests {
             Err(WireError::TooMany { what: "rows", .. })
         ));
         let r = Request::Resolve {
+            partition: String::new(),
             keys: vec![key(1, "long-name")],
+            hold: false,
+        };
+        assert!(r.validate(&limits).is_err());
+        let r = Request::List {
+            partition: "a\u{1f}b".into(),
         };
         assert!(r.validate(&limits).is_err());
     }

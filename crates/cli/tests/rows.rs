@@ -1,0 +1,415 @@
+//! The rows × fields API against real units, over both transports.
+
+mod common;
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{client, pattern, plane, Kind};
+use stowage_client::{Column, DType, Error, RowKey, Tensor};
+
+const MIB: u64 = 1 << 20;
+
+macro_rules! both_transports {
+    ($($name:ident),* $(,)?) => {
+        mod shm {
+            $( #[test] fn $name() { super::$name(super::Kind::Shm) } )*
+        }
+        mod tcp {
+            $( #[test] fn $name() { super::$name(super::Kind::Tcp) } )*
+        }
+    };
+}
+
+both_transports!(
+    every_dtype_round_trips_jagged_and_dense,
+    rows_grow_fields_and_clear_by_partition,
+    not_found_names_exactly_the_missing_pairs,
+    concurrent_replacements_are_never_torn,
+);
+
+fn keys_mixed(n: u64) -> Vec<RowKey> {
+    (0..n)
+        .map(|i| {
+            if i % 3 == 0 {
+                RowKey::Name(format!("uid_g{i}"))
+            } else {
+                RowKey::Index(i)
+            }
+        })
+        .collect()
+}
+
+fn every_dtype_round_trips_jagged_and_dense(kind: Kind) {
+    let (p, _) = plane(2, 64 * MIB, &[]);
+    let c = client(&p, kind, Duration::from_secs(30));
+    let keys = keys_mixed(7);
+    for dtype in DType::ALL {
+        let field = format!("f_{}", dtype.name());
+        // Jagged: row i has i*3 elements (row 0 is empty), 1-D; row 5 is 2-D.
+        let bufs: Vec<Vec<u8>> = (0..keys.len())
+            .map(|i| pattern(i as u64, dtype.itemsize() as u64, i * 3 * dtype.itemsize()))
+            .collect();
+        let shapes: Vec<Vec<u64>> = (0..keys.len())
+            .map(|i| {
+                if i == 5 {
+                    vec![3, 5]
+                } else {
+                    vec![i as u64 * 3]
+                }
+            })
+            .collect();
+        let col = Column::Jagged(
+            bufs.iter()
+                .zip(&shapes)
+                .map(|(b, s)| Tensor::new(dtype, s.clone(), b).unwrap())
+                .collect(),
+        );
+        c.put("p", &keys, &[(field.as_str(), col)], None, c.deadline())
+            .unwrap();
+        let got = c
+            .get_tensors("p", &keys, &[field.as_str()], None, c.deadline())
+            .unwrap();
+        for (i, t) in got[0].iter().enumerate() {
+            assert_eq!(t.dtype, dtype);
+            assert_eq!(t.shape, shapes[i], "{dtype:?} row {i}");
+            assert!(t.data == bufs[i], "{dtype:?} row {i} bytes");
+        }
+        // Dense: one [rows, 4] array split along its first axis.
+        let dense = pattern(
+            99,
+            dtype.itemsize() as u64,
+            keys.len() * 4 * dtype.itemsize(),
+        );
+        let dfield = format!("d_{}", dtype.name());
+        let t = Tensor::new(dtype, vec![keys.len() as u64, 4], &dense).unwrap();
+        c.put(
+            "p",
+            &keys,
+            &[(dfield.as_str(), Column::Dense(t))],
+            None,
+            c.deadline(),
+        )
+        .unwrap();
+        let got = c
+            .get_tensors("p", &keys, &[dfield.as_str()], None, c.deadline())
+            .unwrap();
+        let row = 4 * dtype.itemsize();
+        for (i, t) in got[0].iter().enumerate() {
+            assert_eq!(t.shape, vec![4]);
+            assert!(t.data[..] == dense[i * row..(i + 1) * row]);
+        }
+    }
+    // Every value is listed under its row key.
+    let listed = c.list("p", c.deadline()).unwrap();
+    assert_eq!(listed.len(), keys.len());
+    for (k, fields) in &listed {
+        assert!(keys.contains(k), "{k:?} listed but never put");
+        assert_eq!(fields.len(), 2 * DType::ALL.len());
+    }
+    assert!(listed
+        .iter()
+        .any(|(k, _)| *k == RowKey::Name("uid_g3".into())));
+}
+
+fn rows_grow_fields_and_clear_by_partition(kind: Kind) {
+    let (p, _) = plane(3, 16 * MIB, &[]);
+    let c = client(&p, kind, Duration::from_secs(30));
+    let keys = keys_mixed(10);
+    let ids: Vec<Vec<u8>> = (0..10)
+        .map(|i| pattern(i, 1, 64 + i as usize * 8))
+        .collect();
+    let ids_col = Column::Jagged(
+        ids.iter()
+            .map(|b| Tensor::new(DType::I64, vec![b.len() as u64 / 8], b).unwrap())
+            .collect(),
+    );
+    c.put(
+        "step-1",
+        &keys,
+        &[("input_ids", ids_col.clone())],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    // The same keys in another partition are other rows.
+    c.put(
+        "step-2",
+        &keys[..2],
+        &[(
+            "input_ids",
+            Column::Jagged(vec![
+                Tensor::new(DType::I64, vec![1], &[7; 8]).unwrap(),
+                Tensor::new(DType::I64, vec![1], &[8; 8]).unwrap(),
+            ]),
+        )],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    // A later stage adds a column to the same rows.
+    let lp: Vec<u8> = pattern(5, 5, 10 * 2 * 16);
+    let lp_t = Tensor::new(DType::BF16, vec![10, 16], &lp).unwrap();
+    c.put(
+        "step-1",
+        &keys,
+        &[("reference_logprobs", Column::Dense(lp_t))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    let got = c
+        .get_tensors(
+            "step-1",
+            &keys,
+            &["input_ids", "reference_logprobs"],
+            None,
+            c.deadline(),
+        )
+        .unwrap();
+    for i in 0..10 {
+        assert!(got[0][i].data == ids[i]);
+        assert!(got[1][i].data[..] == lp[i * 32..(i + 1) * 32]);
+    }
+    assert_eq!(
+        c.get_tensors("step-2", &keys[..1], &["input_ids"], None, c.deadline())
+            .unwrap()[0][0]
+            .data,
+        vec![7; 8]
+    );
+    let mut parts = c.partitions(c.deadline()).unwrap();
+    parts.sort();
+    assert_eq!(parts, vec!["step-1".to_string(), "step-2".to_string()]);
+    // Clearing rows is row-wide and partition-local.
+    let removed = c.clear("step-1", &keys[..4], None, c.deadline()).unwrap();
+    // 4 rows x 2 fields, plus the name entry of the 2 string rows (0 and 3).
+    assert_eq!(removed, 4 * 2 + 2);
+    assert_eq!(c.list("step-1", c.deadline()).unwrap().len(), 6);
+    assert_eq!(c.list("step-2", c.deadline()).unwrap().len(), 2);
+    // A whole partition goes at once.
+    let gone = c.clear_partition("step-1", c.deadline()).unwrap();
+    assert_eq!(
+        gone,
+        6 * 2 + 2,
+        "6 rows x 2 fields + the names of uid_g6 and uid_g9"
+    );
+    assert!(c.list("step-1", c.deadline()).unwrap().is_empty());
+    assert_eq!(c.clear_partition("step-2", c.deadline()).unwrap(), 2 + 1);
+    assert!(c
+        .stats(c.deadline())
+        .into_iter()
+        .all(|s| s.unwrap().used == 0));
+    // Named placement: the caller's unit, read back from it.
+    let one = [RowKey::Index(1)];
+    let t = Tensor::new(DType::U8, vec![3], &[1, 2, 3]).unwrap();
+    c.put(
+        "pinned",
+        &one,
+        &[("x", Column::Jagged(vec![t]))],
+        Some(2),
+        c.deadline(),
+    )
+    .unwrap();
+    assert_eq!(
+        c.get_tensors("pinned", &one, &["x"], Some(2), c.deadline())
+            .unwrap()[0][0]
+            .data,
+        vec![1, 2, 3]
+    );
+    assert!(matches!(
+        c.get_tensors("pinned", &one, &["x"], None, c.deadline()),
+        Err(Error::NotFound { .. })
+    ));
+}
+
+fn not_found_names_exactly_the_missing_pairs(kind: Kind) {
+    let (p, _) = plane(2, 16 * MIB, &[]);
+    let c = client(&p, kind, Duration::from_secs(30));
+    let keys = vec![RowKey::Name("a".into()), RowKey::Index(4), RowKey::Index(5)];
+    let v = Tensor::new(DType::I32, vec![2], &[0; 8]).unwrap();
+    c.put(
+        "p",
+        &keys[..2],
+        &[("x", Column::Jagged(vec![v.clone(), v.clone()]))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    c.put(
+        "p",
+        &keys[1..2],
+        &[("y", Column::Jagged(vec![v]))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    match c.get_tensors("p", &keys, &["x", "y"], None, c.deadline()) {
+        Err(Error::NotFound {
+            mut named,
+            keys: wire,
+        }) => {
+            named.sort();
+            assert_eq!(named, vec!["5@x", "5@y", "a@y"]);
+            assert_eq!(wire.len(), 3);
+        }
+        other => panic!("expected NotFound, got {:?}", other.map(|_| ())),
+    }
+    // A partition that does not exist: every pair is missing.
+    match c.get_tensors("nope", &keys[..1], &["x"], None, c.deadline()) {
+        Err(Error::NotFound { named, .. }) => assert_eq!(named, vec!["a@x"]),
+        other => panic!("expected NotFound, got {:?}", other.map(|_| ())),
+    }
+    // Bad input is refused before anything is sent.
+    assert!(matches!(
+        c.put(
+            "p",
+            &keys,
+            &[("x", Column::Jagged(vec![]))],
+            None,
+            c.deadline()
+        ),
+        Err(Error::InvalidRequest(_))
+    ));
+    assert!(matches!(
+        c.put("p", &[RowKey::Index(u64::MAX)], &[], None, c.deadline()),
+        Err(Error::InvalidRequest(_))
+    ));
+    assert!(Tensor::new(DType::F32, vec![3], &[0; 11]).is_err());
+    // What was stored is intact.
+    assert_eq!(
+        c.get_tensors("p", &keys[..2], &["x"], None, c.deadline())
+            .unwrap()[0]
+            .len(),
+        2
+    );
+}
+
+/// Writers replace one (key, field) with values whose every byte is the
+/// writer's sequence number and whose length depends on it; readers check
+/// that each value they see is one whole write.
+fn concurrent_replacements_are_never_torn(kind: Kind) {
+    let (p, _) = plane(2, 64 * MIB, &[]);
+    let c = Arc::new(client(&p, kind, Duration::from_secs(30)));
+    let keys = vec![RowKey::Name("hot".into()), RowKey::Index(1)];
+    let stop = AtomicBool::new(false);
+    let reads = std::sync::atomic::AtomicU64::new(0);
+    let end = Instant::now() + Duration::from_millis(1500);
+    std::thread::scope(|s| {
+        for w in 0..2u8 {
+            let c = c.clone();
+            let (keys, stop) = (&keys, &stop);
+            s.spawn(move || {
+                let mut seq = w;
+                while !stop.load(Ordering::Relaxed) {
+                    let len = 4096 + usize::from(seq) * 64;
+                    let buf = vec![seq; len];
+                    let t = Tensor::new(DType::U8, vec![len as u64], &buf).unwrap();
+                    let col = Column::Jagged(vec![t.clone(), t]);
+                    c.put("p", keys, &[("v", col)], None, c.deadline()).unwrap();
+                    seq = seq.wrapping_add(2);
+                }
+            });
+        }
+        for _ in 0..2 {
+            let c = c.clone();
+            let (keys, stop, reads) = (&keys, &stop, &reads);
+            s.spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    match c.get_tensors("p", keys, &["v"], None, c.deadline()) {
+                        Ok(got) => {
+                            for t in &got[0] {
+                                let seq = t.data[0];
+                                assert_eq!(
+                                    t.data.len(),
+                                    4096 + usize::from(seq) * 64,
+                                    "length of another write"
+                                );
+                                assert!(t.data.iter().all(|&b| b == seq), "torn value");
+                            }
+                            reads.fetch_add(1, Ordering::Relaxed);
+                        }
+                        Err(Error::NotFound { .. }) => {} // before the first put
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            });
+        }
+        while Instant::now() < end {
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        stop.store(true, Ordering::Relaxed);
+    });
+    assert!(reads.load(Ordering::Relaxed) > 10, "readers barely ran");
+    // Only the last value of each key is left: old blobs were freed.
+    let stats: Vec<_> = c
+        .stats(c.deadline())
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(stats.iter().map(|s| s.entries).sum::<u64>(), 3, "{stats:?}");
+    assert_eq!(stats.iter().map(|s| s.pins).sum::<u64>(), 0);
+}
+
+#[test]
+fn views_see_values_in_place_and_keep_them_pinned() {
+    let (p, _) = plane(2, 16 * MIB, &[]);
+    let c = Arc::new(client(&p, Kind::Shm, Duration::from_secs(30)));
+    let keys = keys_mixed(4);
+    let data: Vec<Vec<u8>> = (0..4)
+        .map(|i| pattern(i, 3, 800 + i as usize * 8))
+        .collect();
+    let col = Column::Jagged(
+        data.iter()
+            .map(|b| Tensor::new(DType::F64, vec![b.len() as u64 / 8], b).unwrap())
+            .collect(),
+    );
+    c.put("p", &keys, &[("lp", col)], None, c.deadline())
+        .unwrap();
+    let view = c.view("p", &keys, &["lp"], None, c.deadline()).unwrap();
+    let pins: u64 = c
+        .stats(c.deadline())
+        .into_iter()
+        .map(|s| s.unwrap().pins)
+        .sum();
+    assert_eq!(pins, 2, "one held pin per unit");
+    // Clearing and replacing the rows does not touch what the view sees.
+    c.clear("p", &keys, None, c.deadline()).unwrap();
+    let other = vec![0xEEu8; 816];
+    let t = Tensor::new(DType::U8, vec![816], &other).unwrap();
+    c.put(
+        "p",
+        &keys[..1],
+        &[("lp", Column::Jagged(vec![t]))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    for (i, t) in view.tensors()[0].iter().enumerate() {
+        assert_eq!(t.dtype, DType::F64);
+        let bytes = view.bytes(t);
+        assert!(bytes == data[i], "row {i} changed under a view");
+        assert_eq!(
+            bytes.as_ptr() as usize % 64,
+            0,
+            "values are 64-byte aligned"
+        );
+    }
+    drop(view);
+    assert!(common::eventually(Duration::from_secs(5), || {
+        c.stats(c.deadline())
+            .into_iter()
+            .all(|s| s.unwrap().pins == 0)
+    }));
+    c.clear("p", &keys, None, c.deadline()).unwrap();
+    assert!(c
+        .stats(c.deadline())
+        .into_iter()
+        .all(|s| s.unwrap().used == 0));
+    // Views need the shm transport.
+    let tcp = Arc::new(client(&p, Kind::Tcp, Duration::from_secs(5)));
+    assert!(matches!(
+        tcp.view("p", &keys, &["lp"], None, tcp.deadline()),
+        Err(Error::InvalidRequest(_))
+    ));
+}

@@ -1,0 +1,823 @@
+//! The rows × fields API: what RL frameworks call.
+//!
+//! A **partition** (e.g. one RL step) holds **rows**, each named by a
+//! [`RowKey`] — an integer index or a user string such as `"uid_g3"` — and
+//! each row holds **fields** (`input_ids`, `generation_logprobs`, …) whose
+//! values are typed, shaped [`Tensor`]s of their own length.
+//!
+//! Mapping onto the blob API:
+//!
+//! * A row's id on the wire is its index, or for a string key the xxh3 hash
+//!   of the string with the top bit set (indexes must stay below 2^63, so
+//!   the two never meet). The row lives on unit `id % N` unless the caller
+//!   names a unit (then it must name the same unit to read or clear it).
+//! * A string key's text is stored once per put as the row's reserved field
+//!   [`KEY_FIELD`], so that [`Client::list`] can give the names back.
+//! * Each value's dtype and shape travel as the entry's metadata; its bytes
+//!   start on a 64-byte boundary of the blob, so a zero-copy view of any
+//!   dtype is aligned.
+//! * One put sends one blob per unit, all units in one round; writing a
+//!   (key, field) again replaces it atomically (the unit swaps the index
+//!   entry at commit; readers that pinned the old value keep it).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use stowage_core::{EntrySpec, Key};
+use stowage_shm::Slab;
+use stowage_wire::{Request, Response};
+
+use crate::transport::{GetSink, OpFailure};
+use crate::{lock, new_blob_id, BlobPut, Client, Error, Outcome, Result};
+
+/// The reserved field that holds a string row key's text.
+pub const KEY_FIELD: &str = "\0key";
+
+/// Rows whose ids have this bit set are named by strings.
+const NAME_BIT: u64 = 1 << 63;
+
+/// Every value starts at a multiple of this many bytes within its blob.
+const VALUE_ALIGN: u64 = 64;
+
+static PADDING: [u8; VALUE_ALIGN as usize] = [0; VALUE_ALIGN as usize];
+
+/// Element types of stored values.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum DType {
+    Bool,
+    I8,
+    I16,
+    I32,
+    I64,
+    U8,
+    U16,
+    U32,
+    U64,
+    F16,
+    BF16,
+    F32,
+    F64,
+}
+
+impl DType {
+    pub const ALL: [DType; 13] = [
+        DType::Bool,
+        DType::I8,
+        DType::I16,
+        DType::I32,
+        DType::I64,
+        DType::U8,
+        DType::U16,
+        DType::U32,
+        DType::U64,
+        DType::F16,
+        DType::BF16,
+        DType::F32,
+        DType::F64,
+    ];
+
+    /// The numpy / torch name: `"int64"`, `"bfloat16"`, ….
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::Bool => "bool",
+            DType::I8 => "int8",
+            DType::I16 => "int16",
+            DType::I32 => "int32",
+            DType::I64 => "int64",
+            DType::U8 => "uint8",
+            DType::U16 => "uint16",
+            DType::U32 => "uint32",
+            DType::U64 => "uint64",
+            DType::F16 => "float16",
+            DType::BF16 => "bfloat16",
+            DType::F32 => "float32",
+            DType::F64 => "float64",
+        }
+    }
+
+    pub fn from_name(s: &str) -> Option<DType> {
+        DType::ALL.into_iter().find(|d| d.name() == s)
+    }
+
+    /// Bytes per element.
+    pub fn itemsize(self) -> usize {
+        match self {
+            DType::Bool | DType::I8 | DType::U8 => 1,
+            DType::I16 | DType::U16 | DType::F16 | DType::BF16 => 2,
+            DType::I32 | DType::U32 | DType::F32 => 4,
+            DType::I64 | DType::U64 | DType::F64 => 8,
+        }
+    }
+}
+
+/// A row's name: an integer index (below 2^63) or a string.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum RowKey {
+    Index(u64),
+    Name(String),
+}
+
+impl From<u64> for RowKey {
+    fn from(i: u64) -> Self {
+        RowKey::Index(i)
+    }
+}
+
+impl From<&str> for RowKey {
+    fn from(s: &str) -> Self {
+        RowKey::Name(s.to_owned())
+    }
+}
+
+impl std::fmt::Display for RowKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            RowKey::Index(i) => write!(f, "{i}"),
+            RowKey::Name(s) => write!(f, "{s}"),
+        }
+    }
+}
+
+impl RowKey {
+    /// The row id on the wire.
+    pub fn row_id(&self) -> Result<u64> {
+        match self {
+            RowKey::Index(i) if *i < NAME_BIT => Ok(*i),
+            RowKey::Index(i) => Err(Error::InvalidRequest(format!(
+                "row index {i} is not below 2^63"
+            ))),
+            RowKey::Name(s) => Ok(xxhash_rust::xxh3::xxh3_64(s.as_bytes()) | NAME_BIT),
+        }
+    }
+}
+
+/// A typed, shaped, C-contiguous value borrowed from the caller.
+#[derive(Clone, Debug)]
+pub struct Tensor<'a> {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub data: &'a [u8],
+}
+
+impl<'a> Tensor<'a> {
+    /// A tensor over `data`, which must hold exactly the shape's bytes.
+    pub fn new(dtype: DType, shape: Vec<u64>, data: &'a [u8]) -> Result<Self> {
+        let want = byte_len(dtype, &shape)?;
+        if want != data.len() as u64 {
+            return Err(Error::InvalidRequest(format!(
+                "a {} tensor of shape {shape:?} has {want} bytes, not {}",
+                dtype.name(),
+                data.len()
+            )));
+        }
+        Ok(Self { dtype, shape, data })
+    }
+}
+
+/// A value read back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OwnedTensor {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub data: Vec<u8>,
+}
+
+/// One field's values for the rows of a put.
+#[derive(Clone, Debug)]
+pub enum Column<'a> {
+    /// One value per row, each of its own shape.
+    Jagged(Vec<Tensor<'a>>),
+    /// One array whose first axis runs over the rows.
+    Dense(Tensor<'a>),
+}
+
+/// Where a tensor get puts each value: asked with the value's dtype and
+/// shape, returns the buffer of exactly its bytes.
+pub trait TensorSink {
+    /// `field` and `row` index the call's field and key lists.
+    fn slot(
+        &mut self,
+        field: usize,
+        row: usize,
+        dtype: DType,
+        shape: &[u64],
+    ) -> std::result::Result<&mut [u8], String>;
+}
+
+/// What the unit keeps beside each value.
+#[derive(Serialize, Deserialize)]
+struct ValueMeta {
+    dtype: DType,
+    shape: Vec<u64>,
+}
+
+fn byte_len(dtype: DType, shape: &[u64]) -> Result<u64> {
+    shape
+        .iter()
+        .try_fold(dtype.itemsize() as u64, |acc, &d| acc.checked_mul(d))
+        .ok_or_else(|| Error::InvalidRequest(format!("shape {shape:?} overflows")))
+}
+
+fn decode_meta(meta: &[u8]) -> std::result::Result<ValueMeta, String> {
+    postcard::from_bytes(meta)
+        .map_err(|e| format!("value metadata unreadable ({e}): not put by the rows API?"))
+}
+
+fn check_field(f: &str) -> Result<()> {
+    if f.is_empty() || f.starts_with('\0') {
+        return Err(Error::InvalidRequest(format!(
+            "field name {f:?} is empty or reserved (starts with NUL)"
+        )));
+    }
+    Ok(())
+}
+
+/// A view's value: read-only bytes in this process's mapping of a unit's
+/// slab, valid while its [`View`] lives.
+#[derive(Clone, Debug)]
+pub struct ViewTensor {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    unit: usize,
+    offset: u64,
+    len: usize,
+}
+
+/// Zero-copy access to values in the units' slabs (same host only). The
+/// values stay pinned — neither moved, freed nor overwritten, even if
+/// their rows are cleared or replaced — until the view is dropped.
+pub struct View {
+    client: Arc<Client>,
+    /// (unit, pin, slab) of every unit that pinned something.
+    pins: Vec<(usize, stowage_core::PinId, Arc<Slab>)>,
+    tensors: Vec<Vec<ViewTensor>>,
+}
+
+impl View {
+    /// `[field][row]`, in the order of the call.
+    pub fn tensors(&self) -> &[Vec<ViewTensor>] {
+        &self.tensors
+    }
+
+    /// The bytes of a value of this view.
+    pub fn bytes(&self, t: &ViewTensor) -> &[u8] {
+        self.pins
+            .iter()
+            .find(|(u, _, _)| *u == t.unit)
+            .and_then(|(_, _, slab)| slab.pinned_slice(t.offset, t.len).ok())
+            .unwrap_or(&[])
+    }
+}
+
+impl Drop for View {
+    fn drop(&mut self) {
+        let deadline = self.client.deadline();
+        for (unit, pin, _) in self.pins.drain(..) {
+            let req = Request::Unpin { pin, reply: false };
+            // If the unit is gone its pins are gone too; nothing to report.
+            let _ = self
+                .client
+                .with_view_conn(unit, deadline, |t| t.notify(&req, deadline));
+        }
+    }
+}
+
+impl Client {
+    fn unit_of_key(&self, row_id: u64, unit: Option<usize>) -> Result<usize> {
+        match unit {
+            Some(u) if u < self.units.len() => Ok(u),
+            Some(u) => Err(Error::InvalidRequest(format!(
+                "unit {u} does not exist ({} units)",
+                self.units.len()
+            ))),
+            None => Ok(self.unit_of_row(row_id)),
+        }
+    }
+
+    /// Write `columns` for `keys` in `partition`: all of one unit's values
+    /// go out as one blob, all units in one round. A put may add fields to
+    /// rows that exist; writing an existing (key, field) replaces it.
+    pub fn put(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        columns: &[(&str, Column<'_>)],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let n = keys.len();
+        let mut seen = std::collections::HashSet::new();
+        let mut per_column: Vec<(&str, Vec<Tensor<'_>>)> = Vec::with_capacity(columns.len());
+        for (field, col) in columns {
+            check_field(field)?;
+            if !seen.insert(*field) {
+                return Err(Error::InvalidRequest(format!(
+                    "field {field:?} given twice"
+                )));
+            }
+            let values = match col {
+                Column::Jagged(v) => {
+                    if v.len() != n {
+                        return Err(Error::InvalidRequest(format!(
+                            "field {field:?} has {} values for {n} keys",
+                            v.len()
+                        )));
+                    }
+                    for t in v {
+                        Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                    }
+                    v.clone()
+                }
+                Column::Dense(t) => {
+                    let t = Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                    if t.shape.first().copied() != Some(n as u64) {
+                        return Err(Error::InvalidRequest(format!(
+                            "field {field:?}: a dense array's first axis ({:?}) must match the {n} keys",
+                            t.shape.first()
+                        )));
+                    }
+                    let row_shape = t.shape[1..].to_vec();
+                    let row_bytes = byte_len(t.dtype, &row_shape)? as usize;
+                    (0..n)
+                        .map(|i| Tensor {
+                            dtype: t.dtype,
+                            shape: row_shape.clone(),
+                            data: &t.data[i * row_bytes..(i + 1) * row_bytes],
+                        })
+                        .collect()
+                }
+            };
+            per_column.push((field, values));
+        }
+        if n == 0 {
+            return Ok(());
+        }
+        struct Building<'a> {
+            segments: Vec<&'a [u8]>,
+            entries: Vec<EntrySpec>,
+            size: u64,
+        }
+        impl<'a> Building<'a> {
+            fn push(&mut self, key: Key, data: &'a [u8], meta: Vec<u8>) {
+                let pad = self.size.next_multiple_of(VALUE_ALIGN) - self.size;
+                if pad > 0 {
+                    self.segments.push(&PADDING[..pad as usize]);
+                    self.size += pad;
+                }
+                self.entries.push(EntrySpec {
+                    key,
+                    offset: self.size,
+                    len: data.len() as u64,
+                    meta,
+                });
+                if !data.is_empty() {
+                    self.segments.push(data);
+                }
+                self.size += data.len() as u64;
+            }
+        }
+        let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
+        for (r, key) in keys.iter().enumerate() {
+            let row = key.row_id()?;
+            let u = self.unit_of_key(row, unit)?;
+            let b = by_unit.entry(u).or_insert_with(|| Building {
+                segments: Vec::new(),
+                entries: Vec::new(),
+                size: 0,
+            });
+            if let RowKey::Name(name) = key {
+                b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
+            }
+            for (field, values) in &per_column {
+                let t = &values[r];
+                let meta = postcard::to_allocvec(&ValueMeta {
+                    dtype: t.dtype,
+                    shape: t.shape.clone(),
+                })
+                .map_err(|e| Error::InvalidRequest(format!("value metadata: {e}")))?;
+                b.push(Key::new(row, *field), t.data, meta);
+            }
+        }
+        let blobs: Vec<BlobPut<'_>> = by_unit
+            .into_iter()
+            .map(|(u, b)| BlobPut {
+                unit: u,
+                partition,
+                blob: new_blob_id(),
+                segments: b.segments,
+                entries: b.entries,
+            })
+            .collect();
+        self.put_many(&blobs, deadline)
+            .map_err(|e| name_keys(e, keys))
+    }
+
+    /// Read `fields` of `keys` from `partition` into the buffers `sink`
+    /// hands out. A missing (key, field) fails the call with
+    /// [`Error::NotFound`] naming every missing pair.
+    pub fn get_tensors_into(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        fields: &[&str],
+        unit: Option<usize>,
+        sink: &mut dyn TensorSink,
+        deadline: Instant,
+    ) -> Result<()> {
+        let placed = self.place(keys, fields, unit)?;
+        struct Adapter<'s> {
+            sink: &'s mut dyn TensorSink,
+            rows: usize,
+        }
+        impl GetSink for Adapter<'_> {
+            fn slot(
+                &mut self,
+                index: usize,
+                len: u64,
+                meta: &[u8],
+            ) -> std::result::Result<&mut [u8], String> {
+                let m = decode_meta(meta)?;
+                let want = byte_len(m.dtype, &m.shape).map_err(|e| e.to_string())?;
+                if want != len {
+                    return Err(format!(
+                        "stored value has {len} bytes but its shape {:?} of {} needs {want}",
+                        m.shape,
+                        m.dtype.name()
+                    ));
+                }
+                let (field, row) = (index / self.rows, index % self.rows);
+                self.sink.slot(field, row, m.dtype, &m.shape)
+            }
+        }
+        let mut adapter = Adapter {
+            sink,
+            rows: keys.len(),
+        };
+        self.get_into(partition, &placed, &mut adapter, deadline)
+            .map_err(|e| name_keys(e, keys))
+    }
+
+    /// Read `fields` of `keys` into fresh tensors, `[field][row]`.
+    pub fn get_tensors(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        fields: &[&str],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<Vec<Vec<OwnedTensor>>> {
+        struct Collect(Vec<Vec<Option<OwnedTensor>>>);
+        impl TensorSink for Collect {
+            fn slot(
+                &mut self,
+                field: usize,
+                row: usize,
+                dtype: DType,
+                shape: &[u64],
+            ) -> std::result::Result<&mut [u8], String> {
+                let len = byte_len(dtype, shape).map_err(|e| e.to_string())?;
+                let len =
+                    usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+                let t = self.0[field][row].insert(OwnedTensor {
+                    dtype,
+                    shape: shape.to_vec(),
+                    data: vec![0; len],
+                });
+                Ok(&mut t.data)
+            }
+        }
+        let mut c = Collect(vec![vec![None; keys.len()]; fields.len()]);
+        self.get_tensors_into(partition, keys, fields, unit, &mut c, deadline)?;
+        c.0.into_iter()
+            .map(|f| {
+                f.into_iter()
+                    .map(|t| {
+                        t.ok_or_else(|| Error::TransferFailed {
+                            unit: 0,
+                            blobs: vec![],
+                            reason: "a value was not delivered".into(),
+                            in_flight: false,
+                        })
+                    })
+                    .collect()
+            })
+            .collect()
+    }
+
+    /// (unit, wire key) of every (field, key), field-major.
+    fn place(
+        &self,
+        keys: &[RowKey],
+        fields: &[&str],
+        unit: Option<usize>,
+    ) -> Result<Vec<(usize, Key)>> {
+        let rows: Vec<(usize, u64)> = keys
+            .iter()
+            .map(|k| {
+                let r = k.row_id()?;
+                Ok((self.unit_of_key(r, unit)?, r))
+            })
+            .collect::<Result<_>>()?;
+        let mut placed = Vec::with_capacity(keys.len() * fields.len());
+        for f in fields {
+            check_field(f)?;
+            for &(u, r) in &rows {
+                placed.push((u, Key::new(r, *f)));
+            }
+        }
+        Ok(placed)
+    }
+
+    /// Clear whole rows of `partition`; returns the entries removed.
+    pub fn clear(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<u64> {
+        let rows: Vec<(usize, u64)> = keys
+            .iter()
+            .map(|k| {
+                let r = k.row_id()?;
+                Ok((self.unit_of_key(r, unit)?, r))
+            })
+            .collect::<Result<_>>()?;
+        self.release_rows(partition, &rows, deadline)
+    }
+
+    /// Clear every row of `partition` on every unit; returns the entries
+    /// removed. Units that are dead hold nothing any more and are skipped.
+    pub fn clear_partition(&self, partition: &str, deadline: Instant) -> Result<u64> {
+        let reqs = (0..self.units.len())
+            .map(|u| {
+                (
+                    u,
+                    Request::DropPartition {
+                        partition: partition.to_owned(),
+                    },
+                )
+            })
+            .collect();
+        let mut removed = 0;
+        for (unit, r) in self.call_units(reqs, deadline) {
+            match r {
+                Ok(Response::Released { entries }) => removed += entries,
+                Ok(other) => return Err(unexpected(unit, other)),
+                Err(Error::LostBlobs { .. }) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(removed)
+    }
+
+    /// The rows of `partition` and their fields (sorted by row key).
+    pub fn list(&self, partition: &str, deadline: Instant) -> Result<Vec<(RowKey, Vec<String>)>> {
+        let reqs = (0..self.units.len())
+            .map(|u| {
+                (
+                    u,
+                    Request::List {
+                        partition: partition.to_owned(),
+                    },
+                )
+            })
+            .collect();
+        let mut listed: Vec<(usize, u64, Vec<String>)> = Vec::new();
+        for (unit, r) in self.call_units(reqs, deadline) {
+            match r? {
+                Response::Listed { rows } => {
+                    listed.extend(rows.into_iter().map(|(row, fields)| (unit, row, fields)))
+                }
+                other => return Err(unexpected(unit, other)),
+            }
+        }
+        // String rows: fetch their names (one read per unit).
+        let named: Vec<(usize, Key)> = listed
+            .iter()
+            .filter(|(_, row, fields)| {
+                *row & NAME_BIT != 0 && fields.iter().any(|f| f == KEY_FIELD)
+            })
+            .map(|(u, row, _)| (*u, Key::new(*row, KEY_FIELD)))
+            .collect();
+        let names: HashMap<u64, String> = if named.is_empty() {
+            HashMap::new()
+        } else {
+            let raw = self.get(partition, &named, deadline)?;
+            named
+                .iter()
+                .zip(raw)
+                .map(|((_, k), v)| (k.row, String::from_utf8_lossy(&v).into_owned()))
+                .collect()
+        };
+        let mut out: Vec<(RowKey, Vec<String>)> = listed
+            .into_iter()
+            .map(|(_, row, fields)| {
+                let key = match names.get(&row) {
+                    Some(n) => RowKey::Name(n.clone()),
+                    None => RowKey::Index(row),
+                };
+                (key, fields.into_iter().filter(|f| f != KEY_FIELD).collect())
+            })
+            .collect();
+        out.sort();
+        Ok(out)
+    }
+
+    /// The partitions of this client's namespace that hold data.
+    pub fn partitions(&self, deadline: Instant) -> Result<Vec<String>> {
+        let reqs = (0..self.units.len())
+            .map(|u| (u, Request::ListPartitions))
+            .collect();
+        let mut all = std::collections::BTreeSet::new();
+        for (unit, r) in self.call_units(reqs, deadline) {
+            match r? {
+                Response::Partitions { names } => all.extend(names),
+                other => return Err(unexpected(unit, other)),
+            }
+        }
+        Ok(all.into_iter().collect())
+    }
+
+    /// Run `f` on unit `unit`'s view connection (opened on first use): the
+    /// one connection per unit whose held pins back [`View`]s, kept for the
+    /// client's life so that those pins are not dropped with a pooled
+    /// connection.
+    fn with_view_conn<R>(
+        &self,
+        unit: usize,
+        deadline: Instant,
+        f: impl FnOnce(&mut Box<dyn crate::Transport>) -> std::result::Result<R, OpFailure>,
+    ) -> std::result::Result<R, OpFailure> {
+        let mut slot = lock(&self.units[unit].view_conn);
+        if slot.is_none() {
+            *slot = Some(self.open(unit, deadline)?);
+        }
+        let t = slot.as_mut().ok_or_else(|| {
+            OpFailure::conn(
+                crate::conn::ConnError::Protocol("no view connection".into()),
+                false,
+            )
+        })?;
+        let r = f(t);
+        if matches!(r, Err(OpFailure::Conn { .. })) {
+            *slot = None;
+        }
+        r
+    }
+
+    /// Pin `fields` of `keys` and view them in place (shm transport only):
+    /// no bytes are copied. See [`View`].
+    pub fn view(
+        self: &Arc<Self>,
+        partition: &str,
+        keys: &[RowKey],
+        fields: &[&str],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<View> {
+        let placed = self.place(keys, fields, unit)?;
+        let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
+        for (i, (u, k)) in placed.into_iter().enumerate() {
+            let e = by_unit.entry(u).or_default();
+            e.0.push(k);
+            e.1.push(i);
+        }
+        let mut view = View {
+            client: self.clone(),
+            pins: Vec::new(),
+            tensors: Vec::new(),
+        };
+        let mut flat: Vec<Option<ViewTensor>> = vec![None; keys.len() * fields.len()];
+        let mut missing = Vec::new();
+        for (u, (ks, idx)) in by_unit {
+            let req = Request::Resolve {
+                partition: partition.to_owned(),
+                keys: ks.clone(),
+                hold: true,
+            };
+            let r = self.with_view_conn(u, deadline, |t| {
+                let slab = t.slab().ok_or_else(|| OpFailure::Unit {
+                    code: stowage_wire::ErrorCode::InvalidRequest,
+                    message: "views need the shm transport (a unit on this host, reached by its Unix socket)"
+                        .into(),
+                })?;
+                t.start_call(&req, deadline)?;
+                Ok((slab, t.finish_call(deadline)?))
+            });
+            let (slab, resp) = match r {
+                Ok(x) => x,
+                Err(f) => {
+                    return Err(match self.classify(u, f, vec![], ks, deadline) {
+                        Outcome::Failed(e) => name_keys(e, keys),
+                        Outcome::Busy => Error::Timeout {
+                            unit: Some(u),
+                            what: "unit busy".into(),
+                        },
+                    })
+                }
+            };
+            let (pin, found) = match resp {
+                Response::Resolved { pin, found } if found.len() == ks.len() => (pin, found),
+                Response::Error { code, message } => {
+                    return Err(crate::unit_error(u, code, message, vec![]))
+                }
+                other => return Err(unexpected(u, other)),
+            };
+            if let Some(p) = pin {
+                view.pins.push((u, p, slab));
+            }
+            for ((f, i), k) in found.into_iter().zip(idx).zip(ks) {
+                match f {
+                    None => missing.push(k),
+                    Some(f) => {
+                        let m = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
+                        let len = usize::try_from(f.len).map_err(|_| {
+                            Error::InvalidRequest("value larger than memory".into())
+                        })?;
+                        flat[i] = Some(ViewTensor {
+                            dtype: m.dtype,
+                            shape: m.shape,
+                            unit: u,
+                            offset: f.offset,
+                            len,
+                        });
+                    }
+                }
+            }
+        }
+        if !missing.is_empty() {
+            // `view` drops here and unpins what was pinned.
+            let named = crate::error::names(&missing);
+            return Err(name_keys(
+                Error::NotFound {
+                    keys: missing,
+                    named,
+                },
+                keys,
+            ));
+        }
+        let mut it = flat.into_iter();
+        view.tensors = (0..fields.len())
+            .map(|_| {
+                it.by_ref()
+                    .take(keys.len())
+                    .map(|t| {
+                        t.ok_or_else(|| {
+                            Error::InvalidRequest("a unit did not answer for a key".into())
+                        })
+                    })
+                    .collect::<Result<Vec<_>>>()
+            })
+            .collect::<Result<_>>()?;
+        Ok(view)
+    }
+}
+
+fn unexpected(unit: usize, r: Response) -> Error {
+    match r {
+        Response::Error { code, message } => crate::unit_error(unit, code, message, vec![]),
+        other => Error::TransferFailed {
+            unit,
+            blobs: vec![],
+            reason: format!("unexpected reply {other:?}"),
+            in_flight: false,
+        },
+    }
+}
+
+/// Rename wire keys in an error to the caller's row keys.
+fn name_keys(e: Error, keys: &[RowKey]) -> Error {
+    let names: HashMap<u64, &RowKey> = keys
+        .iter()
+        .filter_map(|k| k.row_id().ok().map(|r| (r, k)))
+        .collect();
+    let rename = |ks: &[Key]| -> Vec<String> {
+        ks.iter()
+            .map(|k| match names.get(&k.row) {
+                Some(rk) => format!("{rk}@{}", k.field),
+                None => k.to_string(),
+            })
+            .collect()
+    };
+    match e {
+        Error::NotFound { keys: ks, .. } => Error::NotFound {
+            named: rename(&ks),
+            keys: ks,
+        },
+        Error::LostBlobs {
+            unit,
+            blobs,
+            keys: ks,
+            ..
+        } => Error::LostBlobs {
+            unit,
+            blobs,
+            named: rename(&ks),
+            keys: ks,
+        },
+        other => other,
+    }
+}
