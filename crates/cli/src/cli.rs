@@ -75,12 +75,15 @@ enum Cmd {
         /// RL steps to run.
         #[arg(long, default_value_t = 5)]
         steps: usize,
-        /// Rows per step.
+        /// Rows (samples) per step.
         #[arg(long, default_value_t = 1024)]
         rows: usize,
-        /// Bytes per value.
-        #[arg(long, value_parser = parse_size, default_value = "16KiB")]
-        value: u64,
+        /// Shortest sequence, in tokens.
+        #[arg(long, default_value_t = 512)]
+        min_tokens: usize,
+        /// Longest sequence, in tokens.
+        #[arg(long, default_value_t = 4096)]
+        max_tokens: usize,
     },
     /// Measure put/get against memcpy and raw TCP on this machine.
     Bench {
@@ -197,7 +200,8 @@ fn run(cli: Cli) -> Result<(), String> {
             transport,
             steps,
             rows,
-            value,
+            min_tokens,
+            max_tokens,
         } => {
             let exe = unit_command()?;
             println!(
@@ -216,16 +220,19 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             let client =
                 Client::connect(ClientConfig::new("local", addrs)).map_err(|e| e.to_string())?;
+            if min_tokens > max_tokens {
+                return Err("--min-tokens is larger than --max-tokens".into());
+            }
             let w = workload::Workload {
                 steps,
                 rows,
-                fields: vec!["input_ids".into(), "logprobs".into()],
-                value_bytes: value as usize,
+                min_tokens,
+                max_tokens,
             };
             println!(
-                "workload: {steps} steps of {rows} rows x {} fields x {} (put, 2 reads, clear), all bytes checked",
-                w.fields.len(),
-                bytesize::ByteSize(value).display().iec()
+                "workload: {steps} GRPO steps of {rows} rows, {min_tokens}-{max_tokens} tokens each: rollout put \
+                 (input_ids i64, generation_logprobs bf16, token_mask i32), logprob read + write-back \
+                 (prev_logprobs bf16), trainer read of all columns, clear; every byte checked"
             );
             let report = workload::run(&client, &w)?;
             report.print(match transport {
