@@ -153,7 +153,7 @@ impl TensorSink for Buffers {
 pub fn run(client: &Client, w: &Workload) -> Result<Report, String> {
     let mut report = Report::default();
     let mut bufs = Buffers::default();
-    let mut rng = Rng(0x5eed_0f_57_0a_9e);
+    let mut rng = Rng(0x5eed_0f57_0a9e);
     let span = w.max_tokens.saturating_sub(w.min_tokens) + 1;
     for step in 0..w.steps {
         let partition = format!("step-{step}");
