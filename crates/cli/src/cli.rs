@@ -27,6 +27,43 @@ enum TransportArg {
     Tcp,
 }
 
+/// The disk tier's settings (a unit's, or every unit's of a local plane).
+#[derive(clap::Args, Clone, Debug)]
+struct DiskArgs {
+    /// Root directory of the disk tier (each unit works in its own
+    /// owner-only, locked subdirectory). Without it, no disk tier.
+    #[arg(long)]
+    disk: Option<std::path::PathBuf>,
+    /// Disk tier capacity per unit.
+    #[arg(long, value_parser = parse_size, default_value = "20GiB")]
+    disk_capacity: u64,
+    /// Spill to disk past this fraction of the slab in use.
+    #[arg(long, default_value_t = 0.9)]
+    high_watermark: f64,
+    /// Stop spilling below this fraction.
+    #[arg(long, default_value_t = 0.8)]
+    low_watermark: f64,
+}
+
+impl DiskArgs {
+    /// The same settings as `stowage unit` arguments.
+    fn unit_args(&self) -> Vec<String> {
+        let Some(dir) = &self.disk else {
+            return Vec::new();
+        };
+        vec![
+            "--disk".into(),
+            dir.display().to_string(),
+            "--disk-capacity".into(),
+            self.disk_capacity.to_string(),
+            "--high-watermark".into(),
+            self.high_watermark.to_string(),
+            "--low-watermark".into(),
+            self.low_watermark.to_string(),
+        ]
+    }
+}
+
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one storage unit.
@@ -60,6 +97,11 @@ enum Cmd {
         /// blocking (0 disables adaptive polling).
         #[arg(long, value_parser = parse_duration, default_value = "50us")]
         spin: Duration,
+        #[command(flatten)]
+        disk: DiskArgs,
+        /// Turn on a failpoint (tests): `disk-write` fails every disk write.
+        #[arg(long)]
+        failpoint: Vec<String>,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -84,6 +126,8 @@ enum Cmd {
         /// Longest sequence, in tokens.
         #[arg(long, default_value_t = 4096)]
         max_tokens: usize,
+        #[command(flatten)]
+        disk: DiskArgs,
     },
     /// Measure put/get against memcpy and raw TCP on this machine.
     Bench {
@@ -151,6 +195,8 @@ fn run(cli: Cli) -> Result<(), String> {
             no_mlock,
             exit_with_stdin,
             spin,
+            disk,
+            failpoint,
         } => {
             let mut cfg = stowage_unit::UnitConfig::new(name, memory);
             cfg.pin_lease = pin_lease;
@@ -158,6 +204,10 @@ fn run(cli: Cli) -> Result<(), String> {
             cfg.quarantine = quarantine;
             cfg.mlock = !no_mlock;
             cfg.spin = spin;
+            cfg.disk = disk.disk.map(|d| (d, disk.disk_capacity));
+            cfg.high_watermark = disk.high_watermark;
+            cfg.low_watermark = disk.low_watermark;
+            cfg.failpoints = failpoint;
             let listen = if listen.is_empty() {
                 vec!["unix:/tmp/stowage-unit-0.sock".to_string()]
             } else {
@@ -202,6 +252,7 @@ fn run(cli: Cli) -> Result<(), String> {
             rows,
             min_tokens,
             max_tokens,
+            disk,
         } => {
             let exe = unit_command()?;
             println!(
@@ -210,6 +261,7 @@ fn run(cli: Cli) -> Result<(), String> {
             );
             let mut opts = LocalOptions::new(units, memory);
             opts.command = exe;
+            opts.unit_args = disk.unit_args();
             let mut plane = LocalPlane::start(&opts)?;
             let addrs = match transport {
                 TransportArg::Shm => plane.uds_addrs(),

@@ -172,14 +172,35 @@ impl LocalPlane {
         let _ = u.child.wait();
     }
 
-    /// Stop every unit (SIGKILL; units hold no state worth a graceful exit
-    /// yet) and reap them.
-    pub fn stop(&mut self) {
+    /// Stop every unit: close its stdin (it then removes its disk
+    /// directory and exits), wait up to `grace` for all of them, then
+    /// SIGKILL whatever is left, and reap them. Bounded, never fails.
+    pub fn stop_within(&mut self, grace: Duration) {
         for u in &mut self.units {
             let _ = u.signal(Signal::CONT);
-            let _ = u.child.kill();
-            let _ = u.child.wait();
+            drop(u.child.stdin.take());
         }
+        let end = std::time::Instant::now() + grace;
+        for u in &mut self.units {
+            loop {
+                match u.child.try_wait() {
+                    Ok(Some(_)) => break,
+                    Ok(None) if std::time::Instant::now() < end => {
+                        std::thread::sleep(Duration::from_millis(10))
+                    }
+                    _ => {
+                        let _ = u.child.kill();
+                        let _ = u.child.wait();
+                        break;
+                    }
+                }
+            }
+        }
+    }
+
+    /// [`LocalPlane::stop_within`] two seconds.
+    pub fn stop(&mut self) {
+        self.stop_within(Duration::from_secs(2));
     }
 }
 

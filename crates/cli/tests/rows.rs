@@ -348,7 +348,12 @@ fn concurrent_replacements_are_never_torn(kind: Kind) {
         .map(Result::unwrap)
         .collect();
     assert_eq!(stats.iter().map(|s| s.entries).sum::<u64>(), 3, "{stats:?}");
-    assert_eq!(stats.iter().map(|s| s.pins).sum::<u64>(), 0);
+    // Readers unpin without awaiting a reply: the last unpins land shortly.
+    assert!(common::eventually(Duration::from_secs(5), || {
+        c.stats(c.deadline())
+            .into_iter()
+            .all(|s| s.unwrap().pins == 0)
+    }));
 }
 
 #[test]

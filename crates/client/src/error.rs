@@ -38,6 +38,14 @@ pub enum Error {
     /// the caller named them).
     #[error("{} keys not found: {}", keys.len(), preview(named))]
     NotFound { keys: Vec<Key>, named: Vec<String> },
+    /// The unit's disk copy of these keys' blob failed its checks (corrupt
+    /// or truncated file): their bytes are not returned, never wrong.
+    #[error("unit {unit}: stored copy of {} keys is corrupt: {}", keys.len(), preview(named))]
+    Corrupt {
+        unit: usize,
+        keys: Vec<Key>,
+        named: Vec<String>,
+    },
     /// Malformed input or a request the unit refused as invalid.
     #[error("invalid request: {0}")]
     InvalidRequest(String),

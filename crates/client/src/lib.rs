@@ -75,6 +75,10 @@ pub struct ClientConfig {
     /// How long to poll for a reply before blocking (adaptive polling;
     /// costs CPU while polling). Default 50 µs; zero disables it.
     pub spin: Duration,
+    /// A put that finds a unit full (memory and disk) waits up to this long
+    /// — within its own deadline — for a clear to make room, instead of
+    /// failing with [`Error::UnitFull`] at once. Default `None` (fail).
+    pub wait_for_memory: Option<Duration>,
 }
 
 impl ClientConfig {
@@ -86,6 +90,7 @@ impl ClientConfig {
             shm: true,
             directory: Arc::new(ProbeDirectory::default()),
             spin: Duration::from_micros(50),
+            wait_for_memory: None,
         }
     }
 }
@@ -225,6 +230,9 @@ impl Client {
                     client.units[u].addr
                 )),
                 OpFailure::Unit { code, message } => unit_error(u, code, message, vec![]),
+                OpFailure::Corrupt { .. } => {
+                    Error::Io(format!("unit {u}: unexpected reply at connect"))
+                }
             })?;
             client.checkin(u, t);
         }
@@ -316,6 +324,17 @@ impl Client {
             OpFailure::Unit { code, message } => {
                 Outcome::Failed(unit_error(unit, code, message, blobs))
             }
+            OpFailure::Corrupt { positions } => {
+                let keys: Vec<Key> = positions
+                    .iter()
+                    .filter_map(|&i| keys.get(i).cloned())
+                    .collect();
+                Outcome::Failed(Error::Corrupt {
+                    unit,
+                    named: error::names(&keys),
+                    keys,
+                })
+            }
             OpFailure::Conn {
                 error: ConnFailure::Timeout,
                 ..
@@ -377,6 +396,10 @@ impl Client {
         }
         let mut backoff: HashMap<usize, (Duration, Instant)> = HashMap::new();
         let mut first_error: Option<Error> = None;
+        let wait_until = self
+            .cfg
+            .wait_for_memory
+            .map(|w| (Instant::now() + w).min(deadline));
         while !queues.is_empty() {
             let now = Instant::now();
             let round: Vec<(usize, usize)> = queues
@@ -397,6 +420,15 @@ impl Client {
                 continue;
             }
             for (unit, result) in self.put_round(blobs, &round, deadline) {
+                // A full unit is waited on like a busy one, when asked to.
+                let result = match result {
+                    Some(Outcome::Failed(Error::UnitFull { .. }))
+                        if wait_until.is_some_and(|w| Instant::now() < w) =>
+                    {
+                        Some(Outcome::Busy)
+                    }
+                    r => r,
+                };
                 match result {
                     None => {
                         backoff.remove(&unit);

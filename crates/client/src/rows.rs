@@ -720,7 +720,31 @@ impl Client {
                 }
             };
             let (pin, found) = match resp {
-                Response::Resolved { pin, found } if found.len() == ks.len() => (pin, found),
+                Response::Resolved {
+                    pin,
+                    found,
+                    corrupt,
+                } if found.len() == ks.len() => {
+                    if !corrupt.is_empty() {
+                        let bad: Vec<Key> = corrupt
+                            .iter()
+                            .filter_map(|&i| ks.get(i as usize).cloned())
+                            .collect();
+                        if let Some(p) = pin {
+                            view.pins.push((u, p, slab.clone()));
+                        }
+                        let named = crate::error::names(&bad);
+                        return Err(name_keys(
+                            Error::Corrupt {
+                                unit: u,
+                                keys: bad,
+                                named,
+                            },
+                            keys,
+                        ));
+                    }
+                    (pin, found)
+                }
                 Response::Error { code, message } => {
                     return Err(crate::unit_error(u, code, message, vec![]))
                 }
@@ -732,6 +756,17 @@ impl Client {
             for ((f, i), k) in found.into_iter().zip(idx).zip(ks) {
                 match f {
                     None => missing.push(k),
+                    Some(f) if f.on_disk => {
+                        return Err(Error::TransferFailed {
+                            unit: u,
+                            blobs: vec![],
+                            reason: format!(
+                                "{k} is in the unit's disk tier and its slab has no room to bring it back; \
+                                 read it with a copying get"
+                            ),
+                            in_flight: false,
+                        })
+                    }
                     Some(f) => {
                         let m = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
                         let len = usize::try_from(f.len).map_err(|_| {
@@ -815,6 +850,11 @@ fn name_keys(e: Error, keys: &[RowKey]) -> Error {
         } => Error::LostBlobs {
             unit,
             blobs,
+            named: rename(&ks),
+            keys: ks,
+        },
+        Error::Corrupt { unit, keys: ks, .. } => Error::Corrupt {
+            unit,
             named: rename(&ks),
             keys: ks,
         },

@@ -31,6 +31,9 @@ pub enum OpFailure {
     /// The connection failed. `in_flight`: payload bytes may still be on
     /// their way to the unit.
     Conn { error: ConnFailure, in_flight: bool },
+    /// The disk files of some values failed their checks: `positions` in
+    /// the operation's key list. The connection is fine.
+    Corrupt { positions: Vec<usize> },
     /// The unit answered with an error.
     Unit { code: ErrorCode, message: String },
 }
@@ -128,18 +131,134 @@ fn n_entries(entries: &[EntrySpec]) -> Result<u32, OpFailure> {
     })
 }
 
+/// Take a Data reply's values off the connection into `sink`: the
+/// positions of missing and of corrupt keys (outer error: the connection
+/// failed; inner error: the sink refused a value, the payload was still
+/// read off so the connection stays usable).
+fn read_data(
+    conn: &mut Conn,
+    reply: Response,
+    keys: &[Key],
+    index_of: &[usize],
+    sink: &mut dyn GetSink,
+    deadline: Instant,
+) -> Result<Result<(Missing, Vec<usize>), OpFailure>, OpFailure> {
+    let (items, corrupt) = match reply {
+        Response::Data { items, corrupt } if items.len() == keys.len() => (items, corrupt),
+        other => return Err(OpFailure::unexpected(other)),
+    };
+    let corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
+    let mut missing = Vec::new();
+    let mut sink_error = None;
+    for (i, item) in items.iter().enumerate() {
+        let Some(item) = item else {
+            if !corrupt.contains(&i) {
+                missing.push(i);
+            }
+            continue;
+        };
+        let slot = if sink_error.is_none() {
+            match sink.slot(index_of[i], item.len, &item.meta) {
+                Ok(s) => Some(s),
+                Err(m) => {
+                    sink_error = Some(m);
+                    None
+                }
+            }
+        } else {
+            None
+        };
+        match slot {
+            Some(dst) => conn.read_payload(dst, deadline),
+            None => conn.skip_payload(item.len, deadline),
+        }
+        .map_err(|e| OpFailure::conn(e, false))?;
+    }
+    Ok(match sink_error {
+        Some(message) => Err(OpFailure::Unit {
+            code: ErrorCode::InvalidRequest,
+            message,
+        }),
+        None => Ok((missing, corrupt)),
+    })
+}
+
 /// The shm transport. See the module docs.
 pub struct ShmTransport {
     conn: Conn,
     slab: Arc<Slab>,
     awaiting: Option<u64>,
-    put_state: ShmPut,
+    put_state: PutState,
+    /// The partition of the get in progress.
+    get_partition: String,
 }
 
-enum ShmPut {
+/// Where a put stands on one connection.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum PutState {
     Idle,
+    /// Awaiting the Alloc reply (shm).
     Allocating,
+    /// Awaiting the reply to a Put that carries the bytes.
+    Streaming,
+    /// Awaiting the reply to a Commit.
     Committing,
+}
+
+/// How often a put whose blob goes to disk asks whether it is durable.
+pub const PENDING_POLL: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Send a Put carrying the blob's bytes (the unit reads them into its slab
+/// or its disk tier).
+fn send_stream(conn: &mut Conn, put: &BlobPut<'_>, deadline: Instant) -> Result<u64, OpFailure> {
+    n_entries(&put.entries)?;
+    let req = Request::Put {
+        blob: put.blob,
+        partition: put.partition.to_owned(),
+        entries: put.entries.clone(),
+    };
+    let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
+    conn.send(&req, &mut payload, deadline)
+        .map_err(|e| OpFailure::conn(e, true))
+}
+
+fn send_commit(conn: &mut Conn, put: &BlobPut<'_>, deadline: Instant) -> Result<u64, OpFailure> {
+    let req = Request::Commit {
+        blob: put.blob,
+        partition: put.partition.to_owned(),
+        entries: put.entries.clone(),
+    };
+    conn.send(&req, &mut [], deadline)
+        .map_err(|e| OpFailure::conn(e, false))
+}
+
+/// The reply to a Put or Commit: `Ok(true)` when published; on Pending,
+/// wait a little and commit again (commit is idempotent).
+fn after_commit_reply(
+    conn: &mut Conn,
+    state: &mut PutState,
+    awaiting: &mut Option<u64>,
+    put: &BlobPut<'_>,
+    reply: Response,
+    deadline: Instant,
+) -> Result<bool, OpFailure> {
+    match reply {
+        Response::Done | Response::AlreadyCommitted => {
+            *state = PutState::Idle;
+            Ok(true)
+        }
+        Response::Pending => {
+            let left = crate::conn::remaining(deadline).map_err(|e| OpFailure::conn(e, false))?;
+            std::thread::sleep(PENDING_POLL.min(left));
+            *awaiting = Some(send_commit(conn, put, deadline)?);
+            *state = PutState::Committing;
+            Ok(false)
+        }
+        other => {
+            *state = PutState::Idle;
+            Err(OpFailure::unexpected(other))
+        }
+    }
 }
 
 impl ShmTransport {
@@ -149,7 +268,8 @@ impl ShmTransport {
             conn,
             slab,
             awaiting: None,
-            put_state: ShmPut::Idle,
+            put_state: PutState::Idle,
+            get_partition: String::new(),
         })
     }
 
@@ -186,14 +306,14 @@ impl Transport for ShmTransport {
             n_entries: n_entries(&put.entries)?,
         };
         self.send(&req, deadline)?;
-        self.put_state = ShmPut::Allocating;
+        self.put_state = PutState::Allocating;
         Ok(())
     }
 
     fn advance_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<bool, OpFailure> {
         match self.put_state {
-            ShmPut::Idle => Ok(true),
-            ShmPut::Allocating => match self.recv(deadline)? {
+            PutState::Idle => Ok(true),
+            PutState::Allocating => match self.recv(deadline)? {
                 Response::Allocated { offset } => {
                     let mut at = offset;
                     for seg in &put.segments {
@@ -202,30 +322,35 @@ impl Transport for ShmTransport {
                         })?;
                         at += seg.len() as u64;
                     }
-                    let req = Request::Commit {
-                        blob: put.blob,
-                        partition: put.partition.to_owned(),
-                        entries: put.entries.clone(),
-                    };
-                    self.send(&req, deadline)?;
-                    self.put_state = ShmPut::Committing;
+                    self.awaiting = Some(send_commit(&mut self.conn, put, deadline)?);
+                    self.put_state = PutState::Committing;
+                    Ok(false)
+                }
+                // No room in the slab, room on disk: send the bytes along.
+                Response::ToDisk => {
+                    self.awaiting = Some(send_stream(&mut self.conn, put, deadline)?);
+                    self.put_state = PutState::Streaming;
                     Ok(false)
                 }
                 Response::AlreadyCommitted => {
-                    self.put_state = ShmPut::Idle;
+                    self.put_state = PutState::Idle;
                     Ok(true)
                 }
                 other => {
-                    self.put_state = ShmPut::Idle;
+                    self.put_state = PutState::Idle;
                     Err(OpFailure::unexpected(other))
                 }
             },
-            ShmPut::Committing => {
-                self.put_state = ShmPut::Idle;
-                match self.recv(deadline)? {
-                    Response::Done => Ok(true),
-                    other => Err(OpFailure::unexpected(other)),
-                }
+            PutState::Streaming | PutState::Committing => {
+                let reply = self.recv(deadline)?;
+                after_commit_reply(
+                    &mut self.conn,
+                    &mut self.put_state,
+                    &mut self.awaiting,
+                    put,
+                    reply,
+                    deadline,
+                )
             }
         }
     }
@@ -236,6 +361,7 @@ impl Transport for ShmTransport {
         keys: &[Key],
         deadline: Instant,
     ) -> Result<(), OpFailure> {
+        self.get_partition = partition.to_owned();
         let req = Request::Resolve {
             partition: partition.to_owned(),
             keys: keys.to_vec(),
@@ -251,15 +377,23 @@ impl Transport for ShmTransport {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<Option<Missing>, OpFailure> {
-        let (pin, found) = match self.recv(deadline)? {
-            Response::Resolved { pin, found } if found.len() == keys.len() => (pin, found),
+        let (pin, found, corrupt) = match self.recv(deadline)? {
+            Response::Resolved {
+                pin,
+                found,
+                corrupt,
+            } if found.len() == keys.len() => (pin, found, corrupt),
             other => return Err(OpFailure::unexpected(other)),
         };
+        let mut corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
         let mut missing = Vec::new();
+        let mut on_disk = Vec::new();
         let mut result = Ok(());
         for (i, f) in found.iter().enumerate() {
             match f {
+                None if corrupt.contains(&i) => {}
                 None => missing.push(i),
+                Some(l) if l.on_disk => on_disk.push(i),
                 Some(l) => {
                     let copied = sink
                         .slot(index_of[i], l.len, &l.meta)
@@ -274,10 +408,40 @@ impl Transport for ShmTransport {
                 }
             }
         }
+        // Values only on the unit's disk (no room to bring them back into
+        // the slab): one streamed read, while the pin holds their blobs.
+        if result.is_ok() && !on_disk.is_empty() {
+            let disk_keys: Vec<Key> = on_disk.iter().map(|&i| keys[i].clone()).collect();
+            let disk_index: Vec<usize> = on_disk.iter().map(|&i| index_of[i]).collect();
+            let req = Request::Read {
+                partition: std::mem::take(&mut self.get_partition),
+                keys: disk_keys.clone(),
+            };
+            self.send(&req, deadline)?;
+            let reply = self.recv(deadline)?;
+            match read_data(
+                &mut self.conn,
+                reply,
+                &disk_keys,
+                &disk_index,
+                sink,
+                deadline,
+            )? {
+                Ok((miss, bad)) => {
+                    missing.extend(miss.into_iter().map(|j| on_disk[j]));
+                    corrupt.extend(bad.into_iter().map(|j| on_disk[j]));
+                }
+                Err(f) => result = Err(f),
+            }
+        }
         if let Some(pin) = pin {
             self.unpin(pin, deadline)?;
         }
-        result.map(|()| Some(missing))
+        result?;
+        if !corrupt.is_empty() {
+            return Err(OpFailure::Corrupt { positions: corrupt });
+        }
+        Ok(Some(missing))
     }
 
     fn start_call(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
@@ -314,6 +478,7 @@ impl ShmTransport {
 pub struct TcpTransport {
     conn: Conn,
     awaiting: Option<u64>,
+    put_state: PutState,
 }
 
 impl TcpTransport {
@@ -321,6 +486,7 @@ impl TcpTransport {
         Self {
             conn,
             awaiting: None,
+            put_state: PutState::Idle,
         }
     }
 
@@ -342,26 +508,25 @@ impl Transport for TcpTransport {
     }
 
     fn start_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure> {
-        n_entries(&put.entries)?;
-        let req = Request::Put {
-            blob: put.blob,
-            partition: put.partition.to_owned(),
-            entries: put.entries.clone(),
-        };
-        let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
-        let id = self
-            .conn
-            .send(&req, &mut payload, deadline)
-            .map_err(|e| OpFailure::conn(e, true))?;
-        self.awaiting = Some(id);
+        self.awaiting = Some(send_stream(&mut self.conn, put, deadline)?);
+        self.put_state = PutState::Streaming;
         Ok(())
     }
 
-    fn advance_put(&mut self, _put: &BlobPut<'_>, deadline: Instant) -> Result<bool, OpFailure> {
-        match self.recv(deadline, true)? {
-            Response::Done => Ok(true),
-            other => Err(OpFailure::unexpected(other)),
+    fn advance_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<bool, OpFailure> {
+        if self.put_state == PutState::Idle {
+            return Ok(true);
         }
+        let in_flight = self.put_state == PutState::Streaming;
+        let reply = self.recv(deadline, in_flight)?;
+        after_commit_reply(
+            &mut self.conn,
+            &mut self.put_state,
+            &mut self.awaiting,
+            put,
+            reply,
+            deadline,
+        )
     }
 
     fn start_get(
@@ -389,44 +554,12 @@ impl Transport for TcpTransport {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<Option<Missing>, OpFailure> {
-        let items = match self.recv(deadline, false)? {
-            Response::Data { items } if items.len() == keys.len() => items,
-            other => return Err(OpFailure::unexpected(other)),
-        };
-        let mut missing = Vec::new();
-        let mut sink_error = None;
-        for (i, item) in items.iter().enumerate() {
-            let Some(item) = item else {
-                missing.push(i);
-                continue;
-            };
-            let len = item.len;
-            // After a sink error the rest of the payload is still read, so
-            // the connection stays usable.
-            let slot = if sink_error.is_none() {
-                match sink.slot(index_of[i], len, &item.meta) {
-                    Ok(s) => Some(s),
-                    Err(m) => {
-                        sink_error = Some(m);
-                        None
-                    }
-                }
-            } else {
-                None
-            };
-            match slot {
-                Some(dst) => self.conn.read_payload(dst, deadline),
-                None => self.conn.skip_payload(len, deadline),
-            }
-            .map_err(|e| OpFailure::conn(e, false))?;
+        let reply = self.recv(deadline, false)?;
+        let (missing, corrupt) = read_data(&mut self.conn, reply, keys, index_of, sink, deadline)??;
+        if !corrupt.is_empty() {
+            return Err(OpFailure::Corrupt { positions: corrupt });
         }
-        match sink_error {
-            Some(message) => Err(OpFailure::Unit {
-                code: ErrorCode::InvalidRequest,
-                message,
-            }),
-            None => Ok(Some(missing)),
-        }
+        Ok(Some(missing))
     }
 
     fn start_call(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {

@@ -42,7 +42,10 @@
 pub mod slab;
 mod unit;
 
-pub use unit::{CoreConfig, Located, Stats, UnitCore};
+pub use unit::{
+    Committed, CoreConfig, Effect, Located, Place, Snapshot, SnapshotEntry, SpillJob, Stats,
+    UnitCore,
+};
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -131,4 +134,8 @@ pub enum Allocated {
     Reserved { offset: u64 },
     /// The blob was committed by an earlier try: nothing to write.
     AlreadyCommitted,
+    /// The slab has no room but the disk tier has: the blob is reserved on
+    /// disk, and its bytes must be streamed to the unit, which writes them
+    /// to the blob's file.
+    ToDisk,
 }

@@ -1,4 +1,4 @@
-//! The unit's state: blobs, the key index and pins.
+//! The unit's state: blobs, the key index, pins and the disk tier.
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -24,6 +24,13 @@ pub struct CoreConfig {
     /// an expired reservation, so a writer that is still copying cannot
     /// scribble over a new owner's bytes. Default 5 s.
     pub quarantine: Duration,
+    /// Bytes of the disk tier; 0 turns it off. Default 0.
+    pub disk_capacity: u64,
+    /// Past this fraction of the slab in use, committed unpinned blobs spill
+    /// to disk, oldest first. Default 0.9.
+    pub high_watermark: f64,
+    /// Spilling stops once use is below this fraction. Default 0.8.
+    pub low_watermark: f64,
 }
 
 impl CoreConfig {
@@ -33,6 +40,9 @@ impl CoreConfig {
             reservation_lease: Duration::from_secs(30),
             pin_lease: Duration::from_secs(30),
             quarantine: Duration::from_secs(5),
+            disk_capacity: 0,
+            high_watermark: 0.9,
+            low_watermark: 0.8,
         }
     }
 }
@@ -41,7 +51,7 @@ impl CoreConfig {
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Stats {
     pub capacity: u64,
-    /// Bytes held by any blob (reserved, committed or quarantined).
+    /// Slab bytes held by any blob (reserved, committed or quarantined).
     pub used: u64,
     pub reserved_bytes: u64,
     pub quarantined_bytes: u64,
@@ -49,6 +59,12 @@ pub struct Stats {
     pub entries: u64,
     pub rows: u64,
     pub pins: u64,
+    /// Bytes of the disk tier (0: off).
+    pub disk_capacity: u64,
+    /// Disk bytes held: files written or being written.
+    pub disk_used: u64,
+    /// Blobs whose bytes are only on disk.
+    pub spilled_blobs: u64,
 }
 
 #[derive(Debug)]
@@ -56,6 +72,12 @@ enum State {
     Reserved {
         expires: Time,
         n_entries: u32,
+    },
+    /// A blob written to disk by the unit: its entries are published once
+    /// its file is durable ([`UnitCore::disk_written`]).
+    PendingDisk {
+        ns: String,
+        entries: Vec<EntrySpec>,
     },
     Committed {
         /// Entries of the index that point into this blob.
@@ -68,17 +90,35 @@ enum State {
     },
 }
 
+/// Where a blob's bytes are on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Disk {
+    None,
+    /// The driver is writing its file.
+    Writing,
+    /// Its file is complete and synced.
+    Durable,
+}
+
 #[derive(Debug)]
 struct Blob {
-    region: Region,
+    /// Its slab range; `None` while it lives only on disk.
+    region: Option<Region>,
+    /// A slab range being filled from disk ([`UnitCore::promote_begin`]).
+    promoting: Option<Region>,
     nbytes: u64,
     state: State,
+    disk: Disk,
+    /// Commit order: spilling takes the oldest first.
+    seq: u64,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 struct Entry {
     blob: BlobId,
-    location: Location,
+    /// Offset in the blob (the blob may move between slab and disk).
+    offset: u64,
+    len: u64,
     meta: Box<[u8]>,
 }
 
@@ -91,8 +131,77 @@ struct Pin {
 
 type Rows = HashMap<u64, HashMap<String, Entry>>;
 
+/// Where a found value is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// In the slab.
+    Memory(Location),
+    /// Only in its blob's disk file, at `offset` from the blob's start.
+    Disk { blob: BlobId, offset: u64, len: u64 },
+}
+
+impl Place {
+    pub fn len(&self) -> u64 {
+        match self {
+            Place::Memory(l) => l.len,
+            Place::Disk { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 /// A found key: where its value is, and the metadata stored with it.
-pub type Located = (Location, Vec<u8>);
+pub type Located = (Place, Vec<u8>);
+
+/// What the driver must do with files on behalf of the core.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Effect {
+    /// The blob is gone: remove its disk file.
+    DeleteFile(BlobId),
+}
+
+/// A blob the driver should copy from the slab to its disk file, then
+/// report with [`UnitCore::disk_written`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpillJob {
+    pub blob: BlobId,
+    /// Slab offset of its bytes (kept allocated until the write is done).
+    pub offset: u64,
+    pub nbytes: u64,
+}
+
+/// The answer to a commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Committed {
+    /// The entries are published.
+    Done,
+    /// The blob's file is still being made durable: ask again.
+    Pending,
+}
+
+/// One entry of a [`Snapshot`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotEntry {
+    pub ns: String,
+    pub key: Key,
+    pub blob: BlobId,
+    pub offset: u64,
+    pub len: u64,
+    pub meta: Vec<u8>,
+}
+
+/// A consistent view of every committed entry, with the blobs that hold
+/// them pinned (until [`UnitCore::unpin`] of `pin`).
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub pin: Option<PinId>,
+    pub entries: Vec<SnapshotEntry>,
+    /// Each blob once: its size and where its bytes are now.
+    pub blobs: Vec<(BlobId, u64, Place)>,
+}
 
 /// The sans-I/O state machine of one storage unit. See the crate docs.
 pub struct UnitCore {
@@ -115,6 +224,12 @@ pub struct UnitCore {
     /// oldest first.
     freed_commits: VecDeque<BlobId>,
     freed_commit_set: HashSet<BlobId>,
+    disk_used: u64,
+    /// Blobs freed while their file was being written: the file goes once
+    /// the write reports back.
+    orphan_writes: HashMap<BlobId, u64>,
+    commit_seq: u64,
+    effects: Vec<Effect>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -134,6 +249,15 @@ impl UnitCore {
                 crate::slab::MAX_CAPACITY
             )));
         }
+        if !(0.0 < cfg.low_watermark
+            && cfg.low_watermark <= cfg.high_watermark
+            && cfg.high_watermark <= 1.0)
+        {
+            return Err(CoreError::Invalid(format!(
+                "watermarks must satisfy 0 < low ({}) <= high ({}) <= 1",
+                cfg.low_watermark, cfg.high_watermark
+            )));
+        }
         Ok(Self {
             slab: SlabAllocator::new(cfg.capacity),
             cfg,
@@ -148,6 +272,10 @@ impl UnitCore {
             quarantined_bytes: 0,
             freed_commits: VecDeque::new(),
             freed_commit_set: HashSet::new(),
+            disk_used: 0,
+            orphan_writes: HashMap::new(),
+            commit_seq: 0,
+            effects: Vec::new(),
         })
     }
 
@@ -160,16 +288,31 @@ impl UnitCore {
         self.slab.capacity()
     }
 
+    fn disk_on(&self) -> bool {
+        self.cfg.disk_capacity > 0
+    }
+
+    fn disk_free(&self) -> u64 {
+        self.cfg.disk_capacity.saturating_sub(self.disk_used)
+    }
+
     fn add_timer(&mut self, at: Time, t: Timer) {
         self.timer_seq += 1;
         self.timers.insert((at, self.timer_seq), t);
     }
 
+    /// What the driver must do now (file removals); drains the list.
+    pub fn take_effects(&mut self) -> Vec<Effect> {
+        std::mem::take(&mut self.effects)
+    }
+
     /// Reserve `nbytes` for `blob` under a lease.
     ///
-    /// A retry of an alloc that already succeeded returns the same offset (and
-    /// renews the lease); one whose blob was committed since answers
-    /// [`Allocated::AlreadyCommitted`].
+    /// A retry of an alloc that already succeeded returns the same answer
+    /// (and renews the lease); one whose blob was committed since answers
+    /// [`Allocated::AlreadyCommitted`]. When the slab has no room and the
+    /// disk tier has, the blob is reserved on disk ([`Allocated::ToDisk`]):
+    /// the driver writes its bytes to the blob's file.
     pub fn alloc(
         &mut self,
         blob: BlobId,
@@ -185,14 +328,19 @@ impl UnitCore {
                     n_entries: n,
                 } if b.nbytes == nbytes && *n == n_entries => {
                     *e = expires;
-                    let offset = b.region.offset;
+                    let answer = match b.region {
+                        Some(r) => Allocated::Reserved { offset: r.offset },
+                        None => Allocated::ToDisk,
+                    };
                     self.add_timer(expires, Timer::Reservation(blob));
-                    Ok(Allocated::Reserved { offset })
+                    Ok(answer)
                 }
                 State::Reserved { .. } => Err(CoreError::Invalid(format!(
                     "blob {blob:?} is already reserved with another size or entry count"
                 ))),
-                State::Committed { .. } => Ok(Allocated::AlreadyCommitted),
+                State::Committed { .. } | State::PendingDisk { .. } => {
+                    Ok(Allocated::AlreadyCommitted)
+                }
                 State::Quarantined { .. } => Err(CoreError::Invalid(format!(
                     "blob {blob:?} was aborted or expired; use a new blob id"
                 ))),
@@ -202,69 +350,86 @@ impl UnitCore {
             return Ok(Allocated::AlreadyCommitted);
         }
         let capacity = self.slab.capacity();
-        if SlabAllocator::rounded(nbytes) > capacity {
-            return Err(CoreError::Full {
-                needed: nbytes,
-                free: capacity - self.slab.allocated(),
-                capacity,
-            });
-        }
-        match self.slab.allocate(nbytes) {
-            Some(region) => {
-                self.reserved_bytes += region.len;
-                self.blobs.insert(
-                    blob,
-                    Blob {
-                        region,
-                        nbytes,
-                        state: State::Reserved { expires, n_entries },
-                    },
-                );
-                self.add_timer(expires, Timer::Reservation(blob));
-                Ok(Allocated::Reserved {
-                    offset: region.offset,
-                })
-            }
+        let fits_disk = self.disk_on() && nbytes <= self.disk_free();
+        let region = if SlabAllocator::rounded(nbytes) <= capacity {
+            self.slab.allocate(nbytes)
+        } else {
+            None
+        };
+        let region = match region {
+            Some(r) => Some(r),
+            None if fits_disk => None,
             None => {
                 let free = capacity - self.slab.allocated();
                 let reclaimable = self.reserved_bytes + self.quarantined_bytes;
-                if free + reclaimable >= SlabAllocator::rounded(nbytes) && reclaimable > 0 {
-                    Err(CoreError::Busy {
-                        needed: nbytes,
-                        reclaimable,
-                    })
-                } else {
-                    Err(CoreError::Full {
-                        needed: nbytes,
-                        free,
-                        capacity,
-                    })
-                }
+                let could_fit = SlabAllocator::rounded(nbytes) <= capacity;
+                return Err(
+                    if could_fit
+                        && free + reclaimable >= SlabAllocator::rounded(nbytes)
+                        && reclaimable > 0
+                    {
+                        CoreError::Busy {
+                            needed: nbytes,
+                            reclaimable,
+                        }
+                    } else {
+                        CoreError::Full {
+                            needed: nbytes,
+                            free,
+                            capacity,
+                        }
+                    },
+                );
             }
-        }
+        };
+        let (disk, answer) = match region {
+            Some(r) => {
+                self.reserved_bytes += r.len;
+                (Disk::None, Allocated::Reserved { offset: r.offset })
+            }
+            None => {
+                self.disk_used += nbytes;
+                (Disk::Writing, Allocated::ToDisk)
+            }
+        };
+        self.blobs.insert(
+            blob,
+            Blob {
+                region,
+                promoting: None,
+                nbytes,
+                state: State::Reserved { expires, n_entries },
+                disk,
+                seq: 0,
+            },
+        );
+        self.add_timer(expires, Timer::Reservation(blob));
+        Ok(answer)
     }
 
     /// Publish the entries of a reserved blob in namespace `ns`.
     ///
     /// Idempotent: committing a committed blob again succeeds without
     /// change. A key that already has a value is replaced atomically (the
-    /// old value stays readable to whoever pinned it).
+    /// old value stays readable to whoever pinned it). A blob reserved on
+    /// disk answers [`Committed::Pending`] until its file is durable.
     pub fn commit(
         &mut self,
         ns: &str,
         blob: BlobId,
         entries: &[EntrySpec],
-    ) -> Result<(), CoreError> {
+    ) -> Result<Committed, CoreError> {
         let Some(b) = self.blobs.get(&blob) else {
             return if self.freed_commit_set.contains(&blob) {
-                Ok(())
+                Ok(Committed::Done)
             } else {
                 Err(CoreError::UnknownBlob(blob))
             };
         };
-        let (nbytes, base) = (b.nbytes, b.region.offset);
+        let nbytes = b.nbytes;
         match b.state {
-            State::Committed { .. } => return Ok(()),
+            State::Committed { .. } => return Ok(Committed::Done),
+            State::PendingDisk { .. } => return Ok(Committed::Pending),
             State::Quarantined { .. } => return Err(CoreError::UnknownBlob(blob)),
             State::Reserved { n_entries, .. } => {
                 if entries.len() != n_entries as usize {
@@ -283,10 +448,33 @@ impl UnitCore {
                 )));
             }
         }
-        let region_len = b.region.len;
-        self.reserved_bytes -= region_len;
+        if b.region.is_none() {
+            if b.disk == Disk::Durable {
+                self.publish(ns, blob, entries);
+                return Ok(Committed::Done);
+            }
+            // On disk: published once the driver reports the file durable.
+            if let Some(b) = self.blobs.get_mut(&blob) {
+                b.state = State::PendingDisk {
+                    ns: ns.to_owned(),
+                    entries: entries.to_vec(),
+                };
+            }
+            return Ok(Committed::Pending);
+        }
+        self.publish(ns, blob, entries);
+        Ok(Committed::Done)
+    }
+
+    fn publish(&mut self, ns: &str, blob: BlobId, entries: &[EntrySpec]) {
+        self.commit_seq += 1;
+        let seq = self.commit_seq;
         if let Some(b) = self.blobs.get_mut(&blob) {
+            if let (State::Reserved { .. }, Some(r)) = (&b.state, b.region) {
+                self.reserved_bytes -= r.len;
+            }
             b.state = State::Committed { live: 0, pins: 0 };
+            b.seq = seq;
         }
         let rows = self.index.entry(ns.to_owned()).or_default();
         let mut replaced = Vec::new();
@@ -294,10 +482,8 @@ impl UnitCore {
         for e in entries {
             let entry = Entry {
                 blob,
-                location: Location {
-                    offset: base + e.offset,
-                    len: e.len,
-                },
+                offset: e.offset,
+                len: e.len,
                 meta: e.meta.clone().into_boxed_slice(),
             };
             match rows
@@ -327,7 +513,6 @@ impl UnitCore {
             self.drop_entry_ref(old);
         }
         self.maybe_free(blob);
-        Ok(())
     }
 
     /// Give up a reservation. With `in_flight` (a transfer may still write
@@ -339,12 +524,26 @@ impl UnitCore {
             return;
         };
         if let State::Reserved { .. } = b.state {
-            self.reserved_bytes -= b.region.len;
-            if in_flight {
-                self.quarantine(blob, now);
-            } else if let Some(b) = self.blobs.remove(&blob) {
-                self.slab.free(b.region);
+            match b.region {
+                Some(r) => {
+                    self.reserved_bytes -= r.len;
+                    if in_flight {
+                        self.quarantine(blob, now);
+                    } else {
+                        self.blobs.remove(&blob);
+                        self.slab.free(r);
+                    }
+                }
+                None => self.drop_disk_reservation(blob),
             }
+        }
+    }
+
+    /// Forget a blob reserved on disk (never published): its file goes.
+    fn drop_disk_reservation(&mut self, blob: BlobId) {
+        if let Some(b) = self.blobs.remove(&blob) {
+            self.disk_used -= b.nbytes;
+            self.effects.push(Effect::DeleteFile(blob));
         }
     }
 
@@ -352,7 +551,9 @@ impl UnitCore {
         let until = now + self.cfg.quarantine;
         if let Some(b) = self.blobs.get_mut(&blob) {
             b.state = State::Quarantined { until };
-            self.quarantined_bytes += b.region.len;
+            if let Some(r) = b.region {
+                self.quarantined_bytes += r.len;
+            }
         }
         self.add_timer(until, Timer::Quarantine(blob));
     }
@@ -365,9 +566,9 @@ impl UnitCore {
         ns: &str,
         keys: &[Key],
         now: Time,
-    ) -> (Option<PinId>, Vec<Option<Location>>) {
+    ) -> (Option<PinId>, Vec<Option<Place>>) {
         let (pin, found) = self.resolve_with_meta(ns, keys, now, false);
-        (pin, found.into_iter().map(|f| f.map(|(l, _)| l)).collect())
+        (pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect())
     }
 
     /// [`UnitCore::resolve`], with each found key's metadata. With `hold`
@@ -381,18 +582,35 @@ impl UnitCore {
         hold: bool,
     ) -> (Option<PinId>, Vec<Option<Located>>) {
         let rows = self.index.get(ns);
+        let blobs_map = &self.blobs;
         let mut blobs = Vec::new();
         let found = keys
             .iter()
             .map(|k| {
                 let e = rows?.get(&k.row)?.get(&k.field)?;
+                let b = blobs_map.get(&e.blob)?;
                 blobs.push(e.blob);
-                Some((e.location, e.meta.to_vec()))
+                let place = match b.region {
+                    Some(r) => Place::Memory(Location {
+                        offset: r.offset + e.offset,
+                        len: e.len,
+                    }),
+                    None => Place::Disk {
+                        blob: e.blob,
+                        offset: e.offset,
+                        len: e.len,
+                    },
+                };
+                Some((place, e.meta.to_vec()))
             })
             .collect();
         if blobs.is_empty() {
             return (None, found);
         }
+        (Some(self.pin_blobs(blobs, now, hold)), found)
+    }
+
+    fn pin_blobs(&mut self, mut blobs: Vec<BlobId>, now: Time, hold: bool) -> PinId {
         blobs.sort_unstable();
         blobs.dedup();
         for id in &blobs {
@@ -411,7 +629,7 @@ impl UnitCore {
         if let Some(at) = expires {
             self.add_timer(at, Timer::Pin(pin));
         }
-        (Some(pin), found)
+        pin
     }
 
     /// The rows of namespace `ns` and the fields of each, rows ascending,
@@ -446,6 +664,54 @@ impl UnitCore {
         n
     }
 
+    /// Every committed entry of every namespace, with their blobs pinned
+    /// (held) so that their bytes stay while a checkpoint copies them.
+    pub fn snapshot(&mut self, now: Time) -> Snapshot {
+        let mut entries = Vec::with_capacity(self.entries as usize);
+        let mut blob_ids = Vec::new();
+        for (ns, rows) in &self.index {
+            for (row, fields) in rows {
+                for (field, e) in fields {
+                    entries.push(SnapshotEntry {
+                        ns: ns.clone(),
+                        key: Key::new(*row, field.clone()),
+                        blob: e.blob,
+                        offset: e.offset,
+                        len: e.len,
+                        meta: e.meta.to_vec(),
+                    });
+                    blob_ids.push(e.blob);
+                }
+            }
+        }
+        blob_ids.sort_unstable();
+        blob_ids.dedup();
+        let blobs = blob_ids
+            .iter()
+            .filter_map(|id| {
+                let b = self.blobs.get(id)?;
+                let place = match b.region {
+                    Some(r) => Place::Memory(Location {
+                        offset: r.offset,
+                        len: b.nbytes,
+                    }),
+                    None => Place::Disk {
+                        blob: *id,
+                        offset: 0,
+                        len: b.nbytes,
+                    },
+                };
+                Some((*id, b.nbytes, place))
+            })
+            .collect();
+        let pin = (!blob_ids.is_empty()).then(|| self.pin_blobs(blob_ids, now, true));
+        Snapshot {
+            pin,
+            entries,
+            blobs,
+        }
+    }
+
     /// Drop a pin early. Unknown pins (already expired) are ignored.
     pub fn unpin(&mut self, pin: PinId) {
         if let Some(p) = self.pins.remove(&pin) {
@@ -458,6 +724,7 @@ impl UnitCore {
                     *pins -= 1;
                 }
                 self.maybe_free(blob);
+                self.maybe_release_memory(blob);
             }
         }
     }
@@ -512,8 +779,38 @@ impl UnitCore {
         }) = self.blobs.get(&blob)
         {
             if let Some(b) = self.blobs.remove(&blob) {
-                self.slab.free(b.region);
+                if let Some(r) = b.region {
+                    self.slab.free(r);
+                }
+                if let Some(r) = b.promoting {
+                    self.slab.free(r);
+                }
+                match b.disk {
+                    Disk::None => {}
+                    Disk::Durable => {
+                        self.disk_used -= b.nbytes;
+                        self.effects.push(Effect::DeleteFile(blob));
+                    }
+                    Disk::Writing => {
+                        self.orphan_writes.insert(blob, b.nbytes);
+                    }
+                }
                 self.remember_commit(blob);
+            }
+        }
+    }
+
+    /// A spilled blob whose last pin went: its memory can go now.
+    fn maybe_release_memory(&mut self, blob: BlobId) {
+        if let Some(b) = self.blobs.get_mut(&blob) {
+            if let (State::Committed { pins: 0, .. }, Disk::Durable, true) = (
+                &b.state,
+                b.disk,
+                self.slab.allocated() as f64 > self.cfg.low_watermark * self.slab.capacity() as f64,
+            ) {
+                if let Some(r) = b.region.take() {
+                    self.slab.free(r);
+                }
             }
         }
     }
@@ -526,6 +823,162 @@ impl UnitCore {
         }
         self.freed_commits.push_back(blob);
         self.freed_commit_set.insert(blob);
+    }
+
+    /// Blobs to copy to disk now: past the high watermark, committed blobs
+    /// in memory and not pinned, oldest first, until use would fall below
+    /// the low watermark (or the disk tier is full). Each is marked as being
+    /// written; its memory stays until [`UnitCore::disk_written`].
+    pub fn spill_jobs(&mut self) -> Vec<SpillJob> {
+        if !self.disk_on() {
+            return Vec::new();
+        }
+        let cap = self.slab.capacity() as f64;
+        let used = self.slab.allocated();
+        if (used as f64) <= self.cfg.high_watermark * cap {
+            return Vec::new();
+        }
+        let target = (self.cfg.low_watermark * cap) as u64;
+        // Bytes whose spill is under way count as freed already.
+        let in_flight: u64 = self
+            .blobs
+            .values()
+            .filter(|b| b.disk == Disk::Writing)
+            .filter_map(|b| b.region.map(|r| r.len))
+            .sum();
+        let mut candidates: Vec<(u64, BlobId)> = self
+            .blobs
+            .iter()
+            .filter(|(_, b)| {
+                matches!(b.state, State::Committed { pins: 0, .. }) && b.region.is_some()
+            })
+            .map(|(id, b)| (b.seq, *id))
+            .collect();
+        candidates.sort_unstable();
+        let mut freed = in_flight;
+        let mut jobs = Vec::new();
+        for (_, id) in candidates {
+            if used - freed <= target {
+                break;
+            }
+            let Some(b) = self.blobs.get_mut(&id) else {
+                continue;
+            };
+            let Some(r) = b.region else { continue };
+            match b.disk {
+                // Already on disk (promoted earlier): drop the memory copy.
+                Disk::Durable => {
+                    b.region = None;
+                    self.slab.free(r);
+                    freed += r.len;
+                }
+                Disk::Writing => {}
+                Disk::None => {
+                    if b.nbytes > self.cfg.disk_capacity.saturating_sub(self.disk_used) {
+                        continue;
+                    }
+                    b.disk = Disk::Writing;
+                    self.disk_used += b.nbytes;
+                    freed += r.len;
+                    jobs.push(SpillJob {
+                        blob: id,
+                        offset: r.offset,
+                        nbytes: b.nbytes,
+                    });
+                }
+            }
+        }
+        jobs
+    }
+
+    /// Whether [`UnitCore::spill_jobs`] would find work: the disk tier is
+    /// on and the slab is past its high watermark.
+    pub fn needs_spill(&self) -> bool {
+        self.disk_on()
+            && self.slab.allocated() as f64 > self.cfg.high_watermark * self.slab.capacity() as f64
+    }
+
+    /// A blob's size in bytes.
+    pub fn blob_size(&self, blob: BlobId) -> Option<u64> {
+        self.blobs.get(&blob).map(|b| b.nbytes)
+    }
+
+    /// The driver finished writing `blob`'s file (`ok`: complete and
+    /// synced). For a spill, the memory copy is freed (once unpinned); for a
+    /// blob reserved on disk, its entries are published.
+    pub fn disk_written(&mut self, blob: BlobId, ok: bool) {
+        if let Some(nbytes) = self.orphan_writes.remove(&blob) {
+            self.disk_used -= nbytes;
+            self.effects.push(Effect::DeleteFile(blob));
+            return;
+        }
+        let Some(b) = self.blobs.get_mut(&blob) else {
+            return;
+        };
+        if b.disk != Disk::Writing {
+            return;
+        }
+        let unpublished = matches!(b.state, State::PendingDisk { .. } | State::Reserved { .. });
+        if !ok {
+            if unpublished {
+                // A put whose bytes did not reach the disk: it never existed.
+                self.drop_disk_reservation(blob);
+            } else {
+                b.disk = Disk::None;
+                self.disk_used -= b.nbytes;
+                self.effects.push(Effect::DeleteFile(blob));
+            }
+            return;
+        }
+        b.disk = Disk::Durable;
+        if matches!(b.state, State::PendingDisk { .. }) {
+            if let State::PendingDisk { ns, entries } =
+                std::mem::replace(&mut b.state, State::Committed { live: 0, pins: 0 })
+            {
+                self.publish(&ns, blob, &entries);
+            }
+            return;
+        }
+        if let State::Committed { pins: 0, .. } = b.state {
+            if let Some(r) = b.region.take() {
+                self.slab.free(r);
+            }
+        }
+    }
+
+    /// Start bringing a spilled, pinned-by-the-caller blob back into the
+    /// slab: reserves its range (if the slab has room below the high
+    /// watermark) for the driver to fill from the file. `None`: read it
+    /// from disk instead.
+    pub fn promote_begin(&mut self, blob: BlobId) -> Option<u64> {
+        let cap = self.slab.capacity() as f64;
+        let b = self.blobs.get(&blob)?;
+        if b.region.is_some() || b.promoting.is_some() || b.disk != Disk::Durable {
+            return None;
+        }
+        let len = SlabAllocator::rounded(b.nbytes);
+        if (self.slab.allocated() + len) as f64 > self.cfg.high_watermark * cap {
+            return None;
+        }
+        let r = self.slab.allocate(b.nbytes)?;
+        if let Some(b) = self.blobs.get_mut(&blob) {
+            b.promoting = Some(r);
+        }
+        Some(r.offset)
+    }
+
+    /// The driver filled (or, `ok == false`, failed to fill) the range from
+    /// [`UnitCore::promote_begin`].
+    pub fn promote_done(&mut self, blob: BlobId, ok: bool) {
+        let Some(b) = self.blobs.get_mut(&blob) else {
+            return;
+        };
+        let Some(r) = b.promoting.take() else { return };
+        if ok && b.region.is_none() {
+            b.region = Some(r);
+        } else {
+            self.slab.free(r);
+        }
     }
 
     /// Reclaim what is due at `now`: expired reservations (into quarantine),
@@ -543,10 +996,13 @@ impl UnitCore {
                         Some(Blob { state: State::Reserved { expires, .. }, .. }) if *expires <= now
                     );
                     if due {
-                        if let Some(b) = self.blobs.get(&blob) {
-                            self.reserved_bytes -= b.region.len;
+                        match self.blobs.get(&blob).and_then(|b| b.region) {
+                            Some(r) => {
+                                self.reserved_bytes -= r.len;
+                                self.quarantine(blob, now);
+                            }
+                            None => self.drop_disk_reservation(blob),
                         }
-                        self.quarantine(blob, now);
                     }
                 }
                 Timer::Quarantine(blob) => {
@@ -556,8 +1012,10 @@ impl UnitCore {
                     );
                     if due {
                         if let Some(b) = self.blobs.remove(&blob) {
-                            self.quarantined_bytes -= b.region.len;
-                            self.slab.free(b.region);
+                            if let Some(r) = b.region {
+                                self.quarantined_bytes -= r.len;
+                                self.slab.free(r);
+                            }
                         }
                     }
                 }
@@ -589,14 +1047,24 @@ impl UnitCore {
             entries: self.entries,
             rows: self.index.values().map(|r| r.len() as u64).sum(),
             pins: self.pins.len() as u64,
+            disk_capacity: self.cfg.disk_capacity,
+            disk_used: self.disk_used,
+            spilled_blobs: self
+                .blobs
+                .values()
+                .filter(|b| b.region.is_none() && b.disk == Disk::Durable)
+                .count() as u64,
         }
     }
 
     /// Every blob's slab range, for invariant checks in tests.
     pub fn regions(&self) -> impl Iterator<Item = (BlobId, u64, u64)> + '_ {
-        self.blobs
-            .iter()
-            .map(|(id, b)| (*id, b.region.offset, b.region.len))
+        self.blobs.iter().flat_map(|(id, b)| {
+            b.region
+                .iter()
+                .chain(b.promoting.iter())
+                .map(move |r| (*id, r.offset, r.len))
+        })
     }
 }
 
@@ -642,10 +1110,10 @@ mod tests {
         let (pin, locs) = c.resolve("ns", &[Key::new(1, "b"), Key::new(2, "a")], t(3));
         assert_eq!(
             locs[0],
-            Some(Location {
+            Some(Place::Memory(Location {
                 offset: offset + 40,
                 len: 60
-            })
+            }))
         );
         assert_eq!(locs[1], None);
         c.unpin(pin.unwrap());
@@ -695,6 +1163,149 @@ mod tests {
         assert_eq!(c.stats().blobs, 1);
         c.unpin(pin.unwrap());
         assert_eq!(c.stats().used, 0);
+    }
+
+    fn disk_core(cap: u64, disk: u64) -> UnitCore {
+        let mut cfg = CoreConfig::new(cap);
+        cfg.disk_capacity = disk;
+        cfg.high_watermark = 0.5;
+        cfg.low_watermark = 0.25;
+        UnitCore::new(cfg).unwrap()
+    }
+
+    fn put(c: &mut UnitCore, id: u128, row: u64, n: u64) -> Allocated {
+        let a = c.alloc(BlobId(id), n, 1, t(0)).unwrap();
+        let r = c
+            .commit("ns", BlobId(id), &[entry(row, "f", 0, n)])
+            .unwrap();
+        if a == Allocated::ToDisk {
+            assert_eq!(r, Committed::Pending);
+        } else {
+            assert_eq!(r, Committed::Done);
+        }
+        a
+    }
+
+    #[test]
+    fn spill_oldest_first_then_promote() {
+        let mut c = disk_core(4096, 1 << 20);
+        put(&mut c, 1, 1, 1024);
+        put(&mut c, 2, 2, 1024);
+        assert!(
+            c.spill_jobs().is_empty(),
+            "at the high watermark, not past it"
+        );
+        put(&mut c, 3, 3, 1024);
+        let jobs = c.spill_jobs();
+        // 3 KiB used of 4: spill the oldest until at most 1 KiB remains.
+        assert_eq!(
+            jobs.iter().map(|j| j.blob).collect::<Vec<_>>(),
+            vec![BlobId(1), BlobId(2)]
+        );
+        assert!(c.spill_jobs().is_empty(), "already being written");
+        // Until written, reads are served from memory.
+        let (pin, p) = c.resolve("ns", &[Key::new(1, "f")], t(0));
+        assert!(matches!(p[0], Some(Place::Memory(_))));
+        c.disk_written(BlobId(1), true);
+        assert_eq!(c.stats().used, 3072, "pinned: memory kept");
+        c.unpin(pin.unwrap());
+        assert_eq!(c.stats().used, 2048, "unpinned: memory freed");
+        c.disk_written(BlobId(2), true);
+        let s = c.stats();
+        assert_eq!((s.used, s.disk_used, s.spilled_blobs), (1024, 2048, 2));
+        let (pin, p) = c.resolve("ns", &[Key::new(1, "f")], t(0));
+        assert_eq!(
+            p[0],
+            Some(Place::Disk {
+                blob: BlobId(1),
+                offset: 0,
+                len: 1024
+            })
+        );
+        let off = c
+            .promote_begin(BlobId(1))
+            .expect("room below the watermark");
+        assert_eq!(c.promote_begin(BlobId(1)), None, "one promotion at a time");
+        c.promote_done(BlobId(1), true);
+        let (_, p) = c.resolve("ns", &[Key::new(1, "f")], t(0));
+        assert_eq!(
+            p[0],
+            Some(Place::Memory(Location {
+                offset: off,
+                len: 1024
+            }))
+        );
+        c.unpin(pin.unwrap());
+        // Clearing a spilled row removes its file.
+        assert!(c.take_effects().is_empty());
+        c.release_rows("ns", &[2]);
+        assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(2))]);
+        assert_eq!(c.stats().disk_used, 1024);
+    }
+
+    #[test]
+    fn puts_without_memory_go_to_disk_and_publish_when_durable() {
+        let mut c = disk_core(2048, 4096);
+        put(&mut c, 1, 1, 2048);
+        assert_eq!(put(&mut c, 2, 2, 1000), Allocated::ToDisk);
+        assert_eq!(
+            c.resolve("ns", &[Key::new(2, "f")], t(0)).1,
+            vec![None],
+            "not yet durable"
+        );
+        assert_eq!(c.commit("ns", BlobId(2), &[]).unwrap(), Committed::Pending);
+        c.disk_written(BlobId(2), true);
+        assert_eq!(c.commit("ns", BlobId(2), &[]).unwrap(), Committed::Done);
+        assert!(matches!(
+            c.resolve("ns", &[Key::new(2, "f")], t(0)).1[0],
+            Some(Place::Disk { .. })
+        ));
+        // A failed disk write: the put never happened, its file goes.
+        assert_eq!(put(&mut c, 3, 3, 1000), Allocated::ToDisk);
+        c.disk_written(BlobId(3), false);
+        assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(3))]);
+        assert_eq!(
+            c.commit("ns", BlobId(3), &[]),
+            Err(CoreError::UnknownBlob(BlobId(3)))
+        );
+        // Memory and disk both full: Full, nothing evicted.
+        assert_eq!(put(&mut c, 4, 4, 3000), Allocated::ToDisk);
+        c.disk_written(BlobId(4), true);
+        assert!(matches!(
+            c.alloc(BlobId(5), 200, 1, t(0)),
+            Err(CoreError::Full { .. })
+        ));
+        assert_eq!(c.stats().entries, 3);
+        // A blob freed while its file is written: the file goes afterwards.
+        c.release_rows("ns", &[4]);
+        assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(4))]);
+        assert_eq!(put(&mut c, 6, 6, 3000), Allocated::ToDisk);
+        c.disk_written(BlobId(6), true);
+        c.release_rows("ns", &[6]);
+        assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(6))]);
+        assert_eq!(put(&mut c, 8, 8, 3000), Allocated::ToDisk);
+        c.disk_written(BlobId(8), true);
+        c.release_rows("ns", &[8]);
+        assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(8))]);
+        assert_eq!(c.stats().disk_used, 1000);
+        // An expired reservation on disk is dropped with its file.
+        assert_eq!(c.alloc(BlobId(7), 100, 1, t(0)).unwrap(), Allocated::ToDisk);
+        c.tick(t(60_000));
+        assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(7))]);
+    }
+
+    #[test]
+    fn snapshots_pin_every_committed_blob() {
+        let mut c = disk_core(4096, 1 << 20);
+        put(&mut c, 1, 1, 100);
+        put(&mut c, 2, 2, 100);
+        let snap = c.snapshot(t(0));
+        assert_eq!(snap.entries.len(), 2);
+        assert_eq!(snap.blobs.len(), 2);
+        c.release_rows("ns", &[1, 2]);
+        assert_eq!(c.stats().blobs, 2, "pinned by the snapshot");
+        c.unpin(snap.pin.unwrap());
+        assert_eq!(c.stats().blobs, 0);
     }
 
     #[test]

@@ -5,7 +5,7 @@ use std::collections::HashSet;
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::sync::Arc;
 
-use stowage_core::{Allocated, BlobId, CoreError, PinId};
+use stowage_core::{Allocated, BlobId, Committed, CoreError, PinId};
 use stowage_wire::io::{
     drain, read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
@@ -13,7 +13,8 @@ use stowage_wire::{
     encode, ErrorCode, Found, Item, Request, Response, PARTITION_SEPARATOR, PROTOCOL_VERSION,
 };
 
-use crate::Shared;
+use crate::disk::DiskEngine;
+use crate::{Served, Shared};
 
 /// What a connection holds on the unit, given back when it ends.
 #[derive(Default)]
@@ -152,6 +153,10 @@ impl Conn {
                         self.holdings.reservations.insert(blob);
                         Response::Allocated { offset }
                     }
+                    Ok(Allocated::ToDisk) => {
+                        self.holdings.reservations.insert(blob);
+                        Response::ToDisk
+                    }
                     Ok(Allocated::AlreadyCommitted) => Response::AlreadyCommitted,
                     Err(e) => error_response(&e),
                 }
@@ -166,9 +171,13 @@ impl Conn {
                     .core()
                     .commit(&scope(&ns, &partition), blob, &entries);
                 match r {
-                    Ok(()) => {
+                    Ok(Committed::Done) => {
                         self.holdings.reservations.remove(&blob);
                         Response::Done
+                    }
+                    Ok(Committed::Pending) => {
+                        self.holdings.reservations.remove(&blob);
+                        Response::Pending
                     }
                     Err(e) => error_response(&e),
                 }
@@ -190,17 +199,35 @@ impl Conn {
                 if let Some(p) = pin {
                     self.holdings.pins.insert(p);
                 }
+                let (found, _) = self.shared.bring_back(found, false);
+                let mut bad = Vec::new();
                 let found = found
                     .into_iter()
-                    .map(|f| {
-                        f.map(|(l, meta)| Found {
+                    .enumerate()
+                    .map(|(i, f)| match f? {
+                        Served::Memory(l, meta) => Some(Found {
                             offset: l.offset,
                             len: l.len,
                             meta,
-                        })
+                            on_disk: false,
+                        }),
+                        Served::Disk { len, meta, .. } => Some(Found {
+                            offset: 0,
+                            len,
+                            meta,
+                            on_disk: true,
+                        }),
+                        Served::Corrupt => {
+                            bad.push(i as u32);
+                            None
+                        }
                     })
                     .collect();
-                Response::Resolved { pin, found }
+                Response::Resolved {
+                    pin,
+                    found,
+                    corrupt: bad,
+                }
             }
             Request::Unpin { pin, reply } => {
                 self.shared.core().unpin(pin);
@@ -291,7 +318,8 @@ impl Conn {
     }
 
     /// Fused alloc + bytes + commit: the payload goes straight from the
-    /// socket into the slab.
+    /// socket into the slab — or, when the slab is full and the disk tier
+    /// has room, into the blob's file, answered Pending until it is synced.
     fn put(
         &mut self,
         id: u64,
@@ -305,9 +333,16 @@ impl Conn {
         let alloc = self.shared.core().alloc(blob, nbytes, n_entries, now);
         let offset = match alloc {
             Ok(Allocated::Reserved { offset }) => offset,
+            Ok(Allocated::ToDisk) => return self.put_to_disk(id, ns, blob, entries, nbytes),
             Ok(Allocated::AlreadyCommitted) => {
                 drain(&mut self.reader, nbytes)?;
-                self.reply(id, &Response::Done)?;
+                // Still being made durable, or done.
+                let r = self.shared.core().commit(ns, blob, &entries);
+                let resp = match r {
+                    Ok(Committed::Pending) => Response::Pending,
+                    _ => Response::Done,
+                };
+                self.reply(id, &resp)?;
                 return Ok(());
             }
             Err(e) => {
@@ -332,14 +367,12 @@ impl Conn {
             return Err(e.into());
         }
         let r = self.shared.core().commit(ns, blob, &entries);
+        self.holdings.reservations.remove(&blob);
         let resp = match r {
-            Ok(()) => {
-                self.holdings.reservations.remove(&blob);
-                Response::Done
-            }
+            Ok(Committed::Done) => Response::Done,
+            Ok(Committed::Pending) => Response::Pending,
             Err(e) => {
                 self.shared.core().abort(blob, false, now);
-                self.holdings.reservations.remove(&blob);
                 error_response(&e)
             }
         };
@@ -347,29 +380,149 @@ impl Conn {
         Ok(())
     }
 
+    /// The payload of a put that went to the disk tier: streamed into the
+    /// blob's file; the flusher syncs it and publishes the entries.
+    fn put_to_disk(
+        &mut self,
+        id: u64,
+        ns: &str,
+        blob: BlobId,
+        entries: Vec<stowage_core::EntrySpec>,
+        nbytes: u64,
+    ) -> Result<(), ConnEnd> {
+        let now = self.shared.now();
+        let Some(d) = &self.shared.disk else {
+            drain(&mut self.reader, nbytes)?;
+            self.shared.core().abort(blob, false, now);
+            return self.reply_internal(id, "disk tier missing");
+        };
+        let mut writer = match d.engine.create(blob, nbytes) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot create a blob file");
+                None
+            }
+        };
+        let mut failure = writer
+            .is_none()
+            .then(|| "cannot create the blob file".to_string());
+        let mut left = nbytes;
+        let mut buf = vec![0u8; (64 << 10).min(nbytes as usize).max(1)];
+        while left > 0 {
+            let n = (left as usize).min(buf.len());
+            if let Err(e) = self.reader.read_exact(&mut buf[..n]) {
+                self.shared.core().abort(blob, false, now);
+                return Err(e.into());
+            }
+            left -= n as u64;
+            if let (Some(w), None) = (writer.as_mut(), &failure) {
+                if let Err(e) = w.write(&buf[..n]) {
+                    failure = Some(format!("writing the blob file: {e}"));
+                }
+            }
+        }
+        if let Some(why) = failure {
+            // Nothing of this put is kept; the client may retry.
+            self.shared.core().abort(blob, false, now);
+            if let Some(w) = writer {
+                let _ = w.finish();
+            }
+            let _ = d.engine.delete(blob);
+            return self.reply_internal(id, &why);
+        }
+        let r = self.shared.core().commit(ns, blob, &entries);
+        let resp = match r {
+            Ok(Committed::Pending) => {
+                if let Some(w) = writer {
+                    let sent = d
+                        .flush
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .send((blob, w));
+                    if sent.is_err() {
+                        self.shared.core().disk_written(blob, false);
+                    }
+                }
+                Response::Pending
+            }
+            Ok(Committed::Done) => Response::Done,
+            Err(e) => {
+                self.shared.core().abort(blob, false, now);
+                error_response(&e)
+            }
+        };
+        self.reply(id, &resp)?;
+        Ok(())
+    }
+
+    fn reply_internal(&mut self, id: u64, why: &str) -> Result<(), ConnEnd> {
+        self.reply(
+            id,
+            &Response::Error {
+                code: ErrorCode::Internal,
+                message: why.to_owned(),
+            },
+        )?;
+        Ok(())
+    }
+
     /// Fused resolve + bytes + unpin: the values go straight from the slab
-    /// to the socket.
+    /// (or a spilled blob's checked file) to the socket.
     fn read(&mut self, id: u64, ns: &str, keys: Vec<stowage_core::Key>) -> Result<(), ConnEnd> {
         let now = self.shared.now();
         let (pin, found) = self.shared.core().resolve_with_meta(ns, &keys, now, false);
-        let ranges: Vec<(u64, usize)> = found
+        let (served, buffers) = self.shared.bring_back(found, true);
+        let mut corrupt = Vec::new();
+        let mut ranges = Vec::new();
+        let items: Vec<Option<Item>> = served
             .iter()
-            .flatten()
-            .map(|(l, _)| (l.offset, l.len as usize))
+            .enumerate()
+            .map(|(i, s)| match s.as_ref()? {
+                Served::Memory(l, meta) => {
+                    ranges.push((l.offset, l.len as usize));
+                    Some(Item {
+                        len: l.len,
+                        meta: meta.clone(),
+                    })
+                }
+                Served::Disk { len, meta, .. } => Some(Item {
+                    len: *len,
+                    meta: meta.clone(),
+                }),
+                Served::Corrupt => {
+                    corrupt.push(i as u32);
+                    None
+                }
+            })
             .collect();
-        let items: Vec<Option<Item>> = found
-            .into_iter()
-            .map(|f| f.map(|(l, meta)| Item { len: l.len, meta }))
-            .collect();
-        let total: u64 = ranges.iter().map(|r| r.1 as u64).sum();
+        let total: u64 = items.iter().flatten().map(|it| it.len).sum();
         self.out.clear();
-        encode(id, &Response::Data { items }, total, &mut self.out).map_err(io::Error::other)?;
+        encode(id, &Response::Data { items, corrupt }, total, &mut self.out)
+            .map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
         let writer = &mut self.writer;
-        let sent = self.shared.slab.with_io_slices(&ranges, |slices| {
-            let mut all = Vec::with_capacity(slices.len() + 1);
+        let sent = self.shared.slab.with_io_slices(&ranges, |slab_slices| {
+            let mut all = Vec::with_capacity(served.len() + 1);
             all.push(IoSlice::new(&header));
-            all.extend_from_slice(slices);
+            let mut next_slab = slab_slices.iter();
+            for s in served.iter().flatten() {
+                match s {
+                    Served::Memory(..) => {
+                        if let Some(sl) = next_slab.next() {
+                            all.push(IoSlice::new(sl));
+                        }
+                    }
+                    Served::Disk {
+                        blob, offset, len, ..
+                    } => {
+                        let (o, n) = (*offset as usize, *len as usize);
+                        if let Some(b) = buffers.get(blob).and_then(|b| b.get(o..o + n)) {
+                            all.push(IoSlice::new(b));
+                        }
+                    }
+                    Served::Corrupt => {}
+                }
+            }
             write_all_vectored(writer, &mut all)
         });
         self.out = header;

@@ -21,6 +21,7 @@
 #![forbid(unsafe_code)]
 
 mod conn;
+pub mod disk;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -30,6 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use disk::DiskEngine;
 use stowage_core::{CoreConfig, UnitCore};
 use stowage_shm::{LockOutcome, Slab};
 use stowage_wire::io::Socket;
@@ -62,6 +64,15 @@ pub struct UnitConfig {
     /// VM; polling costs CPU while it lasts). Default 50 µs; zero disables
     /// it.
     pub spin: Duration,
+    /// The disk tier: its root directory (the unit works in its own
+    /// owner-only, locked subdirectory) and capacity. `None`: no disk tier.
+    pub disk: Option<(PathBuf, u64)>,
+    /// Spill past this fraction of the slab in use. Default 0.9.
+    pub high_watermark: f64,
+    /// Stop spilling below this fraction. Default 0.8.
+    pub low_watermark: f64,
+    /// Failpoints to turn on at start (`disk-write`), for tests.
+    pub failpoints: Vec<String>,
 }
 
 impl UnitConfig {
@@ -77,7 +88,31 @@ impl UnitConfig {
             limits: Limits::default(),
             mlock: true,
             spin: Duration::from_micros(50),
+            disk: None,
+            high_watermark: 0.9,
+            low_watermark: 0.8,
+            failpoints: Vec::new(),
         }
+    }
+}
+
+/// A unit's disk tier at run time.
+pub(crate) struct DiskTier {
+    pub(crate) engine: disk::FileEngine,
+    pub(crate) dir: disk::OwnedDir,
+    /// Blob files whose bytes are written, waiting to be synced and
+    /// published.
+    pub(crate) flush:
+        Mutex<std::sync::mpsc::Sender<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>>,
+    /// Wakes the spiller.
+    pub(crate) wake: (Mutex<bool>, std::sync::Condvar),
+}
+
+impl DiskTier {
+    pub(crate) fn wake_spiller(&self) {
+        let mut w = self.wake.0.lock().unwrap_or_else(|p| p.into_inner());
+        *w = true;
+        self.wake.1.notify_one();
     }
 }
 
@@ -90,6 +125,55 @@ pub(crate) struct Shared {
     pub(crate) limits: Limits,
     pub(crate) stop: AtomicBool,
     pub(crate) spin: Duration,
+    pub(crate) disk: Option<DiskTier>,
+}
+
+/// The core, locked. On release it applies the core's effects (removes
+/// the files of freed blobs) and wakes the spiller when the slab is past
+/// its high watermark — outside the lock.
+pub(crate) struct CoreGuard<'a> {
+    guard: Option<MutexGuard<'a, UnitCore>>,
+    shared: &'a Shared,
+}
+
+impl std::ops::Deref for CoreGuard<'_> {
+    type Target = UnitCore;
+    fn deref(&self) -> &UnitCore {
+        self.guard.as_deref().expect("the guard is held until drop")
+    }
+}
+
+impl std::ops::DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut UnitCore {
+        self.guard
+            .as_deref_mut()
+            .expect("the guard is held until drop")
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut g) = self.guard.take() else {
+            return;
+        };
+        let effects = g.take_effects();
+        let spill = g.needs_spill();
+        drop(g);
+        if let Some(d) = &self.shared.disk {
+            for e in effects {
+                match e {
+                    stowage_core::Effect::DeleteFile(blob) => {
+                        if let Err(err) = d.engine.delete(blob) {
+                            tracing::warn!(error = %err, ?blob, "could not remove a blob file");
+                        }
+                    }
+                }
+            }
+            if spill {
+                d.wake_spiller();
+            }
+        }
+    }
 }
 
 impl Shared {
@@ -100,8 +184,11 @@ impl Shared {
     /// The core. A thread that panicked while holding the lock cannot have
     /// left the core half-updated in a way later calls rely on less than on
     /// the unit staying up, so a poisoned lock is taken over.
-    pub(crate) fn core(&self) -> MutexGuard<'_, UnitCore> {
-        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    pub(crate) fn core(&self) -> CoreGuard<'_> {
+        CoreGuard {
+            guard: Some(self.core.lock().unwrap_or_else(|p| p.into_inner())),
+            shared: self,
+        }
     }
 }
 
@@ -124,6 +211,11 @@ impl UnitHandle {
     /// end when their clients close them.
     pub fn stop(&self) {
         self.shared.stop.store(true, Ordering::SeqCst);
+        if let Some(d) = &self.shared.disk {
+            if let Err(e) = d.dir.remove() {
+                tracing::warn!(error = %e, dir = %d.dir.path.display(), "could not remove the disk directory");
+            }
+        }
         if let Some(p) = &self.uds {
             let _ = std::fs::remove_file(p);
             // Wake the accept loop so it sees the flag.
@@ -157,6 +249,9 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     core_cfg.reservation_lease = cfg.reservation_lease;
     core_cfg.pin_lease = cfg.pin_lease;
     core_cfg.quarantine = cfg.quarantine;
+    core_cfg.high_watermark = cfg.high_watermark;
+    core_cfg.low_watermark = cfg.low_watermark;
+    core_cfg.disk_capacity = cfg.disk.as_ref().map_or(0, |(_, c)| *c);
     let core = UnitCore::new(core_cfg).map_err(|e| StartError::Config(e.to_string()))?;
     if cfg.memory < 4096 {
         return Err(StartError::Config("memory must be at least 4 KiB".into()));
@@ -177,15 +272,62 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     }
     let mut id = [0u8; 16];
     getrandom::fill(&mut id).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;
+    let instance_id = u128::from_le_bytes(id);
+    let (disk, flush_rx) = match &cfg.disk {
+        None => (None, None),
+        Some((root, capacity)) => {
+            let (dir, removed) =
+                disk::OwnedDir::create(root, &cfg.name, instance_id).map_err(|err| {
+                    StartError::Bind {
+                        what: format!("disk tier directory under {}", root.display()),
+                        err,
+                    }
+                })?;
+            for r in removed {
+                tracing::info!(dir = %r.display(), "removed the disk directory of a unit that is gone");
+            }
+            tracing::info!(dir = %dir.path.display(), capacity, "disk tier");
+            let engine = disk::FileEngine::new(dir.path.clone());
+            for f in &cfg.failpoints {
+                engine.failpoints.enable(f).map_err(StartError::Config)?;
+            }
+            let (tx, rx) = std::sync::mpsc::channel();
+            (
+                Some(DiskTier {
+                    engine,
+                    dir,
+                    flush: Mutex::new(tx),
+                    wake: (Mutex::new(false), std::sync::Condvar::new()),
+                }),
+                Some(rx),
+            )
+        }
+    };
+    if disk.is_none() && !cfg.failpoints.is_empty() {
+        return Err(StartError::Config("failpoints need a disk tier".into()));
+    }
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
         slab,
         started: Instant::now(),
-        instance_id: u128::from_le_bytes(id),
+        instance_id,
         limits: cfg.limits,
         stop: AtomicBool::new(false),
         spin: cfg.spin,
+        disk,
     });
+    if let Some(rx) = flush_rx {
+        let sh = shared.clone();
+        std::thread::Builder::new()
+            .name("flusher".into())
+            .spawn(move || flusher(sh, rx))
+            .map_err(StartError::Slab)?;
+        let sh = shared.clone();
+        std::thread::Builder::new()
+            .name("spiller".into())
+            .spawn(move || spiller(sh))
+            .map_err(StartError::Slab)?;
+    }
 
     let mut handle = UnitHandle {
         shared: shared.clone(),
@@ -236,6 +378,66 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         "unit serving"
     );
     Ok(handle)
+}
+
+/// Sync and publish blob files written by connections (puts that went to
+/// disk), in order.
+fn flusher(
+    shared: Arc<Shared>,
+    rx: std::sync::mpsc::Receiver<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>,
+) {
+    while let Ok((blob, writer)) = rx.recv() {
+        let ok = match writer.finish() {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, ?blob, "a put's blob file could not be made durable");
+                false
+            }
+        };
+        shared.core().disk_written(blob, ok);
+    }
+}
+
+/// Copy blobs to disk while the slab is past its high watermark.
+fn spiller(shared: Arc<Shared>) {
+    let Some(d) = &shared.disk else { return };
+    let mut failing = false;
+    while !shared.stop.load(Ordering::Relaxed) {
+        {
+            let w = d.wake.0.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut w, _) = d
+                .wake
+                .1
+                .wait_timeout_while(w, Duration::from_millis(100), |woken| !*woken)
+                .unwrap_or_else(|p| p.into_inner());
+            *w = false;
+        }
+        let jobs = shared.core().spill_jobs();
+        for job in jobs {
+            let written = shared
+                .slab
+                .with_ref(job.offset, job.nbytes as usize, |data| {
+                    let mut w = d.engine.create(job.blob, job.nbytes)?;
+                    w.write(data)?;
+                    w.finish()
+                })
+                .map_err(std::io::Error::other)
+                .and_then(|r| r);
+            match &written {
+                Ok(()) => failing = false,
+                Err(e) if !failing => {
+                    tracing::warn!(error = %e, "spilling to disk failed; data stays in memory");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+            shared.core().disk_written(job.blob, written.is_ok());
+        }
+        if failing {
+            // Do not spin on a failing disk.
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
 }
 
 /// Bind a Unix socket, replacing a stale socket file (one nobody listens
@@ -295,5 +497,117 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
                 std::thread::sleep(Duration::from_millis(10));
             }
         }
+    }
+}
+
+/// A found value as a connection serves it.
+pub(crate) enum Served {
+    /// In the slab (possibly just brought back from disk).
+    Memory(stowage_core::Location, Vec<u8>),
+    /// Only on disk: `offset` into the blob. With `load`, the blob's bytes
+    /// are in the buffers [`Shared::bring_back`] returns.
+    Disk {
+        blob: stowage_core::BlobId,
+        offset: u64,
+        len: u64,
+        meta: Vec<u8>,
+    },
+    /// Its blob's file failed its checksum or could not be read.
+    Corrupt,
+}
+
+impl Shared {
+    /// Bring spilled values back for a reader that pinned them: each
+    /// spilled blob is promoted into the slab where there is room below
+    /// the high watermark; otherwise, with `load`, read into a buffer.
+    /// Returns the served values, and the buffers by blob.
+    pub(crate) fn bring_back(
+        &self,
+        found: Vec<Option<stowage_core::Located>>,
+        load: bool,
+    ) -> (
+        Vec<Option<Served>>,
+        std::collections::HashMap<stowage_core::BlobId, Vec<u8>>,
+    ) {
+        use std::collections::{BTreeSet, HashMap, HashSet};
+        use stowage_core::{Location, Place};
+        let on_disk: BTreeSet<stowage_core::BlobId> = found
+            .iter()
+            .flatten()
+            .filter_map(|(p, _)| match p {
+                Place::Disk { blob, .. } => Some(*blob),
+                Place::Memory(_) => None,
+            })
+            .collect();
+        let mut promoted = HashMap::new();
+        let mut corrupt = HashSet::new();
+        let mut buffers = HashMap::new();
+        for blob in on_disk {
+            let Some(d) = &self.disk else {
+                corrupt.insert(blob);
+                continue;
+            };
+            let (slot, size) = {
+                let mut c = self.core();
+                let size = c.blob_size(blob);
+                (c.promote_begin(blob), size)
+            };
+            let Some(size) = size.and_then(|s| usize::try_from(s).ok()) else {
+                corrupt.insert(blob);
+                continue;
+            };
+            let read = match slot {
+                Some(offset) => {
+                    let r = self
+                        .slab
+                        .with_mut(offset, size, |dst| d.engine.read(blob, dst))
+                        .map_err(|e| disk::DiskError::Io(std::io::Error::other(e)))
+                        .and_then(|r| r);
+                    self.core().promote_done(blob, r.is_ok());
+                    if r.is_ok() {
+                        promoted.insert(blob, offset);
+                    }
+                    r
+                }
+                None if load => {
+                    let mut buf = vec![0u8; size];
+                    let r = d.engine.read(blob, &mut buf);
+                    if r.is_ok() {
+                        buffers.insert(blob, buf);
+                    }
+                    r
+                }
+                None => Ok(()),
+            };
+            if let Err(e) = read {
+                tracing::error!(error = %e, ?blob, "a spilled blob could not be read back; its keys fail");
+                corrupt.insert(blob);
+            }
+        }
+        let served = found
+            .into_iter()
+            .map(|f| {
+                f.map(|(place, meta)| match place {
+                    Place::Memory(l) => Served::Memory(l, meta),
+                    Place::Disk { blob, .. } if corrupt.contains(&blob) => Served::Corrupt,
+                    Place::Disk { blob, offset, len } => match promoted.get(&blob) {
+                        Some(base) => Served::Memory(
+                            Location {
+                                offset: base + offset,
+                                len,
+                            },
+                            meta,
+                        ),
+                        None => Served::Disk {
+                            blob,
+                            offset,
+                            len,
+                            meta,
+                        },
+                    },
+                })
+            })
+            .collect();
+        (served, buffers)
     }
 }

@@ -167,11 +167,15 @@ pub enum Request {
 }
 
 /// A found key: where its bytes are in the slab, and its metadata.
+/// `on_disk`: the value is only in the unit's disk tier (and the slab had
+/// no room to bring it back): read it with [`Request::Read`]; `offset` is
+/// then meaningless.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Found {
     pub offset: u64,
     pub len: u64,
     pub meta: Vec<u8>,
+    pub on_disk: bool,
 }
 
 /// A value in a [`Response::Data`] payload: its length and metadata.
@@ -197,12 +201,21 @@ pub enum Response {
     Allocated {
         offset: u64,
     },
+    /// Reply to Alloc: the slab has no room but the disk tier has; send the
+    /// bytes with [`Request::Put`] (same blob id).
+    ToDisk,
+    /// Reply to Commit or Put of a blob going to disk: not durable yet;
+    /// commit again shortly.
+    Pending,
     AlreadyCommitted,
     /// Commit, Abort, Unpin and Put succeeded.
     Done,
     Resolved {
         pin: Option<PinId>,
         found: Vec<Option<Found>>,
+        /// Positions of keys whose blob's disk file is corrupt (their
+        /// `found` is `None`).
+        corrupt: Vec<u32>,
     },
     Released {
         entries: u64,
@@ -212,6 +225,9 @@ pub enum Response {
     /// values' bytes follow in the payload, in key order.
     Data {
         items: Vec<Option<Item>>,
+        /// Positions of keys whose blob's disk file is corrupt (their
+        /// item is `None`).
+        corrupt: Vec<u32>,
     },
     /// Reply to List: (row, fields) pairs, rows ascending.
     Listed {
@@ -539,9 +555,13 @@ mod tests {
                         offset: 64,
                         len: 10,
                         meta: vec![9],
+                        on_disk: true,
                     }),
                 ],
+                corrupt: vec![0],
             },
+            Response::ToDisk,
+            Response::Pending,
             Response::Released { entries: 12 },
             Response::Stats(Stats {
                 capacity: 1,
@@ -552,6 +572,9 @@ mod tests {
                 entries: 6,
                 rows: 7,
                 pins: 8,
+                disk_capacity: 9,
+                disk_used: 10,
+                spilled_blobs: 11,
             }),
             Response::Data {
                 items: vec![
@@ -561,6 +584,7 @@ mod tests {
                     }),
                     None,
                 ],
+                corrupt: vec![1],
             },
             Response::Listed {
                 rows: vec![(1, vec!["a".into(), "b".into()])],
