@@ -38,8 +38,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use stowage_core::{
-    Allocated, BlobId, CoreConfig, CoreError, EntrySpec, Key, Location, PinId, Stats, Time,
-    UnitCore,
+    Allocated, BlobId, Committed, CoreConfig, CoreError, EntrySpec, Key, Location, PinId, Place,
+    Stats, Time, UnitCore,
 };
 
 const CAP: u64 = 32 * 1024;
@@ -203,6 +203,7 @@ impl Harness {
             reservation_lease: ms(RESERVATION_LEASE_MS),
             pin_lease: ms(PIN_LEASE_MS),
             quarantine: ms(QUARANTINE_MS),
+            ..CoreConfig::new(CAP)
         };
         Self {
             core: UnitCore::new(cfg).expect("valid config"),
@@ -531,6 +532,9 @@ impl Harness {
                     Ok(Allocated::AlreadyCommitted) => {
                         prop_assert!(false, "AlreadyCommitted for unknown blob {:?}", id);
                     }
+                    Ok(Allocated::ToDisk) => {
+                        prop_assert!(false, "ToDisk without a disk tier for {:?}", id);
+                    }
                     Err(e) => {
                         let expected = if len <= CAP && free + reclaimable >= len && reclaimable > 0
                         {
@@ -567,7 +571,12 @@ impl Harness {
     fn commit(&mut self, id: BlobId, specs: &[EntrySpec]) -> Result<(), TestCaseError> {
         let got = self.core.commit(NS, id, specs);
         if !self.blobs.contains_key(&id) && self.freed_commits.contains(&id) {
-            prop_assert_eq!(got, Ok(()), "commit retry of committed-then-freed {:?}", id);
+            prop_assert_eq!(
+                got,
+                Ok(Committed::Done),
+                "commit retry of committed-then-freed {:?}",
+                id
+            );
             return Ok(());
         }
         match self.blobs.get(&id).copied() {
@@ -584,7 +593,7 @@ impl Harness {
                 state: MState::Committed,
                 ..
             }) => {
-                prop_assert_eq!(got, Ok(()), "idempotent commit of {:?}", id);
+                prop_assert_eq!(got, Ok(Committed::Done), "idempotent commit of {:?}", id);
             }
             Some(MBlob {
                 offset: base,
@@ -607,7 +616,7 @@ impl Harness {
                     );
                     return Ok(());
                 }
-                prop_assert_eq!(got, Ok(()), "commit of reserved {:?}", id);
+                prop_assert_eq!(got, Ok(Committed::Done), "commit of reserved {:?}", id);
                 self.blobs.get_mut(&id).unwrap().state = MState::Committed;
                 // In entry order: a later entry of the same key wins.
                 for e in specs {
@@ -641,7 +650,7 @@ impl Harness {
             match self.values.get(k) {
                 None => prop_assert_eq!(*loc, None, "key {} not committed", k),
                 Some(v) => {
-                    prop_assert_eq!(*loc, Some(v.loc), "location of {}", k);
+                    prop_assert_eq!(*loc, Some(Place::Memory(v.loc)), "location of {}", k);
                     prop_assert_eq!(self.read(v.loc), &v.bytes[..], "bytes of {}", k);
                     blobs.insert(v.blob);
                     snapshots.push((v.loc, self.read(v.loc).to_vec()));
@@ -749,6 +758,7 @@ impl Harness {
             entries: self.values.len() as u64,
             rows: rows.len() as u64,
             pins: self.pins.len() as u64,
+            ..Stats::default()
         };
         prop_assert_eq!(self.core.stats(), expected, "stats");
 
@@ -764,7 +774,7 @@ impl Harness {
                     k
                 ),
                 Some(v) => {
-                    prop_assert_eq!(*loc, Some(v.loc), "location of {}", k);
+                    prop_assert_eq!(*loc, Some(Place::Memory(v.loc)), "location of {}", k);
                     prop_assert_eq!(
                         self.read(v.loc),
                         &v.bytes[..],
