@@ -102,6 +102,10 @@ enum Cmd {
         /// Turn on a failpoint (tests): `disk-write` fails every disk write.
         #[arg(long)]
         failpoint: Vec<String>,
+        /// Serve the checkpoint in this directory (a unit's own
+        /// subdirectory of a checkpoint); refuses an incomplete one.
+        #[arg(long)]
+        restore: Option<std::path::PathBuf>,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -197,6 +201,7 @@ fn run(cli: Cli) -> Result<(), String> {
             spin,
             disk,
             failpoint,
+            restore,
         } => {
             let mut cfg = stowage_unit::UnitConfig::new(name, memory);
             cfg.pin_lease = pin_lease;
@@ -208,6 +213,7 @@ fn run(cli: Cli) -> Result<(), String> {
             cfg.high_watermark = disk.high_watermark;
             cfg.low_watermark = disk.low_watermark;
             cfg.failpoints = failpoint;
+            cfg.restore = restore;
             let listen = if listen.is_empty() {
                 vec!["unix:/tmp/stowage-unit-0.sock".to_string()]
             } else {
@@ -231,18 +237,20 @@ fn run(cli: Cli) -> Result<(), String> {
                 handle.tcp.map(|a| a.to_string()).unwrap_or_default(),
                 handle.instance_id()
             );
+            let handle = std::sync::Arc::new(handle);
             if exit_with_stdin {
-                let mut sink = [0u8; 256];
-                let mut stdin = std::io::stdin();
-                while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-                handle.stop();
-                tracing::info!("standard input closed; unit exiting");
-                Ok(())
-            } else {
-                loop {
-                    std::thread::park();
-                }
+                let h = handle.clone();
+                std::thread::spawn(move || {
+                    let mut sink = [0u8; 256];
+                    let mut stdin = std::io::stdin();
+                    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+                    tracing::info!("standard input closed; unit exiting");
+                    h.request_exit();
+                });
             }
+            handle.wait_for_exit();
+            handle.stop();
+            Ok(())
         }
         Cmd::Local {
             units,

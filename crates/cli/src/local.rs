@@ -28,6 +28,8 @@ pub struct LocalOptions {
     pub unit_args: Vec<String>,
     /// How long to wait for each unit to report ready. Default 30 s.
     pub start_timeout: Duration,
+    /// Start unit `i` from the checkpoint in `<restore>/unit-<i>`.
+    pub restore: Option<PathBuf>,
 }
 
 impl LocalOptions {
@@ -38,6 +40,7 @@ impl LocalOptions {
             memory,
             unit_args: Vec::new(),
             start_timeout: Duration::from_secs(30),
+            restore: None,
         }
     }
 }
@@ -102,6 +105,12 @@ impl LocalPlane {
             .arg("tcp:127.0.0.1:0")
             .arg("--exit-with-stdin")
             .args(&opts.unit_args)
+            .args(opts.restore.iter().flat_map(|r| {
+                [
+                    std::ffi::OsString::from("--restore"),
+                    r.join(format!("unit-{i}")).into_os_string(),
+                ]
+            }))
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),

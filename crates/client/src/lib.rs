@@ -42,6 +42,7 @@ pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
+pub use stowage_wire::{CheckpointFile, CheckpointInfo};
 pub use transport::{GetSink, Transport};
 
 use conn::Conn;
@@ -690,6 +691,67 @@ impl Client {
                 }),
             })
             .collect()
+    }
+
+    /// Ask every unit to write a checkpoint of everything it holds to
+    /// `dir/unit-<i>` on its own host (bytes never pass through this
+    /// client). Returns each unit's metadata, in unit order; a unit started
+    /// with `--restore dir/unit-<i>` serves the same keys.
+    pub fn checkpoint(
+        &self,
+        dir: &std::path::Path,
+        deadline: Instant,
+    ) -> Result<Vec<CheckpointInfo>> {
+        let reqs = (0..self.units.len())
+            .map(|u| {
+                let d = dir.join(format!("unit-{u}"));
+                (
+                    u,
+                    Request::Checkpoint {
+                        dir: d.to_string_lossy().into_owned(),
+                    },
+                )
+            })
+            .collect();
+        let mut out = Vec::with_capacity(self.units.len());
+        for (unit, r) in self.call_units(reqs, deadline) {
+            match r? {
+                Response::Checkpointed(info) => out.push(info),
+                other => {
+                    return Err(Error::TransferFailed {
+                        unit,
+                        blobs: vec![],
+                        reason: format!("unexpected reply {other:?}"),
+                        in_flight: false,
+                    })
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Stop every unit within `timeout`: a unit abandons a checkpoint that
+    /// does not finish in time, removes its disk directory and exits.
+    /// Never fails: returns, per unit, what could not be done (a unit that
+    /// is already gone reports nothing).
+    pub fn shutdown(&self, timeout: Duration) -> Vec<Vec<String>> {
+        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        let deadline = Instant::now() + timeout + Duration::from_secs(1);
+        let reqs = (0..self.units.len())
+            .map(|u| (u, Request::Shutdown { timeout_ms: ms }))
+            .collect();
+        let mut out = vec![Vec::new(); self.units.len()];
+        for (unit, r) in self.call_units(reqs, deadline) {
+            out[unit] = match r {
+                Ok(Response::ShutDown { problems }) => problems,
+                Ok(other) => vec![format!("unexpected reply {other:?}")],
+                Err(Error::LostBlobs { .. }) => Vec::new(),
+                Err(e) => vec![e.to_string()],
+            };
+            lock(&self.units[unit].pool).clear();
+            *lock(&self.units[unit].view_conn) = None;
+        }
+        out
     }
 
     /// Send one control request per unit, all before any reply is read.

@@ -361,7 +361,14 @@ impl UnitCore {
             None if fits_disk => None,
             None => {
                 let free = capacity - self.slab.allocated();
-                let reclaimable = self.reserved_bytes + self.quarantined_bytes;
+                // Memory that spills under way will give back counts too.
+                let spilling: u64 = self
+                    .blobs
+                    .values()
+                    .filter(|b| b.disk == Disk::Writing)
+                    .filter_map(|b| b.region.map(|r| r.len))
+                    .sum();
+                let reclaimable = self.reserved_bytes + self.quarantined_bytes + spilling;
                 let could_fit = SlabAllocator::rounded(nbytes) <= capacity;
                 return Err(
                     if could_fit

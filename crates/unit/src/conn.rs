@@ -136,6 +136,16 @@ impl Conn {
             (Some(ns), _) => ns.clone(),
         };
         let now = self.shared.now();
+        let writes = matches!(
+            req,
+            Request::Alloc { .. } | Request::Put { .. } | Request::Checkpoint { .. }
+        );
+        if writes && self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
+            if payload_len > 0 {
+                drain(&mut self.reader, payload_len)?;
+            }
+            return self.reply_internal(id, "the unit is shutting down");
+        }
         let resp = match req {
             Request::Hello {
                 version,
@@ -259,6 +269,37 @@ impl Conn {
             Request::DropPartition { partition } => Response::Released {
                 entries: self.shared.core().drop_namespace(&scope(&ns, &partition)),
             },
+            Request::Checkpoint { dir } => {
+                if self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    Response::Error {
+                        code: ErrorCode::Internal,
+                        message: "the unit is shutting down".into(),
+                    }
+                } else {
+                    self.shared
+                        .checkpoints
+                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let r = crate::checkpoint::write(&self.shared, std::path::Path::new(&dir));
+                    self.shared
+                        .checkpoints
+                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    match r {
+                        Ok(info) => Response::Checkpointed(info),
+                        Err(e) => Response::Error {
+                            code: ErrorCode::Internal,
+                            message: e.to_string(),
+                        },
+                    }
+                }
+            }
+            Request::Shutdown { timeout_ms } => {
+                let problems = self
+                    .shared
+                    .shut_down(std::time::Duration::from_millis(timeout_ms));
+                self.reply(id, &Response::ShutDown { problems })?;
+                self.shared.request_exit();
+                return Ok(());
+            }
             Request::ListPartitions => {
                 let prefix = scope(&ns, "");
                 let names = self

@@ -20,6 +20,7 @@
 
 #![forbid(unsafe_code)]
 
+mod checkpoint;
 mod conn;
 pub mod disk;
 
@@ -73,6 +74,8 @@ pub struct UnitConfig {
     pub low_watermark: f64,
     /// Failpoints to turn on at start (`disk-write`), for tests.
     pub failpoints: Vec<String>,
+    /// Load this checkpoint directory before serving.
+    pub restore: Option<PathBuf>,
 }
 
 impl UnitConfig {
@@ -92,6 +95,7 @@ impl UnitConfig {
             high_watermark: 0.9,
             low_watermark: 0.8,
             failpoints: Vec::new(),
+            restore: None,
         }
     }
 }
@@ -106,6 +110,9 @@ pub(crate) struct DiskTier {
         Mutex<std::sync::mpsc::Sender<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>>,
     /// Wakes the spiller.
     pub(crate) wake: (Mutex<bool>, std::sync::Condvar),
+    /// Held by the spiller and the flusher while they write files, so that
+    /// teardown removes the directory only once they are idle.
+    pub(crate) busy: Mutex<()>,
 }
 
 impl DiskTier {
@@ -126,6 +133,68 @@ pub(crate) struct Shared {
     pub(crate) stop: AtomicBool,
     pub(crate) spin: Duration,
     pub(crate) disk: Option<DiskTier>,
+    /// Checkpoints being written.
+    pub(crate) checkpoints: std::sync::atomic::AtomicUsize,
+    /// Set when the unit is asked to exit.
+    pub(crate) exit: (Mutex<bool>, std::sync::Condvar),
+}
+
+impl Shared {
+    pub(crate) fn request_exit(&self) {
+        let mut e = self.exit.0.lock().unwrap_or_else(|p| p.into_inner());
+        *e = true;
+        self.exit.1.notify_all();
+    }
+
+    /// Stop within `timeout`: refuse new work, let a checkpoint in progress
+    /// finish or abandon it, remove the disk directory. Returns what could
+    /// not be done.
+    pub(crate) fn shut_down(&self, timeout: Duration) -> Vec<String> {
+        let mut problems = Vec::new();
+        self.stop.store(true, Ordering::SeqCst);
+        let end = Instant::now() + timeout;
+        while self.checkpoints.load(Ordering::SeqCst) > 0 {
+            if Instant::now() >= end {
+                problems.push("a checkpoint was still being written at the deadline".into());
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if let Some(d) = &self.disk {
+            // Wait for the spiller and the flusher to put their pens down.
+            let idle = loop {
+                match d.busy.try_lock() {
+                    Ok(g) => break Some(g),
+                    Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                    Err(std::sync::TryLockError::WouldBlock) => break None,
+                }
+            };
+            if idle.is_none() {
+                problems.push("a disk write was still running at the deadline".into());
+            }
+            let mut last = None;
+            for _ in 0..5 {
+                match d.dir.path.exists().then(|| d.dir.remove()) {
+                    None | Some(Ok(())) => {
+                        last = None;
+                        break;
+                    }
+                    // A connection may have just created a file: try again.
+                    Some(Err(e)) => {
+                        last = Some(e);
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
+            if let Some(e) = last {
+                problems.push(format!("could not remove {}: {e}", d.dir.path.display()));
+            }
+        }
+        problems
+    }
 }
 
 /// The core, locked. On release it applies the core's effects (removes
@@ -207,14 +276,29 @@ impl UnitHandle {
         self.shared.instance_id
     }
 
+    /// Block until the unit is asked to exit (a Shutdown request, or
+    /// [`UnitHandle::request_exit`]).
+    pub fn wait_for_exit(&self) {
+        let mut e = self.shared.exit.0.lock().unwrap_or_else(|p| p.into_inner());
+        while !*e {
+            e = self
+                .shared
+                .exit
+                .1
+                .wait(e)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    pub fn request_exit(&self) {
+        self.shared.request_exit();
+    }
+
     /// Stop accepting and remove the socket file. Connections already open
     /// end when their clients close them.
     pub fn stop(&self) {
-        self.shared.stop.store(true, Ordering::SeqCst);
-        if let Some(d) = &self.shared.disk {
-            if let Err(e) = d.dir.remove() {
-                tracing::warn!(error = %e, dir = %d.dir.path.display(), "could not remove the disk directory");
-            }
+        for p in self.shared.shut_down(Duration::from_secs(10)) {
+            tracing::warn!(problem = %p, "shutting down");
         }
         if let Some(p) = &self.uds {
             let _ = std::fs::remove_file(p);
@@ -236,6 +320,8 @@ pub enum StartError {
     Slab(io::Error),
     #[error("binding {what}: {err}")]
     Bind { what: String, err: io::Error },
+    #[error("{0}")]
+    Restore(String),
 }
 
 /// Create the slab, bind the listeners and start serving.
@@ -298,6 +384,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                     dir,
                     flush: Mutex::new(tx),
                     wake: (Mutex::new(false), std::sync::Condvar::new()),
+                    busy: Mutex::new(()),
                 }),
                 Some(rx),
             )
@@ -315,7 +402,20 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         stop: AtomicBool::new(false),
         spin: cfg.spin,
         disk,
+        checkpoints: std::sync::atomic::AtomicUsize::new(0),
+        exit: (Mutex::new(false), std::sync::Condvar::new()),
     });
+    if let Some(dir) = &cfg.restore {
+        let info =
+            checkpoint::restore(&shared, dir).map_err(|e| StartError::Restore(e.to_string()))?;
+        tracing::info!(
+            dir = %dir.display(),
+            rows = info.rows,
+            entries = info.entries,
+            bytes = info.bytes,
+            "restored a checkpoint"
+        );
+    }
     if let Some(rx) = flush_rx {
         let sh = shared.clone();
         std::thread::Builder::new()
@@ -387,6 +487,8 @@ fn flusher(
     rx: std::sync::mpsc::Receiver<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>,
 ) {
     while let Ok((blob, writer)) = rx.recv() {
+        let Some(d) = &shared.disk else { return };
+        let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
         let ok = match writer.finish() {
             Ok(()) => true,
             Err(e) => {
@@ -411,6 +513,10 @@ fn spiller(shared: Arc<Shared>) {
                 .wait_timeout_while(w, Duration::from_millis(100), |woken| !*woken)
                 .unwrap_or_else(|p| p.into_inner());
             *w = false;
+        }
+        let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
         }
         let jobs = shared.core().spill_jobs();
         for job in jobs {

@@ -164,6 +164,35 @@ pub enum Request {
     },
     /// The partitions of this namespace that hold data.
     ListPartitions,
+    /// Write every committed value and the index to `dir` on the unit's
+    /// host (all namespaces); answers metadata only.
+    Checkpoint {
+        dir: String,
+    },
+    /// Stop the unit within `timeout_ms`: abandon a checkpoint in progress
+    /// if it does not finish in time, remove the disk directory, exit.
+    Shutdown {
+        timeout_ms: u64,
+    },
+}
+
+/// A file of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointFile {
+    pub name: String,
+    pub size: u64,
+    pub xxh3: u64,
+}
+
+/// What a unit's checkpoint holds (metadata only).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    pub rows: u64,
+    pub entries: u64,
+    pub bytes: u64,
+    pub files: Vec<CheckpointFile>,
+    /// Checksum of the unit's MANIFEST file.
+    pub manifest_xxh3: u64,
 }
 
 /// A found key: where its bytes are in the slab, and its metadata.
@@ -236,6 +265,12 @@ pub enum Response {
     /// Reply to ListPartitions.
     Partitions {
         names: Vec<String>,
+    },
+    /// Reply to Checkpoint.
+    Checkpointed(CheckpointInfo),
+    /// Reply to Shutdown: what could not be done (empty: all went well).
+    ShutDown {
+        problems: Vec<String>,
     },
     Error {
         code: ErrorCode,
@@ -339,6 +374,8 @@ impl Request {
             Request::List { partition: p } | Request::DropPartition { partition: p } => {
                 partition(p)
             }
+            Request::Checkpoint { dir } => name("checkpoint path bytes", dir),
+            Request::Shutdown { .. } => Ok(()),
             Request::Abort { .. }
             | Request::Unpin { .. }
             | Request::Stats
@@ -533,6 +570,10 @@ mod tests {
                 partition: "p".into(),
             },
             Request::ListPartitions,
+            Request::Checkpoint {
+                dir: "/tmp/ckpt/unit-0".into(),
+            },
+            Request::Shutdown { timeout_ms: 5000 },
         ]
     }
 
@@ -591,6 +632,20 @@ mod tests {
             },
             Response::Partitions {
                 names: vec!["p".into()],
+            },
+            Response::Checkpointed(CheckpointInfo {
+                rows: 1,
+                entries: 2,
+                bytes: 3,
+                files: vec![CheckpointFile {
+                    name: "index".into(),
+                    size: 4,
+                    xxh3: 5,
+                }],
+                manifest_xxh3: 6,
+            }),
+            Response::ShutDown {
+                problems: vec!["x".into()],
             },
             Response::Error {
                 code: ErrorCode::Busy,

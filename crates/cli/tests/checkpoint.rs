@@ -1,0 +1,263 @@
+//! Checkpoint, restore and teardown with real unit processes.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::Read;
+use std::path::Path;
+use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{binary, eventually, pattern, plane};
+use stowage_cli::local::{LocalOptions, LocalPlane};
+use stowage_client::{Client, ClientConfig, Column, DType, Error, RowKey, Tensor};
+
+const MIB: u64 = 1 << 20;
+
+fn disk_args(root: &Path) -> Vec<String> {
+    [
+        "--disk",
+        root.to_str().unwrap(),
+        "--disk-capacity",
+        "256MiB",
+        "--high-watermark",
+        "0.5",
+        "--low-watermark",
+        "0.3",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+fn connect(p: &LocalPlane) -> Client {
+    let mut cfg = ClientConfig::new("ns", p.uds_addrs());
+    cfg.timeout = Duration::from_secs(60);
+    Client::connect(cfg).unwrap()
+}
+
+fn value(row: u64, gen: u64) -> Vec<u8> {
+    pattern(row, gen, 40_000 + (row as usize % 13) * 512)
+}
+
+fn put(c: &Client, row: u64, gen: u64) {
+    let v = value(row, gen);
+    let t = Tensor::new(DType::U8, vec![v.len() as u64], &v).unwrap();
+    c.put(
+        "step",
+        &[RowKey::Index(row)],
+        &[("x", Column::Jagged(vec![t]))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+}
+
+#[test]
+fn a_checkpoint_under_load_restores_into_fresh_units() {
+    let root = tempfile::tempdir().unwrap();
+    let ckpt = tempfile::tempdir().unwrap();
+    let n = 400u64;
+    let mut opts = LocalOptions::new(2, 8 * MIB);
+    opts.command = vec![binary().into(), "unit".into()];
+    opts.unit_args = disk_args(root.path());
+    opts.unit_args.push("--no-mlock".into());
+    let mut p = LocalPlane::start(&opts).unwrap();
+    let c = connect(&p);
+    for r in 0..n {
+        put(&c, r, 0);
+    }
+    assert!(
+        c.stats(c.deadline())
+            .into_iter()
+            .map(|s| s.unwrap().spilled_blobs)
+            .sum::<u64>()
+            > 0
+    );
+    // While the checkpoint runs: new rows, replaced rows, cleared rows.
+    let stop = AtomicBool::new(false);
+    let info = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut i = 0;
+            while !stop.load(Ordering::Relaxed) {
+                put(&c, n + i, 0); // new
+                put(&c, n / 2 + i % (n / 2), 1); // replaced
+                c.clear("step", &[RowKey::Index(i % (n / 4))], None, c.deadline())
+                    .unwrap(); // cleared
+                i += 1;
+            }
+        });
+        std::thread::sleep(Duration::from_millis(50));
+        let info = c.checkpoint(&ckpt.path().join("c1"), c.deadline());
+        stop.store(true, Ordering::Relaxed);
+        info
+    })
+    .unwrap();
+    assert_eq!(info.len(), 2);
+    let entries: u64 = info.iter().map(|i| i.entries).sum();
+    assert!(entries >= n / 4, "{info:?}");
+    assert!(info
+        .iter()
+        .all(|i| i.files.iter().any(|f| f.name == "index")));
+    p.stop();
+
+    // Fresh units (no disk tier even) serve exactly the checkpoint.
+    let mut opts = LocalOptions::new(2, 64 * MIB);
+    opts.command = vec![binary().into(), "unit".into()];
+    opts.unit_args = vec!["--no-mlock".into()];
+    opts.restore = Some(ckpt.path().join("c1"));
+    let q = LocalPlane::start(&opts).unwrap();
+    let c2 = connect(&q);
+    let listed = c2.list("step", c2.deadline()).unwrap();
+    assert_eq!(
+        listed.len() as u64,
+        info.iter().map(|i| i.rows).sum::<u64>()
+    );
+    let rows: Vec<RowKey> = listed.iter().map(|(k, _)| k.clone()).collect();
+    let got = c2
+        .get_tensors("step", &rows, &["x"], None, c2.deadline())
+        .unwrap();
+    let mut seen = HashMap::new();
+    for (k, t) in rows.iter().zip(&got[0]) {
+        let RowKey::Index(r) = k else { panic!("{k:?}") };
+        let r = *r;
+        let gen = if t.data == value(r, 0) {
+            0
+        } else if t.data == value(r, 1) {
+            1
+        } else {
+            panic!("row {r}: restored bytes are neither the old nor the new value");
+        };
+        assert!(
+            gen == 0 || (n / 2..n).contains(&r),
+            "row {r} was never replaced"
+        );
+        seen.insert(r, gen);
+    }
+    // Rows nobody touched during the checkpoint are all there.
+    for r in n / 4..n / 2 {
+        assert_eq!(
+            seen.get(&r),
+            Some(&0),
+            "row {r} missing from the checkpoint"
+        );
+    }
+    // Rows replaced during the checkpoint are there, old or new.
+    for r in n / 2..n {
+        assert!(seen.contains_key(&r), "row {r} missing from the checkpoint");
+    }
+    // A checkpoint does not overwrite another.
+    assert!(c2
+        .checkpoint(&ckpt.path().join("c1"), c2.deadline())
+        .is_err());
+}
+
+fn restore_fails(dir: &Path) -> String {
+    let sock = tempfile::tempdir().unwrap();
+    let mut child = Command::new(binary())
+        .args(["unit", "--no-mlock", "--memory", "16MiB", "--listen"])
+        .arg(format!("unix:{}", sock.path().join("u.sock").display()))
+        .arg("--restore")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let end = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("a unit restoring a damaged checkpoint kept running");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut err = String::new();
+    child
+        .stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut err)
+        .unwrap();
+    assert!(
+        !status.success(),
+        "restore of a damaged checkpoint succeeded"
+    );
+    err
+}
+
+#[test]
+fn an_incomplete_checkpoint_is_refused() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let (mut p, _) = plane(1, 16 * MIB, &[]);
+    let c = connect(&p);
+    for r in 0..20 {
+        put(&c, r, 0);
+    }
+    c.checkpoint(ckpt.path(), c.deadline()).unwrap();
+    p.stop();
+    let dir = ckpt.path().join("unit-0");
+    let blob = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .find(|p| p.extension().is_some_and(|e| e == "blob"))
+        .unwrap();
+    // A truncated blob file.
+    let bytes = std::fs::read(&blob).unwrap();
+    std::fs::write(&blob, &bytes[..bytes.len() / 2]).unwrap();
+    let err = restore_fails(&dir);
+    assert!(err.contains("incomplete or damaged checkpoint"), "{err}");
+    std::fs::write(&blob, &bytes).unwrap();
+    // A crash before the manifest was written.
+    std::fs::remove_file(dir.join("MANIFEST")).unwrap();
+    let err = restore_fails(&dir);
+    assert!(err.contains("no manifest"), "{err}");
+}
+
+#[test]
+fn shutdown_is_bounded_removes_disk_directories_and_never_fails() {
+    let root = tempfile::tempdir().unwrap();
+    let args: Vec<String> = disk_args(root.path());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (mut p, _) = plane(2, 4 * MIB, &args);
+    let c = connect(&p);
+    for r in 0..200 {
+        put(&c, r, 0);
+    }
+    assert!(eventually(Duration::from_secs(10), || {
+        c.stats(c.deadline())
+            .into_iter()
+            .map(|s| s.unwrap().spilled_blobs)
+            .sum::<u64>()
+            > 0
+    }));
+    assert_eq!(std::fs::read_dir(root.path()).unwrap().count(), 2);
+    p.kill9(1);
+    let t = Instant::now();
+    let report = c.shutdown(Duration::from_secs(3));
+    assert!(
+        t.elapsed() < Duration::from_secs(6),
+        "shutdown took {:?}",
+        t.elapsed()
+    );
+    assert_eq!(report, vec![Vec::<String>::new(), Vec::new()], "{report:?}");
+    // Unit 0 exits by itself and removed its directory; unit 1's (killed)
+    // directory is left for the next unit on this root to remove.
+    assert!(eventually(Duration::from_secs(5), || {
+        std::fs::read_dir(format!("/proc/{}", p.units[0].pid())).is_err()
+            || std::fs::read_to_string(format!("/proc/{}/stat", p.units[0].pid()))
+                .map(|s| s.contains(") Z"))
+                .unwrap_or(true)
+    }));
+    let left: Vec<_> = std::fs::read_dir(root.path()).unwrap().collect();
+    assert_eq!(left.len(), 1, "only the killed unit's directory remains");
+    // Asking again, with every unit gone, still does not fail.
+    assert_eq!(c.shutdown(Duration::from_secs(1)).len(), 2);
+    assert!(matches!(
+        c.get_tensors("step", &[RowKey::Index(0)], &["x"], None, c.deadline()),
+        Err(Error::LostBlobs { .. })
+    ));
+}
