@@ -273,3 +273,132 @@ fn cores() -> usize {
         .map(|n| n.get())
         .unwrap_or(1)
 }
+
+/// Sequential write (with a final fsync) and read of `total` bytes in
+/// `chunk`-sized pieces, in `dir`: the dd-style limit of the disk tier's
+/// filesystem. Returns (write GB/s, read GB/s).
+pub fn dd_gbps(dir: &std::path::Path, total: usize, chunk: usize) -> std::io::Result<(f64, f64)> {
+    let path = dir.join(format!("stowage-dd-{}", std::process::id()));
+    let buf = vec![0x3cu8; chunk];
+    let t = Instant::now();
+    {
+        let mut f = std::fs::File::create(&path)?;
+        let mut left = total;
+        while left > 0 {
+            let n = left.min(chunk);
+            f.write_all(&buf[..n])?;
+            left -= n;
+        }
+        f.sync_all()?;
+    }
+    let write = total as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let mut rbuf = vec![0u8; chunk];
+    let t = Instant::now();
+    {
+        let mut f = std::fs::File::open(&path)?;
+        loop {
+            let n = f.read(&mut rbuf)?;
+            if n == 0 {
+                break;
+            }
+        }
+    }
+    let read = total as f64 / t.elapsed().as_secs_f64() / 1e9;
+    std::fs::remove_file(&path)?;
+    Ok((write, read))
+}
+
+/// The disk tier: one unit whose memory holds a third of what is put.
+/// Prints put throughput while spilling, the unit's spill write throughput
+/// and the read-back throughput of spilled values, against dd-style
+/// sequential write/read of the same bytes on the same filesystem.
+pub fn run_disk(
+    unit_command: Vec<std::ffi::OsString>,
+    dir: &std::path::Path,
+    quick: bool,
+) -> Result<(), String> {
+    let memory: u64 = if quick { 128 << 20 } else { 512 << 20 };
+    let value = 4usize << 20;
+    let total = 3 * memory as usize;
+    let (dd_w, dd_r) =
+        dd_gbps(dir, total, value).map_err(|e| format!("dd baseline in {}: {e}", dir.display()))?;
+    let mut opts = LocalOptions::new(1, memory);
+    opts.command = unit_command;
+    opts.unit_args = [
+        "--disk",
+        &dir.display().to_string(),
+        "--disk-capacity",
+        &(4 * memory).to_string(),
+        "--high-watermark",
+        "0.6",
+        "--low-watermark",
+        "0.4",
+    ]
+    .map(String::from)
+    .to_vec();
+    let mut plane = LocalPlane::start(&opts)?;
+    let client = Client::connect(ClientConfig::new("bench-disk", plane.uds_addrs()))
+        .map_err(|e| e.to_string())?;
+    let data = vec![0x5au8; value];
+    let n = total / value;
+    let t = Instant::now();
+    for i in 0..n {
+        client
+            .put_rows(&[(Key::new(i as u64, "v"), &data)], client.deadline())
+            .map_err(|e| e.to_string())?;
+    }
+    let put = total as f64 / t.elapsed().as_secs_f64() / 1e9;
+    // Let the spiller settle, then read everything back (most of it from disk).
+    std::thread::sleep(Duration::from_millis(500));
+    let before = unit_stats(&client)?;
+    let mut out = vec![0u8; value];
+    let t = Instant::now();
+    for i in 0..n {
+        let mut bufs = [&mut out[..]];
+        let mut sink = stowage_client::SliceSink::new(&mut bufs);
+        client
+            .get_into(
+                stowage_client::DEFAULT_PARTITION,
+                &[(0, Key::new(i as u64, "v"))],
+                &mut sink,
+                client.deadline(),
+            )
+            .map_err(|e| e.to_string())?;
+    }
+    let get = total as f64 / t.elapsed().as_secs_f64() / 1e9;
+    let after = unit_stats(&client)?;
+    plane.stop();
+    let rate = |b: u64, us: u64| b as f64 / (us.max(1) as f64 * 1e3);
+    let spill = rate(before.disk_write_bytes, before.disk_write_micros);
+    let unit_read = rate(
+        after.disk_read_bytes - before.disk_read_bytes,
+        after.disk_read_micros - before.disk_read_micros,
+    );
+    println!(
+        "disk tier ({}; unit memory {} MiB, {} MiB put in {} MiB values):",
+        dir.display(),
+        memory >> 20,
+        total >> 20,
+        value >> 20
+    );
+    println!("  dd-style sequential write {dd_w:.2} GB/s, read {dd_r:.2} GB/s");
+    println!(
+        "  spill write {spill:.2} GB/s ({:.2}x dd write; {} MiB spilled)",
+        spill / dd_w,
+        before.disk_write_bytes >> 20
+    );
+    println!(
+        "  read-back of spilled values: unit disk read {unit_read:.2} GB/s ({:.2}x dd read), end to end get {get:.2} GB/s",
+        unit_read / dd_r
+    );
+    println!("  put throughput while spilling {put:.2} GB/s");
+    Ok(())
+}
+
+fn unit_stats(c: &Client) -> Result<stowage_client::Stats, String> {
+    c.stats(c.deadline())
+        .into_iter()
+        .next()
+        .ok_or("no unit")?
+        .map_err(|e| e.to_string())
+}

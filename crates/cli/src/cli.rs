@@ -141,6 +141,13 @@ enum Cmd {
         /// Adaptive polling budget of the client and the units.
         #[arg(long, value_parser = parse_duration, default_value = "50us")]
         spin: Duration,
+        /// Also measure the disk tier, in this directory (its filesystem is
+        /// what the dd-style baseline measures).
+        #[arg(long)]
+        disk: Option<std::path::PathBuf>,
+        /// Only the disk tier section (needs --disk).
+        #[arg(long)]
+        disk_only: bool,
     },
     /// Print every unit's counters.
     Stats {
@@ -309,7 +316,21 @@ fn run(cli: Cli) -> Result<(), String> {
             plane.stop();
             Ok(())
         }
-        Cmd::Bench { quick, spin } => bench::run(unit_command()?, quick, spin),
+        Cmd::Bench {
+            quick,
+            spin,
+            disk,
+            disk_only,
+        } => {
+            if !disk_only {
+                bench::run(unit_command()?, quick, spin)?;
+            }
+            match disk {
+                Some(dir) => bench::run_disk(unit_command()?, &dir, quick),
+                None if disk_only => Err("--disk-only needs --disk DIR".into()),
+                None => Ok(()),
+            }
+        }
         Cmd::Stats { units, namespace } => {
             let addrs = units
                 .iter()

@@ -65,6 +65,13 @@ pub struct Stats {
     pub disk_used: u64,
     /// Blobs whose bytes are only on disk.
     pub spilled_blobs: u64,
+    /// Disk tier I/O since start, kept by the unit server (the core does
+    /// no I/O and reports 0): bytes written by spills and disk puts, and
+    /// the time spent writing them; bytes read back, and the time.
+    pub disk_write_bytes: u64,
+    pub disk_write_micros: u64,
+    pub disk_read_bytes: u64,
+    pub disk_read_micros: u64,
 }
 
 #[derive(Debug)]
@@ -1061,6 +1068,7 @@ impl UnitCore {
                 .values()
                 .filter(|b| b.region.is_none() && b.disk == Disk::Durable)
                 .count() as u64,
+            ..Stats::default()
         }
     }
 

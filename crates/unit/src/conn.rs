@@ -254,7 +254,7 @@ impl Conn {
                     .release_rows(&scope(&ns, &partition), &rows);
                 Response::Released { entries }
             }
-            Request::Stats => Response::Stats(self.shared.core().stats()),
+            Request::Stats => Response::Stats(self.shared.stats()),
             Request::Put {
                 blob,
                 partition,

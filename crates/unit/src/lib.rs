@@ -113,6 +113,31 @@ pub(crate) struct DiskTier {
     /// Held by the spiller and the flusher while they write files, so that
     /// teardown removes the directory only once they are idle.
     pub(crate) busy: Mutex<()>,
+    /// I/O counters reported in stats.
+    pub(crate) io: DiskIo,
+}
+
+/// Disk tier I/O counters.
+#[derive(Default)]
+pub(crate) struct DiskIo {
+    pub(crate) write_bytes: std::sync::atomic::AtomicU64,
+    pub(crate) write_micros: std::sync::atomic::AtomicU64,
+    pub(crate) read_bytes: std::sync::atomic::AtomicU64,
+    pub(crate) read_micros: std::sync::atomic::AtomicU64,
+}
+
+impl DiskIo {
+    pub(crate) fn wrote(&self, bytes: u64, since: Instant) {
+        self.write_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.write_micros
+            .fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn read(&self, bytes: u64, since: Instant) {
+        self.read_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.read_micros
+            .fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
+    }
 }
 
 impl DiskTier {
@@ -140,6 +165,18 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// The core's counters, with the server's disk I/O counters.
+    pub(crate) fn stats(&self) -> stowage_core::Stats {
+        let mut s = self.core().stats();
+        if let Some(d) = &self.disk {
+            s.disk_write_bytes = d.io.write_bytes.load(Ordering::Relaxed);
+            s.disk_write_micros = d.io.write_micros.load(Ordering::Relaxed);
+            s.disk_read_bytes = d.io.read_bytes.load(Ordering::Relaxed);
+            s.disk_read_micros = d.io.read_micros.load(Ordering::Relaxed);
+        }
+        s
+    }
+
     pub(crate) fn request_exit(&self) {
         let mut e = self.exit.0.lock().unwrap_or_else(|p| p.into_inner());
         *e = true;
@@ -385,6 +422,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                     flush: Mutex::new(tx),
                     wake: (Mutex::new(false), std::sync::Condvar::new()),
                     busy: Mutex::new(()),
+                    io: DiskIo::default(),
                 }),
                 Some(rx),
             )
@@ -520,6 +558,7 @@ fn spiller(shared: Arc<Shared>) {
         }
         let jobs = shared.core().spill_jobs();
         for job in jobs {
+            let t0 = Instant::now();
             let written = shared
                 .slab
                 .with_ref(job.offset, job.nbytes as usize, |data| {
@@ -530,7 +569,10 @@ fn spiller(shared: Arc<Shared>) {
                 .map_err(std::io::Error::other)
                 .and_then(|r| r);
             match &written {
-                Ok(()) => failing = false,
+                Ok(()) => {
+                    d.io.wrote(job.nbytes, t0);
+                    failing = false
+                }
                 Err(e) if !failing => {
                     tracing::warn!(error = %e, "spilling to disk failed; data stays in memory");
                     failing = true;
@@ -662,6 +704,7 @@ impl Shared {
                 corrupt.insert(blob);
                 continue;
             };
+            let t0 = Instant::now();
             let read = match slot {
                 Some(offset) => {
                     let r = self
@@ -685,9 +728,13 @@ impl Shared {
                 }
                 None => Ok(()),
             };
-            if let Err(e) = read {
-                tracing::error!(error = %e, ?blob, "a spilled blob could not be read back; its keys fail");
-                corrupt.insert(blob);
+            match read {
+                Ok(()) if slot.is_some() || load => d.io.read(size as u64, t0),
+                Ok(()) => {}
+                Err(e) => {
+                    tracing::error!(error = %e, ?blob, "a spilled blob could not be read back; its keys fail");
+                    corrupt.insert(blob);
+                }
             }
         }
         let served = found

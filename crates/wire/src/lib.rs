@@ -616,6 +616,10 @@ mod tests {
                 disk_capacity: 9,
                 disk_used: 10,
                 spilled_blobs: 11,
+                disk_write_bytes: 12,
+                disk_write_micros: 13,
+                disk_read_bytes: 14,
+                disk_read_micros: 15,
             }),
             Response::Data {
                 items: vec![
