@@ -149,6 +149,26 @@ enum Cmd {
         #[arg(long)]
         disk_only: bool,
     },
+    /// Ask every unit to checkpoint to DIR/unit-<i> on its own host and
+    /// print the metadata (restore with `stowage unit --restore DIR/unit-<i>`).
+    Checkpoint {
+        /// The checkpoint directory (must not hold a checkpoint already).
+        dir: std::path::PathBuf,
+        /// Unit addresses (unix:/path or tcp:host:port), in unit order.
+        #[arg(required = true)]
+        units: Vec<String>,
+        #[arg(long, value_parser = parse_duration, default_value = "10m")]
+        timeout: Duration,
+    },
+    /// Stop units: each finishes or abandons a checkpoint within the
+    /// timeout, removes its disk directory and exits. Reports problems;
+    /// never fails.
+    Shutdown {
+        #[arg(required = true)]
+        units: Vec<String>,
+        #[arg(long, value_parser = parse_duration, default_value = "30s")]
+        timeout: Duration,
+    },
     /// Print every unit's counters.
     Stats {
         /// Unit addresses (unix:/path or tcp:host:port).
@@ -331,6 +351,45 @@ fn run(cli: Cli) -> Result<(), String> {
                 None => Ok(()),
             }
         }
+        Cmd::Checkpoint {
+            dir,
+            units,
+            timeout,
+        } => {
+            let client = control_client(&units, timeout)?;
+            let infos = client
+                .checkpoint(&dir, client.deadline())
+                .map_err(|e| e.to_string())?;
+            for (i, info) in infos.iter().enumerate() {
+                println!(
+                    "unit {i}: {} rows, {} entries, {} bytes, {} files, manifest xxh3 {:016x} -> {}",
+                    info.rows,
+                    info.entries,
+                    info.bytes,
+                    info.files.len(),
+                    info.manifest_xxh3,
+                    dir.join(format!("unit-{i}")).display()
+                );
+            }
+            Ok(())
+        }
+        Cmd::Shutdown { units, timeout } => {
+            let client = match control_client(&units, timeout) {
+                Ok(c) => c,
+                Err(e) => {
+                    println!("nothing to shut down: {e}");
+                    return Ok(());
+                }
+            };
+            for (i, problems) in client.shutdown(timeout).into_iter().enumerate() {
+                if problems.is_empty() {
+                    println!("unit {i}: stopped");
+                } else {
+                    println!("unit {i}: {}", problems.join("; "));
+                }
+            }
+            Ok(())
+        }
         Cmd::Stats { units, namespace } => {
             let addrs = units
                 .iter()
@@ -367,4 +426,16 @@ pub fn unit_command() -> Result<Vec<std::ffi::OsString>, String> {
     }
     let exe = std::env::current_exe().map_err(|e| format!("locating this executable: {e}"))?;
     Ok(vec![exe.into(), "unit".into()])
+}
+
+/// A client for control commands: no shm mapping, the given timeout.
+fn control_client(units: &[String], timeout: Duration) -> Result<Client, String> {
+    let addrs = units
+        .iter()
+        .map(|u| u.parse::<UnitAddr>())
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut cfg = ClientConfig::new("default", addrs);
+    cfg.shm = false;
+    cfg.timeout = timeout;
+    Client::connect(cfg).map_err(|e| e.to_string())
 }

@@ -24,6 +24,25 @@
 //!
 //! Convenience over the blob API, placing row `r` on unit `r % N`:
 //! [`Client::put_rows`], [`Client::get_rows`], [`Client::clear_rows`].
+//!
+//! The rows × fields API ([`rows`]) is what RL frameworks call:
+//!
+//! ```no_run
+//! use stowage_client::{Client, ClientConfig, Column, DType, RowKey, Tensor};
+//!
+//! fn main() -> Result<(), Box<dyn std::error::Error>> {
+//!     let client = Client::connect(ClientConfig::new("run-1", vec!["unix:/tmp/u0.sock".parse()?]))?;
+//!     let keys = [RowKey::Name("uid_g3".into()), RowKey::Index(7)];
+//!     let ids = [1i64, 2, 3, 4, 5, 6];
+//!     let bytes: Vec<u8> = ids.iter().flat_map(|v| v.to_le_bytes()).collect();
+//!     let col = Column::Dense(Tensor::new(DType::I64, vec![2, 3], &bytes)?);
+//!     client.put("step-0", &keys, &[("input_ids", col)], None, client.deadline())?;
+//!     let got = client.get_tensors("step-0", &keys, &["input_ids"], None, client.deadline())?;
+//!     assert_eq!(got[0][1].shape, vec![3]);
+//!     client.clear_partition("step-0", client.deadline())?;
+//!     Ok(())
+//! }
+//! ```
 
 #![forbid(unsafe_code)]
 
