@@ -264,8 +264,27 @@ pub fn run(
             quantile(&mut g, 0.99)
         );
     }
+    for u in &plane.units {
+        if let Some(rss) = rss_bytes(u.pid()) {
+            println!(
+                "unit pid {} resident memory {} MiB for a {} MiB slab: {:.3}x (target <= 1.05x)",
+                u.pid(),
+                rss >> 20,
+                memory >> 20,
+                rss as f64 / memory as f64
+            );
+        }
+    }
     plane.stop();
     Ok(())
+}
+
+/// VmRSS of a process, in bytes.
+pub fn rss_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
 }
 
 fn cores() -> usize {
