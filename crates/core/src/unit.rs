@@ -171,7 +171,10 @@ pub enum Effect {
 }
 
 /// A blob the driver should copy from the slab to its disk file, then
-/// report with [`UnitCore::disk_written`].
+/// report with [`UnitCore::disk_written`]. If the blob is freed meanwhile,
+/// its range may be reused at once (its bytes are not needed any more):
+/// the driver reads the range only before reporting, and the file it wrote
+/// is deleted through an [`Effect`] after it reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpillJob {
     pub blob: BlobId,
@@ -237,6 +240,9 @@ pub struct UnitCore {
     orphan_writes: HashMap<BlobId, u64>,
     commit_seq: u64,
     effects: Vec<Effect>,
+    /// Slab ranges of promotions whose blob was freed before the driver
+    /// finished copying into them.
+    orphan_promotions: HashMap<BlobId, Region>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -283,6 +289,7 @@ impl UnitCore {
             orphan_writes: HashMap::new(),
             commit_seq: 0,
             effects: Vec::new(),
+            orphan_promotions: HashMap::new(),
         })
     }
 
@@ -554,6 +561,9 @@ impl UnitCore {
     }
 
     /// Forget a blob reserved on disk (never published): its file goes.
+    /// The driver must not report a write for it afterwards (the unit
+    /// server hands a put's file to its flusher only once commit answered
+    /// Pending, and a blob in that state is never forgotten here).
     fn drop_disk_reservation(&mut self, blob: BlobId) {
         if let Some(b) = self.blobs.remove(&blob) {
             self.disk_used -= b.nbytes;
@@ -797,7 +807,9 @@ impl UnitCore {
                     self.slab.free(r);
                 }
                 if let Some(r) = b.promoting {
-                    self.slab.free(r);
+                    // The driver may still be copying into it: the range
+                    // is freed when it reports back (promote_done).
+                    self.orphan_promotions.insert(blob, r);
                 }
                 match b.disk {
                     Disk::None => {}
@@ -967,7 +979,11 @@ impl UnitCore {
     pub fn promote_begin(&mut self, blob: BlobId) -> Option<u64> {
         let cap = self.slab.capacity() as f64;
         let b = self.blobs.get(&blob)?;
-        if b.region.is_some() || b.promoting.is_some() || b.disk != Disk::Durable {
+        if b.region.is_some()
+            || b.promoting.is_some()
+            || b.disk != Disk::Durable
+            || !matches!(b.state, State::Committed { .. })
+        {
             return None;
         }
         let len = SlabAllocator::rounded(b.nbytes);
@@ -984,6 +1000,10 @@ impl UnitCore {
     /// The driver filled (or, `ok == false`, failed to fill) the range from
     /// [`UnitCore::promote_begin`].
     pub fn promote_done(&mut self, blob: BlobId, ok: bool) {
+        if let Some(r) = self.orphan_promotions.remove(&blob) {
+            self.slab.free(r);
+            return;
+        }
         let Some(b) = self.blobs.get_mut(&blob) else {
             return;
         };
