@@ -1,0 +1,685 @@
+//! `_native.Client`: rows of numpy arrays over [`stowage_client::Client`].
+//!
+//! Calls take row keys (ints or strs), field names and arrays already
+//! normalised by the Python layer (torch tensors arrive as numpy arrays
+//! over the same memory, bfloat16 tensors as `("bfloat16", int16 array)`).
+//! Every transfer runs with the GIL released.
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyList, PyString};
+use stowage_client::{
+    Client as Inner, ClientConfig, Column, DType, OwnedTensor, RowKey, Tensor, TensorSink,
+    UnitAddr, View,
+};
+
+use crate::arrays::{array_over, descr_for, zeroed, ArrayBytes, OwnedBytes, RawDest};
+use crate::errors::{invalid, to_py};
+
+/// A connection-pooling client of a set of units (see `stowage.connect`).
+/// Safe to share between threads; calls from several threads run at once.
+#[pyclass(module = "stowage._native", frozen)]
+pub(crate) struct Client {
+    inner: Mutex<Option<Arc<Inner>>>,
+    timeout: Duration,
+    /// Whether every unit is reached through shared memory (get_view).
+    shm: bool,
+    addrs: Vec<String>,
+}
+
+/// Row keys from a list of ints and strs or a 1-D integer numpy array.
+fn row_keys(ob: &Bound<'_, PyAny>) -> PyResult<Vec<RowKey>> {
+    const HINT: &str = "row keys are ints in [0, 2**63) or strs";
+    if ob.is_instance_of::<PyString>() {
+        return Err(invalid(
+            "keys must be a list of keys (or an int array), not one str",
+        ));
+    }
+    let list;
+    let ob = if let Ok(a) = ob.cast::<PyUntypedArray>() {
+        let kind = a.dtype().kind();
+        if a.ndim() != 1 || !(kind == b'i' || kind == b'u') {
+            return Err(invalid(format!(
+                "a key array must be 1-D of integers, not {}-D {}",
+                a.ndim(),
+                a.dtype()
+            )));
+        }
+        list = a.call_method0("tolist")?;
+        &list
+    } else {
+        ob
+    };
+    let iter = ob
+        .try_iter()
+        .map_err(|_| invalid(format!("keys must be a list: {HINT}")))?;
+    let mut keys = Vec::with_capacity(ob.len().unwrap_or(0));
+    for item in iter {
+        let item = item?;
+        if let Ok(s) = item.cast::<PyString>() {
+            keys.push(RowKey::Name(s.to_string()));
+            continue;
+        }
+        if item.is_instance_of::<PyBool>() {
+            return Err(invalid(format!("bad key {item}: {HINT}, not bools")));
+        }
+        match item.extract::<u64>() {
+            Ok(i) if i < 1 << 63 => keys.push(RowKey::Index(i)),
+            _ => return Err(invalid(format!("bad key {item}: {HINT}"))),
+        }
+    }
+    Ok(keys)
+}
+
+fn key_object<'py>(py: Python<'py>, k: &RowKey) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match k {
+        RowKey::Index(i) => i.into_pyobject(py)?.into_any(),
+        RowKey::Name(n) => PyString::new(py, n).into_any(),
+    })
+}
+
+/// A column as given: one array split along axis 0, or one per row.
+enum Source<'py> {
+    Dense(ArrayBytes<'py>),
+    Jagged(Vec<ArrayBytes<'py>>),
+}
+
+/// A sink allocating a fresh buffer per value (see [`zeroed`]).
+struct AllocSink(Vec<Vec<Option<OwnedTensor>>>);
+
+impl TensorSink for AllocSink {
+    fn slot(
+        &mut self,
+        field: usize,
+        row: usize,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<&mut [u8], String> {
+        let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
+        let slot = self
+            .0
+            .get_mut(field)
+            .and_then(|f| f.get_mut(row))
+            .ok_or("value index out of range")?;
+        let t = slot.insert(OwnedTensor {
+            dtype,
+            shape: shape.to_vec(),
+            data: zeroed(len),
+        });
+        Ok(&mut t.data)
+    }
+}
+
+/// Where the values of one field go in `get(..., out=...)`.
+struct Dest {
+    dtype: DType,
+    /// One per row.
+    rows: Vec<RawDest>,
+}
+
+/// A sink writing into caller arrays, checking dtype and size. The first
+/// mismatch is remembered: it is the caller's error, whatever the client
+/// makes of the refusal.
+struct OutSink {
+    dests: Vec<Dest>,
+    fields: Vec<String>,
+    error: Option<String>,
+}
+
+impl TensorSink for OutSink {
+    fn slot(
+        &mut self,
+        field: usize,
+        row: usize,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<&mut [u8], String> {
+        let r = self.check(field, row, dtype, shape);
+        match r {
+            Ok(d) => {
+                // SAFETY: the destinations are disjoint (checked before the
+                // call) and their arrays are held by the caller until the
+                // call returns.
+                Ok(unsafe { d.slice() })
+            }
+            Err(m) => {
+                self.error.get_or_insert(m.clone());
+                Err(m)
+            }
+        }
+    }
+}
+
+impl OutSink {
+    fn check(
+        &self,
+        field: usize,
+        row: usize,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<RawDest, String> {
+        let d = self
+            .dests
+            .get(field)
+            .and_then(|f| f.rows.get(row).map(|r| (f.dtype, *r)))
+            .ok_or_else(|| format!("no destination for field {field} row {row}"))?;
+        let name = &self.fields[field];
+        if d.0 != dtype {
+            return Err(format!(
+                "out[{name:?}] row {row}: the value is {} but the array is {}",
+                dtype.name(),
+                d.0.name()
+            ));
+        }
+        let bytes = nbytes(dtype, shape).ok_or("value size overflows")?;
+        if bytes != d.1.len() {
+            return Err(format!(
+                "out[{name:?}] row {row}: the value is {} {shape:?} ({bytes} bytes), the array has {} bytes",
+                dtype.name(),
+                d.1.len()
+            ));
+        }
+        Ok(d.1)
+    }
+}
+
+fn nbytes(dtype: DType, shape: &[u64]) -> Option<usize> {
+    shape
+        .iter()
+        .try_fold(dtype.itemsize() as u64, |acc, &d| acc.checked_mul(d))
+        .and_then(|n| usize::try_from(n).ok())
+}
+
+/// The pins of one `get_view` call, released when the last array over
+/// them is garbage-collected.
+#[pyclass(module = "stowage._native", frozen)]
+pub(crate) struct ViewPins {
+    /// Always `Some` until dropped.
+    view: Option<View>,
+}
+
+impl Drop for ViewPins {
+    fn drop(&mut self) {
+        // Releasing the pins talks to the units (and may have to reconnect
+        // to one): never with the GIL held.
+        if let Some(view) = self.view.take() {
+            Python::attach(|py| py.detach(move || drop(view)));
+        }
+    }
+}
+
+impl Client {
+    fn client(&self) -> PyResult<Arc<Inner>> {
+        self.inner
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+            .ok_or_else(|| invalid("the data plane is closed"))
+    }
+
+    fn deadline(&self, timeout: Option<f64>) -> PyResult<Instant> {
+        let t = match timeout {
+            None => self.timeout,
+            Some(s) => Duration::try_from_secs_f64(s)
+                .map_err(|_| invalid("timeout must be a non-negative number of seconds"))?,
+        };
+        Ok(Instant::now() + t)
+    }
+}
+
+#[pymethods]
+impl Client {
+    /// Connect to `units` (`unix:/path` for shared memory on this host,
+    /// `tcp:host:port` otherwise) in `namespace`. `timeout`: the default
+    /// deadline of every call, in seconds. `shm=False` streams bytes
+    /// through Unix sockets instead of copying through shared memory.
+    #[new]
+    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true))]
+    fn new(
+        py: Python<'_>,
+        units: Vec<String>,
+        namespace: String,
+        timeout: f64,
+        shm: bool,
+    ) -> PyResult<Self> {
+        let addrs = units
+            .iter()
+            .map(|u| u.parse::<UnitAddr>().map_err(invalid))
+            .collect::<PyResult<Vec<_>>>()?;
+        let all_shm = shm && addrs.iter().all(|a| matches!(a, UnitAddr::Unix(_)));
+        let mut cfg = ClientConfig::new(namespace, addrs.clone());
+        cfg.timeout = Duration::try_from_secs_f64(timeout)
+            .map_err(|_| invalid("timeout must be a non-negative number of seconds"))?;
+        cfg.shm = shm;
+        let timeout = cfg.timeout;
+        let client = py
+            .detach(move || Inner::connect(cfg))
+            .map_err(|e| to_py(py, e, &[]))?;
+        Ok(Self {
+            inner: Mutex::new(Some(Arc::new(client))),
+            timeout,
+            shm: all_shm,
+            addrs: addrs.iter().map(|a| a.to_string()).collect(),
+        })
+    }
+
+    /// Drop the connections. Arrays from `get_view` stay valid until they
+    /// are garbage-collected. Further calls raise InvalidRequest.
+    fn close(&self) {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner()).take();
+    }
+
+    /// The unit addresses, in order.
+    #[getter]
+    fn units(&self) -> Vec<String> {
+        self.addrs.clone()
+    }
+
+    /// Whether every unit is reached through shared memory.
+    #[getter]
+    fn shm(&self) -> bool {
+        self.shm
+    }
+
+    /// Put rows: `columns` is a list of `(field, column)` where a column is
+    /// one array whose first axis has one entry per key, or a list of one
+    /// array per key.
+    #[pyo3(signature = (partition, keys, columns, unit = None, timeout = None))]
+    fn put(
+        &self,
+        py: Python<'_>,
+        partition: &str,
+        keys: &Bound<'_, PyAny>,
+        columns: &Bound<'_, PyAny>,
+        unit: Option<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = self.deadline(timeout)?;
+        let keys = row_keys(keys)?;
+        let n = keys.len();
+        let mut sources: Vec<(String, Source<'_>)> = Vec::new();
+        for item in columns.try_iter()? {
+            let item = item?;
+            let (name, col): (String, Bound<'_, PyAny>) = item
+                .extract()
+                .map_err(|_| invalid("columns must be (field, column) pairs"))?;
+            let src = if let Ok(list) = col.cast::<PyList>() {
+                if list.len() != n {
+                    return Err(invalid(format!(
+                        "column {name:?} has {} values for {n} keys",
+                        list.len()
+                    )));
+                }
+                let arrays = list
+                    .iter()
+                    .enumerate()
+                    .map(|(i, a)| ArrayBytes::new(&a, &|| format!("column {name:?} row {i}")))
+                    .collect::<PyResult<Vec<_>>>()?;
+                Source::Jagged(arrays)
+            } else {
+                let a = ArrayBytes::new(&col, &|| format!("column {name:?}"))?;
+                match a.shape.first() {
+                    Some(&rows) if rows == n as u64 => {}
+                    Some(&rows) => {
+                        return Err(invalid(format!(
+                            "column {name:?}: a dense array has {rows} rows (its first axis) for {n} keys; \
+                             pass a list of arrays for values of different shapes"
+                        )))
+                    }
+                    None => {
+                        return Err(invalid(format!(
+                            "column {name:?}: a 0-d array cannot be split into rows"
+                        )))
+                    }
+                }
+                Source::Dense(a)
+            };
+            sources.push((name, src));
+        }
+        fn tensor<'a>(a: &'a ArrayBytes<'_>) -> Tensor<'a> {
+            Tensor {
+                dtype: a.dtype,
+                shape: a.shape.clone(),
+                data: a.bytes(),
+            }
+        }
+        let columns: Vec<(&str, Column<'_>)> = sources
+            .iter()
+            .map(|(name, s)| {
+                let col = match s {
+                    Source::Dense(a) => Column::Dense(tensor(a)),
+                    Source::Jagged(v) => Column::Jagged(v.iter().map(tensor).collect()),
+                };
+                (name.as_str(), col)
+            })
+            .collect();
+        let client = self.client()?;
+        py.detach(|| client.put(partition, &keys, &columns, unit, deadline))
+            .map_err(|e| to_py(py, e, &keys))
+    }
+
+    /// Get rows: a list (per field) of lists (per row) of new arrays with
+    /// the dtype and shape that was put. `raw_bfloat16`: bfloat16 values
+    /// come back as 2-byte void arrays (`V2`), for callers that
+    /// reinterpret them without ml_dtypes.
+    #[pyo3(signature = (partition, keys, fields, unit = None, timeout = None, raw_bfloat16 = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn get<'py>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        keys: &Bound<'py, PyAny>,
+        fields: Vec<String>,
+        unit: Option<usize>,
+        timeout: Option<f64>,
+        raw_bfloat16: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let deadline = self.deadline(timeout)?;
+        let keys = row_keys(keys)?;
+        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
+        let client = self.client()?;
+        let mut sink = AllocSink(vec![vec![None; keys.len()]; fields.len()]);
+        py.detach(|| client.get_tensors_into(partition, &keys, &names, unit, &mut sink, deadline))
+            .map_err(|e| to_py(py, e, &keys))?;
+        let got = sink.0;
+        let out = PyList::empty(py);
+        for (f, rows) in got.into_iter().enumerate() {
+            let list = PyList::empty(py);
+            for (r, t) in rows.into_iter().enumerate() {
+                let t = t.ok_or_else(|| {
+                    invalid(format!("field {:?} row {r}: no value delivered", fields[f]))
+                })?;
+                if nbytes(t.dtype, &t.shape) != Some(t.data.len()) {
+                    return Err(invalid(format!(
+                        "field {:?} row {r}: {} bytes do not make a {} {:?} array",
+                        fields[f],
+                        t.data.len(),
+                        t.dtype.name(),
+                        t.shape
+                    )));
+                }
+                let descr = descr_for(py, t.dtype, raw_bfloat16)?;
+                let base = Bound::new(py, OwnedBytes::new(t.data))?;
+                let ptr = base.get().as_mut_ptr();
+                // SAFETY: `base` owns exactly the array's bytes (checked
+                // above) and lives as long as the array.
+                let a = unsafe { array_over(py, descr, &t.shape, ptr, true, base.into_any())? };
+                list.append(a)?;
+            }
+            out.append(list)?;
+        }
+        Ok(out)
+    }
+
+    /// Get rows into caller arrays: `outs[i]` for `fields[i]` is a list of
+    /// one array per row, or one array whose first axis has one entry per
+    /// row. Every array must be C-contiguous and writeable, of the value's
+    /// dtype and exactly its size. On error, arrays may be partly written.
+    #[pyo3(signature = (partition, keys, fields, outs, unit = None, timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        partition: &str,
+        keys: &Bound<'_, PyAny>,
+        fields: Vec<String>,
+        outs: Vec<Bound<'_, PyAny>>,
+        unit: Option<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = self.deadline(timeout)?;
+        let keys = row_keys(keys)?;
+        let n = keys.len();
+        if outs.len() != fields.len() {
+            return Err(invalid(format!(
+                "{} out arrays for {} fields",
+                outs.len(),
+                fields.len()
+            )));
+        }
+        // Holds the arrays (and so their memory) until the call returns.
+        let mut held: Vec<ArrayBytes<'_>> = Vec::new();
+        let mut dests = Vec::with_capacity(fields.len());
+        for (name, out) in fields.iter().zip(&outs) {
+            let what = |i: Option<usize>| match i {
+                Some(i) => format!("out[{name:?}] row {i}"),
+                None => format!("out[{name:?}]"),
+            };
+            let writable = |a: &ArrayBytes<'_>, i: Option<usize>| {
+                if a.writeable() {
+                    Ok(())
+                } else {
+                    Err(invalid(format!("{}: the array is read-only", what(i))))
+                }
+            };
+            let dest = if let Ok(list) = out.cast::<PyList>() {
+                if list.len() != n {
+                    return Err(invalid(format!(
+                        "{} has {} arrays for {n} keys",
+                        what(None),
+                        list.len()
+                    )));
+                }
+                let mut dtype = None;
+                let mut rows = Vec::with_capacity(n);
+                for (i, a) in list.iter().enumerate() {
+                    let a = ArrayBytes::new(&a, &|| what(Some(i)))?;
+                    writable(&a, Some(i))?;
+                    if dtype.is_some_and(|d| d != a.dtype) {
+                        return Err(invalid(format!(
+                            "{}: arrays of different dtypes",
+                            what(None)
+                        )));
+                    }
+                    dtype = Some(a.dtype);
+                    rows.push((a.dtype, a.dest(0, a.len())));
+                    held.push(a);
+                }
+                // Per-row dtypes are all equal (checked above).
+                Dest {
+                    dtype: dtype.unwrap_or(DType::U8),
+                    rows: rows.into_iter().map(|(_, d)| d).collect(),
+                }
+            } else {
+                let a = ArrayBytes::new(out, &|| what(None))?;
+                writable(&a, None)?;
+                if a.shape.first() != Some(&(n as u64)) {
+                    return Err(invalid(format!(
+                        "{}: a dense out array needs its first axis to be {n} (one entry per key), its shape is {:?}",
+                        what(None),
+                        a.shape
+                    )));
+                }
+                let row = a.len().checked_div(n).unwrap_or(0);
+                let d = Dest {
+                    dtype: a.dtype,
+                    rows: (0..n).map(|i| a.dest(i * row, row)).collect(),
+                };
+                held.push(a);
+                d
+            };
+            dests.push(dest);
+        }
+        // Two destinations sharing memory would be two writers of it.
+        let mut ranges: Vec<(usize, usize)> = dests
+            .iter()
+            .flat_map(|d| d.rows.iter().filter(|r| r.len() > 0).map(|r| r.range()))
+            .collect();
+        ranges.sort_unstable();
+        if ranges.windows(2).any(|w| w[0].1 > w[1].0) {
+            return Err(invalid(
+                "out arrays overlap (the same memory for two values)",
+            ));
+        }
+        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
+        let mut sink = OutSink {
+            dests,
+            fields: fields.clone(),
+            error: None,
+        };
+        let client = self.client()?;
+        let r = py.detach(|| {
+            client.get_tensors_into(partition, &keys, &names, unit, &mut sink, deadline)
+        });
+        drop(held);
+        if let Some(m) = sink.error {
+            return Err(invalid(m));
+        }
+        r.map_err(|e| to_py(py, e, &keys))
+    }
+
+    /// Read-only arrays over the values in the units' slabs (no copy):
+    /// a list (per field) of lists (per row). The values stay pinned (the
+    /// units keep them in place even if the rows are cleared) until every
+    /// array of the call is garbage-collected. Shared-memory units only.
+    #[pyo3(signature = (partition, keys, fields, unit = None, timeout = None, raw_bfloat16 = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_view<'py>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        keys: &Bound<'py, PyAny>,
+        fields: Vec<String>,
+        unit: Option<usize>,
+        timeout: Option<f64>,
+        raw_bfloat16: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        if !self.shm {
+            return Err(invalid(
+                "get_view needs the shm transport (units on this host, reached through unix: addresses)",
+            ));
+        }
+        let deadline = self.deadline(timeout)?;
+        let keys = row_keys(keys)?;
+        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
+        let client = self.client()?;
+        let view = py
+            .detach(|| client.view(partition, &keys, &names, unit, deadline))
+            .map_err(|e| to_py(py, e, &keys))?;
+        let pins = Bound::new(py, ViewPins { view: Some(view) })?;
+        let out = PyList::empty(py);
+        let Some(view) = pins.get().view.as_ref() else {
+            return Err(invalid("the view is gone"));
+        };
+        for (f, rows) in view.tensors().iter().enumerate() {
+            let list = PyList::empty(py);
+            for (r, t) in rows.iter().enumerate() {
+                let bytes = view.bytes(t);
+                if nbytes(t.dtype, &t.shape) != Some(bytes.len()) {
+                    return Err(invalid(format!(
+                        "field {:?} row {r}: {} bytes do not make a {} {:?} array",
+                        fields[f],
+                        bytes.len(),
+                        t.dtype.name(),
+                        t.shape
+                    )));
+                }
+                let descr = descr_for(py, t.dtype, raw_bfloat16)?;
+                // SAFETY: the view's memory stays mapped and pinned while
+                // `pins` lives; the array keeps `pins` alive and is
+                // read-only.
+                let a = unsafe {
+                    array_over(
+                        py,
+                        descr,
+                        &t.shape,
+                        bytes.as_ptr() as *mut u8,
+                        false,
+                        pins.clone().into_any(),
+                    )?
+                };
+                list.append(a)?;
+            }
+            out.append(list)?;
+        }
+        Ok(out)
+    }
+
+    /// Clear rows (every field of each key in `partition`). Returns the
+    /// number of entries removed.
+    #[pyo3(signature = (partition, keys, unit = None, timeout = None))]
+    fn clear(
+        &self,
+        py: Python<'_>,
+        partition: &str,
+        keys: &Bound<'_, PyAny>,
+        unit: Option<usize>,
+        timeout: Option<f64>,
+    ) -> PyResult<u64> {
+        let deadline = self.deadline(timeout)?;
+        let keys = row_keys(keys)?;
+        let client = self.client()?;
+        py.detach(|| client.clear(partition, &keys, unit, deadline))
+            .map_err(|e| to_py(py, e, &keys))
+    }
+
+    /// Clear every row of `partition` on every unit. Returns the number of
+    /// entries removed.
+    #[pyo3(signature = (partition, timeout = None))]
+    fn clear_partition(
+        &self,
+        py: Python<'_>,
+        partition: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<u64> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        py.detach(|| client.clear_partition(partition, deadline))
+            .map_err(|e| to_py(py, e, &[]))
+    }
+
+    /// The rows of `partition`: a dict from key to its field names.
+    #[pyo3(signature = (partition, timeout = None))]
+    fn list<'py>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let rows = py
+            .detach(|| client.list(partition, deadline))
+            .map_err(|e| to_py(py, e, &[]))?;
+        let d = PyDict::new(py);
+        for (k, fields) in rows {
+            d.set_item(key_object(py, &k)?, fields)?;
+        }
+        Ok(d)
+    }
+
+    /// The partitions of this namespace that hold data, sorted.
+    #[pyo3(signature = (timeout = None))]
+    fn partitions(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Vec<String>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        py.detach(|| client.partitions(deadline))
+            .map_err(|e| to_py(py, e, &[]))
+    }
+
+    /// Every unit's counters, in unit order.
+    #[pyo3(signature = (timeout = None))]
+    fn stats<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyList>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let all = py.detach(|| client.stats(deadline));
+        let out = PyList::empty(py);
+        for s in all {
+            let s = s.map_err(|e| to_py(py, e, &[]))?;
+            let d = PyDict::new(py);
+            d.set_item("capacity", s.capacity)?;
+            d.set_item("used", s.used)?;
+            d.set_item("reserved_bytes", s.reserved_bytes)?;
+            d.set_item("quarantined_bytes", s.quarantined_bytes)?;
+            d.set_item("blobs", s.blobs)?;
+            d.set_item("entries", s.entries)?;
+            d.set_item("rows", s.rows)?;
+            d.set_item("pins", s.pins)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+}

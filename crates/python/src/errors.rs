@@ -1,0 +1,174 @@
+//! The exception hierarchy (`stowage.Error` and its subclasses) and the
+//! mapping from [`stowage_client::Error`].
+
+use std::collections::HashMap;
+
+use pyo3::create_exception;
+use pyo3::exceptions::PyException;
+use pyo3::prelude::*;
+use pyo3::IntoPyObjectExt;
+use stowage_client::rows::KEY_FIELD;
+use stowage_client::{Error as ClientError, Key, RowKey};
+
+create_exception!(
+    stowage,
+    Error,
+    PyException,
+    "Base class of every error raised by stowage. `retryable` tells whether the same call may succeed if made again."
+);
+create_exception!(
+    stowage,
+    UnitFull,
+    Error,
+    "A unit refused a put for lack of space (nothing stored is evicted). Clear rows, then retry. Attribute: unit."
+);
+create_exception!(
+    stowage,
+    TransferFailed,
+    Error,
+    "A transfer or a control call failed, but the unit still has what it had; the call may be retried. Attributes: unit, reason, in_flight (bytes of a put may still be travelling)."
+);
+create_exception!(
+    stowage,
+    LostKeys,
+    Error,
+    "A unit is gone (killed, or restarted with empty memory) and the keys it held are lost. Attributes: unit, keys (a list of (row, field) where row is the int or str key given)."
+);
+create_exception!(
+    stowage,
+    Timeout,
+    Error,
+    "The deadline passed before a unit answered (or while it kept answering Busy). Attribute: unit (None when unknown)."
+);
+create_exception!(
+    stowage,
+    NotFound,
+    Error,
+    "Keys that are not stored. Attribute: keys (a list of (row, field), every missing key)."
+);
+create_exception!(
+    stowage,
+    InvalidRequest,
+    Error,
+    "Malformed input (dtype, layout, counts, sizes) or a request a unit refused as invalid. Nothing was stored or changed."
+);
+create_exception!(
+    stowage,
+    Unauthorized,
+    Error,
+    "A unit refused the connection."
+);
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let base = py.get_type::<Error>();
+    // Class-level defaults: errors raised from Python carry them too.
+    base.setattr("retryable", false)?;
+    base.setattr("unit", py.None())?;
+    m.add("Error", base)?;
+    m.add("UnitFull", py.get_type::<UnitFull>())?;
+    m.add("TransferFailed", py.get_type::<TransferFailed>())?;
+    m.add("LostKeys", py.get_type::<LostKeys>())?;
+    m.add("Timeout", py.get_type::<Timeout>())?;
+    m.add("NotFound", py.get_type::<NotFound>())?;
+    m.add("InvalidRequest", py.get_type::<InvalidRequest>())?;
+    m.add("Unauthorized", py.get_type::<Unauthorized>())?;
+    Ok(())
+}
+
+/// An `InvalidRequest` with `message`.
+pub(crate) fn invalid(message: impl Into<String>) -> PyErr {
+    let message = message.into();
+    Python::attach(|py| with_attrs::<InvalidRequest>(py, message, false, &[]))
+}
+
+fn with_attrs<T: pyo3::PyTypeInfo>(
+    py: Python<'_>,
+    message: String,
+    retryable: bool,
+    attrs: &[(&str, Py<PyAny>)],
+) -> PyErr {
+    let err = PyErr::new::<T, _>(message);
+    let value = err.value(py);
+    // Setting attributes on a fresh exception instance cannot fail short
+    // of memory exhaustion; the error itself is still worth raising then.
+    let _ = value.setattr("retryable", retryable);
+    for (name, v) in attrs {
+        let _ = value.setattr(*name, v.bind(py));
+    }
+    err
+}
+
+/// A Python object of `v` (ints, strings, bools: infallible).
+fn obj<'py>(py: Python<'py>, v: impl IntoPyObjectExt<'py>) -> Py<PyAny> {
+    v.into_py_any(py).unwrap_or_else(|_| py.None())
+}
+
+/// Turn a client error into its Python exception. `keys`: the row keys of
+/// the call, so that lost or missing keys are reported as the caller named
+/// them (an int or a str) rather than as internal row numbers.
+pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
+    let message = e.to_string();
+    let retryable = e.is_retryable();
+    match e {
+        ClientError::UnitFull { unit, .. } => {
+            with_attrs::<UnitFull>(py, message, retryable, &[("unit", obj(py, unit))])
+        }
+        ClientError::TransferFailed {
+            unit,
+            reason,
+            in_flight,
+            ..
+        } => with_attrs::<TransferFailed>(
+            py,
+            message,
+            retryable,
+            &[
+                ("unit", obj(py, unit)),
+                ("reason", obj(py, reason)),
+                ("in_flight", obj(py, in_flight)),
+            ],
+        ),
+        ClientError::LostBlobs {
+            unit, keys: lost, ..
+        } => with_attrs::<LostKeys>(
+            py,
+            message,
+            retryable,
+            &[("unit", obj(py, unit)), ("keys", key_list(py, &lost, keys))],
+        ),
+        ClientError::Timeout { unit, .. } => {
+            with_attrs::<Timeout>(py, message, retryable, &[("unit", obj(py, unit))])
+        }
+        ClientError::NotFound { keys: missing, .. } => with_attrs::<NotFound>(
+            py,
+            message,
+            retryable,
+            &[("keys", key_list(py, &missing, keys))],
+        ),
+        ClientError::InvalidRequest(_) => with_attrs::<InvalidRequest>(py, message, retryable, &[]),
+        ClientError::Unauthorized(_) => with_attrs::<Unauthorized>(py, message, retryable, &[]),
+        _ => with_attrs::<Error>(py, message, retryable, &[]),
+    }
+}
+
+/// `[(row, field), ...]` with each row as the caller named it.
+fn key_list(py: Python<'_>, lost: &[Key], request: &[RowKey]) -> Py<PyAny> {
+    let names: HashMap<u64, &RowKey> = request
+        .iter()
+        .filter_map(|k| k.row_id().ok().map(|r| (r, k)))
+        .collect();
+    let items: Vec<(Py<PyAny>, Py<PyAny>)> = lost
+        .iter()
+        // A string row's name is an entry of its own: not the caller's.
+        .filter(|k| k.field != KEY_FIELD)
+        .map(|k| {
+            let row = match names.get(&k.row) {
+                Some(RowKey::Name(n)) => obj(py, n.as_str()),
+                _ => obj(py, k.row),
+            };
+            (row, obj(py, k.field.as_str()))
+        })
+        .collect();
+    obj(py, items)
+}

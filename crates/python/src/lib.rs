@@ -1,0 +1,49 @@
+//! # stowage-python: the extension module `stowage._native`
+//!
+//! A thin layer over [`stowage_client`] and [`stowage_cli`]; the Python
+//! package `stowage` (`python/stowage`) builds its API on top of it.
+//!
+//! * [`main`] runs the `stowage` command line (`python -m stowage ...`).
+//! * [`local::LocalPlane`] starts unit processes on this machine.
+//! * [`client::Client`] puts, gets and clears rows of numpy arrays. Array
+//!   memory goes to Rust as it is (no copy on the Python side); every
+//!   transfer runs with the GIL released.
+//! * The exceptions ([`errors`]) mirror [`stowage_client::Error`].
+
+use pyo3::prelude::*;
+
+mod arrays;
+mod client;
+mod errors;
+mod local;
+
+/// Run the `stowage` command line with `argv` (the first item is the
+/// program name) and return its exit status. The GIL is released while it
+/// runs (a unit runs until its stdin closes or the process is killed).
+#[pyfunction]
+fn main(py: Python<'_>, argv: Vec<String>) -> i32 {
+    py.detach(move || exit_status(stowage_cli::cli::main_with_args(argv)))
+}
+
+/// `ExitCode` cannot be inspected, only compared: the command line exits
+/// with 0 (success), 1 (failure) or 2 (usage error).
+fn exit_status(code: std::process::ExitCode) -> i32 {
+    use std::process::ExitCode;
+    if code == ExitCode::SUCCESS {
+        0
+    } else if code == ExitCode::from(2) {
+        2
+    } else {
+        1
+    }
+}
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(main, m)?)?;
+    m.add_class::<client::Client>()?;
+    m.add_class::<local::LocalPlane>()?;
+    errors::register(m)?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,389 @@
+"""stowage: a data plane for RL post-training.
+
+Rollout workers, reward and reference models, the driver and the trainer
+ranks put, get and clear rows of fields (token ids, logprobs, masks,
+advantages) in *storage units*: processes that own all data memory. Bytes
+move directly between your arrays and a unit's memory, through shared
+memory on the same host or TCP elsewhere, with the GIL released.
+
+    import numpy as np, stowage
+
+    with stowage.local(units=2, memory="256MiB") as dp:
+        dp.put("step-0", [0, 1], {
+            "input_ids": [np.arange(5), np.arange(7)],   # jagged: one array per row
+            "reward": np.array([0.5, 1.0]),              # dense: split along axis 0
+        })
+        got = dp.get("step-0", [0, 1], ["input_ids", "reward"])
+        got["input_ids"][1]                              # array([0, 1, ..., 6])
+        dp.clear("step-0", [0, 1])
+
+Keys are ints in [0, 2**63) or strs. Values are numpy arrays (bool,
+int8..int64, uint8..uint64, float16, bfloat16 via ml_dtypes, float32,
+float64) or CPU torch tensors; they must be C-contiguous: stowage never
+copies an array behind your back. Errors are subclasses of
+:class:`stowage.Error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import weakref
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from . import _native
+from ._native import (
+    Error,
+    InvalidRequest,
+    LostKeys,
+    NotFound,
+    Timeout,
+    TransferFailed,
+    Unauthorized,
+    UnitFull,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__version__: str = _native.__version__
+
+__all__ = [
+    "DataPlane",
+    "Error",
+    "InvalidRequest",
+    "LostKeys",
+    "NotFound",
+    "Timeout",
+    "TransferFailed",
+    "Unauthorized",
+    "UnitFull",
+    "connect",
+    "local",
+    "__version__",
+]
+
+#: A row key: an int in [0, 2**63) or a str.
+Key = Union[int, str]
+#: Row keys: a sequence of ints and strs, or a 1-D integer numpy array.
+Keys = Union[Sequence[Key], np.ndarray]
+#: An array: a numpy array or a CPU torch tensor.
+Array = Union[np.ndarray, "torch.Tensor"]
+#: A column: one array split along its first axis (one entry per key), or
+#: a list of one array per key (each of any shape).
+ColumnLike = Union[Array, Sequence[Array]]
+
+
+def _torch_module() -> Any:
+    # A torch tensor can only exist if torch is imported already: never
+    # import it just to look.
+    return sys.modules.get("torch")
+
+
+def _is_tensor(x: Any) -> bool:
+    torch = _torch_module()
+    return torch is not None and isinstance(x, torch.Tensor)
+
+
+def _from_tensor(t: Any, what: str, writable: bool = False) -> Any:
+    """A numpy array over a CPU tensor's memory (bfloat16 as a tagged int16
+    view), without copying."""
+    torch = _torch_module()
+    if t.device.type != "cpu":
+        raise InvalidRequest(
+            f"{what}: the tensor is on {t.device}; stowage moves CPU memory (call .cpu() first)"
+        )
+    if not t.is_contiguous():
+        raise InvalidRequest(
+            f"{what}: the tensor is not contiguous (strides {t.stride()}); pass t.contiguous() explicitly"
+        )
+    if writable and t.requires_grad:
+        raise InvalidRequest(f"{what}: cannot write into a tensor that requires grad")
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return ("bfloat16", t.view(torch.int16).numpy())
+    try:
+        return t.numpy()
+    except (TypeError, RuntimeError) as e:
+        raise InvalidRequest(f"{what}: unsupported tensor dtype {t.dtype} ({e})") from None
+
+
+def _what(name: str, row: Optional[int]) -> str:
+    return f"column {name!r}" if row is None else f"column {name!r} row {row}"
+
+
+def _array(x: Any, name: str, row: Optional[int], writable: bool) -> Any:
+    """An array for _native: numpy arrays as they are, tensors as numpy
+    arrays over their memory, numpy scalars as 0-d arrays."""
+    if isinstance(x, np.ndarray):
+        return x
+    if _is_tensor(x):
+        return _from_tensor(x, _what(name, row), writable)
+    if isinstance(x, np.generic) and not writable:
+        return np.asarray(x)
+    raise InvalidRequest(
+        f"{_what(name, row)}: expected a numpy array or a torch tensor, got {type(x).__name__}"
+    )
+
+
+def _column(name: str, col: Any, writable: bool = False) -> Any:
+    """A column for _native: an array (dense) or a list of arrays (jagged)."""
+    if isinstance(col, (list, tuple)):
+        return [_array(a, name, i, writable) for i, a in enumerate(col)]
+    if isinstance(col, (np.ndarray, np.generic)) or _is_tensor(col):
+        return _array(col, name, None, writable)
+    raise InvalidRequest(
+        f"column {name!r}: expected an array (one entry per key along axis 0) "
+        f"or a list of arrays (one per key), got {type(col).__name__}"
+    )
+
+
+def _fields(fields: Union[str, Iterable[str]]) -> List[str]:
+    if isinstance(fields, str):
+        return [fields]
+    fields = list(fields)
+    if not all(isinstance(f, str) for f in fields):
+        raise InvalidRequest("fields must be strs")
+    return fields
+
+
+def _to_torch(a: np.ndarray) -> Any:
+    import torch
+
+    if a.dtype.kind == "V":  # raw bfloat16 (see _native.Client.get)
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    try:
+        return torch.from_numpy(a)
+    except TypeError as e:
+        raise InvalidRequest(f"a {a.dtype} array has no torch equivalent ({e})") from None
+
+
+class DataPlane:
+    """A client of a set of storage units; from :func:`connect` or :func:`local`.
+
+    Calls may be made from several threads at once (the GIL is released
+    during transfers). Every call takes an optional ``timeout`` in seconds
+    (default: the one given at connect). A local plane's units stop with
+    :meth:`close`, when the object is garbage-collected, or at interpreter
+    exit (and exit by themselves if this process dies).
+    """
+
+    def __init__(self, client: _native.Client, plane: Optional[_native.LocalPlane] = None):
+        self._client = client
+        self._plane = plane
+        self._finalizer = weakref.finalize(self, DataPlane._shutdown, client, plane)
+
+    @staticmethod
+    def _shutdown(client: _native.Client, plane: Optional[_native.LocalPlane]) -> None:
+        client.close()
+        if plane is not None:
+            plane.stop()
+
+    # -- lifecycle -----------------------------------------------------------
+
+    def close(self) -> None:
+        """Drop the connections and stop the units of a local plane. Arrays
+        from :meth:`get_view` stay readable until they are garbage-collected
+        (for a local plane: until the units stop, so drop them first)."""
+        self._finalizer()
+
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __enter__(self) -> "DataPlane":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        kind = "local " if self._plane is not None else ""
+        state = "closed" if self.closed else ", ".join(self.units)
+        return f"<stowage {kind}DataPlane {state}>"
+
+    @property
+    def units(self) -> List[str]:
+        """The unit addresses, in order (row ``r`` lives on unit ``r % N``
+        unless a call names a unit)."""
+        return self._client.units
+
+    @property
+    def unit_pids(self) -> List[int]:
+        """The process ids of a local plane's units."""
+        if self._plane is None:
+            raise InvalidRequest("not a local data plane: its units are not this process's children")
+        return self._plane.pids
+
+    # -- data ----------------------------------------------------------------
+
+    def put(
+        self,
+        partition: str,
+        keys: Keys,
+        columns: Mapping[str, ColumnLike],
+        unit: Optional[int] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """Write ``columns`` (field -> column) for ``keys`` in ``partition``.
+
+        A column is one array split along its first axis (its length must
+        be ``len(keys)``) or a list of ``len(keys)`` arrays of any shapes.
+        Array memory is read in place (never copied here); arrays must be
+        C-contiguous. Writing an existing (key, field) replaces it
+        atomically; a put may add fields to existing rows. ``unit``: place
+        every row on that unit (then name it again to read or clear them).
+
+        Raises InvalidRequest for bad input (nothing is stored then),
+        UnitFull, TransferFailed, LostKeys, Timeout.
+        """
+        if not isinstance(columns, Mapping):
+            raise InvalidRequest("columns must be a dict of field -> column")
+        cols = [(name, _column(name, col)) for name, col in columns.items()]
+        self._client.put(partition, keys, cols, unit, timeout)
+
+    def get(
+        self,
+        partition: str,
+        keys: Keys,
+        fields: Union[str, Sequence[str]],
+        unit: Optional[int] = None,
+        out: Optional[Mapping[str, Any]] = None,
+        as_: str = "numpy",
+        *,
+        timeout: Optional[float] = None,
+    ) -> Dict[str, Any]:
+        """Read ``fields`` of ``keys``: a dict field -> list of arrays (one per
+        key, with the dtype and shape that was put).
+
+        ``out``: a dict field -> list of preallocated arrays (one per key),
+        or field -> one array whose first axis runs over the keys (when
+        every value of the field has the same shape); values are written
+        into them (dtype and size must match exactly) and ``out``'s entries
+        are returned. ``as_="torch"`` returns torch tensors (bfloat16
+        included, without ml_dtypes).
+
+        Raises NotFound (naming every missing (key, field)), LostKeys,
+        InvalidRequest, TransferFailed, Timeout.
+        """
+        fields = _fields(fields)
+        if out is not None:
+            missing = [f for f in fields if f not in out]
+            if missing:
+                raise InvalidRequest(f"out has no entry for fields {missing}")
+            outs = [_column(f, out[f], writable=True) for f in fields]
+            self._client.get_into(partition, keys, fields, outs, unit, timeout)
+            return {f: out[f] for f in fields}
+        if as_ == "numpy":
+            got = self._client.get(partition, keys, fields, unit, timeout, False)
+            return dict(zip(fields, got))
+        if as_ == "torch":
+            got = self._client.get(partition, keys, fields, unit, timeout, True)
+            return {f: [_to_torch(a) for a in rows] for f, rows in zip(fields, got)}
+        raise InvalidRequest(f"as_ must be 'numpy' or 'torch', not {as_!r}")
+
+    def get_view(
+        self,
+        partition: str,
+        keys: Keys,
+        fields: Union[str, Sequence[str]],
+        unit: Optional[int] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> Dict[str, List[np.ndarray]]:
+        """Read-only numpy arrays that point into the units' memory (no copy;
+        shared-memory units on this host only): field -> list per key.
+
+        The values stay pinned (in place, even if their rows are cleared or
+        replaced) until every array of the call is garbage-collected;
+        pinned memory counts against the unit's space, so drop views soon.
+        """
+        fields = _fields(fields)
+        got = self._client.get_view(partition, keys, fields, unit, timeout, False)
+        return dict(zip(fields, got))
+
+    def clear(
+        self,
+        partition: str,
+        keys: Keys,
+        unit: Optional[int] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> int:
+        """Clear whole rows (every field) of ``partition``; returns the number
+        of values removed. Rows that do not exist are ignored."""
+        return self._client.clear(partition, keys, unit, timeout)
+
+    def clear_partition(self, partition: str, *, timeout: Optional[float] = None) -> int:
+        """Clear every row of ``partition``; returns the number of values removed."""
+        return self._client.clear_partition(partition, timeout)
+
+    def list(self, partition: str, *, timeout: Optional[float] = None) -> Dict[Key, List[str]]:
+        """The rows of ``partition``: key -> its field names."""
+        return self._client.list(partition, timeout)
+
+    def partitions(self, *, timeout: Optional[float] = None) -> List[str]:
+        """The partitions of this namespace that hold data, sorted."""
+        return self._client.partitions(timeout)
+
+    def stats(self, *, timeout: Optional[float] = None) -> List[Dict[str, int]]:
+        """Every unit's counters (capacity, used, reserved_bytes,
+        quarantined_bytes, blobs, entries, rows, pins), in unit order."""
+        return self._client.stats(timeout)
+
+    # -- asyncio -------------------------------------------------------------
+
+    async def aput(self, *args: Any, **kwargs: Any) -> None:
+        """:meth:`put` in a worker thread (the GIL is released while it runs)."""
+        return await asyncio.to_thread(self.put, *args, **kwargs)
+
+    async def aget(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+        """:meth:`get` in a worker thread."""
+        return await asyncio.to_thread(self.get, *args, **kwargs)
+
+    async def aclear(self, *args: Any, **kwargs: Any) -> int:
+        """:meth:`clear` in a worker thread."""
+        return await asyncio.to_thread(self.clear, *args, **kwargs)
+
+
+def connect(
+    units: Union[str, Sequence[str]],
+    namespace: str = "default",
+    timeout: float = 30.0,
+) -> DataPlane:
+    """Connect to running units: ``unix:/path/unit.sock`` (shared memory, same
+    host) or ``tcp:host:port``. ``namespace`` isolates runs sharing units;
+    ``timeout`` is the default deadline of every call, in seconds."""
+    if isinstance(units, str):
+        units = [units]
+    return DataPlane(_native.Client(list(units), namespace, timeout, True))
+
+
+def local(
+    units: int = 2,
+    memory: Union[int, str] = "256MiB",
+    transport: str = "shm",
+    namespace: str = "default",
+    timeout: float = 30.0,
+    unit_args: Sequence[str] = (),
+) -> DataPlane:
+    """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
+    ``"1GiB"``) as child processes of this interpreter and connect to them
+    over ``transport`` (``"shm"`` or ``"tcp"``). The units stop with
+    :meth:`DataPlane.close` (or ``with``), at interpreter exit, and by
+    themselves if this process dies. ``unit_args``: extra ``stowage unit``
+    options, e.g. ``["--pin-lease", "5s"]``."""
+    if transport not in ("shm", "tcp"):
+        raise InvalidRequest(f"transport must be 'shm' or 'tcp', not {transport!r}")
+    command = [sys.executable, "-m", "stowage", "unit"]
+    plane = _native.LocalPlane(command, units, memory, list(unit_args))
+    try:
+        addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
+        client = _native.Client(addrs, namespace, timeout, True)
+    except BaseException:
+        plane.stop()
+        raise
+    return DataPlane(client, plane)

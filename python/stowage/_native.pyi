@@ -1,0 +1,131 @@
+"""Type stubs of the extension module ``stowage._native`` (crates/python).
+
+The public API is the ``stowage`` package; this module is its engine.
+"""
+
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+__version__: str
+
+Key = Union[int, str]
+Keys = Union[Sequence[Key], np.ndarray]
+# A numpy array, or ("bfloat16", int16 array) for a reinterpreted tensor.
+ArrayArg = Union[np.ndarray, Tuple[str, np.ndarray]]
+# A dense array (split along axis 0) or a list of one array per key.
+ColumnArg = Union[ArrayArg, List[ArrayArg]]
+
+def main(argv: List[str]) -> int:
+    """Run the ``stowage`` command line (``argv[0]`` is the program name)
+    with the GIL released; return its exit status (0, 1, or 2 for usage)."""
+
+class Error(Exception):
+    """Base class of every stowage error."""
+
+    retryable: bool
+    unit: Optional[int]
+
+class UnitFull(Error):
+    unit: int
+
+class TransferFailed(Error):
+    unit: int
+    reason: str
+    in_flight: bool
+
+class LostKeys(Error):
+    unit: int
+    keys: List[Tuple[Key, str]]
+
+class Timeout(Error): ...
+
+class NotFound(Error):
+    keys: List[Tuple[Key, str]]
+
+class InvalidRequest(Error): ...
+class Unauthorized(Error): ...
+
+class Client:
+    """A connection-pooling client of a set of units; thread-safe."""
+
+    def __init__(
+        self,
+        units: List[str],
+        namespace: str = "default",
+        timeout: float = 30.0,
+        shm: bool = True,
+    ) -> None: ...
+    @property
+    def units(self) -> List[str]: ...
+    @property
+    def shm(self) -> bool: ...
+    def close(self) -> None: ...
+    def put(
+        self,
+        partition: str,
+        keys: Keys,
+        columns: Sequence[Tuple[str, ColumnArg]],
+        unit: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> None: ...
+    def get(
+        self,
+        partition: str,
+        keys: Keys,
+        fields: List[str],
+        unit: Optional[int] = None,
+        timeout: Optional[float] = None,
+        raw_bfloat16: bool = False,
+    ) -> List[List[np.ndarray]]: ...
+    def get_into(
+        self,
+        partition: str,
+        keys: Keys,
+        fields: List[str],
+        outs: List[ColumnArg],
+        unit: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> None: ...
+    def get_view(
+        self,
+        partition: str,
+        keys: Keys,
+        fields: List[str],
+        unit: Optional[int] = None,
+        timeout: Optional[float] = None,
+        raw_bfloat16: bool = False,
+    ) -> List[List[np.ndarray]]: ...
+    def clear(
+        self,
+        partition: str,
+        keys: Keys,
+        unit: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> int: ...
+    def clear_partition(self, partition: str, timeout: Optional[float] = None) -> int: ...
+    def list(self, partition: str, timeout: Optional[float] = None) -> Dict[Key, List[str]]: ...
+    def partitions(self, timeout: Optional[float] = None) -> List[str]: ...
+    def stats(self, timeout: Optional[float] = None) -> List[Dict[str, int]]: ...
+
+class LocalPlane:
+    """Unit processes on this machine, stopped by stop() (and exiting by
+    themselves when this process dies)."""
+
+    def __init__(
+        self,
+        command: List[str],
+        units: int,
+        memory: Union[int, str],
+        unit_args: List[str] = ...,
+        start_timeout: float = 30.0,
+    ) -> None: ...
+    @property
+    def uds_addrs(self) -> List[str]: ...
+    @property
+    def tcp_addrs(self) -> List[str]: ...
+    @property
+    def pids(self) -> List[int]: ...
+    @property
+    def running(self) -> bool: ...
+    def stop(self) -> None: ...

@@ -1,0 +1,205 @@
+"""Bad input raises the right stowage.Error subclass and leaves stored data
+intact; unit failures are typed (LostKeys, Timeout, UnitFull)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import stowage
+from conftest import same
+
+
+def test_hierarchy():
+    for cls in (
+        stowage.UnitFull,
+        stowage.TransferFailed,
+        stowage.LostKeys,
+        stowage.Timeout,
+        stowage.NotFound,
+        stowage.InvalidRequest,
+        stowage.Unauthorized,
+    ):
+        assert issubclass(cls, stowage.Error) and cls is not stowage.Error
+    assert issubclass(stowage.Error, Exception)
+    assert stowage.Error.retryable is False
+    assert stowage.Error.__module__ == "stowage"
+
+
+BASE_KEYS = [0, 1, "base"]
+
+
+@pytest.fixture
+def stored(dp, part):
+    """A partition with rows that bad calls must leave alone."""
+    dp.put(part, BASE_KEYS, {"x": np.arange(9, dtype=np.int16).reshape(3, 3)})
+    return part
+
+
+def assert_intact(dp, part):
+    got = dp.get(part, BASE_KEYS, ["x"])["x"]
+    assert same(np.stack(got), np.arange(9, dtype=np.int16).reshape(3, 3))
+    assert dp.list(part) == {0: ["x"], 1: ["x"], "base": ["x"]}
+
+
+BAD_COLUMNS = {
+    "complex64": lambda: np.zeros((2, 3), np.complex64),
+    "object": lambda: np.array([object(), object()], dtype=object),
+    "object jagged": lambda: [np.zeros(3), np.array([1, "a"], dtype=object)],
+    "unicode": lambda: np.array(["ab", "cd"]),
+    "datetime": lambda: np.zeros(2, "datetime64[s]"),
+    "longdouble": lambda: np.zeros(2, np.longdouble),
+    "structured": lambda: np.zeros(2, [("a", "i4"), ("b", "f4")]),
+    "big endian": lambda: np.zeros((2, 2), ">i4"),
+    "non-contiguous": lambda: np.zeros((2, 6), np.float32)[:, ::2],
+    "fortran order": lambda: np.asfortranarray(np.zeros((2, 3), np.float32)),
+    "non-contiguous jagged": lambda: [np.zeros(4), np.zeros(8)[::2]],
+    "too many rows": lambda: np.zeros((3, 2)),
+    "too few values": lambda: [np.zeros(2)],
+    "0-d dense": lambda: np.float32(1.0),
+    "0-d array dense": lambda: np.array(1.0),
+    "python list values": lambda: [[1, 2], [3]],
+    "bytes": lambda: b"abcd",
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_COLUMNS))
+def test_bad_columns(dp, stored, case):
+    with pytest.raises(stowage.InvalidRequest):
+        dp.put(stored, ["new-a", 2], {"ok": np.zeros((2, 2)), "bad": BAD_COLUMNS[case]()})
+    # Nothing of the failed put is stored, not even its valid column.
+    assert_intact(dp, stored)
+    with pytest.raises(stowage.NotFound):
+        dp.get(stored, ["new-a"], ["ok"])
+
+
+@pytest.mark.parametrize(
+    "keys",
+    [[-1], [2**63], [1.5], [None], [True], [b"raw"], "abc", 5, np.array([[1, 2]]), np.array([0.5])],
+    ids=["negative", "2**63", "float", "None", "bool", "bytes", "str", "int", "2-D", "float array"],
+)
+def test_bad_keys(dp, stored, keys):
+    with pytest.raises(stowage.InvalidRequest):
+        dp.put(stored, keys, {"x": [np.zeros(1)]})
+    with pytest.raises(stowage.InvalidRequest):
+        dp.get(stored, keys, ["x"])
+    assert_intact(dp, stored)
+
+
+def test_bad_fields_and_calls(dp, stored):
+    with pytest.raises(stowage.InvalidRequest):
+        dp.put(stored, [0], {"": [np.zeros(1)]})
+    with pytest.raises(stowage.InvalidRequest):
+        dp.put(stored, [0], [np.zeros(1)])  # not a dict
+    with pytest.raises(stowage.InvalidRequest):
+        dp.get(stored, [0], [1])
+    with pytest.raises(stowage.InvalidRequest):
+        dp.get(stored, [0], ["x"], as_="jax")
+    assert_intact(dp, stored)
+
+
+def test_not_found_names_every_missing_key(dp, stored):
+    with pytest.raises(stowage.NotFound) as e:
+        dp.get("no-such-partition", [0, "base"], ["x"])
+    assert sorted(map(str, e.value.keys)) == sorted(map(str, [(0, "x"), ("base", "x")]))
+    assert not e.value.retryable
+    with pytest.raises(stowage.NotFound) as e:
+        dp.get(stored, [0, "missing", 1], ["x", "y"])
+    assert set(e.value.keys) == {("missing", "x"), (0, "y"), ("missing", "y"), (1, "y")}
+    assert_intact(dp, stored)
+
+
+def test_closed_plane_refuses_calls(part):
+    plane = stowage.local(units=1, memory="8MiB")
+    plane.close()
+    assert plane.closed
+    with pytest.raises(stowage.InvalidRequest, match="closed"):
+        plane.get(part, [0], ["x"])
+    plane.close()  # idempotent
+
+
+def test_unit_full_is_typed_and_stores_nothing(part):
+    with stowage.local(units=1, memory="4MiB") as plane:
+        plane.put(part, [0], {"x": [np.ones(1000)]})
+        with pytest.raises(stowage.UnitFull) as e:
+            plane.put(part, [1, 2], {"x": [np.zeros(8 << 20, np.uint8), np.zeros(10)]})
+        assert e.value.retryable and e.value.unit == 0
+        assert plane.list(part) == {0: ["x"]}
+        assert same(plane.get(part, [0], ["x"])["x"][0], np.ones(1000))
+
+
+def test_lost_keys_when_a_unit_is_killed(part):
+    with stowage.local(units=2, memory="16MiB") as plane:
+        keys = list(range(6))
+        plane.put(part, keys, {"a": np.arange(6.0), "b": [np.arange(k) for k in keys]})
+        plane.put(part, ["s1"], {"a": [np.zeros(())], "b": [np.zeros(1)]}, unit=1)
+        os.kill(plane.unit_pids[1], signal.SIGKILL)
+        with pytest.raises(stowage.LostKeys) as e:
+            plane.get(part, keys, ["a", "b"])
+        assert e.value.unit == 1
+        assert set(e.value.keys) == {(k, f) for k in (1, 3, 5) for f in ("a", "b")}
+        assert not e.value.retryable
+        with pytest.raises(stowage.LostKeys) as e:
+            plane.get(part, ["s1"], ["a"], unit=1)
+        assert e.value.keys == [("s1", "a")]
+        with pytest.raises(stowage.LostKeys) as e:
+            plane.put(part, [7, 9], {"a": np.zeros(2)})
+        assert e.value.unit == 1
+        # The other unit's rows are intact.
+        got = plane.get(part, [0, 2, 4], ["a", "b"])
+        assert [float(a) for a in got["a"]] == [0.0, 2.0, 4.0]
+        assert all(same(b, np.arange(k)) for b, k in zip(got["b"], (0, 2, 4)))
+
+
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of `pid` has stopped: a stop signal takes
+    effect thread by thread, and a thread may still answer meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"unit {pid} did not stop")
+
+
+def test_timeout_when_a_unit_stops_answering_and_gil_is_released(part):
+    with stowage.local(units=1, memory="8MiB") as plane:
+        plane.put(part, [0], {"x": [np.arange(4)]})
+        pid = plane.unit_pids[0]
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            wait_stopped(pid)
+            errors = []
+
+            def call():
+                try:
+                    plane.get(part, [0], ["x"], timeout=1.0)
+                except stowage.Error as e:
+                    errors.append(e)
+
+            t = threading.Thread(target=call)
+            t.start()
+            spins = 0
+            start = time.monotonic()
+            while t.is_alive():
+                spins += 1  # runs only if the call released the GIL
+            elapsed = time.monotonic() - start
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        assert len(errors) == 1 and isinstance(errors[0], stowage.Timeout), errors
+        assert errors[0].retryable
+        assert 0.9 < elapsed < 10
+        assert spins > 10_000
+        assert same(plane.get(part, [0], ["x"])["x"][0], np.arange(4))

@@ -1,0 +1,101 @@
+"""get(..., out=...) into caller arrays, and zero-copy get_view."""
+
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import pytest
+
+import stowage
+from conftest import same, settled_pins, total_pins
+
+
+def test_out_list_of_arrays(dp, part):
+    values = [np.arange(5, dtype=np.float32), np.arange(12, dtype=np.float32).reshape(3, 4)]
+    dp.put(part, ["a", "b"], {"x": values})
+    outs = [np.zeros(5, np.float32), np.zeros((3, 4), np.float32)]
+    got = dp.get(part, ["a", "b"], ["x"], out={"x": outs})
+    assert got["x"] is outs
+    assert same(outs[0], values[0]) and same(outs[1], values[1])
+
+
+def test_out_dense_array(dp, part):
+    dense = np.random.default_rng(0).integers(0, 100, size=(8, 6), dtype=np.int64)
+    dp.put(part, list(range(8)), {"ids": dense, "mask": dense > 50})
+    out = np.zeros((8, 6), np.int64)
+    mask = np.zeros((8, 6), bool)
+    got = dp.get(part, list(range(8)), ["ids", "mask"], out={"ids": out, "mask": mask})
+    assert got["ids"] is out and got["mask"] is mask
+    assert same(out, dense) and same(mask, dense > 50)
+    # A dense out array over jagged puts of equal shapes works too.
+    dp.put(part, [10, 11], {"j": [np.arange(3.0), np.arange(3.0) + 1]})
+    out = np.empty((2, 3))
+    dp.get(part, [10, 11], ["j"], out={"j": out})
+    assert same(out, np.stack([np.arange(3.0), np.arange(3.0) + 1]))
+
+
+def test_out_mismatches_are_invalid_and_harmless(dp, part):
+    dp.put(part, [0, 1], {"x": np.arange(8, dtype=np.int32).reshape(2, 4)})
+    bad = {
+        "dtype": [np.zeros(4, np.float32), np.zeros(4, np.float32)],
+        "size": [np.zeros(5, np.int32), np.zeros(4, np.int32)],
+        "count": [np.zeros(4, np.int32)],
+        "dense rows": np.zeros((3, 4), np.int32),
+        "readonly": [np.zeros(4, np.int32), np.zeros(4, np.int32)],
+        "noncontiguous": [np.zeros(8, np.int32)[::2], np.zeros(4, np.int32)],
+        "overlap": [np.zeros(4, np.int32)] * 2,
+        "not an array": [[0, 0, 0, 0], [0, 0, 0, 0]],
+    }
+    bad["readonly"][0].flags.writeable = False
+    for what, out in bad.items():
+        with pytest.raises(stowage.InvalidRequest):
+            dp.get(part, [0, 1], ["x"], out={"x": out})
+            pytest.fail(what)
+    with pytest.raises(stowage.InvalidRequest, match="no entry"):
+        dp.get(part, [0, 1], ["x"], out={"y": np.zeros((2, 4), np.int32)})
+    got = dp.get(part, [0, 1], ["x"])["x"]
+    assert same(np.stack(got), np.arange(8, dtype=np.int32).reshape(2, 4))
+
+
+def test_view_is_zero_copy_and_pins_until_collected(dp, part):
+    values = [np.arange(1000, dtype=np.float64), np.arange(6, dtype=np.int8).reshape(2, 3)]
+    dp.put(part, [0, 1], {"x": values})
+    assert total_pins(dp) == 0
+    view = dp.get_view(part, [0, 1], ["x"])
+    arrays = view["x"]
+    assert same(arrays[0], values[0]) and same(arrays[1], values[1])
+    assert all(not a.flags.writeable and not a.flags.owndata for a in arrays)
+    assert all(a.flags.aligned for a in arrays)
+    with pytest.raises(ValueError):
+        arrays[0][0] = 1.0
+    assert total_pins(dp) == 2  # one per unit that holds a value
+    # Pinned values stay in place even when their rows are cleared and the
+    # space is written again.
+    dp.clear(part, [0, 1])
+    dp.put(part, [0, 1], {"x": [np.full(1000, -1.0), np.full((2, 3), -1, np.int8)]})
+    assert same(arrays[0], values[0]) and same(arrays[1], values[1])
+    # One array keeps the whole call's pins.
+    first = arrays[0]
+    del view, arrays
+    gc.collect()
+    assert settled_pins(dp, 0, timeout=0.5) == 2
+    assert first.sum() == values[0].sum()
+    del first
+    gc.collect()
+    assert settled_pins(dp, 0) == 0
+    assert same(dp.get(part, [0], ["x"])["x"][0], np.full(1000, -1.0))
+
+
+def test_view_of_missing_keys_pins_nothing(dp, part):
+    dp.put(part, [0], {"x": [np.arange(3)]})
+    with pytest.raises(stowage.NotFound) as e:
+        dp.get_view(part, [0, 1], ["x"])
+    assert e.value.keys == [(1, "x")]
+    assert settled_pins(dp, 0) == 0
+
+
+def test_view_needs_shm(dp_tcp, part):
+    dp_tcp.put(part, [0], {"x": [np.arange(3)]})
+    with pytest.raises(stowage.InvalidRequest, match="shm"):
+        dp_tcp.get_view(part, [0], ["x"])
