@@ -336,6 +336,19 @@ class DataPlane:
 
     # -- asyncio -------------------------------------------------------------
 
+    def checkpoint(self, dir: str, *, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
+        """Every unit writes its data and index to ``dir/unit-<i>`` on its own
+        host (no payload passes through this process); returns per unit the
+        metadata. A unit started with ``--restore dir/unit-<i>`` serves the
+        same keys."""
+        return self._client.checkpoint(str(dir), timeout)
+
+    def shutdown(self, timeout: float = 30.0) -> List[List[str]]:
+        """Stop every unit within ``timeout`` seconds (a checkpoint in
+        progress finishes or is abandoned; disk directories are removed).
+        Never raises; returns per unit what could not be done."""
+        return self._client.shutdown(timeout)
+
     async def aput(self, *args: Any, **kwargs: Any) -> None:
         """:meth:`put` in a worker thread (the GIL is released while it runs)."""
         return await asyncio.to_thread(self.put, *args, **kwargs)
@@ -353,13 +366,17 @@ def connect(
     units: Union[str, Sequence[str]],
     namespace: str = "default",
     timeout: float = 30.0,
+    wait_for_memory: Optional[float] = None,
 ) -> DataPlane:
     """Connect to running units: ``unix:/path/unit.sock`` (shared memory, same
     host) or ``tcp:host:port``. ``namespace`` isolates runs sharing units;
-    ``timeout`` is the default deadline of every call, in seconds."""
+    ``timeout`` is the default deadline of every call, in seconds.
+    ``wait_for_memory``: a put that finds a unit full (memory and disk) waits
+    up to this many seconds, within its deadline, for a clear to make room
+    instead of raising UnitFull."""
     if isinstance(units, str):
         units = [units]
-    return DataPlane(_native.Client(list(units), namespace, timeout, True))
+    return DataPlane(_native.Client(list(units), namespace, timeout, True, wait_for_memory))
 
 
 def local(
@@ -369,20 +386,40 @@ def local(
     namespace: str = "default",
     timeout: float = 30.0,
     unit_args: Sequence[str] = (),
+    disk: Optional[str] = None,
+    disk_capacity: Union[int, str] = "20GiB",
+    high_watermark: float = 0.9,
+    low_watermark: float = 0.8,
+    wait_for_memory: Optional[float] = None,
 ) -> DataPlane:
     """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
     ``"1GiB"``) as child processes of this interpreter and connect to them
     over ``transport`` (``"shm"`` or ``"tcp"``). The units stop with
     :meth:`DataPlane.close` (or ``with``), at interpreter exit, and by
     themselves if this process dies. ``unit_args``: extra ``stowage unit``
-    options, e.g. ``["--pin-lease", "5s"]``."""
+    options, e.g. ``["--pin-lease", "5s"]``.
+
+    ``disk``: the disk tier's root directory (each unit works in its own
+    owner-only, locked subdirectory, removed at close); past
+    ``high_watermark`` of its memory a unit spills committed values to disk,
+    oldest first, down to ``low_watermark``; ``disk_capacity`` per unit.
+    Nothing is evicted: memory and disk both full raise UnitFull, or wait up
+    to ``wait_for_memory`` seconds for a clear."""
     if transport not in ("shm", "tcp"):
         raise InvalidRequest(f"transport must be 'shm' or 'tcp', not {transport!r}")
     command = [sys.executable, "-m", "stowage", "unit"]
-    plane = _native.LocalPlane(command, units, memory, list(unit_args))
+    args = list(unit_args)
+    if disk is not None:
+        args += [
+            "--disk", str(disk),
+            "--disk-capacity", str(disk_capacity),
+            "--high-watermark", str(high_watermark),
+            "--low-watermark", str(low_watermark),
+        ]
+    plane = _native.LocalPlane(command, units, memory, args)
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
-        client = _native.Client(addrs, namespace, timeout, True)
+        client = _native.Client(addrs, namespace, timeout, True, wait_for_memory)
     except BaseException:
         plane.stop()
         raise

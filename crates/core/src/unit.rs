@@ -754,13 +754,19 @@ impl UnitCore {
     }
 
     /// Remove every entry of the given rows of `ns`; returns how many.
+    ///
+    /// Fields whose name starts with NUL are a client's bookkeeping (the
+    /// rows API keeps a string row's name there): they are removed with
+    /// their row but not counted.
     pub fn release_rows(&mut self, ns: &str, rows: &[u64]) -> u64 {
         let Some(index) = self.index.get_mut(ns) else {
             return 0;
         };
         let mut dropped = Vec::new();
+        let mut hidden = 0u64;
         for row in rows {
             if let Some(fields) = index.remove(row) {
+                hidden += fields.keys().filter(|f| f.starts_with('\0')).count() as u64;
                 dropped.extend(fields.into_values().map(|e| e.blob));
             }
         }
@@ -768,7 +774,7 @@ impl UnitCore {
             self.index.remove(ns);
         }
         self.entries -= dropped.len() as u64;
-        let n = dropped.len() as u64;
+        let n = dropped.len() as u64 - hidden;
         for blob in dropped {
             self.drop_entry_ref(blob);
         }

@@ -237,13 +237,14 @@ impl Client {
     /// deadline of every call, in seconds. `shm=False` streams bytes
     /// through Unix sockets instead of copying through shared memory.
     #[new]
-    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true))]
+    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None))]
     fn new(
         py: Python<'_>,
         units: Vec<String>,
         namespace: String,
         timeout: f64,
         shm: bool,
+        wait_for_memory: Option<f64>,
     ) -> PyResult<Self> {
         let addrs = units
             .iter()
@@ -254,6 +255,10 @@ impl Client {
         cfg.timeout = Duration::try_from_secs_f64(timeout)
             .map_err(|_| invalid("timeout must be a non-negative number of seconds"))?;
         cfg.shm = shm;
+        cfg.wait_for_memory = wait_for_memory
+            .map(Duration::try_from_secs_f64)
+            .transpose()
+            .map_err(|_| invalid("wait_for_memory must be a non-negative number of seconds"))?;
         let timeout = cfg.timeout;
         let client = py
             .detach(move || Inner::connect(cfg))
@@ -678,8 +683,54 @@ impl Client {
             d.set_item("entries", s.entries)?;
             d.set_item("rows", s.rows)?;
             d.set_item("pins", s.pins)?;
+            d.set_item("disk_capacity", s.disk_capacity)?;
+            d.set_item("disk_used", s.disk_used)?;
+            d.set_item("spilled_blobs", s.spilled_blobs)?;
             out.append(d)?;
         }
         Ok(out)
+    }
+
+    /// Every unit writes its data and index to `dir/unit-<i>` on its own
+    /// host; returns per unit the metadata (rows, entries, bytes, files
+    /// with sizes and checksums, the manifest's checksum).
+    #[pyo3(signature = (dir, timeout = None))]
+    fn checkpoint<'py>(
+        &self,
+        py: Python<'py>,
+        dir: String,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let infos = py
+            .detach(|| client.checkpoint(std::path::Path::new(&dir), deadline))
+            .map_err(|e| to_py(py, e, &[]))?;
+        let out = PyList::empty(py);
+        for info in infos {
+            let d = PyDict::new(py);
+            d.set_item("rows", info.rows)?;
+            d.set_item("entries", info.entries)?;
+            d.set_item("bytes", info.bytes)?;
+            let files = PyList::empty(py);
+            for f in info.files {
+                files.append((f.name, f.size, f.xxh3))?;
+            }
+            d.set_item("files", files)?;
+            d.set_item("manifest_xxh3", info.manifest_xxh3)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Stop every unit within `timeout` seconds; never raises. Returns per
+    /// unit the list of what could not be done.
+    #[pyo3(signature = (timeout = 30.0))]
+    fn shutdown(&self, py: Python<'_>, timeout: f64) -> Vec<Vec<String>> {
+        let Ok(client) = self.client() else {
+            return Vec::new();
+        };
+        let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::from_secs(30));
+        py.detach(|| client.shutdown(t))
     }
 }
