@@ -48,10 +48,12 @@ impl SlabAllocator {
     pub fn new(capacity: u64) -> Self {
         assert!(capacity <= MAX_CAPACITY, "slab capacity over the limit");
         let units = (capacity / ALIGN) as u32;
-        // One node per live allocation; a blob is at least one unit, but in
-        // practice blobs are far larger, so size the node table to the slab
-        // (about 1.5% of its bytes at most) instead of the worst case.
-        let max_allocs = (units / 16).clamp(1024, 4 * 1024 * 1024);
+        // One node per live allocation (about 28 bytes each, allocated up
+        // front). A blob is at least one unit, but a blob is a whole put's
+        // share of a unit, far larger in practice: one node per 4 KiB keeps
+        // the table under 1% of the slab (the unit's resident memory target
+        // is slab + 5%).
+        let max_allocs = (units / 64).clamp(1024, 4 * 1024 * 1024);
         Self {
             inner: Allocator::with_max_allocs(units.max(1), max_allocs),
             capacity: u64::from(units) * ALIGN,
