@@ -379,6 +379,22 @@ def connect(
     return DataPlane(_native.Client(list(units), namespace, timeout, True, wait_for_memory))
 
 
+# Runs the `stowage` command line from the extension module alone: a unit
+# process then loads neither this package nor numpy (its resident memory
+# stays close to its slab).
+_UNIT_BOOT = (
+    "import sys, importlib.util as u; "
+    "s = u.spec_from_file_location('stowage._native', sys.argv[1]); "
+    "m = u.module_from_spec(s); s.loader.exec_module(m); "
+    "sys.exit(m.main(['stowage'] + sys.argv[2:]))"
+)
+
+
+def unit_command() -> List[str]:
+    """The command that runs one ``stowage unit`` from this interpreter."""
+    return [sys.executable, "-c", _UNIT_BOOT, _native.__file__, "unit"]
+
+
 def local(
     units: int = 2,
     memory: Union[int, str] = "256MiB",
@@ -407,7 +423,7 @@ def local(
     to ``wait_for_memory`` seconds for a clear."""
     if transport not in ("shm", "tcp"):
         raise InvalidRequest(f"transport must be 'shm' or 'tcp', not {transport!r}")
-    command = [sys.executable, "-m", "stowage", "unit"]
+    command = unit_command()
     args = list(unit_args)
     if disk is not None:
         args += [
