@@ -9,18 +9,7 @@ use common::{client, pattern, plane, Kind};
 use rustix::process::Signal;
 use stowage_client::{Error, Key, SliceSink};
 
-macro_rules! conformance {
-    ($($name:ident),* $(,)?) => {
-        mod shm {
-            $( #[test] fn $name() { super::$name(super::Kind::Shm) } )*
-        }
-        mod tcp {
-            $( #[test] fn $name() { super::$name(super::Kind::Tcp) } )*
-        }
-    };
-}
-
-conformance!(
+common::both_transports!(
     round_trips_from_1_byte_to_64_mib,
     batch_of_10000_small_entries,
     full_until_a_clear_makes_room,

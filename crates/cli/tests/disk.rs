@@ -13,18 +13,7 @@ use stowage_client::{Client, ClientConfig, Error, Key};
 
 const MIB: u64 = 1 << 20;
 
-macro_rules! both_transports {
-    ($($name:ident),* $(,)?) => {
-        mod shm {
-            $( #[test] fn $name() { super::$name(super::Kind::Shm) } )*
-        }
-        mod tcp {
-            $( #[test] fn $name() { super::$name(super::Kind::Tcp) } )*
-        }
-    };
-}
-
-both_transports!(
+common::both_transports!(
     three_times_memory_reads_back_exactly_while_readers_run,
     a_corrupt_file_fails_exactly_its_keys,
     a_failing_disk_fails_puts_retryably_and_loses_nothing,

@@ -11,18 +11,7 @@ use stowage_client::{Column, DType, Error, RowKey, Tensor};
 
 const MIB: u64 = 1 << 20;
 
-macro_rules! both_transports {
-    ($($name:ident),* $(,)?) => {
-        mod shm {
-            $( #[test] fn $name() { super::$name(super::Kind::Shm) } )*
-        }
-        mod tcp {
-            $( #[test] fn $name() { super::$name(super::Kind::Tcp) } )*
-        }
-    };
-}
-
-both_transports!(
+common::both_transports!(
     every_dtype_round_trips_jagged_and_dense,
     rows_grow_fields_and_clear_by_partition,
     not_found_names_exactly_the_missing_pairs,

@@ -15,6 +15,22 @@ use stowage_wire::{
     decode_header, encode, Envelope, FramePrefix, Limits, Request, Response, PREFIX_LEN,
 };
 
+/// Generate one test per transport from `fn name(kind: Kind)`: a `shm`
+/// and a `tcp` module, each with a `#[test] fn name()`.
+#[allow(unused_macros)] // not every test binary has per-transport tests
+macro_rules! both_transports {
+    ($($name:ident),* $(,)?) => {
+        mod shm {
+            $( #[test] fn $name() { super::$name(super::Kind::Shm) } )*
+        }
+        mod tcp {
+            $( #[test] fn $name() { super::$name(super::Kind::Tcp) } )*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use both_transports;
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Shm,
