@@ -25,6 +25,8 @@ const MAGIC: &[u8; 4] = b"STWB";
 const VERSION: u32 = 1;
 const HEADER: u64 = 16;
 const TRAILER: u64 = 8;
+/// Reads are checked in pieces of this size.
+const READ_CHUNK: usize = 256 << 10;
 
 /// Why a blob could not be read back.
 #[derive(Debug, thiserror::Error)]
@@ -184,10 +186,18 @@ impl DiskEngine for FileEngine {
         if &header[..4] != MAGIC || u64::from_le_bytes(n) != dst.len() as u64 {
             return Err(corrupt("bad header".into()));
         }
-        file.read_exact_at(dst, HEADER)?;
+        // Read and hash chunk by chunk, so each chunk is hashed while it is
+        // still in cache.
+        let mut hash = Xxh3Default::new();
+        let mut at = 0;
+        for chunk in dst.chunks_mut(READ_CHUNK) {
+            file.read_exact_at(chunk, HEADER + at)?;
+            hash.update(chunk);
+            at += chunk.len() as u64;
+        }
         let mut sum = [0u8; 8];
         file.read_exact_at(&mut sum, HEADER + dst.len() as u64)?;
-        if xxhash_rust::xxh3::xxh3_64(dst) != u64::from_le_bytes(sum) {
+        if hash.digest() != u64::from_le_bytes(sum) {
             return Err(corrupt("checksum mismatch".into()));
         }
         Ok(())
