@@ -150,6 +150,7 @@ def test_lost_keys_when_a_unit_is_killed(part):
         with pytest.raises(stowage.LostKeys) as e:
             plane.put(part, [7, 9], {"a": np.zeros(2)})
         assert e.value.unit == 1
+        assert sorted(e.value.keys) == [(7, "a"), (9, "a")]
         # The other unit's rows are intact.
         got = plane.get(part, [0, 2, 4], ["a", "b"])
         assert [float(a) for a in got["a"]] == [0.0, 2.0, 4.0]

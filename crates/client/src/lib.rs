@@ -503,10 +503,13 @@ impl Client {
                 .and_then(|mut t| t.start_put(&blobs[i], deadline).map(|()| t));
             match started {
                 Ok(t) => active.push((unit, i, t)),
-                Err(f) => results.push((
-                    unit,
-                    Some(self.classify(unit, f, vec![blobs[i].blob], vec![], deadline)),
-                )),
+                Err(f) => {
+                    let keys = blobs[i].entries.iter().map(|e| e.key.clone()).collect();
+                    results.push((
+                        unit,
+                        Some(self.classify(unit, f, vec![blobs[i].blob], keys, deadline)),
+                    ))
+                }
             }
         }
         while !active.is_empty() {

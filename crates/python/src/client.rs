@@ -686,6 +686,10 @@ impl Client {
             d.set_item("disk_capacity", s.disk_capacity)?;
             d.set_item("disk_used", s.disk_used)?;
             d.set_item("spilled_blobs", s.spilled_blobs)?;
+            d.set_item("disk_write_bytes", s.disk_write_bytes)?;
+            d.set_item("disk_write_micros", s.disk_write_micros)?;
+            d.set_item("disk_read_bytes", s.disk_read_bytes)?;
+            d.set_item("disk_read_micros", s.disk_read_micros)?;
             out.append(d)?;
         }
         Ok(out)
