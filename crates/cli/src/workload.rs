@@ -140,7 +140,10 @@ impl TensorSink for Buffers {
         shape: &[u64],
     ) -> Result<&mut [u8], String> {
         let t = &mut self.0[field][row];
-        let len = shape.iter().product::<u64>() as usize * dtype.itemsize();
+        let len = dtype
+            .nbytes(shape)
+            .and_then(|n| usize::try_from(n).ok())
+            .ok_or("value larger than memory")?;
         t.dtype = dtype;
         t.shape.clear();
         t.shape.extend_from_slice(shape);

@@ -101,6 +101,14 @@ impl DType {
         DType::ALL.into_iter().find(|d| d.name() == s)
     }
 
+    /// Bytes of a C-contiguous value of this dtype and `shape`, or `None`
+    /// when that overflows.
+    pub fn nbytes(self, shape: &[u64]) -> Option<u64> {
+        shape
+            .iter()
+            .try_fold(self.itemsize() as u64, |acc, &d| acc.checked_mul(d))
+    }
+
     /// Bytes per element.
     pub fn itemsize(self) -> usize {
         match self {
@@ -214,9 +222,8 @@ struct ValueMeta {
 }
 
 fn byte_len(dtype: DType, shape: &[u64]) -> Result<u64> {
-    shape
-        .iter()
-        .try_fold(dtype.itemsize() as u64, |acc, &d| acc.checked_mul(d))
+    dtype
+        .nbytes(shape)
         .ok_or_else(|| Error::InvalidRequest(format!("shape {shape:?} overflows")))
 }
 
@@ -506,6 +513,16 @@ impl Client {
             .collect()
     }
 
+    /// (unit, wire row) of every key.
+    fn place_rows(&self, keys: &[RowKey], unit: Option<usize>) -> Result<Vec<(usize, u64)>> {
+        keys.iter()
+            .map(|k| {
+                let r = k.row_id()?;
+                Ok((self.unit_of_key(r, unit)?, r))
+            })
+            .collect()
+    }
+
     /// (unit, wire key) of every (field, key), field-major.
     fn place(
         &self,
@@ -513,13 +530,7 @@ impl Client {
         fields: &[&str],
         unit: Option<usize>,
     ) -> Result<Vec<(usize, Key)>> {
-        let rows: Vec<(usize, u64)> = keys
-            .iter()
-            .map(|k| {
-                let r = k.row_id()?;
-                Ok((self.unit_of_key(r, unit)?, r))
-            })
-            .collect::<Result<_>>()?;
+        let rows = self.place_rows(keys, unit)?;
         let mut placed = Vec::with_capacity(keys.len() * fields.len());
         for f in fields {
             check_field(f)?;
@@ -538,13 +549,7 @@ impl Client {
         unit: Option<usize>,
         deadline: Instant,
     ) -> Result<u64> {
-        let rows: Vec<(usize, u64)> = keys
-            .iter()
-            .map(|k| {
-                let r = k.row_id()?;
-                Ok((self.unit_of_key(r, unit)?, r))
-            })
-            .collect::<Result<_>>()?;
+        let rows = self.place_rows(keys, unit)?;
         self.release_rows(partition, &rows, deadline)
     }
 

@@ -187,10 +187,7 @@ impl OutSink {
 }
 
 fn nbytes(dtype: DType, shape: &[u64]) -> Option<usize> {
-    shape
-        .iter()
-        .try_fold(dtype.itemsize() as u64, |acc, &d| acc.checked_mul(d))
-        .and_then(|n| usize::try_from(n).ok())
+    dtype.nbytes(shape).and_then(|n| usize::try_from(n).ok())
 }
 
 /// The pins of one `get_view` call, released when the last array over

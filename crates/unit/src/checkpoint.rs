@@ -122,12 +122,12 @@ fn write_snapshot(
         }
         let len = usize::try_from(nbytes)
             .map_err(|_| CheckpointError::Restore("blob too large".into()))?;
-        let write = |data: &[u8]| -> io::Result<()> {
+        let write = |data: &[u8]| -> io::Result<u64> {
             let mut w = out.create(blob, nbytes)?;
             w.write(data)?;
             w.finish()
         };
-        match place {
+        let xxh3 = match place {
             Place::Memory(l) => shared
                 .slab
                 .with_ref(l.offset, len, write)
@@ -143,14 +143,14 @@ fn write_snapshot(
                 d.engine
                     .read(blob, &mut buf)
                     .map_err(|e| ioe(io::Error::other(e.to_string())))?;
-                write(&buf).map_err(&ioe)?;
+                write(&buf).map_err(&ioe)?
             }
-        }
+        };
         let path = out.path(blob);
         files.push(CheckpointFile {
             name: file_name(&path),
             size: fs::metadata(&path).map_err(&ioe)?.len(),
-            xxh3: xxh3_file(&path).map_err(&ioe)?,
+            xxh3,
         });
         bytes += nbytes;
     }

@@ -72,8 +72,8 @@ pub trait DiskEngine: Send + Sync {
 pub trait BlobWriter: Send {
     fn write(&mut self, bytes: &[u8]) -> io::Result<()>;
     /// Check the length, append the checksum, sync, and give the file its
-    /// final name.
-    fn finish(self: Box<Self>) -> io::Result<()>;
+    /// final name. Returns the xxh3 of the whole file (for manifests).
+    fn finish(self: Box<Self>) -> io::Result<u64>;
 }
 
 /// Files in one directory, with plain positioned I/O.
@@ -101,7 +101,10 @@ struct FileWriter {
     dst: PathBuf,
     expected: u64,
     written: u64,
+    /// Of the data, for the trailer.
     hash: Xxh3Default,
+    /// Of the whole file, header and trailer included.
+    file_hash: Xxh3Default,
     fail: bool,
 }
 
@@ -112,11 +115,12 @@ impl BlobWriter for FileWriter {
         }
         self.file.write_all(bytes)?;
         self.hash.update(bytes);
+        self.file_hash.update(bytes);
         self.written += bytes.len() as u64;
         Ok(())
     }
 
-    fn finish(mut self: Box<Self>) -> io::Result<()> {
+    fn finish(mut self: Box<Self>) -> io::Result<u64> {
         if self.fail {
             let _ = fs::remove_file(&self.tmp);
             return Err(io::Error::other("failpoint disk-write"));
@@ -128,16 +132,17 @@ impl BlobWriter for FileWriter {
                 self.written, self.expected
             )));
         }
-        let sum = self.hash.digest();
+        let sum = self.hash.digest().to_le_bytes();
+        self.file_hash.update(&sum);
         let r = self
             .file
-            .write_all(&sum.to_le_bytes())
+            .write_all(&sum)
             .and_then(|()| self.file.sync_data())
             .and_then(|()| fs::rename(&self.tmp, &self.dst));
         if r.is_err() {
             let _ = fs::remove_file(&self.tmp);
         }
-        r
+        r.map(|()| self.file_hash.digest())
     }
 }
 
@@ -163,6 +168,11 @@ impl DiskEngine for FileEngine {
             expected: nbytes,
             written: 0,
             hash: Xxh3Default::new(),
+            file_hash: {
+                let mut h = Xxh3Default::new();
+                h.update(&header);
+                h
+            },
             fail,
         }))
     }
@@ -309,7 +319,11 @@ mod tests {
         let mut w = e.create(BlobId(7), 10).unwrap();
         w.write(b"hello").unwrap();
         w.write(b"world").unwrap();
-        w.finish().unwrap();
+        let file_sum = w.finish().unwrap();
+        assert_eq!(
+            file_sum,
+            xxhash_rust::xxh3::xxh3_64(&fs::read(e.path(BlobId(7))).unwrap())
+        );
         let mut out = [0u8; 10];
         e.read(BlobId(7), &mut out).unwrap();
         assert_eq!(&out, b"helloworld");

@@ -528,7 +528,7 @@ fn flusher(
         let Some(d) = &shared.disk else { return };
         let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
         let ok = match writer.finish() {
-            Ok(()) => true,
+            Ok(_) => true,
             Err(e) => {
                 tracing::warn!(error = %e, ?blob, "a put's blob file could not be made durable");
                 false
@@ -569,7 +569,7 @@ fn spiller(shared: Arc<Shared>) {
                 .map_err(std::io::Error::other)
                 .and_then(|r| r);
             match &written {
-                Ok(()) => {
+                Ok(_) => {
                     d.io.wrote(job.nbytes, t0);
                     failing = false
                 }
