@@ -20,19 +20,42 @@
 //! ```
 //!
 //! * [`slab::SlabAllocator`] hands out aligned byte ranges of the slab.
-//! * [`UnitCore::alloc`] reserves a range for a client-chosen [`BlobId`]
-//!   under a lease; the client writes the bytes itself (shm) or the server
-//!   streams them in (tcp); [`UnitCore::commit`] publishes the blob's
-//!   entries, each a [`Key`] → (offset, length) inside the blob.
-//!   Commit is idempotent, so a client whose reply was lost asks again.
+//! * Every request comes from an [`Owner`]: a connection
+//!   ([`UnitCore::attach`]) of a **session** ([`UnitCore::open_session`],
+//!   a client's connections to this unit). Reservations and pins belong to
+//!   the connection that took them and its session; only that session may
+//!   commit, abort or unpin them ([`CoreError::NotOwner`] otherwise).
+//! * [`UnitCore::alloc`] reserves a range for a client-chosen [`BlobId`];
+//!   the client writes the bytes itself (shm) or the server streams them in
+//!   (tcp); [`UnitCore::commit`] publishes the blob's entries, each a
+//!   [`Key`] → (offset, length) inside the blob. Commit is idempotent, so a
+//!   client whose reply was lost asks again.
 //! * [`UnitCore::resolve`] turns keys into slab [`Location`]s and pins the
-//!   blobs that hold them under a lease, so their bytes neither move nor
-//!   change until [`UnitCore::unpin`] or the lease ends.
+//!   blobs that hold them, so their bytes neither move nor change until
+//!   [`UnitCore::unpin`].
 //! * [`UnitCore::release_rows`] clears whole rows; a blob's memory returns
 //!   to the allocator once no entry and no pin refers to it.
-//! * [`UnitCore::tick`] reclaims what dead clients left behind: expired
-//!   reservations (quarantined first, since a writer may still be copying
-//!   into them), expired pins and ended quarantines.
+//!
+//! ## Fencing: memory is reused only when no one can still touch it
+//!
+//! No timer ever takes a range from its holder: a process can be paused
+//! (a debugger, a frozen cgroup, swap) for any length of time and then
+//! resume its copy. A hold ends only when
+//!
+//! * its owner releases it (commit, abort, unpin);
+//! * its connection ends because the peer closed it
+//!   ([`ConnEnd::Closed`]: the peer finished or died; nothing of it copies
+//!   any more);
+//! * its connection was cut by the unit ([`ConnEnd::Cut`]) and the peer
+//!   never mapped the slab (a tcp peer: the unit's own thread did every
+//!   copy and has stopped); a reservation then goes through quarantine;
+//! * or the session's process is certainly gone
+//!   ([`UnitCore::session_gone`]), for a peer that maps the slab and whose
+//!   connection was cut.
+//!
+//! A silent session keeps what it holds; [`UnitCore::stats`] shows each
+//! session's held bytes and its oldest hold, and counts holds older than
+//! the configured leases as overdue — reported, never reclaimed.
 //!
 //! Lack of space is an answer ([`CoreError::Full`], [`CoreError::Busy`]),
 //! never a panic.
@@ -43,8 +66,8 @@ pub mod slab;
 mod unit;
 
 pub use unit::{
-    Committed, CoreConfig, Effect, Located, Place, Snapshot, SnapshotEntry, SpillJob, Stats,
-    UnitCore,
+    Committed, ConnEnd, CoreConfig, Effect, Located, Owner, Place, SessionStats, Snapshot,
+    SnapshotEntry, SpillJob, Stats, UnitCore,
 };
 
 use serde::{Deserialize, Serialize};
@@ -59,9 +82,18 @@ pub type Time = Duration;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BlobId(pub u128);
 
-/// A pin taken by [`UnitCore::resolve`].
+/// A pin taken by [`UnitCore::resolve`]. Not guessable: drawn from a keyed
+/// pseudo-random function ([`CoreConfig::id_key`]), never sequential.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PinId(pub u64);
+
+/// A session: a client's connections to one unit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SessionId(pub u64);
+
+/// One connection of a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct ConnId(pub u64);
 
 /// One value's name: a row and a field of it.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -119,9 +151,12 @@ pub enum CoreError {
     /// ranges will free enough: ask again shortly.
     #[error("unit busy: {needed} bytes requested, {reclaimable} bytes awaiting reclamation")]
     Busy { needed: u64, reclaimable: u64 },
-    /// The blob is not reserved (never allocated, or its lease ended).
-    #[error("unknown blob {0:?} (never allocated, or its reservation expired)")]
+    /// The blob is not reserved (never allocated, or aborted).
+    #[error("unknown blob {0:?} (never allocated, or aborted)")]
     UnknownBlob(BlobId),
+    /// The reservation or pin belongs to another session.
+    #[error("not the owner: {0}")]
+    NotOwner(String),
     /// The request contradicts itself or the unit's state.
     #[error("invalid request: {0}")]
     Invalid(String),

@@ -4,7 +4,7 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use crate::slab::{Region, SlabAllocator};
-use crate::{Allocated, BlobId, CoreError, EntrySpec, Key, Location, PinId, Time};
+use crate::{Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time};
 
 /// How many freed committed blob ids a unit remembers, so that a retried
 /// alloc or commit of a blob that was committed and has since been freed
@@ -16,14 +16,23 @@ pub const REMEMBERED_COMMITS: usize = 1 << 16;
 pub struct CoreConfig {
     /// Slab bytes (rounded down to 64). At most [`crate::slab::MAX_CAPACITY`].
     pub capacity: u64,
-    /// How long an uncommitted reservation lives. Default 30 s.
+    /// An uncommitted reservation older than this is reported as overdue
+    /// in [`Stats`]. It is never taken from its holder. Default 30 s.
     pub reservation_lease: Duration,
-    /// How long a pin lives unless unpinned. Default 30 s.
+    /// A pin older than this is reported as overdue. Default 30 s.
     pub pin_lease: Duration,
-    /// How long a range stays unusable after an aborted in-flight transfer or
-    /// an expired reservation, so a writer that is still copying cannot
-    /// scribble over a new owner's bytes. Default 5 s.
+    /// How long a range stays unusable after an aborted in-flight transfer
+    /// (a stream the unit cut off), before it is reused. Default 5 s.
     pub quarantine: Duration,
+    /// Bytes the key index may take (names, metadata and a fixed cost per
+    /// entry, [`ENTRY_OVERHEAD`]); a commit past it answers Full. Default:
+    /// a quarter of the slab, at least 64 MiB.
+    pub index_budget: u64,
+    /// Most connections one session may have at once. Default 64.
+    pub max_session_conns: usize,
+    /// Key of the function that draws pin ids (the driver gives a random
+    /// one; the core itself has no randomness).
+    pub id_key: (u64, u64),
     /// Bytes of the disk tier; 0 turns it off. Default 0.
     pub disk_capacity: u64,
     /// Past this fraction of the slab in use, committed unpinned blobs spill
@@ -40,6 +49,9 @@ impl CoreConfig {
             reservation_lease: Duration::from_secs(30),
             pin_lease: Duration::from_secs(30),
             quarantine: Duration::from_secs(5),
+            index_budget: (capacity / 4).max(64 << 20),
+            max_session_conns: 64,
+            id_key: (0x5157_0a6e, 0x9e37_79b9),
             disk_capacity: 0,
             high_watermark: 0.9,
             low_watermark: 0.8,
@@ -72,12 +84,86 @@ pub struct Stats {
     pub disk_write_micros: u64,
     pub disk_read_bytes: u64,
     pub disk_read_micros: u64,
+    /// Bytes the key index takes (see [`CoreConfig::index_budget`]).
+    pub index_bytes: u64,
+    /// Bytes held by sessions: reserved ranges and pinned blobs.
+    pub held_bytes: u64,
+    /// Reservations and pins older than their lease (reported, never
+    /// reclaimed while their holder may still touch them).
+    pub overdue_holds: u64,
+    /// Every session that holds something or has a connection.
+    pub sessions: Vec<SessionStats>,
+}
+
+/// What one session holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SessionStats {
+    pub session: u64,
+    /// Open connections.
+    pub connections: u32,
+    pub reservations: u32,
+    pub pins: u32,
+    /// Reserved bytes plus the bytes of pinned blobs.
+    pub held_bytes: u64,
+    /// Age of its oldest reservation or pin, in milliseconds.
+    pub oldest_hold_ms: u64,
+    /// Holds whose connection the unit cut: kept until the session's
+    /// process is gone.
+    pub orphaned: u32,
+}
+
+/// Index bytes an entry costs beyond its field name and metadata.
+pub const ENTRY_OVERHEAD: u64 = 96;
+
+fn entry_cost(field: &str, meta_len: usize) -> u64 {
+    ENTRY_OVERHEAD + field.len() as u64 + meta_len as u64
+}
+
+/// Who makes a request: a connection of a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub session: SessionId,
+    pub conn: ConnId,
+}
+
+impl Owner {
+    /// The unit itself (checkpoints): never detached.
+    pub const UNIT: Owner = Owner {
+        session: SessionId(0),
+        conn: ConnId(0),
+    };
+}
+
+/// How a connection ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnEnd {
+    /// The peer closed it (or died): it touches nothing any more.
+    Closed,
+    /// The unit cut it (a timeout, an invalid request, shutdown): the peer
+    /// may still be running.
+    Cut,
+}
+
+/// Who holds a reservation or pin. `conn` is `None` once the unit cut
+/// the connection that took it: the session keeps the hold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    session: SessionId,
+    conn: Option<ConnId>,
+    since: Time,
+}
+
+struct Session {
+    /// Open connections, and whether each one's peer maps the slab.
+    conns: HashMap<ConnId, bool>,
+    reservations: HashSet<BlobId>,
+    pins: HashSet<PinId>,
 }
 
 #[derive(Debug)]
 enum State {
     Reserved {
-        expires: Time,
+        holder: Holder,
         n_entries: u32,
     },
     /// A blob written to disk by the unit: its entries are published once
@@ -91,9 +177,6 @@ enum State {
         live: u32,
         /// Pins that hold this blob.
         pins: u32,
-    },
-    Quarantined {
-        until: Time,
     },
 }
 
@@ -131,9 +214,7 @@ struct Entry {
 
 struct Pin {
     blobs: Vec<BlobId>,
-    /// `None`: held until unpinned (the server drops such pins when their
-    /// connection ends).
-    expires: Option<Time>,
+    holder: Holder,
 }
 
 type Rows = HashMap<u64, HashMap<String, Entry>>;
@@ -221,12 +302,15 @@ pub struct UnitCore {
     /// namespace → row → field → entry.
     index: HashMap<String, Rows>,
     pins: HashMap<PinId, Pin>,
-    next_pin: u64,
-    /// Expiry times of reservations, pins and quarantines, so `tick` finds
-    /// what is due without a scan. Entries may be stale (already resolved);
-    /// `tick` checks the record before acting.
-    timers: BTreeMap<(Time, u64), Timer>,
-    timer_seq: u64,
+    /// Counter under the pin-id function.
+    pin_counter: u64,
+    /// Quarantined ranges by the time they may be reused.
+    quarantined: BTreeMap<(Time, u64), Region>,
+    quarantine_seq: u64,
+    sessions: HashMap<SessionId, Session>,
+    next_session: u64,
+    next_conn: u64,
+    index_bytes: u64,
     entries: u64,
     reserved_bytes: u64,
     quarantined_bytes: u64,
@@ -235,21 +319,15 @@ pub struct UnitCore {
     freed_commits: VecDeque<BlobId>,
     freed_commit_set: HashSet<BlobId>,
     disk_used: u64,
-    /// Blobs freed while their file was being written: the file goes once
-    /// the write reports back.
-    orphan_writes: HashMap<BlobId, u64>,
+    /// Blobs freed while their file was being written: the file goes, and
+    /// the slab range the writer reads from is freed, once the write
+    /// reports back.
+    orphan_writes: HashMap<BlobId, (u64, Option<Region>)>,
     commit_seq: u64,
     effects: Vec<Effect>,
     /// Slab ranges of promotions whose blob was freed before the driver
     /// finished copying into them.
     orphan_promotions: HashMap<BlobId, Region>,
-}
-
-#[derive(Clone, Copy, Debug)]
-enum Timer {
-    Reservation(BlobId),
-    Quarantine(BlobId),
-    Pin(PinId),
 }
 
 impl UnitCore {
@@ -271,15 +349,28 @@ impl UnitCore {
                 cfg.low_watermark, cfg.high_watermark
             )));
         }
+        let mut sessions = HashMap::new();
+        sessions.insert(
+            Owner::UNIT.session,
+            Session {
+                conns: HashMap::from([(Owner::UNIT.conn, false)]),
+                reservations: HashSet::new(),
+                pins: HashSet::new(),
+            },
+        );
         Ok(Self {
             slab: SlabAllocator::new(cfg.capacity),
             cfg,
             blobs: HashMap::new(),
             index: HashMap::new(),
             pins: HashMap::new(),
-            next_pin: 1,
-            timers: BTreeMap::new(),
-            timer_seq: 0,
+            pin_counter: 0,
+            quarantined: BTreeMap::new(),
+            quarantine_seq: 0,
+            sessions,
+            next_session: 1,
+            next_conn: 1,
+            index_bytes: 0,
             entries: 0,
             reserved_bytes: 0,
             quarantined_bytes: 0,
@@ -310,9 +401,209 @@ impl UnitCore {
         self.cfg.disk_capacity.saturating_sub(self.disk_used)
     }
 
-    fn add_timer(&mut self, at: Time, t: Timer) {
-        self.timer_seq += 1;
-        self.timers.insert((at, self.timer_seq), t);
+    /// A new session, with no connection yet.
+    pub fn open_session(&mut self) -> SessionId {
+        let id = SessionId(self.next_session);
+        self.next_session += 1;
+        self.sessions.insert(
+            id,
+            Session {
+                conns: HashMap::new(),
+                reservations: HashSet::new(),
+                pins: HashSet::new(),
+            },
+        );
+        id
+    }
+
+    /// Whether `session` exists (has a connection or holds something).
+    pub fn has_session(&self, session: SessionId) -> bool {
+        self.sessions.contains_key(&session)
+    }
+
+    /// A new connection of `session`. `direct`: its peer may map the slab
+    /// and copy into or out of it (a Unix-socket peer). Busy when the
+    /// session has [`CoreConfig::max_session_conns`] connections already.
+    pub fn attach(&mut self, session: SessionId, direct: bool) -> Result<Owner, CoreError> {
+        let max = self.cfg.max_session_conns;
+        let Some(s) = self.sessions.get_mut(&session) else {
+            return Err(CoreError::Invalid(format!("no session {}", session.0)));
+        };
+        if s.conns.len() >= max {
+            return Err(CoreError::Busy {
+                needed: 0,
+                reclaimable: 0,
+            });
+        }
+        let conn = ConnId(self.next_conn);
+        self.next_conn += 1;
+        s.conns.insert(conn, direct);
+        Ok(Owner { session, conn })
+    }
+
+    /// A connection ended. What it holds is released when the peer closed
+    /// it, or when the unit cut it and the peer does not map the slab
+    /// (reservations then go through quarantine: a stream was cut). A
+    /// direct peer's holds stay with its session until
+    /// [`UnitCore::session_gone`].
+    pub fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) {
+        if owner == Owner::UNIT {
+            return;
+        }
+        let Some(s) = self.sessions.get_mut(&owner.session) else {
+            return;
+        };
+        let Some(direct) = s.conns.remove(&owner.conn) else {
+            return;
+        };
+        let held = |h: &Holder| h.conn == Some(owner.conn);
+        let reservations: Vec<BlobId> = s
+            .reservations
+            .iter()
+            .copied()
+            .filter(|b| {
+                matches!(self.blobs.get(b), Some(Blob { state: State::Reserved { holder, .. }, .. }) if held(holder))
+            })
+            .collect();
+        let pins: Vec<PinId> = s
+            .pins
+            .iter()
+            .copied()
+            .filter(|p| self.pins.get(p).is_some_and(|p| held(&p.holder)))
+            .collect();
+        let keep = end == ConnEnd::Cut && direct;
+        for blob in reservations {
+            if keep {
+                if let Some(Blob {
+                    state: State::Reserved { holder, .. },
+                    ..
+                }) = self.blobs.get_mut(&blob)
+                {
+                    holder.conn = None;
+                }
+            } else {
+                self.release_reservation(blob, end == ConnEnd::Cut, now);
+            }
+        }
+        for pin in pins {
+            if keep {
+                if let Some(p) = self.pins.get_mut(&pin) {
+                    p.holder.conn = None;
+                }
+            } else {
+                self.drop_pin(pin);
+            }
+        }
+        self.maybe_forget_session(owner.session);
+    }
+
+    /// The session's process is certainly gone (its pid exited): release
+    /// everything it holds.
+    pub fn session_gone(&mut self, session: SessionId, now: Time) {
+        if session == Owner::UNIT.session {
+            return;
+        }
+        let Some(s) = self.sessions.remove(&session) else {
+            return;
+        };
+        for blob in s.reservations {
+            // Nothing of the process runs any more: no quarantine needed.
+            self.release_reservation_of(blob, false, now);
+        }
+        for pin in s.pins {
+            self.drop_pin(pin);
+        }
+    }
+
+    /// Sessions that hold something although none of their connections is
+    /// open (their connections were cut): the driver checks whether their
+    /// processes are gone.
+    pub fn orphaned_sessions(&self) -> Vec<SessionId> {
+        self.sessions
+            .iter()
+            .filter(|(id, s)| {
+                **id != Owner::UNIT.session
+                    && s.conns.is_empty()
+                    && (!s.reservations.is_empty() || !s.pins.is_empty())
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
+
+    fn maybe_forget_session(&mut self, session: SessionId) {
+        if session == Owner::UNIT.session {
+            return;
+        }
+        if self.sessions.get(&session).is_some_and(|s| {
+            s.conns.is_empty() && s.reservations.is_empty() && s.pins.is_empty()
+        }) {
+            self.sessions.remove(&session);
+        }
+    }
+
+    fn check_owner(&self, owner: Owner) -> Result<(), CoreError> {
+        match self.sessions.get(&owner.session) {
+            Some(s) if s.conns.contains_key(&owner.conn) => Ok(()),
+            _ => Err(CoreError::NotOwner(format!(
+                "connection {} of session {} is not attached",
+                owner.conn.0, owner.session.0
+            ))),
+        }
+    }
+
+    /// Give up a reservation (any holder): free its range, or quarantine it
+    /// when a transfer may still write (`in_flight`).
+    fn release_reservation(&mut self, blob: BlobId, in_flight: bool, now: Time) {
+        let session = match self.blobs.get(&blob) {
+            Some(Blob {
+                state: State::Reserved { holder, .. },
+                ..
+            }) => holder.session,
+            _ => return,
+        };
+        if let Some(s) = self.sessions.get_mut(&session) {
+            s.reservations.remove(&blob);
+        }
+        self.release_reservation_of(blob, in_flight, now);
+    }
+
+    /// [`Self::release_reservation`] once the session's record is handled.
+    fn release_reservation_of(&mut self, blob: BlobId, in_flight: bool, now: Time) {
+        if !matches!(
+            self.blobs.get(&blob),
+            Some(Blob {
+                state: State::Reserved { .. },
+                ..
+            })
+        ) {
+            return;
+        }
+        match self.blobs.get(&blob).and_then(|b| b.region) {
+            Some(r) => {
+                self.blobs.remove(&blob);
+                self.reserved_bytes -= r.len;
+                if in_flight {
+                    self.quarantine(r, now);
+                } else {
+                    self.slab.free(r);
+                }
+            }
+            None => self.drop_disk_reservation(blob),
+        }
+    }
+
+    /// The next pin id: a keyed hash of a counter, so ids are neither
+    /// sequential nor guessable without the key.
+    fn new_pin_id(&mut self) -> PinId {
+        loop {
+            self.pin_counter += 1;
+            let mut h = siphasher::sip::SipHasher13::new_with_keys(self.cfg.id_key.0, self.cfg.id_key.1);
+            std::hash::Hasher::write_u64(&mut h, self.pin_counter);
+            let id = PinId(std::hash::Hasher::finish(&h));
+            if id.0 != 0 && !self.pins.contains_key(&id) {
+                return id;
+            }
+        }
     }
 
     /// What the driver must do now (file removals); drains the list.
@@ -320,34 +611,52 @@ impl UnitCore {
         std::mem::take(&mut self.effects)
     }
 
-    /// Reserve `nbytes` for `blob` under a lease.
+    /// Reserve `nbytes` for `blob`, held by `owner` until it commits or
+    /// aborts, or its connection ends.
     ///
-    /// A retry of an alloc that already succeeded returns the same answer
-    /// (and renews the lease); one whose blob was committed since answers
-    /// [`Allocated::AlreadyCommitted`]. When the slab has no room and the
-    /// disk tier has, the blob is reserved on disk ([`Allocated::ToDisk`]):
-    /// the driver writes its bytes to the blob's file.
+    /// A retry of an alloc that already succeeded returns the same answer;
+    /// one whose blob was committed since answers
+    /// [`Allocated::AlreadyCommitted`]; one whose reservation was given up
+    /// (its connection closed) reserves afresh. A reservation is never
+    /// handed to two connections: while another open connection of the
+    /// session holds it the answer is Busy (retry), and another session
+    /// gets [`CoreError::NotOwner`]. When the slab has no room and the disk
+    /// tier has, the blob is reserved on disk ([`Allocated::ToDisk`]): the
+    /// driver writes its bytes to the blob's file.
     pub fn alloc(
         &mut self,
+        owner: Owner,
         blob: BlobId,
         nbytes: u64,
         n_entries: u32,
         now: Time,
     ) -> Result<Allocated, CoreError> {
-        let expires = now + self.cfg.reservation_lease;
+        self.check_owner(owner)?;
         if let Some(b) = self.blobs.get_mut(&blob) {
             return match &mut b.state {
                 State::Reserved {
-                    expires: e,
+                    holder,
                     n_entries: n,
                 } if b.nbytes == nbytes && *n == n_entries => {
-                    *e = expires;
-                    let answer = match b.region {
+                    if holder.session != owner.session {
+                        return Err(CoreError::NotOwner(format!(
+                            "blob {blob:?} is reserved by another session"
+                        )));
+                    }
+                    match holder.conn {
+                        Some(c) if c != owner.conn => {
+                            return Err(CoreError::Busy {
+                                needed: nbytes,
+                                reclaimable: 0,
+                            })
+                        }
+                        // Its connection was cut: the retry takes it over.
+                        _ => holder.conn = Some(owner.conn),
+                    }
+                    Ok(match b.region {
                         Some(r) => Allocated::Reserved { offset: r.offset },
                         None => Allocated::ToDisk,
-                    };
-                    self.add_timer(expires, Timer::Reservation(blob));
-                    Ok(answer)
+                    })
                 }
                 State::Reserved { .. } => Err(CoreError::Invalid(format!(
                     "blob {blob:?} is already reserved with another size or entry count"
@@ -355,9 +664,6 @@ impl UnitCore {
                 State::Committed { .. } | State::PendingDisk { .. } => {
                     Ok(Allocated::AlreadyCommitted)
                 }
-                State::Quarantined { .. } => Err(CoreError::Invalid(format!(
-                    "blob {blob:?} was aborted or expired; use a new blob id"
-                ))),
             };
         }
         if self.freed_commit_set.contains(&blob) {
@@ -419,12 +725,21 @@ impl UnitCore {
                 region,
                 promoting: None,
                 nbytes,
-                state: State::Reserved { expires, n_entries },
+                state: State::Reserved {
+                    holder: Holder {
+                        session: owner.session,
+                        conn: Some(owner.conn),
+                        since: now,
+                    },
+                    n_entries,
+                },
                 disk,
                 seq: 0,
             },
         );
-        self.add_timer(expires, Timer::Reservation(blob));
+        if let Some(s) = self.sessions.get_mut(&owner.session) {
+            s.reservations.insert(blob);
+        }
         Ok(answer)
     }
 
@@ -436,6 +751,7 @@ impl UnitCore {
     /// disk answers [`Committed::Pending`] until its file is durable.
     pub fn commit(
         &mut self,
+        owner: Owner,
         ns: &str,
         blob: BlobId,
         entries: &[EntrySpec],
@@ -451,8 +767,12 @@ impl UnitCore {
         match b.state {
             State::Committed { .. } => return Ok(Committed::Done),
             State::PendingDisk { .. } => return Ok(Committed::Pending),
-            State::Quarantined { .. } => return Err(CoreError::UnknownBlob(blob)),
-            State::Reserved { n_entries, .. } => {
+            State::Reserved { holder, n_entries } => {
+                if holder.session != owner.session {
+                    return Err(CoreError::NotOwner(format!(
+                        "blob {blob:?} is reserved by another session"
+                    )));
+                }
                 if entries.len() != n_entries as usize {
                     return Err(CoreError::Invalid(format!(
                         "blob {blob:?} was reserved for {n_entries} entries, commit names {}",
@@ -468,6 +788,21 @@ impl UnitCore {
                     e.key, e.offset, e.len
                 )));
             }
+        }
+        // The index's byte budget: a flood of tiny entries answers Full.
+        let cost: u64 = entries
+            .iter()
+            .map(|e| entry_cost(&e.key.field, e.meta.len()))
+            .sum();
+        if self.index_bytes.saturating_add(cost) > self.cfg.index_budget {
+            return Err(CoreError::Full {
+                needed: cost,
+                free: self.cfg.index_budget.saturating_sub(self.index_bytes),
+                capacity: self.cfg.index_budget,
+            });
+        }
+        if let Some(s) = self.sessions.get_mut(&owner.session) {
+            s.reservations.remove(&blob);
         }
         if b.region.is_none() {
             if b.disk == Disk::Durable {
@@ -507,11 +842,15 @@ impl UnitCore {
                 len: e.len,
                 meta: e.meta.clone().into_boxed_slice(),
             };
-            match rows
+            self.index_bytes += entry_cost(&e.key.field, e.meta.len());
+            let old = rows
                 .entry(e.key.row)
                 .or_default()
-                .insert(e.key.field.clone(), entry)
-            {
+                .insert(e.key.field.clone(), entry);
+            if let Some(old) = &old {
+                self.index_bytes -= entry_cost(&e.key.field, old.meta.len());
+            }
+            match old {
                 Some(old) if old.blob == blob => {} // a duplicate key in this blob: last wins
                 Some(old) => {
                     replaced.push(old.blob);
@@ -539,25 +878,27 @@ impl UnitCore {
     /// Give up a reservation. With `in_flight` (a transfer may still write
     /// into it) the range is quarantined before reuse. A committed or
     /// unknown blob is left alone: the client aborts after failures whose
-    /// outcome it does not know.
-    pub fn abort(&mut self, blob: BlobId, in_flight: bool, now: Time) {
-        let Some(b) = self.blobs.get(&blob) else {
-            return;
-        };
-        if let State::Reserved { .. } = b.state {
-            match b.region {
-                Some(r) => {
-                    self.reserved_bytes -= r.len;
-                    if in_flight {
-                        self.quarantine(blob, now);
-                    } else {
-                        self.blobs.remove(&blob);
-                        self.slab.free(r);
-                    }
-                }
-                None => self.drop_disk_reservation(blob),
+    /// outcome it does not know. Only the holding session may abort.
+    pub fn abort(
+        &mut self,
+        owner: Owner,
+        blob: BlobId,
+        in_flight: bool,
+        now: Time,
+    ) -> Result<(), CoreError> {
+        if let Some(Blob {
+            state: State::Reserved { holder, .. },
+            ..
+        }) = self.blobs.get(&blob)
+        {
+            if holder.session != owner.session {
+                return Err(CoreError::NotOwner(format!(
+                    "blob {blob:?} is reserved by another session"
+                )));
             }
+            self.release_reservation(blob, in_flight, now);
         }
+        Ok(())
     }
 
     /// Forget a blob reserved on disk (never published): its file goes.
@@ -571,40 +912,38 @@ impl UnitCore {
         }
     }
 
-    fn quarantine(&mut self, blob: BlobId, now: Time) {
+    fn quarantine(&mut self, r: Region, now: Time) {
         let until = now + self.cfg.quarantine;
-        if let Some(b) = self.blobs.get_mut(&blob) {
-            b.state = State::Quarantined { until };
-            if let Some(r) = b.region {
-                self.quarantined_bytes += r.len;
-            }
-        }
-        self.add_timer(until, Timer::Quarantine(blob));
+        self.quarantined_bytes += r.len;
+        self.quarantine_seq += 1;
+        self.quarantined.insert((until, self.quarantine_seq), r);
     }
 
     /// Where `keys` of namespace `ns` live; pins the blobs holding the found
-    /// ones under a lease. Missing keys are `None`. The pin is `None` when no
-    /// key was found.
+    /// ones for `owner` (until it unpins, or its connection ends). Missing
+    /// keys are `None`. The pin is `None` when no key was found.
+    #[allow(clippy::type_complexity)]
     pub fn resolve(
         &mut self,
+        owner: Owner,
         ns: &str,
         keys: &[Key],
         now: Time,
-    ) -> (Option<PinId>, Vec<Option<Place>>) {
-        let (pin, found) = self.resolve_with_meta(ns, keys, now, false);
-        (pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect())
+    ) -> Result<(Option<PinId>, Vec<Option<Place>>), CoreError> {
+        let (pin, found) = self.resolve_with_meta(owner, ns, keys, now)?;
+        Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
     }
 
-    /// [`UnitCore::resolve`], with each found key's metadata. With `hold`
-    /// the pin has no lease: it lasts until [`UnitCore::unpin`] (zero-copy
-    /// views that live as long as the caller keeps them).
+    /// [`UnitCore::resolve`], with each found key's metadata.
+    #[allow(clippy::type_complexity)]
     pub fn resolve_with_meta(
         &mut self,
+        owner: Owner,
         ns: &str,
         keys: &[Key],
         now: Time,
-        hold: bool,
-    ) -> (Option<PinId>, Vec<Option<Located>>) {
+    ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
+        self.check_owner(owner)?;
         let rows = self.index.get(ns);
         let blobs_map = &self.blobs;
         let mut blobs = Vec::new();
@@ -629,12 +968,12 @@ impl UnitCore {
             })
             .collect();
         if blobs.is_empty() {
-            return (None, found);
+            return Ok((None, found));
         }
-        (Some(self.pin_blobs(blobs, now, hold)), found)
+        Ok((Some(self.pin_blobs(owner, blobs, now)), found))
     }
 
-    fn pin_blobs(&mut self, mut blobs: Vec<BlobId>, now: Time, hold: bool) -> PinId {
+    fn pin_blobs(&mut self, owner: Owner, mut blobs: Vec<BlobId>, now: Time) -> PinId {
         blobs.sort_unstable();
         blobs.dedup();
         for id in &blobs {
@@ -646,12 +985,20 @@ impl UnitCore {
                 *pins += 1;
             }
         }
-        let pin = PinId(self.next_pin);
-        self.next_pin += 1;
-        let expires = (!hold).then(|| now + self.cfg.pin_lease);
-        self.pins.insert(pin, Pin { blobs, expires });
-        if let Some(at) = expires {
-            self.add_timer(at, Timer::Pin(pin));
+        let pin = self.new_pin_id();
+        self.pins.insert(
+            pin,
+            Pin {
+                blobs,
+                holder: Holder {
+                    session: owner.session,
+                    conn: Some(owner.conn),
+                    since: now,
+                },
+            },
+        );
+        if let Some(s) = self.sessions.get_mut(&owner.session) {
+            s.pins.insert(pin);
         }
         pin
     }
@@ -728,7 +1075,7 @@ impl UnitCore {
                 Some((*id, b.nbytes, place))
             })
             .collect();
-        let pin = (!blob_ids.is_empty()).then(|| self.pin_blobs(blob_ids, now, true));
+        let pin = (!blob_ids.is_empty()).then(|| self.pin_blobs(Owner::UNIT, blob_ids, now));
         Snapshot {
             pin,
             entries,
@@ -736,9 +1083,30 @@ impl UnitCore {
         }
     }
 
-    /// Drop a pin early. Unknown pins (already expired) are ignored.
-    pub fn unpin(&mut self, pin: PinId) {
+    /// Drop a pin. Unknown pins (already dropped) are ignored; another
+    /// session's pin is refused.
+    pub fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
+        match self.pins.get(&pin) {
+            None => Ok(()),
+            Some(p) if p.holder.session != owner.session => Err(CoreError::NotOwner(
+                "the pin belongs to another session".into(),
+            )),
+            Some(_) => {
+                if let Some(s) = self.sessions.get_mut(&owner.session) {
+                    s.pins.remove(&pin);
+                }
+                self.drop_pin(pin);
+                Ok(())
+            }
+        }
+    }
+
+    /// Drop a pin whose session record is handled by the caller.
+    fn drop_pin(&mut self, pin: PinId) {
         if let Some(p) = self.pins.remove(&pin) {
+            if let Some(s) = self.sessions.get_mut(&p.holder.session) {
+                s.pins.remove(&pin);
+            }
             for blob in p.blobs {
                 if let Some(Blob {
                     state: State::Committed { pins, .. },
@@ -767,7 +1135,10 @@ impl UnitCore {
         for row in rows {
             if let Some(fields) = index.remove(row) {
                 hidden += fields.keys().filter(|f| f.starts_with('\0')).count() as u64;
-                dropped.extend(fields.into_values().map(|e| e.blob));
+                for (field, e) in fields {
+                    self.index_bytes -= entry_cost(&field, e.meta.len());
+                    dropped.push(e.blob);
+                }
             }
         }
         if index.is_empty() {
@@ -809,8 +1180,13 @@ impl UnitCore {
         }) = self.blobs.get(&blob)
         {
             if let Some(b) = self.blobs.remove(&blob) {
-                if let Some(r) = b.region {
-                    self.slab.free(r);
+                // A spill still reads the range: it is freed when the
+                // write reports back (disk_written).
+                let mut region = b.region;
+                if b.disk != Disk::Writing {
+                    if let Some(r) = region.take() {
+                        self.slab.free(r);
+                    }
                 }
                 if let Some(r) = b.promoting {
                     // The driver may still be copying into it: the range
@@ -824,7 +1200,7 @@ impl UnitCore {
                         self.effects.push(Effect::DeleteFile(blob));
                     }
                     Disk::Writing => {
-                        self.orphan_writes.insert(blob, b.nbytes);
+                        self.orphan_writes.insert(blob, (b.nbytes, region));
                     }
                 }
                 self.remember_commit(blob);
@@ -939,8 +1315,11 @@ impl UnitCore {
     /// synced). For a spill, the memory copy is freed (once unpinned); for a
     /// blob reserved on disk, its entries are published.
     pub fn disk_written(&mut self, blob: BlobId, ok: bool) {
-        if let Some(nbytes) = self.orphan_writes.remove(&blob) {
+        if let Some((nbytes, region)) = self.orphan_writes.remove(&blob) {
             self.disk_used -= nbytes;
+            if let Some(r) = region {
+                self.slab.free(r);
+            }
             self.effects.push(Effect::DeleteFile(blob));
             return;
         }
@@ -1021,60 +1400,89 @@ impl UnitCore {
         }
     }
 
-    /// Reclaim what is due at `now`: expired reservations (into quarantine),
-    /// expired pins and ended quarantines.
+    /// Reuse quarantined ranges whose quarantine ended by `now`. Nothing
+    /// else is ever reclaimed by time.
     pub fn tick(&mut self, now: Time) {
-        while let Some((&(at, seq), &timer)) = self.timers.first_key_value() {
+        while let Some((&(at, seq), &r)) = self.quarantined.first_key_value() {
             if at > now {
                 break;
             }
-            self.timers.remove(&(at, seq));
-            match timer {
-                Timer::Reservation(blob) => {
-                    let due = matches!(
-                        self.blobs.get(&blob),
-                        Some(Blob { state: State::Reserved { expires, .. }, .. }) if *expires <= now
-                    );
-                    if due {
-                        match self.blobs.get(&blob).and_then(|b| b.region) {
-                            Some(r) => {
-                                self.reserved_bytes -= r.len;
-                                self.quarantine(blob, now);
-                            }
-                            None => self.drop_disk_reservation(blob),
-                        }
-                    }
-                }
-                Timer::Quarantine(blob) => {
-                    let due = matches!(
-                        self.blobs.get(&blob),
-                        Some(Blob { state: State::Quarantined { until }, .. }) if *until <= now
-                    );
-                    if due {
-                        if let Some(b) = self.blobs.remove(&blob) {
-                            if let Some(r) = b.region {
-                                self.quarantined_bytes -= r.len;
-                                self.slab.free(r);
-                            }
-                        }
-                    }
-                }
-                Timer::Pin(pin) => {
-                    if self
-                        .pins
-                        .get(&pin)
-                        .is_some_and(|p| p.expires.is_some_and(|e| e <= now))
-                    {
-                        self.unpin(pin);
-                    }
-                }
-            }
+            self.quarantined.remove(&(at, seq));
+            self.quarantined_bytes -= r.len;
+            self.slab.free(r);
         }
     }
 
     /// When `tick` next has something to do.
     pub fn next_deadline(&self) -> Option<Time> {
-        self.timers.keys().next().map(|(t, _)| *t)
+        self.quarantined.keys().next().map(|(t, _)| *t)
+    }
+
+    /// Counters, with what each session holds at `now`.
+    pub fn stats_at(&self, now: Time) -> Stats {
+        let mut s = self.stats();
+        let mut overdue = 0u64;
+        let mut held_total = 0u64;
+        let mut sessions: Vec<SessionStats> = Vec::new();
+        for (id, sess) in &self.sessions {
+            if sess.reservations.is_empty() && sess.pins.is_empty() && sess.conns.is_empty() {
+                continue;
+            }
+            if *id == Owner::UNIT.session && sess.pins.is_empty() {
+                continue;
+            }
+            let mut st = SessionStats {
+                session: id.0,
+                connections: if *id == Owner::UNIT.session {
+                    0
+                } else {
+                    sess.conns.len() as u32
+                },
+                ..SessionStats::default()
+            };
+            let mut oldest: Option<Time> = None;
+            let mut note = |h: &Holder, lease: Duration, st: &mut SessionStats| {
+                oldest = Some(oldest.map_or(h.since, |o| o.min(h.since)));
+                if now.saturating_sub(h.since) > lease {
+                    overdue += 1;
+                }
+                if h.conn.is_none() {
+                    st.orphaned += 1;
+                }
+            };
+            for blob in &sess.reservations {
+                if let Some(Blob {
+                    state: State::Reserved { holder, .. },
+                    region,
+                    ..
+                }) = self.blobs.get(blob)
+                {
+                    st.reservations += 1;
+                    st.held_bytes += region.map_or(0, |r| r.len);
+                    note(holder, self.cfg.reservation_lease, &mut st);
+                }
+            }
+            for pin in &sess.pins {
+                if let Some(p) = self.pins.get(pin) {
+                    st.pins += 1;
+                    st.held_bytes += p
+                        .blobs
+                        .iter()
+                        .filter_map(|b| self.blobs.get(b))
+                        .map(|b| b.nbytes)
+                        .sum::<u64>();
+                    note(&p.holder, self.cfg.pin_lease, &mut st);
+                }
+            }
+            st.oldest_hold_ms = oldest.map_or(0, |o| now.saturating_sub(o).as_millis() as u64);
+            held_total += st.held_bytes;
+            sessions.push(st);
+        }
+        sessions.sort_by_key(|s| s.session);
+        s.held_bytes = held_total;
+        s.overdue_holds = overdue;
+        s.sessions = sessions;
+        s
     }
 
     pub fn stats(&self) -> Stats {
@@ -1094,6 +1502,7 @@ impl UnitCore {
                 .values()
                 .filter(|b| b.region.is_none() && b.disk == Disk::Durable)
                 .count() as u64,
+            index_bytes: self.index_bytes,
             ..Stats::default()
         }
     }
@@ -1107,11 +1516,47 @@ impl UnitCore {
                 .map(move |r| (*id, r.offset, r.len))
         })
     }
+
+    /// Every slab range still allocated but not a live blob's: quarantined
+    /// ranges, ranges a finished spill or promotion still reads or writes.
+    /// For invariant checks in tests.
+    pub fn held_ranges(&self) -> Vec<(u64, u64)> {
+        self.quarantined
+            .values()
+            .chain(self.orphan_promotions.values())
+            .chain(self.orphan_writes.values().filter_map(|(_, r)| r.as_ref()))
+            .map(|r| (r.offset, r.len))
+            .collect()
+    }
+
+    /// The slab ranges `session` may touch directly: its reservations and
+    /// the blobs it has pinned. For invariant checks in tests.
+    pub fn session_ranges(&self, session: SessionId) -> Vec<(u64, u64)> {
+        let Some(s) = self.sessions.get(&session) else {
+            return Vec::new();
+        };
+        let reserved = s
+            .reservations
+            .iter()
+            .filter_map(|b| self.blobs.get(b)?.region);
+        let pinned = s
+            .pins
+            .iter()
+            .filter_map(|p| self.pins.get(p))
+            .flat_map(|p| p.blobs.iter())
+            .filter_map(|b| self.blobs.get(b)?.region);
+        reserved.chain(pinned).map(|r| (r.offset, r.len)).collect()
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn own(c: &mut UnitCore) -> Owner {
+        let s = c.open_session();
+        c.attach(s, true).unwrap()
+    }
 
     fn core(cap: u64) -> UnitCore {
         UnitCore::new(CoreConfig::new(cap)).unwrap()
@@ -1133,22 +1578,23 @@ mod tests {
     #[test]
     fn alloc_is_idempotent_and_commit_publishes() {
         let mut c = core(1 << 20);
+        let o = own(&mut c);
         let b = BlobId(7);
-        let Allocated::Reserved { offset } = c.alloc(b, 100, 2, t(0)).unwrap() else {
+        let Allocated::Reserved { offset } = c.alloc(o, b, 100, 2, t(0)).unwrap() else {
             panic!("expected a reservation");
         };
         assert_eq!(
-            c.alloc(b, 100, 2, t(1)).unwrap(),
+            c.alloc(o, b, 100, 2, t(1)).unwrap(),
             Allocated::Reserved { offset }
         );
-        c.commit("ns", b, &[entry(1, "a", 0, 40), entry(1, "b", 40, 60)])
+        c.commit(o, "ns", b, &[entry(1, "a", 0, 40), entry(1, "b", 40, 60)])
             .unwrap();
-        c.commit("ns", b, &[]).unwrap(); // idempotent, whatever it names
+        c.commit(o, "ns", b, &[]).unwrap(); // idempotent, whatever it names
         assert_eq!(
-            c.alloc(b, 100, 2, t(2)).unwrap(),
+            c.alloc(o, b, 100, 2, t(2)).unwrap(),
             Allocated::AlreadyCommitted
         );
-        let (pin, locs) = c.resolve("ns", &[Key::new(1, "b"), Key::new(2, "a")], t(3));
+        let (pin, locs) = c.resolve(o, "ns", &[Key::new(1, "b"), Key::new(2, "a")], t(3)).unwrap();
         assert_eq!(
             locs[0],
             Some(Place::Memory(Location {
@@ -1157,15 +1603,15 @@ mod tests {
             }))
         );
         assert_eq!(locs[1], None);
-        c.unpin(pin.unwrap());
+        c.unpin(o, pin.unwrap()).unwrap();
         assert_eq!(c.stats().entries, 2);
         assert_eq!(c.release_rows("ns", &[1]), 2);
         assert_eq!(c.stats().used, 0);
         assert_eq!(
-            c.alloc(b, 100, 2, t(4)).unwrap(),
+            c.alloc(o, b, 100, 2, t(4)).unwrap(),
             Allocated::AlreadyCommitted
         );
-        c.commit("ns", b, &[entry(9, "a", 0, 1)]).unwrap();
+        c.commit(o, "ns", b, &[entry(9, "a", 0, 1)]).unwrap();
         assert_eq!(
             c.stats().entries,
             0,
@@ -1176,8 +1622,9 @@ mod tests {
     #[test]
     fn metadata_listing_and_held_pins() {
         let mut c = core(1 << 20);
-        c.alloc(BlobId(1), 16, 3, t(0)).unwrap();
-        c.commit(
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 16, 3, t(0)).unwrap();
+        c.commit(o, 
             "p",
             BlobId(1),
             &[
@@ -1195,14 +1642,14 @@ mod tests {
             ]
         );
         assert_eq!(c.namespaces(""), vec!["p".to_string()]);
-        let (pin, found) = c.resolve_with_meta("p", &[Key::new(5, "a")], t(0), true);
+        let (pin, found) = c.resolve_with_meta(o, "p", &[Key::new(5, "a")], t(0)).unwrap();
         assert_eq!(found[0].as_ref().map(|(_, m)| m.clone()), Some(vec![5]));
         c.release_rows("p", &[5, 2]);
         // A held pin outlives any lease, and keeps the blob.
         c.tick(t(3_600_000));
         assert_eq!(c.stats().pins, 1);
         assert_eq!(c.stats().blobs, 1);
-        c.unpin(pin.unwrap());
+        c.unpin(o, pin.unwrap()).unwrap();
         assert_eq!(c.stats().used, 0);
     }
 
@@ -1214,10 +1661,10 @@ mod tests {
         UnitCore::new(cfg).unwrap()
     }
 
-    fn put(c: &mut UnitCore, id: u128, row: u64, n: u64) -> Allocated {
-        let a = c.alloc(BlobId(id), n, 1, t(0)).unwrap();
+    fn put(c: &mut UnitCore, o: Owner, id: u128, row: u64, n: u64) -> Allocated {
+        let a = c.alloc(o, BlobId(id), n, 1, t(0)).unwrap();
         let r = c
-            .commit("ns", BlobId(id), &[entry(row, "f", 0, n)])
+            .commit(o, "ns", BlobId(id), &[entry(row, "f", 0, n)])
             .unwrap();
         if a == Allocated::ToDisk {
             assert_eq!(r, Committed::Pending);
@@ -1230,13 +1677,14 @@ mod tests {
     #[test]
     fn spill_oldest_first_then_promote() {
         let mut c = disk_core(4096, 1 << 20);
-        put(&mut c, 1, 1, 1024);
-        put(&mut c, 2, 2, 1024);
+        let o = own(&mut c);
+        put(&mut c, o, 1, 1, 1024);
+        put(&mut c, o, 2, 2, 1024);
         assert!(
             c.spill_jobs().is_empty(),
             "at the high watermark, not past it"
         );
-        put(&mut c, 3, 3, 1024);
+        put(&mut c, o, 3, 3, 1024);
         let jobs = c.spill_jobs();
         // 3 KiB used of 4: spill the oldest until at most 1 KiB remains.
         assert_eq!(
@@ -1245,16 +1693,16 @@ mod tests {
         );
         assert!(c.spill_jobs().is_empty(), "already being written");
         // Until written, reads are served from memory.
-        let (pin, p) = c.resolve("ns", &[Key::new(1, "f")], t(0));
+        let (pin, p) = c.resolve(o, "ns", &[Key::new(1, "f")], t(0)).unwrap();
         assert!(matches!(p[0], Some(Place::Memory(_))));
         c.disk_written(BlobId(1), true);
         assert_eq!(c.stats().used, 3072, "pinned: memory kept");
-        c.unpin(pin.unwrap());
+        c.unpin(o, pin.unwrap()).unwrap();
         assert_eq!(c.stats().used, 2048, "unpinned: memory freed");
         c.disk_written(BlobId(2), true);
         let s = c.stats();
         assert_eq!((s.used, s.disk_used, s.spilled_blobs), (1024, 2048, 2));
-        let (pin, p) = c.resolve("ns", &[Key::new(1, "f")], t(0));
+        let (pin, p) = c.resolve(o, "ns", &[Key::new(1, "f")], t(0)).unwrap();
         assert_eq!(
             p[0],
             Some(Place::Disk {
@@ -1268,7 +1716,7 @@ mod tests {
             .expect("room below the watermark");
         assert_eq!(c.promote_begin(BlobId(1)), None, "one promotion at a time");
         c.promote_done(BlobId(1), true);
-        let (_, p) = c.resolve("ns", &[Key::new(1, "f")], t(0));
+        let (_, p) = c.resolve(o, "ns", &[Key::new(1, "f")], t(0)).unwrap();
         assert_eq!(
             p[0],
             Some(Place::Memory(Location {
@@ -1276,7 +1724,7 @@ mod tests {
                 len: 1024
             }))
         );
-        c.unpin(pin.unwrap());
+        c.unpin(o, pin.unwrap()).unwrap();
         // Clearing a spilled row removes its file.
         assert!(c.take_effects().is_empty());
         c.release_rows("ns", &[2]);
@@ -1287,74 +1735,81 @@ mod tests {
     #[test]
     fn puts_without_memory_go_to_disk_and_publish_when_durable() {
         let mut c = disk_core(2048, 4096);
-        put(&mut c, 1, 1, 2048);
-        assert_eq!(put(&mut c, 2, 2, 1000), Allocated::ToDisk);
+        let o = own(&mut c);
+        put(&mut c, o, 1, 1, 2048);
+        assert_eq!(put(&mut c, o, 2, 2, 1000), Allocated::ToDisk);
         assert_eq!(
-            c.resolve("ns", &[Key::new(2, "f")], t(0)).1,
+            c.resolve(o, "ns", &[Key::new(2, "f")], t(0)).unwrap().1,
             vec![None],
             "not yet durable"
         );
-        assert_eq!(c.commit("ns", BlobId(2), &[]).unwrap(), Committed::Pending);
+        assert_eq!(c.commit(o, "ns", BlobId(2), &[]).unwrap(), Committed::Pending);
         c.disk_written(BlobId(2), true);
-        assert_eq!(c.commit("ns", BlobId(2), &[]).unwrap(), Committed::Done);
+        assert_eq!(c.commit(o, "ns", BlobId(2), &[]).unwrap(), Committed::Done);
         assert!(matches!(
-            c.resolve("ns", &[Key::new(2, "f")], t(0)).1[0],
+            c.resolve(o, "ns", &[Key::new(2, "f")], t(0)).unwrap().1[0],
             Some(Place::Disk { .. })
         ));
         // A failed disk write: the put never happened, its file goes.
-        assert_eq!(put(&mut c, 3, 3, 1000), Allocated::ToDisk);
+        assert_eq!(put(&mut c, o, 3, 3, 1000), Allocated::ToDisk);
         c.disk_written(BlobId(3), false);
         assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(3))]);
         assert_eq!(
-            c.commit("ns", BlobId(3), &[]),
+            c.commit(o, "ns", BlobId(3), &[]),
             Err(CoreError::UnknownBlob(BlobId(3)))
         );
         // Memory and disk both full: Full, nothing evicted.
-        assert_eq!(put(&mut c, 4, 4, 3000), Allocated::ToDisk);
+        assert_eq!(put(&mut c, o, 4, 4, 3000), Allocated::ToDisk);
         c.disk_written(BlobId(4), true);
         assert!(matches!(
-            c.alloc(BlobId(5), 200, 1, t(0)),
+            c.alloc(o, BlobId(5), 200, 1, t(0)),
             Err(CoreError::Full { .. })
         ));
         assert_eq!(c.stats().entries, 3);
         // A blob freed while its file is written: the file goes afterwards.
         c.release_rows("ns", &[4]);
         assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(4))]);
-        assert_eq!(put(&mut c, 6, 6, 3000), Allocated::ToDisk);
+        assert_eq!(put(&mut c, o, 6, 6, 3000), Allocated::ToDisk);
         c.disk_written(BlobId(6), true);
         c.release_rows("ns", &[6]);
         assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(6))]);
-        assert_eq!(put(&mut c, 8, 8, 3000), Allocated::ToDisk);
+        assert_eq!(put(&mut c, o, 8, 8, 3000), Allocated::ToDisk);
         c.disk_written(BlobId(8), true);
         c.release_rows("ns", &[8]);
         assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(8))]);
         assert_eq!(c.stats().disk_used, 1000);
-        // An expired reservation on disk is dropped with its file.
-        assert_eq!(c.alloc(BlobId(7), 100, 1, t(0)).unwrap(), Allocated::ToDisk);
+        // A reservation on disk outlives any lease; its connection's end
+        // drops it with its file.
+        assert_eq!(c.alloc(o, BlobId(7), 100, 1, t(0)).unwrap(), Allocated::ToDisk);
         c.tick(t(60_000));
+        assert!(c.take_effects().is_empty());
+        c.detach(o, ConnEnd::Closed, t(60_000));
         assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(7))]);
     }
 
     #[test]
     fn snapshots_pin_every_committed_blob() {
         let mut c = disk_core(4096, 1 << 20);
-        put(&mut c, 1, 1, 100);
-        put(&mut c, 2, 2, 100);
+        let o = own(&mut c);
+        put(&mut c, o, 1, 1, 100);
+        put(&mut c, o, 2, 2, 100);
         let snap = c.snapshot(t(0));
         assert_eq!(snap.entries.len(), 2);
         assert_eq!(snap.blobs.len(), 2);
         c.release_rows("ns", &[1, 2]);
         assert_eq!(c.stats().blobs, 2, "pinned by the snapshot");
-        c.unpin(snap.pin.unwrap());
+        assert!(c.unpin(o, snap.pin.unwrap()).is_err(), "the unit's pin");
+        c.unpin(Owner::UNIT, snap.pin.unwrap()).unwrap();
         assert_eq!(c.stats().blobs, 0);
     }
 
     #[test]
     fn namespaces_are_isolated() {
         let mut c = core(1 << 20);
-        c.alloc(BlobId(1), 8, 1, t(0)).unwrap();
-        c.commit("a", BlobId(1), &[entry(0, "x", 0, 8)]).unwrap();
-        assert_eq!(c.resolve("b", &[Key::new(0, "x")], t(0)).1, vec![None]);
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 8, 1, t(0)).unwrap();
+        c.commit(o, "a", BlobId(1), &[entry(0, "x", 0, 8)]).unwrap();
+        assert_eq!(c.resolve(o, "b", &[Key::new(0, "x")], t(0)).unwrap().1, vec![None]);
         assert_eq!(c.release_rows("b", &[0]), 0);
         assert_eq!(c.stats().entries, 1);
     }
@@ -1362,22 +1817,23 @@ mod tests {
     #[test]
     fn full_and_busy_are_answers() {
         let mut c = core(4096);
+        let o = own(&mut c);
         assert!(matches!(
-            c.alloc(BlobId(1), 8192, 0, t(0)),
+            c.alloc(o, BlobId(1), 8192, 0, t(0)),
             Err(CoreError::Full { .. })
         ));
-        c.alloc(BlobId(2), 4096, 0, t(0)).unwrap();
+        c.alloc(o, BlobId(2), 4096, 0, t(0)).unwrap();
         // The reservation will expire: retrying makes sense.
         assert!(matches!(
-            c.alloc(BlobId(3), 64, 0, t(0)),
+            c.alloc(o, BlobId(3), 64, 0, t(0)),
             Err(CoreError::Busy { .. })
         ));
-        c.commit("ns", BlobId(2), &[]).unwrap(); // no entries: freed at once
-        c.alloc(BlobId(3), 4096, 1, t(0)).unwrap();
-        c.commit("ns", BlobId(3), &[entry(0, "f", 0, 4096)])
+        c.commit(o, "ns", BlobId(2), &[]).unwrap(); // no entries: freed at once
+        c.alloc(o, BlobId(3), 4096, 1, t(0)).unwrap();
+        c.commit(o, "ns", BlobId(3), &[entry(0, "f", 0, 4096)])
             .unwrap();
         assert!(matches!(
-            c.alloc(BlobId(4), 64, 0, t(0)),
+            c.alloc(o, BlobId(4), 64, 0, t(0)),
             Err(CoreError::Full { .. })
         ));
     }
@@ -1385,53 +1841,179 @@ mod tests {
     #[test]
     fn replace_keeps_pinned_old_value_until_unpinned() {
         let mut c = core(1 << 20);
-        c.alloc(BlobId(1), 8, 1, t(0)).unwrap();
-        c.commit("ns", BlobId(1), &[entry(0, "f", 0, 8)]).unwrap();
-        let (pin, old) = c.resolve("ns", &[Key::new(0, "f")], t(0));
-        c.alloc(BlobId(2), 8, 1, t(0)).unwrap();
-        c.commit("ns", BlobId(2), &[entry(0, "f", 0, 8)]).unwrap();
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 8, 1, t(0)).unwrap();
+        c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 8)]).unwrap();
+        let (pin, old) = c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
+        c.alloc(o, BlobId(2), 8, 1, t(0)).unwrap();
+        c.commit(o, "ns", BlobId(2), &[entry(0, "f", 0, 8)]).unwrap();
         assert_eq!(c.stats().entries, 1);
         assert_eq!(c.stats().blobs, 2, "old blob still pinned");
-        let (_, new) = c.resolve("ns", &[Key::new(0, "f")], t(0));
+        let (_, new) = c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
         assert_ne!(old, new);
-        c.unpin(pin.unwrap());
+        c.unpin(o, pin.unwrap()).unwrap();
         assert!(c.regions().all(|(id, _, _)| id != BlobId(1)));
     }
 
     #[test]
-    fn leases_reclaim_reservations_and_pins() {
+    fn no_timer_takes_a_hold_only_its_connection_or_session_ends_it() {
         let mut c = core(1 << 20);
-        c.alloc(BlobId(1), 100, 1, t(0)).unwrap();
-        c.alloc(BlobId(2), 100, 1, t(0)).unwrap();
-        c.commit("ns", BlobId(2), &[entry(0, "f", 0, 100)]).unwrap();
-        c.resolve("ns", &[Key::new(0, "f")], t(0));
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 100, 1, t(0)).unwrap();
+        c.alloc(o, BlobId(2), 100, 1, t(0)).unwrap();
+        c.commit(o, "ns", BlobId(2), &[entry(0, "f", 0, 100)])
+            .unwrap();
+        c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
         c.release_rows("ns", &[0]);
-        assert_eq!(c.stats().pins, 1);
-        assert_eq!(c.stats().blobs, 2);
-        c.tick(t(30_000));
-        let s = c.stats();
-        assert_eq!(s.pins, 0);
+        // A paused client: an hour later its holds are all still there,
+        // reported as overdue.
+        c.tick(t(3_600_000));
+        let s = c.stats_at(t(3_600_000));
+        assert_eq!((s.pins, s.blobs, s.used), (1, 2, 256));
+        assert_eq!(s.overdue_holds, 2);
+        assert_eq!(s.sessions.len(), 1);
+        assert_eq!(s.sessions[0].held_bytes, 228);
+        assert_eq!(s.sessions[0].oldest_hold_ms, 3_600_000);
+        // Cut by the unit, the peer maps the slab: the session keeps them.
+        c.detach(o, ConnEnd::Cut, t(3_600_000));
+        assert_eq!(c.stats().used, 256);
+        assert_eq!(c.orphaned_sessions(), vec![o.session]);
+        // The same session reconnects and takes its reservation over.
+        let o2 = c.attach(o.session, true).unwrap();
+        assert!(matches!(
+            c.alloc(o2, BlobId(1), 100, 1, t(1)),
+            Ok(Allocated::Reserved { .. })
+        ));
+        c.detach(o2, ConnEnd::Cut, t(1));
+        // Its process is gone: everything goes, with no quarantine.
+        c.session_gone(o.session, t(3_600_000));
+        assert_eq!(c.stats().used, 0);
         assert_eq!(
-            s.quarantined_bytes, 128,
-            "expired reservation is quarantined"
-        );
-        assert_eq!(
-            c.commit("ns", BlobId(1), &[entry(0, "f", 0, 1)]),
+            c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 1)]),
             Err(CoreError::UnknownBlob(BlobId(1)))
         );
-        c.tick(t(35_000));
-        assert_eq!(c.stats().used, 0);
+        assert!(c.orphaned_sessions().is_empty());
         assert_eq!(c.next_deadline(), None);
+    }
+
+    #[test]
+    fn ownership_is_enforced() {
+        let mut c = core(1 << 20);
+        let a = own(&mut c);
+        let b = own(&mut c);
+        let a2 = c.attach(a.session, true).unwrap();
+        c.alloc(a, BlobId(1), 64, 1, t(0)).unwrap();
+        // Another session may neither take, commit nor abort it.
+        assert!(matches!(
+            c.alloc(b, BlobId(1), 64, 1, t(0)),
+            Err(CoreError::NotOwner(_))
+        ));
+        assert!(matches!(
+            c.commit(b, "ns", BlobId(1), &[entry(0, "f", 0, 64)]),
+            Err(CoreError::NotOwner(_))
+        ));
+        assert!(matches!(
+            c.abort(b, BlobId(1), false, t(0)),
+            Err(CoreError::NotOwner(_))
+        ));
+        // Another open connection of the same session waits (Busy).
+        assert!(matches!(
+            c.alloc(a2, BlobId(1), 64, 1, t(0)),
+            Err(CoreError::Busy { .. })
+        ));
+        c.commit(a, "ns", BlobId(1), &[entry(0, "f", 0, 64)])
+            .unwrap();
+        let (pin, _) = c.resolve(a, "ns", &[Key::new(0, "f")], t(0)).unwrap();
+        let pin = pin.unwrap();
+        assert!(matches!(c.unpin(b, pin), Err(CoreError::NotOwner(_))));
+        assert_eq!(c.stats().pins, 1);
+        // Pin ids are not sequential.
+        let (p2, _) = c.resolve(a, "ns", &[Key::new(0, "f")], t(0)).unwrap();
+        let p2 = p2.unwrap();
+        assert!(p2.0.abs_diff(pin.0) > 1 << 20, "{pin:?} then {p2:?}");
+        // A detached connection can do nothing.
+        c.detach(b, ConnEnd::Closed, t(0));
+        assert!(matches!(
+            c.alloc(b, BlobId(9), 64, 1, t(0)),
+            Err(CoreError::NotOwner(_))
+        ));
+        // The peer closing its connection releases what it held.
+        c.detach(a, ConnEnd::Closed, t(0));
+        assert_eq!(c.stats().pins, 0);
+    }
+
+    #[test]
+    fn a_cut_stream_is_quarantined_and_its_blob_id_reusable() {
+        let mut c = core(1 << 20);
+        let s = c.open_session();
+        let tcp = c.attach(s, false).unwrap();
+        c.alloc(tcp, BlobId(1), 100, 1, t(0)).unwrap();
+        c.detach(tcp, ConnEnd::Cut, t(0));
+        assert_eq!(c.stats().quarantined_bytes, 128);
+        // A session with no connection and no hold is forgotten; the
+        // retry, on a new connection of a new session, reserves afresh.
+        assert!(!c.has_session(s));
+        let s2 = c.open_session();
+        let tcp2 = c.attach(s2, false).unwrap();
+        assert!(matches!(
+            c.alloc(tcp2, BlobId(1), 100, 1, t(1)),
+            Ok(Allocated::Reserved { .. })
+        ));
+        c.commit(tcp2, "ns", BlobId(1), &[entry(0, "f", 0, 100)])
+            .unwrap();
+        c.tick(t(5_000));
+        assert_eq!(c.stats().used, 128);
+    }
+
+    #[test]
+    fn index_budget_answers_full() {
+        let mut cfg = CoreConfig::new(1 << 20);
+        cfg.index_budget = 3 * (ENTRY_OVERHEAD + 1);
+        let mut c = UnitCore::new(cfg).unwrap();
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 0, 4, t(0)).unwrap();
+        let four: Vec<EntrySpec> = (0..4)
+            .map(|r| EntrySpec {
+                key: Key::new(r, "f"),
+                offset: 0,
+                len: 0,
+                meta: vec![],
+            })
+            .collect();
+        assert!(matches!(
+            c.commit(o, "ns", BlobId(1), &four),
+            Err(CoreError::Full { .. })
+        ));
+        c.abort(o, BlobId(1), false, t(0)).unwrap();
+        c.alloc(o, BlobId(2), 0, 3, t(0)).unwrap();
+        c.commit(o, "ns", BlobId(2), &four[..3]).unwrap();
+        assert_eq!(c.stats().index_bytes, 3 * (ENTRY_OVERHEAD + 1));
+        c.release_rows("ns", &[0, 1, 2]);
+        assert_eq!(c.stats().index_bytes, 0);
+    }
+
+    #[test]
+    fn session_connections_are_capped() {
+        let mut cfg = CoreConfig::new(1 << 20);
+        cfg.max_session_conns = 2;
+        let mut c = UnitCore::new(cfg).unwrap();
+        let s = c.open_session();
+        let a = c.attach(s, true).unwrap();
+        c.attach(s, true).unwrap();
+        assert!(matches!(c.attach(s, true), Err(CoreError::Busy { .. })));
+        c.detach(a, ConnEnd::Closed, t(0));
+        c.attach(s, true).unwrap();
     }
 
     #[test]
     fn abort_in_flight_quarantines() {
         let mut c = core(1 << 20);
-        c.alloc(BlobId(1), 100, 0, t(0)).unwrap();
-        c.abort(BlobId(1), true, t(0));
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 100, 0, t(0)).unwrap();
+        c.abort(o, BlobId(1), true, t(0)).unwrap();
         assert_eq!(c.stats().quarantined_bytes, 128);
-        c.alloc(BlobId(2), 100, 0, t(0)).unwrap();
-        c.abort(BlobId(2), false, t(0));
+        c.alloc(o, BlobId(2), 100, 0, t(0)).unwrap();
+        c.abort(o, BlobId(2), false, t(0)).unwrap();
         assert_eq!(c.stats().used, 128);
         c.tick(t(5_000));
         assert_eq!(c.stats().used, 0);
@@ -1440,19 +2022,20 @@ mod tests {
     #[test]
     fn bad_commits_are_invalid() {
         let mut c = core(1 << 20);
-        c.alloc(BlobId(1), 10, 1, t(0)).unwrap();
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 10, 1, t(0)).unwrap();
         assert!(matches!(
-            c.commit("ns", BlobId(1), &[entry(0, "f", 5, 6)]),
+            c.commit(o, "ns", BlobId(1), &[entry(0, "f", 5, 6)]),
             Err(CoreError::Invalid(_))
         ));
         assert!(matches!(
-            c.commit("ns", BlobId(1), &[]),
+            c.commit(o, "ns", BlobId(1), &[]),
             Err(CoreError::Invalid(_))
         ));
         assert!(matches!(
-            c.commit("ns", BlobId(9), &[]),
+            c.commit(o, "ns", BlobId(9), &[]),
             Err(CoreError::UnknownBlob(_))
         ));
-        c.commit("ns", BlobId(1), &[entry(0, "f", 0, 10)]).unwrap();
+        c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 10)]).unwrap();
     }
 }
