@@ -72,8 +72,14 @@ impl SlabAllocator {
     }
 
     /// Bytes that a request for `nbytes` occupies.
+    /// Saturates at the largest multiple of the alignment (never wraps, so
+    /// an absurd size is simply too large).
     pub fn rounded(nbytes: u64) -> u64 {
-        nbytes.div_ceil(ALIGN).max(1) * ALIGN
+        nbytes
+            .div_ceil(ALIGN)
+            .max(1)
+            .checked_mul(ALIGN)
+            .unwrap_or(u64::MAX - (u64::MAX % ALIGN))
     }
 
     /// Reserve `nbytes`, or `None` when no free range is large enough.

@@ -2020,6 +2020,19 @@ mod tests {
     }
 
     #[test]
+    fn absurd_sizes_are_full_not_a_wrap() {
+        let mut c = core(1 << 20);
+        let o = own(&mut c);
+        for n in [u64::MAX, u64::MAX - 63, 1 << 63] {
+            assert!(matches!(
+                c.alloc(o, BlobId(1), n, 1, t(0)),
+                Err(CoreError::Full { .. })
+            ));
+        }
+        assert_eq!(c.stats().used, 0);
+    }
+
+    #[test]
     fn bad_commits_are_invalid() {
         let mut c = core(1 << 20);
         let o = own(&mut c);

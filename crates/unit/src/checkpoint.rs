@@ -86,6 +86,56 @@ fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
 
 /// Write the unit's committed data and index to `dir` (which must not
 /// exist or be empty). Returns the metadata; no payload leaves the unit.
+/// The directory a Checkpoint request names, if it lies under the unit's
+/// checkpoint root: a relative name is taken under the root; an absolute
+/// path must be inside it. `..` is refused, and symbolic links may not lead
+/// out of the root (the nearest existing ancestor is resolved and checked).
+pub(crate) fn resolve_dir(root: Option<&Path>, dir: &str) -> Result<std::path::PathBuf, String> {
+    let Some(root) = root else {
+        return Err(
+            "this unit takes no checkpoints: start it with --checkpoint-root DIR".into(),
+        );
+    };
+    let root = root
+        .canonicalize()
+        .map_err(|e| format!("checkpoint root {}: {e}", root.display()))?;
+    let asked = Path::new(dir);
+    if asked
+        .components()
+        .any(|c| matches!(c, std::path::Component::ParentDir))
+    {
+        return Err(format!("checkpoint path {dir:?} may not contain '..'"));
+    }
+    let path = if asked.is_absolute() {
+        asked.to_path_buf()
+    } else {
+        root.join(asked)
+    };
+    let outside = || {
+        format!(
+            "checkpoint path {dir:?} is outside this unit's checkpoint root {}",
+            root.display()
+        )
+    };
+    // The nearest ancestor that exists, resolved, must be inside the root.
+    let mut probe = path.as_path();
+    loop {
+        match probe.canonicalize() {
+            Ok(real) => {
+                if !real.starts_with(&root) {
+                    return Err(outside());
+                }
+                break;
+            }
+            Err(_) => match probe.parent() {
+                Some(p) => probe = p,
+                None => return Err(outside()),
+            },
+        }
+    }
+    Ok(path)
+}
+
 pub(crate) fn write(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
     let ioe = io_err(dir);
     fs::DirBuilder::new()
@@ -102,7 +152,7 @@ pub(crate) fn write(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Check
     let snap = shared.core().snapshot(shared.now());
     let result = write_snapshot(shared, dir, &snap);
     if let Some(pin) = snap.pin {
-        shared.core().unpin(pin);
+        let _ = shared.core().unpin(stowage_core::Owner::UNIT, pin);
     }
     result
 }
@@ -291,7 +341,9 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
             .map_err(|e| incomplete(e.to_string()))?;
         let n = u32::try_from(entries.len()).map_err(|_| incomplete("too many entries".into()))?;
         let now = shared.now();
-        let alloc = shared.core().alloc(blob, size, n, now).map_err(|e| {
+        let alloc = shared
+            .core()
+            .alloc(stowage_core::Owner::UNIT, blob, size, n, now).map_err(|e| {
             CheckpointError::Restore(format!("the unit cannot hold the checkpoint: {e}"))
         })?;
         match alloc {
@@ -314,7 +366,10 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
             }
             Allocated::AlreadyCommitted => continue,
         }
-        match shared.core().commit(&ns, blob, &entries) {
+        match shared
+            .core()
+            .commit(stowage_core::Owner::UNIT, &ns, blob, &entries)
+        {
             Ok(Committed::Done) => {}
             other => {
                 return Err(CheckpointError::Restore(format!(
@@ -330,4 +385,30 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
         files: manifest.files,
         manifest_xxh3: u64::from_le_bytes(s),
     })
+}
+
+#[cfg(test)]
+mod root_tests {
+    use super::resolve_dir;
+
+    #[test]
+    fn checkpoints_stay_under_the_root() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let real = r.canonicalize().unwrap();
+        assert!(resolve_dir(None, "x").is_err(), "no root: no checkpoints");
+        assert_eq!(
+            resolve_dir(Some(r), "run/unit-0").unwrap(),
+            real.join("run/unit-0")
+        );
+        let abs = real.join("a/unit-1");
+        assert_eq!(resolve_dir(Some(r), abs.to_str().unwrap()).unwrap(), abs);
+        assert!(resolve_dir(Some(r), "/etc/cron.d").is_err());
+        assert!(resolve_dir(Some(r), "../escape").is_err());
+        assert!(resolve_dir(Some(r), &format!("{}/../x", real.display())).is_err());
+        // A symbolic link inside the root that leads out of it.
+        let out = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(out.path(), r.join("link")).unwrap();
+        assert!(resolve_dir(Some(r), "link/unit-0").is_err());
+    }
 }

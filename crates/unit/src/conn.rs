@@ -1,40 +1,47 @@
 //! One client connection: read a frame, act on the core and the slab,
 //! reply; repeat until the client leaves or misbehaves.
 
-use std::collections::HashSet;
-use std::io::{self, BufReader, IoSlice, Read, Write};
+use std::io::{self, BufRead, BufReader, IoSlice, Read, Write};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
-use stowage_core::{Allocated, BlobId, Committed, CoreError, PinId};
+use stowage_core::{Allocated, BlobId, Committed, Owner};
 use stowage_wire::io::{
     drain, read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
-use stowage_wire::{
-    encode, ErrorCode, Found, Item, Request, Response, PARTITION_SEPARATOR, PROTOCOL_VERSION,
-};
+use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response, PROTOCOL_VERSION};
 
 use crate::disk::DiskEngine;
+use crate::handler::{error_response, scope, Handled};
 use crate::{Served, Shared};
 
-/// What a connection holds on the unit, given back when it ends.
-#[derive(Default)]
-struct Holdings {
-    pins: HashSet<PinId>,
-    reservations: HashSet<BlobId>,
+/// Who is at the other end of a connection, as the kernel says
+/// (SO_PEERCRED, Unix sockets only).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Peer {
+    pub(crate) uid: Option<u32>,
+    pub(crate) pid: Option<i32>,
 }
 
 struct Conn {
     shared: Arc<Shared>,
     reader: BufReader<SpinReader>,
     writer: Socket,
+    peer: Peer,
+    /// A Unix-socket peer: it may map the slab and copy by itself.
+    direct: bool,
+    /// May send admin requests (shutdown, checkpoint).
+    admin: bool,
     namespace: Option<String>,
-    holdings: Holdings,
+    owner: Option<Owner>,
+    /// The send timeout set on the socket.
+    write_timeout: Duration,
     out: Vec<u8>,
     scratch: Vec<u8>,
 }
 
 /// Serve one connection until it ends.
-pub(crate) fn serve(shared: Arc<Shared>, stream: Socket) {
+pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
     let writer = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => {
@@ -42,25 +49,39 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket) {
             return;
         }
     };
+    let direct = matches!(stream, Socket::Unix(_));
+    let admin = shared.admin_tcp || (direct && peer.uid == Some(shared.uid));
+    // Replies that the peer does not take are cut off after this long.
+    let write_timeout = shared.frame_timeout;
+    let _ = writer.set_write_timeout(Some(write_timeout));
     let mut c = Conn {
         shared: shared.clone(),
-        reader: BufReader::with_capacity(
-            64 << 10,
-            SpinReader {
-                socket: stream,
-                spin: shared.spin,
-            },
-        ),
+        reader: BufReader::with_capacity(64 << 10, SpinReader::new(stream, shared.spin)),
         writer,
+        peer,
+        direct,
+        admin,
         namespace: None,
-        holdings: Holdings::default(),
+        owner: None,
+        write_timeout,
         out: Vec::with_capacity(4096),
         scratch: Vec::new(),
     };
-    if let Err(e) = c.run() {
-        tracing::debug!(error = %e, "connection ended");
+    let end = match c.run() {
+        Ok(()) => stowage_core::ConnEnd::Closed,
+        Err(e) => {
+            tracing::debug!(error = %e, "connection ended");
+            if e.is_cut() {
+                stowage_core::ConnEnd::Cut
+            } else {
+                stowage_core::ConnEnd::Closed
+            }
+        }
+    };
+    if let Some(owner) = c.owner {
+        let now = shared.now();
+        shared.core().detach(owner, end, now);
     }
-    c.release_holdings();
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -69,12 +90,36 @@ enum ConnEnd {
     Io(#[from] io::Error),
     #[error("closed after an invalid request: {0}")]
     Invalid(String),
+    #[error("the unit is shutting down")]
+    Shutdown,
+}
+
+impl ConnEnd {
+    /// Whether the unit ended the connection (the peer may still be
+    /// running) rather than the peer closing it.
+    fn is_cut(&self) -> bool {
+        match self {
+            ConnEnd::Io(e) => matches!(
+                e.kind(),
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+            ),
+            ConnEnd::Invalid(_) | ConnEnd::Shutdown => true,
+        }
+    }
 }
 
 impl Conn {
     fn run(&mut self) -> Result<(), ConnEnd> {
         let limits = self.shared.limits;
         loop {
+            // An idle connection waits for its next frame as long as it
+            // likes; once a frame has begun, the rest must come within the
+            // frame timeout (a truncated frame never holds a thread).
+            self.reader.get_mut().deadline = None;
+            if self.reader.fill_buf()?.is_empty() {
+                return Ok(());
+            }
+            self.reader.get_mut().deadline = Some(Instant::now() + self.shared.frame_timeout);
             let prefix = match read_prefix(&mut self.reader, &limits) {
                 Ok(Some(p)) => p,
                 Ok(None) => return Ok(()),
@@ -117,23 +162,60 @@ impl Conn {
         self.writer.write_all(&self.out)
     }
 
+    fn reply_error(&mut self, id: u64, code: ErrorCode, message: &str) -> Result<(), ConnEnd> {
+        self.reply(
+            id,
+            &Response::Error {
+                code,
+                message: message.to_owned(),
+            },
+        )?;
+        Ok(())
+    }
+
+    /// How long a transfer the request asks for may stall before the unit
+    /// cuts it off: the caller's time left, within the unit's bounds.
+    fn io_timeout(&self, timeout_ms: u64) -> Duration {
+        if timeout_ms == 0 {
+            return self.shared.frame_timeout;
+        }
+        Duration::from_millis(timeout_ms).clamp(Duration::from_millis(10), self.shared.max_io_timeout)
+    }
+
+    fn set_write_timeout(&mut self, t: Duration) -> io::Result<()> {
+        if t != self.write_timeout {
+            self.writer.set_write_timeout(Some(t))?;
+            self.write_timeout = t;
+        }
+        Ok(())
+    }
+
     fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), ConnEnd> {
-        let ns = match (&self.namespace, &req) {
-            (None, Request::Hello { .. }) => String::new(),
-            (None, _) => {
-                self.reply(
+        let (ns, owner) = match (&self.namespace, self.owner, &req) {
+            (None, _, Request::Hello { .. }) => {
+                let Request::Hello {
+                    version,
+                    namespace,
+                    want_fd,
+                    session,
+                } = req
+                else {
+                    unreachable!("matched a Hello");
+                };
+                return self.hello(id, version, namespace, want_fd, session);
+            }
+            (Some(_), _, Request::Hello { .. }) => {
+                return self.refuse(id, "Hello was already said on this connection".into())
+            }
+            (Some(ns), Some(owner), _) => (ns.clone(), owner),
+            _ => {
+                self.reply_error(
                     id,
-                    &Response::Error {
-                        code: ErrorCode::Unauthorized,
-                        message: "the first request must be Hello".into(),
-                    },
+                    ErrorCode::Unauthorized,
+                    "the first request must be Hello",
                 )?;
                 return Err(ConnEnd::Invalid("no Hello".into()));
             }
-            (Some(_), Request::Hello { .. }) => {
-                return self.refuse(id, "Hello was already said on this connection".into())
-            }
-            (Some(ns), _) => ns.clone(),
         };
         let now = self.shared.now();
         let writes = matches!(
@@ -144,176 +226,139 @@ impl Conn {
             if payload_len > 0 {
                 drain(&mut self.reader, payload_len)?;
             }
-            return self.reply_internal(id, "the unit is shutting down");
+            return self.reply_error(id, ErrorCode::Internal, "the unit is shutting down");
         }
-        let resp = match req {
-            Request::Hello {
-                version,
-                namespace,
-                want_fd,
-            } => return self.hello(id, version, namespace, want_fd),
-            Request::Alloc {
-                blob,
-                nbytes,
-                n_entries,
-            } => {
-                let r = self.shared.core().alloc(blob, nbytes, n_entries, now);
-                match r {
-                    Ok(Allocated::Reserved { offset }) => {
-                        self.holdings.reservations.insert(blob);
-                        Response::Allocated { offset }
+        let handled = {
+            let mut core = self.shared.core();
+            crate::handler::handle(&mut core, owner, &ns, req, now)
+        };
+        let resp = match handled {
+            Handled::Reply(r) => r,
+            Handled::Silent => return Ok(()),
+            Handled::Resolved(pin, found) => self.resolved(pin, found),
+            Handled::Other(req) => match req {
+                Request::Stats => Response::Stats(self.shared.stats()),
+                Request::Put {
+                    blob,
+                    partition,
+                    entries,
+                    timeout_ms,
+                } => {
+                    let t = self.io_timeout(timeout_ms);
+                    return self.put(
+                        id,
+                        owner,
+                        &scope(&ns, &partition),
+                        blob,
+                        entries,
+                        payload_len,
+                        t,
+                    );
+                }
+                Request::Read {
+                    partition,
+                    keys,
+                    timeout_ms,
+                } => {
+                    let t = self.io_timeout(timeout_ms);
+                    return self.read(id, owner, &scope(&ns, &partition), keys, t);
+                }
+                Request::Checkpoint { dir } => self.checkpoint(&dir),
+                Request::Shutdown { timeout_ms } => {
+                    if !self.admin {
+                        return self.reply_error(id, ErrorCode::Unauthorized, NOT_ADMIN);
                     }
-                    Ok(Allocated::ToDisk) => {
-                        self.holdings.reservations.insert(blob);
-                        Response::ToDisk
-                    }
-                    Ok(Allocated::AlreadyCommitted) => Response::AlreadyCommitted,
-                    Err(e) => error_response(&e),
+                    let problems = self
+                        .shared
+                        .shut_down(std::time::Duration::from_millis(timeout_ms));
+                    self.reply(id, &Response::ShutDown { problems })?;
+                    self.shared.request_exit();
+                    return Err(ConnEnd::Shutdown);
                 }
-            }
-            Request::Commit {
-                blob,
-                partition,
-                entries,
-            } => {
-                let r = self
-                    .shared
-                    .core()
-                    .commit(&scope(&ns, &partition), blob, &entries);
-                match r {
-                    Ok(Committed::Done) => {
-                        self.holdings.reservations.remove(&blob);
-                        Response::Done
-                    }
-                    Ok(Committed::Pending) => {
-                        self.holdings.reservations.remove(&blob);
-                        Response::Pending
-                    }
-                    Err(e) => error_response(&e),
+                other => {
+                    return self.refuse(id, format!("unexpected request {other:?}"));
                 }
-            }
-            Request::Abort { blob, in_flight } => {
-                self.shared.core().abort(blob, in_flight, now);
-                self.holdings.reservations.remove(&blob);
-                Response::Done
-            }
-            Request::Resolve {
-                partition,
-                keys,
-                hold,
-            } => {
-                let (pin, found) =
-                    self.shared
-                        .core()
-                        .resolve_with_meta(&scope(&ns, &partition), &keys, now, hold);
-                if let Some(p) = pin {
-                    self.holdings.pins.insert(p);
-                }
-                let (found, _) = self.shared.bring_back(found, false);
-                let mut bad = Vec::new();
-                let found = found
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, f)| match f? {
-                        Served::Memory(l, meta) => Some(Found {
-                            offset: l.offset,
-                            len: l.len,
-                            meta,
-                            on_disk: false,
-                        }),
-                        Served::Disk { len, meta, .. } => Some(Found {
-                            offset: 0,
-                            len,
-                            meta,
-                            on_disk: true,
-                        }),
-                        Served::Corrupt => {
-                            bad.push(i as u32);
-                            None
-                        }
-                    })
-                    .collect();
-                Response::Resolved {
-                    pin,
-                    found,
-                    corrupt: bad,
-                }
-            }
-            Request::Unpin { pin, reply } => {
-                self.shared.core().unpin(pin);
-                self.holdings.pins.remove(&pin);
-                if !reply {
-                    return Ok(());
-                }
-                Response::Done
-            }
-            Request::ReleaseRows { partition, rows } => {
-                let entries = self
-                    .shared
-                    .core()
-                    .release_rows(&scope(&ns, &partition), &rows);
-                Response::Released { entries }
-            }
-            Request::Stats => Response::Stats(self.shared.stats()),
-            Request::Put {
-                blob,
-                partition,
-                entries,
-            } => return self.put(id, &scope(&ns, &partition), blob, entries, payload_len),
-            Request::Read { partition, keys } => {
-                return self.read(id, &scope(&ns, &partition), keys)
-            }
-            Request::List { partition } => Response::Listed {
-                rows: self.shared.core().list(&scope(&ns, &partition)),
             },
-            Request::DropPartition { partition } => Response::Released {
-                entries: self.shared.core().drop_namespace(&scope(&ns, &partition)),
-            },
-            Request::Checkpoint { dir } => {
-                if self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
-                    Response::Error {
-                        code: ErrorCode::Internal,
-                        message: "the unit is shutting down".into(),
-                    }
-                } else {
-                    self.shared
-                        .checkpoints
-                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                    let r = crate::checkpoint::write(&self.shared, std::path::Path::new(&dir));
-                    self.shared
-                        .checkpoints
-                        .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
-                    match r {
-                        Ok(info) => Response::Checkpointed(info),
-                        Err(e) => Response::Error {
-                            code: ErrorCode::Internal,
-                            message: e.to_string(),
-                        },
-                    }
-                }
-            }
-            Request::Shutdown { timeout_ms } => {
-                let problems = self
-                    .shared
-                    .shut_down(std::time::Duration::from_millis(timeout_ms));
-                self.reply(id, &Response::ShutDown { problems })?;
-                self.shared.request_exit();
-                return Ok(());
-            }
-            Request::ListPartitions => {
-                let prefix = scope(&ns, "");
-                let names = self
-                    .shared
-                    .core()
-                    .namespaces(&prefix)
-                    .into_iter()
-                    .map(|n| n[prefix.len()..].to_owned())
-                    .collect();
-                Response::Partitions { names }
-            }
         };
         self.reply(id, &resp)?;
         Ok(())
+    }
+
+    fn checkpoint(&mut self, dir: &str) -> Response {
+        if !self.admin {
+            return Response::Error {
+                code: ErrorCode::Unauthorized,
+                message: NOT_ADMIN.into(),
+            };
+        }
+        if self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
+            return Response::Error {
+                code: ErrorCode::Internal,
+                message: "the unit is shutting down".into(),
+            };
+        }
+        let dir = match crate::checkpoint::resolve_dir(self.shared.checkpoint_root.as_deref(), dir)
+        {
+            Ok(d) => d,
+            Err(message) => {
+                return Response::Error {
+                    code: ErrorCode::Unauthorized,
+                    message,
+                }
+            }
+        };
+        self.shared
+            .checkpoints
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let r = crate::checkpoint::write(&self.shared, &dir);
+        self.shared
+            .checkpoints
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        match r {
+            Ok(info) => Response::Checkpointed(info),
+            Err(e) => Response::Error {
+                code: ErrorCode::Internal,
+                message: e.to_string(),
+            },
+        }
+    }
+
+    /// A Resolve's reply: spilled values are brought back into the slab
+    /// where there is room (the pin holds them meanwhile).
+    fn resolved(
+        &mut self,
+        pin: Option<stowage_core::PinId>,
+        found: Vec<Option<stowage_core::Located>>,
+    ) -> Response {
+        let (found, _) = self.shared.bring_back(found, false);
+        let mut bad = Vec::new();
+        let found = found
+            .into_iter()
+            .enumerate()
+            .map(|(i, f)| match f? {
+                Served::Memory(l, meta) => Some(Found {
+                    offset: l.offset,
+                    len: l.len,
+                    meta,
+                    on_disk: false,
+                }),
+                Served::Disk { len, meta, .. } => Some(Found {
+                    offset: 0,
+                    len,
+                    meta,
+                    on_disk: true,
+                }),
+                Served::Corrupt => {
+                    bad.push(i as u32);
+                    None
+                }
+            })
+            .collect();
+        Response::Resolved {
+            pin,
+            found,
+            corrupt: bad,
+        }
     }
 
     fn hello(
@@ -322,24 +367,32 @@ impl Conn {
         version: u16,
         namespace: String,
         want_fd: bool,
+        session: Option<u128>,
     ) -> Result<(), ConnEnd> {
         if version != PROTOCOL_VERSION {
-            self.reply(
+            self.reply_error(
                 id,
-                &Response::Error {
-                    code: ErrorCode::VersionMismatch,
-                    message: format!("unit speaks protocol {PROTOCOL_VERSION}, client {version}"),
-                },
+                ErrorCode::VersionMismatch,
+                &format!("unit speaks protocol {PROTOCOL_VERSION}, client {version}"),
             )?;
             return Err(ConnEnd::Invalid("protocol version mismatch".into()));
         }
+        let (token, owner) = match self.shared.join_session(session, self.peer, self.direct) {
+            Ok(j) => j,
+            Err(e) => {
+                self.reply(id, &error_response(&e))?;
+                return Err(ConnEnd::Invalid(format!("session refused: {e}")));
+            }
+        };
+        self.owner = Some(owner);
         self.namespace = Some(namespace);
-        let attach = want_fd && matches!(self.writer, Socket::Unix(_));
+        let attach = want_fd && self.direct;
         let r = Response::Hello {
             version: PROTOCOL_VERSION,
             instance_id: self.shared.instance_id,
             slab_bytes: self.shared.slab.len(),
             fd_attached: attach,
+            session: token,
         };
         self.out.clear();
         encode(id, &r, 0, &mut self.out).map_err(io::Error::other)?;
@@ -361,24 +414,39 @@ impl Conn {
     /// Fused alloc + bytes + commit: the payload goes straight from the
     /// socket into the slab — or, when the slab is full and the disk tier
     /// has room, into the blob's file, answered Pending until it is synced.
+    /// This thread holds the reservation while it reads: no lease can free
+    /// it underneath; a payload that stalls past `timeout` is cut off and
+    /// its range quarantined.
+    #[allow(clippy::too_many_arguments)]
     fn put(
         &mut self,
         id: u64,
+        owner: Owner,
         ns: &str,
         blob: BlobId,
         entries: Vec<stowage_core::EntrySpec>,
         nbytes: u64,
+        timeout: Duration,
     ) -> Result<(), ConnEnd> {
         let now = self.shared.now();
-        let n_entries = u32::try_from(entries.len()).unwrap_or(u32::MAX);
-        let alloc = self.shared.core().alloc(blob, nbytes, n_entries, now);
+        self.reader.get_mut().deadline = Some(Instant::now() + timeout);
+        let Ok(n_entries) = u32::try_from(entries.len()) else {
+            drain(&mut self.reader, nbytes)?;
+            return self.reply_error(id, ErrorCode::InvalidRequest, "too many entries");
+        };
+        let alloc = self
+            .shared
+            .core()
+            .alloc(owner, blob, nbytes, n_entries, now);
         let offset = match alloc {
             Ok(Allocated::Reserved { offset }) => offset,
-            Ok(Allocated::ToDisk) => return self.put_to_disk(id, ns, blob, entries, nbytes),
+            Ok(Allocated::ToDisk) => {
+                return self.put_to_disk(id, owner, ns, blob, entries, nbytes)
+            }
             Ok(Allocated::AlreadyCommitted) => {
                 drain(&mut self.reader, nbytes)?;
                 // Still being made durable, or done.
-                let r = self.shared.core().commit(ns, blob, &entries);
+                let r = self.shared.core().commit(owner, ns, blob, &entries);
                 let resp = match r {
                     Ok(Committed::Pending) => Response::Pending,
                     _ => Response::Done,
@@ -392,7 +460,6 @@ impl Conn {
                 return Ok(());
             }
         };
-        self.holdings.reservations.insert(blob);
         let len = usize::try_from(nbytes).map_err(|_| io::Error::other("payload too large"))?;
         let reader = &mut self.reader;
         let filled = self
@@ -401,19 +468,24 @@ impl Conn {
             .with_mut(offset, len, |dst| reader.read_exact(dst))
             .map_err(io::Error::other)?;
         if let Err(e) = filled {
-            // Only this thread writes the range, and it has stopped: no
-            // quarantine needed.
-            self.shared.core().abort(blob, false, now);
-            self.holdings.reservations.remove(&blob);
+            // This thread was the only writer, and it has stopped; a cut
+            // stream's range still goes through quarantine.
+            let cut = matches!(
+                e.kind(),
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+            );
+            let _ = self
+                .shared
+                .core()
+                .abort(owner, blob, cut, self.shared.now());
             return Err(e.into());
         }
-        let r = self.shared.core().commit(ns, blob, &entries);
-        self.holdings.reservations.remove(&blob);
+        let r = self.shared.core().commit(owner, ns, blob, &entries);
         let resp = match r {
             Ok(Committed::Done) => Response::Done,
             Ok(Committed::Pending) => Response::Pending,
             Err(e) => {
-                self.shared.core().abort(blob, false, now);
+                let _ = self.shared.core().abort(owner, blob, false, now);
                 error_response(&e)
             }
         };
@@ -426,16 +498,20 @@ impl Conn {
     fn put_to_disk(
         &mut self,
         id: u64,
+        owner: Owner,
         ns: &str,
         blob: BlobId,
         entries: Vec<stowage_core::EntrySpec>,
         nbytes: u64,
     ) -> Result<(), ConnEnd> {
         let now = self.shared.now();
+        let abort = |shared: &Shared| {
+            let _ = shared.core().abort(owner, blob, false, shared.now());
+        };
         let Some(d) = &self.shared.disk else {
             drain(&mut self.reader, nbytes)?;
-            self.shared.core().abort(blob, false, now);
-            return self.reply_internal(id, "disk tier missing");
+            abort(&self.shared);
+            return self.reply_error(id, ErrorCode::Internal, "disk tier missing");
         };
         let mut writer = match d.engine.create(blob, nbytes) {
             Ok(w) => Some(w),
@@ -452,7 +528,7 @@ impl Conn {
         while left > 0 {
             let n = (left as usize).min(buf.len());
             if let Err(e) = self.reader.read_exact(&mut buf[..n]) {
-                self.shared.core().abort(blob, false, now);
+                abort(&self.shared);
                 return Err(e.into());
             }
             left -= n as u64;
@@ -464,14 +540,14 @@ impl Conn {
         }
         if let Some(why) = failure {
             // Nothing of this put is kept; the client may retry.
-            self.shared.core().abort(blob, false, now);
+            abort(&self.shared);
             if let Some(w) = writer {
                 let _ = w.finish();
             }
             let _ = d.engine.delete(blob);
-            return self.reply_internal(id, &why);
+            return self.reply_error(id, ErrorCode::Internal, &why);
         }
-        let r = self.shared.core().commit(ns, blob, &entries);
+        let r = self.shared.core().commit(owner, ns, blob, &entries);
         let resp = match r {
             Ok(Committed::Pending) => {
                 if let Some(w) = writer {
@@ -488,7 +564,7 @@ impl Conn {
             }
             Ok(Committed::Done) => Response::Done,
             Err(e) => {
-                self.shared.core().abort(blob, false, now);
+                let _ = self.shared.core().abort(owner, blob, false, now);
                 error_response(&e)
             }
         };
@@ -496,22 +572,27 @@ impl Conn {
         Ok(())
     }
 
-    fn reply_internal(&mut self, id: u64, why: &str) -> Result<(), ConnEnd> {
-        self.reply(
-            id,
-            &Response::Error {
-                code: ErrorCode::Internal,
-                message: why.to_owned(),
-            },
-        )?;
-        Ok(())
-    }
-
     /// Fused resolve + bytes + unpin: the values go straight from the slab
-    /// (or a spilled blob's checked file) to the socket.
-    fn read(&mut self, id: u64, ns: &str, keys: Vec<stowage_core::Key>) -> Result<(), ConnEnd> {
+    /// (or a spilled blob's checked file) to the socket. This thread holds
+    /// the pin while it sends; a reader that stalls past `timeout` is cut
+    /// off, and only then is the pin dropped.
+    fn read(
+        &mut self,
+        id: u64,
+        owner: Owner,
+        ns: &str,
+        keys: Vec<stowage_core::Key>,
+        timeout: Duration,
+    ) -> Result<(), ConnEnd> {
         let now = self.shared.now();
-        let (pin, found) = self.shared.core().resolve_with_meta(ns, &keys, now, false);
+        let resolved = self.shared.core().resolve_with_meta(owner, ns, &keys, now);
+        let (pin, found) = match resolved {
+            Ok(r) => r,
+            Err(e) => {
+                self.reply(id, &error_response(&e))?;
+                return Ok(());
+            }
+        };
         let (served, buffers) = self.shared.bring_back(found, true);
         let mut corrupt = Vec::new();
         let mut ranges = Vec::new();
@@ -541,70 +622,45 @@ impl Conn {
         encode(id, &Response::Data { items, corrupt }, total, &mut self.out)
             .map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
+        let timed = self.set_write_timeout(timeout);
         let writer = &mut self.writer;
-        let sent = self.shared.slab.with_io_slices(&ranges, |slab_slices| {
-            let mut all = Vec::with_capacity(served.len() + 1);
-            all.push(IoSlice::new(&header));
-            let mut next_slab = slab_slices.iter();
-            for s in served.iter().flatten() {
-                match s {
-                    Served::Memory(..) => {
-                        if let Some(sl) = next_slab.next() {
-                            all.push(IoSlice::new(sl));
+        let sent = timed.map_err(|e| e.to_string()).and_then(|()| {
+            self.shared
+                .slab
+                .with_io_slices(&ranges, |slab_slices| {
+                    let mut all = Vec::with_capacity(served.len() + 1);
+                    all.push(IoSlice::new(&header));
+                    let mut next_slab = slab_slices.iter();
+                    for s in served.iter().flatten() {
+                        match s {
+                            Served::Memory(..) => {
+                                if let Some(sl) = next_slab.next() {
+                                    all.push(IoSlice::new(sl));
+                                }
+                            }
+                            Served::Disk {
+                                blob, offset, len, ..
+                            } => {
+                                let (o, n) = (*offset as usize, *len as usize);
+                                if let Some(b) = buffers.get(blob).and_then(|b| b.get(o..o + n)) {
+                                    all.push(IoSlice::new(b));
+                                }
+                            }
+                            Served::Corrupt => {}
                         }
                     }
-                    Served::Disk {
-                        blob, offset, len, ..
-                    } => {
-                        let (o, n) = (*offset as usize, *len as usize);
-                        if let Some(b) = buffers.get(blob).and_then(|b| b.get(o..o + n)) {
-                            all.push(IoSlice::new(b));
-                        }
-                    }
-                    Served::Corrupt => {}
-                }
-            }
-            write_all_vectored(writer, &mut all)
+                    write_all_vectored(writer, &mut all)
+                })
+                .map_err(|e| e.to_string())
         });
         self.out = header;
+        // This thread has stopped reading the ranges: the pin may go.
         if let Some(p) = pin {
-            self.shared.core().unpin(p);
+            let _ = self.shared.core().unpin(owner, p);
         }
         sent.map_err(io::Error::other)??;
         Ok(())
     }
-
-    fn release_holdings(&mut self) {
-        let now = self.shared.now();
-        let mut core = self.shared.core();
-        for pin in self.holdings.pins.drain() {
-            core.unpin(pin);
-        }
-        for blob in self.holdings.reservations.drain() {
-            // The client may still be copying into it (shm): quarantine.
-            core.abort(blob, true, now);
-        }
-    }
 }
 
-fn error_response(e: &CoreError) -> Response {
-    let code = match e {
-        CoreError::Full { .. } => ErrorCode::Full,
-        CoreError::Busy { .. } => ErrorCode::Busy,
-        CoreError::UnknownBlob(_) => ErrorCode::UnknownBlob,
-        CoreError::Invalid(_) => ErrorCode::InvalidRequest,
-    };
-    Response::Error {
-        code,
-        message: e.to_string(),
-    }
-}
-
-/// The core namespace of a partition of a connection's namespace.
-fn scope(ns: &str, partition: &str) -> String {
-    let mut s = String::with_capacity(ns.len() + 1 + partition.len());
-    s.push_str(ns);
-    s.push(PARTITION_SEPARATOR);
-    s.push_str(partition);
-    s
-}
+const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-user client on the unit's Unix socket, or a unit started with --admin";

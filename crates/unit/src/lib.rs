@@ -13,16 +13,30 @@
 //! one mutex that is never held across I/O.
 //!
 //! A connection that sends a malformed or oversized frame gets an
-//! `InvalidRequest` error and is closed; everyone else carries on. A
-//! connection that ends (a client died) gives back its pins and aborts its
-//! uncommitted reservations (quarantined, since a one-sided writer may still
-//! be copying).
+//! `InvalidRequest` error and is closed; everyone else carries on.
+//!
+//! Fencing (see `stowage-core`): a connection belongs to a session (given
+//! at Hello); what it reserves and pins is released when its peer closes
+//! it, or — when the unit cut it (a frame that stalled past the frame
+//! timeout, a transfer past its request's deadline, an invalid request) —
+//! at once for a tcp peer (the unit's own thread did the copying and has
+//! stopped), and for a Unix-socket peer (which maps the slab) only once
+//! its process is gone (a pidfd taken from SO_PEERCRED at accept). No
+//! timer ever frees a range that someone may still touch.
+//!
+//! Local security: the Unix socket's file is owner-only and the unit
+//! accepts only its own uid (SO_PEERCRED) unless started with
+//! `allow_other_uids`; admin requests (shutdown, checkpoint) need a
+//! same-uid Unix-socket client or `admin_tcp`; checkpoints are written only
+//! under `checkpoint_root`. Connections are capped per unit and per
+//! session.
 
 #![forbid(unsafe_code)]
 
 mod checkpoint;
 mod conn;
 pub mod disk;
+pub mod handler;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -76,6 +90,28 @@ pub struct UnitConfig {
     pub failpoints: Vec<String>,
     /// Load this checkpoint directory before serving.
     pub restore: Option<PathBuf>,
+    /// Checkpoints are written only under this directory; `None`: the unit
+    /// takes none.
+    pub checkpoint_root: Option<PathBuf>,
+    /// Accept Unix-socket clients of any uid (default: only this process's
+    /// own uid).
+    pub allow_other_uids: bool,
+    /// Accept admin requests (shutdown, checkpoint) over TCP too (default:
+    /// only from same-uid clients on the Unix socket).
+    pub admin_tcp: bool,
+    /// Once a frame has begun, the rest of it must arrive within this; a
+    /// reply the peer does not take within it is cut off too. Default 10 s.
+    pub frame_timeout: Duration,
+    /// The longest a single transfer may stall when its request asks for
+    /// more time. Default 10 min.
+    pub max_io_timeout: Duration,
+    /// Most connections at once. Default 1024.
+    pub max_connections: usize,
+    /// Most connections of one session. Default 64.
+    pub max_session_connections: usize,
+    /// Bytes the key index may take; `None`: a quarter of the slab, at
+    /// least 64 MiB.
+    pub index_budget: Option<u64>,
 }
 
 impl UnitConfig {
@@ -96,6 +132,14 @@ impl UnitConfig {
             low_watermark: 0.8,
             failpoints: Vec::new(),
             restore: None,
+            checkpoint_root: None,
+            allow_other_uids: false,
+            admin_tcp: false,
+            frame_timeout: Duration::from_secs(10),
+            max_io_timeout: Duration::from_secs(600),
+            max_connections: 1024,
+            max_session_connections: 64,
+            index_budget: None,
         }
     }
 }
@@ -162,12 +206,105 @@ pub(crate) struct Shared {
     pub(crate) checkpoints: std::sync::atomic::AtomicUsize,
     /// Set when the unit is asked to exit.
     pub(crate) exit: (Mutex<bool>, std::sync::Condvar),
+    /// This process's uid.
+    pub(crate) uid: u32,
+    pub(crate) allow_other_uids: bool,
+    pub(crate) admin_tcp: bool,
+    pub(crate) frame_timeout: Duration,
+    pub(crate) max_io_timeout: Duration,
+    pub(crate) checkpoint_root: Option<PathBuf>,
+    pub(crate) max_connections: usize,
+    /// Connections being served.
+    pub(crate) connections: std::sync::atomic::AtomicUsize,
+    /// Sessions by the token given at Hello.
+    pub(crate) sessions: Mutex<std::collections::HashMap<u128, SessionRec>>,
+}
+
+/// A session as the server knows it: its id in the core and, for a
+/// Unix-socket peer, its process (to learn when it is certainly gone).
+pub(crate) struct SessionRec {
+    pub(crate) id: stowage_core::SessionId,
+    pub(crate) pid: Option<i32>,
+    pub(crate) pidfd: Option<std::os::fd::OwnedFd>,
 }
 
 impl Shared {
+    /// Join the session `token` names (when it still exists and, for a
+    /// Unix-socket peer, belongs to the same process) or start a new one;
+    /// attach a connection to it. Returns the session's token and the
+    /// connection's owner id.
+    pub(crate) fn join_session(
+        &self,
+        token: Option<u128>,
+        peer: conn::Peer,
+        direct: bool,
+    ) -> Result<(u128, stowage_core::Owner), stowage_core::CoreError> {
+        let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut core = self.core();
+        // Forget sessions the core has forgotten.
+        sessions.retain(|_, r| core.has_session(r.id));
+        let joined = token.and_then(|t| {
+            let r = sessions.get(&t)?;
+            (r.pid == peer.pid).then_some((t, r.id))
+        });
+        let (token, id) = match joined {
+            Some(j) => j,
+            None => {
+                let mut b = [0u8; 16];
+                getrandom::fill(&mut b)
+                    .map_err(|e| stowage_core::CoreError::Invalid(e.to_string()))?;
+                let token = u128::from_le_bytes(b);
+                let id = core.open_session();
+                let pidfd = peer.pid.filter(|_| direct).and_then(|pid| {
+                    let pid = rustix::process::Pid::from_raw(pid)?;
+                    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+                });
+                sessions.insert(
+                    token,
+                    SessionRec {
+                        id,
+                        pid: peer.pid,
+                        pidfd,
+                    },
+                );
+                (token, id)
+            }
+        };
+        let owner = core.attach(id, direct)?;
+        Ok((token, owner))
+    }
+
+    /// End the sessions whose connections were all cut and whose process
+    /// has exited: nothing of them can touch the slab any more.
+    pub(crate) fn reap_sessions(&self) {
+        let orphaned = self.core().orphaned_sessions();
+        if orphaned.is_empty() {
+            return;
+        }
+        let gone: Vec<stowage_core::SessionId> = {
+            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            sessions
+                .values()
+                .filter(|r| orphaned.contains(&r.id))
+                .filter(|r| r.pidfd.as_ref().is_some_and(process_exited))
+                .map(|r| r.id)
+                .collect()
+        };
+        if gone.is_empty() {
+            return;
+        }
+        let now = self.now();
+        let mut core = self.core();
+        for id in gone {
+            tracing::info!(session = id.0, "a cut session's process exited; releasing what it held");
+            core.session_gone(id, now);
+        }
+    }
+
     /// The core's counters, with the server's disk I/O counters.
     pub(crate) fn stats(&self) -> stowage_core::Stats {
-        let mut s = self.core().stats();
+        let now = self.now();
+        let mut s = self.core().stats_at(now);
         if let Some(d) = &self.disk {
             s.disk_write_bytes = d.io.write_bytes.load(Ordering::Relaxed);
             s.disk_write_micros = d.io.write_micros.load(Ordering::Relaxed);
@@ -232,6 +369,13 @@ impl Shared {
         }
         problems
     }
+}
+
+/// Whether the process of a pidfd has exited (the pidfd is readable).
+fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(fd, PollFlags::IN)];
+    matches!(poll(&mut fds, Some(&rustix::event::Timespec::default())), Ok(n) if n > 0)
 }
 
 /// The core, locked. On release it applies the core's effects (removes
@@ -369,6 +513,16 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         ));
     }
     let mut core_cfg = CoreConfig::new(cfg.memory);
+    if let Some(b) = cfg.index_budget {
+        core_cfg.index_budget = b;
+    }
+    core_cfg.max_session_conns = cfg.max_session_connections.max(1);
+    let mut key = [0u8; 16];
+    getrandom::fill(&mut key).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;
+    core_cfg.id_key = (
+        u64::from_le_bytes(key[..8].try_into().unwrap_or_default()),
+        u64::from_le_bytes(key[8..].try_into().unwrap_or_default()),
+    );
     core_cfg.reservation_lease = cfg.reservation_lease;
     core_cfg.pin_lease = cfg.pin_lease;
     core_cfg.quarantine = cfg.quarantine;
@@ -442,6 +596,15 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         disk,
         checkpoints: std::sync::atomic::AtomicUsize::new(0),
         exit: (Mutex::new(false), std::sync::Condvar::new()),
+        uid: rustix::process::getuid().as_raw(),
+        allow_other_uids: cfg.allow_other_uids,
+        admin_tcp: cfg.admin_tcp,
+        frame_timeout: cfg.frame_timeout,
+        max_io_timeout: cfg.max_io_timeout,
+        checkpoint_root: cfg.checkpoint_root.clone(),
+        max_connections: cfg.max_connections.max(1),
+        connections: std::sync::atomic::AtomicUsize::new(0),
+        sessions: Mutex::new(std::collections::HashMap::new()),
     });
     if let Some(dir) = &cfg.restore {
         let info =
@@ -473,7 +636,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         tcp: None,
     };
     if let Some(path) = &cfg.uds {
-        let l = bind_uds(path).map_err(|err| StartError::Bind {
+        let l = bind_uds(path, cfg.allow_other_uids).map_err(|err| StartError::Bind {
             what: path.display().to_string(),
             err,
         })?;
@@ -500,10 +663,15 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     std::thread::Builder::new()
         .name("ticker".into())
         .spawn(move || {
+            let mut n = 0u64;
             while !sh.stop.load(Ordering::Relaxed) {
                 std::thread::sleep(Duration::from_millis(20));
                 let now = sh.now();
                 sh.core().tick(now);
+                n += 1;
+                if n % 10 == 0 {
+                    sh.reap_sessions();
+                }
             }
         })
         .map_err(StartError::Slab)?;
@@ -590,7 +758,15 @@ fn spiller(shared: Arc<Shared>) {
 
 /// Bind a Unix socket, replacing a stale socket file (one nobody listens
 /// on) but never a live unit's.
-fn bind_uds(path: &Path) -> io::Result<UnixListener> {
+fn bind_uds(path: &Path, allow_other_uids: bool) -> io::Result<UnixListener> {
+    let l = bind_uds_file(path)?;
+    // Only the owner may connect (unless other users are let in).
+    let mode = if allow_other_uids { 0o666 } else { 0o600 };
+    std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(mode))?;
+    Ok(l)
+}
+
+fn bind_uds_file(path: &Path) -> io::Result<UnixListener> {
     match UnixListener::bind(path) {
         Ok(l) => Ok(l),
         Err(e) if e.kind() == io::ErrorKind::AddrInUse => {
@@ -607,6 +783,53 @@ fn bind_uds(path: &Path) -> io::Result<UnixListener> {
     }
 }
 
+/// Refuse a connection before serving it: one error frame, then close.
+fn turn_away(mut s: impl io::Write, code: stowage_wire::ErrorCode, message: &str) {
+    let mut out = Vec::new();
+    let r = stowage_wire::Response::Error {
+        code,
+        message: message.to_owned(),
+    };
+    if stowage_wire::encode(0, &r, 0, &mut out).is_ok() {
+        let _ = s.write_all(&out);
+    }
+}
+
+/// Count a connection while it is served.
+struct Counted(Arc<Shared>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.connections.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Serve `stream` on its own thread, unless the unit has too many
+/// connections already.
+fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, name: &str) {
+    if shared.connections.fetch_add(1, Ordering::SeqCst) >= shared.max_connections {
+        shared.connections.fetch_sub(1, Ordering::SeqCst);
+        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
+        turn_away(
+            stream,
+            stowage_wire::ErrorCode::Busy,
+            "the unit has too many connections; try again later",
+        );
+        return;
+    }
+    let counted = Counted(shared.clone());
+    let sh = shared.clone();
+    let spawned = std::thread::Builder::new()
+        .name(name.into())
+        .spawn(move || {
+            let _counted = counted;
+            conn::serve(sh, stream, peer)
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a connection thread");
+    }
+}
+
 fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
     for stream in l.incoming() {
         if shared.stop.load(Ordering::SeqCst) {
@@ -614,10 +837,22 @@ fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
         }
         match stream {
             Ok(s) => {
-                let sh = shared.clone();
-                let _ = std::thread::Builder::new()
-                    .name("conn-uds".into())
-                    .spawn(move || conn::serve(sh, Socket::Unix(s)));
+                let cred = rustix::net::sockopt::socket_peercred(&s).ok();
+                let peer = conn::Peer {
+                    uid: cred.map(|c| c.uid.as_raw()),
+                    pid: cred.map(|c| c.pid.as_raw_nonzero().get()),
+                };
+                if !shared.allow_other_uids && peer.uid != Some(shared.uid) {
+                    tracing::warn!(uid = ?peer.uid, pid = ?peer.pid, "refused a client of another user");
+                    let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
+                    turn_away(
+                        s,
+                        stowage_wire::ErrorCode::Unauthorized,
+                        "this unit accepts only its own user's clients",
+                    );
+                    continue;
+                }
+                spawn_conn(&shared, Socket::Unix(s), peer, "conn-uds");
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on the Unix socket failed");
@@ -635,10 +870,7 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
         match stream {
             Ok(s) => {
                 let _ = s.set_nodelay(true);
-                let sh = shared.clone();
-                let _ = std::thread::Builder::new()
-                    .name("conn-tcp".into())
-                    .spawn(move || conn::serve(sh, Socket::Tcp(s)));
+                spawn_conn(&shared, Socket::Tcp(s), conn::Peer::default(), "conn-tcp");
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on TCP failed");

@@ -38,15 +38,29 @@ pub fn read_prefix<R: Read>(r: &mut R, limits: &Limits) -> Result<Option<FramePr
 }
 
 /// Read and decode the header that follows `prefix`, using `buf` as
-/// scratch (its capacity is reused across frames).
+/// scratch (its capacity is reused across frames). The buffer grows with
+/// the bytes that actually arrive, never to the size the prefix claims up
+/// front: a peer that announces a large header and sends nothing costs
+/// nothing.
 pub fn read_header<R: Read, T: DeserializeOwned>(
     r: &mut R,
     prefix: &FramePrefix,
     buf: &mut Vec<u8>,
 ) -> Result<Envelope<T>, ReadError> {
+    const STEP: usize = 64 << 10;
+    let want = prefix.header_len as usize;
     buf.clear();
-    buf.resize(prefix.header_len as usize, 0);
-    r.read_exact(buf)?;
+    while buf.len() < want {
+        let at = buf.len();
+        let n = (want - at).min(STEP.max(at));
+        buf.resize(at + n, 0);
+        match r.read(&mut buf[at..]) {
+            Ok(0) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+            Ok(got) => buf.truncate(at + got),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => buf.truncate(at),
+            Err(e) => return Err(e.into()),
+        }
+    }
     Ok(decode_header(buf)?)
 }
 
@@ -110,6 +124,14 @@ impl Socket {
         })
     }
 
+    /// Bound blocking writes (`None`: unbounded).
+    pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Socket::Unix(s) => s.set_write_timeout(t),
+            Socket::Tcp(s) => s.set_write_timeout(t),
+        }
+    }
+
     /// Bound blocking reads and writes (`None`: unbounded).
     pub fn set_timeouts(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
@@ -162,10 +184,59 @@ impl Write for Socket {
 }
 
 /// A socket's read half that polls for `spin` before it blocks (see
-/// [`spin_read`]).
+/// [`spin_read`]), and fails reads with `TimedOut` past `deadline` when
+/// one is set.
 pub struct SpinReader {
     pub socket: Socket,
     pub spin: Duration,
+    /// Reads that would block past this fail with `TimedOut`. `None`:
+    /// block for as long as it takes (an idle connection).
+    pub deadline: Option<Instant>,
+    /// The receive timeout this reader last set on the socket.
+    set_timeout: Option<Duration>,
+}
+
+impl SpinReader {
+    pub fn new(socket: Socket, spin: Duration) -> Self {
+        Self {
+            socket,
+            spin,
+            deadline: None,
+            set_timeout: None,
+        }
+    }
+
+    /// Bring the socket's receive timeout in line with `deadline`,
+    /// skipping the system call when it would change little.
+    fn apply_deadline(&mut self) -> io::Result<()> {
+        let want = match self.deadline {
+            None => None,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                Some(left)
+            }
+        };
+        let stale = match (self.set_timeout, want) {
+            (None, None) => false,
+            (Some(_), None) | (None, Some(_)) => true,
+            // Refresh when the deadline moved later by more than a little,
+            // or comes sooner than the socket's timeout.
+            (Some(cur), Some(w)) => w < cur || w - cur > Duration::from_millis(20),
+        };
+        if stale {
+            let sock: &dyn AsFd = &self.socket;
+            rustix::net::sockopt::set_socket_timeout(
+                sock.as_fd(),
+                rustix::net::sockopt::Timeout::Recv,
+                want,
+            )?;
+            self.set_timeout = want;
+        }
+        Ok(())
+    }
 }
 
 impl Read for SpinReader {
@@ -173,7 +244,15 @@ impl Read for SpinReader {
         if let Some(r) = spin_read(self.socket.as_fd(), buf, self.spin) {
             return r;
         }
-        self.socket.read(buf)
+        if self.deadline.is_some() || self.set_timeout.is_some() {
+            self.apply_deadline()?;
+        }
+        match self.socket.read(buf) {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && self.deadline.is_some() => {
+                Err(io::ErrorKind::TimedOut.into())
+            }
+            r => r,
+        }
     }
 }
 

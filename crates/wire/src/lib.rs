@@ -33,7 +33,7 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 
 /// The protocol this build speaks. A unit refuses any other.
-pub const PROTOCOL_VERSION: u16 = 1;
+pub const PROTOCOL_VERSION: u16 = 2;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -101,11 +101,15 @@ pub struct Envelope<T> {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Request {
     /// First message on a connection. `want_fd`: hand over the slab's memfd
-    /// (Unix sockets only) so the client can copy bytes itself.
+    /// (Unix sockets only) so the client can copy bytes itself. `session`:
+    /// join the session the unit gave at an earlier Hello (a client's
+    /// connections to one unit form one session, which owns what they
+    /// reserve and pin); `None` starts a new one.
     Hello {
         version: u16,
         namespace: String,
         want_fd: bool,
+        session: Option<u128>,
     },
     /// Reserve `nbytes` for a blob of `n_entries` entries.
     Alloc {
@@ -144,15 +148,21 @@ pub enum Request {
     Stats,
     /// alloc + the blob's bytes (the frame's payload) + commit, in one
     /// request: the unit reads the payload straight into the slab.
+    /// `timeout_ms`: the time left to the caller's deadline; a payload that
+    /// stalls longer is cut off (and its range quarantined).
     Put {
         blob: BlobId,
         partition: String,
         entries: Vec<EntrySpec>,
+        timeout_ms: u64,
     },
     /// resolve + the values' bytes in the reply's payload + unpin.
+    /// `timeout_ms`: a reader that does not take the reply within it is
+    /// cut off.
     Read {
         partition: String,
         keys: Vec<Key>,
+        timeout_ms: u64,
     },
     /// The rows of a partition and their fields.
     List {
@@ -165,12 +175,14 @@ pub enum Request {
     /// The partitions of this namespace that hold data.
     ListPartitions,
     /// Write every committed value and the index to `dir` on the unit's
-    /// host (all namespaces); answers metadata only.
+    /// host (all namespaces); answers metadata only. `dir` must lie under
+    /// the checkpoint root the unit was started with. An admin request.
     Checkpoint {
         dir: String,
     },
     /// Stop the unit within `timeout_ms`: abandon a checkpoint in progress
-    /// if it does not finish in time, remove the disk directory, exit.
+    /// if it does not finish in time, remove the disk directory, exit. An
+    /// admin request.
     Shutdown {
         timeout_ms: u64,
     },
@@ -226,6 +238,9 @@ pub enum Response {
         instance_id: u128,
         slab_bytes: u64,
         fd_attached: bool,
+        /// The session this connection belongs to (the one asked for, or
+        /// a new one when that one is gone). Random, not guessable.
+        session: u128,
     },
     Allocated {
         offset: u64,
@@ -332,7 +347,15 @@ impl Request {
             Ok(())
         };
         match self {
-            Request::Hello { namespace, .. } => name("namespace bytes", namespace),
+            Request::Hello { namespace, .. } => {
+                name("namespace bytes", namespace)?;
+                if namespace.contains(PARTITION_SEPARATOR) {
+                    return Err(WireError::Malformed(
+                        "namespace names may not contain U+001F".into(),
+                    ));
+                }
+                Ok(())
+            }
             Request::Alloc { n_entries, .. } => count("entries", *n_entries as usize),
             Request::Commit {
                 entries,
@@ -361,7 +384,9 @@ impl Request {
             Request::Resolve {
                 keys, partition: p, ..
             }
-            | Request::Read { keys, partition: p } => {
+            | Request::Read {
+                keys, partition: p, ..
+            } => {
                 partition(p)?;
                 count("keys", keys.len())?;
                 keys.iter()
@@ -525,6 +550,7 @@ mod tests {
                 version: PROTOCOL_VERSION,
                 namespace: "run-1".into(),
                 want_fd: true,
+                session: Some(u128::MAX),
             },
             Request::Alloc {
                 blob: BlobId(u128::MAX - 1),
@@ -558,10 +584,12 @@ mod tests {
                 blob: BlobId(1),
                 partition: "p".into(),
                 entries: vec![e],
+                timeout_ms: 30_000,
             },
             Request::Read {
                 partition: "p".into(),
                 keys: vec![key(1, "a")],
+                timeout_ms: 1,
             },
             Request::List {
                 partition: "p".into(),
@@ -584,6 +612,7 @@ mod tests {
                 instance_id: 0xdead_beef_u128 << 64,
                 slab_bytes: 1 << 30,
                 fd_attached: true,
+                session: 7,
             },
             Response::Allocated { offset: 4096 },
             Response::AlreadyCommitted,
@@ -620,6 +649,18 @@ mod tests {
                 disk_write_micros: 13,
                 disk_read_bytes: 14,
                 disk_read_micros: 15,
+                index_bytes: 16,
+                held_bytes: 17,
+                overdue_holds: 18,
+                sessions: vec![stowage_core::SessionStats {
+                    session: 1,
+                    connections: 2,
+                    reservations: 3,
+                    pins: 4,
+                    held_bytes: 5,
+                    oldest_hold_ms: 6,
+                    orphaned: 7,
+                }],
             }),
             Response::Data {
                 items: vec![
@@ -751,6 +792,13 @@ mod tests {
             partition: "a\u{1f}b".into(),
         };
         assert!(r.validate(&limits).is_err());
+        let r = Request::Hello {
+            version: PROTOCOL_VERSION,
+            namespace: "a\u{1f}".into(),
+            want_fd: false,
+            session: None,
+        };
+        assert!(matches!(r.validate(&limits), Err(WireError::Malformed(_))));
     }
 
     proptest::proptest! {
