@@ -11,7 +11,7 @@ use stowage_shm::Slab;
 use stowage_wire::io::{
     read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
-use stowage_wire::{encode, Envelope, Limits, Request, Response, PROTOCOL_VERSION};
+use stowage_wire::{encode, Envelope, ErrorCode, Limits, Request, Response, PROTOCOL_VERSION};
 
 /// Where a unit listens.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -62,6 +62,9 @@ pub(crate) enum ConnError {
     Broken(io::Error),
     /// The unit sent something this client cannot parse.
     Protocol(String),
+    /// The unit turned the connection away (too many connections, another
+    /// user, a session it refused).
+    Refused(ErrorCode, String),
 }
 
 impl From<io::Error> for ConnError {
@@ -96,6 +99,8 @@ pub(crate) struct Conn {
     reader: BufReader<SpinReader>,
     writer: Socket,
     pub(crate) instance_id: u128,
+    /// The session this connection belongs to (the unit's token).
+    pub(crate) session: u128,
     pub(crate) slab: Option<Arc<Slab>>,
     next_id: u64,
     out: Vec<u8>,
@@ -108,10 +113,12 @@ pub(crate) struct Conn {
 impl Conn {
     /// Connect and say Hello. `cached_slab`: a mapping of this unit's slab
     /// from an earlier connection, reused when the instance is the same.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect(
         addr: &UnitAddr,
         namespace: &str,
         want_fd: bool,
+        session: Option<u128>,
         cached_slab: Option<(u128, Arc<Slab>)>,
         spin: Duration,
         deadline: Instant,
@@ -130,15 +137,10 @@ impl Conn {
         };
         let want_fd = want_fd && matches!(writer, Socket::Unix(_));
         let mut c = Conn {
-            reader: BufReader::with_capacity(
-                64 << 10,
-                SpinReader {
-                    socket: reader,
-                    spin,
-                },
-            ),
+            reader: BufReader::with_capacity(64 << 10, SpinReader::new(reader, spin)),
             writer,
             instance_id: 0,
+            session: 0,
             slab: None,
             next_id: 1,
             out: Vec::with_capacity(4096),
@@ -151,6 +153,7 @@ impl Conn {
                 version: PROTOCOL_VERSION,
                 namespace: namespace.to_owned(),
                 want_fd,
+                session,
             },
             &mut [],
             deadline,
@@ -164,9 +167,11 @@ impl Conn {
             Response::Hello {
                 instance_id,
                 fd_attached,
+                session,
                 ..
             } => {
                 c.instance_id = instance_id;
+                c.session = session;
                 if want_fd {
                     if !fd_attached {
                         return Err(ConnError::Protocol(
@@ -183,9 +188,7 @@ impl Conn {
                 }
                 Ok(c)
             }
-            Response::Error { code, message } => {
-                Err(ConnError::Protocol(format!("{code:?}: {message}")))
-            }
+            Response::Error { code, message } => Err(ConnError::Refused(code, message)),
             other => Err(ConnError::Protocol(format!(
                 "unexpected reply to Hello: {other:?}"
             ))),

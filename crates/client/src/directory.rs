@@ -51,11 +51,21 @@ impl Directory for ProbeDirectory {
         let left = deadline
             .saturating_duration_since(Instant::now())
             .clamp(Duration::from_millis(100), max_wait);
-        match Conn::connect(addr, "", false, None, Duration::ZERO, Instant::now() + left) {
+        match Conn::connect(
+            addr,
+            "",
+            false,
+            None,
+            None,
+            Duration::ZERO,
+            Instant::now() + left,
+        ) {
             Ok(c) if c.instance_id == instance => Liveness::Alive,
             Ok(_) => Liveness::Restarted,
             Err(ConnError::Broken(_)) => Liveness::Dead,
-            Err(ConnError::Timeout) | Err(ConnError::Protocol(_)) => Liveness::Unresponsive,
+            Err(ConnError::Timeout) | Err(ConnError::Protocol(_)) | Err(ConnError::Refused(..)) => {
+                Liveness::Unresponsive
+            }
         }
     }
 }

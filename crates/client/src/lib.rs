@@ -151,10 +151,23 @@ struct UnitSlot {
     pool: Mutex<Vec<Box<dyn Transport>>>,
     /// The slab mapping of the current instance, shared by its connections.
     slab: Mutex<Option<(u128, Arc<Slab>)>>,
-    /// The instance the client first met at this address.
-    first_instance: Mutex<Option<u128>>,
-    /// The connection whose held pins back zero-copy views.
-    view_conn: Mutex<Option<Box<dyn Transport>>>,
+    /// What this client knows of the unit: the instance it last met at
+    /// this address, and whether a restart was seen and not yet reported.
+    instance: Mutex<Instance>,
+    /// The session this client's connections to the unit share.
+    session: Mutex<Option<u128>>,
+    /// The connection on which views pin their values. Each [`View`] keeps
+    /// the connection it pinned on alive (a failure elsewhere never drops
+    /// it); a broken one is replaced here for later views.
+    view_conn: Mutex<Option<Arc<Mutex<Box<dyn Transport>>>>>,
+}
+
+#[derive(Clone, Copy, Debug, Default)]
+struct Instance {
+    current: Option<u128>,
+    /// The instance before a restart this client saw, until an operation
+    /// reports that restart (missing keys then are lost keys).
+    lost: Option<u128>,
 }
 
 /// A connection-pooling client of a set of units. Cheap to share between
@@ -237,7 +250,8 @@ impl Client {
                 addr: a.clone(),
                 pool: Mutex::new(Vec::new()),
                 slab: Mutex::new(None),
-                first_instance: Mutex::new(None),
+                instance: Mutex::new(Instance::default()),
+                session: Mutex::new(None),
                 view_conn: Mutex::new(None),
             })
             .collect();
@@ -286,16 +300,19 @@ impl Client {
         let slot = &self.units[unit];
         let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
         let cached = lock(&slot.slab).clone();
+        let session = *lock(&slot.session);
         let conn = Conn::connect(
             &slot.addr,
             &self.cfg.namespace,
             want_fd,
+            session,
             cached,
             self.cfg.spin,
             deadline,
         )
         .map_err(|e| OpFailure::conn(e, false))?;
-        lock(&slot.first_instance).get_or_insert(conn.instance_id);
+        *lock(&slot.session) = Some(conn.session);
+        self.met_instance(unit, conn.instance_id);
         if let Some(s) = &conn.slab {
             *lock(&slot.slab) = Some((conn.instance_id, s.clone()));
         }
@@ -309,6 +326,51 @@ impl Client {
                 false,
             )),
         }
+    }
+
+    /// A connection reached `instance` at unit `unit`'s address. A new
+    /// instance means the old one is gone with its memory: its pooled
+    /// connections and slab mapping are dropped, and the restart is noted
+    /// for the next operation to report.
+    fn met_instance(&self, unit: usize, instance: u128) {
+        let slot = &self.units[unit];
+        let mut i = lock(&slot.instance);
+        match i.current {
+            Some(c) if c != instance => {
+                i.lost = Some(c);
+                i.current = Some(instance);
+                drop(i);
+                self.forget_instance(unit, Some(instance));
+            }
+            Some(_) => {}
+            None => i.current = Some(instance),
+        }
+    }
+
+    /// Drop everything this client holds of unit `unit` other than
+    /// `keep` (an instance): pooled connections and the slab mapping, so a
+    /// dead unit's memory is unmapped. Views keep their own mapping.
+    fn forget_instance(&self, unit: usize, keep: Option<u128>) {
+        let slot = &self.units[unit];
+        lock(&slot.pool).retain(|t| Some(t.instance_id()) == keep);
+        let mut s = lock(&slot.slab);
+        if s.as_ref().is_some_and(|(i, _)| Some(*i) != keep) {
+            *s = None;
+        }
+        drop(s);
+        let mut v = lock(&slot.view_conn);
+        if v
+            .as_ref()
+            .is_some_and(|c| Some(lock(c).instance_id()) != keep)
+        {
+            *v = None;
+        }
+    }
+
+    /// Whether a restart of unit `unit` was seen and not yet reported;
+    /// reporting it clears it.
+    fn take_restart(&self, unit: usize) -> bool {
+        lock(&self.units[unit].instance).lost.take().is_some()
     }
 
     fn checkout(
@@ -363,7 +425,7 @@ impl Client {
                 what: "no answer before the deadline".into(),
             }),
             OpFailure::Conn { error, in_flight } => {
-                let known = lock(&self.units[unit].first_instance).unwrap_or(0);
+                let known = lock(&self.units[unit].instance).current.unwrap_or(0);
                 let reason = match &error {
                     ConnFailure::Broken(m) | ConnFailure::Protocol(m) => m.clone(),
                     ConnFailure::Timeout => "timeout".into(),
@@ -374,8 +436,15 @@ impl Client {
                     .liveness(unit, &self.units[unit].addr, known, deadline)
                 {
                     Liveness::Dead | Liveness::Restarted => {
-                        // Connections to the old instance are useless now.
-                        lock(&self.units[unit].pool).clear();
+                        // Connections to the old instance are useless now,
+                        // and its slab mapping only holds dead memory.
+                        self.forget_instance(unit, None);
+                        {
+                            let mut i = lock(&self.units[unit].instance);
+                            i.current = None;
+                            i.lost = None;
+                        }
+                        *lock(&self.units[unit].session) = None;
                         Outcome::Failed(Error::LostBlobs {
                             unit,
                             blobs,
@@ -576,10 +645,7 @@ impl Client {
             let (ks, idx) = &by_unit[&unit];
             match t.advance_get(ks, idx, sink, deadline) {
                 Ok(Some(miss)) => {
-                    let restarted = {
-                        let first = *lock(&self.units[unit].first_instance);
-                        first.is_some_and(|f| f != t.instance_id())
-                    };
+                    let restarted = !miss.is_empty() && self.take_restart(unit);
                     self.checkin(unit, t);
                     let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
                     if restarted && !miss.is_empty() {
@@ -770,8 +836,7 @@ impl Client {
                 Err(Error::LostBlobs { .. }) => Vec::new(),
                 Err(e) => vec![e.to_string()],
             };
-            lock(&self.units[unit].pool).clear();
-            *lock(&self.units[unit].view_conn) = None;
+            self.forget_instance(unit, None);
         }
         out
     }

@@ -257,10 +257,16 @@ pub struct ViewTensor {
 /// their rows are cleared or replaced — until the view is dropped.
 pub struct View {
     client: Arc<Client>,
-    /// (unit, pin, slab) of every unit that pinned something.
-    pins: Vec<(usize, stowage_core::PinId, Arc<Slab>)>,
+    /// (unit, pin, slab, the connection that holds the pin) of every unit
+    /// that pinned something. The view keeps that connection open for as
+    /// long as it lives: the unit releases a connection's pins only when
+    /// the connection ends, and nothing else can end it.
+    pins: Vec<(usize, stowage_core::PinId, Arc<Slab>, ViewConn)>,
     tensors: Vec<Vec<ViewTensor>>,
 }
+
+/// A connection shared by the views that pinned through it.
+type ViewConn = Arc<std::sync::Mutex<Box<dyn crate::Transport>>>;
 
 impl View {
     /// `[field][row]`, in the order of the call.
@@ -272,8 +278,8 @@ impl View {
     pub fn bytes(&self, t: &ViewTensor) -> &[u8] {
         self.pins
             .iter()
-            .find(|(u, _, _)| *u == t.unit)
-            .and_then(|(_, _, slab)| slab.pinned_slice(t.offset, t.len).ok())
+            .find(|(u, ..)| *u == t.unit)
+            .and_then(|(_, _, slab, _)| slab.pinned_slice(t.offset, t.len).ok())
             .unwrap_or(&[])
     }
 }
@@ -281,12 +287,11 @@ impl View {
 impl Drop for View {
     fn drop(&mut self) {
         let deadline = self.client.deadline();
-        for (unit, pin, _) in self.pins.drain(..) {
+        for (_, pin, _, conn) in self.pins.drain(..) {
             let req = Request::Unpin { pin, reply: false };
-            // If the unit is gone its pins are gone too; nothing to report.
-            let _ = self
-                .client
-                .with_view_conn(unit, deadline, |t| t.notify(&req, deadline));
+            // If the unit or the connection is gone, so is the pin (the
+            // connection's end released it); nothing to report.
+            let _ = lock(&conn).notify(&req, deadline);
         }
     }
 }
@@ -655,22 +660,33 @@ impl Client {
         unit: usize,
         deadline: Instant,
         f: impl FnOnce(&mut Box<dyn crate::Transport>) -> std::result::Result<R, OpFailure>,
-    ) -> std::result::Result<R, OpFailure> {
-        let mut slot = lock(&self.units[unit].view_conn);
-        if slot.is_none() {
-            *slot = Some(self.open(unit, deadline)?);
+    ) -> std::result::Result<(R, ViewConn), OpFailure> {
+        let conn = {
+            let mut slot = lock(&self.units[unit].view_conn);
+            match slot.as_ref() {
+                Some(c) => c.clone(),
+                None => {
+                    let c: ViewConn = Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
+                    *slot = Some(c.clone());
+                    c
+                }
+            }
+        };
+        let r = f(&mut lock(&conn));
+        match r {
+            Ok(r) => Ok((r, conn)),
+            Err(e) => {
+                if matches!(e, OpFailure::Conn { .. }) {
+                    // Later views use a new connection; views that pinned
+                    // through this one keep it (and their pins) alive.
+                    let mut slot = lock(&self.units[unit].view_conn);
+                    if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn)) {
+                        *slot = None;
+                    }
+                }
+                Err(e)
+            }
         }
-        let t = slot.as_mut().ok_or_else(|| {
-            OpFailure::conn(
-                crate::conn::ConnError::Protocol("no view connection".into()),
-                false,
-            )
-        })?;
-        let r = f(t);
-        if matches!(r, Err(OpFailure::Conn { .. })) {
-            *slot = None;
-        }
-        r
     }
 
     /// Pin `fields` of `keys` and view them in place (shm transport only):
@@ -712,7 +728,7 @@ impl Client {
                 t.start_call(&req, deadline)?;
                 Ok((slab, t.finish_call(deadline)?))
             });
-            let (slab, resp) = match r {
+            let ((slab, resp), conn) = match r {
                 Ok(x) => x,
                 Err(f) => {
                     return Err(match self.classify(u, f, vec![], ks, deadline) {
@@ -736,7 +752,7 @@ impl Client {
                             .filter_map(|&i| ks.get(i as usize).cloned())
                             .collect();
                         if let Some(p) = pin {
-                            view.pins.push((u, p, slab.clone()));
+                            view.pins.push((u, p, slab.clone(), conn.clone()));
                         }
                         let named = crate::error::names(&bad);
                         return Err(name_keys(
@@ -756,7 +772,7 @@ impl Client {
                 other => return Err(unexpected(u, other)),
             };
             if let Some(p) = pin {
-                view.pins.push((u, p, slab));
+                view.pins.push((u, p, slab, conn));
             }
             for ((f, i), k) in found.into_iter().zip(idx).zip(ks) {
                 match f {

@@ -52,6 +52,7 @@ impl OpFailure {
             ConnError::Timeout => ConnFailure::Timeout,
             ConnError::Broken(e) => ConnFailure::Broken(e.to_string()),
             ConnError::Protocol(m) => ConnFailure::Protocol(m),
+            ConnError::Refused(code, message) => return OpFailure::Unit { code, message },
         };
         OpFailure::Conn { error, in_flight }
     }
@@ -85,6 +86,8 @@ pub trait Transport: Send {
     fn name(&self) -> &'static str;
     /// The unit's instance id from the handshake.
     fn instance_id(&self) -> u128;
+    /// The session the unit put this connection in.
+    fn session(&self) -> u128;
 
     fn start_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure>;
     /// `Ok(true)` once the blob is committed.
@@ -118,6 +121,13 @@ pub trait Transport: Send {
     fn slab(&self) -> Option<Arc<Slab>> {
         None
     }
+}
+
+/// The time left to `deadline`, as a request tells the unit (at least
+/// 1 ms: a transfer the unit cuts off when the caller has given up).
+fn timeout_ms(deadline: Instant) -> u64 {
+    let left = deadline.saturating_duration_since(Instant::now());
+    u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
 fn total_len(put: &BlobPut<'_>) -> u64 {
@@ -216,6 +226,7 @@ fn send_stream(conn: &mut Conn, put: &BlobPut<'_>, deadline: Instant) -> Result<
         blob: put.blob,
         partition: put.partition.to_owned(),
         entries: put.entries.clone(),
+        timeout_ms: timeout_ms(deadline),
     };
     let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
     conn.send(&req, &mut payload, deadline)
@@ -297,6 +308,10 @@ impl Transport for ShmTransport {
 
     fn instance_id(&self) -> u128 {
         self.conn.instance_id
+    }
+
+    fn session(&self) -> u128 {
+        self.conn.session
     }
 
     fn start_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure> {
@@ -416,6 +431,7 @@ impl Transport for ShmTransport {
             let req = Request::Read {
                 partition: std::mem::take(&mut self.get_partition),
                 keys: disk_keys.clone(),
+                timeout_ms: timeout_ms(deadline),
             };
             self.send(&req, deadline)?;
             let reply = self.recv(deadline)?;
@@ -507,6 +523,10 @@ impl Transport for TcpTransport {
         self.conn.instance_id
     }
 
+    fn session(&self) -> u128 {
+        self.conn.session
+    }
+
     fn start_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure> {
         self.awaiting = Some(send_stream(&mut self.conn, put, deadline)?);
         self.put_state = PutState::Streaming;
@@ -538,6 +558,7 @@ impl Transport for TcpTransport {
         let req = Request::Read {
             partition: partition.to_owned(),
             keys: keys.to_vec(),
+            timeout_ms: timeout_ms(deadline),
         };
         let id = self
             .conn
