@@ -6,8 +6,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{client, pattern, plane, Kind};
-use stowage_client::{Column, DType, Error, RowKey, Tensor};
+use common::{client, pattern, plane, Kind, Raw};
+use stowage_cli::local::LocalPlane;
+use stowage_client::rows::KEY_FIELD;
+use stowage_client::{
+    new_blob_id, BlobPut, Client, Column, DType, EntrySpec, Error, Key, RowKey, Tensor, TensorSink,
+    UnitAddr,
+};
+use stowage_wire::{Request, Response};
 
 const MIB: u64 = 1 << 20;
 
@@ -16,6 +22,9 @@ common::both_transports!(
     rows_grow_fields_and_clear_by_partition,
     not_found_names_exactly_the_missing_pairs,
     concurrent_replacements_are_never_torn,
+    colliding_names_never_read_as_each_other,
+    long_colliding_names_are_told_apart_by_digest,
+    values_without_an_owner_are_checked_against_the_row_name,
 );
 
 fn keys_mixed(n: u64) -> Vec<RowKey> {
@@ -402,4 +411,244 @@ fn views_see_values_in_place_and_keep_them_pinned() {
         tcp.view("p", &keys, &["lp"], None, tcp.deadline()),
         Err(Error::InvalidRequest(_))
     ));
+}
+
+/// The one unit's socket of a one-unit plane.
+fn socket(p: &LocalPlane) -> std::path::PathBuf {
+    match &p.uds_addrs()[0] {
+        UnitAddr::Unix(path) => path.clone(),
+        other => panic!("not a socket: {other:?}"),
+    }
+}
+
+fn row(k: &RowKey) -> u64 {
+    k.row_id().unwrap()
+}
+
+/// Copy `fields` of row `from` as stored (bytes and metadata) into row
+/// `to` of a one-unit plane, and with `name` that row's hidden name: what
+/// a put under `from`'s name leaves when its hash equals `to`'s row id.
+/// (Real xxh3 collisions cannot be found, so they are made this way.)
+fn transplant(
+    p: &LocalPlane,
+    c: &Client,
+    partition: &str,
+    from: u64,
+    to: u64,
+    fields: &[&str],
+    name: Option<&str>,
+) {
+    let keys: Vec<Key> = fields.iter().map(|f| Key::new(from, *f)).collect();
+    let mut metas = match Raw::hello(&socket(p), "test").call(&Request::Read {
+        partition: partition.into(),
+        keys: keys.clone(),
+    }) {
+        Response::Data { items, .. } => items
+            .into_iter()
+            .map(|i| i.expect("transplanted value exists").meta)
+            .collect::<Vec<_>>(),
+        other => panic!("{other:?}"),
+    };
+    let placed: Vec<(usize, Key)> = keys.into_iter().map(|k| (0, k)).collect();
+    let mut values = c.get(partition, &placed, c.deadline()).unwrap();
+    let mut fields: Vec<&str> = fields.to_vec();
+    if let Some(n) = name {
+        values.push(n.as_bytes().to_vec());
+        metas.push(Vec::new());
+        fields.push(KEY_FIELD);
+    }
+    let pad = [0u8; 64];
+    let (mut segments, mut entries, mut size): (Vec<&[u8]>, Vec<EntrySpec>, u64) =
+        (Vec::new(), Vec::new(), 0);
+    for ((v, meta), f) in values.iter().zip(metas).zip(fields) {
+        let gap = size.next_multiple_of(64) - size;
+        segments.push(&pad[..gap as usize]);
+        size += gap;
+        entries.push(EntrySpec {
+            key: Key::new(to, f),
+            offset: size,
+            len: v.len() as u64,
+            meta,
+        });
+        segments.push(v);
+        size += v.len() as u64;
+    }
+    c.put_many(
+        &[BlobPut {
+            unit: 0,
+            partition,
+            blob: new_blob_id(),
+            segments,
+            entries,
+        }],
+        c.deadline(),
+    )
+    .unwrap();
+}
+
+fn put_u8(c: &Client, key: &RowKey, field: &str, data: &[u8]) {
+    let t = Tensor::new(DType::U8, vec![data.len() as u64], data).unwrap();
+    c.put(
+        "p",
+        std::slice::from_ref(key),
+        &[(field, Column::Jagged(vec![t]))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+}
+
+fn get_u8(c: &Client, key: &RowKey, fields: &[&str]) -> Result<Vec<Vec<u8>>, Error> {
+    c.get_tensors("p", std::slice::from_ref(key), fields, None, c.deadline())
+        .map(|got| got.into_iter().map(|mut f| f.remove(0).data).collect())
+}
+
+fn assert_collision(r: Result<Vec<Vec<u8>>, Error>, requested: &str, stored: Option<&str>) {
+    match r {
+        Err(Error::KeyCollision {
+            partition,
+            requested: req,
+            stored: st,
+        }) => {
+            assert_eq!(partition, "p");
+            assert_eq!(req, requested);
+            assert_eq!(st.as_deref(), stored);
+        }
+        other => panic!("expected KeyCollision, got {other:?}"),
+    }
+}
+
+/// Records which values a get handed to the caller.
+#[derive(Default)]
+struct Handed(Vec<(usize, usize)>, Vec<u8>);
+
+impl TensorSink for Handed {
+    fn slot(
+        &mut self,
+        field: usize,
+        row: usize,
+        dtype: DType,
+        shape: &[u64],
+    ) -> Result<&mut [u8], String> {
+        self.0.push((field, row));
+        self.1 = vec![0; dtype.nbytes(shape).unwrap() as usize];
+        Ok(&mut self.1)
+    }
+}
+
+fn colliding_names_never_read_as_each_other(kind: Kind) {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let c = Arc::new(client(&p, kind, Duration::from_secs(30)));
+    let (a, b) = (RowKey::Name("uid_a".into()), RowKey::Name("uid_b".into()));
+    put_u8(&c, &a, "x", &[1; 8]);
+    put_u8(&c, &a, "y", &[2; 8]);
+    put_u8(&c, &b, "x", &[9; 16]);
+
+    // b's put of x lands in a's row: b's x replaces a's, and the row's
+    // hidden name becomes b's.
+    transplant(&p, &c, "p", row(&b), row(&a), &["x"], Some("uid_b"));
+    // a's own value is still a's.
+    assert_eq!(get_u8(&c, &a, &["y"]).unwrap(), vec![vec![2; 8]]);
+    // b's value is not read back as a's, alone or beside a's own.
+    assert_collision(get_u8(&c, &a, &["x"]), "uid_a", Some("uid_b"));
+    assert_collision(get_u8(&c, &a, &["y", "x"]), "uid_a", Some("uid_b"));
+    let both = c.get_tensors("p", &[b.clone(), a.clone()], &["x"], None, c.deadline());
+    assert!(matches!(both, Err(Error::KeyCollision { .. })), "{both:?}");
+    // None of b's bytes reach the caller's buffers.
+    let mut handed = Handed::default();
+    let r = c.get_tensors_into(
+        "p",
+        std::slice::from_ref(&a),
+        &["y", "x"],
+        None,
+        &mut handed,
+        c.deadline(),
+    );
+    assert!(matches!(r, Err(Error::KeyCollision { .. })), "{r:?}");
+    assert!(
+        !handed.0.contains(&(1, 0)),
+        "b's value was handed out as a's"
+    );
+    if kind == Kind::Shm {
+        let v = c.view("p", std::slice::from_ref(&a), &["y"], None, c.deadline());
+        assert_eq!(
+            v.map(|v| v.bytes(&v.tensors()[0][0]).to_vec()).unwrap(),
+            [2; 8]
+        );
+        match c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline()) {
+            Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_b"),
+            other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),
+        }
+        // The refused view unpinned what it had pinned.
+        assert!(common::eventually(Duration::from_secs(5), || {
+            c.stats(c.deadline())
+                .into_iter()
+                .all(|s| s.unwrap().pins == 0)
+        }));
+    }
+
+    // a's earlier put landed in b's row, then b put there: the hidden name
+    // says b, yet a's value of y must not read back as b's.
+    transplant(&p, &c, "p", row(&a), row(&b), &["y"], Some("uid_a"));
+    put_u8(&c, &b, "x", &[8; 24]);
+    assert_eq!(get_u8(&c, &b, &["x"]).unwrap(), vec![vec![8; 24]]);
+    assert_collision(get_u8(&c, &b, &["y"]), "uid_b", Some("uid_a"));
+    assert_collision(get_u8(&c, &b, &["x", "y"]), "uid_b", Some("uid_a"));
+    // The error is final, not a transient failure.
+    assert!(!get_u8(&c, &b, &["y"]).unwrap_err().is_retryable());
+}
+
+fn long_colliding_names_are_told_apart_by_digest(kind: Kind) {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let c = Arc::new(client(&p, kind, Duration::from_secs(30)));
+    // Longer than a value's metadata may be: stored beside values as a
+    // digest, and round-trips.
+    let long = |tail: &str| RowKey::Name(format!("{}{tail}", "n".repeat(4000)));
+    let (a, b) = (long("a"), long("b"));
+    put_u8(&c, &a, "x", &[1; 8]);
+    put_u8(&c, &b, "x", &[2; 8]);
+    assert_eq!(get_u8(&c, &a, &["x"]).unwrap(), vec![vec![1; 8]]);
+    assert!(c
+        .list("p", c.deadline())
+        .unwrap()
+        .iter()
+        .any(|(k, _)| *k == a));
+    transplant(&p, &c, "p", row(&b), row(&a), &["x"], None);
+    assert_collision(get_u8(&c, &a, &["x"]), &a.to_string(), None);
+    // A short name in a long name's row, and the other way round.
+    let s = RowKey::Name("short".into());
+    put_u8(&c, &s, "x", &[3; 8]);
+    transplant(&p, &c, "p", row(&b), row(&s), &["x"], None);
+    assert_collision(get_u8(&c, &s, &["x"]), "short", None);
+    put_u8(&c, &s, "y", &[3; 8]);
+    transplant(&p, &c, "p", row(&s), row(&b), &["y"], None);
+    assert_collision(get_u8(&c, &b, &["y"]), &b.to_string(), Some("short"));
+    assert_eq!(get_u8(&c, &b, &["x"]).unwrap(), vec![vec![2; 8]]);
+}
+
+/// Values put before owners were recorded: an index row's metadata is in
+/// that old form, so copying one into a string row makes such a value.
+fn values_without_an_owner_are_checked_against_the_row_name(kind: Kind) {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let c = Arc::new(client(&p, kind, Duration::from_secs(30)));
+    let old = RowKey::Index(7);
+    put_u8(&c, &old, "x", &[7; 8]);
+    let (a, b) = (RowKey::Name("uid_a".into()), RowKey::Name("uid_b".into()));
+    // Its row's name is the one asked for: the value is given.
+    transplant(&p, &c, "p", row(&old), row(&a), &["x"], Some("uid_a"));
+    assert_eq!(get_u8(&c, &a, &["x"]).unwrap(), vec![vec![7; 8]]);
+    // Another name: refused.
+    transplant(&p, &c, "p", row(&old), row(&b), &["x"], Some("uid_c"));
+    assert_collision(get_u8(&c, &b, &["x"]), "uid_b", Some("uid_c"));
+    if kind == Kind::Shm {
+        let v = c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline());
+        assert_eq!(
+            v.map(|v| v.bytes(&v.tensors()[0][0]).to_vec()).unwrap(),
+            [7; 8]
+        );
+        match c.view("p", std::slice::from_ref(&b), &["x"], None, c.deadline()) {
+            Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_c"),
+            other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),
+        }
+    }
 }

@@ -46,6 +46,21 @@ pub enum Error {
         keys: Vec<Key>,
         named: Vec<String>,
     },
+    /// Two string row keys hash to the same row id, and a value asked for
+    /// under `requested` was put under the other name, `stored` (`None`
+    /// when that name is known only by its digest, being longer than
+    /// [`crate::rows::MAX_TAGGED_NAME`] bytes); no byte of it is returned.
+    /// Also: one put named both. A put of a colliding name replaces the
+    /// other's values of the same fields; rename one of the two rows.
+    #[error(
+        "row key {requested:?} of partition {partition:?} shares a row with {} (hash collision); no value of one is given as the other's",
+        stored.as_deref().map_or_else(|| "another name".to_owned(), |s| format!("{s:?}"))
+    )]
+    KeyCollision {
+        partition: String,
+        requested: String,
+        stored: Option<String>,
+    },
     /// Malformed input or a request the unit refused as invalid.
     #[error("invalid request: {0}")]
     InvalidRequest(String),

@@ -19,8 +19,36 @@
 //! * One put sends one blob per unit, all units in one round; writing a
 //!   (key, field) again replaces it atomically (the unit swaps the index
 //!   entry at commit; readers that pinned the old value keep it).
+//!
+//! # String keys whose hashes collide
+//!
+//! Two names with the same 63-bit hash share a row id. They are told apart,
+//! never aliased: every value of a string-keyed row carries in its metadata
+//! the name it was put under (a name longer than [`MAX_TAGGED_NAME`] bytes:
+//! its 128-bit digest, seeded apart from the row id's hash). Every read —
+//! [`Client::get_tensors_into`], [`Client::get_tensors`], [`Client::view`]
+//! — compares each value's owner with the name asked for, and on a
+//! mismatch fails with [`Error::KeyCollision`] before any of that value's
+//! bytes reach the caller. Hence a get never returns another name's
+//! values, and after a put of a name B that collides with A, A's values
+//! never read back as B's (nor B's as A's): each read either returns the
+//! asker's own values or fails naming both names.
+//!
+//! A put does not look before it writes: that would take a second round
+//! trip per put (the budget is one per unit), and without a conditional
+//! commit on the unit it would still race with another client's put. So a
+//! colliding put succeeds and replaces the other name's values of the same
+//! fields; the loss is reported, naming both, by the next read of them.
+//! Two colliding names in one put are refused before anything is sent.
+//! Not covered by the tags: [`Client::clear`] of either name clears the
+//! shared row, and [`Client::list`] names it after the last name put.
+//!
+//! Values put before owners were recorded carry none. For those a read
+//! compares the row's [`KEY_FIELD`] with the name asked for, in one more
+//! read made only when such a value is met (the values may then already
+//! be in the caller's buffers when the error is returned).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -37,6 +65,14 @@ pub const KEY_FIELD: &str = "\0key";
 
 /// Rows whose ids have this bit set are named by strings.
 const NAME_BIT: u64 = 1 << 63;
+
+/// Names up to this many bytes are stored beside each of their row's
+/// values; a longer name is stored there as a digest (see the module
+/// docs), which keeps every value's metadata well under the unit's limit.
+pub const MAX_TAGGED_NAME: usize = 512;
+
+/// Seed of the digest of long names: apart from the row id's (seed 0).
+const DIGEST_SEED: u64 = 0x0053_544f_5741_4745; // "STOWAGE"
 
 /// Every value starts at a multiple of this many bytes within its blob.
 const VALUE_ALIGN: u64 = 64;
@@ -214,11 +250,80 @@ pub trait TensorSink {
     ) -> std::result::Result<&mut [u8], String>;
 }
 
-/// What the unit keeps beside each value.
+/// What the unit keeps beside each value. For a value of a string-keyed
+/// row an [`Owner`] follows it in the same metadata bytes (index rows'
+/// metadata is this alone, as it was before owners were recorded).
 #[derive(Serialize, Deserialize)]
 struct ValueMeta {
     dtype: DType,
     shape: Vec<u64>,
+}
+
+/// The name a value of a string-keyed row was put under.
+#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
+enum Owner<'a> {
+    Name(&'a str),
+    /// A name longer than [`MAX_TAGGED_NAME`], by its digest.
+    Digest(u128),
+}
+
+impl Owner<'_> {
+    fn of(name: &str) -> Owner<'_> {
+        if name.len() <= MAX_TAGGED_NAME {
+            Owner::Name(name)
+        } else {
+            Owner::Digest(digest(name))
+        }
+    }
+}
+
+fn digest(name: &str) -> u128 {
+    xxhash_rust::xxh3::xxh3_128_with_seed(name.as_bytes(), DIGEST_SEED)
+}
+
+/// Whether a value may be handed out as `key`'s.
+#[derive(Debug, PartialEq, Eq)]
+enum Ownership {
+    Mine,
+    /// Put before owners were recorded: check the row's [`KEY_FIELD`].
+    Unknown,
+    /// Another name's (`None`: known by digest only).
+    Other(Option<String>),
+}
+
+fn ownership(key: &RowKey, owner: Option<Owner>) -> Ownership {
+    // Index rows and string rows never share ids (NAME_BIT).
+    let RowKey::Name(name) = key else {
+        return Ownership::Mine;
+    };
+    match owner {
+        None => Ownership::Unknown,
+        Some(Owner::Name(n)) if n == *name => Ownership::Mine,
+        Some(Owner::Name(n)) => Ownership::Other(Some(n.to_owned())),
+        Some(Owner::Digest(d)) if name.len() > MAX_TAGGED_NAME && d == digest(name) => {
+            Ownership::Mine
+        }
+        Some(Owner::Digest(_)) => Ownership::Other(None),
+    }
+}
+
+fn collision(partition: &str, requested: &RowKey, stored: Option<String>) -> Error {
+    Error::KeyCollision {
+        partition: partition.to_owned(),
+        requested: requested.to_string(),
+        stored,
+    }
+}
+
+/// The metadata of a value of `dtype` and `shape` in a row named `owner`.
+fn encode_meta(dtype: DType, shape: &[u64], owner: Option<&[u8]>) -> Result<Vec<u8>> {
+    let mut meta = postcard::to_allocvec(&ValueMeta {
+        dtype,
+        shape: shape.to_vec(),
+    })
+    .map_err(|e| Error::InvalidRequest(format!("value metadata: {e}")))?;
+    meta.extend_from_slice(owner.unwrap_or_default());
+    Ok(meta)
 }
 
 fn byte_len(dtype: DType, shape: &[u64]) -> Result<u64> {
@@ -227,9 +332,39 @@ fn byte_len(dtype: DType, shape: &[u64]) -> Result<u64> {
         .ok_or_else(|| Error::InvalidRequest(format!("shape {shape:?} overflows")))
 }
 
-fn decode_meta(meta: &[u8]) -> std::result::Result<ValueMeta, String> {
-    postcard::from_bytes(meta)
-        .map_err(|e| format!("value metadata unreadable ({e}): not put by the rows API?"))
+fn decode_meta(meta: &[u8]) -> std::result::Result<(ValueMeta, Option<Owner<'_>>), String> {
+    let bad =
+        |e: postcard::Error| format!("value metadata unreadable ({e}): not put by the rows API?");
+    let (m, rest) = postcard::take_from_bytes::<ValueMeta>(meta).map_err(bad)?;
+    if rest.is_empty() {
+        return Ok((m, None));
+    }
+    let (owner, rest) = postcard::take_from_bytes::<Owner>(rest).map_err(bad)?;
+    if !rest.is_empty() {
+        return Err("value metadata has trailing bytes: not put by the rows API?".into());
+    }
+    Ok((m, Some(owner)))
+}
+
+/// Refuse two different names of one call that share a row id (a put of
+/// both would leave one row holding both).
+fn check_distinct_rows(
+    partition: &str,
+    keys: &[RowKey],
+    row_id: impl Fn(&RowKey) -> Result<u64>,
+) -> Result<()> {
+    let mut names: HashMap<u64, &str> = HashMap::new();
+    for key in keys {
+        if let RowKey::Name(n) = key {
+            match names.insert(row_id(key)?, n) {
+                Some(other) if other != n => {
+                    return Err(collision(partition, key, Some(other.to_owned())))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
 }
 
 fn check_field(f: &str) -> Result<()> {
@@ -366,6 +501,7 @@ impl Client {
         if n == 0 {
             return Ok(());
         }
+        check_distinct_rows(partition, keys, RowKey::row_id)?;
         struct Building<'a> {
             segments: Vec<&'a [u8]>,
             entries: Vec<EntrySpec>,
@@ -399,16 +535,19 @@ impl Client {
                 entries: Vec::new(),
                 size: 0,
             });
-            if let RowKey::Name(name) = key {
-                b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
-            }
+            let owner = match key {
+                RowKey::Name(name) => {
+                    b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
+                    Some(
+                        postcard::to_allocvec(&Owner::of(name))
+                            .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
+                    )
+                }
+                RowKey::Index(_) => None,
+            };
             for (field, values) in &per_column {
                 let t = &values[r];
-                let meta = postcard::to_allocvec(&ValueMeta {
-                    dtype: t.dtype,
-                    shape: t.shape.clone(),
-                })
-                .map_err(|e| Error::InvalidRequest(format!("value metadata: {e}")))?;
+                let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;
                 b.push(Key::new(row, *field), t.data, meta);
             }
         }
@@ -441,7 +580,11 @@ impl Client {
         let placed = self.place(keys, fields, unit)?;
         struct Adapter<'s> {
             sink: &'s mut dyn TensorSink,
-            rows: usize,
+            keys: &'s [RowKey],
+            /// The first value found to be another name's: (row, its name).
+            collision: Option<(usize, Option<String>)>,
+            /// Rows with values of unknown owner.
+            unknown: BTreeSet<usize>,
         }
         impl GetSink for Adapter<'_> {
             fn slot(
@@ -450,7 +593,7 @@ impl Client {
                 len: u64,
                 meta: &[u8],
             ) -> std::result::Result<&mut [u8], String> {
-                let m = decode_meta(meta)?;
+                let (m, owner) = decode_meta(meta)?;
                 let want = byte_len(m.dtype, &m.shape).map_err(|e| e.to_string())?;
                 if want != len {
                     return Err(format!(
@@ -459,16 +602,67 @@ impl Client {
                         m.dtype.name()
                     ));
                 }
-                let (field, row) = (index / self.rows, index % self.rows);
+                let (field, row) = (index / self.keys.len(), index % self.keys.len());
+                match ownership(&self.keys[row], owner) {
+                    Ownership::Mine => {}
+                    Ownership::Unknown => {
+                        self.unknown.insert(row);
+                    }
+                    Ownership::Other(stored) => {
+                        // Refused before its bytes are copied anywhere.
+                        self.collision.get_or_insert((row, stored));
+                        return Err("row key hash collision".into());
+                    }
+                }
                 self.sink.slot(field, row, m.dtype, &m.shape)
             }
         }
         let mut adapter = Adapter {
             sink,
-            rows: keys.len(),
+            keys,
+            collision: None,
+            unknown: BTreeSet::new(),
         };
-        self.get_into(partition, &placed, &mut adapter, deadline)
-            .map_err(|e| name_keys(e, keys))
+        let got = self.get_into(partition, &placed, &mut adapter, deadline);
+        if let Some((row, stored)) = adapter.collision {
+            return Err(collision(partition, &keys[row], stored));
+        }
+        got.map_err(|e| name_keys(e, keys))?;
+        self.check_names(partition, keys, &adapter.unknown, unit, deadline)
+    }
+
+    /// Compare the stored names of `rows` (indexes into `keys`) with the
+    /// names asked for: the check for values that carry no owner.
+    fn check_names(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        rows: &BTreeSet<usize>,
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let placed = rows
+            .iter()
+            .map(|&r| {
+                let id = keys[r].row_id()?;
+                Ok((self.unit_of_key(id, unit)?, Key::new(id, KEY_FIELD)))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let stored = self
+            .get(partition, &placed, deadline)
+            .map_err(|e| name_keys(e, keys))?;
+        for (&r, name) in rows.iter().zip(stored) {
+            if let RowKey::Name(n) = &keys[r] {
+                if name != n.as_bytes() {
+                    let name = String::from_utf8_lossy(&name).into_owned();
+                    return Err(collision(partition, &keys[r], Some(name)));
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Read `fields` of `keys` into fresh tensors, `[field][row]`.
@@ -713,6 +907,7 @@ impl Client {
         };
         let mut flat: Vec<Option<ViewTensor>> = vec![None; keys.len() * fields.len()];
         let mut missing = Vec::new();
+        let mut unknown = BTreeSet::new();
         for (u, (ks, idx)) in by_unit {
             let req = Request::Resolve {
                 partition: partition.to_owned(),
@@ -789,7 +984,18 @@ impl Client {
                         })
                     }
                     Some(f) => {
-                        let m = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
+                        let (m, owner) = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
+                        let row = i % keys.len();
+                        match ownership(&keys[row], owner) {
+                            Ownership::Mine => {}
+                            Ownership::Unknown => {
+                                unknown.insert(row);
+                            }
+                            // `view` drops here and unpins what was pinned.
+                            Ownership::Other(stored) => {
+                                return Err(collision(partition, &keys[row], stored))
+                            }
+                        }
                         let len = usize::try_from(f.len).map_err(|_| {
                             Error::InvalidRequest("value larger than memory".into())
                         })?;
@@ -815,6 +1021,7 @@ impl Client {
                 keys,
             ));
         }
+        self.check_names(partition, keys, &unknown, unit, deadline)?;
         let mut it = flat.into_iter();
         view.tensors = (0..fields.len())
             .map(|_| {
@@ -880,5 +1087,101 @@ fn name_keys(e: Error, keys: &[RowKey]) -> Error {
             keys: ks,
         },
         other => other,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(name: &str) -> Vec<u8> {
+        postcard::to_allocvec(&Owner::of(name)).unwrap()
+    }
+
+    #[test]
+    fn index_rows_keep_the_metadata_they_always_had() {
+        let meta = encode_meta(DType::F32, &[3, 4], None).unwrap();
+        let before = postcard::to_allocvec(&ValueMeta {
+            dtype: DType::F32,
+            shape: vec![3, 4],
+        })
+        .unwrap();
+        assert_eq!(meta, before);
+        let (m, owner) = decode_meta(&meta).unwrap();
+        assert_eq!((m.dtype, m.shape, owner), (DType::F32, vec![3, 4], None));
+    }
+
+    #[test]
+    fn values_of_string_rows_carry_their_name() {
+        let meta = encode_meta(DType::I64, &[7], Some(&named("uid_g3"))).unwrap();
+        let (m, owner) = decode_meta(&meta).unwrap();
+        assert_eq!((m.dtype, m.shape), (DType::I64, vec![7]));
+        assert_eq!(owner, Some(Owner::Name("uid_g3")));
+        let long = "x".repeat(MAX_TAGGED_NAME + 1);
+        let meta = encode_meta(DType::I64, &[7], Some(&named(&long))).unwrap();
+        assert_eq!(
+            decode_meta(&meta).unwrap().1,
+            Some(Owner::Digest(digest(&long)))
+        );
+        // Trailing garbage is not taken for an owner.
+        let mut bad = meta.clone();
+        bad.push(0);
+        assert!(decode_meta(&bad).is_err());
+    }
+
+    #[test]
+    fn the_longest_tagged_name_fits_the_units_metadata_limit() {
+        let name = "n".repeat(MAX_TAGGED_NAME);
+        let shape = [u64::MAX; 32];
+        let meta = encode_meta(DType::F64, &shape, Some(&named(&name))).unwrap();
+        assert!(meta.len() <= stowage_wire::Limits::default().max_meta);
+    }
+
+    #[test]
+    fn only_the_owner_gets_a_value() {
+        let a = RowKey::Name("a".into());
+        fn own(n: &str) -> Option<Owner<'_>> {
+            Some(Owner::of(n))
+        }
+        assert_eq!(ownership(&a, own("a")), Ownership::Mine);
+        assert_eq!(ownership(&a, own("b")), Ownership::Other(Some("b".into())));
+        assert_eq!(ownership(&a, None), Ownership::Unknown);
+        // Index rows never share ids with string rows.
+        assert_eq!(ownership(&RowKey::Index(3), None), Ownership::Mine);
+        // Long names by digest, both ways.
+        let (l1, l2) = ("p".repeat(600), "q".repeat(600));
+        let k1 = RowKey::Name(l1.clone());
+        assert_eq!(ownership(&k1, own(&l1)), Ownership::Mine);
+        assert_eq!(ownership(&k1, own(&l2)), Ownership::Other(None));
+        assert_eq!(ownership(&k1, own("a")), Ownership::Other(Some("a".into())));
+        assert_eq!(ownership(&a, own(&l1)), Ownership::Other(None));
+        // A digest never matches a short name, not even its own digest.
+        let digest_of_a = Some(Owner::Digest(digest("a")));
+        assert_eq!(ownership(&a, digest_of_a), Ownership::Other(None));
+    }
+
+    #[test]
+    fn one_put_naming_two_colliding_names_is_refused() {
+        // Every name hashes alike here.
+        let same = |k: &RowKey| match k {
+            RowKey::Name(_) => Ok(NAME_BIT | 1),
+            RowKey::Index(i) => Ok(*i),
+        };
+        let keys = [
+            RowKey::Index(1),
+            RowKey::Name("a".into()),
+            RowKey::Name("a".into()),
+        ];
+        check_distinct_rows("p", &keys, same).unwrap();
+        let keys = [RowKey::Name("a".into()), RowKey::Name("b".into())];
+        assert_eq!(
+            check_distinct_rows("p", &keys, same),
+            Err(Error::KeyCollision {
+                partition: "p".into(),
+                requested: "b".into(),
+                stored: Some("a".into()),
+            })
+        );
+        check_distinct_rows("p", &keys, RowKey::row_id).unwrap();
     }
 }
