@@ -78,15 +78,42 @@ enum Cmd {
         /// A name for logs.
         #[arg(long, default_value = "unit-0")]
         name: String,
-        /// Lease of pins taken by reads.
+        /// A pin held longer is reported as overdue in stats (never taken
+        /// from its holder: a paused client may resume its copy).
         #[arg(long, value_parser = parse_duration, default_value = "30s")]
         pin_lease: Duration,
-        /// Lease of uncommitted reservations.
+        /// An uncommitted reservation held longer is reported as overdue
+        /// in stats (never taken from its holder).
         #[arg(long, value_parser = parse_duration, default_value = "30s")]
         reservation_lease: Duration,
-        /// Quarantine of ranges a writer may still touch.
+        /// Quarantine of the range of a put stream the unit cut off.
         #[arg(long, value_parser = parse_duration, default_value = "5s")]
         quarantine: Duration,
+        /// Checkpoints are written only under this directory (without it,
+        /// the unit takes none).
+        #[arg(long)]
+        checkpoint_root: Option<std::path::PathBuf>,
+        /// Accept Unix-socket clients of other users (default: only this
+        /// user's; a client that connects maps the slab).
+        #[arg(long)]
+        allow_other_uids: bool,
+        /// Accept admin requests (shutdown, checkpoint) over TCP too
+        /// (default: only same-user clients on the Unix socket).
+        #[arg(long)]
+        admin: bool,
+        /// Once a request frame has begun, the rest must arrive within this.
+        #[arg(long, value_parser = parse_duration, default_value = "10s")]
+        frame_timeout: Duration,
+        /// Most connections at once.
+        #[arg(long, default_value_t = 1024)]
+        max_connections: usize,
+        /// Most connections of one client session.
+        #[arg(long, default_value_t = 64)]
+        max_session_connections: usize,
+        /// Bytes the key index may take (default: a quarter of the memory,
+        /// at least 64 MiB); commits past it answer UnitFull.
+        #[arg(long, value_parser = parse_size)]
+        index_budget: Option<u64>,
         /// Do not try to mlock the slab.
         #[arg(long)]
         no_mlock: bool,
@@ -229,8 +256,22 @@ fn run(cli: Cli) -> Result<(), String> {
             disk,
             failpoint,
             restore,
+            checkpoint_root,
+            allow_other_uids,
+            admin,
+            frame_timeout,
+            max_connections,
+            max_session_connections,
+            index_budget,
         } => {
             let mut cfg = stowage_unit::UnitConfig::new(name, memory);
+            cfg.checkpoint_root = checkpoint_root;
+            cfg.allow_other_uids = allow_other_uids;
+            cfg.admin_tcp = admin;
+            cfg.frame_timeout = frame_timeout;
+            cfg.max_connections = max_connections;
+            cfg.max_session_connections = max_session_connections;
+            cfg.index_budget = index_budget;
             cfg.pin_lease = pin_lease;
             cfg.reservation_lease = reservation_lease;
             cfg.quarantine = quarantine;

@@ -62,6 +62,8 @@ fn a_checkpoint_under_load_restores_into_fresh_units() {
     opts.command = vec![binary().into(), "unit".into()];
     opts.unit_args = disk_args(root.path());
     opts.unit_args.push("--no-mlock".into());
+    opts.unit_args.push("--checkpoint-root".into());
+    opts.unit_args.push(ckpt.path().display().to_string());
     let mut p = LocalPlane::start(&opts).unwrap();
     let c = connect(&p);
     for r in 0..n {
@@ -192,7 +194,8 @@ fn restore_fails(dir: &Path) -> String {
 #[test]
 fn an_incomplete_checkpoint_is_refused() {
     let ckpt = tempfile::tempdir().unwrap();
-    let (mut p, _) = plane(1, 16 * MIB, &[]);
+    let root = ckpt.path().display().to_string();
+    let (mut p, _) = plane(1, 16 * MIB, &["--checkpoint-root", &root]);
     let c = connect(&p);
     for r in 0..20 {
         put(&c, r, 0);

@@ -442,6 +442,7 @@ fn transplant(
     let mut metas = match Raw::hello(&socket(p), "test").call(&Request::Read {
         partition: partition.into(),
         keys: keys.clone(),
+        timeout_ms: 10_000,
     }) {
         Response::Data { items, .. } => items
             .into_iter()

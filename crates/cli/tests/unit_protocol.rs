@@ -129,6 +129,7 @@ fn bad_frames_get_invalid_request_while_others_carry_on() {
             version: 999,
             namespace: "x".into(),
             want_fd: false,
+            session: None,
         }) {
             Response::Error {
                 code: ErrorCode::VersionMismatch,
@@ -146,7 +147,7 @@ fn bad_frames_get_invalid_request_while_others_carry_on() {
 }
 
 #[test]
-fn leases_reclaim_pins_and_reservations_of_a_silent_client() {
+fn a_silent_client_keeps_its_holds_visibly_until_it_closes() {
     let (p, _) = plane(
         1,
         16 * MIB,
@@ -213,7 +214,42 @@ fn leases_reclaim_pins_and_reservations_of_a_silent_client() {
     let mut watcher = Raw::hello(&sock, "ns");
     let s = stats(&mut watcher);
     assert_eq!((s.pins, s.reserved_bytes), (1, 1024), "{s:?}");
-    // The client stays connected but silent: the leases reclaim.
+    // The client stays connected but silent, past every lease: a paused
+    // process may resume its copy at any moment, so nothing is reclaimed.
+    // Stats show what it holds, and that its holds are overdue.
+    assert!(
+        eventually(Duration::from_secs(5), || stats(&mut watcher).overdue_holds == 2),
+        "{:?}",
+        stats(&mut watcher)
+    );
+    let s = stats(&mut watcher);
+    assert_eq!((s.pins, s.reserved_bytes, s.used), (1, 1024, 1152), "{s:?}");
+    let held: Vec<_> = s.sessions.iter().filter(|x| x.held_bytes > 0).collect();
+    assert_eq!(held.len(), 1, "{s:?}");
+    assert_eq!((held[0].reservations, held[0].pins), (1, 1));
+    assert_eq!(held[0].held_bytes, 1024 + 100);
+    assert!(held[0].oldest_hold_ms >= 1000, "{s:?}");
+    // Its reservation is still its own: it can commit it now.
+    assert_eq!(
+        r.call(&Request::Commit {
+            blob: BlobId(43),
+            partition: String::new(),
+            entries: vec![EntrySpec {
+                key: Key::new(2, "f"),
+                offset: 0,
+                len: 1000,
+                meta: vec![],
+            }]
+        }),
+        Response::Done
+    );
+    r.call(&Request::Alloc {
+        blob: BlobId(44),
+        nbytes: 1000,
+        n_entries: 1,
+    });
+    // Closing its connection releases the pin and the reservation at once.
+    drop(r);
     assert!(
         eventually(Duration::from_secs(5), || {
             let s = stats(&mut watcher);
@@ -222,20 +258,8 @@ fn leases_reclaim_pins_and_reservations_of_a_silent_client() {
         "{:?}",
         stats(&mut watcher)
     );
-    // The committed value is still there; the expired blob is unknown.
     let s = stats(&mut watcher);
-    assert_eq!((s.entries, s.used), (1, 128));
-    assert!(matches!(
-        r.call(&Request::Commit {
-            blob: BlobId(43),
-            partition: String::new(),
-            entries: vec![]
-        }),
-        Response::Error {
-            code: ErrorCode::UnknownBlob,
-            ..
-        }
-    ));
+    assert_eq!((s.entries, s.used), (2, 128 + 1024));
 }
 
 /// Not a test on its own: run by `pins_of_a_killed_client_are_reclaimed`
@@ -297,8 +321,7 @@ fn pins_of_a_killed_client_are_reclaimed() {
     let _ = child.wait();
     assert!(pinned.is_ok(), "the pin holder never pinned");
     assert_eq!(pins_before, 1);
-    // The pin is gone within its lease (the unit also drops a dead
-    // connection's pins at once).
+    // The pin is gone once the dead process's connection closes.
     assert!(eventually(Duration::from_secs(4), || stats(&mut watcher)
         .pins
         == 0));
@@ -331,7 +354,7 @@ fn a_restarted_unit_is_told_apart_from_the_one_that_held_the_blobs() {
 }
 
 #[test]
-fn busy_backs_off_until_reservations_expire_or_the_deadline_passes() {
+fn busy_backs_off_until_the_holder_lets_go_or_the_deadline_passes() {
     let (p, _) = plane(
         1,
         4 * MIB,
@@ -358,13 +381,19 @@ fn busy_backs_off_until_reservations_expire_or_the_deadline_passes() {
         "{r:?}"
     );
     assert!(t.elapsed() < Duration::from_millis(300 + 1500));
-    // A long deadline: the reservation expires (1 s), its quarantine ends,
-    // and a retry after backoff gets the memory.
+    // No lease takes the silent hog's reservation (1 s passes). A long
+    // deadline: the hog lets go after a while (its connection closes), and
+    // a retry after backoff gets the memory.
     let c = client(&p, Kind::Shm, Duration::from_secs(10));
     let t = std::time::Instant::now();
+    let letting_go = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(1500));
+        drop(hog);
+    });
     c.put_rows(&[(Key::new(0, "v"), &v)], c.deadline()).unwrap();
+    letting_go.join().unwrap();
     assert!(
-        t.elapsed() >= Duration::from_millis(500),
+        t.elapsed() >= Duration::from_millis(1500),
         "put did not wait for the reservation"
     );
     assert!(c.get_rows(&[Key::new(0, "v")], c.deadline()).unwrap()[0] == v);

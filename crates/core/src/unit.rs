@@ -688,7 +688,15 @@ impl UnitCore {
                     .filter(|b| b.disk == Disk::Writing)
                     .filter_map(|b| b.region.map(|r| r.len))
                     .sum();
-                let reclaimable = self.reserved_bytes + self.quarantined_bytes + spilling;
+                // Cleared blobs that only pins keep: freed at unpin.
+                let unpinning: u64 = self
+                    .blobs
+                    .values()
+                    .filter(|b| matches!(b.state, State::Committed { live: 0, .. }))
+                    .filter_map(|b| b.region.map(|r| r.len))
+                    .sum();
+                let reclaimable =
+                    self.reserved_bytes + self.quarantined_bytes + spilling + unpinning;
                 let could_fit = SlabAllocator::rounded(nbytes) <= capacity;
                 return Err(
                     if could_fit

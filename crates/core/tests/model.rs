@@ -1,83 +1,123 @@
-//! Model-based test of [`UnitCore`].
+//! Model-based test of [`UnitCore`], with sessions, pauses and fencing.
 //!
-//! Random sequences of operations run against a small unit (32 KiB, leases of
-//! a few milliseconds of virtual time) and, side by side, against a plain
-//! model of what the unit should hold. A `Vec<u8>` stands in for the slab:
-//! right after every successful alloc the test writes fresh bytes over the
-//! reserved range, as a client would, and it keeps scribbling over reserved
-//! and quarantined ranges later on (a client still copying, a writer that
-//! outlived its lease). If the core ever hands out a range that is still in
-//! use, a later check reads corrupted bytes.
+//! Random sequences of operations run against a small unit (32 KiB) and,
+//! side by side, against a plain model of what the unit should hold. A
+//! `Vec<u8>` stands in for the slab: whoever may write a range (a client
+//! copying into its reservation, the unit streaming a tcp put into it, a cut
+//! stream whose last bytes land in a quarantined range, a promotion copying
+//! a file back) writes fresh bytes over it, at any time the model says it
+//! still may. If the core ever hands out a range that someone may still
+//! touch, a later check reads changed bytes.
 //!
-//! Two tests share the harness: [`unit_core_matches_model`] runs the unit
-//! without a disk tier, [`unit_core_with_disk_matches_model`] with one (a
-//! 16 KiB slab, a 24 KiB disk, watermarks 0.75 / 0.5, and more puts than
-//! releases, so that both fill up). With the disk tier the test also plays
-//! the driver, against a simulated disk (a map `BlobId → Vec<u8>` of
-//! files):
+//! ## Sessions and fencing
+//!
+//! The unit serves three session slots. Each slot holds at most one live
+//! session (a client process) with up to two connections
+//! ([`MAX_SESSION_CONNS`]; a third `attach` answers Busy); a connection is
+//! *direct* (shm: the client itself copies into its reservations and reads
+//! its pinned ranges) or not (tcp: the unit's own thread copies). Every
+//! reservation and pin has a holder: its session and the connection that
+//! took it, or no connection once the unit cut a direct one. The model
+//! follows the rules of the core (see the crate docs), and the test checks
+//! that they hold:
+//!
+//! * only the holding session may commit, abort or unpin (any of its
+//!   connections); another session gets `NotOwner` and nothing changes; a
+//!   detached connection may neither alloc nor resolve (`NotOwner`);
+//! * a retried alloc from another open connection of the same session is
+//!   Busy while the holding connection is open, and takes the reservation
+//!   over once that connection was cut;
+//! * a connection the peer closed releases everything it held at once; one
+//!   the unit cut releases its pins and quarantines its reservations (the
+//!   range, for [`QUARANTINE_MS`]; the blob id is forgotten, so a retry
+//!   reserves afresh) when the peer is not direct, and keeps everything
+//!   with the session (orphaned) when it is, until `session_gone` or a
+//!   takeover;
+//! * no timer ever ends a hold: pauses of minutes and hours (with ticks)
+//!   only end quarantines; holds older than their lease are *reported*
+//!   (`stats_at(now).overdue_holds`).
+//!
+//! The fence invariant, checked after every step: every range a session may
+//! still touch (its reservations and the blobs it pinned, whether its
+//! connection is open or was cut) is exactly one of the ranges the unit
+//! holds, overlapping no other (no other blob, promotion, quarantine or
+//! spill source), and is what `session_ranges` reports; its bytes change
+//! only by its own writer (a reservation reads back what its writer last
+//! wrote; a pinned value reads back what its reader read when it pinned).
+//! Two scripted ops drive the worst cases through it: a *paused writer*
+//! (a direct client reserves, maybe has its connection cut, pauses for
+//! minutes or hours, others put meanwhile, then it resumes and writes its
+//! whole reservation: every other value must still read back exactly) and a
+//! *paused reader* (a direct client pins values, maybe is cut, their rows
+//! are released and rewritten by others over a long pause: its pinned bytes
+//! must not change).
+//!
+//! ## The disk tier
+//!
+//! [`unit_core_matches_model`] runs the unit without a disk tier,
+//! [`unit_core_with_disk_matches_model`] with one (a 16 KiB slab, a 24 KiB
+//! disk, watermarks 0.75 / 0.5, and more puts than releases, so that both
+//! fill up). With the disk tier the test also plays the driver, against a
+//! simulated disk (a map `BlobId → Vec<u8>` of files):
 //!
 //! * a put answered `ToDisk` has its bytes written to its file at once (the
 //!   client streams them); the file is then "being synced" until a later
 //!   `Complete` op reports `disk_written(blob, ok)` (mostly ok);
 //! * `Spill` asks `spill_jobs()`; each job is written (its slab bytes copied
-//!   into the file when the write finishes, so a range freed early shows up
-//!   as a corrupt file) at once or later, ok or failed;
+//!   into the file when the write finishes) at once or later, ok or failed;
+//!   a blob freed meanwhile keeps its slab range until the write reports;
 //! * a resolve that finds values on disk sometimes promotes their blob:
 //!   `promote_begin`, copy the file into the slab range, `promote_done`, at
-//!   once (ok or failed) or later (the driver then holds a pin of its own
-//!   on the blob until it is done: see [`DRIVER_PINS_PROMOTIONS`]);
+//!   once (ok or failed) or later, with or without a pin of the driver's
+//!   own (the unit's); a blob freed meanwhile keeps its promotion range
+//!   until `promote_done`, and the late copy must land in no one's bytes;
 //! * stray reports (`disk_written` / `promote_done` of a blob with nothing
 //!   in flight) must change nothing;
 //! * after every op the driver takes the core's effects and removes the
 //!   files they name. A `DeleteFile` for a put still being synced cancels
 //!   that put's write (the driver stops writing and will not report it).
 //!
-//! Properties checked after every operation (see [`Harness::check`]):
+//! ## Properties checked after every operation (see [`Harness::check`])
 //!
-//! 1. Space is never handed out twice: the regions of `core.regions()` are
-//!    aligned, pairwise disjoint, inside the capacity, and exactly the slab
-//!    ranges (and promotion ranges) the model says the unit holds (no leak,
-//!    no early free). The core may drop the memory copy of a blob on its own
-//!    only when the blob is committed, durable on disk and unpinned.
-//! 2. Every key of the model resolves to where its blob is (`Memory` at the
-//!    blob's range plus the entry's offset, or `Disk`) and reads back the
-//!    exact committed bytes, from the simulated slab or from the simulated
-//!    file; keys not in the model (and every key of another namespace)
-//!    resolve to `None` without a pin. A put that went to disk is invisible
-//!    until its file is reported durable, and visible from then on.
-//! 3. Every pin the unit still holds (not unpinned, not reclaimed by a tick
-//!    after its lease ended; snapshots and held pins never expire) still
-//!    sees its values' bytes, in the slab or in the file it was told of.
-//! 4. The counters of `stats()` match the model, `disk_used` included
-//!    (and never above the disk's capacity).
-//! 5. The simulated disk holds exactly the files the model expects (every
-//!    durable blob, every put being synced), each with its blob's bytes; a
-//!    blob in memory and on disk has the same bytes in both.
+//! 1. Space is never handed out twice: the ranges of `core.regions()` and
+//!    `core.held_ranges()` are aligned, pairwise disjoint, inside the
+//!    capacity, and exactly the ranges the model says the unit holds (no
+//!    leak, no early free). The core may drop the memory copy of a blob on
+//!    its own only when the blob is committed, durable on disk and unpinned.
+//! 2. Every key of the model resolves to where its blob is and reads back
+//!    the exact committed bytes, from the simulated slab or file; other
+//!    keys (and every key of another namespace) resolve to `None` without
+//!    a pin.
+//! 3. Every pin the unit still holds (by an open connection, orphaned by a
+//!    cut, the unit's own) still sees its values' bytes.
+//! 4. The counters of `stats()` and `stats_at(now)` match the model: bytes,
+//!    blobs, entries, pins, disk use, index bytes, and per session its open
+//!    connections, reservations, pins, held bytes, oldest hold, orphaned
+//!    holds and the number of overdue holds.
+//! 5. The simulated disk holds exactly the files the model expects.
 //! 6. The core's effects are exactly the file removals the model predicts,
-//!    and none names a file that a live entry or a pin still needs (only a
-//!    failed spill's partial file goes while its blob is live, in memory),
-//!    nor a file whose spill is still being written (it would come back as
-//!    an orphan), nor a file that is not there.
+//!    and none names a file still needed.
+//! 7. The fence invariant above; `orphaned_sessions()` and `has_session`
+//!    match the model (a session is forgotten once it has no connection and
+//!    holds nothing); `next_deadline()` is the end of the first quarantine.
 //!
 //! Each operation's answer is also checked against the model's prediction
-//! (Reserved / ToDisk / AlreadyCommitted / Invalid / UnknownBlob, Done vs
-//! Pending, Full vs Busy and their numbers, the count returned by
-//! release_rows, which spill jobs may be handed out, ...). In particular a
-//! commit of a reservation whose lease ended and was reclaimed by a tick must
-//! answer `UnknownBlob`, and `Full` comes only when neither the slab nor the
-//! disk has room.
+//! (Reserved / ToDisk / AlreadyCommitted / Invalid / UnknownBlob / NotOwner
+//! / Busy / Full and their numbers, Done vs Pending, the count returned by
+//! release_rows, which spill jobs may be handed out, ...). A commit past the
+//! index byte budget ([`INDEX_BUDGET`]) answers Full and changes nothing.
 //!
-//! At the end every in-flight write and promotion finishes, every pin is
-//! dropped, every row is released and time runs past every lease and
-//! quarantine: the unit must be empty again (used, pins, entries, blobs, disk
-//! bytes all zero, no timer left, no file left on the simulated disk) and
-//! able to hand out its whole capacity in one piece.
+//! At the end every in-flight write and promotion finishes, the unit's pins
+//! go, every connection closes, every orphaned session is declared gone,
+//! every row is released and time runs past every quarantine: the unit must
+//! be empty again (no session, no byte, pin, entry, blob or file left, no
+//! timer) and able to hand out its whole capacity in one piece.
 //!
-//! The disk test also asserts that its cases, together, reached every
-//! disk-tier path (puts to disk, pending commits, failed writes, spills
-//! written, failed and orphaned, promotions, refusals with the disk full,
-//! ...), so that a change of the generator cannot quietly stop testing one.
-//! `PROPTEST_CASES=20000` runs a longer soak.
+//! Both tests assert that their cases, together, reached every session path
+//! (cuts of both kinds, session deaths, NotOwner refusals, Busy retries,
+//! takeovers, long pauses, resumed paused writers and readers, ...), and the
+//! disk test every disk-tier path, so that a change of the generator cannot
+//! quietly stop testing one. `PROPTEST_CASES=20000` runs a longer soak.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -86,8 +126,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use stowage_core::{
-    Allocated, BlobId, Committed, CoreConfig, CoreError, Effect, EntrySpec, Key, Location, PinId,
-    Place, SnapshotEntry, Stats, Time, UnitCore,
+    Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, Effect, EntrySpec, Key,
+    Location, Owner, PinId, Place, SessionId, SessionStats, SnapshotEntry, Stats, Time, UnitCore,
 };
 
 /// Slab of the test without a disk tier.
@@ -98,25 +138,30 @@ const DISK_CAP: u64 = 24 * 1024;
 const HIGH_WATERMARK: f64 = 0.75;
 const LOW_WATERMARK: f64 = 0.5;
 const ALIGN: u64 = 64;
+/// Leases only decide which holds `stats_at` reports as overdue.
 const RESERVATION_LEASE_MS: u64 = 20;
 const PIN_LEASE_MS: u64 = 15;
 const QUARANTINE_MS: u64 = 5;
-/// Blob ids come from a small pool so that ids get retried and reused.
+/// Blob ids come from a small pool so that ids get retried and reused
+/// (also by other sessions).
 const N_BLOBS: u8 = 24;
 const ROWS: u64 = 8;
 const FIELDS: [&str; 3] = ["a", "b", "c"];
 const NS: &str = "ns";
 const MAX_BLOB: u64 = 8 * 1024;
-/// Whether the simulated driver holds a pin of its own (a `hold` resolve)
-/// on a blob while a promotion of it is in flight, instead of relying on
-/// the reader's pin. It must, for now: `UnitCore` frees a blob's
-/// `promoting` range as soon as the blob is freed (reader unpinned or its
-/// lease reclaimed by `tick`, rows released), while the driver may still be
-/// copying the file into that range; a later alloc gets the range and the
-/// late copy overwrites the new owner's committed bytes (see
-/// `late_promotion_copy_overwrites_a_reused_range`). With `false` the
-/// model lets the reader's pin end mid-promotion, and catches that.
-const DRIVER_PINS_PROMOTIONS: bool = true;
+/// Session slots: at most this many client processes at a time.
+const SLOTS: usize = 3;
+/// `CoreConfig::max_session_conns` of the test.
+const MAX_SESSION_CONNS: usize = 2;
+/// Index bytes an entry costs beyond its field name and metadata
+/// (`stowage_core`'s `ENTRY_OVERHEAD`, not exported; the `index_bytes`
+/// counter checks that the two agree).
+const ENTRY_OVERHEAD: u64 = 96;
+/// The index byte budget: about 18 of the 24 keys, so that commits past it
+/// happen.
+const INDEX_BUDGET: u64 = 18 * (ENTRY_OVERHEAD + 1 + 3);
+const MINUTE_MS: u64 = 60_000;
+const HOUR_MS: u64 = 60 * MINUTE_MS;
 
 fn ms(n: u64) -> Duration {
     Duration::from_millis(n)
@@ -140,79 +185,107 @@ fn all_keys() -> Vec<Key> {
         .collect()
 }
 
+fn entry_cost(e: &EntrySpec) -> u64 {
+    ENTRY_OVERHEAD + e.key.field.len() as u64 + e.meta.len() as u64
+}
+
+fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
 #[derive(Clone, Debug)]
 enum Op {
-    /// Alloc a blob of the pool (new, retried or reused id).
-    Alloc {
-        blob: u8,
-        size: u64,
-        n: u32,
-    },
-    /// Retry an alloc: same parameters for a reserved blob (renews the
-    /// lease), any parameters for a committed one (AlreadyCommitted).
-    Retry {
-        pick: u8,
-    },
-    /// Commit a blob, preferably one the test reserved. `entries` are
-    /// (row, field, offset seed, length seed); `fault` sometimes makes the
-    /// commit invalid (wrong count, entry out of bounds).
+    /// Alloc a blob of the pool (new, retried or reused id) from a
+    /// connection (`who`; now and then a detached one).
+    Alloc { who: u8, blob: u8, size: u64, n: u32 },
+    /// Retry an alloc: same parameters for a reserved blob, from its
+    /// holding connection (same answer), another connection of its session
+    /// (Busy, or a takeover after a cut; reconnecting if need be) or
+    /// another session (NotOwner); any parameters for a committed one
+    /// (AlreadyCommitted).
+    Retry { who: u8, pick: u8 },
+    /// Commit a blob, preferably one the test reserved, mostly from its
+    /// session. `entries` are (row, field, offset seed, length seed);
+    /// `fault` sometimes makes the commit invalid.
     Commit {
+        who: u8,
         pick: u8,
         entries: Vec<(u64, usize, u16, u16)>,
         fault: u8,
     },
-    Abort {
-        pick: u8,
-        in_flight: bool,
-    },
-    /// A client (or a writer that outlived its lease) writes again into a
-    /// reserved or quarantined range.
-    Scribble {
-        pick: u8,
-    },
-    /// Resolve keys (with `hold`: a pin without lease). With a disk tier,
-    /// `promote` says what the driver does with blobs found on disk:
-    /// nothing, promote at once, promote later, or promote and fail.
+    Abort { who: u8, pick: u8, in_flight: bool },
+    /// A writer that may still write does: a client (maybe paused for
+    /// hours, maybe cut) into its reservation, the unit into a tcp put, a
+    /// cut stream into its quarantined range.
+    Scribble { pick: u8 },
+    /// Resolve keys from a connection. With a disk tier, `promote` says
+    /// what the driver does with blobs found on disk: nothing, promote at
+    /// once, promote later (`0x20`: holding a pin of its own), or promote
+    /// and fail.
     Resolve {
+        who: u8,
         keys: Vec<(u64, usize)>,
-        hold: bool,
         promote: u8,
     },
-    /// A snapshot: every entry, its blobs pinned until unpinned.
+    /// A snapshot: every entry, its blobs pinned by the unit.
     Snapshot,
-    /// Unpin a live pin, or (`stale`) one already unpinned/expired or never
-    /// handed out.
-    Unpin {
-        pick: usize,
-        stale: bool,
+    /// Unpin a live pin (mostly from its session), or (`stale`) one already
+    /// unpinned or never handed out.
+    Unpin { who: u8, pick: usize, stale: bool },
+    ReleaseRows { rows: Vec<u64> },
+    /// Advance the virtual clock by anything from a millisecond to two days
+    /// (a paused process, a stalled driver), then (mostly) tick.
+    Advance { ms: u64, tick: bool },
+    /// Open a connection in a slot (a new session if the slot has none);
+    /// `stale`: attach to a session that is gone (Invalid).
+    Attach { slot: u8, direct: bool, stale: bool },
+    /// A connection ends: closed by its peer, or cut by the unit. Now and
+    /// then one that already ended (nothing changes).
+    Detach { who: u8, cut: bool },
+    /// A session's process is gone: mostly an orphaned one (its connections
+    /// were cut), sometimes one with only direct connections left open, or
+    /// one already gone (nothing changes).
+    SessionGone { pick: u8 },
+    /// The paused writer: a direct client reserves, is maybe cut, pauses
+    /// for `pause` ms while other sessions put `others` (blob size, row,
+    /// field), resumes and writes its whole reservation; `then` it stays,
+    /// completes (taking its reservation over if cut) or ends.
+    PausedWriter {
+        slot: u8,
+        size: u64,
+        cut: bool,
+        pause: u64,
+        others: Vec<(u64, u64, usize)>,
+        then: u8,
     },
-    ReleaseRows {
-        rows: Vec<u64>,
-    },
-    /// Advance the virtual clock, then (mostly) tick. Without the tick,
-    /// leases run out without being reclaimed yet, as when the driver ticks
-    /// late: the unit must keep honouring them until it does.
-    Advance {
-        ms: u64,
-        tick: bool,
+    /// The paused reader: a direct client pins `keys`, is maybe cut, the
+    /// rows are released and other sessions put `others` over a pause of
+    /// `pause` ms; then its pinned bytes must be unchanged.
+    PausedReader {
+        slot: u8,
+        keys: Vec<(u64, usize)>,
+        cut: bool,
+        pause: u64,
+        others: Vec<(u64, u64, usize)>,
+        then: u8,
     },
     /// The driver asks for spill jobs; job `i` is written at once or later
     /// (`plan[i % 4].0`), and succeeds or fails (`plan[i % 4].1`).
-    Spill {
-        plan: Vec<(bool, bool)>,
-    },
+    Spill { plan: Vec<(bool, bool)> },
     /// One in-flight disk write or promotion finishes.
-    Complete {
-        pick: u8,
-        ok: bool,
-    },
+    Complete { pick: u8, ok: bool },
     /// A stray report: `disk_written` or `promote_done` of a blob that has
     /// nothing in flight changes nothing.
-    Stray {
-        pick: u8,
-        ok: bool,
-        promote: bool,
-    },
+    Stray { pick: u8, ok: bool, promote: bool },
+}
+
+/// A pause: mostly milliseconds, sometimes minutes, sometimes hours.
+fn pause_strategy() -> impl Strategy<Value = u64> {
+    prop_oneof![
+        6 => 0u64..25,
+        2 => 1_000u64..10 * MINUTE_MS,
+        1 => HOUR_MS..48 * HOUR_MS,
+    ]
 }
 
 /// Operations of a case. With a disk tier, puts and commits come more
@@ -220,29 +293,61 @@ enum Op {
 /// and the disk fills up too.
 fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
     let size = prop_oneof![3 => 0..=MAX_BLOB, 1 => 0u64..130];
+    let small = prop_oneof![1 => 0..=MAX_BLOB / 2, 1 => 0u64..130];
     let (put, release, advance, driver) = if disk { (6, 1, 2, 3) } else { (4, 2, 3, 1) };
+    let others = prop::collection::vec((small.clone(), 0..ROWS, 0..FIELDS.len()), 1..4);
     prop_oneof![
-        put => (0..N_BLOBS, size, 0u32..4).prop_map(|(blob, size, n)| Op::Alloc { blob, size, n }),
-        2 => any::<u8>().prop_map(|pick| Op::Retry { pick }),
+        put => (any::<u8>(), 0..N_BLOBS, size.clone(), 0u32..4)
+            .prop_map(|(who, blob, size, n)| Op::Alloc { who, blob, size, n }),
+        3 => (any::<u8>(), any::<u8>()).prop_map(|(who, pick)| Op::Retry { who, pick }),
         put + 1 => (
+            any::<u8>(),
             any::<u8>(),
             prop::collection::vec((0..ROWS, 0..FIELDS.len(), any::<u16>(), any::<u16>()), 4),
             any::<u8>(),
         )
-            .prop_map(|(pick, entries, fault)| Op::Commit { pick, entries, fault }),
-        1 => (any::<u8>(), any::<bool>()).prop_map(|(pick, in_flight)| Op::Abort { pick, in_flight }),
-        1 => any::<u8>().prop_map(|pick| Op::Scribble { pick }),
+            .prop_map(|(who, pick, entries, fault)| Op::Commit { who, pick, entries, fault }),
+        1 => (any::<u8>(), any::<u8>(), any::<bool>())
+            .prop_map(|(who, pick, in_flight)| Op::Abort { who, pick, in_flight }),
+        2 => any::<u8>().prop_map(|pick| Op::Scribble { pick }),
         3 => (
+            any::<u8>(),
             prop::collection::vec((0..ROWS, 0..FIELDS.len()), 1..5),
-            prop::bool::weighted(0.1),
             any::<u8>(),
         )
-            .prop_map(|(keys, hold, promote)| Op::Resolve { keys, hold, promote }),
+            .prop_map(|(who, keys, promote)| Op::Resolve { who, keys, promote }),
         1 => Just(Op::Snapshot),
-        2 => (any::<usize>(), prop::bool::weighted(0.2))
-            .prop_map(|(pick, stale)| Op::Unpin { pick, stale }),
+        3 => (any::<u8>(), any::<usize>(), prop::bool::weighted(0.15))
+            .prop_map(|(who, pick, stale)| Op::Unpin { who, pick, stale }),
         release => prop::collection::vec(0..ROWS + 1, 0..4).prop_map(|rows| Op::ReleaseRows { rows }),
-        advance => (0u64..25, prop::bool::weighted(0.75)).prop_map(|(ms, tick)| Op::Advance { ms, tick }),
+        advance => (pause_strategy(), prop::bool::weighted(0.8))
+            .prop_map(|(ms, tick)| Op::Advance { ms, tick }),
+        2 => (any::<u8>(), any::<bool>(), prop::bool::weighted(0.1))
+            .prop_map(|(slot, direct, stale)| Op::Attach { slot, direct, stale }),
+        2 => (any::<u8>(), any::<bool>()).prop_map(|(who, cut)| Op::Detach { who, cut }),
+        1 => any::<u8>().prop_map(|pick| Op::SessionGone { pick }),
+        1 => (
+            any::<u8>(),
+            small.clone(),
+            any::<bool>(),
+            prop_oneof![1 => MINUTE_MS..10 * MINUTE_MS, 2 => HOUR_MS..48 * HOUR_MS],
+            others.clone(),
+            any::<u8>(),
+        )
+            .prop_map(|(slot, size, cut, pause, others, then)| Op::PausedWriter {
+                slot, size, cut, pause, others, then
+            }),
+        1 => (
+            any::<u8>(),
+            prop::collection::vec((0..ROWS, 0..FIELDS.len()), 1..3),
+            any::<bool>(),
+            prop_oneof![1 => MINUTE_MS..10 * MINUTE_MS, 2 => HOUR_MS..48 * HOUR_MS],
+            others,
+            any::<u8>(),
+        )
+            .prop_map(|(slot, keys, cut, pause, others, then)| Op::PausedReader {
+                slot, keys, cut, pause, others, then
+            }),
         driver => prop::collection::vec((any::<bool>(), prop::bool::weighted(0.85)), 4)
             .prop_map(|plan| Op::Spill { plan }),
         driver => (any::<u8>(), prop::bool::weighted(0.85)).prop_map(|(pick, ok)| Op::Complete { pick, ok }),
@@ -251,23 +356,34 @@ fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
     ]
 }
 
+/// Who holds a reservation or pin: a session, and the connection that
+/// took it (`None` once the unit cut that direct connection).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct MHolder {
+    session: SessionId,
+    conn: Option<stowage_core::ConnId>,
+    since: Time,
+}
+
+impl MHolder {
+    fn of(owner: Owner, now: Time) -> Self {
+        Self {
+            session: owner.session,
+            conn: Some(owner.conn),
+            since: now,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 enum MState {
-    /// Reserved under a lease: in the slab (the blob has a region) or on
-    /// disk (it has none).
-    Reserved {
-        expires: Time,
-        n: u32,
-    },
+    /// Reserved: in the slab (the blob has a region) or on disk (it has
+    /// none).
+    Reserved { holder: MHolder, n: u32 },
     /// Committed while its file was still being synced: published once the
     /// file is reported durable.
-    PendingDisk {
-        specs: Vec<EntrySpec>,
-    },
+    PendingDisk { specs: Vec<EntrySpec> },
     Committed,
-    Quarantined {
-        until: Time,
-    },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -289,8 +405,9 @@ struct MBlob {
     disk: MDisk,
     /// Publication order (spilling takes the oldest first).
     seq: u64,
-    /// Its bytes: of its file for a put to disk (from alloc on), of its
-    /// slab range once committed for a put to memory.
+    /// Its bytes: what its writer last wrote over its whole range while
+    /// reserved in the slab; of its file for a put to disk (from alloc
+    /// on); of its slab range once committed for a put to memory.
     content: Vec<u8>,
 }
 
@@ -307,10 +424,23 @@ struct MValue {
 #[derive(Clone, Debug)]
 struct MPin {
     blobs: BTreeSet<BlobId>,
-    /// `None`: held until unpinned (snapshots, `hold` resolves).
-    expires: Option<Time>,
+    holder: MHolder,
     /// What the pin's holder was told, and the bytes it read there.
     snapshots: Vec<(Place, Vec<u8>)>,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct MConn {
+    owner: Owner,
+    /// Shm: the client maps the slab and copies itself.
+    direct: bool,
+}
+
+#[derive(Clone, Debug)]
+struct MSession {
+    id: SessionId,
+    /// Open connections.
+    conns: Vec<MConn>,
 }
 
 /// Something the simulated driver has in flight.
@@ -330,7 +460,7 @@ enum Job {
         blob: BlobId,
         offset: u64,
         bytes: Vec<u8>,
-        /// The driver's own pin on the blob until then.
+        /// The driver's own pin on the blob until then, if it took one.
         pin: Option<PinId>,
     },
 }
@@ -343,14 +473,26 @@ impl Job {
     }
 }
 
-/// How often the interesting disk-tier events happened, over a whole run.
+/// What a range the unit holds is, per the model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Use {
+    Blob(BlobId),
+    Promoting(BlobId),
+    Quarantined,
+    /// The promotion range of a blob freed mid-promotion.
+    OrphanPromotion(BlobId),
+    /// The slab range a spill of a freed blob still reads.
+    OrphanSpill(BlobId),
+}
+
+/// How often the interesting events happened, over a whole run.
 type Coverage = BTreeMap<&'static str, u64>;
 
 struct Harness {
     core: UnitCore,
-    /// 0: no disk tier.
     /// Slab bytes.
     cap: u64,
+    /// 0: no disk tier.
     disk_cap: u64,
     /// The simulated slab.
     slab: Vec<u8>,
@@ -360,18 +502,33 @@ struct Harness {
     jobs: Vec<Job>,
     now: Time,
     rng: u64,
+    /// The live session of each slot.
+    sessions: Vec<Option<MSession>>,
+    /// Connections that ended (or whose session is gone).
+    dead_owners: Vec<Owner>,
+    /// Sessions gone or forgotten.
+    dead_sessions: Vec<SessionId>,
     /// Every blob the unit should hold, by state.
     blobs: BTreeMap<BlobId, MBlob>,
-    /// Blobs freed while their spill was being written: their file goes once
-    /// the write reports back (their bytes still count as disk used).
-    orphans: BTreeMap<BlobId, u64>,
+    /// Quarantined ranges: (offset, len, until).
+    quarantine: Vec<(u64, u64, Time)>,
+    /// Blob ids whose reservation was quarantined (a cut stream): a retry
+    /// reserves afresh.
+    cut_ids: BTreeSet<BlobId>,
+    /// Promotion ranges of blobs freed mid-promotion, held until
+    /// `promote_done`.
+    orphan_promotions: BTreeMap<BlobId, (u64, u64)>,
+    /// Blobs freed while their spill was being written: their file goes and
+    /// their slab range is freed once the write reports back (their bytes
+    /// still count as disk used).
+    orphans: BTreeMap<BlobId, (u64, Option<(u64, u64)>)>,
     /// Committed values of `NS`.
     values: BTreeMap<Key, MValue>,
-    /// Pins the unit should still hold (not unpinned, not reclaimed by tick).
+    /// Pins the unit should still hold.
     pins: BTreeMap<PinId, MPin>,
-    /// Pins unpinned or reclaimed: unpinning them again must change nothing.
+    /// Pins unpinned or dropped: unpinning them again must change nothing.
     dead_pins: Vec<PinId>,
-    /// Pins the driver holds for promotions in flight (not the reader's to
+    /// Pins the driver holds for promotions in flight (not a reader's to
     /// drop).
     driver_pins: BTreeSet<PinId>,
     /// Committed blobs since freed: the unit remembers them, so a retried
@@ -380,11 +537,13 @@ struct Harness {
     /// File removals the current op must produce.
     expect_deletes: Vec<BlobId>,
     seq: u64,
+    /// Ids of the scripted ops' blobs, outside the pool.
+    next_private: u128,
     cov: Coverage,
 }
 
 impl Harness {
-    fn new(seed: u64, disk: bool) -> Self {
+    fn new(seed: u64, disk: bool) -> Result<Self, TestCaseError> {
         let (cap, disk_cap) = if disk {
             (DISK_TEST_CAP, DISK_CAP)
         } else {
@@ -395,6 +554,9 @@ impl Harness {
             reservation_lease: ms(RESERVATION_LEASE_MS),
             pin_lease: ms(PIN_LEASE_MS),
             quarantine: ms(QUARANTINE_MS),
+            index_budget: INDEX_BUDGET,
+            max_session_conns: MAX_SESSION_CONNS,
+            id_key: (seed, seed.rotate_left(17) ^ 0x5eed),
             disk_capacity: disk_cap,
             ..CoreConfig::new(cap)
         };
@@ -402,7 +564,7 @@ impl Harness {
             cfg.high_watermark = HIGH_WATERMARK;
             cfg.low_watermark = LOW_WATERMARK;
         }
-        Self {
+        let mut h = Self {
             core: UnitCore::new(cfg).expect("valid config"),
             cap,
             disk_cap,
@@ -411,7 +573,13 @@ impl Harness {
             jobs: Vec::new(),
             now: Duration::ZERO,
             rng: seed,
+            sessions: vec![None; SLOTS],
+            dead_owners: Vec::new(),
+            dead_sessions: Vec::new(),
             blobs: BTreeMap::new(),
+            quarantine: Vec::new(),
+            cut_ids: BTreeSet::new(),
+            orphan_promotions: BTreeMap::new(),
             orphans: BTreeMap::new(),
             values: BTreeMap::new(),
             pins: BTreeMap::new(),
@@ -420,8 +588,15 @@ impl Harness {
             freed_commits: BTreeSet::new(),
             expect_deletes: Vec::new(),
             seq: 0,
+            next_private: 1 << 20,
             cov: Coverage::new(),
+        };
+        // One connection per slot to start with: direct, tcp, and either.
+        for slot in 0..SLOTS {
+            let direct = slot == 0 || slot == 2 && seed & 1 == 1;
+            h.attach(slot, direct)?;
         }
+        Ok(h)
     }
 
     fn count(&mut self, event: &'static str) {
@@ -444,10 +619,20 @@ impl Harness {
         out
     }
 
-    /// A client writes fresh bytes over `[offset, offset + len)`.
+    /// Someone writes fresh bytes over `[offset, offset + len)`.
     fn scribble(&mut self, offset: u64, len: u64) {
         let bytes = self.fresh(len);
         self.slab[offset as usize..(offset + len) as usize].copy_from_slice(&bytes);
+    }
+
+    /// The writer of reserved blob `id` writes its whole range.
+    fn scribble_blob(&mut self, id: BlobId) {
+        let Some((off, len)) = self.blobs.get(&id).and_then(|b| b.region) else {
+            return;
+        };
+        let bytes = self.fresh(len);
+        self.slab[off as usize..(off + len) as usize].copy_from_slice(&bytes);
+        self.blobs.get_mut(&id).unwrap().content = bytes;
     }
 
     fn slab_bytes(&self, offset: u64, len: u64) -> &[u8] {
@@ -480,7 +665,357 @@ impl Harness {
         }
     }
 
-    /// Every slab range the unit should hold: (blob, offset, len).
+    // ---- sessions -------------------------------------------------------
+
+    fn slot_of(&self, session: SessionId) -> Option<usize> {
+        self.sessions
+            .iter()
+            .position(|s| s.as_ref().is_some_and(|s| s.id == session))
+    }
+
+    fn live_sessions(&self) -> impl Iterator<Item = &MSession> {
+        self.sessions.iter().flatten()
+    }
+
+    fn conn(&self, owner: Owner) -> Option<MConn> {
+        self.live_sessions()
+            .flat_map(|s| s.conns.iter())
+            .find(|c| c.owner == owner)
+            .copied()
+    }
+
+    /// Whether `owner` may make requests (an open connection, or the unit).
+    fn is_live(&self, owner: Owner) -> bool {
+        owner == Owner::UNIT || self.conn(owner).is_some()
+    }
+
+    fn live_owners(&self) -> Vec<Owner> {
+        self.live_sessions()
+            .flat_map(|s| s.conns.iter().map(|c| c.owner))
+            .collect()
+    }
+
+    /// The `pick`-th open connection of any session.
+    fn live_owner(&self, pick: u8) -> Option<Owner> {
+        let all = self.live_owners();
+        (!all.is_empty()).then(|| all[usize::from(pick) % all.len()])
+    }
+
+    /// An open connection of `session` (the unit for its own session).
+    fn owner_of_session(&self, session: SessionId, pick: u8) -> Option<Owner> {
+        if session == Owner::UNIT.session {
+            return Some(Owner::UNIT);
+        }
+        let s = self.live_sessions().find(|s| s.id == session)?;
+        (!s.conns.is_empty()).then(|| s.conns[usize::from(pick) % s.conns.len()].owner)
+    }
+
+    /// Who sends a request about something `session` holds: mostly one of
+    /// its own connections, sometimes anyone's (another session: NotOwner).
+    fn requester(&self, who: u8, session: Option<SessionId>) -> Option<Owner> {
+        match who % 8 {
+            0..=5 => session
+                .and_then(|s| self.owner_of_session(s, who / 8))
+                .or_else(|| self.live_owner(who / 8)),
+            _ => self.live_owner(who / 8),
+        }
+    }
+
+    /// Mostly an open connection, now and then (`who % 16 == 15`) one that
+    /// ended.
+    fn any_owner(&self, who: u8) -> Option<Owner> {
+        if who % 16 == 15 && !self.dead_owners.is_empty() {
+            return Some(self.dead_owners[usize::from(who / 16) % self.dead_owners.len()]);
+        }
+        self.live_owner(who)
+    }
+
+    /// Reservations and pins `session` holds.
+    fn holds_of(&self, session: SessionId) -> usize {
+        let reservations = self
+            .blobs
+            .values()
+            .filter(|b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == session))
+            .count();
+        reservations
+            + self
+                .pins
+                .values()
+                .filter(|p| p.holder.session == session)
+                .count()
+    }
+
+    /// Sessions whose connections are all gone but which hold something.
+    fn orphaned_sessions(&self) -> Vec<SessionId> {
+        let mut v: Vec<SessionId> = self
+            .live_sessions()
+            .filter(|s| s.conns.is_empty() && self.holds_of(s.id) > 0)
+            .map(|s| s.id)
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// A session with no connection and no hold is forgotten.
+    fn maybe_forget(&mut self, session: SessionId) {
+        let Some(slot) = self.slot_of(session) else {
+            return;
+        };
+        if self.sessions[slot].as_ref().unwrap().conns.is_empty() && self.holds_of(session) == 0
+        {
+            self.sessions[slot] = None;
+            self.dead_sessions.push(session);
+            self.count("session forgotten");
+        }
+    }
+
+    /// Open a connection in `slot` (a new session there if it has none).
+    /// `None`: the session has its maximum of connections (Busy).
+    fn attach(&mut self, slot: usize, direct: bool) -> Result<Option<Owner>, TestCaseError> {
+        let (session, n_conns) = match &self.sessions[slot] {
+            Some(s) => (s.id, s.conns.len()),
+            None => {
+                let id = self.core.open_session();
+                prop_assert!(
+                    id != Owner::UNIT.session
+                        && !self.dead_sessions.contains(&id)
+                        && self.slot_of(id).is_none(),
+                    "session id {:?} handed out twice",
+                    id
+                );
+                prop_assert!(self.core.has_session(id), "a new session does not exist");
+                self.sessions[slot] = Some(MSession {
+                    id,
+                    conns: Vec::new(),
+                });
+                self.count("session opened");
+                (id, 0)
+            }
+        };
+        let got = self.core.attach(session, direct);
+        if n_conns >= MAX_SESSION_CONNS {
+            prop_assert_eq!(
+                got,
+                Err(CoreError::Busy {
+                    needed: 0,
+                    reclaimable: 0
+                }),
+                "attach past the connection cap"
+            );
+            self.count("attach refused: connection cap");
+            return Ok(None);
+        }
+        let owner = match got {
+            Ok(o) => o,
+            Err(e) => return Err(TestCaseError::fail(format!("attach to {session:?}: {e:?}"))),
+        };
+        prop_assert_eq!(owner.session, session);
+        prop_assert!(
+            owner != Owner::UNIT
+                && !self.dead_owners.contains(&owner)
+                && self.conn(owner).is_none(),
+            "connection {:?} handed out twice",
+            owner
+        );
+        self.sessions[slot]
+            .as_mut()
+            .unwrap()
+            .conns
+            .push(MConn { owner, direct });
+        Ok(Some(owner))
+    }
+
+    /// A direct connection in `slot` (opening one if there is none).
+    fn direct_conn(&mut self, slot: usize) -> Result<Option<Owner>, TestCaseError> {
+        if let Some(c) = self.sessions[slot]
+            .as_ref()
+            .and_then(|s| s.conns.iter().find(|c| c.direct))
+        {
+            return Ok(Some(c.owner));
+        }
+        self.attach(slot, true)
+    }
+
+    /// An open connection of `session` other than `except`; reconnects
+    /// (attaches a new one, `direct` or not) if there is none.
+    fn other_conn_of(
+        &mut self,
+        session: SessionId,
+        except: Option<Owner>,
+        direct: bool,
+    ) -> Result<Option<Owner>, TestCaseError> {
+        let Some(slot) = self.slot_of(session) else {
+            return Ok(None);
+        };
+        if let Some(c) = self.sessions[slot]
+            .as_ref()
+            .unwrap()
+            .conns
+            .iter()
+            .find(|c| Some(c.owner) != except)
+        {
+            return Ok(Some(c.owner));
+        }
+        let got = self.attach(slot, direct)?;
+        if got.is_some() {
+            self.count("reconnect");
+        }
+        Ok(got)
+    }
+
+    /// An open connection of a session other than `session` (opening one
+    /// in another slot if there is none).
+    fn other_session_owner(
+        &mut self,
+        session: SessionId,
+        pick: u8,
+    ) -> Result<Option<Owner>, TestCaseError> {
+        let others: Vec<Owner> = self
+            .live_sessions()
+            .filter(|s| s.id != session)
+            .flat_map(|s| s.conns.iter().map(|c| c.owner))
+            .collect();
+        if !others.is_empty() {
+            return Ok(Some(others[usize::from(pick) % others.len()]));
+        }
+        let mine = self.slot_of(session);
+        for k in 0..SLOTS {
+            let slot = (usize::from(pick) + k) % SLOTS;
+            if Some(slot) != mine {
+                if let Some(o) = self.attach(slot, pick & 1 == 0)? {
+                    return Ok(Some(o));
+                }
+            }
+        }
+        Ok(None)
+    }
+
+    /// A connection ends. See the crate docs for what goes with it.
+    fn detach(&mut self, who: Owner, end: ConnEnd) -> Result<(), TestCaseError> {
+        self.core.detach(who, end, self.now);
+        let Some(slot) = self.slot_of(who.session) else {
+            self.count("detach of an ended connection");
+            return Ok(());
+        };
+        let sess = self.sessions[slot].as_mut().unwrap();
+        let Some(i) = sess.conns.iter().position(|c| c.owner == who) else {
+            self.count("detach of an ended connection");
+            return Ok(());
+        };
+        let conn = sess.conns.remove(i);
+        self.dead_owners.push(who);
+        let keep = end == ConnEnd::Cut && conn.direct;
+        let held = |h: &MHolder| h.session == who.session && h.conn == Some(who.conn);
+        let reservations: Vec<BlobId> = self
+            .blobs
+            .iter()
+            .filter(|(_, b)| matches!(&b.state, MState::Reserved { holder, .. } if held(holder)))
+            .map(|(id, _)| *id)
+            .collect();
+        let pins: Vec<PinId> = self
+            .pins
+            .iter()
+            .filter(|(_, p)| held(&p.holder))
+            .map(|(id, _)| *id)
+            .collect();
+        let holds = reservations.len() + pins.len();
+        match (end, conn.direct) {
+            (ConnEnd::Closed, _) => self.count("detach closed"),
+            (ConnEnd::Cut, true) => self.count("detach cut direct"),
+            (ConnEnd::Cut, false) => self.count("detach cut stream"),
+        }
+        if holds > 0 {
+            self.count(match (end, keep) {
+                (ConnEnd::Closed, _) => "closed: holds released",
+                (ConnEnd::Cut, true) => "cut direct: holds kept for the session",
+                (ConnEnd::Cut, false) => "cut stream: holds released",
+            });
+        }
+        for id in reservations {
+            if keep {
+                if let MState::Reserved { holder, .. } = &mut self.blobs.get_mut(&id).unwrap().state
+                {
+                    holder.conn = None;
+                }
+            } else {
+                self.release_reservation(id, end == ConnEnd::Cut);
+            }
+        }
+        for pin in pins {
+            if keep {
+                self.pins.get_mut(&pin).unwrap().holder.conn = None;
+            } else {
+                self.pins.remove(&pin);
+                self.dead_pins.push(pin);
+            }
+        }
+        self.gc();
+        self.maybe_forget(who.session);
+        Ok(())
+    }
+
+    /// The session's process is gone: everything it holds goes, with no
+    /// quarantine.
+    fn session_gone(&mut self, session: SessionId) {
+        self.core.session_gone(session, self.now);
+        let Some(slot) = self.slot_of(session) else {
+            self.count("session gone again");
+            return;
+        };
+        let s = self.sessions[slot].take().unwrap();
+        self.count("session gone");
+        if !s.conns.is_empty() {
+            self.count("session gone with direct connections open");
+        }
+        self.dead_owners.extend(s.conns.iter().map(|c| c.owner));
+        self.dead_sessions.push(session);
+        let reservations: Vec<BlobId> = self
+            .blobs
+            .iter()
+            .filter(|(_, b)| matches!(&b.state, MState::Reserved { holder, .. } if holder.session == session))
+            .map(|(id, _)| *id)
+            .collect();
+        let pins: Vec<PinId> = self
+            .pins
+            .iter()
+            .filter(|(_, p)| p.holder.session == session)
+            .map(|(id, _)| *id)
+            .collect();
+        if reservations.len() + pins.len() > 0 {
+            self.count("session gone: holds released");
+        }
+        for id in reservations {
+            self.release_reservation(id, false);
+        }
+        for pin in pins {
+            self.pins.remove(&pin);
+            self.dead_pins.push(pin);
+        }
+        self.gc();
+    }
+
+    /// A reservation ends without commit: its range is freed, or
+    /// quarantined when a transfer may still write (`in_flight`); one on
+    /// disk goes with its file.
+    fn release_reservation(&mut self, id: BlobId, in_flight: bool) {
+        let b = self.blobs.remove(&id).unwrap();
+        match b.region {
+            Some((off, len)) => {
+                if in_flight {
+                    self.quarantine
+                        .push((off, len, self.now + ms(QUARANTINE_MS)));
+                    self.cut_ids.insert(id);
+                    self.count("range quarantined");
+                }
+            }
+            None => self.expect_deletes.push(id),
+        }
+    }
+
+    // ---- ranges ---------------------------------------------------------
+
+    /// Every blob's slab range (and promotion range) the unit should hold:
+    /// (blob, offset, len).
     fn model_regions(&self) -> BTreeSet<(BlobId, u64, u64)> {
         self.blobs
             .iter()
@@ -493,8 +1028,47 @@ impl Harness {
             .collect()
     }
 
+    /// Every other range the unit should hold: quarantined ranges, ranges
+    /// of finished blobs a spill still reads or a promotion still writes.
+    fn model_held(&self) -> Vec<(u64, u64, Use)> {
+        let mut v: Vec<(u64, u64, Use)> = self
+            .quarantine
+            .iter()
+            .map(|&(off, len, _)| (off, len, Use::Quarantined))
+            .chain(
+                self.orphan_promotions
+                    .iter()
+                    .map(|(id, &(off, len))| (off, len, Use::OrphanPromotion(*id))),
+            )
+            .chain(
+                self.orphans
+                    .iter()
+                    .filter_map(|(id, (_, r))| r.map(|(off, len)| (off, len, Use::OrphanSpill(*id)))),
+            )
+            .collect();
+        v.sort_unstable_by_key(|&(off, len, _)| (off, len));
+        v
+    }
+
+    /// Every range the unit should hold, and what it is.
+    fn occupied(&self) -> Vec<(u64, u64, Use)> {
+        let mut v: Vec<(u64, u64, Use)> = self
+            .blobs
+            .iter()
+            .flat_map(|(id, b)| {
+                b.region
+                    .map(|(off, len)| (off, len, Use::Blob(*id)))
+                    .into_iter()
+                    .chain(b.promoting.map(|(off, len)| (off, len, Use::Promoting(*id))))
+            })
+            .chain(self.model_held())
+            .collect();
+        v.sort_unstable_by_key(|&(off, len, _)| (off, len));
+        v
+    }
+
     fn used(&self) -> u64 {
-        self.model_regions().iter().map(|r| r.2).sum()
+        self.occupied().iter().map(|r| r.1).sum()
     }
 
     fn reserved_bytes(&self) -> u64 {
@@ -506,11 +1080,7 @@ impl Harness {
     }
 
     fn quarantined_bytes(&self) -> u64 {
-        self.blobs
-            .values()
-            .filter(|b| matches!(b.state, MState::Quarantined { .. }))
-            .filter_map(|b| b.region.map(|r| r.1))
-            .sum()
+        self.quarantine.iter().map(|q| q.1).sum()
     }
 
     /// Slab bytes of blobs whose spill is being written.
@@ -522,6 +1092,20 @@ impl Harness {
             .sum()
     }
 
+    /// Slab bytes that will come back without a session's say: blobs
+    /// whose spill is being written, and committed blobs no entry refers
+    /// to any more (only pins keep them). Each counted once.
+    fn spilling_or_unpinning_bytes(&self) -> u64 {
+        let live: BTreeSet<BlobId> = self.values.values().map(|v| v.blob).collect();
+        self.blobs
+            .iter()
+            .filter(|(id, b)| {
+                b.disk == MDisk::Writing || b.state == MState::Committed && !live.contains(id)
+            })
+            .filter_map(|(_, b)| b.region.map(|r| r.1))
+            .sum()
+    }
+
     fn disk_used(&self) -> u64 {
         let blobs: u64 = self
             .blobs
@@ -529,11 +1113,18 @@ impl Harness {
             .filter(|b| b.disk != MDisk::None)
             .map(|b| b.nbytes)
             .sum();
-        blobs + self.orphans.values().sum::<u64>()
+        blobs + self.orphans.values().map(|o| o.0).sum::<u64>()
     }
 
     fn disk_free(&self) -> u64 {
         self.disk_cap.saturating_sub(self.disk_used())
+    }
+
+    fn index_bytes(&self) -> u64 {
+        self.values
+            .iter()
+            .map(|(k, v)| ENTRY_OVERHEAD + k.field.len() as u64 + v.meta.len() as u64)
+            .sum()
     }
 
     fn pinned(&self, id: BlobId) -> bool {
@@ -542,15 +1133,9 @@ impl Harness {
 
     /// The largest contiguous free range of the slab, per the model.
     fn largest_gap(&self) -> u64 {
-        let mut regions: Vec<(u64, u64)> = self
-            .model_regions()
-            .iter()
-            .map(|&(_, off, len)| (off, len))
-            .collect();
-        regions.sort_unstable();
         let mut at = 0;
         let mut best = 0;
-        for (off, len) in regions {
+        for (off, len, _) in self.occupied() {
             best = best.max(off.saturating_sub(at));
             at = at.max(off + len);
         }
@@ -558,7 +1143,8 @@ impl Harness {
     }
 
     /// `[offset, offset + len)` is aligned, inside the slab and overlaps no
-    /// range the model says the unit holds.
+    /// range the model says the unit holds (reservations of paused or cut
+    /// clients, pinned blobs, quarantines, orphaned spills and promotions).
     fn check_new_range(
         &self,
         what: &str,
@@ -574,18 +1160,22 @@ impl Harness {
             offset,
             len
         );
-        for (other, off, l) in self.model_regions() {
+        for (off, l, u) in self.occupied() {
+            let holder = match u {
+                Use::Blob(b) => self.blobs.get(&b).map(|b| format!("{:?}", b.state)),
+                _ => None,
+            };
             prop_assert!(
-                offset + len <= off || off + l <= offset,
+                !overlap((offset, len), (off, l)),
                 "{} of {:?} got {}+{}, overlapping {:?} at {}+{} ({:?})",
                 what,
                 id,
                 offset,
                 len,
-                other,
+                u,
                 off,
                 l,
-                self.blobs.get(&other).map(|b| &b.state)
+                holder
             );
         }
         Ok(())
@@ -601,7 +1191,9 @@ impl Harness {
     }
 
     /// A committed blob is freed once no value and no pin refers to it: its
-    /// file goes (at once if durable, once its spill reports if written).
+    /// file goes (at once if durable, once its spill reports if written,
+    /// and its slab range with it); a promotion range it had is held until
+    /// the promotion reports.
     fn gc(&mut self) {
         let mut held: BTreeSet<BlobId> = self.values.values().map(|v| v.blob).collect();
         for p in self.pins.values() {
@@ -616,12 +1208,16 @@ impl Harness {
         for id in freed {
             let b = self.blobs.remove(&id).unwrap();
             self.freed_commits.insert(id);
+            if let Some(r) = b.promoting {
+                self.count("promotion range of a freed blob held");
+                self.orphan_promotions.insert(id, r);
+            }
             match b.disk {
                 MDisk::None => {}
                 MDisk::Durable => self.expect_deletes.push(id),
                 MDisk::Writing => {
                     self.count("orphaned spill");
-                    self.orphans.insert(id, b.nbytes);
+                    self.orphans.insert(id, (b.nbytes, b.region));
                 }
             }
         }
@@ -658,6 +1254,8 @@ impl Harness {
         self.gc();
     }
 
+    // ---- operations -----------------------------------------------------
+
     fn apply(&mut self, op: &Op) -> Result<(), TestCaseError> {
         self.apply_op(op)?;
         self.settle_effects()
@@ -665,56 +1263,50 @@ impl Harness {
 
     fn apply_op(&mut self, op: &Op) -> Result<(), TestCaseError> {
         match op {
-            Op::Alloc { blob, size, n } => self.alloc(blob_id(*blob), *size, *n),
-            Op::Retry { pick } => {
-                let reserved = self.blobs_where(|s| matches!(s, MState::Reserved { .. }));
-                let committed = self
-                    .blobs_where(|s| matches!(s, MState::Committed | MState::PendingDisk { .. }));
-                if pick % 2 == 0 && !reserved.is_empty() {
-                    let id = reserved[usize::from(*pick / 2) % reserved.len()];
-                    let b = &self.blobs[&id];
-                    let MState::Reserved { n, .. } = b.state else {
-                        unreachable!()
-                    };
-                    self.alloc(id, b.nbytes, n)
-                } else if !committed.is_empty() {
-                    let id = committed[usize::from(*pick / 2) % committed.len()];
-                    self.alloc(id, u64::from(*pick) * 7, u32::from(*pick % 4))
-                } else {
-                    self.alloc(blob_id(*pick), u64::from(*pick) * 7, 1)
-                }
+            Op::Alloc { who, blob, size, n } => {
+                let Some(o) = self.any_owner(*who) else {
+                    return Ok(());
+                };
+                self.alloc(o, blob_id(*blob), *size, *n)
             }
+            Op::Retry { who, pick } => self.retry(*who, *pick),
             Op::Commit {
+                who,
                 pick,
                 entries,
                 fault,
             } => {
                 let reserved = self.blobs_where(|s| matches!(s, MState::Reserved { .. }));
                 // Mostly a blob the test reserved; sometimes any id of the
-                // pool (committed, pending, quarantined, expired, unknown).
+                // pool (committed, pending, quarantined, unknown).
                 let id = if pick % 8 != 0 && !reserved.is_empty() {
                     reserved[usize::from(*pick / 8) % reserved.len()]
                 } else {
                     blob_id(*pick / 8)
                 };
-                let (nbytes, n) = match self.blobs.get(&id) {
+                let (nbytes, n, session) = match self.blobs.get(&id) {
                     Some(MBlob {
                         nbytes,
-                        state: MState::Reserved { n, .. },
+                        state: MState::Reserved { n, holder },
                         ..
-                    }) => (*nbytes, *n as usize),
-                    _ => (64, usize::from(fault % 4)),
+                    }) => (*nbytes, *n as usize, Some(holder.session)),
+                    _ => (64, usize::from(fault % 4), None),
+                };
+                let Some(o) = self.requester(*who, session) else {
+                    return Ok(());
                 };
                 let mut specs: Vec<EntrySpec> = entries
                     .iter()
-                    .map(|&(row, field, o, l)| {
-                        let offset = u64::from(o) % (nbytes + 1);
+                    .map(|&(row, field, off, l)| {
+                        let offset = u64::from(off) % (nbytes + 1);
                         let len = u64::from(l) % (nbytes - offset + 1);
                         EntrySpec {
                             key: key(row, field),
                             offset,
                             len,
-                            meta: vec![row as u8, field as u8, o as u8],
+                            // 0 to 5 bytes: entries cost the index different amounts.
+                            meta: vec![row as u8, field as u8, off as u8, 7, 7][..(l % 6) as usize]
+                                .to_vec(),
                         }
                     })
                     .collect();
@@ -729,61 +1321,67 @@ impl Harness {
                     }
                     _ => specs.truncate(n),
                 }
-                self.commit(id, &specs)
+                self.commit(o, id, &specs)
             }
-            Op::Abort { pick, in_flight } => {
+            Op::Abort {
+                who,
+                pick,
+                in_flight,
+            } => {
                 let reserved = self.blobs_where(|s| matches!(s, MState::Reserved { .. }));
                 let id = if pick % 4 != 0 && !reserved.is_empty() {
                     reserved[usize::from(*pick / 4) % reserved.len()]
                 } else {
                     blob_id(*pick / 4)
                 };
-                self.core.abort(id, *in_flight, self.now);
-                if let Some(b) = self.blobs.get_mut(&id) {
-                    if let MState::Reserved { .. } = b.state {
-                        if b.region.is_none() {
-                            // A put to disk: dropped with its file.
-                            self.blobs.remove(&id);
-                            self.expect_deletes.push(id);
-                        } else if *in_flight {
-                            b.state = MState::Quarantined {
-                                until: self.now + ms(QUARANTINE_MS),
-                            };
-                        } else {
-                            self.blobs.remove(&id);
-                        }
-                    }
-                }
-                Ok(())
+                let session = match self.blobs.get(&id) {
+                    Some(MBlob {
+                        state: MState::Reserved { holder, .. },
+                        ..
+                    }) => Some(holder.session),
+                    _ => None,
+                };
+                let Some(o) = self.requester(*who, session) else {
+                    return Ok(());
+                };
+                self.abort(o, id, *in_flight)
             }
             Op::Scribble { pick } => {
-                let writable: Vec<(u64, u64)> = self
+                let reserved: Vec<BlobId> = self
                     .blobs
-                    .values()
-                    .filter(|b| {
-                        matches!(
-                            b.state,
-                            MState::Reserved { .. } | MState::Quarantined { .. }
-                        )
-                    })
-                    .filter_map(|b| b.region)
+                    .iter()
+                    .filter(|(_, b)| matches!(b.state, MState::Reserved { .. }) && b.region.is_some())
+                    .map(|(id, _)| *id)
                     .collect();
-                if !writable.is_empty() {
-                    let (off, len) = writable[usize::from(*pick) % writable.len()];
+                let n = reserved.len() + self.quarantine.len();
+                if n == 0 {
+                    return Ok(());
+                }
+                let i = usize::from(*pick) % n;
+                if i < reserved.len() {
+                    let id = reserved[i];
+                    if let MState::Reserved { holder, .. } = self.blobs[&id].state {
+                        if holder.conn.is_none() {
+                            self.count("cut client writes its reservation");
+                        }
+                    }
+                    self.scribble_blob(id);
+                } else {
+                    let (off, len, _) = self.quarantine[i - reserved.len()];
+                    self.count("cut stream writes its quarantined range");
                     self.scribble(off, len);
                 }
                 Ok(())
             }
-            Op::Resolve {
-                keys,
-                hold,
-                promote,
-            } => {
+            Op::Resolve { who, keys, promote } => {
+                let Some(o) = self.any_owner(*who) else {
+                    return Ok(());
+                };
                 let keys: Vec<Key> = keys.iter().map(|&(r, f)| key(r, f)).collect();
-                self.resolve_and_pin(&keys, *hold, *promote).map(|_| ())
+                self.resolve_and_pin(o, &keys, *promote).map(|_| ())
             }
             Op::Snapshot => self.snapshot(),
-            Op::Unpin { pick, stale } => {
+            Op::Unpin { who, pick, stale } => {
                 let readers: Vec<PinId> = self
                     .pins
                     .keys()
@@ -797,25 +1395,18 @@ impl Harness {
                         self.dead_pins[pick % self.dead_pins.len()]
                     };
                     prop_assert!(!self.pins.contains_key(&pin));
-                    self.core.unpin(pin);
+                    let o = self.live_owner(*who).unwrap_or(Owner::UNIT);
+                    self.unpin(o, pin)
                 } else {
                     let pin = readers[pick % readers.len()];
-                    self.core.unpin(pin);
-                    self.pins.remove(&pin);
-                    self.dead_pins.push(pin);
-                    self.gc();
+                    let session = self.pins[&pin].holder.session;
+                    let Some(o) = self.requester(*who, Some(session)) else {
+                        return Ok(());
+                    };
+                    self.unpin(o, pin)
                 }
-                Ok(())
             }
-            Op::ReleaseRows { rows } => {
-                let set: BTreeSet<u64> = rows.iter().copied().collect();
-                let expected = self.values.keys().filter(|k| set.contains(&k.row)).count() as u64;
-                let got = self.core.release_rows(NS, rows);
-                prop_assert_eq!(got, expected, "release_rows({:?}) count", rows);
-                self.values.retain(|k, _| !set.contains(&k.row));
-                self.gc();
-                Ok(())
-            }
+            Op::ReleaseRows { rows } => self.release_rows(rows),
             Op::Advance { ms: d, tick } => {
                 if *tick {
                     self.advance(ms(*d));
@@ -823,6 +1414,76 @@ impl Harness {
                     self.now += ms(*d);
                 }
                 Ok(())
+            }
+            Op::Attach {
+                slot,
+                direct,
+                stale,
+            } => {
+                if *stale && !self.dead_sessions.is_empty() {
+                    let s = self.dead_sessions[usize::from(*slot) % self.dead_sessions.len()];
+                    let got = self.core.attach(s, *direct);
+                    prop_assert!(
+                        matches!(got, Err(CoreError::Invalid(_))),
+                        "attach to gone session {:?}: {:?}",
+                        s,
+                        got
+                    );
+                    self.count("attach refused: session gone");
+                    return Ok(());
+                }
+                self.attach(usize::from(*slot) % SLOTS, *direct).map(|_| ())
+            }
+            Op::Detach { who, cut } => {
+                let Some(o) = self.any_owner(*who) else {
+                    return Ok(());
+                };
+                let end = if *cut { ConnEnd::Cut } else { ConnEnd::Closed };
+                self.detach(o, end)
+            }
+            Op::SessionGone { pick } => {
+                if pick % 8 == 7 && !self.dead_sessions.is_empty() {
+                    let s = self.dead_sessions[usize::from(*pick / 8) % self.dead_sessions.len()];
+                    self.session_gone(s);
+                    return Ok(());
+                }
+                // As the driver: sessions whose connections were all cut,
+                // whose process it found gone; sometimes a process that
+                // died with direct connections still open (the unit saw
+                // its exit before their end). Never one with a tcp
+                // connection open: the unit's own thread may be copying.
+                let candidates: Vec<SessionId> = if pick % 4 == 3 {
+                    self.live_sessions()
+                        .filter(|s| s.conns.iter().all(|c| c.direct))
+                        .map(|s| s.id)
+                        .collect()
+                } else {
+                    self.orphaned_sessions()
+                };
+                if candidates.is_empty() {
+                    return Ok(());
+                }
+                self.session_gone(candidates[usize::from(*pick / 4) % candidates.len()]);
+                Ok(())
+            }
+            Op::PausedWriter {
+                slot,
+                size,
+                cut,
+                pause,
+                others,
+                then,
+            } => self.paused_writer(usize::from(*slot) % SLOTS, *size, *cut, *pause, others, *then),
+            Op::PausedReader {
+                slot,
+                keys,
+                cut,
+                pause,
+                others,
+                then,
+            } => {
+                let keys: Vec<Key> = keys.iter().map(|&(r, f)| key(r, f)).collect();
+                self.paused_reader(usize::from(*slot) % SLOTS, &keys, *cut, *pause, others, *then)
             }
             Op::Spill { plan } => self.spill(plan),
             Op::Complete { pick, ok } => {
@@ -839,6 +1500,7 @@ impl Harness {
                 }
                 let stats = self.core.stats();
                 let regions: BTreeSet<_> = self.core.regions().collect();
+                let held = self.core.held_ranges();
                 if *promote {
                     self.core.promote_done(id, *ok);
                 } else {
@@ -850,37 +1512,125 @@ impl Harness {
                     regions,
                     "a stray report changed the regions"
                 );
+                prop_assert_eq!(
+                    self.core.held_ranges(),
+                    held,
+                    "a stray report changed the held ranges"
+                );
                 Ok(())
             }
         }
     }
 
-    fn alloc(&mut self, id: BlobId, nbytes: u64, n: u32) -> Result<(), TestCaseError> {
-        let got = self.core.alloc(id, nbytes, n, self.now);
+    fn retry(&mut self, who: u8, pick: u8) -> Result<(), TestCaseError> {
+        let reserved = self.blobs_where(|s| matches!(s, MState::Reserved { .. }));
+        let committed =
+            self.blobs_where(|s| matches!(s, MState::Committed | MState::PendingDisk { .. }));
+        if pick % 2 == 0 && !reserved.is_empty() {
+            let id = reserved[usize::from(pick / 2) % reserved.len()];
+            let b = &self.blobs[&id];
+            let MState::Reserved { holder, n } = b.state else {
+                unreachable!()
+            };
+            let nbytes = b.nbytes;
+            let holding = holder.conn.map(|conn| Owner {
+                session: holder.session,
+                conn,
+            });
+            let requester = match who % 4 {
+                // The holding connection asks again (its reply was lost).
+                0 => holding,
+                // The client retries on another connection of its session
+                // (reconnecting if it has none open).
+                1 | 2 => self.other_conn_of(holder.session, holding, who & 0x10 != 0)?,
+                // Another session names the same blob id.
+                _ => self.other_session_owner(holder.session, who / 4)?,
+            };
+            let Some(o) = requester.or_else(|| self.live_owner(who)) else {
+                return Ok(());
+            };
+            self.alloc(o, id, nbytes, n)
+        } else if !committed.is_empty() {
+            let id = committed[usize::from(pick / 2) % committed.len()];
+            let Some(o) = self.live_owner(who) else {
+                return Ok(());
+            };
+            self.alloc(o, id, u64::from(pick) * 7, u32::from(pick % 4))
+        } else {
+            let Some(o) = self.live_owner(who) else {
+                return Ok(());
+            };
+            self.alloc(o, blob_id(pick), u64::from(pick) * 7, 1)
+        }
+    }
+
+    fn alloc(&mut self, who: Owner, id: BlobId, nbytes: u64, n: u32) -> Result<(), TestCaseError> {
+        let got = self.core.alloc(who, id, nbytes, n, self.now);
+        if !self.is_live(who) {
+            prop_assert!(
+                matches!(got, Err(CoreError::NotOwner(_))),
+                "alloc of {:?} from ended connection {:?}: {:?}",
+                id,
+                who,
+                got
+            );
+            self.count("not owner: request of an ended connection");
+            return Ok(());
+        }
         let existing = self
             .blobs
             .get(&id)
             .map(|b| (b.region, b.nbytes, b.state.clone()));
         match existing {
-            Some((region, nb, MState::Reserved { n: nn, .. })) if nb == nbytes && nn == n => {
-                // A retry: same answer, lease renewed.
+            Some((region, nb, MState::Reserved { holder, n: nn })) if nb == nbytes && nn == n => {
+                if holder.session != who.session {
+                    prop_assert!(
+                        matches!(got, Err(CoreError::NotOwner(_))),
+                        "alloc of {:?}, reserved by {:?}, from {:?}: {:?}",
+                        id,
+                        holder,
+                        who,
+                        got
+                    );
+                    self.count("not owner: alloc of another session's reservation");
+                    return Ok(());
+                }
+                if holder.conn.is_some_and(|c| c != who.conn) {
+                    prop_assert_eq!(
+                        got,
+                        Err(CoreError::Busy {
+                            needed: nbytes,
+                            reclaimable: 0
+                        }),
+                        "retry of {:?} on another connection while its holder's is open",
+                        id
+                    );
+                    self.count("busy: retry while the holding connection is open");
+                    return Ok(());
+                }
+                // The same connection's retry (same answer), or a retry
+                // after its connection was cut: taken over.
                 let want = match region {
                     Some((offset, _)) => Allocated::Reserved { offset },
                     None => Allocated::ToDisk,
                 };
                 prop_assert_eq!(got, Ok(want), "retried alloc of {:?}", id);
-                self.blobs.get_mut(&id).unwrap().state = MState::Reserved {
-                    expires: self.now + ms(RESERVATION_LEASE_MS),
-                    n,
-                };
-                if let Some((offset, len)) = region {
-                    self.scribble(offset, len);
+                if holder.conn.is_none() {
+                    self.count("takeover of a cut connection's reservation");
+                } else {
+                    self.count("retry on the holding connection");
                 }
+                if let MState::Reserved { holder, .. } = &mut self.blobs.get_mut(&id).unwrap().state
+                {
+                    holder.conn = Some(who.conn);
+                }
+                // The client writes its bytes again.
+                self.scribble_blob(id);
             }
-            Some((_, _, MState::Reserved { .. } | MState::Quarantined { .. })) => {
+            Some((_, _, MState::Reserved { .. })) => {
                 prop_assert!(
                     matches!(got, Err(CoreError::Invalid(_))),
-                    "alloc of reserved-with-other-params or quarantined {:?}: {:?}",
+                    "alloc of {:?} reserved with other params: {:?}",
                     id,
                     got
                 );
@@ -904,12 +1654,14 @@ impl Harness {
             None => {
                 let len = rounded(nbytes);
                 let free = self.cap - self.used();
-                // Reservations and quarantines end; spills under way give
-                // their memory back once written.
-                let reclaimable =
-                    self.reserved_bytes() + self.quarantined_bytes() + self.spilling_bytes();
+                // Reservations and quarantines may end; spills under way
+                // give their memory back once written, cleared blobs that
+                // only pins keep once unpinned.
+                let reclaimable = self.reserved_bytes()
+                    + self.quarantined_bytes()
+                    + self.spilling_or_unpinning_bytes();
                 let fits_disk = self.disk_cap > 0 && nbytes <= self.disk_free();
-                let expires = self.now + ms(RESERVATION_LEASE_MS);
+                let holder = MHolder::of(who, self.now);
                 match got {
                     Ok(Allocated::Reserved { offset }) => {
                         prop_assert!(
@@ -919,20 +1671,24 @@ impl Harness {
                             free
                         );
                         self.check_new_range("alloc", id, offset, len)?;
+                        if self.cut_ids.remove(&id) {
+                            self.count("retry after a cut stream reserves afresh");
+                        }
                         self.blobs.insert(
                             id,
                             MBlob {
                                 region: Some((offset, len)),
                                 promoting: None,
                                 nbytes,
-                                state: MState::Reserved { expires, n },
+                                state: MState::Reserved { holder, n },
                                 disk: MDisk::None,
                                 seq: 0,
                                 content: Vec::new(),
                             },
                         );
-                        // The client writes its bytes right away.
-                        self.scribble(offset, len);
+                        // The client (or the unit, for tcp) writes its bytes
+                        // right away.
+                        self.scribble_blob(id);
                     }
                     Ok(Allocated::AlreadyCommitted) => {
                         prop_assert!(false, "AlreadyCommitted for unknown blob {:?}", id);
@@ -968,7 +1724,7 @@ impl Harness {
                                 region: None,
                                 promoting: None,
                                 nbytes,
-                                state: MState::Reserved { expires, n },
+                                state: MState::Reserved { holder, n },
                                 disk: MDisk::Writing,
                                 seq: 0,
                                 content,
@@ -1001,6 +1757,11 @@ impl Harness {
                                     capacity: self.cap,
                                 }
                             };
+                        self.count(if matches!(expected, CoreError::Busy { .. }) {
+                            "alloc busy"
+                        } else {
+                            "alloc full"
+                        });
                         prop_assert_eq!(&e, &expected, "refused alloc of {} bytes", nbytes);
                         // No spurious refusal: a free range of twice the size
                         // always fits (segregated fit rounds a request up by
@@ -1020,8 +1781,8 @@ impl Harness {
         Ok(())
     }
 
-    fn commit(&mut self, id: BlobId, specs: &[EntrySpec]) -> Result<(), TestCaseError> {
-        let got = self.core.commit(NS, id, specs);
+    fn commit(&mut self, who: Owner, id: BlobId, specs: &[EntrySpec]) -> Result<(), TestCaseError> {
+        let got = self.core.commit(who, NS, id, specs);
         if !self.blobs.contains_key(&id) && self.freed_commits.contains(&id) {
             prop_assert_eq!(
                 got,
@@ -1032,24 +1793,36 @@ impl Harness {
             return Ok(());
         }
         let Some(b) = self.blobs.get(&id) else {
-            // Never allocated, a reservation whose lease ended and was
-            // reclaimed by a tick, or a put whose disk write failed.
+            // Never allocated, aborted, released with its connection or
+            // session, quarantined (a cut stream), or a put whose disk
+            // write failed.
             prop_assert_eq!(got, Err(CoreError::UnknownBlob(id)), "commit of {:?}", id);
             return Ok(());
         };
-        match b.state {
-            MState::Quarantined { .. } => {
-                prop_assert_eq!(got, Err(CoreError::UnknownBlob(id)), "commit of {:?}", id);
-            }
+        match &b.state {
             MState::Committed => {
                 prop_assert_eq!(got, Ok(Committed::Done), "idempotent commit of {:?}", id);
             }
             MState::PendingDisk { .. } => {
                 prop_assert_eq!(got, Ok(Committed::Pending), "commit of pending {:?}", id);
             }
-            MState::Reserved { n, .. } => {
+            MState::Reserved { holder, n } => {
+                if holder.session != who.session {
+                    prop_assert!(
+                        matches!(got, Err(CoreError::NotOwner(_))),
+                        "commit of {:?}, reserved by {:?}, from {:?}: {:?}",
+                        id,
+                        holder,
+                        who,
+                        got
+                    );
+                    self.count("not owner: commit");
+                    return Ok(());
+                }
+                let other_conn = holder.conn != Some(who.conn);
                 let nbytes = b.nbytes;
-                let valid = specs.len() == n as usize
+                let (region, disk) = (b.region, b.disk);
+                let valid = specs.len() == *n as usize
                     && specs
                         .iter()
                         .all(|e| e.offset.checked_add(e.len).is_some_and(|end| end <= nbytes));
@@ -1065,7 +1838,26 @@ impl Harness {
                     );
                     return Ok(());
                 }
-                if b.region.is_none() && b.disk == MDisk::Writing {
+                let cost: u64 = specs.iter().map(entry_cost).sum();
+                let index = self.index_bytes();
+                if index + cost > INDEX_BUDGET {
+                    prop_assert_eq!(
+                        got,
+                        Err(CoreError::Full {
+                            needed: cost,
+                            free: INDEX_BUDGET.saturating_sub(index),
+                            capacity: INDEX_BUDGET
+                        }),
+                        "commit of {:?} past the index budget",
+                        id
+                    );
+                    self.count("commit refused: index budget");
+                    return Ok(());
+                }
+                if other_conn {
+                    self.count("commit from another connection of the session");
+                }
+                if region.is_none() && disk == MDisk::Writing {
                     // Its file is not durable yet: nothing is visible before.
                     prop_assert_eq!(got, Ok(Committed::Pending), "commit of {:?} on disk", id);
                     self.count("commit pending");
@@ -1074,7 +1866,7 @@ impl Harness {
                     };
                 } else {
                     prop_assert_eq!(got, Ok(Committed::Done), "commit of reserved {:?}", id);
-                    if b.region.is_none() {
+                    if region.is_none() {
                         self.count("commit of a durable put");
                     }
                     self.publish(id, specs);
@@ -1084,15 +1876,94 @@ impl Harness {
         Ok(())
     }
 
-    /// Resolve `keys`, check the answer, keep the pin, and maybe promote
-    /// the blobs found on disk.
+    fn abort(&mut self, who: Owner, id: BlobId, in_flight: bool) -> Result<(), TestCaseError> {
+        let got = self.core.abort(who, id, in_flight, self.now);
+        match self.blobs.get(&id).map(|b| &b.state) {
+            Some(MState::Reserved { holder, .. }) if holder.session != who.session => {
+                prop_assert!(
+                    matches!(got, Err(CoreError::NotOwner(_))),
+                    "abort of {:?}, reserved by {:?}, from {:?}: {:?}",
+                    id,
+                    holder,
+                    who,
+                    got
+                );
+                self.count("not owner: abort");
+            }
+            Some(MState::Reserved { holder, .. }) => {
+                if holder.conn.is_none() {
+                    self.count("abort of a cut connection's reservation");
+                }
+                prop_assert_eq!(got, Ok(()), "abort of {:?}", id);
+                self.release_reservation(id, in_flight);
+            }
+            // A committed or unknown blob is left alone.
+            _ => prop_assert_eq!(got, Ok(()), "abort of unreserved {:?}", id),
+        }
+        Ok(())
+    }
+
+    fn unpin(&mut self, who: Owner, pin: PinId) -> Result<(), TestCaseError> {
+        let got = self.core.unpin(who, pin);
+        match self.pins.get(&pin) {
+            None => prop_assert_eq!(got, Ok(()), "unpin of unknown {:?}", pin),
+            Some(p) if p.holder.session != who.session => {
+                prop_assert!(
+                    matches!(got, Err(CoreError::NotOwner(_))),
+                    "unpin of {:?}, held by {:?}, from {:?}: {:?}",
+                    pin,
+                    p.holder,
+                    who,
+                    got
+                );
+                self.count("not owner: unpin");
+            }
+            Some(p) => {
+                if p.holder.conn.is_none() {
+                    self.count("unpin of a cut connection's pin");
+                }
+                prop_assert_eq!(got, Ok(()), "unpin of {:?}", pin);
+                self.pins.remove(&pin);
+                self.dead_pins.push(pin);
+                self.gc();
+            }
+        }
+        Ok(())
+    }
+
+    fn release_rows(&mut self, rows: &[u64]) -> Result<(), TestCaseError> {
+        let set: BTreeSet<u64> = rows.iter().copied().collect();
+        let expected = self.values.keys().filter(|k| set.contains(&k.row)).count() as u64;
+        let got = self.core.release_rows(NS, rows);
+        prop_assert_eq!(got, expected, "release_rows({:?}) count", rows);
+        self.values.retain(|k, _| !set.contains(&k.row));
+        self.gc();
+        Ok(())
+    }
+
+    /// Resolve `keys` from `who`, check the answer, keep the pin, and maybe
+    /// promote the blobs found on disk.
     fn resolve_and_pin(
         &mut self,
+        who: Owner,
         keys: &[Key],
-        hold: bool,
         promote: u8,
     ) -> Result<Option<PinId>, TestCaseError> {
-        let (pin, found) = self.core.resolve_with_meta(NS, keys, self.now, hold);
+        let got = self.core.resolve_with_meta(who, NS, keys, self.now);
+        if !self.is_live(who) {
+            prop_assert!(
+                matches!(got, Err(CoreError::NotOwner(_))),
+                "resolve from ended connection {:?}: {:?}",
+                who,
+                got
+            );
+            self.count("not owner: request of an ended connection");
+            return Ok(None);
+        }
+        let (pin, found) = match got {
+            Ok(x) => x,
+            Err(e) => return Err(TestCaseError::fail(format!("resolve from {who:?}: {e:?}"))),
+        };
         prop_assert_eq!(found.len(), keys.len());
         let mut blobs = BTreeSet::new();
         let mut snapshots = Vec::new();
@@ -1129,7 +2000,7 @@ impl Harness {
             return Err(TestCaseError::fail("no pin although keys were found"));
         };
         prop_assert!(
-            !self.pins.contains_key(&pin) && !self.dead_pins.contains(&pin),
+            pin.0 != 0 && !self.pins.contains_key(&pin) && !self.dead_pins.contains(&pin),
             "pin id {:?} handed out twice",
             pin
         );
@@ -1137,7 +2008,7 @@ impl Harness {
             pin,
             MPin {
                 blobs,
-                expires: (!hold).then(|| self.now + ms(PIN_LEASE_MS)),
+                holder: MHolder::of(who, self.now),
                 snapshots,
             },
         );
@@ -1145,17 +2016,24 @@ impl Harness {
         for (blob, k) in on_disk {
             match promote % 4 {
                 0 => {}
-                1 => self.promote(blob, &k, Some(true))?,
-                2 => self.promote(blob, &k, None)?,
-                _ => self.promote(blob, &k, Some(promote & 0x10 != 0))?,
+                1 => self.promote(blob, &k, Some(true), false)?,
+                2 => self.promote(blob, &k, None, promote & 0x20 != 0)?,
+                _ => self.promote(blob, &k, Some(promote & 0x10 != 0), false)?,
             }
         }
         Ok(Some(pin))
     }
 
     /// Promote `blob` (found under key `k`): at once (`Some(ok)`) or later
-    /// (`None`).
-    fn promote(&mut self, blob: BlobId, k: &Key, now: Option<bool>) -> Result<(), TestCaseError> {
+    /// (`None`; with `driver_pin` the driver pins the blob meanwhile, else
+    /// the blob may be freed before the copy lands).
+    fn promote(
+        &mut self,
+        blob: BlobId,
+        k: &Key,
+        now: Option<bool>,
+        driver_pin: bool,
+    ) -> Result<(), TestCaseError> {
         let b = self.blobs[&blob].clone();
         let len = rounded(b.nbytes);
         let eligible = b.region.is_none() && b.promoting.is_none() && b.disk == MDisk::Durable;
@@ -1207,8 +2085,8 @@ impl Harness {
             }
             None => {
                 self.count("promotion in flight");
-                let pin = if DRIVER_PINS_PROMOTIONS {
-                    let pin = self.resolve_and_pin(std::slice::from_ref(k), true, 0)?;
+                let pin = if driver_pin {
+                    let pin = self.resolve_and_pin(Owner::UNIT, std::slice::from_ref(k), 0)?;
                     prop_assert!(pin.is_some(), "the driver could not pin {:?}", blob);
                     self.driver_pins.extend(pin);
                     pin
@@ -1276,7 +2154,7 @@ impl Harness {
         prop_assert_eq!(snap.pin.is_some(), !ids.is_empty(), "snapshot pin");
         if let Some(pin) = snap.pin {
             prop_assert!(
-                !self.pins.contains_key(&pin) && !self.dead_pins.contains(&pin),
+                pin.0 != 0 && !self.pins.contains_key(&pin) && !self.dead_pins.contains(&pin),
                 "pin id {:?} handed out twice",
                 pin
             );
@@ -1285,17 +2163,247 @@ impl Harness {
                 .values()
                 .map(|v| (self.place(v), v.bytes.clone()))
                 .collect();
+            // The unit's own pin (a checkpoint): no session may drop it.
             self.pins.insert(
                 pin,
                 MPin {
                     blobs: ids,
-                    expires: None,
+                    holder: MHolder::of(Owner::UNIT, self.now),
                     snapshots,
                 },
             );
         }
         Ok(())
     }
+
+    /// A put by `who`: alloc blob `id` of `nbytes` with one entry, key `k`
+    /// over the whole blob, and commit it (if reserved).
+    fn put(&mut self, who: Owner, id: BlobId, nbytes: u64, k: Key) -> Result<(), TestCaseError> {
+        self.alloc(who, id, nbytes, 1)?;
+        let reserved = self.blobs.get(&id).is_some_and(
+            |b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == who.session),
+        );
+        if reserved {
+            let spec = EntrySpec {
+                meta: vec![k.row as u8, 0xEE],
+                key: k,
+                offset: 0,
+                len: nbytes,
+            };
+            self.commit(who, id, &[spec])?;
+        }
+        Ok(())
+    }
+
+    fn private_id(&mut self) -> BlobId {
+        self.next_private += 1;
+        BlobId(self.next_private)
+    }
+
+    /// Settle effects and check everything, naming the step on failure.
+    fn step(&mut self, what: &str) -> Result<(), TestCaseError> {
+        self.settle_effects()
+            .and_then(|()| self.check())
+            .map_err(|e| TestCaseError::fail(format!("{what}: {e}")))
+    }
+
+    /// The paused writer (see [`Op::PausedWriter`]).
+    fn paused_writer(
+        &mut self,
+        slot: usize,
+        size: u64,
+        cut: bool,
+        pause: u64,
+        others: &[(u64, u64, usize)],
+        then: u8,
+    ) -> Result<(), TestCaseError> {
+        let Some(w) = self.direct_conn(slot)? else {
+            self.count("paused writer: no direct connection");
+            return Ok(());
+        };
+        let id = self.private_id();
+        self.alloc(w, id, size, 1)?;
+        let range = match self.blobs.get(&id) {
+            Some(MBlob {
+                region: Some(r),
+                state: MState::Reserved { .. },
+                ..
+            }) => *r,
+            _ => {
+                self.count("paused writer: no room in the slab");
+                return Ok(());
+            }
+        };
+        self.step("paused writer reserved")?;
+        if cut {
+            self.detach(w, ConnEnd::Cut)?;
+            self.step("paused writer cut")?;
+        }
+        // It pauses: a debugger, a frozen cgroup, swap.
+        self.advance(ms(pause));
+        self.step("paused writer pauses")?;
+        // Other sessions put meanwhile: they get Busy, Full or a disjoint
+        // range, never the paused writer's.
+        for (i, &(osize, row, field)) in others.iter().enumerate() {
+            let Some(o) = self.other_session_owner(w.session, i as u8 + then)? else {
+                break;
+            };
+            let oid = self.private_id();
+            self.put(o, oid, osize, key(row, field))?;
+            prop_assert!(
+                self.blobs.get(&id).is_some_and(|b| b.region == Some(range)
+                    && matches!(b.state, MState::Reserved { .. })),
+                "the paused writer lost its reservation {:?}",
+                range
+            );
+            if let Some(r) = self.blobs.get(&oid).and_then(|b| b.region) {
+                prop_assert!(
+                    !overlap(r, range),
+                    "another session's put got {:?}, overlapping the paused writer's {:?}",
+                    r,
+                    range
+                );
+            }
+            self.step("another session puts while the writer is paused")?;
+        }
+        // It resumes and writes its whole reservation: no other value may
+        // change (the check reads every one back).
+        self.scribble_blob(id);
+        self.count(if cut {
+            "paused writer resumed after its connection was cut"
+        } else {
+            "paused writer resumed"
+        });
+        if pause >= HOUR_MS {
+            self.count("paused writer resumed after hours");
+        }
+        self.step("the paused writer resumed")?;
+        let spec = EntrySpec {
+            key: key(u64::from(then) % ROWS, usize::from(then)),
+            offset: 0,
+            len: size,
+            meta: vec![then],
+        };
+        match then % 3 {
+            // It stays, still holding its reservation.
+            0 => {}
+            // It completes its put: after a cut, on a new connection that
+            // takes the reservation over.
+            1 => {
+                let o = if cut {
+                    self.other_conn_of(w.session, None, true)?
+                } else {
+                    Some(w)
+                };
+                if let Some(o) = o {
+                    if cut {
+                        self.alloc(o, id, size, 1)?;
+                    }
+                    self.commit(o, id, &[spec])?;
+                }
+            }
+            // It ends: its process is gone, or it gives up the put.
+            _ => {
+                if cut {
+                    self.session_gone(w.session);
+                } else {
+                    self.abort(w, id, then & 8 != 0)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The paused reader (see [`Op::PausedReader`]).
+    fn paused_reader(
+        &mut self,
+        slot: usize,
+        keys: &[Key],
+        cut: bool,
+        pause: u64,
+        others: &[(u64, u64, usize)],
+        then: u8,
+    ) -> Result<(), TestCaseError> {
+        let Some(r) = self.direct_conn(slot)? else {
+            self.count("paused reader: no direct connection");
+            return Ok(());
+        };
+        if !keys.iter().any(|k| self.values.contains_key(k)) {
+            // Something to read first.
+            let id = self.private_id();
+            let size = others.first().map_or(100, |o| o.0);
+            self.put(r, id, size, keys[0].clone())?;
+            self.step("a value for the paused reader")?;
+        }
+        let Some(pin) = self.resolve_and_pin(r, keys, 0)? else {
+            self.count("paused reader: nothing to read");
+            return Ok(());
+        };
+        self.step("paused reader pinned")?;
+        if cut {
+            self.detach(r, ConnEnd::Cut)?;
+            self.step("paused reader cut")?;
+        }
+        // Its values are released, it pauses, others put (the same keys
+        // among them).
+        let rows: Vec<u64> = keys.iter().map(|k| k.row).collect();
+        self.release_rows(&rows)?;
+        self.step("the paused reader's rows released")?;
+        self.advance(ms(pause));
+        self.step("paused reader pauses")?;
+        for (i, &(osize, row, field)) in others.iter().enumerate() {
+            let Some(o) = self.other_session_owner(r.session, i as u8 + then)? else {
+                break;
+            };
+            let oid = self.private_id();
+            let k = if i == 0 { keys[0].clone() } else { key(row, field) };
+            self.put(o, oid, osize, k)?;
+            self.step("another session puts while the reader is paused")?;
+        }
+        // It resumes and reads its pinned ranges: unchanged.
+        let Some(p) = self.pins.get(&pin) else {
+            return Err(TestCaseError::fail(format!(
+                "the paused reader's pin {pin:?} is gone"
+            )));
+        };
+        for (place, bytes) in &p.snapshots {
+            prop_assert_eq!(
+                self.read(*place),
+                Some(&bytes[..]),
+                "the paused reader's bytes at {:?} changed",
+                place
+            );
+        }
+        self.count(if cut {
+            "paused reader read unchanged bytes after its connection was cut"
+        } else {
+            "paused reader read unchanged bytes"
+        });
+        match then % 3 {
+            0 => {}
+            // It is done: unpins (after a cut, from a new connection).
+            1 => {
+                let o = if cut {
+                    self.other_conn_of(r.session, None, true)?
+                } else {
+                    Some(r)
+                };
+                if let Some(o) = o {
+                    self.unpin(o, pin)?;
+                }
+            }
+            _ => {
+                if cut {
+                    self.session_gone(r.session);
+                } else {
+                    self.detach(r, ConnEnd::Closed)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    // ---- the driver -----------------------------------------------------
 
     /// The driver asks for spill jobs and runs them (at once or later).
     fn spill(&mut self, plan: &[(bool, bool)]) -> Result<(), TestCaseError> {
@@ -1420,10 +2528,16 @@ impl Harness {
                     b
                 );
                 if !ok {
-                    // The put never happened.
+                    // The put never happened; its holder holds it no more.
                     self.count("put failed");
-                    self.blobs.remove(&blob);
+                    let b = self.blobs.remove(&blob).unwrap();
                     self.expect_deletes.push(blob);
+                    if let MState::Reserved { holder, .. } = b.state {
+                        if holder.conn.is_none() {
+                            self.count("put of a cut connection failed");
+                        }
+                        self.maybe_forget(holder.session);
+                    }
                     return Ok(());
                 }
                 let b = self.blobs.get_mut(&blob).unwrap();
@@ -1451,8 +2565,10 @@ impl Harness {
                 );
                 self.files.insert(blob, bytes);
                 self.core.disk_written(blob, ok);
-                if self.orphans.remove(&blob).is_some() {
-                    // Freed while written: the file goes now.
+                if let Some((_, r)) = self.orphans.remove(&blob) {
+                    // Freed while written: the file goes now, and the range
+                    // it read from is freed.
+                    prop_assert_eq!(r.map(|r| r.0), Some(offset), "orphaned spill range");
                     self.expect_deletes.push(blob);
                     return Ok(());
                 }
@@ -1510,67 +2626,55 @@ impl Harness {
                     }
                     b => {
                         // Only without the driver's pin can the blob go
-                        // while promoted; the copy above then landed in a
-                        // range the unit had freed.
+                        // while promoted; its range was held until now, so
+                        // the late copy above landed in no one's bytes.
                         prop_assert!(
                             pin.is_none(),
                             "promotion of {:?} finished though the driver pinned it: {:?}",
                             blob,
                             b
                         );
-                        self.count("promotion of a freed blob");
+                        let r = self.orphan_promotions.remove(&blob);
+                        prop_assert_eq!(
+                            r.map(|r| r.0),
+                            Some(offset),
+                            "promotion of freed {:?} finished without a held range",
+                            blob
+                        );
+                        self.count("late promotion copy of a freed blob");
                     }
                 }
                 if let Some(pin) = pin {
-                    self.core.unpin(pin);
                     self.driver_pins.remove(&pin);
-                    prop_assert!(
-                        self.pins.remove(&pin).is_some(),
-                        "driver pin {:?} gone",
-                        pin
-                    );
-                    self.dead_pins.push(pin);
-                    self.gc();
+                    self.unpin(Owner::UNIT, pin)?;
                 }
             }
         }
         Ok(())
     }
 
+    /// Time passes (a pause of any length), and the driver ticks: only
+    /// quarantines end. No hold ends by time.
     fn advance(&mut self, d: Duration) {
         self.now += d;
+        if d >= ms(MINUTE_MS) {
+            self.count(if d >= ms(HOUR_MS) {
+                "pause of an hour or more"
+            } else {
+                "pause of minutes"
+            });
+            if self
+                .blobs
+                .values()
+                .any(|b| matches!(b.state, MState::Reserved { .. }))
+                || self.pins.values().any(|p| p.holder.session != Owner::UNIT.session)
+            {
+                self.count("holds outlive a long pause");
+            }
+        }
         let now = self.now;
         self.core.tick(now);
-        let quarantine = ms(QUARANTINE_MS);
-        let mut dropped = Vec::new();
-        self.blobs.retain(|id, b| match b.state {
-            MState::Reserved { expires, .. } if expires <= now => {
-                if b.region.is_none() {
-                    // A put to disk: dropped with its file.
-                    dropped.push(*id);
-                    return false;
-                }
-                // Quarantined from the tick that noticed, not from expiry.
-                b.state = MState::Quarantined {
-                    until: now + quarantine,
-                };
-                true
-            }
-            MState::Quarantined { until } => until > now,
-            _ => true,
-        });
-        self.expect_deletes.extend(dropped);
-        let expired: Vec<PinId> = self
-            .pins
-            .iter()
-            .filter(|(_, p)| p.expires.is_some_and(|e| e <= now))
-            .map(|(id, _)| *id)
-            .collect();
-        for pin in expired {
-            self.pins.remove(&pin);
-            self.dead_pins.push(pin);
-        }
-        self.gc();
+        self.quarantine.retain(|q| q.2 > now);
     }
 
     /// Take the core's effects: exactly the removals the model expects, none
@@ -1661,28 +2765,207 @@ impl Harness {
             "ranges held by the core vs the model ({:?})",
             self.blobs
         );
+        let mut held = self.core.held_ranges();
+        held.sort_unstable();
+        let want: Vec<(u64, u64)> = self.model_held().iter().map(|&(o, l, _)| (o, l)).collect();
+        prop_assert_eq!(
+            &held,
+            &want,
+            "held ranges (quarantines, orphaned spills and promotions) of the core vs the model"
+        );
+        Ok(())
+    }
+
+    /// The slab ranges `session` may touch, per the model: its reserved
+    /// ranges, and the range of every blob its pins hold (once per pin).
+    fn model_session_ranges(&self, session: SessionId) -> Vec<(u64, u64)> {
+        let mut v: Vec<(u64, u64)> = self
+            .blobs
+            .values()
+            .filter(|b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == session))
+            .filter_map(|b| b.region)
+            .collect();
+        for p in self.pins.values().filter(|p| p.holder.session == session) {
+            v.extend(p.blobs.iter().filter_map(|b| self.blobs.get(b)?.region));
+        }
+        v.sort_unstable();
+        v
+    }
+
+    /// Per-session stats the unit should report at `now`, the bytes they
+    /// hold in all, and the number of overdue holds.
+    fn expected_sessions(&self) -> (Vec<SessionStats>, u64, u64) {
+        let mut ids: Vec<(SessionId, u32)> = self
+            .live_sessions()
+            .map(|s| (s.id, s.conns.len() as u32))
+            .collect();
+        ids.push((Owner::UNIT.session, 0));
+        let mut out = Vec::new();
+        let mut held = 0;
+        let mut overdue = 0;
+        for (id, connections) in ids {
+            let mut st = SessionStats {
+                session: id.0,
+                connections,
+                ..SessionStats::default()
+            };
+            let mut oldest: Option<Time> = None;
+            let mut note = |h: &MHolder, lease: u64, st: &mut SessionStats| {
+                oldest = Some(oldest.map_or(h.since, |o| o.min(h.since)));
+                if self.now.saturating_sub(h.since) > ms(lease) {
+                    overdue += 1;
+                }
+                if h.conn.is_none() {
+                    st.orphaned += 1;
+                }
+            };
+            for b in self.blobs.values() {
+                if let MState::Reserved { holder, .. } = &b.state {
+                    if holder.session == id {
+                        st.reservations += 1;
+                        st.held_bytes += b.region.map_or(0, |r| r.1);
+                        note(holder, RESERVATION_LEASE_MS, &mut st);
+                    }
+                }
+            }
+            for p in self.pins.values().filter(|p| p.holder.session == id) {
+                st.pins += 1;
+                st.held_bytes += p
+                    .blobs
+                    .iter()
+                    .filter_map(|b| self.blobs.get(b))
+                    .map(|b| b.nbytes)
+                    .sum::<u64>();
+                note(&p.holder, PIN_LEASE_MS, &mut st);
+            }
+            if id == Owner::UNIT.session && st.pins == 0 {
+                continue;
+            }
+            if st.connections == 0 && st.reservations == 0 && st.pins == 0 {
+                continue;
+            }
+            st.oldest_hold_ms =
+                oldest.map_or(0, |o| self.now.saturating_sub(o).as_millis() as u64);
+            held += st.held_bytes;
+            out.push(st);
+        }
+        out.sort_by_key(|s| s.session);
+        (out, held, overdue)
+    }
+
+    /// The fence (see the crate docs): what each session may touch is what
+    /// the core says, each range one the unit holds, overlapping no other.
+    fn check_fences(&mut self) -> Result<(), TestCaseError> {
+        let mut all: Vec<(u64, u64)> = self
+            .core
+            .regions()
+            .map(|(_, off, len)| (off, len))
+            .chain(self.core.held_ranges())
+            .collect();
+        all.sort_unstable();
+        let mut ids: Vec<SessionId> = self.live_sessions().map(|s| s.id).collect();
+        ids.push(Owner::UNIT.session);
+        let mut touched_by_cut = false;
+        for id in ids {
+            let mut got = self.core.session_ranges(id);
+            got.sort_unstable();
+            let want = self.model_session_ranges(id);
+            prop_assert_eq!(&got, &want, "ranges session {:?} may touch", id);
+            let mut mine = want;
+            mine.dedup();
+            for r in mine {
+                let same = all.iter().filter(|&&x| x == r).count();
+                prop_assert_eq!(
+                    same,
+                    1,
+                    "range {:?} of session {:?} is not one range the unit holds",
+                    r,
+                    id
+                );
+                let other = all.iter().find(|&&x| x != r && overlap(x, r));
+                prop_assert!(
+                    other.is_none(),
+                    "range {:?} that session {:?} may touch overlaps {:?}",
+                    r,
+                    id,
+                    other
+                );
+            }
+            if self.slot_of(id).is_some_and(|s| {
+                self.sessions[s]
+                    .as_ref()
+                    .is_some_and(|s| s.conns.is_empty())
+            }) {
+                touched_by_cut = true;
+            }
+        }
+        if touched_by_cut {
+            self.count("fence checked with an orphaned session");
+        }
+        for &id in &self.dead_sessions {
+            prop_assert!(
+                !self.core.has_session(id),
+                "session {:?} is gone but the unit still knows it",
+                id
+            );
+            prop_assert!(
+                self.core.session_ranges(id).is_empty(),
+                "gone session {:?} still has ranges",
+                id
+            );
+        }
+        for s in self.live_sessions() {
+            prop_assert!(self.core.has_session(s.id), "session {:?} lost", s.id);
+        }
+        prop_assert_eq!(
+            {
+                let mut v = self.core.orphaned_sessions();
+                v.sort();
+                v
+            },
+            self.orphaned_sessions(),
+            "orphaned sessions"
+        );
+        // Reservations read back what their writer last wrote: no one else
+        // wrote into them.
+        for (id, b) in &self.blobs {
+            if let (MState::Reserved { holder, .. }, Some((off, len))) = (&b.state, b.region) {
+                prop_assert!(
+                    self.slab_bytes(off, len) == &b.content[..],
+                    "reservation {:?} at {}+{} of {:?} was written by someone else",
+                    id,
+                    off,
+                    len,
+                    holder
+                );
+            }
+        }
         Ok(())
     }
 
     fn check(&mut self) -> Result<(), TestCaseError> {
         // 1. Regions: aligned, inside the slab, pairwise disjoint, and
-        //    exactly the blobs of the model.
+        //    exactly the blobs and held ranges of the model.
         self.reconcile()?;
-        let mut regions: Vec<(BlobId, u64, u64)> = self.core.regions().collect();
-        regions.sort_unstable_by_key(|&(_, off, _)| off);
-        for &(id, off, len) in &regions {
+        let mut ranges: Vec<(u64, u64)> = self
+            .core
+            .regions()
+            .map(|(_, off, len)| (off, len))
+            .chain(self.core.held_ranges())
+            .collect();
+        ranges.sort_unstable();
+        for &(off, len) in &ranges {
             prop_assert!(
                 off % ALIGN == 0 && len > 0 && off + len <= self.cap,
-                "region of {:?} at {}+{} is misaligned or outside the slab",
-                id,
+                "range {}+{} is misaligned or outside the slab",
                 off,
                 len
             );
         }
-        for w in regions.windows(2) {
+        for w in ranges.windows(2) {
             prop_assert!(
-                w[0].1 + w[0].2 <= w[1].1,
-                "regions overlap: {:?} and {:?}",
+                w[0].0 + w[0].1 <= w[1].0,
+                "ranges overlap: {:?} and {:?}",
                 w[0],
                 w[1]
             );
@@ -1706,7 +2989,9 @@ impl Harness {
                 .values()
                 .filter(|b| b.region.is_none() && b.disk == MDisk::Durable)
                 .count() as u64,
-            // Anything else (I/O counters the server keeps) is 0 in the core.
+            index_bytes: self.index_bytes(),
+            // Anything else (I/O counters the server keeps; what sessions
+            // hold, in stats_at) is 0 in the core's plain stats.
             ..Stats::default()
         };
         let stats = self.core.stats();
@@ -1716,7 +3001,23 @@ impl Harness {
             stats.disk_used,
             self.disk_cap
         );
-        prop_assert_eq!(stats, expected, "stats");
+        prop_assert_eq!(&stats, &expected, "stats");
+        let (sessions, held_bytes, overdue_holds) = self.expected_sessions();
+        if overdue_holds > 0 {
+            self.count("overdue holds reported");
+        }
+        let expected = Stats {
+            sessions,
+            held_bytes,
+            overdue_holds,
+            ..expected
+        };
+        prop_assert_eq!(&self.core.stats_at(self.now), &expected, "stats_at");
+        prop_assert_eq!(
+            self.core.next_deadline(),
+            self.quarantine.iter().map(|q| q.2).min(),
+            "next deadline"
+        );
 
         // 5. The files: exactly those of durable blobs and puts being
         //    synced, with their blobs' bytes; memory and disk agree.
@@ -1749,9 +3050,15 @@ impl Harness {
             }
         }
 
+        // 7. The fence.
+        self.check_fences()?;
+
         // 2. Every committed key reads back exactly; others are absent.
         let keys = all_keys();
-        let (pin, locs) = self.core.resolve(NS, &keys, self.now);
+        let (pin, locs) = self
+            .core
+            .resolve(Owner::UNIT, NS, &keys, self.now)
+            .map_err(|e| TestCaseError::fail(format!("the check's resolve: {e:?}")))?;
         for (k, loc) in keys.iter().zip(&locs) {
             match self.values.get(k) {
                 None => prop_assert_eq!(
@@ -1780,10 +3087,13 @@ impl Harness {
         );
         if let Some(pin) = pin {
             prop_assert!(!self.pins.contains_key(&pin) && !self.dead_pins.contains(&pin));
-            self.core.unpin(pin);
+            prop_assert_eq!(self.core.unpin(Owner::UNIT, pin), Ok(()));
             self.dead_pins.push(pin);
         }
-        let (pin, locs) = self.core.resolve("other", &keys, self.now);
+        let (pin, locs) = self
+            .core
+            .resolve(Owner::UNIT, "other", &keys, self.now)
+            .map_err(|e| TestCaseError::fail(format!("the check's resolve: {e:?}")))?;
         prop_assert!(
             pin.is_none() && locs.iter().all(Option::is_none),
             "namespaces leak"
@@ -1795,15 +3105,16 @@ impl Harness {
         );
 
         // 3. Pinned bytes neither move nor change while the unit holds the
-        //    pin, in the slab or in the file.
+        //    pin, in the slab or in the file, whoever holds it.
         for (id, p) in &self.pins {
             for (place, snap) in &p.snapshots {
                 prop_assert_eq!(
                     self.read(*place),
                     Some(&snap[..]),
-                    "pinned bytes at {:?} of {:?} changed",
+                    "pinned bytes at {:?} of {:?} ({:?}) changed",
                     place,
-                    id
+                    id,
+                    p.holder
                 );
             }
         }
@@ -1812,46 +3123,55 @@ impl Harness {
         self.settle_effects()
     }
 
-    /// Finish every write and promotion, release everything, let every
-    /// lease and quarantine end: the unit must be empty and whole again,
-    /// and the simulated disk empty.
+    /// Finish every write and promotion, end every connection and session,
+    /// release everything, let every quarantine end: the unit must be empty
+    /// and whole again, and the simulated disk empty.
     fn finish(&mut self) -> Result<(), TestCaseError> {
         while !self.jobs.is_empty() {
             let job = self.jobs.remove(0);
             self.complete(job, true)?;
-            self.settle_effects()?;
-            self.check()?;
+            self.step("a job finishes")?;
         }
-        let held: Vec<PinId> = self
+        // The unit's own pins (checkpoints) go.
+        let unit_pins: Vec<PinId> = self
             .pins
             .iter()
-            .filter(|(_, p)| p.expires.is_none())
+            .filter(|(_, p)| p.holder.session == Owner::UNIT.session)
             .map(|(id, _)| *id)
             .collect();
-        for pin in held {
-            self.core.unpin(pin);
-            self.pins.remove(&pin);
-            self.dead_pins.push(pin);
+        for pin in unit_pins {
+            self.unpin(Owner::UNIT, pin)?;
         }
-        self.gc();
-        self.settle_effects()?;
+        self.step("the unit's pins go")?;
+        // Every client closes its connections: what they hold goes.
+        for slot in 0..SLOTS {
+            while let Some(o) = self.sessions[slot]
+                .as_ref()
+                .and_then(|s| s.conns.first())
+                .map(|c| c.owner)
+            {
+                self.detach(o, ConnEnd::Closed)?;
+                self.step("a connection closes")?;
+            }
+        }
+        // Holds of cut connections stay until their process is gone.
+        let mut orphaned = self.core.orphaned_sessions();
+        orphaned.sort();
+        let live: Vec<SessionId> = self.live_sessions().map(|s| s.id).collect();
+        prop_assert_eq!(&orphaned, &live, "sessions left holding after every close");
+        for s in orphaned {
+            self.session_gone(s);
+            self.step("an orphaned session is gone")?;
+        }
+        prop_assert!(self.sessions.iter().all(Option::is_none));
+        prop_assert!(self.pins.is_empty(), "pins left: {:?}", self.pins);
         let rows: Vec<u64> = (0..ROWS).collect();
-        let expected = self.values.len() as u64;
-        prop_assert_eq!(self.core.release_rows(NS, &rows), expected, "final release");
-        self.values.clear();
-        self.gc();
-        self.settle_effects()?;
-        self.check()?;
-        // Past every reservation and pin lease: reservations are quarantined
-        // (from now), pins and their blobs reclaimed.
-        self.advance(ms(RESERVATION_LEASE_MS.max(PIN_LEASE_MS)));
-        self.settle_effects()?;
-        self.check()?;
+        self.release_rows(&rows)?;
+        self.step("every row released")?;
         // Past every quarantine.
         self.advance(ms(QUARANTINE_MS));
-        self.settle_effects()?;
-        self.check()?;
-        let s = self.core.stats();
+        self.step("past every quarantine")?;
+        let s = self.core.stats_at(self.now);
         prop_assert_eq!(s.used, 0, "bytes leaked: {:?}", s);
         prop_assert_eq!(s.pins, 0, "pins leaked: {:?}", s);
         prop_assert_eq!(s.entries, 0, "entries leaked: {:?}", s);
@@ -1859,12 +3179,16 @@ impl Harness {
         prop_assert_eq!(s.rows, 0);
         prop_assert_eq!(s.reserved_bytes, 0);
         prop_assert_eq!(s.quarantined_bytes, 0);
+        prop_assert_eq!(s.index_bytes, 0);
+        prop_assert_eq!(s.held_bytes, 0);
+        prop_assert!(s.sessions.is_empty(), "sessions left: {:?}", s.sessions);
         prop_assert_eq!(s.disk_used, 0, "disk bytes leaked: {:?}", s);
         prop_assert_eq!(s.spilled_blobs, 0);
         prop_assert!(
-            self.orphans.is_empty(),
-            "orphan writes left: {:?}",
-            self.orphans
+            self.orphans.is_empty() && self.orphan_promotions.is_empty(),
+            "orphan writes left: {:?} {:?}",
+            self.orphans,
+            self.orphan_promotions
         );
         prop_assert!(
             self.files.is_empty(),
@@ -1872,15 +3196,24 @@ impl Harness {
             self.files.keys().collect::<Vec<_>>()
         );
         prop_assert_eq!(self.core.regions().count(), 0);
+        prop_assert!(self.core.held_ranges().is_empty());
+        prop_assert!(self.core.orphaned_sessions().is_empty());
         prop_assert_eq!(self.core.next_deadline(), None, "timers left");
         // The freed ranges coalesced: the whole slab fits in one piece.
         let whole = BlobId(u128::MAX);
+        let session = self.core.open_session();
+        let o = self
+            .core
+            .attach(session, true)
+            .map_err(|e| TestCaseError::fail(format!("attach: {e:?}")))?;
         prop_assert_eq!(
-            self.core.alloc(whole, self.cap, 0, self.now),
+            self.core.alloc(o, whole, self.cap, 0, self.now),
             Ok(Allocated::Reserved { offset: 0 }),
             "whole slab after everything was freed"
         );
-        self.core.abort(whole, false, self.now);
+        prop_assert_eq!(self.core.abort(o, whole, false, self.now), Ok(()));
+        self.core.detach(o, ConnEnd::Closed, self.now);
+        prop_assert!(!self.core.has_session(session), "an idle session kept");
         prop_assert_eq!(self.core.stats().used, 0);
         Ok(())
     }
@@ -1889,7 +3222,7 @@ impl Harness {
 /// One case: run `ops` against a fresh unit (with or without a disk tier)
 /// and the model, checking after every op, then wind everything down.
 fn run_case(seed: u64, ops: &[Op], disk: bool) -> Result<Coverage, TestCaseError> {
-    let mut h = Harness::new(seed, disk);
+    let mut h = Harness::new(seed, disk)?;
     h.check()?;
     for (i, op) in ops.iter().enumerate() {
         h.apply(op)
@@ -1903,13 +3236,16 @@ fn run_case(seed: u64, ops: &[Op], disk: bool) -> Result<Coverage, TestCaseError
     Ok(h.cov)
 }
 
-/// 256 cases each (a few seconds); `PROPTEST_CASES` asks for more (a soak).
+/// Cases per test: `PROPTEST_CASES` if set (a soak), else 2000 in an
+/// optimised build and 250 in a debug one (CI runs the debug build; each
+/// test stays well under a minute there).
 fn config() -> ProptestConfig {
+    let default = if cfg!(debug_assertions) { 250 } else { 2000 };
     ProptestConfig {
         cases: std::env::var("PROPTEST_CASES")
             .ok()
             .and_then(|n| n.parse().ok())
-            .unwrap_or(256),
+            .unwrap_or(default),
         // Keep this test a single file: no regression files next to it.
         failure_persistence: None,
         ..ProptestConfig::default()
@@ -1923,22 +3259,77 @@ fn case_strategy(disk: bool) -> impl Strategy<Value = (u64, Vec<Op>)> {
     )
 }
 
-#[test]
-fn unit_core_matches_model() {
-    let mut runner = TestRunner::new(config());
-    if let Err(e) = runner.run(&case_strategy(false), |(seed, ops)| {
-        run_case(seed, &ops, false).map(|_| ())
-    }) {
-        panic!("{e}");
-    }
-}
+/// Session and fencing events every run must reach.
+const SESSION_EVENTS: &[&str] = &[
+    "session opened",
+    "session forgotten",
+    "attach refused: connection cap",
+    "attach refused: session gone",
+    "detach closed",
+    "detach cut direct",
+    "detach cut stream",
+    "closed: holds released",
+    "cut direct: holds kept for the session",
+    "cut stream: holds released",
+    "range quarantined",
+    "retry after a cut stream reserves afresh",
+    "session gone",
+    "session gone: holds released",
+    "session gone with direct connections open",
+    "not owner: alloc of another session's reservation",
+    "not owner: commit",
+    "not owner: abort",
+    "not owner: unpin",
+    "not owner: request of an ended connection",
+    "busy: retry while the holding connection is open",
+    "takeover of a cut connection's reservation",
+    "retry on the holding connection",
+    "commit from another connection of the session",
+    "abort of a cut connection's reservation",
+    "unpin of a cut connection's pin",
+    "cut client writes its reservation",
+    "cut stream writes its quarantined range",
+    "pause of minutes",
+    "pause of an hour or more",
+    "holds outlive a long pause",
+    "overdue holds reported",
+    "fence checked with an orphaned session",
+    "paused writer resumed",
+    "paused writer resumed after its connection was cut",
+    "paused writer resumed after hours",
+    "paused reader read unchanged bytes",
+    "paused reader read unchanged bytes after its connection was cut",
+    "commit refused: index budget",
+    "alloc busy",
+    "alloc full",
+];
 
-#[test]
-fn unit_core_with_disk_matches_model() {
+/// Disk-tier events the disk test must reach.
+const DISK_EVENTS: &[&str] = &[
+    "put to disk",
+    "commit pending",
+    "commit of a durable put",
+    "pending put published",
+    "put failed",
+    "spill",
+    "spill written",
+    "spill failed",
+    "orphaned spill",
+    "memory copy dropped",
+    "resolve found a value on disk",
+    "promoted",
+    "promotion in flight",
+    "promotion range of a freed blob held",
+    "late promotion copy of a freed blob",
+    "snapshot with blobs on disk",
+    "refused with disk full",
+];
+
+fn run(disk: bool) {
     let mut runner = TestRunner::new(config());
     let total = RefCell::new(Coverage::new());
-    if let Err(e) = runner.run(&case_strategy(true), |(seed, ops)| {
-        let cov = run_case(seed, &ops, true)?;
+    if let Err(e) = runner.run(&case_strategy(disk), |(seed, ops)| {
+        let cov = run_case(seed, &ops, disk)?;
         let mut total = total.borrow_mut();
         for (k, n) in cov {
             *total.entry(k).or_default() += n;
@@ -1947,26 +3338,19 @@ fn unit_core_with_disk_matches_model() {
     }) {
         panic!("{e}");
     }
-    // The generator does reach every disk-tier path.
     let total = total.into_inner();
-    eprintln!("disk-tier events over the run: {total:?}");
-    for event in [
-        "put to disk",
-        "commit pending",
-        "commit of a durable put",
-        "pending put published",
-        "put failed",
-        "spill",
-        "spill written",
-        "spill failed",
-        "orphaned spill",
-        "memory copy dropped",
-        "resolve found a value on disk",
-        "promoted",
-        "promotion in flight",
-        "snapshot with blobs on disk",
-        "refused with disk full",
-    ] {
+    eprintln!(
+        "events over the run ({} disk tier):",
+        if disk { "with a" } else { "without" }
+    );
+    for (k, n) in &total {
+        eprintln!("  {n:>8}  {k}");
+    }
+    // The generator does reach every path.
+    let events = SESSION_EVENTS
+        .iter()
+        .chain(if disk { DISK_EVENTS } else { &[] });
+    for event in events {
         assert!(
             total.get(event).copied().unwrap_or(0) > 0,
             "no case reached {event:?}: {total:?}"
@@ -1974,13 +3358,21 @@ fn unit_core_with_disk_matches_model() {
     }
 }
 
+#[test]
+fn unit_core_matches_model() {
+    run(false);
+}
+
+#[test]
+fn unit_core_with_disk_matches_model() {
+    run(true);
+}
+
 /// Regression test: when a blob is freed while a promotion of it is in
-/// flight (its reader's pin reclaimed by `tick`, its row cleared
-/// meanwhile), the range handed out by `promote_begin` must stay allocated
-/// until `promote_done`, or the next alloc gets it and the driver's late
-/// copy overwrites the new owner's bytes. (The model test still runs with
-/// [`DRIVER_PINS_PROMOTIONS`]; its model does not track such orphaned
-/// ranges.)
+/// flight (its reader unpinned, its row cleared meanwhile), the range
+/// handed out by `promote_begin` must stay allocated until `promote_done`,
+/// or the next alloc gets it and the driver's late copy overwrites the new
+/// owner's bytes.
 #[test]
 fn late_promotion_copy_overwrites_a_reused_range() {
     let t = ms;
@@ -1988,11 +3380,12 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     cfg.disk_capacity = 1 << 20;
     cfg.high_watermark = 0.5;
     cfg.low_watermark = 0.25;
-    cfg.pin_lease = t(1000);
     let mut c = UnitCore::new(cfg).unwrap();
+    let s = c.open_session();
+    let o = c.attach(s, true).unwrap();
     let put = |c: &mut UnitCore, id: u128, row: u64| {
         assert!(matches!(
-            c.alloc(BlobId(id), 1024, 1, t(0)),
+            c.alloc(o, BlobId(id), 1024, 1, t(0)),
             Ok(Allocated::Reserved { .. })
         ));
         let e = EntrySpec {
@@ -2001,7 +3394,7 @@ fn late_promotion_copy_overwrites_a_reused_range() {
             len: 1024,
             meta: vec![],
         };
-        assert_eq!(c.commit(NS, BlobId(id), &[e]), Ok(Committed::Done));
+        assert_eq!(c.commit(o, NS, BlobId(id), &[e]), Ok(Committed::Done));
     };
     put(&mut c, 1, 1);
     put(&mut c, 2, 2);
@@ -2012,24 +3405,25 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     for j in &jobs {
         c.disk_written(j.blob, true);
     }
-    // A reader finds row 1 on disk (pinned under a lease) and the driver
-    // starts promoting it.
-    let (_pin, found) = c.resolve(NS, &[Key::new(1, "f")], t(0));
+    // A reader finds row 1 on disk (pinned) and the driver starts
+    // promoting it.
+    let (pin, found) = c.resolve(o, NS, &[Key::new(1, "f")], t(0)).unwrap();
     assert!(matches!(found[0], Some(Place::Disk { .. })));
     let promoting = c.promote_begin(BlobId(1)).expect("room to promote");
-    // Meanwhile row 1 is cleared and the reader's lease runs out.
+    // Meanwhile row 1 is cleared and the reader unpins.
     c.release_rows(NS, &[1]);
-    c.tick(t(1000));
+    c.unpin(o, pin.unwrap()).unwrap();
     assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(1))]);
     // The copy has not landed yet (no promote_done): its range must not be
     // handed out again.
-    let got = c.alloc(BlobId(4), 1024, 0, t(1000));
+    let got = c.alloc(o, BlobId(4), 1024, 0, t(1000));
     if let Ok(Allocated::Reserved { offset }) = got {
         assert!(
             offset + 1024 <= promoting || promoting + 1024 <= offset,
             "alloc got {offset}+1024 while the promotion into {promoting}+1024 is still copying"
         );
     }
+    assert_eq!(c.held_ranges(), vec![(promoting, 1024)]);
     let held: u64 = c.regions().map(|(_, _, len)| len).sum();
     assert_eq!(
         c.stats().used,
@@ -2038,6 +3432,7 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     );
     c.promote_done(BlobId(1), true);
     assert!(c.regions().all(|(id, _, _)| id != BlobId(1)));
+    assert!(c.held_ranges().is_empty());
     let held: u64 = c.regions().map(|(_, _, len)| len).sum();
     assert_eq!(
         c.stats().used,

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use stowage_core::{Allocated, BlobId, Committed, Owner};
 use stowage_wire::io::{
-    drain, read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
+    drain, read_header, read_prefix, write_all_vectored_by, ReadError, Socket, SpinReader,
 };
 use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response, PROTOCOL_VERSION};
 
@@ -622,9 +622,11 @@ impl Conn {
         encode(id, &Response::Data { items, corrupt }, total, &mut self.out)
             .map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
-        let timed = self.set_write_timeout(timeout);
+        let until = Instant::now() + timeout;
+        // The writes below set their own timeouts.
+        self.write_timeout = Duration::ZERO;
         let writer = &mut self.writer;
-        let sent = timed.map_err(|e| e.to_string()).and_then(|()| {
+        let sent: Result<io::Result<()>, String> = {
             self.shared
                 .slab
                 .with_io_slices(&ranges, |slab_slices| {
@@ -649,16 +651,17 @@ impl Conn {
                             Served::Corrupt => {}
                         }
                     }
-                    write_all_vectored(writer, &mut all)
+                    write_all_vectored_by(writer, &mut all, until)
                 })
                 .map_err(|e| e.to_string())
-        });
+        };
         self.out = header;
         // This thread has stopped reading the ranges: the pin may go.
         if let Some(p) = pin {
             let _ = self.shared.core().unpin(owner, p);
         }
         sent.map_err(io::Error::other)??;
+        self.set_write_timeout(self.shared.frame_timeout)?;
         Ok(())
     }
 }

@@ -98,6 +98,7 @@ impl Raw {
             version: stowage_wire::PROTOCOL_VERSION,
             namespace: ns.into(),
             want_fd: false,
+            session: None,
         });
         assert!(matches!(resp, Response::Hello { .. }), "{resp:?}");
         r

@@ -1,0 +1,364 @@
+//! Fencing with real processes: a client paused (SIGSTOP) in the middle of
+//! its copy, for longer than every lease, never corrupts an acknowledged
+//! value and never returns bytes that changed under it; on shm and tcp.
+//!
+//! The paused clients are this test binary re-run as a child process
+//! (`fence_child`), using the client library as a user would. The parent
+//! watches the unit's counters to stop the child while its transfer is
+//! under way (a reservation or a pin is held), then acts as another client.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::*;
+use stowage_client::{ClientConfig, Error, Key, UnitAddr};
+use stowage_wire::{Request, Response, Stats};
+
+const MIB: u64 = 1 << 20;
+/// Slab of the unit: two values never fit at once.
+const SLAB: u64 = 160 * MIB;
+/// One value.
+const VALUE: usize = 96 << 20;
+/// Every lease the unit knows is far shorter than the pauses below.
+const SHORT_LEASES: &[&str] = &[
+    "--reservation-lease",
+    "200ms",
+    "--pin-lease",
+    "200ms",
+    "--quarantine",
+    "100ms",
+];
+
+fn stats(r: &mut Raw) -> Stats {
+    match r.call(&Request::Stats) {
+        Response::Stats(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Not a test on its own: the paused client, run by the tests below.
+/// `STOWAGE_FENCE=role,transport,addr,byte,timeout_ms`: `put` writes
+/// row 0 ("a") as VALUE bytes of `byte`; `get` reads row 0 and checks every
+/// byte. Prints `RESULT ok` or `RESULT err <error>`, or `RESULT changed` if
+/// a get returned bytes that are not the value's.
+#[test]
+#[ignore = "a helper process of the fencing tests"]
+fn fence_child() {
+    let spec = std::env::var("STOWAGE_FENCE").expect("run only by the fencing tests");
+    let parts: Vec<&str> = spec.split(',').collect();
+    let (role, addr, byte, timeout_ms) = (
+        parts[0],
+        parts[2].parse::<UnitAddr>().unwrap(),
+        parts[3].parse::<u8>().unwrap(),
+        parts[4].parse::<u64>().unwrap(),
+    );
+    let mut cfg = ClientConfig::new("fence", vec![addr]);
+    cfg.timeout = Duration::from_millis(timeout_ms);
+    cfg.shm = parts[1] == "shm";
+    let c = stowage_client::Client::connect(cfg).unwrap();
+    let key = Key::new(0, "a");
+    let result = match role {
+        "put" => {
+            let v = vec![byte; VALUE];
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            c.put_rows(&[(key, &v)], c.deadline())
+                .map(|()| "ok".to_string())
+        }
+        _ => {
+            println!("READY");
+            std::io::stdout().flush().unwrap();
+            c.get_rows(&[key], c.deadline()).map(|v| {
+                if v[0].len() == VALUE && v[0].iter().all(|&b| b == byte) {
+                    "ok".to_string()
+                } else {
+                    "changed".to_string()
+                }
+            })
+        }
+    };
+    match result {
+        Ok(r) => println!("RESULT {r}"),
+        Err(e) => println!("RESULT err {e}"),
+    }
+    std::io::stdout().flush().unwrap();
+}
+
+/// A child process running `fence_child`; killed by its pid on drop.
+struct Paused {
+    child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+impl Paused {
+    fn start(role: &str, kind: Kind, addr: &UnitAddr, byte: u8, timeout: Duration) -> Paused {
+        let spec = format!(
+            "{role},{},{addr},{byte},{}",
+            if kind == Kind::Shm { "shm" } else { "tcp" },
+            timeout.as_millis()
+        );
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "fence_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("STOWAGE_FENCE", spec)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if tx.send(line).is_err() {
+                    return;
+                }
+            }
+        });
+        let p = Paused { child, lines: rx };
+        p.expect_line("READY", Duration::from_secs(30));
+        p
+    }
+
+    fn expect_line(&self, prefix: &str, within: Duration) -> String {
+        let end = Instant::now() + within;
+        let mut seen = Vec::new();
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                // libtest may print "test fence_child ... " before it.
+                Ok(l) if l.contains(prefix) => {
+                    return l[l.find(prefix).unwrap_or(0)..].to_string()
+                }
+                Ok(l) => seen.push(l),
+                Err(e) => panic!("the child never printed {prefix:?} ({e}); it printed {seen:?}"),
+            }
+        }
+    }
+
+    fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([sig, &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill {sig} failed");
+    }
+
+    /// Stop the child as soon as `during` says its transfer is under way.
+    fn stop_during(&self, watcher: &mut Raw, during: impl Fn(&Stats) -> bool) -> bool {
+        let end = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < end {
+            if during(&stats(watcher)) {
+                self.signal("-STOP");
+                assert!(eventually(Duration::from_secs(5), || is_stopped(
+                    self.child.id()
+                )));
+                // Still mid-transfer once stopped?
+                return during(&stats(watcher));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        false
+    }
+
+    fn result(mut self) -> String {
+        let r = self.expect_line("RESULT", Duration::from_secs(60));
+        let _ = self.child.wait();
+        r
+    }
+}
+
+impl Drop for Paused {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A client in the children's namespace.
+fn fclient(p: &stowage_cli::local::LocalPlane, kind: Kind, timeout: Duration) -> stowage_client::Client {
+    let mut cfg = ClientConfig::new("fence", vec![addr(p, kind)]);
+    cfg.timeout = timeout;
+    stowage_client::Client::connect(cfg).unwrap()
+}
+
+fn addr(p: &stowage_cli::local::LocalPlane, kind: Kind) -> UnitAddr {
+    match kind {
+        Kind::Shm => p.uds_addrs()[0].clone(),
+        Kind::Tcp => p.tcp_addrs()[0].clone(),
+    }
+}
+
+fn all(v: &[u8], byte: u8) -> bool {
+    v.len() == VALUE && v.iter().all(|&b| b == byte)
+}
+
+/// A writer paused mid-copy past every lease: its range is never handed
+/// to another put. Over shm it resumes and its put completes; over tcp the
+/// unit cuts the stalled stream (the child's deadline), quarantines the
+/// range, and only then lets another put have it — the resumed writer's
+/// bytes go nowhere.
+fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
+    let (p, _) = plane(1, SLAB, SHORT_LEASES);
+    let sock = p.units[0].uds.clone();
+    let mut watcher = Raw::hello(&sock, "watch");
+    let a = addr(&p, kind);
+    let mut stopped = None;
+    for _ in 0..5 {
+        // Over shm the writer's deadline outlasts the pause, so its put can
+        // complete; over tcp the unit cuts its stream at its deadline.
+        let deadline = match kind {
+            Kind::Shm => Duration::from_secs(60),
+            Kind::Tcp => Duration::from_secs(3),
+        };
+        let w = Paused::start("put", kind, &a, 0x01, deadline);
+        if w.stop_during(&mut watcher, |s| s.reserved_bytes > 0) {
+            stopped = Some(w);
+            break;
+        }
+        // It finished before it could be stopped: clear and try again.
+        w.signal("-CONT");
+        let _ = w.result();
+        let c = fclient(&p, Kind::Shm, Duration::from_secs(10));
+        c.clear_rows(&[0], c.deadline()).unwrap();
+    }
+    let w = stopped.expect("never caught the writer mid-copy");
+    // Past every lease, another client puts `b`.
+    std::thread::sleep(Duration::from_millis(800));
+    // Over tcp the unit cuts the paused child at its deadline (3 s), so
+    // `b` gets in within this one.
+    let other = fclient(
+        &p,
+        kind,
+        match kind {
+            Kind::Shm => Duration::from_secs(4),
+            Kind::Tcp => Duration::from_secs(15),
+        },
+    );
+    let vb = vec![0x02u8; VALUE];
+    let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
+    match kind {
+        // The paused shm writer still holds its reservation: `b` does not
+        // fit, and is not acknowledged.
+        Kind::Shm => assert!(
+            matches!(b_put, Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })),
+            "{b_put:?}"
+        ),
+        // The unit cut the stalled stream after the writer's deadline and
+        // quarantined its range; then `b` went in.
+        Kind::Tcp => assert!(b_put.is_ok(), "{b_put:?}"),
+    }
+    w.signal("-CONT");
+    let r = w.result();
+    let c = fclient(&p, kind, Duration::from_secs(10));
+    match kind {
+        Kind::Shm => {
+            assert_eq!(r, "RESULT ok", "the resumed shm writer's put completes");
+            assert!(all(&c.get_rows(&[Key::new(0, "a")], c.deadline()).unwrap()[0], 0x01));
+            c.clear_rows(&[0], c.deadline()).unwrap();
+            other
+                .put_rows(&[(Key::new(1, "b"), &vb)], other.deadline())
+                .unwrap();
+        }
+        Kind::Tcp => assert!(r.starts_with("RESULT err"), "{r}"),
+    }
+    // Every acknowledged value reads back exactly.
+    let got = c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap();
+    assert!(all(&got[0], 0x02), "b was overwritten");
+}
+
+/// A reader paused mid-copy past every lease, while its key is cleared and
+/// another value is put: it never returns changed bytes. Over shm its pin
+/// holds the range (the other put waits); over tcp the unit's thread holds
+/// it until the stalled reader is cut off, and the reader gets an error.
+fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
+    let (p, _) = plane(1, SLAB, SHORT_LEASES);
+    let sock = p.units[0].uds.clone();
+    let mut watcher = Raw::hello(&sock, "watch");
+    let a = addr(&p, kind);
+    let c = fclient(&p, Kind::Shm, Duration::from_secs(10));
+    let va = vec![0x01u8; VALUE];
+    let mut stopped = None;
+    for _ in 0..5 {
+        c.put_rows(&[(Key::new(0, "a"), &va)], c.deadline()).unwrap();
+        let deadline = match kind {
+            Kind::Shm => Duration::from_secs(60),
+            Kind::Tcp => Duration::from_secs(3),
+        };
+        let r = Paused::start("get", kind, &a, 0x01, deadline);
+        if r.stop_during(&mut watcher, |s| s.pins > 0) {
+            stopped = Some(r);
+            break;
+        }
+        r.signal("-CONT");
+        assert_eq!(r.result(), "RESULT ok");
+    }
+    let r = stopped.expect("never caught the reader mid-copy");
+    c.clear_rows(&[0], c.deadline()).unwrap();
+    std::thread::sleep(Duration::from_millis(800));
+    // Over tcp the unit cuts the paused child at its deadline (3 s), so
+    // `b` gets in within this one.
+    let other = fclient(
+        &p,
+        kind,
+        match kind {
+            Kind::Shm => Duration::from_secs(4),
+            Kind::Tcp => Duration::from_secs(15),
+        },
+    );
+    let vb = vec![0x02u8; VALUE];
+    let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
+    match kind {
+        Kind::Shm => assert!(
+            matches!(b_put, Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })),
+            "{b_put:?}"
+        ),
+        Kind::Tcp => assert!(b_put.is_ok(), "{b_put:?}"),
+    }
+    r.signal("-CONT");
+    let res = r.result();
+    match kind {
+        Kind::Shm => assert_eq!(res, "RESULT ok", "the shm reader gets a's bytes, intact"),
+        Kind::Tcp => assert!(res.starts_with("RESULT err"), "{res}"),
+    }
+    if kind == Kind::Shm {
+        other
+            .put_rows(&[(Key::new(1, "b"), &vb)], other.deadline())
+            .unwrap();
+    }
+    assert!(all(&c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap()[0], 0x02));
+}
+
+/// A writer killed while paused: its connection closes and its reservation
+/// is released at once; the next put goes in.
+fn a_killed_paused_writer_gives_its_memory_back(kind: Kind) {
+    let (p, _) = plane(1, SLAB, SHORT_LEASES);
+    let sock = p.units[0].uds.clone();
+    let mut watcher = Raw::hello(&sock, "watch");
+    let a = addr(&p, kind);
+    let w = Paused::start("put", kind, &a, 0x01, Duration::from_secs(60));
+    assert!(w.stop_during(&mut watcher, |s| s.reserved_bytes > 0) || stats(&mut watcher).entries == 1);
+    w.signal("-KILL");
+    drop(w);
+    let c = fclient(&p, kind, Duration::from_secs(10));
+    c.clear_rows(&[0], c.deadline()).unwrap();
+    let vb = vec![0x02u8; VALUE];
+    c.put_rows(&[(Key::new(1, "b"), &vb)], c.deadline()).unwrap();
+    assert!(all(&c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap()[0], 0x02));
+    let s = stats(&mut watcher);
+    assert_eq!((s.reserved_bytes, s.pins), (0, 0), "{s:?}");
+}
+
+both_transports!(
+    a_paused_writer_never_overwrites_an_acknowledged_value,
+    a_paused_reader_never_returns_changed_bytes,
+    a_killed_paused_writer_gives_its_memory_back,
+);
