@@ -407,6 +407,7 @@ def local(
     high_watermark: float = 0.9,
     low_watermark: float = 0.8,
     wait_for_memory: Optional[float] = None,
+    checkpoint_root: Optional[str] = None,
 ) -> DataPlane:
     """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
     ``"1GiB"``) as child processes of this interpreter and connect to them
@@ -420,7 +421,11 @@ def local(
     ``high_watermark`` of its memory a unit spills committed values to disk,
     oldest first, down to ``low_watermark``; ``disk_capacity`` per unit.
     Nothing is evicted: memory and disk both full raise UnitFull, or wait up
-    to ``wait_for_memory`` seconds for a clear."""
+    to ``wait_for_memory`` seconds for a clear.
+
+    ``checkpoint_root``: :meth:`DataPlane.checkpoint` writes only under this
+    directory (without it, the units refuse checkpoints with
+    :class:`Unauthorized`)."""
     if transport not in ("shm", "tcp"):
         raise InvalidRequest(f"transport must be 'shm' or 'tcp', not {transport!r}")
     command = unit_command()
@@ -432,6 +437,8 @@ def local(
             "--high-watermark", str(high_watermark),
             "--low-watermark", str(low_watermark),
         ]
+    if checkpoint_root is not None:
+        args += ["--checkpoint-root", str(checkpoint_root)]
     plane = _native.LocalPlane(command, units, memory, args)
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs

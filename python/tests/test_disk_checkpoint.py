@@ -45,7 +45,15 @@ def test_checkpoint_restore_and_shutdown(tmp_path):
     vals = values(10, 1000, 3)
     keys = [f"uid_{i}" for i in range(10)]
     with stowage.local(units=1, memory="16MiB") as plane:
+        # A unit started without a checkpoint root takes no checkpoint.
+        with pytest.raises(stowage.Unauthorized):
+            plane.checkpoint(str(tmp_path / "nope"))
+        assert not (tmp_path / "nope").exists()
+    with stowage.local(units=1, memory="16MiB", checkpoint_root=str(tmp_path)) as plane:
         plane.put("step", keys, {"x": vals})
+        # Nor one outside its root.
+        with pytest.raises(stowage.Unauthorized):
+            plane.checkpoint("/tmp/stowage-outside-the-root")
         info = plane.checkpoint(str(tmp_path / "ck"))
         assert info[0]["entries"] == 20  # 10 values + 10 row names
         assert info[0]["rows"] == 10

@@ -507,8 +507,15 @@ impl UnitCore {
             return;
         };
         for blob in s.reservations {
-            // Nothing of the process runs any more: no quarantine needed.
-            self.release_reservation_of(blob, false, now);
+            // Only its own: nothing of the process runs any more, so no
+            // quarantine is needed.
+            let own = matches!(
+                self.blobs.get(&blob),
+                Some(Blob { state: State::Reserved { holder, .. }, .. }) if holder.session == session
+            );
+            if own {
+                self.release_reservation_of(blob, false, now);
+            }
         }
         for pin in s.pins {
             self.drop_pin(pin);
@@ -688,11 +695,13 @@ impl UnitCore {
                     .filter(|b| b.disk == Disk::Writing)
                     .filter_map(|b| b.region.map(|r| r.len))
                     .sum();
-                // Cleared blobs that only pins keep: freed at unpin.
+                // Cleared blobs that only pins keep: freed at unpin (those
+                // being spilled are counted above already).
                 let unpinning: u64 = self
                     .blobs
                     .values()
                     .filter(|b| matches!(b.state, State::Committed { live: 0, .. }))
+                    .filter(|b| b.disk != Disk::Writing)
                     .filter_map(|b| b.region.map(|r| r.len))
                     .sum();
                 let reclaimable =
@@ -1340,8 +1349,19 @@ impl UnitCore {
         let unpublished = matches!(b.state, State::PendingDisk { .. } | State::Reserved { .. });
         if !ok {
             if unpublished {
-                // A put whose bytes did not reach the disk: it never existed.
+                // A put whose bytes did not reach the disk: it never existed,
+                // and its session (if it was still reserved) holds it no more.
+                let holder = match &b.state {
+                    State::Reserved { holder, .. } => Some(holder.session),
+                    _ => None,
+                };
+                if let Some(s) = holder.and_then(|h| self.sessions.get_mut(&h)) {
+                    s.reservations.remove(&blob);
+                }
                 self.drop_disk_reservation(blob);
+                if let Some(h) = holder {
+                    self.maybe_forget_session(h);
+                }
             } else {
                 b.disk = Disk::None;
                 self.disk_used -= b.nbytes;

@@ -3157,7 +3157,8 @@ impl Harness {
         // Holds of cut connections stay until their process is gone.
         let mut orphaned = self.core.orphaned_sessions();
         orphaned.sort();
-        let live: Vec<SessionId> = self.live_sessions().map(|s| s.id).collect();
+        let mut live: Vec<SessionId> = self.live_sessions().map(|s| s.id).collect();
+        live.sort();
         prop_assert_eq!(&orphaned, &live, "sessions left holding after every close");
         for s in orphaned {
             self.session_gone(s);
@@ -3438,5 +3439,102 @@ fn late_promotion_copy_overwrites_a_reused_range() {
         c.stats().used,
         held,
         "the orphaned range was freed on promote_done"
+    );
+}
+
+/// Regression test: a put to disk whose write fails is dropped, and its
+/// session must hold it no more. The core once left the blob id in the
+/// session's reservation set: the session was never forgotten, showed up
+/// as orphaned, and when another session later reserved the same blob id,
+/// the first session's death released the second one's reservation while
+/// its writer was still copying into it.
+#[test]
+fn a_failed_disk_put_leaves_no_hold_behind() {
+    let t = ms;
+    let mut cfg = CoreConfig::new(4096);
+    cfg.disk_capacity = 1 << 20;
+    let mut c = UnitCore::new(cfg).unwrap();
+    let sa = c.open_session();
+    let a = c.attach(sa, true).unwrap();
+    let sb = c.open_session();
+    let b = c.attach(sb, true).unwrap();
+    // The slab is full: A's put of blob 1 goes to disk, and its write fails.
+    assert!(matches!(
+        c.alloc(a, BlobId(10), 4096, 0, t(0)),
+        Ok(Allocated::Reserved { .. })
+    ));
+    assert_eq!(c.alloc(a, BlobId(1), 1000, 1, t(0)), Ok(Allocated::ToDisk));
+    c.disk_written(BlobId(1), false);
+    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(1))]);
+    assert_eq!(c.abort(a, BlobId(10), false, t(0)), Ok(()));
+    let s = c.stats_at(t(0));
+    assert_eq!(
+        (s.sessions[0].session, s.sessions[0].reservations),
+        (sa.0, 0)
+    );
+    // Session B reserves the same blob id (ids are the clients' choice).
+    let Ok(Allocated::Reserved { offset }) = c.alloc(b, BlobId(1), 100, 1, t(0)) else {
+        panic!("B's reservation");
+    };
+    assert_eq!(c.session_ranges(sa), vec![], "A may touch B's range");
+    // A's connection is cut and its process goes: A holds nothing.
+    c.detach(a, ConnEnd::Cut, t(0));
+    assert!(
+        c.orphaned_sessions().is_empty(),
+        "a session that holds nothing is not orphaned"
+    );
+    assert!(!c.has_session(sa), "a session with nothing left is forgotten");
+    c.session_gone(sa, t(0));
+    // B's reservation is still B's: its range is held, its commit works.
+    assert_eq!(c.session_ranges(sb), vec![(offset, 128)]);
+    let e = EntrySpec {
+        key: Key::new(0, "f"),
+        offset: 0,
+        len: 100,
+        meta: vec![],
+    };
+    assert_eq!(c.commit(b, NS, BlobId(1), &[e]), Ok(Committed::Done));
+}
+
+/// Regression test: Busy's `reclaimable` counts each range once. A blob
+/// whose spill is being written, pinned and then cleared, is both "spilling"
+/// and "kept only by pins"; the core once added its range twice.
+#[test]
+fn busy_counts_a_pinned_cleared_spilling_blob_once() {
+    let t = ms;
+    let mut cfg = CoreConfig::new(4096);
+    cfg.disk_capacity = 2100;
+    cfg.high_watermark = 0.5;
+    cfg.low_watermark = 0.25;
+    let mut c = UnitCore::new(cfg).unwrap();
+    let s = c.open_session();
+    let o = c.attach(s, true).unwrap();
+    for id in 1..=3u64 {
+        assert!(matches!(
+            c.alloc(o, BlobId(id.into()), 1024, 1, t(0)),
+            Ok(Allocated::Reserved { .. })
+        ));
+        let e = EntrySpec {
+            key: Key::new(id, "f"),
+            offset: 0,
+            len: 1024,
+            meta: vec![],
+        };
+        assert_eq!(c.commit(o, NS, BlobId(id.into()), &[e]), Ok(Committed::Done));
+    }
+    let jobs: Vec<BlobId> = c.spill_jobs().iter().map(|j| j.blob).collect();
+    assert_eq!(jobs, vec![BlobId(1), BlobId(2)]);
+    // Blob 1 is pinned, then cleared, while its spill is written.
+    let (pin, _) = c.resolve(o, NS, &[Key::new(1, "f")], t(0)).unwrap();
+    assert!(pin.is_some());
+    c.release_rows(NS, &[1]);
+    // No room in the slab (1 KiB free) nor on the disk (52 bytes free):
+    // the two spills give back 2 KiB.
+    assert_eq!(
+        c.alloc(o, BlobId(9), 2000, 1, t(0)),
+        Err(CoreError::Busy {
+            needed: 2000,
+            reclaimable: 2048
+        })
     );
 }
