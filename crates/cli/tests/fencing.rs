@@ -134,9 +134,7 @@ impl Paused {
             let left = end.saturating_duration_since(Instant::now());
             match self.lines.recv_timeout(left) {
                 // libtest may print "test fence_child ... " before it.
-                Ok(l) if l.contains(prefix) => {
-                    return l[l.find(prefix).unwrap_or(0)..].to_string()
-                }
+                Ok(l) if l.contains(prefix) => return l[l.find(prefix).unwrap_or(0)..].to_string(),
                 Ok(l) => seen.push(l),
                 Err(e) => panic!("the child never printed {prefix:?} ({e}); it printed {seen:?}"),
             }
@@ -184,7 +182,11 @@ impl Drop for Paused {
 }
 
 /// A client in the children's namespace.
-fn fclient(p: &stowage_cli::local::LocalPlane, kind: Kind, timeout: Duration) -> stowage_client::Client {
+fn fclient(
+    p: &stowage_cli::local::LocalPlane,
+    kind: Kind,
+    timeout: Duration,
+) -> stowage_client::Client {
     let mut cfg = ClientConfig::new("fence", vec![addr(p, kind)]);
     cfg.timeout = timeout;
     stowage_client::Client::connect(cfg).unwrap()
@@ -249,7 +251,10 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
         // The paused shm writer still holds its reservation: `b` does not
         // fit, and is not acknowledged.
         Kind::Shm => assert!(
-            matches!(b_put, Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })),
+            matches!(
+                b_put,
+                Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })
+            ),
             "{b_put:?}"
         ),
         // The unit cut the stalled stream after the writer's deadline and
@@ -262,7 +267,10 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
     match kind {
         Kind::Shm => {
             assert_eq!(r, "RESULT ok", "the resumed shm writer's put completes");
-            assert!(all(&c.get_rows(&[Key::new(0, "a")], c.deadline()).unwrap()[0], 0x01));
+            assert!(all(
+                &c.get_rows(&[Key::new(0, "a")], c.deadline()).unwrap()[0],
+                0x01
+            ));
             c.clear_rows(&[0], c.deadline()).unwrap();
             other
                 .put_rows(&[(Key::new(1, "b"), &vb)], other.deadline())
@@ -288,7 +296,8 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
     let va = vec![0x01u8; VALUE];
     let mut stopped = None;
     for _ in 0..5 {
-        c.put_rows(&[(Key::new(0, "a"), &va)], c.deadline()).unwrap();
+        c.put_rows(&[(Key::new(0, "a"), &va)], c.deadline())
+            .unwrap();
         let deadline = match kind {
             Kind::Shm => Duration::from_secs(60),
             Kind::Tcp => Duration::from_secs(3),
@@ -318,7 +327,10 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
     let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
     match kind {
         Kind::Shm => assert!(
-            matches!(b_put, Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })),
+            matches!(
+                b_put,
+                Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })
+            ),
             "{b_put:?}"
         ),
         Kind::Tcp => assert!(b_put.is_ok(), "{b_put:?}"),
@@ -334,7 +346,10 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
             .put_rows(&[(Key::new(1, "b"), &vb)], other.deadline())
             .unwrap();
     }
-    assert!(all(&c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap()[0], 0x02));
+    assert!(all(
+        &c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap()[0],
+        0x02
+    ));
 }
 
 /// A writer killed while paused: its connection closes and its reservation
@@ -345,14 +360,20 @@ fn a_killed_paused_writer_gives_its_memory_back(kind: Kind) {
     let mut watcher = Raw::hello(&sock, "watch");
     let a = addr(&p, kind);
     let w = Paused::start("put", kind, &a, 0x01, Duration::from_secs(60));
-    assert!(w.stop_during(&mut watcher, |s| s.reserved_bytes > 0) || stats(&mut watcher).entries == 1);
+    assert!(
+        w.stop_during(&mut watcher, |s| s.reserved_bytes > 0) || stats(&mut watcher).entries == 1
+    );
     w.signal("-KILL");
     drop(w);
     let c = fclient(&p, kind, Duration::from_secs(10));
     c.clear_rows(&[0], c.deadline()).unwrap();
     let vb = vec![0x02u8; VALUE];
-    c.put_rows(&[(Key::new(1, "b"), &vb)], c.deadline()).unwrap();
-    assert!(all(&c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap()[0], 0x02));
+    c.put_rows(&[(Key::new(1, "b"), &vb)], c.deadline())
+        .unwrap();
+    assert!(all(
+        &c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap()[0],
+        0x02
+    ));
     let s = stats(&mut watcher);
     assert_eq!((s.reserved_bytes, s.pins), (0, 0), "{s:?}");
 }

@@ -218,7 +218,8 @@ fn a_silent_client_keeps_its_holds_visibly_until_it_closes() {
     // process may resume its copy at any moment, so nothing is reclaimed.
     // Stats show what it holds, and that its holds are overdue.
     assert!(
-        eventually(Duration::from_secs(5), || stats(&mut watcher).overdue_holds == 2),
+        eventually(Duration::from_secs(5), || stats(&mut watcher).overdue_holds
+            == 2),
         "{:?}",
         stats(&mut watcher)
     );

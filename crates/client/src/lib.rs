@@ -359,8 +359,7 @@ impl Client {
         }
         drop(s);
         let mut v = lock(&slot.view_conn);
-        if v
-            .as_ref()
+        if v.as_ref()
             .is_some_and(|c| Some(lock(c).instance_id()) != keep)
         {
             *v = None;

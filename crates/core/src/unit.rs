@@ -4,7 +4,9 @@ use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
 
 use crate::slab::{Region, SlabAllocator};
-use crate::{Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time};
+use crate::{
+    Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time,
+};
 
 /// How many freed committed blob ids a unit remembers, so that a retried
 /// alloc or commit of a blob that was committed and has since been freed
@@ -541,9 +543,11 @@ impl UnitCore {
         if session == Owner::UNIT.session {
             return;
         }
-        if self.sessions.get(&session).is_some_and(|s| {
-            s.conns.is_empty() && s.reservations.is_empty() && s.pins.is_empty()
-        }) {
+        if self
+            .sessions
+            .get(&session)
+            .is_some_and(|s| s.conns.is_empty() && s.reservations.is_empty() && s.pins.is_empty())
+        {
             self.sessions.remove(&session);
         }
     }
@@ -604,7 +608,8 @@ impl UnitCore {
     fn new_pin_id(&mut self) -> PinId {
         loop {
             self.pin_counter += 1;
-            let mut h = siphasher::sip::SipHasher13::new_with_keys(self.cfg.id_key.0, self.cfg.id_key.1);
+            let mut h =
+                siphasher::sip::SipHasher13::new_with_keys(self.cfg.id_key.0, self.cfg.id_key.1);
             std::hash::Hasher::write_u64(&mut h, self.pin_counter);
             let id = PinId(std::hash::Hasher::finish(&h));
             if id.0 != 0 && !self.pins.contains_key(&id) {
@@ -1622,7 +1627,9 @@ mod tests {
             c.alloc(o, b, 100, 2, t(2)).unwrap(),
             Allocated::AlreadyCommitted
         );
-        let (pin, locs) = c.resolve(o, "ns", &[Key::new(1, "b"), Key::new(2, "a")], t(3)).unwrap();
+        let (pin, locs) = c
+            .resolve(o, "ns", &[Key::new(1, "b"), Key::new(2, "a")], t(3))
+            .unwrap();
         assert_eq!(
             locs[0],
             Some(Place::Memory(Location {
@@ -1652,7 +1659,8 @@ mod tests {
         let mut c = core(1 << 20);
         let o = own(&mut c);
         c.alloc(o, BlobId(1), 16, 3, t(0)).unwrap();
-        c.commit(o, 
+        c.commit(
+            o,
             "p",
             BlobId(1),
             &[
@@ -1670,7 +1678,9 @@ mod tests {
             ]
         );
         assert_eq!(c.namespaces(""), vec!["p".to_string()]);
-        let (pin, found) = c.resolve_with_meta(o, "p", &[Key::new(5, "a")], t(0)).unwrap();
+        let (pin, found) = c
+            .resolve_with_meta(o, "p", &[Key::new(5, "a")], t(0))
+            .unwrap();
         assert_eq!(found[0].as_ref().map(|(_, m)| m.clone()), Some(vec![5]));
         c.release_rows("p", &[5, 2]);
         // A held pin outlives any lease, and keeps the blob.
@@ -1771,7 +1781,10 @@ mod tests {
             vec![None],
             "not yet durable"
         );
-        assert_eq!(c.commit(o, "ns", BlobId(2), &[]).unwrap(), Committed::Pending);
+        assert_eq!(
+            c.commit(o, "ns", BlobId(2), &[]).unwrap(),
+            Committed::Pending
+        );
         c.disk_written(BlobId(2), true);
         assert_eq!(c.commit(o, "ns", BlobId(2), &[]).unwrap(), Committed::Done);
         assert!(matches!(
@@ -1808,7 +1821,10 @@ mod tests {
         assert_eq!(c.stats().disk_used, 1000);
         // A reservation on disk outlives any lease; its connection's end
         // drops it with its file.
-        assert_eq!(c.alloc(o, BlobId(7), 100, 1, t(0)).unwrap(), Allocated::ToDisk);
+        assert_eq!(
+            c.alloc(o, BlobId(7), 100, 1, t(0)).unwrap(),
+            Allocated::ToDisk
+        );
         c.tick(t(60_000));
         assert!(c.take_effects().is_empty());
         c.detach(o, ConnEnd::Closed, t(60_000));
@@ -1837,7 +1853,10 @@ mod tests {
         let o = own(&mut c);
         c.alloc(o, BlobId(1), 8, 1, t(0)).unwrap();
         c.commit(o, "a", BlobId(1), &[entry(0, "x", 0, 8)]).unwrap();
-        assert_eq!(c.resolve(o, "b", &[Key::new(0, "x")], t(0)).unwrap().1, vec![None]);
+        assert_eq!(
+            c.resolve(o, "b", &[Key::new(0, "x")], t(0)).unwrap().1,
+            vec![None]
+        );
         assert_eq!(c.release_rows("b", &[0]), 0);
         assert_eq!(c.stats().entries, 1);
     }
@@ -1871,10 +1890,12 @@ mod tests {
         let mut c = core(1 << 20);
         let o = own(&mut c);
         c.alloc(o, BlobId(1), 8, 1, t(0)).unwrap();
-        c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 8)]).unwrap();
+        c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 8)])
+            .unwrap();
         let (pin, old) = c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
         c.alloc(o, BlobId(2), 8, 1, t(0)).unwrap();
-        c.commit(o, "ns", BlobId(2), &[entry(0, "f", 0, 8)]).unwrap();
+        c.commit(o, "ns", BlobId(2), &[entry(0, "f", 0, 8)])
+            .unwrap();
         assert_eq!(c.stats().entries, 1);
         assert_eq!(c.stats().blobs, 2, "old blob still pinned");
         let (_, new) = c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
@@ -2077,6 +2098,7 @@ mod tests {
             c.commit(o, "ns", BlobId(9), &[]),
             Err(CoreError::UnknownBlob(_))
         ));
-        c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 10)]).unwrap();
+        c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 10)])
+            .unwrap();
     }
 }

@@ -126,8 +126,8 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use stowage_core::{
-    Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, Effect, EntrySpec, Key,
-    Location, Owner, PinId, Place, SessionId, SessionStats, SnapshotEntry, Stats, Time, UnitCore,
+    Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, Effect, EntrySpec, Key, Location,
+    Owner, PinId, Place, SessionId, SessionStats, SnapshotEntry, Stats, Time, UnitCore,
 };
 
 /// Slab of the test without a disk tier.
@@ -197,13 +197,21 @@ fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
 enum Op {
     /// Alloc a blob of the pool (new, retried or reused id) from a
     /// connection (`who`; now and then a detached one).
-    Alloc { who: u8, blob: u8, size: u64, n: u32 },
+    Alloc {
+        who: u8,
+        blob: u8,
+        size: u64,
+        n: u32,
+    },
     /// Retry an alloc: same parameters for a reserved blob, from its
     /// holding connection (same answer), another connection of its session
     /// (Busy, or a takeover after a cut; reconnecting if need be) or
     /// another session (NotOwner); any parameters for a committed one
     /// (AlreadyCommitted).
-    Retry { who: u8, pick: u8 },
+    Retry {
+        who: u8,
+        pick: u8,
+    },
     /// Commit a blob, preferably one the test reserved, mostly from its
     /// session. `entries` are (row, field, offset seed, length seed);
     /// `fault` sometimes makes the commit invalid.
@@ -213,11 +221,17 @@ enum Op {
         entries: Vec<(u64, usize, u16, u16)>,
         fault: u8,
     },
-    Abort { who: u8, pick: u8, in_flight: bool },
+    Abort {
+        who: u8,
+        pick: u8,
+        in_flight: bool,
+    },
     /// A writer that may still write does: a client (maybe paused for
     /// hours, maybe cut) into its reservation, the unit into a tcp put, a
     /// cut stream into its quarantined range.
-    Scribble { pick: u8 },
+    Scribble {
+        pick: u8,
+    },
     /// Resolve keys from a connection. With a disk tier, `promote` says
     /// what the driver does with blobs found on disk: nothing, promote at
     /// once, promote later (`0x20`: holding a pin of its own), or promote
@@ -231,21 +245,39 @@ enum Op {
     Snapshot,
     /// Unpin a live pin (mostly from its session), or (`stale`) one already
     /// unpinned or never handed out.
-    Unpin { who: u8, pick: usize, stale: bool },
-    ReleaseRows { rows: Vec<u64> },
+    Unpin {
+        who: u8,
+        pick: usize,
+        stale: bool,
+    },
+    ReleaseRows {
+        rows: Vec<u64>,
+    },
     /// Advance the virtual clock by anything from a millisecond to two days
     /// (a paused process, a stalled driver), then (mostly) tick.
-    Advance { ms: u64, tick: bool },
+    Advance {
+        ms: u64,
+        tick: bool,
+    },
     /// Open a connection in a slot (a new session if the slot has none);
     /// `stale`: attach to a session that is gone (Invalid).
-    Attach { slot: u8, direct: bool, stale: bool },
+    Attach {
+        slot: u8,
+        direct: bool,
+        stale: bool,
+    },
     /// A connection ends: closed by its peer, or cut by the unit. Now and
     /// then one that already ended (nothing changes).
-    Detach { who: u8, cut: bool },
+    Detach {
+        who: u8,
+        cut: bool,
+    },
     /// A session's process is gone: mostly an orphaned one (its connections
     /// were cut), sometimes one with only direct connections left open, or
     /// one already gone (nothing changes).
-    SessionGone { pick: u8 },
+    SessionGone {
+        pick: u8,
+    },
     /// The paused writer: a direct client reserves, is maybe cut, pauses
     /// for `pause` ms while other sessions put `others` (blob size, row,
     /// field), resumes and writes its whole reservation; `then` it stays,
@@ -271,12 +303,21 @@ enum Op {
     },
     /// The driver asks for spill jobs; job `i` is written at once or later
     /// (`plan[i % 4].0`), and succeeds or fails (`plan[i % 4].1`).
-    Spill { plan: Vec<(bool, bool)> },
+    Spill {
+        plan: Vec<(bool, bool)>,
+    },
     /// One in-flight disk write or promotion finishes.
-    Complete { pick: u8, ok: bool },
+    Complete {
+        pick: u8,
+        ok: bool,
+    },
     /// A stray report: `disk_written` or `promote_done` of a blob that has
     /// nothing in flight changes nothing.
-    Stray { pick: u8, ok: bool, promote: bool },
+    Stray {
+        pick: u8,
+        ok: bool,
+        promote: bool,
+    },
 }
 
 /// A pause: mostly milliseconds, sometimes minutes, sometimes hours.
@@ -379,10 +420,15 @@ impl MHolder {
 enum MState {
     /// Reserved: in the slab (the blob has a region) or on disk (it has
     /// none).
-    Reserved { holder: MHolder, n: u32 },
+    Reserved {
+        holder: MHolder,
+        n: u32,
+    },
     /// Committed while its file was still being synced: published once the
     /// file is reported durable.
-    PendingDisk { specs: Vec<EntrySpec> },
+    PendingDisk {
+        specs: Vec<EntrySpec>,
+    },
     Committed,
 }
 
@@ -735,7 +781,9 @@ impl Harness {
         let reservations = self
             .blobs
             .values()
-            .filter(|b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == session))
+            .filter(
+                |b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == session),
+            )
             .count();
         reservations
             + self
@@ -761,8 +809,7 @@ impl Harness {
         let Some(slot) = self.slot_of(session) else {
             return;
         };
-        if self.sessions[slot].as_ref().unwrap().conns.is_empty() && self.holds_of(session) == 0
-        {
+        if self.sessions[slot].as_ref().unwrap().conns.is_empty() && self.holds_of(session) == 0 {
             self.sessions[slot] = None;
             self.dead_sessions.push(session);
             self.count("session forgotten");
@@ -1031,21 +1078,19 @@ impl Harness {
     /// Every other range the unit should hold: quarantined ranges, ranges
     /// of finished blobs a spill still reads or a promotion still writes.
     fn model_held(&self) -> Vec<(u64, u64, Use)> {
-        let mut v: Vec<(u64, u64, Use)> = self
-            .quarantine
-            .iter()
-            .map(|&(off, len, _)| (off, len, Use::Quarantined))
-            .chain(
-                self.orphan_promotions
-                    .iter()
-                    .map(|(id, &(off, len))| (off, len, Use::OrphanPromotion(*id))),
-            )
-            .chain(
-                self.orphans
-                    .iter()
-                    .filter_map(|(id, (_, r))| r.map(|(off, len)| (off, len, Use::OrphanSpill(*id)))),
-            )
-            .collect();
+        let mut v: Vec<(u64, u64, Use)> =
+            self.quarantine
+                .iter()
+                .map(|&(off, len, _)| (off, len, Use::Quarantined))
+                .chain(
+                    self.orphan_promotions
+                        .iter()
+                        .map(|(id, &(off, len))| (off, len, Use::OrphanPromotion(*id))),
+                )
+                .chain(self.orphans.iter().filter_map(|(id, (_, r))| {
+                    r.map(|(off, len)| (off, len, Use::OrphanSpill(*id)))
+                }))
+                .collect();
         v.sort_unstable_by_key(|&(off, len, _)| (off, len));
         v
     }
@@ -1059,7 +1104,10 @@ impl Harness {
                 b.region
                     .map(|(off, len)| (off, len, Use::Blob(*id)))
                     .into_iter()
-                    .chain(b.promoting.map(|(off, len)| (off, len, Use::Promoting(*id))))
+                    .chain(
+                        b.promoting
+                            .map(|(off, len)| (off, len, Use::Promoting(*id))),
+                    )
             })
             .chain(self.model_held())
             .collect();
@@ -1350,7 +1398,9 @@ impl Harness {
                 let reserved: Vec<BlobId> = self
                     .blobs
                     .iter()
-                    .filter(|(_, b)| matches!(b.state, MState::Reserved { .. }) && b.region.is_some())
+                    .filter(|(_, b)| {
+                        matches!(b.state, MState::Reserved { .. }) && b.region.is_some()
+                    })
                     .map(|(id, _)| *id)
                     .collect();
                 let n = reserved.len() + self.quarantine.len();
@@ -1473,7 +1523,14 @@ impl Harness {
                 pause,
                 others,
                 then,
-            } => self.paused_writer(usize::from(*slot) % SLOTS, *size, *cut, *pause, others, *then),
+            } => self.paused_writer(
+                usize::from(*slot) % SLOTS,
+                *size,
+                *cut,
+                *pause,
+                others,
+                *then,
+            ),
             Op::PausedReader {
                 slot,
                 keys,
@@ -1483,7 +1540,14 @@ impl Harness {
                 then,
             } => {
                 let keys: Vec<Key> = keys.iter().map(|&(r, f)| key(r, f)).collect();
-                self.paused_reader(usize::from(*slot) % SLOTS, &keys, *cut, *pause, others, *then)
+                self.paused_reader(
+                    usize::from(*slot) % SLOTS,
+                    &keys,
+                    *cut,
+                    *pause,
+                    others,
+                    *then,
+                )
             }
             Op::Spill { plan } => self.spill(plan),
             Op::Complete { pick, ok } => {
@@ -2245,14 +2309,15 @@ impl Harness {
         // Other sessions put meanwhile: they get Busy, Full or a disjoint
         // range, never the paused writer's.
         for (i, &(osize, row, field)) in others.iter().enumerate() {
-            let Some(o) = self.other_session_owner(w.session, i as u8 + then)? else {
+            let Some(o) = self.other_session_owner(w.session, (i as u8).wrapping_add(then))? else {
                 break;
             };
             let oid = self.private_id();
             self.put(o, oid, osize, key(row, field))?;
             prop_assert!(
-                self.blobs.get(&id).is_some_and(|b| b.region == Some(range)
-                    && matches!(b.state, MState::Reserved { .. })),
+                self.blobs.get(&id).is_some_and(
+                    |b| b.region == Some(range) && matches!(b.state, MState::Reserved { .. })
+                ),
                 "the paused writer lost its reservation {:?}",
                 range
             );
@@ -2352,11 +2417,15 @@ impl Harness {
         self.advance(ms(pause));
         self.step("paused reader pauses")?;
         for (i, &(osize, row, field)) in others.iter().enumerate() {
-            let Some(o) = self.other_session_owner(r.session, i as u8 + then)? else {
+            let Some(o) = self.other_session_owner(r.session, (i as u8).wrapping_add(then))? else {
                 break;
             };
             let oid = self.private_id();
-            let k = if i == 0 { keys[0].clone() } else { key(row, field) };
+            let k = if i == 0 {
+                keys[0].clone()
+            } else {
+                key(row, field)
+            };
             self.put(o, oid, osize, k)?;
             self.step("another session puts while the reader is paused")?;
         }
@@ -2667,7 +2736,10 @@ impl Harness {
                 .blobs
                 .values()
                 .any(|b| matches!(b.state, MState::Reserved { .. }))
-                || self.pins.values().any(|p| p.holder.session != Owner::UNIT.session)
+                || self
+                    .pins
+                    .values()
+                    .any(|p| p.holder.session != Owner::UNIT.session)
             {
                 self.count("holds outlive a long pause");
             }
@@ -2782,7 +2854,9 @@ impl Harness {
         let mut v: Vec<(u64, u64)> = self
             .blobs
             .values()
-            .filter(|b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == session))
+            .filter(
+                |b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == session),
+            )
             .filter_map(|b| b.region)
             .collect();
         for p in self.pins.values().filter(|p| p.holder.session == session) {
@@ -2844,8 +2918,7 @@ impl Harness {
             if st.connections == 0 && st.reservations == 0 && st.pins == 0 {
                 continue;
             }
-            st.oldest_hold_ms =
-                oldest.map_or(0, |o| self.now.saturating_sub(o).as_millis() as u64);
+            st.oldest_hold_ms = oldest.map_or(0, |o| self.now.saturating_sub(o).as_millis() as u64);
             held += st.held_bytes;
             out.push(st);
         }
@@ -3483,7 +3556,10 @@ fn a_failed_disk_put_leaves_no_hold_behind() {
         c.orphaned_sessions().is_empty(),
         "a session that holds nothing is not orphaned"
     );
-    assert!(!c.has_session(sa), "a session with nothing left is forgotten");
+    assert!(
+        !c.has_session(sa),
+        "a session with nothing left is forgotten"
+    );
     c.session_gone(sa, t(0));
     // B's reservation is still B's: its range is held, its commit works.
     assert_eq!(c.session_ranges(sb), vec![(offset, 128)]);
@@ -3520,7 +3596,10 @@ fn busy_counts_a_pinned_cleared_spilling_blob_once() {
             len: 1024,
             meta: vec![],
         };
-        assert_eq!(c.commit(o, NS, BlobId(id.into()), &[e]), Ok(Committed::Done));
+        assert_eq!(
+            c.commit(o, NS, BlobId(id.into()), &[e]),
+            Ok(Committed::Done)
+        );
     }
     let jobs: Vec<BlobId> = c.spill_jobs().iter().map(|j| j.blob).collect();
     assert_eq!(jobs, vec![BlobId(1), BlobId(2)]);

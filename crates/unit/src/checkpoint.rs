@@ -92,9 +92,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
 /// out of the root (the nearest existing ancestor is resolved and checked).
 pub(crate) fn resolve_dir(root: Option<&Path>, dir: &str) -> Result<std::path::PathBuf, String> {
     let Some(root) = root else {
-        return Err(
-            "this unit takes no checkpoints: start it with --checkpoint-root DIR".into(),
-        );
+        return Err("this unit takes no checkpoints: start it with --checkpoint-root DIR".into());
     };
     let root = root
         .canonicalize()
@@ -343,9 +341,10 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
         let now = shared.now();
         let alloc = shared
             .core()
-            .alloc(stowage_core::Owner::UNIT, blob, size, n, now).map_err(|e| {
-            CheckpointError::Restore(format!("the unit cannot hold the checkpoint: {e}"))
-        })?;
+            .alloc(stowage_core::Owner::UNIT, blob, size, n, now)
+            .map_err(|e| {
+                CheckpointError::Restore(format!("the unit cannot hold the checkpoint: {e}"))
+            })?;
         match alloc {
             Allocated::Reserved { offset } => {
                 shared

@@ -179,7 +179,8 @@ impl Conn {
         if timeout_ms == 0 {
             return self.shared.frame_timeout;
         }
-        Duration::from_millis(timeout_ms).clamp(Duration::from_millis(10), self.shared.max_io_timeout)
+        Duration::from_millis(timeout_ms)
+            .clamp(Duration::from_millis(10), self.shared.max_io_timeout)
     }
 
     fn set_write_timeout(&mut self, t: Duration) -> io::Result<()> {
@@ -440,9 +441,7 @@ impl Conn {
             .alloc(owner, blob, nbytes, n_entries, now);
         let offset = match alloc {
             Ok(Allocated::Reserved { offset }) => offset,
-            Ok(Allocated::ToDisk) => {
-                return self.put_to_disk(id, owner, ns, blob, entries, nbytes)
-            }
+            Ok(Allocated::ToDisk) => return self.put_to_disk(id, owner, ns, blob, entries, nbytes),
             Ok(Allocated::AlreadyCommitted) => {
                 drain(&mut self.reader, nbytes)?;
                 // Still being made durable, or done.

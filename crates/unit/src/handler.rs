@@ -51,9 +51,10 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
                     Committed::Pending => Response::Pending,
                 }),
         ),
-        Request::Abort { blob, in_flight } => {
-            answer(core.abort(owner, blob, in_flight, now).map(|()| Response::Done))
-        }
+        Request::Abort { blob, in_flight } => answer(
+            core.abort(owner, blob, in_flight, now)
+                .map(|()| Response::Done),
+        ),
         Request::Resolve {
             partition, keys, ..
         } => match core.resolve_with_meta(owner, &scope(ns, &partition), &keys, now) {

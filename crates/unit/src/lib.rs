@@ -296,7 +296,10 @@ impl Shared {
         let now = self.now();
         let mut core = self.core();
         for id in gone {
-            tracing::info!(session = id.0, "a cut session's process exited; releasing what it held");
+            tracing::info!(
+                session = id.0,
+                "a cut session's process exited; releasing what it held"
+            );
             core.session_gone(id, now);
         }
     }

@@ -1,0 +1,633 @@
+//! A unit survives misbehaving clients, keeps ownership, lets retries be
+//! safe, and keeps other users and non-admins out: real unit processes,
+//! raw protocol connections that misbehave on purpose.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::*;
+use stowage_client::{Error, Key};
+use stowage_wire::{
+    decode_header, encode, BlobId, EntrySpec, Envelope, ErrorCode, FramePrefix, Limits, Request,
+    Response, Stats, PREFIX_LEN, PROTOCOL_VERSION,
+};
+
+const MIB: u64 = 1 << 20;
+
+fn stats(r: &mut Raw) -> Stats {
+    match r.call(&Request::Stats) {
+        Response::Stats(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Hello on a Unix socket, joining `session` (or a new one); returns the
+/// connection, its reply.
+fn hello_in(path: &Path, session: Option<u128>) -> (Raw, Response) {
+    let mut r = Raw::connect(path);
+    let resp = r.call(&Request::Hello {
+        version: PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: false,
+        session,
+    });
+    (r, resp)
+}
+
+fn session_of(resp: &Response) -> u128 {
+    match resp {
+        Response::Hello { session, .. } => *session,
+        other => panic!("expected Hello, got {other:?}"),
+    }
+}
+
+fn alloc(r: &mut Raw, blob: u128, nbytes: u64, n: u32) -> Response {
+    r.call(&Request::Alloc {
+        blob: BlobId(blob),
+        nbytes,
+        n_entries: n,
+    })
+}
+
+fn entry(row: u64, len: u64) -> EntrySpec {
+    EntrySpec {
+        key: Key::new(row, "f"),
+        offset: 0,
+        len,
+        meta: vec![],
+    }
+}
+
+fn commit(r: &mut Raw, blob: u128, entries: Vec<EntrySpec>) -> Response {
+    r.call(&Request::Commit {
+        blob: BlobId(blob),
+        partition: String::new(),
+        entries,
+    })
+}
+
+fn is_error(r: &Response, code: ErrorCode) -> bool {
+    matches!(r, Response::Error { code: c, .. } if *c == code)
+}
+
+#[test]
+fn only_the_owning_session_may_commit_abort_or_unpin() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let sock = p.units[0].uds.clone();
+    let (mut a, ha) = hello_in(&sock, None);
+    let (mut b, _) = hello_in(&sock, None);
+    assert!(matches!(
+        alloc(&mut a, 1, 100, 1),
+        Response::Allocated { .. }
+    ));
+    // Another session can neither take, commit nor abort the reservation.
+    assert!(is_error(&alloc(&mut b, 1, 100, 1), ErrorCode::Unauthorized));
+    assert!(is_error(
+        &commit(&mut b, 1, vec![entry(0, 100)]),
+        ErrorCode::Unauthorized
+    ));
+    assert!(is_error(
+        &b.call(&Request::Abort {
+            blob: BlobId(1),
+            in_flight: false
+        }),
+        ErrorCode::Unauthorized
+    ));
+    // Another connection of the same session waits while the first holds it.
+    let (mut a2, h2) = hello_in(&sock, Some(session_of(&ha)));
+    assert_eq!(session_of(&h2), session_of(&ha), "joined the session");
+    assert!(is_error(&alloc(&mut a2, 1, 100, 1), ErrorCode::Busy));
+    assert_eq!(commit(&mut a, 1, vec![entry(0, 100)]), Response::Done);
+    let pin = match a.call(&Request::Resolve {
+        partition: String::new(),
+        keys: vec![Key::new(0, "f")],
+        hold: false,
+    }) {
+        Response::Resolved { pin: Some(p), .. } => p,
+        other => panic!("{other:?}"),
+    };
+    // Not someone else's to drop.
+    assert!(is_error(
+        &b.call(&Request::Unpin { pin, reply: true }),
+        ErrorCode::Unauthorized
+    ));
+    assert_eq!(stats(&mut b).pins, 1);
+    assert_eq!(a.call(&Request::Unpin { pin, reply: true }), Response::Done);
+    assert_eq!(stats(&mut b).pins, 0);
+}
+
+#[test]
+fn a_put_retried_after_its_connection_dropped_succeeds() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let sock = p.units[0].uds.clone();
+    let tcp = p.units[0].tcp;
+    let mut watcher = Raw::hello(&sock, "ns");
+    // A reservation whose connection dropped before commit: the retry on a
+    // new connection reserves afresh and commits.
+    let (mut a, ha) = hello_in(&sock, None);
+    assert!(matches!(
+        alloc(&mut a, 7, 100, 1),
+        Response::Allocated { .. }
+    ));
+    drop(a);
+    assert!(eventually(Duration::from_secs(5), || stats(&mut watcher)
+        .reserved_bytes
+        == 0));
+    let (mut a, _) = hello_in(&sock, Some(session_of(&ha)));
+    assert!(matches!(
+        alloc(&mut a, 7, 100, 1),
+        Response::Allocated { .. }
+    ));
+    assert_eq!(commit(&mut a, 7, vec![entry(0, 100)]), Response::Done);
+    // Committed, then the connection dropped before the reply was read:
+    // the retry hears that it is committed.
+    assert_eq!(alloc(&mut a, 7, 100, 1), Response::AlreadyCommitted);
+    assert_eq!(commit(&mut a, 7, vec![entry(0, 100)]), Response::Done);
+
+    // Over tcp: a Put whose stream was cut halfway, then retried whole.
+    let v: Vec<u8> = pattern(5, 5, 1 << 20);
+    let put = |blob: u128, bytes: &[u8], read_reply: bool| -> Option<Response> {
+        let s = TcpStream::connect(tcp).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut t = RawTcp { s, next: 1 };
+        t.call(&Request::Hello {
+            version: PROTOCOL_VERSION,
+            namespace: "ns".into(),
+            want_fd: false,
+            session: None,
+        });
+        let mut buf = Vec::new();
+        let req = Request::Put {
+            blob: BlobId(blob),
+            partition: String::new(),
+            entries: vec![entry(1, v.len() as u64)],
+            timeout_ms: 10_000,
+        };
+        encode(9, &req, v.len() as u64, &mut buf).unwrap();
+        t.s.write_all(&buf).unwrap();
+        t.s.write_all(bytes).unwrap();
+        read_reply.then(|| t.recv().expect("a reply").body)
+    };
+    assert_eq!(put(8, &v[..v.len() / 2], false), None);
+    assert!(eventually(Duration::from_secs(5), || stats(&mut watcher)
+        .reserved_bytes
+        == 0));
+    assert_eq!(put(8, &v, true), Some(Response::Done));
+    // And the same put again (its reply lost): committed already.
+    assert_eq!(put(8, &v, true), Some(Response::Done));
+    let c = client(&p, Kind::Tcp, Duration::from_secs(10));
+    let mut cfg = stowage_client::ClientConfig::new("ns", p.tcp_addrs());
+    cfg.timeout = Duration::from_secs(10);
+    let c2 = stowage_client::Client::connect(cfg).unwrap();
+    drop(c);
+    assert_eq!(
+        c2.get_rows(&[Key::new(1, "f")], c2.deadline()).unwrap()[0],
+        v
+    );
+    let s = stats(&mut watcher);
+    assert_eq!((s.reserved_bytes, s.entries), (0, 2), "{s:?}");
+}
+
+/// A raw protocol connection over TCP.
+struct RawTcp {
+    s: TcpStream,
+    next: u64,
+}
+
+impl RawTcp {
+    fn call(&mut self, req: &Request) -> Response {
+        let id = self.next;
+        self.next += 1;
+        let mut buf = Vec::new();
+        encode(id, req, 0, &mut buf).unwrap();
+        self.s.write_all(&buf).unwrap();
+        self.recv().expect("a reply").body
+    }
+
+    fn recv(&mut self) -> Option<Envelope<Response>> {
+        let mut p = [0u8; PREFIX_LEN];
+        self.s.read_exact(&mut p).ok()?;
+        let prefix = FramePrefix::parse(&p, &Limits::default()).ok()?;
+        let mut h = vec![0u8; prefix.header_len as usize];
+        self.s.read_exact(&mut h).ok()?;
+        let mut payload = vec![0u8; prefix.payload_len as usize];
+        self.s.read_exact(&mut payload).ok()?;
+        decode_header(&h).ok()
+    }
+}
+
+fn vm_rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+#[test]
+fn truncated_frames_time_out_and_cost_no_memory_up_front() {
+    let (p, _) = plane(1, 16 * MIB, &["--frame-timeout", "500ms"]);
+    let sock = p.units[0].uds.clone();
+    let pid = p.units[0].pid();
+    let before = vm_rss_kib(pid);
+    // Prefixes that announce a 64 MiB header, then nothing.
+    let mut stalled = Vec::new();
+    for _ in 0..12 {
+        let mut r = Raw::hello(&sock, "ns");
+        let mut prefix = [0u8; PREFIX_LEN];
+        prefix[..4].copy_from_slice(&(64u32 << 20).to_le_bytes());
+        r.s.write_all(&prefix).unwrap();
+        r.s.write_all(&[0u8; 10]).unwrap();
+        stalled.push(r);
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let grown = vm_rss_kib(pid).saturating_sub(before);
+    assert!(
+        grown < 64 * 1024,
+        "12 stalled 64 MiB headers grew the unit by {grown} KiB"
+    );
+    // Half a prefix, then nothing: cut off after the frame timeout.
+    let mut half = Raw::hello(&sock, "ns");
+    half.s.write_all(&[1, 0, 0]).unwrap();
+    for r in stalled.iter_mut().chain(std::iter::once(&mut half)) {
+        assert!(r.closed(), "a truncated frame kept its connection");
+    }
+    // An idle connection (no frame begun) is never cut.
+    let mut idle = Raw::hello(&sock, "ns");
+    std::thread::sleep(Duration::from_millis(1200));
+    assert!(matches!(idle.call(&Request::Stats), Response::Stats(_)));
+}
+
+#[test]
+fn absurd_sizes_offsets_and_counts_are_refused_and_the_unit_stays_up() {
+    let (p, _) = plane(1, 16 * MIB, &["--index-budget", "64KiB"]);
+    let sock = p.units[0].uds.clone();
+    let mut r = Raw::hello(&sock, "ns");
+    for n in [u64::MAX, u64::MAX - 63, 1 << 63, 17 * MIB] {
+        assert!(
+            is_error(&alloc(&mut r, 1, n, 1), ErrorCode::Full),
+            "alloc of {n}"
+        );
+    }
+    assert!(matches!(
+        alloc(&mut r, 2, 100, 1),
+        Response::Allocated { .. }
+    ));
+    // Entries past their blob, and offsets that overflow.
+    for e in [
+        EntrySpec {
+            key: Key::new(0, "f"),
+            offset: 50,
+            len: 51,
+            meta: vec![],
+        },
+        EntrySpec {
+            key: Key::new(0, "f"),
+            offset: u64::MAX,
+            len: 2,
+            meta: vec![],
+        },
+    ] {
+        assert!(is_error(
+            &commit(&mut r, 2, vec![e]),
+            ErrorCode::InvalidRequest
+        ));
+    }
+    assert_eq!(commit(&mut r, 2, vec![entry(0, 100)]), Response::Done);
+    // The index's byte budget: a flood of tiny entries answers Full.
+    let many: Vec<EntrySpec> = (0..2000).map(|i| entry(10 + i, 0)).collect();
+    assert!(matches!(
+        alloc(&mut r, 3, 0, 2000),
+        Response::Allocated { .. }
+    ));
+    assert!(is_error(&commit(&mut r, 3, many), ErrorCode::Full));
+    assert!(stats(&mut r).index_bytes <= 64 << 10);
+    // A namespace may not contain the partition separator.
+    let mut bad = Raw::connect(&sock);
+    assert!(is_error(
+        &bad.call(&Request::Hello {
+            version: PROTOCOL_VERSION,
+            namespace: "a\u{1f}b".into(),
+            want_fd: false,
+            session: None,
+        }),
+        ErrorCode::InvalidRequest
+    ));
+    // Still serving, data intact.
+    let c = client(&p, Kind::Shm, Duration::from_secs(5));
+    assert_eq!(c.unit_count(), 1);
+    let mut cfg = stowage_client::ClientConfig::new("ns", p.uds_addrs());
+    cfg.timeout = Duration::from_secs(5);
+    let c = stowage_client::Client::connect(cfg).unwrap();
+    assert_eq!(
+        c.get_rows(&[Key::new(0, "f")], c.deadline()).unwrap()[0].len(),
+        100
+    );
+}
+
+#[test]
+fn a_flooding_client_gets_busy_while_others_complete() {
+    let (p, _) = plane(
+        1,
+        16 * MIB,
+        &["--max-session-connections", "3", "--max-connections", "12"],
+    );
+    let sock = p.units[0].uds.clone();
+    // One session opens connections as fast as it can.
+    let (first, h) = hello_in(&sock, None);
+    let token = session_of(&h);
+    let mut flood = vec![first];
+    let mut refused = 0;
+    for _ in 0..6 {
+        let (r, resp) = hello_in(&sock, Some(token));
+        if is_error(&resp, ErrorCode::Busy) {
+            refused += 1;
+        } else {
+            flood.push(r);
+        }
+    }
+    assert_eq!((flood.len(), refused), (3, 4));
+    // Others still complete.
+    let c = client(&p, Kind::Shm, Duration::from_secs(5));
+    let v = pattern(1, 2, 4096);
+    c.put_rows(&[(Key::new(1, "x"), &v)], c.deadline()).unwrap();
+    assert_eq!(c.get_rows(&[Key::new(1, "x")], c.deadline()).unwrap()[0], v);
+    // The unit-wide cap: past it, new connections are turned away with
+    // Busy, and the unit keeps serving the ones it has.
+    let mut many = Vec::new();
+    let mut turned_away = 0;
+    for _ in 0..20 {
+        let mut r = Raw::connect(&sock);
+        // A connection turned away gets its answer (id 0) before any request.
+        let mut buf = Vec::new();
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+            namespace: "ns".into(),
+            want_fd: false,
+            session: None,
+        };
+        encode(1, &hello, 0, &mut buf).unwrap();
+        let _ = r.s.write_all(&buf); // may find the connection closed already
+        match r.recv().map(|e| e.body) {
+            Some(Response::Hello { .. }) => many.push(r),
+            Some(e) if is_error(&e, ErrorCode::Busy) => turned_away += 1,
+            other => panic!("{other:?}"),
+        }
+    }
+    assert!(turned_away > 0 && many.len() < 20, "{turned_away}");
+    assert!(matches!(flood[0].call(&Request::Stats), Response::Stats(_)));
+    drop(many);
+    assert!(eventually(Duration::from_secs(5), || {
+        c.get_rows(&[Key::new(1, "x")], c.deadline()).is_ok()
+    }));
+}
+
+/// A unit started by hand with its socket in a directory other users can
+/// enter (the local plane's socket directory is owner-only already).
+struct HandUnit {
+    child: Child,
+    sock: PathBuf,
+    tcp: String,
+    _dir: tempfile::TempDir,
+}
+
+impl HandUnit {
+    fn start(extra: &[&str]) -> HandUnit {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let sock = dir.path().join("u.sock");
+        let mut child = Command::new(binary())
+            .args([
+                "unit",
+                "--memory",
+                "4MiB",
+                "--no-mlock",
+                "--exit-with-stdin",
+            ])
+            .arg("--listen")
+            .arg(format!("unix:{}", sock.display()))
+            .args(["--listen", "tcp:127.0.0.1:0"])
+            .args(extra)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        let ready = rx
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the unit is ready");
+        let tcp = ready
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("tcp="))
+            .unwrap()
+            .to_string();
+        HandUnit {
+            child,
+            sock,
+            tcp,
+            _dir: dir,
+        }
+    }
+}
+
+impl Drop for HandUnit {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Connect to `sock` as user `nobody` and print what the unit sends.
+fn connect_as_nobody(sock: &Path) -> String {
+    let script = "import socket,sys\n\
+s=socket.socket(socket.AF_UNIX)\n\
+s.settimeout(10)\n\
+try:\n    s.connect(sys.argv[1])\nexcept OSError as e:\n    print('CONNECT', e.errno); sys.exit(0)\n\
+s.settimeout(2)\n\
+data=b''\n\
+try:\n    while True:\n        b=s.recv(4096)\n        if not b: break\n        data+=b\nexcept socket.timeout:\n    print('OPEN', data); sys.exit(0)\n\
+print('GOT', data)\n";
+    let out = Command::new("python3")
+        .args(["-c", script])
+        .arg(sock)
+        .uid(65534)
+        .gid(65534)
+        .current_dir("/")
+        .output()
+        .expect("python3 runs");
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+#[test]
+fn only_the_units_own_user_may_connect() {
+    if !rustix::process::geteuid().is_root() {
+        eprintln!("skipped: needs root to act as another user");
+        return;
+    }
+    let u = HandUnit::start(&[]);
+    // The socket file itself is owner-only.
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&u.sock).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o600);
+    let out = connect_as_nobody(&u.sock);
+    assert!(out.starts_with("CONNECT 13"), "{out}"); // EACCES
+                                                     // Even with the file opened up, the unit checks the peer's uid.
+    std::fs::set_permissions(&u.sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let out = connect_as_nobody(&u.sock);
+    assert!(out.contains("accepts only its own user"), "{out}");
+    // Told otherwise, it lets them in (they would then say Hello).
+    let open = HandUnit::start(&["--allow-other-uids"]);
+    let out = connect_as_nobody(&open.sock);
+    assert!(out.starts_with("OPEN"), "{out}");
+}
+
+#[test]
+fn admin_requests_need_a_same_user_unix_client_or_admin() {
+    let u = HandUnit::start(&[]);
+    let mut t = RawTcp {
+        s: TcpStream::connect(&u.tcp).unwrap(),
+        next: 1,
+    };
+    t.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    t.call(&Request::Hello {
+        version: PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: false,
+        session: None,
+    });
+    assert!(is_error(
+        &t.call(&Request::Shutdown { timeout_ms: 1000 }),
+        ErrorCode::Unauthorized
+    ));
+    assert!(is_error(
+        &t.call(&Request::Checkpoint {
+            dir: "/tmp/x".into()
+        }),
+        ErrorCode::Unauthorized
+    ));
+    // Over the Unix socket, as the same user: allowed (no checkpoint root,
+    // so the checkpoint itself is refused).
+    let mut r = Raw::hello(&u.sock, "ns");
+    assert!(is_error(
+        &r.call(&Request::Checkpoint {
+            dir: "/tmp/x".into()
+        }),
+        ErrorCode::Unauthorized
+    ));
+    assert!(matches!(
+        r.call(&Request::Shutdown { timeout_ms: 1000 }),
+        Response::ShutDown { .. }
+    ));
+    // With --admin, over tcp too.
+    let a = HandUnit::start(&["--admin"]);
+    let mut t = RawTcp {
+        s: TcpStream::connect(&a.tcp).unwrap(),
+        next: 1,
+    };
+    t.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    t.call(&Request::Hello {
+        version: PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: false,
+        session: None,
+    });
+    assert!(matches!(
+        t.call(&Request::Shutdown { timeout_ms: 1000 }),
+        Response::ShutDown { .. }
+    ));
+}
+
+/// The memfd inode of unit process `pid`'s slab.
+fn slab_inode(pid: u32) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    for e in std::fs::read_dir(format!("/proc/{pid}/fd")).unwrap() {
+        let e = e.unwrap();
+        if std::fs::read_link(e.path())
+            .map(|l| l.to_string_lossy().contains("memfd:stowage"))
+            .unwrap_or(false)
+        {
+            return std::fs::metadata(e.path()).unwrap().ino();
+        }
+    }
+    panic!("no slab memfd in unit {pid}");
+}
+
+/// Whether this process maps the memfd with inode `ino`.
+fn maps_inode(ino: u64) -> bool {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .any(|l| {
+            l.contains("memfd:stowage") && l.split_whitespace().nth(4) == Some(&ino.to_string())
+        })
+}
+
+#[test]
+fn restarts_are_told_against_the_current_instance_and_dead_slabs_unmapped() {
+    let (mut p, opts) = plane(1, 8 * MIB, &[]);
+    let c = client(&p, Kind::Shm, Duration::from_secs(5));
+    let v = pattern(1, 1, 1000);
+    let first = slab_inode(p.units[0].pid());
+    c.put_rows(&[(Key::new(0, "a"), &v)], c.deadline()).unwrap();
+    assert!(maps_inode(first));
+    p.restart(0, &opts).unwrap();
+    // The first read after the restart: lost, not merely missing; once.
+    assert!(matches!(
+        c.get_rows(&[Key::new(0, "a")], c.deadline()),
+        Err(Error::LostBlobs { .. })
+    ));
+    assert!(
+        !maps_inode(first),
+        "the dead instance's slab is still mapped"
+    );
+    assert!(matches!(
+        c.get_rows(&[Key::new(0, "a")], c.deadline()),
+        Err(Error::NotFound { .. })
+    ));
+    // The new instance is the one that counts now.
+    c.put_rows(&[(Key::new(1, "a"), &v)], c.deadline()).unwrap();
+    assert_eq!(c.get_rows(&[Key::new(1, "a")], c.deadline()).unwrap()[0], v);
+    assert!(matches!(
+        c.get_rows(&[Key::new(9, "a")], c.deadline()),
+        Err(Error::NotFound { .. })
+    ));
+    // A second restart is detected too.
+    p.restart(0, &opts).unwrap();
+    assert!(matches!(
+        c.get_rows(&[Key::new(1, "a")], c.deadline()),
+        Err(Error::LostBlobs { .. })
+    ));
+    // A unit that dies for good: its slab is unmapped once the client
+    // learns it.
+    let last = slab_inode(p.units[0].pid());
+    c.put_rows(&[(Key::new(2, "a"), &v)], c.deadline()).unwrap();
+    assert!(maps_inode(last));
+    p.kill9(0);
+    assert!(matches!(
+        c.get_rows(&[Key::new(2, "a")], c.deadline()),
+        Err(Error::LostBlobs { .. })
+    ));
+    assert!(!maps_inode(last), "a dead unit's slab is still mapped");
+}
