@@ -159,8 +159,11 @@ struct UnitSlot {
     /// The connection on which views pin their values. Each [`View`] keeps
     /// the connection it pinned on alive (a failure elsewhere never drops
     /// it); a broken one is replaced here for later views.
-    view_conn: Mutex<Option<Arc<Mutex<Box<dyn Transport>>>>>,
+    view_conn: Mutex<Option<ViewConn>>,
 }
+
+/// A connection shared by the views that pinned through it.
+pub(crate) type ViewConn = Arc<Mutex<Box<dyn Transport>>>;
 
 #[derive(Clone, Copy, Debug, Default)]
 struct Instance {

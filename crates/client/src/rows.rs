@@ -396,12 +396,10 @@ pub struct View {
     /// that pinned something. The view keeps that connection open for as
     /// long as it lives: the unit releases a connection's pins only when
     /// the connection ends, and nothing else can end it.
-    pins: Vec<(usize, stowage_core::PinId, Arc<Slab>, ViewConn)>,
+    pins: Vec<(usize, stowage_core::PinId, Arc<Slab>, crate::ViewConn)>,
     tensors: Vec<Vec<ViewTensor>>,
 }
 
-/// A connection shared by the views that pinned through it.
-type ViewConn = Arc<std::sync::Mutex<Box<dyn crate::Transport>>>;
 
 impl View {
     /// `[field][row]`, in the order of the call.
@@ -854,13 +852,13 @@ impl Client {
         unit: usize,
         deadline: Instant,
         f: impl FnOnce(&mut Box<dyn crate::Transport>) -> std::result::Result<R, OpFailure>,
-    ) -> std::result::Result<(R, ViewConn), OpFailure> {
+    ) -> std::result::Result<(R, crate::ViewConn), OpFailure> {
         let conn = {
             let mut slot = lock(&self.units[unit].view_conn);
             match slot.as_ref() {
                 Some(c) => c.clone(),
                 None => {
-                    let c: ViewConn = Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
+                    let c: crate::ViewConn = Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
                     *slot = Some(c.clone());
                     c
                 }

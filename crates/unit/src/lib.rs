@@ -672,7 +672,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                 let now = sh.now();
                 sh.core().tick(now);
                 n += 1;
-                if n % 10 == 0 {
+                if n.is_multiple_of(10) {
                     sh.reap_sessions();
                 }
             }
