@@ -15,7 +15,7 @@ use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use rustix::fs::FlockOperation;
 use stowage_core::BlobId;
@@ -231,6 +231,22 @@ impl DiskEngine for FileEngine {
 
 /// A unit's own directory under the disk tier's root: created owner-only
 /// (0700) and locked (flock) for the unit's life.
+///
+/// Many units may share one root and start at the same moment, each
+/// removing the directories of units that are gone. So that no start ever
+/// takes a live unit's directory for a dead one:
+///
+/// - a directory is made under a temporary name (`stowage-new-…`), its
+///   lock file created and locked inside it, and only then renamed to its
+///   unit name (`stowage-unit-…`): a unit directory is locked from the
+///   moment it is visible;
+/// - a cleanup removes a directory only while holding its lock (taken
+///   without waiting, so a held lock means "live, skip"), after checking
+///   that the lock file it holds is still the one in the directory;
+/// - a temporary directory without a lock file may be one whose maker is
+///   about to create it: a cleanup only `rmdir`s it, which fails if the
+///   lock file appeared meanwhile, and the maker, finding its directory
+///   gone or its lock taken, starts over under a fresh name.
 pub struct OwnedDir {
     pub path: PathBuf,
     /// Holds the lock; closing it releases the lock.
@@ -239,12 +255,22 @@ pub struct OwnedDir {
 
 /// Prefix of unit directories under the root.
 const DIR_PREFIX: &str = "stowage-unit-";
+/// Prefix of a unit directory being made, before it is locked.
+const NEW_DIR_PREFIX: &str = "stowage-new-";
+/// The lock file in a unit directory.
+const LOCK: &str = "lock";
+/// How often a start makes a fresh temporary directory when concurrent
+/// cleanups keep taking the one it made (each loss needs a cleanup to
+/// see the directory in the microseconds between its lock file's creation
+/// and its locking).
+const CREATE_TRIES: u32 = 16;
 
 impl OwnedDir {
     /// Create and lock a fresh directory for unit `name` under `root`,
     /// after removing directories of units that are gone (their lock is
     /// free). A live unit's directory is never touched.
     pub fn create(root: &Path, name: &str, instance: u128) -> io::Result<(Self, Vec<PathBuf>)> {
+        static SEQ: AtomicU64 = AtomicU64::new(0);
         fs::DirBuilder::new().recursive(true).create(root)?;
         let removed = remove_dead_dirs(root)?;
         let safe: String = name
@@ -257,53 +283,185 @@ impl OwnedDir {
                 }
             })
             .collect();
-        let path = root.join(format!(
-            "{DIR_PREFIX}{safe}-{}-{:08x}",
-            std::process::id(),
-            instance as u32
-        ));
-        fs::DirBuilder::new().mode(0o700).create(&path)?;
-        let lock = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(path.join("lock"))?;
-        rustix::fs::flock(&lock, FlockOperation::NonBlockingLockExclusive)?;
-        Ok((Self { path, _lock: lock }, removed))
+        let base = format!("{safe}-{}-{:08x}", std::process::id(), instance as u32);
+        let path = root.join(format!("{DIR_PREFIX}{base}"));
+        for _ in 0..CREATE_TRIES {
+            let seq = SEQ.fetch_add(1, Ordering::Relaxed);
+            let tmp = root.join(format!("{NEW_DIR_PREFIX}{base}-{seq}"));
+            let Some(lock) = make_locked(&tmp)? else {
+                continue;
+            };
+            // We hold the lock of the directory at `tmp`, so no cleanup
+            // removes it; after the rename the same lock guards `path`. An
+            // existing `path` that is not empty (only a live unit's can
+            // be) makes the rename fail rather than be replaced.
+            if let Err(e) = fs::rename(&tmp, &path) {
+                let _ = remove_tree(&tmp);
+                return Err(e);
+            }
+            return Ok((Self { path, _lock: lock }, removed));
+        }
+        Err(io::Error::other(format!(
+            "could not make a locked directory under {} in {CREATE_TRIES} tries: \
+             concurrent cleanups kept taking it",
+            root.display()
+        )))
     }
 
     /// Remove the directory and everything in it.
     pub fn remove(&self) -> io::Result<()> {
-        fs::remove_dir_all(&self.path)
+        remove_tree(&self.path)
     }
 }
 
-/// Remove unit directories under `root` whose lock nobody holds.
+/// Make `dir` (0700) with a lock file in it, and lock that. `None` when a
+/// concurrent cleanup took the directory or its lock first (then the
+/// caller tries another name).
+fn make_locked(dir: &Path) -> io::Result<Option<File>> {
+    match fs::DirBuilder::new().mode(0o700).create(dir) {
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(None),
+        r => r?,
+    }
+    let lock_path = dir.join(LOCK);
+    let lock = match OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&lock_path)
+    {
+        Ok(f) => f,
+        // A cleanup removed the (still empty) directory.
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            let _ = fs::remove_dir(dir);
+            return Err(e);
+        }
+    };
+    // A cleanup that locked it first is removing the directory; one that
+    // locked it, removed it and let go leaves a lock file that is no
+    // longer in the directory.
+    if !try_lock(&lock)? || !is_at(&lock, &lock_path)? {
+        return Ok(None);
+    }
+    Ok(Some(lock))
+}
+
+/// Take `f`'s exclusive flock without waiting; `false` if someone holds it.
+fn try_lock(f: &File) -> io::Result<bool> {
+    match rustix::fs::flock(f, FlockOperation::NonBlockingLockExclusive) {
+        Ok(()) => Ok(true),
+        Err(rustix::io::Errno::WOULDBLOCK) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// Whether the open file `f` is the file at `path` (not one that was
+/// unlinked or replaced since it was opened).
+fn is_at(f: &File, path: &Path) -> io::Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let held = f.metadata()?;
+    match fs::symlink_metadata(path) {
+        Ok(m) => Ok(m.dev() == held.dev() && m.ino() == held.ino()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+fn ignore_missing(r: io::Result<()>) -> io::Result<()> {
+    match r {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        r => r,
+    }
+}
+
+/// Remove `dir` and everything in it, its lock file last (so a removal
+/// that fails half-way leaves a directory still guarded by its lock), and
+/// without failing on entries another cleanup removed first.
+fn remove_tree(dir: &Path) -> io::Result<()> {
+    let entries = match fs::read_dir(dir) {
+        Ok(it) => it,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        if entry.file_name() == LOCK {
+            continue;
+        }
+        let p = entry.path();
+        ignore_missing(match entry.file_type() {
+            Ok(t) if t.is_dir() => remove_tree(&p),
+            Ok(_) => fs::remove_file(&p),
+            Err(e) => Err(e),
+        })?;
+    }
+    ignore_missing(fs::remove_file(dir.join(LOCK)))?;
+    ignore_missing(fs::remove_dir(dir))
+}
+
+/// Remove unit directories under `root` whose lock nobody holds, and
+/// temporary ones left by starts that died. Directories whose lock file
+/// cannot be opened (another user's) are left alone.
 fn remove_dead_dirs(root: &Path) -> io::Result<Vec<PathBuf>> {
     let mut removed = Vec::new();
     for entry in fs::read_dir(root)? {
-        let entry = entry?;
-        let name = entry.file_name();
-        if !name.to_string_lossy().starts_with(DIR_PREFIX) || !entry.file_type()?.is_dir() {
-            continue;
-        }
-        let dir = entry.path();
-        let lock = match OpenOptions::new().write(true).open(dir.join("lock")) {
-            Ok(f) => f,
-            // No lock file: a unit died between mkdir and creating it.
-            Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                fs::remove_dir_all(&dir)?;
-                removed.push(dir);
-                continue;
-            }
+        let entry = match entry {
+            Ok(e) => e,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
             Err(e) => return Err(e),
         };
-        if rustix::fs::flock(&lock, FlockOperation::NonBlockingLockExclusive).is_ok() {
-            // Nobody holds it: its owner is gone.
-            fs::remove_dir_all(&dir)?;
-            removed.push(dir);
+        let name = entry.file_name();
+        let name = name.to_string_lossy();
+        let temporary = name.starts_with(NEW_DIR_PREFIX);
+        if !temporary && !name.starts_with(DIR_PREFIX) {
+            continue;
         }
+        match entry.file_type() {
+            Ok(t) if t.is_dir() => {}
+            Ok(_) => continue,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        }
+        let dir = entry.path();
+        let lock_path = dir.join(LOCK);
+        let lock = match File::open(&lock_path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                if temporary {
+                    // Its maker may be about to create the lock file: only
+                    // an empty directory goes, and rmdir checks that
+                    // atomically. (Its maker then starts over.)
+                    if fs::remove_dir(&dir).is_ok() {
+                        removed.push(dir);
+                    }
+                } else {
+                    // A unit directory gets its name with its lock file
+                    // already in it and locked, and only a holder of the
+                    // lock removes that file: this one's removal was cut
+                    // short (or is finishing now).
+                    remove_tree(&dir)?;
+                    removed.push(dir);
+                }
+                continue;
+            }
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => continue,
+            Err(e) => return Err(e),
+        };
+        // Held: its unit is alive (or another cleanup is removing it).
+        // Free but no longer the directory's lock file: another cleanup
+        // removed the directory after we opened it.
+        if !try_lock(&lock)? || !is_at(&lock, &lock_path)? {
+            continue;
+        }
+        // Its owner is gone. Keep holding the lock while removing, so no
+        // start can take this directory for its own meanwhile.
+        remove_tree(&dir)?;
+        removed.push(dir);
+        drop(lock);
     }
     Ok(removed)
 }
@@ -311,6 +469,7 @@ fn remove_dead_dirs(root: &Path) -> io::Result<Vec<PathBuf>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Mutex;
 
     #[test]
     fn blob_files_round_trip_and_detect_damage() {
@@ -375,5 +534,129 @@ mod tests {
         assert_eq!(mode & 0o777, 0o700);
         fresh.remove().unwrap();
         assert!(!fresh.path.exists());
+    }
+
+    #[test]
+    fn leftovers_of_dead_starts_are_removed_a_live_start_is_kept() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let mk = |name: &str| {
+            let d = r.join(name);
+            fs::create_dir(&d).unwrap();
+            d
+        };
+        // A start that died before creating its lock file.
+        let empty = mk("stowage-new-x-1-00000001-0");
+        // One that died after creating it.
+        let unlocked = mk("stowage-new-x-1-00000002-1");
+        fs::write(unlocked.join(LOCK), b"").unwrap();
+        // One in progress: its lock is held.
+        let starting = mk("stowage-new-x-1-00000003-2");
+        let held = File::create(starting.join(LOCK)).unwrap();
+        assert!(try_lock(&held).unwrap());
+        // A unit directory whose removal was cut short after its lock file.
+        let half_removed = mk("stowage-unit-x-1-00000004");
+        fs::write(half_removed.join("0.blob"), b"x").unwrap();
+        // Not ours.
+        let other = mk("something-else");
+        let mut removed = remove_dead_dirs(r).unwrap();
+        removed.sort();
+        let mut expect = vec![empty, unlocked, half_removed];
+        expect.sort();
+        assert_eq!(removed, expect);
+        assert!(expect.iter().all(|d| !d.exists()));
+        assert!(starting.join(LOCK).exists() && other.exists());
+        // A temporary directory that is not empty but has no lock file is
+        // left alone: its maker may be about to create the lock file.
+        let odd = mk("stowage-new-x-1-00000005-3");
+        fs::write(odd.join("x"), b"").unwrap();
+        assert!(remove_dead_dirs(r).unwrap().is_empty());
+        assert!(odd.exists());
+    }
+
+    /// The lock file at `dir/lock` is the one held by a live owner: a
+    /// fresh open of it cannot take the lock.
+    fn held(dir: &Path) -> bool {
+        match File::open(dir.join("lock")) {
+            Ok(f) => rustix::fs::flock(&f, FlockOperation::NonBlockingLockExclusive).is_err(),
+            Err(_) => false,
+        }
+    }
+
+    /// Units starting at once on one root, each cleaning up after dead
+    /// ones, while others clean up too: every start succeeds and every
+    /// live directory keeps its locked lock file. (With the directory
+    /// made under its final name and locked afterwards, a cleanup saw it
+    /// without a lock file, or with a free one, and removed it: this test
+    /// failed hundreds of times per run.)
+    #[test]
+    fn concurrent_starts_and_cleanups_never_remove_a_live_directory() {
+        let root = tempfile::tempdir().unwrap();
+        let root = root.path();
+        let next = AtomicU64::new(1);
+        let stop = AtomicBool::new(false);
+        let failures = Mutex::new(Vec::<String>::new());
+        let fail = |what: String| failures.lock().unwrap().push(what);
+        std::thread::scope(|s| {
+            for _ in 0..2 {
+                s.spawn(|| {
+                    while !stop.load(Ordering::SeqCst) {
+                        if let Err(e) = remove_dead_dirs(root) {
+                            fail(format!("cleanup failed: {e}"));
+                        }
+                    }
+                });
+            }
+            let creators: Vec<_> = (0..3)
+                .map(|t| {
+                    let (next, fail) = (&next, &fail);
+                    s.spawn(move || {
+                        // A few live directories at a time; older ones are
+                        // dropped (their owner "dies"), giving the cleaners
+                        // dead directories to remove meanwhile.
+                        let mut live = std::collections::VecDeque::new();
+                        for _ in 0..300 {
+                            let id = next.fetch_add(1, Ordering::SeqCst);
+                            match OwnedDir::create(root, &format!("t{t}"), id.into()) {
+                                Ok((d, _)) => live.push_back(d),
+                                Err(e) => fail(format!("create failed: {e}")),
+                            }
+                            if live.len() > 3 {
+                                live.pop_front();
+                            }
+                            for d in &live {
+                                if !held(&d.path) {
+                                    fail(format!(
+                                        "live {} lost its locked lock file",
+                                        d.path.display()
+                                    ));
+                                }
+                            }
+                        }
+                        live
+                    })
+                })
+                .collect();
+            let joined: Vec<_> = creators.into_iter().map(|h| h.join()).collect();
+            // Stop the cleaners before anything can panic, or the scope
+            // would wait for them forever.
+            stop.store(true, Ordering::SeqCst);
+            let live: Vec<_> = joined.into_iter().flat_map(|r| r.unwrap()).collect();
+            for d in &live {
+                if !held(&d.path) {
+                    fail(format!(
+                        "live {} lost its locked lock file",
+                        d.path.display()
+                    ));
+                }
+            }
+        });
+        let failures = failures.into_inner().unwrap();
+        assert!(
+            failures.is_empty(),
+            "{} failures, first: {:?}",
+            failures.len(),
+            &failures[..failures.len().min(5)]
+        );
     }
 }
