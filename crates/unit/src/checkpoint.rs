@@ -4,7 +4,7 @@
 //! Layout of a checkpoint directory (one per unit):
 //!
 //! ```text
-//!  <blob>.blob   one per blob, the disk tier's format (bytes + xxh3)
+//!  <blob>.blob   one per blob, the disk tier's format (bytes + xxh3 per chunk)
 //!  index         postcard: every entry (namespace, row, field, blob, offset, len, meta)
 //!  MANIFEST      postcard: version, counts, each file's name, size and xxh3; then its own xxh3
 //! ```
@@ -328,11 +328,9 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
     }
     let src = FileEngine::new(dir.to_owned());
     for (blob, (ns, entries)) in by_blob {
-        let path = src.path(blob);
-        let size = fs::metadata(&path)
-            .map_err(|e| incomplete(format!("blob {blob:?}: {e}")))?
-            .len()
-            .saturating_sub(24);
+        let size = src
+            .blob_size(blob)
+            .map_err(|e| incomplete(format!("blob {blob:?}: {e}")))?;
         let len = usize::try_from(size).map_err(|_| incomplete("blob too large".into()))?;
         let mut buf = vec![0u8; len];
         src.read(blob, &mut buf)
