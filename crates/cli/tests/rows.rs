@@ -386,10 +386,10 @@ fn views_see_values_in_place_and_keep_them_pinned() {
     .unwrap();
     for (i, t) in view.tensors()[0].iter().enumerate() {
         assert_eq!(t.dtype, DType::F64);
-        let bytes = view.bytes(t);
+        let bytes = view.to_vec(t);
         assert!(bytes == data[i], "row {i} changed under a view");
         assert_eq!(
-            bytes.as_ptr() as usize % 64,
+            view.as_ptr(t).unwrap().0 as usize % 64,
             0,
             "values are 64-byte aligned"
         );
@@ -572,10 +572,7 @@ fn colliding_names_never_read_as_each_other(kind: Kind) {
     );
     if kind == Kind::Shm {
         let v = c.view("p", std::slice::from_ref(&a), &["y"], None, c.deadline());
-        assert_eq!(
-            v.map(|v| v.bytes(&v.tensors()[0][0]).to_vec()).unwrap(),
-            [2; 8]
-        );
+        assert_eq!(v.map(|v| v.to_vec(&v.tensors()[0][0])).unwrap(), [2; 8]);
         match c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline()) {
             Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_b"),
             other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),
@@ -643,10 +640,7 @@ fn values_without_an_owner_are_checked_against_the_row_name(kind: Kind) {
     assert_collision(get_u8(&c, &b, &["x"]), "uid_b", Some("uid_c"));
     if kind == Kind::Shm {
         let v = c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline());
-        assert_eq!(
-            v.map(|v| v.bytes(&v.tensors()[0][0]).to_vec()).unwrap(),
-            [7; 8]
-        );
+        assert_eq!(v.map(|v| v.to_vec(&v.tensors()[0][0])).unwrap(), [7; 8]);
         match c.view("p", std::slice::from_ref(&b), &["x"], None, c.deadline()) {
             Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_c"),
             other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),

@@ -400,20 +400,32 @@ pub struct View {
     tensors: Vec<Vec<ViewTensor>>,
 }
 
-
 impl View {
     /// `[field][row]`, in the order of the call.
     pub fn tensors(&self) -> &[Vec<ViewTensor>] {
         &self.tensors
     }
 
-    /// The bytes of a value of this view.
-    pub fn bytes(&self, t: &ViewTensor) -> &[u8] {
-        self.pins
-            .iter()
-            .find(|(u, ..)| *u == t.unit)
-            .and_then(|(_, _, slab, _)| slab.pinned_slice(t.offset, t.len).ok())
-            .unwrap_or(&[])
+    /// The address of a value of this view in this process's mapping of
+    /// its unit's slab, and its length: valid (and unchanging) while the
+    /// view lives. For zero-copy consumers (numpy arrays that keep the
+    /// view alive); reading through it is the consumer's `unsafe`.
+    pub fn as_ptr(&self, t: &ViewTensor) -> Option<(*const u8, usize)> {
+        let (_, _, slab, _) = self.pins.iter().find(|(u, ..)| *u == t.unit)?;
+        slab.range_ptr(t.offset, t.len).ok().map(|p| (p, t.len))
+    }
+
+    /// A copy of a value of this view.
+    pub fn to_vec(&self, t: &ViewTensor) -> Vec<u8> {
+        let mut out = vec![0u8; t.len];
+        if let Some((_, _, slab, _)) = self.pins.iter().find(|(u, ..)| *u == t.unit) {
+            if slab.read(t.offset, &mut out).is_err() {
+                out.clear();
+            }
+        } else {
+            out.clear();
+        }
+        out
     }
 }
 
@@ -858,7 +870,8 @@ impl Client {
             match slot.as_ref() {
                 Some(c) => c.clone(),
                 None => {
-                    let c: crate::ViewConn = Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
+                    let c: crate::ViewConn =
+                        Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
                     *slot = Some(c.clone());
                     c
                 }

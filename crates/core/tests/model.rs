@@ -303,6 +303,17 @@ enum Op {
         others: Vec<(u64, u64, usize)>,
         then: u8,
     },
+    /// A late promotion copy (a paused driver): the driver spills to make
+    /// room, a reader pins a value found on disk and the driver starts
+    /// promoting its blob with no pin of its own; the row is released and
+    /// the reader's hold ends (`end`: unpin, close, cut, or kept) before
+    /// the copy lands, while other sessions put `others`.
+    LatePromotion {
+        who: u8,
+        pick: u8,
+        end: u8,
+        others: Vec<(u64, u64, usize)>,
+    },
     /// The driver asks for spill jobs; job `i` is written at once or later
     /// (`plan[i % 4].0`), and succeeds or fails (`plan[i % 4].1`).
     Spill {
@@ -338,6 +349,8 @@ fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
     let size = prop_oneof![3 => 0..=MAX_BLOB, 1 => 0u64..130];
     let small = prop_oneof![1 => 0..=MAX_BLOB / 2, 1 => 0u64..130];
     let (put, release, advance, driver) = if disk { (6, 1, 2, 3) } else { (4, 2, 3, 1) };
+    // Without a disk tier there is nothing to promote: a no-op, rarely.
+    let late = if disk { 2 } else { 1 };
     let others = prop::collection::vec((small.clone(), 0..ROWS, 0..FIELDS.len()), 1..4);
     prop_oneof![
         put => (any::<u8>(), 0..N_BLOBS, size.clone(), 0u32..4)
@@ -385,12 +398,14 @@ fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
             prop::collection::vec((0..ROWS, 0..FIELDS.len()), 1..3),
             any::<bool>(),
             prop_oneof![1 => MINUTE_MS..10 * MINUTE_MS, 2 => HOUR_MS..48 * HOUR_MS],
-            others,
+            others.clone(),
             any::<u8>(),
         )
             .prop_map(|(slot, keys, cut, pause, others, then)| Op::PausedReader {
                 slot, keys, cut, pause, others, then
             }),
+        late => (any::<u8>(), any::<u8>(), any::<u8>(), others)
+            .prop_map(|(who, pick, end, others)| Op::LatePromotion { who, pick, end, others }),
         driver => prop::collection::vec((any::<bool>(), prop::bool::weighted(0.85)), 4)
             .prop_map(|plan| Op::Spill { plan }),
         driver => (any::<u8>(), prop::bool::weighted(0.85)).prop_map(|(pick, ok)| Op::Complete { pick, ok }),
@@ -1551,6 +1566,12 @@ impl Harness {
                     *then,
                 )
             }
+            Op::LatePromotion {
+                who,
+                pick,
+                end,
+                others,
+            } => self.late_promotion(*who, *pick, *end, others),
             Op::Spill { plan } => self.spill(plan),
             Op::Complete { pick, ok } => {
                 if !self.jobs.is_empty() {
@@ -2105,11 +2126,6 @@ impl Harness {
         let eligible = b.region.is_none() && b.promoting.is_none() && b.disk == MDisk::Durable;
         let room = (self.used() + len) as f64 <= HIGH_WATERMARK * self.cap as f64;
         let got = self.core.promote_begin(blob);
-        self.count(match (eligible, room) {
-            (false, _) => "DEBUG promote: not eligible",
-            (true, false) => "DEBUG promote: no room",
-            (true, true) => "DEBUG promote: go",
-        });
         let Some(offset) = got else {
             if eligible && room {
                 let gap = self.largest_gap();
@@ -2481,6 +2497,84 @@ impl Harness {
             }
         }
         Ok(())
+    }
+
+    /// A late promotion copy (see [`Op::LatePromotion`]).
+    fn late_promotion(
+        &mut self,
+        who: u8,
+        pick: u8,
+        end: u8,
+        others: &[(u64, u64, usize)],
+    ) -> Result<(), TestCaseError> {
+        if self.disk_cap == 0 {
+            return Ok(());
+        }
+        // Room below the high watermark: the driver spills first.
+        self.spill(&[(true, true)])?;
+        self.step("a spill before a promotion")?;
+        let on_disk: Vec<Key> = self
+            .values
+            .iter()
+            .filter(|(_, v)| {
+                self.blobs[&v.blob].region.is_none() && self.blobs[&v.blob].promoting.is_none()
+            })
+            .map(|(k, _)| k.clone())
+            .collect();
+        if on_disk.is_empty() {
+            self.count("late promotion: nothing on disk");
+            return Ok(());
+        }
+        let k = on_disk[usize::from(pick) % on_disk.len()].clone();
+        let Some(r) = self.live_owner(who) else {
+            return Ok(());
+        };
+        let blob = self.values[&k].blob;
+        let Some(pin) = self.resolve_and_pin(r, std::slice::from_ref(&k), 2)? else {
+            return Err(TestCaseError::fail(format!("no pin for {k} on disk")));
+        };
+        let promoting = |jobs: &[Job]| {
+            jobs.iter()
+                .position(|j| matches!(j, Job::Promote { blob: b, .. } if *b == blob))
+        };
+        if promoting(&self.jobs).is_none() {
+            self.count("late promotion: no room");
+            return Ok(());
+        }
+        self.step("a promotion starts")?;
+        // The row goes and the reader's hold ends before the copy lands.
+        self.release_rows(&[k.row])?;
+        self.step("the promoted row is released")?;
+        match end % 4 {
+            0 => self.unpin(r, pin)?,
+            1 => self.detach(r, ConnEnd::Closed)?,
+            2 => {
+                self.detach(r, ConnEnd::Cut)?;
+                // A direct reader keeps its pin until its process is gone.
+                if self.pins.contains_key(&pin) {
+                    self.session_gone(r.session);
+                }
+            }
+            _ => {}
+        }
+        self.step("the reader's hold ends")?;
+        // Others put meanwhile: never into the range being copied into.
+        for (n, &(size, row, field)) in others.iter().enumerate() {
+            let Some(o) = self.live_owner(who.wrapping_add(n as u8 + 1)) else {
+                break;
+            };
+            let id = self.private_id();
+            self.put(o, id, size, key(row, field))?;
+            self.step("a put while the promotion copies")?;
+        }
+        // The copy lands, late.
+        let Some(i) = promoting(&self.jobs) else {
+            return Err(TestCaseError::fail(format!(
+                "the promotion of {blob:?} vanished"
+            )));
+        };
+        let job = self.jobs.remove(i);
+        self.complete(job, true)
     }
 
     // ---- the driver -----------------------------------------------------

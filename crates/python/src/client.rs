@@ -569,12 +569,17 @@ impl Client {
         for (f, rows) in view.tensors().iter().enumerate() {
             let list = PyList::empty(py);
             for (r, t) in rows.iter().enumerate() {
-                let bytes = view.bytes(t);
-                if nbytes(t.dtype, &t.shape) != Some(bytes.len()) {
+                let Some((ptr, len)) = view.as_ptr(t) else {
+                    return Err(invalid(format!(
+                        "field {:?} row {r}: the value lies outside its unit's slab",
+                        fields[f]
+                    )));
+                };
+                if nbytes(t.dtype, &t.shape) != Some(len) {
                     return Err(invalid(format!(
                         "field {:?} row {r}: {} bytes do not make a {} {:?} array",
                         fields[f],
-                        bytes.len(),
+                        len,
                         t.dtype.name(),
                         t.shape
                     )));
@@ -588,7 +593,7 @@ impl Client {
                         py,
                         descr,
                         &t.shape,
-                        bytes.as_ptr() as *mut u8,
+                        ptr as *mut u8,
                         false,
                         pins.clone().into_any(),
                     )?

@@ -7,19 +7,23 @@
 //! one-sided, no unit CPU touches the payload.
 //!
 //! This is the only crate of stowage with `unsafe` code, all of it in
-//! [`Slab`]'s accessors. What makes it sound is an ownership protocol kept
-//! by the unit core rather than by the type system: a byte range is written
-//! only by the one party holding its reservation, and read only while a pin
-//! keeps it from being freed or reused. Concurrent access to one range by
-//! two processes can therefore only happen through a protocol bug, and
-//! would corrupt bytes, not the Rust program's memory: every access goes
-//! through raw copies into or out of caller-owned buffers, bounds-checked
-//! against the mapping, which never shrinks (the memfd is sealed against
-//! shrinking where the kernel allows).
+//! [`Slab`]'s accessors. No accessor hands out a Rust reference into the
+//! shared mapping: every access is a raw copy between the mapping and a
+//! caller-owned buffer ([`Slab::write`], [`Slab::read`], the chunked
+//! copies), or a system call given a raw pointer into it
+//! ([`Slab::recv_into`], [`Slab::send_pieces`]), bounds-checked against the
+//! mapping, which never shrinks (the memfd is sealed against shrinking
+//! where the kernel allows). Another process that maps the same slab —
+//! a same-host client is trusted with the unit's memory — can therefore
+//! corrupt bytes by breaking the protocol, never this program's memory.
+//! Which bytes are valid is the unit core's business (fencing: a range is
+//! written only by the holder of its reservation and reused only when no
+//! one can still touch it). Zero-copy views get a raw address
+//! ([`Slab::range_ptr`]) and read through it under their own `unsafe`.
 
 use std::io;
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 
 use memmap2::MmapRaw;
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -177,73 +181,185 @@ impl Slab {
         Ok(())
     }
 
-    /// Run `f` on the slab range as a mutable slice, e.g. to read a socket
-    /// straight into it. The caller must hold the range's reservation, so
-    /// that no one else writes or reads it meanwhile.
-    pub fn with_mut<R>(
+    /// Copy `len` bytes at `offset` to `sink` in pieces of at most `chunk`
+    /// bytes, through one heap buffer (e.g. to write a range to a file and
+    /// checksum it: the sink never sees a reference into shared memory).
+    /// The caller must hold a pin (or the reservation) of the range.
+    pub fn copy_out_chunked<E>(
         &self,
         offset: u64,
         len: usize,
-        f: impl FnOnce(&mut [u8]) -> R,
-    ) -> Result<R, OutOfBounds> {
-        let start = self.check(offset, len)?;
-        // SAFETY: in bounds (`check`); the reservation protocol (see the
-        // crate docs) gives this caller exclusive use of the range for the
-        // duration of `f`, and the slice does not escape `f`.
-        let slice =
-            unsafe { std::slice::from_raw_parts_mut(self.map.as_mut_ptr().add(start), len) };
-        Ok(f(slice))
-    }
-
-    /// Run `f` on the slab range as a shared slice, e.g. to write it to a
-    /// socket. The caller must hold a pin of the range.
-    pub fn with_ref<R>(
-        &self,
-        offset: u64,
-        len: usize,
-        f: impl FnOnce(&[u8]) -> R,
-    ) -> Result<R, OutOfBounds> {
-        let start = self.check(offset, len)?;
-        // SAFETY: in bounds (`check`); the pin keeps the range from being
-        // freed or reallocated, so no writer exists for the duration of `f`.
-        let slice = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(start), len) };
-        Ok(f(slice))
-    }
-
-    /// Run `f` on several slab ranges at once as I/O slices, e.g. to send
-    /// many values with one vectored write. The caller must hold pins of
-    /// every range.
-    pub fn with_io_slices<R>(
-        &self,
-        ranges: &[(u64, usize)],
-        f: impl FnOnce(&mut [io::IoSlice<'_>]) -> R,
-    ) -> Result<R, OutOfBounds> {
-        let mut slices = Vec::with_capacity(ranges.len());
-        for &(offset, len) in ranges {
-            let start = self.check(offset, len)?;
-            // SAFETY: in bounds (`check`); pinned ranges have no writer while
-            // `f` runs, and the slices do not escape `f`.
-            let s = unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(start), len) };
-            slices.push(io::IoSlice::new(s));
+        chunk: usize,
+        mut sink: impl FnMut(&[u8]) -> Result<(), E>,
+    ) -> Result<Result<(), E>, OutOfBounds> {
+        self.check(offset, len)?;
+        let mut buf = vec![0u8; chunk.max(1).min(len.max(1))];
+        let mut at = 0usize;
+        while at < len {
+            let n = (len - at).min(buf.len());
+            self.read(offset + at as u64, &mut buf[..n])?;
+            if let Err(e) = sink(&buf[..n]) {
+                return Ok(Err(e));
+            }
+            at += n;
         }
-        Ok(f(&mut slices))
+        Ok(Ok(()))
     }
 
-    /// The slab range as a slice, for zero-copy views. The caller must hold
-    /// a pin of the range for as long as the borrow lives (a view keeps both
-    /// the slab and the pin).
-    pub fn pinned_slice(&self, offset: u64, len: usize) -> Result<&[u8], OutOfBounds> {
-        let start = self.check(offset, len)?;
-        // SAFETY: in bounds (`check`) of a mapping that lives as long as
-        // `self` and never shrinks; the caller's pin keeps every writer away
-        // from the range while the borrow lives.
-        Ok(unsafe { std::slice::from_raw_parts(self.map.as_ptr().add(start), len) })
+    /// Fill `len` bytes at `offset` from `source` in pieces of at most
+    /// `chunk` bytes, through one heap buffer: `source(buf)` fills `buf`
+    /// whole. The caller must hold the range's reservation.
+    pub fn copy_in_chunked<E>(
+        &self,
+        offset: u64,
+        len: usize,
+        chunk: usize,
+        mut source: impl FnMut(u64, &mut [u8]) -> Result<(), E>,
+    ) -> Result<Result<(), E>, OutOfBounds> {
+        self.check(offset, len)?;
+        let mut buf = vec![0u8; chunk.max(1).min(len.max(1))];
+        let mut at = 0usize;
+        while at < len {
+            let n = (len - at).min(buf.len());
+            if let Err(e) = source(at as u64, &mut buf[..n]) {
+                return Ok(Err(e));
+            }
+            self.write(offset + at as u64, &buf[..n])?;
+            at += n;
+        }
+        Ok(Ok(()))
+    }
+
+    /// Receive exactly `len` bytes from the stream socket `sock` straight
+    /// into the slab at `offset` (no intermediate buffer). Blocking, bounded
+    /// by the socket's receive timeout (`WouldBlock`/`TimedOut` when it
+    /// passes); `UnexpectedEof` when the peer closes first. The caller must
+    /// hold the range's reservation, and is the only one that writes it.
+    pub fn recv_into(&self, sock: BorrowedFd<'_>, offset: u64, len: usize) -> io::Result<()> {
+        let start = self.check(offset, len).map_err(io::Error::other)?;
+        let base = self.map.as_mut_ptr() as usize + start;
+        let mut done = 0usize;
+        while done < len {
+            // SAFETY: [start + done, start + len) lies inside the mapping
+            // (`check`), which lives as long as `self` and never shrinks.
+            // The kernel writes through the raw pointer; no Rust reference
+            // to the shared memory is made, so a misbehaving process that
+            // also maps it can corrupt bytes but not this program.
+            let n = unsafe {
+                libc::recv(
+                    sock.as_raw_fd(),
+                    (base + done) as *mut libc::c_void,
+                    len - done,
+                    0,
+                )
+            };
+            match n {
+                0 => return Err(io::ErrorKind::UnexpectedEof.into()),
+                n if n > 0 => done += n as usize,
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Send `pieces` (heap bytes and slab ranges, in order) on the stream
+    /// socket `sock` with as few vectored writes as possible, each bounded
+    /// by the time left to `deadline` (`TimedOut` once it passes). Slab
+    /// ranges go from the mapping to the kernel by raw pointer. The caller
+    /// must hold pins of the slab ranges.
+    pub fn send_pieces(
+        &self,
+        sock: BorrowedFd<'_>,
+        pieces: &[Piece<'_>],
+        deadline: std::time::Instant,
+    ) -> io::Result<()> {
+        let mut iov: Vec<libc::iovec> = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let (ptr, len) = match *p {
+                Piece::Heap(b) => (b.as_ptr() as usize, b.len()),
+                Piece::Slab { offset, len } => {
+                    let start = self.check(offset, len).map_err(io::Error::other)?;
+                    (self.map.as_ptr() as usize + start, len)
+                }
+            };
+            if len > 0 {
+                iov.push(libc::iovec {
+                    iov_base: ptr as *mut libc::c_void,
+                    iov_len: len,
+                });
+            }
+        }
+        let mut first = 0usize;
+        while first < iov.len() {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+            rustix::net::sockopt::set_socket_timeout(
+                sock,
+                rustix::net::sockopt::Timeout::Send,
+                Some(left),
+            )?;
+            let n = (iov.len() - first).min(1024);
+            // SAFETY: every iovec names either a caller's slice, borrowed
+            // for this call, or a range inside the mapping (`check`), which
+            // lives as long as `self`; the kernel only reads them.
+            let sent =
+                unsafe { libc::writev(sock.as_raw_fd(), iov[first..].as_ptr(), n as libc::c_int) };
+            if sent < 0 {
+                let e = io::Error::last_os_error();
+                match e.kind() {
+                    io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock => return Err(io::ErrorKind::TimedOut.into()),
+                    _ => return Err(e),
+                }
+            }
+            if sent == 0 {
+                return Err(io::ErrorKind::WriteZero.into());
+            }
+            let mut sent = sent as usize;
+            while sent > 0 && first < iov.len() {
+                let v = &mut iov[first];
+                if sent >= v.iov_len {
+                    sent -= v.iov_len;
+                    first += 1;
+                } else {
+                    v.iov_base = (v.iov_base as usize + sent) as *mut libc::c_void;
+                    v.iov_len -= sent;
+                    sent = 0;
+                }
+            }
+        }
+        Ok(())
     }
 
     /// The mapping's address, for zero-copy views that keep a pin alive.
     pub fn as_ptr(&self) -> *const u8 {
         self.map.as_ptr()
     }
+
+    /// The address of `[offset, offset + len)` in this mapping, for
+    /// zero-copy views (numpy arrays over pinned values). Getting it is
+    /// safe; reading through it is the caller's `unsafe`, sound only while
+    /// a pin of the range is held and the mapping lives.
+    pub fn range_ptr(&self, offset: u64, len: usize) -> Result<*const u8, OutOfBounds> {
+        let start = self.check(offset, len)?;
+        Ok((self.map.as_ptr() as usize + start) as *const u8)
+    }
+}
+
+/// A piece of a message [`Slab::send_pieces`] sends.
+#[derive(Clone, Copy, Debug)]
+pub enum Piece<'a> {
+    /// Bytes of the caller's.
+    Heap(&'a [u8]),
+    /// A range of the slab.
+    Slab { offset: u64, len: usize },
 }
 
 /// Run `copy(offset, len)` over `[0, total)`: inline for small sizes, split
@@ -330,8 +446,73 @@ mod tests {
         assert_eq!(&out, b"hello");
         assert!(s.write((1 << 16) - 2, b"abc").is_err());
         assert!(s.read(u64::MAX, &mut out).is_err());
-        s.with_mut(0, 3, |b| b.copy_from_slice(b"xyz")).unwrap();
-        assert_eq!(s.with_ref(0, 3, |b| b.to_vec()).unwrap(), b"xyz");
+        // Chunked copies through the heap.
+        let src: Vec<u8> = (0..1000).map(|i| i as u8).collect();
+        s.copy_in_chunked(10, 1000, 64, |at, buf| {
+            buf.copy_from_slice(&src[at as usize..at as usize + buf.len()]);
+            Ok::<(), ()>(())
+        })
+        .unwrap()
+        .unwrap();
+        let mut back = Vec::new();
+        s.copy_out_chunked(10, 1000, 96, |c| {
+            back.extend_from_slice(c);
+            Ok::<(), ()>(())
+        })
+        .unwrap()
+        .unwrap();
+        assert_eq!(back, src);
+        assert!(s
+            .copy_out_chunked(1 << 16, 1, 8, |_| Ok::<(), ()>(()))
+            .is_err());
+        assert!(s.range_ptr(u64::MAX, 1).is_err());
+    }
+
+    #[test]
+    fn sockets_move_bytes_straight_to_and_from_the_slab() {
+        let s = Slab::create("test", 1 << 20).unwrap();
+        let (a, b) = UnixStream::pair().unwrap();
+        let src: Vec<u8> = (0..300_000).map(|i| (i % 253) as u8).collect();
+        s.write(4096, &src).unwrap();
+        let head = b"head".to_vec();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let reader = std::thread::spawn(move || {
+            let mut got = vec![0u8; 4 + 300_000];
+            std::io::Read::read_exact(&mut &b, &mut got).unwrap();
+            // And back into the slab, at another offset.
+            (got, b)
+        });
+        s.send_pieces(
+            a.as_fd(),
+            &[
+                Piece::Heap(&head),
+                Piece::Slab {
+                    offset: 4096,
+                    len: 300_000,
+                },
+            ],
+            deadline,
+        )
+        .unwrap();
+        let (got, b) = reader.join().unwrap();
+        assert_eq!(&got[..4], b"head");
+        assert!(got[4..] == src[..]);
+        let writer = std::thread::spawn(move || {
+            std::io::Write::write_all(&mut &a, &src).unwrap();
+            (a, src)
+        });
+        s.recv_into(b.as_fd(), 500_000, 300_000).unwrap();
+        let (a, src) = writer.join().unwrap();
+        let mut back = vec![0u8; 300_000];
+        s.read(500_000, &mut back).unwrap();
+        assert!(back == src);
+        // A peer that closes early: UnexpectedEof.
+        std::io::Write::write_all(&mut &a, b"abc").unwrap();
+        drop(a);
+        let e = s.recv_into(b.as_fd(), 0, 10).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
+        // Out of bounds: refused before any system call.
+        assert!(s.recv_into(b.as_fd(), 1 << 20, 1).is_err());
     }
 
     #[test]

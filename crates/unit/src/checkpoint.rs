@@ -170,15 +170,12 @@ fn write_snapshot(
         }
         let len = usize::try_from(nbytes)
             .map_err(|_| CheckpointError::Restore("blob too large".into()))?;
-        let write = |data: &[u8]| -> io::Result<u64> {
-            let mut w = out.create(blob, nbytes)?;
-            w.write(data)?;
-            w.finish()
-        };
-        let xxh3 = match place {
+        let mut w = out.create(blob, nbytes).map_err(&ioe)?;
+        match place {
+            // The snapshot's pin holds the range while it is copied.
             Place::Memory(l) => shared
                 .slab
-                .with_ref(l.offset, len, write)
+                .copy_out_chunked(l.offset, len, crate::COPY_CHUNK, |c| w.write(c))
                 .map_err(|e| ioe(io::Error::other(e)))?
                 .map_err(&ioe)?,
             Place::Disk { .. } => {
@@ -187,13 +184,19 @@ fn write_snapshot(
                         "spilled blob without a disk tier".into(),
                     ));
                 };
-                let mut buf = vec![0u8; len];
-                d.engine
-                    .read(blob, &mut buf)
-                    .map_err(|e| ioe(io::Error::other(e.to_string())))?;
-                write(&buf).map_err(&ioe)?
+                let mut buf = vec![0u8; len.min(crate::COPY_CHUNK)];
+                let mut at = 0usize;
+                while at < len {
+                    let n = (len - at).min(buf.len());
+                    d.engine
+                        .read_at(blob, at as u64, &mut buf[..n])
+                        .map_err(|e| ioe(io::Error::other(e.to_string())))?;
+                    w.write(&buf[..n]).map_err(&ioe)?;
+                    at += n;
+                }
             }
-        };
+        }
+        let xxh3 = w.finish().map_err(&ioe)?;
         let path = out.path(blob);
         files.push(CheckpointFile {
             name: file_name(&path),

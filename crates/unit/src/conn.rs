@@ -1,14 +1,14 @@
 //! One client connection: read a frame, act on the core and the slab,
 //! reply; repeat until the client leaves or misbehaves.
 
-use std::io::{self, BufRead, BufReader, IoSlice, Read, Write};
+use std::io::{self, BufRead, BufReader, Read, Write};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use std::os::fd::AsFd;
 use stowage_core::{Allocated, BlobId, Committed, Owner};
-use stowage_wire::io::{
-    drain, read_header, read_prefix, write_all_vectored_by, ReadError, Socket, SpinReader,
-};
+use stowage_shm::Piece;
+use stowage_wire::io::{drain, read_header, read_prefix, ReadError, Socket, SpinReader};
 use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response, PROTOCOL_VERSION};
 
 use crate::disk::DiskEngine;
@@ -460,12 +460,7 @@ impl Conn {
             }
         };
         let len = usize::try_from(nbytes).map_err(|_| io::Error::other("payload too large"))?;
-        let reader = &mut self.reader;
-        let filled = self
-            .shared
-            .slab
-            .with_mut(offset, len, |dst| reader.read_exact(dst))
-            .map_err(io::Error::other)?;
+        let filled = self.recv_payload(offset, len);
         if let Err(e) = filled {
             // This thread was the only writer, and it has stopped; a cut
             // stream's range still goes through quarantine.
@@ -490,6 +485,26 @@ impl Conn {
         };
         self.reply(id, &resp)?;
         Ok(())
+    }
+
+    /// Take `len` payload bytes into the slab at `offset`: what the reader
+    /// has buffered already, then straight from the socket (bounded by the
+    /// reader's deadline).
+    fn recv_payload(&mut self, offset: u64, len: usize) -> io::Result<()> {
+        let buffered = self.reader.buffer();
+        let n = buffered.len().min(len);
+        self.shared
+            .slab
+            .write(offset, &buffered[..n])
+            .map_err(io::Error::other)?;
+        self.reader.consume(n);
+        if n == len {
+            return Ok(());
+        }
+        let r = self.reader.get_mut();
+        r.apply_deadline()?;
+        let sock = r.socket.as_fd();
+        self.shared.slab.recv_into(sock, offset + n as u64, len - n)
     }
 
     /// The payload of a put that went to the disk tier: streamed into the
@@ -594,18 +609,14 @@ impl Conn {
         };
         let (served, buffers) = self.shared.bring_back(found, true);
         let mut corrupt = Vec::new();
-        let mut ranges = Vec::new();
         let items: Vec<Option<Item>> = served
             .iter()
             .enumerate()
             .map(|(i, s)| match s.as_ref()? {
-                Served::Memory(l, meta) => {
-                    ranges.push((l.offset, l.len as usize));
-                    Some(Item {
-                        len: l.len,
-                        meta: meta.clone(),
-                    })
-                }
+                Served::Memory(l, meta) => Some(Item {
+                    len: l.len,
+                    meta: meta.clone(),
+                }),
                 Served::Disk { len, meta, .. } => Some(Item {
                     len: *len,
                     meta: meta.clone(),
@@ -622,44 +633,37 @@ impl Conn {
             .map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
         let until = Instant::now() + timeout;
-        // The writes below set their own timeouts.
+        // The send below sets its own timeouts.
         self.write_timeout = Duration::ZERO;
-        let writer = &mut self.writer;
-        let sent: Result<io::Result<()>, String> = {
-            self.shared
-                .slab
-                .with_io_slices(&ranges, |slab_slices| {
-                    let mut all = Vec::with_capacity(served.len() + 1);
-                    all.push(IoSlice::new(&header));
-                    let mut next_slab = slab_slices.iter();
-                    for s in served.iter().flatten() {
-                        match s {
-                            Served::Memory(..) => {
-                                if let Some(sl) = next_slab.next() {
-                                    all.push(IoSlice::new(sl));
-                                }
-                            }
-                            Served::Disk {
-                                blob, offset, len, ..
-                            } => {
-                                let (o, n) = (*offset as usize, *len as usize);
-                                if let Some(b) = buffers.get(blob).and_then(|b| b.get(o..o + n)) {
-                                    all.push(IoSlice::new(b));
-                                }
-                            }
-                            Served::Corrupt => {}
-                        }
+        let mut pieces = Vec::with_capacity(served.len() + 1);
+        pieces.push(Piece::Heap(&header));
+        for s in served.iter().flatten() {
+            match s {
+                Served::Memory(l, _) => pieces.push(Piece::Slab {
+                    offset: l.offset,
+                    len: l.len as usize,
+                }),
+                Served::Disk {
+                    blob, offset, len, ..
+                } => {
+                    if let Some(b) = buffers.get(&(*blob, *offset, *len)) {
+                        pieces.push(Piece::Heap(b));
                     }
-                    write_all_vectored_by(writer, &mut all, until)
-                })
-                .map_err(|e| e.to_string())
-        };
+                }
+                Served::Corrupt => {}
+            }
+        }
+        let sent = self
+            .shared
+            .slab
+            .send_pieces(self.writer.as_fd(), &pieces, until);
+        drop(pieces);
         self.out = header;
         // This thread has stopped reading the ranges: the pin may go.
         if let Some(p) = pin {
             let _ = self.shared.core().unpin(owner, p);
         }
-        sent.map_err(io::Error::other)??;
+        sent?;
         self.set_write_timeout(self.shared.frame_timeout)?;
         Ok(())
     }

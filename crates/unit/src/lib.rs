@@ -730,15 +730,15 @@ fn spiller(shared: Arc<Shared>) {
         let jobs = shared.core().spill_jobs();
         for job in jobs {
             let t0 = Instant::now();
-            let written = shared
-                .slab
-                .with_ref(job.offset, job.nbytes as usize, |data| {
-                    let mut w = d.engine.create(job.blob, job.nbytes)?;
-                    w.write(data)?;
-                    w.finish()
-                })
-                .map_err(std::io::Error::other)
-                .and_then(|r| r);
+            // The core keeps the range allocated until disk_written, even
+            // if the blob is freed meanwhile: this thread reads it alone.
+            let written = d.engine.create(job.blob, job.nbytes).and_then(|mut w| {
+                shared
+                    .slab
+                    .copy_out_chunked(job.offset, job.nbytes as usize, COPY_CHUNK, |c| w.write(c))
+                    .map_err(std::io::Error::other)??;
+                w.finish()
+            });
             match &written {
                 Ok(_) => {
                     d.io.wrote(job.nbytes, t0);
@@ -887,8 +887,9 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
 pub(crate) enum Served {
     /// In the slab (possibly just brought back from disk).
     Memory(stowage_core::Location, Vec<u8>),
-    /// Only on disk: `offset` into the blob. With `load`, the blob's bytes
-    /// are in the buffers [`Shared::bring_back`] returns.
+    /// Only on disk: `offset` into the blob. With `load`, its bytes are in
+    /// the buffers [`Shared::bring_back`] returns, under (blob, offset,
+    /// len).
     Disk {
         blob: stowage_core::BlobId,
         offset: u64,
@@ -899,33 +900,36 @@ pub(crate) enum Served {
     Corrupt,
 }
 
+/// Values read from the disk tier, by (blob, offset, len).
+pub(crate) type DiskBuffers = std::collections::HashMap<(stowage_core::BlobId, u64, u64), Vec<u8>>;
+
+/// Pieces of a slab range copied through the heap at a time (disk tier
+/// and checkpoint I/O).
+const COPY_CHUNK: usize = 1 << 20;
+
 impl Shared {
     /// Bring spilled values back for a reader that pinned them: each
     /// spilled blob is promoted into the slab where there is room below
-    /// the high watermark; otherwise, with `load`, read into a buffer.
-    /// Returns the served values, and the buffers by blob.
+    /// the high watermark; otherwise, with `load`, only the values asked
+    /// for are read from its file (checked chunk by chunk).
     pub(crate) fn bring_back(
         &self,
         found: Vec<Option<stowage_core::Located>>,
         load: bool,
-    ) -> (
-        Vec<Option<Served>>,
-        std::collections::HashMap<stowage_core::BlobId, Vec<u8>>,
-    ) {
-        use std::collections::{BTreeSet, HashMap, HashSet};
+    ) -> (Vec<Option<Served>>, DiskBuffers) {
+        use std::collections::{BTreeMap, HashMap, HashSet};
         use stowage_core::{Location, Place};
-        let on_disk: BTreeSet<stowage_core::BlobId> = found
-            .iter()
-            .flatten()
-            .filter_map(|(p, _)| match p {
-                Place::Disk { blob, .. } => Some(*blob),
-                Place::Memory(_) => None,
-            })
-            .collect();
+        // Each spilled blob, with the ranges of it that were asked for.
+        let mut on_disk: BTreeMap<stowage_core::BlobId, Vec<(u64, u64)>> = BTreeMap::new();
+        for (p, _) in found.iter().flatten() {
+            if let Place::Disk { blob, offset, len } = p {
+                on_disk.entry(*blob).or_default().push((*offset, *len));
+            }
+        }
         let mut promoted = HashMap::new();
         let mut corrupt = HashSet::new();
-        let mut buffers = HashMap::new();
-        for blob in on_disk {
+        let mut buffers = DiskBuffers::new();
+        for (blob, wanted) in on_disk {
             let Some(d) = &self.disk else {
                 corrupt.insert(blob);
                 continue;
@@ -942,30 +946,43 @@ impl Shared {
             let t0 = Instant::now();
             let read = match slot {
                 Some(offset) => {
+                    // This thread alone writes the promotion's range: the
+                    // core keeps it allocated until promote_done.
                     let r = self
                         .slab
-                        .with_mut(offset, size, |dst| d.engine.read(blob, dst))
+                        .copy_in_chunked(offset, size, COPY_CHUNK, |at, buf| {
+                            d.engine.read_at(blob, at, buf)
+                        })
                         .map_err(|e| disk::DiskError::Io(std::io::Error::other(e)))
                         .and_then(|r| r);
                     self.core().promote_done(blob, r.is_ok());
                     if r.is_ok() {
                         promoted.insert(blob, offset);
                     }
-                    r
+                    r.map(|()| size as u64)
                 }
                 None if load => {
-                    let mut buf = vec![0u8; size];
-                    let r = d.engine.read(blob, &mut buf);
-                    if r.is_ok() {
-                        buffers.insert(blob, buf);
+                    let mut bytes = 0;
+                    let mut r = Ok(());
+                    for (offset, len) in wanted {
+                        if buffers.contains_key(&(blob, offset, len)) {
+                            continue;
+                        }
+                        let mut buf = vec![0u8; len as usize];
+                        r = d.engine.read_at(blob, offset, &mut buf);
+                        if r.is_err() {
+                            break;
+                        }
+                        bytes += len;
+                        buffers.insert((blob, offset, len), buf);
                     }
-                    r
+                    r.map(|()| bytes)
                 }
-                None => Ok(()),
+                None => Ok(0),
             };
             match read {
-                Ok(()) if slot.is_some() || load => d.io.read(size as u64, t0),
-                Ok(()) => {}
+                Ok(0) => {}
+                Ok(n) => d.io.read(n, t0),
                 Err(e) => {
                     tracing::error!(error = %e, ?blob, "a spilled blob could not be read back; its keys fail");
                     corrupt.insert(blob);

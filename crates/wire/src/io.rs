@@ -236,8 +236,9 @@ impl SpinReader {
     }
 
     /// Bring the socket's receive timeout in line with `deadline`,
-    /// skipping the system call when it would change little.
-    fn apply_deadline(&mut self) -> io::Result<()> {
+    /// skipping the system call when it would change little (before a
+    /// read that bypasses this reader).
+    pub fn apply_deadline(&mut self) -> io::Result<()> {
         let want = match self.deadline {
             None => None,
             Some(d) => {
