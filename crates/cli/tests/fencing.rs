@@ -383,3 +383,51 @@ both_transports!(
     a_paused_reader_never_returns_changed_bytes,
     a_killed_paused_writer_gives_its_memory_back,
 );
+
+/// A view's pins live as long as the view: a failure on the connection
+/// later views use (here: a timeout while the unit is stopped) does not
+/// release them, and its bytes never change under it.
+#[test]
+fn a_failed_view_call_never_releases_another_views_pins() {
+    use stowage_client::{Column, DType, RowKey, Tensor};
+    let (p, _) = plane(1, 12 * MIB, SHORT_LEASES);
+    let c = std::sync::Arc::new(client(&p, Kind::Shm, Duration::from_secs(10)));
+    let big = 8 << 20;
+    let (ones, twos) = (vec![0x01u8; big], vec![0x02u8; big]);
+    fn col(bytes: &[u8]) -> Column<'_> {
+        Column::Dense(Tensor::new(DType::U8, vec![1, bytes.len() as u64], bytes).unwrap())
+    }
+    let key = [RowKey::Index(0)];
+    c.put("p", &key, &[("v", col(&ones))], None, c.deadline())
+        .unwrap();
+    let view = c.view("p", &key, &["v"], None, c.deadline()).unwrap();
+    let t = view.tensors()[0][0].clone();
+    assert!(view.to_vec(&t).iter().all(|&b| b == 0x01));
+    // The unit stops answering: a second view call times out, and its
+    // connection is given up.
+    p.units[0].signal(rustix::process::Signal::STOP).unwrap();
+    let failed = c.view(
+        "p",
+        &key,
+        &["v"],
+        None,
+        Instant::now() + Duration::from_millis(300),
+    );
+    p.units[0].signal(rustix::process::Signal::CONT).unwrap();
+    assert!(failed.is_err());
+    // Past every lease, the row is cleared and another value put: it must
+    // not land in the viewed range.
+    std::thread::sleep(Duration::from_millis(800));
+    c.clear("p", &key, None, c.deadline()).unwrap();
+    let other = [RowKey::Index(1)];
+    let short = Instant::now() + Duration::from_secs(2);
+    let r = c.put("p", &other, &[("v", col(&twos))], None, short);
+    assert!(r.is_err(), "the viewed range was handed out again");
+    assert!(
+        view.to_vec(&t).iter().all(|&b| b == 0x01),
+        "a view's bytes changed"
+    );
+    drop(view);
+    c.put("p", &other, &[("v", col(&twos))], None, c.deadline())
+        .unwrap();
+}
