@@ -329,9 +329,15 @@ class DataPlane:
         """The partitions of this namespace that hold data, sorted."""
         return self._client.partitions(timeout)
 
-    def stats(self, *, timeout: Optional[float] = None) -> List[Dict[str, int]]:
+    def stats(self, *, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """Every unit's counters (capacity, used, reserved_bytes,
-        quarantined_bytes, blobs, entries, rows, pins), in unit order."""
+        quarantined_bytes, blobs, entries, rows, pins, index_bytes, disk
+        counters), in unit order, with what clients hold: ``held_bytes``,
+        ``overdue_holds`` (holds older than the leases: reported, never
+        reclaimed while their holder may still touch them) and
+        ``sessions``, one dict per session (``connections``,
+        ``reservations``, ``pins``, ``held_bytes``, ``oldest_hold_ms``,
+        ``orphaned``)."""
         return self._client.stats(timeout)
 
     # -- asyncio -------------------------------------------------------------

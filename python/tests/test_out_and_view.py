@@ -70,6 +70,11 @@ def test_view_is_zero_copy_and_pins_until_collected(dp, part):
     with pytest.raises(ValueError):
         arrays[0][0] = 1.0
     assert total_pins(dp) == 2  # one per unit that holds a value
+    # Stats show what this client's sessions hold, per unit.
+    stats = dp.stats()
+    held = [s for u in stats for s in u["sessions"] if s["pins"] > 0]
+    assert len(held) == 2 and all(s["held_bytes"] > 0 for s in held)
+    assert sum(u["held_bytes"] for u in stats) >= 1000 * 8 + 6
     # Pinned values stay in place even when their rows are cleared and the
     # space is written again.
     dp.clear(part, [0, 1])

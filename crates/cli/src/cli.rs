@@ -442,10 +442,32 @@ fn run(cli: Cli) -> Result<(), String> {
             let client = Client::connect(cfg).map_err(|e| e.to_string())?;
             for (a, s) in addrs.iter().zip(client.stats(client.deadline())) {
                 match s {
-                    Ok(s) => println!(
-                        "{a}: {}/{} bytes used ({} reserved, {} quarantined), {} blobs, {} entries, {} rows, {} pins",
-                        s.used, s.capacity, s.reserved_bytes, s.quarantined_bytes, s.blobs, s.entries, s.rows, s.pins
-                    ),
+                    Ok(s) => {
+                        println!(
+                            "{a}: {}/{} bytes used ({} reserved, {} quarantined), {} blobs, {} entries, {} rows, {} pins; {} bytes held by sessions, {} holds overdue",
+                            s.used, s.capacity, s.reserved_bytes, s.quarantined_bytes, s.blobs, s.entries, s.rows, s.pins, s.held_bytes, s.overdue_holds
+                        );
+                        for x in s
+                            .sessions
+                            .iter()
+                            .filter(|x| x.held_bytes > 0 || x.orphaned > 0)
+                        {
+                            println!(
+                                "  session {}: {} connections, {} reservations, {} pins, {} bytes held, oldest hold {} ms{}",
+                                x.session,
+                                x.connections,
+                                x.reservations,
+                                x.pins,
+                                x.held_bytes,
+                                x.oldest_hold_ms,
+                                if x.orphaned > 0 {
+                                    format!(", {} held by cut connections until its process exits", x.orphaned)
+                                } else {
+                                    String::new()
+                                }
+                            );
+                        }
+                    }
                     Err(e) => println!("{a}: {e}"),
                 }
             }

@@ -692,6 +692,22 @@ impl Client {
             d.set_item("disk_write_micros", s.disk_write_micros)?;
             d.set_item("disk_read_bytes", s.disk_read_bytes)?;
             d.set_item("disk_read_micros", s.disk_read_micros)?;
+            d.set_item("index_bytes", s.index_bytes)?;
+            d.set_item("held_bytes", s.held_bytes)?;
+            d.set_item("overdue_holds", s.overdue_holds)?;
+            let sessions = PyList::empty(py);
+            for x in &s.sessions {
+                let e = PyDict::new(py);
+                e.set_item("session", x.session)?;
+                e.set_item("connections", x.connections)?;
+                e.set_item("reservations", x.reservations)?;
+                e.set_item("pins", x.pins)?;
+                e.set_item("held_bytes", x.held_bytes)?;
+                e.set_item("oldest_hold_ms", x.oldest_hold_ms)?;
+                e.set_item("orphaned", x.orphaned)?;
+                sessions.append(e)?;
+            }
+            d.set_item("sessions", sessions)?;
             out.append(d)?;
         }
         Ok(out)
