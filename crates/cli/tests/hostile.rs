@@ -631,3 +631,73 @@ fn restarts_are_told_against_the_current_instance_and_dead_slabs_unmapped() {
     ));
     assert!(!maps_inode(last), "a dead unit's slab is still mapped");
 }
+
+/// Not a test on its own: run by `a_cut_local_clients_holds_wait_for_its_process_to_exit`.
+/// Reserves a range over the Unix socket, then starts a frame it never
+/// finishes (the unit cuts the connection), and waits to be killed.
+#[test]
+#[ignore = "a helper process of a_cut_local_clients_holds_wait_for_its_process_to_exit"]
+fn cut_holder_child() {
+    let sock = std::env::var("STOWAGE_TEST_CUT_HOLDER").expect("run only by its test");
+    let (mut r, _) = hello_in(Path::new(&sock), None);
+    assert!(matches!(
+        alloc(&mut r, 5, 4096, 1),
+        Response::Allocated { .. }
+    ));
+    r.s.write_all(&[9, 0, 0]).unwrap();
+    println!("HELD");
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+#[test]
+fn a_cut_local_clients_holds_wait_for_its_process_to_exit() {
+    let (p, _) = plane(1, 16 * MIB, &["--frame-timeout", "300ms"]);
+    let sock = p.units[0].uds.clone();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "cut_holder_child",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("STOWAGE_TEST_CUT_HOLDER", &sock)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let out = child.stdout.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for l in BufReader::new(out).lines().map_while(Result::ok) {
+            if l.contains("HELD") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    let held = rx.recv_timeout(Duration::from_secs(30));
+    let mut watcher = Raw::hello(&sock, "ns");
+    // The unit cuts the connection (frame timeout), but the process lives
+    // and maps the slab: its reservation stays, shown as orphaned.
+    let orphaned = eventually(Duration::from_secs(5), || {
+        stats(&mut watcher).sessions.iter().any(|s| s.orphaned == 1)
+    });
+    std::thread::sleep(Duration::from_millis(700));
+    let kept = stats(&mut watcher);
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(held.is_ok(), "the child never reserved");
+    assert!(orphaned, "{kept:?}");
+    assert_eq!(kept.reserved_bytes, 4096, "{kept:?}");
+    assert_eq!(kept.quarantined_bytes, 0);
+    // Once the process is gone, what it held is released.
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            let s = stats(&mut watcher);
+            s.reserved_bytes == 0 && s.used == 0
+        }),
+        "{:?}",
+        stats(&mut watcher)
+    );
+}
