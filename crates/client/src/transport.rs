@@ -482,7 +482,8 @@ impl Transport for ShmTransport {
 
 impl ShmTransport {
     fn unpin(&mut self, pin: PinId, deadline: Instant) -> Result<(), OpFailure> {
-        // No reply: the pin's lease covers a lost unpin.
+        // No reply: an unpin lost with its connection is covered by the
+        // connection's end, which releases what it held.
         self.conn
             .send(&Request::Unpin { pin, reply: false }, &mut [], deadline)
             .map_err(|e| OpFailure::conn(e, false))?;

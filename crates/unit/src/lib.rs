@@ -9,7 +9,8 @@
 //!
 //! Threads: one accept loop per listener, one thread per connection
 //! (blocking reads keep the request path to a single wake-up), and one
-//! ticker that lets the core reclaim expired leases. The core sits behind
+//! ticker that ends quarantines and checks whether the processes of cut
+//! sessions have exited. The core sits behind
 //! one mutex that is never held across I/O.
 //!
 //! A connection that sends a malformed or oversized frame gets an
@@ -64,11 +65,12 @@ pub struct UnitConfig {
     /// TCP address (tcp transport). Loopback unless the operator says
     /// otherwise. `None`: no TCP listener.
     pub tcp: Option<SocketAddr>,
-    /// Lease of uncommitted reservations. Default 30 s.
+    /// A reservation held longer is reported as overdue (never taken from
+    /// its holder). Default 30 s.
     pub reservation_lease: Duration,
-    /// Lease of pins. Default 30 s.
+    /// A pin held longer is reported as overdue. Default 30 s.
     pub pin_lease: Duration,
-    /// Quarantine of aborted in-flight or expired ranges. Default 5 s.
+    /// Quarantine of the range of a put stream the unit cut off. Default 5 s.
     pub quarantine: Duration,
     /// Frame limits.
     pub limits: Limits,

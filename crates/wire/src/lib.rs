@@ -128,8 +128,9 @@ pub enum Request {
         blob: BlobId,
         in_flight: bool,
     },
-    /// Locate keys and pin their blobs. `hold`: the pin has no lease and
-    /// lasts until Unpin or the end of this connection.
+    /// Locate keys and pin their blobs. Every pin lasts until Unpin (by
+    /// its session) or the end of the connection that took it; no lease
+    /// ends it. `hold` is kept for the wire layout and ignored.
     Resolve {
         partition: String,
         keys: Vec<Key>,
