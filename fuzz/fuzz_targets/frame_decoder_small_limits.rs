@@ -1,5 +1,6 @@
 //! As `frame_decoder`, with tight `Limits` so that inputs reach the
-//! header-size, payload-size, count and name-length refusals.
+//! header-size, payload-size, count, name-length and metadata-length
+//! refusals.
 
 #![no_main]
 
@@ -14,6 +15,7 @@ const LIMITS: Limits = Limits {
     max_keys: 4,
     max_name: 8,
     max_payload: 1024,
+    max_meta: 8,
 };
 
 fuzz_target!(|data: &[u8]| {

@@ -1,0 +1,1777 @@
+//! The unit's request handler past the frame decoder, driven by sequences of
+//! steps from three sessions (each up to two connections, Unix/direct or
+//! tcp): requests through `Request::validate` and `handler::handle` as the
+//! connection loop sends them, Put and Read as the server does them on the
+//! core, shm copies by direct clients into what they were handed, time
+//! advances and ticks, connection ends (closed or cut), reconnects, session
+//! ends, spills, disk writes and promotions.
+//!
+//! A shadow model keeps what each session was handed and has not released,
+//! every committed key's bytes, and a shadow slab and disk files that the
+//! simulated clients and driver write into. After every step the target
+//! checks (and panics with a message on a violation):
+//!
+//! 1. the slab ranges of live blobs and held ranges are aligned, inside the
+//!    slab and pairwise disjoint, and the stats counters agree with them and
+//!    with the shadow (used, reserved bytes, pins, entries, rows, index
+//!    bytes, per-session holds, connections and orphaned holds);
+//! 2. fencing: every range a session may touch is a live blob's range of its
+//!    own; a range reserved by one session is never one another session may
+//!    touch; and everything the shadow says a session still holds is still
+//!    the core's allocation for that session;
+//! 3. reads: every Resolve or Read returns, for each key, exactly the bytes
+//!    and metadata committed last under that key (or nothing when the key
+//!    has no value), the bytes a pin holds never change until it is
+//!    released, and a checkpoint snapshot lists exactly the shadow's keys
+//!    with their bytes — although direct clients keep scribbling over their
+//!    own reservations, also long after they were paused and cut off;
+//! 4. ownership: Commit, Abort, Unpin (and Alloc) of another session's
+//!    reservation or pin answer Unauthorized and change nothing;
+//! 5. no panic in the core or the handler for any input.
+//!
+//! See fuzz/README.md for how to run it.
+
+#![no_main]
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use stowage_core::{
+    BlobId, ConnEnd, CoreConfig, CoreError, Effect, EntrySpec, Key, Located, Owner, PinId, Place,
+    SessionId, Stats, Time, UnitCore,
+};
+use stowage_unit::handler::{self, error_response, scope, Handled};
+use stowage_wire::{ErrorCode, Limits, Request, Response, PROTOCOL_VERSION};
+
+/// Slab bytes: small, so that Full and Busy happen.
+const CAP: u64 = 64 << 10;
+/// Disk tier bytes, when the input turns it on.
+const DISK: u64 = 96 << 10;
+const ALIGN: u64 = 64;
+const SLOTS: usize = 3;
+/// Connections per session (also the core's cap, so that attach answers Busy).
+const MAX_CONNS: usize = 2;
+const MAX_STEPS: usize = 256;
+const QUARANTINE: Duration = Duration::from_secs(5);
+const NAMESPACES: [&str; 2] = ["a", "b"];
+const PARTITIONS: [&str; 3] = ["", "p", "q"];
+/// `"\0name"`: a hidden bookkeeping field (not counted by ReleaseRows).
+const FIELDS: [&str; 4] = ["a", "b", "\0name", ""];
+
+// ---------------------------------------------------------------------------
+// The input.
+
+#[derive(Arbitrary, Debug)]
+struct Input {
+    disk: bool,
+    small_index: bool,
+    steps: Vec<Step>,
+}
+
+#[derive(Arbitrary, Debug)]
+enum Step {
+    /// A request from a connection, through validate and the handler.
+    Req {
+        conn: u8,
+        op: Op,
+    },
+    /// A direct client copies bytes into one of its reservations (also when
+    /// all its connections were cut: its process may still run).
+    Scribble {
+        slot: u8,
+        which: u8,
+        partial: bool,
+    },
+    /// Time passes; with `wake`, every direct client then finishes all its
+    /// copies at once (a paused process resuming).
+    Advance {
+        dt: Dt,
+        wake: bool,
+    },
+    Tick,
+    Detach {
+        conn: u8,
+        cut: bool,
+    },
+    /// A new connection of the slot's session (a new session if it has none).
+    Attach {
+        slot: u8,
+        direct: bool,
+        ns: u8,
+    },
+    /// The slot's process is gone.
+    SessionGone {
+        slot: u8,
+        close_first: bool,
+    },
+    /// A Put, done as the server does it.
+    Put {
+        conn: u8,
+        blob: u8,
+        partition: u8,
+        size: u16,
+        entries: Vec<EntryOp>,
+        end: PutEnd,
+    },
+    /// A Read, done as the server does it; `cut`: the reader stalled and
+    /// was cut off after the reply.
+    Read {
+        conn: u8,
+        partition: u8,
+        keys: Vec<KeyOp>,
+        known: Option<u8>,
+        cut: bool,
+    },
+    /// The driver asks for spill jobs.
+    Spill,
+    /// The driver finishes one file write (a spill or a put to disk).
+    Flush {
+        which: u8,
+        ok: bool,
+    },
+    /// The driver starts bringing a spilled blob back into the slab (one
+    /// with a disk file, picked by `blob`).
+    PromoteBegin {
+        blob: u8,
+    },
+    /// ... and finishes copying into it.
+    PromoteDone {
+        which: u8,
+        ok: bool,
+    },
+    /// A checkpoint's snapshot, checked against the shadow, then unpinned.
+    Checkpoint,
+}
+
+#[derive(Arbitrary, Debug)]
+enum Op {
+    Alloc {
+        blob: u8,
+        size: u16,
+        n_entries: u8,
+    },
+    /// `fit`: entry count and ranges fitted to what the session reserved.
+    Commit {
+        blob: u8,
+        partition: u8,
+        entries: Vec<EntryOp>,
+        fit: bool,
+    },
+    Abort {
+        blob: u8,
+        in_flight: bool,
+    },
+    /// `known`: the partition and keys are picked among committed ones.
+    Resolve {
+        partition: u8,
+        keys: Vec<KeyOp>,
+        hold: bool,
+        known: Option<u8>,
+    },
+    Unpin {
+        pin: u8,
+        reply: bool,
+    },
+    ReleaseRows {
+        partition: u8,
+        rows: Vec<u8>,
+    },
+    List {
+        partition: u8,
+    },
+    DropPartition {
+        partition: u8,
+    },
+    ListPartitions,
+    Stats,
+    Hello,
+    Shutdown,
+}
+
+#[derive(Arbitrary, Debug, Clone, Copy)]
+struct EntryOp {
+    row: u8,
+    field: u8,
+    off: u8,
+    len: u8,
+    meta: u8,
+}
+
+#[derive(Arbitrary, Debug, Clone, Copy)]
+struct KeyOp {
+    row: u8,
+    field: u8,
+}
+
+#[derive(Arbitrary, Debug, Clone, Copy)]
+enum Dt {
+    Zero,
+    Millis(u8),
+    Secs(u8),
+    Quarantine,
+    Hours(u8),
+}
+
+#[derive(Arbitrary, Debug, Clone, Copy, PartialEq, Eq)]
+enum PutEnd {
+    Complete,
+    /// The payload stalled past its deadline: cut, range quarantined.
+    Cut,
+    /// The peer closed mid-payload.
+    Closed,
+}
+
+fn size(x: u16) -> u64 {
+    match x % 16 {
+        14 => 0,
+        15 => match (x >> 4) % 4 {
+            0 => CAP,
+            1 => CAP + 1,
+            2 => u64::MAX,
+            _ => 1 << 40,
+        },
+        _ => u64::from(x >> 4) * 5, // up to ~20 KiB
+    }
+}
+
+fn rounded(n: u64) -> u64 {
+    n.div_ceil(ALIGN).max(1).saturating_mul(ALIGN)
+}
+
+fn blob_id(x: u8) -> BlobId {
+    BlobId(u128::from(x % 16))
+}
+
+fn partition(x: u8) -> String {
+    if x == 255 {
+        "x\u{1f}y".into() // refused by validate
+    } else {
+        PARTITIONS[x as usize % PARTITIONS.len()].into()
+    }
+}
+
+fn field(x: u8) -> String {
+    if x == 255 {
+        "f".repeat(1025) // refused by validate
+    } else {
+        FIELDS[x as usize % FIELDS.len()].into()
+    }
+}
+
+fn row(x: u8) -> u64 {
+    if x == 255 {
+        u64::MAX
+    } else {
+        u64::from(x % 8)
+    }
+}
+
+fn key(k: KeyOp) -> Key {
+    Key::new(row(k.row), field(k.field))
+}
+
+/// An entry; with `n`, its range scaled into a blob of `n` bytes.
+fn entry(e: EntryOp, n: Option<u64>) -> EntrySpec {
+    let (offset, len) = match n {
+        Some(n) if n < u64::MAX / 256 => {
+            let offset = n * u64::from(e.off) / 255;
+            (offset, (n * u64::from(e.len) / 255).min(n - offset))
+        }
+        _ => (u64::from(e.off), u64::from(e.len)),
+    };
+    EntrySpec {
+        key: Key::new(row(e.row), field(e.field)),
+        offset,
+        len,
+        meta: vec![e.meta; (e.meta % 4) as usize],
+    }
+}
+
+fn entries(ops: &[EntryOp], n: Option<u64>, count: Option<u32>) -> Vec<EntrySpec> {
+    let mut v: Vec<EntrySpec> = ops.iter().map(|e| entry(*e, n)).collect();
+    if let Some(c) = count {
+        let c = c as usize;
+        v.truncate(c);
+        let mut i = 0u8;
+        while v.len() < c {
+            let base = ops
+                .get(i as usize % ops.len().max(1))
+                .copied()
+                .unwrap_or(EntryOp {
+                    row: i,
+                    field: 0,
+                    off: 0,
+                    len: 255,
+                    meta: 0,
+                });
+            v.push(entry(
+                EntryOp {
+                    row: base.row.wrapping_add(i),
+                    ..base
+                },
+                n,
+            ));
+            i = i.wrapping_add(1);
+        }
+    }
+    v
+}
+
+// ---------------------------------------------------------------------------
+// The shadow.
+
+#[derive(Clone, Copy, Debug)]
+struct Conn {
+    owner: Owner,
+    ns: &'static str,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    /// The session of this client process, while the core may know it.
+    session: Option<SessionId>,
+    /// Its connections are Unix-socket ones: the process maps the slab.
+    /// (The server only joins a connection to a session of the same peer
+    /// pid, so a session's connections are all direct or all tcp.)
+    direct: bool,
+    conns: Vec<Conn>,
+}
+
+/// A reservation handed to a session.
+#[derive(Clone, Copy, Debug)]
+struct Res {
+    session: SessionId,
+    /// The connection holding it; `None` once the unit cut it.
+    conn: Option<stowage_core::ConnId>,
+    nbytes: u64,
+    n_entries: u32,
+    /// Slab offset; `None`: reserved on disk.
+    at: Option<u64>,
+}
+
+/// A pin handed to a session, with the bytes it read.
+#[derive(Clone, Debug)]
+struct PinRec {
+    session: SessionId,
+    conn: Option<stowage_core::ConnId>,
+    reads: Vec<(Place, Vec<u8>)>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Val {
+    bytes: Vec<u8>,
+    meta: Vec<u8>,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum FlushJob {
+    Spill {
+        blob: BlobId,
+        offset: u64,
+        nbytes: u64,
+    },
+    Put {
+        blob: BlobId,
+    },
+}
+
+type Index = BTreeMap<String, BTreeMap<u64, BTreeMap<String, Val>>>;
+
+struct H {
+    core: UnitCore,
+    disk: bool,
+    now: Time,
+    slab: Vec<u8>,
+    files: BTreeMap<BlobId, Vec<u8>>,
+    slots: [Slot; SLOTS],
+    res: BTreeMap<BlobId, Res>,
+    pins: BTreeMap<PinId, PinRec>,
+    seen_pins: Vec<PinId>,
+    keys: Index,
+    /// Blobs whose commit answered Pending: published when their file is.
+    pending: BTreeMap<BlobId, (String, Vec<EntrySpec>)>,
+    flushes: Vec<FlushJob>,
+    promos: Vec<(BlobId, u64, Vec<u8>)>,
+    writes: u64,
+    /// Event counts, printed per input when `RH_STATS` is set (to see what
+    /// a corpus reaches: `request_handler corpus/request_handler -runs=0`).
+    seen: BTreeMap<&'static str, u64>,
+    disk_reads: std::cell::Cell<u64>,
+}
+
+fn code(r: &Response) -> Option<ErrorCode> {
+    match r {
+        Response::Error { code, .. } => Some(*code),
+        _ => None,
+    }
+}
+
+impl H {
+    fn new(input: &Input) -> Self {
+        let mut cfg = CoreConfig::new(CAP);
+        cfg.max_session_conns = MAX_CONNS;
+        cfg.quarantine = QUARANTINE;
+        if input.disk {
+            cfg.disk_capacity = DISK;
+            cfg.high_watermark = 0.5;
+            cfg.low_watermark = 0.25;
+        }
+        if input.small_index {
+            cfg.index_budget = 2048;
+        }
+        let core = UnitCore::new(cfg).expect("valid config");
+        let mut h = H {
+            core,
+            disk: input.disk,
+            now: Duration::ZERO,
+            slab: vec![0u8; CAP as usize],
+            files: BTreeMap::new(),
+            slots: Default::default(),
+            res: BTreeMap::new(),
+            pins: BTreeMap::new(),
+            seen_pins: Vec::new(),
+            keys: BTreeMap::new(),
+            pending: BTreeMap::new(),
+            flushes: Vec::new(),
+            promos: Vec::new(),
+            writes: 0,
+            seen: BTreeMap::new(),
+            disk_reads: Default::default(),
+        };
+        // Two direct clients and a tcp one, connected.
+        for (i, direct) in [true, true, false].into_iter().enumerate() {
+            h.attach(i, direct, i as u8);
+        }
+        h
+    }
+
+    fn note(&mut self, what: &'static str) {
+        *self.seen.entry(what).or_default() += 1;
+    }
+
+    fn effects(&mut self) {
+        for e in self.core.take_effects() {
+            match e {
+                Effect::DeleteFile(b) => {
+                    self.files.remove(&b);
+                }
+            }
+        }
+    }
+
+    /// A connection by selector: slot `x % 3`, then one of its connections.
+    fn conn(&self, x: u8) -> Option<(usize, usize)> {
+        let slot = x as usize % SLOTS;
+        let n = self.slots[slot].conns.len();
+        (n > 0).then(|| (slot, (x as usize / SLOTS) % n))
+    }
+
+    /// Bytes a writer puts somewhere: different for every write.
+    fn pattern(&mut self, len: usize) -> Vec<u8> {
+        self.writes += 1;
+        let w = self.writes.wrapping_mul(0x9e37_79b9_7f4a_7c15);
+        (0..len)
+            .map(|i| (w.wrapping_add((i as u64).wrapping_mul(0x2545_f491)) >> 29) as u8)
+            .collect()
+    }
+
+    fn write_slab(&mut self, offset: u64, len: u64) {
+        assert!(
+            offset + len <= CAP,
+            "write of {len} at {offset} outside the slab"
+        );
+        let p = self.pattern(len as usize);
+        self.slab[offset as usize..(offset + len) as usize].copy_from_slice(&p);
+    }
+
+    fn read_place(&self, place: &Place) -> Vec<u8> {
+        match *place {
+            Place::Memory(l) => {
+                assert!(
+                    l.offset.checked_add(l.len).is_some_and(|e| e <= CAP),
+                    "location {l:?} outside the slab"
+                );
+                self.slab[l.offset as usize..(l.offset + l.len) as usize].to_vec()
+            }
+            Place::Disk { blob, offset, len } => {
+                let f = self
+                    .files
+                    .get(&blob)
+                    .unwrap_or_else(|| panic!("{place:?}: blob {blob:?} has no disk file"));
+                let end = offset.checked_add(len).filter(|e| *e <= f.len() as u64);
+                let end = end.unwrap_or_else(|| {
+                    panic!(
+                        "{place:?} outside blob {blob:?}'s file of {} bytes",
+                        f.len()
+                    )
+                });
+                f[offset as usize..end as usize].to_vec()
+            }
+        }
+    }
+
+    // -- sessions and connections ------------------------------------------
+
+    fn attach(&mut self, slot: usize, direct: bool, ns: u8) {
+        let ns = NAMESPACES[ns as usize % NAMESPACES.len()];
+        let s = match self.slots[slot].session {
+            Some(s) => s,
+            None => {
+                let s = self.core.open_session();
+                self.slots[slot].session = Some(s);
+                self.slots[slot].direct = direct;
+                s
+            }
+        };
+        let direct = self.slots[slot].direct;
+        let full = self.slots[slot].conns.len() >= MAX_CONNS;
+        match self.core.attach(s, direct) {
+            Ok(owner) => {
+                assert!(!full, "attach past the session's connection cap succeeded");
+                assert_eq!(owner.session, s);
+                self.slots[slot].conns.push(Conn { owner, ns });
+            }
+            Err(CoreError::Busy { .. }) => {
+                assert!(
+                    full,
+                    "attach refused with {} connections",
+                    self.slots[slot].conns.len()
+                )
+            }
+            Err(e) => panic!("attach to live session {s:?} failed: {e}"),
+        }
+    }
+
+    /// A connection ends; mirror what the core releases.
+    fn detach(&mut self, slot: usize, i: usize, end: ConnEnd) {
+        let c = self.slots[slot].conns.remove(i);
+        let direct = self.slots[slot].direct;
+        self.core.detach(c.owner, end, self.now);
+        self.effects();
+        let keep = end == ConnEnd::Cut && direct;
+        self.note(match (end, direct) {
+            (ConnEnd::Cut, true) => "detach_cut_direct",
+            (ConnEnd::Cut, false) => "detach_cut_tcp",
+            _ => "detach_closed",
+        });
+        let mine = |s: SessionId, conn: Option<stowage_core::ConnId>| {
+            s == c.owner.session && conn == Some(c.owner.conn)
+        };
+        if keep {
+            for r in self.res.values_mut().filter(|r| mine(r.session, r.conn)) {
+                r.conn = None;
+            }
+            for p in self.pins.values_mut().filter(|p| mine(p.session, p.conn)) {
+                p.conn = None;
+            }
+        } else {
+            self.res.retain(|_, r| !mine(r.session, r.conn));
+            self.pins.retain(|_, p| !mine(p.session, p.conn));
+        }
+        self.forget_if_gone(slot);
+    }
+
+    fn holds(&self, s: SessionId) -> bool {
+        self.res.values().any(|r| r.session == s) || self.pins.values().any(|p| p.session == s)
+    }
+
+    /// The core forgets a session with no connection and no hold: so does
+    /// the server's session table (a later Hello starts a new one).
+    fn forget_if_gone(&mut self, slot: usize) {
+        if let Some(s) = self.slots[slot].session {
+            if self.slots[slot].conns.is_empty() && !self.holds(s) {
+                assert!(
+                    !self.core.has_session(s),
+                    "session {s:?} with no connection and no hold is still known"
+                );
+                self.slots[slot].session = None;
+            }
+        }
+    }
+
+    fn session_gone(&mut self, slot: usize, close_first: bool) {
+        let Some(s) = self.slots[slot].session else {
+            return;
+        };
+        if close_first {
+            while !self.slots[slot].conns.is_empty() {
+                self.detach(slot, 0, ConnEnd::Closed);
+            }
+        }
+        self.core.session_gone(s, self.now);
+        self.note("session_gone");
+        self.effects();
+        self.res.retain(|_, r| r.session != s);
+        self.pins.retain(|_, p| p.session != s);
+        // Its sockets close too.
+        for c in std::mem::take(&mut self.slots[slot].conns) {
+            self.core.detach(c.owner, ConnEnd::Closed, self.now);
+            self.effects();
+        }
+        assert!(
+            !self.core.has_session(s),
+            "session {s:?} outlived session_gone"
+        );
+        self.slots[slot].session = None;
+    }
+
+    /// A direct client copies into its `which`-th reservation in the slab.
+    fn scribble(&mut self, slot: usize, which: usize, partial: bool) {
+        let Some(s) = self.slots[slot].session.filter(|_| self.slots[slot].direct) else {
+            return;
+        };
+        let mine: Vec<(u64, u64)> = self
+            .res
+            .values()
+            .filter(|r| r.session == s)
+            .filter_map(|r| Some((r.at?, r.nbytes)))
+            .collect();
+        if mine.is_empty() {
+            return;
+        }
+        let (off, n) = mine[which % mine.len()];
+        self.write_slab(off, if partial { n / 2 } else { n });
+        self.note("scribble");
+        if self.slots[slot].conns.is_empty() {
+            self.note("scribble_by_cut_session");
+        }
+    }
+
+    // -- requests ----------------------------------------------------------
+
+    fn request(&mut self, x: u8, op: Op) {
+        let Some((slot, i)) = self.conn(x) else {
+            return;
+        };
+        let c = self.slots[slot].conns[i];
+        let req = match op {
+            Op::Alloc {
+                blob,
+                size: sz,
+                n_entries,
+            } => Request::Alloc {
+                blob: blob_id(blob),
+                nbytes: size(sz),
+                n_entries: if n_entries == 255 {
+                    1 << 21 // refused by validate
+                } else {
+                    u32::from(n_entries % 5)
+                },
+            },
+            Op::Commit {
+                blob,
+                partition: p,
+                entries: e,
+                fit,
+            } => {
+                let b = blob_id(blob);
+                let r = self.res.get(&b).filter(|_| fit);
+                Request::Commit {
+                    blob: b,
+                    partition: partition(p),
+                    entries: entries(&e, r.map(|r| r.nbytes), r.map(|r| r.n_entries)),
+                }
+            }
+            Op::Abort { blob, in_flight } => Request::Abort {
+                blob: blob_id(blob),
+                in_flight,
+            },
+            Op::Resolve {
+                partition: p,
+                keys,
+                hold,
+                known,
+            } => {
+                let (partition, keys) = self.lookup(c.ns, p, &keys, known);
+                Request::Resolve {
+                    partition,
+                    keys,
+                    hold,
+                }
+            }
+            Op::Unpin { pin, reply } => Request::Unpin {
+                pin: match self.seen_pins.len() {
+                    n if n > 0 && pin < 240 => self.seen_pins[n - 1 - pin as usize % n],
+                    _ => PinId(u64::from(pin).wrapping_mul(0x9e37_79b9_7f4a_7c15)),
+                },
+                reply,
+            },
+            Op::ReleaseRows { partition: p, rows } => Request::ReleaseRows {
+                partition: partition(p),
+                rows: rows.iter().map(|r| row(*r)).collect(),
+            },
+            Op::List { partition: p } => Request::List {
+                partition: partition(p),
+            },
+            Op::DropPartition { partition: p } => Request::DropPartition {
+                partition: partition(p),
+            },
+            Op::ListPartitions => Request::ListPartitions,
+            Op::Stats => Request::Stats,
+            Op::Hello => Request::Hello {
+                version: PROTOCOL_VERSION,
+                namespace: c.ns.into(),
+                want_fd: true,
+                session: None,
+            },
+            Op::Shutdown => Request::Shutdown { timeout_ms: 0 },
+        };
+        self.send(slot, i, req, false);
+    }
+
+    /// The partition and keys of a Resolve or Read: as given, or (`known`)
+    /// a committed partition of namespace `ns` and keys it holds, and the
+    /// given keys after them.
+    fn lookup(&self, ns: &str, p: u8, keys: &[KeyOp], known: Option<u8>) -> (String, Vec<Key>) {
+        let given = keys.iter().map(|k| key(*k));
+        let prefix = scope(ns, "");
+        let scopes: Vec<(&String, _)> = self
+            .keys
+            .iter()
+            .filter(|(k, rows)| k.starts_with(&prefix) && !rows.is_empty())
+            .collect();
+        match known {
+            Some(w) if !scopes.is_empty() => {
+                let (sc, rows) = scopes[w as usize % scopes.len()];
+                let all: Vec<Key> = rows
+                    .iter()
+                    .flat_map(|(r, f)| f.keys().map(|f| Key::new(*r, f.clone())))
+                    .collect();
+                let skip = (w as usize / 8) % all.len();
+                let mut ks: Vec<Key> = all.into_iter().skip(skip).take(6).collect();
+                ks.extend(given);
+                (sc[prefix.len()..].to_owned(), ks)
+            }
+            _ => (partition(p), given.collect()),
+        }
+    }
+
+    /// What the connection loop does with a request: validate (an invalid
+    /// one ends the connection, cut by the unit), then the handler.
+    fn send(&mut self, slot: usize, i: usize, req: Request, read_cut: bool) {
+        let c = self.slots[slot].conns[i];
+        let o = c.owner;
+        if req.validate(&Limits::default()).is_err() {
+            self.detach(slot, i, ConnEnd::Cut);
+            return;
+        }
+        let before = self.core.stats_at(self.now);
+        let pending_alloc = match &req {
+            Request::Alloc {
+                blob,
+                nbytes,
+                n_entries,
+            } => Some((*blob, *nbytes, *n_entries)),
+            _ => None,
+        };
+        let commit = match &req {
+            Request::Commit {
+                blob,
+                partition,
+                entries,
+            } => Some((*blob, scope(c.ns, partition), entries.clone())),
+            _ => None,
+        };
+        let abort = match &req {
+            Request::Abort { blob, .. } => Some(*blob),
+            _ => None,
+        };
+        let unpin = match &req {
+            Request::Unpin { pin, .. } => Some(*pin),
+            _ => None,
+        };
+        let resolve = match &req {
+            Request::Resolve {
+                partition, keys, ..
+            } => Some((scope(c.ns, partition), keys.clone())),
+            _ => None,
+        };
+        let release = match &req {
+            Request::ReleaseRows { partition, rows } => {
+                Some((scope(c.ns, partition), Some(rows.clone())))
+            }
+            Request::DropPartition { partition } => Some((scope(c.ns, partition), None)),
+            _ => None,
+        };
+        let list = match &req {
+            Request::List { partition } => Some(scope(c.ns, partition)),
+            _ => None,
+        };
+        let list_partitions = matches!(req, Request::ListPartitions);
+
+        let handled = handler::handle(&mut self.core, o, c.ns, req, self.now);
+        self.effects();
+
+        let resp = match handled {
+            Handled::Reply(r) => Some(r),
+            Handled::Silent => None,
+            Handled::Resolved(pin, found) => {
+                let (sc, keys) = resolve.expect("Resolved answers a Resolve");
+                self.resolved(o, &sc, &keys, pin, &found);
+                return;
+            }
+            Handled::Other(other) => {
+                match other {
+                    Request::Put {
+                        blob,
+                        partition,
+                        entries,
+                        ..
+                    } => {
+                        unreachable!("Put {blob:?} {partition:?} {entries:?} is sent by put()")
+                    }
+                    Request::Read {
+                        partition, keys, ..
+                    } => self.read(slot, i, &scope(c.ns, &partition), &keys, read_cut),
+                    Request::Stats => {
+                        let _ = self.core.stats_at(self.now);
+                    }
+                    // A second Hello: the unit refuses it and cuts the connection.
+                    Request::Hello { .. } => self.detach(slot, i, ConnEnd::Cut),
+                    Request::Shutdown { .. } | Request::Checkpoint { .. } => {}
+                    r => panic!("the handler passed on {r:?}"),
+                }
+                return;
+            }
+        };
+        if let Some(Response::Error { code, .. }) = &resp {
+            self.note(match code {
+                ErrorCode::Unauthorized => "err_unauthorized",
+                ErrorCode::Busy => "err_busy",
+                ErrorCode::Full => "err_full",
+                ErrorCode::UnknownBlob => "err_unknown_blob",
+                ErrorCode::InvalidRequest => "err_invalid",
+                _ => "err_other",
+            });
+        }
+        if let Some(Response::Error {
+            code: ErrorCode::Unauthorized,
+            message,
+        }) = &resp
+        {
+            assert_eq!(
+                before,
+                self.core.stats_at(self.now),
+                "a request answered Unauthorized ({message}) changed the unit"
+            );
+        }
+        if let Some((blob, nbytes, n_entries)) = pending_alloc {
+            let r = resp.expect("Alloc always replies");
+            self.allocated(o, blob, nbytes, n_entries, &r);
+        } else if let Some((blob, sc, entries)) = commit {
+            let r = resp.expect("Commit always replies");
+            self.committed(o, &sc, blob, &entries, &r);
+        } else if let Some(blob) = abort {
+            let r = resp.expect("Abort always replies");
+            self.aborted(o, blob, &r);
+        } else if let Some(pin) = unpin {
+            let other = self.pins.get(&pin).is_some_and(|p| p.session != o.session);
+            match resp.as_ref().and_then(code) {
+                Some(ErrorCode::Unauthorized) => {
+                    assert!(other, "Unpin of own or unknown pin {pin:?}: Unauthorized")
+                }
+                Some(c) => panic!("Unpin {pin:?} answered {c:?}"),
+                None => {
+                    assert!(!other, "Unpin of another session's pin {pin:?} succeeded");
+                    assert!(
+                        matches!(resp, None | Some(Response::Done)),
+                        "Unpin: {resp:?}"
+                    );
+                    self.pins.remove(&pin);
+                }
+            }
+        } else if let Some((sc, rows)) = release {
+            let Some(Response::Released { entries }) = resp else {
+                panic!("ReleaseRows/DropPartition answered {resp:?}");
+            };
+            let expect = self.release(&sc, rows);
+            assert_eq!(entries, expect, "released entries of {sc:?}");
+        } else if let Some(sc) = list {
+            let Some(Response::Listed { rows }) = resp else {
+                panic!("List answered {resp:?}");
+            };
+            let expect: Vec<(u64, Vec<String>)> = self
+                .keys
+                .get(&sc)
+                .map(|r| {
+                    r.iter()
+                        .map(|(row, f)| (*row, f.keys().cloned().collect()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            assert_eq!(rows, expect, "List of {sc:?}");
+        } else if list_partitions {
+            let Some(Response::Partitions { names }) = resp else {
+                panic!("ListPartitions answered {resp:?}");
+            };
+            let prefix = scope(c.ns, "");
+            let expect: Vec<String> = self
+                .keys
+                .keys()
+                .filter_map(|k| k.strip_prefix(&prefix).map(str::to_owned))
+                .collect();
+            assert_eq!(names, expect, "ListPartitions of {:?}", c.ns);
+        } else {
+            panic!("no check for reply {resp:?}");
+        }
+    }
+
+    fn allocated(&mut self, o: Owner, blob: BlobId, nbytes: u64, n_entries: u32, r: &Response) {
+        let prior = self.res.get(&blob).copied();
+        let same = prior.is_some_and(|p| p.nbytes == nbytes && p.n_entries == n_entries);
+        let other = prior.is_some_and(|p| p.session != o.session);
+        let held_elsewhere =
+            prior.is_some_and(|p| p.session == o.session && p.conn.is_some_and(|c| c != o.conn));
+        let at = match r {
+            Response::Allocated { offset } => Some(Some(*offset)),
+            Response::ToDisk => Some(None),
+            Response::AlreadyCommitted => {
+                assert!(
+                    prior.is_none(),
+                    "reserved blob {blob:?} answered AlreadyCommitted"
+                );
+                None
+            }
+            Response::Error { code, message } => {
+                match code {
+                    ErrorCode::Unauthorized => assert!(
+                        other && same,
+                        "Alloc {blob:?} answered Unauthorized ({message}); shadow {prior:?}"
+                    ),
+                    ErrorCode::Busy if same && !other => assert!(
+                        held_elsewhere,
+                        "Alloc retry of {blob:?} answered Busy ({message}); shadow {prior:?}"
+                    ),
+                    ErrorCode::Busy | ErrorCode::Full => {
+                        assert!(
+                            prior.is_none(),
+                            "Alloc {blob:?}: {code:?}; shadow {prior:?}"
+                        )
+                    }
+                    ErrorCode::InvalidRequest => assert!(
+                        prior.is_some() && !same,
+                        "Alloc {blob:?} answered invalid ({message}); shadow {prior:?}"
+                    ),
+                    c => panic!("Alloc {blob:?} answered {c:?} ({message})"),
+                }
+                None
+            }
+            r => panic!("Alloc answered {r:?}"),
+        };
+        if other && same {
+            assert!(
+                code(r) == Some(ErrorCode::Unauthorized),
+                "Alloc of another session's {blob:?}: {r:?}"
+            );
+        }
+        let Some(at) = at else { return };
+        self.note(if at.is_some() {
+            "alloc_slab"
+        } else {
+            "alloc_disk"
+        });
+        if let Some(off) = at {
+            assert!(
+                off % ALIGN == 0 && off.checked_add(nbytes).is_some_and(|e| e <= CAP),
+                "Alloc {blob:?} of {nbytes} at {off}: unaligned or outside the slab"
+            );
+        } else {
+            assert!(self.disk, "ToDisk without a disk tier");
+        }
+        if let Some(p) = prior {
+            assert!(
+                p.session == o.session && same && !held_elsewhere,
+                "Alloc {blob:?} handed out again: {r:?}; shadow {p:?}"
+            );
+            assert_eq!(p.at, at, "an Alloc retry of {blob:?} moved it");
+        }
+        self.res.insert(
+            blob,
+            Res {
+                session: o.session,
+                conn: Some(o.conn),
+                nbytes,
+                n_entries,
+                at,
+            },
+        );
+    }
+
+    fn committed(&mut self, o: Owner, sc: &str, blob: BlobId, entries: &[EntrySpec], r: &Response) {
+        let prior = self.res.get(&blob).copied();
+        let other = prior.is_some_and(|p| p.session != o.session);
+        let mine = prior.filter(|p| p.session == o.session);
+        assert_eq!(
+            code(r) == Some(ErrorCode::Unauthorized),
+            other,
+            "Commit {blob:?} answered {r:?}; shadow {prior:?}"
+        );
+        match r {
+            Response::Done => {
+                let Some(p) = mine else { return };
+                self.note("commit_published");
+                self.res.remove(&blob);
+                let src = match p.at {
+                    Some(off) => self.slab[off as usize..(off + p.nbytes) as usize].to_vec(),
+                    None => panic!("Commit of {blob:?} reserved on disk answered Done"),
+                };
+                self.publish(sc, entries, &src);
+            }
+            Response::Pending => {
+                assert!(self.disk, "Pending without a disk tier");
+                let Some(p) = mine else { return };
+                assert!(
+                    p.at.is_none(),
+                    "Commit of {blob:?} in the slab answered Pending"
+                );
+                self.res.remove(&blob);
+                self.pending.insert(blob, (sc.to_owned(), entries.to_vec()));
+            }
+            Response::Error { code, message } => match code {
+                ErrorCode::Unauthorized => {}
+                ErrorCode::UnknownBlob => {
+                    assert!(
+                        prior.is_none(),
+                        "Commit {blob:?}: unknown ({message}); shadow {prior:?}"
+                    )
+                }
+                ErrorCode::InvalidRequest | ErrorCode::Full => {
+                    assert!(
+                        mine.is_some(),
+                        "Commit {blob:?}: {code:?} ({message}) of no reservation"
+                    )
+                }
+                c => panic!("Commit answered {c:?} ({message})"),
+            },
+            r => panic!("Commit answered {r:?}"),
+        }
+    }
+
+    fn aborted(&mut self, o: Owner, blob: BlobId, r: &Response) {
+        let prior = self.res.get(&blob).copied();
+        let other = prior.is_some_and(|p| p.session != o.session);
+        match r {
+            Response::Done => {
+                assert!(!other, "Abort of another session's {blob:?} succeeded");
+                self.res.remove(&blob);
+            }
+            Response::Error {
+                code: ErrorCode::Unauthorized,
+                ..
+            } => assert!(other, "Abort of {blob:?} answered {r:?}; shadow {prior:?}"),
+            r => panic!("Abort answered {r:?}"),
+        }
+    }
+
+    fn publish(&mut self, sc: &str, entries: &[EntrySpec], src: &[u8]) {
+        let rows = self.keys.entry(sc.to_owned()).or_default();
+        for e in entries {
+            let bytes = src[e.offset as usize..(e.offset + e.len) as usize].to_vec();
+            rows.entry(e.key.row).or_default().insert(
+                e.key.field.clone(),
+                Val {
+                    bytes,
+                    meta: e.meta.clone(),
+                },
+            );
+        }
+    }
+
+    /// Remove rows (all with `None`); the count excludes hidden fields.
+    fn release(&mut self, sc: &str, rows: Option<Vec<u64>>) -> u64 {
+        let Some(index) = self.keys.get_mut(sc) else {
+            return 0;
+        };
+        let rows = rows.unwrap_or_else(|| index.keys().copied().collect());
+        let mut n = 0;
+        for r in rows {
+            if let Some(fields) = index.remove(&r) {
+                n += fields.keys().filter(|f| !f.starts_with('\0')).count() as u64;
+            }
+        }
+        if index.is_empty() {
+            self.keys.remove(sc);
+        }
+        n
+    }
+
+    /// Check a resolve's answer against the shadow; the bytes read.
+    fn check_found(
+        &self,
+        sc: &str,
+        keys: &[Key],
+        pin: Option<PinId>,
+        found: &[Option<Located>],
+    ) -> Vec<(Place, Vec<u8>)> {
+        assert_eq!(
+            found.len(),
+            keys.len(),
+            "resolve answered for another number of keys"
+        );
+        assert_eq!(
+            pin.is_some(),
+            found.iter().any(Option::is_some),
+            "a pin iff something was found"
+        );
+        let mut reads = Vec::new();
+        for (k, f) in keys.iter().zip(found) {
+            let want = self.keys.get(sc).and_then(|r| r.get(&k.row)?.get(&k.field));
+            match (f, want) {
+                (None, None) => {}
+                (Some((place, _)), None) => {
+                    panic!("{sc:?} {k} has no value but resolved to {place:?}")
+                }
+                (None, Some(v)) => {
+                    panic!(
+                        "{sc:?} {k} committed ({} bytes) but not found",
+                        v.bytes.len()
+                    )
+                }
+                (Some((place, meta)), Some(v)) => {
+                    if matches!(place, Place::Disk { .. }) {
+                        self.disk_reads.set(self.disk_reads.get() + 1);
+                    }
+                    let got = self.read_place(place);
+                    assert!(
+                        got == v.bytes,
+                        "{sc:?} {k} at {place:?} reads other bytes than committed"
+                    );
+                    assert_eq!(meta, &v.meta, "{sc:?} {k}: metadata");
+                    reads.push((*place, got));
+                }
+            }
+        }
+        reads
+    }
+
+    fn resolved(
+        &mut self,
+        o: Owner,
+        sc: &str,
+        keys: &[Key],
+        pin: Option<PinId>,
+        found: &[Option<Located>],
+    ) {
+        let reads = self.check_found(sc, keys, pin, found);
+        self.note("resolve");
+        if !reads.is_empty() {
+            self.note("resolve_found");
+        }
+        if let Some(p) = pin {
+            assert!(!self.pins.contains_key(&p), "pin id {p:?} handed out twice");
+            self.pins.insert(
+                p,
+                PinRec {
+                    session: o.session,
+                    conn: Some(o.conn),
+                    reads,
+                },
+            );
+            self.seen_pins.push(p);
+            if self.seen_pins.len() > 32 {
+                self.seen_pins.remove(0);
+            }
+        }
+    }
+
+    /// Read as the server does it: resolve, send the bytes, unpin; a reader
+    /// that stalls is cut off after the pin is dropped.
+    fn read(&mut self, slot: usize, i: usize, sc: &str, keys: &[Key], cut: bool) {
+        let o = self.slots[slot].conns[i].owner;
+        let (pin, found) = self
+            .core
+            .resolve_with_meta(o, sc, keys, self.now)
+            .unwrap_or_else(|e| panic!("Read by an attached connection refused: {e}"));
+        if !self.check_found(sc, keys, pin, &found).is_empty() {
+            self.note("read_found");
+        }
+        if let Some(p) = pin {
+            self.core.unpin(o, p).expect("unpin of the read's own pin");
+            self.effects();
+        }
+        if cut {
+            self.detach(slot, i, ConnEnd::Cut);
+        }
+    }
+
+    /// Put as the server does it: alloc, the payload into the slab (or the
+    /// blob's file), commit; a payload that stops midway aborts and ends
+    /// the connection.
+    fn put(&mut self, x: u8, blob: u8, p: u8, sz: u16, ops: &[EntryOp], end: PutEnd) {
+        let Some((slot, i)) = self.conn(x) else {
+            return;
+        };
+        let c = self.slots[slot].conns[i];
+        let o = c.owner;
+        let nbytes = size(sz);
+        let blob = blob_id(blob);
+        let n = (nbytes <= CAP).then_some(nbytes);
+        let req = Request::Put {
+            blob,
+            partition: partition(p),
+            entries: entries(ops, n, None),
+            timeout_ms: 1000,
+        };
+        if req.validate(&Limits::default()).is_err() {
+            self.detach(slot, i, ConnEnd::Cut);
+            return;
+        }
+        let Handled::Other(Request::Put {
+            blob,
+            partition,
+            entries,
+            ..
+        }) = handler::handle(&mut self.core, o, c.ns, req, self.now)
+        else {
+            panic!("the handler took a Put");
+        };
+        let sc = scope(c.ns, &partition);
+        let n_entries = entries.len() as u32;
+        let alloc = self.core.alloc(o, blob, nbytes, n_entries, self.now);
+        self.effects();
+        let r = match alloc {
+            Ok(stowage_core::Allocated::Reserved { offset }) => Response::Allocated { offset },
+            Ok(stowage_core::Allocated::ToDisk) => Response::ToDisk,
+            Ok(stowage_core::Allocated::AlreadyCommitted) => Response::AlreadyCommitted,
+            Err(e) => error_response(&e),
+        };
+        self.allocated(o, blob, nbytes, n_entries, &r);
+        let commit = |h: &mut H| {
+            let r = match h.core.commit(o, &sc, blob, &entries) {
+                Ok(stowage_core::Committed::Done) => Response::Done,
+                Ok(stowage_core::Committed::Pending) => Response::Pending,
+                Err(e) => error_response(&e),
+            };
+            h.effects();
+            h.committed(o, &sc, blob, &entries, &r);
+            r
+        };
+        let stop = |h: &mut H, in_flight: bool| {
+            let r = match h.core.abort(o, blob, in_flight, h.now) {
+                Ok(()) => Response::Done,
+                Err(e) => error_response(&e),
+            };
+            h.effects();
+            h.aborted(o, blob, &r);
+            let end = if end == PutEnd::Cut {
+                ConnEnd::Cut
+            } else {
+                ConnEnd::Closed
+            };
+            h.detach(slot, i, end);
+        };
+        match r {
+            Response::Allocated { offset } => {
+                if end != PutEnd::Complete {
+                    self.write_slab(offset, nbytes / 2);
+                    return stop(self, end == PutEnd::Cut);
+                }
+                self.write_slab(offset, nbytes);
+                if code(&commit(self)).is_some() {
+                    let r = match self.core.abort(o, blob, false, self.now) {
+                        Ok(()) => Response::Done,
+                        Err(e) => error_response(&e),
+                    };
+                    self.effects();
+                    self.aborted(o, blob, &r);
+                }
+            }
+            Response::ToDisk => {
+                if end != PutEnd::Complete {
+                    return stop(self, false);
+                }
+                let bytes = self.pattern(nbytes as usize);
+                self.files.insert(blob, bytes);
+                match commit(self) {
+                    Response::Pending => self.flushes.push(FlushJob::Put { blob }),
+                    Response::Done => {}
+                    _ => {
+                        let r = match self.core.abort(o, blob, false, self.now) {
+                            Ok(()) => Response::Done,
+                            Err(e) => error_response(&e),
+                        };
+                        self.effects();
+                        self.aborted(o, blob, &r);
+                    }
+                }
+            }
+            // The server drains the payload first; a payload that stops
+            // midway ends the connection.
+            _ if end != PutEnd::Complete => {
+                let end = if end == PutEnd::Cut {
+                    ConnEnd::Cut
+                } else {
+                    ConnEnd::Closed
+                };
+                self.detach(slot, i, end);
+            }
+            Response::AlreadyCommitted => {
+                commit(self);
+            }
+            _ => {}
+        }
+    }
+
+    // -- the driver's disk work --------------------------------------------
+
+    fn spill(&mut self) {
+        let jobs = self.core.spill_jobs();
+        self.effects();
+        for j in jobs {
+            self.note("spill_job");
+            assert!(self.disk, "spill job without a disk tier");
+            assert!(
+                self.core
+                    .regions()
+                    .any(|(b, off, len)| b == j.blob && off == j.offset && len >= j.nbytes),
+                "spill job {j:?} does not read its blob's range"
+            );
+            self.flushes.push(FlushJob::Spill {
+                blob: j.blob,
+                offset: j.offset,
+                nbytes: j.nbytes,
+            });
+        }
+    }
+
+    fn flush(&mut self, which: usize, ok: bool) {
+        if self.flushes.is_empty() {
+            return;
+        }
+        match self.flushes.remove(which % self.flushes.len()) {
+            FlushJob::Spill {
+                blob,
+                offset,
+                nbytes,
+            } => {
+                // The driver reads the range until it reports.
+                self.note("flush_spill");
+                if ok {
+                    let bytes = self.slab[offset as usize..(offset + nbytes) as usize].to_vec();
+                    self.files.insert(blob, bytes);
+                }
+                self.core.disk_written(blob, ok);
+                self.effects();
+            }
+            FlushJob::Put { blob } => {
+                self.core.disk_written(blob, ok);
+                let pending = self.pending.remove(&blob);
+                self.note("flush_put");
+                if ok {
+                    let (sc, entries) =
+                        pending.unwrap_or_else(|| panic!("flushed put {blob:?} was not pending"));
+                    let src = self
+                        .files
+                        .get(&blob)
+                        .unwrap_or_else(|| panic!("flushed put {blob:?} has no file"))
+                        .clone();
+                    self.publish(&sc, &entries, &src);
+                }
+                self.effects();
+            }
+        }
+    }
+
+    fn promote_begin(&mut self, blob: u8) {
+        let with_file: Vec<BlobId> = self.files.keys().copied().collect();
+        let blob = match with_file.len() {
+            0 => blob_id(blob),
+            n => with_file[blob as usize % n],
+        };
+        if let Some(off) = self.core.promote_begin(blob) {
+            // The driver opens the file now (it may be deleted meanwhile).
+            let bytes = self
+                .files
+                .get(&blob)
+                .unwrap_or_else(|| panic!("promoting {blob:?}, which has no file"))
+                .clone();
+            assert!(
+                off % ALIGN == 0 && off + bytes.len() as u64 <= CAP,
+                "promotion of {blob:?} to {off}"
+            );
+            self.promos.push((blob, off, bytes));
+            self.note("promote_begin");
+        }
+        self.effects();
+    }
+
+    fn promote_done(&mut self, which: usize, ok: bool) {
+        if self.promos.is_empty() {
+            return;
+        }
+        let (blob, off, bytes) = self.promos.remove(which % self.promos.len());
+        // The copy happens until the driver reports: write it last.
+        let n = if ok { bytes.len() } else { bytes.len() / 2 };
+        self.slab[off as usize..off as usize + n].copy_from_slice(&bytes[..n]);
+        self.core.promote_done(blob, ok);
+        self.note("promote_done");
+        self.effects();
+    }
+
+    /// A checkpoint's snapshot: exactly the shadow's keys, with their bytes.
+    fn checkpoint(&mut self) {
+        let snap = self.core.snapshot(self.now);
+        let mut got: Index = BTreeMap::new();
+        let places: BTreeMap<BlobId, (u64, Place)> =
+            snap.blobs.iter().map(|(b, n, p)| (*b, (*n, *p))).collect();
+        for e in &snap.entries {
+            let (n, place) = places
+                .get(&e.blob)
+                .unwrap_or_else(|| panic!("snapshot entry of unlisted blob {:?}", e.blob));
+            assert!(
+                e.offset.checked_add(e.len).is_some_and(|end| end <= *n),
+                "snapshot entry outside its blob"
+            );
+            let bytes = match *place {
+                Place::Memory(l) => self.read_place(&Place::Memory(stowage_core::Location {
+                    offset: l.offset + e.offset,
+                    len: e.len,
+                })),
+                Place::Disk { blob, .. } => self.read_place(&Place::Disk {
+                    blob,
+                    offset: e.offset,
+                    len: e.len,
+                }),
+            };
+            let old = got
+                .entry(e.ns.clone())
+                .or_default()
+                .entry(e.key.row)
+                .or_default()
+                .insert(
+                    e.key.field.clone(),
+                    Val {
+                        bytes,
+                        meta: e.meta.clone(),
+                    },
+                );
+            assert!(old.is_none(), "snapshot lists {:?} {} twice", e.ns, e.key);
+        }
+        let mut want = self.keys.clone();
+        want.retain(|_, rows| !rows.is_empty());
+        if got != want {
+            let flat = |i: &Index| -> BTreeMap<(String, u64, String), Val> {
+                i.iter()
+                    .flat_map(|(ns, rows)| {
+                        rows.iter().flat_map(move |(r, f)| {
+                            f.iter()
+                                .map(move |(f, v)| ((ns.clone(), *r, f.clone()), v.clone()))
+                        })
+                    })
+                    .collect()
+            };
+            let (g, w) = (flat(&got), flat(&want));
+            let keys: BTreeSet<_> = g.keys().chain(w.keys()).collect();
+            for k in keys {
+                let (a, b) = (g.get(k), w.get(k));
+                if a != b {
+                    panic!(
+                        "checkpoint snapshot: {k:?} is {:?}, committed {:?} (same bytes: {})",
+                        a.map(|v| (v.bytes.len(), &v.meta)),
+                        b.map(|v| (v.bytes.len(), &v.meta)),
+                        a.map(|v| &v.bytes) == b.map(|v| &v.bytes),
+                    );
+                }
+            }
+        }
+        if !snap.entries.is_empty() {
+            self.note("checkpoint_entries");
+        }
+        if let Some(p) = snap.pin {
+            self.core
+                .unpin(Owner::UNIT, p)
+                .expect("the unit unpins its snapshot");
+            self.effects();
+        }
+    }
+
+    // -- invariants --------------------------------------------------------
+
+    fn check(&self) {
+        let st: Stats = self.core.stats_at(self.now);
+        let cap = self.core.capacity();
+        assert_eq!(st.capacity, cap);
+
+        // 1. Disjoint, aligned ranges inside the slab; `used` is their sum.
+        let regions: Vec<(BlobId, u64, u64)> = self.core.regions().collect();
+        let held = self.core.held_ranges();
+        let mut all: Vec<(u64, u64)> = regions
+            .iter()
+            .map(|(_, o, l)| (*o, *l))
+            .chain(held.iter().copied())
+            .collect();
+        all.sort_unstable();
+        let mut end = 0u64;
+        let mut sum = 0u64;
+        for &(off, len) in &all {
+            assert!(
+                len > 0 && off % ALIGN == 0 && len % ALIGN == 0,
+                "range {off}+{len}"
+            );
+            assert!(
+                off.checked_add(len).is_some_and(|e| e <= cap),
+                "range {off}+{len} outside the slab"
+            );
+            assert!(
+                off >= end,
+                "ranges overlap at {off} (previous ends at {end}): {all:?}"
+            );
+            end = off + len;
+            sum += len;
+        }
+        assert_eq!(st.used, sum, "used vs the sum of live and held ranges");
+        let quarantine_ok = st.quarantined_bytes <= held.iter().map(|r| r.1).sum::<u64>();
+        assert!(quarantine_ok, "quarantined bytes exceed the held ranges");
+        let reserved: u64 = self
+            .res
+            .values()
+            .filter(|r| r.at.is_some())
+            .map(|r| rounded(r.nbytes))
+            .sum();
+        assert_eq!(
+            st.reserved_bytes, reserved,
+            "reserved bytes vs the reservations handed out"
+        );
+        assert_eq!(
+            st.pins,
+            self.pins.len() as u64,
+            "pins vs the pins handed out"
+        );
+        let entries: u64 = self
+            .keys
+            .values()
+            .flat_map(|r| r.values())
+            .map(|f| f.len() as u64)
+            .sum();
+        let rows: u64 = self.keys.values().map(|r| r.len() as u64).sum();
+        let index: u64 = self
+            .keys
+            .values()
+            .flat_map(|r| r.values())
+            .flat_map(|f| f.iter())
+            // The core's ENTRY_OVERHEAD (96) per entry, plus name and metadata.
+            .map(|(name, v)| 96 + name.len() as u64 + v.meta.len() as u64)
+            .sum();
+        assert_eq!(
+            (st.entries, st.rows, st.index_bytes),
+            (entries, rows, index),
+            "entries, rows, index bytes"
+        );
+
+        // Each shadow reservation in the slab is still its blob's range.
+        for (b, r) in &self.res {
+            if let Some(off) = r.at {
+                assert!(
+                    regions
+                        .iter()
+                        .any(|&(id, o, l)| id == *b && o == off && l == rounded(r.nbytes)),
+                    "{b:?}, reserved by {:?} at {off}, is no longer its allocation",
+                    r.session
+                );
+            }
+        }
+
+        // 2. Sessions: what the core says each holds, and fencing.
+        let mut orphaned = Vec::new();
+        let mut live = Vec::new();
+        for slot in &self.slots {
+            let Some(s) = slot.session else { continue };
+            let my_res: Vec<&Res> = self.res.values().filter(|r| r.session == s).collect();
+            let my_pins: Vec<&PinRec> = self.pins.values().filter(|p| p.session == s).collect();
+            let holds = !my_res.is_empty() || !my_pins.is_empty();
+            assert!(
+                self.core.has_session(s),
+                "session {s:?} ({} conns, holds: {holds}) forgotten",
+                slot.conns.len()
+            );
+            if slot.conns.is_empty() && holds {
+                orphaned.push(s);
+            }
+            let ss = st
+                .sessions
+                .iter()
+                .find(|x| x.session == s.0)
+                .unwrap_or_else(|| panic!("session {s:?} missing from stats"));
+            let o = my_res.iter().filter(|r| r.conn.is_none()).count()
+                + my_pins.iter().filter(|p| p.conn.is_none()).count();
+            assert_eq!(
+                (
+                    ss.connections as usize,
+                    ss.reservations as usize,
+                    ss.pins as usize,
+                    ss.orphaned as usize
+                ),
+                (slot.conns.len(), my_res.len(), my_pins.len(), o),
+                "session {s:?}: (connections, reservations, pins, orphaned holds)"
+            );
+            let ranges = self.core.session_ranges(s);
+            for &(off, len) in &ranges {
+                assert!(
+                    regions.iter().any(|&(_, o, l)| o == off && l == len),
+                    "session {s:?} may touch {off}+{len}, which is no live blob's range"
+                );
+            }
+            let covered = |off: u64, len: u64| {
+                len == 0 || ranges.iter().any(|&(o, l)| o <= off && off + len <= o + l)
+            };
+            for r in &my_res {
+                if let Some(off) = r.at {
+                    assert!(
+                        covered(off, r.nbytes),
+                        "session {s:?}'s reservation at {off} not held for it"
+                    );
+                }
+            }
+            for p in &my_pins {
+                for (place, _) in &p.reads {
+                    if let Place::Memory(l) = place {
+                        assert!(
+                            covered(l.offset, l.len),
+                            "session {s:?}'s pinned {l:?} not held for it"
+                        );
+                    }
+                }
+            }
+            live.push((s, ranges));
+        }
+        for (b, r) in &self.res {
+            let Some(off) = r.at else { continue };
+            let len = rounded(r.nbytes);
+            for (t, ranges) in &live {
+                if *t == r.session {
+                    continue;
+                }
+                for &(o, l) in ranges {
+                    assert!(
+                        o + l <= off || off + len <= o,
+                        "{b:?} reserved by {:?} at {off}+{len} overlaps {o}+{l} that {t:?} may touch",
+                        r.session
+                    );
+                }
+            }
+        }
+        let mut core_orphans = self.core.orphaned_sessions();
+        core_orphans.sort_unstable();
+        orphaned.sort_unstable();
+        assert_eq!(core_orphans, orphaned, "orphaned sessions");
+
+        // 3. Pinned bytes never change until unpinned.
+        for (id, p) in &self.pins {
+            for (place, bytes) in &p.reads {
+                assert!(
+                    &self.read_place(place) == bytes,
+                    "bytes at {place:?} pinned by {id:?} of {:?} changed",
+                    p.session
+                );
+            }
+        }
+    }
+
+    fn run(&mut self, step: Step) {
+        match step {
+            Step::Req { conn, op } => self.request(conn, op),
+            Step::Scribble {
+                slot,
+                which,
+                partial,
+            } => self.scribble(slot as usize % SLOTS, which as usize, partial),
+            Step::Advance { dt, wake } => {
+                self.now += match dt {
+                    Dt::Zero => Duration::ZERO,
+                    Dt::Millis(m) => Duration::from_millis(u64::from(m)),
+                    Dt::Secs(s) => Duration::from_secs(u64::from(s)),
+                    Dt::Quarantine => QUARANTINE,
+                    Dt::Hours(h) => Duration::from_secs(3600 * u64::from(h % 8 + 1)),
+                };
+                if wake {
+                    for slot in 0..SLOTS {
+                        let n = self.slots[slot]
+                            .session
+                            .map_or(0, |s| self.res.values().filter(|r| r.session == s).count());
+                        for which in 0..n {
+                            self.scribble(slot, which, false);
+                        }
+                    }
+                }
+            }
+            Step::Tick => {
+                if self.core.stats().quarantined_bytes > 0 {
+                    self.note("tick_with_quarantine");
+                }
+                self.core.tick(self.now);
+                self.effects();
+            }
+            Step::Detach { conn, cut } => {
+                if let Some((slot, i)) = self.conn(conn) {
+                    self.detach(slot, i, if cut { ConnEnd::Cut } else { ConnEnd::Closed });
+                }
+            }
+            Step::Attach { slot, direct, ns } => self.attach(slot as usize % SLOTS, direct, ns),
+            Step::SessionGone { slot, close_first } => {
+                self.session_gone(slot as usize % SLOTS, close_first)
+            }
+            Step::Put {
+                conn,
+                blob,
+                partition,
+                size,
+                entries,
+                end,
+            } => self.put(conn, blob, partition, size, &entries, end),
+            Step::Read {
+                conn,
+                partition: p,
+                keys,
+                known,
+                cut,
+            } => {
+                if let Some((slot, i)) = self.conn(conn) {
+                    let ns = self.slots[slot].conns[i].ns;
+                    let (partition, keys) = self.lookup(ns, p, &keys, known);
+                    let req = Request::Read {
+                        partition,
+                        keys,
+                        timeout_ms: 1000,
+                    };
+                    self.send(slot, i, req, cut);
+                }
+            }
+            Step::Spill => self.spill(),
+            Step::Flush { which, ok } => self.flush(which as usize, ok),
+            Step::PromoteBegin { blob } => self.promote_begin(blob),
+            Step::PromoteDone { which, ok } => self.promote_done(which as usize, ok),
+            Step::Checkpoint => self.checkpoint(),
+        }
+    }
+}
+
+fuzz_target!(|input: Input| {
+    let mut h = H::new(&input);
+    h.check();
+    for step in input.steps.into_iter().take(MAX_STEPS) {
+        h.run(step);
+        h.check();
+        if h.core.stats().quarantined_bytes > 0 {
+            h.note("steps_with_quarantine");
+        }
+        if h.slots
+            .iter()
+            .any(|s| s.session.is_some() && s.conns.is_empty())
+        {
+            h.note("steps_with_orphaned_session");
+        }
+    }
+    h.checkpoint();
+    h.check();
+    static STATS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *STATS.get_or_init(|| std::env::var_os("RH_STATS").is_some()) {
+        let d = h.disk_reads.get();
+        if d > 0 {
+            h.seen.insert("found_on_disk", d);
+        }
+        let line: Vec<String> = h.seen.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        eprintln!("RH {}", line.join(" "));
+    }
+});
