@@ -701,3 +701,25 @@ fn a_cut_local_clients_holds_wait_for_its_process_to_exit() {
         stats(&mut watcher)
     );
 }
+
+#[test]
+fn a_disk_reservation_takes_its_bytes_with_put_not_a_bare_commit() {
+    let root = tempfile::tempdir().unwrap();
+    let dir = root.path().display().to_string();
+    let (p, _) = plane(1, 4 * MIB, &["--disk", &dir, "--disk-capacity", "64MiB"]);
+    let sock = p.units[0].uds.clone();
+    let mut r = Raw::hello(&sock, "ns");
+    assert_eq!(alloc(&mut r, 3, 8 * MIB, 1), Response::ToDisk);
+    // A bare Commit would wait for a file nobody writes: refused.
+    assert!(is_error(
+        &commit(&mut r, 3, vec![entry(0, 8 * MIB)]),
+        ErrorCode::InvalidRequest
+    ));
+    let mut watcher = Raw::hello(&sock, "ns");
+    assert_eq!(stats(&mut watcher).disk_used, 8 * MIB);
+    // The reservation goes with its connection, disk space included.
+    drop(r);
+    assert!(eventually(Duration::from_secs(5), || stats(&mut watcher)
+        .disk_used
+        == 0));
+}

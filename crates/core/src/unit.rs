@@ -1328,6 +1328,20 @@ impl UnitCore {
             && self.slab.allocated() as f64 > self.cfg.high_watermark * self.slab.capacity() as f64
     }
 
+    /// Whether `blob` is reserved on the disk tier and not yet committed:
+    /// its bytes must come with a Put (the server writes its file), so a
+    /// bare Commit of it would wait for a file that nobody writes.
+    pub fn is_disk_reservation(&self, blob: BlobId) -> bool {
+        matches!(
+            self.blobs.get(&blob),
+            Some(Blob {
+                state: State::Reserved { .. },
+                region: None,
+                ..
+            })
+        )
+    }
+
     /// A blob's size in bytes.
     pub fn blob_size(&self, blob: BlobId) -> Option<u64> {
         self.blobs.get(&blob).map(|b| b.nbytes)

@@ -44,6 +44,19 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             blob,
             partition,
             entries,
+        } if core.is_disk_reservation(blob) => {
+            let _ = (partition, entries);
+            Handled::Reply(Response::Error {
+                code: ErrorCode::InvalidRequest,
+                message: format!(
+                    "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
+                ),
+            })
+        }
+        Request::Commit {
+            blob,
+            partition,
+            entries,
         } => answer(
             core.commit(owner, &scope(ns, &partition), blob, &entries)
                 .map(|c| match c {
