@@ -1331,14 +1331,16 @@ impl UnitCore {
     /// Whether `blob` is reserved on the disk tier and not yet committed:
     /// its bytes must come with a Put (the server writes its file), so a
     /// bare Commit of it would wait for a file that nobody writes.
-    pub fn is_disk_reservation(&self, blob: BlobId) -> bool {
+    /// (Only for `session`'s own reservations: another session's commit is
+    /// refused as not the owner's.)
+    pub fn is_disk_reservation(&self, session: SessionId, blob: BlobId) -> bool {
         matches!(
             self.blobs.get(&blob),
             Some(Blob {
-                state: State::Reserved { .. },
+                state: State::Reserved { holder, .. },
                 region: None,
                 ..
-            })
+            }) if holder.session == session
         )
     }
 

@@ -44,7 +44,7 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             blob,
             partition,
             entries,
-        } if core.is_disk_reservation(blob) => {
+        } if core.is_disk_reservation(owner.session, blob) => {
             let _ = (partition, entries);
             Handled::Reply(Response::Error {
                 code: ErrorCode::InvalidRequest,
