@@ -504,7 +504,9 @@ impl Conn {
         let r = self.reader.get_mut();
         r.apply_deadline()?;
         let sock = r.socket.as_fd();
-        self.shared.slab.recv_into(sock, offset + n as u64, len - n)
+        self.shared
+            .slab
+            .recv_into(sock, offset + n as u64, len - n, self.shared.spin)
     }
 
     /// The payload of a put that went to the disk tier: streamed into the
