@@ -170,14 +170,28 @@ class DataPlane:
     exit (and exit by themselves if this process dies).
     """
 
-    def __init__(self, client: _native.Client, plane: Optional[_native.LocalPlane] = None):
+    def __init__(
+        self,
+        client: _native.Client,
+        plane: Optional[_native.LocalPlane] = None,
+        admin: Optional[_native.Client] = None,
+    ):
         self._client = client
         self._plane = plane
-        self._finalizer = weakref.finalize(self, DataPlane._shutdown, client, plane)
+        # Admin requests (checkpoint, shutdown) go over the units' Unix
+        # sockets, where the units accept them from their own user.
+        self._admin = admin if admin is not None else client
+        self._finalizer = weakref.finalize(self, DataPlane._shutdown, client, plane, admin)
 
     @staticmethod
-    def _shutdown(client: _native.Client, plane: Optional[_native.LocalPlane]) -> None:
+    def _shutdown(
+        client: _native.Client,
+        plane: Optional[_native.LocalPlane],
+        admin: Optional[_native.Client] = None,
+    ) -> None:
         client.close()
+        if admin is not None:
+            admin.close()
         if plane is not None:
             plane.stop()
 
@@ -347,13 +361,13 @@ class DataPlane:
         host (no payload passes through this process); returns per unit the
         metadata. A unit started with ``--restore dir/unit-<i>`` serves the
         same keys."""
-        return self._client.checkpoint(str(dir), timeout)
+        return self._admin.checkpoint(str(dir), timeout)
 
     def shutdown(self, timeout: float = 30.0) -> List[List[str]]:
         """Stop every unit within ``timeout`` seconds (a checkpoint in
         progress finishes or is abandoned; disk directories are removed).
         Never raises; returns per unit what could not be done."""
-        return self._client.shutdown(timeout)
+        return self._admin.shutdown(timeout)
 
     async def aput(self, *args: Any, **kwargs: Any) -> None:
         """:meth:`put` in a worker thread (the GIL is released while it runs)."""
@@ -449,7 +463,12 @@ def local(
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
         client = _native.Client(addrs, namespace, timeout, True, wait_for_memory)
+        # Over tcp, admin requests take the Unix sockets (units accept them
+        # there from their own user only).
+        admin = None
+        if transport == "tcp":
+            admin = _native.Client(plane.uds_addrs, namespace, timeout, False, None)
     except BaseException:
         plane.stop()
         raise
-    return DataPlane(client, plane)
+    return DataPlane(client, plane, admin)

@@ -63,3 +63,12 @@ def test_checkpoint_restore_and_shutdown(tmp_path):
         assert sorted(plane.list("step")) == sorted(keys)
         got = plane.get("step", keys, ["x"])["x"]
         assert all(np.array_equal(a, b) for a, b in zip(got, vals))
+
+
+def test_a_tcp_plane_checkpoints_and_shuts_down_over_its_unix_sockets(tmp_path):
+    # Units refuse admin requests over tcp; a local plane sends them over
+    # the Unix sockets, where its own user is let in.
+    with stowage.local(units=1, memory="16MiB", transport="tcp", checkpoint_root=str(tmp_path)) as plane:
+        plane.put("p", [0], {"x": [np.arange(4)]})
+        assert plane.checkpoint(str(tmp_path / "ck"))[0]["entries"] == 1
+        assert plane.shutdown(5.0) == [[]]
