@@ -269,37 +269,46 @@ fn truncated_frames_time_out_and_cost_no_memory_up_front() {
 fn absurd_sizes_offsets_and_counts_are_refused_and_the_unit_stays_up() {
     let (p, _) = plane(1, 16 * MIB, &["--index-budget", "64KiB"]);
     let sock = p.units[0].uds.clone();
-    let mut r = Raw::hello(&sock, "ns");
-    for n in [u64::MAX, u64::MAX - 63, 1 << 63, 17 * MIB] {
+    // Sizes no unit could hold are refused before the core sees them, and
+    // the connection that asked is closed.
+    for n in [u64::MAX, u64::MAX - 63, 1 << 63] {
+        let mut r = Raw::hello(&sock, "ns");
         assert!(
-            is_error(&alloc(&mut r, 1, n, 1), ErrorCode::Full),
+            is_error(&alloc(&mut r, 1, n, 1), ErrorCode::InvalidRequest),
             "alloc of {n}"
         );
+        assert!(r.closed());
     }
+    let mut r = Raw::hello(&sock, "ns");
+    assert!(is_error(&alloc(&mut r, 1, 17 * MIB, 1), ErrorCode::Full));
     assert!(matches!(
         alloc(&mut r, 2, 100, 1),
         Response::Allocated { .. }
     ));
-    // Entries past their blob, and offsets that overflow.
-    for e in [
-        EntrySpec {
-            key: Key::new(0, "f"),
-            offset: 50,
-            len: 51,
-            meta: vec![],
-        },
-        EntrySpec {
-            key: Key::new(0, "f"),
-            offset: u64::MAX,
-            len: 2,
-            meta: vec![],
-        },
-    ] {
-        assert!(is_error(
-            &commit(&mut r, 2, vec![e]),
-            ErrorCode::InvalidRequest
-        ));
-    }
+    // An entry past its blob: refused, the reservation stays.
+    let past = EntrySpec {
+        key: Key::new(0, "f"),
+        offset: 50,
+        len: 51,
+        meta: vec![],
+    };
+    assert!(is_error(
+        &commit(&mut r, 2, vec![past]),
+        ErrorCode::InvalidRequest
+    ));
+    // An entry whose end overflows: refused before the core sees it.
+    let mut o = Raw::hello(&sock, "ns");
+    let overflow = EntrySpec {
+        key: Key::new(0, "f"),
+        offset: u64::MAX,
+        len: 2,
+        meta: vec![],
+    };
+    assert!(is_error(
+        &commit(&mut o, 2, vec![overflow]),
+        ErrorCode::InvalidRequest
+    ));
+    assert!(o.closed());
     assert_eq!(commit(&mut r, 2, vec![entry(0, 100)]), Response::Done);
     // The index's byte budget: a flood of tiny entries answers Full.
     let many: Vec<EntrySpec> = (0..2000).map(|i| entry(10 + i, 0)).collect();

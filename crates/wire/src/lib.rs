@@ -357,7 +357,17 @@ impl Request {
                 }
                 Ok(())
             }
-            Request::Alloc { n_entries, .. } => count("entries", *n_entries as usize),
+            Request::Alloc {
+                n_entries, nbytes, ..
+            } => {
+                if *nbytes > limits.max_payload {
+                    return Err(WireError::PayloadTooLarge {
+                        len: *nbytes,
+                        max: limits.max_payload,
+                    });
+                }
+                count("entries", *n_entries as usize)
+            }
             Request::Commit {
                 entries,
                 partition: p,
@@ -372,6 +382,12 @@ impl Request {
                 count("entries", entries.len())?;
                 entries.iter().try_for_each(|e| {
                     name("field name bytes", &e.key.field)?;
+                    if e.offset.checked_add(e.len).is_none() {
+                        return Err(WireError::Malformed(format!(
+                            "entry {} at {}+{} overflows",
+                            e.key, e.offset, e.len
+                        )));
+                    }
                     if e.meta.len() > limits.max_meta {
                         return Err(WireError::TooMany {
                             what: "metadata bytes",
@@ -555,7 +571,7 @@ mod tests {
             },
             Request::Alloc {
                 blob: BlobId(u128::MAX - 1),
-                nbytes: 1 << 40,
+                nbytes: 1 << 36,
                 n_entries: 7,
             },
             Request::Commit {
@@ -793,6 +809,26 @@ mod tests {
             partition: "a\u{1f}b".into(),
         };
         assert!(r.validate(&limits).is_err());
+        let r = Request::Alloc {
+            blob: BlobId(1),
+            nbytes: u64::MAX,
+            n_entries: 1,
+        };
+        assert!(matches!(
+            r.validate(&limits),
+            Err(WireError::PayloadTooLarge { .. })
+        ));
+        let r = Request::Commit {
+            blob: BlobId(1),
+            partition: String::new(),
+            entries: vec![EntrySpec {
+                key: key(0, "f"),
+                offset: u64::MAX,
+                len: 2,
+                meta: vec![],
+            }],
+        };
+        assert!(matches!(r.validate(&limits), Err(WireError::Malformed(_))));
         let r = Request::Hello {
             version: PROTOCOL_VERSION,
             namespace: "a\u{1f}".into(),
