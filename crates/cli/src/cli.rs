@@ -64,6 +64,8 @@ impl DiskArgs {
     }
 }
 
+// Parsed once per process; boxing the unit's many options buys nothing.
+#[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one storage unit.
@@ -110,6 +112,9 @@ enum Cmd {
         /// Most connections of one client session.
         #[arg(long, default_value_t = 64)]
         max_session_connections: usize,
+        /// Most reservations and pins one client session may hold at once.
+        #[arg(long, default_value_t = 16384)]
+        max_session_holds: usize,
         /// Bytes the key index may take (default: a quarter of the memory,
         /// at least 64 MiB); commits past it answer UnitFull.
         #[arg(long, value_parser = parse_size)]
@@ -262,6 +267,7 @@ fn run(cli: Cli) -> Result<(), String> {
             frame_timeout,
             max_connections,
             max_session_connections,
+            max_session_holds,
             index_budget,
         } => {
             let mut cfg = stowage_unit::UnitConfig::new(name, memory);
@@ -271,6 +277,7 @@ fn run(cli: Cli) -> Result<(), String> {
             cfg.frame_timeout = frame_timeout;
             cfg.max_connections = max_connections;
             cfg.max_session_connections = max_session_connections;
+            cfg.max_session_holds = max_session_holds;
             cfg.index_budget = index_budget;
             cfg.pin_lease = pin_lease;
             cfg.reservation_lease = reservation_lease;

@@ -648,7 +648,16 @@ fn restarts_are_told_against_the_current_instance_and_dead_slabs_unmapped() {
 #[ignore = "a helper process of a_cut_local_clients_holds_wait_for_its_process_to_exit"]
 fn cut_holder_child() {
     let sock = std::env::var("STOWAGE_TEST_CUT_HOLDER").expect("run only by its test");
-    let (mut r, _) = hello_in(Path::new(&sock), None);
+    // Asks for the slab (its fd arrives with the reply and is dropped
+    // here): a peer that maps the slab.
+    let mut r = Raw::connect(Path::new(&sock));
+    let h = r.call(&Request::Hello {
+        version: PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: true,
+        session: None,
+    });
+    assert!(matches!(h, Response::Hello { .. }), "{h:?}");
     assert!(matches!(
         alloc(&mut r, 5, 4096, 1),
         Response::Allocated { .. }
@@ -731,4 +740,122 @@ fn a_disk_reservation_takes_its_bytes_with_put_not_a_bare_commit() {
     assert!(eventually(Duration::from_secs(5), || stats(&mut watcher)
         .disk_used
         == 0));
+}
+
+#[test]
+fn a_trickling_put_stream_is_cut_at_its_deadline() {
+    let (p, _) = plane(1, 16 * MIB, &["--quarantine", "100ms"]);
+    let sock = p.units[0].uds.clone();
+    let mut watcher = Raw::hello(&sock, "ns");
+    let mut t = RawTcp {
+        s: TcpStream::connect(p.units[0].tcp).unwrap(),
+        next: 1,
+    };
+    t.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    t.call(&Request::Hello {
+        version: PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: false,
+        session: None,
+    });
+    let n = 64 << 10;
+    let mut buf = Vec::new();
+    let req = Request::Put {
+        blob: BlobId(1),
+        partition: String::new(),
+        entries: vec![entry(0, n)],
+        timeout_ms: 1000,
+    };
+    encode(2, &req, n, &mut buf).unwrap();
+    t.s.write_all(&buf).unwrap();
+    // One byte every 200 ms: each receive makes progress, the whole never
+    // finishes within its 1 s.
+    let start = std::time::Instant::now();
+    let mut cut = false;
+    for _ in 0..40 {
+        if t.s.write_all(&[7]).is_err() {
+            cut = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        if stats(&mut watcher).reserved_bytes == 0 && start.elapsed() > Duration::from_millis(500) {
+            cut = true;
+            break;
+        }
+    }
+    let took = start.elapsed();
+    assert!(cut, "the trickling stream was never cut");
+    assert!(took < Duration::from_secs(4), "cut only after {took:?}");
+    assert!(eventually(Duration::from_secs(3), || {
+        let s = stats(&mut watcher);
+        s.reserved_bytes == 0 && s.quarantined_bytes == 0 && s.used == 0
+    }));
+}
+
+#[test]
+fn a_refused_commit_gives_its_reservation_back() {
+    let (p, _) = plane(1, 16 * MIB, &["--index-budget", "4KiB"]);
+    let sock = p.units[0].uds.clone();
+    let mut watcher = Raw::hello(&sock, "ns");
+    let c = client(&p, Kind::Shm, Duration::from_secs(5));
+    let v = pattern(0, 0, 1000);
+    let many: Vec<(Key, &[u8])> = (0..200).map(|r| (Key::new(r, "x"), &v[..10])).collect();
+    assert!(matches!(
+        c.put_rows(&many, c.deadline()),
+        Err(Error::UnitFull { .. })
+    ));
+    let s = stats(&mut watcher);
+    assert_eq!((s.reserved_bytes, s.used), (0, 0), "{s:?}");
+}
+
+#[test]
+fn a_sessions_holds_are_capped() {
+    let (p, _) = plane(1, 16 * MIB, &["--max-session-holds", "3"]);
+    let sock = p.units[0].uds.clone();
+    let c = client(&p, Kind::Shm, Duration::from_secs(5));
+    c.put_rows(&[(Key::new(0, "f"), &[1u8; 64][..])], c.deadline())
+        .unwrap();
+    let mut r = Raw::hello(&sock, "test");
+    let resolve = |r: &mut Raw| {
+        r.call(&Request::Resolve {
+            partition: String::new(),
+            keys: vec![Key::new(0, "f")],
+            hold: false,
+        })
+    };
+    for _ in 0..3 {
+        assert!(matches!(
+            resolve(&mut r),
+            Response::Resolved { pin: Some(_), .. }
+        ));
+    }
+    assert!(is_error(&resolve(&mut r), ErrorCode::Busy));
+    assert!(is_error(&alloc(&mut r, 9, 0, 0), ErrorCode::Busy));
+    // Others are not affected.
+    assert_eq!(
+        c.get_rows(&[Key::new(0, "f")], c.deadline()).unwrap()[0],
+        vec![1u8; 64]
+    );
+}
+
+#[test]
+fn the_first_call_after_an_unnoticed_restart_may_be_a_view() {
+    use stowage_client::{Column, DType, RowKey, Tensor};
+    let (mut p, opts) = plane(1, 8 * MIB, &[]);
+    let c = std::sync::Arc::new(client(&p, Kind::Shm, Duration::from_secs(5)));
+    let bytes = [3u8; 16];
+    let col = Column::Dense(Tensor::new(DType::U8, vec![1, 16], &bytes).unwrap());
+    c.put("p", &[RowKey::Index(0)], &[("v", col)], None, c.deadline())
+        .unwrap();
+    p.restart(0, &opts).unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let c2 = c.clone();
+    std::thread::spawn(move || {
+        let r = c2.view("p", &[RowKey::Index(0)], &["v"], None, c2.deadline());
+        let _ = tx.send(r.map(|_| ()));
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("a view after a restart never returned");
+    assert!(r.is_err(), "the restarted unit has no such value");
 }

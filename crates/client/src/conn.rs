@@ -148,7 +148,7 @@ impl Conn {
             limits: Limits::default(),
             read_timeout: None,
         };
-        let id = c.send(
+        let sent = c.send(
             &Request::Hello {
                 version: PROTOCOL_VERSION,
                 namespace: namespace.to_owned(),
@@ -157,7 +157,20 @@ impl Conn {
             },
             &mut [],
             deadline,
-        )?;
+        );
+        let id = match sent {
+            Ok(id) => id,
+            // A unit that turns a connection away (too many connections,
+            // another user) answers before any request and closes: read
+            // its answer rather than report a broken connection.
+            Err(ConnError::Broken(e)) => {
+                return Err(match c.recv(0, deadline) {
+                    Ok(Response::Error { code, message }) => ConnError::Refused(code, message),
+                    _ => ConnError::Broken(e),
+                })
+            }
+            Err(e) => return Err(e),
+        };
         let (resp, fd) = if want_fd {
             c.recv_hello_with_fd(deadline)?
         } else {

@@ -37,6 +37,9 @@ pub struct ProbeDirectory {
     pub max_wait: Option<Duration>,
 }
 
+/// How long a probe waits before asking again after an inconclusive try.
+const PROBE_RETRY: Duration = Duration::from_millis(20);
+
 impl Directory for ProbeDirectory {
     fn liveness(
         &self,
@@ -51,20 +54,32 @@ impl Directory for ProbeDirectory {
         let left = deadline
             .saturating_duration_since(Instant::now())
             .clamp(Duration::from_millis(100), max_wait);
-        match Conn::connect(
-            addr,
-            "",
-            false,
-            None,
-            None,
-            Duration::ZERO,
-            Instant::now() + left,
-        ) {
-            Ok(c) if c.instance_id == instance => Liveness::Alive,
-            Ok(_) => Liveness::Restarted,
-            Err(ConnError::Broken(_)) => Liveness::Dead,
-            Err(ConnError::Timeout) | Err(ConnError::Protocol(_)) | Err(ConnError::Refused(..)) => {
-                Liveness::Unresponsive
+        let end = Instant::now() + left;
+        loop {
+            let probe = Conn::connect(addr, "", false, None, None, Duration::ZERO, end);
+            match probe {
+                Ok(c) if c.instance_id == instance => return Liveness::Alive,
+                Ok(_) => return Liveness::Restarted,
+                // Nothing listens at the address (refused, or the socket
+                // file is gone): dead.
+                Err(ConnError::Broken(e))
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
+                    ) =>
+                {
+                    return Liveness::Dead
+                }
+                // Another breakage (a unit that is exiting resets the
+                // connections its listener had queued): not proof either
+                // way; ask again shortly, within the probe's time.
+                Err(ConnError::Broken(_)) if Instant::now() + PROBE_RETRY < end => {
+                    std::thread::sleep(PROBE_RETRY)
+                }
+                Err(ConnError::Broken(_))
+                | Err(ConnError::Timeout)
+                | Err(ConnError::Protocol(_))
+                | Err(ConnError::Refused(..)) => return Liveness::Unresponsive,
             }
         }
     }

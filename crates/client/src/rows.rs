@@ -865,16 +865,16 @@ impl Client {
         deadline: Instant,
         f: impl FnOnce(&mut Box<dyn crate::Transport>) -> std::result::Result<R, OpFailure>,
     ) -> std::result::Result<(R, crate::ViewConn), OpFailure> {
-        let conn = {
-            let mut slot = lock(&self.units[unit].view_conn);
-            match slot.as_ref() {
-                Some(c) => c.clone(),
-                None => {
-                    let c: crate::ViewConn =
-                        Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
-                    *slot = Some(c.clone());
-                    c
-                }
+        let existing = lock(&self.units[unit].view_conn).clone();
+        let conn = match existing {
+            Some(c) => c,
+            None => {
+                // Opened without the slot's lock held: opening may meet a
+                // restarted unit, which clears the slot.
+                let fresh: crate::ViewConn =
+                    Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
+                let mut slot = lock(&self.units[unit].view_conn);
+                slot.get_or_insert(fresh).clone()
             }
         };
         let r = f(&mut lock(&conn));

@@ -358,6 +358,23 @@ impl Transport for ShmTransport {
             },
             PutState::Streaming | PutState::Committing => {
                 let reply = self.recv(deadline)?;
+                if self.put_state == PutState::Committing {
+                    if let Response::Error { code, message } = reply {
+                        // The commit was refused (e.g. the index is full):
+                        // give the reservation back rather than hold it
+                        // for as long as this connection lives.
+                        self.put_state = PutState::Idle;
+                        self.send(
+                            &Request::Abort {
+                                blob: put.blob,
+                                in_flight: false,
+                            },
+                            deadline,
+                        )?;
+                        self.recv(deadline)?;
+                        return Err(OpFailure::Unit { code, message });
+                    }
+                }
                 after_commit_reply(
                     &mut self.conn,
                     &mut self.put_state,

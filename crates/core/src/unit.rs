@@ -32,6 +32,9 @@ pub struct CoreConfig {
     pub index_budget: u64,
     /// Most connections one session may have at once. Default 64.
     pub max_session_conns: usize,
+    /// Most reservations and pins one session may hold at once (each costs
+    /// the unit some memory); past it, Busy. Default 16384.
+    pub max_session_holds: usize,
     /// Key of the function that draws pin ids (the driver gives a random
     /// one; the core itself has no randomness).
     pub id_key: (u64, u64),
@@ -53,6 +56,7 @@ impl CoreConfig {
             quarantine: Duration::from_secs(5),
             index_budget: (capacity / 4).max(64 << 20),
             max_session_conns: 64,
+            max_session_holds: 16384,
             id_key: (0x5157_0a6e, 0x9e37_79b9),
             disk_capacity: 0,
             high_watermark: 0.9,
@@ -552,6 +556,22 @@ impl UnitCore {
         }
     }
 
+    /// Busy when `session` holds as many reservations and pins as it may.
+    fn check_holds(&self, session: SessionId, needed: u64) -> Result<(), CoreError> {
+        match self.sessions.get(&session) {
+            Some(s)
+                if session != Owner::UNIT.session
+                    && s.reservations.len() + s.pins.len() >= self.cfg.max_session_holds =>
+            {
+                Err(CoreError::Busy {
+                    needed,
+                    reclaimable: 0,
+                })
+            }
+            _ => Ok(()),
+        }
+    }
+
     fn check_owner(&self, owner: Owner) -> Result<(), CoreError> {
         match self.sessions.get(&owner.session) {
             Some(s) if s.conns.contains_key(&owner.conn) => Ok(()),
@@ -681,6 +701,7 @@ impl UnitCore {
         if self.freed_commit_set.contains(&blob) {
             return Ok(Allocated::AlreadyCommitted);
         }
+        self.check_holds(owner.session, nbytes)?;
         let capacity = self.slab.capacity();
         let fits_disk = self.disk_on() && nbytes <= self.disk_free();
         let region = if SlabAllocator::rounded(nbytes) <= capacity {
@@ -966,6 +987,7 @@ impl UnitCore {
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
         self.check_owner(owner)?;
+        self.check_holds(owner.session, 0)?;
         let rows = self.index.get(ns);
         let blobs_map = &self.blobs;
         let mut blobs = Vec::new();
@@ -2055,6 +2077,33 @@ mod tests {
         assert_eq!(c.stats().index_bytes, 3 * (ENTRY_OVERHEAD + 1));
         c.release_rows("ns", &[0, 1, 2]);
         assert_eq!(c.stats().index_bytes, 0);
+    }
+
+    #[test]
+    fn session_holds_are_capped() {
+        let mut cfg = CoreConfig::new(1 << 20);
+        cfg.max_session_holds = 3;
+        let mut c = UnitCore::new(cfg).unwrap();
+        let o = own(&mut c);
+        let other = own(&mut c);
+        c.alloc(o, BlobId(1), 64, 1, t(0)).unwrap();
+        c.commit(o, "ns", BlobId(1), &[entry(0, "f", 0, 64)])
+            .unwrap();
+        c.alloc(o, BlobId(2), 64, 1, t(0)).unwrap();
+        c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
+        c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
+        assert!(matches!(
+            c.resolve(o, "ns", &[Key::new(0, "f")], t(0)),
+            Err(CoreError::Busy { .. })
+        ));
+        assert!(matches!(
+            c.alloc(o, BlobId(3), 64, 1, t(0)),
+            Err(CoreError::Busy { .. })
+        ));
+        // A retry of a reservation it already holds is not a new hold.
+        assert!(c.alloc(o, BlobId(2), 64, 1, t(0)).is_ok());
+        // Another session is not affected.
+        c.resolve(other, "ns", &[Key::new(0, "f")], t(0)).unwrap();
     }
 
     #[test]

@@ -231,9 +231,12 @@ impl Slab {
     }
 
     /// Receive exactly `len` bytes from the stream socket `sock` straight
-    /// into the slab at `offset` (no intermediate buffer). Blocking, bounded
-    /// by the socket's receive timeout (`WouldBlock`/`TimedOut` when it
-    /// passes); `UnexpectedEof` when the peer closes first. The caller must
+    /// into the slab at `offset` (no intermediate buffer). Blocking, and
+    /// bounded as a whole by `deadline` (`TimedOut` once it passes: each
+    /// blocking receive gets the time left as the socket's receive timeout,
+    /// so a peer that trickles bytes cannot stretch it); `UnexpectedEof`
+    /// when the peer closes first. The socket's receive timeout is left
+    /// changed. The caller must
     /// hold the range's reservation, and is the only one that writes it.
     ///
     /// Adaptive polling: when no bytes are waiting, it polls without
@@ -245,6 +248,7 @@ impl Slab {
         offset: u64,
         len: usize,
         spin: std::time::Duration,
+        deadline: Option<std::time::Instant>,
     ) -> io::Result<()> {
         let start = self.check(offset, len).map_err(io::Error::other)?;
         let base = self.map.as_mut_ptr() as usize + start;
@@ -253,6 +257,19 @@ impl Slab {
         while done < len {
             let poll = !spin.is_zero() && polling_since.is_none_or(|t| t.elapsed() < spin);
             let flags = if poll { libc::MSG_DONTWAIT } else { 0 };
+            if let Some(d) = deadline {
+                let left = d.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                if !poll {
+                    rustix::net::sockopt::set_socket_timeout(
+                        sock,
+                        rustix::net::sockopt::Timeout::Recv,
+                        Some(left),
+                    )?;
+                }
+            }
             // SAFETY: [start + done, start + len) lies inside the mapping
             // (`check`), which lives as long as `self` and never shrinks.
             // The kernel writes through the raw pointer; no Rust reference
@@ -279,6 +296,9 @@ impl Slab {
                         io::ErrorKind::WouldBlock if poll => {
                             polling_since.get_or_insert_with(std::time::Instant::now);
                             std::hint::spin_loop();
+                        }
+                        io::ErrorKind::WouldBlock if deadline.is_some() => {
+                            return Err(io::ErrorKind::TimedOut.into())
                         }
                         _ => return Err(e),
                     }
@@ -527,6 +547,7 @@ mod tests {
             500_000,
             300_000,
             std::time::Duration::from_micros(50),
+            Some(deadline),
         )
         .unwrap();
         let (a, src) = writer.join().unwrap();
@@ -537,13 +558,37 @@ mod tests {
         std::io::Write::write_all(&mut &a, b"abc").unwrap();
         drop(a);
         let e = s
-            .recv_into(b.as_fd(), 0, 10, std::time::Duration::ZERO)
+            .recv_into(b.as_fd(), 0, 10, std::time::Duration::ZERO, None)
             .unwrap_err();
         assert_eq!(e.kind(), io::ErrorKind::UnexpectedEof);
         // Out of bounds: refused before any system call.
         assert!(s
-            .recv_into(b.as_fd(), 1 << 20, 1, std::time::Duration::ZERO)
+            .recv_into(b.as_fd(), 1 << 20, 1, std::time::Duration::ZERO, None)
             .is_err());
+        // A peer that trickles: cut off at the deadline as a whole.
+        let (c, d) = UnixStream::pair().unwrap();
+        let trickle = std::thread::spawn(move || {
+            for _ in 0..20 {
+                if std::io::Write::write_all(&mut &c, b"x").is_err() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        });
+        let t = std::time::Instant::now();
+        let e = s
+            .recv_into(
+                d.as_fd(),
+                0,
+                100,
+                std::time::Duration::ZERO,
+                Some(t + std::time::Duration::from_millis(300)),
+            )
+            .unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::TimedOut);
+        assert!(t.elapsed() < std::time::Duration::from_millis(700));
+        drop(d);
+        trickle.join().unwrap();
     }
 
     #[test]

@@ -28,7 +28,7 @@ struct Conn {
     reader: BufReader<SpinReader>,
     writer: Socket,
     peer: Peer,
-    /// A Unix-socket peer: it may map the slab and copy by itself.
+    /// A Unix-socket peer: it may be handed the slab.
     direct: bool,
     /// May send admin requests (shutdown, checkpoint).
     admin: bool,
@@ -378,7 +378,11 @@ impl Conn {
             )?;
             return Err(ConnEnd::Invalid("protocol version mismatch".into()));
         }
-        let (token, owner) = match self.shared.join_session(session, self.peer, self.direct) {
+        // A peer that is handed the slab (now, or on an earlier connection
+        // of its session) may copy by itself: its holds follow the rules
+        // for direct peers.
+        let maps = want_fd && self.direct;
+        let (token, owner) = match self.shared.join_session(session, self.peer, maps) {
             Ok(j) => j,
             Err(e) => {
                 self.reply(id, &error_response(&e))?;
@@ -502,11 +506,16 @@ impl Conn {
             return Ok(());
         }
         let r = self.reader.get_mut();
-        r.apply_deadline()?;
-        let sock = r.socket.as_fd();
-        self.shared
-            .slab
-            .recv_into(sock, offset + n as u64, len - n, self.shared.spin)
+        let deadline = r.deadline;
+        let got = self.shared.slab.recv_into(
+            r.socket.as_fd(),
+            offset + n as u64,
+            len - n,
+            self.shared.spin,
+            deadline,
+        );
+        r.timeout_changed();
+        got
     }
 
     /// The payload of a put that went to the disk tier: streamed into the

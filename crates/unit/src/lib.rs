@@ -111,6 +111,8 @@ pub struct UnitConfig {
     pub max_connections: usize,
     /// Most connections of one session. Default 64.
     pub max_session_connections: usize,
+    /// Most reservations and pins of one session. Default 16384.
+    pub max_session_holds: usize,
     /// Bytes the key index may take; `None`: a quarter of the slab, at
     /// least 64 MiB.
     pub index_budget: Option<u64>,
@@ -141,6 +143,7 @@ impl UnitConfig {
             max_io_timeout: Duration::from_secs(600),
             max_connections: 1024,
             max_session_connections: 64,
+            max_session_holds: 16384,
             index_budget: None,
         }
     }
@@ -228,6 +231,8 @@ pub(crate) struct SessionRec {
     pub(crate) id: stowage_core::SessionId,
     pub(crate) pid: Option<i32>,
     pub(crate) pidfd: Option<std::os::fd::OwnedFd>,
+    /// The slab was handed to this session: its peer may copy by itself.
+    pub(crate) mapped: bool,
 }
 
 impl Shared {
@@ -239,40 +244,52 @@ impl Shared {
         &self,
         token: Option<u128>,
         peer: conn::Peer,
-        direct: bool,
+        maps: bool,
     ) -> Result<(u128, stowage_core::Owner), stowage_core::CoreError> {
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         let mut core = self.core();
         // Forget sessions the core has forgotten.
         sessions.retain(|_, r| core.has_session(r.id));
-        let joined = token.and_then(|t| {
-            let r = sessions.get(&t)?;
-            (r.pid == peer.pid).then_some((t, r.id))
-        });
-        let (token, id) = match joined {
-            Some(j) => j,
+        let joined = token.filter(|t| sessions.get(t).is_some_and(|r| r.pid == peer.pid));
+        let token = match joined {
+            Some(t) => t,
             None => {
                 let mut b = [0u8; 16];
                 getrandom::fill(&mut b)
                     .map_err(|e| stowage_core::CoreError::Invalid(e.to_string()))?;
                 let token = u128::from_le_bytes(b);
                 let id = core.open_session();
-                let pidfd = peer.pid.filter(|_| direct).and_then(|pid| {
-                    let pid = rustix::process::Pid::from_raw(pid)?;
-                    rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
-                });
                 sessions.insert(
                     token,
                     SessionRec {
                         id,
                         pid: peer.pid,
-                        pidfd,
+                        pidfd: None,
+                        mapped: false,
                     },
                 );
-                (token, id)
+                token
             }
         };
-        let owner = core.attach(id, direct)?;
+        let Some(rec) = sessions.get_mut(&token) else {
+            return Err(stowage_core::CoreError::Invalid("session vanished".into()));
+        };
+        if maps && rec.pidfd.is_none() {
+            // Taken while the peer is connected, so the pid is its own.
+            rec.pidfd = peer.pid.and_then(|pid| {
+                let pid = rustix::process::Pid::from_raw(pid)?;
+                rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+            });
+            if rec.pidfd.is_none() {
+                tracing::warn!(
+                    pid = ?peer.pid,
+                    "no pidfd for a client that maps the slab: if the unit cuts its connection, what it holds is kept until the unit stops"
+                );
+            }
+        }
+        rec.mapped |= maps;
+        let direct = rec.mapped;
+        let owner = core.attach(rec.id, direct)?;
         Ok((token, owner))
     }
 
@@ -522,6 +539,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         core_cfg.index_budget = b;
     }
     core_cfg.max_session_conns = cfg.max_session_connections.max(1);
+    core_cfg.max_session_holds = cfg.max_session_holds.max(1);
     let mut key = [0u8; 16];
     getrandom::fill(&mut key).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;
     core_cfg.id_key = (

@@ -235,6 +235,12 @@ impl SpinReader {
         }
     }
 
+    /// Someone else changed the socket's receive timeout (e.g. a receive
+    /// straight into a slab): bring it back in line at the next read.
+    pub fn timeout_changed(&mut self) {
+        self.set_timeout = Some(Duration::MAX);
+    }
+
     /// Bring the socket's receive timeout in line with `deadline`,
     /// skipping the system call when it would change little (before a
     /// read that bypasses this reader).
@@ -271,6 +277,11 @@ impl SpinReader {
 
 impl Read for SpinReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        // A peer that trickles bytes within the spin window is bounded by
+        // the deadline too.
+        if self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return Err(io::ErrorKind::TimedOut.into());
+        }
         if let Some(r) = spin_read(self.socket.as_fd(), buf, self.spin) {
             return r;
         }
