@@ -235,8 +235,8 @@ impl Slab {
     /// bounded as a whole by `deadline` (`TimedOut` once it passes: each
     /// blocking receive gets the time left as the socket's receive timeout,
     /// so a peer that trickles bytes cannot stretch it); `UnexpectedEof`
-    /// when the peer closes first. The socket's receive timeout is left
-    /// changed. The caller must
+    /// when the peer closes first. Returns whether it changed the socket's
+    /// receive timeout (only before a receive that would block). The caller must
     /// hold the range's reservation, and is the only one that writes it.
     ///
     /// Adaptive polling: when no bytes are waiting, it polls without
@@ -249,8 +249,9 @@ impl Slab {
         len: usize,
         spin: std::time::Duration,
         deadline: Option<std::time::Instant>,
-    ) -> io::Result<()> {
+    ) -> io::Result<bool> {
         let start = self.check(offset, len).map_err(io::Error::other)?;
+        let mut changed = false;
         let base = self.map.as_mut_ptr() as usize + start;
         let mut done = 0usize;
         let mut polling_since: Option<std::time::Instant> = None;
@@ -268,6 +269,7 @@ impl Slab {
                         rustix::net::sockopt::Timeout::Recv,
                         Some(left),
                     )?;
+                    changed = true;
                 }
             }
             // SAFETY: [start + done, start + len) lies inside the mapping
@@ -305,20 +307,22 @@ impl Slab {
                 }
             }
         }
-        Ok(())
+        // Whether the socket's receive timeout was changed.
+        Ok(changed)
     }
 
     /// Send `pieces` (heap bytes and slab ranges, in order) on the stream
     /// socket `sock` with as few vectored writes as possible, each bounded
     /// by the time left to `deadline` (`TimedOut` once it passes). Slab
     /// ranges go from the mapping to the kernel by raw pointer. The caller
-    /// must hold pins of the slab ranges.
+    /// must hold pins of the slab ranges. Returns whether it changed the
+    /// socket's send timeout (only when a send had to wait).
     pub fn send_pieces(
         &self,
         sock: BorrowedFd<'_>,
         pieces: &[Piece<'_>],
         deadline: std::time::Instant,
-    ) -> io::Result<()> {
+    ) -> io::Result<bool> {
         let mut iov: Vec<libc::iovec> = Vec::with_capacity(pieces.len());
         for p in pieces {
             let (ptr, len) = match *p {
@@ -336,30 +340,49 @@ impl Slab {
             }
         }
         let mut first = 0usize;
+        // The first send does not wait (what fits in the socket's buffer
+        // goes at once, with no timeout to set); later ones block, each
+        // bounded by the time left.
+        let mut blocking = false;
+        let mut changed = false;
         while first < iov.len() {
             let left = deadline.saturating_duration_since(std::time::Instant::now());
             if left.is_zero() {
                 return Err(io::ErrorKind::TimedOut.into());
             }
-            rustix::net::sockopt::set_socket_timeout(
-                sock,
-                rustix::net::sockopt::Timeout::Send,
-                Some(left),
-            )?;
+            if blocking {
+                rustix::net::sockopt::set_socket_timeout(
+                    sock,
+                    rustix::net::sockopt::Timeout::Send,
+                    Some(left),
+                )?;
+                changed = true;
+            }
             let n = (iov.len() - first).min(1024);
             // SAFETY: every iovec names either a caller's slice, borrowed
             // for this call, or a range inside the mapping (`check`), which
-            // lives as long as `self`; the kernel only reads them.
-            let sent =
-                unsafe { libc::writev(sock.as_raw_fd(), iov[first..].as_ptr(), n as libc::c_int) };
+            // lives as long as `self`; the kernel only reads them. The
+            // message header points at those iovecs and nothing else.
+            let sent = unsafe {
+                let mut msg: libc::msghdr = std::mem::zeroed();
+                msg.msg_iov = iov[first..].as_mut_ptr();
+                msg.msg_iovlen = n as _;
+                let flags = libc::MSG_NOSIGNAL | if blocking { 0 } else { libc::MSG_DONTWAIT };
+                libc::sendmsg(sock.as_raw_fd(), &msg, flags)
+            };
             if sent < 0 {
                 let e = io::Error::last_os_error();
                 match e.kind() {
                     io::ErrorKind::Interrupted => continue,
+                    io::ErrorKind::WouldBlock if !blocking => {
+                        blocking = true;
+                        continue;
+                    }
                     io::ErrorKind::WouldBlock => return Err(io::ErrorKind::TimedOut.into()),
                     _ => return Err(e),
                 }
             }
+            blocking = true;
             if sent == 0 {
                 return Err(io::ErrorKind::WriteZero.into());
             }
@@ -376,7 +399,8 @@ impl Slab {
                 }
             }
         }
-        Ok(())
+        // Whether the socket's send timeout was changed.
+        Ok(changed)
     }
 
     /// The mapping's address, for zero-copy views that keep a pin alive.

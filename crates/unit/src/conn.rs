@@ -514,8 +514,10 @@ impl Conn {
             self.shared.spin,
             deadline,
         );
-        r.timeout_changed();
-        got
+        if !matches!(got, Ok(false)) {
+            r.timeout_changed();
+        }
+        got.map(|_| ())
     }
 
     /// The payload of a put that went to the disk tier: streamed into the
@@ -644,8 +646,6 @@ impl Conn {
             .map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
         let until = Instant::now() + timeout;
-        // The send below sets its own timeouts.
-        self.write_timeout = Duration::ZERO;
         let mut pieces = Vec::with_capacity(served.len() + 1);
         pieces.push(Piece::Heap(&header));
         for s in served.iter().flatten() {
@@ -674,8 +674,11 @@ impl Conn {
         if let Some(p) = pin {
             let _ = self.shared.core().unpin(owner, p);
         }
-        sent?;
-        self.set_write_timeout(self.shared.frame_timeout)?;
+        if sent? {
+            // The send set its own timeout: back to the frame timeout.
+            self.write_timeout = Duration::ZERO;
+            self.set_write_timeout(self.shared.frame_timeout)?;
+        }
         Ok(())
     }
 }
