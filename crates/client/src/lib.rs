@@ -387,6 +387,13 @@ impl Client {
     }
 
     fn checkin(&self, unit: usize, t: Box<dyn Transport>) {
+        // A connection to an instance this client has since seen replaced
+        // is not pooled again: its next failure would be judged against
+        // the new instance.
+        let current = lock(&self.units[unit].instance).current;
+        if current.is_some_and(|c| c != t.instance_id()) {
+            return;
+        }
         lock(&self.units[unit].pool).push(t);
     }
 
