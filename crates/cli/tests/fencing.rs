@@ -9,8 +9,8 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::io::Write;
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
@@ -100,28 +100,8 @@ impl Paused {
             if kind == Kind::Shm { "shm" } else { "tcp" },
             timeout.as_millis()
         );
-        let mut child = Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--exact",
-                "fence_child",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("STOWAGE_FENCE", spec)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if tx.send(line).is_err() {
-                    return;
-                }
-            }
-        });
+        let mut child = helper_child("fence_child", ("STOWAGE_FENCE", &spec));
+        let rx = stdout_lines(&mut child);
         let p = Paused { child, lines: rx };
         p.expect_line("READY", Duration::from_secs(30));
         p

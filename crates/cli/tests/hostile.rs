@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::TcpStream;
 use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
@@ -153,15 +153,7 @@ fn a_put_retried_after_its_connection_dropped_succeeds() {
     // Over tcp: a Put whose stream was cut halfway, then retried whole.
     let v: Vec<u8> = pattern(5, 5, 1 << 20);
     let put = |blob: u128, bytes: &[u8], read_reply: bool| -> Option<Response> {
-        let s = TcpStream::connect(tcp).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut t = RawTcp { s, next: 1 };
-        t.call(&Request::Hello {
-            version: PROTOCOL_VERSION,
-            namespace: "ns".into(),
-            want_fd: false,
-            session: None,
-        });
+        let mut t = RawTcp::hello(tcp);
         let mut buf = Vec::new();
         let req = Request::Put {
             blob: BlobId(blob),
@@ -201,6 +193,21 @@ struct RawTcp {
 }
 
 impl RawTcp {
+    /// Connect over TCP and say Hello.
+    fn hello(addr: impl std::net::ToSocketAddrs) -> RawTcp {
+        let s = TcpStream::connect(addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut t = RawTcp { s, next: 1 };
+        let h = t.call(&Request::Hello {
+            version: PROTOCOL_VERSION,
+            namespace: "ns".into(),
+            want_fd: false,
+            session: None,
+        });
+        assert!(matches!(h, Response::Hello { .. }), "{h:?}");
+        t
+    }
+
     fn call(&mut self, req: &Request) -> Response {
         let id = self.next;
         self.next += 1;
@@ -433,13 +440,7 @@ impl HandUnit {
             .stderr(Stdio::null())
             .spawn()
             .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for l in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
+        let rx = stdout_lines(&mut child);
         let ready = rx
             .recv_timeout(Duration::from_secs(30))
             .expect("the unit is ready");
@@ -515,17 +516,7 @@ fn only_the_units_own_user_may_connect() {
 #[test]
 fn admin_requests_need_a_same_user_unix_client_or_admin() {
     let u = HandUnit::start(&[]);
-    let mut t = RawTcp {
-        s: TcpStream::connect(&u.tcp).unwrap(),
-        next: 1,
-    };
-    t.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    t.call(&Request::Hello {
-        version: PROTOCOL_VERSION,
-        namespace: "ns".into(),
-        want_fd: false,
-        session: None,
-    });
+    let mut t = RawTcp::hello(&u.tcp);
     assert!(is_error(
         &t.call(&Request::Shutdown { timeout_ms: 1000 }),
         ErrorCode::Unauthorized
@@ -551,17 +542,7 @@ fn admin_requests_need_a_same_user_unix_client_or_admin() {
     ));
     // With --admin, over tcp too.
     let a = HandUnit::start(&["--admin"]);
-    let mut t = RawTcp {
-        s: TcpStream::connect(&a.tcp).unwrap(),
-        next: 1,
-    };
-    t.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    t.call(&Request::Hello {
-        version: PROTOCOL_VERSION,
-        namespace: "ns".into(),
-        want_fd: false,
-        session: None,
-    });
+    let mut t = RawTcp::hello(&a.tcp);
     assert!(matches!(
         t.call(&Request::Shutdown { timeout_ms: 1000 }),
         Response::ShutDown { .. }
@@ -672,29 +653,10 @@ fn cut_holder_child() {
 fn a_cut_local_clients_holds_wait_for_its_process_to_exit() {
     let (p, _) = plane(1, 16 * MIB, &["--frame-timeout", "300ms"]);
     let sock = p.units[0].uds.clone();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "cut_holder_child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("STOWAGE_TEST_CUT_HOLDER", &sock)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let out = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for l in BufReader::new(out).lines().map_while(Result::ok) {
-            if l.contains("HELD") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    let held = rx.recv_timeout(Duration::from_secs(30));
+    let sock_str = sock.display().to_string();
+    let mut child = helper_child("cut_holder_child", ("STOWAGE_TEST_CUT_HOLDER", &sock_str));
+    let lines = stdout_lines(&mut child);
+    let held = wait_for_line(&lines, "HELD", Duration::from_secs(30));
     let mut watcher = Raw::hello(&sock, "ns");
     // The unit cuts the connection (frame timeout), but the process lives
     // and maps the slab: its reservation stays, shown as orphaned.
@@ -705,7 +667,7 @@ fn a_cut_local_clients_holds_wait_for_its_process_to_exit() {
     let kept = stats(&mut watcher);
     let _ = child.kill();
     let _ = child.wait();
-    assert!(held.is_ok(), "the child never reserved");
+    assert!(held, "the child never reserved");
     assert!(orphaned, "{kept:?}");
     assert_eq!(kept.reserved_bytes, 4096, "{kept:?}");
     assert_eq!(kept.quarantined_bytes, 0);
@@ -747,17 +709,7 @@ fn a_trickling_put_stream_is_cut_at_its_deadline() {
     let (p, _) = plane(1, 16 * MIB, &["--quarantine", "100ms"]);
     let sock = p.units[0].uds.clone();
     let mut watcher = Raw::hello(&sock, "ns");
-    let mut t = RawTcp {
-        s: TcpStream::connect(p.units[0].tcp).unwrap(),
-        next: 1,
-    };
-    t.s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    t.call(&Request::Hello {
-        version: PROTOCOL_VERSION,
-        namespace: "ns".into(),
-        want_fd: false,
-        session: None,
-    });
+    let mut t = RawTcp::hello(p.units[0].tcp);
     let n = 64 << 10;
     let mut buf = Vec::new();
     let req = Request::Put {

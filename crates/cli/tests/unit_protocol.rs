@@ -3,11 +3,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::io::Write;
+
 use std::time::Duration;
 
-use common::{client, eventually, pattern, plane, Kind, Raw};
+use common::{
+    client, eventually, helper_child, pattern, plane, stdout_lines, wait_for_line, Kind, Raw,
+};
 use stowage_client::{Error, Key};
 use stowage_wire::{encode, BlobId, EntrySpec, ErrorCode, Request, Response, PREFIX_LEN};
 
@@ -292,35 +294,16 @@ fn pins_of_a_killed_client_are_reclaimed() {
     c.put_rows(&[(Key::new(0, "v"), &pattern(0, 0, 1000))], c.deadline())
         .unwrap();
 
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "pin_holder_child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("STOWAGE_TEST_PIN_HOLDER", &sock)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.contains("PINNED") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    let pinned = rx.recv_timeout(Duration::from_secs(30));
+    let sock_str = sock.display().to_string();
+    let mut child = helper_child("pin_holder_child", ("STOWAGE_TEST_PIN_HOLDER", &sock_str));
+    let lines = stdout_lines(&mut child);
+    let pinned = wait_for_line(&lines, "PINNED", Duration::from_secs(30));
     let mut watcher = Raw::hello(&sock, "ns");
     let pins_before = stats(&mut watcher).pins;
     // Stop the child by its pid before asserting anything.
     let _ = child.kill();
     let _ = child.wait();
-    assert!(pinned.is_ok(), "the pin holder never pinned");
+    assert!(pinned, "the pin holder never pinned");
     assert_eq!(pins_before, 1);
     // The pin is gone once the dead process's connection closes.
     assert!(eventually(Duration::from_secs(4), || stats(&mut watcher)

@@ -166,3 +166,52 @@ pub fn is_stopped(pid: u32) -> bool {
         .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('T')))
         .unwrap_or(false)
 }
+
+/// Re-run this test binary as a helper process running only the ignored
+/// test `name`, with `env` set; its stdout is piped.
+pub fn helper_child(name: &str, env: (&str, &str)) -> std::process::Child {
+    std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(env.0, env.1)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("helper process starts")
+}
+
+/// The lines a child prints on its (piped) stdout, as they come.
+pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receiver<String> {
+    use std::io::BufRead;
+    let out = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    rx
+}
+
+/// Whether a line containing `needle` comes from `lines` within `within`.
+pub fn wait_for_line(
+    lines: &std::sync::mpsc::Receiver<String>,
+    needle: &str,
+    within: Duration,
+) -> bool {
+    let end = Instant::now() + within;
+    loop {
+        match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            Ok(l) if l.contains(needle) => return true,
+            Ok(_) => {}
+            Err(_) => return false,
+        }
+    }
+}
