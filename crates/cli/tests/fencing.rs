@@ -179,6 +179,36 @@ fn addr(p: &stowage_cli::local::LocalPlane, kind: Kind) -> UnitAddr {
     }
 }
 
+/// While a paused child holds a range of the slab, and past every lease,
+/// another client puts `b` (0x02) into row 1. Over shm the paused child
+/// still holds its range: `b` does not fit and is not acknowledged. Over
+/// tcp the unit cuts the child at its deadline (3 s; the cut range is
+/// quarantined, then freed) and `b` goes in. Returns that client and `b`.
+fn put_b_past_every_lease(
+    p: &stowage_cli::local::LocalPlane,
+    kind: Kind,
+) -> (stowage_client::Client, Vec<u8>) {
+    std::thread::sleep(Duration::from_millis(800));
+    let timeout = match kind {
+        Kind::Shm => Duration::from_secs(4),
+        Kind::Tcp => Duration::from_secs(15),
+    };
+    let other = fclient(p, kind, timeout);
+    let vb = vec![0x02u8; VALUE];
+    let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
+    match kind {
+        Kind::Shm => assert!(
+            matches!(
+                b_put,
+                Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })
+            ),
+            "{b_put:?}"
+        ),
+        Kind::Tcp => assert!(b_put.is_ok(), "{b_put:?}"),
+    }
+    (other, vb)
+}
+
 fn all(v: &[u8], byte: u8) -> bool {
     v.len() == VALUE && v.iter().all(|&b| b == byte)
 }
@@ -213,34 +243,7 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
         c.clear_rows(&[0], c.deadline()).unwrap();
     }
     let w = stopped.expect("never caught the writer mid-copy");
-    // Past every lease, another client puts `b`.
-    std::thread::sleep(Duration::from_millis(800));
-    // Over tcp the unit cuts the paused child at its deadline (3 s), so
-    // `b` gets in within this one.
-    let other = fclient(
-        &p,
-        kind,
-        match kind {
-            Kind::Shm => Duration::from_secs(4),
-            Kind::Tcp => Duration::from_secs(15),
-        },
-    );
-    let vb = vec![0x02u8; VALUE];
-    let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
-    match kind {
-        // The paused shm writer still holds its reservation: `b` does not
-        // fit, and is not acknowledged.
-        Kind::Shm => assert!(
-            matches!(
-                b_put,
-                Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })
-            ),
-            "{b_put:?}"
-        ),
-        // The unit cut the stalled stream after the writer's deadline and
-        // quarantined its range; then `b` went in.
-        Kind::Tcp => assert!(b_put.is_ok(), "{b_put:?}"),
-    }
+    let (other, vb) = put_b_past_every_lease(&p, kind);
     w.signal("-CONT");
     let r = w.result();
     let c = fclient(&p, kind, Duration::from_secs(10));
@@ -292,29 +295,7 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
     }
     let r = stopped.expect("never caught the reader mid-copy");
     c.clear_rows(&[0], c.deadline()).unwrap();
-    std::thread::sleep(Duration::from_millis(800));
-    // Over tcp the unit cuts the paused child at its deadline (3 s), so
-    // `b` gets in within this one.
-    let other = fclient(
-        &p,
-        kind,
-        match kind {
-            Kind::Shm => Duration::from_secs(4),
-            Kind::Tcp => Duration::from_secs(15),
-        },
-    );
-    let vb = vec![0x02u8; VALUE];
-    let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
-    match kind {
-        Kind::Shm => assert!(
-            matches!(
-                b_put,
-                Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })
-            ),
-            "{b_put:?}"
-        ),
-        Kind::Tcp => assert!(b_put.is_ok(), "{b_put:?}"),
-    }
+    let (other, vb) = put_b_past_every_lease(&p, kind);
     r.signal("-CONT");
     let res = r.result();
     match kind {
