@@ -303,18 +303,39 @@ impl Client {
         let slot = &self.units[unit];
         let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
         let cached = lock(&slot.slab).clone();
-        let session = *lock(&slot.session);
-        let conn = Conn::connect(
-            &slot.addr,
-            &self.cfg.namespace,
-            want_fd,
-            session,
-            cached,
-            self.cfg.spin,
-            deadline,
-        )
-        .map_err(|e| OpFailure::conn(e, false))?;
-        *lock(&slot.session) = Some(conn.session);
+        let connect = |session| {
+            Conn::connect(
+                &slot.addr,
+                &self.cfg.namespace,
+                want_fd,
+                session,
+                cached.clone(),
+                self.cfg.spin,
+                deadline,
+            )
+            .map_err(|e| OpFailure::conn(e, false))
+        };
+        // The first connection (no session yet) is made under the session's
+        // lock, so that threads opening at once join one session rather
+        // than each start their own.
+        let mut known = lock(&slot.session);
+        let conn = match *known {
+            None => {
+                let c = connect(None)?;
+                *known = Some(c.session);
+                drop(known);
+                c
+            }
+            Some(t) => {
+                drop(known);
+                let c = connect(Some(t))?;
+                if c.session != t {
+                    // The unit had forgotten that session: a new one.
+                    *lock(&slot.session) = Some(c.session);
+                }
+                c
+            }
+        };
         self.met_instance(unit, conn.instance_id);
         if let Some(s) = &conn.slab {
             *lock(&slot.slab) = Some((conn.instance_id, s.clone()));
