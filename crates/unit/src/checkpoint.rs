@@ -141,6 +141,21 @@ pub(crate) fn write(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Check
         .mode(0o700)
         .create(dir)
         .map_err(&ioe)?;
+    // Checked again once it exists: a component swapped for a symbolic link
+    // since the request was checked must not lead the files out of the
+    // root.
+    if let Some(root) = &shared.checkpoint_root {
+        let (root, real) = (root.canonicalize(), dir.canonicalize());
+        if !matches!((&root, &real), (Ok(r), Ok(d)) if d.starts_with(r)) {
+            return Err(CheckpointError::Io(
+                dir.display().to_string(),
+                io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    "the checkpoint directory is outside the checkpoint root",
+                ),
+            ));
+        }
+    }
     if fs::read_dir(dir).map_err(&ioe)?.next().is_some() {
         return Err(CheckpointError::Io(
             dir.display().to_string(),
