@@ -811,3 +811,56 @@ fn the_first_call_after_an_unnoticed_restart_may_be_a_view() {
         .expect("a view after a restart never returned");
     assert!(r.is_err(), "the restarted unit has no such value");
 }
+
+#[test]
+fn connecting_to_a_stopped_unit_with_a_full_backlog_is_bounded() {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let (p, _) = plane(1, 4 * MIB, &[]);
+    let sock = p.units[0].uds.clone();
+    p.units[0].signal(rustix::process::Signal::STOP).unwrap();
+    assert!(eventually(Duration::from_secs(5), || is_stopped(
+        p.units[0].pid()
+    )));
+    // Fill the stopped unit's listen backlog.
+    let addr = SocketAddrUnix::new(&sock).unwrap();
+    let mut queued = Vec::new();
+    // (The backlog is net.core.somaxconn deep, 4096 by default.)
+    let mut out_of_fds = false;
+    let full = (0..9000).any(|_| {
+        let fd = match rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+            None,
+        ) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::MFILE) => {
+                out_of_fds = true;
+                return true;
+            }
+            Err(e) => panic!("{e}"),
+        };
+        match rustix::net::connect(&fd, &addr) {
+            Ok(()) => {
+                queued.push(fd);
+                false
+            }
+            Err(rustix::io::Errno::AGAIN) => true,
+            Err(e) => panic!("{e}"),
+        }
+    });
+    if out_of_fds {
+        p.units[0].signal(rustix::process::Signal::CONT).unwrap();
+        eprintln!("skipped: too few file descriptors to fill the backlog (raise ulimit -n)");
+        return;
+    }
+    let t = std::time::Instant::now();
+    let mut cfg = stowage_client::ClientConfig::new("ns", p.uds_addrs());
+    cfg.timeout = Duration::from_millis(500);
+    let r = stowage_client::Client::connect(cfg);
+    let took = t.elapsed();
+    p.units[0].signal(rustix::process::Signal::CONT).unwrap();
+    assert!(full, "the backlog never filled");
+    assert!(r.is_err());
+    assert!(took < Duration::from_secs(3), "connect took {took:?}");
+}

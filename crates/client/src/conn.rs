@@ -85,6 +85,38 @@ impl From<ReadError> for ConnError {
     }
 }
 
+/// Connect to a Unix socket within `deadline`: a unit that is stopped with
+/// its listen backlog full makes a blocking connect wait for ever, so the
+/// connect does not block and is retried until the deadline.
+fn connect_unix(path: &std::path::Path, deadline: Instant) -> Result<UnixStream, ConnError> {
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let addr = SocketAddrUnix::new(path).map_err(io::Error::from)?;
+    let mut wait = Duration::from_micros(100);
+    loop {
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .map_err(io::Error::from)?;
+        match rustix::net::connect(&fd, &addr) {
+            Ok(()) => {
+                let s = UnixStream::from(fd);
+                s.set_nonblocking(false)?;
+                return Ok(s);
+            }
+            // The backlog is full: ask again until the deadline.
+            Err(rustix::io::Errno::AGAIN) => {
+                remaining(deadline)?;
+                std::thread::sleep(wait.min(remaining(deadline)?));
+                wait = (wait * 2).min(Duration::from_millis(20));
+            }
+            Err(e) => return Err(io::Error::from(e).into()),
+        }
+    }
+}
+
 /// The remaining time, or Timeout when none is left.
 pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -126,7 +158,7 @@ impl Conn {
         let left = remaining(deadline)?;
         let (reader, writer) = match addr {
             UnitAddr::Unix(p) => {
-                let s = UnixStream::connect(p)?;
+                let s = connect_unix(p, deadline)?;
                 (Socket::Unix(s.try_clone()?), Socket::Unix(s))
             }
             UnitAddr::Tcp(a) => {
