@@ -86,7 +86,7 @@ def grpo_index(results) -> dict:
 
 
 def summarize(results) -> dict:
-    """The DESIGN.md section 12 targets, measured, with a verdict."""
+    """The performance targets (docs/targets.md), measured, with a verdict."""
     idx = sizes_index(results)
     targets = []
     big = [1 << 20, 16 << 20, 64 << 20]
@@ -209,7 +209,7 @@ def markdown(results) -> str:
 
     # targets
     summ = results.get("summary") or summarize(results)
-    lines.append("### Targets (DESIGN.md section 12)")
+    lines.append("### Targets (docs/targets.md)")
     lines.append("")
     lines.append(_table(["target", "measured", "verdict"],
                         [[t["target"], t["measured"] or NM, t["verdict"]] for t in summ["targets"]]))

@@ -1,7 +1,7 @@
 //! The local data plane's demonstration workload: GRPO-shaped RL steps on
 //! the rows × fields API, every byte checked, figures printed at the end.
 //!
-//! One step (DESIGN §1): rollout workers put `input_ids` (int64),
+//! One step of RL post-training: rollout workers put `input_ids` (int64),
 //! `generation_logprobs` (bf16) and `token_mask` (int32) for every row;
 //! logprob workers read `input_ids` and write `prev_logprobs` back; the
 //! trainer reads all four columns; the step's partition is cleared.
