@@ -403,11 +403,6 @@ impl Slab {
         Ok(changed)
     }
 
-    /// The mapping's address, for zero-copy views that keep a pin alive.
-    pub fn as_ptr(&self) -> *const u8 {
-        self.map.as_ptr()
-    }
-
     /// The address of `[offset, offset + len)` in this mapping, for
     /// zero-copy views (numpy arrays over pinned values). Getting it is
     /// safe; reading through it is the caller's `unsafe`, sound only while

@@ -40,12 +40,7 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
                     Allocated::AlreadyCommitted => Response::AlreadyCommitted,
                 }),
         ),
-        Request::Commit {
-            blob,
-            partition,
-            entries,
-        } if core.is_disk_reservation(owner.session, blob) => {
-            let _ = (partition, entries);
+        Request::Commit { blob, .. } if core.is_disk_reservation(owner.session, blob) => {
             Handled::Reply(Response::Error {
                 code: ErrorCode::InvalidRequest,
                 message: format!(

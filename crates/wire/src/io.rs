@@ -81,35 +81,6 @@ pub fn write_all_vectored<W: Write>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -
     Ok(())
 }
 
-/// [`write_all_vectored`] to a socket, failing with `TimedOut` once
-/// `deadline` passes: each write is bounded by the time left, so a peer
-/// that takes a little now and then cannot stretch the whole beyond it.
-pub fn write_all_vectored_by(
-    s: &mut Socket,
-    mut slices: &mut [IoSlice<'_>],
-    deadline: Instant,
-) -> io::Result<()> {
-    IoSlice::advance_slices(&mut slices, 0);
-    while !slices.is_empty() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        s.set_write_timeout(Some(left))?;
-        let n = slices.len().min(1024);
-        match s.write_vectored(&slices[..n]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(written) => IoSlice::advance_slices(&mut slices, written),
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                return Err(io::ErrorKind::TimedOut.into())
-            }
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
 /// Adaptive polling: try to read from a socket without blocking, for up to
 /// `budget`. `None` when nothing arrived in time (the caller then blocks).
 ///
