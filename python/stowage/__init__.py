@@ -27,6 +27,9 @@ copies an array behind your back. Errors are subclasses of
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
+import os
 import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -225,6 +228,21 @@ class DataPlane:
         return self._client.units
 
     @property
+    def directory(self) -> Dict[str, Any]:
+        """A local plane's directory: pass it (or a JSON file holding it) to
+        :func:`connect` in another process, on this host (shared memory) or
+        another one (tcp, if the units listen beyond loopback)."""
+        if self._plane is None:
+            raise InvalidRequest("not a local data plane: use the directory its launcher returned")
+        host = _native.host_id()
+        units = []
+        for i, (uds, tcp, pid) in enumerate(
+            zip(self._plane.uds_addrs, self._plane.tcp_addrs, self._plane.pids)
+        ):
+            units.append({"index": i, "host": host, "uds": uds, "tcp": tcp, "pid": pid})
+        return {"stowage_directory": 1, "units": units}
+
+    @property
     def unit_pids(self) -> List[int]:
         """The process ids of a local plane's units."""
         if self._plane is None:
@@ -382,21 +400,86 @@ class DataPlane:
         return await asyncio.to_thread(self.clear, *args, **kwargs)
 
 
+def _directory_of(units: Any) -> Optional[Dict[str, Any]]:
+    """The directory ``units`` names, or None when it is a list of addresses."""
+    if hasattr(units, "directory") and not isinstance(units, (str, bytes)):
+        units = units.directory
+    if isinstance(units, Mapping):
+        return dict(units)
+    if isinstance(units, (str, os.PathLike)):
+        path = os.fspath(units)
+        if path.startswith(("unix:", "tcp:")) or not os.path.isfile(path):
+            return None
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except (OSError, ValueError) as e:
+            raise InvalidRequest(f"cannot read the directory file {path}: {e}") from None
+    return None
+
+
+def _liveness_of(directory: Mapping[str, Any]) -> Any:
+    """The liveness source of a launcher's directory: Ray for units that
+    Ray started (asked only after an operation on a unit failed)."""
+    entries = list(directory.get("units", ()))
+    if not any(isinstance(e, Mapping) and "ray" in e for e in entries):
+        return None
+    try:
+        from . import ray as _ray
+    except ImportError as e:  # pragma: no cover - ray entries without ray
+        logging.getLogger("stowage").warning(
+            "the directory's units were started by Ray, but Ray cannot be imported here (%s); "
+            "liveness after a failure falls back to probing their addresses", e
+        )
+        return None
+
+    def liveness(unit: int) -> str:
+        return _ray.liveness(entries[unit])
+
+    return liveness
+
+
 def connect(
-    units: Union[str, Sequence[str]],
+    units: Union[str, os.PathLike, Sequence[str], Mapping[str, Any], Any],
     namespace: str = "default",
     timeout: float = 30.0,
     wait_for_memory: Optional[float] = None,
+    transport: str = "auto",
 ) -> DataPlane:
-    """Connect to running units: ``unix:/path/unit.sock`` (shared memory, same
-    host) or ``tcp:host:port``. ``namespace`` isolates runs sharing units;
-    ``timeout`` is the default deadline of every call, in seconds.
-    ``wait_for_memory``: a put that finds a unit full (memory and disk) waits
-    up to this many seconds, within its deadline, for a clear to make room
-    instead of raising UnitFull."""
-    if isinstance(units, str):
-        units = [units]
-    return DataPlane(_native.Client(list(units), namespace, timeout, True, wait_for_memory))
+    """Connect to running units.
+
+    ``units`` is a directory — the dict a launcher returned
+    (:func:`stowage.ray.start_units`, :attr:`DataPlane.directory`), an object
+    with a ``directory`` attribute, or the path of a JSON file holding one —
+    or a list of addresses: ``unix:/path/unit.sock`` (shared memory, same
+    host) or ``tcp:host:port``.
+
+    With a directory, the transport is chosen per unit: shared memory for
+    units on this host, tcp for the others (``transport="tcp"`` forces tcp,
+    ``"shm"`` refuses units on other hosts). A unit found to be another
+    instance than the directory names reports its keys lost, and for units
+    Ray started, Ray is asked whether a unit is dead after an operation on
+    it failed (never otherwise).
+
+    ``namespace`` isolates runs sharing units; ``timeout`` is the default
+    deadline of every call, in seconds. ``wait_for_memory``: a put that
+    finds a unit full (memory and disk) waits up to this many seconds,
+    within its deadline, for a clear to make room instead of raising
+    UnitFull."""
+    directory = _directory_of(units)
+    if directory is not None:
+        addrs, instances = _native.resolve_directory(json.dumps(directory), transport)
+        return DataPlane(
+            _native.Client(
+                addrs, namespace, timeout, True, wait_for_memory, instances,
+                _liveness_of(directory),
+            )
+        )
+    if isinstance(units, (str, os.PathLike)):
+        units = [os.fspath(units)]
+    if transport not in ("auto", "shm", "tcp"):
+        raise InvalidRequest(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
+    return DataPlane(_native.Client(list(units), namespace, timeout, transport != "tcp", wait_for_memory))
 
 
 # Runs the `stowage` command line from the extension module alone: a unit

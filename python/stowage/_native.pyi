@@ -3,7 +3,7 @@
 The public API is the ``stowage`` package; this module is its engine.
 """
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -46,6 +46,11 @@ class NotFound(Error):
 class InvalidRequest(Error): ...
 class Unauthorized(Error): ...
 
+def host_id() -> str: ...
+def resolve_directory(
+    json: str, transport: str = "auto"
+) -> Tuple[List[str], List[Optional[str]]]: ...
+
 class Client:
     """A connection-pooling client of a set of units; thread-safe."""
 
@@ -56,6 +61,8 @@ class Client:
         timeout: float = 30.0,
         shm: bool = True,
         wait_for_memory: Optional[float] = None,
+        instances: Optional[List[Optional[str]]] = None,
+        liveness: Optional[Callable[[int], str]] = None,
     ) -> None: ...
     @property
     def units(self) -> List[str]: ...

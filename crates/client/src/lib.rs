@@ -51,6 +51,7 @@ mod directory;
 mod error;
 pub mod rows;
 pub mod transport;
+pub mod unit_directory;
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
@@ -63,6 +64,7 @@ pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, Vie
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
 pub use stowage_wire::{CheckpointFile, CheckpointInfo};
 pub use transport::{GetSink, Transport};
+pub use unit_directory::{host_id, TransportChoice, UnitDirectory, UnitEntry};
 
 use conn::Conn;
 use stowage_shm::Slab;
@@ -99,6 +101,11 @@ pub struct ClientConfig {
     /// — within its own deadline — for a clear to make room, instead of
     /// failing with [`Error::UnitFull`] at once. Default `None` (fail).
     pub wait_for_memory: Option<Duration>,
+    /// The instance each unit is expected to be (from a
+    /// [`UnitDirectory`]); empty or `None`: whichever answers first. A unit
+    /// found to be another instance is treated as restarted: the first
+    /// operation on it reports its keys lost.
+    pub instances: Vec<Option<u128>>,
 }
 
 impl ClientConfig {
@@ -111,6 +118,7 @@ impl ClientConfig {
             directory: Arc::new(ProbeDirectory::default()),
             spin: Duration::from_micros(50),
             wait_for_memory: None,
+            instances: Vec::new(),
         }
     }
 }
@@ -246,14 +254,25 @@ impl Client {
         if cfg.units.is_empty() {
             return Err(Error::InvalidRequest("no units given".into()));
         }
+        if !cfg.instances.is_empty() && cfg.instances.len() != cfg.units.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} expected instances for {} units",
+                cfg.instances.len(),
+                cfg.units.len()
+            )));
+        }
         let units = cfg
             .units
             .iter()
-            .map(|a| UnitSlot {
+            .enumerate()
+            .map(|(i, a)| UnitSlot {
                 addr: a.clone(),
                 pool: Mutex::new(Vec::new()),
                 slab: Mutex::new(None),
-                instance: Mutex::new(Instance::default()),
+                instance: Mutex::new(Instance {
+                    current: cfg.instances.get(i).copied().flatten(),
+                    lost: None,
+                }),
                 session: Mutex::new(None),
                 view_conn: Mutex::new(None),
             })

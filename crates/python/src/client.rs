@@ -233,8 +233,13 @@ impl Client {
     /// `tcp:host:port` otherwise) in `namespace`. `timeout`: the default
     /// deadline of every call, in seconds. `shm=False` streams bytes
     /// through Unix sockets instead of copying through shared memory.
+    /// `instances`: the instance id (32 hex digits) each unit is expected
+    /// to be, from a directory. `liveness`: `f(unit_index) -> "dead" |
+    /// "alive" | "unknown"`, asked only after an operation on that unit
+    /// failed.
     #[new]
-    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None))]
+    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, instances = None, liveness = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         units: Vec<String>,
@@ -242,6 +247,8 @@ impl Client {
         timeout: f64,
         shm: bool,
         wait_for_memory: Option<f64>,
+        instances: Option<Vec<Option<String>>>,
+        liveness: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
         let addrs = units
             .iter()
@@ -256,6 +263,36 @@ impl Client {
             .map(Duration::try_from_secs_f64)
             .transpose()
             .map_err(|_| invalid("wait_for_memory must be a non-negative number of seconds"))?;
+        if let Some(ids) = instances {
+            if ids.len() != addrs.len() {
+                return Err(invalid(format!(
+                    "{} instance ids for {} units",
+                    ids.len(),
+                    addrs.len()
+                )));
+            }
+            cfg.instances = ids
+                .iter()
+                .map(|s| {
+                    s.as_deref()
+                        .map(|h| {
+                            u128::from_str_radix(h, 16).map_err(|_| {
+                                invalid(format!("instance id {h:?} is not 32 hex digits"))
+                            })
+                        })
+                        .transpose()
+                })
+                .collect::<PyResult<_>>()?;
+        }
+        if let Some(callable) = liveness {
+            if !callable.bind(py).is_callable() {
+                return Err(invalid("liveness must be a callable f(unit_index) -> str"));
+            }
+            cfg.directory = Arc::new(crate::directory::PyLiveness {
+                callable,
+                probe: stowage_client::ProbeDirectory::default(),
+            });
+        }
         let timeout = cfg.timeout;
         let client = py
             .detach(move || Inner::connect(cfg))

@@ -14,6 +14,7 @@ use pyo3::prelude::*;
 
 mod arrays;
 mod client;
+mod directory;
 mod errors;
 mod local;
 
@@ -43,6 +44,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(main, m)?)?;
     m.add_class::<client::Client>()?;
     m.add_class::<local::LocalPlane>()?;
+    m.add_function(wrap_pyfunction!(directory::host_id, m)?)?;
+    m.add_function(wrap_pyfunction!(directory::resolve_directory, m)?)?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

@@ -1,0 +1,337 @@
+//! Directory files: where the units of a data plane listen, written by
+//! whoever started them (the Ray launcher, `stowage local`) and read by
+//! every client, on any host.
+//!
+//! ```json
+//! {"stowage_directory": 1,
+//!  "units": [{"index": 0, "node": "…", "host": "…",
+//!             "uds": "unix:/tmp/…/unit.sock", "tcp": "tcp:10.0.0.2:40123",
+//!             "instance_id": "0123…", "pid": 1234, "ray": {…}}]}
+//! ```
+//!
+//! Each client picks a transport per unit: shared memory when the unit runs
+//! on the same host as the client (same [`host_id`]) and has a Unix socket,
+//! tcp otherwise. Keys a client does not know (such as `ray`, the
+//! launcher's liveness source) are kept as they are.
+
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+use crate::conn::UnitAddr;
+
+/// The format version this client reads and writes.
+pub const DIRECTORY_VERSION: u32 = 1;
+
+/// The units of one data plane, unit `i` at `units[i]`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UnitDirectory {
+    /// Always [`DIRECTORY_VERSION`].
+    pub stowage_directory: u32,
+    pub units: Vec<UnitEntry>,
+}
+
+/// One unit of a directory.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct UnitEntry {
+    /// Its position: rows and blobs are placed by this index.
+    pub index: usize,
+    /// The node it runs on, as its launcher names nodes (a Ray node id).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
+    /// The [`host_id`] of its process: clients with the same one use its
+    /// Unix socket.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<String>,
+    /// Its Unix socket (`unix:/path`), for clients on the same host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uds: Option<String>,
+    /// Its TCP address (`tcp:ip:port`), for everyone else.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tcp: Option<String>,
+    /// The unit instance the directory was written for (32 hex digits): a
+    /// client that finds another instance there reports its keys lost.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instance_id: Option<String>,
+    /// Its process id on its host.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pid: Option<u32>,
+    /// Everything else (a launcher's own keys, such as `ray`).
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// Which transport a client uses for a unit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum TransportChoice {
+    /// Shared memory for units on this host, tcp for the others.
+    #[default]
+    Auto,
+    /// Shared memory only: a unit on another host is an error.
+    Shm,
+    /// tcp for every unit, even on this host.
+    Tcp,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "shm" => Ok(Self::Shm),
+            "tcp" => Ok(Self::Tcp),
+            _ => Err(format!(
+                "transport must be 'auto', 'shm' or 'tcp', not {s:?}"
+            )),
+        }
+    }
+}
+
+/// This process's host, as directories name it: the kernel's boot id with
+/// the network and mount namespaces. Two processes with the same id can
+/// reach each other's Unix sockets and share memory; a container or a
+/// network namespace of its own counts as another host.
+pub fn host_id() -> String {
+    use std::os::unix::fs::MetadataExt;
+    let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "unknown-boot".into());
+    let ns = |name: &str| {
+        std::fs::metadata(format!("/proc/self/ns/{name}"))
+            .map(|m| m.ino().to_string())
+            .unwrap_or_else(|_| "?".into())
+    };
+    format!("{boot}/net:{}/mnt:{}", ns("net"), ns("mnt"))
+}
+
+impl UnitDirectory {
+    /// Parse and check a directory: the version, unit indexes `0..n` each
+    /// once, at least one address per unit, addresses and instance ids
+    /// well formed.
+    pub fn parse(json: &str) -> Result<Self, String> {
+        let d: UnitDirectory =
+            serde_json::from_str(json).map_err(|e| format!("not a stowage directory: {e}"))?;
+        d.check()?;
+        Ok(d)
+    }
+
+    /// [`UnitDirectory::parse`] of a file.
+    pub fn from_file(path: &Path) -> Result<Self, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read the directory file {}: {e}", path.display()))?;
+        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    /// The directory as JSON.
+    pub fn to_json(&self) -> String {
+        // A directory holds only strings, numbers and maps: it always
+        // serializes.
+        serde_json::to_string_pretty(self).unwrap_or_default()
+    }
+
+    fn check(&self) -> Result<(), String> {
+        if self.stowage_directory != DIRECTORY_VERSION {
+            return Err(format!(
+                "directory format {} is not supported (this client reads {DIRECTORY_VERSION})",
+                self.stowage_directory
+            ));
+        }
+        if self.units.is_empty() {
+            return Err("the directory lists no units".into());
+        }
+        for (i, u) in self.units.iter().enumerate() {
+            if u.index != i {
+                return Err(format!(
+                    "unit entries must be in index order 0..{}: entry {i} has index {}",
+                    self.units.len(),
+                    u.index
+                ));
+            }
+            if u.uds.is_none() && u.tcp.is_none() {
+                return Err(format!("unit {i} has no address (neither uds nor tcp)"));
+            }
+            if let Some(a) = &u.uds {
+                match a.parse::<UnitAddr>() {
+                    Ok(UnitAddr::Unix(_)) => {}
+                    _ => return Err(format!("unit {i}: uds {a:?} is not unix:/path")),
+                }
+            }
+            if let Some(a) = &u.tcp {
+                match a.parse::<UnitAddr>() {
+                    Ok(UnitAddr::Tcp(_)) => {}
+                    _ => return Err(format!("unit {i}: tcp {a:?} is not tcp:ip:port")),
+                }
+            }
+            u.instance()?;
+        }
+        Ok(())
+    }
+
+    /// The address of every unit for a client on host `local_host`.
+    pub fn addrs(
+        &self,
+        choice: TransportChoice,
+        local_host: &str,
+    ) -> Result<Vec<UnitAddr>, String> {
+        self.units
+            .iter()
+            .map(|u| u.addr(choice, local_host))
+            .collect()
+    }
+
+    /// The instance each unit had when the directory was written.
+    pub fn instances(&self) -> Vec<Option<u128>> {
+        // Checked by parse.
+        self.units
+            .iter()
+            .map(|u| u.instance().ok().flatten())
+            .collect()
+    }
+}
+
+impl UnitEntry {
+    /// Whether the unit runs on host `local_host` and can be reached
+    /// through its Unix socket.
+    pub fn same_host(&self, local_host: &str) -> bool {
+        self.uds.is_some() && self.host.as_deref() == Some(local_host)
+    }
+
+    /// The address a client on `local_host` uses.
+    pub fn addr(&self, choice: TransportChoice, local_host: &str) -> Result<UnitAddr, String> {
+        let pick = |a: &Option<String>| a.as_deref().map(|s| s.parse::<UnitAddr>());
+        let same = self.same_host(local_host);
+        let chosen = match choice {
+            TransportChoice::Auto if same => pick(&self.uds),
+            TransportChoice::Auto => pick(&self.tcp),
+            TransportChoice::Shm if same => pick(&self.uds),
+            TransportChoice::Shm => {
+                return Err(format!(
+                    "unit {} runs on another host ({}): shared memory needs the same host; use transport 'auto' or 'tcp'",
+                    self.index,
+                    self.node.as_deref().or(self.host.as_deref()).unwrap_or("unknown")
+                ))
+            }
+            TransportChoice::Tcp => pick(&self.tcp),
+        };
+        match chosen {
+            Some(r) => r,
+            None => Err(format!(
+                "unit {} has no tcp address, and this client is not on its host",
+                self.index
+            )),
+        }
+    }
+
+    /// Its instance id, if the directory gives one.
+    pub fn instance(&self) -> Result<Option<u128>, String> {
+        match &self.instance_id {
+            None => Ok(None),
+            Some(s) => u128::from_str_radix(s, 16).map(Some).map_err(|_| {
+                format!(
+                    "unit {}: instance_id {s:?} is not 32 hex digits",
+                    self.index
+                )
+            }),
+        }
+    }
+}
+
+/// An instance id as directories write it.
+pub fn instance_hex(id: u128) -> String {
+    format!("{id:032x}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(i: usize, host: &str) -> UnitEntry {
+        UnitEntry {
+            index: i,
+            node: Some(format!("node-{i}")),
+            host: Some(host.into()),
+            uds: Some(format!("unix:/tmp/u{i}.sock")),
+            tcp: Some(format!("tcp:10.0.0.{}:4000", i + 1)),
+            instance_id: Some(instance_hex(0xabc + i as u128)),
+            pid: Some(100 + i as u32),
+            extra: Default::default(),
+        }
+    }
+
+    #[test]
+    fn round_trip_keeps_unknown_keys() {
+        let text = r#"{"stowage_directory": 1, "units": [
+            {"index": 0, "host": "h", "uds": "unix:/tmp/a.sock", "tcp": "tcp:127.0.0.1:5",
+             "instance_id": "000000000000000000000000000000ff",
+             "ray": {"actor_id": "abc", "namespace": null}}]}"#;
+        let d = UnitDirectory::parse(text).unwrap();
+        assert_eq!(d.units[0].extra["ray"]["actor_id"], "abc");
+        assert_eq!(d.instances(), vec![Some(0xff)]);
+        let again = UnitDirectory::parse(&d.to_json()).unwrap();
+        assert_eq!(again, d);
+    }
+
+    #[test]
+    fn transport_is_chosen_per_unit() {
+        let d = UnitDirectory {
+            stowage_directory: 1,
+            units: vec![entry(0, "here"), entry(1, "there")],
+        };
+        let auto = d.addrs(TransportChoice::Auto, "here").unwrap();
+        assert_eq!(auto[0], "unix:/tmp/u0.sock".parse().unwrap());
+        assert_eq!(auto[1], "tcp:10.0.0.2:4000".parse().unwrap());
+        let tcp = d.addrs(TransportChoice::Tcp, "here").unwrap();
+        assert!(tcp.iter().all(|a| matches!(a, UnitAddr::Tcp(_))));
+        let err = d.addrs(TransportChoice::Shm, "here").unwrap_err();
+        assert!(
+            err.contains("unit 1 runs on another host (node-1)"),
+            "{err}"
+        );
+        // Another host and no tcp address: nothing to reach it by.
+        let mut lone = entry(0, "there");
+        lone.tcp = None;
+        assert!(lone.addr(TransportChoice::Auto, "here").is_err());
+    }
+
+    #[test]
+    fn bad_directories_are_refused_with_reasons() {
+        let cases = [
+            (r#"{"stowage_directory": 2, "units": []}"#, "format 2"),
+            (r#"{"stowage_directory": 1, "units": []}"#, "no units"),
+            (
+                r#"{"stowage_directory": 1, "units": [{"index": 1, "tcp": "tcp:127.0.0.1:1"}]}"#,
+                "index order",
+            ),
+            (
+                r#"{"stowage_directory": 1, "units": [{"index": 0}]}"#,
+                "no address",
+            ),
+            (
+                r#"{"stowage_directory": 1, "units": [{"index": 0, "uds": "tcp:127.0.0.1:1"}]}"#,
+                "not unix:",
+            ),
+            (
+                r#"{"stowage_directory": 1, "units": [{"index": 0, "tcp": "/tmp/x"}]}"#,
+                "not tcp:",
+            ),
+            (
+                r#"{"stowage_directory": 1, "units": [{"index": 0, "tcp": "tcp:127.0.0.1:1", "instance_id": "zz"}]}"#,
+                "hex",
+            ),
+            ("[1, 2]", "not a stowage directory"),
+        ];
+        for (text, want) in cases {
+            let err = UnitDirectory::parse(text).unwrap_err();
+            assert!(err.contains(want), "{text}: {err}");
+        }
+    }
+
+    #[test]
+    fn host_id_names_this_host_and_its_namespaces() {
+        let h = host_id();
+        assert_eq!(h, host_id());
+        assert!(h.contains("/net:") && h.contains("/mnt:"), "{h}");
+        assert!(!h.starts_with("unknown-boot"), "{h}");
+    }
+}

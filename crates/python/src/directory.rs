@@ -1,0 +1,79 @@
+//! Directories from Python: [`host_id`], [`resolve_directory`], and
+//! [`PyLiveness`], a [`Directory`] that asks a Python callable (the Ray
+//! launcher's liveness check) whether a unit is dead — only after an
+//! operation on it failed, never on the operation path.
+
+use std::time::Instant;
+
+use pyo3::prelude::*;
+use stowage_client::{
+    Directory, Liveness, ProbeDirectory, TransportChoice, UnitAddr, UnitDirectory,
+};
+
+use crate::errors::invalid;
+
+/// This process's host as directories name it (boot id and namespaces):
+/// a unit with the same host id is reached through shared memory.
+#[pyfunction]
+pub(crate) fn host_id() -> String {
+    stowage_client::host_id()
+}
+
+/// Check a directory (JSON text) and pick each unit's address for this
+/// process: `transport` is "auto" (shared memory on this host, tcp
+/// elsewhere), "shm" or "tcp". Returns `(addresses, instance ids)`, the
+/// instance ids as 32 hex digits or None.
+#[pyfunction]
+#[pyo3(signature = (json, transport = "auto"))]
+pub(crate) fn resolve_directory(
+    json: &str,
+    transport: &str,
+) -> PyResult<(Vec<String>, Vec<Option<String>>)> {
+    let choice: TransportChoice = transport.parse().map_err(invalid)?;
+    let d = UnitDirectory::parse(json).map_err(invalid)?;
+    let addrs = d
+        .addrs(choice, &stowage_client::host_id())
+        .map_err(invalid)?;
+    Ok((
+        addrs.iter().map(|a| a.to_string()).collect(),
+        d.units.iter().map(|u| u.instance_id.clone()).collect(),
+    ))
+}
+
+/// Liveness from a Python callable `f(unit_index) -> "dead" | "alive" |
+/// "unknown"`, combined with a probe of the unit's address: "dead" is
+/// believed at once; otherwise the probe tells a restarted instance from
+/// the same one, and a unit the callable says is alive is never declared
+/// dead by a probe that found nothing listening (it is reported slow).
+pub(crate) struct PyLiveness {
+    pub(crate) callable: Py<PyAny>,
+    pub(crate) probe: ProbeDirectory,
+}
+
+impl Directory for PyLiveness {
+    fn liveness(
+        &self,
+        unit: usize,
+        addr: &UnitAddr,
+        instance: u128,
+        deadline: Instant,
+    ) -> Liveness {
+        let said = Python::attach(|py| {
+            let r = self.callable.call1(py, (unit,));
+            match r.and_then(|v| v.extract::<String>(py)) {
+                Ok(s) => s,
+                Err(e) => {
+                    tracing::warn!(unit, "the liveness check failed: {e}");
+                    "unknown".into()
+                }
+            }
+        });
+        if said == "dead" {
+            return Liveness::Dead;
+        }
+        match self.probe.liveness(unit, addr, instance, deadline) {
+            Liveness::Dead if said == "alive" => Liveness::Unresponsive,
+            other => other,
+        }
+    }
+}
