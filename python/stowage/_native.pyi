@@ -139,3 +139,40 @@ class LocalPlane:
     @property
     def running(self) -> bool: ...
     def stop(self) -> None: ...
+
+class Unit:
+    """A storage unit running on threads of this process (what a
+    ``stowage.ray`` actor holds). ``stop()`` tears it down."""
+
+    def __init__(
+        self,
+        memory: Union[int, str],
+        *,
+        name: str = "unit",
+        tcp: Optional[str] = None,
+        uds: Optional[str] = None,
+        disk: Optional[str] = None,
+        disk_capacity: Union[int, str, None] = None,
+        high_watermark: float = 0.9,
+        low_watermark: float = 0.8,
+        reservation_lease: float = 30.0,
+        pin_lease: float = 30.0,
+        checkpoint_root: Optional[str] = None,
+        mlock: bool = True,
+        max_connections: Optional[int] = None,
+        max_session_connections: Optional[int] = None,
+        max_session_holds: Optional[int] = None,
+        frame_timeout: Optional[float] = None,
+    ) -> None: ...
+    @property
+    def instance_id(self) -> str: ...
+    @property
+    def uds_addr(self) -> str: ...
+    @property
+    def tcp_addr(self) -> Optional[str]: ...
+    @property
+    def pid(self) -> int: ...
+    @property
+    def running(self) -> bool: ...
+    def stats(self, timeout: float = 10.0) -> Dict[str, Any]: ...
+    def stop(self, timeout: float = 30.0) -> List[str]: ...

@@ -12,7 +12,7 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyList, PyString};
 use stowage_client::{
-    Client as Inner, ClientConfig, Column, DType, OwnedTensor, RowKey, Tensor, TensorSink,
+    Client as Inner, ClientConfig, Column, DType, OwnedTensor, RowKey, Stats, Tensor, TensorSink,
     UnitAddr, View,
 };
 
@@ -713,39 +713,7 @@ impl Client {
         let out = PyList::empty(py);
         for s in all {
             let s = s.map_err(|e| to_py(py, e, &[]))?;
-            let d = PyDict::new(py);
-            d.set_item("capacity", s.capacity)?;
-            d.set_item("used", s.used)?;
-            d.set_item("reserved_bytes", s.reserved_bytes)?;
-            d.set_item("quarantined_bytes", s.quarantined_bytes)?;
-            d.set_item("blobs", s.blobs)?;
-            d.set_item("entries", s.entries)?;
-            d.set_item("rows", s.rows)?;
-            d.set_item("pins", s.pins)?;
-            d.set_item("disk_capacity", s.disk_capacity)?;
-            d.set_item("disk_used", s.disk_used)?;
-            d.set_item("spilled_blobs", s.spilled_blobs)?;
-            d.set_item("disk_write_bytes", s.disk_write_bytes)?;
-            d.set_item("disk_write_micros", s.disk_write_micros)?;
-            d.set_item("disk_read_bytes", s.disk_read_bytes)?;
-            d.set_item("disk_read_micros", s.disk_read_micros)?;
-            d.set_item("index_bytes", s.index_bytes)?;
-            d.set_item("held_bytes", s.held_bytes)?;
-            d.set_item("overdue_holds", s.overdue_holds)?;
-            let sessions = PyList::empty(py);
-            for x in &s.sessions {
-                let e = PyDict::new(py);
-                e.set_item("session", x.session)?;
-                e.set_item("connections", x.connections)?;
-                e.set_item("reservations", x.reservations)?;
-                e.set_item("pins", x.pins)?;
-                e.set_item("held_bytes", x.held_bytes)?;
-                e.set_item("oldest_hold_ms", x.oldest_hold_ms)?;
-                e.set_item("orphaned", x.orphaned)?;
-                sessions.append(e)?;
-            }
-            d.set_item("sessions", sessions)?;
-            out.append(d)?;
+            out.append(stats_dict(py, &s)?)?;
         }
         Ok(out)
     }
@@ -792,4 +760,42 @@ impl Client {
         let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::from_secs(30));
         py.detach(|| client.shutdown(t))
     }
+}
+
+/// A unit's counters as a dict (`stats()` of a client and of an in-process
+/// unit).
+pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("capacity", s.capacity)?;
+    d.set_item("used", s.used)?;
+    d.set_item("reserved_bytes", s.reserved_bytes)?;
+    d.set_item("quarantined_bytes", s.quarantined_bytes)?;
+    d.set_item("blobs", s.blobs)?;
+    d.set_item("entries", s.entries)?;
+    d.set_item("rows", s.rows)?;
+    d.set_item("pins", s.pins)?;
+    d.set_item("disk_capacity", s.disk_capacity)?;
+    d.set_item("disk_used", s.disk_used)?;
+    d.set_item("spilled_blobs", s.spilled_blobs)?;
+    d.set_item("disk_write_bytes", s.disk_write_bytes)?;
+    d.set_item("disk_write_micros", s.disk_write_micros)?;
+    d.set_item("disk_read_bytes", s.disk_read_bytes)?;
+    d.set_item("disk_read_micros", s.disk_read_micros)?;
+    d.set_item("index_bytes", s.index_bytes)?;
+    d.set_item("held_bytes", s.held_bytes)?;
+    d.set_item("overdue_holds", s.overdue_holds)?;
+    let sessions = PyList::empty(py);
+    for x in &s.sessions {
+        let e = PyDict::new(py);
+        e.set_item("session", x.session)?;
+        e.set_item("connections", x.connections)?;
+        e.set_item("reservations", x.reservations)?;
+        e.set_item("pins", x.pins)?;
+        e.set_item("held_bytes", x.held_bytes)?;
+        e.set_item("oldest_hold_ms", x.oldest_hold_ms)?;
+        e.set_item("orphaned", x.orphaned)?;
+        sessions.append(e)?;
+    }
+    d.set_item("sessions", sessions)?;
+    Ok(d)
 }

@@ -5,6 +5,8 @@
 //!
 //! * [`main`] runs the `stowage` command line (`python -m stowage ...`).
 //! * [`local::LocalPlane`] starts unit processes on this machine.
+//! * [`unit::Unit`] runs a unit inside this process, on its own threads
+//!   (what a Ray actor of `stowage.ray` holds).
 //! * [`client::Client`] puts, gets and clears rows of numpy arrays. Array
 //!   memory goes to Rust as it is (no copy on the Python side); every
 //!   transfer runs with the GIL released.
@@ -17,6 +19,7 @@ mod client;
 mod directory;
 mod errors;
 mod local;
+mod unit;
 
 /// Run the `stowage` command line with `argv` (the first item is the
 /// program name) and return its exit status. The GIL is released while it
@@ -46,6 +49,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<local::LocalPlane>()?;
     m.add_function(wrap_pyfunction!(directory::host_id, m)?)?;
     m.add_function(wrap_pyfunction!(directory::resolve_directory, m)?)?;
+    m.add_class::<unit::Unit>()?;
     errors::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
