@@ -1,0 +1,613 @@
+"""Storage units as Ray actors, pinned to planned nodes.
+
+    import ray, stowage, stowage.ray
+
+    ray.init()
+    units = stowage.ray.start_units({"units": {"memory": "4GiB"}}, node_ids)
+    # any process on any node, e.g. inside a Ray task:
+    plane = stowage.connect(units.directory)
+    ...
+    stowage.ray.stop_units(units)
+
+:func:`start_units` starts one :class:`StowageUnit` actor per planned node,
+hard-pinned to it (node affinity, ``soft=False``). Each actor runs a unit
+inside its own process (:class:`stowage._native.Unit`: the server runs on
+its own Rust threads, so the actor keeps answering Ray calls) listening on
+its node's IP (tcp, port chosen by the OS) and on a Unix socket in a
+private directory. It returns :class:`Units`, whose ``directory`` any
+process on any node passes to :func:`stowage.connect`: clients on a
+unit's host use shared memory, the others tcp.
+
+Ray is not on the operation path: clients talk to the units directly.
+After an operation on a unit failed, the client asks :func:`liveness`
+whether Ray considers that unit's actor dead (then its keys are lost:
+:class:`stowage.LostKeys`) or alive (a slow unit: a retryable error or
+:class:`stowage.Timeout`).
+
+:func:`stop_units` runs every unit's teardown explicitly (Ray stops actors
+with SIGTERM or SIGKILL, which run none), bounded, and never raises. Actors
+are not detached: when the job that started them ends, Ray kills them;
+their processes exit and each unit's disk directory stays behind, locked
+by nobody, until the next unit started under the same disk root removes
+it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from . import Error, InvalidRequest, _native
+
+__all__ = [
+    "PlacementError",
+    "StowageUnit",
+    "Units",
+    "liveness",
+    "start_units",
+    "stop_units",
+]
+
+logger = logging.getLogger("stowage.ray")
+
+#: How long :func:`start_units` waits for placement and start by default.
+START_TIMEOUT_S = 120.0
+#: How long a failed :func:`start_units` spends tearing down the units it
+#: started (beyond its own timeout).
+CLEANUP_TIMEOUT_S = 2.0
+#: How long :func:`liveness` waits for Ray's answer by default.
+LIVENESS_TIMEOUT_S = 5.0
+
+# The config's sections and keys (docs/config.md); a dict config is checked
+# against them (a typo is an error, as in a config file).
+_SCHEMA = {
+    "units": {
+        "count", "memory", "cpus", "reservation_lease", "pin_lease", "max_connections",
+        "max_session_connections", "max_session_holds", "checkpoint_root", "disk",
+    },
+    "placement": {"clusters"},
+    "listen": {"host", "tcp_port", "unix_dir"},
+    "auth": {"secret_file", "insecure"},
+    "timeouts": {"op", "start", "stop", "frame"},
+    "client": {"namespace", "transport", "wait_for_memory"},
+}
+_DISK_KEYS = {"root", "capacity", "high_watermark", "low_watermark"}
+
+
+class PlacementError(Error):
+    """Units could not be placed or started: a planned node is missing, dead
+    or short of resources, or a unit did not come up in time. The message
+    names every unit and what was missing; nothing started is left
+    running."""
+
+
+# -- the actor ---------------------------------------------------------------
+
+
+class StowageUnit:
+    """A Ray actor that owns one storage unit (memory, disk directory,
+    sockets) for its lifetime. Started by :func:`start_units`."""
+
+    def __init__(self, index: int, unit_kwargs: Dict[str, Any], listen: Dict[str, Any]):
+        ctx = ray.get_runtime_context()
+        node_ip = ray.util.get_node_ip_address()
+        host = node_ip if listen["host"] == "node-ip" else listen["host"]
+        bind = f"[{host}]:{listen['tcp_port']}" if ":" in host else f"{host}:{listen['tcp_port']}"
+        uds = None
+        if listen.get("unix_dir"):
+            uds = os.path.join(listen["unix_dir"], f"stowage-unit-{index}-{os.getpid()}.sock")
+        self._unit = _native.Unit(name=f"unit-{index}", tcp=bind, uds=uds, **unit_kwargs)
+        tcp = self._unit.tcp_addr
+        if host in ("0.0.0.0", "::"):
+            # Bound to every interface: clients elsewhere use the node's IP.
+            port = tcp.rsplit(":", 1)[1]
+            tcp = f"tcp:[{node_ip}]:{port}" if ":" in node_ip else f"tcp:{node_ip}:{port}"
+        self._entry = {
+            "index": index,
+            "node": ctx.get_node_id(),
+            "host": _native.host_id(),
+            "uds": self._unit.uds_addr,
+            "tcp": tcp,
+            "instance_id": self._unit.instance_id,
+            "pid": self._unit.pid,
+            "ray": {"actor_id": ctx.get_actor_id(), "namespace": ctx.namespace},
+        }
+
+    def ready(self) -> bool:
+        """True once the unit serves (the actor's constructor has run)."""
+        return self._unit.running
+
+    def info(self) -> Dict[str, Any]:
+        """This unit's directory entry."""
+        return dict(self._entry)
+
+    def stats(self, timeout: float = 10.0) -> Dict[str, Any]:
+        """The unit's counters."""
+        return self._unit.stats(timeout)
+
+    def close(self, timeout: float = 30.0) -> List[str]:
+        """Tear the unit down within about ``timeout`` seconds (its disk
+        directory and socket directory are removed). Never raises; returns
+        what could not be done. The actor stays up until killed."""
+        try:
+            return self._unit.stop(timeout)
+        except BaseException as e:  # noqa: BLE001 - teardown must report, not raise
+            return [f"teardown failed: {e!r}"]
+
+
+_actor_class: Any = None
+
+
+def _actor() -> Any:
+    global _actor_class
+    if _actor_class is None:
+        # Threaded: close() and stats() run while another call is busy.
+        _actor_class = ray.remote(max_concurrency=4, max_restarts=0)(StowageUnit)
+    return _actor_class
+
+
+# -- started units -------------------------------------------------------------
+
+
+class Units(Sequence):
+    """Started units: a sequence of their actor handles (unit ``i`` is
+    ``units[i]``), with ``directory`` (pass it to :func:`stowage.connect`
+    from any process) and ``node_ids`` (the node of each unit)."""
+
+    def __init__(self, actors: List[Any], directory: Dict[str, Any]):
+        self.actors = list(actors)
+        self.directory = directory
+        self.node_ids = [e["node"] for e in directory["units"]]
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def __getitem__(self, i: Any) -> Any:
+        return self.actors[i]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.actors)
+
+    def __repr__(self) -> str:
+        return f"<stowage.ray.Units {len(self)} units on nodes {self.node_ids}>"
+
+
+# -- configuration and planning -------------------------------------------------
+
+
+def _load_config(config: Any) -> Mapping[str, Any]:
+    if isinstance(config, (str, os.PathLike)):
+        from . import config as _config
+
+        return _config.load(os.fspath(config))
+    if isinstance(config, Mapping):
+        return config
+    raise InvalidRequest(
+        f"config must be a dict, the path of a config file or what stowage.config.load returned, "
+        f"not {type(config).__name__}"
+    )
+
+
+def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    sec = config.get(name)
+    if sec is None:
+        return {}
+    if not isinstance(sec, Mapping):
+        raise InvalidRequest(f"config: [{name}] must be a table, not {type(sec).__name__}")
+    unknown = sorted(set(sec) - _SCHEMA[name])
+    if unknown:
+        raise InvalidRequest(
+            f"config: unknown key {name}.{unknown[0]} (the [{name}] keys are {sorted(_SCHEMA[name])})"
+        )
+    return sec
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+
+
+def _bytes(v: Any, what: str) -> int:
+    """A size as bytes: an int or a str such as '4GiB'."""
+    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+        return v
+    if isinstance(v, str):
+        s = v.strip().lower().replace(" ", "")
+        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+        try:
+            n = int(float(num) * _SIZE_UNITS[s[len(num):]])
+            if n > 0:
+                return n
+        except (KeyError, ValueError):
+            pass
+    raise InvalidRequest(f"config: {what} must be a size such as 1073741824 or '1GiB', not {v!r}")
+
+
+_TIME_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def _seconds(v: Any, what: str) -> float:
+    """A duration in seconds: a number (what stowage.config.load gives) or a
+    str such as '30s', '500ms', '1m 30s'."""
+    if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
+        return float(v)
+    if isinstance(v, str) and v.strip():
+        total = 0.0
+        for part in v.lower().split():
+            num = part.rstrip("hms")
+            try:
+                total += float(num) * _TIME_UNITS[part[len(num):]]
+            except (KeyError, ValueError):
+                break
+        else:
+            return total
+    raise InvalidRequest(f"config: {what} must be a duration such as '30s', not {v!r}")
+
+
+class _Settings:
+    """What the launcher takes from a config (docs/config.md)."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        unknown = sorted(set(config) - set(_SCHEMA))
+        if unknown:
+            raise InvalidRequest(
+                f"config: unknown section [{unknown[0]}] (the sections are {sorted(_SCHEMA)})"
+            )
+        units = _section(config, "units")
+        listen = _section(config, "listen")
+        auth = _section(config, "auth")
+        timeouts = _section(config, "timeouts")
+        self.count = units.get("count")
+        self.placement = _section(config, "placement").get("clusters", "all")
+        self.memory = _bytes(units.get("memory", 1 << 30), "units.memory")
+        self.cpus = float(units.get("cpus", 1))
+        if not self.cpus >= 0:
+            raise InvalidRequest(f"config: units.cpus must be 0 or more, not {self.cpus}")
+        self.start_timeout = _seconds(timeouts.get("start", START_TIMEOUT_S), "timeouts.start")
+        if auth.get("secret_file"):
+            raise InvalidRequest(
+                "config: auth.secret_file is set, but units started by stowage.ray do not take "
+                "a secret yet; leave it out"
+            )
+        kw: Dict[str, Any] = {"memory": self.memory}
+        for key in ("reservation_lease", "pin_lease"):
+            if units.get(key) is not None:
+                kw[key] = _seconds(units[key], f"units.{key}")
+        if timeouts.get("frame") is not None:
+            kw["frame_timeout"] = _seconds(timeouts["frame"], "timeouts.frame")
+        for key in ("max_connections", "max_session_connections", "max_session_holds"):
+            if units.get(key) is not None:
+                kw[key] = int(units[key])
+        if units.get("checkpoint_root") is not None:
+            kw["checkpoint_root"] = os.fspath(units["checkpoint_root"])
+        disk = units.get("disk")
+        if disk is not None:
+            if not isinstance(disk, Mapping) or "root" not in disk:
+                raise InvalidRequest("config: [units.disk] must be a table with a root")
+            unknown = sorted(set(disk) - _DISK_KEYS)
+            if unknown:
+                raise InvalidRequest(
+                    f"config: unknown key units.disk.{unknown[0]} (the keys are {sorted(_DISK_KEYS)})"
+                )
+            kw["disk"] = os.fspath(disk["root"])
+            if disk.get("capacity") is not None:
+                kw["disk_capacity"] = _bytes(disk["capacity"], "units.disk.capacity")
+            for key in ("high_watermark", "low_watermark"):
+                if disk.get(key) is not None:
+                    kw[key] = float(disk[key])
+        self.unit_kwargs = kw
+        host = str(listen.get("host", "127.0.0.1"))
+        self.listen = {
+            "host": host,
+            "tcp_port": int(listen.get("tcp_port", 0)),
+            "unix_dir": None if listen.get("unix_dir") is None else os.fspath(listen["unix_dir"]),
+        }
+
+
+def _plan(settings: _Settings, clusters_or_nodes: Any) -> List[str]:
+    """One Ray node id per unit."""
+    if isinstance(clusters_or_nodes, Mapping):
+        from . import placement
+
+        clusters = placement.select_clusters(settings.placement, clusters_or_nodes)
+        return [str(n) for n in placement.plan_unit_nodes(clusters, settings.count)]
+    if isinstance(clusters_or_nodes, (str, bytes)) or not isinstance(clusters_or_nodes, Sequence):
+        raise InvalidRequest(
+            "clusters_or_nodes must be a list of Ray node ids (one per unit) "
+            "or a mapping of cluster name -> cluster"
+        )
+    nodes = [str(n) for n in clusters_or_nodes]
+    if not nodes:
+        raise InvalidRequest("no nodes planned: start_units needs at least one node id")
+    return nodes
+
+
+def _is_loopback(host: str) -> bool:
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+def _check_nodes(nodes: List[str], settings: _Settings) -> None:
+    """Fail fast when a planned node does not exist, is dead, or cannot hold
+    the units planned on it (Ray's total CPU and memory resources), and
+    when units on several hosts would listen on loopback only."""
+    cpus, memory = settings.cpus, settings.memory
+    known = {n["NodeID"]: n for n in ray.nodes()}
+    wanted: Dict[str, List[int]] = {}
+    for i, n in enumerate(nodes):
+        wanted.setdefault(n, []).append(i)
+    problems = []
+    for node, idx in wanted.items():
+        units = f"unit{'s' if len(idx) > 1 else ''} {', '.join(map(str, idx))}"
+        info = known.get(node)
+        if info is None:
+            problems.append(f"node {node} (for {units}) is not in this Ray cluster")
+            continue
+        if not info.get("Alive", False):
+            problems.append(f"node {node} (for {units}) is dead")
+            continue
+        total = info.get("Resources", {})
+        if cpus > 0 and total.get("CPU", 0) < cpus * len(idx):
+            problems.append(
+                f"node {node} has {total.get('CPU', 0):g} CPUs; {units} need {cpus * len(idx):g} "
+                f"({cpus:g} each)"
+            )
+        if total.get("memory", 0) < memory * len(idx):
+            problems.append(
+                f"node {node} has {int(total.get('memory', 0))} bytes of Ray memory; "
+                f"{units} need {memory * len(idx)}"
+            )
+    if problems:
+        raise PlacementError("cannot place the storage units: " + "; ".join(problems))
+    ips = sorted({known[n].get("NodeManagerAddress", "?") for n in wanted})
+    if len(ips) > 1 and _is_loopback(settings.listen["host"]):
+        raise PlacementError(
+            f"the planned nodes are on {len(ips)} hosts ({', '.join(ips)}) but listen.host is "
+            f"{settings.listen['host']}: clients on one host could not reach units on another; "
+            'set listen.host = "node-ip"'
+        )
+
+
+def _pending_reasons(actors: Dict[int, Any], nodes: List[str], cpus: float) -> Dict[int, str]:
+    """Why units that did not come up in time are still pending, as far as
+    Ray's state tells within a couple of seconds."""
+    states = _bounded(lambda: ray._private.state.actors(), 2.0) or {}
+    avail = _bounded(lambda: ray._private.state.available_resources_per_node(), 2.0) or {}
+    out = {}
+    for i, actor in actors.items():
+        state = (states.get(actor._actor_id.hex()) or {}).get("State")
+        why = f"still {state or 'not started'}"
+        free = avail.get(nodes[i], {}).get("CPU", 0.0) if nodes[i] in avail else None
+        if free is not None and free < cpus:
+            why += f" (node {nodes[i]} has {free:g} of the {cpus:g} CPUs it needs free)"
+        out[i] = why
+    return out
+
+
+def _short(e: BaseException) -> str:
+    """The gist of a Ray error (the cause, without the traceback)."""
+    cause = getattr(e, "cause", None) or e.__cause__
+    text = str(cause) if cause is not None else str(e)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return (lines[-1] if lines else type(e).__name__)[:500]
+
+
+def start_units(
+    config: Any,
+    clusters_or_nodes: Any,
+    *,
+    timeout: Optional[float] = None,
+) -> Units:
+    """Start one storage unit per planned node as a Ray actor pinned to it.
+
+    ``config``: a dict of config sections, the path of a config file, or
+    what :func:`stowage.config.load` returned (keys and defaults:
+    docs/config.md). The launcher reads ``units`` (``memory``, also
+    reserved as Ray memory; ``cpus``, the Ray CPUs of each actor; leases,
+    limits, ``checkpoint_root``, ``disk``; ``count`` for a mapping of
+    clusters), ``placement.clusters``, ``listen`` (``host``: an address or
+    ``"node-ip"``, Ray's address of the unit's node, which units on several
+    hosts need; ``tcp_port``; ``unix_dir``), ``timeouts.start`` and
+    ``timeouts.frame``.
+
+    ``clusters_or_nodes``: a list of Ray node ids, one per unit (already
+    planned), or a mapping of cluster name -> cluster (then the clusters
+    ``placement.clusters`` names are selected and ``units.count`` units
+    planned round-robin over their nodes, see :mod:`stowage.placement`).
+
+    Raises :class:`PlacementError` when a planned node is missing, dead or
+    short of CPUs or memory (at once, before anything starts), or when a
+    unit fails to start or is not up within ``timeout`` seconds (default
+    ``timeouts.start``, 2 minutes); the message names each unit and what
+    was missing. What was started is then torn down and killed, which
+    takes at most :data:`CLEANUP_TIMEOUT_S` more. Ray must be initialized
+    (``ray.init``).
+    """
+    t0 = time.monotonic()
+    settings = _Settings(_load_config(config))
+    if timeout is None:
+        timeout = settings.start_timeout
+    deadline = t0 + timeout
+    if not ray.is_initialized():
+        raise PlacementError("Ray is not initialized: call ray.init() before start_units")
+    nodes = _plan(settings, clusters_or_nodes)
+    _check_nodes(nodes, settings)
+
+    actors: List[Any] = []
+    entries: List[Optional[Dict[str, Any]]] = []
+    try:
+        for i, node in enumerate(nodes):
+            actors.append(
+                _actor()
+                .options(
+                    num_cpus=settings.cpus,
+                    memory=settings.memory,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+                )
+                .remote(i, settings.unit_kwargs, settings.listen)
+            )
+        refs = [a.info.remote() for a in actors]
+        index = {r: i for i, r in enumerate(refs)}
+        entries = [None] * len(refs)
+        failed: List[str] = []
+        pending = list(refs)
+        # Until every unit is up, one fails, or the deadline passes.
+        while pending and not failed:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+            for ref in ready:
+                i = index[ref]
+                try:
+                    entries[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
+                except Exception as e:  # noqa: BLE001 - reported per unit
+                    failed.append(f"unit {i} on node {nodes[i]} failed to start: {_short(e)}")
+        why = {} if failed else _pending_reasons(
+            {index[r]: actors[index[r]] for r in pending}, nodes, settings.cpus
+        )
+        for ref in pending:
+            i = index[ref]
+            if failed:
+                failed.append(f"unit {i} on node {nodes[i]} was not waited for")
+            else:
+                failed.append(
+                    f"unit {i} on node {nodes[i]} did not come up within {timeout:g} s: {why[i]}"
+                )
+        if failed:
+            raise PlacementError("storage units did not start: " + "; ".join(failed))
+        units = [e for e in entries if e is not None]
+        for i, e in enumerate(units):
+            # Hard node affinity makes this impossible; it is checked anyway.
+            if e["node"] != nodes[i]:
+                raise PlacementError(f"unit {i} runs on node {e['node']}, not on {nodes[i]}")
+    except BaseException:
+        # Units that came up remove their directories; all are killed.
+        came_up = [i < len(entries) and entries[i] is not None for i in range(len(actors))]
+        stop_units([a for a, up in zip(actors, came_up) if up], timeout=CLEANUP_TIMEOUT_S)
+        _kill_all([a for a, up in zip(actors, came_up) if not up])
+        raise
+    logger.info("started %d storage units in %.1f s", len(actors), time.monotonic() - t0)
+    return Units(actors, {"stowage_directory": 1, "units": units})
+
+
+# -- teardown ------------------------------------------------------------------
+
+
+def _kill_all(actors: Sequence[Any]) -> None:
+    for a in actors:
+        try:
+            ray.kill(a, no_restart=True)
+        except Exception as e:  # noqa: BLE001 - teardown never raises
+            logger.warning("could not kill a storage unit actor: %r", e)
+
+
+def stop_units(units: Union[Units, Sequence[Any]], timeout: float = 30.0) -> List[List[str]]:
+    """Tear every unit down (in parallel) and kill its actor, within about
+    ``timeout`` seconds; never raises.
+
+    Each unit's teardown runs explicitly (it stops taking work, abandons a
+    checkpoint that does not finish, removes its disk directory and its
+    socket directory); a unit whose teardown does not answer in time is
+    killed anyway. Returns, per unit, what could not be done (also
+    logged)."""
+    try:
+        actors = list(units.actors if isinstance(units, Units) else units)
+    except Exception as e:  # noqa: BLE001
+        logger.warning("stop_units: not a list of units: %r", e)
+        return []
+    problems: List[List[str]] = [[] for _ in actors]
+    try:
+        deadline = time.monotonic() + max(0.0, timeout)
+        # The unit's own bound leaves room for its answer to travel back.
+        unit_timeout = max(0.1, timeout * 0.8 - 0.5)
+        refs: List[Any] = []
+        for i, a in enumerate(actors):
+            try:
+                refs.append(a.close.remote(unit_timeout))
+            except Exception as e:  # noqa: BLE001
+                refs.append(None)
+                problems[i].append(f"could not ask for teardown: {_short(e)}")
+        live = [r for r in refs if r is not None]
+        done: set = set()
+        if live:
+            ready, _ = ray.wait(
+                live, num_returns=len(live), timeout=max(0.0, deadline - time.monotonic())
+            )
+            done = set(ready)
+        for i, ref in enumerate(refs):
+            if ref is None:
+                continue
+            if ref not in done:
+                problems[i].append(f"teardown did not finish within {timeout:g} s; killed")
+                continue
+            try:
+                problems[i].extend(ray.get(ref, timeout=0.1))
+            except Exception as e:  # noqa: BLE001 - a dead actor's teardown cannot run
+                problems[i].append(f"teardown did not run: {_short(e)}")
+    except Exception as e:  # noqa: BLE001 - teardown never raises
+        logger.warning("stop_units: %r", e)
+    finally:
+        _kill_all(actors)
+    for i, p in enumerate(problems):
+        for line in p:
+            logger.warning("storage unit %d: %s", i, line)
+    return problems
+
+
+# -- liveness ------------------------------------------------------------------
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> Any:
+    """``fn()`` on a helper thread, or None when it fails or does not
+    return within ``timeout`` seconds (a stuck Ray call cannot hold the
+    caller past its bound)."""
+    result: List[Any] = [None]
+
+    def run() -> None:
+        try:
+            result[0] = fn()
+        except Exception:  # noqa: BLE001 - unknown
+            pass
+
+    t = threading.Thread(target=run, name="stowage-ray-query", daemon=True)
+    t.start()
+    t.join(timeout)
+    return result[0]
+
+
+def _actor_state(actor_id: str, timeout: float) -> Optional[str]:
+    """The actor's state as Ray's control store (GCS) knows it ("ALIVE",
+    "DEAD", "PENDING_CREATION", ...), or None when not known within
+    ``timeout`` seconds."""
+    info = _bounded(lambda: ray._private.state.actors(actor_id=actor_id), timeout)
+    return info.get("State") if isinstance(info, Mapping) else None
+
+
+def liveness(entry: Mapping[str, Any], timeout: float = LIVENESS_TIMEOUT_S) -> str:
+    """Whether the Ray actor of a directory entry is ``"dead"`` (its unit
+    and the keys it held are gone), ``"alive"``, or ``"unknown"`` (not an
+    entry of a Ray-started unit, Ray not initialized in this process, no
+    answer within ``timeout`` seconds, any error). Never raises.
+
+    :func:`stowage.connect` calls it only after an operation on that unit
+    failed, never on the operation path."""
+    try:
+        actor_id = entry["ray"]["actor_id"]
+        if not ray.is_initialized():
+            return "unknown"
+        state = _actor_state(str(actor_id), timeout)
+    except Exception:  # noqa: BLE001 - never raises
+        return "unknown"
+    if state == "DEAD":
+        return "dead"
+    if state == "ALIVE":
+        return "alive"
+    return "unknown"
