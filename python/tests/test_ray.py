@@ -203,7 +203,7 @@ def all_stopped(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
-def test_killing_a_unit_loses_exactly_its_keys(cluster, part, monkeypatch):
+def test_killing_a_unit_loses_exactly_its_keys(cluster, part, monkeypatch, tmp_path):
     calls = []
     real = stowage.ray.liveness
 
@@ -212,11 +212,19 @@ def test_killing_a_unit_loses_exactly_its_keys(cluster, part, monkeypatch):
         return real(entry, *a, **kw)
 
     monkeypatch.setattr(stowage.ray, "liveness", counting)
-    two = stowage.ray.start_units(
-        {"units": {"memory": "16MiB"}}, cluster.node_ids[:2], timeout=START_S
-    )
+    # These units listen on Ray's address of their node (127.0.0.1 here)
+    # and put their sockets in a directory of ours.
+    sockets = tmp_path / "sockets"
+    sockets.mkdir()
+    cfg = {
+        "units": {"memory": "16MiB"},
+        "listen": {"host": "node-ip", "unix_dir": str(sockets)},
+    }
+    two = stowage.ray.start_units(cfg, cluster.node_ids[:2], timeout=START_S)
     try:
         entries = two.directory["units"]
+        assert all(e["tcp"].startswith(f"tcp:{LOOPBACK}:") for e in entries), entries
+        assert all(e["uds"].startswith(f"unix:{sockets}/") for e in entries), entries
         plane = stowage.connect(two.directory, timeout=10)
         keys = list(range(10))
         for _ in range(5):
@@ -245,8 +253,6 @@ def test_killing_a_unit_loses_exactly_its_keys(cluster, part, monkeypatch):
         victim = entries[1]["pid"]
         ray.kill(two[1], no_restart=True)
         assert wait_dead(victim, 30)
-        # Killed without teardown: its socket's directory is left behind.
-        shutil.rmtree(pathlib.Path(entries[1]["uds"][len("unix:"):]).parent, ignore_errors=True)
         with pytest.raises(stowage.LostKeys) as e:
             plane.get(part, keys, ["x"])
         assert e.value.unit == 1
@@ -265,6 +271,8 @@ def test_killing_a_unit_loses_exactly_its_keys(cluster, part, monkeypatch):
     assert problems[0] == []
     assert len(problems[1]) == 1 and "teardown did not run" in problems[1][0]
     assert wait_dead(entries[0]["pid"], 30)
+    # The unit torn down removed its socket; the killed one could not.
+    assert os.listdir(sockets) == [os.path.basename(entries[1]["uds"])]
 
 
 def test_stop_units_leaves_no_process_and_no_directory(cluster, tmp_path, part):
@@ -318,7 +326,10 @@ def start_failing(*args, **kwargs):
 def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing(
     cluster, units
 ):
-    free = settled_cpus(ray.available_resources().get("CPU", 0.0), 5)
+    # Free: every CPU but those of the module's units (once the units of
+    # earlier tests are gone).
+    free = ray.cluster_resources()["CPU"] - len(units)
+    assert settled_cpus(free) == free
     head, b, c = cluster.node_ids
     cfg = {"units": {"memory": "16MiB"}}
 
