@@ -164,13 +164,15 @@ def worker_puts_and_gets(directory, part):
             got = plane.get(part, keys, ["tok"])["tok"]
             units = plane.units
             rows = [s["rows"] for s in plane.stats()]
-        return [a.tolist() for a in got], units, rows, calls
+        # Ray's answer from inside a worker (what a failure would ask).
+        said = [real(e) for e in directory["units"]]
+        return [a.tolist() for a in got], units, rows, calls, said
     finally:
         stowage.ray.liveness = real
 
 
 def test_a_client_in_another_ray_worker_puts_and_gets(units, part):
-    got, addrs, rows, calls = ray.get(
+    got, addrs, rows, calls, said = ray.get(
         worker_puts_and_gets.remote(units.directory, part), timeout=120
     )
     assert got == [list(range(k + 1)) for k in range(9)]
@@ -178,6 +180,7 @@ def test_a_client_in_another_ray_worker_puts_and_gets(units, part):
     assert addrs == [e["uds"] for e in units.directory["units"]]
     assert rows == [3, 3, 3]
     assert calls == []
+    assert said == ["alive"] * 3
     # What the worker put, this process reads.
     with stowage.connect(units.directory) as plane:
         mine = plane.get(part, [4, 8], ["tok"])["tok"]
