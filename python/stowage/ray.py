@@ -13,10 +13,11 @@
 hard-pinned to it (node affinity, ``soft=False``). Each actor runs a unit
 inside its own process (:class:`stowage._native.Unit`: the server runs on
 its own Rust threads, so the actor keeps answering Ray calls) listening on
-its node's IP (tcp, port chosen by the OS) and on a Unix socket in a
-private directory. It returns :class:`Units`, whose ``directory`` any
-process on any node passes to :func:`stowage.connect`: clients on a
-unit's host use shared memory, the others tcp.
+tcp at the config's ``listen.host`` (loopback by default; ``"node-ip"``:
+Ray's address of the node) and on a Unix socket in a private directory.
+It returns :class:`Units`, whose ``directory`` any process on any node
+passes to :func:`stowage.connect`: clients on a unit's host use shared
+memory, the others tcp.
 
 Ray is not on the operation path: clients talk to the units directly.
 After an operation on a unit failed, the client asks :func:`liveness`
@@ -24,8 +25,9 @@ whether Ray considers that unit's actor dead (then its keys are lost:
 :class:`stowage.LostKeys`) or alive (a slow unit: a retryable error or
 :class:`stowage.Timeout`).
 
-:func:`stop_units` runs every unit's teardown explicitly (Ray stops actors
-with SIGTERM or SIGKILL, which run none), bounded, and never raises. Actors
+:func:`stop_units` runs every unit's teardown explicitly (Ray ends actors
+— ``ray.kill``, the end of their job — without running any), bounded, and
+never raises. Actors
 are not detached: when the job that started them ends, Ray kills them;
 their processes exit and each unit's disk directory stays behind, locked
 by nobody, until the next unit started under the same disk root removes
