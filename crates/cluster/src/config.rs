@@ -163,18 +163,38 @@ pub enum ListenHost {
     Addr(IpAddr),
 }
 
-impl<'de> Deserialize<'de> for ListenHost {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
+impl ListenHost {
+    /// The address to bind: this one, or [`node_ip`] for `"node-ip"`.
+    pub fn resolve(self) -> IpAddr {
+        match self {
+            ListenHost::Addr(a) => a,
+            ListenHost::NodeIp => node_ip(),
+        }
+    }
+}
+
+impl std::str::FromStr for ListenHost {
+    type Err = String;
+
+    /// `"node-ip"` or an IP address.
+    fn from_str(s: &str) -> Result<Self, String> {
         if s == "node-ip" {
             return Ok(ListenHost::NodeIp);
         }
         s.parse().map(ListenHost::Addr).map_err(|_| {
-            serde::de::Error::custom(format!(
+            format!(
                 "not a listen host: {s:?}; use an IP address such as \"127.0.0.1\" or \"0.0.0.0\", \
                  or \"node-ip\" (this node's own address)"
-            ))
+            )
         })
+    }
+}
+
+impl<'de> Deserialize<'de> for ListenHost {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
     }
 }
 
@@ -505,10 +525,7 @@ impl Config {
     /// The address units bind their TCP listeners to: `listen.host`, with
     /// `"node-ip"` resolved on this node by [`node_ip`].
     pub fn resolve_listen_host(&self) -> IpAddr {
-        match self.listen.host {
-            ListenHost::Addr(a) => a,
-            ListenHost::NodeIp => node_ip(),
-        }
+        self.listen.host.resolve()
     }
 }
 

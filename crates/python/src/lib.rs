@@ -9,11 +9,14 @@
 //!   memory goes to Rust as it is (no copy on the Python side); every
 //!   transfer runs with the GIL released.
 //! * The exceptions ([`errors`]) mirror [`stowage_client::Error`].
+//! * [`cluster`]: placement of units over a job's clusters and the config
+//!   file (`stowage.placement`, `stowage.config`).
 
 use pyo3::prelude::*;
 
 mod arrays;
 mod client;
+mod cluster;
 mod errors;
 mod local;
 
@@ -44,6 +47,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<client::Client>()?;
     m.add_class::<local::LocalPlane>()?;
     errors::register(m)?;
+    cluster::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }
