@@ -47,6 +47,7 @@ from ._native import (
     Unauthorized,
     UnitFull,
 )
+from . import config, placement  # stowage.config.load, stowage.placement.*
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch

@@ -3,7 +3,7 @@
 The public API is the ``stowage`` package; this module is its engine.
 """
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
@@ -176,3 +176,23 @@ class Unit:
     def running(self) -> bool: ...
     def stats(self, timeout: float = 10.0) -> Dict[str, Any]: ...
     def stop(self, timeout: float = 30.0) -> List[str]: ...
+
+# Placement and the config file (crates/python/src/cluster.rs); the
+# public API is stowage.placement and stowage.config.
+
+def select_clusters(
+    placement: Union[str, Sequence[str]], clusters_by_name: Mapping[str, Any]
+) -> Tuple[List[Any], List[str]]:
+    """The selected cluster objects (each once, in the mapping's order; one
+    object under two names is one cluster) and notes worth logging."""
+
+def plan_unit_nodes(clusters: Sequence[Sequence[str]], count: Optional[int] = None) -> List[str]:
+    """One node id per unit, round-robin over the clusters' nodes (each
+    once, in order); count None: two per node."""
+
+def load_config(path: Optional[str] = None, text: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
+    """The config file at path, or in text, or the defaults, as a dict of
+    sections (sizes in bytes, durations in float seconds)."""
+
+def resolve_listen_host(host: str) -> str:
+    """An IP address as it is; "node-ip" as this node's own address."""

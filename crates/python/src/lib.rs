@@ -11,11 +11,14 @@
 //!   memory goes to Rust as it is (no copy on the Python side); every
 //!   transfer runs with the GIL released.
 //! * The exceptions ([`errors`]) mirror [`stowage_client::Error`].
+//! * [`cluster`]: placement of units over a job's clusters and the config
+//!   file (`stowage.placement`, `stowage.config`).
 
 use pyo3::prelude::*;
 
 mod arrays;
 mod client;
+mod cluster;
 mod directory;
 mod errors;
 mod local;
@@ -51,6 +54,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(directory::resolve_directory, m)?)?;
     m.add_class::<unit::Unit>()?;
     errors::register(m)?;
+    cluster::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())
 }

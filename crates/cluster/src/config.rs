@@ -1,0 +1,1163 @@
+//! The stowage config file (TOML): units, placement, listen addresses,
+//! auth, timeouts and client defaults in one place, read by the command
+//! line and by Python (`stowage.config.load`). docs/config.md lists every
+//! key with its default; examples/stowage.toml is a complete file.
+//!
+//! Every key is optional (an empty file is the default config); an unknown
+//! key is an error that names it, as is a value out of range. Sizes are
+//! ints (bytes) or strings such as `"4GiB"` or `"512MiB"`; durations are
+//! strings such as `"30s"`, `"500ms"` or `"2m"`; paths must be absolute
+//! (units on other nodes read them there).
+//!
+//! ```
+//! use stowage_cluster::config::Config;
+//!
+//! let cfg = Config::from_toml_str("[units]\nmemory = \"4GiB\"\n[timeouts]\nop = \"1m\"\n")?;
+//! assert_eq!(cfg.units.memory, 4 << 30);
+//! assert_eq!(cfg.timeouts.op, std::time::Duration::from_secs(60));
+//! # Ok::<(), stowage_cluster::config::ConfigError>(())
+//! ```
+
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use stowage_unit::UnitConfig;
+
+use crate::placement::Placement;
+
+/// The whole config file. `Config::default()` is what an empty file
+/// gives.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    pub units: UnitsSection,
+    pub placement: PlacementSection,
+    pub listen: ListenSection,
+    pub auth: AuthSection,
+    pub timeouts: TimeoutsSection,
+    pub client: ClientSection,
+}
+
+/// `[units]`: how many storage units, and each one's settings.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UnitsSection {
+    /// How many units; `None`: two per node of the selected clusters.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub count: Option<usize>,
+    /// Slab memory of each unit, bytes. Default 1 GiB.
+    #[serde(with = "size")]
+    pub memory: u64,
+    /// Ray CPUs each unit's actor reserves (fractions allowed; 0 reserves
+    /// none). Default 1.
+    pub cpus: f64,
+    /// An uncommitted reservation held longer is reported as overdue
+    /// (never taken from its holder). Default 30 s.
+    #[serde(with = "duration")]
+    pub reservation_lease: Duration,
+    /// A pin held longer is reported as overdue. Default 30 s.
+    #[serde(with = "duration")]
+    pub pin_lease: Duration,
+    /// Most connections a unit serves at once. Default 1024.
+    pub max_connections: usize,
+    /// Most connections of one client session. Default 64.
+    pub max_session_connections: usize,
+    /// Most reservations and pins one client session may hold. Default
+    /// 16384.
+    pub max_session_holds: usize,
+    /// Checkpoints are written only under this directory; `None`: units
+    /// refuse checkpoints.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub checkpoint_root: Option<PathBuf>,
+    /// `[units.disk]`: the disk tier; `None`: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub disk: Option<DiskSection>,
+}
+
+impl Default for UnitsSection {
+    fn default() -> Self {
+        let unit = UnitConfig::new("", 1 << 30);
+        Self {
+            count: None,
+            memory: unit.memory,
+            cpus: 1.0,
+            reservation_lease: unit.reservation_lease,
+            pin_lease: unit.pin_lease,
+            max_connections: unit.max_connections,
+            max_session_connections: unit.max_session_connections,
+            max_session_holds: unit.max_session_holds,
+            checkpoint_root: None,
+            disk: None,
+        }
+    }
+}
+
+/// `[units.disk]`: each unit spills committed values to its own owner-only
+/// subdirectory of `root` past `high_watermark` of its memory, oldest
+/// first, down to `low_watermark`.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct DiskSection {
+    /// The disk tier's root directory (required in this section).
+    pub root: PathBuf,
+    /// Disk capacity of each unit, bytes. Default 20 GiB.
+    #[serde(with = "size", default = "default_disk_capacity")]
+    pub capacity: u64,
+    /// Default 0.9.
+    #[serde(default = "default_high_watermark")]
+    pub high_watermark: f64,
+    /// Default 0.8.
+    #[serde(default = "default_low_watermark")]
+    pub low_watermark: f64,
+}
+
+fn default_disk_capacity() -> u64 {
+    20 << 30
+}
+fn default_high_watermark() -> f64 {
+    UnitConfig::new("", 0).high_watermark
+}
+fn default_low_watermark() -> f64 {
+    UnitConfig::new("", 0).low_watermark
+}
+
+/// `[placement]`: which of the job's clusters hold units.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct PlacementSection {
+    /// `"all"` (default) or a list of cluster names.
+    pub clusters: Placement,
+}
+
+/// `[listen]`: where units listen.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ListenSection {
+    /// The TCP listeners' address. Default 127.0.0.1 (this host only).
+    pub host: ListenHost,
+    /// The TCP port; 0 (default): any free port (a fixed port suits one
+    /// unit per node).
+    pub tcp_port: u16,
+    /// Where the Unix sockets go; `None`: a private temporary directory.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub unix_dir: Option<PathBuf>,
+}
+
+impl Default for ListenSection {
+    fn default() -> Self {
+        Self {
+            host: ListenHost::Addr(IpAddr::V4(Ipv4Addr::LOCALHOST)),
+            tcp_port: 0,
+            unix_dir: None,
+        }
+    }
+}
+
+/// A listen host: an IP address, or `"node-ip"` (see [`node_ip`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ListenHost {
+    /// The node's own address, found when a unit starts ([`node_ip`]).
+    NodeIp,
+    Addr(IpAddr),
+}
+
+impl ListenHost {
+    /// The address to bind: this one, or [`node_ip`] for `"node-ip"`.
+    pub fn resolve(self) -> IpAddr {
+        match self {
+            ListenHost::Addr(a) => a,
+            ListenHost::NodeIp => node_ip(),
+        }
+    }
+}
+
+impl std::str::FromStr for ListenHost {
+    type Err = String;
+
+    /// `"node-ip"` or an IP address.
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "node-ip" {
+            return Ok(ListenHost::NodeIp);
+        }
+        s.parse().map(ListenHost::Addr).map_err(|_| {
+            format!(
+                "not a listen host: {s:?}; use an IP address such as \"127.0.0.1\" or \"0.0.0.0\", \
+                 or \"node-ip\" (this node's own address)"
+            )
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for ListenHost {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+}
+
+impl Serialize for ListenHost {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            ListenHost::NodeIp => s.serialize_str("node-ip"),
+            ListenHost::Addr(a) => s.collect_str(a),
+        }
+    }
+}
+
+impl std::fmt::Display for ListenHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ListenHost::NodeIp => f.write_str("node-ip"),
+            ListenHost::Addr(a) => a.fmt(f),
+        }
+    }
+}
+
+/// `[auth]`: the shared secret clients and units prove to each other.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AuthSection {
+    /// A file holding the secret; `None`: the `STOWAGE_SECRET` environment
+    /// variable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret_file: Option<PathBuf>,
+    /// Run without a secret: anyone who can reach a unit may use it.
+    /// Default false.
+    pub insecure: bool,
+}
+
+/// `[timeouts]`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutsSection {
+    /// A client call's default deadline. Default 30 s.
+    #[serde(with = "duration")]
+    pub op: Duration,
+    /// A unit must be up (listening) within this. Default 2 min.
+    #[serde(with = "duration")]
+    pub start: Duration,
+    /// Stopping the units (a checkpoint in progress finishes or is
+    /// abandoned) takes at most this. Default 30 s.
+    #[serde(with = "duration")]
+    pub stop: Duration,
+    /// Once a frame has begun, the rest of it must arrive within this (the
+    /// unit's frame timeout). Default 10 s.
+    #[serde(with = "duration")]
+    pub frame: Duration,
+}
+
+impl Default for TimeoutsSection {
+    fn default() -> Self {
+        Self {
+            op: Duration::from_secs(30),
+            start: Duration::from_secs(120),
+            stop: Duration::from_secs(30),
+            frame: UnitConfig::new("", 0).frame_timeout,
+        }
+    }
+}
+
+/// `[client]`: defaults of the clients that connect to the units.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ClientSection {
+    /// The namespace requests act in (isolates runs sharing units).
+    /// Default `"default"`.
+    pub namespace: String,
+    /// How bytes travel. Default auto.
+    pub transport: Transport,
+    /// A put that finds a unit full waits up to this (within its deadline)
+    /// for a clear to make room; `None` (default): it fails at once.
+    #[serde(
+        with = "opt_duration",
+        skip_serializing_if = "Option::is_none",
+        default
+    )]
+    pub wait_for_memory: Option<Duration>,
+}
+
+impl Default for ClientSection {
+    fn default() -> Self {
+        Self {
+            namespace: "default".into(),
+            transport: Transport::Auto,
+            wait_for_memory: None,
+        }
+    }
+}
+
+/// How a client moves bytes to and from a unit.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Shared memory with the units on the client's own host, TCP with the
+    /// others.
+    #[default]
+    Auto,
+    /// Shared memory only (every unit on the client's host).
+    Shm,
+    /// TCP only.
+    Tcp,
+}
+
+impl Transport {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Transport::Auto => "auto",
+            Transport::Shm => "shm",
+            Transport::Tcp => "tcp",
+        }
+    }
+}
+
+/// Why a config could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("{}: cannot read the config file: {error}", file.display())]
+    Read {
+        file: PathBuf,
+        #[source]
+        error: std::io::Error,
+    },
+    /// The file is not valid TOML, has an unknown key, or a value is of
+    /// the wrong kind or out of range.
+    #[error("{file}{}: {}{message}", line.map(|(l, c)| format!(":{l}:{c}")).unwrap_or_default(), key.as_ref().map(|k| format!("{k}: ")).unwrap_or_default())]
+    Invalid {
+        /// The file's path, or `<config text>` for a string.
+        file: String,
+        /// The dotted key (`units.disk.capacity`), when the error is about
+        /// one.
+        key: Option<String>,
+        /// Line and column (from 1), when known.
+        line: Option<(usize, usize)>,
+        message: String,
+    },
+}
+
+impl ConfigError {
+    /// The dotted key the error is about, if any.
+    pub fn key(&self) -> Option<&str> {
+        match self {
+            ConfigError::Invalid { key, .. } => key.as_deref(),
+            ConfigError::Read { .. } => None,
+        }
+    }
+}
+
+/// What a config given as a string is called in errors.
+pub const TEXT_SOURCE: &str = "<config text>";
+
+impl Config {
+    /// Parse and check a config file's text.
+    pub fn from_toml_str(text: &str) -> Result<Self, ConfigError> {
+        Self::parse(text, TEXT_SOURCE)
+    }
+
+    /// Read, parse and check the config file at `path`; errors name it.
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self, ConfigError> {
+        let path = path.as_ref();
+        let text = std::fs::read_to_string(path).map_err(|error| ConfigError::Read {
+            file: path.to_path_buf(),
+            error,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parse and check `text`; `file` names it in errors.
+    pub fn parse(text: &str, file: &str) -> Result<Self, ConfigError> {
+        let invalid = |key: Option<String>, e: toml::de::Error| ConfigError::Invalid {
+            file: file.to_string(),
+            key,
+            line: e.span().map(|s| line_col(text, s.start)),
+            message: e.message().trim_end().to_string(),
+        };
+        let de = toml::Deserializer::parse(text).map_err(|e| invalid(None, e))?;
+        let cfg: Config = serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = e.path().to_string();
+            let key = (key != ".").then_some(key);
+            invalid(key, e.into_inner())
+        })?;
+        cfg.check().map_err(|(key, message)| ConfigError::Invalid {
+            file: file.to_string(),
+            key: Some(key.to_string()),
+            line: value_span(text, key).map(|start| line_col(text, start)),
+            message,
+        })?;
+        Ok(cfg)
+    }
+
+    /// Check a config built in code as a file is checked.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        self.check().map_err(|(key, message)| ConfigError::Invalid {
+            file: "<config>".into(),
+            key: Some(key.to_string()),
+            line: None,
+            message,
+        })
+    }
+
+    /// The config as TOML (every key that has a value; sizes in bytes).
+    pub fn to_toml_string(&self) -> String {
+        // Every value serializes (sizes fit an i64 once checked; strings
+        // and paths are UTF-8 or were read from UTF-8 text).
+        toml::to_string(self).unwrap_or_else(|e| format!("# not representable in TOML: {e}\n"))
+    }
+
+    fn check(&self) -> Result<(), (&'static str, String)> {
+        let u = &self.units;
+        if u.count == Some(0) {
+            return Err((
+                "units.count",
+                "must be at least 1 (omit it for two units per node)".into(),
+            ));
+        }
+        if u.memory == 0 {
+            return Err(("units.memory", "must be more than 0 bytes".into()));
+        }
+        check_i64("units.memory", u.memory)?;
+        if !(u.cpus.is_finite() && u.cpus >= 0.0) {
+            return Err(("units.cpus", format!("must be 0 or more, got {}", u.cpus)));
+        }
+        positive("units.reservation_lease", u.reservation_lease)?;
+        positive("units.pin_lease", u.pin_lease)?;
+        for (key, v) in [
+            ("units.max_connections", u.max_connections),
+            ("units.max_session_connections", u.max_session_connections),
+            ("units.max_session_holds", u.max_session_holds),
+        ] {
+            if v == 0 {
+                return Err((key, "must be at least 1".into()));
+            }
+        }
+        absolute("units.checkpoint_root", u.checkpoint_root.as_deref())?;
+        if let Some(d) = &u.disk {
+            absolute("units.disk.root", Some(&d.root))?;
+            if d.capacity == 0 {
+                return Err(("units.disk.capacity", "must be more than 0 bytes".into()));
+            }
+            check_i64("units.disk.capacity", d.capacity)?;
+            for (key, w) in [
+                ("units.disk.high_watermark", d.high_watermark),
+                ("units.disk.low_watermark", d.low_watermark),
+            ] {
+                if !(w > 0.0 && w <= 1.0) {
+                    return Err((key, format!("must be in (0, 1], got {w}")));
+                }
+            }
+            if d.low_watermark >= d.high_watermark {
+                return Err((
+                    "units.disk.low_watermark",
+                    format!(
+                        "must be below units.disk.high_watermark ({}), got {}",
+                        d.high_watermark, d.low_watermark
+                    ),
+                ));
+            }
+        }
+        self.placement
+            .clusters
+            .validate()
+            .map_err(|e| ("placement.clusters", e.to_string()))?;
+        if let Placement::Names(names) = &self.placement.clusters {
+            if names.iter().any(|n| n.is_empty()) {
+                return Err((
+                    "placement.clusters",
+                    "a cluster name must not be empty".into(),
+                ));
+            }
+        }
+        absolute("listen.unix_dir", self.listen.unix_dir.as_deref())?;
+        absolute("auth.secret_file", self.auth.secret_file.as_deref())?;
+        if self.auth.insecure && self.auth.secret_file.is_some() {
+            return Err((
+                "auth.insecure",
+                "cannot be true together with auth.secret_file: run with a secret or without one"
+                    .into(),
+            ));
+        }
+        let t = &self.timeouts;
+        positive("timeouts.op", t.op)?;
+        positive("timeouts.start", t.start)?;
+        positive("timeouts.stop", t.stop)?;
+        positive("timeouts.frame", t.frame)?;
+        if self.client.namespace.is_empty() {
+            return Err(("client.namespace", "must not be empty".into()));
+        }
+        Ok(())
+    }
+
+    /// The settings of unit `index` (named `unit-<index>`), listening on
+    /// `tcp` and `uds`: memory, leases, connection caps, checkpoint root,
+    /// the disk tier and its watermarks, and the frame timeout come from
+    /// this config; everything else keeps [`UnitConfig::new`]'s defaults.
+    pub fn unit_config(
+        &self,
+        index: usize,
+        tcp: Option<SocketAddr>,
+        uds: Option<PathBuf>,
+    ) -> UnitConfig {
+        let u = &self.units;
+        let mut c = UnitConfig::new(format!("unit-{index}"), u.memory);
+        c.tcp = tcp;
+        c.uds = uds;
+        c.reservation_lease = u.reservation_lease;
+        c.pin_lease = u.pin_lease;
+        c.max_connections = u.max_connections;
+        c.max_session_connections = u.max_session_connections;
+        c.max_session_holds = u.max_session_holds;
+        c.checkpoint_root = u.checkpoint_root.clone();
+        if let Some(d) = &u.disk {
+            c.disk = Some((d.root.clone(), d.capacity));
+            c.high_watermark = d.high_watermark;
+            c.low_watermark = d.low_watermark;
+        }
+        c.frame_timeout = self.timeouts.frame;
+        // AUTH (to be filled in once UnitConfig carries the shared secret):
+        // the secret is the contents of self.auth.secret_file, else the
+        // STOWAGE_SECRET environment variable; none when self.auth.insecure.
+        c
+    }
+
+    /// The address units bind their TCP listeners to: `listen.host`, with
+    /// `"node-ip"` resolved on this node by [`node_ip`].
+    pub fn resolve_listen_host(&self) -> IpAddr {
+        self.listen.host.resolve()
+    }
+}
+
+/// This node's address as other nodes reach it: the local address of a UDP
+/// socket "connected" to a public address (8.8.8.8:53, else
+/// [2001:4860:4860::8888]:53), which is the address of the interface the
+/// default route leaves by. Connecting a UDP socket sends nothing; it only
+/// asks the kernel for a route. This is how Ray finds a node's IP
+/// (`ray.util.get_node_ip_address`). 127.0.0.1 when there is no route.
+pub fn node_ip() -> IpAddr {
+    let probes: [(SocketAddr, SocketAddr); 2] = [
+        (
+            (Ipv4Addr::UNSPECIFIED, 0).into(),
+            (Ipv4Addr::new(8, 8, 8, 8), 53).into(),
+        ),
+        (
+            (std::net::Ipv6Addr::UNSPECIFIED, 0).into(),
+            (
+                std::net::Ipv6Addr::new(0x2001, 0x4860, 0x4860, 0, 0, 0, 0, 0x8888),
+                53,
+            )
+                .into(),
+        ),
+    ];
+    for (local, remote) in probes {
+        let found = UdpSocket::bind(local)
+            .and_then(|s| s.connect(remote).map(|()| s))
+            .and_then(|s| s.local_addr());
+        if let Ok(a) = found {
+            if !a.ip().is_unspecified() {
+                return a.ip();
+            }
+        }
+    }
+    IpAddr::V4(Ipv4Addr::LOCALHOST)
+}
+
+fn positive(key: &'static str, d: Duration) -> Result<(), (&'static str, String)> {
+    if d.is_zero() {
+        return Err((key, "must be longer than 0".into()));
+    }
+    Ok(())
+}
+
+fn check_i64(key: &'static str, v: u64) -> Result<(), (&'static str, String)> {
+    if i64::try_from(v).is_err() {
+        return Err((key, format!("{v} bytes is too large")));
+    }
+    Ok(())
+}
+
+fn absolute(key: &'static str, p: Option<&Path>) -> Result<(), (&'static str, String)> {
+    match p {
+        Some(p) if !p.is_absolute() => Err((
+            key,
+            format!(
+                "must be an absolute path (units on other nodes read it there), got {:?}",
+                p.display().to_string()
+            ),
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// Where the value of the dotted `key` starts in `text`, if the text sets
+/// it (a key the file leaves out has no position).
+fn value_span(text: &str, key: &str) -> Option<usize> {
+    let doc = toml::de::DeTable::parse(text).ok()?;
+    let mut table = doc.get_ref();
+    let mut segments = key.split('.').peekable();
+    while let Some(seg) = segments.next() {
+        let (_, value) = table.iter().find(|(k, _)| k.get_ref().as_ref() == seg)?;
+        if segments.peek().is_none() {
+            return Some(value.span().start);
+        }
+        match value.get_ref() {
+            toml::de::DeValue::Table(t) => table = t,
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// Line and column (from 1, in characters) of byte `offset` of `text`.
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let offset = offset.min(text.len());
+    let before = text.get(..offset).unwrap_or(text);
+    let line = before.matches('\n').count() + 1;
+    let col = before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+    (line, col)
+}
+
+/// Parse a byte size: an int (bytes) or a string such as `"4GiB"`.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    s.trim()
+        .parse::<bytesize::ByteSize>()
+        .map(|b| b.as_u64())
+        .map_err(|_| {
+            format!("not a size: {s:?}; use bytes (an int) or e.g. \"512MiB\" or \"4GiB\"")
+        })
+}
+
+/// Parse a duration string such as `"30s"`, `"500ms"` or `"2m"`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim())
+        .map_err(|e| format!("not a duration: {s:?} ({e}); use e.g. \"30s\", \"500ms\" or \"2m\""))
+}
+
+/// Sizes: ints (bytes) or strings; written back as ints.
+mod size {
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Int(i64),
+            Str(String),
+        }
+        match Raw::deserialize(d).map_err(|_| {
+            serde::de::Error::custom(
+                "expected a size: bytes (an int) or e.g. \"512MiB\" or \"4GiB\"",
+            )
+        })? {
+            Raw::Int(n) => u64::try_from(n)
+                .map_err(|_| serde::de::Error::custom(format!("a size cannot be negative ({n})"))),
+            Raw::Str(s) => super::parse_size(&s).map_err(serde::de::Error::custom),
+        }
+    }
+
+    pub fn serialize<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(*v)
+    }
+}
+
+/// Durations: strings such as "30s"; a bare number is refused (seconds or
+/// milliseconds?).
+mod duration {
+    use std::time::Duration;
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Str(String),
+            Other(toml::Value),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Str(s) => super::parse_duration(&s).map_err(serde::de::Error::custom),
+            Raw::Other(v) => Err(serde::de::Error::custom(format!(
+                "expected a duration string such as \"30s\", \"500ms\" or \"2m\", got {v}"
+            ))),
+        }
+    }
+
+    pub fn serialize<S: Serializer>(v: &Duration, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(&humantime::format_duration(*v))
+    }
+}
+
+mod opt_duration {
+    use std::time::Duration;
+
+    use serde::{Deserializer, Serializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Duration>, D::Error> {
+        super::duration::deserialize(d).map(Some)
+    }
+
+    pub fn serialize<S: Serializer>(v: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(d) => super::duration::serialize(d, s),
+            None => s.serialize_none(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> ConfigError {
+        match Config::from_toml_str(text) {
+            Ok(c) => panic!("{text:?} parsed: {c:?}"),
+            Err(e) => e,
+        }
+    }
+
+    #[test]
+    fn empty_file_is_the_default() {
+        assert_eq!(Config::from_toml_str("").unwrap(), Config::default());
+        let d = Config::default();
+        assert_eq!(d.units.count, None);
+        assert_eq!(d.units.memory, 1 << 30);
+        assert_eq!(d.units.cpus, 1.0);
+        assert_eq!(d.units.reservation_lease, Duration::from_secs(30));
+        assert_eq!(d.units.pin_lease, Duration::from_secs(30));
+        assert_eq!(d.units.max_connections, 1024);
+        assert_eq!(d.units.max_session_connections, 64);
+        assert_eq!(d.units.max_session_holds, 16384);
+        assert_eq!(d.units.disk, None);
+        assert_eq!(d.placement.clusters, Placement::All);
+        assert_eq!(
+            d.listen.host,
+            ListenHost::Addr("127.0.0.1".parse().unwrap())
+        );
+        assert_eq!(d.listen.tcp_port, 0);
+        assert_eq!(d.listen.unix_dir, None);
+        assert_eq!(d.auth, AuthSection::default());
+        assert!(!d.auth.insecure);
+        assert_eq!(d.timeouts.op, Duration::from_secs(30));
+        assert_eq!(d.timeouts.start, Duration::from_secs(120));
+        assert_eq!(d.timeouts.stop, Duration::from_secs(30));
+        assert_eq!(d.timeouts.frame, Duration::from_secs(10));
+        assert_eq!(d.client.namespace, "default");
+        assert_eq!(d.client.transport, Transport::Auto);
+        assert_eq!(d.client.wait_for_memory, None);
+        d.validate().unwrap();
+    }
+
+    #[test]
+    fn values_parse() {
+        let c = Config::from_toml_str(
+            r#"
+            [units]
+            count = 6
+            memory = "512MiB"
+            cpus = 0.5
+            reservation_lease = "1m"
+            pin_lease = "1500ms"
+            max_connections = 10
+            max_session_connections = 5
+            max_session_holds = 100
+            checkpoint_root = "/ckpt"
+            [units.disk]
+            root = "/local/stowage"
+            capacity = 1073741824
+            high_watermark = 1
+            low_watermark = 0.5
+            [placement]
+            clusters = ["train", "teacher:big"]
+            [listen]
+            host = "node-ip"
+            tcp_port = 7000
+            unix_dir = "/run/stowage"
+            [auth]
+            secret_file = "/etc/stowage/secret"
+            [timeouts]
+            op = "45s"
+            start = "5m"
+            stop = "10s"
+            frame = "2s"
+            [client]
+            namespace = "run-7"
+            transport = "tcp"
+            wait_for_memory = "20s"
+            "#,
+        )
+        .unwrap();
+        assert_eq!(c.units.count, Some(6));
+        assert_eq!(c.units.memory, 512 << 20);
+        assert_eq!(c.units.cpus, 0.5);
+        assert_eq!(c.units.reservation_lease, Duration::from_secs(60));
+        assert_eq!(c.units.pin_lease, Duration::from_millis(1500));
+        assert_eq!(c.units.checkpoint_root, Some("/ckpt".into()));
+        let d = c.units.disk.as_ref().unwrap();
+        assert_eq!(d.root, PathBuf::from("/local/stowage"));
+        assert_eq!(d.capacity, 1 << 30);
+        assert_eq!((d.high_watermark, d.low_watermark), (1.0, 0.5));
+        assert_eq!(
+            c.placement.clusters,
+            Placement::names(["train", "teacher:big"])
+        );
+        assert_eq!(c.listen.host, ListenHost::NodeIp);
+        assert_eq!(c.listen.tcp_port, 7000);
+        assert_eq!(c.listen.unix_dir, Some("/run/stowage".into()));
+        assert_eq!(c.auth.secret_file, Some("/etc/stowage/secret".into()));
+        assert_eq!(c.timeouts.start, Duration::from_secs(300));
+        assert_eq!(c.timeouts.frame, Duration::from_secs(2));
+        assert_eq!(c.client.namespace, "run-7");
+        assert_eq!(c.client.transport, Transport::Tcp);
+        assert_eq!(c.client.wait_for_memory, Some(Duration::from_secs(20)));
+
+        // Written back and read again: the same config.
+        let again = Config::from_toml_str(&c.to_toml_string()).unwrap();
+        assert_eq!(again, c);
+        assert_eq!(
+            Config::from_toml_str(&Config::default().to_toml_string()).unwrap(),
+            Config::default()
+        );
+    }
+
+    #[test]
+    fn disk_section_defaults() {
+        let c = Config::from_toml_str("[units.disk]\nroot = \"/d\"\n").unwrap();
+        let d = c.units.disk.unwrap();
+        assert_eq!(d.capacity, 20 << 30);
+        assert_eq!((d.high_watermark, d.low_watermark), (0.9, 0.8));
+        // A disk section needs its root.
+        let e = err("[units.disk]\ncapacity = \"1GiB\"\n");
+        assert_eq!(e.key(), Some("units.disk"), "{e}");
+        assert!(e.to_string().contains("root"), "{e}");
+    }
+
+    /// Invalid files: the key each error must name and a phrase of its
+    /// message.
+    #[test]
+    fn errors_name_the_key() {
+        let cases: &[(&str, &str, &str)] = &[
+            (
+                "[units]\nmemroy = \"1GiB\"\n",
+                "units.memroy",
+                "unknown field `memroy`",
+            ),
+            ("[unit]\nmemory = 1\n", "unit", "unknown field `unit`"),
+            ("typo = 1\n", "typo", "unknown field `typo`"),
+            (
+                "[units.disk]\nroot = \"/d\"\ncapacty = 1\n",
+                "units.disk.capacty",
+                "unknown field",
+            ),
+            ("[units]\nmemory = \"lots\"\n", "units.memory", "not a size"),
+            ("[units]\nmemory = -5\n", "units.memory", "negative"),
+            ("[units]\nmemory = 0\n", "units.memory", "more than 0"),
+            (
+                "[units]\nmemory = true\n",
+                "units.memory",
+                "expected a size",
+            ),
+            ("[units]\ncount = 0\n", "units.count", "at least 1"),
+            ("[units]\ncount = -1\n", "units.count", ""),
+            ("[units]\ncount = \"4\"\n", "units.count", ""),
+            ("[units]\ncpus = -1\n", "units.cpus", "0 or more"),
+            (
+                "[units]\npin_lease = 30\n",
+                "units.pin_lease",
+                "duration string",
+            ),
+            (
+                "[units]\npin_lease = \"soon\"\n",
+                "units.pin_lease",
+                "not a duration",
+            ),
+            (
+                "[units]\nreservation_lease = \"0s\"\n",
+                "units.reservation_lease",
+                "longer than 0",
+            ),
+            (
+                "[units]\nmax_connections = 0\n",
+                "units.max_connections",
+                "at least 1",
+            ),
+            (
+                "[units]\nmax_session_connections = 0\n",
+                "units.max_session_connections",
+                "at least 1",
+            ),
+            (
+                "[units]\nmax_session_holds = 0\n",
+                "units.max_session_holds",
+                "at least 1",
+            ),
+            (
+                "[units]\ncheckpoint_root = \"ckpt\"\n",
+                "units.checkpoint_root",
+                "absolute",
+            ),
+            (
+                "[units.disk]\nroot = \"rel/dir\"\n",
+                "units.disk.root",
+                "absolute",
+            ),
+            (
+                "[units.disk]\nroot = \"/d\"\ncapacity = 0\n",
+                "units.disk.capacity",
+                "more than 0",
+            ),
+            (
+                "[units.disk]\nroot = \"/d\"\nhigh_watermark = 1.5\n",
+                "units.disk.high_watermark",
+                "(0, 1]",
+            ),
+            (
+                "[units.disk]\nroot = \"/d\"\nhigh_watermark = 0\n",
+                "units.disk.high_watermark",
+                "(0, 1]",
+            ),
+            (
+                "[units.disk]\nroot = \"/d\"\nlow_watermark = 0\n",
+                "units.disk.low_watermark",
+                "(0, 1]",
+            ),
+            (
+                "[units.disk]\nroot = \"/d\"\nlow_watermark = 0.9\n",
+                "units.disk.low_watermark",
+                "below",
+            ),
+            (
+                "[units.disk]\nroot = \"/d\"\nhigh_watermark = 0.5\nlow_watermark = 0.6\n",
+                "units.disk.low_watermark",
+                "below",
+            ),
+            (
+                "[placement]\nclusters = \"train\"\n",
+                "placement.clusters",
+                "[\"train\"]",
+            ),
+            (
+                "[placement]\nclusters = []\n",
+                "placement.clusters",
+                "names no cluster",
+            ),
+            (
+                "[placement]\nclusters = [\"\"]\n",
+                "placement.clusters",
+                "empty",
+            ),
+            (
+                "[placement]\nclusters = [1]\n",
+                "placement.clusters",
+                "list of cluster names",
+            ),
+            (
+                "[listen]\nhost = \"localhost\"\n",
+                "listen.host",
+                "not a listen host",
+            ),
+            ("[listen]\nhost = \"node_ip\"\n", "listen.host", "node-ip"),
+            ("[listen]\ntcp_port = 70000\n", "listen.tcp_port", ""),
+            (
+                "[listen]\nunix_dir = \"run\"\n",
+                "listen.unix_dir",
+                "absolute",
+            ),
+            (
+                "[auth]\nsecret_file = \"secret\"\n",
+                "auth.secret_file",
+                "absolute",
+            ),
+            (
+                "[auth]\nsecret_file = \"/s\"\ninsecure = true\n",
+                "auth.insecure",
+                "secret_file",
+            ),
+            ("[auth]\ninsecure = \"yes\"\n", "auth.insecure", ""),
+            ("[timeouts]\nop = \"0s\"\n", "timeouts.op", "longer than 0"),
+            (
+                "[timeouts]\nstart = 120\n",
+                "timeouts.start",
+                "duration string",
+            ),
+            (
+                "[timeouts]\nstop = \"0ms\"\n",
+                "timeouts.stop",
+                "longer than 0",
+            ),
+            (
+                "[timeouts]\nframe = \"ten seconds\"\n",
+                "timeouts.frame",
+                "not a duration",
+            ),
+            (
+                "[timeouts]\nconnect = \"1s\"\n",
+                "timeouts.connect",
+                "unknown field",
+            ),
+            ("[client]\nnamespace = \"\"\n", "client.namespace", "empty"),
+            (
+                "[client]\ntransport = \"rdma\"\n",
+                "client.transport",
+                "unknown variant `rdma`",
+            ),
+            (
+                "[client]\nwait_for_memory = 5\n",
+                "client.wait_for_memory",
+                "duration string",
+            ),
+        ];
+        for (text, key, phrase) in cases {
+            let e = err(text);
+            assert_eq!(e.key(), Some(*key), "{text:?}: {e}");
+            let msg = e.to_string();
+            assert!(msg.starts_with(TEXT_SOURCE), "{text:?}: {msg}");
+            assert!(msg.contains(&format!("{key}: ")), "{text:?}: {msg}");
+            assert!(msg.contains(phrase), "{text:?}: {msg} lacks {phrase:?}");
+        }
+    }
+
+    #[test]
+    fn syntax_errors_have_a_position() {
+        let e = err("[units]\nmemory = \"1GiB\"\ncount = [\n");
+        let ConfigError::Invalid { line, key, .. } = &e else {
+            panic!("{e:?}");
+        };
+        assert_eq!(*key, None);
+        assert_eq!(line.map(|(l, _)| l), Some(3), "{e}");
+        // A value error points at the value.
+        let e = err("[units]\n\nmemory = \"lots\"\n");
+        assert!(
+            e.to_string()
+                .starts_with("<config text>:3:10: units.memory: "),
+            "{e}"
+        );
+        // So does a value out of range, in a section or in a dotted key.
+        let e = err("[units.disk]\nroot = \"/d\"\n  low_watermark = 0.95\n");
+        assert!(
+            e.to_string()
+                .starts_with("<config text>:3:19: units.disk.low_watermark: must be below"),
+            "{e}"
+        );
+        let e = err("units.disk = { root = \"/d\", high_watermark = 2.0 }\n");
+        assert!(
+            e.to_string()
+                .starts_with("<config text>:1:46: units.disk.high_watermark: "),
+            "{e}"
+        );
+        // A rule about a key the file leaves out: no position.
+        let e = err("[units.disk]\nroot = \"/d\"\nhigh_watermark = 0.5\n");
+        assert!(
+            e.to_string()
+                .starts_with("<config text>: units.disk.low_watermark: "),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn files_are_named_in_errors() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("stowage.toml");
+        let e = Config::from_file(&path).unwrap_err();
+        assert!(matches!(e, ConfigError::Read { .. }));
+        assert!(
+            e.to_string().starts_with(&path.display().to_string()),
+            "{e}"
+        );
+        std::fs::write(&path, "[listen]\ntcp_prot = 1\n").unwrap();
+        let e = Config::from_file(&path).unwrap_err();
+        assert_eq!(e.key(), Some("listen.tcp_prot"));
+        assert!(
+            e.to_string()
+                .starts_with(&format!("{}:2:1: listen.tcp_prot: ", path.display())),
+            "{e}"
+        );
+        std::fs::write(&path, "[listen]\ntcp_port = 9000\n").unwrap();
+        assert_eq!(Config::from_file(&path).unwrap().listen.tcp_port, 9000);
+    }
+
+    #[test]
+    fn unit_config_takes_the_units_settings() {
+        let c = Config::from_toml_str(
+            r#"
+            [units]
+            memory = "64MiB"
+            reservation_lease = "7s"
+            pin_lease = "8s"
+            max_connections = 9
+            max_session_connections = 3
+            max_session_holds = 11
+            checkpoint_root = "/ckpt"
+            [units.disk]
+            root = "/disk"
+            capacity = "2GiB"
+            high_watermark = 0.7
+            low_watermark = 0.6
+            [timeouts]
+            frame = "3s"
+            "#,
+        )
+        .unwrap();
+        let tcp: SocketAddr = "10.0.0.5:7001".parse().unwrap();
+        let u = c.unit_config(3, Some(tcp), Some("/run/u3.sock".into()));
+        assert_eq!(u.name, "unit-3");
+        assert_eq!(u.memory, 64 << 20);
+        assert_eq!(u.tcp, Some(tcp));
+        assert_eq!(u.uds, Some(PathBuf::from("/run/u3.sock")));
+        assert_eq!(u.reservation_lease, Duration::from_secs(7));
+        assert_eq!(u.pin_lease, Duration::from_secs(8));
+        assert_eq!(u.max_connections, 9);
+        assert_eq!(u.max_session_connections, 3);
+        assert_eq!(u.max_session_holds, 11);
+        assert_eq!(u.checkpoint_root, Some(PathBuf::from("/ckpt")));
+        assert_eq!(u.disk, Some((PathBuf::from("/disk"), 2 << 30)));
+        assert_eq!((u.high_watermark, u.low_watermark), (0.7, 0.6));
+        assert_eq!(u.frame_timeout, Duration::from_secs(3));
+        // What the file does not cover keeps the unit's defaults.
+        let base = UnitConfig::new("x", 1);
+        assert_eq!(u.quarantine, base.quarantine);
+        assert_eq!(u.mlock, base.mlock);
+        assert_eq!(u.allow_other_uids, base.allow_other_uids);
+        assert_eq!(u.admin_tcp, base.admin_tcp);
+
+        // The default config gives the unit's own defaults, and no listeners
+        // unless given.
+        let u = Config::default().unit_config(0, None, None);
+        assert_eq!(u.name, "unit-0");
+        assert_eq!((u.tcp, u.uds.clone()), (None, None));
+        assert_eq!(u.memory, 1 << 30);
+        assert_eq!(u.disk, None);
+        assert_eq!(u.reservation_lease, base.reservation_lease);
+        assert_eq!(u.frame_timeout, base.frame_timeout);
+        assert_eq!(u.max_connections, base.max_connections);
+    }
+
+    #[test]
+    fn listen_host_resolves() {
+        let c = Config::from_toml_str("[listen]\nhost = \"0.0.0.0\"\n").unwrap();
+        assert_eq!(c.resolve_listen_host(), IpAddr::V4(Ipv4Addr::UNSPECIFIED));
+        let c = Config::from_toml_str("[listen]\nhost = \"::1\"\n").unwrap();
+        assert_eq!(c.resolve_listen_host(), "::1".parse::<IpAddr>().unwrap());
+        assert_eq!(
+            Config::default().resolve_listen_host(),
+            IpAddr::V4(Ipv4Addr::LOCALHOST)
+        );
+        // "node-ip": an address of this host, so a listener can bind it.
+        let c = Config::from_toml_str("[listen]\nhost = \"node-ip\"\n").unwrap();
+        let ip = c.resolve_listen_host();
+        assert!(!ip.is_unspecified());
+        let l = std::net::TcpListener::bind((ip, 0)).unwrap();
+        assert_eq!(l.local_addr().unwrap().ip(), ip);
+    }
+
+    #[test]
+    fn sizes_and_durations() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("1GiB").unwrap(), 1 << 30);
+        assert_eq!(parse_size("1GB").unwrap(), 1_000_000_000);
+        assert!(parse_size("1 gig").is_err());
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("1m 30s").unwrap(), Duration::from_secs(90));
+        assert!(parse_duration("30").is_err());
+    }
+}
