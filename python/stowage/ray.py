@@ -61,6 +61,8 @@ logger = logging.getLogger("stowage.ray")
 
 #: How long :func:`start_units` waits for placement and start by default.
 START_TIMEOUT_S = 120.0
+#: How long :func:`stop_units` takes at most by default.
+STOP_TIMEOUT_S = 30.0
 #: How long a failed :func:`start_units` spends tearing down the units it
 #: started (beyond its own timeout).
 CLEANUP_TIMEOUT_S = 2.0
@@ -161,12 +163,17 @@ def _actor() -> Any:
 class Units(Sequence):
     """Started units: a sequence of their actor handles (unit ``i`` is
     ``units[i]``), with ``directory`` (pass it to :func:`stowage.connect`
-    from any process) and ``node_ids`` (the node of each unit)."""
+    from any process), ``node_ids`` (the node of each unit) and
+    ``stop_timeout`` (the config's ``timeouts.stop``, what
+    :func:`stop_units` takes by default)."""
 
-    def __init__(self, actors: List[Any], directory: Dict[str, Any]):
+    def __init__(
+        self, actors: List[Any], directory: Dict[str, Any], stop_timeout: float = STOP_TIMEOUT_S
+    ):
         self.actors = list(actors)
         self.directory = directory
         self.node_ids = [e["node"] for e in directory["units"]]
+        self.stop_timeout = stop_timeout
 
     def __len__(self) -> int:
         return len(self.actors)
@@ -274,6 +281,7 @@ class _Settings:
         if not self.cpus >= 0:
             raise InvalidRequest(f"config: units.cpus must be 0 or more, not {self.cpus}")
         self.start_timeout = _seconds(timeouts.get("start", START_TIMEOUT_S), "timeouts.start")
+        self.stop_timeout = _seconds(timeouts.get("stop", STOP_TIMEOUT_S), "timeouts.stop")
         if auth.get("secret_file"):
             raise InvalidRequest(
                 "config: auth.secret_file is set, but units started by stowage.ray do not take "
@@ -416,8 +424,8 @@ def start_units(
     limits, ``checkpoint_root``, ``disk``; ``count`` for a mapping of
     clusters), ``placement.clusters``, ``listen`` (``host``: an address or
     ``"node-ip"``, Ray's address of the unit's node, which units on several
-    hosts need; ``tcp_port``; ``unix_dir``), ``timeouts.start`` and
-    ``timeouts.frame``.
+    hosts need; ``tcp_port``; ``unix_dir``), ``timeouts.start``,
+    ``timeouts.stop`` (for :func:`stop_units`) and ``timeouts.frame``.
 
     ``clusters_or_nodes``: a list of Ray node ids, one per unit (already
     planned), or a mapping of cluster name -> cluster (then the clusters
@@ -497,7 +505,7 @@ def start_units(
         _kill_all([a for a, up in zip(actors, came_up) if not up])
         raise
     logger.info("started %d storage units in %.1f s", len(actors), time.monotonic() - t0)
-    return Units(actors, {"stowage_directory": 1, "units": units})
+    return Units(actors, {"stowage_directory": 1, "units": units}, settings.stop_timeout)
 
 
 # -- teardown ------------------------------------------------------------------
@@ -511,9 +519,12 @@ def _kill_all(actors: Sequence[Any]) -> None:
             logger.warning("could not kill a storage unit actor: %r", e)
 
 
-def stop_units(units: Union[Units, Sequence[Any]], timeout: float = 30.0) -> List[List[str]]:
+def stop_units(
+    units: Union[Units, Sequence[Any]], timeout: Optional[float] = None
+) -> List[List[str]]:
     """Tear every unit down (in parallel) and kill its actor, within about
-    ``timeout`` seconds; never raises.
+    ``timeout`` seconds (default: the config's ``timeouts.stop`` that
+    :func:`start_units` was given, else 30); never raises.
 
     Each unit's teardown runs explicitly (it stops taking work, abandons a
     checkpoint that does not finish, removes its disk directory and its
@@ -525,6 +536,8 @@ def stop_units(units: Union[Units, Sequence[Any]], timeout: float = 30.0) -> Lis
     except Exception as e:  # noqa: BLE001
         logger.warning("stop_units: not a list of units: %r", e)
         return []
+    if timeout is None:
+        timeout = getattr(units, "stop_timeout", STOP_TIMEOUT_S)
     problems: List[List[str]] = [[] for _ in actors]
     try:
         deadline = time.monotonic() + max(0.0, timeout)

@@ -302,6 +302,43 @@ def test_stop_units_leaves_no_process_and_no_directory(cluster, tmp_path, part):
     assert len(again) == 2 and all(again)
 
 
+def test_clusters_by_name_and_a_config_file(cluster, tmp_path):
+    """A mapping of clusters: the config's placement selects them and its
+    count plans the units round-robin over their nodes; the config comes
+    as a file path or as stowage.config.load's dict."""
+    import stowage.config
+
+    head, b, c = cluster.node_ids
+    clusters = {"train": [head, b], "inference": [c]}
+    path = tmp_path / "stowage.toml"
+    path.write_text(
+        '[units]\nmemory = "16MiB"\ncount = 3\n'
+        '[placement]\nclusters = ["train"]\n'
+        '[timeouts]\nstop = "20s"\n'
+    )
+    u = stowage.ray.start_units(str(path), clusters, timeout=START_S)
+    try:
+        assert u.node_ids == [head, b, head]
+        assert ray.get([node_of_actor.remote(a) for a in u], timeout=60) == [head, b, head]
+        assert u.stop_timeout == 20.0
+    finally:
+        assert stowage.ray.stop_units(u) == [[], [], []]
+
+    cfg = stowage.config.load(
+        text='[units]\nmemory = "16MiB"\ncount = 1\n[placement]\nclusters = ["inference"]\n'
+    )
+    u = stowage.ray.start_units(cfg, clusters, timeout=START_S)
+    try:
+        assert u.node_ids == [c]
+    finally:
+        assert stowage.ray.stop_units(u, timeout=20) == [[]]
+
+    with pytest.raises(stowage.InvalidRequest, match="teacher:x"):
+        stowage.ray.start_units({"placement": {"clusters": ["teacher:x"]}}, clusters, timeout=5)
+    with pytest.raises(stowage.InvalidRequest, match="units.memroy"):
+        stowage.ray.start_units({"units": {"memroy": "1GiB"}}, [head], timeout=5)
+
+
 def start_failing(*args, **kwargs):
     """start_units, which must raise PlacementError; with a hang guard (a
     thread joined with a bound) so that a hang fails the test instead of
