@@ -59,31 +59,14 @@ __all__ = [
 
 logger = logging.getLogger("stowage.ray")
 
-#: How long :func:`start_units` waits for placement and start by default.
-START_TIMEOUT_S = 120.0
-#: How long :func:`stop_units` takes at most by default.
+#: How long :func:`stop_units` takes at most for units it was not given
+#: the config of (the config's ``timeouts.stop`` otherwise).
 STOP_TIMEOUT_S = 30.0
 #: How long a failed :func:`start_units` spends tearing down the units it
 #: started (beyond its own timeout).
 CLEANUP_TIMEOUT_S = 2.0
 #: How long :func:`liveness` waits for Ray's answer by default.
 LIVENESS_TIMEOUT_S = 5.0
-
-# The config's sections and keys (docs/config.md); a dict config is checked
-# against them (a typo is an error, as in a config file).
-_SCHEMA = {
-    "units": {
-        "count", "memory", "cpus", "reservation_lease", "pin_lease", "max_connections",
-        "max_session_connections", "max_session_holds", "checkpoint_root", "disk",
-    },
-    "placement": {"clusters"},
-    "listen": {"host", "tcp_port", "unix_dir"},
-    "auth": {"secret_file", "insecure"},
-    "timeouts": {"op", "start", "stop", "frame"},
-    "client": {"namespace", "transport", "wait_for_memory"},
-}
-_DISK_KEYS = {"root", "capacity", "high_watermark", "low_watermark"}
-
 
 class PlacementError(Error):
     """Units could not be placed or started: a planned node is missing, dead
@@ -204,18 +187,56 @@ def _load_config(config: Any) -> Mapping[str, Any]:
     )
 
 
-def _section(config: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    sec = config.get(name)
-    if sec is None:
-        return {}
-    if not isinstance(sec, Mapping):
-        raise InvalidRequest(f"config: [{name}] must be a table, not {type(sec).__name__}")
-    unknown = sorted(set(sec) - _SCHEMA[name])
+_defaults_cache: List[Dict[str, Any]] = []
+
+
+def _defaults() -> Dict[str, Any]:
+    """Every section and key of the config with its default (from
+    stowage.config, the one source), and the keys of [units.disk] under
+    ``units.disk``."""
+    if not _defaults_cache:
+        from . import config as _config
+
+        d = _config.load()
+        d["units"]["disk"] = _config.load(text='[units.disk]\nroot = "/"\n')["units"]["disk"]
+        _defaults_cache.append(d)
+    return _defaults_cache[0]
+
+
+def _merged(config: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """``config`` over the defaults; an unknown section or key (a typo) is an
+    error, as in a config file."""
+    defaults = _defaults()
+    unknown = sorted(set(config) - set(defaults))
     if unknown:
         raise InvalidRequest(
-            f"config: unknown key {name}.{unknown[0]} (the [{name}] keys are {sorted(_SCHEMA[name])})"
+            f"config: unknown section [{unknown[0]}] (the sections are {sorted(defaults)})"
         )
-    return sec
+    out: Dict[str, Dict[str, Any]] = {}
+    for name, default in defaults.items():
+        sec = config.get(name) or {}
+        if not isinstance(sec, Mapping):
+            raise InvalidRequest(f"config: [{name}] must be a table, not {type(sec).__name__}")
+        unknown = sorted(set(sec) - set(default))
+        if unknown:
+            raise InvalidRequest(
+                f"config: unknown key {name}.{unknown[0]} (the [{name}] keys are {sorted(default)})"
+            )
+        out[name] = {**default, **sec}
+    disk = out["units"]["disk"]
+    if disk is defaults["units"]["disk"]:  # not given: no disk tier
+        out["units"]["disk"] = None
+    elif disk is not None:
+        if not isinstance(disk, Mapping) or "root" not in disk:
+            raise InvalidRequest("config: [units.disk] must be a table with a root")
+        keys = defaults["units"]["disk"]
+        unknown = sorted(set(disk) - set(keys))
+        if unknown:
+            raise InvalidRequest(
+                f"config: unknown key units.disk.{unknown[0]} (the keys are {sorted(keys)})"
+            )
+        out["units"]["disk"] = {**keys, **disk}
+    return out
 
 
 _SIZE_UNITS = {
@@ -265,60 +286,43 @@ class _Settings:
     """What the launcher takes from a config (docs/config.md)."""
 
     def __init__(self, config: Mapping[str, Any]):
-        unknown = sorted(set(config) - set(_SCHEMA))
-        if unknown:
-            raise InvalidRequest(
-                f"config: unknown section [{unknown[0]}] (the sections are {sorted(_SCHEMA)})"
-            )
-        units = _section(config, "units")
-        listen = _section(config, "listen")
-        auth = _section(config, "auth")
-        timeouts = _section(config, "timeouts")
-        self.count = units.get("count")
-        self.placement = _section(config, "placement").get("clusters", "all")
-        self.memory = _bytes(units.get("memory", 1 << 30), "units.memory")
-        self.cpus = float(units.get("cpus", 1))
+        cfg = _merged(config)
+        units, listen, timeouts = cfg["units"], cfg["listen"], cfg["timeouts"]
+        self.count = units["count"]
+        self.placement = cfg["placement"]["clusters"]
+        self.memory = _bytes(units["memory"], "units.memory")
+        self.cpus = float(units["cpus"])
         if not self.cpus >= 0:
             raise InvalidRequest(f"config: units.cpus must be 0 or more, not {self.cpus}")
-        self.start_timeout = _seconds(timeouts.get("start", START_TIMEOUT_S), "timeouts.start")
-        self.stop_timeout = _seconds(timeouts.get("stop", STOP_TIMEOUT_S), "timeouts.stop")
-        if auth.get("secret_file"):
+        self.start_timeout = _seconds(timeouts["start"], "timeouts.start")
+        self.stop_timeout = _seconds(timeouts["stop"], "timeouts.stop")
+        if cfg["auth"]["secret_file"]:
             raise InvalidRequest(
                 "config: auth.secret_file is set, but units started by stowage.ray do not take "
                 "a secret yet; leave it out"
             )
-        kw: Dict[str, Any] = {"memory": self.memory}
-        for key in ("reservation_lease", "pin_lease"):
-            if units.get(key) is not None:
-                kw[key] = _seconds(units[key], f"units.{key}")
-        if timeouts.get("frame") is not None:
-            kw["frame_timeout"] = _seconds(timeouts["frame"], "timeouts.frame")
+        kw: Dict[str, Any] = {
+            "memory": self.memory,
+            "reservation_lease": _seconds(units["reservation_lease"], "units.reservation_lease"),
+            "pin_lease": _seconds(units["pin_lease"], "units.pin_lease"),
+            "frame_timeout": _seconds(timeouts["frame"], "timeouts.frame"),
+        }
         for key in ("max_connections", "max_session_connections", "max_session_holds"):
-            if units.get(key) is not None:
-                kw[key] = int(units[key])
-        if units.get("checkpoint_root") is not None:
+            kw[key] = int(units[key])
+        if units["checkpoint_root"] is not None:
             kw["checkpoint_root"] = os.fspath(units["checkpoint_root"])
-        disk = units.get("disk")
+        disk = units["disk"]
         if disk is not None:
-            if not isinstance(disk, Mapping) or "root" not in disk:
-                raise InvalidRequest("config: [units.disk] must be a table with a root")
-            unknown = sorted(set(disk) - _DISK_KEYS)
-            if unknown:
-                raise InvalidRequest(
-                    f"config: unknown key units.disk.{unknown[0]} (the keys are {sorted(_DISK_KEYS)})"
-                )
             kw["disk"] = os.fspath(disk["root"])
-            if disk.get("capacity") is not None:
-                kw["disk_capacity"] = _bytes(disk["capacity"], "units.disk.capacity")
-            for key in ("high_watermark", "low_watermark"):
-                if disk.get(key) is not None:
-                    kw[key] = float(disk[key])
+            kw["disk_capacity"] = _bytes(disk["capacity"], "units.disk.capacity")
+            kw["high_watermark"] = float(disk["high_watermark"])
+            kw["low_watermark"] = float(disk["low_watermark"])
         self.unit_kwargs = kw
-        host = str(listen.get("host", "127.0.0.1"))
+        unix_dir = listen["unix_dir"]
         self.listen = {
-            "host": host,
-            "tcp_port": int(listen.get("tcp_port", 0)),
-            "unix_dir": None if listen.get("unix_dir") is None else os.fspath(listen["unix_dir"]),
+            "host": str(listen["host"]),
+            "tcp_port": int(listen["tcp_port"]),
+            "unix_dir": None if unix_dir is None else os.fspath(unix_dir),
         }
 
 
