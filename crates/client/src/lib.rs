@@ -61,6 +61,7 @@ pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
+pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
 pub use stowage_wire::{CheckpointFile, CheckpointInfo};
 pub use transport::{GetSink, Transport};
 
@@ -99,6 +100,10 @@ pub struct ClientConfig {
     /// — within its own deadline — for a clear to make room, instead of
     /// failing with [`Error::UnitFull`] at once. Default `None` (fail).
     pub wait_for_memory: Option<Duration>,
+    /// The shared secret of units started with one: every connection
+    /// proves it, and the unit must prove it back (a client with a secret
+    /// refuses a unit that has none). Default `None`.
+    pub secret: Option<Secret>,
 }
 
 impl ClientConfig {
@@ -111,6 +116,7 @@ impl ClientConfig {
             directory: Arc::new(ProbeDirectory::default()),
             spin: Duration::from_micros(50),
             wait_for_memory: None,
+            secret: None,
         }
     }
 }
@@ -242,9 +248,17 @@ enum Outcome {
 impl Client {
     /// Connect to every unit (one handshake each) and check that they
     /// answer. A unit that cannot be reached fails the call.
-    pub fn connect(cfg: ClientConfig) -> Result<Client> {
+    pub fn connect(mut cfg: ClientConfig) -> Result<Client> {
         if cfg.units.is_empty() {
             return Err(Error::InvalidRequest("no units given".into()));
+        }
+        // The directory's probes prove the client's secret too.
+        if let Some(d) = cfg
+            .secret
+            .as_ref()
+            .and_then(|s| cfg.directory.with_secret(s))
+        {
+            cfg.directory = d;
         }
         let units = cfg
             .units
@@ -311,6 +325,7 @@ impl Client {
                 session,
                 cached.clone(),
                 self.cfg.spin,
+                self.cfg.secret.as_ref(),
                 deadline,
             )
             .map_err(|e| OpFailure::conn(e, false))

@@ -161,6 +161,12 @@ impl Secret {
         Self::checked(bytes, &format!("in ${SECRET_ENV}")).map(Some)
     }
 
+    /// The secret's bytes, to hand it on (e.g. into an owner-only file
+    /// for a child process). Never log or print them.
+    pub fn expose(&self) -> &[u8] {
+        &self.0
+    }
+
     fn mac(&self, label: &[u8], client_nonce: &Nonce, unit_nonce: &Nonce) -> Hmac<Sha256> {
         let mut m =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
