@@ -27,6 +27,7 @@ copies an array behind your back. Errors are subclasses of
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
@@ -382,21 +383,45 @@ class DataPlane:
         return await asyncio.to_thread(self.clear, *args, **kwargs)
 
 
+#: The environment variable that holds the units' shared secret.
+SECRET_ENV = "STOWAGE_SECRET"
+
+
+def _secret(secret: Optional[Union[bytes, str]]) -> Optional[Union[bytes, str]]:
+    """``secret``, or else ``STOWAGE_SECRET`` from the environment (as bytes),
+    or None."""
+    if secret is not None:
+        return secret
+    env = os.environb.get(SECRET_ENV.encode())
+    if env is None:
+        return None
+    return env.rstrip(b"\r\n")
+
+
 def connect(
     units: Union[str, Sequence[str]],
     namespace: str = "default",
     timeout: float = 30.0,
     wait_for_memory: Optional[float] = None,
+    secret: Optional[Union[bytes, str]] = None,
 ) -> DataPlane:
     """Connect to running units: ``unix:/path/unit.sock`` (shared memory, same
     host) or ``tcp:host:port``. ``namespace`` isolates runs sharing units;
     ``timeout`` is the default deadline of every call, in seconds.
     ``wait_for_memory``: a put that finds a unit full (memory and disk) waits
     up to this many seconds, within its deadline, for a clear to make room
-    instead of raising UnitFull."""
+    instead of raising UnitFull.
+
+    ``secret`` (bytes or str, at least 16 bytes): the units' shared secret,
+    proved at every connect; the units must prove it back. Default: the
+    ``STOWAGE_SECRET`` environment variable when set, else none. A unit that
+    wants a secret refuses a client without the right one, and a client with
+    a secret refuses a unit without it: :class:`Unauthorized`."""
     if isinstance(units, str):
         units = [units]
-    return DataPlane(_native.Client(list(units), namespace, timeout, True, wait_for_memory))
+    return DataPlane(
+        _native.Client(list(units), namespace, timeout, True, wait_for_memory, _secret(secret))
+    )
 
 
 # Runs the `stowage` command line from the extension module alone: a unit
@@ -428,6 +453,7 @@ def local(
     low_watermark: float = 0.8,
     wait_for_memory: Optional[float] = None,
     checkpoint_root: Optional[str] = None,
+    secret: Optional[Union[bytes, str]] = None,
 ) -> DataPlane:
     """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
     ``"1GiB"``) as child processes of this interpreter and connect to them
@@ -445,7 +471,12 @@ def local(
 
     ``checkpoint_root``: :meth:`DataPlane.checkpoint` writes only under this
     directory (without it, the units refuse checkpoints with
-    :class:`Unauthorized`)."""
+    :class:`Unauthorized`).
+
+    ``secret`` (bytes or str): the units require this shared secret of every
+    client (it reaches them in an owner-only file, never on a command line)
+    and this plane's clients prove it. Default: ``STOWAGE_SECRET`` from the
+    environment when set, else none."""
     if transport not in ("shm", "tcp"):
         raise InvalidRequest(f"transport must be 'shm' or 'tcp', not {transport!r}")
     command = unit_command()
@@ -459,15 +490,16 @@ def local(
         ]
     if checkpoint_root is not None:
         args += ["--checkpoint-root", str(checkpoint_root)]
-    plane = _native.LocalPlane(command, units, memory, args)
+    secret = _secret(secret)
+    plane = _native.LocalPlane(command, units, memory, args, 30.0, secret)
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
-        client = _native.Client(addrs, namespace, timeout, True, wait_for_memory)
+        client = _native.Client(addrs, namespace, timeout, True, wait_for_memory, secret)
         # Over tcp, admin requests take the Unix sockets (units accept them
         # there from their own user only).
         admin = None
         if transport == "tcp":
-            admin = _native.Client(plane.uds_addrs, namespace, timeout, False, None)
+            admin = _native.Client(plane.uds_addrs, namespace, timeout, False, None, secret)
     except BaseException:
         plane.stop()
         raise

@@ -56,6 +56,7 @@ class Client:
         timeout: float = 30.0,
         shm: bool = True,
         wait_for_memory: Optional[float] = None,
+        secret: Optional[Union[bytes, str]] = None,
     ) -> None: ...
     @property
     def units(self) -> List[str]: ...
@@ -122,6 +123,7 @@ class LocalPlane:
         memory: Union[int, str],
         unit_args: List[str] = ...,
         start_timeout: float = 30.0,
+        secret: Optional[Union[bytes, str]] = None,
     ) -> None: ...
     @property
     def uds_addrs(self) -> List[str]: ...
