@@ -12,7 +12,7 @@
 //! secret must not talk to a unit that cannot prove it).
 //!
 //! [`Gate`] is a pure state machine over decoded frames, so that the
-//! connection loop ([`crate::conn`]) and the `handshake` fuzz target drive
+//! connection loop (`conn.rs`) and the `handshake` fuzz target drive
 //! the same code.
 
 use stowage_wire::auth::{Nonce, Secret};
