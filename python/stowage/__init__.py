@@ -440,12 +440,28 @@ def _liveness_of(directory: Mapping[str, Any]) -> Any:
     return liveness
 
 
+#: The environment variable that holds the units' shared secret.
+SECRET_ENV = "STOWAGE_SECRET"
+
+
+def _secret(secret: Optional[Union[bytes, str]]) -> Optional[Union[bytes, str]]:
+    """``secret``, or else ``STOWAGE_SECRET`` from the environment (as bytes),
+    or None."""
+    if secret is not None:
+        return secret
+    env = os.environb.get(SECRET_ENV.encode())
+    if env is None:
+        return None
+    return env.rstrip(b"\r\n")
+
+
 def connect(
     units: Union[str, os.PathLike, Sequence[str], Mapping[str, Any], Any],
     namespace: str = "default",
     timeout: float = 30.0,
     wait_for_memory: Optional[float] = None,
     transport: str = "auto",
+    secret: Optional[Union[bytes, str]] = None,
 ) -> DataPlane:
     """Connect to running units.
 
@@ -466,21 +482,31 @@ def connect(
     deadline of every call, in seconds. ``wait_for_memory``: a put that
     finds a unit full (memory and disk) waits up to this many seconds,
     within its deadline, for a clear to make room instead of raising
-    UnitFull."""
+    UnitFull.
+
+    ``secret`` (bytes or str, at least 16 bytes): the units' shared secret,
+    proved at every connect; the units must prove it back. Default: the
+    ``STOWAGE_SECRET`` environment variable when set, else none. A unit that
+    wants a secret refuses a client without the right one, and a client with
+    a secret refuses a unit without it: :class:`Unauthorized`."""
     directory = _directory_of(units)
     if directory is not None:
         addrs, instances = _native.resolve_directory(json.dumps(directory), transport)
         return DataPlane(
             _native.Client(
-                addrs, namespace, timeout, True, wait_for_memory, instances,
-                _liveness_of(directory),
+                addrs, namespace, timeout, True, wait_for_memory, _secret(secret),
+                instances=instances, liveness=_liveness_of(directory),
             )
         )
     if isinstance(units, (str, os.PathLike)):
         units = [os.fspath(units)]
     if transport not in ("auto", "shm", "tcp"):
         raise InvalidRequest(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
-    return DataPlane(_native.Client(list(units), namespace, timeout, transport != "tcp", wait_for_memory))
+    return DataPlane(
+        _native.Client(
+            list(units), namespace, timeout, transport != "tcp", wait_for_memory, _secret(secret)
+        )
+    )
 
 
 # Runs the `stowage` command line from the extension module alone: a unit
@@ -512,6 +538,7 @@ def local(
     low_watermark: float = 0.8,
     wait_for_memory: Optional[float] = None,
     checkpoint_root: Optional[str] = None,
+    secret: Optional[Union[bytes, str]] = None,
 ) -> DataPlane:
     """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
     ``"1GiB"``) as child processes of this interpreter and connect to them
@@ -529,7 +556,12 @@ def local(
 
     ``checkpoint_root``: :meth:`DataPlane.checkpoint` writes only under this
     directory (without it, the units refuse checkpoints with
-    :class:`Unauthorized`)."""
+    :class:`Unauthorized`).
+
+    ``secret`` (bytes or str): the units require this shared secret of every
+    client (it reaches them in an owner-only file, never on a command line)
+    and this plane's clients prove it. Default: ``STOWAGE_SECRET`` from the
+    environment when set, else none."""
     if transport not in ("shm", "tcp"):
         raise InvalidRequest(f"transport must be 'shm' or 'tcp', not {transport!r}")
     command = unit_command()
@@ -543,15 +575,16 @@ def local(
         ]
     if checkpoint_root is not None:
         args += ["--checkpoint-root", str(checkpoint_root)]
-    plane = _native.LocalPlane(command, units, memory, args)
+    secret = _secret(secret)
+    plane = _native.LocalPlane(command, units, memory, args, 30.0, secret)
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
-        client = _native.Client(addrs, namespace, timeout, True, wait_for_memory)
+        client = _native.Client(addrs, namespace, timeout, True, wait_for_memory, secret)
         # Over tcp, admin requests take the Unix sockets (units accept them
         # there from their own user only).
         admin = None
         if transport == "tcp":
-            admin = _native.Client(plane.uds_addrs, namespace, timeout, False, None)
+            admin = _native.Client(plane.uds_addrs, namespace, timeout, False, None, secret)
     except BaseException:
         plane.stop()
         raise

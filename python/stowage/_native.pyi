@@ -61,6 +61,7 @@ class Client:
         timeout: float = 30.0,
         shm: bool = True,
         wait_for_memory: Optional[float] = None,
+        secret: Optional[Union[bytes, str]] = None,
         instances: Optional[List[Optional[str]]] = None,
         liveness: Optional[Callable[[int], str]] = None,
     ) -> None: ...
@@ -129,6 +130,7 @@ class LocalPlane:
         memory: Union[int, str],
         unit_args: List[str] = ...,
         start_timeout: float = 30.0,
+        secret: Optional[Union[bytes, str]] = None,
     ) -> None: ...
     @property
     def uds_addrs(self) -> List[str]: ...

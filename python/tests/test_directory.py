@@ -91,7 +91,7 @@ def test_liveness_is_asked_only_after_a_failure(part):
         return "dead" if unit == 1 else "alive"
 
     with stowage.local(units=2, memory="32MiB") as plane:
-        client = _native.Client(plane.units, "default", 10.0, True, None, None, liveness)
+        client = _native.Client(plane.units, "default", 10.0, liveness=liveness)
         c = stowage.DataPlane(client)
         keys = list(range(8))
         for _ in range(20):

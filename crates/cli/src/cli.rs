@@ -8,7 +8,7 @@ use std::time::Duration;
 use crate::local::{LocalOptions, LocalPlane};
 use crate::{bench, parse_duration, parse_size, workload};
 use clap::{Parser, Subcommand, ValueEnum};
-use stowage_client::{Client, ClientConfig, UnitAddr};
+use stowage_client::{Client, ClientConfig, Secret, UnitAddr};
 
 #[derive(Parser)]
 #[command(
@@ -61,6 +61,27 @@ impl DiskArgs {
             "--low-watermark".into(),
             self.low_watermark.to_string(),
         ]
+    }
+}
+
+/// Where the shared secret comes from (units and clients alike).
+#[derive(clap::Args, Clone, Debug, Default)]
+struct SecretArgs {
+    /// A file holding the shared secret (owner-only, at least 16 bytes; a
+    /// trailing line break is dropped). Without it, the environment
+    /// variable STOWAGE_SECRET is used when set; with neither, no secret.
+    #[arg(long, value_name = "PATH")]
+    secret_file: Option<std::path::PathBuf>,
+}
+
+impl SecretArgs {
+    /// The secret: `--secret-file` over `STOWAGE_SECRET`.
+    fn secret(&self) -> Result<Option<Secret>, String> {
+        match &self.secret_file {
+            Some(p) => Secret::from_file(p).map(Some),
+            None => Secret::from_env(),
+        }
+        .map_err(|e| e.to_string())
     }
 }
 
@@ -138,6 +159,14 @@ enum Cmd {
         /// subdirectory of a checkpoint); refuses an incomplete one.
         #[arg(long)]
         restore: Option<std::path::PathBuf>,
+        /// Every client must prove this shared secret at connect.
+        #[command(flatten)]
+        secret: SecretArgs,
+        /// Listen on TCP beyond loopback without a shared secret (refused
+        /// otherwise): anyone who reaches the address can then read and
+        /// clear every value.
+        #[arg(long)]
+        insecure: bool,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -164,6 +193,10 @@ enum Cmd {
         max_tokens: usize,
         #[command(flatten)]
         disk: DiskArgs,
+        /// The units get this shared secret (in an owner-only file, never
+        /// on their command line) and the workload proves it.
+        #[command(flatten)]
+        secret: SecretArgs,
     },
     /// Measure put/get against memcpy and raw TCP on this machine.
     Bench {
@@ -191,6 +224,8 @@ enum Cmd {
         units: Vec<String>,
         #[arg(long, value_parser = parse_duration, default_value = "10m")]
         timeout: Duration,
+        #[command(flatten)]
+        secret: SecretArgs,
     },
     /// Stop units: each finishes or abandons a checkpoint within the
     /// timeout, removes its disk directory and exits. Reports problems;
@@ -200,6 +235,8 @@ enum Cmd {
         units: Vec<String>,
         #[arg(long, value_parser = parse_duration, default_value = "30s")]
         timeout: Duration,
+        #[command(flatten)]
+        secret: SecretArgs,
     },
     /// Print every unit's counters.
     Stats {
@@ -208,6 +245,8 @@ enum Cmd {
         units: Vec<String>,
         #[arg(long, default_value = "default")]
         namespace: String,
+        #[command(flatten)]
+        secret: SecretArgs,
     },
 }
 
@@ -269,8 +308,12 @@ fn run(cli: Cli) -> Result<(), String> {
             max_session_connections,
             max_session_holds,
             index_budget,
+            secret,
+            insecure,
         } => {
             let mut cfg = stowage_unit::UnitConfig::new(name, memory);
+            cfg.secret = secret.secret()?;
+            cfg.insecure = insecure;
             cfg.checkpoint_root = checkpoint_root;
             cfg.allow_other_uids = allow_other_uids;
             cfg.admin_tcp = admin;
@@ -336,7 +379,9 @@ fn run(cli: Cli) -> Result<(), String> {
             min_tokens,
             max_tokens,
             disk,
+            secret,
         } => {
+            let secret = secret.secret()?;
             let exe = unit_command()?;
             println!(
                 "starting a local data plane: {units} units x {}",
@@ -345,6 +390,7 @@ fn run(cli: Cli) -> Result<(), String> {
             let mut opts = LocalOptions::new(units, memory);
             opts.command = exe;
             opts.unit_args = disk.unit_args();
+            opts.secret = secret.clone();
             let mut plane = LocalPlane::start(&opts)?;
             let addrs = match transport {
                 TransportArg::Shm => plane.uds_addrs(),
@@ -353,8 +399,9 @@ fn run(cli: Cli) -> Result<(), String> {
             for (i, a) in addrs.iter().enumerate() {
                 println!("  unit {i}: {a} (pid {})", plane.units[i].pid());
             }
-            let client =
-                Client::connect(ClientConfig::new("local", addrs)).map_err(|e| e.to_string())?;
+            let mut cfg = ClientConfig::new("local", addrs);
+            cfg.secret = secret;
+            let client = Client::connect(cfg).map_err(|e| e.to_string())?;
             if min_tokens > max_tokens {
                 return Err("--min-tokens is larger than --max-tokens".into());
             }
@@ -403,8 +450,9 @@ fn run(cli: Cli) -> Result<(), String> {
             dir,
             units,
             timeout,
+            secret,
         } => {
-            let client = control_client(&units, timeout)?;
+            let client = control_client(&units, timeout, &secret)?;
             let infos = client
                 .checkpoint(&dir, client.deadline())
                 .map_err(|e| e.to_string())?;
@@ -421,8 +469,12 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
-        Cmd::Shutdown { units, timeout } => {
-            let client = match control_client(&units, timeout) {
+        Cmd::Shutdown {
+            units,
+            timeout,
+            secret,
+        } => {
+            let client = match control_client(&units, timeout, &secret) {
                 Ok(c) => c,
                 Err(e) => {
                     println!("nothing to shut down: {e}");
@@ -438,13 +490,18 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             Ok(())
         }
-        Cmd::Stats { units, namespace } => {
+        Cmd::Stats {
+            units,
+            namespace,
+            secret,
+        } => {
             let addrs = units
                 .iter()
                 .map(|u| u.parse::<UnitAddr>())
                 .collect::<Result<Vec<_>, _>>()?;
             let mut cfg = ClientConfig::new(namespace, addrs.clone());
             cfg.shm = false;
+            cfg.secret = secret.secret()?;
             cfg.timeout = Duration::from_secs(5);
             let client = Client::connect(cfg).map_err(|e| e.to_string())?;
             for (a, s) in addrs.iter().zip(client.stats(client.deadline())) {
@@ -499,13 +556,18 @@ pub fn unit_command() -> Result<Vec<std::ffi::OsString>, String> {
 }
 
 /// A client for control commands: no shm mapping, the given timeout.
-fn control_client(units: &[String], timeout: Duration) -> Result<Client, String> {
+fn control_client(
+    units: &[String],
+    timeout: Duration,
+    secret: &SecretArgs,
+) -> Result<Client, String> {
     let addrs = units
         .iter()
         .map(|u| u.parse::<UnitAddr>())
         .collect::<Result<Vec<_>, _>>()?;
     let mut cfg = ClientConfig::new("default", addrs);
     cfg.shm = false;
+    cfg.secret = secret.secret()?;
     cfg.timeout = timeout;
     Client::connect(cfg).map_err(|e| e.to_string())
 }

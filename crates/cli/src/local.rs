@@ -13,7 +13,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 
 use rustix::process::{kill_process, Pid, Signal};
-use stowage_client::UnitAddr;
+use stowage_client::{Secret, UnitAddr, SECRET_ENV};
 
 /// Settings of a local plane.
 #[derive(Clone, Debug)]
@@ -30,6 +30,11 @@ pub struct LocalOptions {
     pub start_timeout: Duration,
     /// Start unit `i` from the checkpoint in `<restore>/unit-<i>`.
     pub restore: Option<PathBuf>,
+    /// The shared secret the units require. It reaches them in an
+    /// owner-only file in the plane's private directory (`--secret-file`),
+    /// never on a command line; `STOWAGE_SECRET` is not passed on, so
+    /// `None` means units without a secret.
+    pub secret: Option<Secret>,
 }
 
 impl LocalOptions {
@@ -41,6 +46,7 @@ impl LocalOptions {
             unit_args: Vec::new(),
             start_timeout: Duration::from_secs(30),
             restore: None,
+            secret: None,
         }
     }
 }
@@ -84,6 +90,10 @@ impl LocalPlane {
             units: Vec::new(),
             dir,
         };
+        if let Some(secret) = &opts.secret {
+            write_secret(&plane.secret_path(), secret)
+                .map_err(|e| format!("writing the units' secret file: {e}"))?;
+        }
         for i in 0..opts.units {
             let u = plane.spawn(i, opts)?;
             plane.units.push(u);
@@ -111,6 +121,13 @@ impl LocalPlane {
                     r.join(format!("unit-{i}")).into_os_string(),
                 ]
             }))
+            .args(opts.secret.iter().flat_map(|_| {
+                [
+                    std::ffi::OsString::from("--secret-file"),
+                    self.secret_path().into_os_string(),
+                ]
+            }))
+            .env_remove(SECRET_ENV)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "warn".into()),
@@ -148,6 +165,11 @@ impl LocalPlane {
             .and_then(|a| a.parse().ok())
             .ok_or_else(|| format!("unit {i} reported no TCP address: {line}"))?;
         Ok(LocalUnit { child, uds, tcp })
+    }
+
+    /// The units' secret file (written only when the plane has a secret).
+    fn secret_path(&self) -> PathBuf {
+        self.dir.path().join("secret")
     }
 
     /// Start unit `i` again (after it was killed) on the same addresses'
@@ -211,6 +233,19 @@ impl LocalPlane {
     pub fn stop(&mut self) {
         self.stop_within(Duration::from_secs(2));
     }
+}
+
+/// Write `secret` to a new owner-only file at `path`.
+fn write_secret(path: &std::path::Path, secret: &Secret) -> std::io::Result<()> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(path)?;
+    f.write_all(secret.expose())?;
+    f.sync_all()
 }
 
 impl Drop for LocalPlane {

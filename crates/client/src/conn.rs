@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stowage_shm::Slab;
+use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
     read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
@@ -117,6 +118,29 @@ fn connect_unix(path: &std::path::Path, deadline: Instant) -> Result<UnixStream,
     }
 }
 
+/// A reply's kind, for error messages (never its contents: a Challenge
+/// carries a proof).
+fn variant_name(r: &Response) -> &'static str {
+    match r {
+        Response::Hello { .. } => "Hello",
+        Response::Allocated { .. } => "Allocated",
+        Response::ToDisk => "ToDisk",
+        Response::Pending => "Pending",
+        Response::AlreadyCommitted => "AlreadyCommitted",
+        Response::Done => "Done",
+        Response::Resolved { .. } => "Resolved",
+        Response::Released { .. } => "Released",
+        Response::Stats(_) => "Stats",
+        Response::Data { .. } => "Data",
+        Response::Listed { .. } => "Listed",
+        Response::Partitions { .. } => "Partitions",
+        Response::Checkpointed(_) => "Checkpointed",
+        Response::ShutDown { .. } => "ShutDown",
+        Response::Error { .. } => "Error",
+        Response::Challenge { .. } => "Challenge",
+    }
+}
+
 /// The remaining time, or Timeout when none is left.
 pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -143,8 +167,9 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
-    /// Connect and say Hello. `cached_slab`: a mapping of this unit's slab
-    /// from an earlier connection, reused when the instance is the same.
+    /// Connect, prove `secret` (when given; the unit must prove it too)
+    /// and say Hello. `cached_slab`: a mapping of this unit's slab from an
+    /// earlier connection, reused when the instance is the same.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect(
         addr: &UnitAddr,
@@ -153,6 +178,7 @@ impl Conn {
         session: Option<u128>,
         cached_slab: Option<(u128, Arc<Slab>)>,
         spin: Duration,
+        secret: Option<&Secret>,
         deadline: Instant,
     ) -> Result<Conn, ConnError> {
         let left = remaining(deadline)?;
@@ -180,33 +206,50 @@ impl Conn {
             limits: Limits::default(),
             read_timeout: None,
         };
-        let sent = c.send(
+        // The id of the proof, whose refusal may come in place of the
+        // Hello's reply.
+        let mut prove_id = None;
+        if let Some(secret) = secret {
+            let client_nonce = fresh_nonce()?;
+            let id = c.send_first(&Request::Auth { client_nonce }, deadline)?;
+            match c.recv(id, deadline)? {
+                Response::Challenge {
+                    unit_nonce,
+                    unit_proof,
+                } => {
+                    if !secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof) {
+                        return Err(ConnError::Refused(
+                            ErrorCode::Unauthorized,
+                            "the unit did not prove the shared secret: its secret is not this client's"
+                                .into(),
+                        ));
+                    }
+                    let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
+                    prove_id = Some(c.send_first(&Request::Prove { client_proof }, deadline)?);
+                }
+                Response::Error { code, message } => return Err(ConnError::Refused(code, message)),
+                other => {
+                    return Err(ConnError::Protocol(format!(
+                        "unexpected reply to Auth: {}",
+                        variant_name(&other)
+                    )))
+                }
+            }
+        }
+        let id = c.send_first(
             &Request::Hello {
                 version: PROTOCOL_VERSION,
                 namespace: namespace.to_owned(),
                 want_fd,
                 session,
             },
-            &mut [],
             deadline,
-        );
-        let id = match sent {
-            Ok(id) => id,
-            // A unit that turns a connection away (too many connections,
-            // another user) answers before any request and closes: read
-            // its answer rather than report a broken connection.
-            Err(ConnError::Broken(e)) => {
-                return Err(match c.recv(0, deadline) {
-                    Ok(Response::Error { code, message }) => ConnError::Refused(code, message),
-                    _ => ConnError::Broken(e),
-                })
-            }
-            Err(e) => return Err(e),
-        };
+        )?;
         let (resp, fd) = if want_fd {
             c.recv_hello_with_fd(deadline)?
         } else {
-            (c.recv(id, deadline)?, None)
+            let ids = [id, prove_id.unwrap_or(id)];
+            (c.recv_for(&ids, deadline)?, None)
         };
         match resp {
             Response::Hello {
@@ -235,8 +278,27 @@ impl Conn {
             }
             Response::Error { code, message } => Err(ConnError::Refused(code, message)),
             other => Err(ConnError::Protocol(format!(
-                "unexpected reply to Hello: {other:?}"
+                "unexpected reply to Hello: {}",
+                variant_name(&other)
             ))),
+        }
+    }
+
+    /// Send a handshake request. A unit that turns a connection away (too
+    /// many connections, another user, no proof of the secret) answers
+    /// and closes: when the send finds the connection closed, its answer
+    /// is read rather than a broken connection reported.
+    fn send_first(&mut self, req: &Request, deadline: Instant) -> Result<u64, ConnError> {
+        match self.send(req, &mut [], deadline) {
+            Ok(id) => Ok(id),
+            Err(ConnError::Broken(e)) => {
+                let sent: Vec<u64> = (1..self.next_id).collect();
+                Err(match self.recv_for(&sent, deadline) {
+                    Ok(Response::Error { code, message }) => ConnError::Refused(code, message),
+                    _ => ConnError::Broken(e),
+                })
+            }
+            Err(e) => Err(e),
         }
     }
 
@@ -314,11 +376,18 @@ impl Conn {
     /// Receive the reply to request `id` (its payload, if any, is left on
     /// the stream for [`Conn::read_payload`]).
     pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, ConnError> {
+        self.recv_for(&[id], deadline)
+    }
+
+    /// Receive a reply to one of the requests `ids` (or one with id 0,
+    /// sent before any request was read).
+    fn recv_for(&mut self, ids: &[u64], deadline: Instant) -> Result<Response, ConnError> {
         self.set_timeouts(deadline)?;
         let prefix = read_prefix(&mut self.reader, &self.limits)?
             .ok_or_else(|| ConnError::Broken(io::ErrorKind::UnexpectedEof.into()))?;
         let env: Envelope<Response> = read_header(&mut self.reader, &prefix, &mut self.scratch)?;
-        if env.id != id && env.id != 0 {
+        if !ids.contains(&env.id) && env.id != 0 {
+            let id = ids.first().copied().unwrap_or(0);
             return Err(ConnError::Protocol(format!(
                 "reply for request {} while waiting for {id}",
                 env.id

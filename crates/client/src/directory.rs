@@ -1,7 +1,10 @@
 //! The directory: who the units are, and — only after a failure — whether
 //! a unit is dead, restarted or merely slow.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use stowage_wire::auth::Secret;
 
 use crate::conn::{Conn, ConnError, UnitAddr};
 
@@ -25,16 +28,29 @@ pub trait Directory: Send + Sync {
     /// `instance`: the instance id the client knew for this unit.
     fn liveness(&self, unit: usize, addr: &UnitAddr, instance: u128, deadline: Instant)
         -> Liveness;
+
+    /// This directory, proving `secret` when it connects to units itself:
+    /// [`crate::Client::connect`] asks it with the client's secret and
+    /// uses what it returns. `None` (the default): keep this directory as
+    /// it is (one that does not connect to units, or has a secret).
+    fn with_secret(&self, secret: &Secret) -> Option<Arc<dyn Directory>> {
+        let _ = secret;
+        None
+    }
 }
 
 /// A directory that asks the unit's address itself: a refused connection
 /// means dead, a handshake with another instance id means restarted. Fits
 /// units started by hand or by the local data plane; a cluster launcher
 /// (Ray) supplies its own.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Debug, Default)]
 pub struct ProbeDirectory {
     /// Longest probe. Default 1 s.
     pub max_wait: Option<Duration>,
+    /// The shared secret a probe proves (units with a secret answer no
+    /// one else). [`crate::Client::connect`] gives a probe without one the
+    /// client's ([`Directory::with_secret`]).
+    pub secret: Option<Secret>,
 }
 
 /// How long a probe waits before asking again after an inconclusive try.
@@ -56,7 +72,16 @@ impl Directory for ProbeDirectory {
             .clamp(Duration::from_millis(100), max_wait);
         let end = Instant::now() + left;
         loop {
-            let probe = Conn::connect(addr, "", false, None, None, Duration::ZERO, end);
+            let probe = Conn::connect(
+                addr,
+                "",
+                false,
+                None,
+                None,
+                Duration::ZERO,
+                self.secret.as_ref(),
+                end,
+            );
             match probe {
                 Ok(c) if c.instance_id == instance => return Liveness::Alive,
                 Ok(_) => return Liveness::Restarted,
@@ -82,5 +107,15 @@ impl Directory for ProbeDirectory {
                 | Err(ConnError::Refused(..)) => return Liveness::Unresponsive,
             }
         }
+    }
+
+    fn with_secret(&self, secret: &Secret) -> Option<Arc<dyn Directory>> {
+        if self.secret.is_some() {
+            return None;
+        }
+        Some(Arc::new(ProbeDirectory {
+            max_wait: self.max_wait,
+            secret: Some(secret.clone()),
+        }))
     }
 }

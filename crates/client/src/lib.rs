@@ -62,6 +62,7 @@ pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
+pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
 pub use stowage_wire::{CheckpointFile, CheckpointInfo};
 pub use transport::{GetSink, Transport};
 pub use unit_directory::{host_id, TransportChoice, UnitDirectory, UnitEntry};
@@ -106,6 +107,10 @@ pub struct ClientConfig {
     /// found to be another instance is treated as restarted: the first
     /// operation on it reports its keys lost.
     pub instances: Vec<Option<u128>>,
+    /// The shared secret of units started with one: every connection
+    /// proves it, and the unit must prove it back (a client with a secret
+    /// refuses a unit that has none). Default `None`.
+    pub secret: Option<Secret>,
 }
 
 impl ClientConfig {
@@ -119,6 +124,7 @@ impl ClientConfig {
             spin: Duration::from_micros(50),
             wait_for_memory: None,
             instances: Vec::new(),
+            secret: None,
         }
     }
 }
@@ -250,7 +256,7 @@ enum Outcome {
 impl Client {
     /// Connect to every unit (one handshake each) and check that they
     /// answer. A unit that cannot be reached fails the call.
-    pub fn connect(cfg: ClientConfig) -> Result<Client> {
+    pub fn connect(mut cfg: ClientConfig) -> Result<Client> {
         if cfg.units.is_empty() {
             return Err(Error::InvalidRequest("no units given".into()));
         }
@@ -260,6 +266,14 @@ impl Client {
                 cfg.instances.len(),
                 cfg.units.len()
             )));
+        }
+        // The directory's probes prove the client's secret too.
+        if let Some(d) = cfg
+            .secret
+            .as_ref()
+            .and_then(|s| cfg.directory.with_secret(s))
+        {
+            cfg.directory = d;
         }
         let units = cfg
             .units
@@ -330,6 +344,7 @@ impl Client {
                 session,
                 cached.clone(),
                 self.cfg.spin,
+                self.cfg.secret.as_ref(),
                 deadline,
             )
             .map_err(|e| OpFailure::conn(e, false))

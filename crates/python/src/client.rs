@@ -10,10 +10,10 @@ use std::time::{Duration, Instant};
 
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString};
 use stowage_client::{
-    Client as Inner, ClientConfig, Column, DType, OwnedTensor, RowKey, Stats, Tensor, TensorSink,
-    UnitAddr, View,
+    Client as Inner, ClientConfig, Column, DType, OwnedTensor, RowKey, Secret, Stats, Tensor,
+    TensorSink, UnitAddr, View,
 };
 
 use crate::arrays::{array_over, descr_for, zeroed, ArrayBytes, OwnedBytes, RawDest};
@@ -28,6 +28,18 @@ pub(crate) struct Client {
     /// Whether every unit is reached through shared memory (get_view).
     shm: bool,
     addrs: Vec<String>,
+}
+
+/// A shared secret from bytes or a str (its UTF-8 bytes).
+pub(crate) fn secret_arg(ob: &Bound<'_, PyAny>) -> PyResult<Secret> {
+    let bytes: Vec<u8> = if let Ok(b) = ob.cast::<PyBytes>() {
+        b.as_bytes().to_vec()
+    } else if let Ok(s) = ob.cast::<PyString>() {
+        s.extract::<String>()?.into_bytes()
+    } else {
+        return Err(invalid("secret must be bytes or a str"));
+    };
+    Secret::from_bytes(bytes).map_err(|e| invalid(e.to_string()))
 }
 
 /// Row keys from a list of ints and strs or a 1-D integer numpy array.
@@ -233,12 +245,14 @@ impl Client {
     /// `tcp:host:port` otherwise) in `namespace`. `timeout`: the default
     /// deadline of every call, in seconds. `shm=False` streams bytes
     /// through Unix sockets instead of copying through shared memory.
+    /// `secret` (bytes or str): the units' shared secret, proved at every
+    /// connect (None: no secret; the environment is not read here).
     /// `instances`: the instance id (32 hex digits) each unit is expected
     /// to be, from a directory. `liveness`: `f(unit_index) -> "dead" |
     /// "alive" | "unknown"`, asked only after an operation on that unit
     /// failed.
     #[new]
-    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, instances = None, liveness = None))]
+    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, secret = None, instances = None, liveness = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -247,9 +261,11 @@ impl Client {
         timeout: f64,
         shm: bool,
         wait_for_memory: Option<f64>,
+        secret: Option<&Bound<'_, PyAny>>,
         instances: Option<Vec<Option<String>>>,
         liveness: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        let secret = secret.map(secret_arg).transpose()?;
         let addrs = units
             .iter()
             .map(|u| u.parse::<UnitAddr>().map_err(invalid))
@@ -263,6 +279,7 @@ impl Client {
             .map(Duration::try_from_secs_f64)
             .transpose()
             .map_err(|_| invalid("wait_for_memory must be a non-negative number of seconds"))?;
+        cfg.secret = secret;
         if let Some(ids) = instances {
             if ids.len() != addrs.len() {
                 return Err(invalid(format!(
@@ -288,10 +305,7 @@ impl Client {
             if !callable.bind(py).is_callable() {
                 return Err(invalid("liveness must be a callable f(unit_index) -> str"));
             }
-            cfg.directory = Arc::new(crate::directory::PyLiveness {
-                callable,
-                probe: stowage_client::ProbeDirectory::default(),
-            });
+            cfg.directory = Arc::new(crate::directory::PyLiveness::new(callable));
         }
         let timeout = cfg.timeout;
         let client = py

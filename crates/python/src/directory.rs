@@ -3,11 +3,12 @@
 //! launcher's liveness check) whether a unit is dead — only after an
 //! operation on it failed, never on the operation path.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use pyo3::prelude::*;
 use stowage_client::{
-    Directory, Liveness, ProbeDirectory, TransportChoice, UnitAddr, UnitDirectory,
+    Directory, Liveness, ProbeDirectory, Secret, TransportChoice, UnitAddr, UnitDirectory,
 };
 
 use crate::errors::invalid;
@@ -46,8 +47,17 @@ pub(crate) fn resolve_directory(
 /// the same one, and a unit the callable says is alive is never declared
 /// dead by a probe that found nothing listening (it is reported slow).
 pub(crate) struct PyLiveness {
-    pub(crate) callable: Py<PyAny>,
-    pub(crate) probe: ProbeDirectory,
+    pub(crate) callable: Arc<Py<PyAny>>,
+    pub(crate) probe: Arc<dyn Directory>,
+}
+
+impl PyLiveness {
+    pub(crate) fn new(callable: Py<PyAny>) -> Self {
+        Self {
+            callable: Arc::new(callable),
+            probe: Arc::new(ProbeDirectory::default()),
+        }
+    }
 }
 
 impl Directory for PyLiveness {
@@ -58,16 +68,7 @@ impl Directory for PyLiveness {
         instance: u128,
         deadline: Instant,
     ) -> Liveness {
-        let said = Python::attach(|py| {
-            let r = self.callable.call1(py, (unit,));
-            match r.and_then(|v| v.extract::<String>(py)) {
-                Ok(s) => s,
-                Err(e) => {
-                    tracing::warn!(unit, "the liveness check failed: {e}");
-                    "unknown".into()
-                }
-            }
-        });
+        let said = ask(&self.callable, unit);
         if said == "dead" {
             return Liveness::Dead;
         }
@@ -76,4 +77,27 @@ impl Directory for PyLiveness {
             other => other,
         }
     }
+
+    fn with_secret(&self, secret: &Secret) -> Option<Arc<dyn Directory>> {
+        // The probe proves the client's secret, as the client does.
+        let probe = self.probe.with_secret(secret)?;
+        Some(Arc::new(PyLiveness {
+            callable: self.callable.clone(),
+            probe,
+        }))
+    }
+}
+
+/// What the callable says of `unit`; "unknown" when it fails.
+fn ask(callable: &Py<PyAny>, unit: usize) -> String {
+    Python::attach(|py| {
+        let r = callable.call1(py, (unit,));
+        match r.and_then(|v| v.extract::<String>(py)) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(unit, "the liveness check failed: {e}");
+                "unknown".into()
+            }
+        }
+    })
 }

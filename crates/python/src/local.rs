@@ -38,9 +38,10 @@ impl LocalPlane {
     /// Start `units` units of `memory` bytes each, running `command` plus
     /// the unit's own arguments (`--memory`, `--listen`, `--exit-with-stdin`
     /// and `unit_args`). Waits up to `start_timeout` seconds for each to
-    /// report ready.
+    /// report ready. `secret` (bytes or str): the units' shared secret,
+    /// handed to them in an owner-only file (never on their command line).
     #[new]
-    #[pyo3(signature = (command, units, memory, unit_args = Vec::new(), start_timeout = 30.0))]
+    #[pyo3(signature = (command, units, memory, unit_args = Vec::new(), start_timeout = 30.0, secret = None))]
     fn new(
         py: Python<'_>,
         command: Vec<String>,
@@ -48,6 +49,7 @@ impl LocalPlane {
         memory: &Bound<'_, PyAny>,
         unit_args: Vec<String>,
         start_timeout: f64,
+        secret: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         if units == 0 {
             return Err(invalid("a local plane needs at least one unit"));
@@ -55,6 +57,7 @@ impl LocalPlane {
         let mut opts = LocalOptions::new(units, size_arg(memory)?);
         opts.command = command.into_iter().map(Into::into).collect();
         opts.unit_args = unit_args;
+        opts.secret = secret.map(crate::client::secret_arg).transpose()?;
         opts.start_timeout = Duration::try_from_secs_f64(start_timeout)
             .map_err(|_| invalid("start_timeout must be a non-negative number of seconds"))?;
         let plane = py

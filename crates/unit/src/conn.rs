@@ -11,6 +11,7 @@ use stowage_shm::Piece;
 use stowage_wire::io::{drain, read_header, read_prefix, ReadError, Socket, SpinReader};
 use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response, PROTOCOL_VERSION};
 
+use crate::auth::{Gate, Verdict};
 use crate::disk::DiskEngine;
 use crate::handler::{error_response, scope, Handled};
 use crate::{Served, Shared};
@@ -34,6 +35,11 @@ struct Conn {
     admin: bool,
     namespace: Option<String>,
     owner: Option<Owner>,
+    /// The handshake before Hello (the shared secret's challenge).
+    gate: Gate,
+    /// The handshake, up to the Hello, must be done by then: a peer that
+    /// has not proved anything holds no connection for long.
+    handshake_deadline: Instant,
     /// The send timeout set on the socket.
     write_timeout: Duration,
     out: Vec<u8>,
@@ -63,6 +69,8 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         admin,
         namespace: None,
         owner: None,
+        gate: Gate::new(shared.secret.clone()),
+        handshake_deadline: Instant::now() + shared.frame_timeout,
         write_timeout,
         out: Vec::with_capacity(4096),
         scratch: Vec::new(),
@@ -110,28 +118,46 @@ impl ConnEnd {
 
 impl Conn {
     fn run(&mut self) -> Result<(), ConnEnd> {
-        let limits = self.shared.limits;
+        let serving = self.shared.limits;
+        let handshake = serving.handshake();
         loop {
-            // An idle connection waits for its next frame as long as it
-            // likes; once a frame has begun, the rest must come within the
-            // frame timeout (a truncated frame never holds a thread).
-            self.reader.get_mut().deadline = None;
-            if self.reader.fill_buf()?.is_empty() {
-                return Ok(());
+            let open = self.gate.is_open();
+            let limits = if open { serving } else { handshake };
+            if open {
+                // An idle connection waits for its next frame as long as
+                // it likes; once a frame has begun, the rest must come
+                // within the frame timeout (a truncated frame never holds
+                // a thread).
+                self.reader.get_mut().deadline = None;
+                if self.reader.fill_buf()?.is_empty() {
+                    return Ok(());
+                }
+                self.reader.get_mut().deadline = Some(Instant::now() + self.shared.frame_timeout);
+            } else {
+                // The handshake, from accept to Hello, within one frame
+                // timeout.
+                self.reader.get_mut().deadline = Some(self.handshake_deadline);
             }
-            self.reader.get_mut().deadline = Some(Instant::now() + self.shared.frame_timeout);
             let prefix = match read_prefix(&mut self.reader, &limits) {
                 Ok(Some(p)) => p,
                 Ok(None) => return Ok(()),
                 Err(ReadError::Io(e)) => return Err(e.into()),
-                Err(ReadError::Wire(e)) => return self.refuse(0, e.to_string()),
+                Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
+                Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
             };
             let env = match read_header::<_, Request>(&mut self.reader, &prefix, &mut self.scratch)
             {
                 Ok(env) => env,
                 Err(ReadError::Io(e)) => return Err(e.into()),
-                Err(ReadError::Wire(e)) => return self.refuse(0, e.to_string()),
+                Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
+                Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
             };
+            if !open {
+                // Handshake frames carry no payload (the limits say so).
+                let frame = env.body.validate(&limits).map(|()| env.body);
+                self.pass_gate(env.id, frame)?;
+                continue;
+            }
             if let Err(e) = env.body.validate(&limits) {
                 return self.refuse(env.id, e.to_string());
             }
@@ -140,6 +166,34 @@ impl Conn {
                 return self.refuse(env.id, "this request carries no payload".into());
             }
             self.handle(env.id, env.body, prefix.payload_len)?;
+        }
+    }
+
+    /// A frame before the gate is open (see [`crate::auth`]).
+    fn pass_gate(
+        &mut self,
+        id: u64,
+        frame: Result<Request, stowage_wire::WireError>,
+    ) -> Result<(), ConnEnd> {
+        match self.gate.step(frame, stowage_wire::auth::fresh_nonce) {
+            Verdict::Reply(r) => Ok(self.reply(id, &r)?),
+            Verdict::Next => Ok(()),
+            Verdict::Serve(req) => self.handle(id, req, 0),
+            Verdict::Refuse(r) => {
+                let why = match &r {
+                    Response::Error { message, .. } => message.clone(),
+                    _ => String::new(),
+                };
+                tracing::warn!(
+                    uid = ?self.peer.uid,
+                    pid = ?self.peer.pid,
+                    tcp = !self.direct,
+                    reason = %why,
+                    "refused a connection before its Hello"
+                );
+                let _ = self.reply(id, &r);
+                Err(ConnEnd::Invalid(why))
+            }
         }
     }
 
@@ -210,11 +264,7 @@ impl Conn {
             }
             (Some(ns), Some(owner), _) => (ns.clone(), owner),
             _ => {
-                self.reply_error(
-                    id,
-                    ErrorCode::Unauthorized,
-                    "the first request must be Hello",
-                )?;
+                self.reply_error(id, ErrorCode::Unauthorized, crate::auth::HELLO_FIRST)?;
                 return Err(ConnEnd::Invalid("no Hello".into()));
             }
         };

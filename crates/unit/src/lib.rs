@@ -31,9 +31,16 @@
 //! same-uid Unix-socket client or `admin_tcp`; checkpoints are written only
 //! under `checkpoint_root`. Connections are capped per unit and per
 //! session.
+//!
+//! Authentication: a unit given a shared secret ([`UnitConfig::secret`])
+//! serves a connection, on either listener, only after the client proved
+//! the secret ([`auth`]); before that no session exists and no fd is
+//! handed over. A unit refuses to listen on TCP beyond loopback without a
+//! secret unless told [`UnitConfig::insecure`].
 
 #![forbid(unsafe_code)]
 
+pub mod auth;
 mod checkpoint;
 mod conn;
 pub mod disk;
@@ -116,6 +123,12 @@ pub struct UnitConfig {
     /// Bytes the key index may take; `None`: a quarter of the slab, at
     /// least 64 MiB.
     pub index_budget: Option<u64>,
+    /// The shared secret every client must prove at connect, on every
+    /// listener (see [`auth`]). `None`: clients connect without one.
+    pub secret: Option<stowage_wire::auth::Secret>,
+    /// Listen on TCP beyond loopback without a secret. Without it such a
+    /// unit refuses to start.
+    pub insecure: bool,
 }
 
 impl UnitConfig {
@@ -145,6 +158,8 @@ impl UnitConfig {
             max_session_connections: 64,
             max_session_holds: 16384,
             index_budget: None,
+            secret: None,
+            insecure: false,
         }
     }
 }
@@ -221,6 +236,8 @@ pub(crate) struct Shared {
     pub(crate) max_connections: usize,
     /// Connections being served.
     pub(crate) connections: std::sync::atomic::AtomicUsize,
+    /// The shared secret clients must prove, if any.
+    pub(crate) secret: Option<stowage_wire::auth::Secret>,
     /// Sessions by the token given at Hello.
     pub(crate) sessions: Mutex<std::collections::HashMap<u128, SessionRec>>,
 }
@@ -534,6 +551,18 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             "no listener: give a Unix socket path or a TCP address".into(),
         ));
     }
+    if let Some(addr) = cfg.tcp.filter(|a| !is_loopback(a)) {
+        if cfg.secret.is_none() {
+            if !cfg.insecure {
+                return Err(StartError::Config(format!(
+                    "refusing to listen on {addr}, beyond loopback, without a shared secret: \
+                     anyone who reaches it could read and clear every value. Set STOWAGE_SECRET \
+                     or --secret-file, or pass --insecure to serve without one"
+                )));
+            }
+            tracing::warn!(%addr, "listening beyond loopback without a shared secret (--insecure): anyone who reaches this address can read and change every value");
+        }
+    }
     let mut core_cfg = CoreConfig::new(cfg.memory);
     if let Some(b) = cfg.index_budget {
         core_cfg.index_budget = b;
@@ -627,6 +656,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         checkpoint_root: cfg.checkpoint_root.clone(),
         max_connections: cfg.max_connections.max(1),
         connections: std::sync::atomic::AtomicUsize::new(0),
+        secret: cfg.secret.clone(),
         sessions: Mutex::new(std::collections::HashMap::new()),
     });
     if let Some(dir) = &cfg.restore {
@@ -703,10 +733,17 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         memory = cfg.memory,
         uds = ?handle.uds,
         tcp = ?handle.tcp,
+        shared_secret = cfg.secret.is_some(),
         instance = format!("{:032x}", shared.instance_id),
         "unit serving"
     );
     Ok(handle)
+}
+
+/// Whether `addr` is a loopback address (127.0.0.0/8, ::1, or an IPv4
+/// loopback address mapped into IPv6).
+pub fn is_loopback(addr: &SocketAddr) -> bool {
+    addr.ip().to_canonical().is_loopback()
 }
 
 /// Sync and publish blob files written by connections (puts that went to
@@ -1034,5 +1071,39 @@ impl Shared {
             })
             .collect();
         (served, buffers)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_loopback_addresses_count_as_loopback() {
+        for a in [
+            "127.0.0.1:1",
+            "127.8.9.10:1",
+            "[::1]:1",
+            "[::ffff:127.0.0.1]:1",
+        ] {
+            assert!(is_loopback(&a.parse().unwrap()), "{a}");
+        }
+        for a in ["0.0.0.0:1", "10.0.0.1:1", "[::]:1", "[::ffff:10.0.0.1]:1"] {
+            assert!(!is_loopback(&a.parse().unwrap()), "{a}");
+        }
+    }
+
+    #[test]
+    fn a_unit_beyond_loopback_needs_a_secret_or_insecure() {
+        let mut cfg = UnitConfig::new("t", 1 << 20);
+        cfg.mlock = false;
+        cfg.tcp = Some("0.0.0.0:0".parse().unwrap());
+        let e = start(cfg.clone()).err().expect("refused");
+        assert!(e.to_string().contains("--insecure"), "{e}");
+        cfg.secret = Some(stowage_wire::auth::Secret::from_bytes(*b"0123456789abcdef").unwrap());
+        start(cfg.clone()).expect("with a secret").stop();
+        cfg.secret = None;
+        cfg.insecure = true;
+        start(cfg).expect("with --insecure").stop();
     }
 }

@@ -23,17 +23,21 @@
 //! lengths with [`Request::validate`].
 //!
 //! The first request on a connection is [`Request::Hello`], carrying
-//! [`PROTOCOL_VERSION`] and the namespace every later request acts in. Enum
-//! variants are only ever appended, and any incompatible change bumps the
-//! version.
+//! [`PROTOCOL_VERSION`] and the namespace every later request acts in —
+//! or, with a unit started with a shared secret, the handshake before it
+//! ([`Request::Auth`], [`Response::Challenge`], [`Request::Prove`]; see
+//! [`auth`]). Handshake frames are small and carry no payload
+//! ([`Limits::handshake`]). Enum variants are only ever appended, and any
+//! incompatible change bumps the version.
 
 #![forbid(unsafe_code)]
 
 use serde::{de::DeserializeOwned, Deserialize, Serialize};
 pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 
-/// The protocol this build speaks. A unit refuses any other.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// The protocol this build speaks. A unit refuses any other. Version 3
+/// added the shared-secret handshake.
+pub const PROTOCOL_VERSION: u16 = 3;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -54,6 +58,22 @@ pub struct Limits {
     pub max_name: usize,
     /// Most metadata bytes per entry. Default 1024.
     pub max_meta: usize,
+}
+
+impl Limits {
+    /// The limits of a frame before a connection's Hello was served: a
+    /// handshake frame (Auth, Prove, Hello) is small and has no payload,
+    /// so an unauthenticated peer cannot make the unit read more.
+    pub fn handshake(&self) -> Limits {
+        let hello = u32::try_from(self.max_name)
+            .unwrap_or(u32::MAX)
+            .saturating_add(256);
+        Limits {
+            max_header: self.max_header.min(hello),
+            max_payload: 0,
+            ..*self
+        }
+    }
 }
 
 impl Default for Limits {
@@ -187,6 +207,20 @@ pub enum Request {
     Shutdown {
         timeout_ms: u64,
     },
+    /// First message to a unit with a shared secret: the client's fresh
+    /// nonce. The unit answers [`Response::Challenge`]; a unit without a
+    /// secret answers `Unauthorized` (a client that holds a secret talks
+    /// to no unit that cannot prove it).
+    Auth {
+        client_nonce: auth::Nonce,
+    },
+    /// The client's proof of the secret for this connection's nonces
+    /// ([`auth::Secret::client_proof`]). No reply when it is right (the
+    /// client sends Hello right after it); `Unauthorized` and the end of
+    /// the connection otherwise.
+    Prove {
+        client_proof: auth::Proof,
+    },
 }
 
 /// A file of a checkpoint.
@@ -292,6 +326,13 @@ pub enum Response {
         code: ErrorCode,
         message: String,
     },
+    /// Reply to Auth: the unit's fresh nonce, and its own proof of the
+    /// secret for both nonces ([`auth::Secret::unit_proof`]), which the
+    /// client checks before it proves anything.
+    Challenge {
+        unit_nonce: auth::Nonce,
+        unit_proof: auth::Proof,
+    },
 }
 
 /// Error classes a unit reports. Only ever appended to.
@@ -307,7 +348,8 @@ pub enum ErrorCode {
     InvalidRequest,
     /// The protocol versions differ.
     VersionMismatch,
-    /// The connection did not say Hello first, or was refused.
+    /// The connection did not say Hello first, did not prove the unit's
+    /// shared secret, or was refused.
     Unauthorized,
     /// The unit failed internally (I/O); the request may be retried.
     Internal,
@@ -421,7 +463,9 @@ impl Request {
             Request::Abort { .. }
             | Request::Unpin { .. }
             | Request::Stats
-            | Request::ListPartitions => Ok(()),
+            | Request::ListPartitions
+            | Request::Auth { .. }
+            | Request::Prove { .. } => Ok(()),
         }
     }
 }
@@ -619,6 +663,12 @@ mod tests {
                 dir: "/tmp/ckpt/unit-0".into(),
             },
             Request::Shutdown { timeout_ms: 5000 },
+            Request::Auth {
+                client_nonce: [0xab; 32],
+            },
+            Request::Prove {
+                client_proof: [0xcd; 32],
+            },
         ]
     }
 
@@ -712,6 +762,10 @@ mod tests {
             Response::Error {
                 code: ErrorCode::Busy,
                 message: "later".into(),
+            },
+            Response::Challenge {
+                unit_nonce: [1; 32],
+                unit_proof: [2; 32],
             },
         ]
     }
@@ -838,6 +892,29 @@ mod tests {
         assert!(matches!(r.validate(&limits), Err(WireError::Malformed(_))));
     }
 
+    #[test]
+    fn handshake_frames_are_small_and_carry_no_payload() {
+        let l = Limits::default().handshake();
+        assert_eq!((l.max_header, l.max_payload), (1024 + 256, 0));
+        // The largest Hello fits; anything with a payload does not.
+        let hello = Request::Hello {
+            version: PROTOCOL_VERSION,
+            namespace: "n".repeat(1024),
+            want_fd: true,
+            session: Some(u128::MAX),
+        };
+        let mut buf = Vec::new();
+        encode(u64::MAX, &hello, 0, &mut buf).unwrap();
+        assert!(decode_frame::<Request>(&buf, &l).unwrap().is_some());
+        let mut buf = Vec::new();
+        encode(1, &Request::Stats, 1, &mut buf).unwrap();
+        buf.push(0);
+        assert!(matches!(
+            decode_frame::<Request>(&buf, &l),
+            Err(WireError::PayloadTooLarge { .. })
+        ));
+    }
+
     proptest::proptest! {
         #[test]
         fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(proptest::num::u8::ANY, 0..256)) {
@@ -847,4 +924,5 @@ mod tests {
     }
 }
 
+pub mod auth;
 pub mod io;

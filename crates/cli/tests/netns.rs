@@ -1,0 +1,294 @@
+//! Several hosts on one machine: network namespaces made by the test, a
+//! unit in each of two, a client in a third, joined by veth pairs with
+//! addresses private to the namespaces. Data goes over tcp with the shared
+//! secret; a link brought down turns only its unit's operations into
+//! Timeout or LostKeys, within the deadline; a client with the wrong secret
+//! is refused. The namespaces are removed at the end, also when the test
+//! fails (a guard's Drop). Skipped, saying why, where namespaces cannot be
+//! made (not root, no `ip`).
+
+mod common;
+
+use std::io::Write;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{binary, stdout_lines, wait_for_line};
+use stowage_client::{Client, ClientConfig, Error, Key, Secret};
+
+/// Network namespaces and the processes in them; Drop kills the processes
+/// (by pid) and then removes the namespaces.
+struct Hosts {
+    names: Vec<String>,
+    procs: Vec<Child>,
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for p in &mut self.procs {
+            let _ = p.kill();
+            let _ = p.wait();
+        }
+        for n in &self.names {
+            let _ = Command::new("ip").args(["netns", "del", n]).status();
+        }
+    }
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("cannot run ip: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+fn netns_listed(name: &str) -> bool {
+    Command::new("ip")
+        .args(["netns", "list"])
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).contains(name))
+        .unwrap_or(false)
+}
+
+const SECRET: &str = "netns-test-secret-0123456789abcdef";
+const UNIT_A: &str = "10.77.1.2:7100";
+const UNIT_B: &str = "10.77.2.2:7100";
+
+/// Three "hosts": `a` and `b` each run a unit, `c` the clients; `c` has a
+/// link to each of the others (`<tag>ca`–`<tag>ac`, `<tag>cb`–`<tag>bc`).
+fn make_hosts(tag: &str, hosts: &mut Hosts) -> Result<(), String> {
+    for h in ["a", "b", "c"] {
+        let name = format!("{tag}{h}");
+        ip(&["netns", "add", &name])?;
+        hosts.names.push(name.clone());
+        ip(&["-n", &name, "link", "set", "lo", "up"])?;
+    }
+    for (peer, net) in [("a", 1), ("b", 2)] {
+        let (c_end, p_end) = (format!("{tag}c{peer}"), format!("{tag}{peer}c"));
+        ip(&[
+            "link",
+            "add",
+            &c_end,
+            "netns",
+            &format!("{tag}c"),
+            "type",
+            "veth",
+            "peer",
+            "name",
+            &p_end,
+            "netns",
+            &format!("{tag}{peer}"),
+        ])?;
+        ip(&[
+            "-n",
+            &format!("{tag}c"),
+            "addr",
+            "add",
+            &format!("10.77.{net}.1/24"),
+            "dev",
+            &c_end,
+        ])?;
+        ip(&[
+            "-n",
+            &format!("{tag}{peer}"),
+            "addr",
+            "add",
+            &format!("10.77.{net}.2/24"),
+            "dev",
+            &p_end,
+        ])?;
+        ip(&["-n", &format!("{tag}c"), "link", "set", &c_end, "up"])?;
+        ip(&["-n", &format!("{tag}{peer}"), "link", "set", &p_end, "up"])?;
+    }
+    Ok(())
+}
+
+/// Start a unit in namespace `ns` listening on `addr` with the secret in
+/// `secret_file`; waits for its READY line.
+fn start_unit(ns: &str, addr: &str, secret_file: &std::path::Path) -> Child {
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", ns])
+        .arg(binary())
+        .args(["unit", "--no-mlock", "--memory", "32MiB", "--name", ns])
+        .args(["--listen", &format!("tcp:{addr}")])
+        .arg("--secret-file")
+        .arg(secret_file)
+        .env_remove("STOWAGE_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("ip netns exec starts");
+    let lines = stdout_lines(&mut child);
+    assert!(
+        wait_for_line(&lines, "READY", Duration::from_secs(30)),
+        "the unit in {ns} never reported ready"
+    );
+    child
+}
+
+#[test]
+fn units_on_two_hosts_a_client_on_a_third() {
+    let tag = format!("stw{}", std::process::id() % 1_000_000);
+    let mut hosts = Hosts {
+        names: Vec::new(),
+        procs: Vec::new(),
+    };
+    if let Err(why) = make_hosts(&tag, &mut hosts) {
+        eprintln!(
+            "SKIPPED: cannot create network namespaces here (needs root and iproute2): {why}"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let secret_file = dir.path().join("secret");
+    std::fs::write(&secret_file, SECRET).unwrap();
+    std::fs::set_permissions(
+        &secret_file,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .unwrap();
+    hosts
+        .procs
+        .push(start_unit(&format!("{tag}a"), UNIT_A, &secret_file));
+    hosts
+        .procs
+        .push(start_unit(&format!("{tag}b"), UNIT_B, &secret_file));
+
+    // The clients run in host c: this test binary again, as a helper.
+    let mut client = Command::new("ip")
+        .args(["netns", "exec", &format!("{tag}c")])
+        .arg(std::env::current_exe().unwrap())
+        .args([
+            "--exact",
+            "netns_client",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env("STOWAGE_NETNS_CLIENT", "1")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("the client starts");
+    let lines = stdout_lines(&mut client);
+    let mut stdin = client.stdin.take().unwrap();
+    hosts.procs.push(client);
+    let expect = |what: &str, within: Duration| {
+        let end = Instant::now() + within;
+        let mut seen = Vec::new();
+        loop {
+            match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+                Ok(l) if l.contains(what) => return l,
+                Ok(l) => seen.push(l),
+                Err(_) => panic!("the client never printed {what:?}; it printed {seen:?}"),
+            }
+        }
+    };
+    expect("WRONG-SECRET-REFUSED", Duration::from_secs(30));
+    expect("BOTH-SERVE", Duration::from_secs(30));
+
+    // Cut host a off: its end of the link goes down.
+    ip(&[
+        "-n",
+        &format!("{tag}a"),
+        "link",
+        "set",
+        &format!("{tag}ac"),
+        "down",
+    ])
+    .unwrap();
+    writeln!(stdin, "LINK-DOWN").unwrap();
+    let line = expect("UNIT-A", Duration::from_secs(30));
+    assert!(line.contains("UNIT-A FAILED-IN-TIME"), "{line}");
+    let line = expect("UNIT-B", Duration::from_secs(30));
+    assert!(line.contains("UNIT-B SERVES"), "{line}");
+
+    let names = hosts.names.clone();
+    drop(hosts);
+    for n in names {
+        assert!(!netns_listed(&n), "namespace {n} left behind");
+    }
+}
+
+fn config(secret: &str, units: &[&str], timeout: Duration) -> ClientConfig {
+    let mut cfg = ClientConfig::new(
+        "netns",
+        units
+            .iter()
+            .map(|a| format!("tcp:{a}").parse().unwrap())
+            .collect(),
+    );
+    cfg.timeout = timeout;
+    cfg.secret = Some(Secret::from_bytes(secret.as_bytes().to_vec()).unwrap());
+    cfg
+}
+
+/// The client side, run in host c by the test above.
+#[test]
+#[ignore = "run by units_on_two_hosts_a_client_on_a_third in its own network namespace"]
+fn netns_client() {
+    if std::env::var_os("STOWAGE_NETNS_CLIENT").is_none() {
+        return;
+    }
+    // A wrong secret is refused, and nothing is served to it.
+    let wrong = Client::connect(config(
+        "not-the-secret-at-all-0123",
+        &[UNIT_A, UNIT_B],
+        Duration::from_secs(5),
+    ));
+    match wrong {
+        Err(Error::Unauthorized(_)) => println!("WRONG-SECRET-REFUSED"),
+        Err(e) => println!("WRONG-SECRET-UNEXPECTED {e}"),
+        Ok(_) => println!("WRONG-SECRET-ACCEPTED"),
+    }
+
+    let deadline = Duration::from_secs(3);
+    let c = Client::connect(config(SECRET, &[UNIT_A, UNIT_B], deadline)).expect("connects");
+    let keys: Vec<Key> = (0..8).map(|r| Key::new(r, "f")).collect();
+    let values: Vec<Vec<u8>> = (0..8).map(|r| common::pattern(r, 9, 100_000)).collect();
+    let puts: Vec<(Key, &[u8])> = keys
+        .iter()
+        .cloned()
+        .zip(values.iter().map(|v| v.as_slice()))
+        .collect();
+    c.put_rows(&puts, c.deadline()).expect("put over tcp");
+    let got = c.get_rows(&keys, c.deadline()).expect("get over tcp");
+    assert_eq!(got, values);
+    println!("BOTH-SERVE");
+
+    let mut line = String::new();
+    std::io::stdin().read_line(&mut line).unwrap();
+    // Unit a (even rows) is cut off: its operations fail within the
+    // deadline, as Timeout or LostKeys; unit b (odd rows) keeps serving.
+    let start = Instant::now();
+    let r = c.get_rows(&keys[0..1], Instant::now() + deadline);
+    let took = start.elapsed();
+    match r {
+        Err(Error::Timeout { .. }) | Err(Error::LostBlobs { .. })
+            if took <= deadline + Duration::from_secs(2) =>
+        {
+            println!("UNIT-A FAILED-IN-TIME {took:?}")
+        }
+        other => println!("UNIT-A UNEXPECTED {other:?} after {took:?}"),
+    }
+    let r = c.get_rows(
+        &[keys[1].clone(), keys[3].clone()],
+        Instant::now() + deadline,
+    );
+    match r {
+        Ok(v) if v == vec![values[1].clone(), values[3].clone()] => {
+            println!("UNIT-B SERVES")
+        }
+        other => println!("UNIT-B UNEXPECTED {other:?}"),
+    }
+}
