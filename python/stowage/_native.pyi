@@ -165,6 +165,9 @@ class Unit:
         max_session_connections: Optional[int] = None,
         max_session_holds: Optional[int] = None,
         frame_timeout: Optional[float] = None,
+        secret: Union[bytes, str, None] = None,
+        secret_file: Optional[str] = None,
+        insecure: bool = False,
     ) -> None: ...
     @property
     def instance_id(self) -> str: ...

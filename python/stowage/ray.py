@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Union
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from . import Error, InvalidRequest, _native
+from . import Error, InvalidRequest, _native, _secret
 
 __all__ = [
     "PlacementError",
@@ -90,6 +90,12 @@ class StowageUnit:
         uds = None
         if listen.get("unix_dir"):
             uds = os.path.join(listen["unix_dir"], f"stowage-unit-{index}-{os.getpid()}.sock")
+        if not {"secret", "secret_file", "insecure"} & set(unit_kwargs):
+            # No secret from the config or the driver: this node's own
+            # STOWAGE_SECRET, if it has one.
+            env = _secret(None)
+            if env is not None:
+                unit_kwargs = dict(unit_kwargs, secret=env)
         self._unit = _native.Unit(name=f"unit-{index}", tcp=bind, uds=uds, **unit_kwargs)
         tcp = self._unit.tcp_addr
         if host in ("0.0.0.0", "::"):
@@ -285,7 +291,7 @@ def _seconds(v: Any, what: str) -> float:
 class _Settings:
     """What the launcher takes from a config (docs/config.md)."""
 
-    def __init__(self, config: Mapping[str, Any]):
+    def __init__(self, config: Mapping[str, Any], secret: Optional[Union[bytes, str]] = None):
         cfg = _merged(config)
         units, listen, timeouts = cfg["units"], cfg["listen"], cfg["timeouts"]
         self.count = units["count"]
@@ -296,11 +302,6 @@ class _Settings:
             raise InvalidRequest(f"config: units.cpus must be 0 or more, not {self.cpus}")
         self.start_timeout = _seconds(timeouts["start"], "timeouts.start")
         self.stop_timeout = _seconds(timeouts["stop"], "timeouts.stop")
-        if cfg["auth"]["secret_file"]:
-            raise InvalidRequest(
-                "config: auth.secret_file is set, but units started by stowage.ray do not take "
-                "a secret yet; leave it out"
-            )
         kw: Dict[str, Any] = {
             "memory": self.memory,
             "reservation_lease": _seconds(units["reservation_lease"], "units.reservation_lease"),
@@ -317,6 +318,20 @@ class _Settings:
             kw["disk_capacity"] = _bytes(disk["capacity"], "units.disk.capacity")
             kw["high_watermark"] = float(disk["high_watermark"])
             kw["low_watermark"] = float(disk["low_watermark"])
+        auth = cfg["auth"]
+        if auth["insecure"]:
+            if secret is not None or auth["secret_file"] is not None:
+                raise InvalidRequest("config: auth.insecure means no secret, but one was given")
+            kw["insecure"] = True
+        elif secret is not None:
+            kw["secret"] = secret
+        elif auth["secret_file"] is not None:
+            # Read by each unit on its own node: the secret never travels.
+            kw["secret_file"] = os.fspath(auth["secret_file"])
+        else:
+            env = _secret(None)
+            if env is not None:
+                kw["secret"] = env
         self.unit_kwargs = kw
         unix_dir = listen["unix_dir"]
         self.listen = {
@@ -418,6 +433,7 @@ def start_units(
     clusters_or_nodes: Any,
     *,
     timeout: Optional[float] = None,
+    secret: Optional[Union[bytes, str]] = None,
 ) -> Units:
     """Start one storage unit per planned node as a Ray actor pinned to it.
 
@@ -436,6 +452,16 @@ def start_units(
     ``placement.clusters`` names are selected and ``units.count`` units
     planned round-robin over their nodes, see :mod:`stowage.placement`).
 
+    The units' shared secret (every client proves it; see
+    :func:`stowage.connect`): ``secret`` (bytes or str) if given, else
+    ``auth.secret_file`` (each unit reads that owner-only file on its own
+    node), else ``STOWAGE_SECRET`` of this process, else that of each
+    unit's node; none with ``auth.insecure``. A secret from this process
+    reaches the actors in Ray's actor-creation request (visible to whoever
+    can run code on the Ray cluster anyway); ``auth.secret_file`` keeps it
+    on the nodes. Units without a secret serve loopback only unless
+    ``auth.insecure`` says otherwise. The directory holds no secret.
+
     Raises :class:`PlacementError` when a planned node is missing, dead or
     short of CPUs or memory (at once, before anything starts), or when a
     unit fails to start or is not up within ``timeout`` seconds (default
@@ -445,7 +471,7 @@ def start_units(
     (``ray.init``).
     """
     t0 = time.monotonic()
-    settings = _Settings(_load_config(config))
+    settings = _Settings(_load_config(config), secret)
     if timeout is None:
         timeout = settings.start_timeout
     deadline = t0 + timeout

@@ -339,6 +339,30 @@ def test_clusters_by_name_and_a_config_file(cluster, tmp_path):
         stowage.ray.start_units({"units": {"memroy": "1GiB"}}, [head], timeout=5)
 
 
+def test_units_with_a_shared_secret(cluster, tmp_path, part, monkeypatch):
+    """auth.secret_file: each unit reads the secret on its node; clients
+    must prove it, the directory does not hold it, and teardown (an admin
+    request) proves it too."""
+    monkeypatch.delenv("STOWAGE_SECRET", raising=False)
+    secret = "ray-s3cret-Horse-battery-staple-1"
+    path = tmp_path / "secret"
+    path.write_text(secret + "\n")
+    path.chmod(0o600)
+    cfg = {"units": {"memory": "16MiB"}, "auth": {"secret_file": str(path)}}
+    one = stowage.ray.start_units(cfg, cluster.node_ids[:1], timeout=START_S)
+    try:
+        assert secret not in json.dumps(one.directory)
+        with pytest.raises(stowage.Unauthorized):
+            stowage.connect(one.directory, timeout=10, secret=None)
+        with stowage.connect(one.directory, secret=secret, timeout=10) as plane:
+            plane.put(part, [0, 1], {"x": [np.arange(2), np.arange(3)]})
+            assert [a.tolist() for a in plane.get(part, [0, 1], ["x"])["x"]] == [[0, 1], [0, 1, 2]]
+        assert ray.get(one[0].stats.remote(), timeout=30)["rows"] == 2
+    finally:
+        problems = stowage.ray.stop_units(one, timeout=20)
+    assert problems == [[]]
+
+
 def start_failing(*args, **kwargs):
     """start_units, which must raise PlacementError; with a hang guard (a
     thread joined with a bound) so that a hang fails the test instead of

@@ -81,3 +81,45 @@ def test_bad_arguments_are_refused():
         _native.Unit("lots")
     with pytest.raises(stowage.Error, match="memory must be at least 4 KiB"):
         _native.Unit(1024)
+
+
+SECRET = "unit-s3cret-Horse-battery-staple"
+
+
+def test_a_unit_with_a_shared_secret(tmp_path, part, monkeypatch):
+    monkeypatch.delenv("STOWAGE_SECRET", raising=False)
+    u = _native.Unit("4MiB", tcp="127.0.0.1:0", secret=SECRET)
+    try:
+        for addr in (u.uds_addr, u.tcp_addr):
+            with pytest.raises(stowage.Unauthorized):
+                stowage.connect(addr, timeout=5)
+            with stowage.connect(addr, secret=SECRET, timeout=5) as c:
+                c.put(part, [0], {"x": [np.arange(2)]})
+        # Its own admin requests prove the secret too.
+        assert u.stats()["rows"] == 1
+    finally:
+        assert u.stop(5) == []
+
+    # From an owner-only file (as a launcher's units read it on their node).
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    path.chmod(0o600)
+    u = _native.Unit("4MiB", secret_file=str(path))
+    try:
+        with stowage.connect(u.uds_addr, secret=SECRET, timeout=5) as c:
+            assert c.list(part) == {}
+    finally:
+        assert u.stop(5) == []
+    path.chmod(0o644)
+    with pytest.raises(stowage.InvalidRequest, match=str(path)):
+        _native.Unit("4MiB", secret_file=str(path))
+    with pytest.raises(stowage.InvalidRequest):
+        _native.Unit("4MiB", secret=SECRET, insecure=True)
+    with pytest.raises(stowage.InvalidRequest):
+        _native.Unit("4MiB", secret="short")
+
+
+def test_beyond_loopback_a_unit_needs_a_secret():
+    # Refused before anything binds.
+    with pytest.raises(stowage.Error, match="beyond loopback, without a shared secret"):
+        _native.Unit("4MiB", tcp="0.0.0.0:0")

@@ -19,10 +19,10 @@ use std::time::{Duration, Instant};
 
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use stowage_client::{Client as Inner, ClientConfig, UnitAddr};
+use stowage_client::{Client as Inner, ClientConfig, Secret, UnitAddr};
 use stowage_unit::{UnitConfig, UnitHandle};
 
-use crate::client::stats_dict;
+use crate::client::{secret_arg, stats_dict};
 use crate::errors::{invalid, to_py, Error};
 use crate::local::size_arg;
 
@@ -37,6 +37,8 @@ const CLOSE_FLOOR: Duration = Duration::from_millis(500);
 #[pyclass(module = "stowage._native", frozen)]
 pub(crate) struct Unit {
     running: Mutex<Option<Running>>,
+    /// The shared secret, which its own admin client proves too.
+    secret: Option<Secret>,
     instance_id: u128,
     uds: PathBuf,
     tcp: Option<std::net::SocketAddr>,
@@ -74,6 +76,10 @@ impl Unit {
     /// at stop). Leases and `frame_timeout` in seconds; connection and hold
     /// limits default to the unit's. `checkpoint_root`: checkpoints are
     /// written only under it (without it the unit refuses them).
+    /// `secret` (bytes or str) or `secret_file` (an owner-only file, read
+    /// here): the shared secret every client must prove (none by default:
+    /// the environment is not read here); a TCP address beyond loopback
+    /// needs one, or `insecure=True`.
     #[new]
     #[pyo3(signature = (
         memory,
@@ -93,6 +99,9 @@ impl Unit {
         max_session_connections = None,
         max_session_holds = None,
         frame_timeout = None,
+        secret = None,
+        secret_file = None,
+        insecure = false,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -113,6 +122,9 @@ impl Unit {
         max_session_connections: Option<usize>,
         max_session_holds: Option<usize>,
         frame_timeout: Option<f64>,
+        secret: Option<&Bound<'_, PyAny>>,
+        secret_file: Option<PathBuf>,
+        insecure: bool,
     ) -> PyResult<Self> {
         let mut cfg = UnitConfig::new(name, size_arg(memory)?);
         cfg.tcp = tcp.as_deref().map(tcp_arg).transpose()?;
@@ -134,6 +146,20 @@ impl Unit {
         if let Some(t) = frame_timeout {
             cfg.frame_timeout = seconds("frame_timeout", t)?;
         }
+        cfg.secret = match (secret, secret_file) {
+            (Some(_), Some(_)) => {
+                return Err(invalid("give secret or secret_file, not both"));
+            }
+            (Some(s), None) => Some(secret_arg(s)?),
+            (None, Some(path)) => {
+                Some(Secret::from_file(&path).map_err(|e| invalid(e.to_string()))?)
+            }
+            (None, None) => None,
+        };
+        if insecure && cfg.secret.is_some() {
+            return Err(invalid("insecure means no secret: give one or the other"));
+        }
+        cfg.insecure = insecure;
         let capacity = match disk_capacity {
             Some(c) => size_arg(c)?,
             None => 20 << 30,
@@ -155,10 +181,12 @@ impl Unit {
             }
         };
         cfg.uds = Some(uds);
+        let secret_for_admin = cfg.secret.clone();
         let handle = py
             .detach(move || stowage_unit::start(cfg))
             .map_err(|e| PyErr::new::<Error, _>(format!("the unit could not start: {e}")))?;
         Ok(Self {
+            secret: secret_for_admin,
             instance_id: handle.instance_id(),
             uds: handle
                 .uds
@@ -259,6 +287,7 @@ impl Unit {
         let mut cfg = ClientConfig::new("stowage-admin", vec![UnitAddr::Unix(self.uds.clone())]);
         cfg.timeout = timeout;
         cfg.shm = false;
+        cfg.secret = self.secret.clone();
         cfg
     }
 }
