@@ -7,8 +7,10 @@ use std::time::Duration;
 
 use crate::local::{LocalOptions, LocalPlane};
 use crate::{bench, parse_duration, parse_size, workload};
-use clap::{Parser, Subcommand, ValueEnum};
-use stowage_client::{Client, ClientConfig, Secret, UnitAddr};
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use stowage_client::{Client, ClientConfig, Secret, TransportChoice, UnitAddr, UnitDirectory};
+use stowage_cluster::config::Config;
 
 #[derive(Parser)]
 #[command(
@@ -85,12 +87,47 @@ impl SecretArgs {
     }
 }
 
+/// The units a control command talks to: addresses, or a directory file.
+#[derive(clap::Args, Clone, Debug)]
+#[group(required = true, multiple = false)]
+struct UnitsArgs {
+    /// Unit addresses (unix:/path or tcp:host:port), in unit order.
+    units: Vec<String>,
+    /// A directory file (from `stowage up` or a launcher) instead of
+    /// addresses: units on this host are reached through their Unix
+    /// socket, others over TCP.
+    #[arg(long, value_name = "FILE")]
+    directory: Option<std::path::PathBuf>,
+}
+
+impl UnitsArgs {
+    fn addrs(&self) -> Result<Vec<UnitAddr>, String> {
+        match &self.directory {
+            Some(path) => UnitDirectory::from_file(path)?
+                .addrs(TransportChoice::Auto, &stowage_client::host_id()),
+            None => self
+                .units
+                .iter()
+                .map(|u| u.parse::<UnitAddr>())
+                .collect::<Result<Vec<_>, _>>(),
+        }
+    }
+}
+
 // Parsed once per process; boxing the unit's many options buys nothing.
 #[allow(clippy::large_enum_variant)]
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one storage unit.
     Unit {
+        /// Take the unit's settings from this config file (docs/config.md);
+        /// options given on the command line override it.
+        #[arg(long, value_name = "FILE")]
+        config: Option<std::path::PathBuf>,
+        /// With --config: this unit's index (its name, its TCP port when
+        /// the file names a base port, its socket in listen.unix_dir).
+        #[arg(long, default_value_t = 0)]
+        index: usize,
         /// Slab memory, e.g. 1GiB.
         #[arg(long, value_parser = parse_size, default_value = "1GiB")]
         memory: u64,
@@ -198,6 +235,27 @@ enum Cmd {
         #[command(flatten)]
         secret: SecretArgs,
     },
+    /// Start the units a config file describes on this host (standalone,
+    /// without Ray), write their directory for clients, and run until
+    /// interrupted (Ctrl-C, SIGTERM, SIGHUP); then stop them with their
+    /// teardown, within the config's stop timeout. The units exit by
+    /// themselves if this process dies.
+    Up {
+        /// The config file (docs/config.md).
+        #[arg(long, value_name = "FILE")]
+        config: std::path::PathBuf,
+        /// Where to write the directory (JSON) that clients connect by;
+        /// removed at exit. Default: printed on standard output.
+        #[arg(long, value_name = "FILE")]
+        directory: Option<std::path::PathBuf>,
+        /// Number of units (default: the config's units.count, else 2).
+        #[arg(long)]
+        units: Option<usize>,
+        /// Also stop when standard input closes (for a parent process that
+        /// holds a pipe to it).
+        #[arg(long)]
+        exit_with_stdin: bool,
+    },
     /// Measure put/get against memcpy and raw TCP on this machine.
     Bench {
         /// A shorter run (a minute or less).
@@ -219,9 +277,8 @@ enum Cmd {
     Checkpoint {
         /// The checkpoint directory (must not hold a checkpoint already).
         dir: std::path::PathBuf,
-        /// Unit addresses (unix:/path or tcp:host:port), in unit order.
-        #[arg(required = true)]
-        units: Vec<String>,
+        #[command(flatten)]
+        units: UnitsArgs,
         #[arg(long, value_parser = parse_duration, default_value = "10m")]
         timeout: Duration,
         #[command(flatten)]
@@ -231,8 +288,8 @@ enum Cmd {
     /// timeout, removes its disk directory and exits. Reports problems;
     /// never fails.
     Shutdown {
-        #[arg(required = true)]
-        units: Vec<String>,
+        #[command(flatten)]
+        units: UnitsArgs,
         #[arg(long, value_parser = parse_duration, default_value = "30s")]
         timeout: Duration,
         #[command(flatten)]
@@ -240,9 +297,8 @@ enum Cmd {
     },
     /// Print every unit's counters.
     Stats {
-        /// Unit addresses (unix:/path or tcp:host:port).
-        #[arg(required = true)]
-        units: Vec<String>,
+        #[command(flatten)]
+        units: UnitsArgs,
         #[arg(long, default_value = "default")]
         namespace: String,
         #[command(flatten)]
@@ -257,7 +313,10 @@ where
     I: IntoIterator<Item = T>,
     T: Into<std::ffi::OsString> + Clone,
 {
-    let cli = match Cli::try_parse_from(args) {
+    let parsed = Cli::command()
+        .try_get_matches_from(args)
+        .and_then(|m| Cli::from_arg_matches(&m).map(|c| (c, m)));
+    let (cli, matches) = match parsed {
         Ok(c) => c,
         Err(e) => {
             let _ = e.print();
@@ -276,7 +335,7 @@ where
         .with_writer(std::io::stderr)
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .try_init();
-    match run(cli) {
+    match run(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("stowage: {e}");
@@ -285,9 +344,11 @@ where
     }
 }
 
-fn run(cli: Cli) -> Result<(), String> {
+fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
     match cli.cmd {
         Cmd::Unit {
+            config,
+            index,
             memory,
             listen,
             name,
@@ -311,37 +372,100 @@ fn run(cli: Cli) -> Result<(), String> {
             secret,
             insecure,
         } => {
-            let mut cfg = stowage_unit::UnitConfig::new(name, memory);
-            cfg.secret = secret.secret()?;
-            cfg.insecure = insecure;
-            cfg.checkpoint_root = checkpoint_root;
+            let file = config
+                .as_deref()
+                .map(Config::from_file)
+                .transpose()
+                .map_err(|e| e.to_string())?;
+            // Without a file every option applies (its default included);
+            // with one, only those given on the command line.
+            let unit_matches = matches.subcommand_matches("unit");
+            let set = |id: &str| {
+                file.is_none()
+                    || unit_matches.and_then(|m| m.value_source(id))
+                        == Some(ValueSource::CommandLine)
+            };
+            let mut cfg = match &file {
+                Some(c) => {
+                    let mut u = c
+                        .unit_config(index, None, None)
+                        .map_err(|e| e.to_string())?;
+                    let port = match c.listen.tcp_port {
+                        0 => 0,
+                        p => u16::try_from(usize::from(p) + index).map_err(|_| {
+                            format!("listen.tcp_port {p} + unit index {index} is past 65535")
+                        })?,
+                    };
+                    u.tcp = Some(std::net::SocketAddr::new(c.resolve_listen_host(), port));
+                    u.uds = Some(match &c.listen.unix_dir {
+                        Some(d) => d.join(format!("unit-{index}.sock")),
+                        None => format!("/tmp/stowage-unit-{index}.sock").into(),
+                    });
+                    u
+                }
+                None => stowage_unit::UnitConfig::new(name.clone(), memory),
+            };
+            if set("name") {
+                cfg.name = name;
+            }
+            if set("memory") {
+                cfg.memory = memory;
+            }
+            if set("secret_file") {
+                cfg.secret = secret.secret()?;
+            }
+            cfg.insecure |= insecure;
+            if set("checkpoint_root") {
+                cfg.checkpoint_root = checkpoint_root;
+            }
             cfg.allow_other_uids = allow_other_uids;
             cfg.admin_tcp = admin;
-            cfg.frame_timeout = frame_timeout;
-            cfg.max_connections = max_connections;
-            cfg.max_session_connections = max_session_connections;
-            cfg.max_session_holds = max_session_holds;
+            if set("frame_timeout") {
+                cfg.frame_timeout = frame_timeout;
+            }
+            if set("max_connections") {
+                cfg.max_connections = max_connections;
+            }
+            if set("max_session_connections") {
+                cfg.max_session_connections = max_session_connections;
+            }
+            if set("max_session_holds") {
+                cfg.max_session_holds = max_session_holds;
+            }
             cfg.index_budget = index_budget;
-            cfg.pin_lease = pin_lease;
-            cfg.reservation_lease = reservation_lease;
+            if set("pin_lease") {
+                cfg.pin_lease = pin_lease;
+            }
+            if set("reservation_lease") {
+                cfg.reservation_lease = reservation_lease;
+            }
             cfg.quarantine = quarantine;
             cfg.mlock = !no_mlock;
             cfg.spin = spin;
-            cfg.disk = disk.disk.map(|d| (d, disk.disk_capacity));
-            cfg.high_watermark = disk.high_watermark;
-            cfg.low_watermark = disk.low_watermark;
+            if set("disk") {
+                cfg.disk = disk.disk.map(|d| (d, disk.disk_capacity));
+            } else if let (Some(d), true) = (&mut cfg.disk, set("disk_capacity")) {
+                d.1 = disk.disk_capacity;
+            }
+            if set("high_watermark") {
+                cfg.high_watermark = disk.high_watermark;
+            }
+            if set("low_watermark") {
+                cfg.low_watermark = disk.low_watermark;
+            }
             cfg.failpoints = failpoint;
             cfg.restore = restore;
-            let listen = if listen.is_empty() {
-                vec!["unix:/tmp/stowage-unit-0.sock".to_string()]
-            } else {
-                listen
-            };
-            for l in &listen {
-                match l.parse::<UnitAddr>()? {
-                    UnitAddr::Unix(p) => cfg.uds = Some(p),
-                    UnitAddr::Tcp(a) => cfg.tcp = Some(a),
+            if !listen.is_empty() {
+                cfg.uds = None;
+                cfg.tcp = None;
+                for l in &listen {
+                    match l.parse::<UnitAddr>()? {
+                        UnitAddr::Unix(p) => cfg.uds = Some(p),
+                        UnitAddr::Tcp(a) => cfg.tcp = Some(a),
+                    }
                 }
+            } else if file.is_none() {
+                cfg.uds = Some("/tmp/stowage-unit-0.sock".into());
             }
             let handle = stowage_unit::start(cfg).map_err(|e| e.to_string())?;
             // One line on stdout tells a launcher where the unit listens.
@@ -446,13 +570,19 @@ fn run(cli: Cli) -> Result<(), String> {
                 None => Ok(()),
             }
         }
+        Cmd::Up {
+            config,
+            directory,
+            units,
+            exit_with_stdin,
+        } => up(&config, directory.as_deref(), units, exit_with_stdin),
         Cmd::Checkpoint {
             dir,
             units,
             timeout,
             secret,
         } => {
-            let client = control_client(&units, timeout, &secret)?;
+            let client = control_client(&units.addrs()?, timeout, &secret)?;
             let infos = client
                 .checkpoint(&dir, client.deadline())
                 .map_err(|e| e.to_string())?;
@@ -474,7 +604,10 @@ fn run(cli: Cli) -> Result<(), String> {
             timeout,
             secret,
         } => {
-            let client = match control_client(&units, timeout, &secret) {
+            let client = match units
+                .addrs()
+                .and_then(|a| control_client(&a, timeout, &secret))
+            {
                 Ok(c) => c,
                 Err(e) => {
                     println!("nothing to shut down: {e}");
@@ -495,10 +628,7 @@ fn run(cli: Cli) -> Result<(), String> {
             namespace,
             secret,
         } => {
-            let addrs = units
-                .iter()
-                .map(|u| u.parse::<UnitAddr>())
-                .collect::<Result<Vec<_>, _>>()?;
+            let addrs = units.addrs()?;
             let mut cfg = ClientConfig::new(namespace, addrs.clone());
             cfg.shm = false;
             cfg.secret = secret.secret()?;
@@ -557,17 +687,74 @@ pub fn unit_command() -> Result<Vec<std::ffi::OsString>, String> {
 
 /// A client for control commands: no shm mapping, the given timeout.
 fn control_client(
-    units: &[String],
+    addrs: &[UnitAddr],
     timeout: Duration,
     secret: &SecretArgs,
 ) -> Result<Client, String> {
-    let addrs = units
-        .iter()
-        .map(|u| u.parse::<UnitAddr>())
-        .collect::<Result<Vec<_>, _>>()?;
-    let mut cfg = ClientConfig::new("default", addrs);
+    let mut cfg = ClientConfig::new("default", addrs.to_vec());
     cfg.shm = false;
     cfg.secret = secret.secret()?;
     cfg.timeout = timeout;
     Client::connect(cfg).map_err(|e| e.to_string())
+}
+
+/// `stowage up`: the config's units on this host, until interrupted.
+fn up(
+    config: &std::path::Path,
+    directory: Option<&std::path::Path>,
+    units: Option<usize>,
+    exit_with_stdin: bool,
+) -> Result<(), String> {
+    use signal_hook::consts::{SIGHUP, SIGINT, SIGTERM};
+    let c = Config::from_file(config).map_err(|e| e.to_string())?;
+    let n = units.or(c.units.count).unwrap_or(2);
+    if n == 0 {
+        return Err("--units must be at least 1".into());
+    }
+    // Watch for the signals before any unit starts: an early Ctrl-C still
+    // stops them properly.
+    let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
+        .map_err(|e| format!("installing signal handlers: {e}"))?;
+    let config = std::path::absolute(config).map_err(|e| e.to_string())?;
+    let mut opts = LocalOptions::new(n, c.units.memory);
+    opts.command = unit_command()?;
+    opts.unit_args = vec!["--config".into(), config.display().to_string()];
+    opts.secret = c.secret().map_err(|e| e.to_string())?;
+    opts.insecure = c.auth.insecure;
+    opts.tcp_host = c.resolve_listen_host();
+    opts.tcp_port_base = c.listen.tcp_port;
+    opts.start_timeout = c.timeouts.start;
+    let mut plane = LocalPlane::start(&opts)?;
+    let json = plane.directory().to_json();
+    match directory {
+        Some(path) => {
+            std::fs::write(path, &json)
+                .map_err(|e| format!("writing the directory to {}: {e}", path.display()))?;
+            println!("READY directory={}", path.display());
+        }
+        None => println!("{json}\nREADY"),
+    }
+    // Until a signal, or (when asked) until standard input closes.
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    if exit_with_stdin {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            let mut sink = [0u8; 256];
+            let mut stdin = std::io::stdin();
+            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+            let _ = tx.send("standard input closed".into());
+        });
+    }
+    std::thread::spawn(move || {
+        if let Some(sig) = signals.forever().next() {
+            let _ = tx.send(format!("signal {sig}"));
+        }
+    });
+    let why = rx.recv().unwrap_or_default();
+    eprintln!("stowage up: {why}; stopping {n} units");
+    plane.stop_within(c.timeouts.stop);
+    if let Some(path) = directory {
+        let _ = std::fs::remove_file(path);
+    }
+    Ok(())
 }

@@ -6,14 +6,15 @@
 //! process is killed. Dropping a [`LocalPlane`] also kills and reaps them.
 
 use std::io::{BufRead, BufReader};
-use std::net::SocketAddr;
+use std::net::{IpAddr, Ipv4Addr, SocketAddr};
+use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::Duration;
 
 use rustix::process::{kill_process, Pid, Signal};
-use stowage_client::{Secret, UnitAddr, SECRET_ENV};
+use stowage_client::{Secret, UnitAddr, UnitDirectory, UnitEntry, SECRET_ENV};
 
 /// Settings of a local plane.
 #[derive(Clone, Debug)]
@@ -35,6 +36,13 @@ pub struct LocalOptions {
     /// never on a command line; `STOWAGE_SECRET` is not passed on, so
     /// `None` means units without a secret.
     pub secret: Option<Secret>,
+    /// The address the units' TCP listeners bind (port: any free one).
+    /// Default loopback; any other address needs a secret or `insecure`.
+    pub tcp_host: IpAddr,
+    /// Let units listen beyond loopback without a secret.
+    pub insecure: bool,
+    /// Unit `i` listens on TCP port `tcp_port_base + i`; 0: any free port.
+    pub tcp_port_base: u16,
 }
 
 impl LocalOptions {
@@ -47,7 +55,19 @@ impl LocalOptions {
             start_timeout: Duration::from_secs(30),
             restore: None,
             secret: None,
+            tcp_host: IpAddr::V4(Ipv4Addr::LOCALHOST),
+            insecure: false,
+            tcp_port_base: 0,
         }
+    }
+}
+
+/// The TCP port of unit `i`.
+fn tcp_port(opts: &LocalOptions, i: usize) -> Result<u16, String> {
+    match opts.tcp_port_base {
+        0 => Ok(0),
+        base => u16::try_from(usize::from(base) + i)
+            .map_err(|_| format!("TCP port {base} + unit index {i} is past 65535")),
     }
 }
 
@@ -56,6 +76,8 @@ pub struct LocalUnit {
     child: Child,
     pub uds: PathBuf,
     pub tcp: SocketAddr,
+    /// The instance id it reported.
+    pub instance: u128,
 }
 
 impl LocalUnit {
@@ -112,7 +134,11 @@ impl LocalPlane {
             .arg("--listen")
             .arg(format!("unix:{}", uds.display()))
             .arg("--listen")
-            .arg("tcp:127.0.0.1:0")
+            .arg(format!(
+                "tcp:{}",
+                SocketAddr::new(opts.tcp_host, tcp_port(opts, i)?)
+            ))
+            .args(opts.insecure.then_some("--insecure"))
             .arg("--exit-with-stdin")
             .args(&opts.unit_args)
             .args(opts.restore.iter().flat_map(|r| {
@@ -135,6 +161,10 @@ impl LocalPlane {
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
+            // A process group of its own: a Ctrl-C at the terminal stops
+            // the parent, which stops its units with their teardown
+            // (closing their stdin), instead of killing them mid-write.
+            .process_group(0)
             .spawn()
             .map_err(|e| format!("starting {:?}: {e}", opts.command))?;
         let stdout = child.stdout.take().ok_or("unit stdout missing")?;
@@ -164,7 +194,17 @@ impl LocalPlane {
             .find_map(|w| w.strip_prefix("tcp="))
             .and_then(|a| a.parse().ok())
             .ok_or_else(|| format!("unit {i} reported no TCP address: {line}"))?;
-        Ok(LocalUnit { child, uds, tcp })
+        let instance = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("instance="))
+            .and_then(|a| u128::from_str_radix(a, 16).ok())
+            .ok_or_else(|| format!("unit {i} reported no instance id: {line}"))?;
+        Ok(LocalUnit {
+            child,
+            uds,
+            tcp,
+            instance,
+        })
     }
 
     /// The units' secret file (written only when the plane has a secret).
@@ -189,6 +229,30 @@ impl LocalPlane {
             .iter()
             .map(|u| UnitAddr::Unix(u.uds.clone()))
             .collect()
+    }
+
+    /// The plane's directory: what another process, on this host or
+    /// another, passes to connect.
+    pub fn directory(&self) -> UnitDirectory {
+        let host = stowage_client::host_id();
+        UnitDirectory {
+            stowage_directory: stowage_client::unit_directory::DIRECTORY_VERSION,
+            units: self
+                .units
+                .iter()
+                .enumerate()
+                .map(|(i, u)| UnitEntry {
+                    index: i,
+                    node: None,
+                    host: Some(host.clone()),
+                    uds: Some(UnitAddr::Unix(u.uds.clone()).to_string()),
+                    tcp: Some(UnitAddr::Tcp(u.tcp).to_string()),
+                    instance_id: Some(stowage_client::unit_directory::instance_hex(u.instance)),
+                    pid: Some(u.pid()),
+                    extra: Default::default(),
+                })
+                .collect(),
+        }
     }
 
     /// The units' TCP addresses (tcp transport).

@@ -24,6 +24,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 use stowage_unit::UnitConfig;
+use stowage_wire::auth::{Secret, SecretError};
 
 use crate::placement::Placement;
 
@@ -499,7 +500,7 @@ impl Config {
         index: usize,
         tcp: Option<SocketAddr>,
         uds: Option<PathBuf>,
-    ) -> UnitConfig {
+    ) -> Result<UnitConfig, ConfigError> {
         let u = &self.units;
         let mut c = UnitConfig::new(format!("unit-{index}"), u.memory);
         c.tcp = tcp;
@@ -516,10 +517,28 @@ impl Config {
             c.low_watermark = d.low_watermark;
         }
         c.frame_timeout = self.timeouts.frame;
-        // AUTH (to be filled in once UnitConfig carries the shared secret):
-        // the secret is the contents of self.auth.secret_file, else the
-        // STOWAGE_SECRET environment variable; none when self.auth.insecure.
-        c
+        c.secret = self.secret()?;
+        c.insecure = self.auth.insecure;
+        Ok(c)
+    }
+
+    /// The shared secret: the contents of `auth.secret_file` (owner-only),
+    /// else the `STOWAGE_SECRET` environment variable; none when
+    /// `auth.insecure` is set or neither is there.
+    pub fn secret(&self) -> Result<Option<Secret>, ConfigError> {
+        if self.auth.insecure {
+            return Ok(None);
+        }
+        let bad = |e: SecretError| ConfigError::Invalid {
+            file: "<config>".into(),
+            key: Some("auth.secret_file".into()),
+            line: None,
+            message: e.to_string(),
+        };
+        match &self.auth.secret_file {
+            Some(f) => Secret::from_file(f).map(Some).map_err(bad),
+            None => Secret::from_env().map_err(bad),
+        }
     }
 
     /// The address units bind their TCP listeners to: `listen.host`, with
@@ -1077,6 +1096,31 @@ mod tests {
     }
 
     #[test]
+    fn the_secret_comes_from_the_named_file_and_never_shows() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("secret");
+        std::fs::write(&path, "config-secret-0123456789\n").unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+            .unwrap();
+        let text = format!("[auth]\nsecret_file = {:?}\n", path.display().to_string());
+        let c = Config::from_toml_str(&text).unwrap();
+        let u = c.unit_config(0, None, None).unwrap();
+        let s = u.secret.expect("a secret");
+        assert_eq!(s.expose(), b"config-secret-0123456789");
+        assert!(!format!("{s:?} {c:?}").contains("config-secret"));
+        // A secret file others can read is refused, naming the key.
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o644))
+            .unwrap();
+        let e = c.unit_config(0, None, None).unwrap_err();
+        assert_eq!(e.key(), Some("auth.secret_file"), "{e}");
+        assert!(!e.to_string().contains("config-secret"), "{e}");
+        // insecure: no secret at all.
+        let c = Config::from_toml_str("[auth]\ninsecure = true\n").unwrap();
+        let u = c.unit_config(0, None, None).unwrap();
+        assert!(u.secret.is_none() && u.insecure);
+    }
+
+    #[test]
     fn unit_config_takes_the_units_settings() {
         let c = Config::from_toml_str(
             r#"
@@ -1099,7 +1143,9 @@ mod tests {
         )
         .unwrap();
         let tcp: SocketAddr = "10.0.0.5:7001".parse().unwrap();
-        let u = c.unit_config(3, Some(tcp), Some("/run/u3.sock".into()));
+        let u = c
+            .unit_config(3, Some(tcp), Some("/run/u3.sock".into()))
+            .unwrap();
         assert_eq!(u.name, "unit-3");
         assert_eq!(u.memory, 64 << 20);
         assert_eq!(u.tcp, Some(tcp));
@@ -1122,7 +1168,7 @@ mod tests {
 
         // The default config gives the unit's own defaults, and no listeners
         // unless given.
-        let u = Config::default().unit_config(0, None, None);
+        let u = Config::default().unit_config(0, None, None).unwrap();
         assert_eq!(u.name, "unit-0");
         assert_eq!((u.tcp, u.uds.clone()), (None, None));
         assert_eq!(u.memory, 1 << 30);

@@ -1,0 +1,266 @@
+//! The config file read by the command line: `stowage up` starts the
+//! units it describes and writes their directory; `stowage unit --config`
+//! takes its settings from it, command-line options overriding; control
+//! commands find units by directory.
+
+mod common;
+
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use common::{binary, eventually, stdout_lines, wait_for_line};
+use stowage_client::{Client, ClientConfig, Key, Secret, TransportChoice, UnitDirectory};
+
+const SECRET: &str = "config-test-secret-0123456789";
+
+fn write_secret(dir: &Path) -> std::path::PathBuf {
+    let path = dir.join("secret");
+    std::fs::write(&path, SECRET).unwrap();
+    std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
+    path
+}
+
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, r)| !r.starts_with('Z')))
+        .unwrap_or(false)
+}
+
+/// Kills the child by pid if the test ends early.
+struct Reap(Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[test]
+fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let secret = write_secret(dir.path());
+    let disk = dir.path().join("disk");
+    std::fs::create_dir(&disk).unwrap();
+    let config = dir.path().join("stowage.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[units]\ncount = 3\nmemory = \"40MiB\"\n[units.disk]\nroot = {:?}\ncapacity = \"64MiB\"\n\
+             [auth]\nsecret_file = {:?}\n[timeouts]\nstop = \"10s\"\n",
+            disk.display().to_string(),
+            secret.display().to_string()
+        ),
+    )
+    .unwrap();
+    let directory = dir.path().join("directory.json");
+    let mut up = Command::new(binary())
+        .args(["up", "--config"])
+        .arg(&config)
+        .arg("--directory")
+        .arg(&directory)
+        .env_remove("STOWAGE_SECRET")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let lines = stdout_lines(&mut up);
+    let up = Reap(up);
+    assert!(
+        wait_for_line(&lines, "READY directory=", Duration::from_secs(60)),
+        "stowage up never reported ready"
+    );
+
+    let d = UnitDirectory::from_file(&directory).unwrap();
+    assert_eq!(d.units.len(), 3);
+    let pids: Vec<u32> = d.units.iter().map(|u| u.pid.unwrap()).collect();
+    assert!(pids.iter().all(|&p| alive(p)));
+    // Every unit keeps a disk directory while it runs.
+    assert_eq!(std::fs::read_dir(&disk).unwrap().count(), 3);
+
+    let addrs = d
+        .addrs(TransportChoice::Auto, &stowage_client::host_id())
+        .unwrap();
+    assert!(addrs
+        .iter()
+        .all(|a| matches!(a, stowage_client::UnitAddr::Unix(_))));
+    let mut cfg = ClientConfig::new("cfg", addrs);
+    cfg.instances = d.instances();
+    cfg.secret = Some(Secret::from_bytes(SECRET.as_bytes().to_vec()).unwrap());
+    let c = Client::connect(cfg).unwrap();
+    let keys: Vec<Key> = (0..6).map(|r| Key::new(r, "f")).collect();
+    let vals: Vec<Vec<u8>> = (0..6).map(|r| common::pattern(r, 3, 4096)).collect();
+    let puts: Vec<(Key, &[u8])> = keys
+        .iter()
+        .cloned()
+        .zip(vals.iter().map(|v| v.as_slice()))
+        .collect();
+    c.put_rows(&puts, c.deadline()).unwrap();
+    assert_eq!(c.get_rows(&keys, c.deadline()).unwrap(), vals);
+    // The units took the file's memory.
+    for s in c.stats(c.deadline()) {
+        assert_eq!(s.unwrap().capacity, 40 << 20);
+    }
+    drop(c);
+
+    // Without the secret the control commands are refused; with it,
+    // `stats --directory` finds every unit.
+    let out = Command::new(binary())
+        .args(["stats", "--directory"])
+        .arg(&directory)
+        .env_remove("STOWAGE_SECRET")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let out = Command::new(binary())
+        .args(["stats", "--directory"])
+        .arg(&directory)
+        .arg("--secret-file")
+        .arg(&secret)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout)
+            .matches("unix:")
+            .count(),
+        3
+    );
+
+    // SIGTERM: the units stop with their teardown, nothing is left.
+    let mut up = up;
+    rustix::process::kill_process(
+        rustix::process::Pid::from_child(&up.0),
+        rustix::process::Signal::TERM,
+    )
+    .unwrap();
+    assert!(
+        eventually(Duration::from_secs(20), || matches!(
+            up.0.try_wait(),
+            Ok(Some(_))
+        )),
+        "stowage up did not exit after SIGTERM"
+    );
+    assert!(up.0.try_wait().unwrap().unwrap().success());
+    for p in pids {
+        assert!(
+            eventually(Duration::from_secs(5), || !alive(p)),
+            "unit {p} outlived stowage up"
+        );
+    }
+    assert!(!directory.exists(), "the directory file was left behind");
+    assert_eq!(
+        std::fs::read_dir(&disk).unwrap().count(),
+        0,
+        "disk directories were left behind"
+    );
+}
+
+#[test]
+fn a_unit_takes_its_settings_from_the_file_and_options_override_them() {
+    let dir = tempfile::tempdir().unwrap();
+    let socks = dir.path().join("socks");
+    std::fs::create_dir(&socks).unwrap();
+    let config = dir.path().join("stowage.toml");
+    // A free port base: bind one, release it (unit 1 takes base + 1).
+    let base = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+        .min(60000);
+    std::fs::write(
+        &config,
+        format!(
+            "[units]\nmemory = \"24MiB\"\npin_lease = \"9s\"\n[listen]\ntcp_port = {base}\nunix_dir = {:?}\n[auth]\ninsecure = true\n",
+            socks.display().to_string()
+        ),
+    )
+    .unwrap();
+    let start = |extra: &[&str]| {
+        let mut child = Command::new(binary())
+            .args(["unit", "--no-mlock", "--config"])
+            .arg(&config)
+            .args(["--index", "1"])
+            .args(extra)
+            .env_remove("STOWAGE_SECRET")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let lines = stdout_lines(&mut child);
+        let child = Reap(child);
+        let ready = lines
+            .recv_timeout(Duration::from_secs(30))
+            .expect("the unit reports ready");
+        (child, ready)
+    };
+    let (unit, ready) = start(&[]);
+    let uds = socks.join("unit-1.sock");
+    assert!(ready.contains(&format!("uds={}", uds.display())), "{ready}");
+    assert!(
+        ready.contains(&format!("tcp=127.0.0.1:{}", base + 1)),
+        "{ready}"
+    );
+    let c = Client::connect(ClientConfig::new(
+        "cfg",
+        vec![stowage_client::UnitAddr::Unix(uds.clone())],
+    ))
+    .unwrap();
+    assert_eq!(
+        c.stats(c.deadline())[0].as_ref().unwrap().capacity,
+        24 << 20
+    );
+    drop(c);
+    drop(unit);
+
+    // --memory on the command line wins over the file.
+    let (unit, _) = start(&["--memory", "16MiB"]);
+    let c = Client::connect(ClientConfig::new(
+        "cfg",
+        vec![stowage_client::UnitAddr::Unix(uds)],
+    ))
+    .unwrap();
+    assert_eq!(
+        c.stats(c.deadline())[0].as_ref().unwrap().capacity,
+        16 << 20
+    );
+    drop(c);
+    drop(unit);
+}
+
+#[test]
+fn a_config_that_listens_beyond_loopback_without_a_secret_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("stowage.toml");
+    std::fs::write(&config, "[listen]\nhost = \"0.0.0.0\"\n").unwrap();
+    let out = Command::new(binary())
+        .args(["unit", "--no-mlock", "--memory", "8MiB", "--config"])
+        .arg(&config)
+        .args(["--listen", "tcp:0.0.0.0:0"])
+        .env_remove("STOWAGE_SECRET")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--insecure"), "{err}");
+    // A typo in the file is an error naming the key.
+    std::fs::write(&config, "[units]\nmemroy = \"1GiB\"\n").unwrap();
+    let out = Command::new(binary())
+        .args(["unit", "--config"])
+        .arg(&config)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("memroy"), "{err}");
+}
