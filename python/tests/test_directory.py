@@ -109,3 +109,11 @@ def test_liveness_is_asked_only_after_a_failure(part):
         # Unit 0 keeps serving.
         assert [int(a) for a in c.get(part, [0, 2], ["x"])["x"]] == [0, 2]
         c.close()
+
+
+def test_a_local_planes_socket_directory_is_owner_only(dp):
+    import stat
+
+    for u in dp.units:
+        sock_dir = os.path.dirname(u[len("unix:"):])
+        assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700, sock_dir

@@ -108,6 +108,12 @@ impl LocalPlane {
             .prefix("stowage-local-")
             .tempdir()
             .map_err(|e| format!("creating a socket directory: {e}"))?;
+        // Owner-only: the sockets and the secret file live here.
+        std::fs::set_permissions(
+            dir.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o700),
+        )
+        .map_err(|e| format!("making the socket directory owner-only: {e}"))?;
         let mut plane = LocalPlane {
             units: Vec::new(),
             dir,
