@@ -31,7 +31,7 @@ def load(
     """The config at ``path``, or in ``text``, or (neither) the defaults.
 
     Returns a dict of sections (``units``, ``placement``, ``listen``,
-    ``auth``, ``timeouts``, ``client``), each a dict with every key of the
+    ``auth``, ``timeouts``, ``client``, ``metrics``), each a dict with every key of the
     section: what the file sets, the default otherwise, ``None`` for keys
     without a default (``units.count``, ``units.disk``, the optional paths,
     ``client.wait_for_memory``). Sizes are ints (bytes), durations floats

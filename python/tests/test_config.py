@@ -32,6 +32,7 @@ DEFAULTS = {
     "auth": {"secret_file": None, "insecure": False},
     "timeouts": {"op": 30.0, "start": 120.0, "stop": 30.0, "frame": 10.0},
     "client": {"namespace": "default", "transport": "auto", "wait_for_memory": None},
+    "metrics": {"enabled": True, "listen": "127.0.0.1:0"},
 }
 
 
@@ -56,6 +57,7 @@ def test_the_example_file_loads(tmp_path):
     assert cfg["auth"]["secret_file"] == "/etc/stowage/secret"
     assert cfg["timeouts"]["start"] == 120.0
     assert cfg["client"]["wait_for_memory"] == 10.0
+    assert cfg["metrics"] == {"enabled": True, "listen": "127.0.0.1:9464"}
     # Every key of every section is there, and no other.
     for section, keys in DEFAULTS.items():
         assert set(cfg[section]) == set(keys), section

@@ -195,12 +195,16 @@ pub fn run(
     unit_command: Vec<std::ffi::OsString>,
     quick: bool,
     spin: Duration,
+    no_metrics: bool,
 ) -> Result<(), String> {
     let sizes = [64usize << 10, 1 << 20, 16 << 20];
     let memory = 512u64 << 20;
     let mut opts = LocalOptions::new(2, memory);
     opts.command = unit_command;
     opts.unit_args = vec!["--spin".into(), format!("{}us", spin.as_micros())];
+    if no_metrics {
+        opts.unit_args.push("--no-metrics".into());
+    }
     let mut plane = LocalPlane::start(&opts)?;
     let connect = |addrs| {
         let mut cfg = ClientConfig::new("bench", addrs);
@@ -210,10 +214,11 @@ pub fn run(
     let shm = connect(plane.uds_addrs())?;
     let tcp = connect(plane.tcp_addrs())?;
     println!(
-        "stowage bench: 2 units x {} MiB, {} cores, adaptive polling {:?}",
+        "stowage bench: 2 units x {} MiB, {} cores, adaptive polling {:?}, metrics {}",
         memory >> 20,
         cores(),
-        spin
+        spin,
+        if no_metrics { "off" } else { "on" }
     );
     println!(
         "{:>8} | {:>8} | {:>8} {:>8} | {:>8} {:>8} | {:>8} {:>8} | {:>6} {:>6} {:>6} {:>6}",

@@ -21,6 +21,42 @@ use stowage_cluster::config::Config;
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
+    /// Log lines as text (default) or JSON objects, one a line (also
+    /// STOWAGE_LOG_FORMAT=json). The level comes from RUST_LOG (default:
+    /// warnings, and the units' lifecycle at info).
+    #[arg(long, global = true, value_enum, value_name = "FORMAT")]
+    log_format: Option<LogFormat>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+enum LogFormat {
+    Text,
+    Json,
+}
+
+/// What is logged when RUST_LOG is not set: warnings and errors, and the
+/// lifecycle of units (start and stop, sessions opened and closed, spill
+/// batches, checkpoints) at info; never a line per successful operation.
+pub const DEFAULT_LOG_FILTER: &str = "warn,stowage_unit=info,stowage_cli=info";
+
+/// Send `tracing` events to stderr: the level from RUST_LOG (else
+/// [`DEFAULT_LOG_FILTER`]), as text or JSON lines (`json`, or
+/// STOWAGE_LOG_FORMAT=json). Once per process; later calls do nothing.
+pub fn init_logging(json: Option<bool>) {
+    let json = json.unwrap_or_else(|| {
+        std::env::var("STOWAGE_LOG_FORMAT").is_ok_and(|v| v.eq_ignore_ascii_case("json"))
+    });
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(DEFAULT_LOG_FILTER));
+    let b = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = if json {
+        b.json().with_current_span(false).try_init()
+    } else {
+        b.with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .try_init()
+    };
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -204,6 +240,15 @@ enum Cmd {
         /// clear every value.
         #[arg(long)]
         insecure: bool,
+        /// Serve Prometheus metrics on http://ADDR/metrics (default
+        /// 127.0.0.1:0: loopback, any free port, printed in the READY
+        /// line); `off`: no endpoint.
+        #[arg(long, value_name = "ADDR")]
+        metrics_listen: Option<String>,
+        /// Record no metrics at all (no endpoint; stats carry no traffic
+        /// counters).
+        #[arg(long)]
+        no_metrics: bool,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -271,6 +316,10 @@ enum Cmd {
         /// Only the disk tier section (needs --disk).
         #[arg(long)]
         disk_only: bool,
+        /// Start the units with --no-metrics (to measure what recording
+        /// metrics costs).
+        #[arg(long)]
+        no_metrics: bool,
     },
     /// Ask every unit to checkpoint to DIR/unit-<i> on its own host and
     /// print the metadata (restore with `stowage unit --restore DIR/unit-<i>`).
@@ -292,6 +341,36 @@ enum Cmd {
         units: UnitsArgs,
         #[arg(long, value_parser = parse_duration, default_value = "30s")]
         timeout: Duration,
+        #[command(flatten)]
+        secret: SecretArgs,
+    },
+    /// Every unit at a glance: state (up, busy, unreachable, restarted),
+    /// memory and disk in use, rows, pins, operations and GB per second
+    /// over the last interval, and a total.
+    Status {
+        /// Unit addresses (unix:/path or tcp:host:port), in unit order.
+        units: Vec<String>,
+        /// A directory file (from `stowage up` or a launcher): its units,
+        /// and the instance each should be (another one is "restarted").
+        #[arg(long, value_name = "FILE")]
+        directory: Option<std::path::PathBuf>,
+        /// A config file: its units on this host (`units.count`, sockets in
+        /// `listen.unix_dir`, else /tmp/stowage-unit-I.sock) unless
+        /// addresses or --directory are given, and its secret.
+        #[arg(long, value_name = "FILE")]
+        config: Option<std::path::PathBuf>,
+        /// Rates are over this interval (two samples this far apart).
+        #[arg(long, value_parser = parse_duration, default_value = "1s")]
+        interval: Duration,
+        /// A unit that has not answered within this is unreachable.
+        #[arg(long, value_parser = parse_duration, default_value = "2s")]
+        timeout: Duration,
+        /// Redraw every interval until interrupted.
+        #[arg(long)]
+        watch: bool,
+        /// Print JSON (one object a line with --watch).
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         secret: SecretArgs,
     },
@@ -327,14 +406,7 @@ where
             };
         }
     };
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .try_init();
+    init_logging(cli.log_format.map(|f| f == LogFormat::Json));
     match run(cli, &matches) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
@@ -371,6 +443,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             index_budget,
             secret,
             insecure,
+            metrics_listen,
+            no_metrics,
         } => {
             let file = config
                 .as_deref()
@@ -455,6 +529,18 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             }
             cfg.failpoints = failpoint;
             cfg.restore = restore;
+            if no_metrics {
+                cfg.metrics = false;
+            }
+            match metrics_listen.as_deref() {
+                None => {}
+                Some("off" | "none") => cfg.metrics_listen = None,
+                Some(a) => cfg.metrics_listen = Some(a.parse().map_err(|_| {
+                    format!(
+                        "--metrics-listen {a:?}: not an address such as 127.0.0.1:9464 (or off)"
+                    )
+                })?),
+            }
             if !listen.is_empty() {
                 cfg.uds = None;
                 cfg.tcp = None;
@@ -470,14 +556,18 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             let handle = stowage_unit::start(cfg).map_err(|e| e.to_string())?;
             // One line on stdout tells a launcher where the unit listens.
             println!(
-                "READY uds={} tcp={} instance={:032x}",
+                "READY uds={} tcp={} instance={:032x} metrics={}",
                 handle
                     .uds
                     .as_ref()
                     .map(|p| p.display().to_string())
                     .unwrap_or_default(),
                 handle.tcp.map(|a| a.to_string()).unwrap_or_default(),
-                handle.instance_id()
+                handle.instance_id(),
+                handle
+                    .metrics
+                    .map(|a| format!("http://{a}/metrics"))
+                    .unwrap_or_default(),
             );
             let handle = std::sync::Arc::new(handle);
             if exit_with_stdin {
@@ -560,9 +650,10 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             spin,
             disk,
             disk_only,
+            no_metrics,
         } => {
             if !disk_only {
-                bench::run(unit_command()?, quick, spin)?;
+                bench::run(unit_command()?, quick, spin, no_metrics)?;
             }
             match disk {
                 Some(dir) => bench::run_disk(unit_command()?, &dir, quick),
@@ -622,6 +713,58 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 }
             }
             Ok(())
+        }
+        Cmd::Status {
+            units,
+            directory,
+            config,
+            interval,
+            timeout,
+            watch,
+            json,
+            secret,
+        } => {
+            let file = config
+                .as_deref()
+                .map(Config::from_file)
+                .transpose()
+                .map_err(|e| e.to_string())?;
+            let mut expected = Vec::new();
+            let addrs: Vec<UnitAddr> = if let Some(d) = &directory {
+                let dir = UnitDirectory::from_file(d)?;
+                expected = dir.instances();
+                dir.addrs(TransportChoice::Auto, &stowage_client::host_id())?
+            } else if !units.is_empty() {
+                units
+                    .iter()
+                    .map(|u| u.parse::<UnitAddr>())
+                    .collect::<Result<_, _>>()?
+            } else if let Some(c) = &file {
+                (0..c.units.count.unwrap_or(2))
+                    .map(|i| {
+                        UnitAddr::Unix(match &c.listen.unix_dir {
+                            Some(d) => d.join(format!("unit-{i}.sock")),
+                            None => format!("/tmp/stowage-unit-{i}.sock").into(),
+                        })
+                    })
+                    .collect()
+            } else {
+                return Err("give unit addresses, --directory FILE or --config FILE".into());
+            };
+            let secret = match (&secret.secret_file, &file) {
+                (None, Some(c)) => c.secret().map_err(|e| e.to_string())?,
+                _ => secret.secret()?,
+            };
+            let opts = crate::status::StatusOptions {
+                units: addrs,
+                expected,
+                secret,
+                interval,
+                timeout,
+                watch,
+                json,
+            };
+            crate::status::run(&opts, &mut std::io::stdout().lock())
         }
         Cmd::Stats {
             units,

@@ -6,7 +6,8 @@
 //!   [`workload`] against it and prints what it did and how fast.
 //! * `stowage bench` measures put/get against memcpy and raw TCP
 //!   ([`bench`]).
-//! * `stowage stats` prints every unit's counters.
+//! * `stowage stats` prints every unit's counters; `stowage status`
+//!   ([`status`]) every unit's state and traffic at a glance.
 //!
 //! The library half exists so that integration tests and benchmarks start
 //! local planes the same way the command does.
@@ -16,6 +17,7 @@
 pub mod bench;
 pub mod cli;
 pub mod local;
+pub mod status;
 pub mod workload;
 
 /// Parse a byte size: `1GiB`, `256MiB`, `64KiB`, `4096`.

@@ -78,6 +78,8 @@ pub struct LocalUnit {
     pub tcp: SocketAddr,
     /// The instance id it reported.
     pub instance: u128,
+    /// Its metrics endpoint (`http://ADDR/metrics`), if it serves one.
+    pub metrics: Option<String>,
 }
 
 impl LocalUnit {
@@ -205,11 +207,17 @@ impl LocalPlane {
             .find_map(|w| w.strip_prefix("instance="))
             .and_then(|a| u128::from_str_radix(a, 16).ok())
             .ok_or_else(|| format!("unit {i} reported no instance id: {line}"))?;
+        let metrics = line
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("metrics="))
+            .filter(|m| !m.is_empty())
+            .map(str::to_owned);
         Ok(LocalUnit {
             child,
             uds,
             tcp,
             instance,
+            metrics,
         })
     }
 
@@ -255,7 +263,11 @@ impl LocalPlane {
                     tcp: Some(UnitAddr::Tcp(u.tcp).to_string()),
                     instance_id: Some(stowage_client::unit_directory::instance_hex(u.instance)),
                     pid: Some(u.pid()),
-                    extra: Default::default(),
+                    extra: u
+                        .metrics
+                        .iter()
+                        .map(|m| ("metrics".to_string(), serde_json::Value::from(m.as_str())))
+                        .collect(),
                 })
                 .collect(),
         }

@@ -328,6 +328,12 @@ impl Client {
         &self.cfg
     }
 
+    /// The instance id unit `unit` answered with last (`None`: not reached
+    /// yet, or found dead).
+    pub fn instance_id(&self, unit: usize) -> Option<u128> {
+        self.units.get(unit).and_then(|u| lock(&u.instance).current)
+    }
+
     fn open(
         &self,
         unit: usize,

@@ -39,6 +39,27 @@ pub struct Config {
     pub auth: AuthSection,
     pub timeouts: TimeoutsSection,
     pub client: ClientSection,
+    pub metrics: MetricsSection,
+}
+
+/// `[metrics]`: each unit's Prometheus endpoint (docs/metrics.md).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// Record metrics and serve them. Default true.
+    pub enabled: bool,
+    /// Where unit `I` serves `GET /metrics`: this address with port
+    /// `port + I`; port 0 (default): any free port. Default 127.0.0.1:0.
+    pub listen: SocketAddr,
+}
+
+impl Default for MetricsSection {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+        }
+    }
 }
 
 /// `[units]`: how many storage units, and each one's settings.
@@ -517,6 +538,19 @@ impl Config {
             c.low_watermark = d.low_watermark;
         }
         c.frame_timeout = self.timeouts.frame;
+        c.metrics = self.metrics.enabled;
+        let mut m = self.metrics.listen;
+        if m.port() != 0 {
+            let port =
+                u16::try_from(usize::from(m.port()) + index).map_err(|_| ConfigError::Invalid {
+                    file: "<config>".into(),
+                    key: Some("metrics.listen".into()),
+                    line: None,
+                    message: format!("port {} + unit index {index} is past 65535", m.port()),
+                })?;
+            m.set_port(port);
+        }
+        c.metrics_listen = Some(m);
         c.secret = self.secret()?;
         c.insecure = self.auth.insecure;
         Ok(c)

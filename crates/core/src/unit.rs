@@ -99,6 +99,20 @@ pub struct Stats {
     pub overdue_holds: u64,
     /// Every session that holds something or has a connection.
     pub sessions: Vec<SessionStats>,
+    /// Traffic since start, kept by the unit server (the core reports 0;
+    /// so does a unit started without metrics): requests answered, value
+    /// bytes written into the unit (puts, commits) and read out of it
+    /// (gets, resolves), and Busy answers. Two samples give rates
+    /// (`stowage status`). Last in the message, so a client that predates
+    /// them still reads the fields before.
+    pub ops: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub busy: u64,
+    /// Partitions that hold rows (over every namespace).
+    pub partitions: u64,
+    /// Bytes of pinned blobs (part of [`Stats::held_bytes`]).
+    pub pinned_bytes: u64,
 }
 
 /// What one session holds.
@@ -452,15 +466,17 @@ impl UnitCore {
     /// (reservations then go through quarantine: a stream was cut). A
     /// direct peer's holds stay with its session until
     /// [`UnitCore::session_gone`].
-    pub fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) {
+    ///
+    /// Returns the holds (reservations and pins) released now.
+    pub fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) -> u64 {
         if owner == Owner::UNIT {
-            return;
+            return 0;
         }
         let Some(s) = self.sessions.get_mut(&owner.session) else {
-            return;
+            return 0;
         };
         let Some(direct) = s.conns.remove(&owner.conn) else {
-            return;
+            return 0;
         };
         let held = |h: &Holder| h.conn == Some(owner.conn);
         let reservations: Vec<BlobId> = s
@@ -478,6 +494,11 @@ impl UnitCore {
             .filter(|p| self.pins.get(p).is_some_and(|p| held(&p.holder)))
             .collect();
         let keep = end == ConnEnd::Cut && direct;
+        let released = if keep {
+            0
+        } else {
+            (reservations.len() + pins.len()) as u64
+        };
         for blob in reservations {
             if keep {
                 if let Some(Blob {
@@ -501,17 +522,19 @@ impl UnitCore {
             }
         }
         self.maybe_forget_session(owner.session);
+        released
     }
 
     /// The session's process is certainly gone (its pid exited): release
-    /// everything it holds.
-    pub fn session_gone(&mut self, session: SessionId, now: Time) {
+    /// everything it holds. Returns the holds released.
+    pub fn session_gone(&mut self, session: SessionId, now: Time) -> u64 {
         if session == Owner::UNIT.session {
-            return;
+            return 0;
         }
         let Some(s) = self.sessions.remove(&session) else {
-            return;
+            return 0;
         };
+        let released = (s.reservations.len() + s.pins.len()) as u64;
         for blob in s.reservations {
             // Only its own: nothing of the process runs any more, so no
             // quarantine is needed.
@@ -526,6 +549,7 @@ impl UnitCore {
         for pin in s.pins {
             self.drop_pin(pin);
         }
+        released
     }
 
     /// Sessions that hold something although none of their connections is
@@ -1494,6 +1518,7 @@ impl UnitCore {
         let mut s = self.stats();
         let mut overdue = 0u64;
         let mut held_total = 0u64;
+        let mut pinned_total = 0u64;
         let mut sessions: Vec<SessionStats> = Vec::new();
         for (id, sess) in &self.sessions {
             if sess.reservations.is_empty() && sess.pins.is_empty() && sess.conns.is_empty() {
@@ -1536,12 +1561,14 @@ impl UnitCore {
             for pin in &sess.pins {
                 if let Some(p) = self.pins.get(pin) {
                     st.pins += 1;
-                    st.held_bytes += p
+                    let bytes = p
                         .blobs
                         .iter()
                         .filter_map(|b| self.blobs.get(b))
                         .map(|b| b.nbytes)
                         .sum::<u64>();
+                    st.held_bytes += bytes;
+                    pinned_total += bytes;
                     note(&p.holder, self.cfg.pin_lease, &mut st);
                 }
             }
@@ -1551,6 +1578,7 @@ impl UnitCore {
         }
         sessions.sort_by_key(|s| s.session);
         s.held_bytes = held_total;
+        s.pinned_bytes = pinned_total;
         s.overdue_holds = overdue;
         s.sessions = sessions;
         s
@@ -1574,6 +1602,7 @@ impl UnitCore {
                 .filter(|b| b.region.is_none() && b.disk == Disk::Durable)
                 .count() as u64,
             index_bytes: self.index_bytes,
+            partitions: self.index.values().filter(|r| !r.is_empty()).count() as u64,
             ..Stats::default()
         }
     }

@@ -252,6 +252,10 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     client.set_item("transport", c.client.transport.as_str())?;
     client.set_item("wait_for_memory", c.client.wait_for_memory.map(secs))?;
 
+    let metrics = PyDict::new(py);
+    metrics.set_item("enabled", c.metrics.enabled)?;
+    metrics.set_item("listen", c.metrics.listen.to_string())?;
+
     let d = PyDict::new(py);
     d.set_item("units", units)?;
     d.set_item("placement", placement)?;
@@ -259,6 +263,7 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     d.set_item("auth", auth)?;
     d.set_item("timeouts", timeouts)?;
     d.set_item("client", client)?;
+    d.set_item("metrics", metrics)?;
     Ok(d)
 }
 

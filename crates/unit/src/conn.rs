@@ -44,6 +44,8 @@ struct Conn {
     write_timeout: Duration,
     out: Vec<u8>,
     scratch: Vec<u8>,
+    /// The current request was answered with an error (for metrics).
+    failed: bool,
 }
 
 /// Serve one connection until it ends.
@@ -74,6 +76,7 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         write_timeout,
         out: Vec::with_capacity(4096),
         scratch: Vec::new(),
+        failed: false,
     };
     let end = match c.run() {
         Ok(()) => stowage_core::ConnEnd::Closed,
@@ -88,7 +91,36 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
     };
     if let Some(owner) = c.owner {
         let now = shared.now();
-        shared.core().detach(owner, end, now);
+        let (holds, gone) = {
+            let mut core = shared.core();
+            let holds = core.detach(owner, end, now);
+            (holds, !core.has_session(owner.session))
+        };
+        if let Some(m) = &shared.metrics {
+            let why = match end {
+                stowage_core::ConnEnd::Closed => crate::metrics::Reclaim::Closed,
+                stowage_core::ConnEnd::Cut => crate::metrics::Reclaim::Cut,
+            };
+            m.reclaimed(why, holds);
+        }
+        if holds > 0 {
+            tracing::info!(
+                unit = %shared.name,
+                session = owner.session.0,
+                namespace = c.namespace.as_deref().unwrap_or(""),
+                holds,
+                cut = end == stowage_core::ConnEnd::Cut,
+                "released the holds of an ended connection"
+            );
+        }
+        if gone {
+            tracing::info!(
+                unit = %shared.name,
+                session = owner.session.0,
+                namespace = c.namespace.as_deref().unwrap_or(""),
+                "session closed"
+            );
+        }
     }
 }
 
@@ -211,6 +243,15 @@ impl Conn {
     }
 
     fn reply(&mut self, id: u64, r: &Response) -> io::Result<()> {
+        if let Response::Error { code, message } = r {
+            self.failed = true;
+            if let Some(m) = &self.shared.metrics {
+                m.error(*code);
+            }
+            if !matches!(code, ErrorCode::Busy | ErrorCode::Full) {
+                tracing::debug!(unit = %self.shared.name, namespace = self.namespace.as_deref().unwrap_or(""), ?code, %message, "error answer");
+            }
+        }
         self.out.clear();
         encode(id, r, 0, &mut self.out).map_err(io::Error::other)?;
         self.writer.write_all(&self.out)
@@ -245,7 +286,22 @@ impl Conn {
         Ok(())
     }
 
+    /// Handle one request, recording its kind, outcome and duration.
     fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), ConnEnd> {
+        if self.shared.metrics.is_none() {
+            return self.handle_request(id, req, payload_len);
+        }
+        let op = crate::metrics::Op::of(&req);
+        let t0 = Instant::now();
+        self.failed = false;
+        let r = self.handle_request(id, req, payload_len);
+        if let Some(m) = &self.shared.metrics {
+            m.op(op, r.is_ok() && !self.failed, t0.elapsed());
+        }
+        r
+    }
+
+    fn handle_request(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), ConnEnd> {
         let (ns, owner) = match (&self.namespace, self.owner, &req) {
             (None, _, Request::Hello { .. }) => {
                 let Request::Hello {
@@ -279,12 +335,24 @@ impl Conn {
             }
             return self.reply_error(id, ErrorCode::Internal, "the unit is shutting down");
         }
+        // Bytes a client wrote through its mapping, published by a commit.
+        let committed_bytes = match (&self.shared.metrics, &req) {
+            (Some(_), Request::Commit { entries, .. }) => entries.iter().map(|e| e.len).sum(),
+            _ => 0,
+        };
         let handled = {
             let mut core = self.shared.core();
             crate::handler::handle(&mut core, owner, &ns, req, now)
         };
         let resp = match handled {
-            Handled::Reply(r) => r,
+            Handled::Reply(r) => {
+                if committed_bytes > 0 && matches!(r, Response::Done | Response::Pending) {
+                    if let Some(m) = &self.shared.metrics {
+                        m.bytes_in(crate::metrics::Transport::Shm, committed_bytes);
+                    }
+                }
+                r
+            }
             Handled::Silent => return Ok(()),
             Handled::Resolved(pin, found) => self.resolved(pin, found),
             Handled::Other(req) => match req {
@@ -361,10 +429,31 @@ impl Conn {
         self.shared
             .checkpoints
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let t0 = Instant::now();
         let r = crate::checkpoint::write(&self.shared, &dir);
         self.shared
             .checkpoints
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+        if let Some(m) = &self.shared.metrics {
+            m.checkpoint(r.is_ok(), t0.elapsed());
+        }
+        match &r {
+            Ok(info) => tracing::info!(
+                unit = %self.shared.name,
+                dir = %dir.display(),
+                rows = info.rows,
+                entries = info.entries,
+                bytes = info.bytes,
+                seconds = t0.elapsed().as_secs_f64(),
+                "checkpoint written"
+            ),
+            Err(e) => tracing::warn!(
+                unit = %self.shared.name,
+                dir = %dir.display(),
+                error = %e,
+                "checkpoint failed"
+            ),
+        }
         match r {
             Ok(info) => Response::Checkpointed(info),
             Err(e) => Response::Error {
@@ -382,6 +471,16 @@ impl Conn {
         found: Vec<Option<stowage_core::Located>>,
     ) -> Response {
         let (found, _) = self.shared.bring_back(found, false);
+        if let Some(m) = &self.shared.metrics {
+            let bytes = found
+                .iter()
+                .map(|f| match f {
+                    Some(Served::Memory(l, _)) => l.len,
+                    _ => 0,
+                })
+                .sum();
+            m.bytes_out(crate::metrics::Transport::Shm, bytes);
+        }
         let mut bad = Vec::new();
         let found = found
             .into_iter()
@@ -537,8 +636,26 @@ impl Conn {
                 error_response(&e)
             }
         };
+        if matches!(resp, Response::Done | Response::Pending) {
+            self.count_in(nbytes);
+        }
         self.reply(id, &resp)?;
         Ok(())
+    }
+
+    /// How this connection streams bytes (for metrics).
+    fn stream_transport(&self) -> crate::metrics::Transport {
+        if self.direct {
+            crate::metrics::Transport::Uds
+        } else {
+            crate::metrics::Transport::Tcp
+        }
+    }
+
+    fn count_in(&self, n: u64) {
+        if let Some(m) = &self.shared.metrics {
+            m.bytes_in(self.stream_transport(), n);
+        }
     }
 
     /// Take `len` payload bytes into the slab at `offset`: what the reader
@@ -627,6 +744,11 @@ impl Conn {
         let r = self.shared.core().commit(owner, ns, blob, &entries);
         let resp = match r {
             Ok(Committed::Pending) => {
+                self.count_in(nbytes);
+                if let Some(m) = &self.shared.metrics {
+                    m.disk_put_bytes
+                        .fetch_add(nbytes, std::sync::atomic::Ordering::Relaxed);
+                }
                 if let Some(w) = writer {
                     let sent = d
                         .flush
@@ -724,7 +846,11 @@ impl Conn {
         if let Some(p) = pin {
             let _ = self.shared.core().unpin(owner, p);
         }
-        if sent? {
+        let sent = sent?;
+        if let Some(m) = &self.shared.metrics {
+            m.bytes_out(self.stream_transport(), total);
+        }
+        if sent {
             // The send set its own timeout: back to the frame timeout.
             self.write_timeout = Duration::ZERO;
             self.set_write_timeout(self.shared.frame_timeout)?;

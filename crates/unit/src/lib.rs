@@ -45,6 +45,8 @@ mod checkpoint;
 mod conn;
 pub mod disk;
 pub mod handler;
+mod http;
+pub mod metrics;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -129,6 +131,16 @@ pub struct UnitConfig {
     /// Listen on TCP beyond loopback without a secret. Without it such a
     /// unit refuses to start.
     pub insecure: bool,
+    /// Record metrics (request counts, latencies, bytes; see
+    /// docs/metrics.md). Default true. Off, the unit records nothing on
+    /// the request path, serves no metrics endpoint, and its stats carry
+    /// no traffic counters.
+    pub metrics: bool,
+    /// Serve the metrics in the Prometheus text format on
+    /// `http://ADDR/metrics`. Default `127.0.0.1:0` (loopback, any free
+    /// port: [`UnitHandle::metrics`] tells which); `None`: no endpoint
+    /// (the metrics are still recorded for stats).
+    pub metrics_listen: Option<SocketAddr>,
 }
 
 impl UnitConfig {
@@ -160,6 +172,8 @@ impl UnitConfig {
             index_budget: None,
             secret: None,
             insecure: false,
+            metrics: true,
+            metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
         }
     }
 }
@@ -240,6 +254,12 @@ pub(crate) struct Shared {
     pub(crate) secret: Option<stowage_wire::auth::Secret>,
     /// Sessions by the token given at Hello.
     pub(crate) sessions: Mutex<std::collections::HashMap<u128, SessionRec>>,
+    /// The unit's name (logs, the metrics' `unit` label).
+    pub(crate) name: String,
+    /// The spill threshold, as a fraction of the slab.
+    pub(crate) high_watermark: f64,
+    /// What the request path records (`None`: metrics are off).
+    pub(crate) metrics: Option<metrics::UnitMetrics>,
 }
 
 /// A session as the server knows it: its id in the core and, for a
@@ -276,6 +296,10 @@ impl Shared {
                     .map_err(|e| stowage_core::CoreError::Invalid(e.to_string()))?;
                 let token = u128::from_le_bytes(b);
                 let id = core.open_session();
+                if let Some(m) = &self.metrics {
+                    m.session_opened();
+                }
+                tracing::info!(unit = %self.name, session = id.0, pid = ?peer.pid, maps, "session opened");
                 sessions.insert(
                     token,
                     SessionRec {
@@ -332,11 +356,16 @@ impl Shared {
         let now = self.now();
         let mut core = self.core();
         for id in gone {
+            let holds = core.session_gone(id, now);
+            if let Some(m) = &self.metrics {
+                m.reclaimed(metrics::Reclaim::ProcessExited, holds);
+            }
             tracing::info!(
+                unit = %self.name,
                 session = id.0,
-                "a cut session's process exited; releasing what it held"
+                holds,
+                "session closed: a cut session's process exited; released what it held"
             );
-            core.session_gone(id, now);
         }
     }
 
@@ -349,6 +378,12 @@ impl Shared {
             s.disk_write_micros = d.io.write_micros.load(Ordering::Relaxed);
             s.disk_read_bytes = d.io.read_bytes.load(Ordering::Relaxed);
             s.disk_read_micros = d.io.read_micros.load(Ordering::Relaxed);
+        }
+        if let Some(m) = &self.metrics {
+            s.ops = m.ops_total();
+            s.bytes_in = m.bytes_total(0);
+            s.bytes_out = m.bytes_total(1);
+            s.busy = m.busy_total();
         }
         s
     }
@@ -489,11 +524,20 @@ pub struct UnitHandle {
     pub uds: Option<PathBuf>,
     /// The bound TCP address (with the real port when 0 was asked).
     pub tcp: Option<SocketAddr>,
+    /// The metrics endpoint's address (`http://ADDR/metrics`).
+    pub metrics: Option<SocketAddr>,
+    registry: Option<Arc<prometheus_client::registry::Registry>>,
 }
 
 impl UnitHandle {
     pub fn instance_id(&self) -> u128 {
         self.shared.instance_id
+    }
+
+    /// The unit's metrics in the Prometheus text format, as its endpoint
+    /// serves them (`None`: metrics are off).
+    pub fn metrics_text(&self) -> Option<String> {
+        self.registry.as_deref().map(metrics::render)
     }
 
     /// Block until the unit is asked to exit (a Shutdown request, or
@@ -525,9 +569,10 @@ impl UnitHandle {
             // Wake the accept loop so it sees the flag.
             let _ = UnixStream::connect(p);
         }
-        if let Some(a) = self.tcp {
-            let _ = std::net::TcpStream::connect_timeout(&a, Duration::from_millis(100));
+        for a in self.tcp.iter().chain(&self.metrics) {
+            let _ = std::net::TcpStream::connect_timeout(a, Duration::from_millis(100));
         }
+        tracing::info!(unit = %self.shared.name, "unit stopped");
     }
 }
 
@@ -658,6 +703,9 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         connections: std::sync::atomic::AtomicUsize::new(0),
         secret: cfg.secret.clone(),
         sessions: Mutex::new(std::collections::HashMap::new()),
+        name: cfg.name.clone(),
+        high_watermark: cfg.high_watermark,
+        metrics: cfg.metrics.then(metrics::UnitMetrics::default),
     });
     if let Some(dir) = &cfg.restore {
         let info =
@@ -687,7 +735,25 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         shared: shared.clone(),
         uds: None,
         tcp: None,
+        metrics: None,
+        registry: None,
     };
+    if cfg.metrics {
+        let registry = Arc::new(metrics::registry(&shared, &cfg.name));
+        if let Some(addr) = cfg.metrics_listen {
+            let l = http::bind(addr).map_err(|err| StartError::Bind {
+                what: format!("metrics endpoint {addr}"),
+                err,
+            })?;
+            handle.metrics = Some(l.local_addr().map_err(StartError::Slab)?);
+            let (sh, r) = (shared.clone(), registry.clone());
+            std::thread::Builder::new()
+                .name("metrics-accept".into())
+                .spawn(move || http::accept(sh, l, r))
+                .map_err(StartError::Slab)?;
+        }
+        handle.registry = Some(registry);
+    }
     if let Some(path) = &cfg.uds {
         let l = bind_uds(path, cfg.allow_other_uids).map_err(|err| StartError::Bind {
             what: path.display().to_string(),
@@ -733,6 +799,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         memory = cfg.memory,
         uds = ?handle.uds,
         tcp = ?handle.tcp,
+        metrics = ?handle.metrics,
         shared_secret = cfg.secret.is_some(),
         instance = format!("{:032x}", shared.instance_id),
         "unit serving"
@@ -785,6 +852,8 @@ fn spiller(shared: Arc<Shared>) {
             break;
         }
         let jobs = shared.core().spill_jobs();
+        let batch_start = Instant::now();
+        let (n_jobs, mut spilled) = (jobs.len(), 0u64);
         for job in jobs {
             let t0 = Instant::now();
             // The core keeps the range allocated until disk_written, even
@@ -799,6 +868,10 @@ fn spiller(shared: Arc<Shared>) {
             match &written {
                 Ok(_) => {
                     d.io.wrote(job.nbytes, t0);
+                    spilled += job.nbytes;
+                    if let Some(m) = &shared.metrics {
+                        m.spilled_bytes.fetch_add(job.nbytes, Ordering::Relaxed);
+                    }
                     failing = false
                 }
                 Err(e) if !failing => {
@@ -808,6 +881,18 @@ fn spiller(shared: Arc<Shared>) {
                 Err(_) => {}
             }
             shared.core().disk_written(job.blob, written.is_ok());
+        }
+        if n_jobs > 0 {
+            if let Some(m) = &shared.metrics {
+                m.spill_batches.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::info!(
+                unit = %shared.name,
+                blobs = n_jobs,
+                bytes = spilled,
+                seconds = batch_start.elapsed().as_secs_f64(),
+                "spill batch"
+            );
         }
         if failing {
             // Do not spin on a failing disk.
@@ -869,6 +954,9 @@ impl Drop for Counted {
 fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, name: &str) {
     if shared.connections.fetch_add(1, Ordering::SeqCst) >= shared.max_connections {
         shared.connections.fetch_sub(1, Ordering::SeqCst);
+        if let Some(m) = &shared.metrics {
+            m.turned_away();
+        }
         let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
         turn_away(
             stream,
@@ -1015,6 +1103,9 @@ impl Shared {
                     self.core().promote_done(blob, r.is_ok());
                     if r.is_ok() {
                         promoted.insert(blob, offset);
+                        if let Some(m) = &self.metrics {
+                            m.promoted_bytes.fetch_add(size as u64, Ordering::Relaxed);
+                        }
                     }
                     r.map(|()| size as u64)
                 }
@@ -1031,6 +1122,9 @@ impl Shared {
                             break;
                         }
                         bytes += len;
+                        if let Some(m) = &self.metrics {
+                            m.disk_streamed_bytes.fetch_add(len, Ordering::Relaxed);
+                        }
                         buffers.insert((blob, offset, len), buf);
                     }
                     r.map(|()| bytes)

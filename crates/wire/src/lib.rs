@@ -728,6 +728,12 @@ mod tests {
                     oldest_hold_ms: 6,
                     orphaned: 7,
                 }],
+                ops: 19,
+                bytes_in: 20,
+                bytes_out: 21,
+                busy: 22,
+                partitions: 23,
+                pinned_bytes: 24,
             }),
             Response::Data {
                 items: vec![

@@ -1,0 +1,713 @@
+//! A unit's metrics: counters and histograms recorded on the request path,
+//! and gauges read from the core at scrape time, exposed in the Prometheus
+//! text format (`prometheus-client`'s encoder) on `GET /metrics`
+//! ([`crate::http`]). Every metric is listed in docs/metrics.md.
+//!
+//! Recording is a few relaxed atomic adds into arrays fixed at start: no
+//! lock, no allocation, no label lookup per request. The registry holds
+//! one [`Collector`] that encodes these atomics and the core's
+//! [`stowage_core::Stats`] when scraped.
+
+use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+use stowage_wire::{ErrorCode, Request};
+
+use crate::Shared;
+
+/// A request kind, as the `op` label names it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Op {
+    Hello,
+    Alloc,
+    Commit,
+    Abort,
+    Resolve,
+    Unpin,
+    ReleaseRows,
+    Put,
+    Read,
+    List,
+    DropPartition,
+    ListPartitions,
+    Stats,
+    Checkpoint,
+    Shutdown,
+    Auth,
+}
+
+const OPS: usize = 16;
+const OP_NAMES: [&str; OPS] = [
+    "hello",
+    "alloc",
+    "commit",
+    "abort",
+    "resolve",
+    "unpin",
+    "release_rows",
+    "put",
+    "get",
+    "list",
+    "drop_partition",
+    "list_partitions",
+    "stats",
+    "checkpoint",
+    "shutdown",
+    "auth",
+];
+
+impl Op {
+    pub(crate) fn of(req: &Request) -> Op {
+        match req {
+            Request::Hello { .. } => Op::Hello,
+            Request::Alloc { .. } => Op::Alloc,
+            Request::Commit { .. } => Op::Commit,
+            Request::Abort { .. } => Op::Abort,
+            Request::Resolve { .. } => Op::Resolve,
+            Request::Unpin { .. } => Op::Unpin,
+            Request::ReleaseRows { .. } => Op::ReleaseRows,
+            Request::Put { .. } => Op::Put,
+            Request::Read { .. } => Op::Read,
+            Request::List { .. } => Op::List,
+            Request::DropPartition { .. } => Op::DropPartition,
+            Request::ListPartitions => Op::ListPartitions,
+            Request::Stats => Op::Stats,
+            Request::Checkpoint { .. } => Op::Checkpoint,
+            Request::Shutdown { .. } => Op::Shutdown,
+            Request::Auth { .. } | Request::Prove { .. } => Op::Auth,
+        }
+    }
+}
+
+const CODES: usize = 7;
+const CODE_NAMES: [&str; CODES] = [
+    "full",
+    "busy",
+    "unknown_blob",
+    "invalid_request",
+    "version_mismatch",
+    "unauthorized",
+    "internal",
+];
+
+fn code_index(c: ErrorCode) -> usize {
+    match c {
+        ErrorCode::Full => 0,
+        ErrorCode::Busy => 1,
+        ErrorCode::UnknownBlob => 2,
+        ErrorCode::InvalidRequest => 3,
+        ErrorCode::VersionMismatch => 4,
+        ErrorCode::Unauthorized => 5,
+        ErrorCode::Internal => 6,
+    }
+}
+
+/// How value bytes moved: copied by the client through its mapping of the
+/// slab (`shm`), or streamed by the unit over the Unix socket (`uds`) or
+/// TCP (`tcp`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Transport {
+    Shm = 0,
+    Uds = 1,
+    Tcp = 2,
+}
+const TRANSPORT_NAMES: [&str; 3] = ["shm", "uds", "tcp"];
+
+/// Why holds were released without their owner asking.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Reclaim {
+    /// The peer closed its connection (it finished or died).
+    Closed = 0,
+    /// The unit cut a connection of a peer that never mapped the slab.
+    Cut = 1,
+    /// The process of a cut session exited.
+    ProcessExited = 2,
+}
+const RECLAIM_NAMES: [&str; 3] = ["closed", "cut", "process_exited"];
+
+/// Request latency bounds, in seconds.
+pub(crate) const LATENCY_BOUNDS: [f64; 19] = [
+    10e-6, 25e-6, 50e-6, 100e-6, 250e-6, 500e-6, 1e-3, 2.5e-3, 5e-3, 10e-3, 25e-3, 50e-3, 0.1,
+    0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+/// Checkpoint duration bounds, in seconds.
+pub(crate) const CHECKPOINT_BOUNDS: [f64; 12] = [
+    0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0,
+];
+
+/// A histogram of durations with fixed bounds: one relaxed atomic add per
+/// bucket, count and sum. Readers may see a bucket and the count of
+/// slightly different moments (as with any lock-free histogram).
+#[derive(Debug)]
+pub struct Histogram {
+    bounds: &'static [f64],
+    bounds_ns: Box<[u64]>,
+    /// Per bucket (not cumulative); the last is +Inf.
+    buckets: Box<[AtomicU64]>,
+    count: AtomicU64,
+    sum_ns: AtomicU64,
+}
+
+impl Histogram {
+    pub fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            bounds_ns: bounds.iter().map(|b| (b * 1e9) as u64).collect(),
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            count: AtomicU64::new(0),
+            sum_ns: AtomicU64::new(0),
+        }
+    }
+
+    pub fn observe(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        let i = self.bounds_ns.partition_point(|&b| b < ns);
+        self.buckets[i].fetch_add(1, Relaxed);
+        self.count.fetch_add(1, Relaxed);
+        self.sum_ns.fetch_add(ns, Relaxed);
+    }
+
+    pub fn count(&self) -> u64 {
+        self.count.load(Relaxed)
+    }
+
+    /// Encode as a Prometheus histogram (seconds).
+    pub fn encode(&self, mut e: prometheus_client::encoding::MetricEncoder) -> fmt::Result {
+        let mut buckets = [(0f64, 0u64); 32];
+        let n = self.buckets.len().min(buckets.len());
+        for (i, slot) in buckets.iter_mut().enumerate().take(n) {
+            let bound = self.bounds.get(i).copied().unwrap_or(f64::INFINITY);
+            *slot = (bound, self.buckets[i].load(Relaxed));
+        }
+        let count: u64 = buckets[..n].iter().map(|(_, c)| c).sum();
+        let sum = self.sum_ns.load(Relaxed) as f64 / 1e9;
+        e.encode_histogram::<NoLabelSet>(sum, count, &buckets[..n], None)
+    }
+}
+
+/// The counters and histograms a unit records while it serves.
+#[derive(Debug)]
+pub struct UnitMetrics {
+    ops: [[AtomicU64; 2]; OPS],
+    latency: [Histogram; OPS],
+    errors: [AtomicU64; CODES],
+    /// Value bytes by transport: [in, out].
+    bytes: [[AtomicU64; 2]; 3],
+    busy: AtomicU64,
+    turned_away: AtomicU64,
+    reclaimed: [AtomicU64; 3],
+    sessions_opened: AtomicU64,
+    pub(crate) spilled_bytes: AtomicU64,
+    pub(crate) spill_batches: AtomicU64,
+    pub(crate) disk_put_bytes: AtomicU64,
+    pub(crate) promoted_bytes: AtomicU64,
+    pub(crate) disk_streamed_bytes: AtomicU64,
+    checkpoints: [AtomicU64; 2],
+    checkpoint_seconds: Histogram,
+}
+
+impl Default for UnitMetrics {
+    fn default() -> Self {
+        Self {
+            ops: Default::default(),
+            latency: std::array::from_fn(|_| Histogram::new(&LATENCY_BOUNDS)),
+            errors: Default::default(),
+            bytes: Default::default(),
+            busy: AtomicU64::new(0),
+            turned_away: AtomicU64::new(0),
+            reclaimed: Default::default(),
+            sessions_opened: AtomicU64::new(0),
+            spilled_bytes: AtomicU64::new(0),
+            spill_batches: AtomicU64::new(0),
+            disk_put_bytes: AtomicU64::new(0),
+            promoted_bytes: AtomicU64::new(0),
+            disk_streamed_bytes: AtomicU64::new(0),
+            checkpoints: Default::default(),
+            checkpoint_seconds: Histogram::new(&CHECKPOINT_BOUNDS),
+        }
+    }
+}
+
+impl UnitMetrics {
+    /// A request of kind `op` was answered (`ok`: not with an error) in `took`.
+    #[inline]
+    pub(crate) fn op(&self, op: Op, ok: bool, took: Duration) {
+        self.ops[op as usize][usize::from(!ok)].fetch_add(1, Relaxed);
+        self.latency[op as usize].observe(took);
+    }
+
+    /// An error answer.
+    #[inline]
+    pub(crate) fn error(&self, code: ErrorCode) {
+        self.errors[code_index(code)].fetch_add(1, Relaxed);
+        if code == ErrorCode::Busy {
+            self.busy.fetch_add(1, Relaxed);
+        }
+    }
+
+    /// A connection refused at accept because the unit had too many.
+    pub(crate) fn turned_away(&self) {
+        self.turned_away.fetch_add(1, Relaxed);
+        self.busy.fetch_add(1, Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn bytes_in(&self, t: Transport, n: u64) {
+        self.bytes[t as usize][0].fetch_add(n, Relaxed);
+    }
+
+    #[inline]
+    pub(crate) fn bytes_out(&self, t: Transport, n: u64) {
+        self.bytes[t as usize][1].fetch_add(n, Relaxed);
+    }
+
+    pub(crate) fn reclaimed(&self, why: Reclaim, holds: u64) {
+        if holds > 0 {
+            self.reclaimed[why as usize].fetch_add(holds, Relaxed);
+        }
+    }
+
+    pub(crate) fn session_opened(&self) {
+        self.sessions_opened.fetch_add(1, Relaxed);
+    }
+
+    pub(crate) fn checkpoint(&self, ok: bool, took: Duration) {
+        self.checkpoints[usize::from(!ok)].fetch_add(1, Relaxed);
+        self.checkpoint_seconds.observe(took);
+    }
+
+    /// Requests answered so far.
+    pub(crate) fn ops_total(&self) -> u64 {
+        self.ops
+            .iter()
+            .flat_map(|o| o.iter())
+            .map(|c| c.load(Relaxed))
+            .sum()
+    }
+
+    pub(crate) fn bytes_total(&self, dir: usize) -> u64 {
+        self.bytes.iter().map(|b| b[dir].load(Relaxed)).sum()
+    }
+
+    pub(crate) fn busy_total(&self) -> u64 {
+        self.busy.load(Relaxed)
+    }
+}
+
+/// The registry of a unit: its metrics under the `stowage_` prefix, each
+/// with the label `unit` (the unit's name).
+pub(crate) fn registry(shared: &Arc<Shared>, name: &str) -> Registry {
+    let mut r = Registry::with_prefix_and_labels(
+        "stowage",
+        [(
+            std::borrow::Cow::Borrowed("unit"),
+            std::borrow::Cow::Owned(name.to_owned()),
+        )]
+        .into_iter(),
+    );
+    r.register_collector(Box::new(UnitCollector {
+        shared: Arc::downgrade(shared),
+    }));
+    r
+}
+
+/// Encodes a unit's metrics at scrape time. Holds the unit weakly: a
+/// stopped unit's registry encodes nothing.
+#[derive(Debug)]
+struct UnitCollector {
+    shared: Weak<Shared>,
+}
+
+fn counter(e: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> fmt::Result {
+    let c = ConstCounter::new(v);
+    c.encode(e.encode_descriptor(name, help, None, MetricType::Counter)?)
+}
+
+fn gauge(e: &mut DescriptorEncoder, name: &str, help: &str, v: f64) -> fmt::Result {
+    let g = ConstGauge::new(v);
+    g.encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
+}
+
+/// One gauge family with one label.
+fn gauges(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: &[(&str, f64)],
+) -> fmt::Result {
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
+    for (l, v) in values {
+        let labels = [(label, *l)];
+        ConstGauge::new(*v).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+/// One counter family with one label.
+fn counters(
+    e: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &str,
+    values: &[(&str, u64)],
+) -> fmt::Result {
+    let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+    for (l, v) in values {
+        let labels = [(label, *l)];
+        ConstCounter::new(*v).encode(m.encode_family(&labels)?)?;
+    }
+    Ok(())
+}
+
+impl Collector for UnitCollector {
+    fn encode(&self, mut e: DescriptorEncoder) -> fmt::Result {
+        let Some(sh) = self.shared.upgrade() else {
+            return Ok(());
+        };
+        let s = sh.stats();
+        let cap = s.capacity as f64;
+        let f = |v: u64| v as f64;
+
+        // Memory.
+        gauge(
+            &mut e,
+            "slab_capacity_bytes",
+            "Bytes of the unit's slab.",
+            cap,
+        )?;
+        gauges(
+            &mut e,
+            "slab_bytes",
+            "Slab bytes by state: used (held by any blob) = reserved + quarantined + committed; pinned (committed blobs someone reads, part of used); free.",
+            "state",
+            &[
+                ("used", f(s.used)),
+                ("reserved", f(s.reserved_bytes)),
+                ("quarantined", f(s.quarantined_bytes)),
+                ("pinned", f(s.pinned_bytes)),
+                ("free", f(s.capacity.saturating_sub(s.used))),
+            ],
+        )?;
+        gauge(
+            &mut e,
+            "slab_high_watermark_bytes",
+            "Past this many used slab bytes the unit spills committed blobs to its disk tier.",
+            sh.high_watermark * cap,
+        )?;
+        gauge(
+            &mut e,
+            "index_bytes",
+            "Bytes the key index takes (commits past the index budget answer UnitFull).",
+            f(s.index_bytes),
+        )?;
+        // Disk tier.
+        gauge(
+            &mut e,
+            "disk_capacity_bytes",
+            "Bytes of the disk tier (0: no disk tier).",
+            f(s.disk_capacity),
+        )?;
+        gauges(
+            &mut e,
+            "disk_bytes",
+            "Disk tier bytes: used (files written or being written) and free.",
+            "state",
+            &[
+                ("used", f(s.disk_used)),
+                ("free", f(s.disk_capacity.saturating_sub(s.disk_used))),
+            ],
+        )?;
+        // Contents.
+        gauge(
+            &mut e,
+            "blobs",
+            "Blobs (reserved, committed, spilled).",
+            f(s.blobs),
+        )?;
+        gauge(
+            &mut e,
+            "spilled_blobs",
+            "Blobs whose bytes are only on the disk tier.",
+            f(s.spilled_blobs),
+        )?;
+        gauge(&mut e, "entries", "Committed values (keys).", f(s.entries))?;
+        gauge(&mut e, "rows", "Rows holding values.", f(s.rows))?;
+        gauge(
+            &mut e,
+            "partitions",
+            "Partitions holding rows (over every namespace).",
+            f(s.partitions),
+        )?;
+        // Holds.
+        let (reservations, pins, orphaned) = s.sessions.iter().fold((0u64, 0u64, 0u64), |a, x| {
+            (
+                a.0 + u64::from(x.reservations),
+                a.1 + u64::from(x.pins),
+                a.2 + u64::from(x.orphaned),
+            )
+        });
+        gauge(&mut e, "pins", "Pins held (blobs being read).", f(s.pins))?;
+        gauges(
+            &mut e,
+            "holds",
+            "Reservations and pins held by client sessions.",
+            "kind",
+            &[("reservation", f(reservations)), ("pin", f(pins))],
+        )?;
+        gauge(
+            &mut e,
+            "held_bytes",
+            "Bytes held by client sessions: reserved ranges and pinned blobs.",
+            f(s.held_bytes),
+        )?;
+        let oldest = s
+            .sessions
+            .iter()
+            .map(|x| x.oldest_hold_ms)
+            .max()
+            .unwrap_or(0);
+        gauge(
+            &mut e,
+            "oldest_hold_age_seconds",
+            "Age of the oldest reservation or pin of any session (0: none).",
+            oldest as f64 / 1e3,
+        )?;
+        gauge(
+            &mut e,
+            "overdue_holds",
+            "Holds older than their lease: reported, never reclaimed while their holder may touch them.",
+            f(s.overdue_holds),
+        )?;
+        gauge(
+            &mut e,
+            "orphaned_holds",
+            "Holds of cut connections of clients that map the slab, kept until their process exits.",
+            f(orphaned),
+        )?;
+        // Sessions and connections.
+        gauge(
+            &mut e,
+            "sessions",
+            "Client sessions with at least one open connection.",
+            s.sessions.iter().filter(|x| x.connections > 0).count() as f64,
+        )?;
+        gauge(
+            &mut e,
+            "connections",
+            "Connections being served.",
+            sh.connections.load(Relaxed) as f64,
+        )?;
+        let Some(m) = sh.metrics.as_ref() else {
+            return Ok(());
+        };
+        counter(
+            &mut e,
+            "sessions_opened",
+            "Client sessions opened since start.",
+            m.sessions_opened.load(Relaxed),
+        )?;
+        // Requests.
+        {
+            let mut d = e.encode_descriptor(
+                "operations",
+                "Requests answered, by kind (op) and outcome (ok, error).",
+                None,
+                MetricType::Counter,
+            )?;
+            for (i, name) in OP_NAMES.iter().enumerate() {
+                for (j, outcome) in ["ok", "error"].iter().enumerate() {
+                    let v = m.ops[i][j].load(Relaxed);
+                    let labels = [("op", *name), ("outcome", *outcome)];
+                    ConstCounter::new(v).encode(d.encode_family(&labels)?)?;
+                }
+            }
+        }
+        {
+            let mut d = e.encode_descriptor(
+                "operation_duration_seconds",
+                "Time from a request's arrival to its answer (for puts and gets, the whole transfer), by kind.",
+                None,
+                MetricType::Histogram,
+            )?;
+            for (i, name) in OP_NAMES.iter().enumerate() {
+                let labels = [("op", *name)];
+                m.latency[i].encode(d.encode_family(&labels)?)?;
+            }
+        }
+        let errors: Vec<(&str, u64)> = CODE_NAMES
+            .iter()
+            .zip(&m.errors)
+            .map(|(n, c)| (*n, c.load(Relaxed)))
+            .collect();
+        counters(
+            &mut e,
+            "errors",
+            "Error answers, by kind (the wire error code).",
+            "kind",
+            &errors,
+        )?;
+        counter(
+            &mut e,
+            "busy_answers",
+            "Busy answers: requests told to retry shortly, and connections refused past the connection cap.",
+            m.busy.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "connections_refused",
+            "Connections refused at accept because the unit had too many.",
+            m.turned_away.load(Relaxed),
+        )?;
+        {
+            let mut d = e.encode_descriptor(
+                "transferred_bytes",
+                "Value bytes moved, by transport (shm: copied by the client through its mapping of the slab; uds, tcp: streamed by the unit) and direction (in: put, out: get).",
+                None,
+                MetricType::Counter,
+            )?;
+            for (i, t) in TRANSPORT_NAMES.iter().enumerate() {
+                for (j, dir) in ["in", "out"].iter().enumerate() {
+                    let labels = [("transport", *t), ("direction", *dir)];
+                    ConstCounter::new(m.bytes[i][j].load(Relaxed))
+                        .encode(d.encode_family(&labels)?)?;
+                }
+            }
+        }
+        let reclaimed: Vec<(&str, u64)> = RECLAIM_NAMES
+            .iter()
+            .zip(&m.reclaimed)
+            .map(|(n, c)| (*n, c.load(Relaxed)))
+            .collect();
+        counters(
+            &mut e,
+            "reclaimed_holds",
+            "Reservations and pins released because their holder went away, by how (closed: the peer closed its connection or died; cut: the unit cut a tcp peer; process_exited: a cut shm peer's process exited).",
+            "reason",
+            &reclaimed,
+        )?;
+        // Disk tier traffic.
+        counter(
+            &mut e,
+            "spilled_bytes",
+            "Bytes copied from the slab to the disk tier past the high watermark.",
+            m.spilled_bytes.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "spill_batches",
+            "Spill batches written (each a run of the spiller past the high watermark).",
+            m.spill_batches.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "disk_put_bytes",
+            "Bytes of puts written straight to the disk tier (the slab had no room).",
+            m.disk_put_bytes.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "promoted_bytes",
+            "Bytes of spilled blobs brought back into the slab for a reader.",
+            m.promoted_bytes.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "disk_streamed_bytes",
+            "Bytes read from the disk tier for a get without bringing them back into the slab.",
+            m.disk_streamed_bytes.load(Relaxed),
+        )?;
+        counters(
+            &mut e,
+            "disk_io_bytes",
+            "Disk tier I/O bytes, by direction.",
+            "direction",
+            &[("write", s.disk_write_bytes), ("read", s.disk_read_bytes)],
+        )?;
+        {
+            let mut d = e.encode_descriptor(
+                "disk_io_seconds",
+                "Time spent in disk tier I/O, by direction.",
+                None,
+                MetricType::Counter,
+            )?;
+            for (dir, us) in [("write", s.disk_write_micros), ("read", s.disk_read_micros)] {
+                let labels = [("direction", dir)];
+                ConstCounter::new(us as f64 / 1e6).encode(d.encode_family(&labels)?)?;
+            }
+        }
+        // Checkpoints.
+        counters(
+            &mut e,
+            "checkpoints",
+            "Checkpoints written, by outcome.",
+            "outcome",
+            &[
+                ("ok", m.checkpoints[0].load(Relaxed)),
+                ("error", m.checkpoints[1].load(Relaxed)),
+            ],
+        )?;
+        m.checkpoint_seconds.encode(e.encode_descriptor(
+            "checkpoint_duration_seconds",
+            "Time to write a checkpoint.",
+            None,
+            MetricType::Histogram,
+        )?)?;
+        gauge(
+            &mut e,
+            "uptime_seconds",
+            "Seconds since the unit started.",
+            sh.started.elapsed().as_secs_f64(),
+        )?;
+        let instance = format!("{:032x}", sh.instance_id);
+        let mut d = e.encode_descriptor(
+            "unit",
+            "The unit's instance id (a new one after every restart).",
+            None,
+            MetricType::Info,
+        )?;
+        d.encode_info(&[("instance", instance.as_str())])?;
+        Ok(())
+    }
+}
+
+/// The registry in the Prometheus text format.
+pub(crate) fn render(r: &Registry) -> String {
+    let mut out = String::with_capacity(16 << 10);
+    if prometheus_client::encoding::prometheus_text::encode(&mut out, r).is_err() {
+        out.clear();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histogram_buckets_by_upper_bound() {
+        let h = Histogram::new(&LATENCY_BOUNDS);
+        h.observe(Duration::from_micros(10)); // le 10 µs
+        h.observe(Duration::from_micros(11)); // le 25 µs
+        h.observe(Duration::from_secs(60)); // +Inf
+        assert_eq!(h.buckets[0].load(Relaxed), 1);
+        assert_eq!(h.buckets[1].load(Relaxed), 1);
+        assert_eq!(h.buckets[LATENCY_BOUNDS.len()].load(Relaxed), 1);
+        assert_eq!(h.count(), 3);
+    }
+
+    #[test]
+    fn every_op_has_a_name() {
+        assert_eq!(Op::Auth as usize, OPS - 1);
+        assert_eq!(OP_NAMES.len(), OPS);
+        assert_eq!(code_index(ErrorCode::Internal), CODES - 1);
+    }
+}
