@@ -373,6 +373,43 @@ class DataPlane:
         ``orphaned``)."""
         return self._client.stats(timeout)
 
+    def metrics(self) -> Dict[str, Any]:
+        """This client's own counters (what the units cannot see): per
+        operation kind (``put``, ``get``, ``clear``, ``view``, ``control``)
+        the calls that succeeded and failed and their latency; Busy answers
+        waited out (``busy_retries``, ``busy_wait_seconds``); waits for
+        memory (``memory_waits``, ``memory_wait_seconds``); value bytes put
+        and got; and per unit the latency of its part of puts and gets.
+        Latencies are ``{"count", "sum_seconds", "buckets"}`` with
+        cumulative ``(upper bound in seconds, count)`` buckets, the last
+        bound ``inf``. ``metrics_text()`` gives the same in the Prometheus
+        text format (docs/metrics.md)."""
+        raw = json.loads(self._client.metrics_json(), parse_constant=float)
+
+        def latency(h: Dict[str, Any]) -> Dict[str, Any]:
+            return {
+                "count": h["count"],
+                "sum_seconds": h["sum_seconds"],
+                "buckets": [(float("inf") if b is None else float(b), n) for b, n in h["buckets"]],
+            }
+
+        out: Dict[str, Any] = {k: v for k, v in raw.items() if k not in ("operations", "units")}
+        out["operations"] = {
+            o["op"]: {"ok": o["ok"], "error": o["error"], "latency": latency(o["latency"])}
+            for o in raw["operations"]
+        }
+        out["units"] = [
+            {"index": u["index"], "address": u["address"], "latency": latency(u["latency"])}
+            for u in raw["units"]
+        ]
+        return out
+
+    def metrics_text(self) -> str:
+        """This client's metrics in the Prometheus text format
+        (``stowage_client_...``), e.g. to serve from the application's own
+        endpoint."""
+        return self._client.metrics_text()
+
     # -- asyncio -------------------------------------------------------------
 
     def checkpoint(self, dir: str, *, timeout: Optional[float] = None) -> List[Dict[str, Any]]:

@@ -535,11 +535,13 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             match metrics_listen.as_deref() {
                 None => {}
                 Some("off" | "none") => cfg.metrics_listen = None,
-                Some(a) => cfg.metrics_listen = Some(a.parse().map_err(|_| {
-                    format!(
+                Some(a) => {
+                    cfg.metrics_listen = Some(a.parse().map_err(|_| {
+                        format!(
                         "--metrics-listen {a:?}: not an address such as 127.0.0.1:9464 (or off)"
                     )
-                })?),
+                    })?)
+                }
             }
             if !listen.is_empty() {
                 cfg.uds = None;

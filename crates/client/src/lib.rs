@@ -49,6 +49,7 @@
 mod conn;
 mod directory;
 mod error;
+pub mod metrics;
 pub mod rows;
 pub mod transport;
 pub mod unit_directory;
@@ -192,6 +193,25 @@ struct Instance {
 pub struct Client {
     cfg: ClientConfig,
     units: Vec<UnitSlot>,
+    metrics: Arc<metrics::ClientMetrics>,
+}
+
+/// A sink that counts the bytes it is handed (for metrics).
+struct Counting<'a> {
+    inner: &'a mut dyn GetSink,
+    bytes: u64,
+}
+
+impl GetSink for Counting<'_> {
+    fn slot(
+        &mut self,
+        index: usize,
+        len: u64,
+        meta: &[u8],
+    ) -> std::result::Result<&mut [u8], String> {
+        self.bytes += len;
+        self.inner.slot(index, len, meta)
+    }
 }
 
 /// A sink that collects values into fresh vectors.
@@ -291,7 +311,12 @@ impl Client {
                 view_conn: Mutex::new(None),
             })
             .collect();
-        let client = Client { cfg, units };
+        let metrics = Arc::new(metrics::ClientMetrics::new(&cfg.units));
+        let client = Client {
+            cfg,
+            units,
+            metrics,
+        };
         let deadline = client.deadline();
         for u in 0..client.units.len() {
             let t = client.open(u, deadline).map_err(|e| match e {
@@ -326,6 +351,30 @@ impl Client {
 
     pub fn config(&self) -> &ClientConfig {
         &self.cfg
+    }
+
+    /// This client's counters now: operations, Busy retries and waits,
+    /// bytes, each unit's latency.
+    pub fn metrics(&self) -> metrics::MetricsSnapshot {
+        self.metrics.snapshot()
+    }
+
+    /// Add this client's metrics (`stowage_client_…`, see docs/metrics.md)
+    /// to `registry`: every scrape of it reads them then.
+    pub fn register_metrics(&self, registry: &mut prometheus_client::registry::Registry) {
+        registry.register_collector(Box::new(metrics::ClientCollector(self.metrics.clone())));
+    }
+
+    /// Run `f` as one operation of kind `op` (counted, timed).
+    pub(crate) fn timed<T>(
+        &self,
+        op: metrics::ClientOp,
+        f: impl FnOnce() -> Result<T>,
+    ) -> Result<T> {
+        let t0 = Instant::now();
+        let r = f();
+        self.metrics.op(op, r.is_ok(), t0.elapsed());
+        r
     }
 
     /// The instance id unit `unit` answered with last (`None`: not reached
@@ -542,6 +591,19 @@ impl Client {
     /// committed, or with the first unit's error (blobs committed on other
     /// units stay committed; retrying with the same ids is idempotent).
     pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
+        self.timed(metrics::ClientOp::Put, || {
+            self.put_blobs(blobs, deadline)?;
+            let bytes = blobs
+                .iter()
+                .flat_map(|b| b.segments.iter())
+                .map(|s| s.len() as u64)
+                .sum();
+            self.metrics.put_bytes(bytes);
+            Ok(())
+        })
+    }
+
+    fn put_blobs(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
         let mut queues: BTreeMap<usize, std::collections::VecDeque<usize>> = BTreeMap::new();
         for (i, b) in blobs.iter().enumerate() {
             if b.unit >= self.units.len() {
@@ -580,10 +642,12 @@ impl Client {
             }
             for (unit, result) in self.put_round(blobs, &round, deadline) {
                 // A full unit is waited on like a busy one, when asked to.
+                let mut full = false;
                 let result = match result {
                     Some(Outcome::Failed(Error::UnitFull { .. }))
                         if wait_until.is_some_and(|w| Instant::now() < w) =>
                     {
+                        full = true;
                         Some(Outcome::Busy)
                     }
                     r => r,
@@ -611,6 +675,7 @@ impl Client {
                                 what: "the unit kept answering Busy".into(),
                             });
                         } else {
+                            self.metrics.retry(full, step);
                             backoff.insert(unit, (step, at));
                         }
                     }
@@ -634,6 +699,7 @@ impl Client {
         round: &[(usize, usize)],
         deadline: Instant,
     ) -> Vec<(usize, Option<Outcome>)> {
+        let t0 = Instant::now();
         let mut results = Vec::with_capacity(round.len());
         let mut active: Vec<(usize, usize, Box<dyn Transport>)> = Vec::with_capacity(round.len());
         for &(unit, i) in round {
@@ -657,6 +723,7 @@ impl Client {
                 match t.advance_put(&blobs[i], deadline) {
                     Ok(true) => {
                         self.checkin(unit, t);
+                        self.metrics.unit_latency(unit, t0.elapsed());
                         results.push((unit, None));
                     }
                     Ok(false) => still.push((unit, i, t)),
@@ -690,6 +757,25 @@ impl Client {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<()> {
+        self.timed(metrics::ClientOp::Get, || {
+            let mut counting = Counting {
+                inner: sink,
+                bytes: 0,
+            };
+            self.get_from_units(partition, keys, &mut counting, deadline)?;
+            self.metrics.got_bytes(counting.bytes);
+            Ok(())
+        })
+    }
+
+    fn get_from_units(
+        &self,
+        partition: &str,
+        keys: &[(usize, Key)],
+        sink: &mut dyn GetSink,
+        deadline: Instant,
+    ) -> Result<()> {
+        let t0 = Instant::now();
         let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
         for (i, (unit, key)) in keys.iter().enumerate() {
             if *unit >= self.units.len() {
@@ -715,6 +801,7 @@ impl Client {
             let (ks, idx) = &by_unit[&unit];
             match t.advance_get(ks, idx, sink, deadline) {
                 Ok(Some(miss)) => {
+                    self.metrics.unit_latency(unit, t0.elapsed());
                     let restarted = !miss.is_empty() && self.take_restart(unit);
                     self.checkin(unit, t);
                     let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
@@ -793,6 +880,17 @@ impl Client {
         rows: &[(usize, u64)],
         deadline: Instant,
     ) -> Result<u64> {
+        self.timed(metrics::ClientOp::Clear, || {
+            self.release_rows_of_units(partition, rows, deadline)
+        })
+    }
+
+    fn release_rows_of_units(
+        &self,
+        partition: &str,
+        rows: &[(usize, u64)],
+        deadline: Instant,
+    ) -> Result<u64> {
         let mut by_unit: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
         for &(unit, row) in rows {
             if unit >= self.units.len() {
@@ -836,8 +934,10 @@ impl Client {
 
     /// Every unit's counters.
     pub fn stats(&self, deadline: Instant) -> Vec<Result<Stats>> {
+        let t0 = Instant::now();
         let reqs = (0..self.units.len()).map(|u| (u, Request::Stats)).collect();
-        self.call_units(reqs, deadline)
+        let all = self
+            .call_units(reqs, deadline)
             .into_iter()
             .map(|(unit, r)| match r? {
                 Response::Stats(s) => Ok(s),
@@ -848,7 +948,11 @@ impl Client {
                     in_flight: false,
                 }),
             })
-            .collect()
+            .collect::<Vec<_>>();
+        let ok = all.iter().all(|r| r.is_ok());
+        self.metrics
+            .op(metrics::ClientOp::Control, ok, t0.elapsed());
+        all
     }
 
     /// Ask every unit to write a checkpoint of everything it holds to

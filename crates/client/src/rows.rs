@@ -765,6 +765,12 @@ impl Client {
     /// Clear every row of `partition` on every unit; returns the entries
     /// removed. Units that are dead hold nothing any more and are skipped.
     pub fn clear_partition(&self, partition: &str, deadline: Instant) -> Result<u64> {
+        self.timed(crate::metrics::ClientOp::Clear, || {
+            self.drop_partition(partition, deadline)
+        })
+    }
+
+    fn drop_partition(&self, partition: &str, deadline: Instant) -> Result<u64> {
         let reqs = (0..self.units.len())
             .map(|u| {
                 (
@@ -897,6 +903,19 @@ impl Client {
     /// Pin `fields` of `keys` and view them in place (shm transport only):
     /// no bytes are copied. See [`View`].
     pub fn view(
+        self: &Arc<Self>,
+        partition: &str,
+        keys: &[RowKey],
+        fields: &[&str],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<View> {
+        self.timed(crate::metrics::ClientOp::View, || {
+            self.make_view(partition, keys, fields, unit, deadline)
+        })
+    }
+
+    fn make_view(
         self: &Arc<Self>,
         partition: &str,
         keys: &[RowKey],

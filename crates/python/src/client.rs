@@ -265,6 +265,7 @@ impl Client {
         instances: Option<Vec<Option<String>>>,
         liveness: Option<Py<PyAny>>,
     ) -> PyResult<Self> {
+        crate::logbridge::install();
         let secret = secret.map(secret_arg).transpose()?;
         let addrs = units
             .iter()
@@ -718,6 +719,22 @@ impl Client {
             .map_err(|e| to_py(py, e, &[]))
     }
 
+    /// This client's own counters (operations, retries, waits, bytes,
+    /// each unit's latency) as JSON.
+    fn metrics_json(&self) -> PyResult<String> {
+        serde_json::to_string(&self.client()?.metrics()).map_err(|e| invalid(e.to_string()))
+    }
+
+    /// This client's metrics in the Prometheus text format.
+    fn metrics_text(&self) -> PyResult<String> {
+        let mut r = prometheus_client::registry::Registry::default();
+        self.client()?.register_metrics(&mut r);
+        let mut out = String::new();
+        prometheus_client::encoding::prometheus_text::encode(&mut out, &r)
+            .map_err(|e| invalid(e.to_string()))?;
+        Ok(out)
+    }
+
     /// Every unit's counters, in unit order.
     #[pyo3(signature = (timeout = None))]
     fn stats<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Bound<'py, PyList>> {
@@ -798,6 +815,12 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
     d.set_item("index_bytes", s.index_bytes)?;
     d.set_item("held_bytes", s.held_bytes)?;
     d.set_item("overdue_holds", s.overdue_holds)?;
+    d.set_item("pinned_bytes", s.pinned_bytes)?;
+    d.set_item("partitions", s.partitions)?;
+    d.set_item("ops", s.ops)?;
+    d.set_item("bytes_in", s.bytes_in)?;
+    d.set_item("bytes_out", s.bytes_out)?;
+    d.set_item("busy", s.busy)?;
     let sessions = PyList::empty(py);
     for x in &s.sessions {
         let e = PyDict::new(py);

@@ -11,6 +11,8 @@
 //!   memory goes to Rust as it is (no copy on the Python side); every
 //!   transfer runs with the GIL released.
 //! * The exceptions ([`errors`]) mirror [`stowage_client::Error`].
+//! * [`logbridge`]: Rust log events to Python's `logging` (logger
+//!   `stowage`).
 //! * [`cluster`]: placement of units over a job's clusters and the config
 //!   file (`stowage.placement`, `stowage.config`).
 
@@ -22,6 +24,7 @@ mod cluster;
 mod directory;
 mod errors;
 mod local;
+mod logbridge;
 mod unit;
 
 /// Run the `stowage` command line with `argv` (the first item is the
@@ -53,6 +56,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(directory::host_id, m)?)?;
     m.add_function(wrap_pyfunction!(directory::resolve_directory, m)?)?;
     m.add_class::<unit::Unit>()?;
+    m.add_function(wrap_pyfunction!(logbridge::route_logs, m)?)?;
     errors::register(m)?;
     cluster::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;

@@ -51,6 +51,7 @@ impl LocalPlane {
         start_timeout: f64,
         secret: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        crate::logbridge::install();
         if units == 0 {
             return Err(invalid("a local plane needs at least one unit"));
         }

@@ -42,6 +42,7 @@ pub(crate) struct Unit {
     instance_id: u128,
     uds: PathBuf,
     tcp: Option<std::net::SocketAddr>,
+    metrics: Option<std::net::SocketAddr>,
 }
 
 struct Running {
@@ -102,6 +103,7 @@ impl Unit {
         secret = None,
         secret_file = None,
         insecure = false,
+        metrics_listen = None,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -125,8 +127,19 @@ impl Unit {
         secret: Option<&Bound<'_, PyAny>>,
         secret_file: Option<PathBuf>,
         insecure: bool,
+        metrics_listen: Option<String>,
     ) -> PyResult<Self> {
+        crate::logbridge::install();
         let mut cfg = UnitConfig::new(name, size_arg(memory)?);
+        match metrics_listen.as_deref() {
+            None => {}
+            Some("off") => cfg.metrics_listen = None,
+            Some(a) => cfg.metrics_listen = Some(a.parse().map_err(|_| {
+                invalid(format!(
+                    "metrics_listen {a:?}: not an address such as \"127.0.0.1:9464\" (or \"off\")"
+                ))
+            })?),
+        }
         cfg.tcp = tcp.as_deref().map(tcp_arg).transpose()?;
         cfg.reservation_lease = seconds("reservation_lease", reservation_lease)?;
         cfg.pin_lease = seconds("pin_lease", pin_lease)?;
@@ -187,6 +200,7 @@ impl Unit {
             .map_err(|e| PyErr::new::<Error, _>(format!("the unit could not start: {e}")))?;
         Ok(Self {
             secret: secret_for_admin,
+            metrics: handle.metrics,
             instance_id: handle.instance_id(),
             uds: handle
                 .uds
@@ -217,6 +231,20 @@ impl Unit {
     #[getter]
     fn tcp_addr(&self) -> Option<String> {
         self.tcp.map(|a| UnitAddr::Tcp(a).to_string())
+    }
+
+    /// The metrics endpoint, `http://ip:port/metrics`; None without one.
+    #[getter]
+    fn metrics_url(&self) -> Option<String> {
+        self.metrics.map(|a| format!("http://{a}/metrics"))
+    }
+
+    /// The unit's metrics in the Prometheus text format (what its
+    /// endpoint serves); None once stopped.
+    fn metrics_text(&self) -> Option<String> {
+        lock(&self.running)
+            .as_ref()
+            .and_then(|r| r.handle.metrics_text())
     }
 
     /// The id of the process the unit runs in (this one).

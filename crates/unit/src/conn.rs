@@ -531,7 +531,10 @@ impl Conn {
         // of its session) may copy by itself: its holds follow the rules
         // for direct peers.
         let maps = want_fd && self.direct;
-        let (token, owner) = match self.shared.join_session(session, self.peer, maps) {
+        let (token, owner) = match self
+            .shared
+            .join_session(session, self.peer, maps, &namespace)
+        {
             Ok(j) => j,
             Err(e) => {
                 self.reply(id, &error_response(&e))?;

@@ -282,6 +282,7 @@ impl Shared {
         token: Option<u128>,
         peer: conn::Peer,
         maps: bool,
+        namespace: &str,
     ) -> Result<(u128, stowage_core::Owner), stowage_core::CoreError> {
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         let mut core = self.core();
@@ -299,7 +300,7 @@ impl Shared {
                 if let Some(m) = &self.metrics {
                     m.session_opened();
                 }
-                tracing::info!(unit = %self.name, session = id.0, pid = ?peer.pid, maps, "session opened");
+                tracing::info!(unit = %self.name, session = id.0, namespace, pid = ?peer.pid, maps, "session opened");
                 sessions.insert(
                     token,
                     SessionRec {

@@ -1,0 +1,217 @@
+//! `stowage status` against real unit processes: live, stopped (SIGSTOP),
+//! continued, killed and restarted units; and the units' logs at the
+//! default level and as JSON.
+
+mod common;
+
+use std::io::Read;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{binary, client, plane, Kind};
+use rustix::process::Signal;
+use stowage_client::Key;
+
+/// Run `stowage status --json` with `args` and parse its one report.
+fn status(args: &[&str]) -> serde_json::Value {
+    let out = Command::new(binary())
+        .arg("status")
+        .arg("--json")
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .expect("stowage status runs");
+    assert!(
+        out.status.success(),
+        "status failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8(out.stdout).expect("utf-8");
+    let line = text.lines().next().expect("one report");
+    serde_json::from_str(line).unwrap_or_else(|e| panic!("{e}: {line}"))
+}
+
+fn states(report: &serde_json::Value) -> Vec<String> {
+    report["units"]
+        .as_array()
+        .expect("units")
+        .iter()
+        .map(|u| u["state"].as_str().expect("state").to_owned())
+        .collect()
+}
+
+#[test]
+fn status_reports_live_stopped_continued_killed_and_restarted_units() {
+    let (mut p, opts) = plane(3, 16 << 20, &[]);
+    let c = client(&p, Kind::Shm, Duration::from_secs(10));
+    let values: Vec<(Key, Vec<u8>)> = (0..30u64)
+        .map(|r| (Key::new(r, "x"), vec![r as u8; 4096]))
+        .collect();
+    let refs: Vec<(Key, &[u8])> = values.iter().map(|(k, v)| (k.clone(), &v[..])).collect();
+    c.put_rows(&refs, c.deadline()).expect("put");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dir_file = dir.path().join("dir.json");
+    std::fs::write(&dir_file, p.directory().to_json()).expect("directory written");
+    let dir_arg = dir_file.to_str().expect("utf-8");
+
+    // All up, with what they hold.
+    let r = status(&["--directory", dir_arg, "--interval", "200ms"]);
+    assert_eq!(states(&r), ["up", "up", "up"], "{r}");
+    assert_eq!(r["total"]["rows"], 30, "{r}");
+    assert_eq!(r["total"]["memory_capacity"], 3 * (16u64 << 20), "{r}");
+    for u in r["units"].as_array().unwrap() {
+        assert_eq!(u["rows"], 10, "{u}");
+        assert!(u["memory_used"].as_u64().unwrap() >= 10 * 4096, "{u}");
+        // status's own stats requests are operations too.
+        assert!(u["ops_per_s"].as_f64().unwrap() > 0.0, "{u}");
+    }
+
+    // A stopped unit: unreachable within the timeout, the others up. The
+    // command returns (a hang would fail the test at its own timeout).
+    p.units[1].signal(Signal::STOP).expect("SIGSTOP");
+    let r = status(&[
+        "--directory",
+        dir_arg,
+        "--interval",
+        "200ms",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(states(&r), ["up", "unreachable", "up"], "{r}");
+    assert_eq!(r["total"]["unreachable"], 1, "{r}");
+    assert!(r["units"][1]["error"].is_string(), "{r}");
+
+    // Continued, it is up again, with the same instance.
+    p.units[1].signal(Signal::CONT).expect("SIGCONT");
+    let r = status(&["--directory", dir_arg, "--interval", "200ms"]);
+    assert_eq!(states(&r), ["up", "up", "up"], "{r}");
+
+    // Killed: unreachable.
+    p.kill9(2);
+    let r = status(&[
+        "--directory",
+        dir_arg,
+        "--interval",
+        "200ms",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(states(&r), ["up", "up", "unreachable"], "{r}");
+
+    // Restarted on the same socket: another instance than the directory's.
+    p.restart(2, &opts).expect("restart");
+    let r = status(&["--directory", dir_arg, "--interval", "200ms"]);
+    assert_eq!(states(&r), ["up", "up", "restarted"], "{r}");
+    assert_eq!(r["units"][2]["rows"], 0, "{r}");
+
+    // Addresses instead of a directory; the table form has a total line.
+    let addrs: Vec<String> = p.uds_addrs().iter().map(|a| a.to_string()).collect();
+    let out = Command::new(binary())
+        .arg("status")
+        .args(&addrs)
+        .args(["--interval", "100ms"])
+        .output()
+        .expect("status runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert_eq!(text.lines().count(), 1 + 3 + 1, "{text}");
+    assert!(text.lines().last().unwrap().starts_with("total"), "{text}");
+    p.stop();
+}
+
+/// Start one unit with `env`, run puts and gets against it, stop it, and
+/// return what it logged on stderr.
+fn unit_log(env: &[(&str, &str)], extra: &[&str]) -> String {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let sock = dir.path().join("u.sock");
+    let mut cmd = Command::new(binary());
+    cmd.args([
+        "unit",
+        "--no-mlock",
+        "--memory",
+        "16MiB",
+        "--exit-with-stdin",
+    ])
+    .arg("--listen")
+    .arg(format!("unix:{}", sock.display()))
+    .args(extra)
+    .env_remove("RUST_LOG")
+    .env_remove("STOWAGE_LOG_FORMAT")
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let mut child = cmd.spawn().expect("unit starts");
+    let mut stdout = child.stdout.take().unwrap();
+    let mut line = Vec::new();
+    let mut b = [0u8; 1];
+    while stdout.read(&mut b).unwrap_or(0) == 1 && b[0] != b'\n' {
+        line.push(b[0]);
+    }
+    assert!(
+        line.starts_with(b"READY"),
+        "{}",
+        String::from_utf8_lossy(&line)
+    );
+    {
+        let mut cfg = stowage_client::ClientConfig::new(
+            "logs",
+            vec![stowage_client::UnitAddr::Unix(sock.clone())],
+        );
+        cfg.timeout = Duration::from_secs(10);
+        let c = stowage_client::Client::connect(cfg).expect("connect");
+        for i in 0..100u64 {
+            let v = vec![i as u8; 1000];
+            c.put_rows(&[(Key::new(i, "f"), &v[..])], c.deadline())
+                .expect("put");
+            assert_eq!(c.get_rows(&[Key::new(i, "f")], c.deadline()).unwrap()[0], v);
+        }
+        c.clear_rows(&(0..100).collect::<Vec<_>>(), c.deadline())
+            .expect("clear");
+    }
+    drop(child.stdin.take()); // the unit exits when its stdin closes
+    let out = child.wait_with_output().expect("unit exits");
+    String::from_utf8(out.stderr).expect("utf-8 log")
+}
+
+#[test]
+fn the_default_log_has_lifecycle_lines_and_none_per_operation() {
+    let log = unit_log(&[], &[]);
+    assert!(log.contains("unit serving"), "{log}");
+    assert!(log.contains("session opened"), "{log}");
+    assert!(log.contains("session closed"), "{log}");
+    assert!(log.contains("unit stopped"), "{log}");
+    // 300 operations, and a handful of lines: none of them per operation.
+    let lines = log.lines().count();
+    assert!(lines < 20, "{lines} lines for 300 operations:\n{log}");
+    assert!(!log.contains("DEBUG") && !log.contains("TRACE"), "{log}");
+}
+
+#[test]
+fn json_logs_parse_and_carry_the_unit_and_session() {
+    for (env, extra) in [
+        (vec![("STOWAGE_LOG_FORMAT", "json")], vec![]),
+        (vec![], vec!["--log-format", "json"]),
+    ] {
+        let log = unit_log(&env, &extra);
+        let events: Vec<serde_json::Value> = log
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+            .collect();
+        let opened = events
+            .iter()
+            .find(|e| e["fields"]["message"] == "session opened")
+            .unwrap_or_else(|| panic!("no session opened in {log}"));
+        assert_eq!(opened["level"], "INFO", "{opened}");
+        assert_eq!(opened["fields"]["unit"], "unit-0", "{opened}");
+        assert!(opened["fields"]["session"].is_u64(), "{opened}");
+        let closed = events
+            .iter()
+            .find(|e| e["fields"]["message"] == "session closed")
+            .unwrap_or_else(|| panic!("no session closed in {log}"));
+        assert_eq!(closed["fields"]["namespace"], "logs", "{closed}");
+        assert!(events.len() < 20, "{log}");
+    }
+}
