@@ -512,12 +512,22 @@ def _register() -> None:
             gidx = list(metadata.global_indexes)
             n = len(gidx)
             rows: Dict[str, List[Any]] = {f: [None] * n for f in fields}
+            owned = True
             for p, positions in _groups(metadata).items():
                 keys = [gidx[i] for i in positions]
                 try:
+                    got = None
                     if self._shm:
-                        got = client.get_view(p, keys, fields, None, None, True)
-                    else:
+                        # Read in place (one copy, into the packed result);
+                        # values in the disk tier that the slab has no room
+                        # to bring back need a copying get.
+                        try:
+                            got = client.get_view(p, keys, fields, None, None, True)
+                            owned = False
+                        except stowage.TransferFailed as e:
+                            if e.in_flight:
+                                raise
+                    if got is None:
                         got = client.get(p, keys, fields, None, None, True)
                 except stowage.NotFound as e:
                     raise _not_found(p, e) from e
@@ -534,7 +544,7 @@ def _register() -> None:
                 for i in range(n):
                     if (backend_meta[i] or {}).get(f) == _PICKLE_TAG:
                         col[i] = _unpickled(col[i], f"row {gidx[i]} field {f!r}")
-                out[f] = _pack(col, owned=not self._shm)
+                out[f] = _pack(col, owned=owned)
             return out
 
         # -- clear --------------------------------------------------------
