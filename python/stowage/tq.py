@@ -348,7 +348,7 @@ def _encode_rows(name: str, col: Any, n: int) -> Tuple[Any, bool]:
         values = col.tolist()
         if not isinstance(values, list) or len(values) != n:
             values = [col.data] * n if isinstance(col, NonTensorData) else list(values)
-    elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf" and col.dtype != np.float16:
+    elif isinstance(col, np.ndarray) and col.dtype.kind in "biuf":
         return np.ascontiguousarray(col), False
     else:
         values = list(col)

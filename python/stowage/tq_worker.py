@@ -45,8 +45,14 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
 
 class _ThenRegister(importlib.abc.Loader):
+    """The package's own loader (resource readers and all), plus the import
+    of stowage.tq once the package has run."""
+
     def __init__(self, inner: Any) -> None:
         self._inner = inner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
 
     def create_module(self, spec: Any) -> Any:
         return self._inner.create_module(spec)
