@@ -45,6 +45,7 @@ from ._native import (
     Timeout,
     TransferFailed,
     Unauthorized,
+    Unreachable,
     UnitFull,
 )
 from . import config, placement  # stowage.config.load, stowage.placement.*
@@ -64,6 +65,7 @@ __all__ = [
     "TransferFailed",
     "Unauthorized",
     "UnitFull",
+    "Unreachable",
     "connect",
     "local",
     "__version__",

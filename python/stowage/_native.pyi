@@ -45,6 +45,9 @@ class NotFound(Error):
 
 class InvalidRequest(Error): ...
 class Unauthorized(Error): ...
+class Unreachable(Error):
+    address: str
+    reason: str
 
 def host_id() -> str: ...
 def resolve_directory(

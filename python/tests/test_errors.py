@@ -204,3 +204,26 @@ def test_timeout_when_a_unit_stops_answering_and_gil_is_released(part):
         assert 0.9 < elapsed < 10
         assert spins > 10_000
         assert same(plane.get(part, [0], ["x"])["x"][0], np.arange(4))
+
+
+def test_an_unreachable_unit_is_its_own_error_in_plain_words(tmp_path):
+    missing = tmp_path / "nothing.sock"
+    with pytest.raises(stowage.Unreachable) as e:
+        stowage.connect([f"unix:{missing}"], timeout=2)
+    err = e.value
+    assert err.unit == 0 and err.address == f"unix:{missing}" and err.retryable
+    text = str(err)
+    assert text.startswith(f"cannot reach unit 0 at unix:{missing}: "), text
+    assert "No such file or directory" in text
+    # No Rust debug formatting in what users read.
+    for debug in ("Broken(", "Some(", "BlobId(", "Timeout {"):
+        assert debug not in text, text
+    # A tcp port where nothing listens: refused, same type.
+    import socket
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    with pytest.raises(stowage.Unreachable, match="refused"):
+        stowage.connect([f"tcp:127.0.0.1:{port}"], timeout=2)

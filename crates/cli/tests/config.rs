@@ -264,3 +264,28 @@ fn a_config_that_listens_beyond_loopback_without_a_secret_is_refused() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("memroy"), "{err}");
 }
+
+#[test]
+fn control_commands_say_what_is_wrong_in_plain_words() {
+    let dir = tempfile::tempdir().unwrap();
+    let missing = dir.path().join("nothing.sock");
+    let out = Command::new(binary())
+        .arg("stats")
+        .arg(format!("unix:{}", missing.display()))
+        .env_remove("STOWAGE_SECRET")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains(&format!(
+            "cannot reach unit 0 at unix:{}",
+            missing.display()
+        )),
+        "{err}"
+    );
+    assert!(err.contains("No such file or directory"), "{err}");
+    for debug in ["Broken(", "Some(", "BlobId(", "Io("] {
+        assert!(!err.contains(debug), "Rust debug formatting in {err}");
+    }
+}

@@ -13,7 +13,11 @@ pub enum Error {
     /// A transfer or a control call failed, but the unit still has whatever
     /// it had: the operation may be retried. `in_flight`: bytes of a put may
     /// still be travelling to the unit.
-    #[error("transfer to unit {unit} failed ({reason}); blobs {blobs:?}, in_flight={in_flight}")]
+    #[error(
+        "transfer to unit {unit} failed ({reason}); blobs {}{}",
+        blob_list(blobs),
+        if *in_flight { "; bytes may still be in flight" } else { "" }
+    )]
     TransferFailed {
         unit: usize,
         blobs: Vec<BlobId>,
@@ -32,7 +36,7 @@ pub enum Error {
     },
     /// The deadline passed before the unit answered (or while it kept
     /// answering Busy).
-    #[error("deadline passed waiting for unit {unit:?}: {what}")]
+    #[error("deadline passed waiting for {}: {what}", unit.map_or_else(|| "the units".to_owned(), |u| format!("unit {u}")))]
     Timeout { unit: Option<usize>, what: String },
     /// Keys that are not stored (every missing key is named; `named` as
     /// the caller named them).
@@ -67,10 +71,30 @@ pub enum Error {
     /// The unit refused the connection.
     #[error("unauthorized: {0}")]
     Unauthorized(String),
-    /// A local I/O failure that is none of the above (e.g. no unit address
-    /// could be opened at connect time).
+    /// Nothing answered at a unit's address when the client connected (no
+    /// process listens there, the host is unreachable, or it did not
+    /// answer in time). Its data, if any, is not known to be lost: check
+    /// the address, or that the unit runs.
+    #[error("cannot reach unit {unit} at {addr}: {reason}")]
+    Unreachable {
+        unit: usize,
+        addr: String,
+        reason: String,
+    },
+    /// A local I/O failure that is none of the above.
     #[error("i/o: {0}")]
     Io(String),
+}
+
+fn blob_list(blobs: &[BlobId]) -> String {
+    if blobs.is_empty() {
+        return "none".into();
+    }
+    let mut s: Vec<String> = blobs.iter().take(4).map(|b| b.to_string()).collect();
+    if blobs.len() > 4 {
+        s.push(format!("… {} more", blobs.len() - 4));
+    }
+    s.join(", ")
 }
 
 fn preview(keys: &[String]) -> String {
@@ -92,7 +116,10 @@ impl Error {
     pub fn is_retryable(&self) -> bool {
         matches!(
             self,
-            Error::TransferFailed { .. } | Error::Timeout { .. } | Error::UnitFull { .. }
+            Error::TransferFailed { .. }
+                | Error::Timeout { .. }
+                | Error::UnitFull { .. }
+                | Error::Unreachable { .. }
         )
     }
 }

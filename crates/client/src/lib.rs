@@ -320,10 +320,11 @@ impl Client {
         let deadline = client.deadline();
         for u in 0..client.units.len() {
             let t = client.open(u, deadline).map_err(|e| match e {
-                OpFailure::Conn { error, .. } => Error::Io(format!(
-                    "cannot reach unit {u} at {}: {error:?}",
-                    client.units[u].addr
-                )),
+                OpFailure::Conn { error, .. } => Error::Unreachable {
+                    unit: u,
+                    addr: client.units[u].addr.to_string(),
+                    reason: error.to_string(),
+                },
                 OpFailure::Unit { code, message } => unit_error(u, code, message, vec![]),
                 OpFailure::Corrupt { .. } => {
                     Error::Io(format!("unit {u}: unexpected reply at connect"))

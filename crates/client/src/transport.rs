@@ -46,6 +46,16 @@ pub enum ConnFailure {
     Protocol(String),
 }
 
+impl std::fmt::Display for ConnFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ConnFailure::Timeout => f.write_str("no answer before the deadline"),
+            ConnFailure::Broken(m) => write!(f, "connection failed: {m}"),
+            ConnFailure::Protocol(m) => write!(f, "protocol error: {m}"),
+        }
+    }
+}
+
 impl OpFailure {
     pub(crate) fn conn(e: ConnError, in_flight: bool) -> Self {
         let error = match e {

@@ -82,6 +82,13 @@ pub type Time = Duration;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct BlobId(pub u128);
 
+impl std::fmt::Display for BlobId {
+    /// 32 hex digits, as logs and directories write ids.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
 /// A pin taken by [`UnitCore::resolve`]. Not guessable: drawn from a keyed
 /// pseudo-random function ([`CoreConfig::id_key`]), never sequential.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

@@ -54,6 +54,12 @@ create_exception!(
 );
 create_exception!(
     stowage,
+    Unreachable,
+    Error,
+    "Nothing answered at a unit's address when connecting (no unit runs there, its host is unreachable, or it did not answer in time); retryable. Attributes: unit, address, reason."
+);
+create_exception!(
+    stowage,
     Unauthorized,
     Error,
     "A unit refused the connection."
@@ -73,6 +79,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NotFound", py.get_type::<NotFound>())?;
     m.add("InvalidRequest", py.get_type::<InvalidRequest>())?;
     m.add("Unauthorized", py.get_type::<Unauthorized>())?;
+    m.add("Unreachable", py.get_type::<Unreachable>())?;
     Ok(())
 }
 
@@ -148,6 +155,16 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
         ),
         ClientError::InvalidRequest(_) => with_attrs::<InvalidRequest>(py, message, retryable, &[]),
         ClientError::Unauthorized(_) => with_attrs::<Unauthorized>(py, message, retryable, &[]),
+        ClientError::Unreachable { unit, addr, reason } => with_attrs::<Unreachable>(
+            py,
+            message,
+            retryable,
+            &[
+                ("unit", obj(py, unit)),
+                ("address", obj(py, addr)),
+                ("reason", obj(py, reason)),
+            ],
+        ),
         _ => with_attrs::<Error>(py, message, retryable, &[]),
     }
 }
