@@ -158,8 +158,11 @@ fn ask(c: &Client, timeout: Duration) -> Sample {
 }
 
 fn failed(e: Error) -> Sample {
-    // Each worker's client has one unit: its index there means nothing here.
-    let text = e.to_string().replace("unit 0 at ", "the unit at ");
+    let text = match e {
+        // Each worker's client has one unit: its index there means nothing.
+        Error::Unreachable { reason, .. } => format!("unreachable: {reason}"),
+        e => e.to_string().replace("unit 0 at ", "the unit at "),
+    };
     // The unit's connection cap: it answered, with Busy.
     if text.contains("too many connections") {
         Sample::Busy(text)
