@@ -367,13 +367,14 @@ impl Client {
     }
 
     /// Run `f` as one operation of kind `op` (counted, timed).
+    /// `f` gets the operation's start (for the units' latencies).
     pub(crate) fn timed<T>(
         &self,
         op: metrics::ClientOp,
-        f: impl FnOnce() -> Result<T>,
+        f: impl FnOnce(Instant) -> Result<T>,
     ) -> Result<T> {
         let t0 = Instant::now();
-        let r = f();
+        let r = f(t0);
         self.metrics.op(op, r.is_ok(), t0.elapsed());
         r
     }
@@ -592,8 +593,8 @@ impl Client {
     /// committed, or with the first unit's error (blobs committed on other
     /// units stay committed; retrying with the same ids is idempotent).
     pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
-        self.timed(metrics::ClientOp::Put, || {
-            self.put_blobs(blobs, deadline)?;
+        self.timed(metrics::ClientOp::Put, |t0| {
+            self.put_blobs(blobs, deadline, t0)?;
             let bytes = blobs
                 .iter()
                 .flat_map(|b| b.segments.iter())
@@ -604,7 +605,7 @@ impl Client {
         })
     }
 
-    fn put_blobs(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
+    fn put_blobs(&self, blobs: &[BlobPut<'_>], deadline: Instant, t0: Instant) -> Result<()> {
         let mut queues: BTreeMap<usize, std::collections::VecDeque<usize>> = BTreeMap::new();
         for (i, b) in blobs.iter().enumerate() {
             if b.unit >= self.units.len() {
@@ -641,7 +642,7 @@ impl Client {
                 std::thread::sleep(next.saturating_duration_since(now));
                 continue;
             }
-            for (unit, result) in self.put_round(blobs, &round, deadline) {
+            for (unit, result) in self.put_round(blobs, &round, deadline, t0) {
                 // A full unit is waited on like a busy one, when asked to.
                 let mut full = false;
                 let result = match result {
@@ -699,8 +700,8 @@ impl Client {
         blobs: &[BlobPut<'_>],
         round: &[(usize, usize)],
         deadline: Instant,
+        t0: Instant,
     ) -> Vec<(usize, Option<Outcome>)> {
-        let t0 = Instant::now();
         let mut results = Vec::with_capacity(round.len());
         let mut active: Vec<(usize, usize, Box<dyn Transport>)> = Vec::with_capacity(round.len());
         for &(unit, i) in round {
@@ -758,12 +759,12 @@ impl Client {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<()> {
-        self.timed(metrics::ClientOp::Get, || {
+        self.timed(metrics::ClientOp::Get, |t0| {
             let mut counting = Counting {
                 inner: sink,
                 bytes: 0,
             };
-            self.get_from_units(partition, keys, &mut counting, deadline)?;
+            self.get_from_units(partition, keys, &mut counting, deadline, t0)?;
             self.metrics.got_bytes(counting.bytes);
             Ok(())
         })
@@ -775,8 +776,8 @@ impl Client {
         keys: &[(usize, Key)],
         sink: &mut dyn GetSink,
         deadline: Instant,
+        t0: Instant,
     ) -> Result<()> {
-        let t0 = Instant::now();
         let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
         for (i, (unit, key)) in keys.iter().enumerate() {
             if *unit >= self.units.len() {
@@ -881,7 +882,7 @@ impl Client {
         rows: &[(usize, u64)],
         deadline: Instant,
     ) -> Result<u64> {
-        self.timed(metrics::ClientOp::Clear, || {
+        self.timed(metrics::ClientOp::Clear, |_| {
             self.release_rows_of_units(partition, rows, deadline)
         })
     }

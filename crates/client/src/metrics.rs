@@ -179,6 +179,23 @@ impl ClientMetrics {
     }
 }
 
+/// What recording one call costs the client, on average over `iters`
+/// calls (one thread): the clock reads, its kind, outcome and latency,
+/// one unit's latency and its bytes. `stowage bench` prints it.
+pub fn recording_cost(iters: u32) -> Duration {
+    let m = ClientMetrics::new(&[crate::UnitAddr::Unix("/u".into())]);
+    let iters = iters.max(1);
+    let t0 = std::time::Instant::now();
+    for i in 0..iters {
+        let start = std::time::Instant::now();
+        m.put_bytes(std::hint::black_box(65536 + u64::from(i & 1)));
+        m.unit_latency(0, start.elapsed());
+        m.op(ClientOp::Put, true, start.elapsed());
+    }
+    std::hint::black_box(&m);
+    t0.elapsed() / iters
+}
+
 /// A client's counters at one moment ([`ClientMetrics::snapshot`]).
 #[derive(Clone, Debug, Serialize)]
 pub struct MetricsSnapshot {

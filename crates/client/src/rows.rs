@@ -765,7 +765,7 @@ impl Client {
     /// Clear every row of `partition` on every unit; returns the entries
     /// removed. Units that are dead hold nothing any more and are skipped.
     pub fn clear_partition(&self, partition: &str, deadline: Instant) -> Result<u64> {
-        self.timed(crate::metrics::ClientOp::Clear, || {
+        self.timed(crate::metrics::ClientOp::Clear, |_| {
             self.drop_partition(partition, deadline)
         })
     }
@@ -910,7 +910,7 @@ impl Client {
         unit: Option<usize>,
         deadline: Instant,
     ) -> Result<View> {
-        self.timed(crate::metrics::ClientOp::View, || {
+        self.timed(crate::metrics::ClientOp::View, |_| {
             self.make_view(partition, keys, fields, unit, deadline)
         })
     }

@@ -134,11 +134,13 @@ impl Unit {
         match metrics_listen.as_deref() {
             None => {}
             Some("off") => cfg.metrics_listen = None,
-            Some(a) => cfg.metrics_listen = Some(a.parse().map_err(|_| {
-                invalid(format!(
+            Some(a) => {
+                cfg.metrics_listen = Some(a.parse().map_err(|_| {
+                    invalid(format!(
                     "metrics_listen {a:?}: not an address such as \"127.0.0.1:9464\" (or \"off\")"
                 ))
-            })?),
+                })?)
+            }
         }
         cfg.tcp = tcp.as_deref().map(tcp_arg).transpose()?;
         cfg.reservation_lease = seconds("reservation_lease", reservation_lease)?;

@@ -46,6 +46,9 @@ struct Conn {
     scratch: Vec<u8>,
     /// The current request was answered with an error (for metrics).
     failed: bool,
+    /// When the current request's frame began to arrive (its deadline's
+    /// base, and its latency's start: one clock read for both).
+    frame_start: Instant,
 }
 
 /// Serve one connection until it ends.
@@ -77,6 +80,7 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         out: Vec::with_capacity(4096),
         scratch: Vec::new(),
         failed: false,
+        frame_start: Instant::now(),
     };
     let end = match c.run() {
         Ok(()) => stowage_core::ConnEnd::Closed,
@@ -164,7 +168,8 @@ impl Conn {
                 if self.reader.fill_buf()?.is_empty() {
                     return Ok(());
                 }
-                self.reader.get_mut().deadline = Some(Instant::now() + self.shared.frame_timeout);
+                self.frame_start = Instant::now();
+                self.reader.get_mut().deadline = Some(self.frame_start + self.shared.frame_timeout);
             } else {
                 // The handshake, from accept to Hello, within one frame
                 // timeout.
@@ -292,11 +297,21 @@ impl Conn {
             return self.handle_request(id, req, payload_len);
         }
         let op = crate::metrics::Op::of(&req);
-        let t0 = Instant::now();
+        // Before the gate opens, frames are not timed from their start.
+        if !self.gate.is_open() {
+            self.frame_start = Instant::now();
+        }
         self.failed = false;
         let r = self.handle_request(id, req, payload_len);
         if let Some(m) = &self.shared.metrics {
-            m.op(op, r.is_ok() && !self.failed, t0.elapsed());
+            let ok = r.is_ok() && !self.failed;
+            if op == crate::metrics::Op::Unpin {
+                // A release the client sends and does not wait for
+                // (same-host gets): counted, not timed.
+                m.count(op, ok);
+            } else {
+                m.op(op, ok, self.frame_start.elapsed());
+            }
         }
         r
     }
