@@ -2994,8 +2994,9 @@ impl Harness {
     }
 
     /// Per-session stats the unit should report at `now`, the bytes they
-    /// hold in all, and the number of overdue holds.
-    fn expected_sessions(&self) -> (Vec<SessionStats>, u64, u64) {
+    /// hold in all, the number of overdue holds, and the bytes of their
+    /// pinned blobs.
+    fn expected_sessions(&self) -> (Vec<SessionStats>, u64, u64, u64) {
         let mut ids: Vec<(SessionId, u32)> = self
             .live_sessions()
             .map(|s| (s.id, s.conns.len() as u32))
@@ -3004,6 +3005,7 @@ impl Harness {
         let mut out = Vec::new();
         let mut held = 0;
         let mut overdue = 0;
+        let mut pinned = 0;
         for (id, connections) in ids {
             let mut st = SessionStats {
                 session: id.0,
@@ -3031,12 +3033,14 @@ impl Harness {
             }
             for p in self.pins.values().filter(|p| p.holder.session == id) {
                 st.pins += 1;
-                st.held_bytes += p
+                let bytes = p
                     .blobs
                     .iter()
                     .filter_map(|b| self.blobs.get(b))
                     .map(|b| b.nbytes)
                     .sum::<u64>();
+                st.held_bytes += bytes;
+                pinned += bytes;
                 note(&p.holder, PIN_LEASE_MS, &mut st);
             }
             if id == Owner::UNIT.session && st.pins == 0 {
@@ -3050,7 +3054,7 @@ impl Harness {
             out.push(st);
         }
         out.sort_by_key(|s| s.session);
-        (out, held, overdue)
+        (out, held, overdue, pinned)
     }
 
     /// The fence (see the crate docs): what each session may touch is what
@@ -3190,8 +3194,11 @@ impl Harness {
                 .filter(|b| b.region.is_none() && b.disk == MDisk::Durable)
                 .count() as u64,
             index_bytes: self.index_bytes(),
-            // Anything else (I/O counters the server keeps; what sessions
-            // hold, in stats_at) is 0 in the core's plain stats.
+            // Every value is in the one namespace NS.
+            partitions: u64::from(!self.values.is_empty()),
+            // Anything else (I/O and traffic counters the server keeps;
+            // what sessions hold, in stats_at) is 0 in the core's plain
+            // stats.
             ..Stats::default()
         };
         let stats = self.core.stats();
@@ -3202,7 +3209,7 @@ impl Harness {
             self.disk_cap
         );
         prop_assert_eq!(&stats, &expected, "stats");
-        let (sessions, held_bytes, overdue_holds) = self.expected_sessions();
+        let (sessions, held_bytes, overdue_holds, pinned_bytes) = self.expected_sessions();
         if overdue_holds > 0 {
             self.count("overdue holds reported");
         }
@@ -3210,6 +3217,7 @@ impl Harness {
             sessions,
             held_bytes,
             overdue_holds,
+            pinned_bytes,
             ..expected
         };
         prop_assert_eq!(&self.core.stats_at(self.now), &expected, "stats_at");
