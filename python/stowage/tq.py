@@ -37,11 +37,13 @@ are copied to host memory before a put (no GPU-direct path).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import os
 import pickle
 import sys
+import threading
 import weakref
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -403,6 +405,21 @@ def _pack(rows: List[Any], owned: bool) -> Any:
     return NonTensorStack(*rows)
 
 
+_POOL: Optional[concurrent.futures.ThreadPoolExecutor] = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pack_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads (one per core) that pack the fields of a get in parallel."""
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(
+                max_workers=max(1, os.cpu_count() or 1), thread_name_prefix="stowage-tq-pack"
+            )
+        return _POOL
+
+
 # -- the manager -------------------------------------------------------------------
 
 
@@ -538,14 +555,16 @@ def _register() -> None:
                     for i, v in zip(positions, vals):
                         col[i] = v
             backend_meta = metadata._custom_backend_meta
-            out: Dict[str, Any] = {}
             for f in fields:
                 col = rows[f]
                 for i in range(n):
                     if (backend_meta[i] or {}).get(f) == _PICKLE_TAG:
                         col[i] = _unpickled(col[i], f"row {gidx[i]} field {f!r}")
-                out[f] = _pack(col, owned=owned)
-            return out
+            # Packing copies every value once into fresh memory (the
+            # result must not alias a unit's); numpy releases the GIL for
+            # it, so the fields are packed on all cores at once.
+            packed = _pack_pool().map(lambda f: _pack(rows[f], owned=owned), fields)
+            return dict(zip(fields, packed))
 
         # -- clear --------------------------------------------------------
 
