@@ -36,8 +36,9 @@ use serde::{de::DeserializeOwned, Deserialize, Serialize};
 pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
-/// added the shared-secret handshake.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// added the shared-secret handshake; version 4 the traffic counters at
+/// the end of [`Stats`] (an older client could not decode them).
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
