@@ -141,13 +141,14 @@ impl UnitsArgs {
         match &self.directory {
             Some(path) => UnitDirectory::from_file(path)?
                 .addrs(TransportChoice::Auto, &stowage_client::host_id()),
-            None => self
-                .units
-                .iter()
-                .map(|u| u.parse::<UnitAddr>())
-                .collect::<Result<Vec<_>, _>>(),
+            None => parse_addrs(&self.units),
         }
     }
+}
+
+/// Unit addresses as given on the command line.
+fn parse_addrs(units: &[String]) -> Result<Vec<UnitAddr>, String> {
+    units.iter().map(|u| u.parse::<UnitAddr>()).collect()
 }
 
 // Parsed once per process; boxing the unit's many options buys nothing.
@@ -471,10 +472,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                         })?,
                     };
                     u.tcp = Some(std::net::SocketAddr::new(c.resolve_listen_host(), port));
-                    u.uds = Some(match &c.listen.unix_dir {
-                        Some(d) => d.join(format!("unit-{index}.sock")),
-                        None => format!("/tmp/stowage-unit-{index}.sock").into(),
-                    });
+                    u.uds = Some(c.unit_socket(index));
                     u
                 }
                 None => stowage_unit::UnitConfig::new(name.clone(), memory),
@@ -737,18 +735,10 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 expected = dir.instances();
                 dir.addrs(TransportChoice::Auto, &stowage_client::host_id())?
             } else if !units.is_empty() {
-                units
-                    .iter()
-                    .map(|u| u.parse::<UnitAddr>())
-                    .collect::<Result<_, _>>()?
+                parse_addrs(&units)?
             } else if let Some(c) = &file {
                 (0..c.units.count.unwrap_or(2))
-                    .map(|i| {
-                        UnitAddr::Unix(match &c.listen.unix_dir {
-                            Some(d) => d.join(format!("unit-{i}.sock")),
-                            None => format!("/tmp/stowage-unit-{i}.sock").into(),
-                        })
-                    })
+                    .map(|i| UnitAddr::Unix(c.unit_socket(i)))
                     .collect()
             } else {
                 return Err("give unit addresses, --directory FILE or --config FILE".into());

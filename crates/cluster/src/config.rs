@@ -580,6 +580,16 @@ impl Config {
     pub fn resolve_listen_host(&self) -> IpAddr {
         self.listen.host.resolve()
     }
+
+    /// The Unix socket of unit `index` started from this file:
+    /// `listen.unix_dir/unit-<index>.sock`, else
+    /// `/tmp/stowage-unit-<index>.sock`.
+    pub fn unit_socket(&self, index: usize) -> PathBuf {
+        match &self.listen.unix_dir {
+            Some(d) => d.join(format!("unit-{index}.sock")),
+            None => format!("/tmp/stowage-unit-{index}.sock").into(),
+        }
+    }
 }
 
 /// This node's address as other nodes reach it: the local address of a UDP
