@@ -67,7 +67,10 @@ __all__ = [
     "UnitFull",
     "Unreachable",
     "connect",
+    "empty",
     "local",
+    "read_cache_info",
+    "set_read_cache",
     "__version__",
 ]
 
@@ -80,6 +83,41 @@ Array = Union[np.ndarray, "torch.Tensor"]
 #: A column: one array split along its first axis (one entry per key), or
 #: a list of one array per key (each of any shape).
 ColumnLike = Union[Array, Sequence[Array]]
+
+
+def empty(shape: Union[int, Sequence[int]], dtype: Any = np.uint8) -> np.ndarray:
+    """A new writable C-contiguous array, like ``numpy.empty``, whose memory
+    comes from stowage's read cache when it is 1 MiB or larger.
+
+    Gets into new arrays use the same cache: freed buffers of 1 MiB and
+    more are kept mapped (up to ``STOWAGE_HOST_CACHE`` bytes, default
+    1 GiB, process-wide) and reused for the next value of a similar size,
+    so a training loop that reads the same sizes every step fills warm
+    memory instead of faulting in fresh pages. The memory returns to the
+    cache when the last array or tensor over it is freed. Its contents
+    are undefined until written."""
+    dt = np.dtype(dtype)
+    dims = (shape,) if isinstance(shape, (int, np.integer)) else tuple(shape)
+    n = 1
+    for d in dims:
+        if int(d) < 0:
+            raise InvalidRequest(f"negative dimension {d} in shape {dims}")
+        n *= int(d)
+    return _native.host_empty(n * dt.itemsize).view(dt).reshape(dims)
+
+
+def read_cache_info() -> Dict[str, int]:
+    """The read cache (see :func:`empty`): ``bytes`` kept now, ``limit``,
+    and the ``hits`` and ``misses`` of buffers of 1 MiB and more."""
+    return dict(_native.host_cache_info())
+
+
+def set_read_cache(limit: int) -> None:
+    """Keep at most ``limit`` bytes of freed read buffers (0: keep none);
+    what is over is unmapped at once."""
+    if limit < 0:
+        raise InvalidRequest(f"read cache limit {limit} is negative")
+    _native.set_host_cache(int(limit))
 
 
 def _torch_module() -> Any:

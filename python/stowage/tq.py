@@ -384,8 +384,12 @@ def _pack(rows: List[Any], owned: bool) -> Any:
         if same_dtype and all(r.ndim == 0 for r in rows):
             return _to_torch(np.stack(rows))
         if same_dtype and all(r.ndim >= 1 and r.shape[1:] == rows[0].shape[1:] for r in rows):
-            # One contiguous buffer, one copy: the jagged tensor's values.
-            values = _to_torch(np.concatenate(rows, axis=0))
+            # One contiguous buffer, one copy: the jagged tensor's values,
+            # in memory from stowage's read cache (warm pages when the
+            # caller freed an earlier batch of this size).
+            out = stowage.empty((sum(r.shape[0] for r in rows),) + rows[0].shape[1:], dt)
+            np.concatenate(rows, axis=0, out=out)
+            values = _to_torch(out)
             lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
             offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=offsets[1:])

@@ -26,6 +26,7 @@ from omegaconf import OmegaConf  # noqa: E402
 from tensordict import TensorDict  # noqa: E402
 from transfer_queue import interface  # noqa: E402
 
+import stowage  # noqa: E402
 import stowage.tq  # noqa: E402
 
 
@@ -102,6 +103,30 @@ def test_unit_killed_mid_step_names_the_lost_rows(system):
     got = tq.kv_batch_get(keys=kept, partition_id="step-0")
     want = torch.stack([torch.arange(4) + 4 * keys.index(k) for k in kept])
     assert torch.equal(torch.stack(list(got["ids"].unbind())), want)
+
+
+def _rows(nested):
+    return torch.stack(list(nested.unbind()))
+
+
+def test_got_batches_are_writable_copies_even_from_reused_memory(system):
+    # 2 MiB fields: the packed values come from stowage's read cache, which
+    # reuses a freed batch's memory for the next get of that size.
+    a, b = torch.randn(8, 1 << 16), torch.randn(8, 1 << 16)
+    ka, kb = [f"a{i}" for i in range(8)], [f"b{i}" for i in range(8)]
+    tq.kv_batch_put(keys=ka, partition_id="p", fields=TensorDict({"x": a}, batch_size=8))
+    tq.kv_batch_put(keys=kb, partition_id="p", fields=TensorDict({"x": b}, batch_size=8))
+    first = tq.kv_batch_get(keys=ka, partition_id="p")["x"]
+    hits = stowage.read_cache_info()["hits"]
+    freed = tq.kv_batch_get(keys=kb, partition_id="p")
+    del freed
+    second = tq.kv_batch_get(keys=kb, partition_id="p")["x"]
+    assert stowage.read_cache_info()["hits"] > hits
+    assert torch.equal(_rows(first), a) and torch.equal(_rows(second), b)
+    # Writing what came back changes neither the other batch nor the units.
+    first.values().add_(1.0)
+    assert torch.equal(_rows(second), b)
+    assert torch.equal(_rows(tq.kv_batch_get(keys=ka, partition_id="p")["x"]), a)
 
 
 def test_disk_tier_spills_instead_of_failing(tmp_path):

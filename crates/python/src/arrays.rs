@@ -5,8 +5,12 @@
 //! memory through the pointers numpy reports, and numpy's C API to make
 //! arrays over foreign memory.
 
+use std::collections::BTreeMap;
 use std::ffi::c_void;
 use std::ptr::NonNull;
+use std::sync::{LazyLock, Mutex};
+
+use memmap2::MmapMut;
 
 use numpy::npyffi::{self, npy_intp, NpyTypes, PY_ARRAY_API};
 use numpy::{PyArrayDescr, PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
@@ -266,63 +270,192 @@ impl RawDest {
 /// Values this large get transparent huge pages.
 const HUGE: usize = 4 << 20;
 const HUGE_PAGE: usize = 2 << 20;
+/// Read buffers this large come from, and go back to, the reuse cache.
+const CACHE_MIN: usize = 1 << 20;
+/// Bytes of freed read buffers kept for reuse unless `STOWAGE_HOST_CACHE`
+/// says otherwise.
+const CACHE_DEFAULT: usize = 1 << 30;
 
-/// A zeroed buffer of `len` bytes for a value to be read into. A large one
-/// asks for transparent huge pages before its first touch: filling fresh
-/// memory is otherwise bound by 4 KiB page faults (about 1.5 GB/s here,
-/// against 10+ GB/s for the copy itself).
-pub(crate) fn zeroed(len: usize) -> Vec<u8> {
-    let v = vec![0u8; len];
-    if len >= HUGE {
-        let start = (v.as_ptr() as usize).next_multiple_of(HUGE_PAGE);
-        let end = (v.as_ptr() as usize + len) / HUGE_PAGE * HUGE_PAGE;
-        if end > start {
-            // SAFETY: the range lies within `v`'s allocation; the advice
-            // changes how pages are backed, never their contents. Failure
-            // (no THP support) only costs speed.
-            let _ = unsafe {
-                rustix::mm::madvise(
-                    start as *mut c_void,
-                    end - start,
-                    rustix::mm::Advice::LinuxHugepage,
-                )
-            };
+/// Freed large read buffers, kept mapped (pages resident) so that the next
+/// get of a similar size fills warm memory instead of faulting in fresh
+/// pages: on this class of VM, first touch runs at 1.5-3 GB/s against
+/// 10+ GB/s for the copy itself, and an RL loop gets the same sizes every
+/// step. Process-wide, bounded by `limit`; contents of a reused buffer
+/// are stale bytes of this process until the get overwrites them.
+struct HostCache {
+    free: BTreeMap<usize, Vec<MmapMut>>,
+    bytes: usize,
+    limit: usize,
+    hits: u64,
+    misses: u64,
+}
+
+static CACHE: LazyLock<Mutex<HostCache>> = LazyLock::new(|| {
+    let limit = std::env::var("STOWAGE_HOST_CACHE")
+        .ok()
+        .and_then(|v| stowage_cluster::config::parse_size(&v).ok())
+        .map_or(CACHE_DEFAULT, |n| usize::try_from(n).unwrap_or(usize::MAX));
+    Mutex::new(HostCache {
+        free: BTreeMap::new(),
+        bytes: 0,
+        limit,
+        hits: 0,
+        misses: 0,
+    })
+});
+
+fn cache() -> std::sync::MutexGuard<'static, HostCache> {
+    // A panic while holding the lock leaves the lists consistent (every
+    // change is one push or pop), so a poisoned lock is still usable.
+    CACHE.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl HostCache {
+    /// A cached buffer of `cap` to `cap + cap/4` bytes, smallest first.
+    fn take(&mut self, cap: usize) -> Option<MmapMut> {
+        let (&size, list) = self.free.range_mut(cap..=cap + cap / 4).next()?;
+        let m = list.pop()?;
+        if list.is_empty() {
+            self.free.remove(&size);
+        }
+        self.bytes -= size;
+        Some(m)
+    }
+
+    fn put(&mut self, m: MmapMut) {
+        if self.bytes + m.len() <= self.limit {
+            self.bytes += m.len();
+            self.free.entry(m.len()).or_default().push(m);
         }
     }
-    v
+
+    /// Unmap cached buffers, largest first, until at most `limit` remain.
+    fn trim(&mut self) {
+        while self.bytes > self.limit {
+            let Some(mut e) = self.free.last_entry() else {
+                break;
+            };
+            let size = *e.key();
+            e.get_mut().pop();
+            if e.get().is_empty() {
+                e.remove();
+            }
+            self.bytes -= size;
+        }
+    }
+}
+
+/// The read cache's state: cached bytes, limit, hits, misses.
+pub(crate) fn host_cache_stats() -> (usize, usize, u64, u64) {
+    let c = cache();
+    (c.bytes, c.limit, c.hits, c.misses)
+}
+
+/// Change the read cache's limit (0 turns it off), unmapping what is over.
+pub(crate) fn set_host_cache_limit(limit: usize) {
+    let mut c = cache();
+    c.limit = limit;
+    c.trim();
+}
+
+/// Memory for one value read into a new array: heap memory for small
+/// values, a reusable anonymous mapping for large ones.
+pub(crate) enum HostBuf {
+    Heap(Vec<u8>),
+    Mapped { map: Option<MmapMut>, len: usize },
+}
+
+impl HostBuf {
+    /// `len` bytes to be filled completely by the caller. Small buffers are
+    /// zeroed; large ones may hold stale bytes of an earlier read of this
+    /// process (like `numpy.empty`).
+    pub fn new(len: usize) -> std::io::Result<Self> {
+        if len < CACHE_MIN {
+            return Ok(Self::Heap(vec![0u8; len]));
+        }
+        let cap = len.next_multiple_of(HUGE_PAGE);
+        let cached = {
+            let mut c = cache();
+            let m = c.take(cap);
+            if m.is_some() {
+                c.hits += 1;
+            } else {
+                c.misses += 1;
+            }
+            m
+        };
+        let map = match cached {
+            Some(m) => m,
+            None => {
+                let m = MmapMut::map_anon(cap)?;
+                if cap >= HUGE {
+                    // Ask for transparent huge pages before the first touch:
+                    // fewer faults. Failure (no THP) only costs speed.
+                    let _ = m.advise(memmap2::Advice::HugePage);
+                }
+                m
+            }
+        };
+        Ok(Self::Mapped {
+            map: Some(map),
+            len,
+        })
+    }
+}
+
+impl std::ops::Deref for HostBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Self::Heap(v) => v,
+            Self::Mapped { map, len } => map.as_deref().map_or(&[], |m| &m[..*len]),
+        }
+    }
+}
+
+impl std::ops::DerefMut for HostBuf {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        match self {
+            Self::Heap(v) => v,
+            Self::Mapped { map, len } => map.as_deref_mut().map_or(&mut [], |m| &mut m[..*len]),
+        }
+    }
+}
+
+impl Drop for HostBuf {
+    fn drop(&mut self) {
+        if let Self::Mapped { map, .. } = self {
+            if let Some(m) = map.take() {
+                cache().put(m);
+            }
+        }
+    }
 }
 
 /// Memory a numpy array made by [`array_over`] keeps alive: bytes the
-/// client read (freed with the last array over them).
+/// client read (freed, or returned to the read cache, with the last array
+/// over them).
 #[pyclass(module = "stowage._native", frozen)]
 pub(crate) struct OwnedBytes {
-    ptr: NonNull<[u8]>,
+    ptr: *mut u8,
+    _buf: HostBuf,
 }
 
 // SAFETY: the bytes are only touched through numpy arrays (under the GIL)
-// and freed in Drop; the pointer itself may move between threads.
+// and released in Drop; the pointer itself may move between threads.
 unsafe impl Send for OwnedBytes {}
 // SAFETY: as above; the struct has no interior state to share.
 unsafe impl Sync for OwnedBytes {}
 
 impl OwnedBytes {
-    pub fn new(data: Vec<u8>) -> Self {
-        let b: Box<[u8]> = data.into_boxed_slice();
-        Self {
-            ptr: NonNull::from(Box::leak(b)),
-        }
+    pub fn new(mut buf: HostBuf) -> Self {
+        // The heap block or mapping does not move when `buf` does.
+        let ptr = buf.as_mut_ptr();
+        Self { ptr, _buf: buf }
     }
 
     pub fn as_mut_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr() as *mut u8
-    }
-}
-
-impl Drop for OwnedBytes {
-    fn drop(&mut self) {
-        // SAFETY: `ptr` came from Box::leak in `new`; this is its only
-        // release.
-        drop(unsafe { Box::from_raw(self.ptr.as_ptr()) });
+        self.ptr
     }
 }
 
@@ -392,4 +525,37 @@ pub(crate) unsafe fn array_over<'py>(
         );
         Ok(arr)
     }
+}
+
+/// A writable 1-d uint8 array of `nbytes` from the read cache (the memory
+/// goes back to the cache when the last array over it is freed). Like
+/// `numpy.empty`, it may hold stale bytes; fill it completely.
+#[pyfunction]
+pub(crate) fn host_empty(py: Python<'_>, nbytes: usize) -> PyResult<Bound<'_, PyAny>> {
+    let buf = HostBuf::new(nbytes)
+        .map_err(|e| pyo3::exceptions::PyMemoryError::new_err(format!("{nbytes} bytes: {e}")))?;
+    let base = Bound::new(py, OwnedBytes::new(buf))?;
+    let ptr = base.get().as_mut_ptr();
+    let descr = descr_for(py, DType::U8, false)?;
+    // SAFETY: `base` owns exactly `nbytes` bytes at `ptr` and lives as long
+    // as the array; nothing else writes them.
+    unsafe { array_over(py, descr, &[nbytes as u64], ptr, true, base.into_any()) }
+}
+
+/// The read cache: ``{"bytes", "limit", "hits", "misses"}``.
+#[pyfunction]
+pub(crate) fn host_cache_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
+    let (bytes, limit, hits, misses) = host_cache_stats();
+    let d = pyo3::types::PyDict::new(py);
+    d.set_item("bytes", bytes)?;
+    d.set_item("limit", limit)?;
+    d.set_item("hits", hits)?;
+    d.set_item("misses", misses)?;
+    Ok(d)
+}
+
+/// Set how many bytes of freed read buffers are kept (0: none).
+#[pyfunction]
+pub(crate) fn set_host_cache(limit: usize) {
+    set_host_cache_limit(limit)
 }

@@ -12,11 +12,11 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString};
 use stowage_client::{
-    Client as Inner, ClientConfig, Column, DType, OwnedTensor, RowKey, Secret, Stats, Tensor,
-    TensorSink, UnitAddr, View,
+    Client as Inner, ClientConfig, Column, DType, RowKey, Secret, Stats, Tensor, TensorSink,
+    UnitAddr, View,
 };
 
-use crate::arrays::{array_over, descr_for, zeroed, ArrayBytes, OwnedBytes, RawDest};
+use crate::arrays::{array_over, descr_for, ArrayBytes, HostBuf, OwnedBytes, RawDest};
 use crate::errors::{invalid, to_py};
 
 /// A connection-pooling client of a set of units (see `stowage.connect`).
@@ -99,8 +99,15 @@ enum Source<'py> {
     Jagged(Vec<ArrayBytes<'py>>),
 }
 
-/// A sink allocating a fresh buffer per value (see [`zeroed`]).
-struct AllocSink(Vec<Vec<Option<OwnedTensor>>>);
+/// One value read into memory of its own.
+struct ReadTensor {
+    dtype: DType,
+    shape: Vec<u64>,
+    data: HostBuf,
+}
+
+/// A sink allocating a buffer per value (see [`HostBuf`]).
+struct AllocSink(Vec<Vec<Option<ReadTensor>>>);
 
 impl TensorSink for AllocSink {
     fn slot(
@@ -116,10 +123,11 @@ impl TensorSink for AllocSink {
             .get_mut(field)
             .and_then(|f| f.get_mut(row))
             .ok_or("value index out of range")?;
-        let t = slot.insert(OwnedTensor {
+        let data = HostBuf::new(len).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
+        let t = slot.insert(ReadTensor {
             dtype,
             shape: shape.to_vec(),
-            data: zeroed(len),
+            data,
         });
         Ok(&mut t.data)
     }
@@ -435,7 +443,11 @@ impl Client {
         let keys = row_keys(keys)?;
         let names: Vec<&str> = fields.iter().map(String::as_str).collect();
         let client = self.client()?;
-        let mut sink = AllocSink(vec![vec![None; keys.len()]; fields.len()]);
+        let mut sink = AllocSink(
+            (0..fields.len())
+                .map(|_| (0..keys.len()).map(|_| None).collect())
+                .collect(),
+        );
         py.detach(|| client.get_tensors_into(partition, &keys, &names, unit, &mut sink, deadline))
             .map_err(|e| to_py(py, e, &keys))?;
         let got = sink.0;

@@ -57,6 +57,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(directory::resolve_directory, m)?)?;
     m.add_class::<unit::Unit>()?;
     m.add_function(wrap_pyfunction!(logbridge::route_logs, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::host_empty, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::host_cache_info, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::set_host_cache, m)?)?;
     errors::register(m)?;
     cluster::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
