@@ -8,7 +8,11 @@ stowage, unmodified, from the installed ``transferqueue`` package:
 
 - imports :mod:`stowage.tq`, which registers the ``Stowage`` backend;
 - adds a ``Stowage`` entry to each test module's ``BACKEND_CONFIGS`` (their
-  fixtures look the name in ``TQ_TEST_BACKEND`` up there);
+  fixtures look the name in ``TQ_TEST_BACKEND`` up there), and with
+  ``TQ_TEST_BACKEND=Stowage`` replaces the one config of
+  ``test_checkpoint_e2e.py`` (``_TQ_CONFIG``, SimpleStorage) with stowage's
+  and deselects its three tests of SimpleStorage's own files
+  (:data:`SIMPLE_STORAGE_ONLY`);
 - starts, before each module's own fixtures, a private local Ray instance
   (``address="local"``: never a ``ray start`` cluster that happens to run
   on the machine) with enough logical CPUs for the controller, the
@@ -41,6 +45,17 @@ STOWAGE_CONFIG = {
 RAY_CPUS = int(os.environ.get("STOWAGE_TQ_RAY_CPUS", "8"))
 
 
+#: Tests of test_checkpoint_e2e.py that look into SimpleStorage's own
+#: checkpoint files (``simple_storage/``, its unit list) or assert that
+#: SimpleStorage forces ``include_storage=True``: they run against
+#: SimpleStorage only.
+SIMPLE_STORAGE_ONLY = {
+    ("test_checkpoint_e2e", "test_tensor_fields"),
+    ("test_checkpoint_e2e", "test_storage_saved_is_true"),
+    ("test_checkpoint_e2e", "test_load_raises_on_storage_unit_count_mismatch"),
+}
+
+
 def pytest_configure(config):
     import stowage.tq  # noqa: F401 - registers the backend in this process
 
@@ -53,6 +68,22 @@ def pytest_collection_modifyitems(session, config, items):
             continue
         seen.add(id(mod))
         mod.BACKEND_CONFIGS.setdefault("Stowage", STOWAGE_CONFIG)
+    if os.environ.get("TQ_TEST_BACKEND") != "Stowage":
+        return
+    skipped = [i for i in items if (i.module.__name__, i.name) in SIMPLE_STORAGE_ONLY]
+    if skipped:
+        config.hook.pytest_deselected(items=skipped)
+        items[:] = [i for i in items if i not in skipped]
+    for item in items:
+        mod = getattr(item, "module", None)
+        if mod is None or id(mod) in seen or not hasattr(mod, "_TQ_CONFIG"):
+            continue
+        # test_checkpoint_e2e.py names its backend in one module-level
+        # config (SimpleStorage) instead of BACKEND_CONFIGS.
+        seen.add(id(mod))
+        from omegaconf import OmegaConf
+
+        mod._TQ_CONFIG = OmegaConf.create(STOWAGE_CONFIG)
 
 
 @pytest.fixture(scope="module", autouse=True)
