@@ -311,6 +311,7 @@ impl Client {
                 view_conn: Mutex::new(None),
             })
             .collect();
+        metrics::warm_clock();
         let metrics = Arc::new(metrics::ClientMetrics::new(&cfg.units));
         let client = Client {
             cfg,
@@ -366,16 +367,17 @@ impl Client {
         registry.register_collector(Box::new(metrics::ClientCollector(self.metrics.clone())));
     }
 
-    /// Run `f` as one operation of kind `op` (counted, timed).
-    /// `f` gets the operation's start (for the units' latencies).
+    /// Run `f` as one operation of kind `op` (counted, timed from here to
+    /// the last unit's answer). `f` gets the operation's timer, to record
+    /// each unit's answer with.
     pub(crate) fn timed<T>(
         &self,
         op: metrics::ClientOp,
-        f: impl FnOnce(Instant) -> Result<T>,
+        f: impl FnOnce(&metrics::OpTimer) -> Result<T>,
     ) -> Result<T> {
-        let t0 = Instant::now();
-        let r = f(t0);
-        self.metrics.op(op, r.is_ok(), t0.elapsed());
+        let timer = metrics::OpTimer::start();
+        let r = f(&timer);
+        self.metrics.op(op, r.is_ok(), timer.took());
         r
     }
 
@@ -593,8 +595,8 @@ impl Client {
     /// committed, or with the first unit's error (blobs committed on other
     /// units stay committed; retrying with the same ids is idempotent).
     pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
-        self.timed(metrics::ClientOp::Put, |t0| {
-            self.put_blobs(blobs, deadline, t0)?;
+        self.timed(metrics::ClientOp::Put, |timer| {
+            self.put_blobs(blobs, deadline, timer)?;
             let bytes = blobs
                 .iter()
                 .flat_map(|b| b.segments.iter())
@@ -605,7 +607,12 @@ impl Client {
         })
     }
 
-    fn put_blobs(&self, blobs: &[BlobPut<'_>], deadline: Instant, t0: Instant) -> Result<()> {
+    fn put_blobs(
+        &self,
+        blobs: &[BlobPut<'_>],
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
         let mut queues: BTreeMap<usize, std::collections::VecDeque<usize>> = BTreeMap::new();
         for (i, b) in blobs.iter().enumerate() {
             if b.unit >= self.units.len() {
@@ -642,7 +649,7 @@ impl Client {
                 std::thread::sleep(next.saturating_duration_since(now));
                 continue;
             }
-            for (unit, result) in self.put_round(blobs, &round, deadline, t0) {
+            for (unit, result) in self.put_round(blobs, &round, deadline, timer) {
                 // A full unit is waited on like a busy one, when asked to.
                 let mut full = false;
                 let result = match result {
@@ -700,7 +707,7 @@ impl Client {
         blobs: &[BlobPut<'_>],
         round: &[(usize, usize)],
         deadline: Instant,
-        t0: Instant,
+        timer: &metrics::OpTimer,
     ) -> Vec<(usize, Option<Outcome>)> {
         let mut results = Vec::with_capacity(round.len());
         let mut active: Vec<(usize, usize, Box<dyn Transport>)> = Vec::with_capacity(round.len());
@@ -725,7 +732,7 @@ impl Client {
                 match t.advance_put(&blobs[i], deadline) {
                     Ok(true) => {
                         self.checkin(unit, t);
-                        self.metrics.unit_latency(unit, t0.elapsed());
+                        timer.unit_done(&self.metrics, unit);
                         results.push((unit, None));
                     }
                     Ok(false) => still.push((unit, i, t)),
@@ -759,12 +766,12 @@ impl Client {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<()> {
-        self.timed(metrics::ClientOp::Get, |t0| {
+        self.timed(metrics::ClientOp::Get, |timer| {
             let mut counting = Counting {
                 inner: sink,
                 bytes: 0,
             };
-            self.get_from_units(partition, keys, &mut counting, deadline, t0)?;
+            self.get_from_units(partition, keys, &mut counting, deadline, timer)?;
             self.metrics.got_bytes(counting.bytes);
             Ok(())
         })
@@ -776,7 +783,7 @@ impl Client {
         keys: &[(usize, Key)],
         sink: &mut dyn GetSink,
         deadline: Instant,
-        t0: Instant,
+        timer: &metrics::OpTimer,
     ) -> Result<()> {
         let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
         for (i, (unit, key)) in keys.iter().enumerate() {
@@ -803,7 +810,7 @@ impl Client {
             let (ks, idx) = &by_unit[&unit];
             match t.advance_get(ks, idx, sink, deadline) {
                 Ok(Some(miss)) => {
-                    self.metrics.unit_latency(unit, t0.elapsed());
+                    timer.unit_done(&self.metrics, unit);
                     let restarted = !miss.is_empty() && self.take_restart(unit);
                     self.checkin(unit, t);
                     let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
@@ -936,7 +943,7 @@ impl Client {
 
     /// Every unit's counters.
     pub fn stats(&self, deadline: Instant) -> Vec<Result<Stats>> {
-        let t0 = Instant::now();
+        let timer = metrics::OpTimer::start();
         let reqs = (0..self.units.len()).map(|u| (u, Request::Stats)).collect();
         let all = self
             .call_units(reqs, deadline)
@@ -953,7 +960,7 @@ impl Client {
             .collect::<Vec<_>>();
         let ok = all.iter().all(|r| r.is_ok());
         self.metrics
-            .op(metrics::ClientOp::Control, ok, t0.elapsed());
+            .op(metrics::ClientOp::Control, ok, timer.took());
         all
     }
 

@@ -49,6 +49,8 @@ struct Conn {
     /// When the current request's frame began to arrive (its deadline's
     /// base, and its latency's start: one clock read for both).
     frame_start: Instant,
+    /// What this connection's requests record (`None`: metrics are off).
+    counters: Option<crate::metrics::ConnCounters>,
 }
 
 /// Serve one connection until it ends.
@@ -81,6 +83,7 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         scratch: Vec::new(),
         failed: false,
         frame_start: Instant::now(),
+        counters: crate::metrics::ConnCounters::attach(&shared),
     };
     let end = match c.run() {
         Ok(()) => stowage_core::ConnEnd::Closed,
@@ -293,7 +296,7 @@ impl Conn {
 
     /// Handle one request, recording its kind, outcome and duration.
     fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), ConnEnd> {
-        if self.shared.metrics.is_none() {
+        if self.counters.is_none() {
             return self.handle_request(id, req, payload_len);
         }
         let op = crate::metrics::Op::of(&req);
@@ -303,7 +306,7 @@ impl Conn {
         }
         self.failed = false;
         let r = self.handle_request(id, req, payload_len);
-        if let Some(m) = &self.shared.metrics {
+        if let Some(m) = &self.counters {
             let ok = r.is_ok() && !self.failed;
             if op == crate::metrics::Op::Unpin {
                 // A release the client sends and does not wait for
@@ -362,7 +365,7 @@ impl Conn {
         let resp = match handled {
             Handled::Reply(r) => {
                 if committed_bytes > 0 && matches!(r, Response::Done | Response::Pending) {
-                    if let Some(m) = &self.shared.metrics {
+                    if let Some(m) = &self.counters {
                         m.bytes_in(crate::metrics::Transport::Shm, committed_bytes);
                     }
                 }
@@ -486,7 +489,7 @@ impl Conn {
         found: Vec<Option<stowage_core::Located>>,
     ) -> Response {
         let (found, _) = self.shared.bring_back(found, false);
-        if let Some(m) = &self.shared.metrics {
+        if let Some(m) = &self.counters {
             let bytes = found
                 .iter()
                 .map(|f| match f {
@@ -671,7 +674,7 @@ impl Conn {
     }
 
     fn count_in(&self, n: u64) {
-        if let Some(m) = &self.shared.metrics {
+        if let Some(m) = &self.counters {
             m.bytes_in(self.stream_transport(), n);
         }
     }
@@ -865,7 +868,7 @@ impl Conn {
             let _ = self.shared.core().unpin(owner, p);
         }
         let sent = sent?;
-        if let Some(m) = &self.shared.metrics {
+        if let Some(m) = &self.counters {
             m.bytes_out(self.stream_transport(), total);
         }
         if sent {
