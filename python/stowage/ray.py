@@ -96,6 +96,15 @@ class StowageUnit:
             env = _secret(None)
             if env is not None:
                 unit_kwargs = dict(unit_kwargs, secret=env)
+        metrics = unit_kwargs.get("metrics_listen")
+        if metrics is not None and metrics != "off":
+            # [metrics] listen: a fixed port becomes port + index (as
+            # `stowage up` does); port 0 picks a free one.
+            mhost, mport = metrics.rsplit(":", 1)
+            mhost = mhost.strip("[]")
+            mport = int(mport) + index if int(mport) else 0
+            metrics = f"[{mhost}]:{mport}" if ":" in mhost else f"{mhost}:{mport}"
+            unit_kwargs = dict(unit_kwargs, metrics_listen=metrics)
         self._unit = _native.Unit(name=f"unit-{index}", tcp=bind, uds=uds, **unit_kwargs)
         tcp = self._unit.tcp_addr
         if host in ("0.0.0.0", "::"):
@@ -112,6 +121,8 @@ class StowageUnit:
             "pid": self._unit.pid,
             "ray": {"actor_id": ctx.get_actor_id(), "namespace": ctx.namespace},
         }
+        if self._unit.metrics_url is not None:
+            self._entry["metrics"] = self._unit.metrics_url
 
     def ready(self) -> bool:
         """True once the unit serves (the actor's constructor has run)."""
@@ -318,6 +329,11 @@ class _Settings:
             kw["disk_capacity"] = _bytes(disk["capacity"], "units.disk.capacity")
             kw["high_watermark"] = float(disk["high_watermark"])
             kw["low_watermark"] = float(disk["low_watermark"])
+        metrics = cfg["metrics"]
+        if not metrics["enabled"]:
+            kw["metrics"] = False
+        else:
+            kw["metrics_listen"] = str(metrics["listen"])
         auth = cfg["auth"]
         if auth["insecure"]:
             if secret is not None or auth["secret_file"] is not None:

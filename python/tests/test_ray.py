@@ -16,6 +16,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import urllib.request
 import textwrap
 import threading
 import time
@@ -138,6 +139,11 @@ def test_units_start_on_their_planned_nodes(cluster, units):
         assert alive(e["pid"]) and e["pid"] != os.getpid()
         assert ray.get(actor.ready.remote(), timeout=30) is True
         assert ray.get(actor.stats.remote(), timeout=30)["capacity"] == 32 << 20
+        # [metrics] by default: each unit serves /metrics on loopback.
+        assert e["metrics"].startswith(f"http://{LOOPBACK}:"), e
+        with urllib.request.urlopen(e["metrics"], timeout=10) as r:
+            text = r.read().decode()
+        assert f'stowage_slab_capacity_bytes{{unit="unit-{i}"}} {32 << 20}' in text, text[:2000]
     # The directory is plain JSON.
     assert json.loads(json.dumps(units.directory)) == units.directory
 
@@ -316,9 +322,13 @@ def test_clusters_by_name_and_a_config_file(cluster, tmp_path):
         '[placement]\nclusters = ["train"]\n'
         '[timeouts]\nstop = "20s"\n'
     )
+    path.write_text(path.read_text() + "[metrics]\nenabled = false\n")
     u = stowage.ray.start_units(str(path), clusters, timeout=START_S)
     try:
         assert u.node_ids == [head, b, head]
+        # Metrics off: no endpoint, and units count no requests.
+        assert all("metrics" not in e for e in u.directory["units"])
+        assert ray.get(u[0].stats.remote(), timeout=30)["ops"] == 0
         assert ray.get([node_of_actor.remote(a) for a in u], timeout=60) == [head, b, head]
         assert u.stop_timeout == 20.0
     finally:

@@ -126,11 +126,22 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    let printed = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(printed.matches("unix:").count(), 3);
+    // Each unit took two 4 KiB rows and served them back once.
     assert_eq!(
-        String::from_utf8_lossy(&out.stdout)
-            .matches("unix:")
+        printed
+            .matches("1 partitions, 0 bytes pinned; since start: ")
             .count(),
-        3
+        3,
+        "{printed}"
+    );
+    assert_eq!(
+        printed
+            .matches(" 8192 bytes in, 8192 bytes out, 0 busy answers")
+            .count(),
+        3,
+        "{printed}"
     );
 
     // SIGTERM: the units stop with their teardown, nothing is left.

@@ -230,6 +230,12 @@ fn full_memory_and_disk_refuse_puts_until_a_clear() {
         h.join().unwrap().unwrap();
     });
     assert!(c.get_rows(&[Key::new(100, "v")], c.deadline()).unwrap()[0] == v);
+    // The waiting client's metrics show the wait (at least the 500 ms
+    // before the clear), not as Busy retries.
+    let m = waiting.metrics();
+    assert!(m.memory_waits >= 1, "{m:?}");
+    assert!(m.memory_wait_seconds >= 0.4, "{m:?}");
+    assert_eq!(m.busy_retries, 0, "{m:?}");
 }
 
 #[test]

@@ -365,6 +365,16 @@ fn busy_backs_off_until_the_holder_lets_go_or_the_deadline_passes() {
         "{r:?}"
     );
     assert!(t.elapsed() < Duration::from_millis(300 + 1500));
+    // Both sides count the Busy answers: the client its retries and the
+    // time it backed off, the unit its answers.
+    let m = c.metrics();
+    assert!(m.busy_retries >= 1, "{m:?}");
+    assert!(m.busy_wait_seconds > 0.0, "{m:?}");
+    assert_eq!(m.memory_waits, 0, "{m:?}");
+    let put = &m.operations[0];
+    assert_eq!((put.op, put.ok, put.error), ("put", 0, 1), "{m:?}");
+    let busy = c.stats(c.deadline())[0].as_ref().unwrap().busy;
+    assert!(busy >= m.busy_retries, "unit counted {busy} Busy answers");
     // No lease takes the silent hog's reservation (1 s passes). A long
     // deadline: the hog lets go after a while (its connection closes), and
     // a retry after backoff gets the memory.

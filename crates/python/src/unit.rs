@@ -103,6 +103,7 @@ impl Unit {
         secret = None,
         secret_file = None,
         insecure = false,
+        metrics = true,
         metrics_listen = None,
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -127,10 +128,15 @@ impl Unit {
         secret: Option<&Bound<'_, PyAny>>,
         secret_file: Option<PathBuf>,
         insecure: bool,
+        metrics: bool,
         metrics_listen: Option<String>,
     ) -> PyResult<Self> {
         crate::logbridge::install();
         let mut cfg = UnitConfig::new(name, size_arg(memory)?);
+        cfg.metrics = metrics;
+        if !metrics {
+            cfg.metrics_listen = None;
+        }
         match metrics_listen.as_deref() {
             None => {}
             Some("off") => cfg.metrics_listen = None,
