@@ -171,6 +171,29 @@ fn unit_log(env: &[(&str, &str)], extra: &[&str]) -> String {
         c.clear_rows(&(0..100).collect::<Vec<_>>(), c.deadline())
             .expect("clear");
     }
+    // The unit notices the closed connections on its own threads: wait
+    // (bounded) until only the watching session is connected, so that the
+    // session's close is logged before the unit exits.
+    {
+        let mut cfg = stowage_client::ClientConfig::new(
+            "watch",
+            vec![stowage_client::UnitAddr::Unix(sock.clone())],
+        );
+        cfg.shm = false;
+        let w = stowage_client::Client::connect(cfg).expect("connect");
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            let s = w.stats(w.deadline()).remove(0).expect("stats");
+            if s.sessions.iter().filter(|x| x.connections > 0).count() <= 1 {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the client's session stayed open"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
     drop(child.stdin.take()); // the unit exits when its stdin closes
     let out = child.wait_with_output().expect("unit exits");
     String::from_utf8(out.stderr).expect("utf-8 log")

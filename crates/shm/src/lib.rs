@@ -35,8 +35,8 @@ use rustix::net::{
 /// A copy above this size is split over threads (see [`Slab::write`]).
 pub const PARALLEL_COPY_MIN: usize = 8 << 20;
 
-/// Clients pre-fault mappings of slabs up to this size (page tables of
-/// larger slabs cost too much per client to fill eagerly).
+/// Clients fill the page tables of slabs up to this size ahead of use
+/// (page tables of larger slabs cost too much per client to fill).
 pub const POPULATE_MAX: u64 = 8 << 30;
 
 /// A range outside the slab.
@@ -114,6 +114,40 @@ impl Slab {
             Ok(()) => LockOutcome::Locked,
             Err(e) => LockOutcome::NotLocked(e),
         }
+    }
+
+    /// Fault in the pages of `offset..offset+len` (clamped to the slab),
+    /// and with `lock` pin them (mlock), without changing their contents:
+    /// safe while clients copy into the same pages. A unit runs this over
+    /// its whole slab in the background after it starts serving, so a
+    /// large slab is ready at once and its first-touch cost is paid off
+    /// the request path (or by the first puts, where they come first).
+    pub fn fault_in(&self, offset: u64, len: u64, lock: bool) -> io::Result<()> {
+        let start = usize::try_from(offset.min(self.len as u64)).unwrap_or(self.len);
+        let end = usize::try_from(offset.saturating_add(len))
+            .unwrap_or(usize::MAX)
+            .min(self.len);
+        if end <= start {
+            return Ok(());
+        }
+        if lock {
+            let ptr = self.map.as_mut_ptr().wrapping_add(start);
+            // SAFETY: the range lies within this live mapping (clamped
+            // above); mlock faults pages in and pins them, never changing
+            // their contents.
+            unsafe { rustix::mm::mlock(ptr.cast(), end - start) }.map_err(io::Error::from)
+        } else {
+            self.map
+                .advise_range(memmap2::Advice::PopulateWrite, start, end - start)
+        }
+    }
+
+    /// Map a slab like [`Slab::open`] but leave its page tables empty: the
+    /// pages fault in on first touch, or through [`Slab::fault_in`].
+    pub fn open_lazy(fd: OwnedFd) -> io::Result<Self> {
+        let st = rustix::fs::fstat(&fd)?;
+        let len = usize::try_from(st.st_size).map_err(|_| io::ErrorKind::InvalidData)?;
+        Self::map(fd, len, false)
     }
 
     pub fn len(&self) -> u64 {
@@ -496,6 +530,24 @@ pub fn recv_with_fd(sock: impl AsFd, buf: &mut [u8]) -> io::Result<(usize, Optio
 mod tests {
     use super::*;
     use std::os::unix::net::UnixStream;
+
+    #[test]
+    fn faulting_in_keeps_contents_and_clamps_to_the_slab() {
+        let len = 8 << 20;
+        let s = Slab::create("fault", len).unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 % 251) as u8).collect();
+        s.write(0, &data[..(len / 2) as usize]).unwrap();
+        // Faulting in written and unwritten pages, with and without mlock
+        // (which may be refused without CAP_IPC_LOCK), past the end too.
+        s.fault_in(0, len / 4, false).unwrap();
+        let _ = s.fault_in(len / 4, len, true);
+        s.fault_in(len - 4096, 1 << 30, false).unwrap();
+        s.fault_in(len + 4096, 4096, false).unwrap();
+        let mut out = vec![0u8; len as usize];
+        s.read(0, &mut out).unwrap();
+        assert!(out[..(len / 2) as usize] == data[..(len / 2) as usize]);
+        assert!(out[(len / 2) as usize..].iter().all(|&b| b == 0));
+    }
 
     #[test]
     fn write_read_and_bounds() {

@@ -58,7 +58,7 @@ use std::time::{Duration, Instant};
 
 use disk::DiskEngine;
 use stowage_core::{CoreConfig, UnitCore};
-use stowage_shm::{LockOutcome, Slab};
+use stowage_shm::Slab;
 use stowage_wire::io::Socket;
 use stowage_wire::Limits;
 
@@ -633,18 +633,6 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     }
     let slab =
         Slab::create(&format!("stowage-{}", cfg.name), cfg.memory).map_err(StartError::Slab)?;
-    if cfg.mlock {
-        match slab.lock() {
-            LockOutcome::Locked => {
-                tracing::info!(unit = %cfg.name, bytes = cfg.memory, "slab mlocked")
-            }
-            LockOutcome::NotLocked(e) => tracing::warn!(
-                unit = %cfg.name,
-                error = %e,
-                "could not mlock the slab (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); running unlocked"
-            ),
-        }
-    }
     let mut id = [0u8; 16];
     getrandom::fill(&mut id).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;
     let instance_id = u128::from_le_bytes(id);
@@ -718,6 +706,17 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             bytes = info.bytes,
             "restored a checkpoint"
         );
+    }
+    {
+        // The slab's pages are faulted in (and mlocked) in the background:
+        // the unit serves at once, and first-touch costs move off the
+        // start (a 4 GiB slab took 2 s to lock here).
+        let weak = Arc::downgrade(&shared);
+        let (name, lock) = (cfg.name.clone(), cfg.mlock);
+        std::thread::Builder::new()
+            .name("slab-fault".into())
+            .spawn(move || fault_in_slab(weak, &name, lock))
+            .map_err(StartError::Slab)?;
     }
     if let Some(rx) = flush_rx {
         let sh = shared.clone();
@@ -832,6 +831,50 @@ fn flusher(
         };
         shared.core().disk_written(blob, ok);
     }
+}
+
+/// Bytes of the slab faulted in (or locked) per step of [`fault_in_slab`].
+const FAULT_CHUNK: u64 = 64 << 20;
+
+/// Fault in the whole slab, a chunk at a time, pinning it with `lock`
+/// where the process may (else only faulting it in); stops when the unit
+/// stops. Contents never change, so this runs while clients use the slab.
+fn fault_in_slab(shared: std::sync::Weak<Shared>, name: &str, lock: bool) {
+    let started = Instant::now();
+    let mut lock = lock;
+    let mut offset = 0;
+    loop {
+        let Some(sh) = shared.upgrade() else { return };
+        if sh.stop.load(Ordering::Relaxed) {
+            return;
+        }
+        let len = sh.slab.len();
+        if offset >= len {
+            break;
+        }
+        if let Err(e) = sh.slab.fault_in(offset, FAULT_CHUNK, lock) {
+            if lock {
+                tracing::warn!(
+                    unit = %name,
+                    error = %e,
+                    "could not mlock the slab (raise RLIMIT_MEMLOCK or grant CAP_IPC_LOCK); running unlocked"
+                );
+                lock = false;
+                continue;
+            }
+            // No MADV_POPULATE_WRITE (kernel before 5.14): pages fault in
+            // on first touch instead.
+            tracing::debug!(unit = %name, error = %e, "cannot fault the slab in ahead");
+            return;
+        }
+        offset += FAULT_CHUNK;
+    }
+    tracing::info!(
+        unit = %name,
+        locked = lock,
+        seconds = started.elapsed().as_secs_f64(),
+        "slab faulted in"
+    );
 }
 
 /// Copy blobs to disk while the slab is past its high watermark.
