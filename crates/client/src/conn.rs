@@ -415,29 +415,13 @@ impl Conn {
     }
 }
 
-/// Map a unit's slab, and fill its page tables (slabs up to
-/// [`stowage_shm::POPULATE_MAX`]) in a background thread, a chunk at a
-/// time, stopping once the client drops the mapping, rather than at
-/// connect: mapping a 4 GiB slab with its tables filled took 2 s
-/// here. Copies that come first take the page faults themselves.
+/// Map a unit's slab without filling its page tables: the unit faults the
+/// slab's pages in itself after it starts, and this client fills the page
+/// tables of each 2 MiB region when a copy first reaches it (see
+/// `Slab::open_lazy`). Filling them all at connect took 2 s for a 4 GiB
+/// slab here (and 16 clients did it 16 times); a background thread
+/// holding the mapping would keep a dead unit's slab mapped after the
+/// client let go of it.
 fn map_slab(fd: std::os::fd::OwnedFd) -> std::io::Result<Arc<Slab>> {
-    const CHUNK: u64 = 64 << 20;
-    let slab = Arc::new(Slab::open_lazy(fd)?);
-    if slab.len() > stowage_shm::POPULATE_MAX {
-        // Page tables of larger slabs cost too much per client to fill.
-        return Ok(slab);
-    }
-    let weak = Arc::downgrade(&slab);
-    let _ = std::thread::Builder::new()
-        .name("stowage-slab-map".into())
-        .spawn(move || {
-            let mut offset = 0;
-            while let Some(s) = weak.upgrade() {
-                if offset >= s.len() || s.fault_in(offset, CHUNK, false).is_err() {
-                    return;
-                }
-                offset += CHUNK;
-            }
-        });
-    Ok(slab)
+    Ok(Arc::new(Slab::open_lazy(fd)?))
 }
