@@ -268,7 +268,14 @@ impl Conn {
                     }
                     c.slab = match (cached_slab, fd) {
                         (Some((inst, slab)), _) if inst == instance_id => Some(slab),
-                        (_, Some(fd)) => Some(map_slab(fd)?),
+                        (_, Some(fd)) => {
+                            // Mapped without filling its page tables: the
+                            // unit faults the pages in after it starts, and
+                            // large copies fill their regions' tables (see
+                            // `Slab::open`). Filling them all at connect took
+                            // 2 s for a 4 GiB slab here, for every client.
+                            Some(Arc::new(Slab::open(fd)?))
+                        }
                         (_, None) => {
                             return Err(ConnError::Protocol("slab fd missing from Hello".into()))
                         }
@@ -413,15 +420,4 @@ impl Conn {
         stowage_wire::io::drain(&mut self.reader, n)?;
         Ok(())
     }
-}
-
-/// Map a unit's slab without filling its page tables: the unit faults the
-/// slab's pages in itself after it starts, and this client fills the page
-/// tables of each 2 MiB region when a copy first reaches it (see
-/// `Slab::open_lazy`). Filling them all at connect took 2 s for a 4 GiB
-/// slab here (and 16 clients did it 16 times); a background thread
-/// holding the mapping would keep a dead unit's slab mapped after the
-/// client let go of it.
-fn map_slab(fd: std::os::fd::OwnedFd) -> std::io::Result<Arc<Slab>> {
-    Ok(Arc::new(Slab::open_lazy(fd)?))
 }

@@ -345,19 +345,6 @@ impl HostCache {
     }
 }
 
-/// The read cache's state: cached bytes, limit, hits, misses.
-pub(crate) fn host_cache_stats() -> (usize, usize, u64, u64) {
-    let c = cache();
-    (c.bytes, c.limit, c.hits, c.misses)
-}
-
-/// Change the read cache's limit (0 turns it off), unmapping what is over.
-pub(crate) fn set_host_cache_limit(limit: usize) {
-    let mut c = cache();
-    c.limit = limit;
-    c.trim();
-}
-
 /// Memory for one value read into a new array: heap memory for small
 /// values, a reusable anonymous mapping for large ones.
 pub(crate) enum HostBuf {
@@ -545,7 +532,12 @@ pub(crate) fn host_empty(py: Python<'_>, nbytes: usize) -> PyResult<Bound<'_, Py
 /// The read cache: ``{"bytes", "limit", "hits", "misses"}``.
 #[pyfunction]
 pub(crate) fn host_cache_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyDict>> {
-    let (bytes, limit, hits, misses) = host_cache_stats();
+    // Read under the lock, build the dict after: building it may run a
+    // collection that frees a buffer, which takes the lock.
+    let (bytes, limit, hits, misses) = {
+        let c = cache();
+        (c.bytes, c.limit, c.hits, c.misses)
+    };
     let d = pyo3::types::PyDict::new(py);
     d.set_item("bytes", bytes)?;
     d.set_item("limit", limit)?;
@@ -557,5 +549,7 @@ pub(crate) fn host_cache_info(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types:
 /// Set how many bytes of freed read buffers are kept (0: none).
 #[pyfunction]
 pub(crate) fn set_host_cache(limit: usize) {
-    set_host_cache_limit(limit)
+    let mut c = cache();
+    c.limit = limit;
+    c.trim();
 }

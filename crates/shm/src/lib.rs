@@ -36,10 +36,6 @@ use rustix::net::{
 /// A copy above this size is split over threads (see [`Slab::write`]).
 pub const PARALLEL_COPY_MIN: usize = 8 << 20;
 
-/// Clients fill the page tables of slabs up to this size ahead of use
-/// (page tables of larger slabs cost too much per client to fill).
-pub const POPULATE_MAX: u64 = 8 << 30;
-
 /// A range outside the slab.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OutOfBounds {
@@ -60,74 +56,44 @@ impl std::fmt::Display for OutOfBounds {
 
 impl std::error::Error for OutOfBounds {}
 
-/// Whether the slab's pages could be locked in memory.
-#[derive(Debug)]
-pub enum LockOutcome {
-    Locked,
-    NotLocked(io::Error),
-}
-
 /// A memfd-backed, shared, read-write mapping of fixed length.
 pub struct Slab {
     map: MmapRaw,
     fd: OwnedFd,
     len: usize,
-    /// For a slab mapped lazily ([`Slab::open_lazy`]): one bit per
+    /// For a slab a client mapped ([`Slab::open`]): one bit per
     /// [`REGION`] whose page tables this process has filled.
     filled: Option<Box<[AtomicU64]>>,
 }
 
-/// The unit in which a lazily mapped slab's page tables are filled.
+/// The unit in which a client's mapping fills its page tables.
 const REGION: usize = 2 << 20;
 /// Copies at least this large fill the page tables of their regions first.
 const FILL_MIN: usize = 256 << 10;
 
 impl Slab {
     /// Create a slab of `len` bytes (a unit's memory). Pages are allocated
-    /// lazily by the kernel; [`Slab::lock`] faults them in and pins them.
+    /// lazily by the kernel; [`Slab::fault_in`] faults them in (and pins them).
     pub fn create(name: &str, len: u64) -> io::Result<Self> {
         let len_usize = usize::try_from(len).map_err(|_| io::ErrorKind::InvalidInput)?;
         let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
         rustix::fs::ftruncate(&fd, len)?;
         // A client must never see the mapping shrink under it (SIGBUS).
         rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
-        Self::map(fd, len_usize, false)
+        Self::map(fd, len_usize)
     }
 
-    /// Map a slab whose fd a unit handed over. Slabs up to
-    /// [`POPULATE_MAX`] are mapped with their page tables filled in, so
-    /// that copies never stop for a first-touch fault.
-    pub fn open(fd: OwnedFd) -> io::Result<Self> {
-        let st = rustix::fs::fstat(&fd)?;
-        let len = usize::try_from(st.st_size).map_err(|_| io::ErrorKind::InvalidData)?;
-        Self::map(fd, len, len as u64 <= POPULATE_MAX)
-    }
-
-    fn map(fd: OwnedFd, len: usize, populate: bool) -> io::Result<Self> {
+    fn map(fd: OwnedFd, len: usize) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty slab"));
         }
-        let mut opts = memmap2::MmapOptions::new();
-        opts.len(len);
-        if populate {
-            opts.populate();
-        }
-        let map = opts.map_raw(&fd)?;
+        let map = memmap2::MmapOptions::new().len(len).map_raw(&fd)?;
         Ok(Self {
             map,
             fd,
             len,
             filled: None,
         })
-    }
-
-    /// Lock the pages in RAM (mlock). Fails without CAP_IPC_LOCK or a large
-    /// enough RLIMIT_MEMLOCK; the slab then works unlocked.
-    pub fn lock(&self) -> LockOutcome {
-        match self.map.lock() {
-            Ok(()) => LockOutcome::Locked,
-            Err(e) => LockOutcome::NotLocked(e),
-        }
     }
 
     /// Fault in the pages of `offset..offset+len` (clamped to the slab),
@@ -151,23 +117,29 @@ impl Slab {
             // their contents.
             unsafe { rustix::mm::mlock(ptr.cast(), end - start) }.map_err(io::Error::from)
         } else {
-            self.map
-                .advise_range(memmap2::Advice::PopulateWrite, start, end - start)
+            self.populate(start, end - start)
         }
     }
 
-    /// Map a slab like [`Slab::open`] but leave its page tables empty: the
-    /// pages fault in on first touch, or through [`Slab::fault_in`].
+    /// Fill the page tables of `[start, start + len)` writable, faulting in
+    /// pages that have none, without changing contents.
+    fn populate(&self, start: usize, len: usize) -> io::Result<()> {
+        self.map
+            .advise_range(memmap2::Advice::PopulateWrite, start, len)
+    }
+
+    /// Map a slab whose fd a unit handed over, with its page tables empty:
+    /// the pages fault in on first touch, or through [`Slab::fault_in`].
     ///
     /// Copies through it of 256 KiB or more ([`Slab::write`],
     /// [`Slab::read`], [`Slab::range_ptr`]) fill the page tables of each
     /// 2 MiB region they touch first, in one `MADV_POPULATE_WRITE` (no
     /// change to contents): one system call instead of up to 512 page
     /// faults, which cost 2-3 us each on this class of VM.
-    pub fn open_lazy(fd: OwnedFd) -> io::Result<Self> {
+    pub fn open(fd: OwnedFd) -> io::Result<Self> {
         let st = rustix::fs::fstat(&fd)?;
         let len = usize::try_from(st.st_size).map_err(|_| io::ErrorKind::InvalidData)?;
-        let mut s = Self::map(fd, len, false)?;
+        let mut s = Self::map(fd, len)?;
         s.filled = Some(
             (0..len.div_ceil(REGION).div_ceil(64))
                 .map(|_| AtomicU64::new(0))
@@ -177,7 +149,7 @@ impl Slab {
     }
 
     /// Fill the page tables of the regions of `[start, start + len)` not
-    /// filled yet (lazily mapped slabs only; failures only cost faults).
+    /// filled yet (client mappings only; failures only cost faults).
     fn fill(&self, start: usize, len: usize) {
         let Some(bits) = &self.filled else { return };
         if len < FILL_MIN {
@@ -192,8 +164,7 @@ impl Slab {
                 continue;
             }
             let at = r * REGION;
-            let n = REGION.min(self.len - at);
-            let _ = self.map.advise_range(memmap2::Advice::PopulateWrite, at, n);
+            let _ = self.populate(at, REGION.min(self.len - at));
             bits[word].fetch_or(bit, Ordering::Relaxed);
         }
     }
@@ -598,9 +569,9 @@ mod tests {
         s.read(0, &mut out).unwrap();
         assert!(out[..(len / 2) as usize] == data[..(len / 2) as usize]);
         assert!(out[(len / 2) as usize..].iter().all(|&b| b == 0));
-        // A lazily mapped view of the same memory fills its page tables as
+        // A client's mapping of the same memory fills its page tables as
         // copies reach each region: the same bytes, both ways.
-        let lazy = Slab::open_lazy(s.fd().try_clone_to_owned().unwrap()).unwrap();
+        let lazy = Slab::open(s.fd().try_clone_to_owned().unwrap()).unwrap();
         let mut back = vec![0u8; 3 << 20];
         lazy.read(1 << 20, &mut back).unwrap();
         assert!(back == out[1 << 20..4 << 20]);

@@ -381,9 +381,7 @@ impl Shared {
             s.disk_read_micros = d.io.read_micros.load(Ordering::Relaxed);
         }
         if let Some(m) = &self.metrics {
-            s.ops = m.ops_total();
-            s.bytes_in = m.bytes_total(0);
-            s.bytes_out = m.bytes_total(1);
+            (s.ops, s.bytes_in, s.bytes_out) = m.traffic();
             s.busy = m.busy_total();
         }
         s

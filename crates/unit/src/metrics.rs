@@ -466,13 +466,12 @@ impl UnitMetrics {
         self.checkpoint_seconds.observe(took);
     }
 
-    /// Requests answered so far.
-    pub(crate) fn ops_total(&self) -> u64 {
-        self.path_totals().answered.iter().flatten().sum()
-    }
-
-    pub(crate) fn bytes_total(&self, dir: usize) -> u64 {
-        self.path_totals().bytes.iter().map(|b| b[dir]).sum()
+    /// Requests answered so far, and value bytes in and out: one pass
+    /// over the connections' counters.
+    pub(crate) fn traffic(&self) -> (u64, u64, u64) {
+        let t = self.path_totals();
+        let bytes = |dir: usize| t.bytes.iter().map(|b| b[dir]).sum();
+        (t.answered.iter().flatten().sum(), bytes(0), bytes(1))
     }
 
     pub(crate) fn busy_total(&self) -> u64 {
@@ -921,8 +920,7 @@ mod tests {
             assert_eq!(t.answered[Op::Unpin as usize], [1, 0]);
             assert_eq!(t.latency[Op::Put as usize].0[..3], [1, 0, 1]);
             assert_eq!(t.latency[Op::Put as usize].1, 40_000);
-            assert_eq!((m.bytes_total(0), m.bytes_total(1)), (5, 7));
-            assert_eq!(m.ops_total(), 3);
+            assert_eq!(m.traffic(), (3, 5, 7));
         };
         check(&m);
         // What closing a connection does (ConnCounters::drop).
