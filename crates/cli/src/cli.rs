@@ -777,8 +777,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                             s.used, s.capacity, s.reserved_bytes, s.quarantined_bytes, s.blobs, s.entries, s.rows, s.pins, s.held_bytes, s.overdue_holds
                         );
                         println!(
-                            "  {} partitions, {} bytes pinned; since start: {} requests, {} bytes in, {} bytes out, {} busy answers",
-                            s.partitions, s.pinned_bytes, s.ops, s.bytes_in, s.bytes_out, s.busy
+                            "  {} partitions, {} bytes pinned, {} spares ({} bytes); since start: {} requests, {} bytes in, {} bytes out, {} busy answers",
+                            s.partitions, s.pinned_bytes, s.spares, s.spare_bytes, s.ops, s.bytes_in, s.bytes_out, s.busy
                         );
                         for x in s
                             .sessions

@@ -131,7 +131,7 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     // Each unit took two 4 KiB rows and served them back once.
     assert_eq!(
         printed
-            .matches("1 partitions, 0 bytes pinned; since start: ")
+            .matches("1 partitions, 0 bytes pinned, 0 spares (0 bytes); since start: ")
             .count(),
         3,
         "{printed}"

@@ -7,7 +7,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::{client, eventually, pattern, plane, Kind};
+use common::{client, data_bytes, eventually, pattern, plane, Kind};
 use stowage_cli::local::LocalPlane;
 use stowage_client::{Client, ClientConfig, Error, Key};
 
@@ -118,7 +118,7 @@ fn three_times_memory_reads_back_exactly_while_readers_run(kind: Kind) {
     }));
     assert!(c.stats(c.deadline()).into_iter().all(|s| {
         let s = s.unwrap();
-        s.used == 0 && s.disk_used == 0
+        data_bytes(&s) == 0 && s.disk_used == 0
     }));
 }
 

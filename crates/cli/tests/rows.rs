@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{client, pattern, plane, Kind, Raw};
+use common::{client, data_bytes, pattern, plane, Kind, Raw};
 use stowage_cli::local::LocalPlane;
 use stowage_client::rows::KEY_FIELD;
 use stowage_client::{
@@ -193,7 +193,7 @@ fn rows_grow_fields_and_clear_by_partition(kind: Kind) {
     assert!(c
         .stats(c.deadline())
         .into_iter()
-        .all(|s| s.unwrap().used == 0));
+        .all(|s| data_bytes(&s.unwrap()) == 0));
     // Named placement: the caller's unit, read back from it.
     let one = [RowKey::Index(1)];
     let t = Tensor::new(DType::U8, vec![3], &[1, 2, 3]).unwrap();
@@ -404,7 +404,7 @@ fn views_see_values_in_place_and_keep_them_pinned() {
     assert!(c
         .stats(c.deadline())
         .into_iter()
-        .all(|s| s.unwrap().used == 0));
+        .all(|s| data_bytes(&s.unwrap()) == 0));
     // Views need the shm transport.
     let tcp = Arc::new(client(&p, Kind::Tcp, Duration::from_secs(5)));
     assert!(matches!(

@@ -138,6 +138,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::ShutDown { .. } => "ShutDown",
         Response::Error { .. } => "Error",
         Response::Challenge { .. } => "Challenge",
+        Response::CommittedSpare { .. } => "CommittedSpare",
     }
 }
 

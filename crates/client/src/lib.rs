@@ -112,7 +112,21 @@ pub struct ClientConfig {
     /// proves it, and the unit must prove it back (a client with a secret
     /// refuses a unit that has none). Default `None`.
     pub secret: Option<Secret>,
+    /// Same-host puts of at most this many bytes keep *spares*: each
+    /// commit also reserves the connection's next put of the same size
+    /// class, which the client then writes before it asks the unit
+    /// anything, so such a put costs one round trip (its commit) instead
+    /// of two (alloc, commit). A connection holds at most [`SPARES`]
+    /// spares (reserved memory, shown in the unit's `reserved` bytes) and
+    /// gives them back when a put finds the unit full, and when it closes.
+    /// Zero turns spares off. Default [`SPARE_MAX`].
+    pub spare_max: u64,
 }
+
+/// Default [`ClientConfig::spare_max`].
+pub const SPARE_MAX: u64 = 4 << 20;
+/// Most spares one same-host connection holds.
+pub const SPARES: usize = 4;
 
 impl ClientConfig {
     pub fn new(namespace: impl Into<String>, units: Vec<UnitAddr>) -> Self {
@@ -126,6 +140,7 @@ impl ClientConfig {
             wait_for_memory: None,
             instances: Vec::new(),
             secret: None,
+            spare_max: SPARE_MAX,
         }
     }
 }
@@ -436,7 +451,7 @@ impl Client {
         if !want_fd {
             return Ok(Box::new(TcpTransport::new(conn)));
         }
-        match ShmTransport::new(conn) {
+        match ShmTransport::new(conn, self.cfg.spare_max) {
             Some(t) => Ok(Box::new(t)),
             None => Err(OpFailure::conn(
                 conn::ConnError::Protocol("the unit handed over no slab".into()),

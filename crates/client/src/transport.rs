@@ -9,7 +9,10 @@
 //!
 //! * [`ShmTransport`] (same host): put = Alloc → the client copies into the
 //!   mapped slab → Commit; get = Resolve (pins) → copy out → Unpin (sent
-//!   without awaiting a reply).
+//!   without awaiting a reply). A put's commit also reserves a *spare* of
+//!   its size class for the connection's next put (`CommitSpare`): a put
+//!   that finds a spare of its class copies into it at once and commits,
+//!   one round trip in all.
 //! * [`TcpTransport`] (any host): put = one Put request carrying the bytes,
 //!   which the unit reads straight into its slab; get = one Read request,
 //!   whose reply streams the values straight into the caller's buffers.
@@ -23,7 +26,8 @@ use stowage_shm::Slab;
 use stowage_wire::{ErrorCode, Request, Response};
 
 use crate::conn::{Conn, ConnError};
-use crate::BlobPut;
+use crate::{new_blob_id, BlobPut, SPARES};
+use stowage_core::BlobId;
 
 /// Why one unit's operation failed, before the client classifies it.
 #[derive(Debug)]
@@ -211,6 +215,33 @@ pub struct ShmTransport {
     put_state: PutState,
     /// The partition of the get in progress.
     get_partition: String,
+    /// Reservations this connection holds for its next puts, oldest first.
+    spares: Vec<Spare>,
+    /// Puts up to this size use and keep spares (0: never).
+    spare_max: u64,
+    /// The blob the put in progress commits: its own, or a spare's.
+    committing: BlobId,
+    /// The spare its CommitSpare asked for: (blob, bytes).
+    asked: Option<(BlobId, u64)>,
+}
+
+/// A spare reservation ([`Request::CommitSpare`]) held by one connection.
+#[derive(Clone, Copy, Debug)]
+struct Spare {
+    blob: BlobId,
+    offset: u64,
+    len: u64,
+}
+
+/// The size class whose spares a put of `n` bytes uses: powers of two up
+/// to 4 KiB, then eight classes per doubling (at most 1/8 of a spare goes
+/// unused).
+pub(crate) fn spare_class(n: u64) -> u64 {
+    if n <= 4096 {
+        return n.next_power_of_two().max(64);
+    }
+    let step = 1u64 << (63 - n.leading_zeros() - 3);
+    n.div_ceil(step) * step
 }
 
 /// Where a put stands on one connection.
@@ -243,9 +274,15 @@ fn send_stream(conn: &mut Conn, put: &BlobPut<'_>, deadline: Instant) -> Result<
         .map_err(|e| OpFailure::conn(e, true))
 }
 
-fn send_commit(conn: &mut Conn, put: &BlobPut<'_>, deadline: Instant) -> Result<u64, OpFailure> {
+/// Commit `blob` (the put's own, or the spare it was written into).
+fn send_commit(
+    conn: &mut Conn,
+    put: &BlobPut<'_>,
+    blob: BlobId,
+    deadline: Instant,
+) -> Result<u64, OpFailure> {
     let req = Request::Commit {
-        blob: put.blob,
+        blob,
         partition: put.partition.to_owned(),
         entries: put.entries.clone(),
     };
@@ -271,7 +308,7 @@ fn after_commit_reply(
         Response::Pending => {
             let left = crate::conn::remaining(deadline).map_err(|e| OpFailure::conn(e, false))?;
             std::thread::sleep(PENDING_POLL.min(left));
-            *awaiting = Some(send_commit(conn, put, deadline)?);
+            *awaiting = Some(send_commit(conn, put, put.blob, deadline)?);
             *state = PutState::Committing;
             Ok(false)
         }
@@ -283,7 +320,7 @@ fn after_commit_reply(
 }
 
 impl ShmTransport {
-    pub(crate) fn new(conn: Conn) -> Option<Self> {
+    pub(crate) fn new(conn: Conn, spare_max: u64) -> Option<Self> {
         let slab = conn.slab.clone()?;
         Some(Self {
             conn,
@@ -291,7 +328,106 @@ impl ShmTransport {
             awaiting: None,
             put_state: PutState::Idle,
             get_partition: String::new(),
+            spares: Vec::new(),
+            spare_max,
+            committing: BlobId(0),
+            asked: None,
         })
+    }
+
+    /// Copy the put's segments into the slab at `offset`.
+    fn write_segments(&self, put: &BlobPut<'_>, offset: u64) -> Result<(), OpFailure> {
+        let mut at = offset;
+        for seg in &put.segments {
+            self.slab
+                .write(at, seg)
+                .map_err(|e| OpFailure::conn(ConnError::Protocol(e.to_string()), false))?;
+            at += seg.len() as u64;
+        }
+        Ok(())
+    }
+
+    /// Commit the put (its bytes are in reservation `written`: its own, or
+    /// a spare's); ask for a spare of the put's class when its size calls
+    /// for one.
+    fn commit(
+        &mut self,
+        put: &BlobPut<'_>,
+        written: BlobId,
+        deadline: Instant,
+    ) -> Result<(), OpFailure> {
+        self.committing = written;
+        let n = total_len(put);
+        self.asked = None;
+        let id = if n > 0 && n <= self.spare_max {
+            let spare = (new_blob_id(), spare_class(n));
+            self.asked = Some(spare);
+            let req = Request::CommitSpare {
+                blob: put.blob,
+                written,
+                partition: put.partition.to_owned(),
+                entries: put.entries.clone(),
+                spare: spare.0,
+                spare_nbytes: spare.1,
+            };
+            self.conn
+                .send(&req, &mut [], deadline)
+                .map_err(|e| OpFailure::conn(e, false))?
+        } else {
+            debug_assert_eq!(written, put.blob, "only CommitSpare commits a spare");
+            send_commit(&mut self.conn, put, put.blob, deadline)?
+        };
+        self.awaiting = Some(id);
+        self.put_state = PutState::Committing;
+        Ok(())
+    }
+
+    /// Keep the spare the unit reserved: fill its page tables now (one
+    /// call, instead of a fault per page in the next put), and give back
+    /// the oldest past [`SPARES`].
+    fn keep_spare(&mut self, offset: u64, deadline: Instant) -> Result<(), OpFailure> {
+        let Some((blob, len)) = self.asked.take() else {
+            return Ok(());
+        };
+        let _ = self.slab.fault_in(offset, len, false);
+        self.spares.push(Spare { blob, offset, len });
+        if self.spares.len() > SPARES {
+            let old = self.spares.remove(0);
+            self.abort(old.blob, deadline)?;
+        }
+        Ok(())
+    }
+
+    /// Give up a reservation this connection holds, and wait for the answer.
+    fn abort(&mut self, blob: BlobId, deadline: Instant) -> Result<(), OpFailure> {
+        self.send(
+            &Request::Abort {
+                blob,
+                in_flight: false,
+            },
+            deadline,
+        )?;
+        self.recv(deadline)?;
+        Ok(())
+    }
+
+    /// Give every spare back (the unit is short of memory).
+    fn release_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+        while let Some(s) = self.spares.pop() {
+            self.abort(s.blob, deadline)?;
+        }
+        Ok(())
+    }
+
+    fn send_alloc(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure> {
+        let req = Request::Alloc {
+            blob: put.blob,
+            nbytes: total_len(put),
+            n_entries: n_entries(&put.entries)?,
+        };
+        self.send(&req, deadline)?;
+        self.put_state = PutState::Allocating;
+        Ok(())
     }
 
     fn send(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
@@ -325,14 +461,19 @@ impl Transport for ShmTransport {
     }
 
     fn start_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure> {
-        let req = Request::Alloc {
-            blob: put.blob,
-            nbytes: total_len(put),
-            n_entries: n_entries(&put.entries)?,
-        };
-        self.send(&req, deadline)?;
-        self.put_state = PutState::Allocating;
-        Ok(())
+        n_entries(&put.entries)?;
+        let n = total_len(put);
+        if n > 0 && n <= self.spare_max {
+            let class = spare_class(n);
+            if let Some(i) = self.spares.iter().position(|s| s.len == class) {
+                // This connection holds the spare's reservation: write,
+                // then one round trip to publish it.
+                let spare = self.spares.remove(i);
+                self.write_segments(put, spare.offset)?;
+                return self.commit(put, spare.blob, deadline);
+            }
+        }
+        self.send_alloc(put, deadline)
     }
 
     fn advance_put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<bool, OpFailure> {
@@ -340,15 +481,18 @@ impl Transport for ShmTransport {
             PutState::Idle => Ok(true),
             PutState::Allocating => match self.recv(deadline)? {
                 Response::Allocated { offset } => {
-                    let mut at = offset;
-                    for seg in &put.segments {
-                        self.slab.write(at, seg).map_err(|e| {
-                            OpFailure::conn(ConnError::Protocol(e.to_string()), false)
-                        })?;
-                        at += seg.len() as u64;
-                    }
-                    self.awaiting = Some(send_commit(&mut self.conn, put, deadline)?);
-                    self.put_state = PutState::Committing;
+                    self.write_segments(put, offset)?;
+                    self.commit(put, put.blob, deadline)?;
+                    Ok(false)
+                }
+                // Short of memory while this connection holds spares:
+                // give them back and ask again.
+                Response::Error {
+                    code: ErrorCode::Full | ErrorCode::Busy,
+                    ..
+                } if !self.spares.is_empty() => {
+                    self.release_spares(deadline)?;
+                    self.send_alloc(put, deadline)?;
                     Ok(false)
                 }
                 // No room in the slab, room on disk: send the bytes along.
@@ -367,22 +511,39 @@ impl Transport for ShmTransport {
                 }
             },
             PutState::Streaming | PutState::Committing => {
-                let reply = self.recv(deadline)?;
+                // A Put's bytes may still be on their way when its reply
+                // fails to come (as over tcp).
+                let in_flight = self.put_state == PutState::Streaming;
+                let id = self.awaiting.take().unwrap_or(0);
+                let reply = self
+                    .conn
+                    .recv(id, deadline)
+                    .map_err(|e| OpFailure::conn(e, in_flight))?;
                 if self.put_state == PutState::Committing {
-                    if let Response::Error { code, message } = reply {
-                        // The commit was refused (e.g. the index is full):
-                        // give the reservation back rather than hold it
-                        // for as long as this connection lives.
-                        self.put_state = PutState::Idle;
-                        self.send(
-                            &Request::Abort {
-                                blob: put.blob,
-                                in_flight: false,
-                            },
-                            deadline,
-                        )?;
-                        self.recv(deadline)?;
-                        return Err(OpFailure::Unit { code, message });
+                    match reply {
+                        Response::Error { code, message } => {
+                            // The commit was refused (e.g. the index is
+                            // full): give the reservation back rather than
+                            // hold it for as long as this connection lives.
+                            // (A spare may have taken the put's id before
+                            // the refusal: give up both.)
+                            self.put_state = PutState::Idle;
+                            self.asked = None;
+                            self.abort(put.blob, deadline)?;
+                            if self.committing != put.blob {
+                                self.abort(self.committing, deadline)?;
+                            }
+                            return Err(OpFailure::Unit { code, message });
+                        }
+                        Response::CommittedSpare { spare } => {
+                            self.put_state = PutState::Idle;
+                            match spare {
+                                Some(offset) => self.keep_spare(offset, deadline)?,
+                                None => self.asked = None,
+                            }
+                            return Ok(true);
+                        }
+                        _ => {}
                     }
                 }
                 after_commit_reply(

@@ -113,6 +113,11 @@ pub struct Stats {
     pub partitions: u64,
     /// Bytes of pinned blobs (part of [`Stats::held_bytes`]).
     pub pinned_bytes: u64,
+    /// Spares: reservations same-host clients hold for their next puts
+    /// ([`UnitCore::reserve_spare`]; not counted in `blobs`, never
+    /// overdue), and their bytes (part of `reserved_bytes` and `used`).
+    pub spares: u64,
+    pub spare_bytes: u64,
 }
 
 /// What one session holds.
@@ -130,6 +135,9 @@ pub struct SessionStats {
     /// Holds whose connection the unit cut: kept until the session's
     /// process is gone.
     pub orphaned: u32,
+    /// Of its reservations, the spares (held for its next puts; not in
+    /// `oldest_hold_ms`).
+    pub spares: u32,
 }
 
 /// Index bytes an entry costs beyond its field name and metadata.
@@ -184,14 +192,14 @@ struct Session {
 enum State {
     Reserved {
         holder: Holder,
-        n_entries: u32,
+        /// The entry count the commit must name; `None` for a spare
+        /// ([`UnitCore::reserve_spare`]): any count, and the blob shrinks
+        /// to what the commit names.
+        n_entries: Option<u32>,
     },
     /// A blob written to disk by the unit: its entries are published once
     /// its file is durable ([`UnitCore::disk_written`]).
-    PendingDisk {
-        ns: String,
-        entries: Vec<EntrySpec>,
-    },
+    PendingDisk { ns: String, entries: Vec<EntrySpec> },
     Committed {
         /// Entries of the index that point into this blob.
         live: u32,
@@ -687,6 +695,115 @@ impl UnitCore {
         n_entries: u32,
         now: Time,
     ) -> Result<Allocated, CoreError> {
+        self.reserve(owner, blob, nbytes, Some(n_entries), true, now)
+    }
+
+    /// Reserve a *spare*: `nbytes` of slab memory for a blob whose size and
+    /// entries are not known yet, held by `owner` like any reservation
+    /// (until its commit or abort, or its connection's end; never taken
+    /// from a live session). A client keeps a spare to write its next put
+    /// into before it says anything to the unit, so that put costs one
+    /// round trip (its commit) instead of two. Its commit may name any
+    /// number of entries within `nbytes`; the blob then shrinks to the
+    /// bytes they cover (its range stays reserved whole until freed).
+    ///
+    /// Memory only: `Ok(None)` when the slab has no room now (no disk
+    /// reservation, no Full or Busy: a spare is an offer, not a need).
+    /// A retry for the same blob answers the same offset.
+    pub fn reserve_spare(
+        &mut self,
+        owner: Owner,
+        blob: BlobId,
+        nbytes: u64,
+        now: Time,
+    ) -> Result<Option<u64>, CoreError> {
+        match self.reserve(owner, blob, nbytes, None, false, now) {
+            Ok(Allocated::Reserved { offset }) => Ok(Some(offset)),
+            Ok(Allocated::AlreadyCommitted | Allocated::ToDisk) => Ok(None),
+            Err(CoreError::Full { .. } | CoreError::Busy { .. }) => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Give the spare `spare` (held by `owner`'s session) the id `blob`
+    /// of the put whose bytes were written into it, so that the put is
+    /// committed under its own id: a retry of that put (same id) is then
+    /// recognised as committed. Answers false, and gives the spare up, when
+    /// `blob` was committed already (by an earlier try): nothing is to be
+    /// published.
+    pub fn name_spare(
+        &mut self,
+        owner: Owner,
+        spare: BlobId,
+        blob: BlobId,
+        now: Time,
+    ) -> Result<bool, CoreError> {
+        if spare == blob {
+            return Ok(true);
+        }
+        match self.blobs.get(&spare) {
+            Some(Blob {
+                state:
+                    State::Reserved {
+                        holder,
+                        n_entries: None,
+                    },
+                ..
+            }) if holder.session == owner.session => {}
+            Some(Blob {
+                state: State::Reserved { holder, .. },
+                ..
+            }) if holder.session == owner.session => {
+                return Err(CoreError::Invalid(format!(
+                    "{spare:?} was reserved by Alloc, not as a spare"
+                )))
+            }
+            Some(Blob {
+                state: State::Reserved { .. },
+                ..
+            }) => {
+                return Err(CoreError::NotOwner(format!(
+                    "{spare:?} is reserved by another session"
+                )))
+            }
+            _ => return Err(CoreError::UnknownBlob(spare)),
+        }
+        if self.freed_commit_set.contains(&blob)
+            || matches!(
+                self.blobs.get(&blob),
+                Some(Blob {
+                    state: State::Committed { .. } | State::PendingDisk { .. },
+                    ..
+                })
+            )
+        {
+            self.release_reservation(spare, false, now);
+            return Ok(false);
+        }
+        if self.blobs.contains_key(&blob) {
+            return Err(CoreError::Invalid(format!(
+                "blob {blob:?} is reserved already; its bytes cannot come from a spare"
+            )));
+        }
+        if let Some(b) = self.blobs.remove(&spare) {
+            self.blobs.insert(blob, b);
+        }
+        if let Some(s) = self.sessions.get_mut(&owner.session) {
+            s.reservations.remove(&spare);
+            s.reservations.insert(blob);
+        }
+        Ok(true)
+    }
+
+    fn reserve(
+        &mut self,
+        owner: Owner,
+        blob: BlobId,
+        nbytes: u64,
+        n_entries: Option<u32>,
+        to_disk: bool,
+        now: Time,
+    ) -> Result<Allocated, CoreError> {
         self.check_owner(owner)?;
         if let Some(b) = self.blobs.get_mut(&blob) {
             return match &mut b.state {
@@ -727,7 +844,7 @@ impl UnitCore {
         }
         self.check_holds(owner.session, nbytes)?;
         let capacity = self.slab.capacity();
-        let fits_disk = self.disk_on() && nbytes <= self.disk_free();
+        let fits_disk = to_disk && self.disk_on() && nbytes <= self.disk_free();
         let region = if SlabAllocator::rounded(nbytes) <= capacity {
             self.slab.allocate(nbytes)
         } else {
@@ -840,7 +957,7 @@ impl UnitCore {
                         "blob {blob:?} is reserved by another session"
                     )));
                 }
-                if entries.len() != n_entries as usize {
+                if let Some(n_entries) = n_entries.filter(|&n| entries.len() != n as usize) {
                     return Err(CoreError::Invalid(format!(
                         "blob {blob:?} was reserved for {n_entries} entries, commit names {}",
                         entries.len()
@@ -868,11 +985,27 @@ impl UnitCore {
                 capacity: self.cfg.index_budget,
             });
         }
+        let spare = matches!(
+            b.state,
+            State::Reserved {
+                n_entries: None,
+                ..
+            }
+        );
         if let Some(s) = self.sessions.get_mut(&owner.session) {
             s.reservations.remove(&blob);
         }
-        if b.region.is_none() {
-            if b.disk == Disk::Durable {
+        let (in_memory, durable) = (b.region.is_some(), b.disk == Disk::Durable);
+        if spare {
+            // A spare holds what its commit names (spills, checkpoints and
+            // promotions move those bytes only).
+            let used = entries.iter().map(|e| e.offset + e.len).max().unwrap_or(0);
+            if let Some(b) = self.blobs.get_mut(&blob) {
+                b.nbytes = used;
+            }
+        }
+        if !in_memory {
+            if durable {
                 self.publish(ns, blob, entries);
                 return Ok(Committed::Done);
             }
@@ -1555,7 +1688,12 @@ impl UnitCore {
                 {
                     st.reservations += 1;
                     st.held_bytes += region.map_or(0, |r| r.len);
-                    note(holder, self.cfg.reservation_lease, &mut st);
+                    if self.is_spare(blob) {
+                        // Held on purpose, for as long as its connection.
+                        st.spares += 1;
+                    } else {
+                        note(holder, self.cfg.reservation_lease, &mut st);
+                    }
                 }
             }
             for pin in &sess.pins {
@@ -1584,13 +1722,35 @@ impl UnitCore {
         s
     }
 
+    fn is_spare(&self, blob: &BlobId) -> bool {
+        matches!(
+            self.blobs.get(blob),
+            Some(Blob {
+                state: State::Reserved {
+                    n_entries: None,
+                    ..
+                },
+                ..
+            })
+        )
+    }
+
     pub fn stats(&self) -> Stats {
+        let (spares, spare_bytes) = self
+            .blobs
+            .iter()
+            .filter(|(id, _)| self.is_spare(id))
+            .fold((0, 0), |(n, b), (_, blob)| {
+                (n + 1, b + blob.region.map_or(0, |r| r.len))
+            });
         Stats {
             capacity: self.slab.capacity(),
             used: self.slab.allocated(),
             reserved_bytes: self.reserved_bytes,
             quarantined_bytes: self.quarantined_bytes,
-            blobs: self.blobs.len() as u64,
+            blobs: self.blobs.len() as u64 - spares,
+            spares,
+            spare_bytes,
             entries: self.entries,
             rows: self.index.values().map(|r| r.len() as u64).sum(),
             pins: self.pins.len() as u64,
@@ -1755,6 +1915,127 @@ mod tests {
         assert_eq!(c.stats().pins, 1);
         assert_eq!(c.stats().blobs, 1);
         c.unpin(o, pin.unwrap()).unwrap();
+        assert_eq!(c.stats().used, 0);
+    }
+
+    #[test]
+    fn a_spare_takes_the_puts_id_and_shrinks_to_its_entries() {
+        let mut c = core(1 << 20);
+        let o = own(&mut c);
+        let spare = BlobId(100);
+        let offset = c.reserve_spare(o, spare, 4096, t(0)).unwrap().unwrap();
+        assert_eq!(c.reserve_spare(o, spare, 4096, t(1)).unwrap(), Some(offset));
+        assert_eq!(c.stats().reserved_bytes, 4096);
+        // The put's own id, with any number of entries within the spare.
+        let put = BlobId(7);
+        assert!(c.name_spare(o, spare, put, t(2)).unwrap());
+        let r = c
+            .commit(
+                o,
+                "ns",
+                put,
+                &[entry(1, "a", 0, 1000), entry(2, "a", 1000, 500)],
+            )
+            .unwrap();
+        assert_eq!(r, Committed::Done);
+        assert_eq!(
+            c.blob_size(put),
+            Some(1500),
+            "spills and checkpoints move 1,500 bytes"
+        );
+        assert_eq!(c.blob_size(spare), None);
+        assert_eq!(c.stats().reserved_bytes, 0);
+        assert_eq!(
+            c.stats().used,
+            4096,
+            "the whole range stays held until freed"
+        );
+        let (pin, locs) = c.resolve(o, "ns", &[Key::new(2, "a")], t(3)).unwrap();
+        assert_eq!(
+            locs[0],
+            Some(Place::Memory(Location {
+                offset: offset + 1000,
+                len: 500
+            }))
+        );
+        c.unpin(o, pin.unwrap()).unwrap();
+        // A retry of the put (same id) finds it committed.
+        assert_eq!(
+            c.alloc(o, put, 1500, 2, t(4)).unwrap(),
+            Allocated::AlreadyCommitted
+        );
+        assert_eq!(c.release_rows("ns", &[1, 2]), 2);
+        assert_eq!(c.stats().used, 0);
+    }
+
+    #[test]
+    fn a_spare_is_memory_only_and_never_an_error_for_want_of_room() {
+        let mut c = disk_core(1 << 16, 1 << 20);
+        let o = own(&mut c);
+        c.alloc(o, BlobId(1), 1 << 16, 1, t(0)).unwrap();
+        // The slab is full and the disk has room: a put would go to disk,
+        // a spare is simply not given.
+        assert_eq!(c.reserve_spare(o, BlobId(2), 4096, t(0)).unwrap(), None);
+        assert_eq!(c.stats().disk_used, 0);
+        assert_eq!(c.stats().reserved_bytes, 1 << 16);
+    }
+
+    #[test]
+    fn only_its_session_names_a_spare_and_a_committed_put_gives_it_up() {
+        let mut c = core(1 << 20);
+        let (a, b) = (own(&mut c), own(&mut c));
+        c.reserve_spare(a, BlobId(10), 4096, t(0)).unwrap().unwrap();
+        assert!(matches!(
+            c.name_spare(b, BlobId(10), BlobId(11), t(0)),
+            Err(CoreError::NotOwner(_))
+        ));
+        assert!(matches!(
+            c.name_spare(a, BlobId(99), BlobId(11), t(0)),
+            Err(CoreError::UnknownBlob(_))
+        ));
+        // An Alloc reservation is not a spare.
+        c.alloc(a, BlobId(12), 64, 1, t(0)).unwrap();
+        assert!(matches!(
+            c.name_spare(a, BlobId(12), BlobId(13), t(0)),
+            Err(CoreError::Invalid(_))
+        ));
+        // The put's id is reserved already: refused, nothing moves.
+        assert!(matches!(
+            c.name_spare(a, BlobId(10), BlobId(12), t(0)),
+            Err(CoreError::Invalid(_))
+        ));
+        // The put was committed by an earlier try: the spare is given up.
+        c.commit(a, "ns", BlobId(12), &[entry(1, "f", 0, 64)])
+            .unwrap();
+        let before = c.stats().reserved_bytes;
+        assert!(!c.name_spare(a, BlobId(10), BlobId(12), t(1)).unwrap());
+        assert_eq!(c.stats().reserved_bytes, before - 4096);
+        assert_eq!(c.stats().entries, 1);
+    }
+
+    #[test]
+    fn a_cut_peer_keeps_its_spares_until_its_session_is_gone() {
+        let mut c = core(1 << 20);
+        let o = own(&mut c);
+        let offset = c.reserve_spare(o, BlobId(5), 8192, t(0)).unwrap().unwrap();
+        // The unit cut the connection of a peer that maps the slab: it may
+        // still be writing into its spare, so the range is not reused.
+        c.detach(o, ConnEnd::Cut, t(1));
+        assert_eq!(c.stats().reserved_bytes, 8192);
+        let o2 = own(&mut c);
+        for i in 0..15 {
+            if let Some(off) = c.reserve_spare(o2, BlobId(200 + i), 8192, t(2)).unwrap() {
+                assert!(
+                    off + 8192 <= offset || off >= offset + 8192,
+                    "overlaps the kept spare"
+                );
+            }
+        }
+        c.session_gone(o.session, t(3));
+        assert_eq!(c.stats().reserved_bytes, 15 * 8192);
+        // A connection the peer closed gives its spares back at once.
+        c.detach(o2, ConnEnd::Closed, t(4));
+        assert_eq!(c.stats().reserved_bytes, 0);
         assert_eq!(c.stats().used, 0);
     }
 

@@ -828,6 +828,8 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
     d.set_item("held_bytes", s.held_bytes)?;
     d.set_item("overdue_holds", s.overdue_holds)?;
     d.set_item("pinned_bytes", s.pinned_bytes)?;
+    d.set_item("spares", s.spares)?;
+    d.set_item("spare_bytes", s.spare_bytes)?;
     d.set_item("partitions", s.partitions)?;
     d.set_item("ops", s.ops)?;
     d.set_item("bytes_in", s.bytes_in)?;
@@ -843,6 +845,7 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         e.set_item("held_bytes", x.held_bytes)?;
         e.set_item("oldest_hold_ms", x.oldest_hold_ms)?;
         e.set_item("orphaned", x.orphaned)?;
+        e.set_item("spares", x.spares)?;
         sessions.append(e)?;
     }
     d.set_item("sessions", sessions)?;

@@ -355,7 +355,9 @@ impl Conn {
         }
         // Bytes a client wrote through its mapping, published by a commit.
         let committed_bytes = match (&self.shared.metrics, &req) {
-            (Some(_), Request::Commit { entries, .. }) => entries.iter().map(|e| e.len).sum(),
+            (Some(_), Request::Commit { entries, .. } | Request::CommitSpare { entries, .. }) => {
+                entries.iter().map(|e| e.len).sum()
+            }
             _ => 0,
         };
         let handled = {
@@ -364,7 +366,12 @@ impl Conn {
         };
         let resp = match handled {
             Handled::Reply(r) => {
-                if committed_bytes > 0 && matches!(r, Response::Done | Response::Pending) {
+                if committed_bytes > 0
+                    && matches!(
+                        r,
+                        Response::Done | Response::Pending | Response::CommittedSpare { .. }
+                    )
+                {
                     if let Some(m) = &self.counters {
                         m.bytes_in(crate::metrics::Transport::Shm, committed_bytes);
                     }

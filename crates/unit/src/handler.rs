@@ -59,6 +59,35 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
                     Committed::Pending => Response::Pending,
                 }),
         ),
+        Request::CommitSpare { blob, .. } if core.is_disk_reservation(owner.session, blob) => {
+            Handled::Reply(Response::Error {
+                code: ErrorCode::InvalidRequest,
+                message: format!(
+                    "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
+                ),
+            })
+        }
+        Request::CommitSpare {
+            blob,
+            written,
+            partition,
+            entries,
+            spare,
+            spare_nbytes,
+        } => answer(
+            core.name_spare(owner, written, blob, now)
+                .and_then(|named| {
+                    if !named {
+                        return Ok(Response::AlreadyCommitted);
+                    }
+                    match core.commit(owner, &scope(ns, &partition), blob, &entries)? {
+                        Committed::Pending => Ok(Response::Pending),
+                        Committed::Done => core
+                            .reserve_spare(owner, spare, spare_nbytes, now)
+                            .map(|spare| Response::CommittedSpare { spare }),
+                    }
+                }),
+        ),
         Request::Abort { blob, in_flight } => answer(
             core.abort(owner, blob, in_flight, now)
                 .map(|()| Response::Done),

@@ -69,7 +69,8 @@ impl Op {
         match req {
             Request::Hello { .. } => Op::Hello,
             Request::Alloc { .. } => Op::Alloc,
-            Request::Commit { .. } => Op::Commit,
+            // A commit that also reserves the client's next spare.
+            Request::Commit { .. } | Request::CommitSpare { .. } => Op::Commit,
             Request::Abort { .. } => Op::Abort,
             Request::Resolve { .. } => Op::Resolve,
             Request::Unpin { .. } => Op::Unpin,

@@ -37,8 +37,9 @@ pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
 /// added the shared-secret handshake; version 4 the traffic counters at
-/// the end of [`Stats`] (an older client could not decode them).
-pub const PROTOCOL_VERSION: u16 = 4;
+/// the end of [`Stats`] (an older client could not decode them); version 5
+/// [`Request::CommitSpare`] and the spare counters of [`Stats`].
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -222,6 +223,25 @@ pub enum Request {
     Prove {
         client_proof: auth::Proof,
     },
+    /// Commit (as [`Request::Commit`]) the bytes written into reservation
+    /// `written` as blob `blob`, then reserve a *spare* of `spare_nbytes`
+    /// for blob `spare`, held by this connection: the client writes its
+    /// next put into it before it asks the unit anything, and commits that
+    /// put with another CommitSpare naming the spare as `written`, so a
+    /// same-host put costs one round trip. `written` is `blob` itself
+    /// (reserved by Alloc) or a spare, whose commit names any number of
+    /// entries within its size. Answered [`Response::CommittedSpare`]
+    /// (`AlreadyCommitted` when `blob` was committed by an earlier try: the
+    /// spare `written` is then given up); a commit that fails answers as
+    /// Commit does and reserves nothing.
+    CommitSpare {
+        blob: BlobId,
+        written: BlobId,
+        partition: String,
+        entries: Vec<EntrySpec>,
+        spare: BlobId,
+        spare_nbytes: u64,
+    },
 }
 
 /// A file of a checkpoint.
@@ -334,6 +354,11 @@ pub enum Response {
         unit_nonce: auth::Nonce,
         unit_proof: auth::Proof,
     },
+    /// Reply to CommitSpare: the blob is published; `spare`: where the
+    /// spare is, `None` when the slab had no room for it now.
+    CommittedSpare {
+        spare: Option<u64>,
+    },
 }
 
 /// Error classes a unit reports. Only ever appended to.
@@ -411,7 +436,18 @@ impl Request {
                 }
                 count("entries", *n_entries as usize)
             }
+            Request::CommitSpare { spare_nbytes, .. } if *spare_nbytes > limits.max_payload => {
+                Err(WireError::PayloadTooLarge {
+                    len: *spare_nbytes,
+                    max: limits.max_payload,
+                })
+            }
             Request::Commit {
+                entries,
+                partition: p,
+                ..
+            }
+            | Request::CommitSpare {
                 entries,
                 partition: p,
                 ..
@@ -670,6 +706,19 @@ mod tests {
             Request::Prove {
                 client_proof: [0xcd; 32],
             },
+            Request::CommitSpare {
+                blob: BlobId(5),
+                written: BlobId(6),
+                partition: "step-1".into(),
+                entries: vec![EntrySpec {
+                    key: Key::new(1, "f"),
+                    offset: 0,
+                    len: 9,
+                    meta: vec![1],
+                }],
+                spare: BlobId(7),
+                spare_nbytes: 65536,
+            },
         ]
     }
 
@@ -683,6 +732,8 @@ mod tests {
                 session: 7,
             },
             Response::Allocated { offset: 4096 },
+            Response::CommittedSpare { spare: Some(8192) },
+            Response::CommittedSpare { spare: None },
             Response::AlreadyCommitted,
             Response::Done,
             Response::Resolved {
@@ -728,6 +779,7 @@ mod tests {
                     held_bytes: 5,
                     oldest_hold_ms: 6,
                     orphaned: 7,
+                    spares: 8,
                 }],
                 ops: 19,
                 bytes_in: 20,
@@ -735,6 +787,8 @@ mod tests {
                 busy: 22,
                 partitions: 23,
                 pinned_bytes: 24,
+                spares: 25,
+                spare_bytes: 26,
             }),
             Response::Data {
                 items: vec![

@@ -15,6 +15,23 @@ use stowage_wire::{
     decode_header, encode, Envelope, FramePrefix, Limits, Request, Response, PREFIX_LEN,
 };
 
+/// Slab bytes a unit holds for data: everything in use but the spares
+/// same-host clients keep for their next puts (which stay theirs until
+/// their connections close). Checks that a clear freed its memory compare
+/// this with 0, and that the spares are all that is reserved.
+#[allow(dead_code)] // not every test binary checks memory
+pub fn data_bytes(s: &stowage_client::Stats) -> u64 {
+    assert_eq!(
+        s.reserved_bytes, s.spare_bytes,
+        "reservations other than spares outlived their puts: {s:?}"
+    );
+    assert!(
+        s.spare_bytes <= (stowage_client::SPARES as u64) * stowage_client::SPARE_MAX * 4,
+        "more spares than a few connections hold: {s:?}"
+    );
+    s.used - s.spare_bytes
+}
+
 /// Generate one test per transport from `fn name(kind: Kind)`: a `shm`
 /// and a `tcp` module, each with a `#[test] fn name()`.
 #[allow(unused_macros)] // not every test binary has per-transport tests
