@@ -335,16 +335,12 @@ impl ShmTransport {
         })
     }
 
-    /// Copy the put's segments into the slab at `offset`.
+    /// Copy the put's segments into the slab at `offset` (split over
+    /// threads when they are large in all, however small each one is).
     fn write_segments(&self, put: &BlobPut<'_>, offset: u64) -> Result<(), OpFailure> {
-        let mut at = offset;
-        for seg in &put.segments {
-            self.slab
-                .write(at, seg)
-                .map_err(|e| OpFailure::conn(ConnError::Protocol(e.to_string()), false))?;
-            at += seg.len() as u64;
-        }
-        Ok(())
+        self.slab
+            .write_gather(offset, &put.segments)
+            .map_err(|e| OpFailure::conn(ConnError::Protocol(e.to_string()), false))
     }
 
     /// Commit the put (its bytes are in reservation `written`: its own, or
