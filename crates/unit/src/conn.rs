@@ -343,16 +343,34 @@ impl Conn {
             }
         };
         let now = self.shared.now();
-        let writes = matches!(
-            req,
-            Request::Alloc { .. } | Request::Put { .. } | Request::Checkpoint { .. }
-        );
-        if writes && self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
+        // A put written into a spare starts with its commit: new work too.
+        let writes = match &req {
+            Request::Alloc { .. } | Request::Put { .. } | Request::Checkpoint { .. } => true,
+            Request::CommitSpare { blob, written, .. } => blob != written,
+            _ => false,
+        };
+        let stopping = self.shared.stop.load(std::sync::atomic::Ordering::SeqCst);
+        if writes && stopping {
             if payload_len > 0 {
                 drain(&mut self.reader, payload_len)?;
             }
             return self.reply_error(id, ErrorCode::Internal, "the unit is shutting down");
         }
+        // A put under way when the unit began to stop may finish; it gets
+        // no spare for another.
+        let req = match req {
+            Request::CommitSpare {
+                blob,
+                partition,
+                entries,
+                ..
+            } if stopping => Request::Commit {
+                blob,
+                partition,
+                entries,
+            },
+            other => other,
+        };
         // Bytes a client wrote through its mapping, published by a commit.
         let committed_bytes = match (&self.shared.metrics, &req) {
             (Some(_), Request::Commit { entries, .. } | Request::CommitSpare { entries, .. }) => {
