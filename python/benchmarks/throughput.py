@@ -5,10 +5,11 @@ A writer process puts values (1 MiB, 16 MiB) sliced from a seeded random
 512 MiB buffer, walking through it so that nothing is in the caches; a
 reader process, another one, gets them back into new arrays and then into
 `out=` arrays (its destinations walk through a 512 MiB buffer of its own).
-Two units over shm, default placement. The limit is libc's memcpy called
-through ctypes (which releases the GIL) over the same kind of cold source
-and destination: on one thread, and split over as many threads as stowage
-copies with (up to 4 for copies of 8 MiB and more). Medians of --rounds.
+Two units over shm, default placement. The limit is a memcpy over the
+same kind of cold source and destination: libc's memcpy through ctypes
+(which releases the GIL) on one thread, and split over as many threads as
+stowage copies with (up to 4 for copies of 1 MiB and more) on the same
+thread pool (`stowage._native.copy`). Medians of --rounds.
 
 Target (issue "Performance, round 2"): every stowage figure >= 0.9x the
 single-thread cold memcpy of the same size.
@@ -21,12 +22,12 @@ import ctypes
 import multiprocessing as mp
 import os
 import statistics
-import threading
 import time
 
 import numpy as np
 
 import stowage
+from stowage import _native
 
 MiB = 1 << 20
 POOL = 512 * MiB
@@ -41,28 +42,23 @@ def addr(a):
 
 
 def stowage_threads(size):
-    return min(4, os.cpu_count() or 1) if size >= 8 * MiB else 1
+    # stowage_shm::copy_threads: copies of 1 MiB or more go over up to 4 cores.
+    return min(4, os.cpu_count() or 1) if size >= 1 * MiB else 1
 
 
 def memcpy_gbps(size, total, threads, src, dst):
     """Copy `total` bytes in pieces of `size` from cold `src` offsets to
-    cold `dst` offsets, each piece split over `threads` threads."""
+    cold `dst` offsets: libc memcpy on one thread, or split over `threads`
+    threads of the same pool stowage copies with (stowage._native.copy, no
+    thread started per copy)."""
     n = total // size
-    part = -(-size // threads)
     t = time.perf_counter()
     for i in range(n):
-        s, d = addr(src) + (i * size) % (POOL - size), addr(dst) + (i * size * 7) % (POOL - size)
+        s, d = (i * size) % (POOL - size), (i * size * 7) % (POOL - size)
         if threads == 1:
-            _libc.memcpy(d, s, size)
-            continue
-        ts = [
-            threading.Thread(target=_libc.memcpy, args=(d + k * part, s + k * part, min(part, size - k * part)))
-            for k in range(threads)
-        ]
-        for x in ts:
-            x.start()
-        for x in ts:
-            x.join()
+            _libc.memcpy(addr(dst) + d, addr(src) + s, size)
+        else:
+            _native.copy(dst[d : d + size], src[s : s + size], threads)
     return n * size / (time.perf_counter() - t) / 1e9
 
 

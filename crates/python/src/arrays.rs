@@ -553,3 +553,41 @@ pub(crate) fn set_host_cache(limit: usize) {
     c.limit = limit;
     c.trim();
 }
+
+/// `copy(dst, src, threads=None)`: copy the bytes of array `src` into array
+/// `dst` (same byte size; `dst` writeable and C-contiguous) the way
+/// stowage's own copies go (`threads`: the count; default: what stowage
+/// uses for that size), without the GIL. The memcpy limit for benchmarks.
+#[pyfunction]
+#[pyo3(signature = (dst, src, threads = None))]
+pub(crate) fn copy(
+    py: Python<'_>,
+    dst: &Bound<'_, PyAny>,
+    src: &Bound<'_, PyAny>,
+    threads: Option<usize>,
+) -> PyResult<()> {
+    let d = ArrayBytes::new(dst, &|| "dst".into())?;
+    let s = ArrayBytes::new(src, &|| "src".into())?;
+    if !d.writeable() {
+        return Err(crate::errors::invalid("dst is read-only"));
+    }
+    if d.len() != s.len() {
+        return Err(crate::errors::invalid(format!(
+            "dst has {} bytes, src {}",
+            d.len(),
+            s.len()
+        )));
+    }
+    let (dr, sb) = (d.dest(0, d.len()), s.bytes());
+    let (lo, hi) = dr.range();
+    let (slo, shi) = (sb.as_ptr() as usize, sb.as_ptr() as usize + sb.len());
+    if lo < shi && slo < hi {
+        return Err(crate::errors::invalid("dst and src overlap"));
+    }
+    // SAFETY: `dst` is alive (borrowed for this call), writeable, and does
+    // not overlap `src` (checked above); nothing else writes it meanwhile
+    // (the caller's arrays are held by the call).
+    let dslice = unsafe { dr.slice() };
+    py.detach(|| stowage_shm::copy_split(dslice, sb, threads));
+    Ok(())
+}

@@ -60,6 +60,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(arrays::host_empty, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::host_cache_info, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::set_host_cache, m)?)?;
+    m.add_function(wrap_pyfunction!(arrays::copy, m)?)?;
     errors::register(m)?;
     cluster::register(m)?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
