@@ -104,6 +104,46 @@ def test_returned_arrays_are_independent_copies(dp, part):
     assert same(dp.get(part, [0], ["x"])["x"][0], np.arange(10, dtype=np.int32))
 
 
+def test_a_large_batch_of_small_values_reads_back_exactly(dp, part):
+    # Values of all sizes and dtypes that add up to several MiB per unit:
+    # the get fills them together on the cores, new arrays carved from one
+    # buffer per unit. Each is its own value, aligned, writable, and lives
+    # on after the others are gone.
+    rng = np.random.default_rng(9)
+    n = 600
+    keys = list(range(n))
+    cols = {
+        "ids": [rng.integers(0, 1 << 40, int(k), dtype=np.int64) for k in rng.integers(0, 3000, n)],
+        "lp": [rng.standard_normal(int(k)).astype(ml_dtypes.bfloat16) for k in rng.integers(1, 5000, n)],
+        "mask": [rng.random((int(k), 3)) > 0.5 for k in rng.integers(0, 700, n)],
+    }
+    assert sum(a.nbytes for v in cols.values() for a in v) > 8 << 20
+    dp.put(part, keys, cols)
+    got = dp.get(part, keys, list(cols))
+    for f, want in cols.items():
+        assert all(same(a, b) for a, b in zip(want, got[f])), f
+        assert all(a.ctypes.data % 64 == 0 and a.flags.writeable for a in got[f])
+    # Independent: writing one returned value changes no other, nor the store.
+    got["ids"][5][:] = -1
+    assert same(got["ids"][6], cols["ids"][6])
+    keep = got["lp"][n - 1]
+    del got
+    import gc
+
+    gc.collect()
+    assert same(keep, cols["lp"][n - 1])
+    assert same(dp.get(part, [5], ["ids"])["ids"][0], cols["ids"][5])
+    outs = {f: [np.empty_like(a) for a in v] for f, v in cols.items()}
+    dp.get(part, keys, list(cols), out=outs)
+    for f, want in cols.items():
+        assert all(same(a, b) for a, b in zip(want, outs[f])), f
+    # A wrong out= destination is refused before anything is copied.
+    bad = {f: list(v) for f, v in outs.items()}
+    bad["lp"][3] = np.empty(len(cols["lp"][3]) + 1, dtype=cols["lp"][3].dtype)
+    with pytest.raises(stowage.InvalidRequest):
+        dp.get(part, keys, list(cols), out=bad)
+
+
 def test_value_of_256_mib():
     n = (256 << 20) // 8
     big = np.arange(n, dtype=np.int64)

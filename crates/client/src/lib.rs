@@ -227,6 +227,17 @@ impl GetSink for Counting<'_> {
         self.bytes += len;
         self.inner.slot(index, len, meta)
     }
+
+    fn slots(
+        &mut self,
+        asks: &[(usize, u64, &[u8])],
+    ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
+        let r = self.inner.slots(asks);
+        if matches!(r, Some(Ok(_))) {
+            self.bytes += asks.iter().map(|a| a.1).sum::<u64>();
+        }
+        r
+    }
 }
 
 /// A sink that collects values into fresh vectors.

@@ -248,6 +248,19 @@ pub trait TensorSink {
         dtype: DType,
         shape: &[u64],
     ) -> std::result::Result<&mut [u8], String>;
+
+    /// The buffers of many values at once, in the order of `asks`
+    /// (`(field, row, dtype, shape)` as for [`TensorSink::slot`], each
+    /// value at most once), so that they can be filled together on several
+    /// threads. `None` (the default): one at a time through `slot`.
+    #[allow(clippy::type_complexity)]
+    fn slots(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+    ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
+        let _ = asks;
+        None
+    }
 }
 
 /// What the unit keeps beside each value. For a value of a string-keyed
@@ -596,13 +609,14 @@ impl Client {
             /// Rows with values of unknown owner.
             unknown: BTreeSet<usize>,
         }
-        impl GetSink for Adapter<'_> {
-            fn slot(
+        impl Adapter<'_> {
+            /// The value's dtype and shape, once its size and owner check out.
+            fn check(
                 &mut self,
                 index: usize,
                 len: u64,
                 meta: &[u8],
-            ) -> std::result::Result<&mut [u8], String> {
+            ) -> std::result::Result<(usize, usize, ValueMeta), String> {
                 let (m, owner) = decode_meta(meta)?;
                 let want = byte_len(m.dtype, &m.shape).map_err(|e| e.to_string())?;
                 if want != len {
@@ -624,7 +638,36 @@ impl Client {
                         return Err("row key hash collision".into());
                     }
                 }
+                Ok((field, row, m))
+            }
+        }
+        impl GetSink for Adapter<'_> {
+            fn slot(
+                &mut self,
+                index: usize,
+                len: u64,
+                meta: &[u8],
+            ) -> std::result::Result<&mut [u8], String> {
+                let (field, row, m) = self.check(index, len, meta)?;
                 self.sink.slot(field, row, m.dtype, &m.shape)
+            }
+
+            fn slots(
+                &mut self,
+                asks: &[(usize, u64, &[u8])],
+            ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
+                let mut checked = Vec::with_capacity(asks.len());
+                for &(index, len, meta) in asks {
+                    match self.check(index, len, meta) {
+                        Ok(c) => checked.push(c),
+                        Err(e) => return Some(Err(e)),
+                    }
+                }
+                let tasks: Vec<(usize, usize, DType, &[u64])> = checked
+                    .iter()
+                    .map(|(f, r, m)| (*f, *r, m.dtype, m.shape.as_slice()))
+                    .collect();
+                self.sink.slots(&tasks)
             }
         }
         let mut adapter = Adapter {

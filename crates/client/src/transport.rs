@@ -88,6 +88,16 @@ pub trait GetSink {
     /// `index` is the key's position in the call's key list; `meta` the
     /// metadata stored with the value.
     fn slot(&mut self, index: usize, len: u64, meta: &[u8]) -> Result<&mut [u8], String>;
+
+    /// The buffers of many values at once, in the order of `asks`
+    /// (`(index, len, meta)` as for [`GetSink::slot`], each index at most
+    /// once), so that a transport can fill them together on several
+    /// threads. `None` (the default): the sink hands out one buffer at a
+    /// time through `slot`.
+    fn slots(&mut self, asks: &[(usize, u64, &[u8])]) -> Option<Result<Vec<&mut [u8]>, String>> {
+        let _ = asks;
+        None
+    }
 }
 
 /// What a finished get on one unit reports: the positions (in its own key
@@ -588,11 +598,50 @@ impl Transport for ShmTransport {
         let mut missing = Vec::new();
         let mut on_disk = Vec::new();
         let mut result = Ok(());
+        // Many values, large in all: ask the sink for all their buffers
+        // and fill them together on the cores (one by one otherwise).
+        let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
+        let batched = in_memory().nth(1).is_some()
+            && stowage_shm::copy_threads(in_memory().map(|l| l.len as usize).sum()) > 1;
+        let mut copied_all = false;
+        if batched {
+            let asks: Vec<(usize, u64, &[u8])> = found
+                .iter()
+                .enumerate()
+                .filter_map(|(i, f)| {
+                    f.as_ref()
+                        .filter(|l| !l.on_disk)
+                        .map(|l| (index_of[i], l.len, l.meta.as_slice()))
+                })
+                .collect();
+            match sink.slots(&asks) {
+                Some(Ok(bufs)) => {
+                    let reads: Vec<(u64, &mut [u8])> =
+                        in_memory().map(|l| l.offset).zip(bufs).collect();
+                    if let Err(e) = self.slab.read_scatter(reads) {
+                        result = Err(OpFailure::Unit {
+                            code: ErrorCode::InvalidRequest,
+                            message: e.to_string(),
+                        });
+                    }
+                    copied_all = true;
+                }
+                Some(Err(m)) => {
+                    result = Err(OpFailure::Unit {
+                        code: ErrorCode::InvalidRequest,
+                        message: m,
+                    });
+                    copied_all = true;
+                }
+                None => {}
+            }
+        }
         for (i, f) in found.iter().enumerate() {
             match f {
                 None if corrupt.contains(&i) => {}
                 None => missing.push(i),
                 Some(l) if l.on_disk => on_disk.push(i),
+                Some(_) if copied_all => {}
                 Some(l) => {
                     let copied = sink
                         .slot(index_of[i], l.len, &l.meta)

@@ -99,15 +99,96 @@ enum Source<'py> {
     Jagged(Vec<ArrayBytes<'py>>),
 }
 
-/// One value read into memory of its own.
+/// One value read into new memory.
 struct ReadTensor {
     dtype: DType,
     shape: Vec<u64>,
-    data: HostBuf,
+    data: ReadData,
 }
 
-/// A sink allocating a buffer per value (see [`HostBuf`]).
-struct AllocSink(Vec<Vec<Option<ReadTensor>>>);
+/// Where a value read into new memory lies.
+enum ReadData {
+    /// Memory of its own (see [`HostBuf`]).
+    Own(HostBuf),
+    /// `len` bytes at `offset` of the sink's batch buffer `buf`: the
+    /// values a unit handed over together share one buffer (one mapping
+    /// from the read cache, instead of a zeroed allocation per value).
+    Shared {
+        buf: usize,
+        offset: usize,
+        len: usize,
+    },
+}
+
+/// A sink allocating new memory per value, or per batch of values.
+struct AllocSink {
+    values: Vec<Vec<Option<ReadTensor>>>,
+    batches: Vec<HostBuf>,
+}
+
+/// Values in a batch buffer start on multiples of this (numpy's alignment
+/// for any dtype).
+const VALUE_ALIGN: usize = 64;
+
+impl AllocSink {
+    fn new(fields: usize, rows: usize) -> Self {
+        Self {
+            values: (0..fields)
+                .map(|_| (0..rows).map(|_| None).collect())
+                .collect(),
+            batches: Vec::new(),
+        }
+    }
+
+    fn place(&mut self, field: usize, row: usize) -> Result<&mut Option<ReadTensor>, String> {
+        self.values
+            .get_mut(field)
+            .and_then(|f| f.get_mut(row))
+            .ok_or_else(|| "value index out of range".to_string())
+    }
+
+    fn all_slots(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+    ) -> Result<Vec<&mut [u8]>, String> {
+        let mut total = 0usize;
+        let mut spans = Vec::with_capacity(asks.len());
+        for &(_, _, dtype, shape) in asks {
+            let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
+            let offset = total.next_multiple_of(VALUE_ALIGN);
+            total = offset.checked_add(len).ok_or("values larger than memory")?;
+            spans.push((offset, len));
+        }
+        let buf = self.batches.len();
+        let mem = HostBuf::new(total).map_err(|e| format!("cannot map {total} bytes: {e}"))?;
+        let mut seen = std::collections::HashSet::with_capacity(asks.len());
+        for (&(field, row, dtype, shape), &(offset, len)) in asks.iter().zip(&spans) {
+            if !seen.insert((field, row)) {
+                return Err(format!("value {field}/{row} asked twice"));
+            }
+            *self.place(field, row)? = Some(ReadTensor {
+                dtype,
+                shape: shape.to_vec(),
+                data: ReadData::Shared { buf, offset, len },
+            });
+        }
+        // Small batches are zeroed heap memory, large ones may hold stale
+        // bytes of this process: either way every value's bytes are
+        // written by the get before anyone sees them.
+        self.batches.push(mem);
+        let mut rest: &mut [u8] = self.batches.last_mut().map_or(&mut [], |b| &mut b[..]);
+        let mut at = 0usize;
+        let mut out = Vec::with_capacity(spans.len());
+        for &(offset, len) in &spans {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(offset - at);
+            let (value, tail) = tail.split_at_mut(len);
+            out.push(value);
+            rest = tail;
+            at = offset + len;
+        }
+        Ok(out)
+    }
+}
 
 impl TensorSink for AllocSink {
     fn slot(
@@ -118,18 +199,23 @@ impl TensorSink for AllocSink {
         shape: &[u64],
     ) -> Result<&mut [u8], String> {
         let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
-        let slot = self
-            .0
-            .get_mut(field)
-            .and_then(|f| f.get_mut(row))
-            .ok_or("value index out of range")?;
         let data = HostBuf::new(len).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
-        let t = slot.insert(ReadTensor {
+        let t = self.place(field, row)?.insert(ReadTensor {
             dtype,
             shape: shape.to_vec(),
-            data,
+            data: ReadData::Own(data),
         });
-        Ok(&mut t.data)
+        match &mut t.data {
+            ReadData::Own(d) => Ok(&mut d[..]),
+            ReadData::Shared { .. } => Err("a value in a batch buffer".into()),
+        }
+    }
+
+    fn slots(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+    ) -> Option<Result<Vec<&mut [u8]>, String>> {
+        Some(self.all_slots(asks))
     }
 }
 
@@ -170,6 +256,28 @@ impl TensorSink for OutSink {
                 Err(m)
             }
         }
+    }
+
+    fn slots(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+    ) -> Option<Result<Vec<&mut [u8]>, String>> {
+        let mut dests = Vec::with_capacity(asks.len());
+        let mut seen = std::collections::HashSet::with_capacity(asks.len());
+        for &(field, row, dtype, shape) in asks {
+            match self.check(field, row, dtype, shape) {
+                Ok(d) if seen.insert((field, row)) => dests.push(d),
+                Ok(_) => return Some(Err(format!("value {field}/{row} asked twice"))),
+                Err(m) => {
+                    self.error.get_or_insert(m.clone());
+                    return Some(Err(m));
+                }
+            }
+        }
+        // SAFETY: the destinations of different values are disjoint
+        // (checked before the call), each is handed out once (above), and
+        // their arrays are held by the caller until the call returns.
+        Some(Ok(dests.iter().map(|d| unsafe { d.slice() }).collect()))
     }
 }
 
@@ -443,35 +551,59 @@ impl Client {
         let keys = row_keys(keys)?;
         let names: Vec<&str> = fields.iter().map(String::as_str).collect();
         let client = self.client()?;
-        let mut sink = AllocSink(
-            (0..fields.len())
-                .map(|_| (0..keys.len()).map(|_| None).collect())
-                .collect(),
-        );
+        let mut sink = AllocSink::new(fields.len(), keys.len());
         py.detach(|| client.get_tensors_into(partition, &keys, &names, unit, &mut sink, deadline))
             .map_err(|e| to_py(py, e, &keys))?;
-        let got = sink.0;
+        let bases = sink
+            .batches
+            .into_iter()
+            .map(|b| {
+                let len = b.len();
+                Bound::new(py, OwnedBytes::new(b)).map(|o| (o, len))
+            })
+            .collect::<PyResult<Vec<_>>>()?;
         let out = PyList::empty(py);
-        for (f, rows) in got.into_iter().enumerate() {
+        for (f, rows) in sink.values.into_iter().enumerate() {
             let list = PyList::empty(py);
             for (r, t) in rows.into_iter().enumerate() {
                 let t = t.ok_or_else(|| {
                     invalid(format!("field {:?} row {r}: no value delivered", fields[f]))
                 })?;
-                if nbytes(t.dtype, &t.shape) != Some(t.data.len()) {
+                let (base, ptr, len) = match t.data {
+                    ReadData::Own(d) => {
+                        let len = d.len();
+                        let base = Bound::new(py, OwnedBytes::new(d))?;
+                        let ptr = base.get().as_mut_ptr();
+                        (base, ptr, len)
+                    }
+                    ReadData::Shared { buf, offset, len } => {
+                        let (base, size) = &bases[buf];
+                        if offset + len > *size {
+                            return Err(invalid(format!(
+                                "field {:?} row {r}: outside its batch buffer",
+                                fields[f]
+                            )));
+                        }
+                        (
+                            base.clone(),
+                            base.get().as_mut_ptr().wrapping_add(offset),
+                            len,
+                        )
+                    }
+                };
+                if nbytes(t.dtype, &t.shape) != Some(len) {
                     return Err(invalid(format!(
-                        "field {:?} row {r}: {} bytes do not make a {} {:?} array",
+                        "field {:?} row {r}: {len} bytes do not make a {} {:?} array",
                         fields[f],
-                        t.data.len(),
                         t.dtype.name(),
                         t.shape
                     )));
                 }
                 let descr = descr_for(py, t.dtype, raw_bfloat16)?;
-                let base = Bound::new(py, OwnedBytes::new(t.data))?;
-                let ptr = base.get().as_mut_ptr();
-                // SAFETY: `base` owns exactly the array's bytes (checked
-                // above) and lives as long as the array.
+                // SAFETY: `ptr` is `len` bytes inside the memory `base`
+                // owns (checked above: exactly the array's bytes), which
+                // lives as long as the array; the arrays over one batch
+                // buffer cover disjoint ranges of it.
                 let a = unsafe { array_over(py, descr, &t.shape, ptr, true, base.into_any())? };
                 list.append(a)?;
             }

@@ -290,6 +290,45 @@ impl Slab {
         Ok(())
     }
 
+    /// Copy many ranges out of the slab, each into its own buffer (a
+    /// get's values). When they add up to [`PARALLEL_COPY_MIN`] or more,
+    /// the buffers are shared out over the cores by bytes (a large one
+    /// still splits itself, as in [`Slab::read`]). Every range is checked
+    /// before anything is copied. The caller must hold pins (or the
+    /// reservations) of the ranges.
+    pub fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), OutOfBounds> {
+        for (offset, dst) in &reads {
+            self.check(*offset, dst.len())?;
+        }
+        let total: usize = reads.iter().map(|r| r.1.len()).sum();
+        let threads = copy_threads(total).min(reads.len());
+        if threads <= 1 {
+            for (offset, dst) in reads {
+                self.read(offset, dst)?;
+            }
+            return Ok(());
+        }
+        let per = total.div_ceil(threads).max(1);
+        let mut groups: Vec<Vec<(u64, &mut [u8])>> = (0..threads).map(|_| Vec::new()).collect();
+        let mut acc = 0usize;
+        for r in reads {
+            let g = (acc / per).min(threads - 1);
+            acc += r.1.len();
+            groups[g].push(r);
+        }
+        rayon::scope(|s| {
+            for group in groups {
+                s.spawn(move |_| {
+                    for (offset, dst) in group {
+                        // In bounds: checked above.
+                        let _ = self.read(offset, dst);
+                    }
+                });
+            }
+        });
+        Ok(())
+    }
+
     /// Copy `len` bytes at `offset` to `sink` in pieces of at most `chunk`
     /// bytes, through one heap buffer (e.g. to write a range to a file and
     /// checksum it: the sink never sees a reference into shared memory).
@@ -794,6 +833,39 @@ mod tests {
             assert!(got == want, "{n} sources at {offset}");
         }
         assert!(slab.write_gather(64 << 20, &refs[..1]).is_err());
+    }
+
+    #[test]
+    fn scattered_reads_fill_every_buffer_split_or_not() {
+        let slab = Slab::create("scatter", 64 << 20).unwrap();
+        let bytes: Vec<u8> = (0..(24usize << 20)).map(|i| (i * 31 % 251) as u8).collect();
+        slab.write(0, &bytes).unwrap();
+        for count in [2usize, 5, 700] {
+            let lens: Vec<usize> = (0..count)
+                .map(|i| (i * 7919) % 30_000 + 1 + (16 << 20) / count)
+                .collect();
+            let mut bufs: Vec<Vec<u8>> = lens.iter().map(|&n| vec![0u8; n]).collect();
+            let offs: Vec<u64> = (0..count).map(|i| (i as u64 * 4099) % (4 << 20)).collect();
+            let reads = offs
+                .iter()
+                .copied()
+                .zip(bufs.iter_mut().map(Vec::as_mut_slice))
+                .collect();
+            slab.read_scatter(reads).unwrap();
+            for ((o, b), n) in offs.iter().zip(&bufs).zip(&lens) {
+                assert!(
+                    b[..] == bytes[*o as usize..*o as usize + n],
+                    "{count} reads"
+                );
+            }
+        }
+        let mut tail = vec![0u8; 2];
+        assert!(slab
+            .read_scatter(vec![
+                (0, vec![0u8; 1].as_mut_slice()),
+                ((64 << 20) - 1, tail.as_mut_slice())
+            ])
+            .is_err());
     }
 
     #[test]
