@@ -175,6 +175,10 @@ def _array(x: Any, name: str, row: Optional[int], writable: bool) -> Any:
 def _column(name: str, col: Any, writable: bool = False) -> Any:
     """A column for _native: an array (dense) or a list of arrays (jagged)."""
     if isinstance(col, (list, tuple)):
+        if all(type(a) is np.ndarray for a in col):
+            # The common case: numpy arrays, passed on as they are (the
+            # native layer checks each one).
+            return col if type(col) is list else list(col)
         return [_array(a, name, i, writable) for i, a in enumerate(col)]
     if isinstance(col, (np.ndarray, np.generic)) or _is_tensor(col):
         return _array(col, name, None, writable)
