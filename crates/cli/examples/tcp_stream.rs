@@ -12,7 +12,9 @@
 //!   cold memory) into a 512 MiB destination (pre-faulted, walked the same
 //!   way). Tried with socket buffers left to autotuning and set to 4 and
 //!   16 MiB (SO_SNDBUF/SO_RCVBUF, FORCE variants past the sysctl limits),
-//!   and with 256 KiB and 4 MiB writes. Two patterns: `stream` (messages
+//!   and with 256 KiB and 4 MiB writes; and with both ends busy-polling
+//!   (non-blocking calls in a loop, no sleeps: what stowage's ends do for
+//!   their first 50 us of every wait). Two patterns: `stream` (messages
 //!   back to back, one ack at the very end: the limit) and `ack` (one
 //!   1-byte ack per message: what a synchronous put can do at best).
 //! * iperf3 (when installed): default, and `-w 2M` / `-w 4M`; its buffer
@@ -61,7 +63,12 @@ fn err<E: std::fmt::Display>(what: &'static str) -> impl Fn(E) -> String {
 
 /// A buffer of `len` bytes, every page touched (faulted in before timing).
 fn faulted(len: usize, fill: u8) -> Vec<u8> {
-    vec![fill; len]
+    // Not `vec![0; len]`: that is calloc'd fresh pages, untouched until the
+    // first write (which would then be timed).
+    let mut v = Vec::with_capacity(len);
+    v.resize(len, fill);
+    std::hint::black_box(&mut v);
+    v
 }
 
 /// Where message `i` of `size` bytes lives in a working set.
@@ -99,9 +106,43 @@ fn effective_buffer(fd: impl AsFd, send: bool) -> usize {
     r.unwrap_or(0)
 }
 
+/// Read exactly `buf.len()` bytes: blocking, or (`poll`) busy-polling with
+/// non-blocking receives, as a receiver that keeps its core awake does.
+fn read_full(s: &mut TcpStream, buf: &mut [u8], poll: bool) -> std::io::Result<()> {
+    if !poll {
+        return s.read_exact(buf);
+    }
+    let mut got = 0;
+    while got < buf.len() {
+        match rustix::net::recv(&*s, &mut buf[got..], rustix::net::RecvFlags::DONTWAIT) {
+            Ok((0, _)) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok((n, _)) => got += n,
+            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => std::hint::spin_loop(),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// Write all of `buf`: blocking, or (`poll`) busy-polling non-blocking sends.
+fn write_full(s: &mut TcpStream, buf: &[u8], poll: bool) -> std::io::Result<()> {
+    if !poll {
+        return s.write_all(buf);
+    }
+    let mut sent = 0;
+    while sent < buf.len() {
+        match rustix::net::send(&*s, &buf[sent..], rustix::net::SendFlags::DONTWAIT) {
+            Ok(n) => sent += n,
+            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => std::hint::spin_loop(),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 // ---------------------------------------------------------------- roles
 
-/// `__recv RCVBUF`: listen on 127.0.0.1:0, print `PORT p`, serve one
+/// `__recv RCVBUF POLL`: listen on 127.0.0.1:0, print `PORT p`, serve one
 /// sender: per phase a 24-byte header (size, count, ack), then `count`
 /// messages of `size` bytes into the walked destination; a 1-byte ack per
 /// message when `ack`, and one at the end of every phase. Size 0 ends.
@@ -112,6 +153,7 @@ fn recv_role(args: &[String]) -> Res<()> {
         .ok_or("rcvbuf missing")?
         .parse()
         .map_err(err("rcvbuf"))?;
+    let poll = args.get(1).is_some_and(|p| p == "1");
     let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None)
         .map_err(err("socket"))?;
     // Before listen: the window scale is fixed at the handshake.
@@ -128,7 +170,7 @@ fn recv_role(args: &[String]) -> Res<()> {
     eprintln!("receiver SO_RCVBUF {}", effective_buffer(&s, false));
     loop {
         let mut h = [0u8; 24];
-        s.read_exact(&mut h).map_err(err("header"))?;
+        read_full(&mut s, &mut h, poll).map_err(err("header"))?;
         let word = |i: usize| u64::from_le_bytes(h[i * 8..i * 8 + 8].try_into().unwrap()) as usize;
         let (size, count, ack) = (word(0), word(1), word(2) != 0);
         if size == 0 {
@@ -136,18 +178,17 @@ fn recv_role(args: &[String]) -> Res<()> {
         }
         for i in 0..count {
             let at = slot(i, size);
-            s.read_exact(&mut dst[at..at + size])
-                .map_err(err("payload"))?;
+            read_full(&mut s, &mut dst[at..at + size], poll).map_err(err("payload"))?;
             if ack {
-                s.write_all(&[1]).map_err(err("ack"))?;
+                write_full(&mut s, &[1], poll).map_err(err("ack"))?;
             }
         }
         std::hint::black_box(&mut dst);
-        s.write_all(&[2]).map_err(err("final ack"))?;
+        write_full(&mut s, &[2], poll).map_err(err("final ack"))?;
     }
 }
 
-/// `__send PORT SNDBUF CHUNK ACK BYTES SIZE...`: connect, and per size send
+/// `__send PORT SNDBUF CHUNK ACK BYTES POLL SIZE...`: connect, and per size send
 /// BYTES worth of messages in CHUNK-byte writes; prints `RESULT size GB/s`
 /// (first byte sent to the receiver's final ack).
 fn send_role(args: &[String]) -> Res<()> {
@@ -159,7 +200,8 @@ fn send_role(args: &[String]) -> Res<()> {
             .map_err(|e| format!("argument {i}: {e}"))
     };
     let (port, sndbuf, chunk, ack, bytes) = (num(0)?, num(1)?, num(2)?, num(3)? != 0, num(4)?);
-    let sizes: Vec<usize> = (5..args.len()).map(num).collect::<Res<_>>()?;
+    let poll = num(5)? != 0;
+    let sizes: Vec<usize> = (6..args.len()).map(num).collect::<Res<_>>()?;
     let fd = rustix::net::socket(AddressFamily::INET, SocketType::STREAM, None)
         .map_err(err("socket"))?;
     set_buffers(&fd, sndbuf, true)?;
@@ -184,13 +226,13 @@ fn send_role(args: &[String]) -> Res<()> {
         for i in 0..count {
             let at = slot(i, size);
             for piece in src[at..at + size].chunks(chunk.max(1)) {
-                s.write_all(piece).map_err(err("payload"))?;
+                write_full(&mut s, piece, poll).map_err(err("payload"))?;
             }
             if ack {
-                s.read_exact(&mut one).map_err(err("ack"))?;
+                read_full(&mut s, &mut one, poll).map_err(err("ack"))?;
             }
         }
-        s.read_exact(&mut one).map_err(err("final ack"))?;
+        read_full(&mut s, &mut one, poll).map_err(err("final ack"))?;
         let gbps = (size * count) as f64 / t.elapsed().as_secs_f64() / 1e9;
         if timed {
             println!("RESULT {size} {gbps}");
@@ -235,6 +277,8 @@ struct RawConfig {
     buf: usize,
     chunk: usize,
     ack: bool,
+    /// Busy-poll with non-blocking calls instead of blocking.
+    poll: bool,
 }
 
 impl RawConfig {
@@ -244,9 +288,10 @@ impl RawConfig {
             b => format!("{}M", b / MIB),
         };
         format!(
-            "{} buf={buf} write={}K",
+            "{} buf={buf} write={}K{}",
             if self.ack { "ack   " } else { "stream" },
-            self.chunk >> 10
+            self.chunk >> 10,
+            if self.poll { " poll" } else { "" }
         )
     }
 }
@@ -256,7 +301,11 @@ fn raw_once(cfg: RawConfig, sizes: &[usize], bytes: usize) -> Res<Vec<f64>> {
     let exe = std::env::current_exe().map_err(err("current exe"))?;
     let mut recv = Proc(
         Command::new(&exe)
-            .args(["__recv", &cfg.buf.to_string()])
+            .args([
+                "__recv",
+                &cfg.buf.to_string(),
+                if cfg.poll { "1" } else { "0" },
+            ])
             .stdout(Stdio::piped())
             .stderr(Stdio::null())
             .spawn()
@@ -279,6 +328,7 @@ fn raw_once(cfg: RawConfig, sizes: &[usize], bytes: usize) -> Res<Vec<f64>> {
         cfg.chunk.to_string(),
         u8::from(cfg.ack).to_string(),
         bytes.to_string(),
+        u8::from(cfg.poll).to_string(),
     ];
     sargs.extend(sizes.iter().map(|s| s.to_string()));
     let send = Command::new(&exe)
@@ -421,6 +471,8 @@ fn orchestrate(args: &[String]) -> Res<()> {
     let mut rounds = 5usize;
     let mut quick = false;
     let mut iperf = true;
+    let mut only_stowage = false;
+    let mut sizes = vec![MIB, 16 * MIB, 64 * MIB];
     let mut stowage_bin = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
@@ -434,6 +486,20 @@ fn orchestrate(args: &[String]) -> Res<()> {
             }
             "--quick" => quick = true,
             "--no-iperf" => iperf = false,
+            // For profiling: stowage only (no raw, no iperf3), given sizes.
+            "--only-stowage" => only_stowage = true,
+            "--sizes-mib" => {
+                sizes = it
+                    .next()
+                    .ok_or("--sizes-mib 1,16,64")?
+                    .split(',')
+                    .map(|x| {
+                        x.parse::<usize>()
+                            .map(|m| m * MIB)
+                            .map_err(|e| e.to_string())
+                    })
+                    .collect::<Res<_>>()?
+            }
             "--stowage" => stowage_bin = Some(it.next().ok_or("--stowage PATH")?.clone()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -454,17 +520,35 @@ fn orchestrate(args: &[String]) -> Res<()> {
             stowage_bin.display()
         ));
     }
-    let sizes = [MIB, 16 * MIB, 64 * MIB];
     let bytes = if quick { 256 * MIB } else { 1024 * MIB };
     let mut configs = Vec::new();
     for ack in [false, true] {
         for buf in [0, 4 * MIB, 16 * MIB] {
             for chunk in [256 << 10, 4 * MIB] {
-                configs.push(RawConfig { buf, chunk, ack });
+                configs.push(RawConfig {
+                    buf,
+                    chunk,
+                    ack,
+                    poll: false,
+                });
             }
         }
+        // Busy-polling ends (stowage's client and unit poll for 50 us
+        // before they block; a raw program may as well poll throughout).
+        for buf in [0, 4 * MIB] {
+            configs.push(RawConfig {
+                buf,
+                chunk: 4 * MIB,
+                ack,
+                poll: true,
+            });
+        }
+    }
+    if only_stowage {
+        configs.clear();
     }
     let iperf = iperf
+        && !only_stowage
         && Command::new("iperf3")
             .arg("--version")
             .stdout(Stdio::null())
@@ -559,6 +643,17 @@ fn orchestrate(args: &[String]) -> Res<()> {
         );
     }
     plane.stop();
+    if only_stowage {
+        for (k, s) in sizes.iter().enumerate() {
+            println!(
+                "{:>4} MiB: stowage put {} get {} GB/s (--only-stowage)",
+                s / MIB,
+                fmt3(&put[k]),
+                fmt3(&get[k])
+            );
+        }
+        return Ok(());
+    }
 
     println!();
     println!("raw loopback TCP, GB/s, median [min-max] over {rounds} rounds:");
@@ -635,6 +730,7 @@ fn orchestrate(args: &[String]) -> Res<()> {
         );
     }
     println!("(target: stowage put and get >= 0.90x the best raw stream, for 1 MiB and larger)");
+
     Ok(())
 }
 
