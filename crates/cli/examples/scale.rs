@@ -68,6 +68,8 @@ fn worker(client: &Client, tid: u64, start: &Barrier, stop: &AtomicBool) -> (u64
     let mut errors = 0u64;
     let base = tid << 32;
     let mut i = 0u64;
+    // Rows put since the last clear.
+    let mut pending = 0u64;
     start.wait();
     while !stop.load(Ordering::Relaxed) {
         let key = Key::new(base + i, "v");
@@ -92,14 +94,16 @@ fn worker(client: &Client, tid: u64, start: &Barrier, stop: &AtomicBool) -> (u64
             }
         }
         i += 1;
-        if i % CLEAR_EVERY == 0 {
+        pending += 1;
+        if pending == CLEAR_EVERY {
+            pending = 0;
             let rows: Vec<u64> = (base + i - CLEAR_EVERY..base + i).collect();
             if client.clear_rows(&rows, client.deadline()).is_err() {
                 errors += 1;
             }
         }
     }
-    let rows: Vec<u64> = (base + i - i % CLEAR_EVERY..base + i).collect();
+    let rows: Vec<u64> = (base + i - pending..base + i).collect();
     if !rows.is_empty() && client.clear_rows(&rows, client.deadline()).is_err() {
         errors += 1;
     }

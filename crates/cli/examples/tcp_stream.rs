@@ -657,15 +657,15 @@ fn orchestrate(args: &[String]) -> Res<()> {
 
     println!();
     println!("raw loopback TCP, GB/s, median [min-max] over {rounds} rounds:");
-    print!("{:<28}", "config");
+    print!("{:<32}", "config");
     for s in &sizes {
         print!(" | {:>20}", format!("{} MiB", s / MIB));
     }
     println!();
-    for (c, cfg) in configs.iter().enumerate() {
-        print!("{:<28}", cfg.label());
-        for k in 0..sizes.len() {
-            print!(" | {:>20}", fmt3(&raw[c][k]));
+    for (cfg, per_size) in configs.iter().zip(&raw) {
+        print!("{:<32}", cfg.label());
+        for v in per_size {
+            print!(" | {:>20}", fmt3(v));
         }
         println!();
     }
