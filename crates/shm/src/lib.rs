@@ -88,6 +88,12 @@ impl Slab {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty slab"));
         }
         let map = memmap2::MmapOptions::new().len(len).map_raw(&fd)?;
+        // Transparent huge pages for the slab where the host allows them
+        // for shared memory (`/sys/kernel/mm/transparent_hugepage/
+        // shmem_enabled` = `advise` or `within_size`): then a first touch
+        // maps 2 MiB at once, in the unit and in every client. Elsewhere
+        // (`never`, the common default) this asks for nothing.
+        let _ = map.advise(memmap2::Advice::HugePage);
         Ok(Self {
             map,
             fd,
