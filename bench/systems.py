@@ -58,10 +58,10 @@ class StowageClient:
     def unregister(self, arrays) -> None:
         pass
 
-    def put_rows(self, part: str, rows: List[int], cols: Dict[str, list]) -> None:
+    def put_rows(self, part: str, rows: List[int], cols: Dict[str, list], side: bool = False) -> None:
         self.dp.put(part, rows, cols)
 
-    def get_into(self, part: str, rows: List[int], fields: List[str], outs: Dict[str, list]) -> None:
+    def get_into(self, part: str, rows: List[int], fields: List[str], outs: Dict[str, list], side=()) -> None:
         self.dp.get(part, rows, fields, out=outs)
 
     def clear(self, part: str, rows: List[int], fields: List[str]) -> int:
@@ -77,13 +77,14 @@ class StowageClient:
 def stowage_connect(conn: dict) -> StowageClient:
     import stowage
 
-    return StowageClient(stowage.connect(conn["units"], namespace=conn.get("namespace", "bench"), timeout=120.0))
+    return StowageClient(stowage.connect(conn["units"], namespace=conn.get("namespace", "bench"), timeout=120.0,
+                                         transport=conn.get("transport", "auto")))
 
 
 class StowageBackend:
     name = "stowage"
 
-    def __init__(self):
+    def __init__(self, layout=None):
         self.dp = None
         self.transport = "shm"
 
@@ -106,7 +107,7 @@ class StowageBackend:
         self.client = StowageClient(self.dp)
 
     def conn(self) -> dict:
-        return {"system": "stowage", "units": self.dp.units, "namespace": "bench"}
+        return {"system": "stowage", "units": self.dp.units, "namespace": "bench", "transport": self.transport}
 
     def memory_pids(self) -> List[int]:
         return list(self.dp.unit_pids)
@@ -182,7 +183,7 @@ class MooncakeClient:
                 self.store.unregister_buffer(a.ctypes.data)
                 self.registered.discard(key)
 
-    def put_rows(self, part, rows, cols) -> None:
+    def put_rows(self, part, rows, cols, side=False) -> None:
         keys, ptrs, sizes = [], [], []
         for f, arrs in cols.items():
             for r, a in zip(rows, arrs):
@@ -201,7 +202,7 @@ class MooncakeClient:
             why = " (-200: NO_AVAILABLE_HANDLE, no space left in any segment)" if any(c == -200 for _, c in bad) else ""
             raise RuntimeError(f"Mooncake upsert failed for {len(bad)} of {len(keys)} values, e.g. {bad[:3]}{why}")
 
-    def get_into(self, part, rows, fields, outs) -> None:
+    def get_into(self, part, rows, fields, outs, side=()) -> None:
         keys, ptrs, sizes = [], [], []
         for f in fields:
             for r, a in zip(rows, outs[f]):
@@ -236,8 +237,93 @@ class MooncakeClient:
         self.store.close()
 
 
+class MooncakeRowClient(MooncakeClient):
+    """The layout a Mooncake expert would pick for rows of fields: one key
+    per row holding all its fields (batch_put_from_multi_buffers /
+    batch_get_into_multi_buffers, straight from and into the registered
+    per-field arrays, no packing copy). A write-back of some fields (side)
+    goes to a second key per row ("<row>#wb"): 0.3.13.post1 has no upsert
+    for multi-buffer puts, and a put to an existing key returns success
+    without writing. A read that must see the write-back takes those
+    fields from "#wb" and the others from the row key by byte range
+    (batch_get_into_multi_buffer_ranges, inside a get session)."""
+
+    def _chunks(self, n):
+        for i in range(0, n, MOONCAKE_MAX_BATCH):
+            yield i, i + MOONCAKE_MAX_BATCH
+
+    def put_rows(self, part, rows, cols, side=False) -> None:
+        fields = list(cols)
+        keys = [f"{part}/{r}" + ("#wb" if side else "") for r in rows]
+        ptrs = [[cols[f][i].ctypes.data for f in fields] for i in range(len(rows))]
+        sizes = [[cols[f][i].nbytes for f in fields] for i in range(len(rows))]
+        rcs = []
+        for i, j in self._chunks(len(keys)):
+            rcs += self.store.batch_put_from_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j], self.cfg)
+        bad = [(k, c) for k, c in zip(keys, rcs) if c != 0]
+        if bad:
+            raise RuntimeError(f"Mooncake multi-buffer put failed for {len(bad)} of {len(keys)} rows, e.g. {bad[:3]}")
+
+    def get_into(self, part, rows, fields, outs, side=()) -> None:
+        """`outs` holds every field the row key was put with (in the
+        order they were put): the byte offsets of the wanted ones follow
+        from their sizes."""
+        side = [f for f in fields if f in side]
+        main = [f for f in fields if f not in side]
+        n = len(rows)
+        jobs = []  # (keys, ptrs, sizes, offsets or None)
+        if side:
+            jobs.append(([f"{part}/{r}#wb" for r in rows],
+                         [[outs[f][i].ctypes.data for f in side] for i in range(n)],
+                         [[outs[f][i].nbytes for f in side] for i in range(n)], None))
+        if main:
+            allf = list(outs)
+            keys = [f"{part}/{r}" for r in rows]
+            if main == allf:
+                jobs.append((keys, [[outs[f][i].ctypes.data for f in main] for i in range(n)],
+                             [[outs[f][i].nbytes for f in main] for i in range(n)], None))
+            else:
+                ptrs, sizes, offs = [], [], []
+                for i in range(n):
+                    off, o = 0, {}
+                    for f in allf:
+                        o[f] = off
+                        off += outs[f][i].nbytes
+                    ptrs.append([outs[f][i].ctypes.data for f in main])
+                    sizes.append([outs[f][i].nbytes for f in main])
+                    offs.append([o[f] for f in main])
+                jobs.append((keys, ptrs, sizes, offs))
+        for keys, ptrs, sizes, offs in jobs:
+            got = []
+            for i, j in self._chunks(len(keys)):
+                if offs is None:
+                    got += self.store.batch_get_into_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j])
+                else:  # ranged reads work inside a get session (replicas looked up once)
+                    self.store.batch_get_session_start(keys[i:j])
+                    try:
+                        got += self.store.batch_get_into_multi_buffer_ranges(keys[i:j], ptrs[i:j], sizes[i:j], offs[i:j])
+                    finally:
+                        self.store.batch_get_session_end(keys[i:j])
+            bad = [(k, g, sum(s)) for k, g, s in zip(keys, got, sizes) if g != sum(s)]
+            if bad:
+                raise RuntimeError(f"Mooncake multi-buffer get failed for {len(bad)} of {len(keys)} rows, e.g. {bad[:3]}")
+
+    def clear(self, part, rows, fields) -> int:
+        keys = [f"{part}/{r}" for r in rows]
+        rcs = self.store.batch_remove(keys, True) if len(keys) > 1 else [self.store.remove(keys[0], True)]
+        bad = [(k, c) for k, c in zip(keys, rcs) if c != 0]
+        if bad:
+            raise RuntimeError(f"Mooncake remove failed for {len(bad)} of {len(keys)} keys, e.g. {bad[:3]}")
+        # the write-back keys, where there were any (a missing key is no error here)
+        self.store.batch_remove([k + "#wb" for k in keys], True)
+        return len(keys)
+
+    clear_partition = clear
+
+
 def mooncake_connect(conn: dict) -> MooncakeClient:
-    return MooncakeClient(conn["master"])
+    cls = MooncakeRowClient if conn.get("layout") == "row" else MooncakeClient
+    return cls(conn["master"])
 
 
 class MooncakeBackend:
@@ -247,7 +333,8 @@ class MooncakeBackend:
 
     name = "mooncake"
 
-    def __init__(self):
+    def __init__(self, layout: str = "field"):
+        self.layout = layout  # "field": one key per (row, field); "row": MooncakeRowClient
         self.master = None
         self.owners: List[subprocess.Popen] = []
         self.client: Optional[MooncakeClient] = None
@@ -288,13 +375,13 @@ class MooncakeBackend:
             if not line.startswith(b"READY"):
                 master = "running" if self.master.poll() is None else f"exited with {self.master.returncode}"
                 raise RuntimeError(f"Mooncake segment owner failed to start ({line!r}); mooncake_master {master}")
-        self.client = MooncakeClient(self.master_addr)
+        self.client = mooncake_connect(self.conn())
 
     def _master_died(self):
         return self.master.poll() is not None
 
     def conn(self) -> dict:
-        return {"system": "mooncake", "master": self.master_addr}
+        return {"system": "mooncake", "master": self.master_addr, "layout": self.layout}
 
     def memory_pids(self) -> List[int]:
         return [p.pid for p in self.owners] + ([self.master.pid] if self.master else [])
@@ -380,7 +467,7 @@ def ray_env() -> None:
 class RayBackend:
     name = "ray"
 
-    def __init__(self):
+    def __init__(self, layout=None):
         self.started = False
         self.pids: List[int] = []
 
