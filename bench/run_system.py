@@ -782,12 +782,12 @@ def run_system(system, workloads, quick, disk_dir, round_no=0):
         res["grpo-step"] = []
         runs = list(variants)
         if system == "mooncake":
-            runs.append(("mooncake-row", "tcp"))
+            runs += [("mooncake-row", "tcp"), ("mooncake-shm", "shm")]
         steps = common.grpo_variants(quick)
         todo = [(lb, tr, v) for v in steps for lb, tr in runs]
         for vi, (lb, tr, (name, rows, reps, tokens)) in enumerate(todo):
             fr = (vi / len(todo), (vi + 1) / len(todo))
-            be = BACKENDS[system](layout="row") if lb == "mooncake-row" else backend
+            be = BACKENDS[system](layout=lb.split("-")[1]) if lb.startswith("mooncake-") else backend
             out = guarded(f"{lb} {name}", lambda: grpo_steps(system, be, rows, reps, name, frac=fr,
                                                              transport=tr, tokens=tokens))
             out.setdefault("variant", name)

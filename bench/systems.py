@@ -321,7 +321,39 @@ class MooncakeRowClient(MooncakeClient):
     clear_partition = clear
 
 
+class MooncakeShmClient(MooncakeClient):
+    """Mooncake's same-host path: a dummy client (setup_dummy) of a real
+    client (the mooncake_client process, which owns the memory) on this
+    host. The dummy moves values through memory it shares with the real
+    client, so the arrays it puts from and reads into must be allocated
+    from that shared pool (alloc_from_mem_pool) and registered whole;
+    arrays from anywhere else are refused. One key per (row, field), as
+    MooncakeClient."""
+
+    def __init__(self, real: str, pool_bytes: int, local_buffer: int = 64 * MiB):
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup_dummy(int(pool_bytes), local_buffer, real)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake dummy client setup failed: {rc}")
+        self.cfg = ReplicateConfig()
+        self.cfg.replica_num = 1
+        self.cfg.with_hard_pin = True
+        self.registered = set()
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        import ctypes
+
+        ptr = self.store.alloc_from_mem_pool(int(nbytes))
+        if not ptr:
+            raise RuntimeError(f"Mooncake alloc_from_mem_pool({nbytes}) failed: the dummy client's pool is full")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(ptr))
+
+
 def mooncake_connect(conn: dict) -> MooncakeClient:
+    if conn.get("layout") == "shm":
+        return MooncakeShmClient(conn["real"], conn["pool"])
     cls = MooncakeRowClient if conn.get("layout") == "row" else MooncakeClient
     return cls(conn["master"])
 
@@ -360,6 +392,22 @@ class MooncakeBackend:
         if self.master.poll() is not None:
             raise RuntimeError(f"mooncake_master exited with {self.master.returncode}")
         olog = open(os.path.join(self.logdir, "mooncake_owners.log"), "ab")
+        if self.layout == "shm":
+            # one real client owns all the memory (as one object store per
+            # node); every benchmark client is a dummy client of it
+            self.real_port = free_port()
+            self.pool = max(64 * MiB, units * memory // 2)
+            self.owners.append(subprocess.Popen(
+                [os.path.join(bindir, "mooncake_client"), f"--master_server_address={self.master_addr}",
+                 "--host=127.0.0.1", f"--port={self.real_port}", f"--global_segment_size={units * memory >> 20}MB",
+                 "--local_buffer_size=64MB", "--protocol=tcp", "--metadata_server=P2PHANDSHAKE"],
+                stdin=subprocess.DEVNULL, stdout=olog, stderr=olog))
+            wait_for(lambda: _port_open(self.real_port) or self.owners[0].poll() is not None, 60,
+                     "mooncake_client (the real client) to listen")
+            if self.owners[0].poll() is not None:
+                raise RuntimeError(f"mooncake_client exited with {self.owners[0].returncode}")
+            self.client = mooncake_connect(dict(self.conn(), pool=64 * MiB))
+            return
         for _ in range(units):
             p = subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "mooncake_owner.py"), self.master_addr, str(memory)]
@@ -381,7 +429,10 @@ class MooncakeBackend:
         return self.master.poll() is not None
 
     def conn(self) -> dict:
-        return {"system": "mooncake", "master": self.master_addr, "layout": self.layout}
+        c = {"system": "mooncake", "master": self.master_addr, "layout": self.layout}
+        if self.layout == "shm":
+            c.update(real=f"127.0.0.1:{self.real_port}", pool=self.pool)
+        return c
 
     def memory_pids(self) -> List[int]:
         return [p.pid for p in self.owners] + ([self.master.pid] if self.master else [])
@@ -408,7 +459,10 @@ class MooncakeBackend:
             self.client = None
         for p in self.owners:
             try:
-                p.stdin.close()  # the owner exits when its stdin closes
+                if p.stdin is not None:
+                    p.stdin.close()  # an owner exits when its stdin closes
+                else:
+                    p.terminate()  # the real client (mooncake_client)
             except Exception:  # noqa: BLE001
                 pass
         for p in self.owners:

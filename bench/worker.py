@@ -38,7 +38,7 @@ class Arena:
     """Values of `fields` for `rows`, as views into one 64-byte aligned
     buffer: vals[field][i] is row rows[i]'s value."""
 
-    def __init__(self, system, rows, lens, fields, fill_version=None):
+    def __init__(self, system, rows, lens, fields, fill_version=None, alloc=None):
         specs = [(f, _dtype(system, dt), dt) for f, dt, _ in FIELDS if f in fields]
         total = 0
         layout = []
@@ -47,7 +47,11 @@ class Arena:
                 n = int(lens[r]) * np.dtype(npdt).itemsize
                 layout.append((f, r, total, n))
                 total += (n + 63) & ~63
-        self.buf = np.zeros(total + 64, dtype=np.uint8)
+        if alloc is not None:  # memory a client must move values through (Mooncake's dummy client)
+            self.buf = alloc(total + 64)
+            self.buf.fill(0)
+        else:
+            self.buf = np.zeros(total + 64, dtype=np.uint8)
         base = (-self.buf.ctypes.data) % 64
         self.vals = {f: [] for f, _, _ in specs}
         dtypes = {f: npdt for f, npdt, _ in specs}
@@ -92,7 +96,8 @@ class GrpoWorker:
         lens = common.lengths(rows_total, seed, *(tokens or (common.MIN_TOKENS, common.MAX_TOKENS)))
         self.lens = lens
         for name, spec in sets.items():
-            a = Arena(self.system, spec["rows"], lens, spec["fields"], spec.get("version"))
+            a = Arena(self.system, spec["rows"], lens, spec["fields"], spec.get("version"),
+                      alloc=getattr(self.client, "alloc", None))
             a.rows = spec["rows"]
             a.fields = spec["fields"]
             a.side = bool(spec.get("side"))
@@ -142,6 +147,8 @@ class GrpoWorker:
         """A source and a destination buffer of `pool` bytes each (cold:
         values are taken from them in turn), registered where that
         matters."""
+        if self.client is not None and getattr(self, "small_src", None) is not None:
+            self.client.unregister([self.small_src, self.small_dst])  # before they are freed
         self.small = {"n": n, "size": size, "slots": max(2, pool // size)}
         rng = np.random.default_rng(self.w + 1)
         nbytes = self.small["slots"] * size
