@@ -35,16 +35,16 @@ def size_grid(quick: bool) -> dict:
     not run (the `big-batch` workload moves a multi-GiB batch)."""
     return {
         "sizes": [64 * KiB, 1 * MiB, 16 * MiB] if quick else [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB],
-        "batches": [1, 16] if quick else [1, 64],
-        "max_batch_bytes": (256 * MiB) if quick else (512 * MiB),
+        "batches": [1, 16],
+        "max_batch_bytes": 256 * MiB,
         # bytes moved per (size, batch) cell and direction, and the bounds
         # on repetitions
-        "budget": (64 * MiB) if quick else (256 * MiB),
+        "budget": (64 * MiB) if quick else (128 * MiB),
         "min_iters": 3,
-        "max_iters": 200 if quick else 1000,
+        "max_iters": 200 if quick else 500,
         # and at most this long per cell (wall clock), past min_iters: a
         # slow system's small-value cells would otherwise take minutes
-        "max_seconds": 0.5 if quick else 1.5,
+        "max_seconds": 0.5 if quick else 0.8,
         # sources and destinations walk through buffers of at least this
         # size (far larger than the last-level cache), so that no
         # repetition finds its bytes cached: cold, as a user's are
@@ -55,7 +55,7 @@ def size_grid(quick: bool) -> dict:
 def big_batch(quick: bool) -> dict:
     """The `big-batch` workload: one put and one get of a multi-GiB batch
     (16 MiB values) in one call each."""
-    return {"size": 16 * MiB, "batch": 32 if quick else 128, "iters": 2}
+    return {"size": 16 * MiB, "batch": 32 if quick else 128, "iters": 2 if quick else 1}
 
 
 def iters_for(grid: dict, size: int, batch: int) -> int:
@@ -64,7 +64,7 @@ def iters_for(grid: dict, size: int, batch: int) -> int:
 
 
 def latency_iters(quick: bool) -> int:
-    return 1000 if quick else 3000
+    return 1000 if quick else 2000
 
 
 def grpo_variants(quick: bool) -> list:
@@ -73,11 +73,11 @@ def grpo_variants(quick: bool) -> list:
     if quick:
         return [("grpo-1k", 1024, 1, (MIN_TOKENS, MAX_TOKENS)), ("long-16", 16, 1, (LONG_MIN, LONG_MAX))]
     return [("grpo-1k", 1024, 2, (MIN_TOKENS, MAX_TOKENS)), ("grpo-4k", 4096, 1, (MIN_TOKENS, MAX_TOKENS)),
-            ("long-48", 48, 2, (LONG_MIN, LONG_MAX))]
+            ("long-32", 32, 2, (LONG_MIN, LONG_MAX))]
 
 
 def churn_shape(quick: bool) -> dict:
-    return {"kept": 256 if quick else 512, "factor": 3, "steps": 10}
+    return {"kept": 256, "factor": 3, "steps": 10}
 
 
 def disk_rows(quick: bool) -> int:
@@ -93,7 +93,7 @@ def scaling_shape(quick: bool, system: str) -> dict:
     ladder = [1, 4, 16, 64] if system == "stowage" else [1, 4, 16]
     if quick:
         ladder = [1, 4, 16] if system == "stowage" else [1, 4]
-    return {"clients": ladder, "ops_total": 2048 if quick else 4096, "min_ops": 64, "size": 64 * KiB}
+    return {"clients": ladder, "ops_total": 2048, "min_ops": 64, "size": 64 * KiB}
 
 
 def partial_shape(quick: bool) -> dict:

@@ -342,6 +342,25 @@ def headline(results) -> list:
         out.append(f"64 KiB from Python, default placement (rows spread over {results.get('config', {}).get('sizes_units', 2)} units): put p50 "
                    f"{_f(d['put']['p50_us'], '{:.1f}')} µs, get p50 {_f(d['get']['p50_us'], '{:.1f}')} µs; best case, every op on one unit: "
                    f"put {_f((one.get('put') or {}).get('p50_us'), '{:.1f}')} µs, get {_f((one.get('get') or {}).get('p50_us'), '{:.1f}')} µs.")
+    systems = results.get("systems", {})
+    for lb, v in ((lb, v) for r in systems.values() for lb, v in (r.get("big-batch") or {}).items()):
+        if isinstance(v, dict) and v.get("put_gbps") is not None:
+            out.append(f"big-batch, {NAMES.get(lb, lb)}: {int(v['batch'])} x {_size(v['size'])} ({_size(v['batch_bytes'])}) in one call: "
+                       f"put {_f(v['put_gbps'])} GB/s, get {_f(v['get_gbps'])} GB/s.")
+    zs = {s_: (systems.get(s_) or {}).get("zero-copy") for s_ in ("stowage", "ray")}
+    if all(isinstance(z, dict) and z.get("get_view_ms") is not None for z in zs.values()):
+        out.append(f"zero-copy read of a {zs['stowage']['bytes'] / 1e6:.1f} MB batch: stowage get_view {_f(zs['stowage']['get_view_ms'])} ms, "
+                   f"Ray ray.get {_f(zs['ray']['get_view_ms'])} ms.")
+    for lb, v in ((lb, v) for r in systems.values() for lb, v in (r.get("scaling") or {}).items()):
+        lv = (v.get("levels") or [])[-1:] if isinstance(v, dict) else []
+        for x in lv:
+            out.append(f"scaling, {NAMES.get(lb, lb)}, {int(x['clients'])} clients: put {_f(x['put']['ops_per_s'], '{:.0f}')} op/s "
+                       f"(p99 {_f(x['put']['p99_us'], '{:.0f}')} µs), get {_f(x['get']['ops_per_s'], '{:.0f}')} op/s (p99 {_f(x['get']['p99_us'], '{:.0f}')} µs).")
+    for r in systems.values():
+        for v in r.get("partial") or []:
+            if isinstance(v, dict) and v.get("one_ms") is not None:
+                out.append(f"partial read, {NAMES.get(v['system'], v['system'])} ({v['layout']}): 1 of 5 fields {_f(v['one_ms'])} ms, "
+                           f"all 5 {_f(v['all_ms'])} ms.")
     for sysname, r in results.get("systems", {}).items():
         k = r.get("kill")
         if isinstance(k, dict) and not _err(k):
@@ -663,9 +682,8 @@ def markdown(results) -> str:
         lines.append("")
     lines.append("### Workload parameters of this run")
     lines.append("")
-    lines.append("```")
-    lines.append(json.dumps(cfg.get("shapes", {}), default=str))
-    lines.append("```")
+    for k, v in (cfg.get("shapes") or {}).items():
+        lines.append(f"- `{k}`: `{json.dumps(v, default=str)}`")
     lines.append("")
     if errs:
         lines.append("### Not measured / failed")

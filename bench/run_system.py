@@ -777,7 +777,7 @@ def run_system(system, workloads, quick, disk_dir, round_no=0):
                         res.setdefault(w, {})[label] = v
         if system == "stowage" and "sizes" in workloads:
             progress("sizes", 1.0, "stowage bench (Rust client)")
-            res["cli_bench"] = guarded("stowage bench", lambda: stowage_cli(quick))
+            res["cli_bench"] = guarded("stowage bench", lambda: stowage_cli(True))  # --quick: one round's share
     if "grpo-step" in workloads:
         res["grpo-step"] = []
         runs = list(variants)

@@ -526,8 +526,11 @@ class RayBackend:
         self.pids: List[int] = []
 
     def start(self, units: int, memory: int, transport: str = "shm", disk: Optional[dict] = None) -> None:
-        """One local Ray instance whose object store holds `units * memory`
-        bytes (Ray has one object store per node)."""
+        """One local Ray instance whose object store holds twice `units *
+        memory` bytes (Ray has one object store per node, and frees an
+        object some time after its last reference goes: a store sized to
+        one batch would push the next batch's put to its disk fallback).
+        With a disk tier, exactly `units * memory`, so that it spills."""
         ray_env()
         import ray
 
@@ -537,7 +540,7 @@ class RayBackend:
             kwargs["object_spilling_directory"] = disk["dir"]
         ray.init(
             num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-            object_store_memory=int(units * memory), log_to_driver=False,
+            object_store_memory=int(units * memory * (1 if disk else 2)), log_to_driver=False,
             configure_logging=False, **kwargs,
         )
         self.started = True
