@@ -24,6 +24,8 @@ NAMES = {
     "ray": "Ray object store (same-host shm)",
 }
 PEERS = ["mooncake", "ray"]
+SHORT = {"stowage-shm": "stowage shm", "stowage-tcp": "stowage tcp", "mooncake": "Mooncake tcp",
+         "mooncake-row": "Mooncake tcp, key per row", "mooncake-shm": "Mooncake same host", "ray": "Ray (shm)"}
 NM = "not measured"
 PYSOCK = "Python socket, request/reply"
 STREAM = "tuned TCP stream"
@@ -749,14 +751,16 @@ def chart(results, path) -> None:
                 ax.text(xpos, 1, "not\nmeasured", ha="center", va="bottom", fontsize=7, rotation=90)
                 continue
             ms = float(x["step_s"]) * 1e3
-            ax.bar(xpos, ms, width * 0.9, color=colors[s], label=NAMES[s] if vi == 0 else None)
+            ax.bar(xpos, ms, width * 0.9, color=colors[s], label=SHORT.get(s, s) if vi == 0 else None)
             ax.text(xpos, ms * 1.05, f"{ms:.0f}", ha="center", va="bottom", fontsize=8)
     ax.set_yscale("log")
+    lo, hi = ax.get_ylim()
+    ax.set_ylim(lo, hi * 8)  # room for the legend above the bars
     ax.set_xticks(range(len(variants)))
     ax.set_xticklabels(variants)
     ax.set_ylabel("ms per step (log scale)")
     ax.set_title("grpo-step (median round): put, 2 reads, write-back, clear; 4 clients")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=7, loc="upper left", ncol=3)
     ax.grid(True, axis="y", which="both", alpha=0.3)
     # churn
     ax = axes[1][1]
