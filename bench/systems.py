@@ -539,6 +539,9 @@ class RayBackend:
         if disk:
             kwargs["object_spilling_directory"] = disk["dir"]
         ray.init(
+            # always a new local instance: without it ray.init joins any
+            # cluster another user of this machine started with `ray start`
+            address="local",
             num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
             object_store_memory=int(units * memory * (1 if disk else 2)), log_to_driver=False,
             configure_logging=False, **kwargs,
