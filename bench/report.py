@@ -51,10 +51,22 @@ def _num(x):
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-def _merge(xs):
+FAILED = []  # (path, "k of n rounds failed: error") for failures merged away
+
+
+def _is_err(x):
+    return isinstance(x, dict) and "error" in x
+
+
+def _merge(xs, path=""):
     xs = [x for x in xs if x is not None]
     if not xs:
         return None
+    ok = [x for x in xs if not _is_err(x)]
+    if ok and len(ok) < len(xs) and not all(isinstance(x, dict) for x in xs):
+        bad = next(x for x in xs if _is_err(x))
+        FAILED.append((path, f"{len(xs) - len(ok)} of {len(xs)} rounds failed, e.g.: {bad['error']}"))
+        return _merge(ok, path)
     if all(_num(x) for x in xs):
         if all(x == xs[0] for x in xs) and not all(isinstance(x, M) for x in xs):
             return xs[0]
@@ -65,13 +77,13 @@ def _merge(xs):
             return xs[0]
         out = {}
         for k in dict.fromkeys(k for x in ok for k in x):
-            out[k] = _merge([x.get(k) for x in ok])
+            out[k] = _merge([x.get(k) for x in ok], f"{path}/{k}")
         if len(ok) < len(xs):
             bad = next(x for x in xs if "error" in x)
             out["failed_rounds"] = f"{len(xs) - len(ok)} of {len(xs)} rounds failed, e.g.: {bad['error']}"
         return out
     if all(isinstance(x, list) for x in xs) and len({len(x) for x in xs}) == 1:
-        return [_merge(list(t)) for t in zip(*xs)]
+        return [_merge(list(t), f"{path}[{i}]") for i, t in enumerate(zip(*xs))]
     return xs[0]
 
 
@@ -83,8 +95,10 @@ def merged(results) -> dict:
     if not rounds:
         return results
     out = {k: v for k, v in results.items() if k != "rounds"}
-    out["systems"] = _merge([r.get("systems", {}) for r in rounds]) or {}
-    out["limits"] = _merge([r.get("limits") for r in rounds])
+    FAILED.clear()
+    out["systems"] = _merge([r.get("systems", {}) for r in rounds], "systems") or {}
+    out["limits"] = _merge([r.get("limits") for r in rounds], "limits")
+    out["failed_merged"] = list(FAILED)
     out["n_rounds"] = len(rounds)
     out["loads"] = [r.get("load_before") for r in rounds]
     return out
@@ -419,10 +433,14 @@ def markdown(results) -> str:
         for w in ("dapo-churn", "disk", "zero-copy", "kill"):
             if _err(r.get(w)):
                 errs.append(f"- **{NAMES.get(sysname, sysname)}** {w}: {_err(r.get(w))}")
+            elif isinstance(r.get(w), dict) and r[w].get("failed_rounds"):
+                errs.append(f"- **{NAMES.get(sysname, sysname)}** {w}: {r[w]['failed_rounds']}")
         if _err(r.get("cli_bench")):
             errs.append(f"- **stowage bench (CLI)**: {_err(r.get('cli_bench'))}")
     if _err(results.get("limits")):
         errs.append(f"- **limits**: {_err(results.get('limits'))}")
+    for path, msg in results.get("failed_merged") or []:
+        errs.append(f"- `{path}`: {msg} (the figures are over the other rounds)")
 
     hl = headline(results)
     if hl:

@@ -510,6 +510,27 @@ def _readline(p: subprocess.Popen, timeout: float) -> bytes:
 # Ray
 
 
+def _descendants(pids: set) -> set:
+    """Every process whose ancestry reaches one of `pids` (/proc)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out = set()
+    for p in parent:
+        q, seen = p, 0
+        while q in parent and seen < 64:
+            if q in pids:
+                out.add(p)
+                break
+            q, seen = parent[q], seen + 1
+    return out
+
+
 def ray_env() -> None:
     if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         raise RuntimeError("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set")
@@ -557,6 +578,7 @@ class RayBackend:
         """Every TCP listener of this process and of Ray's processes must be
         on loopback (ss -ltnp); otherwise stop."""
         ours = {os.getpid()} | {p for v in self.procs.values() for p in v}
+        ours |= _descendants(ours)  # Ray's workers and agents are children of its processes
         out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout
         bad = []
         for line in out.splitlines():
@@ -565,8 +587,7 @@ class RayBackend:
                 continue
             local = cols[3]
             pids = {int(x.split("=")[1]) for x in line.split(",") if x.startswith("pid=")}
-            names = line.split("users:")[-1]
-            if not (pids & ours or "ray::" in names or "raylet" in names or "gcs_server" in names):
+            if not pids & ours:  # another user's processes (their own Ray, say) are not ours to judge
                 continue
             host = local.rsplit(":", 1)[0].strip("[]")
             if host not in ("127.0.0.1", "::ffff:127.0.0.1", "::1"):
