@@ -276,18 +276,22 @@ def summarize(results) -> dict:
     targets.append({"target": "a 4 GiB unit ready to serve in ≤ 1 s",
                     "measured": "measured by python/benchmarks/unit_start.py", "verdict": "not judged here"})
     ratios = []
+    cli_raw = {int(c["size"]): c for c in ((st.get("cli_bench") or {}).get("sizes") or [])}
     for s in sorted({k[1] for k in idx if k[1] >= 1 << 20}):
         for b in sorted({k[2] for k in idx if k[1] == s}):
             for k, nm in (("put", "put"), ("get", "get")):
                 lim = _best(_g(idx, "limits", s, b, f"stream_{k}_gbps"), _g(idx, "limits", s, b, f"pysock_{k}_gbps"))
+                lim = _best(lim, (cli_raw.get(s) or {}).get(f"raw_tcp_{k}_gbps"))
                 r = _ratio(_g(idx, "stowage-tcp", s, b, f"{k}_gbps"), lim)
                 if r is not None:
                     ratios.append((r, f"{nm} {_size(s)} x{b}"))
     worst = min(ratios, key=lambda t: float(t[0])) if ratios else None
     targets.append({"target": "tcp ≥ 0.9x the best tuned raw loopback TCP stream, 1 MiB and up",
                     "measured": None if worst is None else f"worst {_x(worst[0])} ({worst[1]}); " + "; ".join(f"{n} {_x(r)}" for r, n in ratios)
-                    + f" (against the better of the {STREAM} and the {PYSOCK}, both Python)",
-                    "verdict": verdict(worst, worst and float(worst[0]) >= 0.9)})
+                    + f" (against the best of the {STREAM} and the {PYSOCK}, both Python, and `stowage bench`'s Rust raw TCP "
+                      "request/reply of the same value size)",
+                    "verdict": ("met against these baselines; provisional until a Rust tuned stream is measured"
+                                if worst and float(worst[0]) >= 0.9 else verdict(worst, False))})
     g = grpo_index(results)
     for comp in ("tcp vs tcp", "same host vs same host"):
         vals = [(r, v, peer) for v, c, peer, stl, r in grpo_pairs(g) if c == comp and r is not None]
