@@ -32,20 +32,30 @@ GiB = 1 << 30
 def size_grid(quick: bool) -> dict:
     """The `sizes` workload: value sizes x batch lengths, and how many
     repetitions each gets. A batch whose bytes exceed `max_batch_bytes` is
-    not run (it would not fit this machine's memory next to its copies)."""
+    not run (the `big-batch` workload moves a multi-GiB batch)."""
     return {
-        "sizes": [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB],
-        "batches": [1, 16, 256],
-        "max_batch_bytes": (256 * MiB) if quick else (1 * GiB),
+        "sizes": [64 * KiB, 1 * MiB, 16 * MiB] if quick else [4 * KiB, 64 * KiB, 1 * MiB, 16 * MiB, 64 * MiB],
+        "batches": [1, 16],
+        "max_batch_bytes": 256 * MiB,
         # bytes moved per (size, batch) cell and direction, and the bounds
         # on repetitions
-        "budget": (96 * MiB) if quick else (768 * MiB),
-        "min_iters": 3 if quick else 5,
-        "max_iters": 300 if quick else 2000,
+        "budget": (64 * MiB) if quick else (128 * MiB),
+        "min_iters": 3,
+        "max_iters": 200 if quick else 500,
         # and at most this long per cell (wall clock), past min_iters: a
         # slow system's small-value cells would otherwise take minutes
-        "max_seconds": 3.0 if quick else 10.0,
+        "max_seconds": 0.5 if quick else 0.8,
+        # sources and destinations walk through buffers of at least this
+        # size (far larger than the last-level cache), so that no
+        # repetition finds its bytes cached: cold, as a user's are
+        "pool": (256 * MiB) if quick else (512 * MiB),
     }
+
+
+def big_batch(quick: bool) -> dict:
+    """The `big-batch` workload: one put and one get of a multi-GiB batch
+    (16 MiB values) in one call each."""
+    return {"size": 16 * MiB, "batch": 32 if quick else 128, "iters": 2 if quick else 1}
 
 
 def iters_for(grid: dict, size: int, batch: int) -> int:
@@ -54,23 +64,60 @@ def iters_for(grid: dict, size: int, batch: int) -> int:
 
 
 def latency_iters(quick: bool) -> int:
-    return 2000 if quick else 10000
+    return 1000 if quick else 2000
 
 
 def grpo_variants(quick: bool) -> list:
-    """(name, rows, repetitions) of the `grpo-step` workload."""
+    """(name, rows, timed repetitions, (min tokens, max tokens)) of the
+    `grpo-step` workload; `long-*` rows hold 32k-128k tokens each."""
     if quick:
-        return [("grpo-1k", 1024, 2), ("grpo-2k", 2048, 1)]
-    return [("grpo-1k", 1024, 3), ("grpo-8k", 8192, 2)]
+        return [("grpo-1k", 1024, 1, (MIN_TOKENS, MAX_TOKENS)), ("long-16", 16, 1, (LONG_MIN, LONG_MAX))]
+    return [("grpo-1k", 1024, 2, (MIN_TOKENS, MAX_TOKENS)), ("grpo-4k", 4096, 1, (MIN_TOKENS, MAX_TOKENS)),
+            ("long-32", 32, 2, (LONG_MIN, LONG_MAX))]
 
 
 def churn_shape(quick: bool) -> dict:
-    return {"kept": 256 if quick else 1024, "factor": 3, "steps": 10}
+    return {"kept": 256, "factor": 3, "steps": 10}
 
 
 def disk_rows(quick: bool) -> int:
     # a third of the step must still hold Ray's smallest object store (75 MiB)
-    return 6144 if quick else 8192
+    return 6144
+
+
+def scaling_shape(quick: bool, system: str) -> dict:
+    """The `scaling` workload: N client processes, each putting then
+    getting 64 KiB values one op at a time. Ray and Mooncake clients are
+    heavier processes (an actor each; a transfer engine each): on 2 cores
+    they stop at 16."""
+    ladder = [1, 4, 16, 64] if system == "stowage" else [1, 4, 16]
+    if quick:
+        ladder = [1, 4, 16] if system == "stowage" else [1, 4]
+    return {"clients": ladder, "ops_total": 2048, "min_ops": 64, "size": 64 * KiB}
+
+
+def partial_shape(quick: bool) -> dict:
+    """The `partial` workload: rows of 5 fields, read 1 of them."""
+    return {"rows": 512 if quick else 1024, "iters": 3 if quick else 5, "field": "advantages"}
+
+
+def zero_copy_shape(quick: bool) -> dict:
+    """The `zero-copy` workload: a GRPO batch (jagged rows x 3 fields) read
+    without copying (stowage get_view; Ray's ray.get of numpy arrays)."""
+    return {"rows": 1024, "iters": 5 if quick else 10,
+            "fields": ["input_ids", "generation_logprobs", "token_mask"]}
+
+
+def kill_shape(quick: bool) -> dict:
+    return {"rows": 256}
+
+
+def shapes(quick: bool) -> dict:
+    """Every workload's parameters, for the report."""
+    return {"sizes": size_grid(quick), "big-batch": big_batch(quick), "latency_iters": latency_iters(quick),
+            "grpo-step": grpo_variants(quick), "dapo-churn": churn_shape(quick), "disk_rows": disk_rows(quick),
+            "scaling": {s: scaling_shape(quick, s) for s in ("stowage", "mooncake", "ray")},
+            "partial": partial_shape(quick), "zero-copy": zero_copy_shape(quick), "kill": kill_shape(quick)}
 
 
 WORKERS = 4  # concurrent client processes of grpo-step / dapo-churn / disk
@@ -81,6 +128,7 @@ SIZES_UNITS = 2  # units of the sizes / latency workloads
 # GRPO rows
 
 MIN_TOKENS, MAX_TOKENS = 512, 4096
+LONG_MIN, LONG_MAX = 32 * 1024, 128 * 1024  # the long-sequence rows
 
 # (field, dtype of stowage's column, stand-in dtype for peers without bf16)
 FIELDS = [
@@ -96,10 +144,10 @@ WRITEBACK = ["prev_logprobs", "advantages"]
 BYTES_PER_TOKEN = 8 + 2 * 4 + 4
 
 
-def lengths(rows: int, seed: int = 0) -> np.ndarray:
-    """Sequence lengths, uniform in [512, 4096] tokens, the same for every
-    system (seeded)."""
-    return np.random.default_rng(seed).integers(MIN_TOKENS, MAX_TOKENS + 1, size=rows)
+def lengths(rows: int, seed: int = 0, lo: int = MIN_TOKENS, hi: int = MAX_TOKENS) -> np.ndarray:
+    """Sequence lengths, uniform in [lo, hi] tokens (512-4,096 unless
+    told), the same for every system (seeded)."""
+    return np.random.default_rng(seed).integers(lo, hi + 1, size=rows)
 
 
 def step_bytes(lens: np.ndarray) -> int:
@@ -164,6 +212,7 @@ def quantiles_us(samples_ns: list) -> dict:
         return float(a[min(a.size - 1, int(round((a.size - 1) * p)))])
 
     return {
+        "ops_per_s": float(1e6 / a.mean()),
         "p50_us": q(0.5),
         "p99_us": q(0.99),
         "p999_us": q(0.999),

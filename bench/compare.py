@@ -3,15 +3,18 @@
 machine's limits, all measured in one run.
 
     scripts/bench-setup && .venv-bench/bin/python bench/compare.py [--quick]
-        [--workloads sizes,latency,grpo-step,dapo-churn,disk]
-        [--systems stowage,mooncake,ray] [--out bench/results] [--publish]
+        [--workloads sizes,latency,grpo-step,dapo-churn,disk,scaling,big-batch,zero-copy,partial,kill]
+        [--systems stowage,mooncake,ray] [--rounds 5] [--out bench/results] [--publish]
 
 Each system runs in its own runner process (bench/run_system.py); the
 whole Mooncake side (its master, the processes that own its memory and its
 benchmark clients) runs inside a private network namespace made here with
 `unshare --net`, because Mooncake's transfer engine listens on every
-interface. The limits (memcpy, raw loopback TCP, sequential disk I/O) run
-in a runner of their own, in the same run. Writes OUT/results.json (every
+interface. The limits (libc memcpy on cold buffers, a Python socket pair with
+request/reply, a tuned TCP stream, sequential disk I/O) run in a runner of
+their own, in the same run. The runners go in interleaved rounds (limits,
+stowage, Mooncake, Ray, limits, ...; --rounds, default 5); every figure is
+reported as the median and [min-max] over the rounds. Writes OUT/results.json (every
 figure and the machine), OUT/results.md (tables, ratios, targets) and
 OUT/results.png (the chart); runner logs go to OUT/logs/.
 """
@@ -36,14 +39,17 @@ if HERE not in sys.path:
 
 import common  # noqa: E402  (drops OPENBLAS_* overrides for this process and its children)
 
-ALL_WORKLOADS = ["sizes", "latency", "grpo-step", "dapo-churn", "disk"]
+ALL_WORKLOADS = ["sizes", "latency", "grpo-step", "dapo-churn", "disk", "scaling", "big-batch", "zero-copy",
+                 "partial", "kill"]
 ALL_SYSTEMS = ["stowage", "mooncake", "ray"]
 
 # Rough seconds per (system, workload), quick and full: the progress bar's
 # weights, so that its ETA means something.
 WEIGHTS = {
-    True: {"sizes": 40, "latency": 10, "grpo-step": 25, "dapo-churn": 25, "disk": 25},
-    False: {"sizes": 200, "latency": 30, "grpo-step": 80, "dapo-churn": 80, "disk": 60},
+    True: {"sizes": 20, "latency": 8, "grpo-step": 20, "dapo-churn": 15, "disk": 20, "scaling": 20,
+           "big-batch": 10, "zero-copy": 5, "partial": 5, "kill": 5},
+    False: {"sizes": 40, "latency": 12, "grpo-step": 50, "dapo-churn": 20, "disk": 25, "scaling": 30,
+            "big-batch": 25, "zero-copy": 8, "partial": 8, "kill": 5},
 }
 SYSTEM_SCALE = {"limits": 0.5, "stowage": 2.0, "mooncake": 1.5, "ray": 2.0}
 
@@ -104,17 +110,17 @@ def importable(system: str) -> str:
     return ""
 
 
-def run_runner(system, workloads, args, bar, base, weight, logdir) -> dict:
+def run_runner(system, workloads, args, bar, base, weight, logdir, round_no=0) -> dict:
     """Start bench/run_system.py for `system`, follow its progress, return
     its result; stop it (its whole process group, by id) if it overruns."""
     cmd = [sys.executable, os.path.join(HERE, "run_system.py"), "--system", system,
-           "--workloads", ",".join(workloads), "--disk-dir", args.disk_dir]
+           "--workloads", ",".join(workloads), "--disk-dir", args.disk_dir, "--round", str(round_no)]
     if args.quick:
         cmd.append("--quick")
     if system == "mooncake":
         cmd = ["unshare", "--net", "--", "bash", "-c", 'ip link set lo up && exec "$0" "$@"'] + cmd
     env = dict(os.environ, BENCH_LOGDIR=logdir, PYTHONUNBUFFERED="1", GLOG_minloglevel="1")
-    log = open(os.path.join(logdir, f"{system}.log"), "wb")
+    log = open(os.path.join(logdir, f"{system}.log"), "ab")
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
                             env=env, cwd=ROOT, start_new_session=True)
     sel = selectors.DefaultSelector()
@@ -171,7 +177,8 @@ def run_runner(system, workloads, args, bar, base, weight, logdir) -> dict:
         sel.close()
         log.close()
     if result is None:
-        tail = open(os.path.join(logdir, f"{system}.log"), errors="replace").read()[-800:]
+        with open(os.path.join(logdir, f"{system}.log"), errors="replace") as f:
+            tail = f.read()[-800:]
         result = {"system": system, "error": f"runner exited with {proc.returncode} and no result; log tail: {tail}"}
     if bar.n < base + weight:
         bar.update(base + weight - bar.n)
@@ -188,7 +195,10 @@ def main() -> int:
                     help="the disk tier's directory (and where the disk limit is measured)")
     ap.add_argument("--publish", action="store_true",
                     help="also put the tables into docs/benchmarks.md and the chart into docs/benchmarks.png")
-    ap.add_argument("--timeout", type=float, default=None, help="seconds per system runner (default 600 quick, 2400 full)")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per system runner and round (default 600 quick, 900 full)")
+    ap.add_argument("--rounds", type=int, default=None,
+                    help="interleaved rounds (limits, stowage, Mooncake, Ray, then again ...); figures are the median "
+                         "and [min-max] over rounds (default 5; 2 with --quick)")
     args = ap.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     systems = [s for s in args.systems.split(",") if s]
@@ -199,7 +209,11 @@ def main() -> int:
         if s not in ALL_SYSTEMS:
             ap.error(f"unknown system {s!r} (choose from {', '.join(ALL_SYSTEMS)})")
     if args.timeout is None:
-        args.timeout = 600.0 if args.quick else 2400.0
+        args.timeout = 600.0 if args.quick else 900.0
+    if args.rounds is None:
+        args.rounds = 2 if args.quick else 5
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     args.out = os.path.abspath(args.out)
     args.disk_dir = os.path.abspath(args.disk_dir)
     logdir = os.path.join(args.out, "logs")
@@ -214,12 +228,14 @@ def main() -> int:
     runners = ["limits"] + systems
     weights = {s: SYSTEM_SCALE[s] * sum(WEIGHTS[args.quick][w] for w in workloads) for s in runners}
     results = {"machine": machine(), "config": {"quick": args.quick, "workloads": workloads, "systems": systems,
-                                               "units": common.UNITS, "workers": common.WORKERS,
-                                               "sizes_units": common.SIZES_UNITS, "disk_dir": args.disk_dir},
-               "systems": {}}
-    bar = tqdm(total=sum(weights.values()), unit="s", bar_format="{desc:<60} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}",
-               dynamic_ncols=True)
+                                               "rounds": args.rounds, "units": common.UNITS, "workers": common.WORKERS,
+                                               "sizes_units": common.SIZES_UNITS, "disk_dir": args.disk_dir,
+                                               "shapes": common.shapes(args.quick)},
+               "rounds": []}
+    bar = tqdm(total=args.rounds * sum(weights.values()), unit="s",
+               bar_format="{desc:<60} {percentage:3.0f}%|{bar}| {elapsed}<{remaining}", dynamic_ncols=True)
     base = 0.0
+    skip = {}
     for s in runners:
         why = ""
         if s not in ("limits", "stowage"):  # without its package, stowage falls back to its CLI
@@ -227,21 +243,30 @@ def main() -> int:
             if not why and s == "mooncake":
                 why = netns_available()
         if why:
-            results["systems"][s] = {"system": s, "error": f"not measured: {why}"}
+            skip[s] = why
             tqdm.write(f"{s}: not measured: {why}")
-            bar.update(weights[s])
-        else:
-            r = run_runner(s, workloads, args, bar, base, weights[s], logdir)
-            if s == "limits":
-                results["limits"] = r
+    for rnd in range(args.rounds):
+        one = {"round": rnd, "systems": {}, "load_before": os.getloadavg()}
+        for s in runners:
+            if s in skip:
+                one["systems"][s] = {"system": s, "error": f"not measured: {skip[s]}"}
+                bar.update(weights[s])
             else:
-                results["systems"][s] = r
-            if "error" in r:
-                tqdm.write(f"{s}: {r['error']}")
-        base += weights[s]
+                r = run_runner(s, workloads, args, bar, base, weights[s], logdir, rnd)
+                if s == "limits":
+                    one["limits"] = r
+                else:
+                    one["systems"][s] = r
+                if "error" in r:
+                    tqdm.write(f"round {rnd}: {s}: {r['error']}")
+            base += weights[s]
+        results["rounds"].append(one)
+        # what is done so far survives an interrupted run
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump(results, f, indent=1, default=str)
     bar.close()
     results["elapsed_s"] = time.time() - started
-    results["summary"] = report.summarize(results)
+    results["summary"] = report.summarize(report.merged(results))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1, default=str)
     md = report.markdown(results)

@@ -50,19 +50,20 @@ class ProcPool:
         self.call("init", [{"system": system, "conn": conn, "w": w} for w in range(n)])
 
     def call(self, op: str, args: list) -> list:
-        """Send `op` to every worker (args[i] to worker i) at once; wait,
-        bounded, for every answer."""
-        for p, a in zip(self.procs, args):
+        """Send `op` to the first len(args) workers (args[i] to worker i)
+        at once; wait, bounded, for each of their answers."""
+        procs = self.procs[:len(args)]
+        for p, a in zip(procs, args):
             p.stdin.write((json.dumps({"op": op, "args": a}) + "\n").encode())
             p.stdin.flush()
         sel = selectors.DefaultSelector()
         bufs = {}
-        for i, p in enumerate(self.procs):
+        for i, p in enumerate(procs):
             sel.register(p.stdout, selectors.EVENT_READ, i)
             bufs[i] = b""
         deadline = time.monotonic() + self.timeout
         answers = {}
-        while len(answers) < len(self.procs):
+        while len(answers) < len(procs):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError(f"workers gave no answer to {op!r} within {self.timeout:.0f}s")
@@ -77,7 +78,7 @@ class ProcPool:
                     sel.unregister(key.fileobj)
         sel.close()
         out = []
-        for i in range(len(self.procs)):
+        for i in range(len(procs)):
             a = answers[i]
             if "error" in a:
                 raise RuntimeError(f"worker {i} {op}: {a['error']}")
@@ -101,14 +102,14 @@ class ProcPool:
 class RayPool:
     """The same workers as Ray actors."""
 
-    def __init__(self, n: int, timeout: float):
+    def __init__(self, n: int, timeout: float, num_cpus: int = 1):
         import ray
 
         from worker import RayGrpoWorker
 
         self.ray = ray
         self.timeout = timeout
-        cls = ray.remote(num_cpus=1)(RayGrpoWorker)
+        cls = ray.remote(num_cpus=num_cpus)(RayGrpoWorker)
         self.actors = [cls.remote(w) for w in range(n)]
 
     def call(self, op: str, args: list) -> list:
@@ -147,54 +148,78 @@ def _values(size: int, batch: int, seed: int, fill: bool = True):
     return arena, vals
 
 
-def sizes_blob(backend, label: str, quick: bool, frac0: float, frac1: float) -> list:
+def _pool(nbytes: int, fill: bool) -> np.ndarray:
+    """A page-aligned, pre-faulted buffer of `nbytes` (a multiple of 8):
+    a cheap pattern different at every 8 bytes, or zeros."""
+    a = _arena(nbytes)
+    if fill:
+        w = a.view(np.uint64)
+        w[:] = np.arange(w.size, dtype=np.uint64)
+        w *= np.uint64(0x9E3779B97F4A7C15)
+    else:
+        a.fill(0)
+    return a
+
+
+def _slot(pool: np.ndarray, size: int, batch: int, k: int) -> list:
+    """Slot k of a pool cut into batches of `batch` values of `size`
+    bytes: successive iterations take successive slots, so that a pool far
+    larger than the cache keeps every iteration's bytes cold."""
+    n = size * batch
+    slots = max(1, pool.nbytes // n)
+    base = (k % slots) * n
+    return [pool[base + j * size: base + (j + 1) * size] for j in range(batch)]
+
+
+def sizes_blob(backend, label: str, quick: bool, frac0: float, frac1: float, grid=None, workload="sizes") -> list:
     """put then get of `batch` values of `size` bytes from this process,
-    timed separately; clear (untimed) between iterations."""
-    grid = common.size_grid(quick)
+    timed separately; clear (untimed) between iterations. Sources and
+    destinations walk through pools far larger than the cache."""
+    grid = grid or common.size_grid(quick)
     client = backend.client
     cells = [(s, b) for s in grid["sizes"] for b in grid["batches"]]
     rows = []
-    _warm_blob(client)
-    for ci, (size, batch) in enumerate(cells):
-        progress("sizes", frac0 + (frac1 - frac0) * ci / len(cells), f"{label} {_size(size)} x{batch}")
-        if size * batch > grid["max_batch_bytes"]:
-            rows.append({"system": label, "size": size, "batch": batch, "skipped": f"batch of {size * batch >> 20} MiB exceeds {grid['max_batch_bytes'] >> 20} MiB"})
-            continue
-        iters = common.iters_for(grid, size, batch)
-        src_arena, src = _values(size, batch, 1)
-        out_arena, outs = _values(size, batch, 0, fill=False)
-        client.register([src_arena, out_arena])
-        keys = list(range(batch))
-        tput = tget = 0.0
-        warm = 1
-        stop_at = time.monotonic() + grid["max_seconds"]
-        done = 0
-        for i in range(iters + warm):
-            if i > grid["min_iters"] and time.monotonic() > stop_at:
-                break
-            t = time.perf_counter()
-            client.put_rows("sizes", keys, {"v": src})
-            t1 = time.perf_counter()
-            client.get_into("sizes", keys, ["v"], {"v": outs})
-            t2 = time.perf_counter()
-            if i == 0:
-                for a, o in zip(src, outs):
-                    if not np.array_equal(a, o):
-                        raise AssertionError(f"{label}: {size} B value read back wrong")
-                for o in outs:
-                    o.fill(0)
-            if i >= warm:
-                tput += t1 - t
-                tget += t2 - t1
-                done += 1
-            client.clear("sizes", keys, ["v"])
-        iters = done
-        nbytes = size * batch * iters
-        rows.append({"system": label, "size": size, "batch": batch, "iters": iters,
-                     "put_gbps": nbytes / tput / 1e9, "get_gbps": nbytes / tget / 1e9})
-        log(f"{label} sizes {size} x{batch}: put {rows[-1]['put_gbps']:.2f} get {rows[-1]['get_gbps']:.2f} GB/s")
-        client.unregister([src_arena, out_arena])
-        del src, outs, src_arena, out_arena
+    if workload == "sizes":
+        _warm_blob(client)
+    src_pool = _pool(grid["pool"], True)
+    out_pool = _pool(grid["pool"], False)
+    client.register([src_pool, out_pool])
+    try:
+        for ci, (size, batch) in enumerate(cells):
+            progress(workload, frac0 + (frac1 - frac0) * ci / len(cells), f"{label} {_size(size)} x{batch}")
+            if size * batch > grid["max_batch_bytes"]:
+                rows.append({"system": label, "size": size, "batch": batch, "skipped": f"batch of {size * batch >> 20} MiB exceeds {grid['max_batch_bytes'] >> 20} MiB"})
+                continue
+            iters = common.iters_for(grid, size, batch)
+            keys = list(range(batch))
+            tput = tget = 0.0
+            stop_at = time.monotonic() + grid["max_seconds"]
+            done = 0
+            for i in range(iters + 1):  # the first (checked) is not timed
+                if i > grid["min_iters"] and time.monotonic() > stop_at:
+                    break
+                src = _slot(src_pool, size, batch, i)
+                outs = _slot(out_pool, size, batch, i)
+                t = time.perf_counter()
+                client.put_rows(workload, keys, {"v": src})
+                t1 = time.perf_counter()
+                client.get_into(workload, keys, ["v"], {"v": outs})
+                t2 = time.perf_counter()
+                if i == 0:
+                    for a, o in zip(src, outs):
+                        if not np.array_equal(a, o):
+                            raise AssertionError(f"{label}: {size} B value read back wrong")
+                else:
+                    tput += t1 - t
+                    tget += t2 - t1
+                    done += 1
+                client.clear(workload, keys, ["v"])
+            nbytes = size * batch * done
+            rows.append({"system": label, "size": size, "batch": batch, "iters": done,
+                         "put_gbps": nbytes / tput / 1e9, "get_gbps": nbytes / tget / 1e9})
+            log(f"{label} {workload} {size} x{batch}: put {rows[-1]['put_gbps']:.2f} get {rows[-1]['get_gbps']:.2f} GB/s")
+    finally:
+        client.unregister([src_pool, out_pool])
     return rows
 
 
@@ -202,7 +227,7 @@ def sizes_blob(backend, label: str, quick: bool, frac0: float, frac1: float) -> 
 # first few thousand small ops on this VM are ~10x slower than its steady
 # state (adaptive polling settling), and Ray's and Mooncake's first ops
 # also pay one-off costs.
-LATENCY_WARMUP_S = 2.0
+LATENCY_WARMUP_S = 1.0
 
 
 def _warm_blob(client) -> None:
@@ -222,130 +247,169 @@ def _warm_blob(client) -> None:
     client.unregister([a_arena, o_arena])
 
 
+LAT_POOL = 128 * MiB  # the latency workload's cold source / destination
+
+
 def latency_blob(backend, label: str, quick: bool, stride: int = 1) -> dict:
-    """Single 64 KiB put then get, over 64 keys in turn. stowage places row
-    r on unit r % units: stride = units keeps every op on one unit, stride
-    1 alternates units."""
+    """Single 64 KiB put then get, keys 0..1023 in turn (stride 1: default
+    placement, row r on unit r % units, as a user's rows are spread;
+    stride = units: every op on one unit, the best case). Values come from
+    a 128 MiB source and land in a 128 MiB destination, walked in turn."""
     size = 64 * 1024
     iters = common.latency_iters(quick)
     client = backend.client
-    a_arena, (a,) = _values(size, 1, 3)
-    out_arena, (out,) = _values(size, 1, 0, fill=False)
-    client.register([a_arena, out_arena])
+    src_pool = _pool(LAT_POOL, True)
+    out_pool = _pool(LAT_POOL, False)
+    client.register([src_pool, out_pool])
     puts, gets = [], []
     warm_until = time.monotonic() + LATENCY_WARMUP_S
     i = 0
-    while len(puts) < iters:
-        row = [(i % 64) * stride]
-        t = time.perf_counter_ns()
-        client.put_rows("lat", row, {"v": [a]})
-        t1 = time.perf_counter_ns()
-        client.get_into("lat", row, ["v"], {"v": [out]})
-        t2 = time.perf_counter_ns()
-        i += 1
-        if i > 100 and time.monotonic() > warm_until:
-            puts.append(t1 - t)
-            gets.append(t2 - t1)
-    if not np.array_equal(a, out):
-        raise AssertionError(f"{label}: latency value read back wrong")
-    client.clear("lat", [k * stride for k in range(64)], ["v"])
-    client.unregister([a_arena, out_arena])
-    return {"system": label, "size": size, "put": common.quantiles_us(puts), "get": common.quantiles_us(gets)}
+    nkeys = 1024
+    try:
+        while len(puts) < iters:
+            row = [(i % nkeys) * stride]
+            a = _slot(src_pool, size, 1, i)
+            out = _slot(out_pool, size, 1, i)
+            t = time.perf_counter_ns()
+            client.put_rows("lat", row, {"v": a})
+            t1 = time.perf_counter_ns()
+            client.get_into("lat", row, ["v"], {"v": out})
+            t2 = time.perf_counter_ns()
+            if i == 0 and not np.array_equal(a[0], out[0]):
+                raise AssertionError(f"{label}: latency value read back wrong")
+            i += 1
+            if i % nkeys == 0:
+                client.clear("lat", [k * stride for k in range(nkeys)], ["v"])
+            if i > 100 and time.monotonic() > warm_until:
+                puts.append(t1 - t)
+                gets.append(t2 - t1)
+        if i % nkeys:
+            client.clear("lat", [k * stride for k in range(i % nkeys)], ["v"])
+    finally:
+        client.unregister([src_pool, out_pool])
+    return {"system": label, "size": size, "placement": "one unit" if stride > 1 else "default",
+            "put": common.quantiles_us(puts), "get": common.quantiles_us(gets)}
 
 
 # Ray: ray.put in an actor (the owner), ray.get + copy out here.
 
 def _ray_putter():
+    """An actor that owns what it puts: the writer of the single-client
+    workloads (a get of an object from the process that put it would not
+    cross processes)."""
     import ray
 
     @ray.remote(num_cpus=1)
     class Putter:
         def __init__(self):
-            self.cache = {}
+            self.pools = {}
 
-        def put(self, size, batch, n_ops=1):
-            key = (size, batch)
-            if key not in self.cache:
-                self.cache = {key: _values(size, batch, 1)[1]}
-            src = self.cache[key]
+        def _pool(self, nbytes):
+            if nbytes not in self.pools:
+                self.pools = {nbytes: _pool(nbytes, True)}
+            return self.pools[nbytes]
+
+        def put(self, size, batch, pool, slot):
+            """One ray.put of the batch (a list of arrays, as a Ray user
+            moves a batch), timed around that call in this process."""
+            vals = _slot(self._pool(pool), size, batch, slot)
+            t = time.perf_counter_ns()
+            ref = ray.put(vals)
+            return time.perf_counter_ns() - t, [ref]
+
+        def put_each(self, size, pool, first, n):
+            """n single values, one ray.put each (the latency workload)."""
+            p = self._pool(pool)
             dts, refs = [], []
-            for _ in range(n_ops):
+            for k in range(first, first + n):
+                v = _slot(p, size, 1, k)[0]
                 t = time.perf_counter_ns()
-                r = [ray.put(a) for a in src]
+                refs.append(ray.put(v))
                 dts.append(time.perf_counter_ns() - t)
-                refs.append(r)
             return dts, refs
 
     return Putter.remote()
 
 
-def sizes_ray(backend, quick: bool, frac0: float, frac1: float) -> list:
+def sizes_ray(backend, quick: bool, frac0: float, frac1: float, grid=None, workload="sizes") -> list:
+    """A batch is one ray.put (in the Putter actor) of a list of arrays
+    and one ray.get here of that object (its arrays are read-only views of
+    the object store), each array then copied into the destination."""
     import ray
 
-    grid = common.size_grid(quick)
+    grid = grid or common.size_grid(quick)
     putter = _ray_putter()
     cells = [(s, b) for s in grid["sizes"] for b in grid["batches"]]
     rows = []
-    warm_until = time.monotonic() + LATENCY_WARMUP_S
-    while time.monotonic() < warm_until:
-        _, refs = ray.get(putter.put.remote(64 * 1024, 16), timeout=300)
-        ray.get(refs[0], timeout=300)
-        del refs
+    if workload == "sizes":
+        warm_until = time.monotonic() + LATENCY_WARMUP_S
+        k = 0
+        while time.monotonic() < warm_until:
+            _, refs = ray.get(putter.put.remote(64 * 1024, 16, 64 * MiB, k), timeout=300)
+            ray.get(refs[0], timeout=300)
+            del refs
+            k += 1
+    pool = grid["pool"]
+    out_pool = _pool(pool, False)
     for ci, (size, batch) in enumerate(cells):
-        progress("sizes", frac0 + (frac1 - frac0) * ci / len(cells), f"ray {_size(size)} x{batch}")
+        progress(workload, frac0 + (frac1 - frac0) * ci / len(cells), f"ray {_size(size)} x{batch}")
         if size * batch > grid["max_batch_bytes"]:
             rows.append({"system": "ray", "size": size, "batch": batch, "skipped": f"batch of {size * batch >> 20} MiB exceeds {grid['max_batch_bytes'] >> 20} MiB"})
             continue
         iters = common.iters_for(grid, size, batch)
-        want = _values(size, batch, 1)[1]
-        outs = _values(size, batch, 0, fill=False)[1]
         tput = tget = 0
         stop_at = time.monotonic() + grid["max_seconds"]
         done = 0
         for i in range(iters + 1):
             if i > grid["min_iters"] and time.monotonic() > stop_at:
                 break
-            dts, refs = ray.get(putter.put.remote(size, batch), timeout=300)
-            refs = refs[0]
+            dt_put, refs = ray.get(putter.put.remote(size, batch, pool, i), timeout=300)
+            outs = _slot(out_pool, size, batch, i)
             t = time.perf_counter_ns()
-            objs = ray.get(refs, timeout=300)
+            objs = ray.get(refs[0], timeout=300)
             for o, out in zip(objs, outs):
                 np.copyto(out, o)
             dt = time.perf_counter_ns() - t
             del objs, refs
             if i == 0:
-                if not all(np.array_equal(a, o) for a, o in zip(want, outs)):
-                    raise AssertionError(f"ray: {size} B value read back wrong")
+                want = _pool(size * batch, True)  # slot 0: the pattern's first bytes
+                for j, o in enumerate(outs):
+                    if not np.array_equal(o, want[j * size:(j + 1) * size]):
+                        raise AssertionError(f"ray: {size} B value read back wrong")
+                del want
             else:
-                tput += dts[0]
+                tput += dt_put
                 tget += dt
                 done += 1
-        iters = done
-        nbytes = size * batch * iters
-        rows.append({"system": "ray", "size": size, "batch": batch, "iters": iters,
+        nbytes = size * batch * done
+        rows.append({"system": "ray", "size": size, "batch": batch, "iters": done,
                      "put_gbps": nbytes / tput, "get_gbps": nbytes / tget})
-        log(f"ray sizes {size} x{batch}: put {rows[-1]['put_gbps']:.2f} get {rows[-1]['get_gbps']:.2f} GB/s")
-        del want, outs
+        log(f"ray {workload} {size} x{batch}: put {rows[-1]['put_gbps']:.2f} get {rows[-1]['get_gbps']:.2f} GB/s")
     ray.kill(putter)
     return rows
 
 
 def latency_ray(backend, quick: bool) -> dict:
+    """ray.put of one 64 KiB value in the Putter actor (timed there), then
+    ray.get of it here and a copy out."""
     import ray
 
     size = 64 * 1024
     iters = common.latency_iters(quick)
     putter = _ray_putter()
-    out = np.empty(size, np.uint8)
+    out_pool = _pool(LAT_POOL, False)
     puts, gets = [], []
     chunk = 250
     done = -chunk  # warm-up chunks until LATENCY_WARMUP_S have passed
     warm_until = time.monotonic() + LATENCY_WARMUP_S
+    k = 0
     while done < iters:
-        dts, refs = ray.get(putter.put.remote(size, 1, chunk), timeout=300)
+        dts, refs = ray.get(putter.put_each.remote(size, LAT_POOL, k, chunk), timeout=300)
         for r in refs:
+            out = _slot(out_pool, size, 1, k)[0]
+            k += 1
             t = time.perf_counter_ns()
-            np.copyto(out, ray.get(r[0], timeout=60))
+            np.copyto(out, ray.get(r, timeout=60))
             gets.append(time.perf_counter_ns() - t)
         puts.extend(dts)
         del refs
@@ -355,7 +419,8 @@ def latency_ray(backend, quick: bool) -> dict:
                 continue
         done += chunk
     ray.kill(putter)
-    return {"system": "ray", "size": size, "put": common.quantiles_us(puts), "get": common.quantiles_us(gets)}
+    return {"system": "ray", "size": size, "placement": "one object store",
+            "put": common.quantiles_us(puts), "get": common.quantiles_us(gets)}
 
 
 # ---------------------------------------------------------------------------
@@ -366,10 +431,12 @@ def unit_memory(nbytes: float, floor: int = 64 * MiB) -> int:
     return max(floor, int(-(-nbytes // MiB)) * MiB)
 
 
-def _pool(system, backend, timeout):
+def _workers(system, backend, timeout, n=None):
+    n = n or common.WORKERS
     if system == "ray":
-        return RayPool(common.WORKERS, timeout)
-    return ProcPool(system, backend.conn(), common.WORKERS, timeout)
+        return RayPool(n, timeout, num_cpus=1 if n <= 4 else 0)
+    return ProcPool(system, backend.conn(), n, timeout)
+
 
 
 def _driver_clear(system, backend, catalog, part, rows, partition=True):
@@ -400,30 +467,34 @@ def _phase(pool, op, args, system, catalog=None):
     return {"wall_s": wall, "max_worker_s": max(r["dt"] for r in res), "bytes": sum(r.get("bytes", 0) for r in res)}
 
 
-def grpo_steps(system, backend, rows, reps, label, disk=None, frac=(0.0, 1.0), workload="grpo-step"):
+def grpo_steps(system, backend, rows, reps, label, disk=None, frac=(0.0, 1.0), workload="grpo-step",
+               transport="shm", tokens=None):
     """put (rollout) -> read all rows (logprob workers) -> write back two
     columns -> read all rows (trainer ranks) -> clear; 4 client processes,
     4 units. One warm-up step (checked against regenerated values), then
-    `reps` timed steps."""
+    `reps` timed steps. `transport`: stowage's (shm or tcp); Mooncake's
+    is tcp, Ray's the node's shared-memory object store."""
     W = common.WORKERS
-    lens = common.lengths(rows, 0)
+    tokens = list(tokens or (common.MIN_TOKENS, common.MAX_TOKENS))
+    lens = common.lengths(rows, 0, *tokens)
     nbytes = common.step_bytes(lens)
     if disk:
         mem = unit_memory(nbytes / 3 / common.UNITS, floor=0)
     else:
         mem = unit_memory(nbytes * 2.5 / common.UNITS)
     progress(workload, frac[0], f"{label}: starting {system}")
-    backend.start(common.UNITS, mem, "shm", disk=disk)
-    pool = _pool(system, backend, timeout=600)
+    backend.start(common.UNITS, mem, transport, disk=disk)
+    pool = _workers(system, backend, timeout=600)
     try:
         sets = []
         for w in range(W):
             r1 = common.shard_rows(rows, W, "reader1", w)
-            sets.append({"rows_total": rows, "seed": 0, "sets": {
+            sets.append({"rows_total": rows, "seed": 0, "tokens": tokens, "sets": {
                 "put": {"rows": common.shard_rows(rows, W, "writer", w), "fields": FIELD_NAMES, "version": 0},
                 "read1": {"rows": r1, "fields": FIELD_NAMES, "version": None},
-                "wb": {"rows": r1, "fields": WRITEBACK, "version": 1},
-                "read2": {"rows": common.shard_rows(rows, W, "reader2", w), "fields": FIELD_NAMES, "version": None},
+                "wb": {"rows": r1, "fields": WRITEBACK, "version": 1, "side": True},
+                "read2": {"rows": common.shard_rows(rows, W, "reader2", w), "fields": FIELD_NAMES, "version": None,
+                          "side_fields": WRITEBACK},
             }})
         pool.call("prepare", sets)
         steps = []
@@ -451,7 +522,8 @@ def grpo_steps(system, backend, rows, reps, label, disk=None, frac=(0.0, 1.0), w
             log(f"{system} {label} step {rep}: {total * 1e3:.1f} ms " + " ".join(f"{k}={v['wall_s'] * 1e3:.1f}" for k, v in ph.items()))
         timed = [s for s in steps if not s["warmup"]]
         med = sorted(timed, key=lambda s: s["step_s"])[len(timed) // 2]
-        return {"system": system, "variant": label, "rows": rows, "step_bytes": nbytes,
+        return {"system": system, "variant": label, "rows": rows, "step_bytes": nbytes, "tokens": tokens,
+                "transport": transport, "layout": getattr(backend, "layout", None),
                 "unit_memory": mem, "units": common.UNITS, "workers": W,
                 "disk": bool(disk), "step_s": med["step_s"],
                 "phases_s": {k: v["wall_s"] for k, v in med["phases"].items()},
@@ -476,8 +548,8 @@ def dapo_churn(system, backend, quick, frac=(0.0, 1.0)):
     kept = sorted(rng.choice(rows, size=kept_n, replace=False).tolist())
     filtered = sorted(set(range(rows)) - set(kept))
     progress("dapo-churn", frac[0], f"starting {system}")
-    backend.start(common.UNITS, mem, "shm")
-    pool = _pool(system, backend, timeout=600)
+    backend.start(common.UNITS, mem, "shm" if system != "mooncake" else "tcp")
+    pool = _workers(system, backend, timeout=600)
     try:
         sets = [{"rows_total": rows, "seed": 1, "sets": {
             "put": {"rows": common.shard_rows(rows, W, "writer", w), "fields": FIELD_NAMES, "version": 0},
@@ -529,47 +601,64 @@ def dapo_churn(system, backend, quick, frac=(0.0, 1.0)):
 # limits
 
 
+def _limit_row(limits, tcp, stream, size, batch, iters, pool):
+    nt = limits.stowage_copy_threads(size)
+    m1 = limits.memcpy_gbps(size, batch, iters, 1, pool)
+    mn = limits.memcpy_gbps(size, batch, iters, nt, pool) if nt > 1 else m1
+    tp, tg = tcp.gbps(size, batch, iters)
+    sp, sg = stream.stream_gbps(size, batch, iters)
+    log(f"limits {size} x{batch}: memcpy 1t {m1:.2f} {nt}t {mn:.2f}; py socket {tp:.2f}/{tg:.2f}; stream {sp:.2f}/{sg:.2f}")
+    return {"size": size, "batch": batch, "iters": iters, "memcpy_1t_gbps": m1,
+            "memcpy_nt_gbps": mn, "memcpy_threads": nt,
+            "pysock_put_gbps": tp, "pysock_get_gbps": tg,
+            "stream_put_gbps": sp, "stream_get_gbps": sg}
+
+
 def run_limits(workloads, quick, disk_dir):
+    """memcpy (libc, cold buffers, 1 thread and stowage's thread count),
+    the Python socket request/reply pair, the tuned TCP stream, disk."""
     import limits
 
     out = {}
-    ncpu = os.cpu_count() or 1
-    if "sizes" in workloads:
-        grid = common.size_grid(quick)
-        cells = [(s, b) for s in grid["sizes"] for b in grid["batches"]]
-        rows = []
+    if "sizes" in workloads or "big-batch" in workloads:
         tcp = limits.RawTcp()
+        stream = limits.RawTcp(tuned=True)
         try:
-            for ci, (size, batch) in enumerate(cells):
-                progress("sizes", ci / len(cells), f"limits {_size(size)} x{batch}")
-                if size * batch > grid["max_batch_bytes"]:
-                    continue
-                iters = common.iters_for(grid, size, batch)
-                m1 = limits.memcpy_gbps(size, batch, iters, 1)
-                mn = limits.memcpy_gbps(size, batch, iters, ncpu)
-                tp, tg = tcp.gbps(size, batch, iters)
-                rows.append({"size": size, "batch": batch, "iters": iters, "memcpy_1t_gbps": m1,
-                             f"memcpy_{ncpu}t_gbps": mn, "memcpy_all_gbps": mn,
-                             "tcp_put_gbps": tp, "tcp_get_gbps": tg})
-                log(f"limits {size} x{batch}: memcpy {m1:.2f}/{mn:.2f} tcp {tp:.2f}/{tg:.2f}")
+            if "sizes" in workloads:
+                grid = common.size_grid(quick)
+                cells = [(s, b) for s in grid["sizes"] for b in grid["batches"]]
+                rows = []
+                for ci, (size, batch) in enumerate(cells):
+                    progress("sizes", ci / len(cells), f"limits {_size(size)} x{batch}")
+                    if size * batch > grid["max_batch_bytes"]:
+                        continue
+                    rows.append(_limit_row(limits, tcp, stream, size, batch, common.iters_for(grid, size, batch), grid["pool"]))
+                out["sizes"] = rows
+            if "big-batch" in workloads:
+                bb = common.big_batch(quick)
+                progress("big-batch", 0.0, "limits")
+                size, batch, iters = bb["size"], bb["batch"], bb["iters"]
+                nt = limits.stowage_copy_threads(size)
+                m1 = limits.memcpy_gbps(size, batch, iters, 1, 0)
+                mn = limits.memcpy_gbps(size, batch, iters, nt, 0) if nt > 1 else m1
+                # the same bytes as one stream, from 8 values sent over and over
+                sp, sg = stream.stream_gbps(size, 8, iters * batch // 8)
+                out["big-batch"] = {"size": size, "batch": batch, "iters": iters, "memcpy_1t_gbps": m1,
+                                    "memcpy_nt_gbps": mn, "memcpy_threads": nt,
+                                    "stream_put_gbps": sp, "stream_get_gbps": sg}
+                log(f"limits big-batch: memcpy {m1:.2f}/{mn:.2f} stream {sp:.2f}/{sg:.2f}")
         finally:
             tcp.close()
-        out["sizes"] = rows
+            stream.close()
     if "latency" in workloads:
-        progress("latency", 0.0, "raw TCP 64 KiB")
+        progress("latency", 0.0, "Python socket 64 KiB")
         tcp = limits.RawTcp()
         try:
             iters = common.latency_iters(quick)
             puts, gets = tcp.latency_ns(64 * 1024, iters + 100)
         finally:
             tcp.close()
-        a = np.ones(64 * 1024, np.uint8)
-        b = np.empty_like(a)
-        cp = []
-        for _ in range(iters):
-            t = time.perf_counter_ns()
-            np.copyto(b, a)
-            cp.append(time.perf_counter_ns() - t)
+        cp = limits.memcpy_latency_ns(64 * 1024, iters)
         out["latency"] = {"tcp_put": common.quantiles_us(puts[100:]), "tcp_get": common.quantiles_us(gets[100:]),
                           "memcpy": common.quantiles_us(cp)}
     if "disk" in workloads:
@@ -612,7 +701,8 @@ def stowage_cli(quick: bool, binary: str = None, extra=()) -> dict:
     return {"sizes": rows, "latency": lat, "stdout": p.stdout}
 
 
-def run_system(system, workloads, quick, disk_dir):
+def run_system(system, workloads, quick, disk_dir, round_no=0):
+    import extra
     from systems import BACKENDS
 
     res = {"system": system}
@@ -626,7 +716,12 @@ def run_system(system, workloads, quick, disk_dir):
             return stowage_cli_only(workloads, quick, disk_dir, f"{type(e).__name__}: {e}")
     backend = BACKENDS[system]()
     res["version"] = backend.version()
-    transports = ["shm", "tcp"] if system == "stowage" else (["tcp"] if system == "mooncake" else ["shm"])
+    # (label, transport) per system: stowage over shm (same host) and tcp;
+    # Mooncake over tcp (its transfer engine, the only path that crosses
+    # processes in this client configuration); Ray's node-local
+    # shared-memory object store.
+    variants = {"stowage": [("stowage-shm", "shm"), ("stowage-tcp", "tcp")],
+                "mooncake": [("mooncake", "tcp")], "ray": [("ray", "shm")]}[system]
 
     def guarded(name, fn):
         try:
@@ -644,26 +739,27 @@ def run_system(system, workloads, quick, disk_dir):
     if "sizes" in workloads or "latency" in workloads:
         grid = common.size_grid(quick)
         mem = unit_memory(grid["max_batch_bytes"] * 1.25 / common.SIZES_UNITS + 64 * MiB)
-        for ti, tr in enumerate(transports):
-            label = system if system != "stowage" else f"stowage-{tr}"
+        for ti, (label, tr) in enumerate(variants):
 
             def single():
                 backend.start(common.SIZES_UNITS, mem, tr)
                 try:
                     out = {}
                     if "sizes" in workloads:
-                        f0, f1 = ti / len(transports), (ti + 1) / len(transports)
+                        f0, f1 = ti / len(variants), (ti + 1) / len(variants)
                         out["sizes"] = (sizes_ray(backend, quick, f0, f1) if system == "ray"
                                         else sizes_blob(backend, label, quick, f0, f1))
                     if "latency" in workloads:
-                        progress("latency", ti / len(transports), label)
+                        progress("latency", ti / len(variants), label)
                         if system == "ray":
                             out["latency"] = latency_ray(backend, quick)
-                        elif system == "stowage":
-                            out["latency"] = latency_blob(backend, label, quick, stride=common.SIZES_UNITS)
-                            out["latency-rr"] = latency_blob(backend, label + "-rr", quick, stride=1)
                         else:
-                            out["latency"] = latency_blob(backend, label, quick)
+                            # default placement (rows spread over the units) is the figure;
+                            # stowage's every-op-on-one-unit run is its best case
+                            out["latency"] = latency_blob(backend, label, quick, stride=1)
+                            if system == "stowage":
+                                out["latency-one-unit"] = latency_blob(backend, label + "-one-unit", quick,
+                                                                       stride=common.SIZES_UNITS)
                     return out
                 finally:
                     backend.stop()
@@ -675,20 +771,28 @@ def run_system(system, workloads, quick, disk_dir):
                         res.setdefault(w, {})[label] = r
             else:
                 for w, v in r.items():
-                    if w == "latency-rr":
-                        res.setdefault("latency", {})[label + "-rr"] = v
+                    if w == "latency-one-unit":
+                        res.setdefault("latency", {})[label + "-one-unit"] = v
                     else:
                         res.setdefault(w, {})[label] = v
-        if system == "stowage":
+        if system == "stowage" and "sizes" in workloads:
             progress("sizes", 1.0, "stowage bench (Rust client)")
-            res["cli_bench"] = guarded("stowage bench", lambda: stowage_cli(quick))
+            res["cli_bench"] = guarded("stowage bench", lambda: stowage_cli(True))  # --quick: one round's share
     if "grpo-step" in workloads:
         res["grpo-step"] = []
-        variants = common.grpo_variants(quick)
-        for vi, (label, rows, reps) in enumerate(variants):
-            fr = (vi / len(variants), (vi + 1) / len(variants))
-            res["grpo-step"].append(guarded(label, lambda: grpo_steps(system, backend, rows, reps, label, frac=fr)))
-            res["grpo-step"][-1].setdefault("variant", label)
+        runs = list(variants)
+        if system == "mooncake":
+            runs += [("mooncake-row", "tcp"), ("mooncake-shm", "shm")]
+        steps = common.grpo_variants(quick)
+        todo = [(lb, tr, v) for v in steps for lb, tr in runs]
+        for vi, (lb, tr, (name, rows, reps, tokens)) in enumerate(todo):
+            fr = (vi / len(todo), (vi + 1) / len(todo))
+            be = BACKENDS[system](layout=lb.split("-")[1]) if lb.startswith("mooncake-") else backend
+            out = guarded(f"{lb} {name}", lambda: grpo_steps(system, be, rows, reps, name, frac=fr,
+                                                             transport=tr, tokens=tokens))
+            out.setdefault("variant", name)
+            out["label"] = lb
+            res["grpo-step"].append(out)
     if "dapo-churn" in workloads:
         res["dapo-churn"] = guarded("dapo-churn", lambda: dapo_churn(system, backend, quick))
     if "disk" in workloads:
@@ -697,10 +801,39 @@ def run_system(system, workloads, quick, disk_dir):
         os.makedirs(d, exist_ok=True)
         total = common.step_bytes(common.lengths(rows, 0))
         disk = {"dir": d, "capacity": 2 * total}
-        res["disk"] = guarded("disk", lambda: grpo_steps(system, backend, rows, 1 if quick else 2,
-                                                         f"disk-{rows}", disk=disk, workload="disk"))
+        res["disk"] = guarded("disk", lambda: grpo_steps(system, backend, rows, 1, f"disk-{rows}", disk=disk,
+                                                         workload="disk", transport=variants[0][1]))
         if system == "mooncake" and "error" in res["disk"]:
             res["disk"]["error"] = MOONCAKE_DISK_REASON + res["disk"]["error"]
+    if "scaling" in workloads:
+        res["scaling"] = {}
+        for vi, (lb, tr) in enumerate(variants):
+            fr = (vi / len(variants), (vi + 1) / len(variants))
+            res["scaling"][lb] = guarded(f"{lb} scaling", lambda: extra.scaling(system, backend, quick, tr, lb, fr))
+    if "big-batch" in workloads:
+        res["big-batch"] = {}
+        for lb, tr in variants:
+            progress("big-batch", 0.0, lb)
+            res["big-batch"][lb] = guarded(f"{lb} big-batch", lambda: extra.big_batch(system, backend, quick, tr, lb))
+    if "zero-copy" in workloads:
+        progress("zero-copy", 0.0, system)
+        if system == "mooncake":
+            res["zero-copy"] = {"not_measured": "not measured: Mooncake Store 0.3.13.post1 has no read that maps a value "
+                                "held by another process without copying it (get_buffer / batch_get_buffer copy it into "
+                                "the client's own buffer)"}
+        else:
+            res["zero-copy"] = guarded("zero-copy", lambda: extra.zero_copy(system, backend, quick))
+    if "partial" in workloads:
+        res["partial"] = []
+        for lb, tr in variants:
+            progress("partial", 0.0, lb)
+            r = guarded(f"{lb} partial", lambda: extra.partial(system, backend, quick, tr, lb))
+            res["partial"] += r if isinstance(r, list) else [dict(r, system=lb)]
+    if "kill" in workloads:
+        progress("kill", 0.0, system)
+        if round_no == 0:
+            lb, tr = variants[0]
+            res["kill"] = guarded("kill", lambda: extra.kill_unit(system, backend, quick, tr, lb))
     return res
 
 
@@ -733,17 +866,18 @@ MOONCAKE_DISK_REASON = (
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--system", required=True, choices=["stowage", "mooncake", "ray", "limits"])
+    ap.add_argument("--system", required=True, choices=["stowage", "mooncake", "ray", "limits"])  # noqa: E501
     ap.add_argument("--workloads", required=True)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--disk-dir", required=True)
+    ap.add_argument("--round", type=int, default=0, help="which interleaved round this is (the kill workload runs in round 0 only)")
     a = ap.parse_args()
     # compare.py stops a runner that overruns with SIGTERM: unwind, so that
     # every backend stops the processes it started.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     workloads = a.workloads.split(",")
     try:
-        res = run_system(a.system, workloads, a.quick, a.disk_dir)
+        res = run_system(a.system, workloads, a.quick, a.disk_dir, a.round)
     except Exception as e:  # noqa: BLE001 - reported as the system's error
         log(traceback.format_exc())
         res = {"system": a.system, "error": f"{type(e).__name__}: {e}"}

@@ -58,10 +58,10 @@ class StowageClient:
     def unregister(self, arrays) -> None:
         pass
 
-    def put_rows(self, part: str, rows: List[int], cols: Dict[str, list]) -> None:
+    def put_rows(self, part: str, rows: List[int], cols: Dict[str, list], side: bool = False) -> None:
         self.dp.put(part, rows, cols)
 
-    def get_into(self, part: str, rows: List[int], fields: List[str], outs: Dict[str, list]) -> None:
+    def get_into(self, part: str, rows: List[int], fields: List[str], outs: Dict[str, list], side=()) -> None:
         self.dp.get(part, rows, fields, out=outs)
 
     def clear(self, part: str, rows: List[int], fields: List[str]) -> int:
@@ -77,13 +77,14 @@ class StowageClient:
 def stowage_connect(conn: dict) -> StowageClient:
     import stowage
 
-    return StowageClient(stowage.connect(conn["units"], namespace=conn.get("namespace", "bench"), timeout=120.0))
+    return StowageClient(stowage.connect(conn["units"], namespace=conn.get("namespace", "bench"), timeout=120.0,
+                                         transport=conn.get("transport", "auto")))
 
 
 class StowageBackend:
     name = "stowage"
 
-    def __init__(self):
+    def __init__(self, layout=None):
         self.dp = None
         self.transport = "shm"
 
@@ -106,7 +107,7 @@ class StowageBackend:
         self.client = StowageClient(self.dp)
 
     def conn(self) -> dict:
-        return {"system": "stowage", "units": self.dp.units, "namespace": "bench"}
+        return {"system": "stowage", "units": self.dp.units, "namespace": "bench", "transport": self.transport}
 
     def memory_pids(self) -> List[int]:
         return list(self.dp.unit_pids)
@@ -182,7 +183,7 @@ class MooncakeClient:
                 self.store.unregister_buffer(a.ctypes.data)
                 self.registered.discard(key)
 
-    def put_rows(self, part, rows, cols) -> None:
+    def put_rows(self, part, rows, cols, side=False) -> None:
         keys, ptrs, sizes = [], [], []
         for f, arrs in cols.items():
             for r, a in zip(rows, arrs):
@@ -201,7 +202,7 @@ class MooncakeClient:
             why = " (-200: NO_AVAILABLE_HANDLE, no space left in any segment)" if any(c == -200 for _, c in bad) else ""
             raise RuntimeError(f"Mooncake upsert failed for {len(bad)} of {len(keys)} values, e.g. {bad[:3]}{why}")
 
-    def get_into(self, part, rows, fields, outs) -> None:
+    def get_into(self, part, rows, fields, outs, side=()) -> None:
         keys, ptrs, sizes = [], [], []
         for f in fields:
             for r, a in zip(rows, outs[f]):
@@ -236,8 +237,125 @@ class MooncakeClient:
         self.store.close()
 
 
+class MooncakeRowClient(MooncakeClient):
+    """The layout a Mooncake expert would pick for rows of fields: one key
+    per row holding all its fields (batch_put_from_multi_buffers /
+    batch_get_into_multi_buffers, straight from and into the registered
+    per-field arrays, no packing copy). A write-back of some fields (side)
+    goes to a second key per row ("<row>#wb"): 0.3.13.post1 has no upsert
+    for multi-buffer puts, and a put to an existing key returns success
+    without writing. A read that must see the write-back takes those
+    fields from "#wb" and the others from the row key by byte range
+    (batch_get_into_multi_buffer_ranges, inside a get session)."""
+
+    def _chunks(self, n):
+        for i in range(0, n, MOONCAKE_MAX_BATCH):
+            yield i, i + MOONCAKE_MAX_BATCH
+
+    def put_rows(self, part, rows, cols, side=False) -> None:
+        fields = list(cols)
+        keys = [f"{part}/{r}" + ("#wb" if side else "") for r in rows]
+        ptrs = [[cols[f][i].ctypes.data for f in fields] for i in range(len(rows))]
+        sizes = [[cols[f][i].nbytes for f in fields] for i in range(len(rows))]
+        rcs = []
+        for i, j in self._chunks(len(keys)):
+            rcs += self.store.batch_put_from_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j], self.cfg)
+        bad = [(k, c) for k, c in zip(keys, rcs) if c != 0]
+        if bad:
+            raise RuntimeError(f"Mooncake multi-buffer put failed for {len(bad)} of {len(keys)} rows, e.g. {bad[:3]}")
+
+    def get_into(self, part, rows, fields, outs, side=()) -> None:
+        """`outs` holds every field the row key was put with (in the
+        order they were put): the byte offsets of the wanted ones follow
+        from their sizes."""
+        side = [f for f in fields if f in side]
+        main = [f for f in fields if f not in side]
+        n = len(rows)
+        jobs = []  # (keys, ptrs, sizes, offsets or None)
+        if side:
+            jobs.append(([f"{part}/{r}#wb" for r in rows],
+                         [[outs[f][i].ctypes.data for f in side] for i in range(n)],
+                         [[outs[f][i].nbytes for f in side] for i in range(n)], None))
+        if main:
+            allf = list(outs)
+            keys = [f"{part}/{r}" for r in rows]
+            if main == allf:
+                jobs.append((keys, [[outs[f][i].ctypes.data for f in main] for i in range(n)],
+                             [[outs[f][i].nbytes for f in main] for i in range(n)], None))
+            else:
+                ptrs, sizes, offs = [], [], []
+                for i in range(n):
+                    off, o = 0, {}
+                    for f in allf:
+                        o[f] = off
+                        off += outs[f][i].nbytes
+                    ptrs.append([outs[f][i].ctypes.data for f in main])
+                    sizes.append([outs[f][i].nbytes for f in main])
+                    offs.append([o[f] for f in main])
+                jobs.append((keys, ptrs, sizes, offs))
+        for keys, ptrs, sizes, offs in jobs:
+            got = []
+            for i, j in self._chunks(len(keys)):
+                if offs is None:
+                    got += self.store.batch_get_into_multi_buffers(keys[i:j], ptrs[i:j], sizes[i:j])
+                else:  # ranged reads work inside a get session (replicas looked up once)
+                    self.store.batch_get_session_start(keys[i:j])
+                    try:
+                        got += self.store.batch_get_into_multi_buffer_ranges(keys[i:j], ptrs[i:j], sizes[i:j], offs[i:j])
+                    finally:
+                        self.store.batch_get_session_end(keys[i:j])
+            bad = [(k, g, sum(s)) for k, g, s in zip(keys, got, sizes) if g != sum(s)]
+            if bad:
+                raise RuntimeError(f"Mooncake multi-buffer get failed for {len(bad)} of {len(keys)} rows, e.g. {bad[:3]}")
+
+    def clear(self, part, rows, fields) -> int:
+        keys = [f"{part}/{r}" for r in rows]
+        rcs = self.store.batch_remove(keys, True) if len(keys) > 1 else [self.store.remove(keys[0], True)]
+        bad = [(k, c) for k, c in zip(keys, rcs) if c != 0]
+        if bad:
+            raise RuntimeError(f"Mooncake remove failed for {len(bad)} of {len(keys)} keys, e.g. {bad[:3]}")
+        # the write-back keys, where there were any (a missing key is no error here)
+        self.store.batch_remove([k + "#wb" for k in keys], True)
+        return len(keys)
+
+    clear_partition = clear
+
+
+class MooncakeShmClient(MooncakeClient):
+    """Mooncake's same-host path: a dummy client (setup_dummy) of a real
+    client (the mooncake_client process, which owns the memory) on this
+    host. The dummy moves values through memory it shares with the real
+    client, so the arrays it puts from and reads into must be allocated
+    from that shared pool (alloc_from_mem_pool) and registered whole;
+    arrays from anywhere else are refused. One key per (row, field), as
+    MooncakeClient."""
+
+    def __init__(self, real: str, pool_bytes: int, local_buffer: int = 64 * MiB):
+        from mooncake.store import MooncakeDistributedStore, ReplicateConfig
+
+        self.store = MooncakeDistributedStore()
+        rc = self.store.setup_dummy(int(pool_bytes), local_buffer, real)
+        if rc != 0:
+            raise RuntimeError(f"Mooncake dummy client setup failed: {rc}")
+        self.cfg = ReplicateConfig()
+        self.cfg.replica_num = 1
+        self.cfg.with_hard_pin = True
+        self.registered = set()
+
+    def alloc(self, nbytes: int) -> np.ndarray:
+        import ctypes
+
+        ptr = self.store.alloc_from_mem_pool(int(nbytes))
+        if not ptr:
+            raise RuntimeError(f"Mooncake alloc_from_mem_pool({nbytes}) failed: the dummy client's pool is full")
+        return np.ctypeslib.as_array((ctypes.c_uint8 * int(nbytes)).from_address(ptr))
+
+
 def mooncake_connect(conn: dict) -> MooncakeClient:
-    return MooncakeClient(conn["master"])
+    if conn.get("layout") == "shm":
+        return MooncakeShmClient(conn["real"], conn["pool"])
+    cls = MooncakeRowClient if conn.get("layout") == "row" else MooncakeClient
+    return cls(conn["master"])
 
 
 class MooncakeBackend:
@@ -247,7 +365,8 @@ class MooncakeBackend:
 
     name = "mooncake"
 
-    def __init__(self):
+    def __init__(self, layout: str = "field"):
+        self.layout = layout  # "field": one key per (row, field); "row": MooncakeRowClient
         self.master = None
         self.owners: List[subprocess.Popen] = []
         self.client: Optional[MooncakeClient] = None
@@ -273,6 +392,22 @@ class MooncakeBackend:
         if self.master.poll() is not None:
             raise RuntimeError(f"mooncake_master exited with {self.master.returncode}")
         olog = open(os.path.join(self.logdir, "mooncake_owners.log"), "ab")
+        if self.layout == "shm":
+            # one real client owns all the memory (as one object store per
+            # node); every benchmark client is a dummy client of it
+            self.real_port = free_port()
+            self.pool = max(64 * MiB, units * memory // 2)
+            self.owners.append(subprocess.Popen(
+                [os.path.join(bindir, "mooncake_client"), f"--master_server_address={self.master_addr}",
+                 "--host=127.0.0.1", f"--port={self.real_port}", f"--global_segment_size={units * memory >> 20}MB",
+                 "--local_buffer_size=64MB", "--protocol=tcp", "--metadata_server=P2PHANDSHAKE"],
+                stdin=subprocess.DEVNULL, stdout=olog, stderr=olog))
+            wait_for(lambda: _port_open(self.real_port) or self.owners[0].poll() is not None, 60,
+                     "mooncake_client (the real client) to listen")
+            if self.owners[0].poll() is not None:
+                raise RuntimeError(f"mooncake_client exited with {self.owners[0].returncode}")
+            self.client = mooncake_connect(dict(self.conn(), pool=64 * MiB))
+            return
         for _ in range(units):
             p = subprocess.Popen(
                 [sys.executable, os.path.join(HERE, "mooncake_owner.py"), self.master_addr, str(memory)]
@@ -288,13 +423,16 @@ class MooncakeBackend:
             if not line.startswith(b"READY"):
                 master = "running" if self.master.poll() is None else f"exited with {self.master.returncode}"
                 raise RuntimeError(f"Mooncake segment owner failed to start ({line!r}); mooncake_master {master}")
-        self.client = MooncakeClient(self.master_addr)
+        self.client = mooncake_connect(self.conn())
 
     def _master_died(self):
         return self.master.poll() is not None
 
     def conn(self) -> dict:
-        return {"system": "mooncake", "master": self.master_addr}
+        c = {"system": "mooncake", "master": self.master_addr, "layout": self.layout}
+        if self.layout == "shm":
+            c.update(real=f"127.0.0.1:{self.real_port}", pool=self.pool)
+        return c
 
     def memory_pids(self) -> List[int]:
         return [p.pid for p in self.owners] + ([self.master.pid] if self.master else [])
@@ -321,7 +459,10 @@ class MooncakeBackend:
             self.client = None
         for p in self.owners:
             try:
-                p.stdin.close()  # the owner exits when its stdin closes
+                if p.stdin is not None:
+                    p.stdin.close()  # an owner exits when its stdin closes
+                else:
+                    p.terminate()  # the real client (mooncake_client)
             except Exception:  # noqa: BLE001
                 pass
         for p in self.owners:
@@ -369,6 +510,27 @@ def _readline(p: subprocess.Popen, timeout: float) -> bytes:
 # Ray
 
 
+def _descendants(pids: set) -> set:
+    """Every process whose ancestry reaches one of `pids` (/proc)."""
+    parent = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open(f"/proc/{d}/stat") as f:
+                    parent[int(d)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    out = set()
+    for p in parent:
+        q, seen = p, 0
+        while q in parent and seen < 64:
+            if q in pids:
+                out.add(p)
+                break
+            q, seen = parent[q], seen + 1
+    return out
+
+
 def ray_env() -> None:
     if "ray" in sys.modules and os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") != "0":
         raise RuntimeError("ray was imported before RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 was set")
@@ -380,13 +542,16 @@ def ray_env() -> None:
 class RayBackend:
     name = "ray"
 
-    def __init__(self):
+    def __init__(self, layout=None):
         self.started = False
         self.pids: List[int] = []
 
     def start(self, units: int, memory: int, transport: str = "shm", disk: Optional[dict] = None) -> None:
-        """One local Ray instance whose object store holds `units * memory`
-        bytes (Ray has one object store per node)."""
+        """One local Ray instance whose object store holds twice `units *
+        memory` bytes (Ray has one object store per node, and frees an
+        object some time after its last reference goes: a store sized to
+        one batch would push the next batch's put to its disk fallback).
+        With a disk tier, exactly `units * memory`, so that it spills."""
         ray_env()
         import ray
 
@@ -395,8 +560,11 @@ class RayBackend:
         if disk:
             kwargs["object_spilling_directory"] = disk["dir"]
         ray.init(
+            # always a new local instance: without it ray.init joins any
+            # cluster another user of this machine started with `ray start`
+            address="local",
             num_cpus=8, include_dashboard=False, _node_ip_address="127.0.0.1",
-            object_store_memory=int(units * memory), log_to_driver=False,
+            object_store_memory=int(units * memory * (1 if disk else 2)), log_to_driver=False,
             configure_logging=False, **kwargs,
         )
         self.started = True
@@ -410,6 +578,7 @@ class RayBackend:
         """Every TCP listener of this process and of Ray's processes must be
         on loopback (ss -ltnp); otherwise stop."""
         ours = {os.getpid()} | {p for v in self.procs.values() for p in v}
+        ours |= _descendants(ours)  # Ray's workers and agents are children of its processes
         out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, timeout=10).stdout
         bad = []
         for line in out.splitlines():
@@ -418,8 +587,7 @@ class RayBackend:
                 continue
             local = cols[3]
             pids = {int(x.split("=")[1]) for x in line.split(",") if x.startswith("pid=")}
-            names = line.split("users:")[-1]
-            if not (pids & ours or "ray::" in names or "raylet" in names or "gcs_server" in names):
+            if not pids & ours:  # another user's processes (their own Ray, say) are not ours to judge
                 continue
             host = local.rsplit(":", 1)[0].strip("[]")
             if host not in ("127.0.0.1", "::ffff:127.0.0.1", "::1"):

@@ -38,7 +38,7 @@ class Arena:
     """Values of `fields` for `rows`, as views into one 64-byte aligned
     buffer: vals[field][i] is row rows[i]'s value."""
 
-    def __init__(self, system, rows, lens, fields, fill_version=None):
+    def __init__(self, system, rows, lens, fields, fill_version=None, alloc=None):
         specs = [(f, _dtype(system, dt), dt) for f, dt, _ in FIELDS if f in fields]
         total = 0
         layout = []
@@ -47,7 +47,11 @@ class Arena:
                 n = int(lens[r]) * np.dtype(npdt).itemsize
                 layout.append((f, r, total, n))
                 total += (n + 63) & ~63
-        self.buf = np.zeros(total + 64, dtype=np.uint8)
+        if alloc is not None:  # memory a client must move values through (Mooncake's dummy client)
+            self.buf = alloc(total + 64)
+            self.buf.fill(0)
+        else:
+            self.buf = np.zeros(total + 64, dtype=np.uint8)
         base = (-self.buf.ctypes.data) % 64
         self.vals = {f: [] for f, _, _ in specs}
         dtypes = {f: npdt for f, npdt, _ in specs}
@@ -60,6 +64,13 @@ class Arena:
                 v[...] = src.view(v.dtype)
             self.vals[f].append(v)
         self.nbytes = sum(n for _, _, _, n in layout)
+
+
+def _aligned(nbytes: int) -> np.ndarray:
+    """A page-aligned buffer (Mooncake registers whole pages)."""
+    raw = np.empty(nbytes + 4096, dtype=np.uint8)
+    off = (-raw.ctypes.data) % 4096
+    return raw[off:off + nbytes]
 
 
 class GrpoWorker:
@@ -75,17 +86,22 @@ class GrpoWorker:
 
     # -- commands --------------------------------------------------------
 
-    def prepare(self, rows_total: int, seed: int, sets: dict) -> dict:
+    def prepare(self, rows_total: int, seed: int, sets: dict, tokens=None) -> dict:
         """sets: name -> {"rows": [...], "fields": [...], "version": int or
-        null (null: an empty arena to read into)}."""
+        null (null: an empty arena to read into), "side": a write-back
+        (bool), "side_fields": fields a read takes from the write-back};
+        tokens: [min, max] tokens per row."""
         t = time.perf_counter()
         self.sets = {}
-        lens = common.lengths(rows_total, seed)
+        lens = common.lengths(rows_total, seed, *(tokens or (common.MIN_TOKENS, common.MAX_TOKENS)))
         self.lens = lens
         for name, spec in sets.items():
-            a = Arena(self.system, spec["rows"], lens, spec["fields"], spec.get("version"))
+            a = Arena(self.system, spec["rows"], lens, spec["fields"], spec.get("version"),
+                      alloc=getattr(self.client, "alloc", None))
             a.rows = spec["rows"]
             a.fields = spec["fields"]
+            a.side = bool(spec.get("side"))
+            a.side_fields = list(spec.get("side_fields") or ())
             self.sets[name] = a
             if self.client is not None:
                 self.client.register([a.buf])
@@ -94,13 +110,13 @@ class GrpoWorker:
     def put(self, part: str, set: str) -> dict:
         a = self.sets[set]
         t = time.perf_counter()
-        self.client.put_rows(part, a.rows, a.vals)
+        self.client.put_rows(part, a.rows, a.vals, side=a.side)
         return {"dt": time.perf_counter() - t, "bytes": a.nbytes}
 
     def read(self, part: str, set: str, verify: dict = None) -> dict:
         a = self.sets[set]
         t = time.perf_counter()
-        self.client.get_into(part, a.rows, a.fields, a.vals)
+        self.client.get_into(part, a.rows, a.fields, a.vals, side=a.side_fields)
         dt = time.perf_counter() - t
         if verify is not None:
             self.verify(a, verify)
@@ -125,6 +141,56 @@ class GrpoWorker:
         n = self.client.clear_partition(part, rows, fields)
         return {"dt": time.perf_counter() - t, "n": n}
 
+    # -- the scaling workload: 64 KiB values, one op per call ------------
+
+    def small_prepare(self, n: int, size: int, pool: int = 32 << 20) -> dict:
+        """A source and a destination buffer of `pool` bytes each (cold:
+        values are taken from them in turn), registered where that
+        matters."""
+        if self.client is not None and getattr(self, "small_src", None) is not None:
+            self.client.unregister([self.small_src, self.small_dst])  # before they are freed
+        self.small = {"n": n, "size": size, "slots": max(2, pool // size)}
+        rng = np.random.default_rng(self.w + 1)
+        nbytes = self.small["slots"] * size
+        self.small_src = _aligned(nbytes)
+        self.small_src[:] = rng.integers(0, 256, nbytes, dtype=np.uint8)
+        self.small_dst = _aligned(nbytes)
+        self.small_dst.fill(0)
+        if self.client is not None:
+            self.client.register([self.small_src, self.small_dst])
+        return {}
+
+    def _slot(self, buf, i):
+        size, slots = self.small["size"], self.small["slots"]
+        o = (i % slots) * size
+        return buf[o:o + size]
+
+    def small_put(self, part: str, base: int) -> dict:
+        n = self.small["n"]
+        lat = np.empty(n)
+        t0 = time.perf_counter()
+        for i in range(n):
+            t = time.perf_counter()
+            self.client.put_rows(part, [base + i], {"v": [self._slot(self.small_src, i)]})
+            lat[i] = time.perf_counter() - t
+        t1 = time.perf_counter()
+        return {"dt": t1 - t0, "t0": t0, "t1": t1, "lat_us": (lat * 1e6).tolist()}
+
+    def small_get(self, part: str, base: int, refs=None) -> dict:
+        n = self.small["n"]
+        lat = np.empty(n)
+        t0 = time.perf_counter()
+        for i in range(n):
+            t = time.perf_counter()
+            self.client.get_into(part, [base + i], ["v"], {"v": [self._slot(self.small_dst, i)]})
+            lat[i] = time.perf_counter() - t
+        t1 = time.perf_counter()
+        return {"dt": t1 - t0, "t0": t0, "t1": t1, "lat_us": (lat * 1e6).tolist()}
+
+    def small_clear(self, part: str, base: int) -> dict:
+        self.client.clear(part, [base + i for i in range(self.small["n"])], ["v"])
+        return {}
+
     def close(self) -> dict:
         if self.client is not None:
             self.client.close()
@@ -141,6 +207,41 @@ class RayGrpoWorker(GrpoWorker):
 
     def __init__(self, w: int):
         super().__init__("ray", {}, w)
+
+    def small_put(self, part: str, base: int) -> dict:
+        """ray.put of each value in turn; the refs go back to the driver,
+        which hands them to the reading actor."""
+        import ray
+
+        n = self.small["n"]
+        lat = np.empty(n)
+        refs = []
+        t0 = time.perf_counter()
+        for i in range(n):
+            t = time.perf_counter()
+            refs.append(ray.put(self._slot(self.small_src, i)))
+            lat[i] = time.perf_counter() - t
+        t1 = time.perf_counter()
+        self.small_refs = refs
+        return {"dt": t1 - t0, "t0": t0, "t1": t1, "lat_us": (lat * 1e6).tolist(), "refs": refs}
+
+    def small_get(self, part: str, base: int, refs=None) -> dict:
+        """ray.get of each value in turn (another actor's), copied out."""
+        import ray
+
+        n = self.small["n"]
+        lat = np.empty(n)
+        t0 = time.perf_counter()
+        for i in range(n):
+            t = time.perf_counter()
+            np.copyto(self._slot(self.small_dst, i), ray.get(refs[i], timeout=120))
+            lat[i] = time.perf_counter() - t
+        t1 = time.perf_counter()
+        return {"dt": t1 - t0, "t0": t0, "t1": t1, "lat_us": (lat * 1e6).tolist()}
+
+    def small_clear(self, part: str, base: int) -> dict:
+        self.small_refs = []
+        return {}
 
     def put(self, part: str, set: str, granularity: str = "shard") -> dict:
         import ray
