@@ -54,7 +54,7 @@ _libc.memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
 # stowage splits a copy of at least this many bytes over min(4, cores)
 # threads (stowage_shm::PARALLEL_COPY_MIN, crates/shm); smaller copies take
 # one thread.
-STOWAGE_SPLIT_BYTES = 1 * MiB
+STOWAGE_SPLIT_BYTES = 8 * MiB
 
 
 def stowage_copy_threads(size: int) -> int:

@@ -395,7 +395,7 @@ impl ShmTransport {
         let Some((blob, len)) = self.asked.take() else {
             return Ok(());
         };
-        let _ = self.slab.fault_in(offset, len, false);
+        self.slab.prepare(offset, len);
         self.spares.push(Spare { blob, offset, len });
         if self.spares.len() > SPARES {
             let old = self.spares.remove(0);
