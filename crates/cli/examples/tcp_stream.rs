@@ -33,6 +33,7 @@ use std::os::fd::AsFd;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use stowage_cli::bench::wait_quiet;
 use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig, Key, SliceSink, DEFAULT_PARTITION};
 
@@ -732,42 +733,4 @@ fn orchestrate(args: &[String]) -> Res<()> {
     println!("(target: stowage put and get >= 0.90x the best raw stream, for 1 MiB and larger)");
 
     Ok(())
-}
-
-/// The machine's idle fraction over `over` (from /proc/stat).
-fn idle_fraction(over: Duration) -> f64 {
-    let read = || -> (f64, f64) {
-        let s = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-        let f: Vec<f64> = s
-            .lines()
-            .next()
-            .unwrap_or("")
-            .split_whitespace()
-            .skip(1)
-            .map(|x| x.parse().unwrap_or(0.0))
-            .collect();
-        let idle = f.get(3).copied().unwrap_or(0.0) + f.get(4).copied().unwrap_or(0.0);
-        (idle, f.iter().sum())
-    };
-    let (i0, t0) = read();
-    std::thread::sleep(over);
-    let (i1, t1) = read();
-    if t1 > t0 {
-        (i1 - i0) / (t1 - t0)
-    } else {
-        f64::NAN
-    }
-}
-
-/// Wait (at most `max`) until the machine is at least 90% idle over half
-/// a second: the host is shared, and a round run next to a compiler measures
-/// the compiler. Returns the idle fraction seen last.
-fn wait_quiet(max: Duration) -> f64 {
-    let end = Instant::now() + max;
-    loop {
-        let idle = idle_fraction(Duration::from_millis(500));
-        if idle >= 0.9 || Instant::now() >= end {
-            return idle;
-        }
-    }
 }
