@@ -31,7 +31,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
-use stowage_cli::bench::wait_quiet;
+use stowage_cli::bench::{median_min_max, wait_quiet};
 use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig, Key, SliceSink, UnitAddr, DEFAULT_PARTITION};
 
@@ -210,22 +210,8 @@ fn measure(
     })
 }
 
-fn summary(v: &[f64]) -> (f64, f64, f64) {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    if s.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    let med = if s.len() % 2 == 1 {
-        s[s.len() / 2]
-    } else {
-        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
-    };
-    (med, s[0], s[s.len() - 1])
-}
-
 fn fmt3(v: &[f64], prec: usize) -> String {
-    let (m, lo, hi) = summary(v);
+    let (m, lo, hi) = median_min_max(v);
     format!("{m:.prec$} [{lo:.prec$}-{hi:.prec$}]")
 }
 
@@ -388,7 +374,7 @@ fn run() -> Res<()> {
             conns
                 .iter()
                 .position(|&c| c == n)
-                .map(|k| summary(&rates[k]).0)
+                .map(|k| median_min_max(&rates[k]).0)
         };
         if let (Some(r16), Some(r256)) = (at(16), at(256)) {
             println!(

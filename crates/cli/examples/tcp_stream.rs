@@ -33,7 +33,7 @@ use std::os::fd::AsFd;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use stowage_cli::bench::wait_quiet;
+use stowage_cli::bench::{median_min_max, wait_quiet};
 use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig, Key, SliceSink, DEFAULT_PARTITION};
 
@@ -442,23 +442,8 @@ fn stowage_once(
     Ok((b / put_t.as_secs_f64() / 1e9, b / get_t.as_secs_f64() / 1e9))
 }
 
-/// Median, min, max.
-fn summary(v: &[f64]) -> (f64, f64, f64) {
-    let mut s = v.to_vec();
-    s.sort_by(|a, b| a.total_cmp(b));
-    if s.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
-    let med = if s.len() % 2 == 1 {
-        s[s.len() / 2]
-    } else {
-        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
-    };
-    (med, s[0], s[s.len() - 1])
-}
-
 fn fmt3(v: &[f64]) -> String {
-    let (m, lo, hi) = summary(v);
+    let (m, lo, hi) = median_min_max(v);
     format!("{m:6.2} [{lo:5.2}-{hi:5.2}]")
 }
 
@@ -676,7 +661,7 @@ fn orchestrate(args: &[String]) -> Res<()> {
             .iter()
             .enumerate()
             .filter(|(_, c)| c.ack == ack)
-            .map(|(c, _)| (c, summary(&raw[c][k]).0))
+            .map(|(c, _)| (c, median_min_max(&raw[c][k]).0))
             .fold((0, 0.0), |a, b| if b.1 > a.1 { b } else { a })
     };
     if iperf {
@@ -709,8 +694,8 @@ fn orchestrate(args: &[String]) -> Res<()> {
     for (k, s) in sizes.iter().enumerate() {
         let (bs, bsv) = best(false, k);
         let (ba, bav) = best(true, k);
-        let (pm, _, _) = summary(&put[k]);
-        let (gm, _, _) = summary(&get[k]);
+        let (pm, _, _) = median_min_max(&put[k]);
+        let (gm, _, _) = median_min_max(&get[k]);
         println!(
             "{:>7} | {:>20} | {:>20} | {:>20} | {:>20} | {:>7.2} {:>7.2} | {:>7.2} {:>7.2}",
             format!("{} MiB", s / MIB),

@@ -487,3 +487,18 @@ pub fn wait_quiet(max: Duration) -> f64 {
         }
     }
 }
+
+/// Median, min and max of `v` (NaN for each when it is empty).
+pub fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
+    let mut s = v.to_vec();
+    s.sort_by(|a, b| a.total_cmp(b));
+    if s.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let med = if s.len() % 2 == 1 {
+        s[s.len() / 2]
+    } else {
+        (s[s.len() / 2 - 1] + s[s.len() / 2]) / 2.0
+    };
+    (med, s[0], s[s.len() - 1])
+}

@@ -1681,14 +1681,14 @@ impl UnitCore {
             };
             for blob in &sess.reservations {
                 if let Some(Blob {
-                    state: State::Reserved { holder, .. },
+                    state: State::Reserved { holder, n_entries },
                     region,
                     ..
                 }) = self.blobs.get(blob)
                 {
                     st.reservations += 1;
                     st.held_bytes += region.map_or(0, |r| r.len);
-                    if self.is_spare(blob) {
+                    if n_entries.is_none() {
                         // Held on purpose, for as long as its connection.
                         st.spares += 1;
                     } else {
@@ -1722,26 +1722,21 @@ impl UnitCore {
         s
     }
 
-    fn is_spare(&self, blob: &BlobId) -> bool {
-        matches!(
-            self.blobs.get(blob),
-            Some(Blob {
-                state: State::Reserved {
-                    n_entries: None,
-                    ..
-                },
-                ..
-            })
-        )
-    }
-
     pub fn stats(&self) -> Stats {
         let (spares, spare_bytes) = self
             .blobs
-            .iter()
-            .filter(|(id, _)| self.is_spare(id))
-            .fold((0, 0), |(n, b), (_, blob)| {
-                (n + 1, b + blob.region.map_or(0, |r| r.len))
+            .values()
+            .filter(|b| {
+                matches!(
+                    b.state,
+                    State::Reserved {
+                        n_entries: None,
+                        ..
+                    }
+                )
+            })
+            .fold((0, 0), |(n, bytes), b| {
+                (n + 1, bytes + b.region.map_or(0, |r| r.len))
             });
         Stats {
             capacity: self.slab.capacity(),

@@ -40,7 +40,9 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
                     Allocated::AlreadyCommitted => Response::AlreadyCommitted,
                 }),
         ),
-        Request::Commit { blob, .. } if core.is_disk_reservation(owner.session, blob) => {
+        Request::Commit { blob, .. } | Request::CommitSpare { blob, .. }
+            if core.is_disk_reservation(owner.session, blob) =>
+        {
             Handled::Reply(Response::Error {
                 code: ErrorCode::InvalidRequest,
                 message: format!(
@@ -59,14 +61,6 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
                     Committed::Pending => Response::Pending,
                 }),
         ),
-        Request::CommitSpare { blob, .. } if core.is_disk_reservation(owner.session, blob) => {
-            Handled::Reply(Response::Error {
-                code: ErrorCode::InvalidRequest,
-                message: format!(
-                    "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
-                ),
-            })
-        }
         Request::CommitSpare {
             blob,
             written,
