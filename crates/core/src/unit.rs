@@ -245,7 +245,12 @@ struct Pin {
     holder: Holder,
 }
 
-type Rows = HashMap<u64, HashMap<String, Entry>>;
+/// The maps on every put's and get's path, keyed by what clients send:
+/// hashed with foldhash (seeded per process) rather than SipHash, whose
+/// cost showed in the profile of a 3,072-value put.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+type Rows = Map<u64, Map<String, Entry>>;
 
 /// Where a found value is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -326,10 +331,10 @@ pub struct Snapshot {
 pub struct UnitCore {
     cfg: CoreConfig,
     slab: SlabAllocator,
-    blobs: HashMap<BlobId, Blob>,
+    blobs: Map<BlobId, Blob>,
     /// namespace → row → field → entry.
-    index: HashMap<String, Rows>,
-    pins: HashMap<PinId, Pin>,
+    index: Map<String, Rows>,
+    pins: Map<PinId, Pin>,
     /// Counter under the pin-id function.
     pin_counter: u64,
     /// Quarantined ranges by the time they may be reused.
@@ -389,9 +394,9 @@ impl UnitCore {
         Ok(Self {
             slab: SlabAllocator::new(cfg.capacity),
             cfg,
-            blobs: HashMap::new(),
-            index: HashMap::new(),
-            pins: HashMap::new(),
+            blobs: Map::default(),
+            index: Map::default(),
+            pins: Map::default(),
             pin_counter: 0,
             quarantined: BTreeMap::new(),
             quarantine_seq: 0,
