@@ -904,43 +904,92 @@ impl Client {
         Ok(all.into_iter().collect())
     }
 
-    /// Run `f` on unit `unit`'s view connection (opened on first use): the
-    /// one connection per unit whose held pins back [`View`]s, kept for the
+    /// Unit `unit`'s view connection (opened on first use): the one
+    /// connection per unit whose held pins back [`View`]s, kept for the
     /// client's life so that those pins are not dropped with a pooled
     /// connection.
-    fn with_view_conn<R>(
+    fn view_conn(
         &self,
         unit: usize,
         deadline: Instant,
-        f: impl FnOnce(&mut Box<dyn crate::Transport>) -> std::result::Result<R, OpFailure>,
-    ) -> std::result::Result<(R, crate::ViewConn), OpFailure> {
-        let existing = lock(&self.units[unit].view_conn).clone();
-        let conn = match existing {
-            Some(c) => c,
-            None => {
-                // Opened without the slot's lock held: opening may meet a
-                // restarted unit, which clears the slot.
-                let fresh: crate::ViewConn =
-                    Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
-                let mut slot = lock(&self.units[unit].view_conn);
-                slot.get_or_insert(fresh).clone()
-            }
-        };
-        let r = f(&mut lock(&conn));
-        match r {
-            Ok(r) => Ok((r, conn)),
-            Err(e) => {
-                if matches!(e, OpFailure::Conn { .. }) {
-                    // Later views use a new connection; views that pinned
-                    // through this one keep it (and their pins) alive.
-                    let mut slot = lock(&self.units[unit].view_conn);
-                    if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, &conn)) {
-                        *slot = None;
-                    }
-                }
-                Err(e)
+    ) -> std::result::Result<crate::ViewConn, OpFailure> {
+        if let Some(c) = lock(&self.units[unit].view_conn).clone() {
+            return Ok(c);
+        }
+        // Opened without the slot's lock held: opening may meet a restarted
+        // unit, which clears the slot.
+        let fresh: crate::ViewConn = Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
+        let mut slot = lock(&self.units[unit].view_conn);
+        Ok(slot.get_or_insert(fresh).clone())
+    }
+
+    /// After `f` failed on `conn`: a broken connection is not used for later
+    /// views; views that pinned through it keep it (and their pins) alive.
+    fn forget_view_conn(&self, unit: usize, conn: &crate::ViewConn, f: &OpFailure) {
+        if matches!(f, OpFailure::Conn { .. }) {
+            let mut slot = lock(&self.units[unit].view_conn);
+            if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
+                *slot = None;
             }
         }
+    }
+
+    /// Resolve-and-hold `by_unit`'s keys on every unit at once: each request
+    /// is sent before any answer is awaited, so the units resolve at the
+    /// same time. Connections are locked in unit order (as every view does),
+    /// and every call that was sent is answered before this returns.
+    #[allow(clippy::type_complexity)]
+    fn resolve_views(
+        &self,
+        partition: &str,
+        by_unit: &BTreeMap<usize, (Vec<Key>, Vec<usize>)>,
+        deadline: Instant,
+    ) -> Vec<(
+        usize,
+        std::result::Result<(Response, Arc<Slab>, crate::ViewConn), OpFailure>,
+    )> {
+        let mut conns = Vec::with_capacity(by_unit.len());
+        let mut done = Vec::with_capacity(by_unit.len());
+        for &u in by_unit.keys() {
+            match self.view_conn(u, deadline) {
+                Ok(c) => conns.push((u, c)),
+                Err(f) => done.push((u, Err(f))),
+            }
+        }
+        let mut sent = Vec::with_capacity(conns.len());
+        {
+            let mut guards: Vec<_> = conns.iter().map(|(u, c)| (*u, c, lock(c))).collect();
+            for (u, _, t) in guards.iter_mut() {
+                let started = t
+                    .slab()
+                    .ok_or_else(|| OpFailure::Unit {
+                        code: stowage_wire::ErrorCode::InvalidRequest,
+                        message: "views need the shm transport (a unit on this host, reached by its Unix socket)"
+                            .into(),
+                    })
+                    .and_then(|slab| {
+                        let req = Request::Resolve {
+                            partition: partition.to_owned(),
+                            keys: by_unit[u].0.clone(),
+                            hold: true,
+                        };
+                        t.start_call(&req, deadline).map(|()| slab)
+                    });
+                sent.push(started);
+            }
+            for ((u, conn, t), started) in guards.iter_mut().zip(sent) {
+                let r = started.and_then(|slab| {
+                    t.finish_call(deadline)
+                        .map(|resp| (resp, slab, (*conn).clone()))
+                });
+                if let Err(f) = &r {
+                    self.forget_view_conn(*u, conn, f);
+                }
+                done.push((*u, r));
+            }
+        }
+        done.sort_by_key(|(u, _)| *u);
+        done
     }
 
     /// Pin `fields` of `keys` and view them in place (shm transport only):
@@ -981,47 +1030,43 @@ impl Client {
         let mut flat: Vec<Option<ViewTensor>> = vec![None; keys.len() * fields.len()];
         let mut missing = Vec::new();
         let mut unknown = BTreeSet::new();
-        for (u, (ks, idx)) in by_unit {
-            let req = Request::Resolve {
-                partition: partition.to_owned(),
-                keys: ks.clone(),
-                hold: true,
-            };
-            let r = self.with_view_conn(u, deadline, |t| {
-                let slab = t.slab().ok_or_else(|| OpFailure::Unit {
-                    code: stowage_wire::ErrorCode::InvalidRequest,
-                    message: "views need the shm transport (a unit on this host, reached by its Unix socket)"
-                        .into(),
-                })?;
-                t.start_call(&req, deadline)?;
-                Ok((slab, t.finish_call(deadline)?))
-            });
-            let ((slab, resp), conn) = match r {
-                Ok(x) => x,
-                Err(f) => {
-                    return Err(match self.classify(u, f, vec![], ks, deadline) {
-                        Outcome::Failed(e) => name_keys(e, keys),
-                        Outcome::Busy => Error::Timeout {
-                            unit: Some(u),
-                            what: "unit busy".into(),
-                        },
-                    })
+        let resolved = self.resolve_views(partition, &by_unit, deadline);
+        // Every pin taken is in `view.pins` before any error returns, so
+        // that dropping `view` unpins them all.
+        let mut answers = Vec::with_capacity(resolved.len());
+        let mut failure = None;
+        for (u, r) in resolved {
+            match r {
+                Ok((resp, slab, conn)) => {
+                    if let Response::Resolved { pin: Some(p), .. } = &resp {
+                        view.pins.push((u, *p, slab.clone(), conn.clone()));
+                    }
+                    answers.push((u, resp));
                 }
-            };
-            let (pin, found) = match resp {
-                Response::Resolved {
-                    pin,
-                    found,
-                    corrupt,
-                } if found.len() == ks.len() => {
+                Err(f) => {
+                    failure.get_or_insert((u, f));
+                }
+            }
+        }
+        if let Some((u, f)) = failure {
+            let ks = by_unit[&u].0.clone();
+            return Err(match self.classify(u, f, vec![], ks, deadline) {
+                Outcome::Failed(e) => name_keys(e, keys),
+                Outcome::Busy => Error::Timeout {
+                    unit: Some(u),
+                    what: "unit busy".into(),
+                },
+            });
+        }
+        for (u, resp) in answers {
+            let (ks, idx) = &by_unit[&u];
+            let found = match resp {
+                Response::Resolved { found, corrupt, .. } if found.len() == ks.len() => {
                     if !corrupt.is_empty() {
                         let bad: Vec<Key> = corrupt
                             .iter()
                             .filter_map(|&i| ks.get(i as usize).cloned())
                             .collect();
-                        if let Some(p) = pin {
-                            view.pins.push((u, p, slab.clone(), conn.clone()));
-                        }
                         let named = crate::error::names(&bad);
                         return Err(name_keys(
                             Error::Corrupt {
@@ -1032,19 +1077,16 @@ impl Client {
                             keys,
                         ));
                     }
-                    (pin, found)
+                    found
                 }
                 Response::Error { code, message } => {
                     return Err(crate::unit_error(u, code, message, vec![]))
                 }
                 other => return Err(unexpected(u, other)),
             };
-            if let Some(p) = pin {
-                view.pins.push((u, p, slab, conn));
-            }
-            for ((f, i), k) in found.into_iter().zip(idx).zip(ks) {
+            for ((f, &i), k) in found.into_iter().zip(idx).zip(ks) {
                 match f {
-                    None => missing.push(k),
+                    None => missing.push(k.clone()),
                     Some(f) if f.on_disk => {
                         return Err(Error::TransferFailed {
                             unit: u,
