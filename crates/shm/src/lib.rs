@@ -201,6 +201,12 @@ impl Slab {
         self.len as u64
     }
 
+    /// Where this process maps the slab: the address a one-sided transport
+    /// registers (a NIXL agent), for peers to name ranges by.
+    pub fn addr(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

@@ -1,0 +1,298 @@
+//! The nixl path, over nixl-sys (its `stub-api` build: libnixl_capi.so is
+//! loaded at run time, so building needs no NIXL install).
+
+use std::sync::Arc;
+
+use nixl_sys as sys;
+use stowage_shm::Slab;
+
+use crate::{wait_until, NixlError, Op, Range, WaitError};
+
+fn failed(what: &'static str) -> impl FnOnce(sys::NixlError) -> NixlError {
+    move |e| NixlError::Failed {
+        what,
+        detail: e.to_string(),
+    }
+}
+
+/// Memory this process maps, described for registration.
+#[derive(Debug)]
+struct Region {
+    addr: usize,
+    len: usize,
+}
+
+impl sys::MemoryRegion for Region {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl sys::NixlDescriptor for Region {
+    fn mem_type(&self) -> sys::MemType {
+        sys::MemType::Dram
+    }
+
+    fn device_id(&self) -> u64 {
+        0
+    }
+}
+
+/// A NIXL agent with its UCX backend. Cheap to clone (shared state).
+#[derive(Clone)]
+pub struct Agent {
+    inner: sys::Agent,
+    backend: Arc<sys::Backend>,
+    name: String,
+}
+
+impl std::fmt::Debug for Agent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Agent").field("name", &self.name).finish()
+    }
+}
+
+impl Agent {
+    /// An agent named `name` (unique among the agents that meet) with a UCX
+    /// backend in its default, peer-failure-detecting mode.
+    pub fn new(name: &str) -> Result<Self, NixlError> {
+        if sys::is_stub() {
+            return Err(NixlError::NotLoaded);
+        }
+        let inner = sys::Agent::new(name).map_err(failed("agent"))?;
+        let (_mems, params) = inner.get_plugin_params("UCX").map_err(failed(
+            "UCX plugin (set NIXL_PLUGIN_DIR to the wheel's plugins)",
+        ))?;
+        let backend = inner.create_backend("UCX", &params).map_err(failed(
+            "UCX backend (UCX_TLS must allow a transport with peer error handling: \
+             an RDMA transport, or tcp)",
+        ))?;
+        Ok(Self {
+            inner,
+            backend: Arc::new(backend),
+            name: name.to_owned(),
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// What a peer loads to reach this agent's registered memory.
+    pub fn metadata(&self) -> Result<Vec<u8>, NixlError> {
+        self.inner.get_local_md().map_err(failed("metadata"))
+    }
+
+    /// Load a peer's metadata; returns the peer's agent name.
+    pub fn load_remote(&self, metadata: &[u8]) -> Result<String, NixlError> {
+        self.inner
+            .load_remote_md(metadata)
+            .map_err(failed("loading a peer's metadata"))
+    }
+
+    /// Drop what is known of a peer (its connection is torn down).
+    pub fn forget_remote(&self, name: &str) {
+        if let Err(e) = self.inner.invalidate_remote_md(name) {
+            tracing::debug!(peer = name, error = %e, "nixl: forgetting a peer");
+        }
+    }
+
+    /// Register a unit's slab, once: peers then read and write its ranges
+    /// by address ([`Slab::addr`] + offset). The registration keeps the
+    /// mapping alive.
+    pub fn register_slab(&self, slab: Arc<Slab>) -> Result<SlabRegistration, NixlError> {
+        let region = Region {
+            addr: slab.addr(),
+            len: slab.len() as usize,
+        };
+        let handle = self
+            .inner
+            .register_memory(&region, None)
+            .map_err(failed("registering the slab"))?;
+        Ok(SlabRegistration {
+            _handle: handle,
+            _slab: slab,
+        })
+    }
+
+    /// Post one transfer of every range in `ranges` between `staging` and
+    /// `peer`'s registered memory. Completes by [`Transfer::wait`].
+    pub fn post(
+        &self,
+        op: Op,
+        staging: &Arc<Staging>,
+        ranges: &[Range],
+        peer: &str,
+    ) -> Result<Transfer, NixlError> {
+        let bad = |detail: String| NixlError::Failed {
+            what: "transfer",
+            detail,
+        };
+        let mut local =
+            sys::XferDescList::new(sys::MemType::Dram).map_err(failed("descriptors"))?;
+        let mut remote =
+            sys::XferDescList::new(sys::MemType::Dram).map_err(failed("descriptors"))?;
+        for r in ranges {
+            if r.local
+                .checked_add(r.len)
+                .is_none_or(|end| end > staging.len())
+            {
+                return Err(bad(format!(
+                    "range {r:?} lies outside the {}-byte staging buffer",
+                    staging.len()
+                )));
+            }
+            let raddr = usize::try_from(r.remote).map_err(|_| bad(format!("address {r:?}")))?;
+            local.add_desc(staging.addr() + r.local, r.len, 0);
+            remote.add_desc(raddr, r.len, 0);
+        }
+        let mut opt = sys::OptArgs::new().map_err(failed("options"))?;
+        opt.add_backend(&self.backend).map_err(failed("options"))?;
+        let op = match op {
+            Op::Write => sys::XferOp::Write,
+            Op::Read => sys::XferOp::Read,
+        };
+        let req = self
+            .inner
+            .create_xfer_req(op, &local, &remote, peer, Some(&opt))
+            .map_err(failed("creating a transfer"))?;
+        // Ok(false): done within the call (a cma copy); Ok(true): running.
+        let running = self
+            .inner
+            .post_xfer_req(&req, Some(&opt))
+            .map_err(failed("transfer"))?;
+        Ok(Transfer {
+            req: Some(req),
+            agent: self.clone(),
+            staging: staging.clone(),
+            done: !running,
+        })
+    }
+}
+
+/// A unit's registered slab (deregistered when dropped).
+pub struct SlabRegistration {
+    // Declared first: deregistered before the slab's mapping may go.
+    _handle: sys::RegistrationHandle,
+    _slab: Arc<Slab>,
+}
+
+/// A client connection's registered buffer: what a WRITE sends from and a
+/// READ lands in.
+pub struct Staging {
+    // Declared first: deregistered before the mapping goes.
+    _handle: sys::RegistrationHandle,
+    map: memmap2::MmapMut,
+}
+
+impl std::fmt::Debug for Staging {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Staging({} bytes)", self.map.len())
+    }
+}
+
+impl Staging {
+    /// A buffer of `len` bytes (anonymous memory), registered with `agent`.
+    pub fn new(agent: &Agent, len: usize) -> Result<Self, NixlError> {
+        let mut map = memmap2::MmapMut::map_anon(len.max(1)).map_err(|e| NixlError::Failed {
+            what: "staging buffer",
+            detail: e.to_string(),
+        })?;
+        // Touch every page now, so that neither a transfer nor its copy
+        // takes the faults.
+        for b in map.iter_mut().step_by(4096) {
+            *b = 0;
+        }
+        let region = Region {
+            addr: map.as_ptr() as usize,
+            len: map.len(),
+        };
+        let handle = agent
+            .inner
+            .register_memory(&region, None)
+            .map_err(failed("registering a staging buffer"))?;
+        Ok(Self {
+            _handle: handle,
+            map,
+        })
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    fn addr(&self) -> usize {
+        self.map.as_ptr() as usize
+    }
+
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        &mut self.map
+    }
+}
+
+/// A posted transfer. Dropped before it is known to have ended, it keeps
+/// its request and staging buffer for the rest of the process's life: the
+/// engine may still be moving bytes in or out of them.
+pub struct Transfer {
+    req: Option<sys::XferRequest>,
+    agent: Agent,
+    staging: Arc<Staging>,
+    done: bool,
+}
+
+impl Transfer {
+    /// `Ok(true)` once complete; `Err`: it failed and is no longer running.
+    pub fn poll(&mut self) -> Result<bool, NixlError> {
+        if self.done {
+            return Ok(true);
+        }
+        let Some(req) = &self.req else {
+            return Ok(true);
+        };
+        match self.agent.inner.get_xfer_status(req) {
+            Ok(sys::XferStatus::Success) => {
+                self.done = true;
+                Ok(true)
+            }
+            Ok(sys::XferStatus::InProgress) => Ok(false),
+            Err(e) => {
+                self.done = true;
+                Err(failed("transfer")(e))
+            }
+        }
+    }
+
+    /// Whether the transfer is known to have ended (completed or failed).
+    pub fn ended(&self) -> bool {
+        self.done
+    }
+
+    /// Poll until complete, failed, or `deadline`.
+    pub fn wait(&mut self, deadline: std::time::Instant) -> Result<(), WaitError> {
+        wait_until(deadline, || self.poll())
+    }
+}
+
+impl Drop for Transfer {
+    fn drop(&mut self) {
+        if !self.done {
+            tracing::warn!(
+                "nixl: a transfer still running was abandoned; its buffers are kept until the process exits"
+            );
+            std::mem::forget(self.req.take());
+            std::mem::forget(self.staging.clone());
+        }
+    }
+}
