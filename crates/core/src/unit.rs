@@ -474,6 +474,17 @@ impl UnitCore {
         Ok(Owner { session, conn })
     }
 
+    /// The peer of `owner`'s connection touches the slab by itself from now
+    /// on (it was told how to reach it for one-sided transfers): its holds
+    /// follow the rules for direct connections.
+    pub fn make_direct(&mut self, owner: Owner) -> Result<(), CoreError> {
+        self.sessions
+            .get_mut(&owner.session)
+            .and_then(|s| s.conns.get_mut(&owner.conn))
+            .map(|d| *d = true)
+            .ok_or_else(|| CoreError::Invalid(format!("no connection {}", owner.conn.0)))
+    }
+
     /// A connection ended. What it holds is released when the peer closed
     /// it, or when the unit cut it and the peer does not map the slab
     /// (reservations then go through quarantine: a stream was cut). A

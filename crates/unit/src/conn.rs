@@ -400,6 +400,23 @@ impl Conn {
             Handled::Resolved(pin, found) => self.resolved(pin, found),
             Handled::Other(req) => match req {
                 Request::Stats => Response::Stats(self.shared.stats()),
+                Request::NixlInfo => match &self.shared.nixl {
+                    // From here on the peer's transfers touch the slab by
+                    // themselves: its holds follow the rules for direct
+                    // peers (kept through a cut connection until the
+                    // process is known gone).
+                    Some(n) => match self.shared.map_session(owner, self.peer) {
+                        Ok(()) => Response::NixlInfo {
+                            metadata: n.metadata.clone(),
+                            slab_addr: n.slab_addr,
+                        },
+                        Err(e) => error_response(&e),
+                    },
+                    None => Response::Error {
+                        code: ErrorCode::InvalidRequest,
+                        message: "this unit does not serve nixl (start it with --nixl)".into(),
+                    },
+                },
                 Request::Put {
                     blob,
                     partition,

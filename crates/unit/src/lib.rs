@@ -141,6 +141,35 @@ pub struct UnitConfig {
     /// port: [`UnitHandle::metrics`] tells which); `None`: no endpoint
     /// (the metrics are still recorded for stats).
     pub metrics_listen: Option<SocketAddr>,
+    /// Serve one-sided NIXL transfers (docs/nixl.md): the slab is
+    /// registered with a NIXL agent at start and clients that ask
+    /// (`NixlInfo`) get its metadata. Needs a build with the `nixl`
+    /// feature and libnixl_capi.so. `None` (default): no NIXL.
+    pub nixl: Option<NixlConfig>,
+}
+
+/// How a unit serves NIXL.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NixlConfig {
+    /// Refuse to start unless UCX is held to RDMA transports (`UCX_TLS`;
+    /// see [`stowage_nixl::check_rdma`]). Default true; off for tests and
+    /// hosts without RDMA NICs, where UCX moves the bytes over tcp.
+    pub require_rdma: bool,
+}
+
+impl Default for NixlConfig {
+    fn default() -> Self {
+        Self { require_rdma: true }
+    }
+}
+
+/// A unit's NIXL side: its agent and registered slab.
+pub(crate) struct NixlServe {
+    pub(crate) metadata: Vec<u8>,
+    pub(crate) slab_addr: u64,
+    // Deregistered before the agent goes.
+    _registration: stowage_nixl::SlabRegistration,
+    _agent: stowage_nixl::Agent,
 }
 
 impl UnitConfig {
@@ -174,6 +203,7 @@ impl UnitConfig {
             insecure: false,
             metrics: true,
             metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            nixl: None,
         }
     }
 }
@@ -229,7 +259,9 @@ impl DiskTier {
 /// State shared by every thread of a unit.
 pub(crate) struct Shared {
     pub(crate) core: Mutex<UnitCore>,
-    pub(crate) slab: Slab,
+    pub(crate) slab: Arc<Slab>,
+    /// NIXL, when the unit serves it.
+    pub(crate) nixl: Option<NixlServe>,
     pub(crate) started: Instant,
     pub(crate) instance_id: u128,
     pub(crate) limits: Limits,
@@ -260,6 +292,38 @@ pub(crate) struct Shared {
     pub(crate) high_watermark: f64,
     /// What the request path records (`None`: metrics are off).
     pub(crate) metrics: Option<metrics::UnitMetrics>,
+}
+
+/// Create the unit's NIXL agent and register its slab with it.
+fn serve_nixl(
+    name: &str,
+    instance_id: u128,
+    slab: &Arc<Slab>,
+    cfg: NixlConfig,
+) -> Result<NixlServe, StartError> {
+    let refuse = |e: stowage_nixl::NixlError| StartError::Config(format!("--nixl: {e}"));
+    if cfg.require_rdma {
+        stowage_nixl::check_rdma(std::env::var("UCX_TLS").ok().as_deref()).map_err(refuse)?;
+    }
+    // Agent names must differ among the agents that meet: the unit's
+    // instance id makes a restarted unit a new agent.
+    let agent = stowage_nixl::Agent::new(&format!("stowage-unit-{name}-{instance_id:032x}"))
+        .map_err(refuse)?;
+    let registration = agent.register_slab(slab.clone()).map_err(refuse)?;
+    let metadata = agent.metadata().map_err(refuse)?;
+    tracing::info!(
+        unit = name,
+        agent = agent.name(),
+        metadata_bytes = metadata.len(),
+        require_rdma = cfg.require_rdma,
+        "serving nixl"
+    );
+    Ok(NixlServe {
+        metadata,
+        slab_addr: slab.addr() as u64,
+        _registration: registration,
+        _agent: agent,
+    })
 }
 
 /// A session as the server knows it: its id in the core and, for a
@@ -333,6 +397,28 @@ impl Shared {
         let direct = rec.mapped;
         let owner = core.attach(rec.id, direct)?;
         Ok((token, owner))
+    }
+
+    /// The peer of `owner`'s connection will touch the slab by itself (a
+    /// nixl client): the connection and its session become direct, as a
+    /// peer that was handed the memfd is.
+    pub(crate) fn map_session(
+        &self,
+        owner: stowage_core::Owner,
+        peer: conn::Peer,
+    ) -> Result<(), stowage_core::CoreError> {
+        let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(rec) = sessions.values_mut().find(|r| r.id == owner.session) else {
+            return Err(stowage_core::CoreError::Invalid("session vanished".into()));
+        };
+        if rec.pidfd.is_none() {
+            rec.pidfd = peer.pid.and_then(|pid| {
+                let pid = rustix::process::Pid::from_raw(pid)?;
+                rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+            });
+        }
+        rec.mapped = true;
+        self.core().make_direct(owner)
     }
 
     /// End the sessions whose connections were all cut and whose process
@@ -629,11 +715,16 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     if cfg.memory < 4096 {
         return Err(StartError::Config("memory must be at least 4 KiB".into()));
     }
-    let slab =
-        Slab::create(&format!("stowage-{}", cfg.name), cfg.memory).map_err(StartError::Slab)?;
+    let slab = Arc::new(
+        Slab::create(&format!("stowage-{}", cfg.name), cfg.memory).map_err(StartError::Slab)?,
+    );
     let mut id = [0u8; 16];
     getrandom::fill(&mut id).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;
     let instance_id = u128::from_le_bytes(id);
+    let nixl = match cfg.nixl {
+        None => None,
+        Some(n) => Some(serve_nixl(&cfg.name, instance_id, &slab, n)?),
+    };
     let (disk, flush_rx) = match &cfg.disk {
         None => (None, None),
         Some((root, capacity)) => {
@@ -672,6 +763,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
         slab,
+        nixl,
         started: Instant::now(),
         instance_id,
         limits: cfg.limits,

@@ -38,8 +38,9 @@ pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 /// The protocol this build speaks. A unit refuses any other. Version 3
 /// added the shared-secret handshake; version 4 the traffic counters at
 /// the end of [`Stats`] (an older client could not decode them); version 5
-/// [`Request::CommitSpare`] and the spare counters of [`Stats`].
-pub const PROTOCOL_VERSION: u16 = 5;
+/// [`Request::CommitSpare`] and the spare counters of [`Stats`]; version 6
+/// [`Request::NixlInfo`].
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -242,6 +243,13 @@ pub enum Request {
         spare: BlobId,
         spare_nbytes: u64,
     },
+    /// Ask how to reach this unit's slab with one-sided NIXL transfers:
+    /// answered [`Response::NixlInfo`] by a unit that serves nixl
+    /// (`stowage unit --nixl`), `InvalidRequest` by one that does not. The
+    /// connection then holds what it reserves and pins as a same-host
+    /// connection does (docs/fencing.md): the client's WRITEs and READs
+    /// touch them directly.
+    NixlInfo,
 }
 
 /// A file of a checkpoint.
@@ -358,6 +366,13 @@ pub enum Response {
     /// spare is, `None` when the slab had no room for it now.
     CommittedSpare {
         spare: Option<u64>,
+    },
+    /// Reply to NixlInfo: the unit's NIXL agent metadata (to load with
+    /// `load_remote_md`) and the address its slab is registered at: a range
+    /// at slab offset `o` is at `slab_addr + o` for the peer's transfers.
+    NixlInfo {
+        metadata: Vec<u8>,
+        slab_addr: u64,
     },
 }
 
@@ -500,6 +515,7 @@ impl Request {
             Request::Abort { .. }
             | Request::Unpin { .. }
             | Request::Stats
+            | Request::NixlInfo
             | Request::ListPartitions
             | Request::Auth { .. }
             | Request::Prove { .. } => Ok(()),
@@ -719,6 +735,7 @@ mod tests {
                 spare: BlobId(7),
                 spare_nbytes: 65536,
             },
+            Request::NixlInfo,
         ]
     }
 
@@ -734,6 +751,10 @@ mod tests {
             Response::Allocated { offset: 4096 },
             Response::CommittedSpare { spare: Some(8192) },
             Response::CommittedSpare { spare: None },
+            Response::NixlInfo {
+                metadata: vec![7; 400],
+                slab_addr: 0x7f00_0000_0000,
+            },
             Response::AlreadyCommitted,
             Response::Done,
             Response::Resolved {
