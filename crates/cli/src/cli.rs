@@ -250,6 +250,17 @@ enum Cmd {
         /// counters).
         #[arg(long)]
         no_metrics: bool,
+        /// Serve one-sided NIXL transfers (UCX): register the slab with a
+        /// NIXL agent and give clients its metadata (docs/nixl.md). Needs
+        /// a build with the `nixl` feature and libnixl_capi.so on
+        /// LD_LIBRARY_PATH; refused unless UCX_TLS holds UCX to RDMA
+        /// transports, but see --nixl-allow-tcp.
+        #[arg(long)]
+        nixl: bool,
+        /// With --nixl: let UCX move the bytes over tcp (tests, hosts
+        /// without RDMA NICs); figures then say nothing of RDMA speed.
+        #[arg(long, requires = "nixl")]
+        nixl_allow_tcp: bool,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -446,6 +457,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             insecure,
             metrics_listen,
             no_metrics,
+            nixl,
+            nixl_allow_tcp,
         } => {
             let file = config
                 .as_deref()
@@ -529,6 +542,11 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             cfg.restore = restore;
             if no_metrics {
                 cfg.metrics = false;
+            }
+            if nixl {
+                cfg.nixl = Some(stowage_unit::NixlConfig {
+                    require_rdma: !nixl_allow_tcp,
+                });
             }
             match metrics_listen.as_deref() {
                 None => {}

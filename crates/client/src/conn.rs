@@ -139,6 +139,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::Error { .. } => "Error",
         Response::Challenge { .. } => "Challenge",
         Response::CommittedSpare { .. } => "CommittedSpare",
+        Response::NixlInfo { .. } => "NixlInfo",
     }
 }
 
@@ -168,6 +169,13 @@ pub(crate) struct Conn {
 }
 
 impl Conn {
+    /// Another handle on this connection's socket: the unit sees the
+    /// connection end only once both are closed (a transfer that may still
+    /// be running keeps what the connection holds).
+    pub(crate) fn keep_open(&self) -> Option<Socket> {
+        self.writer.try_clone().ok()
+    }
+
     /// Connect, prove `secret` (when given; the unit must prove it too)
     /// and say Hello. `cached_slab`: a mapping of this unit's slab from an
     /// earlier connection, reused when the instance is the same.

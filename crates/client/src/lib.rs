@@ -50,6 +50,7 @@ mod conn;
 mod directory;
 mod error;
 pub mod metrics;
+mod nixl;
 pub mod rows;
 pub mod transport;
 pub mod unit_directory;
@@ -61,6 +62,7 @@ use std::time::{Duration, Instant};
 pub use conn::UnitAddr;
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
+pub use nixl::NixlOptions;
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
@@ -121,6 +123,12 @@ pub struct ClientConfig {
     /// gives them back when a put finds the unit full, and when it closes.
     /// Zero turns spares off. Default [`SPARE_MAX`].
     pub spare_max: u64,
+    /// Move bytes with one-sided NIXL transfers to the units this client
+    /// does not reach over shm, where the unit serves nixl (`stowage unit
+    /// --nixl`; units that do not are reached over tcp). Needs a build
+    /// with the `nixl` feature and libnixl_capi.so (docs/nixl.md).
+    /// Default `None`: tcp.
+    pub nixl: Option<NixlOptions>,
 }
 
 /// Default [`ClientConfig::spare_max`].
@@ -141,6 +149,7 @@ impl ClientConfig {
             instances: Vec::new(),
             secret: None,
             spare_max: SPARE_MAX,
+            nixl: None,
         }
     }
 }
@@ -190,6 +199,8 @@ struct UnitSlot {
     /// the connection it pinned on alive (a failure elsewhere never drops
     /// it); a broken one is replaced here for later views.
     view_conn: Mutex<Option<ViewConn>>,
+    /// The transport of the last connection opened to it.
+    transport: Mutex<Option<&'static str>>,
 }
 
 /// A connection shared by the views that pinned through it.
@@ -209,6 +220,7 @@ pub struct Client {
     cfg: ClientConfig,
     units: Vec<UnitSlot>,
     metrics: Arc<metrics::ClientMetrics>,
+    nixl: Option<nixl::NixlClient>,
 }
 
 /// A sink that counts the bytes it is handed (for metrics).
@@ -335,14 +347,23 @@ impl Client {
                 }),
                 session: Mutex::new(None),
                 view_conn: Mutex::new(None),
+                transport: Mutex::new(None),
             })
             .collect();
         metrics::warm_clock();
         let metrics = Arc::new(metrics::ClientMetrics::new(&cfg.units));
+        let nixl = cfg.nixl.map(nixl::NixlClient::new);
+        // The agent (its UCX backend takes tens of milliseconds to make) is
+        // made before the connect's deadline starts, which is for the units.
+        if let Some(n) = &nixl {
+            n.agent()
+                .map_err(|e| Error::InvalidRequest(format!("nixl: {e}")))?;
+        }
         let client = Client {
             cfg,
             units,
             metrics,
+            nixl,
         };
         let deadline = client.deadline();
         for u in 0..client.units.len() {
@@ -360,6 +381,12 @@ impl Client {
             client.checkin(u, t);
         }
         Ok(client)
+    }
+
+    /// The transport this client reaches unit `unit` by: `shm`, `nixl` or
+    /// `tcp` (`None`: not reached yet).
+    pub fn transport(&self, unit: usize) -> Option<&'static str> {
+        self.units.get(unit).and_then(|u| *lock(&u.transport))
     }
 
     /// Number of units.
@@ -459,13 +486,66 @@ impl Client {
         if let Some(s) = &conn.slab {
             *lock(&slot.slab) = Some((conn.instance_id, s.clone()));
         }
-        if !want_fd {
-            return Ok(Box::new(TcpTransport::new(conn)));
-        }
-        match ShmTransport::new(conn, self.cfg.spare_max) {
-            Some(t) => Ok(Box::new(t)),
-            None => Err(OpFailure::conn(
-                conn::ConnError::Protocol("the unit handed over no slab".into()),
+        let t: Box<dyn Transport> = match (&self.nixl, want_fd) {
+            (_, true) => match ShmTransport::new(conn, self.cfg.spare_max) {
+                Some(t) => Box::new(t),
+                None => {
+                    return Err(OpFailure::conn(
+                        conn::ConnError::Protocol("the unit handed over no slab".into()),
+                        false,
+                    ))
+                }
+            },
+            (Some(n), false) => self.open_nixl(unit, n, conn, deadline)?,
+            (None, false) => Box::new(TcpTransport::new(conn)),
+        };
+        *lock(&slot.transport) = Some(t.name());
+        Ok(t)
+    }
+
+    /// Ask the unit how to reach its slab over nixl and make the
+    /// connection's transport: nixl, or tcp when the unit does not serve
+    /// nixl.
+    fn open_nixl(
+        &self,
+        unit: usize,
+        n: &nixl::NixlClient,
+        mut conn: Conn,
+        deadline: Instant,
+    ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+        let id = conn
+            .send(&stowage_wire::Request::NixlInfo, &mut [], deadline)
+            .map_err(|e| OpFailure::conn(e, false))?;
+        match conn
+            .recv(id, deadline)
+            .map_err(|e| OpFailure::conn(e, false))?
+        {
+            stowage_wire::Response::NixlInfo {
+                metadata,
+                slab_addr,
+            } => {
+                let mover = n.mover(&metadata, slab_addr).map_err(|e| OpFailure::Unit {
+                    code: ErrorCode::InvalidRequest,
+                    message: format!("nixl: {e}"),
+                })?;
+                Ok(Box::new(transport::OneSided::with_mover(
+                    conn,
+                    mover,
+                    self.cfg.spare_max,
+                )))
+            }
+            stowage_wire::Response::Error {
+                code: ErrorCode::InvalidRequest,
+                message,
+            } => {
+                tracing::debug!(unit, %message, "the unit does not serve nixl: tcp");
+                Ok(Box::new(TcpTransport::new(conn)))
+            }
+            stowage_wire::Response::Error { code, message } => {
+                Err(OpFailure::Unit { code, message })
+            }
+            other => Err(OpFailure::conn(
+                conn::ConnError::Protocol(format!("unexpected reply to NixlInfo: {other:?}")),
                 false,
             )),
         }

@@ -217,10 +217,98 @@ fn read_data(
     })
 }
 
+/// How a one-sided transport reaches a unit's slab: the shm transport
+/// maps it ([`Slab`]), the nixl transport moves bytes with NIXL
+/// ([`crate::nixl::NixlMover`]). Offsets are slab offsets.
+pub(crate) trait Mover: Send {
+    fn name(&self) -> &'static str;
+    /// Copy `segments`, one after another, to `offset`.
+    fn write(
+        &mut self,
+        offset: u64,
+        segments: &[&[u8]],
+        deadline: Instant,
+    ) -> Result<(), OpFailure>;
+    /// Bring the values at `ranges` (offset, len) within reach of
+    /// [`Mover::read`] (nothing to do when the slab is mapped).
+    fn fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<(), OpFailure>;
+    /// Copy the (fetched) value at `offset` into `dst`.
+    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String>;
+    /// Copy many (fetched) values, on several threads where that helps.
+    fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String>;
+    /// Whether a get of `total` bytes in several values should ask its
+    /// sink for every buffer at once.
+    fn batch(&self, total: usize) -> bool;
+    /// A range is about to be written (a spare): prepare for it.
+    fn prepare(&self, offset: u64, len: u64) {
+        let _ = (offset, len);
+    }
+    fn slab(&self) -> Option<Arc<Slab>> {
+        None
+    }
+    /// A transfer that failed while it may still be running: the caller
+    /// keeps the connection open (and with it the ranges it holds) until
+    /// it has ended.
+    fn take_pending(&mut self) -> Option<Box<dyn Settle>> {
+        None
+    }
+}
+
+/// A transfer that may still be running.
+pub(crate) trait Settle: Send {
+    /// Whether it has ended (completed or failed).
+    fn settled(&mut self) -> bool;
+}
+
+impl Mover for Arc<Slab> {
+    fn name(&self) -> &'static str {
+        "shm"
+    }
+
+    fn write(
+        &mut self,
+        offset: u64,
+        segments: &[&[u8]],
+        _deadline: Instant,
+    ) -> Result<(), OpFailure> {
+        self.write_gather(offset, segments)
+            .map_err(|e| OpFailure::conn(ConnError::Protocol(e.to_string()), false))
+    }
+
+    fn fetch(&mut self, _ranges: &[(u64, u64)], _deadline: Instant) -> Result<(), OpFailure> {
+        Ok(())
+    }
+
+    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
+        Slab::read(self, offset, dst).map_err(|e| e.to_string())
+    }
+
+    fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String> {
+        Slab::read_scatter(self, reads).map_err(|e| e.to_string())
+    }
+
+    fn batch(&self, total: usize) -> bool {
+        stowage_shm::copy_threads(total) > 1
+    }
+
+    fn prepare(&self, offset: u64, len: u64) {
+        Slab::prepare(self, offset, len);
+    }
+
+    fn slab(&self) -> Option<Arc<Slab>> {
+        Some(self.clone())
+    }
+}
+
 /// The shm transport. See the module docs.
-pub struct ShmTransport {
+pub(crate) type ShmTransport = OneSided<Arc<Slab>>;
+
+/// A transport that moves bytes itself between the caller's memory and
+/// the unit's slab (shm, nixl): put = Alloc (or a spare) → write → Commit;
+/// get = Resolve (pins) → read → Unpin.
+pub(crate) struct OneSided<M: Mover> {
     conn: Conn,
-    slab: Arc<Slab>,
+    mover: M,
     awaiting: Option<u64>,
     put_state: PutState,
     /// The partition of the get in progress.
@@ -332,9 +420,15 @@ fn after_commit_reply(
 impl ShmTransport {
     pub(crate) fn new(conn: Conn, spare_max: u64) -> Option<Self> {
         let slab = conn.slab.clone()?;
-        Some(Self {
+        Some(OneSided::with_mover(conn, slab, spare_max))
+    }
+}
+
+impl<M: Mover> OneSided<M> {
+    pub(crate) fn with_mover(conn: Conn, mover: M, spare_max: u64) -> Self {
+        Self {
             conn,
-            slab,
+            mover,
             awaiting: None,
             put_state: PutState::Idle,
             get_partition: String::new(),
@@ -342,15 +436,19 @@ impl ShmTransport {
             spare_max,
             committing: BlobId(0),
             asked: None,
-        })
+        }
     }
 
-    /// Copy the put's segments into the slab at `offset` (split over
-    /// threads when they are large in all, however small each one is).
-    fn write_segments(&self, put: &BlobPut<'_>, offset: u64) -> Result<(), OpFailure> {
-        self.slab
-            .write_gather(offset, &put.segments)
-            .map_err(|e| OpFailure::conn(ConnError::Protocol(e.to_string()), false))
+    /// Copy the put's segments into the slab at `offset` (over shm split
+    /// over threads when they are large in all, however small each one is;
+    /// over nixl one WRITE).
+    fn write_segments(
+        &mut self,
+        put: &BlobPut<'_>,
+        offset: u64,
+        deadline: Instant,
+    ) -> Result<(), OpFailure> {
+        self.mover.write(offset, &put.segments, deadline)
     }
 
     /// Commit the put (its bytes are in reservation `written`: its own, or
@@ -395,7 +493,7 @@ impl ShmTransport {
         let Some((blob, len)) = self.asked.take() else {
             return Ok(());
         };
-        self.slab.prepare(offset, len);
+        self.mover.prepare(offset, len);
         self.spares.push(Spare { blob, offset, len });
         if self.spares.len() > SPARES {
             let old = self.spares.remove(0);
@@ -453,9 +551,9 @@ impl ShmTransport {
     }
 }
 
-impl Transport for ShmTransport {
+impl<M: Mover> Transport for OneSided<M> {
     fn name(&self) -> &'static str {
-        "shm"
+        self.mover.name()
     }
 
     fn instance_id(&self) -> u128 {
@@ -475,7 +573,7 @@ impl Transport for ShmTransport {
                 // This connection holds the spare's reservation: write,
                 // then one round trip to publish it.
                 let spare = self.spares.remove(i);
-                self.write_segments(put, spare.offset)?;
+                self.write_segments(put, spare.offset, deadline)?;
                 return self.commit(put, spare.blob, deadline);
             }
         }
@@ -487,7 +585,7 @@ impl Transport for ShmTransport {
             PutState::Idle => Ok(true),
             PutState::Allocating => match self.recv(deadline)? {
                 Response::Allocated { offset } => {
-                    self.write_segments(put, offset)?;
+                    self.write_segments(put, offset, deadline)?;
                     self.commit(put, put.blob, deadline)?;
                     Ok(false)
                 }
@@ -601,8 +699,15 @@ impl Transport for ShmTransport {
         // Many values, large in all: ask the sink for all their buffers
         // and fill them together on the cores (one by one otherwise).
         let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
-        let batched = in_memory().nth(1).is_some()
-            && stowage_shm::copy_threads(in_memory().map(|l| l.len as usize).sum()) > 1;
+        let ranges: Vec<(u64, u64)> = in_memory().map(|l| (l.offset, l.len)).collect();
+        // Over nixl: one READ of every value into the staging buffer.
+        // Failing, the connection goes: its end unpins (or, if the READ may
+        // still be running, the connection stays open until it has ended).
+        self.mover.fetch(&ranges, deadline)?;
+        let batched = ranges.len() > 1
+            && self
+                .mover
+                .batch(ranges.iter().map(|&(_, len)| len as usize).sum());
         let mut copied_all = false;
         if batched {
             let asks: Vec<(usize, u64, &[u8])> = found
@@ -618,10 +723,10 @@ impl Transport for ShmTransport {
                 Some(Ok(bufs)) => {
                     let reads: Vec<(u64, &mut [u8])> =
                         in_memory().map(|l| l.offset).zip(bufs).collect();
-                    if let Err(e) = self.slab.read_scatter(reads) {
+                    if let Err(message) = self.mover.read_scatter(reads) {
                         result = Err(OpFailure::Unit {
                             code: ErrorCode::InvalidRequest,
-                            message: e.to_string(),
+                            message,
                         });
                     }
                     copied_all = true;
@@ -645,7 +750,7 @@ impl Transport for ShmTransport {
                 Some(l) => {
                     let copied = sink
                         .slot(index_of[i], l.len, &l.meta)
-                        .and_then(|dst| self.slab.read(l.offset, dst).map_err(|e| e.to_string()));
+                        .and_then(|dst| self.mover.read(l.offset, dst));
                     if let Err(m) = copied {
                         result = Err(OpFailure::Unit {
                             code: ErrorCode::InvalidRequest,
@@ -709,11 +814,37 @@ impl Transport for ShmTransport {
     }
 
     fn slab(&self) -> Option<Arc<Slab>> {
-        Some(self.slab.clone())
+        self.mover.slab()
     }
 }
 
-impl ShmTransport {
+impl<M: Mover> Drop for OneSided<M> {
+    fn drop(&mut self) {
+        // A transfer that failed while it may still be running: the unit
+        // must not reuse what this connection holds until it has ended, so
+        // the connection stays open (another handle on its socket) until
+        // then: held by a thread that polls the transfer.
+        let Some(mut pending) = self.mover.take_pending() else {
+            return;
+        };
+        let keep = self.conn.keep_open();
+        let spawned = std::thread::Builder::new()
+            .name("stowage-settle".into())
+            .spawn(move || {
+                while !pending.settled() {
+                    std::thread::sleep(std::time::Duration::from_millis(1));
+                }
+                drop(keep);
+            });
+        if let Err(e) = spawned {
+            // No thread: keep the socket open for the process's life.
+            tracing::warn!(error = %e, "cannot start a thread to wait out a transfer; its connection stays open");
+            std::mem::forget(self.conn.keep_open());
+        }
+    }
+}
+
+impl<M: Mover> OneSided<M> {
     fn unpin(&mut self, pin: PinId, deadline: Instant) -> Result<(), OpFailure> {
         // No reply: an unpin lost with its connection is covered by the
         // connection's end, which releases what it held.
