@@ -99,9 +99,12 @@ impl Unit {
     fn client(&self, kind: Kind, ns: &str, secret: Option<Secret>) -> Result<Client, Error> {
         let addr = match kind {
             Kind::Shm => UnitAddr::Unix(self.sock.clone()),
-            Kind::Tcp => UnitAddr::Tcp(self.tcp),
+            Kind::Tcp | Kind::Nixl => UnitAddr::Tcp(self.tcp),
         };
         let mut cfg = ClientConfig::new(ns, vec![addr]);
+        if kind == Kind::Nixl {
+            cfg.nixl = Some(common::nixl_options());
+        }
         cfg.timeout = Duration::from_secs(10);
         cfg.secret = secret;
         Client::connect(cfg)

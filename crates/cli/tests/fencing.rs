@@ -58,7 +58,13 @@ fn fence_child() {
     let mut cfg = ClientConfig::new("fence", vec![addr]);
     cfg.timeout = Duration::from_millis(timeout_ms);
     cfg.shm = parts[1] == "shm";
+    if parts[1] == "nixl" {
+        cfg.nixl = Some(nixl_options());
+    }
     let c = stowage_client::Client::connect(cfg).unwrap();
+    if parts[1] == "nixl" {
+        assert_eq!(c.transport(0), Some("nixl"));
+    }
     let key = Key::new(0, "a");
     let result = match role {
         "put" => {
@@ -97,7 +103,11 @@ impl Paused {
     fn start(role: &str, kind: Kind, addr: &UnitAddr, byte: u8, timeout: Duration) -> Paused {
         let spec = format!(
             "{role},{},{addr},{byte},{}",
-            if kind == Kind::Shm { "shm" } else { "tcp" },
+            match kind {
+                Kind::Shm => "shm",
+                Kind::Tcp => "tcp",
+                Kind::Nixl => "nixl",
+            },
             timeout.as_millis()
         );
         let mut child = helper_child("fence_child", ("STOWAGE_FENCE", &spec));
@@ -169,13 +179,20 @@ fn fclient(
 ) -> stowage_client::Client {
     let mut cfg = ClientConfig::new("fence", vec![addr(p, kind)]);
     cfg.timeout = timeout;
-    stowage_client::Client::connect(cfg).unwrap()
+    if kind == Kind::Nixl {
+        cfg.nixl = Some(nixl_options());
+    }
+    let c = stowage_client::Client::connect(cfg).unwrap();
+    if kind == Kind::Nixl {
+        assert_eq!(c.transport(0), Some("nixl"));
+    }
+    c
 }
 
 fn addr(p: &stowage_cli::local::LocalPlane, kind: Kind) -> UnitAddr {
     match kind {
         Kind::Shm => p.uds_addrs()[0].clone(),
-        Kind::Tcp => p.tcp_addrs()[0].clone(),
+        Kind::Tcp | Kind::Nixl => p.tcp_addrs()[0].clone(),
     }
 }
 
@@ -190,14 +207,14 @@ fn put_b_past_every_lease(
 ) -> (stowage_client::Client, Vec<u8>) {
     std::thread::sleep(Duration::from_millis(800));
     let timeout = match kind {
-        Kind::Shm => Duration::from_secs(4),
+        Kind::Shm | Kind::Nixl => Duration::from_secs(4),
         Kind::Tcp => Duration::from_secs(15),
     };
     let other = fclient(p, kind, timeout);
     let vb = vec![0x02u8; VALUE];
     let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
     match kind {
-        Kind::Shm => assert!(
+        Kind::Shm | Kind::Nixl => assert!(
             matches!(
                 b_put,
                 Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })
@@ -228,7 +245,7 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
         // Over shm the writer's deadline outlasts the pause, so its put can
         // complete; over tcp the unit cuts its stream at its deadline.
         let deadline = match kind {
-            Kind::Shm => Duration::from_secs(60),
+            Kind::Shm | Kind::Nixl => Duration::from_secs(60),
             Kind::Tcp => Duration::from_secs(3),
         };
         let w = Paused::start("put", kind, &a, 0x01, deadline);
@@ -248,7 +265,7 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
     let r = w.result();
     let c = fclient(&p, kind, Duration::from_secs(10));
     match kind {
-        Kind::Shm => {
+        Kind::Shm | Kind::Nixl => {
             assert_eq!(r, "RESULT ok", "the resumed shm writer's put completes");
             assert!(all(
                 &c.get_rows(&[Key::new(0, "a")], c.deadline()).unwrap()[0],
@@ -282,7 +299,7 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
         c.put_rows(&[(Key::new(0, "a"), &va)], c.deadline())
             .unwrap();
         let deadline = match kind {
-            Kind::Shm => Duration::from_secs(60),
+            Kind::Shm | Kind::Nixl => Duration::from_secs(60),
             Kind::Tcp => Duration::from_secs(3),
         };
         let r = Paused::start("get", kind, &a, 0x01, deadline);
@@ -299,10 +316,12 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
     r.signal("-CONT");
     let res = r.result();
     match kind {
-        Kind::Shm => assert_eq!(res, "RESULT ok", "the shm reader gets a's bytes, intact"),
+        Kind::Shm | Kind::Nixl => {
+            assert_eq!(res, "RESULT ok", "the shm reader gets a's bytes, intact")
+        }
         Kind::Tcp => assert!(res.starts_with("RESULT err"), "{res}"),
     }
-    if kind == Kind::Shm {
+    if kind != Kind::Tcp {
         other
             .put_rows(&[(Key::new(1, "b"), &vb)], other.deadline())
             .unwrap();

@@ -33,7 +33,8 @@ pub fn data_bytes(s: &stowage_client::Stats) -> u64 {
 }
 
 /// Generate one test per transport from `fn name(kind: Kind)`: a `shm`
-/// and a `tcp` module, each with a `#[test] fn name()`.
+/// and a `tcp` module, each with a `#[test] fn name()`, and in a build
+/// with the `nixl` feature a `nixl` module too.
 #[allow(unused_macros)] // not every test binary has per-transport tests
 macro_rules! both_transports {
     ($($name:ident),* $(,)?) => {
@@ -42,6 +43,10 @@ macro_rules! both_transports {
         }
         mod tcp {
             $( #[test] fn $name() { super::$name(super::Kind::Tcp) } )*
+        }
+        #[cfg(feature = "nixl")]
+        mod nixl {
+            $( #[test] fn $name() { super::$name(super::Kind::Nixl) } )*
         }
     };
 }
@@ -52,18 +57,32 @@ pub(crate) use both_transports;
 pub enum Kind {
     Shm,
     Tcp,
+    /// One-sided NIXL transfers (UCX over tcp and cma here), the units
+    /// reached by their TCP address; tests of it exist only in a build with
+    /// the `nixl` feature.
+    Nixl,
 }
 
 pub fn binary() -> &'static Path {
     Path::new(env!("CARGO_BIN_EXE_stowage"))
 }
 
+/// Unit arguments every plane gets: in a build with the `nixl` feature the
+/// units serve nixl too, over whatever UCX finds (no RDMA here).
+const BASE_ARGS: &[&str] = if cfg!(feature = "nixl") {
+    &["--no-mlock", "--nixl", "--nixl-allow-tcp"]
+} else {
+    &["--no-mlock"]
+};
+
 /// A plane of `units` unit processes with `memory` bytes each (not
 /// mlocked, to start fast) and extra unit arguments.
 pub fn plane(units: usize, memory: u64, extra: &[&str]) -> (LocalPlane, LocalOptions) {
     let mut opts = LocalOptions::new(units, memory);
     opts.command = vec![binary().into(), "unit".into()];
-    opts.unit_args = std::iter::once("--no-mlock")
+    opts.unit_args = BASE_ARGS
+        .iter()
+        .copied()
         .chain(extra.iter().copied())
         .map(String::from)
         .collect();
@@ -71,14 +90,35 @@ pub fn plane(units: usize, memory: u64, extra: &[&str]) -> (LocalPlane, LocalOpt
     (p, opts)
 }
 
+/// Nixl over whatever UCX finds here (tcp and cma: no RDMA NIC).
+pub fn nixl_options() -> stowage_client::NixlOptions {
+    stowage_client::NixlOptions {
+        require_rdma: false,
+    }
+}
+
 pub fn client(p: &LocalPlane, kind: Kind, timeout: Duration) -> Client {
     let addrs = match kind {
         Kind::Shm => p.uds_addrs(),
         Kind::Tcp => p.tcp_addrs(),
+        Kind::Nixl => p.tcp_addrs(),
     };
     let mut cfg = ClientConfig::new("test", addrs);
     cfg.timeout = timeout;
-    Client::connect(cfg).expect("client connects")
+    if kind == Kind::Nixl {
+        cfg.nixl = Some(nixl_options());
+    }
+    let c = Client::connect(cfg).expect("client connects");
+    if kind == Kind::Nixl {
+        for u in 0..c.unit_count() {
+            assert_eq!(
+                c.transport(u),
+                Some("nixl"),
+                "unit {u} is not reached over nixl"
+            );
+        }
+    }
+    c
 }
 
 /// Deterministic bytes for (row, field, len).
