@@ -1,0 +1,160 @@
+//! The nixl transport's own guarantees, with real processes (a build with
+//! the `nixl` feature; UCX over tcp and cma here). The conformance,
+//! fencing, rows and disk suites run over nixl too (their `nixl::` tests).
+#![cfg(feature = "nixl")]
+
+mod common;
+
+use std::io::Write;
+use std::time::{Duration, Instant};
+
+use common::*;
+use stowage_client::{Client, ClientConfig, Error, Key, UnitAddr};
+use stowage_wire::{Request, Response, Stats};
+
+const MIB: u64 = 1 << 20;
+
+fn stats(r: &mut Raw) -> Stats {
+    match r.call(&Request::Stats) {
+        Response::Stats(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Not a test on its own: a nixl writer whose WRITE fails while it may
+/// still be running (the `nixl-write-in-flight` failpoint, which also never
+/// lets it count as ended). `STOWAGE_NIXL_CHILD=addr`: puts row 0 (8 MiB
+/// of 0x33), prints `RESULT <error>` or `RESULT ok`, then stays alive
+/// (at most 60 s) until it is killed.
+#[test]
+#[ignore = "a helper process of the nixl tests"]
+fn in_flight_child() {
+    let addr = std::env::var("STOWAGE_NIXL_CHILD").expect("run only by the nixl tests");
+    // Read when the client is made; this process runs this one test only.
+    std::env::set_var("STOWAGE_FAILPOINTS", "nixl-write-in-flight");
+    let mut cfg = ClientConfig::new("nixl", vec![addr.parse::<UnitAddr>().unwrap()]);
+    cfg.timeout = Duration::from_secs(20);
+    cfg.nixl = Some(nixl_options());
+    let c = Client::connect(cfg).unwrap();
+    assert_eq!(c.transport(0), Some("nixl"));
+    let v = vec![0x33u8; 8 * MIB as usize];
+    match c.put_rows(&[(Key::new(0, "a"), &v)], c.deadline()) {
+        Ok(()) => println!("RESULT ok"),
+        Err(e) => println!("RESULT {e:?}"),
+    }
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// A WRITE that failed while it may still be running keeps its range out
+/// of use: the put fails with `TransferFailed { in_flight: true }`, the
+/// unit still holds the reservation while the writer lives, and a client
+/// that fills the slab meanwhile never gets that range (its acknowledged
+/// values read back exactly). Once the writer is killed, the range comes
+/// back.
+#[test]
+fn an_in_flight_failure_keeps_its_region_out_of_use() {
+    const SLAB_MIB: u64 = 32;
+    let (p, _) = plane(1, SLAB_MIB * MIB, &[]);
+    let mut watcher = Raw::hello(&p.units[0].uds, "watch");
+    let addr = p.tcp_addrs()[0].to_string();
+    let mut child = helper_child("in_flight_child", ("STOWAGE_NIXL_CHILD", &addr));
+    let lines = stdout_lines(&mut child);
+    let end = Instant::now() + Duration::from_secs(30);
+    let result = loop {
+        match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            Ok(l) if l.contains("RESULT") => break l,
+            Ok(_) => {}
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the writer never printed its result ({e})");
+            }
+        }
+    };
+    assert!(
+        result.contains("TransferFailed") && result.contains("in_flight: true"),
+        "{result}"
+    );
+    // The writer is alive and its WRITE may still land: its reservation
+    // stays, well past any lease.
+    std::thread::sleep(Duration::from_millis(500));
+    let s = stats(&mut watcher);
+    assert_eq!(s.reserved_bytes, 8 * MIB, "{s:?}");
+    assert_eq!(s.entries, 0, "the failed put was published: {s:?}");
+
+    // Another nixl client fills the slab: it never gets that range.
+    let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.timeout = Duration::from_secs(2);
+    cfg.nixl = Some(nixl_options());
+    cfg.spare_max = 0;
+    let other = Client::connect(cfg).unwrap();
+    let mut acked = Vec::new();
+    for row in 10..10 + SLAB_MIB {
+        let v = pattern(row, 9, MIB as usize);
+        match other.put_rows(&[(Key::new(row, "b"), &v)], other.deadline()) {
+            Ok(()) => acked.push(row),
+            Err(Error::UnitFull { .. } | Error::Timeout { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(
+        !acked.is_empty() && acked.len() as u64 <= SLAB_MIB - 8,
+        "{acked:?}"
+    );
+    assert_eq!(stats(&mut watcher).reserved_bytes, 8 * MIB);
+    for &row in &acked {
+        let got = other
+            .get_rows(&[Key::new(row, "b")], other.deadline())
+            .unwrap();
+        assert!(got[0] == pattern(row, 9, MIB as usize), "row {row} changed");
+    }
+
+    // The writer killed: its connection closes and the range comes back.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || stats(&mut watcher)
+            .reserved_bytes
+            == 0),
+        "the killed writer's reservation was not released: {:?}",
+        stats(&mut watcher)
+    );
+}
+
+/// A unit started with --nixl but without --nixl-allow-tcp refuses to run
+/// unless UCX_TLS holds UCX to RDMA transports, and says why.
+#[test]
+fn require_rdma_refuses_ucx_over_tcp() {
+    let out = std::process::Command::new(binary())
+        .args([
+            "unit",
+            "--memory",
+            "16MiB",
+            "--no-mlock",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--nixl",
+        ])
+        .env("UCX_TLS", "tcp,cma,self")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("require_rdma") && err.contains("\"tcp\""),
+        "{err}"
+    );
+    // A client asking for RDMA fails at connect for the same reason.
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.nixl = Some(stowage_client::NixlOptions { require_rdma: true });
+    std::env::set_var("UCX_TLS", "tcp,cma,self");
+    match Client::connect(cfg) {
+        Err(Error::InvalidRequest(m)) => assert!(m.contains("require_rdma"), "{m}"),
+        Err(e) => panic!("{e:?}"),
+        Ok(_) => panic!("a client that requires RDMA ran nixl over tcp"),
+    }
+}
