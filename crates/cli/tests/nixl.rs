@@ -150,7 +150,10 @@ fn require_rdma_refuses_ucx_over_tcp() {
     // A client asking for RDMA fails at connect for the same reason.
     let (p, _) = plane(1, 16 * MIB, &[]);
     let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
-    cfg.nixl = Some(stowage_client::NixlOptions { require_rdma: true });
+    cfg.nixl = Some(stowage_client::NixlOptions {
+        require_rdma: true,
+        ..Default::default()
+    });
     std::env::set_var("UCX_TLS", "tcp,cma,self");
     match Client::connect(cfg) {
         Err(Error::InvalidRequest(m)) => assert!(m.contains("require_rdma"), "{m}"),

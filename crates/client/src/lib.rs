@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 pub use conn::UnitAddr;
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
-pub use nixl::NixlOptions;
+pub use nixl::{NixlOptions, ZERO_COPY_MIN};
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};

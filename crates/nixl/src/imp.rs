@@ -59,11 +59,22 @@ impl std::fmt::Debug for Agent {
 impl Agent {
     /// An agent named `name` (unique among the agents that meet) with a UCX
     /// backend in its default, peer-failure-detecting mode.
-    pub fn new(name: &str) -> Result<Self, NixlError> {
+    ///
+    /// `progress`: run NIXL's progress thread, sleeping this long between
+    /// rounds (a unit's agent, which must answer peers it never calls);
+    /// `None`: no thread, the agent progresses only when it is polled (a
+    /// client's, which polls its own transfers). NIXL's default, a thread
+    /// that never sleeps, takes a core for each agent.
+    pub fn new(name: &str, progress: Option<std::time::Duration>) -> Result<Self, NixlError> {
         if sys::is_stub() {
             return Err(NixlError::NotLoaded);
         }
-        let inner = sys::Agent::new(name).map_err(failed("agent"))?;
+        let cfg = sys::AgentConfig {
+            enable_prog_thread: progress.is_some(),
+            pthr_delay_us: progress.map_or(0, |d| d.as_micros().max(1) as u64),
+            ..sys::AgentConfig::default()
+        };
+        let inner = sys::Agent::new_configured(name, &cfg).map_err(failed("agent"))?;
         let (_mems, params) = inner.get_plugin_params("UCX").map_err(failed(
             "UCX plugin (set NIXL_PLUGIN_DIR to the wheel's plugins)",
         ))?;
@@ -128,6 +139,55 @@ impl Agent {
         ranges: &[Range],
         peer: &str,
     ) -> Result<Transfer, NixlError> {
+        self.post_with(op, Some(staging), ranges, &[], peer)
+    }
+
+    /// Post one WRITE of `staged` ranges (from `staging`) and of `direct`
+    /// ones (each a whole registered buffer of the caller's, to its remote
+    /// address), to `peer`'s registered memory.
+    ///
+    /// Only WRITEs go from the caller's memory: a transfer that outlives
+    /// its call (failed while it may still run) then only ever reads that
+    /// memory, and once the caller's registration is gone it fails or sends
+    /// bytes nobody publishes (the unit's range stays reserved). A READ
+    /// into the caller's memory could land after the caller freed it.
+    pub fn post_write(
+        &self,
+        staging: Option<&Arc<Staging>>,
+        staged: &[Range],
+        direct: &[(&Registered<'_>, u64)],
+        peer: &str,
+    ) -> Result<Transfer, NixlError> {
+        self.post_with(Op::Write, staging, staged, direct, peer)
+    }
+
+    /// Register `buf` (the caller's memory) for transfers out of it, until
+    /// the returned registration drops.
+    pub fn register<'a>(&self, buf: &'a [u8]) -> Result<Registered<'a>, NixlError> {
+        let region = Region {
+            addr: buf.as_ptr() as usize,
+            len: buf.len(),
+        };
+        let handle = self
+            .inner
+            .register_memory(&region, None)
+            .map_err(failed("registering memory"))?;
+        Ok(Registered {
+            _handle: handle,
+            addr: region.addr,
+            len: region.len,
+            _buf: std::marker::PhantomData,
+        })
+    }
+
+    fn post_with(
+        &self,
+        op: Op,
+        staging: Option<&Arc<Staging>>,
+        ranges: &[Range],
+        direct: &[(&Registered<'_>, u64)],
+        peer: &str,
+    ) -> Result<Transfer, NixlError> {
         let bad = |detail: String| NixlError::Failed {
             what: "transfer",
             detail,
@@ -136,18 +196,27 @@ impl Agent {
             sys::XferDescList::new(sys::MemType::Dram).map_err(failed("descriptors"))?;
         let mut remote =
             sys::XferDescList::new(sys::MemType::Dram).map_err(failed("descriptors"))?;
+        for (reg, to) in direct {
+            let raddr = usize::try_from(*to).map_err(|_| bad(format!("address {to}")))?;
+            local.add_desc(reg.addr, reg.len, 0);
+            remote.add_desc(raddr, reg.len, 0);
+        }
+        if !ranges.is_empty() && staging.is_none() {
+            return Err(bad("staged ranges without a staging buffer".into()));
+        }
+        let staging_len = staging.map_or(0, |s| s.len());
+        let staging_addr = staging.map_or(0, |s| s.addr());
         for r in ranges {
             if r.local
                 .checked_add(r.len)
-                .is_none_or(|end| end > staging.len())
+                .is_none_or(|end| end > staging_len)
             {
                 return Err(bad(format!(
-                    "range {r:?} lies outside the {}-byte staging buffer",
-                    staging.len()
+                    "range {r:?} lies outside the {staging_len}-byte staging buffer"
                 )));
             }
             let raddr = usize::try_from(r.remote).map_err(|_| bad(format!("address {r:?}")))?;
-            local.add_desc(staging.addr() + r.local, r.len, 0);
+            local.add_desc(staging_addr + r.local, r.len, 0);
             remote.add_desc(raddr, r.len, 0);
         }
         let mut opt = sys::OptArgs::new().map_err(failed("options"))?;
@@ -168,10 +237,19 @@ impl Agent {
         Ok(Transfer {
             req: Some(req),
             agent: self.clone(),
-            staging: staging.clone(),
+            staging: staging.cloned(),
             done: !running,
         })
     }
+}
+
+/// The caller's memory, registered for WRITEs out of it
+/// ([`Agent::register`]); deregistered when dropped.
+pub struct Registered<'a> {
+    _handle: sys::RegistrationHandle,
+    addr: usize,
+    len: usize,
+    _buf: std::marker::PhantomData<&'a [u8]>,
 }
 
 /// A unit's registered slab (deregistered when dropped).
@@ -248,7 +326,7 @@ impl Staging {
 pub struct Transfer {
     req: Option<sys::XferRequest>,
     agent: Agent,
-    staging: Arc<Staging>,
+    staging: Option<Arc<Staging>>,
     done: bool,
 }
 

@@ -14,7 +14,7 @@ enum Never {}
 pub struct Agent(Never);
 
 impl Agent {
-    pub fn new(_name: &str) -> Result<Self, NixlError> {
+    pub fn new(_name: &str, _progress: Option<std::time::Duration>) -> Result<Self, NixlError> {
         Err(NixlError::NotBuilt)
     }
 
@@ -47,7 +47,23 @@ impl Agent {
     ) -> Result<Transfer, NixlError> {
         match self.0 {}
     }
+
+    pub fn post_write(
+        &self,
+        _staging: Option<&Arc<Staging>>,
+        _staged: &[Range],
+        _direct: &[(&Registered<'_>, u64)],
+        _peer: &str,
+    ) -> Result<Transfer, NixlError> {
+        match self.0 {}
+    }
+
+    pub fn register<'a>(&self, _buf: &'a [u8]) -> Result<Registered<'a>, NixlError> {
+        match self.0 {}
+    }
 }
+
+pub struct Registered<'a>(Never, std::marker::PhantomData<&'a [u8]>);
 
 pub struct SlabRegistration(Never);
 

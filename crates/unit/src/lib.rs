@@ -307,8 +307,11 @@ fn serve_nixl(
     }
     // Agent names must differ among the agents that meet: the unit's
     // instance id makes a restarted unit a new agent.
-    let agent = stowage_nixl::Agent::new(&format!("stowage-unit-{name}-{instance_id:032x}"))
-        .map_err(refuse)?;
+    let agent = stowage_nixl::Agent::new(
+        &format!("stowage-unit-{name}-{instance_id:032x}"),
+        Some(stowage_nixl::UNIT_PROGRESS),
+    )
+    .map_err(refuse)?;
     let registration = agent.register_slab(slab.clone()).map_err(refuse)?;
     let metadata = agent.metadata().map_err(refuse)?;
     tracing::info!(

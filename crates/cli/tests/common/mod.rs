@@ -94,6 +94,7 @@ pub fn plane(units: usize, memory: u64, extra: &[&str]) -> (LocalPlane, LocalOpt
 pub fn nixl_options() -> stowage_client::NixlOptions {
     stowage_client::NixlOptions {
         require_rdma: false,
+        ..Default::default()
     }
 }
 
