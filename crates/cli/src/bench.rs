@@ -502,3 +502,178 @@ pub fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
     };
     (med, s[0], s[s.len() - 1])
 }
+
+/// Ask a unit over its Unix socket how to reach its slab over nixl:
+/// (agent metadata, slab address).
+fn nixl_info(sock: &std::path::Path) -> Result<(Vec<u8>, u64), String> {
+    use std::os::unix::net::UnixStream;
+    use stowage_wire::{decode_header, encode, FramePrefix, Limits, Request, Response, PREFIX_LEN};
+    let mut s = UnixStream::connect(sock).map_err(|e| format!("{}: {e}", sock.display()))?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))
+        .map_err(|e| e.to_string())?;
+    let mut call = |id: u64, req: &Request| -> Result<Response, String> {
+        let mut buf = Vec::new();
+        encode(id, req, 0, &mut buf).map_err(|e| e.to_string())?;
+        s.write_all(&buf).map_err(|e| e.to_string())?;
+        let mut p = [0u8; PREFIX_LEN];
+        s.read_exact(&mut p).map_err(|e| e.to_string())?;
+        let prefix = FramePrefix::parse(&p, &Limits::default()).map_err(|e| e.to_string())?;
+        let mut h = vec![0u8; prefix.header_len as usize];
+        s.read_exact(&mut h).map_err(|e| e.to_string())?;
+        let mut payload = vec![0u8; prefix.payload_len as usize];
+        s.read_exact(&mut payload).map_err(|e| e.to_string())?;
+        Ok(decode_header::<Response>(&h)
+            .map_err(|e| e.to_string())?
+            .body)
+    };
+    call(
+        1,
+        &Request::Hello {
+            version: stowage_wire::PROTOCOL_VERSION,
+            namespace: "bench-raw".into(),
+            want_fd: false,
+            session: None,
+        },
+    )?;
+    match call(2, &Request::NixlInfo)? {
+        Response::NixlInfo {
+            metadata,
+            slab_addr,
+        } => Ok((metadata, slab_addr)),
+        other => Err(format!("the unit does not serve nixl: {other:?}")),
+    }
+}
+
+/// Raw NIXL WRITE and READ of `size` bytes between this process's
+/// registered buffer and a unit's registered slab (nothing of stowage's
+/// protocol, one transfer per op, as a NIXL user would): (write GB/s,
+/// read GB/s).
+fn raw_nixl_gbps(
+    agent: &stowage_nixl::Agent,
+    peer: &str,
+    slab_addr: u64,
+    size: usize,
+    iters: usize,
+) -> Result<(f64, f64), String> {
+    use stowage_nixl::{Op, Range, Staging};
+    let staging = std::sync::Arc::new(Staging::new(agent, size).map_err(|e| e.to_string())?);
+    let range = [Range {
+        local: 0,
+        remote: slab_addr,
+        len: size,
+    }];
+    let run = |op: Op| -> Result<f64, String> {
+        let mut took = Duration::ZERO;
+        for i in 0..iters + 2 {
+            let t = Instant::now();
+            agent
+                .post(op, &staging, &range, peer)
+                .map_err(|e| e.to_string())?
+                .wait(Instant::now() + Duration::from_secs(30))
+                .map_err(|e| e.to_string())?;
+            if i >= 2 {
+                took += t.elapsed();
+            }
+        }
+        Ok((size * iters) as f64 / took.as_secs_f64() / 1e9)
+    };
+    Ok((run(Op::Write)?, run(Op::Read)?))
+}
+
+/// The cost of registering a touched `size`-byte buffer (and deregistering
+/// it), against copying it into a registered buffer: median µs of 9 each.
+fn registration_us(agent: &stowage_nixl::Agent, size: usize) -> Result<(f64, f64), String> {
+    let src = vec![0x42u8; size];
+    let mut staging = stowage_nixl::Staging::new(agent, size).map_err(|e| e.to_string())?;
+    let (mut reg, mut copy) = (Vec::new(), Vec::new());
+    for _ in 0..9 {
+        let t = Instant::now();
+        drop(agent.register(&src).map_err(|e| e.to_string())?);
+        reg.push(t.elapsed().as_secs_f64() * 1e6);
+        let t = Instant::now();
+        staging.as_mut_slice()[..size].copy_from_slice(&src);
+        std::hint::black_box(staging.as_slice());
+        copy.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    Ok((median_min_max(&reg).0, median_min_max(&copy).0))
+}
+
+/// stowage over nixl against raw NIXL transfers of the same sizes, in the
+/// same run: two units serving nixl for stowage, a third whose slab the
+/// raw transfers use (nothing is stored in it).
+pub fn run_nixl(unit_command: Vec<std::ffi::OsString>, quick: bool) -> Result<(), String> {
+    let tls = std::env::var("UCX_TLS").ok();
+    let rdma = stowage_nixl::check_rdma(tls.as_deref()).is_ok();
+    let memory = 512u64 << 20;
+    let mut opts = LocalOptions::new(3, memory);
+    opts.command = unit_command;
+    opts.unit_args = vec!["--nixl".into()];
+    if !rdma {
+        opts.unit_args.push("--nixl-allow-tcp".into());
+    }
+    let mut plane = LocalPlane::start(&opts)?;
+    let mut cfg = ClientConfig::new("bench-nixl", plane.tcp_addrs()[..2].to_vec());
+    cfg.nixl = Some(stowage_client::NixlOptions {
+        require_rdma: rdma,
+        ..Default::default()
+    });
+    let client = Client::connect(cfg).map_err(|e| e.to_string())?;
+    if client.transport(0) != Some("nixl") {
+        return Err(format!(
+            "the units are reached over {:?}, not nixl",
+            client.transport(0)
+        ));
+    }
+    // Configured as stowage's clients are (no progress thread: it polls).
+    let agent =
+        stowage_nixl::Agent::new(&format!("stowage-bench-raw-{}", std::process::id()), None)
+            .map_err(|e| e.to_string())?;
+    let (md, slab_addr) = nixl_info(&plane.units[2].uds)?;
+    let peer = agent.load_remote(&md).map_err(|e| e.to_string())?;
+    println!(
+        "nixl: stowage over nixl (client process -> 2 unit processes) against raw NIXL WRITE/READ \
+         (this process -> a unit process's registered slab); UCX_TLS={}{}",
+        tls.as_deref().unwrap_or("(unset)"),
+        if rdma {
+            ""
+        } else {
+            " -- UCX over tcp/cma: these figures say nothing of RDMA speed"
+        }
+    );
+    println!(
+        "{:>8} | {:>9} {:>9} | {:>9} {:>9} | {:>7} {:>7} | {:>8} {:>8}",
+        "size", "raw write", "raw read", "put", "get", "put/raw", "get/raw", "reg us", "copy us"
+    );
+    for size in [64usize << 10, 1 << 20, 16 << 20, 64 << 20] {
+        let iters = iterations(size, quick).min(2000);
+        let (rw, rr) = raw_nixl_gbps(&agent, &peer, slab_addr, size, iters)?;
+        let (p, g) = stowage_gbps(&client, size, iters)?;
+        let (reg, copy) = registration_us(&agent, size)?;
+        println!(
+            "{:>8} | {:>9.2} {:>9.2} | {:>9.2} {:>9.2} | {:>7.2} {:>7.2} | {:>8.1} {:>8.1}",
+            bytesize::ByteSize(size as u64)
+                .display()
+                .iec_short()
+                .to_string(),
+            rw,
+            rr,
+            p,
+            g,
+            p / rw,
+            g / rr,
+            reg,
+            copy
+        );
+    }
+    println!(
+        "(GB/s, hot buffers, one value per op; target: put and get >= 0.9x raw for 1 MiB and larger; \
+         reg us: registering and deregistering a touched buffer of that size, median of 9, what a \
+         zero-copy put pays per value; copy us: copying it into a registered staging buffer, what \
+         a staged put pays; puts of {} and more go zero-copy)",
+        bytesize::ByteSize(stowage_client::ZERO_COPY_MIN)
+            .display()
+            .iec_short()
+    );
+    plane.stop();
+    Ok(())
+}

@@ -332,6 +332,10 @@ enum Cmd {
         /// metrics costs).
         #[arg(long)]
         no_metrics: bool,
+        /// Also measure stowage over nixl against raw NIXL transfers (a
+        /// build with the `nixl` feature; see docs/nixl.md).
+        #[arg(long)]
+        nixl: bool,
     },
     /// Ask every unit to checkpoint to DIR/unit-<i> on its own host and
     /// print the metadata (restore with `stowage unit --restore DIR/unit-<i>`).
@@ -669,9 +673,13 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             disk,
             disk_only,
             no_metrics,
+            nixl,
         } => {
             if !disk_only {
                 bench::run(unit_command()?, quick, spin, no_metrics)?;
+            }
+            if nixl {
+                bench::run_nixl(unit_command()?, quick)?;
             }
             match disk {
                 Some(dir) => bench::run_disk(unit_command()?, &dir, quick),
