@@ -414,7 +414,8 @@ class DataPlane:
         reclaimed while their holder may still touch them) and
         ``sessions``, one dict per session (``connections``,
         ``reservations``, ``pins``, ``held_bytes``, ``oldest_hold_ms``,
-        ``orphaned``)."""
+        ``orphaned``); and ``transport``, how this client reaches the unit
+        (``"shm"``, ``"nixl"`` or ``"tcp"``)."""
         return self._client.stats(timeout)
 
     def metrics(self) -> Dict[str, Any]:
@@ -543,6 +544,8 @@ def connect(
     wait_for_memory: Optional[float] = None,
     transport: str = "auto",
     secret: Optional[Union[bytes, str]] = None,
+    nixl: bool = False,
+    require_rdma: bool = True,
 ) -> DataPlane:
     """Connect to running units.
 
@@ -554,7 +557,8 @@ def connect(
 
     With a directory, the transport is chosen per unit: shared memory for
     units on this host, tcp for the others (``transport="tcp"`` forces tcp,
-    ``"shm"`` refuses units on other hosts). A unit found to be another
+    ``"shm"`` refuses units on other hosts; ``"nixl"`` reaches every unit
+    by its tcp address with one-sided NIXL transfers). A unit found to be another
     instance than the directory names reports its keys lost, and for units
     Ray started, Ray is asked whether a unit is dead after an operation on
     it failed (never otherwise).
@@ -569,23 +573,37 @@ def connect(
     proved at every connect; the units must prove it back. Default: the
     ``STOWAGE_SECRET`` environment variable when set, else none. A unit that
     wants a secret refuses a client without the right one, and a client with
-    a secret refuses a unit without it: :class:`Unauthorized`."""
+    a secret refuses a unit without it: :class:`Unauthorized`.
+
+    ``nixl``: reach the units this client does not reach over shared memory
+    (units on other hosts, or every unit with ``transport="nixl"``) with
+    one-sided NIXL transfers where they serve them (``units.nixl``; tcp
+    where they do not). Needs a package built with the nixl feature and
+    ``libnixl_capi.so`` (docs/nixl.md). ``require_rdma`` (default true):
+    refuse to run nixl unless ``UCX_TLS`` holds UCX to RDMA transports.
+    :meth:`DataPlane.stats` tells each unit's transport."""
+    if transport not in ("auto", "shm", "tcp", "nixl"):
+        raise InvalidRequest(
+            f"transport must be 'auto', 'shm', 'tcp' or 'nixl', not {transport!r}"
+        )
+    use_nixl = nixl or transport == "nixl"
+    by_address = "tcp" if transport == "nixl" else transport
     directory = _directory_of(units)
     if directory is not None:
-        addrs, instances = _native.resolve_directory(json.dumps(directory), transport)
+        addrs, instances = _native.resolve_directory(json.dumps(directory), by_address)
         return DataPlane(
             _native.Client(
                 addrs, namespace, timeout, True, wait_for_memory, _secret(secret),
                 instances=instances, liveness=_liveness_of(directory),
+                nixl=use_nixl, require_rdma=require_rdma,
             )
         )
     if isinstance(units, (str, os.PathLike)):
         units = [os.fspath(units)]
-    if transport not in ("auto", "shm", "tcp"):
-        raise InvalidRequest(f"transport must be 'auto', 'shm' or 'tcp', not {transport!r}")
     return DataPlane(
         _native.Client(
-            list(units), namespace, timeout, transport != "tcp", wait_for_memory, _secret(secret)
+            list(units), namespace, timeout, by_address != "tcp", wait_for_memory,
+            _secret(secret), nixl=use_nixl, require_rdma=require_rdma,
         )
     )
 
@@ -623,7 +641,9 @@ def local(
 ) -> DataPlane:
     """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
     ``"1GiB"``) as child processes of this interpreter and connect to them
-    over ``transport`` (``"shm"`` or ``"tcp"``). The units stop with
+    over ``transport`` (``"shm"``, ``"tcp"``, or ``"nixl"``: the units serve
+    NIXL and the client reaches them with one-sided transfers, over whatever
+    UCX finds on this host, tcp and cma without an RDMA NIC). The units stop with
     :meth:`DataPlane.close` (or ``with``), at interpreter exit, and by
     themselves if this process dies. ``unit_args``: extra ``stowage unit``
     options, e.g. ``["--pin-lease", "5s"]``.
@@ -643,10 +663,13 @@ def local(
     client (it reaches them in an owner-only file, never on a command line)
     and this plane's clients prove it. Default: ``STOWAGE_SECRET`` from the
     environment when set, else none."""
-    if transport not in ("shm", "tcp"):
-        raise InvalidRequest(f"transport must be 'shm' or 'tcp', not {transport!r}")
+    if transport not in ("shm", "tcp", "nixl"):
+        raise InvalidRequest(f"transport must be 'shm', 'tcp' or 'nixl', not {transport!r}")
     command = unit_command()
     args = list(unit_args)
+    if transport == "nixl":
+        # One host: no RDMA between its processes, so UCX may use tcp.
+        args += ["--nixl", "--nixl-allow-tcp"]
     if disk is not None:
         args += [
             "--disk", str(disk),
@@ -660,11 +683,14 @@ def local(
     plane = _native.LocalPlane(command, units, memory, args, 30.0, secret)
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
-        client = _native.Client(addrs, namespace, timeout, True, wait_for_memory, secret)
+        client = _native.Client(
+            addrs, namespace, timeout, True, wait_for_memory, secret,
+            nixl=transport == "nixl", require_rdma=False,
+        )
         # Over tcp, admin requests take the Unix sockets (units accept them
         # there from their own user only).
         admin = None
-        if transport == "tcp":
+        if transport != "shm":
             admin = _native.Client(plane.uds_addrs, namespace, timeout, False, None, secret)
     except BaseException:
         plane.stop()

@@ -67,6 +67,8 @@ class Client:
         secret: Optional[Union[bytes, str]] = None,
         instances: Optional[List[Optional[str]]] = None,
         liveness: Optional[Callable[[int], str]] = None,
+        nixl: bool = False,
+        require_rdma: bool = True,
     ) -> None: ...
     @property
     def units(self) -> List[str]: ...

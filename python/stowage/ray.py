@@ -323,6 +323,9 @@ class _Settings:
             kw[key] = int(units[key])
         if units["checkpoint_root"] is not None:
             kw["checkpoint_root"] = os.fspath(units["checkpoint_root"])
+        if units["nixl"]:
+            kw["nixl"] = True
+            kw["require_rdma"] = bool(units["require_rdma"])
         disk = units["disk"]
         if disk is not None:
             kw["disk"] = os.fspath(disk["root"])

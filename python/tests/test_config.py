@@ -25,6 +25,8 @@ DEFAULTS = {
         "max_session_connections": 64,
         "max_session_holds": 16384,
         "checkpoint_root": None,
+        "nixl": False,
+        "require_rdma": True,
         "disk": None,
     },
     "placement": {"clusters": "all"},

@@ -96,6 +96,11 @@ pub struct UnitsSection {
     /// `[units.disk]`: the disk tier; `None`: none.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub disk: Option<DiskSection>,
+    /// Serve one-sided NIXL transfers (docs/nixl.md). Default false.
+    pub nixl: bool,
+    /// With `nixl`: refuse to start unless UCX is held to RDMA transports
+    /// (`UCX_TLS`). Default true; false lets UCX run over tcp.
+    pub require_rdma: bool,
 }
 
 impl Default for UnitsSection {
@@ -112,6 +117,8 @@ impl Default for UnitsSection {
             max_session_holds: unit.max_session_holds,
             checkpoint_root: None,
             disk: None,
+            nixl: false,
+            require_rdma: true,
         }
     }
 }
@@ -538,6 +545,11 @@ impl Config {
             c.low_watermark = d.low_watermark;
         }
         c.frame_timeout = self.timeouts.frame;
+        if u.nixl {
+            c.nixl = Some(stowage_unit::NixlConfig {
+                require_rdma: u.require_rdma,
+            });
+        }
         c.metrics = self.metrics.enabled;
         let mut m = self.metrics.listen;
         if m.port() != 0 {

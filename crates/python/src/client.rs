@@ -366,9 +366,12 @@ impl Client {
     /// `instances`: the instance id (32 hex digits) each unit is expected
     /// to be, from a directory. `liveness`: `f(unit_index) -> "dead" |
     /// "alive" | "unknown"`, asked only after an operation on that unit
-    /// failed.
+    /// failed. `nixl`: reach the units not reached over shared memory with
+    /// one-sided NIXL transfers where they serve it (tcp where they do
+    /// not); `require_rdma`: refuse to run nixl unless UCX is held to RDMA
+    /// transports.
     #[new]
-    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, secret = None, instances = None, liveness = None))]
+    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, secret = None, instances = None, liveness = None, nixl = false, require_rdma = true))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -380,6 +383,8 @@ impl Client {
         secret: Option<&Bound<'_, PyAny>>,
         instances: Option<Vec<Option<String>>>,
         liveness: Option<Py<PyAny>>,
+        nixl: bool,
+        require_rdma: bool,
     ) -> PyResult<Self> {
         crate::logbridge::install();
         let secret = secret.map(secret_arg).transpose()?;
@@ -397,6 +402,12 @@ impl Client {
             .transpose()
             .map_err(|_| invalid("wait_for_memory must be a non-negative number of seconds"))?;
         cfg.secret = secret;
+        if nixl {
+            cfg.nixl = Some(stowage_client::NixlOptions {
+                require_rdma,
+                ..Default::default()
+            });
+        }
         if let Some(ids) = instances {
             if ids.len() != addrs.len() {
                 return Err(invalid(format!(
@@ -886,9 +897,12 @@ impl Client {
         let client = self.client()?;
         let all = py.detach(|| client.stats(deadline));
         let out = PyList::empty(py);
-        for s in all {
+        for (u, s) in all.into_iter().enumerate() {
             let s = s.map_err(|e| to_py(py, e, &[]))?;
-            out.append(stats_dict(py, &s)?)?;
+            let d = stats_dict(py, &s)?;
+            // How this client reaches the unit: shm, nixl or tcp.
+            d.set_item("transport", client.transport(u))?;
+            out.append(d)?;
         }
         Ok(out)
     }

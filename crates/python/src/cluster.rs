@@ -213,6 +213,8 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     units.set_item("max_session_connections", u.max_session_connections)?;
     units.set_item("max_session_holds", u.max_session_holds)?;
     units.set_item("checkpoint_root", path_str(&u.checkpoint_root))?;
+    units.set_item("nixl", u.nixl)?;
+    units.set_item("require_rdma", u.require_rdma)?;
     match &u.disk {
         None => units.set_item("disk", py.None())?,
         Some(d) => {

@@ -105,6 +105,8 @@ impl Unit {
         insecure = false,
         metrics = true,
         metrics_listen = None,
+        nixl = false,
+        require_rdma = true,
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -130,9 +132,14 @@ impl Unit {
         insecure: bool,
         metrics: bool,
         metrics_listen: Option<String>,
+        nixl: bool,
+        require_rdma: bool,
     ) -> PyResult<Self> {
         crate::logbridge::install();
         let mut cfg = UnitConfig::new(name, size_arg(memory)?);
+        if nixl {
+            cfg.nixl = Some(stowage_unit::NixlConfig { require_rdma });
+        }
         cfg.metrics = metrics;
         if !metrics {
             cfg.metrics_listen = None;
