@@ -912,42 +912,41 @@ impl Client {
                 Err(f) => errors.push(self.failed_get(unit, f, ks, deadline)),
             }
         }
-        for (unit, mut t) in active {
-            let (ks, idx) = &by_unit[&unit];
-            match t.advance_get(ks, idx, sink, deadline) {
-                Ok(Some(miss)) => {
-                    timer.unit_done(&self.metrics, unit);
-                    let restarted = !miss.is_empty() && self.take_restart(unit);
-                    self.checkin(unit, t);
-                    let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
-                    if restarted && !miss.is_empty() {
-                        errors.push(Error::LostBlobs {
-                            unit,
-                            blobs: vec![],
-                            named: error::names(&miss),
-                            keys: miss,
-                        });
-                    } else {
-                        missing.extend(miss);
-                    }
-                }
-                Ok(None) => {
-                    self.checkin(unit, t);
-                    errors.push(Error::TransferFailed {
-                        unit,
-                        blobs: vec![],
-                        reason: "get did not finish".into(),
-                        in_flight: false,
-                    });
-                }
-                Err(f) => {
-                    if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
-                    {
+        // In rounds: a transport whose transfer is under way (a nixl READ)
+        // answers `None` and is asked again after the other units had
+        // their turn, so that every unit's bytes move at once.
+        while !active.is_empty() {
+            let mut still = Vec::with_capacity(active.len());
+            for (unit, mut t) in active {
+                let (ks, idx) = &by_unit[&unit];
+                match t.advance_get(ks, idx, sink, deadline) {
+                    Ok(Some(miss)) => {
+                        timer.unit_done(&self.metrics, unit);
+                        let restarted = !miss.is_empty() && self.take_restart(unit);
                         self.checkin(unit, t);
+                        let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
+                        if restarted && !miss.is_empty() {
+                            errors.push(Error::LostBlobs {
+                                unit,
+                                blobs: vec![],
+                                named: error::names(&miss),
+                                keys: miss,
+                            });
+                        } else {
+                            missing.extend(miss);
+                        }
                     }
-                    errors.push(self.failed_get(unit, f, ks, deadline));
+                    Ok(None) => still.push((unit, t)),
+                    Err(f) => {
+                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
+                        {
+                            self.checkin(unit, t);
+                        }
+                        errors.push(self.failed_get(unit, f, ks, deadline));
+                    }
                 }
             }
+            active = still;
         }
         if let Some(e) = errors.into_iter().next() {
             return Err(e);

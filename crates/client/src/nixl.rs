@@ -143,6 +143,7 @@ impl NixlClient {
             pending: None,
             failpoints: self.failpoints,
             zero_copy_min: usize::try_from(self.options.zero_copy_min).unwrap_or(usize::MAX),
+            reading: None,
         })
     }
 }
@@ -159,6 +160,8 @@ pub(crate) struct NixlMover {
     pending: Option<Pending>,
     failpoints: Failpoints,
     zero_copy_min: usize,
+    /// A READ left under way by `start_fetch`.
+    reading: Option<Transfer>,
 }
 
 struct Pending {
@@ -311,6 +314,17 @@ impl Mover for NixlMover {
     }
 
     fn fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<(), OpFailure> {
+        if self.start_fetch(ranges, deadline)? {
+            self.finish_fetch(deadline)?;
+        }
+        Ok(())
+    }
+
+    fn start_fetch(
+        &mut self,
+        ranges: &[(u64, u64)],
+        _deadline: Instant,
+    ) -> Result<bool, OpFailure> {
         self.fetched.clear();
         let mut xfer = Vec::with_capacity(ranges.len());
         let mut at = 0usize;
@@ -331,17 +345,29 @@ impl Mover for NixlMover {
             at += len;
         }
         if xfer.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
         self.staging(at)?;
         let Some(staging) = &self.staging else {
-            return Ok(());
+            return Ok(false);
         };
         let t = self
             .agent
             .post(Op::Read, staging, &xfer, &self.peer)
             .map_err(|e| failure("READ", e, false))?;
-        self.finish(Op::Read, t, deadline)
+        if t.ended() {
+            // Done within the post (a cma copy).
+            return Ok(false);
+        }
+        self.reading = Some(t);
+        Ok(true)
+    }
+
+    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+        match self.reading.take() {
+            Some(t) => self.finish(Op::Read, t, deadline),
+            None => Ok(()),
+        }
     }
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
@@ -368,6 +394,16 @@ impl Mover for NixlMover {
     }
 
     fn take_pending(&mut self) -> Option<Box<dyn Settle>> {
+        // A READ left under way when the call gave up (another unit failed
+        // first) may still be running, as one that missed its deadline.
+        if let Some(transfer) = self.reading.take() {
+            if !transfer.ended() {
+                return Some(Box::new(Pending {
+                    transfer,
+                    stuck: false,
+                }));
+            }
+        }
         self.pending.take().map(|p| Box::new(p) as Box<dyn Settle>)
     }
 }

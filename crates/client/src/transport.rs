@@ -232,6 +232,17 @@ pub(crate) trait Mover: Send {
     /// Bring the values at `ranges` (offset, len) within reach of
     /// [`Mover::read`] (nothing to do when the slab is mapped).
     fn fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<(), OpFailure>;
+    /// Start fetching `ranges`: `Ok(true)` when the transfer is still
+    /// under way, to end with [`Mover::finish_fetch`]; `Ok(false)` when it
+    /// is done (or there was nothing to do).
+    fn start_fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<bool, OpFailure> {
+        self.fetch(ranges, deadline).map(|()| false)
+    }
+    /// Wait for the fetch [`Mover::start_fetch`] left under way.
+    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+        let _ = deadline;
+        Ok(())
+    }
     /// Copy the (fetched) value at `offset` into `dst`.
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String>;
     /// Copy many (fetched) values, on several threads where that helps.
@@ -319,9 +330,16 @@ pub(crate) struct OneSided<M: Mover> {
     spare_max: u64,
     /// The blob the put in progress commits: its own, or a spare's.
     committing: BlobId,
+    /// A get whose values are being fetched (a READ under way): what its
+    /// Resolve answered.
+    reading: Option<Resolved>,
     /// The spare its CommitSpare asked for: (blob, bytes).
     asked: Option<(BlobId, u64)>,
 }
+
+/// A Resolve's answer: the pin, each key's value (if found), the corrupt
+/// keys' positions.
+type Resolved = (Option<PinId>, Vec<Option<stowage_wire::Found>>, Vec<u32>);
 
 /// A spare reservation ([`Request::CommitSpare`]) held by one connection.
 #[derive(Clone, Copy, Debug)]
@@ -436,6 +454,7 @@ impl<M: Mover> OneSided<M> {
             spare_max,
             committing: BlobId(0),
             asked: None,
+            reading: None,
         }
     }
 
@@ -684,13 +703,41 @@ impl<M: Mover> Transport for OneSided<M> {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<Option<Missing>, OpFailure> {
-        let (pin, found, corrupt) = match self.recv(deadline)? {
-            Response::Resolved {
-                pin,
-                found,
-                corrupt,
-            } if found.len() == keys.len() => (pin, found, corrupt),
-            other => return Err(OpFailure::unexpected(other)),
+        let in_memory_ranges = |found: &[Option<stowage_wire::Found>]| -> Vec<(u64, u64)> {
+            found
+                .iter()
+                .flatten()
+                .filter(|l| !l.on_disk)
+                .map(|l| (l.offset, l.len))
+                .collect()
+        };
+        // Over nixl: one READ of every value into the staging buffer, left
+        // under way while the other units start theirs. Failing, the
+        // connection goes: its end unpins (or, if the READ may still be
+        // running, the connection stays open until it has ended).
+        let (pin, found, corrupt) = match self.reading.take() {
+            Some(r) => {
+                self.mover.finish_fetch(deadline)?;
+                r
+            }
+            None => {
+                let (pin, found, corrupt) = match self.recv(deadline)? {
+                    Response::Resolved {
+                        pin,
+                        found,
+                        corrupt,
+                    } if found.len() == keys.len() => (pin, found, corrupt),
+                    other => return Err(OpFailure::unexpected(other)),
+                };
+                if self
+                    .mover
+                    .start_fetch(&in_memory_ranges(&found), deadline)?
+                {
+                    self.reading = Some((pin, found, corrupt));
+                    return Ok(None);
+                }
+                (pin, found, corrupt)
+            }
         };
         let mut corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
         let mut missing = Vec::new();
@@ -699,11 +746,7 @@ impl<M: Mover> Transport for OneSided<M> {
         // Many values, large in all: ask the sink for all their buffers
         // and fill them together on the cores (one by one otherwise).
         let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
-        let ranges: Vec<(u64, u64)> = in_memory().map(|l| (l.offset, l.len)).collect();
-        // Over nixl: one READ of every value into the staging buffer.
-        // Failing, the connection goes: its end unpins (or, if the READ may
-        // still be running, the connection stays open until it has ended).
-        self.mover.fetch(&ranges, deadline)?;
+        let ranges = in_memory_ranges(&found);
         let batched = ranges.len() > 1
             && self
                 .mover
