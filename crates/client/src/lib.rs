@@ -500,6 +500,7 @@ impl Client {
             (None, false) => Box::new(TcpTransport::new(conn)),
         };
         *lock(&slot.transport) = Some(t.name());
+        self.metrics.transport(unit, t.name());
         Ok(t)
     }
 

@@ -14,6 +14,7 @@ use std::time::Duration;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
 use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use serde::Serialize;
 
@@ -165,7 +166,13 @@ pub struct ClientMetrics {
     bytes_put: AtomicU64,
     bytes_got: AtomicU64,
     units: Vec<(String, Histogram)>,
+    /// Each unit's transport now (index into [`TRANSPORTS`] plus one; 0:
+    /// not reached yet).
+    unit_transport: Vec<std::sync::atomic::AtomicU8>,
 }
+
+/// The transports a client reaches units by.
+const TRANSPORTS: [&str; 3] = ["shm", "tcp", "nixl"];
 
 impl ClientMetrics {
     pub(crate) fn new(units: &[crate::UnitAddr]) -> Self {
@@ -182,6 +189,17 @@ impl ClientMetrics {
                 .iter()
                 .map(|a| (a.to_string(), Histogram::default()))
                 .collect(),
+            unit_transport: units.iter().map(|_| Default::default()).collect(),
+        }
+    }
+
+    /// Unit `unit` is reached over `transport` (`shm`, `tcp`, `nixl`).
+    pub(crate) fn transport(&self, unit: usize, transport: &str) {
+        if let (Some(slot), Some(i)) = (
+            self.unit_transport.get(unit),
+            TRANSPORTS.iter().position(|t| *t == transport),
+        ) {
+            slot.store(i as u8 + 1, Relaxed);
         }
     }
 
@@ -411,6 +429,29 @@ impl Collector for ClientCollector {
                     .encode(d.encode_family(&[("direction", dir)])?)?;
             }
         }
+        {
+            let mut d = e.encode_descriptor(
+                "stowage_client_unit_transport",
+                "The transport this client reaches each unit by (1 for the one in use).",
+                None,
+                MetricType::Gauge,
+            )?;
+            for (i, ((addr, _), t)) in m.units.iter().zip(&m.unit_transport).enumerate() {
+                let Some(transport) = (t.load(Relaxed) as usize)
+                    .checked_sub(1)
+                    .and_then(|t| TRANSPORTS.get(t))
+                else {
+                    continue;
+                };
+                let index = i.to_string();
+                let labels = [
+                    ("unit", index.as_str()),
+                    ("address", addr.as_str()),
+                    ("transport", transport),
+                ];
+                ConstGauge::new(1i64).encode(d.encode_family(&labels)?)?;
+            }
+        }
         let mut d = e.encode_descriptor(
             "stowage_client_unit_duration_seconds",
             "Time until each unit's part of a put or get was done, by unit.",
@@ -435,6 +476,33 @@ mod tests {
         for (s, ns) in BOUNDS.iter().zip(BOUNDS_NS) {
             assert_eq!((s * 1e9).round() as u64, ns);
         }
+    }
+
+    #[test]
+    fn each_units_transport_is_exported_once_known() {
+        let m = Arc::new(ClientMetrics::new(&[
+            crate::UnitAddr::Unix("/u0".into()),
+            crate::UnitAddr::Unix("/u1".into()),
+        ]));
+        m.transport(1, "nixl");
+        let mut r = prometheus_client::registry::Registry::default();
+        r.register_collector(Box::new(ClientCollector(m.clone())));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| l.starts_with("stowage_client_unit_transport{"))
+            .collect();
+        assert_eq!(lines.len(), 1, "{text}");
+        assert!(
+            lines[0].contains(r#"unit="1""#) && lines[0].contains(r#"transport="nixl""#),
+            "{}",
+            lines[0]
+        );
+        m.transport(1, "tcp");
+        text.clear();
+        prometheus_client::encoding::text::encode(&mut text, &r).unwrap();
+        assert!(text.contains(r#"transport="tcp""#) && !text.contains(r#"transport="nixl""#));
     }
 
     #[test]
