@@ -5,6 +5,7 @@ These need a package built with the nixl feature and the nixl-cu12
 libraries on LD_LIBRARY_PATH: scripts/test-nixl provides both and sets
 STOWAGE_TEST_NIXL=1; elsewhere they are skipped."""
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,15 @@ def _columns(seed=0):
         "ids": [rng.integers(0, 50_000, n, dtype=np.int64) for n in lens],
         "logprobs": rng.standard_normal((4, 7)).astype(np.float32),
     }
+
+
+def _run_with_directory(code, directory, env=None):
+    """Run `code` in another Python process with the plane's directory as
+    its argument (bounded: 120 s)."""
+    return subprocess.run(
+        [sys.executable, "-c", code, json.dumps(directory)],
+        capture_output=True, text=True, timeout=120, env=env,
+    )
 
 
 def test_a_local_plane_over_nixl_round_trips_rows():
@@ -60,12 +70,7 @@ def test_another_process_connects_over_nixl_with_the_directory():
             "g = c.get('p', [2], ['ids'])['ids'][0]\n"
             "print(int(g.sum()), g.size)\n"
         )
-        import json
-
-        r = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(dp.directory)],
-            capture_output=True, text=True, timeout=120,
-        )
+        r = _run_with_directory(code, dp.directory)
         assert r.returncode == 0, r.stderr
         want = cols["ids"][2]
         assert r.stdout.split() == [str(int(want.sum())), str(want.size)]
@@ -81,12 +86,7 @@ def test_require_rdma_refuses_ucx_over_tcp():
             "except stowage.InvalidRequest as e:\n"
             "    print('refused', 'require_rdma' in str(e))\n"
         )
-        import json
-
-        r = subprocess.run(
-            [sys.executable, "-c", code, json.dumps(dp.directory)],
-            capture_output=True, text=True, timeout=120, env=env,
-        )
+        r = _run_with_directory(code, dp.directory, env)
         assert r.stdout.strip() == "refused True", (r.stdout, r.stderr)
 
 

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use stowage_client::{ClientConfig, Error, Key, UnitAddr};
-use stowage_wire::{Request, Response, Stats};
+use stowage_wire::Stats;
 
 const MIB: u64 = 1 << 20;
 /// Slab of the unit: two values never fit at once.
@@ -31,13 +31,6 @@ const SHORT_LEASES: &[&str] = &[
     "--quarantine",
     "100ms",
 ];
-
-fn stats(r: &mut Raw) -> Stats {
-    match r.call(&Request::Stats) {
-        Response::Stats(s) => s,
-        other => panic!("{other:?}"),
-    }
-}
 
 /// Not a test on its own: the paused client, run by the tests below.
 /// `STOWAGE_FENCE=role,transport,addr,byte,timeout_ms`: `put` writes

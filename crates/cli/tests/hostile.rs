@@ -15,17 +15,10 @@ use common::*;
 use stowage_client::{Error, Key};
 use stowage_wire::{
     decode_header, encode, BlobId, EntrySpec, Envelope, ErrorCode, FramePrefix, Limits, Request,
-    Response, Stats, PREFIX_LEN, PROTOCOL_VERSION,
+    Response, PREFIX_LEN, PROTOCOL_VERSION,
 };
 
 const MIB: u64 = 1 << 20;
-
-fn stats(r: &mut Raw) -> Stats {
-    match r.call(&Request::Stats) {
-        Response::Stats(s) => s,
-        other => panic!("{other:?}"),
-    }
-}
 
 /// Hello on a Unix socket, joining `session` (or a new one); returns the
 /// connection, its reply.

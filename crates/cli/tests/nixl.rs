@@ -10,16 +10,8 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use stowage_client::{Client, ClientConfig, Error, Key, UnitAddr};
-use stowage_wire::{Request, Response, Stats};
 
 const MIB: u64 = 1 << 20;
-
-fn stats(r: &mut Raw) -> Stats {
-    match r.call(&Request::Stats) {
-        Response::Stats(s) => s,
-        other => panic!("{other:?}"),
-    }
-}
 
 /// Not a test on its own: a nixl writer whose WRITE fails while it may
 /// still be running (the `nixl-write-in-flight` failpoint, which also never

@@ -715,10 +715,11 @@ impl<M: Mover> Transport for OneSided<M> {
         // under way while the other units start theirs. Failing, the
         // connection goes: its end unpins (or, if the READ may still be
         // running, the connection stays open until it has ended).
-        let (pin, found, corrupt) = match self.reading.take() {
-            Some(r) => {
+        let (pin, found, corrupt, ranges) = match self.reading.take() {
+            Some((pin, found, corrupt)) => {
                 self.mover.finish_fetch(deadline)?;
-                r
+                let ranges = in_memory_ranges(&found);
+                (pin, found, corrupt, ranges)
             }
             None => {
                 let (pin, found, corrupt) = match self.recv(deadline)? {
@@ -729,14 +730,12 @@ impl<M: Mover> Transport for OneSided<M> {
                     } if found.len() == keys.len() => (pin, found, corrupt),
                     other => return Err(OpFailure::unexpected(other)),
                 };
-                if self
-                    .mover
-                    .start_fetch(&in_memory_ranges(&found), deadline)?
-                {
+                let ranges = in_memory_ranges(&found);
+                if self.mover.start_fetch(&ranges, deadline)? {
                     self.reading = Some((pin, found, corrupt));
                     return Ok(None);
                 }
-                (pin, found, corrupt)
+                (pin, found, corrupt, ranges)
             }
         };
         let mut corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
@@ -746,7 +745,6 @@ impl<M: Mover> Transport for OneSided<M> {
         // Many values, large in all: ask the sink for all their buffers
         // and fill them together on the cores (one by one otherwise).
         let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
-        let ranges = in_memory_ranges(&found);
         let batched = ranges.len() > 1
             && self
                 .mover

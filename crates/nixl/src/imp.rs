@@ -116,14 +116,8 @@ impl Agent {
     /// by address ([`Slab::addr`] + offset). The registration keeps the
     /// mapping alive.
     pub fn register_slab(&self, slab: Arc<Slab>) -> Result<SlabRegistration, NixlError> {
-        let region = Region {
-            addr: slab.addr(),
-            len: slab.len() as usize,
-        };
-        let handle = self
-            .inner
-            .register_memory(&region, None)
-            .map_err(failed("registering the slab"))?;
+        let handle =
+            self.register_region(slab.addr(), slab.len() as usize, "registering the slab")?;
         Ok(SlabRegistration {
             _handle: handle,
             _slab: slab,
@@ -164,20 +158,27 @@ impl Agent {
     /// Register `buf` (the caller's memory) for transfers out of it, until
     /// the returned registration drops.
     pub fn register<'a>(&self, buf: &'a [u8]) -> Result<Registered<'a>, NixlError> {
-        let region = Region {
-            addr: buf.as_ptr() as usize,
-            len: buf.len(),
-        };
-        let handle = self
-            .inner
-            .register_memory(&region, None)
-            .map_err(failed("registering memory"))?;
+        let (addr, len) = (buf.as_ptr() as usize, buf.len());
+        let handle = self.register_region(addr, len, "registering memory")?;
         Ok(Registered {
             _handle: handle,
-            addr: region.addr,
-            len: region.len,
+            addr,
+            len,
             _buf: std::marker::PhantomData,
         })
+    }
+
+    /// Register `len` bytes at `addr`, memory of this process that the
+    /// caller keeps mapped while the handle lives.
+    fn register_region(
+        &self,
+        addr: usize,
+        len: usize,
+        what: &'static str,
+    ) -> Result<sys::RegistrationHandle, NixlError> {
+        self.inner
+            .register_memory(&Region { addr, len }, None)
+            .map_err(failed(what))
     }
 
     fn post_with(
@@ -285,14 +286,11 @@ impl Staging {
         for b in map.iter_mut().step_by(4096) {
             *b = 0;
         }
-        let region = Region {
-            addr: map.as_ptr() as usize,
-            len: map.len(),
-        };
-        let handle = agent
-            .inner
-            .register_memory(&region, None)
-            .map_err(failed("registering a staging buffer"))?;
+        let handle = agent.register_region(
+            map.as_ptr() as usize,
+            map.len(),
+            "registering a staging buffer",
+        )?;
         Ok(Self {
             _handle: handle,
             map,

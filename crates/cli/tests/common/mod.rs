@@ -203,6 +203,14 @@ impl Raw {
     }
 }
 
+/// A unit's counters, asked over a raw connection.
+pub fn stats(r: &mut Raw) -> stowage_wire::Stats {
+    match r.call(&Request::Stats) {
+        Response::Stats(s) => s,
+        other => panic!("{other:?}"),
+    }
+}
+
 /// Poll `f` every 20 ms until it returns true or `within` passes.
 pub fn eventually(within: Duration, mut f: impl FnMut() -> bool) -> bool {
     let end = Instant::now() + within;
