@@ -195,7 +195,21 @@ fn a_failing_disk_fails_puts_retryably_and_loses_nothing(kind: Kind) {
 #[test]
 fn full_memory_and_disk_refuse_puts_until_a_clear() {
     let root = tempfile::tempdir().unwrap();
-    let p = disk_plane(1, 4 * MIB, root.path(), "4MiB", &[]);
+    // Nothing spills (high watermark 1): puts fill memory, then go to
+    // disk. A spill still running when the clear lands would rightly
+    // answer the waiting put Busy (its memory comes back shortly), a race
+    // this test of Full waits is not about.
+    let args = [
+        "--disk",
+        root.path().to_str().expect("utf-8 temp path"),
+        "--disk-capacity",
+        "4MiB",
+        "--high-watermark",
+        "1",
+        "--low-watermark",
+        "1",
+    ];
+    let p = plane(1, 4 * MIB, &args).0;
     let c = client(&p, Kind::Shm, Duration::from_secs(10));
     let v = pattern(1, 1, 1024 * 1024);
     let mut stored = 0u64;
