@@ -62,7 +62,7 @@ use std::time::{Duration, Instant};
 pub use conn::UnitAddr;
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
-pub use nixl::{NixlOptions, ZERO_COPY_MIN};
+pub use nixl::{Lent, NixlOptions, RECV_POOL_MAX, ZERO_COPY_MIN};
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
 pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
@@ -249,6 +249,88 @@ impl GetSink for Counting<'_> {
             self.bytes += asks.iter().map(|a| a.1).sum::<u64>();
         }
         r
+    }
+
+    fn accept_lent(
+        &mut self,
+        asks: &[(usize, u64, &[u8])],
+    ) -> Option<std::result::Result<(), String>> {
+        self.inner.accept_lent(asks)
+    }
+
+    fn lent(
+        &mut self,
+        asks: &[(usize, u64, &[u8])],
+        buf: Lent,
+        spans: &[std::ops::Range<usize>],
+    ) -> std::result::Result<(), String> {
+        self.inner.lent(asks, buf, spans)?;
+        self.bytes += asks.iter().map(|a| a.1).sum::<u64>();
+        Ok(())
+    }
+}
+
+/// A value a get returned ([`Client::get_values`]): a vector of its own,
+/// or its span of memory the transport lent the call (zero-copy over
+/// nixl; the values one unit sent share it, and it goes back to the
+/// client's receive pool when the last of them is dropped).
+#[derive(Debug)]
+pub enum Value {
+    Owned(Vec<u8>),
+    Lent(Arc<Lent>, std::ops::Range<usize>),
+}
+
+impl std::ops::Deref for Value {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Value::Owned(v) => v,
+            Value::Lent(buf, span) => &buf[span.clone()],
+        }
+    }
+}
+
+/// A sink that collects values into [`Value`]s, taking lent memory.
+struct ValueSink(Vec<Option<Value>>);
+
+impl GetSink for ValueSink {
+    fn slot(
+        &mut self,
+        index: usize,
+        len: u64,
+        _meta: &[u8],
+    ) -> std::result::Result<&mut [u8], String> {
+        let len = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+        let v = self.0.get_mut(index).ok_or("key index out of range")?;
+        match v.insert(Value::Owned(vec![0u8; len])) {
+            Value::Owned(v) => Ok(v.as_mut_slice()),
+            Value::Lent(..) => Err("a lent value".into()),
+        }
+    }
+
+    fn accept_lent(
+        &mut self,
+        asks: &[(usize, u64, &[u8])],
+    ) -> Option<std::result::Result<(), String>> {
+        let n = self.0.len();
+        Some(match asks.iter().find(|a| a.0 >= n) {
+            Some(_) => Err("key index out of range".into()),
+            None => Ok(()),
+        })
+    }
+
+    fn lent(
+        &mut self,
+        asks: &[(usize, u64, &[u8])],
+        buf: Lent,
+        spans: &[std::ops::Range<usize>],
+    ) -> std::result::Result<(), String> {
+        let buf = Arc::new(buf);
+        for (a, span) in asks.iter().zip(spans) {
+            let v = self.0.get_mut(a.0).ok_or("key index out of range")?;
+            *v = Some(Value::Lent(buf.clone(), span.clone()));
+        }
+        Ok(())
     }
 }
 
@@ -983,6 +1065,25 @@ impl Client {
         let mut sink = VecSink(vec![None; keys.len()]);
         self.get_into(partition, keys, &mut sink, deadline)?;
         Ok(sink.0.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Read `keys` into [`Value`]s, in order: over nixl each unit's values
+    /// land, without a copy, in one buffer of the client's registered
+    /// receive pool that the values share ([`Value::Lent`]); over shm and
+    /// tcp each is a vector of its own.
+    pub fn get_values(
+        &self,
+        partition: &str,
+        keys: &[(usize, Key)],
+        deadline: Instant,
+    ) -> Result<Vec<Value>> {
+        let mut sink = ValueSink((0..keys.len()).map(|_| None).collect());
+        self.get_into(partition, keys, &mut sink, deadline)?;
+        Ok(sink
+            .0
+            .into_iter()
+            .map(|v| v.unwrap_or(Value::Owned(Vec::new())))
+            .collect())
     }
 
     /// Clear whole rows (each with its unit): one awaited release_rows per

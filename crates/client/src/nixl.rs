@@ -2,16 +2,21 @@
 //! between a registered staging buffer and the unit's registered slab.
 //!
 //! A put copies its segments into the connection's staging buffer and
-//! WRITEs them in one transfer; a get READs every value of the unit in one
-//! transfer, then copies them out. The staging buffer is registered once
+//! WRITEs them in one transfer (values of [`NixlOptions::zero_copy_min`]
+//! and more go from the caller's memory, registered for the call); a get
+//! READs every value of the unit in one transfer, either into memory it
+//! then lends the caller ([`Lent`]: a buffer of the client's registered
+//! receive pool, zero-copy) or into the staging buffer, then copies them
+//! out (a get into the caller's own memory). The staging buffer is registered once
 //! per connection (grown, and registered again, only when a call needs
 //! more), never per call. Every transfer completes within the caller's
 //! deadline or fails; one that may still be running when it fails keeps
 //! the connection open — and with it the unit's reservation or pin of the
 //! range — until it has ended (see [`crate::transport::Settle`]).
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range as Span;
+use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use stowage_nixl::{Agent, NixlError, Op, Range, Staging, Transfer, WaitError};
@@ -32,8 +37,10 @@ pub struct NixlOptions {
     /// A put's values of at least this many bytes go out zero-copy: their
     /// memory is registered for the call and WRITten from where it is;
     /// smaller ones are copied into the connection's registered staging
-    /// buffer first. Default [`ZERO_COPY_MIN`]. Gets always READ into the
-    /// staging buffer (see docs/nixl.md).
+    /// buffer first. Default [`ZERO_COPY_MIN`]. Gets never READ into the
+    /// caller's memory: into a buffer of the client's registered receive
+    /// pool that they lend the caller (zero-copy), or into the staging
+    /// buffer and then copied (see docs/nixl.md).
     pub zero_copy_min: u64,
 }
 
@@ -71,6 +78,110 @@ impl Failpoints {
     }
 }
 
+/// Values in a lent buffer start on multiples of this (numpy's alignment
+/// for any dtype).
+const LENT_ALIGN: usize = 64;
+
+/// The smallest buffer of the receive pool.
+const RECV_MIN: usize = 64 << 10;
+
+/// How many bytes of free buffers the receive pool keeps registered for
+/// the next gets; buffers given back past it are deregistered and unmapped.
+pub const RECV_POOL_MAX: usize = 1 << 30;
+
+/// Registered buffers that gets READ into and lend their callers
+/// ([`Lent`]), kept when given back so that the next get of a similar size
+/// neither registers nor faults in memory (an RL loop gets the same sizes
+/// every step). Sizes are classes of eight per doubling.
+pub(crate) struct RecvPool {
+    free: Mutex<(BTreeMap<usize, Vec<Staging>>, usize)>,
+    limit: usize,
+}
+
+impl RecvPool {
+    fn new(limit: usize) -> Self {
+        Self {
+            free: Mutex::new((BTreeMap::new(), 0)),
+            limit,
+        }
+    }
+
+    /// A registered buffer of at least `len` bytes, for this caller alone.
+    fn take(&self, agent: &Agent, len: usize) -> Result<Staging, NixlError> {
+        let class = crate::transport::spare_class(len.max(RECV_MIN) as u64) as usize;
+        {
+            let mut free = crate::lock(&self.free);
+            if let Some(s) = free.0.get_mut(&class).and_then(Vec::pop) {
+                free.1 -= s.len();
+                return Ok(s);
+            }
+        }
+        Staging::new(agent, class)
+    }
+
+    fn give_back(&self, s: Staging) {
+        let mut free = crate::lock(&self.free);
+        if free.1 + s.len() <= self.limit {
+            free.1 += s.len();
+            free.0.entry(s.len()).or_default().push(s);
+        }
+    }
+}
+
+/// Memory a get lends its caller: a buffer of the client's registered
+/// receive pool that a nixl READ filled, so the values were never copied.
+/// It is the caller's alone (nothing else reads or writes it) and goes
+/// back to the pool when dropped. A READ that failed while it may still be
+/// running never lends its buffer: the buffer stays with the transfer
+/// until it has ended.
+pub struct Lent {
+    staging: Option<Staging>,
+    len: usize,
+    pool: Weak<RecvPool>,
+}
+
+impl Lent {
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl std::fmt::Debug for Lent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Lent({} bytes)", self.len)
+    }
+}
+
+impl std::ops::Deref for Lent {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        self.staging
+            .as_ref()
+            .map_or(&[], |s| &s.as_slice()[..self.len])
+    }
+}
+
+impl std::ops::DerefMut for Lent {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        let len = self.len;
+        self.staging
+            .as_mut()
+            .map_or(&mut [], |s| &mut s.as_mut_slice()[..len])
+    }
+}
+
+impl Drop for Lent {
+    fn drop(&mut self) {
+        if let (Some(s), Some(pool)) = (self.staging.take(), self.pool.upgrade()) {
+            pool.give_back(s);
+        }
+    }
+}
+
 /// A client's NIXL agent, made on first use and shared by its
 /// connections; what it knows of each unit's agent.
 pub(crate) struct NixlClient {
@@ -79,6 +190,7 @@ pub(crate) struct NixlClient {
     /// Loaded unit metadata: its bytes → the unit agent's name.
     peers: Mutex<HashMap<Vec<u8>, String>>,
     failpoints: Failpoints,
+    recv: Arc<RecvPool>,
 }
 
 impl NixlClient {
@@ -88,6 +200,7 @@ impl NixlClient {
             agent: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),
             failpoints: Failpoints::from_env(),
+            recv: Arc::new(RecvPool::new(RECV_POOL_MAX)),
         }
     }
 
@@ -144,6 +257,8 @@ impl NixlClient {
             failpoints: self.failpoints,
             zero_copy_min: usize::try_from(self.options.zero_copy_min).unwrap_or(usize::MAX),
             reading: None,
+            recv: self.recv.clone(),
+            lending: None,
         })
     }
 }
@@ -162,6 +277,10 @@ pub(crate) struct NixlMover {
     zero_copy_min: usize,
     /// A READ left under way by `start_fetch`.
     reading: Option<Transfer>,
+    recv: Arc<RecvPool>,
+    /// The receive buffer the last fetch READ into (to lend), and where
+    /// each of its values lies in it.
+    lending: Option<(Arc<Staging>, Vec<Span<usize>>, usize)>,
 }
 
 struct Pending {
@@ -203,6 +322,51 @@ impl NixlMover {
                 code: stowage_wire::ErrorCode::Internal,
                 message: "the staging buffer is still in use".into(),
             })
+    }
+
+    /// Start one READ of every range into a buffer of the receive pool,
+    /// each value at its own 64-byte-aligned place, to be lent to the
+    /// caller ([`Mover::take_lent`]) once it has ended.
+    fn start_lent_fetch(&mut self, ranges: &[(u64, u64)]) -> Result<bool, OpFailure> {
+        let mut spans = Vec::with_capacity(ranges.len());
+        let mut xfer = Vec::with_capacity(ranges.len());
+        let mut at = 0usize;
+        for &(offset, len) in ranges {
+            let len = usize::try_from(len).map_err(|_| OpFailure::Unit {
+                code: stowage_wire::ErrorCode::InvalidRequest,
+                message: "value larger than memory".into(),
+            })?;
+            at = at.next_multiple_of(LENT_ALIGN);
+            spans.push(at..at + len);
+            if len > 0 {
+                xfer.push(Range {
+                    local: at,
+                    remote: self.slab_addr + offset,
+                    len,
+                });
+            }
+            at += len;
+        }
+        let buf = Arc::new(
+            self.recv
+                .take(&self.agent, at)
+                .map_err(|e| failure("receive buffer", e, false))?,
+        );
+        let running = if xfer.is_empty() {
+            false
+        } else {
+            let t = self
+                .agent
+                .post(Op::Read, &buf, &xfer, &self.peer)
+                .map_err(|e| failure("READ", e, false))?;
+            let running = !t.ended();
+            if running {
+                self.reading = Some(t);
+            }
+            running
+        };
+        self.lending = Some((buf, spans, at));
+        Ok(running)
     }
 
     /// Wait for the posted transfer `t` within `deadline`; one still
@@ -314,18 +478,27 @@ impl Mover for NixlMover {
     }
 
     fn fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<(), OpFailure> {
-        if self.start_fetch(ranges, deadline)? {
+        if self.start_fetch(ranges, false, deadline)? {
             self.finish_fetch(deadline)?;
         }
         Ok(())
     }
 
+    fn lends(&self) -> bool {
+        true
+    }
+
     fn start_fetch(
         &mut self,
         ranges: &[(u64, u64)],
+        lend: bool,
         _deadline: Instant,
     ) -> Result<bool, OpFailure> {
         self.fetched.clear();
+        self.lending = None;
+        if lend {
+            return self.start_lent_fetch(ranges);
+        }
         let mut xfer = Vec::with_capacity(ranges.len());
         let mut at = 0usize;
         for &(offset, len) in ranges {
@@ -368,6 +541,21 @@ impl Mover for NixlMover {
             Some(t) => self.finish(Op::Read, t, deadline),
             None => Ok(()),
         }
+    }
+
+    fn take_lent(&mut self) -> Option<(Lent, Vec<Span<usize>>)> {
+        let (staging, spans, len) = self.lending.take()?;
+        // The READ has ended (its transfer, which held the other reference,
+        // is gone): the buffer is this call's alone.
+        let staging = Arc::try_unwrap(staging).ok()?;
+        Some((
+            Lent {
+                staging: Some(staging),
+                len,
+                pool: Arc::downgrade(&self.recv),
+            },
+            spans,
+        ))
     }
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {

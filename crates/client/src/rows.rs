@@ -261,6 +261,29 @@ pub trait TensorSink {
         let _ = asks;
         None
     }
+
+    /// Zero-copy gets: whether the sink takes the values of `asks` in
+    /// memory the transport lends it (see [`GetSink::accept_lent`]).
+    /// `None` (the default): it wants buffers of its own.
+    fn accept_lent(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+    ) -> Option<std::result::Result<(), String>> {
+        let _ = asks;
+        None
+    }
+
+    /// The values `accept_lent` took: value `i` of `asks` is
+    /// `buf[spans[i]]` (see [`GetSink::lent`]).
+    fn lent(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+        buf: crate::Lent,
+        spans: &[std::ops::Range<usize>],
+    ) -> std::result::Result<(), String> {
+        let _ = (asks, buf, spans);
+        Err("this sink takes no lent memory".into())
+    }
 }
 
 /// What the unit keeps beside each value. For a value of a string-keyed
@@ -656,19 +679,49 @@ impl Client {
                 &mut self,
                 asks: &[(usize, u64, &[u8])],
             ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
-                let mut checked = Vec::with_capacity(asks.len());
-                for &(index, len, meta) in asks {
-                    match self.check(index, len, meta) {
-                        Ok(c) => checked.push(c),
-                        Err(e) => return Some(Err(e)),
-                    }
-                }
-                let tasks: Vec<(usize, usize, DType, &[u64])> = checked
-                    .iter()
-                    .map(|(f, r, m)| (*f, *r, m.dtype, m.shape.as_slice()))
-                    .collect();
-                self.sink.slots(&tasks)
+                let checked = match self.check_all(asks) {
+                    Ok(c) => c,
+                    Err(e) => return Some(Err(e)),
+                };
+                self.sink.slots(&tasks(&checked))
             }
+
+            fn accept_lent(
+                &mut self,
+                asks: &[(usize, u64, &[u8])],
+            ) -> Option<std::result::Result<(), String>> {
+                let checked = match self.check_all(asks) {
+                    Ok(c) => c,
+                    Err(e) => return Some(Err(e)),
+                };
+                self.sink.accept_lent(&tasks(&checked))
+            }
+
+            fn lent(
+                &mut self,
+                asks: &[(usize, u64, &[u8])],
+                buf: crate::Lent,
+                spans: &[std::ops::Range<usize>],
+            ) -> std::result::Result<(), String> {
+                let checked = self.check_all(asks)?;
+                self.sink.lent(&tasks(&checked), buf, spans)
+            }
+        }
+        impl Adapter<'_> {
+            fn check_all(
+                &mut self,
+                asks: &[(usize, u64, &[u8])],
+            ) -> std::result::Result<Vec<(usize, usize, ValueMeta)>, String> {
+                asks.iter()
+                    .map(|&(index, len, meta)| self.check(index, len, meta))
+                    .collect()
+            }
+        }
+        fn tasks(checked: &[(usize, usize, ValueMeta)]) -> Vec<(usize, usize, DType, &[u64])> {
+            checked
+                .iter()
+                .map(|(f, r, m)| (*f, *r, m.dtype, m.shape.as_slice()))
+                .collect()
         }
         let mut adapter = Adapter {
             sink,

@@ -26,6 +26,7 @@ use stowage_shm::Slab;
 use stowage_wire::{ErrorCode, Request, Response};
 
 use crate::conn::{Conn, ConnError};
+use crate::nixl::Lent;
 use crate::{new_blob_id, BlobPut, SPARES};
 use stowage_core::BlobId;
 
@@ -97,6 +98,31 @@ pub trait GetSink {
     fn slots(&mut self, asks: &[(usize, u64, &[u8])]) -> Option<Result<Vec<&mut [u8]>, String>> {
         let _ = asks;
         None
+    }
+
+    /// Zero-copy gets: whether the sink takes the values of `asks` (as for
+    /// [`GetSink::slots`], checked as it would check them) in memory the
+    /// transport lends it, filled by the transfer itself (a nixl READ into
+    /// the client's registered receive pool). `Some(Ok(()))`: yes, and the
+    /// transport then hands them over with [`GetSink::lent`]; `Some(Err)`:
+    /// refused, as `slots` refuses; `None` (the default): the sink wants
+    /// the values in buffers of its own.
+    fn accept_lent(&mut self, asks: &[(usize, u64, &[u8])]) -> Option<Result<(), String>> {
+        let _ = asks;
+        None
+    }
+
+    /// The values `accept_lent` took, in the order of `asks`: value `i`
+    /// is `buf[spans[i]]` (64-byte aligned). The sink owns `buf` from now
+    /// on; nothing else reads or writes it.
+    fn lent(
+        &mut self,
+        asks: &[(usize, u64, &[u8])],
+        buf: Lent,
+        spans: &[std::ops::Range<usize>],
+    ) -> Result<(), String> {
+        let _ = (asks, buf, spans);
+        Err("this sink takes no lent memory".into())
     }
 }
 
@@ -217,6 +243,23 @@ fn read_data(
     })
 }
 
+/// The values of a Resolve's answer that are in the unit's memory, as a
+/// sink is asked for them: (call-wide index, length, metadata).
+fn asks_of<'f>(
+    found: &'f [Option<stowage_wire::Found>],
+    index_of: &[usize],
+) -> Vec<(usize, u64, &'f [u8])> {
+    found
+        .iter()
+        .enumerate()
+        .filter_map(|(i, f)| {
+            f.as_ref()
+                .filter(|l| !l.on_disk)
+                .map(|l| (index_of[i], l.len, l.meta.as_slice()))
+        })
+        .collect()
+}
+
 /// How a one-sided transport reaches a unit's slab: the shm transport
 /// maps it ([`Slab`]), the nixl transport moves bytes with NIXL
 /// ([`crate::nixl::NixlMover`]). Offsets are slab offsets.
@@ -232,11 +275,30 @@ pub(crate) trait Mover: Send {
     /// Bring the values at `ranges` (offset, len) within reach of
     /// [`Mover::read`] (nothing to do when the slab is mapped).
     fn fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<(), OpFailure>;
+    /// Whether fetched values can be lent to the caller instead of copied
+    /// ([`Mover::take_lent`]): memory of the mover's that the transfer
+    /// itself filled.
+    fn lends(&self) -> bool {
+        false
+    }
     /// Start fetching `ranges`: `Ok(true)` when the transfer is still
     /// under way, to end with [`Mover::finish_fetch`]; `Ok(false)` when it
-    /// is done (or there was nothing to do).
-    fn start_fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<bool, OpFailure> {
+    /// is done (or there was nothing to do). `lend` (only where
+    /// [`Mover::lends`]): into memory to lend, one span per range, instead
+    /// of within reach of [`Mover::read`].
+    fn start_fetch(
+        &mut self,
+        ranges: &[(u64, u64)],
+        lend: bool,
+        deadline: Instant,
+    ) -> Result<bool, OpFailure> {
+        let _ = lend;
         self.fetch(ranges, deadline).map(|()| false)
+    }
+    /// The memory a finished lending fetch filled, and where each of its
+    /// ranges lies in it (in the order of the ranges).
+    fn take_lent(&mut self) -> Option<(Lent, Vec<std::ops::Range<usize>>)> {
+        None
     }
     /// Wait for the fetch [`Mover::start_fetch`] left under way.
     fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
@@ -331,8 +393,8 @@ pub(crate) struct OneSided<M: Mover> {
     /// The blob the put in progress commits: its own, or a spare's.
     committing: BlobId,
     /// A get whose values are being fetched (a READ under way): what its
-    /// Resolve answered.
-    reading: Option<Resolved>,
+    /// Resolve answered, and whether the values are fetched to be lent.
+    reading: Option<(Resolved, bool)>,
     /// The spare its CommitSpare asked for: (blob, bytes).
     asked: Option<(BlobId, u64)>,
 }
@@ -711,15 +773,18 @@ impl<M: Mover> Transport for OneSided<M> {
                 .map(|l| (l.offset, l.len))
                 .collect()
         };
-        // Over nixl: one READ of every value into the staging buffer, left
-        // under way while the other units start theirs. Failing, the
-        // connection goes: its end unpins (or, if the READ may still be
-        // running, the connection stays open until it has ended).
-        let (pin, found, corrupt, ranges) = match self.reading.take() {
-            Some((pin, found, corrupt)) => {
+        let mut result = Ok(());
+        // Over nixl: one READ of every value, into memory lent to the
+        // sink when it takes that (zero-copy), else into the staging
+        // buffer; left under way while the other units start theirs.
+        // Failing, the connection goes: its end unpins (or, if the READ may
+        // still be running, the connection stays open until it has ended,
+        // and the READ keeps its buffer).
+        let (pin, found, corrupt, ranges, lend) = match self.reading.take() {
+            Some(((pin, found, corrupt), lend)) => {
                 self.mover.finish_fetch(deadline)?;
                 let ranges = in_memory_ranges(&found);
-                (pin, found, corrupt, ranges)
+                (pin, found, corrupt, ranges, lend)
             }
             None => {
                 let (pin, found, corrupt) = match self.recv(deadline)? {
@@ -731,17 +796,29 @@ impl<M: Mover> Transport for OneSided<M> {
                     other => return Err(OpFailure::unexpected(other)),
                 };
                 let ranges = in_memory_ranges(&found);
-                if self.mover.start_fetch(&ranges, deadline)? {
-                    self.reading = Some((pin, found, corrupt));
+                let mut lend = false;
+                if !ranges.is_empty() && self.mover.lends() {
+                    match sink.accept_lent(&asks_of(&found, index_of)) {
+                        Some(Ok(())) => lend = true,
+                        Some(Err(message)) => {
+                            result = Err(OpFailure::Unit {
+                                code: ErrorCode::InvalidRequest,
+                                message,
+                            })
+                        }
+                        None => {}
+                    }
+                }
+                if result.is_ok() && self.mover.start_fetch(&ranges, lend, deadline)? {
+                    self.reading = Some(((pin, found, corrupt), lend));
                     return Ok(None);
                 }
-                (pin, found, corrupt, ranges)
+                (pin, found, corrupt, ranges, lend)
             }
         };
         let mut corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
         let mut missing = Vec::new();
         let mut on_disk = Vec::new();
-        let mut result = Ok(());
         // Many values, large in all: ask the sink for all their buffers
         // and fill them together on the cores (one by one otherwise).
         let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
@@ -749,17 +826,22 @@ impl<M: Mover> Transport for OneSided<M> {
             && self
                 .mover
                 .batch(ranges.iter().map(|&(_, len)| len as usize).sum());
-        let mut copied_all = false;
-        if batched {
-            let asks: Vec<(usize, u64, &[u8])> = found
-                .iter()
-                .enumerate()
-                .filter_map(|(i, f)| {
-                    f.as_ref()
-                        .filter(|l| !l.on_disk)
-                        .map(|l| (index_of[i], l.len, l.meta.as_slice()))
-                })
-                .collect();
+        let mut copied_all = result.is_err();
+        if lend && result.is_ok() {
+            let asks = asks_of(&found, index_of);
+            let handed = match self.mover.take_lent() {
+                Some((buf, spans)) => sink.lent(&asks, buf, &spans),
+                None => Err("the fetched values were not kept".into()),
+            };
+            if let Err(message) = handed {
+                result = Err(OpFailure::Unit {
+                    code: ErrorCode::InvalidRequest,
+                    message,
+                });
+            }
+            copied_all = true;
+        } else if batched && result.is_ok() {
+            let asks = asks_of(&found, index_of);
             match sink.slots(&asks) {
                 Some(Ok(bufs)) => {
                     let reads: Vec<(u64, &mut [u8])> =

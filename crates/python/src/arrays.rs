@@ -349,7 +349,13 @@ impl HostCache {
 /// values, a reusable anonymous mapping for large ones.
 pub(crate) enum HostBuf {
     Heap(Vec<u8>),
-    Mapped { map: Option<MmapMut>, len: usize },
+    Mapped {
+        map: Option<MmapMut>,
+        len: usize,
+    },
+    /// Memory a nixl get lent (its values were READ into it, no copy);
+    /// back to the client's receive pool when dropped.
+    Lent(stowage_client::Lent),
 }
 
 impl HostBuf {
@@ -396,6 +402,7 @@ impl std::ops::Deref for HostBuf {
         match self {
             Self::Heap(v) => v,
             Self::Mapped { map, len } => map.as_deref().map_or(&[], |m| &m[..*len]),
+            Self::Lent(l) => l,
         }
     }
 }
@@ -405,6 +412,7 @@ impl std::ops::DerefMut for HostBuf {
         match self {
             Self::Heap(v) => v,
             Self::Mapped { map, len } => map.as_deref_mut().map_or(&mut [], |m| &mut m[..*len]),
+            Self::Lent(l) => l,
         }
     }
 }

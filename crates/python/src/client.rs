@@ -217,6 +217,48 @@ impl TensorSink for AllocSink {
     ) -> Option<Result<Vec<&mut [u8]>, String>> {
         Some(self.all_slots(asks))
     }
+
+    fn accept_lent(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+    ) -> Option<Result<(), String>> {
+        let mut seen = std::collections::HashSet::with_capacity(asks.len());
+        for &(field, row, dtype, shape) in asks {
+            if !seen.insert((field, row)) {
+                return Some(Err(format!("value {field}/{row} asked twice")));
+            }
+            if let Err(e) = self.place(field, row) {
+                return Some(Err(e));
+            }
+            if nbytes(dtype, shape).is_none() {
+                return Some(Err("value larger than memory".into()));
+            }
+        }
+        Some(Ok(()))
+    }
+
+    /// The values share the lent buffer as they share a batch buffer.
+    fn lent(
+        &mut self,
+        asks: &[(usize, usize, DType, &[u64])],
+        lent: stowage_client::Lent,
+        spans: &[std::ops::Range<usize>],
+    ) -> Result<(), String> {
+        let buf = self.batches.len();
+        for (&(field, row, dtype, shape), span) in asks.iter().zip(spans) {
+            *self.place(field, row)? = Some(ReadTensor {
+                dtype,
+                shape: shape.to_vec(),
+                data: ReadData::Shared {
+                    buf,
+                    offset: span.start,
+                    len: span.len(),
+                },
+            });
+        }
+        self.batches.push(HostBuf::Lent(lent));
+        Ok(())
+    }
 }
 
 /// Where the values of one field go in `get(..., out=...)`.
