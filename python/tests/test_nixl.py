@@ -58,6 +58,31 @@ def test_a_local_plane_over_nixl_round_trips_rows():
         assert all(s["entries"] == 0 for s in dp.stats())
 
 
+def test_arrays_a_nixl_get_returns_are_the_callers_own():
+    # Over nixl a get READs each unit's values into a registered buffer of
+    # the client's and lends it to the arrays (no copy): they must hold
+    # their values after the rows are cleared and written again, and after
+    # the plane is gone.
+    cols = _columns(2)
+    with stowage.local(units=2, memory="64MiB", transport="nixl") as dp:
+        dp.put("p", [0, 1, 2, 3], cols)
+        got = dp.get("p", [0, 1, 2, 3], ["ids", "logprobs"])
+        assert dp.clear_partition("p") == 8
+        dp.put("p", [0, 1, 2, 3], {
+            "ids": [np.full_like(a, 7) for a in cols["ids"]],
+            "logprobs": np.zeros_like(cols["logprobs"]),
+        })
+        again = dp.get("p", [0, 1, 2, 3], ["ids"])
+        assert all((a == 7).all() for a in again["ids"])
+    for a, b in zip(got["ids"], cols["ids"]):
+        assert np.array_equal(a, b)
+        assert a.ctypes.data % 64 == 0
+    assert np.array_equal(np.stack(got["logprobs"]), cols["logprobs"])
+    # They are the caller's to write, like any get's arrays.
+    got["ids"][2][:] = -1
+    assert (got["ids"][2] == -1).all() and np.array_equal(got["ids"][1], cols["ids"][1])
+
+
 def test_another_process_connects_over_nixl_with_the_directory():
     cols = _columns(1)
     with stowage.local(units=2, memory="64MiB", transport="nixl") as dp:

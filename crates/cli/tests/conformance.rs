@@ -50,7 +50,7 @@ fn round_trips_from_1_byte_to_64_mib(kind: Kind) {
         let mut sink = SliceSink::new(&mut bufs);
         c.get_into(
             stowage_client::DEFAULT_PARTITION,
-            &[(c.unit_of_row(key.row), key)],
+            &[(c.unit_of_row(key.row), key.clone())],
             &mut sink,
             c.deadline(),
         )
@@ -61,6 +61,16 @@ fn round_trips_from_1_byte_to_64_mib(kind: Kind) {
             buf[size..].iter().all(|&b| b == 0xEE),
             "wrote past the value"
         );
+        // Into values the transport may lend (over nixl: zero-copy, in
+        // the client's registered receive pool).
+        let got = c
+            .get_values(
+                stowage_client::DEFAULT_PARTITION,
+                &[(c.unit_of_row(key.row), key)],
+                c.deadline(),
+            )
+            .unwrap();
+        check_values(kind, &got, std::slice::from_ref(&v));
     }
     c.clear_rows(&(0..sizes.len() as u64).collect::<Vec<_>>(), c.deadline())
         .unwrap();
@@ -80,6 +90,15 @@ fn round_trips_from_1_byte_to_64_mib(kind: Kind) {
     for ((k, want), have) in values.iter().zip(&got) {
         assert!(want == have, "{k} read back different bytes");
     }
+    let placed: Vec<(usize, Key)> = keys
+        .iter()
+        .map(|k| (c.unit_of_row(k.row), k.clone()))
+        .collect();
+    let lent = c
+        .get_values(stowage_client::DEFAULT_PARTITION, &placed, c.deadline())
+        .unwrap();
+    let wants: Vec<Vec<u8>> = values.iter().map(|(_, v)| v.clone()).collect();
+    check_values(kind, &lent, &wants);
     let removed = c
         .clear_rows(
             &keys.iter().map(|k| k.row).collect::<Vec<_>>(),
@@ -90,6 +109,42 @@ fn round_trips_from_1_byte_to_64_mib(kind: Kind) {
     for s in c.stats(c.deadline()) {
         let s = s.unwrap();
         assert_eq!((s.entries, data_bytes(&s), s.pins), (0, 0, 0), "{s:?}");
+    }
+    // Lent values are the caller's own: the rows cleared and their memory
+    // written again, they read as they were.
+    for (i, &size) in sizes.iter().enumerate() {
+        let key = Key::new(200 + i as u64, "w");
+        c.put_rows(&[(key, &vec![0x5Au8; size])], c.deadline())
+            .unwrap();
+    }
+    check_values(kind, &lent, &wants);
+}
+
+/// `got` holds exactly `want`; over nixl each non-empty value is lent
+/// (zero-copy) and 64-byte aligned, over shm and tcp each is its own.
+fn check_values(kind: Kind, got: &[stowage_client::Value], want: &[Vec<u8>]) {
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            g[..] == w[..],
+            "value {i} ({} bytes) read back different bytes",
+            w.len()
+        );
+        match g {
+            stowage_client::Value::Lent(..) => {
+                assert_eq!(kind, Kind::Nixl, "value {i} lent over {kind:?}");
+                assert_eq!(
+                    g.as_ptr() as usize % 64,
+                    0,
+                    "value {i} is not 64-byte aligned"
+                );
+            }
+            stowage_client::Value::Owned(_) => assert!(
+                kind != Kind::Nixl || w.is_empty(),
+                "value {i} ({} bytes) over nixl was copied, not lent",
+                w.len()
+            ),
+        }
     }
 }
 
@@ -191,9 +246,18 @@ fn kill9_mid_get_loses_only_that_units_keys(kind: Kind) {
         let reader = s.spawn(|| {
             let end = Instant::now() + Duration::from_secs(15);
             let mut ok_reads = 0;
+            let placed: Vec<(usize, Key)> = unit0.iter().map(|k| (0, k.clone())).collect();
             while Instant::now() < end {
-                match c.get_rows(&unit0, c.deadline()) {
-                    Ok(_) => ok_reads += 1,
+                // Into fresh vectors and into values the transport may lend
+                // (over nixl, a READ into the receive pool), in turn.
+                let read = if ok_reads % 2 == 0 {
+                    c.get_rows(&unit0, c.deadline()).map(drop)
+                } else {
+                    c.get_values(stowage_client::DEFAULT_PARTITION, &placed, c.deadline())
+                        .map(drop)
+                };
+                match read {
+                    Ok(()) => ok_reads += 1,
                     Err(e) => return (ok_reads, Some(e)),
                 }
             }
