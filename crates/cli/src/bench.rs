@@ -545,26 +545,35 @@ fn nixl_info(sock: &std::path::Path) -> Result<(Vec<u8>, u64), String> {
 }
 
 /// Raw NIXL WRITE and READ of `size` bytes between this process's
-/// registered buffer and a unit's registered slab (nothing of stowage's
-/// protocol, one transfer per op, as a NIXL user would): (write GB/s,
-/// read GB/s).
+/// registered buffer and a unit's registered slab of `slab_len` bytes
+/// (nothing of stowage's protocol, one transfer per op, as a NIXL user
+/// would): (write GB/s, read GB/s). `spread`: each op goes to the next
+/// `size` bytes of the slab, round the slab, as a store's values land;
+/// otherwise every op goes to its first `size` bytes, as a benchmark that
+/// reuses its buffers (cache-hot at 1 MiB).
 fn raw_nixl_gbps(
     agent: &stowage_nixl::Agent,
     peer: &str,
-    slab_addr: u64,
+    (slab_addr, slab_len): (u64, u64),
     size: usize,
     iters: usize,
+    spread: bool,
 ) -> Result<(f64, f64), String> {
     use stowage_nixl::{Op, Range, Staging};
     let staging = std::sync::Arc::new(Staging::new(agent, size).map_err(|e| e.to_string())?);
-    let range = [Range {
-        local: 0,
-        remote: slab_addr,
-        len: size,
-    }];
+    let slots = if spread {
+        (slab_len / size as u64).max(1)
+    } else {
+        1
+    };
     let run = |op: Op| -> Result<f64, String> {
         let mut took = Duration::ZERO;
         for i in 0..iters + 2 {
+            let range = [Range {
+                local: 0,
+                remote: slab_addr + (i as u64 % slots) * size as u64,
+                len: size,
+            }];
             let t = Instant::now();
             agent
                 .post(op, &staging, &range, peer)
@@ -578,6 +587,67 @@ fn raw_nixl_gbps(
         Ok((size * iters) as f64 / took.as_secs_f64() / 1e9)
     };
     Ok((run(Op::Write)?, run(Op::Read)?))
+}
+
+/// stowage over nixl, one value per op: (put, get, get into the caller's
+/// buffer) GB/s. `get` returns the value in memory lent from the client's
+/// registered receive pool (what a get into new arrays does), dropped
+/// before the next op; `get out=` fills the caller's buffer, a copy out of
+/// the staging buffer.
+fn stowage_nixl_gbps(client: &Client, size: usize, iters: usize) -> Result<[f64; 3], String> {
+    let value = vec![0xa5u8; size];
+    let mut out = vec![0u8; size];
+    let mut took = [Duration::ZERO; 3];
+    let warmup = 2;
+    for i in 0..iters + warmup {
+        let key = Key::new(i as u64 * client.unit_count() as u64, "v");
+        let placed = [(0, key.clone())];
+        let t0 = Instant::now();
+        client
+            .put_rows(&[(key.clone(), &value)], client.deadline())
+            .map_err(|e| e.to_string())?;
+        let t1 = Instant::now();
+        let got = client
+            .get_values(
+                stowage_client::DEFAULT_PARTITION,
+                &placed,
+                client.deadline(),
+            )
+            .map_err(|e| e.to_string())?;
+        let t2 = Instant::now();
+        if !matches!(got.first(), Some(stowage_client::Value::Lent(..))) {
+            return Err("a get over nixl did not lend its value".into());
+        }
+        if got[0][..] != value[..] {
+            return Err("bench value read back wrong".into());
+        }
+        drop(got);
+        let t3 = Instant::now();
+        let mut bufs = [&mut out[..]];
+        let mut sink = stowage_client::SliceSink::new(&mut bufs);
+        client
+            .get_into(
+                stowage_client::DEFAULT_PARTITION,
+                &placed,
+                &mut sink,
+                client.deadline(),
+            )
+            .map_err(|e| e.to_string())?;
+        let t4 = Instant::now();
+        if i >= warmup {
+            took[0] += t1 - t0;
+            took[1] += t2 - t1;
+            took[2] += t4 - t3;
+        }
+        client
+            .clear_rows(&[key.row], client.deadline())
+            .map_err(|e| e.to_string())?;
+    }
+    if out != value {
+        return Err("bench value read back wrong".into());
+    }
+    let bytes = (size * iters) as f64;
+    Ok(took.map(|t| bytes / t.as_secs_f64() / 1e9))
 }
 
 /// The cost of registering a touched `size`-byte buffer (and deregistering
@@ -615,6 +685,9 @@ pub fn run_nixl(unit_command: Vec<std::ffi::OsString>, quick: bool) -> Result<()
         opts.unit_args.push("--nixl-allow-tcp".into());
     }
     let mut plane = LocalPlane::start(&opts)?;
+    // The units fault their slabs in on threads of their own after they
+    // start: measure after that, not against it.
+    wait_quiet(Duration::from_secs(20));
     let mut cfg = ClientConfig::new("bench-nixl", plane.tcp_addrs()[..2].to_vec());
     cfg.nixl = Some(stowage_client::NixlOptions {
         require_rdma: rdma,
@@ -643,36 +716,114 @@ pub fn run_nixl(unit_command: Vec<std::ffi::OsString>, quick: bool) -> Result<()
             " -- UCX over tcp/cma: these figures say nothing of RDMA speed"
         }
     );
+    const ROUNDS: usize = 5;
+    let gb = |v: &[f64]| format!("{:.2}", median_min_max(v).0);
+    let ratio = |v: &[f64]| {
+        let (m, lo, hi) = median_min_max(v);
+        format!("{m:.2} [{lo:.2}-{hi:.2}]")
+    };
+    let mut ratios = Vec::new();
     println!(
-        "{:>8} | {:>9} {:>9} | {:>9} {:>9} | {:>7} {:>7} | {:>8} {:>8}",
-        "size", "raw write", "raw read", "put", "get", "put/raw", "get/raw", "reg us", "copy us"
+        "GB/s, median of {ROUNDS} interleaved rounds (each: raw hot, raw spread, stowage put, \
+         get, get out=)"
+    );
+    println!(
+        "{:>6} | {:>9} {:>9} | {:>9} {:>9} | {:>6} {:>6} {:>8} | {:>6} {:>7}",
+        "size",
+        "write hot",
+        "spread",
+        "read hot",
+        "spread",
+        "put",
+        "get",
+        "get out=",
+        "reg us",
+        "copy us"
     );
     for size in [64usize << 10, 1 << 20, 16 << 20, 64 << 20] {
-        let iters = iterations(size, quick).min(2000);
-        let (rw, rr) = raw_nixl_gbps(&agent, &peer, slab_addr, size, iters)?;
-        let (p, g) = stowage_gbps(&client, size, iters)?;
+        let iters = (iterations(size, quick).min(2000) / ROUNDS).max(4);
+        // [write hot, write spread, read hot, read spread, put, get, get out=]
+        let mut runs: [Vec<f64>; 7] = Default::default();
+        for _ in 0..ROUNDS {
+            let (wh, rh) = raw_nixl_gbps(&agent, &peer, (slab_addr, memory), size, iters, false)?;
+            let (ws, rs) = raw_nixl_gbps(&agent, &peer, (slab_addr, memory), size, iters, true)?;
+            let [p, g, o] = stowage_nixl_gbps(&client, size, iters)?;
+            for (run, v) in runs.iter_mut().zip([wh, ws, rh, rs, p, g, o]) {
+                run.push(v);
+            }
+        }
         let (reg, copy) = registration_us(&agent, size)?;
+        let label = bytesize::ByteSize(size as u64)
+            .display()
+            .iec_short()
+            .to_string();
         println!(
-            "{:>8} | {:>9.2} {:>9.2} | {:>9.2} {:>9.2} | {:>7.2} {:>7.2} | {:>8.1} {:>8.1}",
-            bytesize::ByteSize(size as u64)
-                .display()
-                .iec_short()
-                .to_string(),
-            rw,
-            rr,
-            p,
-            g,
-            p / rw,
-            g / rr,
+            "{:>6} | {:>9} {:>9} | {:>9} {:>9} | {:>6} {:>6} {:>8} | {:>6.1} {:>7.1}",
+            label,
+            gb(&runs[0]),
+            gb(&runs[1]),
+            gb(&runs[2]),
+            gb(&runs[3]),
+            gb(&runs[4]),
+            gb(&runs[5]),
+            gb(&runs[6]),
             reg,
             copy
         );
+        // Each round's ratio to the raw transfers of the same round.
+        let per_round = |ours: usize, raw: usize| -> Vec<f64> {
+            runs[ours]
+                .iter()
+                .zip(&runs[raw])
+                .map(|(a, b)| a / b)
+                .collect()
+        };
+        ratios.push((
+            label,
+            [
+                per_round(4, 0),
+                per_round(4, 1),
+                per_round(5, 2),
+                per_round(5, 3),
+                per_round(6, 2),
+                per_round(6, 3),
+            ],
+        ));
+    }
+    println!("ratios to raw NIXL of the same round, median [min-max] of {ROUNDS} rounds");
+    println!(
+        "{:>6} | {:>17} {:>17} | {:>17} {:>17} | {:>17} {:>17}",
+        "size",
+        "put/write hot",
+        "put/write spread",
+        "get/read hot",
+        "get/read spread",
+        "out=/read hot",
+        "out=/read spread"
+    );
+    for (label, r) in &ratios {
+        println!(
+            "{:>6} | {:>17} {:>17} | {:>17} {:>17} | {:>17} {:>17}",
+            label,
+            ratio(&r[0]),
+            ratio(&r[1]),
+            ratio(&r[2]),
+            ratio(&r[3]),
+            ratio(&r[4]),
+            ratio(&r[5])
+        );
     }
     println!(
-        "(GB/s, hot buffers, one value per op; target: put and get >= 0.9x raw for 1 MiB and larger; \
-         reg us: registering and deregistering a touched buffer of that size, median of 9, what a \
-         zero-copy put pays per value; copy us: copying it into a registered staging buffer, what \
-         a staged put pays; puts of {} and more go zero-copy)",
+        "(one value per op, hot source buffers on both sides. Target: put and get >= 0.9x raw for \
+         1 MiB and larger. raw hot: every op to the same region of the unit's slab (as a benchmark \
+         reusing its buffers: at 1 MiB it stays in cache); raw spread: each op to the next region, \
+         round the 512 MiB slab, as a store's values land. get: into memory lent from the \
+         client's registered receive pool, zero-copy, as a get into new arrays; get out=: into \
+         the caller's buffer, READ into the staging buffer then copied, since a READ that misses \
+         its deadline must never land in memory the caller got back. reg us: registering and \
+         deregistering a touched buffer of that size, median of 9, what a zero-copy put pays per \
+         value; copy us: copying it into a registered staging buffer, what a staged put pays; \
+         puts of {} and more go zero-copy)",
         bytesize::ByteSize(stowage_client::ZERO_COPY_MIN)
             .display()
             .iec_short()
