@@ -114,6 +114,123 @@ fn an_in_flight_failure_keeps_its_region_out_of_use() {
     );
 }
 
+/// Not a test on its own: a nixl reader whose READ fails while it may
+/// still be running (the `nixl-read-in-flight` failpoint, which also never
+/// lets it count as ended). `STOWAGE_NIXL_READER=addr`: gets row 0 into
+/// lent memory, prints `RESULT <error>` or `RESULT ok <bytes>`, then stays
+/// alive (at most 60 s) until it is killed.
+#[test]
+#[ignore = "a helper process of the nixl tests"]
+fn read_in_flight_child() {
+    let addr = std::env::var("STOWAGE_NIXL_READER").expect("run only by the nixl tests");
+    // Read when the client is made; this process runs this one test only.
+    std::env::set_var("STOWAGE_FAILPOINTS", "nixl-read-in-flight");
+    let mut cfg = ClientConfig::new("nixl", vec![addr.parse::<UnitAddr>().unwrap()]);
+    cfg.timeout = Duration::from_secs(20);
+    cfg.nixl = Some(nixl_options());
+    let c = Client::connect(cfg).unwrap();
+    assert_eq!(c.transport(0), Some("nixl"));
+    let keys = [(0, Key::new(0, "a"))];
+    match c.get_values(stowage_client::DEFAULT_PARTITION, &keys, c.deadline()) {
+        Ok(v) => println!("RESULT ok {}", v[0].len()),
+        Err(e) => println!("RESULT {e:?}"),
+    }
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(60));
+}
+
+/// A READ that failed while it may still be running keeps what it reads
+/// out of reuse: the get fails with `TransferFailed { in_flight: true }`
+/// (its receive buffer is never lent), the unit keeps the pin while the
+/// reader lives, well past the pin lease, even after the row is cleared,
+/// and a client filling the slab meanwhile never gets that range. Once the
+/// reader is killed, the pin goes and the memory comes back.
+#[test]
+fn an_in_flight_read_keeps_its_range_pinned() {
+    const SLAB_MIB: u64 = 32;
+    let (p, _) = plane(1, SLAB_MIB * MIB, &["--pin-lease", "200ms"]);
+    let mut watcher = Raw::hello(&p.units[0].uds, "watch");
+    let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.timeout = Duration::from_secs(2);
+    cfg.nixl = Some(nixl_options());
+    cfg.spare_max = 0;
+    let other = Client::connect(cfg).unwrap();
+    other
+        .put_rows(
+            &[(Key::new(0, "a"), &vec![0x44u8; 8 * MIB as usize])],
+            other.deadline(),
+        )
+        .unwrap();
+
+    let addr = p.tcp_addrs()[0].to_string();
+    let mut child = helper_child("read_in_flight_child", ("STOWAGE_NIXL_READER", &addr));
+    let lines = stdout_lines(&mut child);
+    let end = Instant::now() + Duration::from_secs(30);
+    let result = loop {
+        match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            Ok(l) if l.contains("RESULT") => break l,
+            Ok(_) => {}
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the reader never printed its result ({e})");
+            }
+        }
+    };
+    assert!(
+        result.contains("TransferFailed") && result.contains("in_flight: true"),
+        "{result}"
+    );
+    // Past the pin lease, and with the row cleared: the READ may still
+    // read, so the pin and the value's memory stay.
+    std::thread::sleep(Duration::from_millis(600));
+    assert_eq!(other.clear_rows(&[0], other.deadline()).unwrap(), 1);
+    let s = stats(&mut watcher);
+    assert_eq!((s.pins, s.entries), (1, 0), "{s:?}");
+    assert!(
+        s.used >= 8 * MIB,
+        "the pinned value's memory was freed: {s:?}"
+    );
+
+    // Another client fills the slab: it never gets that range.
+    let mut acked = Vec::new();
+    for row in 10..10 + SLAB_MIB {
+        let v = pattern(row, 7, MIB as usize);
+        match other.put_rows(&[(Key::new(row, "b"), &v)], other.deadline()) {
+            Ok(()) => acked.push(row),
+            Err(Error::UnitFull { .. } | Error::Timeout { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(
+        !acked.is_empty() && acked.len() as u64 <= SLAB_MIB - 8,
+        "{acked:?}"
+    );
+    assert_eq!(stats(&mut watcher).pins, 1);
+    for &row in &acked {
+        let got = other
+            .get_rows(&[Key::new(row, "b")], other.deadline())
+            .unwrap();
+        assert!(got[0] == pattern(row, 7, MIB as usize), "row {row} changed");
+    }
+
+    // The reader killed: its connection closes, the pin goes, and the
+    // memory comes back.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || stats(&mut watcher).pins == 0),
+        "the killed reader's pin was not released: {:?}",
+        stats(&mut watcher)
+    );
+    other
+        .put_rows(
+            &[(Key::new(100, "c"), &vec![0x55u8; 8 * MIB as usize])],
+            other.deadline(),
+        )
+        .unwrap();
+}
+
 /// A unit started with --nixl but without --nixl-allow-tcp refuses to run
 /// unless UCX_TLS holds UCX to RDMA transports, and says why.
 #[test]

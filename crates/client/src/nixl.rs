@@ -61,19 +61,22 @@ impl Default for NixlOptions {
 }
 
 /// Test failpoints of the nixl path, from `STOWAGE_FAILPOINTS`
-/// (comma-separated): `nixl-write-in-flight` makes every WRITE report
-/// failure right after it is posted, as a transfer cut off while it may
-/// still be running, and never counts it as ended.
+/// (comma-separated): `nixl-write-in-flight` (`nixl-read-in-flight`) makes
+/// every WRITE (READ) report failure when it is waited on, as a transfer
+/// cut off while it may still be running, and never counts it as ended.
 #[derive(Clone, Copy, Debug, Default)]
 struct Failpoints {
     write_in_flight: bool,
+    read_in_flight: bool,
 }
 
 impl Failpoints {
     fn from_env() -> Self {
         let set = std::env::var("STOWAGE_FAILPOINTS").unwrap_or_default();
+        let has = |name: &str| set.split(',').any(|f| f.trim() == name);
         Self {
-            write_in_flight: set.split(',').any(|f| f.trim() == "nixl-write-in-flight"),
+            write_in_flight: has("nixl-write-in-flight"),
+            read_in_flight: has("nixl-read-in-flight"),
         }
     }
 }
@@ -359,7 +362,7 @@ impl NixlMover {
                 .agent
                 .post(Op::Read, &buf, &xfer, &self.peer)
                 .map_err(|e| failure("READ", e, false))?;
-            let running = !t.ended();
+            let running = !t.ended() || self.failpoints.read_in_flight;
             if running {
                 self.reading = Some(t);
             }
@@ -376,7 +379,11 @@ impl NixlMover {
             Op::Write => "WRITE",
             Op::Read => "READ",
         };
-        if op == Op::Write && self.failpoints.write_in_flight {
+        let stuck = match op {
+            Op::Write => self.failpoints.write_in_flight,
+            Op::Read => self.failpoints.read_in_flight,
+        };
+        if stuck {
             self.pending = Some(Pending {
                 transfer: t,
                 stuck: true,
@@ -528,7 +535,7 @@ impl Mover for NixlMover {
             .agent
             .post(Op::Read, staging, &xfer, &self.peer)
             .map_err(|e| failure("READ", e, false))?;
-        if t.ended() {
+        if t.ended() && !self.failpoints.read_in_flight {
             // Done within the post (a cma copy).
             return Ok(false);
         }
