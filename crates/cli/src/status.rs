@@ -61,6 +61,8 @@ pub struct UnitStatus {
     pub disk_capacity: u64,
     pub rows: u64,
     pub pins: u64,
+    /// Whether the unit serves one-sided NIXL transfers (`--nixl`).
+    pub serves_nixl: bool,
     /// Over the last interval; `None` until two samples were taken.
     pub ops_per_s: Option<f64>,
     pub bytes_per_s: Option<f64>,
@@ -240,6 +242,7 @@ pub fn run(opts: &StatusOptions, out: &mut dyn Write) -> Result<(), String> {
                 disk_capacity: 0,
                 rows: 0,
                 pins: 0,
+                serves_nixl: false,
                 ops_per_s: None,
                 bytes_per_s: None,
                 busy_per_s: None,
@@ -271,6 +274,7 @@ pub fn run(opts: &StatusOptions, out: &mut dyn Write) -> Result<(), String> {
                     u.disk_capacity = stats.disk_capacity;
                     u.rows = stats.rows;
                     u.pins = stats.pins;
+                    u.serves_nixl = stats.serves_nixl;
                     let restarted = match (seen[i], instance) {
                         (Some(want), Some(got)) => want != got,
                         _ => false,
@@ -398,7 +402,7 @@ pub fn render(r: &Report) -> String {
         .unwrap_or(7)
         .clamp(7, 60);
     let mut s = format!(
-        "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7}\n",
+        "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6}\n",
         "unit",
         "address",
         "state",
@@ -409,7 +413,8 @@ pub fn render(r: &Report) -> String {
         "rows",
         "pins",
         "ops/s",
-        "GB/s"
+        "GB/s",
+        "serves"
     );
     for u in &r.units {
         let disk = if u.disk_capacity == 0 {
@@ -433,7 +438,7 @@ pub fn render(r: &Report) -> String {
             State::Restarted => "restarted",
         };
         s += &format!(
-            "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7}\n",
+            "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6}\n",
             u.index,
             u.address,
             state,
@@ -449,6 +454,7 @@ pub fn render(r: &Report) -> String {
             u.pins,
             rate(u.ops_per_s, 1.0, 1),
             rate(u.bytes_per_s, 1e9, 3),
+            if u.serves_nixl { "nixl" } else { "-" },
         );
         if let (State::Unreachable | State::Busy, Some(e)) = (u.state, &u.error) {
             s += &format!("      {e}\n");

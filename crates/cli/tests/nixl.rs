@@ -231,6 +231,37 @@ fn an_in_flight_read_keeps_its_range_pinned() {
         .unwrap();
 }
 
+/// `stowage status` tells which units serve nixl, in its JSON and its
+/// table; the units' stats say so too.
+#[test]
+fn status_tells_the_units_that_serve_nixl() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let addr = p.uds_addrs()[0].to_string();
+    let run = |json: bool| {
+        let mut cmd = std::process::Command::new(binary());
+        cmd.args(["status", &addr, "--interval", "100ms"]);
+        if json {
+            cmd.arg("--json");
+        }
+        let out = cmd.stdin(std::process::Stdio::null()).output().unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let json = run(true);
+    let report: serde_json::Value =
+        serde_json::from_str(json.lines().next().expect("one report")).unwrap();
+    assert_eq!(report["units"][0]["serves_nixl"], true, "{report}");
+    let table = run(false);
+    let line = table.lines().nth(1).expect("unit 0's line");
+    assert!(line.trim_end().ends_with("nixl"), "{table}");
+    let mut watcher = Raw::hello(&p.units[0].uds, "watch");
+    assert!(stats(&mut watcher).serves_nixl);
+}
+
 /// A unit started with --nixl but without --nixl-allow-tcp refuses to run
 /// unless UCX_TLS holds UCX to RDMA transports, and says why.
 #[test]

@@ -58,6 +58,10 @@ fn status_reports_live_stopped_continued_killed_and_restarted_units() {
     let r = status(&["--directory", dir_arg, "--interval", "200ms"]);
     assert_eq!(states(&r), ["up", "up", "up"], "{r}");
     assert_eq!(r["total"]["rows"], 30, "{r}");
+    // The test units serve nixl exactly in a build with the feature.
+    for u in r["units"].as_array().expect("units") {
+        assert_eq!(u["serves_nixl"], cfg!(feature = "nixl"), "{r}");
+    }
     assert_eq!(r["total"]["memory_capacity"], 3 * (16u64 << 20), "{r}");
     for u in r["units"].as_array().unwrap() {
         assert_eq!(u["rows"], 10, "{u}");

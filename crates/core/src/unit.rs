@@ -118,6 +118,9 @@ pub struct Stats {
     /// overdue), and their bytes (part of `reserved_bytes` and `used`).
     pub spares: u64,
     pub spare_bytes: u64,
+    /// Whether the unit serves one-sided NIXL transfers (`--nixl`; set by
+    /// the unit server, the core reports false). Last in the message.
+    pub serves_nixl: bool,
 }
 
 /// What one session holds.
@@ -1762,6 +1765,7 @@ impl UnitCore {
             blobs: self.blobs.len() as u64 - spares,
             spares,
             spare_bytes,
+            serves_nixl: false,
             entries: self.entries,
             rows: self.index.values().map(|r| r.len() as u64).sum(),
             pins: self.pins.len() as u64,

@@ -473,6 +473,7 @@ impl Shared {
             (s.ops, s.bytes_in, s.bytes_out) = m.traffic();
             s.busy = m.busy_total();
         }
+        s.serves_nixl = self.nixl.is_some();
         s
     }
 

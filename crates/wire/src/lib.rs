@@ -810,6 +810,7 @@ mod tests {
                 pinned_bytes: 24,
                 spares: 25,
                 spare_bytes: 26,
+                serves_nixl: true,
             }),
             Response::Data {
                 items: vec![
