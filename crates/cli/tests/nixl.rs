@@ -38,6 +38,24 @@ fn in_flight_child() {
     std::thread::sleep(Duration::from_secs(60));
 }
 
+/// The `RESULT` line a helper child prints, within 30 s; a child that
+/// prints none is killed and the test fails.
+fn result_line(child: &mut std::process::Child, who: &str) -> String {
+    let lines = stdout_lines(child);
+    let end = Instant::now() + Duration::from_secs(30);
+    loop {
+        match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+            Ok(l) if l.contains("RESULT") => return l,
+            Ok(_) => {}
+            Err(e) => {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("the {who} never printed its result ({e})");
+            }
+        }
+    }
+}
+
 /// A WRITE that failed while it may still be running keeps its range out
 /// of use: the put fails with `TransferFailed { in_flight: true }`, the
 /// unit still holds the reservation while the writer lives, and a client
@@ -51,19 +69,7 @@ fn an_in_flight_failure_keeps_its_region_out_of_use() {
     let mut watcher = Raw::hello(&p.units[0].uds, "watch");
     let addr = p.tcp_addrs()[0].to_string();
     let mut child = helper_child("in_flight_child", ("STOWAGE_NIXL_CHILD", &addr));
-    let lines = stdout_lines(&mut child);
-    let end = Instant::now() + Duration::from_secs(30);
-    let result = loop {
-        match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
-            Ok(l) if l.contains("RESULT") => break l,
-            Ok(_) => {}
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("the writer never printed its result ({e})");
-            }
-        }
-    };
+    let result = result_line(&mut child, "writer");
     assert!(
         result.contains("TransferFailed") && result.contains("in_flight: true"),
         "{result}"
@@ -164,19 +170,7 @@ fn an_in_flight_read_keeps_its_range_pinned() {
 
     let addr = p.tcp_addrs()[0].to_string();
     let mut child = helper_child("read_in_flight_child", ("STOWAGE_NIXL_READER", &addr));
-    let lines = stdout_lines(&mut child);
-    let end = Instant::now() + Duration::from_secs(30);
-    let result = loop {
-        match lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
-            Ok(l) if l.contains("RESULT") => break l,
-            Ok(_) => {}
-            Err(e) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("the reader never printed its result ({e})");
-            }
-        }
-    };
+    let result = result_line(&mut child, "reader");
     assert!(
         result.contains("TransferFailed") && result.contains("in_flight: true"),
         "{result}"

@@ -290,6 +290,12 @@ impl std::ops::Deref for Value {
     }
 }
 
+/// A new zeroed vector of `len` bytes for a value a sink collects.
+fn zeroed(len: u64) -> std::result::Result<Vec<u8>, String> {
+    let len = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+    Ok(vec![0u8; len])
+}
+
 /// A sink that collects values into [`Value`]s, taking lent memory.
 struct ValueSink(Vec<Option<Value>>);
 
@@ -300,9 +306,9 @@ impl GetSink for ValueSink {
         len: u64,
         _meta: &[u8],
     ) -> std::result::Result<&mut [u8], String> {
-        let len = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+        let fresh = zeroed(len)?;
         let v = self.0.get_mut(index).ok_or("key index out of range")?;
-        match v.insert(Value::Owned(vec![0u8; len])) {
+        match v.insert(Value::Owned(fresh)) {
             Value::Owned(v) => Ok(v.as_mut_slice()),
             Value::Lent(..) => Err("a lent value".into()),
         }
@@ -344,9 +350,9 @@ impl GetSink for VecSink {
         len: u64,
         _meta: &[u8],
     ) -> std::result::Result<&mut [u8], String> {
-        let len = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+        let fresh = zeroed(len)?;
         let v = self.0.get_mut(index).ok_or("key index out of range")?;
-        Ok(v.insert(vec![0u8; len]).as_mut_slice())
+        Ok(v.insert(fresh).as_mut_slice())
     }
 }
 
