@@ -137,11 +137,23 @@ struct UnitsArgs {
 }
 
 impl UnitsArgs {
-    fn addrs(&self) -> Result<Vec<UnitAddr>, String> {
+    /// The addresses, and the secret to prove: `secret`'s (`--secret-file`,
+    /// `STOWAGE_SECRET`), else the directory's.
+    fn resolve(&self, secret: &SecretArgs) -> Result<(Vec<UnitAddr>, Option<Secret>), String> {
+        let given = secret.secret()?;
         match &self.directory {
-            Some(path) => UnitDirectory::from_file(path)?
-                .addrs(TransportChoice::Auto, &stowage_client::host_id()),
-            None => parse_addrs(&self.units),
+            Some(path) => {
+                let d = UnitDirectory::from_file(path)?;
+                let secret = match given {
+                    Some(s) => Some(s),
+                    None => d.secret()?,
+                };
+                Ok((
+                    d.addrs(TransportChoice::Auto, &stowage_client::host_id())?,
+                    secret,
+                ))
+            }
+            None => Ok((parse_addrs(&self.units)?, given)),
         }
     }
 }
@@ -169,7 +181,9 @@ enum Cmd {
         #[arg(long, value_parser = parse_size, default_value = "1GiB")]
         memory: u64,
         /// Where to listen: unix:/path/unit.sock and/or tcp:127.0.0.1:PORT
-        /// (repeatable). Default: unix:/tmp/stowage-unit-0.sock.
+        /// (repeatable; TCP needs a secret or --insecure). Default:
+        /// unix:$XDG_RUNTIME_DIR/stowage/unit-0.sock, else
+        /// unix:/tmp/stowage-UID/unit-0.sock (a private 0700 directory).
         #[arg(long)]
         listen: Vec<String>,
         /// A name for logs.
@@ -236,9 +250,9 @@ enum Cmd {
         /// Every client must prove this shared secret at connect.
         #[command(flatten)]
         secret: SecretArgs,
-        /// Listen on TCP beyond loopback without a shared secret (refused
-        /// otherwise): anyone who reaches the address can then read and
-        /// clear every value.
+        /// Serve TCP without a shared secret, loopback included (refused
+        /// otherwise): every local user, and anyone who reaches the
+        /// address, can then read, overwrite and clear every value.
         #[arg(long)]
         insecure: bool,
         /// Serve Prometheus metrics on http://ADDR/metrics (default
@@ -288,7 +302,8 @@ enum Cmd {
         #[command(flatten)]
         disk: DiskArgs,
         /// The units get this shared secret (in an owner-only file, never
-        /// on their command line) and the workload proves it.
+        /// on their command line) and the workload proves it. Default: a
+        /// fresh one for this plane.
         #[command(flatten)]
         secret: SecretArgs,
     },
@@ -302,7 +317,11 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         config: std::path::PathBuf,
         /// Where to write the directory (JSON) that clients connect by;
-        /// removed at exit. Default: printed on standard output.
+        /// removed at exit. It carries the units' secret when this command
+        /// generated it (no auth.secret_file, no STOWAGE_SECRET, not
+        /// auth.insecure), and is then owner-only (0600). Default: written
+        /// in the plane's private directory, its path printed after the
+        /// directory (without the secret) on standard output.
         #[arg(long, value_name = "FILE")]
         directory: Option<std::path::PathBuf>,
         /// Number of units (default: the config's units.count, else 2).
@@ -371,7 +390,8 @@ enum Cmd {
         #[arg(long, value_name = "FILE")]
         directory: Option<std::path::PathBuf>,
         /// A config file: its units on this host (`units.count`, sockets in
-        /// `listen.unix_dir`, else /tmp/stowage-unit-I.sock) unless
+        /// `listen.unix_dir`, else unit-I.sock in the private runtime
+        /// directory, as `stowage unit --config` puts them) unless
         /// addresses or --directory are given, and its secret.
         #[arg(long, value_name = "FILE")]
         config: Option<std::path::PathBuf>,
@@ -489,7 +509,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                         })?,
                     };
                     u.tcp = Some(std::net::SocketAddr::new(c.resolve_listen_host(), port));
-                    u.uds = Some(c.unit_socket(index));
+                    u.uds = Some(c.unit_socket(index).map_err(|e| e.to_string())?);
                     u
                 }
                 None => stowage_unit::UnitConfig::new(name.clone(), memory),
@@ -573,7 +593,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                     }
                 }
             } else if file.is_none() {
-                cfg.uds = Some("/tmp/stowage-unit-0.sock".into());
+                cfg.uds = Some(
+                    stowage_unit::runtime_dir::default_socket(0).map_err(|e| e.to_string())?,
+                );
             }
             let handle = stowage_unit::start(cfg).map_err(|e| e.to_string())?;
             // One line on stdout tells a launcher where the unit listens.
@@ -636,7 +658,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 println!("  unit {i}: {a} (pid {})", plane.units[i].pid());
             }
             let mut cfg = ClientConfig::new("local", addrs);
-            cfg.secret = secret;
+            cfg.secret = plane.secret().cloned();
             let client = Client::connect(cfg).map_err(|e| e.to_string())?;
             if min_tokens > max_tokens {
                 return Err("--min-tokens is larger than --max-tokens".into());
@@ -699,7 +721,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             timeout,
             secret,
         } => {
-            let client = control_client(&units.addrs()?, timeout, &secret)?;
+            let (addrs, secret) = units.resolve(&secret)?;
+            let client = control_client(&addrs, timeout, secret)?;
             let infos = client
                 .checkpoint(&dir, client.deadline())
                 .map_err(|e| e.to_string())?;
@@ -722,8 +745,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             secret,
         } => {
             let client = match units
-                .addrs()
-                .and_then(|a| control_client(&a, timeout, &secret))
+                .resolve(&secret)
+                .and_then(|(a, s)| control_client(&a, timeout, s))
             {
                 Ok(c) => c,
                 Err(e) => {
@@ -756,23 +779,27 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 .transpose()
                 .map_err(|e| e.to_string())?;
             let mut expected = Vec::new();
+            let mut dir_secret = None;
             let addrs: Vec<UnitAddr> = if let Some(d) = &directory {
                 let dir = UnitDirectory::from_file(d)?;
                 expected = dir.instances();
+                dir_secret = dir.secret()?;
                 dir.addrs(TransportChoice::Auto, &stowage_client::host_id())?
             } else if !units.is_empty() {
                 parse_addrs(&units)?
             } else if let Some(c) = &file {
                 (0..c.units.count.unwrap_or(2))
-                    .map(|i| UnitAddr::Unix(c.unit_socket(i)))
-                    .collect()
+                    .map(|i| c.unit_socket(i).map(UnitAddr::Unix))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| e.to_string())?
             } else {
                 return Err("give unit addresses, --directory FILE or --config FILE".into());
             };
             let secret = match (&secret.secret_file, &file) {
                 (None, Some(c)) => c.secret().map_err(|e| e.to_string())?,
                 _ => secret.secret()?,
-            };
+            }
+            .or(dir_secret);
             let opts = crate::status::StatusOptions {
                 units: addrs,
                 expected,
@@ -789,10 +816,10 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             namespace,
             secret,
         } => {
-            let addrs = units.addrs()?;
+            let (addrs, secret) = units.resolve(&secret)?;
             let mut cfg = ClientConfig::new(namespace, addrs.clone());
             cfg.shm = false;
-            cfg.secret = secret.secret()?;
+            cfg.secret = secret;
             cfg.timeout = Duration::from_secs(5);
             let client = Client::connect(cfg).map_err(|e| e.to_string())?;
             for (a, s) in addrs.iter().zip(client.stats(client.deadline())) {
@@ -854,11 +881,11 @@ pub fn unit_command() -> Result<Vec<std::ffi::OsString>, String> {
 fn control_client(
     addrs: &[UnitAddr],
     timeout: Duration,
-    secret: &SecretArgs,
+    secret: Option<Secret>,
 ) -> Result<Client, String> {
     let mut cfg = ClientConfig::new("default", addrs.to_vec());
     cfg.shm = false;
-    cfg.secret = secret.secret()?;
+    cfg.secret = secret;
     cfg.timeout = timeout;
     Client::connect(cfg).map_err(|e| e.to_string())
 }
@@ -890,14 +917,27 @@ fn up(
     opts.tcp_port_base = c.listen.tcp_port;
     opts.start_timeout = c.timeouts.start;
     let mut plane = LocalPlane::start(&opts)?;
-    let json = plane.directory().to_json();
+    let dir = plane.directory();
+    let write = |path: &std::path::Path| {
+        dir.write_file(path)
+            .map_err(|e| format!("writing the directory to {}: {e}", path.display()))
+    };
     match directory {
         Some(path) => {
-            std::fs::write(path, &json)
-                .map_err(|e| format!("writing the directory to {}: {e}", path.display()))?;
+            write(path)?;
             println!("READY directory={}", path.display());
         }
-        None => println!("{json}\nREADY"),
+        None => {
+            // The secret stays off standard output (logs, terminals):
+            // the full directory is in the plane's private directory.
+            let path = plane.private_dir().join("directory.json");
+            write(&path)?;
+            let shown = UnitDirectory {
+                secret_hex: None,
+                ..dir.clone()
+            };
+            println!("{}\nREADY directory={}", shown.to_json(), path.display());
+        }
     }
     // Until a signal, or (when asked) until standard input closes.
     let (tx, rx) = std::sync::mpsc::channel::<String>();

@@ -4,6 +4,13 @@
 //! on an ephemeral loopback TCP port, and exits when its stdin closes — so
 //! units never outlive the process that started them, even when that
 //! process is killed. Dropping a [`LocalPlane`] also kills and reaps them.
+//!
+//! Every plane has a shared secret (one given, else a fresh one per plane)
+//! unless started `insecure`: loopback TCP is open to every local user.
+//! The units get it in an owner-only file in the plane's private
+//! directory, never on a command line or in the environment; the plane's
+//! clients get it from [`LocalPlane::secret`] or its
+//! [`LocalPlane::directory`].
 
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
@@ -33,13 +40,15 @@ pub struct LocalOptions {
     pub restore: Option<PathBuf>,
     /// The shared secret the units require. It reaches them in an
     /// owner-only file in the plane's private directory (`--secret-file`),
-    /// never on a command line; `STOWAGE_SECRET` is not passed on, so
-    /// `None` means units without a secret.
+    /// never on a command line or in their environment (`STOWAGE_SECRET`
+    /// is not passed on). `None`: a fresh one for this plane
+    /// ([`Secret::generate`]), unless `insecure`.
     pub secret: Option<Secret>,
     /// The address the units' TCP listeners bind (port: any free one).
-    /// Default loopback; any other address needs a secret or `insecure`.
+    /// Default loopback.
     pub tcp_host: IpAddr,
-    /// Let units listen beyond loopback without a secret.
+    /// Units without a secret (`--insecure`): every local user, and anyone
+    /// who reaches `tcp_host`, can read, overwrite and clear every value.
     pub insecure: bool,
     /// Unit `i` listens on TCP port `tcp_port_base + i`; 0: any free port.
     pub tcp_port_base: u16,
@@ -98,6 +107,11 @@ impl LocalUnit {
 pub struct LocalPlane {
     pub units: Vec<LocalUnit>,
     dir: tempfile::TempDir,
+    /// The units' shared secret (`None` only when started `insecure`).
+    secret: Option<Secret>,
+    /// Whether this plane made its secret (then its directory carries it:
+    /// nobody else has it; a secret given is its giver's to hand out).
+    generated: bool,
 }
 
 impl LocalPlane {
@@ -116,11 +130,23 @@ impl LocalPlane {
             std::os::unix::fs::PermissionsExt::from_mode(0o700),
         )
         .map_err(|e| format!("making the socket directory owner-only: {e}"))?;
+        if opts.insecure && opts.secret.is_some() {
+            return Err("insecure means units without a secret, but a secret was given".into());
+        }
+        let secret = match (&opts.secret, opts.insecure) {
+            (Some(s), _) => Some(s.clone()),
+            (None, false) => Some(
+                Secret::generate().map_err(|e| format!("generating the plane's secret: {e}"))?,
+            ),
+            (None, true) => None,
+        };
         let mut plane = LocalPlane {
             units: Vec::new(),
             dir,
+            secret,
+            generated: opts.secret.is_none() && !opts.insecure,
         };
-        if let Some(secret) = &opts.secret {
+        if let Some(secret) = &plane.secret {
             write_secret(&plane.secret_path(), secret)
                 .map_err(|e| format!("writing the units' secret file: {e}"))?;
         }
@@ -155,7 +181,7 @@ impl LocalPlane {
                     r.join(format!("unit-{i}")).into_os_string(),
                 ]
             }))
-            .args(opts.secret.iter().flat_map(|_| {
+            .args(self.secret.iter().flat_map(|_| {
                 [
                     std::ffi::OsString::from("--secret-file"),
                     self.secret_path().into_os_string(),
@@ -226,6 +252,17 @@ impl LocalPlane {
         self.dir.path().join("secret")
     }
 
+    /// The units' shared secret, which every client of this plane proves
+    /// (`None` only for a plane started `insecure`).
+    pub fn secret(&self) -> Option<&Secret> {
+        self.secret.as_ref()
+    }
+
+    /// The plane's private (0700) directory: its sockets and secret file.
+    pub fn private_dir(&self) -> &std::path::Path {
+        self.dir.path()
+    }
+
     /// Start unit `i` again (after it was killed) on the same addresses'
     /// socket path; its TCP port changes.
     pub fn restart(&mut self, i: usize, opts: &LocalOptions) -> Result<(), String> {
@@ -246,7 +283,9 @@ impl LocalPlane {
     }
 
     /// The plane's directory: what another process, on this host or
-    /// another, passes to connect.
+    /// another, passes to connect. It carries the plane's secret when the
+    /// plane generated it: write it with [`UnitDirectory::write_file`]
+    /// (then owner-only).
     pub fn directory(&self) -> UnitDirectory {
         let host = stowage_client::host_id();
         UnitDirectory {
@@ -270,6 +309,11 @@ impl LocalPlane {
                         .collect(),
                 })
                 .collect(),
+            secret_hex: self
+                .secret
+                .as_ref()
+                .filter(|_| self.generated)
+                .map(Secret::to_hex),
         }
     }
 

@@ -118,6 +118,28 @@ fn connect_unix(path: &std::path::Path, deadline: Instant) -> Result<UnixStream,
     }
 }
 
+/// Without a shared secret nothing proves who listens on a Unix socket:
+/// refuse a unit of another user (one that bound the path first would
+/// otherwise be handed this client's data, and hand it memory of its own).
+fn check_peer_uid(s: &UnixStream, path: &std::path::Path) -> Result<(), ConnError> {
+    let mine = rustix::process::geteuid();
+    let cred = rustix::net::sockopt::socket_peercred(s).map_err(io::Error::from)?;
+    if cred.uid != mine {
+        return Err(ConnError::Refused(
+            ErrorCode::Unauthorized,
+            format!(
+                "the process serving {} runs as uid {}, not as this client's uid {}: without a \
+                 shared secret a client talks only to units of its own user (give the units' \
+                 secret, or use a socket in a private directory)",
+                path.display(),
+                cred.uid.as_raw(),
+                mine.as_raw()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// A reply's kind, for error messages (never its contents: a Challenge
 /// carries a proof).
 fn variant_name(r: &Response) -> &'static str {
@@ -194,6 +216,9 @@ impl Conn {
         let (reader, writer) = match addr {
             UnitAddr::Unix(p) => {
                 let s = connect_unix(p, deadline)?;
+                if secret.is_none() {
+                    check_peer_uid(&s, p)?;
+                }
                 (Socket::Unix(s.try_clone()?), Socket::Unix(s))
             }
             UnitAddr::Tcp(a) => {
@@ -265,6 +290,7 @@ impl Conn {
                 instance_id,
                 fd_attached,
                 session,
+                slab_bytes,
                 ..
             } => {
                 c.instance_id = instance_id;
@@ -283,7 +309,9 @@ impl Conn {
                             // large copies fill their regions' tables (see
                             // `Slab::open`). Filling them all at connect took
                             // 2 s for a 4 GiB slab here, for every client.
-                            Some(Arc::new(Slab::open(fd)?))
+                            Some(Arc::new(Slab::open(fd, slab_bytes).map_err(|e| {
+                                ConnError::Refused(ErrorCode::Unauthorized, e.to_string())
+                            })?))
                         }
                         (_, None) => {
                             return Err(ConnError::Protocol("slab fd missing from Hello".into()))

@@ -13,10 +13,19 @@
 //! on the same host as the client (same [`host_id`]) and has a Unix socket,
 //! tcp otherwise. Keys a client does not know (such as `ray`, the
 //! launcher's liveness source) are kept as they are.
+//!
+//! A directory may carry the units' shared secret (`"secret_hex"`: its
+//! bytes as lowercase hex digits), which a client then proves unless it
+//! was given a secret of its own. A directory file that holds one is
+//! written owner-only ([`UnitDirectory::write_file`]: mode 0600, created
+//! new and renamed into place) and refused when read if group or others
+//! may read it ([`UnitDirectory::from_file`]), as a secret file is.
 
 use std::path::Path;
 
 use serde::{Deserialize, Serialize};
+
+use stowage_wire::auth::Secret;
 
 use crate::conn::UnitAddr;
 
@@ -29,6 +38,10 @@ pub struct UnitDirectory {
     /// Always [`DIRECTORY_VERSION`].
     pub stowage_directory: u32,
     pub units: Vec<UnitEntry>,
+    /// The units' shared secret as lowercase hex digits
+    /// ([`Secret::to_hex`]), if the launcher hands it over this way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_hex: Option<String>,
 }
 
 /// One unit of a directory.
@@ -116,11 +129,69 @@ impl UnitDirectory {
         Ok(d)
     }
 
-    /// [`UnitDirectory::parse`] of a file.
+    /// [`UnitDirectory::parse`] of a file. A file that holds a secret
+    /// must be owner-only: one that group or others may read or write is
+    /// refused (`chmod 600`), as a secret file is.
     pub fn from_file(path: &Path) -> Result<Self, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read the directory file {}: {e}", path.display()))?;
-        Self::parse(&text).map_err(|e| format!("{}: {e}", path.display()))
+        use std::io::Read;
+        use std::os::unix::fs::PermissionsExt;
+        let shown = path.display();
+        let cannot = |e: std::io::Error| format!("cannot read the directory file {shown}: {e}");
+        let mut f = std::fs::File::open(path).map_err(cannot)?;
+        let mode = f.metadata().map_err(cannot)?.permissions().mode() & 0o777;
+        let mut text = String::new();
+        f.read_to_string(&mut text).map_err(cannot)?;
+        let d = Self::parse(&text).map_err(|e| format!("{shown}: {e}"))?;
+        if d.secret_hex.is_some() && mode & 0o077 != 0 {
+            return Err(format!(
+                "the directory file {shown} holds the units' shared secret but may be read or \
+                 written by other users (mode {mode:03o}); make it owner-only: chmod 600 {shown}"
+            ));
+        }
+        Ok(d)
+    }
+
+    /// Write the directory to `path`: a new file (mode 0600 when it holds
+    /// a secret, else 0644 less the umask) written in full, then renamed
+    /// over `path`, so no reader ever sees a partial file and a secret is
+    /// never in a file others may read.
+    pub fn write_file(&self, path: &Path) -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let mode = if self.secret_hex.is_some() { 0o600 } else { 0o644 };
+        let name = path
+            .file_name()
+            .ok_or_else(|| std::io::Error::other(format!("{} names no file", path.display())))?;
+        let mut nonce = [0u8; 8];
+        getrandom::fill(&mut nonce).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let tmp = path.with_file_name(format!(
+            ".{}.{:016x}.tmp",
+            name.to_string_lossy(),
+            u64::from_le_bytes(nonce)
+        ));
+        let written = (|| {
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(mode)
+                .open(&tmp)?;
+            f.write_all(self.to_json().as_bytes())?;
+            f.sync_all()?;
+            std::fs::rename(&tmp, path)
+        })();
+        if written.is_err() {
+            let _ = std::fs::remove_file(&tmp);
+        }
+        written
+    }
+
+    /// The units' shared secret the directory carries, if any.
+    pub fn secret(&self) -> Result<Option<Secret>, String> {
+        self.secret_hex
+            .as_deref()
+            .map(|h| Secret::from_hex(h, "in the directory"))
+            .transpose()
+            .map_err(|e| e.to_string())
     }
 
     /// The directory as JSON.
@@ -277,6 +348,7 @@ mod tests {
         let d = UnitDirectory {
             stowage_directory: 1,
             units: vec![entry(0, "here"), entry(1, "there")],
+            secret_hex: None,
         };
         let auto = d.addrs(TransportChoice::Auto, "here").unwrap();
         assert_eq!(auto[0], "unix:/tmp/u0.sock".parse().unwrap());
@@ -333,5 +405,42 @@ mod tests {
         assert_eq!(h, host_id());
         assert!(h.contains("/net:") && h.contains("/mnt:"), "{h}");
         assert!(!h.starts_with("unknown-boot"), "{h}");
+    }
+
+    #[test]
+    fn a_directory_with_a_secret_is_written_owner_only_and_read_only_so() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!(
+            "stowage-directory-test-{}-{:?}",
+            std::process::id(),
+            std::time::SystemTime::now()
+        ));
+        std::fs::create_dir(&dir).unwrap();
+        let path = dir.join("units.json");
+        let secret = Secret::generate().unwrap();
+        let d = UnitDirectory {
+            stowage_directory: 1,
+            units: vec![entry(0, "here")],
+            secret_hex: Some(secret.to_hex()),
+        };
+        // A file already there, readable by all, is replaced, not reused.
+        std::fs::write(&path, "old").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        d.write_file(&path).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o600);
+        let back = UnitDirectory::from_file(&path).unwrap();
+        assert_eq!(back, d);
+        assert_eq!(back.secret().unwrap().unwrap().expose(), secret.expose());
+        // Opened up: refused, naming the fix.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = UnitDirectory::from_file(&path).unwrap_err();
+        assert!(e.contains("chmod 600") && e.contains("644"), "{e}");
+        // Without a secret the file may be shared.
+        let open = UnitDirectory { secret_hex: None, ..d };
+        open.write_file(&path).unwrap();
+        UnitDirectory::from_file(&path).unwrap();
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "no temporary file left");
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -253,8 +253,9 @@ pub struct AuthSection {
     /// variable.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub secret_file: Option<PathBuf>,
-    /// Run without a secret: anyone who can reach a unit may use it.
-    /// Default false.
+    /// Serve TCP without a secret, loopback included: every local user,
+    /// and anyone who can reach a unit, may read, overwrite and clear every
+    /// value. Default false: a unit with no secret refuses TCP.
     pub insecure: bool,
 }
 
@@ -594,12 +595,15 @@ impl Config {
     }
 
     /// The Unix socket of unit `index` started from this file:
-    /// `listen.unix_dir/unit-<index>.sock`, else
-    /// `/tmp/stowage-unit-<index>.sock`.
-    pub fn unit_socket(&self, index: usize) -> PathBuf {
+    /// `listen.unix_dir/unit-<index>.sock`, else `unit-<index>.sock` in
+    /// this user's private runtime directory
+    /// ([`stowage_unit::runtime_dir::runtime_dir`]: `$XDG_RUNTIME_DIR/stowage`,
+    /// else `/tmp/stowage-<uid>`, 0700), which fails when that directory
+    /// is not this user's own.
+    pub fn unit_socket(&self, index: usize) -> std::io::Result<PathBuf> {
         match &self.listen.unix_dir {
-            Some(d) => d.join(format!("unit-{index}.sock")),
-            None => format!("/tmp/stowage-unit-{index}.sock").into(),
+            Some(d) => Ok(d.join(format!("unit-{index}.sock"))),
+            None => stowage_unit::runtime_dir::default_socket(index),
         }
     }
 }

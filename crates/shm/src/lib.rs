@@ -148,9 +148,15 @@ impl Slab {
     /// 2 MiB region they touch first, in one `MADV_POPULATE_WRITE` (no
     /// change to contents): one system call instead of up to 512 page
     /// faults, which cost 2-3 us each on this class of VM.
-    pub fn open(fd: OwnedFd) -> io::Result<Self> {
-        let st = rustix::fs::fstat(&fd)?;
-        let len = usize::try_from(st.st_size).map_err(|_| io::ErrorKind::InvalidData)?;
+    ///
+    /// The fd must be what a unit hands over: a memfd of exactly `len`
+    /// bytes (the size its Hello announced), sealed against shrinking,
+    /// growing and further sealing. Anything else (another file, a memfd
+    /// that could shrink under this mapping and raise SIGBUS) is refused
+    /// with [`io::ErrorKind::PermissionDenied`] naming what was wrong.
+    pub fn open(fd: OwnedFd, len: u64) -> io::Result<Self> {
+        check_slab_fd(&fd, len)?;
+        let len = usize::try_from(len).map_err(|_| io::ErrorKind::InvalidData)?;
         let mut s = Self::map(fd, len)?;
         s.filled = Some(
             (0..len.div_ceil(REGION).div_ceil(64))
@@ -666,6 +672,41 @@ fn parallel_chunks(total: usize, copy: impl Fn(usize, usize) + Sync) {
     });
 }
 
+/// Refuse an fd that is not a unit's slab: a memfd (a shared-memory file
+/// that takes seals) of `len` bytes sealed against shrinking, growing and
+/// further sealing.
+fn check_slab_fd(fd: &OwnedFd, len: u64) -> io::Result<()> {
+    let refuse = |why: String| {
+        Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!("the unit's slab fd is refused: {why}"),
+        ))
+    };
+    let st = rustix::fs::fstat(fd)?;
+    if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+        return refuse("it is not a memfd (not a regular file)".into());
+    }
+    // Only shared-memory files (memfd) take seals; any other file answers
+    // EINVAL.
+    let seals = match rustix::fs::fcntl_get_seals(fd) {
+        Ok(s) => s,
+        Err(e) => return refuse(format!("it is not a sealed memfd ({e})")),
+    };
+    let want = SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL;
+    if !seals.contains(want) {
+        return refuse(format!(
+            "its seals are {seals:?}, not SHRINK | GROW | SEAL: it could shrink under this mapping"
+        ));
+    }
+    if u64::try_from(st.st_size).ok() != Some(len) {
+        return refuse(format!(
+            "it holds {} bytes, not the {len} the unit announced",
+            st.st_size
+        ));
+    }
+    Ok(())
+}
+
 /// Send `bytes` with `fd` attached (SCM_RIGHTS). Returns the bytes sent,
 /// which may be fewer than `bytes.len()` on a stream socket.
 pub fn send_with_fd(sock: impl AsFd, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Result<usize> {
@@ -731,7 +772,7 @@ mod tests {
         assert!(out[(len / 2) as usize..].iter().all(|&b| b == 0));
         // A client's mapping of the same memory fills its page tables as
         // copies reach each region: the same bytes, both ways.
-        let lazy = Slab::open(s.fd().try_clone_to_owned().unwrap()).unwrap();
+        let lazy = Slab::open(s.fd().try_clone_to_owned().unwrap(), s.len()).unwrap();
         let mut back = vec![0u8; 3 << 20];
         lazy.read(1 << 20, &mut back).unwrap();
         assert!(back == out[1 << 20..4 << 20]);
@@ -931,11 +972,38 @@ mod tests {
         let mut buf = [0u8; 16];
         let (n, fd) = recv_with_fd(&b, &mut buf).unwrap();
         assert_eq!(&buf[..n], b"hi");
-        let other = Slab::open(fd.expect("fd attached")).unwrap();
+        let other = Slab::open(fd.expect("fd attached"), s.len()).unwrap();
         assert_eq!(other.len(), 4096);
         s.write(10, b"shared").unwrap();
         let mut out = [0u8; 6];
         other.read(10, &mut out).unwrap();
         assert_eq!(&out, b"shared");
+    }
+
+    #[test]
+    fn open_refuses_fds_that_are_not_a_sealed_slab_of_the_announced_size() {
+        let msg = |r: io::Result<Slab>| match r {
+            Ok(_) => panic!("an unfit fd was mapped"),
+            Err(e) => {
+                assert_eq!(e.kind(), io::ErrorKind::PermissionDenied, "{e}");
+                e.to_string()
+            }
+        };
+        // A regular file.
+        let f = std::fs::File::open("/proc/self/exe").unwrap();
+        let n = f.metadata().unwrap().len();
+        let e = msg(Slab::open(f.into(), n));
+        assert!(e.contains("not a sealed memfd"), "{e}");
+        // A memfd nobody sealed: it could shrink under the mapping.
+        let m = rustix::fs::memfd_create("unsealed", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+            .unwrap();
+        rustix::fs::ftruncate(&m, 4096).unwrap();
+        let e = msg(Slab::open(m, 4096));
+        assert!(e.contains("SHRINK | GROW | SEAL"), "{e}");
+        // A real slab of another size than announced.
+        let s = Slab::create("sized", 8192).unwrap();
+        let e = msg(Slab::open(s.fd().try_clone_to_owned().unwrap(), 4096));
+        assert!(e.contains("8192") && e.contains("4096"), "{e}");
+        assert!(Slab::open(s.fd().try_clone_to_owned().unwrap(), 8192).is_ok());
     }
 }

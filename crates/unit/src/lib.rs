@@ -35,8 +35,9 @@
 //! Authentication: a unit given a shared secret ([`UnitConfig::secret`])
 //! serves a connection, on either listener, only after the client proved
 //! the secret ([`auth`]); before that no session exists and no fd is
-//! handed over. A unit refuses to listen on TCP beyond loopback without a
-//! secret unless told [`UnitConfig::insecure`].
+//! handed over. A unit refuses to listen on TCP (loopback included: every
+//! local user reaches it) without a secret unless told
+//! [`UnitConfig::insecure`].
 
 #![forbid(unsafe_code)]
 
@@ -47,6 +48,7 @@ pub mod disk;
 pub mod handler;
 mod http;
 pub mod metrics;
+pub mod runtime_dir;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -128,8 +130,9 @@ pub struct UnitConfig {
     /// The shared secret every client must prove at connect, on every
     /// listener (see [`auth`]). `None`: clients connect without one.
     pub secret: Option<stowage_wire::auth::Secret>,
-    /// Listen on TCP beyond loopback without a secret. Without it such a
-    /// unit refuses to start.
+    /// Listen on TCP (loopback included) without a secret. Without it such
+    /// a unit refuses to start: every local user, and anyone who reaches
+    /// the address, could read, overwrite and clear every value.
     pub insecure: bool,
     /// Record metrics (request counts, latencies, bytes; see
     /// docs/metrics.md). Default true. Off, the unit records nothing on
@@ -685,17 +688,23 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             "no listener: give a Unix socket path or a TCP address".into(),
         ));
     }
-    if let Some(addr) = cfg.tcp.filter(|a| !is_loopback(a)) {
-        if cfg.secret.is_none() {
-            if !cfg.insecure {
-                return Err(StartError::Config(format!(
-                    "refusing to listen on {addr}, beyond loopback, without a shared secret: \
-                     anyone who reaches it could read and clear every value. Set STOWAGE_SECRET \
-                     or --secret-file, or pass --insecure to serve without one"
-                )));
-            }
-            tracing::warn!(%addr, "listening beyond loopback without a shared secret (--insecure): anyone who reaches this address can read and change every value");
+    if let (Some(addr), None) = (cfg.tcp, &cfg.secret) {
+        // Loopback is not private: every local user reaches it, and TCP
+        // tells nothing of who connects.
+        if !cfg.insecure {
+            return Err(StartError::Config(format!(
+                "refusing to listen on tcp:{addr} without a shared secret: every local user{} \
+                 could read, overwrite and clear every value. Give one (--secret-file FILE or \
+                 STOWAGE_SECRET; launchers generate one), listen on a Unix socket only, or pass \
+                 --insecure to serve TCP without one",
+                if is_loopback(&addr) {
+                    ""
+                } else {
+                    ", and anyone who reaches this address,"
+                }
+            )));
         }
+        tracing::warn!(%addr, "serving TCP without a shared secret (--insecure): every local user, and anyone who reaches this address, can read, overwrite and clear every value");
     }
     let mut core_cfg = CoreConfig::new(cfg.memory);
     if let Some(b) = cfg.index_budget {
@@ -1326,16 +1335,24 @@ mod tests {
     }
 
     #[test]
-    fn a_unit_beyond_loopback_needs_a_secret_or_insecure() {
-        let mut cfg = UnitConfig::new("t", 1 << 20);
-        cfg.mlock = false;
-        cfg.tcp = Some("0.0.0.0:0".parse().unwrap());
-        let e = start(cfg.clone()).err().expect("refused");
-        assert!(e.to_string().contains("--insecure"), "{e}");
-        cfg.secret = Some(stowage_wire::auth::Secret::from_bytes(*b"0123456789abcdef").unwrap());
-        start(cfg.clone()).expect("with a secret").stop();
-        cfg.secret = None;
-        cfg.insecure = true;
-        start(cfg).expect("with --insecure").stop();
+    fn a_unit_on_tcp_needs_a_secret_or_insecure_loopback_included() {
+        for addr in ["0.0.0.0:0", "127.0.0.1:0"] {
+            let mut cfg = UnitConfig::new("t", 1 << 20);
+            cfg.mlock = false;
+            cfg.metrics_listen = None;
+            cfg.tcp = Some(addr.parse().unwrap());
+            let e = start(cfg.clone()).err().expect("refused");
+            let e = e.to_string();
+            assert!(
+                e.contains("--insecure") && e.contains("STOWAGE_SECRET") && e.contains("--secret-file"),
+                "{e}"
+            );
+            cfg.secret =
+                Some(stowage_wire::auth::Secret::from_bytes(*b"0123456789abcdef").unwrap());
+            start(cfg.clone()).expect("with a secret").stop();
+            cfg.secret = None;
+            cfg.insecure = true;
+            start(cfg).expect("with --insecure").stop();
+        }
     }
 }

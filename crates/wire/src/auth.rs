@@ -65,6 +65,8 @@ pub enum SecretError {
         "the secret file {path} may be read or written by other users (mode {mode:03o}); make it owner-only: chmod 600 {path}"
     )]
     Exposed { path: String, mode: u32 },
+    #[error("the shared secret {what} is not hex digits")]
+    NotHex { what: String },
 }
 
 /// A shared secret: bytes every unit and client of a deployment know.
@@ -167,6 +169,41 @@ impl Secret {
         &self.0
     }
 
+    /// A fresh secret for one data plane: 32 random bytes from the OS,
+    /// written as 64 lowercase hex digits (so it survives a file, an
+    /// environment variable and a trailing line break as it is).
+    pub fn generate() -> std::io::Result<Secret> {
+        let mut raw = [0u8; 32];
+        getrandom::fill(&mut raw).map_err(|e| std::io::Error::other(e.to_string()))?;
+        let s = Secret(hex(&raw).into_bytes());
+        raw.iter_mut().for_each(|b| *b = 0);
+        Ok(s)
+    }
+
+    /// The secret's bytes as lowercase hex digits (how a directory carries
+    /// it: any bytes, in JSON). Never log or print them.
+    pub fn to_hex(&self) -> String {
+        hex(&self.0)
+    }
+
+    /// A secret written by [`Secret::to_hex`].
+    pub fn from_hex(text: &str, what: &str) -> Result<Secret, SecretError> {
+        let t = text.as_bytes();
+        let bad = || SecretError::NotHex {
+            what: what.to_owned(),
+        };
+        if t.len() % 2 != 0 {
+            return Err(bad());
+        }
+        let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+        let bytes = t
+            .chunks(2)
+            .map(|p| Some(digit(p[0])? << 4 | digit(p[1])?))
+            .collect::<Option<Vec<u8>>>()
+            .ok_or_else(bad)?;
+        Self::checked(bytes, what)
+    }
+
     fn mac(&self, label: &[u8], client_nonce: &Nonce, unit_nonce: &Nonce) -> Hmac<Sha256> {
         let mut m =
             <Hmac<Sha256> as Mac>::new_from_slice(&self.0).expect("HMAC takes a key of any length");
@@ -220,6 +257,14 @@ impl Secret {
     }
 }
 
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
 fn trim_line_breaks(bytes: &mut Vec<u8>) {
     while matches!(bytes.last(), Some(b'\n' | b'\r')) {
         bytes.pop();
@@ -236,6 +281,22 @@ pub fn fresh_nonce() -> std::io::Result<Nonce> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn generated_secrets_are_fresh_hex_and_round_trip() {
+        let a = Secret::generate().unwrap();
+        let b = Secret::generate().unwrap();
+        assert_eq!(a.expose().len(), 64);
+        assert!(a.expose().iter().all(u8::is_ascii_hexdigit));
+        assert_ne!(a.expose(), b.expose());
+        let back = Secret::from_hex(&a.to_hex(), "t").unwrap();
+        assert_eq!(back.expose(), a.expose());
+        let odd = Secret::from_bytes(vec![0u8, 0xff, b'\n', 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
+            .unwrap();
+        assert_eq!(Secret::from_hex(&odd.to_hex(), "t").unwrap().expose(), odd.expose());
+        assert!(Secret::from_hex("zz", "t").is_err());
+        assert!(Secret::from_hex("abc", "t").is_err());
+    }
 
     fn secret(s: &str) -> Secret {
         Secret::from_bytes(s.as_bytes()).unwrap()
