@@ -107,7 +107,10 @@ class StowageBackend:
         self.client = StowageClient(self.dp)
 
     def conn(self) -> dict:
-        return {"system": "stowage", "units": self.dp.units, "namespace": "bench", "transport": self.transport}
+        # The directory carries the plane's generated secret (over the
+        # workers' stdin pipe, never their argv).
+        units = self.dp.directory if hasattr(self.dp, "directory") else self.dp.units
+        return {"system": "stowage", "units": units, "namespace": "bench", "transport": self.transport}
 
     def memory_pids(self) -> List[int]:
         return list(self.dp.unit_pids)

@@ -50,7 +50,7 @@ def main():
     args = ap.parse_args()
     value = np.random.default_rng(0).integers(0, 255, 64 << 10, dtype=np.uint8)
     planes = {
-        "none": stowage.local(units=1, memory="64MiB", secret=None),
+        "none": stowage.local(units=1, memory="64MiB", insecure=True),
         "secret": stowage.local(units=1, memory="64MiB", secret=SECRET),
     }
     res = {}

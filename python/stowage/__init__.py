@@ -276,7 +276,11 @@ class DataPlane:
     def directory(self) -> Dict[str, Any]:
         """A local plane's directory: pass it (or a JSON file holding it) to
         :func:`connect` in another process, on this host (shared memory) or
-        another one (tcp, if the units listen beyond loopback)."""
+        another one (tcp, if the units listen beyond loopback). When the
+        plane generated its secret, the directory carries it
+        (``secret_hex``): keep it, and any file holding it, owner-only
+        (``chmod 600``; a client refuses a directory file with a secret
+        that others may read)."""
         if self._plane is None:
             raise InvalidRequest("not a local data plane: use the directory its launcher returned")
         host = _native.host_id()
@@ -285,7 +289,10 @@ class DataPlane:
             zip(self._plane.uds_addrs, self._plane.tcp_addrs, self._plane.pids)
         ):
             units.append({"index": i, "host": host, "uds": uds, "tcp": tcp, "pid": pid})
-        return {"stowage_directory": 1, "units": units}
+        d: Dict[str, Any] = {"stowage_directory": 1, "units": units}
+        if self._plane.secret_generated:
+            d["secret_hex"] = self._plane.secret.hex()
+        return d
 
     @property
     def unit_pids(self) -> List[int]:
@@ -493,11 +500,9 @@ def _directory_of(units: Any) -> Optional[Dict[str, Any]]:
         path = os.fspath(units)
         if path.startswith(("unix:", "tcp:")) or not os.path.isfile(path):
             return None
-        try:
-            with open(path, encoding="utf-8") as f:
-                return json.load(f)
-        except (OSError, ValueError) as e:
-            raise InvalidRequest(f"cannot read the directory file {path}: {e}") from None
+        # Read and checked in Rust: a file holding a secret must be
+        # owner-only.
+        return json.loads(_native.read_directory_file(path))
     return None
 
 
@@ -571,7 +576,9 @@ def connect(
 
     ``secret`` (bytes or str, at least 16 bytes): the units' shared secret,
     proved at every connect; the units must prove it back. Default: the
-    ``STOWAGE_SECRET`` environment variable when set, else none. A unit that
+    ``STOWAGE_SECRET`` environment variable when set, else the directory's
+    (``secret_hex``, which a launcher that generated the secret puts there),
+    else none. A unit that
     wants a secret refuses a client without the right one, and a client with
     a secret refuses a unit without it: :class:`Unauthorized`.
 
@@ -590,10 +597,14 @@ def connect(
     by_address = "tcp" if transport == "nixl" else transport
     directory = _directory_of(units)
     if directory is not None:
-        addrs, instances = _native.resolve_directory(json.dumps(directory), by_address)
+        text = json.dumps(directory)
+        addrs, instances = _native.resolve_directory(text, by_address)
+        secret = _secret(secret)
+        if secret is None:
+            secret = _native.directory_secret(text)
         return DataPlane(
             _native.Client(
-                addrs, namespace, timeout, True, wait_for_memory, _secret(secret),
+                addrs, namespace, timeout, True, wait_for_memory, secret,
                 instances=instances, liveness=_liveness_of(directory),
                 nixl=use_nixl, require_rdma=require_rdma,
             )
@@ -638,6 +649,7 @@ def local(
     wait_for_memory: Optional[float] = None,
     checkpoint_root: Optional[str] = None,
     secret: Optional[Union[bytes, str]] = None,
+    insecure: bool = False,
 ) -> DataPlane:
     """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
     ``"1GiB"``) as child processes of this interpreter and connect to them
@@ -662,7 +674,11 @@ def local(
     ``secret`` (bytes or str): the units require this shared secret of every
     client (it reaches them in an owner-only file, never on a command line)
     and this plane's clients prove it. Default: ``STOWAGE_SECRET`` from the
-    environment when set, else none."""
+    environment when set, else a fresh one for this plane (loopback TCP is
+    open to every local user); :attr:`DataPlane.directory` carries a
+    generated one to other processes. ``insecure=True``: units without a
+    secret; every local user can then read, overwrite and clear every value
+    over their loopback TCP listeners."""
     if transport not in ("shm", "tcp", "nixl"):
         raise InvalidRequest(f"transport must be 'shm', 'tcp' or 'nixl', not {transport!r}")
     command = unit_command()
@@ -679,8 +695,12 @@ def local(
         ]
     if checkpoint_root is not None:
         args += ["--checkpoint-root", str(checkpoint_root)]
-    secret = _secret(secret)
-    plane = _native.LocalPlane(command, units, memory, args, 30.0, secret)
+    if insecure and secret is not None:
+        raise InvalidRequest("insecure means units without a secret, but one was given")
+    plane = _native.LocalPlane(
+        command, units, memory, args, 30.0, None if insecure else _secret(secret), insecure=insecure
+    )
+    secret = plane.secret
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
         client = _native.Client(

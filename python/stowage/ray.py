@@ -90,12 +90,6 @@ class StowageUnit:
         uds = None
         if listen.get("unix_dir"):
             uds = os.path.join(listen["unix_dir"], f"stowage-unit-{index}-{os.getpid()}.sock")
-        if not {"secret", "secret_file", "insecure"} & set(unit_kwargs):
-            # No secret from the config or the driver: this node's own
-            # STOWAGE_SECRET, if it has one.
-            env = _secret(None)
-            if env is not None:
-                unit_kwargs = dict(unit_kwargs, secret=env)
         metrics = unit_kwargs.get("metrics_listen")
         if metrics is not None and metrics != "off":
             # [metrics] listen: a fixed port becomes port + index (as
@@ -338,6 +332,8 @@ class _Settings:
         else:
             kw["metrics_listen"] = str(metrics["listen"])
         auth = cfg["auth"]
+        #: A secret this launcher generated: the directory carries it.
+        self.generated: Optional[bytes] = None
         if auth["insecure"]:
             if secret is not None or auth["secret_file"] is not None:
                 raise InvalidRequest("config: auth.insecure means no secret, but one was given")
@@ -349,8 +345,12 @@ class _Settings:
             kw["secret_file"] = os.fspath(auth["secret_file"])
         else:
             env = _secret(None)
-            if env is not None:
-                kw["secret"] = env
+            if env is None:
+                # Loopback TCP is open to every local user: a fresh
+                # secret for this plane, handed to clients in its
+                # directory.
+                env = self.generated = _native.generate_secret()
+            kw["secret"] = env
         self.unit_kwargs = kw
         unix_dir = listen["unix_dir"]
         self.listen = {
@@ -474,12 +474,16 @@ def start_units(
     The units' shared secret (every client proves it; see
     :func:`stowage.connect`): ``secret`` (bytes or str) if given, else
     ``auth.secret_file`` (each unit reads that owner-only file on its own
-    node), else ``STOWAGE_SECRET`` of this process, else that of each
-    unit's node; none with ``auth.insecure``. A secret from this process
-    reaches the actors in Ray's actor-creation request (visible to whoever
-    can run code on the Ray cluster anyway); ``auth.secret_file`` keeps it
-    on the nodes. Units without a secret serve loopback only unless
-    ``auth.insecure`` says otherwise. The directory holds no secret.
+    node), else ``STOWAGE_SECRET`` of this process, else a fresh one
+    generated here for these units; none only with ``auth.insecure``
+    (every local user, and anyone who reaches a unit, can then read,
+    overwrite and clear every value). A secret from this process reaches
+    the actors in Ray's actor-creation request (visible to whoever can run
+    code on the Ray cluster anyway); ``auth.secret_file`` keeps it on the
+    nodes. The directory carries the secret only when it was generated
+    here (``secret_hex``; :func:`stowage.connect` proves it): pass the
+    dict in memory (Ray object, actor argument), and keep any file holding
+    it owner-only (``chmod 600``).
 
     Raises :class:`PlacementError` when a planned node is missing, dead or
     short of CPUs or memory (at once, before anything starts), or when a
@@ -554,7 +558,10 @@ def start_units(
         _kill_all([a for a, up in zip(actors, came_up) if not up])
         raise
     logger.info("started %d storage units in %.1f s", len(actors), time.monotonic() - t0)
-    return Units(actors, {"stowage_directory": 1, "units": units}, settings.stop_timeout)
+    directory: Dict[str, Any] = {"stowage_directory": 1, "units": units}
+    if settings.generated is not None:
+        directory["secret_hex"] = settings.generated.hex()
+    return Units(actors, directory, settings.stop_timeout)
 
 
 # -- teardown ------------------------------------------------------------------

@@ -209,6 +209,7 @@ pub fn run(
     let connect = |addrs| {
         let mut cfg = ClientConfig::new("bench", addrs);
         cfg.spin = spin;
+        cfg.secret = plane.secret().cloned();
         Client::connect(cfg).map_err(|e| e.to_string())
     };
     let shm = connect(plane.uds_addrs())?;
@@ -384,8 +385,9 @@ pub fn run_disk(
     .map(String::from)
     .to_vec();
     let mut plane = LocalPlane::start(&opts)?;
-    let client = Client::connect(ClientConfig::new("bench-disk", plane.uds_addrs()))
-        .map_err(|e| e.to_string())?;
+    let mut cfg = ClientConfig::new("bench-disk", plane.uds_addrs());
+    cfg.secret = plane.secret().cloned();
+    let client = Client::connect(cfg).map_err(|e| e.to_string())?;
     let data = vec![0x5au8; value];
     let n = total / value;
     let t = Instant::now();
@@ -504,17 +506,23 @@ pub fn median_min_max(v: &[f64]) -> (f64, f64, f64) {
 }
 
 /// Ask a unit over its Unix socket how to reach its slab over nixl:
-/// (agent metadata, slab address).
-fn nixl_info(sock: &std::path::Path) -> Result<(Vec<u8>, u64), String> {
+/// (agent metadata, slab address), proving the plane's `secret` first.
+fn nixl_info(
+    sock: &std::path::Path,
+    secret: Option<&stowage_client::Secret>,
+) -> Result<(Vec<u8>, u64), String> {
     use std::os::unix::net::UnixStream;
     use stowage_wire::{decode_header, encode, FramePrefix, Limits, Request, Response, PREFIX_LEN};
     let mut s = UnixStream::connect(sock).map_err(|e| format!("{}: {e}", sock.display()))?;
     s.set_read_timeout(Some(Duration::from_secs(10)))
         .map_err(|e| e.to_string())?;
-    let mut call = |id: u64, req: &Request| -> Result<Response, String> {
+    fn send(s: &mut UnixStream, id: u64, req: &Request) -> Result<(), String> {
         let mut buf = Vec::new();
         encode(id, req, 0, &mut buf).map_err(|e| e.to_string())?;
-        s.write_all(&buf).map_err(|e| e.to_string())?;
+        s.write_all(&buf).map_err(|e| e.to_string())
+    }
+    fn call(s: &mut UnixStream, id: u64, req: &Request) -> Result<Response, String> {
+        send(s, id, req)?;
         let mut p = [0u8; PREFIX_LEN];
         s.read_exact(&mut p).map_err(|e| e.to_string())?;
         let prefix = FramePrefix::parse(&p, &Limits::default()).map_err(|e| e.to_string())?;
@@ -525,8 +533,22 @@ fn nixl_info(sock: &std::path::Path) -> Result<(Vec<u8>, u64), String> {
         Ok(decode_header::<Response>(&h)
             .map_err(|e| e.to_string())?
             .body)
-    };
+    }
+    if let Some(secret) = secret {
+        let client_nonce = stowage_wire::auth::fresh_nonce().map_err(|e| e.to_string())?;
+        match call(&mut s, 10, &Request::Auth { client_nonce })? {
+            Response::Challenge {
+                unit_nonce,
+                unit_proof,
+            } if secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof) => {
+                let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
+                send(&mut s, 11, &Request::Prove { client_proof })?;
+            }
+            _ => return Err("the unit did not prove the plane's secret".into()),
+        }
+    }
     call(
+        &mut s,
         1,
         &Request::Hello {
             version: stowage_wire::PROTOCOL_VERSION,
@@ -535,7 +557,7 @@ fn nixl_info(sock: &std::path::Path) -> Result<(Vec<u8>, u64), String> {
             session: None,
         },
     )?;
-    match call(2, &Request::NixlInfo)? {
+    match call(&mut s, 2, &Request::NixlInfo)? {
         Response::NixlInfo {
             metadata,
             slab_addr,
@@ -689,6 +711,7 @@ pub fn run_nixl(unit_command: Vec<std::ffi::OsString>, quick: bool) -> Result<()
     // start: measure after that, not against it.
     wait_quiet(Duration::from_secs(20));
     let mut cfg = ClientConfig::new("bench-nixl", plane.tcp_addrs()[..2].to_vec());
+    cfg.secret = plane.secret().cloned();
     cfg.nixl = Some(stowage_client::NixlOptions {
         require_rdma: rdma,
         ..Default::default()
@@ -704,7 +727,7 @@ pub fn run_nixl(unit_command: Vec<std::ffi::OsString>, quick: bool) -> Result<()
     let agent =
         stowage_nixl::Agent::new(&format!("stowage-bench-raw-{}", std::process::id()), None)
             .map_err(|e| e.to_string())?;
-    let (md, slab_addr) = nixl_info(&plane.units[2].uds)?;
+    let (md, slab_addr) = nixl_info(&plane.units[2].uds, plane.secret())?;
     let peer = agent.load_remote(&md).map_err(|e| e.to_string())?;
     println!(
         "nixl: stowage over nixl (client process -> 2 unit processes) against raw NIXL WRITE/READ \

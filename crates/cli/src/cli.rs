@@ -107,7 +107,8 @@ impl DiskArgs {
 struct SecretArgs {
     /// A file holding the shared secret (owner-only, at least 16 bytes; a
     /// trailing line break is dropped). Without it, the environment
-    /// variable STOWAGE_SECRET is used when set; with neither, no secret.
+    /// variable STOWAGE_SECRET is used when set; with neither, no secret
+    /// (a command given --directory proves the directory's, if it has one).
     #[arg(long, value_name = "PATH")]
     secret_file: Option<std::path::PathBuf>,
 }
@@ -593,9 +594,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                     }
                 }
             } else if file.is_none() {
-                cfg.uds = Some(
-                    stowage_unit::runtime_dir::default_socket(0).map_err(|e| e.to_string())?,
-                );
+                cfg.uds =
+                    Some(stowage_unit::runtime_dir::default_socket(0).map_err(|e| e.to_string())?);
             }
             let handle = stowage_unit::start(cfg).map_err(|e| e.to_string())?;
             // One line on stdout tells a launcher where the unit listens.

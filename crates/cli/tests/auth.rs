@@ -58,6 +58,8 @@ impl Unit {
         .arg("--listen")
         .arg(format!("unix:{}", sock.display()))
         .args(["--listen", "tcp:127.0.0.1:0"])
+        // A unit without a secret serves TCP only when told to.
+        .args(secret.is_none().then_some("--insecure"))
         .args(extra);
         if let Some(s) = secret {
             let path = dir.path().join("secret");

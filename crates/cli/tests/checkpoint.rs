@@ -32,6 +32,7 @@ fn disk_args(root: &Path) -> Vec<String> {
 
 fn connect(p: &LocalPlane) -> Client {
     let mut cfg = ClientConfig::new("ns", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(60);
     Client::connect(cfg).unwrap()
 }

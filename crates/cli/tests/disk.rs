@@ -231,6 +231,7 @@ fn full_memory_and_disk_refuse_puts_until_a_clear() {
     }
     // A put that may wait for memory succeeds once a clear makes room.
     let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.wait_for_memory = Some(Duration::from_secs(20));
     cfg.timeout = Duration::from_secs(30);
     let waiting = Client::connect(cfg).unwrap();

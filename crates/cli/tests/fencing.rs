@@ -14,6 +14,7 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
+use stowage_cli::local::LocalPlane;
 use stowage_client::{ClientConfig, Error, Key, UnitAddr};
 use stowage_wire::Stats;
 
@@ -49,6 +50,7 @@ fn fence_child() {
         parts[4].parse::<u64>().unwrap(),
     );
     let mut cfg = ClientConfig::new("fence", vec![addr]);
+    cfg.secret = common::child_secret();
     cfg.timeout = Duration::from_millis(timeout_ms);
     cfg.shm = parts[1] == "shm";
     if parts[1] == "nixl" {
@@ -93,7 +95,14 @@ struct Paused {
 }
 
 impl Paused {
-    fn start(role: &str, kind: Kind, addr: &UnitAddr, byte: u8, timeout: Duration) -> Paused {
+    fn start(
+        p: &LocalPlane,
+        role: &str,
+        kind: Kind,
+        addr: &UnitAddr,
+        byte: u8,
+        timeout: Duration,
+    ) -> Paused {
         let spec = format!(
             "{role},{},{addr},{byte},{}",
             match kind {
@@ -103,7 +112,7 @@ impl Paused {
             },
             timeout.as_millis()
         );
-        let mut child = helper_child("fence_child", ("STOWAGE_FENCE", &spec));
+        let mut child = helper_child_of(p, "fence_child", ("STOWAGE_FENCE", &spec));
         let rx = stdout_lines(&mut child);
         let p = Paused { child, lines: rx };
         p.expect_line("READY", Duration::from_secs(30));
@@ -171,6 +180,7 @@ fn fclient(
     timeout: Duration,
 ) -> stowage_client::Client {
     let mut cfg = ClientConfig::new("fence", vec![addr(p, kind)]);
+    cfg.secret = p.secret().cloned();
     cfg.timeout = timeout;
     if kind == Kind::Nixl {
         cfg.nixl = Some(nixl_options());
@@ -241,7 +251,7 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
             Kind::Shm | Kind::Nixl => Duration::from_secs(60),
             Kind::Tcp => Duration::from_secs(3),
         };
-        let w = Paused::start("put", kind, &a, 0x01, deadline);
+        let w = Paused::start(&p, "put", kind, &a, 0x01, deadline);
         if w.stop_during(&mut watcher, |s| s.reserved_bytes > 0) {
             stopped = Some(w);
             break;
@@ -295,7 +305,7 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
             Kind::Shm | Kind::Nixl => Duration::from_secs(60),
             Kind::Tcp => Duration::from_secs(3),
         };
-        let r = Paused::start("get", kind, &a, 0x01, deadline);
+        let r = Paused::start(&p, "get", kind, &a, 0x01, deadline);
         if r.stop_during(&mut watcher, |s| s.pins > 0) {
             stopped = Some(r);
             break;
@@ -334,7 +344,7 @@ fn a_killed_paused_writer_gives_its_memory_back(kind: Kind) {
     let a = addr(&p, kind);
     let mut caught = false;
     for _ in 0..5 {
-        let w = Paused::start("put", kind, &a, 0x01, Duration::from_secs(60));
+        let w = Paused::start(&p, "put", kind, &a, 0x01, Duration::from_secs(60));
         if w.stop_during(&mut watcher, |s| s.reserved_bytes > 0) {
             // Killed while it holds its reservation.
             assert!(stats(&mut watcher).reserved_bytes > 0);
@@ -431,6 +441,7 @@ fn spare_child() {
     let spec = std::env::var("STOWAGE_SPARE").expect("run only by the spare tests");
     let (addr, go) = spec.split_once(',').expect("addr,go_file");
     let mut cfg = ClientConfig::new("fence", vec![addr.parse::<UnitAddr>().unwrap()]);
+    cfg.secret = common::child_secret();
     cfg.timeout = Duration::from_secs(60);
     let c = stowage_client::Client::connect(cfg).unwrap();
     let first = vec![0x11u8; MIB as usize];
@@ -465,7 +476,7 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
     let spec = format!("{},{}", p.uds_addrs()[0], go.display());
-    let mut child = helper_child("spare_child", ("STOWAGE_SPARE", &spec));
+    let mut child = helper_child_of(&p, "spare_child", ("STOWAGE_SPARE", &spec));
     let w = Paused {
         lines: stdout_lines(&mut child),
         child,
@@ -484,6 +495,7 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
 
     // Another client (no spares of its own) fills the slab.
     let mut cfg = ClientConfig::new("fence", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(2);
     cfg.spare_max = 0;
     let other = stowage_client::Client::connect(cfg).unwrap();
@@ -527,7 +539,7 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
     // spare back once its connection closes.
     c.clear_rows(&[0, 2], c.deadline()).unwrap();
     let _ = std::fs::remove_file(&go);
-    let mut child = helper_child("spare_child", ("STOWAGE_SPARE", &spec));
+    let mut child = helper_child_of(&p, "spare_child", ("STOWAGE_SPARE", &spec));
     let k = Paused {
         lines: stdout_lines(&mut child),
         child,

@@ -168,6 +168,7 @@ fn a_put_retried_after_its_connection_dropped_succeeds() {
     assert_eq!(put(8, &v, true), Some(Response::Done));
     let c = client(&p, Kind::Tcp, Duration::from_secs(10));
     let mut cfg = stowage_client::ClientConfig::new("ns", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(10);
     let c2 = stowage_client::Client::connect(cfg).unwrap();
     drop(c);
@@ -333,6 +334,7 @@ fn absurd_sizes_offsets_and_counts_are_refused_and_the_unit_stays_up() {
     let c = client(&p, Kind::Shm, Duration::from_secs(5));
     assert_eq!(c.unit_count(), 1);
     let mut cfg = stowage_client::ClientConfig::new("ns", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(5);
     let c = stowage_client::Client::connect(cfg).unwrap();
     assert_eq!(
@@ -426,7 +428,7 @@ impl HandUnit {
             ])
             .arg("--listen")
             .arg(format!("unix:{}", sock.display()))
-            .args(["--listen", "tcp:127.0.0.1:0"])
+            .args(["--listen", "tcp:127.0.0.1:0", "--insecure"])
             .args(extra)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -849,6 +851,7 @@ fn connecting_to_a_stopped_unit_with_a_full_backlog_is_bounded() {
     }
     let t = std::time::Instant::now();
     let mut cfg = stowage_client::ClientConfig::new("ns", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_millis(500);
     let r = stowage_client::Client::connect(cfg);
     let took = t.elapsed();

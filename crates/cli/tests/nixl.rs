@@ -25,6 +25,7 @@ fn in_flight_child() {
     // Read when the client is made; this process runs this one test only.
     std::env::set_var("STOWAGE_FAILPOINTS", "nixl-write-in-flight");
     let mut cfg = ClientConfig::new("nixl", vec![addr.parse::<UnitAddr>().unwrap()]);
+    cfg.secret = common::child_secret();
     cfg.timeout = Duration::from_secs(20);
     cfg.nixl = Some(nixl_options());
     let c = Client::connect(cfg).unwrap();
@@ -68,7 +69,7 @@ fn an_in_flight_failure_keeps_its_region_out_of_use() {
     let (p, _) = plane(1, SLAB_MIB * MIB, &[]);
     let mut watcher = Raw::hello(&p.units[0].uds, "watch");
     let addr = p.tcp_addrs()[0].to_string();
-    let mut child = helper_child("in_flight_child", ("STOWAGE_NIXL_CHILD", &addr));
+    let mut child = helper_child_of(&p, "in_flight_child", ("STOWAGE_NIXL_CHILD", &addr));
     let result = result_line(&mut child, "writer");
     assert!(
         result.contains("TransferFailed") && result.contains("in_flight: true"),
@@ -83,6 +84,7 @@ fn an_in_flight_failure_keeps_its_region_out_of_use() {
 
     // Another nixl client fills the slab: it never gets that range.
     let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(2);
     cfg.nixl = Some(nixl_options());
     cfg.spare_max = 0;
@@ -132,6 +134,7 @@ fn read_in_flight_child() {
     // Read when the client is made; this process runs this one test only.
     std::env::set_var("STOWAGE_FAILPOINTS", "nixl-read-in-flight");
     let mut cfg = ClientConfig::new("nixl", vec![addr.parse::<UnitAddr>().unwrap()]);
+    cfg.secret = common::child_secret();
     cfg.timeout = Duration::from_secs(20);
     cfg.nixl = Some(nixl_options());
     let c = Client::connect(cfg).unwrap();
@@ -157,6 +160,7 @@ fn an_in_flight_read_keeps_its_range_pinned() {
     let (p, _) = plane(1, SLAB_MIB * MIB, &["--pin-lease", "200ms"]);
     let mut watcher = Raw::hello(&p.units[0].uds, "watch");
     let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(2);
     cfg.nixl = Some(nixl_options());
     cfg.spare_max = 0;
@@ -169,7 +173,7 @@ fn an_in_flight_read_keeps_its_range_pinned() {
         .unwrap();
 
     let addr = p.tcp_addrs()[0].to_string();
-    let mut child = helper_child("read_in_flight_child", ("STOWAGE_NIXL_READER", &addr));
+    let mut child = helper_child_of(&p, "read_in_flight_child", ("STOWAGE_NIXL_READER", &addr));
     let result = result_line(&mut child, "reader");
     assert!(
         result.contains("TransferFailed") && result.contains("in_flight: true"),
@@ -268,6 +272,7 @@ fn require_rdma_refuses_ucx_over_tcp() {
             "--no-mlock",
             "--listen",
             "tcp:127.0.0.1:0",
+            "--insecure",
             "--nixl",
         ])
         .env("UCX_TLS", "tcp,cma,self")
@@ -284,6 +289,7 @@ fn require_rdma_refuses_ucx_over_tcp() {
     // A client asking for RDMA fails at connect for the same reason.
     let (p, _) = plane(1, 16 * MIB, &[]);
     let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.nixl = Some(stowage_client::NixlOptions {
         require_rdma: true,
         ..Default::default()

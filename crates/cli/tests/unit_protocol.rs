@@ -290,6 +290,7 @@ fn pins_of_a_killed_client_are_reclaimed() {
     let (p, _) = plane(1, 16 * MIB, &["--pin-lease", "2s"]);
     let sock = p.units[0].uds.clone();
     let mut cfg = stowage_client::ClientConfig::new("ns", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(10);
     let c = stowage_client::Client::connect(cfg).unwrap();
     c.put_rows(&[(Key::new(0, "v"), &pattern(0, 0, 1000))], c.deadline())

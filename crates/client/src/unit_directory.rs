@@ -158,7 +158,11 @@ impl UnitDirectory {
     pub fn write_file(&self, path: &Path) -> std::io::Result<()> {
         use std::io::Write;
         use std::os::unix::fs::OpenOptionsExt;
-        let mode = if self.secret_hex.is_some() { 0o600 } else { 0o644 };
+        let mode = if self.secret_hex.is_some() {
+            0o600
+        } else {
+            0o644
+        };
         let name = path
             .file_name()
             .ok_or_else(|| std::io::Error::other(format!("{} names no file", path.display())))?;
@@ -437,10 +441,17 @@ mod tests {
         let e = UnitDirectory::from_file(&path).unwrap_err();
         assert!(e.contains("chmod 600") && e.contains("644"), "{e}");
         // Without a secret the file may be shared.
-        let open = UnitDirectory { secret_hex: None, ..d };
+        let open = UnitDirectory {
+            secret_hex: None,
+            ..d
+        };
         open.write_file(&path).unwrap();
         UnitDirectory::from_file(&path).unwrap();
-        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 1, "no temporary file left");
+        assert_eq!(
+            std::fs::read_dir(&dir).unwrap().count(),
+            1,
+            "no temporary file left"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

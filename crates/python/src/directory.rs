@@ -41,6 +41,48 @@ pub(crate) fn resolve_directory(
     ))
 }
 
+/// A fresh shared secret for a data plane (64 hex digits, as bytes): what
+/// the launchers generate when given none.
+#[pyfunction]
+pub(crate) fn generate_secret(py: Python<'_>) -> PyResult<Bound<'_, pyo3::types::PyBytes>> {
+    let s = Secret::generate()
+        .map_err(|e| PyErr::new::<crate::errors::Error, _>(format!("generating a secret: {e}")))?;
+    Ok(pyo3::types::PyBytes::new(py, s.expose()))
+}
+
+/// The directory in the file at `path`, as JSON text: checked, and
+/// refused when it holds a secret but group or others may read it.
+#[pyfunction]
+pub(crate) fn read_directory_file(path: std::path::PathBuf) -> PyResult<String> {
+    Ok(UnitDirectory::from_file(&path).map_err(invalid)?.to_json())
+}
+
+/// Write a directory (JSON text) to `path`: owner-only (0600) when it
+/// holds a secret, created new and renamed into place.
+#[pyfunction]
+pub(crate) fn write_directory_file(json: &str, path: std::path::PathBuf) -> PyResult<()> {
+    let d = UnitDirectory::parse(json).map_err(invalid)?;
+    d.write_file(&path).map_err(|e| {
+        PyErr::new::<crate::errors::Error, _>(format!(
+            "writing the directory to {}: {e}",
+            path.display()
+        ))
+    })
+}
+
+/// The shared secret a directory (JSON text) carries, as bytes; None
+/// without one.
+#[pyfunction]
+pub(crate) fn directory_secret<'py>(
+    py: Python<'py>,
+    json: &str,
+) -> PyResult<Option<Bound<'py, pyo3::types::PyBytes>>> {
+    let d = UnitDirectory::parse(json).map_err(invalid)?;
+    Ok(d.secret()
+        .map_err(invalid)?
+        .map(|s| pyo3::types::PyBytes::new(py, s.expose())))
+}
+
 /// Liveness from a Python callable `f(unit_index) -> "dead" | "alive" |
 /// "unknown"`, combined with a probe of the unit's address: "dead" is
 /// believed at once; otherwise the probe tells a restarted instance from

@@ -62,6 +62,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<local::LocalPlane>()?;
     m.add_function(wrap_pyfunction!(directory::host_id, m)?)?;
     m.add_function(wrap_pyfunction!(directory::resolve_directory, m)?)?;
+    m.add_function(wrap_pyfunction!(directory::generate_secret, m)?)?;
+    m.add_function(wrap_pyfunction!(directory::read_directory_file, m)?)?;
+    m.add_function(wrap_pyfunction!(directory::write_directory_file, m)?)?;
+    m.add_function(wrap_pyfunction!(directory::directory_secret, m)?)?;
     m.add_class::<unit::Unit>()?;
     m.add_function(wrap_pyfunction!(logbridge::route_logs, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::host_empty, m)?)?;

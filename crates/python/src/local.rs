@@ -13,13 +13,16 @@ use crate::errors::{invalid, Error};
 /// Unit processes on this machine. Each listens on a Unix socket in a
 /// private temporary directory and on a loopback TCP port, and exits when
 /// its stdin (a pipe from this process) closes, so units never outlive
-/// this process. `stop()` kills and reaps them.
+/// this process. `stop()` kills and reaps them. The plane has a shared
+/// secret (the one given, else a fresh one) unless started `insecure`.
 #[pyclass(module = "stowage._native", frozen)]
 pub(crate) struct LocalPlane {
     plane: Mutex<Option<Plane>>,
     uds: Vec<String>,
     tcp: Vec<String>,
     pids: Vec<u32>,
+    secret: Option<stowage_client::Secret>,
+    generated: bool,
 }
 
 /// A byte size: an int, or a string such as "256MiB".
@@ -39,9 +42,12 @@ impl LocalPlane {
     /// the unit's own arguments (`--memory`, `--listen`, `--exit-with-stdin`
     /// and `unit_args`). Waits up to `start_timeout` seconds for each to
     /// report ready. `secret` (bytes or str): the units' shared secret,
-    /// handed to them in an owner-only file (never on their command line).
+    /// handed to them in an owner-only file (never on their command line);
+    /// default a fresh one for this plane (`secret` tells it), unless
+    /// `insecure` (units without a secret: every local user can use their
+    /// TCP listeners).
     #[new]
-    #[pyo3(signature = (command, units, memory, unit_args = Vec::new(), start_timeout = 30.0, secret = None))]
+    #[pyo3(signature = (command, units, memory, unit_args = Vec::new(), start_timeout = 30.0, secret = None, insecure = false))]
     fn new(
         py: Python<'_>,
         command: Vec<String>,
@@ -50,6 +56,7 @@ impl LocalPlane {
         unit_args: Vec<String>,
         start_timeout: f64,
         secret: Option<&Bound<'_, PyAny>>,
+        insecure: bool,
     ) -> PyResult<Self> {
         crate::logbridge::install();
         if units == 0 {
@@ -59,6 +66,7 @@ impl LocalPlane {
         opts.command = command.into_iter().map(Into::into).collect();
         opts.unit_args = unit_args;
         opts.secret = secret.map(crate::client::secret_arg).transpose()?;
+        opts.insecure = insecure;
         opts.start_timeout = Duration::try_from_secs_f64(start_timeout)
             .map_err(|_| invalid("start_timeout must be a non-negative number of seconds"))?;
         let plane = py
@@ -68,6 +76,8 @@ impl LocalPlane {
             uds: plane.uds_addrs().iter().map(|a| a.to_string()).collect(),
             tcp: plane.tcp_addrs().iter().map(|a| a.to_string()).collect(),
             pids: plane.units.iter().map(|u| u.pid()).collect(),
+            secret: plane.secret().cloned(),
+            generated: plane.directory().secret_hex.is_some(),
             plane: Mutex::new(Some(plane)),
         })
     }
@@ -82,6 +92,22 @@ impl LocalPlane {
     #[getter]
     fn tcp_addrs(&self) -> Vec<String> {
         self.tcp.clone()
+    }
+
+    /// The units' shared secret (bytes), which this plane's clients prove;
+    /// None for an insecure plane. Never print or log it.
+    #[getter]
+    fn secret<'py>(&self, py: Python<'py>) -> Option<Bound<'py, pyo3::types::PyBytes>> {
+        self.secret
+            .as_ref()
+            .map(|s| pyo3::types::PyBytes::new(py, s.expose()))
+    }
+
+    /// Whether the plane generated its secret (then its directory carries
+    /// it: no one else has it).
+    #[getter]
+    fn secret_generated(&self) -> bool {
+        self.generated
     }
 
     /// The units' process ids.

@@ -78,9 +78,12 @@ impl Unit {
     /// limits default to the unit's. `checkpoint_root`: checkpoints are
     /// written only under it (without it the unit refuses them).
     /// `secret` (bytes or str) or `secret_file` (an owner-only file, read
-    /// here): the shared secret every client must prove (none by default:
-    /// the environment is not read here); a TCP address beyond loopback
-    /// needs one, or `insecure=True`.
+    /// here): the shared secret every client must prove (the environment
+    /// is not read here). With `tcp` and neither, a fresh secret is
+    /// generated (the `secret` attribute tells it) unless `insecure=True`,
+    /// which serves TCP without one: every local user, and anyone who
+    /// reaches the address, can then read, overwrite and clear every
+    /// value.
     #[new]
     #[pyo3(signature = (
         memory,
@@ -182,6 +185,12 @@ impl Unit {
             (None, Some(path)) => {
                 Some(Secret::from_file(&path).map_err(|e| invalid(e.to_string()))?)
             }
+            (None, None) if cfg.tcp.is_some() && !insecure => {
+                // Loopback TCP is open to every local user.
+                Some(Secret::generate().map_err(|e| {
+                    PyErr::new::<Error, _>(format!("generating the unit's secret: {e}"))
+                })?)
+            }
             (None, None) => None,
         };
         if insecure && cfg.secret.is_some() {
@@ -227,6 +236,15 @@ impl Unit {
                 socket_dir,
             })),
         })
+    }
+
+    /// The shared secret every client proves (bytes; given or generated),
+    /// or None. Never print or log it.
+    #[getter]
+    fn secret<'py>(&self, py: Python<'py>) -> Option<Bound<'py, pyo3::types::PyBytes>> {
+        self.secret
+            .as_ref()
+            .map(|s| pyo3::types::PyBytes::new(py, s.expose()))
     }
 
     /// The instance id (32 hex digits): a restarted unit has another.

@@ -995,8 +995,9 @@ mod tests {
         let e = msg(Slab::open(f.into(), n));
         assert!(e.contains("not a sealed memfd"), "{e}");
         // A memfd nobody sealed: it could shrink under the mapping.
-        let m = rustix::fs::memfd_create("unsealed", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
-            .unwrap();
+        let m =
+            rustix::fs::memfd_create("unsealed", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)
+                .unwrap();
         rustix::fs::ftruncate(&m, 4096).unwrap();
         let e = msg(Slab::open(m, 4096));
         assert!(e.contains("SHRINK | GROW | SEAL"), "{e}");

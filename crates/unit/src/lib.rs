@@ -1344,7 +1344,9 @@ mod tests {
             let e = start(cfg.clone()).err().expect("refused");
             let e = e.to_string();
             assert!(
-                e.contains("--insecure") && e.contains("STOWAGE_SECRET") && e.contains("--secret-file"),
+                e.contains("--insecure")
+                    && e.contains("STOWAGE_SECRET")
+                    && e.contains("--secret-file"),
                 "{e}"
             );
             cfg.secret =

@@ -52,7 +52,10 @@ pub fn ensure_private_dir(path: &Path) -> io::Result<()> {
         Err(e) => {
             return Err(io::Error::new(
                 io::Error::from(e).kind(),
-                format!("creating the private runtime directory {}: {e}", path.display()),
+                format!(
+                    "creating the private runtime directory {}: {e}",
+                    path.display()
+                ),
             ))
         }
     };

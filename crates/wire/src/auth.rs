@@ -259,10 +259,12 @@ impl Secret {
 
 fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 fn trim_line_breaks(bytes: &mut Vec<u8>) {
@@ -291,9 +293,14 @@ mod tests {
         assert_ne!(a.expose(), b.expose());
         let back = Secret::from_hex(&a.to_hex(), "t").unwrap();
         assert_eq!(back.expose(), a.expose());
-        let odd = Secret::from_bytes(vec![0u8, 0xff, b'\n', 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12])
-            .unwrap();
-        assert_eq!(Secret::from_hex(&odd.to_hex(), "t").unwrap().expose(), odd.expose());
+        let odd = Secret::from_bytes(vec![
+            0u8, 0xff, b'\n', 7, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+        ])
+        .unwrap();
+        assert_eq!(
+            Secret::from_hex(&odd.to_hex(), "t").unwrap().expose(),
+            odd.expose()
+        );
         assert!(Secret::from_hex("zz", "t").is_err());
         assert!(Secret::from_hex("abc", "t").is_err());
     }

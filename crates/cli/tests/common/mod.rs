@@ -106,6 +106,8 @@ pub fn client(p: &LocalPlane, kind: Kind, timeout: Duration) -> Client {
     };
     let mut cfg = ClientConfig::new("test", addrs);
     cfg.timeout = timeout;
+    // The plane's own (generated) secret, as its launcher's clients get it.
+    cfg.secret = p.secret().cloned();
     if kind == Kind::Nixl {
         cfg.nixl = Some(nixl_options());
     }
@@ -144,7 +146,35 @@ pub struct Raw {
 }
 
 impl Raw {
+    /// A raw connection that proves the plane's secret when the socket
+    /// belongs to a local plane with one (its `secret` file sits next to
+    /// the socket), as every client of such a plane does.
     pub fn connect(path: &Path) -> Raw {
+        let mut r = Raw::connect_unproven(path);
+        let secret = path
+            .parent()
+            .map(|d| d.join("secret"))
+            .filter(|f| f.exists())
+            .map(|f| stowage_wire::auth::Secret::from_file(&f).expect("the plane's secret"));
+        if let Some(secret) = secret {
+            let client_nonce = stowage_wire::auth::fresh_nonce().unwrap();
+            match r.call(&Request::Auth { client_nonce }) {
+                Response::Challenge {
+                    unit_nonce,
+                    unit_proof,
+                } => {
+                    assert!(secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof));
+                    let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
+                    r.send(&Request::Prove { client_proof });
+                }
+                other => panic!("Auth answered {other:?}"),
+            }
+        }
+        r
+    }
+
+    /// A raw connection that proves nothing.
+    pub fn connect_unproven(path: &Path) -> Raw {
         let s = UnixStream::connect(path).expect("raw connect");
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         Raw { s, next: 1 }
@@ -249,6 +279,32 @@ pub fn helper_child(name: &str, env: (&str, &str)) -> std::process::Child {
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("helper process starts")
+}
+
+/// [`helper_child`] for a client of plane `p`: the child finds the
+/// plane's secret file in `STOWAGE_TEST_SECRET_FILE` ([`child_secret`]).
+pub fn helper_child_of(p: &LocalPlane, name: &str, env: (&str, &str)) -> std::process::Child {
+    let secret = p.private_dir().join("secret");
+    std::process::Command::new(std::env::current_exe().expect("test binary"))
+        .args([
+            "--exact",
+            name,
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(env.0, env.1)
+        .env("STOWAGE_TEST_SECRET_FILE", secret)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("helper process starts")
+}
+
+/// In a helper child of [`helper_child_of`]: the plane's secret.
+pub fn child_secret() -> Option<stowage_wire::auth::Secret> {
+    std::env::var_os("STOWAGE_TEST_SECRET_FILE")
+        .map(|f| stowage_wire::auth::Secret::from_file(Path::new(&f)).expect("the plane's secret"))
 }
 
 /// The lines a child prints on its (piped) stdout, as they come.
