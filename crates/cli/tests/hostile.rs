@@ -146,7 +146,7 @@ fn a_put_retried_after_its_connection_dropped_succeeds() {
     // Over tcp: a Put whose stream was cut halfway, then retried whole.
     let v: Vec<u8> = pattern(5, 5, 1 << 20);
     let put = |blob: u128, bytes: &[u8], read_reply: bool| -> Option<Response> {
-        let mut t = RawTcp::hello(tcp);
+        let mut t = RawTcp::hello_proving(tcp, p.secret());
         let mut buf = Vec::new();
         let req = Request::Put {
             blob: BlobId(blob),
@@ -189,9 +189,33 @@ struct RawTcp {
 impl RawTcp {
     /// Connect over TCP and say Hello.
     fn hello(addr: impl std::net::ToSocketAddrs) -> RawTcp {
+        Self::hello_proving(addr, None)
+    }
+
+    /// Connect over TCP, prove `secret` (a plane's), and say Hello.
+    fn hello_proving(
+        addr: impl std::net::ToSocketAddrs,
+        secret: Option<&stowage_wire::auth::Secret>,
+    ) -> RawTcp {
         let s = TcpStream::connect(addr).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut t = RawTcp { s, next: 1 };
+        if let Some(secret) = secret {
+            let client_nonce = stowage_wire::auth::fresh_nonce().unwrap();
+            let Response::Challenge {
+                unit_nonce,
+                unit_proof,
+            } = t.call(&Request::Auth { client_nonce })
+            else {
+                panic!("no challenge");
+            };
+            assert!(secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof));
+            let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
+            let mut buf = Vec::new();
+            encode(t.next, &Request::Prove { client_proof }, 0, &mut buf).unwrap();
+            t.next += 1;
+            t.s.write_all(&buf).unwrap();
+        }
         let h = t.call(&Request::Hello {
             version: PROTOCOL_VERSION,
             namespace: "ns".into(),
@@ -704,7 +728,7 @@ fn a_trickling_put_stream_is_cut_at_its_deadline() {
     let (p, _) = plane(1, 16 * MIB, &["--quarantine", "100ms"]);
     let sock = p.units[0].uds.clone();
     let mut watcher = Raw::hello(&sock, "ns");
-    let mut t = RawTcp::hello(p.units[0].tcp);
+    let mut t = RawTcp::hello_proving(p.units[0].tcp, p.secret());
     let n = 64 << 10;
     let mut buf = Vec::new();
     let req = Request::Put {

@@ -51,7 +51,10 @@ fn status_reports_live_stopped_continued_killed_and_restarted_units() {
     c.put_rows(&refs, c.deadline()).expect("put");
     let dir = tempfile::tempdir().expect("tempdir");
     let dir_file = dir.path().join("dir.json");
-    std::fs::write(&dir_file, p.directory().to_json()).expect("directory written");
+    // Owner-only: it carries the plane's secret.
+    p.directory()
+        .write_file(&dir_file)
+        .expect("directory written");
     let dir_arg = dir_file.to_str().expect("utf-8");
 
     // All up, with what they hold.
@@ -114,6 +117,9 @@ fn status_reports_live_stopped_continued_killed_and_restarted_units() {
         .arg("status")
         .args(&addrs)
         .args(["--interval", "100ms"])
+        // By address, the plane's secret file is what proves it.
+        .arg("--secret-file")
+        .arg(p.private_dir().join("secret"))
         .output()
         .expect("status runs");
     let text = String::from_utf8_lossy(&out.stdout);
