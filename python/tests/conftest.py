@@ -84,3 +84,60 @@ def settled_pins(plane: stowage.DataPlane, want: int, timeout: float = 5.0) -> i
 
 def pytest_configure(config):
     os.environ.setdefault("RUST_LOG", "warn")
+
+
+#: The uid (and gid) that plays another user of this host.
+OTHER_UID = 65534
+
+
+def can_switch_user() -> bool:
+    """Whether this process can run a command as another user (root and
+    util-linux's setpriv)."""
+    import shutil
+
+    return os.geteuid() == 0 and shutil.which("setpriv") is not None
+
+
+def stowage_as_other_user(*args: str, timeout: float = 60.0):
+    """``stowage ARGS`` (the command line of the extension module alone)
+    run as uid/gid 65534 with no supplementary groups, without
+    STOWAGE_SECRET; returns the finished process (text output). The module
+    is copied into a fresh directory anyone may read, so a refusal is the
+    unit's, never a failed exec."""
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from stowage import _UNIT_BOOT, _native
+
+    shared = tempfile.mkdtemp(prefix="stowage-other-")
+    try:
+        os.chmod(shared, 0o755)
+        module = os.path.join(shared, os.path.basename(_native.__file__))
+        shutil.copy(_native.__file__, module)
+        os.chmod(module, 0o755)
+        env = {k: v for k, v in os.environ.items() if k != "STOWAGE_SECRET"}
+        return subprocess.run(
+            ["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--clear-groups",
+             os.path.realpath(sys.executable), "-c", _UNIT_BOOT, module, *args],
+            capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL,
+            cwd="/",
+        )
+    finally:
+        shutil.rmtree(shared, ignore_errors=True)
+
+
+def assert_other_user_refused(r, because) -> None:
+    """The other user's command failed, for one of ``because`` (not for
+    failing to run)."""
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, f"another user was served: {out}"
+    assert "setpriv:" not in out and "Traceback" not in out, f"it did not even run: {out}"
+    assert any(b in out for b in because), f"refused, but not for {because}: {out}"
+
+
+#: Why a unit's TCP listener refuses another user: no secret to prove.
+NO_SECRET = ("unauthorized", "shared secret")
+#: Why its Unix socket does: a private directory, or the uid check.
+NO_ENTRY = ("Permission denied", "permission denied", "uid")

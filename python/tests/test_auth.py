@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 import stowage
-from conftest import same
+from conftest import (
+    NO_ENTRY,
+    NO_SECRET,
+    assert_other_user_refused,
+    can_switch_user,
+    same,
+    stowage_as_other_user,
+)
 
 SECRET = "py-s3cret-Horse-battery-staple-99"
 WRONG = "py-not-the-secret-long-enough-000"
@@ -58,7 +65,7 @@ def test_the_secret_comes_from_the_environment_by_default(monkeypatch):
 
 
 def test_a_client_with_a_secret_refuses_a_unit_without_one():
-    with stowage.local(units=1, memory="16MiB") as dp:
+    with stowage.local(units=1, memory="16MiB", insecure=True) as dp:
         with pytest.raises(stowage.Unauthorized) as e:
             stowage.connect(dp.units, secret=SECRET, timeout=5)
         assert "without a secret" in str(e.value)
@@ -120,3 +127,65 @@ def test_a_unit_beyond_loopback_needs_a_secret_or_insecure():
         capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
     )
     assert r.returncode != 0 and "--insecure" in r.stderr, r.stderr
+
+
+# -- another user of this host (issue 21): uid 65534 via setpriv -------------
+
+needs_setpriv = pytest.mark.skipif(
+    not can_switch_user(), reason="needs root and setpriv to play another user"
+)
+
+
+@needs_setpriv
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_stowage_local_refuses_another_user_and_serves_its_own(transport):
+    with stowage.local(units=1, memory="16MiB", transport=transport) as dp:
+        d = dp.directory
+        assert len(d["secret_hex"]) == 128, "a generated secret, in the directory"
+        (u,) = d["units"]
+        assert_other_user_refused(stowage_as_other_user("stats", u["tcp"]), NO_SECRET)
+        assert_other_user_refused(stowage_as_other_user("stats", u["uds"]), NO_ENTRY)
+        # The plane's own client, and another of this user given the
+        # directory (in memory), work; a client without the secret does not.
+        dp.put("p", [0], {"x": [np.arange(3)]})
+        with stowage.connect(d, transport="tcp", timeout=10) as c:
+            assert same(c.get("p", [0], "x")["x"][0], np.arange(3))
+        with pytest.raises(stowage.Unauthorized):
+            stowage.connect([u["tcp"]], timeout=5)
+    # The control: an insecure plane (every plane before) serves the other
+    # user, so the refusals above are the secret's.
+    with stowage.local(units=1, memory="16MiB", insecure=True) as open_dp:
+        assert "secret_hex" not in open_dp.directory
+        r = stowage_as_other_user("stats", open_dp.directory["units"][0]["tcp"])
+        assert r.returncode == 0 and "bytes used" in r.stdout, r.stdout + r.stderr
+
+
+@needs_setpriv
+def test_an_in_process_unit_on_tcp_refuses_another_user():
+    u = stowage._native.Unit("4MiB", tcp="127.0.0.1:0", mlock=False)
+    try:
+        assert u.secret is not None
+        assert_other_user_refused(stowage_as_other_user("stats", u.tcp_addr), NO_SECRET)
+        with stowage.connect(u.tcp_addr, secret=u.secret, timeout=5) as c:
+            c.put("p", [0], {"x": [np.arange(2)]})
+    finally:
+        assert u.stop(10.0) == []
+
+
+def test_a_directory_file_with_a_secret_must_be_owner_only(tmp_path):
+    with stowage.local(units=1, memory="16MiB") as dp:
+        path = tmp_path / "units.json"
+        path.write_text(__import__("json").dumps(dp.directory))
+        path.chmod(0o644)
+        with pytest.raises(stowage.InvalidRequest) as e:
+            stowage.connect(str(path), timeout=5)
+        assert "chmod 600" in str(e.value)
+        assert dp.directory["secret_hex"] not in str(e.value)
+        path.chmod(0o600)
+        with stowage.connect(str(path), timeout=5) as c:
+            assert len(c.stats()) == 1
+
+
+def test_an_insecure_local_plane_cannot_have_a_secret():
+    with pytest.raises(stowage.InvalidRequest):
+        stowage.local(units=1, memory="16MiB", insecure=True, secret=SECRET)

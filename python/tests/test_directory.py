@@ -24,7 +24,10 @@ def test_another_process_connects_by_directory_file(dp, part, tmp_path):
     keys = [0, 1, 2, 3]
     dp.put(part, keys, {"x": [np.arange(i + 1) for i in keys]})
     path = tmp_path / "directory.json"
-    path.write_text(json.dumps(dp.directory))
+    # Owner-only: the directory carries the plane's generated secret.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        json.dump(dp.directory, f)
     script = textwrap.dedent(
         f"""
         import numpy as np, stowage
@@ -91,7 +94,9 @@ def test_liveness_is_asked_only_after_a_failure(part):
         return "dead" if unit == 1 else "alive"
 
     with stowage.local(units=2, memory="32MiB") as plane:
-        client = _native.Client(plane.units, "default", 10.0, liveness=liveness)
+        client = _native.Client(
+            plane.units, "default", 10.0, secret=plane._plane.secret, liveness=liveness
+        )
         c = stowage.DataPlane(client)
         keys = list(range(8))
         for _ in range(20):

@@ -34,7 +34,7 @@ def start_unit(tmp_path, *extra: str):
     sock = tmp_path / "u.sock"
     p = subprocess.Popen(
         [*PY, "unit", "--no-mlock", "--listen", f"unix:{sock}", "--listen", "tcp:127.0.0.1:0",
-         "--exit-with-stdin", *extra],
+         "--insecure", "--exit-with-stdin", *extra],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,

@@ -31,10 +31,12 @@ def _columns(seed=0):
 
 
 def _run_with_directory(code, directory, env=None):
-    """Run `code` in another Python process with the plane's directory as
-    its argument (bounded: 120 s)."""
+    """Run `code` in another Python process with the plane's directory
+    (which carries its secret) on its standard input, read into
+    ``sys.argv[1]`` (bounded: 120 s)."""
+    code = "import sys; sys.argv[1:] = [sys.stdin.read()]\n" + code
     return subprocess.run(
-        [sys.executable, "-c", code, json.dumps(directory)],
+        [sys.executable, "-c", code], input=json.dumps(directory),
         capture_output=True, text=True, timeout=120, env=env,
     )
 

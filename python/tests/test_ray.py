@@ -35,7 +35,15 @@ import stowage  # noqa: E402
 import stowage.ray  # noqa: E402
 from stowage import _native  # noqa: E402
 
-from conftest import alive, wait_dead  # noqa: E402
+from conftest import (  # noqa: E402
+    NO_ENTRY,
+    NO_SECRET,
+    alive,
+    assert_other_user_refused,
+    can_switch_user,
+    stowage_as_other_user,
+    wait_dead,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 LOOPBACK = "127.0.0.1"
@@ -110,6 +118,24 @@ def units(cluster):
     u = stowage.ray.start_units({"units": {"memory": "32MiB"}}, cluster.node_ids, timeout=START_S)
     yield u
     stowage.ray.stop_units(u, timeout=30)
+
+
+@pytest.mark.skipif(not can_switch_user(), reason="needs root and setpriv to play another user")
+def test_the_units_refuse_another_user_and_the_directory_carries_their_secret(units, part):
+    """Issue 21: start_units without a secret generates one per plane; the
+    units' loopback TCP and Unix sockets refuse another user (uid 65534);
+    the directory (in memory) carries the secret to this job's clients."""
+    if os.environ.get("STOWAGE_SECRET"):
+        pytest.skip("STOWAGE_SECRET is set: the units use it")
+    assert len(units.directory["secret_hex"]) == 128
+    for u in units.directory["units"]:
+        assert_other_user_refused(stowage_as_other_user("stats", u["tcp"]), NO_SECRET)
+        assert_other_user_refused(stowage_as_other_user("stats", u["uds"]), NO_ENTRY)
+    with stowage.connect(units.directory, transport="tcp", timeout=30) as plane:
+        # (Nothing put: the module's units count rows in later tests.)
+        assert len(plane.stats()) == len(units)
+    with pytest.raises(stowage.Unauthorized):
+        stowage.connect([u["tcp"] for u in units.directory["units"]], timeout=10, secret=None)
 
 
 @ray.remote(num_cpus=0)

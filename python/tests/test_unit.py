@@ -31,8 +31,12 @@ def test_a_unit_in_this_process_serves_and_stops_cleanly(tmp_path, part):
         # Its socket's directory is its own (owner-only).
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o700
         assert len(os.listdir(disk)) == 1
+        # Given tcp and no secret, the unit made one: its own clients prove it.
+        assert u.secret is not None and len(u.secret) == 64
         for addr in (u.uds_addr, u.tcp_addr):
-            with stowage.connect(addr) as c:
+            with pytest.raises(stowage.Unauthorized):
+                stowage.connect(addr, timeout=5)
+            with stowage.connect(addr, secret=u.secret) as c:
                 c.put(part, [1, 2], {"x": [np.arange(3), np.arange(4)]})
                 got = c.get(part, [1, 2], ["x"])["x"]
                 assert [a.tolist() for a in got] == [[0, 1, 2], [0, 1, 2, 3]]
@@ -119,7 +123,17 @@ def test_a_unit_with_a_shared_secret(tmp_path, part, monkeypatch):
         _native.Unit("4MiB", secret="short")
 
 
-def test_beyond_loopback_a_unit_needs_a_secret():
-    # Refused before anything binds.
-    with pytest.raises(stowage.Error, match="beyond loopback, without a shared secret"):
-        _native.Unit("4MiB", tcp="0.0.0.0:0")
+def test_beyond_loopback_a_unit_serves_only_with_a_secret():
+    # Given none, the unit generates one (loopback or not, TCP is never
+    # served without one unless insecure=True): a client without it is
+    # refused.
+    u = _native.Unit("4MiB", tcp="0.0.0.0:0", mlock=False)
+    try:
+        assert u.secret is not None
+        port = u.tcp_addr.rsplit(":", 1)[1]
+        with pytest.raises(stowage.Unauthorized):
+            stowage.connect([f"tcp:127.0.0.1:{port}"], timeout=5)
+        with stowage.connect([f"tcp:127.0.0.1:{port}"], secret=u.secret, timeout=5) as c:
+            assert len(c.stats()) == 1
+    finally:
+        assert u.stop(10.0) == []

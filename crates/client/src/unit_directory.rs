@@ -141,7 +141,8 @@ impl UnitDirectory {
         let mode = f.metadata().map_err(cannot)?.permissions().mode() & 0o777;
         let mut text = String::new();
         f.read_to_string(&mut text).map_err(cannot)?;
-        let d = Self::parse(&text).map_err(|e| format!("{shown}: {e}"))?;
+        let d = Self::parse(&text)
+            .map_err(|e| format!("cannot read the directory file {shown}: {e}"))?;
         if d.secret_hex.is_some() && mode & 0o077 != 0 {
             return Err(format!(
                 "the directory file {shown} holds the units' shared secret but may be read or \

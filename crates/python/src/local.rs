@@ -48,6 +48,7 @@ impl LocalPlane {
     /// TCP listeners).
     #[new]
     #[pyo3(signature = (command, units, memory, unit_args = Vec::new(), start_timeout = 30.0, secret = None, insecure = false))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         command: Vec<String>,

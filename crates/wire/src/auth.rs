@@ -192,7 +192,7 @@ impl Secret {
         let bad = || SecretError::NotHex {
             what: what.to_owned(),
         };
-        if t.len() % 2 != 0 {
+        if !t.len().is_multiple_of(2) {
             return Err(bad());
         }
         let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
