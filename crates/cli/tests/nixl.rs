@@ -237,7 +237,9 @@ fn status_tells_the_units_that_serve_nixl() {
     let addr = p.uds_addrs()[0].to_string();
     let run = |json: bool| {
         let mut cmd = std::process::Command::new(binary());
-        cmd.args(["status", &addr, "--interval", "100ms"]);
+        cmd.args(["status", &addr, "--interval", "100ms"])
+            .arg("--secret-file")
+            .arg(p.private_dir().join("secret"));
         if json {
             cmd.arg("--json");
         }
