@@ -378,10 +378,29 @@ impl Conn {
             }
             _ => 0,
         };
-        let handled = {
+        let committing = match &req {
+            Request::Commit { blob, .. } | Request::CommitSpare { blob, .. } => Some(*blob),
+            _ => None,
+        };
+        let mut handled = {
             let mut core = self.shared.core();
             crate::handler::handle(&mut core, owner, &ns, req, now)
         };
+        // A put answered Pending whose file then failed is gone from the
+        // core: say what happened to it rather than "unknown blob".
+        if let (
+            Some(blob),
+            Some(d),
+            Handled::Reply(Response::Error {
+                code: ErrorCode::UnknownBlob,
+                ..
+            }),
+        ) = (committing, &self.shared.disk, &handled)
+        {
+            if let Some((code, message)) = d.failed_put(blob) {
+                handled = Handled::Reply(Response::Error { code, message });
+            }
+        }
         let resp = match handled {
             Handled::Reply(r) => {
                 if committed_bytes > 0
@@ -500,7 +519,7 @@ impl Conn {
         match &r {
             Ok(info) => tracing::info!(
                 unit = %self.shared.name,
-                dir = %dir.display(),
+                dir = %dir.path.display(),
                 rows = info.rows,
                 entries = info.entries,
                 bytes = info.bytes,
@@ -509,7 +528,7 @@ impl Conn {
             ),
             Err(e) => tracing::warn!(
                 unit = %self.shared.name,
-                dir = %dir.display(),
+                dir = %dir.path.display(),
                 error = %e,
                 "checkpoint failed"
             ),
@@ -530,7 +549,21 @@ impl Conn {
         pin: Option<stowage_core::PinId>,
         found: Vec<Option<stowage_core::Located>>,
     ) -> Response {
-        let (found, _) = self.shared.bring_back(found, false);
+        // Promotion copies through a buffer of the read budget; when none
+        // is free soon, the values stay on disk and the client reads them
+        // with a Read, which waits for one.
+        let has_disk = found
+            .iter()
+            .flatten()
+            .any(|(p, _)| matches!(p, stowage_core::Place::Disk { .. }));
+        let mut buf = match &self.shared.disk {
+            Some(d) if has_disk => d
+                .reads
+                .take(Instant::now() + Duration::from_millis(50)),
+            _ => None,
+        };
+        let found = self.shared.bring_back(found, buf.as_deref_mut(), false);
+        drop(buf);
         if let Some(m) = &self.counters {
             let bytes = found
                 .iter()
@@ -770,16 +803,13 @@ impl Conn {
             abort(&self.shared);
             return self.reply_error(id, ErrorCode::Internal, "disk tier missing");
         };
-        let mut writer = match d.engine.create(blob, nbytes) {
-            Ok(w) => Some(w),
+        let (mut writer, mut failure) = match d.engine.create(blob, nbytes) {
+            Ok(w) => (Some(w), None),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot create a blob file");
-                None
+                (None, Some(e))
             }
         };
-        let mut failure = writer
-            .is_none()
-            .then(|| "cannot create the blob file".to_string());
         let mut left = nbytes;
         let mut buf = vec![0u8; (64 << 10).min(nbytes as usize).max(1)];
         while left > 0 {
@@ -791,18 +821,35 @@ impl Conn {
             left -= n as u64;
             if let (Some(w), None) = (writer.as_mut(), &failure) {
                 if let Err(e) = w.write(&buf[..n]) {
-                    failure = Some(format!("writing the blob file: {e}"));
+                    failure = Some(e);
                 }
             }
         }
-        if let Some(why) = failure {
+        if let Some(e) = failure {
             // Nothing of this put is kept; the client may retry.
             abort(&self.shared);
             if let Some(w) = writer {
                 let _ = w.finish();
             }
             let _ = d.engine.delete(blob);
-            return self.reply_error(id, ErrorCode::Internal, &why);
+            // A full disk is a full unit (the client may wait for room or
+            // go elsewhere), not a failed transfer.
+            let (code, why) = if crate::disk::is_disk_full(&e) {
+                (
+                    ErrorCode::Full,
+                    format!(
+                        "the unit's memory is full and its disk tier has no space left \
+                         ({e}); nothing of this put is kept: clear rows, or give the disk \
+                         tier room"
+                    ),
+                )
+            } else {
+                (
+                    ErrorCode::Internal,
+                    format!("the put's blob file on the disk tier failed: {e}"),
+                )
+            };
+            return self.reply_error(id, code, &why);
         }
         let r = self.shared.core().commit(owner, ns, blob, &entries);
         let resp = match r {
@@ -855,7 +902,31 @@ impl Conn {
                 return Ok(());
             }
         };
-        let (served, buffers) = self.shared.bring_back(found, true);
+        let until = Instant::now() + timeout;
+        // Spilled values stream through one buffer of the unit's disk-read
+        // budget, taken for the whole reply: a reader that finds none free
+        // waits for one (most of its time), then is answered Busy.
+        let has_disk = found
+            .iter()
+            .flatten()
+            .any(|(p, _)| matches!(p, stowage_core::Place::Disk { .. }));
+        let shared = self.shared.clone();
+        let mut buf = None;
+        if let (true, Some(d)) = (has_disk, &shared.disk) {
+            buf = d.reads.take(Instant::now() + timeout.mul_f64(0.9));
+            if buf.is_none() {
+                if let Some(p) = pin {
+                    let _ = self.shared.core().unpin(owner, p);
+                }
+                return self.reply_error(
+                    id,
+                    ErrorCode::Busy,
+                    "every buffer of the unit's disk-read budget is taken by other readers \
+                     of spilled values (--disk-read-budget); try again",
+                );
+            }
+        }
+        let served = shared.bring_back(found, buf.as_deref_mut(), true);
         let mut corrupt = Vec::new();
         let items: Vec<Option<Item>> = served
             .iter()
@@ -880,30 +951,8 @@ impl Conn {
         encode(id, &Response::Data { items, corrupt }, total, &mut self.out)
             .map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
-        let until = Instant::now() + timeout;
-        let mut pieces = Vec::with_capacity(served.len() + 1);
-        pieces.push(Piece::Heap(&header));
-        for s in served.iter().flatten() {
-            match s {
-                Served::Memory(l, _) => pieces.push(Piece::Slab {
-                    offset: l.offset,
-                    len: l.len as usize,
-                }),
-                Served::Disk {
-                    blob, offset, len, ..
-                } => {
-                    if let Some(b) = buffers.get(&(*blob, *offset, *len)) {
-                        pieces.push(Piece::Heap(b));
-                    }
-                }
-                Served::Corrupt => {}
-            }
-        }
-        let sent = self
-            .shared
-            .slab
-            .send_pieces(self.writer.as_fd(), &pieces, until);
-        drop(pieces);
+        let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
+        drop(buf);
         self.out = header;
         // This thread has stopped reading the ranges: the pin may go.
         if let Some(p) = pin {
@@ -919,6 +968,73 @@ impl Conn {
             self.set_write_timeout(self.shared.frame_timeout)?;
         }
         Ok(())
+    }
+}
+
+impl Conn {
+    /// Send a Data reply: `header`, then each served value, from the slab
+    /// or streamed from its spilled blob's file through `buf` (checked
+    /// chunk by chunk as it goes; the file was checked whole just before,
+    /// so a mismatch now means it changed underneath: the connection is
+    /// cut rather than a wrong byte sent). Returns whether a send changed
+    /// the socket's timeout.
+    fn send_served(
+        &self,
+        header: &[u8],
+        served: &[Option<Served>],
+        mut buf: Option<&mut [u8]>,
+        until: Instant,
+    ) -> Result<bool, ConnEnd> {
+        let slab = &self.shared.slab;
+        let fd = self.writer.as_fd();
+        let mut changed = false;
+        let mut pieces = Vec::with_capacity(served.len() + 1);
+        pieces.push(Piece::Heap(header));
+        for s in served.iter().flatten() {
+            match s {
+                Served::Memory(l, _) => pieces.push(Piece::Slab {
+                    offset: l.offset,
+                    len: l.len as usize,
+                }),
+                Served::Disk {
+                    blob, offset, len, ..
+                } => {
+                    changed |= slab.send_pieces(fd, &pieces, until)?;
+                    pieces.clear();
+                    let (Some(d), Some(buf)) = (&self.shared.disk, buf.as_deref_mut()) else {
+                        return Err(ConnEnd::Invalid(
+                            "a spilled value without a disk-read buffer".into(),
+                        ));
+                    };
+                    let t0 = Instant::now();
+                    let streamed = d.engine.reader(*blob).and_then(|r| {
+                        crate::read_through(&r, *offset, *len, buf, |piece| {
+                            changed |= slab.send_pieces(fd, &[Piece::Heap(piece)], until)?;
+                            Ok(())
+                        })
+                    });
+                    match streamed {
+                        Ok(Ok(())) => {
+                            d.io.read(*len, t0);
+                            if let Some(m) = &self.shared.metrics {
+                                m.disk_streamed_bytes
+                                    .fetch_add(*len, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                        Ok(Err(e)) => return Err(e.into()),
+                        Err(e) => {
+                            tracing::error!(error = %e, ?blob, "a spilled blob's file changed while it was sent; the connection is cut");
+                            return Err(ConnEnd::Invalid(format!(
+                                "a spilled value's file failed its check while it was sent: {e}"
+                            )));
+                        }
+                    }
+                }
+                Served::Corrupt => {}
+            }
+        }
+        changed |= slab.send_pieces(fd, &pieces, until)?;
+        Ok(changed)
     }
 }
 

@@ -97,6 +97,12 @@ pub struct UnitConfig {
     pub high_watermark: f64,
     /// Stop spilling below this fraction. Default 0.8.
     pub low_watermark: f64,
+    /// Most bytes of heap that reads from the disk tier take at once, all
+    /// readers together (values stream from their files to the socket, or
+    /// into the slab, through buffers of at most 1 MiB taken from this
+    /// budget; a reader that finds none free waits for one within its
+    /// deadline, then is answered Busy). Default 8 MiB; at least 64 KiB.
+    pub disk_read_budget: u64,
     /// Failpoints to turn on at start (`disk-write`), for tests.
     pub failpoints: Vec<String>,
     /// Load this checkpoint directory before serving.
@@ -188,6 +194,7 @@ impl UnitConfig {
             disk: None,
             high_watermark: 0.9,
             low_watermark: 0.8,
+            disk_read_budget: DEFAULT_DISK_READ_BUDGET,
             failpoints: Vec::new(),
             restore: None,
             checkpoint_root: None,
@@ -208,6 +215,9 @@ impl UnitConfig {
     }
 }
 
+/// Default [`UnitConfig::disk_read_budget`].
+pub const DEFAULT_DISK_READ_BUDGET: u64 = 8 << 20;
+
 /// A unit's disk tier at run time.
 pub(crate) struct DiskTier {
     pub(crate) engine: disk::FileEngine,
@@ -223,6 +233,146 @@ pub(crate) struct DiskTier {
     pub(crate) busy: Mutex<()>,
     /// I/O counters reported in stats.
     pub(crate) io: DiskIo,
+    /// The heap that reads from disk may take (buffers).
+    pub(crate) reads: ReadBudget,
+    /// Puts answered Pending whose files then could not be made durable,
+    /// newest last (a few thousand at most): a later Commit of one is told
+    /// what happened instead of "unknown blob".
+    pub(crate) failed_puts: Mutex<std::collections::VecDeque<FailedPut>>,
+}
+
+/// A put whose blob file failed after its Pending answer.
+pub(crate) struct FailedPut {
+    pub(crate) blob: stowage_core::BlobId,
+    pub(crate) code: stowage_wire::ErrorCode,
+    pub(crate) message: String,
+}
+
+/// Failed puts remembered (see [`DiskTier::failed_puts`]).
+const FAILED_PUTS_KEPT: usize = 4096;
+
+impl DiskTier {
+    /// Remember that `blob`'s put, answered Pending, failed with `e`.
+    pub(crate) fn put_failed(&self, blob: stowage_core::BlobId, e: &io::Error) {
+        let (code, message) = if disk::is_disk_full(e) {
+            (
+                stowage_wire::ErrorCode::Full,
+                format!(
+                    "the put of blob {blob:?} was answered Pending, but the unit's disk tier \
+                     filled up ({e}) before its file was made durable: nothing of it is \
+                     stored; put it again once there is room"
+                ),
+            )
+        } else {
+            (
+                stowage_wire::ErrorCode::Internal,
+                format!(
+                    "the put of blob {blob:?} was answered Pending, but its file on the \
+                     unit's disk tier could not be made durable ({e}): nothing of it is \
+                     stored; put it again"
+                ),
+            )
+        };
+        let mut f = self.failed_puts.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() >= FAILED_PUTS_KEPT {
+            f.pop_front();
+        }
+        f.push_back(FailedPut {
+            blob,
+            code,
+            message,
+        });
+    }
+
+    /// What happened to `blob`'s put, if it failed after Pending.
+    pub(crate) fn failed_put(
+        &self,
+        blob: stowage_core::BlobId,
+    ) -> Option<(stowage_wire::ErrorCode, String)> {
+        let f = self.failed_puts.lock().unwrap_or_else(|p| p.into_inner());
+        f.iter()
+            .rev()
+            .find(|p| p.blob == blob)
+            .map(|p| (p.code, p.message.clone()))
+    }
+}
+
+/// Largest buffer one disk read takes from the [`ReadBudget`].
+const READ_BUF: u64 = 1 << 20;
+/// Smallest read budget (one buffer of this size).
+const MIN_READ_BUDGET: u64 = 64 << 10;
+
+/// The heap reads from the disk tier may take, as a pool of equal
+/// buffers: a reader takes one for the whole of its transfer (a get
+/// streams every spilled value it sends through it; a promotion copies a
+/// blob into the slab through it), so however many readers there are, the
+/// heap they take is at most the budget.
+pub(crate) struct ReadBudget {
+    buf_len: usize,
+    /// Buffers not taken, and free buffers already allocated.
+    free: Mutex<(usize, Vec<Vec<u8>>)>,
+    returned: std::sync::Condvar,
+}
+
+impl ReadBudget {
+    pub(crate) fn new(budget: u64) -> Self {
+        let budget = budget.max(MIN_READ_BUDGET);
+        let buf_len = budget.min(READ_BUF);
+        Self {
+            buf_len: buf_len as usize,
+            free: Mutex::new(((budget / buf_len) as usize, Vec::new())),
+            returned: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Take a buffer, waiting until `until` for one to be given back.
+    pub(crate) fn take(&self, until: Instant) -> Option<ReadBuf<'_>> {
+        let mut g = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if g.0 > 0 {
+                g.0 -= 1;
+                let buf = g.1.pop().unwrap_or_else(|| vec![0u8; self.buf_len]);
+                return Some(ReadBuf { budget: self, buf });
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            g = self
+                .returned
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A buffer of the [`ReadBudget`], given back on drop.
+pub(crate) struct ReadBuf<'a> {
+    budget: &'a ReadBudget,
+    buf: Vec<u8>,
+}
+
+impl std::ops::Deref for ReadBuf<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for ReadBuf<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+}
+
+impl Drop for ReadBuf<'_> {
+    fn drop(&mut self) {
+        let mut g = self.budget.free.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        g.1.push(std::mem::take(&mut self.buf));
+        self.budget.returned.notify_one();
+    }
 }
 
 /// Disk tier I/O counters.
@@ -514,13 +664,13 @@ impl Shared {
             }
             let mut last = None;
             for _ in 0..5 {
-                match d.dir.path.exists().then(|| d.dir.remove()) {
-                    None | Some(Ok(())) => {
+                match d.dir.remove() {
+                    Ok(()) => {
                         last = None;
                         break;
                     }
                     // A connection may have just created a file: try again.
-                    Some(Err(e)) => {
+                    Err(e) => {
                         last = Some(e);
                         std::thread::sleep(Duration::from_millis(10));
                     }
@@ -743,7 +893,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                 tracing::info!(dir = %r.display(), "removed the disk directory of a unit that is gone");
             }
             tracing::info!(dir = %dir.path.display(), capacity, "disk tier");
-            let engine = disk::FileEngine::new(dir.path.clone());
+            let engine = disk::FileEngine::new(dir.fd(), dir.path.clone(), instance_id);
             for f in &cfg.failpoints {
                 engine.failpoints.enable(f).map_err(StartError::Config)?;
             }
@@ -756,11 +906,20 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                     wake: (Mutex::new(false), std::sync::Condvar::new()),
                     busy: Mutex::new(()),
                     io: DiskIo::default(),
+                    reads: ReadBudget::new(cfg.disk_read_budget),
+                    failed_puts: Mutex::new(std::collections::VecDeque::new()),
                 }),
                 Some(rx),
             )
         }
     };
+    if let Some(root) = &cfg.checkpoint_root {
+        // Refused now rather than at the first checkpoint.
+        disk::open_private_root(root, "checkpoint root").map_err(|err| StartError::Bind {
+            what: format!("checkpoint root {}", root.display()),
+            err,
+        })?;
+    }
     if disk.is_none() && !cfg.failpoints.is_empty() {
         return Err(StartError::Config("failpoints need a disk tier".into()));
     }
@@ -920,6 +1079,7 @@ fn flusher(
             Ok(_) => true,
             Err(e) => {
                 tracing::warn!(error = %e, ?blob, "a put's blob file could not be made durable");
+                d.put_failed(blob, &e);
                 false
             }
         };
@@ -1170,36 +1330,76 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
 pub(crate) enum Served {
     /// In the slab (possibly just brought back from disk).
     Memory(stowage_core::Location, Vec<u8>),
-    /// Only on disk: `offset` into the blob. With `load`, its bytes are in
-    /// the buffers [`Shared::bring_back`] returns, under (blob, offset,
-    /// len).
+    /// Only on disk: `len` bytes at `offset` into the blob, streamed from
+    /// its file as the reply is written ([`read_through`]).
     Disk {
         blob: stowage_core::BlobId,
         offset: u64,
         len: u64,
         meta: Vec<u8>,
     },
-    /// Its blob's file failed its checksum or could not be read.
+    /// Its blob's file failed its checksum, is not that blob's, or could
+    /// not be read.
     Corrupt,
 }
-
-/// Values read from the disk tier, by (blob, offset, len).
-pub(crate) type DiskBuffers = std::collections::HashMap<(stowage_core::BlobId, u64, u64), Vec<u8>>;
 
 /// Pieces of a slab range copied through the heap at a time (disk tier
 /// and checkpoint I/O).
 const COPY_CHUNK: usize = 1 << 20;
 
+/// Read `len` bytes at `offset` of an open blob file through `buf`, piece
+/// by piece (each checked; pieces end on the file's chunk boundaries where
+/// they can, so no chunk is read twice), handing each piece to `sink`. The
+/// outer error is the file's, the inner one the sink's.
+pub(crate) fn read_through(
+    reader: &disk::BlobReader,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+    mut sink: impl FnMut(&[u8]) -> io::Result<()>,
+) -> Result<io::Result<()>, disk::DiskError> {
+    let chunk = u64::from(disk::CHUNK);
+    let end = offset
+        .checked_add(len)
+        .filter(|&e| e <= reader.size())
+        .ok_or_else(|| disk::DiskError::OutOfRange {
+            path: PathBuf::new(),
+            offset,
+            len,
+            size: reader.size(),
+        })?;
+    let mut pos = offset;
+    while pos < end {
+        let mut stop = (pos + buf.len() as u64).min(end);
+        let aligned = stop / chunk * chunk;
+        if stop < end && aligned > pos {
+            stop = aligned;
+        }
+        let piece = &mut buf[..(stop - pos) as usize];
+        reader.read_at(pos, piece)?;
+        if let Err(e) = sink(piece) {
+            return Ok(Err(e));
+        }
+        pos = stop;
+    }
+    Ok(Ok(()))
+}
+
 impl Shared {
-    /// Bring spilled values back for a reader that pinned them: each
-    /// spilled blob is promoted into the slab where there is room below
-    /// the high watermark; otherwise, with `load`, only the values asked
-    /// for are read from its file (checked chunk by chunk).
+    /// Bring spilled values back for a reader that pinned them, through
+    /// `buf` (a buffer of the disk tier's [`ReadBudget`]; without one,
+    /// nothing is brought back): each spilled blob is promoted into the
+    /// slab where there is room below the high watermark; with `verify`,
+    /// the ranges asked for of the others are read and checked (nothing is
+    /// kept: the reply streams them from their files afterwards), so that
+    /// a damaged file, or one that is not its blob's, is answered Corrupt
+    /// before the reply promises its bytes.
     pub(crate) fn bring_back(
         &self,
         found: Vec<Option<stowage_core::Located>>,
-        load: bool,
-    ) -> (Vec<Option<Served>>, DiskBuffers) {
+        mut buf: Option<&mut [u8]>,
+        verify: bool,
+    ) -> Vec<Option<Served>> {
         use std::collections::{BTreeMap, HashMap, HashSet};
         use stowage_core::{Location, Place};
         // Each spilled blob, with the ranges of it that were asked for.
@@ -1211,10 +1411,12 @@ impl Shared {
         }
         let mut promoted = HashMap::new();
         let mut corrupt = HashSet::new();
-        let mut buffers = DiskBuffers::new();
-        for (blob, wanted) in on_disk {
+        for (blob, mut wanted) in on_disk {
             let Some(d) = &self.disk else {
                 corrupt.insert(blob);
+                continue;
+            };
+            let Some(buf) = buf.as_deref_mut() else {
                 continue;
             };
             let (slot, size) = {
@@ -1222,52 +1424,61 @@ impl Shared {
                 let size = c.blob_size(blob);
                 (c.promote_begin(blob), size)
             };
-            let Some(size) = size.and_then(|s| usize::try_from(s).ok()) else {
+            let Some(size) = size else {
+                if let Some(_slot) = slot {
+                    self.core().promote_done(blob, false);
+                }
                 corrupt.insert(blob);
                 continue;
             };
             let t0 = Instant::now();
+            let reader = d.engine.reader(blob).and_then(|r| {
+                if r.size() == size {
+                    Ok(r)
+                } else {
+                    Err(disk::DiskError::Corrupt {
+                        path: d.engine.path(blob),
+                        reason: format!("holds {} bytes, expected {size}", r.size()),
+                    })
+                }
+            });
             let read = match slot {
                 Some(offset) => {
                     // This thread alone writes the promotion's range: the
                     // core keeps it allocated until promote_done.
-                    let r = self
-                        .slab
-                        .copy_in_chunked(offset, size, COPY_CHUNK, |at, buf| {
-                            d.engine.read_at(blob, at, buf)
-                        })
-                        .map_err(|e| disk::DiskError::Io(std::io::Error::other(e)))
-                        .and_then(|r| r);
+                    let r = reader.and_then(|rd| {
+                        let mut at = 0;
+                        read_through(&rd, 0, size, buf, |piece| {
+                            self.slab
+                                .write(offset + at, piece)
+                                .map_err(io::Error::other)?;
+                            at += piece.len() as u64;
+                            Ok(())
+                        })?
+                        .map_err(disk::DiskError::Io)
+                    });
                     self.core().promote_done(blob, r.is_ok());
                     if r.is_ok() {
                         promoted.insert(blob, offset);
                         if let Some(m) = &self.metrics {
-                            m.promoted_bytes.fetch_add(size as u64, Ordering::Relaxed);
+                            m.promoted_bytes.fetch_add(size, Ordering::Relaxed);
                         }
                     }
-                    r.map(|()| size as u64)
+                    r.map(|()| size)
                 }
-                None if load => {
-                    let mut bytes = 0;
-                    let mut r = Ok(());
-                    for (offset, len) in wanted {
-                        if buffers.contains_key(&(blob, offset, len)) {
-                            continue;
+                None if verify => {
+                    wanted.sort_unstable();
+                    wanted.dedup();
+                    reader.and_then(|rd| {
+                        let mut bytes = 0;
+                        for (offset, len) in wanted {
+                            read_through(&rd, offset, len, buf, |_| Ok(()))??;
+                            bytes += len;
                         }
-                        let mut buf = vec![0u8; len as usize];
-                        r = d.engine.read_at(blob, offset, &mut buf);
-                        if r.is_err() {
-                            break;
-                        }
-                        bytes += len;
-                        if let Some(m) = &self.metrics {
-                            m.disk_streamed_bytes.fetch_add(len, Ordering::Relaxed);
-                        }
-                        buffers.insert((blob, offset, len), buf);
-                    }
-                    r.map(|()| bytes)
+                        Ok(bytes)
+                    })
                 }
-                None => Ok(0),
+                None => reader.map(|_| 0),
             };
             match read {
                 Ok(0) => {}
@@ -1278,7 +1489,7 @@ impl Shared {
                 }
             }
         }
-        let served = found
+        found
             .into_iter()
             .map(|f| {
                 f.map(|(place, meta)| match place {
@@ -1301,8 +1512,7 @@ impl Shared {
                     },
                 })
             })
-            .collect();
-        (served, buffers)
+            .collect()
     }
 }
 
