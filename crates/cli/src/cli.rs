@@ -81,6 +81,13 @@ struct DiskArgs {
     /// Stop spilling below this fraction.
     #[arg(long, default_value_t = 0.8)]
     low_watermark: f64,
+    /// Most heap a unit's reads from its disk tier take at once, all
+    /// readers together: spilled values stream from file to socket (or
+    /// into the slab) through buffers of at most 1 MiB taken from this;
+    /// a reader finding none free waits within its deadline, then is
+    /// answered Busy. At least 64KiB.
+    #[arg(long, value_parser = parse_size, default_value = "8MiB")]
+    disk_read_budget: u64,
 }
 
 impl DiskArgs {
@@ -98,6 +105,8 @@ impl DiskArgs {
             self.high_watermark.to_string(),
             "--low-watermark".into(),
             self.low_watermark.to_string(),
+            "--disk-read-budget".into(),
+            self.disk_read_budget.to_string(),
         ]
     }
 }
@@ -541,6 +550,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             }
             if set("low_watermark") {
                 cfg.low_watermark = disk.low_watermark;
+            }
+            if set("disk_read_budget") {
+                cfg.disk_read_budget = disk.disk_read_budget;
             }
             cfg.failpoints = failpoint;
             cfg.restore = restore;

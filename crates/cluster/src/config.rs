@@ -140,6 +140,10 @@ pub struct DiskSection {
     /// Default 0.8.
     #[serde(default = "default_low_watermark")]
     pub low_watermark: f64,
+    /// Most heap each unit's reads from disk take at once, bytes. Default
+    /// 8 MiB.
+    #[serde(with = "size", default = "default_disk_read_budget")]
+    pub read_budget: u64,
 }
 
 fn default_disk_capacity() -> u64 {
@@ -147,6 +151,9 @@ fn default_disk_capacity() -> u64 {
 }
 fn default_high_watermark() -> f64 {
     UnitConfig::new("", 0).high_watermark
+}
+fn default_disk_read_budget() -> u64 {
+    stowage_unit::DEFAULT_DISK_READ_BUDGET
 }
 fn default_low_watermark() -> f64 {
     UnitConfig::new("", 0).low_watermark
@@ -543,6 +550,7 @@ impl Config {
             c.disk = Some((d.root.clone(), d.capacity));
             c.high_watermark = d.high_watermark;
             c.low_watermark = d.low_watermark;
+            c.disk_read_budget = d.read_budget;
         }
         c.frame_timeout = self.timeouts.frame;
         if u.nixl {

@@ -117,7 +117,10 @@ pub(crate) fn resolve_dir(root: Option<&Path>, dir: &str) -> Result<CheckpointDi
         .canonicalize()
         .map_err(|e| format!("checkpoint root {}: {e}", root.display()))?;
     let asked = Path::new(dir);
-    if asked.components().any(|c| matches!(c, Component::ParentDir)) {
+    if asked
+        .components()
+        .any(|c| matches!(c, Component::ParentDir))
+    {
         return Err(format!("checkpoint path {dir:?} may not contain '..'"));
     }
     let outside = || {
@@ -181,7 +184,10 @@ fn through_link(dir: &str, name: &str) -> String {
 /// Write the unit's committed data and index to `dir` (which must not
 /// exist or be empty), every file through the directory's descriptor.
 /// Returns the metadata; no payload leaves the unit.
-pub(crate) fn write(shared: &Shared, dir: &CheckpointDir) -> Result<CheckpointInfo, CheckpointError> {
+pub(crate) fn write(
+    shared: &Shared,
+    dir: &CheckpointDir,
+) -> Result<CheckpointInfo, CheckpointError> {
     let ioe = io_err(&dir.path);
     let mut cur = dir.root.try_clone().map_err(&ioe)?;
     for n in &dir.names {
@@ -329,7 +335,9 @@ fn file_name(p: &Path) -> String {
 fn is_checkpoint_name(name: &str) -> bool {
     name == INDEX
         || name.strip_suffix(".blob").is_some_and(|h| {
-            h.len() == 32 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+            h.len() == 32
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
         })
 }
 
@@ -442,7 +450,11 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
     let index_bytes = read_file(dfd.as_fd(), INDEX, index_size.min(MAX_INDEX))
         .map_err(|e| incomplete(format!("index: {e}")))?;
     if xxhash_rust::xxh3::xxh3_64(&index_bytes)
-        != manifest.files.iter().find(|f| f.name == INDEX).map_or(0, |f| f.xxh3)
+        != manifest
+            .files
+            .iter()
+            .find(|f| f.name == INDEX)
+            .map_or(0, |f| f.xxh3)
     {
         return Err(incomplete("index changed while it was read".into()));
     }
@@ -563,7 +575,10 @@ mod root_tests {
             real.join("run/unit-0")
         );
         let abs = real.join("a/unit-1");
-        assert_eq!(resolve_dir(Some(r), abs.to_str().unwrap()).unwrap().path, abs);
+        assert_eq!(
+            resolve_dir(Some(r), abs.to_str().unwrap()).unwrap().path,
+            abs
+        );
         assert!(resolve_dir(Some(r), "/etc/cron.d").is_err());
         assert!(resolve_dir(Some(r), "../escape").is_err());
         assert!(resolve_dir(Some(r), &format!("{}/../x", real.display())).is_err());

@@ -557,9 +557,7 @@ impl Conn {
             .flatten()
             .any(|(p, _)| matches!(p, stowage_core::Place::Disk { .. }));
         let mut buf = match &self.shared.disk {
-            Some(d) if has_disk => d
-                .reads
-                .take(Instant::now() + Duration::from_millis(50)),
+            Some(d) if has_disk => d.reads.take(Instant::now() + Duration::from_millis(50)),
             _ => None,
         };
         let found = self.shared.bring_back(found, buf.as_deref_mut(), false);

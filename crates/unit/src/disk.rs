@@ -216,7 +216,10 @@ pub fn open_in<P: AsRef<[u8]> + ?Sized>(
 
 /// Open a subdirectory of `dir` (one component), not following a symbolic
 /// link.
-pub(crate) fn open_dir_in<P: AsRef<[u8]> + ?Sized>(dir: BorrowedFd<'_>, name: &P) -> io::Result<OwnedFd> {
+pub(crate) fn open_dir_in<P: AsRef<[u8]> + ?Sized>(
+    dir: BorrowedFd<'_>,
+    name: &P,
+) -> io::Result<OwnedFd> {
     open_in(dir, name, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
 }
 
@@ -263,10 +266,12 @@ pub fn open_private_root(path: &Path, what: &str) -> io::Result<OwnedFd> {
                 path.display()
             )));
         }
-        Err(e) => return Err(io::Error::new(
-            io::Error::from(e).kind(),
-            format!("{what} {}: {e}", path.display()),
-        )),
+        Err(e) => {
+            return Err(io::Error::new(
+                io::Error::from(e).kind(),
+                format!("{what} {}: {e}", path.display()),
+            ))
+        }
     };
     let st = rustix::fs::fstat(&fd)?;
     if st.st_uid != uid {
@@ -287,7 +292,11 @@ pub fn open_private_root(path: &Path, what: &str) -> io::Result<OwnedFd> {
              swap or link files where the unit keeps its own. `chmod 700 {}`, or use a \
              directory only you can write",
             path.display(),
-            if mode & 0o020 != 0 { "its group" } else { "others" },
+            match (mode & 0o002 != 0, mode & 0o020 != 0) {
+                (true, true) => "others and its group",
+                (true, false) => "others",
+                _ => "its group",
+            },
             path.display()
         )));
     }
@@ -406,7 +415,8 @@ impl FileEngine {
             2 | VERSION => {
                 let at = if version == 2 { V2_HEADER } else { HEADER };
                 let sum_at = at as usize - 8;
-                if got < at as usize || xxh3_64(&head[..sum_at]) != le_u64(&head[sum_at..at as usize])
+                if got < at as usize
+                    || xxh3_64(&head[..sum_at]) != le_u64(&head[sum_at..at as usize])
                 {
                     return Err(corrupt(&path, "header checksum mismatch".into()));
                 }
@@ -503,7 +513,10 @@ fn header(nbytes: u64, chunk: u32, blob: BlobId, instance: u128) -> [u8; HEADER 
 enum Format {
     V1,
     /// Versions 2 and 3: the bytes start at `data`.
-    Chunked { chunk: u64, data: u64 },
+    Chunked {
+        chunk: u64,
+        data: u64,
+    },
 }
 
 /// An open blob file whose header and length have been checked.
@@ -1041,12 +1054,7 @@ pub(crate) fn entries(dir: BorrowedFd<'_>) -> io::Result<Vec<(CString, FileType)
 /// never followed; subdirectories are opened with `O_NOFOLLOW`, so one
 /// swapped for a link between the check and the open is not entered.
 /// Entries another cleanup removed first are no error.
-fn remove_dir_at(
-    parent: BorrowedFd<'_>,
-    name: &str,
-    dir: &OwnedFd,
-    depth: u32,
-) -> io::Result<()> {
+fn remove_dir_at(parent: BorrowedFd<'_>, name: &str, dir: &OwnedFd, depth: u32) -> io::Result<()> {
     remove_contents(dir.as_fd(), depth)?;
     ignore_missing(rustix::fs::unlinkat(dir, LOCK, AtFlags::empty()))?;
     if is_at(dir, parent, name)? {
