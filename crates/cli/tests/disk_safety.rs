@@ -168,7 +168,7 @@ fn a_fifo_planted_as_a_lock_file_does_not_hang_a_start() {
     std::fs::create_dir(&dead).unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &dead.join("lock"),
+        dead.join("lock"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o600),
         0,
@@ -179,7 +179,7 @@ fn a_fifo_planted_as_a_lock_file_does_not_hang_a_start() {
     std::fs::create_dir(&new).unwrap();
     rustix::fs::mknodat(
         rustix::fs::CWD,
-        &new.join("lock"),
+        new.join("lock"),
         rustix::fs::FileType::Fifo,
         rustix::fs::Mode::from_raw_mode(0o600),
         0,
