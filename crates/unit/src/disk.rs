@@ -1702,4 +1702,208 @@ mod tests {
             &failures[..failures.len().min(5)]
         );
     }
+
+    /// Two files of equal size swapped (or one copied over another, or
+    /// one written by another unit instance): every read of either is
+    /// Corrupt, never the other blob's bytes.
+    #[test]
+    fn a_file_under_another_blobs_name_is_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path());
+        put(&e, BlobId(1), &data(1000, 1), &[1000]);
+        put(&e, BlobId(2), &data(1000, 2), &[1000]);
+        let (a, b) = (e.path(BlobId(1)), e.path(BlobId(2)));
+        let tmp = dir.path().join("t");
+        fs::rename(&a, &tmp).unwrap();
+        fs::rename(&b, &a).unwrap();
+        fs::rename(&tmp, &b).unwrap();
+        for blob in [BlobId(1), BlobId(2)] {
+            assert!(corrupt_at(&e, blob, 0, 10));
+            assert!(e.blob_size(blob).is_err());
+            let err = e.read(blob, &mut vec![0u8; 1000]).unwrap_err().to_string();
+            assert!(err.contains("another blob's name"), "{err}");
+        }
+        // Another instance's file under the right name.
+        let other = FileEngine::new(dirfd(dir.path()), dir.path().to_owned(), 2);
+        put(&other, BlobId(3), &data(10, 3), &[10]);
+        let err = e.read(BlobId(3), &mut [0u8; 10]).unwrap_err().to_string();
+        assert!(err.contains("instance"), "{err}");
+        // A checkpoint reads any instance's files, still by blob id.
+        let ck = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 9);
+        let mut got = [0u8; 10];
+        ck.read(BlobId(3), &mut got).unwrap();
+        assert!(got[..] == data(10, 3)[..]);
+        assert!(ck.read(BlobId(1), &mut vec![0u8; 1000]).is_err());
+    }
+
+    /// A version 2 file (no blob id) is read from checkpoints only.
+    #[test]
+    fn version_2_files_are_read_from_checkpoints_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = data(100, 4);
+        let mut h = [0u8; V2_HEADER as usize];
+        h[..4].copy_from_slice(MAGIC);
+        h[4..8].copy_from_slice(&2u32.to_le_bytes());
+        h[8..16].copy_from_slice(&100u64.to_le_bytes());
+        h[16..20].copy_from_slice(&64u32.to_le_bytes());
+        let sum = xxh3_64(&h[..24]);
+        h[24..32].copy_from_slice(&sum.to_le_bytes());
+        let mut file = h.to_vec();
+        file.extend_from_slice(&bytes);
+        file.extend_from_slice(&xxh3_64(&bytes[..64]).to_le_bytes());
+        file.extend_from_slice(&xxh3_64(&bytes[64..]).to_le_bytes());
+        let live = engine(dir.path());
+        fs::write(live.path(BlobId(5)), &file).unwrap();
+        let mut got = vec![0u8; 100];
+        let err = live.read(BlobId(5), &mut got).unwrap_err().to_string();
+        assert!(err.contains("format version 2"), "{err}");
+        let ck = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
+        ck.read(BlobId(5), &mut got).unwrap();
+        assert!(got == bytes);
+    }
+
+    /// Names are single components; a link in the directory is never
+    /// followed by a read, a write or a delete.
+    #[test]
+    fn links_in_the_directory_are_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let e = engine(dir.path());
+        put(
+            &elsewhere_engine(elsewhere.path()),
+            BlobId(1),
+            b"theirs",
+            &[6],
+        );
+        std::os::unix::fs::symlink(
+            elsewhere.path().join(FileEngine::name(BlobId(1))),
+            e.path(BlobId(1)),
+        )
+        .unwrap();
+        assert!(corrupt_at(&e, BlobId(1), 0, 1));
+        // A tmp name linked elsewhere: the write fails rather than follow.
+        let target = elsewhere.path().join("victim");
+        fs::write(&target, b"keep").unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join(FileEngine::tmp_name(BlobId(2))))
+            .unwrap();
+        assert!(e.create(BlobId(2), 1).is_err());
+        e.delete(BlobId(2)).unwrap();
+        e.delete(BlobId(1)).unwrap();
+        assert_eq!(fs::read(&target).unwrap(), b"keep");
+        assert!(elsewhere.path().join(FileEngine::name(BlobId(1))).exists());
+        assert!(open_in(
+            dirfd(dir.path()).as_fd(),
+            "../x",
+            OFlags::RDONLY,
+            Mode::empty()
+        )
+        .is_err());
+    }
+
+    fn elsewhere_engine(p: &Path) -> FileEngine {
+        FileEngine::new(dirfd(p), p.to_owned(), 1)
+    }
+
+    /// Removing a unit's directory empties it through its descriptor: a
+    /// link in it (to a directory, or the directory itself swapped for a
+    /// link) is removed or left, never followed.
+    #[test]
+    fn removal_follows_no_link() {
+        let root = tempfile::tempdir().unwrap();
+        let victim = tempfile::tempdir().unwrap();
+        fs::write(victim.path().join("keep"), b"x").unwrap();
+        fs::create_dir(victim.path().join("sub")).unwrap();
+        fs::write(victim.path().join("sub/keep"), b"y").unwrap();
+        let (d, _) = OwnedDir::create(root.path(), "a", 1).unwrap();
+        std::os::unix::fs::symlink(victim.path(), d.path.join("link")).unwrap();
+        fs::create_dir(d.path.join("nested")).unwrap();
+        std::os::unix::fs::symlink(victim.path(), d.path.join("nested/link")).unwrap();
+        fs::write(d.path.join("nested/file"), b"z").unwrap();
+        d.remove().unwrap();
+        assert!(!d.path.exists());
+        // The directory swapped for a link before removal.
+        let (d, _) = OwnedDir::create(root.path(), "b", 2).unwrap();
+        fs::write(d.path.join("0.blob"), b"z").unwrap();
+        let moved = root.path().join("moved");
+        fs::rename(&d.path, &moved).unwrap();
+        std::os::unix::fs::symlink(victim.path(), &d.path).unwrap();
+        d.remove().unwrap();
+        assert_eq!(
+            fs::read_dir(&moved).unwrap().count(),
+            0,
+            "its own files went"
+        );
+        assert!(fs::symlink_metadata(&d.path)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(fs::read(victim.path().join("keep")).unwrap(), b"x");
+        assert_eq!(fs::read(victim.path().join("sub/keep")).unwrap(), b"y");
+        // A dead unit's directory that is a link, or holds one: the
+        // cleanup removes the links and its own files only.
+        fs::remove_file(&d.path).unwrap();
+        let dead = root.path().join("stowage-unit-dead-1-00000001");
+        fs::create_dir(&dead).unwrap();
+        fs::write(dead.join(LOCK), b"").unwrap();
+        std::os::unix::fs::symlink(victim.path(), dead.join("link")).unwrap();
+        std::os::unix::fs::symlink(victim.path(), root.path().join("stowage-unit-l-1-00000002"))
+            .unwrap();
+        let r = root.path();
+        remove_dead_dirs(dirfd(r).as_fd(), r).unwrap();
+        assert!(!dead.exists());
+        assert_eq!(fs::read(victim.path().join("keep")).unwrap(), b"x");
+        assert_eq!(fs::read(victim.path().join("sub/keep")).unwrap(), b"y");
+    }
+
+    /// A FIFO (or any non-regular file) as a lock file is opened without
+    /// blocking and its directory left alone.
+    #[test]
+    fn a_fifo_lock_file_is_skipped_without_blocking() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let dead = r.join("stowage-unit-x-1-00000001");
+        fs::create_dir(&dead).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            dead.join(LOCK),
+            FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(remove_dead_dirs(dirfd(r).as_fd(), r).unwrap().is_empty());
+        assert!(dead.exists());
+        let (d, _) = OwnedDir::create(r, "y", 2).unwrap();
+        d.remove().unwrap();
+    }
+
+    /// A root that is a link, or writable by group or others, is refused
+    /// with the fix; a missing one is made 0700.
+    #[test]
+    fn only_a_private_root_is_taken() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = tempfile::tempdir().unwrap();
+        let fresh = base.path().join("a/b");
+        open_private_root(&fresh, "disk root").unwrap();
+        let mode = fs::metadata(&fresh).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        for m in [0o777, 0o770, 0o702, 0o1777] {
+            fs::set_permissions(&fresh, fs::Permissions::from_mode(m)).unwrap();
+            let err = open_private_root(&fresh, "disk root")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("writable by") && err.contains("chmod 700"),
+                "{m:o}: {err}"
+            );
+        }
+        fs::set_permissions(&fresh, fs::Permissions::from_mode(0o755)).unwrap();
+        open_private_root(&fresh, "disk root").unwrap();
+        let link = base.path().join("link");
+        std::os::unix::fs::symlink(&fresh, &link).unwrap();
+        let err = open_private_root(&link, "disk root")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("symbolic link"), "{err}");
+    }
 }

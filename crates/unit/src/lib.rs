@@ -375,6 +375,33 @@ impl Drop for ReadBuf<'_> {
     }
 }
 
+#[cfg(test)]
+mod read_budget_tests {
+    use super::*;
+
+    /// The budget is a fixed number of buffers: a reader past it waits
+    /// until its deadline (None), or until one is given back.
+    #[test]
+    fn readers_past_the_budget_wait_then_get_none() {
+        let b = ReadBudget::new(3 << 20);
+        let soon = || Instant::now() + Duration::from_millis(20);
+        let held: Vec<_> = (0..3).map(|_| b.take(soon()).unwrap()).collect();
+        assert!(held.iter().all(|h| h.len() == 1 << 20));
+        assert!(b.take(soon()).is_none());
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| b.take(Instant::now() + Duration::from_secs(10)).is_some());
+            std::thread::sleep(Duration::from_millis(50));
+            drop(held);
+            assert!(waiter.join().unwrap());
+        });
+        // A budget below one buffer still has one, of the budget's size.
+        let small = ReadBudget::new(1);
+        let one = small.take(soon()).unwrap();
+        assert_eq!(one.len() as u64, MIN_READ_BUDGET);
+        assert!(small.take(soon()).is_none());
+    }
+}
+
 /// Disk tier I/O counters.
 #[derive(Default)]
 pub(crate) struct DiskIo {
