@@ -235,7 +235,9 @@ enum Cmd {
         spin: Duration,
         #[command(flatten)]
         disk: DiskArgs,
-        /// Turn on a failpoint (tests): `disk-write` fails every disk write.
+        /// Turn on a failpoint (tests): `disk-write` fails every disk write;
+        /// `disk-sync` fails every blob file's last step (sync and rename),
+        /// after a put to disk was answered Pending.
         #[arg(long)]
         failpoint: Vec<String>,
         /// Serve the checkpoint in this directory (a unit's own

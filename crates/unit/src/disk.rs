@@ -289,14 +289,16 @@ pub fn open_private_root(path: &Path, what: &str) -> io::Result<OwnedFd> {
     if mode & 0o022 != 0 {
         return Err(refuse(format!(
             "{what} {} is writable by {} (mode {mode:04o}): another user could plant, \
-             swap or link files where the unit keeps its own. `chmod 700 {}`, or use a \
-             directory only you can write",
+             swap or link files where the unit keeps its own. Use a directory only you \
+             can write: `mkdir -m 700 {}/stowage-$USER` and give that, or `chmod 700 {}` \
+             if nothing else needs to write there",
             path.display(),
             match (mode & 0o002 != 0, mode & 0o020 != 0) {
                 (true, true) => "others and its group",
                 (true, false) => "others",
                 _ => "its group",
             },
+            path.display(),
             path.display()
         )));
     }

@@ -911,10 +911,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         Some((root, capacity)) => {
             let (dir, removed) =
                 disk::OwnedDir::create(root, &cfg.name, instance_id).map_err(|err| {
-                    StartError::Bind {
-                        what: format!("disk tier directory under {}", root.display()),
-                        err,
-                    }
+                    root_error(err, format!("disk tier directory under {}", root.display()))
                 })?;
             for r in removed {
                 tracing::info!(dir = %r.display(), "removed the disk directory of a unit that is gone");
@@ -942,10 +939,8 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     };
     if let Some(root) = &cfg.checkpoint_root {
         // Refused now rather than at the first checkpoint.
-        disk::open_private_root(root, "checkpoint root").map_err(|err| StartError::Bind {
-            what: format!("checkpoint root {}", root.display()),
-            err,
-        })?;
+        disk::open_private_root(root, "checkpoint root")
+            .map_err(|err| root_error(err, format!("checkpoint root {}", root.display())))?;
     }
     if disk.is_none() && !cfg.failpoints.is_empty() {
         return Err(StartError::Config("failpoints need a disk tier".into()));
@@ -1085,6 +1080,17 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         "unit serving"
     );
     Ok(handle)
+}
+
+/// A disk or checkpoint root refused as unsafe is a configuration error
+/// (its message says why and how to fix it); other failures to set it up
+/// are I/O errors with `what`.
+fn root_error(err: io::Error, what: String) -> StartError {
+    if err.kind() == io::ErrorKind::PermissionDenied {
+        StartError::Config(err.to_string())
+    } else {
+        StartError::Bind { what, err }
+    }
 }
 
 /// Whether `addr` is a loopback address (127.0.0.0/8, ::1, or an IPv4
