@@ -228,16 +228,33 @@ fn a_disk_root_others_could_write_is_refused_with_the_fix() {
         eprintln!("not root: the root owned by another user is not tried");
         return;
     }
-    // Owned by another user (nobody), even if only that user can write it.
-    let theirs = base.path().join("theirs");
-    std::fs::create_dir(&theirs).unwrap();
-    std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
-    rustix::fs::chown(
-        &theirs,
-        Some(rustix::fs::Uid::from_raw(65534)),
-        Some(rustix::fs::Gid::from_raw(65534)),
-    )
-    .unwrap();
+    // Made first by another user (nobody) in a shared scratch directory,
+    // private to that user: refused, though nobody else can write it.
+    std::fs::set_permissions(base.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    let scratch = base.path().join("scratch");
+    std::fs::create_dir(&scratch).unwrap();
+    std::fs::set_permissions(&scratch, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let theirs = scratch.join("stowage");
+    let made = Command::new("setpriv")
+        .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+        .args(["mkdir", "-m", "700"])
+        .arg(&theirs)
+        .status()
+        .is_ok_and(|s| s.success());
+    if !made {
+        // No setpriv (util-linux): the same directory, given away.
+        std::fs::create_dir(&theirs).unwrap();
+        rustix::fs::chown(
+            &theirs,
+            Some(rustix::fs::Uid::from_raw(65534)),
+            Some(rustix::fs::Gid::from_raw(65534)),
+        )
+        .unwrap();
+    }
+    assert_eq!(
+        std::os::unix::fs::MetadataExt::uid(&std::fs::metadata(&theirs).unwrap()),
+        65534
+    );
     let err = refused(&theirs, &[]);
     assert!(err.contains("owned by uid 65534"), "{err}");
     assert!(err.contains("chown"), "{err}");
