@@ -236,7 +236,7 @@ pub(crate) struct DiskTier {
     /// The heap that reads from disk may take (buffers).
     pub(crate) reads: ReadBudget,
     /// Puts answered Pending whose files then could not be made durable,
-    /// newest last (a few thousand at most): a later Commit of one is told
+    /// newest last (1024 at most): a later Commit of one is told
     /// what happened instead of "unknown blob".
     pub(crate) failed_puts: Mutex<std::collections::VecDeque<FailedPut>>,
 }
@@ -249,7 +249,7 @@ pub(crate) struct FailedPut {
 }
 
 /// Failed puts remembered (see [`DiskTier::failed_puts`]).
-const FAILED_PUTS_KEPT: usize = 4096;
+const FAILED_PUTS_KEPT: usize = 1024;
 
 impl DiskTier {
     /// Remember that `blob`'s put, answered Pending, failed with `e`.
