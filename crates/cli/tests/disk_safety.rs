@@ -529,3 +529,70 @@ fn a_disk_put_lost_after_pending_says_what_happened() {
     assert!(!msg.contains("never allocated"), "{msg}");
     assert!(err.is_retryable(), "{err:?}");
 }
+
+/// Readers that stop taking their replies cannot push a unit's memory past
+/// its read budget: with a budget of one buffer, a reader stalled mid-way
+/// through a spilled value holds it, and another reader's get of a spilled
+/// value fails within its deadline (the unit answers Busy) rather than
+/// taking more memory or hanging; once the stalled reader goes, gets
+/// succeed again.
+#[test]
+fn stalled_readers_hold_the_read_budget_not_more_memory() {
+    let root = tempfile::tempdir().unwrap();
+    let mut args = disk_args(root.path());
+    args.extend(["--disk-read-budget".into(), "64KiB".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (p, _) = plane(1, 8 * MIB, &args);
+    let c = client(&p, Kind::Tcp, Duration::from_secs(30));
+    let value = |r: u64| pattern(r, 6, 4 * MIB as usize);
+    for r in 0..8 {
+        c.put_rows(&[(Key::new(r, "v"), &value(r))], c.deadline())
+            .unwrap();
+    }
+    assert!(eventually(Duration::from_secs(20), || {
+        c.stats(c.deadline())[0].as_ref().unwrap().disk_used >= 16 * MIB
+    }));
+    // Which rows are on disk only: a Resolve says (on_disk).
+    let uds = match &p.uds_addrs()[0] {
+        stowage_client::UnitAddr::Unix(path) => path.clone(),
+        other => panic!("{other:?}"),
+    };
+    let mut probe = common::Raw::hello(&uds, "test");
+    let keys: Vec<Key> = (0..8).map(|r| Key::new(r, "v")).collect();
+    let on_disk: Vec<Key> = match probe.call(&stowage_wire::Request::Resolve {
+        partition: String::new(),
+        keys: keys.clone(),
+        hold: false,
+    }) {
+        stowage_wire::Response::Resolved { found, .. } => keys
+            .iter()
+            .zip(found)
+            .filter(|(_, f)| f.as_ref().is_some_and(|f| f.on_disk))
+            .map(|(k, _)| k.clone())
+            .collect(),
+        other => panic!("{other:?}"),
+    };
+    drop(probe);
+    assert!(on_disk.len() >= 2, "{on_disk:?}");
+    // A reader that asks for a spilled value and takes none of the reply.
+    let mut stalled = common::Raw::hello(&uds, "test");
+    stalled.send(&stowage_wire::Request::Read {
+        partition: String::new(),
+        keys: vec![on_disk[0].clone()],
+        timeout_ms: 60_000,
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let mut cfg = stowage_client::ClientConfig::new("test", p.tcp_addrs());
+    cfg.timeout = Duration::from_secs(2);
+    let other = Client::connect(cfg).unwrap();
+    // Bounded by its 2 s deadline.
+    let got = other.get_rows(&[on_disk[1].clone()], other.deadline());
+    assert!(got.is_err(), "a get went past the read budget");
+    assert!(got.unwrap_err().is_retryable());
+    drop(stalled);
+    assert!(eventually(Duration::from_secs(20), || {
+        other
+            .get_rows(&[on_disk[1].clone()], other.deadline())
+            .is_ok_and(|v| v[0] == value(on_disk[1].row))
+    }));
+}
