@@ -716,34 +716,34 @@ impl UnitCore {
             self.fenced
                 .insert((until, self.quarantine_seq), (session, h));
         }
-        self.tick(now);
         n
+    }
+
+    /// Whether a fenced hold still waits for `at` (it has not gone, nor
+    /// been taken over, since).
+    fn fenced_until(&self, session: SessionId, hold: Hold, at: Time) -> bool {
+        let due = |h: &Holder| h.session == session && h.kept == Kept::Until(at);
+        match hold {
+            Hold::Reservation(blob) => matches!(
+                self.blobs.get(&blob),
+                Some(Blob { state: State::Reserved { holder, .. }, .. }) if due(holder)
+            ),
+            Hold::Pin(pin) => self.pins.get(&pin).is_some_and(|p| due(&p.holder)),
+        }
     }
 
     /// Release a fenced hold whose quarantine ended at `at`, unless it has
     /// gone or was taken over since.
     fn release_fenced(&mut self, session: SessionId, hold: Hold, at: Time, now: Time) -> bool {
-        let due = |h: &Holder| h.session == session && h.kept == Kept::Until(at);
-        match hold {
-            Hold::Reservation(blob) => {
-                let ok = matches!(
-                    self.blobs.get(&blob),
-                    Some(Blob { state: State::Reserved { holder, .. }, .. }) if due(holder)
-                );
-                if ok {
-                    // Its quarantine has passed: nothing of it can land.
-                    self.release_reservation(blob, false, now);
-                }
-                ok
-            }
-            Hold::Pin(pin) => {
-                let ok = self.pins.get(&pin).is_some_and(|p| due(&p.holder));
-                if ok {
-                    self.drop_pin(pin);
-                }
-                ok
-            }
+        if !self.fenced_until(session, hold, at) {
+            return false;
         }
+        match hold {
+            // Its quarantine has passed: nothing of it can land any more.
+            Hold::Reservation(blob) => self.release_reservation(blob, false, now),
+            Hold::Pin(pin) => self.drop_pin(pin),
+        }
+        true
     }
 
     /// Sessions that hold something although none of their connections is
@@ -1850,7 +1850,11 @@ impl UnitCore {
     /// When `tick` next has something to do.
     pub fn next_deadline(&self) -> Option<Time> {
         let q = self.quarantined.keys().next().map(|(t, _)| *t);
-        let f = self.fenced.keys().next().map(|(t, _)| *t);
+        let f = self
+            .fenced
+            .iter()
+            .find(|((at, _), (s, h))| self.fenced_until(*s, *h, *at))
+            .map(|((at, _), _)| *at);
         match (q, f) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
