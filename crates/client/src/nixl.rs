@@ -185,6 +185,10 @@ impl Drop for Lent {
     }
 }
 
+/// A unit's agent as this client loaded it: its name, and a handle that
+/// lives as long as a mover uses it.
+type LoadedPeer = (String, Weak<String>);
+
 /// A client's NIXL agent, made on first use and shared by its
 /// connections; what it knows of each unit's agent.
 pub(crate) struct NixlClient {
@@ -194,7 +198,7 @@ pub(crate) struct NixlClient {
     /// mover uses it. A unit invalidates this agent once its last
     /// connection to the unit has ended (docs/nixl.md), so metadata no
     /// mover uses any more is loaded afresh for the next connection.
-    peers: Mutex<HashMap<Vec<u8>, (String, Weak<String>)>>,
+    peers: Mutex<HashMap<Vec<u8>, LoadedPeer>>,
     /// What a unit loads to reach this agent (its connection information),
     /// made once.
     introduction: Mutex<Option<(String, Vec<u8>)>>,

@@ -22,8 +22,13 @@
 //! timeout, a transfer past its request's deadline, an invalid request) —
 //! at once for a tcp peer (the unit's own thread did the copying and has
 //! stopped), and for a Unix-socket peer (which maps the slab) only once
-//! its process is gone (a pidfd taken from SO_PEERCRED at accept). No
-//! timer ever frees a range that someone may still touch.
+//! its process is gone (a pidfd taken from SO_PEERCRED at accept). A nixl
+//! peer's holds outlive its connection's end, however it ends (a network
+//! can close it while the peer's one-sided transfers run), until the unit
+//! has invalidated the peer's NIXL agent (once the agent's last
+//! connection ended) and `--nixl-quarantine` has then passed, or the
+//! process is known gone. No other timer ever frees a range that someone
+//! may still touch.
 //!
 //! Local security: the Unix socket's file is owner-only and the unit
 //! accepts only its own uid (SO_PEERCRED) unless started with
