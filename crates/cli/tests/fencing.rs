@@ -139,11 +139,13 @@ impl Paused {
         while Instant::now() < end {
             if during(&stats(watcher)) {
                 self.signal("-STOP");
-                assert!(eventually(Duration::from_secs(5), || is_stopped(
-                    self.child.id()
-                )));
+                // It may have finished and exited between the two (a
+                // zombie): not caught, the caller tries again.
+                let pid = self.child.id();
+                assert!(eventually(Duration::from_secs(5), || is_stopped(pid)
+                    || has_exited(pid)));
                 // Still mid-transfer once stopped?
-                return during(&stats(watcher));
+                return is_stopped(pid) && during(&stats(watcher));
             }
             std::thread::sleep(Duration::from_micros(200));
         }
@@ -155,6 +157,14 @@ impl Paused {
         let _ = self.child.wait();
         r
     }
+}
+
+/// Whether process `pid` has exited (a zombie not yet reaped, state Z).
+fn has_exited(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('Z')))
+        .unwrap_or(true)
 }
 
 impl Drop for Paused {

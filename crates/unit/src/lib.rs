@@ -187,6 +187,12 @@ pub(crate) struct NixlServe {
     agent: stowage_nixl::Agent,
 }
 
+/// Longest NIXL agent name a unit takes from a client.
+const MAX_AGENT_NAME: usize = 256;
+/// Most metadata bytes a unit loads of a client's agent (its connection
+/// information takes a few KiB).
+const MAX_AGENT_METADATA: usize = 1 << 20;
+
 /// The client agents of a unit's nixl connections.
 #[derive(Default)]
 struct NixlPeers {
@@ -459,9 +465,26 @@ impl Shared {
             return Err(invalid("session vanished".into()));
         };
         let mut peers = n.peers.lock().unwrap_or_else(|p| p.into_inner());
-        let told = (!agent.is_empty()).then(|| agent.to_owned());
+        let mut told = (!agent.is_empty()).then(|| agent.to_owned());
+        if agent.len() > MAX_AGENT_NAME || agent_metadata.len() > MAX_AGENT_METADATA {
+            tracing::warn!(
+                unit = %self.name,
+                name_bytes = agent.len(),
+                metadata_bytes = agent_metadata.len(),
+                "a nixl client's agent is past the unit's bounds: not loaded; what its \
+                 connections hold when they end waits out the nixl quarantine alone"
+            );
+            told = None;
+        }
         if peers.conns.contains_key(&owner) {
-            return Err(invalid("this connection already asked for nixl".into()));
+            // Asked again on the same connection: the same answer.
+            return if peers.sessions.get(&owner.session) == Some(&told) {
+                Ok(())
+            } else {
+                Err(invalid(
+                    "this connection asked for nixl already, as another agent".into(),
+                ))
+            };
         }
         if let Some(had) = peers.sessions.get(&owner.session) {
             if *had != told {
@@ -474,7 +497,10 @@ impl Shared {
         let known = match &told {
             Some(name) if peers.agents.contains_key(name) => Some(name.clone()),
             Some(name) => match n.agent.load_remote(agent_metadata) {
-                Ok(loaded) if loaded == *name => Some(loaded),
+                Ok(loaded) if loaded == *name => {
+                    tracing::debug!(unit = %self.name, agent = %loaded, metadata_bytes = agent_metadata.len(), "loaded a nixl client's agent");
+                    Some(loaded)
+                }
                 Ok(loaded) => {
                     let _ = n.agent.invalidate_remote(&loaded);
                     return Err(invalid(format!(
