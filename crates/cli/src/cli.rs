@@ -272,6 +272,13 @@ enum Cmd {
         /// without RDMA NICs); figures then say nothing of RDMA speed.
         #[arg(long, requires = "nixl")]
         nixl_allow_tcp: bool,
+        /// With --nixl: what a nixl client held when its connection ended
+        /// (a clean close included: a network can end it while the
+        /// client's one-sided transfers still run) is released this long
+        /// after the unit invalidated the client's NIXL agent, once that
+        /// agent's last connection ended (docs/fencing.md).
+        #[arg(long, requires = "nixl", value_parser = parse_duration, default_value = "5s")]
+        nixl_quarantine: Duration,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -474,6 +481,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             no_metrics,
             nixl,
             nixl_allow_tcp,
+            nixl_quarantine,
         } => {
             let file = config
                 .as_deref()
@@ -564,6 +572,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             if nixl {
                 cfg.nixl = Some(stowage_unit::NixlConfig {
                     require_rdma: !nixl_allow_tcp,
+                    quarantine: nixl_quarantine,
                 });
             }
             match metrics_listen.as_deref() {

@@ -602,8 +602,17 @@ impl Client {
         mut conn: Conn,
         deadline: Instant,
     ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+        // The unit learns this client's agent, to invalidate it once this
+        // client's last connection to it has ended. Without an agent (NIXL
+        // cannot run here) the unit's answer still tells whether it serves
+        // nixl: the mover then fails, or the connection is tcp.
+        let (agent, agent_metadata) = n.introduction().unwrap_or_default();
+        let ask = stowage_wire::Request::NixlInfo {
+            agent,
+            agent_metadata,
+        };
         let id = conn
-            .send(&stowage_wire::Request::NixlInfo, &mut [], deadline)
+            .send(&ask, &mut [], deadline)
             .map_err(|e| OpFailure::conn(e, false))?;
         match conn
             .recv(id, deadline)

@@ -101,6 +101,11 @@ pub struct UnitsSection {
     /// With `nixl`: refuse to start unless UCX is held to RDMA transports
     /// (`UCX_TLS`). Default true; false lets UCX run over tcp.
     pub require_rdma: bool,
+    /// With `nixl`: how long what a nixl client held when its connection
+    /// ended stays after the unit invalidated its agent (docs/fencing.md).
+    /// Default 5 s.
+    #[serde(with = "duration")]
+    pub nixl_quarantine: Duration,
 }
 
 impl Default for UnitsSection {
@@ -119,6 +124,7 @@ impl Default for UnitsSection {
             disk: None,
             nixl: false,
             require_rdma: true,
+            nixl_quarantine: stowage_unit::NixlConfig::default().quarantine,
         }
     }
 }
@@ -556,6 +562,7 @@ impl Config {
         if u.nixl {
             c.nixl = Some(stowage_unit::NixlConfig {
                 require_rdma: u.require_rdma,
+                quarantine: u.nixl_quarantine,
             });
         }
         c.metrics = self.metrics.enabled;

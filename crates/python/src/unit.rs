@@ -138,7 +138,10 @@ impl Unit {
         crate::logbridge::install();
         let mut cfg = UnitConfig::new(name, size_arg(memory)?);
         if nixl {
-            cfg.nixl = Some(stowage_unit::NixlConfig { require_rdma });
+            cfg.nixl = Some(stowage_unit::NixlConfig {
+                require_rdma,
+                ..Default::default()
+            });
         }
         cfg.metrics = metrics;
         if !metrics {

@@ -103,6 +103,9 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
             let holds = core.detach(owner, end, now);
             (holds, !core.has_session(owner.session))
         };
+        // A nixl connection's holds outlive it: fenced once its client's
+        // agent has no connection left.
+        shared.nixl_conn_ended(owner);
         if let Some(m) = &shared.metrics {
             let why = match end {
                 stowage_core::ConnEnd::Closed => crate::metrics::Reclaim::Closed,
@@ -419,18 +422,26 @@ impl Conn {
             Handled::Resolved(pin, found) => self.resolved(pin, found),
             Handled::Other(req) => match req {
                 Request::Stats => Response::Stats(self.shared.stats()),
-                Request::NixlInfo => match &self.shared.nixl {
+                Request::NixlInfo {
+                    agent,
+                    agent_metadata,
+                } => match &self.shared.nixl {
                     // From here on the peer's transfers touch the slab by
-                    // themselves: its holds follow the rules for direct
-                    // peers (kept through a cut connection until the
-                    // process is known gone).
-                    Some(n) => match self.shared.map_session(owner, self.peer) {
-                        Ok(()) => Response::NixlInfo {
-                            metadata: n.metadata.clone(),
-                            slab_addr: n.slab_addr,
-                        },
-                        Err(e) => error_response(&e),
-                    },
+                    // themselves: its holds outlive the connection's end,
+                    // however it ends, until its agent is invalidated and
+                    // the nixl quarantine has passed (docs/fencing.md).
+                    Some(n) => {
+                        match self
+                            .shared
+                            .map_session(owner, self.peer, &agent, &agent_metadata)
+                        {
+                            Ok(()) => Response::NixlInfo {
+                                metadata: n.metadata.clone(),
+                                slab_addr: n.slab_addr,
+                            },
+                            Err(e) => error_response(&e),
+                        }
+                    }
                     None => Response::Error {
                         code: ErrorCode::InvalidRequest,
                         message: "this unit does not serve nixl (start it with --nixl)".into(),

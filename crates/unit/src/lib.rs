@@ -22,8 +22,13 @@
 //! timeout, a transfer past its request's deadline, an invalid request) —
 //! at once for a tcp peer (the unit's own thread did the copying and has
 //! stopped), and for a Unix-socket peer (which maps the slab) only once
-//! its process is gone (a pidfd taken from SO_PEERCRED at accept). No
-//! timer ever frees a range that someone may still touch.
+//! its process is gone (a pidfd taken from SO_PEERCRED at accept). A nixl
+//! peer's holds outlive its connection's end, however it ends (a network
+//! can close it while the peer's one-sided transfers run), until the unit
+//! has invalidated the peer's NIXL agent (once the agent's last
+//! connection ended) and `--nixl-quarantine` has then passed, or the
+//! process is known gone. No other timer ever frees a range that someone
+//! may still touch.
 //!
 //! Local security: the Unix socket's file is owner-only and the unit
 //! accepts only its own uid (SO_PEERCRED) unless started with
@@ -161,21 +166,49 @@ pub struct NixlConfig {
     /// see [`stowage_nixl::check_rdma`]). Default true; off for tests and
     /// hosts without RDMA NICs, where UCX moves the bytes over tcp.
     pub require_rdma: bool,
+    /// What a nixl client held when its connection ended (a clean close
+    /// included) stays this long after the unit invalidated the client's
+    /// NIXL agent (once the agent's last connection ended): time for
+    /// transfers already posted to drain (docs/fencing.md). Default 5 s.
+    pub quarantine: Duration,
 }
 
 impl Default for NixlConfig {
     fn default() -> Self {
-        Self { require_rdma: true }
+        Self {
+            require_rdma: true,
+            quarantine: Duration::from_secs(5),
+        }
     }
 }
 
-/// A unit's NIXL side: its agent and registered slab.
+/// A unit's NIXL side: its agent and registered slab, and the client
+/// agents it knows.
 pub(crate) struct NixlServe {
     pub(crate) metadata: Vec<u8>,
     pub(crate) slab_addr: u64,
+    peers: Mutex<NixlPeers>,
     // Deregistered before the agent goes.
     _registration: stowage_nixl::SlabRegistration,
-    _agent: stowage_nixl::Agent,
+    agent: stowage_nixl::Agent,
+}
+
+/// Longest NIXL agent name a unit takes from a client.
+const MAX_AGENT_NAME: usize = 256;
+/// Most metadata bytes a unit loads of a client's agent (its connection
+/// information takes a few KiB).
+const MAX_AGENT_METADATA: usize = 1 << 20;
+
+/// The client agents of a unit's nixl connections.
+#[derive(Default)]
+struct NixlPeers {
+    /// Each open connection that asked `NixlInfo`: its client's agent, if
+    /// the unit knows it (loaded its metadata).
+    conns: std::collections::HashMap<stowage_core::Owner, Option<String>>,
+    /// Each known agent: the sessions its connections belonged to.
+    agents: std::collections::HashMap<String, std::collections::HashSet<stowage_core::SessionId>>,
+    /// Each session with a nixl connection: its agent (one per session).
+    sessions: std::collections::HashMap<stowage_core::SessionId, Option<String>>,
 }
 
 impl UnitConfig {
@@ -501,8 +534,9 @@ fn serve_nixl(
     Ok(NixlServe {
         metadata,
         slab_addr: slab.addr() as u64,
+        peers: Mutex::new(NixlPeers::default()),
         _registration: registration,
-        _agent: agent,
+        agent,
     })
 }
 
@@ -514,6 +548,9 @@ pub(crate) struct SessionRec {
     pub(crate) pidfd: Option<std::os::fd::OwnedFd>,
     /// The slab was handed to this session: its peer may copy by itself.
     pub(crate) mapped: bool,
+    /// A connection of this session asked for nixl: its peer moves bytes
+    /// with one-sided transfers, and so may its other connections.
+    pub(crate) one_sided: bool,
 }
 
 impl Shared {
@@ -552,6 +589,7 @@ impl Shared {
                         pid: peer.pid,
                         pidfd: None,
                         mapped: false,
+                        one_sided: false,
                     },
                 );
                 token
@@ -576,20 +614,88 @@ impl Shared {
         rec.mapped |= maps;
         let direct = rec.mapped;
         let owner = core.attach(rec.id, direct)?;
+        if rec.one_sided {
+            core.make_one_sided(owner)?;
+        }
         Ok((token, owner))
     }
 
-    /// The peer of `owner`'s connection will touch the slab by itself (a
-    /// nixl client): the connection and its session become direct, as a
-    /// peer that was handed the memfd is.
+    /// The peer of `owner`'s connection will touch the slab by itself with
+    /// one-sided transfers (a nixl client, whose NIXL agent is `agent`
+    /// with the metadata to reach it, when it told them): the connection
+    /// and its session become one-sided ([`UnitCore::make_one_sided`]).
+    /// The unit loads the agent's metadata, to invalidate it once the
+    /// agent's last connection has ended ([`Shared::nixl_conn_ended`]).
     pub(crate) fn map_session(
         &self,
         owner: stowage_core::Owner,
         peer: conn::Peer,
+        agent: &str,
+        agent_metadata: &[u8],
     ) -> Result<(), stowage_core::CoreError> {
+        let invalid = stowage_core::CoreError::Invalid;
+        let Some(n) = &self.nixl else {
+            return Err(invalid("this unit does not serve nixl".into()));
+        };
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         let Some(rec) = sessions.values_mut().find(|r| r.id == owner.session) else {
-            return Err(stowage_core::CoreError::Invalid("session vanished".into()));
+            return Err(invalid("session vanished".into()));
+        };
+        let mut peers = n.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut told = (!agent.is_empty()).then(|| agent.to_owned());
+        if agent.len() > MAX_AGENT_NAME || agent_metadata.len() > MAX_AGENT_METADATA {
+            tracing::warn!(
+                unit = %self.name,
+                name_bytes = agent.len(),
+                metadata_bytes = agent_metadata.len(),
+                "a nixl client's agent is past the unit's bounds: not loaded; what its \
+                 connections hold when they end waits out the nixl quarantine alone"
+            );
+            told = None;
+        }
+        if peers.conns.contains_key(&owner) {
+            // Asked again on the same connection: the same answer.
+            return if peers.sessions.get(&owner.session) == Some(&told) {
+                Ok(())
+            } else {
+                Err(invalid(
+                    "this connection asked for nixl already, as another agent".into(),
+                ))
+            };
+        }
+        if let Some(had) = peers.sessions.get(&owner.session) {
+            if *had != told {
+                return Err(invalid(format!(
+                    "a session's nixl connections come from one NIXL agent: this one \
+                     was {had:?}, now {told:?} (open a new session for another agent)"
+                )));
+            }
+        }
+        let known = match &told {
+            Some(name) if peers.agents.contains_key(name) => Some(name.clone()),
+            Some(name) => match n.agent.load_remote(agent_metadata) {
+                Ok(loaded) if loaded == *name => {
+                    tracing::debug!(unit = %self.name, agent = %loaded, metadata_bytes = agent_metadata.len(), "loaded a nixl client's agent");
+                    Some(loaded)
+                }
+                Ok(loaded) => {
+                    let _ = n.agent.invalidate_remote(&loaded);
+                    return Err(invalid(format!(
+                        "the NIXL metadata told is agent {loaded:?}'s, not {name:?}'s"
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        unit = %self.name,
+                        agent = %name,
+                        error = %e,
+                        "cannot load a nixl client's agent: what its connections hold when \
+                         they end waits out the nixl quarantine without an invalidation"
+                    );
+                    None
+                }
+            },
+            None => None,
         };
         if rec.pidfd.is_none() {
             rec.pidfd = peer.pid.and_then(|pid| {
@@ -597,8 +703,73 @@ impl Shared {
                 rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
             });
         }
-        rec.mapped = true;
-        self.core().make_direct(owner)
+        rec.one_sided = true;
+        self.core().make_one_sided(owner)?;
+        if let Some(name) = &known {
+            peers
+                .agents
+                .entry(name.clone())
+                .or_default()
+                .insert(owner.session);
+        }
+        peers.sessions.insert(owner.session, told);
+        peers.conns.insert(owner, known);
+        Ok(())
+    }
+
+    /// A connection ended (after the core's [`UnitCore::detach`]). When it
+    /// was a nixl connection and the last open one of its client's agent,
+    /// the unit invalidates that agent (so that, where UCX can, no further
+    /// transfer of it lands) and fences the sessions it served: what their
+    /// ended connections hold is released once the nixl quarantine has
+    /// passed. A connection whose agent the unit does not know fences its
+    /// session at once: its holds wait out the quarantine alone.
+    pub(crate) fn nixl_conn_ended(&self, owner: stowage_core::Owner) {
+        let Some(n) = &self.nixl else {
+            return;
+        };
+        let (fence, agent) = {
+            let mut peers = n.peers.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(agent) = peers.conns.remove(&owner) else {
+                return;
+            };
+            if !peers.conns.keys().any(|o| o.session == owner.session) {
+                peers.sessions.remove(&owner.session);
+            }
+            match agent {
+                None => (vec![owner.session], None),
+                Some(name) if peers.conns.values().any(|a| a.as_ref() == Some(&name)) => {
+                    (Vec::new(), None)
+                }
+                Some(name) => {
+                    // Under the lock: a connection of the same agent that
+                    // asks NixlInfo meanwhile loads it afresh, after this.
+                    let sessions = peers.agents.remove(&name).unwrap_or_default();
+                    let invalidated = n.agent.invalidate_remote(&name);
+                    if let Err(e) = &invalidated {
+                        tracing::warn!(unit = %self.name, agent = %name, error = %e, "cannot invalidate a nixl client's agent");
+                    }
+                    (sessions.into_iter().collect(), Some(name))
+                }
+            }
+        };
+        if fence.is_empty() {
+            return;
+        }
+        let now = self.now();
+        let held: u64 = {
+            let mut core = self.core();
+            fence.iter().map(|s| core.fence(*s, now)).sum()
+        };
+        if held > 0 {
+            tracing::info!(
+                unit = %self.name,
+                agent = agent.as_deref().unwrap_or("(not told)"),
+                holds = held,
+                quarantine_ms = self.core().config().nixl_quarantine.as_millis() as u64,
+                "a nixl client's connections ended: its holds are released after the nixl quarantine"
+            );
+        }
     }
 
     /// End the sessions whose connections were all cut and whose process
@@ -889,6 +1060,9 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     core_cfg.reservation_lease = cfg.reservation_lease;
     core_cfg.pin_lease = cfg.pin_lease;
     core_cfg.quarantine = cfg.quarantine;
+    if let Some(n) = &cfg.nixl {
+        core_cfg.nixl_quarantine = n.quarantine;
+    }
     core_cfg.high_watermark = cfg.high_watermark;
     core_cfg.low_watermark = cfg.low_watermark;
     core_cfg.disk_capacity = cfg.disk.as_ref().map_or(0, |(_, c)| *c);
