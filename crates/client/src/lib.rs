@@ -760,9 +760,9 @@ impl Client {
             OpFailure::Conn { error, in_flight } => {
                 let known = lock(&self.units[unit].instance).current.unwrap_or(0);
                 let reason = match &error {
-                    ConnFailure::Broken(m) | ConnFailure::Protocol(m) | ConnFailure::Refusing(m) => {
-                        m.clone()
-                    }
+                    ConnFailure::Broken(m)
+                    | ConnFailure::Protocol(m)
+                    | ConnFailure::Refusing(m) => m.clone(),
                     ConnFailure::Timeout => "timeout".into(),
                 };
                 match self

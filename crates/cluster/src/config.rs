@@ -471,7 +471,10 @@ impl Config {
         for (key, v) in [
             ("units.max_connections", u.max_connections),
             ("units.max_handshakes", u.max_handshakes),
-            ("units.max_handshakes_per_source", u.max_handshakes_per_source),
+            (
+                "units.max_handshakes_per_source",
+                u.max_handshakes_per_source,
+            ),
             ("units.max_session_connections", u.max_session_connections),
             ("units.max_session_holds", u.max_session_holds),
         ] {

@@ -340,7 +340,7 @@ mod sock_diag {
         r[2] = 0; // ext
         r[3] = 0; // pad
         r[4..8].copy_from_slice(&u32::MAX.to_ne_bytes()); // every state
-        // inet_diag_sockid: ports big-endian, then addresses, if, cookie.
+                                                          // inet_diag_sockid: ports big-endian, then addresses, if, cookie.
         r[8..10].copy_from_slice(&src.port().to_be_bytes());
         r[10..12].copy_from_slice(&dst.port().to_be_bytes());
         r[12..28].copy_from_slice(&addr_bytes(&src));
@@ -385,6 +385,7 @@ mod tests {
         let (s, peer) = l.accept().unwrap();
         let me = rustix::process::getuid().as_raw();
         let src = Source::of_tcp(peer, s.local_addr().ok());
+        eprintln!("source: {src:?}");
         // Kernels without inet_diag do not say: the address stands in.
         assert!(
             src == Source::Uid(me) || src == Source::Ip(peer.ip()),

@@ -325,7 +325,9 @@ impl Conn {
         };
         if t.cut().is_some() {
             let message = self.shared.cut_message(&t);
-            let _ = self.writer.set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = self
+                .writer
+                .set_write_timeout(Some(Duration::from_millis(100)));
             let _ = self.reply(
                 0,
                 &Response::Error {
