@@ -23,7 +23,7 @@ DEFAULTS = {
         "pin_lease": 30.0,
         "max_connections": 1024,
         "max_handshakes": 128,
-        "max_handshakes_per_source": 16,
+        "max_handshakes_per_source": 32,
         "max_session_connections": 64,
         "max_session_holds": 16384,
         "checkpoint_root": None,

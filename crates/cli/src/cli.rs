@@ -215,7 +215,7 @@ enum Cmd {
         /// Most of those from one source (a local user, over the Unix
         /// socket or loopback TCP; otherwise an address, an IPv6 /64):
         /// past it, a new one cuts that source's oldest handshake.
-        #[arg(long, default_value_t = 16)]
+        #[arg(long, default_value_t = 32)]
         max_handshakes_per_source: usize,
         /// A connection must prove the shared secret and say Hello within
         /// this of its accept, or it is cut.

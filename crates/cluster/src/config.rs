@@ -90,7 +90,7 @@ pub struct UnitsSection {
     /// Default 128.
     pub max_handshakes: usize,
     /// Most of those from one source (a local user; otherwise an
-    /// address, an IPv6 /64). Default 16.
+    /// address, an IPv6 /64). Default 32.
     pub max_handshakes_per_source: usize,
     /// Most connections of one client session. Default 64.
     pub max_session_connections: usize,
@@ -826,7 +826,7 @@ mod tests {
         assert_eq!(d.units.pin_lease, Duration::from_secs(30));
         assert_eq!(d.units.max_connections, 1024);
         assert_eq!(d.units.max_handshakes, 128);
-        assert_eq!(d.units.max_handshakes_per_source, 16);
+        assert_eq!(d.units.max_handshakes_per_source, 32);
         assert_eq!(d.timeouts.handshake, Duration::from_secs(1));
         assert_eq!(d.units.max_session_connections, 64);
         assert_eq!(d.units.max_session_holds, 16384);

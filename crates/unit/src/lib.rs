@@ -30,7 +30,10 @@
 //! `allow_other_uids`; admin requests (shutdown, checkpoint) need a
 //! same-uid Unix-socket client or `admin_tcp`; checkpoints are written only
 //! under `checkpoint_root`. Connections are capped per unit and per
-//! session.
+//! session; a connection counts against the unit's cap only once it
+//! proved itself, and waits until then in a small pool of its own with a
+//! short deadline (`admit.rs`). A unit raises its own open-file limit
+//! (`RLIMIT_NOFILE`, process-wide) to the hard limit at start.
 //!
 //! Authentication: a unit given a shared secret ([`UnitConfig::secret`])
 //! serves a connection, on either listener, only after the client proved
@@ -128,7 +131,7 @@ pub struct UnitConfig {
     /// Most of those from one source (a local user: a Unix-socket peer or
     /// a loopback TCP peer; otherwise the peer's address, an IPv6 peer's
     /// /64): past it, a new connection from that source cuts its oldest
-    /// handshake. Default 16.
+    /// handshake. Default 32.
     pub max_handshakes_per_source: usize,
     /// A connection must prove itself (the shared secret's proof and its
     /// Hello) within this of its accept, or it is cut. Default 1 s.
@@ -212,7 +215,7 @@ impl UnitConfig {
             max_io_timeout: Duration::from_secs(600),
             max_connections: 1024,
             max_handshakes: 128,
-            max_handshakes_per_source: 16,
+            max_handshakes_per_source: 32,
             handshake_timeout: Duration::from_secs(1),
             max_session_connections: 64,
             max_session_holds: 16384,
