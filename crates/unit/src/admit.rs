@@ -224,6 +224,25 @@ impl Handshakes {
     }
 }
 
+/// Listen on TCP at `addr` with a deep accept queue (the system's most,
+/// `net.core.somaxconn`, rather than std's 128): under a flood of connects
+/// a client's connect then waits its turn in the queue instead of having
+/// its SYN dropped and resent a second (then three, then seven) later.
+pub(crate) fn bind_tcp(addr: SocketAddr) -> std::io::Result<std::net::TcpListener> {
+    use rustix::net::{bind, listen, socket_with, sockopt, AddressFamily, SocketFlags, SocketType};
+    let family = match addr {
+        SocketAddr::V4(_) => AddressFamily::INET,
+        SocketAddr::V6(_) => AddressFamily::INET6,
+    };
+    let fd = socket_with(family, SocketType::STREAM, SocketFlags::CLOEXEC, None)?;
+    // As std does: a restarted unit may bind its port again at once.
+    sockopt::set_socket_reuseaddr(&fd, true)?;
+    bind(&fd, &addr)?;
+    // The kernel takes at most net.core.somaxconn (4096 by default).
+    listen(&fd, 4096)?;
+    Ok(std::net::TcpListener::from(fd))
+}
+
 /// Raise this process's soft limit on open files to its hard limit, and
 /// warn when even that is too low for `need` descriptors. Returns the
 /// limits (soft, hard) after, when they are known.

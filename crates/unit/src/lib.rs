@@ -891,7 +891,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             .map_err(StartError::Slab)?;
     }
     if let Some(addr) = cfg.tcp {
-        let l = TcpListener::bind(addr).map_err(|err| StartError::Bind {
+        let l = admit::bind_tcp(addr).map_err(|err| StartError::Bind {
             what: addr.to_string(),
             err,
         })?;
