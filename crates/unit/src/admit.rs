@@ -141,6 +141,11 @@ impl Handshakes {
         }
     }
 
+    /// Connections in their handshake now.
+    pub(crate) fn len(&self) -> usize {
+        lock(&self.inner).live.len()
+    }
+
     /// Take a place for a new connection on `socket` from `source`,
     /// cutting the oldest handshake of its source (when that source has
     /// its share) or of the source holding the most (when the pool is
@@ -404,7 +409,6 @@ mod tests {
         let (s, peer) = l.accept().unwrap();
         let me = rustix::process::getuid().as_raw();
         let src = Source::of_tcp(peer, s.local_addr().ok());
-        eprintln!("source: {src:?}");
         // Kernels without inet_diag do not say: the address stands in.
         assert!(
             src == Source::Uid(me) || src == Source::Ip(peer.ip()),

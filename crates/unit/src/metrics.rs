@@ -722,8 +722,14 @@ impl Collector for UnitCollector {
         gauge(
             &mut e,
             "connections",
-            "Connections being served.",
+            "Connections being served (past their handshake).",
             sh.connections.load(Relaxed) as f64,
+        )?;
+        gauge(
+            &mut e,
+            "handshakes",
+            "Connections waiting to prove themselves (see --max-handshakes).",
+            sh.handshakes.len() as f64,
         )?;
         let Some(m) = sh.metrics.as_ref() else {
             return Ok(());
