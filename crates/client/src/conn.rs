@@ -121,18 +121,6 @@ fn connect_unix(path: &std::path::Path, deadline: Instant) -> Result<UnixStream,
     }
 }
 
-/// Whether a connection that was made broke the way a unit's cutting a
-/// handshake breaks it (reset, or closed before its answer).
-fn cut_in_handshake(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::BrokenPipe
-            | io::ErrorKind::UnexpectedEof
-    )
-}
-
 /// A reply's kind, for error messages (never its contents: a Challenge
 /// carries a proof).
 fn variant_name(r: &Response) -> &'static str {
@@ -194,58 +182,8 @@ impl Conn {
     /// Connect, prove `secret` (when given; the unit must prove it too)
     /// and say Hello. `cached_slab`: a mapping of this unit's slab from an
     /// earlier connection, reused when the instance is the same.
-    ///
-    /// A unit that refuses the connection for now (answers Busy: it
-    /// serves its most connections, or cut the handshake to admit
-    /// another) or resets it during the handshake is asked again with the
-    /// Busy backoff (0.2 s doubling to 2 s) within the deadline; at the
-    /// deadline the error says why it refused ([`ConnError::Refusing`]).
-    /// A refused TCP connect or a missing socket file is not retried:
-    /// nothing listens there (the unit is gone, which the caller must
-    /// learn at once).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn connect(
-        addr: &UnitAddr,
-        namespace: &str,
-        want_fd: bool,
-        session: Option<u128>,
-        cached_slab: Option<(u128, Arc<Slab>)>,
-        spin: Duration,
-        secret: Option<&Secret>,
-        deadline: Instant,
-    ) -> Result<Conn, ConnError> {
-        let mut wait = crate::BUSY_RETRY;
-        loop {
-            let tried = Self::connect_once(
-                addr,
-                namespace,
-                want_fd,
-                session,
-                cached_slab.clone(),
-                spin,
-                secret,
-                deadline,
-            );
-            let why = match tried {
-                Err(ConnError::Refused(ErrorCode::Busy, message)) => message,
-                Err(ConnError::Broken(e)) if cut_in_handshake(&e) => {
-                    format!("the unit cut the connection during its handshake ({e})")
-                }
-                other => return other,
-            };
-            let now = Instant::now();
-            if now + wait >= deadline {
-                return Err(ConnError::Refusing(why));
-            }
-            tracing::debug!(%addr, reason = %why, retry_in = ?wait, "the unit refused a connection; asking again");
-            std::thread::sleep(wait);
-            wait = (wait * 2).min(crate::BUSY_RETRY_MAX);
-        }
-    }
-
-    /// One try of [`Conn::connect`].
-    #[allow(clippy::too_many_arguments)]
-    fn connect_once(
         addr: &UnitAddr,
         namespace: &str,
         want_fd: bool,
@@ -494,4 +432,65 @@ impl Conn {
         stowage_wire::io::drain(&mut self.reader, n)?;
         Ok(())
     }
+}
+
+impl Conn {
+    /// [`Conn::connect`], asked again while the unit refuses for now: a
+    /// unit that answers Busy (it serves its most connections, or cut the
+    /// handshake to admit another) or resets the connection during the
+    /// handshake is asked again with the Busy backoff (0.2 s doubling to
+    /// 2 s) within the deadline; at the deadline the error says why it
+    /// refused ([`ConnError::Refusing`]). A refused TCP connect or a
+    /// missing socket file is not retried: nothing listens there (the
+    /// unit is gone, which the caller must learn at once).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect_retrying(
+        addr: &UnitAddr,
+        namespace: &str,
+        want_fd: bool,
+        session: Option<u128>,
+        cached_slab: Option<(u128, Arc<Slab>)>,
+        spin: Duration,
+        secret: Option<&Secret>,
+        deadline: Instant,
+    ) -> Result<Conn, ConnError> {
+        let mut wait = crate::BUSY_RETRY;
+        loop {
+            let tried = Self::connect(
+                addr,
+                namespace,
+                want_fd,
+                session,
+                cached_slab.clone(),
+                spin,
+                secret,
+                deadline,
+            );
+            let why = match tried {
+                Err(ConnError::Refused(ErrorCode::Busy, message)) => message,
+                Err(ConnError::Broken(e)) if cut_in_handshake(&e) => {
+                    format!("the unit cut the connection during its handshake ({e})")
+                }
+                other => return other,
+            };
+            if Instant::now() + wait >= deadline {
+                return Err(ConnError::Refusing(why));
+            }
+            tracing::debug!(%addr, reason = %why, retry_in = ?wait, "the unit refused a connection; asking again");
+            std::thread::sleep(wait);
+            wait = (wait * 2).min(crate::BUSY_RETRY_MAX);
+        }
+    }
+}
+
+/// Whether a connection that was made broke the way a unit's cutting a
+/// handshake breaks it (reset, or closed before its answer).
+fn cut_in_handshake(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::UnexpectedEof
+    )
 }

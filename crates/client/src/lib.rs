@@ -544,7 +544,7 @@ impl Client {
         let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
         let cached = lock(&slot.slab).clone();
         let connect = |session| {
-            Conn::connect(
+            Conn::connect_retrying(
                 &slot.addr,
                 &self.cfg.namespace,
                 want_fd,
