@@ -210,9 +210,26 @@ enum Cmd {
         /// Once a request frame has begun, the rest must arrive within this.
         #[arg(long, value_parser = parse_duration, default_value = "10s")]
         frame_timeout: Duration,
-        /// Most connections at once.
+        /// Most connections served at once: those that proved the shared
+        /// secret (or, without one, said Hello). Past it, a connection
+        /// that proves itself is answered Busy.
         #[arg(long, default_value_t = 1024)]
         max_connections: usize,
+        /// Most connections at once that have not proved themselves yet;
+        /// they never take a served connection's slot. Past it, a new
+        /// connection cuts the oldest handshake of the source holding the
+        /// most.
+        #[arg(long, default_value_t = 128)]
+        max_handshakes: usize,
+        /// Most of those from one source (a local user, over the Unix
+        /// socket or loopback TCP; otherwise an address, an IPv6 /64):
+        /// past it, a new one cuts that source's oldest handshake.
+        #[arg(long, default_value_t = 32)]
+        max_handshakes_per_source: usize,
+        /// A connection must prove the shared secret and say Hello within
+        /// this of its accept, or it is cut.
+        #[arg(long, value_parser = parse_duration, default_value = "1s")]
+        handshake_timeout: Duration,
         /// Most connections of one client session.
         #[arg(long, default_value_t = 64)]
         max_session_connections: usize,
@@ -472,6 +489,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             admin,
             frame_timeout,
             max_connections,
+            max_handshakes,
+            max_handshakes_per_source,
+            handshake_timeout,
             max_session_connections,
             max_session_holds,
             index_budget,
@@ -533,6 +553,15 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             }
             if set("max_connections") {
                 cfg.max_connections = max_connections;
+            }
+            if set("max_handshakes") {
+                cfg.max_handshakes = max_handshakes;
+            }
+            if set("max_handshakes_per_source") {
+                cfg.max_handshakes_per_source = max_handshakes_per_source;
+            }
+            if set("handshake_timeout") {
+                cfg.handshake_timeout = handshake_timeout;
             }
             if set("max_session_connections") {
                 cfg.max_session_connections = max_session_connections;

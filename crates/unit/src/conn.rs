@@ -40,6 +40,10 @@ struct Conn {
     /// The handshake, up to the Hello, must be done by then: a peer that
     /// has not proved anything holds no connection for long.
     handshake_deadline: Instant,
+    /// Its place in the handshake pool, until it proves itself.
+    ticket: Option<crate::admit::Ticket>,
+    /// Its slot among the served connections, once it proved itself.
+    slot: Option<crate::Counted>,
     /// The send timeout set on the socket.
     write_timeout: Duration,
     out: Vec<u8>,
@@ -53,8 +57,21 @@ struct Conn {
     counters: Option<crate::metrics::ConnCounters>,
 }
 
-/// Serve one connection until it ends.
-pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
+/// Header and reply buffers grown past this by one large request are
+/// given back once it is answered (a connection keeps no 64 MiB buffer
+/// for its idle life).
+const KEEP_BUFFER: usize = 1 << 20;
+
+/// Serve one connection until it ends. `ticket`: its place in the
+/// handshake pool; `accepted`: when it was accepted (its handshake's
+/// deadline runs from there).
+pub(crate) fn serve(
+    shared: Arc<Shared>,
+    stream: Socket,
+    peer: Peer,
+    ticket: crate::admit::Ticket,
+    accepted: Instant,
+) {
     let writer = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => {
@@ -77,7 +94,9 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         namespace: None,
         owner: None,
         gate: Gate::new(shared.secret.clone()),
-        handshake_deadline: Instant::now() + shared.frame_timeout,
+        handshake_deadline: accepted + shared.handshake_timeout,
+        ticket: Some(ticket),
+        slot: None,
         write_timeout,
         out: Vec::with_capacity(4096),
         scratch: Vec::new(),
@@ -85,9 +104,13 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         frame_start: Instant::now(),
         counters: crate::metrics::ConnCounters::attach(&shared),
     };
-    let end = match c.run() {
-        Ok(()) => stowage_core::ConnEnd::Closed,
-        Err(e) => {
+    // A panic while serving (a bug) ends the connection as the unit
+    // cutting it would: what it holds is released by the same rules, and
+    // its slots are given back.
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()));
+    let end = match ran {
+        Ok(Ok(())) => stowage_core::ConnEnd::Closed,
+        Ok(Err(e)) => {
             tracing::debug!(error = %e, "connection ended");
             if e.is_cut() {
                 stowage_core::ConnEnd::Cut
@@ -95,7 +118,28 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
                 stowage_core::ConnEnd::Closed
             }
         }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(
+                unit = %shared.name,
+                panic = %what,
+                "a connection's thread panicked; the connection is cut and what it holds released as for a cut connection"
+            );
+            let _ = c.reply(
+                0,
+                &Response::Error {
+                    code: ErrorCode::Internal,
+                    message: "the unit failed serving this connection and cut it".into(),
+                },
+            );
+            stowage_core::ConnEnd::Cut
+        }
     };
+    c.end_handshake(&end);
     if let Some(owner) = c.owner {
         let now = shared.now();
         let (holds, gone) = {
@@ -142,6 +186,8 @@ enum ConnEnd {
     Invalid(String),
     #[error("the unit is shutting down")]
     Shutdown,
+    #[error("turned away: {0}")]
+    Busy(String),
 }
 
 impl ConnEnd {
@@ -153,7 +199,7 @@ impl ConnEnd {
                 e.kind(),
                 io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
             ),
-            ConnEnd::Invalid(_) | ConnEnd::Shutdown => true,
+            ConnEnd::Invalid(_) | ConnEnd::Shutdown | ConnEnd::Busy(_) => true,
         }
     }
 }
@@ -166,6 +212,12 @@ impl Conn {
             let open = self.gate.is_open();
             let limits = if open { serving } else { handshake };
             if open {
+                if self.scratch.capacity() > KEEP_BUFFER {
+                    self.scratch = Vec::new();
+                }
+                if self.out.capacity() > KEEP_BUFFER {
+                    self.out = Vec::with_capacity(4096);
+                }
                 // An idle connection waits for its next frame as long as
                 // it likes; once a frame has begun, the rest must come
                 // within the frame timeout (a truncated frame never holds
@@ -218,7 +270,34 @@ impl Conn {
         id: u64,
         frame: Result<Request, stowage_wire::WireError>,
     ) -> Result<(), ConnEnd> {
-        match self.gate.step(frame, stowage_wire::auth::fresh_nonce) {
+        let verdict = self.gate.step(frame, stowage_wire::auth::fresh_nonce);
+        if self.ticket.is_some() && (self.gate.proven() || self.gate.is_open()) {
+            // Proved (the secret, or without one its Hello): from the
+            // handshake pool to the served connections, before anything is
+            // served.
+            let proved = match &self.ticket {
+                Some(t) => self.shared.prove(t),
+                None => unreachable!("checked above"),
+            };
+            match proved {
+                Ok(slot) => {
+                    self.slot = Some(slot);
+                    self.ticket = None;
+                }
+                Err(message) => {
+                    let _ = self.reply(
+                        id,
+                        &Response::Error {
+                            code: ErrorCode::Busy,
+                            message: message.clone(),
+                        },
+                    );
+                    self.ticket = None;
+                    return Err(ConnEnd::Busy(message));
+                }
+            }
+        }
+        match verdict {
             Verdict::Reply(r) => Ok(self.reply(id, &r)?),
             Verdict::Next => Ok(()),
             Verdict::Serve(req) => self.handle(id, req, 0),
@@ -236,6 +315,32 @@ impl Conn {
                 );
                 let _ = self.reply(id, &r);
                 Err(ConnEnd::Invalid(why))
+            }
+        }
+    }
+
+    /// The connection ended (`end`) with its handshake unfinished: tell a
+    /// peer whose handshake was cut to admit another why, and count a
+    /// handshake that ran out of time.
+    fn end_handshake(&mut self, end: &stowage_core::ConnEnd) {
+        let Some(t) = self.ticket.take() else {
+            return;
+        };
+        if t.cut().is_some() {
+            let message = self.shared.cut_message(&t);
+            let _ = self
+                .writer
+                .set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = self.reply(
+                0,
+                &Response::Error {
+                    code: ErrorCode::Busy,
+                    message,
+                },
+            );
+        } else if *end == stowage_core::ConnEnd::Cut && Instant::now() >= self.handshake_deadline {
+            if let Some(m) = &self.shared.metrics {
+                m.handshake_timed_out();
             }
         }
     }
@@ -376,8 +481,13 @@ impl Conn {
         };
         // Bytes a client wrote through its mapping, published by a commit.
         let committed_bytes = match (&self.shared.metrics, &req) {
+            // Checked: lengths are validated against the blob only by the
+            // core, below (the frame's validation bounds their sum too).
             (Some(_), Request::Commit { entries, .. } | Request::CommitSpare { entries, .. }) => {
-                entries.iter().map(|e| e.len).sum()
+                entries
+                    .iter()
+                    .try_fold(0u64, |sum, e| sum.checked_add(e.len))
+                    .unwrap_or(0)
             }
             _ => 0,
         };

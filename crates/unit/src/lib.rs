@@ -35,7 +35,10 @@
 //! `allow_other_uids`; admin requests (shutdown, checkpoint) need a
 //! same-uid Unix-socket client or `admin_tcp`; checkpoints are written only
 //! under `checkpoint_root`. Connections are capped per unit and per
-//! session.
+//! session; a connection counts against the unit's cap only once it
+//! proved itself, and waits until then in a small pool of its own with a
+//! short deadline (`admit.rs`). A unit raises its own open-file limit
+//! (`RLIMIT_NOFILE`, process-wide) to the hard limit at start.
 //!
 //! Authentication: a unit given a shared secret ([`UnitConfig::secret`])
 //! serves a connection, on either listener, only after the client proved
@@ -45,6 +48,7 @@
 
 #![forbid(unsafe_code)]
 
+mod admit;
 pub mod auth;
 mod checkpoint;
 mod conn;
@@ -127,8 +131,22 @@ pub struct UnitConfig {
     /// The longest a single transfer may stall when its request asks for
     /// more time. Default 10 min.
     pub max_io_timeout: Duration,
-    /// Most connections at once. Default 1024.
+    /// Most connections served at once: connections that proved the
+    /// shared secret (or, without one, said Hello). Default 1024.
     pub max_connections: usize,
+    /// Most connections at once that have not proved themselves yet (see
+    /// `admit.rs`): they never take a served connection's slot. Past it,
+    /// a new connection cuts the oldest handshake of the source holding
+    /// the most. Default 128.
+    pub max_handshakes: usize,
+    /// Most of those from one source (a local user: a Unix-socket peer or
+    /// a loopback TCP peer; otherwise the peer's address, an IPv6 peer's
+    /// /64): past it, a new connection from that source cuts its oldest
+    /// handshake. Default 32.
+    pub max_handshakes_per_source: usize,
+    /// A connection must prove itself (the shared secret's proof and its
+    /// Hello) within this of its accept, or it is cut. Default 1 s.
+    pub handshake_timeout: Duration,
     /// Most connections of one session. Default 64.
     pub max_session_connections: usize,
     /// Most reservations and pins of one session. Default 16384.
@@ -236,6 +254,9 @@ impl UnitConfig {
             frame_timeout: Duration::from_secs(10),
             max_io_timeout: Duration::from_secs(600),
             max_connections: 1024,
+            max_handshakes: 128,
+            max_handshakes_per_source: 32,
+            handshake_timeout: Duration::from_secs(1),
             max_session_connections: 64,
             max_session_holds: 16384,
             index_budget: None,
@@ -490,8 +511,11 @@ pub(crate) struct Shared {
     pub(crate) max_io_timeout: Duration,
     pub(crate) checkpoint_root: Option<PathBuf>,
     pub(crate) max_connections: usize,
-    /// Connections being served.
+    /// Connections being served (past their handshake).
     pub(crate) connections: std::sync::atomic::AtomicUsize,
+    /// Connections still in their handshake.
+    pub(crate) handshakes: admit::Handshakes,
+    pub(crate) handshake_timeout: Duration,
     /// The shared secret clients must prove, if any.
     pub(crate) secret: Option<stowage_wire::auth::Secret>,
     /// Sessions by the token given at Hello.
@@ -1045,6 +1069,10 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             tracing::warn!(%addr, "listening beyond loopback without a shared secret (--insecure): anyone who reaches this address can read and change every value");
         }
     }
+    admit::raise_nofile(
+        &cfg.name,
+        admit::fds_needed(cfg.max_connections, cfg.max_handshakes),
+    );
     let mut core_cfg = CoreConfig::new(cfg.memory);
     if let Some(b) = cfg.index_budget {
         core_cfg.index_budget = b;
@@ -1139,6 +1167,8 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         checkpoint_root: cfg.checkpoint_root.clone(),
         max_connections: cfg.max_connections.max(1),
         connections: std::sync::atomic::AtomicUsize::new(0),
+        handshakes: admit::Handshakes::new(cfg.max_handshakes, cfg.max_handshakes_per_source),
+        handshake_timeout: cfg.handshake_timeout,
         secret: cfg.secret.clone(),
         sessions: Mutex::new(std::collections::HashMap::new()),
         name: cfg.name.clone(),
@@ -1216,7 +1246,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             .map_err(StartError::Slab)?;
     }
     if let Some(addr) = cfg.tcp {
-        let l = TcpListener::bind(addr).map_err(|err| StartError::Bind {
+        let l = admit::bind_tcp(addr).map_err(|err| StartError::Bind {
             what: addr.to_string(),
             err,
         })?;
@@ -1445,8 +1475,8 @@ fn turn_away(mut s: impl io::Write, code: stowage_wire::ErrorCode, message: &str
     }
 }
 
-/// Count a connection while it is served.
-struct Counted(Arc<Shared>);
+/// Count a connection while it is served (past its handshake).
+pub(crate) struct Counted(Arc<Shared>);
 
 impl Drop for Counted {
     fn drop(&mut self) {
@@ -1454,30 +1484,74 @@ impl Drop for Counted {
     }
 }
 
-/// Serve `stream` on its own thread, unless the unit has too many
-/// connections already.
-fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, name: &str) {
-    if shared.connections.fetch_add(1, Ordering::SeqCst) >= shared.max_connections {
-        shared.connections.fetch_sub(1, Ordering::SeqCst);
+impl Shared {
+    /// The connection of `ticket` proved itself: it leaves the handshake
+    /// pool and takes a served connection's slot. `Err`: the Busy answer
+    /// it gets instead (its handshake was cut meanwhile, or the unit
+    /// serves `max_connections` already).
+    pub(crate) fn prove(self: &Arc<Self>, ticket: &admit::Ticket) -> Result<Counted, String> {
+        if !self.handshakes.prove(ticket) {
+            return Err(self.cut_message(ticket));
+        }
+        if self.connections.fetch_add(1, Ordering::SeqCst) >= self.max_connections {
+            self.connections.fetch_sub(1, Ordering::SeqCst);
+            if let Some(m) = &self.metrics {
+                m.turned_away();
+            }
+            return Err(format!(
+                "the unit has too many connections ({}, its --max-connections); try again later",
+                self.max_connections
+            ));
+        }
+        Ok(Counted(self.clone()))
+    }
+
+    /// What a connection whose handshake was cut is told.
+    pub(crate) fn cut_message(&self, ticket: &admit::Ticket) -> String {
+        match ticket.cut() {
+            Some(admit::Cut::Source) => format!(
+                "too many connections waiting for their handshake from {} ({}, the unit's \
+                 --max-handshakes-per-source): the oldest was cut; try again",
+                ticket.source, self.handshakes.per_source
+            ),
+            _ => format!(
+                "too many connections waiting for their handshake ({}, the unit's \
+                 --max-handshakes): the oldest of the source holding the most was cut; try again",
+                self.handshakes.max
+            ),
+        }
+    }
+}
+
+/// Serve `stream` on its own thread. It waits in the handshake pool
+/// until it proves itself (see `admit.rs`): taking its place there may
+/// cut the oldest handshake of its source, or of the source holding the
+/// most.
+fn spawn_conn(
+    shared: &Arc<Shared>,
+    stream: Socket,
+    peer: conn::Peer,
+    source: admit::Source,
+    name: &str,
+) {
+    let Some((ticket, cut)) = shared.handshakes.admit(shared, source, &stream) else {
+        tracing::warn!(%source, "out of file descriptors: a connection was turned away");
         if let Some(m) = &shared.metrics {
             m.turned_away();
         }
-        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-        turn_away(
-            stream,
-            stowage_wire::ErrorCode::Busy,
-            "the unit has too many connections; try again later",
-        );
         return;
+    };
+    if let Some((why, from)) = cut {
+        if let Some(m) = &shared.metrics {
+            m.handshake_cut(why);
+        }
+        tracing::debug!(source = %from, reason = ?why, "cut a handshake to admit a new connection");
     }
-    let counted = Counted(shared.clone());
     let sh = shared.clone();
+    let accepted = Instant::now();
     let spawned = std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || {
-            let _counted = counted;
-            conn::serve(sh, stream, peer)
-        });
+        .spawn(move || conn::serve(sh, stream, peer, ticket, accepted));
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "cannot start a connection thread");
     }
@@ -1505,7 +1579,10 @@ fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
                     );
                     continue;
                 }
-                spawn_conn(&shared, Socket::Unix(s), peer, "conn-uds");
+                // Same-user peers prove themselves too before they are
+                // served; a peer without credentials counts as one user.
+                let source = admit::Source::Uid(peer.uid.unwrap_or(u32::MAX));
+                spawn_conn(&shared, Socket::Unix(s), peer, source, "conn-uds");
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on the Unix socket failed");
@@ -1516,6 +1593,7 @@ fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
 }
 
 fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
+    let local = l.local_addr().ok();
     for stream in l.incoming() {
         if shared.stop.load(Ordering::SeqCst) {
             return;
@@ -1523,7 +1601,19 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
         match stream {
             Ok(s) => {
                 let _ = s.set_nodelay(true);
-                spawn_conn(&shared, Socket::Tcp(s), conn::Peer::default(), "conn-tcp");
+                let source = match s.peer_addr() {
+                    // The accepted socket's own address: a listener on
+                    // 0.0.0.0 answers on the address the peer dialled.
+                    Ok(p) => admit::Source::of_tcp(p, s.local_addr().ok().or(local)),
+                    Err(_) => continue, // already gone
+                };
+                spawn_conn(
+                    &shared,
+                    Socket::Tcp(s),
+                    conn::Peer::default(),
+                    source,
+                    "conn-tcp",
+                );
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on TCP failed");

@@ -483,6 +483,17 @@ impl Request {
             } => {
                 partition(p)?;
                 count("entries", entries.len())?;
+                // Their lengths add up within 64 bits (a blob holds them
+                // all), so that no one sums them past it.
+                if entries
+                    .iter()
+                    .try_fold(0u64, |sum, e| sum.checked_add(e.len))
+                    .is_none()
+                {
+                    return Err(WireError::Malformed(
+                        "the entries' lengths add up past 2^64 bytes".into(),
+                    ));
+                }
                 entries.iter().try_for_each(|e| {
                     name("field name bytes", &e.key.field)?;
                     if e.offset.checked_add(e.len).is_none() {
