@@ -557,7 +557,12 @@ fn nixl_info(
             session: None,
         },
     )?;
-    match call(&mut s, 2, &Request::NixlInfo)? {
+    // Its raw agent is not told: the unit holds nothing of this connection.
+    let ask = Request::NixlInfo {
+        agent: String::new(),
+        agent_metadata: Vec::new(),
+    };
+    match call(&mut s, 2, &ask)? {
         Response::NixlInfo {
             metadata,
             slab_addr,
