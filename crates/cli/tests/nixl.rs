@@ -305,19 +305,22 @@ fn holders_whose_connections_end(p: &stowage_cli::local::LocalPlane) -> Ended {
     let mut watcher = Raw::hello(&p.units[0].uds, "watch");
     let unit = p.units[0].tcp;
     let mbox = Middlebox::new(unit);
-    let mut writer = Kid(helper_child(
+    let mut writer = Kid(helper_child_of(
+        p,
         "in_flight_child",
         ("STOWAGE_NIXL_CHILD", &mbox.unit_addr().to_string()),
     ));
     let r = result_line(&mut writer.0, "writer");
     assert!(r.contains("in_flight: true"), "{r}");
-    let mut killed = Kid(helper_child(
+    let mut killed = Kid(helper_child_of(
+        p,
         "in_flight_child",
         ("STOWAGE_NIXL_CHILD", &UnitAddr::Tcp(unit).to_string()),
     ));
     let r = result_line(&mut killed.0, "killed writer");
     assert!(r.contains("in_flight: true"), "{r}");
     let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(2);
     cfg.nixl = Some(nixl_options());
     cfg.spare_max = 0;
@@ -328,7 +331,8 @@ fn holders_whose_connections_end(p: &stowage_cli::local::LocalPlane) -> Ended {
             other.deadline(),
         )
         .unwrap();
-    let mut reader = Kid(helper_child(
+    let mut reader = Kid(helper_child_of(
+        p,
         "read_in_flight_child",
         ("STOWAGE_NIXL_READER", &UnitAddr::Tcp(unit).to_string()),
     ));
@@ -468,6 +472,7 @@ fn nixl_holds_come_back_after_the_quarantine() {
     // A client whose every connection the middlebox closed goes on.
     let mbox = Middlebox::new(p.units[0].tcp);
     let mut cfg = ClientConfig::new("nixl", vec![mbox.unit_addr()]);
+    cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(10);
     cfg.nixl = Some(nixl_options());
     let c = Client::connect(cfg).unwrap();
