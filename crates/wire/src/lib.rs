@@ -39,8 +39,10 @@ pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 /// added the shared-secret handshake; version 4 the traffic counters at
 /// the end of [`Stats`] (an older client could not decode them); version 5
 /// [`Request::CommitSpare`] and the spare counters of [`Stats`]; version 6
-/// [`Request::NixlInfo`].
-pub const PROTOCOL_VERSION: u16 = 6;
+/// [`Request::NixlInfo`]; version 7 the client's NIXL agent in
+/// [`Request::NixlInfo`] (its name and connection metadata, so that the unit
+/// can fence that agent when its connections end).
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
