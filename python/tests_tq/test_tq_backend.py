@@ -30,8 +30,20 @@ import stowage  # noqa: E402
 import stowage.tq  # noqa: E402
 
 
+#: Settings every system of this module gets: a secret (pickled cells are
+#: authenticated with a key derived from it; until every launcher makes
+#: one itself), and checkpoints allowed under pytest's private (0700)
+#: temporary directory, where the tests save them.
+BASE: dict = {}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def private_ray():
+def private_ray(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    secret = tmp_path_factory.mktemp("secret") / "secret"
+    secret.touch(mode=0o600)
+    secret.write_text(os.urandom(32).hex())
+    BASE.update(secret_file=str(secret), checkpoint_root=str(base))
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     yield
     ray.shutdown()
@@ -41,7 +53,10 @@ def _conf(**block):
     return OmegaConf.create(
         {
             "controller": {"polling_mode": True},
-            "backend": {"storage_backend": "Stowage", "Stowage": {"count": 2, "memory": "64MiB", **block}},
+            "backend": {
+                "storage_backend": "Stowage",
+                "Stowage": {"count": 2, "memory": "64MiB", **BASE, **block},
+            },
         }
     )
 
