@@ -731,8 +731,13 @@ SimpleStorage's (rows in ``global_indexes`` order; 0-d values stacked,
 tensors as jagged nested tensors built from one contiguous buffer, others a
 NonTensorStack), copies that do not alias the units' memory; a missing
 row raises ``transfer_queue.StorageKeyNotFoundError``, a row whose unit
-died :class:`RowsLost`. ``clear_data`` removes whole rows. Checkpoints go
-through the units' own (``save_checkpoint``/``load_checkpoint``)."""
+died :class:`RowsLost`. Non-tensor values are pickled cells with an
+HMAC-SHA-256 tag (under a key derived from the plane's secret) that a get
+checks before it unpickles them (:class:`UntrustedCell` otherwise).
+``clear_data`` removes whole rows. Checkpoints go through the units' own
+(``save_checkpoint``/``load_checkpoint``), under ``checkpoint_root``; a
+load refuses a record naming paths outside the checkpoint and cells whose
+tag is wrong (:class:`CheckpointRefused`)."""
 
 StowageStorageManager: Any = None
 

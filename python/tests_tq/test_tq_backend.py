@@ -49,6 +49,11 @@ def private_ray(tmp_path_factory):
     ray.shutdown()
 
 
+def _connect(directory):
+    with open(BASE["secret_file"], "rb") as f:
+        return stowage.connect(directory, namespace="transfer_queue", secret=f.read().strip())
+
+
 def _conf(**block):
     return OmegaConf.create(
         {
@@ -158,7 +163,7 @@ def test_disk_tier_spills_instead_of_failing(tmp_path):
             tq.kv_batch_put(keys=keys, partition_id="big", fields=TensorDict({"x": vals}, batch_size=4),
                             tags=[{} for _ in keys])
             batches[b] = (keys, vals)
-        plane = stowage.connect(interface._TQ_STORAGE["Stowage"].directory, namespace="transfer_queue")
+        plane = _connect(interface._TQ_STORAGE["Stowage"].directory)
         try:
             stats = plane.stats()[0]
         finally:
@@ -212,7 +217,7 @@ def test_checkpoint_round_trip_replaces_rows(system, tmp_path):
     assert torch.equal(got["reward"], torch.arange(6, dtype=torch.bfloat16))
     assert list(got["text"]) == [f"sample {i}" for i in range(6)]
     # What was written after the save is gone from the units too.
-    plane = stowage.connect(system.directory, namespace="transfer_queue")
+    plane = _connect(system.directory)
     try:
         assert plane.partitions() == ["train"]
         assert sorted(plane.list("train")) == sorted(before)
