@@ -37,7 +37,9 @@ import hashlib
 import hmac
 import pickle
 import struct
-from typing import Any, Optional, Union
+import threading
+from collections import OrderedDict
+from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
@@ -85,11 +87,28 @@ def _row(row: Row) -> bytes:
     raise TypeError(f"a row key is an int or a str, not {type(row).__name__}")
 
 
-def tag(key: bytes, namespace: str, partition: str, row: Row, field: str, payload: bytes) -> bytes:
+# HMAC states after the key, the context and a namespace, copied per cell
+# (a copy costs less than keying a new HMAC); a few, bounded.
+_BASES: "OrderedDict[Tuple[bytes, str], Any]" = OrderedDict()
+_BASES_LOCK = threading.Lock()
+
+
+def _base(key: bytes, namespace: str) -> Any:
+    with _BASES_LOCK:
+        m = _BASES.get((key, namespace))
+        if m is None:
+            m = hmac.new(key, _CONTEXT, hashlib.sha256)
+            m.update(_part(namespace.encode()))
+            _BASES[(key, namespace)] = m
+            if len(_BASES) > 16:
+                _BASES.popitem(last=False)
+        return m.copy()
+
+
+def tag(key: bytes, namespace: str, partition: str, row: Row, field: str, payload: Any) -> bytes:
     """The tag of ``payload`` (a pickle) stored in this place."""
-    m = hmac.new(key, _CONTEXT, hashlib.sha256)
-    for part in (namespace.encode(), partition.encode(), _row(row), field.encode()):
-        m.update(_part(part))
+    m = _base(key, namespace)
+    m.update(_part(partition.encode()) + _part(_row(row)) + _part(field.encode()))
     m.update(payload)
     return m.digest()
 
@@ -141,13 +160,14 @@ def is_cell(arr: Any) -> bool:
 
 def verified(
     raw: bytes, key: bytes, namespace: str, partition: str, row: Row, field: str
-) -> Optional[bytes]:
-    """The pickle of authenticated cell ``raw`` if its tag is right for
-    this place under ``key`` (constant-time compare), else None."""
+) -> Optional[memoryview]:
+    """The pickle of authenticated cell ``raw`` (a view of its bytes) if
+    its tag is right for this place under ``key`` (constant-time compare),
+    else None."""
     if len(raw) < len(MAGIC) + TAG_LEN or not raw.startswith(MAGIC):
         return None
     got = raw[len(MAGIC) : len(MAGIC) + TAG_LEN]
-    payload = raw[len(MAGIC) + TAG_LEN :]
+    payload = memoryview(raw)[len(MAGIC) + TAG_LEN :]
     want = tag(key, namespace, partition, row, field, payload)
     return payload if hmac.compare_digest(got, want) else None
 
@@ -218,4 +238,4 @@ def retag(
     payload = verified(raw, old_key, old_namespace, partition, row, field)
     if payload is None:
         return None
-    return MAGIC + tag(key, namespace, partition, row, field, payload) + payload
+    return MAGIC + tag(key, namespace, partition, row, field, payload) + bytes(payload)
