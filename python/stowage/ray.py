@@ -318,8 +318,15 @@ class _Settings:
             "reservation_lease": _seconds(units["reservation_lease"], "units.reservation_lease"),
             "pin_lease": _seconds(units["pin_lease"], "units.pin_lease"),
             "frame_timeout": _seconds(timeouts["frame"], "timeouts.frame"),
+            "handshake_timeout": _seconds(timeouts["handshake"], "timeouts.handshake"),
         }
-        for key in ("max_connections", "max_session_connections", "max_session_holds"):
+        for key in (
+            "max_connections",
+            "max_handshakes",
+            "max_handshakes_per_source",
+            "max_session_connections",
+            "max_session_holds",
+        ):
             kw[key] = int(units[key])
         if units["checkpoint_root"] is not None:
             kw["checkpoint_root"] = os.fspath(units["checkpoint_root"])
@@ -464,7 +471,8 @@ def start_units(
     clusters), ``placement.clusters``, ``listen`` (``host``: an address or
     ``"node-ip"``, Ray's address of the unit's node, which units on several
     hosts need; ``tcp_port``; ``unix_dir``), ``timeouts.start``,
-    ``timeouts.stop`` (for :func:`stop_units`) and ``timeouts.frame``.
+    ``timeouts.stop`` (for :func:`stop_units`), ``timeouts.frame`` and
+    ``timeouts.handshake``.
 
     ``clusters_or_nodes``: a list of Ray node ids, one per unit (already
     planned), or a mapping of cluster name -> cluster (then the clusters

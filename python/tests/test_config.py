@@ -22,6 +22,8 @@ DEFAULTS = {
         "reservation_lease": 30.0,
         "pin_lease": 30.0,
         "max_connections": 1024,
+        "max_handshakes": 128,
+        "max_handshakes_per_source": 32,
         "max_session_connections": 64,
         "max_session_holds": 16384,
         "checkpoint_root": None,
@@ -32,7 +34,7 @@ DEFAULTS = {
     "placement": {"clusters": "all"},
     "listen": {"host": "127.0.0.1", "tcp_port": 0, "unix_dir": None},
     "auth": {"secret_file": None, "insecure": False},
-    "timeouts": {"op": 30.0, "start": 120.0, "stop": 30.0, "frame": 10.0},
+    "timeouts": {"op": 30.0, "start": 120.0, "stop": 30.0, "frame": 10.0, "handshake": 1.0},
     "client": {"namespace": "default", "transport": "auto", "wait_for_memory": None},
     "metrics": {"enabled": True, "listen": "127.0.0.1:0"},
 }

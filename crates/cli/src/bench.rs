@@ -535,7 +535,12 @@ fn nixl_info(sock: &std::path::Path) -> Result<(Vec<u8>, u64), String> {
             session: None,
         },
     )?;
-    match call(2, &Request::NixlInfo)? {
+    // Its raw agent is not told: the unit holds nothing of this connection.
+    let ask = Request::NixlInfo {
+        agent: String::new(),
+        agent_metadata: Vec::new(),
+    };
+    match call(2, &ask)? {
         Response::NixlInfo {
             metadata,
             slab_addr,

@@ -81,6 +81,13 @@ struct DiskArgs {
     /// Stop spilling below this fraction.
     #[arg(long, default_value_t = 0.8)]
     low_watermark: f64,
+    /// Most heap a unit's reads from its disk tier take at once, all
+    /// readers together: spilled values stream from file to socket (or
+    /// into the slab) through buffers of at most 1 MiB taken from this;
+    /// a reader finding none free waits within its deadline, then is
+    /// answered Busy. At least 64KiB.
+    #[arg(long, value_parser = parse_size, default_value = "8MiB")]
+    disk_read_budget: u64,
 }
 
 impl DiskArgs {
@@ -98,6 +105,8 @@ impl DiskArgs {
             self.high_watermark.to_string(),
             "--low-watermark".into(),
             self.low_watermark.to_string(),
+            "--disk-read-budget".into(),
+            self.disk_read_budget.to_string(),
         ]
     }
 }
@@ -201,9 +210,26 @@ enum Cmd {
         /// Once a request frame has begun, the rest must arrive within this.
         #[arg(long, value_parser = parse_duration, default_value = "10s")]
         frame_timeout: Duration,
-        /// Most connections at once.
+        /// Most connections served at once: those that proved the shared
+        /// secret (or, without one, said Hello). Past it, a connection
+        /// that proves itself is answered Busy.
         #[arg(long, default_value_t = 1024)]
         max_connections: usize,
+        /// Most connections at once that have not proved themselves yet;
+        /// they never take a served connection's slot. Past it, a new
+        /// connection cuts the oldest handshake of the source holding the
+        /// most.
+        #[arg(long, default_value_t = 128)]
+        max_handshakes: usize,
+        /// Most of those from one source (a local user, over the Unix
+        /// socket or loopback TCP; otherwise an address, an IPv6 /64):
+        /// past it, a new one cuts that source's oldest handshake.
+        #[arg(long, default_value_t = 32)]
+        max_handshakes_per_source: usize,
+        /// A connection must prove the shared secret and say Hello within
+        /// this of its accept, or it is cut.
+        #[arg(long, value_parser = parse_duration, default_value = "1s")]
+        handshake_timeout: Duration,
         /// Most connections of one client session.
         #[arg(long, default_value_t = 64)]
         max_session_connections: usize,
@@ -226,7 +252,9 @@ enum Cmd {
         spin: Duration,
         #[command(flatten)]
         disk: DiskArgs,
-        /// Turn on a failpoint (tests): `disk-write` fails every disk write.
+        /// Turn on a failpoint (tests): `disk-write` fails every disk write;
+        /// `disk-sync` fails every blob file's last step (sync and rename),
+        /// after a put to disk was answered Pending.
         #[arg(long)]
         failpoint: Vec<String>,
         /// Serve the checkpoint in this directory (a unit's own
@@ -261,6 +289,13 @@ enum Cmd {
         /// without RDMA NICs); figures then say nothing of RDMA speed.
         #[arg(long, requires = "nixl")]
         nixl_allow_tcp: bool,
+        /// With --nixl: what a nixl client held when its connection ended
+        /// (a clean close included: a network can end it while the
+        /// client's one-sided transfers still run) is released this long
+        /// after the unit invalidated the client's NIXL agent, once that
+        /// agent's last connection ended (docs/fencing.md).
+        #[arg(long, requires = "nixl", value_parser = parse_duration, default_value = "5s")]
+        nixl_quarantine: Duration,
     },
     /// Start a local data plane and run a workload against it.
     Local {
@@ -454,6 +489,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             admin,
             frame_timeout,
             max_connections,
+            max_handshakes,
+            max_handshakes_per_source,
+            handshake_timeout,
             max_session_connections,
             max_session_holds,
             index_budget,
@@ -463,6 +501,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             no_metrics,
             nixl,
             nixl_allow_tcp,
+            nixl_quarantine,
         } => {
             let file = config
                 .as_deref()
@@ -515,6 +554,15 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             if set("max_connections") {
                 cfg.max_connections = max_connections;
             }
+            if set("max_handshakes") {
+                cfg.max_handshakes = max_handshakes;
+            }
+            if set("max_handshakes_per_source") {
+                cfg.max_handshakes_per_source = max_handshakes_per_source;
+            }
+            if set("handshake_timeout") {
+                cfg.handshake_timeout = handshake_timeout;
+            }
             if set("max_session_connections") {
                 cfg.max_session_connections = max_session_connections;
             }
@@ -542,6 +590,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             if set("low_watermark") {
                 cfg.low_watermark = disk.low_watermark;
             }
+            if set("disk_read_budget") {
+                cfg.disk_read_budget = disk.disk_read_budget;
+            }
             cfg.failpoints = failpoint;
             cfg.restore = restore;
             if no_metrics {
@@ -550,6 +601,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             if nixl {
                 cfg.nixl = Some(stowage_unit::NixlConfig {
                     require_rdma: !nixl_allow_tcp,
+                    quarantine: nixl_quarantine,
                 });
             }
             match metrics_listen.as_deref() {

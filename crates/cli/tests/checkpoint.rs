@@ -264,3 +264,103 @@ fn shutdown_is_bounded_removes_disk_directories_and_never_fails() {
         Err(Error::LostBlobs { .. })
     ));
 }
+
+/// The manifest's layout, to hand-craft one as an attacker could (its
+/// checksum is no secret).
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Manifest {
+    version: u32,
+    rows: u64,
+    entries: u64,
+    bytes: u64,
+    files: Vec<stowage_wire::CheckpointFile>,
+}
+
+fn rewrite_manifest(dir: &Path, f: impl FnOnce(&mut Manifest)) {
+    let raw = std::fs::read(dir.join("MANIFEST")).unwrap();
+    let mut m: Manifest = postcard::from_bytes(&raw[..raw.len() - 8]).unwrap();
+    f(&mut m);
+    let mut body = postcard::to_allocvec(&m).unwrap();
+    let sum = xxhash_rust::xxh3::xxh3_64(&body);
+    body.extend_from_slice(&sum.to_le_bytes());
+    std::fs::write(dir.join("MANIFEST"), body).unwrap();
+}
+
+fn file_entry(name: &str, path: &Path) -> stowage_wire::CheckpointFile {
+    let bytes = std::fs::read(path).unwrap();
+    stowage_wire::CheckpointFile {
+        name: name.into(),
+        size: bytes.len() as u64,
+        xxh3: xxhash_rust::xxh3::xxh3_64(&bytes),
+    }
+}
+
+/// A restore of `dir` serves (the unit starts and answers).
+fn restore_serves(dir: &Path) {
+    let sock = tempfile::tempdir().unwrap();
+    let path = sock.path().join("u.sock");
+    let mut child = Command::new(binary())
+        .args(["unit", "--no-mlock", "--memory", "16MiB", "--listen"])
+        .arg(format!("unix:{}", path.display()))
+        .arg("--restore")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let serving = eventually(Duration::from_secs(20), || {
+        std::os::unix::net::UnixStream::connect(&path).is_ok()
+            || child.try_wait().unwrap().is_some()
+    }) && child.try_wait().unwrap().is_none();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(serving, "the untouched checkpoint did not restore");
+}
+
+/// A manifest naming a file outside the checkpoint (`../x`, an absolute
+/// path), even with that file's right size and sum, is refused; so are
+/// blob files moved under each other's names with a manifest made to
+/// match (each file's header names its blob).
+#[test]
+fn a_manifest_cannot_name_files_outside_the_checkpoint() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let root = ckpt.path().display().to_string();
+    let (mut p, _) = plane(1, 16 * MIB, &["--checkpoint-root", &root]);
+    let c = connect(&p);
+    for r in 0..20 {
+        put(&c, r, 0);
+    }
+    c.checkpoint(ckpt.path(), c.deadline()).unwrap();
+    p.stop();
+    let dir = ckpt.path().join("unit-0");
+    let clean = std::fs::read(dir.join("MANIFEST")).unwrap();
+    restore_serves(&dir);
+    std::fs::write(ckpt.path().join("x"), b"outside the checkpoint").unwrap();
+    for name in ["../x", "/etc/passwd"] {
+        let target = dir.join(name);
+        rewrite_manifest(&dir, |m| m.files.insert(0, file_entry(name, &target)));
+        let err = restore_fails(&dir);
+        assert!(err.contains("no file of a checkpoint"), "{name}: {err}");
+        std::fs::write(dir.join("MANIFEST"), &clean).unwrap();
+    }
+    // Two blob files swapped, the manifest rewritten to match them.
+    let mut blobs: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "blob"))
+        .collect();
+    blobs.sort();
+    let (a, b) = (&blobs[0], &blobs[1]);
+    let tmp = dir.join("swap");
+    std::fs::rename(a, &tmp).unwrap();
+    std::fs::rename(b, a).unwrap();
+    std::fs::rename(&tmp, b).unwrap();
+    rewrite_manifest(&dir, |m| {
+        for f in &mut m.files {
+            *f = file_entry(&f.name.clone(), &dir.join(&f.name));
+        }
+    });
+    let err = restore_fails(&dir);
+    assert!(err.contains("not"), "{err}");
+    assert!(err.contains("another blob's name"), "{err}");
+}

@@ -500,8 +500,9 @@ fn only_the_units_own_user_may_connect() {
     std::fs::set_permissions(&u.sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
     let out = connect_as_nobody(&u.sock);
     assert!(out.contains("accepts only its own user"), "{out}");
-    // Told otherwise, it lets them in (they would then say Hello).
-    let open = HandUnit::start(&["--allow-other-uids"]);
+    // Told otherwise, it lets them in (they would then say Hello; this one
+    // stays silent for 2 s, within a longer handshake timeout).
+    let open = HandUnit::start(&["--allow-other-uids", "--handshake-timeout", "10s"]);
     let out = connect_as_nobody(&open.sock);
     assert!(out.starts_with("OPEN"), "{out}");
 }

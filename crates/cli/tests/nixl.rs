@@ -108,11 +108,13 @@ fn an_in_flight_failure_keeps_its_region_out_of_use() {
         assert!(got[0] == pattern(row, 9, MIB as usize), "row {row} changed");
     }
 
-    // The writer killed: its connection closes and the range comes back.
+    // The writer killed: its connection closes and, once the unit has
+    // invalidated its agent and the nixl quarantine (5 s) has passed, the
+    // range comes back.
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
-        eventually(Duration::from_secs(10), || stats(&mut watcher)
+        eventually(Duration::from_secs(30), || stats(&mut watcher)
             .reserved_bytes
             == 0),
         "the killed writer's reservation was not released: {:?}",
@@ -208,12 +210,12 @@ fn an_in_flight_read_keeps_its_range_pinned() {
         assert!(got[0] == pattern(row, 7, MIB as usize), "row {row} changed");
     }
 
-    // The reader killed: its connection closes, the pin goes, and the
-    // memory comes back.
+    // The reader killed: its connection closes and, after the nixl
+    // quarantine, the pin goes and the memory comes back.
     child.kill().unwrap();
     child.wait().unwrap();
     assert!(
-        eventually(Duration::from_secs(10), || stats(&mut watcher).pins == 0),
+        eventually(Duration::from_secs(30), || stats(&mut watcher).pins == 0),
         "the killed reader's pin was not released: {:?}",
         stats(&mut watcher)
     );
@@ -223,6 +225,277 @@ fn an_in_flight_read_keeps_its_range_pinned() {
             other.deadline(),
         )
         .unwrap();
+}
+
+/// A TCP middlebox between clients and a unit, as the tests play it:
+/// `cut` ends every connection it carries with a clean close (a FIN) to
+/// the unit, while the clients go on running (their one-sided transfers
+/// go to the unit directly, not through it).
+struct Middlebox {
+    addr: std::net::SocketAddr,
+    unit_sides: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Middlebox {
+    fn new(unit: std::net::SocketAddr) -> Middlebox {
+        use std::net::{Shutdown, TcpListener, TcpStream};
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let unit_sides = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sides = unit_sides.clone();
+        std::thread::spawn(move || {
+            for client in l.incoming().map_while(Result::ok) {
+                let Ok(to_unit) = TcpStream::connect(unit) else {
+                    return;
+                };
+                sides.lock().unwrap().push(to_unit.try_clone().unwrap());
+                let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                    std::thread::spawn(move || {
+                        let _ = std::io::copy(&mut from, &mut to);
+                        let _ = to.shutdown(Shutdown::Write);
+                    })
+                };
+                pipe(client.try_clone().unwrap(), to_unit.try_clone().unwrap());
+                pipe(to_unit, client);
+            }
+        });
+        Middlebox { addr, unit_sides }
+    }
+
+    fn unit_addr(&self) -> UnitAddr {
+        UnitAddr::Tcp(self.addr)
+    }
+
+    /// Close every connection it carries, cleanly, on the unit's side.
+    fn cut(&self) {
+        for s in self.unit_sides.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// A helper child killed (by its pid) when dropped.
+struct Kid(std::process::Child);
+
+impl Drop for Kid {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Three nixl clients that hold 8 MiB each while their transfers may
+/// still run, their connections then ended: `writer` (a WRITE in flight)
+/// reached through a middlebox that closes its connection cleanly while it
+/// goes on running; `killed` (a WRITE in flight) and `reader` (a READ in
+/// flight, of row 0, cleared since) killed with SIGKILL.
+struct Ended {
+    writer: Kid,
+    other: Client,
+    watcher: Raw,
+}
+
+const ENDED_SLAB_MIB: u64 = 48;
+
+fn holders_whose_connections_end(p: &stowage_cli::local::LocalPlane) -> Ended {
+    let mut watcher = Raw::hello(&p.units[0].uds, "watch");
+    let unit = p.units[0].tcp;
+    let mbox = Middlebox::new(unit);
+    let mut writer = Kid(helper_child(
+        "in_flight_child",
+        ("STOWAGE_NIXL_CHILD", &mbox.unit_addr().to_string()),
+    ));
+    let r = result_line(&mut writer.0, "writer");
+    assert!(r.contains("in_flight: true"), "{r}");
+    let mut killed = Kid(helper_child(
+        "in_flight_child",
+        ("STOWAGE_NIXL_CHILD", &UnitAddr::Tcp(unit).to_string()),
+    ));
+    let r = result_line(&mut killed.0, "killed writer");
+    assert!(r.contains("in_flight: true"), "{r}");
+    let mut cfg = ClientConfig::new("nixl", p.tcp_addrs());
+    cfg.timeout = Duration::from_secs(2);
+    cfg.nixl = Some(nixl_options());
+    cfg.spare_max = 0;
+    let other = Client::connect(cfg).unwrap();
+    other
+        .put_rows(
+            &[(Key::new(0, "a"), &vec![0x44u8; 8 * MIB as usize])],
+            other.deadline(),
+        )
+        .unwrap();
+    let mut reader = Kid(helper_child(
+        "read_in_flight_child",
+        ("STOWAGE_NIXL_READER", &UnitAddr::Tcp(unit).to_string()),
+    ));
+    let r = result_line(&mut reader.0, "reader");
+    assert!(r.contains("in_flight: true"), "{r}");
+    assert_eq!(other.clear_rows(&[0], other.deadline()).unwrap(), 1);
+    let s = stats(&mut watcher);
+    assert_eq!(
+        (s.reserved_bytes, s.pins, s.entries),
+        (16 * MIB, 1, 0),
+        "{s:?}"
+    );
+
+    // The ends: a clean close from the network, and two kills.
+    mbox.cut();
+    drop(killed);
+    drop(reader);
+    // The unit has seen all three (or, without the fence, released what
+    // they held).
+    let seen = eventually(Duration::from_secs(30), || {
+        let s = stats(&mut watcher);
+        let ended = s
+            .sessions
+            .iter()
+            .filter(|x| x.connections == 0 && x.orphaned > 0)
+            .count();
+        ended == 3 || s.reserved_bytes < 16 * MIB || s.pins == 0
+    });
+    assert!(
+        seen,
+        "the unit never saw the connections end: {:?}",
+        stats(&mut watcher)
+    );
+    Ended {
+        writer,
+        other,
+        watcher,
+    }
+}
+
+/// What a nixl client holds outlives its connection's end, a clean close
+/// included (a middlebox, a FIN or RST from the network: the client may
+/// still be running, and its one-sided WRITE or READ with it), until the
+/// unit has invalidated its agent and the nixl quarantine has passed: here
+/// an hour. A client filling the slab meanwhile never gets those ranges
+/// and reads back exactly what it wrote.
+#[test]
+fn nixl_holds_outlive_a_connection_end() {
+    let (p, _) = plane(1, ENDED_SLAB_MIB * MIB, &["--nixl-quarantine", "1h"]);
+    let Ended {
+        writer,
+        other,
+        mut watcher,
+    } = holders_whose_connections_end(&p);
+    let s = stats(&mut watcher);
+    assert_eq!(
+        (s.reserved_bytes, s.pins),
+        (16 * MIB, 1),
+        "released at the connection's end: {s:?}"
+    );
+    assert_eq!(
+        s.sessions.iter().map(|x| x.orphaned).sum::<u32>(),
+        3,
+        "{s:?}"
+    );
+    assert!(s.used >= 24 * MIB, "{s:?}");
+
+    // Another client fills the slab: it never gets those ranges.
+    let mut acked = Vec::new();
+    for row in 10..10 + ENDED_SLAB_MIB {
+        let v = pattern(row, 5, MIB as usize);
+        match other.put_rows(&[(Key::new(row, "b"), &v)], other.deadline()) {
+            Ok(()) => acked.push(row),
+            Err(Error::UnitFull { .. } | Error::Timeout { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(
+        !acked.is_empty() && acked.len() as u64 <= ENDED_SLAB_MIB - 24,
+        "{acked:?}"
+    );
+    for &row in &acked {
+        let got = other
+            .get_rows(&[Key::new(row, "b")], other.deadline())
+            .unwrap();
+        assert!(got[0] == pattern(row, 5, MIB as usize), "row {row} changed");
+    }
+    let s = stats(&mut watcher);
+    assert_eq!((s.reserved_bytes, s.pins), (16 * MIB, 1), "{s:?}");
+    drop(writer);
+}
+
+/// Once the unit has invalidated the agents of those clients (their last
+/// connections ended) and the nixl quarantine has passed, what they held
+/// comes back, the client behind the middlebox still running: no leak.
+/// A client whose connections the middlebox closed reconnects and goes on
+/// over nixl (it loads the unit's metadata afresh; the unit its agent's).
+#[test]
+fn nixl_holds_come_back_after_the_quarantine() {
+    let (p, _) = plane(1, ENDED_SLAB_MIB * MIB, &["--nixl-quarantine", "1s"]);
+    let Ended {
+        writer,
+        other,
+        mut watcher,
+    } = holders_whose_connections_end(&p);
+    assert!(
+        eventually(Duration::from_secs(60), || {
+            let s = stats(&mut watcher);
+            (s.reserved_bytes, s.pins) == (0, 0) && s.sessions.iter().all(|x| x.orphaned == 0)
+        }),
+        "the ended connections' holds never came back: {:?}",
+        stats(&mut watcher)
+    );
+    // The whole slab is there again.
+    let mut acked = 0;
+    for row in 10..10 + ENDED_SLAB_MIB {
+        let v = pattern(row, 6, MIB as usize);
+        match other.put_rows(&[(Key::new(row, "b"), &v)], other.deadline()) {
+            Ok(()) => acked += 1,
+            Err(Error::UnitFull { .. } | Error::Timeout { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+    }
+    assert!(acked >= ENDED_SLAB_MIB - 2, "{acked} MiB went in");
+    assert!(
+        writer_alive(&writer),
+        "the writer behind the middlebox exited"
+    );
+    drop(writer);
+    other
+        .clear_rows(
+            &(10..10 + ENDED_SLAB_MIB).collect::<Vec<_>>(),
+            other.deadline(),
+        )
+        .unwrap();
+
+    // A client whose every connection the middlebox closed goes on.
+    let mbox = Middlebox::new(p.units[0].tcp);
+    let mut cfg = ClientConfig::new("nixl", vec![mbox.unit_addr()]);
+    cfg.timeout = Duration::from_secs(10);
+    cfg.nixl = Some(nixl_options());
+    let c = Client::connect(cfg).unwrap();
+    for round in 0..3u64 {
+        let v = pattern(round, 8, MIB as usize);
+        let key = Key::new(100 + round, "c");
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            match c.put_rows(&[(key.clone(), &v)], c.deadline()) {
+                Ok(()) => break,
+                Err(e) if tries < 3 => eprintln!("round {round}: {e}, again"),
+                Err(e) => panic!("round {round}: {e}"),
+            }
+        }
+        assert_eq!(c.transport(0), Some("nixl"));
+        let got = c.get_rows(&[key], c.deadline()).unwrap();
+        assert!(got[0] == v, "round {round}: changed");
+        mbox.cut();
+        // The unit has seen them all end (and invalidated the agent): only
+        // the watcher's and `other`'s sessions have connections.
+        assert!(eventually(Duration::from_secs(30), || stats(&mut watcher)
+            .sessions
+            .iter()
+            .filter(|x| x.connections > 0)
+            .count()
+            <= 2));
+    }
+}
+
+fn writer_alive(k: &Kid) -> bool {
+    std::path::Path::new(&format!("/proc/{}", k.0.id())).exists()
 }
 
 /// `stowage status` tells which units serve nixl, in its JSON and its

@@ -66,6 +66,9 @@ pub(crate) enum ConnError {
     /// The unit turned the connection away (too many connections, another
     /// user, a session it refused).
     Refused(ErrorCode, String),
+    /// The unit kept refusing the connection (Busy, or cut during its
+    /// handshake) until the deadline: why, the last time.
+    Refusing(String),
 }
 
 impl From<io::Error> for ConnError {
@@ -429,4 +432,65 @@ impl Conn {
         stowage_wire::io::drain(&mut self.reader, n)?;
         Ok(())
     }
+}
+
+impl Conn {
+    /// [`Conn::connect`], asked again while the unit refuses for now: a
+    /// unit that answers Busy (it serves its most connections, or cut the
+    /// handshake to admit another) or resets the connection during the
+    /// handshake is asked again with the Busy backoff (0.2 s doubling to
+    /// 2 s) within the deadline; at the deadline the error says why it
+    /// refused ([`ConnError::Refusing`]). A refused TCP connect or a
+    /// missing socket file is not retried: nothing listens there (the
+    /// unit is gone, which the caller must learn at once).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn connect_retrying(
+        addr: &UnitAddr,
+        namespace: &str,
+        want_fd: bool,
+        session: Option<u128>,
+        cached_slab: Option<(u128, Arc<Slab>)>,
+        spin: Duration,
+        secret: Option<&Secret>,
+        deadline: Instant,
+    ) -> Result<Conn, ConnError> {
+        let mut wait = crate::BUSY_RETRY;
+        loop {
+            let tried = Self::connect(
+                addr,
+                namespace,
+                want_fd,
+                session,
+                cached_slab.clone(),
+                spin,
+                secret,
+                deadline,
+            );
+            let why = match tried {
+                Err(ConnError::Refused(ErrorCode::Busy, message)) => message,
+                Err(ConnError::Broken(e)) if cut_in_handshake(&e) => {
+                    format!("the unit cut the connection during its handshake ({e})")
+                }
+                other => return other,
+            };
+            if Instant::now() + wait >= deadline {
+                return Err(ConnError::Refusing(why));
+            }
+            tracing::debug!(%addr, reason = %why, retry_in = ?wait, "the unit refused a connection; asking again");
+            std::thread::sleep(wait);
+            wait = (wait * 2).min(crate::BUSY_RETRY_MAX);
+        }
+    }
+}
+
+/// Whether a connection that was made broke the way a unit's cutting a
+/// handshake breaks it (reset, or closed before its answer).
+fn cut_in_handshake(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::UnexpectedEof
+    )
 }

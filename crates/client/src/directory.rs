@@ -104,7 +104,8 @@ impl Directory for ProbeDirectory {
                 Err(ConnError::Broken(_))
                 | Err(ConnError::Timeout)
                 | Err(ConnError::Protocol(_))
-                | Err(ConnError::Refused(..)) => return Liveness::Unresponsive,
+                | Err(ConnError::Refused(..))
+                | Err(ConnError::Refusing(_)) => return Liveness::Unresponsive,
             }
         }
     }

@@ -456,6 +456,13 @@ impl Client {
         let deadline = client.deadline();
         for u in 0..client.units.len() {
             let t = client.open(u, deadline).map_err(|e| match e {
+                OpFailure::Conn {
+                    error: error @ ConnFailure::Refusing(_),
+                    ..
+                } => Error::Timeout {
+                    unit: Some(u),
+                    what: error.to_string(),
+                },
                 OpFailure::Conn { error, .. } => Error::Unreachable {
                     unit: u,
                     addr: client.units[u].addr.to_string(),
@@ -537,7 +544,7 @@ impl Client {
         let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
         let cached = lock(&slot.slab).clone();
         let connect = |session| {
-            Conn::connect(
+            Conn::connect_retrying(
                 &slot.addr,
                 &self.cfg.namespace,
                 want_fd,
@@ -602,8 +609,17 @@ impl Client {
         mut conn: Conn,
         deadline: Instant,
     ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+        // The unit learns this client's agent, to invalidate it once this
+        // client's last connection to it has ended. Without an agent (NIXL
+        // cannot run here) the unit's answer still tells whether it serves
+        // nixl: the mover then fails, or the connection is tcp.
+        let (agent, agent_metadata) = n.introduction().unwrap_or_default();
+        let ask = stowage_wire::Request::NixlInfo {
+            agent,
+            agent_metadata,
+        };
         let id = conn
-            .send(&stowage_wire::Request::NixlInfo, &mut [], deadline)
+            .send(&ask, &mut [], deadline)
             .map_err(|e| OpFailure::conn(e, false))?;
         match conn
             .recv(id, deadline)
@@ -742,10 +758,20 @@ impl Client {
                 unit: Some(unit),
                 what: "no answer before the deadline".into(),
             }),
+            // It answered (refusals), so it is alive: no probe.
+            OpFailure::Conn {
+                error: error @ ConnFailure::Refusing(_),
+                ..
+            } => Outcome::Failed(Error::Timeout {
+                unit: Some(unit),
+                what: error.to_string(),
+            }),
             OpFailure::Conn { error, in_flight } => {
                 let known = lock(&self.units[unit].instance).current.unwrap_or(0);
                 let reason = match &error {
-                    ConnFailure::Broken(m) | ConnFailure::Protocol(m) => m.clone(),
+                    ConnFailure::Broken(m)
+                    | ConnFailure::Protocol(m)
+                    | ConnFailure::Refusing(m) => m.clone(),
                     ConnFailure::Timeout => "timeout".into(),
                 };
                 match self

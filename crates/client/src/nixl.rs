@@ -185,13 +185,23 @@ impl Drop for Lent {
     }
 }
 
+/// A unit's agent as this client loaded it: its name, and a handle that
+/// lives as long as a mover uses it.
+type LoadedPeer = (String, Weak<String>);
+
 /// A client's NIXL agent, made on first use and shared by its
 /// connections; what it knows of each unit's agent.
 pub(crate) struct NixlClient {
     options: NixlOptions,
     agent: Mutex<Option<Result<Agent, NixlError>>>,
-    /// Loaded unit metadata: its bytes → the unit agent's name.
-    peers: Mutex<HashMap<Vec<u8>, String>>,
+    /// Loaded unit metadata: its bytes → the unit agent's name, while a
+    /// mover uses it. A unit invalidates this agent once its last
+    /// connection to the unit has ended (docs/nixl.md), so metadata no
+    /// mover uses any more is loaded afresh for the next connection.
+    peers: Mutex<HashMap<Vec<u8>, LoadedPeer>>,
+    /// What a unit loads to reach this agent (its connection information),
+    /// made once.
+    introduction: Mutex<Option<(String, Vec<u8>)>>,
     failpoints: Failpoints,
     recv: Arc<RecvPool>,
 }
@@ -202,6 +212,7 @@ impl NixlClient {
             options,
             agent: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),
+            introduction: Mutex::new(None),
             failpoints: Failpoints::from_env(),
             recv: Arc::new(RecvPool::new(RECV_POOL_MAX)),
         }
@@ -235,17 +246,40 @@ impl NixlClient {
         made
     }
 
+    /// This client's agent name and what a unit loads to reach it, told
+    /// in `NixlInfo` so that the unit can invalidate this agent once its
+    /// connections have ended.
+    pub(crate) fn introduction(&self) -> Result<(String, Vec<u8>), NixlError> {
+        let mut i = crate::lock(&self.introduction);
+        if let Some(i) = i.as_ref() {
+            return Ok(i.clone());
+        }
+        let agent = self.agent()?;
+        let made = (agent.name().to_owned(), agent.connection_metadata()?);
+        *i = Some(made.clone());
+        Ok(made)
+    }
+
     /// A mover for a connection to the unit that answered `NixlInfo` with
     /// `metadata` and `slab_addr`.
     pub(crate) fn mover(&self, metadata: &[u8], slab_addr: u64) -> Result<NixlMover, NixlError> {
         let agent = self.agent()?;
         let peer = {
             let mut peers = crate::lock(&self.peers);
-            match peers.get(metadata) {
-                Some(p) => p.clone(),
-                None => {
-                    let p = agent.load_remote(metadata)?;
-                    peers.insert(metadata.to_vec(), p.clone());
+            let live = peers.get(metadata).map(|(name, p)| (name, p.upgrade()));
+            match live {
+                Some((_, Some(p))) => p,
+                known => {
+                    if let Some((name, None)) = known {
+                        // No connection to that unit was left, so the unit
+                        // may have closed its side of ours: connect anew.
+                        // (Forgotten only here, under the lock, so that no
+                        // other connection loses a fresh load.)
+                        agent.forget_remote(name);
+                    }
+                    let name = agent.load_remote(metadata)?;
+                    let p = Arc::new(name.clone());
+                    peers.insert(metadata.to_vec(), (name, Arc::downgrade(&p)));
                     p
                 }
             }
@@ -269,7 +303,8 @@ impl NixlClient {
 /// One connection's side of nixl: its staging buffer and the unit's slab.
 pub(crate) struct NixlMover {
     agent: Agent,
-    peer: String,
+    /// The unit's agent name, shared by the movers of its connections.
+    peer: Arc<String>,
     slab_addr: u64,
     staging: Option<Arc<Staging>>,
     /// Where each value of the last fetch lies in the staging buffer.

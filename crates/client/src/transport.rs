@@ -49,6 +49,9 @@ pub enum ConnFailure {
     Timeout,
     Broken(String),
     Protocol(String),
+    /// The unit kept refusing the connection until the deadline (why, the
+    /// last time).
+    Refusing(String),
 }
 
 impl std::fmt::Display for ConnFailure {
@@ -57,6 +60,7 @@ impl std::fmt::Display for ConnFailure {
             ConnFailure::Timeout => f.write_str("no answer before the deadline"),
             ConnFailure::Broken(m) => write!(f, "connection failed: {m}"),
             ConnFailure::Protocol(m) => write!(f, "protocol error: {m}"),
+            ConnFailure::Refusing(m) => write!(f, "the unit kept refusing connections: {m}"),
         }
     }
 }
@@ -68,6 +72,7 @@ impl OpFailure {
             ConnError::Broken(e) => ConnFailure::Broken(e.to_string()),
             ConnError::Protocol(m) => ConnFailure::Protocol(m),
             ConnError::Refused(code, message) => return OpFailure::Unit { code, message },
+            ConnError::Refusing(m) => ConnFailure::Refusing(m),
         };
         OpFailure::Conn { error, in_flight }
     }

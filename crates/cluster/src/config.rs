@@ -82,8 +82,16 @@ pub struct UnitsSection {
     /// A pin held longer is reported as overdue. Default 30 s.
     #[serde(with = "duration")]
     pub pin_lease: Duration,
-    /// Most connections a unit serves at once. Default 1024.
+    /// Most connections a unit serves at once (past their handshake).
+    /// Default 1024.
     pub max_connections: usize,
+    /// Most connections a unit holds at once that have not proved
+    /// themselves yet; they never take a served connection's slot.
+    /// Default 128.
+    pub max_handshakes: usize,
+    /// Most of those from one source (a local user; otherwise an
+    /// address, an IPv6 /64). Default 32.
+    pub max_handshakes_per_source: usize,
     /// Most connections of one client session. Default 64.
     pub max_session_connections: usize,
     /// Most reservations and pins one client session may hold. Default
@@ -101,6 +109,11 @@ pub struct UnitsSection {
     /// With `nixl`: refuse to start unless UCX is held to RDMA transports
     /// (`UCX_TLS`). Default true; false lets UCX run over tcp.
     pub require_rdma: bool,
+    /// With `nixl`: how long what a nixl client held when its connection
+    /// ended stays after the unit invalidated its agent (docs/fencing.md).
+    /// Default 5 s.
+    #[serde(with = "duration")]
+    pub nixl_quarantine: Duration,
 }
 
 impl Default for UnitsSection {
@@ -113,12 +126,15 @@ impl Default for UnitsSection {
             reservation_lease: unit.reservation_lease,
             pin_lease: unit.pin_lease,
             max_connections: unit.max_connections,
+            max_handshakes: unit.max_handshakes,
+            max_handshakes_per_source: unit.max_handshakes_per_source,
             max_session_connections: unit.max_session_connections,
             max_session_holds: unit.max_session_holds,
             checkpoint_root: None,
             disk: None,
             nixl: false,
             require_rdma: true,
+            nixl_quarantine: stowage_unit::NixlConfig::default().quarantine,
         }
     }
 }
@@ -140,6 +156,10 @@ pub struct DiskSection {
     /// Default 0.8.
     #[serde(default = "default_low_watermark")]
     pub low_watermark: f64,
+    /// Most heap each unit's reads from disk take at once, bytes. Default
+    /// 8 MiB.
+    #[serde(with = "size", default = "default_disk_read_budget")]
+    pub read_budget: u64,
 }
 
 fn default_disk_capacity() -> u64 {
@@ -147,6 +167,9 @@ fn default_disk_capacity() -> u64 {
 }
 fn default_high_watermark() -> f64 {
     UnitConfig::new("", 0).high_watermark
+}
+fn default_disk_read_budget() -> u64 {
+    stowage_unit::DEFAULT_DISK_READ_BUDGET
 }
 fn default_low_watermark() -> f64 {
     UnitConfig::new("", 0).low_watermark
@@ -276,6 +299,10 @@ pub struct TimeoutsSection {
     /// unit's frame timeout). Default 10 s.
     #[serde(with = "duration")]
     pub frame: Duration,
+    /// A connection must prove the shared secret and say Hello within
+    /// this of its accept (the unit's handshake timeout). Default 1 s.
+    #[serde(with = "duration")]
+    pub handshake: Duration,
 }
 
 impl Default for TimeoutsSection {
@@ -285,6 +312,7 @@ impl Default for TimeoutsSection {
             start: Duration::from_secs(120),
             stop: Duration::from_secs(30),
             frame: UnitConfig::new("", 0).frame_timeout,
+            handshake: UnitConfig::new("", 0).handshake_timeout,
         }
     }
 }
@@ -455,6 +483,11 @@ impl Config {
         positive("units.pin_lease", u.pin_lease)?;
         for (key, v) in [
             ("units.max_connections", u.max_connections),
+            ("units.max_handshakes", u.max_handshakes),
+            (
+                "units.max_handshakes_per_source",
+                u.max_handshakes_per_source,
+            ),
             ("units.max_session_connections", u.max_session_connections),
             ("units.max_session_holds", u.max_session_holds),
         ] {
@@ -513,6 +546,7 @@ impl Config {
         positive("timeouts.start", t.start)?;
         positive("timeouts.stop", t.stop)?;
         positive("timeouts.frame", t.frame)?;
+        positive("timeouts.handshake", t.handshake)?;
         if self.client.namespace.is_empty() {
             return Err(("client.namespace", "must not be empty".into()));
         }
@@ -536,6 +570,9 @@ impl Config {
         c.reservation_lease = u.reservation_lease;
         c.pin_lease = u.pin_lease;
         c.max_connections = u.max_connections;
+        c.max_handshakes = u.max_handshakes;
+        c.max_handshakes_per_source = u.max_handshakes_per_source;
+        c.handshake_timeout = self.timeouts.handshake;
         c.max_session_connections = u.max_session_connections;
         c.max_session_holds = u.max_session_holds;
         c.checkpoint_root = u.checkpoint_root.clone();
@@ -543,11 +580,13 @@ impl Config {
             c.disk = Some((d.root.clone(), d.capacity));
             c.high_watermark = d.high_watermark;
             c.low_watermark = d.low_watermark;
+            c.disk_read_budget = d.read_budget;
         }
         c.frame_timeout = self.timeouts.frame;
         if u.nixl {
             c.nixl = Some(stowage_unit::NixlConfig {
                 require_rdma: u.require_rdma,
+                quarantine: u.nixl_quarantine,
             });
         }
         c.metrics = self.metrics.enabled;
@@ -801,6 +840,9 @@ mod tests {
         assert_eq!(d.units.reservation_lease, Duration::from_secs(30));
         assert_eq!(d.units.pin_lease, Duration::from_secs(30));
         assert_eq!(d.units.max_connections, 1024);
+        assert_eq!(d.units.max_handshakes, 128);
+        assert_eq!(d.units.max_handshakes_per_source, 32);
+        assert_eq!(d.timeouts.handshake, Duration::from_secs(1));
         assert_eq!(d.units.max_session_connections, 64);
         assert_eq!(d.units.max_session_holds, 16384);
         assert_eq!(d.units.disk, None);
@@ -960,6 +1002,21 @@ mod tests {
                 "[units]\nmax_session_connections = 0\n",
                 "units.max_session_connections",
                 "at least 1",
+            ),
+            (
+                "[units]\nmax_handshakes = 0\n",
+                "units.max_handshakes",
+                "at least 1",
+            ),
+            (
+                "[units]\nmax_handshakes_per_source = 0\n",
+                "units.max_handshakes_per_source",
+                "at least 1",
+            ),
+            (
+                "[timeouts]\nhandshake = \"0s\"\n",
+                "timeouts.handshake",
+                "longer than 0",
             ),
             (
                 "[units]\nmax_session_holds = 0\n",
@@ -1185,6 +1242,8 @@ mod tests {
             reservation_lease = "7s"
             pin_lease = "8s"
             max_connections = 9
+            max_handshakes = 12
+            max_handshakes_per_source = 4
             max_session_connections = 3
             max_session_holds = 11
             checkpoint_root = "/ckpt"
@@ -1195,6 +1254,7 @@ mod tests {
             low_watermark = 0.6
             [timeouts]
             frame = "3s"
+            handshake = "250ms"
             "#,
         )
         .unwrap();
@@ -1209,6 +1269,8 @@ mod tests {
         assert_eq!(u.reservation_lease, Duration::from_secs(7));
         assert_eq!(u.pin_lease, Duration::from_secs(8));
         assert_eq!(u.max_connections, 9);
+        assert_eq!((u.max_handshakes, u.max_handshakes_per_source), (12, 4));
+        assert_eq!(u.handshake_timeout, Duration::from_millis(250));
         assert_eq!(u.max_session_connections, 3);
         assert_eq!(u.max_session_holds, 11);
         assert_eq!(u.checkpoint_root, Some(PathBuf::from("/ckpt")));

@@ -45,13 +45,20 @@
 //! * its owner releases it (commit, abort, unpin);
 //! * its connection ends because the peer closed it
 //!   ([`ConnEnd::Closed`]: the peer finished or died; nothing of it copies
-//!   any more);
+//!   any more), unless the peer moves bytes with one-sided transfers;
 //! * its connection was cut by the unit ([`ConnEnd::Cut`]) and the peer
 //!   never mapped the slab (a tcp peer: the unit's own thread did every
 //!   copy and has stopped); a reservation then goes through quarantine;
+//! * for a one-sided (nixl) peer ([`UnitCore::make_one_sided`]), whose
+//!   WRITEs and READs the unit never sees, and whose connection a network
+//!   can end (a FIN or RST) while they run: once its connection ended,
+//!   however, the driver fenced its endpoint ([`UnitCore::fence`]: it
+//!   invalidated the peer's NIXL agent) and the nixl quarantine has then
+//!   passed ([`UnitCore::tick`]) — the one hold a timer ends, and only
+//!   after the fence;
 //! * or the session's process is certainly gone
 //!   ([`UnitCore::session_gone`]), for a peer that maps the slab and whose
-//!   connection was cut.
+//!   connection was cut, or a one-sided peer whose connection ended.
 //!
 //! A silent session keeps what it holds; [`UnitCore::stats`] shows each
 //! session's held bytes and its oldest hold, and counts holds older than

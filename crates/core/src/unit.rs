@@ -26,6 +26,10 @@ pub struct CoreConfig {
     /// How long a range stays unusable after an aborted in-flight transfer
     /// (a stream the unit cut off), before it is reused. Default 5 s.
     pub quarantine: Duration,
+    /// How long the holds of a one-sided (nixl) peer whose connection ended
+    /// stay after the driver fenced its endpoint ([`UnitCore::fence`]):
+    /// time for transfers already posted to drain. Default 5 s.
+    pub nixl_quarantine: Duration,
     /// Bytes the key index may take (names, metadata and a fixed cost per
     /// entry, [`ENTRY_OVERHEAD`]); a commit past it answers Full. Default:
     /// a quarter of the slab, at least 64 MiB.
@@ -54,6 +58,7 @@ impl CoreConfig {
             reservation_lease: Duration::from_secs(30),
             pin_lease: Duration::from_secs(30),
             quarantine: Duration::from_secs(5),
+            nixl_quarantine: Duration::from_secs(5),
             index_budget: (capacity / 4).max(64 << 20),
             max_session_conns: 64,
             max_session_holds: 16384,
@@ -175,18 +180,45 @@ pub enum ConnEnd {
     Cut,
 }
 
-/// Who holds a reservation or pin. `conn` is `None` once the unit cut
-/// the connection that took it: the session keeps the hold.
+/// Who holds a reservation or pin. `conn` is `None` once the connection
+/// that took it ended while its peer may still touch the range: the
+/// session keeps the hold, until `kept` says.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Holder {
     session: SessionId,
     conn: Option<ConnId>,
     since: Time,
+    kept: Kept,
+}
+
+/// Until when a hold whose connection ended is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kept {
+    /// Its connection is open.
+    Open,
+    /// Until the session's process is gone ([`UnitCore::session_gone`]): a
+    /// peer that maps the slab, whose connection the unit cut.
+    UntilGone,
+    /// A one-sided (nixl) peer's: until its process is gone, or its
+    /// endpoint is fenced ([`UnitCore::fence`]) and then
+    /// [`CoreConfig::nixl_quarantine`] has passed.
+    UntilFenced,
+    /// Fenced: released at this time, or when the process is gone.
+    Until(Time),
+}
+
+/// How a connection's peer reaches the slab.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+struct Reach {
+    /// It maps the slab (a Unix-socket peer handed the memfd).
+    maps: bool,
+    /// It moves bytes with one-sided transfers the unit never sees (nixl).
+    one_sided: bool,
 }
 
 struct Session {
-    /// Open connections, and whether each one's peer maps the slab.
-    conns: HashMap<ConnId, bool>,
+    /// Open connections, and how each one's peer reaches the slab.
+    conns: HashMap<ConnId, Reach>,
     reservations: HashSet<BlobId>,
     pins: HashSet<PinId>,
 }
@@ -246,6 +278,13 @@ struct Entry {
 struct Pin {
     blobs: Vec<BlobId>,
     holder: Holder,
+}
+
+/// A reservation or a pin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    Reservation(BlobId),
+    Pin(PinId),
 }
 
 /// The maps on every put's and get's path, keyed by what clients send:
@@ -343,6 +382,10 @@ pub struct UnitCore {
     /// Quarantined ranges by the time they may be reused.
     quarantined: BTreeMap<(Time, u64), Region>,
     quarantine_seq: u64,
+    /// Holds of fenced one-sided peers by the time they are released
+    /// ([`Kept::Until`]); an entry whose hold has gone or was taken over
+    /// is skipped.
+    fenced: BTreeMap<(Time, u64), (SessionId, Hold)>,
     sessions: HashMap<SessionId, Session>,
     next_session: u64,
     next_conn: u64,
@@ -389,7 +432,7 @@ impl UnitCore {
         sessions.insert(
             Owner::UNIT.session,
             Session {
-                conns: HashMap::from([(Owner::UNIT.conn, false)]),
+                conns: HashMap::from([(Owner::UNIT.conn, Reach::default())]),
                 reservations: HashSet::new(),
                 pins: HashSet::new(),
             },
@@ -403,6 +446,7 @@ impl UnitCore {
             pin_counter: 0,
             quarantined: BTreeMap::new(),
             quarantine_seq: 0,
+            fenced: BTreeMap::new(),
             sessions,
             next_session: 1,
             next_conn: 1,
@@ -473,7 +517,13 @@ impl UnitCore {
         }
         let conn = ConnId(self.next_conn);
         self.next_conn += 1;
-        s.conns.insert(conn, direct);
+        s.conns.insert(
+            conn,
+            Reach {
+                maps: direct,
+                one_sided: false,
+            },
+        );
         Ok(Owner { session, conn })
     }
 
@@ -481,18 +531,64 @@ impl UnitCore {
     /// on (it was told how to reach it for one-sided transfers): its holds
     /// follow the rules for direct connections.
     pub fn make_direct(&mut self, owner: Owner) -> Result<(), CoreError> {
+        self.reach_mut(owner).map(|r| r.maps = true)
+    }
+
+    /// The peer of `owner`'s connection moves bytes with one-sided
+    /// transfers (nixl) from now on: the unit never sees them end, and a
+    /// network can end the connection while the peer still runs. So
+    /// whatever the connection holds when it ends, however it ends, stays
+    /// with its session until the session's process is gone
+    /// ([`UnitCore::session_gone`]), or until the driver has fenced the
+    /// peer's endpoint ([`UnitCore::fence`]) and then
+    /// [`CoreConfig::nixl_quarantine`] has passed.
+    pub fn make_one_sided(&mut self, owner: Owner) -> Result<(), CoreError> {
+        self.reach_mut(owner).map(|r| r.one_sided = true)
+    }
+
+    fn reach_mut(&mut self, owner: Owner) -> Result<&mut Reach, CoreError> {
         self.sessions
             .get_mut(&owner.session)
             .and_then(|s| s.conns.get_mut(&owner.conn))
-            .map(|d| *d = true)
             .ok_or_else(|| CoreError::Invalid(format!("no connection {}", owner.conn.0)))
+    }
+
+    /// What happens to a connection's holds when it ends: `None`, released
+    /// now; else kept until the [`Kept`] says. The one place this is
+    /// decided.
+    fn keep_after(reach: Reach, end: ConnEnd) -> Option<Kept> {
+        match (reach, end) {
+            // A one-sided peer's transfers run without the unit, and a
+            // connection's end (a clean close included: a FIN or RST from
+            // the network) proves nothing of them. A peer that also maps
+            // the slab may copy until its process is gone: never fenced.
+            (
+                Reach {
+                    one_sided: true,
+                    maps,
+                },
+                _,
+            ) => Some(if maps {
+                Kept::UntilGone
+            } else {
+                Kept::UntilFenced
+            }),
+            // The peer maps the slab and the unit cut it: it may still be
+            // copying, until its process is gone.
+            (Reach { maps: true, .. }, ConnEnd::Cut) => Some(Kept::UntilGone),
+            // The peer closed it (it copies no more), or the unit's own
+            // thread did the copying and has stopped.
+            _ => None,
+        }
     }
 
     /// A connection ended. What it holds is released when the peer closed
     /// it, or when the unit cut it and the peer does not map the slab
     /// (reservations then go through quarantine: a stream was cut). A
     /// direct peer's holds stay with its session until
-    /// [`UnitCore::session_gone`].
+    /// [`UnitCore::session_gone`] when the unit cut it; a one-sided peer's
+    /// however it ended, until [`UnitCore::session_gone`] or
+    /// [`UnitCore::fence`] and its quarantine ([`UnitCore::make_one_sided`]).
     ///
     /// Returns the holds (reservations and pins) released now.
     pub fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) -> u64 {
@@ -502,7 +598,7 @@ impl UnitCore {
         let Some(s) = self.sessions.get_mut(&owner.session) else {
             return 0;
         };
-        let Some(direct) = s.conns.remove(&owner.conn) else {
+        let Some(reach) = s.conns.remove(&owner.conn) else {
             return 0;
         };
         let held = |h: &Holder| h.conn == Some(owner.conn);
@@ -520,29 +616,31 @@ impl UnitCore {
             .copied()
             .filter(|p| self.pins.get(p).is_some_and(|p| held(&p.holder)))
             .collect();
-        let keep = end == ConnEnd::Cut && direct;
-        let released = if keep {
+        let keep = Self::keep_after(reach, end);
+        let released = if keep.is_some() {
             0
         } else {
             (reservations.len() + pins.len()) as u64
         };
         for blob in reservations {
-            if keep {
+            if let Some(kept) = keep {
                 if let Some(Blob {
                     state: State::Reserved { holder, .. },
                     ..
                 }) = self.blobs.get_mut(&blob)
                 {
                     holder.conn = None;
+                    holder.kept = kept;
                 }
             } else {
                 self.release_reservation(blob, end == ConnEnd::Cut, now);
             }
         }
         for pin in pins {
-            if keep {
+            if let Some(kept) = keep {
                 if let Some(p) = self.pins.get_mut(&pin) {
                     p.holder.conn = None;
+                    p.holder.kept = kept;
                 }
             } else {
                 self.drop_pin(pin);
@@ -577,6 +675,75 @@ impl UnitCore {
             self.drop_pin(pin);
         }
         released
+    }
+
+    /// The one-sided endpoint of `session`'s peer is fenced: the driver has
+    /// done what it can so that no transfer of it can start any more (it
+    /// invalidated the peer's NIXL agent, or could not and says so). Every
+    /// hold of the session whose connection ended is released once
+    /// [`CoreConfig::nixl_quarantine`] has passed from `now` (time for
+    /// transfers already posted to drain), by [`UnitCore::tick`]; holds of
+    /// open connections are untouched. Returns the holds that now wait.
+    pub fn fence(&mut self, session: SessionId, now: Time) -> u64 {
+        let Some(s) = self.sessions.get(&session) else {
+            return 0;
+        };
+        let until = now + self.cfg.nixl_quarantine;
+        let mut holds: Vec<Hold> = Vec::new();
+        for blob in &s.reservations {
+            if let Some(Blob {
+                state: State::Reserved { holder, .. },
+                ..
+            }) = self.blobs.get_mut(blob)
+            {
+                if holder.kept == Kept::UntilFenced {
+                    holder.kept = Kept::Until(until);
+                    holds.push(Hold::Reservation(*blob));
+                }
+            }
+        }
+        for pin in &s.pins {
+            if let Some(p) = self.pins.get_mut(pin) {
+                if p.holder.kept == Kept::UntilFenced {
+                    p.holder.kept = Kept::Until(until);
+                    holds.push(Hold::Pin(*pin));
+                }
+            }
+        }
+        let n = holds.len() as u64;
+        for h in holds {
+            self.quarantine_seq += 1;
+            self.fenced
+                .insert((until, self.quarantine_seq), (session, h));
+        }
+        n
+    }
+
+    /// Whether a fenced hold still waits for `at` (it has not gone, nor
+    /// been taken over, since).
+    fn fenced_until(&self, session: SessionId, hold: Hold, at: Time) -> bool {
+        let due = |h: &Holder| h.session == session && h.kept == Kept::Until(at);
+        match hold {
+            Hold::Reservation(blob) => matches!(
+                self.blobs.get(&blob),
+                Some(Blob { state: State::Reserved { holder, .. }, .. }) if due(holder)
+            ),
+            Hold::Pin(pin) => self.pins.get(&pin).is_some_and(|p| due(&p.holder)),
+        }
+    }
+
+    /// Release a fenced hold whose quarantine ended at `at`, unless it has
+    /// gone or was taken over since.
+    fn release_fenced(&mut self, session: SessionId, hold: Hold, at: Time, now: Time) -> bool {
+        if !self.fenced_until(session, hold, at) {
+            return false;
+        }
+        match hold {
+            // Its quarantine has passed: nothing of it can land any more.
+            Hold::Reservation(blob) => self.release_reservation(blob, false, now),
+            Hold::Pin(pin) => self.drop_pin(pin),
+        }
+        true
     }
 
     /// Sessions that hold something although none of their connections is
@@ -842,8 +1009,12 @@ impl UnitCore {
                                 reclaimable: 0,
                             })
                         }
-                        // Its connection was cut: the retry takes it over.
-                        _ => holder.conn = Some(owner.conn),
+                        // Its connection ended and the session kept it:
+                        // the retry takes it over.
+                        _ => {
+                            holder.conn = Some(owner.conn);
+                            holder.kept = Kept::Open;
+                        }
                     }
                     Ok(match b.region {
                         Some(r) => Allocated::Reserved { offset: r.offset },
@@ -933,6 +1104,7 @@ impl UnitCore {
                         session: owner.session,
                         conn: Some(owner.conn),
                         since: now,
+                        kept: Kept::Open,
                     },
                     n_entries,
                 },
@@ -1214,6 +1386,7 @@ impl UnitCore {
                     session: owner.session,
                     conn: Some(owner.conn),
                     since: now,
+                    kept: Kept::Open,
                 },
             },
         );
@@ -1647,9 +1820,11 @@ impl UnitCore {
         }
     }
 
-    /// Reuse quarantined ranges whose quarantine ended by `now`. Nothing
-    /// else is ever reclaimed by time.
-    pub fn tick(&mut self, now: Time) {
+    /// Reuse quarantined ranges whose quarantine ended by `now`, and
+    /// release the holds of fenced one-sided peers whose quarantine ended
+    /// ([`UnitCore::fence`]). Nothing else is ever reclaimed by time.
+    /// Returns the holds released.
+    pub fn tick(&mut self, now: Time) -> u64 {
         while let Some((&(at, seq), &r)) = self.quarantined.first_key_value() {
             if at > now {
                 break;
@@ -1658,11 +1833,32 @@ impl UnitCore {
             self.quarantined_bytes -= r.len;
             self.slab.free(r);
         }
+        let mut released = 0;
+        while let Some((&(at, seq), &(session, hold))) = self.fenced.first_key_value() {
+            if at > now {
+                break;
+            }
+            self.fenced.remove(&(at, seq));
+            if self.release_fenced(session, hold, at, now) {
+                released += 1;
+                self.maybe_forget_session(session);
+            }
+        }
+        released
     }
 
     /// When `tick` next has something to do.
     pub fn next_deadline(&self) -> Option<Time> {
-        self.quarantined.keys().next().map(|(t, _)| *t)
+        let q = self.quarantined.keys().next().map(|(t, _)| *t);
+        let f = self
+            .fenced
+            .iter()
+            .find(|((at, _), (s, h))| self.fenced_until(*s, *h, *at))
+            .map(|((at, _), _)| *at);
+        match (q, f) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 
     /// Counters, with what each session holds at `now`.
@@ -2306,6 +2502,93 @@ mod tests {
         );
         assert!(c.orphaned_sessions().is_empty());
         assert_eq!(c.next_deadline(), None);
+    }
+
+    /// A one-sided (nixl) peer's holds outlive its connection's end, a
+    /// clean close included, until the driver fenced its endpoint and the
+    /// nixl quarantine then passed; or until its process is gone. A peer
+    /// that also maps the slab is never released by a timer.
+    #[test]
+    fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
+        let mut cfg = CoreConfig::new(1 << 20);
+        cfg.nixl_quarantine = Duration::from_secs(3);
+        let mut c = UnitCore::new(cfg).unwrap();
+        for (i, end) in [(0, ConnEnd::Closed), (10, ConnEnd::Cut)] {
+            let s = c.open_session();
+            let o = c.attach(s, false).unwrap();
+            c.make_one_sided(o).unwrap();
+            c.alloc(o, BlobId(i + 1), 100, 1, t(0)).unwrap();
+            c.alloc(o, BlobId(i + 2), 100, 1, t(0)).unwrap();
+            c.commit(o, "ns", BlobId(i + 2), &[entry(0, "f", 0, 100)])
+                .unwrap();
+            c.resolve(o, "ns", &[Key::new(0, "f")], t(0)).unwrap();
+            c.release_rows("ns", &[0]);
+            // The connection ends (a FIN or RST from the network reads
+            // as a close): nothing is released, by any time.
+            assert_eq!(c.detach(o, end, t(10)), 0, "{end:?}");
+            c.tick(t(3_600_000));
+            let st = c.stats_at(t(3_600_000));
+            assert_eq!(
+                (st.pins, st.used, st.reserved_bytes),
+                (1, 256, 128),
+                "{end:?}"
+            );
+            assert_eq!(st.sessions[0].orphaned, 2);
+            assert_eq!(c.orphaned_sessions(), vec![s]);
+            assert_eq!(c.next_deadline(), None);
+            // Fenced: released once the nixl quarantine has passed.
+            assert_eq!(c.fence(s, t(3_600_000)), 2);
+            assert_eq!(c.next_deadline(), Some(t(3_603_000)));
+            assert_eq!(c.tick(t(3_602_999)), 0);
+            assert_eq!(c.stats().used, 256);
+            assert_eq!(c.tick(t(3_603_000)), 2);
+            let st = c.stats();
+            assert_eq!((st.pins, st.used, st.reserved_bytes), (0, 0, 0), "{end:?}");
+            assert!(!c.has_session(s) && c.orphaned_sessions().is_empty());
+            assert_eq!(c.next_deadline(), None);
+        }
+
+        // Taken over by a retry of the same session before the quarantine
+        // ends: the hold is its again, and the fence's timer skips it.
+        let s = c.open_session();
+        let o = c.attach(s, false).unwrap();
+        c.make_one_sided(o).unwrap();
+        c.alloc(o, BlobId(3), 100, 1, t(0)).unwrap();
+        c.detach(o, ConnEnd::Closed, t(0));
+        c.fence(s, t(0));
+        let o2 = c.attach(s, false).unwrap();
+        c.make_one_sided(o2).unwrap();
+        assert!(matches!(
+            c.alloc(o2, BlobId(3), 100, 1, t(1)),
+            Ok(Allocated::Reserved { .. })
+        ));
+        assert_eq!(c.tick(t(10_000)), 0);
+        assert_eq!(c.stats().reserved_bytes, 128);
+        // Its process gone: released at once, fenced or not.
+        c.detach(o2, ConnEnd::Closed, t(10_000));
+        assert_eq!(c.stats().reserved_bytes, 128);
+        assert_eq!(c.session_gone(s, t(10_000)), 1);
+        assert_eq!(c.stats().used, 0);
+
+        // A one-sided peer that also maps the slab: a fence never
+        // releases what it holds, only its process's end.
+        let s = c.open_session();
+        let o = c.attach(s, true).unwrap();
+        c.make_one_sided(o).unwrap();
+        c.alloc(o, BlobId(4), 100, 1, t(0)).unwrap();
+        c.detach(o, ConnEnd::Closed, t(0));
+        assert_eq!(c.fence(s, t(0)), 0);
+        c.tick(t(3_600_000));
+        assert_eq!(c.stats().reserved_bytes, 128);
+        c.session_gone(s, t(3_600_000));
+        assert_eq!(c.stats().used, 0);
+
+        // Without make_one_sided, a closed connection's holds go at once.
+        let s = c.open_session();
+        let o = c.attach(s, false).unwrap();
+        c.alloc(o, BlobId(5), 100, 1, t(0)).unwrap();
+        assert_eq!(c.detach(o, ConnEnd::Closed, t(0)), 1);
+        assert_eq!(c.stats().used, 0);
     }
 
     #[test]

@@ -33,6 +33,12 @@
 //!   reserves afresh) when the peer is not direct, and keeps everything
 //!   with the session (orphaned) when it is, until `session_gone` or a
 //!   takeover;
+//! * a *one-sided* connection (nixl, `make_one_sided`: the client moves
+//!   bytes with transfers the unit never sees) keeps what it holds however
+//!   it ends, a clean close included, until `session_gone`, a takeover, or
+//!   (for a peer that does not also map the slab) a `fence` of its session
+//!   followed by the nixl quarantine ([`NIXL_QUARANTINE_MS`]), at whose end
+//!   a tick releases it;
 //! * no timer ever ends a hold: pauses of minutes and hours (with ticks)
 //!   only end quarantines; holds older than their lease are *reported*
 //!   (`stats_at(now).overdue_holds`).
@@ -104,7 +110,8 @@
 //!    and none names a file still needed.
 //! 7. The fence invariant above; `orphaned_sessions()` and `has_session`
 //!    match the model (a session is forgotten once it has no connection and
-//!    holds nothing); `next_deadline()` is the end of the first quarantine.
+//!    holds nothing); `next_deadline()` is the end of the first quarantine
+//!    or nixl quarantine.
 //!
 //! Each operation's answer is also checked against the model's prediction
 //! (Reserved / ToDisk / AlreadyCommitted / Invalid / UnknownBlob / NotOwner
@@ -147,6 +154,9 @@ const ALIGN: u64 = 64;
 const RESERVATION_LEASE_MS: u64 = 20;
 const PIN_LEASE_MS: u64 = 15;
 const QUARANTINE_MS: u64 = 5;
+/// `CoreConfig::nixl_quarantine` of the test: how long the holds of a
+/// one-sided peer's ended connections stay once `fence` is called.
+const NIXL_QUARANTINE_MS: u64 = 7;
 /// Blob ids come from a small pool so that ids get retried and reused
 /// (also by other sessions).
 const N_BLOBS: u8 = 24;
@@ -265,11 +275,20 @@ enum Op {
         tick: bool,
     },
     /// Open a connection in a slot (a new session if the slot has none);
-    /// `stale`: attach to a session that is gone (Invalid).
+    /// `stale`: attach to a session that is gone (Invalid); `one_sided`:
+    /// its peer then moves bytes with one-sided transfers (nixl,
+    /// `make_one_sided`).
     Attach {
         slot: u8,
         direct: bool,
         stale: bool,
+        one_sided: bool,
+    },
+    /// The driver fenced a session's one-sided endpoint (invalidated its
+    /// peer's NIXL agent): what its ended one-sided connections hold goes
+    /// once the nixl quarantine has passed.
+    Fence {
+        pick: u8,
     },
     /// A connection ends: closed by its peer, or cut by the unit. Now and
     /// then one that already ended (nothing changes).
@@ -384,8 +403,9 @@ fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
         release => prop::collection::vec(0..ROWS + 1, 0..4).prop_map(|rows| Op::ReleaseRows { rows }),
         advance => (pause_strategy(), prop::bool::weighted(0.8))
             .prop_map(|(ms, tick)| Op::Advance { ms, tick }),
-        2 => (any::<u8>(), any::<bool>(), prop::bool::weighted(0.1))
-            .prop_map(|(slot, direct, stale)| Op::Attach { slot, direct, stale }),
+        2 => (any::<u8>(), any::<bool>(), prop::bool::weighted(0.1), prop::bool::weighted(0.3))
+            .prop_map(|(slot, direct, stale, one_sided)| Op::Attach { slot, direct, stale, one_sided }),
+        1 => any::<u8>().prop_map(|pick| Op::Fence { pick }),
         2 => (any::<u8>(), any::<bool>()).prop_map(|(who, cut)| Op::Detach { who, cut }),
         1 => any::<u8>().prop_map(|pick| Op::SessionGone { pick }),
         1 => (
@@ -427,6 +447,10 @@ struct MHolder {
     session: SessionId,
     conn: Option<stowage_core::ConnId>,
     since: Time,
+    /// Once its connection ended: kept until the session is gone
+    /// (`None`), or a one-sided peer's, until fenced (`Some(None)`) and
+    /// then until a time (`Some(Some(t))`).
+    fenced: Option<Option<Time>>,
 }
 
 impl MHolder {
@@ -435,6 +459,7 @@ impl MHolder {
             session: owner.session,
             conn: Some(owner.conn),
             since: now,
+            fenced: None,
         }
     }
 }
@@ -503,6 +528,8 @@ struct MConn {
     owner: Owner,
     /// Shm: the client maps the slab and copies itself.
     direct: bool,
+    /// Nixl: the client moves bytes with one-sided transfers.
+    one_sided: bool,
 }
 
 #[derive(Clone, Debug)]
@@ -623,6 +650,7 @@ impl Harness {
             reservation_lease: ms(RESERVATION_LEASE_MS),
             pin_lease: ms(PIN_LEASE_MS),
             quarantine: ms(QUARANTINE_MS),
+            nixl_quarantine: ms(NIXL_QUARANTINE_MS),
             index_budget: INDEX_BUDGET,
             max_session_conns: MAX_SESSION_CONNS,
             id_key: (seed, seed.rotate_left(17) ^ 0x5eed),
@@ -887,12 +915,65 @@ impl Harness {
             "connection {:?} handed out twice",
             owner
         );
-        self.sessions[slot]
+        self.sessions[slot].as_mut().unwrap().conns.push(MConn {
+            owner,
+            direct,
+            one_sided: false,
+        });
+        Ok(Some(owner))
+    }
+
+    /// The peer of `owner` moves bytes with one-sided transfers from now on.
+    fn make_one_sided(&mut self, owner: Owner) -> Result<(), TestCaseError> {
+        prop_assert_eq!(self.core.make_one_sided(owner), Ok(()));
+        let slot = self.slot_of(owner.session).unwrap();
+        let c = self.sessions[slot]
             .as_mut()
             .unwrap()
             .conns
-            .push(MConn { owner, direct });
-        Ok(Some(owner))
+            .iter_mut()
+            .find(|c| c.owner == owner)
+            .unwrap();
+        c.one_sided = true;
+        self.count("one-sided connection");
+        Ok(())
+    }
+
+    /// The driver fenced `session`'s one-sided endpoint: the holds of its
+    /// ended one-sided connections go once the nixl quarantine has passed.
+    fn fence(&mut self, session: SessionId) -> Result<(), TestCaseError> {
+        let got = self.core.fence(session, self.now);
+        let until = self.now + ms(NIXL_QUARANTINE_MS);
+        let mut n = 0u64;
+        for b in self.blobs.values_mut() {
+            if let MState::Reserved { holder, .. } = &mut b.state {
+                if holder.session == session && holder.fenced == Some(None) {
+                    holder.fenced = Some(Some(until));
+                    n += 1;
+                }
+            }
+        }
+        for p in self.pins.values_mut() {
+            if p.holder.session == session && p.holder.fenced == Some(None) {
+                p.holder.fenced = Some(Some(until));
+                n += 1;
+            }
+        }
+        prop_assert_eq!(got, n, "holds fenced of {:?}", session);
+        if n > 0 {
+            self.count("fence: holds wait out the nixl quarantine");
+        }
+        Ok(())
+    }
+
+    /// When the first fenced hold is released.
+    fn first_fenced(&self) -> Option<Time> {
+        let reserved = self.blobs.values().filter_map(|b| match b.state {
+            MState::Reserved { holder, .. } => holder.fenced.flatten(),
+            _ => None,
+        });
+        let pinned = self.pins.values().filter_map(|p| p.holder.fenced.flatten());
+        reserved.chain(pinned).min()
     }
 
     /// A direct connection in `slot` (opening one if there is none).
@@ -974,7 +1055,17 @@ impl Harness {
         };
         let conn = sess.conns.remove(i);
         self.dead_owners.push(who);
-        let keep = end == ConnEnd::Cut && conn.direct;
+        // `Some(fenced)`: kept; a one-sided peer's however it ended (a
+        // network's close proves nothing of its transfers), until fenced
+        // unless it also maps the slab; a direct peer's when cut, until its
+        // process is gone.
+        let keep: Option<Option<Option<Time>>> = if conn.one_sided {
+            Some(if conn.direct { None } else { Some(None) })
+        } else if end == ConnEnd::Cut && conn.direct {
+            Some(None)
+        } else {
+            None
+        };
         let held = |h: &MHolder| h.session == who.session && h.conn == Some(who.conn);
         let reservations: Vec<BlobId> = self
             .blobs
@@ -996,24 +1087,32 @@ impl Harness {
         }
         if holds > 0 {
             self.count(match (end, keep) {
-                (ConnEnd::Closed, _) => "closed: holds released",
-                (ConnEnd::Cut, true) => "cut direct: holds kept for the session",
-                (ConnEnd::Cut, false) => "cut stream: holds released",
+                (ConnEnd::Closed, Some(Some(_))) => "closed one-sided: holds kept until fenced",
+                (ConnEnd::Cut, Some(Some(_))) => "cut one-sided: holds kept until fenced",
+                (ConnEnd::Closed, Some(None)) => {
+                    "closed one-sided mapping peer: holds kept until it is gone"
+                }
+                (ConnEnd::Cut, Some(None)) => "cut direct: holds kept for the session",
+                (ConnEnd::Closed, None) => "closed: holds released",
+                (ConnEnd::Cut, None) => "cut stream: holds released",
             });
         }
         for id in reservations {
-            if keep {
+            if let Some(fenced) = keep {
                 if let MState::Reserved { holder, .. } = &mut self.blobs.get_mut(&id).unwrap().state
                 {
                     holder.conn = None;
+                    holder.fenced = fenced;
                 }
             } else {
                 self.release_reservation(id, end == ConnEnd::Cut);
             }
         }
         for pin in pins {
-            if keep {
-                self.pins.get_mut(&pin).unwrap().holder.conn = None;
+            if let Some(fenced) = keep {
+                let h = &mut self.pins.get_mut(&pin).unwrap().holder;
+                h.conn = None;
+                h.fenced = fenced;
             } else {
                 self.pins.remove(&pin);
                 self.dead_pins.push(pin);
@@ -1508,6 +1607,7 @@ impl Harness {
                 slot,
                 direct,
                 stale,
+                one_sided,
             } => {
                 if *stale && !self.dead_sessions.is_empty() {
                     let s = self.dead_sessions[usize::from(*slot) % self.dead_sessions.len()];
@@ -1521,7 +1621,17 @@ impl Harness {
                     self.count("attach refused: session gone");
                     return Ok(());
                 }
-                self.attach(usize::from(*slot) % SLOTS, *direct).map(|_| ())
+                match self.attach(usize::from(*slot) % SLOTS, *direct)? {
+                    Some(o) if *one_sided => self.make_one_sided(o),
+                    _ => Ok(()),
+                }
+            }
+            Op::Fence { pick } => {
+                let live: Vec<SessionId> = self.live_sessions().map(|s| s.id).collect();
+                if live.is_empty() {
+                    return Ok(());
+                }
+                self.fence(live[usize::from(*pick) % live.len()])
             }
             Op::Detach { who, cut } => {
                 let Some(o) = self.any_owner(*who) else {
@@ -1732,6 +1842,7 @@ impl Harness {
                 if let MState::Reserved { holder, .. } = &mut self.blobs.get_mut(&id).unwrap().state
                 {
                     holder.conn = Some(who.conn);
+                    holder.fenced = None;
                 }
                 // The client writes its bytes again.
                 self.scribble_blob(id);
@@ -2872,8 +2983,44 @@ impl Harness {
             }
         }
         let now = self.now;
-        self.core.tick(now);
+        let released = self.core.tick(now);
         self.quarantine.retain(|q| q.2 > now);
+        // Fenced holds whose nixl quarantine is over go (no further
+        // quarantine: nothing of their transfers can land any more).
+        let due = |h: &MHolder| matches!(h.fenced, Some(Some(t)) if t <= now);
+        let reservations: Vec<(BlobId, SessionId)> = self
+            .blobs
+            .iter()
+            .filter_map(|(id, b)| match b.state {
+                MState::Reserved { holder, .. } if due(&holder) => Some((*id, holder.session)),
+                _ => None,
+            })
+            .collect();
+        let pins: Vec<(PinId, SessionId)> = self
+            .pins
+            .iter()
+            .filter(|(_, p)| due(&p.holder))
+            .map(|(id, p)| (*id, p.holder.session))
+            .collect();
+        let n = (reservations.len() + pins.len()) as u64;
+        let mut sessions = BTreeSet::new();
+        for (id, session) in reservations {
+            self.release_reservation(id, false);
+            sessions.insert(session);
+        }
+        for (pin, session) in pins {
+            self.pins.remove(&pin);
+            self.dead_pins.push(pin);
+            sessions.insert(session);
+        }
+        assert_eq!(released, n, "holds released by the tick");
+        if n > 0 {
+            self.count("nixl quarantine over: holds released");
+            self.gc();
+            for s in sessions {
+                self.maybe_forget(s);
+            }
+        }
     }
 
     /// Take the core's effects: exactly the removals the model expects, none
@@ -3221,11 +3368,12 @@ impl Harness {
             ..expected
         };
         prop_assert_eq!(&self.core.stats_at(self.now), &expected, "stats_at");
-        prop_assert_eq!(
-            self.core.next_deadline(),
-            self.quarantine.iter().map(|q| q.2).min(),
-            "next deadline"
-        );
+        let quarantined = self.quarantine.iter().map(|q| q.2).min();
+        let first = match (quarantined, self.first_fenced()) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        prop_assert_eq!(self.core.next_deadline(), first, "next deadline");
 
         // 5. The files: exactly those of durable blobs and puts being
         //    synced, with their blobs' bytes; memory and disk agree.
@@ -3480,6 +3628,10 @@ const SESSION_EVENTS: &[&str] = &[
     "closed: holds released",
     "cut direct: holds kept for the session",
     "cut stream: holds released",
+    "one-sided connection",
+    "closed one-sided: holds kept until fenced",
+    "fence: holds wait out the nixl quarantine",
+    "nixl quarantine over: holds released",
     "range quarantined",
     "retry after a cut stream reserves afresh",
     "session gone",

@@ -107,8 +107,38 @@ impl Agent {
 
     /// Drop what is known of a peer (its connection is torn down).
     pub fn forget_remote(&self, name: &str) {
-        if let Err(e) = self.inner.invalidate_remote_md(name) {
+        if let Err(e) = self.invalidate_remote(name) {
             tracing::debug!(peer = name, error = %e, "nixl: forgetting a peer");
+        }
+    }
+
+    /// Invalidate what this agent loaded of `name` ([`Agent::load_remote`]):
+    /// NIXL unloads its metadata and closes this agent's UCX endpoints to
+    /// it. Where UCX wired the peer's own connection to this agent onto
+    /// those endpoints (it pairs the two sides' endpoints when both
+    /// connect), the peer's later transfers to this agent fail. It does not
+    /// revoke the key of memory this agent registered: that is shared by
+    /// every peer (docs/nixl.md).
+    pub fn invalidate_remote(&self, name: &str) -> Result<(), NixlError> {
+        self.inner
+            .invalidate_remote_md(name)
+            .map_err(failed("invalidating a peer's metadata"))
+    }
+
+    /// What a peer loads to connect to this agent, without the
+    /// descriptors of its registered memory (a peer that never transfers to
+    /// or from this agent's memory needs none). Falls back to the whole
+    /// [`Agent::metadata`] where NIXL cannot give a part.
+    pub fn connection_metadata(&self) -> Result<Vec<u8>, NixlError> {
+        let partial = (|| {
+            let descs = sys::RegDescList::new(sys::MemType::Dram).ok()?;
+            let mut opt = sys::OptArgs::new().ok()?;
+            opt.add_backend(&self.backend).ok()?;
+            self.inner.get_local_partial_md(&descs, Some(&opt)).ok()
+        })();
+        match partial {
+            Some(md) => Ok(md),
+            None => self.metadata(),
         }
     }
 

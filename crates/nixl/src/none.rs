@@ -34,6 +34,14 @@ impl Agent {
         match self.0 {}
     }
 
+    pub fn invalidate_remote(&self, _name: &str) -> Result<(), NixlError> {
+        match self.0 {}
+    }
+
+    pub fn connection_metadata(&self) -> Result<Vec<u8>, NixlError> {
+        match self.0 {}
+    }
+
     pub fn register_slab(&self, _slab: Arc<Slab>) -> Result<SlabRegistration, NixlError> {
         match self.0 {}
     }

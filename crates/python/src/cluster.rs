@@ -210,6 +210,8 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     units.set_item("reservation_lease", secs(u.reservation_lease))?;
     units.set_item("pin_lease", secs(u.pin_lease))?;
     units.set_item("max_connections", u.max_connections)?;
+    units.set_item("max_handshakes", u.max_handshakes)?;
+    units.set_item("max_handshakes_per_source", u.max_handshakes_per_source)?;
     units.set_item("max_session_connections", u.max_session_connections)?;
     units.set_item("max_session_holds", u.max_session_holds)?;
     units.set_item("checkpoint_root", path_str(&u.checkpoint_root))?;
@@ -248,6 +250,7 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     timeouts.set_item("start", secs(t.start))?;
     timeouts.set_item("stop", secs(t.stop))?;
     timeouts.set_item("frame", secs(t.frame))?;
+    timeouts.set_item("handshake", secs(t.handshake))?;
 
     let client = PyDict::new(py);
     client.set_item("namespace", &c.client.namespace)?;

@@ -74,8 +74,9 @@ impl Unit {
     /// in a fresh owner-only directory that `stop` removes) and, with
     /// `tcp` (e.g. "127.0.0.1:0"), on TCP as well. `disk`: the disk
     /// tier's root (the unit works in its own locked subdirectory, removed
-    /// at stop). Leases and `frame_timeout` in seconds; connection and hold
-    /// limits default to the unit's. `checkpoint_root`: checkpoints are
+    /// at stop). Leases, `frame_timeout` and `handshake_timeout` in
+    /// seconds; connection, handshake and hold limits default to the
+    /// unit's. `checkpoint_root`: checkpoints are
     /// written only under it (without it the unit refuses them).
     /// `secret` (bytes or str) or `secret_file` (an owner-only file, read
     /// here): the shared secret every client must prove (none by default:
@@ -97,9 +98,12 @@ impl Unit {
         checkpoint_root = None,
         mlock = true,
         max_connections = None,
+        max_handshakes = None,
+        max_handshakes_per_source = None,
         max_session_connections = None,
         max_session_holds = None,
         frame_timeout = None,
+        handshake_timeout = None,
         secret = None,
         secret_file = None,
         insecure = false,
@@ -124,9 +128,12 @@ impl Unit {
         checkpoint_root: Option<PathBuf>,
         mlock: bool,
         max_connections: Option<usize>,
+        max_handshakes: Option<usize>,
+        max_handshakes_per_source: Option<usize>,
         max_session_connections: Option<usize>,
         max_session_holds: Option<usize>,
         frame_timeout: Option<f64>,
+        handshake_timeout: Option<f64>,
         secret: Option<&Bound<'_, PyAny>>,
         secret_file: Option<PathBuf>,
         insecure: bool,
@@ -138,7 +145,10 @@ impl Unit {
         crate::logbridge::install();
         let mut cfg = UnitConfig::new(name, size_arg(memory)?);
         if nixl {
-            cfg.nixl = Some(stowage_unit::NixlConfig { require_rdma });
+            cfg.nixl = Some(stowage_unit::NixlConfig {
+                require_rdma,
+                ..Default::default()
+            });
         }
         cfg.metrics = metrics;
         if !metrics {
@@ -173,6 +183,15 @@ impl Unit {
         }
         if let Some(t) = frame_timeout {
             cfg.frame_timeout = seconds("frame_timeout", t)?;
+        }
+        if let Some(n) = max_handshakes {
+            cfg.max_handshakes = n;
+        }
+        if let Some(n) = max_handshakes_per_source {
+            cfg.max_handshakes_per_source = n;
+        }
+        if let Some(t) = handshake_timeout {
+            cfg.handshake_timeout = seconds("handshake_timeout", t)?;
         }
         cfg.secret = match (secret, secret_file) {
             (Some(_), Some(_)) => {

@@ -18,23 +18,30 @@
 //! their blobs are pinned while they are copied; committed blobs never
 //! change, so no blob is torn.
 
-use std::collections::BTreeMap;
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
-use std::path::Path;
+use std::collections::{BTreeMap, HashSet};
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::path::{Component, Path, PathBuf};
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
+use rustix::fs::{AtFlags, Mode, OFlags};
 use serde::{Deserialize, Serialize};
 use stowage_core::{Allocated, BlobId, Committed, EntrySpec, Key, Place};
 use stowage_wire::{CheckpointFile, CheckpointInfo};
 
-use crate::disk::{DiskEngine, FileEngine};
+use crate::disk::{self, DiskEngine, FileEngine};
 use crate::Shared;
 
 const MANIFEST: &str = "MANIFEST";
+const MANIFEST_TMP: &str = "MANIFEST.tmp";
 const INDEX: &str = "index";
 const VERSION: u32 = 1;
+/// Largest manifest a restore reads (about 60 bytes per file).
+const MAX_MANIFEST: u64 = 256 << 20;
+/// Largest index a restore reads.
+const MAX_INDEX: u64 = 4 << 30;
 
 #[derive(Serialize, Deserialize)]
 struct IndexEntry {
@@ -74,96 +81,139 @@ fn io_err(dir: &Path) -> impl Fn(io::Error) -> CheckpointError + '_ {
     move |e| CheckpointError::Io(dir.display().to_string(), e)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> io::Result<()> {
-    let mut f = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(path)?;
+/// Create `name` in `dir` (it must not exist), write `bytes`, sync.
+fn write_synced(dir: BorrowedFd<'_>, name: &str, bytes: &[u8]) -> io::Result<()> {
+    let mut f = File::from(disk::open_in(
+        dir,
+        name,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL,
+        Mode::from_raw_mode(0o600),
+    )?);
     f.write_all(bytes)?;
     f.sync_all()
 }
 
-/// Write the unit's committed data and index to `dir` (which must not
-/// exist or be empty). Returns the metadata; no payload leaves the unit.
+/// A checkpoint directory a request named, under the unit's checkpoint
+/// root: the root's descriptor and the names leading from it.
+pub(crate) struct CheckpointDir {
+    /// For messages.
+    pub(crate) path: PathBuf,
+    root: OwnedFd,
+    names: Vec<String>,
+}
+
 /// The directory a Checkpoint request names, if it lies under the unit's
 /// checkpoint root: a relative name is taken under the root; an absolute
-/// path must be inside it. `..` is refused, and symbolic links may not lead
-/// out of the root (the nearest existing ancestor is resolved and checked).
-pub(crate) fn resolve_dir(root: Option<&Path>, dir: &str) -> Result<std::path::PathBuf, String> {
+/// path must be inside it. `..` is refused, and so is a symbolic link
+/// anywhere under the root on the way (the directories are opened one by
+/// one from the root's descriptor, none followed; the root itself must be
+/// owned by the unit's user and writable by nobody else).
+pub(crate) fn resolve_dir(root: Option<&Path>, dir: &str) -> Result<CheckpointDir, String> {
     let Some(root) = root else {
         return Err("this unit takes no checkpoints: start it with --checkpoint-root DIR".into());
     };
-    let root = root
+    let root_fd = disk::open_private_root(root, "checkpoint root").map_err(|e| e.to_string())?;
+    let real_root = root
         .canonicalize()
         .map_err(|e| format!("checkpoint root {}: {e}", root.display()))?;
     let asked = Path::new(dir);
     if asked
         .components()
-        .any(|c| matches!(c, std::path::Component::ParentDir))
+        .any(|c| matches!(c, Component::ParentDir))
     {
         return Err(format!("checkpoint path {dir:?} may not contain '..'"));
     }
-    let path = if asked.is_absolute() {
-        asked.to_path_buf()
-    } else {
-        root.join(asked)
-    };
     let outside = || {
         format!(
             "checkpoint path {dir:?} is outside this unit's checkpoint root {}",
-            root.display()
+            real_root.display()
         )
     };
-    // The nearest ancestor that exists, resolved, must be inside the root.
-    let mut probe = path.as_path();
-    loop {
-        match probe.canonicalize() {
-            Ok(real) => {
-                if !real.starts_with(&root) {
-                    return Err(outside());
-                }
-                break;
-            }
-            Err(_) => match probe.parent() {
-                Some(p) => probe = p,
-                None => return Err(outside()),
-            },
+    let rel = if asked.is_absolute() {
+        asked
+            .strip_prefix(&real_root)
+            .or_else(|_| asked.strip_prefix(root))
+            .map_err(|_| outside())?
+    } else {
+        asked
+    };
+    let mut names = Vec::new();
+    for c in rel.components() {
+        match c {
+            Component::Normal(n) => names.push(
+                n.to_str()
+                    .ok_or_else(|| format!("checkpoint path {dir:?} is not UTF-8"))?
+                    .to_owned(),
+            ),
+            Component::CurDir => {}
+            _ => return Err(outside()),
         }
     }
-    Ok(path)
-}
-
-pub(crate) fn write(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
-    let ioe = io_err(dir);
-    fs::DirBuilder::new()
-        .recursive(true)
-        .mode(0o700)
-        .create(dir)
-        .map_err(&ioe)?;
-    // Checked again once it exists: a component swapped for a symbolic link
-    // since the request was checked must not lead the files out of the
-    // root.
-    if let Some(root) = &shared.checkpoint_root {
-        let (root, real) = (root.canonicalize(), dir.canonicalize());
-        if !matches!((&root, &real), (Ok(r), Ok(d)) if d.starts_with(r)) {
-            return Err(CheckpointError::Io(
-                dir.display().to_string(),
-                io::Error::new(
-                    io::ErrorKind::PermissionDenied,
-                    "the checkpoint directory is outside the checkpoint root",
-                ),
-            ));
-        }
-    }
-    if fs::read_dir(dir).map_err(&ioe)?.next().is_some() {
-        return Err(CheckpointError::Io(
-            dir.display().to_string(),
-            io::Error::new(io::ErrorKind::AlreadyExists, "directory is not empty"),
+    if names.is_empty() {
+        return Err(format!(
+            "checkpoint path {dir:?} names the checkpoint root itself: give a directory under it"
         ));
     }
+    // The part that exists now must hold no link (checked again as the
+    // directories are opened to write).
+    let mut cur = root_fd.try_clone().map_err(|e| e.to_string())?;
+    for n in &names {
+        match disk::open_dir_in(cur.as_fd(), n) {
+            Ok(d) => cur = d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+            Err(e) if disk::is_link_error(&e) => return Err(through_link(dir, n)),
+            Err(e) => return Err(format!("checkpoint path {dir:?}: {e}")),
+        }
+    }
+    let mut path = real_root;
+    path.extend(&names);
+    Ok(CheckpointDir {
+        path,
+        root: root_fd,
+        names,
+    })
+}
+
+fn through_link(dir: &str, name: &str) -> String {
+    format!(
+        "checkpoint path {dir:?} goes through {name:?}, which is a symbolic link (or not a \
+         directory): the unit follows no link under its checkpoint root"
+    )
+}
+
+/// Write the unit's committed data and index to `dir` (which must not
+/// exist or be empty), every file through the directory's descriptor.
+/// Returns the metadata; no payload leaves the unit.
+pub(crate) fn write(
+    shared: &Shared,
+    dir: &CheckpointDir,
+) -> Result<CheckpointInfo, CheckpointError> {
+    let ioe = io_err(&dir.path);
+    let mut cur = dir.root.try_clone().map_err(&ioe)?;
+    for n in &dir.names {
+        match rustix::fs::mkdirat(&cur, n.as_str(), Mode::from_raw_mode(0o700)) {
+            Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+            Err(e) => return Err(ioe(e.into())),
+        }
+        cur = disk::open_dir_in(cur.as_fd(), n).map_err(|e| {
+            if disk::is_link_error(&e) {
+                ioe(io::Error::new(
+                    io::ErrorKind::PermissionDenied,
+                    through_link(&dir.path.display().to_string(), n),
+                ))
+            } else {
+                ioe(e)
+            }
+        })?;
+    }
+    if !disk::entries(cur.as_fd()).map_err(&ioe)?.is_empty() {
+        return Err(ioe(io::Error::new(
+            io::ErrorKind::AlreadyExists,
+            "directory is not empty",
+        )));
+    }
     let snap = shared.core().snapshot(shared.now());
-    let result = write_snapshot(shared, dir, &snap);
+    let result = write_snapshot(shared, Arc::new(cur), &dir.path, &snap);
     if let Some(pin) = snap.pin {
         let _ = shared.core().unpin(stowage_core::Owner::UNIT, pin);
     }
@@ -172,13 +222,15 @@ pub(crate) fn write(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Check
 
 fn write_snapshot(
     shared: &Shared,
+    dir_fd: Arc<OwnedFd>,
     dir: &Path,
     snap: &stowage_core::Snapshot,
 ) -> Result<CheckpointInfo, CheckpointError> {
     let ioe = io_err(dir);
-    let out = FileEngine::new(dir.to_owned());
+    let out = FileEngine::checkpoint(dir_fd.clone(), dir.to_owned(), shared.instance_id);
     let mut files = Vec::with_capacity(snap.blobs.len() + 1);
     let mut bytes = 0;
+    let mut buf = Vec::new();
     for &(blob, nbytes, place) in &snap.blobs {
         if shared.stop.load(Ordering::SeqCst) {
             return Err(CheckpointError::Abandoned);
@@ -199,25 +251,23 @@ fn write_snapshot(
                         "spilled blob without a disk tier".into(),
                     ));
                 };
-                let mut buf = vec![0u8; len.min(crate::COPY_CHUNK)];
-                let mut at = 0usize;
-                while at < len {
-                    let n = (len - at).min(buf.len());
-                    d.engine
-                        .read_at(blob, at as u64, &mut buf[..n])
-                        .map_err(|e| ioe(io::Error::other(e.to_string())))?;
-                    w.write(&buf[..n]).map_err(&ioe)?;
-                    at += n;
+                buf.resize(len.min(crate::COPY_CHUNK), 0);
+                let r = d.engine.reader(blob).and_then(|r| {
+                    crate::read_through(&r, 0, nbytes, &mut buf, |piece| w.write(piece))
+                });
+                match r {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(ioe(e)),
+                    Err(e) => return Err(ioe(io::Error::other(e.to_string()))),
                 }
             }
         }
         let xxh3 = w.finish().map_err(&ioe)?;
-        let path = out.path(blob);
-        files.push(CheckpointFile {
-            name: file_name(&path),
-            size: fs::metadata(&path).map_err(&ioe)?.len(),
-            xxh3,
-        });
+        let name = file_name(&out.path(blob));
+        let size = rustix::fs::statat(&dir_fd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+            .map_err(|e| ioe(e.into()))?
+            .st_size as u64;
+        files.push(CheckpointFile { name, size, xxh3 });
         bytes += nbytes;
     }
     let index: Vec<IndexEntry> = snap
@@ -235,7 +285,7 @@ fn write_snapshot(
         .collect();
     let index_bytes =
         postcard::to_allocvec(&index).map_err(|e| CheckpointError::Restore(e.to_string()))?;
-    write_synced(&dir.join(INDEX), &index_bytes).map_err(&ioe)?;
+    write_synced(dir_fd.as_fd(), INDEX, &index_bytes).map_err(&ioe)?;
     files.push(CheckpointFile {
         name: INDEX.into(),
         size: index_bytes.len() as u64,
@@ -262,10 +312,9 @@ fn write_snapshot(
         postcard::to_allocvec(&manifest).map_err(|e| CheckpointError::Restore(e.to_string()))?;
     let sum = xxhash_rust::xxh3::xxh3_64(&m);
     m.extend_from_slice(&sum.to_le_bytes());
-    let tmp = dir.join("MANIFEST.tmp");
-    write_synced(&tmp, &m).map_err(&ioe)?;
-    fs::rename(&tmp, dir.join(MANIFEST)).map_err(&ioe)?;
-    File::open(dir).and_then(|d| d.sync_all()).map_err(&ioe)?;
+    write_synced(dir_fd.as_fd(), MANIFEST_TMP, &m).map_err(&ioe)?;
+    rustix::fs::renameat(&dir_fd, MANIFEST_TMP, &dir_fd, MANIFEST).map_err(|e| ioe(e.into()))?;
+    rustix::fs::fsync(&dir_fd).map_err(|e| ioe(e.into()))?;
     Ok(CheckpointInfo {
         rows: manifest.rows,
         entries: manifest.entries,
@@ -281,18 +330,64 @@ fn file_name(p: &Path) -> String {
         .unwrap_or_default()
 }
 
-fn xxh3_file(p: &Path) -> io::Result<u64> {
-    Ok(xxhash_rust::xxh3::xxh3_64(&fs::read(p)?))
+/// Whether `name` is one a checkpoint holds: the index, or a blob file
+/// (`<32 hex digits>.blob`), a plain name in the checkpoint's directory.
+fn is_checkpoint_name(name: &str) -> bool {
+    name == INDEX
+        || name.strip_suffix(".blob").is_some_and(|h| {
+            h.len() == 32
+                && h.bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+        })
+}
+
+/// Open `name` in the checkpoint directory: a regular file, not a link.
+fn open_file(dir: BorrowedFd<'_>, name: &str) -> io::Result<(File, u64)> {
+    let f = File::from(disk::open_in(
+        dir,
+        name,
+        OFlags::RDONLY | OFlags::NONBLOCK,
+        Mode::empty(),
+    )?);
+    let m = f.metadata()?;
+    if !m.file_type().is_file() {
+        return Err(io::Error::other("not a regular file"));
+    }
+    Ok((f, m.len()))
+}
+
+/// Read all of `name` in `dir`, refusing one larger than `max` bytes.
+fn read_file(dir: BorrowedFd<'_>, name: &str, max: u64) -> io::Result<Vec<u8>> {
+    let (mut f, len) = open_file(dir, name)?;
+    if len > max {
+        return Err(io::Error::other(format!(
+            "{len} bytes, more than a checkpoint's {name} may hold ({max})"
+        )));
+    }
+    let mut v = Vec::with_capacity(len as usize);
+    Read::by_ref(&mut f).take(max).read_to_end(&mut v)?;
+    Ok(v)
 }
 
 /// Load a checkpoint directory into a fresh unit, checking every file
-/// against the manifest first.
+/// against the manifest first. The manifest may name only files of the
+/// checkpoint's own directory (the index and `<blob>.blob` files), each
+/// opened there without following links; every blob the index names must
+/// be listed in it, and each blob file's header must name the blob it is
+/// restored as; sizes are checked before anything is allocated.
 pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
     let incomplete = |reason: String| CheckpointError::Incomplete {
         dir: dir.display().to_string(),
         reason,
     };
-    let raw = fs::read(dir.join(MANIFEST)).map_err(|e| incomplete(format!("no manifest ({e})")))?;
+    let dfd = rustix::fs::open(
+        dir,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(|e| incomplete(format!("cannot open the directory ({e})")))?;
+    let raw = read_file(dfd.as_fd(), MANIFEST, MAX_MANIFEST)
+        .map_err(|e| incomplete(format!("no manifest ({e})")))?;
     if raw.len() < 8 {
         return Err(incomplete("manifest truncated".into()));
     }
@@ -310,23 +405,59 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
             manifest.version
         )));
     }
+    let mut listed = HashSet::new();
+    let mut index_size = None;
+    let mut buf = vec![0u8; crate::COPY_CHUNK];
     for f in &manifest.files {
-        let p = dir.join(&f.name);
-        let meta = fs::metadata(&p).map_err(|e| incomplete(format!("{} missing ({e})", f.name)))?;
-        if meta.len() != f.size {
+        if !is_checkpoint_name(&f.name) {
             return Err(incomplete(format!(
-                "{} has {} bytes, manifest says {}",
-                f.name,
-                meta.len(),
-                f.size
+                "the manifest names {:?}, which is no file of a checkpoint (only {INDEX} and \
+                 <32 hex digits>.blob, in the checkpoint's own directory): refused",
+                f.name
             )));
         }
-        let sum = xxh3_file(&p).map_err(|e| incomplete(format!("{}: {e}", f.name)))?;
-        if sum != f.xxh3 {
+        if !listed.insert(f.name.as_str()) {
+            return Err(incomplete(format!("the manifest lists {} twice", f.name)));
+        }
+        if f.name == INDEX {
+            index_size = Some(f.size);
+        }
+        let (mut file, len) = open_file(dfd.as_fd(), &f.name)
+            .map_err(|e| incomplete(format!("{} missing ({e})", f.name)))?;
+        if len != f.size {
+            return Err(incomplete(format!(
+                "{} has {len} bytes, manifest says {}",
+                f.name, f.size
+            )));
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+        loop {
+            let n = file
+                .read(&mut buf)
+                .map_err(|e| incomplete(format!("{}: {e}", f.name)))?;
+            if n == 0 {
+                break;
+            }
+            h.update(&buf[..n]);
+        }
+        if h.digest() != f.xxh3 {
             return Err(incomplete(format!("{} checksum mismatch", f.name)));
         }
     }
-    let index_bytes = fs::read(dir.join(INDEX)).map_err(|e| incomplete(format!("index: {e}")))?;
+    let Some(index_size) = index_size else {
+        return Err(incomplete("the manifest does not list the index".into()));
+    };
+    let index_bytes = read_file(dfd.as_fd(), INDEX, index_size.min(MAX_INDEX))
+        .map_err(|e| incomplete(format!("index: {e}")))?;
+    if xxhash_rust::xxh3::xxh3_64(&index_bytes)
+        != manifest
+            .files
+            .iter()
+            .find(|f| f.name == INDEX)
+            .map_or(0, |f| f.xxh3)
+    {
+        return Err(incomplete("index changed while it was read".into()));
+    }
     let index: Vec<IndexEntry> = postcard::from_bytes(&index_bytes)
         .map_err(|e| incomplete(format!("index unreadable: {e}")))?;
     // Group entries by blob: one blob's entries come from one commit, so
@@ -344,15 +475,28 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
                 meta: e.meta,
             });
     }
-    let src = FileEngine::new(dir.to_owned());
+    let src = FileEngine::checkpoint(Arc::new(dfd), dir.to_owned(), 0);
     for (blob, (ns, entries)) in by_blob {
-        let size = src
-            .blob_size(blob)
+        let name = file_name(&src.path(blob));
+        if !listed.contains(name.as_str()) {
+            return Err(incomplete(format!(
+                "the index names blob {blob:?}, whose file {name} the manifest does not list"
+            )));
+        }
+        // The header names the blob (checked here) and its size, which
+        // matches the file's length (checked too) and so the manifest's.
+        let reader = src
+            .reader(blob)
             .map_err(|e| incomplete(format!("blob {blob:?}: {e}")))?;
-        let len = usize::try_from(size).map_err(|_| incomplete("blob too large".into()))?;
-        let mut buf = vec![0u8; len];
-        src.read(blob, &mut buf)
-            .map_err(|e| incomplete(e.to_string()))?;
+        let size = reader.size();
+        for e in &entries {
+            if e.offset.checked_add(e.len).is_none_or(|end| end > size) {
+                return Err(incomplete(format!(
+                    "the index puts {} bytes at {} of blob {blob:?}, which holds {size}",
+                    e.len, e.offset
+                )));
+            }
+        }
         let n = u32::try_from(entries.len()).map_err(|_| incomplete("too many entries".into()))?;
         let now = shared.now();
         let alloc = shared
@@ -361,21 +505,35 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
             .map_err(|e| {
                 CheckpointError::Restore(format!("the unit cannot hold the checkpoint: {e}"))
             })?;
+        let bad = |e: disk::DiskError| incomplete(e.to_string());
         match alloc {
             Allocated::Reserved { offset } => {
-                shared
-                    .slab
-                    .write(offset, &buf)
-                    .map_err(|e| CheckpointError::Restore(e.to_string()))?;
+                let mut at = offset;
+                crate::read_through(&reader, 0, size, &mut buf, |piece| {
+                    shared.slab.write(at, piece).map_err(io::Error::other)?;
+                    at += piece.len() as u64;
+                    Ok(())
+                })
+                .map_err(bad)?
+                .map_err(|e| CheckpointError::Restore(e.to_string()))?;
             }
             Allocated::ToDisk => {
                 let Some(d) = &shared.disk else {
                     return Err(CheckpointError::Restore("no room".into()));
                 };
-                let written = d.engine.create(blob, size).and_then(|mut w| {
-                    w.write(&buf)?;
-                    w.finish()
-                });
+                let mut w = d
+                    .engine
+                    .create(blob, size)
+                    .map_err(|e| CheckpointError::Restore(format!("disk tier: {e}")))?;
+                let copied = crate::read_through(&reader, 0, size, &mut buf, |p| w.write(p));
+                let written = match copied {
+                    Ok(Ok(())) => w.finish().map(|_| ()),
+                    Ok(Err(e)) => Err(e),
+                    Err(e) => {
+                        shared.core().disk_written(blob, false);
+                        return Err(bad(e));
+                    }
+                };
                 shared.core().disk_written(blob, written.is_ok());
                 written.map_err(|e| CheckpointError::Restore(format!("disk tier: {e}")))?;
             }
@@ -413,11 +571,14 @@ mod root_tests {
         let real = r.canonicalize().unwrap();
         assert!(resolve_dir(None, "x").is_err(), "no root: no checkpoints");
         assert_eq!(
-            resolve_dir(Some(r), "run/unit-0").unwrap(),
+            resolve_dir(Some(r), "run/unit-0").unwrap().path,
             real.join("run/unit-0")
         );
         let abs = real.join("a/unit-1");
-        assert_eq!(resolve_dir(Some(r), abs.to_str().unwrap()).unwrap(), abs);
+        assert_eq!(
+            resolve_dir(Some(r), abs.to_str().unwrap()).unwrap().path,
+            abs
+        );
         assert!(resolve_dir(Some(r), "/etc/cron.d").is_err());
         assert!(resolve_dir(Some(r), "../escape").is_err());
         assert!(resolve_dir(Some(r), &format!("{}/../x", real.display())).is_err());

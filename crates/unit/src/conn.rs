@@ -40,6 +40,10 @@ struct Conn {
     /// The handshake, up to the Hello, must be done by then: a peer that
     /// has not proved anything holds no connection for long.
     handshake_deadline: Instant,
+    /// Its place in the handshake pool, until it proves itself.
+    ticket: Option<crate::admit::Ticket>,
+    /// Its slot among the served connections, once it proved itself.
+    slot: Option<crate::Counted>,
     /// The send timeout set on the socket.
     write_timeout: Duration,
     out: Vec<u8>,
@@ -53,8 +57,21 @@ struct Conn {
     counters: Option<crate::metrics::ConnCounters>,
 }
 
-/// Serve one connection until it ends.
-pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
+/// Header and reply buffers grown past this by one large request are
+/// given back once it is answered (a connection keeps no 64 MiB buffer
+/// for its idle life).
+const KEEP_BUFFER: usize = 1 << 20;
+
+/// Serve one connection until it ends. `ticket`: its place in the
+/// handshake pool; `accepted`: when it was accepted (its handshake's
+/// deadline runs from there).
+pub(crate) fn serve(
+    shared: Arc<Shared>,
+    stream: Socket,
+    peer: Peer,
+    ticket: crate::admit::Ticket,
+    accepted: Instant,
+) {
     let writer = match stream.try_clone() {
         Ok(w) => w,
         Err(e) => {
@@ -77,7 +94,9 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         namespace: None,
         owner: None,
         gate: Gate::new(shared.secret.clone()),
-        handshake_deadline: Instant::now() + shared.frame_timeout,
+        handshake_deadline: accepted + shared.handshake_timeout,
+        ticket: Some(ticket),
+        slot: None,
         write_timeout,
         out: Vec::with_capacity(4096),
         scratch: Vec::new(),
@@ -85,9 +104,13 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
         frame_start: Instant::now(),
         counters: crate::metrics::ConnCounters::attach(&shared),
     };
-    let end = match c.run() {
-        Ok(()) => stowage_core::ConnEnd::Closed,
-        Err(e) => {
+    // A panic while serving (a bug) ends the connection as the unit
+    // cutting it would: what it holds is released by the same rules, and
+    // its slots are given back.
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()));
+    let end = match ran {
+        Ok(Ok(())) => stowage_core::ConnEnd::Closed,
+        Ok(Err(e)) => {
             tracing::debug!(error = %e, "connection ended");
             if e.is_cut() {
                 stowage_core::ConnEnd::Cut
@@ -95,7 +118,28 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
                 stowage_core::ConnEnd::Closed
             }
         }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(
+                unit = %shared.name,
+                panic = %what,
+                "a connection's thread panicked; the connection is cut and what it holds released as for a cut connection"
+            );
+            let _ = c.reply(
+                0,
+                &Response::Error {
+                    code: ErrorCode::Internal,
+                    message: "the unit failed serving this connection and cut it".into(),
+                },
+            );
+            stowage_core::ConnEnd::Cut
+        }
     };
+    c.end_handshake(&end);
     if let Some(owner) = c.owner {
         let now = shared.now();
         let (holds, gone) = {
@@ -103,6 +147,9 @@ pub(crate) fn serve(shared: Arc<Shared>, stream: Socket, peer: Peer) {
             let holds = core.detach(owner, end, now);
             (holds, !core.has_session(owner.session))
         };
+        // A nixl connection's holds outlive it: fenced once its client's
+        // agent has no connection left.
+        shared.nixl_conn_ended(owner);
         if let Some(m) = &shared.metrics {
             let why = match end {
                 stowage_core::ConnEnd::Closed => crate::metrics::Reclaim::Closed,
@@ -139,6 +186,8 @@ enum ConnEnd {
     Invalid(String),
     #[error("the unit is shutting down")]
     Shutdown,
+    #[error("turned away: {0}")]
+    Busy(String),
 }
 
 impl ConnEnd {
@@ -150,7 +199,7 @@ impl ConnEnd {
                 e.kind(),
                 io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
             ),
-            ConnEnd::Invalid(_) | ConnEnd::Shutdown => true,
+            ConnEnd::Invalid(_) | ConnEnd::Shutdown | ConnEnd::Busy(_) => true,
         }
     }
 }
@@ -163,6 +212,12 @@ impl Conn {
             let open = self.gate.is_open();
             let limits = if open { serving } else { handshake };
             if open {
+                if self.scratch.capacity() > KEEP_BUFFER {
+                    self.scratch = Vec::new();
+                }
+                if self.out.capacity() > KEEP_BUFFER {
+                    self.out = Vec::with_capacity(4096);
+                }
                 // An idle connection waits for its next frame as long as
                 // it likes; once a frame has begun, the rest must come
                 // within the frame timeout (a truncated frame never holds
@@ -215,7 +270,34 @@ impl Conn {
         id: u64,
         frame: Result<Request, stowage_wire::WireError>,
     ) -> Result<(), ConnEnd> {
-        match self.gate.step(frame, stowage_wire::auth::fresh_nonce) {
+        let verdict = self.gate.step(frame, stowage_wire::auth::fresh_nonce);
+        if self.ticket.is_some() && (self.gate.proven() || self.gate.is_open()) {
+            // Proved (the secret, or without one its Hello): from the
+            // handshake pool to the served connections, before anything is
+            // served.
+            let proved = match &self.ticket {
+                Some(t) => self.shared.prove(t),
+                None => unreachable!("checked above"),
+            };
+            match proved {
+                Ok(slot) => {
+                    self.slot = Some(slot);
+                    self.ticket = None;
+                }
+                Err(message) => {
+                    let _ = self.reply(
+                        id,
+                        &Response::Error {
+                            code: ErrorCode::Busy,
+                            message: message.clone(),
+                        },
+                    );
+                    self.ticket = None;
+                    return Err(ConnEnd::Busy(message));
+                }
+            }
+        }
+        match verdict {
             Verdict::Reply(r) => Ok(self.reply(id, &r)?),
             Verdict::Next => Ok(()),
             Verdict::Serve(req) => self.handle(id, req, 0),
@@ -233,6 +315,32 @@ impl Conn {
                 );
                 let _ = self.reply(id, &r);
                 Err(ConnEnd::Invalid(why))
+            }
+        }
+    }
+
+    /// The connection ended (`end`) with its handshake unfinished: tell a
+    /// peer whose handshake was cut to admit another why, and count a
+    /// handshake that ran out of time.
+    fn end_handshake(&mut self, end: &stowage_core::ConnEnd) {
+        let Some(t) = self.ticket.take() else {
+            return;
+        };
+        if t.cut().is_some() {
+            let message = self.shared.cut_message(&t);
+            let _ = self
+                .writer
+                .set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = self.reply(
+                0,
+                &Response::Error {
+                    code: ErrorCode::Busy,
+                    message,
+                },
+            );
+        } else if *end == stowage_core::ConnEnd::Cut && Instant::now() >= self.handshake_deadline {
+            if let Some(m) = &self.shared.metrics {
+                m.handshake_timed_out();
             }
         }
     }
@@ -373,15 +481,39 @@ impl Conn {
         };
         // Bytes a client wrote through its mapping, published by a commit.
         let committed_bytes = match (&self.shared.metrics, &req) {
+            // Checked: lengths are validated against the blob only by the
+            // core, below (the frame's validation bounds their sum too).
             (Some(_), Request::Commit { entries, .. } | Request::CommitSpare { entries, .. }) => {
-                entries.iter().map(|e| e.len).sum()
+                entries
+                    .iter()
+                    .try_fold(0u64, |sum, e| sum.checked_add(e.len))
+                    .unwrap_or(0)
             }
             _ => 0,
         };
-        let handled = {
+        let committing = match &req {
+            Request::Commit { blob, .. } | Request::CommitSpare { blob, .. } => Some(*blob),
+            _ => None,
+        };
+        let mut handled = {
             let mut core = self.shared.core();
             crate::handler::handle(&mut core, owner, &ns, req, now)
         };
+        // A put answered Pending whose file then failed is gone from the
+        // core: say what happened to it rather than "unknown blob".
+        if let (
+            Some(blob),
+            Some(d),
+            Handled::Reply(Response::Error {
+                code: ErrorCode::UnknownBlob,
+                ..
+            }),
+        ) = (committing, &self.shared.disk, &handled)
+        {
+            if let Some((code, message)) = d.failed_put(blob) {
+                handled = Handled::Reply(Response::Error { code, message });
+            }
+        }
         let resp = match handled {
             Handled::Reply(r) => {
                 if committed_bytes > 0
@@ -400,18 +532,26 @@ impl Conn {
             Handled::Resolved(pin, found) => self.resolved(pin, found),
             Handled::Other(req) => match req {
                 Request::Stats => Response::Stats(self.shared.stats()),
-                Request::NixlInfo => match &self.shared.nixl {
+                Request::NixlInfo {
+                    agent,
+                    agent_metadata,
+                } => match &self.shared.nixl {
                     // From here on the peer's transfers touch the slab by
-                    // themselves: its holds follow the rules for direct
-                    // peers (kept through a cut connection until the
-                    // process is known gone).
-                    Some(n) => match self.shared.map_session(owner, self.peer) {
-                        Ok(()) => Response::NixlInfo {
-                            metadata: n.metadata.clone(),
-                            slab_addr: n.slab_addr,
-                        },
-                        Err(e) => error_response(&e),
-                    },
+                    // themselves: its holds outlive the connection's end,
+                    // however it ends, until its agent is invalidated and
+                    // the nixl quarantine has passed (docs/fencing.md).
+                    Some(n) => {
+                        match self
+                            .shared
+                            .map_session(owner, self.peer, &agent, &agent_metadata)
+                        {
+                            Ok(()) => Response::NixlInfo {
+                                metadata: n.metadata.clone(),
+                                slab_addr: n.slab_addr,
+                            },
+                            Err(e) => error_response(&e),
+                        }
+                    }
                     None => Response::Error {
                         code: ErrorCode::InvalidRequest,
                         message: "this unit does not serve nixl (start it with --nixl)".into(),
@@ -500,7 +640,7 @@ impl Conn {
         match &r {
             Ok(info) => tracing::info!(
                 unit = %self.shared.name,
-                dir = %dir.display(),
+                dir = %dir.path.display(),
                 rows = info.rows,
                 entries = info.entries,
                 bytes = info.bytes,
@@ -509,7 +649,7 @@ impl Conn {
             ),
             Err(e) => tracing::warn!(
                 unit = %self.shared.name,
-                dir = %dir.display(),
+                dir = %dir.path.display(),
                 error = %e,
                 "checkpoint failed"
             ),
@@ -530,7 +670,19 @@ impl Conn {
         pin: Option<stowage_core::PinId>,
         found: Vec<Option<stowage_core::Located>>,
     ) -> Response {
-        let (found, _) = self.shared.bring_back(found, false);
+        // Promotion copies through a buffer of the read budget; when none
+        // is free soon, the values stay on disk and the client reads them
+        // with a Read, which waits for one.
+        let has_disk = found
+            .iter()
+            .flatten()
+            .any(|(p, _)| matches!(p, stowage_core::Place::Disk { .. }));
+        let mut buf = match &self.shared.disk {
+            Some(d) if has_disk => d.reads.take(Instant::now() + Duration::from_millis(50)),
+            _ => None,
+        };
+        let found = self.shared.bring_back(found, buf.as_deref_mut(), false);
+        drop(buf);
         if let Some(m) = &self.counters {
             let bytes = found
                 .iter()
@@ -770,16 +922,13 @@ impl Conn {
             abort(&self.shared);
             return self.reply_error(id, ErrorCode::Internal, "disk tier missing");
         };
-        let mut writer = match d.engine.create(blob, nbytes) {
-            Ok(w) => Some(w),
+        let (mut writer, mut failure) = match d.engine.create(blob, nbytes) {
+            Ok(w) => (Some(w), None),
             Err(e) => {
                 tracing::warn!(error = %e, "cannot create a blob file");
-                None
+                (None, Some(e))
             }
         };
-        let mut failure = writer
-            .is_none()
-            .then(|| "cannot create the blob file".to_string());
         let mut left = nbytes;
         let mut buf = vec![0u8; (64 << 10).min(nbytes as usize).max(1)];
         while left > 0 {
@@ -791,18 +940,35 @@ impl Conn {
             left -= n as u64;
             if let (Some(w), None) = (writer.as_mut(), &failure) {
                 if let Err(e) = w.write(&buf[..n]) {
-                    failure = Some(format!("writing the blob file: {e}"));
+                    failure = Some(e);
                 }
             }
         }
-        if let Some(why) = failure {
+        if let Some(e) = failure {
             // Nothing of this put is kept; the client may retry.
             abort(&self.shared);
             if let Some(w) = writer {
                 let _ = w.finish();
             }
             let _ = d.engine.delete(blob);
-            return self.reply_error(id, ErrorCode::Internal, &why);
+            // A full disk is a full unit (the client may wait for room or
+            // go elsewhere), not a failed transfer.
+            let (code, why) = if crate::disk::is_disk_full(&e) {
+                (
+                    ErrorCode::Full,
+                    format!(
+                        "the unit's memory is full and its disk tier has no space left \
+                         ({e}); nothing of this put is kept: clear rows, or give the disk \
+                         tier room"
+                    ),
+                )
+            } else {
+                (
+                    ErrorCode::Internal,
+                    format!("the put's blob file on the disk tier failed: {e}"),
+                )
+            };
+            return self.reply_error(id, code, &why);
         }
         let r = self.shared.core().commit(owner, ns, blob, &entries);
         let resp = match r {
@@ -855,7 +1021,31 @@ impl Conn {
                 return Ok(());
             }
         };
-        let (served, buffers) = self.shared.bring_back(found, true);
+        let until = Instant::now() + timeout;
+        // Spilled values stream through one buffer of the unit's disk-read
+        // budget, taken for the whole reply: a reader that finds none free
+        // waits for one (most of its time), then is answered Busy.
+        let has_disk = found
+            .iter()
+            .flatten()
+            .any(|(p, _)| matches!(p, stowage_core::Place::Disk { .. }));
+        let shared = self.shared.clone();
+        let mut buf = None;
+        if let (true, Some(d)) = (has_disk, &shared.disk) {
+            buf = d.reads.take(Instant::now() + timeout.mul_f64(0.9));
+            if buf.is_none() {
+                if let Some(p) = pin {
+                    let _ = self.shared.core().unpin(owner, p);
+                }
+                return self.reply_error(
+                    id,
+                    ErrorCode::Busy,
+                    "every buffer of the unit's disk-read budget is taken by other readers \
+                     of spilled values (--disk-read-budget); try again",
+                );
+            }
+        }
+        let served = shared.bring_back(found, buf.as_deref_mut(), true);
         let mut corrupt = Vec::new();
         let items: Vec<Option<Item>> = served
             .iter()
@@ -880,30 +1070,8 @@ impl Conn {
         encode(id, &Response::Data { items, corrupt }, total, &mut self.out)
             .map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
-        let until = Instant::now() + timeout;
-        let mut pieces = Vec::with_capacity(served.len() + 1);
-        pieces.push(Piece::Heap(&header));
-        for s in served.iter().flatten() {
-            match s {
-                Served::Memory(l, _) => pieces.push(Piece::Slab {
-                    offset: l.offset,
-                    len: l.len as usize,
-                }),
-                Served::Disk {
-                    blob, offset, len, ..
-                } => {
-                    if let Some(b) = buffers.get(&(*blob, *offset, *len)) {
-                        pieces.push(Piece::Heap(b));
-                    }
-                }
-                Served::Corrupt => {}
-            }
-        }
-        let sent = self
-            .shared
-            .slab
-            .send_pieces(self.writer.as_fd(), &pieces, until);
-        drop(pieces);
+        let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
+        drop(buf);
         self.out = header;
         // This thread has stopped reading the ranges: the pin may go.
         if let Some(p) = pin {
@@ -919,6 +1087,73 @@ impl Conn {
             self.set_write_timeout(self.shared.frame_timeout)?;
         }
         Ok(())
+    }
+}
+
+impl Conn {
+    /// Send a Data reply: `header`, then each served value, from the slab
+    /// or streamed from its spilled blob's file through `buf` (checked
+    /// chunk by chunk as it goes; the file was checked whole just before,
+    /// so a mismatch now means it changed underneath: the connection is
+    /// cut rather than a wrong byte sent). Returns whether a send changed
+    /// the socket's timeout.
+    fn send_served(
+        &self,
+        header: &[u8],
+        served: &[Option<Served>],
+        mut buf: Option<&mut [u8]>,
+        until: Instant,
+    ) -> Result<bool, ConnEnd> {
+        let slab = &self.shared.slab;
+        let fd = self.writer.as_fd();
+        let mut changed = false;
+        let mut pieces = Vec::with_capacity(served.len() + 1);
+        pieces.push(Piece::Heap(header));
+        for s in served.iter().flatten() {
+            match s {
+                Served::Memory(l, _) => pieces.push(Piece::Slab {
+                    offset: l.offset,
+                    len: l.len as usize,
+                }),
+                Served::Disk {
+                    blob, offset, len, ..
+                } => {
+                    changed |= slab.send_pieces(fd, &pieces, until)?;
+                    pieces.clear();
+                    let (Some(d), Some(buf)) = (&self.shared.disk, buf.as_deref_mut()) else {
+                        return Err(ConnEnd::Invalid(
+                            "a spilled value without a disk-read buffer".into(),
+                        ));
+                    };
+                    let t0 = Instant::now();
+                    let streamed = d.engine.reader(*blob).and_then(|r| {
+                        crate::read_through(&r, *offset, *len, buf, |piece| {
+                            changed |= slab.send_pieces(fd, &[Piece::Heap(piece)], until)?;
+                            Ok(())
+                        })
+                    });
+                    match streamed {
+                        Ok(Ok(())) => {
+                            d.io.read(*len, t0);
+                            if let Some(m) = &self.shared.metrics {
+                                m.disk_streamed_bytes
+                                    .fetch_add(*len, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                        Ok(Err(e)) => return Err(e.into()),
+                        Err(e) => {
+                            tracing::error!(error = %e, ?blob, "a spilled blob's file changed while it was sent; the connection is cut");
+                            return Err(ConnEnd::Invalid(format!(
+                                "a spilled value's file failed its check while it was sent: {e}"
+                            )));
+                        }
+                    }
+                }
+                Served::Corrupt => {}
+            }
+        }
+        changed |= slab.send_pieces(fd, &pieces, until)?;
+        Ok(changed)
     }
 }
 

@@ -1,46 +1,71 @@
 //! The disk tier: one owner-only, locked directory per unit, one file per
 //! spilled blob, checked chunk by chunk.
 //!
-//! A blob file (format version 2; integers little-endian):
+//! A blob file (format version 3; integers little-endian):
 //!
 //! ```text
-//!  0       "STWB"  version: u32 = 2  byte count n: u64  chunk size c: u32  0: u32
-//!  24      xxh3-64 of bytes 0..24
-//!  32      the n bytes
-//!  32 + n  ⌈n / c⌉ × xxh3-64, one per c-byte chunk of the bytes (the last
+//!  0       "STWB"  version: u32 = 3  byte count n: u64  chunk size c: u32  0: u32
+//!  24      blob id: u128   unit instance: u128
+//!  56      xxh3-64 of bytes 0..56
+//!  64      the n bytes
+//!  64 + n  ⌈n / c⌉ × xxh3-64, one per c-byte chunk of the bytes (the last
 //!          chunk may be short); nothing else follows
 //! ```
 //!
 //! Files are written under a temporary name, synced and renamed, so a file
 //! that exists under its blob's name is complete. A read checks the header
-//! and that the file's length is the one it implies, then reads and checks
-//! only the chunks that overlap the range asked for; it reports
-//! [`DiskError::Corrupt`] rather than ever returning bytes that fail their
-//! chunk's checksum. Whole-blob reads also accept version 1 files
-//! (`STWB` · 1 · n · the bytes · xxh3-64 of the bytes), which checkpoints
-//! written before version 2 hold.
+//! (its checksum, that it names the blob asked for and, in a unit's own
+//! directory, that unit's instance) and that the file's length is the one
+//! it implies, then reads and checks only the chunks that overlap the range
+//! asked for; it reports [`DiskError::Corrupt`] rather than ever returning
+//! bytes that fail their chunk's checksum, or another blob's bytes (a file
+//! swapped or copied in under another name).
+//!
+//! Older formats are read only from checkpoints
+//! ([`FileEngine::checkpoint`]): version 2 (`STWB` · 2 · n · c · 0 · xxh3
+//! of those 24 bytes, then as above) and version 1 (`STWB` · 1 · n · the
+//! bytes · xxh3-64 of the bytes). Their headers name no blob; a checkpoint's
+//! manifest holds each file's name with the xxh3 of its whole contents, and
+//! a restore checks every file against it before reading, so a file moved
+//! to another name there fails that check instead. A unit's own disk
+//! directory holds only files it wrote itself: a file there in an older
+//! format (or written by another instance) is `Corrupt`.
+//!
+//! Every file operation goes through a directory file descriptor opened
+//! without following symbolic links (`openat2` with `RESOLVE_BENEATH |
+//! RESOLVE_NO_SYMLINKS` where the kernel has it, else `openat` with
+//! `O_NOFOLLOW`; names are single components): a directory renamed or
+//! replaced by a symbolic link after it was opened does not lead the unit's
+//! reads, writes or deletions anywhere else. The root itself must be owned
+//! by the unit's user and writable by nobody else ([`open_private_root`]).
 //!
 //! The engine sits behind [`DiskEngine`] (plain pread/pwrite here; another
 //! engine, e.g. io_uring, can take its place) with a failpoint seam
 //! ([`Failpoints`]) for tests.
 
-use std::fs::{self, File, OpenOptions};
+use std::ffi::{CStr, CString};
+use std::fs::{self, File};
 use std::io::{self, Write};
-use std::os::unix::fs::{DirBuilderExt, FileExt, OpenOptionsExt};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::fs::{DirBuilderExt, FileExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
-use rustix::fs::FlockOperation;
+use rustix::fs::{AtFlags, FileType, FlockOperation, Mode, OFlags, RenameFlags, ResolveFlags};
+use rustix::io::Errno;
 use stowage_core::BlobId;
 use xxhash_rust::xxh3::{xxh3_64, Xxh3Default};
 
 const MAGIC: &[u8; 4] = b"STWB";
-const VERSION: u32 = 2;
-const HEADER: u64 = 32;
+const VERSION: u32 = 3;
+const HEADER: u64 = 64;
+/// Version 2's header: no blob id, no instance.
+const V2_HEADER: u64 = 32;
 /// Bytes per checked chunk in the files this engine writes. A read of a
 /// few bytes reads and checks one or two chunks; the table costs 8 bytes
 /// per chunk on disk (0.012%) and in a writer's memory until `finish`.
-const CHUNK: u32 = 64 << 10;
+pub const CHUNK: u32 = 64 << 10;
 /// Largest chunk size a file may declare (bounds a reader's buffer).
 const MAX_CHUNK: u32 = 64 << 20;
 /// Size of a checksum in the chunk table.
@@ -53,11 +78,15 @@ const SUMS_AT_ONCE: usize = 512;
 /// Version 1: `STWB` · 1 · n · the bytes · xxh3-64 of the bytes.
 const V1_HEADER: u64 = 16;
 const V1_TRAILER: u64 = 8;
+/// Deepest directory nesting [`remove_tree`] descends into (a unit's
+/// directory has none; anything deeper was not made by a unit).
+const MAX_DEPTH: u32 = 16;
 
 /// Why a blob could not be read back.
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
-    /// The file is missing, short, or a checksum does not match.
+    /// The file is missing, short, not the blob's, or a checksum does not
+    /// match.
     #[error("blob file {path} is corrupt: {reason}")]
     Corrupt { path: PathBuf, reason: String },
     /// The range asked for is not inside the blob (the caller's mistake,
@@ -78,17 +107,34 @@ pub enum DiskError {
 pub struct Failpoints {
     /// Every blob write fails with an I/O error.
     pub disk_write: AtomicBool,
+    /// Every blob file's last step (its checksum table, sync and rename)
+    /// fails: a put already answered Pending is lost.
+    pub disk_sync: AtomicBool,
 }
 
 impl Failpoints {
-    /// Parse `name` (`disk-write`) and turn it on.
+    /// Parse `name` (`disk-write`, `disk-sync`) and turn it on.
     pub fn enable(&self, name: &str) -> Result<(), String> {
         match name {
             "disk-write" => self.disk_write.store(true, Ordering::SeqCst),
-            other => return Err(format!("unknown failpoint {other:?} (known: disk-write)")),
+            "disk-sync" => self.disk_sync.store(true, Ordering::SeqCst),
+            other => {
+                return Err(format!(
+                    "unknown failpoint {other:?} (known: disk-write, disk-sync)"
+                ))
+            }
         }
         Ok(())
     }
+}
+
+/// Whether an I/O error means the disk (or the user's quota on it) is
+/// full: ENOSPC or EDQUOT.
+pub fn is_disk_full(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::StorageFull | io::ErrorKind::QuotaExceeded
+    )
 }
 
 /// Where and how blob bytes are stored on disk.
@@ -108,7 +154,7 @@ pub trait DiskEngine: Send + Sync {
     fn blob_size(&self, blob: BlobId) -> Result<u64, DiskError>;
     /// Remove the blob's file (a missing file is not an error).
     fn delete(&self, blob: BlobId) -> io::Result<()>;
-    /// The blob's file path (for checkpoints and tests).
+    /// The blob's file path (for messages, checkpoints and tests).
     fn path(&self, blob: BlobId) -> PathBuf;
 }
 
@@ -118,49 +164,232 @@ pub trait BlobWriter: Send {
     fn write(&mut self, bytes: &[u8]) -> io::Result<()>;
     /// Check the length, append the chunk checksums, sync, and give the
     /// file its final name. Returns the xxh3 of the whole file (for
-    /// manifests).
+    /// manifests). A disk that filled up is an error of kind
+    /// `StorageFull` (see [`is_disk_full`]).
     fn finish(self: Box<Self>) -> io::Result<u64>;
 }
 
-/// Files in one directory, with plain positioned I/O.
+/// A single path component: not empty, no `/`, not `.` or `..`, no NUL.
+fn is_component(name: &[u8]) -> bool {
+    !name.is_empty() && name != b"." && name != b".." && !name.iter().any(|&b| b == b'/' || b == 0)
+}
+
+/// Whether openat2 is missing (kernels before 5.6, or a seccomp filter).
+static NO_OPENAT2: AtomicBool = AtomicBool::new(false);
+
+/// Open `name`, one path component, in the directory `dir`, never
+/// following a symbolic link: `openat2(RESOLVE_BENEATH |
+/// RESOLVE_NO_SYMLINKS)` where the kernel has it, else `openat` with
+/// `O_NOFOLLOW` (the same for one component). A symbolic link is `ELOOP`
+/// (or `ENOTDIR` with `O_DIRECTORY`).
+pub fn open_in<P: AsRef<[u8]> + ?Sized>(
+    dir: BorrowedFd<'_>,
+    name: &P,
+    flags: OFlags,
+    mode: Mode,
+) -> io::Result<OwnedFd> {
+    let name = name.as_ref();
+    if !is_component(name) {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "{:?} is not a plain file name",
+                String::from_utf8_lossy(name)
+            ),
+        ));
+    }
+    let name = CString::new(name).map_err(io::Error::other)?;
+    let flags = flags | OFlags::NOFOLLOW | OFlags::CLOEXEC;
+    if !NO_OPENAT2.load(Ordering::Relaxed) {
+        let resolve =
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+        match rustix::fs::openat2(dir, name.as_c_str(), flags, mode, resolve) {
+            Err(Errno::NOSYS) | Err(Errno::PERM) => NO_OPENAT2.store(true, Ordering::Relaxed),
+            // A rename elsewhere raced the lookup: the plain open below
+            // (one component, no `..`) cannot be misled by one.
+            Err(Errno::AGAIN) => {}
+            r => return r.map_err(io::Error::from),
+        }
+    }
+    Ok(rustix::fs::openat(dir, name.as_c_str(), flags, mode)?)
+}
+
+/// Open a subdirectory of `dir` (one component), not following a symbolic
+/// link.
+pub(crate) fn open_dir_in<P: AsRef<[u8]> + ?Sized>(
+    dir: BorrowedFd<'_>,
+    name: &P,
+) -> io::Result<OwnedFd> {
+    open_in(dir, name, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty())
+}
+
+/// Whether an error of [`open_in`] means "a symbolic link (or not a
+/// directory) is there".
+pub(crate) fn is_link_error(e: &io::Error) -> bool {
+    matches!(
+        e.raw_os_error(),
+        Some(c) if c == Errno::LOOP.raw_os_error() || c == Errno::NOTDIR.raw_os_error()
+    )
+}
+
+/// Open `path` as a directory for the disk tier's or checkpoints' root
+/// (`what` names it in errors), creating it (0700, with missing parents)
+/// when it does not exist, and refuse it unless it is a real directory
+/// (not a symbolic link) owned by this process's user and writable by
+/// nobody else: anyone who can write in it could plant, swap or link files
+/// under the names the unit uses.
+pub fn open_private_root(path: &Path, what: &str) -> io::Result<OwnedFd> {
+    if let Err(e) = fs::symlink_metadata(path) {
+        if e.kind() != io::ErrorKind::NotFound {
+            return Err(e);
+        }
+        fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(path)?;
+    }
+    let uid = rustix::process::getuid().as_raw();
+    let refuse = |why: String| io::Error::new(io::ErrorKind::PermissionDenied, why);
+    let fd = match rustix::fs::open(
+        path,
+        OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    ) {
+        Ok(fd) => fd,
+        Err(Errno::LOOP) | Err(Errno::NOTDIR)
+            if fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_symlink()) =>
+        {
+            return Err(refuse(format!(
+                "{what} {} is a symbolic link; the unit does not follow links there \
+                 (one could be re-pointed underneath it): give the directory itself, \
+                 owned by uid {uid} and writable only by it (chmod 700)",
+                path.display()
+            )));
+        }
+        Err(e) => {
+            return Err(io::Error::new(
+                io::Error::from(e).kind(),
+                format!("{what} {}: {e}", path.display()),
+            ))
+        }
+    };
+    let st = rustix::fs::fstat(&fd)?;
+    if st.st_uid != uid {
+        return Err(refuse(format!(
+            "{what} {} is owned by uid {}, not by this unit's uid {uid}: its owner \
+             could swap or link the unit's files there. Use a directory of your own \
+             (mkdir -m 700 DIR), or `chown {uid} {}` and `chmod 700 {}`",
+            path.display(),
+            st.st_uid,
+            path.display(),
+            path.display()
+        )));
+    }
+    let mode = st.st_mode & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(refuse(format!(
+            "{what} {} is writable by {} (mode {mode:04o}): another user could plant, \
+             swap or link files where the unit keeps its own. Use a directory only you \
+             can write: `mkdir -m 700 {}/stowage-$USER` and give that, or `chmod 700 {}` \
+             if nothing else needs to write there",
+            path.display(),
+            match (mode & 0o002 != 0, mode & 0o020 != 0) {
+                (true, true) => "others and its group",
+                (true, false) => "others",
+                _ => "its group",
+            },
+            path.display(),
+            path.display()
+        )));
+    }
+    Ok(fd)
+}
+
+/// Files in one directory (held by its file descriptor), with plain
+/// positioned I/O.
 pub struct FileEngine {
-    dir: PathBuf,
+    dir: Arc<OwnedFd>,
+    /// The directory's path, for messages.
+    dir_path: PathBuf,
     /// Chunk size of the files this engine writes.
     chunk: u32,
+    /// Written into every file's header.
+    instance: u128,
+    /// Reads insist on `instance` (a unit's own directory) or take any
+    /// (a checkpoint's, written by another instance).
+    check_instance: bool,
+    /// Reads take format 1 and 2 files (checkpoints only: see the module
+    /// docs).
+    accept_old: bool,
     pub failpoints: Failpoints,
 }
 
 impl FileEngine {
-    pub fn new(dir: PathBuf) -> Self {
+    /// A unit's own disk directory: files are written and read with
+    /// `instance` in their header.
+    pub fn new(dir: Arc<OwnedFd>, dir_path: PathBuf, instance: u128) -> Self {
         Self {
             dir,
+            dir_path,
             chunk: CHUNK,
+            instance,
+            check_instance: true,
+            accept_old: false,
             failpoints: Failpoints::default(),
+        }
+    }
+
+    /// A checkpoint directory: files are written with the writing unit's
+    /// `instance`, and read whatever instance wrote them (the blob id must
+    /// still match), in any format version.
+    pub fn checkpoint(dir: Arc<OwnedFd>, dir_path: PathBuf, instance: u128) -> Self {
+        Self {
+            check_instance: false,
+            accept_old: true,
+            ..Self::new(dir, dir_path, instance)
         }
     }
 
     /// One that writes files with `chunk`-byte chunks (for tests).
     #[cfg(test)]
-    fn with_chunk(dir: PathBuf, chunk: u32) -> Self {
+    fn with_chunk(dir: Arc<OwnedFd>, dir_path: PathBuf, chunk: u32) -> Self {
         assert!((1..=MAX_CHUNK).contains(&chunk));
         Self {
             chunk,
-            ..Self::new(dir)
+            ..Self::new(dir, dir_path, 1)
         }
     }
 
-    fn tmp_path(&self, blob: BlobId) -> PathBuf {
-        self.dir.join(format!("{:032x}.tmp", blob.0))
+    /// The directory's file descriptor.
+    pub fn dir_fd(&self) -> BorrowedFd<'_> {
+        self.dir.as_fd()
+    }
+
+    fn name(blob: BlobId) -> String {
+        format!("{:032x}.blob", blob.0)
+    }
+
+    fn tmp_name(blob: BlobId) -> String {
+        format!("{:032x}.tmp", blob.0)
     }
 
     /// Open `blob`'s file and check its header and length.
-    fn open(&self, blob: BlobId) -> Result<BlobFile, DiskError> {
+    pub fn reader(&self, blob: BlobId) -> Result<BlobReader, DiskError> {
         let path = self.path(blob);
-        let file = match File::open(&path) {
-            Ok(f) => f,
+        let file = match open_in(
+            self.dir.as_fd(),
+            &Self::name(blob),
+            OFlags::RDONLY | OFlags::NONBLOCK,
+            Mode::empty(),
+        ) {
+            Ok(f) => File::from(f),
             Err(e) => return Err(corrupt(&path, format!("cannot open: {e}"))),
         };
-        let size = file.metadata()?.len();
+        let meta = file.metadata()?;
+        if !meta.file_type().is_file() {
+            return Err(corrupt(&path, "not a regular file".into()));
+        }
+        let size = meta.len();
         let mut head = [0u8; HEADER as usize];
         let got = usize::try_from(size.min(HEADER)).unwrap_or(head.len());
         file.read_exact_at(&mut head[..got], 0)?;
@@ -168,16 +397,53 @@ impl FileEngine {
             return Err(corrupt(&path, "bad header".into()));
         }
         let nbytes = le_u64(&head[8..16]);
-        let (format, want) = match le_u32(&head[4..8]) {
+        let version = le_u32(&head[4..8]);
+        if version != VERSION && !self.accept_old && matches!(version, 1 | 2) {
+            return Err(corrupt(
+                &path,
+                format!(
+                    "format version {version}, which names no blob: a unit's disk \
+                     directory holds only version {VERSION} files it wrote itself"
+                ),
+            ));
+        }
+        let (format, want) = match version {
             1 => (
                 Format::V1,
                 V1_HEADER
                     .checked_add(nbytes)
                     .and_then(|n| n.checked_add(V1_TRAILER)),
             ),
-            VERSION => {
-                if got < HEADER as usize || xxh3_64(&head[..24]) != le_u64(&head[24..32]) {
+            2 | VERSION => {
+                let at = if version == 2 { V2_HEADER } else { HEADER };
+                let sum_at = at as usize - 8;
+                if got < at as usize
+                    || xxh3_64(&head[..sum_at]) != le_u64(&head[sum_at..at as usize])
+                {
                     return Err(corrupt(&path, "header checksum mismatch".into()));
+                }
+                if version == VERSION {
+                    let (id, inst) = (le_u128(&head[24..40]), le_u128(&head[40..56]));
+                    if id != blob.0 {
+                        return Err(corrupt(
+                            &path,
+                            format!(
+                                "the file holds blob {id:032x}, not {:032x} (a file moved or \
+                                 copied under another blob's name)",
+                                blob.0
+                            ),
+                        ));
+                    }
+                    if self.check_instance && inst != self.instance {
+                        return Err(corrupt(
+                            &path,
+                            format!(
+                                "the file was written by unit instance {inst:032x}, not by \
+                                 this one ({:032x})",
+                                self.instance
+                            ),
+                        ));
+                    }
                 }
                 let chunk = le_u32(&head[16..20]);
                 if !(1..=MAX_CHUNK).contains(&chunk) {
@@ -186,8 +452,8 @@ impl FileEngine {
                 let chunk = u64::from(chunk);
                 let table = nbytes.div_ceil(chunk).checked_mul(SUM);
                 (
-                    Format::V2 { chunk },
-                    table.and_then(|t| HEADER.checked_add(nbytes)?.checked_add(t)),
+                    Format::Chunked { chunk, data: at },
+                    table.and_then(|t| at.checked_add(nbytes)?.checked_add(t)),
                 )
             }
             v => return Err(corrupt(&path, format!("format version {v}"))),
@@ -198,7 +464,7 @@ impl FileEngine {
                 format!("{size} bytes, but its header says {nbytes} bytes of data"),
             ));
         }
-        Ok(BlobFile {
+        Ok(BlobReader {
             file,
             path,
             nbytes,
@@ -220,40 +486,57 @@ fn le_u64(b: &[u8]) -> u64 {
     u64::from_le_bytes(a)
 }
 
+fn le_u128(b: &[u8]) -> u128 {
+    let mut a = [0u8; 16];
+    a.copy_from_slice(b);
+    u128::from_le_bytes(a)
+}
+
 fn le_u32(b: &[u8]) -> u32 {
     let mut a = [0u8; 4];
     a.copy_from_slice(b);
     u32::from_le_bytes(a)
 }
 
-/// The header of a version 2 file.
-fn header(nbytes: u64, chunk: u32) -> [u8; HEADER as usize] {
+/// The header of a version 3 file.
+fn header(nbytes: u64, chunk: u32, blob: BlobId, instance: u128) -> [u8; HEADER as usize] {
     let mut h = [0u8; HEADER as usize];
     h[..4].copy_from_slice(MAGIC);
     h[4..8].copy_from_slice(&VERSION.to_le_bytes());
     h[8..16].copy_from_slice(&nbytes.to_le_bytes());
     h[16..20].copy_from_slice(&chunk.to_le_bytes());
-    let sum = xxh3_64(&h[..24]);
-    h[24..32].copy_from_slice(&sum.to_le_bytes());
+    h[24..40].copy_from_slice(&blob.0.to_le_bytes());
+    h[40..56].copy_from_slice(&instance.to_le_bytes());
+    let sum = xxh3_64(&h[..56]);
+    h[56..64].copy_from_slice(&sum.to_le_bytes());
     h
 }
 
 enum Format {
     V1,
-    V2 { chunk: u64 },
+    /// Versions 2 and 3: the bytes start at `data`.
+    Chunked {
+        chunk: u64,
+        data: u64,
+    },
 }
 
 /// An open blob file whose header and length have been checked.
-struct BlobFile {
+pub struct BlobReader {
     file: File,
     path: PathBuf,
     nbytes: u64,
     format: Format,
 }
 
-impl BlobFile {
+impl BlobReader {
+    /// The blob's size in bytes.
+    pub fn size(&self) -> u64 {
+        self.nbytes
+    }
+
     /// Read `dst.len()` bytes at `offset` of the data, checked.
-    fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), DiskError> {
+    pub fn read_at(&self, offset: u64, dst: &mut [u8]) -> Result<(), DiskError> {
         let len = dst.len() as u64;
         let end = match offset.checked_add(len) {
             Some(end) if end <= self.nbytes => end,
@@ -267,7 +550,7 @@ impl BlobFile {
             }
         };
         match self.format {
-            Format::V2 { chunk } => self.read_v2(chunk, offset, end, dst),
+            Format::Chunked { chunk, data } => self.read_chunked(chunk, data, offset, end, dst),
             Format::V1 => self.read_v1(offset, end, dst),
         }
     }
@@ -275,10 +558,17 @@ impl BlobFile {
     /// Read and check the chunks overlapping `offset..end`: runs of whole
     /// chunks straight into `dst`, a partly wanted chunk (at either end)
     /// into one chunk-sized buffer.
-    fn read_v2(&self, chunk: u64, offset: u64, end: u64, dst: &mut [u8]) -> Result<(), DiskError> {
+    fn read_chunked(
+        &self,
+        chunk: u64,
+        data: u64,
+        offset: u64,
+        end: u64,
+        dst: &mut [u8],
+    ) -> Result<(), DiskError> {
         let mut sums = Sums {
             file: &self.file,
-            at: HEADER + self.nbytes,
+            at: data + self.nbytes,
             count: self.nbytes.div_ceil(chunk),
             first: 0,
             n: 0,
@@ -308,14 +598,14 @@ impl BlobFile {
                 };
                 run_end = run_end.min(pos + (READ_RUN / chunk).max(1) * chunk);
                 let run = &mut dst[ix(pos)..ix(run_end)];
-                self.file.read_exact_at(run, HEADER + pos)?;
+                self.file.read_exact_at(run, data + pos)?;
                 for (i, bytes) in run.chunks(chunk as usize).enumerate() {
                     check(c + i as u64, bytes, &mut sums)?;
                 }
                 pos = run_end;
             } else {
                 partial.resize((stop - start) as usize, 0);
-                self.file.read_exact_at(&mut partial, HEADER + start)?;
+                self.file.read_exact_at(&mut partial, data + start)?;
                 check(c, &partial, &mut sums)?;
                 let upto = stop.min(end);
                 dst[ix(pos)..ix(upto)]
@@ -381,8 +671,9 @@ impl Sums<'_> {
 
 struct FileWriter {
     file: File,
-    tmp: PathBuf,
-    dst: PathBuf,
+    dir: Arc<OwnedFd>,
+    tmp: String,
+    dst: String,
     expected: u64,
     written: u64,
     chunk: u64,
@@ -393,31 +684,38 @@ struct FileWriter {
     sums: Vec<u8>,
     /// Of the whole file, header and table included.
     file_hash: Xxh3Default,
-    /// Set by the failpoint, or by a write that failed (the file may then
-    /// hold part of its bytes): every later call fails.
-    failed: Option<String>,
+    /// Set by a failpoint, or by a write that failed (the file may then
+    /// hold part of its bytes): every later call fails, with the same
+    /// kind of error (a full disk stays a full disk).
+    failed: Option<(io::ErrorKind, String)>,
+    /// The disk-sync failpoint.
+    fail_finish: bool,
 }
 
 impl FileWriter {
-    fn fail(&mut self, why: String) -> io::Error {
-        self.failed = Some(why.clone());
-        io::Error::other(why)
+    fn fail(&mut self, kind: io::ErrorKind, why: String) -> io::Error {
+        self.failed = Some((kind, why.clone()));
+        io::Error::new(kind, why)
+    }
+
+    fn remove_tmp(&self) {
+        let _ = rustix::fs::unlinkat(self.dir.as_fd(), self.tmp.as_str(), AtFlags::empty());
     }
 }
 
 impl BlobWriter for FileWriter {
     fn write(&mut self, bytes: &[u8]) -> io::Result<()> {
-        if let Some(why) = &self.failed {
-            return Err(io::Error::other(why.clone()));
+        if let Some((kind, why)) = &self.failed {
+            return Err(io::Error::new(*kind, why.clone()));
         }
         if bytes.len() as u64 > self.expected - self.written {
-            return Err(self.fail(format!(
-                "blob file given more than its {} bytes",
-                self.expected
-            )));
+            return Err(self.fail(
+                io::ErrorKind::InvalidInput,
+                format!("blob file given more than its {} bytes", self.expected),
+            ));
         }
         if let Err(e) = self.file.write_all(bytes) {
-            return Err(self.fail(format!("writing the blob file: {e}")));
+            return Err(self.fail(e.kind(), format!("writing the blob file: {e}")));
         }
         self.file_hash.update(bytes);
         let mut rest = bytes;
@@ -439,16 +737,20 @@ impl BlobWriter for FileWriter {
     }
 
     fn finish(mut self: Box<Self>) -> io::Result<u64> {
-        if let Some(why) = &self.failed {
-            let _ = fs::remove_file(&self.tmp);
-            return Err(io::Error::other(why.clone()));
+        if let Some((kind, why)) = &self.failed {
+            self.remove_tmp();
+            return Err(io::Error::new(*kind, why.clone()));
         }
         if self.written != self.expected {
-            let _ = fs::remove_file(&self.tmp);
+            self.remove_tmp();
             return Err(io::Error::other(format!(
                 "blob file got {} of {} bytes",
                 self.written, self.expected
             )));
+        }
+        if self.fail_finish {
+            self.remove_tmp();
+            return Err(io::Error::other("failpoint disk-sync"));
         }
         if self.in_chunk > 0 {
             let last = self.chunk_hash.digest().to_le_bytes();
@@ -459,9 +761,16 @@ impl BlobWriter for FileWriter {
             .file
             .write_all(&self.sums)
             .and_then(|()| self.file.sync_data())
-            .and_then(|()| fs::rename(&self.tmp, &self.dst));
+            .and_then(|()| {
+                Ok(rustix::fs::renameat(
+                    self.dir.as_fd(),
+                    self.tmp.as_str(),
+                    self.dir.as_fd(),
+                    self.dst.as_str(),
+                )?)
+            });
         if r.is_err() {
-            let _ = fs::remove_file(&self.tmp);
+            self.remove_tmp();
         }
         r.map(|()| self.file_hash.digest())
     }
@@ -473,23 +782,27 @@ impl DiskEngine for FileEngine {
             .failpoints
             .disk_write
             .load(Ordering::SeqCst)
-            .then(|| "failpoint disk-write".to_string());
-        let tmp = self.tmp_path(blob);
-        let mut file = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        let header = header(nbytes, self.chunk);
-        file.write_all(&header)?;
+            .then(|| (io::ErrorKind::Other, "failpoint disk-write".to_string()));
+        let tmp = Self::tmp_name(blob);
+        let mut file = File::from(open_in(
+            self.dir.as_fd(),
+            &tmp,
+            OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC,
+            Mode::from_raw_mode(0o600),
+        )?);
+        let header = header(nbytes, self.chunk, blob, self.instance);
+        if let Err(e) = file.write_all(&header) {
+            let _ = rustix::fs::unlinkat(self.dir.as_fd(), tmp.as_str(), AtFlags::empty());
+            return Err(e);
+        }
         let mut file_hash = Xxh3Default::new();
         file_hash.update(&header);
         let chunk = u64::from(self.chunk);
         Ok(Box::new(FileWriter {
             file,
+            dir: self.dir.clone(),
             tmp,
-            dst: self.path(blob),
+            dst: Self::name(blob),
             expected: nbytes,
             written: 0,
             chunk,
@@ -502,11 +815,12 @@ impl DiskEngine for FileEngine {
             ),
             file_hash,
             failed,
+            fail_finish: self.failpoints.disk_sync.load(Ordering::SeqCst),
         }))
     }
 
     fn read(&self, blob: BlobId, dst: &mut [u8]) -> Result<(), DiskError> {
-        let f = self.open(blob)?;
+        let f = self.reader(blob)?;
         if f.nbytes != dst.len() as u64 {
             return Err(corrupt(
                 &f.path,
@@ -517,31 +831,31 @@ impl DiskEngine for FileEngine {
     }
 
     fn read_at(&self, blob: BlobId, offset: u64, dst: &mut [u8]) -> Result<(), DiskError> {
-        self.open(blob)?.read_at(offset, dst)
+        self.reader(blob)?.read_at(offset, dst)
     }
 
     fn blob_size(&self, blob: BlobId) -> Result<u64, DiskError> {
-        Ok(self.open(blob)?.nbytes)
+        Ok(self.reader(blob)?.nbytes)
     }
 
     fn delete(&self, blob: BlobId) -> io::Result<()> {
-        for p in [self.path(blob), self.tmp_path(blob)] {
-            match fs::remove_file(&p) {
-                Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => return Err(e),
+        for name in [Self::name(blob), Self::tmp_name(blob)] {
+            match rustix::fs::unlinkat(self.dir.as_fd(), name.as_str(), AtFlags::empty()) {
+                Ok(()) | Err(Errno::NOENT) => {}
+                Err(e) => return Err(e.into()),
             }
         }
         Ok(())
     }
 
     fn path(&self, blob: BlobId) -> PathBuf {
-        self.dir.join(format!("{:032x}.blob", blob.0))
+        self.dir_path.join(Self::name(blob))
     }
 }
 
 /// A unit's own directory under the disk tier's root: created owner-only
-/// (0700) and locked (flock) for the unit's life.
+/// (0700) and locked (flock) for the unit's life, and used only through
+/// its file descriptor.
 ///
 /// Many units may share one root and start at the same moment, each
 /// removing the directories of units that are gone. So that no start ever
@@ -558,10 +872,18 @@ impl DiskEngine for FileEngine {
 ///   about to create it: a cleanup only `rmdir`s it, which fails if the
 ///   lock file appeared meanwhile, and the maker, finding its directory
 ///   gone or its lock taken, starts over under a fresh name.
+///
+/// Lock files are opened non-blocking and without following links, and
+/// used only when they are regular files: a FIFO or device planted as a
+/// lock file leaves its directory alone rather than hanging the start.
 pub struct OwnedDir {
     pub path: PathBuf,
+    /// The root's file descriptor, and this directory's name in it.
+    root: OwnedFd,
+    name: String,
+    dir: Arc<OwnedFd>,
     /// Holds the lock; closing it releases the lock.
-    _lock: File,
+    _lock: OwnedFd,
 }
 
 /// Prefix of unit directories under the root.
@@ -577,13 +899,14 @@ const LOCK: &str = "lock";
 const CREATE_TRIES: u32 = 16;
 
 impl OwnedDir {
-    /// Create and lock a fresh directory for unit `name` under `root`,
-    /// after removing directories of units that are gone (their lock is
-    /// free). A live unit's directory is never touched.
+    /// Create and lock a fresh directory for unit `name` under `root`
+    /// (which must pass [`open_private_root`]), after removing directories
+    /// of units that are gone (their lock is free). A live unit's
+    /// directory is never touched.
     pub fn create(root: &Path, name: &str, instance: u128) -> io::Result<(Self, Vec<PathBuf>)> {
         static SEQ: AtomicU64 = AtomicU64::new(0);
-        fs::DirBuilder::new().recursive(true).create(root)?;
-        let removed = remove_dead_dirs(root)?;
+        let root_fd = open_private_root(root, "disk root")?;
+        let removed = remove_dead_dirs(root_fd.as_fd(), root)?;
         let safe: String = name
             .chars()
             .map(|c| {
@@ -595,22 +918,37 @@ impl OwnedDir {
             })
             .collect();
         let base = format!("{safe}-{}-{:08x}", std::process::id(), instance as u32);
-        let path = root.join(format!("{DIR_PREFIX}{base}"));
+        let final_name = format!("{DIR_PREFIX}{base}");
         for _ in 0..CREATE_TRIES {
             let seq = SEQ.fetch_add(1, Ordering::Relaxed);
-            let tmp = root.join(format!("{NEW_DIR_PREFIX}{base}-{seq}"));
-            let Some(lock) = make_locked(&tmp)? else {
+            let tmp = format!("{NEW_DIR_PREFIX}{base}-{seq}");
+            let Some((dir, lock)) = make_locked(root_fd.as_fd(), &tmp)? else {
                 continue;
             };
             // We hold the lock of the directory at `tmp`, so no cleanup
-            // removes it; after the rename the same lock guards `path`. An
-            // existing `path` that is not empty (only a live unit's can
-            // be) makes the rename fail rather than be replaced.
-            if let Err(e) = fs::rename(&tmp, &path) {
-                let _ = remove_tree(&tmp);
-                return Err(e);
+            // removes it; after the rename the same lock guards the final
+            // name. An existing entry there makes the rename fail rather
+            // than replace it.
+            if let Err(e) = rustix::fs::renameat_with(
+                &root_fd,
+                tmp.as_str(),
+                &root_fd,
+                final_name.as_str(),
+                RenameFlags::NOREPLACE,
+            ) {
+                let _ = remove_dir_at(root_fd.as_fd(), &tmp, &dir, 0);
+                return Err(e.into());
             }
-            return Ok((Self { path, _lock: lock }, removed));
+            return Ok((
+                Self {
+                    path: root.join(&final_name),
+                    root: root_fd,
+                    name: final_name,
+                    dir: Arc::new(dir),
+                    _lock: lock,
+                },
+                removed,
+            ));
         }
         Err(io::Error::other(format!(
             "could not make a locked directory under {} in {CREATE_TRIES} tries: \
@@ -619,159 +957,230 @@ impl OwnedDir {
         )))
     }
 
-    /// Remove the directory and everything in it.
+    /// The directory's file descriptor (for a [`FileEngine`]).
+    pub fn fd(&self) -> Arc<OwnedFd> {
+        self.dir.clone()
+    }
+
+    /// Remove everything in the directory (through its own descriptor,
+    /// wherever it has been moved), then the directory's name in the root
+    /// if that name is still this directory. Never follows a link.
     pub fn remove(&self) -> io::Result<()> {
-        remove_tree(&self.path)
+        remove_dir_at(self.root.as_fd(), &self.name, &self.dir, 0)
     }
 }
 
-/// Make `dir` (0700) with a lock file in it, and lock that. `None` when a
-/// concurrent cleanup took the directory or its lock first (then the
-/// caller tries another name).
-fn make_locked(dir: &Path) -> io::Result<Option<File>> {
-    match fs::DirBuilder::new().mode(0o700).create(dir) {
-        Err(e) if e.kind() == io::ErrorKind::AlreadyExists => return Ok(None),
+/// Make directory `name` (0700) in `root` with a lock file in it, and lock
+/// that. `None` when a concurrent cleanup took the directory or its lock
+/// first (then the caller tries another name).
+fn make_locked(root: BorrowedFd<'_>, name: &str) -> io::Result<Option<(OwnedFd, OwnedFd)>> {
+    match rustix::fs::mkdirat(root, name, Mode::from_raw_mode(0o700)) {
+        Err(Errno::EXIST) => return Ok(None),
         r => r?,
     }
-    let lock_path = dir.join(LOCK);
-    let lock = match OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&lock_path)
-    {
+    let dir = match open_dir_in(root, name) {
+        Ok(d) => d,
+        // Removed (or replaced) by a cleanup meanwhile.
+        Err(e) if e.kind() == io::ErrorKind::NotFound || is_link_error(&e) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let lock = match open_in(
+        dir.as_fd(),
+        LOCK,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NONBLOCK,
+        Mode::from_raw_mode(0o600),
+    ) {
         Ok(f) => f,
         // A cleanup removed the (still empty) directory.
         Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
         Err(e) => {
-            let _ = fs::remove_dir(dir);
+            let _ = rustix::fs::unlinkat(root, name, AtFlags::REMOVEDIR);
             return Err(e);
         }
     };
     // A cleanup that locked it first is removing the directory; one that
     // locked it, removed it and let go leaves a lock file that is no
-    // longer in the directory.
-    if !try_lock(&lock)? || !is_at(&lock, &lock_path)? {
+    // longer in the directory (or a directory no longer in the root).
+    if !try_lock(&lock)? || !is_at(&lock, dir.as_fd(), LOCK)? || !is_at(&dir, root, name)? {
         return Ok(None);
     }
-    Ok(Some(lock))
+    Ok(Some((dir, lock)))
 }
 
 /// Take `f`'s exclusive flock without waiting; `false` if someone holds it.
-fn try_lock(f: &File) -> io::Result<bool> {
+fn try_lock(f: impl AsFd) -> io::Result<bool> {
     match rustix::fs::flock(f, FlockOperation::NonBlockingLockExclusive) {
         Ok(()) => Ok(true),
-        Err(rustix::io::Errno::WOULDBLOCK) => Ok(false),
+        Err(Errno::WOULDBLOCK) => Ok(false),
         Err(e) => Err(e.into()),
     }
 }
 
-/// Whether the open file `f` is the file at `path` (not one that was
-/// unlinked or replaced since it was opened).
-fn is_at(f: &File, path: &Path) -> io::Result<bool> {
-    use std::os::unix::fs::MetadataExt;
-    let held = f.metadata()?;
-    match fs::symlink_metadata(path) {
-        Ok(m) => Ok(m.dev() == held.dev() && m.ino() == held.ino()),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
+/// Whether the open file `f` is the entry `name` in `dir` (not one that
+/// was unlinked or replaced since it was opened).
+fn is_at(f: impl AsFd, dir: BorrowedFd<'_>, name: &str) -> io::Result<bool> {
+    let held = rustix::fs::fstat(f)?;
+    match rustix::fs::statat(dir, name, AtFlags::SYMLINK_NOFOLLOW) {
+        Ok(m) => Ok(m.st_dev == held.st_dev && m.st_ino == held.st_ino),
+        Err(Errno::NOENT) => Ok(false),
+        Err(e) => Err(e.into()),
     }
 }
 
-fn ignore_missing(r: io::Result<()>) -> io::Result<()> {
+fn ignore_missing(r: rustix::io::Result<()>) -> io::Result<()> {
     match r {
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
-        r => r,
+        Err(Errno::NOENT) => Ok(()),
+        r => Ok(r?),
     }
 }
 
-/// Remove `dir` and everything in it, its lock file last (so a removal
-/// that fails half-way leaves a directory still guarded by its lock), and
-/// without failing on entries another cleanup removed first.
-fn remove_tree(dir: &Path) -> io::Result<()> {
-    let entries = match fs::read_dir(dir) {
-        Ok(it) => it,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(e),
-    };
-    for entry in entries {
-        let entry = match entry {
-            Ok(e) => e,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
-        };
-        if entry.file_name() == LOCK {
+/// The names in the directory `dir`, but `.` and `..`.
+pub(crate) fn entries(dir: BorrowedFd<'_>) -> io::Result<Vec<(CString, FileType)>> {
+    let mut out = Vec::new();
+    for e in rustix::fs::Dir::read_from(dir)? {
+        let e = e?;
+        let name = e.file_name();
+        if name == c"." || name == c".." {
             continue;
         }
-        let p = entry.path();
-        ignore_missing(match entry.file_type() {
-            Ok(t) if t.is_dir() => remove_tree(&p),
-            Ok(_) => fs::remove_file(&p),
-            Err(e) => Err(e),
-        })?;
+        out.push((name.to_owned(), e.file_type()));
     }
-    ignore_missing(fs::remove_file(dir.join(LOCK)))?;
-    ignore_missing(fs::remove_dir(dir))
+    Ok(out)
 }
 
-/// Remove unit directories under `root` whose lock nobody holds, and
-/// temporary ones left by starts that died. Directories whose lock file
-/// cannot be opened (another user's) are left alone.
-fn remove_dead_dirs(root: &Path) -> io::Result<Vec<PathBuf>> {
-    let mut removed = Vec::new();
-    for entry in fs::read_dir(root)? {
-        let entry = match entry {
-            Ok(e) => e,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+/// Remove everything in the open directory `dir`, its lock file last (so
+/// a removal that fails half-way leaves a directory still guarded by its
+/// lock), then the entry `name` in `parent` if it is still that directory
+/// (a name swapped meanwhile is left alone). Every step goes through a
+/// directory's descriptor with `unlinkat`; a symbolic link is removed,
+/// never followed; subdirectories are opened with `O_NOFOLLOW`, so one
+/// swapped for a link between the check and the open is not entered.
+/// Entries another cleanup removed first are no error.
+fn remove_dir_at(parent: BorrowedFd<'_>, name: &str, dir: &OwnedFd, depth: u32) -> io::Result<()> {
+    remove_contents(dir.as_fd(), depth)?;
+    ignore_missing(rustix::fs::unlinkat(dir, LOCK, AtFlags::empty()))?;
+    if is_at(dir, parent, name)? {
+        ignore_missing(rustix::fs::unlinkat(parent, name, AtFlags::REMOVEDIR))?;
+    }
+    Ok(())
+}
+
+/// Remove the entries of `dir` but its lock file (see [`remove_dir_at`]).
+fn remove_contents(dir: BorrowedFd<'_>, depth: u32) -> io::Result<()> {
+    if depth > MAX_DEPTH {
+        return Err(io::Error::other(format!(
+            "directories nested more than {MAX_DEPTH} deep: not a unit's, left alone"
+        )));
+    }
+    for (name, _) in entries(dir)? {
+        if name.as_bytes() == LOCK.as_bytes() {
+            continue;
+        }
+        remove_entry(dir, &name, depth)?;
+    }
+    Ok(())
+}
+
+/// Remove `name` in `dir`: a file or link by unlinking it, a directory by
+/// emptying it through its own descriptor first.
+fn remove_entry(dir: BorrowedFd<'_>, name: &CStr, depth: u32) -> io::Result<()> {
+    // A few rounds: an entry swapped between a file and a directory
+    // meanwhile is looked at again.
+    for _ in 0..4 {
+        match rustix::fs::unlinkat(dir, name, AtFlags::empty()) {
+            Ok(()) | Err(Errno::NOENT) => return Ok(()),
+            Err(Errno::ISDIR) | Err(Errno::PERM) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let sub = match open_dir_in(dir, name.to_bytes()) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            Err(e) if is_link_error(&e) => continue,
             Err(e) => return Err(e),
         };
-        let name = entry.file_name();
-        let name = name.to_string_lossy();
+        let name = name.to_str().map_err(io::Error::other)?;
+        return remove_dir_at(dir, name, &sub, depth + 1);
+    }
+    Err(io::Error::other(format!(
+        "{name:?} kept changing while being removed"
+    )))
+}
+
+/// Remove unit directories under `root` (open as `root_fd`) whose lock
+/// nobody holds, and temporary ones left by starts that died. Directories
+/// whose lock file cannot be opened (another user's), is not a regular file
+/// or is a link are left alone.
+fn remove_dead_dirs(root_fd: BorrowedFd<'_>, root: &Path) -> io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    for (name, kind) in entries(root_fd)? {
+        let Ok(name) = name.into_string() else {
+            continue;
+        };
         let temporary = name.starts_with(NEW_DIR_PREFIX);
         if !temporary && !name.starts_with(DIR_PREFIX) {
             continue;
         }
-        match entry.file_type() {
-            Ok(t) if t.is_dir() => {}
-            Ok(_) => continue,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
+        if kind != FileType::Directory && kind != FileType::Unknown {
+            continue;
         }
-        let dir = entry.path();
-        let lock_path = dir.join(LOCK);
-        let lock = match File::open(&lock_path) {
+        let dir = match open_dir_in(root_fd, &name) {
+            Ok(d) => d,
+            Err(e) if e.kind() == io::ErrorKind::NotFound || is_link_error(&e) => continue,
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => continue,
+            Err(e) => return Err(e),
+        };
+        let path = root.join(&name);
+        let lock = match open_in(
+            dir.as_fd(),
+            LOCK,
+            OFlags::RDONLY | OFlags::NONBLOCK,
+            Mode::empty(),
+        ) {
             Ok(f) => f,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 if temporary {
                     // Its maker may be about to create the lock file: only
                     // an empty directory goes, and rmdir checks that
                     // atomically. (Its maker then starts over.)
-                    if fs::remove_dir(&dir).is_ok() {
-                        removed.push(dir);
+                    if rustix::fs::unlinkat(root_fd, name.as_str(), AtFlags::REMOVEDIR).is_ok() {
+                        removed.push(path);
                     }
                 } else {
                     // A unit directory gets its name with its lock file
                     // already in it and locked, and only a holder of the
                     // lock removes that file: this one's removal was cut
                     // short (or is finishing now).
-                    remove_tree(&dir)?;
-                    removed.push(dir);
+                    remove_dir_at(root_fd, &name, &dir, 0)?;
+                    removed.push(path);
                 }
                 continue;
             }
-            Err(e) if e.kind() == io::ErrorKind::PermissionDenied => continue,
+            Err(e) if e.kind() == io::ErrorKind::PermissionDenied || is_link_error(&e) => {
+                tracing::warn!(dir = %path.display(), error = %e, "a unit directory's lock file cannot be opened; left alone");
+                continue;
+            }
             Err(e) => return Err(e),
         };
+        if rustix::fs::fstat(&lock).map(|s| FileType::from_raw_mode(s.st_mode))?
+            != FileType::RegularFile
+        {
+            tracing::warn!(
+                dir = %path.display(),
+                "a unit directory's lock file is not a regular file (a FIFO or device \
+                 planted there?); the directory is left alone"
+            );
+            continue;
+        }
         // Held: its unit is alive (or another cleanup is removing it).
         // Free but no longer the directory's lock file: another cleanup
         // removed the directory after we opened it.
-        if !try_lock(&lock)? || !is_at(&lock, &lock_path)? {
+        if !try_lock(&lock)? || !is_at(&lock, dir.as_fd(), LOCK)? {
             continue;
         }
         // Its owner is gone. Keep holding the lock while removing, so no
         // start can take this directory for its own meanwhile.
-        remove_tree(&dir)?;
-        removed.push(dir);
+        remove_dir_at(root_fd, &name, &dir, 0)?;
+        removed.push(path);
         drop(lock);
     }
     Ok(removed)
@@ -782,10 +1191,18 @@ mod tests {
     use super::*;
     use std::sync::Mutex;
 
+    fn dirfd(p: &Path) -> Arc<OwnedFd> {
+        Arc::new(rustix::fs::open(p, OFlags::RDONLY | OFlags::DIRECTORY, Mode::empty()).unwrap())
+    }
+
+    fn engine(p: &Path) -> FileEngine {
+        FileEngine::new(dirfd(p), p.to_owned(), 1)
+    }
+
     #[test]
     fn blob_files_round_trip_and_detect_damage() {
         let dir = tempfile::tempdir().unwrap();
-        let e = FileEngine::new(dir.path().to_owned());
+        let e = engine(dir.path());
         let mut w = e.create(BlobId(7), 10).unwrap();
         w.write(b"hello").unwrap();
         w.write(b"world").unwrap();
@@ -901,7 +1318,7 @@ mod tests {
     fn read_at_returns_exactly_every_range() {
         let dir = tempfile::tempdir().unwrap();
         for chunk in [1u32, 7, 16, 50, 64] {
-            let e = FileEngine::with_chunk(dir.path().to_owned(), chunk);
+            let e = FileEngine::with_chunk(dirfd(dir.path()), dir.path().to_owned(), chunk);
             for n in [0usize, 1, 15, 16, 17, 50] {
                 let blob = BlobId(u128::from(chunk) << 32 | n as u128);
                 let bytes = data(n, blob.0 as u64);
@@ -934,7 +1351,7 @@ mod tests {
     #[test]
     fn read_at_chunk_boundaries() {
         let dir = tempfile::tempdir().unwrap();
-        let e = FileEngine::new(dir.path().to_owned());
+        let e = engine(dir.path());
         let c = CHUNK as usize;
         let n = 10 * c + 123;
         let bytes = data(n, 42);
@@ -970,7 +1387,7 @@ mod tests {
     #[test]
     fn many_chunks_are_checked_against_their_own_sums() {
         let dir = tempfile::tempdir().unwrap();
-        let e = FileEngine::with_chunk(dir.path().to_owned(), 2);
+        let e = FileEngine::with_chunk(dirfd(dir.path()), dir.path().to_owned(), 2);
         let n = 4 * SUMS_AT_ONCE + 3;
         let bytes = data(n, 5);
         put(&e, BlobId(1), &bytes, &[333]);
@@ -997,7 +1414,7 @@ mod tests {
     #[test]
     fn read_at_is_checked_where_it_reads() {
         let dir = tempfile::tempdir().unwrap();
-        let e = FileEngine::new(dir.path().to_owned());
+        let e = engine(dir.path());
         let c = u64::from(CHUNK);
         let n = 10 * c + 123;
         let bytes = data(n as usize, 7);
@@ -1066,7 +1483,7 @@ mod tests {
     #[test]
     fn read_at_out_of_range_empty_and_empty_blobs() {
         let dir = tempfile::tempdir().unwrap();
-        let e = FileEngine::with_chunk(dir.path().to_owned(), 16);
+        let e = FileEngine::with_chunk(dirfd(dir.path()), dir.path().to_owned(), 16);
         put(&e, BlobId(1), &data(40, 1), &[40]);
         let out_of_range = |offset: u64, len: usize| {
             matches!(
@@ -1111,7 +1528,7 @@ mod tests {
     #[test]
     fn version_1_files_still_read() {
         let dir = tempfile::tempdir().unwrap();
-        let e = FileEngine::new(dir.path().to_owned());
+        let e = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
         let n = 3 * READ_RUN as usize + 5;
         let bytes = data(n, 3);
         let mut file = Vec::new();
@@ -1187,7 +1604,7 @@ mod tests {
         fs::write(half_removed.join("0.blob"), b"x").unwrap();
         // Not ours.
         let other = mk("something-else");
-        let mut removed = remove_dead_dirs(r).unwrap();
+        let mut removed = remove_dead_dirs(dirfd(r).as_fd(), r).unwrap();
         removed.sort();
         let mut expect = vec![empty, unlocked, half_removed];
         expect.sort();
@@ -1198,7 +1615,7 @@ mod tests {
         // left alone: its maker may be about to create the lock file.
         let odd = mk("stowage-new-x-1-00000005-3");
         fs::write(odd.join("x"), b"").unwrap();
-        assert!(remove_dead_dirs(r).unwrap().is_empty());
+        assert!(remove_dead_dirs(dirfd(r).as_fd(), r).unwrap().is_empty());
         assert!(odd.exists());
     }
 
@@ -1229,7 +1646,7 @@ mod tests {
             for _ in 0..2 {
                 s.spawn(|| {
                     while !stop.load(Ordering::SeqCst) {
-                        if let Err(e) = remove_dead_dirs(root) {
+                        if let Err(e) = remove_dead_dirs(dirfd(root).as_fd(), root) {
                             fail(format!("cleanup failed: {e}"));
                         }
                     }
@@ -1286,5 +1703,209 @@ mod tests {
             failures.len(),
             &failures[..failures.len().min(5)]
         );
+    }
+
+    /// Two files of equal size swapped (or one copied over another, or
+    /// one written by another unit instance): every read of either is
+    /// Corrupt, never the other blob's bytes.
+    #[test]
+    fn a_file_under_another_blobs_name_is_corrupt() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = engine(dir.path());
+        put(&e, BlobId(1), &data(1000, 1), &[1000]);
+        put(&e, BlobId(2), &data(1000, 2), &[1000]);
+        let (a, b) = (e.path(BlobId(1)), e.path(BlobId(2)));
+        let tmp = dir.path().join("t");
+        fs::rename(&a, &tmp).unwrap();
+        fs::rename(&b, &a).unwrap();
+        fs::rename(&tmp, &b).unwrap();
+        for blob in [BlobId(1), BlobId(2)] {
+            assert!(corrupt_at(&e, blob, 0, 10));
+            assert!(e.blob_size(blob).is_err());
+            let err = e.read(blob, &mut vec![0u8; 1000]).unwrap_err().to_string();
+            assert!(err.contains("another blob's name"), "{err}");
+        }
+        // Another instance's file under the right name.
+        let other = FileEngine::new(dirfd(dir.path()), dir.path().to_owned(), 2);
+        put(&other, BlobId(3), &data(10, 3), &[10]);
+        let err = e.read(BlobId(3), &mut [0u8; 10]).unwrap_err().to_string();
+        assert!(err.contains("instance"), "{err}");
+        // A checkpoint reads any instance's files, still by blob id.
+        let ck = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 9);
+        let mut got = [0u8; 10];
+        ck.read(BlobId(3), &mut got).unwrap();
+        assert!(got[..] == data(10, 3)[..]);
+        assert!(ck.read(BlobId(1), &mut vec![0u8; 1000]).is_err());
+    }
+
+    /// A version 2 file (no blob id) is read from checkpoints only.
+    #[test]
+    fn version_2_files_are_read_from_checkpoints_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let bytes = data(100, 4);
+        let mut h = [0u8; V2_HEADER as usize];
+        h[..4].copy_from_slice(MAGIC);
+        h[4..8].copy_from_slice(&2u32.to_le_bytes());
+        h[8..16].copy_from_slice(&100u64.to_le_bytes());
+        h[16..20].copy_from_slice(&64u32.to_le_bytes());
+        let sum = xxh3_64(&h[..24]);
+        h[24..32].copy_from_slice(&sum.to_le_bytes());
+        let mut file = h.to_vec();
+        file.extend_from_slice(&bytes);
+        file.extend_from_slice(&xxh3_64(&bytes[..64]).to_le_bytes());
+        file.extend_from_slice(&xxh3_64(&bytes[64..]).to_le_bytes());
+        let live = engine(dir.path());
+        fs::write(live.path(BlobId(5)), &file).unwrap();
+        let mut got = vec![0u8; 100];
+        let err = live.read(BlobId(5), &mut got).unwrap_err().to_string();
+        assert!(err.contains("format version 2"), "{err}");
+        let ck = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
+        ck.read(BlobId(5), &mut got).unwrap();
+        assert!(got == bytes);
+    }
+
+    /// Names are single components; a link in the directory is never
+    /// followed by a read, a write or a delete.
+    #[test]
+    fn links_in_the_directory_are_never_followed() {
+        let dir = tempfile::tempdir().unwrap();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let e = engine(dir.path());
+        put(
+            &elsewhere_engine(elsewhere.path()),
+            BlobId(1),
+            b"theirs",
+            &[6],
+        );
+        std::os::unix::fs::symlink(
+            elsewhere.path().join(FileEngine::name(BlobId(1))),
+            e.path(BlobId(1)),
+        )
+        .unwrap();
+        assert!(corrupt_at(&e, BlobId(1), 0, 1));
+        // A tmp name linked elsewhere: the write fails rather than follow.
+        let target = elsewhere.path().join("victim");
+        fs::write(&target, b"keep").unwrap();
+        std::os::unix::fs::symlink(&target, dir.path().join(FileEngine::tmp_name(BlobId(2))))
+            .unwrap();
+        assert!(e.create(BlobId(2), 1).is_err());
+        e.delete(BlobId(2)).unwrap();
+        e.delete(BlobId(1)).unwrap();
+        assert_eq!(fs::read(&target).unwrap(), b"keep");
+        assert!(elsewhere.path().join(FileEngine::name(BlobId(1))).exists());
+        assert!(open_in(
+            dirfd(dir.path()).as_fd(),
+            "../x",
+            OFlags::RDONLY,
+            Mode::empty()
+        )
+        .is_err());
+    }
+
+    fn elsewhere_engine(p: &Path) -> FileEngine {
+        FileEngine::new(dirfd(p), p.to_owned(), 1)
+    }
+
+    /// Removing a unit's directory empties it through its descriptor: a
+    /// link in it (to a directory, or the directory itself swapped for a
+    /// link) is removed or left, never followed.
+    #[test]
+    fn removal_follows_no_link() {
+        let root = tempfile::tempdir().unwrap();
+        let victim = tempfile::tempdir().unwrap();
+        fs::write(victim.path().join("keep"), b"x").unwrap();
+        fs::create_dir(victim.path().join("sub")).unwrap();
+        fs::write(victim.path().join("sub/keep"), b"y").unwrap();
+        let (d, _) = OwnedDir::create(root.path(), "a", 1).unwrap();
+        std::os::unix::fs::symlink(victim.path(), d.path.join("link")).unwrap();
+        fs::create_dir(d.path.join("nested")).unwrap();
+        std::os::unix::fs::symlink(victim.path(), d.path.join("nested/link")).unwrap();
+        fs::write(d.path.join("nested/file"), b"z").unwrap();
+        d.remove().unwrap();
+        assert!(!d.path.exists());
+        // The directory swapped for a link before removal.
+        let (d, _) = OwnedDir::create(root.path(), "b", 2).unwrap();
+        fs::write(d.path.join("0.blob"), b"z").unwrap();
+        let moved = root.path().join("moved");
+        fs::rename(&d.path, &moved).unwrap();
+        std::os::unix::fs::symlink(victim.path(), &d.path).unwrap();
+        d.remove().unwrap();
+        assert_eq!(
+            fs::read_dir(&moved).unwrap().count(),
+            0,
+            "its own files went"
+        );
+        assert!(fs::symlink_metadata(&d.path)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert_eq!(fs::read(victim.path().join("keep")).unwrap(), b"x");
+        assert_eq!(fs::read(victim.path().join("sub/keep")).unwrap(), b"y");
+        // A dead unit's directory that is a link, or holds one: the
+        // cleanup removes the links and its own files only.
+        fs::remove_file(&d.path).unwrap();
+        let dead = root.path().join("stowage-unit-dead-1-00000001");
+        fs::create_dir(&dead).unwrap();
+        fs::write(dead.join(LOCK), b"").unwrap();
+        std::os::unix::fs::symlink(victim.path(), dead.join("link")).unwrap();
+        std::os::unix::fs::symlink(victim.path(), root.path().join("stowage-unit-l-1-00000002"))
+            .unwrap();
+        let r = root.path();
+        remove_dead_dirs(dirfd(r).as_fd(), r).unwrap();
+        assert!(!dead.exists());
+        assert_eq!(fs::read(victim.path().join("keep")).unwrap(), b"x");
+        assert_eq!(fs::read(victim.path().join("sub/keep")).unwrap(), b"y");
+    }
+
+    /// A FIFO (or any non-regular file) as a lock file is opened without
+    /// blocking and its directory left alone.
+    #[test]
+    fn a_fifo_lock_file_is_skipped_without_blocking() {
+        let root = tempfile::tempdir().unwrap();
+        let r = root.path();
+        let dead = r.join("stowage-unit-x-1-00000001");
+        fs::create_dir(&dead).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            dead.join(LOCK),
+            FileType::Fifo,
+            Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(remove_dead_dirs(dirfd(r).as_fd(), r).unwrap().is_empty());
+        assert!(dead.exists());
+        let (d, _) = OwnedDir::create(r, "y", 2).unwrap();
+        d.remove().unwrap();
+    }
+
+    /// A root that is a link, or writable by group or others, is refused
+    /// with the fix; a missing one is made 0700.
+    #[test]
+    fn only_a_private_root_is_taken() {
+        use std::os::unix::fs::PermissionsExt;
+        let base = tempfile::tempdir().unwrap();
+        let fresh = base.path().join("a/b");
+        open_private_root(&fresh, "disk root").unwrap();
+        let mode = fs::metadata(&fresh).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o700);
+        for m in [0o777, 0o770, 0o702, 0o1777] {
+            fs::set_permissions(&fresh, fs::Permissions::from_mode(m)).unwrap();
+            let err = open_private_root(&fresh, "disk root")
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("writable by") && err.contains("chmod 700"),
+                "{m:o}: {err}"
+            );
+        }
+        fs::set_permissions(&fresh, fs::Permissions::from_mode(0o755)).unwrap();
+        open_private_root(&fresh, "disk root").unwrap();
+        let link = base.path().join("link");
+        std::os::unix::fs::symlink(&fresh, &link).unwrap();
+        let err = open_private_root(&link, "disk root")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("symbolic link"), "{err}");
     }
 }

@@ -22,15 +22,23 @@
 //! timeout, a transfer past its request's deadline, an invalid request) —
 //! at once for a tcp peer (the unit's own thread did the copying and has
 //! stopped), and for a Unix-socket peer (which maps the slab) only once
-//! its process is gone (a pidfd taken from SO_PEERCRED at accept). No
-//! timer ever frees a range that someone may still touch.
+//! its process is gone (a pidfd taken from SO_PEERCRED at accept). A nixl
+//! peer's holds outlive its connection's end, however it ends (a network
+//! can close it while the peer's one-sided transfers run), until the unit
+//! has invalidated the peer's NIXL agent (once the agent's last
+//! connection ended) and `--nixl-quarantine` has then passed, or the
+//! process is known gone. No other timer ever frees a range that someone
+//! may still touch.
 //!
 //! Local security: the Unix socket's file is owner-only and the unit
 //! accepts only its own uid (SO_PEERCRED) unless started with
 //! `allow_other_uids`; admin requests (shutdown, checkpoint) need a
 //! same-uid Unix-socket client or `admin_tcp`; checkpoints are written only
 //! under `checkpoint_root`. Connections are capped per unit and per
-//! session.
+//! session; a connection counts against the unit's cap only once it
+//! proved itself, and waits until then in a small pool of its own with a
+//! short deadline (`admit.rs`). A unit raises its own open-file limit
+//! (`RLIMIT_NOFILE`, process-wide) to the hard limit at start.
 //!
 //! Authentication: a unit given a shared secret ([`UnitConfig::secret`])
 //! serves a connection, on either listener, only after the client proved
@@ -40,6 +48,7 @@
 
 #![forbid(unsafe_code)]
 
+mod admit;
 pub mod auth;
 mod checkpoint;
 mod conn;
@@ -97,6 +106,12 @@ pub struct UnitConfig {
     pub high_watermark: f64,
     /// Stop spilling below this fraction. Default 0.8.
     pub low_watermark: f64,
+    /// Most bytes of heap that reads from the disk tier take at once, all
+    /// readers together (values stream from their files to the socket, or
+    /// into the slab, through buffers of at most 1 MiB taken from this
+    /// budget; a reader that finds none free waits for one within its
+    /// deadline, then is answered Busy). Default 8 MiB; at least 64 KiB.
+    pub disk_read_budget: u64,
     /// Failpoints to turn on at start (`disk-write`), for tests.
     pub failpoints: Vec<String>,
     /// Load this checkpoint directory before serving.
@@ -116,8 +131,22 @@ pub struct UnitConfig {
     /// The longest a single transfer may stall when its request asks for
     /// more time. Default 10 min.
     pub max_io_timeout: Duration,
-    /// Most connections at once. Default 1024.
+    /// Most connections served at once: connections that proved the
+    /// shared secret (or, without one, said Hello). Default 1024.
     pub max_connections: usize,
+    /// Most connections at once that have not proved themselves yet (see
+    /// `admit.rs`): they never take a served connection's slot. Past it,
+    /// a new connection cuts the oldest handshake of the source holding
+    /// the most. Default 128.
+    pub max_handshakes: usize,
+    /// Most of those from one source (a local user: a Unix-socket peer or
+    /// a loopback TCP peer; otherwise the peer's address, an IPv6 peer's
+    /// /64): past it, a new connection from that source cuts its oldest
+    /// handshake. Default 32.
+    pub max_handshakes_per_source: usize,
+    /// A connection must prove itself (the shared secret's proof and its
+    /// Hello) within this of its accept, or it is cut. Default 1 s.
+    pub handshake_timeout: Duration,
     /// Most connections of one session. Default 64.
     pub max_session_connections: usize,
     /// Most reservations and pins of one session. Default 16384.
@@ -155,21 +184,49 @@ pub struct NixlConfig {
     /// see [`stowage_nixl::check_rdma`]). Default true; off for tests and
     /// hosts without RDMA NICs, where UCX moves the bytes over tcp.
     pub require_rdma: bool,
+    /// What a nixl client held when its connection ended (a clean close
+    /// included) stays this long after the unit invalidated the client's
+    /// NIXL agent (once the agent's last connection ended): time for
+    /// transfers already posted to drain (docs/fencing.md). Default 5 s.
+    pub quarantine: Duration,
 }
 
 impl Default for NixlConfig {
     fn default() -> Self {
-        Self { require_rdma: true }
+        Self {
+            require_rdma: true,
+            quarantine: Duration::from_secs(5),
+        }
     }
 }
 
-/// A unit's NIXL side: its agent and registered slab.
+/// A unit's NIXL side: its agent and registered slab, and the client
+/// agents it knows.
 pub(crate) struct NixlServe {
     pub(crate) metadata: Vec<u8>,
     pub(crate) slab_addr: u64,
+    peers: Mutex<NixlPeers>,
     // Deregistered before the agent goes.
     _registration: stowage_nixl::SlabRegistration,
-    _agent: stowage_nixl::Agent,
+    agent: stowage_nixl::Agent,
+}
+
+/// Longest NIXL agent name a unit takes from a client.
+const MAX_AGENT_NAME: usize = 256;
+/// Most metadata bytes a unit loads of a client's agent (its connection
+/// information takes a few KiB).
+const MAX_AGENT_METADATA: usize = 1 << 20;
+
+/// The client agents of a unit's nixl connections.
+#[derive(Default)]
+struct NixlPeers {
+    /// Each open connection that asked `NixlInfo`: its client's agent, if
+    /// the unit knows it (loaded its metadata).
+    conns: std::collections::HashMap<stowage_core::Owner, Option<String>>,
+    /// Each known agent: the sessions its connections belonged to.
+    agents: std::collections::HashMap<String, std::collections::HashSet<stowage_core::SessionId>>,
+    /// Each session with a nixl connection: its agent (one per session).
+    sessions: std::collections::HashMap<stowage_core::SessionId, Option<String>>,
 }
 
 impl UnitConfig {
@@ -188,6 +245,7 @@ impl UnitConfig {
             disk: None,
             high_watermark: 0.9,
             low_watermark: 0.8,
+            disk_read_budget: DEFAULT_DISK_READ_BUDGET,
             failpoints: Vec::new(),
             restore: None,
             checkpoint_root: None,
@@ -196,6 +254,9 @@ impl UnitConfig {
             frame_timeout: Duration::from_secs(10),
             max_io_timeout: Duration::from_secs(600),
             max_connections: 1024,
+            max_handshakes: 128,
+            max_handshakes_per_source: 32,
+            handshake_timeout: Duration::from_secs(1),
             max_session_connections: 64,
             max_session_holds: 16384,
             index_budget: None,
@@ -207,6 +268,9 @@ impl UnitConfig {
         }
     }
 }
+
+/// Default [`UnitConfig::disk_read_budget`].
+pub const DEFAULT_DISK_READ_BUDGET: u64 = 8 << 20;
 
 /// A unit's disk tier at run time.
 pub(crate) struct DiskTier {
@@ -223,6 +287,173 @@ pub(crate) struct DiskTier {
     pub(crate) busy: Mutex<()>,
     /// I/O counters reported in stats.
     pub(crate) io: DiskIo,
+    /// The heap that reads from disk may take (buffers).
+    pub(crate) reads: ReadBudget,
+    /// Puts answered Pending whose files then could not be made durable,
+    /// newest last (1024 at most): a later Commit of one is told
+    /// what happened instead of "unknown blob".
+    pub(crate) failed_puts: Mutex<std::collections::VecDeque<FailedPut>>,
+}
+
+/// A put whose blob file failed after its Pending answer.
+pub(crate) struct FailedPut {
+    pub(crate) blob: stowage_core::BlobId,
+    pub(crate) code: stowage_wire::ErrorCode,
+    pub(crate) message: String,
+}
+
+/// Failed puts remembered (see [`DiskTier::failed_puts`]).
+const FAILED_PUTS_KEPT: usize = 1024;
+
+impl DiskTier {
+    /// Remember that `blob`'s put, answered Pending, failed with `e`.
+    pub(crate) fn put_failed(&self, blob: stowage_core::BlobId, e: &io::Error) {
+        let (code, message) = if disk::is_disk_full(e) {
+            (
+                stowage_wire::ErrorCode::Full,
+                format!(
+                    "the put of blob {blob:?} was answered Pending, but the unit's disk tier \
+                     filled up ({e}) before its file was made durable: nothing of it is \
+                     stored; put it again once there is room"
+                ),
+            )
+        } else {
+            (
+                stowage_wire::ErrorCode::Internal,
+                format!(
+                    "the put of blob {blob:?} was answered Pending, but its file on the \
+                     unit's disk tier could not be made durable ({e}): nothing of it is \
+                     stored; put it again"
+                ),
+            )
+        };
+        let mut f = self.failed_puts.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() >= FAILED_PUTS_KEPT {
+            f.pop_front();
+        }
+        f.push_back(FailedPut {
+            blob,
+            code,
+            message,
+        });
+    }
+
+    /// What happened to `blob`'s put, if it failed after Pending.
+    pub(crate) fn failed_put(
+        &self,
+        blob: stowage_core::BlobId,
+    ) -> Option<(stowage_wire::ErrorCode, String)> {
+        let f = self.failed_puts.lock().unwrap_or_else(|p| p.into_inner());
+        f.iter()
+            .rev()
+            .find(|p| p.blob == blob)
+            .map(|p| (p.code, p.message.clone()))
+    }
+}
+
+/// Largest buffer one disk read takes from the [`ReadBudget`].
+const READ_BUF: u64 = 1 << 20;
+/// Smallest read budget (one buffer of this size).
+const MIN_READ_BUDGET: u64 = 64 << 10;
+
+/// The heap reads from the disk tier may take, as a pool of equal
+/// buffers: a reader takes one for the whole of its transfer (a get
+/// streams every spilled value it sends through it; a promotion copies a
+/// blob into the slab through it), so however many readers there are, the
+/// heap they take is at most the budget.
+pub(crate) struct ReadBudget {
+    buf_len: usize,
+    /// Buffers not taken, and free buffers already allocated.
+    free: Mutex<(usize, Vec<Vec<u8>>)>,
+    returned: std::sync::Condvar,
+}
+
+impl ReadBudget {
+    pub(crate) fn new(budget: u64) -> Self {
+        let budget = budget.max(MIN_READ_BUDGET);
+        let buf_len = budget.min(READ_BUF);
+        Self {
+            buf_len: buf_len as usize,
+            free: Mutex::new(((budget / buf_len) as usize, Vec::new())),
+            returned: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Take a buffer, waiting until `until` for one to be given back.
+    pub(crate) fn take(&self, until: Instant) -> Option<ReadBuf<'_>> {
+        let mut g = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if g.0 > 0 {
+                g.0 -= 1;
+                let buf = g.1.pop().unwrap_or_else(|| vec![0u8; self.buf_len]);
+                return Some(ReadBuf { budget: self, buf });
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            g = self
+                .returned
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A buffer of the [`ReadBudget`], given back on drop.
+pub(crate) struct ReadBuf<'a> {
+    budget: &'a ReadBudget,
+    buf: Vec<u8>,
+}
+
+impl std::ops::Deref for ReadBuf<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for ReadBuf<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+}
+
+impl Drop for ReadBuf<'_> {
+    fn drop(&mut self) {
+        let mut g = self.budget.free.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        g.1.push(std::mem::take(&mut self.buf));
+        self.budget.returned.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod read_budget_tests {
+    use super::*;
+
+    /// The budget is a fixed number of buffers: a reader past it waits
+    /// until its deadline (None), or until one is given back.
+    #[test]
+    fn readers_past_the_budget_wait_then_get_none() {
+        let b = ReadBudget::new(3 << 20);
+        let soon = || Instant::now() + Duration::from_millis(20);
+        let held: Vec<_> = (0..3).map(|_| b.take(soon()).unwrap()).collect();
+        assert!(held.iter().all(|h| h.len() == 1 << 20));
+        assert!(b.take(soon()).is_none());
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| b.take(Instant::now() + Duration::from_secs(10)).is_some());
+            std::thread::sleep(Duration::from_millis(50));
+            drop(held);
+            assert!(waiter.join().unwrap());
+        });
+        // A budget below one buffer still has one, of the budget's size.
+        let small = ReadBudget::new(1);
+        let one = small.take(soon()).unwrap();
+        assert_eq!(one.len() as u64, MIN_READ_BUDGET);
+        assert!(small.take(soon()).is_none());
+    }
 }
 
 /// Disk tier I/O counters.
@@ -280,8 +511,11 @@ pub(crate) struct Shared {
     pub(crate) max_io_timeout: Duration,
     pub(crate) checkpoint_root: Option<PathBuf>,
     pub(crate) max_connections: usize,
-    /// Connections being served.
+    /// Connections being served (past their handshake).
     pub(crate) connections: std::sync::atomic::AtomicUsize,
+    /// Connections still in their handshake.
+    pub(crate) handshakes: admit::Handshakes,
+    pub(crate) handshake_timeout: Duration,
     /// The shared secret clients must prove, if any.
     pub(crate) secret: Option<stowage_wire::auth::Secret>,
     /// Sessions by the token given at Hello.
@@ -324,8 +558,9 @@ fn serve_nixl(
     Ok(NixlServe {
         metadata,
         slab_addr: slab.addr() as u64,
+        peers: Mutex::new(NixlPeers::default()),
         _registration: registration,
-        _agent: agent,
+        agent,
     })
 }
 
@@ -337,6 +572,9 @@ pub(crate) struct SessionRec {
     pub(crate) pidfd: Option<std::os::fd::OwnedFd>,
     /// The slab was handed to this session: its peer may copy by itself.
     pub(crate) mapped: bool,
+    /// A connection of this session asked for nixl: its peer moves bytes
+    /// with one-sided transfers, and so may its other connections.
+    pub(crate) one_sided: bool,
 }
 
 impl Shared {
@@ -375,6 +613,7 @@ impl Shared {
                         pid: peer.pid,
                         pidfd: None,
                         mapped: false,
+                        one_sided: false,
                     },
                 );
                 token
@@ -399,20 +638,88 @@ impl Shared {
         rec.mapped |= maps;
         let direct = rec.mapped;
         let owner = core.attach(rec.id, direct)?;
+        if rec.one_sided {
+            core.make_one_sided(owner)?;
+        }
         Ok((token, owner))
     }
 
-    /// The peer of `owner`'s connection will touch the slab by itself (a
-    /// nixl client): the connection and its session become direct, as a
-    /// peer that was handed the memfd is.
+    /// The peer of `owner`'s connection will touch the slab by itself with
+    /// one-sided transfers (a nixl client, whose NIXL agent is `agent`
+    /// with the metadata to reach it, when it told them): the connection
+    /// and its session become one-sided ([`UnitCore::make_one_sided`]).
+    /// The unit loads the agent's metadata, to invalidate it once the
+    /// agent's last connection has ended ([`Shared::nixl_conn_ended`]).
     pub(crate) fn map_session(
         &self,
         owner: stowage_core::Owner,
         peer: conn::Peer,
+        agent: &str,
+        agent_metadata: &[u8],
     ) -> Result<(), stowage_core::CoreError> {
+        let invalid = stowage_core::CoreError::Invalid;
+        let Some(n) = &self.nixl else {
+            return Err(invalid("this unit does not serve nixl".into()));
+        };
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         let Some(rec) = sessions.values_mut().find(|r| r.id == owner.session) else {
-            return Err(stowage_core::CoreError::Invalid("session vanished".into()));
+            return Err(invalid("session vanished".into()));
+        };
+        let mut peers = n.peers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut told = (!agent.is_empty()).then(|| agent.to_owned());
+        if agent.len() > MAX_AGENT_NAME || agent_metadata.len() > MAX_AGENT_METADATA {
+            tracing::warn!(
+                unit = %self.name,
+                name_bytes = agent.len(),
+                metadata_bytes = agent_metadata.len(),
+                "a nixl client's agent is past the unit's bounds: not loaded; what its \
+                 connections hold when they end waits out the nixl quarantine alone"
+            );
+            told = None;
+        }
+        if peers.conns.contains_key(&owner) {
+            // Asked again on the same connection: the same answer.
+            return if peers.sessions.get(&owner.session) == Some(&told) {
+                Ok(())
+            } else {
+                Err(invalid(
+                    "this connection asked for nixl already, as another agent".into(),
+                ))
+            };
+        }
+        if let Some(had) = peers.sessions.get(&owner.session) {
+            if *had != told {
+                return Err(invalid(format!(
+                    "a session's nixl connections come from one NIXL agent: this one \
+                     was {had:?}, now {told:?} (open a new session for another agent)"
+                )));
+            }
+        }
+        let known = match &told {
+            Some(name) if peers.agents.contains_key(name) => Some(name.clone()),
+            Some(name) => match n.agent.load_remote(agent_metadata) {
+                Ok(loaded) if loaded == *name => {
+                    tracing::debug!(unit = %self.name, agent = %loaded, metadata_bytes = agent_metadata.len(), "loaded a nixl client's agent");
+                    Some(loaded)
+                }
+                Ok(loaded) => {
+                    let _ = n.agent.invalidate_remote(&loaded);
+                    return Err(invalid(format!(
+                        "the NIXL metadata told is agent {loaded:?}'s, not {name:?}'s"
+                    )));
+                }
+                Err(e) => {
+                    tracing::warn!(
+                        unit = %self.name,
+                        agent = %name,
+                        error = %e,
+                        "cannot load a nixl client's agent: what its connections hold when \
+                         they end waits out the nixl quarantine without an invalidation"
+                    );
+                    None
+                }
+            },
+            None => None,
         };
         if rec.pidfd.is_none() {
             rec.pidfd = peer.pid.and_then(|pid| {
@@ -420,8 +727,73 @@ impl Shared {
                 rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
             });
         }
-        rec.mapped = true;
-        self.core().make_direct(owner)
+        rec.one_sided = true;
+        self.core().make_one_sided(owner)?;
+        if let Some(name) = &known {
+            peers
+                .agents
+                .entry(name.clone())
+                .or_default()
+                .insert(owner.session);
+        }
+        peers.sessions.insert(owner.session, told);
+        peers.conns.insert(owner, known);
+        Ok(())
+    }
+
+    /// A connection ended (after the core's [`UnitCore::detach`]). When it
+    /// was a nixl connection and the last open one of its client's agent,
+    /// the unit invalidates that agent (so that, where UCX can, no further
+    /// transfer of it lands) and fences the sessions it served: what their
+    /// ended connections hold is released once the nixl quarantine has
+    /// passed. A connection whose agent the unit does not know fences its
+    /// session at once: its holds wait out the quarantine alone.
+    pub(crate) fn nixl_conn_ended(&self, owner: stowage_core::Owner) {
+        let Some(n) = &self.nixl else {
+            return;
+        };
+        let (fence, agent) = {
+            let mut peers = n.peers.lock().unwrap_or_else(|p| p.into_inner());
+            let Some(agent) = peers.conns.remove(&owner) else {
+                return;
+            };
+            if !peers.conns.keys().any(|o| o.session == owner.session) {
+                peers.sessions.remove(&owner.session);
+            }
+            match agent {
+                None => (vec![owner.session], None),
+                Some(name) if peers.conns.values().any(|a| a.as_ref() == Some(&name)) => {
+                    (Vec::new(), None)
+                }
+                Some(name) => {
+                    // Under the lock: a connection of the same agent that
+                    // asks NixlInfo meanwhile loads it afresh, after this.
+                    let sessions = peers.agents.remove(&name).unwrap_or_default();
+                    let invalidated = n.agent.invalidate_remote(&name);
+                    if let Err(e) = &invalidated {
+                        tracing::warn!(unit = %self.name, agent = %name, error = %e, "cannot invalidate a nixl client's agent");
+                    }
+                    (sessions.into_iter().collect(), Some(name))
+                }
+            }
+        };
+        if fence.is_empty() {
+            return;
+        }
+        let now = self.now();
+        let held: u64 = {
+            let mut core = self.core();
+            fence.iter().map(|s| core.fence(*s, now)).sum()
+        };
+        if held > 0 {
+            tracing::info!(
+                unit = %self.name,
+                agent = agent.as_deref().unwrap_or("(not told)"),
+                holds = held,
+                quarantine_ms = self.core().config().nixl_quarantine.as_millis() as u64,
+                "a nixl client's connections ended: its holds are released after the nixl quarantine"
+            );
+        }
     }
 
     /// End the sessions whose connections were all cut and whose process
@@ -514,13 +886,13 @@ impl Shared {
             }
             let mut last = None;
             for _ in 0..5 {
-                match d.dir.path.exists().then(|| d.dir.remove()) {
-                    None | Some(Ok(())) => {
+                match d.dir.remove() {
+                    Ok(()) => {
                         last = None;
                         break;
                     }
                     // A connection may have just created a file: try again.
-                    Some(Err(e)) => {
+                    Err(e) => {
                         last = Some(e);
                         std::thread::sleep(Duration::from_millis(10));
                     }
@@ -697,6 +1069,10 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             tracing::warn!(%addr, "listening beyond loopback without a shared secret (--insecure): anyone who reaches this address can read and change every value");
         }
     }
+    admit::raise_nofile(
+        &cfg.name,
+        admit::fds_needed(cfg.max_connections, cfg.max_handshakes),
+    );
     let mut core_cfg = CoreConfig::new(cfg.memory);
     if let Some(b) = cfg.index_budget {
         core_cfg.index_budget = b;
@@ -712,6 +1088,9 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     core_cfg.reservation_lease = cfg.reservation_lease;
     core_cfg.pin_lease = cfg.pin_lease;
     core_cfg.quarantine = cfg.quarantine;
+    if let Some(n) = &cfg.nixl {
+        core_cfg.nixl_quarantine = n.quarantine;
+    }
     core_cfg.high_watermark = cfg.high_watermark;
     core_cfg.low_watermark = cfg.low_watermark;
     core_cfg.disk_capacity = cfg.disk.as_ref().map_or(0, |(_, c)| *c);
@@ -734,16 +1113,13 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         Some((root, capacity)) => {
             let (dir, removed) =
                 disk::OwnedDir::create(root, &cfg.name, instance_id).map_err(|err| {
-                    StartError::Bind {
-                        what: format!("disk tier directory under {}", root.display()),
-                        err,
-                    }
+                    root_error(err, format!("disk tier directory under {}", root.display()))
                 })?;
             for r in removed {
                 tracing::info!(dir = %r.display(), "removed the disk directory of a unit that is gone");
             }
             tracing::info!(dir = %dir.path.display(), capacity, "disk tier");
-            let engine = disk::FileEngine::new(dir.path.clone());
+            let engine = disk::FileEngine::new(dir.fd(), dir.path.clone(), instance_id);
             for f in &cfg.failpoints {
                 engine.failpoints.enable(f).map_err(StartError::Config)?;
             }
@@ -756,11 +1132,18 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                     wake: (Mutex::new(false), std::sync::Condvar::new()),
                     busy: Mutex::new(()),
                     io: DiskIo::default(),
+                    reads: ReadBudget::new(cfg.disk_read_budget),
+                    failed_puts: Mutex::new(std::collections::VecDeque::new()),
                 }),
                 Some(rx),
             )
         }
     };
+    if let Some(root) = &cfg.checkpoint_root {
+        // Refused now rather than at the first checkpoint.
+        disk::open_private_root(root, "checkpoint root")
+            .map_err(|err| root_error(err, format!("checkpoint root {}", root.display())))?;
+    }
     if disk.is_none() && !cfg.failpoints.is_empty() {
         return Err(StartError::Config("failpoints need a disk tier".into()));
     }
@@ -784,6 +1167,8 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         checkpoint_root: cfg.checkpoint_root.clone(),
         max_connections: cfg.max_connections.max(1),
         connections: std::sync::atomic::AtomicUsize::new(0),
+        handshakes: admit::Handshakes::new(cfg.max_handshakes, cfg.max_handshakes_per_source),
+        handshake_timeout: cfg.handshake_timeout,
         secret: cfg.secret.clone(),
         sessions: Mutex::new(std::collections::HashMap::new()),
         name: cfg.name.clone(),
@@ -861,7 +1246,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             .map_err(StartError::Slab)?;
     }
     if let Some(addr) = cfg.tcp {
-        let l = TcpListener::bind(addr).map_err(|err| StartError::Bind {
+        let l = admit::bind_tcp(addr).map_err(|err| StartError::Bind {
             what: addr.to_string(),
             err,
         })?;
@@ -901,6 +1286,17 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     Ok(handle)
 }
 
+/// A disk or checkpoint root refused as unsafe is a configuration error
+/// (its message says why and how to fix it); other failures to set it up
+/// are I/O errors with `what`.
+fn root_error(err: io::Error, what: String) -> StartError {
+    if err.kind() == io::ErrorKind::PermissionDenied {
+        StartError::Config(err.to_string())
+    } else {
+        StartError::Bind { what, err }
+    }
+}
+
 /// Whether `addr` is a loopback address (127.0.0.0/8, ::1, or an IPv4
 /// loopback address mapped into IPv6).
 pub fn is_loopback(addr: &SocketAddr) -> bool {
@@ -920,6 +1316,7 @@ fn flusher(
             Ok(_) => true,
             Err(e) => {
                 tracing::warn!(error = %e, ?blob, "a put's blob file could not be made durable");
+                d.put_failed(blob, &e);
                 false
             }
         };
@@ -1078,8 +1475,8 @@ fn turn_away(mut s: impl io::Write, code: stowage_wire::ErrorCode, message: &str
     }
 }
 
-/// Count a connection while it is served.
-struct Counted(Arc<Shared>);
+/// Count a connection while it is served (past its handshake).
+pub(crate) struct Counted(Arc<Shared>);
 
 impl Drop for Counted {
     fn drop(&mut self) {
@@ -1087,30 +1484,74 @@ impl Drop for Counted {
     }
 }
 
-/// Serve `stream` on its own thread, unless the unit has too many
-/// connections already.
-fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, name: &str) {
-    if shared.connections.fetch_add(1, Ordering::SeqCst) >= shared.max_connections {
-        shared.connections.fetch_sub(1, Ordering::SeqCst);
+impl Shared {
+    /// The connection of `ticket` proved itself: it leaves the handshake
+    /// pool and takes a served connection's slot. `Err`: the Busy answer
+    /// it gets instead (its handshake was cut meanwhile, or the unit
+    /// serves `max_connections` already).
+    pub(crate) fn prove(self: &Arc<Self>, ticket: &admit::Ticket) -> Result<Counted, String> {
+        if !self.handshakes.prove(ticket) {
+            return Err(self.cut_message(ticket));
+        }
+        if self.connections.fetch_add(1, Ordering::SeqCst) >= self.max_connections {
+            self.connections.fetch_sub(1, Ordering::SeqCst);
+            if let Some(m) = &self.metrics {
+                m.turned_away();
+            }
+            return Err(format!(
+                "the unit has too many connections ({}, its --max-connections); try again later",
+                self.max_connections
+            ));
+        }
+        Ok(Counted(self.clone()))
+    }
+
+    /// What a connection whose handshake was cut is told.
+    pub(crate) fn cut_message(&self, ticket: &admit::Ticket) -> String {
+        match ticket.cut() {
+            Some(admit::Cut::Source) => format!(
+                "too many connections waiting for their handshake from {} ({}, the unit's \
+                 --max-handshakes-per-source): the oldest was cut; try again",
+                ticket.source, self.handshakes.per_source
+            ),
+            _ => format!(
+                "too many connections waiting for their handshake ({}, the unit's \
+                 --max-handshakes): the oldest of the source holding the most was cut; try again",
+                self.handshakes.max
+            ),
+        }
+    }
+}
+
+/// Serve `stream` on its own thread. It waits in the handshake pool
+/// until it proves itself (see `admit.rs`): taking its place there may
+/// cut the oldest handshake of its source, or of the source holding the
+/// most.
+fn spawn_conn(
+    shared: &Arc<Shared>,
+    stream: Socket,
+    peer: conn::Peer,
+    source: admit::Source,
+    name: &str,
+) {
+    let Some((ticket, cut)) = shared.handshakes.admit(shared, source, &stream) else {
+        tracing::warn!(%source, "out of file descriptors: a connection was turned away");
         if let Some(m) = &shared.metrics {
             m.turned_away();
         }
-        let _ = stream.set_write_timeout(Some(Duration::from_millis(100)));
-        turn_away(
-            stream,
-            stowage_wire::ErrorCode::Busy,
-            "the unit has too many connections; try again later",
-        );
         return;
+    };
+    if let Some((why, from)) = cut {
+        if let Some(m) = &shared.metrics {
+            m.handshake_cut(why);
+        }
+        tracing::debug!(source = %from, reason = ?why, "cut a handshake to admit a new connection");
     }
-    let counted = Counted(shared.clone());
     let sh = shared.clone();
+    let accepted = Instant::now();
     let spawned = std::thread::Builder::new()
         .name(name.into())
-        .spawn(move || {
-            let _counted = counted;
-            conn::serve(sh, stream, peer)
-        });
+        .spawn(move || conn::serve(sh, stream, peer, ticket, accepted));
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "cannot start a connection thread");
     }
@@ -1138,7 +1579,10 @@ fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
                     );
                     continue;
                 }
-                spawn_conn(&shared, Socket::Unix(s), peer, "conn-uds");
+                // Same-user peers prove themselves too before they are
+                // served; a peer without credentials counts as one user.
+                let source = admit::Source::Uid(peer.uid.unwrap_or(u32::MAX));
+                spawn_conn(&shared, Socket::Unix(s), peer, source, "conn-uds");
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on the Unix socket failed");
@@ -1149,6 +1593,7 @@ fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
 }
 
 fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
+    let local = l.local_addr().ok();
     for stream in l.incoming() {
         if shared.stop.load(Ordering::SeqCst) {
             return;
@@ -1156,7 +1601,19 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
         match stream {
             Ok(s) => {
                 let _ = s.set_nodelay(true);
-                spawn_conn(&shared, Socket::Tcp(s), conn::Peer::default(), "conn-tcp");
+                let source = match s.peer_addr() {
+                    // The accepted socket's own address: a listener on
+                    // 0.0.0.0 answers on the address the peer dialled.
+                    Ok(p) => admit::Source::of_tcp(p, s.local_addr().ok().or(local)),
+                    Err(_) => continue, // already gone
+                };
+                spawn_conn(
+                    &shared,
+                    Socket::Tcp(s),
+                    conn::Peer::default(),
+                    source,
+                    "conn-tcp",
+                );
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on TCP failed");
@@ -1170,36 +1627,76 @@ fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
 pub(crate) enum Served {
     /// In the slab (possibly just brought back from disk).
     Memory(stowage_core::Location, Vec<u8>),
-    /// Only on disk: `offset` into the blob. With `load`, its bytes are in
-    /// the buffers [`Shared::bring_back`] returns, under (blob, offset,
-    /// len).
+    /// Only on disk: `len` bytes at `offset` into the blob, streamed from
+    /// its file as the reply is written ([`read_through`]).
     Disk {
         blob: stowage_core::BlobId,
         offset: u64,
         len: u64,
         meta: Vec<u8>,
     },
-    /// Its blob's file failed its checksum or could not be read.
+    /// Its blob's file failed its checksum, is not that blob's, or could
+    /// not be read.
     Corrupt,
 }
-
-/// Values read from the disk tier, by (blob, offset, len).
-pub(crate) type DiskBuffers = std::collections::HashMap<(stowage_core::BlobId, u64, u64), Vec<u8>>;
 
 /// Pieces of a slab range copied through the heap at a time (disk tier
 /// and checkpoint I/O).
 const COPY_CHUNK: usize = 1 << 20;
 
+/// Read `len` bytes at `offset` of an open blob file through `buf`, piece
+/// by piece (each checked; pieces end on the file's chunk boundaries where
+/// they can, so no chunk is read twice), handing each piece to `sink`. The
+/// outer error is the file's, the inner one the sink's.
+pub(crate) fn read_through(
+    reader: &disk::BlobReader,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+    mut sink: impl FnMut(&[u8]) -> io::Result<()>,
+) -> Result<io::Result<()>, disk::DiskError> {
+    let chunk = u64::from(disk::CHUNK);
+    let end = offset
+        .checked_add(len)
+        .filter(|&e| e <= reader.size())
+        .ok_or_else(|| disk::DiskError::OutOfRange {
+            path: PathBuf::new(),
+            offset,
+            len,
+            size: reader.size(),
+        })?;
+    let mut pos = offset;
+    while pos < end {
+        let mut stop = (pos + buf.len() as u64).min(end);
+        let aligned = stop / chunk * chunk;
+        if stop < end && aligned > pos {
+            stop = aligned;
+        }
+        let piece = &mut buf[..(stop - pos) as usize];
+        reader.read_at(pos, piece)?;
+        if let Err(e) = sink(piece) {
+            return Ok(Err(e));
+        }
+        pos = stop;
+    }
+    Ok(Ok(()))
+}
+
 impl Shared {
-    /// Bring spilled values back for a reader that pinned them: each
-    /// spilled blob is promoted into the slab where there is room below
-    /// the high watermark; otherwise, with `load`, only the values asked
-    /// for are read from its file (checked chunk by chunk).
+    /// Bring spilled values back for a reader that pinned them, through
+    /// `buf` (a buffer of the disk tier's [`ReadBudget`]; without one,
+    /// nothing is brought back): each spilled blob is promoted into the
+    /// slab where there is room below the high watermark; with `verify`,
+    /// the ranges asked for of the others are read and checked (nothing is
+    /// kept: the reply streams them from their files afterwards), so that
+    /// a damaged file, or one that is not its blob's, is answered Corrupt
+    /// before the reply promises its bytes.
     pub(crate) fn bring_back(
         &self,
         found: Vec<Option<stowage_core::Located>>,
-        load: bool,
-    ) -> (Vec<Option<Served>>, DiskBuffers) {
+        mut buf: Option<&mut [u8]>,
+        verify: bool,
+    ) -> Vec<Option<Served>> {
         use std::collections::{BTreeMap, HashMap, HashSet};
         use stowage_core::{Location, Place};
         // Each spilled blob, with the ranges of it that were asked for.
@@ -1211,10 +1708,12 @@ impl Shared {
         }
         let mut promoted = HashMap::new();
         let mut corrupt = HashSet::new();
-        let mut buffers = DiskBuffers::new();
-        for (blob, wanted) in on_disk {
+        for (blob, mut wanted) in on_disk {
             let Some(d) = &self.disk else {
                 corrupt.insert(blob);
+                continue;
+            };
+            let Some(buf) = buf.as_deref_mut() else {
                 continue;
             };
             let (slot, size) = {
@@ -1222,52 +1721,61 @@ impl Shared {
                 let size = c.blob_size(blob);
                 (c.promote_begin(blob), size)
             };
-            let Some(size) = size.and_then(|s| usize::try_from(s).ok()) else {
+            let Some(size) = size else {
+                if let Some(_slot) = slot {
+                    self.core().promote_done(blob, false);
+                }
                 corrupt.insert(blob);
                 continue;
             };
             let t0 = Instant::now();
+            let reader = d.engine.reader(blob).and_then(|r| {
+                if r.size() == size {
+                    Ok(r)
+                } else {
+                    Err(disk::DiskError::Corrupt {
+                        path: d.engine.path(blob),
+                        reason: format!("holds {} bytes, expected {size}", r.size()),
+                    })
+                }
+            });
             let read = match slot {
                 Some(offset) => {
                     // This thread alone writes the promotion's range: the
                     // core keeps it allocated until promote_done.
-                    let r = self
-                        .slab
-                        .copy_in_chunked(offset, size, COPY_CHUNK, |at, buf| {
-                            d.engine.read_at(blob, at, buf)
-                        })
-                        .map_err(|e| disk::DiskError::Io(std::io::Error::other(e)))
-                        .and_then(|r| r);
+                    let r = reader.and_then(|rd| {
+                        let mut at = 0;
+                        read_through(&rd, 0, size, buf, |piece| {
+                            self.slab
+                                .write(offset + at, piece)
+                                .map_err(io::Error::other)?;
+                            at += piece.len() as u64;
+                            Ok(())
+                        })?
+                        .map_err(disk::DiskError::Io)
+                    });
                     self.core().promote_done(blob, r.is_ok());
                     if r.is_ok() {
                         promoted.insert(blob, offset);
                         if let Some(m) = &self.metrics {
-                            m.promoted_bytes.fetch_add(size as u64, Ordering::Relaxed);
+                            m.promoted_bytes.fetch_add(size, Ordering::Relaxed);
                         }
                     }
-                    r.map(|()| size as u64)
+                    r.map(|()| size)
                 }
-                None if load => {
-                    let mut bytes = 0;
-                    let mut r = Ok(());
-                    for (offset, len) in wanted {
-                        if buffers.contains_key(&(blob, offset, len)) {
-                            continue;
+                None if verify => {
+                    wanted.sort_unstable();
+                    wanted.dedup();
+                    reader.and_then(|rd| {
+                        let mut bytes = 0;
+                        for (offset, len) in wanted {
+                            read_through(&rd, offset, len, buf, |_| Ok(()))??;
+                            bytes += len;
                         }
-                        let mut buf = vec![0u8; len as usize];
-                        r = d.engine.read_at(blob, offset, &mut buf);
-                        if r.is_err() {
-                            break;
-                        }
-                        bytes += len;
-                        if let Some(m) = &self.metrics {
-                            m.disk_streamed_bytes.fetch_add(len, Ordering::Relaxed);
-                        }
-                        buffers.insert((blob, offset, len), buf);
-                    }
-                    r.map(|()| bytes)
+                        Ok(bytes)
+                    })
                 }
-                None => Ok(0),
+                None => reader.map(|_| 0),
             };
             match read {
                 Ok(0) => {}
@@ -1278,7 +1786,7 @@ impl Shared {
                 }
             }
         }
-        let served = found
+        found
             .into_iter()
             .map(|f| {
                 f.map(|(place, meta)| match place {
@@ -1301,8 +1809,7 @@ impl Shared {
                     },
                 })
             })
-            .collect();
-        (served, buffers)
+            .collect()
     }
 }
 

@@ -67,7 +67,7 @@ const OP_NAMES: [&str; OPS] = [
 impl Op {
     pub(crate) fn of(req: &Request) -> Op {
         match req {
-            Request::Hello { .. } | Request::NixlInfo => Op::Hello,
+            Request::Hello { .. } | Request::NixlInfo { .. } => Op::Hello,
             Request::Alloc { .. } => Op::Alloc,
             // A commit that also reserves the client's next spare.
             Request::Commit { .. } | Request::CommitSpare { .. } => Op::Commit,
@@ -370,6 +370,8 @@ pub struct UnitMetrics {
     errors: [AtomicU64; CODES],
     busy: AtomicU64,
     turned_away: AtomicU64,
+    /// Handshakes cut, by [`HANDSHAKE_CUT_NAMES`].
+    handshakes_cut: [AtomicU64; 3],
     reclaimed: [AtomicU64; 3],
     sessions_opened: AtomicU64,
     pub(crate) spilled_bytes: AtomicU64,
@@ -389,6 +391,7 @@ impl Default for UnitMetrics {
             errors: Default::default(),
             busy: AtomicU64::new(0),
             turned_away: AtomicU64::new(0),
+            handshakes_cut: Default::default(),
             reclaimed: Default::default(),
             sessions_opened: AtomicU64::new(0),
             spilled_bytes: AtomicU64::new(0),
@@ -452,6 +455,20 @@ impl UnitMetrics {
         self.busy.fetch_add(1, Relaxed);
     }
 
+    /// A connection's handshake was cut to admit a newer one.
+    pub(crate) fn handshake_cut(&self, why: crate::admit::Cut) {
+        let i = match why {
+            crate::admit::Cut::Source => 0,
+            crate::admit::Cut::Pool => 1,
+        };
+        self.handshakes_cut[i].fetch_add(1, Relaxed);
+    }
+
+    /// A connection's handshake ran past the handshake timeout.
+    pub(crate) fn handshake_timed_out(&self) {
+        self.handshakes_cut[2].fetch_add(1, Relaxed);
+    }
+
     pub(crate) fn reclaimed(&self, why: Reclaim, holds: u64) {
         if holds > 0 {
             self.reclaimed[why as usize].fetch_add(holds, Relaxed);
@@ -479,6 +496,9 @@ impl UnitMetrics {
         self.busy.load(Relaxed)
     }
 }
+
+/// Reasons a handshake was cut, as labelled.
+const HANDSHAKE_CUT_NAMES: [&str; 3] = ["source_limit", "pool_full", "timeout"];
 
 /// What recording one request costs, on average over `iters` requests
 /// (one thread): the clock read at its end, its kind, outcome
@@ -702,8 +722,14 @@ impl Collector for UnitCollector {
         gauge(
             &mut e,
             "connections",
-            "Connections being served.",
+            "Connections being served (past their handshake).",
             sh.connections.load(Relaxed) as f64,
+        )?;
+        gauge(
+            &mut e,
+            "handshakes",
+            "Connections waiting to prove themselves (see --max-handshakes).",
+            sh.handshakes.len() as f64,
         )?;
         let Some(m) = sh.metrics.as_ref() else {
             return Ok(());
@@ -766,8 +792,20 @@ impl Collector for UnitCollector {
         counter(
             &mut e,
             "connections_refused",
-            "Connections refused at accept because the unit had too many.",
+            "Connections refused Busy once they proved themselves because the unit served --max-connections already (or, at accept, for want of file descriptors).",
             m.turned_away.load(Relaxed),
+        )?;
+        let cut: Vec<(&str, u64)> = HANDSHAKE_CUT_NAMES
+            .iter()
+            .zip(&m.handshakes_cut)
+            .map(|(n, c)| (*n, c.load(Relaxed)))
+            .collect();
+        counters(
+            &mut e,
+            "handshakes_cut",
+            "Connections cut before they proved themselves, by reason (source_limit: their source opened more than --max-handshakes-per-source; pool_full: --max-handshakes were waiting and their source held the most; timeout: no proof within --handshake-timeout).",
+            "reason",
+            &cut,
         )?;
         {
             let mut d = e.encode_descriptor(

@@ -246,10 +246,19 @@ pub enum Request {
     /// Ask how to reach this unit's slab with one-sided NIXL transfers:
     /// answered [`Response::NixlInfo`] by a unit that serves nixl
     /// (`stowage unit --nixl`), `InvalidRequest` by one that does not. The
-    /// connection then holds what it reserves and pins as a same-host
-    /// connection does (docs/fencing.md): the client's WRITEs and READs
+    /// connection's holds then outlive its end until the unit has fenced
+    /// the client's agent (docs/fencing.md): the client's WRITEs and READs
     /// touch them directly.
-    NixlInfo,
+    ///
+    /// `agent`: the client's NIXL agent name, and `agent_metadata` what the
+    /// unit loads to reach it (its connection information), so that the
+    /// unit can invalidate it once the agent's last connection has ended;
+    /// both empty when the client cannot tell (its holds then wait out the
+    /// unit's nixl quarantine alone).
+    NixlInfo {
+        agent: String,
+        agent_metadata: Vec<u8>,
+    },
 }
 
 /// A file of a checkpoint.
@@ -474,6 +483,17 @@ impl Request {
             } => {
                 partition(p)?;
                 count("entries", entries.len())?;
+                // Their lengths add up within 64 bits (a blob holds them
+                // all), so that no one sums them past it.
+                if entries
+                    .iter()
+                    .try_fold(0u64, |sum, e| sum.checked_add(e.len))
+                    .is_none()
+                {
+                    return Err(WireError::Malformed(
+                        "the entries' lengths add up past 2^64 bytes".into(),
+                    ));
+                }
                 entries.iter().try_for_each(|e| {
                     name("field name bytes", &e.key.field)?;
                     if e.offset.checked_add(e.len).is_none() {
@@ -515,7 +535,7 @@ impl Request {
             Request::Abort { .. }
             | Request::Unpin { .. }
             | Request::Stats
-            | Request::NixlInfo
+            | Request::NixlInfo { .. }
             | Request::ListPartitions
             | Request::Auth { .. }
             | Request::Prove { .. } => Ok(()),
@@ -735,7 +755,10 @@ mod tests {
                 spare: BlobId(7),
                 spare_nbytes: 65536,
             },
-            Request::NixlInfo,
+            Request::NixlInfo {
+                agent: "stowage-client-1-00ff".into(),
+                agent_metadata: vec![3; 200],
+            },
         ]
     }
 
