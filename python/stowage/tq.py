@@ -30,8 +30,16 @@ Rows are TransferQueue global indexes, partitions are TransferQueue
 partitions, fields are fields. Non-tensor values (strings, dicts, numpy
 object or bytes arrays, ``NonTensorStack``/``NonTensorData``) are stored as
 pickles (protocol 5) in uint8 values, marked as such in the controller's
-per-cell ``custom_backend_meta``; see :func:`_encode_rows`. CUDA tensors
-are copied to host memory before a put (no GPU-direct path).
+per-cell ``custom_backend_meta``, each with an HMAC-SHA-256 tag under a key
+derived from the plane's shared secret that binds it to its namespace,
+partition, row and field; a get unpickles a cell only after its tag was
+checked (:mod:`stowage._tq_cells`, :class:`UntrustedCell`). Without a
+secret, pickled cells are refused unless ``insecure_pickles: true``. CUDA
+tensors are copied to host memory before a put (no GPU-direct path).
+
+Checkpoints are written only under ``checkpoint_root``: by default a
+private (0700) directory of the user in the job's temporary directory
+(:func:`default_checkpoint_root`), never ``/``.
 """
 
 from __future__ import annotations
@@ -41,25 +49,31 @@ import concurrent.futures
 import json
 import logging
 import os
-import pickle
+import stat
 import sys
+import tempfile
 import threading
 import weakref
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
 import stowage
 
+from . import _tq_cells
+from ._tq_cells import UntrustedCell
 from .tq_worker import ray_runtime_env_hook, setup_worker
 
 logger = logging.getLogger("stowage.tq")
 
 __all__ = [
     "BACKEND",
+    "CheckpointRefused",
     "RowsLost",
     "StowageStorage",
     "StowageStorageManager",
+    "UntrustedCell",
+    "default_checkpoint_root",
     "initialize_stowage_storage",
     "ray_runtime_env_hook",
     "setup_worker",
@@ -78,9 +92,17 @@ DEFAULTS: Dict[str, Any] = {
     "spread": False,  # False: every unit on the initializing process's node
     "listen_host": "127.0.0.1",  # "node-ip" for units that other hosts reach
     "disk": None,  # {root, capacity, high_watermark, low_watermark}
-    "checkpoint_root": "/",  # where tq.save_checkpoint may write
+    # Where tq.save_checkpoint may write; None: default_checkpoint_root().
+    "checkpoint_root": None,
     "secret_file": None,  # the units' shared secret (each node reads it)
     "insecure": False,
+    # Store and unpickle non-tensor values unauthenticated on a plane with
+    # no secret (anyone who can write the units' rows then runs code in
+    # the job's readers); with a secret, cells are always authenticated.
+    "insecure_pickles": False,
+    # The secret of the plane that saved the checkpoints to load, when not
+    # this plane's: their pickled cells are checked under it and re-tagged.
+    "checkpoint_secret_file": None,
     "namespace": "transfer_queue",
     "timeout": 120.0,  # seconds, every put/get/clear
     "start_timeout": 120.0,
@@ -88,10 +110,9 @@ DEFAULTS: Dict[str, Any] = {
     "directory": None,  # written by the provider; or given: external units
 }
 
-# The tag of a pickled non-tensor value, in custom_backend_meta and at the
-# head of the stored bytes.
+# The mark of a pickled non-tensor value in custom_backend_meta (the stored
+# bytes carry their own head and tag: stowage._tq_cells).
 _PICKLE_TAG = "stowage-pickle5"
-_MAGIC = b"STWPKL5\x00"
 
 _CHECKPOINT_SUBDIR = "stowage"
 _CHECKPOINT_INFO = "stowage_checkpoint.json"
@@ -111,6 +132,14 @@ class RowsLost(RuntimeError):
             f"{_short_list(global_indexes)} of partition {partition!r} "
             f"({len(global_indexes)} lost rows asked for); re-produce them"
         )
+
+
+class CheckpointRefused(RuntimeError):
+    """A checkpoint that ``tq.load_checkpoint`` refused before changing
+    anything: its ``stowage_checkpoint.json`` names a path outside the
+    checkpoint or sizes it wrongly, or a pickled cell in it does not carry
+    a right tag (changed, or saved under another secret: see
+    ``checkpoint_secret_file``)."""
 
 
 def _short_list(xs: Sequence[Any], n: int = 20) -> str:
@@ -176,6 +205,67 @@ def _client_secret(block: Mapping[str, Any]) -> Optional[bytes]:
         return None  # stowage.connect reads STOWAGE_SECRET
     with open(block["secret_file"], "rb") as f:
         return f.read().rstrip(b"\r\n")
+
+
+def _checkpoint_cell_key(block: Mapping[str, Any]) -> Optional[bytes]:
+    """The cell key of ``checkpoint_secret_file`` (the secret of the plane
+    that saved the checkpoints to load), or None. The file must be
+    owner-only, as every secret file."""
+    path = block["checkpoint_secret_file"]
+    if path is None:
+        return None
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        mode = os.fstat(f.fileno()).st_mode
+        if mode & 0o077:
+            raise stowage.InvalidRequest(
+                f"backend.{BACKEND}.checkpoint_secret_file {path} may be read or written by other "
+                f"users (mode {stat.S_IMODE(mode):03o}); make it owner-only: chmod 600 {path}"
+            )
+        secret = f.read(4099).rstrip(b"\r\n")
+    if len(secret) < 16:
+        raise stowage.InvalidRequest(
+            f"backend.{BACKEND}.checkpoint_secret_file {path} holds {len(secret)} bytes; a secret "
+            f"has at least 16"
+        )
+    return _tq_cells.cell_key_of(secret)
+
+
+#: The name of the default checkpoint root, in the temporary directory.
+_DEFAULT_ROOT_NAME = "stowage-tq-checkpoints-{uid}"
+
+
+def default_checkpoint_root() -> str:
+    """The units' checkpoint root when ``checkpoint_root`` is not given:
+    ``<tmp>/stowage-tq-checkpoints-<uid>``, where ``<tmp>`` is this
+    process's temporary directory (``$TMPDIR``, else ``/tmp``), created
+    owner-only (0700) if missing. ``tq.save_checkpoint(dir)`` is then
+    refused for a ``dir`` outside it: give ``checkpoint_root`` (a directory
+    only you can write, on every unit's host) to save elsewhere.
+
+    Refused (:class:`stowage.InvalidRequest`) if that path exists and is
+    not a directory of this user that only this user can use (e.g. another
+    user created it first, or it is a symbolic link)."""
+    uid = os.getuid()
+    path = os.path.join(tempfile.gettempdir(), _DEFAULT_ROOT_NAME.format(uid=uid))
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        what = (
+            "a symbolic link" if stat.S_ISLNK(st.st_mode)
+            else "not a directory" if not stat.S_ISDIR(st.st_mode)
+            else f"owned by uid {st.st_uid}" if st.st_uid != uid
+            else f"open to other users (mode {stat.S_IMODE(st.st_mode):03o})"
+        )
+        raise stowage.InvalidRequest(
+            f"the default checkpoint root {path} is {what}, so it is not private to this user; "
+            f"remove it, or set backend.{BACKEND}.checkpoint_root to a directory that only you "
+            f"can write"
+        )
+    return path
 
 
 # -- bootstrap -------------------------------------------------------------------
@@ -275,6 +365,9 @@ def initialize_stowage_storage(conf: Any) -> StowageStorage:
                 )
             conf.backend[BACKEND].directory = directory
             return StowageStorage(None, directory, float(block["stop_timeout"]))
+        if block["checkpoint_root"] is None:
+            block["checkpoint_root"] = default_checkpoint_root()
+            conf.backend[BACKEND].checkpoint_root = block["checkpoint_root"]
         units = stowage.ray.start_units(_unit_config(block), _plan_nodes(block))
         conf.backend[BACKEND].directory = units.directory
         logger.info("started %d stowage units for TransferQueue", len(units))
@@ -295,15 +388,9 @@ _TORCH_DTYPES = (
 )
 
 
-def _pickled(value: Any) -> np.ndarray:
-    return np.frombuffer(_MAGIC + pickle.dumps(value, protocol=5), dtype=np.uint8)
-
-
-def _unpickled(arr: np.ndarray, where: str) -> Any:
-    raw = arr.tobytes()
-    if not raw.startswith(_MAGIC):
-        raise RuntimeError(f"stowage: {where} is marked pickled but was not written by stowage.tq")
-    return pickle.loads(raw[len(_MAGIC):])
+#: ``seal(position, value)``: the stored cell of a non-tensor value at a
+#: batch position (see :func:`stowage._tq_cells.seal`).
+Seal = Callable[[int, Any], np.ndarray]
 
 
 def _host(t: Any) -> Any:
@@ -315,26 +402,27 @@ def _host(t: Any) -> Any:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def _encode_rows(name: str, col: Any, n: int) -> Tuple[Any, bool]:
+def _encode_rows(name: str, col: Any, n: int, seal: Seal) -> Tuple[Any, bool]:
     """A column for DataPlane.put and whether it is pickled.
 
     Tensors (dense, nested jagged or strided; CUDA ones copied to host)
     are stored as they are, one value per row with its dtype and shape.
     Anything else — lists (TensorDict's LinkedList), numpy object/bytes
     arrays, NonTensorStack/NonTensorData, tensors of dtypes stowage does not
-    store — is stored one pickle (protocol 5) per row, as a uint8 value
-    that starts with a magic marker; the manager notes it in the
-    controller's custom_backend_meta, and unpickles only values so marked
-    and carrying the marker, i.e. values that a put of this manager wrote
-    in this namespace. Units are trusted by the job's clients (a same-host
-    client maps their memory), so unpickling what they return adds no
-    trust the job did not already give them.
+    store — is stored one pickle (protocol 5) per row, as the uint8 value
+    ``seal(position, value)`` makes: a head, an HMAC-SHA-256 tag under the
+    plane's cell key over the cell's namespace, partition, row, field and
+    pickle, then the pickle (:mod:`stowage._tq_cells`). The manager notes
+    it in the controller's custom_backend_meta, and a get unpickles only
+    cells so marked whose tag it checked first: whoever can write a unit's
+    rows (another local user, without the secret) cannot make a reader
+    unpickle bytes of their choosing, nor move a good cell to another row.
     """
     import torch
 
     if isinstance(col, torch.Tensor):
         if str(col.dtype).replace("torch.", "") not in _TORCH_DTYPES:
-            return [_pickled(r) for r in col.unbind()], True
+            return [seal(i, r) for i, r in enumerate(col.unbind())], True
         if col.is_nested:
             if col.device.type != "cpu":
                 col = col.cpu()
@@ -356,7 +444,7 @@ def _encode_rows(name: str, col: Any, n: int) -> Tuple[Any, bool]:
         values = list(col)
     if len(values) != n:
         raise stowage.InvalidRequest(f"field {name!r}: {len(values)} values for {n} rows")
-    return [_pickled(v) for v in values], True
+    return [seal(i, v) for i, v in enumerate(values)], True
 
 
 def _to_torch(a: np.ndarray) -> Any:
@@ -467,6 +555,11 @@ def _register() -> None:
                 secret=_client_secret(block),
             )
             self._shm = all(u.startswith("unix:") for u in self._plane.units)
+            # The key of the pickled cells' tags, derived from the plane's
+            # secret by the native client (never the secret itself).
+            self._cell_key: Optional[bytes] = self._plane._client.cell_key()
+            self._insecure_pickles = bool(block["insecure_pickles"])
+            self._checkpoint_key = _checkpoint_cell_key(block)
 
         # -- put ----------------------------------------------------------
 
@@ -479,12 +572,13 @@ def _register() -> None:
 
             field_schema = extract_field_schema(data)
             n = metadata.size
+            gidx = list(metadata.global_indexes)
+            parts = list(metadata.partition_ids)
             columns: Dict[str, Any] = {}
             tags: Dict[str, Optional[str]] = {}
             for f in data.keys():
-                columns[f], pickled = _encode_rows(f, data[f], n)
+                columns[f], pickled = _encode_rows(f, data[f], n, self._sealer(parts, gidx, f))
                 tags[f] = _PICKLE_TAG if pickled else None
-            gidx = list(metadata.global_indexes)
             groups = _groups(metadata)
             await asyncio.to_thread(self._put_sync, groups, gidx, columns)
             backend_meta = {g: dict(tags) for g in gidx}
@@ -503,6 +597,14 @@ def _register() -> None:
                         for f, s in field_schema.items()
                     }
                 await self.notify_data_update(p, keys, sub_schema, meta)
+
+        def _sealer(self, parts: List[str], gidx: List[int], field: str) -> Seal:
+            key, ns, insecure = self._cell_key, self._namespace, self._insecure_pickles
+
+            def seal(i: int, value: Any) -> np.ndarray:
+                return _tq_cells.seal(key, ns, parts[i], gidx[i], field, value, insecure)
+
+            return seal
 
         def _put_sync(self, groups: Dict[str, List[int]], gidx: List[int], columns: Dict[str, Any]) -> None:
             plane = self._live()
@@ -559,11 +661,14 @@ def _register() -> None:
                     for i, v in zip(positions, vals):
                         col[i] = v
             backend_meta = metadata._custom_backend_meta
+            parts = list(metadata.partition_ids)
+            key, ns, insecure = self._cell_key, self._namespace, self._insecure_pickles
             for f in fields:
                 col = rows[f]
                 for i in range(n):
                     if (backend_meta[i] or {}).get(f) == _PICKLE_TAG:
-                        col[i] = _unpickled(col[i], f"row {gidx[i]} field {f!r}")
+                        # Checked before it is unpickled (UntrustedCell).
+                        col[i] = _tq_cells.open_cell(key, ns, parts[i], gidx[i], f, col[i], insecure)
             # Packing copies every value once into fresh memory (the
             # result must not alias a unit's); numpy releases the GIL for
             # it, so the fields are packed on all cores at once.
@@ -592,9 +697,10 @@ def _register() -> None:
             await asyncio.to_thread(_save_checkpoint, self._live(), self._namespace, checkpoint_dir)
 
         async def load_checkpoint(self, checkpoint_dir: str) -> None:
-            await asyncio.to_thread(
-                _load_checkpoint, self._live(), self._namespace, checkpoint_dir, self._timeout
+            cells = _RestoredCells(
+                self._cell_key, self._namespace, self._checkpoint_key, self._insecure_pickles
             )
+            await asyncio.to_thread(_load_checkpoint, self._live(), cells, checkpoint_dir, self._timeout)
 
         # -- lifecycle ----------------------------------------------------
 
@@ -625,8 +731,13 @@ SimpleStorage's (rows in ``global_indexes`` order; 0-d values stacked,
 tensors as jagged nested tensors built from one contiguous buffer, others a
 NonTensorStack), copies that do not alias the units' memory; a missing
 row raises ``transfer_queue.StorageKeyNotFoundError``, a row whose unit
-died :class:`RowsLost`. ``clear_data`` removes whole rows. Checkpoints go
-through the units' own (``save_checkpoint``/``load_checkpoint``)."""
+died :class:`RowsLost`. Non-tensor values are pickled cells with an
+HMAC-SHA-256 tag (under a key derived from the plane's secret) that a get
+checks before it unpickles them (:class:`UntrustedCell` otherwise).
+``clear_data`` removes whole rows. Checkpoints go through the units' own
+(``save_checkpoint``/``load_checkpoint``), under ``checkpoint_root``; a
+load refuses a record naming paths outside the checkpoint and cells whose
+tag is wrong (:class:`CheckpointRefused`)."""
 
 StowageStorageManager: Any = None
 
@@ -678,52 +789,204 @@ def _save_checkpoint(plane: stowage.DataPlane, namespace: str, checkpoint_dir: s
         json.dump(record, f, default=str)
 
 
-def _load_checkpoint(plane: stowage.DataPlane, namespace: str, checkpoint_dir: str, timeout: float) -> None:
+class _RestoredCells:
+    """What a restore does with the pickled cells of a checkpoint: each is
+    checked before it is put back, and re-tagged for this plane when it was
+    saved under another secret (``checkpoint_secret_file``) or namespace."""
+
+    def __init__(self, key: Optional[bytes], namespace: str, old_key: Optional[bytes], insecure: bool):
+        self.key = key
+        self.namespace = namespace
+        self.old_key = old_key
+        self.insecure = insecure
+        #: The namespace the checkpoint's rows were saved in (its record).
+        self.saved_namespace = namespace
+
+    def values(self, partition: str, keys: List[Any], field: str, vals: List[Any]) -> List[Any]:
+        """``vals`` (of rows ``keys``) to put back: pickled cells checked,
+        re-tagged where needed; :class:`CheckpointRefused` for one that
+        is not authentic. Never unpickles anything.
+
+        A cell is recognized by its head (the checkpoint does not carry
+        TransferQueue's per-cell metadata, which marks what is pickled), so
+        a uint8 tensor whose first 8 bytes are a cell head is taken for one
+        and refused unless its tag is right."""
+        out = list(vals)
+        for j, v in enumerate(vals):
+            if _tq_cells.is_cell(v):
+                raw = v.tobytes()
+                new = self._cell(raw, partition, keys[j], field)
+                if new is not raw:
+                    out[j] = np.frombuffer(new, dtype=np.uint8)
+        return out
+
+    def _cell(self, raw: bytes, partition: str, row: Any, field: str) -> bytes:
+        if self.key is None:
+            # No secret here: no tag can be checked or made; such a plane
+            # unpickles only with insecure_pickles, and then checks nothing.
+            return raw
+        where = f"row {row!r} field {field!r} of partition {partition!r}"
+        if raw.startswith(_tq_cells.MAGIC_INSECURE):
+            raise CheckpointRefused(
+                f"stowage.tq: the checkpoint's {where} is a pickled cell without a tag (saved "
+                f"without a secret, with insecure_pickles, or by an older stowage), and this plane "
+                f"authenticates every pickled cell; nothing was loaded. Load it into a plane "
+                f"without a secret and with backend.{BACKEND}.insecure_pickles: true if you trust it"
+            )
+        for k in (self.key, self.old_key):
+            if k is None:
+                continue
+            if k == self.key and self.saved_namespace == self.namespace:
+                if _tq_cells.verified(raw, k, self.namespace, partition, row, field) is not None:
+                    return raw
+                continue
+            new = _tq_cells.retag(
+                raw, k, self.saved_namespace, self.key, self.namespace, partition, row, field
+            )
+            if new is not None:
+                return new
+        raise CheckpointRefused(
+            f"stowage.tq: the checkpoint's {where} is a pickled cell whose tag is wrong: it was "
+            f"changed or moved, or the checkpoint was saved under another secret (then give that "
+            f"secret as backend.{BACKEND}.checkpoint_secret_file); nothing was loaded"
+        )
+
+
+def _checkpoint_record(root: str) -> Dict[str, Any]:
+    """``stowage_checkpoint.json`` of the checkpoint at ``root``, its shape
+    checked."""
+    path = os.path.join(root, _CHECKPOINT_INFO)
+    with open(path, encoding="utf-8") as f:
+        record = json.load(f)
+    units = record.get("units") if isinstance(record, dict) else None
+    ns = record.get("namespace") if isinstance(record, dict) else None
+    if (
+        not isinstance(units, list)
+        or not units
+        or not all(isinstance(u, dict) for u in units)
+        or not (ns is None or isinstance(ns, str))
+        or record.get("format") != 1
+    ):
+        raise CheckpointRefused(
+            f"stowage.tq: {path} is not a stowage checkpoint record (format 1, a namespace and a "
+            f"non-empty list of units)"
+        )
+    return record
+
+
+def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
+    """The directory of one checkpointed unit, and the memory of the
+    temporary unit that restores it.
+
+    The record may name only a relative path of plain names inside the
+    checkpoint (no absolute path, no ``..`` or ``.``, no symbolic link on
+    the way, a directory at the end). The memory is sized from the bytes of
+    the unit's files as found on disk, not from the record: a record that
+    claims more bytes than its files hold is refused."""
+    d = entry.get("dir")
+    parts = d.split("/") if isinstance(d, str) else []
+    if (
+        not parts
+        or os.path.isabs(d)
+        or "\0" in d
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise CheckpointRefused(
+            f"stowage.tq: the checkpoint record names the unit directory {d!r}, which is not a "
+            f"relative path inside the checkpoint {root} (absolute paths and '..' are refused)"
+        )
+    path = root
+    for p in parts:
+        path = os.path.join(path, p)
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            raise CheckpointRefused(f"stowage.tq: the checkpoint's unit directory {path} is missing") from None
+        if not stat.S_ISDIR(st.st_mode):
+            what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
+            raise CheckpointRefused(
+                f"stowage.tq: {path}, on the way to a unit directory of the checkpoint, is {what}"
+            )
+    on_disk = 0
+    with os.scandir(path) as it:
+        for e in it:
+            if e.is_file(follow_symlinks=False):
+                on_disk += e.stat(follow_symlinks=False).st_size
+    claimed = entry.get("bytes", 0)
+    if claimed is None:
+        claimed = 0
+    if isinstance(claimed, bool) or not isinstance(claimed, int) or claimed < 0 or claimed > on_disk:
+        raise CheckpointRefused(
+            f"stowage.tq: the checkpoint record says unit directory {d!r} holds {claimed!r} bytes, "
+            f"and its files hold {on_disk}: the record is damaged or was changed"
+        )
+    memory = max(64 << 20, on_disk + on_disk // 4 + (32 << 20))
+    return path, memory
+
+
+def _load_checkpoint(plane: stowage.DataPlane, cells: _RestoredCells, checkpoint_dir: str, timeout: float) -> None:
     """Replace the running units' rows of this namespace with the
     checkpoint's, under the same partitions and global indexes.
 
-    Each checkpointed unit is started again, read-only in effect, as a
-    temporary unit of this process restored from its directory (what
-    ``stowage unit --restore`` does); only once every one has started (a
-    damaged checkpoint is refused there, before anything changes) are the
-    live rows cleared and the checkpoint's rows put back through the
-    running units. The temporary units stop at the end."""
-    root = os.path.abspath(checkpoint_dir)
-    with open(os.path.join(root, _CHECKPOINT_INFO), encoding="utf-8") as f:
-        record = json.load(f)
-    ns = record.get("namespace", namespace)
+    The record is checked first (:func:`_checkpoint_unit`: only paths
+    inside the checkpoint, the memory of each temporary unit from its files
+    on disk). Each checkpointed unit is then started again, read-only in
+    effect, as a temporary unit of this process restored from its directory
+    (what ``stowage unit --restore`` does); a damaged unit checkpoint is
+    refused there. Every pickled cell is then checked (:class:`_RestoredCells`,
+    nothing is unpickled); only once all of that passed are the live rows
+    cleared and the checkpoint's rows put back through the running units
+    (the cells checked again, re-tagged for this plane where needed). The
+    temporary units stop at the end."""
+    root = os.path.realpath(checkpoint_dir)
+    record = _checkpoint_record(root)
+    ns = record.get("namespace") or cells.namespace
+    cells.saved_namespace = ns
+    units = [_checkpoint_unit(root, u) for u in record["units"]]
     sources: List[stowage.DataPlane] = []
     try:
-        for u in record["units"]:
-            size = int(u.get("bytes") or 0)
-            memory = max(64 << 20, size + size // 4 + (32 << 20))
+        for path, memory in units:
             sources.append(
                 stowage.local(
                     units=1,
                     memory=memory,
                     namespace=ns,
                     timeout=timeout,
-                    unit_args=["--restore", os.path.join(root, u["dir"])],
+                    unit_args=["--restore", path],
                 )
             )
+        # Every cell checked before anything changes (values read in place).
+        for src, p, f, chunk in _checkpoint_chunks(sources):
+            try:
+                vals = src._client.get_view(p, chunk, [f], None, None, True)[0]
+            except stowage.TransferFailed:
+                vals = src._client.get(p, chunk, [f], None, None, True)[0]
+            cells.values(p, chunk, f, vals)
+            del vals
         for p in plane.partitions():
             plane.clear_partition(p)
-        for src in sources:
-            for p in src.partitions():
-                rows = src.list(p)
-                by_field: Dict[str, List[Any]] = {}
-                for key, fields in rows.items():
-                    for f in fields:
-                        by_field.setdefault(f, []).append(key)
-                for f, keys in by_field.items():
-                    for s in range(0, len(keys), 4096):
-                        chunk = keys[s : s + 4096]
-                        vals = src._client.get(p, chunk, [f], None, None, True)[0]
-                        vals = [("bfloat16", v.view(np.int16)) if v.dtype.kind == "V" else v for v in vals]
-                        plane._client.put(p, chunk, [(f, vals)], None, None)
+        for src, p, f, chunk in _checkpoint_chunks(sources):
+            vals = src._client.get(p, chunk, [f], None, None, True)[0]
+            vals = cells.values(p, chunk, f, vals)
+            vals = [("bfloat16", v.view(np.int16)) if v.dtype.kind == "V" else v for v in vals]
+            plane._client.put(p, chunk, [(f, vals)], None, None)
     finally:
         for src in sources:
             src.close()
+
+
+def _checkpoint_chunks(sources: List[stowage.DataPlane]) -> Any:
+    """(source, partition, field, keys) of every stored cell of the
+    temporary units, 4096 rows at a time."""
+    for src in sources:
+        for p in src.partitions():
+            by_field: Dict[str, List[Any]] = {}
+            for key, fields in src.list(p).items():
+                for f in fields:
+                    by_field.setdefault(f, []).append(key)
+            for f, keys in by_field.items():
+                for s in range(0, len(keys), 4096):
+                    yield src, p, f, keys[s : s + 4096]
 
 
 _register()

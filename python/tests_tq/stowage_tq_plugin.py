@@ -60,7 +60,26 @@ def pytest_configure(config):
     import stowage.tq  # noqa: F401 - registers the backend in this process
 
 
+def _prepare(config):
+    """Complete STOWAGE_CONFIG (once pytest's temporary directory is set up)."""
+    # Pickled cells are authenticated with a key derived from the units'
+    # secret: give the units one (until every launcher makes one itself).
+    # Checkpoints are allowed under pytest's private (0700) temporary
+    # directory, where the suites' tmp_path directories are (the default
+    # root is a private directory of its own).
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None:  # pragma: no cover - pytest's tmpdir plugin is off
+        return
+    base = factory.getbasetemp()
+    secret = base / "stowage-secret"
+    if not secret.exists():
+        secret.touch(mode=0o600)
+        secret.write_text(os.urandom(32).hex())
+    STOWAGE_CONFIG["backend"]["Stowage"].update(secret_file=str(secret), checkpoint_root=str(base))
+
+
 def pytest_collection_modifyitems(session, config, items):
+    _prepare(config)
     seen = set()
     for item in items:
         mod = getattr(item, "module", None)

@@ -30,18 +30,38 @@ import stowage  # noqa: E402
 import stowage.tq  # noqa: E402
 
 
+#: Settings every system of this module gets: a secret (pickled cells are
+#: authenticated with a key derived from it; until every launcher makes
+#: one itself), and checkpoints allowed under pytest's private (0700)
+#: temporary directory, where the tests save them.
+BASE: dict = {}
+
+
 @pytest.fixture(scope="module", autouse=True)
-def private_ray():
+def private_ray(tmp_path_factory):
+    base = tmp_path_factory.getbasetemp()
+    secret = tmp_path_factory.mktemp("secret") / "secret"
+    secret.touch(mode=0o600)
+    secret.write_text(os.urandom(32).hex())
+    BASE.update(secret_file=str(secret), checkpoint_root=str(base))
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     yield
     ray.shutdown()
+
+
+def _connect(directory):
+    with open(BASE["secret_file"], "rb") as f:
+        return stowage.connect(directory, namespace="transfer_queue", secret=f.read().strip())
 
 
 def _conf(**block):
     return OmegaConf.create(
         {
             "controller": {"polling_mode": True},
-            "backend": {"storage_backend": "Stowage", "Stowage": {"count": 2, "memory": "64MiB", **block}},
+            "backend": {
+                "storage_backend": "Stowage",
+                "Stowage": {"count": 2, "memory": "64MiB", **BASE, **block},
+            },
         }
     )
 
@@ -143,7 +163,7 @@ def test_disk_tier_spills_instead_of_failing(tmp_path):
             tq.kv_batch_put(keys=keys, partition_id="big", fields=TensorDict({"x": vals}, batch_size=4),
                             tags=[{} for _ in keys])
             batches[b] = (keys, vals)
-        plane = stowage.connect(interface._TQ_STORAGE["Stowage"].directory, namespace="transfer_queue")
+        plane = _connect(interface._TQ_STORAGE["Stowage"].directory)
         try:
             stats = plane.stats()[0]
         finally:
@@ -197,7 +217,7 @@ def test_checkpoint_round_trip_replaces_rows(system, tmp_path):
     assert torch.equal(got["reward"], torch.arange(6, dtype=torch.bfloat16))
     assert list(got["text"]) == [f"sample {i}" for i in range(6)]
     # What was written after the save is gone from the units too.
-    plane = stowage.connect(system.directory, namespace="transfer_queue")
+    plane = _connect(system.directory)
     try:
         assert plane.partitions() == ["train"]
         assert sorted(plane.list("train")) == sorted(before)

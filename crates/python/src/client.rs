@@ -28,6 +28,24 @@ pub(crate) struct Client {
     /// Whether every unit is reached through shared memory (get_view).
     shm: bool,
     addrs: Vec<String>,
+    /// The key that authenticates TransferQueue's pickled cells (see
+    /// [`Client::cell_key`]), derived from the secret at connect; the
+    /// secret itself stays in the connection config.
+    cell_key: Option<[u8; 32]>,
+}
+
+/// The label of the key derived for TransferQueue's pickled cells: that key
+/// is HMAC-SHA-256(secret, label), so a cell tag never uses the secret
+/// itself, and a cell key cannot prove the secret at a connect (whose
+/// proofs are HMACs under the secret over other labels).
+const CELL_KEY_LABEL: &[u8] = b"stowage tq cell key v1";
+
+fn cell_key(secret: &Secret) -> [u8; 32] {
+    use hmac::{Hmac, Mac};
+    let mut m = <Hmac<sha2::Sha256> as Mac>::new_from_slice(secret.expose())
+        .expect("HMAC takes a key of any length");
+    m.update(CELL_KEY_LABEL);
+    m.finalize().into_bytes().into()
 }
 
 /// A shared secret from bytes or a str (its UTF-8 bytes).
@@ -434,6 +452,7 @@ impl Client {
             .iter()
             .map(|u| u.parse::<UnitAddr>().map_err(invalid))
             .collect::<PyResult<Vec<_>>>()?;
+        let derived = secret.as_ref().map(cell_key);
         let all_shm = shm && addrs.iter().all(|a| matches!(a, UnitAddr::Unix(_)));
         let mut cfg = ClientConfig::new(namespace, addrs.clone());
         cfg.timeout = Duration::try_from_secs_f64(timeout)
@@ -486,6 +505,7 @@ impl Client {
             timeout,
             shm: all_shm,
             addrs: addrs.iter().map(|a| a.to_string()).collect(),
+            cell_key: derived,
         })
     }
 
@@ -505,6 +525,13 @@ impl Client {
     #[getter]
     fn shm(&self) -> bool {
         self.shm
+    }
+
+    /// The key (32 bytes) that authenticates the TransferQueue backend's
+    /// pickled cells: HMAC-SHA-256(secret, b"stowage tq cell key v1"),
+    /// never the secret itself. None when the client has no secret.
+    fn cell_key<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        self.cell_key.as_ref().map(|k| PyBytes::new(py, k))
     }
 
     /// Put rows: `columns` is a list of `(field, column)` where a column is
