@@ -62,20 +62,15 @@ def pytest_configure(config):
 
 def _prepare(config):
     """Complete STOWAGE_CONFIG (once pytest's temporary directory is set up)."""
-    # Pickled cells are authenticated with a key derived from the units'
-    # secret: give the units one (until every launcher makes one itself).
-    # Checkpoints are allowed under pytest's private (0700) temporary
+    # The units generate their secret (TransferQueue's clients get it in the
+    # directory), as a user's would. Checkpoints are allowed under pytest's private (0700) temporary
     # directory, where the suites' tmp_path directories are (the default
     # root is a private directory of its own).
     factory = getattr(config, "_tmp_path_factory", None)
     if factory is None:  # pragma: no cover - pytest's tmpdir plugin is off
         return
     base = factory.getbasetemp()
-    secret = base / "stowage-secret"
-    if not secret.exists():
-        secret.touch(mode=0o600)
-        secret.write_text(os.urandom(32).hex())
-    STOWAGE_CONFIG["backend"]["Stowage"].update(secret_file=str(secret), checkpoint_root=str(base))
+    STOWAGE_CONFIG["backend"]["Stowage"].update(checkpoint_root=str(base))
 
 
 def pytest_collection_modifyitems(session, config, items):

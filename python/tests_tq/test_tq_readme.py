@@ -37,10 +37,9 @@ def test_readme_tq_example_runs_as_written(tmp_path):
     # A private Ray instance: a bare ray.init() would join a `ray start`
     # cluster running on this machine.
     boot = "import ray, runpy, sys; ray.init = (lambda f: lambda **kw: f(address='local', num_cpus=4, include_dashboard=False, **kw))(ray.init); runpy.run_path(sys.argv[1], run_name='__main__')"
-    # The example stores strings, which need the plane's secret (their
-    # cells are authenticated with a key derived from it): given here until
-    # every launcher makes one by default (issue 21, item 1).
-    env = {**os.environ, "STOWAGE_SECRET": os.urandom(32).hex()}
+    # No secret is given: the example's strings are authenticated with a key
+    # derived from the secret its units generated for themselves.
+    env = {k: v for k, v in os.environ.items() if k != "STOWAGE_SECRET"}
     done = subprocess.run(
         [sys.executable, "-c", boot, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
         env=env,
