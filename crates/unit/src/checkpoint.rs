@@ -508,14 +508,18 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
         let bad = |e: disk::DiskError| incomplete(e.to_string());
         match alloc {
             Allocated::Reserved { offset } => {
+                // Reserved space is no client's to read until the commit
+                // below, which a failed check (a version 1 file is checked
+                // only after all of it was copied) never reaches.
                 let mut at = offset;
-                crate::read_through(&reader, 0, size, &mut buf, |piece| {
-                    shared.slab.write(at, piece).map_err(io::Error::other)?;
-                    at += piece.len() as u64;
-                    Ok(())
-                })
-                .map_err(bad)?
-                .map_err(|e| CheckpointError::Restore(e.to_string()))?;
+                reader
+                    .copy_all(&mut buf, |piece| {
+                        shared.slab.write(at, piece).map_err(io::Error::other)?;
+                        at += piece.len() as u64;
+                        Ok(())
+                    })
+                    .map_err(bad)?
+                    .map_err(|e| CheckpointError::Restore(e.to_string()))?;
             }
             Allocated::ToDisk => {
                 let Some(d) = &shared.disk else {
@@ -525,7 +529,9 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
                     .engine
                     .create(blob, size)
                     .map_err(|e| CheckpointError::Restore(format!("disk tier: {e}")))?;
-                let copied = crate::read_through(&reader, 0, size, &mut buf, |p| w.write(p));
+                // The file is published by `finish` only, after the whole
+                // copy was checked.
+                let copied = reader.copy_all(&mut buf, |p| w.write(p));
                 let written = match copied {
                     Ok(Ok(())) => w.finish().map(|_| ()),
                     Ok(Err(e)) => Err(e),
@@ -586,5 +592,117 @@ mod root_tests {
         let out = tempfile::tempdir().unwrap();
         std::os::unix::fs::symlink(out.path(), r.join("link")).unwrap();
         assert!(resolve_dir(Some(r), "link/unit-0").is_err());
+    }
+}
+
+#[cfg(test)]
+mod v1_restore_tests {
+    use super::*;
+    use crate::disk::BYTES_READ;
+
+    /// A checkpoint of one blob of `n` bytes in a version 1 file (one
+    /// xxh3 over all the bytes), with `damage` applied to the file's data
+    /// before the manifest is written (so that the manifest still matches
+    /// the file, and only the file's own checksum can catch it). Returns
+    /// the blob file's size.
+    fn v1_checkpoint(dir: &Path, n: usize, damage: bool) -> u64 {
+        let bytes: Vec<u8> = (0..n).map(|i| (i * 31 + i / 4099) as u8).collect();
+        let mut file = Vec::new();
+        file.extend_from_slice(b"STWB");
+        file.extend_from_slice(&1u32.to_le_bytes());
+        file.extend_from_slice(&(n as u64).to_le_bytes());
+        file.extend_from_slice(&bytes);
+        file.extend_from_slice(&xxhash_rust::xxh3::xxh3_64(&bytes).to_le_bytes());
+        if damage {
+            file[16 + n / 2] ^= 1;
+        }
+        let blob = BlobId(7);
+        let name = format!("{:032x}.blob", blob.0);
+        std::fs::write(dir.join(&name), &file).unwrap();
+        let index = postcard::to_allocvec(&vec![IndexEntry {
+            ns: "ns".into(),
+            row: 0,
+            field: "f".into(),
+            blob,
+            offset: 0,
+            len: n as u64,
+            meta: Vec::new(),
+        }])
+        .unwrap();
+        std::fs::write(dir.join(INDEX), &index).unwrap();
+        let entry = |name: &str, bytes: &[u8]| CheckpointFile {
+            name: name.into(),
+            size: bytes.len() as u64,
+            xxh3: xxhash_rust::xxh3::xxh3_64(bytes),
+        };
+        let mut manifest = postcard::to_allocvec(&Manifest {
+            version: VERSION,
+            rows: 1,
+            entries: 1,
+            bytes: n as u64,
+            files: vec![entry(&name, &file), entry(INDEX, &index)],
+        })
+        .unwrap();
+        let sum = xxhash_rust::xxh3::xxh3_64(&manifest);
+        manifest.extend_from_slice(&sum.to_le_bytes());
+        std::fs::write(dir.join(MANIFEST), &manifest).unwrap();
+        file.len() as u64
+    }
+
+    /// Start a unit restoring `dir`: with `disk`, a unit whose 4 MiB slab
+    /// cannot hold the blob, which goes to its disk tier under `disk`.
+    fn start_restoring(
+        dir: &Path,
+        sock: &Path,
+        disk: Option<&Path>,
+    ) -> Result<crate::UnitHandle, crate::StartError> {
+        let mut cfg = crate::UnitConfig::new("v1", if disk.is_some() { 4 << 20 } else { 32 << 20 });
+        cfg.mlock = false;
+        cfg.metrics_listen = None;
+        cfg.uds = Some(sock.to_owned());
+        cfg.restore = Some(dir.to_owned());
+        cfg.disk = disk.map(|d| (d.to_owned(), 64 << 20));
+        crate::start(cfg)
+    }
+
+    /// A version 1 blob (one checksum over the whole file) is restored,
+    /// into the slab or onto the disk tier, in one pass over its file, not
+    /// one pass per 1 MiB piece; and a damaged one fails the restore.
+    #[test]
+    fn a_version_1_blob_is_restored_in_one_pass() {
+        let sock = tempfile::tempdir().unwrap();
+        let n = (12 << 20) + 5;
+        for to_disk in [false, true] {
+            let tier = tempfile::tempdir().unwrap();
+            let disk = to_disk.then_some(tier.path());
+            let dir = tempfile::tempdir().unwrap();
+            let size = v1_checkpoint(dir.path(), n, false);
+            let before = BYTES_READ.with(|b| b.get());
+            // The restore runs on this thread, before `start` returns.
+            let unit =
+                start_restoring(dir.path(), &sock.path().join("u.sock"), disk).expect("restored");
+            let read = BYTES_READ.with(|b| b.get()) - before;
+            let stats = unit.shared.stats();
+            unit.stop();
+            assert_eq!(stats.entries, 1, "{stats:?}");
+            if to_disk {
+                assert_eq!(stats.spilled_blobs, 1, "{stats:?}");
+            } else {
+                assert!(stats.used >= n as u64, "{stats:?}");
+            }
+            assert!(
+                read >= n as u64 && read <= 2 * size,
+                "the restore read {read} bytes of blob files for one file of {size} \
+                 (to disk: {to_disk})"
+            );
+
+            let dir = tempfile::tempdir().unwrap();
+            v1_checkpoint(dir.path(), n, true);
+            let e = start_restoring(dir.path(), &sock.path().join("v.sock"), disk)
+                .err()
+                .expect("a damaged version 1 file fails the restore")
+                .to_string();
+            assert!(e.contains("checksum mismatch"), "{e}");
+        }
     }
 }

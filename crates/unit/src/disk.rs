@@ -78,6 +78,21 @@ const SUMS_AT_ONCE: usize = 512;
 /// Version 1: `STWB` · 1 · n · the bytes · xxh3-64 of the bytes.
 const V1_HEADER: u64 = 16;
 const V1_TRAILER: u64 = 8;
+
+#[cfg(test)]
+thread_local! {
+    /// Bytes this thread's [`BlobReader`]s have read from their files
+    /// (headers, data and sums), for tests that count passes over a file.
+    pub(crate) static BYTES_READ: std::cell::Cell<u64> = const { std::cell::Cell::new(0) };
+}
+
+/// `read_exact_at`, counted in tests ([`BYTES_READ`]).
+fn pread(file: &File, buf: &mut [u8], at: u64) -> io::Result<()> {
+    file.read_exact_at(buf, at)?;
+    #[cfg(test)]
+    BYTES_READ.with(|n| n.set(n.get() + buf.len() as u64));
+    Ok(())
+}
 /// Deepest directory nesting [`remove_tree`] descends into (a unit's
 /// directory has none; anything deeper was not made by a unit).
 const MAX_DEPTH: u32 = 16;
@@ -392,7 +407,7 @@ impl FileEngine {
         let size = meta.len();
         let mut head = [0u8; HEADER as usize];
         let got = usize::try_from(size.min(HEADER)).unwrap_or(head.len());
-        file.read_exact_at(&mut head[..got], 0)?;
+        pread(&file, &mut head[..got], 0)?;
         if got < V1_HEADER as usize || &head[..4] != MAGIC {
             return Err(corrupt(&path, "bad header".into()));
         }
@@ -598,14 +613,14 @@ impl BlobReader {
                 };
                 run_end = run_end.min(pos + (READ_RUN / chunk).max(1) * chunk);
                 let run = &mut dst[ix(pos)..ix(run_end)];
-                self.file.read_exact_at(run, data + pos)?;
+                pread(&self.file, run, data + pos)?;
                 for (i, bytes) in run.chunks(chunk as usize).enumerate() {
                     check(c + i as u64, bytes, &mut sums)?;
                 }
                 pos = run_end;
             } else {
                 partial.resize((stop - start) as usize, 0);
-                self.file.read_exact_at(&mut partial, data + start)?;
+                pread(&self.file, &mut partial, data + start)?;
                 check(c, &partial, &mut sums)?;
                 let upto = stop.min(end);
                 dst[ix(pos)..ix(upto)]
@@ -614,6 +629,48 @@ impl BlobReader {
             }
         }
         Ok(())
+    }
+
+    /// Pass all the blob's bytes to `sink`, in order, in pieces of at most
+    /// `buf.len()` bytes, reading the file once; a sink error is returned
+    /// inside `Ok`, and stops the copy.
+    ///
+    /// Versions 2 and 3 go through [`crate::read_through`]: each piece is
+    /// checked before `sink` sees it. A version 1 file has one checksum for
+    /// all its data, known only once all of it is read: its pieces reach
+    /// `sink` BEFORE they are checked, and a mismatch is reported as
+    /// [`DiskError::Corrupt`] after the last one. So the caller must keep
+    /// what `sink` got out of every client's reach until this returns
+    /// `Ok(Ok(()))`, and drop it otherwise. (Reading such a file through
+    /// [`Self::read_at`] piece by piece would read and hash the whole file
+    /// for every piece.)
+    pub fn copy_all(
+        &self,
+        buf: &mut [u8],
+        mut sink: impl FnMut(&[u8]) -> io::Result<()>,
+    ) -> Result<io::Result<()>, DiskError> {
+        let Format::V1 = self.format else {
+            return crate::read_through(self, 0, self.nbytes, buf, sink);
+        };
+        assert!(!buf.is_empty() || self.nbytes == 0, "an empty buffer");
+        let mut hash = Xxh3Default::new();
+        let mut at = 0;
+        while at < self.nbytes {
+            let n = (self.nbytes - at).min(buf.len() as u64);
+            let piece = &mut buf[..n as usize];
+            pread(&self.file, piece, V1_HEADER + at)?;
+            hash.update(piece);
+            if let Err(e) = sink(piece) {
+                return Ok(Err(e));
+            }
+            at += n;
+        }
+        let mut sum = [0u8; 8];
+        pread(&self.file, &mut sum, V1_HEADER + self.nbytes)?;
+        if hash.digest() != u64::from_le_bytes(sum) {
+            return Err(corrupt(&self.path, "checksum mismatch".into()));
+        }
+        Ok(Ok(()))
     }
 
     /// A version 1 file has one checksum for all its data: read all of it
@@ -625,7 +682,7 @@ impl BlobReader {
         while at < self.nbytes {
             let n = (self.nbytes - at).min(READ_RUN);
             let piece = &mut buf[..n as usize];
-            self.file.read_exact_at(piece, V1_HEADER + at)?;
+            pread(&self.file, piece, V1_HEADER + at)?;
             hash.update(piece);
             let (lo, hi) = (offset.max(at), end.min(at + n));
             if lo < hi {
@@ -635,7 +692,7 @@ impl BlobReader {
             at += n;
         }
         let mut sum = [0u8; 8];
-        self.file.read_exact_at(&mut sum, V1_HEADER + self.nbytes)?;
+        pread(&self.file, &mut sum, V1_HEADER + self.nbytes)?;
         if hash.digest() != u64::from_le_bytes(sum) {
             return Err(corrupt(&self.path, "checksum mismatch".into()));
         }
@@ -660,8 +717,11 @@ impl Sums<'_> {
     fn get(&mut self, c: u64) -> io::Result<u64> {
         if c < self.first || c >= self.first + self.n {
             let n = (self.count - c).min(SUMS_AT_ONCE as u64);
-            self.file
-                .read_exact_at(&mut self.buf[..(n * SUM) as usize], self.at + c * SUM)?;
+            pread(
+                self.file,
+                &mut self.buf[..(n * SUM) as usize],
+                self.at + c * SUM,
+            )?;
             (self.first, self.n) = (c, n);
         }
         let i = ((c - self.first) * SUM) as usize;
@@ -1561,6 +1621,51 @@ mod tests {
         ));
         fs::write(&p, &file[..file.len() - 1]).unwrap();
         assert!(corrupt_at(&e, BlobId(1), 0, 1));
+    }
+
+    /// `copy_all` reads a version 1 file once, whole, however small the
+    /// pieces it hands on; and reports a damaged one after its last piece.
+    #[test]
+    fn version_1_files_are_copied_in_one_pass() {
+        let dir = tempfile::tempdir().unwrap();
+        let e = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
+        let n = (8 << 20) + 5;
+        let bytes = data(n, 4);
+        let mut file = Vec::new();
+        file.extend_from_slice(MAGIC);
+        file.extend_from_slice(&1u32.to_le_bytes());
+        file.extend_from_slice(&(n as u64).to_le_bytes());
+        file.extend_from_slice(&bytes);
+        file.extend_from_slice(&xxh3_64(&bytes).to_le_bytes());
+        let p = e.path(BlobId(1));
+        fs::write(&p, &file).unwrap();
+        let copy = |buf: &mut [u8]| {
+            let before = BYTES_READ.with(|b| b.get());
+            let mut got = Vec::new();
+            let mut most = 0;
+            let r = e.reader(BlobId(1)).and_then(|r| {
+                r.copy_all(buf, |piece| {
+                    most = most.max(piece.len());
+                    got.extend_from_slice(piece);
+                    Ok(())
+                })
+            });
+            (r, got, most, BYTES_READ.with(|b| b.get()) - before)
+        };
+        let mut buf = vec![0u8; 1 << 20];
+        let (r, got, most, read) = copy(&mut buf);
+        r.unwrap().unwrap();
+        assert!(got == bytes);
+        assert_eq!(most, 1 << 20, "pieces of the buffer's size");
+        assert!(
+            read <= 2 * file.len() as u64,
+            "read {read} bytes to copy a file of {}",
+            file.len()
+        );
+        flip(&p, V1_HEADER as usize + n / 2);
+        let (r, got, _, _) = copy(&mut buf);
+        assert!(matches!(r, Err(DiskError::Corrupt { .. })), "{:?}", r.err());
+        assert_eq!(got.len(), n, "pieces reach the sink before the check");
     }
 
     #[test]
