@@ -237,7 +237,8 @@ enum Cmd {
         #[arg(long, default_value_t = 128)]
         max_handshakes: usize,
         /// Most of those from one source (a local user, over the Unix
-        /// socket or loopback TCP; otherwise an address, an IPv6 /64):
+        /// socket or TCP from this host, loopback or a host address;
+        /// otherwise an address, an IPv6 /64):
         /// past it, a new one cuts that source's oldest handshake.
         #[arg(long, default_value_t = 32)]
         max_handshakes_per_source: usize,

@@ -32,8 +32,9 @@ use crate::conn::UnitAddr;
 /// The format version this client reads and writes.
 pub const DIRECTORY_VERSION: u32 = 1;
 
-/// The units of one data plane, unit `i` at `units[i]`.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+/// The units of one data plane, unit `i` at `units[i]`. Its `Debug`
+/// never shows the secret.
+#[derive(Clone, PartialEq, Serialize, Deserialize)]
 pub struct UnitDirectory {
     /// Always [`DIRECTORY_VERSION`].
     pub stowage_directory: u32,
@@ -42,6 +43,19 @@ pub struct UnitDirectory {
     /// ([`Secret::to_hex`]), if the launcher hands it over this way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub secret_hex: Option<String>,
+}
+
+impl std::fmt::Debug for UnitDirectory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UnitDirectory")
+            .field("stowage_directory", &self.stowage_directory)
+            .field("units", &self.units)
+            .field(
+                "secret_hex",
+                &self.secret_hex.as_ref().map(|_| format_args!("<redacted>")),
+            )
+            .finish()
+    }
 }
 
 /// One unit of a directory.
@@ -454,5 +468,27 @@ mod tests {
             "no temporary file left"
         );
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn debug_output_never_shows_the_secret() {
+        let secret = Secret::generate().unwrap();
+        let hex = secret.to_hex();
+        let d = UnitDirectory {
+            stowage_directory: 1,
+            units: vec![entry(0, "here")],
+            secret_hex: Some(hex.clone()),
+        };
+        for shown in [format!("{d:?}"), format!("{d:#?}")] {
+            assert!(!shown.contains(&hex), "{shown}");
+            assert!(shown.contains("<redacted>"), "{shown}");
+            assert!(shown.contains("unix:/tmp/u0.sock"), "{shown}");
+        }
+        assert!(format!("{d:?}").contains("secret_hex: Some(<redacted>)"));
+        let none = UnitDirectory {
+            secret_hex: None,
+            ..d
+        };
+        assert!(format!("{none:?}").contains("secret_hex: None"));
     }
 }

@@ -18,23 +18,24 @@
 //! connections, however many, only cuts one's own.
 //!
 //! The source of a connection: its user for a Unix-socket peer (the
-//! kernel's SO_PEERCRED) and for a loopback TCP peer (the owner of the
-//! peer's socket, which the kernel tells through `NETLINK_SOCK_DIAG`:
+//! kernel's SO_PEERCRED) and for a TCP peer on this host (the owner of
+//! the peer's socket, which the kernel tells through `NETLINK_SOCK_DIAG`:
 //! another local user does not share a source with the job by connecting
-//! over loopback, from any 127.x address); otherwise the peer's address
-//! (an IPv6 peer's /64 network).
+//! over loopback, from any 127.x address, nor by dialling one of the
+//! host's own addresses, e.g. the node IP a unit listens on in a multi-node
+//! Ray cluster); otherwise the peer's address (an IPv6 peer's /64 network).
 
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 /// Where a connection comes from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum Source {
-    /// A local user (a Unix-socket peer, or a loopback TCP peer whose
+    /// A local user (a Unix-socket peer, or a same-host TCP peer whose
     /// socket the kernel names).
     Uid(u32),
     /// A TCP peer's address; an IPv6 peer's /64 network.
@@ -51,12 +52,20 @@ impl std::fmt::Display for Source {
 }
 
 impl Source {
-    /// The source of a TCP peer at `peer`, connected to `local`.
+    /// The source of a TCP peer at `peer`, connected to `local`: the user
+    /// that owns the peer's socket when the peer is on this host (its
+    /// address is loopback, or the very address it dialled: a client on
+    /// the host dialling one of the host's addresses, as with
+    /// `listen.host = "node-ip"`, comes from that address), asked of the
+    /// kernel in one `NETLINK_SOCK_DIAG` query; otherwise, or when the
+    /// kernel does not name it, the peer's address.
     pub(crate) fn of_tcp(peer: SocketAddr, local: Option<SocketAddr>) -> Source {
         let ip = peer.ip().to_canonical();
-        if ip.is_loopback() {
-            if let Some(uid) = local.and_then(|l| loopback_peer_uid(peer, l)) {
-                return Source::Uid(uid);
+        if let Some(local) = local.filter(|l| same_host(peer.ip(), l.ip())) {
+            match sock_diag::owner_uid(peer, local) {
+                Ok(Some(uid)) => return Source::Uid(uid),
+                Ok(None) => unknown_local_peer(peer, local, None),
+                Err(e) => unknown_local_peer(peer, local, Some(e)),
             }
         }
         match ip {
@@ -66,6 +75,51 @@ impl Source {
             }
             v4 => Source::Ip(v4),
         }
+    }
+}
+
+/// Whether a TCP peer at `peer` that reached us at `local` is on this
+/// host: its address is loopback, or is the address it dialled (a host
+/// sends to its own addresses from that address).
+pub(crate) fn same_host(peer: IpAddr, local: IpAddr) -> bool {
+    let (peer, local) = (peer.to_canonical(), local.to_canonical());
+    peer.is_loopback() || (peer == local && !peer.is_unspecified())
+}
+
+/// Whether the kernel here names the owners of TCP sockets (asked once).
+static DIAG_WORKS: OnceLock<bool> = OnceLock::new();
+/// Whether the unit warned that it cannot.
+static WARNED: AtomicBool = AtomicBool::new(false);
+
+/// The kernel did not name the owner of a same-host peer's socket: warn
+/// (once) unless the peer had merely closed it already, which the first
+/// time is told apart by asking for the unit's own side of the connection
+/// (one more query, once per process).
+fn unknown_local_peer(peer: SocketAddr, local: SocketAddr, error: Option<std::io::Error>) {
+    let why = match error {
+        Some(e) => format!("the query failed: {e}"),
+        None => {
+            let works = *DIAG_WORKS
+                .get_or_init(|| matches!(sock_diag::owner_uid(local, peer), Ok(Some(_))));
+            if works {
+                // The peer closed its socket before it was asked about.
+                return;
+            }
+            "the kernel knows no TCP socket by its addresses (no inet_diag/tcp_diag module?)"
+                .to_string()
+        }
+    };
+    if !WARNED.swap(true, Ordering::SeqCst) {
+        tracing::warn!(
+            %peer,
+            %local,
+            reason = %why,
+            "cannot tell which local user owns a same-host TCP peer's socket (NETLINK_SOCK_DIAG): \
+             such peers are told apart by address only, so every local user connecting over TCP \
+             shares one handshake share, and one of them can cut another's handshakes. Load the \
+             inet_diag and tcp_diag kernel modules, allow NETLINK_SOCK_DIAG, or have local \
+             clients use the Unix socket (warned once)"
+        );
     }
 }
 
@@ -298,20 +352,15 @@ pub(crate) fn fds_needed(max_connections: usize, max_handshakes: usize) -> u64 {
     3 * (max_connections as u64 + max_handshakes as u64) + 64
 }
 
-/// The uid that owns the socket at `peer` connected to our `local`, both
-/// on loopback: asked of the kernel (`NETLINK_SOCK_DIAG`, one exact
-/// lookup). `None` when the kernel does not say.
-fn loopback_peer_uid(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
-    sock_diag::owner_uid(peer, local)
-}
-
 mod sock_diag {
     //! One `SOCK_DIAG_BY_FAMILY` request for one TCP socket, by its four
     //! addresses; the kernel answers with its `inet_diag_msg`, whose
     //! `idiag_uid` is the socket's owner.
-    use std::net::{IpAddr, SocketAddr};
+    use std::io;
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
     use std::time::Duration;
 
+    use rustix::fd::OwnedFd;
     use rustix::net::netlink::{self, SocketAddrNetlink};
     use rustix::net::{
         recv, sendto, socket_with, AddressFamily, RecvFlags, SendFlags, SocketFlags, SocketType,
@@ -319,15 +368,21 @@ mod sock_diag {
 
     const SOCK_DIAG_BY_FAMILY: u16 = 20;
     const NLM_F_REQUEST: u16 = 1;
+    #[cfg(test)]
+    const NLM_F_DUMP: u16 = 0x300;
     const NLMSG_ERROR: u16 = 2;
+    const ENOENT: i32 = 2;
     const IPPROTO_TCP: u8 = 6;
     const AF_INET: u8 = 2;
     const AF_INET6: u8 = 10;
     /// nlmsghdr (16) + inet_diag_req_v2 (56).
     const REQ_LEN: usize = 16 + 56;
-    /// Offset of idiag_uid in the answer: nlmsghdr (16) + family, state,
-    /// timer, retrans (4) + sockid (48) + expires, rqueue, wqueue (12).
-    const UID_AT: usize = 16 + 4 + 48 + 12;
+    /// Offset of the answer's inet_diag_sockid: nlmsghdr (16) + family,
+    /// state, timer, retrans (4).
+    const ID_AT: usize = 16 + 4;
+    /// Offset of idiag_uid in the answer: ID_AT + sockid (48) + expires,
+    /// rqueue, wqueue (12); idiag_inode follows it.
+    const UID_AT: usize = ID_AT + 48 + 12;
 
     /// An address as the kernel keeps it: IPv4 peers of an IPv4 socket
     /// stay IPv4; a v4-mapped address of an IPv6 socket stays IPv6.
@@ -347,16 +402,12 @@ mod sock_diag {
         b
     }
 
-    pub(super) fn owner_uid(peer: SocketAddr, local: SocketAddr) -> Option<u32> {
-        if family_of(&peer) != family_of(&local) {
-            return None;
-        }
-        // The peer's socket: its source is our peer, its destination us.
-        let (src, dst) = (peer, local);
+    /// A request for the TCP sockets from `src` to `dst` (with `flags`).
+    fn request(flags: u16, src: SocketAddr, dst: SocketAddr) -> [u8; REQ_LEN] {
         let mut req = [0u8; REQ_LEN];
         req[0..4].copy_from_slice(&(REQ_LEN as u32).to_ne_bytes());
         req[4..6].copy_from_slice(&SOCK_DIAG_BY_FAMILY.to_ne_bytes());
-        req[6..8].copy_from_slice(&NLM_F_REQUEST.to_ne_bytes());
+        req[6..8].copy_from_slice(&flags.to_ne_bytes());
         req[8..12].copy_from_slice(&1u32.to_ne_bytes()); // sequence
         let r = &mut req[16..];
         r[0] = family_of(&src);
@@ -371,30 +422,96 @@ mod sock_diag {
         r[28..44].copy_from_slice(&addr_bytes(&dst));
         r[44..48].copy_from_slice(&0u32.to_ne_bytes()); // interface
         r[48..56].copy_from_slice(&[0xff; 8]); // no cookie
-        let fd = socket_with(
+        req
+    }
+
+    /// Send `req` to the kernel; its first answer, into `buf`.
+    fn ask<'b>(req: &[u8], buf: &'b mut [u8]) -> io::Result<&'b [u8]> {
+        let fd: OwnedFd = socket_with(
             AddressFamily::NETLINK,
             SocketType::DGRAM,
             SocketFlags::CLOEXEC,
             Some(netlink::SOCK_DIAG),
-        )
-        .ok()?;
+        )?;
         rustix::net::sockopt::set_socket_timeout(
             &fd,
             rustix::net::sockopt::Timeout::Recv,
             Some(Duration::from_millis(100)),
-        )
-        .ok()?;
+        )?;
         let kernel = SocketAddrNetlink::new(0, 0);
-        sendto(&fd, &req, SendFlags::empty(), &kernel).ok()?;
-        let mut buf = [0u8; 512];
-        let (n, _) = recv(&fd, &mut buf[..], RecvFlags::empty()).ok()?;
-        let msg = buf.get(..n)?;
-        let kind = u16::from_ne_bytes(msg.get(4..6)?.try_into().ok()?);
-        if kind == NLMSG_ERROR || kind != SOCK_DIAG_BY_FAMILY {
-            return None;
+        sendto(&fd, req, SendFlags::empty(), &kernel)?;
+        let (n, _) = recv(&fd, &mut *buf, RecvFlags::empty())?;
+        Ok(&buf[..n.min(buf.len())])
+    }
+
+    fn malformed() -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidData, "a malformed sock_diag answer")
+    }
+
+    /// The socket address at `at` of an answer's sockid of `family`.
+    fn addr_at(msg: &[u8], family: u8, port_at: usize, addr_at: usize) -> Option<SocketAddr> {
+        let port = u16::from_be_bytes(msg.get(port_at..port_at + 2)?.try_into().ok()?);
+        let a = msg.get(addr_at..addr_at + 16)?;
+        let ip = match family {
+            AF_INET => IpAddr::V4(Ipv4Addr::from(<[u8; 4]>::try_from(&a[..4]).ok()?)),
+            AF_INET6 => IpAddr::V6(Ipv6Addr::from(<[u8; 16]>::try_from(a).ok()?)),
+            _ => return None,
+        };
+        Some(SocketAddr::new(ip.to_canonical(), port))
+    }
+
+    /// The uid that owns the live TCP socket from `src` to `dst` on this
+    /// host (the peer's socket: `src` the peer, `dst` our side).
+    /// `Ok(None)`: the kernel knows no such socket, or only a closing one
+    /// that no process holds any more (a closed socket in TIME_WAIT is
+    /// told as root's).
+    pub(super) fn owner_uid(src: SocketAddr, dst: SocketAddr) -> io::Result<Option<u32>> {
+        if family_of(&src) != family_of(&dst) {
+            return Ok(None);
         }
-        let uid = msg.get(UID_AT..UID_AT + 4)?;
-        Some(u32::from_ne_bytes(uid.try_into().ok()?))
+        let mut buf = [0u8; 512];
+        let msg = ask(&request(NLM_F_REQUEST, src, dst), &mut buf)?;
+        let kind = u16::from_ne_bytes(msg.get(4..6).ok_or_else(malformed)?.try_into().unwrap());
+        if kind == NLMSG_ERROR {
+            let e = msg.get(16..20).ok_or_else(malformed)?;
+            let e = -i32::from_ne_bytes(e.try_into().unwrap());
+            return match e {
+                ENOENT => Ok(None),
+                e => Err(io::Error::from_raw_os_error(e)),
+            };
+        }
+        if kind != SOCK_DIAG_BY_FAMILY {
+            return Err(malformed());
+        }
+        // The socket it names must be the one asked for, not a listener
+        // that a lookup of a foreign address and port may fall back to.
+        let family = *msg.get(16).ok_or_else(malformed)?;
+        let canon = |a: SocketAddr| SocketAddr::new(a.ip().to_canonical(), a.port());
+        let got_src = addr_at(msg, family, ID_AT, ID_AT + 4);
+        let got_dst = addr_at(msg, family, ID_AT + 2, ID_AT + 20);
+        if got_src != Some(canon(src)) || got_dst != Some(canon(dst)) {
+            return Ok(None);
+        }
+        let word = |at: usize| -> io::Result<u32> {
+            let b = msg.get(at..at + 4).ok_or_else(malformed)?;
+            Ok(u32::from_ne_bytes(b.try_into().unwrap()))
+        };
+        let (uid, inode) = (word(UID_AT)?, word(UID_AT + 4)?);
+        if inode == 0 {
+            return Ok(None);
+        }
+        Ok(Some(uid))
+    }
+
+    /// Whether the kernel lists this host's IPv4 TCP sockets at all (it
+    /// has inet_diag and tcp_diag).
+    #[cfg(test)]
+    pub(super) fn lists_tcp_sockets() -> io::Result<bool> {
+        let any = SocketAddr::from(([0, 0, 0, 0], 0));
+        let mut buf = [0u8; 8192];
+        let msg = ask(&request(NLM_F_REQUEST | NLM_F_DUMP, any, any), &mut buf)?;
+        let kind = u16::from_ne_bytes(msg.get(4..6).ok_or_else(malformed)?.try_into().unwrap());
+        Ok(kind == SOCK_DIAG_BY_FAMILY)
     }
 }
 
@@ -402,19 +519,133 @@ mod sock_diag {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_loopback_tcp_peer_is_known_by_its_user() {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    /// Why the kernel cannot be asked who owns a socket here, if it
+    /// cannot (asked explicitly: a dump of all TCP sockets).
+    fn no_sock_diag() -> Option<String> {
+        match sock_diag::lists_tcp_sockets() {
+            Ok(true) => None,
+            Ok(false) => Some("the kernel lists no TCP sockets (no inet_diag/tcp_diag)".into()),
+            Err(e) => Some(format!("no NETLINK_SOCK_DIAG here: {e}")),
+        }
+    }
+
+    /// A peer connected from this process to a listener at `at` has the
+    /// source of this process's user.
+    fn assert_known_by_its_user(at: SocketAddr) {
+        let l = std::net::TcpListener::bind(at).unwrap();
         let c = std::net::TcpStream::connect(l.local_addr().unwrap()).unwrap();
         let (s, peer) = l.accept().unwrap();
         let me = rustix::process::getuid().as_raw();
-        let src = Source::of_tcp(peer, s.local_addr().ok());
-        // Kernels without inet_diag do not say: the address stands in.
-        assert!(
-            src == Source::Uid(me) || src == Source::Ip(peer.ip()),
-            "{src:?}"
+        assert_eq!(
+            Source::of_tcp(peer, s.local_addr().ok()),
+            Source::Uid(me),
+            "peer {peer}, local {:?}",
+            s.local_addr()
         );
         drop(c);
+    }
+
+    #[test]
+    fn a_loopback_tcp_peer_is_known_by_its_user() {
+        if let Some(why) = no_sock_diag() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        assert_known_by_its_user("127.0.0.1:0".parse().unwrap());
+        assert_known_by_its_user("127.0.0.2:0".parse().unwrap());
+        if std::net::TcpListener::bind("[::1]:0").is_ok() {
+            assert_known_by_its_user("[::1]:0".parse().unwrap());
+        }
+    }
+
+    /// This network namespace's own IPv4 addresses other than loopback
+    /// (the kernel's local routes: `/proc/net/fib_trie`), and its global
+    /// IPv6 ones (`/proc/net/if_inet6`).
+    fn own_non_loopback_addresses() -> Vec<IpAddr> {
+        let mut out = Vec::new();
+        let trie = std::fs::read_to_string("/proc/net/fib_trie").unwrap_or_default();
+        let mut last: Option<IpAddr> = None;
+        for line in trie.lines() {
+            let t = line.trim();
+            if let Some(a) = t.strip_prefix("|-- ") {
+                last = a.parse().ok();
+            } else if t.starts_with("/32 host LOCAL") {
+                if let Some(a) = last.filter(|a| !a.is_loopback() && !out.contains(a)) {
+                    out.push(a);
+                }
+            }
+        }
+        let v6 = std::fs::read_to_string("/proc/net/if_inet6").unwrap_or_default();
+        for line in v6.lines() {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // Address, interface index, prefix length, scope (00: global).
+            if f.len() >= 4 && f[3] == "00" {
+                if let Ok(n) = u128::from_str_radix(f[0], 16) {
+                    let a = IpAddr::V6(n.into());
+                    if !a.is_loopback() {
+                        out.push(a);
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn a_same_host_peer_dialling_a_non_loopback_address_is_known_by_its_user() {
+        if let Some(why) = no_sock_diag() {
+            eprintln!("skipped: {why}");
+            return;
+        }
+        let addrs = own_non_loopback_addresses();
+        if addrs.is_empty() {
+            eprintln!("skipped: this network namespace has no address but loopback");
+        }
+        // Only this namespace's own addresses: nothing leaves the host.
+        for a in addrs {
+            if std::net::TcpListener::bind(SocketAddr::new(a, 0)).is_err() {
+                eprintln!("not bindable here: {a}");
+                continue;
+            }
+            assert_known_by_its_user(SocketAddr::new(a, 0));
+        }
+    }
+
+    #[test]
+    fn a_peer_is_on_this_host_when_loopback_or_from_the_address_it_dialled() {
+        let ip = |s: &str| -> IpAddr { s.parse().unwrap() };
+        assert!(same_host(ip("127.0.0.1"), ip("127.0.0.1")));
+        assert!(same_host(ip("127.0.0.5"), ip("127.0.0.1")));
+        assert!(same_host(ip("::1"), ip("::1")));
+        assert!(same_host(ip("::ffff:127.0.0.1"), ip("::ffff:127.0.0.1")));
+        // A client on the host dialling the node's address comes from it.
+        assert!(same_host(ip("10.0.0.5"), ip("10.0.0.5")));
+        assert!(same_host(ip("::ffff:10.0.0.5"), ip("10.0.0.5")));
+        assert!(same_host(ip("2001:db8::5"), ip("2001:db8::5")));
+        // Anyone else is known by their address.
+        assert!(!same_host(ip("10.0.0.6"), ip("10.0.0.5")));
+        assert!(!same_host(ip("2001:db8::6"), ip("2001:db8::5")));
+        assert!(!same_host(ip("0.0.0.0"), ip("0.0.0.0")));
+    }
+
+    #[test]
+    fn a_remote_peer_is_not_asked_about_and_a_foreign_socket_is_unknown() {
+        // A peer from elsewhere is known by its address (no query).
+        let remote = Source::of_tcp(
+            "10.9.9.9:40000".parse().unwrap(),
+            Some("10.0.0.5:7000".parse().unwrap()),
+        );
+        assert_eq!(remote, Source::Ip("10.9.9.9".parse().unwrap()));
+        if no_sock_diag().is_some() {
+            return;
+        }
+        // A lookup whose source port is a listener's port names no socket
+        // (the kernel's fallback to the listener is not taken for it).
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = l.local_addr().unwrap().port();
+        let src = SocketAddr::from(([127, 0, 0, 1], port));
+        let dst = SocketAddr::from(([127, 0, 0, 1], 9));
+        assert_eq!(sock_diag::owner_uid(src, dst).unwrap(), None);
     }
 
     #[test]

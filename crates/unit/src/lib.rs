@@ -142,8 +142,8 @@ pub struct UnitConfig {
     /// the most. Default 128.
     pub max_handshakes: usize,
     /// Most of those from one source (a local user: a Unix-socket peer or
-    /// a loopback TCP peer; otherwise the peer's address, an IPv6 peer's
-    /// /64): past it, a new connection from that source cuts its oldest
+    /// a TCP peer on this host, over loopback or from the host address it
+    /// dialled; otherwise the peer's address, an IPv6 peer's /64): past it, a new connection from that source cuts its oldest
     /// handshake. Default 32.
     pub max_handshakes_per_source: usize,
     /// A connection must prove itself (the shared secret's proof and its
