@@ -39,7 +39,11 @@ tensors are copied to host memory before a put (no GPU-direct path).
 
 Checkpoints are written only under ``checkpoint_root``: by default a
 private (0700) directory of the user in the job's temporary directory
-(:func:`default_checkpoint_root`), never ``/``.
+(:func:`default_checkpoint_root`; a fresh private one when another user
+took that name first), never ``/``.
+
+The directory's secret (``secret_hex``) is kept in the config wrapped so
+that it prints as ``<redacted>``: TransferQueue logs its whole config.
 """
 
 from __future__ import annotations
@@ -245,7 +249,9 @@ def default_checkpoint_root() -> str:
 
     Refused (:class:`stowage.InvalidRequest`) if that path exists and is
     not a directory of this user that only this user can use (e.g. another
-    user created it first, or it is a symbolic link)."""
+    user created it first, or it is a symbolic link);
+    :func:`initialize_stowage_storage` then falls back to a fresh private
+    directory (:func:`_fallback_checkpoint_root`) instead of failing."""
     uid = os.getuid()
     path = os.path.join(tempfile.gettempdir(), _DEFAULT_ROOT_NAME.format(uid=uid))
     try:
@@ -266,6 +272,92 @@ def default_checkpoint_root() -> str:
             f"can write"
         )
     return path
+
+
+def _fallback_checkpoint_root() -> str:
+    """The checkpoint root of a bootstrap that gave none: the default root
+    (:func:`default_checkpoint_root`), or, when that is refused (another
+    local user made it first, or it is a link), a fresh private (0700)
+    directory ``<tmp>/stowage-tq-checkpoints-<uid>-XXXXXXXX`` of this job,
+    with a warning naming the refused path: a name another user can take
+    must not keep a job from starting. Nothing is written into the refused
+    path. (A ``checkpoint_root`` the user configured is never replaced: an
+    unsafe one is an error.)"""
+    try:
+        return default_checkpoint_root()
+    except stowage.InvalidRequest as e:
+        path = tempfile.mkdtemp(prefix=_DEFAULT_ROOT_NAME.format(uid=os.getuid()) + "-")
+        logger.warning(
+            "%s; checkpoints of this job go to the fresh private directory %s instead "
+            "(set backend.%s.checkpoint_root to choose one)",
+            e, path, BACKEND,
+        )
+        return path
+
+
+class _Redacted:
+    """A secret kept in TransferQueue's config (which it logs whole at
+    INFO, and stores in its controller): its ``str``/``repr`` (and YAML
+    form) are ``<redacted>``, but it pickles with its value, so the
+    processes that read the stored config still get it
+    (:func:`_reveal_directory`). TransferQueue's config allows objects
+    (``allow_objects``)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: str):
+        self.value = value
+
+    def __repr__(self) -> str:
+        return "'<redacted>'"
+
+    __str__ = __repr__
+
+    def __reduce__(self) -> Any:
+        return (_Redacted, (self.value,))
+
+
+def _register_yaml_redaction() -> None:
+    try:
+        from omegaconf._utils import get_omega_conf_dumper
+
+        get_omega_conf_dumper().add_representer(
+            _Redacted, lambda dumper, _v: dumper.represent_str("<redacted>")
+        )
+    except Exception:  # pragma: no cover - another omegaconf; str/repr stay redacted
+        pass
+
+
+def _redact_directory(directory: Mapping[str, Any]) -> Dict[str, Any]:
+    """``directory`` with its secret (``secret_hex``) wrapped so that no
+    printed config shows it."""
+    d = dict(directory)
+    if isinstance(d.get("secret_hex"), str):
+        d["secret_hex"] = _Redacted(d["secret_hex"])
+    return d
+
+
+def _reveal_directory(directory: Mapping[str, Any]) -> Dict[str, Any]:
+    """The directory :func:`_redact_directory` wrapped, as
+    :func:`stowage.connect` reads it."""
+    d = dict(directory)
+    if isinstance(d.get("secret_hex"), _Redacted):
+        d["secret_hex"] = d["secret_hex"].value
+    return d
+
+
+def _publish_directory(conf: Any, directory: Mapping[str, Any]) -> None:
+    """Writes ``directory`` to ``conf.backend.Stowage.directory``, its
+    secret redacted from every printed form."""
+    from omegaconf import DictConfig, flag_override
+
+    node = conf.backend[BACKEND]
+    _register_yaml_redaction()
+    if isinstance(node, DictConfig):
+        with flag_override(node, "allow_objects", True):
+            node.directory = _redact_directory(directory)
+    else:
+        node.directory = _redact_directory(directory)
 
 
 # -- bootstrap -------------------------------------------------------------------
@@ -363,13 +455,13 @@ def initialize_stowage_storage(conf: Any) -> StowageStorage:
                     f"backend.{BACKEND}.directory must be a directory (a dict or a JSON file), "
                     f"not {block['directory']!r}"
                 )
-            conf.backend[BACKEND].directory = directory
+            _publish_directory(conf, directory)
             return StowageStorage(None, directory, float(block["stop_timeout"]))
         if block["checkpoint_root"] is None:
-            block["checkpoint_root"] = default_checkpoint_root()
+            block["checkpoint_root"] = _fallback_checkpoint_root()
             conf.backend[BACKEND].checkpoint_root = block["checkpoint_root"]
         units = stowage.ray.start_units(_unit_config(block), _plan_nodes(block))
-        conf.backend[BACKEND].directory = units.directory
+        _publish_directory(conf, units.directory)
         logger.info("started %d stowage units for TransferQueue", len(units))
         return StowageStorage(units, units.directory, float(block["stop_timeout"]))
     except BaseException:
@@ -545,7 +637,7 @@ def _register() -> None:
                     f"run (import stowage.tq in the process that calls tq.init first)"
                 )
             if not isinstance(directory, (str, os.PathLike)):
-                directory = dict(directory)
+                directory = _reveal_directory(directory)
             self._namespace = str(block["namespace"])
             self._timeout = float(block["timeout"])
             self._plane = stowage.connect(

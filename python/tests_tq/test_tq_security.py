@@ -346,14 +346,83 @@ def test_default_checkpoint_root_is_private_and_not_slash(tmp_path, secret_file,
         tq.close()
 
 
-def test_default_checkpoint_root_planted_by_another_user_is_refused(tmp_path, secret_file, monkeypatch):
+def test_default_checkpoint_root_planted_by_another_user_is_not_used(tmp_path, secret_file, monkeypatch):
+    # Another local user makes the default root first: the job still
+    # starts, in a fresh private root of its own, and writes nothing into
+    # the planted one.
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     os.chmod(tmp_path, 0o777)
     planted = tmp_path / f"stowage-tq-checkpoints-{os.getuid()}"
-    planted.mkdir(mode=0o700)
+    planted.mkdir(mode=0o777)
     os.chown(planted, 65534, 65534)
-    with pytest.raises(stowage.InvalidRequest) as info:
-        tq.init(_conf(secret_file=secret_file))
-    assert "owned by uid 65534" in str(info.value) and "checkpoint_root" in str(info.value), str(info.value)
+    conf = tq.init(_conf(secret_file=secret_file))
+    try:
+        root = conf.backend.Stowage.checkpoint_root
+        assert os.path.dirname(root) == str(tmp_path), root
+        assert os.path.basename(root).startswith(f"stowage-tq-checkpoints-{os.getuid()}-"), root
+        st = os.lstat(root)
+        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
+        tq.kv_batch_put(keys=["a"], partition_id="p",
+                        fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1), tags=[{}])
+        tq.save_checkpoint(os.path.join(root, "step-1"))
+        assert os.path.isdir(os.path.join(root, "step-1", "stowage", "unit-0"))
+        assert list(planted.iterdir()) == []
+    finally:
+        tq.close()
+
+
+def test_a_configured_unsafe_checkpoint_root_is_refused(tmp_path, secret_file):
+    # A root the user names is never replaced: another user's is an error.
+    os.chmod(tmp_path, 0o777)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(Exception) as info:
+        tq.init(_conf(secret_file=secret_file, checkpoint_root=str(theirs)))
+    assert str(theirs) in str(info.value), str(info.value)
     with pytest.raises(ValueError):
         ray.get_actor("TransferQueueController", namespace="transfer_queue")
+    assert list(theirs.iterdir()) == []
+
+
+def test_the_planes_secret_is_in_no_printed_config(tmp_path):
+    # The units generate the secret (no secret_file), so the directory
+    # TransferQueue keeps in its config carries it: TransferQueue logs that
+    # config at INFO and stores it in its controller.
+    import logging
+
+    seen = []
+
+    class _Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+
+    log = logging.getLogger(interface.__name__)
+    level = log.level
+    log.setLevel(logging.INFO)
+    keep = _Keep()
+    log.addHandler(keep)
+    try:
+        conf = tq.init(_conf(checkpoint_root=str(tmp_path)))
+    finally:
+        log.removeHandler(keep)
+        log.setLevel(level)
+    try:
+        secret = interface._TQ_STORAGE["Stowage"].directory["secret_hex"]
+        assert len(secret) >= 32
+        logged = [m for m in seen if "TransferQueue config" in m]
+        assert logged and "Stowage" in logged[0], seen
+        ctl = ray.get_actor("TransferQueueController", namespace="transfer_queue")
+        stored = ray.get(ctl.get_config.remote())
+        for c in (conf, stored):
+            for shown in (str(c), repr(c), OmegaConf.to_yaml(c), str(OmegaConf.to_container(c))):
+                assert secret not in shown and "<redacted>" in shown, shown
+        assert all(secret not in m for m in seen)
+        # The stored config (pickled through Ray) still holds it...
+        assert stored.backend.Stowage.directory.secret_hex.value == secret
+        # ...and the clients connect with it: a pickled cell is tagged and
+        # checked under the key derived from it.
+        _put_text(["a"])
+        assert list(tq.kv_batch_get(keys=["a"], partition_id="p")["text"]) == ["value of a"]
+    finally:
+        tq.close()

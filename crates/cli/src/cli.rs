@@ -193,7 +193,9 @@ enum Cmd {
         /// Where to listen: unix:/path/unit.sock and/or tcp:127.0.0.1:PORT
         /// (repeatable; TCP needs a secret or --insecure). Default:
         /// unix:$XDG_RUNTIME_DIR/stowage/unit-0.sock, else
-        /// unix:/tmp/stowage-UID/unit-0.sock (a private 0700 directory).
+        /// unix:/tmp/stowage-UID/unit-0.sock (a private 0700 directory),
+        /// else, when another user made that directory first (or it is a
+        /// link), unix:$HOME/.stowage/run/unit-0.sock, with a warning.
         #[arg(long)]
         listen: Vec<String>,
         /// A name for logs.

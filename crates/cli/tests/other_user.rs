@@ -390,7 +390,7 @@ fn a_unit_will_not_serve_tcp_without_a_secret_unless_insecure_loopback_included(
 }
 
 /// `stowage unit` with default flags, its temporary directory `tmp`.
-fn default_unit(tmp: &Path) -> (Reap, String) {
+fn default_unit(tmp: &Path, home: &Path) -> (Reap, String) {
     let mut child = Command::new(binary())
         .args([
             "unit",
@@ -401,6 +401,7 @@ fn default_unit(tmp: &Path) -> (Reap, String) {
         ])
         .env_remove("XDG_RUNTIME_DIR")
         .env("TMPDIR", tmp)
+        .env("HOME", home)
         .env_remove("STOWAGE_SECRET")
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
@@ -424,7 +425,7 @@ fn stowage_unit_by_default_listens_in_a_private_directory_only() {
     let tmp = shared.path("tmp");
     std::fs::create_dir(&tmp).unwrap();
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
-    let (_unit, ready) = default_unit(&tmp);
+    let (_unit, ready) = default_unit(&tmp, &shared.path("home"));
     let private = tmp.join(format!("stowage-{}", rustix::process::geteuid().as_raw()));
     let sock = private.join("unit-0.sock");
     assert!(
@@ -448,7 +449,7 @@ fn stowage_unit_by_default_listens_in_a_private_directory_only() {
 }
 
 #[test]
-fn a_runtime_directory_another_user_made_first_is_refused() {
+fn a_runtime_directory_another_user_made_first_is_not_used() {
     if !can_switch_user() {
         return;
     }
@@ -456,38 +457,82 @@ fn a_runtime_directory_another_user_made_first_is_refused() {
     let tmp = shared.path("tmp");
     std::fs::create_dir(&tmp).unwrap();
     std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let home = shared.path("home");
+    std::fs::create_dir(&home).unwrap();
     let private = tmp.join(format!("stowage-{}", rustix::process::geteuid().as_raw()));
-    // The other user takes the name first.
+    let fallback = home.join(".stowage").join("run");
+    // The other user takes the name first (open to all, so that a unit
+    // could bind in it).
     let out = as_other(Path::new("/bin/mkdir"))
         .args(["-m", "777"])
         .arg(&private)
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out));
-    let (mut unit, ready) = default_unit(&tmp);
+    // The unit still starts: in $HOME/.stowage/run, warning about the name.
+    let (unit, ready) = default_unit(&tmp, &home);
+    let sock = fallback.join("unit-0.sock");
     assert!(
-        !ready.starts_with("READY"),
-        "the unit served in a directory of another user: {ready}"
+        ready.contains(&format!("uds={} tcp= ", sock.display())),
+        "{ready}"
     );
-    wait_bounded(&mut unit.0, Duration::from_secs(10));
-    let mut err = String::new();
-    unit.0
-        .stderr
-        .take()
+    let mode = std::fs::symlink_metadata(&fallback)
         .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
+        .permissions()
+        .mode();
+    assert_eq!(mode & 0o7777, 0o700);
+    let c = Client::connect(ClientConfig::new("own", vec![UnitAddr::Unix(sock.clone())]))
+        .expect("its own user connects in the fallback");
+    drop(c);
+    assert_eq!(
+        std::fs::read_dir(&private).unwrap().count(),
+        0,
+        "the unit created something in the directory another user made"
+    );
+    let err = stopped_stderr(unit);
     assert!(
-        err.contains(&format!("belongs to uid {OTHER_UID}")),
+        err.contains(&private.display().to_string()) && err.contains(&format!("uid {OTHER_UID}")),
         "{err}"
     );
-    // A symbolic link in its place is refused too.
+    // A symbolic link in its place is not followed either.
     std::fs::remove_dir(&private).unwrap();
     let elsewhere = tempfile::tempdir().unwrap();
     std::fs::set_permissions(elsewhere.path(), std::fs::Permissions::from_mode(0o700)).unwrap();
     std::os::unix::fs::symlink(elsewhere.path(), &private).unwrap();
-    let (mut unit, ready) = default_unit(&tmp);
+    let (unit, ready) = default_unit(&tmp, &home);
+    assert!(
+        ready.contains(&format!("uds={} tcp= ", sock.display())),
+        "{ready}"
+    );
+    assert_eq!(std::fs::read_dir(elsewhere.path()).unwrap().count(), 0);
+    let err = stopped_stderr(unit);
+    assert!(err.contains("symbolic link"), "{err}");
+}
+
+#[test]
+fn a_runtime_directory_of_this_user_open_to_others_is_refused() {
+    // This user's own directory with a wrong mode is for the user to fix:
+    // refused, not replaced.
+    let t = tempfile::tempdir().unwrap();
+    let tmp = t.path().join("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let home = t.path().join("home");
+    std::fs::create_dir(&home).unwrap();
+    let mine = tmp.join(format!("stowage-{}", rustix::process::geteuid().as_raw()));
+    std::fs::create_dir(&mine).unwrap();
+    std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let (mut unit, ready) = default_unit(&tmp, &home);
     assert!(!ready.starts_with("READY"), "{ready}");
+    wait_bounded(&mut unit.0, Duration::from_secs(10));
+    let err = stopped_stderr(unit);
+    assert!(err.contains("0755") && err.contains("chmod 700"), "{err}");
+    assert!(!home.join(".stowage").exists());
+}
+
+/// What a unit wrote on stderr, once stopped (its stdin closed).
+fn stopped_stderr(mut unit: Reap) -> String {
+    drop(unit.0.stdin.take());
     wait_bounded(&mut unit.0, Duration::from_secs(10));
     let mut err = String::new();
     unit.0
@@ -496,7 +541,7 @@ fn a_runtime_directory_another_user_made_first_is_refused() {
         .unwrap()
         .read_to_string(&mut err)
         .unwrap();
-    assert!(err.contains("symbolic link"), "{err}");
+    err
 }
 
 /// Not a test on its own: an impostor that binds `STOWAGE_TEST_SQUAT`

@@ -637,7 +637,8 @@ impl Config {
     /// `listen.unix_dir/unit-<index>.sock`, else `unit-<index>.sock` in
     /// this user's private runtime directory
     /// ([`stowage_unit::runtime_dir::runtime_dir`]: `$XDG_RUNTIME_DIR/stowage`,
-    /// else `/tmp/stowage-<uid>`, 0700), which fails when that directory
+    /// else `/tmp/stowage-<uid>`, else `$HOME/.stowage/run` when another
+    /// user took that name; 0700), which fails when that directory
     /// is not this user's own.
     pub fn unit_socket(&self, index: usize) -> std::io::Result<PathBuf> {
         match &self.listen.unix_dir {

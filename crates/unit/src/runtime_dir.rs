@@ -1,37 +1,134 @@
 //! The per-user runtime directory where units put their Unix sockets by
 //! default: `$XDG_RUNTIME_DIR/stowage/` when that variable names a
 //! directory of this user, else `stowage-<uid>/` in the temporary
-//! directory (`/tmp` unless `TMPDIR` says otherwise).
+//! directory (`/tmp` unless `TMPDIR` says otherwise), else -- when that
+//! name was taken first by another user, or is a symbolic link or not a
+//! directory -- `$HOME/.stowage/run/`, with a warning naming the taken
+//! path. Units and clients compute the same directory the same way.
 //!
 //! A fixed name in a shared directory is a name another user can take
 //! first: bind a socket there and hand clients a memory fd of its own, or
 //! keep the unit from starting. This directory is made owner-only (0700)
 //! and used only when it is a real directory (not a symbolic link) of this
-//! user with exactly that mode; anything else is refused with an error that
-//! says what was found and how to fix it. In a sticky temporary directory
-//! nobody else can then rename or replace it.
+//! user with exactly that mode. A taken name in the temporary directory
+//! is never used (nothing is created in it): the home fallback is. A
+//! directory of this user with another mode is refused with an error that
+//! says how to fix it. In a sticky temporary directory nobody else can
+//! rename or replace this user's directory.
 
+use std::ffi::OsString;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 
 use rustix::fs::{Mode, OFlags};
 
+/// The most bytes a Unix socket path may have (`sun_path` holds 108, with
+/// its terminating NUL).
+pub const MAX_SOCKET_PATH: usize = 107;
+
 /// The runtime directory (created owner-only if missing, checked if not).
 pub fn runtime_dir() -> io::Result<PathBuf> {
+    resolve(
+        std::env::var_os("XDG_RUNTIME_DIR"),
+        std::env::temp_dir(),
+        std::env::var_os("HOME"),
+    )
+}
+
+/// [`runtime_dir`] from the values of `XDG_RUNTIME_DIR`, the temporary
+/// directory and `HOME`.
+fn resolve(xdg: Option<OsString>, tmp: PathBuf, home: Option<OsString>) -> io::Result<PathBuf> {
     let uid = rustix::process::geteuid();
-    let base = match std::env::var_os("XDG_RUNTIME_DIR").map(PathBuf::from) {
-        Some(x) if x.is_absolute() && owned_dir(&x, uid) => x.join("stowage"),
-        _ => std::env::temp_dir().join(format!("stowage-{}", uid.as_raw())),
+    if let Some(x) = xdg.map(PathBuf::from) {
+        if x.is_absolute() && owned_dir(&x, uid) {
+            let d = x.join("stowage");
+            ensure_private_dir(&d)?;
+            return Ok(d);
+        }
+    }
+    let shared = tmp.join(format!("stowage-{}", uid.as_raw()));
+    match check_private_dir(&shared) {
+        Ok(()) => Ok(shared),
+        Err(Refused::Other(e)) => Err(e),
+        Err(Refused::Taken(why)) => home_fallback(home, &shared, &why),
+    }
+}
+
+/// `$HOME/.stowage/run` (made owner-only, checked as every runtime
+/// directory), used because `taken` was refused for `why`.
+fn home_fallback(home: Option<OsString>, taken: &Path, why: &io::Error) -> io::Result<PathBuf> {
+    let uid = rustix::process::geteuid();
+    let home = match home.map(PathBuf::from) {
+        Some(h) if h.is_absolute() => h,
+        _ => {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{why}; and HOME is not an absolute path, so the fallback $HOME/.stowage/run \
+                     cannot be used: set XDG_RUNTIME_DIR to a private directory"
+                ),
+            ))
+        }
     };
-    ensure_private_dir(&base)?;
-    Ok(base)
+    let parent = home.join(".stowage");
+    match rustix::fs::mkdir(&parent, Mode::from_raw_mode(0o700)) {
+        Ok(()) | Err(rustix::io::Errno::EXIST) => {}
+        Err(e) => {
+            return Err(io::Error::new(
+                io::Error::from(e).kind(),
+                format!(
+                    "{why}; and the fallback {} cannot be made ({e}): set XDG_RUNTIME_DIR to a \
+                     private directory",
+                    parent.display()
+                ),
+            ))
+        }
+    }
+    if !owned_dir(&parent, uid) {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "{why}; and the fallback's parent {} is not a directory of this user (a symbolic \
+                 link is refused): set XDG_RUNTIME_DIR to a private directory",
+                parent.display()
+            ),
+        ));
+    }
+    let run = parent.join("run");
+    ensure_private_dir(&run)
+        .map_err(|e| io::Error::new(e.kind(), format!("{why}; and the fallback: {e}")))?;
+    tracing::warn!(
+        taken = %taken.display(),
+        fallback = %run.display(),
+        "{why}; the private runtime directory is {} instead",
+        run.display()
+    );
+    Ok(run)
 }
 
 /// Unit `index`'s default Unix socket: `unit-<index>.sock` in
-/// [`runtime_dir`].
+/// [`runtime_dir`]; an error if that path is longer than a Unix socket
+/// path can be ([`MAX_SOCKET_PATH`]).
 pub fn default_socket(index: usize) -> io::Result<PathBuf> {
-    Ok(runtime_dir()?.join(format!("unit-{index}.sock")))
+    socket_in(&runtime_dir()?, index)
+}
+
+fn socket_in(dir: &Path, index: usize) -> io::Result<PathBuf> {
+    let p = dir.join(format!("unit-{index}.sock"));
+    let n = p.as_os_str().len();
+    if n > MAX_SOCKET_PATH {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!(
+                "the default socket path {} is {n} bytes, more than the {MAX_SOCKET_PATH} a Unix \
+                 socket path may have: set XDG_RUNTIME_DIR (or listen.unix_dir, or --listen \
+                 unix:PATH) to a shorter private directory",
+                p.display()
+            ),
+        ));
+    }
+    Ok(p)
 }
 
 /// Whether `path` is a directory (not a link) of `uid`.
@@ -42,21 +139,37 @@ fn owned_dir(path: &Path, uid: rustix::fs::Uid) -> bool {
     })
 }
 
+/// Why a runtime directory was refused.
+enum Refused {
+    /// Not a directory of this user (another user's, a symbolic link, a
+    /// file): in a shared directory, a name someone else may have taken.
+    Taken(io::Error),
+    /// Anything else (this user's directory with another mode, an error
+    /// making it): for the user to fix.
+    Other(io::Error),
+}
+
 /// Make `path` an owner-only directory of this user, or check that it is
 /// one already: refuses a symbolic link, another user's directory, or one
 /// that others may enter.
 pub fn ensure_private_dir(path: &Path) -> io::Result<()> {
+    check_private_dir(path).map_err(|r| match r {
+        Refused::Taken(e) | Refused::Other(e) => e,
+    })
+}
+
+fn check_private_dir(path: &Path) -> Result<(), Refused> {
     let created = match rustix::fs::mkdir(path, Mode::from_raw_mode(0o700)) {
         Ok(()) => true,
         Err(rustix::io::Errno::EXIST) => false,
         Err(e) => {
-            return Err(io::Error::new(
+            return Err(Refused::Other(io::Error::new(
                 io::Error::from(e).kind(),
                 format!(
                     "creating the private runtime directory {}: {e}",
                     path.display()
                 ),
-            ))
+            )))
         }
     };
     let shown = path.display();
@@ -66,22 +179,23 @@ pub fn ensure_private_dir(path: &Path) -> io::Result<()> {
         Mode::empty(),
     )
     .map_err(|e| {
-        io::Error::new(
+        Refused::Taken(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
                 "{shown} is not a directory of this user ({e}; a symbolic link or a file is refused): \
                  remove it, or set XDG_RUNTIME_DIR to a private directory"
             ),
-        )
+        ))
     })?;
+    let other = |e: rustix::io::Errno| Refused::Other(e.into());
     if created {
         // The umask may have taken bits off; exactly 0700.
-        rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700))?;
+        rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700)).map_err(other)?;
     }
-    let st = rustix::fs::fstat(&fd)?;
+    let st = rustix::fs::fstat(&fd).map_err(other)?;
     let uid = rustix::process::geteuid().as_raw();
     if st.st_uid != uid {
-        return Err(io::Error::new(
+        return Err(Refused::Taken(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
                 "the runtime directory {shown} belongs to uid {}, not to this user (uid {uid}): \
@@ -89,17 +203,17 @@ pub fn ensure_private_dir(path: &Path) -> io::Result<()> {
                  private directory",
                 st.st_uid
             ),
-        ));
+        )));
     }
     let mode = st.st_mode & 0o7777;
     if mode != 0o700 {
-        return Err(io::Error::new(
+        return Err(Refused::Other(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
                 "the runtime directory {shown} has mode {mode:04o}, not 0700: others could \
                  reach or replace the sockets in it; make it owner-only: chmod 700 {shown}"
             ),
-        ));
+        )));
     }
     Ok(())
 }
@@ -132,5 +246,109 @@ mod tests {
         let f = t.path().join("file");
         std::fs::write(&f, b"x").unwrap();
         assert!(ensure_private_dir(&f).is_err());
+    }
+
+    fn mode(p: &Path) -> u32 {
+        std::fs::symlink_metadata(p).unwrap().permissions().mode() & 0o7777
+    }
+
+    /// A temporary directory shared as /tmp is (1777), and a home.
+    fn shared_tmp_and_home() -> (tempfile::TempDir, PathBuf, PathBuf) {
+        let t = tempfile::tempdir().unwrap();
+        let tmp = t.path().join("tmp");
+        std::fs::create_dir(&tmp).unwrap();
+        std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+        let home = t.path().join("home");
+        std::fs::create_dir(&home).unwrap();
+        (t, tmp, home)
+    }
+
+    fn taken_name(tmp: &Path) -> PathBuf {
+        tmp.join(format!("stowage-{}", rustix::process::geteuid().as_raw()))
+    }
+
+    #[test]
+    fn the_temporary_directory_is_used_when_free() {
+        let (_t, tmp, home) = shared_tmp_and_home();
+        let d = resolve(None, tmp.clone(), Some(home.clone().into())).unwrap();
+        assert_eq!(d, taken_name(&tmp));
+        assert_eq!(mode(&d), 0o700);
+        assert!(!home.join(".stowage").exists());
+    }
+
+    #[test]
+    fn a_name_another_user_took_first_falls_back_to_home() {
+        // Playing the other user needs chown: root only.
+        if !rustix::process::geteuid().is_root() {
+            return;
+        }
+        let (_t, tmp, home) = shared_tmp_and_home();
+        let taken = taken_name(&tmp);
+        std::fs::create_dir(&taken).unwrap();
+        std::fs::set_permissions(&taken, std::fs::Permissions::from_mode(0o777)).unwrap();
+        std::os::unix::fs::chown(&taken, Some(65534), Some(65534)).unwrap();
+        let d = resolve(None, tmp.clone(), Some(home.clone().into())).unwrap();
+        assert_eq!(d, home.join(".stowage").join("run"));
+        assert_eq!(mode(&d), 0o700);
+        // The same again (a client computes what the unit did).
+        assert_eq!(
+            resolve(None, tmp.clone(), Some(home.clone().into())).unwrap(),
+            d
+        );
+        assert_eq!(std::fs::read_dir(&taken).unwrap().count(), 0);
+        // Without a home to fall back to: an error naming the taken path.
+        let e = resolve(None, tmp.clone(), None).unwrap_err().to_string();
+        assert!(
+            e.contains(&taken.display().to_string()) && e.contains("HOME"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_link_or_a_file_in_its_place_falls_back_to_home() {
+        let (t, tmp, home) = shared_tmp_and_home();
+        let taken = taken_name(&tmp);
+        let elsewhere = t.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &taken).unwrap();
+        let d = resolve(None, tmp.clone(), Some(home.clone().into())).unwrap();
+        assert_eq!(d, home.join(".stowage").join("run"));
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        std::fs::remove_file(&taken).unwrap();
+        std::fs::write(&taken, b"x").unwrap();
+        assert_eq!(resolve(None, tmp, Some(home.into())).unwrap(), d);
+    }
+
+    #[test]
+    fn this_users_directory_with_another_mode_is_refused_not_replaced() {
+        let (_t, tmp, home) = shared_tmp_and_home();
+        let mine = taken_name(&tmp);
+        std::fs::create_dir(&mine).unwrap();
+        std::fs::set_permissions(&mine, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let e = resolve(None, tmp, Some(home.clone().into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("0755") && e.contains("chmod 700"), "{e}");
+        assert!(!home.join(".stowage").exists());
+    }
+
+    #[test]
+    fn a_private_xdg_runtime_dir_comes_first() {
+        let (t, tmp, home) = shared_tmp_and_home();
+        let xdg = t.path().join("xdg");
+        std::fs::create_dir(&xdg).unwrap();
+        let d = resolve(Some(xdg.clone().into()), tmp.clone(), Some(home.into())).unwrap();
+        assert_eq!(d, xdg.join("stowage"));
+        assert!(!taken_name(&tmp).exists());
+    }
+
+    #[test]
+    fn a_socket_path_too_long_is_an_error_naming_the_fix() {
+        let long = PathBuf::from(format!("/{}", "d".repeat(100)));
+        let e = socket_in(&long, 0).unwrap_err().to_string();
+        assert!(e.contains("107") && e.contains("XDG_RUNTIME_DIR"), "{e}");
+        let p = socket_in(Path::new("/run/user/0/stowage"), 3).unwrap();
+        assert_eq!(p, Path::new("/run/user/0/stowage/unit-3.sock"));
     }
 }
