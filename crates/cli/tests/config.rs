@@ -6,10 +6,10 @@
 mod common;
 
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use common::{binary, eventually, stdout_lines, wait_for_line};
+use common::{binary, eventually, spawn_reaped, wait_for_line};
 use stowage_client::{Client, ClientConfig, Key, Secret, TransportChoice, UnitDirectory};
 
 const SECRET: &str = "config-test-secret-0123456789";
@@ -26,16 +26,6 @@ fn alive(pid: u32) -> bool {
         .ok()
         .and_then(|s| s.rsplit_once(") ").map(|(_, r)| !r.starts_with('Z')))
         .unwrap_or(false)
-}
-
-/// Kills the child by pid if the test ends early.
-struct Reap(Child);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]
@@ -56,18 +46,16 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     )
     .unwrap();
     let directory = dir.path().join("directory.json");
-    let mut up = Command::new(binary())
-        .args(["up", "--config"])
-        .arg(&config)
-        .arg("--directory")
-        .arg(&directory)
-        .env_remove("STOWAGE_SECRET")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let lines = stdout_lines(&mut up);
-    let up = Reap(up);
+    let (up, lines) = spawn_reaped(
+        Command::new(binary())
+            .args(["up", "--config"])
+            .arg(&config)
+            .arg("--directory")
+            .arg(&directory)
+            .env_remove("STOWAGE_SECRET")
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
     assert!(
         wait_for_line(&lines, "READY directory=", Duration::from_secs(60)),
         "stowage up never reported ready"
@@ -195,19 +183,17 @@ fn a_unit_takes_its_settings_from_the_file_and_options_override_them() {
     )
     .unwrap();
     let start = |extra: &[&str]| {
-        let mut child = Command::new(binary())
-            .args(["unit", "--no-mlock", "--config"])
-            .arg(&config)
-            .args(["--index", "1"])
-            .args(extra)
-            .env_remove("STOWAGE_SECRET")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let lines = stdout_lines(&mut child);
-        let child = Reap(child);
+        // No piped stdin: `Reap` kills it at once (it does not exit with stdin).
+        let (child, lines) = spawn_reaped(
+            Command::new(binary())
+                .args(["unit", "--no-mlock", "--config"])
+                .arg(&config)
+                .args(["--index", "1"])
+                .args(extra)
+                .env_remove("STOWAGE_SECRET")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null()),
+        );
         let ready = lines
             .recv_timeout(Duration::from_secs(30))
             .expect("the unit reports ready");

@@ -231,38 +231,24 @@ fn up(dir: &Path, args: &[&str]) -> (Reap, UnitDirectory, PathBuf) {
     let config = dir.join("stowage.toml");
     std::fs::write(&config, "[units]\ncount = 2\nmemory = \"16MiB\"\n").unwrap();
     let directory = dir.join("units.json");
-    let mut child = Command::new(binary())
-        .args(["up", "--exit-with-stdin", "--config"])
-        .arg(&config)
-        .arg("--directory")
-        .arg(&directory)
-        .args(args)
-        .env_remove("STOWAGE_SECRET")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let lines = stdout_lines(&mut child);
-    let child = Reap(child);
+    let (child, lines) = spawn_reaped(
+        Command::new(binary())
+            .args(["up", "--exit-with-stdin", "--config"])
+            .arg(&config)
+            .arg("--directory")
+            .arg(&directory)
+            .args(args)
+            .env_remove("STOWAGE_SECRET")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
     assert!(
         wait_for_line(&lines, "READY directory=", Duration::from_secs(60)),
         "stowage up never reported ready"
     );
     let d = UnitDirectory::from_file(&directory).unwrap();
     (child, d, directory)
-}
-
-/// A child killed and reaped on drop.
-struct Reap(std::process::Child);
-
-impl Drop for Reap {
-    fn drop(&mut self) {
-        drop(self.0.stdin.take());
-        wait_bounded(&mut self.0, Duration::from_secs(10));
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
 }
 
 #[test]
@@ -337,17 +323,15 @@ fn stowage_up_without_a_directory_prints_no_secret() {
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("stowage.toml");
     std::fs::write(&config, "[units]\ncount = 1\nmemory = \"16MiB\"\n").unwrap();
-    let mut child = Command::new(binary())
-        .args(["up", "--exit-with-stdin", "--config"])
-        .arg(&config)
-        .env_remove("STOWAGE_SECRET")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let lines = stdout_lines(&mut child);
-    let _child = Reap(child);
+    let (_child, lines) = spawn_reaped(
+        Command::new(binary())
+            .args(["up", "--exit-with-stdin", "--config"])
+            .arg(&config)
+            .env_remove("STOWAGE_SECRET")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
     let mut printed = String::new();
     let end = Instant::now() + Duration::from_secs(60);
     let path = loop {
@@ -391,28 +375,27 @@ fn a_unit_will_not_serve_tcp_without_a_secret_unless_insecure_loopback_included(
 
 /// `stowage unit` with default flags, its temporary directory `tmp`.
 fn default_unit(tmp: &Path, home: &Path) -> (Reap, String) {
-    let mut child = Command::new(binary())
-        .args([
-            "unit",
-            "--no-mlock",
-            "--memory",
-            "8MiB",
-            "--exit-with-stdin",
-        ])
-        .env_remove("XDG_RUNTIME_DIR")
-        .env("TMPDIR", tmp)
-        .env("HOME", home)
-        .env_remove("STOWAGE_SECRET")
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let lines = stdout_lines(&mut child);
+    let (child, lines) = spawn_reaped(
+        Command::new(binary())
+            .args([
+                "unit",
+                "--no-mlock",
+                "--memory",
+                "8MiB",
+                "--exit-with-stdin",
+            ])
+            .env_remove("XDG_RUNTIME_DIR")
+            .env("TMPDIR", tmp)
+            .env("HOME", home)
+            .env_remove("STOWAGE_SECRET")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped()),
+    );
     let line = lines
         .recv_timeout(Duration::from_secs(30))
         .unwrap_or_default();
-    (Reap(child), line)
+    (child, line)
 }
 
 #[test]
@@ -641,23 +624,21 @@ fn a_socket_another_user_bound_first_does_not_capture_a_client() {
     let shared = Shared::new();
     // A shared directory where the other user got to the name first.
     let path = shared.path("stowage-unit-0.sock");
-    let mut child = as_other(&shared.path("tests"))
-        .args([
-            "--exact",
-            "squatter_child",
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env("STOWAGE_TEST_SQUAT", &path)
-        .env("STOWAGE_TEST_SEALED", "1")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let lines = stdout_lines(&mut child);
-    let child = Reap(child);
+    let (child, lines) = spawn_reaped(
+        as_other(&shared.path("tests"))
+            .args([
+                "--exact",
+                "squatter_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("STOWAGE_TEST_SQUAT", &path)
+            .env("STOWAGE_TEST_SEALED", "1")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
     assert!(
         wait_for_line(&lines, "LISTENING", Duration::from_secs(30)),
         "the impostor never listened"

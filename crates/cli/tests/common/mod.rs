@@ -346,6 +346,33 @@ pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receive
     rx
 }
 
+/// A child process stopped by its pid when the test lets go of it (or
+/// ends early): a child reading a piped stdin (`--exit-with-stdin`) first
+/// sees it closed and gets 10 s to stop by itself; then it is killed and
+/// reaped.
+pub struct Reap(pub std::process::Child);
+
+impl Drop for Reap {
+    fn drop(&mut self) {
+        if let Some(stdin) = self.0.stdin.take() {
+            drop(stdin);
+            let end = Instant::now() + Duration::from_secs(10);
+            while matches!(self.0.try_wait(), Ok(None)) && Instant::now() < end {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Start `cmd` (its stdout piped) as a [`Reap`], with the lines it prints.
+pub fn spawn_reaped(cmd: &mut std::process::Command) -> (Reap, std::sync::mpsc::Receiver<String>) {
+    let mut child = cmd.spawn().expect("the child starts");
+    let lines = stdout_lines(&mut child);
+    (Reap(child), lines)
+}
+
 /// Whether a line containing `needle` comes from `lines` within `within`.
 pub fn wait_for_line(
     lines: &std::sync::mpsc::Receiver<String>,
