@@ -75,20 +75,7 @@ impl Unit {
             .stderr(Stdio::from(log))
             .spawn()
             .unwrap();
-        let lines = stdout_lines(&mut child);
-        let ready = match lines.recv_timeout(Duration::from_secs(30)) {
-            Ok(l) => l,
-            Err(_) => {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("the unit did not report ready");
-            }
-        };
-        let tcp = ready
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("tcp="))
-            .and_then(|a| a.parse().ok())
-            .expect("a tcp address");
+        let (ready, tcp) = await_ready(&mut child);
         Unit {
             child,
             sock,

@@ -373,6 +373,24 @@ pub fn spawn_reaped(cmd: &mut std::process::Command) -> (Reap, std::sync::mpsc::
     (Reap(child), lines)
 }
 
+/// A unit child's `READY` line (its first line on stdout, within 30 s) and
+/// the TCP address it names; a unit that does not report ready is killed,
+/// reaped, and the test fails.
+pub fn await_ready(child: &mut std::process::Child) -> (String, std::net::SocketAddr) {
+    let lines = stdout_lines(child);
+    let Ok(ready) = lines.recv_timeout(Duration::from_secs(30)) else {
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("the unit did not report ready");
+    };
+    let tcp = ready
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("tcp="))
+        .and_then(|a| a.parse().ok())
+        .expect("a tcp address");
+    (ready, tcp)
+}
+
 /// Whether a line containing `needle` comes from `lines` within `within`.
 pub fn wait_for_line(
     lines: &std::sync::mpsc::Receiver<String>,
