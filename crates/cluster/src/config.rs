@@ -23,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
-use stowage_unit::UnitConfig;
+use stowage_config::UnitConfig;
 use stowage_wire::auth::{Secret, SecretError};
 
 use crate::placement::Placement;
@@ -134,7 +134,7 @@ impl Default for UnitsSection {
             disk: None,
             nixl: false,
             require_rdma: true,
-            nixl_quarantine: stowage_unit::NixlConfig::default().quarantine,
+            nixl_quarantine: stowage_config::NixlConfig::default().quarantine,
         }
     }
 }
@@ -169,7 +169,7 @@ fn default_high_watermark() -> f64 {
     UnitConfig::new("", 0).high_watermark
 }
 fn default_disk_read_budget() -> u64 {
-    stowage_unit::DEFAULT_DISK_READ_BUDGET
+    stowage_config::DEFAULT_DISK_READ_BUDGET
 }
 fn default_low_watermark() -> f64 {
     UnitConfig::new("", 0).low_watermark
@@ -585,7 +585,7 @@ impl Config {
         }
         c.frame_timeout = self.timeouts.frame;
         if u.nixl {
-            c.nixl = Some(stowage_unit::NixlConfig {
+            c.nixl = Some(stowage_config::NixlConfig {
                 require_rdma: u.require_rdma,
                 quarantine: u.nixl_quarantine,
             });
@@ -636,14 +636,14 @@ impl Config {
     /// The Unix socket of unit `index` started from this file:
     /// `listen.unix_dir/unit-<index>.sock`, else `unit-<index>.sock` in
     /// this user's private runtime directory
-    /// ([`stowage_unit::runtime_dir::runtime_dir`]: `$XDG_RUNTIME_DIR/stowage`,
+    /// ([`stowage_config::runtime_dir::runtime_dir`]: `$XDG_RUNTIME_DIR/stowage`,
     /// else `/tmp/stowage-<uid>`, else `$HOME/.stowage/run` when another
     /// user took that name; 0700), which fails when that directory
     /// is not this user's own.
     pub fn unit_socket(&self, index: usize) -> std::io::Result<PathBuf> {
         match &self.listen.unix_dir {
             Some(d) => Ok(d.join(format!("unit-{index}.sock"))),
-            None => stowage_unit::runtime_dir::default_socket(index),
+            None => stowage_config::runtime_dir::default_socket(index),
         }
     }
 }
@@ -737,21 +737,7 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, col)
 }
 
-/// Parse a byte size: an int (bytes) or a string such as `"4GiB"`.
-pub fn parse_size(s: &str) -> Result<u64, String> {
-    s.trim()
-        .parse::<bytesize::ByteSize>()
-        .map(|b| b.as_u64())
-        .map_err(|_| {
-            format!("not a size: {s:?}; use bytes (an int) or e.g. \"512MiB\" or \"4GiB\"")
-        })
-}
-
-/// Parse a duration string such as `"30s"`, `"500ms"` or `"2m"`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    humantime::parse_duration(s.trim())
-        .map_err(|e| format!("not a duration: {s:?} ({e}); use e.g. \"30s\", \"500ms\" or \"2m\""))
-}
+pub use stowage_config::{parse_duration, parse_size};
 
 /// Sizes: ints (bytes) or strings; written back as ints.
 mod size {

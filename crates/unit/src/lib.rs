@@ -57,7 +57,6 @@ pub mod disk;
 pub mod handler;
 mod http;
 pub mod metrics;
-pub mod runtime_dir;
 
 use std::io;
 use std::net::{SocketAddr, TcpListener};
@@ -73,135 +72,7 @@ use stowage_shm::Slab;
 use stowage_wire::io::Socket;
 use stowage_wire::Limits;
 
-/// Settings of one unit.
-#[derive(Clone, Debug)]
-pub struct UnitConfig {
-    /// A name for logs and the memfd.
-    pub name: String,
-    /// Slab bytes.
-    pub memory: u64,
-    /// Unix socket path (shm transport and control). `None`: no Unix socket.
-    pub uds: Option<PathBuf>,
-    /// TCP address (tcp transport). Loopback unless the operator says
-    /// otherwise. `None`: no TCP listener.
-    pub tcp: Option<SocketAddr>,
-    /// A reservation held longer is reported as overdue (never taken from
-    /// its holder). Default 30 s.
-    pub reservation_lease: Duration,
-    /// A pin held longer is reported as overdue. Default 30 s.
-    pub pin_lease: Duration,
-    /// Quarantine of the range of a put stream the unit cut off. Default 5 s.
-    pub quarantine: Duration,
-    /// Frame limits.
-    pub limits: Limits,
-    /// Try to mlock the slab. Default true.
-    pub mlock: bool,
-    /// How long a connection thread polls for the next request before it
-    /// blocks (adaptive polling: a blocking wake-up costs tens of µs on a
-    /// VM; polling costs CPU while it lasts). Default 50 µs; zero disables
-    /// it.
-    pub spin: Duration,
-    /// The disk tier: its root directory (the unit works in its own
-    /// owner-only, locked subdirectory) and capacity. `None`: no disk tier.
-    pub disk: Option<(PathBuf, u64)>,
-    /// Spill past this fraction of the slab in use. Default 0.9.
-    pub high_watermark: f64,
-    /// Stop spilling below this fraction. Default 0.8.
-    pub low_watermark: f64,
-    /// Most bytes of heap that reads from the disk tier take at once, all
-    /// readers together (values stream from their files to the socket, or
-    /// into the slab, through buffers of at most 1 MiB taken from this
-    /// budget; a reader that finds none free waits for one within its
-    /// deadline, then is answered Busy). Default 8 MiB; at least 64 KiB.
-    pub disk_read_budget: u64,
-    /// Failpoints to turn on at start (`disk-write`), for tests.
-    pub failpoints: Vec<String>,
-    /// Load this checkpoint directory before serving.
-    pub restore: Option<PathBuf>,
-    /// Checkpoints are written only under this directory; `None`: the unit
-    /// takes none.
-    pub checkpoint_root: Option<PathBuf>,
-    /// Accept Unix-socket clients of any uid (default: only this process's
-    /// own uid).
-    pub allow_other_uids: bool,
-    /// Accept admin requests (shutdown, checkpoint) over TCP too (default:
-    /// only from same-uid clients on the Unix socket).
-    pub admin_tcp: bool,
-    /// Once a frame has begun, the rest of it must arrive within this; a
-    /// reply the peer does not take within it is cut off too. Default 10 s.
-    pub frame_timeout: Duration,
-    /// The longest a single transfer may stall when its request asks for
-    /// more time. Default 10 min.
-    pub max_io_timeout: Duration,
-    /// Most connections served at once: connections that proved the
-    /// shared secret (or, without one, said Hello). Default 1024.
-    pub max_connections: usize,
-    /// Most connections at once that have not proved themselves yet (see
-    /// `admit.rs`): they never take a served connection's slot. Past it,
-    /// a new connection cuts the oldest handshake of the source holding
-    /// the most. Default 128.
-    pub max_handshakes: usize,
-    /// Most of those from one source (a local user: a Unix-socket peer or
-    /// a TCP peer on this host, over loopback or from the host address it
-    /// dialled; otherwise the peer's address, an IPv6 peer's /64): past it, a new connection from that source cuts its oldest
-    /// handshake. Default 32.
-    pub max_handshakes_per_source: usize,
-    /// A connection must prove itself (the shared secret's proof and its
-    /// Hello) within this of its accept, or it is cut. Default 1 s.
-    pub handshake_timeout: Duration,
-    /// Most connections of one session. Default 64.
-    pub max_session_connections: usize,
-    /// Most reservations and pins of one session. Default 16384.
-    pub max_session_holds: usize,
-    /// Bytes the key index may take; `None`: a quarter of the slab, at
-    /// least 64 MiB.
-    pub index_budget: Option<u64>,
-    /// The shared secret every client must prove at connect, on every
-    /// listener (see [`auth`]). `None`: clients connect without one.
-    pub secret: Option<stowage_wire::auth::Secret>,
-    /// Listen on TCP (loopback included) without a secret. Without it such
-    /// a unit refuses to start: every local user, and anyone who reaches
-    /// the address, could read, overwrite and clear every value.
-    pub insecure: bool,
-    /// Record metrics (request counts, latencies, bytes; see
-    /// docs/metrics.md). Default true. Off, the unit records nothing on
-    /// the request path, serves no metrics endpoint, and its stats carry
-    /// no traffic counters.
-    pub metrics: bool,
-    /// Serve the metrics in the Prometheus text format on
-    /// `http://ADDR/metrics`. Default `127.0.0.1:0` (loopback, any free
-    /// port: [`UnitHandle::metrics`] tells which); `None`: no endpoint
-    /// (the metrics are still recorded for stats).
-    pub metrics_listen: Option<SocketAddr>,
-    /// Serve one-sided NIXL transfers (docs/nixl.md): the slab is
-    /// registered with a NIXL agent at start and clients that ask
-    /// (`NixlInfo`) get its metadata. Needs a build with the `nixl`
-    /// feature and libnixl_capi.so. `None` (default): no NIXL.
-    pub nixl: Option<NixlConfig>,
-}
-
-/// How a unit serves NIXL.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct NixlConfig {
-    /// Refuse to start unless UCX is held to RDMA transports (`UCX_TLS`;
-    /// see [`stowage_nixl::check_rdma`]). Default true; off for tests and
-    /// hosts without RDMA NICs, where UCX moves the bytes over tcp.
-    pub require_rdma: bool,
-    /// What a nixl client held when its connection ended (a clean close
-    /// included) stays this long after the unit invalidated the client's
-    /// NIXL agent (once the agent's last connection ended): time for
-    /// transfers already posted to drain (docs/fencing.md). Default 5 s.
-    pub quarantine: Duration,
-}
-
-impl Default for NixlConfig {
-    fn default() -> Self {
-        Self {
-            require_rdma: true,
-            quarantine: Duration::from_secs(5),
-        }
-    }
-}
+pub use stowage_config::{runtime_dir, NixlConfig, UnitConfig, DEFAULT_DISK_READ_BUDGET};
 
 /// A unit's NIXL side: its agent and registered slab, and the client
 /// agents it knows.
@@ -231,49 +102,6 @@ struct NixlPeers {
     /// Each session with a nixl connection: its agent (one per session).
     sessions: std::collections::HashMap<stowage_core::SessionId, Option<String>>,
 }
-
-impl UnitConfig {
-    pub fn new(name: impl Into<String>, memory: u64) -> Self {
-        Self {
-            name: name.into(),
-            memory,
-            uds: None,
-            tcp: None,
-            reservation_lease: Duration::from_secs(30),
-            pin_lease: Duration::from_secs(30),
-            quarantine: Duration::from_secs(5),
-            limits: Limits::default(),
-            mlock: true,
-            spin: Duration::from_micros(50),
-            disk: None,
-            high_watermark: 0.9,
-            low_watermark: 0.8,
-            disk_read_budget: DEFAULT_DISK_READ_BUDGET,
-            failpoints: Vec::new(),
-            restore: None,
-            checkpoint_root: None,
-            allow_other_uids: false,
-            admin_tcp: false,
-            frame_timeout: Duration::from_secs(10),
-            max_io_timeout: Duration::from_secs(600),
-            max_connections: 1024,
-            max_handshakes: 128,
-            max_handshakes_per_source: 32,
-            handshake_timeout: Duration::from_secs(1),
-            max_session_connections: 64,
-            max_session_holds: 16384,
-            index_budget: None,
-            secret: None,
-            insecure: false,
-            metrics: true,
-            metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
-            nixl: None,
-        }
-    }
-}
-
-/// Default [`UnitConfig::disk_read_budget`].
-pub const DEFAULT_DISK_READ_BUDGET: u64 = 8 << 20;
 
 /// A unit's disk tier at run time.
 pub(crate) struct DiskTier {
