@@ -32,8 +32,8 @@ use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use stowage_cli::bench::{median_min_max, wait_quiet};
-use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig, Key, SliceSink, UnitAddr, DEFAULT_PARTITION};
+use stowage_local::{LocalOptions, LocalPlane};
 
 type Res<T> = Result<T, String>;
 

@@ -34,8 +34,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use stowage_cli::bench::{median_min_max, wait_quiet};
-use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig, Key, SliceSink, DEFAULT_PARTITION};
+use stowage_local::{LocalOptions, LocalPlane};
 
 const MIB: usize = 1 << 20;
 /// Source and destination working sets: far larger than the 32 MiB LLC.

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use stowage_client::{Client, ClientConfig, Key};
 
-use crate::local::{LocalOptions, LocalPlane};
+use stowage_local::{LocalOptions, LocalPlane};
 
 /// One measured figure.
 #[derive(Clone, Debug)]

@@ -5,12 +5,12 @@ use std::io::Read;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use crate::local::{LocalOptions, LocalPlane};
 use crate::{bench, parse_duration, parse_size, workload};
 use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use stowage_client::{Client, ClientConfig, Secret, TransportChoice, UnitAddr, UnitDirectory};
 use stowage_cluster::config::Config;
+use stowage_local::{LocalOptions, LocalPlane};
 
 #[derive(Parser)]
 #[command(

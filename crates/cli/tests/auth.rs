@@ -14,10 +14,10 @@ use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{
     Client, ClientConfig, Column, DType, Error, Key, RowKey, Secret, Tensor, UnitAddr,
 };
+use stowage_local::{LocalOptions, LocalPlane};
 use stowage_wire::{
     decode_frame, encode, Envelope, ErrorCode, Limits, Request, Response, PREFIX_LEN,
     PROTOCOL_VERSION,

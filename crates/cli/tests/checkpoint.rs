@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use common::{binary, eventually, pattern, plane};
-use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig, Column, DType, Error, RowKey, Tensor};
+use stowage_local::{LocalOptions, LocalPlane};
 
 const MIB: u64 = 1 << 20;
 

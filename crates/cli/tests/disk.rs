@@ -8,8 +8,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use common::{client, data_bytes, eventually, pattern, plane, Kind};
-use stowage_cli::local::LocalPlane;
 use stowage_client::{Client, ClientConfig, Error, Key};
+use stowage_local::LocalPlane;
 
 const MIB: u64 = 1 << 20;
 

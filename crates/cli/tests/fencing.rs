@@ -14,8 +14,8 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use common::*;
-use stowage_cli::local::LocalPlane;
 use stowage_client::{ClientConfig, Error, Key, UnitAddr};
+use stowage_local::LocalPlane;
 use stowage_wire::Stats;
 
 const MIB: u64 = 1 << 20;
@@ -184,11 +184,7 @@ impl Drop for Paused {
 }
 
 /// A client in the children's namespace.
-fn fclient(
-    p: &stowage_cli::local::LocalPlane,
-    kind: Kind,
-    timeout: Duration,
-) -> stowage_client::Client {
+fn fclient(p: &stowage_local::LocalPlane, kind: Kind, timeout: Duration) -> stowage_client::Client {
     let mut cfg = ClientConfig::new("fence", vec![addr(p, kind)]);
     cfg.secret = p.secret().cloned();
     cfg.timeout = timeout;
@@ -202,7 +198,7 @@ fn fclient(
     c
 }
 
-fn addr(p: &stowage_cli::local::LocalPlane, kind: Kind) -> UnitAddr {
+fn addr(p: &stowage_local::LocalPlane, kind: Kind) -> UnitAddr {
     match kind {
         Kind::Shm => p.uds_addrs()[0].clone(),
         Kind::Tcp | Kind::Nixl => p.tcp_addrs()[0].clone(),
@@ -215,7 +211,7 @@ fn addr(p: &stowage_cli::local::LocalPlane, kind: Kind) -> UnitAddr {
 /// tcp the unit cuts the child at its deadline (3 s; the cut range is
 /// quarantined, then freed) and `b` goes in. Returns that client and `b`.
 fn put_b_past_every_lease(
-    p: &stowage_cli::local::LocalPlane,
+    p: &stowage_local::LocalPlane,
     kind: Kind,
 ) -> (stowage_client::Client, Vec<u8>) {
     std::thread::sleep(Duration::from_millis(800));

@@ -301,7 +301,7 @@ struct Ended {
 
 const ENDED_SLAB_MIB: u64 = 48;
 
-fn holders_whose_connections_end(p: &stowage_cli::local::LocalPlane) -> Ended {
+fn holders_whose_connections_end(p: &stowage_local::LocalPlane) -> Ended {
     let mut watcher = Raw::hello(&p.units[0].uds, "watch");
     let unit = p.units[0].tcp;
     let mbox = Middlebox::new(unit);

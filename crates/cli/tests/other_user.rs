@@ -20,8 +20,8 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig, Error, UnitAddr, UnitDirectory};
+use stowage_local::{LocalOptions, LocalPlane};
 use stowage_wire::{encode, Limits, Request, Response};
 
 const OTHER_UID: u32 = 65534;

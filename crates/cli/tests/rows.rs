@@ -7,12 +7,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{client, data_bytes, pattern, plane, Kind, Raw};
-use stowage_cli::local::LocalPlane;
 use stowage_client::rows::KEY_FIELD;
 use stowage_client::{
     new_blob_id, BlobPut, Client, Column, DType, EntrySpec, Error, Key, RowKey, Tensor, TensorSink,
     UnitAddr,
 };
+use stowage_local::LocalPlane;
 use stowage_wire::{Request, Response};
 
 const MIB: u64 = 1 << 20;

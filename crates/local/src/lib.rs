@@ -1,4 +1,8 @@
-//! A local data plane: N `stowage unit` child processes on this machine.
+//! # stowage-local: a local data plane, N `stowage unit` child processes on this machine
+//!
+//! The `stowage` command (`stowage local`, `stowage bench`), the Python
+//! package (`stowage.local()`) and the integration tests all start local
+//! planes through this one crate.
 //!
 //! Each unit listens on a Unix socket in a private temporary directory and
 //! on an ephemeral loopback TCP port, and exits when its stdin closes — so
@@ -11,6 +15,8 @@
 //! directory, never on a command line or in the environment; the plane's
 //! clients get it from [`LocalPlane::secret`] or its
 //! [`LocalPlane::directory`].
+
+#![forbid(unsafe_code)]
 
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};

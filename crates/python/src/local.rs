@@ -1,12 +1,12 @@
 //! `_native.LocalPlane`: unit processes on this machine
-//! ([`stowage_cli::local::LocalPlane`]), started with a command the Python
+//! ([`stowage_local::LocalPlane`]), started with a command the Python
 //! side chooses (`[sys.executable, "-m", "stowage", "unit"]`).
 
 use std::sync::Mutex;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use stowage_cli::local::{LocalOptions, LocalPlane as Plane};
+use stowage_local::{LocalOptions, LocalPlane as Plane};
 
 use crate::errors::{invalid, Error};
 
@@ -33,7 +33,7 @@ pub(crate) fn size_arg(ob: &Bound<'_, PyAny>) -> PyResult<u64> {
     let s: String = ob
         .extract()
         .map_err(|_| invalid("a size is an int (bytes) or a str such as '256MiB'"))?;
-    stowage_cli::parse_size(&s).map_err(invalid)
+    stowage_config::parse_size(&s).map_err(invalid)
 }
 
 #[pymethods]

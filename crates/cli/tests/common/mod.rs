@@ -9,8 +9,8 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use stowage_cli::local::{LocalOptions, LocalPlane};
 use stowage_client::{Client, ClientConfig};
+use stowage_local::{LocalOptions, LocalPlane};
 use stowage_wire::{
     decode_header, encode, Envelope, FramePrefix, Limits, Request, Response, PREFIX_LEN,
 };
