@@ -1,9 +1,10 @@
 //! numpy arrays and stowage tensors: dtypes, the bytes of caller arrays
 //! (no copy), and new arrays over memory Rust owns or a unit's slab.
 //!
-//! Everything `unsafe` in this crate is here: reading and writing array
-//! memory through the pointers numpy reports, and numpy's C API to make
-//! arrays over foreign memory.
+//! The crate's `unsafe` is here — reading and writing array memory
+//! through the pointers numpy reports, and numpy's C API to make arrays
+//! over foreign memory — and in `client.rs`'s calls into it, each block
+//! with a `// SAFETY:` comment.
 
 use std::collections::BTreeMap;
 use std::ffi::c_void;
@@ -218,11 +219,11 @@ impl<'py> ArrayBytes<'py> {
     pub fn dest(&self, offset: usize, len: usize) -> RawDest {
         debug_assert!(offset + len <= self.len);
         RawDest {
-            // SAFETY: in bounds of the array's memory, per the assertion
-            // callers make (offset + len <= self.len).
             ptr: if self.len == 0 {
                 NonNull::dangling().as_ptr()
             } else {
+                // SAFETY: in bounds of the array's memory, per the assertion
+                // callers make (offset + len <= self.len).
                 unsafe { self.ptr.add(offset) }
             },
             len,

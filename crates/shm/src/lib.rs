@@ -6,8 +6,14 @@
 //! Clients then copy bytes in and out themselves — the shm transport is
 //! one-sided, no unit CPU touches the payload.
 //!
-//! This is the only crate of stowage with `unsafe` code, all of it in
-//! [`Slab`]'s accessors. No accessor hands out a Rust reference into the
+//! stowage's `unsafe` code lives in three places, every block with a
+//! `// SAFETY:` comment (the workspace denies clippy's
+//! `undocumented_unsafe_blocks`); every other crate forbids `unsafe`:
+//! this crate, for the slab's mapping and fd passing; the Python
+//! extension's `arrays.rs` and `client.rs`, for numpy arrays over caller
+//! memory, memory Rust owns or a unit's slab; and `stowage-nixl`'s
+//! `imp.rs`, which implements the nixl binding's unsafe `MemoryRegion`
+//! trait for a registered slab. Here, all of it is in [`Slab`]'s accessors. No accessor hands out a Rust reference into the
 //! shared mapping: every access is a raw copy between the mapping and a
 //! caller-owned buffer ([`Slab::write`], [`Slab::read`], the chunked
 //! copies), or a system call given a raw pointer into it
