@@ -1,21 +1,30 @@
 //! One client connection: read a frame, have the handler
 //! ([`crate::handler`]) plan the request, carry the plan out (the bytes it
-//! moves: [`transfer`]), reply; repeat until the client leaves or
-//! misbehaves.
+//! moves: a Put's payload from the socket into the slab or the blob's
+//! file, a Read's values from the slab or their files to the socket, a
+//! Resolve's spilled values back into the slab), reply; repeat until the
+//! client leaves or misbehaves. How a connection starts, passes its
+//! handshake and Hello, and ends: [`session`].
 
-use std::io::{self, BufRead, BufReader, Write};
+use std::io::{self, BufRead, BufReader, Read as _, Write};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stowage_core::{BlobId, Owner};
+use stowage_core::{BlobId, Owner, PinId};
+use stowage_shm::Piece;
 use stowage_wire::io::{drain, read_header, read_prefix, ReadError, Socket, SpinReader};
-use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
+use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response};
 
-use crate::auth::{Gate, Verdict};
-use crate::handler::{self, error_response, Asker, Plan};
-use crate::Shared;
+use crate::auth::Gate;
+use crate::disk::DiskEngine;
+use crate::handler::{self, Asker, Dest, Plan, Put, Read};
+use crate::{Served, Shared};
 
-mod transfer;
+mod session;
+
+pub(crate) use session::serve;
+use session::EndReason;
 
 /// Who is at the other end of a connection, as the kernel says
 /// (SO_PEERCRED, Unix sockets only).
@@ -31,7 +40,7 @@ struct Conn {
     writer: Socket,
     peer: Peer,
     /// A Unix-socket peer: it may be handed the slab.
-    direct: bool,
+    unix: bool,
     /// May send admin requests (shutdown, checkpoint).
     admin: bool,
     namespace: Option<String>,
@@ -62,148 +71,6 @@ struct Conn {
 /// given back once it is answered (a connection keeps no 64 MiB buffer
 /// for its idle life).
 const KEEP_BUFFER: usize = 1 << 20;
-
-/// Serve one connection until it ends. `ticket`: its place in the
-/// handshake pool; `accepted`: when it was accepted (its handshake's
-/// deadline runs from there).
-pub(crate) fn serve(
-    shared: Arc<Shared>,
-    stream: Socket,
-    peer: Peer,
-    ticket: crate::admit::Ticket,
-    accepted: Instant,
-) {
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot clone a connection's socket");
-            return;
-        }
-    };
-    let direct = matches!(stream, Socket::Unix(_));
-    let admin = shared.admin_tcp || (direct && peer.uid == Some(shared.uid));
-    // Replies that the peer does not take are cut off after this long.
-    let write_timeout = shared.frame_timeout;
-    let _ = writer.set_write_timeout(Some(write_timeout));
-    let mut c = Conn {
-        shared: shared.clone(),
-        reader: BufReader::with_capacity(64 << 10, SpinReader::new(stream, shared.spin)),
-        writer,
-        peer,
-        direct,
-        admin,
-        namespace: None,
-        owner: None,
-        gate: Gate::new(shared.secret.clone()),
-        handshake_deadline: accepted + shared.handshake_timeout,
-        ticket: Some(ticket),
-        slot: None,
-        write_timeout,
-        out: Vec::with_capacity(4096),
-        scratch: Vec::new(),
-        failed: false,
-        frame_start: Instant::now(),
-        counters: crate::metrics::ConnCounters::attach(&shared),
-    };
-    // A panic while serving (a bug) ends the connection as the unit
-    // cutting it would: what it holds is released by the same rules, and
-    // its slots are given back.
-    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()));
-    let end = match ran {
-        Ok(Ok(())) => stowage_core::ConnEnd::Closed,
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "connection ended");
-            if e.is_cut() {
-                stowage_core::ConnEnd::Cut
-            } else {
-                stowage_core::ConnEnd::Closed
-            }
-        }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!(
-                unit = %shared.name,
-                panic = %what,
-                "a connection's thread panicked; the connection is cut and what it holds released as for a cut connection"
-            );
-            let _ = c.reply(
-                0,
-                &Response::Error {
-                    code: ErrorCode::Internal,
-                    message: "the unit failed serving this connection and cut it".into(),
-                },
-            );
-            stowage_core::ConnEnd::Cut
-        }
-    };
-    c.end_handshake(&end);
-    if let Some(owner) = c.owner {
-        let now = shared.now();
-        let (holds, gone) = {
-            let mut core = shared.core();
-            let holds = core.detach(owner, end, now);
-            (holds, !core.has_session(owner.session))
-        };
-        // A nixl connection's holds outlive it: fenced once its client's
-        // agent has no connection left.
-        shared.nixl_conn_ended(owner);
-        if let Some(m) = &shared.metrics {
-            let why = match end {
-                stowage_core::ConnEnd::Closed => crate::metrics::Reclaim::Closed,
-                stowage_core::ConnEnd::Cut => crate::metrics::Reclaim::Cut,
-            };
-            m.reclaimed(why, holds);
-        }
-        if holds > 0 {
-            tracing::info!(
-                unit = %shared.name,
-                session = owner.session.0,
-                namespace = c.namespace.as_deref().unwrap_or(""),
-                holds,
-                cut = end == stowage_core::ConnEnd::Cut,
-                "released the holds of an ended connection"
-            );
-        }
-        if gone {
-            tracing::info!(
-                unit = %shared.name,
-                session = owner.session.0,
-                namespace = c.namespace.as_deref().unwrap_or(""),
-                "session closed"
-            );
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum EndReason {
-    #[error(transparent)]
-    Io(#[from] io::Error),
-    #[error("closed after an invalid request: {0}")]
-    Invalid(String),
-    #[error("the unit is shutting down")]
-    Shutdown,
-    #[error("turned away: {0}")]
-    Busy(String),
-}
-
-impl EndReason {
-    /// Whether the unit ended the connection (the peer may still be
-    /// running) rather than the peer closing it.
-    fn is_cut(&self) -> bool {
-        match self {
-            EndReason::Io(e) => matches!(
-                e.kind(),
-                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-            ),
-            EndReason::Invalid(_) | EndReason::Shutdown | EndReason::Busy(_) => true,
-        }
-    }
-}
 
 impl Conn {
     fn run(&mut self) -> Result<(), EndReason> {
@@ -262,87 +129,6 @@ impl Conn {
                 return self.refuse(env.id, "this request carries no payload".into());
             }
             self.handle(env.id, env.body, prefix.payload_len)?;
-        }
-    }
-
-    /// A frame before the gate is open (see [`crate::auth`]).
-    fn pass_gate(
-        &mut self,
-        id: u64,
-        frame: Result<Request, stowage_wire::WireError>,
-    ) -> Result<(), EndReason> {
-        let verdict = self.gate.step(frame, stowage_wire::auth::fresh_nonce);
-        if self.ticket.is_some() && (self.gate.proven() || self.gate.is_open()) {
-            // Proved (the secret, or without one its Hello): from the
-            // handshake pool to the served connections, before anything is
-            // served.
-            let proved = match &self.ticket {
-                Some(t) => self.shared.prove(t),
-                None => unreachable!("checked above"),
-            };
-            match proved {
-                Ok(slot) => {
-                    self.slot = Some(slot);
-                    self.ticket = None;
-                }
-                Err(message) => {
-                    let _ = self.reply(
-                        id,
-                        &Response::Error {
-                            code: ErrorCode::Busy,
-                            message: message.clone(),
-                        },
-                    );
-                    self.ticket = None;
-                    return Err(EndReason::Busy(message));
-                }
-            }
-        }
-        match verdict {
-            Verdict::Reply(r) => Ok(self.reply(id, &r)?),
-            Verdict::Next => Ok(()),
-            Verdict::Serve(req) => self.handle(id, req, 0),
-            Verdict::Refuse(r) => {
-                let why = match &r {
-                    Response::Error { message, .. } => message.clone(),
-                    _ => String::new(),
-                };
-                tracing::warn!(
-                    uid = ?self.peer.uid,
-                    pid = ?self.peer.pid,
-                    tcp = !self.direct,
-                    reason = %why,
-                    "refused a connection before its Hello"
-                );
-                let _ = self.reply(id, &r);
-                Err(EndReason::Invalid(why))
-            }
-        }
-    }
-
-    /// The connection ended (`end`) with its handshake unfinished: tell a
-    /// peer whose handshake was cut to admit another why, and count a
-    /// handshake that ran out of time.
-    fn end_handshake(&mut self, end: &stowage_core::ConnEnd) {
-        let Some(t) = self.ticket.take() else {
-            return;
-        };
-        if t.cut().is_some() {
-            let message = self.shared.cut_message(&t);
-            let _ = self
-                .writer
-                .set_write_timeout(Some(Duration::from_millis(100)));
-            let _ = self.reply(
-                0,
-                &Response::Error {
-                    code: ErrorCode::Busy,
-                    message,
-                },
-            );
-        } else if *end == stowage_core::ConnEnd::Cut && Instant::now() >= self.handshake_deadline {
-            if let Some(m) = &self.shared.metrics {
-                m.handshake_timed_out();
-            }
         }
     }
 
@@ -430,12 +216,7 @@ impl Conn {
 
     /// Plan the request in the handler, then carry the plan out: this is
     /// where the bytes move.
-    fn handle_request(
-        &mut self,
-        id: u64,
-        req: Request,
-        payload_len: u64,
-    ) -> Result<(), EndReason> {
+    fn handle_request(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), EndReason> {
         let asker = Asker {
             hello: self.owner.zip(self.namespace.as_deref()),
             admin: self.admin,
@@ -601,54 +382,375 @@ impl Conn {
             },
         }
     }
+}
 
-    /// A Hello of the right version: join (or open) the session, and hand
-    /// a Unix-socket peer that wants it the slab's memfd with the reply.
-    fn hello(
-        &mut self,
-        id: u64,
-        namespace: String,
-        want_fd: bool,
-        session: Option<u128>,
-    ) -> Result<(), EndReason> {
-        // A peer that is handed the slab (now, or on an earlier connection
-        // of its session) may copy by itself: its holds follow the rules
-        // for direct peers.
-        let maps = want_fd && self.direct;
-        let (token, owner) = match self
-            .shared
-            .join_session(session, self.peer, maps, &namespace)
-        {
-            Ok(j) => j,
+impl Conn {
+    /// Take a Put's payload where the handler reserved it, within the
+    /// Put's own time (a payload that stalls past it is cut off), and
+    /// answer what the handler makes of it.
+    fn receive(&mut self, id: u64, put: Put) -> Result<(), EndReason> {
+        let timeout = self.io_timeout(put.timeout_ms);
+        self.reader.get_mut().deadline = Some(Instant::now() + timeout);
+        match put.into {
+            Dest::Slab { offset } => self.put_to_slab(id, &put, offset),
+            Dest::Disk => self.put_to_disk(id, &put),
+            Dest::Nowhere => {
+                drain(&mut self.reader, put.nbytes)?;
+                let resp = handler::put_landed(&mut self.shared.core(), &put);
+                self.reply(id, &resp)?;
+                Ok(())
+            }
+        }
+    }
+
+    /// The payload goes straight from the socket into the slab at
+    /// `offset`. This thread is the range's only writer while it reads.
+    fn put_to_slab(&mut self, id: u64, put: &Put, offset: u64) -> Result<(), EndReason> {
+        let len = usize::try_from(put.nbytes).map_err(|_| io::Error::other("payload too large"))?;
+        if let Err(e) = self.recv_payload(offset, len) {
+            let cut = matches!(
+                e.kind(),
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+            );
+            let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
+            return Err(e.into());
+        }
+        let resp = handler::put_landed(&mut self.shared.core(), put);
+        if matches!(resp, Response::Done | Response::Pending) {
+            self.count_in(put.nbytes);
+        }
+        self.reply(id, &resp)?;
+        Ok(())
+    }
+
+    /// How this connection streams bytes (for metrics).
+    fn stream_transport(&self) -> crate::metrics::Transport {
+        if self.unix {
+            crate::metrics::Transport::Uds
+        } else {
+            crate::metrics::Transport::Tcp
+        }
+    }
+
+    fn count_in(&self, n: u64) {
+        if let Some(m) = &self.counters {
+            m.bytes_in(self.stream_transport(), n);
+        }
+    }
+
+    /// Take `len` payload bytes into the slab at `offset`: what the reader
+    /// has buffered already, then straight from the socket (bounded by the
+    /// reader's deadline).
+    fn recv_payload(&mut self, offset: u64, len: usize) -> io::Result<()> {
+        let buffered = self.reader.buffer();
+        let n = buffered.len().min(len);
+        self.shared
+            .slab
+            .write(offset, &buffered[..n])
+            .map_err(io::Error::other)?;
+        self.reader.consume(n);
+        if n == len {
+            return Ok(());
+        }
+        let r = self.reader.get_mut();
+        let deadline = r.deadline;
+        let got = self.shared.slab.recv_into(
+            r.socket.as_fd(),
+            offset + n as u64,
+            len - n,
+            self.shared.spin,
+            deadline,
+        );
+        if !matches!(got, Ok(false)) {
+            r.timeout_changed();
+        }
+        got.map(|_| ())
+    }
+
+    /// The payload of a put that went to the disk tier: streamed into the
+    /// blob's file; the flusher syncs it and publishes the entries.
+    fn put_to_disk(&mut self, id: u64, put: &Put) -> Result<(), EndReason> {
+        let (blob, nbytes) = (put.blob, put.nbytes);
+        let abandon = |shared: &Shared| {
+            let _ = handler::put_abandoned(&mut shared.core(), put, false, shared.now());
+        };
+        let Some(d) = &self.shared.disk else {
+            drain(&mut self.reader, nbytes)?;
+            abandon(&self.shared);
+            return self.reply_error(id, ErrorCode::Internal, "disk tier missing");
+        };
+        let (mut writer, mut failure) = match d.engine.create(blob, nbytes) {
+            Ok(w) => (Some(w), None),
             Err(e) => {
-                self.reply(id, &error_response(&e))?;
-                return Err(EndReason::Invalid(format!("session refused: {e}")));
+                tracing::warn!(error = %e, "cannot create a blob file");
+                (None, Some(e))
             }
         };
-        self.owner = Some(owner);
-        self.namespace = Some(namespace);
-        let attach = want_fd && self.direct;
-        let r = Response::Hello {
-            version: PROTOCOL_VERSION,
-            instance_id: self.shared.instance_id,
-            slab_bytes: self.shared.slab.len(),
-            fd_attached: attach,
-            session: token,
-        };
+        let mut left = nbytes;
+        let mut buf = vec![0u8; (64 << 10).min(nbytes as usize).max(1)];
+        while left > 0 {
+            let n = (left as usize).min(buf.len());
+            if let Err(e) = self.reader.read_exact(&mut buf[..n]) {
+                abandon(&self.shared);
+                return Err(e.into());
+            }
+            left -= n as u64;
+            if let (Some(w), None) = (writer.as_mut(), &failure) {
+                if let Err(e) = w.write(&buf[..n]) {
+                    failure = Some(e);
+                }
+            }
+        }
+        if let Some(e) = failure {
+            // Nothing of this put is kept; the client may retry.
+            abandon(&self.shared);
+            if let Some(w) = writer {
+                let _ = w.finish();
+            }
+            let _ = d.engine.delete(blob);
+            // A full disk is a full unit (the client may wait for room or
+            // go elsewhere), not a failed transfer.
+            let (code, why) = if crate::disk::is_disk_full(&e) {
+                (
+                    ErrorCode::Full,
+                    format!(
+                        "the unit's memory is full and its disk tier has no space left \
+                         ({e}); nothing of this put is kept: clear rows, or give the disk \
+                         tier room"
+                    ),
+                )
+            } else {
+                (
+                    ErrorCode::Internal,
+                    format!("the put's blob file on the disk tier failed: {e}"),
+                )
+            };
+            return self.reply_error(id, code, &why);
+        }
+        let resp = handler::put_landed(&mut self.shared.core(), put);
+        if matches!(resp, Response::Pending) {
+            self.count_in(nbytes);
+            if let Some(m) = &self.shared.metrics {
+                m.disk_put_bytes
+                    .fetch_add(nbytes, std::sync::atomic::Ordering::Relaxed);
+            }
+            if let Some(w) = writer {
+                let sent = d
+                    .flush
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .send((blob, w));
+                if sent.is_err() {
+                    self.shared.core().disk_written(blob, false);
+                }
+            }
+        }
+        self.reply(id, &resp)?;
+        Ok(())
+    }
+
+    /// Send a Read's pinned values: straight from the slab (or a spilled
+    /// blob's checked file) to the socket, within the Read's own time (a
+    /// reader that stalls past it is cut off); only then does the pin go.
+    fn send(&mut self, id: u64, mut read: Read) -> Result<(), EndReason> {
+        let timeout = self.io_timeout(read.timeout_ms);
+        let until = Instant::now() + timeout;
+        // Spilled values stream through one buffer of the unit's disk-read
+        // budget, taken for the whole reply: a reader that finds none free
+        // waits for one (most of its time), then is answered Busy.
+        let shared = self.shared.clone();
+        let mut buf = None;
+        if let (true, Some(d)) = (read.has_disk(), &shared.disk) {
+            buf = d.reads.take(Instant::now() + timeout.mul_f64(0.9));
+            if buf.is_none() {
+                handler::read_sent(&mut self.shared.core(), &read);
+                return self.reply_error(
+                    id,
+                    ErrorCode::Busy,
+                    "every buffer of the unit's disk-read budget is taken by other readers \
+                     of spilled values (--disk-read-budget); try again",
+                );
+            }
+        }
+        let found = std::mem::take(&mut read.found);
+        let served = shared.bring_back(found, buf.as_deref_mut(), true);
+        let (header, total) = data_reply(&served);
         self.out.clear();
-        encode(id, &r, 0, &mut self.out).map_err(io::Error::other)?;
-        match &self.writer {
-            Socket::Unix(s) if attach => {
-                let sent = stowage_shm::send_with_fd(s, &self.out, self.shared.slab.fd())?;
-                let rest = self.out[sent..].to_vec();
-                self.writer.write_all(&rest)?;
-            }
-            _ => {
-                let out = std::mem::take(&mut self.out);
-                self.writer.write_all(&out)?;
-                self.out = out;
-            }
+        encode(id, &header, total, &mut self.out).map_err(io::Error::other)?;
+        let header = std::mem::take(&mut self.out);
+        let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
+        drop(buf);
+        self.out = header;
+        handler::read_sent(&mut self.shared.core(), &read);
+        let sent = sent?;
+        if let Some(m) = &self.counters {
+            m.bytes_out(self.stream_transport(), total);
+        }
+        if sent {
+            // The send set its own timeout: back to the frame timeout.
+            self.write_timeout = Duration::ZERO;
+            self.set_write_timeout(self.shared.frame_timeout)?;
         }
         Ok(())
     }
+
+    /// Send a Data reply: `header`, then each served value, from the slab
+    /// or streamed from its spilled blob's file through `buf` (checked
+    /// chunk by chunk as it goes; the file was checked whole just before,
+    /// so a mismatch now means it changed underneath: the connection is
+    /// cut rather than a wrong byte sent). Returns whether a send changed
+    /// the socket's timeout.
+    fn send_served(
+        &self,
+        header: &[u8],
+        served: &[Option<Served>],
+        mut buf: Option<&mut [u8]>,
+        until: Instant,
+    ) -> Result<bool, EndReason> {
+        let slab = &self.shared.slab;
+        let fd = self.writer.as_fd();
+        let mut changed = false;
+        let mut pieces = Vec::with_capacity(served.len() + 1);
+        pieces.push(Piece::Heap(header));
+        for s in served.iter().flatten() {
+            match s {
+                Served::Memory(l, _) => pieces.push(Piece::Slab {
+                    offset: l.offset,
+                    len: l.len as usize,
+                }),
+                Served::Disk {
+                    blob, offset, len, ..
+                } => {
+                    changed |= slab.send_pieces(fd, &pieces, until)?;
+                    pieces.clear();
+                    let (Some(d), Some(buf)) = (&self.shared.disk, buf.as_deref_mut()) else {
+                        return Err(EndReason::Invalid(
+                            "a spilled value without a disk-read buffer".into(),
+                        ));
+                    };
+                    let t0 = Instant::now();
+                    let streamed = d.engine.reader(*blob).and_then(|r| {
+                        crate::read_through(&r, *offset, *len, buf, |piece| {
+                            changed |= slab.send_pieces(fd, &[Piece::Heap(piece)], until)?;
+                            Ok(())
+                        })
+                    });
+                    match streamed {
+                        Ok(Ok(())) => {
+                            d.io.read(*len, t0);
+                            if let Some(m) = &self.shared.metrics {
+                                m.disk_streamed_bytes
+                                    .fetch_add(*len, std::sync::atomic::Ordering::Relaxed);
+                            }
+                        }
+                        Ok(Err(e)) => return Err(e.into()),
+                        Err(e) => {
+                            tracing::error!(error = %e, ?blob, "a spilled blob's file changed while it was sent; the connection is cut");
+                            return Err(EndReason::Invalid(format!(
+                                "a spilled value's file failed its check while it was sent: {e}"
+                            )));
+                        }
+                    }
+                }
+                Served::Corrupt => {}
+            }
+        }
+        changed |= slab.send_pieces(fd, &pieces, until)?;
+        Ok(changed)
+    }
+
+    /// A Resolve's reply: spilled values are brought back into the slab
+    /// where there is room (the pin holds them meanwhile). Promotion copies
+    /// through a buffer of the read budget; when none is free soon, the
+    /// values stay on disk and the client reads them with a Read, which
+    /// waits for one.
+    fn resolved(
+        &mut self,
+        pin: Option<stowage_core::PinId>,
+        found: Vec<Option<stowage_core::Located>>,
+    ) -> Response {
+        let mut buf = match &self.shared.disk {
+            Some(d) if handler::has_disk(&found) => {
+                d.reads.take(Instant::now() + Duration::from_millis(50))
+            }
+            _ => None,
+        };
+        let served = self.shared.bring_back(found, buf.as_deref_mut(), false);
+        drop(buf);
+        let (reply, bytes) = resolved_reply(pin, served);
+        if let Some(m) = &self.counters {
+            m.bytes_out(crate::metrics::Transport::Shm, bytes);
+        }
+        reply
+    }
+}
+
+/// The reply to a Resolve whose spilled values were brought back where
+/// there was room (`served`, one per key); and the bytes it hands out of
+/// the slab.
+fn resolved_reply(pin: Option<PinId>, served: Vec<Option<Served>>) -> (Response, u64) {
+    let bytes = served
+        .iter()
+        .map(|f| match f {
+            Some(Served::Memory(l, _)) => l.len,
+            _ => 0,
+        })
+        .sum();
+    let mut corrupt = Vec::new();
+    let found = served
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| match f? {
+            Served::Memory(l, meta) => Some(Found {
+                offset: l.offset,
+                len: l.len,
+                meta,
+                on_disk: false,
+            }),
+            Served::Disk { len, meta, .. } => Some(Found {
+                offset: 0,
+                len,
+                meta,
+                on_disk: true,
+            }),
+            Served::Corrupt => {
+                corrupt.push(i as u32);
+                None
+            }
+        })
+        .collect();
+    (
+        Response::Resolved {
+            pin,
+            found,
+            corrupt,
+        },
+        bytes,
+    )
+}
+
+/// The header of a Read's reply for the values `served` (one per key), and
+/// the payload bytes that follow it.
+fn data_reply(served: &[Option<Served>]) -> (Response, u64) {
+    let mut corrupt = Vec::new();
+    let items: Vec<Option<Item>> = served
+        .iter()
+        .enumerate()
+        .map(|(i, s)| match s.as_ref()? {
+            Served::Memory(l, meta) => Some(Item {
+                len: l.len,
+                meta: meta.clone(),
+            }),
+            Served::Disk { len, meta, .. } => Some(Item {
+                len: *len,
+                meta: meta.clone(),
+            }),
+            Served::Corrupt => {
+                corrupt.push(i as u32);
+                None
+            }
+        })
+        .collect();
+    let total = items.iter().flatten().map(|it| it.len).sum();
+    (Response::Data { items, corrupt }, total)
 }

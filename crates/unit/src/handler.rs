@@ -17,7 +17,7 @@ use stowage_core::{
     Allocated, BlobId, Committed, CoreError, EntrySpec, Located, Owner, PinId, Place, Time,
     UnitCore,
 };
-use stowage_wire::{ErrorCode, Found, Item, Request, Response, PARTITION_SEPARATOR};
+use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
 /// Who sent a request, as the connection knows it.
 #[derive(Clone, Copy, Debug)]
@@ -60,13 +60,14 @@ pub enum Plan {
     /// [`put_abandoned`] and ends the connection.
     Receive(Put),
     /// A Resolve, pinned: bring spilled values back where there is room,
-    /// then answer [`resolved_reply`].
+    /// then answer where each value lies (the pin holds them; the client
+    /// unpins).
     Resolved {
         pin: Option<PinId>,
         found: Vec<Option<Located>>,
     },
-    /// A Read, pinned: send the values (header: [`data_reply`]), then
-    /// [`read_sent`].
+    /// A Read, pinned: send the values (a Data header, then their bytes),
+    /// then [`read_sent`].
     Send(Read),
     /// A Hello of the right version: join (or open) the session.
     Hello {
@@ -427,10 +428,9 @@ fn entry_bytes(entries: &[EntrySpec]) -> u64 {
 /// Fused alloc + bytes + commit: reserve the Put's blob; its payload goes
 /// straight from the socket into the slab, or, when the slab is full and
 /// the disk tier has room, into the blob's file. The connection's thread
-/// holds the reservation while it reads: nothing frees it underneath (a
-/// client's holds are taken away only once its connections are gone and
-/// it is fenced, docs/fencing.md); a payload that stalls past its timeout
-/// is cut off and its range quarantined.
+/// holds the reservation while it reads, and no timer takes it away
+/// meanwhile (docs/fencing.md); a payload that stalls past its timeout is
+/// cut off, and the range of a cut one goes through quarantine.
 #[allow(clippy::too_many_arguments)]
 fn put(
     core: &mut UnitCore,
@@ -448,10 +448,7 @@ fn put(
         reply,
     };
     let Ok(n_entries) = u32::try_from(entries.len()) else {
-        return refuse(error(
-            ErrorCode::InvalidRequest,
-            "too many entries".into(),
-        ));
+        return refuse(error(ErrorCode::InvalidRequest, "too many entries".into()));
     };
     let into = match core.alloc(owner, blob, nbytes, n_entries, now) {
         Ok(Allocated::Reserved { offset }) => Dest::Slab { offset },
@@ -512,81 +509,6 @@ pub fn read_sent(core: &mut UnitCore, read: &Read) {
     if let Some(p) = read.pin {
         let _ = core.unpin(read.owner, p);
     }
-}
-
-/// The reply to a Resolve whose spilled values were brought back where
-/// there was room (`served`, one per key); and the bytes it hands out of
-/// the slab.
-pub(crate) fn resolved_reply(
-    pin: Option<PinId>,
-    served: Vec<Option<crate::Served>>,
-) -> (Response, u64) {
-    use crate::Served;
-    let bytes = served
-        .iter()
-        .map(|f| match f {
-            Some(Served::Memory(l, _)) => l.len,
-            _ => 0,
-        })
-        .sum();
-    let mut corrupt = Vec::new();
-    let found = served
-        .into_iter()
-        .enumerate()
-        .map(|(i, f)| match f? {
-            Served::Memory(l, meta) => Some(Found {
-                offset: l.offset,
-                len: l.len,
-                meta,
-                on_disk: false,
-            }),
-            Served::Disk { len, meta, .. } => Some(Found {
-                offset: 0,
-                len,
-                meta,
-                on_disk: true,
-            }),
-            Served::Corrupt => {
-                corrupt.push(i as u32);
-                None
-            }
-        })
-        .collect();
-    (
-        Response::Resolved {
-            pin,
-            found,
-            corrupt,
-        },
-        bytes,
-    )
-}
-
-/// The header of a Read's reply for the values `served` (one per key), and
-/// the payload bytes that follow it.
-pub(crate) fn data_reply(served: &[Option<crate::Served>]) -> (Response, u64) {
-    use crate::Served;
-    let mut corrupt = Vec::new();
-    let items: Vec<Option<Item>> = served
-        .iter()
-        .enumerate()
-        .map(|(i, s)| match s.as_ref()? {
-            Served::Memory(l, meta) => Some(Item {
-                len: l.len,
-                meta: meta.clone(),
-            }),
-            Served::Disk { len, meta, .. } => Some(Item {
-                len: *len,
-                meta: meta.clone(),
-            }),
-            Served::Corrupt => {
-                corrupt.push(i as u32);
-                None
-            }
-        })
-        .collect();
-    let total = items.iter().flatten().map(|it| it.len).sum();
-    (Response::Data { items, corrupt }, total)
 }
 
 fn error(code: ErrorCode, message: String) -> Response {
