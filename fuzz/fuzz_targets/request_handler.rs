@@ -1,8 +1,10 @@
 //! The unit's request handler past the frame decoder, driven by sequences of
 //! steps from three sessions (each up to two connections, Unix/direct or
 //! tcp): requests through `Request::validate` and `handler::handle` as the
-//! connection loop sends them, Put and Read as the server does them on the
-//! core, shm copies by direct clients into what they were handed, time
+//! connection loop sends them (Put and Read too: the target carries out the
+//! handler's plan as the connection does and reports back through
+//! `put_landed`, `put_abandoned` and `read_sent`), shm copies by direct
+//! clients into what they were handed, time
 //! advances and ticks, connection ends (closed or cut), reconnects, session
 //! ends, spills, disk writes and promotions.
 //!
@@ -106,7 +108,7 @@ enum Step {
         slot: u8,
         close_first: bool,
     },
-    /// A Put, done as the server does it.
+    /// A Put, planned by the handler and carried out as the server does.
     Put {
         conn: u8,
         blob: u8,
@@ -115,7 +117,8 @@ enum Step {
         entries: Vec<EntryOp>,
         end: PutEnd,
     },
-    /// A Read, done as the server does it; `cut`: the reader stalled and
+    /// A Read, planned by the handler and carried out as the server does;
+    /// `cut`: the reader stalled and
     /// was cut off after the reply.
     Read {
         conn: u8,
@@ -1198,10 +1201,7 @@ impl H {
         read: handler::Read,
         cut: bool,
     ) {
-        if !self
-            .check_found(sc, keys, read.pin, &read.found)
-            .is_empty()
-        {
+        if !self.check_found(sc, keys, read.pin, &read.found).is_empty() {
             self.note("read_found");
         }
         if read.pin.is_some() {
