@@ -1,8 +1,10 @@
 //! The unit's request handler past the frame decoder, driven by sequences of
 //! steps from three sessions (each up to two connections, Unix/direct or
 //! tcp): requests through `Request::validate` and `handler::handle` as the
-//! connection loop sends them, Put and Read as the server does them on the
-//! core, shm copies by direct clients into what they were handed, time
+//! connection loop sends them (Put and Read too: the target carries out the
+//! handler's plan as the connection does and reports back through
+//! `put_landed`, `put_abandoned` and `read_sent`), shm copies by direct
+//! clients into what they were handed, time
 //! advances and ticks, connection ends (closed or cut), reconnects, session
 //! ends, spills, disk writes and promotions.
 //!
@@ -42,7 +44,7 @@ use stowage_core::{
     BlobId, ConnEnd, CoreConfig, CoreError, Effect, EntrySpec, Key, Located, Owner, PinId, Place,
     SessionId, Stats, Time, UnitCore,
 };
-use stowage_unit::handler::{self, error_response, scope, Handled};
+use stowage_unit::handler::{self, error_response, scope, Asker, Dest, Plan};
 use stowage_wire::{ErrorCode, Limits, Request, Response, PROTOCOL_VERSION};
 
 /// Slab bytes: small, so that Full and Busy happen.
@@ -106,7 +108,7 @@ enum Step {
         slot: u8,
         close_first: bool,
     },
-    /// A Put, done as the server does it.
+    /// A Put, planned by the handler and carried out as the server does.
     Put {
         conn: u8,
         blob: u8,
@@ -115,7 +117,8 @@ enum Step {
         entries: Vec<EntryOp>,
         end: PutEnd,
     },
-    /// A Read, done as the server does it; `cut`: the reader stalled and
+    /// A Read, planned by the handler and carried out as the server does;
+    /// `cut`: the reader stalled and
     /// was cut off after the reply.
     Read {
         conn: u8,
@@ -785,9 +788,13 @@ impl H {
         let resolve = match &req {
             Request::Resolve {
                 partition, keys, ..
+            }
+            | Request::Read {
+                partition, keys, ..
             } => Some((scope(c.ns, partition), keys.clone())),
             _ => None,
         };
+        let is_read = matches!(req, Request::Read { .. });
         let release = match &req {
             Request::ReleaseRows { partition, rows } => {
                 Some((scope(c.ns, partition), Some(rows.clone())))
@@ -801,41 +808,47 @@ impl H {
         };
         let list_partitions = matches!(req, Request::ListPartitions);
 
-        let handled = handler::handle(&mut self.core, o, c.ns, req, self.now);
+        let asker = Asker {
+            hello: Some((o, c.ns)),
+            admin: true,
+            stopping: false,
+        };
+        let plan = handler::handle(|| &mut self.core, &asker, req, 0, self.now);
         self.effects();
 
-        let resp = match handled {
-            Handled::Reply(r) => Some(r),
-            Handled::Silent => None,
-            Handled::Resolved(pin, found) => {
+        let resp = match plan {
+            Plan::Reply(r) | Plan::Committed { reply: r, .. } => Some(r),
+            Plan::Silent => None,
+            Plan::Resolved { pin, found } => {
                 let (sc, keys) = resolve.expect("Resolved answers a Resolve");
                 self.resolved(o, &sc, &keys, pin, &found);
                 return;
             }
-            Handled::Other(other) => {
-                match other {
-                    Request::Put {
-                        blob,
-                        partition,
-                        entries,
-                        ..
-                    } => {
-                        unreachable!("Put {blob:?} {partition:?} {entries:?} is sent by put()")
-                    }
-                    Request::Read {
-                        partition, keys, ..
-                    } => self.read(slot, i, &scope(c.ns, &partition), &keys, read_cut),
-                    Request::Stats => {
-                        let _ = self.core.stats_at(self.now);
-                    }
-                    // A second Hello: the unit refuses it and cuts the connection.
-                    Request::Hello { .. } => self.detach(slot, i, ConnEnd::Cut),
-                    Request::Shutdown { .. } | Request::Checkpoint { .. } => {}
-                    r => panic!("the handler passed on {r:?}"),
-                }
+            Plan::Send(read) => {
+                let (sc, keys) = resolve.expect("Send answers a Read");
+                self.read(slot, i, &sc, &keys, read, read_cut);
                 return;
             }
+            Plan::Stats => {
+                let _ = self.core.stats_at(self.now);
+                return;
+            }
+            // A second Hello: the unit refuses it and cuts the connection.
+            Plan::Refuse(_) | Plan::Close { .. } => {
+                self.detach(slot, i, ConnEnd::Cut);
+                return;
+            }
+            Plan::Shutdown { .. } | Plan::Checkpoint { .. } => return,
+            p @ (Plan::Drain { .. }
+            | Plan::Receive(_)
+            | Plan::Hello { .. }
+            | Plan::NixlInfo { .. }) => {
+                panic!("the handler planned {p:?} for a request that is no Put")
+            }
         };
+        if is_read {
+            panic!("Read by an attached connection refused: {resp:?}");
+        }
         if let Some(Response::Error { code, .. }) = &resp {
             self.note(match code {
                 ErrorCode::Unauthorized => "err_unauthorized",
@@ -1176,19 +1189,25 @@ impl H {
         }
     }
 
-    /// Read as the server does it: resolve, send the bytes, unpin; a reader
-    /// that stalls is cut off after the pin is dropped.
-    fn read(&mut self, slot: usize, i: usize, sc: &str, keys: &[Key], cut: bool) {
-        let o = self.slots[slot].conns[i].owner;
-        let (pin, found) = self
-            .core
-            .resolve_with_meta(o, sc, keys, self.now)
-            .unwrap_or_else(|e| panic!("Read by an attached connection refused: {e}"));
-        if !self.check_found(sc, keys, pin, &found).is_empty() {
+    /// A Read as the server carries out the handler's plan: the pinned
+    /// values are sent, then `handler::read_sent` unpins; a reader that
+    /// stalls is cut off after the pin is dropped.
+    fn read(
+        &mut self,
+        slot: usize,
+        i: usize,
+        sc: &str,
+        keys: &[Key],
+        read: handler::Read,
+        cut: bool,
+    ) {
+        if !self.check_found(sc, keys, read.pin, &read.found).is_empty() {
             self.note("read_found");
         }
-        if let Some(p) = pin {
-            self.core.unpin(o, p).expect("unpin of the read's own pin");
+        if read.pin.is_some() {
+            // The core's answer is not checked here: a pin left behind
+            // shows up in the counters that `check` compares.
+            handler::read_sent(&mut self.core, &read);
             self.effects();
         }
         if cut {
@@ -1196,9 +1215,10 @@ impl H {
         }
     }
 
-    /// Put as the server does it: alloc, the payload into the slab (or the
-    /// blob's file), commit; a payload that stops midway aborts and ends
-    /// the connection.
+    /// A Put as the server carries out the handler's plan: `handle`
+    /// reserves, the payload goes into the slab (or the blob's file), then
+    /// `handler::put_landed` commits; a payload that stops midway goes to
+    /// `handler::put_abandoned` and ends the connection.
     fn put(&mut self, x: u8, blob: u8, p: u8, sz: u16, ops: &[EntryOp], end: PutEnd) {
         let Some((slot, i)) = self.conn(x) else {
             return;
@@ -1208,109 +1228,91 @@ impl H {
         let nbytes = size(sz);
         let blob = blob_id(blob);
         let n = (nbytes <= CAP).then_some(nbytes);
+        let entries = entries(ops, n, None);
+        let n_entries = entries.len() as u32;
         let req = Request::Put {
             blob,
             partition: partition(p),
-            entries: entries(ops, n, None),
+            entries,
             timeout_ms: 1000,
         };
         if req.validate(&Limits::default()).is_err() {
             self.detach(slot, i, ConnEnd::Cut);
             return;
         }
-        let Handled::Other(Request::Put {
-            blob,
-            partition,
-            entries,
-            ..
-        }) = handler::handle(&mut self.core, o, c.ns, req, self.now)
-        else {
-            panic!("the handler took a Put");
+        let asker = Asker {
+            hello: Some((o, c.ns)),
+            admin: true,
+            stopping: false,
         };
-        let sc = scope(c.ns, &partition);
-        let n_entries = entries.len() as u32;
-        let alloc = self.core.alloc(o, blob, nbytes, n_entries, self.now);
+        let plan = handler::handle(|| &mut self.core, &asker, req, nbytes, self.now);
         self.effects();
-        let r = match alloc {
-            Ok(stowage_core::Allocated::Reserved { offset }) => Response::Allocated { offset },
-            Ok(stowage_core::Allocated::ToDisk) => Response::ToDisk,
-            Ok(stowage_core::Allocated::AlreadyCommitted) => Response::AlreadyCommitted,
-            Err(e) => error_response(&e),
+        let conn_end = if end == PutEnd::Cut {
+            ConnEnd::Cut
+        } else {
+            ConnEnd::Closed
+        };
+        let put = match plan {
+            // Refused before its bytes: the server drains the payload
+            // first; a payload that stops midway ends the connection.
+            Plan::Drain { reply, .. } => {
+                self.allocated(o, blob, nbytes, n_entries, &reply);
+                if end != PutEnd::Complete {
+                    self.detach(slot, i, conn_end);
+                }
+                return;
+            }
+            Plan::Receive(put) => put,
+            p => panic!("the handler planned {p:?} for a Put"),
+        };
+        let r = match put.into {
+            Dest::Slab { offset } => Response::Allocated { offset },
+            Dest::Disk => Response::ToDisk,
+            Dest::Nowhere => Response::AlreadyCommitted,
         };
         self.allocated(o, blob, nbytes, n_entries, &r);
-        let commit = |h: &mut H| {
-            let r = match h.core.commit(o, &sc, blob, &entries) {
-                Ok(stowage_core::Committed::Done) => Response::Done,
-                Ok(stowage_core::Committed::Pending) => Response::Pending,
-                Err(e) => error_response(&e),
-            };
+        let landed = |h: &mut H| {
+            let r = handler::put_landed(&mut h.core, &put);
             h.effects();
-            h.committed(o, &sc, blob, &entries, &r);
+            h.committed(o, &put.partition, blob, &put.entries, &r);
+            if code(&r).is_some() {
+                // The handler aborted it (as a client's Abort would).
+                h.aborted(o, blob, &Response::Done);
+            }
             r
         };
-        let stop = |h: &mut H, in_flight: bool| {
-            let r = match h.core.abort(o, blob, in_flight, h.now) {
+        let stop = |h: &mut H| {
+            let r = match handler::put_abandoned(&mut h.core, &put, end == PutEnd::Cut, h.now) {
                 Ok(()) => Response::Done,
                 Err(e) => error_response(&e),
             };
             h.effects();
             h.aborted(o, blob, &r);
-            let end = if end == PutEnd::Cut {
-                ConnEnd::Cut
-            } else {
-                ConnEnd::Closed
-            };
-            h.detach(slot, i, end);
+            h.detach(slot, i, conn_end);
         };
-        match r {
-            Response::Allocated { offset } => {
+        match put.into {
+            Dest::Slab { offset } => {
                 if end != PutEnd::Complete {
                     self.write_slab(offset, nbytes / 2);
-                    return stop(self, end == PutEnd::Cut);
+                    return stop(self);
                 }
                 self.write_slab(offset, nbytes);
-                if code(&commit(self)).is_some() {
-                    let r = match self.core.abort(o, blob, false, self.now) {
-                        Ok(()) => Response::Done,
-                        Err(e) => error_response(&e),
-                    };
-                    self.effects();
-                    self.aborted(o, blob, &r);
-                }
+                landed(self);
             }
-            Response::ToDisk => {
+            Dest::Disk => {
                 if end != PutEnd::Complete {
-                    return stop(self, false);
+                    return stop(self);
                 }
                 let bytes = self.pattern(nbytes as usize);
                 self.files.insert(blob, bytes);
-                match commit(self) {
-                    Response::Pending => self.flushes.push(FlushJob::Put { blob }),
-                    Response::Done => {}
-                    _ => {
-                        let r = match self.core.abort(o, blob, false, self.now) {
-                            Ok(()) => Response::Done,
-                            Err(e) => error_response(&e),
-                        };
-                        self.effects();
-                        self.aborted(o, blob, &r);
-                    }
+                if landed(self) == Response::Pending {
+                    self.flushes.push(FlushJob::Put { blob });
                 }
             }
-            // The server drains the payload first; a payload that stops
-            // midway ends the connection.
-            _ if end != PutEnd::Complete => {
-                let end = if end == PutEnd::Cut {
-                    ConnEnd::Cut
-                } else {
-                    ConnEnd::Closed
-                };
-                self.detach(slot, i, end);
+            Dest::Nowhere if end != PutEnd::Complete => self.detach(slot, i, conn_end),
+            Dest::Nowhere => {
+                landed(self);
             }
-            Response::AlreadyCommitted => {
-                commit(self);
-            }
-            _ => {}
         }
     }
 

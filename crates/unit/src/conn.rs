@@ -1,20 +1,30 @@
-//! One client connection: read a frame, act on the core and the slab,
-//! reply; repeat until the client leaves or misbehaves.
+//! One client connection: read a frame, have the handler
+//! ([`crate::handler`]) plan the request, carry the plan out (the bytes it
+//! moves: a Put's payload from the socket into the slab or the blob's
+//! file, a Read's values from the slab or their files to the socket, a
+//! Resolve's spilled values back into the slab), reply; repeat until the
+//! client leaves or misbehaves. How a connection starts, passes its
+//! handshake and Hello, and ends: [`session`].
 
-use std::io::{self, BufRead, BufReader, Read, Write};
+use std::io::{self, BufRead, BufReader, Read as _, Write};
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use std::os::fd::AsFd;
-use stowage_core::{Allocated, BlobId, Committed, Owner};
+use stowage_core::{BlobId, Owner, PinId};
 use stowage_shm::Piece;
 use stowage_wire::io::{drain, read_header, read_prefix, ReadError, Socket, SpinReader};
-use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response, PROTOCOL_VERSION};
+use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response};
 
-use crate::auth::{Gate, Verdict};
+use crate::auth::Gate;
 use crate::disk::DiskEngine;
-use crate::handler::{error_response, scope, Handled};
+use crate::handler::{self, Asker, Dest, Plan, Put, Read};
 use crate::{Served, Shared};
+
+mod session;
+
+pub(crate) use session::serve;
+use session::EndReason;
 
 /// Who is at the other end of a connection, as the kernel says
 /// (SO_PEERCRED, Unix sockets only).
@@ -30,7 +40,7 @@ struct Conn {
     writer: Socket,
     peer: Peer,
     /// A Unix-socket peer: it may be handed the slab.
-    direct: bool,
+    unix: bool,
     /// May send admin requests (shutdown, checkpoint).
     admin: bool,
     namespace: Option<String>,
@@ -62,150 +72,8 @@ struct Conn {
 /// for its idle life).
 const KEEP_BUFFER: usize = 1 << 20;
 
-/// Serve one connection until it ends. `ticket`: its place in the
-/// handshake pool; `accepted`: when it was accepted (its handshake's
-/// deadline runs from there).
-pub(crate) fn serve(
-    shared: Arc<Shared>,
-    stream: Socket,
-    peer: Peer,
-    ticket: crate::admit::Ticket,
-    accepted: Instant,
-) {
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot clone a connection's socket");
-            return;
-        }
-    };
-    let direct = matches!(stream, Socket::Unix(_));
-    let admin = shared.admin_tcp || (direct && peer.uid == Some(shared.uid));
-    // Replies that the peer does not take are cut off after this long.
-    let write_timeout = shared.frame_timeout;
-    let _ = writer.set_write_timeout(Some(write_timeout));
-    let mut c = Conn {
-        shared: shared.clone(),
-        reader: BufReader::with_capacity(64 << 10, SpinReader::new(stream, shared.spin)),
-        writer,
-        peer,
-        direct,
-        admin,
-        namespace: None,
-        owner: None,
-        gate: Gate::new(shared.secret.clone()),
-        handshake_deadline: accepted + shared.handshake_timeout,
-        ticket: Some(ticket),
-        slot: None,
-        write_timeout,
-        out: Vec::with_capacity(4096),
-        scratch: Vec::new(),
-        failed: false,
-        frame_start: Instant::now(),
-        counters: crate::metrics::ConnCounters::attach(&shared),
-    };
-    // A panic while serving (a bug) ends the connection as the unit
-    // cutting it would: what it holds is released by the same rules, and
-    // its slots are given back.
-    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()));
-    let end = match ran {
-        Ok(Ok(())) => stowage_core::ConnEnd::Closed,
-        Ok(Err(e)) => {
-            tracing::debug!(error = %e, "connection ended");
-            if e.is_cut() {
-                stowage_core::ConnEnd::Cut
-            } else {
-                stowage_core::ConnEnd::Closed
-            }
-        }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
-            tracing::error!(
-                unit = %shared.name,
-                panic = %what,
-                "a connection's thread panicked; the connection is cut and what it holds released as for a cut connection"
-            );
-            let _ = c.reply(
-                0,
-                &Response::Error {
-                    code: ErrorCode::Internal,
-                    message: "the unit failed serving this connection and cut it".into(),
-                },
-            );
-            stowage_core::ConnEnd::Cut
-        }
-    };
-    c.end_handshake(&end);
-    if let Some(owner) = c.owner {
-        let now = shared.now();
-        let (holds, gone) = {
-            let mut core = shared.core();
-            let holds = core.detach(owner, end, now);
-            (holds, !core.has_session(owner.session))
-        };
-        // A nixl connection's holds outlive it: fenced once its client's
-        // agent has no connection left.
-        shared.nixl_conn_ended(owner);
-        if let Some(m) = &shared.metrics {
-            let why = match end {
-                stowage_core::ConnEnd::Closed => crate::metrics::Reclaim::Closed,
-                stowage_core::ConnEnd::Cut => crate::metrics::Reclaim::Cut,
-            };
-            m.reclaimed(why, holds);
-        }
-        if holds > 0 {
-            tracing::info!(
-                unit = %shared.name,
-                session = owner.session.0,
-                namespace = c.namespace.as_deref().unwrap_or(""),
-                holds,
-                cut = end == stowage_core::ConnEnd::Cut,
-                "released the holds of an ended connection"
-            );
-        }
-        if gone {
-            tracing::info!(
-                unit = %shared.name,
-                session = owner.session.0,
-                namespace = c.namespace.as_deref().unwrap_or(""),
-                "session closed"
-            );
-        }
-    }
-}
-
-#[derive(Debug, thiserror::Error)]
-enum ConnEnd {
-    #[error(transparent)]
-    Io(#[from] io::Error),
-    #[error("closed after an invalid request: {0}")]
-    Invalid(String),
-    #[error("the unit is shutting down")]
-    Shutdown,
-    #[error("turned away: {0}")]
-    Busy(String),
-}
-
-impl ConnEnd {
-    /// Whether the unit ended the connection (the peer may still be
-    /// running) rather than the peer closing it.
-    fn is_cut(&self) -> bool {
-        match self {
-            ConnEnd::Io(e) => matches!(
-                e.kind(),
-                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-            ),
-            ConnEnd::Invalid(_) | ConnEnd::Shutdown | ConnEnd::Busy(_) => true,
-        }
-    }
-}
-
 impl Conn {
-    fn run(&mut self) -> Result<(), ConnEnd> {
+    fn run(&mut self) -> Result<(), EndReason> {
         let serving = self.shared.limits;
         let handshake = serving.handshake();
         loop {
@@ -264,89 +132,8 @@ impl Conn {
         }
     }
 
-    /// A frame before the gate is open (see [`crate::auth`]).
-    fn pass_gate(
-        &mut self,
-        id: u64,
-        frame: Result<Request, stowage_wire::WireError>,
-    ) -> Result<(), ConnEnd> {
-        let verdict = self.gate.step(frame, stowage_wire::auth::fresh_nonce);
-        if self.ticket.is_some() && (self.gate.proven() || self.gate.is_open()) {
-            // Proved (the secret, or without one its Hello): from the
-            // handshake pool to the served connections, before anything is
-            // served.
-            let proved = match &self.ticket {
-                Some(t) => self.shared.prove(t),
-                None => unreachable!("checked above"),
-            };
-            match proved {
-                Ok(slot) => {
-                    self.slot = Some(slot);
-                    self.ticket = None;
-                }
-                Err(message) => {
-                    let _ = self.reply(
-                        id,
-                        &Response::Error {
-                            code: ErrorCode::Busy,
-                            message: message.clone(),
-                        },
-                    );
-                    self.ticket = None;
-                    return Err(ConnEnd::Busy(message));
-                }
-            }
-        }
-        match verdict {
-            Verdict::Reply(r) => Ok(self.reply(id, &r)?),
-            Verdict::Next => Ok(()),
-            Verdict::Serve(req) => self.handle(id, req, 0),
-            Verdict::Refuse(r) => {
-                let why = match &r {
-                    Response::Error { message, .. } => message.clone(),
-                    _ => String::new(),
-                };
-                tracing::warn!(
-                    uid = ?self.peer.uid,
-                    pid = ?self.peer.pid,
-                    tcp = !self.direct,
-                    reason = %why,
-                    "refused a connection before its Hello"
-                );
-                let _ = self.reply(id, &r);
-                Err(ConnEnd::Invalid(why))
-            }
-        }
-    }
-
-    /// The connection ended (`end`) with its handshake unfinished: tell a
-    /// peer whose handshake was cut to admit another why, and count a
-    /// handshake that ran out of time.
-    fn end_handshake(&mut self, end: &stowage_core::ConnEnd) {
-        let Some(t) = self.ticket.take() else {
-            return;
-        };
-        if t.cut().is_some() {
-            let message = self.shared.cut_message(&t);
-            let _ = self
-                .writer
-                .set_write_timeout(Some(Duration::from_millis(100)));
-            let _ = self.reply(
-                0,
-                &Response::Error {
-                    code: ErrorCode::Busy,
-                    message,
-                },
-            );
-        } else if *end == stowage_core::ConnEnd::Cut && Instant::now() >= self.handshake_deadline {
-            if let Some(m) = &self.shared.metrics {
-                m.handshake_timed_out();
-            }
-        }
-    }
-
     /// Answer InvalidRequest and end the connection.
-    fn refuse(&mut self, id: u64, message: String) -> Result<(), ConnEnd> {
+    fn refuse(&mut self, id: u64, message: String) -> Result<(), EndReason> {
         tracing::warn!(%message, "invalid request; closing the connection");
         let _ = self.reply(
             id,
@@ -355,7 +142,7 @@ impl Conn {
                 message: message.clone(),
             },
         );
-        Err(ConnEnd::Invalid(message))
+        Err(EndReason::Invalid(message))
     }
 
     fn reply(&mut self, id: u64, r: &Response) -> io::Result<()> {
@@ -373,7 +160,7 @@ impl Conn {
         self.writer.write_all(&self.out)
     }
 
-    fn reply_error(&mut self, id: u64, code: ErrorCode, message: &str) -> Result<(), ConnEnd> {
+    fn reply_error(&mut self, id: u64, code: ErrorCode, message: &str) -> Result<(), EndReason> {
         self.reply(
             id,
             &Response::Error {
@@ -403,7 +190,7 @@ impl Conn {
     }
 
     /// Handle one request, recording its kind, outcome and duration.
-    fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), ConnEnd> {
+    fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), EndReason> {
         if self.counters.is_none() {
             return self.handle_request(id, req, payload_len);
         }
@@ -427,189 +214,122 @@ impl Conn {
         r
     }
 
-    fn handle_request(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), ConnEnd> {
-        let (ns, owner) = match (&self.namespace, self.owner, &req) {
-            (None, _, Request::Hello { .. }) => {
-                let Request::Hello {
-                    version,
-                    namespace,
-                    want_fd,
-                    session,
-                } = req
-                else {
-                    unreachable!("matched a Hello");
-                };
-                return self.hello(id, version, namespace, want_fd, session);
-            }
-            (Some(_), _, Request::Hello { .. }) => {
-                return self.refuse(id, "Hello was already said on this connection".into())
-            }
-            (Some(ns), Some(owner), _) => (ns.clone(), owner),
-            _ => {
-                self.reply_error(id, ErrorCode::Unauthorized, crate::auth::HELLO_FIRST)?;
-                return Err(ConnEnd::Invalid("no Hello".into()));
-            }
+    /// Plan the request in the handler, then carry the plan out: this is
+    /// where the bytes move.
+    fn handle_request(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), EndReason> {
+        let asker = Asker {
+            hello: self.owner.zip(self.namespace.as_deref()),
+            admin: self.admin,
+            stopping: self.shared.stop.load(std::sync::atomic::Ordering::SeqCst),
         };
         let now = self.shared.now();
-        // A put written into a spare starts with its commit: new work too.
-        let writes = match &req {
-            Request::Alloc { .. } | Request::Put { .. } | Request::Checkpoint { .. } => true,
-            Request::CommitSpare { blob, written, .. } => blob != written,
-            _ => false,
-        };
-        let stopping = self.shared.stop.load(std::sync::atomic::Ordering::SeqCst);
-        if writes && stopping {
-            if payload_len > 0 {
-                drain(&mut self.reader, payload_len)?;
-            }
-            return self.reply_error(id, ErrorCode::Internal, "the unit is shutting down");
-        }
-        // A put under way when the unit began to stop may finish; it gets
-        // no spare for another.
-        let req = match req {
-            Request::CommitSpare {
+        let plan = handler::handle(|| self.shared.core(), &asker, req, payload_len, now);
+        let resp = match plan {
+            Plan::Reply(r) => r,
+            Plan::Silent => return Ok(()),
+            Plan::Committed {
                 blob,
-                partition,
-                entries,
-                ..
-            } if stopping => Request::Commit {
-                blob,
-                partition,
-                entries,
-            },
-            other => other,
-        };
-        // Bytes a client wrote through its mapping, published by a commit.
-        let committed_bytes = match (&self.shared.metrics, &req) {
-            // Checked: lengths are validated against the blob only by the
-            // core, below (the frame's validation bounds their sum too).
-            (Some(_), Request::Commit { entries, .. } | Request::CommitSpare { entries, .. }) => {
-                entries
-                    .iter()
-                    .try_fold(0u64, |sum, e| sum.checked_add(e.len))
-                    .unwrap_or(0)
-            }
-            _ => 0,
-        };
-        let committing = match &req {
-            Request::Commit { blob, .. } | Request::CommitSpare { blob, .. } => Some(*blob),
-            _ => None,
-        };
-        let mut handled = {
-            let mut core = self.shared.core();
-            crate::handler::handle(&mut core, owner, &ns, req, now)
-        };
-        // A put answered Pending whose file then failed is gone from the
-        // core: say what happened to it rather than "unknown blob".
-        if let (
-            Some(blob),
-            Some(d),
-            Handled::Reply(Response::Error {
-                code: ErrorCode::UnknownBlob,
-                ..
-            }),
-        ) = (committing, &self.shared.disk, &handled)
-        {
-            if let Some((code, message)) = d.failed_put(blob) {
-                handled = Handled::Reply(Response::Error { code, message });
-            }
-        }
-        let resp = match handled {
-            Handled::Reply(r) => {
-                if committed_bytes > 0
-                    && matches!(
-                        r,
-                        Response::Done | Response::Pending | Response::CommittedSpare { .. }
-                    )
-                {
-                    if let Some(m) = &self.counters {
-                        m.bytes_in(crate::metrics::Transport::Shm, committed_bytes);
-                    }
+                reply,
+                shm_bytes,
+            } => self.committed(blob, reply, shm_bytes),
+            Plan::Drain {
+                len,
+                put_timeout_ms,
+                reply,
+            } => {
+                if let Some(t) = put_timeout_ms {
+                    let timeout = self.io_timeout(t);
+                    self.reader.get_mut().deadline = Some(Instant::now() + timeout);
                 }
-                r
+                drain(&mut self.reader, len)?;
+                reply
             }
-            Handled::Silent => return Ok(()),
-            Handled::Resolved(pin, found) => self.resolved(pin, found),
-            Handled::Other(req) => match req {
-                Request::Stats => Response::Stats(self.shared.stats()),
-                Request::NixlInfo {
-                    agent,
-                    agent_metadata,
-                } => match &self.shared.nixl {
-                    // From here on the peer's transfers touch the slab by
-                    // themselves: its holds outlive the connection's end,
-                    // however it ends, until its agent is invalidated and
-                    // the nixl quarantine has passed (docs/fencing.md).
-                    Some(n) => {
-                        match self
-                            .shared
-                            .map_session(owner, self.peer, &agent, &agent_metadata)
-                        {
-                            Ok(()) => Response::NixlInfo {
-                                metadata: n.metadata.clone(),
-                                slab_addr: n.slab_addr,
-                            },
-                            Err(e) => error_response(&e),
-                        }
-                    }
-                    None => Response::Error {
-                        code: ErrorCode::InvalidRequest,
-                        message: "this unit does not serve nixl (start it with --nixl)".into(),
-                    },
-                },
-                Request::Put {
-                    blob,
-                    partition,
-                    entries,
-                    timeout_ms,
-                } => {
-                    let t = self.io_timeout(timeout_ms);
-                    return self.put(
-                        id,
-                        owner,
-                        &scope(&ns, &partition),
-                        blob,
-                        entries,
-                        payload_len,
-                        t,
-                    );
-                }
-                Request::Read {
-                    partition,
-                    keys,
-                    timeout_ms,
-                } => {
-                    let t = self.io_timeout(timeout_ms);
-                    return self.read(id, owner, &scope(&ns, &partition), keys, t);
-                }
-                Request::Checkpoint { dir } => self.checkpoint(&dir),
-                Request::Shutdown { timeout_ms } => {
-                    if !self.admin {
-                        return self.reply_error(id, ErrorCode::Unauthorized, NOT_ADMIN);
-                    }
-                    let problems = self
+            Plan::Receive(put) => return self.receive(id, put),
+            Plan::Resolved { pin, found } => self.resolved(pin, found),
+            Plan::Send(read) => return self.send(id, read),
+            Plan::Hello {
+                namespace,
+                want_fd,
+                session,
+            } => return self.hello(id, namespace, want_fd, session),
+            Plan::Stats => Response::Stats(self.shared.stats()),
+            Plan::NixlInfo {
+                owner,
+                agent,
+                agent_metadata,
+            } => match &self.shared.nixl {
+                // From here on the peer's transfers touch the slab by
+                // themselves: its holds outlive the connection's end,
+                // however it ends, until its agent is invalidated and
+                // the nixl quarantine has passed (docs/fencing.md).
+                Some(n) => {
+                    match self
                         .shared
-                        .shut_down(std::time::Duration::from_millis(timeout_ms));
-                    self.reply(id, &Response::ShutDown { problems })?;
-                    self.shared.request_exit();
-                    return Err(ConnEnd::Shutdown);
+                        .map_session(owner, self.peer, &agent, &agent_metadata)
+                    {
+                        Ok(()) => Response::NixlInfo {
+                            metadata: n.metadata.clone(),
+                            slab_addr: n.slab_addr,
+                        },
+                        Err(e) => handler::error_response(&e),
+                    }
                 }
-                other => {
-                    return self.refuse(id, format!("unexpected request {other:?}"));
-                }
+                None => Response::Error {
+                    code: ErrorCode::InvalidRequest,
+                    message: "this unit does not serve nixl (start it with --nixl)".into(),
+                },
             },
+            Plan::Checkpoint { dir } => self.checkpoint(&dir),
+            Plan::Shutdown { timeout } => {
+                let problems = self.shared.shut_down(timeout);
+                self.reply(id, &Response::ShutDown { problems })?;
+                self.shared.request_exit();
+                return Err(EndReason::Shutdown);
+            }
+            Plan::Close { reply, reason } => {
+                self.reply(id, &reply)?;
+                return Err(EndReason::Invalid(reason));
+            }
+            Plan::Refuse(message) => return self.refuse(id, message),
         };
         self.reply(id, &resp)?;
         Ok(())
     }
 
-    fn checkpoint(&mut self, dir: &str) -> Response {
-        if !self.admin {
-            return Response::Error {
-                code: ErrorCode::Unauthorized,
-                message: NOT_ADMIN.into(),
-            };
+    /// A Commit's reply: a put answered Pending whose file then failed is
+    /// gone from the core, so say what happened to it rather than "unknown
+    /// blob"; bytes a client wrote through its mapping are counted once
+    /// published.
+    fn committed(&self, blob: BlobId, reply: Response, shm_bytes: u64) -> Response {
+        let reply = match (&reply, &self.shared.disk) {
+            (
+                Response::Error {
+                    code: ErrorCode::UnknownBlob,
+                    ..
+                },
+                Some(d),
+            ) => match d.failed_put(blob) {
+                Some((code, message)) => Response::Error { code, message },
+                None => reply,
+            },
+            _ => reply,
+        };
+        if shm_bytes > 0
+            && matches!(
+                reply,
+                Response::Done | Response::Pending | Response::CommittedSpare { .. }
+            )
+        {
+            if let Some(m) = &self.counters {
+                m.bytes_in(crate::metrics::Transport::Shm, shm_bytes);
+            }
         }
+        reply
+    }
+
+    fn checkpoint(&mut self, dir: &str) -> Response {
+        // (The handler checked that an admin asks, and that the unit was
+        // not stopping then; it may have begun to since.)
         if self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
             return Response::Error {
                 code: ErrorCode::Internal,
@@ -662,197 +382,42 @@ impl Conn {
             },
         }
     }
+}
 
-    /// A Resolve's reply: spilled values are brought back into the slab
-    /// where there is room (the pin holds them meanwhile).
-    fn resolved(
-        &mut self,
-        pin: Option<stowage_core::PinId>,
-        found: Vec<Option<stowage_core::Located>>,
-    ) -> Response {
-        // Promotion copies through a buffer of the read budget; when none
-        // is free soon, the values stay on disk and the client reads them
-        // with a Read, which waits for one.
-        let has_disk = found
-            .iter()
-            .flatten()
-            .any(|(p, _)| matches!(p, stowage_core::Place::Disk { .. }));
-        let mut buf = match &self.shared.disk {
-            Some(d) if has_disk => d.reads.take(Instant::now() + Duration::from_millis(50)),
-            _ => None,
-        };
-        let found = self.shared.bring_back(found, buf.as_deref_mut(), false);
-        drop(buf);
-        if let Some(m) = &self.counters {
-            let bytes = found
-                .iter()
-                .map(|f| match f {
-                    Some(Served::Memory(l, _)) => l.len,
-                    _ => 0,
-                })
-                .sum();
-            m.bytes_out(crate::metrics::Transport::Shm, bytes);
-        }
-        let mut bad = Vec::new();
-        let found = found
-            .into_iter()
-            .enumerate()
-            .map(|(i, f)| match f? {
-                Served::Memory(l, meta) => Some(Found {
-                    offset: l.offset,
-                    len: l.len,
-                    meta,
-                    on_disk: false,
-                }),
-                Served::Disk { len, meta, .. } => Some(Found {
-                    offset: 0,
-                    len,
-                    meta,
-                    on_disk: true,
-                }),
-                Served::Corrupt => {
-                    bad.push(i as u32);
-                    None
-                }
-            })
-            .collect();
-        Response::Resolved {
-            pin,
-            found,
-            corrupt: bad,
-        }
-    }
-
-    fn hello(
-        &mut self,
-        id: u64,
-        version: u16,
-        namespace: String,
-        want_fd: bool,
-        session: Option<u128>,
-    ) -> Result<(), ConnEnd> {
-        if version != PROTOCOL_VERSION {
-            self.reply_error(
-                id,
-                ErrorCode::VersionMismatch,
-                &format!("unit speaks protocol {PROTOCOL_VERSION}, client {version}"),
-            )?;
-            return Err(ConnEnd::Invalid("protocol version mismatch".into()));
-        }
-        // A peer that is handed the slab (now, or on an earlier connection
-        // of its session) may copy by itself: its holds follow the rules
-        // for direct peers.
-        let maps = want_fd && self.direct;
-        let (token, owner) = match self
-            .shared
-            .join_session(session, self.peer, maps, &namespace)
-        {
-            Ok(j) => j,
-            Err(e) => {
-                self.reply(id, &error_response(&e))?;
-                return Err(ConnEnd::Invalid(format!("session refused: {e}")));
-            }
-        };
-        self.owner = Some(owner);
-        self.namespace = Some(namespace);
-        let attach = want_fd && self.direct;
-        let r = Response::Hello {
-            version: PROTOCOL_VERSION,
-            instance_id: self.shared.instance_id,
-            slab_bytes: self.shared.slab.len(),
-            fd_attached: attach,
-            session: token,
-        };
-        self.out.clear();
-        encode(id, &r, 0, &mut self.out).map_err(io::Error::other)?;
-        match &self.writer {
-            Socket::Unix(s) if attach => {
-                let sent = stowage_shm::send_with_fd(s, &self.out, self.shared.slab.fd())?;
-                let rest = self.out[sent..].to_vec();
-                self.writer.write_all(&rest)?;
-            }
-            _ => {
-                let out = std::mem::take(&mut self.out);
-                self.writer.write_all(&out)?;
-                self.out = out;
-            }
-        }
-        Ok(())
-    }
-
-    /// Fused alloc + bytes + commit: the payload goes straight from the
-    /// socket into the slab — or, when the slab is full and the disk tier
-    /// has room, into the blob's file, answered Pending until it is synced.
-    /// This thread holds the reservation while it reads: no lease can free
-    /// it underneath; a payload that stalls past `timeout` is cut off and
-    /// its range quarantined.
-    #[allow(clippy::too_many_arguments)]
-    fn put(
-        &mut self,
-        id: u64,
-        owner: Owner,
-        ns: &str,
-        blob: BlobId,
-        entries: Vec<stowage_core::EntrySpec>,
-        nbytes: u64,
-        timeout: Duration,
-    ) -> Result<(), ConnEnd> {
-        let now = self.shared.now();
+impl Conn {
+    /// Take a Put's payload where the handler reserved it, within the
+    /// Put's own time (a payload that stalls past it is cut off), and
+    /// answer what the handler makes of it.
+    fn receive(&mut self, id: u64, put: Put) -> Result<(), EndReason> {
+        let timeout = self.io_timeout(put.timeout_ms);
         self.reader.get_mut().deadline = Some(Instant::now() + timeout);
-        let Ok(n_entries) = u32::try_from(entries.len()) else {
-            drain(&mut self.reader, nbytes)?;
-            return self.reply_error(id, ErrorCode::InvalidRequest, "too many entries");
-        };
-        let alloc = self
-            .shared
-            .core()
-            .alloc(owner, blob, nbytes, n_entries, now);
-        let offset = match alloc {
-            Ok(Allocated::Reserved { offset }) => offset,
-            Ok(Allocated::ToDisk) => return self.put_to_disk(id, owner, ns, blob, entries, nbytes),
-            Ok(Allocated::AlreadyCommitted) => {
-                drain(&mut self.reader, nbytes)?;
-                // Still being made durable, or done.
-                let r = self.shared.core().commit(owner, ns, blob, &entries);
-                let resp = match r {
-                    Ok(Committed::Pending) => Response::Pending,
-                    _ => Response::Done,
-                };
+        match put.into {
+            Dest::Slab { offset } => self.put_to_slab(id, &put, offset),
+            Dest::Disk => self.put_to_disk(id, &put),
+            Dest::Nowhere => {
+                drain(&mut self.reader, put.nbytes)?;
+                let resp = handler::put_landed(&mut self.shared.core(), &put);
                 self.reply(id, &resp)?;
-                return Ok(());
+                Ok(())
             }
-            Err(e) => {
-                drain(&mut self.reader, nbytes)?;
-                self.reply(id, &error_response(&e))?;
-                return Ok(());
-            }
-        };
-        let len = usize::try_from(nbytes).map_err(|_| io::Error::other("payload too large"))?;
-        let filled = self.recv_payload(offset, len);
-        if let Err(e) = filled {
-            // This thread was the only writer, and it has stopped; a cut
-            // stream's range still goes through quarantine.
+        }
+    }
+
+    /// The payload goes straight from the socket into the slab at
+    /// `offset`. This thread is the range's only writer while it reads.
+    fn put_to_slab(&mut self, id: u64, put: &Put, offset: u64) -> Result<(), EndReason> {
+        let len = usize::try_from(put.nbytes).map_err(|_| io::Error::other("payload too large"))?;
+        if let Err(e) = self.recv_payload(offset, len) {
             let cut = matches!(
                 e.kind(),
                 io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
             );
-            let _ = self
-                .shared
-                .core()
-                .abort(owner, blob, cut, self.shared.now());
+            let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
             return Err(e.into());
         }
-        let r = self.shared.core().commit(owner, ns, blob, &entries);
-        let resp = match r {
-            Ok(Committed::Done) => Response::Done,
-            Ok(Committed::Pending) => Response::Pending,
-            Err(e) => {
-                let _ = self.shared.core().abort(owner, blob, false, now);
-                error_response(&e)
-            }
-        };
+        let resp = handler::put_landed(&mut self.shared.core(), put);
         if matches!(resp, Response::Done | Response::Pending) {
-            self.count_in(nbytes);
+            self.count_in(put.nbytes);
         }
         self.reply(id, &resp)?;
         Ok(())
@@ -860,7 +425,7 @@ impl Conn {
 
     /// How this connection streams bytes (for metrics).
     fn stream_transport(&self) -> crate::metrics::Transport {
-        if self.direct {
+        if self.unix {
             crate::metrics::Transport::Uds
         } else {
             crate::metrics::Transport::Tcp
@@ -904,22 +469,14 @@ impl Conn {
 
     /// The payload of a put that went to the disk tier: streamed into the
     /// blob's file; the flusher syncs it and publishes the entries.
-    fn put_to_disk(
-        &mut self,
-        id: u64,
-        owner: Owner,
-        ns: &str,
-        blob: BlobId,
-        entries: Vec<stowage_core::EntrySpec>,
-        nbytes: u64,
-    ) -> Result<(), ConnEnd> {
-        let now = self.shared.now();
-        let abort = |shared: &Shared| {
-            let _ = shared.core().abort(owner, blob, false, shared.now());
+    fn put_to_disk(&mut self, id: u64, put: &Put) -> Result<(), EndReason> {
+        let (blob, nbytes) = (put.blob, put.nbytes);
+        let abandon = |shared: &Shared| {
+            let _ = handler::put_abandoned(&mut shared.core(), put, false, shared.now());
         };
         let Some(d) = &self.shared.disk else {
             drain(&mut self.reader, nbytes)?;
-            abort(&self.shared);
+            abandon(&self.shared);
             return self.reply_error(id, ErrorCode::Internal, "disk tier missing");
         };
         let (mut writer, mut failure) = match d.engine.create(blob, nbytes) {
@@ -934,7 +491,7 @@ impl Conn {
         while left > 0 {
             let n = (left as usize).min(buf.len());
             if let Err(e) = self.reader.read_exact(&mut buf[..n]) {
-                abort(&self.shared);
+                abandon(&self.shared);
                 return Err(e.into());
             }
             left -= n as u64;
@@ -946,7 +503,7 @@ impl Conn {
         }
         if let Some(e) = failure {
             // Nothing of this put is kept; the client may retry.
-            abort(&self.shared);
+            abandon(&self.shared);
             if let Some(w) = writer {
                 let _ = w.finish();
             }
@@ -970,73 +527,43 @@ impl Conn {
             };
             return self.reply_error(id, code, &why);
         }
-        let r = self.shared.core().commit(owner, ns, blob, &entries);
-        let resp = match r {
-            Ok(Committed::Pending) => {
-                self.count_in(nbytes);
-                if let Some(m) = &self.shared.metrics {
-                    m.disk_put_bytes
-                        .fetch_add(nbytes, std::sync::atomic::Ordering::Relaxed);
-                }
-                if let Some(w) = writer {
-                    let sent = d
-                        .flush
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .send((blob, w));
-                    if sent.is_err() {
-                        self.shared.core().disk_written(blob, false);
-                    }
-                }
-                Response::Pending
+        let resp = handler::put_landed(&mut self.shared.core(), put);
+        if matches!(resp, Response::Pending) {
+            self.count_in(nbytes);
+            if let Some(m) = &self.shared.metrics {
+                m.disk_put_bytes
+                    .fetch_add(nbytes, std::sync::atomic::Ordering::Relaxed);
             }
-            Ok(Committed::Done) => Response::Done,
-            Err(e) => {
-                let _ = self.shared.core().abort(owner, blob, false, now);
-                error_response(&e)
+            if let Some(w) = writer {
+                let sent = d
+                    .flush
+                    .lock()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .send((blob, w));
+                if sent.is_err() {
+                    self.shared.core().disk_written(blob, false);
+                }
             }
-        };
+        }
         self.reply(id, &resp)?;
         Ok(())
     }
 
-    /// Fused resolve + bytes + unpin: the values go straight from the slab
-    /// (or a spilled blob's checked file) to the socket. This thread holds
-    /// the pin while it sends; a reader that stalls past `timeout` is cut
-    /// off, and only then is the pin dropped.
-    fn read(
-        &mut self,
-        id: u64,
-        owner: Owner,
-        ns: &str,
-        keys: Vec<stowage_core::Key>,
-        timeout: Duration,
-    ) -> Result<(), ConnEnd> {
-        let now = self.shared.now();
-        let resolved = self.shared.core().resolve_with_meta(owner, ns, &keys, now);
-        let (pin, found) = match resolved {
-            Ok(r) => r,
-            Err(e) => {
-                self.reply(id, &error_response(&e))?;
-                return Ok(());
-            }
-        };
+    /// Send a Read's pinned values: straight from the slab (or a spilled
+    /// blob's checked file) to the socket, within the Read's own time (a
+    /// reader that stalls past it is cut off); only then does the pin go.
+    fn send(&mut self, id: u64, mut read: Read) -> Result<(), EndReason> {
+        let timeout = self.io_timeout(read.timeout_ms);
         let until = Instant::now() + timeout;
         // Spilled values stream through one buffer of the unit's disk-read
         // budget, taken for the whole reply: a reader that finds none free
         // waits for one (most of its time), then is answered Busy.
-        let has_disk = found
-            .iter()
-            .flatten()
-            .any(|(p, _)| matches!(p, stowage_core::Place::Disk { .. }));
         let shared = self.shared.clone();
         let mut buf = None;
-        if let (true, Some(d)) = (has_disk, &shared.disk) {
+        if let (true, Some(d)) = (read.has_disk(), &shared.disk) {
             buf = d.reads.take(Instant::now() + timeout.mul_f64(0.9));
             if buf.is_none() {
-                if let Some(p) = pin {
-                    let _ = self.shared.core().unpin(owner, p);
-                }
+                handler::read_sent(&mut self.shared.core(), &read);
                 return self.reply_error(
                     id,
                     ErrorCode::Busy,
@@ -1045,38 +572,16 @@ impl Conn {
                 );
             }
         }
+        let found = std::mem::take(&mut read.found);
         let served = shared.bring_back(found, buf.as_deref_mut(), true);
-        let mut corrupt = Vec::new();
-        let items: Vec<Option<Item>> = served
-            .iter()
-            .enumerate()
-            .map(|(i, s)| match s.as_ref()? {
-                Served::Memory(l, meta) => Some(Item {
-                    len: l.len,
-                    meta: meta.clone(),
-                }),
-                Served::Disk { len, meta, .. } => Some(Item {
-                    len: *len,
-                    meta: meta.clone(),
-                }),
-                Served::Corrupt => {
-                    corrupt.push(i as u32);
-                    None
-                }
-            })
-            .collect();
-        let total: u64 = items.iter().flatten().map(|it| it.len).sum();
+        let (header, total) = data_reply(&served);
         self.out.clear();
-        encode(id, &Response::Data { items, corrupt }, total, &mut self.out)
-            .map_err(io::Error::other)?;
+        encode(id, &header, total, &mut self.out).map_err(io::Error::other)?;
         let header = std::mem::take(&mut self.out);
         let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
         drop(buf);
         self.out = header;
-        // This thread has stopped reading the ranges: the pin may go.
-        if let Some(p) = pin {
-            let _ = self.shared.core().unpin(owner, p);
-        }
+        handler::read_sent(&mut self.shared.core(), &read);
         let sent = sent?;
         if let Some(m) = &self.counters {
             m.bytes_out(self.stream_transport(), total);
@@ -1088,9 +593,7 @@ impl Conn {
         }
         Ok(())
     }
-}
 
-impl Conn {
     /// Send a Data reply: `header`, then each served value, from the slab
     /// or streamed from its spilled blob's file through `buf` (checked
     /// chunk by chunk as it goes; the file was checked whole just before,
@@ -1103,7 +606,7 @@ impl Conn {
         served: &[Option<Served>],
         mut buf: Option<&mut [u8]>,
         until: Instant,
-    ) -> Result<bool, ConnEnd> {
+    ) -> Result<bool, EndReason> {
         let slab = &self.shared.slab;
         let fd = self.writer.as_fd();
         let mut changed = false;
@@ -1121,7 +624,7 @@ impl Conn {
                     changed |= slab.send_pieces(fd, &pieces, until)?;
                     pieces.clear();
                     let (Some(d), Some(buf)) = (&self.shared.disk, buf.as_deref_mut()) else {
-                        return Err(ConnEnd::Invalid(
+                        return Err(EndReason::Invalid(
                             "a spilled value without a disk-read buffer".into(),
                         ));
                     };
@@ -1143,7 +646,7 @@ impl Conn {
                         Ok(Err(e)) => return Err(e.into()),
                         Err(e) => {
                             tracing::error!(error = %e, ?blob, "a spilled blob's file changed while it was sent; the connection is cut");
-                            return Err(ConnEnd::Invalid(format!(
+                            return Err(EndReason::Invalid(format!(
                                 "a spilled value's file failed its check while it was sent: {e}"
                             )));
                         }
@@ -1155,6 +658,99 @@ impl Conn {
         changed |= slab.send_pieces(fd, &pieces, until)?;
         Ok(changed)
     }
+
+    /// A Resolve's reply: spilled values are brought back into the slab
+    /// where there is room (the pin holds them meanwhile). Promotion copies
+    /// through a buffer of the read budget; when none is free soon, the
+    /// values stay on disk and the client reads them with a Read, which
+    /// waits for one.
+    fn resolved(
+        &mut self,
+        pin: Option<stowage_core::PinId>,
+        found: Vec<Option<stowage_core::Located>>,
+    ) -> Response {
+        let mut buf = match &self.shared.disk {
+            Some(d) if handler::has_disk(&found) => {
+                d.reads.take(Instant::now() + Duration::from_millis(50))
+            }
+            _ => None,
+        };
+        let served = self.shared.bring_back(found, buf.as_deref_mut(), false);
+        drop(buf);
+        let (reply, bytes) = resolved_reply(pin, served);
+        if let Some(m) = &self.counters {
+            m.bytes_out(crate::metrics::Transport::Shm, bytes);
+        }
+        reply
+    }
 }
 
-const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-user client on the unit's Unix socket, or a unit started with --admin";
+/// The reply to a Resolve whose spilled values were brought back where
+/// there was room (`served`, one per key); and the bytes it hands out of
+/// the slab.
+fn resolved_reply(pin: Option<PinId>, served: Vec<Option<Served>>) -> (Response, u64) {
+    let bytes = served
+        .iter()
+        .map(|f| match f {
+            Some(Served::Memory(l, _)) => l.len,
+            _ => 0,
+        })
+        .sum();
+    let mut corrupt = Vec::new();
+    let found = served
+        .into_iter()
+        .enumerate()
+        .map(|(i, f)| match f? {
+            Served::Memory(l, meta) => Some(Found {
+                offset: l.offset,
+                len: l.len,
+                meta,
+                on_disk: false,
+            }),
+            Served::Disk { len, meta, .. } => Some(Found {
+                offset: 0,
+                len,
+                meta,
+                on_disk: true,
+            }),
+            Served::Corrupt => {
+                corrupt.push(i as u32);
+                None
+            }
+        })
+        .collect();
+    (
+        Response::Resolved {
+            pin,
+            found,
+            corrupt,
+        },
+        bytes,
+    )
+}
+
+/// The header of a Read's reply for the values `served` (one per key), and
+/// the payload bytes that follow it.
+fn data_reply(served: &[Option<Served>]) -> (Response, u64) {
+    let mut corrupt = Vec::new();
+    let items: Vec<Option<Item>> = served
+        .iter()
+        .enumerate()
+        .map(|(i, s)| match s.as_ref()? {
+            Served::Memory(l, meta) => Some(Item {
+                len: l.len,
+                meta: meta.clone(),
+            }),
+            Served::Disk { len, meta, .. } => Some(Item {
+                len: *len,
+                meta: meta.clone(),
+            }),
+            Served::Corrupt => {
+                corrupt.push(i as u32);
+                None
+            }
+        })
+        .collect();
+    let total = items.iter().flatten().map(|it| it.len).sum();
+    (Response::Data { items, corrupt }, total)
+}

@@ -1,31 +1,226 @@
-//! The request handler past the frame decoder, for the requests that are
-//! pure state changes of the core: no socket, no slab bytes, no disk. The
-//! connection loop ([`crate::conn`]) calls it for those requests, and the
-//! fuzz target drives it directly with request sequences from several
-//! sessions.
+//! The request handler past the frame decoder: every request a connection
+//! reads is decided here, against the core, without a socket. [`handle`]
+//! answers what is pure state (alloc, commit, unpin, list, ...) with a
+//! reply, and turns a request that moves bytes into a [`Plan`] for the
+//! connection ([`crate::conn`]): take a Put's payload into the slab or the
+//! blob's file, send a Read's values, bring a Resolve's spilled values
+//! back. When the bytes have moved, the connection hands the outcome back
+//! here ([`put_landed`], [`put_abandoned`], [`read_sent`]) and sends what
+//! that answers. The connection only reads frames, moves bytes and writes
+//! replies; the fuzz target `request_handler` drives these same functions
+//! with request sequences from several sessions.
 
-use stowage_core::{Allocated, Committed, CoreError, Located, Owner, PinId, Time, UnitCore};
+use std::ops::DerefMut;
+use std::time::Duration;
+
+use stowage_core::{
+    Allocated, BlobId, Committed, CoreError, EntrySpec, Located, Owner, PinId, Place, Time,
+    UnitCore,
+};
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
-/// What the handler made of a request.
-pub enum Handled {
+/// Who sent a request, as the connection knows it.
+#[derive(Clone, Copy, Debug)]
+pub struct Asker<'a> {
+    /// Once the connection said Hello: its session's connection, and the
+    /// namespace it said (every partition it names lies in it).
+    pub hello: Option<(Owner, &'a str)>,
+    /// May send admin requests (shutdown, checkpoint).
+    pub admin: bool,
+    /// The unit is shutting down: no new work is taken.
+    pub stopping: bool,
+}
+
+/// What the connection does for a request.
+#[derive(Debug)]
+pub enum Plan {
     /// Send this reply.
     Reply(Response),
     /// Send nothing (an Unpin with `reply: false`).
     Silent,
-    /// A Resolve: the core pinned what it found; the connection brings
-    /// spilled values back and replies.
-    Resolved(Option<PinId>, Vec<Option<Located>>),
-    /// Not a pure core request (Hello, Put, Read, Stats, Checkpoint,
-    /// Shutdown): the connection handles it.
-    Other(Request),
+    /// A Commit of bytes the client wrote through its mapping: send
+    /// `reply`, or, when it is `UnknownBlob`, what the disk tier remembers
+    /// of `blob`'s failed put; `shm_bytes` were published when it succeeds.
+    Committed {
+        blob: BlobId,
+        reply: Response,
+        shm_bytes: u64,
+    },
+    /// Take the request's `len` payload bytes and drop them, then send
+    /// `reply`: a Put refused before its bytes. `put_timeout_ms`: the
+    /// Put's own time for them (see [`Put::timeout_ms`]); `None`: within
+    /// the frame's deadline.
+    Drain {
+        len: u64,
+        put_timeout_ms: Option<u64>,
+        reply: Response,
+    },
+    /// Take a Put's payload into [`Put::into`], then answer what
+    /// [`put_landed`] says; a payload that stops midway goes to
+    /// [`put_abandoned`] and ends the connection.
+    Receive(Put),
+    /// A Resolve, pinned: bring spilled values back where there is room,
+    /// then answer where each value lies (the pin holds them; the client
+    /// unpins).
+    Resolved {
+        pin: Option<PinId>,
+        found: Vec<Option<Located>>,
+    },
+    /// A Read, pinned: send the values (a Data header, then their bytes),
+    /// then [`read_sent`].
+    Send(Read),
+    /// A Hello of the right version: join (or open) the session.
+    Hello {
+        namespace: String,
+        want_fd: bool,
+        session: Option<u128>,
+    },
+    /// Answer the unit's statistics.
+    Stats,
+    /// Hand the peer the unit's nixl agent (its agent is `agent`).
+    NixlInfo {
+        owner: Owner,
+        agent: String,
+        agent_metadata: Vec<u8>,
+    },
+    /// Write a checkpoint into `dir` (an admin asked).
+    Checkpoint { dir: String },
+    /// Shut the unit down within `timeout`, answer, and end the connection
+    /// (an admin asked).
+    Shutdown { timeout: Duration },
+    /// Send `reply`, then end the connection (cut by the unit): `reason`.
+    Close { reply: Response, reason: String },
+    /// An invalid request: answer `InvalidRequest` with this message, log
+    /// it, and end the connection.
+    Refuse(String),
 }
 
-/// Apply `req` from `owner`, whose connection acts in namespace `ns`.
-pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Time) -> Handled {
+/// A Put whose slab range or file is reserved: its payload goes to `into`.
+#[derive(Debug)]
+pub struct Put {
+    pub owner: Owner,
+    /// The core partition (the connection's namespace and the request's
+    /// partition, see [`scope`]).
+    pub partition: String,
+    pub blob: BlobId,
+    pub entries: Vec<EntrySpec>,
+    /// The payload's length.
+    pub nbytes: u64,
+    /// How long the client lets the payload take (0: the unit's frame
+    /// timeout; the connection bounds it).
+    pub timeout_ms: u64,
+    pub into: Dest,
+    /// When it was reserved.
+    pub now: Time,
+}
+
+/// Where a Put's payload goes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Dest {
+    /// The slab at this offset: this connection is its only writer.
+    Slab { offset: u64 },
+    /// The blob's file on the disk tier (the slab is full); the flusher
+    /// syncs it and publishes the entries.
+    Disk,
+    /// Nowhere: the blob is committed already (a retry); its bytes are
+    /// dropped.
+    Nowhere,
+}
+
+/// A Read whose values the core pinned: they are sent, then unpinned.
+#[derive(Debug)]
+pub struct Read {
+    pub owner: Owner,
+    pub pin: Option<PinId>,
+    pub found: Vec<Option<Located>>,
+    /// How long the client lets the reply take (as [`Put::timeout_ms`]).
+    pub timeout_ms: u64,
+}
+
+impl Read {
+    /// Whether a value is read from the disk tier.
+    pub fn has_disk(&self) -> bool {
+        has_disk(&self.found)
+    }
+}
+
+/// Whether any found value lies on the disk tier.
+pub fn has_disk(found: &[Option<Located>]) -> bool {
+    found
+        .iter()
+        .flatten()
+        .any(|(p, _)| matches!(p, Place::Disk { .. }))
+}
+
+/// Plan `req`, from `asker`, carrying `payload_len` payload bytes. The
+/// core is taken (`core()`, e.g. its lock) only for a request that acts on
+/// it, and held until the plan is made.
+pub fn handle<G: DerefMut<Target = UnitCore>>(
+    core: impl FnOnce() -> G,
+    asker: &Asker<'_>,
+    req: Request,
+    payload_len: u64,
+    now: Time,
+) -> Plan {
+    let ((owner, namespace), req) = match (asker.hello, req) {
+        (
+            None,
+            Request::Hello {
+                version,
+                namespace,
+                want_fd,
+                session,
+            },
+        ) => {
+            if version != stowage_wire::PROTOCOL_VERSION {
+                return Plan::Close {
+                    reply: error(
+                        ErrorCode::VersionMismatch,
+                        format!(
+                            "unit speaks protocol {}, client {version}",
+                            stowage_wire::PROTOCOL_VERSION
+                        ),
+                    ),
+                    reason: "protocol version mismatch".into(),
+                };
+            }
+            return Plan::Hello {
+                namespace,
+                want_fd,
+                session,
+            };
+        }
+        (Some(_), Request::Hello { .. }) => {
+            return Plan::Refuse("Hello was already said on this connection".into())
+        }
+        (None, _) => {
+            return Plan::Close {
+                reply: error(ErrorCode::Unauthorized, crate::auth::HELLO_FIRST.into()),
+                reason: "no Hello".into(),
+            }
+        }
+        (Some(hello), req) => (hello, req),
+    };
+    // A put written into a spare starts with its commit: new work too.
+    let writes = match &req {
+        Request::Alloc { .. } | Request::Put { .. } | Request::Checkpoint { .. } => true,
+        Request::CommitSpare { blob, written, .. } => blob != written,
+        _ => false,
+    };
+    if writes && asker.stopping {
+        let reply = error(ErrorCode::Internal, "the unit is shutting down".into());
+        if payload_len > 0 {
+            return Plan::Drain {
+                len: payload_len,
+                put_timeout_ms: None,
+                reply,
+            };
+        }
+        return Plan::Reply(reply);
+    }
     let answer = |r: Result<Response, CoreError>| match r {
-        Ok(r) => Handled::Reply(r),
-        Err(e) => Handled::Reply(error_response(&e)),
+        Ok(r) => Plan::Reply(r),
+        Err(e) => Plan::Reply(error_response(&e)),
     };
     match req {
         Request::Alloc {
@@ -33,34 +228,47 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             nbytes,
             n_entries,
         } => answer(
-            core.alloc(owner, blob, nbytes, n_entries, now)
+            core()
+                .alloc(owner, blob, nbytes, n_entries, now)
                 .map(|a| match a {
                     Allocated::Reserved { offset } => Response::Allocated { offset },
                     Allocated::ToDisk => Response::ToDisk,
                     Allocated::AlreadyCommitted => Response::AlreadyCommitted,
                 }),
         ),
-        Request::Commit { blob, .. } | Request::CommitSpare { blob, .. }
-            if core.is_disk_reservation(owner.session, blob) =>
-        {
-            Handled::Reply(Response::Error {
-                code: ErrorCode::InvalidRequest,
-                message: format!(
-                    "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
-                ),
-            })
-        }
         Request::Commit {
             blob,
             partition,
             entries,
-        } => answer(
-            core.commit(owner, &scope(ns, &partition), blob, &entries)
-                .map(|c| match c {
-                    Committed::Done => Response::Done,
-                    Committed::Pending => Response::Pending,
-                }),
-        ),
+        } => Plan::Committed {
+            blob,
+            shm_bytes: entry_bytes(&entries),
+            reply: commit(
+                &mut core(),
+                owner,
+                &scope(namespace, &partition),
+                blob,
+                &entries,
+            ),
+        },
+        // A put under way when the unit began to stop may finish; it gets
+        // no spare for another.
+        Request::CommitSpare {
+            blob,
+            partition,
+            entries,
+            ..
+        } if asker.stopping => Plan::Committed {
+            blob,
+            shm_bytes: entry_bytes(&entries),
+            reply: commit(
+                &mut core(),
+                owner,
+                &scope(namespace, &partition),
+                blob,
+                &entries,
+            ),
+        },
         Request::CommitSpare {
             blob,
             written,
@@ -68,54 +276,243 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             entries,
             spare,
             spare_nbytes,
-        } => answer(
-            core.name_spare(owner, written, blob, now)
-                .and_then(|named| {
-                    if !named {
-                        return Ok(Response::AlreadyCommitted);
-                    }
-                    match core.commit(owner, &scope(ns, &partition), blob, &entries)? {
-                        Committed::Pending => Ok(Response::Pending),
-                        Committed::Done => core
-                            .reserve_spare(owner, spare, spare_nbytes, now)
-                            .map(|spare| Response::CommittedSpare { spare }),
-                    }
-                }),
-        ),
+        } => {
+            let mut core = core();
+            let reply = if core.is_disk_reservation(owner.session, blob) {
+                on_disk(blob)
+            } else {
+                let partition = scope(namespace, &partition);
+                core.name_spare(owner, written, blob, now)
+                    .and_then(|named| {
+                        if !named {
+                            return Ok(Response::AlreadyCommitted);
+                        }
+                        match core.commit(owner, &partition, blob, &entries)? {
+                            Committed::Pending => Ok(Response::Pending),
+                            Committed::Done => core
+                                .reserve_spare(owner, spare, spare_nbytes, now)
+                                .map(|spare| Response::CommittedSpare { spare }),
+                        }
+                    })
+                    .unwrap_or_else(|e| error_response(&e))
+            };
+            Plan::Committed {
+                blob,
+                shm_bytes: entry_bytes(&entries),
+                reply,
+            }
+        }
         Request::Abort { blob, in_flight } => answer(
-            core.abort(owner, blob, in_flight, now)
+            core()
+                .abort(owner, blob, in_flight, now)
                 .map(|()| Response::Done),
+        ),
+        Request::Put {
+            blob,
+            partition,
+            entries,
+            timeout_ms,
+        } => put(
+            &mut core(),
+            owner,
+            scope(namespace, &partition),
+            blob,
+            entries,
+            payload_len,
+            timeout_ms,
+            now,
         ),
         Request::Resolve {
             partition, keys, ..
-        } => match core.resolve_with_meta(owner, &scope(ns, &partition), &keys, now) {
-            Ok((pin, found)) => Handled::Resolved(pin, found),
-            Err(e) => Handled::Reply(error_response(&e)),
+        } => match core().resolve_with_meta(owner, &scope(namespace, &partition), &keys, now) {
+            Ok((pin, found)) => Plan::Resolved { pin, found },
+            Err(e) => Plan::Reply(error_response(&e)),
         },
-        Request::Unpin { pin, reply } => match core.unpin(owner, pin) {
-            Ok(()) if !reply => Handled::Silent,
+        Request::Read {
+            partition,
+            keys,
+            timeout_ms,
+        } => match core().resolve_with_meta(owner, &scope(namespace, &partition), &keys, now) {
+            Ok((pin, found)) => Plan::Send(Read {
+                owner,
+                pin,
+                found,
+                timeout_ms,
+            }),
+            Err(e) => Plan::Reply(error_response(&e)),
+        },
+        Request::Unpin { pin, reply } => match core().unpin(owner, pin) {
+            Ok(()) if !reply => Plan::Silent,
             r => answer(r.map(|()| Response::Done)),
         },
-        Request::ReleaseRows { partition, rows } => Handled::Reply(Response::Released {
-            entries: core.release_rows(&scope(ns, &partition), &rows),
+        Request::ReleaseRows { partition, rows } => Plan::Reply(Response::Released {
+            entries: core().release_rows(&scope(namespace, &partition), &rows),
         }),
-        Request::List { partition } => Handled::Reply(Response::Listed {
-            rows: core.list(&scope(ns, &partition)),
+        Request::List { partition } => Plan::Reply(Response::Listed {
+            rows: core().list(&scope(namespace, &partition)),
         }),
-        Request::DropPartition { partition } => Handled::Reply(Response::Released {
-            entries: core.drop_namespace(&scope(ns, &partition)),
+        Request::DropPartition { partition } => Plan::Reply(Response::Released {
+            entries: core().drop_namespace(&scope(namespace, &partition)),
         }),
         Request::ListPartitions => {
-            let prefix = scope(ns, "");
-            let names = core
+            let prefix = scope(namespace, "");
+            let names = core()
                 .namespaces(&prefix)
                 .into_iter()
                 .map(|n| n[prefix.len()..].to_owned())
                 .collect();
-            Handled::Reply(Response::Partitions { names })
+            Plan::Reply(Response::Partitions { names })
         }
-        other => Handled::Other(other),
+        Request::Stats => Plan::Stats,
+        Request::NixlInfo {
+            agent,
+            agent_metadata,
+        } => Plan::NixlInfo {
+            owner,
+            agent,
+            agent_metadata,
+        },
+        Request::Checkpoint { .. } | Request::Shutdown { .. } if !asker.admin => {
+            Plan::Reply(error(ErrorCode::Unauthorized, NOT_ADMIN.into()))
+        }
+        Request::Checkpoint { dir } => Plan::Checkpoint { dir },
+        Request::Shutdown { timeout_ms } => Plan::Shutdown {
+            timeout: Duration::from_millis(timeout_ms),
+        },
+        other @ (Request::Hello { .. } | Request::Auth { .. } | Request::Prove { .. }) => {
+            Plan::Refuse(format!("unexpected request {other:?}"))
+        }
     }
+}
+
+/// Who may send admin requests, for those who may not.
+pub const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-user client on the unit's Unix socket, or a unit started with --admin";
+
+/// Commit `entries` of `blob`, reserved in the slab by `owner`, into
+/// `partition`: the reply.
+fn commit(
+    core: &mut UnitCore,
+    owner: Owner,
+    partition: &str,
+    blob: BlobId,
+    entries: &[EntrySpec],
+) -> Response {
+    if core.is_disk_reservation(owner.session, blob) {
+        return on_disk(blob);
+    }
+    match core.commit(owner, partition, blob, entries) {
+        Ok(Committed::Done) => Response::Done,
+        Ok(Committed::Pending) => Response::Pending,
+        Err(e) => error_response(&e),
+    }
+}
+
+/// The refusal of a Commit of a blob reserved on the disk tier (its bytes
+/// come with a Put, never through the mapping).
+fn on_disk(blob: BlobId) -> Response {
+    error(
+        ErrorCode::InvalidRequest,
+        format!("blob {blob:?} is reserved on the disk tier: send its bytes with Put"),
+    )
+}
+
+/// The bytes a commit's entries name (0 when their sum overflows: the
+/// core refuses those).
+fn entry_bytes(entries: &[EntrySpec]) -> u64 {
+    entries
+        .iter()
+        .try_fold(0u64, |sum, e| sum.checked_add(e.len))
+        .unwrap_or(0)
+}
+
+/// Fused alloc + bytes + commit: reserve the Put's blob; its payload goes
+/// straight from the socket into the slab, or, when the slab is full and
+/// the disk tier has room, into the blob's file. The connection's thread
+/// holds the reservation while it reads, and no timer takes it away
+/// meanwhile (docs/fencing.md); a payload that stalls past its timeout is
+/// cut off, and the range of a cut one goes through quarantine.
+#[allow(clippy::too_many_arguments)]
+fn put(
+    core: &mut UnitCore,
+    owner: Owner,
+    partition: String,
+    blob: BlobId,
+    entries: Vec<EntrySpec>,
+    nbytes: u64,
+    timeout_ms: u64,
+    now: Time,
+) -> Plan {
+    let refuse = |reply| Plan::Drain {
+        len: nbytes,
+        put_timeout_ms: Some(timeout_ms),
+        reply,
+    };
+    let Ok(n_entries) = u32::try_from(entries.len()) else {
+        return refuse(error(ErrorCode::InvalidRequest, "too many entries".into()));
+    };
+    let into = match core.alloc(owner, blob, nbytes, n_entries, now) {
+        Ok(Allocated::Reserved { offset }) => Dest::Slab { offset },
+        Ok(Allocated::ToDisk) => Dest::Disk,
+        Ok(Allocated::AlreadyCommitted) => Dest::Nowhere,
+        Err(e) => return refuse(error_response(&e)),
+    };
+    Plan::Receive(Put {
+        owner,
+        partition,
+        blob,
+        entries,
+        nbytes,
+        timeout_ms,
+        into,
+        now,
+    })
+}
+
+/// A Put's payload has all arrived into [`Put::into`]: commit it. The
+/// reply. A slab or disk put that the core refuses is aborted.
+pub fn put_landed(core: &mut UnitCore, put: &Put) -> Response {
+    let r = core.commit(put.owner, &put.partition, put.blob, &put.entries);
+    match (put.into, r) {
+        // Still being made durable, or done.
+        (Dest::Nowhere, Ok(Committed::Pending)) => Response::Pending,
+        (Dest::Nowhere, _) => Response::Done,
+        (_, Ok(Committed::Done)) => Response::Done,
+        (_, Ok(Committed::Pending)) => Response::Pending,
+        (_, Err(e)) => {
+            let _ = core.abort(put.owner, put.blob, false, put.now);
+            error_response(&e)
+        }
+    }
+}
+
+/// A Put's payload stopped midway (`cut`: it stalled past its time), or
+/// its file failed: nothing of it is kept. The connection's thread was the
+/// only writer of its range and has stopped; a cut stream's range still
+/// goes through quarantine (a file has none). The core's answer, which the
+/// unit ignores.
+pub fn put_abandoned(
+    core: &mut UnitCore,
+    put: &Put,
+    cut: bool,
+    now: Time,
+) -> Result<(), CoreError> {
+    match put.into {
+        Dest::Slab { .. } => core.abort(put.owner, put.blob, cut, now),
+        Dest::Disk => core.abort(put.owner, put.blob, false, now),
+        Dest::Nowhere => Ok(()),
+    }
+}
+
+/// A Read's values were sent (or their sending failed): the connection's
+/// thread has stopped reading their ranges, so the pin may go.
+pub fn read_sent(core: &mut UnitCore, read: &Read) {
+    if let Some(p) = read.pin {
+        let _ = core.unpin(read.owner, p);
+    }
+}
+
+fn error(code: ErrorCode, message: String) -> Response {
+    Response::Error { code, message }
 }
 
 /// The wire form of a core refusal.
@@ -133,10 +530,11 @@ pub fn error_response(e: &CoreError) -> Response {
     }
 }
 
-/// The core namespace of a partition of a connection's namespace.
-pub fn scope(ns: &str, partition: &str) -> String {
-    let mut s = String::with_capacity(ns.len() + 1 + partition.len());
-    s.push_str(ns);
+/// The core partition of a request's `partition` in a connection's
+/// `namespace`.
+pub fn scope(namespace: &str, partition: &str) -> String {
+    let mut s = String::with_capacity(namespace.len() + 1 + partition.len());
+    s.push_str(namespace);
     s.push(PARTITION_SEPARATOR);
     s.push_str(partition);
     s

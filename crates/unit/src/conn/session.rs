@@ -1,0 +1,291 @@
+//! A connection's life around its requests: from accept, through the
+//! handshake gate ([`crate::auth`]) and Hello (which joins it to its
+//! session), to its end, when what it holds is released by the core's
+//! rules for how it ended ([`EndReason`]).
+
+use std::io::{self, BufReader, Write};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use stowage_wire::io::{Socket, SpinReader};
+use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
+
+use super::{Conn, Peer};
+use crate::auth::{Gate, Verdict};
+use crate::handler::error_response;
+use crate::Shared;
+
+/// Serve one connection until it ends. `ticket`: its place in the
+/// handshake pool; `accepted`: when it was accepted (its handshake's
+/// deadline runs from there).
+pub(crate) fn serve(
+    shared: Arc<Shared>,
+    stream: Socket,
+    peer: Peer,
+    ticket: crate::admit::Ticket,
+    accepted: Instant,
+) {
+    let writer = match stream.try_clone() {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot clone a connection's socket");
+            return;
+        }
+    };
+    let unix = matches!(stream, Socket::Unix(_));
+    let admin = shared.admin_tcp || (unix && peer.uid == Some(shared.uid));
+    // Replies that the peer does not take are cut off after this long.
+    let write_timeout = shared.frame_timeout;
+    let _ = writer.set_write_timeout(Some(write_timeout));
+    let mut c = Conn {
+        shared: shared.clone(),
+        reader: BufReader::with_capacity(64 << 10, SpinReader::new(stream, shared.spin)),
+        writer,
+        peer,
+        unix,
+        admin,
+        namespace: None,
+        owner: None,
+        gate: Gate::new(shared.secret.clone()),
+        handshake_deadline: accepted + shared.handshake_timeout,
+        ticket: Some(ticket),
+        slot: None,
+        write_timeout,
+        out: Vec::with_capacity(4096),
+        scratch: Vec::new(),
+        failed: false,
+        frame_start: Instant::now(),
+        counters: crate::metrics::ConnCounters::attach(&shared),
+    };
+    // A panic while serving (a bug) ends the connection as the unit
+    // cutting it would: what it holds is released by the same rules, and
+    // its slots are given back.
+    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()));
+    let end = match ran {
+        Ok(Ok(())) => stowage_core::ConnEnd::Closed,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "connection ended");
+            if e.is_cut() {
+                stowage_core::ConnEnd::Cut
+            } else {
+                stowage_core::ConnEnd::Closed
+            }
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_default();
+            tracing::error!(
+                unit = %shared.name,
+                panic = %what,
+                "a connection's thread panicked; the connection is cut and what it holds released as for a cut connection"
+            );
+            let _ = c.reply(
+                0,
+                &Response::Error {
+                    code: ErrorCode::Internal,
+                    message: "the unit failed serving this connection and cut it".into(),
+                },
+            );
+            stowage_core::ConnEnd::Cut
+        }
+    };
+    c.end_handshake(&end);
+    if let Some(owner) = c.owner {
+        let now = shared.now();
+        let (holds, gone) = {
+            let mut core = shared.core();
+            let holds = core.detach(owner, end, now);
+            (holds, !core.has_session(owner.session))
+        };
+        // A nixl connection's holds outlive it: fenced once its client's
+        // agent has no connection left.
+        shared.nixl_conn_ended(owner);
+        if let Some(m) = &shared.metrics {
+            let why = match end {
+                stowage_core::ConnEnd::Closed => crate::metrics::Reclaim::Closed,
+                stowage_core::ConnEnd::Cut => crate::metrics::Reclaim::Cut,
+            };
+            m.reclaimed(why, holds);
+        }
+        if holds > 0 {
+            tracing::info!(
+                unit = %shared.name,
+                session = owner.session.0,
+                namespace = c.namespace.as_deref().unwrap_or(""),
+                holds,
+                cut = end == stowage_core::ConnEnd::Cut,
+                "released the holds of an ended connection"
+            );
+        }
+        if gone {
+            tracing::info!(
+                unit = %shared.name,
+                session = owner.session.0,
+                namespace = c.namespace.as_deref().unwrap_or(""),
+                "session closed"
+            );
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub(super) enum EndReason {
+    #[error(transparent)]
+    Io(#[from] io::Error),
+    #[error("closed after an invalid request: {0}")]
+    Invalid(String),
+    #[error("the unit is shutting down")]
+    Shutdown,
+    #[error("turned away: {0}")]
+    Busy(String),
+}
+
+impl EndReason {
+    /// Whether the unit ended the connection (the peer may still be
+    /// running) rather than the peer closing it.
+    pub(super) fn is_cut(&self) -> bool {
+        match self {
+            EndReason::Io(e) => matches!(
+                e.kind(),
+                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+            ),
+            EndReason::Invalid(_) | EndReason::Shutdown | EndReason::Busy(_) => true,
+        }
+    }
+}
+
+impl Conn {
+    /// A frame before the gate is open (see [`crate::auth`]).
+    pub(super) fn pass_gate(
+        &mut self,
+        id: u64,
+        frame: Result<Request, stowage_wire::WireError>,
+    ) -> Result<(), EndReason> {
+        let verdict = self.gate.step(frame, stowage_wire::auth::fresh_nonce);
+        if self.ticket.is_some() && (self.gate.proven() || self.gate.is_open()) {
+            // Proved (the secret, or without one its Hello): from the
+            // handshake pool to the served connections, before anything is
+            // served.
+            let proved = match &self.ticket {
+                Some(t) => self.shared.prove(t),
+                None => unreachable!("checked above"),
+            };
+            match proved {
+                Ok(slot) => {
+                    self.slot = Some(slot);
+                    self.ticket = None;
+                }
+                Err(message) => {
+                    let _ = self.reply(
+                        id,
+                        &Response::Error {
+                            code: ErrorCode::Busy,
+                            message: message.clone(),
+                        },
+                    );
+                    self.ticket = None;
+                    return Err(EndReason::Busy(message));
+                }
+            }
+        }
+        match verdict {
+            Verdict::Reply(r) => Ok(self.reply(id, &r)?),
+            Verdict::Next => Ok(()),
+            Verdict::Serve(req) => self.handle(id, req, 0),
+            Verdict::Refuse(r) => {
+                let why = match &r {
+                    Response::Error { message, .. } => message.clone(),
+                    _ => String::new(),
+                };
+                tracing::warn!(
+                    uid = ?self.peer.uid,
+                    pid = ?self.peer.pid,
+                    tcp = !self.unix,
+                    reason = %why,
+                    "refused a connection before its Hello"
+                );
+                let _ = self.reply(id, &r);
+                Err(EndReason::Invalid(why))
+            }
+        }
+    }
+
+    /// The connection ended (`end`) with its handshake unfinished: tell a
+    /// peer whose handshake was cut to admit another why, and count a
+    /// handshake that ran out of time.
+    fn end_handshake(&mut self, end: &stowage_core::ConnEnd) {
+        let Some(t) = self.ticket.take() else {
+            return;
+        };
+        if t.cut().is_some() {
+            let message = self.shared.cut_message(&t);
+            let _ = self
+                .writer
+                .set_write_timeout(Some(Duration::from_millis(100)));
+            let _ = self.reply(
+                0,
+                &Response::Error {
+                    code: ErrorCode::Busy,
+                    message,
+                },
+            );
+        } else if *end == stowage_core::ConnEnd::Cut && Instant::now() >= self.handshake_deadline {
+            if let Some(m) = &self.shared.metrics {
+                m.handshake_timed_out();
+            }
+        }
+    }
+
+    /// A Hello of the right version: join (or open) the session, and hand
+    /// a Unix-socket peer that wants it the slab's memfd with the reply.
+    pub(super) fn hello(
+        &mut self,
+        id: u64,
+        namespace: String,
+        want_fd: bool,
+        session: Option<u128>,
+    ) -> Result<(), EndReason> {
+        // A peer that is handed the slab (now, or on an earlier connection
+        // of its session) may copy by itself: its holds follow the rules
+        // for mapped peers.
+        let maps = want_fd && self.unix;
+        let (token, owner) = match self
+            .shared
+            .join_session(session, self.peer, maps, &namespace)
+        {
+            Ok(j) => j,
+            Err(e) => {
+                self.reply(id, &error_response(&e))?;
+                return Err(EndReason::Invalid(format!("session refused: {e}")));
+            }
+        };
+        self.owner = Some(owner);
+        self.namespace = Some(namespace);
+        let attach = want_fd && self.unix;
+        let r = Response::Hello {
+            version: PROTOCOL_VERSION,
+            instance_id: self.shared.instance_id,
+            slab_bytes: self.shared.slab.len(),
+            fd_attached: attach,
+            session: token,
+        };
+        self.out.clear();
+        encode(id, &r, 0, &mut self.out).map_err(io::Error::other)?;
+        match &self.writer {
+            Socket::Unix(s) if attach => {
+                let sent = stowage_shm::send_with_fd(s, &self.out, self.shared.slab.fd())?;
+                let rest = self.out[sent..].to_vec();
+                self.writer.write_all(&rest)?;
+            }
+            _ => {
+                let out = std::mem::take(&mut self.out);
+                self.writer.write_all(&out)?;
+                self.out = out;
+            }
+        }
+        Ok(())
+    }
+}
