@@ -9,15 +9,17 @@
 //! ## Flow of a blob
 //!
 //! ```text
-//!  alloc(blob, nbytes, n_entries) ──▶ Reserved (lease) ──commit(entries)──▶ Committed
-//!                                       │      │                              │
-//!                     abort(in_flight)──┘      └─ lease expires               │ release_rows / replace
-//!                                       ▼                ▼                    ▼
-//!                                 Quarantined ◀──────────┘      freed once no entry and no pin holds it
-//!                                       │ quarantine ends
-//!                                       ▼
-//!                                     freed
+//!  alloc(blob, nbytes, n_entries) ──▶ Reserved ──commit(entries)──▶ Committed
+//!                                       │  │                          │
+//!                       abort, or its   │  └─ abort(in_flight), or    │ clear_rows / replace
+//!                       holder's end ───┤     its tcp stream cut      ▼
+//!                       (fencing.md)    │          │         freed once no entry and no pin holds it
+//!                                       ▼          ▼
+//!                                     freed    Quarantined ──quarantine ends──▶ freed
 //! ```
+//!
+//! No timer takes a reservation: it ends with its commit, its abort, or
+//! its holder's end as the fencing rules below say.
 //!
 //! * [`slab::SlabAllocator`] hands out aligned byte ranges of the slab.
 //! * Every request comes from an [`Owner`]: a connection
@@ -33,8 +35,11 @@
 //! * [`UnitCore::resolve`] turns keys into slab [`Location`]s and pins the
 //!   blobs that hold them, so their bytes neither move nor change until
 //!   [`UnitCore::unpin`].
-//! * [`UnitCore::release_rows`] clears whole rows; a blob's memory returns
-//!   to the allocator once no entry and no pin refers to it.
+//! * [`UnitCore::clear_rows`] clears whole rows of a partition
+//!   ([`UnitCore::clear_partition`] all of them); a blob's memory returns
+//!   to the allocator once no entry and no pin refers to it, through one
+//!   function that takes the range by value (a [`slab::Region`] is neither
+//!   `Copy` nor `Clone`, so a range released twice does not compile).
 //!
 //! ## Fencing: memory is reused only when no one can still touch it
 //!
@@ -60,9 +65,10 @@
 //!   ([`UnitCore::session_gone`]), for a peer that maps the slab and whose
 //!   connection was cut, or a one-sided peer whose connection ended.
 //!
-//! A silent session keeps what it holds; [`UnitCore::stats`] shows each
+//! A silent session keeps what it holds; [`UnitCore::stats_at`] shows each
 //! session's held bytes and its oldest hold, and counts holds older than
-//! the configured leases as overdue — reported, never reclaimed.
+//! [`CoreConfig::reservation_lease`] or [`CoreConfig::pin_lease`] as
+//! overdue — a reporting threshold, reported and never reclaimed.
 //!
 //! Lack of space is an answer ([`CoreError::Full`], [`CoreError::Busy`]),
 //! never a panic.
@@ -161,8 +167,9 @@ pub enum CoreError {
         free: u64,
         capacity: u64,
     },
-    /// Not enough free memory now, but expiring reservations or quarantined
-    /// ranges will free enough: ask again shortly.
+    /// Not enough free memory now, but held reservations, quarantined
+    /// ranges, spills under way or pinned cleared blobs will free enough
+    /// once they end: ask again shortly.
     #[error("unit busy: {needed} bytes requested, {reclaimable} bytes awaiting reclamation")]
     Busy { needed: u64, reclaimable: u64 },
     /// The blob is not reserved (never allocated, or aborted).

@@ -2154,8 +2154,8 @@ impl Harness {
     fn release_rows(&mut self, rows: &[u64]) -> Result<(), TestCaseError> {
         let set: BTreeSet<u64> = rows.iter().copied().collect();
         let expected = self.values.keys().filter(|k| set.contains(&k.row)).count() as u64;
-        let got = self.core.release_rows(NS, rows);
-        prop_assert_eq!(got, expected, "release_rows({:?}) count", rows);
+        let got = self.core.clear_rows(NS, rows);
+        prop_assert_eq!(got, expected, "clear_rows({:?}) count", rows);
         self.values.retain(|k, _| !set.contains(&k.row));
         self.gc();
         Ok(())
@@ -2332,7 +2332,7 @@ impl Harness {
             .values
             .iter()
             .map(|(k, v)| SnapshotEntry {
-                ns: NS.to_string(),
+                partition: NS.to_string(),
                 key: k.clone(),
                 blob: v.blob,
                 offset: v.offset,
@@ -3772,7 +3772,7 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     assert!(matches!(found[0], Some(Place::Disk { .. })));
     let promoting = c.promote_begin(BlobId(1)).expect("room to promote");
     // Meanwhile row 1 is cleared and the reader unpins.
-    c.release_rows(NS, &[1]);
+    c.clear_rows(NS, &[1]);
     c.unpin(o, pin.unwrap()).unwrap();
     assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(1))]);
     // The copy has not landed yet (no promote_done): its range must not be
@@ -3893,7 +3893,7 @@ fn busy_counts_a_pinned_cleared_spilling_blob_once() {
     // Blob 1 is pinned, then cleared, while its spill is written.
     let (pin, _) = c.resolve(o, NS, &[Key::new(1, "f")], t(0)).unwrap();
     assert!(pin.is_some());
-    c.release_rows(NS, &[1]);
+    c.clear_rows(NS, &[1]);
     // No room in the slab (1 KiB free) nor on the disk (52 bytes free):
     // the two spills give back 2 KiB.
     assert_eq!(

@@ -274,7 +274,7 @@ fn write_snapshot(
         .entries
         .iter()
         .map(|e| IndexEntry {
-            ns: e.ns.clone(),
+            ns: e.partition.clone(),
             row: e.key.row,
             field: e.key.field.clone(),
             blob: e.blob,
@@ -295,7 +295,7 @@ fn write_snapshot(
         let mut r: Vec<(&str, u64)> = snap
             .entries
             .iter()
-            .map(|e| (e.ns.as_str(), e.key.row))
+            .map(|e| (e.partition.as_str(), e.key.row))
             .collect();
         r.sort_unstable();
         r.dedup();

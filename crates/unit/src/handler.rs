@@ -97,18 +97,18 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             r => answer(r.map(|()| Response::Done)),
         },
         Request::ReleaseRows { partition, rows } => Handled::Reply(Response::Released {
-            entries: core.release_rows(&scope(ns, &partition), &rows),
+            entries: core.clear_rows(&scope(ns, &partition), &rows),
         }),
         Request::List { partition } => Handled::Reply(Response::Listed {
             rows: core.list(&scope(ns, &partition)),
         }),
         Request::DropPartition { partition } => Handled::Reply(Response::Released {
-            entries: core.drop_namespace(&scope(ns, &partition)),
+            entries: core.clear_partition(&scope(ns, &partition)),
         }),
         Request::ListPartitions => {
             let prefix = scope(ns, "");
             let names = core
-                .namespaces(&prefix)
+                .partitions(&prefix)
                 .into_iter()
                 .map(|n| n[prefix.len()..].to_owned())
                 .collect();
