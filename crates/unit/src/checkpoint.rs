@@ -212,10 +212,22 @@ pub(crate) fn write(
             "directory is not empty",
         )));
     }
-    let snap = shared.core().snapshot(shared.now());
+    let snap = match shared
+        .core()
+        .handle(shared.now(), stowage_core::Input::Snapshot)
+    {
+        Ok(stowage_core::Answer::Snapshot(snap)) => snap,
+        other => {
+            return Err(ioe(io::Error::other(format!(
+                "the unit's core answered a snapshot with {other:?}"
+            ))))
+        }
+    };
     let result = write_snapshot(shared, Arc::new(cur), &dir.path, &snap);
     if let Some(pin) = snap.pin {
-        let _ = shared.core().unpin(stowage_core::Owner::UNIT, pin);
+        let _ = shared
+            .core()
+            .unpin(stowage_core::Owner::UNIT, pin, shared.now());
     }
     result
 }
@@ -536,18 +548,20 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
                     Ok(Ok(())) => w.finish().map(|_| ()),
                     Ok(Err(e)) => Err(e),
                     Err(e) => {
-                        shared.core().disk_written(blob, false);
+                        shared.core().disk_written(blob, false, shared.now());
                         return Err(bad(e));
                     }
                 };
-                shared.core().disk_written(blob, written.is_ok());
+                shared
+                    .core()
+                    .disk_written(blob, written.is_ok(), shared.now());
                 written.map_err(|e| CheckpointError::Restore(format!("disk tier: {e}")))?;
             }
             Allocated::AlreadyCommitted => continue,
         }
         match shared
             .core()
-            .commit(stowage_core::Owner::UNIT, &ns, blob, &entries)
+            .commit_written(stowage_core::Owner::UNIT, &ns, blob, entries, now)
         {
             Ok(Committed::Done) => {}
             other => {

@@ -144,7 +144,7 @@ pub(crate) fn serve(
         let now = shared.now();
         let (holds, gone) = {
             let mut core = shared.core();
-            let holds = core.detach(owner, end, now);
+            let holds = core.conn_ended(owner, end, now);
             (holds, !core.has_session(owner.session))
         };
         // A nixl connection's holds outlive it: fenced once its client's
@@ -813,7 +813,10 @@ impl Conn {
             Ok(Allocated::AlreadyCommitted) => {
                 drain(&mut self.reader, nbytes)?;
                 // Still being made durable, or done.
-                let r = self.shared.core().commit(owner, ns, blob, &entries);
+                let r = self
+                    .shared
+                    .core()
+                    .commit_written(owner, ns, blob, entries, now);
                 let resp = match r {
                     Ok(Committed::Pending) => Response::Pending,
                     _ => Response::Done,
@@ -842,7 +845,10 @@ impl Conn {
                 .abort(owner, blob, cut, self.shared.now());
             return Err(e.into());
         }
-        let r = self.shared.core().commit(owner, ns, blob, &entries);
+        let r = self
+            .shared
+            .core()
+            .commit_written(owner, ns, blob, entries, now);
         let resp = match r {
             Ok(Committed::Done) => Response::Done,
             Ok(Committed::Pending) => Response::Pending,
@@ -970,7 +976,10 @@ impl Conn {
             };
             return self.reply_error(id, code, &why);
         }
-        let r = self.shared.core().commit(owner, ns, blob, &entries);
+        let r = self
+            .shared
+            .core()
+            .commit_written(owner, ns, blob, entries, now);
         let resp = match r {
             Ok(Committed::Pending) => {
                 self.count_in(nbytes);
@@ -985,7 +994,7 @@ impl Conn {
                         .unwrap_or_else(|p| p.into_inner())
                         .send((blob, w));
                     if sent.is_err() {
-                        self.shared.core().disk_written(blob, false);
+                        self.shared.core().disk_written(blob, false, now);
                     }
                 }
                 Response::Pending
@@ -1013,7 +1022,7 @@ impl Conn {
         timeout: Duration,
     ) -> Result<(), ConnEnd> {
         let now = self.shared.now();
-        let resolved = self.shared.core().resolve_with_meta(owner, ns, &keys, now);
+        let resolved = self.shared.core().resolve(owner, ns, &keys, now);
         let (pin, found) = match resolved {
             Ok(r) => r,
             Err(e) => {
@@ -1035,7 +1044,7 @@ impl Conn {
             buf = d.reads.take(Instant::now() + timeout.mul_f64(0.9));
             if buf.is_none() {
                 if let Some(p) = pin {
-                    let _ = self.shared.core().unpin(owner, p);
+                    let _ = self.shared.core().unpin(owner, p, self.shared.now());
                 }
                 return self.reply_error(
                     id,
@@ -1075,7 +1084,7 @@ impl Conn {
         self.out = header;
         // This thread has stopped reading the ranges: the pin may go.
         if let Some(p) = pin {
-            let _ = self.shared.core().unpin(owner, p);
+            let _ = self.shared.core().unpin(owner, p, self.shared.now());
         }
         let sent = sent?;
         if let Some(m) = &self.counters {

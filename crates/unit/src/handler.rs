@@ -4,7 +4,12 @@
 //! fuzz target drives it directly with request sequences from several
 //! sessions.
 
-use stowage_core::{Allocated, Committed, CoreError, Located, Owner, PinId, Time, UnitCore};
+use stowage_core::{
+    Allocated, Answer, Committed, CoreError, Input, Located, Op, Owner, PinId, SpareCommitted,
+    Time, UnitCore,
+};
+
+use crate::unexpected;
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
 /// What the handler made of a request.
@@ -23,8 +28,9 @@ pub enum Handled {
 
 /// Apply `req` from `owner`, whose connection acts in namespace `ns`.
 pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Time) -> Handled {
-    let answer = |r: Result<Response, CoreError>| match r {
-        Ok(r) => Handled::Reply(r),
+    let mut op = |op: Op| core.handle(now, Input::Request { owner, op });
+    let answer = |r: Result<Answer, CoreError>, f: &dyn Fn(Answer) -> Option<Response>| match r {
+        Ok(a) => Handled::Reply(f(a.clone()).unwrap_or_else(|| error_response(&unexpected(&a)))),
         Err(e) => Handled::Reply(error_response(&e)),
     };
     match req {
@@ -33,33 +39,35 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             nbytes,
             n_entries,
         } => answer(
-            core.alloc(owner, blob, nbytes, n_entries, now)
-                .map(|a| match a {
-                    Allocated::Reserved { offset } => Response::Allocated { offset },
-                    Allocated::ToDisk => Response::ToDisk,
-                    Allocated::AlreadyCommitted => Response::AlreadyCommitted,
-                }),
+            op(Op::Alloc {
+                blob,
+                nbytes,
+                n_entries,
+            }),
+            &|a| match a {
+                Answer::Allocated(Allocated::Reserved { offset }) => {
+                    Some(Response::Allocated { offset })
+                }
+                Answer::Allocated(Allocated::ToDisk) => Some(Response::ToDisk),
+                Answer::Allocated(Allocated::AlreadyCommitted) => Some(Response::AlreadyCommitted),
+                _ => None,
+            },
         ),
-        Request::Commit { blob, .. } | Request::CommitSpare { blob, .. }
-            if core.is_disk_reservation(owner.session, blob) =>
-        {
-            Handled::Reply(Response::Error {
-                code: ErrorCode::InvalidRequest,
-                message: format!(
-                    "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
-                ),
-            })
-        }
         Request::Commit {
             blob,
             partition,
             entries,
         } => answer(
-            core.commit(owner, &scope(ns, &partition), blob, &entries)
-                .map(|c| match c {
-                    Committed::Done => Response::Done,
-                    Committed::Pending => Response::Pending,
-                }),
+            op(Op::Commit {
+                partition: scope(ns, &partition),
+                blob,
+                entries,
+            }),
+            &|a| match a {
+                Answer::Committed(Committed::Done) => Some(Response::Done),
+                Answer::Committed(Committed::Pending) => Some(Response::Pending),
+                _ => None,
+            },
         ),
         Request::CommitSpare {
             blob,
@@ -69,42 +77,64 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             spare,
             spare_nbytes,
         } => answer(
-            core.name_spare(owner, written, blob, now)
-                .and_then(|named| {
-                    if !named {
-                        return Ok(Response::AlreadyCommitted);
-                    }
-                    match core.commit(owner, &scope(ns, &partition), blob, &entries)? {
-                        Committed::Pending => Ok(Response::Pending),
-                        Committed::Done => core
-                            .reserve_spare(owner, spare, spare_nbytes, now)
-                            .map(|spare| Response::CommittedSpare { spare }),
-                    }
-                }),
+            op(Op::CommitSpare {
+                written,
+                blob,
+                partition: scope(ns, &partition),
+                entries,
+                spare,
+                spare_nbytes,
+            }),
+            &|a| match a {
+                Answer::SpareCommitted(SpareCommitted::AlreadyCommitted) => {
+                    Some(Response::AlreadyCommitted)
+                }
+                Answer::SpareCommitted(SpareCommitted::Pending) => Some(Response::Pending),
+                Answer::SpareCommitted(SpareCommitted::Committed { spare }) => {
+                    Some(Response::CommittedSpare { spare })
+                }
+                _ => None,
+            },
         ),
-        Request::Abort { blob, in_flight } => answer(
-            core.abort(owner, blob, in_flight, now)
-                .map(|()| Response::Done),
-        ),
+        Request::Abort { blob, in_flight } => {
+            answer(op(Op::Abort { blob, in_flight }), &|_| Some(Response::Done))
+        }
         Request::Resolve {
             partition, keys, ..
-        } => match core.resolve_with_meta(owner, &scope(ns, &partition), &keys, now) {
-            Ok((pin, found)) => Handled::Resolved(pin, found),
+        } => match op(Op::Resolve {
+            partition: scope(ns, &partition),
+            keys,
+        }) {
+            Ok(Answer::Resolved { pin, found }) => Handled::Resolved(pin, found),
+            Ok(other) => Handled::Reply(error_response(&unexpected(&other))),
             Err(e) => Handled::Reply(error_response(&e)),
         },
-        Request::Unpin { pin, reply } => match core.unpin(owner, pin) {
-            Ok(()) if !reply => Handled::Silent,
-            r => answer(r.map(|()| Response::Done)),
+        Request::Unpin { pin, reply } => match op(Op::Unpin { pin }) {
+            Ok(_) if !reply => Handled::Silent,
+            r => answer(r, &|_| Some(Response::Done)),
         },
-        Request::ReleaseRows { partition, rows } => Handled::Reply(Response::Released {
-            entries: core.clear_rows(&scope(ns, &partition), &rows),
-        }),
+        Request::ReleaseRows { partition, rows } => answer(
+            op(Op::ClearRows {
+                partition: scope(ns, &partition),
+                rows,
+            }),
+            &|a| match a {
+                Answer::Cleared(entries) => Some(Response::Released { entries }),
+                _ => None,
+            },
+        ),
         Request::List { partition } => Handled::Reply(Response::Listed {
             rows: core.list(&scope(ns, &partition)),
         }),
-        Request::DropPartition { partition } => Handled::Reply(Response::Released {
-            entries: core.clear_partition(&scope(ns, &partition)),
-        }),
+        Request::DropPartition { partition } => answer(
+            op(Op::ClearPartition {
+                partition: scope(ns, &partition),
+            }),
+            &|a| match a {
+                Answer::Cleared(entries) => Some(Response::Released { entries }),
+                _ => None,
+            },
+        ),
         Request::ListPartitions => {
             let prefix = scope(ns, "");
             let names = core

@@ -63,12 +63,12 @@ use std::io;
 use std::net::{SocketAddr, TcpListener};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use disk::DiskEngine;
-use stowage_core::{CoreConfig, UnitCore};
+use stowage_core::{Action, Answer, CoreConfig, CoreError, Input, UnitCore};
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
 use stowage_wire::Limits;
@@ -283,8 +283,8 @@ pub(crate) struct DiskTier {
     /// published.
     pub(crate) flush:
         Mutex<std::sync::mpsc::Sender<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>>,
-    /// Wakes the spiller.
-    pub(crate) wake: (Mutex<bool>, std::sync::Condvar),
+    /// Batches of spill jobs the core handed out, for the spiller.
+    pub(crate) spill: Mutex<std::sync::mpsc::Sender<Vec<stowage_core::SpillJob>>>,
     /// Held by the spiller and the flusher while they write files, so that
     /// teardown removes the directory only once they are idle.
     pub(crate) busy: Mutex<()>,
@@ -482,17 +482,54 @@ impl DiskIo {
     }
 }
 
-impl DiskTier {
-    pub(crate) fn wake_spiller(&self) {
-        let mut w = self.wake.0.lock().unwrap_or_else(|p| p.into_inner());
+/// The timer side of the driver: when the core next needs
+/// [`Input::Timeout`], and the processes it asked the unit to watch.
+pub(crate) struct Timer {
+    /// The core's [`UnitCore::poll_timeout`], in nanoseconds of
+    /// [`Shared::now`] (`u64::MAX`: none).
+    wake_at: AtomicU64,
+    /// Set, and the condition notified, to wake the timer thread early.
+    woken: (Mutex<bool>, std::sync::Condvar),
+    /// Sessions whose process the core asked to watch
+    /// ([`Action::CheckProcess`]).
+    watched: Mutex<std::collections::HashSet<stowage_core::SessionId>>,
+}
+
+/// How often the timer thread looks at the processes it watches (whose
+/// pidfds it polls; nothing of the core is ticked).
+const WATCH_EVERY: Duration = Duration::from_millis(200);
+
+impl Timer {
+    pub(crate) fn new() -> Self {
+        Self {
+            wake_at: AtomicU64::new(u64::MAX),
+            woken: (Mutex::new(false), std::sync::Condvar::new()),
+            watched: Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// Wake the timer thread by `at` (or at once when `at` is earlier than
+    /// what it sleeps until).
+    fn schedule(&self, at: Option<Duration>) {
+        let Some(at) = at else { return };
+        let at = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX - 1);
+        if self.wake_at.fetch_min(at, Ordering::SeqCst) > at {
+            self.wake();
+        }
+    }
+
+    fn wake(&self) {
+        let mut w = self.woken.0.lock().unwrap_or_else(|p| p.into_inner());
         *w = true;
-        self.wake.1.notify_one();
+        self.woken.1.notify_one();
     }
 }
 
 /// State shared by every thread of a unit.
 pub(crate) struct Shared {
     pub(crate) core: Mutex<UnitCore>,
+    /// When to wake the core, and which processes to watch.
+    pub(crate) timer: Timer,
     pub(crate) slab: Arc<Slab>,
     /// NIXL, when the unit serves it.
     pub(crate) nixl: Option<NixlServe>,
@@ -604,7 +641,10 @@ impl Shared {
                 getrandom::fill(&mut b)
                     .map_err(|e| stowage_core::CoreError::Invalid(e.to_string()))?;
                 let token = u128::from_le_bytes(b);
-                let id = core.open_session();
+                let id = match core.handle(self.now(), Input::OpenSession)? {
+                    Answer::Session(id) => id,
+                    other => return Err(unexpected(&other)),
+                };
                 if let Some(m) = &self.metrics {
                     m.session_opened();
                 }
@@ -639,10 +679,17 @@ impl Shared {
             }
         }
         rec.mapped |= maps;
-        let direct = rec.mapped;
-        let owner = core.attach(rec.id, direct)?;
+        let now = self.now();
+        let input = Input::Attach {
+            session: rec.id,
+            mapped: rec.mapped,
+        };
+        let owner = match core.handle(now, input)? {
+            Answer::Attached(owner) => owner,
+            other => return Err(unexpected(&other)),
+        };
         if rec.one_sided {
-            core.make_one_sided(owner)?;
+            core.handle(now, Input::MakeOneSided(owner))?;
         }
         Ok((token, owner))
     }
@@ -731,7 +778,7 @@ impl Shared {
             });
         }
         rec.one_sided = true;
-        self.core().make_one_sided(owner)?;
+        self.core().handle(self.now(), Input::MakeOneSided(owner))?;
         if let Some(name) = &known {
             peers
                 .agents
@@ -786,7 +833,13 @@ impl Shared {
         let now = self.now();
         let held: u64 = {
             let mut core = self.core();
-            fence.iter().map(|s| core.fence(*s, now)).sum()
+            fence
+                .iter()
+                .map(|s| match core.handle(now, Input::Fenced(*s)) {
+                    Ok(Answer::Released(n)) => n,
+                    _ => 0,
+                })
+                .sum()
         };
         if held > 0 {
             tracing::info!(
@@ -799,29 +852,48 @@ impl Shared {
         }
     }
 
-    /// End the sessions whose connections were all cut and whose process
-    /// has exited: nothing of them can touch the slab any more.
-    pub(crate) fn reap_sessions(&self) {
-        let orphaned = self.core().orphaned_sessions();
-        if orphaned.is_empty() {
-            return;
-        }
-        let gone: Vec<stowage_core::SessionId> = {
-            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-            sessions
-                .values()
-                .filter(|r| orphaned.contains(&r.id))
-                .filter(|r| r.pidfd.as_ref().is_some_and(process_exited))
-                .map(|r| r.id)
-                .collect()
+    /// End the sessions the core asked to watch ([`Action::CheckProcess`])
+    /// whose process has exited while none of their connections is open:
+    /// nothing of them can touch the slab any more. Returns whether some
+    /// are still watched.
+    fn reap_sessions(&self) -> bool {
+        let watched: Vec<stowage_core::SessionId> = {
+            let w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+            w.iter().copied().collect()
         };
-        if gone.is_empty() {
-            return;
+        if watched.is_empty() {
+            return false;
+        }
+        let (gone, forget): (Vec<_>, Vec<_>) = {
+            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+            let exited = |id: &stowage_core::SessionId| {
+                sessions
+                    .values()
+                    .find(|r| r.id == *id)
+                    .and_then(|r| r.pidfd.as_ref())
+                    .is_some_and(process_exited)
+            };
+            // Watched while it holds something with no connection open;
+            // forgotten once it no longer does (asked again if it is left
+            // so again).
+            let (orphaned, done): (Vec<_>, Vec<_>) =
+                watched.into_iter().partition(|id| core.is_orphaned(*id));
+            let gone = orphaned.into_iter().filter(exited).collect::<Vec<_>>();
+            (gone, done)
+        };
+        {
+            let mut w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+            for id in gone.iter().chain(&forget) {
+                w.remove(id);
+            }
         }
         let now = self.now();
-        let mut core = self.core();
         for id in gone {
-            let holds = core.session_gone(id, now);
+            let holds = match self.core().handle(now, Input::ProcessExited(id)) {
+                Ok(Answer::Released(n)) => n,
+                _ => 0,
+            };
             if let Some(m) = &self.metrics {
                 m.reclaimed(metrics::Reclaim::ProcessExited, holds);
             }
@@ -832,6 +904,12 @@ impl Shared {
                 "session closed: a cut session's process exited; released what it held"
             );
         }
+        !self
+            .timer
+            .watched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
     }
 
     /// The core's counters, with the server's disk I/O counters.
@@ -864,6 +942,7 @@ impl Shared {
     pub(crate) fn shut_down(&self, timeout: Duration) -> Vec<String> {
         let mut problems = Vec::new();
         self.stop.store(true, Ordering::SeqCst);
+        self.timer.wake();
         let end = Instant::now() + timeout;
         while self.checkpoints.load(Ordering::SeqCst) > 0 {
             if Instant::now() >= end {
@@ -916,9 +995,8 @@ fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
     matches!(poll(&mut fds, Some(&rustix::event::Timespec::default())), Ok(n) if n > 0)
 }
 
-/// The core, locked. On release it applies the core's effects (removes
-/// the files of freed blobs) and wakes the spiller when the slab is past
-/// its high watermark — outside the lock.
+/// The core, locked. On release it drives the core: it carries out what
+/// the core asks ([`Shared::drive`]) — outside the lock.
 pub(crate) struct CoreGuard<'a> {
     guard: Option<MutexGuard<'a, UnitCore>>,
     shared: &'a Shared,
@@ -941,25 +1019,220 @@ impl std::ops::DerefMut for CoreGuard<'_> {
 
 impl Drop for CoreGuard<'_> {
     fn drop(&mut self) {
-        let Some(mut g) = self.guard.take() else {
-            return;
+        if let Some(g) = self.guard.take() {
+            self.shared.drive(g);
+        }
+    }
+}
+
+/// Typed shorthands for the inputs the request path and checkpoints send,
+/// each one [`UnitCore::handle`] call (and so driven on release).
+impl CoreGuard<'_> {
+    /// A request of `owner`'s connection.
+    pub(crate) fn request(
+        &mut self,
+        now: Duration,
+        owner: stowage_core::Owner,
+        op: stowage_core::Op,
+    ) -> Result<Answer, CoreError> {
+        self.handle(now, Input::Request { owner, op })
+    }
+
+    pub(crate) fn alloc(
+        &mut self,
+        owner: stowage_core::Owner,
+        blob: stowage_core::BlobId,
+        nbytes: u64,
+        n_entries: u32,
+        now: Duration,
+    ) -> Result<stowage_core::Allocated, CoreError> {
+        let op = stowage_core::Op::Alloc {
+            blob,
+            nbytes,
+            n_entries,
         };
-        let effects = g.take_effects();
-        let spill = g.needs_spill();
-        drop(g);
-        if let Some(d) = &self.shared.disk {
-            for e in effects {
-                match e {
-                    stowage_core::Effect::DeleteFile(blob) => {
+        match self.request(now, owner, op)? {
+            Answer::Allocated(a) => Ok(a),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    /// The commit of a blob whose bytes the unit wrote (a put's payload, a
+    /// restored checkpoint's blob).
+    pub(crate) fn commit_written(
+        &mut self,
+        owner: stowage_core::Owner,
+        partition: &str,
+        blob: stowage_core::BlobId,
+        entries: Vec<stowage_core::EntrySpec>,
+        now: Duration,
+    ) -> Result<stowage_core::Committed, CoreError> {
+        let op = stowage_core::Op::CommitWritten {
+            partition: partition.to_owned(),
+            blob,
+            entries,
+        };
+        match self.request(now, owner, op)? {
+            Answer::Committed(c) => Ok(c),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub(crate) fn abort(
+        &mut self,
+        owner: stowage_core::Owner,
+        blob: stowage_core::BlobId,
+        in_flight: bool,
+        now: Duration,
+    ) -> Result<(), CoreError> {
+        self.request(now, owner, stowage_core::Op::Abort { blob, in_flight })
+            .map(|_| ())
+    }
+
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn resolve(
+        &mut self,
+        owner: stowage_core::Owner,
+        partition: &str,
+        keys: &[stowage_core::Key],
+        now: Duration,
+    ) -> Result<
+        (
+            Option<stowage_core::PinId>,
+            Vec<Option<stowage_core::Located>>,
+        ),
+        CoreError,
+    > {
+        let op = stowage_core::Op::Resolve {
+            partition: partition.to_owned(),
+            keys: keys.to_vec(),
+        };
+        match self.request(now, owner, op)? {
+            Answer::Resolved { pin, found } => Ok((pin, found)),
+            other => Err(unexpected(&other)),
+        }
+    }
+
+    pub(crate) fn unpin(
+        &mut self,
+        owner: stowage_core::Owner,
+        pin: stowage_core::PinId,
+        now: Duration,
+    ) -> Result<(), CoreError> {
+        self.request(now, owner, stowage_core::Op::Unpin { pin })
+            .map(|_| ())
+    }
+
+    /// A blob's file was written (`ok`) or not.
+    pub(crate) fn disk_written(&mut self, blob: stowage_core::BlobId, ok: bool, now: Duration) {
+        let _ = self.handle(now, Input::DiskWritten { blob, ok });
+    }
+
+    /// A connection ended: the holds released now.
+    pub(crate) fn conn_ended(
+        &mut self,
+        owner: stowage_core::Owner,
+        end: stowage_core::ConnEnd,
+        now: Duration,
+    ) -> u64 {
+        match self.handle(now, Input::ConnEnded { owner, end }) {
+            Ok(Answer::Released(n)) => n,
+            _ => 0,
+        }
+    }
+}
+
+/// A core answer a request never gets (a bug of the unit's): refused.
+pub(crate) fn unexpected(a: &Answer) -> CoreError {
+    CoreError::Invalid(format!("the unit's core gave an unexpected answer: {a:?}"))
+}
+
+impl Shared {
+    /// The one place the core is driven: after every input (each
+    /// [`CoreGuard`]'s release) take every action the core asks for, tell
+    /// the timer when the core next needs the time, release the lock, then
+    /// carry the actions out: remove files, hand spill jobs to the
+    /// spiller, watch processes. Their outcomes come back as inputs (the
+    /// spiller's and the flusher's writes, the timer's process exits and
+    /// timeouts), each through a [`CoreGuard`] and so through here.
+    fn drive(&self, mut core: MutexGuard<'_, UnitCore>) {
+        let mut actions = Vec::new();
+        while let Some(a) = core.poll_action() {
+            actions.push(a);
+        }
+        let deadline = core.poll_timeout();
+        drop(core);
+        self.timer.schedule(deadline);
+        let mut spills = Vec::new();
+        for a in actions {
+            match a {
+                Action::DeleteFile(blob) => {
+                    if let Some(d) = &self.disk {
                         if let Err(err) = d.engine.delete(blob) {
                             tracing::warn!(error = %err, ?blob, "could not remove a blob file");
                         }
                     }
                 }
+                Action::Spill(job) => spills.push(job),
+                Action::CheckProcess(session) => {
+                    let mut w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+                    if w.insert(session) && w.len() == 1 {
+                        drop(w);
+                        self.timer.wake();
+                    }
+                }
             }
-            if spill {
-                d.wake_spiller();
+        }
+        if let (false, Some(d)) = (spills.is_empty(), &self.disk) {
+            let sent = d
+                .spill
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .send(spills);
+            if sent.is_err() {
+                // The spiller has stopped (so has the unit): the blobs
+                // stay in memory.
+                tracing::debug!(unit = %self.name, "spill jobs after the spiller stopped");
             }
+        }
+    }
+
+    /// The timer thread: sleeps until the core's next timeout, or until
+    /// woken (an earlier timeout, a process to watch, the unit stopping);
+    /// while processes are watched, it looks at them every
+    /// [`WATCH_EVERY`].
+    fn run_timer(&self) {
+        let mut watching = false;
+        while !self.stop.load(Ordering::Relaxed) {
+            let now = self.now();
+            let at = self.timer.wake_at.load(Ordering::SeqCst);
+            if at != u64::MAX && u128::from(at) <= now.as_nanos() {
+                self.timer.wake_at.store(u64::MAX, Ordering::SeqCst);
+                // Its release (drive) schedules the next timeout.
+                let _ = self.core().handle(now, Input::Timeout);
+                continue;
+            }
+            let mut wait = if at == u64::MAX {
+                // Nothing to wake for but an input, a watched process or
+                // the stop (which wakes this thread).
+                Duration::from_secs(1)
+            } else {
+                Duration::from_nanos(at).saturating_sub(now)
+            };
+            if watching {
+                wait = wait.min(WATCH_EVERY);
+            }
+            {
+                let w = self.timer.woken.0.lock().unwrap_or_else(|p| p.into_inner());
+                let (mut w, _) = self
+                    .timer
+                    .woken
+                    .1
+                    .wait_timeout_while(w, wait, |woken| !*woken)
+                    .unwrap_or_else(|p| p.into_inner());
+                *w = false;
+            }
+            watching = self.reap_sessions();
         }
     }
 }
@@ -1117,7 +1390,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         None => None,
         Some(n) => Some(serve_nixl(&cfg.name, instance_id, &slab, n)?),
     };
-    let (disk, flush_rx) = match &cfg.disk {
+    let (disk, disk_rx) = match &cfg.disk {
         None => (None, None),
         Some((root, capacity)) => {
             let (dir, removed) =
@@ -1133,18 +1406,19 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                 engine.failpoints.enable(f).map_err(StartError::Config)?;
             }
             let (tx, rx) = std::sync::mpsc::channel();
+            let (spill_tx, spill_rx) = std::sync::mpsc::channel();
             (
                 Some(DiskTier {
                     engine,
                     dir,
                     flush: Mutex::new(tx),
-                    wake: (Mutex::new(false), std::sync::Condvar::new()),
+                    spill: Mutex::new(spill_tx),
                     busy: Mutex::new(()),
                     io: DiskIo::default(),
                     reads: ReadBudget::new(cfg.disk_read_budget),
                     failed_puts: Mutex::new(std::collections::VecDeque::new()),
                 }),
-                Some(rx),
+                Some((rx, spill_rx)),
             )
         }
     };
@@ -1158,6 +1432,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     }
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
+        timer: Timer::new(),
         slab,
         nixl,
         started: Instant::now(),
@@ -1206,7 +1481,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             .spawn(move || fault_in_slab(weak, &name, lock))
             .map_err(StartError::Slab)?;
     }
-    if let Some(rx) = flush_rx {
+    if let Some((rx, spill_rx)) = disk_rx {
         let sh = shared.clone();
         std::thread::Builder::new()
             .name("flusher".into())
@@ -1215,7 +1490,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         let sh = shared.clone();
         std::thread::Builder::new()
             .name("spiller".into())
-            .spawn(move || spiller(sh))
+            .spawn(move || spiller(sh, spill_rx))
             .map_err(StartError::Slab)?;
     }
 
@@ -1268,19 +1543,8 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     }
     let sh = shared.clone();
     std::thread::Builder::new()
-        .name("ticker".into())
-        .spawn(move || {
-            let mut n = 0u64;
-            while !sh.stop.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(20));
-                let now = sh.now();
-                sh.core().tick(now);
-                n += 1;
-                if n.is_multiple_of(10) {
-                    sh.reap_sessions();
-                }
-            }
-        })
+        .name("timer".into())
+        .spawn(move || sh.run_timer())
         .map_err(StartError::Slab)?;
     tracing::info!(
         unit = %cfg.name,
@@ -1329,7 +1593,9 @@ fn flusher(
                 false
             }
         };
-        shared.core().disk_written(blob, ok);
+        let _ = shared
+            .core()
+            .handle(shared.now(), stowage_core::Input::DiskWritten { blob, ok });
     }
 }
 
@@ -1377,31 +1643,28 @@ fn fault_in_slab(shared: std::sync::Weak<Shared>, name: &str, lock: bool) {
     );
 }
 
-/// Copy blobs to disk while the slab is past its high watermark.
-fn spiller(shared: Arc<Shared>) {
+/// Copy to disk the blobs the core hands out to spill (the slab is past
+/// its high watermark), a batch at a time, and report each write.
+fn spiller(shared: Arc<Shared>, rx: std::sync::mpsc::Receiver<Vec<stowage_core::SpillJob>>) {
     let Some(d) = &shared.disk else { return };
     let mut failing = false;
     while !shared.stop.load(Ordering::Relaxed) {
-        {
-            let w = d.wake.0.lock().unwrap_or_else(|p| p.into_inner());
-            let (mut w, _) = d
-                .wake
-                .1
-                .wait_timeout_while(w, Duration::from_millis(100), |woken| !*woken)
-                .unwrap_or_else(|p| p.into_inner());
-            *w = false;
-        }
+        let jobs = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(jobs) => jobs,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
         let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
         if shared.stop.load(Ordering::SeqCst) {
             break;
         }
-        let jobs = shared.core().spill_jobs();
         let batch_start = Instant::now();
         let (n_jobs, mut spilled) = (jobs.len(), 0u64);
         for job in jobs {
             let t0 = Instant::now();
-            // The core keeps the range allocated until disk_written, even
-            // if the blob is freed meanwhile: this thread reads it alone.
+            // The core keeps the range allocated until the write is
+            // reported, even if the blob is freed meanwhile: this thread
+            // reads it alone.
             let written = d.engine.create(job.blob, job.nbytes).and_then(|mut w| {
                 shared
                     .slab
@@ -1424,7 +1687,11 @@ fn spiller(shared: Arc<Shared>) {
                 }
                 Err(_) => {}
             }
-            shared.core().disk_written(job.blob, written.is_ok());
+            let report = stowage_core::Input::DiskWritten {
+                blob: job.blob,
+                ok: written.is_ok(),
+            };
+            let _ = shared.core().handle(shared.now(), report);
         }
         if n_jobs > 0 {
             if let Some(m) = &shared.metrics {
@@ -1728,11 +1995,16 @@ impl Shared {
             let (slot, size) = {
                 let mut c = self.core();
                 let size = c.blob_size(blob);
-                (c.promote_begin(blob), size)
+                let slot = match c.handle(self.now(), Input::Promote(blob)) {
+                    Ok(Answer::Promoting(slot)) => slot,
+                    _ => None,
+                };
+                (slot, size)
             };
             let Some(size) = size else {
                 if let Some(_slot) = slot {
-                    self.core().promote_done(blob, false);
+                    let done = Input::Promoted { blob, ok: false };
+                    let _ = self.core().handle(self.now(), done);
                 }
                 corrupt.insert(blob);
                 continue;
@@ -1751,7 +2023,7 @@ impl Shared {
             let read = match slot {
                 Some(offset) => {
                     // This thread alone writes the promotion's range: the
-                    // core keeps it allocated until promote_done.
+                    // core keeps it allocated until it is reported.
                     let r = reader.and_then(|rd| {
                         let mut at = 0;
                         read_through(&rd, 0, size, buf, |piece| {
@@ -1763,7 +2035,11 @@ impl Shared {
                         })?
                         .map_err(disk::DiskError::Io)
                     });
-                    self.core().promote_done(blob, r.is_ok());
+                    let done = Input::Promoted {
+                        blob,
+                        ok: r.is_ok(),
+                    };
+                    let _ = self.core().handle(self.now(), done);
                     if r.is_ok() {
                         promoted.insert(blob, offset);
                         if let Some(m) = &self.metrics {

@@ -58,7 +58,7 @@ impl UnitCore {
     /// gets [`CoreError::NotOwner`]. When the slab has no room and the disk
     /// tier has, the blob is reserved on disk ([`Allocated::ToDisk`]): the
     /// driver writes its bytes to the blob's file.
-    pub fn alloc(
+    pub(super) fn alloc(
         &mut self,
         owner: Owner,
         blob: BlobId,
@@ -81,7 +81,7 @@ impl UnitCore {
     /// Memory only: `Ok(None)` when the slab has no room now (no disk
     /// reservation, no Full or Busy: a spare is an offer, not a need).
     /// A retry for the same blob answers the same offset.
-    pub fn reserve_spare(
+    pub(super) fn reserve_spare(
         &mut self,
         owner: Owner,
         blob: BlobId,
@@ -102,7 +102,7 @@ impl UnitCore {
     /// recognised as committed. Answers false, and gives the spare up, when
     /// `blob` was committed already (by an earlier try): nothing is to be
     /// published.
-    pub fn name_spare(
+    pub(super) fn name_spare(
         &mut self,
         owner: Owner,
         spare: BlobId,
@@ -309,7 +309,7 @@ impl UnitCore {
     /// change. A key that already has a value is replaced atomically (the
     /// old value stays readable to whoever pinned it). A blob reserved on
     /// disk answers [`Committed::Pending`] until its file is durable.
-    pub fn commit(
+    pub(super) fn commit(
         &mut self,
         owner: Owner,
         partition: &str,
@@ -455,7 +455,7 @@ impl UnitCore {
     /// into it) the range is quarantined before reuse. A committed or
     /// unknown blob is left alone: the client aborts after failures whose
     /// outcome it does not know. Only the holding session may abort.
-    pub fn abort(
+    pub(super) fn abort(
         &mut self,
         owner: Owner,
         blob: BlobId,

@@ -40,7 +40,7 @@ impl UnitCore {
     /// Fields whose name starts with NUL are a client's bookkeeping (the
     /// rows API keeps a string row's name there): they are removed with
     /// their row but not counted.
-    pub fn clear_rows(&mut self, partition: &str, rows: &[u64]) -> u64 {
+    pub(super) fn clear_rows(&mut self, partition: &str, rows: &[u64]) -> u64 {
         let Some(index) = self.index.get_mut(partition) else {
             return 0;
         };
@@ -67,7 +67,7 @@ impl UnitCore {
     }
 
     /// Remove every entry of `partition`; returns how many.
-    pub fn clear_partition(&mut self, partition: &str) -> u64 {
+    pub(super) fn clear_partition(&mut self, partition: &str) -> u64 {
         let rows: Vec<u64> = self
             .index
             .get(partition)

@@ -43,4 +43,19 @@ impl UnitCore {
             .filter_map(|b| self.blobs.get(b)?.region.as_ref());
         reserved.chain(pinned).map(|r| (r.offset, r.len)).collect()
     }
+
+    /// Sessions that hold something although none of their connections is
+    /// open (their connections were cut): the core has asked the
+    /// driver to watch their processes ([`Action::CheckProcess`]).
+    pub fn orphaned_sessions(&self) -> Vec<SessionId> {
+        self.sessions
+            .iter()
+            .filter(|(id, s)| {
+                **id != Owner::UNIT.session
+                    && s.conns.is_empty()
+                    && (!s.reservations.is_empty() || !s.pins.is_empty())
+            })
+            .map(|(id, _)| *id)
+            .collect()
+    }
 }

@@ -10,7 +10,9 @@
 //! * [`pins`]: resolving keys, pins and snapshots;
 //! * [`tier`]: the disk tier (spills, disk reservations, promotions);
 //! * [`release`]: when a slab range is given back — the one place it is;
-//! * [`stats`]: counters;
+//! * [`stats`] — counters;
+//! * [`drive`]: the one entry point ([`UnitCore::handle`]) and the polled
+//!   outputs ([`UnitCore::poll_action`], [`UnitCore::poll_timeout`]).
 
 use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
 use std::time::Duration;
@@ -18,6 +20,7 @@ use std::time::Duration;
 use crate::slab::{Region, SlabAllocator};
 
 mod blobs;
+mod drive;
 mod index;
 #[cfg(any(test, feature = "testing"))]
 mod introspect;
@@ -32,6 +35,7 @@ mod tier;
 use crate::{
     Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time,
 };
+pub use drive::{Action, Answer, Input, Op, SpareCommitted};
 use release::Release;
 pub use stats::{SessionStats, Stats};
 
@@ -271,18 +275,11 @@ impl Place {
 /// A found key: where its value is, and the metadata stored with it.
 pub type Located = (Place, Vec<u8>);
 
-/// What the driver must do with files on behalf of the core.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Effect {
-    /// The blob is gone: remove its disk file.
-    DeleteFile(BlobId),
-}
-
-/// A blob the driver should copy from the slab to its disk file, then
-/// report with [`UnitCore::disk_written`]. If the blob is freed meanwhile,
-/// its range may be reused at once (its bytes are not needed any more):
-/// the driver reads the range only before reporting, and the file it wrote
-/// is deleted through an [`Effect`] after it reports.
+/// A blob the driver should copy from the slab to its disk file
+/// ([`Action::Spill`]), then report with [`Input::DiskWritten`]. If the
+/// blob is freed meanwhile, its range stays allocated until the report
+/// (the driver reads it alone), and the file it wrote is deleted through
+/// an [`Action::DeleteFile`] after it reports.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SpillJob {
     pub blob: BlobId,
@@ -355,7 +352,10 @@ pub struct UnitCore {
     /// reports back.
     orphan_writes: HashMap<BlobId, (u64, Option<Region>)>,
     commit_seq: u64,
-    effects: Vec<Effect>,
+    /// What the driver must do for the core ([`UnitCore::poll_action`]).
+    actions: VecDeque<Action>,
+    /// An input came since spills were last worked out.
+    spill_dirty: bool,
     /// Slab ranges of promotions whose blob was freed before the driver
     /// finished copying into them.
     orphan_promotions: HashMap<BlobId, Region>,
@@ -411,7 +411,8 @@ impl UnitCore {
             disk_used: 0,
             orphan_writes: HashMap::new(),
             commit_seq: 0,
-            effects: Vec::new(),
+            actions: VecDeque::new(),
+            spill_dirty: false,
             orphan_promotions: HashMap::new(),
         })
     }

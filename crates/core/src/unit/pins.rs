@@ -22,20 +22,7 @@ impl UnitCore {
     /// ones for `owner` (until it unpins, or its connection ends). Missing
     /// keys are `None`. The pin is `None` when no key was found.
     #[allow(clippy::type_complexity)]
-    pub fn resolve(
-        &mut self,
-        owner: Owner,
-        partition: &str,
-        keys: &[Key],
-        now: Time,
-    ) -> Result<(Option<PinId>, Vec<Option<Place>>), CoreError> {
-        let (pin, found) = self.resolve_with_meta(owner, partition, keys, now)?;
-        Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
-    }
-
-    /// [`UnitCore::resolve`], with each found key's metadata.
-    #[allow(clippy::type_complexity)]
-    pub fn resolve_with_meta(
+    pub(super) fn resolve(
         &mut self,
         owner: Owner,
         partition: &str,
@@ -106,7 +93,7 @@ impl UnitCore {
 
     /// Every committed entry of every partition, with their blobs pinned
     /// (held) so that their bytes stay while a checkpoint copies them.
-    pub fn snapshot(&mut self, now: Time) -> Snapshot {
+    pub(super) fn snapshot(&mut self, now: Time) -> Snapshot {
         let mut entries = Vec::with_capacity(self.entries as usize);
         let mut blob_ids = Vec::new();
         for (partition, rows) in &self.index {
@@ -154,7 +141,7 @@ impl UnitCore {
 
     /// Drop a pin. Unknown pins (already dropped) are ignored; another
     /// session's pin is refused.
-    pub fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
+    pub(super) fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
         match self.pins.get(&pin) {
             None => Ok(()),
             Some(p) if p.holder.session != owner.session => Err(CoreError::NotOwner(

@@ -70,7 +70,7 @@ impl UnitCore {
                     Disk::None => {}
                     Disk::Durable => {
                         self.disk_used -= b.nbytes;
-                        self.effects.push(Effect::DeleteFile(blob));
+                        self.actions.push_back(Action::DeleteFile(blob));
                     }
                     Disk::Writing => {
                         self.orphan_writes.insert(blob, (b.nbytes, region));
@@ -131,17 +131,6 @@ impl UnitCore {
             }
         }
         released
-    }
-
-    /// Release quarantined ranges and fenced holds whose time has come.
-    /// Returns the holds released.
-    pub fn tick(&mut self, now: Time) -> u64 {
-        self.expire(now)
-    }
-
-    /// When `tick` next has something to do.
-    pub fn next_deadline(&self) -> Option<Time> {
-        self.next_expiry()
     }
 
     /// When [`UnitCore::expire`] next has something to do.

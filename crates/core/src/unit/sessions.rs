@@ -4,7 +4,7 @@ use super::*;
 
 impl UnitCore {
     /// A new session, with no connection yet.
-    pub fn open_session(&mut self) -> SessionId {
+    pub(super) fn open_session(&mut self) -> SessionId {
         let id = SessionId(self.next_session);
         self.next_session += 1;
         self.sessions.insert(
@@ -26,7 +26,7 @@ impl UnitCore {
     /// A new connection of `session`. `mapped`: its peer may map the slab
     /// and copy into or out of it (a Unix-socket peer). Busy when the
     /// session has [`CoreConfig::max_session_conns`] connections already.
-    pub fn attach(&mut self, session: SessionId, mapped: bool) -> Result<Owner, CoreError> {
+    pub(super) fn attach(&mut self, session: SessionId, mapped: bool) -> Result<Owner, CoreError> {
         let max = self.cfg.max_session_conns;
         let Some(s) = self.sessions.get_mut(&session) else {
             return Err(CoreError::Invalid(format!("no session {}", session.0)));
@@ -52,7 +52,7 @@ impl UnitCore {
     /// The peer of `owner`'s connection touches the slab by itself from now
     /// on (it was told how to reach it for one-sided transfers): its holds
     /// follow the rules for mapped connections.
-    pub fn make_mapped(&mut self, owner: Owner) -> Result<(), CoreError> {
+    pub(super) fn make_mapped(&mut self, owner: Owner) -> Result<(), CoreError> {
         self.reach_mut(owner).map(|r| r.maps = true)
     }
 
@@ -64,7 +64,7 @@ impl UnitCore {
     /// ([`UnitCore::session_gone`]), or until the driver has fenced the
     /// peer's endpoint ([`UnitCore::fence`]) and then
     /// [`CoreConfig::nixl_quarantine`] has passed.
-    pub fn make_one_sided(&mut self, owner: Owner) -> Result<(), CoreError> {
+    pub(super) fn make_one_sided(&mut self, owner: Owner) -> Result<(), CoreError> {
         self.reach_mut(owner).map(|r| r.one_sided = true)
     }
 
@@ -113,7 +113,7 @@ impl UnitCore {
     /// [`UnitCore::fence`] and its quarantine ([`UnitCore::make_one_sided`]).
     ///
     /// Returns the holds (reservations and pins) released now.
-    pub fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) -> u64 {
+    pub(super) fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) -> u64 {
         if owner == Owner::UNIT {
             return 0;
         }
@@ -169,12 +169,25 @@ impl UnitCore {
             }
         }
         self.maybe_forget_session(owner.session);
+        if self.is_orphaned(owner.session) {
+            // Only its process's end can release what it keeps now.
+            self.actions.push_back(Action::CheckProcess(owner.session));
+        }
         released
+    }
+
+    /// Whether `session` holds something although none of its
+    /// connections is open (its connections were cut, or it is one-sided).
+    pub fn is_orphaned(&self, session: SessionId) -> bool {
+        session != Owner::UNIT.session
+            && self.sessions.get(&session).is_some_and(|s| {
+                s.conns.is_empty() && (!s.reservations.is_empty() || !s.pins.is_empty())
+            })
     }
 
     /// The session's process is certainly gone (its pid exited): release
     /// everything it holds. Returns the holds released.
-    pub fn session_gone(&mut self, session: SessionId, now: Time) -> u64 {
+    pub(super) fn session_gone(&mut self, session: SessionId, now: Time) -> u64 {
         if session == Owner::UNIT.session {
             return 0;
         }
@@ -206,7 +219,7 @@ impl UnitCore {
     /// [`CoreConfig::nixl_quarantine`] has passed from `now` (time for
     /// transfers already posted to drain), by [`UnitCore::tick`]; holds of
     /// open connections are untouched. Returns the holds that now wait.
-    pub fn fence(&mut self, session: SessionId, now: Time) -> u64 {
+    pub(super) fn fence(&mut self, session: SessionId, now: Time) -> u64 {
         let Some(s) = self.sessions.get(&session) else {
             return 0;
         };
@@ -272,21 +285,6 @@ impl UnitCore {
             Hold::Pin(pin) => self.drop_pin(pin),
         }
         true
-    }
-
-    /// Sessions that hold something although none of their connections is
-    /// open (their connections were cut): the driver checks whether their
-    /// processes are gone.
-    pub fn orphaned_sessions(&self) -> Vec<SessionId> {
-        self.sessions
-            .iter()
-            .filter(|(id, s)| {
-                **id != Owner::UNIT.session
-                    && s.conns.is_empty()
-                    && (!s.reservations.is_empty() || !s.pins.is_empty())
-            })
-            .map(|(id, _)| *id)
-            .collect()
     }
 
     pub(super) fn maybe_forget_session(&mut self, session: SessionId) {

@@ -1,5 +1,40 @@
 use super::*;
 
+/// The calls these tests make, over the one entry point.
+impl UnitCore {
+    fn tick(&mut self, now: Time) -> u64 {
+        match self.handle(now, Input::Timeout) {
+            Ok(Answer::Released(n)) => n,
+            other => panic!("Timeout answered {other:?}"),
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Time> {
+        self.poll_timeout()
+    }
+
+    /// The file removals queued (other actions stay queued).
+    fn take_effects(&mut self) -> Vec<Action> {
+        let (deletes, rest): (Vec<Action>, Vec<Action>) = std::mem::take(&mut self.actions)
+            .into_iter()
+            .partition(|a| matches!(a, Action::DeleteFile(_)));
+        self.actions = rest.into();
+        deletes
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn resolve_places(
+        &mut self,
+        owner: Owner,
+        partition: &str,
+        keys: &[Key],
+        now: Time,
+    ) -> Result<(Option<PinId>, Vec<Option<Place>>), CoreError> {
+        let (pin, found) = self.resolve(owner, partition, keys, now)?;
+        Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
+    }
+}
+
 fn own(c: &mut UnitCore) -> Owner {
     let s = c.open_session();
     c.attach(s, true).unwrap()
@@ -47,7 +82,7 @@ fn alloc_is_idempotent_and_commit_publishes() {
         Allocated::AlreadyCommitted
     );
     let (pin, locs) = c
-        .resolve(o, "partition", &[Key::new(1, "b"), Key::new(2, "a")], t(3))
+        .resolve_places(o, "partition", &[Key::new(1, "b"), Key::new(2, "a")], t(3))
         .unwrap();
     assert_eq!(
         locs[0],
@@ -97,9 +132,7 @@ fn metadata_listing_and_held_pins() {
         ]
     );
     assert_eq!(c.partitions(""), vec!["p".to_string()]);
-    let (pin, found) = c
-        .resolve_with_meta(o, "p", &[Key::new(5, "a")], t(0))
-        .unwrap();
+    let (pin, found) = c.resolve(o, "p", &[Key::new(5, "a")], t(0)).unwrap();
     assert_eq!(found[0].as_ref().map(|(_, m)| m.clone()), Some(vec![5]));
     c.clear_rows("p", &[5, 2]);
     // A held pin outlives any lease, and keeps the blob.
@@ -143,7 +176,7 @@ fn a_spare_takes_the_puts_id_and_shrinks_to_its_entries() {
         "the whole range stays held until freed"
     );
     let (pin, locs) = c
-        .resolve(o, "partition", &[Key::new(2, "a")], t(3))
+        .resolve_places(o, "partition", &[Key::new(2, "a")], t(3))
         .unwrap();
     assert_eq!(
         locs[0],
@@ -274,7 +307,7 @@ fn spill_oldest_first_then_promote() {
     assert!(c.spill_jobs().is_empty(), "already being written");
     // Until written, reads are served from memory.
     let (pin, p) = c
-        .resolve(o, "partition", &[Key::new(1, "f")], t(0))
+        .resolve_places(o, "partition", &[Key::new(1, "f")], t(0))
         .unwrap();
     assert!(matches!(p[0], Some(Place::Memory(_))));
     c.disk_written(BlobId(1), true);
@@ -285,7 +318,7 @@ fn spill_oldest_first_then_promote() {
     let s = c.stats();
     assert_eq!((s.used, s.disk_used, s.spilled_blobs), (1024, 2048, 2));
     let (pin, p) = c
-        .resolve(o, "partition", &[Key::new(1, "f")], t(0))
+        .resolve_places(o, "partition", &[Key::new(1, "f")], t(0))
         .unwrap();
     assert_eq!(
         p[0],
@@ -301,7 +334,7 @@ fn spill_oldest_first_then_promote() {
     assert_eq!(c.promote_begin(BlobId(1)), None, "one promotion at a time");
     c.promote_done(BlobId(1), true);
     let (_, p) = c
-        .resolve(o, "partition", &[Key::new(1, "f")], t(0))
+        .resolve_places(o, "partition", &[Key::new(1, "f")], t(0))
         .unwrap();
     assert_eq!(
         p[0],
@@ -314,7 +347,7 @@ fn spill_oldest_first_then_promote() {
     // Clearing a spilled row removes its file.
     assert!(c.take_effects().is_empty());
     c.clear_rows("partition", &[2]);
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(2))]);
+    assert_eq!(c.take_effects(), vec![Action::DeleteFile(BlobId(2))]);
     assert_eq!(c.stats().disk_used, 1024);
 }
 
@@ -325,7 +358,7 @@ fn puts_without_memory_go_to_disk_and_publish_when_durable() {
     put(&mut c, o, 1, 1, 2048);
     assert_eq!(put(&mut c, o, 2, 2, 1000), Allocated::ToDisk);
     assert_eq!(
-        c.resolve(o, "partition", &[Key::new(2, "f")], t(0))
+        c.resolve_places(o, "partition", &[Key::new(2, "f")], t(0))
             .unwrap()
             .1,
         vec![None],
@@ -341,7 +374,7 @@ fn puts_without_memory_go_to_disk_and_publish_when_durable() {
         Committed::Done
     );
     assert!(matches!(
-        c.resolve(o, "partition", &[Key::new(2, "f")], t(0))
+        c.resolve_places(o, "partition", &[Key::new(2, "f")], t(0))
             .unwrap()
             .1[0],
         Some(Place::Disk { .. })
@@ -349,7 +382,7 @@ fn puts_without_memory_go_to_disk_and_publish_when_durable() {
     // A failed disk write: the put never happened, its file goes.
     assert_eq!(put(&mut c, o, 3, 3, 1000), Allocated::ToDisk);
     c.disk_written(BlobId(3), false);
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(3))]);
+    assert_eq!(c.take_effects(), vec![Action::DeleteFile(BlobId(3))]);
     assert_eq!(
         c.commit(o, "partition", BlobId(3), &[]),
         Err(CoreError::UnknownBlob(BlobId(3)))
@@ -364,15 +397,15 @@ fn puts_without_memory_go_to_disk_and_publish_when_durable() {
     assert_eq!(c.stats().entries, 3);
     // A blob freed while its file is written: the file goes afterwards.
     c.clear_rows("partition", &[4]);
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(4))]);
+    assert_eq!(c.take_effects(), vec![Action::DeleteFile(BlobId(4))]);
     assert_eq!(put(&mut c, o, 6, 6, 3000), Allocated::ToDisk);
     c.disk_written(BlobId(6), true);
     c.clear_rows("partition", &[6]);
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(6))]);
+    assert_eq!(c.take_effects(), vec![Action::DeleteFile(BlobId(6))]);
     assert_eq!(put(&mut c, o, 8, 8, 3000), Allocated::ToDisk);
     c.disk_written(BlobId(8), true);
     c.clear_rows("partition", &[8]);
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(8))]);
+    assert_eq!(c.take_effects(), vec![Action::DeleteFile(BlobId(8))]);
     assert_eq!(c.stats().disk_used, 1000);
     // A reservation on disk outlives any lease; its connection's end
     // drops it with its file.
@@ -383,7 +416,7 @@ fn puts_without_memory_go_to_disk_and_publish_when_durable() {
     c.tick(t(60_000));
     assert!(c.take_effects().is_empty());
     c.detach(o, ConnEnd::Closed, t(60_000));
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(7))]);
+    assert_eq!(c.take_effects(), vec![Action::DeleteFile(BlobId(7))]);
 }
 
 #[test]
@@ -409,7 +442,9 @@ fn namespaces_are_isolated() {
     c.alloc(o, BlobId(1), 8, 1, t(0)).unwrap();
     c.commit(o, "a", BlobId(1), &[entry(0, "x", 0, 8)]).unwrap();
     assert_eq!(
-        c.resolve(o, "b", &[Key::new(0, "x")], t(0)).unwrap().1,
+        c.resolve_places(o, "b", &[Key::new(0, "x")], t(0))
+            .unwrap()
+            .1,
         vec![None]
     );
     assert_eq!(c.clear_rows("b", &[0]), 0);
@@ -448,7 +483,7 @@ fn replace_keeps_pinned_old_value_until_unpinned() {
     c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 8)])
         .unwrap();
     let (pin, old) = c
-        .resolve(o, "partition", &[Key::new(0, "f")], t(0))
+        .resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
     c.alloc(o, BlobId(2), 8, 1, t(0)).unwrap();
     c.commit(o, "partition", BlobId(2), &[entry(0, "f", 0, 8)])
@@ -456,7 +491,7 @@ fn replace_keeps_pinned_old_value_until_unpinned() {
     assert_eq!(c.stats().entries, 1);
     assert_eq!(c.stats().blobs, 2, "old blob still pinned");
     let (_, new) = c
-        .resolve(o, "partition", &[Key::new(0, "f")], t(0))
+        .resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
     assert_ne!(old, new);
     c.unpin(o, pin.unwrap()).unwrap();
@@ -471,7 +506,7 @@ fn no_timer_takes_a_hold_only_its_connection_or_session_ends_it() {
     c.alloc(o, BlobId(2), 100, 1, t(0)).unwrap();
     c.commit(o, "partition", BlobId(2), &[entry(0, "f", 0, 100)])
         .unwrap();
-    c.resolve(o, "partition", &[Key::new(0, "f")], t(0))
+    c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
     c.clear_rows("partition", &[0]);
     // A paused client: an hour later its holds are all still there,
@@ -522,7 +557,7 @@ fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
         c.alloc(o, BlobId(i + 2), 100, 1, t(0)).unwrap();
         c.commit(o, "partition", BlobId(i + 2), &[entry(0, "f", 0, 100)])
             .unwrap();
-        c.resolve(o, "partition", &[Key::new(0, "f")], t(0))
+        c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
             .unwrap();
         c.clear_rows("partition", &[0]);
         // The connection ends (a FIN or RST from the network reads
@@ -621,14 +656,14 @@ fn ownership_is_enforced() {
     c.commit(a, "partition", BlobId(1), &[entry(0, "f", 0, 64)])
         .unwrap();
     let (pin, _) = c
-        .resolve(a, "partition", &[Key::new(0, "f")], t(0))
+        .resolve_places(a, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
     let pin = pin.unwrap();
     assert!(matches!(c.unpin(b, pin), Err(CoreError::NotOwner(_))));
     assert_eq!(c.stats().pins, 1);
     // Pin ids are not sequential.
     let (p2, _) = c
-        .resolve(a, "partition", &[Key::new(0, "f")], t(0))
+        .resolve_places(a, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
     let p2 = p2.unwrap();
     assert!(p2.0.abs_diff(pin.0) > 1 << 20, "{pin:?} then {p2:?}");
@@ -704,12 +739,12 @@ fn session_holds_are_capped() {
     c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 64)])
         .unwrap();
     c.alloc(o, BlobId(2), 64, 1, t(0)).unwrap();
-    c.resolve(o, "partition", &[Key::new(0, "f")], t(0))
+    c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
-    c.resolve(o, "partition", &[Key::new(0, "f")], t(0))
+    c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
     assert!(matches!(
-        c.resolve(o, "partition", &[Key::new(0, "f")], t(0)),
+        c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0)),
         Err(CoreError::Busy { .. })
     ));
     assert!(matches!(
@@ -719,7 +754,7 @@ fn session_holds_are_capped() {
     // A retry of a reservation it already holds is not a new hold.
     assert!(c.alloc(o, BlobId(2), 64, 1, t(0)).is_ok());
     // Another session is not affected.
-    c.resolve(other, "partition", &[Key::new(0, "f")], t(0))
+    c.resolve_places(other, "partition", &[Key::new(0, "f")], t(0))
         .unwrap();
 }
 

@@ -3,11 +3,6 @@
 use super::*;
 
 impl UnitCore {
-    /// What the driver must do now (file removals); drains the list.
-    pub fn take_effects(&mut self) -> Vec<Effect> {
-        std::mem::take(&mut self.effects)
-    }
-
     /// Forget a blob reserved on disk (never published): its file goes.
     /// The driver must not report a write for it afterwards (the unit
     /// server hands a put's file to its flusher only once commit answered
@@ -22,14 +17,14 @@ impl UnitCore {
     /// blob's record is removed.
     pub(super) fn disk_reservation_gone(&mut self, blob: BlobId, nbytes: u64) {
         self.disk_used -= nbytes;
-        self.effects.push(Effect::DeleteFile(blob));
+        self.actions.push_back(Action::DeleteFile(blob));
     }
 
     /// Blobs to copy to disk now: past the high watermark, committed blobs
     /// in memory and not pinned, oldest first, until use would fall below
     /// the low watermark (or the disk tier is full). Each is marked as being
     /// written; its memory stays until [`UnitCore::disk_written`].
-    pub fn spill_jobs(&mut self) -> Vec<SpillJob> {
+    pub(super) fn spill_jobs(&mut self) -> Vec<SpillJob> {
         if !self.disk_on() {
             return Vec::new();
         }
@@ -94,25 +89,32 @@ impl UnitCore {
 
     /// Whether [`UnitCore::spill_jobs`] would find work: the disk tier is
     /// on and the slab is past its high watermark.
-    pub fn needs_spill(&self) -> bool {
+    pub(super) fn needs_spill(&self) -> bool {
         self.disk_on()
             && self.slab.allocated() as f64 > self.cfg.high_watermark * self.slab.capacity() as f64
     }
 
-    /// Whether `blob` is reserved on the disk tier and not yet committed:
-    /// its bytes must come with a Put (the server writes its file), so a
-    /// bare Commit of it would wait for a file that nobody writes.
-    /// (Only for `session`'s own reservations: another session's commit is
-    /// refused as not the owner's.)
-    pub fn is_disk_reservation(&self, session: SessionId, blob: BlobId) -> bool {
-        matches!(
-            self.blobs.get(&blob),
+    /// Refuse a bare commit of a blob reserved on the disk tier and not
+    /// yet committed: its bytes must come with a put (the driver writes
+    /// its file, [`Op::CommitWritten`]), so a bare commit would wait for a
+    /// file that nobody writes. (Only for the owner's session's own
+    /// reservations: another session's commit is refused as not the
+    /// owner's.)
+    pub(super) fn refuse_disk_reservation(
+        &self,
+        owner: Owner,
+        blob: BlobId,
+    ) -> Result<(), CoreError> {
+        match self.blobs.get(&blob) {
             Some(Blob {
                 state: State::Reserved { holder, .. },
                 region: None,
                 ..
-            }) if holder.session == session
-        )
+            }) if holder.session == owner.session => Err(CoreError::Invalid(format!(
+                "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// A blob's size in bytes.
@@ -123,13 +125,13 @@ impl UnitCore {
     /// The driver finished writing `blob`'s file (`ok`: complete and
     /// synced). For a spill, the memory copy is freed (once unpinned); for a
     /// blob reserved on disk, its entries are published.
-    pub fn disk_written(&mut self, blob: BlobId, ok: bool) {
+    pub(super) fn disk_written(&mut self, blob: BlobId, ok: bool) {
         if let Some((nbytes, region)) = self.orphan_writes.remove(&blob) {
             self.disk_used -= nbytes;
             if let Some(r) = region {
                 self.release(r, Release::OrphanWrite);
             }
-            self.effects.push(Effect::DeleteFile(blob));
+            self.actions.push_back(Action::DeleteFile(blob));
             return;
         }
         let Some(b) = self.blobs.get_mut(&blob) else {
@@ -157,7 +159,7 @@ impl UnitCore {
             } else {
                 b.disk = Disk::None;
                 self.disk_used -= b.nbytes;
-                self.effects.push(Effect::DeleteFile(blob));
+                self.actions.push_back(Action::DeleteFile(blob));
             }
             return;
         }
@@ -181,7 +183,7 @@ impl UnitCore {
     /// slab: reserves its range (if the slab has room below the high
     /// watermark) for the driver to fill from the file. `None`: read it
     /// from disk instead.
-    pub fn promote_begin(&mut self, blob: BlobId) -> Option<u64> {
+    pub(super) fn promote_begin(&mut self, blob: BlobId) -> Option<u64> {
         let cap = self.slab.capacity() as f64;
         let b = self.blobs.get(&blob)?;
         if b.region.is_some()
@@ -206,7 +208,7 @@ impl UnitCore {
 
     /// The driver filled (or, `ok == false`, failed to fill) the range from
     /// [`UnitCore::promote_begin`].
-    pub fn promote_done(&mut self, blob: BlobId, ok: bool) {
+    pub(super) fn promote_done(&mut self, blob: BlobId, ok: bool) {
         if let Some(r) = self.orphan_promotions.remove(&blob) {
             self.release(r, Release::Promotion);
             return;
