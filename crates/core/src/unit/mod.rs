@@ -58,11 +58,11 @@ pub struct CoreConfig {
     /// (a stream the unit cut off), before it is reused. Default 5 s.
     pub quarantine: Duration,
     /// How long the holds of a one-sided (nixl) peer whose connection ended
-    /// stay after the driver fenced its endpoint ([`UnitCore::fence`]):
+    /// stay after the driver fenced its endpoint ([`Input::Fenced`]):
     /// time for transfers already posted to drain. Default 5 s.
     pub nixl_quarantine: Duration,
     /// Bytes the key index may take (names, metadata and a fixed cost per
-    /// entry, [`ENTRY_OVERHEAD`]); a commit past it answers Full. Default:
+    /// entry, 96 bytes); a commit past it answers Full. Default:
     /// a quarter of the slab, at least 64 MiB.
     pub index_budget: u64,
     /// Most connections one session may have at once. Default 64.
@@ -149,11 +149,11 @@ struct Holder {
 enum Kept {
     /// Its connection is open.
     Open,
-    /// Until the session's process is gone ([`UnitCore::session_gone`]): a
+    /// Until the session's process is gone ([`Input::ProcessExited`]): a
     /// peer that maps the slab, whose connection the unit cut.
     UntilGone,
     /// A one-sided (nixl) peer's: until its process is gone, or its
-    /// endpoint is fenced ([`UnitCore::fence`]) and then
+    /// endpoint is fenced ([`Input::Fenced`]) and then
     /// [`CoreConfig::nixl_quarantine`] has passed.
     UntilFenced,
     /// Fenced: released at this time, or when the process is gone.
@@ -181,12 +181,12 @@ enum State {
     Reserved {
         holder: Holder,
         /// The entry count the commit must name; `None` for a spare
-        /// ([`UnitCore::reserve_spare`]): any count, and the blob shrinks
+        /// ([`Op::ReserveSpare`]): any count, and the blob shrinks
         /// to what the commit names.
         n_entries: Option<u32>,
     },
     /// A blob written to disk by the unit: its entries are published once
-    /// its file is durable ([`UnitCore::disk_written`]).
+    /// its file is durable ([`Input::DiskWritten`]).
     PendingDisk {
         partition: String,
         entries: Vec<EntrySpec>,
@@ -213,7 +213,7 @@ enum Disk {
 struct Blob {
     /// Its slab range; `None` while it lives only on disk.
     region: Option<Region>,
-    /// A slab range being filled from disk ([`UnitCore::promote_begin`]).
+    /// A slab range being filled from disk ([`Input::Promote`]).
     promoting: Option<Region>,
     nbytes: u64,
     state: State,
@@ -309,7 +309,7 @@ pub struct SnapshotEntry {
 }
 
 /// A consistent view of every committed entry, with the blobs that hold
-/// them pinned (until [`UnitCore::unpin`] of `pin`).
+/// them pinned (until [`Op::Unpin`] of `pin`).
 #[derive(Clone, Debug)]
 pub struct Snapshot {
     pub pin: Option<PinId>,

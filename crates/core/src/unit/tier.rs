@@ -23,7 +23,7 @@ impl UnitCore {
     /// Blobs to copy to disk now: past the high watermark, committed blobs
     /// in memory and not pinned, oldest first, until use would fall below
     /// the low watermark (or the disk tier is full). Each is marked as being
-    /// written; its memory stays until [`UnitCore::disk_written`].
+    /// written; its memory stays until [`Input::DiskWritten`].
     pub(super) fn spill_jobs(&mut self) -> Vec<SpillJob> {
         if !self.disk_on() {
             return Vec::new();
@@ -87,7 +87,7 @@ impl UnitCore {
         jobs
     }
 
-    /// Whether [`UnitCore::spill_jobs`] would find work: the disk tier is
+    /// Whether spill jobs ([`Action::Spill`]) would find work: the disk tier is
     /// on and the slab is past its high watermark.
     pub(super) fn needs_spill(&self) -> bool {
         self.disk_on()
@@ -207,7 +207,7 @@ impl UnitCore {
     }
 
     /// The driver filled (or, `ok == false`, failed to fill) the range from
-    /// [`UnitCore::promote_begin`].
+    /// [`Input::Promote`].
     pub(super) fn promote_done(&mut self, blob: BlobId, ok: bool) {
         if let Some(r) = self.orphan_promotions.remove(&blob) {
             self.release(r, Release::Promotion);
