@@ -9,32 +9,55 @@
 //! ## Flow of a blob
 //!
 //! ```text
-//!  alloc(blob, nbytes, n_entries) ──▶ Reserved (lease) ──commit(entries)──▶ Committed
-//!                                       │      │                              │
-//!                     abort(in_flight)──┘      └─ lease expires               │ release_rows / replace
-//!                                       ▼                ▼                    ▼
-//!                                 Quarantined ◀──────────┘      freed once no entry and no pin holds it
-//!                                       │ quarantine ends
-//!                                       ▼
-//!                                     freed
+//!  alloc(blob, nbytes, n_entries) ──▶ Reserved ──commit(entries)──▶ Committed
+//!                                       │  │                          │
+//!                       abort, or its   │  └─ abort(in_flight), or    │ clear_rows / replace
+//!                       holder's end ───┤     its tcp stream cut      ▼
+//!                       (fencing.md)    │          │         freed once no entry and no pin holds it
+//!                                       ▼          ▼
+//!                                     freed    Quarantined ──quarantine ends──▶ freed
 //! ```
+//!
+//! No timer takes a reservation: it ends with its commit, its abort, or
+//! its holder's end as the fencing rules below say.
 //!
 //! * [`slab::SlabAllocator`] hands out aligned byte ranges of the slab.
 //! * Every request comes from an [`Owner`]: a connection
-//!   ([`UnitCore::attach`]) of a **session** ([`UnitCore::open_session`],
+//!   ([`Input::Attach`]) of a **session** ([`Input::OpenSession`],
 //!   a client's connections to this unit). Reservations and pins belong to
 //!   the connection that took them and its session; only that session may
 //!   commit, abort or unpin them ([`CoreError::NotOwner`] otherwise).
-//! * [`UnitCore::alloc`] reserves a range for a client-chosen [`BlobId`];
+//! * [`Op::Alloc`] reserves a range for a client-chosen [`BlobId`];
 //!   the client writes the bytes itself (shm) or the server streams them in
-//!   (tcp); [`UnitCore::commit`] publishes the blob's entries, each a
+//!   (tcp); [`Op::Commit`] publishes the blob's entries, each a
 //!   [`Key`] → (offset, length) inside the blob. Commit is idempotent, so a
 //!   client whose reply was lost asks again.
-//! * [`UnitCore::resolve`] turns keys into slab [`Location`]s and pins the
+//! * [`Op::Resolve`] turns keys into slab [`Location`]s and pins the
 //!   blobs that hold them, so their bytes neither move nor change until
-//!   [`UnitCore::unpin`].
-//! * [`UnitCore::release_rows`] clears whole rows; a blob's memory returns
-//!   to the allocator once no entry and no pin refers to it.
+//!   [`Op::Unpin`].
+//! * [`Op::ClearRows`] clears whole rows of a partition
+//!   ([`Op::ClearPartition`] all of them); a blob's memory returns
+//!   to the allocator once no entry and no pin refers to it, through one
+//!   function that takes the range by value (a [`slab::Region`] is neither
+//!   `Copy` nor `Clone`, so a range released twice does not compile).
+//!
+//! ## Driving the core
+//!
+//! As in quinn-proto, one entry point takes every input and every output
+//! is polled:
+//!
+//! * [`UnitCore::handle`]`(now, input)` applies an [`Input`]: a
+//!   connection's request ([`Input::Request`] with an [`Op`]), a
+//!   connection's end, a process's exit, a fence, a disk write or
+//!   promotion that finished, or the passage of time ([`Input::Timeout`]);
+//!   it returns the [`Answer`] or a [`CoreError`].
+//! * [`UnitCore::poll_action`] hands out what the driver must do for the
+//!   core ([`Action`]: spill a blob, delete a file, watch a process); the
+//!   driver reports the outcome as another input.
+//! * [`UnitCore::poll_timeout`] is the next instant the core needs
+//!   [`Input::Timeout`]; between inputs the driver sleeps.
+//! * Read-only queries ([`UnitCore::stats_at`], [`UnitCore::list`],
+//!   [`UnitCore::partitions`], ...) take `&self`.
 //!
 //! ## Fencing: memory is reused only when no one can still touch it
 //!
@@ -49,20 +72,22 @@
 //! * its connection was cut by the unit ([`ConnEnd::Cut`]) and the peer
 //!   never mapped the slab (a tcp peer: the unit's own thread did every
 //!   copy and has stopped); a reservation then goes through quarantine;
-//! * for a one-sided (nixl) peer ([`UnitCore::make_one_sided`]), whose
+//! * for a one-sided (nixl) peer ([`Input::MakeOneSided`]), whose
 //!   WRITEs and READs the unit never sees, and whose connection a network
 //!   can end (a FIN or RST) while they run: once its connection ended,
-//!   however, the driver fenced its endpoint ([`UnitCore::fence`]: it
+//!   however, the driver fenced its endpoint ([`Input::Fenced`]: it
 //!   invalidated the peer's NIXL agent) and the nixl quarantine has then
-//!   passed ([`UnitCore::tick`]) — the one hold a timer ends, and only
+//!   passed ([`Input::Timeout`]) — the one hold a timer ends, and only
 //!   after the fence;
 //! * or the session's process is certainly gone
-//!   ([`UnitCore::session_gone`]), for a peer that maps the slab and whose
+//!   ([`Input::ProcessExited`], after the core asked the driver to watch
+//!   it with [`Action::CheckProcess`]), for a peer that maps the slab and whose
 //!   connection was cut, or a one-sided peer whose connection ended.
 //!
-//! A silent session keeps what it holds; [`UnitCore::stats`] shows each
+//! A silent session keeps what it holds; [`UnitCore::stats_at`] shows each
 //! session's held bytes and its oldest hold, and counts holds older than
-//! the configured leases as overdue — reported, never reclaimed.
+//! [`CoreConfig::reservation_lease`] or [`CoreConfig::pin_lease`] as
+//! overdue — a reporting threshold, reported and never reclaimed.
 //!
 //! Lack of space is an answer ([`CoreError::Full`], [`CoreError::Busy`]),
 //! never a panic.
@@ -73,8 +98,8 @@ pub mod slab;
 mod unit;
 
 pub use unit::{
-    Committed, ConnEnd, CoreConfig, Effect, Located, Owner, Place, SessionStats, Snapshot,
-    SnapshotEntry, SpillJob, Stats, UnitCore,
+    Action, Answer, Committed, ConnEnd, CoreConfig, Input, Located, Op, Owner, Place, SessionStats,
+    Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats, UnitCore,
 };
 
 use serde::{Deserialize, Serialize};
@@ -96,7 +121,7 @@ impl std::fmt::Display for BlobId {
     }
 }
 
-/// A pin taken by [`UnitCore::resolve`]. Not guessable: drawn from a keyed
+/// A pin taken by [`Op::Resolve`]. Not guessable: drawn from a keyed
 /// pseudo-random function ([`CoreConfig::id_key`]), never sequential.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PinId(pub u64);
@@ -161,8 +186,9 @@ pub enum CoreError {
         free: u64,
         capacity: u64,
     },
-    /// Not enough free memory now, but expiring reservations or quarantined
-    /// ranges will free enough: ask again shortly.
+    /// Not enough free memory now, but held reservations, quarantined
+    /// ranges, spills under way or pinned cleared blobs will free enough
+    /// once they end: ask again shortly.
     #[error("unit busy: {needed} bytes requested, {reclaimable} bytes awaiting reclamation")]
     Busy { needed: u64, reclaimable: u64 },
     /// The blob is not reserved (never allocated, or aborted).

@@ -13,8 +13,27 @@ pub const ALIGN: u64 = 64;
 /// Largest slab the allocator can address (`u32::MAX` units of [`ALIGN`]).
 pub const MAX_CAPACITY: u64 = (u32::MAX as u64 - 1) * ALIGN;
 
-/// A region handed out by [`SlabAllocator::allocate`].
-#[derive(Clone, Copy)]
+/// A region handed out by [`SlabAllocator::allocate`]: the right to one
+/// byte range of the slab. Neither `Copy` nor `Clone`: giving it back
+/// ([`SlabAllocator::free`]) consumes it, so a range cannot be freed twice:
+///
+/// ```compile_fail,E0382
+/// use stowage_core::slab::SlabAllocator;
+/// let mut slab = SlabAllocator::new(4096);
+/// let r = slab.allocate(64).unwrap();
+/// slab.free(r);
+/// slab.free(r); // error[E0382]: use of moved value: `r`
+/// ```
+///
+/// Freed once, it compiles:
+///
+/// ```
+/// use stowage_core::slab::SlabAllocator;
+/// let mut slab = SlabAllocator::new(4096);
+/// let r = slab.allocate(64).unwrap();
+/// slab.free(r);
+/// assert_eq!(slab.allocated(), 0);
+/// ```
 pub struct Region {
     /// Byte offset in the slab (a multiple of [`ALIGN`]).
     pub offset: u64,
@@ -98,8 +117,9 @@ impl SlabAllocator {
         })
     }
 
-    /// Give a region back. Each region must be freed exactly once; the unit
-    /// core owns every region in exactly one blob record, which guarantees it.
+    /// Give a region back. It is consumed, so each is freed at most once;
+    /// the unit core gives every range back through one function
+    /// (`UnitCore::release`, with the reason).
     pub fn free(&mut self, region: Region) {
         self.allocated -= region.len;
         self.inner.free(region.handle);

@@ -74,8 +74,10 @@
 //! * a put answered `ToDisk` has its bytes written to its file at once (the
 //!   client streams them); the file is then "being synced" until a later
 //!   `Complete` op reports `disk_written(blob, ok)` (mostly ok);
-//! * `Spill` asks `spill_jobs()`; each job is written (its slab bytes copied
-//!   into the file when the write finishes) at once or later, ok or failed;
+//! * after every input the driver polls the core's actions: the spill jobs
+//!   it hands out must be exactly what the watermarks call for; each is
+//!   written (its slab bytes copied into the file when the write finishes)
+//!   by a later `Spill` or `Complete` op, ok or failed;
 //!   a blob freed meanwhile keeps its slab range until the write reports;
 //! * a resolve that finds values on disk sometimes promotes their blob:
 //!   `promote_begin`, copy the file into the slab range, `promote_done`, at
@@ -84,7 +86,7 @@
 //!   until `promote_done`, and the late copy must land in no one's bytes;
 //! * stray reports (`disk_written` / `promote_done` of a blob with nothing
 //!   in flight) must change nothing;
-//! * after every op the driver takes the core's effects and removes the
+//! * after every op the driver polls the core's actions and removes the
 //!   files they name. A `DeleteFile` for a put still being synced cancels
 //!   that put's write (the driver stops writing and will not report it).
 //!
@@ -138,9 +140,216 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use stowage_core::{
-    Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, Effect, EntrySpec, Key, Location,
-    Owner, PinId, Place, SessionId, SessionStats, SnapshotEntry, Stats, Time, UnitCore,
+    Action, Allocated, Answer, BlobId, Committed, ConnEnd, CoreConfig, CoreError, EntrySpec, Input,
+    Key, Located, Location, Owner, PinId, Place, SessionId, SessionStats, Snapshot, SnapshotEntry,
+    SpillJob, Stats, Time, UnitCore,
 };
+
+/// The calls this test makes, each one input through the core's one entry
+/// point ([`UnitCore::handle`]) with its answer unpacked.
+trait Drive {
+    fn input(&mut self, now: Time, input: Input) -> Result<Answer, CoreError>;
+
+    fn request(
+        &mut self,
+        owner: Owner,
+        op: stowage_core::Op,
+        now: Time,
+    ) -> Result<Answer, CoreError> {
+        self.input(now, Input::Request { owner, op })
+    }
+
+    fn released(&mut self, now: Time, input: Input) -> u64 {
+        match self.input(now, input) {
+            Ok(Answer::Released(n)) => n,
+            other => panic!("answered {other:?}"),
+        }
+    }
+
+    fn open_session(&mut self) -> SessionId {
+        match self.input(Time::ZERO, Input::OpenSession) {
+            Ok(Answer::Session(s)) => s,
+            other => panic!("OpenSession answered {other:?}"),
+        }
+    }
+
+    fn attach(&mut self, session: SessionId, mapped: bool) -> Result<Owner, CoreError> {
+        self.input(Time::ZERO, Input::Attach { session, mapped })
+            .map(|a| match a {
+                Answer::Attached(o) => o,
+                other => panic!("Attach answered {other:?}"),
+            })
+    }
+
+    fn make_one_sided(&mut self, owner: Owner) -> Result<(), CoreError> {
+        self.input(Time::ZERO, Input::MakeOneSided(owner))
+            .map(|_| ())
+    }
+
+    fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) -> u64 {
+        self.released(now, Input::ConnEnded { owner, end })
+    }
+
+    fn session_gone(&mut self, session: SessionId, now: Time) -> u64 {
+        self.released(now, Input::ProcessExited(session))
+    }
+
+    fn fence(&mut self, session: SessionId, now: Time) -> u64 {
+        self.released(now, Input::Fenced(session))
+    }
+
+    fn tick(&mut self, now: Time) -> u64 {
+        self.released(now, Input::Timeout)
+    }
+
+    fn alloc(
+        &mut self,
+        owner: Owner,
+        blob: BlobId,
+        nbytes: u64,
+        n_entries: u32,
+        now: Time,
+    ) -> Result<Allocated, CoreError> {
+        let op = stowage_core::Op::Alloc {
+            blob,
+            nbytes,
+            n_entries,
+        };
+        self.request(owner, op, now).map(|a| match a {
+            Answer::Allocated(a) => a,
+            other => panic!("Alloc answered {other:?}"),
+        })
+    }
+
+    /// A commit of bytes the driver wrote (the model's puts write their
+    /// bytes themselves, disk reservations included).
+    fn commit(
+        &mut self,
+        owner: Owner,
+        partition: &str,
+        blob: BlobId,
+        entries: &[EntrySpec],
+    ) -> Result<Committed, CoreError> {
+        let op = stowage_core::Op::CommitWritten {
+            partition: partition.to_owned(),
+            blob,
+            entries: entries.to_vec(),
+        };
+        self.request(owner, op, Time::ZERO).map(|a| match a {
+            Answer::Committed(c) => c,
+            other => panic!("Commit answered {other:?}"),
+        })
+    }
+
+    fn abort(
+        &mut self,
+        owner: Owner,
+        blob: BlobId,
+        in_flight: bool,
+        now: Time,
+    ) -> Result<(), CoreError> {
+        self.request(owner, stowage_core::Op::Abort { blob, in_flight }, now)
+            .map(|_| ())
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn resolve_with_meta(
+        &mut self,
+        owner: Owner,
+        partition: &str,
+        keys: &[Key],
+        now: Time,
+    ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
+        let op = stowage_core::Op::Resolve {
+            partition: partition.to_owned(),
+            keys: keys.to_vec(),
+        };
+        self.request(owner, op, now).map(|a| match a {
+            Answer::Resolved { pin, found } => (pin, found),
+            other => panic!("Resolve answered {other:?}"),
+        })
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn resolve(
+        &mut self,
+        owner: Owner,
+        partition: &str,
+        keys: &[Key],
+        now: Time,
+    ) -> Result<(Option<PinId>, Vec<Option<Place>>), CoreError> {
+        let (pin, found) = self.resolve_with_meta(owner, partition, keys, now)?;
+        Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
+    }
+
+    fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
+        self.request(owner, stowage_core::Op::Unpin { pin }, Time::ZERO)
+            .map(|_| ())
+    }
+
+    fn clear_rows(&mut self, partition: &str, rows: &[u64]) -> u64 {
+        let op = stowage_core::Op::ClearRows {
+            partition: partition.to_owned(),
+            rows: rows.to_vec(),
+        };
+        match self.request(Owner::UNIT, op, Time::ZERO) {
+            Ok(Answer::Cleared(n)) => n,
+            other => panic!("ClearRows answered {other:?}"),
+        }
+    }
+
+    fn snapshot(&mut self, now: Time) -> Snapshot {
+        match self.input(now, Input::Snapshot) {
+            Ok(Answer::Snapshot(s)) => s,
+            other => panic!("Snapshot answered {other:?}"),
+        }
+    }
+
+    fn disk_written(&mut self, blob: BlobId, ok: bool) {
+        self.input(Time::ZERO, Input::DiskWritten { blob, ok })
+            .expect("a disk report is never refused");
+    }
+
+    fn promote_begin(&mut self, blob: BlobId) -> Option<u64> {
+        match self.input(Time::ZERO, Input::Promote(blob)) {
+            Ok(Answer::Promoting(p)) => p,
+            other => panic!("Promote answered {other:?}"),
+        }
+    }
+
+    fn promote_done(&mut self, blob: BlobId, ok: bool) {
+        self.input(Time::ZERO, Input::Promoted { blob, ok })
+            .expect("a promotion report is never refused");
+    }
+
+    fn next_deadline(&self) -> Option<Time>;
+
+    /// Every action queued: the files to delete, the spill jobs, the
+    /// sessions whose process to watch.
+    fn actions(&mut self) -> (Vec<BlobId>, Vec<SpillJob>, Vec<SessionId>);
+}
+
+impl Drive for UnitCore {
+    fn input(&mut self, now: Time, input: Input) -> Result<Answer, CoreError> {
+        self.handle(now, input)
+    }
+
+    fn next_deadline(&self) -> Option<Time> {
+        self.poll_timeout()
+    }
+
+    fn actions(&mut self) -> (Vec<BlobId>, Vec<SpillJob>, Vec<SessionId>) {
+        let (mut deletes, mut spills, mut watch) = (Vec::new(), Vec::new(), Vec::new());
+        while let Some(a) = self.poll_action() {
+            match a {
+                Action::DeleteFile(b) => deletes.push(b),
+                Action::Spill(j) => spills.push(j),
+                Action::CheckProcess(s) => watch.push(s),
+            }
+        }
+        (deletes, spills, watch)
+    }
+}
 
 /// Slab of the test without a disk tier.
 const CAP: u64 = 32 * 1024;
@@ -2154,8 +2363,8 @@ impl Harness {
     fn release_rows(&mut self, rows: &[u64]) -> Result<(), TestCaseError> {
         let set: BTreeSet<u64> = rows.iter().copied().collect();
         let expected = self.values.keys().filter(|k| set.contains(&k.row)).count() as u64;
-        let got = self.core.release_rows(NS, rows);
-        prop_assert_eq!(got, expected, "release_rows({:?}) count", rows);
+        let got = self.core.clear_rows(NS, rows);
+        prop_assert_eq!(got, expected, "clear_rows({:?}) count", rows);
         self.values.retain(|k, _| !set.contains(&k.row));
         self.gc();
         Ok(())
@@ -2332,7 +2541,7 @@ impl Harness {
             .values
             .iter()
             .map(|(k, v)| SnapshotEntry {
-                ns: NS.to_string(),
+                partition: NS.to_string(),
                 key: k.clone(),
                 blob: v.blob,
                 offset: v.offset,
@@ -2712,11 +2921,37 @@ impl Harness {
 
     // ---- the driver -----------------------------------------------------
 
-    /// The driver asks for spill jobs and runs them (at once or later).
+    /// The driver runs the spill jobs it was handed (at once, or later).
     fn spill(&mut self, plan: &[(bool, bool)]) -> Result<(), TestCaseError> {
+        if plan.is_empty() {
+            return Ok(());
+        }
+        let (mut i, mut k) = (0, 0);
+        while i < self.jobs.len() {
+            if matches!(self.jobs[i], Job::Spill { .. }) {
+                let (now, ok) = plan[k % plan.len()];
+                k += 1;
+                if now {
+                    let job = self.jobs.remove(i);
+                    self.complete(job, ok)?;
+                    continue;
+                }
+            }
+            i += 1;
+        }
+        Ok(())
+    }
+
+    /// The spill jobs the core handed out when polled after an input
+    /// (`before`: its regions before the poll): exactly what the
+    /// watermarks call for, oldest first. They run later ([`Op::Spill`],
+    /// [`Op::Complete`]).
+    fn check_spills(
+        &mut self,
+        before: BTreeSet<(BlobId, u64, u64)>,
+        jobs: Vec<SpillJob>,
+    ) -> Result<(), TestCaseError> {
         let used = self.used();
-        let before: BTreeSet<_> = self.core.regions().collect();
-        let jobs = self.core.spill_jobs();
         if self.disk_cap == 0 || used as f64 <= HIGH_WATERMARK * self.cap as f64 {
             prop_assert!(
                 jobs.is_empty(),
@@ -2729,7 +2964,7 @@ impl Harness {
             prop_assert_eq!(
                 self.core.regions().collect::<BTreeSet<_>>(),
                 before,
-                "spill_jobs below the high watermark changed the regions"
+                "a poll below the high watermark changed the regions"
             );
             return Ok(());
         }
@@ -2794,19 +3029,13 @@ impl Harness {
                 target
             );
         }
-        for (i, j) in jobs.iter().enumerate() {
-            let (now, ok) = plan[i % plan.len()];
+        for j in &jobs {
             self.count("spill");
-            let job = Job::Spill {
+            self.jobs.push(Job::Spill {
                 blob: j.blob,
                 offset: j.offset,
                 nbytes: j.nbytes,
-            };
-            if now {
-                self.complete(job, ok)?;
-            } else {
-                self.jobs.push(job);
-            }
+            });
         }
         Ok(())
     }
@@ -3027,14 +3256,18 @@ impl Harness {
     /// of a file still needed. The driver removes the files, and stops
     /// writing (without reporting) a put whose file goes.
     fn settle_effects(&mut self) -> Result<(), TestCaseError> {
-        let mut got: Vec<BlobId> = self
-            .core
-            .take_effects()
-            .into_iter()
-            .map(|e| match e {
-                Effect::DeleteFile(b) => b,
-            })
-            .collect();
+        // The core may have dropped memory copies of durable blobs on its
+        // own (an unpin): the model learns of it before judging the spills
+        // the core works out from its own use.
+        self.reconcile()?;
+        let before: BTreeSet<_> = self.core.regions().collect();
+        let (mut got, spills, watch) = self.core.actions();
+        for s in watch {
+            // Asked when the session's last connection ended with holds
+            // kept; it may have been declared gone since, in the same op.
+            prop_assert!(s != Owner::UNIT.session, "asked to watch the unit itself");
+            self.count("asked to watch a process");
+        }
         got.sort_unstable();
         let mut want = std::mem::take(&mut self.expect_deletes);
         want.sort_unstable();
@@ -3077,7 +3310,7 @@ impl Harness {
             self.jobs
                 .retain(|j| !matches!(j, Job::Put { blob } if *blob == b));
         }
-        Ok(())
+        self.check_spills(before, spills)
     }
 
     /// The core may drop the memory copy of a committed, durable, unpinned
@@ -3525,6 +3758,13 @@ impl Harness {
         let rows: Vec<u64> = (0..ROWS).collect();
         self.release_rows(&rows)?;
         self.step("every row released")?;
+        // Spills handed out along the way (polled after each of these
+        // steps) finish too.
+        while !self.jobs.is_empty() {
+            let job = self.jobs.remove(0);
+            self.complete(job, true)?;
+            self.step("a late job finishes")?;
+        }
         // Past every quarantine.
         self.advance(ms(QUARANTINE_MS));
         self.step("past every quarantine")?;
@@ -3761,7 +4001,7 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     put(&mut c, 2, 2);
     put(&mut c, 3, 3);
     // Past the high watermark: blob 1 spills, its memory goes.
-    let jobs = c.spill_jobs();
+    let jobs = c.actions().1;
     assert_eq!(jobs[0].blob, BlobId(1));
     for j in &jobs {
         c.disk_written(j.blob, true);
@@ -3772,9 +4012,9 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     assert!(matches!(found[0], Some(Place::Disk { .. })));
     let promoting = c.promote_begin(BlobId(1)).expect("room to promote");
     // Meanwhile row 1 is cleared and the reader unpins.
-    c.release_rows(NS, &[1]);
+    c.clear_rows(NS, &[1]);
     c.unpin(o, pin.unwrap()).unwrap();
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(1))]);
+    assert_eq!(c.actions().0, vec![BlobId(1)]);
     // The copy has not landed yet (no promote_done): its range must not be
     // handed out again.
     let got = c.alloc(o, BlobId(4), 1024, 0, t(1000));
@@ -3825,7 +4065,7 @@ fn a_failed_disk_put_leaves_no_hold_behind() {
     ));
     assert_eq!(c.alloc(a, BlobId(1), 1000, 1, t(0)), Ok(Allocated::ToDisk));
     c.disk_written(BlobId(1), false);
-    assert_eq!(c.take_effects(), vec![Effect::DeleteFile(BlobId(1))]);
+    assert_eq!(c.actions().0, vec![BlobId(1)]);
     assert_eq!(c.abort(a, BlobId(10), false, t(0)), Ok(()));
     let s = c.stats_at(t(0));
     assert_eq!(
@@ -3888,12 +4128,12 @@ fn busy_counts_a_pinned_cleared_spilling_blob_once() {
             Ok(Committed::Done)
         );
     }
-    let jobs: Vec<BlobId> = c.spill_jobs().iter().map(|j| j.blob).collect();
+    let jobs: Vec<BlobId> = c.actions().1.iter().map(|j| j.blob).collect();
     assert_eq!(jobs, vec![BlobId(1), BlobId(2)]);
     // Blob 1 is pinned, then cleared, while its spill is written.
     let (pin, _) = c.resolve(o, NS, &[Key::new(1, "f")], t(0)).unwrap();
     assert!(pin.is_some());
-    c.release_rows(NS, &[1]);
+    c.clear_rows(NS, &[1]);
     // No room in the slab (1 KiB free) nor on the disk (52 bytes free):
     // the two spills give back 2 KiB.
     assert_eq!(

@@ -32,6 +32,7 @@ use stowage_core::{Allocated, BlobId, Committed, EntrySpec, Key, Place};
 use stowage_wire::{CheckpointFile, CheckpointInfo};
 
 use crate::disk::{self, DiskEngine, FileEngine};
+use crate::handler;
 use crate::Shared;
 
 const MANIFEST: &str = "MANIFEST";
@@ -45,7 +46,7 @@ const MAX_INDEX: u64 = 4 << 30;
 
 #[derive(Serialize, Deserialize)]
 struct IndexEntry {
-    ns: String,
+    partition: String,
     row: u64,
     field: String,
     blob: BlobId,
@@ -212,10 +213,21 @@ pub(crate) fn write(
             "directory is not empty",
         )));
     }
-    let snap = shared.core().snapshot(shared.now());
+    let snap = match shared
+        .core()
+        .handle(shared.now(), stowage_core::Input::Snapshot)
+    {
+        Ok(stowage_core::Answer::Snapshot(snap)) => snap,
+        other => {
+            return Err(ioe(io::Error::other(format!(
+                "the unit's core answered a snapshot with {other:?}"
+            ))))
+        }
+    };
     let result = write_snapshot(shared, Arc::new(cur), &dir.path, &snap);
     if let Some(pin) = snap.pin {
-        let _ = shared.core().unpin(stowage_core::Owner::UNIT, pin);
+        let now = shared.now();
+        let _ = handler::unpin(&mut shared.core(), stowage_core::Owner::UNIT, pin, now);
     }
     result
 }
@@ -274,7 +286,7 @@ fn write_snapshot(
         .entries
         .iter()
         .map(|e| IndexEntry {
-            ns: e.ns.clone(),
+            partition: e.partition.clone(),
             row: e.key.row,
             field: e.key.field.clone(),
             blob: e.blob,
@@ -295,7 +307,7 @@ fn write_snapshot(
         let mut r: Vec<(&str, u64)> = snap
             .entries
             .iter()
-            .map(|e| (e.ns.as_str(), e.key.row))
+            .map(|e| (e.partition.as_str(), e.key.row))
             .collect();
         r.sort_unstable();
         r.dedup();
@@ -466,7 +478,7 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
     for e in index {
         by_blob
             .entry(e.blob)
-            .or_insert_with(|| (e.ns.clone(), Vec::new()))
+            .or_insert_with(|| (e.partition.clone(), Vec::new()))
             .1
             .push(EntrySpec {
                 key: Key::new(e.row, e.field),
@@ -476,7 +488,7 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
             });
     }
     let src = FileEngine::checkpoint(Arc::new(dfd), dir.to_owned(), 0);
-    for (blob, (ns, entries)) in by_blob {
+    for (blob, (partition, entries)) in by_blob {
         let name = file_name(&src.path(blob));
         if !listed.contains(name.as_str()) {
             return Err(incomplete(format!(
@@ -499,12 +511,17 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
         }
         let n = u32::try_from(entries.len()).map_err(|_| incomplete("too many entries".into()))?;
         let now = shared.now();
-        let alloc = shared
-            .core()
-            .alloc(stowage_core::Owner::UNIT, blob, size, n, now)
-            .map_err(|e| {
-                CheckpointError::Restore(format!("the unit cannot hold the checkpoint: {e}"))
-            })?;
+        let alloc = handler::alloc(
+            &mut shared.core(),
+            stowage_core::Owner::UNIT,
+            blob,
+            size,
+            n,
+            now,
+        )
+        .map_err(|e| {
+            CheckpointError::Restore(format!("the unit cannot hold the checkpoint: {e}"))
+        })?;
         let bad = |e: disk::DiskError| incomplete(e.to_string());
         match alloc {
             Allocated::Reserved { offset } => {
@@ -536,19 +553,25 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
                     Ok(Ok(())) => w.finish().map(|_| ()),
                     Ok(Err(e)) => Err(e),
                     Err(e) => {
-                        shared.core().disk_written(blob, false);
+                        shared.core().disk_written(blob, false, shared.now());
                         return Err(bad(e));
                     }
                 };
-                shared.core().disk_written(blob, written.is_ok());
+                shared
+                    .core()
+                    .disk_written(blob, written.is_ok(), shared.now());
                 written.map_err(|e| CheckpointError::Restore(format!("disk tier: {e}")))?;
             }
             Allocated::AlreadyCommitted => continue,
         }
-        match shared
-            .core()
-            .commit(stowage_core::Owner::UNIT, &ns, blob, &entries)
-        {
+        match handler::commit_written(
+            &mut shared.core(),
+            stowage_core::Owner::UNIT,
+            partition,
+            blob,
+            entries,
+            now,
+        ) {
             Ok(Committed::Done) => {}
             other => {
                 return Err(CheckpointError::Restore(format!(
@@ -620,7 +643,7 @@ mod v1_restore_tests {
         let name = format!("{:032x}.blob", blob.0);
         std::fs::write(dir.join(&name), &file).unwrap();
         let index = postcard::to_allocvec(&vec![IndexEntry {
-            ns: "ns".into(),
+            partition: "p".into(),
             row: 0,
             field: "f".into(),
             blob,

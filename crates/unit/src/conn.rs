@@ -388,15 +388,15 @@ impl Conn {
     /// Take a Put's payload where the handler reserved it, within the
     /// Put's own time (a payload that stalls past it is cut off), and
     /// answer what the handler makes of it.
-    fn receive(&mut self, id: u64, put: Put) -> Result<(), EndReason> {
+    fn receive(&mut self, id: u64, mut put: Put) -> Result<(), EndReason> {
         let timeout = self.io_timeout(put.timeout_ms);
         self.reader.get_mut().deadline = Some(Instant::now() + timeout);
         match put.into {
-            Dest::Slab { offset } => self.put_to_slab(id, &put, offset),
-            Dest::Disk => self.put_to_disk(id, &put),
+            Dest::Slab { offset } => self.put_to_slab(id, &mut put, offset),
+            Dest::Disk => self.put_to_disk(id, &mut put),
             Dest::Nowhere => {
                 drain(&mut self.reader, put.nbytes)?;
-                let resp = handler::put_landed(&mut self.shared.core(), &put);
+                let resp = handler::put_landed(&mut self.shared.core(), &mut put);
                 self.reply(id, &resp)?;
                 Ok(())
             }
@@ -405,7 +405,7 @@ impl Conn {
 
     /// The payload goes straight from the socket into the slab at
     /// `offset`. This thread is the range's only writer while it reads.
-    fn put_to_slab(&mut self, id: u64, put: &Put, offset: u64) -> Result<(), EndReason> {
+    fn put_to_slab(&mut self, id: u64, put: &mut Put, offset: u64) -> Result<(), EndReason> {
         let len = usize::try_from(put.nbytes).map_err(|_| io::Error::other("payload too large"))?;
         if let Err(e) = self.recv_payload(offset, len) {
             let cut = matches!(
@@ -469,7 +469,7 @@ impl Conn {
 
     /// The payload of a put that went to the disk tier: streamed into the
     /// blob's file; the flusher syncs it and publishes the entries.
-    fn put_to_disk(&mut self, id: u64, put: &Put) -> Result<(), EndReason> {
+    fn put_to_disk(&mut self, id: u64, put: &mut Put) -> Result<(), EndReason> {
         let (blob, nbytes) = (put.blob, put.nbytes);
         let abandon = |shared: &Shared| {
             let _ = handler::put_abandoned(&mut shared.core(), put, false, shared.now());
@@ -541,7 +541,9 @@ impl Conn {
                     .unwrap_or_else(|p| p.into_inner())
                     .send((blob, w));
                 if sent.is_err() {
-                    self.shared.core().disk_written(blob, false);
+                    self.shared
+                        .core()
+                        .disk_written(blob, false, self.shared.now());
                 }
             }
         }
@@ -563,7 +565,7 @@ impl Conn {
         if let (true, Some(d)) = (read.has_disk(), &shared.disk) {
             buf = d.reads.take(Instant::now() + timeout.mul_f64(0.9));
             if buf.is_none() {
-                handler::read_sent(&mut self.shared.core(), &read);
+                handler::read_sent(&mut self.shared.core(), &read, self.shared.now());
                 return self.reply_error(
                     id,
                     ErrorCode::Busy,
@@ -581,7 +583,7 @@ impl Conn {
         let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
         drop(buf);
         self.out = header;
-        handler::read_sent(&mut self.shared.core(), &read);
+        handler::read_sent(&mut self.shared.core(), &read, self.shared.now());
         let sent = sent?;
         if let Some(m) = &self.counters {
             m.bytes_out(self.stream_transport(), total);

@@ -14,8 +14,8 @@ use std::ops::DerefMut;
 use std::time::Duration;
 
 use stowage_core::{
-    Allocated, BlobId, Committed, CoreError, EntrySpec, Located, Owner, PinId, Place, Time,
-    UnitCore,
+    Allocated, Answer, BlobId, Committed, CoreError, EntrySpec, Input, Located, Op, Owner, PinId,
+    Place, SpareCommitted, Time, UnitCore,
 };
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
@@ -228,13 +228,11 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             nbytes,
             n_entries,
         } => answer(
-            core()
-                .alloc(owner, blob, nbytes, n_entries, now)
-                .map(|a| match a {
-                    Allocated::Reserved { offset } => Response::Allocated { offset },
-                    Allocated::ToDisk => Response::ToDisk,
-                    Allocated::AlreadyCommitted => Response::AlreadyCommitted,
-                }),
+            alloc(&mut core(), owner, blob, nbytes, n_entries, now).map(|a| match a {
+                Allocated::Reserved { offset } => Response::Allocated { offset },
+                Allocated::ToDisk => Response::ToDisk,
+                Allocated::AlreadyCommitted => Response::AlreadyCommitted,
+            }),
         ),
         Request::Commit {
             blob,
@@ -246,9 +244,10 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             reply: commit(
                 &mut core(),
                 owner,
-                &scope(namespace, &partition),
+                scope(namespace, &partition),
                 blob,
-                &entries,
+                entries,
+                now,
             ),
         },
         // A put under way when the unit began to stop may finish; it gets
@@ -264,9 +263,10 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             reply: commit(
                 &mut core(),
                 owner,
-                &scope(namespace, &partition),
+                scope(namespace, &partition),
                 blob,
-                &entries,
+                entries,
+                now,
             ),
         },
         Request::CommitSpare {
@@ -277,35 +277,34 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             spare,
             spare_nbytes,
         } => {
-            let mut core = core();
-            let reply = if core.is_disk_reservation(owner.session, blob) {
-                on_disk(blob)
-            } else {
-                let partition = scope(namespace, &partition);
-                core.name_spare(owner, written, blob, now)
-                    .and_then(|named| {
-                        if !named {
-                            return Ok(Response::AlreadyCommitted);
-                        }
-                        match core.commit(owner, &partition, blob, &entries)? {
-                            Committed::Pending => Ok(Response::Pending),
-                            Committed::Done => core
-                                .reserve_spare(owner, spare, spare_nbytes, now)
-                                .map(|spare| Response::CommittedSpare { spare }),
-                        }
-                    })
-                    .unwrap_or_else(|e| error_response(&e))
+            let shm_bytes = entry_bytes(&entries);
+            let op = Op::CommitSpare {
+                written,
+                blob,
+                partition: scope(namespace, &partition),
+                entries,
+                spare,
+                spare_nbytes,
+            };
+            let reply = match request(&mut core(), now, owner, op) {
+                Ok(Answer::SpareCommitted(SpareCommitted::AlreadyCommitted)) => {
+                    Response::AlreadyCommitted
+                }
+                Ok(Answer::SpareCommitted(SpareCommitted::Pending)) => Response::Pending,
+                Ok(Answer::SpareCommitted(SpareCommitted::Committed { spare })) => {
+                    Response::CommittedSpare { spare }
+                }
+                Ok(other) => error_response(&unexpected(&other)),
+                Err(e) => error_response(&e),
             };
             Plan::Committed {
                 blob,
-                shm_bytes: entry_bytes(&entries),
+                shm_bytes,
                 reply,
             }
         }
         Request::Abort { blob, in_flight } => answer(
-            core()
-                .abort(owner, blob, in_flight, now)
-                .map(|()| Response::Done),
+            request(&mut core(), now, owner, Op::Abort { blob, in_flight }).map(|_| Response::Done),
         ),
         Request::Put {
             blob,
@@ -324,7 +323,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         ),
         Request::Resolve {
             partition, keys, ..
-        } => match core().resolve_with_meta(owner, &scope(namespace, &partition), &keys, now) {
+        } => match resolve(&mut core(), owner, scope(namespace, &partition), keys, now) {
             Ok((pin, found)) => Plan::Resolved { pin, found },
             Err(e) => Plan::Reply(error_response(&e)),
         },
@@ -332,7 +331,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             partition,
             keys,
             timeout_ms,
-        } => match core().resolve_with_meta(owner, &scope(namespace, &partition), &keys, now) {
+        } => match resolve(&mut core(), owner, scope(namespace, &partition), keys, now) {
             Ok((pin, found)) => Plan::Send(Read {
                 owner,
                 pin,
@@ -341,23 +340,34 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             }),
             Err(e) => Plan::Reply(error_response(&e)),
         },
-        Request::Unpin { pin, reply } => match core().unpin(owner, pin) {
+        Request::Unpin { pin, reply } => match unpin(&mut core(), owner, pin, now) {
             Ok(()) if !reply => Plan::Silent,
             r => answer(r.map(|()| Response::Done)),
         },
-        Request::ReleaseRows { partition, rows } => Plan::Reply(Response::Released {
-            entries: core().release_rows(&scope(namespace, &partition), &rows),
-        }),
+        Request::ReleaseRows { partition, rows } => answer(cleared(
+            &mut core(),
+            now,
+            owner,
+            Op::ClearRows {
+                partition: scope(namespace, &partition),
+                rows,
+            },
+        )),
         Request::List { partition } => Plan::Reply(Response::Listed {
             rows: core().list(&scope(namespace, &partition)),
         }),
-        Request::DropPartition { partition } => Plan::Reply(Response::Released {
-            entries: core().drop_namespace(&scope(namespace, &partition)),
-        }),
+        Request::DropPartition { partition } => answer(cleared(
+            &mut core(),
+            now,
+            owner,
+            Op::ClearPartition {
+                partition: scope(namespace, &partition),
+            },
+        )),
         Request::ListPartitions => {
             let prefix = scope(namespace, "");
             let names = core()
-                .namespaces(&prefix)
+                .partitions(&prefix)
                 .into_iter()
                 .map(|n| n[prefix.len()..].to_owned())
                 .collect();
@@ -388,32 +398,117 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
 /// Who may send admin requests, for those who may not.
 pub const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-user client on the unit's Unix socket, or a unit started with --admin";
 
-/// Commit `entries` of `blob`, reserved in the slab by `owner`, into
-/// `partition`: the reply.
+/// One request from `owner` to the core, through its one entry point. The
+/// typed shorthands below are the ones the unit's request path and its
+/// checkpoints use.
+pub(crate) fn request(
+    core: &mut UnitCore,
+    now: Time,
+    owner: Owner,
+    op: Op,
+) -> Result<Answer, CoreError> {
+    core.handle(now, Input::Request { owner, op })
+}
+
+/// A core answer a request never gets (a bug of the unit's): refused.
+pub(crate) fn unexpected(a: &Answer) -> CoreError {
+    CoreError::Invalid(format!("the unit's core gave an unexpected answer: {a:?}"))
+}
+
+pub(crate) fn alloc(
+    core: &mut UnitCore,
+    owner: Owner,
+    blob: BlobId,
+    nbytes: u64,
+    n_entries: u32,
+    now: Time,
+) -> Result<Allocated, CoreError> {
+    let op = Op::Alloc {
+        blob,
+        nbytes,
+        n_entries,
+    };
+    match request(core, now, owner, op)? {
+        Answer::Allocated(a) => Ok(a),
+        other => Err(unexpected(&other)),
+    }
+}
+
+/// The commit of a blob whose bytes the unit wrote (a Put's payload, a
+/// restored checkpoint's blob).
+pub(crate) fn commit_written(
+    core: &mut UnitCore,
+    owner: Owner,
+    partition: String,
+    blob: BlobId,
+    entries: Vec<EntrySpec>,
+    now: Time,
+) -> Result<Committed, CoreError> {
+    let op = Op::CommitWritten {
+        partition,
+        blob,
+        entries,
+    };
+    commit_reply(request(core, now, owner, op))
+}
+
+pub(crate) fn unpin(
+    core: &mut UnitCore,
+    owner: Owner,
+    pin: PinId,
+    now: Time,
+) -> Result<(), CoreError> {
+    request(core, now, owner, Op::Unpin { pin }).map(|_| ())
+}
+
+fn resolve(
+    core: &mut UnitCore,
+    owner: Owner,
+    partition: String,
+    keys: Vec<stowage_core::Key>,
+    now: Time,
+) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
+    match request(core, now, owner, Op::Resolve { partition, keys })? {
+        Answer::Resolved { pin, found } => Ok((pin, found)),
+        other => Err(unexpected(&other)),
+    }
+}
+
+/// A clear (rows or a partition): how many entries went.
+fn cleared(core: &mut UnitCore, now: Time, owner: Owner, op: Op) -> Result<Response, CoreError> {
+    match request(core, now, owner, op)? {
+        Answer::Cleared(entries) => Ok(Response::Released { entries }),
+        other => Err(unexpected(&other)),
+    }
+}
+
+fn commit_reply(r: Result<Answer, CoreError>) -> Result<Committed, CoreError> {
+    match r? {
+        Answer::Committed(c) => Ok(c),
+        other => Err(unexpected(&other)),
+    }
+}
+
+/// Commit `entries` of `blob`, reserved in the slab by `owner` and written
+/// through the mapping, into `partition`: the reply.
 fn commit(
     core: &mut UnitCore,
     owner: Owner,
-    partition: &str,
+    partition: String,
     blob: BlobId,
-    entries: &[EntrySpec],
+    entries: Vec<EntrySpec>,
+    now: Time,
 ) -> Response {
-    if core.is_disk_reservation(owner.session, blob) {
-        return on_disk(blob);
-    }
-    match core.commit(owner, partition, blob, entries) {
+    let op = Op::Commit {
+        partition,
+        blob,
+        entries,
+    };
+    match commit_reply(request(core, now, owner, op)) {
         Ok(Committed::Done) => Response::Done,
         Ok(Committed::Pending) => Response::Pending,
         Err(e) => error_response(&e),
     }
-}
-
-/// The refusal of a Commit of a blob reserved on the disk tier (its bytes
-/// come with a Put, never through the mapping).
-fn on_disk(blob: BlobId) -> Response {
-    error(
-        ErrorCode::InvalidRequest,
-        format!("blob {blob:?} is reserved on the disk tier: send its bytes with Put"),
-    )
 }
 
 /// The bytes a commit's entries name (0 when their sum overflows: the
@@ -450,7 +545,7 @@ fn put(
     let Ok(n_entries) = u32::try_from(entries.len()) else {
         return refuse(error(ErrorCode::InvalidRequest, "too many entries".into()));
     };
-    let into = match core.alloc(owner, blob, nbytes, n_entries, now) {
+    let into = match alloc(core, owner, blob, nbytes, n_entries, now) {
         Ok(Allocated::Reserved { offset }) => Dest::Slab { offset },
         Ok(Allocated::ToDisk) => Dest::Disk,
         Ok(Allocated::AlreadyCommitted) => Dest::Nowhere,
@@ -470,8 +565,16 @@ fn put(
 
 /// A Put's payload has all arrived into [`Put::into`]: commit it. The
 /// reply. A slab or disk put that the core refuses is aborted.
-pub fn put_landed(core: &mut UnitCore, put: &Put) -> Response {
-    let r = core.commit(put.owner, &put.partition, put.blob, &put.entries);
+pub fn put_landed(core: &mut UnitCore, put: &mut Put) -> Response {
+    // The commit takes the entries; the put keeps its blob and size.
+    let r = commit_written(
+        core,
+        put.owner,
+        std::mem::take(&mut put.partition),
+        put.blob,
+        std::mem::take(&mut put.entries),
+        put.now,
+    );
     match (put.into, r) {
         // Still being made durable, or done.
         (Dest::Nowhere, Ok(Committed::Pending)) => Response::Pending,
@@ -479,7 +582,7 @@ pub fn put_landed(core: &mut UnitCore, put: &Put) -> Response {
         (_, Ok(Committed::Done)) => Response::Done,
         (_, Ok(Committed::Pending)) => Response::Pending,
         (_, Err(e)) => {
-            let _ = core.abort(put.owner, put.blob, false, put.now);
+            let _ = abort(core, put, false, put.now);
             error_response(&e)
         }
     }
@@ -497,17 +600,25 @@ pub fn put_abandoned(
     now: Time,
 ) -> Result<(), CoreError> {
     match put.into {
-        Dest::Slab { .. } => core.abort(put.owner, put.blob, cut, now),
-        Dest::Disk => core.abort(put.owner, put.blob, false, now),
+        Dest::Slab { .. } => abort(core, put, cut, now),
+        Dest::Disk => abort(core, put, false, now),
         Dest::Nowhere => Ok(()),
     }
 }
 
+fn abort(core: &mut UnitCore, put: &Put, in_flight: bool, now: Time) -> Result<(), CoreError> {
+    let op = Op::Abort {
+        blob: put.blob,
+        in_flight,
+    };
+    request(core, now, put.owner, op).map(|_| ())
+}
+
 /// A Read's values were sent (or their sending failed): the connection's
 /// thread has stopped reading their ranges, so the pin may go.
-pub fn read_sent(core: &mut UnitCore, read: &Read) {
+pub fn read_sent(core: &mut UnitCore, read: &Read, now: Time) {
     if let Some(p) = read.pin {
-        let _ = core.unpin(read.owner, p);
+        let _ = unpin(core, read.owner, p, now);
     }
 }
 

@@ -54,6 +54,7 @@ pub mod auth;
 mod checkpoint;
 mod conn;
 pub mod disk;
+mod drive;
 pub mod handler;
 mod http;
 pub mod metrics;
@@ -63,11 +64,13 @@ use std::net::{SocketAddr, TcpListener};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use disk::DiskEngine;
-use stowage_core::{CoreConfig, UnitCore};
+use drive::{flusher, spiller, Timer};
+pub(crate) use handler::unexpected;
+use stowage_core::{Answer, CoreConfig, Input, UnitCore};
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
 use stowage_wire::Limits;
@@ -111,8 +114,8 @@ pub(crate) struct DiskTier {
     /// published.
     pub(crate) flush:
         Mutex<std::sync::mpsc::Sender<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>>,
-    /// Wakes the spiller.
-    pub(crate) wake: (Mutex<bool>, std::sync::Condvar),
+    /// Batches of spill jobs the core handed out, for the spiller.
+    pub(crate) spill: Mutex<std::sync::mpsc::Sender<Vec<stowage_core::SpillJob>>>,
     /// Held by the spiller and the flusher while they write files, so that
     /// teardown removes the directory only once they are idle.
     pub(crate) busy: Mutex<()>,
@@ -310,17 +313,11 @@ impl DiskIo {
     }
 }
 
-impl DiskTier {
-    pub(crate) fn wake_spiller(&self) {
-        let mut w = self.wake.0.lock().unwrap_or_else(|p| p.into_inner());
-        *w = true;
-        self.wake.1.notify_one();
-    }
-}
-
 /// State shared by every thread of a unit.
 pub(crate) struct Shared {
     pub(crate) core: Mutex<UnitCore>,
+    /// When to wake the core, and which processes to watch.
+    pub(crate) timer: Timer,
     pub(crate) slab: Arc<Slab>,
     /// NIXL, when the unit serves it.
     pub(crate) nixl: Option<NixlServe>,
@@ -432,7 +429,10 @@ impl Shared {
                 getrandom::fill(&mut b)
                     .map_err(|e| stowage_core::CoreError::Invalid(e.to_string()))?;
                 let token = u128::from_le_bytes(b);
-                let id = core.open_session();
+                let id = match core.handle(self.now(), Input::OpenSession)? {
+                    Answer::Session(id) => id,
+                    other => return Err(unexpected(&other)),
+                };
                 if let Some(m) = &self.metrics {
                     m.session_opened();
                 }
@@ -467,10 +467,17 @@ impl Shared {
             }
         }
         rec.mapped |= maps;
-        let direct = rec.mapped;
-        let owner = core.attach(rec.id, direct)?;
+        let now = self.now();
+        let input = Input::Attach {
+            session: rec.id,
+            mapped: rec.mapped,
+        };
+        let owner = match core.handle(now, input)? {
+            Answer::Attached(owner) => owner,
+            other => return Err(unexpected(&other)),
+        };
         if rec.one_sided {
-            core.make_one_sided(owner)?;
+            core.handle(now, Input::MakeOneSided(owner))?;
         }
         Ok((token, owner))
     }
@@ -559,7 +566,7 @@ impl Shared {
             });
         }
         rec.one_sided = true;
-        self.core().make_one_sided(owner)?;
+        self.core().handle(self.now(), Input::MakeOneSided(owner))?;
         if let Some(name) = &known {
             peers
                 .agents
@@ -614,7 +621,13 @@ impl Shared {
         let now = self.now();
         let held: u64 = {
             let mut core = self.core();
-            fence.iter().map(|s| core.fence(*s, now)).sum()
+            fence
+                .iter()
+                .map(|s| match core.handle(now, Input::Fenced(*s)) {
+                    Ok(Answer::Released(n)) => n,
+                    _ => 0,
+                })
+                .sum()
         };
         if held > 0 {
             tracing::info!(
@@ -623,41 +636,6 @@ impl Shared {
                 holds = held,
                 quarantine_ms = self.core().config().nixl_quarantine.as_millis() as u64,
                 "a nixl client's connections ended: its holds are released after the nixl quarantine"
-            );
-        }
-    }
-
-    /// End the sessions whose connections were all cut and whose process
-    /// has exited: nothing of them can touch the slab any more.
-    pub(crate) fn reap_sessions(&self) {
-        let orphaned = self.core().orphaned_sessions();
-        if orphaned.is_empty() {
-            return;
-        }
-        let gone: Vec<stowage_core::SessionId> = {
-            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-            sessions
-                .values()
-                .filter(|r| orphaned.contains(&r.id))
-                .filter(|r| r.pidfd.as_ref().is_some_and(process_exited))
-                .map(|r| r.id)
-                .collect()
-        };
-        if gone.is_empty() {
-            return;
-        }
-        let now = self.now();
-        let mut core = self.core();
-        for id in gone {
-            let holds = core.session_gone(id, now);
-            if let Some(m) = &self.metrics {
-                m.reclaimed(metrics::Reclaim::ProcessExited, holds);
-            }
-            tracing::info!(
-                unit = %self.name,
-                session = id.0,
-                holds,
-                "session closed: a cut session's process exited; released what it held"
             );
         }
     }
@@ -692,6 +670,7 @@ impl Shared {
     pub(crate) fn shut_down(&self, timeout: Duration) -> Vec<String> {
         let mut problems = Vec::new();
         self.stop.store(true, Ordering::SeqCst);
+        self.timer.wake();
         let end = Instant::now() + timeout;
         while self.checkpoints.load(Ordering::SeqCst) > 0 {
             if Instant::now() >= end {
@@ -737,74 +716,9 @@ impl Shared {
     }
 }
 
-/// Whether the process of a pidfd has exited (the pidfd is readable).
-fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
-    use rustix::event::{poll, PollFd, PollFlags};
-    let mut fds = [PollFd::new(fd, PollFlags::IN)];
-    matches!(poll(&mut fds, Some(&rustix::event::Timespec::default())), Ok(n) if n > 0)
-}
-
-/// The core, locked. On release it applies the core's effects (removes
-/// the files of freed blobs) and wakes the spiller when the slab is past
-/// its high watermark — outside the lock.
-pub(crate) struct CoreGuard<'a> {
-    guard: Option<MutexGuard<'a, UnitCore>>,
-    shared: &'a Shared,
-}
-
-impl std::ops::Deref for CoreGuard<'_> {
-    type Target = UnitCore;
-    fn deref(&self) -> &UnitCore {
-        self.guard.as_deref().expect("the guard is held until drop")
-    }
-}
-
-impl std::ops::DerefMut for CoreGuard<'_> {
-    fn deref_mut(&mut self) -> &mut UnitCore {
-        self.guard
-            .as_deref_mut()
-            .expect("the guard is held until drop")
-    }
-}
-
-impl Drop for CoreGuard<'_> {
-    fn drop(&mut self) {
-        let Some(mut g) = self.guard.take() else {
-            return;
-        };
-        let effects = g.take_effects();
-        let spill = g.needs_spill();
-        drop(g);
-        if let Some(d) = &self.shared.disk {
-            for e in effects {
-                match e {
-                    stowage_core::Effect::DeleteFile(blob) => {
-                        if let Err(err) = d.engine.delete(blob) {
-                            tracing::warn!(error = %err, ?blob, "could not remove a blob file");
-                        }
-                    }
-                }
-            }
-            if spill {
-                d.wake_spiller();
-            }
-        }
-    }
-}
-
 impl Shared {
     pub(crate) fn now(&self) -> Duration {
         self.started.elapsed()
-    }
-
-    /// The core. A thread that panicked while holding the lock cannot have
-    /// left the core half-updated in a way later calls rely on less than on
-    /// the unit staying up, so a poisoned lock is taken over.
-    pub(crate) fn core(&self) -> CoreGuard<'_> {
-        CoreGuard {
-            guard: Some(self.core.lock().unwrap_or_else(|p| p.into_inner())),
-            shared: self,
-        }
     }
 }
 
@@ -945,7 +859,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         None => None,
         Some(n) => Some(serve_nixl(&cfg.name, instance_id, &slab, n)?),
     };
-    let (disk, flush_rx) = match &cfg.disk {
+    let (disk, disk_rx) = match &cfg.disk {
         None => (None, None),
         Some((root, capacity)) => {
             let (dir, removed) =
@@ -961,18 +875,19 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
                 engine.failpoints.enable(f).map_err(StartError::Config)?;
             }
             let (tx, rx) = std::sync::mpsc::channel();
+            let (spill_tx, spill_rx) = std::sync::mpsc::channel();
             (
                 Some(DiskTier {
                     engine,
                     dir,
                     flush: Mutex::new(tx),
-                    wake: (Mutex::new(false), std::sync::Condvar::new()),
+                    spill: Mutex::new(spill_tx),
                     busy: Mutex::new(()),
                     io: DiskIo::default(),
                     reads: ReadBudget::new(cfg.disk_read_budget),
                     failed_puts: Mutex::new(std::collections::VecDeque::new()),
                 }),
-                Some(rx),
+                Some((rx, spill_rx)),
             )
         }
     };
@@ -986,6 +901,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     }
     let shared = Arc::new(Shared {
         core: Mutex::new(core),
+        timer: Timer::new(),
         slab,
         nixl,
         started: Instant::now(),
@@ -1034,7 +950,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             .spawn(move || fault_in_slab(weak, &name, lock))
             .map_err(StartError::Slab)?;
     }
-    if let Some(rx) = flush_rx {
+    if let Some((rx, spill_rx)) = disk_rx {
         let sh = shared.clone();
         std::thread::Builder::new()
             .name("flusher".into())
@@ -1043,7 +959,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         let sh = shared.clone();
         std::thread::Builder::new()
             .name("spiller".into())
-            .spawn(move || spiller(sh))
+            .spawn(move || spiller(sh, spill_rx))
             .map_err(StartError::Slab)?;
     }
 
@@ -1096,19 +1012,8 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     }
     let sh = shared.clone();
     std::thread::Builder::new()
-        .name("ticker".into())
-        .spawn(move || {
-            let mut n = 0u64;
-            while !sh.stop.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(20));
-                let now = sh.now();
-                sh.core().tick(now);
-                n += 1;
-                if n.is_multiple_of(10) {
-                    sh.reap_sessions();
-                }
-            }
-        })
+        .name("timer".into())
+        .spawn(move || sh.run_timer())
         .map_err(StartError::Slab)?;
     tracing::info!(
         unit = %cfg.name,
@@ -1138,27 +1043,6 @@ fn root_error(err: io::Error, what: String) -> StartError {
 /// loopback address mapped into IPv6).
 pub fn is_loopback(addr: &SocketAddr) -> bool {
     addr.ip().to_canonical().is_loopback()
-}
-
-/// Sync and publish blob files written by connections (puts that went to
-/// disk), in order.
-fn flusher(
-    shared: Arc<Shared>,
-    rx: std::sync::mpsc::Receiver<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>,
-) {
-    while let Ok((blob, writer)) = rx.recv() {
-        let Some(d) = &shared.disk else { return };
-        let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
-        let ok = match writer.finish() {
-            Ok(_) => true,
-            Err(e) => {
-                tracing::warn!(error = %e, ?blob, "a put's blob file could not be made durable");
-                d.put_failed(blob, &e);
-                false
-            }
-        };
-        shared.core().disk_written(blob, ok);
-    }
 }
 
 /// Bytes of the slab faulted in (or locked) per step of [`fault_in_slab`].
@@ -1203,74 +1087,6 @@ fn fault_in_slab(shared: std::sync::Weak<Shared>, name: &str, lock: bool) {
         seconds = started.elapsed().as_secs_f64(),
         "slab faulted in"
     );
-}
-
-/// Copy blobs to disk while the slab is past its high watermark.
-fn spiller(shared: Arc<Shared>) {
-    let Some(d) = &shared.disk else { return };
-    let mut failing = false;
-    while !shared.stop.load(Ordering::Relaxed) {
-        {
-            let w = d.wake.0.lock().unwrap_or_else(|p| p.into_inner());
-            let (mut w, _) = d
-                .wake
-                .1
-                .wait_timeout_while(w, Duration::from_millis(100), |woken| !*woken)
-                .unwrap_or_else(|p| p.into_inner());
-            *w = false;
-        }
-        let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
-        if shared.stop.load(Ordering::SeqCst) {
-            break;
-        }
-        let jobs = shared.core().spill_jobs();
-        let batch_start = Instant::now();
-        let (n_jobs, mut spilled) = (jobs.len(), 0u64);
-        for job in jobs {
-            let t0 = Instant::now();
-            // The core keeps the range allocated until disk_written, even
-            // if the blob is freed meanwhile: this thread reads it alone.
-            let written = d.engine.create(job.blob, job.nbytes).and_then(|mut w| {
-                shared
-                    .slab
-                    .copy_out_chunked(job.offset, job.nbytes as usize, COPY_CHUNK, |c| w.write(c))
-                    .map_err(std::io::Error::other)??;
-                w.finish()
-            });
-            match &written {
-                Ok(_) => {
-                    d.io.wrote(job.nbytes, t0);
-                    spilled += job.nbytes;
-                    if let Some(m) = &shared.metrics {
-                        m.spilled_bytes.fetch_add(job.nbytes, Ordering::Relaxed);
-                    }
-                    failing = false
-                }
-                Err(e) if !failing => {
-                    tracing::warn!(error = %e, "spilling to disk failed; data stays in memory");
-                    failing = true;
-                }
-                Err(_) => {}
-            }
-            shared.core().disk_written(job.blob, written.is_ok());
-        }
-        if n_jobs > 0 {
-            if let Some(m) = &shared.metrics {
-                m.spill_batches.fetch_add(1, Ordering::Relaxed);
-            }
-            tracing::info!(
-                unit = %shared.name,
-                blobs = n_jobs,
-                bytes = spilled,
-                seconds = batch_start.elapsed().as_secs_f64(),
-                "spill batch"
-            );
-        }
-        if failing {
-            // Do not spin on a failing disk.
-            std::thread::sleep(Duration::from_millis(200));
-        }
-    }
 }
 
 /// Bind a Unix socket, replacing a stale socket file (one nobody listens
@@ -1556,11 +1372,16 @@ impl Shared {
             let (slot, size) = {
                 let mut c = self.core();
                 let size = c.blob_size(blob);
-                (c.promote_begin(blob), size)
+                let slot = match c.handle(self.now(), Input::Promote(blob)) {
+                    Ok(Answer::Promoting(slot)) => slot,
+                    _ => None,
+                };
+                (slot, size)
             };
             let Some(size) = size else {
                 if let Some(_slot) = slot {
-                    self.core().promote_done(blob, false);
+                    let done = Input::Promoted { blob, ok: false };
+                    let _ = self.core().handle(self.now(), done);
                 }
                 corrupt.insert(blob);
                 continue;
@@ -1579,7 +1400,7 @@ impl Shared {
             let read = match slot {
                 Some(offset) => {
                     // This thread alone writes the promotion's range: the
-                    // core keeps it allocated until promote_done.
+                    // core keeps it allocated until it is reported.
                     let r = reader.and_then(|rd| {
                         let mut at = 0;
                         read_through(&rd, 0, size, buf, |piece| {
@@ -1591,7 +1412,11 @@ impl Shared {
                         })?
                         .map_err(disk::DiskError::Io)
                     });
-                    self.core().promote_done(blob, r.is_ok());
+                    let done = Input::Promoted {
+                        blob,
+                        ok: r.is_ok(),
+                    };
+                    let _ = self.core().handle(self.now(), done);
                     if r.is_ok() {
                         promoted.insert(blob, offset);
                         if let Some(m) = &self.metrics {

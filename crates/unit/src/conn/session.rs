@@ -97,7 +97,7 @@ pub(crate) fn serve(
         let now = shared.now();
         let (holds, gone) = {
             let mut core = shared.core();
-            let holds = core.detach(owner, end, now);
+            let holds = core.conn_ended(owner, end, now);
             (holds, !core.has_session(owner.session))
         };
         // A nixl connection's holds outlive it: fenced once its client's

@@ -1,0 +1,436 @@
+//! The unit's state: blobs, the key index, pins and the disk tier.
+//!
+//! One module per concern, each an `impl UnitCore` block over the shared
+//! state defined here:
+//!
+//! * [`sessions`]: sessions, their connections, and how long a hold
+//!   outlives its connection (the fencing rules);
+//! * [`blobs`]: reservations, spares and commits;
+//! * [`index`]: the key index, listing and clearing;
+//! * [`pins`]: resolving keys, pins and snapshots;
+//! * [`tier`]: the disk tier (spills, disk reservations, promotions);
+//! * [`release`]: when a slab range is given back — the one place it is;
+//! * [`stats`] — counters;
+//! * [`drive`]: the one entry point ([`UnitCore::handle`]) and the polled
+//!   outputs ([`UnitCore::poll_action`], [`UnitCore::poll_timeout`]).
+
+use std::collections::{BTreeMap, HashMap, HashSet, VecDeque};
+use std::time::Duration;
+
+use crate::slab::{Region, SlabAllocator};
+
+mod blobs;
+mod drive;
+mod index;
+#[cfg(any(test, feature = "testing"))]
+mod introspect;
+mod pins;
+mod release;
+mod sessions;
+mod stats;
+#[cfg(test)]
+mod tests;
+mod tier;
+
+use crate::{
+    Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time,
+};
+pub use drive::{Action, Answer, Input, Op, SpareCommitted};
+use release::Release;
+pub use stats::{SessionStats, Stats};
+
+/// How many freed committed blob ids a unit remembers, so that a retried
+/// alloc or commit of a blob that was committed and has since been freed
+/// still answers "already committed" instead of storing stale bytes again.
+pub const REMEMBERED_COMMITS: usize = 1 << 16;
+
+/// Settings of the core. Durations are measured on the driver's clock.
+#[derive(Clone, Debug)]
+pub struct CoreConfig {
+    /// Slab bytes (rounded down to 64). At most [`crate::slab::MAX_CAPACITY`].
+    pub capacity: u64,
+    /// An uncommitted reservation older than this is reported as overdue
+    /// in [`Stats`]. It is never taken from its holder. Default 30 s.
+    pub reservation_lease: Duration,
+    /// A pin older than this is reported as overdue. Default 30 s.
+    pub pin_lease: Duration,
+    /// How long a range stays unusable after an aborted in-flight transfer
+    /// (a stream the unit cut off), before it is reused. Default 5 s.
+    pub quarantine: Duration,
+    /// How long the holds of a one-sided (nixl) peer whose connection ended
+    /// stay after the driver fenced its endpoint ([`Input::Fenced`]):
+    /// time for transfers already posted to drain. Default 5 s.
+    pub nixl_quarantine: Duration,
+    /// Bytes the key index may take (names, metadata and a fixed cost per
+    /// entry, 96 bytes); a commit past it answers Full. Default:
+    /// a quarter of the slab, at least 64 MiB.
+    pub index_budget: u64,
+    /// Most connections one session may have at once. Default 64.
+    pub max_session_conns: usize,
+    /// Most reservations and pins one session may hold at once (each costs
+    /// the unit some memory); past it, Busy. Default 16384.
+    pub max_session_holds: usize,
+    /// Key of the function that draws pin ids (the driver gives a random
+    /// one; the core itself has no randomness).
+    pub id_key: (u64, u64),
+    /// Bytes of the disk tier; 0 turns it off. Default 0.
+    pub disk_capacity: u64,
+    /// Past this fraction of the slab in use, committed unpinned blobs spill
+    /// to disk, oldest first. Default 0.9.
+    pub high_watermark: f64,
+    /// Spilling stops once use is below this fraction. Default 0.8.
+    pub low_watermark: f64,
+}
+
+impl CoreConfig {
+    pub fn new(capacity: u64) -> Self {
+        Self {
+            capacity,
+            reservation_lease: Duration::from_secs(30),
+            pin_lease: Duration::from_secs(30),
+            quarantine: Duration::from_secs(5),
+            nixl_quarantine: Duration::from_secs(5),
+            index_budget: (capacity / 4).max(64 << 20),
+            max_session_conns: 64,
+            max_session_holds: 16384,
+            id_key: (0x5157_0a6e, 0x9e37_79b9),
+            disk_capacity: 0,
+            high_watermark: 0.9,
+            low_watermark: 0.8,
+        }
+    }
+}
+
+/// Index bytes an entry costs beyond its field name and metadata.
+pub const ENTRY_OVERHEAD: u64 = 96;
+
+fn entry_cost(field: &str, meta_len: usize) -> u64 {
+    ENTRY_OVERHEAD + field.len() as u64 + meta_len as u64
+}
+
+/// Who makes a request: a connection of a session.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Owner {
+    pub session: SessionId,
+    pub conn: ConnId,
+}
+
+impl Owner {
+    /// The unit itself (checkpoints): never detached.
+    pub const UNIT: Owner = Owner {
+        session: SessionId(0),
+        conn: ConnId(0),
+    };
+}
+
+/// How a connection ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ConnEnd {
+    /// The peer closed it (or died): it touches nothing any more.
+    Closed,
+    /// The unit cut it (a timeout, an invalid request, shutdown): the peer
+    /// may still be running.
+    Cut,
+}
+
+/// Who holds a reservation or pin. `conn` is `None` once the connection
+/// that took it ended while its peer may still touch the range: the
+/// session keeps the hold, until `kept` says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Holder {
+    session: SessionId,
+    conn: Option<ConnId>,
+    since: Time,
+    kept: Kept,
+}
+
+/// Until when a hold whose connection ended is kept.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kept {
+    /// Its connection is open.
+    Open,
+    /// Until the session's process is gone ([`Input::ProcessExited`]): a
+    /// peer that maps the slab, whose connection the unit cut.
+    UntilGone,
+    /// A one-sided (nixl) peer's: until its process is gone, or its
+    /// endpoint is fenced ([`Input::Fenced`]) and then
+    /// [`CoreConfig::nixl_quarantine`] has passed.
+    UntilFenced,
+    /// Fenced: released at this time, or when the process is gone.
+    Until(Time),
+}
+
+/// How a connection's peer reaches the slab.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+struct Reach {
+    /// It maps the slab (a Unix-socket peer handed the memfd).
+    maps: bool,
+    /// It moves bytes with one-sided transfers the unit never sees (nixl).
+    one_sided: bool,
+}
+
+struct Session {
+    /// Open connections, and how each one's peer reaches the slab.
+    conns: HashMap<ConnId, Reach>,
+    reservations: HashSet<BlobId>,
+    pins: HashSet<PinId>,
+}
+
+#[derive(Debug)]
+enum State {
+    Reserved {
+        holder: Holder,
+        /// The entry count the commit must name; `None` for a spare
+        /// ([`Op::ReserveSpare`]): any count, and the blob shrinks
+        /// to what the commit names.
+        n_entries: Option<u32>,
+    },
+    /// A blob written to disk by the unit: its entries are published once
+    /// its file is durable ([`Input::DiskWritten`]).
+    PendingDisk {
+        partition: String,
+        entries: Vec<EntrySpec>,
+    },
+    Committed {
+        /// Entries of the index that point into this blob.
+        live: u32,
+        /// Pins that hold this blob.
+        pins: u32,
+    },
+}
+
+/// Where a blob's bytes are on disk.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Disk {
+    None,
+    /// The driver is writing its file.
+    Writing,
+    /// Its file is complete and synced.
+    Durable,
+}
+
+#[derive(Debug)]
+struct Blob {
+    /// Its slab range; `None` while it lives only on disk.
+    region: Option<Region>,
+    /// A slab range being filled from disk ([`Input::Promote`]).
+    promoting: Option<Region>,
+    nbytes: u64,
+    state: State,
+    disk: Disk,
+    /// Commit order: spilling takes the oldest first.
+    seq: u64,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Entry {
+    blob: BlobId,
+    /// Offset in the blob (the blob may move between slab and disk).
+    offset: u64,
+    len: u64,
+    meta: Box<[u8]>,
+}
+
+struct Pin {
+    blobs: Vec<BlobId>,
+    holder: Holder,
+}
+
+/// A reservation or a pin.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Hold {
+    Reservation(BlobId),
+    Pin(PinId),
+}
+
+/// The maps on every put's and get's path, keyed by what clients send:
+/// hashed with foldhash (seeded per process) rather than SipHash, whose
+/// cost showed in the profile of a 3,072-value put.
+type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
+
+type Rows = Map<u64, Map<String, Entry>>;
+
+/// Where a found value is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Place {
+    /// In the slab.
+    Memory(Location),
+    /// Only in its blob's disk file, at `offset` from the blob's start.
+    Disk { blob: BlobId, offset: u64, len: u64 },
+}
+
+impl Place {
+    pub fn len(&self) -> u64 {
+        match self {
+            Place::Memory(l) => l.len,
+            Place::Disk { len, .. } => *len,
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// A found key: where its value is, and the metadata stored with it.
+pub type Located = (Place, Vec<u8>);
+
+/// A blob the driver should copy from the slab to its disk file
+/// ([`Action::Spill`]), then report with [`Input::DiskWritten`]. If the
+/// blob is freed meanwhile, its range stays allocated until the report
+/// (the driver reads it alone), and the file it wrote is deleted through
+/// an [`Action::DeleteFile`] after it reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SpillJob {
+    pub blob: BlobId,
+    /// Slab offset of its bytes (kept allocated until the write is done).
+    pub offset: u64,
+    pub nbytes: u64,
+}
+
+/// The answer to a commit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Committed {
+    /// The entries are published.
+    Done,
+    /// The blob's file is still being made durable: ask again.
+    Pending,
+}
+
+/// One entry of a [`Snapshot`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct SnapshotEntry {
+    pub partition: String,
+    pub key: Key,
+    pub blob: BlobId,
+    pub offset: u64,
+    pub len: u64,
+    pub meta: Vec<u8>,
+}
+
+/// A consistent view of every committed entry, with the blobs that hold
+/// them pinned (until [`Op::Unpin`] of `pin`).
+#[derive(Clone, Debug)]
+pub struct Snapshot {
+    pub pin: Option<PinId>,
+    pub entries: Vec<SnapshotEntry>,
+    /// Each blob once: its size and where its bytes are now.
+    pub blobs: Vec<(BlobId, u64, Place)>,
+}
+
+/// The sans-I/O state machine of one storage unit. See the crate docs.
+pub struct UnitCore {
+    cfg: CoreConfig,
+    slab: SlabAllocator,
+    blobs: Map<BlobId, Blob>,
+    /// partition → row → field → entry.
+    index: Map<String, Rows>,
+    pins: Map<PinId, Pin>,
+    /// Counter under the pin-id function.
+    pin_counter: u64,
+    /// Quarantined ranges by the time they may be reused.
+    quarantined: BTreeMap<(Time, u64), Region>,
+    quarantine_seq: u64,
+    /// Holds of fenced one-sided peers by the time they are released
+    /// ([`Kept::Until`]); an entry whose hold has gone or was taken over
+    /// is skipped.
+    fenced: BTreeMap<(Time, u64), (SessionId, Hold)>,
+    sessions: HashMap<SessionId, Session>,
+    next_session: u64,
+    next_conn: u64,
+    index_bytes: u64,
+    entries: u64,
+    reserved_bytes: u64,
+    quarantined_bytes: u64,
+    /// Ids of committed blobs freed lately (at most [`REMEMBERED_COMMITS`]),
+    /// oldest first.
+    freed_commits: VecDeque<BlobId>,
+    freed_commit_set: HashSet<BlobId>,
+    disk_used: u64,
+    /// Blobs freed while their file was being written: the file goes, and
+    /// the slab range the writer reads from is freed, once the write
+    /// reports back.
+    orphan_writes: HashMap<BlobId, (u64, Option<Region>)>,
+    commit_seq: u64,
+    /// What the driver must do for the core ([`UnitCore::poll_action`]).
+    actions: VecDeque<Action>,
+    /// An input came since spills were last worked out.
+    spill_dirty: bool,
+    /// Slab ranges of promotions whose blob was freed before the driver
+    /// finished copying into them.
+    orphan_promotions: HashMap<BlobId, Region>,
+}
+
+impl UnitCore {
+    /// A unit with an empty slab of `cfg.capacity` bytes.
+    pub fn new(cfg: CoreConfig) -> Result<Self, CoreError> {
+        if cfg.capacity > crate::slab::MAX_CAPACITY {
+            return Err(CoreError::Invalid(format!(
+                "capacity {} exceeds the maximum of {} bytes",
+                cfg.capacity,
+                crate::slab::MAX_CAPACITY
+            )));
+        }
+        if !(0.0 < cfg.low_watermark
+            && cfg.low_watermark <= cfg.high_watermark
+            && cfg.high_watermark <= 1.0)
+        {
+            return Err(CoreError::Invalid(format!(
+                "watermarks must satisfy 0 < low ({}) <= high ({}) <= 1",
+                cfg.low_watermark, cfg.high_watermark
+            )));
+        }
+        let mut sessions = HashMap::new();
+        sessions.insert(
+            Owner::UNIT.session,
+            Session {
+                conns: HashMap::from([(Owner::UNIT.conn, Reach::default())]),
+                reservations: HashSet::new(),
+                pins: HashSet::new(),
+            },
+        );
+        Ok(Self {
+            slab: SlabAllocator::new(cfg.capacity),
+            cfg,
+            blobs: Map::default(),
+            index: Map::default(),
+            pins: Map::default(),
+            pin_counter: 0,
+            quarantined: BTreeMap::new(),
+            quarantine_seq: 0,
+            fenced: BTreeMap::new(),
+            sessions,
+            next_session: 1,
+            next_conn: 1,
+            index_bytes: 0,
+            entries: 0,
+            reserved_bytes: 0,
+            quarantined_bytes: 0,
+            freed_commits: VecDeque::new(),
+            freed_commit_set: HashSet::new(),
+            disk_used: 0,
+            orphan_writes: HashMap::new(),
+            commit_seq: 0,
+            actions: VecDeque::new(),
+            spill_dirty: false,
+            orphan_promotions: HashMap::new(),
+        })
+    }
+
+    pub fn config(&self) -> &CoreConfig {
+        &self.cfg
+    }
+
+    /// Slab bytes under management.
+    pub fn capacity(&self) -> u64 {
+        self.slab.capacity()
+    }
+
+    pub(super) fn disk_on(&self) -> bool {
+        self.cfg.disk_capacity > 0
+    }
+
+    pub(super) fn disk_free(&self) -> u64 {
+        self.cfg.disk_capacity.saturating_sub(self.disk_used)
+    }
+}

@@ -1,0 +1,179 @@
+//! Resolving keys to places, pins and snapshots.
+
+use super::*;
+
+impl UnitCore {
+    /// The next pin id: a keyed hash of a counter, so ids are neither
+    /// sequential nor guessable without the key.
+    pub(super) fn new_pin_id(&mut self) -> PinId {
+        loop {
+            self.pin_counter += 1;
+            let mut h =
+                siphasher::sip::SipHasher13::new_with_keys(self.cfg.id_key.0, self.cfg.id_key.1);
+            std::hash::Hasher::write_u64(&mut h, self.pin_counter);
+            let id = PinId(std::hash::Hasher::finish(&h));
+            if id.0 != 0 && !self.pins.contains_key(&id) {
+                return id;
+            }
+        }
+    }
+
+    /// Where `keys` of partition `partition` live; pins the blobs holding the found
+    /// ones for `owner` (until it unpins, or its connection ends). Missing
+    /// keys are `None`. The pin is `None` when no key was found.
+    #[allow(clippy::type_complexity)]
+    pub(super) fn resolve(
+        &mut self,
+        owner: Owner,
+        partition: &str,
+        keys: &[Key],
+        now: Time,
+    ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
+        self.check_owner(owner)?;
+        self.check_holds(owner.session, 0)?;
+        let rows = self.index.get(partition);
+        let blobs_map = &self.blobs;
+        let mut blobs = Vec::new();
+        let found = keys
+            .iter()
+            .map(|k| {
+                let e = rows?.get(&k.row)?.get(&k.field)?;
+                let b = blobs_map.get(&e.blob)?;
+                blobs.push(e.blob);
+                let place = match &b.region {
+                    Some(r) => Place::Memory(Location {
+                        offset: r.offset + e.offset,
+                        len: e.len,
+                    }),
+                    None => Place::Disk {
+                        blob: e.blob,
+                        offset: e.offset,
+                        len: e.len,
+                    },
+                };
+                Some((place, e.meta.to_vec()))
+            })
+            .collect();
+        if blobs.is_empty() {
+            return Ok((None, found));
+        }
+        Ok((Some(self.pin_blobs(owner, blobs, now)), found))
+    }
+
+    pub(super) fn pin_blobs(&mut self, owner: Owner, mut blobs: Vec<BlobId>, now: Time) -> PinId {
+        blobs.sort_unstable();
+        blobs.dedup();
+        for id in &blobs {
+            if let Some(Blob {
+                state: State::Committed { pins, .. },
+                ..
+            }) = self.blobs.get_mut(id)
+            {
+                *pins += 1;
+            }
+        }
+        let pin = self.new_pin_id();
+        self.pins.insert(
+            pin,
+            Pin {
+                blobs,
+                holder: Holder {
+                    session: owner.session,
+                    conn: Some(owner.conn),
+                    since: now,
+                    kept: Kept::Open,
+                },
+            },
+        );
+        if let Some(s) = self.sessions.get_mut(&owner.session) {
+            s.pins.insert(pin);
+        }
+        pin
+    }
+
+    /// Every committed entry of every partition, with their blobs pinned
+    /// (held) so that their bytes stay while a checkpoint copies them.
+    pub(super) fn snapshot(&mut self, now: Time) -> Snapshot {
+        let mut entries = Vec::with_capacity(self.entries as usize);
+        let mut blob_ids = Vec::new();
+        for (partition, rows) in &self.index {
+            for (row, fields) in rows {
+                for (field, e) in fields {
+                    entries.push(SnapshotEntry {
+                        partition: partition.clone(),
+                        key: Key::new(*row, field.clone()),
+                        blob: e.blob,
+                        offset: e.offset,
+                        len: e.len,
+                        meta: e.meta.to_vec(),
+                    });
+                    blob_ids.push(e.blob);
+                }
+            }
+        }
+        blob_ids.sort_unstable();
+        blob_ids.dedup();
+        let blobs = blob_ids
+            .iter()
+            .filter_map(|id| {
+                let b = self.blobs.get(id)?;
+                let place = match &b.region {
+                    Some(r) => Place::Memory(Location {
+                        offset: r.offset,
+                        len: b.nbytes,
+                    }),
+                    None => Place::Disk {
+                        blob: *id,
+                        offset: 0,
+                        len: b.nbytes,
+                    },
+                };
+                Some((*id, b.nbytes, place))
+            })
+            .collect();
+        let pin = (!blob_ids.is_empty()).then(|| self.pin_blobs(Owner::UNIT, blob_ids, now));
+        Snapshot {
+            pin,
+            entries,
+            blobs,
+        }
+    }
+
+    /// Drop a pin. Unknown pins (already dropped) are ignored; another
+    /// session's pin is refused.
+    pub(super) fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
+        match self.pins.get(&pin) {
+            None => Ok(()),
+            Some(p) if p.holder.session != owner.session => Err(CoreError::NotOwner(
+                "the pin belongs to another session".into(),
+            )),
+            Some(_) => {
+                if let Some(s) = self.sessions.get_mut(&owner.session) {
+                    s.pins.remove(&pin);
+                }
+                self.drop_pin(pin);
+                Ok(())
+            }
+        }
+    }
+
+    /// Drop a pin whose session record is handled by the caller.
+    pub(super) fn drop_pin(&mut self, pin: PinId) {
+        if let Some(p) = self.pins.remove(&pin) {
+            if let Some(s) = self.sessions.get_mut(&p.holder.session) {
+                s.pins.remove(&pin);
+            }
+            for blob in p.blobs {
+                if let Some(Blob {
+                    state: State::Committed { pins, .. },
+                    ..
+                }) = self.blobs.get_mut(&blob)
+                {
+                    *pins -= 1;
+                }
+                self.maybe_free(blob);
+                self.maybe_release_memory(blob);
+            }
+        }
+    }
+}

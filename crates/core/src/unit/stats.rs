@@ -1,0 +1,200 @@
+//! Counters: what the unit holds and what each session holds.
+
+use super::*;
+
+/// Counters of a unit, as reported by the stats request.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Stats {
+    pub capacity: u64,
+    /// Slab bytes held by any blob (reserved, committed or quarantined).
+    pub used: u64,
+    pub reserved_bytes: u64,
+    pub quarantined_bytes: u64,
+    pub blobs: u64,
+    pub entries: u64,
+    pub rows: u64,
+    pub pins: u64,
+    /// Bytes of the disk tier (0: off).
+    pub disk_capacity: u64,
+    /// Disk bytes held: files written or being written.
+    pub disk_used: u64,
+    /// Blobs whose bytes are only on disk.
+    pub spilled_blobs: u64,
+    /// Disk tier I/O since start, kept by the unit server (the core does
+    /// no I/O and reports 0): bytes written by spills and disk puts, and
+    /// the time spent writing them; bytes read back, and the time.
+    pub disk_write_bytes: u64,
+    pub disk_write_micros: u64,
+    pub disk_read_bytes: u64,
+    pub disk_read_micros: u64,
+    /// Bytes the key index takes (see [`CoreConfig::index_budget`]).
+    pub index_bytes: u64,
+    /// Bytes held by sessions: reserved ranges and pinned blobs.
+    pub held_bytes: u64,
+    /// Reservations and pins older than their lease (reported, never
+    /// reclaimed while their holder may still touch them).
+    pub overdue_holds: u64,
+    /// Every session that holds something or has a connection.
+    pub sessions: Vec<SessionStats>,
+    /// Traffic since start, kept by the unit server (the core reports 0;
+    /// so does a unit started without metrics): requests answered, value
+    /// bytes written into the unit (puts, commits) and read out of it
+    /// (gets, resolves), and Busy answers. Two samples give rates
+    /// (`stowage status`). Last in the message, so a client that predates
+    /// them still reads the fields before.
+    pub ops: u64,
+    pub bytes_in: u64,
+    pub bytes_out: u64,
+    pub busy: u64,
+    /// Partitions that hold rows (over every connection namespace).
+    pub partitions: u64,
+    /// Bytes of pinned blobs (part of [`Stats::held_bytes`]).
+    pub pinned_bytes: u64,
+    /// Spares: reservations same-host clients hold for their next puts
+    /// ([`crate::Op::ReserveSpare`]; not counted in `blobs`, never
+    /// overdue), and their bytes (part of `reserved_bytes` and `used`).
+    pub spares: u64,
+    pub spare_bytes: u64,
+    /// Whether the unit serves one-sided NIXL transfers (`--nixl`; set by
+    /// the unit server, the core reports false). Last in the message.
+    pub serves_nixl: bool,
+}
+
+/// What one session holds.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct SessionStats {
+    pub session: u64,
+    /// Open connections.
+    pub connections: u32,
+    pub reservations: u32,
+    pub pins: u32,
+    /// Reserved bytes plus the bytes of pinned blobs.
+    pub held_bytes: u64,
+    /// Age of its oldest reservation or pin, in milliseconds.
+    pub oldest_hold_ms: u64,
+    /// Holds whose connection the unit cut: kept until the session's
+    /// process is gone.
+    pub orphaned: u32,
+    /// Of its reservations, the spares (held for its next puts; not in
+    /// `oldest_hold_ms`).
+    pub spares: u32,
+}
+
+impl UnitCore {
+    /// Counters, with what each session holds at `now`.
+    pub fn stats_at(&self, now: Time) -> Stats {
+        let mut s = self.stats();
+        let mut overdue = 0u64;
+        let mut held_total = 0u64;
+        let mut pinned_total = 0u64;
+        let mut sessions: Vec<SessionStats> = Vec::new();
+        for (id, sess) in &self.sessions {
+            if sess.reservations.is_empty() && sess.pins.is_empty() && sess.conns.is_empty() {
+                continue;
+            }
+            if *id == Owner::UNIT.session && sess.pins.is_empty() {
+                continue;
+            }
+            let mut st = SessionStats {
+                session: id.0,
+                connections: if *id == Owner::UNIT.session {
+                    0
+                } else {
+                    sess.conns.len() as u32
+                },
+                ..SessionStats::default()
+            };
+            let mut oldest: Option<Time> = None;
+            let mut note = |h: &Holder, lease: Duration, st: &mut SessionStats| {
+                oldest = Some(oldest.map_or(h.since, |o| o.min(h.since)));
+                if now.saturating_sub(h.since) > lease {
+                    overdue += 1;
+                }
+                if h.conn.is_none() {
+                    st.orphaned += 1;
+                }
+            };
+            for blob in &sess.reservations {
+                if let Some(Blob {
+                    state: State::Reserved { holder, n_entries },
+                    region,
+                    ..
+                }) = self.blobs.get(blob)
+                {
+                    st.reservations += 1;
+                    st.held_bytes += region.as_ref().map_or(0, |r| r.len);
+                    if n_entries.is_none() {
+                        // Held on purpose, for as long as its connection.
+                        st.spares += 1;
+                    } else {
+                        note(holder, self.cfg.reservation_lease, &mut st);
+                    }
+                }
+            }
+            for pin in &sess.pins {
+                if let Some(p) = self.pins.get(pin) {
+                    st.pins += 1;
+                    let bytes = p
+                        .blobs
+                        .iter()
+                        .filter_map(|b| self.blobs.get(b))
+                        .map(|b| b.nbytes)
+                        .sum::<u64>();
+                    st.held_bytes += bytes;
+                    pinned_total += bytes;
+                    note(&p.holder, self.cfg.pin_lease, &mut st);
+                }
+            }
+            st.oldest_hold_ms = oldest.map_or(0, |o| now.saturating_sub(o).as_millis() as u64);
+            held_total += st.held_bytes;
+            sessions.push(st);
+        }
+        sessions.sort_by_key(|s| s.session);
+        s.held_bytes = held_total;
+        s.pinned_bytes = pinned_total;
+        s.overdue_holds = overdue;
+        s.sessions = sessions;
+        s
+    }
+
+    pub fn stats(&self) -> Stats {
+        let (spares, spare_bytes) = self
+            .blobs
+            .values()
+            .filter(|b| {
+                matches!(
+                    b.state,
+                    State::Reserved {
+                        n_entries: None,
+                        ..
+                    }
+                )
+            })
+            .fold((0, 0), |(n, bytes), b| {
+                (n + 1, bytes + b.region.as_ref().map_or(0, |r| r.len))
+            });
+        Stats {
+            capacity: self.slab.capacity(),
+            used: self.slab.allocated(),
+            reserved_bytes: self.reserved_bytes,
+            quarantined_bytes: self.quarantined_bytes,
+            blobs: self.blobs.len() as u64 - spares,
+            spares,
+            spare_bytes,
+            serves_nixl: false,
+            entries: self.entries,
+            rows: self.index.values().map(|r| r.len() as u64).sum(),
+            pins: self.pins.len() as u64,
+            disk_capacity: self.cfg.disk_capacity,
+            disk_used: self.disk_used,
+            spilled_blobs: self
+                .blobs
+                .values()
+                .filter(|b| b.region.is_none() && b.disk == Disk::Durable)
+                .count() as u64,
+            index_bytes: self.index_bytes,
+            partitions: self.index.values().filter(|r| !r.is_empty()).count() as u64,
+            ..Stats::default()
+        }
+    }
+}

@@ -1,0 +1,670 @@
+use super::*;
+
+mod tier;
+use tier::{disk_core, put};
+
+/// The calls these tests make, over the one entry point.
+impl UnitCore {
+    fn tick(&mut self, now: Time) -> u64 {
+        match self.handle(now, Input::Timeout) {
+            Ok(Answer::Released(n)) => n,
+            other => panic!("Timeout answered {other:?}"),
+        }
+    }
+
+    fn next_deadline(&self) -> Option<Time> {
+        self.poll_timeout()
+    }
+
+    /// The file removals queued (other actions stay queued).
+    fn take_effects(&mut self) -> Vec<Action> {
+        let (deletes, rest): (Vec<Action>, Vec<Action>) = std::mem::take(&mut self.actions)
+            .into_iter()
+            .partition(|a| matches!(a, Action::DeleteFile(_)));
+        self.actions = rest.into();
+        deletes
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn resolve_places(
+        &mut self,
+        owner: Owner,
+        partition: &str,
+        keys: &[Key],
+        now: Time,
+    ) -> Result<(Option<PinId>, Vec<Option<Place>>), CoreError> {
+        let (pin, found) = self.resolve(owner, partition, keys, now)?;
+        Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
+    }
+}
+
+fn own(c: &mut UnitCore) -> Owner {
+    let s = c.open_session();
+    c.attach(s, true).unwrap()
+}
+
+fn core(cap: u64) -> UnitCore {
+    UnitCore::new(CoreConfig::new(cap)).unwrap()
+}
+
+fn t(ms: u64) -> Time {
+    Duration::from_millis(ms)
+}
+
+fn entry(row: u64, field: &str, offset: u64, len: u64) -> EntrySpec {
+    EntrySpec {
+        key: Key::new(row, field),
+        offset,
+        len,
+        meta: vec![row as u8],
+    }
+}
+
+#[test]
+fn alloc_is_idempotent_and_commit_publishes() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    let b = BlobId(7);
+    let Allocated::Reserved { offset } = c.alloc(o, b, 100, 2, t(0)).unwrap() else {
+        panic!("expected a reservation");
+    };
+    assert_eq!(
+        c.alloc(o, b, 100, 2, t(1)).unwrap(),
+        Allocated::Reserved { offset }
+    );
+    c.commit(
+        o,
+        "partition",
+        b,
+        &[entry(1, "a", 0, 40), entry(1, "b", 40, 60)],
+    )
+    .unwrap();
+    c.commit(o, "partition", b, &[]).unwrap(); // idempotent, whatever it names
+    assert_eq!(
+        c.alloc(o, b, 100, 2, t(2)).unwrap(),
+        Allocated::AlreadyCommitted
+    );
+    let (pin, locs) = c
+        .resolve_places(o, "partition", &[Key::new(1, "b"), Key::new(2, "a")], t(3))
+        .unwrap();
+    assert_eq!(
+        locs[0],
+        Some(Place::Memory(Location {
+            offset: offset + 40,
+            len: 60
+        }))
+    );
+    assert_eq!(locs[1], None);
+    c.unpin(o, pin.unwrap()).unwrap();
+    assert_eq!(c.stats().entries, 2);
+    assert_eq!(c.clear_rows("partition", &[1]), 2);
+    assert_eq!(c.stats().used, 0);
+    assert_eq!(
+        c.alloc(o, b, 100, 2, t(4)).unwrap(),
+        Allocated::AlreadyCommitted
+    );
+    c.commit(o, "partition", b, &[entry(9, "a", 0, 1)]).unwrap();
+    assert_eq!(
+        c.stats().entries,
+        0,
+        "a late commit retry publishes nothing"
+    );
+}
+
+#[test]
+fn metadata_listing_and_held_pins() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 16, 3, t(0)).unwrap();
+    c.commit(
+        o,
+        "p",
+        BlobId(1),
+        &[
+            entry(5, "b", 0, 8),
+            entry(5, "a", 8, 8),
+            entry(2, "a", 0, 0),
+        ],
+    )
+    .unwrap();
+    assert_eq!(
+        c.list("p"),
+        vec![
+            (2, vec!["a".to_string()]),
+            (5, vec!["a".to_string(), "b".to_string()])
+        ]
+    );
+    assert_eq!(c.partitions(""), vec!["p".to_string()]);
+    let (pin, found) = c.resolve(o, "p", &[Key::new(5, "a")], t(0)).unwrap();
+    assert_eq!(found[0].as_ref().map(|(_, m)| m.clone()), Some(vec![5]));
+    c.clear_rows("p", &[5, 2]);
+    // A held pin outlives any lease, and keeps the blob.
+    c.tick(t(3_600_000));
+    assert_eq!(c.stats().pins, 1);
+    assert_eq!(c.stats().blobs, 1);
+    c.unpin(o, pin.unwrap()).unwrap();
+    assert_eq!(c.stats().used, 0);
+}
+
+#[test]
+fn a_spare_takes_the_puts_id_and_shrinks_to_its_entries() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    let spare = BlobId(100);
+    let offset = c.reserve_spare(o, spare, 4096, t(0)).unwrap().unwrap();
+    assert_eq!(c.reserve_spare(o, spare, 4096, t(1)).unwrap(), Some(offset));
+    assert_eq!(c.stats().reserved_bytes, 4096);
+    // The put's own id, with any number of entries within the spare.
+    let put = BlobId(7);
+    assert!(c.name_spare(o, spare, put, t(2)).unwrap());
+    let r = c
+        .commit(
+            o,
+            "partition",
+            put,
+            &[entry(1, "a", 0, 1000), entry(2, "a", 1000, 500)],
+        )
+        .unwrap();
+    assert_eq!(r, Committed::Done);
+    assert_eq!(
+        c.blob_size(put),
+        Some(1500),
+        "spills and checkpoints move 1,500 bytes"
+    );
+    assert_eq!(c.blob_size(spare), None);
+    assert_eq!(c.stats().reserved_bytes, 0);
+    assert_eq!(
+        c.stats().used,
+        4096,
+        "the whole range stays held until freed"
+    );
+    let (pin, locs) = c
+        .resolve_places(o, "partition", &[Key::new(2, "a")], t(3))
+        .unwrap();
+    assert_eq!(
+        locs[0],
+        Some(Place::Memory(Location {
+            offset: offset + 1000,
+            len: 500
+        }))
+    );
+    c.unpin(o, pin.unwrap()).unwrap();
+    // A retry of the put (same id) finds it committed.
+    assert_eq!(
+        c.alloc(o, put, 1500, 2, t(4)).unwrap(),
+        Allocated::AlreadyCommitted
+    );
+    assert_eq!(c.clear_rows("partition", &[1, 2]), 2);
+    assert_eq!(c.stats().used, 0);
+}
+
+#[test]
+fn a_spare_is_memory_only_and_never_an_error_for_want_of_room() {
+    let mut c = disk_core(1 << 16, 1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 1 << 16, 1, t(0)).unwrap();
+    // The slab is full and the disk has room: a put would go to disk,
+    // a spare is simply not given.
+    assert_eq!(c.reserve_spare(o, BlobId(2), 4096, t(0)).unwrap(), None);
+    assert_eq!(c.stats().disk_used, 0);
+    assert_eq!(c.stats().reserved_bytes, 1 << 16);
+}
+
+#[test]
+fn only_its_session_names_a_spare_and_a_committed_put_gives_it_up() {
+    let mut c = core(1 << 20);
+    let (a, b) = (own(&mut c), own(&mut c));
+    c.reserve_spare(a, BlobId(10), 4096, t(0)).unwrap().unwrap();
+    assert!(matches!(
+        c.name_spare(b, BlobId(10), BlobId(11), t(0)),
+        Err(CoreError::NotOwner(_))
+    ));
+    assert!(matches!(
+        c.name_spare(a, BlobId(99), BlobId(11), t(0)),
+        Err(CoreError::UnknownBlob(_))
+    ));
+    // An Alloc reservation is not a spare.
+    c.alloc(a, BlobId(12), 64, 1, t(0)).unwrap();
+    assert!(matches!(
+        c.name_spare(a, BlobId(12), BlobId(13), t(0)),
+        Err(CoreError::Invalid(_))
+    ));
+    // The put's id is reserved already: refused, nothing moves.
+    assert!(matches!(
+        c.name_spare(a, BlobId(10), BlobId(12), t(0)),
+        Err(CoreError::Invalid(_))
+    ));
+    // The put was committed by an earlier try: the spare is given up.
+    c.commit(a, "partition", BlobId(12), &[entry(1, "f", 0, 64)])
+        .unwrap();
+    let before = c.stats().reserved_bytes;
+    assert!(!c.name_spare(a, BlobId(10), BlobId(12), t(1)).unwrap());
+    assert_eq!(c.stats().reserved_bytes, before - 4096);
+    assert_eq!(c.stats().entries, 1);
+}
+
+#[test]
+fn a_cut_peer_keeps_its_spares_until_its_session_is_gone() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    let offset = c.reserve_spare(o, BlobId(5), 8192, t(0)).unwrap().unwrap();
+    // The unit cut the connection of a peer that maps the slab: it may
+    // still be writing into its spare, so the range is not reused.
+    c.detach(o, ConnEnd::Cut, t(1));
+    assert_eq!(c.stats().reserved_bytes, 8192);
+    let o2 = own(&mut c);
+    for i in 0..15 {
+        if let Some(off) = c.reserve_spare(o2, BlobId(200 + i), 8192, t(2)).unwrap() {
+            assert!(
+                off + 8192 <= offset || off >= offset + 8192,
+                "overlaps the kept spare"
+            );
+        }
+    }
+    c.session_gone(o.session, t(3));
+    assert_eq!(c.stats().reserved_bytes, 15 * 8192);
+    // A connection the peer closed gives its spares back at once.
+    c.detach(o2, ConnEnd::Closed, t(4));
+    assert_eq!(c.stats().reserved_bytes, 0);
+    assert_eq!(c.stats().used, 0);
+}
+
+#[test]
+fn snapshots_pin_every_committed_blob() {
+    let mut c = disk_core(4096, 1 << 20);
+    let o = own(&mut c);
+    put(&mut c, o, 1, 1, 100);
+    put(&mut c, o, 2, 2, 100);
+    let snap = c.snapshot(t(0));
+    assert_eq!(snap.entries.len(), 2);
+    assert_eq!(snap.blobs.len(), 2);
+    c.clear_rows("partition", &[1, 2]);
+    assert_eq!(c.stats().blobs, 2, "pinned by the snapshot");
+    assert!(c.unpin(o, snap.pin.unwrap()).is_err(), "the unit's pin");
+    c.unpin(Owner::UNIT, snap.pin.unwrap()).unwrap();
+    assert_eq!(c.stats().blobs, 0);
+}
+
+#[test]
+fn namespaces_are_isolated() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 8, 1, t(0)).unwrap();
+    c.commit(o, "a", BlobId(1), &[entry(0, "x", 0, 8)]).unwrap();
+    assert_eq!(
+        c.resolve_places(o, "b", &[Key::new(0, "x")], t(0))
+            .unwrap()
+            .1,
+        vec![None]
+    );
+    assert_eq!(c.clear_rows("b", &[0]), 0);
+    assert_eq!(c.stats().entries, 1);
+}
+
+#[test]
+fn full_and_busy_are_answers() {
+    let mut c = core(4096);
+    let o = own(&mut c);
+    assert!(matches!(
+        c.alloc(o, BlobId(1), 8192, 0, t(0)),
+        Err(CoreError::Full { .. })
+    ));
+    c.alloc(o, BlobId(2), 4096, 0, t(0)).unwrap();
+    // The reservation will expire: retrying makes sense.
+    assert!(matches!(
+        c.alloc(o, BlobId(3), 64, 0, t(0)),
+        Err(CoreError::Busy { .. })
+    ));
+    c.commit(o, "partition", BlobId(2), &[]).unwrap(); // no entries: freed at once
+    c.alloc(o, BlobId(3), 4096, 1, t(0)).unwrap();
+    c.commit(o, "partition", BlobId(3), &[entry(0, "f", 0, 4096)])
+        .unwrap();
+    assert!(matches!(
+        c.alloc(o, BlobId(4), 64, 0, t(0)),
+        Err(CoreError::Full { .. })
+    ));
+}
+
+#[test]
+fn replace_keeps_pinned_old_value_until_unpinned() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 8, 1, t(0)).unwrap();
+    c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 8)])
+        .unwrap();
+    let (pin, old) = c
+        .resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+    c.alloc(o, BlobId(2), 8, 1, t(0)).unwrap();
+    c.commit(o, "partition", BlobId(2), &[entry(0, "f", 0, 8)])
+        .unwrap();
+    assert_eq!(c.stats().entries, 1);
+    assert_eq!(c.stats().blobs, 2, "old blob still pinned");
+    let (_, new) = c
+        .resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+    assert_ne!(old, new);
+    c.unpin(o, pin.unwrap()).unwrap();
+    assert!(c.regions().all(|(id, _, _)| id != BlobId(1)));
+}
+
+#[test]
+fn no_timer_takes_a_hold_only_its_connection_or_session_ends_it() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 100, 1, t(0)).unwrap();
+    c.alloc(o, BlobId(2), 100, 1, t(0)).unwrap();
+    c.commit(o, "partition", BlobId(2), &[entry(0, "f", 0, 100)])
+        .unwrap();
+    c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+    c.clear_rows("partition", &[0]);
+    // A paused client: an hour later its holds are all still there,
+    // reported as overdue.
+    c.tick(t(3_600_000));
+    let s = c.stats_at(t(3_600_000));
+    assert_eq!((s.pins, s.blobs, s.used), (1, 2, 256));
+    assert_eq!(s.overdue_holds, 2);
+    assert_eq!(s.sessions.len(), 1);
+    assert_eq!(s.sessions[0].held_bytes, 228);
+    assert_eq!(s.sessions[0].oldest_hold_ms, 3_600_000);
+    // Cut by the unit, the peer maps the slab: the session keeps them.
+    c.detach(o, ConnEnd::Cut, t(3_600_000));
+    assert_eq!(c.stats().used, 256);
+    assert_eq!(c.orphaned_sessions(), vec![o.session]);
+    // The same session reconnects and takes its reservation over.
+    let o2 = c.attach(o.session, true).unwrap();
+    assert!(matches!(
+        c.alloc(o2, BlobId(1), 100, 1, t(1)),
+        Ok(Allocated::Reserved { .. })
+    ));
+    c.detach(o2, ConnEnd::Cut, t(1));
+    // Its process is gone: everything goes, with no quarantine.
+    c.session_gone(o.session, t(3_600_000));
+    assert_eq!(c.stats().used, 0);
+    assert_eq!(
+        c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 1)]),
+        Err(CoreError::UnknownBlob(BlobId(1)))
+    );
+    assert!(c.orphaned_sessions().is_empty());
+    assert_eq!(c.next_deadline(), None);
+}
+
+/// A one-sided (nixl) peer's holds outlive its connection's end, a
+/// clean close included, until the driver fenced its endpoint and the
+/// nixl quarantine then passed; or until its process is gone. A peer
+/// that also maps the slab is never released by a timer.
+#[test]
+fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
+    let mut cfg = CoreConfig::new(1 << 20);
+    cfg.nixl_quarantine = Duration::from_secs(3);
+    let mut c = UnitCore::new(cfg).unwrap();
+    for (i, end) in [(0, ConnEnd::Closed), (10, ConnEnd::Cut)] {
+        let s = c.open_session();
+        let o = c.attach(s, false).unwrap();
+        c.make_one_sided(o).unwrap();
+        c.alloc(o, BlobId(i + 1), 100, 1, t(0)).unwrap();
+        c.alloc(o, BlobId(i + 2), 100, 1, t(0)).unwrap();
+        c.commit(o, "partition", BlobId(i + 2), &[entry(0, "f", 0, 100)])
+            .unwrap();
+        c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
+            .unwrap();
+        c.clear_rows("partition", &[0]);
+        // The connection ends (a FIN or RST from the network reads
+        // as a close): nothing is released, by any time.
+        assert_eq!(c.detach(o, end, t(10)), 0, "{end:?}");
+        c.tick(t(3_600_000));
+        let st = c.stats_at(t(3_600_000));
+        assert_eq!(
+            (st.pins, st.used, st.reserved_bytes),
+            (1, 256, 128),
+            "{end:?}"
+        );
+        assert_eq!(st.sessions[0].orphaned, 2);
+        assert_eq!(c.orphaned_sessions(), vec![s]);
+        assert_eq!(c.next_deadline(), None);
+        // Fenced: released once the nixl quarantine has passed.
+        assert_eq!(c.fence(s, t(3_600_000)), 2);
+        assert_eq!(c.next_deadline(), Some(t(3_603_000)));
+        assert_eq!(c.tick(t(3_602_999)), 0);
+        assert_eq!(c.stats().used, 256);
+        assert_eq!(c.tick(t(3_603_000)), 2);
+        let st = c.stats();
+        assert_eq!((st.pins, st.used, st.reserved_bytes), (0, 0, 0), "{end:?}");
+        assert!(!c.has_session(s) && c.orphaned_sessions().is_empty());
+        assert_eq!(c.next_deadline(), None);
+    }
+
+    // Taken over by a retry of the same session before the quarantine
+    // ends: the hold is its again, and the fence's timer skips it.
+    let s = c.open_session();
+    let o = c.attach(s, false).unwrap();
+    c.make_one_sided(o).unwrap();
+    c.alloc(o, BlobId(3), 100, 1, t(0)).unwrap();
+    c.detach(o, ConnEnd::Closed, t(0));
+    c.fence(s, t(0));
+    let o2 = c.attach(s, false).unwrap();
+    c.make_one_sided(o2).unwrap();
+    assert!(matches!(
+        c.alloc(o2, BlobId(3), 100, 1, t(1)),
+        Ok(Allocated::Reserved { .. })
+    ));
+    assert_eq!(c.tick(t(10_000)), 0);
+    assert_eq!(c.stats().reserved_bytes, 128);
+    // Its process gone: released at once, fenced or not.
+    c.detach(o2, ConnEnd::Closed, t(10_000));
+    assert_eq!(c.stats().reserved_bytes, 128);
+    assert_eq!(c.session_gone(s, t(10_000)), 1);
+    assert_eq!(c.stats().used, 0);
+
+    // A one-sided peer that also maps the slab: a fence never
+    // releases what it holds, only its process's end.
+    let s = c.open_session();
+    let o = c.attach(s, true).unwrap();
+    c.make_one_sided(o).unwrap();
+    c.alloc(o, BlobId(4), 100, 1, t(0)).unwrap();
+    c.detach(o, ConnEnd::Closed, t(0));
+    assert_eq!(c.fence(s, t(0)), 0);
+    c.tick(t(3_600_000));
+    assert_eq!(c.stats().reserved_bytes, 128);
+    c.session_gone(s, t(3_600_000));
+    assert_eq!(c.stats().used, 0);
+
+    // Without make_one_sided, a closed connection's holds go at once.
+    let s = c.open_session();
+    let o = c.attach(s, false).unwrap();
+    c.alloc(o, BlobId(5), 100, 1, t(0)).unwrap();
+    assert_eq!(c.detach(o, ConnEnd::Closed, t(0)), 1);
+    assert_eq!(c.stats().used, 0);
+}
+
+#[test]
+fn ownership_is_enforced() {
+    let mut c = core(1 << 20);
+    let a = own(&mut c);
+    let b = own(&mut c);
+    let a2 = c.attach(a.session, true).unwrap();
+    c.alloc(a, BlobId(1), 64, 1, t(0)).unwrap();
+    // Another session may neither take, commit nor abort it.
+    assert!(matches!(
+        c.alloc(b, BlobId(1), 64, 1, t(0)),
+        Err(CoreError::NotOwner(_))
+    ));
+    assert!(matches!(
+        c.commit(b, "partition", BlobId(1), &[entry(0, "f", 0, 64)]),
+        Err(CoreError::NotOwner(_))
+    ));
+    assert!(matches!(
+        c.abort(b, BlobId(1), false, t(0)),
+        Err(CoreError::NotOwner(_))
+    ));
+    // Another open connection of the same session waits (Busy).
+    assert!(matches!(
+        c.alloc(a2, BlobId(1), 64, 1, t(0)),
+        Err(CoreError::Busy { .. })
+    ));
+    c.commit(a, "partition", BlobId(1), &[entry(0, "f", 0, 64)])
+        .unwrap();
+    let (pin, _) = c
+        .resolve_places(a, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+    let pin = pin.unwrap();
+    assert!(matches!(c.unpin(b, pin), Err(CoreError::NotOwner(_))));
+    assert_eq!(c.stats().pins, 1);
+    // Pin ids are not sequential.
+    let (p2, _) = c
+        .resolve_places(a, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+    let p2 = p2.unwrap();
+    assert!(p2.0.abs_diff(pin.0) > 1 << 20, "{pin:?} then {p2:?}");
+    // A detached connection can do nothing.
+    c.detach(b, ConnEnd::Closed, t(0));
+    assert!(matches!(
+        c.alloc(b, BlobId(9), 64, 1, t(0)),
+        Err(CoreError::NotOwner(_))
+    ));
+    // The peer closing its connection releases what it held.
+    c.detach(a, ConnEnd::Closed, t(0));
+    assert_eq!(c.stats().pins, 0);
+}
+
+#[test]
+fn a_cut_stream_is_quarantined_and_its_blob_id_reusable() {
+    let mut c = core(1 << 20);
+    let s = c.open_session();
+    let tcp = c.attach(s, false).unwrap();
+    c.alloc(tcp, BlobId(1), 100, 1, t(0)).unwrap();
+    c.detach(tcp, ConnEnd::Cut, t(0));
+    assert_eq!(c.stats().quarantined_bytes, 128);
+    // A session with no connection and no hold is forgotten; the
+    // retry, on a new connection of a new session, reserves afresh.
+    assert!(!c.has_session(s));
+    let s2 = c.open_session();
+    let tcp2 = c.attach(s2, false).unwrap();
+    assert!(matches!(
+        c.alloc(tcp2, BlobId(1), 100, 1, t(1)),
+        Ok(Allocated::Reserved { .. })
+    ));
+    c.commit(tcp2, "partition", BlobId(1), &[entry(0, "f", 0, 100)])
+        .unwrap();
+    c.tick(t(5_000));
+    assert_eq!(c.stats().used, 128);
+}
+
+#[test]
+fn index_budget_answers_full() {
+    let mut cfg = CoreConfig::new(1 << 20);
+    cfg.index_budget = 3 * (ENTRY_OVERHEAD + 1);
+    let mut c = UnitCore::new(cfg).unwrap();
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 0, 4, t(0)).unwrap();
+    let four: Vec<EntrySpec> = (0..4)
+        .map(|r| EntrySpec {
+            key: Key::new(r, "f"),
+            offset: 0,
+            len: 0,
+            meta: vec![],
+        })
+        .collect();
+    assert!(matches!(
+        c.commit(o, "partition", BlobId(1), &four),
+        Err(CoreError::Full { .. })
+    ));
+    c.abort(o, BlobId(1), false, t(0)).unwrap();
+    c.alloc(o, BlobId(2), 0, 3, t(0)).unwrap();
+    c.commit(o, "partition", BlobId(2), &four[..3]).unwrap();
+    assert_eq!(c.stats().index_bytes, 3 * (ENTRY_OVERHEAD + 1));
+    c.clear_rows("partition", &[0, 1, 2]);
+    assert_eq!(c.stats().index_bytes, 0);
+}
+
+#[test]
+fn session_holds_are_capped() {
+    let mut cfg = CoreConfig::new(1 << 20);
+    cfg.max_session_holds = 3;
+    let mut c = UnitCore::new(cfg).unwrap();
+    let o = own(&mut c);
+    let other = own(&mut c);
+    c.alloc(o, BlobId(1), 64, 1, t(0)).unwrap();
+    c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 64)])
+        .unwrap();
+    c.alloc(o, BlobId(2), 64, 1, t(0)).unwrap();
+    c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+    c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+    assert!(matches!(
+        c.resolve_places(o, "partition", &[Key::new(0, "f")], t(0)),
+        Err(CoreError::Busy { .. })
+    ));
+    assert!(matches!(
+        c.alloc(o, BlobId(3), 64, 1, t(0)),
+        Err(CoreError::Busy { .. })
+    ));
+    // A retry of a reservation it already holds is not a new hold.
+    assert!(c.alloc(o, BlobId(2), 64, 1, t(0)).is_ok());
+    // Another session is not affected.
+    c.resolve_places(other, "partition", &[Key::new(0, "f")], t(0))
+        .unwrap();
+}
+
+#[test]
+fn session_connections_are_capped() {
+    let mut cfg = CoreConfig::new(1 << 20);
+    cfg.max_session_conns = 2;
+    let mut c = UnitCore::new(cfg).unwrap();
+    let s = c.open_session();
+    let a = c.attach(s, true).unwrap();
+    c.attach(s, true).unwrap();
+    assert!(matches!(c.attach(s, true), Err(CoreError::Busy { .. })));
+    c.detach(a, ConnEnd::Closed, t(0));
+    c.attach(s, true).unwrap();
+}
+
+#[test]
+fn abort_in_flight_quarantines() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 100, 0, t(0)).unwrap();
+    c.abort(o, BlobId(1), true, t(0)).unwrap();
+    assert_eq!(c.stats().quarantined_bytes, 128);
+    c.alloc(o, BlobId(2), 100, 0, t(0)).unwrap();
+    c.abort(o, BlobId(2), false, t(0)).unwrap();
+    assert_eq!(c.stats().used, 128);
+    c.tick(t(5_000));
+    assert_eq!(c.stats().used, 0);
+}
+
+#[test]
+fn absurd_sizes_are_full_not_a_wrap() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    for n in [u64::MAX, u64::MAX - 63, 1 << 63] {
+        assert!(matches!(
+            c.alloc(o, BlobId(1), n, 1, t(0)),
+            Err(CoreError::Full { .. })
+        ));
+    }
+    assert_eq!(c.stats().used, 0);
+}
+
+#[test]
+fn bad_commits_are_invalid() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 10, 1, t(0)).unwrap();
+    assert!(matches!(
+        c.commit(o, "partition", BlobId(1), &[entry(0, "f", 5, 6)]),
+        Err(CoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        c.commit(o, "partition", BlobId(1), &[]),
+        Err(CoreError::Invalid(_))
+    ));
+    assert!(matches!(
+        c.commit(o, "partition", BlobId(9), &[]),
+        Err(CoreError::UnknownBlob(_))
+    ));
+    c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 10)])
+        .unwrap();
+}

@@ -1,0 +1,377 @@
+//! How the unit drives its core: the one place (`Shared::drive`) where
+//! what the core asks is carried out, and the threads whose outcomes come
+//! back to it as inputs — the timer (the core's timeouts, the processes it
+//! asked to watch), the spiller and the flusher (disk writes).
+//!
+//! Every input reaches the core through a [`CoreGuard`] (the locked core);
+//! releasing the guard runs `Shared::drive`: it polls every action
+//! ([`UnitCore::poll_action`]), tells the timer the core's next timeout
+//! ([`UnitCore::poll_timeout`]), unlocks, and then removes files, hands
+//! spill jobs to the spiller and adds processes to the timer's watch.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use stowage_core::{Action, Answer, Input, UnitCore};
+
+use crate::disk::DiskEngine;
+use crate::{metrics, Shared, COPY_CHUNK};
+
+/// The timer side of the driver: when the core next needs
+/// [`Input::Timeout`], and the processes it asked the unit to watch.
+pub(crate) struct Timer {
+    /// The core's [`UnitCore::poll_timeout`], in nanoseconds of
+    /// [`Shared::now`] (`u64::MAX`: none).
+    wake_at: AtomicU64,
+    /// Set, and the condition notified, to wake the timer thread early.
+    woken: (Mutex<bool>, std::sync::Condvar),
+    /// Sessions whose process the core asked to watch
+    /// ([`Action::CheckProcess`]).
+    watched: Mutex<std::collections::HashSet<stowage_core::SessionId>>,
+}
+
+/// How often the timer thread looks at the processes it watches (whose
+/// pidfds it polls; nothing of the core is ticked).
+const WATCH_EVERY: Duration = Duration::from_millis(200);
+
+impl Timer {
+    pub(crate) fn new() -> Self {
+        Self {
+            wake_at: AtomicU64::new(u64::MAX),
+            woken: (Mutex::new(false), std::sync::Condvar::new()),
+            watched: Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// Wake the timer thread by `at` (or at once when `at` is earlier than
+    /// what it sleeps until).
+    fn schedule(&self, at: Option<Duration>) {
+        let Some(at) = at else { return };
+        let at = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX - 1);
+        if self.wake_at.fetch_min(at, Ordering::SeqCst) > at {
+            self.wake();
+        }
+    }
+
+    pub(crate) fn wake(&self) {
+        let mut w = self.woken.0.lock().unwrap_or_else(|p| p.into_inner());
+        *w = true;
+        self.woken.1.notify_one();
+    }
+}
+
+/// Whether the process of a pidfd has exited (the pidfd is readable).
+fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags};
+    let mut fds = [PollFd::new(fd, PollFlags::IN)];
+    matches!(poll(&mut fds, Some(&rustix::event::Timespec::default())), Ok(n) if n > 0)
+}
+
+/// The core, locked. On release it drives the core: it carries out what
+/// the core asks ([`Shared::drive`]) — outside the lock.
+pub(crate) struct CoreGuard<'a> {
+    guard: Option<MutexGuard<'a, UnitCore>>,
+    shared: &'a Shared,
+}
+
+impl std::ops::Deref for CoreGuard<'_> {
+    type Target = UnitCore;
+    fn deref(&self) -> &UnitCore {
+        self.guard.as_deref().expect("the guard is held until drop")
+    }
+}
+
+impl std::ops::DerefMut for CoreGuard<'_> {
+    fn deref_mut(&mut self) -> &mut UnitCore {
+        self.guard
+            .as_deref_mut()
+            .expect("the guard is held until drop")
+    }
+}
+
+impl Drop for CoreGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(g) = self.guard.take() {
+            self.shared.drive(g);
+        }
+    }
+}
+
+/// Typed shorthands for the driver's own inputs, each one
+/// [`UnitCore::handle`] call (and so driven on release); requests go
+/// through [`crate::handler`].
+impl CoreGuard<'_> {
+    /// A blob's file was written (`ok`) or not.
+    pub(crate) fn disk_written(&mut self, blob: stowage_core::BlobId, ok: bool, now: Duration) {
+        let _ = self.handle(now, Input::DiskWritten { blob, ok });
+    }
+
+    /// A connection ended: the holds released now.
+    pub(crate) fn conn_ended(
+        &mut self,
+        owner: stowage_core::Owner,
+        end: stowage_core::ConnEnd,
+        now: Duration,
+    ) -> u64 {
+        match self.handle(now, Input::ConnEnded { owner, end }) {
+            Ok(Answer::Released(n)) => n,
+            _ => 0,
+        }
+    }
+}
+
+impl Shared {
+    /// The core. A thread that panicked while holding the lock cannot have
+    /// left the core half-updated in a way later calls rely on less than on
+    /// the unit staying up, so a poisoned lock is taken over.
+    pub(crate) fn core(&self) -> CoreGuard<'_> {
+        CoreGuard {
+            guard: Some(self.core.lock().unwrap_or_else(|p| p.into_inner())),
+            shared: self,
+        }
+    }
+
+    /// The one place the core is driven: after every input (each
+    /// [`CoreGuard`]'s release) take every action the core asks for, tell
+    /// the timer when the core next needs the time, release the lock, then
+    /// carry the actions out: remove files, hand spill jobs to the
+    /// spiller, watch processes. Their outcomes come back as inputs (the
+    /// spiller's and the flusher's writes, the timer's process exits and
+    /// timeouts), each through a [`CoreGuard`] and so through here.
+    fn drive(&self, mut core: MutexGuard<'_, UnitCore>) {
+        let mut actions = Vec::new();
+        while let Some(a) = core.poll_action() {
+            actions.push(a);
+        }
+        let deadline = core.poll_timeout();
+        drop(core);
+        self.timer.schedule(deadline);
+        let mut spills = Vec::new();
+        for a in actions {
+            match a {
+                Action::DeleteFile(blob) => {
+                    if let Some(d) = &self.disk {
+                        if let Err(err) = d.engine.delete(blob) {
+                            tracing::warn!(error = %err, ?blob, "could not remove a blob file");
+                        }
+                    }
+                }
+                Action::Spill(job) => spills.push(job),
+                Action::CheckProcess(session) => {
+                    let mut w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+                    if w.insert(session) && w.len() == 1 {
+                        drop(w);
+                        self.timer.wake();
+                    }
+                }
+            }
+        }
+        if let (false, Some(d)) = (spills.is_empty(), &self.disk) {
+            let sent = d
+                .spill
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .send(spills);
+            if sent.is_err() {
+                // The spiller has stopped (so has the unit): the blobs
+                // stay in memory.
+                tracing::debug!(unit = %self.name, "spill jobs after the spiller stopped");
+            }
+        }
+    }
+
+    /// The timer thread: sleeps until the core's next timeout, or until
+    /// woken (an earlier timeout, a process to watch, the unit stopping);
+    /// while processes are watched, it looks at them every
+    /// [`WATCH_EVERY`].
+    pub(crate) fn run_timer(&self) {
+        let mut watching = false;
+        while !self.stop.load(Ordering::Relaxed) {
+            let now = self.now();
+            let at = self.timer.wake_at.load(Ordering::SeqCst);
+            if at != u64::MAX && u128::from(at) <= now.as_nanos() {
+                self.timer.wake_at.store(u64::MAX, Ordering::SeqCst);
+                // Its release (drive) schedules the next timeout.
+                let _ = self.core().handle(now, Input::Timeout);
+                continue;
+            }
+            let mut wait = if at == u64::MAX {
+                // Nothing to wake for but an input, a watched process or
+                // the stop (which wakes this thread).
+                Duration::from_secs(1)
+            } else {
+                Duration::from_nanos(at).saturating_sub(now)
+            };
+            if watching {
+                wait = wait.min(WATCH_EVERY);
+            }
+            {
+                let w = self.timer.woken.0.lock().unwrap_or_else(|p| p.into_inner());
+                let (mut w, _) = self
+                    .timer
+                    .woken
+                    .1
+                    .wait_timeout_while(w, wait, |woken| !*woken)
+                    .unwrap_or_else(|p| p.into_inner());
+                *w = false;
+            }
+            watching = self.reap_sessions();
+        }
+    }
+
+    /// End the sessions the core asked to watch ([`Action::CheckProcess`])
+    /// whose process has exited while none of their connections is open:
+    /// nothing of them can touch the slab any more. Returns whether some
+    /// are still watched.
+    fn reap_sessions(&self) -> bool {
+        let watched: Vec<stowage_core::SessionId> = {
+            let w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+            w.iter().copied().collect()
+        };
+        if watched.is_empty() {
+            return false;
+        }
+        let (gone, forget): (Vec<_>, Vec<_>) = {
+            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+            let exited = |id: &stowage_core::SessionId| {
+                sessions
+                    .values()
+                    .find(|r| r.id == *id)
+                    .and_then(|r| r.pidfd.as_ref())
+                    .is_some_and(process_exited)
+            };
+            // Watched while it holds something with no connection open;
+            // forgotten once it no longer does (asked again if it is left
+            // so again).
+            let (orphaned, done): (Vec<_>, Vec<_>) =
+                watched.into_iter().partition(|id| core.is_orphaned(*id));
+            let gone = orphaned.into_iter().filter(exited).collect::<Vec<_>>();
+            (gone, done)
+        };
+        {
+            let mut w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+            for id in gone.iter().chain(&forget) {
+                w.remove(id);
+            }
+        }
+        let now = self.now();
+        for id in gone {
+            let holds = match self.core().handle(now, Input::ProcessExited(id)) {
+                Ok(Answer::Released(n)) => n,
+                _ => 0,
+            };
+            if let Some(m) = &self.metrics {
+                m.reclaimed(metrics::Reclaim::ProcessExited, holds);
+            }
+            tracing::info!(
+                unit = %self.name,
+                session = id.0,
+                holds,
+                "session closed: a cut session's process exited; released what it held"
+            );
+        }
+        !self
+            .timer
+            .watched
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+    }
+}
+
+/// Sync and publish blob files written by connections (puts that went to
+/// disk), in order.
+pub(crate) fn flusher(
+    shared: Arc<Shared>,
+    rx: std::sync::mpsc::Receiver<(stowage_core::BlobId, Box<dyn crate::disk::BlobWriter>)>,
+) {
+    while let Ok((blob, writer)) = rx.recv() {
+        let Some(d) = &shared.disk else { return };
+        let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
+        let ok = match writer.finish() {
+            Ok(_) => true,
+            Err(e) => {
+                tracing::warn!(error = %e, ?blob, "a put's blob file could not be made durable");
+                d.put_failed(blob, &e);
+                false
+            }
+        };
+        let _ = shared
+            .core()
+            .handle(shared.now(), stowage_core::Input::DiskWritten { blob, ok });
+    }
+}
+
+/// Copy to disk the blobs the core hands out to spill (the slab is past
+/// its high watermark), a batch at a time, and report each write.
+pub(crate) fn spiller(
+    shared: Arc<Shared>,
+    rx: std::sync::mpsc::Receiver<Vec<stowage_core::SpillJob>>,
+) {
+    let Some(d) = &shared.disk else { return };
+    let mut failing = false;
+    while !shared.stop.load(Ordering::Relaxed) {
+        let jobs = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(jobs) => jobs,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
+        if shared.stop.load(Ordering::SeqCst) {
+            break;
+        }
+        let batch_start = Instant::now();
+        let (n_jobs, mut spilled) = (jobs.len(), 0u64);
+        for job in jobs {
+            let t0 = Instant::now();
+            // The core keeps the range allocated until the write is
+            // reported, even if the blob is freed meanwhile: this thread
+            // reads it alone.
+            let written = d.engine.create(job.blob, job.nbytes).and_then(|mut w| {
+                shared
+                    .slab
+                    .copy_out_chunked(job.offset, job.nbytes as usize, COPY_CHUNK, |c| w.write(c))
+                    .map_err(std::io::Error::other)??;
+                w.finish()
+            });
+            match &written {
+                Ok(_) => {
+                    d.io.wrote(job.nbytes, t0);
+                    spilled += job.nbytes;
+                    if let Some(m) = &shared.metrics {
+                        m.spilled_bytes.fetch_add(job.nbytes, Ordering::Relaxed);
+                    }
+                    failing = false
+                }
+                Err(e) if !failing => {
+                    tracing::warn!(error = %e, "spilling to disk failed; data stays in memory");
+                    failing = true;
+                }
+                Err(_) => {}
+            }
+            let report = stowage_core::Input::DiskWritten {
+                blob: job.blob,
+                ok: written.is_ok(),
+            };
+            let _ = shared.core().handle(shared.now(), report);
+        }
+        if n_jobs > 0 {
+            if let Some(m) = &shared.metrics {
+                m.spill_batches.fetch_add(1, Ordering::Relaxed);
+            }
+            tracing::info!(
+                unit = %shared.name,
+                blobs = n_jobs,
+                bytes = spilled,
+                seconds = batch_start.elapsed().as_secs_f64(),
+                "spill batch"
+            );
+        }
+        if failing {
+            // Do not spin on a failing disk.
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+}
