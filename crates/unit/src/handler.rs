@@ -96,13 +96,13 @@ pub fn handle(core: &mut UnitCore, owner: Owner, ns: &str, req: Request, now: Ti
             Ok(()) if !reply => Handled::Silent,
             r => answer(r.map(|()| Response::Done)),
         },
-        Request::ReleaseRows { partition, rows } => Handled::Reply(Response::Released {
+        Request::ClearRows { partition, rows } => Handled::Reply(Response::Cleared {
             entries: core.release_rows(&scope(ns, &partition), &rows),
         }),
         Request::List { partition } => Handled::Reply(Response::Listed {
             rows: core.list(&scope(ns, &partition)),
         }),
-        Request::DropPartition { partition } => Handled::Reply(Response::Released {
+        Request::ClearPartition { partition } => Handled::Reply(Response::Cleared {
             entries: core.drop_namespace(&scope(ns, &partition)),
         }),
         Request::ListPartitions => {
