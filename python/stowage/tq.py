@@ -54,7 +54,6 @@ import json
 import logging
 import os
 import stat
-import sys
 import tempfile
 import threading
 import weakref
@@ -122,10 +121,12 @@ _CHECKPOINT_SUBDIR = "stowage"
 _CHECKPOINT_INFO = "stowage_checkpoint.json"
 
 
-class RowsLost(RuntimeError):
+class RowsLost(stowage.Error, RuntimeError):
     """Rows whose storage unit died (or was replaced): their values are
     gone. ``partition``, ``global_indexes`` (the lost rows asked for) and
-    ``unit`` (its index) say which; the stowage error is the cause."""
+    ``unit`` (its index) say which; the stowage error (:class:`stowage.LostKeys`)
+    is the cause. A :class:`stowage.Error` (and, as before, a
+    ``RuntimeError``)."""
 
     def __init__(self, partition: str, global_indexes: List[int], unit: Optional[int], op: str):
         self.partition = partition
@@ -138,12 +139,13 @@ class RowsLost(RuntimeError):
         )
 
 
-class CheckpointRefused(RuntimeError):
+class CheckpointRefused(stowage.Error, RuntimeError):
     """A checkpoint that ``tq.load_checkpoint`` refused before changing
     anything: its ``stowage_checkpoint.json`` names a path outside the
     checkpoint or sizes it wrongly, or a pickled cell in it does not carry
     a right tag (changed, or saved under another secret: see
-    ``checkpoint_secret_file``)."""
+    ``checkpoint_secret_file``). A :class:`stowage.Error` (and, as before,
+    a ``RuntimeError``)."""
 
 
 def _short_list(xs: Sequence[Any], n: int = 20) -> str:
@@ -324,7 +326,7 @@ def _register_yaml_redaction() -> None:
         get_omega_conf_dumper().add_representer(
             _Redacted, lambda dumper, _v: dumper.represent_str("<redacted>")
         )
-    except Exception:  # pragma: no cover - another omegaconf; str/repr stay redacted
+    except Exception:  # noqa: BLE001  # pragma: no cover - another omegaconf; str/repr stay redacted
         pass
 
 
@@ -525,7 +527,7 @@ def _encode_rows(name: str, col: Any, n: int, seal: Seal) -> Tuple[Any, bool]:
     try:
         from tensordict import NonTensorData, NonTensorStack
     except ImportError:  # pragma: no cover
-        NonTensorData = NonTensorStack = ()  # type: ignore[assignment,misc]
+        NonTensorData = NonTensorStack = ()
     if isinstance(col, (NonTensorStack, NonTensorData)):
         values = col.tolist()
         if not isinstance(values, list) or len(values) != n:
@@ -537,14 +539,6 @@ def _encode_rows(name: str, col: Any, n: int, seal: Seal) -> Tuple[Any, bool]:
     if len(values) != n:
         raise stowage.InvalidRequest(f"field {name!r}: {len(values)} values for {n} rows")
     return [seal(i, v) for i, v in enumerate(values)], True
-
-
-def _to_torch(a: np.ndarray) -> Any:
-    import torch
-
-    if a.dtype.kind == "V":  # raw bfloat16
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 def _pack(rows: List[Any], owned: bool) -> Any:
@@ -562,21 +556,21 @@ def _pack(rows: List[Any], owned: bool) -> Any:
         dt = rows[0].dtype
         same_dtype = all(r.dtype == dt for r in rows)
         if same_dtype and all(r.ndim == 0 for r in rows):
-            return _to_torch(np.stack(rows))
+            return stowage._to_torch(np.stack(rows))
         if same_dtype and all(r.ndim >= 1 and r.shape[1:] == rows[0].shape[1:] for r in rows):
             # One contiguous buffer, one copy: the jagged tensor's values,
             # in memory from stowage's read cache (warm pages when the
             # caller freed an earlier batch of this size).
-            out = stowage.empty((sum(r.shape[0] for r in rows),) + rows[0].shape[1:], dt)
+            out = stowage.empty((sum(r.shape[0] for r in rows), *rows[0].shape[1:]), dt)
             np.concatenate(rows, axis=0, out=out)
-            values = _to_torch(out)
+            values = stowage._to_torch(out)
             lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
             offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=offsets[1:])
             return torch.nested.nested_tensor_from_jagged(values, offsets)
-        rows = [_to_torch(r if owned else np.array(r)) for r in rows]
+        rows = [stowage._to_torch(r if owned else np.array(r)) for r in rows]
     elif not arrays:
-        rows = [_to_torch(r if owned else np.array(r)) if isinstance(r, np.ndarray) else r for r in rows]
+        rows = [stowage._to_torch(r if owned else np.array(r)) if isinstance(r, np.ndarray) else r for r in rows]
     tensors = all(isinstance(r, torch.Tensor) for r in rows)
     if tensors and rows:
         if all(r.dim() == 0 for r in rows):
@@ -978,7 +972,7 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
     d = entry.get("dir")
     parts = d.split("/") if isinstance(d, str) else []
     if (
-        not parts
+        not isinstance(d, str)
         or os.path.isabs(d)
         or "\0" in d
         or any(p in ("", ".", "..") for p in parts)
