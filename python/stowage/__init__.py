@@ -326,7 +326,9 @@ class DataPlane:
     def unit_pids(self) -> List[int]:
         """The process ids of a local plane's units."""
         if self._plane is None:
-            raise InvalidRequest("not a local data plane: its units are not this process's children")
+            raise InvalidRequest(
+                "not a local data plane: its units are not this process's children"
+            )
         return self._plane.pids
 
     # -- data ----------------------------------------------------------------
@@ -545,7 +547,8 @@ def _liveness_of(directory: Mapping[str, Any]) -> Any:
     except ImportError as e:  # pragma: no cover - ray entries without ray
         logging.getLogger("stowage").warning(
             "the directory's units were started by Ray, but Ray cannot be imported here (%s); "
-            "liveness after a failure falls back to probing their addresses", e
+            "liveness after a failure falls back to probing their addresses",
+            e,
         )
         return None
 
@@ -618,9 +621,7 @@ def connect(
     refuse to run nixl unless ``UCX_TLS`` holds UCX to RDMA transports.
     :meth:`DataPlane.stats` tells each unit's transport."""
     if transport not in ("auto", "shm", "tcp", "nixl"):
-        raise InvalidRequest(
-            f"transport must be 'auto', 'shm', 'tcp' or 'nixl', not {transport!r}"
-        )
+        raise InvalidRequest(f"transport must be 'auto', 'shm', 'tcp' or 'nixl', not {transport!r}")
     use_nixl = nixl or transport == "nixl"
     by_address = "tcp" if transport == "nixl" else transport
     directory = _directory_of(units)
@@ -632,17 +633,30 @@ def connect(
             secret = _native.directory_secret(text)
         return DataPlane(
             _native.Client(
-                addrs, namespace, timeout, True, wait_for_memory, secret,
-                instances=instances, liveness=_liveness_of(directory),
-                nixl=use_nixl, require_rdma=require_rdma,
+                addrs,
+                namespace,
+                timeout,
+                True,
+                wait_for_memory,
+                secret,
+                instances=instances,
+                liveness=_liveness_of(directory),
+                nixl=use_nixl,
+                require_rdma=require_rdma,
             )
         )
     if isinstance(units, (str, os.PathLike)):
         units = [os.fspath(units)]
     return DataPlane(
         _native.Client(
-            list(units), namespace, timeout, by_address != "tcp", wait_for_memory,
-            _secret(secret), nixl=use_nixl, require_rdma=require_rdma,
+            list(units),
+            namespace,
+            timeout,
+            by_address != "tcp",
+            wait_for_memory,
+            _secret(secret),
+            nixl=use_nixl,
+            require_rdma=require_rdma,
         )
     )
 
@@ -716,10 +730,14 @@ def local(
         args += ["--nixl", "--nixl-allow-tcp"]
     if disk is not None:
         args += [
-            "--disk", str(disk),
-            "--disk-capacity", str(disk_capacity),
-            "--high-watermark", str(high_watermark),
-            "--low-watermark", str(low_watermark),
+            "--disk",
+            str(disk),
+            "--disk-capacity",
+            str(disk_capacity),
+            "--high-watermark",
+            str(high_watermark),
+            "--low-watermark",
+            str(low_watermark),
         ]
     if checkpoint_root is not None:
         args += ["--checkpoint-root", str(checkpoint_root)]
@@ -732,8 +750,14 @@ def local(
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
         client = _native.Client(
-            addrs, namespace, timeout, True, wait_for_memory, secret,
-            nixl=transport == "nixl", require_rdma=False,
+            addrs,
+            namespace,
+            timeout,
+            True,
+            wait_for_memory,
+            secret,
+            nixl=transport == "nixl",
+            require_rdma=False,
         )
         # Over tcp, admin requests take the Unix sockets (units accept them
         # there from their own user only).

@@ -204,7 +204,9 @@ def open_cell(
                 f"and this client has none to check it with: give it the secret "
                 f"(backend.Stowage.secret_file, or STOWAGE_SECRET)"
             )
-        raise UntrustedCell(f"stowage.tq: {where} is marked pickled but was not written by stowage.tq")
+        raise UntrustedCell(
+            f"stowage.tq: {where} is marked pickled but was not written by stowage.tq"
+        )
     payload = verified(raw, key, namespace, partition, row, field)
     if payload is None:
         if raw.startswith(MAGIC_INSECURE):

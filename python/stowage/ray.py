@@ -68,6 +68,7 @@ CLEANUP_TIMEOUT_S = 2.0
 #: How long :func:`liveness` waits for Ray's answer by default.
 LIVENESS_TIMEOUT_S = 5.0
 
+
 class PlacementError(Error):
     """Units could not be placed or started: a planned node is missing, dead
     or short of resources, or a unit did not come up in time. The message
@@ -448,8 +449,12 @@ def start_units(
                     entries[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 except Exception as e:  # noqa: BLE001 - reported per unit
                     failed.append(f"unit {i} on node {nodes[i]} failed to start: {_short(e)}")
-        why = {} if failed else _pending_reasons(
-            {index[r]: actors[index[r]] for r in pending}, nodes, settings.cpus
+        why = (
+            {}
+            if failed
+            else _pending_reasons(
+                {index[r]: actors[index[r]] for r in pending}, nodes, settings.cpus
+            )
         )
         for ref in pending:
             i = index[ref]

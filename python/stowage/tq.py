@@ -174,7 +174,9 @@ def _block(config: Any) -> Dict[str, Any]:
     (typos) are errors."""
     given = _plain(config) or {}
     if not isinstance(given, Mapping):
-        raise stowage.InvalidRequest(f"backend.{BACKEND} must be a mapping, not {type(given).__name__}")
+        raise stowage.InvalidRequest(
+            f"backend.{BACKEND} must be a mapping, not {type(given).__name__}"
+        )
     unknown = sorted(set(given) - set(DEFAULTS) - {"zmq_info"})
     if unknown:
         raise stowage.InvalidRequest(
@@ -263,9 +265,12 @@ def default_checkpoint_root() -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
         what = (
-            "a symbolic link" if stat.S_ISLNK(st.st_mode)
-            else "not a directory" if not stat.S_ISDIR(st.st_mode)
-            else f"owned by uid {st.st_uid}" if st.st_uid != uid
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "not a directory"
+            if not stat.S_ISDIR(st.st_mode)
+            else f"owned by uid {st.st_uid}"
+            if st.st_uid != uid
             else f"open to other users (mode {stat.S_IMODE(st.st_mode):03o})"
         )
         raise stowage.InvalidRequest(
@@ -292,7 +297,9 @@ def _fallback_checkpoint_root() -> str:
         logger.warning(
             "%s; checkpoints of this job go to the fresh private directory %s instead "
             "(set backend.%s.checkpoint_root to choose one)",
-            e, path, BACKEND,
+            e,
+            path,
+            BACKEND,
         )
         return path
 
@@ -431,7 +438,9 @@ def _abandon_controller() -> None:
         interface._TQ_CONTROLLER = None
         interface._TQ_STORAGE = None
     except Exception as e:  # noqa: BLE001 - best effort; the original error matters
-        logger.warning("could not remove TransferQueue's controller after a failed bootstrap: %r", e)
+        logger.warning(
+            "could not remove TransferQueue's controller after a failed bootstrap: %r", e
+        )
 
 
 def initialize_stowage_storage(conf: Any) -> StowageStorage:
@@ -477,8 +486,16 @@ def initialize_stowage_storage(conf: Any) -> StowageStorage:
 
 # torch dtypes stowage stores as they are (others are pickled).
 _TORCH_DTYPES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64",
-    "float16", "bfloat16", "float32", "float64",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
 )
 
 
@@ -570,7 +587,10 @@ def _pack(rows: List[Any], owned: bool) -> Any:
             return torch.nested.nested_tensor_from_jagged(values, offsets)
         rows = [stowage._to_torch(r if owned else np.array(r)) for r in rows]
     elif not arrays:
-        rows = [stowage._to_torch(r if owned else np.array(r)) if isinstance(r, np.ndarray) else r for r in rows]
+        rows = [
+            stowage._to_torch(r if owned else np.array(r)) if isinstance(r, np.ndarray) else r
+            for r in rows
+        ]
     tensors = all(isinstance(r, torch.Tensor) for r in rows)
     if tensors and rows:
         if all(r.dim() == 0 for r in rows):
@@ -614,13 +634,18 @@ def _register() -> None:
     from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
     global StowageStorageManager
-    if StorageManagerFactory._registry.get(BACKEND) is not None and StowageStorageManager is not None:
+    if (
+        StorageManagerFactory._registry.get(BACKEND) is not None
+        and StowageStorageManager is not None
+    ):
         return
 
     class _Manager(StorageManager):
         __doc__ = _MANAGER_DOC
 
-        def __init__(self, controller_info: Any, config: Any, zmq_context: Any = None, **kwargs: Any):
+        def __init__(
+            self, controller_info: Any, config: Any, zmq_context: Any = None, **kwargs: Any
+        ):
             self._plane: Optional[stowage.DataPlane] = None
             super().__init__(controller_info, config, zmq_context=zmq_context)
             block = _block(config)
@@ -676,7 +701,10 @@ def _register() -> None:
                     meta = {g: backend_meta[g] for g in keys}
                     sub_schema = {
                         f: (
-                            {**s, "per_sample_shapes": [s["per_sample_shapes"][i] for i in positions]}
+                            {
+                                **s,
+                                "per_sample_shapes": [s["per_sample_shapes"][i] for i in positions],
+                            }
                             if "per_sample_shapes" in s
                             else s
                         )
@@ -692,7 +720,9 @@ def _register() -> None:
 
             return seal
 
-        def _put_sync(self, groups: Dict[str, List[int]], gidx: List[int], columns: Dict[str, Any]) -> None:
+        def _put_sync(
+            self, groups: Dict[str, List[int]], gidx: List[int], columns: Dict[str, Any]
+        ) -> None:
             plane = self._live()
             for p, positions in groups.items():
                 if len(groups) == 1:
@@ -754,7 +784,9 @@ def _register() -> None:
                 for i in range(n):
                     if (backend_meta[i] or {}).get(f) == _PICKLE_TAG:
                         # Checked before it is unpickled (UntrustedCell).
-                        col[i] = _tq_cells.open_cell(key, ns, parts[i], gidx[i], f, col[i], insecure)
+                        col[i] = _tq_cells.open_cell(
+                            key, ns, parts[i], gidx[i], f, col[i], insecure
+                        )
             # Packing copies every value once into fresh memory (the
             # result must not alias a unit's); numpy releases the GIL for
             # it, so the fields are packed on all cores at once.
@@ -786,7 +818,9 @@ def _register() -> None:
             cells = _RestoredCells(
                 self._cell_key, self._namespace, self._checkpoint_key, self._insecure_pickles
             )
-            await asyncio.to_thread(_load_checkpoint, self._live(), cells, checkpoint_dir, self._timeout)
+            await asyncio.to_thread(
+                _load_checkpoint, self._live(), cells, checkpoint_dir, self._timeout
+            )
 
         # -- lifecycle ----------------------------------------------------
 
@@ -867,7 +901,10 @@ def _save_checkpoint(plane: stowage.DataPlane, namespace: str, checkpoint_dir: s
         "format": 1,
         "namespace": namespace,
         "units": [
-            {"dir": f"{_CHECKPOINT_SUBDIR}/unit-{i}", **{k: v for k, v in info.items() if k != "dir"}}
+            {
+                "dir": f"{_CHECKPOINT_SUBDIR}/unit-{i}",
+                **{k: v for k, v in info.items() if k != "dir"},
+            }
             for i, info in enumerate(infos)
         ],
     }
@@ -880,7 +917,9 @@ class _RestoredCells:
     checked before it is put back, and re-tagged for this plane when it was
     saved under another secret (``checkpoint_secret_file``) or namespace."""
 
-    def __init__(self, key: Optional[bytes], namespace: str, old_key: Optional[bytes], insecure: bool):
+    def __init__(
+        self, key: Optional[bytes], namespace: str, old_key: Optional[bytes], insecure: bool
+    ):
         self.key = key
         self.namespace = namespace
         self.old_key = old_key
@@ -987,7 +1026,9 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            raise CheckpointRefused(f"stowage.tq: the checkpoint's unit directory {path} is missing") from None
+            raise CheckpointRefused(
+                f"stowage.tq: the checkpoint's unit directory {path} is missing"
+            ) from None
         if not stat.S_ISDIR(st.st_mode):
             what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
             raise CheckpointRefused(
@@ -1001,7 +1042,12 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
     claimed = entry.get("bytes", 0)
     if claimed is None:
         claimed = 0
-    if isinstance(claimed, bool) or not isinstance(claimed, int) or claimed < 0 or claimed > on_disk:
+    if (
+        isinstance(claimed, bool)
+        or not isinstance(claimed, int)
+        or claimed < 0
+        or claimed > on_disk
+    ):
         raise CheckpointRefused(
             f"stowage.tq: the checkpoint record says unit directory {d!r} holds {claimed!r} bytes, "
             f"and its files hold {on_disk}: the record is damaged or was changed"
@@ -1010,7 +1056,9 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
     return path, memory
 
 
-def _load_checkpoint(plane: stowage.DataPlane, cells: _RestoredCells, checkpoint_dir: str, timeout: float) -> None:
+def _load_checkpoint(
+    plane: stowage.DataPlane, cells: _RestoredCells, checkpoint_dir: str, timeout: float
+) -> None:
     """Replace the running units' rows of this namespace with the
     checkpoint's, under the same partitions and global indexes.
 

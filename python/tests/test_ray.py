@@ -357,7 +357,7 @@ def test_stop_units_leaves_no_process_and_no_directory(cluster, tmp_path, part):
     two = stowage.ray.start_units(cfg, cluster.node_ids[:2], timeout=START_S)
     entries = two.directory["units"]
     pids = [e["pid"] for e in entries]
-    socket_dirs = [pathlib.Path(e["uds"][len("unix:"):]).parent for e in entries]
+    socket_dirs = [pathlib.Path(e["uds"][len("unix:") :]).parent for e in entries]
     with stowage.connect(two.directory) as plane:
         plane.put(part, [0, 1], {"v": np.ones((2, 1000), dtype=np.float32)})
     assert len(os.listdir(disk)) == 2  # one locked directory per unit
@@ -457,16 +457,16 @@ def start_failing(*args, **kwargs):
     t0 = time.monotonic()
     t.start()
     t.join(kwargs["timeout"] + 30)
-    assert not t.is_alive(), f"start_units did not return within its timeout of {kwargs['timeout']} s"
+    assert not t.is_alive(), (
+        f"start_units did not return within its timeout of {kwargs['timeout']} s"
+    )
     assert "error" in out, out
     assert isinstance(out["error"], stowage.ray.PlacementError), repr(out["error"])
     assert isinstance(out["error"], stowage.Error)
     return str(out["error"]), time.monotonic() - t0
 
 
-def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing(
-    cluster, units
-):
+def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing(cluster, units):
     # Free: every CPU but those of the module's units (once the units of
     # earlier tests are gone).
     free = ray.cluster_resources()["CPU"] - len(units)
@@ -521,7 +521,7 @@ def test_units_die_with_the_job_that_started_them(cluster, tmp_path):
     entry = json.loads(done.stdout.strip().splitlines()[-1])["units"][0]
     # The job ended without stop_units: Ray kills its (non-detached) actors.
     assert wait_dead(entry["pid"], 60), "a unit outlived the job that started it"
-    shutil.rmtree(pathlib.Path(entry["uds"][len("unix:"):]).parent, ignore_errors=True)
+    shutil.rmtree(pathlib.Path(entry["uds"][len("unix:") :]).parent, ignore_errors=True)
     # Its disk directory stays, locked by nobody, until the next unit
     # under the same root removes it.
     left = os.listdir(disk)
