@@ -447,8 +447,9 @@ class DataPlane:
         """Every unit's counters (capacity, used, reserved_bytes,
         quarantined_bytes, blobs, entries, rows, pins, index_bytes, disk
         counters), in unit order, with what clients hold: ``held_bytes``,
-        ``overdue_holds`` (holds older than the leases: reported, never
-        reclaimed while their holder may still touch them) and
+        ``overdue_holds`` (holds older than the units' ``--reservation-lease``
+        or ``--pin-lease``: reported, never reclaimed while their holder may
+        still touch them) and
         ``sessions``, one dict per session (``connections``,
         ``reservations``, ``pins``, ``held_bytes``, ``oldest_hold_ms``,
         ``orphaned``); and ``transport``, how this client reaches the unit

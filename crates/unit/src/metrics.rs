@@ -45,9 +45,9 @@ pub(crate) enum Op {
 }
 
 const OPS: usize = 16;
-/// The `op` label values. The clear requests keep the labels of their
-/// names before protocol 8 (`release_rows`, `drop_partition`), so that
-/// dashboards and alerts over them keep working.
+/// The `op` label values. The clear requests keep the labels of the names
+/// they had before (`release_rows`, `drop_partition`), so that dashboards
+/// and alerts over them keep working.
 const OP_NAMES: [&str; OPS] = [
     "hello",
     "alloc",
