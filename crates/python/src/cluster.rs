@@ -311,9 +311,9 @@ const MAPPING_SOURCE: &str = "<config>";
 /// an error that names the key.
 fn config_of_mapping(mapping: &Bound<'_, PyAny>) -> PyResult<Result<Config, ConfigError>> {
     let durations = duration_keys();
-    let toml::Value::Table(table) = toml_value(mapping, "", &durations)?.unwrap_or_else(|| {
-        toml::Value::Table(toml::Table::new())
-    }) else {
+    let toml::Value::Table(table) = toml_value(mapping, "", &durations)?
+        .unwrap_or_else(|| toml::Value::Table(toml::Table::new()))
+    else {
         return Err(invalid(format!(
             "config must be a mapping of sections, not {}",
             type_name(mapping)
@@ -338,7 +338,11 @@ fn duration_keys() -> Vec<String> {
         match v {
             toml::Value::Table(t) => {
                 for (k, v) in t {
-                    let key = if key.is_empty() { k.clone() } else { format!("{key}.{k}") };
+                    let key = if key.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{key}.{k}")
+                    };
                     walk(v, &key, out);
                 }
             }
@@ -364,7 +368,11 @@ fn toml_value(
     durations: &[String],
 ) -> PyResult<Option<toml::Value>> {
     let bad = |what: String| {
-        let at = if key.is_empty() { String::new() } else { format!("{key}: ") };
+        let at = if key.is_empty() {
+            String::new()
+        } else {
+            format!("{key}: ")
+        };
         invalid(format!("{MAPPING_SOURCE}: {at}{what}"))
     };
     if ob.is_none() {
@@ -401,7 +409,11 @@ fn toml_value(
                 .map_err(|_| bad(format!("a key is a str, not {}", type_name(&k))))?
                 .to_cow()?
                 .into_owned();
-            let sub = if key.is_empty() { k.clone() } else { format!("{key}.{k}") };
+            let sub = if key.is_empty() {
+                k.clone()
+            } else {
+                format!("{key}.{k}")
+            };
             if let Some(v) = toml_value(&v, &sub, durations)? {
                 table.insert(k, v);
             }
