@@ -189,7 +189,7 @@ impl H {
                 session: None,
             }),
             Step::Stats => Ok(Request::Stats),
-            Step::Release { row } => Ok(Request::ReleaseRows {
+            Step::Release { row } => Ok(Request::ClearRows {
                 partition: String::new(),
                 rows: vec![row],
             }),

@@ -59,7 +59,7 @@ const MAX_STEPS: usize = 256;
 const QUARANTINE: Duration = Duration::from_secs(5);
 const NAMESPACES: [&str; 2] = ["a", "b"];
 const PARTITIONS: [&str; 3] = ["", "p", "q"];
-/// `"\0name"`: a hidden bookkeeping field (not counted by ReleaseRows).
+/// `"\0name"`: a hidden bookkeeping field (not counted by ClearRows).
 const FIELDS: [&str; 4] = ["a", "b", "\0name", ""];
 
 // ---------------------------------------------------------------------------
@@ -701,14 +701,14 @@ impl H {
                 },
                 reply,
             },
-            Op::ReleaseRows { partition: p, rows } => Request::ReleaseRows {
+            Op::ReleaseRows { partition: p, rows } => Request::ClearRows {
                 partition: partition(p),
                 rows: rows.iter().map(|r| row(*r)).collect(),
             },
             Op::List { partition: p } => Request::List {
                 partition: partition(p),
             },
-            Op::DropPartition { partition: p } => Request::DropPartition {
+            Op::DropPartition { partition: p } => Request::ClearPartition {
                 partition: partition(p),
             },
             Op::ListPartitions => Request::ListPartitions,
@@ -796,10 +796,10 @@ impl H {
         };
         let is_read = matches!(req, Request::Read { .. });
         let release = match &req {
-            Request::ReleaseRows { partition, rows } => {
+            Request::ClearRows { partition, rows } => {
                 Some((scope(c.ns, partition), Some(rows.clone())))
             }
-            Request::DropPartition { partition } => Some((scope(c.ns, partition), None)),
+            Request::ClearPartition { partition } => Some((scope(c.ns, partition), None)),
             _ => None,
         };
         let list = match &req {
@@ -896,8 +896,8 @@ impl H {
                 }
             }
         } else if let Some((sc, rows)) = release {
-            let Some(Response::Released { entries }) = resp else {
-                panic!("ReleaseRows/DropPartition answered {resp:?}");
+            let Some(Response::Cleared { entries }) = resp else {
+                panic!("ClearRows/ClearPartition answered {resp:?}");
             };
             let expect = self.release(&sc, rows);
             assert_eq!(entries, expect, "released entries of {sc:?}");

@@ -22,6 +22,9 @@ int8..int64, uint8..uint64, float16, bfloat16 via ml_dtypes, float32,
 float64) or CPU torch tensors; they must be C-contiguous: stowage never
 copies an array behind your back. Errors are subclasses of
 :class:`stowage.Error`.
+
+A renamed name keeps its old spelling for one release, with a
+DeprecationWarning: ``stowage.Key`` is now :data:`RowKey`.
 """
 
 from __future__ import annotations
@@ -31,24 +34,27 @@ import json
 import logging
 import os
 import sys
+import warnings
 import weakref
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _native
+from . import config as config  # stowage.config.load
+from . import placement as placement  # stowage.placement.*
 from ._native import (
     Error,
     InvalidRequest,
     LostKeys,
     NotFound,
+    NotOwner,
     Timeout,
     TransferFailed,
     Unauthorized,
-    Unreachable,
     UnitFull,
+    Unreachable,
 )
-from . import config, placement  # stowage.config.load, stowage.placement.*
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -61,28 +67,49 @@ __all__ = [
     "InvalidRequest",
     "LostKeys",
     "NotFound",
+    "NotOwner",
+    "RowKey",
     "Timeout",
     "TransferFailed",
     "Unauthorized",
     "UnitFull",
     "Unreachable",
+    "__version__",
     "connect",
     "empty",
     "local",
     "read_cache_info",
     "set_read_cache",
-    "__version__",
 ]
 
 #: A row key: an int in [0, 2**63) or a str.
-Key = Union[int, str]
+RowKey = Union[int, str]
 #: Row keys: a sequence of ints and strs, or a 1-D integer numpy array.
-Keys = Union[Sequence[Key], np.ndarray]
+Keys = Union[Sequence[RowKey], np.ndarray]
 #: An array: a numpy array or a CPU torch tensor.
 Array = Union[np.ndarray, "torch.Tensor"]
 #: A column: one array split along its first axis (one entry per key), or
 #: a list of one array per key (each of any shape).
 ColumnLike = Union[Array, Sequence[Array]]
+
+# Old names, kept for one release: old name -> (new name, its value).
+_DEPRECATED: Dict[str, Any] = {"Key": ("RowKey", RowKey)}
+
+if TYPE_CHECKING:  # pragma: no cover
+    # Type checkers see the old names as the new ones (deprecated).
+    Key = RowKey
+else:
+
+    def __getattr__(name: str) -> Any:
+        """A deprecated name (PEP 562): warns, then gives the new name's value."""
+        old = _DEPRECATED.get(name)
+        if old is None:
+            raise AttributeError(f"module 'stowage' has no attribute {name!r}")
+        new, value = old
+        warnings.warn(
+            f"stowage.{name} is deprecated; use stowage.{new}", DeprecationWarning, stacklevel=2
+        )
+        return value
 
 
 def empty(shape: Union[int, Sequence[int]], dtype: Any = np.uint8) -> np.ndarray:
@@ -290,15 +317,18 @@ class DataPlane:
         ):
             units.append({"index": i, "host": host, "uds": uds, "tcp": tcp, "pid": pid})
         d: Dict[str, Any] = {"stowage_directory": 1, "units": units}
-        if self._plane.secret_generated:
-            d["secret_hex"] = self._plane.secret.hex()
+        secret = self._plane.secret
+        if self._plane.secret_generated and secret is not None:
+            d["secret_hex"] = secret.hex()
         return d
 
     @property
     def unit_pids(self) -> List[int]:
         """The process ids of a local plane's units."""
         if self._plane is None:
-            raise InvalidRequest("not a local data plane: its units are not this process's children")
+            raise InvalidRequest(
+                "not a local data plane: its units are not this process's children"
+            )
         return self._plane.pids
 
     # -- data ----------------------------------------------------------------
@@ -405,7 +435,7 @@ class DataPlane:
         """Clear every row of ``partition``; returns the number of values removed."""
         return self._client.clear_partition(partition, timeout)
 
-    def list(self, partition: str, *, timeout: Optional[float] = None) -> Dict[Key, List[str]]:
+    def list(self, partition: str, *, timeout: Optional[float] = None) -> Dict[RowKey, List[str]]:
         """The rows of ``partition``: key -> its field names."""
         return self._client.list(partition, timeout)
 
@@ -417,8 +447,9 @@ class DataPlane:
         """Every unit's counters (capacity, used, reserved_bytes,
         quarantined_bytes, blobs, entries, rows, pins, index_bytes, disk
         counters), in unit order, with what clients hold: ``held_bytes``,
-        ``overdue_holds`` (holds older than the leases: reported, never
-        reclaimed while their holder may still touch them) and
+        ``overdue_holds`` (holds older than the units' ``--reservation-lease``
+        or ``--pin-lease``: reported, never reclaimed while their holder may
+        still touch them) and
         ``sessions``, one dict per session (``connections``,
         ``reservations``, ``pins``, ``held_bytes``, ``oldest_hold_ms``,
         ``orphaned``); and ``transport``, how this client reaches the unit
@@ -517,7 +548,8 @@ def _liveness_of(directory: Mapping[str, Any]) -> Any:
     except ImportError as e:  # pragma: no cover - ray entries without ray
         logging.getLogger("stowage").warning(
             "the directory's units were started by Ray, but Ray cannot be imported here (%s); "
-            "liveness after a failure falls back to probing their addresses", e
+            "liveness after a failure falls back to probing their addresses",
+            e,
         )
         return None
 
@@ -590,9 +622,7 @@ def connect(
     refuse to run nixl unless ``UCX_TLS`` holds UCX to RDMA transports.
     :meth:`DataPlane.stats` tells each unit's transport."""
     if transport not in ("auto", "shm", "tcp", "nixl"):
-        raise InvalidRequest(
-            f"transport must be 'auto', 'shm', 'tcp' or 'nixl', not {transport!r}"
-        )
+        raise InvalidRequest(f"transport must be 'auto', 'shm', 'tcp' or 'nixl', not {transport!r}")
     use_nixl = nixl or transport == "nixl"
     by_address = "tcp" if transport == "nixl" else transport
     directory = _directory_of(units)
@@ -604,17 +634,30 @@ def connect(
             secret = _native.directory_secret(text)
         return DataPlane(
             _native.Client(
-                addrs, namespace, timeout, True, wait_for_memory, secret,
-                instances=instances, liveness=_liveness_of(directory),
-                nixl=use_nixl, require_rdma=require_rdma,
+                addrs,
+                namespace,
+                timeout,
+                True,
+                wait_for_memory,
+                secret,
+                instances=instances,
+                liveness=_liveness_of(directory),
+                nixl=use_nixl,
+                require_rdma=require_rdma,
             )
         )
     if isinstance(units, (str, os.PathLike)):
         units = [os.fspath(units)]
     return DataPlane(
         _native.Client(
-            list(units), namespace, timeout, by_address != "tcp", wait_for_memory,
-            _secret(secret), nixl=use_nixl, require_rdma=require_rdma,
+            list(units),
+            namespace,
+            timeout,
+            by_address != "tcp",
+            wait_for_memory,
+            _secret(secret),
+            nixl=use_nixl,
+            require_rdma=require_rdma,
         )
     )
 
@@ -688,10 +731,14 @@ def local(
         args += ["--nixl", "--nixl-allow-tcp"]
     if disk is not None:
         args += [
-            "--disk", str(disk),
-            "--disk-capacity", str(disk_capacity),
-            "--high-watermark", str(high_watermark),
-            "--low-watermark", str(low_watermark),
+            "--disk",
+            str(disk),
+            "--disk-capacity",
+            str(disk_capacity),
+            "--high-watermark",
+            str(high_watermark),
+            "--low-watermark",
+            str(low_watermark),
         ]
     if checkpoint_root is not None:
         args += ["--checkpoint-root", str(checkpoint_root)]
@@ -704,8 +751,14 @@ def local(
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs
         client = _native.Client(
-            addrs, namespace, timeout, True, wait_for_memory, secret,
-            nixl=transport == "nixl", require_rdma=False,
+            addrs,
+            namespace,
+            timeout,
+            True,
+            wait_for_memory,
+            secret,
+            nixl=transport == "nixl",
+            require_rdma=False,
         )
         # Over tcp, admin requests take the Unix sockets (units accept them
         # there from their own user only).

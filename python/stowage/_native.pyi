@@ -3,18 +3,52 @@
 The public API is the ``stowage`` package; this module is its engine.
 """
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, Union, final
 
 import numpy as np
 
 __version__: str
+__all__ = [
+    "Client",
+    "Error",
+    "InvalidRequest",
+    "LocalPlane",
+    "LostKeys",
+    "NotFound",
+    "NotOwner",
+    "Timeout",
+    "TransferFailed",
+    "Unauthorized",
+    "Unit",
+    "UnitFull",
+    "Unreachable",
+    "__version__",
+    "copy",
+    "directory_secret",
+    "generate_secret",
+    "host_cache_info",
+    "host_empty",
+    "host_id",
+    "load_config",
+    "main",
+    "plan_unit_nodes",
+    "read_directory_file",
+    "resolve_directory",
+    "resolve_listen_host",
+    "route_logs",
+    "select_clusters",
+    "set_host_cache",
+    "write_directory_file",
+]
 
-Key = Union[int, str]
-Keys = Union[Sequence[Key], np.ndarray]
+# Type aliases of these stubs only (the module has no such names).
+# A row key: an int in [0, 2**63) or a str.
+_RowKey = Union[int, str]
+_Keys = Union[Sequence[_RowKey], np.ndarray]
 # A numpy array, or ("bfloat16", int16 array) for a reinterpreted tensor.
-ArrayArg = Union[np.ndarray, Tuple[str, np.ndarray]]
+_ArrayArg = Union[np.ndarray, Tuple[str, np.ndarray]]
 # A dense array (split along axis 0) or a list of one array per key.
-ColumnArg = Union[ArrayArg, List[ArrayArg]]
+_ColumnArg = Union[_ArrayArg, List[_ArrayArg]]
 
 def main(argv: List[str]) -> int:
     """Run the ``stowage`` command line (``argv[0]`` is the program name)
@@ -36,20 +70,44 @@ class TransferFailed(Error):
 
 class LostKeys(Error):
     unit: int
-    keys: List[Tuple[Key, str]]
+    keys: List[Tuple[_RowKey, str]]
 
 class Timeout(Error): ...
 
 class NotFound(Error):
-    keys: List[Tuple[Key, str]]
+    keys: List[Tuple[_RowKey, str]]
 
 class InvalidRequest(Error): ...
-class Unauthorized(Error): ...
+
+class Unauthorized(Error):
+    """Authentication only: a wrong or missing secret, another user, an
+    admin request this client may not make (or the client refused the
+    unit)."""
+
+class NotOwner(Error):
+    """A reservation or pin belongs to another session."""
+
 class Unreachable(Error):
     address: str
     reason: str
 
 def host_id() -> str: ...
+def route_logs() -> None:
+    """Route the extension's log events to Python's ``logging`` now."""
+
+# The read cache (crates/python/src/arrays.rs); stowage.empty and friends
+# wrap it.
+
+def host_empty(nbytes: int) -> np.ndarray:
+    """A writable 1-d uint8 array of ``nbytes`` from the read cache."""
+
+def host_cache_info() -> Dict[str, int]:
+    """The read cache: ``bytes``, ``limit``, ``hits``, ``misses``."""
+
+def set_host_cache(limit: int) -> None: ...
+def copy(dst: np.ndarray, src: np.ndarray, threads: Optional[int] = None) -> None:
+    """Copy ``src``'s bytes into ``dst`` the way stowage copies (benchmarks)."""
+
 def resolve_directory(
     json: str, transport: str = "auto"
 ) -> Tuple[List[str], List[Optional[str]]]: ...
@@ -58,13 +116,14 @@ def read_directory_file(path: str) -> str: ...
 def write_directory_file(json: str, path: str) -> None: ...
 def directory_secret(json: str) -> Optional[bytes]: ...
 
+@final
 class Client:
     """A connection-pooling client of a set of units; thread-safe."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         units: List[str],
-        namespace: str = "default",
+        namespace: str = ...,  # "default"
         timeout: float = 30.0,
         shm: bool = True,
         wait_for_memory: Optional[float] = None,
@@ -73,7 +132,7 @@ class Client:
         liveness: Optional[Callable[[int], str]] = None,
         nixl: bool = False,
         require_rdma: bool = True,
-    ) -> None: ...
+    ) -> Client: ...
     @property
     def units(self) -> List[str]: ...
     @property
@@ -83,15 +142,15 @@ class Client:
     def put(
         self,
         partition: str,
-        keys: Keys,
-        columns: Sequence[Tuple[str, ColumnArg]],
+        keys: _Keys,
+        columns: Sequence[Tuple[str, _ColumnArg]],
         unit: Optional[int] = None,
         timeout: Optional[float] = None,
     ) -> None: ...
     def get(
         self,
         partition: str,
-        keys: Keys,
+        keys: _Keys,
         fields: List[str],
         unit: Optional[int] = None,
         timeout: Optional[float] = None,
@@ -100,16 +159,16 @@ class Client:
     def get_into(
         self,
         partition: str,
-        keys: Keys,
+        keys: _Keys,
         fields: List[str],
-        outs: List[ColumnArg],
+        outs: List[_ColumnArg],
         unit: Optional[int] = None,
         timeout: Optional[float] = None,
     ) -> None: ...
     def get_view(
         self,
         partition: str,
-        keys: Keys,
+        keys: _Keys,
         fields: List[str],
         unit: Optional[int] = None,
         timeout: Optional[float] = None,
@@ -118,23 +177,26 @@ class Client:
     def clear(
         self,
         partition: str,
-        keys: Keys,
+        keys: _Keys,
         unit: Optional[int] = None,
         timeout: Optional[float] = None,
     ) -> int: ...
     def clear_partition(self, partition: str, timeout: Optional[float] = None) -> int: ...
-    def list(self, partition: str, timeout: Optional[float] = None) -> Dict[Key, List[str]]: ...
+    def list(self, partition: str, timeout: Optional[float] = None) -> Dict[_RowKey, List[str]]: ...
     def partitions(self, timeout: Optional[float] = None) -> List[str]: ...
     def stats(self, timeout: Optional[float] = None) -> List[Dict[str, Any]]: ...
+    def metrics_json(self) -> str: ...
+    def metrics_text(self) -> str: ...
     def checkpoint(self, dir: str, timeout: Optional[float] = None) -> List[Dict[str, Any]]: ...
     def shutdown(self, timeout: float = 30.0) -> List[List[str]]: ...
 
+@final
 class LocalPlane:
     """Unit processes on this machine, stopped by stop() (and exiting by
     themselves when this process dies)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         command: List[str],
         units: int,
         memory: Union[int, str],
@@ -142,7 +204,7 @@ class LocalPlane:
         start_timeout: float = 30.0,
         secret: Optional[Union[bytes, str]] = None,
         insecure: bool = False,
-    ) -> None: ...
+    ) -> LocalPlane: ...
     @property
     def secret(self) -> Optional[bytes]: ...
     @property
@@ -157,15 +219,16 @@ class LocalPlane:
     def running(self) -> bool: ...
     def stop(self) -> None: ...
 
+@final
 class Unit:
     """A storage unit running on threads of this process (what a
     ``stowage.ray`` actor holds). ``stop()`` tears it down."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         memory: Union[int, str],
         *,
-        name: str = "unit",
+        name: str = ...,  # "unit"
         tcp: Optional[str] = None,
         uds: Optional[str] = None,
         disk: Optional[str] = None,
@@ -186,11 +249,18 @@ class Unit:
         secret: Union[bytes, str, None] = None,
         secret_file: Optional[str] = None,
         insecure: bool = False,
-    ) -> None: ...
+        metrics: bool = True,
+        metrics_listen: Optional[str] = None,
+        nixl: bool = False,
+        require_rdma: bool = True,
+    ) -> Unit: ...
     @property
     def secret(self) -> Optional[bytes]: ...
     @property
     def instance_id(self) -> str: ...
+    @property
+    def metrics_url(self) -> Optional[str]: ...
+    def metrics_text(self) -> Optional[str]: ...
     @property
     def uds_addr(self) -> str: ...
     @property
@@ -215,9 +285,14 @@ def plan_unit_nodes(clusters: Sequence[Sequence[str]], count: Optional[int] = No
     """One node id per unit, round-robin over the clusters' nodes (each
     once, in order); count None: two per node."""
 
-def load_config(path: Optional[str] = None, text: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
-    """The config file at path, or in text, or the defaults, as a dict of
-    sections (sizes in bytes, durations in float seconds)."""
+def load_config(
+    path: Optional[str] = None,
+    text: Optional[str] = None,
+    mapping: Optional[Mapping[str, Any]] = None,
+) -> Dict[str, Dict[str, Any]]:
+    """The config file at path, or in text, or a dict of sections (checked
+    as a file is; durations may be numbers of seconds), or the defaults, as
+    a dict of sections (sizes in bytes, durations in float seconds)."""
 
 def resolve_listen_host(host: str) -> str:
     """An IP address as it is; "node-ip" as this node's own address."""

@@ -43,6 +43,8 @@ from typing import Any, Optional, Tuple, Union
 
 import numpy as np
 
+from ._native import Error
+
 #: The head of an authenticated pickled cell.
 MAGIC = b"STWPKH1\x00"
 #: The head of an unauthenticated pickled cell (``insecure_pickles``).
@@ -59,10 +61,11 @@ INSECURE_OPTION = "backend.Stowage.insecure_pickles"
 Row = Union[int, str]
 
 
-class UntrustedCell(RuntimeError):
+class UntrustedCell(Error, RuntimeError):
     """A pickled cell that was refused (and not unpickled): its tag is
     missing or wrong, it was written for another place, or the plane has no
-    secret to check it with."""
+    secret to check it with. A :class:`stowage.Error` (and, as before, a
+    ``RuntimeError``)."""
 
 
 def cell_key_of(secret: Union[bytes, str]) -> bytes:
@@ -201,7 +204,9 @@ def open_cell(
                 f"and this client has none to check it with: give it the secret "
                 f"(backend.Stowage.secret_file, or STOWAGE_SECRET)"
             )
-        raise UntrustedCell(f"stowage.tq: {where} is marked pickled but was not written by stowage.tq")
+        raise UntrustedCell(
+            f"stowage.tq: {where} is marked pickled but was not written by stowage.tq"
+        )
     payload = verified(raw, key, namespace, partition, row, field)
     if payload is None:
         if raw.startswith(MAGIC_INSECURE):

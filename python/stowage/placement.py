@@ -88,7 +88,5 @@ def plan_unit_nodes(clusters: Sequence[Any], count: Optional[int] = None) -> Lis
     goes to node ``i % n`` (round-robin). ``count=None``: two units per
     node. No nodes, or a count below 1, raises InvalidRequest."""
     if isinstance(clusters, (str, bytes)) or not isinstance(clusters, Iterable):
-        raise InvalidRequest(
-            f"clusters must be a list of clusters, not {type(clusters).__name__}"
-        )
+        raise InvalidRequest(f"clusters must be a list of clusters, not {type(clusters).__name__}")
     return _native.plan_unit_nodes([node_ids(c) for c in clusters], count)

@@ -68,6 +68,7 @@ CLEANUP_TIMEOUT_S = 2.0
 #: How long :func:`liveness` waits for Ray's answer by default.
 LIVENESS_TIMEOUT_S = 5.0
 
+
 class PlacementError(Error):
     """Units could not be placed or started: a planned node is missing, dead
     or short of resources, or a unit did not come up in time. The message
@@ -101,6 +102,7 @@ class StowageUnit:
             unit_kwargs = dict(unit_kwargs, metrics_listen=metrics)
         self._unit = _native.Unit(name=f"unit-{index}", tcp=bind, uds=uds, **unit_kwargs)
         tcp = self._unit.tcp_addr
+        assert tcp is not None  # it was given a tcp address to bind
         if host in ("0.0.0.0", "::"):
             # Bound to every interface: clients elsewhere use the node's IP.
             port = tcp.rsplit(":", 1)[1]
@@ -147,7 +149,8 @@ def _actor() -> Any:
     global _actor_class
     if _actor_class is None:
         # Threaded: close() and stats() run while another call is busy.
-        _actor_class = ray.remote(max_concurrency=4, max_restarts=0)(StowageUnit)
+        # (Ray's annotations of ray.remote lack the actor options.)
+        _actor_class = ray.remote(max_concurrency=4, max_restarts=0)(StowageUnit)  # type: ignore[call-overload]
     return _actor_class
 
 
@@ -185,134 +188,40 @@ class Units(Sequence):
 # -- configuration and planning -------------------------------------------------
 
 
-def _load_config(config: Any) -> Mapping[str, Any]:
+def _load_config(config: Any) -> Dict[str, Dict[str, Any]]:
+    """The config as :func:`stowage.config.load` gives it (every key, sizes
+    in bytes, durations in seconds), from a file's path or a dict of
+    sections. The extension module checks a dict as it checks a file: an
+    unknown section or key (a typo), a wrong type or a value out of range
+    raises InvalidRequest naming the key."""
     if isinstance(config, (str, os.PathLike)):
-        from . import config as _config
-
-        return _config.load(os.fspath(config))
+        return _native.load_config(os.fspath(config))
     if isinstance(config, Mapping):
-        return config
+        return _native.load_config(mapping=config)
     raise InvalidRequest(
         f"config must be a dict, the path of a config file or what stowage.config.load returned, "
         f"not {type(config).__name__}"
     )
 
 
-_defaults_cache: List[Dict[str, Any]] = []
-
-
-def _defaults() -> Dict[str, Any]:
-    """Every section and key of the config with its default (from
-    stowage.config, the one source), and the keys of [units.disk] under
-    ``units.disk``."""
-    if not _defaults_cache:
-        from . import config as _config
-
-        d = _config.load()
-        d["units"]["disk"] = _config.load(text='[units.disk]\nroot = "/"\n')["units"]["disk"]
-        _defaults_cache.append(d)
-    return _defaults_cache[0]
-
-
-def _merged(config: Mapping[str, Any]) -> Dict[str, Dict[str, Any]]:
-    """``config`` over the defaults; an unknown section or key (a typo) is an
-    error, as in a config file."""
-    defaults = _defaults()
-    unknown = sorted(set(config) - set(defaults))
-    if unknown:
-        raise InvalidRequest(
-            f"config: unknown section [{unknown[0]}] (the sections are {sorted(defaults)})"
-        )
-    out: Dict[str, Dict[str, Any]] = {}
-    for name, default in defaults.items():
-        sec = config.get(name) or {}
-        if not isinstance(sec, Mapping):
-            raise InvalidRequest(f"config: [{name}] must be a table, not {type(sec).__name__}")
-        unknown = sorted(set(sec) - set(default))
-        if unknown:
-            raise InvalidRequest(
-                f"config: unknown key {name}.{unknown[0]} (the [{name}] keys are {sorted(default)})"
-            )
-        out[name] = {**default, **sec}
-    disk = out["units"]["disk"]
-    if disk is defaults["units"]["disk"]:  # not given: no disk tier
-        out["units"]["disk"] = None
-    elif disk is not None:
-        if not isinstance(disk, Mapping) or "root" not in disk:
-            raise InvalidRequest("config: [units.disk] must be a table with a root")
-        keys = defaults["units"]["disk"]
-        unknown = sorted(set(disk) - set(keys))
-        if unknown:
-            raise InvalidRequest(
-                f"config: unknown key units.disk.{unknown[0]} (the keys are {sorted(keys)})"
-            )
-        out["units"]["disk"] = {**keys, **disk}
-    return out
-
-
-_SIZE_UNITS = {
-    "": 1, "b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-
-
-def _bytes(v: Any, what: str) -> int:
-    """A size as bytes: an int or a str such as '4GiB'."""
-    if isinstance(v, int) and not isinstance(v, bool) and v > 0:
-        return v
-    if isinstance(v, str):
-        s = v.strip().lower().replace(" ", "")
-        num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-        try:
-            n = int(float(num) * _SIZE_UNITS[s[len(num):]])
-            if n > 0:
-                return n
-        except (KeyError, ValueError):
-            pass
-    raise InvalidRequest(f"config: {what} must be a size such as 1073741824 or '1GiB', not {v!r}")
-
-
-_TIME_UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-def _seconds(v: Any, what: str) -> float:
-    """A duration in seconds: a number (what stowage.config.load gives) or a
-    str such as '30s', '500ms', '1m 30s'."""
-    if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0:
-        return float(v)
-    if isinstance(v, str) and v.strip():
-        total = 0.0
-        for part in v.lower().split():
-            num = part.rstrip("hms")
-            try:
-                total += float(num) * _TIME_UNITS[part[len(num):]]
-            except (KeyError, ValueError):
-                break
-        else:
-            return total
-    raise InvalidRequest(f"config: {what} must be a duration such as '30s', not {v!r}")
-
-
 class _Settings:
     """What the launcher takes from a config (docs/config.md)."""
 
-    def __init__(self, config: Mapping[str, Any], secret: Optional[Union[bytes, str]] = None):
-        cfg = _merged(config)
+    def __init__(self, config: Any, secret: Optional[Union[bytes, str]] = None):
+        cfg = _load_config(config)
         units, listen, timeouts = cfg["units"], cfg["listen"], cfg["timeouts"]
-        self.count = units["count"]
+        self.count: Optional[int] = units["count"]
         self.placement = cfg["placement"]["clusters"]
-        self.memory = _bytes(units["memory"], "units.memory")
-        self.cpus = float(units["cpus"])
-        if not self.cpus >= 0:
-            raise InvalidRequest(f"config: units.cpus must be 0 or more, not {self.cpus}")
-        self.start_timeout = _seconds(timeouts["start"], "timeouts.start")
-        self.stop_timeout = _seconds(timeouts["stop"], "timeouts.stop")
+        self.memory: int = units["memory"]
+        self.cpus: float = units["cpus"]
+        self.start_timeout: float = timeouts["start"]
+        self.stop_timeout: float = timeouts["stop"]
         kw: Dict[str, Any] = {
             "memory": self.memory,
-            "reservation_lease": _seconds(units["reservation_lease"], "units.reservation_lease"),
-            "pin_lease": _seconds(units["pin_lease"], "units.pin_lease"),
-            "frame_timeout": _seconds(timeouts["frame"], "timeouts.frame"),
-            "handshake_timeout": _seconds(timeouts["handshake"], "timeouts.handshake"),
+            "reservation_lease": units["reservation_lease"],
+            "pin_lease": units["pin_lease"],
+            "frame_timeout": timeouts["frame"],
+            "handshake_timeout": timeouts["handshake"],
         }
         for key in (
             "max_connections",
@@ -321,23 +230,23 @@ class _Settings:
             "max_session_connections",
             "max_session_holds",
         ):
-            kw[key] = int(units[key])
+            kw[key] = units[key]
         if units["checkpoint_root"] is not None:
-            kw["checkpoint_root"] = os.fspath(units["checkpoint_root"])
+            kw["checkpoint_root"] = units["checkpoint_root"]
         if units["nixl"]:
             kw["nixl"] = True
-            kw["require_rdma"] = bool(units["require_rdma"])
+            kw["require_rdma"] = units["require_rdma"]
         disk = units["disk"]
         if disk is not None:
-            kw["disk"] = os.fspath(disk["root"])
-            kw["disk_capacity"] = _bytes(disk["capacity"], "units.disk.capacity")
-            kw["high_watermark"] = float(disk["high_watermark"])
-            kw["low_watermark"] = float(disk["low_watermark"])
+            kw["disk"] = disk["root"]
+            kw["disk_capacity"] = disk["capacity"]
+            kw["high_watermark"] = disk["high_watermark"]
+            kw["low_watermark"] = disk["low_watermark"]
         metrics = cfg["metrics"]
         if not metrics["enabled"]:
             kw["metrics"] = False
         else:
-            kw["metrics_listen"] = str(metrics["listen"])
+            kw["metrics_listen"] = metrics["listen"]
         auth = cfg["auth"]
         #: A secret this launcher generated: the directory carries it.
         self.generated: Optional[bytes] = None
@@ -349,7 +258,7 @@ class _Settings:
             kw["secret"] = secret
         elif auth["secret_file"] is not None:
             # Read by each unit on its own node: the secret never travels.
-            kw["secret_file"] = os.fspath(auth["secret_file"])
+            kw["secret_file"] = auth["secret_file"]
         else:
             env = _secret(None)
             if env is None:
@@ -359,11 +268,10 @@ class _Settings:
                 env = self.generated = _native.generate_secret()
             kw["secret"] = env
         self.unit_kwargs = kw
-        unix_dir = listen["unix_dir"]
         self.listen = {
-            "host": str(listen["host"]),
-            "tcp_port": int(listen["tcp_port"]),
-            "unix_dir": None if unix_dir is None else os.fspath(unix_dir),
+            "host": listen["host"],
+            "tcp_port": listen["tcp_port"],
+            "unix_dir": listen["unix_dir"],
         }
 
 
@@ -502,7 +410,7 @@ def start_units(
     (``ray.init``).
     """
     t0 = time.monotonic()
-    settings = _Settings(_load_config(config), secret)
+    settings = _Settings(config, secret)
     if timeout is None:
         timeout = settings.start_timeout
     deadline = t0 + timeout
@@ -541,8 +449,12 @@ def start_units(
                     entries[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 except Exception as e:  # noqa: BLE001 - reported per unit
                     failed.append(f"unit {i} on node {nodes[i]} failed to start: {_short(e)}")
-        why = {} if failed else _pending_reasons(
-            {index[r]: actors[index[r]] for r in pending}, nodes, settings.cpus
+        why = (
+            {}
+            if failed
+            else _pending_reasons(
+                {index[r]: actors[index[r]] for r in pending}, nodes, settings.cpus
+            )
         )
         for ref in pending:
             i = index[ref]
@@ -555,10 +467,10 @@ def start_units(
         if failed:
             raise PlacementError("storage units did not start: " + "; ".join(failed))
         units = [e for e in entries if e is not None]
-        for i, e in enumerate(units):
+        for i, entry in enumerate(units):
             # Hard node affinity makes this impossible; it is checked anyway.
-            if e["node"] != nodes[i]:
-                raise PlacementError(f"unit {i} runs on node {e['node']}, not on {nodes[i]}")
+            if entry["node"] != nodes[i]:
+                raise PlacementError(f"unit {i} runs on node {entry['node']}, not on {nodes[i]}")
     except BaseException:
         # Units that came up remove their directories; all are killed.
         came_up = [i < len(entries) and entries[i] is not None for i in range(len(actors))]

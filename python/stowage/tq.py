@@ -54,7 +54,6 @@ import json
 import logging
 import os
 import stat
-import sys
 import tempfile
 import threading
 import weakref
@@ -122,10 +121,12 @@ _CHECKPOINT_SUBDIR = "stowage"
 _CHECKPOINT_INFO = "stowage_checkpoint.json"
 
 
-class RowsLost(RuntimeError):
+class RowsLost(stowage.Error, RuntimeError):
     """Rows whose storage unit died (or was replaced): their values are
     gone. ``partition``, ``global_indexes`` (the lost rows asked for) and
-    ``unit`` (its index) say which; the stowage error is the cause."""
+    ``unit`` (its index) say which; the stowage error (:class:`stowage.LostKeys`)
+    is the cause. A :class:`stowage.Error` (and, as before, a
+    ``RuntimeError``)."""
 
     def __init__(self, partition: str, global_indexes: List[int], unit: Optional[int], op: str):
         self.partition = partition
@@ -138,12 +139,13 @@ class RowsLost(RuntimeError):
         )
 
 
-class CheckpointRefused(RuntimeError):
+class CheckpointRefused(stowage.Error, RuntimeError):
     """A checkpoint that ``tq.load_checkpoint`` refused before changing
     anything: its ``stowage_checkpoint.json`` names a path outside the
     checkpoint or sizes it wrongly, or a pickled cell in it does not carry
     a right tag (changed, or saved under another secret: see
-    ``checkpoint_secret_file``)."""
+    ``checkpoint_secret_file``). A :class:`stowage.Error` (and, as before,
+    a ``RuntimeError``)."""
 
 
 def _short_list(xs: Sequence[Any], n: int = 20) -> str:
@@ -172,7 +174,9 @@ def _block(config: Any) -> Dict[str, Any]:
     (typos) are errors."""
     given = _plain(config) or {}
     if not isinstance(given, Mapping):
-        raise stowage.InvalidRequest(f"backend.{BACKEND} must be a mapping, not {type(given).__name__}")
+        raise stowage.InvalidRequest(
+            f"backend.{BACKEND} must be a mapping, not {type(given).__name__}"
+        )
     unknown = sorted(set(given) - set(DEFAULTS) - {"zmq_info"})
     if unknown:
         raise stowage.InvalidRequest(
@@ -261,9 +265,12 @@ def default_checkpoint_root() -> str:
     st = os.lstat(path)
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
         what = (
-            "a symbolic link" if stat.S_ISLNK(st.st_mode)
-            else "not a directory" if not stat.S_ISDIR(st.st_mode)
-            else f"owned by uid {st.st_uid}" if st.st_uid != uid
+            "a symbolic link"
+            if stat.S_ISLNK(st.st_mode)
+            else "not a directory"
+            if not stat.S_ISDIR(st.st_mode)
+            else f"owned by uid {st.st_uid}"
+            if st.st_uid != uid
             else f"open to other users (mode {stat.S_IMODE(st.st_mode):03o})"
         )
         raise stowage.InvalidRequest(
@@ -290,7 +297,9 @@ def _fallback_checkpoint_root() -> str:
         logger.warning(
             "%s; checkpoints of this job go to the fresh private directory %s instead "
             "(set backend.%s.checkpoint_root to choose one)",
-            e, path, BACKEND,
+            e,
+            path,
+            BACKEND,
         )
         return path
 
@@ -324,7 +333,7 @@ def _register_yaml_redaction() -> None:
         get_omega_conf_dumper().add_representer(
             _Redacted, lambda dumper, _v: dumper.represent_str("<redacted>")
         )
-    except Exception:  # pragma: no cover - another omegaconf; str/repr stay redacted
+    except Exception:  # noqa: BLE001  # pragma: no cover - another omegaconf; str/repr stay redacted
         pass
 
 
@@ -429,7 +438,9 @@ def _abandon_controller() -> None:
         interface._TQ_CONTROLLER = None
         interface._TQ_STORAGE = None
     except Exception as e:  # noqa: BLE001 - best effort; the original error matters
-        logger.warning("could not remove TransferQueue's controller after a failed bootstrap: %r", e)
+        logger.warning(
+            "could not remove TransferQueue's controller after a failed bootstrap: %r", e
+        )
 
 
 def initialize_stowage_storage(conf: Any) -> StowageStorage:
@@ -475,8 +486,16 @@ def initialize_stowage_storage(conf: Any) -> StowageStorage:
 
 # torch dtypes stowage stores as they are (others are pickled).
 _TORCH_DTYPES = (
-    "bool", "uint8", "int8", "int16", "int32", "int64",
-    "float16", "bfloat16", "float32", "float64",
+    "bool",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
 )
 
 
@@ -525,7 +544,7 @@ def _encode_rows(name: str, col: Any, n: int, seal: Seal) -> Tuple[Any, bool]:
     try:
         from tensordict import NonTensorData, NonTensorStack
     except ImportError:  # pragma: no cover
-        NonTensorData = NonTensorStack = ()  # type: ignore[assignment,misc]
+        NonTensorData = NonTensorStack = ()
     if isinstance(col, (NonTensorStack, NonTensorData)):
         values = col.tolist()
         if not isinstance(values, list) or len(values) != n:
@@ -537,14 +556,6 @@ def _encode_rows(name: str, col: Any, n: int, seal: Seal) -> Tuple[Any, bool]:
     if len(values) != n:
         raise stowage.InvalidRequest(f"field {name!r}: {len(values)} values for {n} rows")
     return [seal(i, v) for i, v in enumerate(values)], True
-
-
-def _to_torch(a: np.ndarray) -> Any:
-    import torch
-
-    if a.dtype.kind == "V":  # raw bfloat16
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 def _pack(rows: List[Any], owned: bool) -> Any:
@@ -562,21 +573,24 @@ def _pack(rows: List[Any], owned: bool) -> Any:
         dt = rows[0].dtype
         same_dtype = all(r.dtype == dt for r in rows)
         if same_dtype and all(r.ndim == 0 for r in rows):
-            return _to_torch(np.stack(rows))
+            return stowage._to_torch(np.stack(rows))
         if same_dtype and all(r.ndim >= 1 and r.shape[1:] == rows[0].shape[1:] for r in rows):
             # One contiguous buffer, one copy: the jagged tensor's values,
             # in memory from stowage's read cache (warm pages when the
             # caller freed an earlier batch of this size).
-            out = stowage.empty((sum(r.shape[0] for r in rows),) + rows[0].shape[1:], dt)
+            out = stowage.empty((sum(r.shape[0] for r in rows), *rows[0].shape[1:]), dt)
             np.concatenate(rows, axis=0, out=out)
-            values = _to_torch(out)
+            values = stowage._to_torch(out)
             lengths = torch.tensor([r.shape[0] for r in rows], dtype=torch.int64)
             offsets = torch.zeros(len(rows) + 1, dtype=torch.int64)
             torch.cumsum(lengths, 0, out=offsets[1:])
             return torch.nested.nested_tensor_from_jagged(values, offsets)
-        rows = [_to_torch(r if owned else np.array(r)) for r in rows]
+        rows = [stowage._to_torch(r if owned else np.array(r)) for r in rows]
     elif not arrays:
-        rows = [_to_torch(r if owned else np.array(r)) if isinstance(r, np.ndarray) else r for r in rows]
+        rows = [
+            stowage._to_torch(r if owned else np.array(r)) if isinstance(r, np.ndarray) else r
+            for r in rows
+        ]
     tensors = all(isinstance(r, torch.Tensor) for r in rows)
     if tensors and rows:
         if all(r.dim() == 0 for r in rows):
@@ -620,13 +634,18 @@ def _register() -> None:
     from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
     global StowageStorageManager
-    if StorageManagerFactory._registry.get(BACKEND) is not None and StowageStorageManager is not None:
+    if (
+        StorageManagerFactory._registry.get(BACKEND) is not None
+        and StowageStorageManager is not None
+    ):
         return
 
     class _Manager(StorageManager):
         __doc__ = _MANAGER_DOC
 
-        def __init__(self, controller_info: Any, config: Any, zmq_context: Any = None, **kwargs: Any):
+        def __init__(
+            self, controller_info: Any, config: Any, zmq_context: Any = None, **kwargs: Any
+        ):
             self._plane: Optional[stowage.DataPlane] = None
             super().__init__(controller_info, config, zmq_context=zmq_context)
             block = _block(config)
@@ -682,7 +701,10 @@ def _register() -> None:
                     meta = {g: backend_meta[g] for g in keys}
                     sub_schema = {
                         f: (
-                            {**s, "per_sample_shapes": [s["per_sample_shapes"][i] for i in positions]}
+                            {
+                                **s,
+                                "per_sample_shapes": [s["per_sample_shapes"][i] for i in positions],
+                            }
                             if "per_sample_shapes" in s
                             else s
                         )
@@ -698,7 +720,9 @@ def _register() -> None:
 
             return seal
 
-        def _put_sync(self, groups: Dict[str, List[int]], gidx: List[int], columns: Dict[str, Any]) -> None:
+        def _put_sync(
+            self, groups: Dict[str, List[int]], gidx: List[int], columns: Dict[str, Any]
+        ) -> None:
             plane = self._live()
             for p, positions in groups.items():
                 if len(groups) == 1:
@@ -760,7 +784,9 @@ def _register() -> None:
                 for i in range(n):
                     if (backend_meta[i] or {}).get(f) == _PICKLE_TAG:
                         # Checked before it is unpickled (UntrustedCell).
-                        col[i] = _tq_cells.open_cell(key, ns, parts[i], gidx[i], f, col[i], insecure)
+                        col[i] = _tq_cells.open_cell(
+                            key, ns, parts[i], gidx[i], f, col[i], insecure
+                        )
             # Packing copies every value once into fresh memory (the
             # result must not alias a unit's); numpy releases the GIL for
             # it, so the fields are packed on all cores at once.
@@ -792,7 +818,9 @@ def _register() -> None:
             cells = _RestoredCells(
                 self._cell_key, self._namespace, self._checkpoint_key, self._insecure_pickles
             )
-            await asyncio.to_thread(_load_checkpoint, self._live(), cells, checkpoint_dir, self._timeout)
+            await asyncio.to_thread(
+                _load_checkpoint, self._live(), cells, checkpoint_dir, self._timeout
+            )
 
         # -- lifecycle ----------------------------------------------------
 
@@ -873,7 +901,10 @@ def _save_checkpoint(plane: stowage.DataPlane, namespace: str, checkpoint_dir: s
         "format": 1,
         "namespace": namespace,
         "units": [
-            {"dir": f"{_CHECKPOINT_SUBDIR}/unit-{i}", **{k: v for k, v in info.items() if k != "dir"}}
+            {
+                "dir": f"{_CHECKPOINT_SUBDIR}/unit-{i}",
+                **{k: v for k, v in info.items() if k != "dir"},
+            }
             for i, info in enumerate(infos)
         ],
     }
@@ -886,7 +917,9 @@ class _RestoredCells:
     checked before it is put back, and re-tagged for this plane when it was
     saved under another secret (``checkpoint_secret_file``) or namespace."""
 
-    def __init__(self, key: Optional[bytes], namespace: str, old_key: Optional[bytes], insecure: bool):
+    def __init__(
+        self, key: Optional[bytes], namespace: str, old_key: Optional[bytes], insecure: bool
+    ):
         self.key = key
         self.namespace = namespace
         self.old_key = old_key
@@ -978,7 +1011,7 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
     d = entry.get("dir")
     parts = d.split("/") if isinstance(d, str) else []
     if (
-        not parts
+        not isinstance(d, str)
         or os.path.isabs(d)
         or "\0" in d
         or any(p in ("", ".", "..") for p in parts)
@@ -993,7 +1026,9 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            raise CheckpointRefused(f"stowage.tq: the checkpoint's unit directory {path} is missing") from None
+            raise CheckpointRefused(
+                f"stowage.tq: the checkpoint's unit directory {path} is missing"
+            ) from None
         if not stat.S_ISDIR(st.st_mode):
             what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
             raise CheckpointRefused(
@@ -1007,7 +1042,12 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
     claimed = entry.get("bytes", 0)
     if claimed is None:
         claimed = 0
-    if isinstance(claimed, bool) or not isinstance(claimed, int) or claimed < 0 or claimed > on_disk:
+    if (
+        isinstance(claimed, bool)
+        or not isinstance(claimed, int)
+        or claimed < 0
+        or claimed > on_disk
+    ):
         raise CheckpointRefused(
             f"stowage.tq: the checkpoint record says unit directory {d!r} holds {claimed!r} bytes, "
             f"and its files hold {on_disk}: the record is damaged or was changed"
@@ -1016,7 +1056,9 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
     return path, memory
 
 
-def _load_checkpoint(plane: stowage.DataPlane, cells: _RestoredCells, checkpoint_dir: str, timeout: float) -> None:
+def _load_checkpoint(
+    plane: stowage.DataPlane, cells: _RestoredCells, checkpoint_dir: str, timeout: float
+) -> None:
     """Replace the running units' rows of this namespace with the
     checkpoint's, under the same partitions and global indexes.
 

@@ -119,9 +119,24 @@ def stowage_as_other_user(*args: str, timeout: float = 60.0):
         os.chmod(module, 0o755)
         env = {k: v for k, v in os.environ.items() if k != "STOWAGE_SECRET"}
         return subprocess.run(
-            ["setpriv", "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--clear-groups",
-             os.path.realpath(sys.executable), "-c", _UNIT_BOOT, module, *args],
-            capture_output=True, text=True, timeout=timeout, env=env, stdin=subprocess.DEVNULL,
+            [
+                "setpriv",
+                "--reuid",
+                str(OTHER_UID),
+                "--regid",
+                str(OTHER_UID),
+                "--clear-groups",
+                os.path.realpath(sys.executable),
+                "-c",
+                _UNIT_BOOT,
+                module,
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+            stdin=subprocess.DEVNULL,
             cwd="/",
         )
     finally:

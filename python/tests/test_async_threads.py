@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 import stowage
+
 from conftest import same
 
 

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import stowage
+
 from conftest import (
     NO_ENTRY,
     NO_SECRET,
@@ -87,8 +88,19 @@ def test_a_unit_with_a_secret_file_never_shows_the_secret(tmp_path):
     log = tmp_path / "unit.log"
     with open(log, "w") as err:
         p = subprocess.Popen(
-            [*PY, "unit", "--memory", "16MiB", "--no-mlock", "--listen", f"unix:{sock}",
-             "--listen", "tcp:127.0.0.1:0", "--secret-file", str(secret_file)],
+            [
+                *PY,
+                "unit",
+                "--memory",
+                "16MiB",
+                "--no-mlock",
+                "--listen",
+                f"unix:{sock}",
+                "--listen",
+                "tcp:127.0.0.1:0",
+                "--secret-file",
+                str(secret_file),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=err,
@@ -105,8 +117,13 @@ def test_a_unit_with_a_secret_file_never_shows_the_secret(tmp_path):
         for addr in addrs:
             with pytest.raises(stowage.Unauthorized):
                 stowage.connect([addr], timeout=5)
-        r = subprocess.run([*PY, "stats", *addrs], capture_output=True, text=True, timeout=60,
-                           env={**os.environ, "STOWAGE_SECRET": SECRET})
+        r = subprocess.run(
+            [*PY, "stats", *addrs],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env={**os.environ, "STOWAGE_SECRET": SECRET},
+        )
         assert r.returncode == 0 and "2 rows" in r.stdout, r.stdout + r.stderr
         assert SECRET not in r.stdout + r.stderr
         r = subprocess.run([*PY, "stats", addrs[0]], capture_output=True, text=True, timeout=60)
@@ -124,7 +141,10 @@ def test_a_unit_with_a_secret_file_never_shows_the_secret(tmp_path):
 def test_a_unit_beyond_loopback_needs_a_secret_or_insecure():
     r = subprocess.run(
         [*PY, "unit", "--memory", "4MiB", "--no-mlock", "--listen", "tcp:0.0.0.0:0"],
-        capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
     )
     assert r.returncode != 0 and "--insecure" in r.stderr, r.stderr
 

@@ -15,6 +15,7 @@ import numpy as np
 
 import stowage
 from stowage import _native
+
 from conftest import alive, same, wait_dead
 
 PY = [sys.executable, "-m", "stowage"]

@@ -173,3 +173,83 @@ def test_resolve_listen_host():
         assert s.getsockname()[0] == ip
     with pytest.raises(stowage.InvalidRequest, match="not a listen host"):
         stowage.config.resolve_listen_host("localhost")
+
+
+# A config given as a dict of sections (what stowage.ray.start_units takes)
+# is checked by the extension module as a file is.
+
+
+def test_a_dict_is_checked_as_a_file_is():
+    from_text = stowage.config.load(
+        text="""
+        [units]
+        memory = "16MiB"
+        pin_lease = "1500ms"
+        [units.disk]
+        root = "/d"
+        [timeouts]
+        start = "1m"
+        [client]
+        wait_for_memory = "1m 30s"
+        """
+    )
+    from_dict = stowage._native.load_config(
+        mapping={
+            "units": {"memory": "16MiB", "pin_lease": "1500ms", "disk": {"root": "/d"}},
+            "timeouts": {"start": "1m"},
+            "client": {"wait_for_memory": "1m 30s"},
+        }
+    )
+    assert from_dict == from_text
+    # What load returned goes back in unchanged: durations as seconds,
+    # sizes as bytes, None for unset keys.
+    assert stowage._native.load_config(mapping=from_text) == from_text
+    assert stowage._native.load_config(mapping=DEFAULTS) == DEFAULTS
+    assert stowage._native.load_config(mapping={}) == DEFAULTS
+    example = stowage.config.load(ROOT / "examples" / "stowage.toml")
+    assert stowage._native.load_config(mapping=example) == example
+    # A duration given as a number is seconds.
+    cfg = stowage._native.load_config(
+        mapping={"units": {"pin_lease": 2, "reservation_lease": 0.25}}
+    )
+    assert cfg["units"]["pin_lease"] == 2.0 and cfg["units"]["reservation_lease"] == 0.25
+
+
+@pytest.mark.parametrize(
+    "mapping, key, phrase",
+    [
+        ({"units": {"memroy": "1GiB"}}, "units.memroy", "unknown field `memroy`"),
+        ({"timeout": {"op": "1s"}}, "timeout", "unknown field `timeout`"),
+        ({"units": {"memory": "lots"}}, "units.memory", "not a size"),
+        ({"units": {"memory": 0}}, "units.memory", "more than 0"),
+        ({"units": {"pin_lease": "soon"}}, "units.pin_lease", "not a duration"),
+        ({"units": {"disk": {"capacity": "1GiB"}}}, "units.disk", "missing field `root`"),
+        (
+            {"units": {"disk": {"root": "/d", "low_watermark": 0.95}}},
+            "units.disk.low_watermark",
+            "below",
+        ),
+        ({"auth": {"secret_file": "relative"}}, "auth.secret_file", "absolute"),
+        ({"client": {"transport": "udp"}}, "client.transport", "unknown variant"),
+    ],
+)
+def test_bad_dict_keys_raise_naming_the_key(mapping, key, phrase):
+    with pytest.raises(stowage.InvalidRequest) as e:
+        stowage._native.load_config(mapping=mapping)
+    assert e.value.key == key
+    assert str(e.value).startswith(f"<config>: {key}: ")
+    assert phrase in str(e.value)
+
+
+@pytest.mark.parametrize(
+    "mapping, phrase",
+    [
+        ({"units": {"pin_lease": -1}}, "units.pin_lease: a duration in seconds is 0 or more"),
+        ({"units": {"memory": object()}}, "units.memory: a config value is a str"),
+        ({"units": {1: 2}}, "units: a key is a str"),
+        (["units"], "config must be a mapping of sections"),
+    ],
+)
+def test_dict_values_of_no_config_type_are_refused(mapping, phrase):
+    with pytest.raises(stowage.InvalidRequest, match=re.escape(phrase)):
+        stowage._native.load_config(mapping=mapping)

@@ -40,9 +40,7 @@ def test_another_process_connects_by_directory_file(dp, part, tmp_path):
         print("ok")
         """
     )
-    out = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
-    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
     assert [int(a) for a in dp.get(part, [9], ["y"])["y"]] == [42]
@@ -120,5 +118,5 @@ def test_a_local_planes_socket_directory_is_owner_only(dp):
     import stat
 
     for u in dp.units:
-        sock_dir = os.path.dirname(u[len("unix:"):])
+        sock_dir = os.path.dirname(u[len("unix:") :])
         assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700, sock_dir

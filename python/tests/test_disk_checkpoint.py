@@ -1,4 +1,5 @@
 """The disk tier, checkpoints and teardown through the Python API."""
+
 import os
 
 import numpy as np
@@ -16,8 +17,12 @@ def test_more_than_memory_spills_and_reads_back(tmp_path):
     vals = values(24, 1 << 20, 1)
     keys = list(range(24))
     with stowage.local(
-        units=1, memory="8MiB", disk=str(tmp_path), disk_capacity="256MiB",
-        high_watermark=0.5, low_watermark=0.3,
+        units=1,
+        memory="8MiB",
+        disk=str(tmp_path),
+        disk_capacity="256MiB",
+        high_watermark=0.5,
+        low_watermark=0.3,
     ) as plane:
         plane.put("p", keys, {"v": vals})
         got = plane.get("p", keys, ["v"])["v"]
@@ -68,7 +73,9 @@ def test_checkpoint_restore_and_shutdown(tmp_path):
 def test_a_tcp_plane_checkpoints_and_shuts_down_over_its_unix_sockets(tmp_path):
     # Units refuse admin requests over tcp; a local plane sends them over
     # the Unix sockets, where its own user is let in.
-    with stowage.local(units=1, memory="16MiB", transport="tcp", checkpoint_root=str(tmp_path)) as plane:
+    with stowage.local(
+        units=1, memory="16MiB", transport="tcp", checkpoint_root=str(tmp_path)
+    ) as plane:
         plane.put("p", [0], {"x": [np.arange(4)]})
         assert plane.checkpoint(str(tmp_path / "ck"))[0]["entries"] == 1
         assert plane.shutdown(5.0) == [[]]

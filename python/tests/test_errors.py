@@ -7,11 +7,14 @@ import os
 import signal
 import threading
 import time
+import warnings
+from typing import Union
 
 import numpy as np
 import pytest
 
 import stowage
+
 from conftest import same
 
 
@@ -24,11 +27,50 @@ def test_hierarchy():
         stowage.NotFound,
         stowage.InvalidRequest,
         stowage.Unauthorized,
+        stowage.NotOwner,
+        stowage.Unreachable,
     ):
         assert issubclass(cls, stowage.Error) and cls is not stowage.Error
+        assert cls.__name__ in stowage.__all__
     assert issubclass(stowage.Error, Exception)
     assert stowage.Error.retryable is False
     assert stowage.Error.__module__ == "stowage"
+    # Another session's reservation or pin is not an authentication
+    # failure: NotOwner and Unauthorized are apart.
+    assert not issubclass(stowage.NotOwner, stowage.Unauthorized)
+    assert not issubclass(stowage.Unauthorized, stowage.NotOwner)
+    assert stowage.NotOwner is stowage._native.NotOwner
+
+
+def test_every_exception_of_the_package_is_a_stowage_error():
+    """The pure-Python exceptions too, and those that were RuntimeErrors
+    still are (callers that caught them that way keep working). stowage.tq
+    needs TransferQueue: its RowsLost and CheckpointRefused are checked in
+    python/tests_tq."""
+    from stowage import _tq_cells
+
+    assert issubclass(_tq_cells.UntrustedCell, stowage.Error)
+    assert issubclass(_tq_cells.UntrustedCell, RuntimeError)
+    ray = pytest.importorskip("stowage.ray", reason="Ray is not installed")
+    assert issubclass(ray.PlacementError, stowage.Error)
+
+
+def test_row_key_and_its_deprecated_alias():
+    assert stowage.RowKey == Union[int, str]
+    with pytest.warns(DeprecationWarning, match=r"stowage\.Key is deprecated; use stowage\.RowKey"):
+        key = stowage.Key
+    assert key is stowage.RowKey
+    with pytest.warns(DeprecationWarning, match="RowKey"):
+        from stowage import Key
+    assert Key is stowage.RowKey
+    # Other names are no more there than before.
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        stowage.Nope  # noqa: B018
+    assert not hasattr(stowage, "Nope")
+    # The new name itself does not warn.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert stowage.RowKey is stowage.RowKey
 
 
 BASE_KEYS = [0, 1, "base"]

@@ -33,8 +33,18 @@ def start_unit(tmp_path, *extra: str):
     address, tcp address, metrics url)."""
     sock = tmp_path / "u.sock"
     p = subprocess.Popen(
-        [*PY, "unit", "--no-mlock", "--listen", f"unix:{sock}", "--listen", "tcp:127.0.0.1:0",
-         "--insecure", "--exit-with-stdin", *extra],
+        [
+            *PY,
+            "unit",
+            "--no-mlock",
+            "--listen",
+            f"unix:{sock}",
+            "--listen",
+            "tcp:127.0.0.1:0",
+            "--insecure",
+            "--exit-with-stdin",
+            *extra,
+        ],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -97,8 +107,17 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
     disk = tmp_path / "disk"
     disk.mkdir()
     p, uds, tcp, url = start_unit(
-        tmp_path, "--memory", "8MiB", "--disk", str(disk), "--disk-capacity", "48MiB",
-        "--high-watermark", "0.5", "--low-watermark", "0.25",
+        tmp_path,
+        "--memory",
+        "8MiB",
+        "--disk",
+        str(disk),
+        "--disk-capacity",
+        "48MiB",
+        "--high-watermark",
+        "0.5",
+        "--low-watermark",
+        "0.25",
     )
     scrape = Scraper(url)
     try:
@@ -113,15 +132,28 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             col = [np.full(64 * KIB, i, dtype=np.float32) for i in range(4)]  # 256 KiB each
             plane.put("p", keys, {"x": col})
             m1 = scrape()
-            assert v(m1, "stowage_operations_total", op="alloc", outcome="ok") - v(
-                m0, "stowage_operations_total", op="alloc", outcome="ok") >= 1
-            assert v(m1, "stowage_operations_total", op="commit", outcome="ok") - v(
-                m0, "stowage_operations_total", op="commit", outcome="ok") >= 1
+            assert (
+                v(m1, "stowage_operations_total", op="alloc", outcome="ok")
+                - v(m0, "stowage_operations_total", op="alloc", outcome="ok")
+                >= 1
+            )
+            assert (
+                v(m1, "stowage_operations_total", op="commit", outcome="ok")
+                - v(m0, "stowage_operations_total", op="commit", outcome="ok")
+                >= 1
+            )
             # The values, and the rows' names (the rows API stores them too).
-            assert MIB <= v(m1, "stowage_transferred_bytes_total", transport="shm", direction="in") - v(
-                m0, "stowage_transferred_bytes_total", transport="shm", direction="in") <= MIB + 256
+            assert (
+                MIB
+                <= v(m1, "stowage_transferred_bytes_total", transport="shm", direction="in")
+                - v(m0, "stowage_transferred_bytes_total", transport="shm", direction="in")
+                <= MIB + 256
+            )
             n = v(m1, "stowage_operation_duration_seconds_count", op="commit")
-            assert n >= 1 and v(m1, "stowage_operation_duration_seconds_bucket", op="commit", le="+Inf") == n
+            assert (
+                n >= 1
+                and v(m1, "stowage_operation_duration_seconds_bucket", op="commit", le="+Inf") == n
+            )
             assert v(m1, "stowage_operation_duration_seconds_sum", op="commit") > 0
             # Each row holds its value and its name.
             assert v(m1, "stowage_rows") == 4 and v(m1, "stowage_entries") == 8
@@ -135,9 +167,14 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             assert all(np.array_equal(a, b) for a, b in zip(got, col))
             m2 = scrape()
             assert v(m2, "stowage_operations_total", op="resolve", outcome="ok") > v(
-                m1, "stowage_operations_total", op="resolve", outcome="ok")
-            assert MIB <= v(m2, "stowage_transferred_bytes_total", transport="shm", direction="out") - v(
-                m1, "stowage_transferred_bytes_total", transport="shm", direction="out") <= MIB + 256
+                m1, "stowage_operations_total", op="resolve", outcome="ok"
+            )
+            assert (
+                MIB
+                <= v(m2, "stowage_transferred_bytes_total", transport="shm", direction="out")
+                - v(m1, "stowage_transferred_bytes_total", transport="shm", direction="out")
+                <= MIB + 256
+            )
 
             # Past the high watermark the spiller writes to the disk tier.
             for i in range(6):
@@ -161,16 +198,22 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             with pytest.raises(stowage.UnitFull):
                 plane.put("big", ["huge"], {"x": [np.zeros(80 * MIB, dtype=np.uint8)]})
             m5 = scrape()
-            assert v(m5, "stowage_errors_total", kind="full") > v(m4, "stowage_errors_total", kind="full")
+            assert v(m5, "stowage_errors_total", kind="full") > v(
+                m4, "stowage_errors_total", kind="full"
+            )
             assert v(m5, "stowage_operations_total", op="alloc", outcome="error") > v(
-                m4, "stowage_operations_total", op="alloc", outcome="error")
+                m4, "stowage_operations_total", op="alloc", outcome="error"
+            )
 
             # Clears: the partitions go, and so do their rows.
             plane.clear_partition("p")
             plane.clear_partition("q")
             m6 = scrape()
-            assert v(m6, "stowage_operations_total", op="drop_partition", outcome="ok") - v(
-                m5, "stowage_operations_total", op="drop_partition", outcome="ok") == 2
+            assert (
+                v(m6, "stowage_operations_total", op="drop_partition", outcome="ok")
+                - v(m5, "stowage_operations_total", op="drop_partition", outcome="ok")
+                == 2
+            )
             assert v(m6, "stowage_rows") == 0 and v(m6, "stowage_entries") == 0
             assert v(m6, "stowage_partitions") == 0
 
@@ -181,7 +224,11 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             m7 = scrape()
             # The values, their names, and alignment padding in the blob.
             for d in ("in", "out"):
-                assert 256 * KIB <= v(m7, "stowage_transferred_bytes_total", transport="tcp", direction=d) <= 256 * KIB + 256
+                assert (
+                    256 * KIB
+                    <= v(m7, "stowage_transferred_bytes_total", transport="tcp", direction=d)
+                    <= 256 * KIB + 256
+                )
             assert v(m7, "stowage_operations_total", op="put", outcome="ok") >= 1
             assert v(m7, "stowage_operations_total", op="get", outcome="ok") >= 1
             assert v(m7, "stowage_operation_duration_seconds_count", op="get") >= 1
@@ -205,7 +252,9 @@ HOLDER = textwrap.dedent(
 def test_a_killed_clients_holds_are_reclaimed_and_counted(tmp_path):
     p, uds, _, url = start_unit(tmp_path, "--memory", "16MiB")
     scrape = Scraper(url)
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, uds], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, uds], stdout=subprocess.PIPE, text=True
+    )
     try:
         assert holder.stdout.readline().strip() == "PINNED"
         m0 = scrape()
@@ -216,8 +265,11 @@ def test_a_killed_clients_holds_are_reclaimed_and_counted(tmp_path):
         holder.wait(timeout=15)
         assert eventually(lambda: v(scrape(), "stowage_pins") == 0)
         m1 = scrape()
-        assert v(m1, "stowage_reclaimed_holds_total", reason="closed") - v(
-            m0, "stowage_reclaimed_holds_total", reason="closed") >= 1
+        assert (
+            v(m1, "stowage_reclaimed_holds_total", reason="closed")
+            - v(m0, "stowage_reclaimed_holds_total", reason="closed")
+            >= 1
+        )
         assert v(m1, "stowage_holds", kind="pin") == 0
         assert v(m1, "stowage_oldest_hold_age_seconds") == 0
     finally:
@@ -285,8 +337,11 @@ def test_client_metrics_count_and_are_documented(tmp_path):
             assert m1["busy_retries"] == 0 and m1["memory_waits"] == 0
             text = plane.metrics_text()
             fams = {f.name: f for f in text_string_to_metric_families(text)}
-            put_ok = [s.value for s in fams["stowage_client_operations"].samples
-                      if s.labels == {"op": "put", "outcome": "ok"}]
+            put_ok = [
+                s.value
+                for s in fams["stowage_client_operations"].samples
+                if s.labels == {"op": "put", "outcome": "ok"}
+            ]
             assert put_ok == [ops["put"]["ok"]]
             assert exposed(text) == documented("Client metrics")
     finally:
@@ -403,8 +458,14 @@ LOGGING = textwrap.dedent(
 
 
 def test_rust_logs_reach_python_logging_under_stowage(tmp_path):
-    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RUST_LOG", "STOWAGE_LOG_FORMAT")}
-    r = subprocess.run([sys.executable, "-c", LOGGING], capture_output=True, text=True, timeout=120, env=env)
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RUST_LOG", "STOWAGE_LOG_FORMAT")
+    }
+    r = subprocess.run(
+        [sys.executable, "-c", LOGGING], capture_output=True, text=True, timeout=120, env=env
+    )
     assert r.returncode == 0, r.stderr
     records = json.loads(r.stdout.strip().splitlines()[-1])
     opened = [x for x in records if x["message"].startswith("session opened")]
@@ -420,11 +481,17 @@ def test_rust_logs_reach_python_logging_under_stowage(tmp_path):
 def test_the_dashboard_uses_only_documented_metrics():
     dash = json.loads((ROOT / "docs" / "grafana" / "stowage.json").read_text())
     exprs = [t["expr"] for p in dash["panels"] for t in p["targets"]]
-    used = {re.sub(r"_(bucket|sum|count)$", "", n) for e in exprs for n in re.findall(r"stowage_[a-z_]+", e)}
+    used = {
+        re.sub(r"_(bucket|sum|count)$", "", n)
+        for e in exprs
+        for n in re.findall(r"stowage_[a-z_]+", e)
+    }
     known = set(documented("Unit metrics")) | set(documented("Client metrics"))
     assert used and used <= known, used - known
     # The README's alert examples too.
     readme = (ROOT / "README.md").read_text()
     operating = readme.split("## Operating", 1)[1].split("\n## ", 1)[0]
-    alerts = {re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"stowage_[a-z_]+", operating)}
+    alerts = {
+        re.sub(r"_(bucket|sum|count)$", "", n) for n in re.findall(r"stowage_[a-z_]+", operating)
+    }
     assert alerts and alerts <= known, alerts - known

@@ -36,8 +36,12 @@ def _run_with_directory(code, directory, env=None):
     ``sys.argv[1]`` (bounded: 120 s)."""
     code = "import sys; sys.argv[1:] = [sys.stdin.read()]\n" + code
     return subprocess.run(
-        [sys.executable, "-c", code], input=json.dumps(directory),
-        capture_output=True, text=True, timeout=120, env=env,
+        [sys.executable, "-c", code],
+        input=json.dumps(directory),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
     )
 
 
@@ -70,10 +74,14 @@ def test_arrays_a_nixl_get_returns_are_the_callers_own():
         dp.put("p", [0, 1, 2, 3], cols)
         got = dp.get("p", [0, 1, 2, 3], ["ids", "logprobs"])
         assert dp.clear_partition("p") == 8
-        dp.put("p", [0, 1, 2, 3], {
-            "ids": [np.full_like(a, 7) for a in cols["ids"]],
-            "logprobs": np.zeros_like(cols["logprobs"]),
-        })
+        dp.put(
+            "p",
+            [0, 1, 2, 3],
+            {
+                "ids": [np.full_like(a, 7) for a in cols["ids"]],
+                "logprobs": np.zeros_like(cols["logprobs"]),
+            },
+        )
         again = dp.get("p", [0, 1, 2, 3], ["ids"])
         assert all((a == 7).all() for a in again["ids"])
     for a, b in zip(got["ids"], cols["ids"]):

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import stowage
+
 from conftest import same, settled_pins, total_pins
 
 

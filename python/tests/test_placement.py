@@ -46,7 +46,13 @@ COLOCATED = ["c0", "c1"]
 # objects above, names the alias note must call left out)
 SELECT_CASES = [
     ("all", "all", {"train": TRAIN, "inference": INFER}, ["TRAIN", "INFER"], []),
-    ("all keeps mapping order", "all", {"inference": INFER, "train": TRAIN}, ["INFER", "TRAIN"], []),
+    (
+        "all keeps mapping order",
+        "all",
+        {"inference": INFER, "train": TRAIN},
+        ["INFER", "TRAIN"],
+        [],
+    ),
     ("one name", ["inference"], {"train": TRAIN, "inference": INFER}, ["INFER"], []),
     (
         "mapping order, not placement order",
@@ -162,13 +168,28 @@ def test_select_clusters_errors(placement, clusters, phrase):
 # (what, clusters, count, expected node of each unit)
 PLAN_CASES = [
     ("no count: two per node", [["n0", "n1", "n2"]], None, ["n0", "n1", "n2", "n0", "n1", "n2"]),
-    ("no count over two clusters", [["a0", "a1"], ["b0"]], None, ["a0", "a1", "b0", "a0", "a1", "b0"]),
+    (
+        "no count over two clusters",
+        [["a0", "a1"], ["b0"]],
+        None,
+        ["a0", "a1", "b0", "a0", "a1", "b0"],
+    ),
     ("count below the nodes", [["a0", "a1"], ["b0", "b1"]], 3, ["a0", "a1", "b0"]),
     ("count equal to the nodes", [["a0", "a1"], ["b0"]], 3, ["a0", "a1", "b0"]),
-    ("count above the nodes wraps", [["a0", "a1"], ["b0"]], 7, ["a0", "a1", "b0", "a0", "a1", "b0", "a0"]),
+    (
+        "count above the nodes wraps",
+        [["a0", "a1"], ["b0"]],
+        7,
+        ["a0", "a1", "b0", "a0", "a1", "b0", "a0"],
+    ),
     ("one unit", [["a0", "a1"]], 1, ["a0"]),
     ("one node", [["only"]], 3, ["only", "only", "only"]),
-    ("shared node counts once", [["n0", "n1"], ["n1", "n2"]], None, ["n0", "n1", "n2", "n0", "n1", "n2"]),
+    (
+        "shared node counts once",
+        [["n0", "n1"], ["n1", "n2"]],
+        None,
+        ["n0", "n1", "n2", "n0", "n1", "n2"],
+    ),
     ("node twice in a cluster", [["n1", "n0", "n1"]], None, ["n1", "n0", "n1", "n0"]),
     ("given order, no sorting", [["z", "a", "m"]], 4, ["z", "a", "m", "z"]),
     ("an empty cluster beside others", [[], ["b0"]], 2, ["b0", "b0"]),

@@ -16,10 +16,10 @@ import shutil
 import signal
 import subprocess
 import sys
-import urllib.request
 import textwrap
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -95,6 +95,47 @@ def readme_ray_example() -> str:
     from test_readme_example import readme_block
 
     return readme_block("## On a Ray cluster")
+
+
+def test_the_launcher_takes_its_settings_from_the_checked_config(tmp_path):
+    """No Ray cluster needed: a dict config is checked by the extension
+    module as a file is (stowage.ray validates nothing itself), and the
+    launcher takes normalized values from it."""
+    secret = b"s" * 16
+    s = stowage.ray._Settings(
+        {
+            "units": {"memory": "16MiB", "pin_lease": 5, "disk": {"root": "/d"}, "cpus": 0},
+            "timeouts": {"start": "1m", "stop": 7.5},
+            "listen": {"host": "node-ip"},
+        },
+        secret,
+    )
+    assert s.memory == 16 << 20 and s.cpus == 0.0 and s.count is None
+    assert s.start_timeout == 60.0 and s.stop_timeout == 7.5
+    kw = s.unit_kwargs
+    assert kw["memory"] == 16 << 20 and kw["pin_lease"] == 5.0 and kw["reservation_lease"] == 30.0
+    assert (kw["disk"], kw["disk_capacity"], kw["high_watermark"]) == ("/d", 20 << 30, 0.9)
+    assert kw["secret"] == secret and s.generated is None
+    assert s.listen == {"host": "node-ip", "tcp_port": 0, "unix_dir": None}
+    # What stowage.config.load returned, and a file's path, give the same.
+    path = tmp_path / "stowage.toml"
+    path.write_text('[units]\nmemory = "16MiB"\npin_lease = "5s"\n')
+    loaded = stowage.config.load(path)
+    for config in (loaded, str(path), path):
+        t = stowage.ray._Settings(config, secret)
+        assert t.memory == 16 << 20 and t.unit_kwargs["pin_lease"] == 5.0
+    for bad, key in [
+        ({"units": {"memroy": "1GiB"}}, "units.memroy"),
+        ({"unit": {}}, "unit"),
+        ({"units": {"cpus": -1}}, "units.cpus"),
+        ({"timeouts": {"start": "soon"}}, "timeouts.start"),
+        ({"units": {"disk": {"capacity": "1GiB"}}}, "units.disk"),
+    ]:
+        with pytest.raises(stowage.InvalidRequest) as e:
+            stowage.ray._Settings(bad, secret)
+        assert e.value.key == key, (bad, str(e.value))
+    with pytest.raises(stowage.InvalidRequest, match="config must be a dict"):
+        stowage.ray._Settings(["units"], secret)
 
 
 def test_readme_ray_example_runs_as_written(cluster, tmp_path):
@@ -316,7 +357,7 @@ def test_stop_units_leaves_no_process_and_no_directory(cluster, tmp_path, part):
     two = stowage.ray.start_units(cfg, cluster.node_ids[:2], timeout=START_S)
     entries = two.directory["units"]
     pids = [e["pid"] for e in entries]
-    socket_dirs = [pathlib.Path(e["uds"][len("unix:"):]).parent for e in entries]
+    socket_dirs = [pathlib.Path(e["uds"][len("unix:") :]).parent for e in entries]
     with stowage.connect(two.directory) as plane:
         plane.put(part, [0, 1], {"v": np.ones((2, 1000), dtype=np.float32)})
     assert len(os.listdir(disk)) == 2  # one locked directory per unit
@@ -371,7 +412,7 @@ def test_clusters_by_name_and_a_config_file(cluster, tmp_path):
 
     with pytest.raises(stowage.InvalidRequest, match="teacher:x"):
         stowage.ray.start_units({"placement": {"clusters": ["teacher:x"]}}, clusters, timeout=5)
-    with pytest.raises(stowage.InvalidRequest, match="units.memroy"):
+    with pytest.raises(stowage.InvalidRequest, match=r"units\.memroy"):
         stowage.ray.start_units({"units": {"memroy": "1GiB"}}, [head], timeout=5)
 
 
@@ -416,21 +457,21 @@ def start_failing(*args, **kwargs):
     t0 = time.monotonic()
     t.start()
     t.join(kwargs["timeout"] + 30)
-    assert not t.is_alive(), f"start_units did not return within its timeout of {kwargs['timeout']} s"
+    assert not t.is_alive(), (
+        f"start_units did not return within its timeout of {kwargs['timeout']} s"
+    )
     assert "error" in out, out
     assert isinstance(out["error"], stowage.ray.PlacementError), repr(out["error"])
     assert isinstance(out["error"], stowage.Error)
     return str(out["error"]), time.monotonic() - t0
 
 
-def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing(
-    cluster, units
-):
+def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing(cluster, units):
     # Free: every CPU but those of the module's units (once the units of
     # earlier tests are gone).
     free = ray.cluster_resources()["CPU"] - len(units)
     assert settled_cpus(free) == free
-    head, b, c = cluster.node_ids
+    head, _, c = cluster.node_ids
     cfg = {"units": {"memory": "16MiB"}}
 
     # A node that does not exist.
@@ -480,7 +521,7 @@ def test_units_die_with_the_job_that_started_them(cluster, tmp_path):
     entry = json.loads(done.stdout.strip().splitlines()[-1])["units"][0]
     # The job ended without stop_units: Ray kills its (non-detached) actors.
     assert wait_dead(entry["pid"], 60), "a unit outlived the job that started it"
-    shutil.rmtree(pathlib.Path(entry["uds"][len("unix:"):]).parent, ignore_errors=True)
+    shutil.rmtree(pathlib.Path(entry["uds"][len("unix:") :]).parent, ignore_errors=True)
     # Its disk directory stays, locked by nobody, until the next unit
     # under the same root removes it.
     left = os.listdir(disk)

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 import stowage
+
 from conftest import same
 
 MiB = 1 << 20

@@ -1,5 +1,6 @@
 """The README's Python examples run as written (the Ray one runs in
 test_ray.py, on that module's local Ray cluster)."""
+
 import pathlib
 import re
 import subprocess
@@ -27,7 +28,9 @@ def test_readme_example_is_the_example_file():
 
 
 def test_readme_ray_example_is_the_example_file():
-    assert readme_block("## On a Ray cluster") == (ROOT / "python/examples/ray_units.py").read_text()
+    assert (
+        readme_block("## On a Ray cluster") == (ROOT / "python/examples/ray_units.py").read_text()
+    )
 
 
 def test_readme_example_runs_as_written(tmp_path):

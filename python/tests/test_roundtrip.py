@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import stowage
+
 from conftest import same
 
 DTYPES = [
@@ -114,7 +115,9 @@ def test_a_large_batch_of_small_values_reads_back_exactly(dp, part):
     keys = list(range(n))
     cols = {
         "ids": [rng.integers(0, 1 << 40, int(k), dtype=np.int64) for k in rng.integers(0, 3000, n)],
-        "lp": [rng.standard_normal(int(k)).astype(ml_dtypes.bfloat16) for k in rng.integers(1, 5000, n)],
+        "lp": [
+            rng.standard_normal(int(k)).astype(ml_dtypes.bfloat16) for k in rng.integers(1, 5000, n)
+        ],
         "mask": [rng.random((int(k), 3)) > 0.5 for k in rng.integers(0, 700, n)],
     }
     assert sum(a.nbytes for v in cols.values() for a in v) > 2 * (9 << 20)

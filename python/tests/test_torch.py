@@ -31,7 +31,10 @@ def test_torch_round_trip(dp, part, dtype):
     elif dtype.is_floating_point:
         values = [torch.randn(5, generator=g).to(dtype), torch.randn(2, 3, generator=g).to(dtype)]
     else:
-        values = [torch.randint(0, 100, (5,), generator=g).to(dtype), torch.randint(0, 100, (2, 3), generator=g).to(dtype)]
+        values = [
+            torch.randint(0, 100, (5,), generator=g).to(dtype),
+            torch.randint(0, 100, (2, 3), generator=g).to(dtype),
+        ]
     dense = torch.stack([values[0], values[0]])
     dp.put(part, [0, 1], {"j": values, "d": dense})
     got = dp.get(part, [0, 1], ["j", "d"], as_="torch")

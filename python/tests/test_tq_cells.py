@@ -70,7 +70,9 @@ def test_changed_or_forged_cells_are_refused_and_never_unpickled(tmp_path):
         cells.MAGIC_INSECURE + evil,  # the format of stowage before tags
         cells.MAGIC + bytes(32) + evil,  # a made-up tag
         good[: len(cells.MAGIC) + cells.TAG_LEN] + evil,  # a good tag, another pickle
-        cells.seal(cells.cell_key_of(b"another-secret-0123456789"), *PLACE, _WritesAFile(str(target))),
+        cells.seal(
+            cells.cell_key_of(b"another-secret-0123456789"), *PLACE, _WritesAFile(str(target))
+        ),
         evil,  # no head
         cells.MAGIC + evil[:10],  # shorter than a tag
     ]
@@ -95,10 +97,12 @@ def test_the_tag_is_checked_on_the_bytes_that_are_unpickled():
 
 
 def test_without_a_key_cells_need_the_insecure_option(tmp_path):
-    with pytest.raises(cells.UntrustedCell, match="backend.Stowage.insecure_pickles"):
+    with pytest.raises(cells.UntrustedCell, match=r"backend\.Stowage\.insecure_pickles"):
         cells.seal(None, *PLACE, "x")
-    with pytest.raises(cells.UntrustedCell, match="backend.Stowage.insecure_pickles"):
-        cells.open_cell(None, *PLACE, np.frombuffer(cells.MAGIC_INSECURE + pickle.dumps("x"), np.uint8))
+    with pytest.raises(cells.UntrustedCell, match=r"backend\.Stowage\.insecure_pickles"):
+        cells.open_cell(
+            None, *PLACE, np.frombuffer(cells.MAGIC_INSECURE + pickle.dumps("x"), np.uint8)
+        )
     cell = cells.seal(None, *PLACE, "x", insecure=True)
     assert cell.tobytes().startswith(cells.MAGIC_INSECURE)
     assert cells.open_cell(None, *PLACE, cell, insecure=True) == "x"

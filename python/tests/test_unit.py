@@ -16,7 +16,7 @@ from stowage import _native
 
 
 def socket_dir(unit: _native.Unit) -> str:
-    return os.path.dirname(unit.uds_addr[len("unix:"):])
+    return os.path.dirname(unit.uds_addr[len("unix:") :])
 
 
 def test_a_unit_in_this_process_serves_and_stops_cleanly(tmp_path, part):

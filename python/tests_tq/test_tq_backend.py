@@ -29,7 +29,6 @@ from transfer_queue import interface  # noqa: E402
 import stowage  # noqa: E402
 import stowage.tq  # noqa: E402
 
-
 #: Settings every system of this module gets: a secret (pickled cells are
 #: authenticated with a key derived from it; until every launcher makes
 #: one itself), and checkpoints allowed under pytest's private (0700)
@@ -160,8 +159,12 @@ def test_disk_tier_spills_instead_of_failing(tmp_path):
         for b in range(12):
             keys = [f"b{b}-{i}" for i in range(4)]
             vals = torch.from_numpy(rng.random((4, 1 << 18), dtype=np.float32))
-            tq.kv_batch_put(keys=keys, partition_id="big", fields=TensorDict({"x": vals}, batch_size=4),
-                            tags=[{} for _ in keys])
+            tq.kv_batch_put(
+                keys=keys,
+                partition_id="big",
+                fields=TensorDict({"x": vals}, batch_size=4),
+                tags=[{} for _ in keys],
+            )
             batches[b] = (keys, vals)
         plane = _connect(interface._TQ_STORAGE["Stowage"].directory)
         try:
@@ -193,7 +196,9 @@ def test_checkpoint_round_trip_replaces_rows(system, tmp_path):
         },
         batch_size=6,
     )
-    tq.kv_batch_put(keys=keys, partition_id="train", fields=fields, tags=[{"i": i} for i in range(6)])
+    tq.kv_batch_put(
+        keys=keys, partition_id="train", fields=fields, tags=[{"i": i} for i in range(6)]
+    )
     before = _gidx("train", keys)
     ckpt = tmp_path / "ckpt"
     tq.save_checkpoint(str(ckpt))
@@ -201,12 +206,19 @@ def test_checkpoint_round_trip_replaces_rows(system, tmp_path):
     assert str(tmp_path) not in (ckpt / "stowage_checkpoint.json").read_text()
 
     # Overwrite some rows, clear others, add a partition: load must replace all of it.
-    tq.kv_batch_put(keys=keys[:3], partition_id="train",
-                    fields=TensorDict({"reward": torch.full((3,), 9.0, dtype=torch.bfloat16)}, batch_size=3),
-                    tags=[{} for _ in range(3)])
+    tq.kv_batch_put(
+        keys=keys[:3],
+        partition_id="train",
+        fields=TensorDict({"reward": torch.full((3,), 9.0, dtype=torch.bfloat16)}, batch_size=3),
+        tags=[{} for _ in range(3)],
+    )
     tq.kv_clear(keys=keys[3:], partition_id="train")
-    tq.kv_batch_put(keys=["x"], partition_id="other",
-                    fields=TensorDict({"ids": torch.ones(1, 2)}, batch_size=1), tags=[{}])
+    tq.kv_batch_put(
+        keys=["x"],
+        partition_id="other",
+        fields=TensorDict({"ids": torch.ones(1, 2)}, batch_size=1),
+        tags=[{}],
+    )
 
     tq.load_checkpoint(str(ckpt))
     assert _gidx("train", keys) == before
@@ -232,9 +244,13 @@ def test_close_leaves_no_process_and_no_directory(tmp_path):
     storage = interface._TQ_STORAGE["Stowage"]
     entries = storage.directory["units"]
     pids = [e["pid"] for e in entries]
-    sock_dirs = [os.path.dirname(e["uds"][len("unix:"):]) for e in entries]
-    tq.kv_batch_put(keys=["a"], partition_id="p", fields=TensorDict({"v": torch.ones(1, 3)}, batch_size=1),
-                    tags=[{}])
+    sock_dirs = [os.path.dirname(e["uds"][len("unix:") :]) for e in entries]
+    tq.kv_batch_put(
+        keys=["a"],
+        partition_id="p",
+        fields=TensorDict({"v": torch.ones(1, 3)}, batch_size=1),
+        tags=[{}],
+    )
     assert all(_alive(p) for p in pids) and all(os.path.isdir(d) for d in sock_dirs)
     assert len(os.listdir(disk)) == 2
     del storage

@@ -1,6 +1,7 @@
 """The README's "With TransferQueue" example is python/examples/tq_stowage.py
 and runs as written (on a private local Ray instance), and the worker hook
 registers the backend when a worker imports transfer_queue."""
+
 import os
 import pathlib
 import re
@@ -28,7 +29,10 @@ def _readme_block(heading: str) -> str:
 
 
 def test_readme_tq_example_is_the_example_file():
-    assert _readme_block("## With TransferQueue") == (ROOT / "python/examples/tq_stowage.py").read_text()
+    assert (
+        _readme_block("## With TransferQueue")
+        == (ROOT / "python/examples/tq_stowage.py").read_text()
+    )
 
 
 def test_readme_tq_example_runs_as_written(tmp_path):
@@ -41,7 +45,11 @@ def test_readme_tq_example_runs_as_written(tmp_path):
     # derived from the secret its units generated for themselves.
     env = {k: v for k, v in os.environ.items() if k != "STOWAGE_SECRET"}
     done = subprocess.run(
-        [sys.executable, "-c", boot, str(script)], capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        [sys.executable, "-c", boot, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
         env=env,
     )
     assert done.returncode == 0, done.stderr[-4000:]

@@ -70,7 +70,10 @@ def _conf(**block):
     return OmegaConf.create(
         {
             "controller": {"polling_mode": True},
-            "backend": {"storage_backend": "Stowage", "Stowage": {"count": 2, "memory": "64MiB", **block}},
+            "backend": {
+                "storage_backend": "Stowage",
+                "Stowage": {"count": 2, "memory": "64MiB", **block},
+            },
         }
     )
 
@@ -131,7 +134,9 @@ def _other_process(storage, tmp_path, secret_file, **op):
     op.setdefault("ns", NS)
     done = subprocess.run(
         [sys.executable, "-c", _OTHER, str(directory), secret_file, json.dumps(op)],
-        capture_output=True, text=True, timeout=120,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0 and "written" in done.stdout, done.stderr
 
@@ -146,24 +151,40 @@ def _raised(f, *args, **kwargs):
 
 
 def _put_text(keys, partition="p", field="text"):
-    tq.kv_batch_put(keys=keys, partition_id=partition,
-                    fields=TensorDict({field: [f"value of {k}" for k in keys]}, batch_size=len(keys)),
-                    tags=[{} for _ in keys])
+    tq.kv_batch_put(
+        keys=keys,
+        partition_id=partition,
+        fields=TensorDict({field: [f"value of {k}" for k in keys]}, batch_size=len(keys)),
+        tags=[{} for _ in keys],
+    )
     return _gidx(partition, keys)
 
 
 @pytest.mark.parametrize("forged", ["untagged", "bad-tag"])
-def test_tampered_pickled_cell_is_refused_and_never_unpickled(system, tmp_path, secret_file, forged):
+def test_tampered_pickled_cell_is_refused_and_never_unpickled(
+    system, tmp_path, secret_file, forged
+):
     keys = ["a", "b"]
     gidx = _put_text(keys)
-    assert list(tq.kv_batch_get(keys=keys, partition_id="p")["text"]) == ["value of a", "value of b"]
+    assert list(tq.kv_batch_get(keys=keys, partition_id="p")["text"]) == [
+        "value of a",
+        "value of b",
+    ]
     target = tmp_path / "written-by-the-pickle"
     payload = _evil(str(target))
     # "untagged": a cell as stowage wrote them before tags; "bad-tag": the
     # tagged head with a tag made without the key.
     raw = OLD_HEAD + payload if forged == "untagged" else b"STWPKH1\x00" + os.urandom(32) + payload
-    _other_process(system, tmp_path, secret_file, what="write", partition="p", row=gidx[1],
-                   field="text", bytes=raw.hex())
+    _other_process(
+        system,
+        tmp_path,
+        secret_file,
+        what="write",
+        partition="p",
+        row=gidx[1],
+        field="text",
+        bytes=raw.hex(),
+    )
     err = _raised(tq.kv_batch_get, keys=keys, partition_id="p")
     assert not target.exists(), "a cell that another process wrote was unpickled"
     assert isinstance(err, stowage.tq.UntrustedCell), repr(err)
@@ -176,17 +197,31 @@ def test_tampered_pickled_cell_is_refused_and_never_unpickled(system, tmp_path, 
 def test_cell_moved_to_another_row_or_field_is_refused(system, tmp_path, secret_file):
     keys = ["a", "b"]
     gidx = _put_text(keys)
-    tq.kv_batch_put(keys=keys, partition_id="p",
-                    fields=TensorDict({"note": ["note a", "note b"]}, batch_size=2), tags=[{}, {}])
+    tq.kv_batch_put(
+        keys=keys,
+        partition_id="p",
+        fields=TensorDict({"note": ["note a", "note b"]}, batch_size=2),
+        tags=[{}, {}],
+    )
     # Row a's cell, copied whole (tag and all) over row b's.
-    _other_process(system, tmp_path, secret_file, what="move", partition="p", src=gidx[0], dst=gidx[1],
-                   field="text")
+    _other_process(
+        system,
+        tmp_path,
+        secret_file,
+        what="move",
+        partition="p",
+        src=gidx[0],
+        dst=gidx[1],
+        field="text",
+    )
     with pytest.raises(Exception) as info:
         tq.kv_batch_get(keys=["b"], partition_id="p", select_fields=["text"])
     assert isinstance(info.value, stowage.tq.UntrustedCell), repr(info.value)
     assert "its tag is wrong" in str(info.value), str(info.value)
     # And another field's cell of the same row.
-    plane = stowage.connect(system.directory, namespace=NS, secret=open(secret_file, "rb").read().strip())
+    plane = stowage.connect(
+        system.directory, namespace=NS, secret=open(secret_file, "rb").read().strip()
+    )
     try:
         note = plane.get("p", [gidx[0]], ["note"])["note"][0]
         plane.put("p", [gidx[0]], {"text": [note]})
@@ -205,8 +240,12 @@ def test_without_a_secret_pickled_cells_need_the_explicit_option(tmp_path):
         assert isinstance(info.value, stowage.tq.UntrustedCell), repr(info.value)
         assert "backend.Stowage.insecure_pickles" in str(info.value), str(info.value)
         # Tensors need no tag.
-        tq.kv_batch_put(keys=["t"], partition_id="p",
-                        fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1), tags=[{}])
+        tq.kv_batch_put(
+            keys=["t"],
+            partition_id="p",
+            fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1),
+            tags=[{}],
+        )
     finally:
         tq.close()
     tq.init(_conf(insecure=True, insecure_pickles=True))
@@ -231,14 +270,20 @@ def _write_record(ckpt, record):
 @pytest.mark.parametrize("where", ["absolute", "dotdot", "symlink"])
 def test_checkpoint_record_naming_a_path_outside_is_refused(system, tmp_path, where):
     keys = [f"k{i}" for i in range(4)]
-    tq.kv_batch_put(keys=keys, partition_id="p",
-                    fields=TensorDict({"x": torch.arange(4.0).reshape(4, 1)}, batch_size=4),
-                    tags=[{} for _ in keys])
+    tq.kv_batch_put(
+        keys=keys,
+        partition_id="p",
+        fields=TensorDict({"x": torch.arange(4.0).reshape(4, 1)}, batch_size=4),
+        tags=[{} for _ in keys],
+    )
     outside = tmp_path / "outside"
     tq.save_checkpoint(str(outside))  # a real checkpoint, with other rows
-    tq.kv_batch_put(keys=keys, partition_id="p",
-                    fields=TensorDict({"x": torch.full((4, 1), 7.0)}, batch_size=4),
-                    tags=[{} for _ in keys])
+    tq.kv_batch_put(
+        keys=keys,
+        partition_id="p",
+        fields=TensorDict({"x": torch.full((4, 1), 7.0)}, batch_size=4),
+        tags=[{} for _ in keys],
+    )
     ckpt = tmp_path / "ckpt" / "inner"
     tq.save_checkpoint(str(ckpt))
     record = _record(ckpt)
@@ -250,9 +295,12 @@ def test_checkpoint_record_naming_a_path_outside_is_refused(system, tmp_path, wh
         shutil.rmtree(ckpt / "stowage" / "unit-0")
         os.symlink(outside / "stowage" / "unit-0", ckpt / "stowage" / "unit-0")
     _write_record(ckpt, record)
-    tq.kv_batch_put(keys=keys, partition_id="p",
-                    fields=TensorDict({"x": torch.full((4, 1), 9.0)}, batch_size=4),
-                    tags=[{} for _ in keys])
+    tq.kv_batch_put(
+        keys=keys,
+        partition_id="p",
+        fields=TensorDict({"x": torch.full((4, 1), 9.0)}, batch_size=4),
+        tags=[{} for _ in keys],
+    )
     with pytest.raises(Exception) as info:
         tq.load_checkpoint(str(ckpt))
     assert isinstance(info.value, stowage.tq.CheckpointRefused), repr(info.value)
@@ -267,8 +315,12 @@ def test_checkpoint_record_naming_a_path_outside_is_refused(system, tmp_path, wh
 
 
 def test_checkpoint_record_cannot_size_the_restore_unit(system, tmp_path):
-    tq.kv_batch_put(keys=["a"], partition_id="p", fields=TensorDict({"x": torch.ones(1, 4)}, batch_size=1),
-                    tags=[{}])
+    tq.kv_batch_put(
+        keys=["a"],
+        partition_id="p",
+        fields=TensorDict({"x": torch.ones(1, 4)}, batch_size=1),
+        tags=[{}],
+    )
     ckpt = tmp_path / "ckpt"
     tq.save_checkpoint(str(ckpt))
     record = _record(ckpt)
@@ -280,21 +332,36 @@ def test_checkpoint_record_cannot_size_the_restore_unit(system, tmp_path):
     assert str(1 << 50) in str(info.value) and "its files hold" in str(info.value), str(info.value)
 
 
-def test_tampered_cell_in_a_checkpoint_is_refused_and_never_unpickled(system, tmp_path, secret_file):
+def test_tampered_cell_in_a_checkpoint_is_refused_and_never_unpickled(
+    system, tmp_path, secret_file
+):
     keys = ["a", "b"]
     gidx = _put_text(keys)
     target = tmp_path / "written-by-the-pickle"
-    _other_process(system, tmp_path, secret_file, what="write", partition="p", row=gidx[0],
-                   field="text", bytes=(OLD_HEAD + _evil(str(target))).hex())
+    _other_process(
+        system,
+        tmp_path,
+        secret_file,
+        what="write",
+        partition="p",
+        row=gidx[0],
+        field="text",
+        bytes=(OLD_HEAD + _evil(str(target))).hex(),
+    )
     ckpt = tmp_path / "ckpt"
     tq.save_checkpoint(str(ckpt))  # the tampered cell goes into the checkpoint
     _put_text(keys)  # the live rows are good again
-    err = _raised(lambda: (tq.load_checkpoint(str(ckpt)), tq.kv_batch_get(keys=keys, partition_id="p")))
+    err = _raised(
+        lambda: (tq.load_checkpoint(str(ckpt)), tq.kv_batch_get(keys=keys, partition_id="p"))
+    )
     assert not target.exists(), "a tampered cell of a checkpoint was unpickled"
     assert isinstance(err, stowage.tq.CheckpointRefused), repr(err)
     assert f"row {gidx[0]!r} field 'text'" in str(err), str(err)
     # Refused before anything changed: the live rows are intact.
-    assert list(tq.kv_batch_get(keys=keys, partition_id="p")["text"]) == ["value of a", "value of b"]
+    assert list(tq.kv_batch_get(keys=keys, partition_id="p")["text"]) == [
+        "value of a",
+        "value of b",
+    ]
 
 
 def test_checkpoint_saved_under_another_secret_needs_that_secret(tmp_path):
@@ -333,9 +400,17 @@ def test_default_checkpoint_root_is_private_and_not_slash(tmp_path, secret_file,
     try:
         root = tmp_path / f"stowage-tq-checkpoints-{os.getuid()}"
         st = os.lstat(root)
-        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
-        tq.kv_batch_put(keys=["a"], partition_id="p",
-                        fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1), tags=[{}])
+        assert (
+            stat.S_ISDIR(st.st_mode)
+            and st.st_uid == os.getuid()
+            and stat.S_IMODE(st.st_mode) == 0o700
+        )
+        tq.kv_batch_put(
+            keys=["a"],
+            partition_id="p",
+            fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1),
+            tags=[{}],
+        )
         # Anywhere else (here: beside the root) is refused by the units.
         with pytest.raises(Exception) as info:
             tq.save_checkpoint(str(tmp_path / "elsewhere"))
@@ -346,7 +421,9 @@ def test_default_checkpoint_root_is_private_and_not_slash(tmp_path, secret_file,
         tq.close()
 
 
-def test_default_checkpoint_root_planted_by_another_user_is_not_used(tmp_path, secret_file, monkeypatch):
+def test_default_checkpoint_root_planted_by_another_user_is_not_used(
+    tmp_path, secret_file, monkeypatch
+):
     # Another local user makes the default root first: the job still
     # starts, in a fresh private root of its own, and writes nothing into
     # the planted one.
@@ -361,9 +438,17 @@ def test_default_checkpoint_root_planted_by_another_user_is_not_used(tmp_path, s
         assert os.path.dirname(root) == str(tmp_path), root
         assert os.path.basename(root).startswith(f"stowage-tq-checkpoints-{os.getuid()}-"), root
         st = os.lstat(root)
-        assert stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and stat.S_IMODE(st.st_mode) == 0o700
-        tq.kv_batch_put(keys=["a"], partition_id="p",
-                        fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1), tags=[{}])
+        assert (
+            stat.S_ISDIR(st.st_mode)
+            and st.st_uid == os.getuid()
+            and stat.S_IMODE(st.st_mode) == 0o700
+        )
+        tq.kv_batch_put(
+            keys=["a"],
+            partition_id="p",
+            fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1),
+            tags=[{}],
+        )
         tq.save_checkpoint(os.path.join(root, "step-1"))
         assert os.path.isdir(os.path.join(root, "step-1", "stowage", "unit-0"))
         assert list(planted.iterdir()) == []

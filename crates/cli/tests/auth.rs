@@ -326,14 +326,14 @@ fn no_secret_or_a_wrong_one_is_unauthorized_and_nothing_is_read_released_or_hand
     // Requests that would read or clear, first thing on a connection, over
     // both listeners: refused, the connection closed.
     let clears = [
-        Request::ReleaseRows {
+        Request::ClearRows {
             partition: "p".into(),
             rows: vec![3],
         },
-        Request::DropPartition {
+        Request::ClearPartition {
             partition: "p".into(),
         },
-        Request::ReleaseRows {
+        Request::ClearRows {
             partition: String::new(),
             rows: vec![4],
         },

@@ -109,7 +109,7 @@ fn bad_frames_get_invalid_request_while_others_carry_on() {
 
         // Too many keys for the unit's limits is refused as well.
         let mut r = Raw::hello(&sock, "test");
-        r.send(&Request::ReleaseRows {
+        r.send(&Request::ClearRows {
             partition: String::new(),
             rows: (0..(1u64 << 20) + 1).collect(),
         });

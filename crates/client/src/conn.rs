@@ -154,7 +154,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::AlreadyCommitted => "AlreadyCommitted",
         Response::Done => "Done",
         Response::Resolved { .. } => "Resolved",
-        Response::Released { .. } => "Released",
+        Response::Cleared { .. } => "Cleared",
         Response::Stats(_) => "Stats",
         Response::Data { .. } => "Data",
         Response::Listed { .. } => "Listed",

@@ -1153,7 +1153,7 @@ impl Client {
                 .map(|(u, rows)| {
                     (
                         u,
-                        Request::ReleaseRows {
+                        Request::ClearRows {
                             partition: partition.to_owned(),
                             rows,
                         },
@@ -1164,7 +1164,7 @@ impl Client {
         );
         for (unit, r) in replies {
             match r {
-                Ok(Response::Released { entries }) => removed += entries,
+                Ok(Response::Cleared { entries }) => removed += entries,
                 Ok(other) => {
                     return Err(Error::TransferFailed {
                         unit,

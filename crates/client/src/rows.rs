@@ -871,7 +871,7 @@ impl Client {
             .map(|u| {
                 (
                     u,
-                    Request::DropPartition {
+                    Request::ClearPartition {
                         partition: partition.to_owned(),
                     },
                 )
@@ -880,7 +880,7 @@ impl Client {
         let mut removed = 0;
         for (unit, r) in self.call_units(reqs, deadline) {
             match r {
-                Ok(Response::Released { entries }) => removed += entries,
+                Ok(Response::Cleared { entries }) => removed += entries,
                 Ok(other) => return Err(unexpected(unit, other)),
                 Err(Error::LostBlobs { .. }) => {}
                 Err(e) => return Err(e),

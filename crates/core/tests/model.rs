@@ -118,7 +118,7 @@
 //! Each operation's answer is also checked against the model's prediction
 //! (Reserved / ToDisk / AlreadyCommitted / Invalid / UnknownBlob / NotOwner
 //! / Busy / Full and their numbers, Done vs Pending, the count returned by
-//! release_rows, which spill jobs may be handed out, ...). A commit past the
+//! clear_rows, which spill jobs may be handed out, ...). A commit past the
 //! index byte budget ([`INDEX_BUDGET`]) answers Full and changes nothing.
 //!
 //! At the end every in-flight write and promotion finishes, the unit's pins
@@ -474,7 +474,7 @@ enum Op {
         pick: usize,
         stale: bool,
     },
-    ReleaseRows {
+    ClearRows {
         rows: Vec<u64>,
     },
     /// Advance the virtual clock by anything from a millisecond to two days
@@ -609,7 +609,7 @@ fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
         1 => Just(Op::Snapshot),
         3 => (any::<u8>(), any::<usize>(), prop::bool::weighted(0.15))
             .prop_map(|(who, pick, stale)| Op::Unpin { who, pick, stale }),
-        release => prop::collection::vec(0..ROWS + 1, 0..4).prop_map(|rows| Op::ReleaseRows { rows }),
+        release => prop::collection::vec(0..ROWS + 1, 0..4).prop_map(|rows| Op::ClearRows { rows }),
         advance => (pause_strategy(), prop::bool::weighted(0.8))
             .prop_map(|(ms, tick)| Op::Advance { ms, tick }),
         2 => (any::<u8>(), any::<bool>(), prop::bool::weighted(0.1), prop::bool::weighted(0.3))
@@ -1803,7 +1803,7 @@ impl Harness {
                     self.unpin(o, pin)
                 }
             }
-            Op::ReleaseRows { rows } => self.release_rows(rows),
+            Op::ClearRows { rows } => self.clear_rows(rows),
             Op::Advance { ms: d, tick } => {
                 if *tick {
                     self.advance(ms(*d));
@@ -2360,7 +2360,7 @@ impl Harness {
         Ok(())
     }
 
-    fn release_rows(&mut self, rows: &[u64]) -> Result<(), TestCaseError> {
+    fn clear_rows(&mut self, rows: &[u64]) -> Result<(), TestCaseError> {
         let set: BTreeSet<u64> = rows.iter().copied().collect();
         let expected = self.values.keys().filter(|k| set.contains(&k.row)).count() as u64;
         let got = self.core.clear_rows(NS, rows);
@@ -2781,7 +2781,7 @@ impl Harness {
         // Its values are released, it pauses, others put (the same keys
         // among them).
         let rows: Vec<u64> = keys.iter().map(|k| k.row).collect();
-        self.release_rows(&rows)?;
+        self.clear_rows(&rows)?;
         self.step("the paused reader's rows released")?;
         self.advance(ms(pause));
         self.step("paused reader pauses")?;
@@ -2885,7 +2885,7 @@ impl Harness {
         }
         self.step("a promotion starts")?;
         // The row goes and the reader's hold ends before the copy lands.
-        self.release_rows(&[k.row])?;
+        self.clear_rows(&[k.row])?;
         self.step("the promoted row is released")?;
         match end % 4 {
             0 => self.unpin(r, pin)?,
@@ -3756,7 +3756,7 @@ impl Harness {
         prop_assert!(self.sessions.iter().all(Option::is_none));
         prop_assert!(self.pins.is_empty(), "pins left: {:?}", self.pins);
         let rows: Vec<u64> = (0..ROWS).collect();
-        self.release_rows(&rows)?;
+        self.clear_rows(&rows)?;
         self.step("every row released")?;
         // Spills handed out along the way (polled after each of these
         // steps) finish too.

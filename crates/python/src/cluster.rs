@@ -1,15 +1,16 @@
 //! `_native.select_clusters`, `_native.plan_unit_nodes` (placement of
 //! units over a job's clusters, [`stowage_cluster::placement`]) and
 //! `_native.load_config`, `_native.resolve_listen_host` (the config file,
-//! [`stowage_cluster::config`]). `stowage.placement` and `stowage.config`
+//! [`stowage_cluster::config`], which also checks a config given as a dict,
+//! so that `stowage.ray` validates nothing itself). `stowage.placement` and `stowage.config`
 //! wrap them.
 
 use std::path::PathBuf;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyDict, PyList, PyMapping, PyString};
-use stowage_cluster::config::{Config, ConfigError, ListenHost};
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyMapping, PyString, PyTuple};
+use stowage_cluster::config::{parse_duration, Config, ConfigError, ListenHost};
 use stowage_cluster::placement::{self, Placement};
 
 use crate::errors::invalid;
@@ -272,25 +273,172 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     Ok(d)
 }
 
-/// Read the config file at `path`, or parse `text`, or (neither) the
-/// defaults; return it as a dict of sections. Raises InvalidRequest (with
-/// `file` and `key` attributes) for a file that cannot be read, is not
-/// TOML, has an unknown key or a value out of range.
+/// Read the config file at `path`, or parse `text`, or take `mapping` (a
+/// dict of sections), or (none) the defaults; return it as a dict of
+/// sections. Raises InvalidRequest (with `file` and `key` attributes) for a
+/// file that cannot be read, is not TOML, has an unknown key or a value out
+/// of range.
 #[pyfunction]
-#[pyo3(signature = (path = None, text = None))]
+#[pyo3(signature = (path = None, text = None, mapping = None))]
 pub(crate) fn load_config<'py>(
     py: Python<'py>,
     path: Option<PathBuf>,
     text: Option<String>,
+    mapping: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let cfg = match (path, text) {
-        (Some(_), Some(_)) => return Err(invalid("give the config's path or its text, not both")),
-        (Some(p), None) => Config::from_file(&p),
-        (None, Some(t)) => Config::from_toml_str(&t),
-        (None, None) => Ok(Config::default()),
+    let cfg = match (path, text, mapping) {
+        (Some(p), None, None) => Config::from_file(&p),
+        (None, Some(t), None) => Config::from_toml_str(&t),
+        (None, None, Some(m)) => config_of_mapping(m)?,
+        (None, None, None) => Ok(Config::default()),
+        _ => {
+            return Err(invalid(
+                "give the config's path, its text or a mapping of sections, not both",
+            ))
+        }
     }
     .map_err(|e| config_error(py, e))?;
     config_dict(py, &cfg)
+}
+
+/// What a config given as a mapping is called in errors.
+const MAPPING_SOURCE: &str = "<config>";
+
+/// A config given as a mapping of sections: what a config file holds, or
+/// what `load_config` returned (None: unset; sizes in bytes; durations in
+/// seconds as numbers, or strings such as "30s"). It is checked as a file
+/// is: an unknown section or key, a wrong type or a value out of range is
+/// an error that names the key.
+fn config_of_mapping(mapping: &Bound<'_, PyAny>) -> PyResult<Result<Config, ConfigError>> {
+    let durations = duration_keys();
+    let toml::Value::Table(table) = toml_value(mapping, "", &durations)?
+        .unwrap_or_else(|| toml::Value::Table(toml::Table::new()))
+    else {
+        return Err(invalid(format!(
+            "config must be a mapping of sections, not {}",
+            type_name(mapping)
+        )));
+    };
+    let cfg = serde_path_to_error::deserialize::<_, Config>(table).map_err(|e| {
+        let key = e.path().to_string();
+        ConfigError::Invalid {
+            file: MAPPING_SOURCE.into(),
+            key: (key != ".").then_some(key),
+            line: None,
+            message: e.into_inner().message().trim_end().to_string(),
+        }
+    });
+    Ok(cfg.and_then(|c| c.validate().map(|()| c)))
+}
+
+/// The dotted keys whose values are durations: the keys of a config, with
+/// its optional durations set, whose values serialize as duration strings.
+fn duration_keys() -> Vec<String> {
+    fn walk(v: &toml::Value, key: &str, out: &mut Vec<String>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if key.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{key}.{k}")
+                    };
+                    walk(v, &key, out);
+                }
+            }
+            toml::Value::String(s) if parse_duration(s).is_ok() => out.push(key.to_string()),
+            _ => {}
+        }
+    }
+    let mut probe = Config::default();
+    probe.client.wait_for_memory = Some(Duration::from_secs(1));
+    let mut out = Vec::new();
+    // A config always serializes (Config::to_toml_string relies on it too).
+    if let Ok(v) = toml::Value::try_from(&probe) {
+        walk(&v, "", &mut out);
+    }
+    out
+}
+
+/// `ob` as a TOML value (`None` for Python's None: the key is unset); a
+/// number at one of `durations` becomes a duration string (seconds).
+fn toml_value(
+    ob: &Bound<'_, PyAny>,
+    key: &str,
+    durations: &[String],
+) -> PyResult<Option<toml::Value>> {
+    let bad = |what: String| {
+        let at = if key.is_empty() {
+            String::new()
+        } else {
+            format!("{key}: ")
+        };
+        invalid(format!("{MAPPING_SOURCE}: {at}{what}"))
+    };
+    if ob.is_none() {
+        return Ok(None);
+    }
+    if let Ok(b) = ob.cast::<PyBool>() {
+        return Ok(Some(toml::Value::Boolean(b.is_true())));
+    }
+    let number = ob.is_instance_of::<PyInt>() || ob.is_instance_of::<PyFloat>();
+    if number && durations.iter().any(|d| d == key) {
+        let secs: f64 = ob.extract()?;
+        let d = Duration::try_from_secs_f64(secs)
+            .map_err(|_| bad(format!("a duration in seconds is 0 or more, not {secs}")))?;
+        return Ok(Some(toml::Value::String(format!("{}ns", d.as_nanos()))));
+    }
+    if ob.is_instance_of::<PyInt>() {
+        let n: i64 = ob
+            .extract()
+            .map_err(|_| bad("an int out of range".into()))?;
+        return Ok(Some(toml::Value::Integer(n)));
+    }
+    if let Ok(f) = ob.cast::<PyFloat>() {
+        return Ok(Some(toml::Value::Float(f.value())));
+    }
+    if let Ok(s) = ob.cast::<PyString>() {
+        return Ok(Some(toml::Value::String(s.to_cow()?.into_owned())));
+    }
+    if let Ok(m) = ob.cast::<PyMapping>() {
+        let mut table = toml::Table::new();
+        for item in m.items()?.iter() {
+            let (k, v): (Bound<'_, PyAny>, Bound<'_, PyAny>) = item.extract()?;
+            let k = k
+                .cast::<PyString>()
+                .map_err(|_| bad(format!("a key is a str, not {}", type_name(&k))))?
+                .to_cow()?
+                .into_owned();
+            let sub = if key.is_empty() {
+                k.clone()
+            } else {
+                format!("{key}.{k}")
+            };
+            if let Some(v) = toml_value(&v, &sub, durations)? {
+                table.insert(k, v);
+            }
+        }
+        return Ok(Some(toml::Value::Table(table)));
+    }
+    if let Ok(p) = ob.extract::<PathBuf>() {
+        // An os.PathLike (a str was taken above).
+        return Ok(Some(toml::Value::String(p.display().to_string())));
+    }
+    if ob.is_instance_of::<PyList>() || ob.is_instance_of::<PyTuple>() {
+        let mut items = Vec::new();
+        for (i, v) in ob.try_iter()?.enumerate() {
+            let v = v?;
+            match toml_value(&v, &format!("{key}[{i}]"), durations)? {
+                Some(v) => items.push(v),
+                None => return Err(bad(format!("item {i} is None"))),
+            }
+        }
+        return Ok(Some(toml::Value::Array(items)));
+    }
+    Err(bad(format!(
+        "a config value is a str, number, bool, list or table, not {}",
+        type_name(ob)
+    )))
 }
 
 /// The address to bind for a `listen.host` value: the address itself, or

@@ -344,7 +344,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             Ok(()) if !reply => Plan::Silent,
             r => answer(r.map(|()| Response::Done)),
         },
-        Request::ReleaseRows { partition, rows } => answer(cleared(
+        Request::ClearRows { partition, rows } => answer(cleared(
             &mut core(),
             now,
             owner,
@@ -356,7 +356,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         Request::List { partition } => Plan::Reply(Response::Listed {
             rows: core().list(&scope(namespace, &partition)),
         }),
-        Request::DropPartition { partition } => answer(cleared(
+        Request::ClearPartition { partition } => answer(cleared(
             &mut core(),
             now,
             owner,
@@ -477,7 +477,7 @@ fn resolve(
 /// A clear (rows or a partition): how many entries went.
 fn cleared(core: &mut UnitCore, now: Time, owner: Owner, op: Op) -> Result<Response, CoreError> {
     match request(core, now, owner, op)? {
-        Answer::Cleared(entries) => Ok(Response::Released { entries }),
+        Answer::Cleared(entries) => Ok(Response::Cleared { entries }),
         other => Err(unexpected(&other)),
     }
 }

@@ -32,11 +32,11 @@ pub(crate) enum Op {
     Abort,
     Resolve,
     Unpin,
-    ReleaseRows,
+    ClearRows,
     Put,
     Read,
     List,
-    DropPartition,
+    ClearPartition,
     ListPartitions,
     Stats,
     Checkpoint,
@@ -45,6 +45,9 @@ pub(crate) enum Op {
 }
 
 const OPS: usize = 16;
+/// The `op` label values. The clear requests keep the labels of the names
+/// they had before (`release_rows`, `drop_partition`), so that dashboards
+/// and alerts over them keep working.
 const OP_NAMES: [&str; OPS] = [
     "hello",
     "alloc",
@@ -74,11 +77,11 @@ impl Op {
             Request::Abort { .. } => Op::Abort,
             Request::Resolve { .. } => Op::Resolve,
             Request::Unpin { .. } => Op::Unpin,
-            Request::ReleaseRows { .. } => Op::ReleaseRows,
+            Request::ClearRows { .. } => Op::ClearRows,
             Request::Put { .. } => Op::Put,
             Request::Read { .. } => Op::Read,
             Request::List { .. } => Op::List,
-            Request::DropPartition { .. } => Op::DropPartition,
+            Request::ClearPartition { .. } => Op::ClearPartition,
             Request::ListPartitions => Op::ListPartitions,
             Request::Stats => Op::Stats,
             Request::Checkpoint { .. } => Op::Checkpoint,

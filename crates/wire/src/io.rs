@@ -293,7 +293,7 @@ mod tests {
         encode(1, &Request::Stats, 0, &mut buf).unwrap();
         encode(
             2,
-            &Request::ReleaseRows {
+            &Request::ClearRows {
                 partition: String::new(),
                 rows: vec![4],
             },

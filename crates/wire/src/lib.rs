@@ -166,8 +166,8 @@ pub enum Request {
         pin: PinId,
         reply: bool,
     },
-    /// Clear whole rows.
-    ReleaseRows {
+    /// Clear whole rows (every field). Answered [`Response::Cleared`].
+    ClearRows {
         partition: String,
         rows: Vec<u64>,
     },
@@ -194,8 +194,8 @@ pub enum Request {
     List {
         partition: String,
     },
-    /// Clear a whole partition.
-    DropPartition {
+    /// Clear every row of a partition. Answered [`Response::Cleared`].
+    ClearPartition {
         partition: String,
     },
     /// The partitions of this namespace that hold data.
@@ -336,7 +336,9 @@ pub enum Response {
         /// `found` is `None`).
         corrupt: Vec<u32>,
     },
-    Released {
+    /// Reply to ClearRows and ClearPartition: how many values (entries)
+    /// were removed.
+    Cleared {
         entries: u64,
     },
     Stats(Stats),
@@ -394,7 +396,9 @@ pub enum ErrorCode {
     Full,
     /// Memory will free up shortly; retry with backoff.
     Busy,
-    /// The blob is not reserved (never allocated or lease expired).
+    /// The blob is not reserved: never allocated, already committed or
+    /// aborted, or given up when the session that held it ended (no timer
+    /// takes a reservation away; docs/fencing.md).
     UnknownBlob,
     /// Malformed or contradictory request.
     InvalidRequest,
@@ -525,11 +529,11 @@ impl Request {
                 keys.iter()
                     .try_for_each(|k| name("field name bytes", &k.field))
             }
-            Request::ReleaseRows { rows, partition: p } => {
+            Request::ClearRows { rows, partition: p } => {
                 partition(p)?;
                 count("rows", rows.len())
             }
-            Request::List { partition: p } | Request::DropPartition { partition: p } => {
+            Request::List { partition: p } | Request::ClearPartition { partition: p } => {
                 partition(p)
             }
             Request::Checkpoint { dir } => name("checkpoint path bytes", dir),
@@ -711,7 +715,7 @@ mod tests {
                 pin: PinId(9),
                 reply: false,
             },
-            Request::ReleaseRows {
+            Request::ClearRows {
                 partition: "p".into(),
                 rows: vec![0, 1, u64::MAX],
             },
@@ -730,7 +734,7 @@ mod tests {
             Request::List {
                 partition: "p".into(),
             },
-            Request::DropPartition {
+            Request::ClearPartition {
                 partition: "p".into(),
             },
             Request::ListPartitions,
@@ -797,7 +801,7 @@ mod tests {
             },
             Response::ToDisk,
             Response::Pending,
-            Response::Released { entries: 12 },
+            Response::Cleared { entries: 12 },
             Response::Stats(Stats {
                 capacity: 1,
                 used: 2,
@@ -911,6 +915,26 @@ mod tests {
         }
     }
 
+    /// postcard encodes an enum variant as its index: renaming a variant
+    /// keeps the protocol, moving one breaks it. The clear requests and
+    /// their reply keep the places of the ReleaseRows, DropPartition and
+    /// Released they were called before (protocol 7).
+    #[test]
+    fn variants_keep_their_encoded_index() {
+        let index = |bytes: Vec<u8>| bytes[0];
+        let clear_rows = Request::ClearRows {
+            partition: String::new(),
+            rows: vec![],
+        };
+        let clear_partition = Request::ClearPartition {
+            partition: String::new(),
+        };
+        assert_eq!(index(postcard::to_stdvec(&clear_rows).unwrap()), 6);
+        assert_eq!(index(postcard::to_stdvec(&clear_partition).unwrap()), 11);
+        let cleared = Response::Cleared { entries: 0 };
+        assert_eq!(index(postcard::to_stdvec(&cleared).unwrap()), 7);
+    }
+
     #[test]
     fn oversized_prefixes_are_refused_before_reading() {
         let limits = Limits {
@@ -953,7 +977,7 @@ mod tests {
             max_name: 4,
             ..Limits::default()
         };
-        let r = Request::ReleaseRows {
+        let r = Request::ClearRows {
             partition: String::new(),
             rows: vec![1, 2, 3],
         };
