@@ -269,14 +269,14 @@ fn kill9_mid_get_loses_only_that_units_keys(kind: Kind) {
     });
     let (_, err) = failure;
     match err {
-        Some(Error::LostBlobs { unit: 0, keys, .. }) => assert_eq!(keys, unit0),
-        other => panic!("expected LostBlobs for unit 0, got {other:?}"),
+        Some(Error::LostKeys { unit: 0, keys, .. }) => assert_eq!(keys, unit0),
+        other => panic!("expected LostKeys for unit 0, got {other:?}"),
     }
-    // Later reads of the dead unit's keys: LostBlobs again, promptly.
+    // Later reads of the dead unit's keys: LostKeys again, promptly.
     let t = Instant::now();
     assert!(matches!(
         c.get_rows(&unit0[..1], c.deadline()),
-        Err(Error::LostBlobs { unit: 0, .. })
+        Err(Error::LostKeys { unit: 0, .. })
     ));
     assert!(t.elapsed() < Duration::from_secs(5));
     // The other unit's keys still read back.

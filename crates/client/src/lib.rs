@@ -15,11 +15,11 @@
 //!   [`new_blob_id`]) make a retried put idempotent.
 //! * [`Client::get_into`] resolves and reads every unit's keys at once,
 //!   into buffers the caller's [`GetSink`] provides.
-//! * [`Client::release_rows`] clears rows on every unit at once.
+//! * [`Client::clear_placed_rows`] clears rows on every unit at once.
 //!
 //! Every call takes a deadline. Failures are typed ([`Error`]). When a unit
 //! fails, and only then, the [`Directory`] is asked whether it is dead or
-//! restarted (its blobs are lost: [`Error::LostBlobs`]) or alive (the
+//! restarted (its keys are lost: [`Error::LostKeys`]) or alive (the
 //! failure is retryable: [`Error::TransferFailed`]).
 //!
 //! Convenience over the blob API, placing row `r` on unit `r % N`:
@@ -64,7 +64,7 @@ pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
 pub use nixl::{Lent, NixlOptions, RECV_POOL_MAX, ZERO_COPY_MIN};
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
-pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
+pub use stowage_wire::{BlobId, EntrySpec, Key, Stats};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
 pub use stowage_wire::{CheckpointFile, CheckpointInfo};
 pub use transport::{GetSink, Transport};
@@ -789,7 +789,7 @@ impl Client {
                             i.lost = None;
                         }
                         *lock(&self.units[unit].session) = None;
-                        Outcome::Failed(Error::LostBlobs {
+                        Outcome::Failed(Error::LostKeys {
                             unit,
                             blobs,
                             named: error::names(&keys),
@@ -1041,7 +1041,7 @@ impl Client {
                         self.checkin(unit, t);
                         let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
                         if restarted && !miss.is_empty() {
-                            errors.push(Error::LostBlobs {
+                            errors.push(Error::LostKeys {
                                 unit,
                                 blobs: vec![],
                                 named: error::names(&miss),
@@ -1118,22 +1118,22 @@ impl Client {
             .collect())
     }
 
-    /// Clear whole rows (each with its unit): one awaited release_rows per
+    /// Clear whole rows (each with its unit): one awaited ClearRows per
     /// unit, all units at once. Rows on a dead unit are already gone, so
     /// clearing them succeeds; a live unit that does not answer fails the
     /// call (retryable). Returns the number of entries removed.
-    pub fn release_rows(
+    pub fn clear_placed_rows(
         &self,
         partition: &str,
         rows: &[(usize, u64)],
         deadline: Instant,
     ) -> Result<u64> {
         self.timed(metrics::ClientOp::Clear, |_| {
-            self.release_rows_of_units(partition, rows, deadline)
+            self.clear_rows_of_units(partition, rows, deadline)
         })
     }
 
-    fn release_rows_of_units(
+    fn clear_rows_of_units(
         &self,
         partition: &str,
         rows: &[(usize, u64)],
@@ -1173,7 +1173,7 @@ impl Client {
                         in_flight: false,
                     })
                 }
-                Err(Error::LostBlobs { .. }) => {} // a dead unit's rows are gone already
+                Err(Error::LostKeys { .. }) => {} // a dead unit's rows are gone already
                 Err(e) => return Err(e),
             }
         }
@@ -1255,7 +1255,7 @@ impl Client {
             out[unit] = match r {
                 Ok(Response::ShutDown { problems }) => problems,
                 Ok(other) => vec![format!("unexpected reply {other:?}")],
-                Err(Error::LostBlobs { .. }) => Vec::new(),
+                Err(Error::LostKeys { .. }) => Vec::new(),
                 Err(e) => vec![e.to_string()],
             };
             self.forget_instance(unit, None);
@@ -1337,7 +1337,7 @@ impl Client {
     /// Clear rows of the default partition (row `r` on unit `r % N`).
     pub fn clear_rows(&self, rows: &[u64], deadline: Instant) -> Result<u64> {
         let placed: Vec<(usize, u64)> = rows.iter().map(|&r| (self.unit_of_row(r), r)).collect();
-        self.release_rows(DEFAULT_PARTITION, &placed, deadline)
+        self.clear_placed_rows(DEFAULT_PARTITION, &placed, deadline)
     }
 }
 
@@ -1346,6 +1346,7 @@ fn unit_error(unit: usize, code: ErrorCode, message: String, blobs: Vec<BlobId>)
         ErrorCode::Full => Error::UnitFull { unit, message },
         ErrorCode::InvalidRequest | ErrorCode::VersionMismatch => Error::InvalidRequest(message),
         ErrorCode::Unauthorized => Error::Unauthorized(message),
+        ErrorCode::NotOwner => Error::NotOwner(message),
         ErrorCode::Busy | ErrorCode::UnknownBlob | ErrorCode::Internal => Error::TransferFailed {
             unit,
             blobs,

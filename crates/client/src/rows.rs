@@ -53,7 +53,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use stowage_core::{EntrySpec, Key};
+use stowage_wire::{EntrySpec, Key};
 use stowage_shm::Slab;
 use stowage_wire::{Request, Response};
 
@@ -287,7 +287,7 @@ pub trait TensorSink {
 }
 
 /// What the unit keeps beside each value. For a value of a string-keyed
-/// row an [`Owner`] follows it in the same metadata bytes (index rows'
+/// row a [`PutName`] follows it in the same metadata bytes (index rows'
 /// metadata is this alone, as it was before owners were recorded).
 #[derive(Serialize, Deserialize)]
 struct ValueMeta {
@@ -297,18 +297,18 @@ struct ValueMeta {
 
 /// The name a value of a string-keyed row was put under.
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-enum Owner<'a> {
+enum PutName<'a> {
     Name(&'a str),
     /// A name longer than [`MAX_TAGGED_NAME`], by its digest.
     Digest(u128),
 }
 
-impl Owner<'_> {
-    fn of(name: &str) -> Owner<'_> {
+impl PutName<'_> {
+    fn of(name: &str) -> PutName<'_> {
         if name.len() <= MAX_TAGGED_NAME {
-            Owner::Name(name)
+            PutName::Name(name)
         } else {
-            Owner::Digest(digest(name))
+            PutName::Digest(digest(name))
         }
     }
 }
@@ -327,19 +327,19 @@ enum Ownership {
     Other(Option<String>),
 }
 
-fn ownership(key: &RowKey, owner: Option<Owner>) -> Ownership {
+fn ownership(key: &RowKey, owner: Option<PutName>) -> Ownership {
     // Index rows and string rows never share ids (NAME_BIT).
     let RowKey::Name(name) = key else {
         return Ownership::Mine;
     };
     match owner {
         None => Ownership::Unknown,
-        Some(Owner::Name(n)) if n == *name => Ownership::Mine,
-        Some(Owner::Name(n)) => Ownership::Other(Some(n.to_owned())),
-        Some(Owner::Digest(d)) if name.len() > MAX_TAGGED_NAME && d == digest(name) => {
+        Some(PutName::Name(n)) if n == *name => Ownership::Mine,
+        Some(PutName::Name(n)) => Ownership::Other(Some(n.to_owned())),
+        Some(PutName::Digest(d)) if name.len() > MAX_TAGGED_NAME && d == digest(name) => {
             Ownership::Mine
         }
-        Some(Owner::Digest(_)) => Ownership::Other(None),
+        Some(PutName::Digest(_)) => Ownership::Other(None),
     }
 }
 
@@ -368,14 +368,14 @@ fn byte_len(dtype: DType, shape: &[u64]) -> Result<u64> {
         .ok_or_else(|| Error::InvalidRequest(format!("shape {shape:?} overflows")))
 }
 
-fn decode_meta(meta: &[u8]) -> std::result::Result<(ValueMeta, Option<Owner<'_>>), String> {
+fn decode_meta(meta: &[u8]) -> std::result::Result<(ValueMeta, Option<PutName<'_>>), String> {
     let bad =
         |e: postcard::Error| format!("value metadata unreadable ({e}): not put by the rows API?");
     let (m, rest) = postcard::take_from_bytes::<ValueMeta>(meta).map_err(bad)?;
     if rest.is_empty() {
         return Ok((m, None));
     }
-    let (owner, rest) = postcard::take_from_bytes::<Owner>(rest).map_err(bad)?;
+    let (owner, rest) = postcard::take_from_bytes::<PutName>(rest).map_err(bad)?;
     if !rest.is_empty() {
         return Err("value metadata has trailing bytes: not put by the rows API?".into());
     }
@@ -432,7 +432,7 @@ pub struct View {
     /// that pinned something. The view keeps that connection open for as
     /// long as it lives: the unit releases a connection's pins only when
     /// the connection ends, and nothing else can end it.
-    pins: Vec<(usize, stowage_core::PinId, Arc<Slab>, crate::ViewConn)>,
+    pins: Vec<(usize, stowage_wire::PinId, Arc<Slab>, crate::ViewConn)>,
     tensors: Vec<Vec<ViewTensor>>,
 }
 
@@ -585,7 +585,7 @@ impl Client {
                 RowKey::Name(name) => {
                     b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
                     Some(
-                        postcard::to_allocvec(&Owner::of(name))
+                        postcard::to_allocvec(&PutName::of(name))
                             .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
                     )
                 }
@@ -855,7 +855,7 @@ impl Client {
         deadline: Instant,
     ) -> Result<u64> {
         let rows = self.place_rows(keys, unit)?;
-        self.release_rows(partition, &rows, deadline)
+        self.clear_placed_rows(partition, &rows, deadline)
     }
 
     /// Clear every row of `partition` on every unit; returns the entries
@@ -882,7 +882,7 @@ impl Client {
             match r {
                 Ok(Response::Released { entries }) => removed += entries,
                 Ok(other) => return Err(unexpected(unit, other)),
-                Err(Error::LostBlobs { .. }) => {}
+                Err(Error::LostKeys { .. }) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -1238,12 +1238,12 @@ fn name_keys(e: Error, keys: &[RowKey]) -> Error {
             named: rename(&ks),
             keys: ks,
         },
-        Error::LostBlobs {
+        Error::LostKeys {
             unit,
             blobs,
             keys: ks,
             ..
-        } => Error::LostBlobs {
+        } => Error::LostKeys {
             unit,
             blobs,
             named: rename(&ks),
@@ -1263,7 +1263,7 @@ mod tests {
     use super::*;
 
     fn named(name: &str) -> Vec<u8> {
-        postcard::to_allocvec(&Owner::of(name)).unwrap()
+        postcard::to_allocvec(&PutName::of(name)).unwrap()
     }
 
     #[test]
@@ -1284,12 +1284,12 @@ mod tests {
         let meta = encode_meta(DType::I64, &[7], Some(&named("uid_g3"))).unwrap();
         let (m, owner) = decode_meta(&meta).unwrap();
         assert_eq!((m.dtype, m.shape), (DType::I64, vec![7]));
-        assert_eq!(owner, Some(Owner::Name("uid_g3")));
+        assert_eq!(owner, Some(PutName::Name("uid_g3")));
         let long = "x".repeat(MAX_TAGGED_NAME + 1);
         let meta = encode_meta(DType::I64, &[7], Some(&named(&long))).unwrap();
         assert_eq!(
             decode_meta(&meta).unwrap().1,
-            Some(Owner::Digest(digest(&long)))
+            Some(PutName::Digest(digest(&long)))
         );
         // Trailing garbage is not taken for an owner.
         let mut bad = meta.clone();
@@ -1308,8 +1308,8 @@ mod tests {
     #[test]
     fn only_the_owner_gets_a_value() {
         let a = RowKey::Name("a".into());
-        fn own(n: &str) -> Option<Owner<'_>> {
-            Some(Owner::of(n))
+        fn own(n: &str) -> Option<PutName<'_>> {
+            Some(PutName::of(n))
         }
         assert_eq!(ownership(&a, own("a")), Ownership::Mine);
         assert_eq!(ownership(&a, own("b")), Ownership::Other(Some("b".into())));
@@ -1324,7 +1324,7 @@ mod tests {
         assert_eq!(ownership(&k1, own("a")), Ownership::Other(Some("a".into())));
         assert_eq!(ownership(&a, own(&l1)), Ownership::Other(None));
         // A digest never matches a short name, not even its own digest.
-        let digest_of_a = Some(Owner::Digest(digest("a")));
+        let digest_of_a = Some(PutName::Digest(digest("a")));
         assert_eq!(ownership(&a, digest_of_a), Ownership::Other(None));
     }
 

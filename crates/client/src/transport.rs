@@ -21,14 +21,14 @@ use std::io::IoSlice;
 use std::sync::Arc;
 use std::time::Instant;
 
-use stowage_core::{EntrySpec, Key, PinId};
+use stowage_wire::{EntrySpec, Key, PinId};
 use stowage_shm::Slab;
 use stowage_wire::{ErrorCode, Request, Response};
 
 use crate::conn::{Conn, ConnError};
 use crate::nixl::Lent;
 use crate::{new_blob_id, BlobPut, SPARES};
-use stowage_core::BlobId;
+use stowage_wire::BlobId;
 
 /// Why one unit's operation failed, before the client classifies it.
 #[derive(Debug)]
@@ -602,7 +602,7 @@ impl<M: Mover> OneSided<M> {
     }
 
     /// Give every spare back (the unit is short of memory).
-    fn release_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+    fn clear_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
         while let Some(s) = self.spares.pop() {
             self.abort(s.blob, deadline)?;
         }
@@ -681,7 +681,7 @@ impl<M: Mover> Transport for OneSided<M> {
                     code: ErrorCode::Full | ErrorCode::Busy,
                     ..
                 } if !self.spares.is_empty() => {
-                    self.release_spares(deadline)?;
+                    self.clear_spares(deadline)?;
                     self.send_alloc(put, deadline)?;
                     Ok(false)
                 }

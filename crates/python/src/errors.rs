@@ -62,7 +62,13 @@ create_exception!(
     stowage,
     Unauthorized,
     Error,
-    "A unit refused the connection."
+    "A unit refused the connection (authentication: a wrong or missing secret, another user, an admin request this client may not make), or this client refused the unit."
+);
+create_exception!(
+    stowage,
+    NotOwner,
+    Error,
+    "A unit refused a request on a reservation or pin that another session holds (not an authentication failure: see Unauthorized)."
 );
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -79,6 +85,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("NotFound", py.get_type::<NotFound>())?;
     m.add("InvalidRequest", py.get_type::<InvalidRequest>())?;
     m.add("Unauthorized", py.get_type::<Unauthorized>())?;
+    m.add("NotOwner", py.get_type::<NotOwner>())?;
     m.add("Unreachable", py.get_type::<Unreachable>())?;
     Ok(())
 }
@@ -136,7 +143,7 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
                 ("in_flight", obj(py, in_flight)),
             ],
         ),
-        ClientError::LostBlobs {
+        ClientError::LostKeys {
             unit, keys: lost, ..
         } => with_attrs::<LostKeys>(
             py,
@@ -155,6 +162,7 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
         ),
         ClientError::InvalidRequest(_) => with_attrs::<InvalidRequest>(py, message, retryable, &[]),
         ClientError::Unauthorized(_) => with_attrs::<Unauthorized>(py, message, retryable, &[]),
+        ClientError::NotOwner(_) => with_attrs::<NotOwner>(py, message, retryable, &[]),
         ClientError::Unreachable { unit, addr, reason } => with_attrs::<Unreachable>(
             py,
             message,

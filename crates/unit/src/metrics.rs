@@ -88,7 +88,7 @@ impl Op {
     }
 }
 
-const CODES: usize = 7;
+const CODES: usize = 8;
 const CODE_NAMES: [&str; CODES] = [
     "full",
     "busy",
@@ -97,6 +97,7 @@ const CODE_NAMES: [&str; CODES] = [
     "version_mismatch",
     "unauthorized",
     "internal",
+    "not_owner",
 ];
 
 fn code_index(c: ErrorCode) -> usize {
@@ -108,6 +109,7 @@ fn code_index(c: ErrorCode) -> usize {
         ErrorCode::VersionMismatch => 4,
         ErrorCode::Unauthorized => 5,
         ErrorCode::Internal => 6,
+        ErrorCode::NotOwner => 7,
     }
 }
 
@@ -975,6 +977,6 @@ mod tests {
     fn every_op_has_a_name() {
         assert_eq!(Op::Auth as usize, OPS - 1);
         assert_eq!(OP_NAMES.len(), OPS);
-        assert_eq!(code_index(ErrorCode::Internal), CODES - 1);
+        assert_eq!(code_index(ErrorCode::NotOwner), CODES - 1);
     }
 }
