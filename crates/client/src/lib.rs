@@ -52,6 +52,7 @@ mod error;
 pub mod metrics;
 mod nixl;
 pub mod rows;
+pub mod sink;
 pub mod transport;
 pub mod unit_directory;
 
@@ -63,17 +64,18 @@ pub use conn::UnitAddr;
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
 pub use nixl::{Lent, NixlOptions, RECV_POOL_MAX, ZERO_COPY_MIN};
-pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
-pub use stowage_wire::{BlobId, EntrySpec, Key, Stats};
+pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, View, ViewTensor};
+pub use sink::{GetSink, Sink, TensorAsk, TensorSink, ValueAsk};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
+pub use stowage_wire::{BlobId, EntrySpec, Key, Stats};
 pub use stowage_wire::{CheckpointFile, CheckpointInfo};
-pub use transport::{GetSink, Transport};
+pub use transport::Transport;
 pub use unit_directory::{host_id, TransportChoice, UnitDirectory, UnitEntry};
 
 use conn::Conn;
 use stowage_shm::Slab;
 use stowage_wire::{ErrorCode, Request, Response};
-use transport::{ConnFailure, OpFailure, ShmTransport, TcpTransport};
+use transport::{ConnFailure, LocalFailure, OpFailure, SharedSink, ShmTransport, TcpTransport};
 
 /// The partition of the raw-bytes conveniences ([`Client::put_rows`] and
 /// friends).
@@ -229,43 +231,35 @@ struct Counting<'a> {
     bytes: u64,
 }
 
-impl GetSink for Counting<'_> {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
-        self.bytes += len;
-        self.inner.slot(index, len, meta)
+impl Sink<ValueAsk<'_>> for Counting<'_> {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        self.bytes += ask.len;
+        self.inner.slot(ask)
     }
 
     fn slots(
         &mut self,
-        asks: &[(usize, u64, &[u8])],
+        asks: &[ValueAsk<'_>],
     ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
         let r = self.inner.slots(asks);
         if matches!(r, Some(Ok(_))) {
-            self.bytes += asks.iter().map(|a| a.1).sum::<u64>();
+            self.bytes += asks.iter().map(|a| a.len).sum::<u64>();
         }
         r
     }
 
-    fn accept_lent(
-        &mut self,
-        asks: &[(usize, u64, &[u8])],
-    ) -> Option<std::result::Result<(), String>> {
+    fn accept_lent(&mut self, asks: &[ValueAsk<'_>]) -> Option<std::result::Result<(), String>> {
         self.inner.accept_lent(asks)
     }
 
     fn lent(
         &mut self,
-        asks: &[(usize, u64, &[u8])],
+        asks: &[ValueAsk<'_>],
         buf: Lent,
         spans: &[std::ops::Range<usize>],
     ) -> std::result::Result<(), String> {
         self.inner.lent(asks, buf, spans)?;
-        self.bytes += asks.iter().map(|a| a.1).sum::<u64>();
+        self.bytes += asks.iter().map(|a| a.len).sum::<u64>();
         Ok(())
     }
 }
@@ -299,27 +293,19 @@ fn zeroed(len: u64) -> std::result::Result<Vec<u8>, String> {
 /// A sink that collects values into [`Value`]s, taking lent memory.
 struct ValueSink(Vec<Option<Value>>);
 
-impl GetSink for ValueSink {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        _meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
-        let fresh = zeroed(len)?;
-        let v = self.0.get_mut(index).ok_or("key index out of range")?;
+impl Sink<ValueAsk<'_>> for ValueSink {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let fresh = zeroed(ask.len)?;
+        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
         match v.insert(Value::Owned(fresh)) {
             Value::Owned(v) => Ok(v.as_mut_slice()),
             Value::Lent(..) => Err("a lent value".into()),
         }
     }
 
-    fn accept_lent(
-        &mut self,
-        asks: &[(usize, u64, &[u8])],
-    ) -> Option<std::result::Result<(), String>> {
+    fn accept_lent(&mut self, asks: &[ValueAsk<'_>]) -> Option<std::result::Result<(), String>> {
         let n = self.0.len();
-        Some(match asks.iter().find(|a| a.0 >= n) {
+        Some(match asks.iter().find(|a| a.index >= n) {
             Some(_) => Err("key index out of range".into()),
             None => Ok(()),
         })
@@ -327,13 +313,13 @@ impl GetSink for ValueSink {
 
     fn lent(
         &mut self,
-        asks: &[(usize, u64, &[u8])],
+        asks: &[ValueAsk<'_>],
         buf: Lent,
         spans: &[std::ops::Range<usize>],
     ) -> std::result::Result<(), String> {
         let buf = Arc::new(buf);
         for (a, span) in asks.iter().zip(spans) {
-            let v = self.0.get_mut(a.0).ok_or("key index out of range")?;
+            let v = self.0.get_mut(a.index).ok_or("key index out of range")?;
             *v = Some(Value::Lent(buf.clone(), span.clone()));
         }
         Ok(())
@@ -343,15 +329,10 @@ impl GetSink for ValueSink {
 /// A sink that collects values into fresh vectors.
 struct VecSink(Vec<Option<Vec<u8>>>);
 
-impl GetSink for VecSink {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        _meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
-        let fresh = zeroed(len)?;
-        let v = self.0.get_mut(index).ok_or("key index out of range")?;
+impl Sink<ValueAsk<'_>> for VecSink {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let fresh = zeroed(ask.len)?;
+        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
         Ok(v.insert(fresh).as_mut_slice())
     }
 }
@@ -373,13 +354,9 @@ impl<'a, 'b> SliceSink<'a, 'b> {
     }
 }
 
-impl GetSink for SliceSink<'_, '_> {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        _meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
+impl Sink<ValueAsk<'_>> for SliceSink<'_, '_> {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let ValueAsk { index, len, .. } = ask;
         let buf = self.bufs.get_mut(index).ok_or("key index out of range")?;
         let n = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
         if n > buf.len() {
@@ -469,6 +446,7 @@ impl Client {
                     reason: error.to_string(),
                 },
                 OpFailure::Unit { code, message } => unit_error(u, code, message, vec![]),
+                OpFailure::Local(l) => local_error(u, l, vec![]),
                 OpFailure::Corrupt { .. } => {
                     Error::Io(format!("unit {u}: unexpected reply at connect"))
                 }
@@ -629,10 +607,9 @@ impl Client {
                 metadata,
                 slab_addr,
             } => {
-                let mover = n.mover(&metadata, slab_addr).map_err(|e| OpFailure::Unit {
-                    code: ErrorCode::InvalidRequest,
-                    message: format!("nixl: {e}"),
-                })?;
+                let mover = n
+                    .mover(&metadata, slab_addr)
+                    .map_err(|e| OpFailure::invalid(format!("nixl: {e}")))?;
                 Ok(Box::new(transport::OneSided::with_mover(
                     conn,
                     mover,
@@ -740,6 +717,7 @@ impl Client {
             OpFailure::Unit { code, message } => {
                 Outcome::Failed(unit_error(unit, code, message, blobs))
             }
+            OpFailure::Local(l) => Outcome::Failed(local_error(unit, l, blobs)),
             OpFailure::Corrupt { positions } => {
                 let keys: Vec<Key> = positions
                     .iter()
@@ -834,8 +812,8 @@ impl Client {
         deadline: Instant,
         timer: &metrics::OpTimer,
     ) -> Result<()> {
-        let mut queues: BTreeMap<usize, std::collections::VecDeque<usize>> = BTreeMap::new();
-        for (i, b) in blobs.iter().enumerate() {
+        let mut queues: BTreeMap<usize, Vec<&BlobPut<'_>>> = BTreeMap::new();
+        for b in blobs {
             if b.unit >= self.units.len() {
                 return Err(Error::InvalidRequest(format!(
                     "unit {} does not exist ({} units)",
@@ -843,137 +821,97 @@ impl Client {
                     self.units.len()
                 )));
             }
-            queues.entry(b.unit).or_default().push_back(i);
+            queues.entry(b.unit).or_default().push(b);
         }
-        let mut backoff: HashMap<usize, (Duration, Instant)> = HashMap::new();
-        let mut first_error: Option<Error> = None;
         let wait_until = self
             .cfg
             .wait_for_memory
             .map(|w| (Instant::now() + w).min(deadline));
-        while !queues.is_empty() {
-            let now = Instant::now();
-            let round: Vec<(usize, usize)> = queues
-                .iter()
-                .filter(|(u, _)| backoff.get(u).is_none_or(|(_, at)| *at <= now))
-                .filter_map(|(u, q)| q.front().map(|&i| (*u, i)))
-                .collect();
-            if round.is_empty() {
-                // Everyone left is backing off: sleep until the first is due.
-                let next = backoff.values().map(|(_, at)| *at).min().unwrap_or(now);
-                if next >= deadline {
-                    return Err(first_error.unwrap_or(Error::Timeout {
-                        unit: backoff.keys().next().copied(),
-                        what: "the unit kept answering Busy".into(),
-                    }));
-                }
-                std::thread::sleep(next.saturating_duration_since(now));
-                continue;
-            }
-            for (unit, result) in self.put_round(blobs, &round, deadline, timer) {
+        let results = fan_out(queues.into_iter().collect(), |(unit, queue)| {
+            self.put_unit(unit, &queue, deadline, wait_until, timer)
+        });
+        // The first unit's error (in unit order); what other units
+        // committed stays committed.
+        results.into_iter().collect::<Result<Vec<()>>>().map(drop)
+    }
+
+    /// One unit's part of a put: its blobs one after another, each
+    /// written and committed ([`Transport::put`]). A unit that answers
+    /// Busy (or, with [`ClientConfig::wait_for_memory`], Full) is asked
+    /// again after [`BUSY_RETRY`], doubling to [`BUSY_RETRY_MAX`], within
+    /// the deadline.
+    fn put_unit(
+        &self,
+        unit: usize,
+        queue: &[&BlobPut<'_>],
+        deadline: Instant,
+        wait_until: Option<Instant>,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        let mut backoff: Option<Duration> = None;
+        for &put in queue {
+            loop {
                 // A full unit is waited on like a busy one, when asked to.
-                let mut full = false;
-                let result = match result {
-                    Some(Outcome::Failed(Error::UnitFull { .. }))
+                let (full, outcome) = match self.put_one(unit, put, deadline) {
+                    Ok(()) => {
+                        timer.unit_done(&self.metrics, unit);
+                        backoff = None;
+                        break;
+                    }
+                    Err(Outcome::Failed(Error::UnitFull { .. }))
                         if wait_until.is_some_and(|w| Instant::now() < w) =>
                     {
-                        full = true;
-                        Some(Outcome::Busy)
+                        (true, Outcome::Busy)
                     }
-                    r => r,
+                    Err(o) => (false, o),
                 };
-                match result {
-                    None => {
-                        backoff.remove(&unit);
-                        if let Some(q) = queues.get_mut(&unit) {
-                            q.pop_front();
-                            if q.is_empty() {
-                                queues.remove(&unit);
-                            }
-                        }
-                    }
-                    Some(Outcome::Busy) => {
+                match outcome {
+                    Outcome::Busy => {
                         let step = backoff
-                            .get(&unit)
-                            .map(|(d, _)| (*d * 2).min(BUSY_RETRY_MAX))
+                            .map(|d| (d * 2).min(BUSY_RETRY_MAX))
                             .unwrap_or(BUSY_RETRY);
                         let at = Instant::now() + step;
                         if at >= deadline {
-                            queues.remove(&unit);
-                            first_error.get_or_insert(Error::Timeout {
+                            return Err(Error::Timeout {
                                 unit: Some(unit),
                                 what: "the unit kept answering Busy".into(),
                             });
-                        } else {
-                            self.metrics.retry(full, step);
-                            backoff.insert(unit, (step, at));
                         }
+                        self.metrics.retry(full, step);
+                        backoff = Some(step);
+                        std::thread::sleep(at.saturating_duration_since(Instant::now()));
                     }
-                    Some(Outcome::Failed(e)) => {
-                        queues.remove(&unit);
-                        first_error.get_or_insert(e);
-                    }
+                    Outcome::Failed(e) => return Err(e),
                 }
             }
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
-    /// One round: `round` lists (unit, blob index), one per unit.
-    fn put_round(
+    /// Write one blob on a pooled connection to its unit.
+    fn put_one(
         &self,
-        blobs: &[BlobPut<'_>],
-        round: &[(usize, usize)],
+        unit: usize,
+        put: &BlobPut<'_>,
         deadline: Instant,
-        timer: &metrics::OpTimer,
-    ) -> Vec<(usize, Option<Outcome>)> {
-        let mut results = Vec::with_capacity(round.len());
-        let mut active: Vec<(usize, usize, Box<dyn Transport>)> = Vec::with_capacity(round.len());
-        for &(unit, i) in round {
-            let started = self
-                .checkout(unit, deadline)
-                .and_then(|mut t| t.start_put(&blobs[i], deadline).map(|()| t));
-            match started {
-                Ok(t) => active.push((unit, i, t)),
-                Err(f) => {
-                    let keys = blobs[i].entries.iter().map(|e| e.key.clone()).collect();
-                    results.push((
-                        unit,
-                        Some(self.classify(unit, f, vec![blobs[i].blob], keys, deadline)),
-                    ))
+    ) -> std::result::Result<(), Outcome> {
+        let failed = |f: OpFailure| {
+            let keys = put.entries.iter().map(|e| e.key.clone()).collect();
+            self.classify(unit, f, vec![put.blob], keys, deadline)
+        };
+        let mut t = self.checkout(unit, deadline).map_err(failed)?;
+        match t.put(put, deadline) {
+            Ok(()) => {
+                self.checkin(unit, t);
+                Ok(())
+            }
+            Err(f) => {
+                if f.keeps_connection() {
+                    self.checkin(unit, t);
                 }
+                Err(failed(f))
             }
         }
-        while !active.is_empty() {
-            let mut still = Vec::with_capacity(active.len());
-            for (unit, i, mut t) in active {
-                match t.advance_put(&blobs[i], deadline) {
-                    Ok(true) => {
-                        self.checkin(unit, t);
-                        timer.unit_done(&self.metrics, unit);
-                        results.push((unit, None));
-                    }
-                    Ok(false) => still.push((unit, i, t)),
-                    Err(f) => {
-                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
-                        {
-                            self.checkin(unit, t);
-                        }
-                        let blob = blobs[i].blob;
-                        let keys = blobs[i].entries.iter().map(|e| e.key.clone()).collect();
-                        results.push((
-                            unit,
-                            Some(self.classify(unit, f, vec![blob], keys, deadline)),
-                        ));
-                    }
-                }
-            }
-            active = still;
-        }
-        results
     }
 
     /// Read `keys` (each with its unit): one resolve and one read per unit,
@@ -1015,56 +953,13 @@ impl Client {
             e.0.push(key.clone());
             e.1.push(i);
         }
-        let mut errors: Vec<Error> = Vec::new();
+        let sink: SharedSink<'_> = Mutex::new(sink);
+        let results = fan_out(by_unit.into_iter().collect(), |(unit, (ks, idx))| {
+            self.get_unit(partition, unit, &ks, &idx, &sink, deadline, timer)
+        });
         let mut missing: Vec<Key> = Vec::new();
-        let mut active = Vec::with_capacity(by_unit.len());
-        for (&unit, (ks, _)) in &by_unit {
-            match self
-                .checkout(unit, deadline)
-                .and_then(|mut t| t.start_get(partition, ks, deadline).map(|()| t))
-            {
-                Ok(t) => active.push((unit, t)),
-                Err(f) => errors.push(self.failed_get(unit, f, ks, deadline)),
-            }
-        }
-        // In rounds: a transport whose transfer is under way (a nixl READ)
-        // answers `None` and is asked again after the other units had
-        // their turn, so that every unit's bytes move at once.
-        while !active.is_empty() {
-            let mut still = Vec::with_capacity(active.len());
-            for (unit, mut t) in active {
-                let (ks, idx) = &by_unit[&unit];
-                match t.advance_get(ks, idx, sink, deadline) {
-                    Ok(Some(miss)) => {
-                        timer.unit_done(&self.metrics, unit);
-                        let restarted = !miss.is_empty() && self.take_restart(unit);
-                        self.checkin(unit, t);
-                        let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
-                        if restarted && !miss.is_empty() {
-                            errors.push(Error::LostKeys {
-                                unit,
-                                blobs: vec![],
-                                named: error::names(&miss),
-                                keys: miss,
-                            });
-                        } else {
-                            missing.extend(miss);
-                        }
-                    }
-                    Ok(None) => still.push((unit, t)),
-                    Err(f) => {
-                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
-                        {
-                            self.checkin(unit, t);
-                        }
-                        errors.push(self.failed_get(unit, f, ks, deadline));
-                    }
-                }
-            }
-            active = still;
-        }
-        if let Some(e) = errors.into_iter().next() {
-            return Err(e);
+        for r in results {
+            missing.extend(r?);
         }
         if !missing.is_empty() {
             return Err(Error::NotFound {
@@ -1073,6 +968,47 @@ impl Client {
             });
         }
         Ok(())
+    }
+
+    /// One unit's part of a get ([`Transport::get`]): the keys it does
+    /// not have.
+    #[allow(clippy::too_many_arguments)]
+    fn get_unit(
+        &self,
+        partition: &str,
+        unit: usize,
+        keys: &[Key],
+        index_of: &[usize],
+        sink: &SharedSink<'_>,
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<Vec<Key>> {
+        let mut t = self
+            .checkout(unit, deadline)
+            .map_err(|f| self.failed_get(unit, f, keys, deadline))?;
+        match t.get(partition, keys, index_of, sink, deadline) {
+            Ok(miss) => {
+                timer.unit_done(&self.metrics, unit);
+                let restarted = !miss.is_empty() && self.take_restart(unit);
+                self.checkin(unit, t);
+                let miss: Vec<Key> = miss.into_iter().map(|i| keys[i].clone()).collect();
+                if restarted {
+                    return Err(Error::LostKeys {
+                        unit,
+                        blobs: vec![],
+                        named: error::names(&miss),
+                        keys: miss,
+                    });
+                }
+                Ok(miss)
+            }
+            Err(f) => {
+                if f.keeps_connection() {
+                    self.checkin(unit, t);
+                }
+                Err(self.failed_get(unit, f, keys, deadline))
+            }
+        }
     }
 
     fn failed_get(&self, unit: usize, f: OpFailure, keys: &[Key], deadline: Instant) -> Error {
@@ -1263,37 +1199,34 @@ impl Client {
         out
     }
 
-    /// Send one control request per unit, all before any reply is read.
+    /// Send one control request per unit and await its reply, all units
+    /// at once. The replies in unit order (as `reqs`).
     fn call_units(
         &self,
         reqs: Vec<(usize, Request)>,
         deadline: Instant,
     ) -> Vec<(usize, Result<Response>)> {
-        let mut out = Vec::with_capacity(reqs.len());
-        let mut active = Vec::with_capacity(reqs.len());
-        for (unit, req) in reqs {
-            match self
-                .checkout(unit, deadline)
-                .and_then(|mut t| t.start_call(&req, deadline).map(|()| t))
-            {
-                Ok(t) => active.push((unit, t)),
-                Err(f) => out.push((unit, Err(self.failed_get(unit, f, &[], deadline)))),
+        fan_out(reqs, |(unit, req)| {
+            (unit, self.call_unit(unit, &req, deadline))
+        })
+    }
+
+    /// One unit's part of a control call.
+    fn call_unit(&self, unit: usize, req: &Request, deadline: Instant) -> Result<Response> {
+        let mut t = self
+            .checkout(unit, deadline)
+            .map_err(|f| self.failed_get(unit, f, &[], deadline))?;
+        match t.call(req, deadline) {
+            Ok(Response::Error { code, message }) => {
+                self.checkin(unit, t);
+                Err(unit_error(unit, code, message, vec![]))
             }
-        }
-        for (unit, mut t) in active {
-            match t.finish_call(deadline) {
-                Ok(Response::Error { code, message }) => {
-                    self.checkin(unit, t);
-                    out.push((unit, Err(unit_error(unit, code, message, vec![]))));
-                }
-                Ok(r) => {
-                    self.checkin(unit, t);
-                    out.push((unit, Ok(r)));
-                }
-                Err(f) => out.push((unit, Err(self.failed_get(unit, f, &[], deadline)))),
+            Ok(r) => {
+                self.checkin(unit, t);
+                Ok(r)
             }
+            Err(f) => Err(self.failed_get(unit, f, &[], deadline)),
         }
-        out
     }
 
     /// Put raw values by key in the default partition, one blob per unit (row `r` on unit `r % N`), all
@@ -1354,6 +1287,62 @@ fn unit_error(unit: usize, code: ErrorCode, message: String, blobs: Vec<BlobId>)
             in_flight: false,
         },
     }
+}
+
+/// The error of a failure on this client's own side.
+fn local_error(unit: usize, l: LocalFailure, blobs: Vec<BlobId>) -> Error {
+    match l {
+        LocalFailure::Invalid(message) => Error::InvalidRequest(message),
+        LocalFailure::Distrust(message) => Error::Unauthorized(message),
+        LocalFailure::Busy(reason) => Error::TransferFailed {
+            unit,
+            blobs,
+            reason,
+            in_flight: false,
+        },
+    }
+}
+
+/// Run `work` on every item at once and return its results in the order
+/// of the items: the first item on the calling thread, each other on a
+/// scoped thread of its own (one item: no thread at all; a thread that
+/// cannot be started: its item runs on the calling thread, after).
+fn fan_out<T: Send, R: Send>(items: Vec<T>, work: impl Fn(T) -> R + Sync) -> Vec<R> {
+    let n = items.len();
+    let mut items = items.into_iter();
+    let Some(first) = items.next() else {
+        return Vec::new();
+    };
+    if n == 1 {
+        return vec![work(first)];
+    }
+    let work = &work;
+    std::thread::scope(|s| {
+        let others: Vec<_> = items
+            .map(|item| {
+                let item = Arc::new(Mutex::new(Some(item)));
+                let mine = item.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("stowage-unit".into())
+                    .spawn_scoped(s, move || lock(&mine).take().map(work));
+                (item, spawned.ok())
+            })
+            .collect();
+        let mut out = Vec::with_capacity(n);
+        out.push(work(first));
+        for (item, handle) in others {
+            let done = match handle.map(|h| h.join()) {
+                Some(Ok(r)) => r,
+                Some(Err(panic)) => std::panic::resume_unwind(panic),
+                None => None,
+            };
+            // Not started (or not run): run it here.
+            if let Some(r) = done.or_else(|| lock(&item).take().map(work)) {
+                out.push(r);
+            }
+        }
+        out
+    })
 }
 
 /// Lock a mutex; a panic elsewhere while holding it leaves only a pool or

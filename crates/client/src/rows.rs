@@ -53,11 +53,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use stowage_wire::{EntrySpec, Key};
 use stowage_shm::Slab;
+use stowage_wire::{EntrySpec, Key};
 use stowage_wire::{Request, Response};
 
-use crate::transport::{GetSink, OpFailure};
+use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
+use crate::transport::OpFailure;
 use crate::{lock, new_blob_id, BlobPut, Client, Error, Outcome, Result};
 
 /// The reserved field that holds a string row key's text.
@@ -235,55 +236,6 @@ pub enum Column<'a> {
     Jagged(Vec<Tensor<'a>>),
     /// One array whose first axis runs over the rows.
     Dense(Tensor<'a>),
-}
-
-/// Where a tensor get puts each value: asked with the value's dtype and
-/// shape, returns the buffer of exactly its bytes.
-pub trait TensorSink {
-    /// `field` and `row` index the call's field and key lists.
-    fn slot(
-        &mut self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> std::result::Result<&mut [u8], String>;
-
-    /// The buffers of many values at once, in the order of `asks`
-    /// (`(field, row, dtype, shape)` as for [`TensorSink::slot`], each
-    /// value at most once), so that they can be filled together on several
-    /// threads. `None` (the default): one at a time through `slot`.
-    #[allow(clippy::type_complexity)]
-    fn slots(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
-        let _ = asks;
-        None
-    }
-
-    /// Zero-copy gets: whether the sink takes the values of `asks` in
-    /// memory the transport lends it (see [`GetSink::accept_lent`]).
-    /// `None` (the default): it wants buffers of its own.
-    fn accept_lent(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Option<std::result::Result<(), String>> {
-        let _ = asks;
-        None
-    }
-
-    /// The values `accept_lent` took: value `i` of `asks` is
-    /// `buf[spans[i]]` (see [`GetSink::lent`]).
-    fn lent(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-        buf: crate::Lent,
-        spans: &[std::ops::Range<usize>],
-    ) -> std::result::Result<(), String> {
-        let _ = (asks, buf, spans);
-        Err("this sink takes no lent memory".into())
-    }
 }
 
 /// What the unit keeps beside each value. For a value of a string-keyed
@@ -636,10 +588,9 @@ impl Client {
             /// The value's dtype and shape, once its size and owner check out.
             fn check(
                 &mut self,
-                index: usize,
-                len: u64,
-                meta: &[u8],
+                ask: ValueAsk<'_>,
             ) -> std::result::Result<(usize, usize, ValueMeta), String> {
+                let ValueAsk { index, len, meta } = ask;
                 let (m, owner) = decode_meta(meta)?;
                 let want = byte_len(m.dtype, &m.shape).map_err(|e| e.to_string())?;
                 if want != len {
@@ -664,20 +615,20 @@ impl Client {
                 Ok((field, row, m))
             }
         }
-        impl GetSink for Adapter<'_> {
-            fn slot(
-                &mut self,
-                index: usize,
-                len: u64,
-                meta: &[u8],
-            ) -> std::result::Result<&mut [u8], String> {
-                let (field, row, m) = self.check(index, len, meta)?;
-                self.sink.slot(field, row, m.dtype, &m.shape)
+        impl Sink<ValueAsk<'_>> for Adapter<'_> {
+            fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+                let (field, row, m) = self.check(ask)?;
+                self.sink.slot(TensorAsk {
+                    field,
+                    row,
+                    dtype: m.dtype,
+                    shape: &m.shape,
+                })
             }
 
             fn slots(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
             ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
                 let checked = match self.check_all(asks) {
                     Ok(c) => c,
@@ -688,7 +639,7 @@ impl Client {
 
             fn accept_lent(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
             ) -> Option<std::result::Result<(), String>> {
                 let checked = match self.check_all(asks) {
                     Ok(c) => c,
@@ -699,7 +650,7 @@ impl Client {
 
             fn lent(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
                 buf: crate::Lent,
                 spans: &[std::ops::Range<usize>],
             ) -> std::result::Result<(), String> {
@@ -710,17 +661,20 @@ impl Client {
         impl Adapter<'_> {
             fn check_all(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
             ) -> std::result::Result<Vec<(usize, usize, ValueMeta)>, String> {
-                asks.iter()
-                    .map(|&(index, len, meta)| self.check(index, len, meta))
-                    .collect()
+                asks.iter().map(|&ask| self.check(ask)).collect()
             }
         }
-        fn tasks(checked: &[(usize, usize, ValueMeta)]) -> Vec<(usize, usize, DType, &[u64])> {
+        fn tasks(checked: &[(usize, usize, ValueMeta)]) -> Vec<TensorAsk<'_>> {
             checked
                 .iter()
-                .map(|(f, r, m)| (*f, *r, m.dtype, m.shape.as_slice()))
+                .map(|(field, row, m)| TensorAsk {
+                    field: *field,
+                    row: *row,
+                    dtype: m.dtype,
+                    shape: m.shape.as_slice(),
+                })
                 .collect()
         }
         let mut adapter = Adapter {
@@ -781,14 +735,14 @@ impl Client {
         deadline: Instant,
     ) -> Result<Vec<Vec<OwnedTensor>>> {
         struct Collect(Vec<Vec<Option<OwnedTensor>>>);
-        impl TensorSink for Collect {
-            fn slot(
-                &mut self,
-                field: usize,
-                row: usize,
-                dtype: DType,
-                shape: &[u64],
-            ) -> std::result::Result<&mut [u8], String> {
+        impl Sink<TensorAsk<'_>> for Collect {
+            fn slot(&mut self, ask: TensorAsk<'_>) -> std::result::Result<&mut [u8], String> {
+                let TensorAsk {
+                    field,
+                    row,
+                    dtype,
+                    shape,
+                } = ask;
                 let len = byte_len(dtype, shape).map_err(|e| e.to_string())?;
                 let len =
                     usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
@@ -987,10 +941,9 @@ impl Client {
         }
     }
 
-    /// Resolve-and-hold `by_unit`'s keys on every unit at once: each request
-    /// is sent before any answer is awaited, so the units resolve at the
-    /// same time. Connections are locked in unit order (as every view does),
-    /// and every call that was sent is answered before this returns.
+    /// Resolve-and-hold `by_unit`'s keys on every unit at once, one
+    /// worker per unit, each on its unit's view connection (one lock at a
+    /// time, so views never wait on each other in a cycle). In unit order.
     #[allow(clippy::type_complexity)]
     fn resolve_views(
         &self,
@@ -1001,48 +954,35 @@ impl Client {
         usize,
         std::result::Result<(Response, Arc<Slab>, crate::ViewConn), OpFailure>,
     )> {
-        let mut conns = Vec::with_capacity(by_unit.len());
-        let mut done = Vec::with_capacity(by_unit.len());
-        for &u in by_unit.keys() {
-            match self.view_conn(u, deadline) {
-                Ok(c) => conns.push((u, c)),
-                Err(f) => done.push((u, Err(f))),
-            }
-        }
-        let mut sent = Vec::with_capacity(conns.len());
-        {
-            let mut guards: Vec<_> = conns.iter().map(|(u, c)| (*u, c, lock(c))).collect();
-            for (u, _, t) in guards.iter_mut() {
-                let started = t
-                    .slab()
-                    .ok_or_else(|| OpFailure::Unit {
-                        code: stowage_wire::ErrorCode::InvalidRequest,
-                        message: "views need the shm transport (a unit on this host, reached by its Unix socket)"
-                            .into(),
-                    })
-                    .and_then(|slab| {
-                        let req = Request::Resolve {
-                            partition: partition.to_owned(),
-                            keys: by_unit[u].0.clone(),
-                            hold: true,
-                        };
-                        t.start_call(&req, deadline).map(|()| slab)
-                    });
-                sent.push(started);
-            }
-            for ((u, conn, t), started) in guards.iter_mut().zip(sent) {
-                let r = started.and_then(|slab| {
-                    t.finish_call(deadline)
-                        .map(|resp| (resp, slab, (*conn).clone()))
-                });
-                if let Err(f) = &r {
-                    self.forget_view_conn(*u, conn, f);
+        crate::fan_out(by_unit.iter().collect(), |(&u, (keys, _))| {
+            let resolved = self.view_conn(u, deadline).and_then(|conn| {
+                let r = {
+                    let mut t = lock(&conn);
+                    t.slab()
+                        .ok_or_else(|| {
+                            OpFailure::invalid(
+                                "views need the shm transport (a unit on this host, reached by its Unix socket)",
+                            )
+                        })
+                        .and_then(|slab| {
+                            let req = Request::Resolve {
+                                partition: partition.to_owned(),
+                                keys: keys.clone(),
+                                hold: true,
+                            };
+                            t.call(&req, deadline).map(|resp| (resp, slab))
+                        })
+                };
+                match r {
+                    Ok((resp, slab)) => Ok((resp, slab, conn)),
+                    Err(f) => {
+                        self.forget_view_conn(u, &conn, &f);
+                        Err(f)
+                    }
                 }
-                done.push((*u, r));
-            }
-        }
-        done.sort_by_key(|(u, _)| *u);
-        done
+            });
+            (u, resolved)
+        })
     }
 
     /// Pin `fields` of `keys` and view them in place (shm transport only):
