@@ -420,6 +420,13 @@ impl Conn {
         Ok(id)
     }
 
+    /// Send a request without payload and receive its reply (its payload,
+    /// if any, is left on the stream for [`Conn::read_payload`]).
+    pub(crate) fn call(&mut self, req: &Request, deadline: Instant) -> Result<Response, ConnError> {
+        let id = self.send(req, &mut [], deadline)?;
+        self.recv(id, deadline)
+    }
+
     /// Receive the reply to request `id` (its payload, if any, is left on
     /// the stream for [`Conn::read_payload`]).
     pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, ConnError> {

@@ -8,14 +8,21 @@
 //!
 //! The blob API mirrors `UnitSlabStore`:
 //!
-//! * [`Client::put_many`] writes blobs, one per unit per round, all units
-//!   in the same round (a put waits for the slowest unit, not the sum).
-//!   A unit answering Busy is asked again after 0.2 s, doubling to 2 s,
+//! * [`Client::put_many`] writes blobs: each unit's blobs one after
+//!   another, every unit at once (a put waits for the slowest unit, not
+//!   the sum). A unit answering Busy is asked again after 0.2 s, doubling to 2 s,
 //!   inside the deadline. Blob ids ([`BlobId`], chosen by the caller, e.g.
 //!   [`new_blob_id`]) make a retried put idempotent.
 //! * [`Client::get_into`] resolves and reads every unit's keys at once,
 //!   into buffers the caller's [`GetSink`] provides.
 //! * [`Client::clear_placed_rows`] clears rows on every unit at once.
+//!
+//! Each call runs every unit's part as one straight function on a worker
+//! of its own (`fan_out`: the first unit on the calling thread, the
+//! others on scoped threads): a put's part is, per blob, alloc → write →
+//! commit ([`Transport::put`]); a get's, resolve → copy → unpin
+//! ([`Transport::get`]); a control call's, request → reply
+//! ([`Transport::call`]). The workers of a get share its sink under a lock.
 //!
 //! Every call takes a deadline. Failures are typed ([`Error`]). When a unit
 //! fails, and only then, the [`Directory`] is asked whether it is dead or
@@ -789,9 +796,9 @@ impl Client {
         }
     }
 
-    /// Write blobs: the first blob of every unit goes out in one round over
-    /// all units, then the next, and so on. Returns once every blob is
-    /// committed, or with the first unit's error (blobs committed on other
+    /// Write blobs: each unit's blobs one after another, every unit at
+    /// once. Returns once every blob is committed, or with the first
+    /// unit's error (in unit order) (blobs committed on other
     /// units stay committed; retrying with the same ids is idempotent).
     pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
         self.timed(metrics::ClientOp::Put, |timer| {
@@ -915,7 +922,7 @@ impl Client {
     }
 
     /// Read `keys` (each with its unit): one resolve and one read per unit,
-    /// all units at once. Every value is handed to `sink` under its index
+    /// every unit at once. Every value is handed to `sink` under its index
     /// in `keys`. Keys that are not stored fail the call with
     /// [`Error::NotFound`] naming each of them.
     pub fn get_into(
@@ -1229,8 +1236,8 @@ impl Client {
         }
     }
 
-    /// Put raw values by key in the default partition, one blob per unit (row `r` on unit `r % N`), all
-    /// units in one round.
+    /// Put raw values by key in the default partition, one blob per unit
+    /// (row `r` on unit `r % N`), all units at once.
     pub fn put_rows(&self, values: &[(Key, &[u8])], deadline: Instant) -> Result<()> {
         let mut by_unit: BTreeMap<usize, BlobPut<'_>> = BTreeMap::new();
         let mut sizes: HashMap<usize, u64> = HashMap::new();
@@ -1345,8 +1352,39 @@ fn fan_out<T: Send, R: Send>(items: Vec<T>, work: impl Fn(T) -> R + Sync) -> Vec
     })
 }
 
-/// Lock a mutex; a panic elsewhere while holding it leaves only a pool or
-/// cache behind, which stays usable.
+/// Lock a mutex; a panic elsewhere while holding it leaves only a pool,
+/// a cache or a sink behind, which stays usable.
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+
+    #[test]
+    fn fan_out_runs_every_item_at_once_and_keeps_their_order() {
+        // Each item waits (for at most 10 s) until every item has started:
+        // only items that run at once all see the others start.
+        let n = 4;
+        let started = AtomicUsize::new(0);
+        let out = fan_out((0..n).collect(), |i| {
+            started.fetch_add(1, SeqCst);
+            let t = Instant::now();
+            while started.load(SeqCst) < n && t.elapsed() < Duration::from_secs(10) {
+                std::thread::yield_now();
+            }
+            (i, started.load(SeqCst) == n)
+        });
+        assert_eq!(out, (0..n).map(|i| (i, true)).collect::<Vec<_>>());
+    }
+
+    #[test]
+    fn fan_out_runs_one_item_on_the_calling_thread() {
+        let me = std::thread::current().id();
+        let out = fan_out(vec![7], |x| (x, std::thread::current().id()));
+        assert_eq!(out, vec![(7, me)]);
+        assert!(fan_out(Vec::<u8>::new(), |x| x).is_empty());
+    }
 }

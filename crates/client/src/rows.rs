@@ -16,7 +16,7 @@
 //! * Each value's dtype and shape travel as the entry's metadata; its bytes
 //!   start on a 64-byte boundary of the blob, so a zero-copy view of any
 //!   dtype is aligned.
-//! * One put sends one blob per unit, all units in one round; writing a
+//! * One put sends one blob per unit, all units at once; writing a
 //!   (key, field) again replaces it atomically (the unit swaps the index
 //!   entry at commit; readers that pinned the old value keep it).
 //!
@@ -442,7 +442,7 @@ impl Client {
     }
 
     /// Write `columns` for `keys` in `partition`: all of one unit's values
-    /// go out as one blob, all units in one round. A put may add fields to
+    /// go out as one blob, all units at once. A put may add fields to
     /// rows that exist; writing an existing (key, field) replaces it.
     pub fn put(
         &self,

@@ -190,10 +190,7 @@ fn n_entries(entries: &[EntrySpec]) -> Result<u32, OpFailure> {
 
 /// Send `req` (no payload) and await its reply.
 fn call(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
-    let id = conn
-        .send(req, &mut [], deadline)
-        .map_err(|e| OpFailure::conn(e, false))?;
-    conn.recv(id, deadline)
+    conn.call(req, deadline)
         .map_err(|e| OpFailure::conn(e, false))
 }
 
