@@ -17,12 +17,13 @@
 //!   into buffers the caller's [`GetSink`] provides.
 //! * [`Client::clear_placed_rows`] clears rows on every unit at once.
 //!
-//! Each call runs every unit's part as one straight function on a worker
-//! of its own (`fan_out`: the first unit on the calling thread, the
-//! others on scoped threads): a put's part is, per blob, alloc → write →
+//! Each call runs every unit's part as one straight `async` function, all
+//! units at once on the calling thread (`fanout::all_at_once`: each part
+//! lets the others run after every request it sends, and takes its reply
+//! when its turn comes back): a put's part is, per blob, alloc → write →
 //! commit ([`Transport::put`]); a get's, resolve → copy → unpin
 //! ([`Transport::get`]); a control call's, request → reply
-//! ([`Transport::call`]). The workers of a get share its sink under a lock.
+//! ([`Transport::call`]). The parts of a get share its sink.
 //!
 //! Every call takes a deadline. Failures are typed ([`Error`]). When a unit
 //! fails, and only then, the [`Directory`] is asked whether it is dead or
@@ -56,6 +57,7 @@
 mod conn;
 mod directory;
 mod error;
+mod fanout;
 pub mod metrics;
 mod nixl;
 pub mod rows;
@@ -603,11 +605,8 @@ impl Client {
             agent,
             agent_metadata,
         };
-        let id = conn
-            .send(&ask, &mut [], deadline)
-            .map_err(|e| OpFailure::conn(e, false))?;
         match conn
-            .recv(id, deadline)
+            .call(&ask, deadline)
             .map_err(|e| OpFailure::conn(e, false))?
         {
             stowage_wire::Response::NixlInfo {
@@ -834,9 +833,11 @@ impl Client {
             .cfg
             .wait_for_memory
             .map(|w| (Instant::now() + w).min(deadline));
-        let results = fan_out(queues.into_iter().collect(), |(unit, queue)| {
-            self.put_unit(unit, &queue, deadline, wait_until, timer)
-        });
+        let results = fanout::all_at_once(
+            queues
+                .iter()
+                .map(|(&unit, queue)| self.put_unit(unit, queue, deadline, wait_until, timer)),
+        );
         // The first unit's error (in unit order); what other units
         // committed stays committed.
         results.into_iter().collect::<Result<Vec<()>>>().map(drop)
@@ -847,7 +848,7 @@ impl Client {
     /// Busy (or, with [`ClientConfig::wait_for_memory`], Full) is asked
     /// again after [`BUSY_RETRY`], doubling to [`BUSY_RETRY_MAX`], within
     /// the deadline.
-    fn put_unit(
+    async fn put_unit(
         &self,
         unit: usize,
         queue: &[&BlobPut<'_>],
@@ -859,7 +860,7 @@ impl Client {
         for &put in queue {
             loop {
                 // A full unit is waited on like a busy one, when asked to.
-                let (full, outcome) = match self.put_one(unit, put, deadline) {
+                let (full, outcome) = match self.put_one(unit, put, deadline).await {
                     Ok(()) => {
                         timer.unit_done(&self.metrics, unit);
                         backoff = None;
@@ -886,7 +887,7 @@ impl Client {
                         }
                         self.metrics.retry(full, step);
                         backoff = Some(step);
-                        std::thread::sleep(at.saturating_duration_since(Instant::now()));
+                        fanout::pause_until(at).await;
                     }
                     Outcome::Failed(e) => return Err(e),
                 }
@@ -896,7 +897,7 @@ impl Client {
     }
 
     /// Write one blob on a pooled connection to its unit.
-    fn put_one(
+    async fn put_one(
         &self,
         unit: usize,
         put: &BlobPut<'_>,
@@ -907,7 +908,7 @@ impl Client {
             self.classify(unit, f, vec![put.blob], keys, deadline)
         };
         let mut t = self.checkout(unit, deadline).map_err(failed)?;
-        match t.put(put, deadline) {
+        match t.put(put, deadline).await {
             Ok(()) => {
                 self.checkin(unit, t);
                 Ok(())
@@ -960,10 +961,10 @@ impl Client {
             e.0.push(key.clone());
             e.1.push(i);
         }
-        let sink: SharedSink<'_> = Mutex::new(sink);
-        let results = fan_out(by_unit.into_iter().collect(), |(unit, (ks, idx))| {
-            self.get_unit(partition, unit, &ks, &idx, &sink, deadline, timer)
-        });
+        let sink: SharedSink<'_> = std::cell::RefCell::new(sink);
+        let results = fanout::all_at_once(by_unit.iter().map(|(&unit, (ks, idx))| {
+            self.get_unit(partition, unit, ks, idx, &sink, deadline, timer)
+        }));
         let mut missing: Vec<Key> = Vec::new();
         for r in results {
             missing.extend(r?);
@@ -980,7 +981,7 @@ impl Client {
     /// One unit's part of a get ([`Transport::get`]): the keys it does
     /// not have.
     #[allow(clippy::too_many_arguments)]
-    fn get_unit(
+    async fn get_unit(
         &self,
         partition: &str,
         unit: usize,
@@ -993,7 +994,7 @@ impl Client {
         let mut t = self
             .checkout(unit, deadline)
             .map_err(|f| self.failed_get(unit, f, keys, deadline))?;
-        match t.get(partition, keys, index_of, sink, deadline) {
+        match t.get(partition, keys, index_of, sink, deadline).await {
             Ok(miss) => {
                 timer.unit_done(&self.metrics, unit);
                 let restarted = !miss.is_empty() && self.take_restart(unit);
@@ -1213,17 +1214,19 @@ impl Client {
         reqs: Vec<(usize, Request)>,
         deadline: Instant,
     ) -> Vec<(usize, Result<Response>)> {
-        fan_out(reqs, |(unit, req)| {
-            (unit, self.call_unit(unit, &req, deadline))
-        })
+        let results = fanout::all_at_once(
+            reqs.iter()
+                .map(|(unit, req)| self.call_unit(*unit, req, deadline)),
+        );
+        reqs.iter().map(|(unit, _)| *unit).zip(results).collect()
     }
 
     /// One unit's part of a control call.
-    fn call_unit(&self, unit: usize, req: &Request, deadline: Instant) -> Result<Response> {
+    async fn call_unit(&self, unit: usize, req: &Request, deadline: Instant) -> Result<Response> {
         let mut t = self
             .checkout(unit, deadline)
             .map_err(|f| self.failed_get(unit, f, &[], deadline))?;
-        match t.call(req, deadline) {
+        match t.call(req, deadline).await {
             Ok(Response::Error { code, message }) => {
                 self.checkin(unit, t);
                 Err(unit_error(unit, code, message, vec![]))
@@ -1310,81 +1313,8 @@ fn local_error(unit: usize, l: LocalFailure, blobs: Vec<BlobId>) -> Error {
     }
 }
 
-/// Run `work` on every item at once and return its results in the order
-/// of the items: the first item on the calling thread, each other on a
-/// scoped thread of its own (one item: no thread at all; a thread that
-/// cannot be started: its item runs on the calling thread, after).
-fn fan_out<T: Send, R: Send>(items: Vec<T>, work: impl Fn(T) -> R + Sync) -> Vec<R> {
-    let n = items.len();
-    let mut items = items.into_iter();
-    let Some(first) = items.next() else {
-        return Vec::new();
-    };
-    if n == 1 {
-        return vec![work(first)];
-    }
-    let work = &work;
-    std::thread::scope(|s| {
-        let others: Vec<_> = items
-            .map(|item| {
-                let item = Arc::new(Mutex::new(Some(item)));
-                let mine = item.clone();
-                let spawned = std::thread::Builder::new()
-                    .name("stowage-unit".into())
-                    .spawn_scoped(s, move || lock(&mine).take().map(work));
-                (item, spawned.ok())
-            })
-            .collect();
-        let mut out = Vec::with_capacity(n);
-        out.push(work(first));
-        for (item, handle) in others {
-            let done = match handle.map(|h| h.join()) {
-                Some(Ok(r)) => r,
-                Some(Err(panic)) => std::panic::resume_unwind(panic),
-                None => None,
-            };
-            // Not started (or not run): run it here.
-            if let Some(r) = done.or_else(|| lock(&item).take().map(work)) {
-                out.push(r);
-            }
-        }
-        out
-    })
-}
-
-/// Lock a mutex; a panic elsewhere while holding it leaves only a pool,
-/// a cache or a sink behind, which stays usable.
+/// Lock a mutex; a panic elsewhere while holding it leaves only a pool or
+/// cache behind, which stays usable.
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
-
-    #[test]
-    fn fan_out_runs_every_item_at_once_and_keeps_their_order() {
-        // Each item waits (for at most 10 s) until every item has started:
-        // only items that run at once all see the others start.
-        let n = 4;
-        let started = AtomicUsize::new(0);
-        let out = fan_out((0..n).collect(), |i| {
-            started.fetch_add(1, SeqCst);
-            let t = Instant::now();
-            while started.load(SeqCst) < n && t.elapsed() < Duration::from_secs(10) {
-                std::thread::yield_now();
-            }
-            (i, started.load(SeqCst) == n)
-        });
-        assert_eq!(out, (0..n).map(|i| (i, true)).collect::<Vec<_>>());
-    }
-
-    #[test]
-    fn fan_out_runs_one_item_on_the_calling_thread() {
-        let me = std::thread::current().id();
-        let out = fan_out(vec![7], |x| (x, std::thread::current().id()));
-        assert_eq!(out, vec![(7, me)]);
-        assert!(fan_out(Vec::<u8>::new(), |x| x).is_empty());
-    }
 }

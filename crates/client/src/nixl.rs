@@ -360,10 +360,10 @@ impl NixlMover {
         })
     }
 
-    /// Start fetching `ranges` (see [`Mover::fetch`]): `Ok(true)` when the
-    /// READ is still under way (in `self.reading`), `Ok(false)` when it is
-    /// done (or there was nothing to do).
-    fn start_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
+    /// Post one READ of `ranges` (see [`Mover::start_fetch`]): `Ok(true)`
+    /// when it is still under way (in `self.reading`), `Ok(false)` when it
+    /// is done (or there was nothing to do).
+    fn post_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
         self.fetched.clear();
         self.lending = None;
         if lend {
@@ -559,18 +559,15 @@ impl Mover for NixlMover {
         self.finish(Op::Write, t, deadline)
     }
 
-    fn fetch(
-        &mut self,
-        ranges: &[(u64, u64)],
-        lend: bool,
-        deadline: Instant,
-    ) -> Result<(), OpFailure> {
-        if self.start_fetch(ranges, lend)? {
-            if let Some(t) = self.reading.take() {
-                self.finish(Op::Read, t, deadline)?;
-            }
+    fn start_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
+        self.post_fetch(ranges, lend)
+    }
+
+    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+        match self.reading.take() {
+            Some(t) => self.finish(Op::Read, t, deadline),
+            None => Ok(()),
         }
-        Ok(())
     }
 
     fn lends(&self) -> bool {
@@ -616,8 +613,8 @@ impl Mover for NixlMover {
     }
 
     fn take_pending(&mut self) -> Option<Box<dyn Settle>> {
-        // A READ still held here (a fetch cut short between its post and
-        // its wait) may still be running, as one that missed its deadline.
+        // A READ left under way when the call gave up (another unit failed
+        // first) may still be running, as one that missed its deadline.
         if let Some(transfer) = self.reading.take() {
             if !transfer.ended() {
                 return Some(Box::new(Pending {

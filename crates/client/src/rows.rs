@@ -941,9 +941,10 @@ impl Client {
         }
     }
 
-    /// Resolve-and-hold `by_unit`'s keys on every unit at once, one
-    /// worker per unit, each on its unit's view connection (one lock at a
-    /// time, so views never wait on each other in a cycle). In unit order.
+    /// Resolve-and-hold `by_unit`'s keys on every unit at once, each on
+    /// its unit's view connection. The parts lock their connections in
+    /// unit order (as every view does: views never wait on each other in
+    /// a cycle) and hold them until their answer is in. In unit order.
     #[allow(clippy::type_complexity)]
     fn resolve_views(
         &self,
@@ -954,35 +955,36 @@ impl Client {
         usize,
         std::result::Result<(Response, Arc<Slab>, crate::ViewConn), OpFailure>,
     )> {
-        crate::fan_out(by_unit.iter().collect(), |(&u, (keys, _))| {
-            let resolved = self.view_conn(u, deadline).and_then(|conn| {
-                let r = {
-                    let mut t = lock(&conn);
-                    t.slab()
-                        .ok_or_else(|| {
-                            OpFailure::invalid(
-                                "views need the shm transport (a unit on this host, reached by its Unix socket)",
-                            )
-                        })
-                        .and_then(|slab| {
-                            let req = Request::Resolve {
-                                partition: partition.to_owned(),
-                                keys: keys.clone(),
-                                hold: true,
-                            };
-                            t.call(&req, deadline).map(|resp| (resp, slab))
-                        })
-                };
-                match r {
-                    Ok((resp, slab)) => Ok((resp, slab, conn)),
-                    Err(f) => {
-                        self.forget_view_conn(u, &conn, &f);
-                        Err(f)
+        let parts = by_unit.iter().map(|(&u, (keys, _))| async move {
+            let conn = match self.view_conn(u, deadline) {
+                Ok(c) => c,
+                Err(f) => return (u, Err(f)),
+            };
+            let r = {
+                let mut t = lock(&conn);
+                match t.slab() {
+                    None => Err(OpFailure::invalid(
+                        "views need the shm transport (a unit on this host, reached by its Unix socket)",
+                    )),
+                    Some(slab) => {
+                        let req = Request::Resolve {
+                            partition: partition.to_owned(),
+                            keys: keys.clone(),
+                            hold: true,
+                        };
+                        t.call(&req, deadline).await.map(|resp| (resp, slab))
                     }
                 }
-            });
-            (u, resolved)
-        })
+            };
+            match r {
+                Ok((resp, slab)) => (u, Ok((resp, slab, conn))),
+                Err(f) => {
+                    self.forget_view_conn(u, &conn, &f);
+                    (u, Err(f))
+                }
+            }
+        });
+        crate::fanout::all_at_once(parts)
     }
 
     /// Pin `fields` of `keys` and view them in place (shm transport only):

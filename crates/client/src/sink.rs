@@ -5,9 +5,8 @@
 //! and metadata), the rows × fields API by [`TensorAsk`] (field, row,
 //! dtype, shape). [`GetSink`] and [`TensorSink`] name the two.
 //!
-//! A sink is [`Send`]: a get reads every unit's values at once, one worker
-//! per unit, and each worker asks the sink (under a lock) for the buffers
-//! of its own unit's values.
+//! A get reads every unit's values at once, on the calling thread: each
+//! unit's part asks the sink for the buffers of its own unit's values.
 
 use std::ops::Range;
 
@@ -39,7 +38,7 @@ pub struct TensorAsk<'a> {
 /// Where a get puts each value: asked once per found value (`A`: what
 /// the get knows of it), it returns the buffer of exactly the value's
 /// bytes to fill.
-pub trait Sink<A>: Send {
+pub trait Sink<A> {
     /// The buffer of one value.
     fn slot(&mut self, ask: A) -> Result<&mut [u8], String>;
 

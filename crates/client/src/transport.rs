@@ -1,10 +1,11 @@
 //! Transports: how one unit's operations move bytes.
 //!
-//! Each operation on one unit is one function that runs from its first
-//! request to its last reply ([`Transport::put`], [`Transport::get`],
-//! [`Transport::call`]); the client runs every unit's part of a call at
-//! once, one worker per unit ([`crate::Client`]), so a call waits for the
-//! slowest unit, not the sum of them.
+//! Each operation on one unit is one `async` function that runs from its
+//! first request to its last reply ([`Transport::put`], [`Transport::get`],
+//! [`Transport::call`]), and lets the other units' parts run after each
+//! request it sends (`fanout::turn`); the client runs every unit's part of
+//! a call at once on the calling thread (`fanout::all_at_once`), so a call
+//! waits for the slowest unit, not the sum of them.
 //!
 //! * [`ShmTransport`] (same host): put = Alloc → the client copies into the
 //!   mapped slab → Commit; get = Resolve (pins) → copy out → Unpin (sent
@@ -16,8 +17,11 @@
 //!   which the unit reads straight into its slab; get = one Read request,
 //!   whose reply streams the values straight into the caller's buffers.
 
+use std::cell::RefCell;
+use std::future::Future;
 use std::io::IoSlice;
-use std::sync::{Arc, Mutex};
+use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Instant;
 
 use stowage_shm::Slab;
@@ -25,9 +29,10 @@ use stowage_wire::BlobId;
 use stowage_wire::{EntrySpec, ErrorCode, Key, PinId, Request, Response};
 
 use crate::conn::{Conn, ConnError};
+use crate::fanout::{pause_until, turn};
 use crate::nixl::Lent;
 use crate::sink::{GetSink, ValueAsk};
-use crate::{lock, new_blob_id, BlobPut, SPARES};
+use crate::{new_blob_id, BlobPut, SPARES};
 
 /// Why one unit's operation failed, before the client classifies it.
 #[derive(Debug)]
@@ -126,17 +131,21 @@ impl OpFailure {
     }
 }
 
-/// A get's sink, shared by the workers of the units it reads from: each
-/// locks it while it asks for and fills its values' buffers.
-pub type SharedSink<'s> = Mutex<&'s mut dyn GetSink>;
+/// A get's sink, shared by the parts of the units it reads from: each
+/// borrows it while it asks for and fills its values' buffers (never
+/// across a turn).
+pub type SharedSink<'s> = RefCell<&'s mut dyn GetSink>;
+
+/// One unit's part of an operation, run by `fanout::all_at_once`.
+pub type Op<'a, T> = Pin<Box<dyn Future<Output = Result<T, OpFailure>> + 'a>>;
 
 /// What a finished get on one unit reports: the positions (in its own key
 /// list) of keys it does not have.
 pub type Missing = Vec<usize>;
 
 /// One unit's side of the client: a connection, and what it holds for
-/// the next operation (spares). Each method runs one operation on this
-/// unit from start to end.
+/// the next operation (spares). Each operation is one part, run from its
+/// first request to its end.
 pub trait Transport: Send {
     fn name(&self) -> &'static str;
     /// The unit's instance id from the handshake.
@@ -144,23 +153,23 @@ pub trait Transport: Send {
     /// The session the unit put this connection in.
     fn session(&self) -> u128;
 
-    /// Write one blob; returns once it is committed (published).
-    fn put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure>;
+    /// Write one blob; ends once it is committed (published).
+    fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()>;
 
     /// Read `keys` of `partition` into `sink`: `index_of[i]` is the
     /// call-wide index of `keys[i]`, passed to the sink. Returns the
     /// keys not found.
-    fn get(
-        &mut self,
-        partition: &str,
-        keys: &[Key],
-        index_of: &[usize],
-        sink: &SharedSink<'_>,
+    fn get<'a>(
+        &'a mut self,
+        partition: &'a str,
+        keys: &'a [Key],
+        index_of: &'a [usize],
+        sink: &'a SharedSink<'_>,
         deadline: Instant,
-    ) -> Result<Missing, OpFailure>;
+    ) -> Op<'a, Missing>;
 
     /// Send a control request (no payload) and await its reply.
-    fn call(&mut self, req: &Request, deadline: Instant) -> Result<Response, OpFailure>;
+    fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response>;
 
     /// Send a request the unit does not answer (an Unpin with
     /// `reply: false`).
@@ -188,9 +197,14 @@ fn n_entries(entries: &[EntrySpec]) -> Result<u32, OpFailure> {
         .map_err(|_| OpFailure::invalid("more than 2^32 entries in one blob"))
 }
 
-/// Send `req` (no payload) and await its reply.
-fn call(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
-    conn.call(req, deadline)
+/// Send `req` (no payload), let the other units' parts run, and take its
+/// reply.
+async fn call(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
+    let id = conn
+        .send(req, &mut [], deadline)
+        .map_err(|e| OpFailure::conn(e, false))?;
+    turn().await;
+    conn.recv(id, deadline)
         .map_err(|e| OpFailure::conn(e, false))
 }
 
@@ -220,7 +234,7 @@ fn read_data(
     let corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
     let mut missing = Vec::new();
     let mut sink_error = None;
-    let mut sink = lock(sink);
+    let mut sink = sink.borrow_mut();
     for (i, item) in items.iter().enumerate() {
         let Some(item) = item else {
             if !corrupt.contains(&i) {
@@ -276,14 +290,14 @@ fn asks_of<'f>(found: &'f [Option<stowage_wire::Found>], index_of: &[usize]) -> 
 pub const PENDING_POLL: std::time::Duration = std::time::Duration::from_millis(10);
 
 /// Send a Put carrying the blob's bytes (the unit reads them into its slab
-/// or its disk tier) and await until it is published. `refused`: called
-/// when a later Commit (after Pending) is refused, before the refusal is
-/// returned.
-fn stream_put(
+/// or its disk tier) and await until it is published. `refused`: a
+/// reservation to give back when a later Commit (after Pending) is
+/// refused, before the refusal is returned.
+async fn stream_put(
     conn: &mut Conn,
     put: &BlobPut<'_>,
     deadline: Instant,
-    mut refused: impl FnMut(&mut Conn) -> Result<(), OpFailure>,
+    refused: Option<BlobId>,
 ) -> Result<(), OpFailure> {
     n_entries(&put.entries)?;
     let req = Request::Put {
@@ -296,6 +310,8 @@ fn stream_put(
     let id = conn
         .send(&req, &mut payload, deadline)
         .map_err(|e| OpFailure::conn(e, true))?;
+    drop(payload);
+    turn().await;
     // The Put's bytes may still be on their way when its reply fails to
     // come.
     let mut reply = conn
@@ -306,11 +322,13 @@ fn stream_put(
         match reply {
             Response::Done | Response::AlreadyCommitted => return Ok(()),
             Response::Pending => {
-                reply = recommit(conn, put, deadline)?;
+                reply = recommit(conn, put, deadline).await?;
                 recommitted = true;
             }
             Response::Error { code, message } if recommitted => {
-                refused(conn)?;
+                if let Some(blob) = refused {
+                    abort(conn, blob, deadline).await?;
+                }
                 return Err(OpFailure::Unit { code, message });
             }
             other => return Err(OpFailure::unexpected(other)),
@@ -320,24 +338,28 @@ fn stream_put(
 
 /// The blob is not durable yet (Pending): wait a little, commit it again
 /// (commit is idempotent) and return the reply.
-fn recommit(conn: &mut Conn, put: &BlobPut<'_>, deadline: Instant) -> Result<Response, OpFailure> {
+async fn recommit(
+    conn: &mut Conn,
+    put: &BlobPut<'_>,
+    deadline: Instant,
+) -> Result<Response, OpFailure> {
     let left = crate::conn::remaining(deadline).map_err(|e| OpFailure::conn(e, false))?;
-    std::thread::sleep(PENDING_POLL.min(left));
+    pause_until(Instant::now() + PENDING_POLL.min(left)).await;
     let req = Request::Commit {
         blob: put.blob,
         partition: put.partition.to_owned(),
         entries: put.entries.clone(),
     };
-    call(conn, &req, deadline)
+    call(conn, &req, deadline).await
 }
 
 /// Give up reservation `blob`, and wait for the answer.
-fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> Result<(), OpFailure> {
+async fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> Result<(), OpFailure> {
     let req = Request::Abort {
         blob,
         in_flight: false,
     };
-    call(conn, &req, deadline).map(drop)
+    call(conn, &req, deadline).await.map(drop)
 }
 
 /// How a one-sided transport reaches a unit's slab: the shm transport
@@ -352,16 +374,21 @@ pub(crate) trait Mover: Send {
         segments: &[&[u8]],
         deadline: Instant,
     ) -> Result<(), OpFailure>;
-    /// Bring the values at `ranges` (offset, len) within reach of
-    /// [`Mover::read`] (nothing to do when the slab is mapped); `lend`
-    /// (only where [`Mover::lends`]): into memory to lend, one span per
-    /// range, instead ([`Mover::take_lent`]).
-    fn fetch(
-        &mut self,
-        ranges: &[(u64, u64)],
-        lend: bool,
-        deadline: Instant,
-    ) -> Result<(), OpFailure>;
+    /// Start bringing the values at `ranges` (offset, len) within reach
+    /// of [`Mover::read`] (nothing to do when the slab is mapped):
+    /// `Ok(true)` when the transfer is still under way, to end with
+    /// [`Mover::finish_fetch`]; `Ok(false)` when it is done (or there was
+    /// nothing to do). `lend` (only where [`Mover::lends`]): into memory
+    /// to lend, one span per range, instead ([`Mover::take_lent`]).
+    fn start_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
+        let _ = (ranges, lend);
+        Ok(false)
+    }
+    /// Wait for the fetch [`Mover::start_fetch`] left under way.
+    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+        let _ = deadline;
+        Ok(())
+    }
     /// Whether fetched values can be lent to the caller instead of copied
     /// ([`Mover::take_lent`]): memory of the mover's that the transfer
     /// itself filled.
@@ -414,15 +441,6 @@ impl Mover for Arc<Slab> {
     ) -> Result<(), OpFailure> {
         self.write_gather(offset, segments)
             .map_err(|e| OpFailure::conn(ConnError::Protocol(e.to_string()), false))
-    }
-
-    fn fetch(
-        &mut self,
-        _ranges: &[(u64, u64)],
-        _lend: bool,
-        _deadline: Instant,
-    ) -> Result<(), OpFailure> {
-        Ok(())
     }
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
@@ -509,7 +527,7 @@ impl<M: Mover> OneSided<M> {
     /// Commit the put, whose bytes are in reservation `written` (its own,
     /// or a spare's), and await until it is published; ask for a spare of
     /// the put's class when its size calls for one.
-    fn commit(
+    async fn commit(
         &mut self,
         put: &BlobPut<'_>,
         written: BlobId,
@@ -535,25 +553,26 @@ impl<M: Mover> OneSided<M> {
                 }
             }
         };
-        let mut reply = call(&mut self.conn, &req, deadline)?;
+        let mut reply = call(&mut self.conn, &req, deadline).await?;
         loop {
             match reply {
                 Response::Done | Response::AlreadyCommitted => return Ok(()),
                 Response::CommittedSpare { spare } => {
                     if let (Some(offset), Some((blob, len))) = (spare, asked) {
-                        self.keep_spare(Spare { blob, offset, len }, deadline)?;
+                        self.keep_spare(Spare { blob, offset, len }, deadline)
+                            .await?;
                     }
                     return Ok(());
                 }
-                Response::Pending => reply = recommit(&mut self.conn, put, deadline)?,
+                Response::Pending => reply = recommit(&mut self.conn, put, deadline).await?,
                 Response::Error { code, message } => {
                     // The commit was refused (e.g. the index is full):
                     // give the reservation back rather than hold it for as
                     // long as this connection lives. (A spare may have
                     // taken the put's id before the refusal: give up both.)
-                    abort(&mut self.conn, put.blob, deadline)?;
+                    abort(&mut self.conn, put.blob, deadline).await?;
                     if written != put.blob {
-                        abort(&mut self.conn, written, deadline)?;
+                        abort(&mut self.conn, written, deadline).await?;
                     }
                     return Err(OpFailure::Unit { code, message });
                 }
@@ -565,20 +584,20 @@ impl<M: Mover> OneSided<M> {
     /// Keep the spare the unit reserved: fill its page tables now (one
     /// call, instead of a fault per page in the next put), and give back
     /// the oldest past [`SPARES`].
-    fn keep_spare(&mut self, spare: Spare, deadline: Instant) -> Result<(), OpFailure> {
+    async fn keep_spare(&mut self, spare: Spare, deadline: Instant) -> Result<(), OpFailure> {
         self.mover.prepare(spare.offset, spare.len);
         self.spares.push(spare);
         if self.spares.len() > SPARES {
             let old = self.spares.remove(0);
-            abort(&mut self.conn, old.blob, deadline)?;
+            abort(&mut self.conn, old.blob, deadline).await?;
         }
         Ok(())
     }
 
     /// Give every spare back (the unit is short of memory).
-    fn clear_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+    async fn clear_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
         while let Some(s) = self.spares.pop() {
-            abort(&mut self.conn, s.blob, deadline)?;
+            abort(&mut self.conn, s.blob, deadline).await?;
         }
         Ok(())
     }
@@ -589,7 +608,7 @@ impl<M: Mover> OneSided<M> {
     /// the corrupt keys' positions (outer error: the connection failed;
     /// inner error: the sink refused, the connection is still usable).
     #[allow(clippy::too_many_arguments)]
-    fn copy_out(
+    async fn copy_out(
         &mut self,
         partition: &str,
         keys: &[Key],
@@ -608,17 +627,22 @@ impl<M: Mover> OneSided<M> {
         // ended, and the READ keeps its buffer).
         let mut lend = false;
         if !ranges.is_empty() && self.mover.lends() {
-            match lock(sink).accept_lent(&asks_of(found, index_of)) {
+            let accepted = sink.borrow_mut().accept_lent(&asks_of(found, index_of));
+            match accepted {
                 Some(Ok(())) => lend = true,
                 Some(Err(message)) => return Ok(Err(OpFailure::invalid(message))),
                 None => {}
             }
         }
-        self.mover.fetch(&ranges, lend, deadline)?;
+        // Left under way while the other units start theirs.
+        if self.mover.start_fetch(&ranges, lend)? {
+            turn().await;
+            self.mover.finish_fetch(deadline)?;
+        }
         let mut missing = Vec::new();
         let mut on_disk = Vec::new();
         {
-            let mut sink = lock(sink);
+            let mut sink = sink.borrow_mut();
             let refused = |m: String| Ok(Err(OpFailure::invalid(m)));
             // Many values, large in all: ask the sink for all their
             // buffers and fill them together on the cores (one by one
@@ -685,7 +709,7 @@ impl<M: Mover> OneSided<M> {
                 keys: disk_keys.clone(),
                 timeout_ms: timeout_ms(deadline),
             };
-            let reply = call(&mut self.conn, &req, deadline)?;
+            let reply = call(&mut self.conn, &req, deadline).await?;
             match read_data(
                 &mut self.conn,
                 reply,
@@ -718,91 +742,96 @@ impl<M: Mover> Transport for OneSided<M> {
         self.conn.session
     }
 
-    fn put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure> {
-        let n_entries = n_entries(&put.entries)?;
-        let n = total_len(put);
-        if self.spares_for(n) {
-            let class = spare_class(n);
-            if let Some(i) = self.spares.iter().position(|s| s.len == class) {
-                // This connection holds the spare's reservation: write,
-                // then one round trip to publish it.
-                let spare = self.spares.remove(i);
-                self.mover.write(spare.offset, &put.segments, deadline)?;
-                return self.commit(put, spare.blob, deadline);
-            }
-        }
-        let alloc = Request::Alloc {
-            blob: put.blob,
-            nbytes: n,
-            n_entries,
-        };
-        loop {
-            match call(&mut self.conn, &alloc, deadline)? {
-                Response::Allocated { offset } => {
-                    self.mover.write(offset, &put.segments, deadline)?;
-                    return self.commit(put, put.blob, deadline);
+    fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()> {
+        Box::pin(async move {
+            let n_entries = n_entries(&put.entries)?;
+            let n = total_len(put);
+            if self.spares_for(n) {
+                let class = spare_class(n);
+                if let Some(i) = self.spares.iter().position(|s| s.len == class) {
+                    // This connection holds the spare's reservation: write,
+                    // then one round trip to publish it.
+                    let spare = self.spares.remove(i);
+                    self.mover.write(spare.offset, &put.segments, deadline)?;
+                    return self.commit(put, spare.blob, deadline).await;
                 }
-                // Short of memory while this connection holds spares: give
-                // them back and ask again.
-                Response::Error {
-                    code: ErrorCode::Full | ErrorCode::Busy,
-                    ..
-                } if !self.spares.is_empty() => self.clear_spares(deadline)?,
-                // No room in the slab, room on disk: send the bytes along.
-                Response::ToDisk => {
-                    let blob = put.blob;
-                    return stream_put(&mut self.conn, put, deadline, |conn| {
-                        abort(conn, blob, deadline)
-                    });
-                }
-                Response::AlreadyCommitted => return Ok(()),
-                other => return Err(OpFailure::unexpected(other)),
             }
-        }
+            let alloc = Request::Alloc {
+                blob: put.blob,
+                nbytes: n,
+                n_entries,
+            };
+            loop {
+                match call(&mut self.conn, &alloc, deadline).await? {
+                    Response::Allocated { offset } => {
+                        self.mover.write(offset, &put.segments, deadline)?;
+                        return self.commit(put, put.blob, deadline).await;
+                    }
+                    // Short of memory while this connection holds spares:
+                    // give them back and ask again.
+                    Response::Error {
+                        code: ErrorCode::Full | ErrorCode::Busy,
+                        ..
+                    } if !self.spares.is_empty() => self.clear_spares(deadline).await?,
+                    // No room in the slab, room on disk: send the bytes
+                    // along.
+                    Response::ToDisk => {
+                        return stream_put(&mut self.conn, put, deadline, Some(put.blob)).await
+                    }
+                    Response::AlreadyCommitted => return Ok(()),
+                    other => return Err(OpFailure::unexpected(other)),
+                }
+            }
+        })
     }
 
-    fn get(
-        &mut self,
-        partition: &str,
-        keys: &[Key],
-        index_of: &[usize],
-        sink: &SharedSink<'_>,
+    fn get<'a>(
+        &'a mut self,
+        partition: &'a str,
+        keys: &'a [Key],
+        index_of: &'a [usize],
+        sink: &'a SharedSink<'_>,
         deadline: Instant,
-    ) -> Result<Missing, OpFailure> {
-        let req = Request::Resolve {
-            partition: partition.to_owned(),
-            keys: keys.to_vec(),
-            hold: false,
-        };
-        let (pin, found, corrupt): Resolved = match call(&mut self.conn, &req, deadline)? {
-            Response::Resolved {
-                pin,
-                found,
-                corrupt,
-            } if found.len() == keys.len() => (pin, found, corrupt),
-            other => return Err(OpFailure::unexpected(other)),
-        };
-        let corrupt = corrupt.into_iter().map(|c| c as usize).collect();
-        // A failed connection goes, and its end unpins: no Unpin then.
-        let copied = self.copy_out(partition, keys, index_of, &found, corrupt, sink, deadline)?;
-        if let Some(pin) = pin {
-            // No reply: an unpin lost with its connection is covered by
-            // the connection's end, which releases what it held.
-            notify(
-                &mut self.conn,
-                &Request::Unpin { pin, reply: false },
-                deadline,
-            )?;
-        }
-        let (missing, corrupt) = copied?;
-        if !corrupt.is_empty() {
-            return Err(OpFailure::Corrupt { positions: corrupt });
-        }
-        Ok(missing)
+    ) -> Op<'a, Missing> {
+        Box::pin(async move {
+            let req = Request::Resolve {
+                partition: partition.to_owned(),
+                keys: keys.to_vec(),
+                hold: false,
+            };
+            let (pin, found, corrupt): Resolved = match call(&mut self.conn, &req, deadline).await?
+            {
+                Response::Resolved {
+                    pin,
+                    found,
+                    corrupt,
+                } if found.len() == keys.len() => (pin, found, corrupt),
+                other => return Err(OpFailure::unexpected(other)),
+            };
+            let corrupt = corrupt.into_iter().map(|c| c as usize).collect();
+            // A failed connection goes, and its end unpins: no Unpin then.
+            let copied = self
+                .copy_out(partition, keys, index_of, &found, corrupt, sink, deadline)
+                .await?;
+            if let Some(pin) = pin {
+                // No reply: an unpin lost with its connection is covered by
+                // the connection's end, which releases what it held.
+                notify(
+                    &mut self.conn,
+                    &Request::Unpin { pin, reply: false },
+                    deadline,
+                )?;
+            }
+            let (missing, corrupt) = copied?;
+            if !corrupt.is_empty() {
+                return Err(OpFailure::Corrupt { positions: corrupt });
+            }
+            Ok(missing)
+        })
     }
 
-    fn call(&mut self, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
-        call(&mut self.conn, req, deadline)
+    fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
+        Box::pin(call(&mut self.conn, req, deadline))
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
@@ -864,33 +893,36 @@ impl Transport for TcpTransport {
         self.conn.session
     }
 
-    fn put(&mut self, put: &BlobPut<'_>, deadline: Instant) -> Result<(), OpFailure> {
-        stream_put(&mut self.conn, put, deadline, |_| Ok(()))
+    fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()> {
+        Box::pin(stream_put(&mut self.conn, put, deadline, None))
     }
 
-    fn get(
-        &mut self,
-        partition: &str,
-        keys: &[Key],
-        index_of: &[usize],
-        sink: &SharedSink<'_>,
+    fn get<'a>(
+        &'a mut self,
+        partition: &'a str,
+        keys: &'a [Key],
+        index_of: &'a [usize],
+        sink: &'a SharedSink<'_>,
         deadline: Instant,
-    ) -> Result<Missing, OpFailure> {
-        let req = Request::Read {
-            partition: partition.to_owned(),
-            keys: keys.to_vec(),
-            timeout_ms: timeout_ms(deadline),
-        };
-        let reply = call(&mut self.conn, &req, deadline)?;
-        let (missing, corrupt) = read_data(&mut self.conn, reply, keys, index_of, sink, deadline)??;
-        if !corrupt.is_empty() {
-            return Err(OpFailure::Corrupt { positions: corrupt });
-        }
-        Ok(missing)
+    ) -> Op<'a, Missing> {
+        Box::pin(async move {
+            let req = Request::Read {
+                partition: partition.to_owned(),
+                keys: keys.to_vec(),
+                timeout_ms: timeout_ms(deadline),
+            };
+            let reply = call(&mut self.conn, &req, deadline).await?;
+            let (missing, corrupt) =
+                read_data(&mut self.conn, reply, keys, index_of, sink, deadline)??;
+            if !corrupt.is_empty() {
+                return Err(OpFailure::Corrupt { positions: corrupt });
+            }
+            Ok(missing)
+        })
     }
 
-    fn call(&mut self, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
-        call(&mut self.conn, req, deadline)
+    fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
+        Box::pin(call(&mut self.conn, req, deadline))
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
