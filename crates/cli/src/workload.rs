@@ -8,7 +8,7 @@
 
 use std::time::{Duration, Instant};
 
-use stowage_client::{Client, Column, DType, OwnedTensor, RowKey, Tensor, TensorSink};
+use stowage_client::{Client, Column, DType, OwnedTensor, RowKey, Sink, Tensor, TensorAsk};
 
 /// Shape of the workload.
 #[derive(Clone, Debug)]
@@ -131,14 +131,14 @@ impl Buffers {
     }
 }
 
-impl TensorSink for Buffers {
-    fn slot(
-        &mut self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<&mut [u8], String> {
+impl Sink<TensorAsk<'_>> for Buffers {
+    fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
+        let TensorAsk {
+            field,
+            row,
+            dtype,
+            shape,
+        } = ask;
         let t = &mut self.0[field][row];
         let len = dtype
             .nbytes(shape)

@@ -743,7 +743,7 @@ fn a_probe_proves_the_secret_so_a_restart_is_told_apart() {
     // lost, not a timeout.
     assert!(matches!(
         c.get_rows(&[Key::new(0, "a")], c.deadline()),
-        Err(Error::LostBlobs { .. })
+        Err(Error::LostKeys { .. })
     ));
 }
 

@@ -262,7 +262,7 @@ fn shutdown_is_bounded_removes_disk_directories_and_never_fails() {
     assert_eq!(c.shutdown(Duration::from_secs(1)).len(), 2);
     assert!(matches!(
         c.get_tensors("step", &[RowKey::Index(0)], &["x"], None, c.deadline()),
-        Err(Error::LostBlobs { .. })
+        Err(Error::LostKeys { .. })
     ));
 }
 

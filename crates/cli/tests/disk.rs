@@ -311,6 +311,6 @@ fn a_new_unit_removes_dead_units_directories_and_spares_live_ones() {
     }
     assert!(matches!(
         c.get_rows(&[Key::new(0, "v")], c.deadline()),
-        Err(Error::LostBlobs { unit: 0, .. })
+        Err(Error::LostKeys { unit: 0, .. })
     ));
 }

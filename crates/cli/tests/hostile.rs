@@ -80,17 +80,17 @@ fn only_the_owning_session_may_commit_abort_or_unpin() {
         Response::Allocated { .. }
     ));
     // Another session can neither take, commit nor abort the reservation.
-    assert!(is_error(&alloc(&mut b, 1, 100, 1), ErrorCode::Unauthorized));
+    assert!(is_error(&alloc(&mut b, 1, 100, 1), ErrorCode::NotOwner));
     assert!(is_error(
         &commit(&mut b, 1, vec![entry(0, 100)]),
-        ErrorCode::Unauthorized
+        ErrorCode::NotOwner
     ));
     assert!(is_error(
         &b.call(&Request::Abort {
             blob: BlobId(1),
             in_flight: false
         }),
-        ErrorCode::Unauthorized
+        ErrorCode::NotOwner
     ));
     // Another connection of the same session waits while the first holds it.
     let (mut a2, h2) = hello_in(&sock, Some(session_of(&ha)));
@@ -108,7 +108,7 @@ fn only_the_owning_session_may_commit_abort_or_unpin() {
     // Not someone else's to drop.
     assert!(is_error(
         &b.call(&Request::Unpin { pin, reply: true }),
-        ErrorCode::Unauthorized
+        ErrorCode::NotOwner
     ));
     assert_eq!(stats(&mut b).pins, 1);
     assert_eq!(a.call(&Request::Unpin { pin, reply: true }), Response::Done);
@@ -606,7 +606,7 @@ fn restarts_are_told_against_the_current_instance_and_dead_slabs_unmapped() {
     // The first read after the restart: lost, not merely missing; once.
     assert!(matches!(
         c.get_rows(&[Key::new(0, "a")], c.deadline()),
-        Err(Error::LostBlobs { .. })
+        Err(Error::LostKeys { .. })
     ));
     assert!(
         !maps_inode(first),
@@ -627,7 +627,7 @@ fn restarts_are_told_against_the_current_instance_and_dead_slabs_unmapped() {
     p.restart(0, &opts).unwrap();
     assert!(matches!(
         c.get_rows(&[Key::new(1, "a")], c.deadline()),
-        Err(Error::LostBlobs { .. })
+        Err(Error::LostKeys { .. })
     ));
     // A unit that dies for good: its slab is unmapped once the client
     // learns it.
@@ -637,7 +637,7 @@ fn restarts_are_told_against_the_current_instance_and_dead_slabs_unmapped() {
     p.kill9(0);
     assert!(matches!(
         c.get_rows(&[Key::new(2, "a")], c.deadline()),
-        Err(Error::LostBlobs { .. })
+        Err(Error::LostKeys { .. })
     ));
     assert!(!maps_inode(last), "a dead unit's slab is still mapped");
 }

@@ -274,7 +274,7 @@ fn netns_client() {
     let r = c.get_rows(&keys[0..1], Instant::now() + deadline);
     let took = start.elapsed();
     match r {
-        Err(Error::Timeout { .. }) | Err(Error::LostBlobs { .. })
+        Err(Error::Timeout { .. }) | Err(Error::LostKeys { .. })
             if took <= deadline + Duration::from_secs(2) =>
         {
             println!("UNIT-A FAILED-IN-TIME {took:?}")

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 use common::{client, data_bytes, pattern, plane, Kind, Raw};
 use stowage_client::rows::KEY_FIELD;
 use stowage_client::{
-    new_blob_id, BlobPut, Client, Column, DType, EntrySpec, Error, Key, RowKey, Tensor, TensorSink,
-    UnitAddr,
+    new_blob_id, BlobPut, Client, Column, DType, EntrySpec, Error, Key, RowKey, Sink, Tensor,
+    TensorAsk, UnitAddr,
 };
 use stowage_local::LocalPlane;
 use stowage_wire::{Request, Response};
@@ -523,16 +523,10 @@ fn assert_collision(r: Result<Vec<Vec<u8>>, Error>, requested: &str, stored: Opt
 #[derive(Default)]
 struct Handed(Vec<(usize, usize)>, Vec<u8>);
 
-impl TensorSink for Handed {
-    fn slot(
-        &mut self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<&mut [u8], String> {
-        self.0.push((field, row));
-        self.1 = vec![0; dtype.nbytes(shape).unwrap() as usize];
+impl Sink<TensorAsk<'_>> for Handed {
+    fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
+        self.0.push((ask.field, ask.row));
+        self.1 = vec![0; ask.dtype.nbytes(ask.shape).unwrap() as usize];
         Ok(&mut self.1)
     }
 }

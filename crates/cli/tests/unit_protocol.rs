@@ -330,8 +330,8 @@ fn a_restarted_unit_is_told_apart_from_the_one_that_held_the_blobs() {
     // The same socket path answers, with empty memory: the keys are lost,
     // not merely missing.
     match c.get_rows(&[Key::new(0, "a")], c.deadline()) {
-        Err(Error::LostBlobs { unit: 0, keys, .. }) => assert_eq!(keys, vec![Key::new(0, "a")]),
-        other => panic!("expected LostBlobs, got {:?}", other.map(|_| ())),
+        Err(Error::LostKeys { unit: 0, keys, .. }) => assert_eq!(keys, vec![Key::new(0, "a")]),
+        other => panic!("expected LostKeys, got {:?}", other.map(|_| ())),
     }
     assert!(c.get_rows(&[Key::new(1, "a")], c.deadline()).unwrap()[0] == v);
     // The new instance takes puts.

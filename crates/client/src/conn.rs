@@ -69,6 +69,9 @@ pub(crate) enum ConnError {
     /// The unit kept refusing the connection (Busy, or cut during its
     /// handshake) until the deadline: why, the last time.
     Refusing(String),
+    /// This client refused the unit: it did not prove the shared secret,
+    /// runs as another user, or handed over a slab that cannot be mapped.
+    Distrust(String),
 }
 
 impl From<io::Error> for ConnError {
@@ -128,17 +131,14 @@ fn check_peer_uid(s: &UnixStream, path: &std::path::Path) -> Result<(), ConnErro
     let mine = rustix::process::geteuid();
     let cred = rustix::net::sockopt::socket_peercred(s).map_err(io::Error::from)?;
     if cred.uid != mine {
-        return Err(ConnError::Refused(
-            ErrorCode::Unauthorized,
-            format!(
-                "the process serving {} runs as uid {}, not as this client's uid {}: without a \
+        return Err(ConnError::Distrust(format!(
+            "the process serving {} runs as uid {}, not as this client's uid {}: without a \
                  shared secret a client talks only to units of its own user (give the units' \
                  secret, or use a socket in a private directory)",
-                path.display(),
-                cred.uid.as_raw(),
-                mine.as_raw()
-            ),
-        ));
+            path.display(),
+            cred.uid.as_raw(),
+            mine.as_raw()
+        )));
     }
     Ok(())
 }
@@ -255,8 +255,7 @@ impl Conn {
                     unit_proof,
                 } => {
                     if !secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof) {
-                        return Err(ConnError::Refused(
-                            ErrorCode::Unauthorized,
+                        return Err(ConnError::Distrust(
                             "the unit did not prove the shared secret: its secret is not this client's"
                                 .into(),
                         ));
@@ -312,9 +311,10 @@ impl Conn {
                             // large copies fill their regions' tables (see
                             // `Slab::open`). Filling them all at connect took
                             // 2 s for a 4 GiB slab here, for every client.
-                            Some(Arc::new(Slab::open(fd, slab_bytes).map_err(|e| {
-                                ConnError::Refused(ErrorCode::Unauthorized, e.to_string())
-                            })?))
+                            Some(Arc::new(
+                                Slab::open(fd, slab_bytes)
+                                    .map_err(|e| ConnError::Distrust(e.to_string()))?,
+                            ))
                         }
                         (_, None) => {
                             return Err(ConnError::Protocol("slab fd missing from Hello".into()))
@@ -418,6 +418,13 @@ impl Conn {
             write_all_vectored(&mut self.writer, &mut all)?;
         }
         Ok(id)
+    }
+
+    /// Send a request without payload and receive its reply (its payload,
+    /// if any, is left on the stream for [`Conn::read_payload`]).
+    pub(crate) fn call(&mut self, req: &Request, deadline: Instant) -> Result<Response, ConnError> {
+        let id = self.send(req, &mut [], deadline)?;
+        self.recv(id, deadline)
     }
 
     /// Receive the reply to request `id` (its payload, if any, is left on

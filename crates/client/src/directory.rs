@@ -105,7 +105,8 @@ impl Directory for ProbeDirectory {
                 | Err(ConnError::Timeout)
                 | Err(ConnError::Protocol(_))
                 | Err(ConnError::Refused(..))
-                | Err(ConnError::Refusing(_)) => return Liveness::Unresponsive,
+                | Err(ConnError::Refusing(_))
+                | Err(ConnError::Distrust(_)) => return Liveness::Unresponsive,
             }
         }
     }

@@ -1,6 +1,6 @@
 //! The client's errors, grouped by cause, with retryability in the type.
 
-use stowage_core::{BlobId, Key};
+use stowage_wire::{BlobId, Key};
 
 /// What went wrong with an operation. See [`Error::is_retryable`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -24,11 +24,11 @@ pub enum Error {
         reason: String,
         in_flight: bool,
     },
-    /// The unit is gone (dead, or restarted with empty memory): the blobs
-    /// and keys it held are lost. `named`: the keys as the caller named them
+    /// The unit is gone (dead, or restarted with empty memory): the keys
+    /// (and blobs) it held are lost. `named`: the keys as the caller named them
     /// (`"row@field"`, or `"uid@field"` for string row keys).
     #[error("unit {unit} is gone; lost {} keys and {} blobs", keys.len(), blobs.len())]
-    LostBlobs {
+    LostKeys {
         unit: usize,
         blobs: Vec<BlobId>,
         keys: Vec<Key>,
@@ -68,9 +68,17 @@ pub enum Error {
     /// Malformed input or a request the unit refused as invalid.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
-    /// The unit refused the connection.
+    /// The connection was refused: the unit did not accept this client
+    /// (a wrong or missing shared secret, another user, an admin request
+    /// from a client that may not make it), or this client did not accept
+    /// the unit (it did not prove the secret, it runs as another user).
+    /// Authentication only: see [`Error::NotOwner`].
     #[error("unauthorized: {0}")]
     Unauthorized(String),
+    /// The unit accepted the connection but refused a request on something
+    /// another session holds (a reservation or a pin it took).
+    #[error("not the owner: {0}")]
+    NotOwner(String),
     /// Nothing answered at a unit's address when the client connected (no
     /// process listens there, the host is unreachable, or it did not
     /// answer in time). Its data, if any, is not known to be lost: check

@@ -8,18 +8,26 @@
 //!
 //! The blob API mirrors `UnitSlabStore`:
 //!
-//! * [`Client::put_many`] writes blobs, one per unit per round, all units
-//!   in the same round (a put waits for the slowest unit, not the sum).
-//!   A unit answering Busy is asked again after 0.2 s, doubling to 2 s,
+//! * [`Client::put_many`] writes blobs: each unit's blobs one after
+//!   another, every unit at once (a put waits for the slowest unit, not
+//!   the sum). A unit answering Busy is asked again after 0.2 s, doubling to 2 s,
 //!   inside the deadline. Blob ids ([`BlobId`], chosen by the caller, e.g.
 //!   [`new_blob_id`]) make a retried put idempotent.
 //! * [`Client::get_into`] resolves and reads every unit's keys at once,
 //!   into buffers the caller's [`GetSink`] provides.
-//! * [`Client::release_rows`] clears rows on every unit at once.
+//! * [`Client::clear_placed_rows`] clears rows on every unit at once.
+//!
+//! Each call runs every unit's part as one straight `async` function, all
+//! units at once on the calling thread (`fanout::all_at_once`: each part
+//! lets the others run after every request it sends, and takes its reply
+//! when its turn comes back): a put's part is, per blob, alloc → write →
+//! commit ([`Transport::put`]); a get's, resolve → copy → unpin
+//! ([`Transport::get`]); a control call's, request → reply
+//! ([`Transport::call`]). The parts of a get share its sink.
 //!
 //! Every call takes a deadline. Failures are typed ([`Error`]). When a unit
 //! fails, and only then, the [`Directory`] is asked whether it is dead or
-//! restarted (its blobs are lost: [`Error::LostBlobs`]) or alive (the
+//! restarted (its keys are lost: [`Error::LostKeys`]) or alive (the
 //! failure is retryable: [`Error::TransferFailed`]).
 //!
 //! Convenience over the blob API, placing row `r` on unit `r % N`:
@@ -49,9 +57,11 @@
 mod conn;
 mod directory;
 mod error;
+mod fanout;
 pub mod metrics;
 mod nixl;
 pub mod rows;
+pub mod sink;
 pub mod transport;
 pub mod unit_directory;
 
@@ -63,17 +73,18 @@ pub use conn::UnitAddr;
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
 pub use nixl::{Lent, NixlOptions, RECV_POOL_MAX, ZERO_COPY_MIN};
-pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, TensorSink, View, ViewTensor};
-pub use stowage_core::{BlobId, EntrySpec, Key, Stats};
+pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, View, ViewTensor};
+pub use sink::{GetSink, Sink, TensorAsk, TensorSink, ValueAsk};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
+pub use stowage_wire::{BlobId, EntrySpec, Key, Stats};
 pub use stowage_wire::{CheckpointFile, CheckpointInfo};
-pub use transport::{GetSink, Transport};
+pub use transport::Transport;
 pub use unit_directory::{host_id, TransportChoice, UnitDirectory, UnitEntry};
 
 use conn::Conn;
 use stowage_shm::Slab;
 use stowage_wire::{ErrorCode, Request, Response};
-use transport::{ConnFailure, OpFailure, ShmTransport, TcpTransport};
+use transport::{ConnFailure, LocalFailure, OpFailure, SharedSink, ShmTransport, TcpTransport};
 
 /// The partition of the raw-bytes conveniences ([`Client::put_rows`] and
 /// friends).
@@ -229,43 +240,35 @@ struct Counting<'a> {
     bytes: u64,
 }
 
-impl GetSink for Counting<'_> {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
-        self.bytes += len;
-        self.inner.slot(index, len, meta)
+impl Sink<ValueAsk<'_>> for Counting<'_> {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        self.bytes += ask.len;
+        self.inner.slot(ask)
     }
 
     fn slots(
         &mut self,
-        asks: &[(usize, u64, &[u8])],
+        asks: &[ValueAsk<'_>],
     ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
         let r = self.inner.slots(asks);
         if matches!(r, Some(Ok(_))) {
-            self.bytes += asks.iter().map(|a| a.1).sum::<u64>();
+            self.bytes += asks.iter().map(|a| a.len).sum::<u64>();
         }
         r
     }
 
-    fn accept_lent(
-        &mut self,
-        asks: &[(usize, u64, &[u8])],
-    ) -> Option<std::result::Result<(), String>> {
+    fn accept_lent(&mut self, asks: &[ValueAsk<'_>]) -> Option<std::result::Result<(), String>> {
         self.inner.accept_lent(asks)
     }
 
     fn lent(
         &mut self,
-        asks: &[(usize, u64, &[u8])],
+        asks: &[ValueAsk<'_>],
         buf: Lent,
         spans: &[std::ops::Range<usize>],
     ) -> std::result::Result<(), String> {
         self.inner.lent(asks, buf, spans)?;
-        self.bytes += asks.iter().map(|a| a.1).sum::<u64>();
+        self.bytes += asks.iter().map(|a| a.len).sum::<u64>();
         Ok(())
     }
 }
@@ -299,27 +302,19 @@ fn zeroed(len: u64) -> std::result::Result<Vec<u8>, String> {
 /// A sink that collects values into [`Value`]s, taking lent memory.
 struct ValueSink(Vec<Option<Value>>);
 
-impl GetSink for ValueSink {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        _meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
-        let fresh = zeroed(len)?;
-        let v = self.0.get_mut(index).ok_or("key index out of range")?;
+impl Sink<ValueAsk<'_>> for ValueSink {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let fresh = zeroed(ask.len)?;
+        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
         match v.insert(Value::Owned(fresh)) {
             Value::Owned(v) => Ok(v.as_mut_slice()),
             Value::Lent(..) => Err("a lent value".into()),
         }
     }
 
-    fn accept_lent(
-        &mut self,
-        asks: &[(usize, u64, &[u8])],
-    ) -> Option<std::result::Result<(), String>> {
+    fn accept_lent(&mut self, asks: &[ValueAsk<'_>]) -> Option<std::result::Result<(), String>> {
         let n = self.0.len();
-        Some(match asks.iter().find(|a| a.0 >= n) {
+        Some(match asks.iter().find(|a| a.index >= n) {
             Some(_) => Err("key index out of range".into()),
             None => Ok(()),
         })
@@ -327,13 +322,13 @@ impl GetSink for ValueSink {
 
     fn lent(
         &mut self,
-        asks: &[(usize, u64, &[u8])],
+        asks: &[ValueAsk<'_>],
         buf: Lent,
         spans: &[std::ops::Range<usize>],
     ) -> std::result::Result<(), String> {
         let buf = Arc::new(buf);
         for (a, span) in asks.iter().zip(spans) {
-            let v = self.0.get_mut(a.0).ok_or("key index out of range")?;
+            let v = self.0.get_mut(a.index).ok_or("key index out of range")?;
             *v = Some(Value::Lent(buf.clone(), span.clone()));
         }
         Ok(())
@@ -343,15 +338,10 @@ impl GetSink for ValueSink {
 /// A sink that collects values into fresh vectors.
 struct VecSink(Vec<Option<Vec<u8>>>);
 
-impl GetSink for VecSink {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        _meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
-        let fresh = zeroed(len)?;
-        let v = self.0.get_mut(index).ok_or("key index out of range")?;
+impl Sink<ValueAsk<'_>> for VecSink {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let fresh = zeroed(ask.len)?;
+        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
         Ok(v.insert(fresh).as_mut_slice())
     }
 }
@@ -373,13 +363,9 @@ impl<'a, 'b> SliceSink<'a, 'b> {
     }
 }
 
-impl GetSink for SliceSink<'_, '_> {
-    fn slot(
-        &mut self,
-        index: usize,
-        len: u64,
-        _meta: &[u8],
-    ) -> std::result::Result<&mut [u8], String> {
+impl Sink<ValueAsk<'_>> for SliceSink<'_, '_> {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let ValueAsk { index, len, .. } = ask;
         let buf = self.bufs.get_mut(index).ok_or("key index out of range")?;
         let n = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
         if n > buf.len() {
@@ -469,6 +455,7 @@ impl Client {
                     reason: error.to_string(),
                 },
                 OpFailure::Unit { code, message } => unit_error(u, code, message, vec![]),
+                OpFailure::Local(l) => local_error(u, l, vec![]),
                 OpFailure::Corrupt { .. } => {
                     Error::Io(format!("unit {u}: unexpected reply at connect"))
                 }
@@ -618,21 +605,17 @@ impl Client {
             agent,
             agent_metadata,
         };
-        let id = conn
-            .send(&ask, &mut [], deadline)
-            .map_err(|e| OpFailure::conn(e, false))?;
         match conn
-            .recv(id, deadline)
+            .call(&ask, deadline)
             .map_err(|e| OpFailure::conn(e, false))?
         {
             stowage_wire::Response::NixlInfo {
                 metadata,
                 slab_addr,
             } => {
-                let mover = n.mover(&metadata, slab_addr).map_err(|e| OpFailure::Unit {
-                    code: ErrorCode::InvalidRequest,
-                    message: format!("nixl: {e}"),
-                })?;
+                let mover = n
+                    .mover(&metadata, slab_addr)
+                    .map_err(|e| OpFailure::invalid(format!("nixl: {e}")))?;
                 Ok(Box::new(transport::OneSided::with_mover(
                     conn,
                     mover,
@@ -740,6 +723,7 @@ impl Client {
             OpFailure::Unit { code, message } => {
                 Outcome::Failed(unit_error(unit, code, message, blobs))
             }
+            OpFailure::Local(l) => Outcome::Failed(local_error(unit, l, blobs)),
             OpFailure::Corrupt { positions } => {
                 let keys: Vec<Key> = positions
                     .iter()
@@ -789,7 +773,7 @@ impl Client {
                             i.lost = None;
                         }
                         *lock(&self.units[unit].session) = None;
-                        Outcome::Failed(Error::LostBlobs {
+                        Outcome::Failed(Error::LostKeys {
                             unit,
                             blobs,
                             named: error::names(&keys),
@@ -811,9 +795,9 @@ impl Client {
         }
     }
 
-    /// Write blobs: the first blob of every unit goes out in one round over
-    /// all units, then the next, and so on. Returns once every blob is
-    /// committed, or with the first unit's error (blobs committed on other
+    /// Write blobs: each unit's blobs one after another, every unit at
+    /// once. Returns once every blob is committed, or with the first
+    /// unit's error (in unit order) (blobs committed on other
     /// units stay committed; retrying with the same ids is idempotent).
     pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
         self.timed(metrics::ClientOp::Put, |timer| {
@@ -834,8 +818,8 @@ impl Client {
         deadline: Instant,
         timer: &metrics::OpTimer,
     ) -> Result<()> {
-        let mut queues: BTreeMap<usize, std::collections::VecDeque<usize>> = BTreeMap::new();
-        for (i, b) in blobs.iter().enumerate() {
+        let mut queues: BTreeMap<usize, Vec<&BlobPut<'_>>> = BTreeMap::new();
+        for b in blobs {
             if b.unit >= self.units.len() {
                 return Err(Error::InvalidRequest(format!(
                     "unit {} does not exist ({} units)",
@@ -843,141 +827,103 @@ impl Client {
                     self.units.len()
                 )));
             }
-            queues.entry(b.unit).or_default().push_back(i);
+            queues.entry(b.unit).or_default().push(b);
         }
-        let mut backoff: HashMap<usize, (Duration, Instant)> = HashMap::new();
-        let mut first_error: Option<Error> = None;
         let wait_until = self
             .cfg
             .wait_for_memory
             .map(|w| (Instant::now() + w).min(deadline));
-        while !queues.is_empty() {
-            let now = Instant::now();
-            let round: Vec<(usize, usize)> = queues
+        let results = fanout::all_at_once(
+            queues
                 .iter()
-                .filter(|(u, _)| backoff.get(u).is_none_or(|(_, at)| *at <= now))
-                .filter_map(|(u, q)| q.front().map(|&i| (*u, i)))
-                .collect();
-            if round.is_empty() {
-                // Everyone left is backing off: sleep until the first is due.
-                let next = backoff.values().map(|(_, at)| *at).min().unwrap_or(now);
-                if next >= deadline {
-                    return Err(first_error.unwrap_or(Error::Timeout {
-                        unit: backoff.keys().next().copied(),
-                        what: "the unit kept answering Busy".into(),
-                    }));
-                }
-                std::thread::sleep(next.saturating_duration_since(now));
-                continue;
-            }
-            for (unit, result) in self.put_round(blobs, &round, deadline, timer) {
+                .map(|(&unit, queue)| self.put_unit(unit, queue, deadline, wait_until, timer)),
+        );
+        // The first unit's error (in unit order); what other units
+        // committed stays committed.
+        results.into_iter().collect::<Result<Vec<()>>>().map(drop)
+    }
+
+    /// One unit's part of a put: its blobs one after another, each
+    /// written and committed ([`Transport::put`]). A unit that answers
+    /// Busy (or, with [`ClientConfig::wait_for_memory`], Full) is asked
+    /// again after [`BUSY_RETRY`], doubling to [`BUSY_RETRY_MAX`], within
+    /// the deadline.
+    async fn put_unit(
+        &self,
+        unit: usize,
+        queue: &[&BlobPut<'_>],
+        deadline: Instant,
+        wait_until: Option<Instant>,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        let mut backoff: Option<Duration> = None;
+        for &put in queue {
+            loop {
                 // A full unit is waited on like a busy one, when asked to.
-                let mut full = false;
-                let result = match result {
-                    Some(Outcome::Failed(Error::UnitFull { .. }))
+                let (full, outcome) = match self.put_one(unit, put, deadline).await {
+                    Ok(()) => {
+                        timer.unit_done(&self.metrics, unit);
+                        backoff = None;
+                        break;
+                    }
+                    Err(Outcome::Failed(Error::UnitFull { .. }))
                         if wait_until.is_some_and(|w| Instant::now() < w) =>
                     {
-                        full = true;
-                        Some(Outcome::Busy)
+                        (true, Outcome::Busy)
                     }
-                    r => r,
+                    Err(o) => (false, o),
                 };
-                match result {
-                    None => {
-                        backoff.remove(&unit);
-                        if let Some(q) = queues.get_mut(&unit) {
-                            q.pop_front();
-                            if q.is_empty() {
-                                queues.remove(&unit);
-                            }
-                        }
-                    }
-                    Some(Outcome::Busy) => {
+                match outcome {
+                    Outcome::Busy => {
                         let step = backoff
-                            .get(&unit)
-                            .map(|(d, _)| (*d * 2).min(BUSY_RETRY_MAX))
+                            .map(|d| (d * 2).min(BUSY_RETRY_MAX))
                             .unwrap_or(BUSY_RETRY);
                         let at = Instant::now() + step;
                         if at >= deadline {
-                            queues.remove(&unit);
-                            first_error.get_or_insert(Error::Timeout {
+                            return Err(Error::Timeout {
                                 unit: Some(unit),
                                 what: "the unit kept answering Busy".into(),
                             });
-                        } else {
-                            self.metrics.retry(full, step);
-                            backoff.insert(unit, (step, at));
                         }
+                        self.metrics.retry(full, step);
+                        backoff = Some(step);
+                        fanout::pause_until(at).await;
                     }
-                    Some(Outcome::Failed(e)) => {
-                        queues.remove(&unit);
-                        first_error.get_or_insert(e);
-                    }
+                    Outcome::Failed(e) => return Err(e),
                 }
             }
         }
-        match first_error {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        Ok(())
     }
 
-    /// One round: `round` lists (unit, blob index), one per unit.
-    fn put_round(
+    /// Write one blob on a pooled connection to its unit.
+    async fn put_one(
         &self,
-        blobs: &[BlobPut<'_>],
-        round: &[(usize, usize)],
+        unit: usize,
+        put: &BlobPut<'_>,
         deadline: Instant,
-        timer: &metrics::OpTimer,
-    ) -> Vec<(usize, Option<Outcome>)> {
-        let mut results = Vec::with_capacity(round.len());
-        let mut active: Vec<(usize, usize, Box<dyn Transport>)> = Vec::with_capacity(round.len());
-        for &(unit, i) in round {
-            let started = self
-                .checkout(unit, deadline)
-                .and_then(|mut t| t.start_put(&blobs[i], deadline).map(|()| t));
-            match started {
-                Ok(t) => active.push((unit, i, t)),
-                Err(f) => {
-                    let keys = blobs[i].entries.iter().map(|e| e.key.clone()).collect();
-                    results.push((
-                        unit,
-                        Some(self.classify(unit, f, vec![blobs[i].blob], keys, deadline)),
-                    ))
+    ) -> std::result::Result<(), Outcome> {
+        let failed = |f: OpFailure| {
+            let keys = put.entries.iter().map(|e| e.key.clone()).collect();
+            self.classify(unit, f, vec![put.blob], keys, deadline)
+        };
+        let mut t = self.checkout(unit, deadline).map_err(failed)?;
+        match t.put(put, deadline).await {
+            Ok(()) => {
+                self.checkin(unit, t);
+                Ok(())
+            }
+            Err(f) => {
+                if f.keeps_connection() {
+                    self.checkin(unit, t);
                 }
+                Err(failed(f))
             }
         }
-        while !active.is_empty() {
-            let mut still = Vec::with_capacity(active.len());
-            for (unit, i, mut t) in active {
-                match t.advance_put(&blobs[i], deadline) {
-                    Ok(true) => {
-                        self.checkin(unit, t);
-                        timer.unit_done(&self.metrics, unit);
-                        results.push((unit, None));
-                    }
-                    Ok(false) => still.push((unit, i, t)),
-                    Err(f) => {
-                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
-                        {
-                            self.checkin(unit, t);
-                        }
-                        let blob = blobs[i].blob;
-                        let keys = blobs[i].entries.iter().map(|e| e.key.clone()).collect();
-                        results.push((
-                            unit,
-                            Some(self.classify(unit, f, vec![blob], keys, deadline)),
-                        ));
-                    }
-                }
-            }
-            active = still;
-        }
-        results
     }
 
     /// Read `keys` (each with its unit): one resolve and one read per unit,
-    /// all units at once. Every value is handed to `sink` under its index
+    /// every unit at once. Every value is handed to `sink` under its index
     /// in `keys`. Keys that are not stored fail the call with
     /// [`Error::NotFound`] naming each of them.
     pub fn get_into(
@@ -1015,56 +961,13 @@ impl Client {
             e.0.push(key.clone());
             e.1.push(i);
         }
-        let mut errors: Vec<Error> = Vec::new();
+        let sink: SharedSink<'_> = std::cell::RefCell::new(sink);
+        let results = fanout::all_at_once(by_unit.iter().map(|(&unit, (ks, idx))| {
+            self.get_unit(partition, unit, ks, idx, &sink, deadline, timer)
+        }));
         let mut missing: Vec<Key> = Vec::new();
-        let mut active = Vec::with_capacity(by_unit.len());
-        for (&unit, (ks, _)) in &by_unit {
-            match self
-                .checkout(unit, deadline)
-                .and_then(|mut t| t.start_get(partition, ks, deadline).map(|()| t))
-            {
-                Ok(t) => active.push((unit, t)),
-                Err(f) => errors.push(self.failed_get(unit, f, ks, deadline)),
-            }
-        }
-        // In rounds: a transport whose transfer is under way (a nixl READ)
-        // answers `None` and is asked again after the other units had
-        // their turn, so that every unit's bytes move at once.
-        while !active.is_empty() {
-            let mut still = Vec::with_capacity(active.len());
-            for (unit, mut t) in active {
-                let (ks, idx) = &by_unit[&unit];
-                match t.advance_get(ks, idx, sink, deadline) {
-                    Ok(Some(miss)) => {
-                        timer.unit_done(&self.metrics, unit);
-                        let restarted = !miss.is_empty() && self.take_restart(unit);
-                        self.checkin(unit, t);
-                        let miss: Vec<Key> = miss.into_iter().map(|i| ks[i].clone()).collect();
-                        if restarted && !miss.is_empty() {
-                            errors.push(Error::LostBlobs {
-                                unit,
-                                blobs: vec![],
-                                named: error::names(&miss),
-                                keys: miss,
-                            });
-                        } else {
-                            missing.extend(miss);
-                        }
-                    }
-                    Ok(None) => still.push((unit, t)),
-                    Err(f) => {
-                        if matches!(f, OpFailure::Unit { code, .. } if code != ErrorCode::InvalidRequest)
-                        {
-                            self.checkin(unit, t);
-                        }
-                        errors.push(self.failed_get(unit, f, ks, deadline));
-                    }
-                }
-            }
-            active = still;
-        }
-        if let Some(e) = errors.into_iter().next() {
-            return Err(e);
+        for r in results {
+            missing.extend(r?);
         }
         if !missing.is_empty() {
             return Err(Error::NotFound {
@@ -1073,6 +976,47 @@ impl Client {
             });
         }
         Ok(())
+    }
+
+    /// One unit's part of a get ([`Transport::get`]): the keys it does
+    /// not have.
+    #[allow(clippy::too_many_arguments)]
+    async fn get_unit(
+        &self,
+        partition: &str,
+        unit: usize,
+        keys: &[Key],
+        index_of: &[usize],
+        sink: &SharedSink<'_>,
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<Vec<Key>> {
+        let mut t = self
+            .checkout(unit, deadline)
+            .map_err(|f| self.failed_get(unit, f, keys, deadline))?;
+        match t.get(partition, keys, index_of, sink, deadline).await {
+            Ok(miss) => {
+                timer.unit_done(&self.metrics, unit);
+                let restarted = !miss.is_empty() && self.take_restart(unit);
+                self.checkin(unit, t);
+                let miss: Vec<Key> = miss.into_iter().map(|i| keys[i].clone()).collect();
+                if restarted {
+                    return Err(Error::LostKeys {
+                        unit,
+                        blobs: vec![],
+                        named: error::names(&miss),
+                        keys: miss,
+                    });
+                }
+                Ok(miss)
+            }
+            Err(f) => {
+                if f.keeps_connection() {
+                    self.checkin(unit, t);
+                }
+                Err(self.failed_get(unit, f, keys, deadline))
+            }
+        }
     }
 
     fn failed_get(&self, unit: usize, f: OpFailure, keys: &[Key], deadline: Instant) -> Error {
@@ -1118,22 +1062,22 @@ impl Client {
             .collect())
     }
 
-    /// Clear whole rows (each with its unit): one awaited release_rows per
+    /// Clear whole rows (each with its unit): one awaited ClearRows per
     /// unit, all units at once. Rows on a dead unit are already gone, so
     /// clearing them succeeds; a live unit that does not answer fails the
     /// call (retryable). Returns the number of entries removed.
-    pub fn release_rows(
+    pub fn clear_placed_rows(
         &self,
         partition: &str,
         rows: &[(usize, u64)],
         deadline: Instant,
     ) -> Result<u64> {
         self.timed(metrics::ClientOp::Clear, |_| {
-            self.release_rows_of_units(partition, rows, deadline)
+            self.clear_rows_of_units(partition, rows, deadline)
         })
     }
 
-    fn release_rows_of_units(
+    fn clear_rows_of_units(
         &self,
         partition: &str,
         rows: &[(usize, u64)],
@@ -1173,7 +1117,7 @@ impl Client {
                         in_flight: false,
                     })
                 }
-                Err(Error::LostBlobs { .. }) => {} // a dead unit's rows are gone already
+                Err(Error::LostKeys { .. }) => {} // a dead unit's rows are gone already
                 Err(e) => return Err(e),
             }
         }
@@ -1255,7 +1199,7 @@ impl Client {
             out[unit] = match r {
                 Ok(Response::ShutDown { problems }) => problems,
                 Ok(other) => vec![format!("unexpected reply {other:?}")],
-                Err(Error::LostBlobs { .. }) => Vec::new(),
+                Err(Error::LostKeys { .. }) => Vec::new(),
                 Err(e) => vec![e.to_string()],
             };
             self.forget_instance(unit, None);
@@ -1263,41 +1207,40 @@ impl Client {
         out
     }
 
-    /// Send one control request per unit, all before any reply is read.
+    /// Send one control request per unit and await its reply, all units
+    /// at once. The replies in unit order (as `reqs`).
     fn call_units(
         &self,
         reqs: Vec<(usize, Request)>,
         deadline: Instant,
     ) -> Vec<(usize, Result<Response>)> {
-        let mut out = Vec::with_capacity(reqs.len());
-        let mut active = Vec::with_capacity(reqs.len());
-        for (unit, req) in reqs {
-            match self
-                .checkout(unit, deadline)
-                .and_then(|mut t| t.start_call(&req, deadline).map(|()| t))
-            {
-                Ok(t) => active.push((unit, t)),
-                Err(f) => out.push((unit, Err(self.failed_get(unit, f, &[], deadline)))),
-            }
-        }
-        for (unit, mut t) in active {
-            match t.finish_call(deadline) {
-                Ok(Response::Error { code, message }) => {
-                    self.checkin(unit, t);
-                    out.push((unit, Err(unit_error(unit, code, message, vec![]))));
-                }
-                Ok(r) => {
-                    self.checkin(unit, t);
-                    out.push((unit, Ok(r)));
-                }
-                Err(f) => out.push((unit, Err(self.failed_get(unit, f, &[], deadline)))),
-            }
-        }
-        out
+        let results = fanout::all_at_once(
+            reqs.iter()
+                .map(|(unit, req)| self.call_unit(*unit, req, deadline)),
+        );
+        reqs.iter().map(|(unit, _)| *unit).zip(results).collect()
     }
 
-    /// Put raw values by key in the default partition, one blob per unit (row `r` on unit `r % N`), all
-    /// units in one round.
+    /// One unit's part of a control call.
+    async fn call_unit(&self, unit: usize, req: &Request, deadline: Instant) -> Result<Response> {
+        let mut t = self
+            .checkout(unit, deadline)
+            .map_err(|f| self.failed_get(unit, f, &[], deadline))?;
+        match t.call(req, deadline).await {
+            Ok(Response::Error { code, message }) => {
+                self.checkin(unit, t);
+                Err(unit_error(unit, code, message, vec![]))
+            }
+            Ok(r) => {
+                self.checkin(unit, t);
+                Ok(r)
+            }
+            Err(f) => Err(self.failed_get(unit, f, &[], deadline)),
+        }
+    }
+
+    /// Put raw values by key in the default partition, one blob per unit
+    /// (row `r` on unit `r % N`), all units at once.
     pub fn put_rows(&self, values: &[(Key, &[u8])], deadline: Instant) -> Result<()> {
         let mut by_unit: BTreeMap<usize, BlobPut<'_>> = BTreeMap::new();
         let mut sizes: HashMap<usize, u64> = HashMap::new();
@@ -1337,7 +1280,7 @@ impl Client {
     /// Clear rows of the default partition (row `r` on unit `r % N`).
     pub fn clear_rows(&self, rows: &[u64], deadline: Instant) -> Result<u64> {
         let placed: Vec<(usize, u64)> = rows.iter().map(|&r| (self.unit_of_row(r), r)).collect();
-        self.release_rows(DEFAULT_PARTITION, &placed, deadline)
+        self.clear_placed_rows(DEFAULT_PARTITION, &placed, deadline)
     }
 }
 
@@ -1346,10 +1289,25 @@ fn unit_error(unit: usize, code: ErrorCode, message: String, blobs: Vec<BlobId>)
         ErrorCode::Full => Error::UnitFull { unit, message },
         ErrorCode::InvalidRequest | ErrorCode::VersionMismatch => Error::InvalidRequest(message),
         ErrorCode::Unauthorized => Error::Unauthorized(message),
+        ErrorCode::NotOwner => Error::NotOwner(message),
         ErrorCode::Busy | ErrorCode::UnknownBlob | ErrorCode::Internal => Error::TransferFailed {
             unit,
             blobs,
             reason: message,
+            in_flight: false,
+        },
+    }
+}
+
+/// The error of a failure on this client's own side.
+fn local_error(unit: usize, l: LocalFailure, blobs: Vec<BlobId>) -> Error {
+    match l {
+        LocalFailure::Invalid(message) => Error::InvalidRequest(message),
+        LocalFailure::Distrust(message) => Error::Unauthorized(message),
+        LocalFailure::Busy(reason) => Error::TransferFailed {
+            unit,
+            blobs,
+            reason,
             in_flight: false,
         },
     }

@@ -5,7 +5,6 @@
 //! [`crate::Client::metrics`] or registered into a `prometheus-client`
 //! registry with [`crate::Client::register_metrics`].
 
-use std::cell::Cell;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, LazyLock};
@@ -118,30 +117,35 @@ static CLOCK: LazyLock<quanta::Clock> = LazyLock::new(quanta::Clock::new);
 /// One operation's timer: two clock reads for an operation on one unit,
 /// one at the start and one at the unit's answer, which is also the
 /// operation's end (an operation's latency runs from the call to the last
-/// unit's answer, or to its failure if no unit answered).
+/// unit's answer, or to its failure if no unit answered). Shared by the
+/// workers of an operation's units.
 pub(crate) struct OpTimer {
     start: u64,
-    last: Cell<Option<u64>>,
+    /// The latest unit answer's clock reading (0: none yet).
+    last: AtomicU64,
 }
 
 impl OpTimer {
     pub(crate) fn start() -> Self {
         Self {
             start: CLOCK.raw(),
-            last: Cell::new(None),
+            last: AtomicU64::new(0),
         }
     }
 
     /// Unit `unit` answered: its latency, from the operation's start.
     pub(crate) fn unit_done(&self, m: &ClientMetrics, unit: usize) {
         let now = CLOCK.raw();
-        self.last.set(Some(now));
+        self.last.fetch_max(now, Relaxed);
         m.unit_latency(unit, CLOCK.delta(self.start, now));
     }
 
     /// The operation's latency.
     pub(crate) fn took(&self) -> Duration {
-        let end = self.last.get().unwrap_or_else(|| CLOCK.raw());
+        let end = match self.last.load(Relaxed) {
+            0 => CLOCK.raw(),
+            last => last,
+        };
         CLOCK.delta(self.start, end)
     }
 }

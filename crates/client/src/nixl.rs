@@ -22,7 +22,7 @@ use std::time::Instant;
 use stowage_nixl::{Agent, NixlError, Op, Range, Staging, Transfer, WaitError};
 
 use crate::conn::ConnError;
-use crate::transport::{Mover, OpFailure, Settle};
+use crate::transport::{LocalFailure, Mover, OpFailure, Settle};
 
 /// The smallest staging buffer a connection registers.
 const STAGING_MIN: usize = 1 << 20;
@@ -353,13 +353,55 @@ impl NixlMover {
             let s = Staging::new(&self.agent, size).map_err(|e| failure("staging", e, false))?;
             self.staging = Some(Arc::new(s));
         }
-        self.staging
-            .as_mut()
-            .and_then(Arc::get_mut)
-            .ok_or_else(|| OpFailure::Unit {
-                code: stowage_wire::ErrorCode::Internal,
-                message: "the staging buffer is still in use".into(),
-            })
+        self.staging.as_mut().and_then(Arc::get_mut).ok_or_else(|| {
+            OpFailure::Local(LocalFailure::Busy(
+                "the staging buffer is still in use".into(),
+            ))
+        })
+    }
+
+    /// Post one READ of `ranges` (see [`Mover::start_fetch`]): `Ok(true)`
+    /// when it is still under way (in `self.reading`), `Ok(false)` when it
+    /// is done (or there was nothing to do).
+    fn post_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
+        self.fetched.clear();
+        self.lending = None;
+        if lend {
+            return self.start_lent_fetch(ranges);
+        }
+        let mut xfer = Vec::with_capacity(ranges.len());
+        let mut at = 0usize;
+        for &(offset, len) in ranges {
+            if len == 0 || self.fetched.contains_key(&offset) {
+                continue;
+            }
+            let len =
+                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
+            self.fetched.insert(offset, at);
+            xfer.push(Range {
+                local: at,
+                remote: self.slab_addr + offset,
+                len,
+            });
+            at += len;
+        }
+        if xfer.is_empty() {
+            return Ok(false);
+        }
+        self.staging(at)?;
+        let Some(staging) = &self.staging else {
+            return Ok(false);
+        };
+        let t = self
+            .agent
+            .post(Op::Read, staging, &xfer, &self.peer)
+            .map_err(|e| failure("READ", e, false))?;
+        if t.ended() && !self.failpoints.read_in_flight {
+            // Done within the post (a cma copy).
+            return Ok(false);
+        }
+        self.reading = Some(t);
+        Ok(true)
     }
 
     /// Start one READ of every range into a buffer of the receive pool,
@@ -370,10 +412,8 @@ impl NixlMover {
         let mut xfer = Vec::with_capacity(ranges.len());
         let mut at = 0usize;
         for &(offset, len) in ranges {
-            let len = usize::try_from(len).map_err(|_| OpFailure::Unit {
-                code: stowage_wire::ErrorCode::InvalidRequest,
-                message: "value larger than memory".into(),
-            })?;
+            let len =
+                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
             at = at.next_multiple_of(LENT_ALIGN);
             spans.push(at..at + len);
             if len > 0 {
@@ -519,63 +559,8 @@ impl Mover for NixlMover {
         self.finish(Op::Write, t, deadline)
     }
 
-    fn fetch(&mut self, ranges: &[(u64, u64)], deadline: Instant) -> Result<(), OpFailure> {
-        if self.start_fetch(ranges, false, deadline)? {
-            self.finish_fetch(deadline)?;
-        }
-        Ok(())
-    }
-
-    fn lends(&self) -> bool {
-        true
-    }
-
-    fn start_fetch(
-        &mut self,
-        ranges: &[(u64, u64)],
-        lend: bool,
-        _deadline: Instant,
-    ) -> Result<bool, OpFailure> {
-        self.fetched.clear();
-        self.lending = None;
-        if lend {
-            return self.start_lent_fetch(ranges);
-        }
-        let mut xfer = Vec::with_capacity(ranges.len());
-        let mut at = 0usize;
-        for &(offset, len) in ranges {
-            if len == 0 || self.fetched.contains_key(&offset) {
-                continue;
-            }
-            let len = usize::try_from(len).map_err(|_| OpFailure::Unit {
-                code: stowage_wire::ErrorCode::InvalidRequest,
-                message: "value larger than memory".into(),
-            })?;
-            self.fetched.insert(offset, at);
-            xfer.push(Range {
-                local: at,
-                remote: self.slab_addr + offset,
-                len,
-            });
-            at += len;
-        }
-        if xfer.is_empty() {
-            return Ok(false);
-        }
-        self.staging(at)?;
-        let Some(staging) = &self.staging else {
-            return Ok(false);
-        };
-        let t = self
-            .agent
-            .post(Op::Read, staging, &xfer, &self.peer)
-            .map_err(|e| failure("READ", e, false))?;
-        if t.ended() && !self.failpoints.read_in_flight {
-            // Done within the post (a cma copy).
-            return Ok(false);
-        }
-        self.reading = Some(t);
-        Ok(true)
+    fn start_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
+        self.post_fetch(ranges, lend)
     }
 
     fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
@@ -583,6 +568,10 @@ impl Mover for NixlMover {
             Some(t) => self.finish(Op::Read, t, deadline),
             None => Ok(()),
         }
+    }
+
+    fn lends(&self) -> bool {
+        true
     }
 
     fn take_lent(&mut self) -> Option<(Lent, Vec<Span<usize>>)> {

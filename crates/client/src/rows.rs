@@ -16,7 +16,7 @@
 //! * Each value's dtype and shape travel as the entry's metadata; its bytes
 //!   start on a 64-byte boundary of the blob, so a zero-copy view of any
 //!   dtype is aligned.
-//! * One put sends one blob per unit, all units in one round; writing a
+//! * One put sends one blob per unit, all units at once; writing a
 //!   (key, field) again replaces it atomically (the unit swaps the index
 //!   entry at commit; readers that pinned the old value keep it).
 //!
@@ -53,11 +53,12 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use serde::{Deserialize, Serialize};
-use stowage_core::{EntrySpec, Key};
 use stowage_shm::Slab;
+use stowage_wire::{EntrySpec, Key};
 use stowage_wire::{Request, Response};
 
-use crate::transport::{GetSink, OpFailure};
+use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
+use crate::transport::OpFailure;
 use crate::{lock, new_blob_id, BlobPut, Client, Error, Outcome, Result};
 
 /// The reserved field that holds a string row key's text.
@@ -237,57 +238,8 @@ pub enum Column<'a> {
     Dense(Tensor<'a>),
 }
 
-/// Where a tensor get puts each value: asked with the value's dtype and
-/// shape, returns the buffer of exactly its bytes.
-pub trait TensorSink {
-    /// `field` and `row` index the call's field and key lists.
-    fn slot(
-        &mut self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> std::result::Result<&mut [u8], String>;
-
-    /// The buffers of many values at once, in the order of `asks`
-    /// (`(field, row, dtype, shape)` as for [`TensorSink::slot`], each
-    /// value at most once), so that they can be filled together on several
-    /// threads. `None` (the default): one at a time through `slot`.
-    #[allow(clippy::type_complexity)]
-    fn slots(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
-        let _ = asks;
-        None
-    }
-
-    /// Zero-copy gets: whether the sink takes the values of `asks` in
-    /// memory the transport lends it (see [`GetSink::accept_lent`]).
-    /// `None` (the default): it wants buffers of its own.
-    fn accept_lent(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Option<std::result::Result<(), String>> {
-        let _ = asks;
-        None
-    }
-
-    /// The values `accept_lent` took: value `i` of `asks` is
-    /// `buf[spans[i]]` (see [`GetSink::lent`]).
-    fn lent(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-        buf: crate::Lent,
-        spans: &[std::ops::Range<usize>],
-    ) -> std::result::Result<(), String> {
-        let _ = (asks, buf, spans);
-        Err("this sink takes no lent memory".into())
-    }
-}
-
 /// What the unit keeps beside each value. For a value of a string-keyed
-/// row an [`Owner`] follows it in the same metadata bytes (index rows'
+/// row a [`PutName`] follows it in the same metadata bytes (index rows'
 /// metadata is this alone, as it was before owners were recorded).
 #[derive(Serialize, Deserialize)]
 struct ValueMeta {
@@ -297,18 +249,18 @@ struct ValueMeta {
 
 /// The name a value of a string-keyed row was put under.
 #[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
-enum Owner<'a> {
+enum PutName<'a> {
     Name(&'a str),
     /// A name longer than [`MAX_TAGGED_NAME`], by its digest.
     Digest(u128),
 }
 
-impl Owner<'_> {
-    fn of(name: &str) -> Owner<'_> {
+impl PutName<'_> {
+    fn of(name: &str) -> PutName<'_> {
         if name.len() <= MAX_TAGGED_NAME {
-            Owner::Name(name)
+            PutName::Name(name)
         } else {
-            Owner::Digest(digest(name))
+            PutName::Digest(digest(name))
         }
     }
 }
@@ -327,19 +279,19 @@ enum Ownership {
     Other(Option<String>),
 }
 
-fn ownership(key: &RowKey, owner: Option<Owner>) -> Ownership {
+fn ownership(key: &RowKey, owner: Option<PutName>) -> Ownership {
     // Index rows and string rows never share ids (NAME_BIT).
     let RowKey::Name(name) = key else {
         return Ownership::Mine;
     };
     match owner {
         None => Ownership::Unknown,
-        Some(Owner::Name(n)) if n == *name => Ownership::Mine,
-        Some(Owner::Name(n)) => Ownership::Other(Some(n.to_owned())),
-        Some(Owner::Digest(d)) if name.len() > MAX_TAGGED_NAME && d == digest(name) => {
+        Some(PutName::Name(n)) if n == *name => Ownership::Mine,
+        Some(PutName::Name(n)) => Ownership::Other(Some(n.to_owned())),
+        Some(PutName::Digest(d)) if name.len() > MAX_TAGGED_NAME && d == digest(name) => {
             Ownership::Mine
         }
-        Some(Owner::Digest(_)) => Ownership::Other(None),
+        Some(PutName::Digest(_)) => Ownership::Other(None),
     }
 }
 
@@ -368,14 +320,14 @@ fn byte_len(dtype: DType, shape: &[u64]) -> Result<u64> {
         .ok_or_else(|| Error::InvalidRequest(format!("shape {shape:?} overflows")))
 }
 
-fn decode_meta(meta: &[u8]) -> std::result::Result<(ValueMeta, Option<Owner<'_>>), String> {
+fn decode_meta(meta: &[u8]) -> std::result::Result<(ValueMeta, Option<PutName<'_>>), String> {
     let bad =
         |e: postcard::Error| format!("value metadata unreadable ({e}): not put by the rows API?");
     let (m, rest) = postcard::take_from_bytes::<ValueMeta>(meta).map_err(bad)?;
     if rest.is_empty() {
         return Ok((m, None));
     }
-    let (owner, rest) = postcard::take_from_bytes::<Owner>(rest).map_err(bad)?;
+    let (owner, rest) = postcard::take_from_bytes::<PutName>(rest).map_err(bad)?;
     if !rest.is_empty() {
         return Err("value metadata has trailing bytes: not put by the rows API?".into());
     }
@@ -432,7 +384,7 @@ pub struct View {
     /// that pinned something. The view keeps that connection open for as
     /// long as it lives: the unit releases a connection's pins only when
     /// the connection ends, and nothing else can end it.
-    pins: Vec<(usize, stowage_core::PinId, Arc<Slab>, crate::ViewConn)>,
+    pins: Vec<(usize, stowage_wire::PinId, Arc<Slab>, crate::ViewConn)>,
     tensors: Vec<Vec<ViewTensor>>,
 }
 
@@ -490,7 +442,7 @@ impl Client {
     }
 
     /// Write `columns` for `keys` in `partition`: all of one unit's values
-    /// go out as one blob, all units in one round. A put may add fields to
+    /// go out as one blob, all units at once. A put may add fields to
     /// rows that exist; writing an existing (key, field) replaces it.
     pub fn put(
         &self,
@@ -585,7 +537,7 @@ impl Client {
                 RowKey::Name(name) => {
                     b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
                     Some(
-                        postcard::to_allocvec(&Owner::of(name))
+                        postcard::to_allocvec(&PutName::of(name))
                             .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
                     )
                 }
@@ -636,10 +588,9 @@ impl Client {
             /// The value's dtype and shape, once its size and owner check out.
             fn check(
                 &mut self,
-                index: usize,
-                len: u64,
-                meta: &[u8],
+                ask: ValueAsk<'_>,
             ) -> std::result::Result<(usize, usize, ValueMeta), String> {
+                let ValueAsk { index, len, meta } = ask;
                 let (m, owner) = decode_meta(meta)?;
                 let want = byte_len(m.dtype, &m.shape).map_err(|e| e.to_string())?;
                 if want != len {
@@ -664,20 +615,20 @@ impl Client {
                 Ok((field, row, m))
             }
         }
-        impl GetSink for Adapter<'_> {
-            fn slot(
-                &mut self,
-                index: usize,
-                len: u64,
-                meta: &[u8],
-            ) -> std::result::Result<&mut [u8], String> {
-                let (field, row, m) = self.check(index, len, meta)?;
-                self.sink.slot(field, row, m.dtype, &m.shape)
+        impl Sink<ValueAsk<'_>> for Adapter<'_> {
+            fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+                let (field, row, m) = self.check(ask)?;
+                self.sink.slot(TensorAsk {
+                    field,
+                    row,
+                    dtype: m.dtype,
+                    shape: &m.shape,
+                })
             }
 
             fn slots(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
             ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
                 let checked = match self.check_all(asks) {
                     Ok(c) => c,
@@ -688,7 +639,7 @@ impl Client {
 
             fn accept_lent(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
             ) -> Option<std::result::Result<(), String>> {
                 let checked = match self.check_all(asks) {
                     Ok(c) => c,
@@ -699,7 +650,7 @@ impl Client {
 
             fn lent(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
                 buf: crate::Lent,
                 spans: &[std::ops::Range<usize>],
             ) -> std::result::Result<(), String> {
@@ -710,17 +661,20 @@ impl Client {
         impl Adapter<'_> {
             fn check_all(
                 &mut self,
-                asks: &[(usize, u64, &[u8])],
+                asks: &[ValueAsk<'_>],
             ) -> std::result::Result<Vec<(usize, usize, ValueMeta)>, String> {
-                asks.iter()
-                    .map(|&(index, len, meta)| self.check(index, len, meta))
-                    .collect()
+                asks.iter().map(|&ask| self.check(ask)).collect()
             }
         }
-        fn tasks(checked: &[(usize, usize, ValueMeta)]) -> Vec<(usize, usize, DType, &[u64])> {
+        fn tasks(checked: &[(usize, usize, ValueMeta)]) -> Vec<TensorAsk<'_>> {
             checked
                 .iter()
-                .map(|(f, r, m)| (*f, *r, m.dtype, m.shape.as_slice()))
+                .map(|(field, row, m)| TensorAsk {
+                    field: *field,
+                    row: *row,
+                    dtype: m.dtype,
+                    shape: m.shape.as_slice(),
+                })
                 .collect()
         }
         let mut adapter = Adapter {
@@ -781,14 +735,14 @@ impl Client {
         deadline: Instant,
     ) -> Result<Vec<Vec<OwnedTensor>>> {
         struct Collect(Vec<Vec<Option<OwnedTensor>>>);
-        impl TensorSink for Collect {
-            fn slot(
-                &mut self,
-                field: usize,
-                row: usize,
-                dtype: DType,
-                shape: &[u64],
-            ) -> std::result::Result<&mut [u8], String> {
+        impl Sink<TensorAsk<'_>> for Collect {
+            fn slot(&mut self, ask: TensorAsk<'_>) -> std::result::Result<&mut [u8], String> {
+                let TensorAsk {
+                    field,
+                    row,
+                    dtype,
+                    shape,
+                } = ask;
                 let len = byte_len(dtype, shape).map_err(|e| e.to_string())?;
                 let len =
                     usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
@@ -855,7 +809,7 @@ impl Client {
         deadline: Instant,
     ) -> Result<u64> {
         let rows = self.place_rows(keys, unit)?;
-        self.release_rows(partition, &rows, deadline)
+        self.clear_placed_rows(partition, &rows, deadline)
     }
 
     /// Clear every row of `partition` on every unit; returns the entries
@@ -882,7 +836,7 @@ impl Client {
             match r {
                 Ok(Response::Cleared { entries }) => removed += entries,
                 Ok(other) => return Err(unexpected(unit, other)),
-                Err(Error::LostBlobs { .. }) => {}
+                Err(Error::LostKeys { .. }) => {}
                 Err(e) => return Err(e),
             }
         }
@@ -987,10 +941,10 @@ impl Client {
         }
     }
 
-    /// Resolve-and-hold `by_unit`'s keys on every unit at once: each request
-    /// is sent before any answer is awaited, so the units resolve at the
-    /// same time. Connections are locked in unit order (as every view does),
-    /// and every call that was sent is answered before this returns.
+    /// Resolve-and-hold `by_unit`'s keys on every unit at once, each on
+    /// its unit's view connection. The parts lock their connections in
+    /// unit order (as every view does: views never wait on each other in
+    /// a cycle) and hold them until their answer is in. In unit order.
     #[allow(clippy::type_complexity)]
     fn resolve_views(
         &self,
@@ -1001,48 +955,36 @@ impl Client {
         usize,
         std::result::Result<(Response, Arc<Slab>, crate::ViewConn), OpFailure>,
     )> {
-        let mut conns = Vec::with_capacity(by_unit.len());
-        let mut done = Vec::with_capacity(by_unit.len());
-        for &u in by_unit.keys() {
-            match self.view_conn(u, deadline) {
-                Ok(c) => conns.push((u, c)),
-                Err(f) => done.push((u, Err(f))),
-            }
-        }
-        let mut sent = Vec::with_capacity(conns.len());
-        {
-            let mut guards: Vec<_> = conns.iter().map(|(u, c)| (*u, c, lock(c))).collect();
-            for (u, _, t) in guards.iter_mut() {
-                let started = t
-                    .slab()
-                    .ok_or_else(|| OpFailure::Unit {
-                        code: stowage_wire::ErrorCode::InvalidRequest,
-                        message: "views need the shm transport (a unit on this host, reached by its Unix socket)"
-                            .into(),
-                    })
-                    .and_then(|slab| {
+        let parts = by_unit.iter().map(|(&u, (keys, _))| async move {
+            let conn = match self.view_conn(u, deadline) {
+                Ok(c) => c,
+                Err(f) => return (u, Err(f)),
+            };
+            let r = {
+                let mut t = lock(&conn);
+                match t.slab() {
+                    None => Err(OpFailure::invalid(
+                        "views need the shm transport (a unit on this host, reached by its Unix socket)",
+                    )),
+                    Some(slab) => {
                         let req = Request::Resolve {
                             partition: partition.to_owned(),
-                            keys: by_unit[u].0.clone(),
+                            keys: keys.clone(),
                             hold: true,
                         };
-                        t.start_call(&req, deadline).map(|()| slab)
-                    });
-                sent.push(started);
-            }
-            for ((u, conn, t), started) in guards.iter_mut().zip(sent) {
-                let r = started.and_then(|slab| {
-                    t.finish_call(deadline)
-                        .map(|resp| (resp, slab, (*conn).clone()))
-                });
-                if let Err(f) = &r {
-                    self.forget_view_conn(*u, conn, f);
+                        t.call(&req, deadline).await.map(|resp| (resp, slab))
+                    }
                 }
-                done.push((*u, r));
+            };
+            match r {
+                Ok((resp, slab)) => (u, Ok((resp, slab, conn))),
+                Err(f) => {
+                    self.forget_view_conn(u, &conn, &f);
+                    (u, Err(f))
+                }
             }
-        }
-        done.sort_by_key(|(u, _)| *u);
-        done
+        });
+        crate::fanout::all_at_once(parts)
     }
 
     /// Pin `fields` of `keys` and view them in place (shm transport only):
@@ -1238,12 +1180,12 @@ fn name_keys(e: Error, keys: &[RowKey]) -> Error {
             named: rename(&ks),
             keys: ks,
         },
-        Error::LostBlobs {
+        Error::LostKeys {
             unit,
             blobs,
             keys: ks,
             ..
-        } => Error::LostBlobs {
+        } => Error::LostKeys {
             unit,
             blobs,
             named: rename(&ks),
@@ -1263,7 +1205,7 @@ mod tests {
     use super::*;
 
     fn named(name: &str) -> Vec<u8> {
-        postcard::to_allocvec(&Owner::of(name)).unwrap()
+        postcard::to_allocvec(&PutName::of(name)).unwrap()
     }
 
     #[test]
@@ -1284,12 +1226,12 @@ mod tests {
         let meta = encode_meta(DType::I64, &[7], Some(&named("uid_g3"))).unwrap();
         let (m, owner) = decode_meta(&meta).unwrap();
         assert_eq!((m.dtype, m.shape), (DType::I64, vec![7]));
-        assert_eq!(owner, Some(Owner::Name("uid_g3")));
+        assert_eq!(owner, Some(PutName::Name("uid_g3")));
         let long = "x".repeat(MAX_TAGGED_NAME + 1);
         let meta = encode_meta(DType::I64, &[7], Some(&named(&long))).unwrap();
         assert_eq!(
             decode_meta(&meta).unwrap().1,
-            Some(Owner::Digest(digest(&long)))
+            Some(PutName::Digest(digest(&long)))
         );
         // Trailing garbage is not taken for an owner.
         let mut bad = meta.clone();
@@ -1308,8 +1250,8 @@ mod tests {
     #[test]
     fn only_the_owner_gets_a_value() {
         let a = RowKey::Name("a".into());
-        fn own(n: &str) -> Option<Owner<'_>> {
-            Some(Owner::of(n))
+        fn own(n: &str) -> Option<PutName<'_>> {
+            Some(PutName::of(n))
         }
         assert_eq!(ownership(&a, own("a")), Ownership::Mine);
         assert_eq!(ownership(&a, own("b")), Ownership::Other(Some("b".into())));
@@ -1324,7 +1266,7 @@ mod tests {
         assert_eq!(ownership(&k1, own("a")), Ownership::Other(Some("a".into())));
         assert_eq!(ownership(&a, own(&l1)), Ownership::Other(None));
         // A digest never matches a short name, not even its own digest.
-        let digest_of_a = Some(Owner::Digest(digest("a")));
+        let digest_of_a = Some(PutName::Digest(digest("a")));
         assert_eq!(ownership(&a, digest_of_a), Ownership::Other(None));
     }
 

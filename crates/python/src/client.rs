@@ -12,7 +12,7 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString};
 use stowage_client::{
-    Client as Inner, ClientConfig, Column, DType, RowKey, Secret, Stats, Tensor, TensorSink,
+    Client as Inner, ClientConfig, Column, DType, RowKey, Secret, Sink, Stats, Tensor, TensorAsk,
     UnitAddr, View,
 };
 
@@ -165,13 +165,10 @@ impl AllocSink {
             .ok_or_else(|| "value index out of range".to_string())
     }
 
-    fn all_slots(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Result<Vec<&mut [u8]>, String> {
+    fn all_slots(&mut self, asks: &[TensorAsk<'_>]) -> Result<Vec<&mut [u8]>, String> {
         let mut total = 0usize;
         let mut spans = Vec::with_capacity(asks.len());
-        for &(_, _, dtype, shape) in asks {
+        for &TensorAsk { dtype, shape, .. } in asks {
             let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
             let offset = total.next_multiple_of(VALUE_ALIGN);
             total = offset.checked_add(len).ok_or("values larger than memory")?;
@@ -180,7 +177,16 @@ impl AllocSink {
         let buf = self.batches.len();
         let mem = HostBuf::new(total).map_err(|e| format!("cannot map {total} bytes: {e}"))?;
         let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for (&(field, row, dtype, shape), &(offset, len)) in asks.iter().zip(&spans) {
+        for (
+            &TensorAsk {
+                field,
+                row,
+                dtype,
+                shape,
+            },
+            &(offset, len),
+        ) in asks.iter().zip(&spans)
+        {
             if !seen.insert((field, row)) {
                 return Err(format!("value {field}/{row} asked twice"));
             }
@@ -208,14 +214,14 @@ impl AllocSink {
     }
 }
 
-impl TensorSink for AllocSink {
-    fn slot(
-        &mut self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<&mut [u8], String> {
+impl Sink<TensorAsk<'_>> for AllocSink {
+    fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
+        let TensorAsk {
+            field,
+            row,
+            dtype,
+            shape,
+        } = ask;
         let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
         let data = HostBuf::new(len).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
         let t = self.place(field, row)?.insert(ReadTensor {
@@ -229,19 +235,19 @@ impl TensorSink for AllocSink {
         }
     }
 
-    fn slots(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Option<Result<Vec<&mut [u8]>, String>> {
+    fn slots(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<Vec<&mut [u8]>, String>> {
         Some(self.all_slots(asks))
     }
 
-    fn accept_lent(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Option<Result<(), String>> {
+    fn accept_lent(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<(), String>> {
         let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for &(field, row, dtype, shape) in asks {
+        for &TensorAsk {
+            field,
+            row,
+            dtype,
+            shape,
+        } in asks
+        {
             if !seen.insert((field, row)) {
                 return Some(Err(format!("value {field}/{row} asked twice")));
             }
@@ -258,12 +264,21 @@ impl TensorSink for AllocSink {
     /// The values share the lent buffer as they share a batch buffer.
     fn lent(
         &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
+        asks: &[TensorAsk<'_>],
         lent: stowage_client::Lent,
         spans: &[std::ops::Range<usize>],
     ) -> Result<(), String> {
         let buf = self.batches.len();
-        for (&(field, row, dtype, shape), span) in asks.iter().zip(spans) {
+        for (
+            &TensorAsk {
+                field,
+                row,
+                dtype,
+                shape,
+            },
+            span,
+        ) in asks.iter().zip(spans)
+        {
             *self.place(field, row)? = Some(ReadTensor {
                 dtype,
                 shape: shape.to_vec(),
@@ -295,14 +310,14 @@ struct OutSink {
     error: Option<String>,
 }
 
-impl TensorSink for OutSink {
-    fn slot(
-        &mut self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<&mut [u8], String> {
+impl Sink<TensorAsk<'_>> for OutSink {
+    fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
+        let TensorAsk {
+            field,
+            row,
+            dtype,
+            shape,
+        } = ask;
         let r = self.check(field, row, dtype, shape);
         match r {
             Ok(d) => {
@@ -318,13 +333,16 @@ impl TensorSink for OutSink {
         }
     }
 
-    fn slots(
-        &mut self,
-        asks: &[(usize, usize, DType, &[u64])],
-    ) -> Option<Result<Vec<&mut [u8]>, String>> {
+    fn slots(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<Vec<&mut [u8]>, String>> {
         let mut dests = Vec::with_capacity(asks.len());
         let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for &(field, row, dtype, shape) in asks {
+        for &TensorAsk {
+            field,
+            row,
+            dtype,
+            shape,
+        } in asks
+        {
             match self.check(field, row, dtype, shape) {
                 Ok(d) if seen.insert((field, row)) => dests.push(d),
                 Ok(_) => return Some(Err(format!("value {field}/{row} asked twice"))),

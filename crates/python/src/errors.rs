@@ -143,7 +143,7 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
                 ("in_flight", obj(py, in_flight)),
             ],
         ),
-        ClientError::LostBlobs {
+        ClientError::LostKeys {
             unit, keys: lost, ..
         } => with_attrs::<LostKeys>(
             py,
@@ -162,6 +162,7 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
         ),
         ClientError::InvalidRequest(_) => with_attrs::<InvalidRequest>(py, message, retryable, &[]),
         ClientError::Unauthorized(_) => with_attrs::<Unauthorized>(py, message, retryable, &[]),
+        ClientError::NotOwner(_) => with_attrs::<NotOwner>(py, message, retryable, &[]),
         ClientError::Unreachable { unit, addr, reason } => with_attrs::<Unreachable>(
             py,
             message,

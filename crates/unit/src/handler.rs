@@ -633,7 +633,7 @@ pub fn error_response(e: &CoreError) -> Response {
         CoreError::Busy { .. } => ErrorCode::Busy,
         CoreError::UnknownBlob(_) => ErrorCode::UnknownBlob,
         CoreError::Invalid(_) => ErrorCode::InvalidRequest,
-        CoreError::NotOwner(_) => ErrorCode::Unauthorized,
+        CoreError::NotOwner(_) => ErrorCode::NotOwner,
     };
     Response::Error {
         code,

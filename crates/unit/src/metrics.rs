@@ -91,7 +91,7 @@ impl Op {
     }
 }
 
-const CODES: usize = 7;
+const CODES: usize = 8;
 const CODE_NAMES: [&str; CODES] = [
     "full",
     "busy",
@@ -100,6 +100,7 @@ const CODE_NAMES: [&str; CODES] = [
     "version_mismatch",
     "unauthorized",
     "internal",
+    "not_owner",
 ];
 
 fn code_index(c: ErrorCode) -> usize {
@@ -111,6 +112,7 @@ fn code_index(c: ErrorCode) -> usize {
         ErrorCode::VersionMismatch => 4,
         ErrorCode::Unauthorized => 5,
         ErrorCode::Internal => 6,
+        ErrorCode::NotOwner => 7,
     }
 }
 
@@ -978,6 +980,6 @@ mod tests {
     fn every_op_has_a_name() {
         assert_eq!(Op::Auth as usize, OPS - 1);
         assert_eq!(OP_NAMES.len(), OPS);
-        assert_eq!(code_index(ErrorCode::Internal), CODES - 1);
+        assert_eq!(code_index(ErrorCode::NotOwner), CODES - 1);
     }
 }

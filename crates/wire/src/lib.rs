@@ -41,8 +41,9 @@ pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 /// [`Request::CommitSpare`] and the spare counters of [`Stats`]; version 6
 /// [`Request::NixlInfo`]; version 7 the client's NIXL agent in
 /// [`Request::NixlInfo`] (its name and connection metadata, so that the unit
-/// can fence that agent when its connections end).
-pub const PROTOCOL_VERSION: u16 = 7;
+/// can fence that agent when its connections end); version 8
+/// [`ErrorCode::NotOwner`] (an older client could not decode it).
+pub const PROTOCOL_VERSION: u16 = 8;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -409,6 +410,9 @@ pub enum ErrorCode {
     Unauthorized,
     /// The unit failed internally (I/O); the request may be retried.
     Internal,
+    /// The request names a reservation or pin that another session holds
+    /// (the connection itself is accepted: see [`ErrorCode::Unauthorized`]).
+    NotOwner,
 }
 
 impl Request {
