@@ -1,0 +1,422 @@
+//! A unit's disk tier at run time: its file engine and directory, the
+//! heap budget of reads from disk, I/O counters, puts whose files failed,
+//! and how spilled values are brought back for a reader (promoted into
+//! the slab, or checked and streamed from their files).
+
+use std::io;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::Mutex;
+use std::time::Instant;
+
+use crate::disk::{self, DiskEngine};
+use stowage_core::{Answer, Input};
+
+use crate::Shared;
+
+/// A unit's disk tier at run time.
+pub(crate) struct DiskTier {
+    pub(crate) engine: disk::FileEngine,
+    pub(crate) dir: disk::OwnedDir,
+    /// Blob files whose bytes are written, waiting to be synced and
+    /// published.
+    pub(crate) flush:
+        Mutex<std::sync::mpsc::Sender<(stowage_core::BlobId, Box<dyn disk::BlobWriter>)>>,
+    /// Batches of spill jobs the core handed out, for the spiller.
+    pub(crate) spill: Mutex<std::sync::mpsc::Sender<Vec<stowage_core::SpillJob>>>,
+    /// Held by the spiller and the flusher while they write files, so that
+    /// teardown removes the directory only once they are idle.
+    pub(crate) busy: Mutex<()>,
+    /// I/O counters reported in stats.
+    pub(crate) io: DiskIo,
+    /// The heap that reads from disk may take (buffers).
+    pub(crate) reads: ReadBudget,
+    /// Puts answered Pending whose files then could not be made durable,
+    /// newest last (1024 at most): a later Commit of one is told
+    /// what happened instead of "unknown blob".
+    pub(crate) failed_puts: Mutex<std::collections::VecDeque<FailedPut>>,
+}
+
+/// A put whose blob file failed after its Pending answer.
+pub(crate) struct FailedPut {
+    pub(crate) blob: stowage_core::BlobId,
+    pub(crate) code: stowage_wire::ErrorCode,
+    pub(crate) message: String,
+}
+
+/// Failed puts remembered (see [`DiskTier::failed_puts`]).
+const FAILED_PUTS_KEPT: usize = 1024;
+
+impl DiskTier {
+    /// Remember that `blob`'s put, answered Pending, failed with `e`.
+    pub(crate) fn put_failed(&self, blob: stowage_core::BlobId, e: &io::Error) {
+        let (code, message) = if disk::is_disk_full(e) {
+            (
+                stowage_wire::ErrorCode::Full,
+                format!(
+                    "the put of blob {blob:?} was answered Pending, but the unit's disk tier \
+                     filled up ({e}) before its file was made durable: nothing of it is \
+                     stored; put it again once there is room"
+                ),
+            )
+        } else {
+            (
+                stowage_wire::ErrorCode::Internal,
+                format!(
+                    "the put of blob {blob:?} was answered Pending, but its file on the \
+                     unit's disk tier could not be made durable ({e}): nothing of it is \
+                     stored; put it again"
+                ),
+            )
+        };
+        let mut f = self.failed_puts.lock().unwrap_or_else(|p| p.into_inner());
+        if f.len() >= FAILED_PUTS_KEPT {
+            f.pop_front();
+        }
+        f.push_back(FailedPut {
+            blob,
+            code,
+            message,
+        });
+    }
+
+    /// What happened to `blob`'s put, if it failed after Pending.
+    pub(crate) fn failed_put(
+        &self,
+        blob: stowage_core::BlobId,
+    ) -> Option<(stowage_wire::ErrorCode, String)> {
+        let f = self.failed_puts.lock().unwrap_or_else(|p| p.into_inner());
+        f.iter()
+            .rev()
+            .find(|p| p.blob == blob)
+            .map(|p| (p.code, p.message.clone()))
+    }
+}
+
+/// Largest buffer one disk read takes from the [`ReadBudget`].
+const READ_BUF: u64 = 1 << 20;
+/// Smallest read budget (one buffer of this size).
+const MIN_READ_BUDGET: u64 = 64 << 10;
+
+/// The heap reads from the disk tier may take, as a pool of equal
+/// buffers: a reader takes one for the whole of its transfer (a get
+/// streams every spilled value it sends through it; a promotion copies a
+/// blob into the slab through it), so however many readers there are, the
+/// heap they take is at most the budget.
+pub(crate) struct ReadBudget {
+    buf_len: usize,
+    /// Buffers not taken, and free buffers already allocated.
+    free: Mutex<(usize, Vec<Vec<u8>>)>,
+    returned: std::sync::Condvar,
+}
+
+impl ReadBudget {
+    pub(crate) fn new(budget: u64) -> Self {
+        let budget = budget.max(MIN_READ_BUDGET);
+        let buf_len = budget.min(READ_BUF);
+        Self {
+            buf_len: buf_len as usize,
+            free: Mutex::new(((budget / buf_len) as usize, Vec::new())),
+            returned: std::sync::Condvar::new(),
+        }
+    }
+
+    /// Take a buffer, waiting until `until` for one to be given back.
+    pub(crate) fn take(&self, until: Instant) -> Option<ReadBuf<'_>> {
+        let mut g = self.free.lock().unwrap_or_else(|p| p.into_inner());
+        loop {
+            if g.0 > 0 {
+                g.0 -= 1;
+                let buf = g.1.pop().unwrap_or_else(|| vec![0u8; self.buf_len]);
+                return Some(ReadBuf { budget: self, buf });
+            }
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return None;
+            }
+            g = self
+                .returned
+                .wait_timeout(g, left)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+    }
+}
+
+/// A buffer of the [`ReadBudget`], given back on drop.
+pub(crate) struct ReadBuf<'a> {
+    budget: &'a ReadBudget,
+    buf: Vec<u8>,
+}
+
+impl std::ops::Deref for ReadBuf<'_> {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl std::ops::DerefMut for ReadBuf<'_> {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        &mut self.buf
+    }
+}
+
+impl Drop for ReadBuf<'_> {
+    fn drop(&mut self) {
+        let mut g = self.budget.free.lock().unwrap_or_else(|p| p.into_inner());
+        g.0 += 1;
+        g.1.push(std::mem::take(&mut self.buf));
+        self.budget.returned.notify_one();
+    }
+}
+
+#[cfg(test)]
+mod read_budget_tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// The budget is a fixed number of buffers: a reader past it waits
+    /// until its deadline (None), or until one is given back.
+    #[test]
+    fn readers_past_the_budget_wait_then_get_none() {
+        let b = ReadBudget::new(3 << 20);
+        let soon = || Instant::now() + Duration::from_millis(20);
+        let held: Vec<_> = (0..3).map(|_| b.take(soon()).unwrap()).collect();
+        assert!(held.iter().all(|h| h.len() == 1 << 20));
+        assert!(b.take(soon()).is_none());
+        std::thread::scope(|s| {
+            let waiter = s.spawn(|| b.take(Instant::now() + Duration::from_secs(10)).is_some());
+            std::thread::sleep(Duration::from_millis(50));
+            drop(held);
+            assert!(waiter.join().unwrap());
+        });
+        // A budget below one buffer still has one, of the budget's size.
+        let small = ReadBudget::new(1);
+        let one = small.take(soon()).unwrap();
+        assert_eq!(one.len() as u64, MIN_READ_BUDGET);
+        assert!(small.take(soon()).is_none());
+    }
+}
+
+/// Disk tier I/O counters.
+#[derive(Default)]
+pub(crate) struct DiskIo {
+    pub(crate) write_bytes: std::sync::atomic::AtomicU64,
+    pub(crate) write_micros: std::sync::atomic::AtomicU64,
+    pub(crate) read_bytes: std::sync::atomic::AtomicU64,
+    pub(crate) read_micros: std::sync::atomic::AtomicU64,
+}
+
+impl DiskIo {
+    pub(crate) fn wrote(&self, bytes: u64, since: Instant) {
+        self.write_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.write_micros
+            .fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
+    }
+
+    pub(crate) fn read(&self, bytes: u64, since: Instant) {
+        self.read_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.read_micros
+            .fetch_add(since.elapsed().as_micros() as u64, Ordering::Relaxed);
+    }
+}
+
+/// A found value as a connection serves it.
+pub(crate) enum Served {
+    /// In the slab (possibly just brought back from disk).
+    Memory(stowage_core::Location, Vec<u8>),
+    /// Only on disk: `len` bytes at `offset` into the blob, streamed from
+    /// its file as the reply is written ([`read_through`]).
+    Disk {
+        blob: stowage_core::BlobId,
+        offset: u64,
+        len: u64,
+        meta: Vec<u8>,
+    },
+    /// Its blob's file failed its checksum, is not that blob's, or could
+    /// not be read.
+    Corrupt,
+}
+
+/// Pieces of a slab range copied through the heap at a time (disk tier
+/// and checkpoint I/O).
+pub(crate) const COPY_CHUNK: usize = 1 << 20;
+
+/// Read `len` bytes at `offset` of an open blob file through `buf`, piece
+/// by piece (each checked; pieces end on the file's chunk boundaries where
+/// they can, so no chunk is read twice), handing each piece to `sink`. The
+/// outer error is the file's, the inner one the sink's.
+pub(crate) fn read_through(
+    reader: &disk::BlobReader,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+    mut sink: impl FnMut(&[u8]) -> io::Result<()>,
+) -> Result<io::Result<()>, disk::DiskError> {
+    let chunk = u64::from(disk::CHUNK);
+    let end = offset
+        .checked_add(len)
+        .filter(|&e| e <= reader.size())
+        .ok_or_else(|| disk::DiskError::OutOfRange {
+            path: PathBuf::new(),
+            offset,
+            len,
+            size: reader.size(),
+        })?;
+    let mut pos = offset;
+    while pos < end {
+        let mut stop = (pos + buf.len() as u64).min(end);
+        let aligned = stop / chunk * chunk;
+        if stop < end && aligned > pos {
+            stop = aligned;
+        }
+        let piece = &mut buf[..(stop - pos) as usize];
+        reader.read_at(pos, piece)?;
+        if let Err(e) = sink(piece) {
+            return Ok(Err(e));
+        }
+        pos = stop;
+    }
+    Ok(Ok(()))
+}
+
+impl Shared {
+    /// Bring spilled values back for a reader that pinned them, through
+    /// `buf` (a buffer of the disk tier's [`ReadBudget`]; without one,
+    /// nothing is brought back): each spilled blob is promoted into the
+    /// slab where there is room below the high watermark; with `verify`,
+    /// the ranges asked for of the others are read and checked (nothing is
+    /// kept: the reply streams them from their files afterwards), so that
+    /// a damaged file, or one that is not its blob's, is answered Corrupt
+    /// before the reply promises its bytes.
+    pub(crate) fn bring_back(
+        &self,
+        found: Vec<Option<stowage_core::Located>>,
+        mut buf: Option<&mut [u8]>,
+        verify: bool,
+    ) -> Vec<Option<Served>> {
+        use std::collections::{BTreeMap, HashMap, HashSet};
+        use stowage_core::{Location, Place};
+        // Each spilled blob, with the ranges of it that were asked for.
+        let mut on_disk: BTreeMap<stowage_core::BlobId, Vec<(u64, u64)>> = BTreeMap::new();
+        for (p, _) in found.iter().flatten() {
+            if let Place::Disk { blob, offset, len } = p {
+                on_disk.entry(*blob).or_default().push((*offset, *len));
+            }
+        }
+        let mut promoted = HashMap::new();
+        let mut corrupt = HashSet::new();
+        for (blob, mut wanted) in on_disk {
+            let Some(d) = &self.disk else {
+                corrupt.insert(blob);
+                continue;
+            };
+            let Some(buf) = buf.as_deref_mut() else {
+                continue;
+            };
+            let (slot, size) = {
+                let mut c = self.core();
+                let size = c.blob_size(blob);
+                let slot = match c.handle(self.now(), Input::Promote(blob)) {
+                    Ok(Answer::Promoting(slot)) => slot,
+                    _ => None,
+                };
+                (slot, size)
+            };
+            let Some(size) = size else {
+                if let Some(_slot) = slot {
+                    let done = Input::Promoted { blob, ok: false };
+                    let _ = self.core().handle(self.now(), done);
+                }
+                corrupt.insert(blob);
+                continue;
+            };
+            let t0 = Instant::now();
+            let reader = d.engine.reader(blob).and_then(|r| {
+                if r.size() == size {
+                    Ok(r)
+                } else {
+                    Err(disk::DiskError::Corrupt {
+                        path: d.engine.path(blob),
+                        reason: format!("holds {} bytes, expected {size}", r.size()),
+                    })
+                }
+            });
+            let read = match slot {
+                Some(offset) => {
+                    // This thread alone writes the promotion's range: the
+                    // core keeps it allocated until it is reported.
+                    let r = reader.and_then(|rd| {
+                        let mut at = 0;
+                        read_through(&rd, 0, size, buf, |piece| {
+                            self.slab
+                                .write(offset + at, piece)
+                                .map_err(io::Error::other)?;
+                            at += piece.len() as u64;
+                            Ok(())
+                        })?
+                        .map_err(disk::DiskError::Io)
+                    });
+                    let done = Input::Promoted {
+                        blob,
+                        ok: r.is_ok(),
+                    };
+                    let _ = self.core().handle(self.now(), done);
+                    if r.is_ok() {
+                        promoted.insert(blob, offset);
+                        if let Some(m) = &self.metrics {
+                            m.promoted_bytes.fetch_add(size, Ordering::Relaxed);
+                        }
+                    }
+                    r.map(|()| size)
+                }
+                None if verify => {
+                    wanted.sort_unstable();
+                    wanted.dedup();
+                    reader.and_then(|rd| {
+                        let mut bytes = 0;
+                        for (offset, len) in wanted {
+                            read_through(&rd, offset, len, buf, |_| Ok(()))??;
+                            bytes += len;
+                        }
+                        Ok(bytes)
+                    })
+                }
+                None => reader.map(|_| 0),
+            };
+            match read {
+                Ok(0) => {}
+                Ok(n) => d.io.read(n, t0),
+                Err(e) => {
+                    tracing::error!(error = %e, ?blob, "a spilled blob could not be read back; its keys fail");
+                    corrupt.insert(blob);
+                }
+            }
+        }
+        found
+            .into_iter()
+            .map(|f| {
+                f.map(|(place, meta)| match place {
+                    Place::Memory(l) => Served::Memory(l, meta),
+                    Place::Disk { blob, .. } if corrupt.contains(&blob) => Served::Corrupt,
+                    Place::Disk { blob, offset, len } => match promoted.get(&blob) {
+                        Some(base) => Served::Memory(
+                            Location {
+                                offset: base + offset,
+                                len,
+                            },
+                            meta,
+                        ),
+                        None => Served::Disk {
+                            blob,
+                            offset,
+                            len,
+                            meta,
+                        },
+                    },
+                })
+            })
+            .collect()
+    }
+}
