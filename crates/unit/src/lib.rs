@@ -7,11 +7,13 @@
 //! (loopback unless told otherwise; bytes are streamed between the socket
 //! and the slab with no intermediate buffer).
 //!
-//! Threads: one accept loop per listener, one thread per connection
-//! (blocking reads keep the request path to a single wake-up), and one
-//! ticker that ends quarantines and checks whether the processes of cut
-//! sessions have exited. The core sits behind
-//! one mutex that is never held across I/O.
+//! Threads: one accept loop per listener (`listen.rs`), one thread per
+//! connection (`conn.rs`: blocking reads keep the request path to a single
+//! wake-up; `handler.rs` plans each request against the core), and the
+//! core's driver (`drive.rs`): a timer that sleeps until the core's
+//! `poll_timeout` and watches the processes of cut sessions, a spiller and
+//! a flusher. The core sits behind one mutex that is never held across
+//! I/O; every release of it runs the core's pending actions.
 //!
 //! A connection that sends a malformed or oversized frame gets an
 //! `InvalidRequest` error and is closed; everyone else carries on.
