@@ -420,10 +420,16 @@ impl Conn {
         Ok(id)
     }
 
-    /// Send a request without payload and receive its reply (its payload,
-    /// if any, is left on the stream for [`Conn::read_payload`]).
-    pub(crate) fn call(&mut self, req: &Request, deadline: Instant) -> Result<Response, ConnError> {
+    /// Send a request without payload, let the other units' parts of the
+    /// call run (`fanout::turn`), and take its reply (its payload, if any,
+    /// is left on the stream for [`Conn::read_payload`]).
+    pub(crate) async fn call(
+        &mut self,
+        req: &Request,
+        deadline: Instant,
+    ) -> Result<Response, ConnError> {
         let id = self.send(req, &mut [], deadline)?;
+        crate::fanout::turn().await;
         self.recv(id, deadline)
     }
 

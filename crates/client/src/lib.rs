@@ -605,8 +605,11 @@ impl Client {
             agent,
             agent_metadata,
         };
+        let id = conn
+            .send(&ask, &mut [], deadline)
+            .map_err(|e| OpFailure::conn(e, false))?;
         match conn
-            .call(&ask, deadline)
+            .recv(id, deadline)
             .map_err(|e| OpFailure::conn(e, false))?
         {
             stowage_wire::Response::NixlInfo {

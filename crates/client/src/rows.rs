@@ -945,7 +945,9 @@ impl Client {
     /// its unit's view connection. The parts lock their connections in
     /// unit order (as every view does: views never wait on each other in
     /// a cycle) and hold them until their answer is in. In unit order.
-    #[allow(clippy::type_complexity)]
+    // The parts run on this thread (`fanout::all_at_once`): a connection's
+    // lock held across a turn waits on no other part of the call.
+    #[allow(clippy::type_complexity, clippy::await_holding_lock)]
     fn resolve_views(
         &self,
         partition: &str,

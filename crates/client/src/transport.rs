@@ -200,11 +200,8 @@ fn n_entries(entries: &[EntrySpec]) -> Result<u32, OpFailure> {
 /// Send `req` (no payload), let the other units' parts run, and take its
 /// reply.
 async fn call(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
-    let id = conn
-        .send(req, &mut [], deadline)
-        .map_err(|e| OpFailure::conn(e, false))?;
-    turn().await;
-    conn.recv(id, deadline)
+    conn.call(req, deadline)
+        .await
         .map_err(|e| OpFailure::conn(e, false))
 }
 
