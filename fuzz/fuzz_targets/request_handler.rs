@@ -1000,6 +1000,20 @@ impl H {
             self.allocated(o, blob, nbytes, n_entries, &r);
         } else if let Some((blob, sc, entries)) = commit {
             let r = resp.expect("Commit always replies");
+            // Its bytes must come with a Put: the core refuses the bare
+            // commit of a blob its session reserved on disk.
+            let on_disk = self
+                .res
+                .get(&blob)
+                .is_some_and(|p| p.session == o.session && p.at.is_none());
+            if on_disk {
+                assert_eq!(
+                    code(&r),
+                    Some(ErrorCode::InvalidRequest),
+                    "a bare Commit of {blob:?}, reserved on disk, answered {r:?}"
+                );
+                self.note("commit_of_disk_refused");
+            }
             self.committed(o, &sc, blob, &entries, &r);
         } else if let Some(blob) = abort {
             let r = resp.expect("Abort always replies");
