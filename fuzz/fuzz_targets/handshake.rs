@@ -71,7 +71,7 @@ enum Step {
         version: u16,
     },
     Stats,
-    Release {
+    ClearRows {
         row: u64,
     },
     /// The connection ends; the next step is on a new one.
@@ -189,7 +189,7 @@ impl H {
                 session: None,
             }),
             Step::Stats => Ok(Request::Stats),
-            Step::Release { row } => Ok(Request::ClearRows {
+            Step::ClearRows { row } => Ok(Request::ClearRows {
                 partition: String::new(),
                 rows: vec![row],
             }),

@@ -1,12 +1,16 @@
 //! The unit's request handler past the frame decoder, driven by sequences of
-//! steps from three sessions (each up to two connections, Unix/direct or
+//! steps from three sessions (each up to two connections, Unix (mapped) or
 //! tcp): requests through `Request::validate` and `handler::handle` as the
 //! connection loop sends them (Put and Read too: the target carries out the
 //! handler's plan as the connection does and reports back through
-//! `put_landed`, `put_abandoned` and `read_sent`), shm copies by direct
-//! clients into what they were handed, time
-//! advances and ticks, connection ends (closed or cut), reconnects, session
-//! ends, spills, disk writes and promotions.
+//! `put_landed`, `put_abandoned` and `read_sent`), shm copies by mapped
+//! clients into what they were handed, time advances and timeouts,
+//! connection ends (closed or cut), reconnects, process exits, disk writes
+//! and promotions. Every other input reaches the core as the server's
+//! driver sends it, through its one entry point (`UnitCore::handle`), and
+//! after each one the target takes every action the core asks for
+//! (`poll_action`: files to delete, blobs to spill, processes to watch), as
+//! the server's `Shared::drive` does.
 //!
 //! A shadow model keeps what each session was handed and has not released,
 //! every committed key's bytes, and a shadow slab and disk files that the
@@ -25,11 +29,16 @@
 //!    and metadata committed last under that key (or nothing when the key
 //!    has no value), the bytes a pin holds never change until it is
 //!    released, and a checkpoint snapshot lists exactly the shadow's keys
-//!    with their bytes — although direct clients keep scribbling over their
+//!    with their bytes — although mapped clients keep scribbling over their
 //!    own reservations, also long after they were paused and cut off;
 //! 4. ownership: Commit, Abort, Unpin (and Alloc) of another session's
-//!    reservation or pin answer Unauthorized and change nothing;
-//! 5. no panic in the core or the handler for any input.
+//!    reservation or pin answer the handler's code for the core's NotOwner
+//!    and change nothing;
+//! 5. the driver is asked what it must do: a session left holding something
+//!    with no connection open was handed out to watch
+//!    (`Action::CheckProcess`), a spill job reads its blob's range, and a
+//!    timeout leaves no deadline at or before now (`poll_timeout`);
+//! 6. no panic in the core or the handler for any input.
 //!
 //! See fuzz/README.md for how to run it.
 
@@ -41,8 +50,8 @@ use std::time::Duration;
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use stowage_core::{
-    BlobId, ConnEnd, CoreConfig, CoreError, Effect, EntrySpec, Key, Located, Owner, PinId, Place,
-    SessionId, Stats, Time, UnitCore,
+    Action, Answer, BlobId, ConnEnd, CoreConfig, CoreError, EntrySpec, Input as CoreInput, Key,
+    Located, Op as CoreOp, Owner, PinId, Place, SessionId, Snapshot, Stats, Time, UnitCore,
 };
 use stowage_unit::handler::{self, error_response, scope, Asker, Dest, Plan};
 use stowage_wire::{ErrorCode, Limits, Request, Response, PROTOCOL_VERSION};
@@ -79,32 +88,36 @@ enum Step {
         conn: u8,
         op: Op,
     },
-    /// A direct client copies bytes into one of its reservations (also when
+    /// A mapped client copies bytes into one of its reservations (also when
     /// all its connections were cut: its process may still run).
     Scribble {
         slot: u8,
         which: u8,
         partial: bool,
     },
-    /// Time passes; with `wake`, every direct client then finishes all its
+    /// Time passes; with `wake`, every mapped client then finishes all its
     /// copies at once (a paused process resuming).
     Advance {
         dt: Dt,
         wake: bool,
     },
-    Tick,
+    /// The driver's timer delivers `Input::Timeout` (when `poll_timeout`
+    /// said, or late, or early).
+    Timeout,
     Detach {
         conn: u8,
         cut: bool,
     },
-    /// A new connection of the slot's session (a new session if it has none).
+    /// A new connection of the slot's session (a new session if it has none),
+    /// saying namespace `namespace` in its Hello.
     Attach {
         slot: u8,
-        direct: bool,
-        ns: u8,
+        mapped: bool,
+        namespace: u8,
     },
-    /// The slot's process is gone.
-    SessionGone {
+    /// The slot's process is gone (`Input::ProcessExited`; with
+    /// `close_first`, after its connections closed).
+    ProcessExited {
         slot: u8,
         close_first: bool,
     },
@@ -127,20 +140,19 @@ enum Step {
         known: Option<u8>,
         cut: bool,
     },
-    /// The driver asks for spill jobs.
-    Spill,
-    /// The driver finishes one file write (a spill or a put to disk).
+    /// The driver finishes one file write (a spill job the core handed out,
+    /// or a put to disk): `Input::DiskWritten`.
     Flush {
         which: u8,
         ok: bool,
     },
     /// The driver starts bringing a spilled blob back into the slab (one
-    /// with a disk file, picked by `blob`).
-    PromoteBegin {
+    /// with a disk file, picked by `blob`): `Input::Promote`.
+    Promote {
         blob: u8,
     },
-    /// ... and finishes copying into it.
-    PromoteDone {
+    /// ... and finishes copying into it: `Input::Promoted`.
+    Promoted {
         which: u8,
         ok: bool,
     },
@@ -177,14 +189,14 @@ enum Op {
         pin: u8,
         reply: bool,
     },
-    ReleaseRows {
+    ClearRows {
         partition: u8,
         rows: Vec<u8>,
     },
     List {
         partition: u8,
     },
-    DropPartition {
+    ClearPartition {
         partition: u8,
     },
     ListPartitions,
@@ -328,7 +340,8 @@ fn entries(ops: &[EntryOp], n: Option<u64>, count: Option<u32>) -> Vec<EntrySpec
 #[derive(Clone, Copy, Debug)]
 struct Conn {
     owner: Owner,
-    ns: &'static str,
+    /// The namespace its Hello said (every partition it names lies in it).
+    namespace: &'static str,
 }
 
 #[derive(Debug, Default)]
@@ -337,8 +350,8 @@ struct Slot {
     session: Option<SessionId>,
     /// Its connections are Unix-socket ones: the process maps the slab.
     /// (The server only joins a connection to a session of the same peer
-    /// pid, so a session's connections are all direct or all tcp.)
-    direct: bool,
+    /// pid, so a session's connections are all mapped or all tcp.)
+    mapped: bool,
     conns: Vec<Conn>,
 }
 
@@ -395,8 +408,13 @@ struct H {
     keys: Index,
     /// Blobs whose commit answered Pending: published when their file is.
     pending: BTreeMap<BlobId, (String, Vec<EntrySpec>)>,
+    /// File writes under way: spill jobs the core handed out, puts to disk.
     flushes: Vec<FlushJob>,
     promos: Vec<(BlobId, u64, Vec<u8>)>,
+    /// Sessions whose process the core asked to watch
+    /// (`Action::CheckProcess`) and that still hold something with no
+    /// connection open (the server's timer forgets the others).
+    watched: BTreeSet<SessionId>,
     writes: u64,
     /// Event counts, printed per input when `RH_STATS` is set (to see what
     /// a corpus reaches: `request_handler corpus/request_handler -runs=0`).
@@ -409,6 +427,13 @@ fn code(r: &Response) -> Option<ErrorCode> {
         Response::Error { code, .. } => Some(*code),
         _ => None,
     }
+}
+
+/// The code the handler answers when the core refuses a request of
+/// another session's reservation or pin (`CoreError::NotOwner`).
+fn not_owner() -> ErrorCode {
+    code(&error_response(&CoreError::NotOwner(String::new())))
+        .expect("a core refusal is an error response")
 }
 
 impl H {
@@ -439,13 +464,14 @@ impl H {
             pending: BTreeMap::new(),
             flushes: Vec::new(),
             promos: Vec::new(),
+            watched: BTreeSet::new(),
             writes: 0,
             seen: BTreeMap::new(),
             disk_reads: Default::default(),
         };
-        // Two direct clients and a tcp one, connected.
-        for (i, direct) in [true, true, false].into_iter().enumerate() {
-            h.attach(i, direct, i as u8);
+        // Two mapped clients and a tcp one, connected.
+        for (i, mapped) in [true, true, false].into_iter().enumerate() {
+            h.attach(i, mapped, i as u8);
         }
         h
     }
@@ -454,14 +480,63 @@ impl H {
         *self.seen.entry(what).or_default() += 1;
     }
 
-    fn effects(&mut self) {
-        for e in self.core.take_effects() {
-            match e {
-                Effect::DeleteFile(b) => {
+    // -- driving the core ---------------------------------------------------
+
+    /// One input through the core's one entry point, then what it asks of
+    /// the driver ([`H::drive`]).
+    fn input(&mut self, input: CoreInput) -> Result<Answer, CoreError> {
+        let r = self.core.handle(self.now, input);
+        self.drive();
+        r
+    }
+
+    /// An input answered with the holds it released.
+    fn released(&mut self, input: CoreInput) -> u64 {
+        let what = format!("{input:?}");
+        match self.input(input) {
+            Ok(Answer::Released(n)) => n,
+            other => panic!("{what} answered {other:?}"),
+        }
+    }
+
+    /// What the server's driver (`Shared::drive`) does after every input:
+    /// take every action the core asks for and carry it out. A file is
+    /// removed; a spill job goes to the spiller, whose write finishes at a
+    /// `Flush` step; a process is watched until its session no longer
+    /// holds anything with no connection open.
+    fn drive(&mut self) {
+        while let Some(a) = self.core.poll_action() {
+            match a {
+                Action::DeleteFile(b) => {
                     self.files.remove(&b);
+                }
+                Action::Spill(j) => {
+                    self.note("spill_job");
+                    assert!(self.disk, "spill job without a disk tier");
+                    assert!(
+                        self.core
+                            .regions()
+                            .any(|(b, off, len)| b == j.blob && off == j.offset && len >= j.nbytes),
+                        "spill job {j:?} does not read its blob's range"
+                    );
+                    self.flushes.push(FlushJob::Spill {
+                        blob: j.blob,
+                        offset: j.offset,
+                        nbytes: j.nbytes,
+                    });
+                }
+                Action::CheckProcess(s) => {
+                    self.note("check_process");
+                    assert!(
+                        self.core.is_orphaned(s),
+                        "asked to watch the process of {s:?}, which is not left holding something with no connection"
+                    );
+                    self.watched.insert(s);
                 }
             }
         }
+        let core = &self.core;
+        self.watched.retain(|s| core.is_orphaned(*s));
     }
 
     /// A connection by selector: slot `x % 3`, then one of its connections.
@@ -517,25 +592,29 @@ impl H {
 
     // -- sessions and connections ------------------------------------------
 
-    fn attach(&mut self, slot: usize, direct: bool, ns: u8) {
-        let ns = NAMESPACES[ns as usize % NAMESPACES.len()];
+    fn attach(&mut self, slot: usize, mapped: bool, namespace: u8) {
+        let namespace = NAMESPACES[namespace as usize % NAMESPACES.len()];
         let s = match self.slots[slot].session {
             Some(s) => s,
             None => {
-                let s = self.core.open_session();
+                let s = match self.input(CoreInput::OpenSession) {
+                    Ok(Answer::Session(s)) => s,
+                    other => panic!("OpenSession answered {other:?}"),
+                };
                 self.slots[slot].session = Some(s);
-                self.slots[slot].direct = direct;
+                self.slots[slot].mapped = mapped;
                 s
             }
         };
-        let direct = self.slots[slot].direct;
+        let mapped = self.slots[slot].mapped;
         let full = self.slots[slot].conns.len() >= MAX_CONNS;
-        match self.core.attach(s, direct) {
-            Ok(owner) => {
+        match self.input(CoreInput::Attach { session: s, mapped }) {
+            Ok(Answer::Attached(owner)) => {
                 assert!(!full, "attach past the session's connection cap succeeded");
                 assert_eq!(owner.session, s);
-                self.slots[slot].conns.push(Conn { owner, ns });
+                self.slots[slot].conns.push(Conn { owner, namespace });
             }
+            Ok(a) => panic!("Attach answered {a:?}"),
             Err(CoreError::Busy { .. }) => {
                 assert!(
                     full,
@@ -550,18 +629,36 @@ impl H {
     /// A connection ends; mirror what the core releases.
     fn detach(&mut self, slot: usize, i: usize, end: ConnEnd) {
         let c = self.slots[slot].conns.remove(i);
-        let direct = self.slots[slot].direct;
-        self.core.detach(c.owner, end, self.now);
-        self.effects();
-        let keep = end == ConnEnd::Cut && direct;
-        self.note(match (end, direct) {
-            (ConnEnd::Cut, true) => "detach_cut_direct",
-            (ConnEnd::Cut, false) => "detach_cut_tcp",
-            _ => "detach_closed",
-        });
+        let mapped = self.slots[slot].mapped;
+        let keep = end == ConnEnd::Cut && mapped;
         let mine = |s: SessionId, conn: Option<stowage_core::ConnId>| {
             s == c.owner.session && conn == Some(c.owner.conn)
         };
+        let held = self
+            .res
+            .values()
+            .filter(|r| mine(r.session, r.conn))
+            .count()
+            + self
+                .pins
+                .values()
+                .filter(|p| mine(p.session, p.conn))
+                .count();
+        let n = self.released(CoreInput::ConnEnded {
+            owner: c.owner,
+            end,
+        });
+        assert_eq!(
+            n,
+            if keep { 0 } else { held as u64 },
+            "holds released by the {end:?} end of {:?}",
+            c.owner
+        );
+        self.note(match (end, mapped) {
+            (ConnEnd::Cut, true) => "detach_cut_mapped",
+            (ConnEnd::Cut, false) => "detach_cut_tcp",
+            _ => "detach_closed",
+        });
         if keep {
             for r in self.res.values_mut().filter(|r| mine(r.session, r.conn)) {
                 r.conn = None;
@@ -594,7 +691,10 @@ impl H {
         }
     }
 
-    fn session_gone(&mut self, slot: usize, close_first: bool) {
+    /// The slot's process exits. The server reports it for a watched
+    /// session (no connection open, something held); the core takes it
+    /// in any state.
+    fn process_exited(&mut self, slot: usize, close_first: bool) {
         let Some(s) = self.slots[slot].session else {
             return;
         };
@@ -602,27 +702,48 @@ impl H {
             while !self.slots[slot].conns.is_empty() {
                 self.detach(slot, 0, ConnEnd::Closed);
             }
+            // Nothing held: the core forgot it with its last connection.
+            let Some(s) = self.slots[slot].session else {
+                return;
+            };
+            assert!(
+                self.watched.contains(&s),
+                "{s:?} holds something with no connection, unwatched"
+            );
         }
-        self.core.session_gone(s, self.now);
-        self.note("session_gone");
-        self.effects();
+        self.note(if self.watched.contains(&s) {
+            "process_exited_watched"
+        } else {
+            "process_exited"
+        });
+        let held = self.res.values().filter(|r| r.session == s).count()
+            + self.pins.values().filter(|p| p.session == s).count();
+        let n = self.released(CoreInput::ProcessExited(s));
+        assert_eq!(n, held as u64, "holds released by the exit of {s:?}");
         self.res.retain(|_, r| r.session != s);
         self.pins.retain(|_, p| p.session != s);
         // Its sockets close too.
         for c in std::mem::take(&mut self.slots[slot].conns) {
-            self.core.detach(c.owner, ConnEnd::Closed, self.now);
-            self.effects();
+            let n = self.released(CoreInput::ConnEnded {
+                owner: c.owner,
+                end: ConnEnd::Closed,
+            });
+            assert_eq!(n, 0, "a connection of exited {s:?} released holds");
         }
         assert!(
             !self.core.has_session(s),
-            "session {s:?} outlived session_gone"
+            "session {s:?} outlived its process's exit"
+        );
+        assert!(
+            !self.watched.contains(&s),
+            "{s:?} still watched after its exit"
         );
         self.slots[slot].session = None;
     }
 
-    /// A direct client copies into its `which`-th reservation in the slab.
+    /// A mapped client copies into its `which`-th reservation in the slab.
     fn scribble(&mut self, slot: usize, which: usize, partial: bool) {
-        let Some(s) = self.slots[slot].session.filter(|_| self.slots[slot].direct) else {
+        let Some(s) = self.slots[slot].session.filter(|_| self.slots[slot].mapped) else {
             return;
         };
         let mine: Vec<(u64, u64)> = self
@@ -687,7 +808,7 @@ impl H {
                 hold,
                 known,
             } => {
-                let (partition, keys) = self.lookup(c.ns, p, &keys, known);
+                let (partition, keys) = self.lookup(c.namespace, p, &keys, known);
                 Request::Resolve {
                     partition,
                     keys,
@@ -701,21 +822,21 @@ impl H {
                 },
                 reply,
             },
-            Op::ReleaseRows { partition: p, rows } => Request::ClearRows {
+            Op::ClearRows { partition: p, rows } => Request::ClearRows {
                 partition: partition(p),
                 rows: rows.iter().map(|r| row(*r)).collect(),
             },
             Op::List { partition: p } => Request::List {
                 partition: partition(p),
             },
-            Op::DropPartition { partition: p } => Request::ClearPartition {
+            Op::ClearPartition { partition: p } => Request::ClearPartition {
                 partition: partition(p),
             },
             Op::ListPartitions => Request::ListPartitions,
             Op::Stats => Request::Stats,
             Op::Hello => Request::Hello {
                 version: PROTOCOL_VERSION,
-                namespace: c.ns.into(),
+                namespace: c.namespace.into(),
                 want_fd: true,
                 session: None,
             },
@@ -725,11 +846,17 @@ impl H {
     }
 
     /// The partition and keys of a Resolve or Read: as given, or (`known`)
-    /// a committed partition of namespace `ns` and keys it holds, and the
+    /// a committed partition of `namespace` and keys it holds, and the
     /// given keys after them.
-    fn lookup(&self, ns: &str, p: u8, keys: &[KeyOp], known: Option<u8>) -> (String, Vec<Key>) {
+    fn lookup(
+        &self,
+        namespace: &str,
+        p: u8,
+        keys: &[KeyOp],
+        known: Option<u8>,
+    ) -> (String, Vec<Key>) {
         let given = keys.iter().map(|k| key(*k));
-        let prefix = scope(ns, "");
+        let prefix = scope(namespace, "");
         let scopes: Vec<(&String, _)> = self
             .keys
             .iter()
@@ -774,7 +901,7 @@ impl H {
                 blob,
                 partition,
                 entries,
-            } => Some((*blob, scope(c.ns, partition), entries.clone())),
+            } => Some((*blob, scope(c.namespace, partition), entries.clone())),
             _ => None,
         };
         let abort = match &req {
@@ -791,30 +918,30 @@ impl H {
             }
             | Request::Read {
                 partition, keys, ..
-            } => Some((scope(c.ns, partition), keys.clone())),
+            } => Some((scope(c.namespace, partition), keys.clone())),
             _ => None,
         };
         let is_read = matches!(req, Request::Read { .. });
-        let release = match &req {
+        let clear = match &req {
             Request::ClearRows { partition, rows } => {
-                Some((scope(c.ns, partition), Some(rows.clone())))
+                Some((scope(c.namespace, partition), Some(rows.clone())))
             }
-            Request::ClearPartition { partition } => Some((scope(c.ns, partition), None)),
+            Request::ClearPartition { partition } => Some((scope(c.namespace, partition), None)),
             _ => None,
         };
         let list = match &req {
-            Request::List { partition } => Some(scope(c.ns, partition)),
+            Request::List { partition } => Some(scope(c.namespace, partition)),
             _ => None,
         };
         let list_partitions = matches!(req, Request::ListPartitions);
 
         let asker = Asker {
-            hello: Some((o, c.ns)),
+            hello: Some((o, c.namespace)),
             admin: true,
             stopping: false,
         };
         let plan = handler::handle(|| &mut self.core, &asker, req, 0, self.now);
-        self.effects();
+        self.drive();
 
         let resp = match plan {
             Plan::Reply(r) | Plan::Committed { reply: r, .. } => Some(r),
@@ -850,8 +977,8 @@ impl H {
             panic!("Read by an attached connection refused: {resp:?}");
         }
         if let Some(Response::Error { code, .. }) = &resp {
-            self.note(match code {
-                ErrorCode::Unauthorized => "err_unauthorized",
+            self.note(match *code {
+                c if c == not_owner() => "err_not_owner",
                 ErrorCode::Busy => "err_busy",
                 ErrorCode::Full => "err_full",
                 ErrorCode::UnknownBlob => "err_unknown_blob",
@@ -859,22 +986,34 @@ impl H {
                 _ => "err_other",
             });
         }
-        if let Some(Response::Error {
-            code: ErrorCode::Unauthorized,
-            message,
-        }) = &resp
-        {
-            assert_eq!(
-                before,
-                self.core.stats_at(self.now),
-                "a request answered Unauthorized ({message}) changed the unit"
-            );
+        if let Some(Response::Error { code, message }) = &resp {
+            if *code == not_owner() {
+                assert_eq!(
+                    before,
+                    self.core.stats_at(self.now),
+                    "a request answered {code:?} ({message}) changed the unit"
+                );
+            }
         }
         if let Some((blob, nbytes, n_entries)) = pending_alloc {
             let r = resp.expect("Alloc always replies");
             self.allocated(o, blob, nbytes, n_entries, &r);
         } else if let Some((blob, sc, entries)) = commit {
             let r = resp.expect("Commit always replies");
+            // Its bytes must come with a Put: the core refuses the bare
+            // commit of a blob its session reserved on disk.
+            let on_disk = self
+                .res
+                .get(&blob)
+                .is_some_and(|p| p.session == o.session && p.at.is_none());
+            if on_disk {
+                assert_eq!(
+                    code(&r),
+                    Some(ErrorCode::InvalidRequest),
+                    "a bare Commit of {blob:?}, reserved on disk, answered {r:?}"
+                );
+                self.note("commit_of_disk_refused");
+            }
             self.committed(o, &sc, blob, &entries, &r);
         } else if let Some(blob) = abort {
             let r = resp.expect("Abort always replies");
@@ -882,8 +1021,8 @@ impl H {
         } else if let Some(pin) = unpin {
             let other = self.pins.get(&pin).is_some_and(|p| p.session != o.session);
             match resp.as_ref().and_then(code) {
-                Some(ErrorCode::Unauthorized) => {
-                    assert!(other, "Unpin of own or unknown pin {pin:?}: Unauthorized")
+                Some(c) if c == not_owner() => {
+                    assert!(other, "Unpin of own or unknown pin {pin:?}: {c:?}")
                 }
                 Some(c) => panic!("Unpin {pin:?} answered {c:?}"),
                 None => {
@@ -895,12 +1034,12 @@ impl H {
                     self.pins.remove(&pin);
                 }
             }
-        } else if let Some((sc, rows)) = release {
+        } else if let Some((sc, rows)) = clear {
             let Some(Response::Cleared { entries }) = resp else {
                 panic!("ClearRows/ClearPartition answered {resp:?}");
             };
-            let expect = self.release(&sc, rows);
-            assert_eq!(entries, expect, "released entries of {sc:?}");
+            let expect = self.clear(&sc, rows);
+            assert_eq!(entries, expect, "cleared entries of {sc:?}");
         } else if let Some(sc) = list {
             let Some(Response::Listed { rows }) = resp else {
                 panic!("List answered {resp:?}");
@@ -919,13 +1058,13 @@ impl H {
             let Some(Response::Partitions { names }) = resp else {
                 panic!("ListPartitions answered {resp:?}");
             };
-            let prefix = scope(c.ns, "");
+            let prefix = scope(c.namespace, "");
             let expect: Vec<String> = self
                 .keys
                 .keys()
                 .filter_map(|k| k.strip_prefix(&prefix).map(str::to_owned))
                 .collect();
-            assert_eq!(names, expect, "ListPartitions of {:?}", c.ns);
+            assert_eq!(names, expect, "ListPartitions of {:?}", c.namespace);
         } else {
             panic!("no check for reply {resp:?}");
         }
@@ -948,10 +1087,10 @@ impl H {
                 None
             }
             Response::Error { code, message } => {
-                match code {
-                    ErrorCode::Unauthorized => assert!(
+                match *code {
+                    c if c == not_owner() => assert!(
                         other && same,
-                        "Alloc {blob:?} answered Unauthorized ({message}); shadow {prior:?}"
+                        "Alloc {blob:?} answered {c:?} ({message}); shadow {prior:?}"
                     ),
                     ErrorCode::Busy if same && !other => assert!(
                         held_elsewhere,
@@ -975,7 +1114,7 @@ impl H {
         };
         if other && same {
             assert!(
-                code(r) == Some(ErrorCode::Unauthorized),
+                code(r) == Some(not_owner()),
                 "Alloc of another session's {blob:?}: {r:?}"
             );
         }
@@ -1017,7 +1156,7 @@ impl H {
         let other = prior.is_some_and(|p| p.session != o.session);
         let mine = prior.filter(|p| p.session == o.session);
         assert_eq!(
-            code(r) == Some(ErrorCode::Unauthorized),
+            code(r) == Some(not_owner()),
             other,
             "Commit {blob:?} answered {r:?}; shadow {prior:?}"
         );
@@ -1042,8 +1181,8 @@ impl H {
                 self.res.remove(&blob);
                 self.pending.insert(blob, (sc.to_owned(), entries.to_vec()));
             }
-            Response::Error { code, message } => match code {
-                ErrorCode::Unauthorized => {}
+            Response::Error { code, message } => match *code {
+                c if c == not_owner() => {}
                 ErrorCode::UnknownBlob => {
                     assert!(
                         prior.is_none(),
@@ -1070,10 +1209,9 @@ impl H {
                 assert!(!other, "Abort of another session's {blob:?} succeeded");
                 self.res.remove(&blob);
             }
-            Response::Error {
-                code: ErrorCode::Unauthorized,
-                ..
-            } => assert!(other, "Abort of {blob:?} answered {r:?}; shadow {prior:?}"),
+            Response::Error { code, .. } if *code == not_owner() => {
+                assert!(other, "Abort of {blob:?} answered {r:?}; shadow {prior:?}")
+            }
             r => panic!("Abort answered {r:?}"),
         }
     }
@@ -1092,8 +1230,8 @@ impl H {
         }
     }
 
-    /// Remove rows (all with `None`); the count excludes hidden fields.
-    fn release(&mut self, sc: &str, rows: Option<Vec<u64>>) -> u64 {
+    /// Clear rows (all with `None`); the count excludes hidden fields.
+    fn clear(&mut self, sc: &str, rows: Option<Vec<u64>>) -> u64 {
         let Some(index) = self.keys.get_mut(sc) else {
             return 0;
         };
@@ -1207,8 +1345,8 @@ impl H {
         if read.pin.is_some() {
             // The core's answer is not checked here: a pin left behind
             // shows up in the counters that `check` compares.
-            handler::read_sent(&mut self.core, &read);
-            self.effects();
+            handler::read_sent(&mut self.core, &read, self.now);
+            self.drive();
         }
         if cut {
             self.detach(slot, i, ConnEnd::Cut);
@@ -1241,12 +1379,12 @@ impl H {
             return;
         }
         let asker = Asker {
-            hello: Some((o, c.ns)),
+            hello: Some((o, c.namespace)),
             admin: true,
             stopping: false,
         };
         let plan = handler::handle(|| &mut self.core, &asker, req, nbytes, self.now);
-        self.effects();
+        self.drive();
         let conn_end = if end == PutEnd::Cut {
             ConnEnd::Cut
         } else {
@@ -1271,22 +1409,24 @@ impl H {
             Dest::Nowhere => Response::AlreadyCommitted,
         };
         self.allocated(o, blob, nbytes, n_entries, &r);
-        let landed = |h: &mut H| {
-            let r = handler::put_landed(&mut h.core, &put);
-            h.effects();
-            h.committed(o, &put.partition, blob, &put.entries, &r);
+        let landed = |h: &mut H, mut put: handler::Put| {
+            // put_landed takes the partition and entries for its commit.
+            let (sc, entries) = (put.partition.clone(), put.entries.clone());
+            let r = handler::put_landed(&mut h.core, &mut put);
+            h.drive();
+            h.committed(o, &sc, blob, &entries, &r);
             if code(&r).is_some() {
                 // The handler aborted it (as a client's Abort would).
                 h.aborted(o, blob, &Response::Done);
             }
             r
         };
-        let stop = |h: &mut H| {
+        let stop = |h: &mut H, put: handler::Put| {
             let r = match handler::put_abandoned(&mut h.core, &put, end == PutEnd::Cut, h.now) {
                 Ok(()) => Response::Done,
                 Err(e) => error_response(&e),
             };
-            h.effects();
+            h.drive();
             h.aborted(o, blob, &r);
             h.detach(slot, i, conn_end);
         };
@@ -1294,47 +1434,35 @@ impl H {
             Dest::Slab { offset } => {
                 if end != PutEnd::Complete {
                     self.write_slab(offset, nbytes / 2);
-                    return stop(self);
+                    return stop(self, put);
                 }
                 self.write_slab(offset, nbytes);
-                landed(self);
+                landed(self, put);
             }
             Dest::Disk => {
                 if end != PutEnd::Complete {
-                    return stop(self);
+                    return stop(self, put);
                 }
                 let bytes = self.pattern(nbytes as usize);
                 self.files.insert(blob, bytes);
-                if landed(self) == Response::Pending {
+                if landed(self, put) == Response::Pending {
                     self.flushes.push(FlushJob::Put { blob });
                 }
             }
             Dest::Nowhere if end != PutEnd::Complete => self.detach(slot, i, conn_end),
             Dest::Nowhere => {
-                landed(self);
+                landed(self, put);
             }
         }
     }
 
     // -- the driver's disk work --------------------------------------------
 
-    fn spill(&mut self) {
-        let jobs = self.core.spill_jobs();
-        self.effects();
-        for j in jobs {
-            self.note("spill_job");
-            assert!(self.disk, "spill job without a disk tier");
-            assert!(
-                self.core
-                    .regions()
-                    .any(|(b, off, len)| b == j.blob && off == j.offset && len >= j.nbytes),
-                "spill job {j:?} does not read its blob's range"
-            );
-            self.flushes.push(FlushJob::Spill {
-                blob: j.blob,
-                offset: j.offset,
-                nbytes: j.nbytes,
-            });
+    /// A file write finishes: `Input::DiskWritten`, never refused.
+    fn disk_written(&mut self, blob: BlobId, ok: bool) {
+        match self.input(CoreInput::DiskWritten { blob, ok }) {
+            Ok(Answer::Done) => {}
+            other => panic!("DiskWritten of {blob:?} answered {other:?}"),
         }
     }
 
@@ -1354,35 +1482,37 @@ impl H {
                     let bytes = self.slab[offset as usize..(offset + nbytes) as usize].to_vec();
                     self.files.insert(blob, bytes);
                 }
-                self.core.disk_written(blob, ok);
-                self.effects();
+                self.disk_written(blob, ok);
             }
             FlushJob::Put { blob } => {
-                self.core.disk_written(blob, ok);
+                // The file as written: the report may free the blob at
+                // once (a put with no entry), and the driver then removes
+                // its file.
+                let src = self.files.get(&blob).cloned();
+                self.disk_written(blob, ok);
                 let pending = self.pending.remove(&blob);
                 self.note("flush_put");
                 if ok {
                     let (sc, entries) =
                         pending.unwrap_or_else(|| panic!("flushed put {blob:?} was not pending"));
-                    let src = self
-                        .files
-                        .get(&blob)
-                        .unwrap_or_else(|| panic!("flushed put {blob:?} has no file"))
-                        .clone();
+                    let src = src.unwrap_or_else(|| panic!("flushed put {blob:?} has no file"));
                     self.publish(&sc, &entries, &src);
                 }
-                self.effects();
             }
         }
     }
 
-    fn promote_begin(&mut self, blob: u8) {
+    fn promote(&mut self, blob: u8) {
         let with_file: Vec<BlobId> = self.files.keys().copied().collect();
         let blob = match with_file.len() {
             0 => blob_id(blob),
             n => with_file[blob as usize % n],
         };
-        if let Some(off) = self.core.promote_begin(blob) {
+        let at = match self.input(CoreInput::Promote(blob)) {
+            Ok(Answer::Promoting(at)) => at,
+            other => panic!("Promote of {blob:?} answered {other:?}"),
+        };
+        if let Some(off) = at {
             // The driver opens the file now (it may be deleted meanwhile).
             let bytes = self
                 .files
@@ -1396,10 +1526,9 @@ impl H {
             self.promos.push((blob, off, bytes));
             self.note("promote_begin");
         }
-        self.effects();
     }
 
-    fn promote_done(&mut self, which: usize, ok: bool) {
+    fn promoted(&mut self, which: usize, ok: bool) {
         if self.promos.is_empty() {
             return;
         }
@@ -1407,14 +1536,19 @@ impl H {
         // The copy happens until the driver reports: write it last.
         let n = if ok { bytes.len() } else { bytes.len() / 2 };
         self.slab[off as usize..off as usize + n].copy_from_slice(&bytes[..n]);
-        self.core.promote_done(blob, ok);
+        match self.input(CoreInput::Promoted { blob, ok }) {
+            Ok(Answer::Done) => {}
+            other => panic!("Promoted of {blob:?} answered {other:?}"),
+        }
         self.note("promote_done");
-        self.effects();
     }
 
     /// A checkpoint's snapshot: exactly the shadow's keys, with their bytes.
     fn checkpoint(&mut self) {
-        let snap = self.core.snapshot(self.now);
+        let snap: Snapshot = match self.input(CoreInput::Snapshot) {
+            Ok(Answer::Snapshot(s)) => s,
+            other => panic!("Snapshot answered {other:?}"),
+        };
         let mut got: Index = BTreeMap::new();
         let places: BTreeMap<BlobId, (u64, Place)> =
             snap.blobs.iter().map(|(b, n, p)| (*b, (*n, *p))).collect();
@@ -1438,7 +1572,7 @@ impl H {
                 }),
             };
             let old = got
-                .entry(e.ns.clone())
+                .entry(e.partition.clone())
                 .or_default()
                 .entry(e.key.row)
                 .or_default()
@@ -1449,17 +1583,22 @@ impl H {
                         meta: e.meta.clone(),
                     },
                 );
-            assert!(old.is_none(), "snapshot lists {:?} {} twice", e.ns, e.key);
+            assert!(
+                old.is_none(),
+                "snapshot lists {:?} {} twice",
+                e.partition,
+                e.key
+            );
         }
         let mut want = self.keys.clone();
         want.retain(|_, rows| !rows.is_empty());
         if got != want {
             let flat = |i: &Index| -> BTreeMap<(String, u64, String), Val> {
                 i.iter()
-                    .flat_map(|(ns, rows)| {
+                    .flat_map(|(p, rows)| {
                         rows.iter().flat_map(move |(r, f)| {
                             f.iter()
-                                .map(move |(f, v)| ((ns.clone(), *r, f.clone()), v.clone()))
+                                .map(move |(f, v)| ((p.clone(), *r, f.clone()), v.clone()))
                         })
                     })
                     .collect()
@@ -1481,11 +1620,12 @@ impl H {
         if !snap.entries.is_empty() {
             self.note("checkpoint_entries");
         }
-        if let Some(p) = snap.pin {
-            self.core
-                .unpin(Owner::UNIT, p)
-                .expect("the unit unpins its snapshot");
-            self.effects();
+        if let Some(pin) = snap.pin {
+            let unpin = CoreInput::Request {
+                owner: Owner::UNIT,
+                op: CoreOp::Unpin { pin },
+            };
+            self.input(unpin).expect("the unit unpins its snapshot");
         }
     }
 
@@ -1658,6 +1798,19 @@ impl H {
         core_orphans.sort_unstable();
         orphaned.sort_unstable();
         assert_eq!(core_orphans, orphaned, "orphaned sessions");
+        // The driver was asked to watch each one's process.
+        let watched: Vec<SessionId> = self.watched.iter().copied().collect();
+        assert_eq!(watched, orphaned, "sessions whose process is watched");
+
+        // The core needs waking exactly while a range is quarantined (no
+        // peer here is one-sided, so no fenced hold waits).
+        assert_eq!(
+            self.core.poll_timeout().is_some(),
+            st.quarantined_bytes > 0,
+            "poll_timeout {:?} with {} bytes quarantined",
+            self.core.poll_timeout(),
+            st.quarantined_bytes
+        );
 
         // 3. Pinned bytes never change until unpinned.
         for (id, p) in &self.pins {
@@ -1698,21 +1851,34 @@ impl H {
                     }
                 }
             }
-            Step::Tick => {
+            Step::Timeout => {
                 if self.core.stats().quarantined_bytes > 0 {
-                    self.note("tick_with_quarantine");
+                    self.note("timeout_with_quarantine");
                 }
-                self.core.tick(self.now);
-                self.effects();
+                if self.core.poll_timeout().is_some_and(|t| t <= self.now) {
+                    self.note("timeout_due");
+                }
+                let n = self.released(CoreInput::Timeout);
+                assert_eq!(n, 0, "a timeout released holds, with no one-sided peer");
+                let next = self.core.poll_timeout();
+                assert!(
+                    next.is_none_or(|t| t > self.now),
+                    "after a timeout at {:?} the core wants one at {next:?}",
+                    self.now
+                );
             }
             Step::Detach { conn, cut } => {
                 if let Some((slot, i)) = self.conn(conn) {
                     self.detach(slot, i, if cut { ConnEnd::Cut } else { ConnEnd::Closed });
                 }
             }
-            Step::Attach { slot, direct, ns } => self.attach(slot as usize % SLOTS, direct, ns),
-            Step::SessionGone { slot, close_first } => {
-                self.session_gone(slot as usize % SLOTS, close_first)
+            Step::Attach {
+                slot,
+                mapped,
+                namespace,
+            } => self.attach(slot as usize % SLOTS, mapped, namespace),
+            Step::ProcessExited { slot, close_first } => {
+                self.process_exited(slot as usize % SLOTS, close_first)
             }
             Step::Put {
                 conn,
@@ -1730,8 +1896,8 @@ impl H {
                 cut,
             } => {
                 if let Some((slot, i)) = self.conn(conn) {
-                    let ns = self.slots[slot].conns[i].ns;
-                    let (partition, keys) = self.lookup(ns, p, &keys, known);
+                    let namespace = self.slots[slot].conns[i].namespace;
+                    let (partition, keys) = self.lookup(namespace, p, &keys, known);
                     let req = Request::Read {
                         partition,
                         keys,
@@ -1740,10 +1906,9 @@ impl H {
                     self.send(slot, i, req, cut);
                 }
             }
-            Step::Spill => self.spill(),
             Step::Flush { which, ok } => self.flush(which as usize, ok),
-            Step::PromoteBegin { blob } => self.promote_begin(blob),
-            Step::PromoteDone { which, ok } => self.promote_done(which as usize, ok),
+            Step::Promote { blob } => self.promote(blob),
+            Step::Promoted { which, ok } => self.promoted(which as usize, ok),
             Step::Checkpoint => self.checkpoint(),
         }
     }
