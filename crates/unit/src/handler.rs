@@ -238,18 +238,14 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             blob,
             partition,
             entries,
-        } => Plan::Committed {
+        } => commit(
+            &mut core(),
+            owner,
+            scope(namespace, &partition),
             blob,
-            shm_bytes: entry_bytes(&entries),
-            reply: commit(
-                &mut core(),
-                owner,
-                scope(namespace, &partition),
-                blob,
-                entries,
-                now,
-            ),
-        },
+            entries,
+            now,
+        ),
         // A put under way when the unit began to stop may finish; it gets
         // no spare for another.
         Request::CommitSpare {
@@ -257,18 +253,14 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             partition,
             entries,
             ..
-        } if asker.stopping => Plan::Committed {
+        } if asker.stopping => commit(
+            &mut core(),
+            owner,
+            scope(namespace, &partition),
             blob,
-            shm_bytes: entry_bytes(&entries),
-            reply: commit(
-                &mut core(),
-                owner,
-                scope(namespace, &partition),
-                blob,
-                entries,
-                now,
-            ),
-        },
+            entries,
+            now,
+        ),
         Request::CommitSpare {
             blob,
             written,
@@ -490,7 +482,7 @@ fn commit_reply(r: Result<Answer, CoreError>) -> Result<Committed, CoreError> {
 }
 
 /// Commit `entries` of `blob`, reserved in the slab by `owner` and written
-/// through the mapping, into `partition`: the reply.
+/// through the mapping, into `partition`.
 fn commit(
     core: &mut UnitCore,
     owner: Owner,
@@ -498,16 +490,22 @@ fn commit(
     blob: BlobId,
     entries: Vec<EntrySpec>,
     now: Time,
-) -> Response {
+) -> Plan {
+    let shm_bytes = entry_bytes(&entries);
     let op = Op::Commit {
         partition,
         blob,
         entries,
     };
-    match commit_reply(request(core, now, owner, op)) {
+    let reply = match commit_reply(request(core, now, owner, op)) {
         Ok(Committed::Done) => Response::Done,
         Ok(Committed::Pending) => Response::Pending,
         Err(e) => error_response(&e),
+    };
+    Plan::Committed {
+        blob,
+        shm_bytes,
+        reply,
     }
 }
 
