@@ -261,6 +261,14 @@ enum Cmd {
         /// Do not try to mlock the slab.
         #[arg(long)]
         no_mlock: bool,
+        /// The slab's page mode: auto (hugetlb if the free huge pages hold
+        /// the slab, else thp if shmem_enabled allows it, else 4k; never
+        /// fails), hugetlb (MFD_HUGETLB: needs /proc/sys/vm/nr_hugepages;
+        /// the slab rounds up to whole huge pages), thp (MADV_HUGEPAGE:
+        /// needs /sys/kernel/mm/transparent_hugepage/shmem_enabled at
+        /// advise or within_size) or 4k.
+        #[arg(long, value_name = "MODE", default_value = "auto")]
+        huge_pages: stowage_config::HugePages,
         /// Exit when standard input closes (the parent is gone).
         #[arg(long)]
         exit_with_stdin: bool,
@@ -503,6 +511,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             reservation_lease,
             quarantine,
             no_mlock,
+            huge_pages,
             exit_with_stdin,
             spin,
             disk,
@@ -602,6 +611,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             }
             cfg.quarantine = quarantine;
             cfg.mlock = !no_mlock;
+            if set("huge_pages") {
+                cfg.huge_pages = huge_pages;
+            }
             cfg.spin = spin;
             if set("disk") {
                 cfg.disk = disk.disk.map(|d| (d, disk.disk_capacity));

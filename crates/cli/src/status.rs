@@ -63,6 +63,9 @@ pub struct UnitStatus {
     pub pins: u64,
     /// Whether the unit serves one-sided NIXL transfers (`--nixl`).
     pub serves_nixl: bool,
+    /// The slab's page mode (`4k`, `thp`, `hugetlb`; empty for a unit
+    /// that predates it or is unreachable).
+    pub page_mode: String,
     /// Over the last interval; `None` until two samples were taken.
     pub ops_per_s: Option<f64>,
     pub bytes_per_s: Option<f64>,
@@ -243,6 +246,7 @@ pub fn run(opts: &StatusOptions, out: &mut dyn Write) -> Result<(), String> {
                 rows: 0,
                 pins: 0,
                 serves_nixl: false,
+                page_mode: String::new(),
                 ops_per_s: None,
                 bytes_per_s: None,
                 busy_per_s: None,
@@ -275,6 +279,7 @@ pub fn run(opts: &StatusOptions, out: &mut dyn Write) -> Result<(), String> {
                     u.rows = stats.rows;
                     u.pins = stats.pins;
                     u.serves_nixl = stats.serves_nixl;
+                    u.page_mode = stats.page_mode.clone();
                     let restarted = match (seen[i], instance) {
                         (Some(want), Some(got)) => want != got,
                         _ => false,
@@ -402,7 +407,7 @@ pub fn render(r: &Report) -> String {
         .unwrap_or(7)
         .clamp(7, 60);
     let mut s = format!(
-        "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6}\n",
+        "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6} {:>7}\n",
         "unit",
         "address",
         "state",
@@ -414,7 +419,8 @@ pub fn render(r: &Report) -> String {
         "pins",
         "ops/s",
         "GB/s",
-        "serves"
+        "serves",
+        "pages"
     );
     for u in &r.units {
         let disk = if u.disk_capacity == 0 {
@@ -438,7 +444,7 @@ pub fn render(r: &Report) -> String {
             State::Restarted => "restarted",
         };
         s += &format!(
-            "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6}\n",
+            "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6} {:>7}\n",
             u.index,
             u.address,
             state,
@@ -455,6 +461,11 @@ pub fn render(r: &Report) -> String {
             rate(u.ops_per_s, 1.0, 1),
             rate(u.bytes_per_s, 1e9, 3),
             if u.serves_nixl { "nixl" } else { "-" },
+            if u.page_mode.is_empty() {
+                "-"
+            } else {
+                &u.page_mode
+            },
         );
         if let (State::Unreachable | State::Busy, Some(e)) = (u.state, &u.error) {
             s += &format!("      {e}\n");

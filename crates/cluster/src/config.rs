@@ -114,6 +114,10 @@ pub struct UnitsSection {
     /// Default 5 s.
     #[serde(with = "duration")]
     pub nixl_quarantine: Duration,
+    /// The slab's page mode: auto (default), hugetlb, thp or 4k
+    /// (`stowage unit --huge-pages`).
+    #[serde(with = "huge_pages")]
+    pub huge_pages: stowage_config::HugePages,
 }
 
 impl Default for UnitsSection {
@@ -135,6 +139,7 @@ impl Default for UnitsSection {
             nixl: false,
             require_rdma: true,
             nixl_quarantine: stowage_config::NixlConfig::default().quarantine,
+            huge_pages: unit.huge_pages,
         }
     }
 }
@@ -577,6 +582,7 @@ impl Config {
         c.max_session_connections = u.max_session_connections;
         c.max_session_holds = u.max_session_holds;
         c.checkpoint_root = u.checkpoint_root.clone();
+        c.huge_pages = u.huge_pages;
         if let Some(d) = &u.disk {
             c.disk = Some((d.root.clone(), d.capacity));
             c.high_watermark = d.high_watermark;
@@ -768,6 +774,21 @@ mod size {
 
 /// Durations: strings such as "30s"; a bare number is refused (seconds or
 /// milliseconds?).
+mod huge_pages {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use stowage_config::HugePages;
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<HugePages, D::Error> {
+        String::deserialize(d)?
+            .parse()
+            .map_err(serde::de::Error::custom)
+    }
+
+    pub fn serialize<S: Serializer>(v: &HugePages, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(v)
+    }
+}
+
 mod duration {
     use std::time::Duration;
 

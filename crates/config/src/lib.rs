@@ -15,6 +15,7 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+pub use stowage_shm::HugePages;
 use stowage_wire::Limits;
 
 /// Parse a byte size: `1GiB`, `256MiB`, `64KiB`, `4096`.
@@ -54,6 +55,10 @@ pub struct UnitConfig {
     pub limits: Limits,
     /// Try to mlock the slab. Default true.
     pub mlock: bool,
+    /// The slab's page mode (`--huge-pages`, `units.huge_pages`): auto
+    /// (default: hugetlb, else transparent huge pages, else 4 KiB, one log
+    /// line says which and why), hugetlb, thp or 4k.
+    pub huge_pages: HugePages,
     /// How long a connection thread polls for the next request before it
     /// blocks (adaptive polling: a blocking wake-up costs tens of µs on a
     /// VM; polling costs CPU while it lasts). Default 50 µs; zero disables
@@ -173,6 +178,7 @@ impl UnitConfig {
             quarantine: Duration::from_secs(5),
             limits: Limits::default(),
             mlock: true,
+            huge_pages: HugePages::Auto,
             spin: Duration::from_micros(50),
             disk: None,
             high_watermark: 0.9,

@@ -1064,6 +1064,7 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
     d.set_item("spares", s.spares)?;
     d.set_item("spare_bytes", s.spare_bytes)?;
     d.set_item("serves_nixl", s.serves_nixl)?;
+    d.set_item("page_mode", &s.page_mode)?;
     d.set_item("partitions", s.partitions)?;
     d.set_item("ops", s.ops)?;
     d.set_item("bytes_in", s.bytes_in)?;

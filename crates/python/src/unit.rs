@@ -78,6 +78,8 @@ impl Unit {
     /// seconds; connection, handshake and hold limits default to the
     /// unit's. `checkpoint_root`: checkpoints are
     /// written only under it (without it the unit refuses them).
+    /// `huge_pages`: the slab's page mode, "auto" (default), "hugetlb",
+    /// "thp" or "4k" (see `stowage unit --huge-pages`).
     /// `secret` (bytes or str) or `secret_file` (an owner-only file, read
     /// here): the shared secret every client must prove (the environment
     /// is not read here). With `tcp` and neither, a fresh secret is
@@ -100,6 +102,7 @@ impl Unit {
         pin_lease = 30.0,
         checkpoint_root = None,
         mlock = true,
+        huge_pages = "auto".to_string(),
         max_connections = None,
         max_handshakes = None,
         max_handshakes_per_source = None,
@@ -130,6 +133,7 @@ impl Unit {
         pin_lease: f64,
         checkpoint_root: Option<PathBuf>,
         mlock: bool,
+        huge_pages: String,
         max_connections: Option<usize>,
         max_handshakes: Option<usize>,
         max_handshakes_per_source: Option<usize>,
@@ -175,6 +179,7 @@ impl Unit {
         cfg.low_watermark = low_watermark;
         cfg.checkpoint_root = checkpoint_root;
         cfg.mlock = mlock;
+        cfg.huge_pages = huge_pages.parse().map_err(invalid)?;
         if let Some(n) = max_connections {
             cfg.max_connections = n;
         }

@@ -70,6 +70,7 @@ pub struct Slab {
     map: MmapRaw,
     fd: OwnedFd,
     len: usize,
+    mode: PageMode,
     /// For a slab a client mapped ([`Slab::open`]): one bit per
     /// [`REGION`] whose page tables this process has filled.
     filled: Option<Box<[AtomicU64]>>,
@@ -81,37 +82,131 @@ const REGION: usize = 2 << 20;
 const FILL_MIN: usize = 256 << 10;
 
 impl Slab {
-    /// Create a slab of `len` bytes (a unit's memory). Pages are allocated
-    /// lazily by the kernel; [`Slab::fault_in`] faults them in (and pins them).
+    /// Create a slab of `len` bytes on 4 KiB pages (no huge-page advice).
+    /// Pages are allocated lazily by the kernel; [`Slab::fault_in`] faults
+    /// them in (and pins them). A unit uses [`Slab::create_paged`].
     pub fn create(name: &str, len: u64) -> io::Result<Self> {
-        let len_usize = usize::try_from(len).map_err(|_| io::ErrorKind::InvalidInput)?;
-        let fd = rustix::fs::memfd_create(name, MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING)?;
-        rustix::fs::ftruncate(&fd, len)?;
-        // A client must never see the mapping shrink under it (SIGBUS).
-        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
-        Self::map(fd, len_usize)
+        Self::create_with(name, len, PageMode::Small)
     }
 
-    fn map(fd: OwnedFd, len: usize) -> io::Result<Self> {
+    /// Create a slab of at least `len` bytes in the page mode `want` asks
+    /// for (see [`HugePages`]). Returns the slab and why its mode was
+    /// chosen (one line, for the unit's log; [`Slab::page_mode`] says
+    /// which). With hugetlb the slab's length is `len` rounded up to the
+    /// huge page size ([`Slab::len`] is the length in effect). An explicit
+    /// mode the host does not offer is an [`io::ErrorKind::Unsupported`]
+    /// error naming the setting to change; [`HugePages::Auto`] never fails
+    /// for want of huge pages.
+    pub fn create_paged(name: &str, len: u64, want: HugePages) -> io::Result<(Self, String)> {
+        let host = HostPages::read();
+        let unavailable = |why: String| {
+            io::Error::new(
+                io::ErrorKind::Unsupported,
+                format!("huge pages mode {want} is unavailable: {why}"),
+            )
+        };
+        match want {
+            HugePages::Off => Ok((
+                Self::create_with(name, len, PageMode::Small)?,
+                "4 KiB pages, as asked (huge pages 4k)".into(),
+            )),
+            HugePages::Hugetlb => {
+                host.hugetlb_fits(len).map_err(unavailable)?;
+                let s = Self::create_with(name, len, PageMode::Hugetlb).map_err(|e| {
+                    unavailable(format!(
+                        "hugetlb pages for {len} bytes could not be had ({e}): raise /proc/sys/vm/nr_hugepages"
+                    ))
+                })?;
+                let why = format!(
+                    "hugetlb pages of {} KiB, as asked{}",
+                    host.huge_size >> 10,
+                    rounded(len, s.len())
+                );
+                Ok((s, why))
+            }
+            HugePages::Thp => {
+                host.thp_usable().map_err(unavailable)?;
+                let why = format!(
+                    "transparent huge pages, as asked (shmem_enabled is {})",
+                    host.shmem_enabled
+                );
+                Ok((Self::create_with(name, len, PageMode::Thp)?, why))
+            }
+            HugePages::Auto => {
+                let no_hugetlb = match host.hugetlb_fits(len) {
+                    Ok(()) => match Self::create_with(name, len, PageMode::Hugetlb) {
+                        Ok(s) => {
+                            let why = format!(
+                                "hugetlb pages of {} KiB: {} free huge pages hold the slab{}",
+                                host.huge_size >> 10,
+                                host.huge_free,
+                                rounded(len, s.len())
+                            );
+                            return Ok((s, why));
+                        }
+                        Err(e) => format!("creating a hugetlb memfd failed: {e}"),
+                    },
+                    Err(why) => why,
+                };
+                match host.thp_usable() {
+                    Ok(()) => Ok((
+                        Self::create_with(name, len, PageMode::Thp)?,
+                        format!(
+                            "transparent huge pages: shmem_enabled is {}; not hugetlb: {no_hugetlb}",
+                            host.shmem_enabled
+                        ),
+                    )),
+                    Err(no_thp) => Ok((
+                        Self::create_with(name, len, PageMode::Small)?,
+                        format!("4 KiB pages: not hugetlb: {no_hugetlb}; not thp: {no_thp}"),
+                    )),
+                }
+            }
+        }
+    }
+
+    fn create_with(name: &str, len: u64, mode: PageMode) -> io::Result<Self> {
+        let mut flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        let mut size = len;
+        if mode == PageMode::Hugetlb {
+            flags |= MemfdFlags::HUGETLB;
+            // A hugetlb file is sized and mapped in whole huge pages only.
+            let huge = HostPages::read().huge_size.max(4096);
+            size = len.div_ceil(huge).saturating_mul(huge);
+        }
+        let len_usize = usize::try_from(size).map_err(|_| io::ErrorKind::InvalidInput)?;
+        let fd = rustix::fs::memfd_create(name, flags)?;
+        rustix::fs::ftruncate(&fd, size)?;
+        // A client must never see the mapping shrink under it (SIGBUS).
+        rustix::fs::fcntl_add_seals(&fd, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)?;
+        Self::map(fd, len_usize, mode)
+    }
+
+    fn map(fd: OwnedFd, len: usize, mode: PageMode) -> io::Result<Self> {
         if len == 0 {
             return Err(io::Error::new(io::ErrorKind::InvalidInput, "empty slab"));
         }
         let map = memmap2::MmapOptions::new().len(len).map_raw(&fd)?;
-        // Transparent huge pages for the slab where the host allows them
-        // for shared memory on request (`/sys/kernel/mm/transparent_hugepage/
-        // shmem_enabled` = `advise` or `within_size`): then a first touch
-        // maps 2 MiB at once, in the unit and in every client. Only then:
-        // with `never` the advice still cost a fresh 64 KiB put about 20 us
-        // here.
-        if shmem_thp_on_request() {
+        // Transparent huge pages: a first touch maps 2 MiB at once, in the
+        // unit and in every client (each advises its own mapping). Only in
+        // that mode: with shmem_enabled `never` the advice still cost a
+        // fresh 64 KiB put about 20 us here.
+        if mode == PageMode::Thp {
             let _ = map.advise(memmap2::Advice::HugePage);
         }
         Ok(Self {
             map,
             fd,
             len,
+            mode,
             filled: None,
         })
+    }
+
+    /// The page mode of this mapping (for a client's: what its fd and the
+    /// host's settings say, see [`Slab::open`]).
+    pub fn page_mode(&self) -> PageMode {
+        self.mode
     }
 
     /// Fault in the pages of `offset..offset+len` (clamped to the slab),
@@ -163,7 +258,19 @@ impl Slab {
     pub fn open(fd: OwnedFd, len: u64) -> io::Result<Self> {
         check_slab_fd(&fd, len)?;
         let len = usize::try_from(len).map_err(|_| io::ErrorKind::InvalidData)?;
-        let mut s = Self::map(fd, len)?;
+        // The client cannot know the unit's mode from Hello: a hugetlb
+        // memfd says so itself (its length is then whole huge pages, as
+        // the unit created it); otherwise this mapping asks for
+        // transparent huge pages whenever the host grants them on request,
+        // so a unit in thp mode gets them in every client too.
+        let mode = if is_hugetlb(&fd) {
+            PageMode::Hugetlb
+        } else if HostPages::read().thp_on_request() {
+            PageMode::Thp
+        } else {
+            PageMode::Small
+        };
+        let mut s = Self::map(fd, len, mode)?;
         s.filled = Some(
             (0..len.div_ceil(REGION).div_ceil(64))
                 .map(|_| AtomicU64::new(0))
@@ -636,14 +743,169 @@ pub fn copy_split(dst: &mut [u8], src: &[u8], threads: Option<usize>) {
     });
 }
 
-/// Whether this host gives shared memory transparent huge pages when a
-/// mapping asks for them (`shmem_enabled` is `advise` or `within_size`).
-fn shmem_thp_on_request() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| {
-        std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
-            .is_ok_and(|s| s.contains("[advise]") || s.contains("[within_size]"))
-    })
+/// The page mode a unit asks for its slab (`--huge-pages`,
+/// `units.huge_pages`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum HugePages {
+    /// The best the host offers: hugetlb when its free huge pages hold
+    /// the whole slab, else transparent huge pages when shmem_enabled
+    /// grants them on request, else 4 KiB pages. Never fails a start.
+    #[default]
+    Auto,
+    /// A hugetlb memfd (`MFD_HUGETLB`): needs free huge pages
+    /// (`/proc/sys/vm/nr_hugepages`); the slab rounds up to whole huge
+    /// pages.
+    Hugetlb,
+    /// A plain memfd with `MADV_HUGEPAGE` on every mapping: needs
+    /// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` to be
+    /// `advise`, `within_size`, `always` or `force`.
+    Thp,
+    /// 4 KiB pages.
+    Off,
+}
+
+impl std::str::FromStr for HugePages {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "hugetlb" => Ok(Self::Hugetlb),
+            "thp" => Ok(Self::Thp),
+            "4k" | "off" => Ok(Self::Off),
+            other => Err(format!(
+                "huge pages mode {other:?}: expected auto, hugetlb, thp or 4k"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for HugePages {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Hugetlb => "hugetlb",
+            Self::Thp => "thp",
+            Self::Off => "4k",
+        })
+    }
+}
+
+/// The page mode a slab is in.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PageMode {
+    /// 4 KiB pages.
+    Small,
+    /// Transparent huge pages advised on the mapping.
+    Thp,
+    /// A hugetlb memfd.
+    Hugetlb,
+}
+
+impl PageMode {
+    /// Every mode, in the order metrics list them.
+    pub const ALL: [PageMode; 3] = [PageMode::Small, PageMode::Thp, PageMode::Hugetlb];
+
+    /// Its name in stats, metrics and `stowage status`: `4k`, `thp`,
+    /// `hugetlb`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Small => "4k",
+            Self::Thp => "thp",
+            Self::Hugetlb => "hugetlb",
+        }
+    }
+}
+
+impl std::fmt::Display for PageMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+const SHMEM_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+/// What the host offers: its default huge page size and free huge pages
+/// (`/proc/meminfo`), and the shmem THP setting.
+struct HostPages {
+    huge_size: u64,
+    /// Free huge pages not reserved by another mapping.
+    huge_free: u64,
+    /// The selected word of shmem_enabled (`never` when unreadable).
+    shmem_enabled: String,
+}
+
+impl HostPages {
+    fn read() -> Self {
+        let meminfo = std::fs::read_to_string("/proc/meminfo").unwrap_or_default();
+        let field = |name: &str| {
+            meminfo
+                .lines()
+                .find_map(|l| l.strip_prefix(name))
+                .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+                .unwrap_or(0)
+        };
+        let shmem = std::fs::read_to_string(SHMEM_ENABLED).unwrap_or_default();
+        HostPages {
+            huge_size: field("Hugepagesize:") << 10,
+            huge_free: field("HugePages_Free:").saturating_sub(field("HugePages_Rsvd:")),
+            shmem_enabled: shmem
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix('[')?.strip_suffix(']'))
+                .unwrap_or("never")
+                .to_string(),
+        }
+    }
+
+    /// Whether the free huge pages hold a slab of `len` bytes; if not, why.
+    fn hugetlb_fits(&self, len: u64) -> Result<(), String> {
+        if self.huge_size == 0 {
+            return Err("the host has no hugetlb pages (no Hugepagesize in /proc/meminfo)".into());
+        }
+        let need = len.div_ceil(self.huge_size);
+        if self.huge_free < need {
+            return Err(format!(
+                "{} free hugetlb pages of {} KiB, the slab needs {need}: raise /proc/sys/vm/nr_hugepages",
+                self.huge_free,
+                self.huge_size >> 10
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether a mapping that asks gets transparent huge pages for shared
+    /// memory.
+    fn thp_on_request(&self) -> bool {
+        matches!(
+            self.shmem_enabled.as_str(),
+            "advise" | "within_size" | "always" | "force"
+        )
+    }
+
+    fn thp_usable(&self) -> Result<(), String> {
+        if self.thp_on_request() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{SHMEM_ENABLED} is {}: set it to advise (or within_size)",
+                self.shmem_enabled
+            ))
+        }
+    }
+}
+
+/// ", rounded up from LEN" when hugetlb made the slab larger.
+fn rounded(asked: u64, got: u64) -> String {
+    if got > asked {
+        format!("; the slab rounds up from {asked} to {got} bytes")
+    } else {
+        String::new()
+    }
+}
+
+/// Whether `fd` is a file on hugetlbfs (a hugetlb memfd).
+fn is_hugetlb(fd: &OwnedFd) -> bool {
+    const HUGETLBFS_MAGIC: u64 = 0x9584_58f6;
+    rustix::fs::fstatfs(fd).is_ok_and(|st| st.f_type as u64 == HUGETLBFS_MAGIC)
 }
 
 /// How many threads a copy of `total` bytes is split over.
@@ -786,6 +1048,61 @@ mod tests {
         s.read(len - 10, &mut back[..10]).unwrap();
         assert_eq!(&back[..10], b"0123456789");
         assert!(lazy.range_ptr(len - 1, 1).is_ok());
+    }
+
+    #[test]
+    fn page_modes_parse_and_auto_never_fails() {
+        for (s, m) in [
+            ("auto", HugePages::Auto),
+            ("hugetlb", HugePages::Hugetlb),
+            ("thp", HugePages::Thp),
+            ("4k", HugePages::Off),
+        ] {
+            assert_eq!(s.parse::<HugePages>().unwrap(), m);
+            assert_eq!(m.to_string(), s);
+        }
+        assert!("huge"
+            .parse::<HugePages>()
+            .unwrap_err()
+            .contains("auto, hugetlb, thp or 4k"));
+        // Whatever the host offers, auto starts, says why, and a client's
+        // mapping of its fd sees the same bytes.
+        let (s, why) = Slab::create_paged("auto", 3 << 20, HugePages::Auto).unwrap();
+        assert!(s.len() >= 3 << 20, "{why}");
+        assert!(
+            why.starts_with(match s.page_mode() {
+                PageMode::Small => "4 KiB pages",
+                PageMode::Thp => "transparent huge pages",
+                PageMode::Hugetlb => "hugetlb pages",
+            }),
+            "{why}"
+        );
+        s.write(12345, b"paged").unwrap();
+        let c = Slab::open(s.fd().try_clone_to_owned().unwrap(), s.len()).unwrap();
+        let mut out = [0u8; 5];
+        c.read(12345, &mut out).unwrap();
+        assert_eq!(&out, b"paged");
+        assert_eq!(
+            c.page_mode() == PageMode::Hugetlb,
+            s.page_mode() == PageMode::Hugetlb
+        );
+        let (s, _) = Slab::create_paged("4k", 4096, HugePages::Off).unwrap();
+        assert_eq!((s.page_mode(), s.len()), (PageMode::Small, 4096));
+        // An explicit mode the host lacks names the setting to change.
+        let host = HostPages::read();
+        if host.hugetlb_fits(1 << 40).is_err() {
+            let e = Slab::create_paged("big", 1 << 40, HugePages::Hugetlb)
+                .err()
+                .unwrap();
+            assert_eq!(e.kind(), io::ErrorKind::Unsupported);
+            assert!(e.to_string().contains("nr_hugepages"), "{e}");
+        }
+        if !host.thp_on_request() {
+            let e = Slab::create_paged("thp", 4096, HugePages::Thp)
+                .err()
+                .unwrap();
+            assert!(e.to_string().contains("shmem_enabled"), "{e}");
+        }
     }
 
     #[test]

@@ -234,6 +234,7 @@ impl Shared {
             s.busy = m.busy_total();
         }
         s.serves_nixl = self.nixl.is_some();
+        s.page_mode = self.slab.page_mode().name().to_string();
         s
     }
 
@@ -403,7 +404,16 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         &cfg.name,
         admit::fds_needed(cfg.max_connections, cfg.max_handshakes),
     );
-    let mut core_cfg = CoreConfig::new(cfg.memory);
+    if cfg.memory < 4096 {
+        return Err(StartError::Config("memory must be at least 4 KiB".into()));
+    }
+    let (slab, why) =
+        Slab::create_paged(&format!("stowage-{}", cfg.name), cfg.memory, cfg.huge_pages)
+            .map_err(StartError::Slab)?;
+    tracing::info!(unit = %cfg.name, mode = %slab.page_mode(), asked = %cfg.huge_pages, "slab pages: {why}");
+    let slab = Arc::new(slab);
+    // With hugetlb the slab is whole huge pages: all of it is the unit's.
+    let mut core_cfg = CoreConfig::new(slab.len());
     if let Some(b) = cfg.index_budget {
         core_cfg.index_budget = b;
     }
@@ -425,12 +435,6 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     core_cfg.low_watermark = cfg.low_watermark;
     core_cfg.disk_capacity = cfg.disk.as_ref().map_or(0, |(_, c)| *c);
     let core = UnitCore::new(core_cfg).map_err(|e| StartError::Config(e.to_string()))?;
-    if cfg.memory < 4096 {
-        return Err(StartError::Config("memory must be at least 4 KiB".into()));
-    }
-    let slab = Arc::new(
-        Slab::create(&format!("stowage-{}", cfg.name), cfg.memory).map_err(StartError::Slab)?,
-    );
     let mut id = [0u8; 16];
     getrandom::fill(&mut id).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;
     let instance_id = u128::from_le_bytes(id);

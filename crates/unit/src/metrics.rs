@@ -621,6 +621,14 @@ impl Collector for UnitCollector {
                 ("free", f(s.capacity.saturating_sub(s.used))),
             ],
         )?;
+        let mode = s.page_mode.as_str();
+        gauges(
+            &mut e,
+            "slab_page_mode",
+            "The slab's page mode: 1 for the mode in effect (4k, thp: transparent huge pages, hugetlb), 0 for the others.",
+            "mode",
+            &stowage_shm::PageMode::ALL.map(|m| (m.name(), f(u64::from(m.name() == mode)))),
+        )?;
         gauge(
             &mut e,
             "slab_high_watermark_bytes",

@@ -844,6 +844,7 @@ mod tests {
                 spares: 25,
                 spare_bytes: 26,
                 serves_nixl: true,
+                page_mode: "thp".into(),
             }),
             Response::Data {
                 items: vec![

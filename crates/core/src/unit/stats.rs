@@ -58,6 +58,9 @@ pub struct Stats {
     /// Whether the unit serves one-sided NIXL transfers (`--nixl`; set by
     /// the unit server, the core reports false). Last in the message.
     pub serves_nixl: bool,
+    /// The slab's page mode: `4k`, `thp` or `hugetlb` (set by the unit
+    /// server, the core reports ""). Last in the message.
+    pub page_mode: String,
 }
 
 /// What one session holds.
