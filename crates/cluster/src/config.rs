@@ -1041,6 +1041,11 @@ mod tests {
                 "absolute",
             ),
             (
+                "[units]\nhuge_pages = \"big\"\n",
+                "units.huge_pages",
+                "expected auto, hugetlb, thp or 4k",
+            ),
+            (
                 "[units.disk]\nroot = \"rel/dir\"\n",
                 "units.disk.root",
                 "absolute",
