@@ -64,6 +64,11 @@ fn status_reports_live_stopped_continued_killed_and_restarted_units() {
     // The test units serve nixl exactly in a build with the feature.
     for u in r["units"].as_array().expect("units") {
         assert_eq!(u["serves_nixl"], cfg!(feature = "nixl"), "{r}");
+        // The slab's page mode the unit picked (auto: whatever the host allows).
+        assert!(
+            ["4k", "thp", "hugetlb"].contains(&u["page_mode"].as_str().unwrap_or_default()),
+            "{r}"
+        );
     }
     assert_eq!(r["total"]["memory_capacity"], 3 * (16u64 << 20), "{r}");
     for u in r["units"].as_array().unwrap() {
