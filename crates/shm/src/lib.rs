@@ -26,6 +26,14 @@
 //! written only by the holder of its reservation and reused only when no
 //! one can still touch it). Zero-copy views get a raw address
 //! ([`Slab::range_ptr`]) and read through it under their own `unsafe`.
+//!
+//! A unit's slab is in one of three page modes ([`Slab::create_paged`],
+//! [`HugePages`], [`PageMode`]): 4 KiB pages; transparent huge pages
+//! (`MADV_HUGEPAGE` on the unit's mapping, and on every client's where the
+//! host grants them on request); or a hugetlb memfd (`MFD_HUGETLB`, the
+//! slab rounded up to whole huge pages, which clients recognise by its
+//! filesystem and map whole). A new process's copies then fill one page
+//! table entry per 2 MiB instead of 512.
 
 use std::io;
 use std::mem::MaybeUninit;

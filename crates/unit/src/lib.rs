@@ -600,7 +600,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         .map_err(StartError::Slab)?;
     tracing::info!(
         unit = %cfg.name,
-        memory = cfg.memory,
+        memory = shared.slab.len(),
         uds = ?handle.uds,
         tcp = ?handle.tcp,
         metrics = ?handle.metrics,
