@@ -239,7 +239,7 @@ class Unit:
         pin_lease: float = 30.0,
         checkpoint_root: Optional[str] = None,
         mlock: bool = True,
-        huge_pages: str = "auto",
+        huge_pages: str = ...,  # "auto"
         max_connections: Optional[int] = None,
         max_handshakes: Optional[int] = None,
         max_handshakes_per_source: Optional[int] = None,
