@@ -203,10 +203,12 @@ pub enum CoreError {
 }
 
 /// The answer to an alloc.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Allocated {
-    /// Reserved (or already reserved by an earlier try): write the bytes here.
-    Reserved { offset: u64 },
+    /// Reserved (or already reserved by an earlier try): write the bytes
+    /// into these (slab offset, bytes) pieces, in order — one piece unless
+    /// no free range held the blob whole.
+    Reserved { pieces: Vec<(u64, u64)> },
     /// The blob was committed by an earlier try: nothing to write.
     AlreadyCommitted,
     /// The slab has no room but the disk tier has: the blob is reserved on

@@ -42,8 +42,11 @@ pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 /// [`Request::NixlInfo`]; version 7 the client's NIXL agent in
 /// [`Request::NixlInfo`] (its name and connection metadata, so that the unit
 /// can fence that agent when its connections end); version 8
-/// [`ErrorCode::NotOwner`] (an older client could not decode it).
-pub const PROTOCOL_VERSION: u16 = 8;
+/// [`ErrorCode::NotOwner`] (an older client could not decode it); version 9
+/// blobs in pieces ([`Response::Allocated`]'s `pieces`, [`Found`]'s
+/// `parts`), the unit's call to give spares back (`spares_back`) and the
+/// allocator's and compaction's counters in [`Stats`].
+pub const PROTOCOL_VERSION: u16 = 9;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -293,6 +296,21 @@ pub struct Found {
     pub len: u64,
     pub meta: Vec<u8>,
     pub on_disk: bool,
+    /// A value stored across pieces of the slab: (slab offset, bytes) of
+    /// each part, in order (`offset` is then the first's). Empty for a
+    /// value in one range, the usual case.
+    pub parts: Vec<(u64, u64)>,
+}
+
+impl Found {
+    /// (slab offset, bytes) of each range the value lies in, in order.
+    pub fn ranges(&self) -> Vec<(u64, u64)> {
+        if self.parts.is_empty() {
+            vec![(self.offset, self.len)]
+        } else {
+            self.parts.clone()
+        }
+    }
 }
 
 /// A value in a [`Response::Data`] payload: its length and metadata.
@@ -318,8 +336,13 @@ pub enum Response {
         /// a new one when that one is gone). Random, not guessable.
         session: u128,
     },
+    /// Reply to Alloc: write the blob's bytes into these (slab offset,
+    /// bytes) pieces, in order (one piece unless the slab's free memory is
+    /// cut so that no single range holds the blob). `spares_back`: the
+    /// unit is short of memory; give back the spares this connection holds.
     Allocated {
-        offset: u64,
+        pieces: Vec<(u64, u64)>,
+        spares_back: bool,
     },
     /// Reply to Alloc: the slab has no room but the disk tier has; send the
     /// bytes with [`Request::Put`] (same blob id).
@@ -336,6 +359,8 @@ pub enum Response {
         /// Positions of keys whose blob's disk file is corrupt (their
         /// `found` is `None`).
         corrupt: Vec<u32>,
+        /// As in [`Response::Allocated`].
+        spares_back: bool,
     },
     /// Reply to ClearRows and ClearPartition: how many values (entries)
     /// were removed.
@@ -380,6 +405,8 @@ pub enum Response {
     /// spare is, `None` when the slab had no room for it now.
     CommittedSpare {
         spare: Option<u64>,
+        /// As in [`Response::Allocated`] (`spare` is then `None`).
+        spares_back: bool,
     },
     /// Reply to NixlInfo: the unit's NIXL agent metadata (to load with
     /// `load_remote_md`) and the address its slab is registered at: a range
@@ -781,9 +808,22 @@ mod tests {
                 fd_attached: true,
                 session: 7,
             },
-            Response::Allocated { offset: 4096 },
-            Response::CommittedSpare { spare: Some(8192) },
-            Response::CommittedSpare { spare: None },
+            Response::Allocated {
+                pieces: vec![(4096, 64)],
+                spares_back: false,
+            },
+            Response::Allocated {
+                pieces: vec![(4096, 64), (1 << 20, 1 << 20)],
+                spares_back: true,
+            },
+            Response::CommittedSpare {
+                spare: Some(8192),
+                spares_back: false,
+            },
+            Response::CommittedSpare {
+                spare: None,
+                spares_back: true,
+            },
             Response::NixlInfo {
                 metadata: vec![7; 400],
                 slab_addr: 0x7f00_0000_0000,
@@ -799,9 +839,18 @@ mod tests {
                         len: 10,
                         meta: vec![9],
                         on_disk: true,
+                        parts: Vec::new(),
+                    }),
+                    Some(Found {
+                        offset: 64,
+                        len: 100,
+                        meta: vec![],
+                        on_disk: false,
+                        parts: vec![(64, 36), (4096, 64)],
                     }),
                 ],
                 corrupt: vec![0],
+                spares_back: false,
             },
             Response::ToDisk,
             Response::Pending,

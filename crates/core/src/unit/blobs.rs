@@ -89,7 +89,7 @@ impl UnitCore {
         now: Time,
     ) -> Result<Option<u64>, CoreError> {
         match self.reserve(owner, blob, nbytes, None, false, now) {
-            Ok(Allocated::Reserved { offset }) => Ok(Some(offset)),
+            Ok(Allocated::Reserved { pieces }) => Ok(pieces.first().map(|p| p.0)),
             Ok(Allocated::AlreadyCommitted | Allocated::ToDisk) => Ok(None),
             Err(CoreError::Full { .. } | CoreError::Busy { .. }) => Ok(None),
             Err(e) => Err(e),
@@ -202,7 +202,9 @@ impl UnitCore {
                         }
                     }
                     Ok(match &b.region {
-                        Some(r) => Allocated::Reserved { offset: r.offset },
+                        Some(r) => Allocated::Reserved {
+                            pieces: r.pieces().to_vec(),
+                        },
                         None => Allocated::ToDisk,
                     })
                 }
@@ -220,16 +222,56 @@ impl UnitCore {
         self.check_holds(owner.session, nbytes)?;
         let capacity = self.slab.capacity();
         let fits_disk = to_disk && self.disk_on() && nbytes <= self.disk_free();
-        let region = if SlabAllocator::rounded(nbytes) <= capacity {
+        let spare = n_entries.is_none();
+        let region = if spare {
+            // Spares come from the spare zone only, and none while memory
+            // is short: they are an offer, never a reason a put waits.
+            if self.spares_short() {
+                None
+            } else {
+                self.slab.allocate_spare(nbytes)
+            }
+        } else if SlabAllocator::rounded(nbytes) <= capacity {
             self.slab.allocate(nbytes)
         } else {
             None
         };
         let region = match region {
             Some(r) => Some(r),
+            None if spare => {
+                return Err(CoreError::Full {
+                    needed: nbytes,
+                    free: self.slab.spare_free(),
+                    capacity: self.slab.spare_budget(),
+                })
+            }
             None if fits_disk => None,
             None => {
                 let free = capacity - self.slab.allocated();
+                if free >= SlabAllocator::rounded(nbytes) {
+                    // Room enough, cut into more pieces than a blob may
+                    // have: compaction gathers it.
+                    self.compact_dirty = true;
+                    return Err(CoreError::Busy {
+                        needed: nbytes,
+                        reclaimable: 0,
+                    });
+                }
+                // Spares are not waited for: their holders may be idle.
+                let spare_bytes: u64 = self
+                    .blobs
+                    .values()
+                    .filter(|b| {
+                        matches!(
+                            b.state,
+                            State::Reserved {
+                                n_entries: None,
+                                ..
+                            }
+                        )
+                    })
+                    .filter_map(|b| b.region.as_ref().map(|r| r.len))
+                    .sum();
                 // Memory that spills under way will give back counts too.
                 let spilling: u64 = self
                     .blobs
@@ -246,8 +288,10 @@ impl UnitCore {
                     .filter(|b| b.disk != Disk::Writing)
                     .filter_map(|b| b.region.as_ref().map(|r| r.len))
                     .sum();
-                let reclaimable =
-                    self.reserved_bytes + self.quarantined_bytes + spilling + unpinning;
+                let reclaimable = self.reserved_bytes - spare_bytes
+                    + self.quarantined_bytes
+                    + spilling
+                    + unpinning;
                 let could_fit = SlabAllocator::rounded(nbytes) <= capacity;
                 return Err(
                     if could_fit
@@ -271,7 +315,12 @@ impl UnitCore {
         let (disk, answer) = match &region {
             Some(r) => {
                 self.reserved_bytes += r.len;
-                (Disk::None, Allocated::Reserved { offset: r.offset })
+                (
+                    Disk::None,
+                    Allocated::Reserved {
+                        pieces: r.pieces().to_vec(),
+                    },
+                )
             }
             None => {
                 self.disk_used += nbytes;
@@ -283,6 +332,7 @@ impl UnitCore {
             Blob {
                 region,
                 promoting: None,
+                moving: None,
                 nbytes,
                 state: State::Reserved {
                     holder: Holder {
@@ -301,6 +351,14 @@ impl UnitCore {
             s.reservations.insert(blob);
         }
         Ok(answer)
+    }
+
+    /// Whether memory is short for spares: the data zone's free bytes are
+    /// under an eighth of the slab (or under the spare budget). The unit
+    /// then offers none, and tells sessions that hold some to give them
+    /// back on their next call.
+    pub fn spares_short(&self) -> bool {
+        self.slab.data_free() < (self.slab.capacity() / 8).max(self.slab.spare_budget())
     }
 
     /// Publish the entries of a reserved blob in partition `partition`.

@@ -55,6 +55,10 @@ pub enum Input {
     /// published (if it was committed). A report of a blob with no write
     /// under way is ignored.
     DiskWritten { blob: BlobId, ok: bool },
+    /// The driver copied (`ok`) or failed to copy the blob of an
+    /// [`Action::Move`]. A report of a blob with no move under way is
+    /// ignored.
+    Moved { blob: BlobId, ok: bool },
     /// The time [`UnitCore::poll_timeout`] named has come (or passed):
     /// quarantines that ended release their ranges, fenced holds whose
     /// quarantine ended are released ([`Answer::Released`]).
@@ -170,7 +174,7 @@ pub enum SpareCommitted {
 }
 
 /// I/O the driver does for the core, taken with [`UnitCore::poll_action`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Action {
     /// Copy a blob from the slab to its disk file, then report
     /// [`Input::DiskWritten`]. If the blob is freed meanwhile its range is
@@ -179,6 +183,11 @@ pub enum Action {
     Spill(SpillJob),
     /// The blob is gone: remove its disk file.
     DeleteFile(BlobId),
+    /// Compaction: copy the blob's bytes to the range named (nobody can
+    /// touch either while the copy runs), then report [`Input::Moved`].
+    /// One move is under way at a time; see the `compact` module for the
+    /// fencing rule.
+    Move(MoveJob),
     /// The session holds something although none of its connections is
     /// open: watch its process, and report [`Input::ProcessExited`] once it
     /// has certainly exited. Asked again each time the session is left so.
@@ -213,6 +222,10 @@ impl UnitCore {
             }
             Input::DiskWritten { blob, ok } => {
                 self.disk_written(blob, ok);
+                Answer::Done
+            }
+            Input::Moved { blob, ok } => {
+                self.moved(blob, ok);
                 Answer::Done
             }
             Input::Timeout => Answer::Released(self.expire(now)),
@@ -299,7 +312,10 @@ impl UnitCore {
                 }
             }
         }
-        self.actions.pop_front()
+        if let Some(a) = self.actions.pop_front() {
+            return Some(a);
+        }
+        self.next_move().map(Action::Move)
     }
 
     /// The next instant the core needs [`Input::Timeout`] (a quarantine or

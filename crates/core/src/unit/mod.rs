@@ -20,6 +20,7 @@ use std::time::Duration;
 use crate::slab::{Region, SlabAllocator};
 
 mod blobs;
+mod compact;
 mod drive;
 mod index;
 #[cfg(any(test, feature = "testing"))]
@@ -35,6 +36,7 @@ mod tier;
 use crate::{
     Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time,
 };
+pub use compact::MoveJob;
 pub use drive::{Action, Answer, Input, Op, SpareCommitted};
 use release::Release;
 pub use stats::{SessionStats, Stats};
@@ -80,6 +82,21 @@ pub struct CoreConfig {
     pub high_watermark: f64,
     /// Spilling stops once use is below this fraction. Default 0.8.
     pub low_watermark: f64,
+    /// Bytes at the top of the slab that spares come from (and only they,
+    /// unless data has no room elsewhere): idle clients' spares can hold
+    /// no more, and never cut the data zone into pieces. 0: no spares.
+    /// Default: 1/16 of the slab.
+    pub spare_budget: u64,
+    /// Compaction runs while the largest free range is below this fraction
+    /// of the free bytes (and at least [`CoreConfig::compact_min_free`] is
+    /// free). Default 0.5.
+    pub compact_below: f64,
+    /// Free bytes under which compaction does not run (nothing worth
+    /// gathering). Default: 1/64 of the slab, at least 64 KiB.
+    pub compact_min_free: u64,
+    /// Largest blob compaction moves in one step (bounds what one move
+    /// costs). Default 64 MiB.
+    pub compact_max_move: u64,
 }
 
 impl CoreConfig {
@@ -97,6 +114,10 @@ impl CoreConfig {
             disk_capacity: 0,
             high_watermark: 0.9,
             low_watermark: 0.8,
+            spare_budget: capacity / 16,
+            compact_below: 0.5,
+            compact_min_free: (capacity / 64).max(64 << 10),
+            compact_max_move: 64 << 20,
         }
     }
 }
@@ -215,6 +236,8 @@ struct Blob {
     region: Option<Region>,
     /// A slab range being filled from disk ([`Input::Promote`]).
     promoting: Option<Region>,
+    /// The range compaction is copying the blob to ([`Action::Move`]).
+    moving: Option<Region>,
     nbytes: u64,
     state: State,
     disk: Disk,
@@ -251,18 +274,43 @@ type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 type Rows = Map<u64, Map<String, Entry>>;
 
 /// Where a found value is.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Place {
-    /// In the slab.
+    /// In the slab, in one range.
     Memory(Location),
+    /// In the slab, in several ranges (its blob is made of pieces and the
+    /// value crosses from one to the next): its bytes are these, in order.
+    Split(Vec<Location>),
     /// Only in its blob's disk file, at `offset` from the blob's start.
     Disk { blob: BlobId, offset: u64, len: u64 },
 }
 
 impl Place {
+    /// Where bytes `offset..offset + len` of `region` are.
+    pub(super) fn of(region: &Region, offset: u64, len: u64) -> Place {
+        let parts = region.locate(offset, len);
+        match parts.as_slice() {
+            [] => Place::Memory(Location {
+                offset: region.slab_offset(offset),
+                len: 0,
+            }),
+            [(o, l)] => Place::Memory(Location {
+                offset: *o,
+                len: *l,
+            }),
+            _ => Place::Split(
+                parts
+                    .into_iter()
+                    .map(|(offset, len)| Location { offset, len })
+                    .collect(),
+            ),
+        }
+    }
+
     pub fn len(&self) -> u64 {
         match self {
             Place::Memory(l) => l.len,
+            Place::Split(parts) => parts.iter().map(|l| l.len).sum(),
             Place::Disk { len, .. } => *len,
         }
     }
@@ -280,11 +328,12 @@ pub type Located = (Place, Vec<u8>);
 /// blob is freed meanwhile, its range stays allocated until the report
 /// (the driver reads it alone), and the file it wrote is deleted through
 /// an [`Action::DeleteFile`] after it reports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct SpillJob {
     pub blob: BlobId,
-    /// Slab offset of its bytes (kept allocated until the write is done).
-    pub offset: u64,
+    /// (slab offset, bytes) of each piece of its bytes, in order (kept
+    /// allocated until the write is done); they add up to at least `nbytes`.
+    pub pieces: Vec<(u64, u64)>,
     pub nbytes: u64,
 }
 
@@ -359,6 +408,16 @@ pub struct UnitCore {
     /// Slab ranges of promotions whose blob was freed before the driver
     /// finished copying into them.
     orphan_promotions: HashMap<BlobId, Region>,
+    /// Moves whose blob was freed (or spilled) while the driver copied:
+    /// both ranges are released when the move reports back.
+    orphan_moves: HashMap<BlobId, (Option<Region>, Region)>,
+    /// The blob compaction is moving, if any (one move at a time).
+    move_in_flight: Option<BlobId>,
+    /// Free memory may have become scattered since compaction last looked.
+    compact_dirty: bool,
+    /// Compaction's moves and bytes since start.
+    compaction_moves: u64,
+    compaction_bytes: u64,
 }
 
 impl UnitCore {
@@ -390,7 +449,7 @@ impl UnitCore {
             },
         );
         Ok(Self {
-            slab: SlabAllocator::new(cfg.capacity),
+            slab: SlabAllocator::new(cfg.capacity, cfg.spare_budget),
             cfg,
             blobs: Map::default(),
             index: Map::default(),
@@ -414,6 +473,11 @@ impl UnitCore {
             actions: VecDeque::new(),
             spill_dirty: false,
             orphan_promotions: HashMap::new(),
+            orphan_moves: HashMap::new(),
+            move_in_flight: None,
+            compact_dirty: false,
+            compaction_moves: 0,
+            compaction_bytes: 0,
         })
     }
 

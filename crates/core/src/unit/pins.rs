@@ -41,10 +41,7 @@ impl UnitCore {
                 let b = blobs_map.get(&e.blob)?;
                 blobs.push(e.blob);
                 let place = match &b.region {
-                    Some(r) => Place::Memory(Location {
-                        offset: r.offset + e.offset,
-                        len: e.len,
-                    }),
+                    Some(r) => Place::of(r, e.offset, e.len),
                     None => Place::Disk {
                         blob: e.blob,
                         offset: e.offset,
@@ -118,10 +115,7 @@ impl UnitCore {
             .filter_map(|id| {
                 let b = self.blobs.get(id)?;
                 let place = match &b.region {
-                    Some(r) => Place::Memory(Location {
-                        offset: r.offset,
-                        len: b.nbytes,
-                    }),
+                    Some(r) => Place::of(r, 0, b.nbytes),
                     None => Place::Disk {
                         blob: *id,
                         offset: 0,

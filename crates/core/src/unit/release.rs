@@ -24,6 +24,12 @@ pub(super) enum Release {
     /// A promotion failed or was not needed, or its blob was freed
     /// while the driver copied into the range, which it no longer does.
     Promotion,
+    /// Compaction moved the blob: its old range, which nobody could touch
+    /// (it was unpinned when the copy ended) and the driver read last.
+    Moved,
+    /// A move that was not needed or not taken (its blob was pinned,
+    /// freed or spilled meanwhile): the range it would have moved to.
+    MoveAbandoned,
 }
 
 impl UnitCore {
@@ -34,6 +40,7 @@ impl UnitCore {
             self.quarantined_bytes -= region.len;
         }
         self.slab.free(region);
+        self.compact_dirty = true;
     }
 
     /// Keep `r` unusable until the quarantine has passed (a transfer the
@@ -56,7 +63,12 @@ impl UnitCore {
                 // A spill still reads the range: it is released when the
                 // write reports back (Input::DiskWritten).
                 let mut region = b.region;
-                if b.disk != Disk::Writing {
+                if let Some(to) = b.moving {
+                    // A move still reads the old range and writes the new:
+                    // both are released when it reports back
+                    // (Input::Moved). (A blob being spilled never moves.)
+                    self.orphan_moves.insert(blob, (region.take(), to));
+                } else if b.disk != Disk::Writing {
                     if let Some(r) = region.take() {
                         self.release(r, Release::BlobFreed);
                     }
@@ -88,8 +100,8 @@ impl UnitCore {
         let Some(b) = self.blobs.get_mut(&blob) else {
             return;
         };
-        if let (State::Committed { pins: 0, .. }, Disk::Durable, true) =
-            (&b.state, b.disk, past_low)
+        if let (State::Committed { pins: 0, .. }, Disk::Durable, true, None) =
+            (&b.state, b.disk, past_low, &b.moving)
         {
             if let Some(r) = b.region.take() {
                 self.release(r, Release::Spilled);

@@ -6,7 +6,9 @@ use super::*;
 #[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Stats {
     pub capacity: u64,
-    /// Slab bytes held by any blob (reserved, committed or quarantined).
+    /// Slab bytes of stored data: committed blobs in memory (cleared ones
+    /// that a reader still pins included). Reservations, spares and
+    /// quarantined ranges are reported beside it.
     pub used: u64,
     pub reserved_bytes: u64,
     pub quarantined_bytes: u64,
@@ -59,8 +61,19 @@ pub struct Stats {
     /// the unit server, the core reports false). Last in the message.
     pub serves_nixl: bool,
     /// The slab's page mode: `4k`, `thp` or `hugetlb` (set by the unit
-    /// server, the core reports ""). Last in the message.
+    /// server, the core reports "").
     pub page_mode: String,
+    /// Free slab bytes (both zones), and the largest free range: a value
+    /// larger than it is stored in pieces.
+    pub free_bytes: u64,
+    pub largest_free: u64,
+    /// Bytes of the spare zone ([`crate::CoreConfig::spare_budget`]).
+    pub spare_budget: u64,
+    /// Compaction since start: blobs moved and their bytes.
+    pub compaction_moves: u64,
+    pub compaction_bytes: u64,
+    /// Blobs stored in more than one piece. Last in the message.
+    pub split_blobs: u64,
 }
 
 /// What one session holds.
@@ -176,9 +189,23 @@ impl UnitCore {
             .fold((0, 0), |(n, bytes), b| {
                 (n + 1, bytes + b.region.as_ref().map_or(0, |r| r.len))
             });
+        let (used, split_blobs) = self
+            .blobs
+            .values()
+            .filter(|b| matches!(b.state, State::Committed { .. }))
+            .filter_map(|b| b.region.as_ref())
+            .fold((0, 0), |(bytes, split), r| {
+                (bytes + r.len, split + u64::from(!r.is_contiguous()))
+            });
         Stats {
             capacity: self.slab.capacity(),
-            used: self.slab.allocated(),
+            used,
+            free_bytes: self.slab.free_bytes(),
+            largest_free: self.slab.largest_free(),
+            spare_budget: self.slab.spare_budget(),
+            compaction_moves: self.compaction_moves,
+            compaction_bytes: self.compaction_bytes,
+            split_blobs,
             reserved_bytes: self.reserved_bytes,
             quarantined_bytes: self.quarantined_bytes,
             blobs: self.blobs.len() as u64 - spares,

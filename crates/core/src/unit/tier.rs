@@ -45,7 +45,9 @@ impl UnitCore {
             .blobs
             .iter()
             .filter(|(_, b)| {
-                matches!(b.state, State::Committed { pins: 0, .. }) && b.region.is_some()
+                matches!(b.state, State::Committed { pins: 0, .. })
+                    && b.region.is_some()
+                    && b.moving.is_none()
             })
             .map(|(id, b)| (b.seq, *id))
             .collect();
@@ -78,7 +80,7 @@ impl UnitCore {
                     freed += r.len;
                     jobs.push(SpillJob {
                         blob: id,
-                        offset: r.offset,
+                        pieces: r.pieces().to_vec(),
                         nbytes: b.nbytes,
                     });
                 }
@@ -197,8 +199,14 @@ impl UnitCore {
         if (self.slab.allocated() + len) as f64 > self.cfg.high_watermark * cap {
             return None;
         }
+        // One range only: a promoted blob is read in place, so a slab cut
+        // into pieces serves it from disk instead.
         let r = self.slab.allocate(b.nbytes)?;
-        let offset = r.offset;
+        if !r.is_contiguous() {
+            self.release(r, Release::Promotion);
+            return None;
+        }
+        let offset = r.start();
         match self.blobs.get_mut(&blob) {
             Some(b) => b.promoting = Some(r),
             None => self.release(r, Release::Promotion),
