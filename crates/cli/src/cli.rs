@@ -258,6 +258,11 @@ enum Cmd {
         /// at least 64 MiB); commits past it answer UnitFull.
         #[arg(long, value_parser = parse_size)]
         index_budget: Option<u64>,
+        /// Bytes at the top of the slab that spares (reservations same-host
+        /// clients keep for their next puts) come from; default 1/16 of
+        /// the memory, at most half; 0: no spares.
+        #[arg(long, value_parser = parse_size)]
+        spare_budget: Option<u64>,
         /// Do not try to mlock the slab.
         #[arg(long)]
         no_mlock: bool,
@@ -528,6 +533,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             max_session_connections,
             max_session_holds,
             index_budget,
+            spare_budget,
             secret,
             insecure,
             metrics_listen,
@@ -603,6 +609,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 cfg.max_session_holds = max_session_holds;
             }
             cfg.index_budget = index_budget;
+            if set("spare_budget") {
+                cfg.spare_budget = spare_budget;
+            }
             if set("pin_lease") {
                 cfg.pin_lease = pin_lease;
             }

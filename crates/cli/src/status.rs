@@ -66,6 +66,16 @@ pub struct UnitStatus {
     /// The slab's page mode (`4k`, `thp`, `hugetlb`; empty for a unit
     /// that predates it or is unreachable).
     pub page_mode: String,
+    /// Slab bytes held by reservations (spares included) and quarantine,
+    /// beside `memory_used` (stored data); of them, spares.
+    pub memory_held: u64,
+    pub spare_bytes: u64,
+    /// Free slab bytes and the largest free range.
+    pub memory_free: u64,
+    pub largest_free: u64,
+    /// Compaction since the unit started: moves and bytes.
+    pub compaction_moves: u64,
+    pub compaction_bytes: u64,
     /// Over the last interval; `None` until two samples were taken.
     pub ops_per_s: Option<f64>,
     pub bytes_per_s: Option<f64>,
@@ -247,6 +257,12 @@ pub fn run(opts: &StatusOptions, out: &mut dyn Write) -> Result<(), String> {
                 pins: 0,
                 serves_nixl: false,
                 page_mode: String::new(),
+                memory_held: 0,
+                spare_bytes: 0,
+                memory_free: 0,
+                largest_free: 0,
+                compaction_moves: 0,
+                compaction_bytes: 0,
                 ops_per_s: None,
                 bytes_per_s: None,
                 busy_per_s: None,
@@ -280,6 +296,12 @@ pub fn run(opts: &StatusOptions, out: &mut dyn Write) -> Result<(), String> {
                     u.pins = stats.pins;
                     u.serves_nixl = stats.serves_nixl;
                     u.page_mode = stats.page_mode.clone();
+                    u.memory_held = stats.reserved_bytes + stats.quarantined_bytes;
+                    u.spare_bytes = stats.spare_bytes;
+                    u.memory_free = stats.free_bytes;
+                    u.largest_free = stats.largest_free;
+                    u.compaction_moves = stats.compaction_moves;
+                    u.compaction_bytes = stats.compaction_bytes;
                     let restarted = match (seen[i], instance) {
                         (Some(want), Some(got)) => want != got,
                         _ => false,
@@ -407,13 +429,16 @@ pub fn render(r: &Report) -> String {
         .unwrap_or(7)
         .clamp(7, 60);
     let mut s = format!(
-        "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6} {:>7}\n",
+        "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>19} {:>9} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6} {:>7}\n",
         "unit",
         "address",
         "state",
         "memory",
         "",
         "used/total",
+        "free/largest",
+        "held/spares",
+        "moved",
         "disk used/total",
         "rows",
         "pins",
@@ -437,6 +462,15 @@ pub fn render(r: &Report) -> String {
                 format!("{}/{}", size(u.memory_used), size(u.memory_capacity)),
             )
         };
+        let (free, held, moved) = if u.state == State::Unreachable {
+            ("-".to_string(), "-".to_string(), "-".to_string())
+        } else {
+            (
+                format!("{}/{}", size(u.memory_free), size(u.largest_free)),
+                format!("{}/{}", size(u.memory_held), size(u.spare_bytes)),
+                size(u.compaction_bytes),
+            )
+        };
         let state = match u.state {
             State::Up => "up",
             State::Busy => "busy",
@@ -444,13 +478,16 @@ pub fn render(r: &Report) -> String {
             State::Restarted => "restarted",
         };
         s += &format!(
-            "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6} {:>7}\n",
+            "{:<5} {:<addr_w$} {:<11} {:<12} {:>4} {:>19} {:>19} {:>19} {:>9} {:>19} {:>9} {:>6} {:>9} {:>7} {:>6} {:>7}\n",
             u.index,
             u.address,
             state,
             mem,
             memp,
             used,
+            free,
+            held,
+            moved,
             if u.state == State::Unreachable {
                 "-".into()
             } else {

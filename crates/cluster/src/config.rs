@@ -118,6 +118,12 @@ pub struct UnitsSection {
     /// (`stowage unit --huge-pages`).
     #[serde(with = "huge_pages")]
     pub huge_pages: stowage_config::HugePages,
+    /// Bytes at the top of each unit's slab that spares (reservations
+    /// same-host clients keep for their next puts) come from
+    /// (`stowage unit --spare-budget`); `None`: 1/16 of the slab; 0: no
+    /// spares.
+    #[serde(with = "opt_size", skip_serializing_if = "Option::is_none")]
+    pub spare_budget: Option<u64>,
 }
 
 impl Default for UnitsSection {
@@ -140,6 +146,7 @@ impl Default for UnitsSection {
             require_rdma: true,
             nixl_quarantine: stowage_config::NixlConfig::default().quarantine,
             huge_pages: unit.huge_pages,
+            spare_budget: unit.spare_budget,
         }
     }
 }
@@ -583,6 +590,7 @@ impl Config {
         c.max_session_holds = u.max_session_holds;
         c.checkpoint_root = u.checkpoint_root.clone();
         c.huge_pages = u.huge_pages;
+        c.spare_budget = u.spare_budget;
         if let Some(d) = &u.disk {
             c.disk = Some((d.root.clone(), d.capacity));
             c.high_watermark = d.high_watermark;
@@ -811,6 +819,21 @@ mod duration {
 
     pub fn serialize<S: Serializer>(v: &Duration, s: S) -> Result<S::Ok, S::Error> {
         s.collect_str(&humantime::format_duration(*v))
+    }
+}
+
+mod opt_size {
+    use serde::{Deserializer, Serializer};
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+        super::size::deserialize(d).map(Some)
+    }
+
+    pub fn serialize<S: Serializer>(v: &Option<u64>, s: S) -> Result<S::Ok, S::Error> {
+        match v {
+            Some(n) => s.serialize_u64(*n),
+            None => s.serialize_none(),
+        }
     }
 }
 

@@ -119,6 +119,10 @@ pub struct UnitConfig {
     /// Bytes the key index may take; `None`: a quarter of the slab, at
     /// least 64 MiB.
     pub index_budget: Option<u64>,
+    /// Bytes at the top of the slab that spares come from (`--spare-budget`,
+    /// `units.spare_budget`); `None`: 1/16 of the slab. At most half the
+    /// slab is used; 0 turns spares off.
+    pub spare_budget: Option<u64>,
     /// The shared secret every client must prove at connect, on every
     /// listener (see `stowage_unit::auth`). `None`: clients connect without one.
     pub secret: Option<stowage_wire::auth::Secret>,
@@ -198,6 +202,7 @@ impl UnitConfig {
             max_session_connections: 64,
             max_session_holds: 16384,
             index_budget: None,
+            spare_budget: None,
             secret: None,
             insecure: false,
             metrics: true,

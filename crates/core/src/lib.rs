@@ -98,8 +98,8 @@ pub mod slab;
 mod unit;
 
 pub use unit::{
-    Action, Answer, Committed, ConnEnd, CoreConfig, Input, Located, Op, Owner, Place, SessionStats,
-    Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats, UnitCore,
+    Action, Answer, Committed, ConnEnd, CoreConfig, Input, Located, MoveJob, Op, Owner, Place,
+    SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats, UnitCore,
 };
 
 use serde::{Deserialize, Serialize};

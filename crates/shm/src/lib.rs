@@ -375,6 +375,23 @@ impl Slab {
         Ok(())
     }
 
+    /// Copy `len` bytes of the slab from `from` to `to` (compaction moving
+    /// a blob; the ranges may overlap). The caller must hold both ranges:
+    /// nobody else writes either while it copies.
+    pub fn copy_within(&self, from: u64, to: u64, len: usize) -> Result<(), OutOfBounds> {
+        let src = self.check(from, len)?;
+        let dst = self.check(to, len)?;
+        let base = self.map.as_mut_ptr() as usize;
+        // SAFETY: `check` proved both ranges lie inside the mapping, which
+        // lives as long as `self` and never shrinks (sealed). Both are raw
+        // shared memory, never Rust references; `ptr::copy` allows them to
+        // overlap.
+        unsafe {
+            std::ptr::copy((base + src) as *const u8, (base + dst) as *mut u8, len);
+        }
+        Ok(())
+    }
+
     /// Copy `srcs`, back to back, into the slab from `offset` (a blob's
     /// values and padding). When they add up to [`PARALLEL_COPY_MIN`] or
     /// more, the whole range is split over the machine's cores (at most 4)

@@ -243,7 +243,8 @@ fn write_snapshot(
     let mut files = Vec::with_capacity(snap.blobs.len() + 1);
     let mut bytes = 0;
     let mut buf = Vec::new();
-    for &(blob, nbytes, place) in &snap.blobs {
+    for (blob, nbytes, place) in &snap.blobs {
+        let (blob, nbytes) = (*blob, *nbytes);
         if shared.stop.load(Ordering::SeqCst) {
             return Err(CheckpointError::Abandoned);
         }
@@ -257,6 +258,18 @@ fn write_snapshot(
                 .copy_out_chunked(l.offset, len, crate::COPY_CHUNK, |c| w.write(c))
                 .map_err(|e| ioe(io::Error::other(e)))?
                 .map_err(&ioe)?,
+            // A blob in pieces: each in turn.
+            Place::Split(parts) => {
+                for l in parts {
+                    shared
+                        .slab
+                        .copy_out_chunked(l.offset, l.len as usize, crate::COPY_CHUNK, |c| {
+                            w.write(c)
+                        })
+                        .map_err(|e| ioe(io::Error::other(e)))?
+                        .map_err(&ioe)?;
+                }
+            }
             Place::Disk { .. } => {
                 let Some(d) = &shared.disk else {
                     return Err(CheckpointError::Restore(
@@ -524,17 +537,13 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
         })?;
         let bad = |e: disk::DiskError| incomplete(e.to_string());
         match alloc {
-            Allocated::Reserved { offset } => {
+            Allocated::Reserved { pieces } => {
                 // Reserved space is no client's to read until the commit
                 // below, which a failed check (a version 1 file is checked
                 // only after all of it was copied) never reaches.
-                let mut at = offset;
+                let mut into = crate::PieceWriter::new(&shared.slab, crate::cut(&pieces, size));
                 reader
-                    .copy_all(&mut buf, |piece| {
-                        shared.slab.write(at, piece).map_err(io::Error::other)?;
-                        at += piece.len() as u64;
-                        Ok(())
-                    })
+                    .copy_all(&mut buf, |piece| into.write(piece))
                     .map_err(bad)?
                     .map_err(|e| CheckpointError::Restore(e.to_string()))?;
             }

@@ -245,7 +245,11 @@ impl Conn {
                 reply
             }
             Plan::Receive(put) => return self.receive(id, put),
-            Plan::Resolved { pin, found } => self.resolved(pin, found),
+            Plan::Resolved {
+                pin,
+                found,
+                spares_back,
+            } => self.resolved(pin, found, spares_back),
             Plan::Send(read) => return self.send(id, read),
             Plan::Hello {
                 namespace,
@@ -391,9 +395,17 @@ impl Conn {
     fn receive(&mut self, id: u64, mut put: Put) -> Result<(), EndReason> {
         let timeout = self.io_timeout(put.timeout_ms);
         self.reader.get_mut().deadline = Some(Instant::now() + timeout);
-        match put.into {
-            Dest::Slab { offset } => self.put_to_slab(id, &mut put, offset),
-            Dest::Disk => self.put_to_disk(id, &mut put),
+        match std::mem::replace(&mut put.into, Dest::Nowhere) {
+            Dest::Slab { pieces } => {
+                put.into = Dest::Slab {
+                    pieces: pieces.clone(),
+                };
+                self.put_to_slab(id, &mut put, &pieces)
+            }
+            Dest::Disk => {
+                put.into = Dest::Disk;
+                self.put_to_disk(id, &mut put)
+            }
             Dest::Nowhere => {
                 drain(&mut self.reader, put.nbytes)?;
                 let resp = handler::put_landed(&mut self.shared.core(), &mut put);
@@ -403,11 +415,23 @@ impl Conn {
         }
     }
 
-    /// The payload goes straight from the socket into the slab at
-    /// `offset`. This thread is the range's only writer while it reads.
-    fn put_to_slab(&mut self, id: u64, put: &mut Put, offset: u64) -> Result<(), EndReason> {
-        let len = usize::try_from(put.nbytes).map_err(|_| io::Error::other("payload too large"))?;
-        if let Err(e) = self.recv_payload(offset, len) {
+    /// The payload goes straight from the socket into the slab's
+    /// `pieces`, in order. This thread is their only writer while it reads.
+    fn put_to_slab(
+        &mut self,
+        id: u64,
+        put: &mut Put,
+        pieces: &[(u64, u64)],
+    ) -> Result<(), EndReason> {
+        let mut got = Ok(());
+        for (offset, len) in crate::cut(pieces, put.nbytes) {
+            let len = usize::try_from(len).map_err(|_| io::Error::other("payload too large"))?;
+            got = self.recv_payload(offset, len);
+            if got.is_err() {
+                break;
+            }
+        }
+        if let Err(e) = got {
             let cut = matches!(
                 e.kind(),
                 io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
@@ -620,6 +644,10 @@ impl Conn {
                     offset: l.offset,
                     len: l.len as usize,
                 }),
+                Served::Split(parts, _) => pieces.extend(parts.iter().map(|l| Piece::Slab {
+                    offset: l.offset,
+                    len: l.len as usize,
+                })),
                 Served::Disk {
                     blob, offset, len, ..
                 } => {
@@ -670,6 +698,7 @@ impl Conn {
         &mut self,
         pin: Option<stowage_core::PinId>,
         found: Vec<Option<stowage_core::Located>>,
+        spares_back: bool,
     ) -> Response {
         let mut buf = match &self.shared.disk {
             Some(d) if handler::has_disk(&found) => {
@@ -679,7 +708,7 @@ impl Conn {
         };
         let served = self.shared.bring_back(found, buf.as_deref_mut(), false);
         drop(buf);
-        let (reply, bytes) = resolved_reply(pin, served);
+        let (reply, bytes) = resolved_reply(pin, served, spares_back);
         if let Some(m) = &self.counters {
             m.bytes_out(crate::metrics::Transport::Shm, bytes);
         }
@@ -690,11 +719,16 @@ impl Conn {
 /// The reply to a Resolve whose spilled values were brought back where
 /// there was room (`served`, one per key); and the bytes it hands out of
 /// the slab.
-fn resolved_reply(pin: Option<PinId>, served: Vec<Option<Served>>) -> (Response, u64) {
+fn resolved_reply(
+    pin: Option<PinId>,
+    served: Vec<Option<Served>>,
+    spares_back: bool,
+) -> (Response, u64) {
     let bytes = served
         .iter()
         .map(|f| match f {
             Some(Served::Memory(l, _)) => l.len,
+            Some(Served::Split(parts, _)) => parts.iter().map(|l| l.len).sum(),
             _ => 0,
         })
         .sum();
@@ -708,12 +742,21 @@ fn resolved_reply(pin: Option<PinId>, served: Vec<Option<Served>>) -> (Response,
                 len: l.len,
                 meta,
                 on_disk: false,
+                parts: Vec::new(),
+            }),
+            Served::Split(parts, meta) => Some(Found {
+                offset: parts.first().map_or(0, |l| l.offset),
+                len: parts.iter().map(|l| l.len).sum(),
+                meta,
+                on_disk: false,
+                parts: parts.iter().map(|l| (l.offset, l.len)).collect(),
             }),
             Served::Disk { len, meta, .. } => Some(Found {
                 offset: 0,
                 len,
                 meta,
                 on_disk: true,
+                parts: Vec::new(),
             }),
             Served::Corrupt => {
                 corrupt.push(i as u32);
@@ -726,6 +769,7 @@ fn resolved_reply(pin: Option<PinId>, served: Vec<Option<Served>>) -> (Response,
             pin,
             found,
             corrupt,
+            spares_back,
         },
         bytes,
     )
@@ -741,6 +785,10 @@ fn data_reply(served: &[Option<Served>]) -> (Response, u64) {
         .map(|(i, s)| match s.as_ref()? {
             Served::Memory(l, meta) => Some(Item {
                 len: l.len,
+                meta: meta.clone(),
+            }),
+            Served::Split(parts, meta) => Some(Item {
+                len: parts.iter().map(|l| l.len).sum(),
                 meta: meta.clone(),
             }),
             Served::Disk { len, meta, .. } => Some(Item {

@@ -158,6 +158,23 @@ impl Shared {
                     }
                 }
                 Action::Spill(job) => spills.push(job),
+                Action::Move(job) => {
+                    let sent = self
+                        .moves
+                        .lock()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .send(job);
+                    if let Err(std::sync::mpsc::SendError(job)) = sent {
+                        // The compactor has stopped (so has the unit).
+                        let _ = self.core().handle(
+                            self.now(),
+                            Input::Moved {
+                                blob: job.blob,
+                                ok: false,
+                            },
+                        );
+                    }
+                }
                 Action::CheckProcess(session) => {
                     let mut w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
                     if w.insert(session) && w.len() == 1 {
@@ -330,10 +347,12 @@ pub(crate) fn spiller(
             // reported, even if the blob is freed meanwhile: this thread
             // reads it alone.
             let written = d.engine.create(job.blob, job.nbytes).and_then(|mut w| {
-                shared
-                    .slab
-                    .copy_out_chunked(job.offset, job.nbytes as usize, COPY_CHUNK, |c| w.write(c))
-                    .map_err(std::io::Error::other)??;
+                for (offset, len) in crate::cut(&job.pieces, job.nbytes) {
+                    shared
+                        .slab
+                        .copy_out_chunked(offset, len as usize, COPY_CHUNK, |c| w.write(c))
+                        .map_err(std::io::Error::other)??;
+                }
                 w.finish()
             });
             match &written {
@@ -373,5 +392,38 @@ pub(crate) fn spiller(
             // Do not spin on a failing disk.
             std::thread::sleep(Duration::from_millis(200));
         }
+    }
+}
+
+/// Carry out compaction's moves, one at a time: copy the blob's pieces, in
+/// order, into the one range the core reserved, and report. Nobody else
+/// touches either range meanwhile (see the core's `compact` module); a
+/// reader that pins the blob during the copy reads the old range, which the
+/// core then keeps.
+pub(crate) fn compactor(shared: Arc<Shared>, rx: std::sync::mpsc::Receiver<stowage_core::MoveJob>) {
+    while !shared.stop.load(Ordering::Relaxed) {
+        let job = match rx.recv_timeout(Duration::from_millis(100)) {
+            Ok(job) => job,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        };
+        let t0 = Instant::now();
+        let mut to = job.to;
+        let mut ok = true;
+        for (from, len) in crate::cut(&job.from, job.nbytes) {
+            if let Err(e) = shared.slab.copy_within(from, to, len as usize) {
+                tracing::error!(error = %e, blob = ?job.blob, "a compaction move is out of the slab");
+                ok = false;
+                break;
+            }
+            to += len;
+        }
+        if let Some(m) = &shared.metrics {
+            m.compaction_micros
+                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
+        }
+        let _ = shared
+            .core()
+            .handle(shared.now(), Input::Moved { blob: job.blob, ok });
     }
 }

@@ -65,6 +65,8 @@ pub enum Plan {
     Resolved {
         pin: Option<PinId>,
         found: Vec<Option<Located>>,
+        /// The unit is short of memory: the client gives its spares back.
+        spares_back: bool,
     },
     /// A Read, pinned: send the values (a Data header, then their bytes),
     /// then [`read_sent`].
@@ -115,10 +117,11 @@ pub struct Put {
 }
 
 /// Where a Put's payload goes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Dest {
-    /// The slab at this offset: this connection is its only writer.
-    Slab { offset: u64 },
+    /// The slab, in these (offset, bytes) pieces in order: this connection
+    /// is their only writer.
+    Slab { pieces: Vec<(u64, u64)> },
     /// The blob's file on the disk tier (the slab is full); the flusher
     /// syncs it and publishes the entries.
     Disk,
@@ -227,13 +230,20 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             blob,
             nbytes,
             n_entries,
-        } => answer(
-            alloc(&mut core(), owner, blob, nbytes, n_entries, now).map(|a| match a {
-                Allocated::Reserved { offset } => Response::Allocated { offset },
-                Allocated::ToDisk => Response::ToDisk,
-                Allocated::AlreadyCommitted => Response::AlreadyCommitted,
-            }),
-        ),
+        } => {
+            let mut core = core();
+            let spares_back = core.spares_short();
+            answer(
+                alloc(&mut core, owner, blob, nbytes, n_entries, now).map(|a| match a {
+                    Allocated::Reserved { pieces } => Response::Allocated {
+                        pieces,
+                        spares_back,
+                    },
+                    Allocated::ToDisk => Response::ToDisk,
+                    Allocated::AlreadyCommitted => Response::AlreadyCommitted,
+                }),
+            )
+        }
         Request::Commit {
             blob,
             partition,
@@ -278,17 +288,22 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
                 spare,
                 spare_nbytes,
             };
-            let reply = match request(&mut core(), now, owner, op) {
+            let mut core = core();
+            let reply = match request(&mut core, now, owner, op) {
                 Ok(Answer::SpareCommitted(SpareCommitted::AlreadyCommitted)) => {
                     Response::AlreadyCommitted
                 }
                 Ok(Answer::SpareCommitted(SpareCommitted::Pending)) => Response::Pending,
                 Ok(Answer::SpareCommitted(SpareCommitted::Committed { spare })) => {
-                    Response::CommittedSpare { spare }
+                    Response::CommittedSpare {
+                        spare,
+                        spares_back: core.spares_short(),
+                    }
                 }
                 Ok(other) => error_response(&unexpected(&other)),
                 Err(e) => error_response(&e),
             };
+            drop(core);
             Plan::Committed {
                 blob,
                 shm_bytes,
@@ -315,10 +330,17 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         ),
         Request::Resolve {
             partition, keys, ..
-        } => match resolve(&mut core(), owner, scope(namespace, &partition), keys, now) {
-            Ok((pin, found)) => Plan::Resolved { pin, found },
-            Err(e) => Plan::Reply(error_response(&e)),
-        },
+        } => {
+            let mut core = core();
+            match resolve(&mut core, owner, scope(namespace, &partition), keys, now) {
+                Ok((pin, found)) => Plan::Resolved {
+                    pin,
+                    found,
+                    spares_back: core.spares_short(),
+                },
+                Err(e) => Plan::Reply(error_response(&e)),
+            }
+        }
         Request::Read {
             partition,
             keys,
@@ -544,7 +566,7 @@ fn put(
         return refuse(error(ErrorCode::InvalidRequest, "too many entries".into()));
     };
     let into = match alloc(core, owner, blob, nbytes, n_entries, now) {
-        Ok(Allocated::Reserved { offset }) => Dest::Slab { offset },
+        Ok(Allocated::Reserved { pieces }) => Dest::Slab { pieces },
         Ok(Allocated::ToDisk) => Dest::Disk,
         Ok(Allocated::AlreadyCommitted) => Dest::Nowhere,
         Err(e) => return refuse(error_response(&e)),
@@ -573,7 +595,7 @@ pub fn put_landed(core: &mut UnitCore, put: &mut Put) -> Response {
         std::mem::take(&mut put.entries),
         put.now,
     );
-    match (put.into, r) {
+    match (&put.into, r) {
         // Still being made durable, or done.
         (Dest::Nowhere, Ok(Committed::Pending)) => Response::Pending,
         (Dest::Nowhere, _) => Response::Done,

@@ -67,7 +67,9 @@ pub(crate) use listen::Counted;
 use listen::{accept_tcp, accept_uds, bind_uds};
 use nixl_serve::serve_nixl;
 pub(crate) use nixl_serve::NixlServe;
-pub(crate) use tier::{read_through, DiskIo, DiskTier, ReadBudget, Served, COPY_CHUNK};
+pub(crate) use tier::{
+    cut, read_through, DiskIo, DiskTier, PieceWriter, ReadBudget, Served, COPY_CHUNK,
+};
 pub mod metrics;
 
 use std::io;
@@ -78,7 +80,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use drive::{flusher, spiller, Timer};
+use drive::{compactor, flusher, spiller, Timer};
 pub(crate) use handler::unexpected;
 use stowage_core::{Answer, CoreConfig, Input, UnitCore};
 use stowage_shm::Slab;
@@ -127,6 +129,8 @@ pub(crate) struct Shared {
     pub(crate) high_watermark: f64,
     /// What the request path records (`None`: metrics are off).
     pub(crate) metrics: Option<metrics::UnitMetrics>,
+    /// Compaction's moves, for the compactor thread.
+    pub(crate) moves: Mutex<std::sync::mpsc::Sender<stowage_core::MoveJob>>,
 }
 
 /// A session as the server knows it: its id in the core and, for a
@@ -434,6 +438,9 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     core_cfg.high_watermark = cfg.high_watermark;
     core_cfg.low_watermark = cfg.low_watermark;
     core_cfg.disk_capacity = cfg.disk.as_ref().map_or(0, |(_, c)| *c);
+    if let Some(b) = cfg.spare_budget {
+        core_cfg.spare_budget = b;
+    }
     let core = UnitCore::new(core_cfg).map_err(|e| StartError::Config(e.to_string()))?;
     let mut id = [0u8; 16];
     getrandom::fill(&mut id).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;
@@ -482,7 +489,9 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     if disk.is_none() && !cfg.failpoints.is_empty() {
         return Err(StartError::Config("failpoints need a disk tier".into()));
     }
+    let (moves_tx, moves_rx) = std::sync::mpsc::channel();
     let shared = Arc::new(Shared {
+        moves: Mutex::new(moves_tx),
         core: Mutex::new(core),
         timer: Timer::new(),
         slab,
@@ -531,6 +540,13 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         std::thread::Builder::new()
             .name("slab-fault".into())
             .spawn(move || fault_in_slab(weak, &name, lock))
+            .map_err(StartError::Slab)?;
+    }
+    {
+        let sh = shared.clone();
+        std::thread::Builder::new()
+            .name("compactor".into())
+            .spawn(move || compactor(sh, moves_rx))
             .map_err(StartError::Slab)?;
     }
     if let Some((rx, spill_rx)) = disk_rx {

@@ -384,6 +384,8 @@ pub struct UnitMetrics {
     pub(crate) disk_put_bytes: AtomicU64,
     pub(crate) promoted_bytes: AtomicU64,
     pub(crate) disk_streamed_bytes: AtomicU64,
+    /// Time compaction's moves took, in microseconds.
+    pub(crate) compaction_micros: AtomicU64,
     checkpoints: [AtomicU64; 2],
     checkpoint_seconds: Histogram,
 }
@@ -404,6 +406,7 @@ impl Default for UnitMetrics {
             disk_put_bytes: AtomicU64::new(0),
             promoted_bytes: AtomicU64::new(0),
             disk_streamed_bytes: AtomicU64::new(0),
+            compaction_micros: AtomicU64::new(0),
             checkpoints: Default::default(),
             checkpoint_seconds: Histogram::new(&CHECKPOINT_BOUNDS),
         }
@@ -611,15 +614,46 @@ impl Collector for UnitCollector {
         gauges(
             &mut e,
             "slab_bytes",
-            "Slab bytes by state: used (held by any blob) = reserved + quarantined + committed; pinned (committed blobs someone reads, part of used); free.",
+            "Slab bytes by state: used (stored data: committed blobs), reserved (puts being written), spares (reservations clients keep for their next puts), quarantined, free; pinned (stored data someone reads, part of used).",
             "state",
             &[
                 ("used", f(s.used)),
-                ("reserved", f(s.reserved_bytes)),
+                ("reserved", f(s.reserved_bytes.saturating_sub(s.spare_bytes))),
+                ("spares", f(s.spare_bytes)),
                 ("quarantined", f(s.quarantined_bytes)),
                 ("pinned", f(s.pinned_bytes)),
-                ("free", f(s.capacity.saturating_sub(s.used))),
+                ("free", f(s.free_bytes)),
             ],
+        )?;
+        gauge(
+            &mut e,
+            "slab_largest_free_bytes",
+            "The largest free range of the slab: a put's part larger than it is stored in pieces.",
+            f(s.largest_free),
+        )?;
+        gauge(
+            &mut e,
+            "slab_spare_budget_bytes",
+            "Bytes of the slab's spare zone, where spares come from.",
+            f(s.spare_budget),
+        )?;
+        gauge(
+            &mut e,
+            "slab_split_blobs",
+            "Blobs stored in more than one piece of the slab.",
+            f(s.split_blobs),
+        )?;
+        counter(
+            &mut e,
+            "compaction_moves",
+            "Blobs compaction moved to gather free memory into ranges.",
+            s.compaction_moves,
+        )?;
+        counter(
+            &mut e,
+            "compaction_bytes",
+            "Bytes compaction copied.",
+            s.compaction_bytes,
         )?;
         let mode = s.page_mode.as_str();
         gauges(
@@ -870,6 +904,12 @@ impl Collector for UnitCollector {
             "promoted_bytes",
             "Bytes of spilled blobs brought back into the slab for a reader.",
             m.promoted_bytes.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "compaction_micros",
+            "Time compaction spent copying, in microseconds.",
+            m.compaction_micros.load(Relaxed),
         )?;
         counter(
             &mut e,

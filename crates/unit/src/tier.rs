@@ -226,6 +226,8 @@ impl DiskIo {
 pub(crate) enum Served {
     /// In the slab (possibly just brought back from disk).
     Memory(stowage_core::Location, Vec<u8>),
+    /// In the slab, across pieces: its bytes are these ranges, in order.
+    Split(Vec<stowage_core::Location>, Vec<u8>),
     /// Only on disk: `len` bytes at `offset` into the blob, streamed from
     /// its file as the reply is written ([`read_through`]).
     Disk {
@@ -399,6 +401,7 @@ impl Shared {
             .map(|f| {
                 f.map(|(place, meta)| match place {
                     Place::Memory(l) => Served::Memory(l, meta),
+                    Place::Split(parts) => Served::Split(parts, meta),
                     Place::Disk { blob, .. } if corrupt.contains(&blob) => Served::Corrupt,
                     Place::Disk { blob, offset, len } => match promoted.get(&blob) {
                         Some(base) => Served::Memory(
@@ -418,5 +421,75 @@ impl Shared {
                 })
             })
             .collect()
+    }
+}
+
+/// The first `len` bytes of a region made of `pieces` ((slab offset,
+/// bytes) each, in order): the ranges they lie in, in order.
+pub(crate) fn cut(pieces: &[(u64, u64)], len: u64) -> Vec<(u64, u64)> {
+    let mut left = len;
+    let mut out = Vec::with_capacity(pieces.len());
+    for &(offset, n) in pieces {
+        if left == 0 {
+            break;
+        }
+        let n = n.min(left);
+        out.push((offset, n));
+        left -= n;
+    }
+    out
+}
+
+/// Writes a stream of bytes into the slab ranges `ranges`, in order (a
+/// blob in pieces, filled from a file or a checkpoint).
+pub(crate) struct PieceWriter<'a> {
+    slab: &'a stowage_shm::Slab,
+    ranges: Vec<(u64, u64)>,
+    at: usize,
+    done: u64,
+}
+
+impl<'a> PieceWriter<'a> {
+    pub(crate) fn new(slab: &'a stowage_shm::Slab, ranges: Vec<(u64, u64)>) -> Self {
+        Self {
+            slab,
+            ranges,
+            at: 0,
+            done: 0,
+        }
+    }
+
+    /// Write `bytes` next; past the last range is an error.
+    pub(crate) fn write(&mut self, mut bytes: &[u8]) -> std::io::Result<()> {
+        while !bytes.is_empty() {
+            let Some(&(offset, len)) = self.ranges.get(self.at) else {
+                return Err(std::io::Error::other(
+                    "more bytes than the blob's ranges hold",
+                ));
+            };
+            let n = ((len - self.done) as usize).min(bytes.len());
+            self.slab
+                .write(offset + self.done, &bytes[..n])
+                .map_err(std::io::Error::other)?;
+            self.done += n as u64;
+            bytes = &bytes[n..];
+            if self.done == len {
+                self.at += 1;
+                self.done = 0;
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod piece_tests {
+    use super::cut;
+
+    #[test]
+    fn cut_stops_at_the_length() {
+        assert_eq!(cut(&[(0, 64), (640, 128)], 100), vec![(0, 64), (640, 36)]);
+        assert_eq!(cut(&[(0, 64), (640, 128)], 64), vec![(0, 64)]);
+        assert_eq!(cut(&[(0, 64)], 0), Vec::<(u64, u64)>::new());
     }
 }
