@@ -3,14 +3,33 @@
 use super::*;
 
 impl UnitCore {
-    /// Every blob's slab range, for invariant checks in tests.
+    /// Every piece of every blob's slab ranges (its region, a promotion's
+    /// or a move's target), for invariant checks in tests.
     pub fn regions(&self) -> impl Iterator<Item = (BlobId, u64, u64)> + '_ {
         self.blobs.iter().flat_map(|(id, b)| {
             b.region
                 .iter()
                 .chain(b.promoting.iter())
-                .map(move |r| (*id, r.offset, r.len))
+                .chain(b.moving.iter())
+                .flat_map(|r| r.pieces().iter())
+                .map(move |&(o, l)| (*id, o, l))
         })
+    }
+
+    /// (slab offset, bytes) of each piece of `blob`'s region, if in memory.
+    pub fn blob_pieces(&self, blob: BlobId) -> Option<Vec<(u64, u64)>> {
+        Some(self.blobs.get(&blob)?.region.as_ref()?.pieces().to_vec())
+    }
+
+    /// The blob compaction is moving and the range it moves to, if any.
+    pub fn move_under_way(&self) -> Option<(BlobId, u64)> {
+        let id = self.move_in_flight?;
+        let to = self
+            .blobs
+            .get(&id)
+            .and_then(|b| b.moving.as_ref())
+            .map(|r| r.start());
+        Some((id, to.unwrap_or(u64::MAX)))
     }
 
     /// Every slab range still allocated but not a live blob's: quarantined
@@ -21,7 +40,12 @@ impl UnitCore {
             .values()
             .chain(self.orphan_promotions.values())
             .chain(self.orphan_writes.values().filter_map(|(_, r)| r.as_ref()))
-            .map(|r| (r.offset, r.len))
+            .chain(
+                self.orphan_moves
+                    .values()
+                    .flat_map(|(old, new)| old.iter().chain(std::iter::once(new))),
+            )
+            .flat_map(|r| r.pieces().iter().copied())
             .collect()
     }
 
@@ -41,7 +65,10 @@ impl UnitCore {
             .filter_map(|p| self.pins.get(p))
             .flat_map(|p| p.blobs.iter())
             .filter_map(|b| self.blobs.get(b)?.region.as_ref());
-        reserved.chain(pinned).map(|r| (r.offset, r.len)).collect()
+        reserved
+            .chain(pinned)
+            .flat_map(|r| r.pieces().iter().copied())
+            .collect()
     }
 
     /// Sessions that hold something although none of their connections is
