@@ -758,8 +758,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             for (i, s) in client.stats(client.deadline()).into_iter().enumerate() {
                 let s = s.map_err(|e| e.to_string())?;
                 println!(
-                    "  unit {i} after the run: {} entries, {} bytes used, {} pins",
-                    s.entries, s.used, s.pins
+                    "  unit {i} after the run: {} entries, {} bytes of data, {} pins; {} bytes in spares, {} free (largest range {})",
+                    s.entries, s.used, s.pins, s.spare_bytes, s.free_bytes, s.largest_free
                 );
             }
             plane.stop();
@@ -902,12 +902,16 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 match s {
                     Ok(s) => {
                         println!(
-                            "{a}: {}/{} bytes used ({} reserved, {} quarantined), {} blobs, {} entries, {} rows, {} pins; {} bytes held by sessions, {} holds overdue",
+                            "{a}: {}/{} bytes used by data ({} reserved, {} quarantined), {} blobs, {} entries, {} rows, {} pins; {} bytes held by sessions, {} holds overdue",
                             s.used, s.capacity, s.reserved_bytes, s.quarantined_bytes, s.blobs, s.entries, s.rows, s.pins, s.held_bytes, s.overdue_holds
                         );
                         println!(
                             "  {} partitions, {} bytes pinned, {} spares ({} bytes); since start: {} requests, {} bytes in, {} bytes out, {} busy answers",
                             s.partitions, s.pinned_bytes, s.spares, s.spare_bytes, s.ops, s.bytes_in, s.bytes_out, s.busy
+                        );
+                        println!(
+                            "  {} bytes free, largest free range {}, {} blobs in pieces; compaction: {} moves, {} bytes; spare zone {} bytes",
+                            s.free_bytes, s.largest_free, s.split_blobs, s.compaction_moves, s.compaction_bytes, s.spare_budget
                         );
                         for x in s
                             .sessions
