@@ -240,6 +240,7 @@ class Unit:
         checkpoint_root: Optional[str] = None,
         mlock: bool = True,
         huge_pages: str = ...,  # "auto"
+        spare_budget: Union[int, str, None] = None,
         max_connections: Optional[int] = None,
         max_handshakes: Optional[int] = None,
         max_handshakes_per_source: Optional[int] = None,

@@ -79,7 +79,10 @@ impl Unit {
     /// unit's. `checkpoint_root`: checkpoints are
     /// written only under it (without it the unit refuses them).
     /// `huge_pages`: the slab's page mode, "auto" (default), "hugetlb",
-    /// "thp" or "4k" (see `stowage unit --huge-pages`).
+    /// "thp" or "4k" (see `stowage unit --huge-pages`). `spare_budget`
+    /// (bytes or a size string): the slab's spare zone, where the
+    /// reservations same-host clients keep for their next puts come from
+    /// (default 1/16 of `memory`; 0: no spares).
     /// `secret` (bytes or str) or `secret_file` (an owner-only file, read
     /// here): the shared secret every client must prove (the environment
     /// is not read here). With `tcp` and neither, a fresh secret is
@@ -103,6 +106,7 @@ impl Unit {
         checkpoint_root = None,
         mlock = true,
         huge_pages = "auto".to_string(),
+        spare_budget = None,
         max_connections = None,
         max_handshakes = None,
         max_handshakes_per_source = None,
@@ -134,6 +138,7 @@ impl Unit {
         checkpoint_root: Option<PathBuf>,
         mlock: bool,
         huge_pages: String,
+        spare_budget: Option<&Bound<'_, PyAny>>,
         max_connections: Option<usize>,
         max_handshakes: Option<usize>,
         max_handshakes_per_source: Option<usize>,
@@ -180,6 +185,7 @@ impl Unit {
         cfg.checkpoint_root = checkpoint_root;
         cfg.mlock = mlock;
         cfg.huge_pages = huge_pages.parse().map_err(invalid)?;
+        cfg.spare_budget = spare_budget.map(size_arg).transpose()?;
         if let Some(n) = max_connections {
             cfg.max_connections = n;
         }
