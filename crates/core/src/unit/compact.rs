@@ -35,6 +35,10 @@ pub struct MoveJob {
 /// Candidates looked at per step, at most (the highest first).
 const CANDIDATES: usize = 256;
 
+/// After a look for a blob to move found none, the next look waits this
+/// long (each scans every blob).
+pub(super) const RESCAN: Duration = Duration::from_millis(20);
+
 impl UnitCore {
     /// Whether compaction has work: the data zone's free memory is
     /// scattered (enough of it, its largest range under
@@ -65,10 +69,18 @@ impl UnitCore {
         if self.move_in_flight.is_some() || !self.compact_dirty {
             return None;
         }
-        self.compact_dirty = false;
         if !self.scattered() {
+            self.compact_dirty = false;
             return None;
         }
+        if self
+            .fruitless_scan
+            .is_some_and(|t| self.last_input.saturating_sub(t) < RESCAN)
+        {
+            // Stays dirty: a later input looks again.
+            return None;
+        }
+        self.compact_dirty = false;
         let max = self.cfg.compact_max_move;
         // Blobs in pieces first, then the highest: moving them down
         // leaves the top free in one range.
@@ -106,8 +118,10 @@ impl UnitCore {
             };
             b.moving = Some(to);
             self.move_in_flight = Some(id);
+            self.fruitless_scan = None;
             return Some(job);
         }
+        self.fruitless_scan = Some(self.last_input);
         None
     }
 

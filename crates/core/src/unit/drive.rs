@@ -199,6 +199,7 @@ impl UnitCore {
     pub fn handle(&mut self, now: Time, input: Input) -> Result<Answer, CoreError> {
         // Any input may change what should spill.
         self.spill_dirty = true;
+        self.last_input = now;
         Ok(match input {
             Input::OpenSession => Answer::Session(self.open_session()),
             Input::Attach { session, mapped } => Answer::Attached(self.attach(session, mapped)?),

@@ -415,6 +415,11 @@ pub struct UnitCore {
     move_in_flight: Option<BlobId>,
     /// Free memory may have become scattered since compaction last looked.
     compact_dirty: bool,
+    /// The time of the latest input, and of the latest look for a blob to
+    /// move that found none (such looks scan every blob: at most one per
+    /// [`compact::RESCAN`]).
+    last_input: Time,
+    fruitless_scan: Option<Time>,
     /// Compaction's moves and bytes since start.
     compaction_moves: u64,
     compaction_bytes: u64,
@@ -476,6 +481,8 @@ impl UnitCore {
             orphan_moves: HashMap::new(),
             move_in_flight: None,
             compact_dirty: false,
+            last_input: Time::ZERO,
+            fruitless_scan: None,
             compaction_moves: 0,
             compaction_bytes: 0,
         })
