@@ -18,7 +18,7 @@ const MIB: u64 = 1 << 20;
 
 fn stats(raw: &mut Raw) -> stowage_wire::Stats {
     match raw.call(&Request::Stats) {
-        Response::Stats(s) => s,
+        Response::Stats(s) => *s,
         other => panic!("expected Stats, got {other:?}"),
     }
 }

@@ -256,7 +256,7 @@ impl Conn {
                 want_fd,
                 session,
             } => return self.hello(id, namespace, want_fd, session),
-            Plan::Stats => Response::Stats(self.shared.stats()),
+            Plan::Stats => Response::Stats(Box::new(self.shared.stats())),
             Plan::NixlInfo {
                 owner,
                 agent,

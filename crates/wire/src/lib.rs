@@ -367,7 +367,8 @@ pub enum Response {
     Cleared {
         entries: u64,
     },
-    Stats(Stats),
+    /// Boxed: by far the largest reply, and a rare one.
+    Stats(Box<Stats>),
     /// Reply to Read: each key's value (`None`: not found); the found
     /// values' bytes follow in the payload, in key order.
     Data {
@@ -855,7 +856,7 @@ mod tests {
             Response::ToDisk,
             Response::Pending,
             Response::Cleared { entries: 12 },
-            Response::Stats(Stats {
+            Response::Stats(Box::new(Stats {
                 capacity: 1,
                 used: 2,
                 reserved_bytes: 3,
@@ -894,7 +895,7 @@ mod tests {
                 spare_bytes: 26,
                 serves_nixl: true,
                 page_mode: "thp".into(),
-            }),
+            })),
             Response::Data {
                 items: vec![
                     Some(Item {

@@ -260,7 +260,7 @@ impl Raw {
 /// A unit's counters, asked over a raw connection.
 pub fn stats(r: &mut Raw) -> stowage_wire::Stats {
     match r.call(&Request::Stats) {
-        Response::Stats(s) => s,
+        Response::Stats(s) => *s,
         other => panic!("{other:?}"),
     }
 }
