@@ -482,14 +482,15 @@ impl NixlMover {
     }
 }
 
+/// A lending fetch's layout: each value's span in the buffer, the
+/// transfer's ranges, the buffer's length.
+type LentLayout = (Vec<Span<usize>>, Vec<Range>, usize);
+
 /// Where a lending fetch READs `places` in its buffer: one span per value
 /// (64-byte aligned), a split value's parts back to back within its span;
 /// the transfer's ranges (empty ones left out) against the unit's slab at
 /// `slab_addr`; the buffer's length.
-fn lent_layout(
-    places: &Places,
-    slab_addr: u64,
-) -> Result<(Vec<Span<usize>>, Vec<Range>, usize), OpFailure> {
+fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, OpFailure> {
     let mut spans = Vec::with_capacity(places.len());
     let mut xfer = Vec::with_capacity(places.ranges().len());
     let mut at = 0usize;
