@@ -93,7 +93,10 @@ fn no_overlap(ranges: &[SlabRange]) -> Result<(), String> {
     }
     let mut sorted: Vec<SlabRange> = ranges.iter().copied().filter(|r| r.1 > 0).collect();
     sorted.sort_unstable();
-    match sorted.windows(2).find(|w| w[0].0 + w[0].1 > w[1].0) {
+    match sorted
+        .windows(2)
+        .find(|w| w[0].0.saturating_add(w[0].1) > w[1].0)
+    {
         Some(w) => Err(format!(
             "ranges overlap: {} bytes at {} and {} bytes at {}",
             w[0].1, w[0].0, w[1].1, w[1].0
@@ -124,7 +127,7 @@ pub(crate) fn scatter<'s>(
                     let Some(&(offset, len)) = pieces_left.next() else {
                         return Err(format!(
                             "pieces of {} bytes for {} bytes",
-                            pieces.iter().map(|p| p.1).sum::<u64>(),
+                            pieces.iter().fold(0u64, |a, p| a.saturating_add(p.1)),
                             segments.iter().map(|s| s.len() as u64).sum::<u64>()
                         ));
                     };
@@ -154,10 +157,11 @@ pub(crate) fn split_dst<'d>(
     mut dst: &'d mut [u8],
     ranges: &[SlabRange],
 ) -> Result<Vec<(u64, &'d mut [u8])>, String> {
-    let total: u64 = ranges.iter().map(|r| r.1).sum();
-    if total != dst.len() as u64 {
+    let total = ranges.iter().try_fold(0u64, |acc, r| acc.checked_add(r.1));
+    if total != Some(dst.len() as u64) {
         return Err(format!(
-            "a value of {total} bytes for a buffer of {} bytes",
+            "parts of {} bytes for a buffer of {} bytes",
+            total.map_or_else(|| "too many".to_string(), |t| t.to_string()),
             dst.len()
         ));
     }
@@ -236,7 +240,7 @@ impl Places {
 
     /// The bytes of all values.
     pub(crate) fn total(&self) -> u64 {
-        self.ranges.iter().map(|r| r.1).sum()
+        self.ranges.iter().fold(0, |acc, r| acc.saturating_add(r.1))
     }
 }
 
@@ -376,6 +380,7 @@ mod tests {
         assert_eq!((parts[1].0, parts[1].1.len()), (4096, 64));
         assert!(split_dst(&mut buf, &[(64, 36)]).is_err());
         assert!(split_dst(&mut buf, &[(64, 36), (0, 65)]).is_err());
+        assert!(split_dst(&mut buf, &[(64, u64::MAX), (0, 101)]).is_err());
     }
 
     #[test]
