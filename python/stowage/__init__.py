@@ -414,6 +414,11 @@ class DataPlane:
         The values stay pinned (in place, even if their rows are cleared or
         replaced) until every array of the call is garbage-collected;
         pinned memory counts against the unit's space, so drop views soon.
+
+        A value the unit stored split across pieces of its memory (it was
+        larger than any free range when it was put) is not one range to
+        point into: it comes back as a copy, a new writeable array exactly
+        as :meth:`get` returns it (one copy, as fast as ``get``).
         """
         fields = _fields(fields)
         got = self._client.get_view(partition, keys, fields, unit, timeout, False)

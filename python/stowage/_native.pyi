@@ -173,7 +173,11 @@ class Client:
         unit: Optional[int] = None,
         timeout: Optional[float] = None,
         raw_bfloat16: bool = False,
-    ) -> List[List[np.ndarray]]: ...
+    ) -> List[List[np.ndarray]]:
+        """Read-only arrays over the values in the units' slabs (no copy);
+        a value stored split across pieces of a slab comes back as a copy,
+        a new writeable array as ``get`` returns it."""
+        ...
     def clear(
         self,
         partition: str,

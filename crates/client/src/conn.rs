@@ -185,6 +185,10 @@ pub(crate) struct Conn {
     /// The session this connection belongs to (the unit's token).
     pub(crate) session: u128,
     pub(crate) slab: Option<Arc<Slab>>,
+    /// The slab's length as the unit's Hello announced it: the bound of
+    /// every range the unit names (checked before a one-sided transport
+    /// writes or reads one).
+    pub(crate) slab_bytes: u64,
     next_id: u64,
     out: Vec<u8>,
     scratch: Vec<u8>,
@@ -237,6 +241,7 @@ impl Conn {
             instance_id: 0,
             session: 0,
             slab: None,
+            slab_bytes: 0,
             next_id: 1,
             out: Vec::with_capacity(4096),
             scratch: Vec::new(),
@@ -297,6 +302,7 @@ impl Conn {
             } => {
                 c.instance_id = instance_id;
                 c.session = session;
+                c.slab_bytes = slab_bytes;
                 if want_fd {
                     if !fd_attached {
                         return Err(ConnError::Protocol(

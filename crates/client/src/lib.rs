@@ -60,6 +60,7 @@ mod error;
 mod fanout;
 pub mod metrics;
 mod nixl;
+mod pieces;
 pub mod rows;
 pub mod sink;
 pub mod transport;

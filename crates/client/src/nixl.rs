@@ -22,6 +22,7 @@ use std::time::Instant;
 use stowage_nixl::{Agent, NixlError, Op, Range, Staging, Transfer, WaitError};
 
 use crate::conn::ConnError;
+use crate::pieces::{PieceWrite, Places};
 use crate::transport::{LocalFailure, Mover, OpFailure, Settle};
 
 /// The smallest staging buffer a connection registers.
@@ -360,15 +361,18 @@ impl NixlMover {
         })
     }
 
-    /// Post one READ of `ranges` (see [`Mover::start_fetch`]): `Ok(true)`
+    /// Post one READ of `places` (see [`Mover::start_fetch`]): `Ok(true)`
     /// when it is still under way (in `self.reading`), `Ok(false)` when it
-    /// is done (or there was nothing to do).
-    fn post_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
+    /// is done (or there was nothing to do). Into the staging buffer,
+    /// every range (a split value's parts too) where [`Mover::read`] finds
+    /// it by its slab offset.
+    fn post_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
         self.fetched.clear();
         self.lending = None;
         if lend {
-            return self.start_lent_fetch(ranges);
+            return self.start_lent_fetch(places);
         }
+        let ranges = places.ranges();
         let mut xfer = Vec::with_capacity(ranges.len());
         let mut at = 0usize;
         for &(offset, len) in ranges {
@@ -405,26 +409,11 @@ impl NixlMover {
     }
 
     /// Start one READ of every range into a buffer of the receive pool,
-    /// each value at its own 64-byte-aligned place, to be lent to the
+    /// each value at its own 64-byte-aligned place (a split value's parts
+    /// back to back there, so that it is one span), to be lent to the
     /// caller ([`Mover::take_lent`]) once it has ended.
-    fn start_lent_fetch(&mut self, ranges: &[(u64, u64)]) -> Result<bool, OpFailure> {
-        let mut spans = Vec::with_capacity(ranges.len());
-        let mut xfer = Vec::with_capacity(ranges.len());
-        let mut at = 0usize;
-        for &(offset, len) in ranges {
-            let len =
-                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
-            at = at.next_multiple_of(LENT_ALIGN);
-            spans.push(at..at + len);
-            if len > 0 {
-                xfer.push(Range {
-                    local: at,
-                    remote: self.slab_addr + offset,
-                    len,
-                });
-            }
-            at += len;
-        }
+    fn start_lent_fetch(&mut self, places: &Places) -> Result<bool, OpFailure> {
+        let (spans, xfer, at) = lent_layout(places, self.slab_addr)?;
         let buf = Arc::new(
             self.recv
                 .take(&self.agent, at)
@@ -493,39 +482,72 @@ impl NixlMover {
     }
 }
 
+/// A lending fetch's layout: each value's span in the buffer, the
+/// transfer's ranges, the buffer's length.
+type LentLayout = (Vec<Span<usize>>, Vec<Range>, usize);
+
+/// Where a lending fetch READs `places` in its buffer: one span per value
+/// (64-byte aligned), a split value's parts back to back within its span;
+/// the transfer's ranges (empty ones left out) against the unit's slab at
+/// `slab_addr`; the buffer's length.
+fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, OpFailure> {
+    let mut spans = Vec::with_capacity(places.len());
+    let mut xfer = Vec::with_capacity(places.ranges().len());
+    let mut at = 0usize;
+    for parts in places.values() {
+        at = at.next_multiple_of(LENT_ALIGN);
+        let start = at;
+        for &(offset, len) in parts {
+            let len =
+                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
+            if len > 0 {
+                xfer.push(Range {
+                    local: at,
+                    remote: slab_addr + offset,
+                    len,
+                });
+            }
+            at += len;
+        }
+        spans.push(start..at);
+    }
+    Ok((spans, xfer, at))
+}
+
 impl Mover for NixlMover {
     fn name(&self) -> &'static str {
         "nixl"
     }
 
-    fn write(
-        &mut self,
-        offset: u64,
-        segments: &[&[u8]],
-        deadline: Instant,
-    ) -> Result<(), OpFailure> {
-        let total: usize = segments.iter().map(|s| s.len()).sum();
+    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), OpFailure> {
+        let total: usize = writes
+            .iter()
+            .flat_map(|(_, segs)| segs.iter().map(|s| s.len()))
+            .sum();
         if total == 0 {
             return Ok(());
         }
         // Large values go from where they are (registered for this call);
-        // the rest is gathered into the staging buffer. One WRITE for all.
+        // the rest is gathered into the staging buffer. One WRITE for all
+        // the blob's pieces (a value cut at a piece's end is two ranges).
         let agent = self.agent.clone();
         let mut direct = Vec::new();
         let mut staged_segs = Vec::new();
-        let mut at = self.slab_addr + offset;
-        for s in segments.iter().filter(|s| !s.is_empty()) {
-            let reg = (s.len() >= self.zero_copy_min)
-                .then(|| agent.register(s))
-                .and_then(|r| {
-                    r.map_err(|e| tracing::debug!(error = %e, "nixl: staging a value that did not register"))
-                        .ok()
-                });
-            match reg {
-                Some(r) => direct.push((r, at)),
-                None => staged_segs.push((*s, at)),
+        for (offset, segments) in writes {
+            let mut at = self.slab_addr + offset;
+            for s in segments.iter().filter(|s| !s.is_empty()) {
+                let reg = (s.len() >= self.zero_copy_min)
+                    .then(|| agent.register(s))
+                    .and_then(|r| {
+                        r.map_err(|e| tracing::debug!(error = %e, "nixl: staging a value that did not register"))
+                            .ok()
+                    });
+                match reg {
+                    Some(r) => direct.push((r, at)),
+                    None => staged_segs.push((*s, at)),
+                }
+                at += s.len() as u64;
             }
-            at += s.len() as u64;
         }
         let staged_len: usize = staged_segs.iter().map(|(s, _)| s.len()).sum();
         let mut staged = Vec::with_capacity(staged_segs.len());
@@ -559,8 +581,8 @@ impl Mover for NixlMover {
         self.finish(Op::Write, t, deadline)
     }
 
-    fn start_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
-        self.post_fetch(ranges, lend)
+    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
+        self.post_fetch(places, lend)
     }
 
     fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
@@ -624,5 +646,60 @@ impl Mover for NixlMover {
             }
         }
         self.pending.take().map(|p| Box::new(p) as Box<dyn Settle>)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stowage_wire::Found;
+
+    fn found(offset: u64, len: u64, parts: Vec<(u64, u64)>) -> Found {
+        Found {
+            offset,
+            len,
+            meta: Vec::new(),
+            on_disk: false,
+            parts,
+        }
+    }
+
+    /// A lending fetch gives each value one aligned span; a split value's
+    /// parts are READ back to back into its span.
+    #[test]
+    fn lent_layout_puts_a_split_values_parts_together() {
+        let mut places = Places::default();
+        places.push(&found(4096, 10, vec![]));
+        places.push(&found(64, 100, vec![(64, 36), (8192, 64)]));
+        places.push(&found(128, 0, vec![]));
+        places.push(&found(1 << 20, 5, vec![]));
+        let (spans, xfer, len) = lent_layout(&places, 1 << 40).unwrap();
+        assert_eq!(spans, vec![0..10, 64..164, 192..192, 192..197]);
+        assert_eq!(
+            xfer,
+            vec![
+                Range {
+                    local: 0,
+                    remote: (1 << 40) + 4096,
+                    len: 10
+                },
+                Range {
+                    local: 64,
+                    remote: (1 << 40) + 64,
+                    len: 36
+                },
+                Range {
+                    local: 100,
+                    remote: (1 << 40) + 8192,
+                    len: 64
+                },
+                Range {
+                    local: 192,
+                    remote: (1 << 40) + (1 << 20),
+                    len: 5
+                },
+            ]
+        );
+        assert_eq!(len, 197);
     }
 }

@@ -365,7 +365,9 @@ fn check_field(f: &str) -> Result<()> {
 }
 
 /// A view's value: read-only bytes in this process's mapping of a unit's
-/// slab, valid while its [`View`] lives.
+/// slab, valid while its [`View`] lives. A value the unit stored split
+/// across pieces of its slab ([`ViewTensor::is_split`]) is not one range
+/// of the mapping: it is read with [`View::read_into`] (a copy) instead.
 #[derive(Clone, Debug)]
 pub struct ViewTensor {
     pub dtype: DType,
@@ -373,6 +375,26 @@ pub struct ViewTensor {
     unit: usize,
     offset: u64,
     len: usize,
+    /// (slab offset, bytes) of each part of a split value, in order;
+    /// empty for a value in one range.
+    parts: Vec<(u64, u64)>,
+}
+
+impl ViewTensor {
+    /// Whether the value lies in several ranges of its unit's slab (it
+    /// was stored across pieces): no pointer can view it in place.
+    pub fn is_split(&self) -> bool {
+        !self.parts.is_empty()
+    }
+
+    /// The value's length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
 }
 
 /// Zero-copy access to values in the units' slabs (same host only). The
@@ -397,20 +419,46 @@ impl View {
     /// The address of a value of this view in this process's mapping of
     /// its unit's slab, and its length: valid (and unchanging) while the
     /// view lives. For zero-copy consumers (numpy arrays that keep the
-    /// view alive); reading through it is the consumer's `unsafe`.
+    /// view alive); reading through it is the consumer's `unsafe`. `None`
+    /// for a split value ([`ViewTensor::is_split`]: not one range; copy it
+    /// with [`View::read_into`]).
     pub fn as_ptr(&self, t: &ViewTensor) -> Option<(*const u8, usize)> {
+        if t.is_split() {
+            return None;
+        }
         let (_, _, slab, _) = self.pins.iter().find(|(u, ..)| *u == t.unit)?;
         slab.range_ptr(t.offset, t.len).ok().map(|p| (p, t.len))
     }
 
-    /// A copy of a value of this view.
+    /// Copy a value of this view into `dst` (exactly its length): a value
+    /// in one range, or a split value's parts back to back.
+    pub fn read_into(&self, t: &ViewTensor, dst: &mut [u8]) -> Result<()> {
+        let (_, _, slab, _) = self
+            .pins
+            .iter()
+            .find(|(u, ..)| *u == t.unit)
+            .ok_or_else(|| Error::InvalidRequest("the value's unit is not in this view".into()))?;
+        if dst.len() != t.len {
+            return Err(Error::InvalidRequest(format!(
+                "a buffer of {} bytes for a value of {}",
+                dst.len(),
+                t.len
+            )));
+        }
+        let outside = |e: stowage_shm::OutOfBounds| {
+            Error::InvalidRequest(format!("the value lies outside its unit's slab: {e}"))
+        };
+        if t.parts.is_empty() {
+            return slab.read(t.offset, dst).map_err(outside);
+        }
+        let reads = crate::pieces::split_dst(dst, &t.parts).map_err(Error::InvalidRequest)?;
+        slab.read_scatter(reads).map_err(outside)
+    }
+
+    /// A copy of a value of this view (empty if it cannot be read).
     pub fn to_vec(&self, t: &ViewTensor) -> Vec<u8> {
         let mut out = vec![0u8; t.len];
-        if let Some((_, _, slab, _)) = self.pins.iter().find(|(u, ..)| *u == t.unit) {
-            if slab.read(t.offset, &mut out).is_err() {
-                out.clear();
-            }
-        } else {
+        if self.read_into(t, &mut out).is_err() {
             out.clear();
         }
         out
@@ -1038,7 +1086,7 @@ impl Client {
                     if let Response::Resolved { pin: Some(p), .. } = &resp {
                         view.pins.push((u, *p, slab.clone(), conn.clone()));
                     }
-                    answers.push((u, resp));
+                    answers.push((u, resp, slab.len()));
                 }
                 Err(f) => {
                     failure.get_or_insert((u, f));
@@ -1055,7 +1103,7 @@ impl Client {
                 },
             });
         }
-        for (u, resp) in answers {
+        for (u, resp, slab_len) in answers {
             let (ks, idx) = &by_unit[&u];
             let found = match resp {
                 Response::Resolved { found, corrupt, .. } if found.len() == ks.len() => {
@@ -1096,6 +1144,9 @@ impl Client {
                         })
                     }
                     Some(f) => {
+                        // `view` drops here and unpins what was pinned.
+                        crate::pieces::check_found(&f, slab_len)
+                            .map_err(|m| unexpected_found(u, m))?;
                         let (m, owner) = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
                         let row = i % keys.len();
                         match ownership(&keys[row], owner) {
@@ -1117,6 +1168,7 @@ impl Client {
                             unit: u,
                             offset: f.offset,
                             len,
+                            parts: f.parts,
                         });
                     }
                 }
@@ -1148,6 +1200,17 @@ impl Client {
             })
             .collect::<Result<_>>()?;
         Ok(view)
+    }
+}
+
+/// A unit named a value this client will not read (outside its slab, or
+/// parts that are not the value).
+fn unexpected_found(unit: usize, message: String) -> Error {
+    Error::TransferFailed {
+        unit,
+        blobs: vec![],
+        reason: format!("protocol error: Resolved: {message}"),
+        in_flight: false,
     }
 }
 

@@ -31,6 +31,7 @@ use stowage_wire::{EntrySpec, ErrorCode, Key, PinId, Request, Response};
 use crate::conn::{Conn, ConnError};
 use crate::fanout::{pause_until, turn};
 use crate::nixl::Lent;
+use crate::pieces::{check_found, check_pieces, ranges_of, scatter, split_dst, PieceWrite, Places};
 use crate::sink::{GetSink, ValueAsk};
 use crate::{new_blob_id, BlobPut, SPARES};
 
@@ -105,6 +106,13 @@ impl OpFailure {
     /// A refusal on this client's side of the caller's input or sink.
     pub(crate) fn invalid(message: impl Into<String>) -> Self {
         OpFailure::Local(LocalFailure::Invalid(message.into()))
+    }
+
+    /// The unit named something this client will not act on (a range
+    /// outside its slab, pieces that do not hold the blob): the
+    /// connection goes (and with it what it holds).
+    fn protocol(message: impl Into<String>) -> Self {
+        OpFailure::conn(ConnError::Protocol(message.into()), false)
     }
 
     fn unexpected(r: Response) -> Self {
@@ -364,21 +372,20 @@ async fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> Result<(), O
 /// ([`crate::nixl::NixlMover`]). Offsets are slab offsets.
 pub(crate) trait Mover: Send {
     fn name(&self) -> &'static str;
-    /// Copy `segments`, one after another, to `offset`.
-    fn write(
-        &mut self,
-        offset: u64,
-        segments: &[&[u8]],
-        deadline: Instant,
-    ) -> Result<(), OpFailure>;
-    /// Start bringing the values at `ranges` (offset, len) within reach
-    /// of [`Mover::read`] (nothing to do when the slab is mapped):
-    /// `Ok(true)` when the transfer is still under way, to end with
+    /// Copy each piece's segments, one after another, to the piece's
+    /// offset (a put's bytes scattered over its blob's pieces,
+    /// [`crate::pieces::scatter`]; checked against the slab before).
+    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), OpFailure>;
+    /// Start bringing the values at `places` within reach of
+    /// [`Mover::read`] (nothing to do when the slab is mapped): every
+    /// range of every value (a split value's parts are ranges of their
+    /// own). `Ok(true)` when the transfer is still under way, to end with
     /// [`Mover::finish_fetch`]; `Ok(false)` when it is done (or there was
     /// nothing to do). `lend` (only where [`Mover::lends`]): into memory
-    /// to lend, one span per range, instead ([`Mover::take_lent`]).
-    fn start_fetch(&mut self, ranges: &[(u64, u64)], lend: bool) -> Result<bool, OpFailure> {
-        let _ = (ranges, lend);
+    /// to lend instead ([`Mover::take_lent`]), one span per value (a
+    /// split value's parts back to back in it).
+    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
+        let _ = (places, lend);
         Ok(false)
     }
     /// Wait for the fetch [`Mover::start_fetch`] left under way.
@@ -393,13 +400,14 @@ pub(crate) trait Mover: Send {
         false
     }
     /// The memory a finished lending fetch filled, and where each of its
-    /// ranges lies in it (in the order of the ranges).
+    /// values lies in it (in the order of the values).
     fn take_lent(&mut self) -> Option<(Lent, Vec<std::ops::Range<usize>>)> {
         None
     }
-    /// Copy the (fetched) value at `offset` into `dst`.
+    /// Copy the (fetched) range at `offset` into `dst` (a value in one
+    /// range, or one part of a split value).
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String>;
-    /// Copy many (fetched) values, on several threads where that helps.
+    /// Copy many (fetched) ranges, on several threads where that helps.
     fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String>;
     /// Whether a get of `total` bytes in several values should ask its
     /// sink for every buffer at once.
@@ -430,14 +438,12 @@ impl Mover for Arc<Slab> {
         "shm"
     }
 
-    fn write(
-        &mut self,
-        offset: u64,
-        segments: &[&[u8]],
-        _deadline: Instant,
-    ) -> Result<(), OpFailure> {
-        self.write_gather(offset, segments)
-            .map_err(|e| OpFailure::conn(ConnError::Protocol(e.to_string()), false))
+    fn write(&mut self, writes: &[PieceWrite<'_>], _deadline: Instant) -> Result<(), OpFailure> {
+        for (offset, segments) in writes {
+            self.write_gather(*offset, segments)
+                .map_err(|e| OpFailure::protocol(e.to_string()))?;
+        }
+        Ok(())
     }
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
@@ -474,11 +480,30 @@ pub(crate) struct OneSided<M: Mover> {
     spares: Vec<Spare>,
     /// Puts up to this size use and keep spares (0: never).
     spare_max: u64,
+    /// The slab's length (from Hello): every range the unit names is
+    /// checked against it before a byte moves.
+    slab_len: u64,
 }
 
 /// A Resolve's answer: the pin, each key's value (if found), the corrupt
-/// keys' positions.
-type Resolved = (Option<PinId>, Vec<Option<stowage_wire::Found>>, Vec<u32>);
+/// keys' positions, whether the unit asks for spares back.
+type Resolved = (
+    Option<PinId>,
+    Vec<Option<stowage_wire::Found>>,
+    Vec<u32>,
+    bool,
+);
+
+/// Copy one (fetched) value, in one range or in parts (`ranges`, checked
+/// to add up to its length), into `dst`.
+fn read_value<M: Mover>(mover: &M, ranges: &[(u64, u64)], dst: &mut [u8]) -> Result<(), String> {
+    match ranges {
+        [(offset, _)] => mover.read(*offset, dst),
+        parts => split_dst(dst, parts)?
+            .into_iter()
+            .try_for_each(|(offset, d)| mover.read(offset, d)),
+    }
+}
 
 /// A spare reservation ([`Request::CommitSpare`]) held by one connection.
 #[derive(Clone, Copy, Debug)]
@@ -508,11 +533,13 @@ impl ShmTransport {
 
 impl<M: Mover> OneSided<M> {
     pub(crate) fn with_mover(conn: Conn, mover: M, spare_max: u64) -> Self {
+        let slab_len = conn.slab_bytes;
         Self {
             conn,
             mover,
             spares: Vec::new(),
             spare_max,
+            slab_len,
         }
     }
 
@@ -554,10 +581,19 @@ impl<M: Mover> OneSided<M> {
         loop {
             match reply {
                 Response::Done | Response::AlreadyCommitted => return Ok(()),
-                Response::CommittedSpare { spare } => {
+                Response::CommittedSpare { spare, spares_back } => {
                     if let (Some(offset), Some((blob, len))) = (spare, asked) {
-                        self.keep_spare(Spare { blob, offset, len }, deadline)
-                            .await?;
+                        let spare = Spare { blob, offset, len };
+                        if spares_back {
+                            // Short of memory: not kept (the unit should
+                            // not have reserved it then).
+                            abort(&mut self.conn, blob, deadline).await?;
+                        } else {
+                            self.keep_spare(spare, deadline).await?;
+                        }
+                    }
+                    if spares_back {
+                        self.clear_spares(deadline).await?;
                     }
                     return Ok(());
                 }
@@ -582,6 +618,8 @@ impl<M: Mover> OneSided<M> {
     /// call, instead of a fault per page in the next put), and give back
     /// the oldest past [`SPARES`].
     async fn keep_spare(&mut self, spare: Spare, deadline: Instant) -> Result<(), OpFailure> {
+        check_pieces(&[(spare.offset, spare.len)], spare.len, self.slab_len)
+            .map_err(|m| OpFailure::protocol(format!("spare: {m}")))?;
         self.mover.prepare(spare.offset, spare.len);
         self.spares.push(spare);
         if self.spares.len() > SPARES {
@@ -591,7 +629,9 @@ impl<M: Mover> OneSided<M> {
         Ok(())
     }
 
-    /// Give every spare back (the unit is short of memory).
+    /// Give every spare back (the unit is short of memory: it said so with
+    /// `spares_back`, or refused an Alloc while this connection held
+    /// spares).
     async fn clear_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
         while let Some(s) = self.spares.pop() {
             abort(&mut self.conn, s.blob, deadline).await?;
@@ -616,14 +656,17 @@ impl<M: Mover> OneSided<M> {
         deadline: Instant,
     ) -> Result<Result<(Missing, Vec<usize>), OpFailure>, OpFailure> {
         let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
-        let ranges: Vec<(u64, u64)> = in_memory().map(|l| (l.offset, l.len)).collect();
+        // Each value's ranges: one, or the parts of a value split across
+        // pieces of the slab (its bytes are the parts back to back).
+        let mut places = Places::default();
+        in_memory().for_each(|l| places.push(l));
         // Over nixl: one READ of every value, into memory lent to the sink
         // when it takes that (zero-copy), else into the staging buffer.
         // Failing, the connection goes: its end unpins (or, if the READ
         // may still be running, the connection stays open until it has
         // ended, and the READ keeps its buffer).
         let mut lend = false;
-        if !ranges.is_empty() && self.mover.lends() {
+        if !places.is_empty() && self.mover.lends() {
             let accepted = sink.borrow_mut().accept_lent(&asks_of(found, index_of));
             match accepted {
                 Some(Ok(())) => lend = true,
@@ -632,7 +675,7 @@ impl<M: Mover> OneSided<M> {
             }
         }
         // Left under way while the other units start theirs.
-        if self.mover.start_fetch(&ranges, lend)? {
+        if self.mover.start_fetch(&places, lend)? {
             turn().await;
             self.mover.finish_fetch(deadline)?;
         }
@@ -644,10 +687,10 @@ impl<M: Mover> OneSided<M> {
             // Many values, large in all: ask the sink for all their
             // buffers and fill them together on the cores (one by one
             // otherwise).
-            let batched = ranges.len() > 1
+            let batched = places.len() > 1
                 && self
                     .mover
-                    .batch(ranges.iter().map(|&(_, len)| len as usize).sum());
+                    .batch(usize::try_from(places.total()).unwrap_or(usize::MAX));
             let mut copied_all = false;
             if lend {
                 let asks = asks_of(found, index_of);
@@ -663,8 +706,20 @@ impl<M: Mover> OneSided<M> {
                 let asks = asks_of(found, index_of);
                 match sink.slots(&asks) {
                     Some(Ok(bufs)) => {
-                        let reads: Vec<(u64, &mut [u8])> =
-                            in_memory().map(|l| l.offset).zip(bufs).collect();
+                        // One read per range: a split value's buffer cut
+                        // into one sub-slice per part.
+                        let mut reads: Vec<(u64, &mut [u8])> =
+                            Vec::with_capacity(places.ranges().len());
+                        for (ranges, buf) in places.values().zip(bufs) {
+                            if let [(offset, _)] = ranges {
+                                reads.push((*offset, buf));
+                                continue;
+                            }
+                            match split_dst(buf, ranges) {
+                                Ok(parts) => reads.extend(parts),
+                                Err(m) => return refused(m),
+                            }
+                        }
                         if let Err(m) = self.mover.read_scatter(reads) {
                             return refused(m);
                         }
@@ -688,7 +743,7 @@ impl<M: Mover> OneSided<M> {
                         };
                         let copied = sink
                             .slot(ask)
-                            .and_then(|dst| self.mover.read(l.offset, dst));
+                            .and_then(|dst| read_value(&self.mover, &ranges_of(l), dst));
                         if let Err(m) = copied {
                             return refused(m);
                         }
@@ -749,7 +804,10 @@ impl<M: Mover> Transport for OneSided<M> {
                     // This connection holds the spare's reservation: write,
                     // then one round trip to publish it.
                     let spare = self.spares.remove(i);
-                    self.mover.write(spare.offset, &put.segments, deadline)?;
+                    // One range, checked when it was kept (its class holds
+                    // the put).
+                    self.mover
+                        .write(&[(spare.offset, put.segments.clone())], deadline)?;
                     return self.commit(put, spare.blob, deadline).await;
                 }
             }
@@ -760,8 +818,20 @@ impl<M: Mover> Transport for OneSided<M> {
             };
             loop {
                 match call(&mut self.conn, &alloc, deadline).await? {
-                    Response::Allocated { offset } => {
-                        self.mover.write(offset, &put.segments, deadline)?;
+                    Response::Allocated {
+                        pieces,
+                        spares_back,
+                    } => {
+                        // Never a byte outside the slab, nor a blob the
+                        // pieces do not hold: the connection goes (and
+                        // with it the reservation).
+                        let writes = check_pieces(&pieces, n, self.slab_len)
+                            .and_then(|()| scatter(&put.segments, &pieces))
+                            .map_err(|m| OpFailure::protocol(format!("Allocated: {m}")))?;
+                        if spares_back {
+                            self.clear_spares(deadline).await?;
+                        }
+                        self.mover.write(&writes, deadline)?;
                         return self.commit(put, put.blob, deadline).await;
                     }
                     // Short of memory while this connection holds spares:
@@ -796,15 +866,22 @@ impl<M: Mover> Transport for OneSided<M> {
                 keys: keys.to_vec(),
                 hold: false,
             };
-            let (pin, found, corrupt): Resolved = match call(&mut self.conn, &req, deadline).await?
-            {
-                Response::Resolved {
-                    pin,
-                    found,
-                    corrupt,
-                } if found.len() == keys.len() => (pin, found, corrupt),
-                other => return Err(OpFailure::unexpected(other)),
-            };
+            let (pin, found, corrupt, spares_back): Resolved =
+                match call(&mut self.conn, &req, deadline).await? {
+                    Response::Resolved {
+                        pin,
+                        found,
+                        corrupt,
+                        spares_back,
+                    } if found.len() == keys.len() => (pin, found, corrupt, spares_back),
+                    other => return Err(OpFailure::unexpected(other)),
+                };
+            // Never a read outside the slab, nor a split value whose parts
+            // are not its length: the connection goes (its end unpins).
+            for f in found.iter().flatten() {
+                check_found(f, self.slab_len)
+                    .map_err(|m| OpFailure::protocol(format!("Resolved: {m}")))?;
+            }
             let corrupt = corrupt.into_iter().map(|c| c as usize).collect();
             // A failed connection goes, and its end unpins: no Unpin then.
             let copied = self
@@ -819,6 +896,9 @@ impl<M: Mover> Transport for OneSided<M> {
                     deadline,
                 )?;
             }
+            if spares_back {
+                self.clear_spares(deadline).await?;
+            }
             let (missing, corrupt) = copied?;
             if !corrupt.is_empty() {
                 return Err(OpFailure::Corrupt { positions: corrupt });
@@ -828,7 +908,21 @@ impl<M: Mover> Transport for OneSided<M> {
     }
 
     fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
-        Box::pin(call(&mut self.conn, req, deadline))
+        Box::pin(async move {
+            let reply = call(&mut self.conn, req, deadline).await?;
+            // A Resolve of a view: the unit may ask for spares back there
+            // too (a view connection never puts, so it holds none).
+            if matches!(
+                reply,
+                Response::Resolved {
+                    spares_back: true,
+                    ..
+                }
+            ) {
+                self.clear_spares(deadline).await?;
+            }
+            Ok(reply)
+        })
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
@@ -924,5 +1018,86 @@ impl Transport for TcpTransport {
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
         notify(&mut self.conn, req, deadline)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A "slab" in plain memory, for what the transports do with ranges.
+    struct Memory(Vec<u8>);
+
+    impl Mover for Memory {
+        fn name(&self) -> &'static str {
+            "memory"
+        }
+
+        fn write(&mut self, writes: &[PieceWrite<'_>], _: Instant) -> Result<(), OpFailure> {
+            for (offset, segs) in writes {
+                let mut at = *offset as usize;
+                for s in segs {
+                    self.0[at..at + s.len()].copy_from_slice(s);
+                    at += s.len();
+                }
+            }
+            Ok(())
+        }
+
+        fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
+            let o = offset as usize;
+            let src = self.0.get(o..o + dst.len()).ok_or("outside")?;
+            dst.copy_from_slice(src);
+            Ok(())
+        }
+
+        fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String> {
+            reads.into_iter().try_for_each(|(o, d)| self.read(o, d))
+        }
+
+        fn batch(&self, _: usize) -> bool {
+            true
+        }
+    }
+
+    /// A put scattered over its pieces reads back, value by value, as
+    /// split values' parts: the bytes that were put.
+    #[test]
+    fn a_blob_in_pieces_reads_back_by_parts() {
+        let mut m = Memory(vec![0; 1 << 16]);
+        let a: Vec<u8> = (0..100u8).collect();
+        let b: Vec<u8> = (100..230u8).collect();
+        // The blob: a at 0..100, padding to 128, b at 128..258.
+        let pad = [0u8; 28];
+        let segs: Vec<&[u8]> = vec![&a, &pad, &b];
+        let pieces = [(8192, 64), (256, 128), (40960, 128)];
+        check_pieces(&pieces, 258, 1 << 16).unwrap();
+        let writes = scatter(&segs, &pieces).unwrap();
+        m.write(&writes, Instant::now()).unwrap();
+        // a: 64 bytes in the first piece, 36 in the second; b: from byte
+        // 64 of the second piece (64 bytes), then 66 in the third.
+        let fa = stowage_wire::Found {
+            offset: 8192,
+            len: 100,
+            meta: vec![],
+            on_disk: false,
+            parts: vec![(8192, 64), (256, 36)],
+        };
+        let fb = stowage_wire::Found {
+            offset: 320,
+            len: 130,
+            meta: vec![],
+            on_disk: false,
+            parts: vec![(320, 64), (40960, 66)],
+        };
+        for (f, want) in [(&fa, &a), (&fb, &b)] {
+            check_found(f, 1 << 16).unwrap();
+            let mut got = vec![0u8; want.len()];
+            read_value(&m, &ranges_of(f), &mut got).unwrap();
+            assert_eq!(&got, want);
+        }
+        // A buffer of the wrong size is refused, not overrun.
+        let mut short = vec![0u8; 99];
+        assert!(read_value(&m, &ranges_of(&fa), &mut short).is_err());
     }
 }

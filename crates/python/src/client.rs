@@ -11,6 +11,7 @@ use std::time::{Duration, Instant};
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString};
+use stowage_client::Error as ClientError;
 use stowage_client::{
     Client as Inner, ClientConfig, Column, DType, RowKey, Secret, Sink, Stats, Tensor, TensorAsk,
     UnitAddr, View,
@@ -394,6 +395,28 @@ impl OutSink {
 
 fn nbytes(dtype: DType, shape: &[u64]) -> Option<usize> {
     dtype.nbytes(shape).and_then(|n| usize::try_from(n).ok())
+}
+
+/// Copies of the split values of `view` (those not in one range of their
+/// unit's slab): `[field][row]`, `None` for a value viewed in place.
+fn split_copies(view: &View) -> Result<Vec<Vec<Option<HostBuf>>>, ClientError> {
+    view.tensors()
+        .iter()
+        .map(|rows| {
+            rows.iter()
+                .map(|t| {
+                    if !t.is_split() {
+                        return Ok(None);
+                    }
+                    let mut buf = HostBuf::new(t.len()).map_err(|e| {
+                        ClientError::InvalidRequest(format!("cannot map {} bytes: {e}", t.len()))
+                    })?;
+                    view.read_into(t, &mut buf)?;
+                    Ok(Some(buf))
+                })
+                .collect()
+        })
+        .collect()
 }
 
 /// The pins of one `get_view` call, released when the last array over
@@ -831,6 +854,10 @@ impl Client {
     /// a list (per field) of lists (per row). The values stay pinned (the
     /// units keep them in place even if the rows are cleared) until every
     /// array of the call is garbage-collected. Shared-memory units only.
+    /// A value the unit stored split across pieces of its slab (it was
+    /// larger than any free range when put) is not one range of memory:
+    /// it comes back as a copy, a new writeable array exactly as `get`
+    /// returns it (copied once, with the GIL released).
     #[pyo3(signature = (partition, keys, fields, unit = None, timeout = None, raw_bfloat16 = false))]
     #[allow(clippy::too_many_arguments)]
     fn get_view<'py>(
@@ -852,8 +879,13 @@ impl Client {
         let keys = row_keys(keys)?;
         let names: Vec<&str> = fields.iter().map(String::as_str).collect();
         let client = self.client()?;
-        let view = py
-            .detach(|| client.view(partition, &keys, &names, unit, deadline))
+        // Split values are copied out here, without the GIL: `copies[f][r]`.
+        let (view, mut copies) = py
+            .detach(|| {
+                let view = client.view(partition, &keys, &names, unit, deadline)?;
+                let copies = split_copies(&view)?;
+                Ok((view, copies))
+            })
             .map_err(|e| to_py(py, e, &keys))?;
         let pins = Bound::new(py, ViewPins { view: Some(view) })?;
         let out = PyList::empty(py);
@@ -863,6 +895,30 @@ impl Client {
         for (f, rows) in view.tensors().iter().enumerate() {
             let list = PyList::empty(py);
             for (r, t) in rows.iter().enumerate() {
+                if let Some(buf) = copies
+                    .get_mut(f)
+                    .and_then(|c| c.get_mut(r))
+                    .and_then(Option::take)
+                {
+                    let len = buf.len();
+                    if nbytes(t.dtype, &t.shape) != Some(len) {
+                        return Err(invalid(format!(
+                            "field {:?} row {r}: {len} bytes do not make a {} {:?} array",
+                            fields[f],
+                            t.dtype.name(),
+                            t.shape
+                        )));
+                    }
+                    let base = Bound::new(py, OwnedBytes::new(buf))?;
+                    let ptr = base.get().as_mut_ptr();
+                    let descr = descr_for(py, t.dtype, raw_bfloat16)?;
+                    // SAFETY: `ptr` is the `len` bytes `base` owns (checked
+                    // above: exactly the array's bytes), which lives as long
+                    // as the array; nothing else reads or writes them.
+                    let a = unsafe { array_over(py, descr, &t.shape, ptr, true, base.into_any())? };
+                    list.append(a)?;
+                    continue;
+                }
                 let Some((ptr, len)) = view.as_ptr(t) else {
                     return Err(invalid(format!(
                         "field {:?} row {r}: the value lies outside its unit's slab",
