@@ -1136,7 +1136,7 @@ impl Client {
             .call_units(reqs, deadline)
             .into_iter()
             .map(|(unit, r)| match r? {
-                Response::Stats(s) => Ok(s),
+                Response::Stats(s) => Ok(*s),
                 other => Err(Error::TransferFailed {
                     unit,
                     blobs: vec![],

@@ -1121,6 +1121,12 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
     d.set_item("spare_bytes", s.spare_bytes)?;
     d.set_item("serves_nixl", s.serves_nixl)?;
     d.set_item("page_mode", &s.page_mode)?;
+    d.set_item("free_bytes", s.free_bytes)?;
+    d.set_item("largest_free", s.largest_free)?;
+    d.set_item("spare_budget", s.spare_budget)?;
+    d.set_item("compaction_moves", s.compaction_moves)?;
+    d.set_item("compaction_bytes", s.compaction_bytes)?;
+    d.set_item("split_blobs", s.split_blobs)?;
     d.set_item("partitions", s.partitions)?;
     d.set_item("ops", s.ops)?;
     d.set_item("bytes_in", s.bytes_in)?;

@@ -895,6 +895,12 @@ mod tests {
                 spare_bytes: 26,
                 serves_nixl: true,
                 page_mode: "thp".into(),
+                free_bytes: 1 << 20,
+                largest_free: 4096,
+                spare_budget: 65536,
+                compaction_moves: 3,
+                compaction_bytes: 12288,
+                split_blobs: 2,
             })),
             Response::Data {
                 items: vec![
