@@ -52,13 +52,21 @@ fn unit_stats(c: &Client) -> stowage_client::Stats {
     c.stats(c.deadline()).remove(0).expect("stats")
 }
 
+/// The counters a failure here is about, without every session's.
+fn brief(s: &stowage_client::Stats) -> String {
+    format!(
+        "capacity {} used {} reserved {} spares {} ({} bytes) entries {} blobs {} pins {}",
+        s.capacity, s.used, s.reserved_bytes, s.spares, s.spare_bytes, s.entries, s.blobs, s.pins
+    )
+}
+
 /// One put per row (value `row`, `len` bytes), in order.
 fn put_each(c: &Client, rows: impl IntoIterator<Item = u64>, len: usize) {
     let mut buf = vec![0u8; len];
     for row in rows {
         fill_value(row, &mut buf);
         if let Err(e) = c.put_rows(&[(Key::new(row, "v"), &buf)], c.deadline()) {
-            panic!("put of row {row}: {e}; {:?}", unit_stats(c));
+            panic!("put of row {row}: {e}; {}", brief(&unit_stats(c)));
         }
     }
 }
@@ -83,7 +91,10 @@ fn check_rows(c: &Client, rows: &[u64], len: usize) {
         let keys: Vec<Key> = some.iter().map(|&r| Key::new(r, "v")).collect();
         let got = c.get_rows(&keys, c.deadline()).expect("get");
         for (&row, v) in some.iter().zip(&got) {
-            assert!(is_value(v, row, len), "row {row} does not read back exactly");
+            assert!(
+                is_value(v, row, len),
+                "row {row} does not read back exactly"
+            );
         }
     }
 }
@@ -109,13 +120,13 @@ fn a_put_goes_into_holes_that_hold_it() {
 
     let kept = holes(&c, 0);
     let s = unit_stats(&c);
-    eprintln!("holes: {s:?}");
+    eprintln!("holes: {}", brief(&s));
     let batch: Vec<u64> = (1000..1250).collect();
     if let Err(e) = put_batch(&c, &batch, MIB) {
         panic!(
             "one put of 250 MiB into a 512 MiB unit holding 200 MiB (every other MiB free) \
-             was refused: {e}; {:?}",
-            unit_stats(&c)
+             was refused: {e}; {}",
+            brief(&unit_stats(&c))
         );
     }
     check_rows(&c, &kept, MIB);
@@ -129,8 +140,8 @@ fn a_put_goes_into_holes_that_hold_it() {
     if let Err(e) = put_batch(&c, &batch, MIB) {
         panic!(
             "one put of 300 MiB into a 512 MiB unit holding 200 MiB (every other MiB free) \
-             was refused: {e}; {:?}",
-            unit_stats(&c)
+             was refused: {e}; {}",
+            brief(&unit_stats(&c))
         );
     }
     check_rows(&c, &kept, MIB);
@@ -163,8 +174,9 @@ fn idle_clients_spares_never_refuse_a_put_nor_count_as_used() {
     let c = Client::connect(cfg).expect("client connects");
     let s = unit_stats(&c);
     eprintln!(
-        "24 idle clients ({} bytes of puts each): {s:?}",
-        IDLE_PUTS.iter().sum::<usize>()
+        "24 idle clients ({} bytes of puts each): {}",
+        IDLE_PUTS.iter().sum::<usize>(),
+        brief(&s)
     );
     assert_eq!(s.entries, 0, "the idle clients cleared their rows");
 
@@ -172,28 +184,33 @@ fn idle_clients_spares_never_refuse_a_put_nor_count_as_used() {
     if let Err(e) = c.put_rows(&[(Key::new(9999, "v"), &big)], c.deadline()) {
         panic!(
             "a 128 MiB put into a 256 MiB unit holding no rows, beside 24 idle clients, \
-             failed: {e}; {:?}",
-            unit_stats(&c)
+             failed: {e}; {}",
+            brief(&unit_stats(&c))
         );
     }
     let got = c.get_rows(&[Key::new(9999, "v")], c.deadline()).unwrap();
-    assert!(got[0] == big, "the 128 MiB value does not read back exactly");
+    assert!(
+        got[0] == big,
+        "the 128 MiB value does not read back exactly"
+    );
     drop(got);
     c.clear_rows(&[9999], c.deadline()).unwrap();
 
     let s = unit_stats(&c);
     assert_eq!(s.entries, 0);
     assert_eq!(
-        s.used, 0,
-        "no rows are stored, yet `used` is not 0 (spares belong in spare_bytes): {s:?}"
+        s.used,
+        0,
+        "no rows are stored, yet `used` is not 0 (spares belong in spare_bytes): {}",
+        brief(&s)
     );
 
     // Every idle client stopped by its pid: their spares go back.
     drop(idle);
     assert!(
         eventually(Duration::from_secs(10), || unit_stats(&c).spare_bytes == 0),
-        "the stopped clients' spares were not given back: {:?}",
-        unit_stats(&c)
+        "the stopped clients' spares were not given back: {}",
+        brief(&unit_stats(&c))
     );
 }
 
@@ -209,9 +226,9 @@ fn small_values_are_bounded_by_memory_not_by_a_table() {
         let v = pattern(row, 64, 64);
         if let Err(e) = c.put_rows(&[(Key::new(row, "v"), &v)], c.deadline()) {
             panic!(
-                "put {} of {N} 64-byte values into a 16 MiB unit was refused: {e}; {:?}",
+                "put {} of {N} 64-byte values into a 16 MiB unit was refused: {e}; {}",
                 row + 1,
-                unit_stats(&c)
+                brief(&unit_stats(&c))
             );
         }
     }
@@ -253,7 +270,7 @@ fn a_value_larger_than_the_largest_free_range_round_trips(kind: Kind) {
     let odd: Vec<u64> = rows.iter().copied().filter(|r| r % 2 == 1).collect();
     filler.clear_rows(&odd, filler.deadline()).unwrap();
     let kept: Vec<u64> = rows.iter().copied().filter(|r| r % 2 == 0).collect();
-    eprintln!("fragmented: {:?}", unit_stats(&filler));
+    eprintln!("fragmented: {}", brief(&unit_stats(&filler)));
 
     let c = plain_client(&p, kind);
     const BIG: usize = 20 * MIB;
@@ -261,14 +278,19 @@ fn a_value_larger_than_the_largest_free_range_round_trips(kind: Kind) {
     let big = value_of(0x20_000, BIG);
     if let Err(e) = c.put_rows(&[(key.clone(), &big)], c.deadline()) {
         panic!(
-            "a 20 MiB value into a unit with {} MiB cleared in 1 MiB holes was refused: {e}; {:?}",
+            "a 20 MiB value into a unit with {} MiB cleared in 1 MiB holes was refused: {e}; {}",
             odd.len(),
-            unit_stats(&c)
+            brief(&unit_stats(&c))
         );
     }
     let mut into = IntoBuffer(vec![0u8; BIG]);
-    c.get_into(DEFAULT_PARTITION, &[(0, key.clone())], &mut into, c.deadline())
-        .unwrap();
+    c.get_into(
+        DEFAULT_PARTITION,
+        &[(0, key.clone())],
+        &mut into,
+        c.deadline(),
+    )
+    .unwrap();
     assert!(into.0 == big, "the 20 MiB value read into a buffer differs");
     let got = c.get_rows(&[key], c.deadline()).unwrap();
     assert!(got[0] == big, "the 20 MiB value read as a vector differs");

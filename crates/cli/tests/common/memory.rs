@@ -254,7 +254,8 @@ impl Helper {
                 let pid = self.pid();
                 assert!(super::eventually(Duration::from_secs(5), || is_stopped(
                     pid
-                ) || has_exited(pid)));
+                )
+                    || has_exited(pid)));
                 return is_stopped(pid) && during(&super::stats(watcher));
             }
             std::thread::sleep(Duration::from_micros(200));
