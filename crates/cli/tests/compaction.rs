@@ -99,13 +99,14 @@ fn check_rows(c: &Client, rows: &[u64], len: usize) {
     }
 }
 
-/// A `copy_child` (`role` put or get of row `row`, value `id` of `len`
+/// A `copy_child` over `kind` (`role` put or get of row `row`, value `id` of `len`
 /// bytes, deadline 60 s) stopped by SIGSTOP while `during` says its copy
 /// is under way. A child that finished before it could be caught is let
 /// go (`missed` cleans up after it) and another started; at most 5 tries.
 #[allow(clippy::too_many_arguments)]
 fn catch_mid_copy(
     p: &LocalPlane,
+    kind: Kind,
     watcher: &mut Raw,
     role: &str,
     row: u64,
@@ -114,8 +115,12 @@ fn catch_mid_copy(
     during: impl Fn(&stowage_wire::Stats) -> bool,
     mut missed: impl FnMut(String),
 ) -> Helper {
-    let addr = p.uds_addrs()[0].to_string();
-    let spec = format!("{role},{addr},{row},{id},{len},60000");
+    let (transport, addr) = match kind {
+        Kind::Shm => ("shm", p.uds_addrs()[0].to_string()),
+        Kind::Tcp => ("tcp", p.tcp_addrs()[0].to_string()),
+        Kind::Nixl => ("nixl", p.tcp_addrs()[0].to_string()),
+    };
+    let spec = format!("{role},{transport},{addr},{row},{id},{len},60000");
     for _ in 0..5 {
         let mut h = Helper::start(p, "copy_child", ("STOWAGE_COPY", &spec));
         h.expect_line("READY", Duration::from_secs(30));
@@ -129,11 +134,16 @@ fn catch_mid_copy(
     panic!("never caught the {role} child mid-copy");
 }
 
+common::both_transports!(compaction_never_moves_touched_ranges);
+
 /// Compaction while a reader is paused (SIGSTOP, past every lease) holding
 /// a pin on its value and a writer is paused mid-copy into its
 /// reservation: the unit compacts around them. Resumed, the reader
 /// returns exactly its value and the writer's value reads back exactly,
-/// as does every other value, moved or not.
+/// as does every other value, moved or not. Over shm the paused clients
+/// copy into and out of the slab themselves; over tcp the unit's threads
+/// do, stalled on the paused clients' sockets (their deadlines, 60 s,
+/// outlast the pause).
 ///
 /// The slab (256 MiB), in the order it is filled: A (40 values of 1 MiB),
 /// R (the reader's 48 MiB), W (the writer's 48 MiB reservation), B (40
@@ -141,8 +151,7 @@ fn catch_mid_copy(
 /// (40 MiB in 1 MiB holes), and a 90 MiB put asks for more than the free
 /// end holds: the unit can make the range only by moving B's values into
 /// A's holes, past R and W, which it must leave where they are.
-#[test]
-fn compaction_never_moves_touched_ranges() {
+fn compaction_never_moves_touched_ranges(kind: Kind) {
     const BIG: usize = 48 * MIB;
     const R_ID: u64 = 0x2EAD;
     const W_ID: u64 = 0x3217E;
@@ -155,6 +164,7 @@ fn compaction_never_moves_touched_ranges() {
         .unwrap();
     let writer = catch_mid_copy(
         &p,
+        kind,
         &mut watcher,
         "put",
         1,
@@ -169,6 +179,7 @@ fn compaction_never_moves_touched_ranges() {
     put_each(&c, 140..180, MIB);
     let reader = catch_mid_copy(
         &p,
+        kind,
         &mut watcher,
         "get",
         0,

@@ -146,22 +146,33 @@ pub fn pin_child_main() {
     }
 }
 
-/// The body of a client to pause mid-copy (`STOWAGE_COPY=role,addr,row,
-/// id,len,timeout_ms`; spares off): `put` writes value `id` of `len` bytes
+/// The body of a client to pause mid-copy (`STOWAGE_COPY=role,transport,
+/// addr,row,id,len,timeout_ms`, transport `shm`, `tcp` or `nixl`; spares
+/// off): `put` writes value `id` of `len` bytes
 /// into row `row` (field "v"); `get` reads that row and checks every byte.
 /// Prints `READY` just before its call, then `RESULT ok`, `RESULT err
 /// <error>`, or `RESULT changed` if a get returned other bytes.
 pub fn copy_child_main() {
     let spec = std::env::var("STOWAGE_COPY").expect("run only by the free-memory tests");
     let f: Vec<&str> = spec.split(',').collect();
-    let (role, addr) = (f[0], f[1]);
+    let (role, transport, addr) = (f[0], f[1], f[2]);
     let (row, id, len, timeout_ms): (u64, u64, usize, u64) = (
-        f[2].parse().unwrap(),
         f[3].parse().unwrap(),
         f[4].parse().unwrap(),
         f[5].parse().unwrap(),
+        f[6].parse().unwrap(),
     );
-    let c = child_client(addr, Duration::from_millis(timeout_ms), Some(0));
+    let mut cfg = ClientConfig::new("free", vec![addr.parse::<UnitAddr>().unwrap()]);
+    cfg.secret = child_secret();
+    cfg.timeout = Duration::from_millis(timeout_ms);
+    cfg.spare_max = 0;
+    if transport == "nixl" {
+        cfg.nixl = Some(super::nixl_options());
+    }
+    let c = Client::connect(cfg).unwrap();
+    if transport == "nixl" {
+        assert_eq!(c.transport(0), Some("nixl"));
+    }
     let v = value_of(id, len);
     let key = Key::new(row, "v");
     say("READY");
@@ -241,17 +252,17 @@ impl Helper {
 
     /// Stop the child as soon as `during` says its transfer is under way
     /// (polling the unit's counters); whether it was caught, stopped, with
-    /// the transfer still under way.
+    /// the transfer still under way (not if it exited first).
     pub fn stop_during(
         &self,
         watcher: &mut Raw,
         during: impl Fn(&stowage_wire::Stats) -> bool,
     ) -> bool {
         let end = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < end {
+        let pid = self.pid();
+        while Instant::now() < end && !has_exited(pid) {
             if during(&super::stats(watcher)) {
                 self.signal("-STOP");
-                let pid = self.pid();
                 assert!(super::eventually(Duration::from_secs(5), || is_stopped(
                     pid
                 )
