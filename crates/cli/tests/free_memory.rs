@@ -45,7 +45,14 @@ fn plain_client(p: &LocalPlane, kind: Kind) -> Client {
     cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(30);
     cfg.spare_max = 0;
-    Client::connect(cfg).expect("client connects")
+    if kind == Kind::Nixl {
+        cfg.nixl = Some(nixl_options());
+    }
+    let c = Client::connect(cfg).expect("client connects");
+    if kind == Kind::Nixl {
+        assert_eq!(c.transport(0), Some("nixl"));
+    }
+    c
 }
 
 fn unit_stats(c: &Client) -> stowage_client::Stats {
