@@ -15,6 +15,9 @@ use stowage_wire::{
     decode_header, encode, Envelope, FramePrefix, Limits, Request, Response, PREFIX_LEN,
 };
 
+/// Helpers of the free-memory tests (values, client processes).
+pub mod memory;
+
 /// Slab bytes a unit holds for data: everything in use but the spares
 /// same-host clients keep for their next puts (which stay theirs until
 /// their connections close). Checks that a clear freed its memory compare
