@@ -32,7 +32,15 @@ pub fn data_bytes(s: &stowage_client::Stats) -> u64 {
         s.spare_bytes <= (stowage_client::SPARES as u64) * stowage_client::SPARE_MAX * 4,
         "more spares than a few connections hold: {s:?}"
     );
-    s.used - s.spare_bytes
+    assert!(
+        s.spare_bytes <= s.spare_budget,
+        "spares past the spare zone: {s:?}"
+    );
+    // Allocated for any reason (stored data, reservations, quarantine,
+    // spills and moves under way) but spares.
+    let held = s.capacity - s.free_bytes - s.spare_bytes;
+    assert!(s.used <= held, "stored data past what is allocated: {s:?}");
+    held
 }
 
 /// Generate one test per transport from `fn name(kind: Kind)`: a `shm`
