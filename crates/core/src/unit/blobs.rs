@@ -251,7 +251,7 @@ impl UnitCore {
                 if free >= SlabAllocator::rounded(nbytes) {
                     // Room enough, cut into more pieces than a blob may
                     // have: compaction gathers it.
-                    self.compact_dirty = true;
+                    self.wants_range(SlabAllocator::rounded(nbytes));
                     return Err(CoreError::Busy {
                         needed: nbytes,
                         reclaimable: 0,
@@ -312,6 +312,9 @@ impl UnitCore {
                 );
             }
         };
+        if region.as_ref().is_some_and(|r| !r.is_contiguous()) {
+            self.wants_range(SlabAllocator::rounded(nbytes));
+        }
         let (disk, answer) = match &region {
             Some(r) => {
                 self.reserved_bytes += r.len;

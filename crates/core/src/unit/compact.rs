@@ -47,10 +47,19 @@ impl UnitCore {
     /// data zone, so that spares keep their room).
     pub(super) fn scattered(&self) -> bool {
         let free = self.slab.data_free();
+        let largest = self.slab.largest_data_free();
         let spare_zone_full = self.slab.spare_free() < self.slab.spare_budget() / 4;
         free >= self.cfg.compact_min_free
             && (spare_zone_full
-                || (self.slab.largest_data_free() as f64) < self.cfg.compact_below * free as f64)
+                || largest < self.compact_goal
+                || (largest as f64) < self.cfg.compact_below * free as f64)
+    }
+
+    /// A put was stored in `len` bytes of pieces: no free range held it.
+    /// Compaction works towards a range that would have.
+    pub(super) fn wants_range(&mut self, len: u64) {
+        self.compact_goal = self.compact_goal.max(len);
+        self.compact_dirty = true;
     }
 
     /// Whether nobody can touch `b`: it may move.
@@ -71,6 +80,7 @@ impl UnitCore {
         }
         if !self.scattered() {
             self.compact_dirty = false;
+            self.compact_goal = 0;
             return None;
         }
         if self
@@ -121,7 +131,9 @@ impl UnitCore {
             self.fruitless_scan = None;
             return Some(job);
         }
+        // Nothing more can move: the goal is out of reach for now.
         self.fruitless_scan = Some(self.last_input);
+        self.compact_goal = 0;
         None
     }
 

@@ -420,6 +420,9 @@ pub struct UnitCore {
     /// [`compact::RESCAN`]).
     last_input: Time,
     fruitless_scan: Option<Time>,
+    /// A put had to be stored in pieces: compaction runs until the largest
+    /// free range holds this many bytes (or nothing more can move).
+    compact_goal: u64,
     /// Compaction's moves and bytes since start.
     compaction_moves: u64,
     compaction_bytes: u64,
@@ -481,6 +484,7 @@ impl UnitCore {
             orphan_moves: HashMap::new(),
             move_in_flight: None,
             compact_dirty: false,
+            compact_goal: 0,
             last_input: Time::ZERO,
             fruitless_scan: None,
             compaction_moves: 0,
