@@ -145,20 +145,29 @@ common::both_transports!(compaction_never_moves_touched_ranges);
 /// do, stalled on the paused clients' sockets (their deadlines, 60 s,
 /// outlast the pause).
 ///
-/// The slab (256 MiB), in the order it is filled: A (40 values of 1 MiB),
-/// R (the reader's 48 MiB), W (the writer's 48 MiB reservation), B (40
-/// values of 1 MiB), then free. Every other value of A and B is cleared
-/// (40 MiB in 1 MiB holes), and a 90 MiB put asks for more than the free
-/// end holds: the unit can make the range only by moving B's values into
-/// A's holes, past R and W, which it must leave where they are.
+/// The slab (512 MiB), in the order it is filled: H (one 128 MiB value),
+/// A (40 values of 1 MiB), R (the reader's 48 MiB), W (the writer's 48 MiB
+/// reservation), B (40 values of 1 MiB), then free. H and every other
+/// value of A and B are cleared, and a 200 MiB put asks for more than the
+/// free end holds: it is stored in pieces, and the unit compacts towards a
+/// range that size, moving values down into H's hole — R would fit there
+/// too, and W's range lies between, but both must stay where they are.
+/// Then other puts fill every free byte: a range that moved from under a
+/// paused client would be overwritten before it resumes.
 fn compaction_never_moves_touched_ranges(kind: Kind) {
     const BIG: usize = 48 * MIB;
     const R_ID: u64 = 0x2EAD;
     const W_ID: u64 = 0x3217E;
-    let (p, _) = plane(1, 256 * MIB as u64, SHORT_LEASES);
+    const H_ID: u64 = 0x401E;
+    let (p, _) = plane(1, 512 * MIB as u64, SHORT_LEASES);
     let mut watcher = Raw::hello(&p.units[0].uds, "watch");
     let c = plain_client(&p);
 
+    c.put_rows(
+        &[(Key::new(3, "v"), &value_of(H_ID, 128 * MIB))],
+        c.deadline(),
+    )
+    .unwrap();
     put_each(&c, 100..140, MIB);
     c.put_rows(&[(Key::new(0, "v"), &value_of(R_ID, BIG))], c.deadline())
         .unwrap();
@@ -197,14 +206,15 @@ fn compaction_never_moves_touched_ranges(kind: Kind) {
         brief(&s)
     );
 
-    let odd: Vec<u64> = (100..180).filter(|r| r % 2 == 1).collect();
-    assert_eq!(c.clear_rows(&odd, c.deadline()).unwrap(), 40);
+    let mut cleared: Vec<u64> = (100..180).filter(|r| r % 2 == 1).collect();
+    cleared.push(3);
+    assert_eq!(c.clear_rows(&cleared, c.deadline()).unwrap(), 41);
     let kept: Vec<u64> = (100..180).filter(|r| r % 2 == 0).collect();
     eprintln!("before: {}", brief(&stats(&mut watcher)));
-    let big = value_of(0xB16, 90 * MIB);
+    let big = value_of(0xB16, 200 * MIB);
     if let Err(e) = c.put_rows(&[(Key::new(2, "v"), &big)], c.deadline()) {
         panic!(
-            "a 90 MiB put that compaction can make room for was refused: {e}; {}",
+            "a 200 MiB put that the free memory holds was refused: {e}; {}",
             brief(&stats(&mut watcher))
         );
     }
@@ -215,7 +225,32 @@ fn compaction_never_moves_touched_ranges(kind: Kind) {
         "the unit never compacted: {}",
         brief(&stats(&mut watcher))
     );
+    // Until compaction settles (no move for half a second).
+    let mut last = (u64::MAX, Instant::now());
+    let end = Instant::now() + Duration::from_secs(30);
+    while Instant::now() < end && last.1.elapsed() < Duration::from_millis(500) {
+        let m = stats(&mut watcher).compaction_moves;
+        if m != last.0 {
+            last = (m, Instant::now());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
     eprintln!("after: {}", brief(&stats(&mut watcher)));
+    // Fill every free byte with other values.
+    let mut filled = Vec::new();
+    let mut buf = vec![0u8; 4 * MIB];
+    for row in 1000..1200u64 {
+        fill_value(row, &mut buf);
+        let short = Instant::now() + Duration::from_secs(2);
+        match c.put_rows(&[(Key::new(row, "v"), &buf)], short) {
+            Ok(()) => filled.push(row),
+            Err(Error::UnitFull { .. } | Error::Timeout { .. }) => break,
+            Err(e) => panic!("filling put of row {row}: {e}"),
+        }
+    }
+    let s = stats(&mut watcher);
+    eprintln!("filled {} values: {}", filled.len(), brief(&s));
+    assert!(s.free_bytes < 4 * MIB as u64, "not filled: {}", brief(&s));
 
     let (mut reader, mut writer) = (reader, writer);
     reader.signal("-CONT");
@@ -237,8 +272,12 @@ fn compaction_never_moves_touched_ranges(kind: Kind) {
         is_value(&got[1], W_ID, BIG),
         "the paused writer's value does not read back exactly"
     );
-    assert!(got[2] == big, "the 90 MiB value does not read back exactly");
+    assert!(
+        got[2] == big,
+        "the 200 MiB value does not read back exactly"
+    );
     check_rows(&c, &kept, MIB);
+    check_rows(&c, &filled, 4 * MIB);
     // The resumed clients' holds go (a reader's unpin may follow its
     // result).
     assert!(
