@@ -105,3 +105,36 @@ def test_view_needs_shm(dp_tcp, part):
     dp_tcp.put(part, [0], {"x": [np.arange(3)]})
     with pytest.raises(stowage.InvalidRequest, match="shm"):
         dp_tcp.get_view(part, [0], ["x"])
+
+
+def test_a_value_stored_in_pieces_reads_back_whole_and_views_as_a_copy():
+    # One 16 MiB unit (a 1 MiB spare zone) cut into 512 KiB holes: a
+    # 6 MiB value is larger than any free range, so the unit stores it in
+    # pieces. get and get(out=) reassemble it; get_view hands a copy.
+    with stowage.local(units=1, memory="16MiB") as dp:
+        chunk = 1 << 19
+        for i in range(28):  # one put each: a put's values share one blob
+            dp.put("p", [i], {"h": [np.full(chunk, i, np.uint8)]})
+        # Views of the kept values pin them: compaction cannot gather the
+        # holes before the big put.
+        kept = [i for i in range(28) if i % 2 == 0]
+        pinned = dp.get_view("p", kept, ["h"])
+        dp.clear("p", [i for i in range(28) if i % 2 == 1])
+        stats = dp.stats()[0]
+        big = np.random.default_rng(7).integers(0, 255, size=6 << 20, dtype=np.uint8)
+        assert stats["largest_free"] < big.nbytes <= stats["free_bytes"], stats
+        dp.put("p", ["big"], {"x": [big]})
+        assert dp.stats()[0]["split_blobs"] >= 1
+        assert same(dp.get("p", ["big"], ["x"])["x"][0], big)
+        out = np.zeros_like(big)
+        dp.get("p", ["big"], ["x"], out={"x": [out]})
+        assert same(out, big)
+        view = dp.get_view("p", ["big"], ["x"])["x"][0]
+        assert same(view, big)
+        assert view.flags.writeable and view.flags.owndata is not None
+        del pinned
+        gc.collect()
+        assert settled_pins(dp, 0) == 0, "a copied split value holds no pin"
+        # The kept values are intact.
+        for i, v in zip(kept, dp.get("p", kept, ["h"])["h"]):
+            assert same(v, np.full(chunk, i, np.uint8))
