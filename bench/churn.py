@@ -101,20 +101,27 @@ def proc_mem(pid: int) -> dict:
     return out
 
 
-def alive(pid: int) -> bool:
-    """Whether `pid` is a process that has not exited (a zombie has)."""
+def start_time(pid: int):
+    """The start time of process `pid` (field 22 of /proc/<pid>/stat), or
+    None when there is none or it has exited (a zombie has). With the pid it
+    names one process: a pid that was reused has another start time."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            state = f.read().rsplit(")", 1)[1].split()[0]
-        return state not in ("Z", "X")
+            fields = f.read().rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else fields[19]
     except (OSError, IndexError):
-        return False
+        return None
 
 
-def stop_by_pid(pid: int, grace: float = 5.0) -> str:
-    """Make sure `pid` is gone: SIGTERM, then SIGKILL after `grace`
-    seconds; every wait bounded. Returns how it ended."""
-    if not alive(pid):
+def stop_by_pid(pid: int, started, grace: float = 5.0) -> str:
+    """Make sure the process `pid` that started at `started` is gone:
+    SIGTERM, then SIGKILL after `grace` seconds; every wait bounded. A pid
+    now held by another process is left alone. Returns how it ended."""
+
+    def ours():
+        return started is not None and start_time(pid) == started
+
+    if not ours():
         return "exited"
     for sig, how in ((signal.SIGTERM, "SIGTERM"), (signal.SIGKILL, "SIGKILL")):
         try:
@@ -123,9 +130,23 @@ def stop_by_pid(pid: int, grace: float = 5.0) -> str:
             return "exited"
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline:
-            if not alive(pid):
+            if not ours():
                 return how
             time.sleep(0.05)
+    return "still running"
+
+
+def stop_client(p, grace: float = 5.0) -> str:
+    """Make sure client process `p` (not yet reaped while it runs, so its
+    pid is its own) is gone: SIGTERM, then SIGKILL; bounded waits."""
+    p.join(timeout=10)
+    if p.exitcode is not None:
+        return "exited"
+    for stop, how in ((p.terminate, "SIGTERM"), (p.kill, "SIGKILL")):
+        stop()
+        p.join(timeout=grace)
+        if p.exitcode is not None:
+            return how
     return "still running"
 
 
@@ -138,6 +159,22 @@ def quantile(a, p):
 
 # ---------------------------------------------------------------------------
 # a client process
+
+
+class BoundedLock:
+    """`with BoundedLock(lock, seconds)`: the clients' shared lock, taken within
+    `seconds` or TimeoutError (a client stopped while holding it must not
+    hang the others)."""
+
+    def __init__(self, lock, seconds):
+        self.lock, self.seconds = lock, seconds
+
+    def __enter__(self):
+        if not self.lock.acquire(timeout=self.seconds):
+            raise TimeoutError(f"the clients' step lock not free in {self.seconds:.0f}s")
+
+    def __exit__(self, *exc):
+        self.lock.release()
 
 
 def client_main(idx, directory, cfg, lock, ticket, inflight, go, results):
@@ -169,8 +206,13 @@ def client_main(idx, directory, cfg, lock, ticket, inflight, go, results):
             "idle_waits": 0,
         }
         results.put({"ready": idx})
-        if not go.wait(timeout=cfg["ready_timeout"]):
-            raise TimeoutError("no go from the driver")
+        # `go` is a flag polled here, not an Event: Event.set() waits for
+        # every sleeper to wake, and a stopped client would hold it forever.
+        until = time.monotonic() + cfg["ready_timeout"]
+        while not go.value:
+            if time.monotonic() > until:
+                raise TimeoutError("no go from the driver")
+            time.sleep(0.001)
         deadline = time.monotonic() + cfg["max_seconds"]
         while time.monotonic() < deadline:
             stats = dp.stats()
@@ -178,7 +220,7 @@ def client_main(idx, directory, cfg, lock, ticket, inflight, go, results):
             data = sum(data_bytes(s) for s in stats)
             size = round(math.exp(rng.uniform(lo_ln, hi_ln)))
             coin = rng.random()
-            with lock:
+            with BoundedLock(lock, cfg["lock_timeout"]):
                 if ticket.value >= cfg["steps"]:
                     break
                 level = data + sum(inflight[:])
@@ -241,7 +283,7 @@ def client_main(idx, directory, cfg, lock, ticket, inflight, go, results):
                 except stowage.Error as e:
                     res["errors"].append(f"step {step} put {size}: {type(e).__name__}: {str(e)[:200]}")
                 finally:
-                    with lock:
+                    with BoundedLock(lock, cfg["lock_timeout"]):
                         inflight[u] -= size
             else:
                 i = int(rng.integers(0, len(live)))
@@ -378,6 +420,7 @@ def main() -> int:
         "op_timeout": args.op_timeout,
         "max_seconds": args.max_seconds,
         "ready_timeout": 120.0,
+        "lock_timeout": 60.0,
     }
     if not (0 < cfg["min_size"] <= cfg["max_size"]) or not (0 <= args.low < args.high <= 1):
         ap.error("need 0 < min-size <= max-size and 0 <= low < high <= 1")
@@ -397,13 +440,13 @@ def main() -> int:
             timeout=args.op_timeout,
             unit_args=args.unit_arg,
         )
-        unit_pids = list(dp.unit_pids)
+        unit_pids = [(pid, start_time(pid)) for pid in dp.unit_pids]
         first = dp.stats()
         page_mode = ",".join(sorted({str(s.get("page_mode", "?")) for s in first}))
         lock = ctx.Lock()
         ticket = ctx.Value("q", 0, lock=False)
         inflight = ctx.Array("q", args.units, lock=False)
-        go = ctx.Event()
+        go = ctx.Value("b", 0, lock=False)
         results = ctx.Queue()
         for i in range(args.clients):
             p = ctx.Process(
@@ -438,18 +481,20 @@ def main() -> int:
                 if failed:
                     raise RuntimeError(f"client {failed[0]['failed']} failed:\n{failed[0]['error']}")
 
-        settle_rss(unit_pids, timeout=30.0)
-        sampler = Sampler(dp, unit_pids, args.sample_interval)
+        settle_rss([pid for pid, _ in unit_pids], timeout=30.0)
+        sampler = Sampler(dp, [pid for pid, _ in unit_pids], args.sample_interval)
         sampler.sample()  # the first sample: before any step
         before = dp.stats()
         t0 = time.monotonic()
-        go.set()
+        go.value = 1
         sampler.start()
-        deadline = t0 + args.max_seconds + 60
+        # a client's last call may start at its deadline and take --op-timeout
+        slack = 3 * args.op_timeout + 10
+        deadline = t0 + args.max_seconds + slack
         while len(done) + len(failed) < args.clients:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TimeoutError(f"clients not finished after {args.max_seconds + 60:.0f}s")
+                raise TimeoutError(f"clients not finished after {args.max_seconds + slack:.0f}s")
             try:
                 collect(results.get(timeout=min(left, 5.0)))
             except queue.Empty:
@@ -469,14 +514,13 @@ def main() -> int:
         if sampler is not None:
             sampler.stop_ev.set()
         for p in procs:
-            p.join(timeout=10)
-            if p.pid is not None:
-                ended[f"client {p.name} pid {p.pid}"] = stop_by_pid(p.pid)
-                p.join(timeout=5)
+            ended[f"client {p.name} pid {p.pid}"] = stop_client(p)
         if dp is not None:
-            dp.close()
-        for pid in unit_pids:
-            ended[f"unit pid {pid}"] = stop_by_pid(pid)
+            dp.close()  # stops the units
+        for pid, started in unit_pids:
+            ended[f"unit pid {pid}"] = stop_by_pid(pid, started)
+        if sys.exc_info()[0] is not None:  # no report follows: say how they ended here
+            print(f"processes stopped by pid: {ended}", file=sys.stderr)
     stuck = {k: v for k, v in ended.items() if v == "still running"}
     if stuck:
         print(f"processes that would not stop: {stuck}", file=sys.stderr)
