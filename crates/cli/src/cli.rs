@@ -263,6 +263,11 @@ enum Cmd {
         /// the memory, at most half; 0: no spares.
         #[arg(long, value_parser = parse_size)]
         spare_budget: Option<u64>,
+        /// Compaction's budget: bytes it may copy (moving blobs nobody can
+        /// touch, to gather free memory into ranges) per byte stored; 0
+        /// turns compaction off.
+        #[arg(long, default_value_t = 0.25)]
+        compaction_ratio: f64,
         /// Do not try to mlock the slab.
         #[arg(long)]
         no_mlock: bool,
@@ -534,6 +539,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             max_session_holds,
             index_budget,
             spare_budget,
+            compaction_ratio,
             secret,
             insecure,
             metrics_listen,
@@ -611,6 +617,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             cfg.index_budget = index_budget;
             if set("spare_budget") {
                 cfg.spare_budget = spare_budget;
+            }
+            if set("compaction_ratio") {
+                cfg.compaction_ratio = compaction_ratio;
             }
             if set("pin_lease") {
                 cfg.pin_lease = pin_lease;

@@ -123,6 +123,9 @@ pub struct UnitConfig {
     /// `units.spare_budget`); `None`: 1/16 of the slab. At most half the
     /// slab is used; 0 turns spares off.
     pub spare_budget: Option<u64>,
+    /// Compaction's budget (`--compaction-ratio`): bytes it may copy per
+    /// byte stored; 0 turns it off. Default 0.25.
+    pub compaction_ratio: f64,
     /// The shared secret every client must prove at connect, on every
     /// listener (see `stowage_unit::auth`). `None`: clients connect without one.
     pub secret: Option<stowage_wire::auth::Secret>,
@@ -203,6 +206,7 @@ impl UnitConfig {
             max_session_holds: 16384,
             index_budget: None,
             spare_budget: None,
+            compaction_ratio: 0.25,
             secret: None,
             insecure: false,
             metrics: true,

@@ -441,6 +441,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     if let Some(b) = cfg.spare_budget {
         core_cfg.spare_budget = b;
     }
+    core_cfg.compact_ratio = cfg.compaction_ratio;
     let core = UnitCore::new(core_cfg).map_err(|e| StartError::Config(e.to_string()))?;
     let mut id = [0u8; 16];
     getrandom::fill(&mut id).map_err(|e| StartError::Slab(io::Error::other(e.to_string())))?;

@@ -462,10 +462,12 @@ impl UnitCore {
     pub(super) fn publish(&mut self, partition: &str, blob: BlobId, entries: &[EntrySpec]) {
         self.commit_seq += 1;
         let seq = self.commit_seq;
+        let mut stored = 0;
         if let Some(b) = self.blobs.get_mut(&blob) {
             if let (State::Reserved { .. }, Some(r)) = (&b.state, &b.region) {
                 self.reserved_bytes -= r.len;
             }
+            stored = b.nbytes;
             b.state = State::Committed { live: 0, pins: 0 };
             b.seq = seq;
         }
@@ -509,6 +511,7 @@ impl UnitCore {
         for old in replaced {
             self.drop_entry_ref(old);
         }
+        self.earn_compaction(stored);
         self.maybe_free(blob);
     }
 

@@ -62,6 +62,13 @@ impl UnitCore {
         self.compact_dirty = true;
     }
 
+    /// `nbytes` were stored: compaction earns its share of them.
+    pub(super) fn earn_compaction(&mut self, nbytes: u64) {
+        let earned = (nbytes as f64 * self.cfg.compact_ratio) as u64;
+        let cap = self.slab.capacity() / 4;
+        self.compact_credit = self.compact_credit.saturating_add(earned).min(cap);
+    }
+
     /// Whether nobody can touch `b`: it may move.
     fn movable(b: &Blob, max: u64) -> bool {
         matches!(b.state, State::Committed { pins: 0, live } if live > 0)
@@ -91,7 +98,8 @@ impl UnitCore {
             return None;
         }
         self.compact_dirty = false;
-        let max = self.cfg.compact_max_move;
+        // Within its budget: what storing data has earned.
+        let max = self.cfg.compact_max_move.min(self.compact_credit);
         // Blobs in pieces first, then the highest: moving them down
         // leaves the top free in one range.
         let mut candidates: Vec<(bool, u64, BlobId)> = self
@@ -168,6 +176,7 @@ impl UnitCore {
         if let Some(old) = b.region.replace(to) {
             self.compaction_moves += 1;
             self.compaction_bytes += nbytes;
+            self.compact_credit = self.compact_credit.saturating_sub(nbytes);
             self.release(old, Release::Moved);
         }
     }

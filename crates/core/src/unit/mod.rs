@@ -97,6 +97,11 @@ pub struct CoreConfig {
     /// Largest blob compaction moves in one step (bounds what one move
     /// costs). Default 64 MiB.
     pub compact_max_move: u64,
+    /// Compaction's budget: it copies at most this many bytes per byte
+    /// committed (it earns credit as data is stored, up to a quarter of
+    /// the slab, and spends it on moves). 0 turns compaction off.
+    /// Default 0.25.
+    pub compact_ratio: f64,
 }
 
 impl CoreConfig {
@@ -118,6 +123,7 @@ impl CoreConfig {
             compact_below: 0.5,
             compact_min_free: (capacity / 64).max(64 << 10),
             compact_max_move: 64 << 20,
+            compact_ratio: 0.25,
         }
     }
 }
@@ -423,6 +429,8 @@ pub struct UnitCore {
     /// A put had to be stored in pieces: compaction runs until the largest
     /// free range holds this many bytes (or nothing more can move).
     compact_goal: u64,
+    /// Bytes compaction may still copy ([`CoreConfig::compact_ratio`]).
+    compact_credit: u64,
     /// Compaction's moves and bytes since start.
     compaction_moves: u64,
     compaction_bytes: u64,
@@ -436,6 +444,12 @@ impl UnitCore {
                 "capacity {} exceeds the maximum of {} bytes",
                 cfg.capacity,
                 crate::slab::MAX_CAPACITY
+            )));
+        }
+        if !(0.0..=16.0).contains(&cfg.compact_ratio) {
+            return Err(CoreError::Invalid(format!(
+                "the compaction ratio must lie in 0..=16, not {}",
+                cfg.compact_ratio
             )));
         }
         if !(0.0 < cfg.low_watermark
@@ -485,6 +499,7 @@ impl UnitCore {
             move_in_flight: None,
             compact_dirty: false,
             compact_goal: 0,
+            compact_credit: 0,
             last_input: Time::ZERO,
             fruitless_scan: None,
             compaction_moves: 0,
