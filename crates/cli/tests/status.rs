@@ -74,6 +74,18 @@ fn status_reports_live_stopped_continued_killed_and_restarted_units() {
     for u in r["units"].as_array().unwrap() {
         assert_eq!(u["rows"], 10, "{u}");
         assert!(u["memory_used"].as_u64().unwrap() >= 10 * 4096, "{u}");
+        // Free memory and its largest range, beside what data uses; no
+        // compaction in a unit nothing was cleared from.
+        let (used, free, largest) = (
+            u["memory_used"].as_u64().unwrap(),
+            u["memory_free"].as_u64().unwrap(),
+            u["largest_free"].as_u64().unwrap(),
+        );
+        assert!(
+            used + free <= 16 << 20 && free > 0 && largest > 0 && largest <= free,
+            "{u}"
+        );
+        assert_eq!(u["compaction_bytes"], 0, "{u}");
         // status's own stats requests are operations too.
         assert!(u["ops_per_s"].as_f64().unwrap() > 0.0, "{u}");
     }
