@@ -65,12 +65,14 @@ fn alloc_is_idempotent_and_commit_publishes() {
     let mut c = core(1 << 20);
     let o = own(&mut c);
     let b = BlobId(7);
-    let Allocated::Reserved { offset } = c.alloc(o, b, 100, 2, t(0)).unwrap() else {
+    let Allocated::Reserved { pieces } = c.alloc(o, b, 100, 2, t(0)).unwrap() else {
         panic!("expected a reservation");
     };
+    assert_eq!(pieces.len(), 1, "an empty slab holds it in one range");
+    let offset = pieces[0].0;
     assert_eq!(
         c.alloc(o, b, 100, 2, t(1)).unwrap(),
-        Allocated::Reserved { offset }
+        Allocated::Reserved { pieces }
     );
     c.commit(
         o,
@@ -253,20 +255,26 @@ fn a_cut_peer_keeps_its_spares_until_its_session_is_gone() {
     c.detach(o, ConnEnd::Cut, t(1));
     assert_eq!(c.stats().reserved_bytes, 8192);
     let o2 = own(&mut c);
+    let mut granted = 0;
     for i in 0..15 {
         if let Some(off) = c.reserve_spare(o2, BlobId(200 + i), 8192, t(2)).unwrap() {
+            granted += 1;
             assert!(
                 off + 8192 <= offset || off >= offset + 8192,
                 "overlaps the kept spare"
             );
         }
     }
+    // The spare zone is 1/16 of the slab (64 KiB): 8 spares of 8 KiB, one
+    // of them the cut peer's.
+    assert_eq!(granted, 7);
     c.session_gone(o.session, t(3));
-    assert_eq!(c.stats().reserved_bytes, 15 * 8192);
+    assert_eq!(c.stats().reserved_bytes, granted * 8192);
     // A connection the peer closed gives its spares back at once.
     c.detach(o2, ConnEnd::Closed, t(4));
     assert_eq!(c.stats().reserved_bytes, 0);
     assert_eq!(c.stats().used, 0);
+    assert_eq!(c.stats().free_bytes, 1 << 20);
 }
 
 #[test]
@@ -363,14 +371,19 @@ fn no_timer_takes_a_hold_only_its_connection_or_session_ends_it() {
     // reported as overdue.
     c.tick(t(3_600_000));
     let s = c.stats_at(t(3_600_000));
-    assert_eq!((s.pins, s.blobs, s.used), (1, 2, 256));
+    // `used` is stored data: the cleared blob a reader still pins; the
+    // reservation is held beside it.
+    assert_eq!((s.pins, s.blobs, s.used), (1, 2, 128));
+    assert_eq!(s.reserved_bytes, 128);
+    assert_eq!(s.capacity - s.free_bytes, 256);
     assert_eq!(s.overdue_holds, 2);
     assert_eq!(s.sessions.len(), 1);
     assert_eq!(s.sessions[0].held_bytes, 228);
     assert_eq!(s.sessions[0].oldest_hold_ms, 3_600_000);
     // Cut by the unit, the peer maps the slab: the session keeps them.
     c.detach(o, ConnEnd::Cut, t(3_600_000));
-    assert_eq!(c.stats().used, 256);
+    assert_eq!(c.stats().used, 128);
+    assert_eq!(c.stats().free_bytes, (1 << 20) - 256);
     assert_eq!(c.orphaned_sessions(), vec![o.session]);
     // The same session reconnects and takes its reservation over.
     let o2 = c.attach(o.session, true).unwrap();
@@ -382,6 +395,7 @@ fn no_timer_takes_a_hold_only_its_connection_or_session_ends_it() {
     // Its process is gone: everything goes, with no quarantine.
     c.session_gone(o.session, t(3_600_000));
     assert_eq!(c.stats().used, 0);
+    assert_eq!(c.stats().free_bytes, 1 << 20);
     assert_eq!(
         c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 1)]),
         Err(CoreError::UnknownBlob(BlobId(1)))
@@ -416,8 +430,8 @@ fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
         c.tick(t(3_600_000));
         let st = c.stats_at(t(3_600_000));
         assert_eq!(
-            (st.pins, st.used, st.reserved_bytes),
-            (1, 256, 128),
+            (st.pins, st.used, st.reserved_bytes, st.free_bytes),
+            (1, 128, 128, (1 << 20) - 256),
             "{end:?}"
         );
         assert_eq!(st.sessions[0].orphaned, 2);
@@ -427,10 +441,15 @@ fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
         assert_eq!(c.fence(s, t(3_600_000)), 2);
         assert_eq!(c.next_deadline(), Some(t(3_603_000)));
         assert_eq!(c.tick(t(3_602_999)), 0);
-        assert_eq!(c.stats().used, 256);
+        assert_eq!(c.stats().used, 128);
+        assert_eq!(c.stats().free_bytes, (1 << 20) - 256);
         assert_eq!(c.tick(t(3_603_000)), 2);
         let st = c.stats();
-        assert_eq!((st.pins, st.used, st.reserved_bytes), (0, 0, 0), "{end:?}");
+        assert_eq!(
+            (st.pins, st.used, st.reserved_bytes, st.free_bytes),
+            (0, 0, 0, 1 << 20),
+            "{end:?}"
+        );
         assert!(!c.has_session(s) && c.orphaned_sessions().is_empty());
         assert_eq!(c.next_deadline(), None);
     }
@@ -630,9 +649,11 @@ fn abort_in_flight_quarantines() {
     assert_eq!(c.stats().quarantined_bytes, 128);
     c.alloc(o, BlobId(2), 100, 0, t(0)).unwrap();
     c.abort(o, BlobId(2), false, t(0)).unwrap();
-    assert_eq!(c.stats().used, 128);
+    assert_eq!(c.stats().free_bytes, (1 << 20) - 128);
+    assert_eq!(c.stats().used, 0, "a quarantined range is no stored data");
     c.tick(t(5_000));
-    assert_eq!(c.stats().used, 0);
+    assert_eq!(c.stats().free_bytes, 1 << 20);
+    assert_eq!(c.stats().quarantined_bytes, 0);
 }
 
 #[test]
