@@ -643,8 +643,8 @@ enum Op {
         pick: u8,
         ok: bool,
     },
-    /// A stray report: `disk_written` or `promote_done` of a blob that has
-    /// nothing in flight changes nothing.
+    /// A stray report: `disk_written`, `promote_done` or `moved` of a blob
+    /// that has nothing in flight changes nothing.
     Stray {
         pick: u8,
         ok: bool,
@@ -1589,26 +1589,26 @@ impl Harness {
     /// Every other range the unit should hold: quarantined ranges, ranges
     /// of finished blobs a spill still reads or a promotion still writes.
     fn model_held(&self) -> Vec<(u64, u64, Use)> {
-        let mut v: Vec<(u64, u64, Use)> =
-            self.quarantine
-                .iter()
-                .map(|&(off, len, _)| (off, len, Use::Quarantined))
-                .chain(
-                    self.orphan_promotions
-                        .iter()
-                        .map(|(id, &(off, len))| (off, len, Use::OrphanPromotion(*id))),
-                )
-                .chain(self.orphans.iter().flat_map(|(id, (_, r))| {
-                    r.iter()
-                        .flatten()
-                        .map(|&(off, len)| (off, len, Use::OrphanSpill(*id)))
-                }))
-                .chain(self.orphan_moves.iter().flat_map(|(id, (old, to))| {
-                    old.iter()
-                        .chain(std::iter::once(to))
-                        .map(|&(off, len)| (off, len, Use::OrphanMove(*id)))
-                }))
-                .collect();
+        let mut v: Vec<(u64, u64, Use)> = self
+            .quarantine
+            .iter()
+            .map(|&(off, len, _)| (off, len, Use::Quarantined))
+            .chain(
+                self.orphan_promotions
+                    .iter()
+                    .map(|(id, &(off, len))| (off, len, Use::OrphanPromotion(*id))),
+            )
+            .chain(self.orphans.iter().flat_map(|(id, (_, r))| {
+                r.iter()
+                    .flatten()
+                    .map(|&(off, len)| (off, len, Use::OrphanSpill(*id)))
+            }))
+            .chain(self.orphan_moves.iter().flat_map(|(id, (old, to))| {
+                old.iter()
+                    .chain(std::iter::once(to))
+                    .map(|&(off, len)| (off, len, Use::OrphanMove(*id)))
+            }))
+            .collect();
         v.sort_unstable_by_key(|&(off, len, _)| (off, len));
         v
     }
@@ -2146,7 +2146,9 @@ impl Harness {
                 let stats = self.core.stats();
                 let regions: BTreeSet<_> = self.core.regions().collect();
                 let held = self.core.held_ranges();
-                if *promote {
+                if *pick & 0x80 != 0 {
+                    self.core.moved(id, *ok);
+                } else if *promote {
                     self.core.promote_done(id, *ok);
                 } else {
                     self.core.disk_written(id, *ok);
@@ -2951,8 +2953,10 @@ impl Harness {
             let oid = self.private_id();
             self.put(o, oid, osize, key(row, field))?;
             prop_assert!(
-                self.blobs.get(&id).is_some_and(|b| b.region.as_ref() == Some(&range)
-                    && matches!(b.state, MState::Reserved { .. })),
+                self.blobs
+                    .get(&id)
+                    .is_some_and(|b| b.region.as_ref() == Some(&range)
+                        && matches!(b.state, MState::Reserved { .. })),
                 "the paused writer lost its reservation {:?}",
                 range
             );
@@ -3238,7 +3242,8 @@ impl Harness {
             // Others put meanwhile (the same keys among them).
             2 => {
                 for (i, &(size, row, field)) in others.iter().enumerate() {
-                    let Some(o) = self.other_session_owner(r.session, then.wrapping_add(i as u8))?
+                    let Some(o) =
+                        self.other_session_owner(r.session, then.wrapping_add(i as u8))?
                     else {
                         break;
                     };
@@ -3605,8 +3610,7 @@ impl Harness {
     ) -> Result<BTreeSet<(BlobId, u64, u64)>, TestCaseError> {
         prop_assert!(
             moves.len() <= 1
-                && (moves.is_empty()
-                    || !self.jobs.iter().any(|j| matches!(j, Job::Move { .. }))),
+                && (moves.is_empty() || !self.jobs.iter().any(|j| matches!(j, Job::Move { .. }))),
             "more than one move under way: {:?}, jobs {:?}",
             moves,
             self.jobs
@@ -3763,10 +3767,14 @@ impl Harness {
                 "move of {blob:?} reports, but the model has no blob"
             )));
         };
-        prop_assert_eq!(b.region.as_deref(), Some(from), "pieces of moving {:?}", blob);
+        prop_assert_eq!(
+            b.region.as_deref(),
+            Some(from),
+            "pieces of moving {:?}",
+            blob
+        );
         b.moving = None;
-        let untouched =
-            ok && b.state == MState::Committed && !pinned && b.disk != MDisk::Writing;
+        let untouched = ok && b.state == MState::Committed && !pinned && b.disk != MDisk::Writing;
         if untouched {
             b.region = Some(vec![target]);
             self.compaction_moves += 1;
@@ -3915,7 +3923,10 @@ impl Harness {
         for id in ids {
             let b = &self.blobs[&id];
             let Some(pieces) = &b.region else { continue };
-            if pieces.iter().all(|&(off, len)| core.contains(&(id, off, len))) {
+            if pieces
+                .iter()
+                .all(|&(off, len)| core.contains(&(id, off, len)))
+            {
                 continue;
             }
             prop_assert!(
@@ -4011,10 +4022,8 @@ impl Harness {
                 if let MState::Reserved { holder, .. } = &b.state {
                     if holder.session == id {
                         st.reservations += 1;
-                        st.held_bytes += b
-                            .region
-                            .as_ref()
-                            .map_or(0, |r| r.iter().map(|p| p.1).sum());
+                        st.held_bytes +=
+                            b.region.as_ref().map_or(0, |r| r.iter().map(|p| p.1).sum());
                         note(holder, RESERVATION_LEASE_MS, &mut st);
                     }
                 }
@@ -4542,6 +4551,23 @@ const SESSION_EVENTS: &[&str] = &[
     "alloc full",
 ];
 
+/// Extents and compaction: events both tests must reach.
+const COMPACTION_EVENTS: &[&str] = &[
+    "alloc in pieces",
+    "value read in parts across pieces",
+    "put that fits the free memory with nothing held",
+    "move handed out",
+    "move gathers a blob in pieces",
+    "move reported later",
+    "move done: the blob's values follow it",
+    "move abandoned: the blob was pinned while it copied",
+    "move failed: the blob stays",
+    "move: blob freed while it copied",
+    "move of a freed blob: both ranges released",
+    "move race: the pinned reader's range did not move",
+    "move race: the reader let go and the blob moved",
+];
+
 /// Disk-tier events the disk test must reach.
 const DISK_EVENTS: &[&str] = &[
     "put to disk",
@@ -4587,6 +4613,7 @@ fn run(disk: bool) {
     // The generator does reach every path.
     let events = SESSION_EVENTS
         .iter()
+        .chain(COMPACTION_EVENTS)
         .chain(if disk { DISK_EVENTS } else { &[] });
     for event in events {
         assert!(
