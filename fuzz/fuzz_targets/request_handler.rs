@@ -612,7 +612,7 @@ impl H {
                     self.moving = Some(j);
                     if self.move_mode & 1 == 1 {
                         self.writes += 1;
-                        let ok = self.move_mode & 2 == 0 || self.writes % 4 != 0;
+                        let ok = self.move_mode & 2 == 0 || !self.writes.is_multiple_of(4);
                         self.finish_move(ok);
                     }
                 }
@@ -642,7 +642,10 @@ impl H {
     /// writes a range the core holds for it alone, which no session may
     /// touch either.
     fn check_move(&mut self, j: &MoveJob) {
-        assert!(self.moving.is_none(), "a second move {j:?} while one is under way");
+        assert!(
+            self.moving.is_none(),
+            "a second move {j:?} while one is under way"
+        );
         assert_eq!(
             self.core.move_under_way(),
             Some((j.blob, j.to)),
@@ -655,7 +658,7 @@ impl H {
         );
         let len = rounded(j.nbytes);
         assert!(
-            j.to % ALIGN == 0 && j.to + len <= CAP,
+            j.to.is_multiple_of(ALIGN) && j.to + len <= CAP,
             "move {j:?} targets a range outside the slab"
         );
         assert!(
@@ -695,7 +698,10 @@ impl H {
             .regions()
             .any(|(b, o, l)| b == j.blob && (o, l) == target)
             || self.core.held_ranges().contains(&target);
-        assert!(held, "move {j:?} reports into a range no longer held for it");
+        assert!(
+            held,
+            "move {j:?} reports into a range no longer held for it"
+        );
         for s in self.sessions() {
             for r in self.core.session_ranges(s) {
                 assert!(
@@ -708,7 +714,10 @@ impl H {
         let n = if ok { bytes.len() } else { bytes.len() / 2 };
         self.slab[j.to as usize..j.to as usize + n].copy_from_slice(&bytes[..n]);
         let before = self.core.stats().compaction_moves;
-        match self.core.handle(self.now, CoreInput::Moved { blob: j.blob, ok }) {
+        match self
+            .core
+            .handle(self.now, CoreInput::Moved { blob: j.blob, ok })
+        {
             Ok(Answer::Done) => {}
             other => panic!("Moved of {:?} answered {other:?}", j.blob),
         }
@@ -1993,10 +2002,9 @@ impl H {
             .iter()
             .filter(|(b, o, l)| {
                 self.core.move_under_way() == Some((*b, *o))
-                    || self
-                        .promos
-                        .iter()
-                        .any(|(pb, po, bytes)| pb == b && po == o && rounded(bytes.len() as u64) == *l)
+                    || self.promos.iter().any(|(pb, po, bytes)| {
+                        pb == b && po == o && rounded(bytes.len() as u64) == *l
+                    })
             })
             .map(|r| r.2)
             .sum();
@@ -2280,13 +2288,7 @@ impl H {
                 }
                 self.note("churn");
                 let rows: Vec<u8> = (0..n).step_by(2).collect();
-                self.request(
-                    conn,
-                    Op::ClearRows {
-                        partition,
-                        rows,
-                    },
-                );
+                self.request(conn, Op::ClearRows { partition, rows });
             }
             Step::Move { ok } => {
                 if self.moving.is_some() {

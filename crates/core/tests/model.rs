@@ -3082,7 +3082,7 @@ impl Harness {
         };
         for (place, bytes) in &p.snapshots {
             prop_assert_eq!(
-                self.read(&place),
+                self.read(place),
                 Some(bytes.clone()),
                 "the paused reader's bytes at {:?} changed",
                 place
@@ -3684,7 +3684,7 @@ impl Harness {
                 self.count("move gathers a blob in pieces");
             }
             let roll = self.roll();
-            let ok = roll % 8 != 0;
+            let ok = !roll.is_multiple_of(8);
             let copy_now = roll % 10 < 7;
             if copy_now {
                 let bytes = self.pieces_bytes(&m.from, 0, m.nbytes);
