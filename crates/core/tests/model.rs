@@ -2329,6 +2329,9 @@ impl Harness {
                         got
                     );
                     self.count("put that fits the free memory with nothing held");
+                    if len > largest {
+                        self.count("put larger than any free range, nothing held: in pieces");
+                    }
                 }
                 match got {
                     Ok(Allocated::Reserved { pieces }) => {
@@ -4556,6 +4559,7 @@ const COMPACTION_EVENTS: &[&str] = &[
     "alloc in pieces",
     "value read in parts across pieces",
     "put that fits the free memory with nothing held",
+    "put larger than any free range, nothing held: in pieces",
     "move handed out",
     "move gathers a blob in pieces",
     "move reported later",

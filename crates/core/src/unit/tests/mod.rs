@@ -1,5 +1,6 @@
 use super::*;
 
+mod compact;
 mod tier;
 use tier::{disk_core, put};
 
