@@ -90,6 +90,37 @@
 //!   files they name. A `DeleteFile` for a put still being synced cancels
 //!   that put's write (the driver stops writing and will not report it).
 //!
+//! ## Extents and compaction
+//!
+//! A blob's slab range is one or more pieces, as the core answered them
+//! (`Allocated::Reserved { pieces }`): the model writes and reads a blob's
+//! bytes through its pieces in order, a value crossing pieces is found as
+//! `Place::Split` (its parts read back concatenated), and spill jobs read
+//! the pieces they name. The slab is cut into holes by clears, so that
+//! puts take several pieces. Every alloc is checked against the free
+//! memory: it is refused (Busy, Full) or sent to disk only when its
+//! rounded size exceeds the free bytes (capacity minus everything held:
+//! blobs, reservations, quarantines, spills, promotions and moves under
+//! way), and in particular, when no session holds a reservation or pin, a
+//! put whose bytes fit the free memory is always reserved; it is in one
+//! piece exactly when some free range holds it.
+//!
+//! The test also plays the driver for compaction (the cases lower
+//! `compact_min_free` so that it runs in this small slab). A move handed
+//! out by `poll_action` must read a committed blob that no one can touch
+//! (unpinned, not being spilled or promoted, its pieces as the model has
+//! them), gain something (gather pieces, or move down), and target a range
+//! that overlaps nothing held and no range a session may touch. The driver
+//! copies the bytes and reports `Input::Moved` at once or later (often
+//! with the copy made at once and the report later: the target must then
+//! be unchanged when it reports), mostly ok; meanwhile other ops run:
+//! puts, clears (the blob freed: both ranges stay held until the report),
+//! resolves that pin the very blob (`Op::MoveRace`: a reader that pinned
+//! it during the copy keeps its range and bytes; the move is abandoned).
+//! After a report the blob is in its new range only if nobody touched it,
+//! and every value reads back exactly (check 2). Stats count the moves and
+//! their bytes as the model does.
+//!
 //! ## Properties checked after every operation (see [`Harness::check`])
 //!
 //! 1. Space is never handed out twice: the ranges of `core.regions()` and
@@ -103,8 +134,11 @@
 //!    a pin.
 //! 3. Every pin the unit still holds (by an open connection, orphaned by a
 //!    cut, the unit's own) still sees its values' bytes.
-//! 4. The counters of `stats()` and `stats_at(now)` match the model: bytes,
-//!    blobs, entries, pins, disk use, index bytes, and per session its open
+//! 4. The counters of `stats()` and `stats_at(now)` match the model: stored
+//!    data (`used`), free bytes and the largest free range (the zones are
+//!    not merged), reserved and quarantined bytes, blobs in pieces,
+//!    compaction moves and bytes, blobs, entries, pins, disk use, index
+//!    bytes, and per session its open
 //!    connections, reservations, pins, held bytes, oldest hold, orphaned
 //!    holds and the number of overdue holds.
 //! 5. The simulated disk holds exactly the files the model expects.
@@ -129,9 +163,11 @@
 //!
 //! Both tests assert that their cases, together, reached every session path
 //! (cuts of both kinds, session deaths, NotOwner refusals, Busy retries,
-//! takeovers, long pauses, resumed paused writers and readers, ...), and the
-//! disk test every disk-tier path, so that a change of the generator cannot
-//! quietly stop testing one. `PROPTEST_CASES=20000` runs a longer soak.
+//! takeovers, long pauses, resumed paused writers and readers, ...) and
+//! every extent and compaction path (puts in pieces, split values, moves
+//! done, failed, abandoned for a pin, of freed blobs, raced by readers),
+//! and the disk test every disk-tier path, so that a change of the
+//! generator cannot quietly stop testing one. `PROPTEST_CASES=20000` runs a longer soak.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
