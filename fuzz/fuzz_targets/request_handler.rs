@@ -9,8 +9,14 @@
 //! and promotions. Every other input reaches the core as the server's
 //! driver sends it, through its one entry point (`UnitCore::handle`), and
 //! after each one the target takes every action the core asks for
-//! (`poll_action`: files to delete, blobs to spill, processes to watch), as
-//! the server's `Shared::drive` does.
+//! (`poll_action`: files to delete, blobs to spill, processes to watch,
+//! compaction moves), as the server's `Shared::drive` does. A move is
+//! copied and reported at once, or later (a `Move` step), while sessions
+//! go on putting, reading, pinning and clearing.
+//!
+//! The slab is small and puts are large enough (up to 3/4 of it) that
+//! free memory gets cut into holes: puts then take several pieces, values
+//! are split across them (`Place::Split`), and compaction moves blobs.
 //!
 //! A shadow model keeps what each session was handed and has not released,
 //! every committed key's bytes, and a shadow slab and disk files that the
@@ -19,8 +25,10 @@
 //!
 //! 1. the slab ranges of live blobs and held ranges are aligned, inside the
 //!    slab and pairwise disjoint, and the stats counters agree with them and
-//!    with the shadow (used, reserved bytes, pins, entries, rows, index
-//!    bytes, per-session holds, connections and orphaned holds);
+//!    with the shadow (free bytes, largest free range, stored data, reserved
+//!    bytes, pins, entries, rows, index bytes, per-session holds,
+//!    connections and orphaned holds); an Alloc is refused for want of room
+//!    only when its bytes exceed the free memory, however it is cut;
 //! 2. fencing: every range a session may touch is a live blob's range of its
 //!    own; a range reserved by one session is never one another session may
 //!    touch; and everything the shadow says a session still holds is still
@@ -36,8 +44,11 @@
 //!    and change nothing;
 //! 5. the driver is asked what it must do: a session left holding something
 //!    with no connection open was handed out to watch
-//!    (`Action::CheckProcess`), a spill job reads its blob's range, and a
-//!    timeout leaves no deadline at or before now (`poll_timeout`);
+//!    (`Action::CheckProcess`), a spill job reads its blob's pieces, a move
+//!    reads a blob no session may touch (no reservation, no pin) and writes
+//!    a range no session may touch, and after it reports every committed
+//!    value reads back exactly; and a timeout leaves no deadline at or
+//!    before now (`poll_timeout`);
 //! 6. no panic in the core or the handler for any input.
 //!
 //! See fuzz/README.md for how to run it.
@@ -51,7 +62,8 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use stowage_core::{
     Action, Answer, BlobId, ConnEnd, CoreConfig, CoreError, EntrySpec, Input as CoreInput, Key,
-    Located, Op as CoreOp, Owner, PinId, Place, SessionId, Snapshot, Stats, Time, UnitCore,
+    Located, MoveJob, Op as CoreOp, Owner, PinId, Place, SessionId, Snapshot, Stats, Time,
+    UnitCore,
 };
 use stowage_unit::handler::{self, error_response, scope, Asker, Dest, Plan};
 use stowage_wire::{ErrorCode, Limits, Request, Response, PROTOCOL_VERSION};
@@ -78,6 +90,11 @@ const FIELDS: [&str; 4] = ["a", "b", "\0name", ""];
 struct Input {
     disk: bool,
     small_index: bool,
+    /// How the driver carries out compaction moves: bit 0, the copy and
+    /// report come at once (else at a later `Move` step); bit 1, some
+    /// reports say the copy failed; bit 2, compaction waits for the
+    /// default scatter (largest free range under half the free bytes).
+    move_mode: u8,
     steps: Vec<Step>,
 }
 
@@ -158,6 +175,19 @@ enum Step {
     },
     /// A checkpoint's snapshot, checked against the shadow, then unpinned.
     Checkpoint,
+    /// The driver finishes the compaction move under way (copies the
+    /// blob's bytes, reports `Input::Moved`).
+    Move {
+        ok: bool,
+    },
+    /// Churn that cuts the free memory into holes: `count` puts of `size`
+    /// (each one value on its own row), then every other row cleared.
+    Churn {
+        conn: u8,
+        partition: u8,
+        count: u8,
+        size: u16,
+    },
 }
 
 #[derive(Arbitrary, Debug)]
@@ -240,6 +270,8 @@ enum PutEnd {
 
 fn size(x: u16) -> u64 {
     match x % 16 {
+        // Large: up to 3/4 of the slab, often more than its largest hole.
+        12 | 13 => u64::from(x >> 4) * 12,
         14 => 0,
         15 => match (x >> 4) % 4 {
             0 => CAP,
@@ -253,6 +285,31 @@ fn size(x: u16) -> u64 {
 
 fn rounded(n: u64) -> u64 {
     n.div_ceil(ALIGN).max(1).saturating_mul(ALIGN)
+}
+
+fn overlaps(a: (u64, u64), b: (u64, u64)) -> bool {
+    a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// Where bytes `offset..offset + len` of a blob in `pieces` lie: (slab
+/// offset, bytes) of each part, in order.
+fn locate(pieces: &[(u64, u64)], mut offset: u64, len: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut left = len;
+    for &(start, plen) in pieces {
+        if left == 0 {
+            break;
+        }
+        if offset >= plen {
+            offset -= plen;
+            continue;
+        }
+        let n = (plen - offset).min(left);
+        out.push((start + offset, n));
+        left -= n;
+        offset = 0;
+    }
+    out
 }
 
 fn blob_id(x: u8) -> BlobId {
@@ -356,15 +413,16 @@ struct Slot {
 }
 
 /// A reservation handed to a session.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 struct Res {
     session: SessionId,
     /// The connection holding it; `None` once the unit cut it.
     conn: Option<stowage_core::ConnId>,
     nbytes: u64,
     n_entries: u32,
-    /// Slab offset; `None`: reserved on disk.
-    at: Option<u64>,
+    /// (slab offset, bytes) of each piece, in order; `None`: reserved on
+    /// disk.
+    at: Option<Vec<(u64, u64)>>,
 }
 
 /// A pin handed to a session, with the bytes it read.
@@ -381,11 +439,11 @@ struct Val {
     meta: Vec<u8>,
 }
 
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Debug)]
 enum FlushJob {
     Spill {
         blob: BlobId,
-        offset: u64,
+        pieces: Vec<(u64, u64)>,
         nbytes: u64,
     },
     Put {
@@ -411,6 +469,13 @@ struct H {
     /// File writes under way: spill jobs the core handed out, puts to disk.
     flushes: Vec<FlushJob>,
     promos: Vec<(BlobId, u64, Vec<u8>)>,
+    /// The compaction move handed out and not yet reported (one at a time).
+    moving: Option<MoveJob>,
+    move_mode: u8,
+    /// Free slab bytes just before the request being handled.
+    free_before: u64,
+    /// A move reported: every value is read back after the step.
+    verify_values: bool,
     /// Sessions whose process the core asked to watch
     /// (`Action::CheckProcess`) and that still hold something with no
     /// connection open (the server's timer forgets the others).
@@ -420,6 +485,8 @@ struct H {
     /// a corpus reaches: `request_handler corpus/request_handler -runs=0`).
     seen: BTreeMap<&'static str, u64>,
     disk_reads: std::cell::Cell<u64>,
+    /// Values read across pieces (`Place::Split`).
+    split_reads: std::cell::Cell<u64>,
 }
 
 fn code(r: &Response) -> Option<ErrorCode> {
@@ -449,6 +516,13 @@ impl H {
         if input.small_index {
             cfg.index_budget = 2048;
         }
+        // Compaction runs in this small slab (its default threshold is
+        // 64 KiB free), mostly as soon as any hole cuts the free memory (so
+        // that short runs reach it), sometimes at the default ratio.
+        cfg.compact_min_free = 1024;
+        if input.move_mode & 4 == 0 {
+            cfg.compact_below = 0.95;
+        }
         let core = UnitCore::new(cfg).expect("valid config");
         let mut h = H {
             core,
@@ -464,10 +538,15 @@ impl H {
             pending: BTreeMap::new(),
             flushes: Vec::new(),
             promos: Vec::new(),
+            moving: None,
+            move_mode: input.move_mode,
+            free_before: 0,
+            verify_values: false,
             watched: BTreeSet::new(),
             writes: 0,
             seen: BTreeMap::new(),
             disk_reads: Default::default(),
+            split_reads: Default::default(),
         };
         // Two mapped clients and a tcp one, connected.
         for (i, mapped) in [true, true, false].into_iter().enumerate() {
@@ -514,16 +593,28 @@ impl H {
                     self.note("spill_job");
                     assert!(self.disk, "spill job without a disk tier");
                     assert!(
-                        self.core
-                            .regions()
-                            .any(|(b, off, len)| b == j.blob && off == j.offset && len >= j.nbytes),
-                        "spill job {j:?} does not read its blob's range"
+                        self.core.blob_pieces(j.blob).as_ref() == Some(&j.pieces)
+                            && j.pieces.iter().map(|p| p.1).sum::<u64>() >= j.nbytes,
+                        "spill job {j:?} does not read its blob's pieces"
                     );
+                    if j.pieces.len() > 1 {
+                        self.note("spill_of_pieces");
+                    }
                     self.flushes.push(FlushJob::Spill {
                         blob: j.blob,
-                        offset: j.offset,
+                        pieces: j.pieces,
                         nbytes: j.nbytes,
                     });
+                }
+                Action::Move(j) => {
+                    self.note("move_job");
+                    self.check_move(&j);
+                    self.moving = Some(j);
+                    if self.move_mode & 1 == 1 {
+                        self.writes += 1;
+                        let ok = self.move_mode & 2 == 0 || !self.writes.is_multiple_of(4);
+                        self.finish_move(ok);
+                    }
                 }
                 Action::CheckProcess(s) => {
                     self.note("check_process");
@@ -537,6 +628,171 @@ impl H {
         }
         let core = &self.core;
         self.watched.retain(|s| core.is_orphaned(*s));
+    }
+
+    /// Every session the core may know of (the unit's own included).
+    fn sessions(&self) -> Vec<SessionId> {
+        let mut v: Vec<SessionId> = self.slots.iter().filter_map(|s| s.session).collect();
+        v.push(Owner::UNIT.session);
+        v
+    }
+
+    /// A move handed out: it reads a committed blob nobody may touch (no
+    /// reservation, no pin: its pieces are in no session's ranges), and
+    /// writes a range the core holds for it alone, which no session may
+    /// touch either.
+    fn check_move(&mut self, j: &MoveJob) {
+        assert!(
+            self.moving.is_none(),
+            "a second move {j:?} while one is under way"
+        );
+        assert_eq!(
+            self.core.move_under_way(),
+            Some((j.blob, j.to)),
+            "the move under way"
+        );
+        assert_eq!(
+            self.core.blob_pieces(j.blob).as_ref(),
+            Some(&j.from),
+            "move {j:?} does not read its blob's pieces"
+        );
+        let len = rounded(j.nbytes);
+        assert!(
+            j.to.is_multiple_of(ALIGN) && j.to + len <= CAP,
+            "move {j:?} targets a range outside the slab"
+        );
+        assert!(
+            self.core
+                .regions()
+                .any(|(b, o, l)| b == j.blob && o == j.to && l == len),
+            "the target of {j:?} is not held for its blob"
+        );
+        for s in self.sessions() {
+            for r in self.core.session_ranges(s) {
+                assert!(
+                    !overlaps(r, (j.to, len)),
+                    "move {j:?} writes {r:?}, which {s:?} may touch"
+                );
+                for &p in &j.from {
+                    assert!(
+                        !overlaps(r, p),
+                        "move {j:?} of a blob {s:?} may touch ({r:?})"
+                    );
+                }
+            }
+        }
+        if j.from.len() > 1 {
+            self.note("move_gathers_pieces");
+        }
+    }
+
+    /// The driver copies the blob of the move under way and reports it
+    /// (`ok`: the copy is complete). Then every committed value reads
+    /// back exactly, wherever its blob now is.
+    fn finish_move(&mut self, ok: bool) {
+        let Some(j) = self.moving.take() else { return };
+        let len = rounded(j.nbytes);
+        let target = (j.to, len);
+        let held = self
+            .core
+            .regions()
+            .any(|(b, o, l)| b == j.blob && (o, l) == target)
+            || self.core.held_ranges().contains(&target);
+        assert!(
+            held,
+            "move {j:?} reports into a range no longer held for it"
+        );
+        for s in self.sessions() {
+            for r in self.core.session_ranges(s) {
+                assert!(
+                    !overlaps(r, target),
+                    "the copy of {j:?} lands in {r:?}, which {s:?} may touch"
+                );
+            }
+        }
+        let bytes = self.pieces_bytes(&j.from, 0, j.nbytes);
+        let n = if ok { bytes.len() } else { bytes.len() / 2 };
+        self.slab[j.to as usize..j.to as usize + n].copy_from_slice(&bytes[..n]);
+        let before = self.core.stats().compaction_moves;
+        match self
+            .core
+            .handle(self.now, CoreInput::Moved { blob: j.blob, ok })
+        {
+            Ok(Answer::Done) => {}
+            other => panic!("Moved of {:?} answered {other:?}", j.blob),
+        }
+        if self.core.stats().compaction_moves > before {
+            assert!(ok, "a failed move of {:?} was taken", j.blob);
+            assert_eq!(
+                self.core.blob_pieces(j.blob),
+                Some(vec![target]),
+                "the moved blob's pieces"
+            );
+            self.note("move_done");
+        } else {
+            self.note("move_not_taken");
+        }
+        // Once the step is done (the shadow may be behind the core until
+        // then: a move can come out of the drive of a request whose answer
+        // the shadow has not taken in yet).
+        self.verify_values = true;
+    }
+
+    /// Every committed key of every partition resolves (for the unit) to
+    /// exactly its committed bytes; the pin is dropped at once.
+    fn verify_all_values(&mut self) {
+        let scopes: Vec<(String, Vec<Key>)> = self
+            .keys
+            .iter()
+            .map(|(sc, rows)| {
+                let keys = rows
+                    .iter()
+                    .flat_map(|(r, f)| f.keys().map(|f| Key::new(*r, f.clone())))
+                    .collect();
+                (sc.clone(), keys)
+            })
+            .collect();
+        for (sc, keys) in scopes {
+            let op = CoreOp::Resolve {
+                partition: sc.clone(),
+                keys: keys.clone(),
+            };
+            let (pin, found) = match self.core.handle(
+                self.now,
+                CoreInput::Request {
+                    owner: Owner::UNIT,
+                    op,
+                },
+            ) {
+                Ok(Answer::Resolved { pin, found }) => (pin, found),
+                other => panic!("the unit's resolve of {sc:?} answered {other:?}"),
+            };
+            self.check_found(&sc, &keys, pin, &found);
+            if let Some(pin) = pin {
+                let unpin = CoreInput::Request {
+                    owner: Owner::UNIT,
+                    op: CoreOp::Unpin { pin },
+                };
+                self.core
+                    .handle(self.now, unpin)
+                    .expect("the unit unpins its own pin");
+            }
+        }
+    }
+
+    /// Bytes `offset..offset + len` of a blob in `pieces`.
+    fn pieces_bytes(&self, pieces: &[(u64, u64)], offset: u64, len: u64) -> Vec<u8> {
+        locate(pieces, offset, len)
+            .into_iter()
+            .flat_map(|(o, l)| self.slab[o as usize..(o + l) as usize].iter().copied())
+            .collect()
+    }
+
+    /// A writer writes fresh bytes over the first `len` bytes of `pieces`.
+    fn write_pieces(&mut self, pieces: &[(u64, u64)], len: u64) {
+        for (o, l) in locate(pieces, 0, len) {
+            self.write_slab(o, l);
+        }
     }
 
     /// A connection by selector: slot `x % 3`, then one of its connections.
@@ -572,6 +828,23 @@ impl H {
                     "location {l:?} outside the slab"
                 );
                 self.slab[l.offset as usize..(l.offset + l.len) as usize].to_vec()
+            }
+            Place::Split(ref parts) => {
+                assert!(
+                    parts.len() >= 2 && parts.iter().all(|l| l.len > 0),
+                    "a split place of fewer than two parts, or an empty one: {place:?}"
+                );
+                parts
+                    .iter()
+                    .flat_map(|l| {
+                        assert!(
+                            l.offset.checked_add(l.len).is_some_and(|e| e <= CAP),
+                            "location {l:?} outside the slab"
+                        );
+                        self.slab[l.offset as usize..(l.offset + l.len) as usize].iter()
+                    })
+                    .copied()
+                    .collect()
             }
             Place::Disk { blob, offset, len } => {
                 let f = self
@@ -746,17 +1019,17 @@ impl H {
         let Some(s) = self.slots[slot].session.filter(|_| self.slots[slot].mapped) else {
             return;
         };
-        let mine: Vec<(u64, u64)> = self
+        let mine: Vec<(Vec<(u64, u64)>, u64)> = self
             .res
             .values()
             .filter(|r| r.session == s)
-            .filter_map(|r| Some((r.at?, r.nbytes)))
+            .filter_map(|r| Some((r.at.clone()?, r.nbytes)))
             .collect();
         if mine.is_empty() {
             return;
         }
-        let (off, n) = mine[which % mine.len()];
-        self.write_slab(off, if partial { n / 2 } else { n });
+        let (pieces, n) = &mine[which % mine.len()];
+        self.write_pieces(pieces, if partial { n / 2 } else { *n });
         self.note("scribble");
         if self.slots[slot].conns.is_empty() {
             self.note("scribble_by_cut_session");
@@ -940,13 +1213,14 @@ impl H {
             admin: true,
             stopping: false,
         };
+        self.free_before = before.free_bytes;
         let plan = handler::handle(|| &mut self.core, &asker, req, 0, self.now);
         self.drive();
 
         let resp = match plan {
             Plan::Reply(r) | Plan::Committed { reply: r, .. } => Some(r),
             Plan::Silent => None,
-            Plan::Resolved { pin, found } => {
+            Plan::Resolved { pin, found, .. } => {
                 let (sc, keys) = resolve.expect("Resolved answers a Resolve");
                 self.resolved(o, &sc, &keys, pin, &found);
                 return;
@@ -1071,13 +1345,14 @@ impl H {
     }
 
     fn allocated(&mut self, o: Owner, blob: BlobId, nbytes: u64, n_entries: u32, r: &Response) {
-        let prior = self.res.get(&blob).copied();
+        let prior = self.res.get(&blob).cloned();
+        let prior = prior.as_ref();
         let same = prior.is_some_and(|p| p.nbytes == nbytes && p.n_entries == n_entries);
         let other = prior.is_some_and(|p| p.session != o.session);
         let held_elsewhere =
             prior.is_some_and(|p| p.session == o.session && p.conn.is_some_and(|c| c != o.conn));
         let at = match r {
-            Response::Allocated { offset } => Some(Some(*offset)),
+            Response::Allocated { pieces, .. } => Some(Some(pieces.clone())),
             Response::ToDisk => Some(None),
             Response::AlreadyCommitted => {
                 assert!(
@@ -1100,7 +1375,15 @@ impl H {
                         assert!(
                             prior.is_none(),
                             "Alloc {blob:?}: {code:?}; shadow {prior:?}"
-                        )
+                        );
+                        // A put goes in whenever the free memory holds it,
+                        // however that memory is cut.
+                        assert!(
+                            rounded(nbytes) > self.free_before,
+                            "Alloc {blob:?} of {nbytes} bytes refused ({code:?}: {message}) \
+                             with {} bytes free",
+                            self.free_before
+                        );
                     }
                     ErrorCode::InvalidRequest => assert!(
                         prior.is_some() && !same,
@@ -1124,13 +1407,30 @@ impl H {
         } else {
             "alloc_disk"
         });
-        if let Some(off) = at {
-            assert!(
-                off % ALIGN == 0 && off.checked_add(nbytes).is_some_and(|e| e <= CAP),
-                "Alloc {blob:?} of {nbytes} at {off}: unaligned or outside the slab"
+        if let Some(pieces) = &at {
+            for &(off, len) in pieces {
+                assert!(
+                    off % ALIGN == 0 && len > 0 && off.checked_add(len).is_some_and(|e| e <= CAP),
+                    "Alloc {blob:?} of {nbytes} in {pieces:?}: unaligned or outside the slab"
+                );
+            }
+            assert_eq!(
+                pieces.iter().map(|p| p.1).sum::<u64>(),
+                rounded(nbytes),
+                "Alloc {blob:?} of {nbytes}: pieces {pieces:?}"
             );
+            if pieces.len() > 1 {
+                self.note("alloc_in_pieces");
+            }
         } else {
             assert!(self.disk, "ToDisk without a disk tier");
+            if prior.is_none() {
+                assert!(
+                    rounded(nbytes) > self.free_before,
+                    "Alloc {blob:?} of {nbytes} sent to disk with {} bytes free",
+                    self.free_before
+                );
+            }
         }
         if let Some(p) = prior {
             assert!(
@@ -1152,9 +1452,9 @@ impl H {
     }
 
     fn committed(&mut self, o: Owner, sc: &str, blob: BlobId, entries: &[EntrySpec], r: &Response) {
-        let prior = self.res.get(&blob).copied();
-        let other = prior.is_some_and(|p| p.session != o.session);
-        let mine = prior.filter(|p| p.session == o.session);
+        let prior = self.res.get(&blob).cloned();
+        let other = prior.as_ref().is_some_and(|p| p.session != o.session);
+        let mine = prior.clone().filter(|p| p.session == o.session);
         assert_eq!(
             code(r) == Some(not_owner()),
             other,
@@ -1165,8 +1465,8 @@ impl H {
                 let Some(p) = mine else { return };
                 self.note("commit_published");
                 self.res.remove(&blob);
-                let src = match p.at {
-                    Some(off) => self.slab[off as usize..(off + p.nbytes) as usize].to_vec(),
+                let src = match &p.at {
+                    Some(pieces) => self.pieces_bytes(pieces, 0, p.nbytes),
                     None => panic!("Commit of {blob:?} reserved on disk answered Done"),
                 };
                 self.publish(sc, entries, &src);
@@ -1202,8 +1502,8 @@ impl H {
     }
 
     fn aborted(&mut self, o: Owner, blob: BlobId, r: &Response) {
-        let prior = self.res.get(&blob).copied();
-        let other = prior.is_some_and(|p| p.session != o.session);
+        let prior = self.res.get(&blob).cloned();
+        let other = prior.as_ref().is_some_and(|p| p.session != o.session);
         match r {
             Response::Done => {
                 assert!(!other, "Abort of another session's {blob:?} succeeded");
@@ -1284,13 +1584,16 @@ impl H {
                     if matches!(place, Place::Disk { .. }) {
                         self.disk_reads.set(self.disk_reads.get() + 1);
                     }
+                    if matches!(place, Place::Split(_)) {
+                        self.split_reads.set(self.split_reads.get() + 1);
+                    }
                     let got = self.read_place(place);
                     assert!(
                         got == v.bytes,
                         "{sc:?} {k} at {place:?} reads other bytes than committed"
                     );
                     assert_eq!(meta, &v.meta, "{sc:?} {k}: metadata");
-                    reads.push((*place, got));
+                    reads.push((place.clone(), got));
                 }
             }
         }
@@ -1383,6 +1686,7 @@ impl H {
             admin: true,
             stopping: false,
         };
+        self.free_before = self.core.stats().free_bytes;
         let plan = handler::handle(|| &mut self.core, &asker, req, nbytes, self.now);
         self.drive();
         let conn_end = if end == PutEnd::Cut {
@@ -1403,8 +1707,11 @@ impl H {
             Plan::Receive(put) => put,
             p => panic!("the handler planned {p:?} for a Put"),
         };
-        let r = match put.into {
-            Dest::Slab { offset } => Response::Allocated { offset },
+        let r = match &put.into {
+            Dest::Slab { pieces } => Response::Allocated {
+                pieces: pieces.clone(),
+                spares_back: false,
+            },
             Dest::Disk => Response::ToDisk,
             Dest::Nowhere => Response::AlreadyCommitted,
         };
@@ -1430,13 +1737,13 @@ impl H {
             h.aborted(o, blob, &r);
             h.detach(slot, i, conn_end);
         };
-        match put.into {
-            Dest::Slab { offset } => {
+        match put.into.clone() {
+            Dest::Slab { pieces } => {
                 if end != PutEnd::Complete {
-                    self.write_slab(offset, nbytes / 2);
+                    self.write_pieces(&pieces, nbytes / 2);
                     return stop(self, put);
                 }
-                self.write_slab(offset, nbytes);
+                self.write_pieces(&pieces, nbytes);
                 landed(self, put);
             }
             Dest::Disk => {
@@ -1473,13 +1780,13 @@ impl H {
         match self.flushes.remove(which % self.flushes.len()) {
             FlushJob::Spill {
                 blob,
-                offset,
+                pieces,
                 nbytes,
             } => {
                 // The driver reads the range until it reports.
                 self.note("flush_spill");
                 if ok {
-                    let bytes = self.slab[offset as usize..(offset + nbytes) as usize].to_vec();
+                    let bytes = self.pieces_bytes(&pieces, 0, nbytes);
                     self.files.insert(blob, bytes);
                 }
                 self.disk_written(blob, ok);
@@ -1550,8 +1857,11 @@ impl H {
             other => panic!("Snapshot answered {other:?}"),
         };
         let mut got: Index = BTreeMap::new();
-        let places: BTreeMap<BlobId, (u64, Place)> =
-            snap.blobs.iter().map(|(b, n, p)| (*b, (*n, *p))).collect();
+        let places: BTreeMap<BlobId, (u64, Place)> = snap
+            .blobs
+            .iter()
+            .map(|(b, n, p)| (*b, (*n, p.clone())))
+            .collect();
         for e in &snap.entries {
             let (n, place) = places
                 .get(&e.blob)
@@ -1560,13 +1870,14 @@ impl H {
                 e.offset.checked_add(e.len).is_some_and(|end| end <= *n),
                 "snapshot entry outside its blob"
             );
-            let bytes = match *place {
-                Place::Memory(l) => self.read_place(&Place::Memory(stowage_core::Location {
-                    offset: l.offset + e.offset,
-                    len: e.len,
-                })),
+            let bytes = match place {
+                Place::Memory(_) | Place::Split(_) => {
+                    let whole = self.read_place(place);
+                    assert_eq!(whole.len() as u64, *n, "snapshot place of {:?}", e.blob);
+                    whole[e.offset as usize..(e.offset + e.len) as usize].to_vec()
+                }
                 Place::Disk { blob, .. } => self.read_place(&Place::Disk {
-                    blob,
+                    blob: *blob,
                     offset: e.offset,
                     len: e.len,
                 }),
@@ -1636,7 +1947,8 @@ impl H {
         let cap = self.core.capacity();
         assert_eq!(st.capacity, cap);
 
-        // 1. Disjoint, aligned ranges inside the slab; `used` is their sum.
+        // 1. Disjoint, aligned ranges inside the slab; what is not free is
+        //    their sum.
         let regions: Vec<(BlobId, u64, u64)> = self.core.regions().collect();
         let held = self.core.held_ranges();
         let mut all: Vec<(u64, u64)> = regions
@@ -1663,7 +1975,45 @@ impl H {
             end = off + len;
             sum += len;
         }
-        assert_eq!(st.used, sum, "used vs the sum of live and held ranges");
+        assert_eq!(
+            st.capacity - st.free_bytes,
+            sum,
+            "allocated bytes vs the sum of live and held ranges"
+        );
+        // The free ranges: the gaps, cut at the spare zone's start.
+        let split = cap - st.spare_budget;
+        let mut largest = 0u64;
+        let mut at = 0u64;
+        for &(off, len) in all.iter().chain(std::iter::once(&(cap, 0))) {
+            if off > at {
+                let gap = if at < split && off > split {
+                    (split - at).max(off - split)
+                } else {
+                    off - at
+                };
+                largest = largest.max(gap);
+            }
+            at = at.max(off + len);
+        }
+        assert_eq!(st.largest_free, largest, "the largest free range");
+        // `used` is stored data: the live ranges that are neither
+        // reservations nor a promotion's or a move's target.
+        let targets: u64 = regions
+            .iter()
+            .filter(|(b, o, l)| {
+                self.core.move_under_way() == Some((*b, *o))
+                    || self.promos.iter().any(|(pb, po, bytes)| {
+                        pb == b && po == o && rounded(bytes.len() as u64) == *l
+                    })
+            })
+            .map(|r| r.2)
+            .sum();
+        let live: u64 = regions.iter().map(|r| r.2).sum();
+        assert_eq!(
+            st.used,
+            live - st.reserved_bytes - targets,
+            "used vs the stored blobs' ranges"
+        );
         let quarantine_ok = st.quarantined_bytes <= held.iter().map(|r| r.1).sum::<u64>();
         assert!(quarantine_ok, "quarantined bytes exceed the held ranges");
         let reserved: u64 = self
@@ -1704,12 +2054,11 @@ impl H {
 
         // Each shadow reservation in the slab is still its blob's range.
         for (b, r) in &self.res {
-            if let Some(off) = r.at {
-                assert!(
-                    regions
-                        .iter()
-                        .any(|&(id, o, l)| id == *b && o == off && l == rounded(r.nbytes)),
-                    "{b:?}, reserved by {:?} at {off}, is no longer its allocation",
+            if let Some(pieces) = &r.at {
+                assert_eq!(
+                    self.core.blob_pieces(*b).as_ref(),
+                    Some(pieces),
+                    "{b:?}, reserved by {:?} in {pieces:?}, is no longer its allocation",
                     r.session
                 );
             }
@@ -1717,7 +2066,7 @@ impl H {
 
         // 2. Sessions: what the core says each holds, and fencing.
         let mut orphaned = Vec::new();
-        let mut live = Vec::new();
+        let mut live_ranges = Vec::new();
         for slot in &self.slots {
             let Some(s) = slot.session else { continue };
             let my_res: Vec<&Res> = self.res.values().filter(|r| r.session == s).collect();
@@ -1759,16 +2108,21 @@ impl H {
                 len == 0 || ranges.iter().any(|&(o, l)| o <= off && off + len <= o + l)
             };
             for r in &my_res {
-                if let Some(off) = r.at {
+                for &(off, len) in r.at.iter().flatten() {
                     assert!(
-                        covered(off, r.nbytes),
-                        "session {s:?}'s reservation at {off} not held for it"
+                        covered(off, len),
+                        "session {s:?}'s reservation at {off}+{len} not held for it"
                     );
                 }
             }
             for p in &my_pins {
                 for (place, _) in &p.reads {
-                    if let Place::Memory(l) = place {
+                    let parts = match place {
+                        Place::Memory(l) => vec![*l],
+                        Place::Split(parts) => parts.clone(),
+                        Place::Disk { .. } => Vec::new(),
+                    };
+                    for l in parts {
                         assert!(
                             covered(l.offset, l.len),
                             "session {s:?}'s pinned {l:?} not held for it"
@@ -1776,21 +2130,21 @@ impl H {
                     }
                 }
             }
-            live.push((s, ranges));
+            live_ranges.push((s, ranges));
         }
         for (b, r) in &self.res {
-            let Some(off) = r.at else { continue };
-            let len = rounded(r.nbytes);
-            for (t, ranges) in &live {
-                if *t == r.session {
-                    continue;
-                }
-                for &(o, l) in ranges {
-                    assert!(
-                        o + l <= off || off + len <= o,
-                        "{b:?} reserved by {:?} at {off}+{len} overlaps {o}+{l} that {t:?} may touch",
-                        r.session
-                    );
+            for &(off, len) in r.at.iter().flatten() {
+                for (t, ranges) in &live_ranges {
+                    if *t == r.session {
+                        continue;
+                    }
+                    for &(o, l) in ranges {
+                        assert!(
+                            o + l <= off || off + len <= o,
+                            "{b:?} reserved by {:?} at {off}+{len} overlaps {o}+{l} that {t:?} may touch",
+                            r.session
+                        );
+                    }
                 }
             }
         }
@@ -1910,6 +2264,39 @@ impl H {
             Step::Promote { blob } => self.promote(blob),
             Step::Promoted { which, ok } => self.promoted(which as usize, ok),
             Step::Checkpoint => self.checkpoint(),
+            Step::Churn {
+                conn,
+                partition,
+                count,
+                size,
+            } => {
+                let n = count % 8 + 2;
+                for i in 0..n {
+                    let e = EntryOp {
+                        row: i,
+                        field: 0,
+                        off: 0,
+                        len: 255,
+                        meta: i,
+                    };
+                    let blob = count.wrapping_add(i);
+                    self.put(conn, blob, partition, size, &[e], PutEnd::Complete);
+                    if std::mem::take(&mut self.verify_values) {
+                        self.verify_all_values();
+                    }
+                    self.check();
+                }
+                self.note("churn");
+                let rows: Vec<u8> = (0..n).step_by(2).collect();
+                self.request(conn, Op::ClearRows { partition, rows });
+            }
+            Step::Move { ok } => {
+                if self.moving.is_some() {
+                    self.note("move_later");
+                }
+                self.finish_move(ok);
+                self.drive();
+            }
         }
     }
 }
@@ -1919,6 +2306,9 @@ fuzz_target!(|input: Input| {
     h.check();
     for step in input.steps.into_iter().take(MAX_STEPS) {
         h.run(step);
+        if std::mem::take(&mut h.verify_values) {
+            h.verify_all_values();
+        }
         h.check();
         if h.core.stats().quarantined_bytes > 0 {
             h.note("steps_with_quarantine");
@@ -1937,6 +2327,10 @@ fuzz_target!(|input: Input| {
         let d = h.disk_reads.get();
         if d > 0 {
             h.seen.insert("found_on_disk", d);
+        }
+        let d = h.split_reads.get();
+        if d > 0 {
+            h.seen.insert("found_split", d);
         }
         let line: Vec<String> = h.seen.iter().map(|(k, v)| format!("{k}={v}")).collect();
         eprintln!("RH {}", line.join(" "));

@@ -90,6 +90,37 @@
 //!   files they name. A `DeleteFile` for a put still being synced cancels
 //!   that put's write (the driver stops writing and will not report it).
 //!
+//! ## Extents and compaction
+//!
+//! A blob's slab range is one or more pieces, as the core answered them
+//! (`Allocated::Reserved { pieces }`): the model writes and reads a blob's
+//! bytes through its pieces in order, a value crossing pieces is found as
+//! `Place::Split` (its parts read back concatenated), and spill jobs read
+//! the pieces they name. The slab is cut into holes by clears, so that
+//! puts take several pieces. Every alloc is checked against the free
+//! memory: it is refused (Busy, Full) or sent to disk only when its
+//! rounded size exceeds the free bytes (capacity minus everything held:
+//! blobs, reservations, quarantines, spills, promotions and moves under
+//! way), and in particular, when no session holds a reservation or pin, a
+//! put whose bytes fit the free memory is always reserved; it is in one
+//! piece exactly when some free range holds it.
+//!
+//! The test also plays the driver for compaction (the cases lower
+//! `compact_min_free` so that it runs in this small slab). A move handed
+//! out by `poll_action` must read a committed blob that no one can touch
+//! (unpinned, not being spilled or promoted, its pieces as the model has
+//! them), gain something (gather pieces, or move down), and target a range
+//! that overlaps nothing held and no range a session may touch. The driver
+//! copies the bytes and reports `Input::Moved` at once or later (often
+//! with the copy made at once and the report later: the target must then
+//! be unchanged when it reports), mostly ok; meanwhile other ops run:
+//! puts, clears (the blob freed: both ranges stay held until the report),
+//! resolves that pin the very blob (`Op::MoveRace`: a reader that pinned
+//! it during the copy keeps its range and bytes; the move is abandoned).
+//! After a report the blob is in its new range only if nobody touched it,
+//! and every value reads back exactly (check 2). Stats count the moves and
+//! their bytes as the model does.
+//!
 //! ## Properties checked after every operation (see [`Harness::check`])
 //!
 //! 1. Space is never handed out twice: the ranges of `core.regions()` and
@@ -103,8 +134,11 @@
 //!    a pin.
 //! 3. Every pin the unit still holds (by an open connection, orphaned by a
 //!    cut, the unit's own) still sees its values' bytes.
-//! 4. The counters of `stats()` and `stats_at(now)` match the model: bytes,
-//!    blobs, entries, pins, disk use, index bytes, and per session its open
+//! 4. The counters of `stats()` and `stats_at(now)` match the model: stored
+//!    data (`used`), free bytes and the largest free range (the zones are
+//!    not merged), reserved and quarantined bytes, blobs in pieces,
+//!    compaction moves and bytes, blobs, entries, pins, disk use, index
+//!    bytes, and per session its open
 //!    connections, reservations, pins, held bytes, oldest hold, orphaned
 //!    holds and the number of overdue holds.
 //! 5. The simulated disk holds exactly the files the model expects.
@@ -129,9 +163,11 @@
 //!
 //! Both tests assert that their cases, together, reached every session path
 //! (cuts of both kinds, session deaths, NotOwner refusals, Busy retries,
-//! takeovers, long pauses, resumed paused writers and readers, ...), and the
-//! disk test every disk-tier path, so that a change of the generator cannot
-//! quietly stop testing one. `PROPTEST_CASES=20000` runs a longer soak.
+//! takeovers, long pauses, resumed paused writers and readers, ...) and
+//! every extent and compaction path (puts in pieces, split values, moves
+//! done, failed, abandoned for a pin, of freed blobs, raced by readers),
+//! and the disk test every disk-tier path, so that a change of the
+//! generator cannot quietly stop testing one. `PROPTEST_CASES=20000` runs a longer soak.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
@@ -141,8 +177,8 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use stowage_core::{
     Action, Allocated, Answer, BlobId, Committed, ConnEnd, CoreConfig, CoreError, EntrySpec, Input,
-    Key, Located, Location, Owner, PinId, Place, SessionId, SessionStats, Snapshot, SnapshotEntry,
-    SpillJob, Stats, Time, UnitCore,
+    Key, Located, Location, MoveJob, Owner, PinId, Place, SessionId, SessionStats, Snapshot,
+    SnapshotEntry, SpillJob, Stats, Time, UnitCore,
 };
 
 /// The calls this test makes, each one input through the core's one entry
@@ -322,11 +358,17 @@ trait Drive {
             .expect("a promotion report is never refused");
     }
 
+    fn moved(&mut self, blob: BlobId, ok: bool) {
+        self.input(Time::ZERO, Input::Moved { blob, ok })
+            .expect("a move report is never refused");
+    }
+
     fn next_deadline(&self) -> Option<Time>;
 
     /// Every action queued: the files to delete, the spill jobs, the
-    /// sessions whose process to watch.
-    fn actions(&mut self) -> (Vec<BlobId>, Vec<SpillJob>, Vec<SessionId>);
+    /// sessions whose process to watch, the compaction moves.
+    #[allow(clippy::type_complexity)]
+    fn actions(&mut self) -> (Vec<BlobId>, Vec<SpillJob>, Vec<SessionId>, Vec<MoveJob>);
 }
 
 impl Drive for UnitCore {
@@ -338,16 +380,19 @@ impl Drive for UnitCore {
         self.poll_timeout()
     }
 
-    fn actions(&mut self) -> (Vec<BlobId>, Vec<SpillJob>, Vec<SessionId>) {
-        let (mut deletes, mut spills, mut watch) = (Vec::new(), Vec::new(), Vec::new());
+    #[allow(clippy::type_complexity)]
+    fn actions(&mut self) -> (Vec<BlobId>, Vec<SpillJob>, Vec<SessionId>, Vec<MoveJob>) {
+        let (mut deletes, mut spills, mut watch, mut moves) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         while let Some(a) = self.poll_action() {
             match a {
                 Action::DeleteFile(b) => deletes.push(b),
                 Action::Spill(j) => spills.push(j),
                 Action::CheckProcess(s) => watch.push(s),
+                Action::Move(m) => moves.push(m),
             }
         }
-        (deletes, spills, watch)
+        (deletes, spills, watch, moves)
     }
 }
 
@@ -415,6 +460,72 @@ fn entry_cost(e: &EntrySpec) -> u64 {
 
 fn overlap(a: (u64, u64), b: (u64, u64)) -> bool {
     a.0 < b.0 + b.1 && b.0 < a.0 + a.1
+}
+
+/// A blob's slab range: (offset, bytes) of each piece, in the order of the
+/// blob's bytes, as the core answered them.
+type Pieces = Vec<(u64, u64)>;
+
+/// The spare zone's bytes at the top of a slab of `cap` (the core's
+/// default budget, 1/16 of the slab, rounded down to the alignment).
+fn spare_budget(cap: u64) -> u64 {
+    (cap / 16 / ALIGN * ALIGN).min(cap / 2 / ALIGN * ALIGN)
+}
+
+/// Where bytes `offset..offset + len` of a blob in `pieces` lie: (slab
+/// offset, bytes) of each part, in order.
+fn locate(pieces: &[(u64, u64)], mut offset: u64, len: u64) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    let mut left = len;
+    for &(start, plen) in pieces {
+        if left == 0 {
+            break;
+        }
+        if offset >= plen {
+            offset -= plen;
+            continue;
+        }
+        let n = (plen - offset).min(left);
+        out.push((start + offset, n));
+        left -= n;
+        offset = 0;
+    }
+    out
+}
+
+/// The place the core should answer for bytes `offset..offset + len` of a
+/// blob in `pieces`: one range, or its parts when it crosses pieces; a
+/// zero-length value where it would start.
+fn place_in(pieces: &[(u64, u64)], offset: u64, len: u64) -> Place {
+    let parts = locate(pieces, offset, len);
+    match parts.as_slice() {
+        [] => {
+            let mut at = offset;
+            let mut start = None;
+            for &(o, l) in pieces {
+                if at < l {
+                    start = Some(o + at);
+                    break;
+                }
+                at -= l;
+            }
+            let (o, l) = pieces[pieces.len() - 1];
+            Place::Memory(Location {
+                offset: start.unwrap_or(o + l),
+                len: 0,
+            })
+        }
+        [(o, l)] => Place::Memory(Location {
+            offset: *o,
+            len: *l,
+        }),
+        _ => Place::Split(
+            parts
+                .into_iter()
+                .map(|(offset, len)| Location { offset, len })
+                .collect(),
+        ),
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -552,13 +663,24 @@ enum Op {
     Spill {
         plan: Vec<(bool, bool)>,
     },
-    /// One in-flight disk write or promotion finishes.
+    /// A reader races a compaction move: while the driver copies a blob
+    /// (a move handed out and not reported yet), a direct client pins one
+    /// of its values; `then` says what happens before the copy lands (the
+    /// row is cleared, the reader lets go, others put `others`, the blob's
+    /// bytes spill). A reader still holding its pin when the move reports
+    /// keeps reading the same range and bytes: the blob did not move.
+    MoveRace {
+        slot: u8,
+        then: u8,
+        others: Vec<(u64, u64, usize)>,
+    },
+    /// One in-flight disk write, promotion or move finishes.
     Complete {
         pick: u8,
         ok: bool,
     },
-    /// A stray report: `disk_written` or `promote_done` of a blob that has
-    /// nothing in flight changes nothing.
+    /// A stray report: `disk_written`, `promote_done` or `moved` of a blob
+    /// that has nothing in flight changes nothing.
     Stray {
         pick: u8,
         ok: bool,
@@ -586,6 +708,7 @@ fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
     // Without a disk tier there is nothing to promote: a no-op, rarely.
     let late = if disk { 2 } else { 1 };
     let others = prop::collection::vec((small.clone(), 0..ROWS, 0..FIELDS.len()), 1..4);
+    let others_race = others.clone();
     prop_oneof![
         put => (any::<u8>(), 0..N_BLOBS, size.clone(), 0u32..4)
             .prop_map(|(who, blob, size, n)| Op::Alloc { who, blob, size, n }),
@@ -644,6 +767,8 @@ fn op_strategy(disk: bool) -> impl Strategy<Value = Op> {
         driver => prop::collection::vec((any::<bool>(), prop::bool::weighted(0.85)), 4)
             .prop_map(|plan| Op::Spill { plan }),
         driver => (any::<u8>(), prop::bool::weighted(0.85)).prop_map(|(pick, ok)| Op::Complete { pick, ok }),
+        2 => (any::<u8>(), any::<u8>(), others_race)
+            .prop_map(|(slot, then, others)| Op::MoveRace { slot, then, others }),
         1 => (any::<u8>(), any::<bool>(), any::<bool>())
             .prop_map(|(pick, ok, promote)| Op::Stray { pick, ok, promote }),
     ]
@@ -699,10 +824,14 @@ enum MDisk {
 
 #[derive(Clone, Debug)]
 struct MBlob {
-    /// Its slab range (offset, rounded length); `None` while only on disk.
-    region: Option<(u64, u64)>,
+    /// Its slab range, in pieces (their lengths add up to the rounded
+    /// size); `None` while only on disk.
+    region: Option<Pieces>,
     /// A slab range being filled from disk by a promotion.
     promoting: Option<(u64, u64)>,
+    /// The range compaction is copying it to (a move handed out, not yet
+    /// reported).
+    moving: Option<(u64, u64)>,
     nbytes: u64,
     state: MState,
     disk: MDisk,
@@ -756,8 +885,17 @@ enum Job {
     /// A spill: the slab range is copied into the file when it finishes.
     Spill {
         blob: BlobId,
-        offset: u64,
+        pieces: Pieces,
         nbytes: u64,
+    },
+    /// A compaction move: `nbytes` of the blob's pieces `from` are copied
+    /// to `to` (already, `copied`, or when it finishes), then reported.
+    Move {
+        blob: BlobId,
+        from: Pieces,
+        to: u64,
+        nbytes: u64,
+        copied: bool,
     },
     /// A promotion: the file's bytes (read at its start) land in the slab
     /// range when it finishes.
@@ -773,7 +911,10 @@ enum Job {
 impl Job {
     fn blob(&self) -> BlobId {
         match self {
-            Job::Put { blob } | Job::Spill { blob, .. } | Job::Promote { blob, .. } => *blob,
+            Job::Put { blob }
+            | Job::Spill { blob, .. }
+            | Job::Promote { blob, .. }
+            | Job::Move { blob, .. } => *blob,
         }
     }
 }
@@ -788,6 +929,10 @@ enum Use {
     OrphanPromotion(BlobId),
     /// The slab range a spill of a freed blob still reads.
     OrphanSpill(BlobId),
+    /// The range a move copies a blob to.
+    Moving(BlobId),
+    /// Both ranges of a move whose blob was freed while it copied.
+    OrphanMove(BlobId),
 }
 
 /// How often the interesting events happened, over a whole run.
@@ -826,7 +971,13 @@ struct Harness {
     /// Blobs freed while their spill was being written: their file goes and
     /// their slab range is freed once the write reports back (their bytes
     /// still count as disk used).
-    orphans: BTreeMap<BlobId, (u64, Option<(u64, u64)>)>,
+    orphans: BTreeMap<BlobId, (u64, Option<Pieces>)>,
+    /// Moves whose blob was freed while the driver copied: its old pieces
+    /// and the target stay held until the move reports.
+    orphan_moves: BTreeMap<BlobId, (Pieces, (u64, u64))>,
+    /// Compaction's moves and bytes, as the core should count them.
+    compaction_moves: u64,
+    compaction_bytes: u64,
     /// Committed values of `NS`.
     values: BTreeMap<Key, MValue>,
     /// Pins the unit should still hold.
@@ -870,6 +1021,12 @@ impl Harness {
             cfg.high_watermark = HIGH_WATERMARK;
             cfg.low_watermark = LOW_WATERMARK;
         }
+        // Compaction runs in this small slab (its default threshold is
+        // 64 KiB free), sometimes with a cap on the blobs it moves.
+        cfg.compact_min_free = [0, 512, 2048][(seed >> 8) as usize % 3];
+        if (seed >> 12) & 3 == 0 {
+            cfg.compact_max_move = MAX_BLOB / 4;
+        }
         let mut h = Self {
             core: UnitCore::new(cfg).expect("valid config"),
             cap,
@@ -887,6 +1044,9 @@ impl Harness {
             cut_ids: BTreeSet::new(),
             orphan_promotions: BTreeMap::new(),
             orphans: BTreeMap::new(),
+            orphan_moves: BTreeMap::new(),
+            compaction_moves: 0,
+            compaction_bytes: 0,
             values: BTreeMap::new(),
             pins: BTreeMap::new(),
             dead_pins: Vec::new(),
@@ -907,6 +1067,13 @@ impl Harness {
 
     fn count(&mut self, event: &'static str) {
         *self.cov.entry(event).or_default() += 1;
+    }
+
+    /// A pseudo-random number from the case's stream (the simulated
+    /// driver's choices).
+    fn roll(&mut self) -> u64 {
+        let b = self.fresh(8);
+        u64::from_le_bytes(b.try_into().unwrap())
     }
 
     /// Fresh bytes (splitmix64 stream).
@@ -931,13 +1098,15 @@ impl Harness {
         self.slab[offset as usize..(offset + len) as usize].copy_from_slice(&bytes);
     }
 
-    /// The writer of reserved blob `id` writes its whole range.
+    /// The writer of reserved blob `id` writes its whole range (every
+    /// piece, in order).
     fn scribble_blob(&mut self, id: BlobId) {
-        let Some((off, len)) = self.blobs.get(&id).and_then(|b| b.region) else {
+        let Some(pieces) = self.blobs.get(&id).and_then(|b| b.region.clone()) else {
             return;
         };
+        let len = pieces.iter().map(|p| p.1).sum();
         let bytes = self.fresh(len);
-        self.slab[off as usize..(off + len) as usize].copy_from_slice(&bytes);
+        self.write_pieces(&pieces, &bytes);
         self.blobs.get_mut(&id).unwrap().content = bytes;
     }
 
@@ -945,24 +1114,52 @@ impl Harness {
         &self.slab[offset as usize..(offset + len) as usize]
     }
 
-    /// The bytes at `place` (a missing file or a range past its end: `None`).
-    fn read(&self, place: Place) -> Option<&[u8]> {
+    /// Bytes `offset..offset + len` of a blob in `pieces`.
+    fn pieces_bytes(&self, pieces: &[(u64, u64)], offset: u64, len: u64) -> Vec<u8> {
+        locate(pieces, offset, len)
+            .into_iter()
+            .flat_map(|(o, l)| self.slab_bytes(o, l).iter().copied())
+            .collect()
+    }
+
+    /// Write `bytes` over the start of a blob in `pieces`.
+    fn write_pieces(&mut self, pieces: &[(u64, u64)], bytes: &[u8]) {
+        let mut at = 0usize;
+        for (o, l) in locate(pieces, 0, bytes.len() as u64) {
+            self.slab[o as usize..(o + l) as usize].copy_from_slice(&bytes[at..at + l as usize]);
+            at += l as usize;
+        }
+    }
+
+    /// The bytes at `place` (a missing file or a range past its end:
+    /// `None`); a split value's parts, concatenated.
+    fn read(&self, place: &Place) -> Option<Vec<u8>> {
         match place {
-            Place::Memory(l) => Some(self.slab_bytes(l.offset, l.len)),
+            Place::Memory(l) => Some(self.slab_bytes(l.offset, l.len).to_vec()),
+            Place::Split(parts) => {
+                if parts.len() < 2 || parts.iter().any(|l| l.len == 0) {
+                    // A split place names two parts or more, none empty.
+                    return None;
+                }
+                Some(
+                    parts
+                        .iter()
+                        .flat_map(|l| self.slab_bytes(l.offset, l.len).iter().copied())
+                        .collect(),
+                )
+            }
             Place::Disk { blob, offset, len } => self
                 .files
-                .get(&blob)?
-                .get(offset as usize..(offset + len) as usize),
+                .get(blob)?
+                .get(*offset as usize..(offset + len) as usize)
+                .map(<[u8]>::to_vec),
         }
     }
 
     /// Where the value should be found now.
     fn place(&self, v: &MValue) -> Place {
-        match self.blobs.get(&v.blob).and_then(|b| b.region) {
-            Some((base, _)) => Place::Memory(Location {
-                offset: base + v.offset,
-                len: v.len,
-            }),
+        match self.blobs.get(&v.blob).and_then(|b| b.region.as_ref()) {
+            Some(pieces) => place_in(pieces, v.offset, v.len),
             None => Place::Disk {
                 blob: v.blob,
                 offset: v.offset,
@@ -1394,10 +1591,11 @@ impl Harness {
     fn release_reservation(&mut self, id: BlobId, in_flight: bool) {
         let b = self.blobs.remove(&id).unwrap();
         match b.region {
-            Some((off, len)) => {
+            Some(pieces) => {
                 if in_flight {
+                    let until = self.now + ms(QUARANTINE_MS);
                     self.quarantine
-                        .push((off, len, self.now + ms(QUARANTINE_MS)));
+                        .extend(pieces.iter().map(|&(off, len)| (off, len, until)));
                     self.cut_ids.insert(id);
                     self.count("range quarantined");
                 }
@@ -1408,15 +1606,17 @@ impl Harness {
 
     // ---- ranges ---------------------------------------------------------
 
-    /// Every blob's slab range (and promotion range) the unit should hold:
-    /// (blob, offset, len).
+    /// Every piece of every blob's slab range (and promotion and move
+    /// target) the unit should hold: (blob, offset, len).
     fn model_regions(&self) -> BTreeSet<(BlobId, u64, u64)> {
         self.blobs
             .iter()
             .flat_map(|(id, b)| {
                 b.region
                     .iter()
+                    .flatten()
                     .chain(b.promoting.iter())
+                    .chain(b.moving.iter())
                     .map(move |&(off, len)| (*id, off, len))
             })
             .collect()
@@ -1425,19 +1625,26 @@ impl Harness {
     /// Every other range the unit should hold: quarantined ranges, ranges
     /// of finished blobs a spill still reads or a promotion still writes.
     fn model_held(&self) -> Vec<(u64, u64, Use)> {
-        let mut v: Vec<(u64, u64, Use)> =
-            self.quarantine
-                .iter()
-                .map(|&(off, len, _)| (off, len, Use::Quarantined))
-                .chain(
-                    self.orphan_promotions
-                        .iter()
-                        .map(|(id, &(off, len))| (off, len, Use::OrphanPromotion(*id))),
-                )
-                .chain(self.orphans.iter().filter_map(|(id, (_, r))| {
-                    r.map(|(off, len)| (off, len, Use::OrphanSpill(*id)))
-                }))
-                .collect();
+        let mut v: Vec<(u64, u64, Use)> = self
+            .quarantine
+            .iter()
+            .map(|&(off, len, _)| (off, len, Use::Quarantined))
+            .chain(
+                self.orphan_promotions
+                    .iter()
+                    .map(|(id, &(off, len))| (off, len, Use::OrphanPromotion(*id))),
+            )
+            .chain(self.orphans.iter().flat_map(|(id, (_, r))| {
+                r.iter()
+                    .flatten()
+                    .map(|&(off, len)| (off, len, Use::OrphanSpill(*id)))
+            }))
+            .chain(self.orphan_moves.iter().flat_map(|(id, (old, to))| {
+                old.iter()
+                    .chain(std::iter::once(to))
+                    .map(|&(off, len)| (off, len, Use::OrphanMove(*id)))
+            }))
+            .collect();
         v.sort_unstable_by_key(|&(off, len, _)| (off, len));
         v
     }
@@ -1449,12 +1656,15 @@ impl Harness {
             .iter()
             .flat_map(|(id, b)| {
                 b.region
-                    .map(|(off, len)| (off, len, Use::Blob(*id)))
-                    .into_iter()
+                    .iter()
+                    .flatten()
+                    .map(|&(off, len)| (off, len, Use::Blob(*id)))
                     .chain(
                         b.promoting
                             .map(|(off, len)| (off, len, Use::Promoting(*id))),
                     )
+                    .chain(b.moving.map(|(off, len)| (off, len, Use::Moving(*id))))
+                    .collect::<Vec<_>>()
             })
             .chain(self.model_held())
             .collect();
@@ -1462,15 +1672,52 @@ impl Harness {
         v
     }
 
-    fn used(&self) -> u64 {
+    /// Slab bytes held, for any reason: capacity minus the free bytes.
+    fn allocated(&self) -> u64 {
         self.occupied().iter().map(|r| r.1).sum()
+    }
+
+    /// Slab bytes of stored data (`Stats::used`): committed blobs in
+    /// memory, cleared ones a reader still pins included.
+    fn stored(&self) -> u64 {
+        self.blobs
+            .values()
+            .filter(|b| b.state == MState::Committed)
+            .filter_map(|b| b.region.as_ref())
+            .map(|r| r.iter().map(|p| p.1).sum::<u64>())
+            .sum()
+    }
+
+    /// The free ranges of the slab, per the model: the gaps between held
+    /// ranges, cut at the boundary of the data and spare zones (the
+    /// allocator never merges across it).
+    fn free_ranges(&self) -> Vec<(u64, u64)> {
+        let split = self.cap - spare_budget(self.cap);
+        let mut gaps = Vec::new();
+        let mut at = 0;
+        let mut push = |from: u64, to: u64| {
+            for (a, b) in [(from, to.min(split)), (from.max(split), to)] {
+                if b > a {
+                    gaps.push((a, b - a));
+                }
+            }
+        };
+        for (off, len, _) in self.occupied() {
+            if off > at {
+                push(at, off);
+            }
+            at = at.max(off + len);
+        }
+        push(at, self.cap);
+        gaps
     }
 
     fn reserved_bytes(&self) -> u64 {
         self.blobs
             .values()
             .filter(|b| matches!(b.state, MState::Reserved { .. }))
-            .filter_map(|b| b.region.map(|r| r.1))
+            .filter_map(|b| b.region.as_ref())
+            .map(|r| r.iter().map(|p| p.1).sum::<u64>())
             .sum()
     }
 
@@ -1483,7 +1730,8 @@ impl Harness {
         self.blobs
             .values()
             .filter(|b| b.disk == MDisk::Writing)
-            .filter_map(|b| b.region.map(|r| r.1))
+            .filter_map(|b| b.region.as_ref())
+            .map(|r| r.iter().map(|p| p.1).sum::<u64>())
             .sum()
     }
 
@@ -1497,7 +1745,8 @@ impl Harness {
             .filter(|(id, b)| {
                 b.disk == MDisk::Writing || b.state == MState::Committed && !live.contains(id)
             })
-            .filter_map(|(_, b)| b.region.map(|r| r.1))
+            .filter_map(|(_, b)| b.region.as_ref())
+            .map(|r| r.iter().map(|p| p.1).sum::<u64>())
             .sum()
     }
 
@@ -1526,15 +1775,9 @@ impl Harness {
         self.pins.values().any(|p| p.blobs.contains(&id))
     }
 
-    /// The largest contiguous free range of the slab, per the model.
+    /// The largest free range of the slab (either zone), per the model.
     fn largest_gap(&self) -> u64 {
-        let mut at = 0;
-        let mut best = 0;
-        for (off, len, _) in self.occupied() {
-            best = best.max(off.saturating_sub(at));
-            at = at.max(off + len);
-        }
-        best.max(self.cap - at)
+        self.free_ranges().iter().map(|g| g.1).max().unwrap_or(0)
     }
 
     /// `[offset, offset + len)` is aligned, inside the slab and overlaps no
@@ -1612,8 +1855,15 @@ impl Harness {
                 MDisk::Durable => self.expect_deletes.push(id),
                 MDisk::Writing => {
                     self.count("orphaned spill");
-                    self.orphans.insert(id, (b.nbytes, b.region));
+                    self.orphans.insert(id, (b.nbytes, b.region.clone()));
                 }
+            }
+            if let Some(to) = b.moving {
+                // The driver still reads the old pieces and writes the
+                // target: both stay held until the move reports.
+                self.count("move: blob freed while it copied");
+                let old = b.region.clone().unwrap_or_default();
+                self.orphan_moves.insert(id, (old, to));
             }
         }
     }
@@ -1624,8 +1874,8 @@ impl Harness {
         self.seq += 1;
         let seq = self.seq;
         let b = self.blobs.get(&id).unwrap();
-        let content = match b.region {
-            Some((off, _)) => self.slab_bytes(off, b.nbytes).to_vec(),
+        let content = match &b.region {
+            Some(pieces) => self.pieces_bytes(pieces, 0, b.nbytes),
             None => b.content.clone(),
         };
         // In entry order: a later entry of the same key wins.
@@ -1914,6 +2164,9 @@ impl Harness {
                 others,
             } => self.late_promotion(*who, *pick, *end, others),
             Op::Spill { plan } => self.spill(plan),
+            Op::MoveRace { slot, then, others } => {
+                self.move_race(usize::from(*slot) % SLOTS, *then, others)
+            }
             Op::Complete { pick, ok } => {
                 if !self.jobs.is_empty() {
                     let job = self.jobs.remove(usize::from(*pick) % self.jobs.len());
@@ -1929,7 +2182,9 @@ impl Harness {
                 let stats = self.core.stats();
                 let regions: BTreeSet<_> = self.core.regions().collect();
                 let held = self.core.held_ranges();
-                if *promote {
+                if *pick & 0x80 != 0 {
+                    self.core.moved(id, *ok);
+                } else if *promote {
                     self.core.promote_done(id, *ok);
                 } else {
                     self.core.disk_written(id, *ok);
@@ -2008,7 +2263,7 @@ impl Harness {
         let existing = self
             .blobs
             .get(&id)
-            .map(|b| (b.region, b.nbytes, b.state.clone()));
+            .map(|b| (b.region.clone(), b.nbytes, b.state.clone()));
         match existing {
             Some((region, nb, MState::Reserved { holder, n: nn })) if nb == nbytes && nn == n => {
                 if holder.session != who.session {
@@ -2039,7 +2294,7 @@ impl Harness {
                 // The same connection's retry (same answer), or a retry
                 // after its connection was cut: taken over.
                 let want = match region {
-                    Some((offset, _)) => Allocated::Reserved { offset },
+                    Some(pieces) => Allocated::Reserved { pieces },
                     None => Allocated::ToDisk,
                 };
                 prop_assert_eq!(got, Ok(want), "retried alloc of {:?}", id);
@@ -2082,7 +2337,15 @@ impl Harness {
             }
             None => {
                 let len = rounded(nbytes);
-                let free = self.cap - self.used();
+                let free = self.cap - self.allocated();
+                let largest = self.largest_gap();
+                // Nothing is held by any session (no reservation, spare or
+                // pin): the invariant applies in its plain form.
+                let nothing_held = self.pins.is_empty()
+                    && !self
+                        .blobs
+                        .values()
+                        .any(|b| matches!(b.state, MState::Reserved { .. }));
                 // Reservations and quarantines may end; spills under way
                 // give their memory back once written, cleared blobs that
                 // only pins keep once unpinned.
@@ -2091,23 +2354,69 @@ impl Harness {
                     + self.spilling_or_unpinning_bytes();
                 let fits_disk = self.disk_cap > 0 && nbytes <= self.disk_free();
                 let holder = MHolder::of(who, self.now);
+                if len <= free && nothing_held {
+                    // A put whose bytes fit the free memory never fails or
+                    // waits for room when no session holds anything.
+                    prop_assert!(
+                        matches!(got, Ok(Allocated::Reserved { .. })),
+                        "alloc of {} bytes with {} free and nothing held answered {:?}",
+                        len,
+                        free,
+                        got
+                    );
+                    self.count("put that fits the free memory with nothing held");
+                    if len > largest {
+                        self.count("put larger than any free range, nothing held: in pieces");
+                    }
+                }
                 match got {
-                    Ok(Allocated::Reserved { offset }) => {
+                    Ok(Allocated::Reserved { pieces }) => {
                         prop_assert!(
                             len <= free,
                             "alloc of {} bytes with only {} free",
                             len,
                             free
                         );
-                        self.check_new_range("alloc", id, offset, len)?;
+                        prop_assert!(
+                            !pieces.is_empty()
+                                && pieces.iter().all(|p| p.1 > 0)
+                                && pieces.iter().map(|p| p.1).sum::<u64>() == len,
+                            "alloc of {} bytes answered pieces {:?}",
+                            len,
+                            pieces
+                        );
+                        // One piece whenever a free range holds it whole.
+                        prop_assert_eq!(
+                            pieces.len() == 1,
+                            largest >= len,
+                            "alloc of {} bytes in {} pieces with a free range of {}",
+                            len,
+                            pieces.len(),
+                            largest
+                        );
+                        for (k, &(off, l)) in pieces.iter().enumerate() {
+                            self.check_new_range("alloc", id, off, l)?;
+                            for &other in &pieces[..k] {
+                                prop_assert!(
+                                    !overlap((off, l), other),
+                                    "alloc of {:?}: pieces {:?} overlap",
+                                    id,
+                                    pieces
+                                );
+                            }
+                        }
+                        if pieces.len() > 1 {
+                            self.count("alloc in pieces");
+                        }
                         if self.cut_ids.remove(&id) {
                             self.count("retry after a cut stream reserves afresh");
                         }
                         self.blobs.insert(
                             id,
                             MBlob {
-                                region: Some((offset, len)),
+                                region: Some(pieces),
                                 promoting: None,
+                                moving: None,
                                 nbytes,
                                 state: MState::Reserved { holder, n },
                                 disk: MDisk::None,
@@ -2130,13 +2439,13 @@ impl Harness {
                             nbytes,
                             self.disk_free()
                         );
-                        // No spurious trip to disk (see the refusals below).
-                        let gap = self.largest_gap();
+                        // No spurious trip to disk: the slab's free memory,
+                        // however cut, could not hold it.
                         prop_assert!(
-                            len > self.cap || gap < 2 * len,
-                            "alloc of {} bytes sent to disk with a free slab range of {}",
+                            len > free,
+                            "alloc of {} bytes sent to disk with {} bytes free in the slab",
                             len,
-                            gap
+                            free
                         );
                         prop_assert!(
                             !self.files.contains_key(&id),
@@ -2152,6 +2461,7 @@ impl Harness {
                             MBlob {
                                 region: None,
                                 promoting: None,
+                                moving: None,
                                 nbytes,
                                 state: MState::Reserved { holder, n },
                                 disk: MDisk::Writing,
@@ -2173,6 +2483,17 @@ impl Harness {
                         if self.disk_cap > 0 {
                             self.count("refused with disk full");
                         }
+                        // No spurious refusal: a put goes in whenever the
+                        // free memory can hold it, however it is cut (in
+                        // pieces: this slab never needs too many).
+                        prop_assert!(
+                            len > free,
+                            "alloc of {} bytes refused ({:?}) with {} bytes free (largest range {})",
+                            len,
+                            e,
+                            free,
+                            largest
+                        );
                         let expected =
                             if len <= self.cap && free + reclaimable >= len && reclaimable > 0 {
                                 CoreError::Busy {
@@ -2192,17 +2513,6 @@ impl Harness {
                             "alloc full"
                         });
                         prop_assert_eq!(&e, &expected, "refused alloc of {} bytes", nbytes);
-                        // No spurious refusal: a free range of twice the size
-                        // always fits (segregated fit rounds a request up by
-                        // less than one bin, i.e. < 2x).
-                        let gap = self.largest_gap();
-                        prop_assert!(
-                            gap < 2 * len,
-                            "alloc of {} bytes refused ({:?}) with a free range of {} bytes",
-                            len,
-                            e,
-                            gap
-                        );
                     }
                 }
             }
@@ -2250,7 +2560,7 @@ impl Harness {
                 }
                 let other_conn = holder.conn != Some(who.conn);
                 let nbytes = b.nbytes;
-                let (region, disk) = (b.region, b.disk);
+                let (region, disk) = (b.region.is_some(), b.disk);
                 let valid = specs.len() == *n as usize
                     && specs
                         .iter()
@@ -2286,7 +2596,7 @@ impl Harness {
                 if other_conn {
                     self.count("commit from another connection of the session");
                 }
-                if region.is_none() && disk == MDisk::Writing {
+                if !region && disk == MDisk::Writing {
                     // Its file is not durable yet: nothing is visible before.
                     prop_assert_eq!(got, Ok(Committed::Pending), "commit of {:?} on disk", id);
                     self.count("commit pending");
@@ -2295,7 +2605,7 @@ impl Harness {
                     };
                 } else {
                     prop_assert_eq!(got, Ok(Committed::Done), "commit of reserved {:?}", id);
-                    if region.is_none() {
+                    if !region {
                         self.count("commit of a durable put");
                     }
                     self.publish(id, specs);
@@ -2397,29 +2707,34 @@ impl Harness {
         let mut blobs = BTreeSet::new();
         let mut snapshots = Vec::new();
         let mut on_disk = BTreeMap::new();
+        let mut split = false;
         for (k, f) in keys.iter().zip(&found) {
             match self.values.get(k) {
                 None => prop_assert_eq!(f, &None, "key {} not committed", k),
                 Some(v) => {
                     let place = self.place(v);
-                    prop_assert_eq!(f, &Some((place, v.meta.clone())), "place of {}", k);
+                    prop_assert_eq!(f, &Some((place.clone(), v.meta.clone())), "place of {}", k);
                     prop_assert_eq!(
-                        self.read(place),
-                        Some(&v.bytes[..]),
+                        self.read(&place),
+                        Some(v.bytes.clone()),
                         "bytes of {} at {:?}",
                         k,
                         place
                     );
                     blobs.insert(v.blob);
-                    snapshots.push((place, v.bytes.clone()));
+                    split |= matches!(place, Place::Split(_));
                     if let Place::Disk { blob, .. } = place {
                         on_disk.entry(blob).or_insert_with(|| k.clone());
                     }
+                    snapshots.push((place, v.bytes.clone()));
                 }
             }
         }
         if !on_disk.is_empty() {
             self.count("resolve found a value on disk");
+        }
+        if split {
+            self.count("value read in parts across pieces");
         }
         if blobs.is_empty() {
             prop_assert_eq!(pin, None, "pin without a found key");
@@ -2466,7 +2781,7 @@ impl Harness {
         let b = self.blobs[&blob].clone();
         let len = rounded(b.nbytes);
         let eligible = b.region.is_none() && b.promoting.is_none() && b.disk == MDisk::Durable;
-        let room = (self.used() + len) as f64 <= HIGH_WATERMARK * self.cap as f64;
+        let room = (self.allocated() + len) as f64 <= HIGH_WATERMARK * self.cap as f64;
         let got = self.core.promote_begin(blob);
         let Some(offset) = got else {
             if eligible && room {
@@ -2493,7 +2808,7 @@ impl Harness {
             "promotion of {:?} ({} bytes) past the high watermark with {} used",
             blob,
             len,
-            self.used()
+            self.allocated()
         );
         self.check_new_range("promotion", blob, offset, len)?;
         self.blobs.get_mut(&blob).unwrap().promoting = Some((offset, len));
@@ -2556,11 +2871,8 @@ impl Harness {
         let mut want = Vec::new();
         for id in &ids {
             let b = &self.blobs[id];
-            let place = match b.region {
-                Some((off, _)) => Place::Memory(Location {
-                    offset: off,
-                    len: b.nbytes,
-                }),
+            let place = match &b.region {
+                Some(pieces) => place_in(pieces, 0, b.nbytes),
                 None => Place::Disk {
                     blob: *id,
                     offset: 0,
@@ -2568,8 +2880,8 @@ impl Harness {
                 },
             };
             prop_assert_eq!(
-                self.read(place),
-                Some(&b.content[..]),
+                self.read(&place),
+                Some(b.content.clone()),
                 "bytes of snapshot blob {:?} at {:?}",
                 id,
                 place
@@ -2657,7 +2969,7 @@ impl Harness {
                 region: Some(r),
                 state: MState::Reserved { .. },
                 ..
-            }) => *r,
+            }) => r.clone(),
             _ => {
                 self.count("paused writer: no room in the slab");
                 return Ok(());
@@ -2680,19 +2992,22 @@ impl Harness {
             let oid = self.private_id();
             self.put(o, oid, osize, key(row, field))?;
             prop_assert!(
-                self.blobs.get(&id).is_some_and(
-                    |b| b.region == Some(range) && matches!(b.state, MState::Reserved { .. })
-                ),
+                self.blobs
+                    .get(&id)
+                    .is_some_and(|b| b.region.as_ref() == Some(&range)
+                        && matches!(b.state, MState::Reserved { .. })),
                 "the paused writer lost its reservation {:?}",
                 range
             );
-            if let Some(r) = self.blobs.get(&oid).and_then(|b| b.region) {
-                prop_assert!(
-                    !overlap(r, range),
-                    "another session's put got {:?}, overlapping the paused writer's {:?}",
-                    r,
-                    range
-                );
+            if let Some(r) = self.blobs.get(&oid).and_then(|b| b.region.as_ref()) {
+                for &p in r {
+                    prop_assert!(
+                        !range.iter().any(|&q| overlap(p, q)),
+                        "another session's put got {:?}, overlapping the paused writer's {:?}",
+                        r,
+                        range
+                    );
+                }
             }
             self.step("another session puts while the writer is paused")?;
         }
@@ -2806,8 +3121,8 @@ impl Harness {
         };
         for (place, bytes) in &p.snapshots {
             prop_assert_eq!(
-                self.read(*place),
-                Some(&bytes[..]),
+                self.read(place),
+                Some(bytes.clone()),
                 "the paused reader's bytes at {:?} changed",
                 place
             );
@@ -2919,6 +3234,113 @@ impl Harness {
         self.complete(job, true)
     }
 
+    /// A reader races a compaction move (see [`Op::MoveRace`]).
+    fn move_race(
+        &mut self,
+        slot: usize,
+        then: u8,
+        others: &[(u64, u64, usize)],
+    ) -> Result<(), TestCaseError> {
+        let moving = self.jobs.iter().find_map(|j| match j {
+            Job::Move { blob, .. } if self.blobs.contains_key(blob) => Some(*blob),
+            _ => None,
+        });
+        let Some(blob) = moving else {
+            self.count("move race: no move under way");
+            return Ok(());
+        };
+        let keys: Vec<Key> = self
+            .values
+            .iter()
+            .filter(|(_, v)| v.blob == blob)
+            .map(|(k, _)| k.clone())
+            .take(2)
+            .collect();
+        if keys.is_empty() {
+            return Ok(());
+        }
+        let Some(r) = self.direct_conn(slot)? else {
+            return Ok(());
+        };
+        let before = self.blobs[&blob].region.clone();
+        let Some(pin) = self.resolve_and_pin(r, &keys, 0)? else {
+            return Err(TestCaseError::fail(format!(
+                "no pin for {keys:?} of moving {blob:?}"
+            )));
+        };
+        self.step("a reader pins a blob while it moves")?;
+        match then % 4 {
+            // It keeps reading.
+            0 => {}
+            // Its rows are cleared: the pin alone keeps the blob.
+            1 => {
+                let rows: Vec<u64> = keys.iter().map(|k| k.row).collect();
+                self.clear_rows(&rows)?;
+                self.step("the moving blob's rows are cleared")?;
+            }
+            // Others put meanwhile (the same keys among them).
+            2 => {
+                for (i, &(size, row, field)) in others.iter().enumerate() {
+                    let Some(o) =
+                        self.other_session_owner(r.session, then.wrapping_add(i as u8))?
+                    else {
+                        break;
+                    };
+                    let id = self.private_id();
+                    let k = if i == 0 {
+                        keys[0].clone()
+                    } else {
+                        key(row, field)
+                    };
+                    self.put(o, id, size, k)?;
+                    self.step("a put while a pinned blob's move copies")?;
+                }
+            }
+            // It lets go before the copy lands: the move may then go on.
+            _ => {
+                self.unpin(r, pin)?;
+                self.step("the reader lets go before the move reports")?;
+            }
+        }
+        let Some(i) = self
+            .jobs
+            .iter()
+            .position(|j| matches!(j, Job::Move { blob: b, .. } if *b == blob))
+        else {
+            return Err(TestCaseError::fail(format!(
+                "the move of {blob:?} vanished"
+            )));
+        };
+        let job = self.jobs.remove(i);
+        self.complete(job, true)?;
+        if let Some(p) = self.pins.get(&pin) {
+            // The fence: a pinned blob does not move; its reader reads the
+            // same range and the same bytes.
+            prop_assert_eq!(
+                self.core.blob_pieces(blob),
+                before,
+                "a blob moved while {:?} pinned it",
+                pin
+            );
+            for (place, bytes) in &p.snapshots {
+                prop_assert_eq!(
+                    self.read(place),
+                    Some(bytes.clone()),
+                    "the reader's bytes at {:?} changed by a move",
+                    place
+                );
+            }
+            self.count("move race: the pinned reader's range did not move");
+        } else if self.blobs.get(&blob).and_then(|b| b.region.clone()) != before {
+            self.count("move race: the reader let go and the blob moved");
+        }
+        self.step("the move reports while a reader raced it")?;
+        if then & 0x10 != 0 && self.pins.contains_key(&pin) && self.is_live(r) {
+            self.unpin(r, pin)?;
+        }
+        Ok(())
+    }
+
     // ---- the driver -----------------------------------------------------
 
     /// The driver runs the spill jobs it was handed (at once, or later).
@@ -2943,15 +3365,20 @@ impl Harness {
     }
 
     /// The spill jobs the core handed out when polled after an input
-    /// (`before`: its regions before the poll): exactly what the
-    /// watermarks call for, oldest first. They run later ([`Op::Spill`],
-    /// [`Op::Complete`]).
+    /// (`before`: its regions before the poll; `new_moves`: the move
+    /// targets the same poll handed out after the spills, already in the
+    /// model): exactly what the watermarks call for, oldest first. They run
+    /// later ([`Op::Spill`], [`Op::Complete`]).
     fn check_spills(
         &mut self,
         before: BTreeSet<(BlobId, u64, u64)>,
+        new_moves: &BTreeSet<(BlobId, u64, u64)>,
         jobs: Vec<SpillJob>,
     ) -> Result<(), TestCaseError> {
-        let used = self.used();
+        // Spills are worked out before a move of the same poll reserves
+        // its target.
+        let fresh: u64 = new_moves.iter().map(|m| m.2).sum();
+        let used = self.allocated() - fresh;
         if self.disk_cap == 0 || used as f64 <= HIGH_WATERMARK * self.cap as f64 {
             prop_assert!(
                 jobs.is_empty(),
@@ -2963,8 +3390,8 @@ impl Harness {
             );
             prop_assert_eq!(
                 self.core.regions().collect::<BTreeSet<_>>(),
-                before,
-                "a poll below the high watermark changed the regions"
+                before.union(new_moves).copied().collect::<BTreeSet<_>>(),
+                "a poll below the high watermark changed the regions (other than by a move)"
             );
             return Ok(());
         }
@@ -2975,7 +3402,8 @@ impl Harness {
             prop_assert!(
                 b.is_some_and(|b| b.state == MState::Committed
                     && b.disk == MDisk::None
-                    && b.region.is_some_and(|r| r.0 == j.offset)
+                    && b.moving.is_none()
+                    && b.region.as_ref() == Some(&j.pieces)
                     && b.nbytes == j.nbytes),
                 "spill job {:?} for {:?}",
                 j,
@@ -2986,14 +3414,18 @@ impl Harness {
             prop_assert!(b.seq > last_seq, "spill jobs not oldest first: {:?}", jobs);
             last_seq = b.seq;
             b.disk = MDisk::Writing;
-            moved = moved.max(b.region.unwrap().1);
+            moved = moved.max(b.region.as_ref().unwrap().iter().map(|p| p.1).sum());
         }
-        // Memory copies of durable blobs may go too.
+        // Memory copies of durable blobs may go too (all their pieces).
         let kept: BTreeSet<_> = self.core.regions().collect();
+        let mut dropped: BTreeMap<BlobId, u64> = BTreeMap::new();
         for (id, off, len) in &before {
             if !kept.contains(&(*id, *off, *len)) {
-                moved = moved.max(*len);
+                *dropped.entry(*id).or_default() += *len;
             }
+        }
+        for len in dropped.into_values() {
+            moved = moved.max(len);
         }
         self.reconcile()?;
         prop_assert!(
@@ -3003,12 +3435,13 @@ impl Harness {
         // It stops at the low watermark (counting writes under way as done),
         // or when nothing more can go.
         let target = (LOW_WATERMARK * self.cap as f64) as u64;
-        let projected = self.used() - self.spilling_bytes();
+        let projected = self.allocated() - fresh - self.spilling_bytes();
         if projected > target {
             let free = self.disk_free();
             for (id, b) in &self.blobs {
                 let candidate = b.state == MState::Committed
                     && b.region.is_some()
+                    && (b.moving.is_none() || new_moves.iter().any(|m| m.0 == *id))
                     && !self.pinned(*id)
                     && (b.disk == MDisk::Durable || b.disk == MDisk::None && b.nbytes <= free);
                 prop_assert!(
@@ -3033,7 +3466,7 @@ impl Harness {
             self.count("spill");
             self.jobs.push(Job::Spill {
                 blob: j.blob,
-                offset: j.offset,
+                pieces: j.pieces.clone(),
                 nbytes: j.nbytes,
             });
         }
@@ -3086,11 +3519,11 @@ impl Harness {
             }
             Job::Spill {
                 blob,
-                offset,
+                pieces,
                 nbytes,
             } => {
                 let bytes = if ok {
-                    self.slab_bytes(offset, nbytes).to_vec()
+                    self.pieces_bytes(&pieces, 0, nbytes)
                 } else {
                     self.fresh(nbytes / 2)
                 };
@@ -3104,7 +3537,7 @@ impl Harness {
                 if let Some((_, r)) = self.orphans.remove(&blob) {
                     // Freed while written: the file goes now, and the range
                     // it read from is freed.
-                    prop_assert_eq!(r.map(|r| r.0), Some(offset), "orphaned spill range");
+                    prop_assert_eq!(r, Some(pieces), "orphaned spill range");
                     self.expect_deletes.push(blob);
                     return Ok(());
                 }
@@ -3113,7 +3546,7 @@ impl Harness {
                 prop_assert!(
                     b.as_ref().is_some_and(|b| b.state == MState::Committed
                         && b.disk == MDisk::Writing
-                        && b.region.is_some_and(|r| r.0 == offset)),
+                        && b.region.as_ref() == Some(&pieces)),
                     "a spill of {:?} finished, but the model has {:?}",
                     blob,
                     b
@@ -3131,7 +3564,10 @@ impl Harness {
                     // Its memory is freed at once.
                     let r = b.region.take().unwrap();
                     prop_assert!(
-                        !self.core.regions().any(|x| x == (blob, r.0, r.1)),
+                        !self
+                            .core
+                            .regions()
+                            .any(|x| r.iter().any(|p| x == (blob, p.0, p.1))),
                         "memory of unpinned {:?} kept after its spill was written",
                         blob
                     );
@@ -3156,7 +3592,7 @@ impl Harness {
                     Some(b) if b.promoting.is_some_and(|p| p.0 == offset) => {
                         let p = b.promoting.take();
                         if ok && b.region.is_none() {
-                            b.region = p;
+                            b.region = p.map(|p| vec![p]);
                             self.count("promoted");
                         }
                     }
@@ -3185,6 +3621,208 @@ impl Harness {
                     self.unpin(Owner::UNIT, pin)?;
                 }
             }
+            Job::Move {
+                blob,
+                from,
+                to,
+                nbytes,
+                copied,
+            } => self.finish_move(blob, &from, to, nbytes, copied, ok)?,
+        }
+        Ok(())
+    }
+
+    /// Every slab range a session (the unit's own included) may touch.
+    fn all_session_ranges(&self) -> Vec<(u64, u64)> {
+        let mut ids: Vec<SessionId> = self.live_sessions().map(|s| s.id).collect();
+        ids.push(Owner::UNIT.session);
+        ids.into_iter()
+            .flat_map(|id| self.model_session_ranges(id))
+            .collect()
+    }
+
+    /// The driver was handed compaction moves (at most one, polled after
+    /// an input): the model's blob gets its target, as the core's does.
+    fn begin_moves(
+        &mut self,
+        moves: &[MoveJob],
+    ) -> Result<BTreeSet<(BlobId, u64, u64)>, TestCaseError> {
+        prop_assert!(
+            moves.len() <= 1
+                && (moves.is_empty() || !self.jobs.iter().any(|j| matches!(j, Job::Move { .. }))),
+            "more than one move under way: {:?}, jobs {:?}",
+            moves,
+            self.jobs
+        );
+        let mut targets = BTreeSet::new();
+        for m in moves {
+            let len = rounded(m.nbytes);
+            let b = self.blobs.get_mut(&m.blob);
+            prop_assert!(
+                b.as_ref().is_some_and(|b| b.moving.is_none()),
+                "move {:?} of a blob the model has as {:?}",
+                m,
+                b
+            );
+            b.unwrap().moving = Some((m.to, len));
+            targets.insert((m.blob, m.to, len));
+        }
+        Ok(targets)
+    }
+
+    /// Check a move the core handed out (once the spills of the same poll
+    /// are in the model), then run it: at once, or later (a job), with
+    /// the copy made now or when it reports.
+    fn check_moves(&mut self, moves: Vec<MoveJob>) -> Result<(), TestCaseError> {
+        for m in moves {
+            let len = rounded(m.nbytes);
+            let pinned = self.pinned(m.blob);
+            let b = self.blobs[&m.blob].clone();
+            // The fencing rule: only a committed blob that nobody can
+            // touch moves (no pin, no reservation, no spill or promotion
+            // under way).
+            prop_assert!(
+                b.state == MState::Committed
+                    && !pinned
+                    && b.disk != MDisk::Writing
+                    && b.promoting.is_none()
+                    && b.nbytes == m.nbytes
+                    && b.region.as_ref() == Some(&m.from),
+                "move {:?} of a blob someone may touch (pinned {}): {:?}",
+                m,
+                pinned,
+                b
+            );
+            prop_assert!(
+                len <= self.core.config().compact_max_move,
+                "move {:?} of a blob larger than compact_max_move",
+                m
+            );
+            // It gathers a blob in pieces into one range, or moves it down.
+            prop_assert!(
+                m.from.len() > 1 || m.to < m.from[0].0,
+                "move {:?} gains nothing",
+                m
+            );
+            // Its target overlaps nothing held: no other blob's piece, no
+            // session's range, no quarantine, no orphaned range.
+            self.blobs.get_mut(&m.blob).unwrap().moving = None;
+            let fresh = self.check_new_range("move target", m.blob, m.to, len);
+            self.blobs.get_mut(&m.blob).unwrap().moving = Some((m.to, len));
+            fresh?;
+            for r in self.all_session_ranges() {
+                prop_assert!(
+                    !overlap(r, (m.to, len)),
+                    "move {:?} targets {:?}, a range a session may touch",
+                    m,
+                    r
+                );
+            }
+            self.count("move handed out");
+            if m.from.len() > 1 {
+                self.count("move gathers a blob in pieces");
+            }
+            let roll = self.roll();
+            let ok = !roll.is_multiple_of(8);
+            let copy_now = roll % 10 < 7;
+            if copy_now {
+                let bytes = self.pieces_bytes(&m.from, 0, m.nbytes);
+                self.slab[m.to as usize..(m.to + m.nbytes) as usize].copy_from_slice(&bytes);
+            }
+            let job = Job::Move {
+                blob: m.blob,
+                from: m.from,
+                to: m.to,
+                nbytes: m.nbytes,
+                copied: copy_now,
+            };
+            if (roll >> 8) % 10 < 4 {
+                self.complete(job, ok)?;
+            } else {
+                self.count("move reported later");
+                self.jobs.push(job);
+            }
+        }
+        Ok(())
+    }
+
+    /// The driver finishes a move (copying now unless it did already) and
+    /// reports it; the blob switches to its new range only if nobody
+    /// touched it meanwhile.
+    fn finish_move(
+        &mut self,
+        blob: BlobId,
+        from: &[(u64, u64)],
+        to: u64,
+        nbytes: u64,
+        copied: bool,
+        ok: bool,
+    ) -> Result<(), TestCaseError> {
+        let len = rounded(nbytes);
+        let target = (to, len);
+        let held = self.blobs.get(&blob).and_then(|b| b.moving) == Some(target)
+            || self.orphan_moves.get(&blob).is_some_and(|o| o.1 == target);
+        prop_assert!(
+            held,
+            "move of {:?} reports, but its target {:?} is no longer held for it",
+            blob,
+            target
+        );
+        // The move writes no range a session may touch.
+        for r in self.all_session_ranges() {
+            prop_assert!(
+                !overlap(r, target),
+                "the copy of {:?} into {:?} lands in a range a session may touch {:?}",
+                blob,
+                target,
+                r
+            );
+        }
+        let source = self.pieces_bytes(from, 0, nbytes);
+        if copied {
+            // Nobody wrote into the target (nor the source) since the copy.
+            prop_assert!(
+                self.slab_bytes(to, nbytes) == &source[..],
+                "the target {:?} of the move of {:?} changed while it copied",
+                target,
+                blob
+            );
+        } else if ok {
+            self.slab[to as usize..(to + nbytes) as usize].copy_from_slice(&source);
+        }
+        if !ok {
+            // A failed copy leaves anything in the target.
+            self.scribble(to, len);
+        }
+        self.core.moved(blob, ok);
+        if let Some((old, _)) = self.orphan_moves.remove(&blob) {
+            prop_assert_eq!(&old[..], from, "the old pieces of the freed {:?}", blob);
+            self.count("move of a freed blob: both ranges released");
+            return Ok(());
+        }
+        let pinned = self.pinned(blob);
+        let Some(b) = self.blobs.get_mut(&blob) else {
+            return Err(TestCaseError::fail(format!(
+                "move of {blob:?} reports, but the model has no blob"
+            )));
+        };
+        prop_assert_eq!(
+            b.region.as_deref(),
+            Some(from),
+            "pieces of moving {:?}",
+            blob
+        );
+        b.moving = None;
+        let untouched = ok && b.state == MState::Committed && !pinned && b.disk != MDisk::Writing;
+        if untouched {
+            b.region = Some(vec![target]);
+            self.compaction_moves += 1;
+            self.compaction_bytes += nbytes;
+            self.count("move done: the blob's values follow it");
+        } else if !ok {
+            self.count("move failed: the blob stays");
+        } else {
+            self.count("move abandoned: the blob was pinned while it copied");
         }
         Ok(())
     }
@@ -3261,7 +3899,8 @@ impl Harness {
         // the core works out from its own use.
         self.reconcile()?;
         let before: BTreeSet<_> = self.core.regions().collect();
-        let (mut got, spills, watch) = self.core.actions();
+        let (mut got, spills, watch, moves) = self.core.actions();
+        let new_moves = self.begin_moves(&moves)?;
         for s in watch {
             // Asked when the session's last connection ended with holds
             // kept; it may have been declared gone since, in the same op.
@@ -3310,7 +3949,8 @@ impl Harness {
             self.jobs
                 .retain(|j| !matches!(j, Job::Put { blob } if *blob == b));
         }
-        self.check_spills(before, spills)
+        self.check_spills(before, &new_moves, spills)?;
+        self.check_moves(moves)
     }
 
     /// The core may drop the memory copy of a committed, durable, unpinned
@@ -3321,19 +3961,28 @@ impl Harness {
         let ids: Vec<BlobId> = self.blobs.keys().copied().collect();
         for id in ids {
             let b = &self.blobs[&id];
-            let Some((off, len)) = b.region else { continue };
-            if core.contains(&(id, off, len)) {
+            let Some(pieces) = &b.region else { continue };
+            if pieces
+                .iter()
+                .all(|&(off, len)| core.contains(&(id, off, len)))
+            {
                 continue;
             }
             prop_assert!(
-                b.state == MState::Committed && b.disk == MDisk::Durable && !self.pinned(id),
-                "the core dropped the range {}+{} of {:?} ({:?}, disk {:?}, pinned {})",
-                off,
-                len,
+                b.state == MState::Committed
+                    && b.disk == MDisk::Durable
+                    && !self.pinned(id)
+                    && b.moving.is_none()
+                    && pieces
+                        .iter()
+                        .all(|&(off, len)| !core.contains(&(id, off, len))),
+                "the core dropped the range {:?} of {:?} ({:?}, disk {:?}, pinned {}, moving {:?})",
+                pieces,
                 id,
                 b.state,
                 b.disk,
-                self.pinned(id)
+                self.pinned(id),
+                b.moving
             );
             self.count("memory copy dropped");
             self.blobs.get_mut(&id).unwrap().region = None;
@@ -3350,7 +3999,7 @@ impl Harness {
         prop_assert_eq!(
             &held,
             &want,
-            "held ranges (quarantines, orphaned spills and promotions) of the core vs the model"
+            "held ranges (quarantines, orphaned spills, promotions and moves) of the core vs the model"
         );
         Ok(())
     }
@@ -3364,10 +4013,16 @@ impl Harness {
             .filter(
                 |b| matches!(b.state, MState::Reserved { holder, .. } if holder.session == session),
             )
-            .filter_map(|b| b.region)
+            .filter_map(|b| b.region.clone())
+            .flatten()
             .collect();
         for p in self.pins.values().filter(|p| p.holder.session == session) {
-            v.extend(p.blobs.iter().filter_map(|b| self.blobs.get(b)?.region));
+            v.extend(
+                p.blobs
+                    .iter()
+                    .filter_map(|b| self.blobs.get(b)?.region.clone())
+                    .flatten(),
+            );
         }
         v.sort_unstable();
         v
@@ -3406,7 +4061,8 @@ impl Harness {
                 if let MState::Reserved { holder, .. } = &b.state {
                     if holder.session == id {
                         st.reservations += 1;
-                        st.held_bytes += b.region.map_or(0, |r| r.1);
+                        st.held_bytes +=
+                            b.region.as_ref().map_or(0, |r| r.iter().map(|p| p.1).sum());
                         note(holder, RESERVATION_LEASE_MS, &mut st);
                     }
                 }
@@ -3513,13 +4169,13 @@ impl Harness {
         // Reservations read back what their writer last wrote: no one else
         // wrote into them.
         for (id, b) in &self.blobs {
-            if let (MState::Reserved { holder, .. }, Some((off, len))) = (&b.state, b.region) {
+            if let (MState::Reserved { holder, .. }, Some(pieces)) = (&b.state, &b.region) {
+                let len = pieces.iter().map(|p| p.1).sum();
                 prop_assert!(
-                    self.slab_bytes(off, len) == &b.content[..],
-                    "reservation {:?} at {}+{} of {:?} was written by someone else",
+                    self.pieces_bytes(pieces, 0, len) == b.content,
+                    "reservation {:?} at {:?} of {:?} was written by someone else",
                     id,
-                    off,
-                    len,
+                    pieces,
                     holder
                 );
             }
@@ -3557,9 +4213,21 @@ impl Harness {
 
         // 4. Counters.
         let rows: BTreeSet<u64> = self.values.keys().map(|k| k.row).collect();
+        let allocated = self.allocated();
         let expected = Stats {
             capacity: self.cap,
-            used: self.used(),
+            used: self.stored(),
+            free_bytes: self.cap - allocated,
+            largest_free: self.largest_gap(),
+            spare_budget: spare_budget(self.cap),
+            compaction_moves: self.compaction_moves,
+            compaction_bytes: self.compaction_bytes,
+            split_blobs: self
+                .blobs
+                .values()
+                .filter(|b| b.state == MState::Committed)
+                .filter(|b| b.region.as_ref().is_some_and(|r| r.len() > 1))
+                .count() as u64,
             reserved_bytes: self.reserved_bytes(),
             quarantined_bytes: self.quarantined_bytes(),
             blobs: self.blobs.len() as u64,
@@ -3629,12 +4297,12 @@ impl Harness {
                     b.state
                 );
             }
-            if let (MState::Committed, Some((off, _))) = (&b.state, b.region) {
+            if let (MState::Committed, Some(pieces)) = (&b.state, &b.region) {
                 prop_assert!(
-                    self.slab_bytes(off, b.nbytes) == &b.content[..],
-                    "slab bytes of committed {:?} at {} changed",
+                    self.pieces_bytes(pieces, 0, b.nbytes) == b.content,
+                    "slab bytes of committed {:?} at {:?} changed",
                     id,
-                    off
+                    pieces
                 );
             }
         }
@@ -3651,17 +4319,17 @@ impl Harness {
         for (k, loc) in keys.iter().zip(&locs) {
             match self.values.get(k) {
                 None => prop_assert_eq!(
-                    *loc,
-                    None,
+                    loc,
+                    &None,
                     "key {} resolves but was never committed (or is not durable yet) or was released",
                     k
                 ),
                 Some(v) => {
                     let place = self.place(v);
-                    prop_assert_eq!(*loc, Some(place), "place of {}", k);
+                    prop_assert_eq!(loc.as_ref(), Some(&place), "place of {}", k);
                     prop_assert_eq!(
-                        self.read(place),
-                        Some(&v.bytes[..]),
+                        self.read(&place),
+                        Some(v.bytes.clone()),
                         "bytes of {} at {:?} changed since commit",
                         k,
                         place
@@ -3698,8 +4366,8 @@ impl Harness {
         for (id, p) in &self.pins {
             for (place, snap) in &p.snapshots {
                 prop_assert_eq!(
-                    self.read(*place),
-                    Some(&snap[..]),
+                    self.read(place),
+                    Some(snap.clone()),
                     "pinned bytes at {:?} of {:?} ({:?}) changed",
                     place,
                     id,
@@ -3782,11 +4450,16 @@ impl Harness {
         prop_assert_eq!(s.disk_used, 0, "disk bytes leaked: {:?}", s);
         prop_assert_eq!(s.spilled_blobs, 0);
         prop_assert!(
-            self.orphans.is_empty() && self.orphan_promotions.is_empty(),
-            "orphan writes left: {:?} {:?}",
+            self.orphans.is_empty()
+                && self.orphan_promotions.is_empty()
+                && self.orphan_moves.is_empty(),
+            "orphan writes left: {:?} {:?} {:?}",
             self.orphans,
-            self.orphan_promotions
+            self.orphan_promotions,
+            self.orphan_moves
         );
+        prop_assert_eq!(s.free_bytes, self.cap, "free bytes of an empty unit");
+        prop_assert_eq!(self.core.move_under_way(), None, "a move left under way");
         prop_assert!(
             self.files.is_empty(),
             "orphan files left on disk: {:?}",
@@ -3796,16 +4469,28 @@ impl Harness {
         prop_assert!(self.core.held_ranges().is_empty());
         prop_assert!(self.core.orphaned_sessions().is_empty());
         prop_assert_eq!(self.core.next_deadline(), None, "timers left");
-        // The freed ranges coalesced: the whole slab fits in one piece.
+        // The freed ranges coalesced: the data zone fits in one piece, and
+        // the whole slab in two (the data zone, then the spare zone).
         let whole = BlobId(u128::MAX);
         let session = self.core.open_session();
         let o = self
             .core
             .attach(session, true)
             .map_err(|e| TestCaseError::fail(format!("attach: {e:?}")))?;
+        let split = self.cap - spare_budget(self.cap);
+        prop_assert_eq!(
+            self.core.alloc(o, whole, split, 0, self.now),
+            Ok(Allocated::Reserved {
+                pieces: vec![(0, split)]
+            }),
+            "the data zone after everything was freed"
+        );
+        prop_assert_eq!(self.core.abort(o, whole, false, self.now), Ok(()));
         prop_assert_eq!(
             self.core.alloc(o, whole, self.cap, 0, self.now),
-            Ok(Allocated::Reserved { offset: 0 }),
+            Ok(Allocated::Reserved {
+                pieces: vec![(0, split), (split, self.cap - split)]
+            }),
             "whole slab after everything was freed"
         );
         prop_assert_eq!(self.core.abort(o, whole, false, self.now), Ok(()));
@@ -3905,6 +4590,24 @@ const SESSION_EVENTS: &[&str] = &[
     "alloc full",
 ];
 
+/// Extents and compaction: events both tests must reach.
+const COMPACTION_EVENTS: &[&str] = &[
+    "alloc in pieces",
+    "value read in parts across pieces",
+    "put that fits the free memory with nothing held",
+    "put larger than any free range, nothing held: in pieces",
+    "move handed out",
+    "move gathers a blob in pieces",
+    "move reported later",
+    "move done: the blob's values follow it",
+    "move abandoned: the blob was pinned while it copied",
+    "move failed: the blob stays",
+    "move: blob freed while it copied",
+    "move of a freed blob: both ranges released",
+    "move race: the pinned reader's range did not move",
+    "move race: the reader let go and the blob moved",
+];
+
 /// Disk-tier events the disk test must reach.
 const DISK_EVENTS: &[&str] = &[
     "put to disk",
@@ -3950,6 +4653,7 @@ fn run(disk: bool) {
     // The generator does reach every path.
     let events = SESSION_EVENTS
         .iter()
+        .chain(COMPACTION_EVENTS)
         .chain(if disk { DISK_EVENTS } else { &[] });
     for event in events {
         assert!(
@@ -4018,16 +4722,19 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     // The copy has not landed yet (no promote_done): its range must not be
     // handed out again.
     let got = c.alloc(o, BlobId(4), 1024, 0, t(1000));
-    if let Ok(Allocated::Reserved { offset }) = got {
-        assert!(
-            offset + 1024 <= promoting || promoting + 1024 <= offset,
-            "alloc got {offset}+1024 while the promotion into {promoting}+1024 is still copying"
-        );
+    if let Ok(Allocated::Reserved { pieces }) = got {
+        for (offset, len) in pieces {
+            assert!(
+                offset + len <= promoting || promoting + 1024 <= offset,
+                "alloc got {offset}+{len} while the promotion into {promoting}+1024 is still copying"
+            );
+        }
     }
     assert_eq!(c.held_ranges(), vec![(promoting, 1024)]);
     let held: u64 = c.regions().map(|(_, _, len)| len).sum();
+    let st = c.stats();
     assert_eq!(
-        c.stats().used,
+        st.capacity - st.free_bytes,
         held + 1024,
         "the promoting range is still held"
     );
@@ -4035,8 +4742,9 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     assert!(c.regions().all(|(id, _, _)| id != BlobId(1)));
     assert!(c.held_ranges().is_empty());
     let held: u64 = c.regions().map(|(_, _, len)| len).sum();
+    let st = c.stats();
     assert_eq!(
-        c.stats().used,
+        st.capacity - st.free_bytes,
         held,
         "the orphaned range was freed on promote_done"
     );
@@ -4073,9 +4781,11 @@ fn a_failed_disk_put_leaves_no_hold_behind() {
         (sa.0, 0)
     );
     // Session B reserves the same blob id (ids are the clients' choice).
-    let Ok(Allocated::Reserved { offset }) = c.alloc(b, BlobId(1), 100, 1, t(0)) else {
+    let Ok(Allocated::Reserved { pieces }) = c.alloc(b, BlobId(1), 100, 1, t(0)) else {
         panic!("B's reservation");
     };
+    let offset = pieces[0].0;
+    assert_eq!(pieces, vec![(offset, 128)]);
     assert_eq!(c.session_ranges(sa), vec![], "A may touch B's range");
     // A's connection is cut and its process goes: A holds nothing.
     c.detach(a, ConnEnd::Cut, t(0));

@@ -1,183 +1,226 @@
-//! Blobs in pieces, compaction and the spare zone.
+//! Extents, compaction and the spare zone, step by step.
 
-use super::{entry, own, t};
-use crate::unit::*;
+use super::*;
 
-/// A 64 KiB unit without a spare zone holding 1 KiB blobs at every other
-/// KiB (row i in blob i): 32 KiB free in 1 KiB holes.
-fn holes() -> (UnitCore, Owner) {
+/// A 64 KiB unit (its spare zone the top 4 KiB) whose data zone holds 60
+/// committed 1 KiB blobs, rows 0..60 of partition "p", then every even
+/// row cleared: 30 KiB of data in 1 KiB holes.
+fn holed(compact_min_free: u64) -> (UnitCore, Owner) {
     let mut cfg = CoreConfig::new(64 << 10);
-    cfg.spare_budget = 0;
-    cfg.compact_min_free = 1024;
+    cfg.compact_min_free = compact_min_free;
     let mut c = UnitCore::new(cfg).unwrap();
     let o = own(&mut c);
-    for i in 0..64u64 {
-        c.alloc(o, BlobId(i.into()), 1024, 1, t(0)).unwrap();
-        c.commit(o, "p", BlobId(i.into()), &[entry(i, "f", 0, 1024)])
-            .unwrap();
+    for i in 0..60u64 {
+        let b = BlobId(u128::from(i) + 1);
+        assert_eq!(
+            c.alloc(o, b, 1024, 1, t(0)).unwrap(),
+            Allocated::Reserved {
+                pieces: vec![(i * 1024, 1024)]
+            }
+        );
+        c.commit(o, "p", b, &[entry(i, "f", 0, 1024)]).unwrap();
     }
-    let odd: Vec<u64> = (0..64).filter(|i| i % 2 == 1).collect();
-    assert_eq!(c.clear_rows("p", &odd), 32);
+    let even: Vec<u64> = (0..60).step_by(2).collect();
+    assert_eq!(c.clear_rows("p", &even), 30);
     (c, o)
 }
 
-fn moves(c: &mut UnitCore) -> Vec<MoveJob> {
-    let mut out = Vec::new();
-    while let Some(a) = c.poll_action() {
-        if let Action::Move(m) = a {
-            out.push(m);
-        }
-    }
-    out
-}
-
 #[test]
-fn a_blob_larger_than_any_free_range_takes_pieces() {
-    let (mut c, o) = holes();
-    assert_eq!(c.stats().largest_free, 1024);
-    let Allocated::Reserved { pieces } = c.alloc(o, BlobId(100), 10_000, 2, t(1)).unwrap() else {
-        panic!("10,000 bytes fit 32 KiB of holes");
+fn holes_hold_a_put_in_pieces_and_a_value_across_them() {
+    let (mut c, o) = holed(u64::MAX);
+    let st = c.stats();
+    assert_eq!(st.used, 30 << 10, "stored data only");
+    assert_eq!(st.free_bytes, 34 << 10);
+    assert_eq!(st.largest_free, 4 << 10, "the spare zone, whole");
+    assert_eq!(st.spare_budget, 4 << 10);
+    // 20 KiB: more than any free range, less than the free bytes.
+    let Allocated::Reserved { pieces } = c.alloc(o, BlobId(100), 20 << 10, 2, t(1)).unwrap() else {
+        panic!("a put that fits the free memory was refused");
     };
-    assert_eq!(pieces.len(), 10);
+    assert_eq!(pieces.len(), 20, "twenty 1 KiB holes of the data zone");
+    assert!(pieces
+        .iter()
+        .all(|&(off, len)| len == 1024 && off < 60 << 10));
     c.commit(
         o,
         "p",
         BlobId(100),
-        &[entry(100, "a", 0, 1000), entry(100, "b", 1000, 9000)],
+        &[entry(100, "a", 1000, 100), entry(100, "b", 2048, 1024)],
     )
     .unwrap();
-    let (pin, places) = c
+    let (pin, found) = c
         .resolve_places(o, "p", &[Key::new(100, "a"), Key::new(100, "b")], t(2))
         .unwrap();
     assert_eq!(
-        places[0],
-        Some(Place::Memory(Location {
-            offset: pieces[0].0,
-            len: 1000
-        }))
+        found[0],
+        Some(Place::Split(vec![
+            Location {
+                offset: pieces[0].0 + 1000,
+                len: 24
+            },
+            Location {
+                offset: pieces[1].0,
+                len: 76
+            },
+        ])),
+        "a value across two pieces"
     );
-    let Some(Place::Split(parts)) = &places[1] else {
-        panic!("9,000 bytes cross nine pieces: {:?}", places[1]);
-    };
-    assert_eq!(parts.iter().map(|l| l.len).sum::<u64>(), 9000);
-    assert_eq!(parts[0].offset, pieces[0].0 + 1000);
-    assert_eq!(c.stats().split_blobs, 1);
+    assert_eq!(
+        found[1],
+        Some(Place::Memory(Location {
+            offset: pieces[2].0,
+            len: 1024
+        })),
+        "a value that fills one piece"
+    );
     c.unpin(o, pin.unwrap()).unwrap();
+    let st = c.stats();
+    assert_eq!((st.split_blobs, st.used), (1, 50 << 10));
+    assert_eq!(st.free_bytes, 14 << 10);
+}
+
+fn next_move(c: &mut UnitCore) -> MoveJob {
+    match c.poll_action() {
+        Some(Action::Move(j)) => j,
+        other => panic!("expected a move, got {other:?}"),
+    }
+}
+
+fn moved(c: &mut UnitCore, blob: BlobId, ok: bool) {
+    assert!(matches!(
+        c.handle(t(5), Input::Moved { blob, ok }),
+        Ok(Answer::Done)
+    ));
 }
 
 #[test]
-fn compaction_moves_only_unpinned_blobs_and_switches_once_copied() {
-    let (mut c, o) = holes();
-    // Scattered: 32 KiB free, the largest range 1 KiB.
-    let jobs = moves(&mut c);
-    assert_eq!(jobs.len(), 1, "one move at a time");
-    let job = jobs[0].clone();
-    assert!(job.to < job.from[0].0, "moves down");
-    // A reader pins the blob while it is copied: the move is abandoned,
-    // the reader's range stays.
-    let row = job.from[0].0 / 1024;
-    let (pin, before) = c
-        .resolve_places(o, "p", &[Key::new(row, "f")], t(3))
+fn compaction_moves_only_what_nobody_can_touch() {
+    let (mut c, o) = holed(1024);
+    // The highest blob (row 59) moves to the lowest hole.
+    let j = next_move(&mut c);
+    assert_eq!(
+        (j.blob, j.from.clone(), j.to, j.nbytes),
+        (BlobId(60), vec![(59 << 10, 1024)], 0, 1024)
+    );
+    assert_eq!(c.move_under_way(), Some((BlobId(60), 0)));
+    assert!(c.poll_action().is_none(), "one move at a time");
+    // A reader pins it while the driver copies: it reads the old range,
+    // which therefore stays; the target goes back.
+    let (pin, found) = c
+        .resolve_places(o, "p", &[Key::new(59, "f")], t(1))
         .unwrap();
     assert_eq!(
-        before[0],
+        found[0],
         Some(Place::Memory(Location {
-            offset: job.from[0].0,
+            offset: 59 << 10,
             len: 1024
         }))
     );
-    c.handle(
-        t(4),
-        Input::Moved {
-            blob: job.blob,
-            ok: true,
-        },
-    )
-    .unwrap();
-    assert_eq!(c.stats().compaction_moves, 0);
-    assert_eq!(c.blob_pieces(job.blob), Some(job.from.clone()));
-    c.unpin(o, pin.unwrap()).unwrap();
-    // Unpinned, the next move of it is taken: the entry follows.
-    let mut moved = 0;
-    for _ in 0..64 {
-        let Some(job) = moves(&mut c).pop() else {
-            break;
-        };
-        c.handle(
-            t(5),
-            Input::Moved {
-                blob: job.blob,
-                ok: true,
-            },
-        )
-        .unwrap();
-        assert_eq!(c.blob_pieces(job.blob), Some(vec![(job.to, 1024)]));
-        moved += 1;
-    }
-    let s = c.stats();
-    assert!(moved > 0 && s.compaction_moves == moved, "{moved} {s:?}");
-    assert_eq!(s.compaction_bytes, 1024 * moved);
-    assert!(s.largest_free >= s.free_bytes / 2, "gathered: {s:?}");
-    // Every value still resolves to one 1 KiB range.
-    let keys: Vec<Key> = (0..64).step_by(2).map(|i| Key::new(i, "f")).collect();
-    let (_, places) = c.resolve_places(o, "p", &keys, t(6)).unwrap();
-    assert!(places
-        .iter()
-        .all(|p| matches!(p, Some(Place::Memory(l)) if l.len == 1024)));
-}
-
-#[test]
-fn a_blob_cleared_while_it_moves_keeps_both_ranges_until_the_copy_reports() {
-    let (mut c, _o) = holes();
-    let job = moves(&mut c).pop().expect("a move");
-    let row = job.from[0].0 / 1024;
-    let free = c.stats().free_bytes;
-    assert_eq!(c.clear_rows("p", &[row]), 1);
-    assert_eq!(
-        c.stats().free_bytes,
-        free,
-        "the compactor still reads and writes"
+    moved(&mut c, BlobId(60), true);
+    assert_eq!(c.blob_pieces(BlobId(60)), Some(vec![(59 << 10, 1024)]));
+    assert!(
+        c.regions().all(|(_, off, _)| off != 0),
+        "the target is free"
     );
-    c.handle(
-        t(1),
-        Input::Moved {
-            blob: job.blob,
-            ok: true,
-        },
-    )
-    .unwrap();
-    assert_eq!(c.stats().free_bytes, free + 2048);
     assert_eq!(c.stats().compaction_moves, 0);
+    // A failed copy changes nothing either.
+    c.unpin(o, pin.unwrap()).unwrap();
+    let j = next_move(&mut c);
+    assert_eq!(j.blob, BlobId(60));
+    moved(&mut c, BlobId(60), false);
+    assert_eq!(c.blob_pieces(BlobId(60)), Some(vec![(59 << 10, 1024)]));
+    // Untouched, it moves: its values follow it.
+    let j = next_move(&mut c);
+    moved(&mut c, j.blob, true);
+    assert_eq!(c.blob_pieces(BlobId(60)), Some(vec![(0, 1024)]));
+    let (pin, found) = c
+        .resolve_places(o, "p", &[Key::new(59, "f")], t(6))
+        .unwrap();
+    assert_eq!(
+        found[0],
+        Some(Place::Memory(Location {
+            offset: 0,
+            len: 1024
+        }))
+    );
+    c.unpin(o, pin.unwrap()).unwrap();
+    let st = c.stats();
+    assert_eq!((st.compaction_moves, st.compaction_bytes), (1, 1024));
+    assert_eq!(st.free_bytes, 34 << 10);
+    // A blob cleared while it copies: both ranges stay held until the
+    // driver reports, then both go.
+    let j = next_move(&mut c);
+    assert_eq!(
+        (j.blob, j.to),
+        (BlobId(58), 2 << 10),
+        "row 57, the next highest"
+    );
+    c.clear_rows("p", &[57]);
+    assert_eq!(
+        c.held_ranges(),
+        vec![(57 << 10, 1024), (2 << 10, 1024)],
+        "the old range and the target of a freed blob's move"
+    );
+    assert_eq!(c.stats().free_bytes, 33 << 10);
+    moved(&mut c, BlobId(58), true);
+    assert!(c.held_ranges().is_empty(), "{:?}", c.held_ranges());
+    assert_eq!(c.stats().free_bytes, 35 << 10);
+    assert_eq!(c.stats().compaction_moves, 1);
+    assert_eq!(c.move_under_way(), None);
 }
 
 #[test]
-fn spares_come_from_their_zone_and_stop_when_memory_is_short() {
-    let mut cfg = CoreConfig::new(1 << 20);
-    cfg.spare_budget = 64 << 10;
-    let mut c = UnitCore::new(cfg).unwrap();
+fn a_reserved_blob_never_moves() {
+    let (mut c, o) = holed(1024);
+    // Row 59's blob is gone; a writer's reservation takes the top of the
+    // data zone instead (the one 2 KiB hole): the highest committed blob
+    // moves, never the reservation, and not into what it may touch.
+    c.clear_rows("p", &[59]);
+    assert_eq!(
+        c.alloc(o, BlobId(200), 2048, 1, t(1)).unwrap(),
+        Allocated::Reserved {
+            pieces: vec![(58 << 10, 2048)]
+        }
+    );
+    let j = next_move(&mut c);
+    assert_eq!((j.blob, j.to), (BlobId(58), 0), "row 57");
+    for (off, len) in c.session_ranges(o.session) {
+        assert!(off + len <= j.to || j.to + 1024 <= off);
+    }
+    assert_eq!(c.session_ranges(o.session), vec![(58 << 10, 2048)]);
+}
+
+#[test]
+fn spares_come_from_their_zone_and_stop_when_memory_runs_short() {
+    let cap: u64 = 1 << 20;
+    let zone = cap / 16;
+    let mut c = core(cap);
     let o = own(&mut c);
-    let zone = (1 << 20) - (64 << 10);
     let off = c.reserve_spare(o, BlobId(1), 4096, t(0)).unwrap().unwrap();
-    assert!(off >= zone, "a spare lies in the spare zone");
-    // Spares never leave the zone: 60 KiB left there.
-    assert_eq!(c.reserve_spare(o, BlobId(2), 64 << 10, t(0)).unwrap(), None);
-    // Data fills the data zone to under 1/8 free: memory is short.
-    assert!(!c.spares_short());
-    c.alloc(o, BlobId(3), 900 << 10, 1, t(0)).unwrap();
-    c.commit(o, "p", BlobId(3), &[entry(3, "f", 0, 900 << 10)])
-        .unwrap();
+    assert!(off >= cap - zone, "a spare at {off}, below the spare zone");
+    assert_eq!(c.stats().used, 0, "a spare is no stored data");
+    // Data fills the data zone until less than an eighth of the slab is
+    // free there: no more spares.
+    let big = cap - zone - (100 << 10);
+    c.alloc(o, BlobId(2), big, 1, t(0)).unwrap();
+    c.commit(o, "p", BlobId(2), &[entry(0, "f", 0, 1)]).unwrap();
     assert!(c.spares_short());
-    assert_eq!(c.reserve_spare(o, BlobId(4), 4096, t(0)).unwrap(), None);
-    // A put that needs the spare's memory is Full, not Busy: an idle
-    // client's spare is not waited for.
+    assert_eq!(c.reserve_spare(o, BlobId(3), 4096, t(0)).unwrap(), None);
+    // A put of every free byte left borrows the spare zone's free range.
     let free = c.stats().free_bytes;
-    assert!(matches!(
-        c.alloc(o, BlobId(5), free + 64, 1, t(0)),
-        Err(CoreError::Full { .. })
-    ));
-    // Data may borrow the spare zone's free ranges.
-    let Allocated::Reserved { pieces } = c.alloc(o, BlobId(6), free, 1, t(0)).unwrap() else {
-        panic!("fits the free bytes");
+    assert_eq!(free, (100 << 10) + zone - 4096);
+    let Allocated::Reserved { pieces } = c.alloc(o, BlobId(4), free, 1, t(0)).unwrap() else {
+        panic!("a put of the free bytes was refused");
     };
-    assert!(pieces.iter().any(|&(o, _)| o >= zone));
+    assert_eq!(pieces.len(), 2);
+    c.commit(o, "p", BlobId(4), &[entry(1, "f", 0, 1)]).unwrap();
+    // Only the idle spare is left: a put does not wait for it.
+    assert_eq!(
+        c.alloc(o, BlobId(5), 64, 1, t(0)),
+        Err(CoreError::Full {
+            needed: 64,
+            free: 0,
+            capacity: cap
+        })
+    );
 }

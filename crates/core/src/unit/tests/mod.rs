@@ -13,13 +13,6 @@ impl UnitCore {
         }
     }
 
-    /// Slab bytes allocated for any reason (data, reservations, spares,
-    /// quarantine, spills and moves under way).
-    fn held(&self) -> u64 {
-        let s = self.stats();
-        s.capacity - s.free_bytes
-    }
-
     fn next_deadline(&self) -> Option<Time> {
         self.poll_timeout()
     }
@@ -76,13 +69,12 @@ fn alloc_is_idempotent_and_commit_publishes() {
     let Allocated::Reserved { pieces } = c.alloc(o, b, 100, 2, t(0)).unwrap() else {
         panic!("expected a reservation");
     };
+    assert_eq!(pieces.len(), 1, "an empty slab holds it in one range");
+    let offset = pieces[0].0;
     assert_eq!(
         c.alloc(o, b, 100, 2, t(1)).unwrap(),
-        Allocated::Reserved {
-            pieces: pieces.clone()
-        }
+        Allocated::Reserved { pieces }
     );
-    let offset = pieces[0].0;
     c.commit(
         o,
         "partition",
@@ -109,7 +101,7 @@ fn alloc_is_idempotent_and_commit_publishes() {
     c.unpin(o, pin.unwrap()).unwrap();
     assert_eq!(c.stats().entries, 2);
     assert_eq!(c.clear_rows("partition", &[1]), 2);
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
     assert_eq!(
         c.alloc(o, b, 100, 2, t(4)).unwrap(),
         Allocated::AlreadyCommitted
@@ -154,7 +146,7 @@ fn metadata_listing_and_held_pins() {
     assert_eq!(c.stats().pins, 1);
     assert_eq!(c.stats().blobs, 1);
     c.unpin(o, pin.unwrap()).unwrap();
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
 }
 
 #[test]
@@ -184,7 +176,11 @@ fn a_spare_takes_the_puts_id_and_shrinks_to_its_entries() {
     );
     assert_eq!(c.blob_size(spare), None);
     assert_eq!(c.stats().reserved_bytes, 0);
-    assert_eq!(c.held(), 4096, "the whole range stays held until freed");
+    assert_eq!(
+        c.stats().used,
+        4096,
+        "the whole range stays held until freed"
+    );
     let (pin, locs) = c
         .resolve_places(o, "partition", &[Key::new(2, "a")], t(3))
         .unwrap();
@@ -202,7 +198,7 @@ fn a_spare_takes_the_puts_id_and_shrinks_to_its_entries() {
         Allocated::AlreadyCommitted
     );
     assert_eq!(c.clear_rows("partition", &[1, 2]), 2);
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
 }
 
 #[test]
@@ -252,10 +248,7 @@ fn only_its_session_names_a_spare_and_a_committed_put_gives_it_up() {
 
 #[test]
 fn a_cut_peer_keeps_its_spares_until_its_session_is_gone() {
-    // A spare zone that holds all sixteen spares below.
-    let mut cfg = CoreConfig::new(1 << 20);
-    cfg.spare_budget = 1 << 18;
-    let mut c = UnitCore::new(cfg).unwrap();
+    let mut c = core(1 << 20);
     let o = own(&mut c);
     let offset = c.reserve_spare(o, BlobId(5), 8192, t(0)).unwrap().unwrap();
     // The unit cut the connection of a peer that maps the slab: it may
@@ -263,20 +256,26 @@ fn a_cut_peer_keeps_its_spares_until_its_session_is_gone() {
     c.detach(o, ConnEnd::Cut, t(1));
     assert_eq!(c.stats().reserved_bytes, 8192);
     let o2 = own(&mut c);
+    let mut granted = 0;
     for i in 0..15 {
         if let Some(off) = c.reserve_spare(o2, BlobId(200 + i), 8192, t(2)).unwrap() {
+            granted += 1;
             assert!(
                 off + 8192 <= offset || off >= offset + 8192,
                 "overlaps the kept spare"
             );
         }
     }
+    // The spare zone is 1/16 of the slab (64 KiB): 8 spares of 8 KiB, one
+    // of them the cut peer's.
+    assert_eq!(granted, 7);
     c.session_gone(o.session, t(3));
-    assert_eq!(c.stats().reserved_bytes, 15 * 8192);
+    assert_eq!(c.stats().reserved_bytes, granted * 8192);
     // A connection the peer closed gives its spares back at once.
     c.detach(o2, ConnEnd::Closed, t(4));
     assert_eq!(c.stats().reserved_bytes, 0);
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
+    assert_eq!(c.stats().free_bytes, 1 << 20);
 }
 
 #[test]
@@ -373,18 +372,19 @@ fn no_timer_takes_a_hold_only_its_connection_or_session_ends_it() {
     // reported as overdue.
     c.tick(t(3_600_000));
     let s = c.stats_at(t(3_600_000));
-    // Stored data: the pinned cleared blob; the reservation beside it.
-    assert_eq!(
-        (s.pins, s.blobs, s.used, s.reserved_bytes),
-        (1, 2, 128, 128)
-    );
+    // `used` is stored data: the cleared blob a reader still pins; the
+    // reservation is held beside it.
+    assert_eq!((s.pins, s.blobs, s.used), (1, 2, 128));
+    assert_eq!(s.reserved_bytes, 128);
+    assert_eq!(s.capacity - s.free_bytes, 256);
     assert_eq!(s.overdue_holds, 2);
     assert_eq!(s.sessions.len(), 1);
     assert_eq!(s.sessions[0].held_bytes, 228);
     assert_eq!(s.sessions[0].oldest_hold_ms, 3_600_000);
     // Cut by the unit, the peer maps the slab: the session keeps them.
     c.detach(o, ConnEnd::Cut, t(3_600_000));
-    assert_eq!(c.held(), 256);
+    assert_eq!(c.stats().used, 128);
+    assert_eq!(c.stats().free_bytes, (1 << 20) - 256);
     assert_eq!(c.orphaned_sessions(), vec![o.session]);
     // The same session reconnects and takes its reservation over.
     let o2 = c.attach(o.session, true).unwrap();
@@ -395,7 +395,8 @@ fn no_timer_takes_a_hold_only_its_connection_or_session_ends_it() {
     c.detach(o2, ConnEnd::Cut, t(1));
     // Its process is gone: everything goes, with no quarantine.
     c.session_gone(o.session, t(3_600_000));
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
+    assert_eq!(c.stats().free_bytes, 1 << 20);
     assert_eq!(
         c.commit(o, "partition", BlobId(1), &[entry(0, "f", 0, 1)]),
         Err(CoreError::UnknownBlob(BlobId(1)))
@@ -430,8 +431,8 @@ fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
         c.tick(t(3_600_000));
         let st = c.stats_at(t(3_600_000));
         assert_eq!(
-            (st.pins, st.used, st.reserved_bytes),
-            (1, 128, 128),
+            (st.pins, st.used, st.reserved_bytes, st.free_bytes),
+            (1, 128, 128, (1 << 20) - 256),
             "{end:?}"
         );
         assert_eq!(st.sessions[0].orphaned, 2);
@@ -441,11 +442,15 @@ fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
         assert_eq!(c.fence(s, t(3_600_000)), 2);
         assert_eq!(c.next_deadline(), Some(t(3_603_000)));
         assert_eq!(c.tick(t(3_602_999)), 0);
-        assert_eq!(c.held(), 256);
+        assert_eq!(c.stats().used, 128);
+        assert_eq!(c.stats().free_bytes, (1 << 20) - 256);
         assert_eq!(c.tick(t(3_603_000)), 2);
         let st = c.stats();
-        assert_eq!((st.pins, st.used, st.reserved_bytes), (0, 0, 0), "{end:?}");
-        assert_eq!(c.held(), 0, "{end:?}");
+        assert_eq!(
+            (st.pins, st.used, st.reserved_bytes, st.free_bytes),
+            (0, 0, 0, 1 << 20),
+            "{end:?}"
+        );
         assert!(!c.has_session(s) && c.orphaned_sessions().is_empty());
         assert_eq!(c.next_deadline(), None);
     }
@@ -470,7 +475,7 @@ fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
     c.detach(o2, ConnEnd::Closed, t(10_000));
     assert_eq!(c.stats().reserved_bytes, 128);
     assert_eq!(c.session_gone(s, t(10_000)), 1);
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
 
     // A one-sided peer that also maps the slab: a fence never
     // releases what it holds, only its process's end.
@@ -483,14 +488,14 @@ fn one_sided_holds_wait_for_the_fence_and_its_quarantine() {
     c.tick(t(3_600_000));
     assert_eq!(c.stats().reserved_bytes, 128);
     c.session_gone(s, t(3_600_000));
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
 
     // Without make_one_sided, a closed connection's holds go at once.
     let s = c.open_session();
     let o = c.attach(s, false).unwrap();
     c.alloc(o, BlobId(5), 100, 1, t(0)).unwrap();
     assert_eq!(c.detach(o, ConnEnd::Closed, t(0)), 1);
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
 }
 
 #[test]
@@ -563,7 +568,7 @@ fn a_cut_stream_is_quarantined_and_its_blob_id_reusable() {
     c.commit(tcp2, "partition", BlobId(1), &[entry(0, "f", 0, 100)])
         .unwrap();
     c.tick(t(5_000));
-    assert_eq!(c.held(), 128);
+    assert_eq!(c.stats().used, 128);
 }
 
 #[test]
@@ -645,10 +650,11 @@ fn abort_in_flight_quarantines() {
     assert_eq!(c.stats().quarantined_bytes, 128);
     c.alloc(o, BlobId(2), 100, 0, t(0)).unwrap();
     c.abort(o, BlobId(2), false, t(0)).unwrap();
-    assert_eq!(c.held(), 128);
+    assert_eq!(c.stats().free_bytes, (1 << 20) - 128);
     assert_eq!(c.stats().used, 0, "a quarantined range is no stored data");
     c.tick(t(5_000));
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().free_bytes, 1 << 20);
+    assert_eq!(c.stats().quarantined_bytes, 0);
 }
 
 #[test]
@@ -661,7 +667,7 @@ fn absurd_sizes_are_full_not_a_wrap() {
             Err(CoreError::Full { .. })
         ));
     }
-    assert_eq!(c.held(), 0);
+    assert_eq!(c.stats().used, 0);
 }
 
 #[test]
