@@ -310,3 +310,49 @@ fn a_value_larger_than_the_largest_free_range_round_trips(kind: Kind) {
         "the paused holder's pinned bytes changed"
     );
 }
+
+/// A client that holds spares gives them back on its next call once the
+/// unit is short of memory (the reply says `spares_back`), and the unit
+/// offers none while it is.
+#[test]
+fn spares_are_given_back_when_memory_runs_short() {
+    let (p, _) = plane(1, 64 * MIB as u64, &[]);
+    let mut cfg = ClientConfig::new("spares", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(30);
+    let holder = Client::connect(cfg).expect("client connects");
+    // Small puts leave the holder with spares (one per size class).
+    put_each(&holder, 0..3, 256 << 10);
+    put_each(&holder, 3..6, 64 << 10);
+    let s = unit_stats(&holder);
+    assert!(s.spares > 0, "no spares to give back: {}", brief(&s));
+    // Another client (no spares) fills the slab to under 1/8 free (so the
+    // data zone is too).
+    let other = plain_client(&p, Kind::Shm);
+    let mut row = 100;
+    while unit_stats(&other).free_bytes >= s.capacity / 8 {
+        put_each(&other, row..row + 1, MIB);
+        row += 1;
+    }
+    // The holder's next call is told to give its spares back.
+    let got = holder
+        .get_rows(&[Key::new(0, "v")], holder.deadline())
+        .expect("get");
+    assert!(is_value(&got[0], 0, 256 << 10));
+    let s = unit_stats(&holder);
+    assert_eq!(
+        (s.spares, s.spare_bytes),
+        (0, 0),
+        "spares kept while memory is short: {}",
+        brief(&s)
+    );
+    // And while memory is short a put leaves none behind.
+    put_each(&holder, 6..7, 64 << 10);
+    let s = unit_stats(&holder);
+    assert_eq!(
+        s.spares,
+        0,
+        "a spare offered while memory is short: {}",
+        brief(&s)
+    );
+}
