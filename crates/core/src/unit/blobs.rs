@@ -258,20 +258,7 @@ impl UnitCore {
                     });
                 }
                 // Spares are not waited for: their holders may be idle.
-                let spare_bytes: u64 = self
-                    .blobs
-                    .values()
-                    .filter(|b| {
-                        matches!(
-                            b.state,
-                            State::Reserved {
-                                n_entries: None,
-                                ..
-                            }
-                        )
-                    })
-                    .filter_map(|b| b.region.as_ref().map(|r| r.len))
-                    .sum();
+                let (_, spare_bytes) = self.spares();
                 // Memory that spills under way will give back counts too.
                 let spilling: u64 = self
                     .blobs

@@ -173,9 +173,9 @@ impl UnitCore {
         s
     }
 
-    pub fn stats(&self) -> Stats {
-        let (spares, spare_bytes) = self
-            .blobs
+    /// How many spares are held, and their slab bytes.
+    pub(super) fn spares(&self) -> (u64, u64) {
+        self.blobs
             .values()
             .filter(|b| {
                 matches!(
@@ -188,7 +188,11 @@ impl UnitCore {
             })
             .fold((0, 0), |(n, bytes), b| {
                 (n + 1, bytes + b.region.as_ref().map_or(0, |r| r.len))
-            });
+            })
+    }
+
+    pub fn stats(&self) -> Stats {
+        let (spares, spare_bytes) = self.spares();
         let (used, split_blobs) = self
             .blobs
             .values()
