@@ -540,7 +540,7 @@ def report(args, cfg, page_mode, done, before, after, samples, elapsed, ended):
     verify_failed = [x for r in done for x in r["verify_failed"]]
 
     comp = {}
-    for key in ("compaction_bytes", "compaction_moves"):
+    for key in ("compaction_bytes", "compaction_moves", "compaction_micros"):
         b, a = sum_stat(before, key), sum_stat(after, key)
         comp[key] = None if b is None or a is None else a - b
     comp_per_step = None if comp["compaction_bytes"] is None else comp["compaction_bytes"] / max(1, steps)
@@ -623,7 +623,13 @@ def report(args, cfg, page_mode, done, before, after, samples, elapsed, ended):
             (
                 "compaction bytes/step",
                 fmt_size(comp_per_step),
-                f"{fmt_size(comp['compaction_bytes'])} in {comp['compaction_moves']} moves",
+                f"{fmt_size(comp['compaction_bytes'])} in {comp['compaction_moves']} moves"
+                + (
+                    ""
+                    if not comp["compaction_micros"]
+                    else f", {comp['compaction_micros'] / 1e6:.2f} s of copying"
+                    f" ({comp['compaction_bytes'] / comp['compaction_micros'] / 1e3:.1f} GB/s)"
+                ),
             )
         )
     for key, what in (
@@ -690,6 +696,7 @@ def report(args, cfg, page_mode, done, before, after, samples, elapsed, ended):
         "refusals": refused,
         "compaction_bytes": comp["compaction_bytes"],
         "compaction_moves": comp["compaction_moves"],
+        "compaction_micros": comp["compaction_micros"],
         "compaction_bytes_per_step": comp_per_step,
         "fill": fill,
         "unit_mem": mem,

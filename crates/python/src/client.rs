@@ -1127,6 +1127,7 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
     d.set_item("compaction_moves", s.compaction_moves)?;
     d.set_item("compaction_bytes", s.compaction_bytes)?;
     d.set_item("split_blobs", s.split_blobs)?;
+    d.set_item("compaction_micros", s.compaction_micros)?;
     d.set_item("partitions", s.partitions)?;
     d.set_item("ops", s.ops)?;
     d.set_item("bytes_in", s.bytes_in)?;

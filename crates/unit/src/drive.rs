@@ -418,10 +418,9 @@ pub(crate) fn compactor(shared: Arc<Shared>, rx: std::sync::mpsc::Receiver<stowa
             }
             to += len;
         }
-        if let Some(m) = &shared.metrics {
-            m.compaction_micros
-                .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
-        }
+        shared
+            .compaction_micros
+            .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         let _ = shared
             .core()
             .handle(shared.now(), Input::Moved { blob: job.blob, ok });

@@ -131,6 +131,8 @@ pub(crate) struct Shared {
     pub(crate) metrics: Option<metrics::UnitMetrics>,
     /// Compaction's moves, for the compactor thread.
     pub(crate) moves: Mutex<std::sync::mpsc::Sender<stowage_core::MoveJob>>,
+    /// Time the compactor spent copying, in microseconds.
+    pub(crate) compaction_micros: std::sync::atomic::AtomicU64,
 }
 
 /// A session as the server knows it: its id in the core and, for a
@@ -237,6 +239,7 @@ impl Shared {
             (s.ops, s.bytes_in, s.bytes_out) = m.traffic();
             s.busy = m.busy_total();
         }
+        s.compaction_micros = self.compaction_micros.load(Ordering::Relaxed);
         s.serves_nixl = self.nixl.is_some();
         s.page_mode = self.slab.page_mode().name().to_string();
         s
@@ -493,6 +496,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     let (moves_tx, moves_rx) = std::sync::mpsc::channel();
     let shared = Arc::new(Shared {
         moves: Mutex::new(moves_tx),
+        compaction_micros: std::sync::atomic::AtomicU64::new(0),
         core: Mutex::new(core),
         timer: Timer::new(),
         slab,

@@ -384,8 +384,6 @@ pub struct UnitMetrics {
     pub(crate) disk_put_bytes: AtomicU64,
     pub(crate) promoted_bytes: AtomicU64,
     pub(crate) disk_streamed_bytes: AtomicU64,
-    /// Time compaction's moves took, in microseconds.
-    pub(crate) compaction_micros: AtomicU64,
     checkpoints: [AtomicU64; 2],
     checkpoint_seconds: Histogram,
 }
@@ -406,7 +404,6 @@ impl Default for UnitMetrics {
             disk_put_bytes: AtomicU64::new(0),
             promoted_bytes: AtomicU64::new(0),
             disk_streamed_bytes: AtomicU64::new(0),
-            compaction_micros: AtomicU64::new(0),
             checkpoints: Default::default(),
             checkpoint_seconds: Histogram::new(&CHECKPOINT_BOUNDS),
         }
@@ -654,6 +651,12 @@ impl Collector for UnitCollector {
             "compaction_bytes",
             "Bytes compaction copied.",
             s.compaction_bytes,
+        )?;
+        counter(
+            &mut e,
+            "compaction_micros",
+            "Time compaction spent copying, in microseconds.",
+            s.compaction_micros,
         )?;
         let mode = s.page_mode.as_str();
         gauges(
@@ -904,12 +907,6 @@ impl Collector for UnitCollector {
             "promoted_bytes",
             "Bytes of spilled blobs brought back into the slab for a reader.",
             m.promoted_bytes.load(Relaxed),
-        )?;
-        counter(
-            &mut e,
-            "compaction_micros",
-            "Time compaction spent copying, in microseconds.",
-            m.compaction_micros.load(Relaxed),
         )?;
         counter(
             &mut e,

@@ -901,6 +901,7 @@ mod tests {
                 compaction_moves: 3,
                 compaction_bytes: 12288,
                 split_blobs: 2,
+                compaction_micros: 900,
             })),
             Response::Data {
                 items: vec![

@@ -112,8 +112,20 @@ impl UnitCore {
             })
             .collect();
         candidates.sort_unstable_by(|a, b| b.cmp(a));
+        // With a disk tier, a move never takes the slab past its high
+        // watermark (its target is held beside the blob until it reports):
+        // compaction must not make the unit spill.
+        let room = if self.disk_on() {
+            let high = (self.cfg.high_watermark * self.slab.capacity() as f64) as u64;
+            high.saturating_sub(self.slab.allocated())
+        } else {
+            u64::MAX
+        };
         for (split, start, id) in candidates.into_iter().take(CANDIDATES) {
             let nbytes = self.blobs.get(&id)?.nbytes;
+            if SlabAllocator::rounded(nbytes) > room {
+                continue;
+            }
             let to = if split {
                 match self.slab.allocate(nbytes) {
                     Some(r) if r.is_contiguous() => Some(r),

@@ -72,8 +72,11 @@ pub struct Stats {
     /// Compaction since start: blobs moved and their bytes.
     pub compaction_moves: u64,
     pub compaction_bytes: u64,
-    /// Blobs stored in more than one piece. Last in the message.
+    /// Blobs stored in more than one piece.
     pub split_blobs: u64,
+    /// Time compaction spent copying since start, in microseconds (kept by
+    /// the unit server; the core reports 0). Last in the message.
+    pub compaction_micros: u64,
 }
 
 /// What one session holds.
