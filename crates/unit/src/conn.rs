@@ -395,17 +395,12 @@ impl Conn {
     fn receive(&mut self, id: u64, mut put: Put) -> Result<(), EndReason> {
         let timeout = self.io_timeout(put.timeout_ms);
         self.reader.get_mut().deadline = Some(Instant::now() + timeout);
-        match std::mem::replace(&mut put.into, Dest::Nowhere) {
+        match &put.into {
             Dest::Slab { pieces } => {
-                put.into = Dest::Slab {
-                    pieces: pieces.clone(),
-                };
-                self.put_to_slab(id, &mut put, &pieces)
+                let ranges = crate::cut(pieces, put.nbytes);
+                self.put_to_slab(id, &mut put, &ranges)
             }
-            Dest::Disk => {
-                put.into = Dest::Disk;
-                self.put_to_disk(id, &mut put)
-            }
+            Dest::Disk => self.put_to_disk(id, &mut put),
             Dest::Nowhere => {
                 drain(&mut self.reader, put.nbytes)?;
                 let resp = handler::put_landed(&mut self.shared.core(), &mut put);
@@ -415,16 +410,17 @@ impl Conn {
         }
     }
 
-    /// The payload goes straight from the socket into the slab's
-    /// `pieces`, in order. This thread is their only writer while it reads.
+    /// The payload goes straight from the socket into the slab `ranges`
+    /// (the reserved pieces, cut to the payload's length), in order. This
+    /// thread is their only writer while it reads.
     fn put_to_slab(
         &mut self,
         id: u64,
         put: &mut Put,
-        pieces: &[(u64, u64)],
+        ranges: &[(u64, u64)],
     ) -> Result<(), EndReason> {
         let mut got = Ok(());
-        for (offset, len) in crate::cut(pieces, put.nbytes) {
+        for &(offset, len) in ranges {
             let len = usize::try_from(len).map_err(|_| io::Error::other("payload too large"))?;
             got = self.recv_payload(offset, len);
             if got.is_err() {

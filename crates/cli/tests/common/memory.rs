@@ -45,17 +45,7 @@ pub fn is_value(got: &[u8], id: u64, len: usize) -> bool {
 /// the test closes it (a [`super::Reap`] does on drop), see
 /// [`wait_for_stdin_to_close`].
 pub fn helper_child_with_stdin(p: &LocalPlane, name: &str, env: (&str, &str)) -> Child {
-    let secret = p.private_dir().join("secret");
-    Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "--exact",
-            name,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(env.0, env.1)
-        .env("STOWAGE_TEST_SECRET_FILE", secret)
+    super::helper_command(p, name, env)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())

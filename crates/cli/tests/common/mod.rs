@@ -319,21 +319,28 @@ pub fn helper_child(name: &str, env: (&str, &str)) -> std::process::Child {
 /// [`helper_child`] for a client of plane `p`: the child finds the
 /// plane's secret file in `STOWAGE_TEST_SECRET_FILE` ([`child_secret`]).
 pub fn helper_child_of(p: &LocalPlane, name: &str, env: (&str, &str)) -> std::process::Child {
-    let secret = p.private_dir().join("secret");
-    std::process::Command::new(std::env::current_exe().expect("test binary"))
-        .args([
-            "--exact",
-            name,
-            "--ignored",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(env.0, env.1)
-        .env("STOWAGE_TEST_SECRET_FILE", secret)
+    helper_command(p, name, env)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::null())
         .spawn()
         .expect("helper process starts")
+}
+
+/// The command that re-runs this test binary as the helper `name` (an
+/// ignored test), with `env` and the plane's secret file set.
+pub fn helper_command(p: &LocalPlane, name: &str, env: (&str, &str)) -> std::process::Command {
+    let secret = p.private_dir().join("secret");
+    let mut c = std::process::Command::new(std::env::current_exe().expect("test binary"));
+    c.args([
+        "--exact",
+        name,
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(env.0, env.1)
+    .env("STOWAGE_TEST_SECRET_FILE", secret);
+    c
 }
 
 /// In a helper child of [`helper_child_of`]: the plane's secret.
