@@ -230,8 +230,20 @@ enum Cmd {
         /// Most connections served at once: those that proved the shared
         /// secret (or, without one, said Hello). Past it, a connection
         /// that proves itself is answered Busy.
-        #[arg(long, default_value_t = 1024)]
+        #[arg(long, default_value_t = 16384)]
         max_connections: usize,
+        /// Most client sessions at once; past it, a new session is
+        /// answered Busy.
+        #[arg(long, default_value_t = 10_000)]
+        max_sessions: usize,
+        /// Threads that serve connections, each waiting on readiness
+        /// events for its share of them (0: one per core).
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        /// Most threads for blocking work (a tcp put's or get's bytes,
+        /// disk reads, checkpoints, nixl setup); idle ones exit.
+        #[arg(long, default_value_t = 8)]
+        io_threads: usize,
         /// Most connections at once that have not proved themselves yet;
         /// they never take a served connection's slot. Past it, a new
         /// connection cuts the oldest handshake of the source holding the
@@ -282,8 +294,9 @@ enum Cmd {
         /// Exit when standard input closes (the parent is gone).
         #[arg(long)]
         exit_with_stdin: bool,
-        /// How long a connection thread polls for the next request before
-        /// blocking (0 disables adaptive polling).
+        /// How long a serving thread polls for more requests after its
+        /// last one before it sleeps in its readiness wait (0 disables
+        /// adaptive polling).
         #[arg(long, value_parser = parse_duration, default_value = "50us")]
         spin: Duration,
         #[command(flatten)]
@@ -532,6 +545,9 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             admin,
             frame_timeout,
             max_connections,
+            max_sessions,
+            threads,
+            io_threads,
             max_handshakes,
             max_handshakes_per_source,
             handshake_timeout,
@@ -598,6 +614,15 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             }
             if set("max_connections") {
                 cfg.max_connections = max_connections;
+            }
+            if set("max_sessions") {
+                cfg.max_sessions = max_sessions;
+            }
+            if set("threads") {
+                cfg.threads = threads;
+            }
+            if set("io_threads") {
+                cfg.io_threads = io_threads.max(1);
             }
             if set("max_handshakes") {
                 cfg.max_handshakes = max_handshakes;

@@ -290,6 +290,56 @@ fn truncated_frames_time_out_and_cost_no_memory_up_front() {
     assert!(matches!(idle.call(&Request::Stats), Response::Stats(_)));
 }
 
+/// 1,000 TCP connections that never send a byte (nobody needs a secret
+/// to open one): the unit spends no thread and little memory on them, and
+/// a real client is served within its deadline meanwhile.
+#[test]
+fn a_flood_of_silent_connections_costs_no_thread_and_keeps_clients_served() {
+    assert!(raise_nofile() >= 1100, "this test needs 1,100 open files");
+    let (p, _) = plane(1, 64 * MIB, &["--handshake-timeout", "10s"]);
+    let pid = p.units[0].pid();
+    let c = client(&p, Kind::Tcp, Duration::from_secs(5));
+    c.put_rows(&[(Key::new(0, "f"), &[1u8; 4096])], c.deadline())
+        .unwrap();
+    let anon_before = proc_status(pid, "RssAnon");
+    let stowage_client::UnitAddr::Tcp(addr) = p.tcp_addrs()[0] else {
+        unreachable!("a tcp address")
+    };
+    let flood: Vec<TcpStream> = (0..1000)
+        .map(|_| TcpStream::connect_timeout(&addr, Duration::from_secs(5)).unwrap())
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    let threads = proc_status(pid, "Threads");
+    assert!(
+        threads <= thread_bound(),
+        "the unit runs {threads} threads with 1,000 silent connections open"
+    );
+    // A new client (its own connection, proving the secret) is served
+    // within its 5 s deadline while the flood holds its connections.
+    let fresh = client(&p, Kind::Tcp, Duration::from_secs(5));
+    let v = vec![7u8; 4096];
+    fresh
+        .put_rows(&[(Key::new(1, "f"), &v)], fresh.deadline())
+        .unwrap();
+    assert_eq!(
+        fresh
+            .get_rows(&[Key::new(1, "f")], fresh.deadline())
+            .unwrap(),
+        vec![v]
+    );
+    // And so is the client that was connected before.
+    assert_eq!(
+        c.get_rows(&[Key::new(0, "f")], c.deadline()).unwrap(),
+        vec![vec![1u8; 4096]]
+    );
+    let grown_kib = proc_status(pid, "RssAnon").saturating_sub(anon_before);
+    assert!(
+        grown_kib < 64 * 1024,
+        "1,000 silent connections grew the unit by {grown_kib} KiB"
+    );
+    drop(flood);
+}
+
 #[test]
 fn absurd_sizes_offsets_and_counts_are_refused_and_the_unit_stays_up() {
     let (p, _) = plane(1, 16 * MIB, &["--index-budget", "64KiB"]);

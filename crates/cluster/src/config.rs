@@ -83,8 +83,13 @@ pub struct UnitsSection {
     #[serde(with = "duration")]
     pub pin_lease: Duration,
     /// Most connections a unit serves at once (past their handshake).
-    /// Default 1024.
+    /// Default 16384.
     pub max_connections: usize,
+    /// Most client sessions a unit holds at once. Default 10000.
+    pub max_sessions: usize,
+    /// Threads that serve a unit's connections; 0: one per core of its
+    /// host. Default 0.
+    pub threads: usize,
     /// Most connections a unit holds at once that have not proved
     /// themselves yet; they never take a served connection's slot.
     /// Default 128.
@@ -136,6 +141,8 @@ impl Default for UnitsSection {
             reservation_lease: unit.reservation_lease,
             pin_lease: unit.pin_lease,
             max_connections: unit.max_connections,
+            max_sessions: unit.max_sessions,
+            threads: unit.threads,
             max_handshakes: unit.max_handshakes,
             max_handshakes_per_source: unit.max_handshakes_per_source,
             max_session_connections: unit.max_session_connections,
@@ -496,6 +503,7 @@ impl Config {
         positive("units.pin_lease", u.pin_lease)?;
         for (key, v) in [
             ("units.max_connections", u.max_connections),
+            ("units.max_sessions", u.max_sessions),
             ("units.max_handshakes", u.max_handshakes),
             (
                 "units.max_handshakes_per_source",
@@ -583,6 +591,8 @@ impl Config {
         c.reservation_lease = u.reservation_lease;
         c.pin_lease = u.pin_lease;
         c.max_connections = u.max_connections;
+        c.max_sessions = u.max_sessions;
+        c.threads = u.threads;
         c.max_handshakes = u.max_handshakes;
         c.max_handshakes_per_source = u.max_handshakes_per_source;
         c.handshake_timeout = self.timeouts.handshake;
@@ -874,7 +884,8 @@ mod tests {
         assert_eq!(d.units.cpus, 1.0);
         assert_eq!(d.units.reservation_lease, Duration::from_secs(30));
         assert_eq!(d.units.pin_lease, Duration::from_secs(30));
-        assert_eq!(d.units.max_connections, 1024);
+        assert_eq!(d.units.max_connections, 16384);
+        assert_eq!(d.units.max_sessions, 10_000);
         assert_eq!(d.units.max_handshakes, 128);
         assert_eq!(d.units.max_handshakes_per_source, 32);
         assert_eq!(d.timeouts.handshake, Duration::from_secs(1));

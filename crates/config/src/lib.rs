@@ -97,8 +97,17 @@ pub struct UnitConfig {
     /// more time. Default 10 min.
     pub max_io_timeout: Duration,
     /// Most connections served at once: connections that proved the
-    /// shared secret (or, without one, said Hello). Default 1024.
+    /// shared secret (or, without one, said Hello). Default 16384.
     pub max_connections: usize,
+    /// Most client sessions at once; past it a new session is answered
+    /// Busy. Default 10000.
+    pub max_sessions: usize,
+    /// Threads that serve connections (each waits on readiness events for
+    /// its share of them); 0: one per core. Default 0.
+    pub threads: usize,
+    /// Most threads for blocking work (a tcp put's or get's bytes, disk
+    /// reads, checkpoints, nixl setup); they exit when idle. Default 8.
+    pub io_threads: usize,
     /// Most connections at once that have not proved themselves yet (see
     /// the unit's `admit.rs`): they never take a served connection's slot. Past it,
     /// a new connection cuts the oldest handshake of the source holding
@@ -198,7 +207,10 @@ impl UnitConfig {
             admin_tcp: false,
             frame_timeout: Duration::from_secs(10),
             max_io_timeout: Duration::from_secs(600),
-            max_connections: 1024,
+            max_connections: 16384,
+            max_sessions: 10_000,
+            threads: 0,
+            io_threads: 8,
             max_handshakes: 128,
             max_handshakes_per_source: 32,
             handshake_timeout: Duration::from_secs(1),

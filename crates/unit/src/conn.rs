@@ -6,14 +6,14 @@
 //! client leaves or misbehaves. How a connection starts, passes its
 //! handshake and Hello, and ends: [`session`].
 
-use std::io::{self, BufRead, BufReader, Read as _, Write};
+use std::io::{self, BufRead as _, Read as _, Write};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stowage_core::{BlobId, Owner, PinId};
 use stowage_shm::Piece;
-use stowage_wire::io::{drain, read_header, read_prefix, ReadError, Socket, SpinReader};
+use stowage_wire::io::{drain, read_header, read_prefix, ReadError};
 use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response};
 
 use crate::auth::Gate;
@@ -21,10 +21,12 @@ use crate::disk::DiskEngine;
 use crate::handler::{self, Asker, Dest, Plan, Put, Read};
 use crate::{Served, Shared};
 
+mod inbuf;
 mod session;
 
-pub(crate) use session::serve;
-use session::EndReason;
+use inbuf::{InBuf, Next};
+pub(crate) use session::EndReason;
+pub(crate) use session::{finish, open, Ended};
 
 /// Who is at the other end of a connection, as the kernel says
 /// (SO_PEERCRED, Unix sockets only).
@@ -34,10 +36,13 @@ pub(crate) struct Peer {
     pub(crate) pid: Option<i32>,
 }
 
-struct Conn {
+/// One connection's state between its requests; served by a worker of
+/// the reactor ([`crate::reactor`]), and by the blocking pool for a step
+/// that blocks ([`Conn::run_parked`]).
+pub(crate) struct Conn {
     shared: Arc<Shared>,
-    reader: BufReader<SpinReader>,
-    writer: Socket,
+    /// Its socket, and what was read from it and not yet served.
+    reader: InBuf,
     peer: Peer,
     /// A Unix-socket peer: it may be handed the slab.
     unix: bool,
@@ -56,7 +61,10 @@ struct Conn {
     slot: Option<crate::Counted>,
     /// The send timeout set on the socket.
     write_timeout: Duration,
+    /// Reply bytes the peer has not taken yet.
     out: Vec<u8>,
+    /// Since when `out` has waited for the peer.
+    out_since: Option<Instant>,
     scratch: Vec<u8>,
     /// The current request was answered with an error (for metrics).
     failed: bool,
@@ -65,6 +73,32 @@ struct Conn {
     frame_start: Instant,
     /// What this connection's requests record (`None`: metrics are off).
     counters: Option<crate::metrics::ConnCounters>,
+    /// Carried out by the blocking pool (its socket calls block, bounded
+    /// by their deadlines); otherwise every socket call returns at once.
+    blocking: bool,
+    /// A planned request whose next step blocks: for the pool.
+    parked: Option<Parked>,
+}
+
+/// A request planned by a worker and carried out by the pool.
+struct Parked {
+    id: u64,
+    plan: Plan,
+    op: Option<crate::metrics::Op>,
+}
+
+/// What a worker's turn on a connection came to.
+pub(crate) enum Step {
+    /// Waiting for its socket (bytes, or room for its reply), or for the
+    /// deadline given.
+    Wait(Option<Instant>),
+    /// It served its quantum and may have more: serve it again after the
+    /// others.
+    Again,
+    /// Its next step blocks: hand it to the pool ([`Conn::run_parked`]).
+    Pool,
+    /// It ended.
+    End(Result<(), EndReason>),
 }
 
 /// Header and reply buffers grown past this by one large request are
@@ -73,63 +107,199 @@ struct Conn {
 const KEEP_BUFFER: usize = 1 << 20;
 
 impl Conn {
-    fn run(&mut self) -> Result<(), EndReason> {
-        let serving = self.shared.limits;
-        let handshake = serving.handshake();
-        loop {
-            let open = self.gate.is_open();
-            let limits = if open { serving } else { handshake };
-            if open {
-                if self.scratch.capacity() > KEEP_BUFFER {
-                    self.scratch = Vec::new();
-                }
-                if self.out.capacity() > KEEP_BUFFER {
-                    self.out = Vec::with_capacity(4096);
-                }
-                // An idle connection waits for its next frame as long as
-                // it likes; once a frame has begun, the rest must come
-                // within the frame timeout (a truncated frame never holds
-                // a thread).
-                self.reader.get_mut().deadline = None;
-                if self.reader.fill_buf()?.is_empty() {
-                    return Ok(());
-                }
-                self.frame_start = Instant::now();
-                self.reader.get_mut().deadline = Some(self.frame_start + self.shared.frame_timeout);
-            } else {
-                // The handshake, from accept to Hello, within one frame
-                // timeout.
-                self.reader.get_mut().deadline = Some(self.handshake_deadline);
-            }
-            let prefix = match read_prefix(&mut self.reader, &limits) {
-                Ok(Some(p)) => p,
-                Ok(None) => return Ok(()),
-                Err(ReadError::Io(e)) => return Err(e.into()),
-                Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
-                Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
-            };
-            let env = match read_header::<_, Request>(&mut self.reader, &prefix, &mut self.scratch)
-            {
-                Ok(env) => env,
-                Err(ReadError::Io(e)) => return Err(e.into()),
-                Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
-                Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
-            };
-            if !open {
-                // Handshake frames carry no payload (the limits say so).
-                let frame = env.body.validate(&limits).map(|()| env.body);
-                self.pass_gate(env.id, frame)?;
-                continue;
-            }
-            if let Err(e) = env.body.validate(&limits) {
-                return self.refuse(env.id, e.to_string());
-            }
-            let carries_payload = matches!(env.body, Request::Put { .. });
-            if prefix.payload_len > 0 && !carries_payload {
-                return self.refuse(env.id, "this request carries no payload".into());
-            }
-            self.handle(env.id, env.body, prefix.payload_len)?;
+    /// Its socket's descriptor (for the worker to watch).
+    pub(crate) fn fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsRawFd;
+        self.reader.src.socket.as_fd().as_raw_fd()
+    }
+
+    fn limits(&self) -> stowage_wire::Limits {
+        if self.gate.is_open() {
+            self.shared.limits
+        } else {
+            self.shared.limits.handshake()
         }
+    }
+
+    /// When the worker must end this connection if nothing changes: its
+    /// handshake's deadline; a frame begun and not finished, or a reply
+    /// not taken, within the frame timeout. An idle connection waits for
+    /// its next frame as long as it likes.
+    pub(crate) fn deadline(&self) -> Option<Instant> {
+        if !self.gate.is_open() {
+            return Some(self.handshake_deadline);
+        }
+        let mut d = self.out_since.map(|t| t + self.shared.frame_timeout);
+        if !self.reader.buffer().is_empty() {
+            let f = self.frame_start + self.shared.frame_timeout;
+            d = Some(d.map_or(f, |d| d.min(f)));
+        }
+        d
+    }
+
+    /// Serve what the socket has now, without blocking: at most `quantum`
+    /// frames.
+    pub(crate) fn pump(&mut self, quantum: usize) -> Step {
+        let mut served = 0;
+        loop {
+            match self.flush_ready() {
+                Ok(true) => {}
+                Ok(false) => return Step::Wait(self.deadline()),
+                Err(e) => return Step::End(Err(e.into())),
+            }
+            if served >= quantum {
+                return Step::Again;
+            }
+            let limits = self.limits();
+            match self.reader.next(&limits) {
+                Next::Frame => {}
+                next => {
+                    let was_empty = matches!(next, Next::Empty);
+                    match self.reader.recv_ready(self.reader.lacking(&limits)) {
+                        Ok(0) if was_empty => return Step::End(Ok(())),
+                        Ok(0) => {
+                            return Step::End(Err(
+                                io::Error::from(io::ErrorKind::UnexpectedEof).into()
+                            ))
+                        }
+                        Ok(_) => {
+                            if was_empty {
+                                self.frame_start = Instant::now();
+                            }
+                            continue;
+                        }
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                            if was_empty {
+                                self.go_idle();
+                            }
+                            return Step::Wait(self.deadline());
+                        }
+                        Err(e) => return Step::End(Err(e.into())),
+                    }
+                }
+            }
+            if let Err(e) = self.serve_frame() {
+                return Step::End(Err(e));
+            }
+            served += 1;
+            if self.parked.is_some() {
+                return Step::Pool;
+            }
+            if !self.reader.buffer().is_empty() {
+                // The next frame came with this one.
+                self.frame_start = Instant::now();
+            }
+        }
+    }
+
+    /// Nothing buffered, nothing to send: give the buffers back.
+    fn go_idle(&mut self) {
+        self.reader.release_if_empty();
+        if self.out.is_empty() && self.out.capacity() > 0 {
+            self.out = Vec::new();
+        }
+        if self.scratch.capacity() > 0 {
+            self.scratch = Vec::new();
+        }
+    }
+
+    /// Carry out the parked request's blocking step (on the pool).
+    pub(crate) fn run_parked(&mut self) -> Result<(), EndReason> {
+        let Some(p) = self.parked.take() else {
+            return Ok(());
+        };
+        self.blocking = true;
+        // A payload not sent whole with its header must come within the
+        // frame's time, as it always had to.
+        self.reader.get_mut().deadline = Some(self.frame_start + self.shared.frame_timeout);
+        let r = self
+            .flush_blocking()
+            .map_err(EndReason::from)
+            .and_then(|()| {
+                let r = self.execute(p.id, p.plan);
+                self.record(p.op, &r);
+                r
+            });
+        self.reader.get_mut().deadline = None;
+        self.blocking = false;
+        r
+    }
+
+    /// Read and serve one frame that is whole in the buffer.
+    fn serve_frame(&mut self) -> Result<(), EndReason> {
+        let open = self.gate.is_open();
+        let limits = self.limits();
+        if open {
+            if self.scratch.capacity() > KEEP_BUFFER {
+                self.scratch = Vec::new();
+            }
+            if self.out.capacity() > KEEP_BUFFER && self.out.is_empty() {
+                self.out = Vec::new();
+            }
+        }
+        let prefix = match read_prefix(&mut self.reader, &limits) {
+            Ok(Some(p)) => p,
+            Ok(None) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+            Err(ReadError::Io(e)) => return Err(e.into()),
+            Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
+            Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
+        };
+        let env = match read_header::<_, Request>(&mut self.reader, &prefix, &mut self.scratch) {
+            Ok(env) => env,
+            Err(ReadError::Io(e)) => return Err(e.into()),
+            Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
+            Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
+        };
+        if !open {
+            // Handshake frames carry no payload (the limits say so).
+            let frame = env.body.validate(&limits).map(|()| env.body);
+            return self.pass_gate(env.id, frame);
+        }
+        if let Err(e) = env.body.validate(&limits) {
+            return self.refuse(env.id, e.to_string());
+        }
+        let carries_payload = matches!(env.body, Request::Put { .. });
+        if prefix.payload_len > 0 && !carries_payload {
+            return self.refuse(env.id, "this request carries no payload".into());
+        }
+        self.handle(env.id, env.body, prefix.payload_len)
+    }
+
+    /// Send what waits in `out` without blocking; whether all of it went.
+    fn flush_ready(&mut self) -> io::Result<bool> {
+        let mut sent = 0;
+        while sent < self.out.len() {
+            let r = rustix::net::send(
+                self.reader.src.socket.as_fd(),
+                &self.out[sent..],
+                rustix::net::SendFlags::DONTWAIT | rustix::net::SendFlags::NOSIGNAL,
+            );
+            match r {
+                Ok(n) => sent += n,
+                Err(rustix::io::Errno::INTR) => {}
+                Err(rustix::io::Errno::AGAIN) => break,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        self.out.drain(..sent);
+        if self.out.is_empty() {
+            self.out_since = None;
+            Ok(true)
+        } else {
+            self.out_since.get_or_insert_with(Instant::now);
+            Ok(false)
+        }
+    }
+
+    /// Send what waits in `out`, blocking within the send timeout.
+    fn flush_blocking(&mut self) -> io::Result<()> {
+        if !self.out.is_empty() {
+            self.reader.src.socket.write_all(&self.out)?;
+            self.out.clear();
+        }
+        self.out_since = None;
+        Ok(())
     }
 
     /// Answer InvalidRequest and end the connection.
@@ -155,9 +325,15 @@ impl Conn {
                 tracing::debug!(unit = %self.shared.name, namespace = self.namespace.as_deref().unwrap_or(""), ?code, %message, "error answer");
             }
         }
-        self.out.clear();
+        if self.blocking {
+            self.out.clear();
+            encode(id, r, 0, &mut self.out).map_err(io::Error::other)?;
+            return self.flush_blocking();
+        }
+        // Queued behind what the peer has not taken yet; sent now as far
+        // as the socket takes it.
         encode(id, r, 0, &mut self.out).map_err(io::Error::other)?;
-        self.writer.write_all(&self.out)
+        self.flush_ready().map(|_| ())
     }
 
     fn reply_error(&mut self, id: u64, code: ErrorCode, message: &str) -> Result<(), EndReason> {
@@ -183,7 +359,7 @@ impl Conn {
 
     fn set_write_timeout(&mut self, t: Duration) -> io::Result<()> {
         if t != self.write_timeout {
-            self.writer.set_write_timeout(Some(t))?;
+            self.reader.src.socket.set_write_timeout(Some(t))?;
             self.write_timeout = t;
         }
         Ok(())
@@ -191,17 +367,24 @@ impl Conn {
 
     /// Handle one request, recording its kind, outcome and duration.
     fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), EndReason> {
-        if self.counters.is_none() {
-            return self.handle_request(id, req, payload_len);
-        }
-        let op = crate::metrics::Op::of(&req);
+        let op = self.counters.as_ref().map(|_| crate::metrics::Op::of(&req));
         // Before the gate opens, frames are not timed from their start.
         if !self.gate.is_open() {
             self.frame_start = Instant::now();
         }
         self.failed = false;
         let r = self.handle_request(id, req, payload_len);
-        if let Some(m) = &self.counters {
+        match &mut self.parked {
+            // Recorded once the pool has carried it out.
+            Some(p) => p.op = op,
+            None => self.record(op, &r),
+        }
+        r
+    }
+
+    /// Record a request of kind `op` that ended `r`.
+    fn record(&self, op: Option<crate::metrics::Op>, r: &Result<(), EndReason>) {
+        if let (Some(m), Some(op)) = (&self.counters, op) {
             let ok = r.is_ok() && !self.failed;
             if op == crate::metrics::Op::Unpin {
                 // A release the client sends and does not wait for
@@ -211,11 +394,39 @@ impl Conn {
                 m.op(op, ok, self.frame_start.elapsed());
             }
         }
-        r
     }
 
-    /// Plan the request in the handler, then carry the plan out: this is
-    /// where the bytes move.
+    /// Whether carrying `plan` out may block on the socket, the disk or
+    /// a long task: the pool does it, unless this is the pool already.
+    fn blocks(&self, plan: &Plan) -> bool {
+        if self.blocking {
+            return false;
+        }
+        // A payload that came whole with its header is taken from the
+        // buffer.
+        let buffered = self.reader.buffer().len() as u64;
+        match plan {
+            Plan::Drain { len, .. } => buffered < *len,
+            Plan::Receive(put) => match put.into {
+                Dest::Slab { .. } | Dest::Nowhere => buffered < put.nbytes,
+                Dest::Disk => true,
+            },
+            Plan::Resolved { found, .. } => self.shared.disk.is_some() && handler::has_disk(found),
+            Plan::Send(_) => true,
+            // The slab's memfd rides on the reply.
+            Plan::Hello { want_fd, .. } => *want_fd && self.unix,
+            Plan::NixlInfo { .. } | Plan::Checkpoint { .. } | Plan::Shutdown { .. } => true,
+            Plan::Reply(_)
+            | Plan::Silent
+            | Plan::Committed { .. }
+            | Plan::Stats
+            | Plan::Close { .. }
+            | Plan::Refuse(_) => false,
+        }
+    }
+
+    /// Plan the request in the handler, then carry the plan out (here, or
+    /// on the pool when it blocks).
     fn handle_request(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), EndReason> {
         let asker = Asker {
             hello: self.owner.zip(self.namespace.as_deref()),
@@ -224,6 +435,15 @@ impl Conn {
         };
         let now = self.shared.now();
         let plan = handler::handle(|| self.shared.core(), &asker, req, payload_len, now);
+        if self.blocks(&plan) {
+            self.parked = Some(Parked { id, plan, op: None });
+            return Ok(());
+        }
+        self.execute(id, plan)
+    }
+
+    /// Carry a plan out: this is where the bytes move.
+    fn execute(&mut self, id: u64, plan: Plan) -> Result<(), EndReason> {
         let resp = match plan {
             Plan::Reply(r) => r,
             Plan::Silent => return Ok(()),
@@ -596,12 +816,14 @@ impl Conn {
         }
         let found = std::mem::take(&mut read.found);
         let served = shared.bring_back(found, buf.as_deref_mut(), true);
-        let (header, total) = data_reply(&served);
-        self.out.clear();
-        encode(id, &header, total, &mut self.out).map_err(io::Error::other)?;
-        let header = std::mem::take(&mut self.out);
+        let (header_reply, total) = data_reply(&served);
+        // (On the pool: `out` was sent before this began.)
+        let mut header = std::mem::take(&mut self.out);
+        header.clear();
+        encode(id, &header_reply, total, &mut header).map_err(io::Error::other)?;
         let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
         drop(buf);
+        header.clear();
         self.out = header;
         handler::read_sent(&mut self.shared.core(), &read, self.shared.now());
         let sent = sent?;
@@ -630,7 +852,7 @@ impl Conn {
         until: Instant,
     ) -> Result<bool, EndReason> {
         let slab = &self.shared.slab;
-        let fd = self.writer.as_fd();
+        let fd = self.reader.src.socket.as_fd();
         let mut changed = false;
         let mut pieces = Vec::with_capacity(served.len() + 1);
         pieces.push(Piece::Heap(header));

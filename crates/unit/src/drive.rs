@@ -62,7 +62,7 @@ impl Timer {
 }
 
 /// Whether the process of a pidfd has exited (the pidfd is readable).
-fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
+pub(crate) fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
     use rustix::event::{poll, PollFd, PollFlags};
     let mut fds = [PollFd::new(fd, PollFlags::IN)];
     matches!(poll(&mut fds, Some(&rustix::event::Timespec::default())), Ok(n) if n > 0)
@@ -256,7 +256,7 @@ impl Shared {
                 sessions
                     .values()
                     .find(|r| r.id == *id)
-                    .and_then(|r| r.pidfd.as_ref())
+                    .and_then(|r| r.pidfd.as_deref())
                     .is_some_and(process_exited)
             };
             // Watched while it holds something with no connection open;

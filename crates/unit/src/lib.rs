@@ -61,6 +61,7 @@ pub mod handler;
 mod http;
 mod listen;
 mod nixl_serve;
+mod reactor;
 mod tier;
 
 pub(crate) use listen::Counted;
@@ -114,6 +115,10 @@ pub(crate) struct Shared {
     pub(crate) max_io_timeout: Duration,
     pub(crate) checkpoint_root: Option<PathBuf>,
     pub(crate) max_connections: usize,
+    /// Most sessions at once.
+    pub(crate) max_sessions: usize,
+    /// Sessions opened (to forget stale records now and then).
+    pub(crate) joins: std::sync::atomic::AtomicU64,
     /// Connections being served (past their handshake).
     pub(crate) connections: std::sync::atomic::AtomicUsize,
     /// Connections still in their handshake.
@@ -133,6 +138,10 @@ pub(crate) struct Shared {
     pub(crate) moves: Mutex<std::sync::mpsc::Sender<stowage_core::MoveJob>>,
     /// Time the compactor spent copying, in microseconds.
     pub(crate) compaction_micros: std::sync::atomic::AtomicU64,
+    /// The threads that serve connections.
+    pub(crate) reactor: std::sync::OnceLock<reactor::Reactor>,
+    /// Client processes' pidfds, shared by their sessions.
+    pub(crate) pidfds: Mutex<std::collections::HashMap<i32, std::sync::Weak<std::os::fd::OwnedFd>>>,
 }
 
 /// A session as the server knows it: its id in the core and, for a
@@ -140,7 +149,9 @@ pub(crate) struct Shared {
 pub(crate) struct SessionRec {
     pub(crate) id: stowage_core::SessionId,
     pub(crate) pid: Option<i32>,
-    pub(crate) pidfd: Option<std::os::fd::OwnedFd>,
+    /// Its process's pidfd, shared by every session of that process
+    /// ([`Shared::pidfd_of`]): one file descriptor per client process.
+    pub(crate) pidfd: Option<Arc<std::os::fd::OwnedFd>>,
     /// The slab was handed to this session: its peer may copy by itself.
     pub(crate) mapped: bool,
     /// A connection of this session asked for nixl: its peer moves bytes
@@ -159,22 +170,47 @@ impl Shared {
         peer: conn::Peer,
         maps: bool,
         namespace: &str,
-    ) -> Result<(u128, stowage_core::Owner), stowage_core::CoreError> {
+    ) -> Result<(u128, stowage_core::Owner), stowage_wire::Response> {
+        let refused = |e: stowage_core::CoreError| handler::error_response(&e);
         let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         let mut core = self.core();
-        // Forget sessions the core has forgotten.
-        sessions.retain(|_, r| core.has_session(r.id));
-        let joined = token.filter(|t| sessions.get(t).is_some_and(|r| r.pid == peer.pid));
+        let joined = token.filter(|t| {
+            sessions
+                .get(t)
+                .is_some_and(|r| r.pid == peer.pid && core.has_session(r.id))
+        });
         let token = match joined {
             Some(t) => t,
             None => {
+                // Forget sessions the core has forgotten (now and then:
+                // a unit holds thousands).
+                let joins = self.joins.fetch_add(1, Ordering::Relaxed);
+                if sessions.len() >= self.max_sessions || joins.is_multiple_of(1024) {
+                    sessions.retain(|_, r| core.has_session(r.id));
+                }
+                if sessions.len() >= self.max_sessions {
+                    if let Some(m) = &self.metrics {
+                        m.turned_away();
+                    }
+                    return Err(stowage_wire::Response::Error {
+                        code: stowage_wire::ErrorCode::Busy,
+                        message: format!(
+                            "the unit holds {} client sessions, its --max-sessions \
+                             (units.max_sessions); try again later",
+                            sessions.len()
+                        ),
+                    });
+                }
                 let mut b = [0u8; 16];
                 getrandom::fill(&mut b)
-                    .map_err(|e| stowage_core::CoreError::Invalid(e.to_string()))?;
+                    .map_err(|e| refused(stowage_core::CoreError::Invalid(e.to_string())))?;
                 let token = u128::from_le_bytes(b);
-                let id = match core.handle(self.now(), Input::OpenSession)? {
+                let id = match core
+                    .handle(self.now(), Input::OpenSession)
+                    .map_err(refused)?
+                {
                     Answer::Session(id) => id,
-                    other => return Err(unexpected(&other)),
+                    other => return Err(refused(unexpected(&other))),
                 };
                 if let Some(m) = &self.metrics {
                     m.session_opened();
@@ -194,14 +230,13 @@ impl Shared {
             }
         };
         let Some(rec) = sessions.get_mut(&token) else {
-            return Err(stowage_core::CoreError::Invalid("session vanished".into()));
+            return Err(refused(stowage_core::CoreError::Invalid(
+                "session vanished".into(),
+            )));
         };
         if maps && rec.pidfd.is_none() {
             // Taken while the peer is connected, so the pid is its own.
-            rec.pidfd = peer.pid.and_then(|pid| {
-                let pid = rustix::process::Pid::from_raw(pid)?;
-                rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
-            });
+            rec.pidfd = peer.pid.and_then(|pid| self.pidfd_of(pid));
             if rec.pidfd.is_none() {
                 tracing::warn!(
                     pid = ?peer.pid,
@@ -215,14 +250,38 @@ impl Shared {
             session: rec.id,
             mapped: rec.mapped,
         };
-        let owner = match core.handle(now, input)? {
+        let owner = match core.handle(now, input).map_err(refused)? {
             Answer::Attached(owner) => owner,
-            other => return Err(unexpected(&other)),
+            other => return Err(refused(unexpected(&other))),
         };
         if rec.one_sided {
-            core.handle(now, Input::MakeOneSided(owner))?;
+            core.handle(now, Input::MakeOneSided(owner))
+                .map_err(refused)?;
         }
         Ok((token, owner))
+    }
+
+    /// A pidfd of process `pid`, taken while one of its connections is
+    /// open (so the pid is its own): the one its other sessions hold when
+    /// that process is still running, so a client process with many
+    /// sessions costs one file descriptor. A cached pidfd whose process
+    /// has exited is never handed out: the pid may be another process's
+    /// now.
+    pub(crate) fn pidfd_of(&self, pid: i32) -> Option<Arc<std::os::fd::OwnedFd>> {
+        let mut known = self.pidfds.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(fd) = known.get(&pid).and_then(std::sync::Weak::upgrade) {
+            if !drive::process_exited(&fd) {
+                return Some(fd);
+            }
+        }
+        let raw = rustix::process::Pid::from_raw(pid)?;
+        let fd =
+            Arc::new(rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()).ok()?);
+        if known.len() >= 64 && known.len().is_power_of_two() {
+            known.retain(|_, w| w.strong_count() > 0);
+        }
+        known.insert(pid, Arc::downgrade(&fd));
+        Some(fd)
     }
 
     /// The core's counters, with the server's disk I/O counters.
@@ -497,6 +556,8 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
     let shared = Arc::new(Shared {
         moves: Mutex::new(moves_tx),
         compaction_micros: std::sync::atomic::AtomicU64::new(0),
+        pidfds: Mutex::new(std::collections::HashMap::new()),
+        reactor: std::sync::OnceLock::new(),
         core: Mutex::new(core),
         timer: Timer::new(),
         slab,
@@ -516,6 +577,8 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         max_io_timeout: cfg.max_io_timeout,
         checkpoint_root: cfg.checkpoint_root.clone(),
         max_connections: cfg.max_connections.max(1),
+        max_sessions: cfg.max_sessions.max(1),
+        joins: std::sync::atomic::AtomicU64::new(0),
         connections: std::sync::atomic::AtomicUsize::new(0),
         handshakes: admit::Handshakes::new(cfg.max_handshakes, cfg.max_handshakes_per_source),
         handshake_timeout: cfg.handshake_timeout,
@@ -566,6 +629,10 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
             .spawn(move || spiller(sh, spill_rx))
             .map_err(StartError::Slab)?;
     }
+
+    let reactor =
+        reactor::Reactor::start(&shared, cfg.threads, cfg.io_threads).map_err(StartError::Slab)?;
+    let _ = shared.reactor.set(reactor);
 
     let mut handle = UnitHandle {
         shared: shared.clone(),

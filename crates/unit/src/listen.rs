@@ -101,17 +101,11 @@ impl Shared {
     }
 }
 
-/// Serve `stream` on its own thread. It waits in the handshake pool
+/// Serve `stream` (on a worker of the reactor). It waits in the handshake pool
 /// until it proves itself (see `admit.rs`): taking its place there may
 /// cut the oldest handshake of its source, or of the source holding the
 /// most.
-fn spawn_conn(
-    shared: &Arc<Shared>,
-    stream: Socket,
-    peer: conn::Peer,
-    source: admit::Source,
-    name: &str,
-) {
+fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, source: admit::Source) {
     let Some((ticket, cut)) = shared.handshakes.admit(shared, source, &stream) else {
         tracing::warn!(%source, "out of file descriptors: a connection was turned away");
         if let Some(m) = &shared.metrics {
@@ -125,14 +119,12 @@ fn spawn_conn(
         }
         tracing::debug!(source = %from, reason = ?why, "cut a handshake to admit a new connection");
     }
-    let sh = shared.clone();
-    let accepted = Instant::now();
-    let spawned = std::thread::Builder::new()
-        .name(name.into())
-        .spawn(move || conn::serve(sh, stream, peer, ticket, accepted));
-    if let Err(e) = spawned {
-        tracing::warn!(error = %e, "cannot start a connection thread");
-    }
+    let Some(reactor) = shared.reactor.get() else {
+        tracing::error!("a connection came before the unit's serving threads started");
+        return;
+    };
+    let c = conn::open(shared.clone(), stream, peer, ticket, Instant::now());
+    reactor.admit(c);
 }
 
 pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
@@ -160,7 +152,7 @@ pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
                 // Same-user peers prove themselves too before they are
                 // served; a peer without credentials counts as one user.
                 let source = admit::Source::Uid(peer.uid.unwrap_or(u32::MAX));
-                spawn_conn(&shared, Socket::Unix(s), peer, source, "conn-uds");
+                spawn_conn(&shared, Socket::Unix(s), peer, source);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on the Unix socket failed");
@@ -185,13 +177,7 @@ pub(crate) fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
                     Ok(p) => admit::Source::of_tcp(p, s.local_addr().ok().or(local)),
                     Err(_) => continue, // already gone
                 };
-                spawn_conn(
-                    &shared,
-                    Socket::Tcp(s),
-                    conn::Peer::default(),
-                    source,
-                    "conn-tcp",
-                );
+                spawn_conn(&shared, Socket::Tcp(s), conn::Peer::default(), source);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on TCP failed");

@@ -153,10 +153,7 @@ impl Shared {
             None => None,
         };
         if rec.pidfd.is_none() {
-            rec.pidfd = peer.pid.and_then(|pid| {
-                let pid = rustix::process::Pid::from_raw(pid)?;
-                rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
-            });
+            rec.pidfd = peer.pid.and_then(|pid| self.pidfd_of(pid));
         }
         rec.one_sided = true;
         self.core().handle(self.now(), Input::MakeOneSided(owner))?;

@@ -424,3 +424,30 @@ pub fn wait_for_line(
         }
     }
 }
+
+/// A field of `/proc/PID/status` in its unit (kB for sizes).
+pub fn proc_status(pid: u32, field: &str) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap_or_else(|| panic!("no {field} in /proc/{pid}/status"))
+}
+
+/// Raise this process's open-file limit to its hard limit (a test that
+/// holds thousands of connections); returns the limit now.
+pub fn raise_nofile() -> u64 {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let mut l = getrlimit(Resource::Nofile);
+    if l.maximum.is_some() {
+        l.current = l.maximum;
+    }
+    let _ = setrlimit(Resource::Nofile, l);
+    getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
+}
+
+/// The most threads a unit may run: twice the cores, and 16.
+pub fn thread_bound() -> u64 {
+    2 * std::thread::available_parallelism().map_or(1, |n| n.get() as u64) + 16
+}

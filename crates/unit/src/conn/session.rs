@@ -3,44 +3,36 @@
 //! session), to its end, when what it holds is released by the core's
 //! rules for how it ended ([`EndReason`]).
 
-use std::io::{self, BufReader, Write};
+use std::io;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use stowage_wire::io::{Socket, SpinReader};
 use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
 
-use super::{Conn, Peer};
+use super::{Conn, InBuf, Peer};
 use crate::auth::{Gate, Verdict};
-use crate::handler::error_response;
 use crate::Shared;
 
-/// Serve one connection until it ends. `ticket`: its place in the
-/// handshake pool; `accepted`: when it was accepted (its handshake's
-/// deadline runs from there).
-pub(crate) fn serve(
+/// A connection, from accept: its state, waiting in the handshake pool
+/// (`ticket`) until it proves itself; `accepted`: when it was accepted
+/// (its handshake's deadline runs from there).
+pub(crate) fn open(
     shared: Arc<Shared>,
     stream: Socket,
     peer: Peer,
     ticket: crate::admit::Ticket,
     accepted: Instant,
-) {
-    let writer = match stream.try_clone() {
-        Ok(w) => w,
-        Err(e) => {
-            tracing::warn!(error = %e, "cannot clone a connection's socket");
-            return;
-        }
-    };
+) -> Box<Conn> {
     let unix = matches!(stream, Socket::Unix(_));
     let admin = shared.admin_tcp || (unix && peer.uid == Some(shared.uid));
-    // Replies that the peer does not take are cut off after this long.
+    // Replies that the peer does not take are cut off after this long
+    // (the pool's sends; the workers' never wait).
     let write_timeout = shared.frame_timeout;
-    let _ = writer.set_write_timeout(Some(write_timeout));
-    let mut c = Conn {
+    let _ = stream.set_write_timeout(Some(write_timeout));
+    Box::new(Conn {
         shared: shared.clone(),
-        reader: BufReader::with_capacity(64 << 10, SpinReader::new(stream, shared.spin)),
-        writer,
+        reader: InBuf::new(SpinReader::new(stream, shared.spin)),
         peer,
         unix,
         admin,
@@ -51,19 +43,44 @@ pub(crate) fn serve(
         ticket: Some(ticket),
         slot: None,
         write_timeout,
-        out: Vec::with_capacity(4096),
+        out: Vec::new(),
+        out_since: None,
         scratch: Vec::new(),
         failed: false,
         frame_start: Instant::now(),
         counters: crate::metrics::ConnCounters::attach(&shared),
-    };
-    // A panic while serving (a bug) ends the connection as the unit
-    // cutting it would: what it holds is released by the same rules, and
-    // its slots are given back.
-    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| c.run()));
-    let end = match ran {
-        Ok(Ok(())) => stowage_core::ConnEnd::Closed,
-        Ok(Err(e)) => {
+        blocking: false,
+        parked: None,
+    })
+}
+
+/// How serving a connection ended.
+pub(crate) enum Ended {
+    Ran(Result<(), EndReason>),
+    /// Serving it panicked (a bug), with this message.
+    Panicked(String),
+}
+
+impl Ended {
+    pub(crate) fn panicked(panic: Box<dyn std::any::Any + Send>) -> Ended {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Ended::Panicked(what)
+    }
+}
+
+/// The connection ended: what it holds is released by the core's rules
+/// for how it ended ([`EndReason::is_cut`]); a panic while serving it (a
+/// bug) ends it as the unit cutting it would, and its slots are given
+/// back.
+pub(crate) fn finish(mut c: Box<Conn>, ended: Ended) {
+    let shared = c.shared.clone();
+    let end = match ended {
+        Ended::Ran(Ok(())) => stowage_core::ConnEnd::Closed,
+        Ended::Ran(Err(e)) => {
             tracing::debug!(error = %e, "connection ended");
             if e.is_cut() {
                 stowage_core::ConnEnd::Cut
@@ -71,17 +88,13 @@ pub(crate) fn serve(
                 stowage_core::ConnEnd::Closed
             }
         }
-        Err(panic) => {
-            let what = panic
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| panic.downcast_ref::<String>().cloned())
-                .unwrap_or_default();
+        Ended::Panicked(what) => {
             tracing::error!(
                 unit = %shared.name,
                 panic = %what,
-                "a connection's thread panicked; the connection is cut and what it holds released as for a cut connection"
+                "serving a connection panicked; the connection is cut and what it holds released as for a cut connection"
             );
+            c.blocking = false;
             let _ = c.reply(
                 0,
                 &Response::Error {
@@ -132,7 +145,7 @@ pub(crate) fn serve(
 }
 
 #[derive(Debug, thiserror::Error)]
-pub(super) enum EndReason {
+pub(crate) enum EndReason {
     #[error(transparent)]
     Io(#[from] io::Error),
     #[error("closed after an invalid request: {0}")]
@@ -221,10 +234,9 @@ impl Conn {
             return;
         };
         if t.cut().is_some() {
+            // Told as far as its socket takes it now; nobody waits on it.
             let message = self.shared.cut_message(&t);
-            let _ = self
-                .writer
-                .set_write_timeout(Some(Duration::from_millis(100)));
+            self.blocking = false;
             let _ = self.reply(
                 0,
                 &Response::Error {
@@ -257,9 +269,13 @@ impl Conn {
             .join_session(session, self.peer, maps, &namespace)
         {
             Ok(j) => j,
-            Err(e) => {
-                self.reply(id, &error_response(&e))?;
-                return Err(EndReason::Invalid(format!("session refused: {e}")));
+            Err(r) => {
+                self.reply(id, &r)?;
+                let why = match r {
+                    Response::Error { message, .. } => message,
+                    _ => String::new(),
+                };
+                return Err(EndReason::Invalid(format!("session refused: {why}")));
             }
         };
         self.owner = Some(owner);
@@ -272,19 +288,21 @@ impl Conn {
             fd_attached: attach,
             session: token,
         };
-        self.out.clear();
-        encode(id, &r, 0, &mut self.out).map_err(io::Error::other)?;
-        match &self.writer {
-            Socket::Unix(s) if attach => {
-                let sent = stowage_shm::send_with_fd(s, &self.out, self.shared.slab.fd())?;
-                let rest = self.out[sent..].to_vec();
-                self.writer.write_all(&rest)?;
-            }
-            _ => {
-                let out = std::mem::take(&mut self.out);
-                self.writer.write_all(&out)?;
-                self.out = out;
-            }
+        if !attach {
+            return Ok(self.reply(id, &r)?);
+        }
+        // (On the pool: everything before it was sent.)
+        let mut out = Vec::new();
+        encode(id, &r, 0, &mut out).map_err(io::Error::other)?;
+        let sent = match &self.reader.src.socket {
+            Socket::Unix(s) => stowage_shm::send_with_fd(s, &out, self.shared.slab.fd())?,
+            Socket::Tcp(_) => 0,
+        };
+        self.out.extend_from_slice(&out[sent..]);
+        if self.blocking {
+            self.flush_blocking()?;
+        } else {
+            self.flush_ready()?;
         }
         Ok(())
     }

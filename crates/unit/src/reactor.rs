@@ -1,0 +1,488 @@
+//! The threads that serve a unit's connections: a fixed set of workers
+//! (`--threads`, default one per core), each waiting on readiness events
+//! (mio: epoll) for its share of the connections, and a bounded pool
+//! (`--io-threads`) for the steps that block (a tcp put's or get's bytes,
+//! spilled values, checkpoints, nixl setup, a Hello that hands over the
+//! slab's memfd).
+//!
+//! A connection is a state ([`Conn`]), not a thread: an idle one costs its
+//! socket and a few hundred bytes. A worker reads what a readable
+//! connection has without blocking, serves each whole frame in its buffer
+//! (the handler plans it under the core's lock), writes the reply without
+//! blocking, and keeps what the peer did not take yet; it serves at most
+//! [`QUANTUM`] frames of one connection before it turns to the next ready
+//! one, so no session starves the others. A step that would block moves
+//! the connection to the pool, which carries it out with the blocking
+//! code (bounded by the request's deadline, as before) and hands the
+//! connection back to its worker. Timers: a handshake that is not done by
+//! its deadline, a frame begun and not finished within the frame timeout,
+//! and a reply not taken within it end the connection as cut, exactly as
+//! the socket timeouts of the thread-per-connection unit did.
+
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::{Duration, Instant};
+
+use mio::unix::SourceFd;
+use mio::{Events, Interest, Poll, Registry, Token, Waker};
+
+use crate::conn::{Conn, Ended, Step};
+use crate::Shared;
+
+/// Frames of one connection a worker serves before it turns to the next
+/// ready connection.
+pub(crate) const QUANTUM: usize = 32;
+const WAKER: Token = Token(usize::MAX);
+/// An idle blocking-pool thread exits after this.
+const POOL_IDLE: Duration = Duration::from_secs(5);
+
+enum Msg {
+    New(Box<Conn>),
+    /// A connection back from the pool: its slot, the slot's generation,
+    /// and how its blocking step ended.
+    Back(usize, u64, Box<Conn>, Ended),
+}
+
+struct Handle {
+    tx: Mutex<Sender<Msg>>,
+    waker: Waker,
+    /// Connections it serves (to pick the least loaded).
+    conns: AtomicUsize,
+}
+
+impl Handle {
+    fn send(&self, m: Msg) {
+        let sent = self
+            .tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(m)
+            .is_ok();
+        if sent {
+            let _ = self.waker.wake();
+        }
+    }
+}
+
+/// The serving threads of a unit.
+pub(crate) struct Reactor {
+    workers: Vec<Arc<Handle>>,
+}
+
+impl Reactor {
+    /// Start `threads` workers (0: one per core) and a pool of at most
+    /// `io_threads`.
+    pub(crate) fn start(
+        shared: &Arc<Shared>,
+        threads: usize,
+        io_threads: usize,
+    ) -> std::io::Result<Reactor> {
+        let threads = match threads {
+            0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            n => n,
+        };
+        let pool = Arc::new(Pool::new(io_threads.max(1)));
+        let mut workers = Vec::with_capacity(threads);
+        for i in 0..threads {
+            let poll = Poll::new()?;
+            let waker = Waker::new(poll.registry(), WAKER)?;
+            let (tx, rx) = mpsc::channel();
+            let handle = Arc::new(Handle {
+                tx: Mutex::new(tx),
+                waker,
+                conns: AtomicUsize::new(0),
+            });
+            let w = Worker {
+                shared: shared.clone(),
+                poll,
+                rx,
+                me: handle.clone(),
+                pool: pool.clone(),
+                slots: Vec::new(),
+                free: Vec::new(),
+                timers: BinaryHeap::new(),
+                ready: VecDeque::new(),
+                next_gen: 0,
+            };
+            std::thread::Builder::new()
+                .name(format!("serve-{i}"))
+                .spawn(move || w.run())?;
+            workers.push(handle);
+        }
+        Ok(Reactor { workers })
+    }
+
+    /// Serve `conn` on the worker with the fewest connections.
+    pub(crate) fn admit(&self, conn: Box<Conn>) {
+        let Some(w) = self
+            .workers
+            .iter()
+            .min_by_key(|w| w.conns.load(Ordering::Relaxed))
+        else {
+            return;
+        };
+        w.conns.fetch_add(1, Ordering::Relaxed);
+        w.send(Msg::New(conn));
+    }
+}
+
+struct Slot {
+    gen: u64,
+    conn: Option<Box<Conn>>,
+    fd: RawFd,
+    /// The connection is on the pool.
+    away: bool,
+    /// In the ready queue.
+    queued: bool,
+    /// The earliest timer set for it and not yet fired.
+    armed: Option<Instant>,
+}
+
+struct Worker {
+    shared: Arc<Shared>,
+    poll: Poll,
+    rx: Receiver<Msg>,
+    me: Arc<Handle>,
+    pool: Arc<Pool>,
+    slots: Vec<Option<Slot>>,
+    free: Vec<usize>,
+    timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
+    ready: VecDeque<usize>,
+    next_gen: u64,
+}
+
+fn register(registry: &Registry, fd: RawFd, idx: usize) -> std::io::Result<()> {
+    registry.register(
+        &mut SourceFd(&fd),
+        Token(idx),
+        Interest::READABLE | Interest::WRITABLE,
+    )
+}
+
+impl Worker {
+    fn run(mut self) {
+        let mut events = Events::with_capacity(1024);
+        let spin = self.shared.spin;
+        let mut busy_until = Instant::now();
+        loop {
+            let now = Instant::now();
+            let stopping = self.shared.stop.load(Ordering::SeqCst);
+            if stopping && self.me.conns.load(Ordering::Relaxed) == 0 {
+                return;
+            }
+            let timeout = if !self.ready.is_empty() || now < busy_until {
+                Some(Duration::ZERO)
+            } else {
+                let next = self
+                    .timers
+                    .peek()
+                    .map(|Reverse((t, _, _))| t.saturating_duration_since(now));
+                match (next, stopping) {
+                    (Some(t), true) => Some(t.min(Duration::from_millis(100))),
+                    (None, true) => Some(Duration::from_millis(100)),
+                    (t, false) => t,
+                }
+            };
+            if let Err(e) = self.poll.poll(&mut events, timeout) {
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!(error = %e, "a serving thread's readiness wait failed");
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                continue;
+            }
+            let mut worked = false;
+            for ev in events.iter() {
+                if ev.token() == WAKER {
+                    continue;
+                }
+                worked = true;
+                self.enqueue(ev.token().0);
+            }
+            while let Ok(m) = self.rx.try_recv() {
+                worked = true;
+                self.take(m);
+            }
+            self.fire_timers();
+            // Serve each connection ready now once (a quantum each); those
+            // that have more go to the back.
+            for _ in 0..self.ready.len() {
+                let Some(idx) = self.ready.pop_front() else {
+                    break;
+                };
+                worked = true;
+                self.step(idx);
+            }
+            if worked {
+                busy_until = Instant::now() + spin;
+            }
+        }
+    }
+
+    fn enqueue(&mut self, idx: usize) {
+        if let Some(Some(s)) = self.slots.get_mut(idx) {
+            if !s.queued && !s.away {
+                s.queued = true;
+                self.ready.push_back(idx);
+            }
+        }
+    }
+
+    fn take(&mut self, m: Msg) {
+        match m {
+            Msg::New(conn) => {
+                let fd = conn.fd();
+                let idx = self.free.pop().unwrap_or_else(|| {
+                    self.slots.push(None);
+                    self.slots.len() - 1
+                });
+                if let Err(e) = register(self.poll.registry(), fd, idx) {
+                    tracing::warn!(error = %e, "cannot watch a connection; it is closed");
+                    self.free.push(idx);
+                    self.me.conns.fetch_sub(1, Ordering::Relaxed);
+                    crate::conn::finish(conn, Ended::Ran(Err(e.into())));
+                    return;
+                }
+                self.next_gen += 1;
+                self.slots[idx] = Some(Slot {
+                    gen: self.next_gen,
+                    conn: Some(conn),
+                    fd,
+                    away: false,
+                    queued: false,
+                    armed: None,
+                });
+                // Its first bytes may be there already (no edge will say so).
+                self.enqueue(idx);
+            }
+            Msg::Back(idx, gen, conn, ended) => {
+                let Some(Some(s)) = self.slots.get_mut(idx) else {
+                    return;
+                };
+                if s.gen != gen {
+                    return;
+                }
+                match ended {
+                    Ended::Ran(Ok(())) => {
+                        s.conn = Some(conn);
+                        s.away = false;
+                        // Readiness that came meanwhile was not served.
+                        self.enqueue(idx);
+                    }
+                    ended => self.end(idx, conn, ended),
+                }
+            }
+        }
+    }
+
+    fn fire_timers(&mut self) {
+        let now = Instant::now();
+        while let Some(&Reverse((t, idx, gen))) = self.timers.peek() {
+            if t > now {
+                break;
+            }
+            self.timers.pop();
+            let Some(Some(s)) = self.slots.get_mut(idx) else {
+                continue;
+            };
+            if s.gen != gen || s.armed != Some(t) {
+                continue;
+            }
+            s.armed = None;
+            if s.away {
+                continue;
+            }
+            let Some(conn) = s.conn.as_ref() else {
+                continue;
+            };
+            match conn.deadline() {
+                Some(d) if d <= now => {
+                    // A last read: the bytes may have come just now.
+                    self.enqueue(idx);
+                }
+                Some(d) => self.arm(idx, d),
+                None => {}
+            }
+        }
+    }
+
+    fn arm(&mut self, idx: usize, at: Instant) {
+        let Some(Some(s)) = self.slots.get_mut(idx) else {
+            return;
+        };
+        if s.armed.is_some_and(|a| a <= at) {
+            return;
+        }
+        s.armed = Some(at);
+        self.timers.push(Reverse((at, idx, s.gen)));
+    }
+
+    fn step(&mut self, idx: usize) {
+        let Some(Some(s)) = self.slots.get_mut(idx) else {
+            return;
+        };
+        s.queued = false;
+        let Some(mut conn) = s.conn.take() else {
+            return;
+        };
+        let gen = s.gen;
+        let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.pump(QUANTUM)));
+        let step = match ran {
+            Ok(step) => step,
+            Err(panic) => {
+                self.end(idx, conn, Ended::panicked(panic));
+                return;
+            }
+        };
+        match step {
+            Step::Wait(deadline) => {
+                if let Some(Some(s)) = self.slots.get_mut(idx) {
+                    s.conn = Some(conn);
+                }
+                if let Some(d) = deadline {
+                    if d <= Instant::now() {
+                        let conn = self.slots[idx].as_mut().and_then(|s| s.conn.take());
+                        if let Some(conn) = conn {
+                            let end = Ended::Ran(Err(std::io::Error::from(
+                                std::io::ErrorKind::TimedOut,
+                            )
+                            .into()));
+                            self.end(idx, conn, end);
+                        }
+                        return;
+                    }
+                    self.arm(idx, d);
+                }
+            }
+            Step::Again => {
+                if let Some(Some(s)) = self.slots.get_mut(idx) {
+                    s.conn = Some(conn);
+                }
+                self.enqueue(idx);
+            }
+            Step::Pool => {
+                if let Some(Some(s)) = self.slots.get_mut(idx) {
+                    s.away = true;
+                }
+                let me = self.me.clone();
+                self.pool.submit(Box::new(move || {
+                    let mut conn = conn;
+                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        conn.run_parked()
+                    }));
+                    let ended = match ran {
+                        Ok(r) => Ended::Ran(r),
+                        Err(panic) => Ended::panicked(panic),
+                    };
+                    me.send(Msg::Back(idx, gen, conn, ended));
+                }));
+            }
+            Step::End(r) => self.end(idx, conn, Ended::Ran(r)),
+        }
+    }
+
+    /// The connection in slot `idx` ended: stop watching it, free the
+    /// slot, and release what it holds by the rules for how it ended.
+    fn end(&mut self, idx: usize, conn: Box<Conn>, ended: Ended) {
+        if let Some(s) = self.slots.get_mut(idx).and_then(Option::take) {
+            let _ = self.poll.registry().deregister(&mut SourceFd(&s.fd));
+            self.free.push(idx);
+            self.me.conns.fetch_sub(1, Ordering::Relaxed);
+        }
+        crate::conn::finish(conn, ended);
+    }
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// Threads for blocking steps: started when a job finds none idle (at
+/// most `max`), gone after [`POOL_IDLE`] without work.
+pub(crate) struct Pool {
+    state: Mutex<PoolState>,
+    cv: Condvar,
+    max: usize,
+}
+
+struct PoolState {
+    queue: VecDeque<Job>,
+    threads: usize,
+    idle: usize,
+}
+
+impl Pool {
+    fn new(max: usize) -> Self {
+        Self {
+            state: Mutex::new(PoolState {
+                queue: VecDeque::new(),
+                threads: 0,
+                idle: 0,
+            }),
+            cv: Condvar::new(),
+            max,
+        }
+    }
+
+    fn submit(self: &Arc<Self>, job: Job) {
+        let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.queue.push_back(job);
+        if st.idle >= st.queue.len() || st.threads >= self.max {
+            self.cv.notify_one();
+            return;
+        }
+        st.threads += 1;
+        let n = st.threads;
+        drop(st);
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("io-{n}"))
+            .spawn(move || me.work());
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "cannot start a blocking-pool thread");
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.threads -= 1;
+            let stranded = st.threads == 0;
+            drop(st);
+            if stranded {
+                // Nobody would ever run it: run what waits here.
+                while let Some(job) = self.pop() {
+                    job();
+                }
+            }
+        }
+    }
+
+    fn pop(&self) -> Option<Job> {
+        self.state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .queue
+            .pop_front()
+    }
+
+    fn work(self: Arc<Self>) {
+        loop {
+            let mut st = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let job = loop {
+                if let Some(j) = st.queue.pop_front() {
+                    break j;
+                }
+                st.idle += 1;
+                let (s, waited) = self
+                    .cv
+                    .wait_timeout(st, POOL_IDLE)
+                    .unwrap_or_else(|p| p.into_inner());
+                st = s;
+                st.idle -= 1;
+                if waited.timed_out() && st.queue.is_empty() {
+                    st.threads -= 1;
+                    return;
+                }
+            };
+            drop(st);
+            job();
+        }
+    }
+}
