@@ -296,7 +296,7 @@ impl Ring {
                 entry.len(),
             );
         }
-        *tail += (skip + size) as u64;
+        *tail = tail.wrapping_add((skip + size) as u64);
         self.word64(lane.tail).store(*tail, Ordering::Release);
         Ok(())
     }
@@ -329,7 +329,7 @@ impl Ring {
                     "a wrap marker at {at} with {avail} bytes published"
                 )));
             }
-            pos += skip;
+            pos = pos.wrapping_add(skip);
             avail -= skip;
             at = 0;
             len = self.word32(lane.data).load(Ordering::Relaxed);
@@ -364,7 +364,7 @@ impl Ring {
             );
             out.set_len(len);
         }
-        *head = pos + size as u64;
+        *head = pos.wrapping_add(size as u64);
         self.word64(lane.head).store(*head, Ordering::Release);
         Ok(true)
     }
@@ -935,6 +935,32 @@ mod tests {
                         }
                     }
                     Act::Park => { let _ = unit.park(); let _ = unit.has_request(); }
+                }
+            }
+        }
+
+        /// The client side checks the unit's writes the same way: a unit
+        /// that scribbles over the header and the CQ gets the client a
+        /// RingCorrupt, never a panic or a read outside the ring.
+        #[test]
+        fn a_broken_unit_only_corrupts_its_ring(
+            acts in proptest::collection::vec(
+                (0..4096usize, proptest::collection::vec(proptest::num::u8::ANY, 1..24), 0..700usize),
+                1..60,
+            )
+        ) {
+            let (unit, client) = pair(4096);
+            let mut out = Vec::new();
+            let now = Instant::now();
+            for (offset, bytes, len) in acts {
+                let _ = unit.post_reply(&entry(offset, len));
+                if offset % 3 == 0 {
+                    unit.scribble(offset, &bytes);
+                }
+                let _ = client.submit(&bytes);
+                let _ = client.wait_reply(now, Duration::ZERO);
+                if let Ok(true) = client.take_reply(&mut out) {
+                    proptest::prop_assert!(out.len() <= client.max_entry());
                 }
             }
         }
