@@ -293,11 +293,30 @@ fn requests_move_to_the_ring_after_sixteen_round_trips() {
         let mut c = connect(&path);
         workload(&mut c, 300);
         assert!(on_ring(&c));
+        // A request too large for the ring goes on the socket.
+        let d = Instant::now() + Duration::from_secs(10);
+        let long = "x".repeat(RING_BYTES);
+        let id = c
+            .send(
+                &Request::List {
+                    partition: long.clone(),
+                },
+                &mut [],
+                d,
+            )
+            .unwrap();
+        assert_eq!(
+            c.recv(id, d).unwrap(),
+            Response::Listed {
+                rows: vec![(7, vec![long])]
+            }
+        );
         drop(c);
         let seen = peer.join().unwrap();
         assert_eq!(seen.opens, 1, "{seen:?}");
-        // 16 round trips before the ring (and the Unpins among them).
-        assert!((16..=20).contains(&seen.socket), "{seen:?}");
+        // 16 round trips before the ring (and the Unpins among them), and
+        // the long request.
+        assert!((17..=21).contains(&seen.socket), "{seen:?}");
         assert!(seen.ring >= 300 - 16, "{seen:?}");
         // A new ring is parked: the first request kicked it at least.
         assert!(seen.kicks >= 1, "{seen:?}");
