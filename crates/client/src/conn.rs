@@ -1,4 +1,16 @@
 //! One connection to one unit: handshake, framed send and bounded receive.
+//!
+//! **Request rings.** A shm connection (it mapped the unit's slab over a
+//! Unix socket) that has made [`RING_AFTER`] round trips asks the unit
+//! once for a request ring ([`Request::OpenRing`]); a unit that serves
+//! none answers an error and is never asked again on that connection.
+//! From then on every request without payload whose frame fits the ring
+//! goes through it ([`Ring::submit`], with a [`Request::RingKick`] on the
+//! socket when the unit parked the ring) and its reply comes back through
+//! it (a futex wait after the connection's spin), or on the socket where
+//! the ring says [`Response::OnSocket`]. Set `STOWAGE_RINGS=0` in the
+//! environment (read once per process) to keep every request on the
+//! socket, for tests and benchmarks.
 
 use std::io::{self, BufReader, IoSlice, Read, Write};
 use std::net::{SocketAddr, TcpStream};
@@ -7,12 +19,49 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use stowage_shm::ring::{Ring, RING_BYTES};
 use stowage_shm::Slab;
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
     read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
-use stowage_wire::{encode, Envelope, ErrorCode, Limits, Request, Response, PROTOCOL_VERSION};
+use stowage_wire::{
+    encode, Envelope, ErrorCode, FramePrefix, Limits, Request, Response, PREFIX_LEN,
+    PROTOCOL_VERSION,
+};
+
+/// Round trips a shm connection makes before it asks for a request ring
+/// (a connection that is used a few times only never costs the unit one).
+pub(crate) const RING_AFTER: u32 = 16;
+
+/// How often a request waiting on its ring looks whether the unit's
+/// socket has news (its end, or a reply there): a unit that dies is
+/// noticed within this, not at the deadline.
+const RING_SOCKET_CHECK: Duration = Duration::from_millis(20);
+
+/// Whether shm connections may use request rings: not when the
+/// environment says `STOWAGE_RINGS=0` (read once per process; any other
+/// value, or none, allows them).
+pub(crate) fn rings_enabled() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| rings_from_env(std::env::var("STOWAGE_RINGS").ok().as_deref()))
+}
+
+/// What `STOWAGE_RINGS` says: rings unless it is `0`.
+fn rings_from_env(v: Option<&str>) -> bool {
+    v.is_none_or(|v| v.trim() != "0")
+}
+
+/// A connection's request ring.
+enum RingState {
+    /// None, and none to ask for: not a shm connection, rings turned off,
+    /// or the unit refused one.
+    Off,
+    /// Round trips made so far; the ring is asked for at [`RING_AFTER`].
+    Counting(u32),
+    /// Requests without payload go through this ring.
+    On(Arc<Ring>),
+}
 
 /// Where a unit listens.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
@@ -165,6 +214,8 @@ fn variant_name(r: &Response) -> &'static str {
         Response::Challenge { .. } => "Challenge",
         Response::CommittedSpare { .. } => "CommittedSpare",
         Response::NixlInfo { .. } => "NixlInfo",
+        Response::Ring { .. } => "Ring",
+        Response::OnSocket => "OnSocket",
     }
 }
 
@@ -195,6 +246,14 @@ pub(crate) struct Conn {
     limits: Limits,
     /// The read timeout last set, to skip redundant setsockopt calls.
     read_timeout: Option<Duration>,
+    ring: RingState,
+    /// The id of the last request sent through the ring: its reply comes
+    /// there.
+    ring_sent: Option<u64>,
+    /// A ring entry taken, decoded from here.
+    ring_entry: Vec<u8>,
+    /// How long a reply is polled for before the caller sleeps.
+    spin: Duration,
 }
 
 impl Conn {
@@ -247,6 +306,10 @@ impl Conn {
             scratch: Vec::new(),
             limits: Limits::default(),
             read_timeout: None,
+            ring: RingState::Off,
+            ring_sent: None,
+            ring_entry: Vec::new(),
+            spin,
         };
         // The id of the proof, whose refusal may come in place of the
         // Hello's reply.
@@ -326,6 +389,9 @@ impl Conn {
                             return Err(ConnError::Protocol("slab fd missing from Hello".into()))
                         }
                     };
+                    if rings_enabled() {
+                        c.ring = RingState::Counting(0);
+                    }
                 }
                 Ok(c)
             }
@@ -401,20 +467,39 @@ impl Conn {
         Ok(())
     }
 
-    /// Send a request and its payload; returns its id.
+    /// Send a request and its payload; returns its id. A request without
+    /// payload goes through the connection's ring when it has one and the
+    /// frame fits (a full ring: on the socket).
     pub(crate) fn send(
         &mut self,
         req: &Request,
         payload: &mut [IoSlice<'_>],
         deadline: Instant,
     ) -> Result<u64, ConnError> {
-        self.set_timeouts(deadline)?;
+        remaining(deadline)?;
+        if payload.is_empty() {
+            self.open_ring_when_due(deadline)?;
+        }
         let id = self.next_id;
         self.next_id += 1;
         let payload_len: u64 = payload.iter().map(|s| s.len() as u64).sum();
         self.out.clear();
         encode(id, req, payload_len, &mut self.out)
             .map_err(|e| ConnError::Protocol(e.to_string()))?;
+        if payload.is_empty() {
+            if let RingState::On(ring) = &self.ring {
+                if self.out.len() <= ring.max_entry() {
+                    if let Ok(parked) = ring.submit(&self.out) {
+                        self.ring_sent = Some(id);
+                        if parked {
+                            self.kick(deadline)?;
+                        }
+                        return Ok(id);
+                    }
+                }
+            }
+        }
+        self.set_timeouts(deadline)?;
         if payload.is_empty() {
             self.writer.write_all(&self.out)?;
         } else {
@@ -442,7 +527,178 @@ impl Conn {
     /// Receive the reply to request `id` (its payload, if any, is left on
     /// the stream for [`Conn::read_payload`]).
     pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, ConnError> {
-        self.recv_for(&[id], deadline)
+        let reply = match &self.ring {
+            RingState::On(ring) if self.ring_sent == Some(id) => {
+                let ring = ring.clone();
+                self.recv_ring(&ring, id, deadline)?
+            }
+            _ => self.recv_for(&[id], deadline)?,
+        };
+        if let RingState::Counting(n) = &mut self.ring {
+            *n += 1;
+        }
+        Ok(reply)
+    }
+
+    /// Tell the unit, which parked the ring, that it has requests.
+    fn kick(&mut self, deadline: Instant) -> Result<(), ConnError> {
+        self.set_timeouts(deadline)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.out.clear();
+        encode(id, &Request::RingKick, 0, &mut self.out)
+            .map_err(|e| ConnError::Protocol(e.to_string()))?;
+        self.writer.write_all(&self.out)?;
+        Ok(())
+    }
+
+    /// Ask for a ring once the connection has made its [`RING_AFTER`]
+    /// round trips (and has nothing left unread): map it on
+    /// [`Response::Ring`]; on an error (a unit that serves no rings), or a
+    /// ring this process cannot map, never ask again.
+    fn open_ring_when_due(&mut self, deadline: Instant) -> Result<(), ConnError> {
+        match self.ring {
+            RingState::Counting(n) if n >= RING_AFTER && self.reader.buffer().is_empty() => {}
+            _ => return Ok(()),
+        }
+        self.ring = RingState::Off;
+        let asked = RING_BYTES as u32;
+        self.set_timeouts(deadline)?;
+        let id = self.next_id;
+        self.next_id += 1;
+        self.out.clear();
+        encode(id, &Request::OpenRing { bytes: asked }, 0, &mut self.out)
+            .map_err(|e| ConnError::Protocol(e.to_string()))?;
+        self.writer.write_all(&self.out)?;
+        let (reply, fd) = self.recv_frame_with_fd(id)?;
+        match reply {
+            Response::Ring { bytes } => {
+                let Some(fd) = fd else {
+                    return Err(ConnError::Protocol("ring fd missing from its reply".into()));
+                };
+                match Ring::open(fd, bytes as usize) {
+                    Ok(ring) => self.ring = RingState::On(Arc::new(ring)),
+                    // The unit keeps a ring nobody uses until the
+                    // connection ends; requests stay on the socket.
+                    Err(e) => {
+                        tracing::warn!(error = %e, "cannot map the unit's request ring; requests stay on the socket")
+                    }
+                }
+            }
+            Response::Error { code, message } => {
+                tracing::debug!(?code, %message, "the unit serves no request rings");
+            }
+            other => {
+                return Err(ConnError::Protocol(format!(
+                    "unexpected reply to OpenRing: {}",
+                    variant_name(&other)
+                )))
+            }
+        }
+        Ok(())
+    }
+
+    /// Receive the reply to `id` with the fd that may ride on its first
+    /// byte (SCM_RIGHTS), reading exactly that frame (no payload), within
+    /// the socket's timeouts.
+    fn recv_frame_with_fd(
+        &mut self,
+        id: u64,
+    ) -> Result<(Response, Option<std::os::fd::OwnedFd>), ConnError> {
+        let Socket::Unix(s) = &self.reader.get_ref().socket else {
+            return Err(ConnError::Protocol("fd passing needs a Unix socket".into()));
+        };
+        let mut prefix = [0u8; PREFIX_LEN];
+        let (n, fd) = stowage_shm::recv_with_fd(s, &mut prefix)?;
+        if n == 0 {
+            return Err(ConnError::Broken(io::ErrorKind::UnexpectedEof.into()));
+        }
+        self.reader.read_exact(&mut prefix[n..])?;
+        let prefix = FramePrefix::parse(&prefix, &self.limits)
+            .map_err(|e| ConnError::Protocol(e.to_string()))?;
+        let env: Envelope<Response> = read_header(&mut self.reader, &prefix, &mut self.scratch)?;
+        if env.id != id && env.id != 0 {
+            return Err(ConnError::Protocol(format!(
+                "reply for request {} while waiting for {id}",
+                env.id
+            )));
+        }
+        if prefix.payload_len != 0 {
+            return Err(ConnError::Protocol(format!(
+                "a {} reply with a payload",
+                variant_name(&env.body)
+            )));
+        }
+        Ok((env.body, fd))
+    }
+
+    /// Receive the reply to `id`, sent through `ring`: from the ring, or
+    /// from the socket where the ring says so ([`Response::OnSocket`]) or
+    /// where the socket has something to say (the unit's end, an error).
+    fn recv_ring(
+        &mut self,
+        ring: &Ring,
+        id: u64,
+        deadline: Instant,
+    ) -> Result<Response, ConnError> {
+        let mut spin = self.spin;
+        let mut socket_ready = false;
+        loop {
+            let taken = ring
+                .take_reply(&mut self.ring_entry)
+                .map_err(|e| ConnError::Protocol(e.to_string()))?;
+            if taken {
+                let env = decode_entry(&self.ring_entry, &self.limits)?;
+                match env.body {
+                    Response::OnSocket if env.id == id => return self.recv_for(&[id], deadline),
+                    // Announced after its reply was read off the socket
+                    // (see below): nothing left to do for it.
+                    Response::OnSocket if env.id < id => continue,
+                    body if env.id == id || env.id == 0 => return Ok(body),
+                    _ => {
+                        return Err(ConnError::Protocol(format!(
+                            "ring reply for request {} while waiting for {id}",
+                            env.id
+                        )))
+                    }
+                }
+            }
+            // The socket became readable after the ring was found empty:
+            // whatever the unit put in the ring before writing there is
+            // seen by the look above, so what is on the socket is this
+            // request's reply, an error, or the unit's end.
+            if socket_ready {
+                return self.recv_for(&[id], deadline);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return Err(ConnError::Timeout);
+            }
+            if ring.wait_reply(deadline.min(now + RING_SOCKET_CHECK), spin) {
+                continue;
+            }
+            spin = Duration::ZERO;
+            socket_ready = self.socket_readable()?;
+        }
+    }
+
+    /// Whether the socket has bytes (or its end) to read, without waiting.
+    fn socket_readable(&self) -> Result<bool, ConnError> {
+        if !self.reader.buffer().is_empty() {
+            return Ok(true);
+        }
+        use rustix::event::{PollFd, PollFlags};
+        let sock = &self.reader.get_ref().socket;
+        let mut fds = [PollFd::new(sock, PollFlags::IN)];
+        let zero = rustix::event::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        match rustix::event::poll(&mut fds, Some(&zero)) {
+            Ok(_) => Ok(!fds[0].revents().is_empty()),
+            Err(rustix::io::Errno::INTR) => Ok(false),
+            Err(e) => Err(io::Error::from(e).into()),
+        }
     }
 
     /// Receive a reply to one of the requests `ids` (or one with id 0,
@@ -530,6 +786,20 @@ impl Conn {
     }
 }
 
+/// A ring entry as a reply: exactly one frame, without payload.
+fn decode_entry(entry: &[u8], limits: &Limits) -> Result<Envelope<Response>, ConnError> {
+    match stowage_wire::decode_frame::<Response>(entry, limits) {
+        Ok(Some((frame, used))) if used == entry.len() && frame.payload.is_empty() => {
+            Ok(frame.envelope)
+        }
+        Ok(_) => Err(ConnError::Protocol(format!(
+            "a ring entry of {} bytes is not one frame without payload",
+            entry.len()
+        ))),
+        Err(e) => Err(ConnError::Protocol(format!("a ring entry: {e}"))),
+    }
+}
+
 /// Whether a connection that was made broke the way a unit's cutting a
 /// handshake breaks it (reset, or closed before its answer).
 fn cut_in_handshake(e: &io::Error) -> bool {
@@ -541,3 +811,6 @@ fn cut_in_handshake(e: &io::Error) -> bool {
             | io::ErrorKind::UnexpectedEof
     )
 }
+
+#[cfg(test)]
+mod tests;

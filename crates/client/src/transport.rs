@@ -12,7 +12,10 @@
 //!   without awaiting a reply). A put's commit also reserves a *spare* of
 //!   its size class for the connection's next put (`CommitSpare`): a put
 //!   that finds a spare of its class copies into it at once and commits,
-//!   one round trip in all.
+//!   one round trip in all. Its requests without payload go through the
+//!   connection's request ring once it has one (`conn`'s module docs):
+//!   the same `Conn::send` / `Conn::recv`, no system call while the unit
+//!   is busy.
 //! * [`TcpTransport`] (any host): put = one Put request carrying the bytes,
 //!   which the unit reads straight into its slab; get = one Read request,
 //!   whose reply streams the values straight into the caller's buffers.

@@ -9,7 +9,8 @@
 //! stowage's `unsafe` code lives in three places, every block with a
 //! `// SAFETY:` comment (the workspace denies clippy's
 //! `undocumented_unsafe_blocks`); every other crate forbids `unsafe`:
-//! this crate, for the slab's mapping and fd passing; the Python
+//! this crate, for the slab's mapping and fd passing and the request
+//! rings' shared header and entries ([`ring`]); the Python
 //! extension's `arrays.rs` and `client.rs`, for numpy arrays over caller
 //! memory, memory Rust owns or a unit's slab; and `stowage-nixl`'s
 //! `imp.rs`, which implements the nixl binding's unsafe `MemoryRegion`
@@ -46,6 +47,8 @@ use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
     SendAncillaryMessage, SendFlags,
 };
+
+pub mod ring;
 
 /// A copy of at least this size is split over threads (see [`Slab::write`]).
 /// Measured on 2 cores with the units' pollers running: a 1 MiB put copied
@@ -969,10 +972,17 @@ fn parallel_chunks(total: usize, copy: impl Fn(usize, usize) + Sync) {
 /// that takes seals) of `len` bytes sealed against shrinking, growing and
 /// further sealing.
 fn check_slab_fd(fd: &OwnedFd, len: u64) -> io::Result<()> {
+    check_memfd(fd, len, "slab")
+}
+
+/// Refuse anything but a memfd of exactly `len` bytes sealed against
+/// shrinking, growing and further sealing (`what`: the unit's slab or a
+/// ring, for the error).
+pub(crate) fn check_memfd(fd: &OwnedFd, len: u64, what: &str) -> io::Result<()> {
     let refuse = |why: String| {
         Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
-            format!("the unit's slab fd is refused: {why}"),
+            format!("the unit's {what} fd is refused: {why}"),
         ))
     };
     let st = rustix::fs::fstat(fd)?;

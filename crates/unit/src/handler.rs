@@ -403,6 +403,13 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         Request::Shutdown { timeout_ms } => Plan::Shutdown {
             timeout: Duration::from_millis(timeout_ms),
         },
+        // Rings are served by the event-driven unit (issue 24); until
+        // then a client asking for one is told no and keeps its socket.
+        Request::OpenRing { .. } => Plan::Reply(error(
+            ErrorCode::InvalidRequest,
+            "this unit serves no request rings".into(),
+        )),
+        Request::RingKick => Plan::Silent,
         other @ (Request::Hello { .. } | Request::Auth { .. } | Request::Prove { .. }) => {
             Plan::Refuse(format!("unexpected request {other:?}"))
         }

@@ -70,7 +70,10 @@ const OP_NAMES: [&str; OPS] = [
 impl Op {
     pub(crate) fn of(req: &Request) -> Op {
         match req {
-            Request::Hello { .. } | Request::NixlInfo { .. } => Op::Hello,
+            Request::Hello { .. }
+            | Request::NixlInfo { .. }
+            | Request::OpenRing { .. }
+            | Request::RingKick => Op::Hello,
             Request::Alloc { .. } => Op::Alloc,
             // A commit that also reserves the client's next spare.
             Request::Commit { .. } | Request::CommitSpare { .. } => Op::Commit,

@@ -29,6 +29,12 @@
 //! [`auth`]). Handshake frames are small and carry no payload
 //! ([`Limits::handshake`]). Enum variants are only ever appended, and any
 //! incompatible change bumps the version.
+//!
+//! A same-host connection may also carry requests through a shared-memory
+//! ring ([`Request::OpenRing`]): each ring entry is exactly one encoded
+//! frame (prefix and header, [`encode`] with `payload_len` 0), parsed with
+//! [`decode_frame`]; a reply that does not fit the ring, or has a payload,
+//! is announced there with [`Response::OnSocket`] and sent on the socket.
 
 #![forbid(unsafe_code)]
 
@@ -45,8 +51,10 @@ pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 /// [`ErrorCode::NotOwner`] (an older client could not decode it); version 9
 /// blobs in pieces ([`Response::Allocated`]'s `pieces`, [`Found`]'s
 /// `parts`), the unit's call to give spares back (`spares_back`) and the
-/// allocator's and compaction's counters in [`Stats`].
-pub const PROTOCOL_VERSION: u16 = 9;
+/// allocator's and compaction's counters in [`Stats`]; version 10 request
+/// rings ([`Request::OpenRing`], [`Request::RingKick`], [`Response::Ring`],
+/// [`Response::OnSocket`]).
+pub const PROTOCOL_VERSION: u16 = 10;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -265,7 +273,27 @@ pub enum Request {
         agent: String,
         agent_metadata: Vec<u8>,
     },
+    /// A connection that mapped the slab (`want_fd` on a Unix socket) asks
+    /// for a request ring of `bytes` bytes ([`RING_MIN`] to [`RING_MAX`],
+    /// a multiple of 4096): answered [`Response::Ring`] with the ring's
+    /// memfd attached (SCM_RIGHTS, as Hello's slab), or an error by a unit
+    /// that serves no rings (the client then never asks again on that
+    /// connection). From then on the connection's requests may come
+    /// through the ring (`stowage_shm::ring`), each entry one encoded
+    /// frame without payload; they are the connection's requests exactly
+    /// as if they came on its socket.
+    OpenRing {
+        bytes: u32,
+    },
+    /// No reply: "my ring has requests and you are parked" (sent on the
+    /// socket when `Ring::submit` says the unit parked the ring).
+    RingKick,
 }
+
+/// The smallest ring a client may ask for ([`Request::OpenRing`]).
+pub const RING_MIN: u32 = 4096;
+/// The largest ring a client may ask for ([`Request::OpenRing`]).
+pub const RING_MAX: u32 = 1 << 20;
 
 /// A file of a checkpoint.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -416,6 +444,15 @@ pub enum Response {
         metadata: Vec<u8>,
         slab_addr: u64,
     },
+    /// Reply to OpenRing: the ring's memfd (of `bytes` bytes) rides along
+    /// with this frame as SCM_RIGHTS ancillary data.
+    Ring {
+        bytes: u32,
+    },
+    /// Written into a ring's completion queue in place of a reply (with
+    /// the request's id) that does not fit there, or that carries a
+    /// payload: the real reply to that id follows on the socket.
+    OnSocket,
 }
 
 /// Error classes a unit reports. Only ever appended to.
@@ -570,14 +607,39 @@ impl Request {
             }
             Request::Checkpoint { dir } => name("checkpoint path bytes", dir),
             Request::Shutdown { .. } => Ok(()),
+            Request::OpenRing { bytes } => {
+                if !(RING_MIN..=RING_MAX).contains(bytes) || bytes % 4096 != 0 {
+                    return Err(WireError::Malformed(format!(
+                        "a ring of {bytes} bytes: rings hold {RING_MIN} to {RING_MAX} bytes, in whole 4 KiB pages"
+                    )));
+                }
+                Ok(())
+            }
             Request::Abort { .. }
             | Request::Unpin { .. }
             | Request::Stats
             | Request::NixlInfo { .. }
             | Request::ListPartitions
             | Request::Auth { .. }
-            | Request::Prove { .. } => Ok(()),
+            | Request::Prove { .. }
+            | Request::RingKick => Ok(()),
         }
+    }
+
+    /// Whether a frame of this request may carry a payload (only
+    /// [`Request::Put`]'s does; any other with a payload is invalid).
+    pub fn carries_payload(&self) -> bool {
+        matches!(self, Request::Put { .. })
+    }
+
+    /// Whether the unit answers this request once the connection is
+    /// open ([`Request::RingKick`] and an Unpin with `reply: false` are not
+    /// answered; a ring needs no room in its completion queue for them).
+    pub fn expects_reply(&self) -> bool {
+        !matches!(
+            self,
+            Request::RingKick | Request::Unpin { reply: false, .. }
+        )
     }
 }
 
@@ -797,6 +859,8 @@ mod tests {
                 agent: "stowage-client-1-00ff".into(),
                 agent_metadata: vec![3; 200],
             },
+            Request::OpenRing { bytes: 16 << 10 },
+            Request::RingKick,
         ]
     }
 
@@ -941,6 +1005,8 @@ mod tests {
                 unit_nonce: [1; 32],
                 unit_proof: [2; 32],
             },
+            Response::Ring { bytes: 4096 },
+            Response::OnSocket,
         ]
     }
 
@@ -995,6 +1061,46 @@ mod tests {
         assert_eq!(index(postcard::to_stdvec(&clear_partition).unwrap()), 11);
         let cleared = Response::Cleared { entries: 0 };
         assert_eq!(index(postcard::to_stdvec(&cleared).unwrap()), 7);
+        // The ring messages (protocol 10).
+        let open = Request::OpenRing { bytes: 4096 };
+        assert_eq!(index(postcard::to_stdvec(&open).unwrap()), 19);
+        assert_eq!(index(postcard::to_stdvec(&Request::RingKick).unwrap()), 20);
+        let ring = Response::Ring { bytes: 4096 };
+        assert_eq!(index(postcard::to_stdvec(&ring).unwrap()), 18);
+        assert_eq!(index(postcard::to_stdvec(&Response::OnSocket).unwrap()), 19);
+    }
+
+    #[test]
+    fn ring_sizes_are_checked() {
+        let l = Limits::default();
+        for ok in [RING_MIN, 16 << 10, RING_MAX] {
+            Request::OpenRing { bytes: ok }.validate(&l).unwrap();
+        }
+        for bad in [0, 4095, RING_MIN + 1, 12_000, RING_MAX + 4096, u32::MAX] {
+            assert!(matches!(
+                Request::OpenRing { bytes: bad }.validate(&l),
+                Err(WireError::Malformed(_))
+            ));
+        }
+        assert!(!Request::OpenRing { bytes: 4096 }.carries_payload());
+        assert!(!Request::RingKick.carries_payload());
+        assert!(!Request::RingKick.expects_reply());
+        assert!(Request::OpenRing { bytes: 4096 }.expects_reply());
+    }
+
+    /// A ring entry is one frame without payload: it parses whole, and
+    /// only whole.
+    #[test]
+    fn ring_entries_are_frames_without_payload() {
+        let mut entry = Vec::new();
+        encode(7, &Response::OnSocket, 0, &mut entry).unwrap();
+        let (frame, used) = decode_frame::<Response>(&entry, &Limits::default())
+            .unwrap()
+            .unwrap();
+        assert_eq!(used, entry.len());
+        assert_eq!(frame.envelope.id, 7);
+        assert_eq!(frame.envelope.body, Response::OnSocket);
+        assert!(frame.payload.is_empty());
     }
 
     #[test]
