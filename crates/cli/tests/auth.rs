@@ -87,7 +87,7 @@ impl Unit {
 
     fn client(&self, kind: Kind, ns: &str, secret: Option<Secret>) -> Result<Client, Error> {
         let addr = match kind {
-            Kind::Shm => UnitAddr::Unix(self.sock.clone()),
+            Kind::Shm | Kind::Ring => UnitAddr::Unix(self.sock.clone()),
             Kind::Tcp | Kind::Nixl => UnitAddr::Tcp(self.tcp),
         };
         let mut cfg = ClientConfig::new(ns, vec![addr]);

@@ -116,7 +116,7 @@ fn catch_mid_copy(
     mut missed: impl FnMut(String),
 ) -> Helper {
     let (transport, addr) = match kind {
-        Kind::Shm => ("shm", p.uds_addrs()[0].to_string()),
+        Kind::Shm | Kind::Ring => ("shm", p.uds_addrs()[0].to_string()),
         Kind::Tcp => ("tcp", p.tcp_addrs()[0].to_string()),
         Kind::Nixl => ("nixl", p.tcp_addrs()[0].to_string()),
     };

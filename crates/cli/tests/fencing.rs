@@ -49,10 +49,14 @@ fn fence_child() {
         parts[3].parse::<u8>().unwrap(),
         parts[4].parse::<u64>().unwrap(),
     );
+    if parts[1] == "ring" {
+        // Requests through a request ring from the first one.
+        std::env::set_var("STOWAGE_RING_AFTER", "0");
+    }
     let mut cfg = ClientConfig::new("fence", vec![addr]);
     cfg.secret = common::child_secret();
     cfg.timeout = Duration::from_millis(timeout_ms);
-    cfg.shm = parts[1] == "shm";
+    cfg.shm = matches!(parts[1], "shm" | "ring");
     if parts[1] == "nixl" {
         cfg.nixl = Some(nixl_options());
     }
@@ -107,6 +111,7 @@ impl Paused {
             "{role},{},{addr},{byte},{}",
             match kind {
                 Kind::Shm => "shm",
+                Kind::Ring => "ring",
                 Kind::Tcp => "tcp",
                 Kind::Nixl => "nixl",
             },
@@ -200,7 +205,7 @@ fn fclient(p: &stowage_local::LocalPlane, kind: Kind, timeout: Duration) -> stow
 
 fn addr(p: &stowage_local::LocalPlane, kind: Kind) -> UnitAddr {
     match kind {
-        Kind::Shm => p.uds_addrs()[0].clone(),
+        Kind::Shm | Kind::Ring => p.uds_addrs()[0].clone(),
         Kind::Tcp | Kind::Nixl => p.tcp_addrs()[0].clone(),
     }
 }
@@ -216,14 +221,14 @@ fn put_b_past_every_lease(
 ) -> (stowage_client::Client, Vec<u8>) {
     std::thread::sleep(Duration::from_millis(800));
     let timeout = match kind {
-        Kind::Shm | Kind::Nixl => Duration::from_secs(4),
+        Kind::Shm | Kind::Ring | Kind::Nixl => Duration::from_secs(4),
         Kind::Tcp => Duration::from_secs(15),
     };
     let other = fclient(p, kind, timeout);
     let vb = vec![0x02u8; VALUE];
     let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
     match kind {
-        Kind::Shm | Kind::Nixl => assert!(
+        Kind::Shm | Kind::Ring | Kind::Nixl => assert!(
             matches!(
                 b_put,
                 Err(Error::Timeout { .. }) | Err(Error::UnitFull { .. })
@@ -254,7 +259,7 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
         // Over shm the writer's deadline outlasts the pause, so its put can
         // complete; over tcp the unit cuts its stream at its deadline.
         let deadline = match kind {
-            Kind::Shm | Kind::Nixl => Duration::from_secs(60),
+            Kind::Shm | Kind::Ring | Kind::Nixl => Duration::from_secs(60),
             Kind::Tcp => Duration::from_secs(3),
         };
         let w = Paused::start(&p, "put", kind, &a, 0x01, deadline);
@@ -274,7 +279,7 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
     let r = w.result();
     let c = fclient(&p, kind, Duration::from_secs(10));
     match kind {
-        Kind::Shm | Kind::Nixl => {
+        Kind::Shm | Kind::Ring | Kind::Nixl => {
             assert_eq!(r, "RESULT ok", "the resumed shm writer's put completes");
             assert!(all(
                 &c.get_rows(&[Key::new(0, "a")], c.deadline()).unwrap()[0],
@@ -290,6 +295,16 @@ fn a_paused_writer_never_overwrites_an_acknowledged_value(kind: Kind) {
     // Every acknowledged value reads back exactly.
     let got = c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap();
     assert!(all(&got[0], 0x02), "b was overwritten");
+    rings_were_used(&p, kind);
+}
+
+/// With [`Kind::Ring`], the paused children's requests went through
+/// request rings.
+fn rings_were_used(p: &stowage_local::LocalPlane, kind: Kind) {
+    if kind == Kind::Ring {
+        let n = metric(p, 0, "stowage_ring_requests_total");
+        assert!(n > 0, "no request went through a ring");
+    }
 }
 
 /// A reader paused mid-copy past every lease, while its key is cleared and
@@ -308,7 +323,7 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
         c.put_rows(&[(Key::new(0, "a"), &va)], c.deadline())
             .unwrap();
         let deadline = match kind {
-            Kind::Shm | Kind::Nixl => Duration::from_secs(60),
+            Kind::Shm | Kind::Ring | Kind::Nixl => Duration::from_secs(60),
             Kind::Tcp => Duration::from_secs(3),
         };
         let r = Paused::start(&p, "get", kind, &a, 0x01, deadline);
@@ -325,7 +340,7 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
     r.signal("-CONT");
     let res = r.result();
     match kind {
-        Kind::Shm | Kind::Nixl => {
+        Kind::Shm | Kind::Ring | Kind::Nixl => {
             assert_eq!(res, "RESULT ok", "the shm reader gets a's bytes, intact")
         }
         Kind::Tcp => assert!(res.starts_with("RESULT err"), "{res}"),
@@ -339,6 +354,7 @@ fn a_paused_reader_never_returns_changed_bytes(kind: Kind) {
         &c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap()[0],
         0x02
     ));
+    rings_were_used(&p, kind);
 }
 
 /// A writer killed while paused: its connection closes and its reservation
@@ -388,9 +404,10 @@ fn a_killed_paused_writer_gives_its_memory_back(kind: Kind) {
     ));
     let s = stats(&mut watcher);
     assert_eq!((s.reserved_bytes, s.pins), (0, 0), "{s:?}");
+    rings_were_used(&p, kind);
 }
 
-both_transports!(
+all_transports!(
     a_paused_writer_never_overwrites_an_acknowledged_value,
     a_paused_reader_never_returns_changed_bytes,
     a_killed_paused_writer_gives_its_memory_back,

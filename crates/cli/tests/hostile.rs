@@ -340,6 +340,129 @@ fn a_flood_of_silent_connections_costs_no_thread_and_keeps_clients_served() {
     drop(flood);
 }
 
+/// Read one whole frame from `r`'s socket, with the descriptor that rode
+/// on its first byte.
+fn recv_frame_with_fd(r: &mut Raw) -> (Response, Option<std::os::fd::OwnedFd>) {
+    let mut buf = vec![0u8; 4096];
+    let (mut n, fd) = stowage_shm::recv_with_fd(&r.s, &mut buf).unwrap();
+    loop {
+        if let Ok(Some((f, used))) =
+            stowage_wire::decode_frame::<Response>(&buf[..n], &Limits::default())
+        {
+            assert_eq!(used, n, "one frame");
+            return (f.envelope.body, fd);
+        }
+        let got = r.s.read(&mut buf[n..]).unwrap();
+        assert!(got > 0, "the unit closed the connection mid-frame");
+        n += got;
+    }
+}
+
+/// A same-host connection with a request ring: Hello with the slab, then
+/// OpenRing.
+fn ring_connection(sock: &Path) -> (Raw, stowage_shm::ring::Ring) {
+    let mut r = Raw::connect(sock);
+    r.send(&Request::Hello {
+        version: PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: true,
+        session: None,
+    });
+    let (hello, slab) = recv_frame_with_fd(&mut r);
+    assert!(matches!(hello, Response::Hello { .. }), "{hello:?}");
+    assert!(slab.is_some(), "the slab's fd rides on the Hello reply");
+    let bytes = 16 << 10;
+    r.send(&Request::OpenRing { bytes });
+    let (reply, fd) = recv_frame_with_fd(&mut r);
+    assert!(matches!(reply, Response::Ring { .. }), "{reply:?}");
+    let ring = stowage_shm::ring::Ring::open(fd.expect("the ring's fd"), bytes as usize).unwrap();
+    (r, ring)
+}
+
+/// One session floods its request ring with requests and never takes a
+/// reply; another scribbles over its ring. Each is cut when it breaks
+/// the ring's rules, the unit's threads stay bounded, and other clients
+/// are served throughout.
+#[test]
+fn a_ring_flood_or_a_scribbled_ring_cuts_only_its_own_connection() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let sock = p.units[0].uds.clone();
+    let pid = p.units[0].pid();
+    let (mut flooder, ring) = ring_connection(&sock);
+    let mut entry = Vec::new();
+    let mut submitted = 0u64;
+    let mut kicks = 0u64;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    // Submit until the unit has cut the connection (or the deadline).
+    while !flooder_closed(&mut flooder) && std::time::Instant::now() < deadline {
+        entry.clear();
+        encode(
+            1000 + submitted,
+            &Request::List {
+                partition: "p".into(),
+            },
+            0,
+            &mut entry,
+        )
+        .unwrap();
+        match ring.submit(&entry) {
+            Ok(kick) => {
+                submitted += 1;
+                if kick {
+                    kicks += 1;
+                    flooder.send(&Request::RingKick);
+                }
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    assert!(
+        submitted > 0 && kicks > 0,
+        "{submitted} submitted, {kicks} kicks"
+    );
+    assert!(
+        flooder_closed(&mut flooder),
+        "a ring flooding past its reply room kept its connection ({submitted} requests)"
+    );
+    assert!(proc_status(pid, "Threads") <= thread_bound());
+    let c = client(&p, Kind::Shm, Duration::from_secs(5));
+    let v = vec![9u8; 4096];
+    c.put_rows(&[(Key::new(3, "f"), &v)], c.deadline()).unwrap();
+    assert_eq!(
+        c.get_rows(&[Key::new(3, "f")], c.deadline()).unwrap(),
+        vec![v.clone()]
+    );
+    // A ring whose entry is not a frame: cut, the unit stays up.
+    let (mut scribbler, ring) = ring_connection(&sock);
+    if ring.submit(&[0xff; 40]).unwrap() {
+        scribbler.send(&Request::RingKick);
+    }
+    assert!(
+        scribbler.closed(),
+        "a garbage ring entry kept its connection"
+    );
+    assert_eq!(
+        c.get_rows(&[Key::new(3, "f")], c.deadline()).unwrap(),
+        vec![v]
+    );
+}
+
+/// Whether the unit closed `r` (checked without waiting).
+fn flooder_closed(r: &mut Raw) -> bool {
+    r.s.set_nonblocking(true).unwrap();
+    let mut b = [0u8; 4096];
+    let closed = loop {
+        match r.s.read(&mut b) {
+            Ok(0) => break true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => break false,
+            Err(_) => break true,
+        }
+    };
+    r.s.set_nonblocking(false).unwrap();
+    closed
+}
+
 #[test]
 fn absurd_sizes_offsets_and_counts_are_refused_and_the_unit_stays_up() {
     let (p, _) = plane(1, 16 * MIB, &["--index-budget", "64KiB"]);

@@ -34,6 +34,19 @@ use stowage_wire::{
 /// (a connection that is used a few times only never costs the unit one).
 pub(crate) const RING_AFTER: u32 = 16;
 
+/// The round trips before a connection asks for a ring: [`RING_AFTER`],
+/// or `STOWAGE_RING_AFTER` (read once per process; tests and benchmarks
+/// set 0 to use rings from the first request).
+pub(crate) fn ring_after() -> u32 {
+    static AFTER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    *AFTER.get_or_init(|| {
+        std::env::var("STOWAGE_RING_AFTER")
+            .ok()
+            .and_then(|v| v.trim().parse().ok())
+            .unwrap_or(RING_AFTER)
+    })
+}
+
 /// How often a request waiting on its ring looks whether the unit's
 /// socket has news (its end, or a reply there): a unit that dies is
 /// noticed within this, not at the deadline.
@@ -558,7 +571,7 @@ impl Conn {
     /// ring this process cannot map, never ask again.
     fn open_ring_when_due(&mut self, deadline: Instant) -> Result<(), ConnError> {
         match self.ring {
-            RingState::Counting(n) if n >= RING_AFTER && self.reader.buffer().is_empty() => {}
+            RingState::Counting(n) if n >= ring_after() && self.reader.buffer().is_empty() => {}
             _ => return Ok(()),
         }
         self.ring = RingState::Off;

@@ -1,6 +1,7 @@
-//! A shm client against a real unit that serves no request rings (today's
-//! unit answers OpenRing with an error): the client asks once per
-//! connection, falls back to the socket, and every put and get works.
+//! A shm client against a real unit: after 16 round trips a connection
+//! asks for a request ring, and from then on its requests and replies go
+//! through shared memory; every put and get returns exactly its bytes.
+//! With `STOWAGE_RINGS=0` (the child run) the client never asks.
 
 use std::time::{Duration, Instant};
 
@@ -8,19 +9,20 @@ use stowage_client::{Client, ClientConfig, UnitAddr};
 use stowage_config::UnitConfig;
 use stowage_wire::Key;
 
-/// The unit's count of `InvalidRequest` answers, from its metrics.
-fn invalid_requests(metrics: &str) -> u64 {
+/// A counter of the unit's metrics text.
+fn counter(metrics: &str, name: &str) -> u64 {
     metrics
         .lines()
-        .filter(|l| !l.starts_with('#') && l.contains("invalid_request"))
+        .filter(|l| !l.starts_with('#') && l.starts_with(name))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .map(|v| v as u64)
         .sum()
 }
 
-#[test]
-fn a_unit_without_rings_serves_a_ring_client_over_its_socket() {
-    let dir = std::env::temp_dir().join(format!("stowage-ring-e2e-{}", std::process::id()));
+/// Put and get 60 rows through one client of a fresh in-process unit;
+/// the unit's metrics text after.
+fn run_against_a_unit(tag: &str) -> String {
+    let dir = std::env::temp_dir().join(format!("stowage-ring-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let sock = dir.join("unit.sock");
@@ -43,6 +45,12 @@ fn a_unit_without_rings_serves_a_ring_client_over_its_socket() {
             let got = client.get_rows(&[key], deadline).unwrap();
             assert_eq!(got, vec![value], "row {i}");
         }
+        assert_eq!(
+            client
+                .clear_rows(&(0..60).collect::<Vec<_>>(), client.deadline())
+                .unwrap(),
+            60
+        );
         drop(client);
     });
     let metrics = unit.metrics_text().unwrap_or_default();
@@ -51,7 +59,49 @@ fn a_unit_without_rings_serves_a_ring_client_over_its_socket() {
     if let Err(p) = result {
         std::panic::resume_unwind(p);
     }
-    // One refusal per connection that asked, not one per request.
-    let refused = invalid_requests(&metrics);
-    assert!((1..=4).contains(&refused), "{refused} refusals:\n{metrics}");
+    metrics
+}
+
+#[test]
+fn a_shm_connection_moves_its_requests_to_a_ring() {
+    let metrics = run_against_a_unit("on");
+    let rings = counter(&metrics, "stowage_rings_opened_total");
+    let served = counter(&metrics, "stowage_ring_requests_total");
+    assert!((1..=4).contains(&rings), "{rings} rings:\n{metrics}");
+    // 120 round trips, the first 16 of a connection on its socket.
+    assert!(served >= 60, "{served} requests through rings:\n{metrics}");
+    assert_eq!(counter(&metrics, "stowage_errors_total"), 0, "{metrics}");
+}
+
+/// Run by the test below with STOWAGE_RINGS=0.
+#[test]
+#[ignore]
+fn child_without_rings() {
+    let metrics = run_against_a_unit("off");
+    assert_eq!(
+        counter(&metrics, "stowage_rings_opened_total"),
+        0,
+        "{metrics}"
+    );
+    assert_eq!(
+        counter(&metrics, "stowage_ring_requests_total"),
+        0,
+        "{metrics}"
+    );
+}
+
+#[test]
+fn with_stowage_rings_0_a_client_never_asks_for_one() {
+    let out = std::process::Command::new(std::env::current_exe().unwrap())
+        .args(["--ignored", "--exact", "child_without_rings", "--nocapture"])
+        .env("STOWAGE_RINGS", "0")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).contains("1 passed"));
 }

@@ -78,6 +78,28 @@ pub(crate) struct Conn {
     blocking: bool,
     /// A planned request whose next step blocks: for the pool.
     parked: Option<Parked>,
+    /// The connection's Hello mapped the slab (a request ring may be
+    /// made for it).
+    maps: bool,
+    /// Its request ring, once it asked for one.
+    ring: Option<stowage_shm::ring::Ring>,
+    /// The request being served came through the ring: its reply goes
+    /// back there.
+    via_ring: bool,
+    /// The client kicked the ring (the worker polls it again).
+    kicked: bool,
+    /// A ring entry, copied out before it is decoded.
+    entry: Vec<u8>,
+}
+
+/// What a worker's turn on a connection's ring came to.
+pub(crate) enum RingStep {
+    /// It served this many requests (0: none was there).
+    Served(usize),
+    /// A request's next step blocks: hand it to the pool.
+    Pool,
+    /// The ring broke the rules; the connection ends.
+    End(EndReason),
 }
 
 /// A request planned by a worker and carried out by the pool.
@@ -85,6 +107,8 @@ struct Parked {
     id: u64,
     plan: Plan,
     op: Option<crate::metrics::Op>,
+    /// It came through the ring.
+    via_ring: bool,
 }
 
 /// What a worker's turn on a connection came to.
@@ -105,6 +129,10 @@ pub(crate) enum Step {
 /// given back once it is answered (a connection keeps no 64 MiB buffer
 /// for its idle life).
 const KEEP_BUFFER: usize = 1 << 20;
+
+/// Room a request awaiting a reply needs in the reply ring: an
+/// [`Response::OnSocket`] marker at least.
+const ON_SOCKET_ROOM: usize = 64;
 
 impl Conn {
     /// Its socket's descriptor (for the worker to watch).
@@ -213,6 +241,7 @@ impl Conn {
         // A payload not sent whole with its header must come within the
         // frame's time, as it always had to.
         self.reader.get_mut().deadline = Some(self.frame_start + self.shared.frame_timeout);
+        self.via_ring = p.via_ring;
         let r = self
             .flush_blocking()
             .map_err(EndReason::from)
@@ -221,9 +250,171 @@ impl Conn {
                 self.record(p.op, &r);
                 r
             });
+        self.via_ring = false;
         self.reader.get_mut().deadline = None;
         self.blocking = false;
         r
+    }
+
+    /// Whether the client kicked its ring since the last call.
+    pub(crate) fn take_kick(&mut self) -> bool {
+        std::mem::take(&mut self.kicked)
+    }
+
+    /// Whether it has a request ring.
+    pub(crate) fn has_ring(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// The worker stops polling the ring: true when it may (the client
+    /// kicks it for its next request), false when requests came.
+    pub(crate) fn park_ring(&self) -> bool {
+        self.ring.as_ref().is_none_or(|r| r.park())
+    }
+
+    /// Serve at most `quantum` requests from the ring, without blocking.
+    /// Every entry is copied out, then decoded and checked as a socket
+    /// frame is; a ring that breaks its layout, an entry that is not one
+    /// whole frame without payload, or more requests awaiting replies than
+    /// its reply ring holds end the connection as cut (the client broke
+    /// the protocol; a same-host client's holds stay until its process
+    /// exits, as for any cut connection).
+    pub(crate) fn pump_ring(&mut self, quantum: usize) -> RingStep {
+        if let Err(e) = self.flush_ready() {
+            return RingStep::End(e.into());
+        }
+        let mut served = 0;
+        let mut entry = std::mem::take(&mut self.entry);
+        let step = loop {
+            if served >= quantum {
+                break RingStep::Served(served);
+            }
+            let Some(ring) = &self.ring else {
+                break RingStep::Served(served);
+            };
+            match ring.take_request(&mut entry) {
+                Ok(true) => {}
+                Ok(false) => break RingStep::Served(served),
+                Err(e) => break RingStep::End(EndReason::Invalid(format!("request ring: {e}"))),
+            }
+            let limits = self.shared.limits;
+            let (id, req) = match stowage_wire::decode_frame::<Request>(&entry, &limits) {
+                Ok(Some((f, used))) if used == entry.len() && f.payload.is_empty() => {
+                    (f.envelope.id, f.envelope.body)
+                }
+                Ok(_) => {
+                    break RingStep::End(EndReason::Invalid(
+                        "a ring entry is one whole frame without payload".into(),
+                    ))
+                }
+                Err(e) => break RingStep::End(EndReason::Invalid(format!("ring entry: {e}"))),
+            };
+            if let Err(e) = req.validate(&limits) {
+                break RingStep::End(EndReason::Invalid(e.to_string()));
+            }
+            if req.expects_reply() && ring.reply_room() < ON_SOCKET_ROOM {
+                // A client waits for one reply at a time per connection:
+                // one whose reply ring is full and asks more is flooding.
+                break RingStep::End(EndReason::Invalid(
+                    "requests past the room in the reply ring".into(),
+                ));
+            }
+            self.frame_start = Instant::now();
+            self.via_ring = true;
+            let r = self.handle(id, req, 0);
+            self.via_ring = false;
+            if let Err(e) = r {
+                break RingStep::End(e);
+            }
+            served += 1;
+            if let Some(m) = &self.shared.metrics {
+                m.ring_requests
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            if self.parked.is_some() {
+                break RingStep::Pool;
+            }
+        };
+        entry.clear();
+        if entry.capacity() <= 64 << 10 {
+            self.entry = entry;
+        }
+        step
+    }
+
+    /// Post a reply to the ring; one that does not fit goes on the socket,
+    /// after a marker saying so.
+    fn reply_to_ring(&mut self, id: u64, r: &Response) -> io::Result<()> {
+        let mut frame = Vec::new();
+        encode(id, r, 0, &mut frame).map_err(io::Error::other)?;
+        let Some(ring) = &self.ring else {
+            return Err(io::Error::other("a ring reply without a ring"));
+        };
+        if frame.len() <= ring.reply_room() && ring.post_reply(&frame).is_ok() {
+            return Ok(());
+        }
+        self.on_socket(id)?;
+        self.via_ring = false;
+        let sent = self.reply(id, r);
+        self.via_ring = true;
+        sent
+    }
+
+    /// Tell the ring that the reply to `id` comes on the socket.
+    fn on_socket(&mut self, id: u64) -> io::Result<()> {
+        let Some(ring) = &self.ring else {
+            return Ok(());
+        };
+        let mut marker = Vec::new();
+        encode(id, &Response::OnSocket, 0, &mut marker).map_err(io::Error::other)?;
+        ring.post_reply(&marker)
+            .map_err(|_| io::Error::other("no room in the reply ring for a marker"))
+    }
+
+    /// Make this connection's request ring and hand its memfd over with
+    /// the reply (on the pool: the socket may block).
+    fn open_ring(&mut self, id: u64, bytes: u32) -> Result<(), EndReason> {
+        if !self.maps {
+            return self.reply_error(
+                id,
+                ErrorCode::InvalidRequest,
+                "a request ring is for a connection that mapped the slab (Hello with want_fd on the Unix socket)",
+            );
+        }
+        if self.ring.is_some() || self.via_ring {
+            return self.reply_error(
+                id,
+                ErrorCode::InvalidRequest,
+                "this connection has a request ring already",
+            );
+        }
+        let (ring, fd) = match stowage_shm::ring::Ring::create(bytes as usize) {
+            Ok(r) => r,
+            Err(e) => {
+                return self.reply_error(
+                    id,
+                    ErrorCode::Internal,
+                    &format!("cannot make a request ring: {e}"),
+                )
+            }
+        };
+        // Parked from the start: the client's first request kicks it.
+        ring.park();
+        let mut out = Vec::new();
+        encode(id, &Response::Ring { bytes }, 0, &mut out).map_err(io::Error::other)?;
+        let sent = match &self.reader.src.socket {
+            stowage_wire::io::Socket::Unix(s) => {
+                stowage_shm::send_with_fd(s, &out, std::os::fd::AsFd::as_fd(&fd))?
+            }
+            stowage_wire::io::Socket::Tcp(_) => 0,
+        };
+        self.out.extend_from_slice(&out[sent..]);
+        self.flush_blocking()?;
+        self.ring = Some(ring);
+        if let Some(m) = &self.shared.metrics {
+            m.ring_opened();
+        }
+        Ok(())
     }
 
     /// Read and serve one frame that is whole in the buffer.
@@ -325,6 +516,9 @@ impl Conn {
                 tracing::debug!(unit = %self.shared.name, namespace = self.namespace.as_deref().unwrap_or(""), ?code, %message, "error answer");
             }
         }
+        if self.via_ring {
+            return self.reply_to_ring(id, r);
+        }
         if self.blocking {
             self.out.clear();
             encode(id, r, 0, &mut self.out).map_err(io::Error::other)?;
@@ -413,6 +607,8 @@ impl Conn {
             },
             Plan::Resolved { found, .. } => self.shared.disk.is_some() && handler::has_disk(found),
             Plan::Send(_) => true,
+            // Its memfd rides on the reply.
+            Plan::OpenRing { .. } => true,
             // The slab's memfd rides on the reply.
             Plan::Hello { want_fd, .. } => *want_fd && self.unix,
             Plan::NixlInfo { .. } | Plan::Checkpoint { .. } | Plan::Shutdown { .. } => true,
@@ -421,7 +617,8 @@ impl Conn {
             | Plan::Committed { .. }
             | Plan::Stats
             | Plan::Close { .. }
-            | Plan::Refuse(_) => false,
+            | Plan::Refuse(_)
+            | Plan::RingKick => false,
         }
     }
 
@@ -436,7 +633,12 @@ impl Conn {
         let now = self.shared.now();
         let plan = handler::handle(|| self.shared.core(), &asker, req, payload_len, now);
         if self.blocks(&plan) {
-            self.parked = Some(Parked { id, plan, op: None });
+            self.parked = Some(Parked {
+                id,
+                plan,
+                op: None,
+                via_ring: self.via_ring,
+            });
             return Ok(());
         }
         self.execute(id, plan)
@@ -447,6 +649,11 @@ impl Conn {
         let resp = match plan {
             Plan::Reply(r) => r,
             Plan::Silent => return Ok(()),
+            Plan::RingKick => {
+                self.kicked = true;
+                return Ok(());
+            }
+            Plan::OpenRing { bytes } => return self.open_ring(id, bytes),
             Plan::Committed {
                 blob,
                 reply,
@@ -795,6 +1002,11 @@ impl Conn {
     /// blob's checked file) to the socket, within the Read's own time (a
     /// reader that stalls past it is cut off); only then does the pin go.
     fn send(&mut self, id: u64, mut read: Read) -> Result<(), EndReason> {
+        if std::mem::take(&mut self.via_ring) {
+            // Its values follow the reply on the socket (and so does a
+            // Busy answer).
+            self.on_socket(id)?;
+        }
         let timeout = self.io_timeout(read.timeout_ms);
         let until = Instant::now() + timeout;
         // Spilled values stream through one buffer of the unit's disk-read

@@ -36,6 +36,12 @@ pub struct Asker<'a> {
 pub enum Plan {
     /// Send this reply.
     Reply(Response),
+    /// Make this connection a request ring of `bytes` and hand its memfd
+    /// over with the reply (a connection that mapped the slab only).
+    OpenRing { bytes: u32 },
+    /// The client put requests in this connection's ring while the unit
+    /// had stopped polling it: poll it again. No reply.
+    RingKick,
     /// Send nothing (an Unpin with `reply: false`).
     Silent,
     /// A Commit of bytes the client wrote through its mapping: send
@@ -403,13 +409,10 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         Request::Shutdown { timeout_ms } => Plan::Shutdown {
             timeout: Duration::from_millis(timeout_ms),
         },
-        // Rings are served by the event-driven unit (issue 24); until
-        // then a client asking for one is told no and keeps its socket.
-        Request::OpenRing { .. } => Plan::Reply(error(
-            ErrorCode::InvalidRequest,
-            "this unit serves no request rings".into(),
-        )),
-        Request::RingKick => Plan::Silent,
+        // A connection's request ring: made (and its memfd handed over)
+        // by the connection; a kick wakes the unit's polling of it.
+        Request::OpenRing { bytes } => Plan::OpenRing { bytes },
+        Request::RingKick => Plan::RingKick,
         other @ (Request::Hello { .. } | Request::Auth { .. } | Request::Prove { .. }) => {
             Plan::Refuse(format!("unexpected request {other:?}"))
         }

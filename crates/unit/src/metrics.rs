@@ -70,6 +70,7 @@ const OP_NAMES: [&str; OPS] = [
 impl Op {
     pub(crate) fn of(req: &Request) -> Op {
         match req {
+            // Connection set-up and control.
             Request::Hello { .. }
             | Request::NixlInfo { .. }
             | Request::OpenRing { .. }
@@ -382,6 +383,9 @@ pub struct UnitMetrics {
     handshakes_cut: [AtomicU64; 3],
     reclaimed: [AtomicU64; 3],
     sessions_opened: AtomicU64,
+    /// Request rings made, and requests served through them.
+    rings_opened: AtomicU64,
+    pub(crate) ring_requests: AtomicU64,
     pub(crate) spilled_bytes: AtomicU64,
     pub(crate) spill_batches: AtomicU64,
     pub(crate) disk_put_bytes: AtomicU64,
@@ -402,6 +406,8 @@ impl Default for UnitMetrics {
             handshakes_cut: Default::default(),
             reclaimed: Default::default(),
             sessions_opened: AtomicU64::new(0),
+            rings_opened: AtomicU64::new(0),
+            ring_requests: AtomicU64::new(0),
             spilled_bytes: AtomicU64::new(0),
             spill_batches: AtomicU64::new(0),
             disk_put_bytes: AtomicU64::new(0),
@@ -461,6 +467,11 @@ impl UnitMetrics {
     pub(crate) fn turned_away(&self) {
         self.turned_away.fetch_add(1, Relaxed);
         self.busy.fetch_add(1, Relaxed);
+    }
+
+    /// A connection made its request ring.
+    pub(crate) fn ring_opened(&self) {
+        self.rings_opened.fetch_add(1, Relaxed);
     }
 
     /// A connection's handshake was cut to admit a newer one.
@@ -845,8 +856,20 @@ impl Collector for UnitCollector {
         counter(
             &mut e,
             "connections_refused",
-            "Connections refused Busy once they proved themselves because the unit served --max-connections already (or, at accept, for want of file descriptors).",
+            "Connections refused Busy once they proved themselves because the unit served --max-connections already or held --max-sessions sessions (or, at accept, for want of file descriptors).",
             m.turned_away.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "rings_opened",
+            "Request rings made: same-host connections that pass requests and replies through shared memory instead of their socket.",
+            m.rings_opened.load(Relaxed),
+        )?;
+        counter(
+            &mut e,
+            "ring_requests",
+            "Requests served through request rings.",
+            m.ring_requests.load(Relaxed),
         )?;
         let cut: Vec<(&str, u64)> = HANDSHAKE_CUT_NAMES
             .iter()

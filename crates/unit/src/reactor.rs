@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
-use crate::conn::{Conn, Ended, Step};
+use crate::conn::{Conn, Ended, RingStep, Step};
 use crate::Shared;
 
 /// Frames of one connection a worker serves before it turns to the next
@@ -106,6 +106,7 @@ impl Reactor {
                 free: Vec::new(),
                 timers: BinaryHeap::new(),
                 ready: VecDeque::new(),
+                rings: Vec::new(),
                 next_gen: 0,
             };
             std::thread::Builder::new()
@@ -140,6 +141,10 @@ struct Slot {
     queued: bool,
     /// The earliest timer set for it and not yet fired.
     armed: Option<Instant>,
+    /// Its request ring is polled (in `rings`).
+    polled: bool,
+    /// Since when its polled ring had no request.
+    ring_idle: Option<Instant>,
 }
 
 struct Worker {
@@ -152,6 +157,10 @@ struct Worker {
     free: Vec<usize>,
     timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
     ready: VecDeque<usize>,
+    /// Connections whose request rings are polled: each turn while any
+    /// is, until it has been idle for `ring_spin`, then it is parked and
+    /// the client kicks it on its socket.
+    rings: Vec<usize>,
     next_gen: u64,
 }
 
@@ -174,7 +183,7 @@ impl Worker {
             if stopping && self.me.conns.load(Ordering::Relaxed) == 0 {
                 return;
             }
-            let timeout = if !self.ready.is_empty() || now < busy_until {
+            let timeout = if !self.ready.is_empty() || !self.rings.is_empty() || now < busy_until {
                 Some(Duration::ZERO)
             } else {
                 let next = self
@@ -216,8 +225,86 @@ impl Worker {
                 worked = true;
                 self.step(idx);
             }
+            worked |= self.poll_rings(spin * 4);
             if worked {
                 busy_until = Instant::now() + spin;
+            }
+        }
+    }
+
+    /// Serve every polled ring a quantum; park those idle for `idle`.
+    /// Whether any request was served.
+    fn poll_rings(&mut self, idle: Duration) -> bool {
+        let mut worked = false;
+        let mut i = 0;
+        while i < self.rings.len() {
+            let idx = self.rings[i];
+            let Some(Some(s)) = self.slots.get_mut(idx) else {
+                self.rings.swap_remove(i);
+                continue;
+            };
+            if s.away {
+                i += 1;
+                continue;
+            }
+            let Some(mut conn) = s.conn.take() else {
+                i += 1;
+                continue;
+            };
+            let gen = s.gen;
+            let ran =
+                std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.pump_ring(QUANTUM)));
+            let step = match ran {
+                Ok(step) => step,
+                Err(panic) => {
+                    self.end(idx, conn, Ended::panicked(panic));
+                    continue;
+                }
+            };
+            match step {
+                RingStep::Served(n) => {
+                    let now = Instant::now();
+                    let mut parked = false;
+                    if n > 0 {
+                        worked = true;
+                        s.ring_idle = None;
+                    } else {
+                        let since = *s.ring_idle.get_or_insert(now);
+                        if now.duration_since(since) >= idle && conn.park_ring() {
+                            parked = true;
+                        }
+                    }
+                    s.conn = Some(conn);
+                    if parked {
+                        s.polled = false;
+                        s.ring_idle = None;
+                        self.rings.swap_remove(i);
+                        continue;
+                    }
+                    i += 1;
+                }
+                RingStep::Pool => {
+                    worked = true;
+                    s.ring_idle = None;
+                    self.send_to_pool(idx, gen, conn);
+                    i += 1;
+                }
+                RingStep::End(e) => {
+                    tracing::warn!(error = %e, "a request ring broke the protocol; its connection is cut");
+                    self.end(idx, conn, Ended::Ran(Err(e)));
+                }
+            }
+        }
+        worked
+    }
+
+    /// Poll the ring of `idx` (its client kicked it, or it was just made).
+    fn poll_ring(&mut self, idx: usize) {
+        if let Some(Some(s)) = self.slots.get_mut(idx) {
+            if !s.polled {
+                s.polled = true;
+                s.ring_idle = None;
+                self.rings.push(idx);
             }
         }
     }
@@ -254,6 +341,8 @@ impl Worker {
                     away: false,
                     queued: false,
                     armed: None,
+                    polled: false,
+                    ring_idle: None,
                 });
                 // Its first bytes may be there already (no edge will say so).
                 self.enqueue(idx);
@@ -267,8 +356,14 @@ impl Worker {
                 }
                 match ended {
                     Ended::Ran(Ok(())) => {
+                        // A ring made, or served, on the pool: poll it
+                        // (parked rings cost one look).
+                        let ring = conn.has_ring();
                         s.conn = Some(conn);
                         s.away = false;
+                        if ring {
+                            self.poll_ring(idx);
+                        }
                         // Readiness that came meanwhile was not served.
                         self.enqueue(idx);
                     }
@@ -337,6 +432,9 @@ impl Worker {
                 return;
             }
         };
+        if conn.take_kick() && conn.has_ring() {
+            self.poll_ring(idx);
+        }
         match step {
             Step::Wait(deadline) => {
                 if let Some(Some(s)) = self.slots.get_mut(idx) {
@@ -363,25 +461,27 @@ impl Worker {
                 }
                 self.enqueue(idx);
             }
-            Step::Pool => {
-                if let Some(Some(s)) = self.slots.get_mut(idx) {
-                    s.away = true;
-                }
-                let me = self.me.clone();
-                self.pool.submit(Box::new(move || {
-                    let mut conn = conn;
-                    let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                        conn.run_parked()
-                    }));
-                    let ended = match ran {
-                        Ok(r) => Ended::Ran(r),
-                        Err(panic) => Ended::panicked(panic),
-                    };
-                    me.send(Msg::Back(idx, gen, conn, ended));
-                }));
-            }
+            Step::Pool => self.send_to_pool(idx, gen, conn),
             Step::End(r) => self.end(idx, conn, Ended::Ran(r)),
         }
+    }
+
+    /// Carry the connection's parked step out on the pool; it comes back
+    /// to this worker.
+    fn send_to_pool(&mut self, idx: usize, gen: u64, conn: Box<Conn>) {
+        if let Some(Some(s)) = self.slots.get_mut(idx) {
+            s.away = true;
+        }
+        let me = self.me.clone();
+        self.pool.submit(Box::new(move || {
+            let mut conn = conn;
+            let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.run_parked()));
+            let ended = match ran {
+                Ok(r) => Ended::Ran(r),
+                Err(panic) => Ended::panicked(panic),
+            };
+            me.send(Msg::Back(idx, gen, conn, ended));
+        }));
     }
 
     /// The connection in slot `idx` ended: stop watching it, free the
@@ -389,6 +489,9 @@ impl Worker {
     fn end(&mut self, idx: usize, conn: Box<Conn>, ended: Ended) {
         if let Some(s) = self.slots.get_mut(idx).and_then(Option::take) {
             let _ = self.poll.registry().deregister(&mut SourceFd(&s.fd));
+            if s.polled {
+                self.rings.retain(|&r| r != idx);
+            }
             self.free.push(idx);
             self.me.conns.fetch_sub(1, Ordering::Relaxed);
         }

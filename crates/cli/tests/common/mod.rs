@@ -61,12 +61,30 @@ macro_rules! both_transports {
         }
     };
 }
+
+/// [`both_transports`], and a `ring` module: shm with request rings from
+/// the first request (for the clients run as child processes).
+#[allow(unused_macros)]
+macro_rules! all_transports {
+    ($($name:ident),* $(,)?) => {
+        both_transports!($($name),*);
+        mod ring {
+            $( #[test] fn $name() { super::$name(super::Kind::Ring) } )*
+        }
+    };
+}
+#[allow(unused_imports)]
+pub(crate) use all_transports;
 #[allow(unused_imports)]
 pub(crate) use both_transports;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Kind {
     Shm,
+    /// Shm whose helper child processes ask for a request ring before
+    /// their first request (`STOWAGE_RING_AFTER=0`); the test's own
+    /// clients are plain shm clients.
+    Ring,
     Tcp,
     /// One-sided NIXL transfers (UCX over tcp and cma here), the units
     /// reached by their TCP address; tests of it exist only in a build with
@@ -111,7 +129,7 @@ pub fn nixl_options() -> stowage_client::NixlOptions {
 
 pub fn client(p: &LocalPlane, kind: Kind, timeout: Duration) -> Client {
     let addrs = match kind {
-        Kind::Shm => p.uds_addrs(),
+        Kind::Shm | Kind::Ring => p.uds_addrs(),
         Kind::Tcp => p.tcp_addrs(),
         Kind::Nixl => p.tcp_addrs(),
     };
@@ -450,4 +468,29 @@ pub fn raise_nofile() -> u64 {
 /// The most threads a unit may run: twice the cores, and 16.
 pub fn thread_bound() -> u64 {
     2 * std::thread::available_parallelism().map_or(1, |n| n.get() as u64) + 16
+}
+
+/// A metric of unit `unit` of plane `p`, summed over its labels, scraped
+/// from its metrics endpoint.
+pub fn metric(p: &LocalPlane, unit: usize, name: &str) -> u64 {
+    let url = p.units[unit]
+        .metrics
+        .clone()
+        .expect("the unit serves metrics");
+    let host = url
+        .trim_start_matches("http://")
+        .split('/')
+        .next()
+        .unwrap()
+        .to_string();
+    let mut s = std::net::TcpStream::connect(host).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut text = String::new();
+    s.read_to_string(&mut text).unwrap();
+    text.lines()
+        .filter(|l| !l.starts_with('#') && l.starts_with(name))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .map(|v| v as u64)
+        .sum()
 }

@@ -51,6 +51,11 @@ pub(crate) fn open(
         counters: crate::metrics::ConnCounters::attach(&shared),
         blocking: false,
         parked: None,
+        maps: false,
+        ring: None,
+        via_ring: false,
+        kicked: false,
+        entry: Vec::new(),
     })
 }
 
@@ -280,6 +285,7 @@ impl Conn {
         };
         self.owner = Some(owner);
         self.namespace = Some(namespace);
+        self.maps = maps;
         let attach = want_fd && self.unix;
         let r = Response::Hello {
             version: PROTOCOL_VERSION,
