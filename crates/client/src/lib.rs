@@ -921,8 +921,7 @@ impl Client {
     ) -> Outcome {
         // A unit never reached: its first connection failed (nothing of
         // this client's can be lost there).
-        if matches!(f, OpFailure::Conn { .. })
-            && !self.units[unit].reached.load(Ordering::Acquire)
+        if matches!(f, OpFailure::Conn { .. }) && !self.units[unit].reached.load(Ordering::Acquire)
         {
             return Outcome::Failed(self.unreached_error(unit, f));
         }
@@ -1568,10 +1567,7 @@ mod tests {
             other => panic!("expected a Timeout waiting for a connection: {other:?}"),
         }
         // It opened none of its own.
-        assert_eq!(
-            c.connections(0),
-            Some(UnitConnections { open: 2, idle: 0 })
-        );
+        assert_eq!(c.connections(0), Some(UnitConnections { open: 2, idle: 0 }));
     }
 
     #[test]
@@ -1598,10 +1594,7 @@ mod tests {
             "{got:?}"
         );
         // The failed opening gave its place back too.
-        assert_eq!(
-            c.connections(0),
-            Some(UnitConnections { open: 0, idle: 0 })
-        );
+        assert_eq!(c.connections(0), Some(UnitConnections { open: 0, idle: 0 }));
     }
 
     #[test]
