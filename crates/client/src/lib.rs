@@ -856,17 +856,35 @@ impl Client {
         let slot = &self.units[unit];
         let mut nap = Duration::from_micros(50);
         loop {
-            let mut p = lock(&slot.pool);
-            if let Some(t) = p.idle.pop() {
-                return Ok(Lease {
-                    slot,
-                    t: Some(t),
-                    pooled: false,
-                });
-            }
-            if p.open < self.max_conns() {
-                p.open += 1;
-                drop(p);
+            let now = Instant::now();
+            // Whether to open one (its place taken), else to let the other
+            // parts run a while; the pool's lock is never held across that.
+            let open_one = {
+                let mut p = lock(&slot.pool);
+                if let Some(t) = p.idle.pop() {
+                    return Ok(Lease {
+                        slot,
+                        t: Some(t),
+                        pooled: false,
+                    });
+                }
+                if p.open < self.max_conns() {
+                    p.open += 1;
+                    true
+                } else if now >= deadline {
+                    return Err(NoConn::Wait);
+                } else if fanout::alone() {
+                    drop(
+                        slot.freed
+                            .wait_timeout(p, deadline - now)
+                            .unwrap_or_else(|e| e.into_inner()),
+                    );
+                    continue;
+                } else {
+                    false
+                }
+            };
+            if open_one {
                 // Its place is given back if opening fails.
                 let mut lease = Lease {
                     slot,
@@ -876,21 +894,8 @@ impl Client {
                 lease.t = Some(self.open(unit, deadline).map_err(NoConn::Open)?);
                 return Ok(lease);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return Err(NoConn::Wait);
-            }
-            if fanout::alone() {
-                drop(
-                    slot.freed
-                        .wait_timeout(p, deadline - now)
-                        .unwrap_or_else(|e| e.into_inner()),
-                );
-            } else {
-                drop(p);
-                fanout::pause_until((now + nap).min(deadline)).await;
-                nap = (nap * 2).min(Duration::from_millis(5));
-            }
+            fanout::pause_until((now + nap).min(deadline)).await;
+            nap = (nap * 2).min(Duration::from_millis(5));
         }
     }
 
