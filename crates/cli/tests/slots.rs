@@ -542,8 +542,7 @@ fn a_refused_connect_is_retried_within_the_deadline_and_the_error_names_the_caus
         .unwrap();
     let e = other
         .get_rows(&[Key::new(1, "x")], other.deadline())
-        .err()
-        .expect("refused while the slot is taken");
+        .expect_err("refused while the slot is taken");
     let took = t0.elapsed();
     assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
     let text = e.to_string();
