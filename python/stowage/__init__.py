@@ -448,6 +448,14 @@ class DataPlane:
         """The partitions of this namespace that hold data, sorted."""
         return self._client.partitions(timeout)
 
+    def check_units(self, *, timeout: Optional[float] = None) -> None:
+        """Reach every unit now: open (and keep) one connection to each, in
+        unit order, and raise as the first that cannot be reached fails
+        (:class:`Unreachable`, :class:`Timeout`, :class:`Unauthorized`).
+        Connecting opens nothing; without this, each unit's first call
+        reaches it."""
+        self._client.check_units(timeout)
+
     def stats(self, *, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """Every unit's counters (capacity, used, reserved_bytes,
         quarantined_bytes, blobs, entries, rows, pins, index_bytes, disk
@@ -589,7 +597,13 @@ def connect(
     nixl: bool = False,
     require_rdma: bool = True,
 ) -> DataPlane:
-    """Connect to running units.
+    """A client of running units. Connecting opens no connection: each
+    unit's first is opened by the first call that touches it, so a client
+    of thousands of units costs nothing until it uses them, and a unit
+    that cannot be reached (:class:`Unreachable`, :class:`Timeout`,
+    :class:`Unauthorized`) fails that call, not this one.
+    :meth:`DataPlane.check_units` reaches every unit at once. The threads
+    of a process share a few connections per unit.
 
     ``units`` is a directory — the dict a launcher returned
     (:func:`stowage.ray.start_units`, :attr:`DataPlane.directory`), an object
@@ -617,7 +631,8 @@ def connect(
     (``secret_hex``, which a launcher that generated the secret puts there),
     else none. A unit that
     wants a secret refuses a client without the right one, and a client with
-    a secret refuses a unit without it: :class:`Unauthorized`.
+    a secret refuses a unit without it: :class:`Unauthorized`, raised by
+    the first call on that unit.
 
     ``nixl``: reach the units this client does not reach over shared memory
     (units on other hosts, or every unit with ``transport="nixl"``) with

@@ -36,8 +36,10 @@ def test_a_local_plane_with_a_secret_serves_only_clients_that_prove_it(transport
     with stowage.local(units=1, memory="16MiB", transport=transport, secret=SECRET) as dp:
         dp.put("p", [1, "k"], {"x": [np.arange(5), np.arange(3.0)]})
         for wrong in (None, WRONG, WRONG.encode()):
-            with pytest.raises(stowage.Unauthorized) as e:
-                stowage.connect(dp.units, secret=wrong, timeout=5)
+            # Connecting is lazy: the first call on the unit is refused.
+            with stowage.connect(dp.units, secret=wrong, timeout=5) as c:
+                with pytest.raises(stowage.Unauthorized) as e:
+                    c.get("p", [1], ["x"])
             assert "shared secret" in str(e.value)
             assert SECRET not in str(e.value) and WRONG not in str(e.value)
         # The refused clients touched nothing.
@@ -57,8 +59,9 @@ def test_the_secret_comes_from_the_environment_by_default(monkeypatch):
         with stowage.connect(dp.units, timeout=5) as c:
             assert same(c.get("p", [0], "x")["x"][0], np.arange(4))
         monkeypatch.delenv("STOWAGE_SECRET")
-        with pytest.raises(stowage.Unauthorized):
-            stowage.connect(dp.units, timeout=5)
+        with stowage.connect(dp.units, timeout=5) as c:
+            with pytest.raises(stowage.Unauthorized):
+                c.get("p", [0], ["x"])
         # An explicit secret wins over the environment.
         monkeypatch.setenv("STOWAGE_SECRET", WRONG)
         with stowage.connect(dp.units, secret=SECRET, timeout=5) as c:
@@ -67,8 +70,9 @@ def test_the_secret_comes_from_the_environment_by_default(monkeypatch):
 
 def test_a_client_with_a_secret_refuses_a_unit_without_one():
     with stowage.local(units=1, memory="16MiB", insecure=True) as dp:
-        with pytest.raises(stowage.Unauthorized) as e:
-            stowage.connect(dp.units, secret=SECRET, timeout=5)
+        with stowage.connect(dp.units, secret=SECRET, timeout=5) as c:
+            with pytest.raises(stowage.Unauthorized) as e:
+                c.put("p", [0], {"x": [np.arange(3)]})
         assert "without a secret" in str(e.value)
 
 
@@ -115,8 +119,9 @@ def test_a_unit_with_a_secret_file_never_shows_the_secret(tmp_path):
         with stowage.connect(addrs, secret=SECRET, timeout=5) as c:
             c.put("p", [0, 1], {"x": [np.arange(3), np.arange(4)]})
         for addr in addrs:
-            with pytest.raises(stowage.Unauthorized):
-                stowage.connect([addr], timeout=5)
+            with stowage.connect([addr], timeout=5) as c:
+                with pytest.raises(stowage.Unauthorized):
+                    c.get("p", [0], ["x"])
         r = subprocess.run(
             [*PY, "stats", *addrs],
             capture_output=True,
@@ -170,8 +175,9 @@ def test_stowage_local_refuses_another_user_and_serves_its_own(transport):
         dp.put("p", [0], {"x": [np.arange(3)]})
         with stowage.connect(d, transport="tcp", timeout=10) as c:
             assert same(c.get("p", [0], "x")["x"][0], np.arange(3))
-        with pytest.raises(stowage.Unauthorized):
-            stowage.connect([u["tcp"]], timeout=5)
+        with stowage.connect([u["tcp"]], timeout=5) as c:
+            with pytest.raises(stowage.Unauthorized):
+                c.get("p", [0], ["x"])
     # The control: an insecure plane (every plane before) serves the other
     # user, so the refusals above are the secret's.
     with stowage.local(units=1, memory="16MiB", insecure=True) as open_dp:

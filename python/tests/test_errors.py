@@ -250,8 +250,10 @@ def test_timeout_when_a_unit_stops_answering_and_gil_is_released(part):
 
 def test_an_unreachable_unit_is_its_own_error_in_plain_words(tmp_path):
     missing = tmp_path / "nothing.sock"
+    # Connecting opens nothing: the first call on the unit reaches it.
+    plane = stowage.connect([f"unix:{missing}"], timeout=2)
     with pytest.raises(stowage.Unreachable) as e:
-        stowage.connect([f"unix:{missing}"], timeout=2)
+        plane.get("p", [0], ["x"])
     err = e.value
     assert err.unit == 0 and err.address == f"unix:{missing}" and err.retryable
     text = str(err)
@@ -267,5 +269,9 @@ def test_an_unreachable_unit_is_its_own_error_in_plain_words(tmp_path):
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()
+    plane = stowage.connect([f"tcp:127.0.0.1:{port}"], timeout=2)
     with pytest.raises(stowage.Unreachable, match="refused"):
-        stowage.connect([f"tcp:127.0.0.1:{port}"], timeout=2)
+        plane.put("p", [0], {"x": np.zeros(1)})
+    # The eager check raises the same.
+    with pytest.raises(stowage.Unreachable, match="refused"):
+        plane.check_units()

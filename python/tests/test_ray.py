@@ -175,8 +175,11 @@ def test_the_units_refuse_another_user_and_the_directory_carries_their_secret(un
     with stowage.connect(units.directory, transport="tcp", timeout=30) as plane:
         # (Nothing put: the module's units count rows in later tests.)
         assert len(plane.stats()) == len(units)
-    with pytest.raises(stowage.Unauthorized):
-        stowage.connect([u["tcp"] for u in units.directory["units"]], timeout=10, secret=None)
+    # Connecting is lazy: the first call is refused.
+    tcp = [u["tcp"] for u in units.directory["units"]]
+    with stowage.connect(tcp, timeout=10, secret=None) as plane:
+        with pytest.raises(stowage.Unauthorized):
+            plane.stats()
 
 
 @ray.remote(num_cpus=0)
@@ -429,8 +432,10 @@ def test_units_with_a_shared_secret(cluster, tmp_path, part, monkeypatch):
     one = stowage.ray.start_units(cfg, cluster.node_ids[:1], timeout=START_S)
     try:
         assert secret not in json.dumps(one.directory)
-        with pytest.raises(stowage.Unauthorized):
-            stowage.connect(one.directory, timeout=10, secret=None)
+        # Connecting is lazy: the first call is refused.
+        with stowage.connect(one.directory, timeout=10, secret=None) as refused:
+            with pytest.raises(stowage.Unauthorized):
+                refused.stats()
         with stowage.connect(one.directory, secret=secret, timeout=10) as plane:
             plane.put(part, [0, 1], {"x": [np.arange(2), np.arange(3)]})
             assert [a.tolist() for a in plane.get(part, [0, 1], ["x"])["x"]] == [[0, 1], [0, 1, 2]]

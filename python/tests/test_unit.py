@@ -34,8 +34,10 @@ def test_a_unit_in_this_process_serves_and_stops_cleanly(tmp_path, part):
         # Given tcp and no secret, the unit made one: its own clients prove it.
         assert u.secret is not None and len(u.secret) == 64
         for addr in (u.uds_addr, u.tcp_addr):
-            with pytest.raises(stowage.Unauthorized):
-                stowage.connect(addr, timeout=5)
+            # Connecting is lazy: the first call is refused.
+            with stowage.connect(addr, timeout=5) as c:
+                with pytest.raises(stowage.Unauthorized):
+                    c.stats()
             with stowage.connect(addr, secret=u.secret) as c:
                 c.put(part, [1, 2], {"x": [np.arange(3), np.arange(4)]})
                 got = c.get(part, [1, 2], ["x"])["x"]
@@ -95,8 +97,10 @@ def test_a_unit_with_a_shared_secret(tmp_path, part, monkeypatch):
     u = _native.Unit("4MiB", tcp="127.0.0.1:0", secret=SECRET)
     try:
         for addr in (u.uds_addr, u.tcp_addr):
-            with pytest.raises(stowage.Unauthorized):
-                stowage.connect(addr, timeout=5)
+            # Connecting is lazy: the first call is refused.
+            with stowage.connect(addr, timeout=5) as c:
+                with pytest.raises(stowage.Unauthorized):
+                    c.stats()
             with stowage.connect(addr, secret=SECRET, timeout=5) as c:
                 c.put(part, [0], {"x": [np.arange(2)]})
         # Its own admin requests prove the secret too.
@@ -131,8 +135,10 @@ def test_beyond_loopback_a_unit_serves_only_with_a_secret():
     try:
         assert u.secret is not None
         port = u.tcp_addr.rsplit(":", 1)[1]
-        with pytest.raises(stowage.Unauthorized):
-            stowage.connect([f"tcp:127.0.0.1:{port}"], timeout=5)
+        # Connecting is lazy: the first call is refused.
+        with stowage.connect([f"tcp:127.0.0.1:{port}"], timeout=5) as c:
+            with pytest.raises(stowage.Unauthorized):
+                c.stats()
         with stowage.connect([f"tcp:127.0.0.1:{port}"], secret=u.secret, timeout=5) as c:
             assert len(c.stats()) == 1
     finally:

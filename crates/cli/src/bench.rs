@@ -722,6 +722,10 @@ pub fn run_nixl(unit_command: Vec<std::ffi::OsString>, quick: bool) -> Result<()
         ..Default::default()
     });
     let client = Client::connect(cfg).map_err(|e| e.to_string())?;
+    // Reach the units now: their transport is known once reached.
+    client
+        .check_units(client.deadline())
+        .map_err(|e| e.to_string())?;
     if client.transport(0) != Some("nixl") {
         return Err(format!(
             "the units are reached over {:?}, not nixl",

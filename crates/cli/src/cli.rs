@@ -932,6 +932,11 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             cfg.secret = secret;
             cfg.timeout = Duration::from_secs(5);
             let client = Client::connect(cfg).map_err(|e| e.to_string())?;
+            // Fail at once on a unit that cannot be reached, as before
+            // connecting was lazy.
+            client
+                .check_units(client.deadline())
+                .map_err(|e| e.to_string())?;
             for (a, s) in addrs.iter().zip(client.stats(client.deadline())) {
                 match s {
                     Ok(s) => {
@@ -991,7 +996,9 @@ pub fn unit_command() -> Result<Vec<std::ffi::OsString>, String> {
     Ok(vec![exe.into(), "unit".into()])
 }
 
-/// A client for control commands: no shm mapping, the given timeout.
+/// A client for control commands: no shm mapping, the given timeout,
+/// every unit reached (a command fails at once on a unit it cannot reach,
+/// as `shutdown`'s "nothing to shut down" relies on).
 fn control_client(
     addrs: &[UnitAddr],
     timeout: Duration,
@@ -1001,7 +1008,11 @@ fn control_client(
     cfg.shm = false;
     cfg.secret = secret;
     cfg.timeout = timeout;
-    Client::connect(cfg).map_err(|e| e.to_string())
+    let client = Client::connect(cfg).map_err(|e| e.to_string())?;
+    client
+        .check_units(client.deadline())
+        .map_err(|e| e.to_string())?;
+    Ok(client)
 }
 
 /// `stowage up`: the config's units on this host, until interrupted.

@@ -99,6 +99,15 @@ impl Unit {
         Client::connect(cfg)
     }
 
+    /// A client as [`Unit::client`], after its first call (a stats
+    /// request): connecting is lazy, so that call is where the unit is
+    /// reached, or refused.
+    fn first_call(&self, kind: Kind, ns: &str, secret: Option<Secret>) -> Result<Client, Error> {
+        let c = self.client(kind, ns, secret)?;
+        c.stats(c.deadline()).remove(0)?;
+        Ok(c)
+    }
+
     /// Stop the unit (by its pid) and return what it logged.
     fn stop_and_log(mut self) -> String {
         let _ = self.child.kill();
@@ -298,7 +307,7 @@ fn no_secret_or_a_wrong_one_is_unauthorized_and_nothing_is_read_released_or_hand
     let mut messages = Vec::new();
     for kind in both_kinds() {
         for s in [None, Some(secret(WRONG))] {
-            match u.client(kind, "ns", s) {
+            match u.first_call(kind, "ns", s) {
                 Err(Error::Unauthorized(m)) => {
                     assert!(m.contains("shared secret"), "{m}");
                     messages.push(m);
@@ -505,7 +514,7 @@ fn a_client_with_a_secret_refuses_a_unit_without_one_or_with_another() {
     // A unit without a secret: it says so, and the client refuses it.
     let open = Unit::start(None, &[]);
     for kind in both_kinds() {
-        match open.client(kind, "ns", Some(secret(SECRET))) {
+        match open.first_call(kind, "ns", Some(secret(SECRET))) {
             Err(Error::Unauthorized(m)) => assert!(m.contains("without a secret"), "{m}"),
             Err(e) => panic!("{e}"),
             Ok(_) => panic!("a client with a secret talked to a unit without one"),
@@ -518,7 +527,7 @@ fn a_client_with_a_secret_refuses_a_unit_without_one_or_with_another() {
     // A unit with another secret: its proof does not check out, and the
     // client sends no proof of its own.
     let other = Unit::start(Some(WRONG), &[]);
-    match other.client(Kind::Tcp, "ns", Some(secret(SECRET))) {
+    match other.first_call(Kind::Tcp, "ns", Some(secret(SECRET))) {
         Err(Error::Unauthorized(m)) => {
             assert!(m.contains("did not prove the shared secret"), "{m}");
             assert!(!m.contains(SECRET) && !m.contains(WRONG), "{m}");
@@ -688,8 +697,10 @@ fn a_local_plane_hands_its_units_the_secret_off_the_command_line() {
     for addrs in [p.uds_addrs(), p.tcp_addrs()] {
         let mut cfg = ClientConfig::new("ns", addrs.clone());
         cfg.timeout = Duration::from_secs(10);
+        // Connecting is lazy: the first call on the units is refused.
+        let refused = Client::connect(cfg.clone()).unwrap();
         assert!(matches!(
-            Client::connect(cfg.clone()),
+            refused.get_rows(&[Key::new(0, "a"), Key::new(1, "a")], refused.deadline()),
             Err(Error::Unauthorized(_))
         ));
         cfg.secret = Some(secret(SECRET));

@@ -61,6 +61,9 @@ fn fence_child() {
         cfg.nixl = Some(nixl_options());
     }
     let c = stowage_client::Client::connect(cfg).unwrap();
+    // Connecting is lazy: reach the unit before READY (the test's clock
+    // for stopping this child starts there), and learn its transport.
+    c.check_units(c.deadline()).unwrap();
     if parts[1] == "nixl" {
         assert_eq!(c.transport(0), Some("nixl"));
     }
@@ -198,6 +201,8 @@ fn fclient(p: &stowage_local::LocalPlane, kind: Kind, timeout: Duration) -> stow
     }
     let c = stowage_client::Client::connect(cfg).unwrap();
     if kind == Kind::Nixl {
+        // Connecting is lazy: the transport is known once the unit is reached.
+        c.check_units(c.deadline()).unwrap();
         assert_eq!(c.transport(0), Some("nixl"));
     }
     c

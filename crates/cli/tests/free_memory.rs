@@ -50,6 +50,8 @@ fn plain_client(p: &LocalPlane, kind: Kind) -> Client {
     }
     let c = Client::connect(cfg).expect("client connects");
     if kind == Kind::Nixl {
+        // Connecting is lazy: the transport is known once the unit is reached.
+        c.check_units(c.deadline()).expect("the unit answers");
         assert_eq!(c.transport(0), Some("nixl"));
     }
     c

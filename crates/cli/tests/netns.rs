@@ -240,12 +240,14 @@ fn netns_client() {
     if std::env::var_os("STOWAGE_NETNS_CLIENT").is_none() {
         return;
     }
-    // A wrong secret is refused, and nothing is served to it.
+    // A wrong secret is refused, and nothing is served to it (connecting
+    // is lazy: its first call is refused).
     let wrong = Client::connect(config(
         "not-the-secret-at-all-0123",
         &[UNIT_A, UNIT_B],
         Duration::from_secs(5),
-    ));
+    ))
+    .and_then(|c| c.get_rows(&[Key::new(0, "v")], c.deadline()));
     match wrong {
         Err(Error::Unauthorized(_)) => println!("WRONG-SECRET-REFUSED"),
         Err(e) => println!("WRONG-SECRET-UNEXPECTED {e}"),

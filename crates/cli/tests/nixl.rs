@@ -29,6 +29,8 @@ fn in_flight_child() {
     cfg.timeout = Duration::from_secs(20);
     cfg.nixl = Some(nixl_options());
     let c = Client::connect(cfg).unwrap();
+    // Connecting is lazy: the transport is known once the unit is reached.
+    c.check_units(c.deadline()).unwrap();
     assert_eq!(c.transport(0), Some("nixl"));
     let v = vec![0x33u8; 8 * MIB as usize];
     match c.put_rows(&[(Key::new(0, "a"), &v)], c.deadline()) {
@@ -140,6 +142,8 @@ fn read_in_flight_child() {
     cfg.timeout = Duration::from_secs(20);
     cfg.nixl = Some(nixl_options());
     let c = Client::connect(cfg).unwrap();
+    // Connecting is lazy: the transport is known once the unit is reached.
+    c.check_units(c.deadline()).unwrap();
     assert_eq!(c.transport(0), Some("nixl"));
     let keys = [(0, Key::new(0, "a"))];
     match c.get_values(stowage_client::DEFAULT_PARTITION, &keys, c.deadline()) {

@@ -180,8 +180,15 @@ fn a_local_plane_refuses_another_user_and_serves_its_own_clients() {
             .unwrap();
     }
     // A client without the plane's secret is refused too, even as root.
-    let cfg = ClientConfig::new("none", p.tcp_addrs());
-    assert!(matches!(Client::connect(cfg), Err(Error::Unauthorized(_))));
+    // (Connecting is lazy: its first call is refused.)
+    let none = Client::connect(ClientConfig::new("none", p.tcp_addrs())).unwrap();
+    assert!(matches!(
+        none.put_rows(
+            &[(stowage_client::Key::new(1, "f"), b"theirs")],
+            none.deadline()
+        ),
+        Err(Error::Unauthorized(_))
+    ));
 
     // The control: the other user's client does reach a plane started
     // --insecure (what every plane was before), so the refusals above are
@@ -647,7 +654,9 @@ fn a_socket_another_user_bound_first_does_not_capture_a_client() {
     // shm transport, which would map what the impostor hands it.
     let mut cfg = ClientConfig::new("victim", vec![UnitAddr::Unix(path.clone())]);
     cfg.timeout = Duration::from_secs(10);
-    match Client::connect(cfg) {
+    // Connecting is lazy: the first call reaches the socket, and refuses it.
+    let c = Client::connect(cfg).unwrap();
+    match c.get_rows(&[stowage_client::Key::new(0, "v")], c.deadline()) {
         Err(Error::Unauthorized(m)) => {
             assert!(m.contains(&format!("uid {OTHER_UID}")), "{m}");
         }
@@ -673,7 +682,9 @@ fn a_slab_fd_that_could_shrink_is_never_mapped() {
     rx.recv_timeout(Duration::from_secs(10)).unwrap();
     let mut cfg = ClientConfig::new("victim", vec![UnitAddr::Unix(path)]);
     cfg.timeout = Duration::from_secs(5);
-    match Client::connect(cfg) {
+    // Connecting is lazy: the first call reaches the socket, and refuses it.
+    let c = Client::connect(cfg).unwrap();
+    match c.get_rows(&[stowage_client::Key::new(0, "v")], c.deadline()) {
         Err(Error::Unauthorized(m)) => {
             assert!(m.contains("SHRINK | GROW | SEAL"), "{m}");
         }

@@ -534,12 +534,15 @@ fn a_refused_connect_is_retried_within_the_deadline_and_the_error_names_the_caus
     holder
         .put_rows(&[(Key::new(1, "x"), &pattern(1, 1, 64))], holder.deadline())
         .unwrap();
-    // Another is refused until its deadline: a Timeout that says why.
+    // Another is refused until its deadline: a Timeout that says why
+    // (connecting is lazy: its first call is the one refused).
     let t0 = Instant::now();
-    let e = u
+    let other = u
         .client(UnitAddr::Tcp(u.tcp), Duration::from_millis(1500))
-        .err()
-        .expect("refused while the slot is taken");
+        .unwrap();
+    let e = other
+        .get_rows(&[Key::new(1, "x")], other.deadline())
+        .expect_err("refused while the slot is taken");
     let took = t0.elapsed();
     assert!(matches!(e, Error::Timeout { .. }), "{e:?}");
     let text = e.to_string();
@@ -556,7 +559,8 @@ fn a_refused_connect_is_retried_within_the_deadline_and_the_error_names_the_caus
         let mut cfg = ClientConfig::new("ns", vec![UnitAddr::Tcp(addr)]);
         cfg.timeout = Duration::from_secs(20);
         cfg.secret = Some(secret());
-        let _ = tx.send(Client::connect(cfg).map(|_| ()));
+        let first_call = |c: Client| c.get_rows(&[Key::new(1, "x")], c.deadline()).map(drop);
+        let _ = tx.send(Client::connect(cfg).and_then(first_call));
     });
     std::thread::sleep(Duration::from_millis(300));
     drop(holder);

@@ -79,6 +79,12 @@ pub(crate) fn all_at_once<F: Future>(parts: impl IntoIterator<Item = F>) -> Vec<
     out.into_iter().flatten().collect()
 }
 
+/// Whether the part running now is the only one left of its call (or no
+/// call of [`all_at_once`] runs on this thread): it may block.
+pub(crate) fn alone() -> bool {
+    PASS.get().alone
+}
+
 /// Let the other units' parts run: this one has sent a request and is
 /// about to wait for its reply. No stop when the part runs alone.
 pub(crate) fn turn() -> impl Future<Output = ()> {

@@ -1,7 +1,11 @@
 //! # stowage-client: put, get and clear on storage units
 //!
 //! A [`Client`] knows a list of units ([`UnitAddr`]: a Unix socket for the
-//! same host, TCP otherwise) and keeps a small pool of connections to each.
+//! same host, TCP otherwise) and keeps a small pool of connections to each,
+//! shared by the threads that use the client. Connecting opens nothing: a
+//! unit's first connection is opened by the first operation that touches
+//! it ([`Client::check_units`] opens one to every unit now), and at most
+//! [`ClientConfig::max_unit_conns`] are open to a unit at a time.
 //! Each connection is a [`Transport`]: [`transport::ShmTransport`] maps the
 //! unit's slab (its memfd arrives at the handshake) and copies bytes
 //! itself; [`transport::TcpTransport`] streams them through the socket.
@@ -67,7 +71,8 @@ pub mod transport;
 pub mod unit_directory;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 pub use conn::UnitAddr;
@@ -141,7 +146,18 @@ pub struct ClientConfig {
     /// with the `nixl` feature and libnixl_capi.so (docs/nixl.md).
     /// Default `None`: tcp.
     pub nixl: Option<NixlOptions>,
+    /// Most connections this client holds open to one unit at a time,
+    /// shared by every thread that uses the client: a thread that finds
+    /// them all in use waits, within its deadline, for one to be checked
+    /// in (and fails with [`Error::Timeout`] at the deadline) rather than
+    /// opening another. Views pin through a connection of their own per
+    /// unit, which is not counted. Zero is taken as one. Default
+    /// [`MAX_UNIT_CONNS`].
+    pub max_unit_conns: usize,
 }
+
+/// Default [`ClientConfig::max_unit_conns`].
+pub const MAX_UNIT_CONNS: usize = 4;
 
 /// Default [`ClientConfig::spare_max`].
 pub const SPARE_MAX: u64 = 4 << 20;
@@ -162,6 +178,7 @@ impl ClientConfig {
             secret: None,
             spare_max: SPARE_MAX,
             nixl: None,
+            max_unit_conns: MAX_UNIT_CONNS,
         }
     }
 }
@@ -199,7 +216,15 @@ pub fn new_blob_id() -> BlobId {
 
 struct UnitSlot {
     addr: UnitAddr,
-    pool: Mutex<Vec<Box<dyn Transport>>>,
+    /// The connections to the unit: idle ones, and how many are open.
+    pool: Mutex<Pool>,
+    /// Signalled when a connection is checked in or closed: a thread
+    /// waiting for one to come free looks again.
+    freed: Condvar,
+    /// Whether a connection to the unit was ever made. Until then a
+    /// failed connection is reported as connecting reports it
+    /// ([`Error::Unreachable`]): this client has nothing there to lose.
+    reached: AtomicBool,
     /// The slab mapping of the current instance, shared by its connections.
     slab: Mutex<Option<(u128, Arc<Slab>)>>,
     /// What this client knows of the unit: the instance it last met at
@@ -213,6 +238,72 @@ struct UnitSlot {
     view_conn: Mutex<Option<ViewConn>>,
     /// The transport of the last connection opened to it.
     transport: Mutex<Option<&'static str>>,
+}
+
+/// The connections a client holds to one unit ([`Client::connections`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct UnitConnections {
+    /// Open: idle, in use by an operation, or being opened; at most
+    /// [`ClientConfig::max_unit_conns`].
+    pub open: usize,
+    /// Open and in use by no operation.
+    pub idle: usize,
+}
+
+/// A unit's pooled connections.
+#[derive(Default)]
+struct Pool {
+    /// Connections no operation is using.
+    idle: Vec<Box<dyn Transport>>,
+    /// Connections open to the unit: idle, checked out, or being opened
+    /// (at most [`ClientConfig::max_unit_conns`]).
+    open: usize,
+}
+
+/// A connection checked out of a unit's pool ([`Client::checkout`]): it
+/// goes back with [`Client::checkin`]; dropped otherwise (a broken
+/// connection), it is closed and its place in the unit's bound freed.
+struct Lease<'a> {
+    slot: &'a UnitSlot,
+    /// `None` while it is being opened.
+    t: Option<Box<dyn Transport>>,
+    /// Checked in: still open, counted in the pool.
+    pooled: bool,
+}
+
+impl std::ops::Deref for Lease<'_> {
+    type Target = dyn Transport;
+    fn deref(&self) -> &Self::Target {
+        self.t.as_deref().expect("a lease holds its connection")
+    }
+}
+
+impl std::ops::DerefMut for Lease<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.t.as_deref_mut().expect("a lease holds its connection")
+    }
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        if self.pooled {
+            return;
+        }
+        // Closed before its place is given up: never more open than the bound.
+        drop(self.t.take());
+        let mut p = lock(&self.slot.pool);
+        p.open = p.open.saturating_sub(1);
+        drop(p);
+        self.slot.freed.notify_one();
+    }
+}
+
+/// Why [`Client::checkout`] got no connection.
+enum NoConn {
+    /// Opening one failed.
+    Open(OpFailure),
+    /// Every connection the bound allows stayed in use until the deadline.
+    Wait,
 }
 
 /// A connection shared by the views that pinned through it.
@@ -387,8 +478,13 @@ enum Outcome {
 }
 
 impl Client {
-    /// Connect to every unit (one handshake each) and check that they
-    /// answer. A unit that cannot be reached fails the call.
+    /// A client of `cfg.units`. Checks the config and opens nothing: each
+    /// unit's first connection is opened by the first operation that
+    /// touches it, and a unit that cannot be reached fails that operation
+    /// ([`Error::Unreachable`], [`Error::Timeout`], [`Error::Unauthorized`],
+    /// as [`Client::check_units`] reports them). A client of thousands of
+    /// units costs nothing until it uses them. Call
+    /// [`Client::check_units`] to reach every unit now.
     pub fn connect(mut cfg: ClientConfig) -> Result<Client> {
         if cfg.units.is_empty() {
             return Err(Error::InvalidRequest("no units given".into()));
@@ -414,7 +510,9 @@ impl Client {
             .enumerate()
             .map(|(i, a)| UnitSlot {
                 addr: a.clone(),
-                pool: Mutex::new(Vec::new()),
+                pool: Mutex::new(Pool::default()),
+                freed: Condvar::new(),
+                reached: AtomicBool::new(false),
                 slab: Mutex::new(None),
                 instance: Mutex::new(Instance {
                     current: cfg.instances.get(i).copied().flatten(),
@@ -429,47 +527,95 @@ impl Client {
         let metrics = Arc::new(metrics::ClientMetrics::new(&cfg.units));
         let nixl = cfg.nixl.map(nixl::NixlClient::new);
         // The agent (its UCX backend takes tens of milliseconds to make) is
-        // made before the connect's deadline starts, which is for the units.
+        // made here, not by the first operation: a setup that cannot run
+        // fails the connect, and no operation's deadline pays for it.
         if let Some(n) = &nixl {
             n.agent()
                 .map_err(|e| Error::InvalidRequest(format!("nixl: {e}")))?;
         }
-        let client = Client {
+        Ok(Client {
             cfg,
             units,
             metrics,
             nixl,
-        };
-        let deadline = client.deadline();
-        for u in 0..client.units.len() {
-            let t = client.open(u, deadline).map_err(|e| match e {
-                OpFailure::Conn {
-                    error: error @ ConnFailure::Refusing(_),
-                    ..
-                } => Error::Timeout {
-                    unit: Some(u),
-                    what: error.to_string(),
-                },
-                OpFailure::Conn { error, .. } => Error::Unreachable {
-                    unit: u,
-                    addr: client.units[u].addr.to_string(),
-                    reason: error.to_string(),
-                },
-                OpFailure::Unit { code, message } => unit_error(u, code, message, vec![]),
-                OpFailure::Local(l) => local_error(u, l, vec![]),
-                OpFailure::Corrupt { .. } => {
-                    Error::Io(format!("unit {u}: unexpected reply at connect"))
-                }
-            })?;
-            client.checkin(u, t);
+        })
+    }
+
+    /// Open (and pool) one connection to every unit, in unit order, and
+    /// fail as the first unit that cannot be reached fails: for callers
+    /// that want every unit checked before they start (connecting does
+    /// not). A unit this client already holds an idle connection to is
+    /// taken as reached.
+    pub fn check_units(&self, deadline: Instant) -> Result<()> {
+        for u in 0..self.units.len() {
+            let got = fanout::all_at_once([self.checkout(u, deadline)]);
+            match got.into_iter().next() {
+                Some(Ok(t)) => self.checkin(u, t),
+                Some(Err(NoConn::Open(f))) => return Err(self.unreached_error(u, f)),
+                Some(Err(NoConn::Wait)) => return Err(self.wait_error(u)),
+                None => {}
+            }
         }
-        Ok(client)
+        Ok(())
+    }
+
+    /// The error of a connection to unit `unit` that could not be made,
+    /// as connecting reports it: [`Error::Unreachable`] when nothing
+    /// answered at its address, [`Error::Timeout`] when it did not answer
+    /// in time or kept refusing, the unit's or this client's refusal
+    /// otherwise.
+    fn unreached_error(&self, unit: usize, f: OpFailure) -> Error {
+        match f {
+            OpFailure::Conn {
+                error: error @ (ConnFailure::Refusing(_) | ConnFailure::Timeout),
+                ..
+            } => Error::Timeout {
+                unit: Some(unit),
+                what: error.to_string(),
+            },
+            OpFailure::Conn { error, .. } => Error::Unreachable {
+                unit,
+                addr: self.units[unit].addr.to_string(),
+                reason: error.to_string(),
+            },
+            OpFailure::Unit { code, message } => unit_error(unit, code, message, vec![]),
+            OpFailure::Local(l) => local_error(unit, l, vec![]),
+            OpFailure::Corrupt { .. } => {
+                Error::Io(format!("unit {unit}: unexpected reply at connect"))
+            }
+        }
+    }
+
+    /// The error of waiting in vain for one of unit `unit`'s connections.
+    fn wait_error(&self, unit: usize) -> Error {
+        Error::Timeout {
+            unit: Some(unit),
+            what: format!(
+                "all {} connections to the unit stayed in use until the deadline",
+                self.max_conns()
+            ),
+        }
+    }
+
+    /// [`ClientConfig::max_unit_conns`], at least one.
+    fn max_conns(&self) -> usize {
+        self.cfg.max_unit_conns.max(1)
     }
 
     /// The transport this client reaches unit `unit` by: `shm`, `nixl` or
     /// `tcp` (`None`: not reached yet).
     pub fn transport(&self, unit: usize) -> Option<&'static str> {
         self.units.get(unit).and_then(|u| *lock(&u.transport))
+    }
+
+    /// The connections this client holds to unit `unit` now (`None`: no
+    /// such unit). Its view connection is not among them.
+    pub fn connections(&self, unit: usize) -> Option<UnitConnections> {
+        let p = lock(&self.units.get(unit)?.pool);
+        Some(UnitConnections {
+            open: p.open,
+            idle: p.idle.len(),
+        })
     }
 
     /// Number of units.
@@ -565,6 +711,7 @@ impl Client {
                 c
             }
         };
+        slot.reached.store(true, Ordering::Release);
         self.met_instance(unit, conn.instance_id);
         if let Some(s) = &conn.slab {
             *lock(&slot.slab) = Some((conn.instance_id, s.clone()));
@@ -667,7 +814,15 @@ impl Client {
     /// dead unit's memory is unmapped. Views keep their own mapping.
     fn forget_instance(&self, unit: usize, keep: Option<u128>) {
         let slot = &self.units[unit];
-        lock(&slot.pool).retain(|t| Some(t.instance_id()) == keep);
+        let mut p = lock(&slot.pool);
+        let before = p.idle.len();
+        p.idle.retain(|t| Some(t.instance_id()) == keep);
+        let closed = before - p.idle.len();
+        p.open = p.open.saturating_sub(closed);
+        drop(p);
+        if closed > 0 {
+            slot.freed.notify_all();
+        }
         let mut s = lock(&slot.slab);
         if s.as_ref().is_some_and(|(i, _)| Some(*i) != keep) {
             *s = None;
@@ -687,26 +842,76 @@ impl Client {
         lock(&self.units[unit].instance).lost.take().is_some()
     }
 
-    fn checkout(
+    /// A connection to unit `unit`: an idle one from its pool, else a new
+    /// one while fewer than [`ClientConfig::max_unit_conns`] are open,
+    /// else the first to come free before `deadline`. While it waits, the
+    /// other units' parts of the call go on (a part alone blocks), so
+    /// threads holding connections to several units never wait on each
+    /// other in a cycle.
+    async fn checkout(
         &self,
         unit: usize,
         deadline: Instant,
-    ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
-        if let Some(t) = lock(&self.units[unit].pool).pop() {
-            return Ok(t);
+    ) -> std::result::Result<Lease<'_>, NoConn> {
+        let slot = &self.units[unit];
+        let mut nap = Duration::from_micros(50);
+        loop {
+            let now = Instant::now();
+            // Whether to open one (its place taken), else to let the other
+            // parts run a while; the pool's lock is never held across that.
+            let open_one = {
+                let mut p = lock(&slot.pool);
+                if let Some(t) = p.idle.pop() {
+                    return Ok(Lease {
+                        slot,
+                        t: Some(t),
+                        pooled: false,
+                    });
+                }
+                if p.open < self.max_conns() {
+                    p.open += 1;
+                    true
+                } else if now >= deadline {
+                    return Err(NoConn::Wait);
+                } else if fanout::alone() {
+                    drop(
+                        slot.freed
+                            .wait_timeout(p, deadline - now)
+                            .unwrap_or_else(|e| e.into_inner()),
+                    );
+                    continue;
+                } else {
+                    false
+                }
+            };
+            if open_one {
+                // Its place is given back if opening fails.
+                let mut lease = Lease {
+                    slot,
+                    t: None,
+                    pooled: false,
+                };
+                lease.t = Some(self.open(unit, deadline).map_err(NoConn::Open)?);
+                return Ok(lease);
+            }
+            fanout::pause_until((now + nap).min(deadline)).await;
+            nap = (nap * 2).min(Duration::from_millis(5));
         }
-        self.open(unit, deadline)
     }
 
-    fn checkin(&self, unit: usize, t: Box<dyn Transport>) {
+    fn checkin(&self, unit: usize, mut lease: Lease<'_>) {
         // A connection to an instance this client has since seen replaced
-        // is not pooled again: its next failure would be judged against
-        // the new instance.
+        // is not pooled again (it is closed): its next failure would be
+        // judged against the new instance.
         let current = lock(&self.units[unit].instance).current;
+        let Some(t) = lease.t.take() else { return };
         if current.is_some_and(|c| c != t.instance_id()) {
             return;
         }
-        lock(&self.units[unit].pool).push(t);
+        let slot = &self.units[unit];
+        lock(&slot.pool).idle.push(t);
+        lease.pooled = true;
+        slot.freed.notify_one();
     }
 
     /// Turn a unit's failure into an [`Error`], asking the directory when
@@ -719,6 +924,12 @@ impl Client {
         keys: Vec<Key>,
         deadline: Instant,
     ) -> Outcome {
+        // A unit never reached: its first connection failed (nothing of
+        // this client's can be lost there).
+        if matches!(f, OpFailure::Conn { .. }) && !self.units[unit].reached.load(Ordering::Acquire)
+        {
+            return Outcome::Failed(self.unreached_error(unit, f));
+        }
         match f {
             OpFailure::Unit {
                 code: ErrorCode::Busy,
@@ -911,7 +1122,11 @@ impl Client {
             let keys = put.entries.iter().map(|e| e.key.clone()).collect();
             self.classify(unit, f, vec![put.blob], keys, deadline)
         };
-        let mut t = self.checkout(unit, deadline).map_err(failed)?;
+        let mut t = match self.checkout(unit, deadline).await {
+            Ok(t) => t,
+            Err(NoConn::Open(f)) => return Err(failed(f)),
+            Err(NoConn::Wait) => return Err(Outcome::Failed(self.wait_error(unit))),
+        };
         match t.put(put, deadline).await {
             Ok(()) => {
                 self.checkin(unit, t);
@@ -995,9 +1210,11 @@ impl Client {
         deadline: Instant,
         timer: &metrics::OpTimer,
     ) -> Result<Vec<Key>> {
-        let mut t = self
-            .checkout(unit, deadline)
-            .map_err(|f| self.failed_get(unit, f, keys, deadline))?;
+        let mut t = match self.checkout(unit, deadline).await {
+            Ok(t) => t,
+            Err(NoConn::Open(f)) => return Err(self.failed_get(unit, f, keys, deadline)),
+            Err(NoConn::Wait) => return Err(self.wait_error(unit)),
+        };
         match t.get(partition, keys, index_of, sink, deadline).await {
             Ok(miss) => {
                 timer.unit_done(&self.metrics, unit);
@@ -1227,9 +1444,11 @@ impl Client {
 
     /// One unit's part of a control call.
     async fn call_unit(&self, unit: usize, req: &Request, deadline: Instant) -> Result<Response> {
-        let mut t = self
-            .checkout(unit, deadline)
-            .map_err(|f| self.failed_get(unit, f, &[], deadline))?;
+        let mut t = match self.checkout(unit, deadline).await {
+            Ok(t) => t,
+            Err(NoConn::Open(f)) => return Err(self.failed_get(unit, f, &[], deadline)),
+            Err(NoConn::Wait) => return Err(self.wait_error(unit)),
+        };
         match t.call(req, deadline).await {
             Ok(Response::Error { code, message }) => {
                 self.checkin(unit, t);
@@ -1321,4 +1540,78 @@ fn local_error(unit: usize, l: LocalFailure, blobs: Vec<BlobId>) -> Error {
 /// cache behind, which stays usable.
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client of one unit where nothing listens, with `max` connections
+    /// a unit.
+    fn nowhere(max: usize) -> Client {
+        let addr = "unix:/nonexistent-stowage-dir/unit.sock".parse().unwrap();
+        let mut cfg = ClientConfig::new("pool", vec![addr]);
+        cfg.max_unit_conns = max;
+        Client::connect(cfg).unwrap()
+    }
+
+    fn get(c: &Client, deadline: Instant) -> Result<Vec<Vec<u8>>> {
+        c.get("", &[(0, Key::new(0, "a"))], deadline)
+    }
+
+    #[test]
+    fn a_call_waits_for_a_held_connection_until_its_deadline() {
+        let c = nowhere(2);
+        // Two connections out (being opened, say): the bound is reached.
+        lock(&c.units[0].pool).open = 2;
+        match get(&c, Instant::now() + Duration::from_millis(200)) {
+            Err(Error::Timeout {
+                unit: Some(0),
+                what,
+            }) => assert!(what.contains("stayed in use"), "{what}"),
+            other => panic!("expected a Timeout waiting for a connection: {other:?}"),
+        }
+        // It opened none of its own.
+        assert_eq!(c.connections(0), Some(UnitConnections { open: 2, idle: 0 }));
+    }
+
+    #[test]
+    fn a_dropped_connection_frees_its_place_for_a_waiting_call() {
+        let c = nowhere(1);
+        lock(&c.units[0].pool).open = 1;
+        let held = Lease {
+            slot: &c.units[0],
+            t: None,
+            pooled: false,
+        };
+        let got = std::thread::scope(|s| {
+            let waiter = s.spawn(|| get(&c, Instant::now() + Duration::from_secs(30)));
+            // Let the call start waiting (it is right either way).
+            std::thread::sleep(Duration::from_millis(100));
+            drop(held);
+            waiter.join().unwrap()
+        });
+        // The freed place let it open a connection of its own, which found
+        // nothing at the address: the error connecting reports, not a wait's
+        // timeout.
+        assert!(
+            matches!(got, Err(Error::Unreachable { unit: 0, .. })),
+            "{got:?}"
+        );
+        // The failed opening gave its place back too.
+        assert_eq!(c.connections(0), Some(UnitConnections { open: 0, idle: 0 }));
+    }
+
+    #[test]
+    fn check_units_reports_the_first_unit_it_cannot_reach() {
+        let c = nowhere(4);
+        match c.check_units(Instant::now() + Duration::from_secs(5)) {
+            Err(Error::Unreachable { unit: 0, addr, .. }) => {
+                assert_eq!(addr, "unix:/nonexistent-stowage-dir/unit.sock")
+            }
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(c.transport(0), None);
+        assert_eq!(c.connections(0).unwrap().open, 0);
+    }
 }

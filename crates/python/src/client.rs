@@ -458,8 +458,11 @@ impl Client {
 
 #[pymethods]
 impl Client {
-    /// Connect to `units` (`unix:/path` for shared memory on this host,
-    /// `tcp:host:port` otherwise) in `namespace`. `timeout`: the default
+    /// A client of `units` (`unix:/path` for shared memory on this host,
+    /// `tcp:host:port` otherwise) in `namespace`. Opens no connection: each
+    /// unit's first is opened by the first call that touches it, and a
+    /// unit that cannot be reached fails that call (`check_units` reaches
+    /// every unit at once). `timeout`: the default
     /// deadline of every call, in seconds. `shm=False` streams bytes
     /// through Unix sockets instead of copying through shared memory.
     /// `secret` (bytes or str): the units' shared secret, proved at every
@@ -1048,6 +1051,17 @@ impl Client {
             out.append(d)?;
         }
         Ok(out)
+    }
+
+    /// Open (and keep) a connection to every unit, in unit order: raises
+    /// as the first unit that cannot be reached fails (Unreachable,
+    /// Timeout, Unauthorized).
+    #[pyo3(signature = (timeout = None))]
+    fn check_units(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<()> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        py.detach(|| client.check_units(deadline))
+            .map_err(|e| to_py(py, e, &[]))
     }
 
     /// Every unit writes its data and index to `dir/unit-<i>` on its own

@@ -160,6 +160,9 @@ pub fn copy_child_main() {
         cfg.nixl = Some(super::nixl_options());
     }
     let c = Client::connect(cfg).unwrap();
+    // Connecting is lazy: reach the unit before READY (the test's clock
+    // for stopping this child starts there), and learn its transport.
+    c.check_units(c.deadline()).unwrap();
     if transport == "nixl" {
         assert_eq!(c.transport(0), Some("nixl"));
     }

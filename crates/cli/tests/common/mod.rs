@@ -142,6 +142,8 @@ pub fn client(p: &LocalPlane, kind: Kind, timeout: Duration) -> Client {
     }
     let c = Client::connect(cfg).expect("client connects");
     if kind == Kind::Nixl {
+        // Connecting is lazy: a unit's transport is known once reached.
+        c.check_units(c.deadline()).expect("every unit answers");
         for u in 0..c.unit_count() {
             assert_eq!(
                 c.transport(u),
