@@ -60,10 +60,10 @@ const NAMESPACE: &str = "sessions-bench";
 
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let r = if args.first().map(String::as_str) == Some("--child") {
-        child(&args[1..])
-    } else {
-        parent(&args)
+    let r = match args.first().map(String::as_str) {
+        Some("--child") => child(&args[1..]),
+        Some("--fg-child") => fg_child(&args[1..]),
+        _ => parent(&args),
     };
     if let Err(e) = r {
         eprintln!("sessions: {e}");
@@ -82,8 +82,8 @@ fn raise_nofile() -> u64 {
     getrlimit(Resource::Nofile).current.unwrap_or(u64::MAX)
 }
 
-fn client_config(addr: &UnitAddr, secret: Option<&Secret>, timeout: Duration) -> ClientConfig {
-    let mut cfg = ClientConfig::new(NAMESPACE, vec![addr.clone()]);
+fn client_config(addrs: &[UnitAddr], secret: Option<&Secret>, timeout: Duration) -> ClientConfig {
+    let mut cfg = ClientConfig::new(NAMESPACE, addrs.to_vec());
     cfg.timeout = timeout;
     cfg.secret = secret.cloned();
     cfg
@@ -96,7 +96,9 @@ fn put_get(c: &Client, row: u64, value: &[u8], out: &mut [u8]) -> Res<()> {
         .map_err(|e| format!("put: {e}"))?;
     let mut bufs = [&mut out[..]];
     let mut sink = SliceSink::new(&mut bufs);
-    c.get_into(DEFAULT_PARTITION, &[(0, key)], &mut sink, c.deadline())
+    // A row lives on unit `row % units`.
+    let unit = c.unit_of_row(row);
+    c.get_into(DEFAULT_PARTITION, &[(unit, key)], &mut sink, c.deadline())
         .map_err(|e| format!("get: {e}"))?;
     if out != value {
         return Err("get: the value read back differs".into());
@@ -110,18 +112,32 @@ fn one_line(s: &str) -> String {
 
 // ---------------------------------------------------------------- child
 
-/// `--child --addr ADDR --sessions N --tag T --openers K --timeout SECS`;
-/// the secret's hex (or an empty line) on stdin. Prints one line
-/// `OPENED ok=.. failed=.. secs=.. nofile=.. first_error=..`, then holds
-/// its clients until stdin says `stop` or closes.
+/// The secret's hex (or an empty line: none) from the first line of stdin.
+fn read_secret(stdin: &mut impl BufRead) -> Res<Option<Secret>> {
+    let mut line = String::new();
+    stdin.read_line(&mut line).map_err(|e| e.to_string())?;
+    match line.trim() {
+        "" => Ok(None),
+        hex => Secret::from_hex(hex, "the parent's secret")
+            .map(Some)
+            .map_err(|e| e.to_string()),
+    }
+}
+
+/// `--child --addr ADDR [--addr ADDR].. --sessions N --tag T --openers K
+/// --timeout SECS`; the secret's hex (or an empty line) on stdin. Each
+/// session is one client of every unit given that puts and gets one value
+/// on each (so it holds a session on each, lazy connects or not). Prints
+/// one line `OPENED ok=.. failed=.. secs=.. nofile=.. first_error=..`,
+/// then holds its clients until stdin says `stop` or closes.
 fn child(args: &[String]) -> Res<()> {
-    let mut addr = None;
+    let mut addrs = Vec::new();
     let (mut sessions, mut tag, mut openers, mut timeout) = (1000usize, 0u64, 32usize, 5.0f64);
     let mut it = args.iter();
     while let Some(a) = it.next() {
         let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--addr" => addr = Some(val()?.parse::<UnitAddr>()?),
+            "--addr" => addrs.push(val()?.parse::<UnitAddr>()?),
             "--sessions" => sessions = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
             "--tag" => tag = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
             "--openers" => openers = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
@@ -129,14 +145,12 @@ fn child(args: &[String]) -> Res<()> {
             o => return Err(format!("child: unknown argument {o:?}")),
         }
     }
-    let addr = addr.ok_or("child: --addr missing")?;
+    if addrs.is_empty() {
+        return Err("child: --addr missing".into());
+    }
+    let units = addrs.len() as u64;
     let mut stdin = BufReader::new(std::io::stdin());
-    let mut line = String::new();
-    stdin.read_line(&mut line).map_err(|e| e.to_string())?;
-    let secret = match line.trim() {
-        "" => None,
-        hex => Some(Secret::from_hex(hex, "the parent's secret").map_err(|e| e.to_string())?),
-    };
+    let secret = read_secret(&mut stdin)?;
     let nofile = raise_nofile();
     let timeout = Duration::from_secs_f64(timeout);
     let next = AtomicUsize::new(0);
@@ -154,10 +168,15 @@ fn child(args: &[String]) -> Res<()> {
                     if i >= sessions {
                         return;
                     }
-                    let row = ((tag + 1) << 32) | i as u64;
-                    let r = Client::connect(client_config(&addr, secret.as_ref(), timeout))
+                    // Rows `units` apart from each other's: one on each unit.
+                    let first = ((tag + 1) << 32) + i as u64 * units;
+                    let r = Client::connect(client_config(&addrs, secret.as_ref(), timeout))
                         .map_err(|e| format!("connect: {e}"))
-                        .and_then(|c| put_get(&c, row, &value, &mut out).map(|()| c));
+                        .and_then(|c| {
+                            (first..first + units)
+                                .try_for_each(|row| put_get(&c, row, &value, &mut out))
+                                .map(|()| c)
+                        });
                     match r {
                         Ok(c) => held.lock().unwrap_or_else(|p| p.into_inner()).push(c),
                         Err(e) => {
@@ -186,6 +205,7 @@ fn child(args: &[String]) -> Res<()> {
     );
     std::io::stdout().flush().map_err(|e| e.to_string())?;
     // Idle, holding every session, until told to stop (or the parent is gone).
+    let mut line = String::new();
     loop {
         line.clear();
         match stdin.read_line(&mut line) {
@@ -196,6 +216,45 @@ fn child(args: &[String]) -> Res<()> {
     }
     // The sockets close with the process.
     std::process::exit(0);
+}
+
+/// `--fg-child --addr ADDR [--addr ADDR].. --seconds S --timeout SECS`;
+/// the secret's hex (or an empty line) on stdin. One client of every unit
+/// given runs the foreground loop (rows spread over the units) and prints
+/// `FG ops=.. secs=.. op_p50=.. op_p99=.. pair_p50=.. pair_p99=..
+/// errors=.. first_error=..` (latencies in µs). For bench/scale_sim.py.
+fn fg_child(args: &[String]) -> Res<()> {
+    let (mut addrs, mut secs, mut timeout) = (Vec::new(), 5.0f64, 5.0f64);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--addr" => addrs.push(val()?.parse::<UnitAddr>()?),
+            "--seconds" => secs = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
+            "--timeout" => timeout = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
+            o => return Err(format!("fg-child: unknown argument {o:?}")),
+        }
+    }
+    if addrs.is_empty() {
+        return Err("fg-child: --addr missing".into());
+    }
+    let secret = read_secret(&mut BufReader::new(std::io::stdin()))?;
+    let timeout = Duration::from_secs_f64(timeout);
+    let c = Client::connect(client_config(&addrs, secret.as_ref(), timeout))
+        .map_err(|e| format!("connect: {e}"))?;
+    let mut fg = foreground(&c, secs);
+    println!(
+        "FG ops={} secs={:.3} op_p50={:.1} op_p99={:.1} pair_p50={:.1} pair_p99={:.1} errors={} first_error={}",
+        fg.ops,
+        fg.secs,
+        quantile(&mut fg.op_lat, 0.5),
+        quantile(&mut fg.op_lat, 0.99),
+        quantile(&mut fg.pair_lat, 0.5),
+        quantile(&mut fg.pair_lat, 0.99),
+        fg.errors,
+        one_line(fg.first_error.as_deref().unwrap_or(""))
+    );
+    Ok(())
 }
 
 // ---------------------------------------------------------------- parent
@@ -480,7 +539,8 @@ fn foreground(c: &Client, secs: f64) -> Fg {
                 fg.op_lat.push((t1 - t0).as_secs_f32() * 1e6);
                 let mut bufs = [&mut out[..]];
                 let mut sink = SliceSink::new(&mut bufs);
-                match c.get_into(DEFAULT_PARTITION, &[(0, key)], &mut sink, c.deadline()) {
+                let unit = c.unit_of_row(row);
+                match c.get_into(DEFAULT_PARTITION, &[(unit, key)], &mut sink, c.deadline()) {
                     Err(e) => fail(&mut fg, format!("get: {e}")),
                     Ok(_) => {
                         let t2 = Instant::now();
@@ -657,7 +717,11 @@ fn sessions(o: &Opts, plane: &LocalPlane, nofile: u64) -> Res<()> {
     );
     println!("  unit holding them: {}", held.show());
     let timeout = Duration::from_secs_f64(o.timeout);
-    let mut fg = match Client::connect(client_config(&addr, plane.secret(), timeout)) {
+    let mut fg = match Client::connect(client_config(
+        std::slice::from_ref(&addr),
+        plane.secret(),
+        timeout,
+    )) {
         Ok(c) => Some(foreground(&c, o.secs)),
         Err(e) => {
             println!(
@@ -839,9 +903,13 @@ fn flood(o: &Opts, plane: &LocalPlane) -> Res<()> {
     let value = vec![0x33u8; VALUE];
     let mut out = vec![0u8; VALUE];
     let t = Instant::now();
-    let probe = Client::connect(client_config(&addr, plane.secret(), timeout))
-        .map_err(|e| format!("connect: {e}"))
-        .and_then(|c| put_get(&c, 1 << 40, &value, &mut out).map(|()| c));
+    let probe = Client::connect(client_config(
+        std::slice::from_ref(&addr),
+        plane.secret(),
+        timeout,
+    ))
+    .map_err(|e| format!("connect: {e}"))
+    .and_then(|c| put_get(&c, 1 << 40, &value, &mut out).map(|()| c));
     let took = t.elapsed();
     let ok = probe.is_ok();
     match &probe {
