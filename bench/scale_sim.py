@@ -214,6 +214,7 @@ class Point:
     fg_error: str = ""
     unit_cpu_us_per_op: float = float("nan")
     holder_fds: float = 0.0
+    holder_rss_kib: float = 0.0
     procs: int = 0
     extra: dict = field(default_factory=dict)
 
@@ -327,6 +328,7 @@ def run_point(args, n_units: int, n_sessions: int) -> Point:
             time.sleep(0.5)
             pt.threads, pt.rss_over_kib, pt.fds = per_unit()
             pt.holder_fds = sum(proc_fds(p.pid) for p in kids) / len(kids)
+            pt.holder_rss_kib = sum(proc_status(p.pid)["VmRSS"] for p in kids) / len(kids)
             cpu0 = sum(proc_cpu_s(p) for p in pids)
             fg = subprocess.Popen(
                 [sessions_bin, "--fg-child", *addr_args, "--seconds", str(args.seconds),
@@ -396,51 +398,59 @@ def fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     return my - b * mx, b
 
 
+def through_origin(xs: list[float], ys: list[float]) -> float:
+    """Least squares y = b x."""
+    sxx = sum(x * x for x in xs)
+    return sum(x * y for x, y in zip(xs, ys)) / sxx if sxx else float("nan")
+
+
 def model(points: list[Point], units: int, clients: int) -> None:
     good = [p for p in points if p.ok > 0]
     if not good:
         print("model: no point with held sessions to fit")
         return
-    # Sessions actually held per unit at each point.
-    s = [p.ok for p in good]
-    thr_a, thr_b = fit(s, [p.threads for p in good])
-    mem_a, mem_b = fit(s, [p.rss_over_kib for p in good])
-    fds_a, fds_b = fit(s, [p.fds for p in good])
-    p50_a, p50_b = fit(s, [p.fg_p50_us for p in good])
-    p99_a, p99_b = fit(s, [p.fg_p99_us for p in good])
-    cpu_a, cpu_b = fit(s, [p.unit_cpu_us_per_op for p in good])
-    # Latency and CPU per op: a fit that falls with sessions is noise
-    # (these only grow with them): never below what the most sessions
-    # measured.
-    top = max(good, key=lambda p: p.ok)
-
-    def at_least(a: float, b: float, measured: float) -> float:
-        return max(a + b * S, measured) if measured == measured else a + b * S
-
-    # Client side: fds a holder process keeps per connection (one
-    # session on one unit), beyond a few of its own.
-    per_conn_client_fds = sum(
-        p.holder_fds / max(p.ok / max(p.procs, 1) * p.units, 1) for p in good
-    ) / len(good)
     S = clients  # every client process holds one session on every unit
+    n = len(good)
+    # Per unit: the idle unit, plus a cost per session held (fitted over
+    # every point: growth = b x sessions).
+    held = [float(p.ok) for p in good]
+    thr0 = sum(p.threads_before for p in good) / n
+    mem0 = sum(p.rss_over_before_kib for p in good) / n
+    fds0 = sum(p.fds_before for p in good) / n
+    thr_b = through_origin(held, [p.threads - p.threads_before for p in good])
+    mem_b = through_origin(held, [p.rss_over_kib - p.rss_over_before_kib for p in good])
+    fds_b = through_origin(held, [p.fds - p.fds_before for p in good])
+    # Client side: what a holder process keeps per connection (one session
+    # on one unit).
+    conns = [p.ok / max(p.procs, 1) * p.units for p in good]
+    cl_fds = through_origin(conns, [p.holder_fds for p in good])
+    cl_kib = through_origin(conns, [p.holder_rss_kib for p in good])
     print(f"model: {units} units x {clients} client processes, every process one session "
-          f"(one connection) on every unit, fitted on {len(good)} measured point(s), "
-          f"y = a + b x sessions per unit:")
-    print(f"  connections per unit:        {S}  (plane-wide: {units * S:,})")
-    print(f"  threads per unit:            {thr_a + thr_b * S:,.0f}   (a {thr_a:.1f}, b {thr_b:.4f} per session)")
-    print(f"  unit RSS over the slab:      {(mem_a + mem_b * S) / KIB:,.1f} MiB   "
-          f"(a {mem_a / KIB:.1f} MiB, b {mem_b:.1f} KiB per session)")
-    print(f"  open fds per unit:           {fds_a + fds_b * S:,.0f}   (a {fds_a:.0f}, b {fds_b:.2f} per session)")
-    print(f"  fds per client process:      {per_conn_client_fds * units:,.0f}   "
-          f"({per_conn_client_fds:.2f} per unit connected, {units} units)")
-    print(f"  one op p50 / p99:            {at_least(p50_a, p50_b, top.fg_p50_us):,.1f} / "
-          f"{max(at_least(p99_a, p99_b, top.fg_p99_us), at_least(p50_a, p50_b, top.fg_p50_us)):,.1f} us   (p50 b {p50_b:.4f}, p99 b {p99_b:.4f} us "
-          f"per session; measured at {top.ok} sessions x {top.units} units: {top.fg_p50_us:.1f} / "
-          f"{top.fg_p99_us:.1f} us)")
-    print(f"  unit CPU per op:             {at_least(cpu_a, cpu_b, top.unit_cpu_us_per_op):,.1f} us   "
-          f"(b {cpu_b:.5f} us per session; measured {top.unit_cpu_us_per_op:.1f} us)")
-    print("  (a linear fit of what this machine held: threads and memory per session carry over; "
-          "latency fits are a trend, not a promise, beyond the sessions measured)")
+          f"(one connection) on every unit; from {n} measured point(s) "
+          f"({', '.join(f'{p.units}x{p.ok}' for p in good)}): idle unit + b x sessions")
+    print(f"  connections per unit:        {S:,}  (plane-wide: {units * S:,})")
+    print(f"  threads per unit:            {thr0 + thr_b * S:,.0f}   (idle {thr0:.0f}, b {thr_b:.4f} per session)")
+    print(f"  unit RSS over the slab:      {(mem0 + mem_b * S) / KIB:,.1f} MiB   "
+          f"(idle {mem0 / KIB:.1f} MiB, b {mem_b:.1f} KiB per session)")
+    print(f"  open fds per unit:           {fds0 + fds_b * S:,.0f}   (idle {fds0:.0f}, b {fds_b:.2f} per session)")
+    print(f"  fds per client process:      {cl_fds * units:,.0f}   ({cl_fds:.2f} per unit it is connected to)")
+    print(f"  client process RSS:          {cl_kib * units / KIB:,.1f} MiB   ({cl_kib:.1f} KiB per unit it is "
+          f"connected to; slab pages it touches come on top)")
+    # Per op: against sessions where they differ, against units where they do.
+    top = max(good, key=lambda p: (p.ok, p.units))
+    for name, get in (("one op p50, us", lambda p: p.fg_p50_us), ("one op p99, us", lambda p: p.fg_p99_us),
+                      ("unit CPU per op, us", lambda p: p.unit_cpu_us_per_op)):
+        parts = [f"measured at {top.units}x{top.ok}: {get(top):.1f}"]
+        for axis, key in (("session", lambda p: p.ok), ("unit", lambda p: p.units)):
+            xs = [key(p) for p in good]
+            if len(set(xs)) > 1:
+                a, b = fit(xs, [get(p) for p in good])
+                at = S if axis == "session" else units
+                parts.append(f"fit against {axis}s: b {b:.4f} per {axis}, "
+                             f"{max(a + b * at, get(top)):,.1f} at {at:,} {axis}s")
+        print(f"  {name + ':':<28} " + "; ".join(parts))
+    print("  (per-session costs carry over linearly; the per-op fits are a trend within what "
+          "was measured, never taken below the largest point measured, not a promise beyond it)")
 
 
 def parse_points(text: str) -> list[tuple[int, int]]:
@@ -454,7 +464,7 @@ def parse_points(text: str) -> list[tuple[int, int]]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bin", default="target/release", help="directory of stowage and examples/sessions")
-    ap.add_argument("--points", default="16x500,32x500,64x500,64x1000,64x2000",
+    ap.add_argument("--points", default="16x500,16x1000,32x1000,64x1000,64x2000",
                     help="UNITSxSESSIONS,... run in order, growing")
     ap.add_argument("--transport", choices=["shm", "tcp"], default="shm")
     ap.add_argument("--procs", type=int, default=10, help="holder processes per point")
