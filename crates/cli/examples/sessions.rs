@@ -552,7 +552,7 @@ fn foreground(c: &Client, secs: f64) -> Fg {
             }
         }
         row += 1;
-        if row % CLEAR_EVERY == 0 {
+        if row.is_multiple_of(CLEAR_EVERY) {
             let rows: Vec<u64> = (row - CLEAR_EVERY..row).collect();
             if let Err(e) = c.clear_rows(&rows, c.deadline()) {
                 fail(&mut fg, format!("clear: {e}"));
