@@ -63,6 +63,7 @@ fn main() {
     let r = match args.first().map(String::as_str) {
         Some("--child") => child(&args[1..]),
         Some("--fg-child") => fg_child(&args[1..]),
+        Some("--flood-child") => flood_child(&args[1..]),
         _ => parent(&args),
     };
     if let Err(e) = r {
@@ -257,6 +258,52 @@ fn fg_child(args: &[String]) -> Res<()> {
     Ok(())
 }
 
+/// `--flood-child --tcp ADDR --conns N`: the flood (see `Flood::start`)
+/// from this process; prints `FLOOD open=.. reopened=.. failed=..` every
+/// 200 ms until stdin says `stop` or closes.
+fn flood_child(args: &[String]) -> Res<()> {
+    let (mut addr, mut n) = (None, 1000usize);
+    let mut it = args.iter();
+    while let Some(a) = it.next() {
+        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
+        match a.as_str() {
+            "--tcp" => addr = Some(val()?.parse().map_err(|e| format!("{a}: {e}"))?),
+            "--conns" => n = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
+            o => return Err(format!("flood-child: unknown argument {o:?}")),
+        }
+    }
+    raise_nofile();
+    let flood = Flood::start(addr.ok_or("flood-child: --tcp missing")?, n);
+    let done = Arc::new(AtomicBool::new(false));
+    let d = done.clone();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            match std::io::stdin().read_line(&mut line) {
+                Ok(0) | Err(_) => break,
+                Ok(_) if line.trim() == "stop" => break,
+                Ok(_) => {}
+            }
+        }
+        d.store(true, Ordering::Relaxed);
+    });
+    while !done.load(Ordering::Relaxed) {
+        println!(
+            "FLOOD open={} reopened={} failed={}",
+            flood.open.load(Ordering::Relaxed),
+            flood.reopened.load(Ordering::Relaxed),
+            flood.connect_errors.load(Ordering::Relaxed)
+        );
+        if std::io::stdout().flush().is_err() {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    drop(flood);
+    Ok(())
+}
+
 // ---------------------------------------------------------------- parent
 
 /// Children stopped by their pids when dropped (every path out).
@@ -403,6 +450,7 @@ struct Opts {
     timeout: f64,
     openers: usize,
     flood: usize,
+    flood_uid: Option<u32>,
     stowage: std::path::PathBuf,
     unit_args: Vec<String>,
 }
@@ -417,6 +465,7 @@ fn parse(args: &[String]) -> Res<Opts> {
         timeout: 5.0,
         openers: 32,
         flood: 0,
+        flood_uid: None,
         stowage: std::path::PathBuf::new(),
         unit_args: Vec::new(),
     };
@@ -440,6 +489,7 @@ fn parse(args: &[String]) -> Res<Opts> {
             "--timeout" => o.timeout = val()?.parse().map_err(badf)?,
             "--openers" => o.openers = val()?.parse().map_err(bad)?,
             "--flood" => o.flood = val()?.parse().map_err(bad)?,
+            "--flood-uid" => o.flood_uid = Some(val()?.parse().map_err(bad)?),
             "--stowage" => stowage = Some(std::path::PathBuf::from(val()?)),
             "--unit-arg" => o.unit_args.push(val()?.clone()),
             other => return Err(format!("unknown argument {other:?}")),
@@ -598,8 +648,11 @@ fn parent(args: &[String]) -> Res<()> {
 
 fn header(o: &Opts, plane: &LocalPlane) -> u32 {
     let pid = plane.units[0].pid();
+    // The unit faults its slab in on a thread of its own after it starts,
+    // and the machine may be shared: start when it is quiet (or 20 s on).
+    let idle = stowage_cli::bench::wait_quiet(Duration::from_secs(20));
     println!(
-        "sessions: one unit (pid {pid}, {} MiB slab{}), {} cores, load {}",
+        "sessions: one unit (pid {pid}, {} MiB slab{}), {} cores, idle {:.0}% before the start, load {}",
         o.memory >> 20,
         if o.unit_args.is_empty() {
             String::new()
@@ -607,6 +660,7 @@ fn header(o: &Opts, plane: &LocalPlane) -> u32 {
             format!(", {}", o.unit_args.join(" "))
         },
         cores(),
+        100.0 * idle,
         std::fs::read_to_string("/proc/loadavg")
             .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
             .unwrap_or_default()
@@ -788,6 +842,8 @@ struct Flood {
     reopened: Arc<AtomicU64>,
     connect_errors: Arc<AtomicU64>,
     handle: Option<std::thread::JoinHandle<()>>,
+    /// With `--flood-uid`: the child process that holds the connections.
+    child: Option<Children>,
 }
 
 impl Flood {
@@ -854,7 +910,58 @@ impl Flood {
             reopened,
             connect_errors,
             handle: Some(handle),
+            child: None,
         }
+    }
+
+    /// The flood from a child process running as user `uid` (through
+    /// `setpriv`): another source than this process's clients, as an
+    /// attacker on the machine is. Its counts come back on its stdout.
+    fn start_as(addr: std::net::SocketAddr, n: usize, uid: u32) -> Res<Flood> {
+        let exe = std::env::current_exe().map_err(|e| e.to_string())?;
+        let mut c = Command::new("setpriv")
+            .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
+            .args(["--clear-groups", "--"])
+            .arg(&exe)
+            .arg("--flood-child")
+            .args(["--tcp", &addr.to_string(), "--conns", &n.to_string()])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .map_err(|e| format!("setpriv (util-linux) for --flood-uid: {e}"))?;
+        let stdout = c.stdout.take().ok_or("flood child stdout missing")?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let open = Arc::new(AtomicUsize::new(0));
+        let reopened = Arc::new(AtomicU64::new(0));
+        let connect_errors = Arc::new(AtomicU64::new(0));
+        let (op, re, ce) = (open.clone(), reopened.clone(), connect_errors.clone());
+        // Ends when the child's stdout closes (it is stopped on drop).
+        let handle = std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines() {
+                let Ok(l) = line else { return };
+                let field = |k: &str| {
+                    l.split_whitespace()
+                        .find_map(|w| w.strip_prefix(k))
+                        .and_then(|v| v.parse::<u64>().ok())
+                };
+                if let (Some(o), Some(r), Some(e)) =
+                    (field("open="), field("reopened="), field("failed="))
+                {
+                    op.store(o as usize, Ordering::Relaxed);
+                    re.store(r, Ordering::Relaxed);
+                    ce.store(e, Ordering::Relaxed);
+                }
+            }
+        });
+        Ok(Flood {
+            stop,
+            open,
+            reopened,
+            connect_errors,
+            handle: Some(handle),
+            child: Some(Children(vec![c])),
+        })
     }
 
     fn show(&self) -> String {
@@ -870,6 +977,9 @@ impl Flood {
 impl Drop for Flood {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        if let Some(mut c) = self.child.take() {
+            c.stop(Duration::from_secs(2));
+        }
         if let Some(h) = self.handle.take() {
             let _ = h.join();
         }
@@ -880,15 +990,38 @@ fn flood(o: &Opts, plane: &LocalPlane) -> Res<()> {
     let pid = header(o, plane);
     let addr = unit_addr(o, plane);
     let tcp = plane.units[0].tcp;
+    let timeout = Duration::from_secs_f64(o.timeout);
+    // The control: the same foreground loop, same unit, no flood.
+    let mut control = {
+        let c = Client::connect(client_config(
+            std::slice::from_ref(&addr),
+            plane.secret(),
+            timeout,
+        ))
+        .map_err(|e| format!("the control client: {e}"))?;
+        foreground(&c, o.secs)
+    };
+    println!(
+        "  foreground client before the flood (control), 4 KiB put+get: {}",
+        control.show()
+    );
     std::thread::sleep(Duration::from_millis(300));
     let before = Status::read(pid).ok_or("the unit is gone")?;
     println!(
-        "  flood: {} TCP connections to {tcp} that never send a byte, each re-opened when the unit closes it; the real client over {} with a {} s deadline",
-        o.flood, o.transport, o.timeout
+        "  flood: {} TCP connections to {tcp} that never send a byte, each re-opened when the unit closes it, from {}; the real client over {} with a {} s deadline",
+        o.flood,
+        o.flood_uid
+            .map(|u| format!("a child process of uid {u}"))
+            .unwrap_or_else(|| "this process (the real client's own user)".into()),
+        o.transport,
+        o.timeout
     );
     println!("  unit before: {}", before.show());
     let sampler = Sampler::start(pid);
-    let flood = Flood::start(tcp, o.flood);
+    let flood = match o.flood_uid {
+        Some(uid) => Flood::start_as(tcp, o.flood, uid)?,
+        None => Flood::start(tcp, o.flood),
+    };
     // Bounded: every connect has a 1 s timeout; wait for the whole flood
     // to be up (or 30 s), then one more second for the unit to take it in.
     let end = Instant::now() + Duration::from_secs(30);
@@ -899,7 +1032,6 @@ fn flood(o: &Opts, plane: &LocalPlane) -> Res<()> {
     let during = Status::read(pid).ok_or("the unit is gone")?;
     println!("  flood up: {}", flood.show());
     println!("  unit under the flood: {}", during.show());
-    let timeout = Duration::from_secs_f64(o.timeout);
     let value = vec![0x33u8; VALUE];
     let mut out = vec![0u8; VALUE];
     let t = Instant::now();
@@ -961,9 +1093,12 @@ fn flood(o: &Opts, plane: &LocalPlane) -> Res<()> {
     );
     if let Some(fg) = fg.as_mut() {
         println!(
-            "  (foreground put+get p99 under the flood: {:.3} ms, {} errors)",
+            "  (foreground put+get p99 under the flood: {:.3} ms, {} errors; {:.0} op/s; without it: {:.3} ms, {:.0} op/s)",
             fg.pair_p99_ms(),
-            fg.errors
+            fg.errors,
+            fg.ops as f64 / fg.secs,
+            control.pair_p99_ms(),
+            control.ops as f64 / control.secs
         );
     }
     Ok(())
