@@ -6,7 +6,7 @@ In an RL job every client process touches every unit (rows live on unit
 process one connection per unit. This program builds that shape as large as
 this machine holds and measures what it costs:
 
-    python3 bench/scale_sim.py [--bin target/release] [--points 16x500,32x500,64x500]
+    python3 bench/scale_sim.py [--bin target/release] [--points 16x500,16x1000,32x1000,64x1000,64x2000]
                                [--transport shm|tcp] [--procs 10] [--memory-mib 16]
                                [--seconds 3] [--timeout 5] [--unit-arg ARG]... [--out FILE]
     python3 bench/scale_sim.py --model [--from FILE] [--units 2000] [--clients 8000]
