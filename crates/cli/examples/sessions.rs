@@ -6,7 +6,8 @@
 //! target/release/examples/sessions [--procs 10] [--sessions 1000] [--transport tcp|shm]
 //!                                  [--seconds 10] [--memory-mib 256] [--timeout 5]
 //!                                  [--openers 32] [--stowage PATH] [--unit-arg ARG]...
-//! target/release/examples/sessions --flood 1000 [--transport tcp|shm] [--seconds 10] ...
+//! target/release/examples/sessions --flood 1000 [--flood-uid UID] [--transport tcp|shm]
+//!                                  [--seconds 10] ...
 //! ```
 //!
 //! One `stowage unit` process (a local plane of one: its own private temp
@@ -31,9 +32,12 @@
 //! threads <= 2 x cores + 16, RSS over the slab <= 5% of the slab + 64 MiB,
 //! the foreground put+get p99 <= 2 ms.
 //!
-//! **Flood** (`--flood N`). This process opens N TCP connections to the
-//! unit's port that never send a byte, and re-opens each one the unit
-//! closes (what anyone who can reach the port can do), then a real client
+//! **Flood** (`--flood N`). After a control run of the foreground loop,
+//! this process (or, with `--flood-uid UID`, a child run as that user
+//! through `setpriv`: another source to the unit's handshake pool) opens N
+//! TCP connections to the unit's port that never send a byte, and
+//! re-opens each one the unit closes (what anyone who can reach the port
+//! can do), then a real client
 //! (`--timeout`, default 5 s, the Python default) connects, puts and gets
 //! 4 KiB: whether it succeeded, its latency, then the foreground loop for
 //! `--seconds` with the flood still on (p99), and the unit's RSS and
