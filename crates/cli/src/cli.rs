@@ -234,7 +234,7 @@ enum Cmd {
         max_connections: usize,
         /// Most client sessions at once; past it, a new session is
         /// answered Busy.
-        #[arg(long, default_value_t = 10_000)]
+        #[arg(long, default_value_t = 16_384)]
         max_sessions: usize,
         /// Threads that serve connections, each waiting on readiness
         /// events for its share of them (0: one per core).

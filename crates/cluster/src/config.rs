@@ -85,7 +85,7 @@ pub struct UnitsSection {
     /// Most connections a unit serves at once (past their handshake).
     /// Default 16384.
     pub max_connections: usize,
-    /// Most client sessions a unit holds at once. Default 10000.
+    /// Most client sessions a unit holds at once. Default 16384.
     pub max_sessions: usize,
     /// Threads that serve a unit's connections; 0: one per core of its
     /// host. Default 0.
@@ -885,7 +885,7 @@ mod tests {
         assert_eq!(d.units.reservation_lease, Duration::from_secs(30));
         assert_eq!(d.units.pin_lease, Duration::from_secs(30));
         assert_eq!(d.units.max_connections, 16384);
-        assert_eq!(d.units.max_sessions, 10_000);
+        assert_eq!(d.units.max_sessions, 16_384);
         assert_eq!(d.units.max_handshakes, 128);
         assert_eq!(d.units.max_handshakes_per_source, 32);
         assert_eq!(d.timeouts.handshake, Duration::from_secs(1));

@@ -100,7 +100,7 @@ pub struct UnitConfig {
     /// shared secret (or, without one, said Hello). Default 16384.
     pub max_connections: usize,
     /// Most client sessions at once; past it a new session is answered
-    /// Busy. Default 10000.
+    /// Busy. Default 16384.
     pub max_sessions: usize,
     /// Threads that serve connections (each waits on readiness events for
     /// its share of them); 0: one per core. Default 0.
@@ -208,7 +208,7 @@ impl UnitConfig {
             frame_timeout: Duration::from_secs(10),
             max_io_timeout: Duration::from_secs(600),
             max_connections: 16384,
-            max_sessions: 10_000,
+            max_sessions: 16_384,
             threads: 0,
             io_threads: 8,
             max_handshakes: 128,

@@ -335,7 +335,8 @@ pub(crate) fn raise_nofile(name: &str, need: u64) -> Option<(u64, u64)> {
             limit = now,
             need,
             "the open-file limit (RLIMIT_NOFILE) is below what this unit's connection caps may take \
-             (3 per connection and per handshake, and 64 for the disk tier, pidfds and checkpoints): \
+             (1 per connection, 2 per handshake, and 256 for client processes' pidfds, the serving \
+             threads, the disk tier and checkpoints): \
              past it, accepts, spills and checkpoints fail. Raise the hard limit (ulimit -Hn, \
              LimitNOFILE= in a systemd unit, --ulimit nofile= for a container) or lower \
              --max-connections and --max-handshakes"
@@ -345,11 +346,12 @@ pub(crate) fn raise_nofile(name: &str, need: u64) -> Option<(u64, u64)> {
 }
 
 /// Descriptors a unit may take at its caps: a served connection holds its
-/// socket, its writer's handle and, for a peer that maps the slab, its
-/// session's pidfd; a handshake its socket, its writer's handle and the
-/// pool's handle; plus the disk tier, checkpoints and listeners.
+/// socket (request rings hold none once handed over); a handshake its
+/// socket and the pool's handle; plus one pidfd per client process that
+/// maps the slab (shared by its sessions), the serving threads' epoll and
+/// waker, the disk tier, checkpoints and listeners.
 pub(crate) fn fds_needed(max_connections: usize, max_handshakes: usize) -> u64 {
-    3 * (max_connections as u64 + max_handshakes as u64) + 64
+    max_connections as u64 + 2 * max_handshakes as u64 + 256
 }
 
 mod sock_diag {

@@ -71,8 +71,8 @@ pub(crate) struct Conn {
     /// When the current request's frame began to arrive (its deadline's
     /// base, and its latency's start: one clock read for both).
     frame_start: Instant,
-    /// What this connection's requests record (`None`: metrics are off).
-    counters: Option<crate::metrics::ConnCounters>,
+    /// Whether its requests are recorded (the unit keeps metrics).
+    metrics: bool,
     /// Carried out by the blocking pool (its socket calls block, bounded
     /// by their deadlines); otherwise every socket call returns at once.
     blocking: bool,
@@ -135,6 +135,15 @@ const KEEP_BUFFER: usize = 1 << 20;
 const ON_SOCKET_ROOM: usize = 64;
 
 impl Conn {
+    /// What this thread records this connection's requests into (`None`:
+    /// metrics are off).
+    fn counters(&self) -> Option<Arc<crate::metrics::PathCounters>> {
+        if !self.metrics {
+            return None;
+        }
+        crate::metrics::thread_counters(&self.shared)
+    }
+
     /// Its socket's descriptor (for the worker to watch).
     pub(crate) fn fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
@@ -561,7 +570,7 @@ impl Conn {
 
     /// Handle one request, recording its kind, outcome and duration.
     fn handle(&mut self, id: u64, req: Request, payload_len: u64) -> Result<(), EndReason> {
-        let op = self.counters.as_ref().map(|_| crate::metrics::Op::of(&req));
+        let op = self.metrics.then(|| crate::metrics::Op::of(&req));
         // Before the gate opens, frames are not timed from their start.
         if !self.gate.is_open() {
             self.frame_start = Instant::now();
@@ -578,7 +587,7 @@ impl Conn {
 
     /// Record a request of kind `op` that ended `r`.
     fn record(&self, op: Option<crate::metrics::Op>, r: &Result<(), EndReason>) {
-        if let (Some(m), Some(op)) = (&self.counters, op) {
+        if let (Some(m), Some(op)) = (self.counters(), op) {
             let ok = r.is_ok() && !self.failed;
             if op == crate::metrics::Op::Unpin {
                 // A release the client sends and does not wait for
@@ -751,7 +760,7 @@ impl Conn {
                 Response::Done | Response::Pending | Response::CommittedSpare { .. }
             )
         {
-            if let Some(m) = &self.counters {
+            if let Some(m) = self.counters() {
                 m.bytes_in(crate::metrics::Transport::Shm, shm_bytes);
             }
         }
@@ -880,7 +889,7 @@ impl Conn {
     }
 
     fn count_in(&self, n: u64) {
-        if let Some(m) = &self.counters {
+        if let Some(m) = self.counters() {
             m.bytes_in(self.stream_transport(), n);
         }
     }
@@ -1039,7 +1048,7 @@ impl Conn {
         self.out = header;
         handler::read_sent(&mut self.shared.core(), &read, self.shared.now());
         let sent = sent?;
-        if let Some(m) = &self.counters {
+        if let Some(m) = self.counters() {
             m.bytes_out(self.stream_transport(), total);
         }
         if sent {
@@ -1139,7 +1148,7 @@ impl Conn {
         let served = self.shared.bring_back(found, buf.as_deref_mut(), false);
         drop(buf);
         let (reply, bytes) = resolved_reply(pin, served, spares_back);
-        if let Some(m) = &self.counters {
+        if let Some(m) = self.counters() {
             m.bytes_out(crate::metrics::Transport::Shm, bytes);
         }
         reply

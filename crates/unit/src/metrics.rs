@@ -268,7 +268,7 @@ impl Default for PathCounters {
 
 impl PathCounters {
     /// A request of kind `op` was answered (`ok`: not with an error) in
-    /// `took`. Only the owning connection's thread calls this.
+    /// `took`. Only the owning thread calls this.
     #[inline]
     pub(crate) fn op(&self, op: Op, ok: bool, took: Duration) {
         if !ok {
@@ -315,22 +315,22 @@ impl PathCounters {
     }
 }
 
-/// A connection's [`PathCounters`], registered with the unit's metrics for
-/// as long as the connection lives; dropping it folds them into the
-/// unit's totals.
-pub(crate) struct ConnCounters {
+/// A thread's [`PathCounters`] ([`thread_counters`]), registered with the
+/// unit's metrics for as long as the thread lives; dropping it folds them
+/// into the unit's totals.
+pub(crate) struct ThreadCounters {
     shared: Arc<Shared>,
     counters: Arc<PathCounters>,
 }
 
-impl std::ops::Deref for ConnCounters {
+impl std::ops::Deref for ThreadCounters {
     type Target = PathCounters;
     fn deref(&self) -> &PathCounters {
         &self.counters
     }
 }
 
-impl ConnCounters {
+impl ThreadCounters {
     /// New counters for a connection of the unit of `shared` (`None`:
     /// metrics are off).
     pub(crate) fn attach(shared: &Arc<Shared>) -> Option<Self> {
@@ -344,7 +344,7 @@ impl ConnCounters {
     }
 }
 
-impl Drop for ConnCounters {
+impl Drop for ThreadCounters {
     fn drop(&mut self) {
         if let Some(m) = &self.shared.metrics {
             // Under the lock readers take: a reader sees these counters
@@ -354,6 +354,29 @@ impl Drop for ConnCounters {
             live.retain(|c| !Arc::ptr_eq(c, &self.counters));
         }
     }
+}
+
+/// The [`PathCounters`] the calling thread records into for the unit of
+/// `shared` (`None`: metrics are off). A serving or pool thread serves
+/// one connection at a time, so each thread's counters have one writer; a
+/// thread's are folded into the unit's totals when it exits. (Per thread,
+/// not per connection: ten thousand idle sessions cost no counters.)
+pub(crate) fn thread_counters(shared: &Arc<Shared>) -> Option<Arc<PathCounters>> {
+    shared.metrics.as_ref()?;
+    thread_local! {
+        static MINE: std::cell::RefCell<Vec<ThreadCounters>> =
+            const { std::cell::RefCell::new(Vec::new()) };
+    }
+    MINE.with(|mine| {
+        let mut mine = mine.borrow_mut();
+        if let Some(c) = mine.iter().find(|c| Arc::ptr_eq(&c.shared, shared)) {
+            return Some(c.counters.clone());
+        }
+        let c = ThreadCounters::attach(shared)?;
+        let counters = c.counters.clone();
+        mine.push(c);
+        Some(counters)
+    })
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -1038,7 +1061,7 @@ mod tests {
             assert_eq!(m.traffic(), (3, 5, 7));
         };
         check(&m);
-        // What closing a connection does (ConnCounters::drop).
+        // What a thread ending does (ThreadCounters::drop).
         {
             let mut live = lock(&m.live);
             c.add_to(&m.closed);

@@ -158,8 +158,8 @@ struct Worker {
     timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
     ready: VecDeque<usize>,
     /// Connections whose request rings are polled: each turn while any
-    /// is, until it has been idle for `ring_spin`, then it is parked and
-    /// the client kicks it on its socket.
+    /// is, until it has been idle for `--spin`, then it is parked and the
+    /// client kicks it on its socket.
     rings: Vec<usize>,
     next_gen: u64,
 }
@@ -225,9 +225,13 @@ impl Worker {
                 worked = true;
                 self.step(idx);
             }
-            worked |= self.poll_rings(spin * 4);
+            worked |= self.poll_rings(spin);
             if worked {
                 busy_until = Instant::now() + spin;
+            } else if self.ready.is_empty() {
+                // Polling while nothing came: let the clients (on the same
+                // cores, often) run first.
+                std::thread::yield_now();
             }
         }
     }

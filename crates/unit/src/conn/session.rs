@@ -48,7 +48,7 @@ pub(crate) fn open(
         scratch: Vec::new(),
         failed: false,
         frame_start: Instant::now(),
-        counters: crate::metrics::ConnCounters::attach(&shared),
+        metrics: shared.metrics.is_some(),
         blocking: false,
         parked: None,
         maps: false,
