@@ -1240,6 +1240,8 @@ impl H {
                 return;
             }
             Plan::Shutdown { .. } | Plan::Checkpoint { .. } => return,
+            // A connection's own ring: nothing of the core's.
+            Plan::OpenRing { .. } | Plan::RingKick => return,
             p @ (Plan::Drain { .. }
             | Plan::Receive(_)
             | Plan::Hello { .. }

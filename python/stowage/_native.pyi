@@ -249,6 +249,8 @@ class Unit:
         huge_pages: str = ...,  # "auto"
         spare_budget: Union[int, str, None] = None,
         max_connections: Optional[int] = None,
+        max_sessions: Optional[int] = None,
+        threads: Optional[int] = None,
         max_handshakes: Optional[int] = None,
         max_handshakes_per_source: Optional[int] = None,
         max_session_connections: Optional[int] = None,

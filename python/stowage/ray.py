@@ -225,6 +225,8 @@ class _Settings:
         }
         for key in (
             "max_connections",
+            "max_sessions",
+            "threads",
             "max_handshakes",
             "max_handshakes_per_source",
             "max_session_connections",

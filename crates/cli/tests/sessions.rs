@@ -107,3 +107,68 @@ fn past_the_session_cap_a_new_session_is_told_busy() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// Fair service: a session that pipelines requests as fast as it can and
+/// never reads its replies is served a quantum at a time, then waits for
+/// its socket; another session's puts and gets go through meanwhile, and
+/// the flooder is cut once its replies have waited past the frame timeout.
+#[test]
+fn a_session_that_never_reads_its_replies_starves_no_one() {
+    use std::io::Write;
+    let (p, _) = plane(1, 16 * MIB, &["--frame-timeout", "2s"]);
+    let sock = p.units[0].uds.clone();
+    let mut flooder = Raw::hello(&sock, "ns");
+    let mut frame = Vec::new();
+    for id in 0..20_000u64 {
+        stowage_wire::encode(
+            1000 + id,
+            &Request::List {
+                partition: "p".into(),
+            },
+            0,
+            &mut frame,
+        )
+        .unwrap();
+    }
+    flooder
+        .s
+        .set_write_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
+    let writer = std::thread::spawn(move || {
+        // Until the unit stops reading (its replies are not taken) or cuts it.
+        let _ = flooder.s.write_all(&frame);
+        flooder
+    });
+    let c = client(&p, Kind::Shm, Duration::from_secs(5));
+    let v = vec![4u8; 4096];
+    for i in 0..200u64 {
+        c.put_rows(&[(Key::new(i, "f"), &v)], c.deadline()).unwrap();
+        assert_eq!(
+            c.get_rows(&[Key::new(i, "f")], c.deadline()).unwrap(),
+            vec![v.clone()]
+        );
+    }
+    let mut flooder = writer.join().unwrap();
+    // Its replies were never taken: cut at the frame timeout (2 s). Read
+    // what it was sent only after that: the unit ends the stream before
+    // every request was answered.
+    std::thread::sleep(Duration::from_secs(3));
+    flooder
+        .s
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut answered = 0;
+    while let Some(e) = flooder.recv() {
+        assert!(matches!(e.body, Response::Listed { .. }), "{:?}", e.body);
+        answered += 1;
+    }
+    // The end of the stream, not a read timing out.
+    assert!(
+        flooder.closed(),
+        "a session that never read its replies kept its connection"
+    );
+    assert!(
+        answered < 20_000,
+        "a session that never read its replies was answered in full"
+    );
+}

@@ -211,6 +211,8 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     units.set_item("reservation_lease", secs(u.reservation_lease))?;
     units.set_item("pin_lease", secs(u.pin_lease))?;
     units.set_item("max_connections", u.max_connections)?;
+    units.set_item("max_sessions", u.max_sessions)?;
+    units.set_item("threads", u.threads)?;
     units.set_item("max_handshakes", u.max_handshakes)?;
     units.set_item("max_handshakes_per_source", u.max_handshakes_per_source)?;
     units.set_item("max_session_connections", u.max_session_connections)?;

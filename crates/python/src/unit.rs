@@ -75,8 +75,9 @@ impl Unit {
     /// `tcp` (e.g. "127.0.0.1:0"), on TCP as well. `disk`: the disk
     /// tier's root (the unit works in its own locked subdirectory, removed
     /// at stop). Leases, `frame_timeout` and `handshake_timeout` in
-    /// seconds; connection, handshake and hold limits default to the
-    /// unit's. `checkpoint_root`: checkpoints are
+    /// seconds; connection, session, handshake and hold limits default to
+    /// the unit's. `threads`: the unit's serving threads (default 0: one
+    /// per core). `checkpoint_root`: checkpoints are
     /// written only under it (without it the unit refuses them).
     /// `huge_pages`: the slab's page mode, "auto" (default), "hugetlb",
     /// "thp" or "4k" (see `stowage unit --huge-pages`). `spare_budget`
@@ -108,6 +109,8 @@ impl Unit {
         huge_pages = "auto".to_string(),
         spare_budget = None,
         max_connections = None,
+        max_sessions = None,
+        threads = None,
         max_handshakes = None,
         max_handshakes_per_source = None,
         max_session_connections = None,
@@ -140,6 +143,8 @@ impl Unit {
         huge_pages: String,
         spare_budget: Option<&Bound<'_, PyAny>>,
         max_connections: Option<usize>,
+        max_sessions: Option<usize>,
+        threads: Option<usize>,
         max_handshakes: Option<usize>,
         max_handshakes_per_source: Option<usize>,
         max_session_connections: Option<usize>,
@@ -188,6 +193,12 @@ impl Unit {
         cfg.spare_budget = spare_budget.map(size_arg).transpose()?;
         if let Some(n) = max_connections {
             cfg.max_connections = n;
+        }
+        if let Some(n) = max_sessions {
+            cfg.max_sessions = n;
+        }
+        if let Some(n) = threads {
+            cfg.threads = n;
         }
         if let Some(n) = max_session_connections {
             cfg.max_session_connections = n;
