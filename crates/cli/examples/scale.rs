@@ -578,18 +578,7 @@ fn run(args: &[String]) -> Res<()> {
     if units == 0 || value == 0 {
         return Err("--units and --value must be at least 1".into());
     }
-    let stowage_bin = match stowage_bin {
-        Some(p) => p,
-        None => std::env::current_exe()
-            .map_err(|e| e.to_string())?
-            .parent()
-            .and_then(|p| p.parent())
-            .ok_or("no parent directory")?
-            .join("stowage"),
-    };
-    if !stowage_bin.exists() {
-        return Err(format!("{} not found", stowage_bin.display()));
-    }
+    let stowage_bin = stowage_cli::bench::stowage_binary(stowage_bin)?;
     let mut opts = LocalOptions::new(units, 1 << 30);
     opts.command = vec![stowage_bin.into_os_string(), "unit".into()];
     opts.unit_args = unit_args.clone();

@@ -499,18 +499,7 @@ fn parse(args: &[String]) -> Res<Opts> {
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
-    o.stowage = match stowage {
-        Some(p) => p,
-        None => std::env::current_exe()
-            .map_err(|e| e.to_string())?
-            .parent()
-            .and_then(|p| p.parent())
-            .ok_or("no parent directory")?
-            .join("stowage"),
-    };
-    if !o.stowage.exists() {
-        return Err(format!("{} not found", o.stowage.display()));
-    }
+    o.stowage = stowage_cli::bench::stowage_binary(stowage)?;
     Ok(o)
 }
 

@@ -863,3 +863,26 @@ pub fn run_nixl(unit_command: Vec<std::ffi::OsString>, quick: bool) -> Result<()
     plane.stop();
     Ok(())
 }
+
+/// The `stowage` binary a benchmark example runs its units with: `given`
+/// (its `--stowage PATH`), else the one beside the example's directory
+/// (`target/<profile>/examples/NAME` → `target/<profile>/stowage`);
+/// an error naming how to build it when it is not there.
+pub fn stowage_binary(given: Option<std::path::PathBuf>) -> Result<std::path::PathBuf, String> {
+    let bin = match given {
+        Some(p) => p,
+        None => std::env::current_exe()
+            .map_err(|e| format!("this program's path: {e}"))?
+            .parent()
+            .and_then(|p| p.parent())
+            .ok_or("no parent directory")?
+            .join("stowage"),
+    };
+    if !bin.exists() {
+        return Err(format!(
+            "{} not found: cargo build --release -p stowage-cli --bins --examples (or --stowage PATH)",
+            bin.display()
+        ));
+    }
+    Ok(bin)
+}
