@@ -282,9 +282,12 @@ impl Raw {
         self.s
             .set_read_timeout(Some(Duration::from_secs(5)))
             .unwrap();
+        // The end of the stream, or a reset (the unit closed it with bytes
+        // of ours unread: a reset may come first, or after one byte).
+        let reset = |r: &std::io::Result<usize>| matches!(r, Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset);
         let mut b = [0u8; 1];
-        matches!(self.s.read(&mut b), Ok(0))
-            || matches!(self.s.read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset)
+        let first = self.s.read(&mut b);
+        matches!(first, Ok(0)) || reset(&first) || reset(&self.s.read(&mut b))
     }
 }
 
