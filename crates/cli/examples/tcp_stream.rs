@@ -490,22 +490,8 @@ fn orchestrate(args: &[String]) -> Res<()> {
             other => return Err(format!("unknown argument {other:?}")),
         }
     }
-    let stowage_bin = match stowage_bin {
-        Some(p) => std::path::PathBuf::from(p),
-        // target/release/examples/tcp_stream -> target/release/stowage
-        None => std::env::current_exe()
-            .map_err(err("current exe"))?
-            .parent()
-            .and_then(|p| p.parent())
-            .ok_or("no parent directory")?
-            .join("stowage"),
-    };
-    if !stowage_bin.exists() {
-        return Err(format!(
-            "{} not found: cargo build --release -p stowage-cli (or --stowage PATH)",
-            stowage_bin.display()
-        ));
-    }
+    let stowage_bin =
+        stowage_cli::bench::stowage_binary(stowage_bin.map(std::path::PathBuf::from))?;
     let bytes = if quick { 256 * MIB } else { 1024 * MIB };
     let mut configs = Vec::new();
     for ack in [false, true] {

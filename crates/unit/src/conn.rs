@@ -354,12 +354,17 @@ impl Conn {
     /// Post a reply to the ring; one that does not fit goes on the socket,
     /// after a marker saying so.
     fn reply_to_ring(&mut self, id: u64, r: &Response) -> io::Result<()> {
-        let mut frame = Vec::new();
-        encode(id, r, 0, &mut frame).map_err(io::Error::other)?;
-        let Some(ring) = &self.ring else {
-            return Err(io::Error::other("a ring reply without a ring"));
-        };
-        if frame.len() <= ring.reply_room() && ring.post_reply(&frame).is_ok() {
+        // Encoded in the header buffer (free once a request is decoded):
+        // no allocation per reply.
+        let mut frame = std::mem::take(&mut self.scratch);
+        frame.clear();
+        let encoded = encode(id, r, 0, &mut frame).map_err(io::Error::other);
+        let posted = encoded.and_then(|()| match &self.ring {
+            Some(ring) => Ok(frame.len() <= ring.reply_room() && ring.post_reply(&frame).is_ok()),
+            None => Err(io::Error::other("a ring reply without a ring")),
+        });
+        self.scratch = frame;
+        if posted? {
             return Ok(());
         }
         self.on_socket(id)?;
