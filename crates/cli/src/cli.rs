@@ -296,7 +296,10 @@ enum Cmd {
         exit_with_stdin: bool,
         /// How long a serving thread polls for more requests after its
         /// last one before it sleeps in its readiness wait (0 disables
-        /// adaptive polling).
+        /// adaptive polling). A same-host client's request ring stays
+        /// polled this long, or four of that client's recent gaps between
+        /// requests when that is longer (at most 500us), before it is
+        /// parked.
         #[arg(long, value_parser = parse_duration, default_value = "50us")]
         spin: Duration,
         #[command(flatten)]

@@ -36,6 +36,25 @@ use crate::Shared;
 /// Frames of one connection a worker serves before it turns to the next
 /// ready connection.
 pub(crate) const QUANTUM: usize = 32;
+
+/// The longest a polled request ring stays polled with no request before
+/// it is parked: a ring lingers for `--spin`, or for four of its client's
+/// recent gaps between requests when that is longer (a client that
+/// alternates between units comes back to each after the others' round
+/// trips, and a parked ring costs it a kick and a wake-up), never longer
+/// than this.
+const RING_LINGER_MAX: Duration = Duration::from_micros(500);
+
+/// How long an idle polled ring of `slot` is still polled: `spin`, or
+/// four of its recent gaps between requests when that is longer, at most
+/// [`RING_LINGER_MAX`]; zero when `spin` is zero (adaptive polling off).
+fn ring_linger(spin: Duration, gap: Duration) -> Duration {
+    if spin.is_zero() {
+        return Duration::ZERO;
+    }
+    spin.max(gap.saturating_mul(4))
+        .min(RING_LINGER_MAX.max(spin))
+}
 const WAKER: Token = Token(usize::MAX);
 /// An idle blocking-pool thread exits after this.
 const POOL_IDLE: Duration = Duration::from_secs(5);
@@ -145,6 +164,11 @@ struct Slot {
     polled: bool,
     /// Since when its polled ring had no request.
     ring_idle: Option<Instant>,
+    /// When its ring last had requests, and the recent gap between
+    /// requests (a moving average of gaps shorter than
+    /// [`RING_LINGER_MAX`]).
+    ring_last: Option<Instant>,
+    ring_gap: Duration,
 }
 
 struct Worker {
@@ -158,7 +182,7 @@ struct Worker {
     timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
     ready: VecDeque<usize>,
     /// Connections whose request rings are polled: each turn while any
-    /// is, until it has been idle for `--spin`, then it is parked and the
+    /// is, until it has been idle for its linger ([`ring_linger`]), then it is parked and the
     /// client kicks it on its socket.
     rings: Vec<usize>,
     next_gen: u64,
@@ -236,7 +260,8 @@ impl Worker {
         }
     }
 
-    /// Serve every polled ring a quantum; park those idle for `idle`.
+    /// Serve every polled ring a quantum; park those idle for their
+    /// linger ([`ring_linger`] of `idle`, the `--spin`).
     /// Whether any request was served.
     fn poll_rings(&mut self, idle: Duration) -> bool {
         let mut worked = false;
@@ -272,9 +297,18 @@ impl Worker {
                     if n > 0 {
                         worked = true;
                         s.ring_idle = None;
+                        if let Some(last) = s.ring_last {
+                            let gap = now.duration_since(last);
+                            if gap < RING_LINGER_MAX {
+                                s.ring_gap = (s.ring_gap * 3 + gap) / 4;
+                            }
+                        }
+                        s.ring_last = Some(now);
                     } else {
                         let since = *s.ring_idle.get_or_insert(now);
-                        if now.duration_since(since) >= idle && conn.park_ring() {
+                        if now.duration_since(since) >= ring_linger(idle, s.ring_gap)
+                            && conn.park_ring()
+                        {
                             parked = true;
                         }
                     }
@@ -347,6 +381,8 @@ impl Worker {
                     armed: None,
                     polled: false,
                     ring_idle: None,
+                    ring_last: None,
+                    ring_gap: Duration::ZERO,
                 });
                 // Its first bytes may be there already (no edge will say so).
                 self.enqueue(idx);
@@ -591,5 +627,24 @@ impl Pool {
             drop(st);
             job();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_ring_lingers_for_its_clients_gap_within_bounds() {
+        let us = Duration::from_micros;
+        // No gap seen yet: --spin.
+        assert_eq!(ring_linger(us(50), Duration::ZERO), us(50));
+        // A client that comes back every 40 us keeps its ring for 160 us.
+        assert_eq!(ring_linger(us(50), us(40)), us(160));
+        // Never past the bound, never under --spin.
+        assert_eq!(ring_linger(us(50), us(400)), RING_LINGER_MAX);
+        assert_eq!(ring_linger(us(800), us(400)), us(800));
+        // --spin 0 turns adaptive polling off: rings park at once.
+        assert_eq!(ring_linger(Duration::ZERO, us(40)), Duration::ZERO);
     }
 }
