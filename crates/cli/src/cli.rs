@@ -1038,7 +1038,9 @@ fn up(
     let config = std::path::absolute(config).map_err(|e| e.to_string())?;
     let mut opts = LocalOptions::new(n, c.units.memory);
     opts.command = unit_command()?;
-    opts.unit_args = vec!["--config".into(), config.display().to_string()];
+    // Each unit reads the file as unit `i` (`--index i`): its metrics
+    // port is `metrics.listen`'s + i.
+    opts.config = Some(config);
     opts.secret = c.secret().map_err(|e| e.to_string())?;
     opts.insecure = c.auth.insecure;
     opts.tcp_host = c.resolve_listen_host();

@@ -28,6 +28,43 @@ fn alive(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
+/// A port P with P .. P + n - 1 free on loopback, below the ephemeral
+/// range (where no listener on port 0 lands while the test starts units).
+fn free_ports_below_ephemeral(n: u16) -> u16 {
+    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let start = low.saturating_sub(12_000).max(1024);
+    let seed = std::process::id() as u16;
+    (0..2000u16)
+        .map(|k| start + (seed.wrapping_add(k.wrapping_mul(7))) % (low - n - start))
+        .find(|&p| {
+            let held: Vec<_> = (0..n)
+                .map_while(|i| std::net::TcpListener::bind(("127.0.0.1", p + i)).ok())
+                .collect();
+            held.len() == usize::from(n)
+        })
+        .expect("no free loopback ports below the ephemeral range")
+}
+
+/// `GET /metrics` of `addr` (`http://127.0.0.1:P/metrics`): the body.
+fn scrape(url: &str) -> String {
+    use std::io::{Read, Write};
+    let addr = url
+        .strip_prefix("http://")
+        .and_then(|s| s.strip_suffix("/metrics"))
+        .unwrap();
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(format!("GET /metrics HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes())
+        .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    out
+}
+
 #[test]
 fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     let dir = tempfile::tempdir().unwrap();
@@ -35,11 +72,13 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     let disk = dir.path().join("disk");
     std::fs::create_dir(&disk).unwrap();
     let config = dir.path().join("stowage.toml");
+    let metrics = free_ports_below_ephemeral(3);
     std::fs::write(
         &config,
         format!(
             "[units]\ncount = 3\nmemory = \"40MiB\"\n[units.disk]\nroot = {:?}\ncapacity = \"64MiB\"\n\
-             [auth]\nsecret_file = {:?}\n[timeouts]\nstop = \"10s\"\n",
+             [auth]\nsecret_file = {:?}\n[timeouts]\nstop = \"10s\"\n\
+             [metrics]\nlisten = \"127.0.0.1:{metrics}\"\n",
             disk.display().to_string(),
             secret.display().to_string()
         ),
@@ -67,6 +106,15 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     assert!(pids.iter().all(|&p| alive(p)));
     // Every unit keeps a disk directory while it runs.
     assert_eq!(std::fs::read_dir(&disk).unwrap().count(), 3);
+    // Unit i serves its metrics on the file's port + i.
+    for (i, u) in d.units.iter().enumerate() {
+        let url = format!("http://127.0.0.1:{}/metrics", metrics + i as u16);
+        assert_eq!(
+            u.extra.get("metrics").and_then(|m| m.as_str()),
+            Some(url.as_str())
+        );
+        assert!(scrape(&url).contains(&format!("unit=\"unit-{i}\"")));
+    }
 
     let addrs = d
         .addrs(TransportChoice::Auto, &stowage_client::host_id())

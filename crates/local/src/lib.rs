@@ -40,6 +40,11 @@ pub struct LocalOptions {
     pub memory: u64,
     /// Extra arguments for every `stowage unit` (e.g. `--pin-lease 1s`).
     pub unit_args: Vec<String>,
+    /// The config file the units read: unit `i` gets `--config FILE
+    /// --index i`, so that it takes its own place in the file (its metrics
+    /// port is `metrics.listen`'s port + `i`). Options the plane passes
+    /// (name, memory, listeners, secret) override the file's.
+    pub config: Option<PathBuf>,
     /// How long to wait for each unit to report ready. Default 30 s.
     pub start_timeout: Duration,
     /// Start unit `i` from the checkpoint in `<restore>/unit-<i>`.
@@ -67,6 +72,7 @@ impl LocalOptions {
             units,
             memory,
             unit_args: Vec::new(),
+            config: None,
             start_timeout: Duration::from_secs(30),
             restore: None,
             secret: None,
@@ -181,6 +187,14 @@ impl LocalPlane {
             .args(opts.insecure.then_some("--insecure"))
             .arg("--exit-with-stdin")
             .args(&opts.unit_args)
+            .args(opts.config.iter().flat_map(|c| {
+                [
+                    std::ffi::OsString::from("--config"),
+                    c.clone().into_os_string(),
+                    std::ffi::OsString::from("--index"),
+                    i.to_string().into(),
+                ]
+            }))
             .args(opts.restore.iter().flat_map(|r| {
                 [
                     std::ffi::OsString::from("--restore"),
