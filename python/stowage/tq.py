@@ -91,7 +91,11 @@ BACKEND = "Stowage"
 DEFAULTS: Dict[str, Any] = {
     "count": 2,  # storage units
     "memory": "1GiB",  # per unit (also reserved as Ray memory)
-    "cpus": 0.01,  # Ray CPUs per unit actor
+    # Ray CPUs per unit actor: none by default. A unit serves on its own
+    # threads and needs no Ray CPU to do it; TransferQueue's controller
+    # already takes one, and on a 2-CPU machine a unit that took more
+    # would leave no room for a 1-CPU task.
+    "cpus": 0,
     "spread": False,  # False: every unit on the initializing process's node
     "listen_host": "127.0.0.1",  # "node-ip" for units that other hosts reach
     "disk": None,  # {root, capacity, high_watermark, low_watermark}

@@ -155,8 +155,11 @@ def test_readme_ray_example_runs_as_written(cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def units(cluster):
-    """One unit per node, 32 MiB each."""
-    u = stowage.ray.start_units({"units": {"memory": "32MiB"}}, cluster.node_ids, timeout=START_S)
+    """One unit per node, 32 MiB and 1 CPU each (the placement test counts
+    on the CPU)."""
+    u = stowage.ray.start_units(
+        {"units": {"memory": "32MiB", "cpus": 1}}, cluster.node_ids, timeout=START_S
+    )
     yield u
     stowage.ray.stop_units(u, timeout=30)
 
@@ -477,7 +480,7 @@ def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing
     free = ray.cluster_resources()["CPU"] - len(units)
     assert settled_cpus(free) == free
     head, _, c = cluster.node_ids
-    cfg = {"units": {"memory": "16MiB"}}
+    cfg = {"units": {"memory": "16MiB", "cpus": 1}}
 
     # A node that does not exist.
     ghost = "ab" * 28
