@@ -428,6 +428,17 @@ def _plan_nodes(block: Mapping[str, Any]) -> List[str]:
     return [order[i % len(order)] for i in range(count)]
 
 
+def _controller_cpus() -> float:
+    """The Ray CPUs TransferQueue's controller actor reserves (1 in
+    transferqueue 0.1.11)."""
+    try:
+        from transfer_queue.controller import TransferQueueController
+
+        return float(TransferQueueController._default_options.get("num_cpus", 1))
+    except Exception:  # noqa: BLE001 - another TransferQueue: assume Ray's default
+        return 1.0
+
+
 def _abandon_controller() -> None:
     """After a failed bootstrap: kill the controller tq.init created and
     forget it, so that later tq.init calls start afresh instead of waiting
@@ -475,9 +486,16 @@ def initialize_stowage_storage(conf: Any) -> StowageStorage:
         if block["checkpoint_root"] is None:
             block["checkpoint_root"] = _fallback_checkpoint_root()
             conf.backend[BACKEND].checkpoint_root = block["checkpoint_root"]
+        # Within start_timeout: up, or a PlacementError naming what Ray
+        # lacks (the CPUs and memory each unit needs against what its node
+        # has free, and what the cluster's tasks and actors wait for).
         units = stowage.ray.start_units(_unit_config(block), _plan_nodes(block))
         _publish_directory(conf, units.directory)
         logger.info("started %d stowage units for TransferQueue", len(units))
+        stowage.ray._warn_if_no_cpu_is_left(
+            _controller_cpus() + float(block["cpus"]) * len(units),
+            f"TransferQueue's controller and {len(units)} stowage unit(s)",
+        )
         return StowageStorage(units, units.directory, float(block["stop_timeout"]))
     except BaseException:
         if units is not None:

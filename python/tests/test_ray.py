@@ -497,7 +497,10 @@ def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing
     # the second unit cannot come up; the first is stopped again.
     msg, _ = start_failing(cfg, [c, c], timeout=4)
     assert re.search(rf"unit [01] on node {c} did not come up within 4 s: still PENDING", msg), msg
-    assert "CPUs it needs free" in msg, msg
+    # It names what the unit needs, what its node has free, and the cluster.
+    assert f"it needs 1 CPU and 16 MiB of memory on node {c}, which has " in msg, msg
+    assert "not enough CPU free" in msg, msg
+    assert "the Ray cluster has" in msg, msg
 
     # A unit whose start fails (memory below the minimum).
     msg, _ = start_failing({"units": {"memory": 1024}}, [head], timeout=START_S)
