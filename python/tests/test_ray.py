@@ -92,7 +92,7 @@ def settled_cpus(want: float, timeout: float = 30.0) -> float:
 
 
 def readme_ray_example() -> str:
-    from test_readme_example import readme_block
+    from readme_examples import readme_block
 
     return readme_block("## On a Ray cluster")
 
