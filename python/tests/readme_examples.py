@@ -57,7 +57,8 @@ EXAMPLES = {
 FRAGMENTS = {
     'plane = stowage.connect(["tcp:10.0.0.5:7000"], '
     'secret=open("/etc/stowage/secret").read().strip())': (
-        "connects to the unit the Authentication section's shell block starts on 10.0.0.5"
+        "connects to the unit the Authentication section's shell block starts on 10.0.0.5 "
+        "(crates/cli/tests/readme.rs runs that block, as written, on such a host)"
     ),
 }
 

@@ -133,3 +133,150 @@ fn the_readmes_first_command_runs_as_written() {
         "units outlived `stowage local`: {outlived:?}"
     );
 }
+
+/// A network namespace and a scratch directory; Drop kills what runs in
+/// the namespace (each pid `ip netns pids` names) and removes both.
+struct Host {
+    name: String,
+    dir: tempfile::TempDir,
+}
+
+impl Drop for Host {
+    fn drop(&mut self) {
+        if let Ok(o) = Command::new("ip")
+            .args(["netns", "pids", &self.name])
+            .output()
+        {
+            for pid in String::from_utf8_lossy(&o.stdout).split_whitespace() {
+                let _ = Command::new("kill").args(["-9", pid]).status();
+            }
+        }
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
+}
+
+/// The Authentication section's shell block, line by line, as written, on
+/// the host it names: a network namespace made by the test where
+/// 10.0.0.5 is the host's address, whose /etc is an overlay of this
+/// machine's (so `/etc/stowage` is the namespace's own and the machine's
+/// /etc is not touched), with the `stowage` of this build on PATH. The unit
+/// line runs as a server (in the background, until its READY line), then
+/// the stats line must prove the secret and show the unit's counters.
+/// Skipped, saying why, where namespaces cannot be made (not root, no
+/// `ip`, no overlayfs).
+#[test]
+fn the_readmes_authentication_commands_run_as_written() {
+    let readme = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../README.md"))
+        .expect("README.md");
+    let section = readme
+        .split("### Authentication")
+        .nth(1)
+        .expect("an Authentication section");
+    let block = section
+        .split("```bash\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("a bash block under Authentication");
+    let lines: Vec<&str> = block.lines().collect();
+    assert_eq!(lines.len(), 3, "secret, unit, stats: {block}");
+    assert!(lines[1].starts_with("stowage unit ") && lines[1].contains("tcp:10.0.0.5:7000"));
+    assert!(lines[2].contains("stowage stats tcp:10.0.0.5:7000"));
+
+    let host = Host {
+        name: format!("stxauth{}", std::process::id() % 1_000_000),
+        dir: tempfile::tempdir().unwrap(),
+    };
+    if let Err(why) = Command::new("ip")
+        .args(["netns", "add", &host.name])
+        .output()
+        .map_err(|e| e.to_string())
+        .and_then(|o| {
+            if o.status.success() {
+                Ok(())
+            } else {
+                Err(String::from_utf8_lossy(&o.stderr).into_owned())
+            }
+        })
+    {
+        eprintln!(
+            "SKIPPED: cannot create a network namespace here (needs root and iproute2): {why}"
+        );
+        return;
+    }
+    let d = host.dir.path();
+    for sub in ["upper", "work"] {
+        std::fs::create_dir(d.join(sub)).unwrap();
+    }
+    let script = format!(
+        "set -e\n\
+         mount -t overlay overlay -o lowerdir=/etc,upperdir={d}/upper,workdir={d}/work /etc \
+           || {{ echo 'SKIPPED: no overlayfs'; exit 0; }}\n\
+         ip link set lo up\n\
+         ip addr add 10.0.0.5/32 dev lo\n\
+         {secret}\n\
+         {unit} > {d}/unit.out 2>&1 &\n\
+         unit=$!\n\
+         i=0; until grep -q READY {d}/unit.out; do \
+           i=$((i+1)); [ $i -lt 600 ] || {{ cat {d}/unit.out; exit 1; }}; sleep 0.1; done\n\
+         {stats}\n\
+         kill $unit; wait $unit || true\n\
+         echo DONE\n",
+        d = d.display(),
+        secret = lines[0],
+        unit = lines[1],
+        stats = lines[2],
+    );
+    let bin_dir = binary().parent().unwrap();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut child = Command::new("ip")
+        .args(["netns", "exec", &host.name, "sh", "-c", &script])
+        .env("PATH", path)
+        .env_remove("STOWAGE_SECRET")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("ip netns exec starts");
+    let mut out = child.stdout.take().unwrap();
+    let mut err = child.stderr.take().unwrap();
+    let reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = out.read_to_string(&mut s);
+        s
+    });
+    let err_reader = std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = err.read_to_string(&mut s);
+        s
+    });
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break Some(s);
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    drop(host); // the unit, if it is still there, and the namespace
+    let stdout = reader.join().unwrap();
+    let stderr = err_reader.join().unwrap();
+    if stdout.contains("SKIPPED") {
+        eprintln!("{stdout}");
+        return;
+    }
+    let status = status
+        .unwrap_or_else(|| panic!("the commands did not finish within 120 s\n{stdout}\n{stderr}"));
+    assert!(status.success(), "{status}\n{stdout}\n{stderr}");
+    assert!(stdout.contains("bytes used"), "{stdout}\n{stderr}");
+    assert!(stdout.contains("DONE"), "{stdout}\n{stderr}");
+}
