@@ -8,7 +8,7 @@ ray.init()  # joins the cluster named by RAY_ADDRESS, or starts a local one
 
 # 1. One unit per alive node, each an actor hard-pinned to its node.
 nodes = [n["NodeID"] for n in ray.nodes() if n["Alive"]]
-units = stowage.ray.start_units({"units": {"memory": "64MiB", "cpus": 1}}, nodes, timeout=120)
+units = stowage.ray.start_units({"units": {"memory": "64MiB"}}, nodes, timeout=120)
 try:
     # 2. Rollout workers, anywhere in the cluster, write their samples: the
     #    directory is all they need (shared memory to units on their host,

@@ -41,7 +41,7 @@ import os
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from typing import Any, Callable, Dict, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
@@ -65,6 +65,9 @@ STOP_TIMEOUT_S = 30.0
 #: How long a failed :func:`start_units` spends tearing down the units it
 #: started (beyond its own timeout).
 CLEANUP_TIMEOUT_S = 2.0
+#: How long a failed :func:`start_units` spends asking Ray why units are
+#: still pending (beyond its own timeout).
+DIAGNOSE_S = 2.0
 #: How long :func:`liveness` waits for Ray's answer by default.
 LIVENESS_TIMEOUT_S = 5.0
 
@@ -340,20 +343,118 @@ def _check_nodes(nodes: List[str], settings: _Settings) -> None:
         )
 
 
-def _pending_reasons(actors: Dict[int, Any], nodes: List[str], cpus: float) -> Dict[int, str]:
+def _size(n: float) -> str:
+    """Bytes as a person reads them (``16 MiB``, ``1.5 GiB``)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.3g} {unit}"
+    return f"{int(n)} bytes"
+
+
+def _resource(name: str, amount: float) -> str:
+    """``1 CPU``, ``2 CPUs``, ``16 MiB of memory``, ``0.5 GPU``."""
+    if name in ("memory", "object_store_memory"):
+        return f"{_size(amount)} of {name.replace('_', ' ')}"
+    return f"{amount:g} {name}{'s' if name == 'CPU' and amount != 1 else ''}"
+
+
+def _free_of(name: str, free: float, total: Optional[float]) -> str:
+    """``0 of its 2 CPUs``, ``1.2 GiB of its 2 GiB of memory``."""
+    if total is None:
+        return _resource(name, free)
+    if name in ("memory", "object_store_memory"):
+        return f"{_size(free)} of its {_resource(name, total)}"
+    return f"{free:g} of its {_resource(name, total)}"
+
+
+def _bundle(bundle: Mapping[str, float]) -> str:
+    return ", ".join(_resource(k, v) for k, v in sorted(bundle.items())) or "nothing"
+
+
+def _waiting_work() -> str:
+    """What the cluster's tasks and actors are waiting for, as Ray's
+    autoscaler state in its control store (GCS) reports it, e.g. ``2 x {1
+    CPU}`` (the demands ``ray status`` shows; actors pinned to a node, as
+    units are, are not among them)."""
+    from ray.autoscaler.v2.sdk import get_cluster_status
+
+    status = get_cluster_status(ray.get_runtime_context().gcs_address, timeout=2)
+    shapes: Dict[str, int] = {}
+    for demand in status.resource_demands.ray_task_actor_demand:
+        for by_count in demand.bundles_by_count:
+            key = _bundle(by_count.bundle)
+            shapes[key] = shapes.get(key, 0) + by_count.count
+    return "; ".join(f"{n} x {{{k}}}" for k, n in sorted(shapes.items())) or "none"
+
+
+def _pending_reasons(
+    actors: Dict[int, Any], nodes: List[str], cpus: float, memory: int
+) -> Tuple[Dict[int, str], str]:
     """Why units that did not come up in time are still pending, as far as
-    Ray's state tells within a couple of seconds."""
-    states = _bounded(lambda: ray._private.state.actors(), 2.0) or {}
-    avail = _bounded(lambda: ray._private.state.available_resources_per_node(), 2.0) or {}
+    Ray's state tells within :data:`DIAGNOSE_S` seconds: per unit, its
+    actor's state and what it needs against what its node has free; and
+    for the cluster, its free CPUs and memory and what Ray's tasks and
+    actors wait for."""
+    states, avail, total, work = _bounded_all(
+        [
+            lambda: ray._private.state.actors(),
+            lambda: ray._private.state.available_resources_per_node(),
+            lambda: ray._private.state.total_resources_per_node(),
+            _waiting_work,
+        ],
+        DIAGNOSE_S,
+    )
+    states, avail, total = states or {}, avail or {}, total or {}
+    need = {"CPU": cpus, "memory": float(memory)}
     out = {}
     for i, actor in actors.items():
         state = (states.get(actor._actor_id.hex()) or {}).get("State")
         why = f"still {state or 'not started'}"
-        free = avail.get(nodes[i], {}).get("CPU", 0.0) if nodes[i] in avail else None
-        if free is not None and free < cpus:
-            why += f" (node {nodes[i]} has {free:g} of the {cpus:g} CPUs it needs free)"
+        needs = " and ".join(_resource(k, v) for k, v in need.items() if v > 0)
+        why += f"; it needs {needs} on node {nodes[i]}"
+        if nodes[i] in avail:
+            free, has = avail[nodes[i]], total.get(nodes[i], {})
+            parts = [_free_of(k, free.get(k, 0.0), has.get(k)) for k, v in need.items() if v > 0]
+            why += f", which has {' and '.join(parts)} free"
+            short = [k for k, v in need.items() if v > 0 and free.get(k, 0.0) < v]
+            if short:
+                why += f": not enough {' and '.join(short)} free"
         out[i] = why
-    return out
+    cluster = ""
+    if avail:
+        free_cpu = sum(r.get("CPU", 0.0) for r in avail.values())
+        free_mem = sum(r.get("memory", 0.0) for r in avail.values())
+        all_cpu = sum(r.get("CPU", 0.0) for r in total.values())
+        cluster = (
+            f"the Ray cluster has {free_cpu:g} of its {all_cpu:g} CPUs and {_size(free_mem)} "
+            f"of memory free"
+        )
+    if work is not None:
+        cluster += (
+            f"{'; ' if cluster else ''}tasks and actors waiting for resources, as `ray status` "
+            f"reports them: {work}"
+        )
+    return out, cluster
+
+
+def _warn_if_no_cpu_is_left(reserved: float, what: str) -> Optional[str]:
+    """Log (and return) a warning when ``reserved`` Ray CPUs, what ``what``
+    just took, leave this Ray cluster less than one CPU of its total: a
+    task or actor that asks for one CPU (Ray's default for tasks) could
+    then never be scheduled, and ``ray.get`` on it would wait forever."""
+    if reserved <= 0:
+        return None
+    total = (_bounded(ray.cluster_resources, 2.0) or {}).get("CPU")
+    if total is None or total - reserved >= 1:
+        return None
+    text = (
+        f"CPUs reserved by {what}: {reserved:g} of this Ray cluster's {total:g}, leaving "
+        f"{max(0.0, total - reserved):g}: a Ray task or actor that asks for 1 CPU (the default "
+        f"for tasks) can never be scheduled here; reserve fewer (units.cpus, default 0) or "
+        f"give the cluster more CPUs"
+    )
+    logger.warning("%s", text)
+    return text
 
 
 def _short(e: BaseException) -> str:
@@ -407,9 +508,16 @@ def start_units(
     short of CPUs or memory (at once, before anything starts), or when a
     unit fails to start or is not up within ``timeout`` seconds (default
     ``timeouts.start``, 2 minutes); the message names each unit and what
-    was missing. What was started is then torn down and killed, which
-    takes at most :data:`CLEANUP_TIMEOUT_S` more. Ray must be initialized
-    (``ray.init``).
+    was missing: for a unit still pending, its actor's state, the CPUs
+    and memory it needs against what its node has free, and, for the
+    cluster, its free CPUs and memory and what Ray's tasks and actors are
+    waiting for (asking Ray takes at most :data:`DIAGNOSE_S` more). What
+    was started is then torn down and killed, which takes at most
+    :data:`CLEANUP_TIMEOUT_S` more. Ray must be initialized (``ray.init``).
+
+    Logs a warning when the CPUs the units reserve (``units.cpus`` each,
+    none by default) leave the cluster less than one CPU: a task asking
+    for Ray's default of one CPU could never be scheduled.
     """
     t0 = time.monotonic()
     settings = _Settings(config, secret)
@@ -451,13 +559,15 @@ def start_units(
                     entries[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
                 except Exception as e:  # noqa: BLE001 - reported per unit
                     failed.append(f"unit {i} on node {nodes[i]} failed to start: {_short(e)}")
-        why = (
-            {}
-            if failed
-            else _pending_reasons(
-                {index[r]: actors[index[r]] for r in pending}, nodes, settings.cpus
+        why: Dict[int, str] = {}
+        cluster = ""
+        if pending and not failed:
+            why, cluster = _pending_reasons(
+                {index[r]: actors[index[r]] for r in pending},
+                nodes,
+                settings.cpus,
+                settings.memory,
             )
-        )
         for ref in pending:
             i = index[ref]
             if failed:
@@ -467,7 +577,11 @@ def start_units(
                     f"unit {i} on node {nodes[i]} did not come up within {timeout:g} s: {why[i]}"
                 )
         if failed:
-            raise PlacementError("storage units did not start: " + "; ".join(failed))
+            raise PlacementError(
+                "storage units did not start: "
+                + "; ".join(failed)
+                + (f" ({cluster})" if cluster else "")
+            )
         units = [e for e in entries if e is not None]
         for i, entry in enumerate(units):
             # Hard node affinity makes this impossible; it is checked anyway.
@@ -480,6 +594,7 @@ def start_units(
         _kill_all([a for a, up in zip(actors, came_up) if not up])
         raise
     logger.info("started %d storage units in %.1f s", len(actors), time.monotonic() - t0)
+    _warn_if_no_cpu_is_left(settings.cpus * len(actors), f"{len(actors)} storage unit(s)")
     directory: Dict[str, Any] = {"stowage_directory": 1, "units": units}
     if settings.generated is not None:
         directory["secret_hex"] = settings.generated.hex()
@@ -574,6 +689,30 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> Any:
     t.start()
     t.join(timeout)
     return result[0]
+
+
+def _bounded_all(fns: List[Callable[[], Any]], timeout: float) -> List[Any]:
+    """Every ``fn()`` at once, each on a helper thread; the results of
+    those that returned within ``timeout`` seconds in all (None for the
+    others, and for those that failed)."""
+    results: List[Any] = [None] * len(fns)
+
+    def run(i: int) -> None:
+        try:
+            results[i] = fns[i]()
+        except Exception:  # noqa: BLE001 - unknown
+            pass
+
+    threads = [
+        threading.Thread(target=run, args=(i,), name="stowage-ray-query", daemon=True)
+        for i in range(len(fns))
+    ]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    return list(results)
 
 
 def _actor_state(actor_id: str, timeout: float) -> Optional[str]:

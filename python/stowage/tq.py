@@ -91,7 +91,11 @@ BACKEND = "Stowage"
 DEFAULTS: Dict[str, Any] = {
     "count": 2,  # storage units
     "memory": "1GiB",  # per unit (also reserved as Ray memory)
-    "cpus": 0.01,  # Ray CPUs per unit actor
+    # Ray CPUs per unit actor: none by default. A unit serves on its own
+    # threads and needs no Ray CPU to do it; TransferQueue's controller
+    # already takes one, and on a 2-CPU machine a unit that took more
+    # would leave no room for a 1-CPU task.
+    "cpus": 0,
     "spread": False,  # False: every unit on the initializing process's node
     "listen_host": "127.0.0.1",  # "node-ip" for units that other hosts reach
     "disk": None,  # {root, capacity, high_watermark, low_watermark}
@@ -424,6 +428,17 @@ def _plan_nodes(block: Mapping[str, Any]) -> List[str]:
     return [order[i % len(order)] for i in range(count)]
 
 
+def _controller_cpus() -> float:
+    """The Ray CPUs TransferQueue's controller actor reserves (1 in
+    transferqueue 0.1.11)."""
+    try:
+        from transfer_queue.controller import TransferQueueController
+
+        return float(TransferQueueController._default_options.get("num_cpus", 1))
+    except Exception:  # noqa: BLE001 - another TransferQueue: assume Ray's default
+        return 1.0
+
+
 def _abandon_controller() -> None:
     """After a failed bootstrap: kill the controller tq.init created and
     forget it, so that later tq.init calls start afresh instead of waiting
@@ -471,9 +486,16 @@ def initialize_stowage_storage(conf: Any) -> StowageStorage:
         if block["checkpoint_root"] is None:
             block["checkpoint_root"] = _fallback_checkpoint_root()
             conf.backend[BACKEND].checkpoint_root = block["checkpoint_root"]
+        # Within start_timeout: up, or a PlacementError naming what Ray
+        # lacks (the CPUs and memory each unit needs against what its node
+        # has free, and what the cluster's tasks and actors wait for).
         units = stowage.ray.start_units(_unit_config(block), _plan_nodes(block))
         _publish_directory(conf, units.directory)
         logger.info("started %d stowage units for TransferQueue", len(units))
+        stowage.ray._warn_if_no_cpu_is_left(
+            _controller_cpus() + float(block["cpus"]) * len(units),
+            f"TransferQueue's controller and {len(units)} stowage unit(s)",
+        )
         return StowageStorage(units, units.directory, float(block["stop_timeout"]))
     except BaseException:
         if units is not None:

@@ -18,7 +18,7 @@ DEFAULTS = {
     "units": {
         "count": None,
         "memory": 1 << 30,
-        "cpus": 1.0,
+        "cpus": 0.0,
         "reservation_lease": 30.0,
         "pin_lease": 30.0,
         "max_connections": 16384,

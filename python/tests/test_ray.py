@@ -92,7 +92,7 @@ def settled_cpus(want: float, timeout: float = 30.0) -> float:
 
 
 def readme_ray_example() -> str:
-    from test_readme_example import readme_block
+    from readme_examples import readme_block
 
     return readme_block("## On a Ray cluster")
 
@@ -155,8 +155,11 @@ def test_readme_ray_example_runs_as_written(cluster, tmp_path):
 
 @pytest.fixture(scope="module")
 def units(cluster):
-    """One unit per node, 32 MiB each."""
-    u = stowage.ray.start_units({"units": {"memory": "32MiB"}}, cluster.node_ids, timeout=START_S)
+    """One unit per node, 32 MiB and 1 CPU each (the placement test counts
+    on the CPU)."""
+    u = stowage.ray.start_units(
+        {"units": {"memory": "32MiB", "cpus": 1}}, cluster.node_ids, timeout=START_S
+    )
     yield u
     stowage.ray.stop_units(u, timeout=30)
 
@@ -477,7 +480,7 @@ def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing
     free = ray.cluster_resources()["CPU"] - len(units)
     assert settled_cpus(free) == free
     head, _, c = cluster.node_ids
-    cfg = {"units": {"memory": "16MiB"}}
+    cfg = {"units": {"memory": "16MiB", "cpus": 1}}
 
     # A node that does not exist.
     ghost = "ab" * 28
@@ -494,7 +497,10 @@ def test_unsatisfiable_placement_fails_within_its_timeout_naming_what_is_missing
     # the second unit cannot come up; the first is stopped again.
     msg, _ = start_failing(cfg, [c, c], timeout=4)
     assert re.search(rf"unit [01] on node {c} did not come up within 4 s: still PENDING", msg), msg
-    assert "CPUs it needs free" in msg, msg
+    # It names what the unit needs, what its node has free, and the cluster.
+    assert f"it needs 1 CPU and 16 MiB of memory on node {c}, which has " in msg, msg
+    assert "not enough CPU free" in msg, msg
+    assert "the Ray cluster has" in msg, msg
 
     # A unit whose start fails (memory below the minimum).
     msg, _ = start_failing({"units": {"memory": 1024}}, [head], timeout=START_S)

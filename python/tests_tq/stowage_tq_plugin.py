@@ -41,7 +41,7 @@ STOWAGE_CONFIG = {
 
 #: Logical CPUs of the private Ray instance: TransferQueue's controller
 #: takes 1, each SimpleStorage unit 1 (the control run), the kv suite's Ray
-#: task 1; Stowage units take 0.01 each.
+#: task 1; Stowage units take none (their `cpus` default).
 RAY_CPUS = int(os.environ.get("STOWAGE_TQ_RAY_CPUS", "8"))
 
 

@@ -1,10 +1,13 @@
 """The README's "With TransferQueue" example is python/examples/tq_stowage.py
-and runs as written (on a private local Ray instance), and the worker hook
-registers the backend when a worker imports transfer_queue."""
+and runs as written: ``python tq_stowage.py``, nothing patched, on a fresh
+machine (its ray.init() starts Ray with this host's CPUs, 2 on CI) and on
+a machine where a 2-CPU Ray runs (it joins that one, whatever this host
+has): TransferQueue's controller takes one CPU and the units none, so the
+example's 1-CPU tasks have the other. python/tests/readme_examples.py says
+what a run's machine is. And the worker hook registers the backend when a
+worker imports transfer_queue."""
 
-import os
 import pathlib
-import re
 import subprocess
 import sys
 
@@ -17,43 +20,27 @@ pytest.importorskip(
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-
-def _readme_block(heading: str) -> str:
-    text = (ROOT / "README.md").read_text()
-    assert heading in text, f"no {heading!r} section in README.md"
-    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
-    blocks = re.findall(r"```python\n(.*?)```", section, flags=re.S)
-    assert blocks, f"no python block under {heading!r}"
-    return blocks[0]
+sys.path.insert(0, str(ROOT / "python" / "tests"))
+from readme_examples import readme_block, run_example  # noqa: E402
 
 
 def test_readme_tq_example_is_the_example_file():
     assert (
-        _readme_block("## With TransferQueue")
+        readme_block("## With TransferQueue")
         == (ROOT / "python/examples/tq_stowage.py").read_text()
     )
 
 
-def test_readme_tq_example_runs_as_written(tmp_path):
-    script = tmp_path / "tq_stowage.py"
-    script.write_text(_readme_block("## With TransferQueue"))
-    # A private Ray instance: a bare ray.init() would join a `ray start`
-    # cluster running on this machine.
-    boot = "import ray, runpy, sys; ray.init = (lambda f: lambda **kw: f(address='local', num_cpus=4, include_dashboard=False, **kw))(ray.init); runpy.run_path(sys.argv[1], run_name='__main__')"
-    # No secret is given: the example's strings are authenticated with a key
-    # derived from the secret its units generated for themselves.
-    env = {k: v for k, v in os.environ.items() if k != "STOWAGE_SECRET"}
-    done = subprocess.run(
-        [sys.executable, "-c", boot, str(script)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=tmp_path,
-        env=env,
+@pytest.mark.parametrize("ray_cpus", [None, 2], ids=["fresh-machine", "2-cpu-ray"])
+def test_readme_tq_example_runs_as_written(ray_cpus):
+    # No secret is given (run_example drops STOWAGE_SECRET): the example's
+    # strings are authenticated with a key derived from the secret its
+    # units generated for themselves.
+    run = run_example(
+        readme_block("## With TransferQueue"), "tq_stowage.py", timeout=300, ray_cpus=ray_cpus
     )
-    assert done.returncode == 0, done.stderr[-4000:]
-    assert "TransferQueue example done" in done.stdout
+    assert run.returncode == 0, run.explain()
+    assert "TransferQueue example done" in run.stdout, run.explain()
 
 
 def test_setup_worker_registers_when_transfer_queue_is_imported():

@@ -73,7 +73,8 @@ pub struct UnitsSection {
     #[serde(with = "size")]
     pub memory: u64,
     /// Ray CPUs each unit's actor reserves (fractions allowed; 0 reserves
-    /// none). Default 1.
+    /// none). Default 0: a unit serves on its own threads, and a reserved
+    /// CPU would be one that a small cluster's tasks wait for.
     pub cpus: f64,
     /// An uncommitted reservation held longer is reported as overdue
     /// (never taken from its holder). Default 30 s.
@@ -137,7 +138,7 @@ impl Default for UnitsSection {
         Self {
             count: None,
             memory: unit.memory,
-            cpus: 1.0,
+            cpus: 0.0,
             reservation_lease: unit.reservation_lease,
             pin_lease: unit.pin_lease,
             max_connections: unit.max_connections,
@@ -881,7 +882,7 @@ mod tests {
         let d = Config::default();
         assert_eq!(d.units.count, None);
         assert_eq!(d.units.memory, 1 << 30);
-        assert_eq!(d.units.cpus, 1.0);
+        assert_eq!(d.units.cpus, 0.0);
         assert_eq!(d.units.reservation_lease, Duration::from_secs(30));
         assert_eq!(d.units.pin_lease, Duration::from_secs(30));
         assert_eq!(d.units.max_connections, 16384);
