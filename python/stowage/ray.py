@@ -561,7 +561,10 @@ def start_units(
                     failed.append(f"unit {i} on node {nodes[i]} failed to start: {_short(e)}")
         why: Dict[int, str] = {}
         cluster = ""
-        if pending and not failed:
+        # Every unit still pending at the deadline is reported as such; after
+        # a unit failed, the others were not waited for.
+        timed_out = bool(pending) and not failed
+        if timed_out:
             why, cluster = _pending_reasons(
                 {index[r]: actors[index[r]] for r in pending},
                 nodes,
@@ -570,7 +573,7 @@ def start_units(
             )
         for ref in pending:
             i = index[ref]
-            if failed:
+            if not timed_out:
                 failed.append(f"unit {i} on node {nodes[i]} was not waited for")
             else:
                 failed.append(

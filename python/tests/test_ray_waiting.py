@@ -94,11 +94,14 @@ def test_a_unit_whose_memory_is_taken_fails_naming_the_memory():
         # Every byte of Ray memory but 8 MiB is held (and no CPU).
         holder = Holder.options(num_cpus=0, memory=int(total) - (8 << 20)).remote()
         assert ray.get(holder.ping.remote(), timeout=60) == 1
-        placement_error({"units": {"memory": "64MiB"}}, [node], timeout=5)
+        placement_error({"units": {"memory": "64MiB"}}, [node, node], timeout=5)
         """
     )
     msg = line(out, "ERROR")
-    assert "did not come up within 5 s" in msg, msg
+    # Each unit still pending at the deadline is named as such.
+    for i in (0, 1):
+        assert f"unit {i} on node {line(out, 'NODE')} did not come up within 5 s" in msg, msg
+    assert "not waited for" not in msg, msg
     assert "it needs 64 MiB of memory on node" in msg, msg
     assert "which has 8 MiB of its " in msg, msg
     assert "not enough memory free" in msg, msg
