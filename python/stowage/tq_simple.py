@@ -281,11 +281,12 @@ def _start(conf: Any, block: Dict[str, Any]) -> Dict[str, Any]:
                         f"unit {i} ({names[i]}) on node {nodes[i]} failed to start: "
                         f"{stowage_ray._short(e)}"
                     )
-        why = (
-            {}
+        # SimpleStorage's unit actors reserve CPUs only (no Ray memory).
+        why, cluster = (
+            ({}, "")
             if failed
             else stowage_ray._pending_reasons(
-                {index[r]: handles[index[r]] for r in pending}, nodes, cpus
+                {index[r]: handles[index[r]] for r in pending}, nodes, cpus, 0
             )
         )
         gave_up = bool(failed)
@@ -299,7 +300,11 @@ def _start(conf: Any, block: Dict[str, Any]) -> Dict[str, Any]:
                     f"{timeout:g} s: {why[i]}"
                 )
         if failed:
-            raise PlacementError("SimpleStorage units did not start: " + "; ".join(failed))
+            raise PlacementError(
+                "SimpleStorage units did not start: "
+                + "; ".join(failed)
+                + (f" ({cluster})" if cluster else "")
+            )
         for i, info in enumerate(infos):
             assert info is not None
             # Hard node affinity makes this impossible; it is checked anyway.

@@ -358,7 +358,8 @@ def test_a_unit_that_cannot_come_up_fails_within_start_timeout_and_nothing_is_le
         assert (
             f"unit 0 (TransferQueueStorageUnit#0) on node {c.a} did not come up within 20 s" in msg
         )
-        assert "0 of the 1 CPUs" in msg, msg
+        assert f"it needs 1 CPU on node {c.a}, which has 0 of its 3 CPUs free" in msg, msg
+        assert "not enough CPU free" in msg, msg
         assert interface._TQ_CONTROLLER is None and interface._TQ_STORAGE is None
         left, _ = _settled(total - 3)
         assert left == [], left
