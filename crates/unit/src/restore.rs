@@ -242,7 +242,7 @@ mod tests {
     fn restore_memory_is_sized_from_the_files_with_a_floor() {
         assert_eq!(memory_for(0), MIN_MEMORY);
         let m = memory_for(1 << 30);
-        assert!(m >= (1 << 30) + (1 << 28) && m % 4096 == 0);
-        assert_eq!(memory_for(u64::MAX) % 4096, 0);
+        assert!(m >= (1 << 30) + (1 << 28) && m.is_multiple_of(4096));
+        assert!(memory_for(u64::MAX).is_multiple_of(4096));
     }
 }
