@@ -35,8 +35,10 @@
 //! Local security: the Unix socket's file is owner-only and the unit
 //! accepts only its own uid (SO_PEERCRED) unless started with
 //! `allow_other_uids`; admin requests (shutdown, checkpoint) need a
-//! same-uid Unix-socket client or `admin_tcp`; checkpoints are written only
-//! under `checkpoint_root`. Connections are capped per unit and per
+//! same-uid Unix-socket client or `admin_tcp`, and checkpoint requests
+//! (checkpoint, restores: `restore.rs`) are also taken from any client of a
+//! unit with a shared secret (every connection it serves proved it);
+//! checkpoints are written and read back only under `checkpoint_root`. Connections are capped per unit and per
 //! session; a connection counts against the unit's cap only once it
 //! proved itself, and waits until then in a small pool of its own with a
 //! short deadline (`admit.rs`). A unit raises its own open-file limit

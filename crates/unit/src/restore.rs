@@ -105,11 +105,17 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         r.next += 1;
         r.next
     };
-    let uds = template.uds.as_ref().map(|p| {
-        let mut s = p.clone().into_os_string();
-        s.push(format!(".restore-{id}"));
-        std::path::PathBuf::from(s)
-    });
+    // Beside the unit's own socket; none when that name would be too long
+    // for a socket address and the unit listens on TCP too.
+    let uds = template
+        .uds
+        .as_ref()
+        .map(|p| {
+            let mut s = p.clone().into_os_string();
+            s.push(format!(".restore-{id}"));
+            std::path::PathBuf::from(s)
+        })
+        .filter(|p| p.as_os_str().len() < 100 || template.tcp.is_none());
     let cfg = UnitConfig {
         name: format!("{}-restore-{id}", template.name),
         memory: memory_for(on_disk),

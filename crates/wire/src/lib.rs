@@ -218,7 +218,8 @@ pub enum Request {
     ListPartitions,
     /// Write every committed value and the index to `dir` on the unit's
     /// host (all namespaces); answers metadata only. `dir` must lie under
-    /// the checkpoint root the unit was started with. An admin request.
+    /// the checkpoint root the unit was started with. A checkpoint
+    /// request: an admin, or any client of a unit with a shared secret.
     Checkpoint {
         dir: String,
     },
