@@ -233,6 +233,12 @@ enum Op {
     Stats,
     Hello,
     Shutdown,
+    /// Open (or, `close`, close restore `id`) a restore unit: the
+    /// connection's business, nothing of the core's.
+    Restore {
+        close: bool,
+        id: u8,
+    },
 }
 
 #[derive(Arbitrary, Debug, Clone, Copy)]
@@ -1114,6 +1120,10 @@ impl H {
                 session: None,
             },
             Op::Shutdown => Request::Shutdown { timeout_ms: 0 },
+            Op::Restore { close: true, id } => Request::CloseRestore { id: u64::from(id) },
+            Op::Restore { close: false, id } => Request::OpenRestore {
+                dir: format!("step-{id}/stowage/unit-0"),
+            },
         };
         self.send(slot, i, req, false);
     }
@@ -1211,6 +1221,7 @@ impl H {
         let asker = Asker {
             hello: Some((o, c.namespace)),
             admin: true,
+            checkpoints: true,
             stopping: false,
         };
         self.free_before = before.free_bytes;
@@ -1239,7 +1250,10 @@ impl H {
                 self.detach(slot, i, ConnEnd::Cut);
                 return;
             }
-            Plan::Shutdown { .. } | Plan::Checkpoint { .. } => return,
+            Plan::Shutdown { .. }
+            | Plan::Checkpoint { .. }
+            | Plan::OpenRestore { .. }
+            | Plan::CloseRestore { .. } => return,
             // A connection's own ring: nothing of the core's.
             Plan::OpenRing { .. } | Plan::RingKick => return,
             p @ (Plan::Drain { .. }
@@ -1686,6 +1700,7 @@ impl H {
         let asker = Asker {
             hello: Some((o, c.namespace)),
             admin: true,
+            checkpoints: true,
             stopping: false,
         };
         self.free_before = self.core.stats().free_bytes;

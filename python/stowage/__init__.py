@@ -253,8 +253,10 @@ class DataPlane:
     ):
         self._client = client
         self._plane = plane
-        # Admin requests (checkpoint, shutdown) go over the units' Unix
-        # sockets, where the units accept them from their own user.
+        # Admin requests go over the units' Unix sockets for a local plane
+        # (the units accept them there from their own user); a unit with a
+        # shared secret also takes checkpoint requests from any client
+        # that proved it, over tcp too.
         self._admin = admin if admin is not None else client
         self._finalizer = weakref.finalize(self, DataPlane._shutdown, client, plane, admin)
 
@@ -510,9 +512,14 @@ class DataPlane:
 
     def checkpoint(self, dir: str, *, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
         """Every unit writes its data and index to ``dir/unit-<i>`` on its own
-        host (no payload passes through this process); returns per unit the
-        metadata. A unit started with ``--restore dir/unit-<i>`` serves the
-        same keys."""
+        host, under its checkpoint root (no payload passes through this
+        process); returns per unit the metadata (``rows``, ``entries``,
+        ``bytes``, ``files``, ``manifest_xxh3``, ``host``: the unit's host
+        name, ``stored``: where the part lies under that unit's checkpoint
+        root). A unit started with ``--restore dir/unit-<i>`` serves the
+        same keys. Units take checkpoint requests from a same-user client
+        on their Unix socket, and, when they have a shared secret, from any
+        client that proved it (over tcp too)."""
         return self._admin.checkpoint(str(dir), timeout)
 
     def shutdown(self, timeout: float = 30.0) -> List[List[str]]:

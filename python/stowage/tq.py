@@ -53,6 +53,7 @@ import concurrent.futures
 import json
 import logging
 import os
+import secrets
 import stat
 import tempfile
 import threading
@@ -877,8 +878,10 @@ died :class:`RowsLost`. Non-tensor values are pickled cells with an
 HMAC-SHA-256 tag (under a key derived from the plane's secret) that a get
 checks before it unpickles them (:class:`UntrustedCell` otherwise).
 ``clear_data`` removes whole rows. Checkpoints go through the units' own
-(``save_checkpoint``/``load_checkpoint``), under ``checkpoint_root``; a
-load refuses a record naming paths outside the checkpoint and cells whose
+(``save_checkpoint``/``load_checkpoint``): each unit writes its part on its
+own host under its ``checkpoint_root``, and a load restores each part on
+the host that has it; a load refuses a record naming paths outside the
+checkpoint, a part no unit has (naming its unit and host) and cells whose
 tag is wrong (:class:`CheckpointRefused`)."""
 
 StowageStorageManager: Any = None
@@ -913,18 +916,30 @@ def _lost(partition: str, e: Any, op: str) -> RowsLost:
 
 def _save_checkpoint(plane: stowage.DataPlane, namespace: str, checkpoint_dir: str) -> None:
     """Every unit writes its data and index to
-    ``<checkpoint_dir>/stowage/unit-<i>`` on its own host (no payload through
-    this process); a small JSON file records, with relative paths only, what
-    load needs (TransferQueue renames the directory after this)."""
+    ``<checkpoint_dir>/stowage/<id>/unit-<i>`` on its own host, under its
+    own checkpoint root, through its control path (no payload through this
+    process; a fresh ``id`` per save, so that a part left on another host
+    under an earlier save's name is never in the way). A small JSON file
+    in ``checkpoint_dir`` on this host records, with relative paths only,
+    what load needs: per part its unit, that unit's address and host name,
+    and where the part lies under that unit's checkpoint root
+    (TransferQueue renames ``checkpoint_dir`` after this, on this host
+    only)."""
     root = os.path.abspath(checkpoint_dir)
-    target = os.path.join(root, _CHECKPOINT_SUBDIR)
-    infos = plane.checkpoint(target)
+    cid = secrets.token_hex(8)
+    parts = f"{_CHECKPOINT_SUBDIR}/{cid}"
+    infos = plane.checkpoint(os.path.join(root, parts))
+    # This host may hold no part (units elsewhere, no shared filesystem).
+    os.makedirs(root, mode=0o700, exist_ok=True)
+    addresses = plane.units
     record = {
-        "format": 1,
+        "format": 2,
         "namespace": namespace,
+        "id": cid,
         "units": [
             {
-                "dir": f"{_CHECKPOINT_SUBDIR}/unit-{i}",
+                "dir": f"{parts}/unit-{i}",
+                "address": addresses[i],
                 **{k: v for k, v in info.items() if k != "dir"},
             }
             for i, info in enumerate(infos)
@@ -1012,55 +1027,59 @@ def _checkpoint_record(root: str) -> Dict[str, Any]:
         or not units
         or not all(isinstance(u, dict) for u in units)
         or not (ns is None or isinstance(ns, str))
-        or record.get("format") != 1
+        or record.get("format") not in (1, 2)
     ):
         raise CheckpointRefused(
-            f"stowage.tq: {path} is not a stowage checkpoint record (format 1, a namespace and a "
-            f"non-empty list of units)"
+            f"stowage.tq: {path} is not a stowage checkpoint record (format 1 or 2, a namespace "
+            f"and a non-empty list of units)"
         )
     return record
 
 
-def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
-    """The directory of one checkpointed unit, and the memory of the
-    temporary unit that restores it.
+def _relative(path: Any) -> bool:
+    """Whether ``path`` is a relative path of plain names (no absolute
+    path, no ``..`` or ``.``, no NUL)."""
+    parts = path.split("/") if isinstance(path, str) else []
+    return (
+        isinstance(path, str)
+        and not os.path.isabs(path)
+        and "\0" not in path
+        and not any(p in ("", ".", "..") for p in parts)
+    )
+
+
+def _checkpoint_here(root: str, entry: Mapping[str, Any]) -> Optional[str]:
+    """The directory of one checkpointed unit on this host, or None when
+    this host does not have it (then a unit restores it on its own host).
 
     The record may name only a relative path of plain names inside the
     checkpoint (no absolute path, no ``..`` or ``.``, no symbolic link on
-    the way, a directory at the end). The memory is sized from the bytes of
-    the unit's files as found on disk, not from the record: a record that
-    claims more bytes than its files hold is refused."""
+    the way, a directory at the end)."""
     d = entry.get("dir")
-    parts = d.split("/") if isinstance(d, str) else []
-    if (
-        not isinstance(d, str)
-        or os.path.isabs(d)
-        or "\0" in d
-        or any(p in ("", ".", "..") for p in parts)
-    ):
+    if not isinstance(d, str) or not _relative(d):
         raise CheckpointRefused(
             f"stowage.tq: the checkpoint record names the unit directory {d!r}, which is not a "
             f"relative path inside the checkpoint {root} (absolute paths and '..' are refused)"
         )
     path = root
-    for p in parts:
+    for p in d.split("/"):
         path = os.path.join(path, p)
         try:
             st = os.lstat(path)
         except FileNotFoundError:
-            raise CheckpointRefused(
-                f"stowage.tq: the checkpoint's unit directory {path} is missing"
-            ) from None
+            return None
         if not stat.S_ISDIR(st.st_mode):
             what = "a symbolic link" if stat.S_ISLNK(st.st_mode) else "not a directory"
             raise CheckpointRefused(
                 f"stowage.tq: {path}, on the way to a unit directory of the checkpoint, is {what}"
             )
-    on_disk = 0
-    with os.scandir(path) as it:
-        for e in it:
-            if e.is_file(follow_symlinks=False):
-                on_disk += e.stat(follow_symlinks=False).st_size
+    return path
+
+
+def _check_claim(entry: Mapping[str, Any], on_disk: int) -> None:
+    """Refuse a record that says a unit's part holds more bytes than its
+    files do (the memory of the unit that restores it comes from the
+    files, never from the record)."""
     claimed = entry.get("bytes", 0)
     if claimed is None:
         claimed = 0
@@ -1071,11 +1090,117 @@ def _checkpoint_unit(root: str, entry: Mapping[str, Any]) -> Tuple[str, int]:
         or claimed > on_disk
     ):
         raise CheckpointRefused(
-            f"stowage.tq: the checkpoint record says unit directory {d!r} holds {claimed!r} bytes, "
-            f"and its files hold {on_disk}: the record is damaged or was changed"
+            f"stowage.tq: the checkpoint record says unit directory {entry.get('dir')!r} holds "
+            f"{claimed!r} bytes, and its files hold {on_disk}: the record is damaged or was changed"
         )
-    memory = max(64 << 20, on_disk + on_disk // 4 + (32 << 20))
-    return path, memory
+
+
+def _checkpoint_unit(path: str, entry: Mapping[str, Any]) -> int:
+    """The memory of the temporary unit that restores the part at ``path``
+    on this host: sized from the bytes of its files as found on disk, not
+    from the record (a record that claims more bytes than its files hold
+    is refused)."""
+    on_disk = 0
+    with os.scandir(path) as it:
+        for e in it:
+            if e.is_file(follow_symlinks=False):
+                on_disk += e.stat(follow_symlinks=False).st_size
+    _check_claim(entry, on_disk)
+    return max(64 << 20, on_disk + on_disk // 4 + (32 << 20))
+
+
+class _Part:
+    """One checkpointed unit's rows, served for a load: by a temporary
+    unit of this process (the part is on this host), or by a restore unit
+    that a live unit started on its own host (``unit``, ``restore_id``)."""
+
+    def __init__(self, source: stowage.DataPlane, unit: Optional[int] = None, restore_id: int = 0):
+        self.source = source
+        self.unit = unit
+        self.restore_id = restore_id
+
+    def close(self, plane: stowage.DataPlane) -> None:
+        self.source.close()
+        if self.unit is not None:
+            try:
+                plane._client.close_restore(self.unit, self.restore_id)
+            except Exception as e:  # noqa: BLE001 - it also stops by itself when idle
+                logger.warning("could not close the restore unit of unit %d: %r", self.unit, e)
+
+
+def _where(entry: Mapping[str, Any], index: int) -> str:
+    """Where a part was written, as the record says it."""
+    return (
+        f"part {index} (written by unit {index}"
+        f"{' at ' + str(entry['address']) if entry.get('address') else ''}"
+        f"{' on host ' + repr(entry['host']) if entry.get('host') else ''}"
+        f"{', as ' + repr(entry['stored']) + ' under its checkpoint root' if entry.get('stored') else ''})"
+    )
+
+
+def _open_elsewhere(
+    plane: stowage.DataPlane, root: str, index: int, entry: Mapping[str, Any], ns: str
+) -> _Part:
+    """A restore unit serving part ``index``, started by the live unit on
+    whose host it lies: the part's own unit first, then every other,
+    each asked for the part inside the checkpoint (where a shared
+    filesystem or a moved checkpoint has it) and then where its unit wrote
+    it (TransferQueue renames the checkpoint directory on this host only).
+    Refused (:class:`CheckpointRefused`) when no unit has it, naming every
+    unit asked, its host and what it found missing."""
+    stored = entry.get("stored")
+    if stored is not None and stored != "" and not _relative(stored):
+        raise CheckpointRefused(
+            f"stowage.tq: the checkpoint record places {_where(entry, index)} at {stored!r} under "
+            f"its unit's checkpoint root, which is not a relative path there (absolute paths and "
+            f"'..' are refused)"
+        )
+    candidates = [os.path.join(root, entry["dir"])]
+    if stored:
+        candidates.append(stored)
+    addresses = plane.units
+    order = ([index] if index < len(addresses) else []) + [
+        j for j in range(len(addresses)) if j != index
+    ]
+    tried: List[str] = []
+    for j in order:
+        for dir in candidates:
+            try:
+                got = plane._client.open_restore(j, dir, ns)
+            except stowage.Error as e:
+                msg = str(e)
+                if "outside this unit's checkpoint root" in msg or "takes no checkpoints" in msg:
+                    tried.append(f"unit {j} ({addresses[j]}): {msg}")
+                    continue
+                if isinstance(e, (stowage.Unreachable, stowage.Timeout)):
+                    tried.append(f"unit {j} ({addresses[j]}) did not answer: {msg}")
+                    break
+                raise CheckpointRefused(
+                    f"stowage.tq: unit {j} ({addresses[j]}) refused {_where(entry, index)} at "
+                    f"{dir!r}: {msg}; nothing was loaded"
+                ) from e
+            if "missing" in got:
+                tried.append(f"unit {j} ({addresses[j]}, host {got['host']!r}): {got['missing']}")
+                continue
+            part = _Part(stowage.DataPlane(got["client"]), j, got["id"])
+            try:
+                info = got["info"]
+                want = entry.get("manifest_xxh3")
+                if want is not None and want != info["manifest_xxh3"]:
+                    raise CheckpointRefused(
+                        f"stowage.tq: unit {j} ({addresses[j]}, host {got['host']!r}) has at "
+                        f"{got['path']} a checkpoint that is not {_where(entry, index)}: its "
+                        f"manifest differs from the record's; nothing was loaded"
+                    )
+                _check_claim(entry, sum(int(f[1]) for f in info["files"]))
+            except BaseException:
+                part.close(plane)
+                raise
+            return part
+    raise CheckpointRefused(
+        f"stowage.tq: {_where(entry, index)} of the checkpoint {root} is missing: "
+        f"{'; '.join(tried)}; nothing was loaded"
+    )
 
 
 def _load_checkpoint(
@@ -1084,38 +1209,51 @@ def _load_checkpoint(
     """Replace the running units' rows of this namespace with the
     checkpoint's, under the same partitions and global indexes.
 
-    The record is checked first (:func:`_checkpoint_unit`: only paths
-    inside the checkpoint, the memory of each temporary unit from its files
-    on disk). Each checkpointed unit is then started again, read-only in
-    effect, as a temporary unit of this process restored from its directory
-    (what ``stowage unit --restore`` does); a damaged unit checkpoint is
-    refused there. Every pickled cell is then checked (:class:`_RestoredCells`,
-    nothing is unpickled); only once all of that passed are the live rows
-    cleared and the checkpoint's rows put back through the running units
-    (the cells checked again, re-tagged for this plane where needed). The
-    temporary units stop at the end."""
+    The record is checked first (only relative paths: inside the
+    checkpoint, and under the units' checkpoint roots). Each part is then
+    served again, read-only in effect: a part this host has
+    (:func:`_checkpoint_here`: the caller's own host, or a shared
+    filesystem) by a temporary unit of this process restored from its
+    directory (what ``stowage unit --restore`` does), sized from its files;
+    any other by a restore unit that a live unit on the part's host starts
+    there (:func:`_open_elsewhere`), found through the part's own unit
+    first; a missing part is refused naming every unit asked and its host.
+    A damaged part is refused where it is restored. Every pickled cell is
+    then checked (:class:`_RestoredCells`, nothing is unpickled); only once
+    all of that passed are the live rows cleared and the checkpoint's rows
+    put back through the running units (the cells checked again, re-tagged
+    for this plane where needed). The restoring units stop at the end."""
     root = os.path.realpath(checkpoint_dir)
     record = _checkpoint_record(root)
     ns = record.get("namespace") or cells.namespace
     cells.saved_namespace = ns
-    units = [_checkpoint_unit(root, u) for u in record["units"]]
-    sources: List[stowage.DataPlane] = []
+    entries = record["units"]
+    here = [_checkpoint_here(root, u) for u in entries]
+    parts: List[_Part] = []
     try:
-        for path, memory in units:
-            sources.append(
-                stowage.local(
+        for i, (entry, path) in enumerate(zip(entries, here)):
+            if path is not None:
+                memory = _checkpoint_unit(path, entry)
+                local = stowage.local(
                     units=1,
                     memory=memory,
                     namespace=ns,
                     timeout=timeout,
                     unit_args=["--restore", path],
                 )
-            )
+                parts.append(_Part(local))
+            else:
+                parts.append(_open_elsewhere(plane, root, i, entry, ns))
+        sources = [p.source for p in parts]
         # Every cell checked before anything changes (values read in place).
         for src, p, f, chunk in _checkpoint_chunks(sources):
-            try:
-                vals = src._client.get_view(p, chunk, [f], None, None, True)[0]
-            except stowage.TransferFailed:
+            vals = None
+            if src._client.shm:
+                try:
+                    vals = src._client.get_view(p, chunk, [f], None, None, True)[0]
+                except stowage.TransferFailed:
+                    vals = None
+            if vals is None:
                 vals = src._client.get(p, chunk, [f], None, None, True)[0]
             cells.values(p, chunk, f, vals)
             del vals
@@ -1127,13 +1265,13 @@ def _load_checkpoint(
             vals = [("bfloat16", v.view(np.int16)) if v.dtype.kind == "V" else v for v in vals]
             plane._client.put(p, chunk, [(f, vals)], None, None)
     finally:
-        for src in sources:
-            src.close()
+        for part in parts:
+            part.close(plane)
 
 
 def _checkpoint_chunks(sources: List[stowage.DataPlane]) -> Any:
     """(source, partition, field, keys) of every stored cell of the
-    temporary units, 4096 rows at a time."""
+    restoring units, 4096 rows at a time."""
     for src in sources:
         for p in src.partitions():
             by_field: Dict[str, List[Any]] = {}

@@ -8,6 +8,7 @@ private local Ray instance and closes it.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
@@ -202,7 +203,11 @@ def test_checkpoint_round_trip_replaces_rows(system, tmp_path):
     before = _gidx("train", keys)
     ckpt = tmp_path / "ckpt"
     tq.save_checkpoint(str(ckpt))
-    assert (ckpt / "stowage" / "unit-0").is_dir() and (ckpt / "stowage" / "unit-1").is_dir()
+    record = json.loads((ckpt / "stowage_checkpoint.json").read_text())
+    dirs = [u["dir"] for u in record["units"]]
+    assert [d.split("/")[0] for d in dirs] == ["stowage", "stowage"]
+    assert [d.split("/")[-1] for d in dirs] == ["unit-0", "unit-1"]
+    assert all((ckpt / d).is_dir() for d in dirs)
     assert str(tmp_path) not in (ckpt / "stowage_checkpoint.json").read_text()
 
     # Overwrite some rows, clear others, add a partition: load must replace all of it.

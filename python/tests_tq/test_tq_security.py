@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -287,13 +288,15 @@ def test_checkpoint_record_naming_a_path_outside_is_refused(system, tmp_path, wh
     ckpt = tmp_path / "ckpt" / "inner"
     tq.save_checkpoint(str(ckpt))
     record = _record(ckpt)
+    theirs = _record(outside)["units"][0]["dir"]
     if where == "absolute":
-        record["units"][0]["dir"] = str(outside / "stowage" / "unit-0")
+        record["units"][0]["dir"] = str(outside / theirs)
     elif where == "dotdot":
-        record["units"][0]["dir"] = "../../outside/stowage/unit-0"
+        record["units"][0]["dir"] = f"../../outside/{theirs}"
     else:
-        shutil.rmtree(ckpt / "stowage" / "unit-0")
-        os.symlink(outside / "stowage" / "unit-0", ckpt / "stowage" / "unit-0")
+        mine = ckpt / record["units"][0]["dir"]
+        shutil.rmtree(mine)
+        os.symlink(outside / theirs, mine)
     _write_record(ckpt, record)
     tq.kv_batch_put(
         keys=keys,
@@ -416,7 +419,7 @@ def test_default_checkpoint_root_is_private_and_not_slash(tmp_path, secret_file,
             tq.save_checkpoint(str(tmp_path / "elsewhere"))
         assert "outside this unit's checkpoint root" in str(info.value), str(info.value)
         tq.save_checkpoint(str(root / "step-1"))
-        assert (root / "step-1" / "stowage" / "unit-0").is_dir()
+        assert (root / "step-1" / _record(root / "step-1")["units"][0]["dir"]).is_dir()
     finally:
         tq.close()
 
@@ -449,9 +452,37 @@ def test_default_checkpoint_root_planted_by_another_user_is_not_used(
             fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1),
             tags=[{}],
         )
-        tq.save_checkpoint(os.path.join(root, "step-1"))
-        assert os.path.isdir(os.path.join(root, "step-1", "stowage", "unit-0"))
+        step = os.path.join(root, "step-1")
+        tq.save_checkpoint(step)
+        assert os.path.isdir(os.path.join(step, _record(Path(step))["units"][0]["dir"]))
         assert list(planted.iterdir()) == []
+    finally:
+        tq.close()
+
+
+def test_a_configured_checkpoint_root_is_used_instead_of_the_default(
+    tmp_path, secret_file, monkeypatch
+):
+    # backend.Stowage.checkpoint_root: the units write there, and only
+    # there; the default root is not even made.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    mine = tmp_path / "mine"
+    conf = tq.init(_conf(secret_file=secret_file, checkpoint_root=str(mine)))
+    try:
+        assert conf.backend.Stowage.checkpoint_root == str(mine)
+        assert not (tmp_path / "tmp" / f"stowage-tq-checkpoints-{os.getuid()}").exists()
+        tq.kv_batch_put(
+            keys=["a"],
+            partition_id="p",
+            fields=TensorDict({"x": torch.ones(1, 2)}, batch_size=1),
+            tags=[{}],
+        )
+        with pytest.raises(Exception) as info:
+            tq.save_checkpoint(str(tmp_path / "tmp" / "step-1"))
+        assert "outside this unit's checkpoint root" in str(info.value), str(info.value)
+        tq.save_checkpoint(str(mine / "step-1"))
+        assert (mine / "step-1" / _record(mine / "step-1")["units"][0]["dir"]).is_dir()
     finally:
         tq.close()
 

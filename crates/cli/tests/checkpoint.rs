@@ -464,3 +464,112 @@ fn a_blob_in_pieces_checkpoints_spills_and_restores() {
         assert!(get_one(&c2, r) == pattern(r, 0, MIB as usize), "row {r}");
     }
 }
+
+/// Checkpoints across hosts (issue 26), one host's share: over tcp, a
+/// client that proved the units' shared secret checkpoints them (each
+/// part's reply names its host and its place under the unit's root), and
+/// has a unit serve a part from a restore unit that it starts on its own
+/// host (sized from the part's files, with the same secret), reached at
+/// the host the unit is reached at; a part that is not there is told as
+/// missing, a path outside the root or through a link is refused, and a
+/// closed restore unit takes no new connection. Units without a secret
+/// take no checkpoint request over tcp.
+#[test]
+fn over_tcp_with_the_secret_units_checkpoint_and_serve_restores() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let mut opts = LocalOptions::new(2, 8 * MIB);
+    opts.command = vec![binary().into(), "unit".into()];
+    opts.unit_args = vec![
+        "--no-mlock".into(),
+        "--checkpoint-root".into(),
+        ckpt.path().display().to_string(),
+    ];
+    let p = LocalPlane::start(&opts).unwrap();
+    let mut cfg = ClientConfig::new("ns", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(60);
+    let c = Client::connect(cfg).unwrap();
+    for r in 0..20 {
+        put(&c, r, 0);
+    }
+    let infos = c.checkpoint(&ckpt.path().join("s1"), c.deadline()).unwrap();
+    for (i, info) in infos.iter().enumerate() {
+        assert_eq!(info.stored, format!("s1/unit-{i}"));
+        assert!(!info.host.is_empty());
+    }
+
+    // Unit 1 serves unit 0's part (same host, same root here).
+    let reply = c.open_restore(1, "s1/unit-0", c.deadline()).unwrap();
+    let src = reply.opened.expect("the part is there");
+    assert_eq!(src.info.manifest_xxh3, infos[0].manifest_xxh3);
+    assert_eq!(src.info.rows, infos[0].rows);
+    assert_eq!(src.info.stored, "s1/unit-0");
+    let addr = c.restore_address(1, &src).unwrap();
+    let stowage_client::UnitAddr::Tcp(a) = &addr else {
+        panic!("a tcp client reaches the restore unit over tcp, not {addr:?}")
+    };
+    assert!(a.ip().is_loopback(), "{a}");
+    let r = c.sibling(vec![addr.clone()], "ns").unwrap();
+    let rows: Vec<RowKey> = (0..20).filter(|r| r % 2 == 0).map(RowKey::Index).collect();
+    let got = r
+        .get_tensors("step", &rows, &["x"], None, r.deadline())
+        .unwrap();
+    for (k, t) in rows.iter().zip(&got[0]) {
+        let RowKey::Index(row) = k else {
+            panic!("{k:?}")
+        };
+        assert_eq!(t.data, value(*row, 0), "row {row}");
+    }
+    // Without the secret, the restore unit refuses.
+    let mut bare = ClientConfig::new("ns", vec![addr.clone()]);
+    bare.timeout = Duration::from_secs(10);
+    let bare = Client::connect(bare).unwrap();
+    assert!(matches!(
+        bare.check_units(bare.deadline()),
+        Err(Error::Unauthorized(_))
+    ));
+    drop(r);
+    c.close_restore(1, src.id, c.deadline()).unwrap();
+    let again = c.sibling(vec![addr], "ns").unwrap();
+    assert!(again.check_units(again.deadline()).is_err());
+
+    // Missing, outside the root, through a link.
+    let missing = c.open_restore(0, "s2/unit-0", c.deadline()).unwrap();
+    assert!(missing.opened.is_none());
+    assert!(
+        missing.missing.contains("no directory"),
+        "{}",
+        missing.missing
+    );
+    assert!(missing.path.ends_with("s2/unit-0"), "{}", missing.path);
+    let e = c.open_restore(0, "/etc", c.deadline()).unwrap_err();
+    assert!(
+        matches!(&e, Error::Unauthorized(m) if m.contains("outside this unit's checkpoint root")),
+        "{e}"
+    );
+    std::os::unix::fs::symlink(ckpt.path().join("s1"), ckpt.path().join("link")).unwrap();
+    let e = c.open_restore(0, "link/unit-0", c.deadline()).unwrap_err();
+    assert!(e.to_string().contains("symbolic link"), "{e}");
+    let e = c.open_restore(0, "../x", c.deadline()).unwrap_err();
+    assert!(e.to_string().contains("'..'"), "{e}");
+
+    // Units without a secret: no checkpoint request over tcp.
+    let mut opts = LocalOptions::new(1, 8 * MIB);
+    opts.command = vec![binary().into(), "unit".into()];
+    opts.insecure = true;
+    opts.unit_args = vec![
+        "--no-mlock".into(),
+        "--checkpoint-root".into(),
+        ckpt.path().display().to_string(),
+    ];
+    let open = LocalPlane::start(&opts).unwrap();
+    let c = Client::connect(ClientConfig::new("ns", open.tcp_addrs())).unwrap();
+    for e in [
+        c.checkpoint(&ckpt.path().join("s3"), c.deadline())
+            .unwrap_err(),
+        c.open_restore(0, "s1/unit-0", c.deadline()).unwrap_err(),
+    ] {
+        assert!(matches!(e, Error::Unauthorized(_)), "{e}");
+    }
+    assert!(!ckpt.path().join("s3").exists());
+}

@@ -229,6 +229,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::NixlInfo { .. } => "NixlInfo",
         Response::Ring { .. } => "Ring",
         Response::OnSocket => "OnSocket",
+        Response::Restore(_) => "Restore",
     }
 }
 

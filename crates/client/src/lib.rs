@@ -83,7 +83,7 @@ pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, View, ViewTensor};
 pub use sink::{GetSink, Sink, TensorAsk, TensorSink, ValueAsk};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
 pub use stowage_wire::{BlobId, EntrySpec, Key, Stats};
-pub use stowage_wire::{CheckpointFile, CheckpointInfo};
+pub use stowage_wire::{CheckpointFile, CheckpointInfo, RestoreReply, RestoreSource};
 pub use transport::Transport;
 pub use unit_directory::{host_id, TransportChoice, UnitDirectory, UnitEntry};
 
@@ -1403,6 +1403,104 @@ impl Client {
             }
         }
         Ok(out)
+    }
+
+    /// Ask unit `unit` to serve the checkpoint in `dir` (on the unit's
+    /// host, under its checkpoint root) from a restore unit it starts in
+    /// its own process (a checkpoint request: this client must be an admin
+    /// of the unit, or the unit must have a shared secret). The reply says
+    /// where the restore unit listens ([`Client::restore_address`]) and
+    /// what it serves, or, with `opened` `None`, what is missing there.
+    /// Close it with [`Client::close_restore`] (it also stops by itself
+    /// after a while without connections, and with its unit).
+    pub fn open_restore(&self, unit: usize, dir: &str, deadline: Instant) -> Result<RestoreReply> {
+        let req = Request::OpenRestore { dir: dir.into() };
+        match self.call_one(unit, req, deadline)? {
+            Response::Restore(r) => Ok(*r),
+            other => Err(Error::TransferFailed {
+                unit,
+                blobs: vec![],
+                reason: format!("unexpected reply {other:?}"),
+                in_flight: false,
+            }),
+        }
+    }
+
+    /// Stop restore unit `id` of unit `unit` ([`Client::open_restore`]).
+    pub fn close_restore(&self, unit: usize, id: u64, deadline: Instant) -> Result<()> {
+        match self.call_one(unit, Request::CloseRestore { id }, deadline)? {
+            Response::Done => Ok(()),
+            other => Err(Error::TransferFailed {
+                unit,
+                blobs: vec![],
+                reason: format!("unexpected reply {other:?}"),
+                in_flight: false,
+            }),
+        }
+    }
+
+    /// Where this client reaches restore unit `src` of unit `unit`: its
+    /// Unix socket when this client reaches the unit by its own, else its
+    /// TCP port at the host this client reaches the unit at (the restore
+    /// unit listens where the unit does).
+    pub fn restore_address(&self, unit: usize, src: &RestoreSource) -> Result<UnitAddr> {
+        let own = &self
+            .units
+            .get(unit)
+            .ok_or_else(|| Error::InvalidRequest(format!("no unit {unit}")))?
+            .addr;
+        if let (UnitAddr::Unix(_), Some(p)) = (own, &src.uds) {
+            return Ok(UnitAddr::Unix(p.into()));
+        }
+        let tcp: std::net::SocketAddr = src
+            .tcp
+            .as_deref()
+            .ok_or_else(|| {
+                Error::InvalidRequest(format!(
+                    "unit {unit}'s restore unit listens on no address this client can reach"
+                ))
+            })?
+            .parse()
+            .map_err(|e| Error::InvalidRequest(format!("restore unit address: {e}")))?;
+        let ip = match own {
+            UnitAddr::Tcp(a) => a.ip(),
+            UnitAddr::Unix(_) if tcp.ip().is_unspecified() => {
+                std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST)
+            }
+            UnitAddr::Unix(_) => tcp.ip(),
+        };
+        Ok(UnitAddr::Tcp(std::net::SocketAddr::new(ip, tcp.port())))
+    }
+
+    /// A client of `units` in `namespace` with this client's secret,
+    /// timeout and transport settings (e.g. of restore units).
+    pub fn sibling(&self, units: Vec<UnitAddr>, namespace: &str) -> Result<Client> {
+        let mut cfg = ClientConfig::new(namespace, units);
+        cfg.timeout = self.cfg.timeout;
+        cfg.shm = self.cfg.shm;
+        cfg.spin = self.cfg.spin;
+        cfg.secret = self.cfg.secret.clone();
+        cfg.max_unit_conns = self.cfg.max_unit_conns;
+        Client::connect(cfg)
+    }
+
+    /// One control request to unit `unit`.
+    fn call_one(&self, unit: usize, req: Request, deadline: Instant) -> Result<Response> {
+        if unit >= self.units.len() {
+            return Err(Error::InvalidRequest(format!(
+                "no unit {unit}: the client has {}",
+                self.units.len()
+            )));
+        }
+        let timer = metrics::OpTimer::start();
+        let r = self
+            .call_units(vec![(unit, req)], deadline)
+            .pop()
+            .map(|(_, r)| r)
+            .unwrap_or_else(|| Err(Error::Io("no reply".into())));
+        self.metrics
+            .op(metrics::ClientOp::Control, r.is_ok(), timer.took());
+        r
     }
 
     /// Stop every unit within `timeout`: a unit abandons a checkpoint that

@@ -28,6 +28,8 @@ pub(crate) struct Client {
     timeout: Duration,
     /// Whether every unit is reached through shared memory (get_view).
     shm: bool,
+    /// Whether Unix-socket units are reached through shared memory.
+    shm_enabled: bool,
     addrs: Vec<String>,
     /// The key that authenticates TransferQueue's pickled cells (see
     /// [`Client::cell_key`]), derived from the secret at connect; the
@@ -437,6 +439,27 @@ impl Drop for ViewPins {
     }
 }
 
+/// A checkpoint's metadata as a dict (rows, entries, bytes, files as
+/// (name, size, xxh3), manifest_xxh3, host, stored).
+fn checkpoint_dict(
+    py: Python<'_>,
+    info: stowage_client::CheckpointInfo,
+) -> PyResult<Bound<'_, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("rows", info.rows)?;
+    d.set_item("entries", info.entries)?;
+    d.set_item("bytes", info.bytes)?;
+    let files = PyList::empty(py);
+    for f in info.files {
+        files.append((f.name, f.size, f.xxh3))?;
+    }
+    d.set_item("files", files)?;
+    d.set_item("manifest_xxh3", info.manifest_xxh3)?;
+    d.set_item("host", info.host)?;
+    d.set_item("stored", info.stored)?;
+    Ok(d)
+}
+
 impl Client {
     fn client(&self) -> PyResult<Arc<Inner>> {
         self.inner
@@ -548,6 +571,7 @@ impl Client {
             inner: Mutex::new(Some(Arc::new(client))),
             timeout,
             shm: all_shm,
+            shm_enabled: shm,
             addrs: addrs.iter().map(|a| a.to_string()).collect(),
             cell_key: derived,
         })
@@ -1081,19 +1105,79 @@ impl Client {
             .map_err(|e| to_py(py, e, &[]))?;
         let out = PyList::empty(py);
         for info in infos {
-            let d = PyDict::new(py);
-            d.set_item("rows", info.rows)?;
-            d.set_item("entries", info.entries)?;
-            d.set_item("bytes", info.bytes)?;
-            let files = PyList::empty(py);
-            for f in info.files {
-                files.append((f.name, f.size, f.xxh3))?;
-            }
-            d.set_item("files", files)?;
-            d.set_item("manifest_xxh3", info.manifest_xxh3)?;
-            out.append(d)?;
+            out.append(checkpoint_dict(py, info)?)?;
         }
         Ok(out)
+    }
+
+    /// Ask unit `unit` to serve the checkpoint in `dir` (on its own host,
+    /// under its checkpoint root) from a restore unit it starts in its own
+    /// process. Returns a dict: `host` (the unit's host name), `path` (the
+    /// directory it looked at there), and either `missing` (what is not
+    /// there; nothing was started) or `id` (for `close_restore`), `info`
+    /// (what it restored, as `checkpoint` gives it) and `client` (a
+    /// Client of the restore unit in `namespace`, with this client's
+    /// secret).
+    #[pyo3(signature = (unit, dir, namespace, timeout = None))]
+    fn open_restore<'py>(
+        &self,
+        py: Python<'py>,
+        unit: usize,
+        dir: String,
+        namespace: String,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let reply = py
+            .detach(|| client.open_restore(unit, &dir, deadline))
+            .map_err(|e| to_py(py, e, &[]))?;
+        let d = PyDict::new(py);
+        d.set_item("host", &reply.host)?;
+        d.set_item("path", &reply.path)?;
+        let Some(src) = reply.opened else {
+            d.set_item("missing", &reply.missing)?;
+            return Ok(d);
+        };
+        d.set_item("id", src.id)?;
+        let opened = client
+            .restore_address(unit, &src)
+            .and_then(|addr| Ok((addr.clone(), client.sibling(vec![addr], &namespace)?)));
+        let (addr, restored) = match opened {
+            Ok(x) => x,
+            Err(e) => {
+                let _ = py.detach(|| client.close_restore(unit, src.id, deadline));
+                return Err(to_py(py, e, &[]));
+            }
+        };
+        d.set_item("address", addr.to_string())?;
+        d.set_item("info", checkpoint_dict(py, src.info)?)?;
+        let shm = matches!(addr, UnitAddr::Unix(_)) && self.shm_enabled;
+        let c = Client {
+            inner: Mutex::new(Some(Arc::new(restored))),
+            timeout: self.timeout,
+            shm,
+            shm_enabled: self.shm_enabled,
+            addrs: vec![addr.to_string()],
+            cell_key: self.cell_key,
+        };
+        d.set_item("client", Py::new(py, c)?)?;
+        Ok(d)
+    }
+
+    /// Stop restore unit `id` of unit `unit` (from `open_restore`).
+    #[pyo3(signature = (unit, id, timeout = None))]
+    fn close_restore(
+        &self,
+        py: Python<'_>,
+        unit: usize,
+        id: u64,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        py.detach(|| client.close_restore(unit, id, deadline))
+            .map_err(|e| to_py(py, e, &[]))
     }
 
     /// Stop every unit within `timeout` seconds; never raises. Returns per

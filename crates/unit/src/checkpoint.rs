@@ -229,7 +229,10 @@ pub(crate) fn write(
         let now = shared.now();
         let _ = handler::unpin(&mut shared.core(), stowage_core::Owner::UNIT, pin, now);
     }
-    result
+    result.map(|info| CheckpointInfo {
+        stored: dir.names.join("/"),
+        ..info
+    })
 }
 
 fn write_snapshot(
@@ -346,7 +349,86 @@ fn write_snapshot(
         bytes: manifest.bytes,
         files: manifest.files,
         manifest_xxh3: sum,
+        host: host_name(),
+        stored: String::new(),
     })
+}
+
+/// This host's name (`/proc/sys/kernel/hostname`; empty if unreadable).
+pub(crate) fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_default()
+}
+
+/// A checkpoint directory a restore asked for, under the unit's
+/// checkpoint root.
+pub(crate) enum Found {
+    /// It is there: its descriptor (opened from the root's, no link
+    /// followed), its path (for messages) and its names under the root.
+    Dir {
+        fd: OwnedFd,
+        path: PathBuf,
+        stored: String,
+    },
+    /// Nothing there: its path and what is missing.
+    Missing { path: PathBuf, missing: String },
+}
+
+/// The existing checkpoint directory `dir` names under the unit's
+/// checkpoint root (as [`resolve_dir`] takes it: a relative name under the
+/// root, or an absolute path inside it; no `..`), each directory opened
+/// from the root's descriptor with no symbolic link followed. A name that
+/// does not exist is [`Found::Missing`]; a link or a path outside the root
+/// is an error.
+pub(crate) fn find_dir(root: Option<&Path>, dir: &str) -> Result<Found, String> {
+    let d = resolve_dir(root, dir)?;
+    let mut cur = d.root;
+    let mut here = d.path.clone();
+    for _ in &d.names {
+        here.pop();
+    }
+    for n in &d.names {
+        here.push(n);
+        match disk::open_dir_in(cur.as_fd(), n) {
+            Ok(next) => cur = next,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                return Ok(Found::Missing {
+                    missing: format!("no directory {}", here.display()),
+                    path: d.path,
+                })
+            }
+            Err(e) if disk::is_link_error(&e) => return Err(through_link(dir, n)),
+            Err(e) => return Err(format!("checkpoint path {dir:?}: {e}")),
+        }
+    }
+    if let Err(e) = disk::open_in(cur.as_fd(), MANIFEST, OFlags::RDONLY, Mode::empty()) {
+        if e.kind() == io::ErrorKind::NotFound {
+            return Ok(Found::Missing {
+                missing: format!("no {MANIFEST} in {}", d.path.display()),
+                path: d.path,
+            });
+        }
+    }
+    Ok(Found::Dir {
+        fd: cur,
+        stored: d.names.join("/"),
+        path: d.path,
+    })
+}
+
+/// Bytes of the regular files directly in directory `dir` (no link
+/// followed).
+pub(crate) fn files_bytes(dir: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut sum = 0u64;
+    for (name, _) in disk::entries(dir)? {
+        let st = rustix::fs::statat(dir, name.as_c_str(), AtFlags::SYMLINK_NOFOLLOW)?;
+        if rustix::fs::FileType::from_raw_mode(st.st_mode) != rustix::fs::FileType::RegularFile {
+            continue;
+        }
+        sum = sum.saturating_add(u64::try_from(st.st_size).unwrap_or(0));
+    }
+    Ok(sum)
 }
 
 fn file_name(p: &Path) -> String {
@@ -401,16 +483,29 @@ fn read_file(dir: BorrowedFd<'_>, name: &str, max: u64) -> io::Result<Vec<u8>> {
 /// be listed in it, and each blob file's header must name the blob it is
 /// restored as; sizes are checked before anything is allocated.
 pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, CheckpointError> {
-    let incomplete = |reason: String| CheckpointError::Incomplete {
-        dir: dir.display().to_string(),
-        reason,
-    };
     let dfd = rustix::fs::open(
         dir,
         OFlags::RDONLY | OFlags::DIRECTORY | OFlags::CLOEXEC,
         Mode::empty(),
     )
-    .map_err(|e| incomplete(format!("cannot open the directory ({e})")))?;
+    .map_err(|e| CheckpointError::Incomplete {
+        dir: dir.display().to_string(),
+        reason: format!("cannot open the directory ({e})"),
+    })?;
+    restore_from(shared, dfd, dir)
+}
+
+/// [`restore`] from the directory open at `dfd` (`dir`: its path, for
+/// messages).
+pub(crate) fn restore_from(
+    shared: &Shared,
+    dfd: OwnedFd,
+    dir: &Path,
+) -> Result<CheckpointInfo, CheckpointError> {
+    let incomplete = |reason: String| CheckpointError::Incomplete {
+        dir: dir.display().to_string(),
+        reason,
+    };
     let raw = read_file(dfd.as_fd(), MANIFEST, MAX_MANIFEST)
         .map_err(|e| incomplete(format!("no manifest ({e})")))?;
     if raw.len() < 8 {
@@ -595,6 +690,8 @@ pub(crate) fn restore(shared: &Shared, dir: &Path) -> Result<CheckpointInfo, Che
         bytes: manifest.bytes,
         files: manifest.files,
         manifest_xxh3: u64::from_le_bytes(s),
+        host: host_name(),
+        stored: String::new(),
     })
 }
 

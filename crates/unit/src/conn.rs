@@ -625,7 +625,11 @@ impl Conn {
             Plan::OpenRing { .. } => true,
             // The slab's memfd rides on the reply.
             Plan::Hello { want_fd, .. } => *want_fd && self.unix,
-            Plan::NixlInfo { .. } | Plan::Checkpoint { .. } | Plan::Shutdown { .. } => true,
+            Plan::NixlInfo { .. }
+            | Plan::Checkpoint { .. }
+            | Plan::OpenRestore { .. }
+            | Plan::CloseRestore { .. }
+            | Plan::Shutdown { .. } => true,
             Plan::Reply(_)
             | Plan::Silent
             | Plan::Committed { .. }
@@ -642,6 +646,7 @@ impl Conn {
         let asker = Asker {
             hello: self.owner.zip(self.namespace.as_deref()),
             admin: self.admin,
+            checkpoints: self.admin || self.shared.secret.is_some(),
             stopping: self.shared.stop.load(std::sync::atomic::Ordering::SeqCst),
         };
         let now = self.shared.now();
@@ -725,6 +730,11 @@ impl Conn {
                 },
             },
             Plan::Checkpoint { dir } => self.checkpoint(&dir),
+            Plan::OpenRestore { dir } => crate::restore::open(&self.shared, &dir),
+            Plan::CloseRestore { id } => {
+                crate::restore::close(&self.shared, id);
+                Response::Done
+            }
             Plan::Shutdown { timeout } => {
                 let problems = self.shared.shut_down(timeout);
                 self.reply(id, &Response::ShutDown { problems })?;

@@ -27,6 +27,10 @@ pub struct Asker<'a> {
     pub hello: Option<(Owner, &'a str)>,
     /// May send admin requests (shutdown, checkpoint).
     pub admin: bool,
+    /// May send checkpoint requests (checkpoint, open and close a
+    /// restore): an admin, or any client of a unit with a shared secret
+    /// (every connection such a unit serves proved it).
+    pub checkpoints: bool,
     /// The unit is shutting down: no new work is taken.
     pub stopping: bool,
 }
@@ -93,6 +97,10 @@ pub enum Plan {
     },
     /// Write a checkpoint into `dir` (an admin asked).
     Checkpoint { dir: String },
+    /// Start a restore unit serving the checkpoint in `dir`.
+    OpenRestore { dir: String },
+    /// Stop restore unit `id`.
+    CloseRestore { id: u64 },
     /// Shut the unit down within `timeout`, answer, and end the connection
     /// (an admin asked).
     Shutdown { timeout: Duration },
@@ -212,7 +220,10 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
     };
     // A put written into a spare starts with its commit: new work too.
     let writes = match &req {
-        Request::Alloc { .. } | Request::Put { .. } | Request::Checkpoint { .. } => true,
+        Request::Alloc { .. }
+        | Request::Put { .. }
+        | Request::Checkpoint { .. }
+        | Request::OpenRestore { .. } => true,
         Request::CommitSpare { blob, written, .. } => blob != written,
         _ => false,
     };
@@ -402,10 +413,17 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             agent,
             agent_metadata,
         },
-        Request::Checkpoint { .. } | Request::Shutdown { .. } if !asker.admin => {
+        Request::Shutdown { .. } if !asker.admin => {
+            Plan::Reply(error(ErrorCode::Unauthorized, NOT_ADMIN.into()))
+        }
+        Request::Checkpoint { .. } | Request::OpenRestore { .. } | Request::CloseRestore { .. }
+            if !asker.checkpoints =>
+        {
             Plan::Reply(error(ErrorCode::Unauthorized, NOT_ADMIN.into()))
         }
         Request::Checkpoint { dir } => Plan::Checkpoint { dir },
+        Request::OpenRestore { dir } => Plan::OpenRestore { dir },
+        Request::CloseRestore { id } => Plan::CloseRestore { id },
         Request::Shutdown { timeout_ms } => Plan::Shutdown {
             timeout: Duration::from_millis(timeout_ms),
         },
@@ -420,7 +438,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
 }
 
 /// Who may send admin requests, for those who may not.
-pub const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-user client on the unit's Unix socket, or a unit started with --admin";
+pub const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-user client on the unit's Unix socket, or a unit started with --admin; checkpoints (and restores) are also taken from any client of a unit with a shared secret";
 
 /// One request from `owner` to the core, through its one entry point. The
 /// typed shorthands below are the ones the unit's request path and its

@@ -35,8 +35,10 @@
 //! Local security: the Unix socket's file is owner-only and the unit
 //! accepts only its own uid (SO_PEERCRED) unless started with
 //! `allow_other_uids`; admin requests (shutdown, checkpoint) need a
-//! same-uid Unix-socket client or `admin_tcp`; checkpoints are written only
-//! under `checkpoint_root`. Connections are capped per unit and per
+//! same-uid Unix-socket client or `admin_tcp`, and checkpoint requests
+//! (checkpoint, restores: `restore.rs`) are also taken from any client of a
+//! unit with a shared secret (every connection it serves proved it);
+//! checkpoints are written and read back only under `checkpoint_root`. Connections are capped per unit and per
 //! session; a connection counts against the unit's cap only once it
 //! proved itself, and waits until then in a small pool of its own with a
 //! short deadline (`admit.rs`). A unit raises its own open-file limit
@@ -62,6 +64,7 @@ mod http;
 mod listen;
 mod nixl_serve;
 mod reactor;
+mod restore;
 mod tier;
 
 pub(crate) use listen::Counted;
@@ -142,6 +145,11 @@ pub(crate) struct Shared {
     pub(crate) reactor: std::sync::OnceLock<reactor::Reactor>,
     /// Client processes' pidfds, shared by their sessions.
     pub(crate) pidfds: Mutex<std::collections::HashMap<i32, std::sync::Weak<std::os::fd::OwnedFd>>>,
+    /// The unit's configuration with its bound listeners (what its restore
+    /// units are made from).
+    pub(crate) config: std::sync::OnceLock<UnitConfig>,
+    /// The restore units this unit started ([`restore`]).
+    pub(crate) restores: Mutex<restore::Restores>,
 }
 
 /// A session as the server knows it: its id in the core and, for a
@@ -317,6 +325,7 @@ impl Shared {
         let mut problems = Vec::new();
         self.stop.store(true, Ordering::SeqCst);
         self.timer.wake();
+        restore::stop_all(self);
         let end = Instant::now() + timeout;
         while self.checkpoints.load(Ordering::SeqCst) > 0 {
             if Instant::now() >= end {
@@ -443,6 +452,22 @@ pub enum StartError {
 
 /// Create the slab, bind the listeners and start serving.
 pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
+    start_with(cfg, None).map(|(h, _)| h)
+}
+
+/// [`start`], restoring the checkpoint in the directory open at the given
+/// descriptor (its path, for messages) instead of `cfg.restore`; also
+/// returns what was restored.
+pub(crate) fn start_with(
+    cfg: UnitConfig,
+    restore_from: Option<(std::os::fd::OwnedFd, PathBuf)>,
+) -> Result<(UnitHandle, Option<stowage_wire::CheckpointInfo>), StartError> {
+    // What restore units are made from (they serve no nixl).
+    let template = UnitConfig {
+        nixl: None,
+        restore: None,
+        ..cfg.clone()
+    };
     if cfg.uds.is_none() && cfg.tcp.is_none() {
         return Err(StartError::Config(
             "no listener: give a Unix socket path or a TCP address".into(),
@@ -587,18 +612,28 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         name: cfg.name.clone(),
         high_watermark: cfg.high_watermark,
         metrics: cfg.metrics.then(metrics::UnitMetrics::default),
+        config: std::sync::OnceLock::new(),
+        restores: Mutex::new(restore::Restores::default()),
     });
-    if let Some(dir) = &cfg.restore {
-        let info =
-            checkpoint::restore(&shared, dir).map_err(|e| StartError::Restore(e.to_string()))?;
-        tracing::info!(
-            dir = %dir.display(),
-            rows = info.rows,
-            entries = info.entries,
-            bytes = info.bytes,
-            "restored a checkpoint"
-        );
-    }
+    let restored = match (restore_from, &cfg.restore) {
+        (Some((fd, dir)), _) => Some((checkpoint::restore_from(&shared, fd, &dir), dir)),
+        (None, Some(dir)) => Some((checkpoint::restore(&shared, dir), dir.clone())),
+        (None, None) => None,
+    };
+    let restored = match restored {
+        None => None,
+        Some((r, dir)) => {
+            let info = r.map_err(|e| StartError::Restore(e.to_string()))?;
+            tracing::info!(
+                dir = %dir.display(),
+                rows = info.rows,
+                entries = info.entries,
+                bytes = info.bytes,
+                "restored a checkpoint"
+            );
+            Some(info)
+        }
+    };
     {
         // The slab's pages are faulted in (and mlocked) in the background:
         // the unit serves at once, and first-touch costs move off the
@@ -686,6 +721,11 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         .name("timer".into())
         .spawn(move || sh.run_timer())
         .map_err(StartError::Slab)?;
+    let _ = shared.config.set(UnitConfig {
+        tcp: handle.tcp,
+        uds: handle.uds.clone(),
+        ..template
+    });
     tracing::info!(
         unit = %cfg.name,
         memory = shared.slab.len(),
@@ -696,7 +736,7 @@ pub fn start(cfg: UnitConfig) -> Result<UnitHandle, StartError> {
         instance = format!("{:032x}", shared.instance_id),
         "unit serving"
     );
-    Ok(handle)
+    Ok((handle, restored))
 }
 
 /// A disk or checkpoint root refused as unsafe is a configuration error

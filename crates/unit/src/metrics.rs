@@ -88,7 +88,9 @@ impl Op {
             Request::ClearPartition { .. } => Op::ClearPartition,
             Request::ListPartitions => Op::ListPartitions,
             Request::Stats => Op::Stats,
-            Request::Checkpoint { .. } => Op::Checkpoint,
+            Request::Checkpoint { .. }
+            | Request::OpenRestore { .. }
+            | Request::CloseRestore { .. } => Op::Checkpoint,
             Request::Shutdown { .. } => Op::Shutdown,
             Request::Auth { .. } | Request::Prove { .. } => Op::Auth,
         }

@@ -53,8 +53,12 @@ pub use stowage_core::{BlobId, EntrySpec, Key, Location, PinId, Stats};
 /// `parts`), the unit's call to give spares back (`spares_back`) and the
 /// allocator's and compaction's counters in [`Stats`]; version 10 request
 /// rings ([`Request::OpenRing`], [`Request::RingKick`], [`Response::Ring`],
-/// [`Response::OnSocket`]).
-pub const PROTOCOL_VERSION: u16 = 10;
+/// [`Response::OnSocket`]); version 11 checkpoints across hosts: the
+/// unit's host and the part's place under its checkpoint root in
+/// [`CheckpointInfo`], and restores a unit opens on its own host
+/// ([`Request::OpenRestore`], [`Request::CloseRestore`],
+/// [`Response::Restore`]).
+pub const PROTOCOL_VERSION: u16 = 11;
 
 /// Bytes of the frame prefix.
 pub const PREFIX_LEN: usize = 12;
@@ -214,7 +218,8 @@ pub enum Request {
     ListPartitions,
     /// Write every committed value and the index to `dir` on the unit's
     /// host (all namespaces); answers metadata only. `dir` must lie under
-    /// the checkpoint root the unit was started with. An admin request.
+    /// the checkpoint root the unit was started with. A checkpoint
+    /// request: an admin, or any client of a unit with a shared secret.
     Checkpoint {
         dir: String,
     },
@@ -288,6 +293,24 @@ pub enum Request {
     /// No reply: "my ring has requests and you are parked" (sent on the
     /// socket when `Ring::submit` says the unit parked the ring).
     RingKick,
+    /// Serve the checkpoint in `dir` on the unit's host (under its
+    /// checkpoint root, as [`Request::Checkpoint`]'s, no link followed)
+    /// from a temporary restore unit that this unit starts in its own
+    /// process: the unit's own listeners' hosts, port 0, the same secret,
+    /// memory sized from the checkpoint's files. Answered
+    /// [`Response::Restore`] (also when there is nothing at `dir`: then
+    /// `opened` is `None` and `missing` says what is missing). The
+    /// restore unit stops at [`Request::CloseRestore`], when it has had no
+    /// connection for a while, and with this unit. A checkpoint request:
+    /// an admin, or any client of a unit with a shared secret.
+    OpenRestore {
+        dir: String,
+    },
+    /// Stop restore unit `id` (from [`Response::Restore`]). Answered
+    /// `Done` (also when it is already gone).
+    CloseRestore {
+        id: u64,
+    },
 }
 
 /// The smallest ring a client may ask for ([`Request::OpenRing`]).
@@ -312,6 +335,39 @@ pub struct CheckpointInfo {
     pub files: Vec<CheckpointFile>,
     /// Checksum of the unit's MANIFEST file.
     pub manifest_xxh3: u64,
+    /// The name of the host whose unit wrote (or restored) it.
+    pub host: String,
+    /// Where it is, relative to that unit's checkpoint root
+    /// (`/`-separated names; empty when it was not asked under a root).
+    pub stored: String,
+}
+
+/// Reply to [`Request::OpenRestore`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreReply {
+    /// The name of the unit's host.
+    pub host: String,
+    /// The directory it looked at, on that host.
+    pub path: String,
+    /// The restore unit serving it; `None`: nothing there.
+    pub opened: Option<RestoreSource>,
+    /// What is missing, when `opened` is `None`.
+    pub missing: String,
+}
+
+/// A restore unit a unit started ([`Request::OpenRestore`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreSource {
+    /// Its id, for [`Request::CloseRestore`].
+    pub id: u64,
+    /// Its TCP address (`ip:port`; the IP is the unit's own listener's,
+    /// which may be unspecified: then use the host the unit was reached
+    /// at), if the unit listens on TCP.
+    pub tcp: Option<String>,
+    /// Its Unix socket, if the unit listens on one.
+    pub uds: Option<String>,
+    /// What it serves.
+    pub info: CheckpointInfo,
 }
 
 /// A found key: where its bytes are in the slab, and its metadata.
@@ -453,6 +509,8 @@ pub enum Response {
     /// the request's id) that does not fit there, or that carries a
     /// payload: the real reply to that id follows on the socket.
     OnSocket,
+    /// Reply to OpenRestore (boxed: a rare reply).
+    Restore(Box<RestoreReply>),
 }
 
 /// Error classes a unit reports. Only ever appended to.
@@ -605,7 +663,9 @@ impl Request {
             Request::List { partition: p } | Request::ClearPartition { partition: p } => {
                 partition(p)
             }
-            Request::Checkpoint { dir } => name("checkpoint path bytes", dir),
+            Request::Checkpoint { dir } | Request::OpenRestore { dir } => {
+                name("checkpoint path bytes", dir)
+            }
             Request::Shutdown { .. } => Ok(()),
             Request::OpenRing { bytes } => {
                 if !(RING_MIN..=RING_MAX).contains(bytes) || bytes % 4096 != 0 {
@@ -622,7 +682,8 @@ impl Request {
             | Request::ListPartitions
             | Request::Auth { .. }
             | Request::Prove { .. }
-            | Request::RingKick => Ok(()),
+            | Request::RingKick
+            | Request::CloseRestore { .. } => Ok(()),
         }
     }
 
@@ -861,6 +922,10 @@ mod tests {
             },
             Request::OpenRing { bytes: 16 << 10 },
             Request::RingKick,
+            Request::OpenRestore {
+                dir: "step-1/stowage/unit-0".into(),
+            },
+            Request::CloseRestore { id: 7 },
         ]
     }
 
@@ -993,6 +1058,8 @@ mod tests {
                     xxh3: 5,
                 }],
                 manifest_xxh3: 6,
+                host: "h".into(),
+                stored: "a/b".into(),
             }),
             Response::ShutDown {
                 problems: vec!["x".into()],
@@ -1007,6 +1074,31 @@ mod tests {
             },
             Response::Ring { bytes: 4096 },
             Response::OnSocket,
+            Response::Restore(Box::new(RestoreReply {
+                host: "h".into(),
+                path: "/r/a".into(),
+                opened: Some(RestoreSource {
+                    id: 3,
+                    tcp: Some("10.0.0.1:7000".into()),
+                    uds: None,
+                    info: CheckpointInfo {
+                        rows: 1,
+                        entries: 1,
+                        bytes: 1,
+                        files: vec![],
+                        manifest_xxh3: 2,
+                        host: "h".into(),
+                        stored: String::new(),
+                    },
+                }),
+                missing: String::new(),
+            })),
+            Response::Restore(Box::new(RestoreReply {
+                host: "h".into(),
+                path: "/r/b".into(),
+                opened: None,
+                missing: "no directory".into(),
+            })),
         ]
     }
 
@@ -1068,6 +1160,18 @@ mod tests {
         let ring = Response::Ring { bytes: 4096 };
         assert_eq!(index(postcard::to_stdvec(&ring).unwrap()), 18);
         assert_eq!(index(postcard::to_stdvec(&Response::OnSocket).unwrap()), 19);
+        // Restores on the unit's host (protocol 11).
+        let open = Request::OpenRestore { dir: String::new() };
+        assert_eq!(index(postcard::to_stdvec(&open).unwrap()), 21);
+        let close = Request::CloseRestore { id: 0 };
+        assert_eq!(index(postcard::to_stdvec(&close).unwrap()), 22);
+        let reply = Response::Restore(Box::new(RestoreReply {
+            host: String::new(),
+            path: String::new(),
+            opened: None,
+            missing: String::new(),
+        }));
+        assert_eq!(index(postcard::to_stdvec(&reply).unwrap()), 20);
     }
 
     #[test]
