@@ -5,7 +5,7 @@
 //!   unit processes on this machine), runs the demonstration
 //!   [`workload`] against it and prints what it did and how fast.
 //! * `stowage bench` measures put/get against memcpy and raw TCP
-//!   ([`bench`]).
+//!   ([`bench`](mod@bench)).
 //! * `stowage stats` prints every unit's counters; `stowage status`
 //!   ([`status`]) every unit's state and traffic at a glance.
 //!

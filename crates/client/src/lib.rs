@@ -6,7 +6,7 @@
 //! unit's first connection is opened by the first operation that touches
 //! it ([`Client::check_units`] opens one to every unit now), and at most
 //! [`ClientConfig::max_unit_conns`] are open to a unit at a time.
-//! Each connection is a [`Transport`]: [`transport::ShmTransport`] maps the
+//! Each connection is a [`Transport`]: `ShmTransport` maps the
 //! unit's slab (its memfd arrives at the handshake) and copies bytes
 //! itself; [`transport::TcpTransport`] streams them through the socket.
 //!

@@ -7,7 +7,7 @@
 //! a call at once on the calling thread (`fanout::all_at_once`), so a call
 //! waits for the slowest unit, not the sum of them.
 //!
-//! * [`ShmTransport`] (same host): put = Alloc → the client copies into the
+//! * `ShmTransport` (same host): put = Alloc → the client copies into the
 //!   mapped slab → Commit; get = Resolve (pins) → copy out → Unpin (sent
 //!   without awaiting a reply). A put's commit also reserves a *spare* of
 //!   its size class for the connection's next put (`CommitSpare`): a put

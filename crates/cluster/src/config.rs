@@ -674,8 +674,8 @@ impl Config {
 }
 
 /// This node's address as other nodes reach it: the local address of a UDP
-/// socket "connected" to a public address (8.8.8.8:53, else
-/// [2001:4860:4860::8888]:53), which is the address of the interface the
+/// socket "connected" to a public address (`8.8.8.8:53`, else
+/// `[2001:4860:4860::8888]:53`), which is the address of the interface the
 /// default route leaves by. Connecting a UDP socket sends nothing; it only
 /// asks the kernel for a route. This is how Ray finds a node's IP
 /// (`ray.util.get_node_ip_address`). 127.0.0.1 when there is no route.

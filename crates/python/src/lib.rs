@@ -16,6 +16,11 @@
 //! * [`cluster`]: placement of units over a job's clusters and the config
 //!   file (`stowage.placement`, `stowage.config`).
 
+// The crate has no public Rust API (Python reaches its private modules
+// through PyO3): its reference is built with --document-private-items
+// (scripts/docs), where these links resolve.
+#![allow(rustdoc::private_intra_doc_links)]
+
 use pyo3::prelude::*;
 
 mod arrays;

@@ -635,7 +635,7 @@ impl BlobReader {
     /// `buf.len()` bytes, reading the file once; a sink error is returned
     /// inside `Ok`, and stops the copy.
     ///
-    /// Versions 2 and 3 go through [`crate::read_through`]: each piece is
+    /// Versions 2 and 3 go through `read_through`: each piece is
     /// checked before `sink` sees it. A version 1 file has one checksum for
     /// all its data, known only once all of it is read: its pieces reach
     /// `sink` BEFORE they are checked, and a mismatch is reported as

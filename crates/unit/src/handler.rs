@@ -2,7 +2,7 @@
 //! reads is decided here, against the core, without a socket. [`handle`]
 //! answers what is pure state (alloc, commit, unpin, list, ...) with a
 //! reply, and turns a request that moves bytes into a [`Plan`] for the
-//! connection ([`crate::conn`]): take a Put's payload into the slab or the
+//! connection (`conn`): take a Put's payload into the slab or the
 //! blob's file, send a Read's values, bring a Resolve's spilled values
 //! back. When the bytes have moved, the connection hands the outcome back
 //! here ([`put_landed`], [`put_abandoned`], [`read_sent`]) and sends what

@@ -1,7 +1,7 @@
 //! A unit's metrics: counters and histograms recorded on the request path,
 //! and gauges read from the core at scrape time, exposed in the Prometheus
 //! text format (`prometheus-client`'s encoder) on `GET /metrics`
-//! ([`crate::http`]). Every metric is listed in docs/metrics.md.
+//! (`http`). Every metric is listed in docs/metrics.md.
 //!
 //! Recording is a few relaxed atomic adds into arrays fixed at start: no
 //! lock, no allocation, no label lookup per request. The registry holds
