@@ -28,7 +28,7 @@ import pytest
 # other address; it must be set before ray is imported.
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'stowage[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'stowage-rl[ray]')")
 from ray.cluster_utils import Cluster  # noqa: E402
 
 import stowage  # noqa: E402

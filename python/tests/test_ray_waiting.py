@@ -15,7 +15,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None,
-    reason="Ray is not installed (pip install 'stowage[ray]')",
+    reason="Ray is not installed (pip install 'stowage-rl[ray]')",
 )
 
 # The driver's preamble: a private one-CPU Ray (address="local": never a

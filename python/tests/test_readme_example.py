@@ -13,7 +13,7 @@ from readme_examples import EXAMPLES, FRAGMENTS, ROOT, blocks, readme_block, run
 
 needs_ray = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None,
-    reason="Ray is not installed (pip install 'stowage[ray]')",
+    reason="Ray is not installed (pip install 'stowage-rl[ray]')",
 )
 
 

@@ -1,7 +1,7 @@
 """stowage as a TransferQueue backend: what TransferQueue's own suites do
 not cover (a unit killed mid-step, the disk tier, checkpoints, close).
 
-Needs ``transferqueue`` (``pip install 'stowage[tq]'``; ``scripts/test-tq``
+Needs ``transferqueue`` (``pip install 'stowage-rl[tq]'``; ``scripts/test-tq``
 builds a venv with it). Every test starts its own TransferQueue system on a
 private local Ray instance and closes it.
 """
@@ -16,7 +16,7 @@ import pytest
 
 tq = pytest.importorskip(
     "transfer_queue",
-    reason="transferqueue is not installed: these tests need `pip install 'stowage[tq]'` "
+    reason="transferqueue is not installed: these tests need `pip install 'stowage-rl[tq]'` "
     "(scripts/test-tq runs them in a venv that has it)",
 )
 torch = pytest.importorskip("torch", reason="TransferQueue needs torch")

@@ -27,7 +27,7 @@ import pytest
 
 tq = pytest.importorskip(
     "transfer_queue",
-    reason="transferqueue is not installed: these tests need `pip install 'stowage[tq]'` "
+    reason="transferqueue is not installed: these tests need `pip install 'stowage-rl[tq]'` "
     "(scripts/test-tq runs them in a venv that has it)",
 )
 torch = pytest.importorskip("torch", reason="TransferQueue needs torch")

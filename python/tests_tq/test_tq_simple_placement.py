@@ -28,7 +28,7 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 
 tq = pytest.importorskip(
     "transfer_queue",
-    reason="transferqueue is not installed: these tests need `pip install 'stowage[tq]'` "
+    reason="transferqueue is not installed: these tests need `pip install 'stowage-rl[tq]'` "
     "(scripts/test-tq runs them in a venv that has it)",
 )
 torch = pytest.importorskip("torch", reason="TransferQueue needs torch")
