@@ -387,6 +387,57 @@ def _waiting_work() -> str:
     return "; ".join(f"{n} x {{{k}}}" for k, n in sorted(shapes.items())) or "none"
 
 
+def _await_units(
+    refs: List[Any],
+    actors: List[Any],
+    labels: List[str],
+    nodes: List[str],
+    deadline: Tuple[float, float],
+    need: Tuple[float, int],
+    results: List[Any],
+) -> Tuple[List[str], str]:
+    """Wait for each unit's first reply (``refs[i]``, of actor ``actors[i]``
+    pinned to ``nodes[i]``; stored into ``results[i]``) until every one came,
+    one failed, or the deadline passed (``deadline``: the monotonic time and
+    the timeout it came from; ``need``: the CPUs and Ray memory each unit
+    reserves). Returns what went wrong, one entry per unit that did not come
+    up (``labels[i]`` names it), and, after a timeout, what Ray says about
+    the cluster. Every unit still pending at the deadline is reported with
+    why it waits (:func:`_pending_reasons`); after a unit failed, the others
+    were not waited for."""
+    at, timeout = deadline
+    index = {r: i for i, r in enumerate(refs)}
+    failed: List[str] = []
+    pending = list(refs)
+    while pending and not failed:
+        left = at - time.monotonic()
+        if left <= 0:
+            break
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        for ref in ready:
+            i = index[ref]
+            try:
+                results[i] = ray.get(ref, timeout=max(0.1, at - time.monotonic()))
+            except Exception as e:  # noqa: BLE001 - reported per unit
+                failed.append(f"{labels[i]} on node {nodes[i]} failed to start: {_short(e)}")
+    why: Dict[int, str] = {}
+    cluster = ""
+    timed_out = bool(pending) and not failed
+    if timed_out:
+        why, cluster = _pending_reasons(
+            {index[r]: actors[index[r]] for r in pending}, nodes, need[0], need[1]
+        )
+    for ref in pending:
+        i = index[ref]
+        if timed_out:
+            failed.append(
+                f"{labels[i]} on node {nodes[i]} did not come up within {timeout:g} s: {why[i]}"
+            )
+        else:
+            failed.append(f"{labels[i]} on node {nodes[i]} was not waited for")
+    return failed, cluster
+
+
 def _pending_reasons(
     actors: Dict[int, Any], nodes: List[str], cpus: float, memory: int
 ) -> Tuple[Dict[int, str], str]:
@@ -543,42 +594,16 @@ def start_units(
                 .remote(i, settings.unit_kwargs, settings.listen)
             )
         refs = [a.info.remote() for a in actors]
-        index = {r: i for i, r in enumerate(refs)}
         entries = [None] * len(refs)
-        failed: List[str] = []
-        pending = list(refs)
-        # Until every unit is up, one fails, or the deadline passes.
-        while pending and not failed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            for ref in ready:
-                i = index[ref]
-                try:
-                    entries[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-                except Exception as e:  # noqa: BLE001 - reported per unit
-                    failed.append(f"unit {i} on node {nodes[i]} failed to start: {_short(e)}")
-        why: Dict[int, str] = {}
-        cluster = ""
-        # Every unit still pending at the deadline is reported as such; after
-        # a unit failed, the others were not waited for.
-        timed_out = bool(pending) and not failed
-        if timed_out:
-            why, cluster = _pending_reasons(
-                {index[r]: actors[index[r]] for r in pending},
-                nodes,
-                settings.cpus,
-                settings.memory,
-            )
-        for ref in pending:
-            i = index[ref]
-            if not timed_out:
-                failed.append(f"unit {i} on node {nodes[i]} was not waited for")
-            else:
-                failed.append(
-                    f"unit {i} on node {nodes[i]} did not come up within {timeout:g} s: {why[i]}"
-                )
+        failed, cluster = _await_units(
+            refs,
+            actors,
+            [f"unit {i}" for i in range(len(refs))],
+            nodes,
+            (deadline, timeout),
+            (settings.cpus, settings.memory),
+            entries,
+        )
         if failed:
             raise PlacementError(
                 "storage units did not start: "

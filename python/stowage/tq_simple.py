@@ -263,42 +263,16 @@ def _start(conf: Any, block: Dict[str, Any]) -> Dict[str, Any]:
                 options["runtime_env"] = runtime_env
             handles.append(SimpleStorageUnit.options(**options).remote(config=config))
         refs = [h.__ray_call__.remote(_unit_info()) for h in handles]
-        index = {r: i for i, r in enumerate(refs)}
-        failed: List[str] = []
-        pending = list(refs)
-        # Until every unit is up, one fails, or the deadline passes.
-        while pending and not failed:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-            for ref in ready:
-                i = index[ref]
-                try:
-                    infos[i] = ray.get(ref, timeout=max(0.1, deadline - time.monotonic()))
-                except Exception as e:  # noqa: BLE001 - reported per unit
-                    failed.append(
-                        f"unit {i} ({names[i]}) on node {nodes[i]} failed to start: "
-                        f"{stowage_ray._short(e)}"
-                    )
         # SimpleStorage's unit actors reserve CPUs only (no Ray memory).
-        why, cluster = (
-            ({}, "")
-            if failed
-            else stowage_ray._pending_reasons(
-                {index[r]: handles[index[r]] for r in pending}, nodes, cpus, 0
-            )
+        failed, cluster = stowage_ray._await_units(
+            refs,
+            handles,
+            [f"unit {i} ({names[i]})" for i in range(len(nodes))],
+            nodes,
+            (deadline, timeout),
+            (cpus, 0),
+            infos,
         )
-        gave_up = bool(failed)
-        for ref in pending:
-            i = index[ref]
-            if gave_up:
-                failed.append(f"unit {i} ({names[i]}) on node {nodes[i]} was not waited for")
-            else:
-                failed.append(
-                    f"unit {i} ({names[i]}) on node {nodes[i]} did not come up within "
-                    f"{timeout:g} s: {why[i]}"
-                )
         if failed:
             raise PlacementError(
                 "SimpleStorage units did not start: "
