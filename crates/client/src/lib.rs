@@ -71,7 +71,7 @@ pub mod transport;
 pub mod unit_directory;
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -195,23 +195,48 @@ pub struct BlobPut<'a> {
     pub entries: Vec<EntrySpec>,
 }
 
-/// A fresh random blob id.
+/// A fresh blob id: unique across processes and hosts, and not
+/// guessable (a put whose id another client committed first would be
+/// answered as already committed).
+///
+/// A keyed hash (SipHash-1-3, 128 bits) of a counter, under a random key
+/// each thread draws once, and draws again in a child after a fork (so a
+/// child never repeats its parent's ids): one system call per thread
+/// instead of one per id, as the unit draws its pin ids. Per thread, not
+/// per process behind a lock: a fork while another thread held that lock
+/// would leave it held in the child.
 pub fn new_blob_id() -> BlobId {
-    let mut b = [0u8; 16];
-    // getrandom fails only without any OS entropy source; fall back to a
-    // clock-and-counter id, still unique within this process.
-    if getrandom::fill(&mut b).is_err() {
-        static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos() as u64)
-            .unwrap_or(0);
-        return BlobId(
-            (u128::from(t) << 64) | u128::from(n) | (u128::from(std::process::id()) << 32),
-        );
+    thread_local! {
+        static IDS: std::cell::Cell<Option<(u32, [u8; 16], u64)>> =
+            const { std::cell::Cell::new(None) };
     }
-    BlobId(u128::from_le_bytes(b))
+    let pid = std::process::id();
+    IDS.with(|ids| {
+        let (key, n) = match ids.get() {
+            Some((p, key, n)) if p == pid => (key, n + 1),
+            _ => (random_key(pid), 1),
+        };
+        ids.set(Some((pid, key, n)));
+        let mut h = siphasher::sip128::SipHasher13::new_with_key(&key);
+        std::hash::Hasher::write_u64(&mut h, n);
+        BlobId(siphasher::sip128::Hasher128::finish128(&h).as_u128())
+    })
+}
+
+/// A random key; without an OS entropy source, one made of the clock, the
+/// pid and a count of the keys drawn (ids then stay unique, if guessable).
+fn random_key(pid: u32) -> [u8; 16] {
+    static DRAWN: AtomicU32 = AtomicU32::new(0);
+    let mut b = [0u8; 16];
+    if getrandom::fill(&mut b).is_ok() {
+        return b;
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    let drawn = DRAWN.fetch_add(1, Ordering::Relaxed);
+    ((u128::from(t) << 64) | (u128::from(pid) << 32) | u128::from(drawn)).to_le_bytes()
 }
 
 struct UnitSlot {
@@ -258,6 +283,9 @@ struct Pool {
     /// Connections open to the unit: idle, checked out, or being opened
     /// (at most [`ClientConfig::max_unit_conns`]).
     open: usize,
+    /// Threads waiting on `freed` for a connection: only then does a
+    /// connection given back wake one (a notify is a system call).
+    waiters: usize,
 }
 
 /// A connection checked out of a unit's pool ([`Client::checkout`]): it
@@ -293,8 +321,11 @@ impl Drop for Lease<'_> {
         drop(self.t.take());
         let mut p = lock(&self.slot.pool);
         p.open = p.open.saturating_sub(1);
+        let wake = p.waiters > 0;
         drop(p);
-        self.slot.freed.notify_one();
+        if wake {
+            self.slot.freed.notify_one();
+        }
     }
 }
 
@@ -874,11 +905,13 @@ impl Client {
                 } else if now >= deadline {
                     return Err(NoConn::Wait);
                 } else if fanout::alone() {
-                    drop(
-                        slot.freed
-                            .wait_timeout(p, deadline - now)
-                            .unwrap_or_else(|e| e.into_inner()),
-                    );
+                    p.waiters += 1;
+                    let (mut p, _) = slot
+                        .freed
+                        .wait_timeout(p, deadline - now)
+                        .unwrap_or_else(|e| e.into_inner());
+                    p.waiters -= 1;
+                    drop(p);
                     continue;
                 } else {
                     false
@@ -909,9 +942,15 @@ impl Client {
             return;
         }
         let slot = &self.units[unit];
-        lock(&slot.pool).idle.push(t);
+        let wake = {
+            let mut p = lock(&slot.pool);
+            p.idle.push(t);
+            p.waiters > 0
+        };
         lease.pooled = true;
-        slot.freed.notify_one();
+        if wake {
+            slot.freed.notify_one();
+        }
     }
 
     /// Turn a unit's failure into an [`Error`], asking the directory when
@@ -1655,6 +1694,26 @@ mod tests {
 
     fn get(c: &Client, deadline: Instant) -> Result<Vec<Vec<u8>>> {
         c.get("", &[(0, Key::new(0, "a"))], deadline)
+    }
+
+    #[test]
+    fn blob_ids_are_distinct_across_threads_and_not_sequential() {
+        let per_thread: Vec<Vec<BlobId>> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..4)
+                .map(|_| s.spawn(|| (0..10_000).map(|_| new_blob_id()).collect::<Vec<_>>()))
+                .collect();
+            hs.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        let all: std::collections::HashSet<u128> =
+            per_thread.iter().flatten().map(|b| b.0).collect();
+        assert_eq!(all.len(), 40_000, "a blob id repeated");
+        // Consecutive ids of one thread are not a counter.
+        let ids = &per_thread[0];
+        let steps: std::collections::HashSet<u128> = ids
+            .windows(2)
+            .map(|w| w[1].0.wrapping_sub(w[0].0))
+            .collect();
+        assert!(steps.len() > 9_000, "ids advance by a few fixed steps");
     }
 
     #[test]
