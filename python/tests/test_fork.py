@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 
 import numpy as np
 
@@ -43,11 +44,9 @@ def test_a_forked_child_never_repeats_its_parents_blob_ids():
                     for r in range(100, 120):
                         c.put("p", [r], {"v": [np.full(64, r, dtype=np.int64)]})
                 code = 0
-            except BaseException:
-                import traceback
-
-                traceback.print_exc()
             finally:
+                if code:
+                    traceback.print_exc()  # why the child's puts failed
                 os._exit(code)
         assert _wait(pid, 30) == 0, "the child's puts failed"
         # The parent goes on: the ids it draws now are the ones a child
