@@ -395,14 +395,15 @@ def _await_units(
     deadline: Tuple[float, float],
     need: Tuple[float, int],
     results: List[Any],
-) -> Tuple[List[str], str]:
+    what: str,
+) -> None:
     """Wait for each unit's first reply (``refs[i]``, of actor ``actors[i]``
     pinned to ``nodes[i]``; stored into ``results[i]``) until every one came,
     one failed, or the deadline passed (``deadline``: the monotonic time and
     the timeout it came from; ``need``: the CPUs and Ray memory each unit
-    reserves). Returns what went wrong, one entry per unit that did not come
-    up (``labels[i]`` names it), and, after a timeout, what Ray says about
-    the cluster. Every unit still pending at the deadline is reported with
+    reserves). Raises :class:`PlacementError` (``what`` did not start) naming
+    each unit that did not come up (``labels[i]`` names it) and, after a
+    timeout, what Ray says about the cluster. Every unit still pending at the deadline is reported with
     why it waits (:func:`_pending_reasons`); after a unit failed, the others
     were not waited for."""
     at, timeout = deadline
@@ -435,7 +436,10 @@ def _await_units(
             )
         else:
             failed.append(f"{labels[i]} on node {nodes[i]} was not waited for")
-    return failed, cluster
+    if failed:
+        raise PlacementError(
+            f"{what} did not start: " + "; ".join(failed) + (f" ({cluster})" if cluster else "")
+        )
 
 
 def _pending_reasons(
@@ -595,7 +599,7 @@ def start_units(
             )
         refs = [a.info.remote() for a in actors]
         entries = [None] * len(refs)
-        failed, cluster = _await_units(
+        _await_units(
             refs,
             actors,
             [f"unit {i}" for i in range(len(refs))],
@@ -603,13 +607,8 @@ def start_units(
             (deadline, timeout),
             (settings.cpus, settings.memory),
             entries,
+            "storage units",
         )
-        if failed:
-            raise PlacementError(
-                "storage units did not start: "
-                + "; ".join(failed)
-                + (f" ({cluster})" if cluster else "")
-            )
         units = [e for e in entries if e is not None]
         for i, entry in enumerate(units):
             # Hard node affinity makes this impossible; it is checked anyway.

@@ -264,7 +264,7 @@ def _start(conf: Any, block: Dict[str, Any]) -> Dict[str, Any]:
             handles.append(SimpleStorageUnit.options(**options).remote(config=config))
         refs = [h.__ray_call__.remote(_unit_info()) for h in handles]
         # SimpleStorage's unit actors reserve CPUs only (no Ray memory).
-        failed, cluster = stowage_ray._await_units(
+        stowage_ray._await_units(
             refs,
             handles,
             [f"unit {i} ({names[i]})" for i in range(len(nodes))],
@@ -272,13 +272,8 @@ def _start(conf: Any, block: Dict[str, Any]) -> Dict[str, Any]:
             (deadline, timeout),
             (cpus, 0),
             infos,
+            "SimpleStorage units",
         )
-        if failed:
-            raise PlacementError(
-                "SimpleStorage units did not start: "
-                + "; ".join(failed)
-                + (f" ({cluster})" if cluster else "")
-            )
         for i, info in enumerate(infos):
             assert info is not None
             # Hard node affinity makes this impossible; it is checked anyway.
