@@ -7,11 +7,10 @@ whose CPUs leave the cluster less than one CPU are started with a warning
 saying so."""
 
 import importlib.util
-import subprocess
-import sys
-import textwrap
 
+import drivers
 import pytest
+from drivers import line
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None,
@@ -49,19 +48,7 @@ def placement_error(config, nodes, timeout):
 
 
 def driver(body: str, timeout: float = 180) -> str:
-    script = PREAMBLE + textwrap.dedent(body)
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=timeout
-    )
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    return done.stdout + done.stderr
-
-
-def line(out: str, tag: str) -> str:
-    for ln in out.splitlines():
-        if ln.startswith(tag + " "):
-            return ln[len(tag) + 1 :]
-    raise AssertionError(f"no {tag} line in:\n{out[-4000:]}")
+    return drivers.driver(PREAMBLE, body, timeout)
 
 
 def test_a_unit_whose_cpu_is_taken_fails_naming_the_cpu_and_the_waiting_work():

@@ -6,11 +6,14 @@ tq.init raise PlacementError naming the missing CPU; units that leave the
 cluster less than one CPU beside the controller start with a warning
 saying so."""
 
-import subprocess
+import pathlib
 import sys
-import textwrap
 
 import pytest
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python" / "tests"))
+import drivers
+from drivers import line
 
 pytest.importorskip(
     "transfer_queue",
@@ -37,21 +40,7 @@ def init(block):
 
 
 def driver(body: str, timeout: float = 240) -> str:
-    done = subprocess.run(
-        [sys.executable, "-c", PREAMBLE + textwrap.dedent(body)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr[-4000:]
-    return done.stdout + done.stderr
-
-
-def line(out: str, tag: str) -> str:
-    for ln in out.splitlines():
-        if ln.startswith(tag + " "):
-            return ln[len(tag) + 1 :]
-    raise AssertionError(f"no {tag} line in:\n{out[-4000:]}")
+    return drivers.driver(PREAMBLE, body, timeout)
 
 
 def test_units_without_a_cpu_fail_tq_init_naming_the_cpu_within_the_start_timeout():
