@@ -98,6 +98,9 @@ const FILL_MIN: usize = 256 << 10;
 /// once per mapping: filling pages already mapped costs about as much as
 /// faulting them (16 mapped pages took 6 us here), so it is done once.
 const CHUNK: usize = 64 << 10;
+/// Ranges at least this large fill whole chunks (at most 4 times their
+/// own pages, once); smaller ones fill only their own pages.
+const CHUNK_FILL_MIN: usize = CHUNK / 2;
 
 impl Slab {
     /// Create a slab of `len` bytes on 4 KiB pages (no huge-page advice).
@@ -322,12 +325,15 @@ impl Slab {
     }
 
     /// Fill this mapping's page tables for `[offset, offset + len)`, about
-    /// to be written (a client's spare): a range of 256 KiB or more fills
-    /// the 2 MiB regions it reaches, once each (as its copy would); a
-    /// smaller one the 64 KiB chunks it reaches that no earlier call
-    /// filled, in one call instead of a fault per page (a mapping that is
-    /// not a client's: exactly its own pages, every time). Contents never
-    /// change; failures only cost faults later.
+    /// to be written (a client's spare), in one call instead of a fault
+    /// per page: a range of 256 KiB or more fills the 2 MiB regions it
+    /// reaches, once each (as its copy would); one of 32 KiB or more the
+    /// 64 KiB chunks it reaches, once each; a smaller one its own pages
+    /// unless every chunk it reaches is filled already (filling a whole
+    /// chunk for a few pages cost more when many clients each write a
+    /// little of every chunk). A mapping that is not a client's fills
+    /// exactly the range, every time. Contents never change; failures only
+    /// cost faults later.
     pub fn prepare(&self, offset: u64, len: u64) {
         let (Ok(start), Ok(n)) = (self.check(offset, len as usize), usize::try_from(len)) else {
             return;
@@ -344,15 +350,22 @@ impl Slab {
         }
     }
 
-    /// [`Slab::prepare`] of a small range in a client's mapping: each run
-    /// of chunks in `[start, start + n)` not filled yet (by this or by a
-    /// filled region) in one call, then marked filled.
+    /// [`Slab::prepare`] of a range under [`FILL_MIN`] in a client's
+    /// mapping. A chunk counts as filled when its bit is set or its region
+    /// was filled.
     fn fill_chunks(&self, regions: &[AtomicU64], chunks: &[AtomicU64], start: usize, n: usize) {
         let is_set = |bits: &[AtomicU64], i: usize| {
             bits[i / 64].load(Ordering::Relaxed) & (1u64 << (i % 64)) != 0
         };
         let filled = |c: usize| is_set(chunks, c) || is_set(regions, c * CHUNK / REGION);
         let (first, last) = (start / CHUNK, (start + n - 1) / CHUNK);
+        if n < CHUNK_FILL_MIN {
+            if !(first..=last).all(filled) {
+                let _ = self.populate(start, n);
+            }
+            return;
+        }
+        // Each run of chunks not filled yet, in one call, then marked.
         let mut c = first;
         while c <= last {
             if filled(c) {
@@ -1124,41 +1137,53 @@ mod tests {
             return; // huge pages map 2 MiB at a time: no 4 KiB pages to see
         }
         let base = lazy.addr();
-        let pages = |from: usize, to: usize| present(base + from, to - from);
-        assert!(pages(0, 1 << 20).iter().all(|&p| !p), "mapped lazily");
-        // A range inside chunk 1 fills that whole chunk, nothing else.
-        lazy.prepare(CHUNK as u64 + 1000, 5000);
-        assert!(pages(CHUNK, 2 * CHUNK).iter().all(|&p| p));
-        assert!(pages(0, CHUNK).iter().all(|&p| !p));
-        assert!(pages(2 * CHUNK, 4 * CHUNK).iter().all(|&p| !p));
-        // Drop this mapping's page tables (the memory stays in the memfd):
-        // a second prepare of a filled chunk leaves them absent, one that
-        // reaches into chunk 2 fills that chunk only.
-        // SAFETY: a shared mapping of a memfd: MADV_DONTNEED drops this
-        // process's page-table entries only, the contents stay in the file
-        // and later touches fault them back in.
-        unsafe {
-            lazy.map
-                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, 0, len as usize)
-                .unwrap()
+        let all = |from: usize, to: usize, want: bool| {
+            present(base + from, to - from).iter().all(|&p| p == want)
         };
-        assert!(pages(CHUNK, 2 * CHUNK).iter().all(|&p| !p));
-        lazy.prepare(CHUNK as u64 + 1000, 5000);
-        assert!(pages(CHUNK, 2 * CHUNK).iter().all(|&p| !p), "filled twice");
-        lazy.prepare(2 * CHUNK as u64 - 4096, 8192);
-        assert!(pages(CHUNK, 2 * CHUNK).iter().all(|&p| !p));
-        assert!(pages(2 * CHUNK, 3 * CHUNK).iter().all(|&p| p));
+        // Drop this mapping's page tables (the memory stays in the memfd).
+        let drop_tables = || {
+            // SAFETY: a shared mapping of a memfd: MADV_DONTNEED drops this
+            // process's page-table entries only; the contents stay in the
+            // file and later touches fault them back in.
+            unsafe {
+                lazy.map
+                    .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, 0, len as usize)
+                    .unwrap()
+            }
+        };
+        let c = CHUNK;
+        assert!(all(0, 1 << 20, false), "mapped lazily");
+        // A few pages in a chunk nothing filled: exactly those pages.
+        lazy.prepare(c as u64 + 1000, 5000);
+        assert!(all(c, c + 2 * 4096, true));
+        assert!(all(c + 2 * 4096, 2 * c, false));
+        // 32 KiB or more: the whole chunk, and it is marked filled.
+        lazy.prepare(c as u64 + 1000, 40_000);
+        assert!(all(c, 2 * c, true));
+        assert!(all(0, c, false) && all(2 * c, 4 * c, false));
+        // A filled chunk is not filled again, by a large range or a small
+        // one; a large range reaching into chunk 2 fills chunk 2 only.
+        drop_tables();
+        assert!(all(c, 2 * c, false));
+        lazy.prepare(c as u64 + 1000, 40_000);
+        lazy.prepare(c as u64 + 1000, 5000);
+        assert!(all(c, 2 * c, false), "filled twice");
+        lazy.prepare(2 * c as u64 - 8192, 40_000);
+        assert!(all(c, 2 * c, false));
+        assert!(all(2 * c, 3 * c, true));
+        // A small range in a chunk not filled: its pages, every time.
+        drop_tables();
+        lazy.prepare(3 * c as u64, 4096);
+        lazy.prepare(3 * c as u64, 4096);
+        assert!(all(3 * c, 3 * c + 4096, true));
+        assert!(all(3 * c + 4096, 4 * c, false));
         // A region filled by a large copy counts for its chunks.
         let mut big = vec![0u8; FILL_MIN];
         lazy.read(4 << 20, &mut big).unwrap();
-        unsafe {
-            // SAFETY: as above.
-            lazy.map
-                .unchecked_advise_range(memmap2::UncheckedAdvice::DontNeed, 0, len as usize)
-                .unwrap()
-        };
-        lazy.prepare((4 << 20) + 3 * CHUNK as u64, 100);
-        assert!(pages(4 << 20, 6 << 20).iter().all(|&p| !p));
+        drop_tables();
+        lazy.prepare((4 << 20) + 3 * c as u64, 100);
+        lazy.prepare((4 << 20) + 5 * c as u64, 40_000);
+        assert!(all(4 << 20, 6 << 20, false));
     }
 
     #[test]
