@@ -167,7 +167,9 @@
 //! every extent and compaction path (puts in pieces, split values, moves
 //! done, failed, abandoned for a pin, of freed blobs, raced by readers),
 //! and the disk test every disk-tier path, so that a change of the
-//! generator cannot quietly stop testing one. `PROPTEST_CASES=20000` runs a longer soak.
+//! generator cannot quietly stop testing one. A path some run misses by
+//! chance sends it into another run with a fresh seed, three runs at most.
+//! `PROPTEST_CASES=20000` runs a longer soak.
 
 use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
