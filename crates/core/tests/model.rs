@@ -4663,7 +4663,7 @@ const DISK_EVENTS: &[&str] = &[
 ];
 
 fn run(disk: bool) {
-    let mut total = Coverage::new();
+    let total = RefCell::new(Coverage::new());
     // The generator does reach every path. A path reached a handful of
     // times per run may miss one run by chance: another run (a fresh seed,
     // every case checked again against the model) must then reach it, at
@@ -4677,25 +4677,22 @@ fn run(disk: bool) {
         .collect();
     for round in 1..=ROUNDS {
         let mut runner = TestRunner::new(config());
-        let batch = RefCell::new(Coverage::new());
         if let Err(e) = runner.run(&case_strategy(disk), |(seed, ops)| {
             let cov = run_case(seed, &ops, disk)?;
-            let mut batch = batch.borrow_mut();
+            let mut total = total.borrow_mut();
             for (k, n) in cov {
-                *batch.entry(k).or_default() += n;
+                *total.entry(k).or_default() += n;
             }
             Ok(())
         }) {
             panic!("{e}");
         }
-        for (k, n) in batch.into_inner() {
-            *total.entry(k).or_default() += n;
-        }
+        let total = total.borrow();
         eprintln!(
             "events over {round} run(s) ({} disk tier):",
             if disk { "with a" } else { "without" }
         );
-        for (k, n) in &total {
+        for (k, n) in total.iter() {
             eprintln!("  {n:>8}  {k}");
         }
         let missed: Vec<&str> = events
