@@ -204,13 +204,15 @@ pub struct BlobPut<'a> {
 /// child never repeats its parent's ids): one system call per thread
 /// instead of one per id, as the unit draws its pin ids. Per thread, not
 /// per process behind a lock: a fork while another thread held that lock
-/// would leave it held in the child.
+/// would leave it held in the child. The fork is told by the process id,
+/// read from a page the kernel wipes in a child
+/// ([`stowage_shm::fork::process_id`]): a load, not a `getpid` per id.
 pub fn new_blob_id() -> BlobId {
     thread_local! {
         static IDS: std::cell::Cell<Option<(u32, [u8; 16], u64)>> =
             const { std::cell::Cell::new(None) };
     }
-    let pid = std::process::id();
+    let pid = stowage_shm::fork::process_id();
     IDS.with(|ids| {
         let (key, n) = match ids.get() {
             Some((p, key, n)) if p == pid => (key, n + 1),

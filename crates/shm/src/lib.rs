@@ -9,8 +9,9 @@
 //! stowage's `unsafe` code lives in three places, every block with a
 //! `// SAFETY:` comment (the workspace denies clippy's
 //! `undocumented_unsafe_blocks`); every other crate forbids `unsafe`:
-//! this crate, for the slab's mapping and fd passing and the request
-//! rings' shared header and entries ([`ring`]); the Python
+//! this crate, for the slab's mapping and fd passing, the request
+//! rings' shared header and entries ([`ring`]) and the page that tells a
+//! forked child it is one ([`fork`]); the Python
 //! extension's `arrays.rs` and `client.rs`, for numpy arrays over caller
 //! memory, memory Rust owns or a unit's slab; and `stowage-nixl`'s
 //! `imp.rs`, which implements the nixl binding's unsafe `MemoryRegion`
@@ -48,6 +49,7 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
+pub mod fork;
 pub mod ring;
 
 /// A copy of at least this size is split over threads (see [`Slab::write`]).
