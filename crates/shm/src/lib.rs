@@ -90,6 +90,9 @@ pub struct Slab {
     /// For a slab a client mapped: one bit per [`CHUNK`] whose page tables
     /// [`Slab::prepare`] has filled (a filled region's chunks count too).
     chunks: Option<Box<[AtomicU64]>>,
+    /// For a slab a client mapped: one bit per [`PAGE`] that
+    /// [`Slab::prepare`] filled for a range too small to fill its chunk.
+    pages: Option<LazyBits>,
 }
 
 /// The unit in which a client's mapping fills its page tables.
@@ -101,8 +104,35 @@ const FILL_MIN: usize = 256 << 10;
 /// faulting them (16 mapped pages took 6 us here), so it is done once.
 const CHUNK: usize = 64 << 10;
 /// Ranges at least this large fill whole chunks (at most 4 times their
-/// own pages, once); smaller ones fill only their own pages.
+/// own pages, once); smaller ones fill only their own pages, once.
 const CHUNK_FILL_MIN: usize = CHUNK / 2;
+/// The unit in which [`Slab::prepare`] remembers a small range's pages as
+/// filled (the host's page, or a part of one).
+const PAGE: usize = 4 << 10;
+
+/// A bitmap in a private anonymous mapping: the kernel supplies its pages
+/// zeroed as they are first touched, so a large one (a bit per 4 KiB page
+/// of a slab is 32 KiB per GiB) costs memory only where bits are set.
+struct LazyBits {
+    map: memmap2::MmapMut,
+    words: usize,
+}
+
+impl LazyBits {
+    fn new(words: usize) -> io::Result<Self> {
+        let map = memmap2::MmapMut::map_anon(words.max(1) * 8)?;
+        Ok(Self { map, words })
+    }
+
+    fn words(&self) -> &[AtomicU64] {
+        // SAFETY: the mapping is private to this process, page-aligned (so
+        // aligned for u64), `words * 8` bytes or more, zero-filled (a valid
+        // AtomicU64 is any u64), and lives as long as `self`; it is only
+        // ever accessed through this slice of atomics (nothing takes
+        // `&mut` of the map after `new`).
+        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), self.words) }
+    }
+}
 
 impl Slab {
     /// Create a slab of `len` bytes on 4 KiB pages (no huge-page advice).
@@ -224,6 +254,7 @@ impl Slab {
             mode,
             filled: None,
             chunks: None,
+            pages: None,
         })
     }
 
@@ -302,6 +333,8 @@ impl Slab {
         };
         s.filled = Some(bits(REGION));
         s.chunks = Some(bits(CHUNK));
+        // Without it (no mapping to be had) small ranges fill every time.
+        s.pages = LazyBits::new(len.div_ceil(PAGE).div_ceil(64)).ok();
         Ok(s)
     }
 
@@ -330,12 +363,14 @@ impl Slab {
     /// to be written (a client's spare), in one call instead of a fault
     /// per page: a range of 256 KiB or more fills the 2 MiB regions it
     /// reaches, once each (as its copy would); one of 32 KiB or more the
-    /// 64 KiB chunks it reaches, once each; a smaller one its own pages
-    /// unless every chunk it reaches is filled already (filling a whole
-    /// chunk for a few pages cost more when many clients each write a
-    /// little of every chunk). A mapping that is not a client's fills
-    /// exactly the range, every time. Contents never change; failures only
-    /// cost faults later.
+    /// 64 KiB chunks it reaches, once each; a smaller one its own 4 KiB
+    /// pages, once each, unless every chunk it reaches is filled already
+    /// (filling a whole chunk for a few pages cost more when many clients
+    /// each write a little of every chunk; filling pages already mapped
+    /// cost a system call per put of a small value). A mapping that is not
+    /// a client's fills exactly the range, every time. Contents never
+    /// change; failures, and page tables dropped since (the unit releasing
+    /// the memory), only cost faults later.
     pub fn prepare(&self, offset: u64, len: u64) {
         let (Ok(start), Ok(n)) = (self.check(offset, len as usize), usize::try_from(len)) else {
             return;
@@ -343,8 +378,10 @@ impl Slab {
         if n >= FILL_MIN {
             self.fill(start, n);
         } else if n > 0 {
-            match (&self.filled, &self.chunks) {
-                (Some(regions), Some(chunks)) => self.fill_chunks(regions, chunks, start, n),
+            match (&self.filled, &self.chunks, &self.pages) {
+                (Some(regions), Some(chunks), Some(pages)) => {
+                    self.fill_chunks(regions, chunks, pages.words(), start, n)
+                }
                 _ => {
                     let _ = self.populate(start, n);
                 }
@@ -355,15 +392,27 @@ impl Slab {
     /// [`Slab::prepare`] of a range under [`FILL_MIN`] in a client's
     /// mapping. A chunk counts as filled when its bit is set or its region
     /// was filled.
-    fn fill_chunks(&self, regions: &[AtomicU64], chunks: &[AtomicU64], start: usize, n: usize) {
+    fn fill_chunks(
+        &self,
+        regions: &[AtomicU64],
+        chunks: &[AtomicU64],
+        pages: &[AtomicU64],
+        start: usize,
+        n: usize,
+    ) {
         let is_set = |bits: &[AtomicU64], i: usize| {
             bits[i / 64].load(Ordering::Relaxed) & (1u64 << (i % 64)) != 0
         };
         let filled = |c: usize| is_set(chunks, c) || is_set(regions, c * CHUNK / REGION);
         let (first, last) = (start / CHUNK, (start + n - 1) / CHUNK);
         if n < CHUNK_FILL_MIN {
-            if !(first..=last).all(filled) {
-                let _ = self.populate(start, n);
+            let (p0, p1) = (start / PAGE, (start + n - 1) / PAGE);
+            if (first..=last).all(filled) || (p0..=p1).all(|p| is_set(pages, p)) {
+                return;
+            }
+            let _ = self.populate(start, n);
+            for p in p0..=p1 {
+                pages[p / 64].fetch_or(1u64 << (p % 64), Ordering::Relaxed);
             }
             return;
         }
@@ -1173,12 +1222,20 @@ mod tests {
         lazy.prepare(2 * c as u64 - 8192, 40_000);
         assert!(all(c, 2 * c, false));
         assert!(all(2 * c, 3 * c, true));
-        // A small range in a chunk not filled: its pages, every time.
+        // A small range in a chunk not filled: its pages, once each (the
+        // tables dropped since, filled again by the copy's faults); a
+        // range reaching a page not filled yet fills its pages.
         drop_tables();
-        lazy.prepare(3 * c as u64, 4096);
         lazy.prepare(3 * c as u64, 4096);
         assert!(all(3 * c, 3 * c + 4096, true));
         assert!(all(3 * c + 4096, 4 * c, false));
+        drop_tables();
+        lazy.prepare(3 * c as u64, 4096);
+        lazy.prepare(3 * c as u64 + 100, 3000);
+        assert!(all(3 * c, 4 * c, false), "a page filled twice");
+        lazy.prepare(3 * c as u64 + 4000, 5000);
+        assert!(all(3 * c, 3 * c + 3 * 4096, true));
+        assert!(all(3 * c + 3 * 4096, 4 * c, false));
         // A region filled by a large copy counts for its chunks.
         let mut big = vec![0u8; FILL_MIN];
         lazy.read(4 << 20, &mut big).unwrap();
