@@ -61,12 +61,7 @@ fn main() {
         size > 0 && rounds > 0 && calls > 0,
         "--bytes, --rounds and --calls must be at least 1"
     );
-    let stowage = std::env::current_exe()
-        .unwrap()
-        .parent()
-        .and_then(|d| d.parent())
-        .map(|d| d.join("stowage"))
-        .expect("the stowage binary beside target/<profile>/examples");
+    let stowage = stowage_cli::bench::stowage_binary(None).unwrap_or_else(|e| panic!("{e}"));
     let mut opts = LocalOptions::new(1, 256 << 20);
     opts.command = vec![stowage.into(), "unit".into()];
     let plane = LocalPlane::start(&opts).expect("starting a unit");
