@@ -81,18 +81,6 @@ def main() -> None:
     small, small_out = np.arange(8, dtype=np.int64), np.zeros(8, dtype=np.int64)
 
     with stowage.local(units=args.units, memory="1GiB", transport="shm") as dp:
-
-        def cleared(part: str, i: int) -> None:
-            # Untimed: called before a row is reused.
-            if i % NKEYS == 0 and i:
-                dp.clear(part, list(range(NKEYS)))
-
-        def op_put(i: int) -> None:
-            dp.put("big", [i % NKEYS], {"v": src[i % slots : i % slots + 1]})
-
-        def op_get(i: int) -> None:
-            dp.get("big", [i % NKEYS], ["v"], out={"v": dst[i % slots : i % slots + 1]})
-
         lines = {
             "copy 64 B (the call)": lambda i: np.copyto(tiny_dst, tiny_src),
             "copy cold->cold": lambda i: np.copyto(dst[i % slots], src[(i + slots // 2) % slots]),
@@ -111,16 +99,18 @@ def main() -> None:
             # then read it back into a cold destination.
             puts, gets = [], []
             for i in range(500 + args.calls):
-                cleared("big", i)
+                if i % NKEYS == 0 and i:
+                    dp.clear("big", list(range(NKEYS)))  # untimed: rows reused
+                row, slot = [i % NKEYS], i % slots
                 t = time.perf_counter_ns()
-                op_put(i)
+                dp.put("big", row, {"v": src[slot : slot + 1]})
                 t1 = time.perf_counter_ns()
-                op_get(i)
+                dp.get("big", row, ["v"], out={"v": dst[slot : slot + 1]})
                 t2 = time.perf_counter_ns()
                 if i >= 500:
                     puts.append(t1 - t)
                     gets.append(t2 - t1)
-            if not np.array_equal(src[(i % slots)], dst[i % slots]):
+            if not np.array_equal(src[slot], dst[slot]):
                 raise SystemExit("a 64 KiB value read back differs from the one put")
             if not np.array_equal(small, small_out):
                 raise SystemExit("a 64-byte value read back differs from the one put")

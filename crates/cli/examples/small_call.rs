@@ -22,20 +22,26 @@
 
 use std::time::Instant;
 
+use clap::Parser;
+use stowage_cli::bench::quantile;
 use stowage_client::{
     BlobPut, Client, ClientConfig, Column, DType, EntrySpec, Key, RowKey, Sink, SliceSink, Tensor,
     TensorAsk, DEFAULT_PARTITION,
 };
 use stowage_local::{LocalOptions, LocalPlane};
 
-fn arg(args: &[String], name: &str, default: &str) -> usize {
-    let v = args
-        .iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_string());
-    v.parse()
-        .unwrap_or_else(|_| panic!("{name} takes a whole number, not {v:?}"))
+/// The Rust client's 64-byte put and get, blob and rows API, one unit.
+#[derive(Parser)]
+struct Args {
+    /// Value size in bytes.
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u64).range(1..))]
+    bytes: u64,
+    /// Rounds.
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..))]
+    rounds: u64,
+    /// Timed calls of each kind per round (after 1,000 untimed).
+    #[arg(long, default_value_t = 20000, value_parser = clap::value_parser!(u64).range(1..))]
+    calls: u64,
 }
 
 /// A rows get's sink: one buffer, the size of the value.
@@ -47,20 +53,9 @@ impl<'x> Sink<TensorAsk<'x>> for One<'_> {
     }
 }
 
-fn p50(v: &mut [f64]) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
-
 fn main() {
-    let args: Vec<String> = std::env::args().collect();
-    let size = arg(&args, "--bytes", "64");
-    let rounds = arg(&args, "--rounds", "5");
-    let calls = arg(&args, "--calls", "20000");
-    assert!(
-        size > 0 && rounds > 0 && calls > 0,
-        "--bytes, --rounds and --calls must be at least 1"
-    );
+    let args = Args::parse();
+    let (size, calls) = (args.bytes as usize, args.calls as usize);
     let stowage = stowage_cli::bench::stowage_binary(None).unwrap_or_else(|e| panic!("{e}"));
     let mut opts = LocalOptions::new(1, 256 << 20);
     opts.command = vec![stowage.into(), "unit".into()];
@@ -73,7 +68,7 @@ fn main() {
     const KEYS: u64 = 64;
     let names = ["blob put", "blob get", "rows put", "rows get"];
     let mut got: Vec<Vec<f64>> = vec![Vec::new(); names.len()];
-    for _ in 0..rounds {
+    for _ in 0..args.rounds {
         let mut t: Vec<Vec<f64>> = vec![Vec::with_capacity(calls); names.len()];
         for i in 0..(1000 + calls) as u64 {
             let row = i % KEYS;
@@ -146,7 +141,7 @@ fn main() {
         }
         assert_eq!(out, value, "the value read back differs from the one put");
         for (k, v) in t.iter_mut().enumerate() {
-            got[k].push(p50(v));
+            got[k].push(quantile(v, 0.5));
         }
     }
     println!("{size} bytes, 1 unit over shm, p50 of {calls} calls per round, us");
@@ -156,7 +151,7 @@ fn main() {
         println!(
             "{name:9} {} | median {:6.2}",
             rounds.join(" "),
-            p50(&mut sorted)
+            quantile(&mut sorted, 0.5)
         );
     }
 }

@@ -79,14 +79,13 @@ const LEN: usize = 4096;
 
 /// A zeroed private page marked `MADV_WIPEONFORK`, leaked: its word.
 fn wiped_on_fork() -> Option<*mut AtomicU32> {
-    let len = LEN;
-    let mut map = MmapMut::map_anon(len).ok()?;
+    let mut map = MmapMut::map_anon(LEN).ok()?;
     let ptr = map.as_mut_ptr();
-    // SAFETY: `ptr..ptr + len` is exactly the mapping made above, alive
+    // SAFETY: `ptr..ptr + LEN` is exactly the mapping made above, alive
     // (and borrowed by nothing) during the call; the advice changes what a
     // child of a later fork sees there, not this process's contents.
     let advised =
-        unsafe { rustix::mm::madvise(ptr.cast(), len, rustix::mm::Advice::LinuxWipeOnFork) };
+        unsafe { rustix::mm::madvise(ptr.cast(), LEN, rustix::mm::Advice::LinuxWipeOnFork) };
     if advised.is_err() {
         return None; // dropping `map` unmaps it
     }

@@ -115,22 +115,23 @@ const PAGE: usize = 4 << 10;
 /// of a slab is 32 KiB per GiB) costs memory only where bits are set.
 struct LazyBits {
     map: memmap2::MmapMut,
-    words: usize,
 }
 
 impl LazyBits {
     fn new(words: usize) -> io::Result<Self> {
         let map = memmap2::MmapMut::map_anon(words.max(1) * 8)?;
-        Ok(Self { map, words })
+        Ok(Self { map })
     }
 
     fn words(&self) -> &[AtomicU64] {
         // SAFETY: the mapping is private to this process, page-aligned (so
-        // aligned for u64), `words * 8` bytes or more, zero-filled (a valid
-        // AtomicU64 is any u64), and lives as long as `self`; it is only
-        // ever accessed through this slice of atomics (nothing takes
+        // aligned for u64), a whole number of words long, zero-filled (a
+        // valid AtomicU64 is any u64), and lives as long as `self`; it is
+        // only ever accessed through this slice of atomics (nothing takes
         // `&mut` of the map after `new`).
-        unsafe { std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), self.words) }
+        unsafe {
+            std::slice::from_raw_parts(self.map.as_ptr().cast::<AtomicU64>(), self.map.len() / 8)
+        }
     }
 }
 
@@ -403,6 +404,9 @@ impl Slab {
         let is_set = |bits: &[AtomicU64], i: usize| {
             bits[i / 64].load(Ordering::Relaxed) & (1u64 << (i % 64)) != 0
         };
+        let set = |bits: &[AtomicU64], i: usize| {
+            bits[i / 64].fetch_or(1u64 << (i % 64), Ordering::Relaxed);
+        };
         let filled = |c: usize| is_set(chunks, c) || is_set(regions, c * CHUNK / REGION);
         let (first, last) = (start / CHUNK, (start + n - 1) / CHUNK);
         if n < CHUNK_FILL_MIN {
@@ -411,9 +415,7 @@ impl Slab {
                 return;
             }
             let _ = self.populate(start, n);
-            for p in p0..=p1 {
-                pages[p / 64].fetch_or(1u64 << (p % 64), Ordering::Relaxed);
-            }
+            (p0..=p1).for_each(|p| set(pages, p));
             return;
         }
         // Each run of chunks not filled yet, in one call, then marked.
@@ -429,9 +431,7 @@ impl Slab {
             }
             let at = run * CHUNK;
             let _ = self.populate(at, (c * CHUNK).min(self.len) - at);
-            for k in run..c {
-                chunks[k / 64].fetch_or(1u64 << (k % 64), Ordering::Relaxed);
-            }
+            (run..c).for_each(|k| set(chunks, k));
         }
     }
 
