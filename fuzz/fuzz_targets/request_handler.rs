@@ -61,9 +61,9 @@ use std::time::Duration;
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use stowage_core::{
-    Action, Answer, BlobId, ConnEnd, CoreConfig, CoreError, EntrySpec, Input as CoreInput, Key,
-    Located, MoveJob, Op as CoreOp, Owner, PinId, Place, SessionId, Snapshot, Stats, Time,
-    UnitCore,
+    input as core_input, op as core_op, Action, BlobId, ConnEnd, CoreConfig, CoreError, EntrySpec,
+    Input as CoreInput, Key, Located, MoveJob, Owner, PinId, Place, Request as CoreRequest,
+    SessionId, Snapshot, Stats, Time, UnitCore,
 };
 use stowage_unit::handler::{self, error_response, scope, Asker, Dest, Plan};
 use stowage_wire::{ErrorCode, Limits, Request, Response, PROTOCOL_VERSION};
@@ -118,7 +118,7 @@ enum Step {
         dt: Dt,
         wake: bool,
     },
-    /// The driver's timer delivers `Input::Timeout` (when `poll_timeout`
+    /// The driver's timer delivers `input::Timeout` (when `poll_timeout`
     /// said, or late, or early).
     Timeout,
     Detach {
@@ -132,7 +132,7 @@ enum Step {
         mapped: bool,
         namespace: u8,
     },
-    /// The slot's process is gone (`Input::ProcessExited`; with
+    /// The slot's process is gone (`input::ProcessExited`; with
     /// `close_first`, after its connections closed).
     ProcessExited {
         slot: u8,
@@ -158,17 +158,17 @@ enum Step {
         cut: bool,
     },
     /// The driver finishes one file write (a spill job the core handed out,
-    /// or a put to disk): `Input::DiskWritten`.
+    /// or a put to disk): `input::DiskWritten`.
     Flush {
         which: u8,
         ok: bool,
     },
     /// The driver starts bringing a spilled blob back into the slab (one
-    /// with a disk file, picked by `blob`): `Input::Promote`.
+    /// with a disk file, picked by `blob`): `input::Promote`.
     Promote {
         blob: u8,
     },
-    /// ... and finishes copying into it: `Input::Promoted`.
+    /// ... and finishes copying into it: `input::Promoted`.
     Promoted {
         which: u8,
         ok: bool,
@@ -176,7 +176,7 @@ enum Step {
     /// A checkpoint's snapshot, checked against the shadow, then unpinned.
     Checkpoint,
     /// The driver finishes the compaction move under way (copies the
-    /// blob's bytes, reports `Input::Moved`).
+    /// blob's bytes, reports `input::Moved`).
     Move {
         ok: bool,
     },
@@ -569,17 +569,17 @@ impl H {
 
     /// One input through the core's one entry point, then what it asks of
     /// the driver ([`H::drive`]).
-    fn input(&mut self, input: CoreInput) -> Result<Answer, CoreError> {
+    fn input<I: CoreInput>(&mut self, input: I) -> Result<I::Answer, CoreError> {
         let r = self.core.handle(self.now, input);
         self.drive();
         r
     }
 
     /// An input answered with the holds it released.
-    fn released(&mut self, input: CoreInput) -> u64 {
+    fn released<I: CoreInput<Answer = u64>>(&mut self, input: I) -> u64 {
         let what = format!("{input:?}");
         match self.input(input) {
-            Ok(Answer::Released(n)) => n,
+            Ok(n) => n,
             other => panic!("{what} answered {other:?}"),
         }
     }
@@ -722,9 +722,9 @@ impl H {
         let before = self.core.stats().compaction_moves;
         match self
             .core
-            .handle(self.now, CoreInput::Moved { blob: j.blob, ok })
+            .handle(self.now, core_input::Moved { blob: j.blob, ok })
         {
-            Ok(Answer::Done) => {}
+            Ok(()) => {}
             other => panic!("Moved of {:?} answered {other:?}", j.blob),
         }
         if self.core.stats().compaction_moves > before {
@@ -759,25 +759,25 @@ impl H {
             })
             .collect();
         for (sc, keys) in scopes {
-            let op = CoreOp::Resolve {
+            let op = core_op::Resolve {
                 partition: sc.clone(),
                 keys: keys.clone(),
             };
             let (pin, found) = match self.core.handle(
                 self.now,
-                CoreInput::Request {
+                CoreRequest {
                     owner: Owner::UNIT,
                     op,
                 },
             ) {
-                Ok(Answer::Resolved { pin, found }) => (pin, found),
+                Ok(r) => (r.pin, r.found),
                 other => panic!("the unit's resolve of {sc:?} answered {other:?}"),
             };
             self.check_found(&sc, &keys, pin, &found);
             if let Some(pin) = pin {
-                let unpin = CoreInput::Request {
+                let unpin = CoreRequest {
                     owner: Owner::UNIT,
-                    op: CoreOp::Unpin { pin },
+                    op: core_op::Unpin { pin },
                 };
                 self.core
                     .handle(self.now, unpin)
@@ -876,8 +876,8 @@ impl H {
         let s = match self.slots[slot].session {
             Some(s) => s,
             None => {
-                let s = match self.input(CoreInput::OpenSession) {
-                    Ok(Answer::Session(s)) => s,
+                let s = match self.input(core_input::OpenSession) {
+                    Ok(s) => s,
                     other => panic!("OpenSession answered {other:?}"),
                 };
                 self.slots[slot].session = Some(s);
@@ -887,13 +887,12 @@ impl H {
         };
         let mapped = self.slots[slot].mapped;
         let full = self.slots[slot].conns.len() >= MAX_CONNS;
-        match self.input(CoreInput::Attach { session: s, mapped }) {
-            Ok(Answer::Attached(owner)) => {
+        match self.input(core_input::Attach { session: s, mapped }) {
+            Ok(owner) => {
                 assert!(!full, "attach past the session's connection cap succeeded");
                 assert_eq!(owner.session, s);
                 self.slots[slot].conns.push(Conn { owner, namespace });
             }
-            Ok(a) => panic!("Attach answered {a:?}"),
             Err(CoreError::Busy { .. }) => {
                 assert!(
                     full,
@@ -923,7 +922,7 @@ impl H {
                 .values()
                 .filter(|p| mine(p.session, p.conn))
                 .count();
-        let n = self.released(CoreInput::ConnEnded {
+        let n = self.released(core_input::ConnEnded {
             owner: c.owner,
             end,
         });
@@ -997,13 +996,13 @@ impl H {
         });
         let held = self.res.values().filter(|r| r.session == s).count()
             + self.pins.values().filter(|p| p.session == s).count();
-        let n = self.released(CoreInput::ProcessExited(s));
+        let n = self.released(core_input::ProcessExited(s));
         assert_eq!(n, held as u64, "holds released by the exit of {s:?}");
         self.res.retain(|_, r| r.session != s);
         self.pins.retain(|_, p| p.session != s);
         // Its sockets close too.
         for c in std::mem::take(&mut self.slots[slot].conns) {
-            let n = self.released(CoreInput::ConnEnded {
+            let n = self.released(core_input::ConnEnded {
                 owner: c.owner,
                 end: ConnEnd::Closed,
             });
@@ -1782,10 +1781,10 @@ impl H {
 
     // -- the driver's disk work --------------------------------------------
 
-    /// A file write finishes: `Input::DiskWritten`, never refused.
+    /// A file write finishes: `input::DiskWritten`, never refused.
     fn disk_written(&mut self, blob: BlobId, ok: bool) {
-        match self.input(CoreInput::DiskWritten { blob, ok }) {
-            Ok(Answer::Done) => {}
+        match self.input(core_input::DiskWritten { blob, ok }) {
+            Ok(()) => {}
             other => panic!("DiskWritten of {blob:?} answered {other:?}"),
         }
     }
@@ -1832,8 +1831,8 @@ impl H {
             0 => blob_id(blob),
             n => with_file[blob as usize % n],
         };
-        let at = match self.input(CoreInput::Promote(blob)) {
-            Ok(Answer::Promoting(at)) => at,
+        let at = match self.input(core_input::Promote(blob)) {
+            Ok(at) => at,
             other => panic!("Promote of {blob:?} answered {other:?}"),
         };
         if let Some(off) = at {
@@ -1860,8 +1859,8 @@ impl H {
         // The copy happens until the driver reports: write it last.
         let n = if ok { bytes.len() } else { bytes.len() / 2 };
         self.slab[off as usize..off as usize + n].copy_from_slice(&bytes[..n]);
-        match self.input(CoreInput::Promoted { blob, ok }) {
-            Ok(Answer::Done) => {}
+        match self.input(core_input::Promoted { blob, ok }) {
+            Ok(()) => {}
             other => panic!("Promoted of {blob:?} answered {other:?}"),
         }
         self.note("promote_done");
@@ -1869,8 +1868,8 @@ impl H {
 
     /// A checkpoint's snapshot: exactly the shadow's keys, with their bytes.
     fn checkpoint(&mut self) {
-        let snap: Snapshot = match self.input(CoreInput::Snapshot) {
-            Ok(Answer::Snapshot(s)) => s,
+        let snap: Snapshot = match self.input(core_input::TakeSnapshot) {
+            Ok(s) => s,
             other => panic!("Snapshot answered {other:?}"),
         };
         let mut got: Index = BTreeMap::new();
@@ -1949,9 +1948,9 @@ impl H {
             self.note("checkpoint_entries");
         }
         if let Some(pin) = snap.pin {
-            let unpin = CoreInput::Request {
+            let unpin = CoreRequest {
                 owner: Owner::UNIT,
-                op: CoreOp::Unpin { pin },
+                op: core_op::Unpin { pin },
             };
             self.input(unpin).expect("the unit unpins its snapshot");
         }
@@ -2229,7 +2228,7 @@ impl H {
                 if self.core.poll_timeout().is_some_and(|t| t <= self.now) {
                     self.note("timeout_due");
                 }
-                let n = self.released(CoreInput::Timeout);
+                let n = self.released(core_input::Timeout);
                 assert_eq!(n, 0, "a timeout released holds, with no one-sided peer");
                 let next = self.core.poll_timeout();
                 assert!(

@@ -23,20 +23,20 @@
 //!
 //! * [`slab::SlabAllocator`] hands out aligned byte ranges of the slab.
 //! * Every request comes from an [`Owner`]: a connection
-//!   ([`Input::Attach`]) of a **session** ([`Input::OpenSession`],
+//!   ([`input::Attach`]) of a **session** ([`input::OpenSession`],
 //!   a client's connections to this unit). Reservations and pins belong to
 //!   the connection that took them and its session; only that session may
 //!   commit, abort or unpin them ([`CoreError::NotOwner`] otherwise).
-//! * [`Op::Alloc`] reserves a range for a client-chosen [`BlobId`];
+//! * [`op::Alloc`] reserves a range for a client-chosen [`BlobId`];
 //!   the client writes the bytes itself (shm) or the server streams them in
-//!   (tcp); [`Op::Commit`] publishes the blob's entries, each a
+//!   (tcp); [`op::Commit`] publishes the blob's entries, each a
 //!   [`Key`] → (offset, length) inside the blob. Commit is idempotent, so a
 //!   client whose reply was lost asks again.
-//! * [`Op::Resolve`] turns keys into slab [`Location`]s and pins the
+//! * [`op::Resolve`] turns keys into slab [`Location`]s and pins the
 //!   blobs that hold them, so their bytes neither move nor change until
-//!   [`Op::Unpin`].
-//! * [`Op::ClearRows`] clears whole rows of a partition
-//!   ([`Op::ClearPartition`] all of them); a blob's memory returns
+//!   [`op::Unpin`].
+//! * [`op::ClearRows`] clears whole rows of a partition
+//!   ([`op::ClearPartition`] all of them); a blob's memory returns
 //!   to the allocator once no entry and no pin refers to it, through one
 //!   function that takes the range by value (a [`slab::Region`] is neither
 //!   `Copy` nor `Clone`, so a range released twice does not compile).
@@ -46,16 +46,20 @@
 //! As in quinn-proto, one entry point takes every input and every output
 //! is polled:
 //!
-//! * [`UnitCore::handle`]`(now, input)` applies an [`Input`]: a
-//!   connection's request ([`Input::Request`] with an [`Op`]), a
+//! * [`UnitCore::handle`]`(now, input)` applies an [`Input`], one type
+//!   per kind ([`mod@input`]): a connection's request ([`Request`] with an
+//!   [`Op`], one of [`mod@op`]), a
 //!   connection's end, a process's exit, a fence, a disk write or
-//!   promotion that finished, or the passage of time ([`Input::Timeout`]);
-//!   it returns the [`Answer`] or a [`CoreError`].
+//!   promotion that finished, or the passage of time ([`input::Timeout`]);
+//!   it returns that input's own answer ([`Input::Answer`]: a
+//!   [`input::Timeout`] answers the holds released, an [`op::Alloc`] an
+//!   [`Allocated`]) or a [`CoreError`], so a driver never meets an answer
+//!   it did not ask for.
 //! * [`UnitCore::poll_action`] hands out what the driver must do for the
 //!   core ([`Action`]: spill a blob, delete a file, watch a process); the
 //!   driver reports the outcome as another input.
 //! * [`UnitCore::poll_timeout`] is the next instant the core needs
-//!   [`Input::Timeout`]; between inputs the driver sleeps.
+//!   [`input::Timeout`]; between inputs the driver sleeps.
 //! * Read-only queries ([`UnitCore::stats_at`], [`UnitCore::list`],
 //!   [`UnitCore::partitions`], ...) take `&self`.
 //!
@@ -72,15 +76,15 @@
 //! * its connection was cut by the unit ([`ConnEnd::Cut`]) and the peer
 //!   never mapped the slab (a tcp peer: the unit's own thread did every
 //!   copy and has stopped); a reservation then goes through quarantine;
-//! * for a one-sided (nixl) peer ([`Input::MakeOneSided`]), whose
+//! * for a one-sided (nixl) peer ([`input::MakeOneSided`]), whose
 //!   WRITEs and READs the unit never sees, and whose connection a network
 //!   can end (a FIN or RST) while they run: once its connection ended,
-//!   however, the driver fenced its endpoint ([`Input::Fenced`]: it
+//!   however, the driver fenced its endpoint ([`input::Fenced`]: it
 //!   invalidated the peer's NIXL agent) and the nixl quarantine has then
-//!   passed ([`Input::Timeout`]) — the one hold a timer ends, and only
+//!   passed ([`input::Timeout`]) — the one hold a timer ends, and only
 //!   after the fence;
 //! * or the session's process is certainly gone
-//!   ([`Input::ProcessExited`], after the core asked the driver to watch
+//!   ([`input::ProcessExited`], after the core asked the driver to watch
 //!   it with [`Action::CheckProcess`]), for a peer that maps the slab and whose
 //!   connection was cut, or a one-sided peer whose connection ended.
 //!
@@ -98,8 +102,9 @@ pub mod slab;
 mod unit;
 
 pub use unit::{
-    Action, Answer, Committed, ConnEnd, CoreConfig, Input, Located, MoveJob, Op, Owner, Place,
-    SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats, UnitCore,
+    input, op, Action, Committed, ConnEnd, CoreConfig, Input, Located, MoveJob, Op, Owner, Place,
+    Request, Resolved, SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats,
+    UnitCore,
 };
 
 use serde::{Deserialize, Serialize};
@@ -121,7 +126,7 @@ impl std::fmt::Display for BlobId {
     }
 }
 
-/// A pin taken by [`Op::Resolve`]. Not guessable: drawn from a keyed
+/// A pin taken by [`op::Resolve`]. Not guessable: drawn from a keyed
 /// pseudo-random function ([`CoreConfig::id_key`]), never sequential.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PinId(pub u64);

@@ -111,7 +111,7 @@
 //! (unpinned, not being spilled or promoted, its pieces as the model has
 //! them), gain something (gather pieces, or move down), and target a range
 //! that overlaps nothing held and no range a session may touch. The driver
-//! copies the bytes and reports `Input::Moved` at once or later (often
+//! copies the bytes and reports `input::Moved` at once or later (often
 //! with the copy made at once and the report later: the target must then
 //! be unchanged when it reports), mostly ok; meanwhile other ops run:
 //! puts, clears (the blob freed: both ranges stay held until the report),
@@ -178,66 +178,62 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use stowage_core::{
-    Action, Allocated, Answer, BlobId, Committed, ConnEnd, CoreConfig, CoreError, EntrySpec, Input,
-    Key, Located, Location, MoveJob, Owner, PinId, Place, SessionId, SessionStats, Snapshot,
-    SnapshotEntry, SpillJob, Stats, Time, UnitCore,
+    input, Action, Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, EntrySpec, Input,
+    Key, Located, Location, MoveJob, Owner, PinId, Place, Request, SessionId, SessionStats,
+    Snapshot, SnapshotEntry, SpillJob, Stats, Time, UnitCore,
 };
 
 /// The calls this test makes, each one input through the core's one entry
 /// point ([`UnitCore::handle`]) with its answer unpacked.
 trait Drive {
-    fn input(&mut self, now: Time, input: Input) -> Result<Answer, CoreError>;
+    fn input<I: Input>(&mut self, now: Time, input: I) -> Result<I::Answer, CoreError>;
 
-    fn request(
+    fn request<O: stowage_core::Op>(
         &mut self,
         owner: Owner,
-        op: stowage_core::Op,
+        op: O,
         now: Time,
-    ) -> Result<Answer, CoreError> {
-        self.input(now, Input::Request { owner, op })
+    ) -> Result<O::Answer, CoreError> {
+        self.input(now, Request { owner, op })
     }
 
-    fn released(&mut self, now: Time, input: Input) -> u64 {
+    fn released<I: Input<Answer = u64>>(&mut self, now: Time, input: I) -> u64 {
         match self.input(now, input) {
-            Ok(Answer::Released(n)) => n,
+            Ok(n) => n,
             other => panic!("answered {other:?}"),
         }
     }
 
     fn open_session(&mut self) -> SessionId {
-        match self.input(Time::ZERO, Input::OpenSession) {
-            Ok(Answer::Session(s)) => s,
+        match self.input(Time::ZERO, input::OpenSession) {
+            Ok(s) => s,
             other => panic!("OpenSession answered {other:?}"),
         }
     }
 
     fn attach(&mut self, session: SessionId, mapped: bool) -> Result<Owner, CoreError> {
-        self.input(Time::ZERO, Input::Attach { session, mapped })
-            .map(|a| match a {
-                Answer::Attached(o) => o,
-                other => panic!("Attach answered {other:?}"),
-            })
+        self.input(Time::ZERO, input::Attach { session, mapped })
     }
 
     fn make_one_sided(&mut self, owner: Owner) -> Result<(), CoreError> {
-        self.input(Time::ZERO, Input::MakeOneSided(owner))
+        self.input(Time::ZERO, input::MakeOneSided(owner))
             .map(|_| ())
     }
 
     fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) -> u64 {
-        self.released(now, Input::ConnEnded { owner, end })
+        self.released(now, input::ConnEnded { owner, end })
     }
 
     fn session_gone(&mut self, session: SessionId, now: Time) -> u64 {
-        self.released(now, Input::ProcessExited(session))
+        self.released(now, input::ProcessExited(session))
     }
 
     fn fence(&mut self, session: SessionId, now: Time) -> u64 {
-        self.released(now, Input::Fenced(session))
+        self.released(now, input::Fenced(session))
     }
 
     fn tick(&mut self, now: Time) -> u64 {
-        self.released(now, Input::Timeout)
+        self.released(now, input::Timeout)
     }
 
     fn alloc(
@@ -248,15 +244,12 @@ trait Drive {
         n_entries: u32,
         now: Time,
     ) -> Result<Allocated, CoreError> {
-        let op = stowage_core::Op::Alloc {
+        let op = stowage_core::op::Alloc {
             blob,
             nbytes,
             n_entries,
         };
-        self.request(owner, op, now).map(|a| match a {
-            Answer::Allocated(a) => a,
-            other => panic!("Alloc answered {other:?}"),
-        })
+        self.request(owner, op, now)
     }
 
     /// A commit of bytes the driver wrote (the model's puts write their
@@ -268,15 +261,12 @@ trait Drive {
         blob: BlobId,
         entries: &[EntrySpec],
     ) -> Result<Committed, CoreError> {
-        let op = stowage_core::Op::CommitWritten {
+        let op = stowage_core::op::CommitWritten {
             partition: partition.to_owned(),
             blob,
             entries: entries.to_vec(),
         };
-        self.request(owner, op, Time::ZERO).map(|a| match a {
-            Answer::Committed(c) => c,
-            other => panic!("Commit answered {other:?}"),
-        })
+        self.request(owner, op, Time::ZERO)
     }
 
     fn abort(
@@ -286,7 +276,7 @@ trait Drive {
         in_flight: bool,
         now: Time,
     ) -> Result<(), CoreError> {
-        self.request(owner, stowage_core::Op::Abort { blob, in_flight }, now)
+        self.request(owner, stowage_core::op::Abort { blob, in_flight }, now)
             .map(|_| ())
     }
 
@@ -298,14 +288,11 @@ trait Drive {
         keys: &[Key],
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
-        let op = stowage_core::Op::Resolve {
+        let op = stowage_core::op::Resolve {
             partition: partition.to_owned(),
             keys: keys.to_vec(),
         };
-        self.request(owner, op, now).map(|a| match a {
-            Answer::Resolved { pin, found } => (pin, found),
-            other => panic!("Resolve answered {other:?}"),
-        })
+        self.request(owner, op, now).map(|r| (r.pin, r.found))
     }
 
     #[allow(clippy::type_complexity)]
@@ -321,47 +308,47 @@ trait Drive {
     }
 
     fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
-        self.request(owner, stowage_core::Op::Unpin { pin }, Time::ZERO)
+        self.request(owner, stowage_core::op::Unpin { pin }, Time::ZERO)
             .map(|_| ())
     }
 
     fn clear_rows(&mut self, partition: &str, rows: &[u64]) -> u64 {
-        let op = stowage_core::Op::ClearRows {
+        let op = stowage_core::op::ClearRows {
             partition: partition.to_owned(),
             rows: rows.to_vec(),
         };
         match self.request(Owner::UNIT, op, Time::ZERO) {
-            Ok(Answer::Cleared(n)) => n,
+            Ok(n) => n,
             other => panic!("ClearRows answered {other:?}"),
         }
     }
 
     fn snapshot(&mut self, now: Time) -> Snapshot {
-        match self.input(now, Input::Snapshot) {
-            Ok(Answer::Snapshot(s)) => s,
+        match self.input(now, input::TakeSnapshot) {
+            Ok(s) => s,
             other => panic!("Snapshot answered {other:?}"),
         }
     }
 
     fn disk_written(&mut self, blob: BlobId, ok: bool) {
-        self.input(Time::ZERO, Input::DiskWritten { blob, ok })
+        self.input(Time::ZERO, input::DiskWritten { blob, ok })
             .expect("a disk report is never refused");
     }
 
     fn promote_begin(&mut self, blob: BlobId) -> Option<u64> {
-        match self.input(Time::ZERO, Input::Promote(blob)) {
-            Ok(Answer::Promoting(p)) => p,
+        match self.input(Time::ZERO, input::Promote(blob)) {
+            Ok(p) => p,
             other => panic!("Promote answered {other:?}"),
         }
     }
 
     fn promote_done(&mut self, blob: BlobId, ok: bool) {
-        self.input(Time::ZERO, Input::Promoted { blob, ok })
+        self.input(Time::ZERO, input::Promoted { blob, ok })
             .expect("a promotion report is never refused");
     }
 
     fn moved(&mut self, blob: BlobId, ok: bool) {
-        self.input(Time::ZERO, Input::Moved { blob, ok })
+        self.input(Time::ZERO, input::Moved { blob, ok })
             .expect("a move report is never refused");
     }
 
@@ -374,7 +361,7 @@ trait Drive {
 }
 
 impl Drive for UnitCore {
-    fn input(&mut self, now: Time, input: Input) -> Result<Answer, CoreError> {
+    fn input<I: Input>(&mut self, now: Time, input: I) -> Result<I::Answer, CoreError> {
         self.handle(now, input)
     }
 

@@ -215,9 +215,9 @@ pub(crate) fn write(
     }
     let snap = match shared
         .core()
-        .handle(shared.now(), stowage_core::Input::Snapshot)
+        .handle(shared.now(), stowage_core::input::TakeSnapshot)
     {
-        Ok(stowage_core::Answer::Snapshot(snap)) => snap,
+        Ok(snap) => snap,
         other => {
             return Err(ioe(io::Error::other(format!(
                 "the unit's core answered a snapshot with {other:?}"

@@ -13,13 +13,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use stowage_core::{Action, Answer, Input, UnitCore};
+use stowage_core::{input, Action, UnitCore};
 
 use crate::disk::DiskEngine;
 use crate::{metrics, Shared, COPY_CHUNK};
 
 /// The timer side of the driver: when the core next needs
-/// [`Input::Timeout`], and the processes it asked the unit to watch.
+/// [`input::Timeout`], and the processes it asked the unit to watch.
 pub(crate) struct Timer {
     /// The core's [`UnitCore::poll_timeout`], in nanoseconds of
     /// [`Shared::now`] (`u64::MAX`: none).
@@ -104,7 +104,7 @@ impl Drop for CoreGuard<'_> {
 impl CoreGuard<'_> {
     /// A blob's file was written (`ok`) or not.
     pub(crate) fn disk_written(&mut self, blob: stowage_core::BlobId, ok: bool, now: Duration) {
-        let _ = self.handle(now, Input::DiskWritten { blob, ok });
+        let _ = self.handle(now, input::DiskWritten { blob, ok });
     }
 
     /// A connection ended: the holds released now.
@@ -114,10 +114,8 @@ impl CoreGuard<'_> {
         end: stowage_core::ConnEnd,
         now: Duration,
     ) -> u64 {
-        match self.handle(now, Input::ConnEnded { owner, end }) {
-            Ok(Answer::Released(n)) => n,
-            _ => 0,
-        }
+        self.handle(now, input::ConnEnded { owner, end })
+            .unwrap_or(0)
     }
 }
 
@@ -168,7 +166,7 @@ impl Shared {
                         // The compactor has stopped (so has the unit).
                         let _ = self.core().handle(
                             self.now(),
-                            Input::Moved {
+                            input::Moved {
                                 blob: job.blob,
                                 ok: false,
                             },
@@ -210,7 +208,7 @@ impl Shared {
             if at != u64::MAX && u128::from(at) <= now.as_nanos() {
                 self.timer.wake_at.store(u64::MAX, Ordering::SeqCst);
                 // Its release (drive) schedules the next timeout.
-                let _ = self.core().handle(now, Input::Timeout);
+                let _ = self.core().handle(now, input::Timeout);
                 continue;
             }
             let mut wait = if at == u64::MAX {
@@ -275,10 +273,10 @@ impl Shared {
         }
         let now = self.now();
         for id in gone {
-            let holds = match self.core().handle(now, Input::ProcessExited(id)) {
-                Ok(Answer::Released(n)) => n,
-                _ => 0,
-            };
+            let holds = self
+                .core()
+                .handle(now, input::ProcessExited(id))
+                .unwrap_or(0);
             if let Some(m) = &self.metrics {
                 m.reclaimed(metrics::Reclaim::ProcessExited, holds);
             }
@@ -317,7 +315,7 @@ pub(crate) fn flusher(
         };
         let _ = shared
             .core()
-            .handle(shared.now(), stowage_core::Input::DiskWritten { blob, ok });
+            .handle(shared.now(), input::DiskWritten { blob, ok });
     }
 }
 
@@ -370,7 +368,7 @@ pub(crate) fn spiller(
                 }
                 Err(_) => {}
             }
-            let report = stowage_core::Input::DiskWritten {
+            let report = input::DiskWritten {
                 blob: job.blob,
                 ok: written.is_ok(),
             };
@@ -423,6 +421,6 @@ pub(crate) fn compactor(shared: Arc<Shared>, rx: std::sync::mpsc::Receiver<stowa
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         let _ = shared
             .core()
-            .handle(shared.now(), Input::Moved { blob: job.blob, ok });
+            .handle(shared.now(), input::Moved { blob: job.blob, ok });
     }
 }

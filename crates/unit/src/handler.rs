@@ -14,8 +14,8 @@ use std::ops::DerefMut;
 use std::time::Duration;
 
 use stowage_core::{
-    Allocated, Answer, BlobId, Committed, CoreError, EntrySpec, Input, Located, Op, Owner, PinId,
-    Place, SpareCommitted, Time, UnitCore,
+    op, Allocated, BlobId, Committed, CoreError, EntrySpec, Located, Op, Owner, PinId, Place,
+    SpareCommitted, Time, UnitCore,
 };
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
@@ -297,7 +297,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             spare_nbytes,
         } => {
             let shm_bytes = entry_bytes(&entries);
-            let op = Op::CommitSpare {
+            let op = op::CommitSpare {
                 written,
                 blob,
                 partition: scope(namespace, &partition),
@@ -307,17 +307,12 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             };
             let mut core = core();
             let reply = match request(&mut core, now, owner, op) {
-                Ok(Answer::SpareCommitted(SpareCommitted::AlreadyCommitted)) => {
-                    Response::AlreadyCommitted
-                }
-                Ok(Answer::SpareCommitted(SpareCommitted::Pending)) => Response::Pending,
-                Ok(Answer::SpareCommitted(SpareCommitted::Committed { spare })) => {
-                    Response::CommittedSpare {
-                        spare,
-                        spares_back: core.spares_short(),
-                    }
-                }
-                Ok(other) => error_response(&unexpected(&other)),
+                Ok(SpareCommitted::AlreadyCommitted) => Response::AlreadyCommitted,
+                Ok(SpareCommitted::Pending) => Response::Pending,
+                Ok(SpareCommitted::Committed { spare }) => Response::CommittedSpare {
+                    spare,
+                    spares_back: core.spares_short(),
+                },
                 Err(e) => error_response(&e),
             };
             drop(core);
@@ -328,7 +323,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             }
         }
         Request::Abort { blob, in_flight } => answer(
-            request(&mut core(), now, owner, Op::Abort { blob, in_flight }).map(|_| Response::Done),
+            request(&mut core(), now, owner, op::Abort { blob, in_flight }).map(|_| Response::Done),
         ),
         Request::Put {
             blob,
@@ -379,7 +374,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             &mut core(),
             now,
             owner,
-            Op::ClearRows {
+            op::ClearRows {
                 partition: scope(namespace, &partition),
                 rows,
             },
@@ -391,7 +386,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             &mut core(),
             now,
             owner,
-            Op::ClearPartition {
+            op::ClearPartition {
                 partition: scope(namespace, &partition),
             },
         )),
@@ -443,18 +438,13 @@ pub const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-u
 /// One request from `owner` to the core, through its one entry point. The
 /// typed shorthands below are the ones the unit's request path and its
 /// checkpoints use.
-pub(crate) fn request(
+pub(crate) fn request<O: Op>(
     core: &mut UnitCore,
     now: Time,
     owner: Owner,
-    op: Op,
-) -> Result<Answer, CoreError> {
-    core.handle(now, Input::Request { owner, op })
-}
-
-/// A core answer a request never gets (a bug of the unit's): refused.
-pub(crate) fn unexpected(a: &Answer) -> CoreError {
-    CoreError::Invalid(format!("the unit's core gave an unexpected answer: {a:?}"))
+    op: O,
+) -> Result<O::Answer, CoreError> {
+    core.handle(now, stowage_core::Request { owner, op })
 }
 
 pub(crate) fn alloc(
@@ -465,15 +455,12 @@ pub(crate) fn alloc(
     n_entries: u32,
     now: Time,
 ) -> Result<Allocated, CoreError> {
-    let op = Op::Alloc {
+    let op = op::Alloc {
         blob,
         nbytes,
         n_entries,
     };
-    match request(core, now, owner, op)? {
-        Answer::Allocated(a) => Ok(a),
-        other => Err(unexpected(&other)),
-    }
+    request(core, now, owner, op)
 }
 
 /// The commit of a blob whose bytes the unit wrote (a Put's payload, a
@@ -486,12 +473,12 @@ pub(crate) fn commit_written(
     entries: Vec<EntrySpec>,
     now: Time,
 ) -> Result<Committed, CoreError> {
-    let op = Op::CommitWritten {
+    let op = op::CommitWritten {
         partition,
         blob,
         entries,
     };
-    commit_reply(request(core, now, owner, op))
+    request(core, now, owner, op)
 }
 
 pub(crate) fn unpin(
@@ -500,7 +487,7 @@ pub(crate) fn unpin(
     pin: PinId,
     now: Time,
 ) -> Result<(), CoreError> {
-    request(core, now, owner, Op::Unpin { pin }).map(|_| ())
+    request(core, now, owner, op::Unpin { pin }).map(|_| ())
 }
 
 fn resolve(
@@ -510,25 +497,19 @@ fn resolve(
     keys: Vec<stowage_core::Key>,
     now: Time,
 ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
-    match request(core, now, owner, Op::Resolve { partition, keys })? {
-        Answer::Resolved { pin, found } => Ok((pin, found)),
-        other => Err(unexpected(&other)),
-    }
+    let r = request(core, now, owner, op::Resolve { partition, keys })?;
+    Ok((r.pin, r.found))
 }
 
 /// A clear (rows or a partition): how many entries went.
-fn cleared(core: &mut UnitCore, now: Time, owner: Owner, op: Op) -> Result<Response, CoreError> {
-    match request(core, now, owner, op)? {
-        Answer::Cleared(entries) => Ok(Response::Cleared { entries }),
-        other => Err(unexpected(&other)),
-    }
-}
-
-fn commit_reply(r: Result<Answer, CoreError>) -> Result<Committed, CoreError> {
-    match r? {
-        Answer::Committed(c) => Ok(c),
-        other => Err(unexpected(&other)),
-    }
+fn cleared<O: Op<Answer = u64>>(
+    core: &mut UnitCore,
+    now: Time,
+    owner: Owner,
+    op: O,
+) -> Result<Response, CoreError> {
+    let entries = request(core, now, owner, op)?;
+    Ok(Response::Cleared { entries })
 }
 
 /// Commit `entries` of `blob`, reserved in the slab by `owner` and written
@@ -542,12 +523,12 @@ fn commit(
     now: Time,
 ) -> Plan {
     let shm_bytes = entry_bytes(&entries);
-    let op = Op::Commit {
+    let op = op::Commit {
         partition,
         blob,
         entries,
     };
-    let reply = match commit_reply(request(core, now, owner, op)) {
+    let reply = match request(core, now, owner, op) {
         Ok(Committed::Done) => Response::Done,
         Ok(Committed::Pending) => Response::Pending,
         Err(e) => error_response(&e),
@@ -655,7 +636,7 @@ pub fn put_abandoned(
 }
 
 fn abort(core: &mut UnitCore, put: &Put, in_flight: bool, now: Time) -> Result<(), CoreError> {
-    let op = Op::Abort {
+    let op = op::Abort {
         blob: put.blob,
         in_flight,
     };

@@ -85,8 +85,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use drive::{compactor, flusher, spiller, Timer};
-pub(crate) use handler::unexpected;
-use stowage_core::{Answer, CoreConfig, Input, UnitCore};
+use stowage_core::{input, CoreConfig, UnitCore};
 use stowage_shm::Slab;
 use stowage_wire::Limits;
 
@@ -213,13 +212,9 @@ impl Shared {
                 getrandom::fill(&mut b)
                     .map_err(|e| refused(stowage_core::CoreError::Invalid(e.to_string())))?;
                 let token = u128::from_le_bytes(b);
-                let id = match core
-                    .handle(self.now(), Input::OpenSession)
-                    .map_err(refused)?
-                {
-                    Answer::Session(id) => id,
-                    other => return Err(refused(unexpected(&other))),
-                };
+                let id = core
+                    .handle(self.now(), input::OpenSession)
+                    .map_err(refused)?;
                 if let Some(m) = &self.metrics {
                     m.session_opened();
                 }
@@ -254,16 +249,13 @@ impl Shared {
         }
         rec.mapped |= maps;
         let now = self.now();
-        let input = Input::Attach {
+        let attach = input::Attach {
             session: rec.id,
             mapped: rec.mapped,
         };
-        let owner = match core.handle(now, input).map_err(refused)? {
-            Answer::Attached(owner) => owner,
-            other => return Err(refused(unexpected(&other))),
-        };
+        let owner = core.handle(now, attach).map_err(refused)?;
         if rec.one_sided {
-            core.handle(now, Input::MakeOneSided(owner))
+            core.handle(now, input::MakeOneSided(owner))
                 .map_err(refused)?;
         }
         Ok((token, owner))

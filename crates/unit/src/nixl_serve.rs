@@ -4,7 +4,7 @@
 
 use std::sync::{Arc, Mutex};
 
-use stowage_core::{Answer, Input};
+use stowage_core::input;
 use stowage_shm::Slab;
 
 use crate::{conn, NixlConfig, Shared, StartError};
@@ -156,7 +156,7 @@ impl Shared {
             rec.pidfd = peer.pid.and_then(|pid| self.pidfd_of(pid));
         }
         rec.one_sided = true;
-        self.core().handle(self.now(), Input::MakeOneSided(owner))?;
+        self.core().handle(self.now(), input::MakeOneSided(owner))?;
         if let Some(name) = &known {
             peers
                 .agents
@@ -213,10 +213,7 @@ impl Shared {
             let mut core = self.core();
             fence
                 .iter()
-                .map(|s| match core.handle(now, Input::Fenced(*s)) {
-                    Ok(Answer::Released(n)) => n,
-                    _ => 0,
-                })
+                .map(|s| core.handle(now, input::Fenced(*s)).unwrap_or(0))
                 .sum()
         };
         if held > 0 {

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use crate::disk::{self, DiskEngine};
-use stowage_core::{Answer, Input};
+use stowage_core::input;
 
 use crate::Shared;
 
@@ -320,15 +320,12 @@ impl Shared {
             let (slot, size) = {
                 let mut c = self.core();
                 let size = c.blob_size(blob);
-                let slot = match c.handle(self.now(), Input::Promote(blob)) {
-                    Ok(Answer::Promoting(slot)) => slot,
-                    _ => None,
-                };
+                let slot = c.handle(self.now(), input::Promote(blob)).unwrap_or(None);
                 (slot, size)
             };
             let Some(size) = size else {
                 if let Some(_slot) = slot {
-                    let done = Input::Promoted { blob, ok: false };
+                    let done = input::Promoted { blob, ok: false };
                     let _ = self.core().handle(self.now(), done);
                 }
                 corrupt.insert(blob);
@@ -360,7 +357,7 @@ impl Shared {
                         })?
                         .map_err(disk::DiskError::Io)
                     });
-                    let done = Input::Promoted {
+                    let done = input::Promoted {
                         blob,
                         ok: r.is_ok(),
                     };

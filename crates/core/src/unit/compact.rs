@@ -11,7 +11,7 @@
 //! reserved (no writer), not being spilled, promoted or moved already. A
 //! move is one [`Action::Move`]: the driver copies the blob's bytes into a
 //! range the core reserved for it, while the old range stays allocated, and
-//! reports [`Input::Moved`]. Only then, and only if the blob is still
+//! reports [`input::Moved`]. Only then, and only if the blob is still
 //! committed and unpinned, does the blob switch to the new range (one step:
 //! entries name the blob, not the slab) and the old range go back. A reader
 //! that pinned the blob while it was copied read the old range, which the
@@ -20,7 +20,7 @@
 use super::*;
 
 /// A blob the driver should copy to another range of the slab
-/// ([`Action::Move`]), then report with [`Input::Moved`].
+/// ([`Action::Move`]), then report with [`input::Moved`].
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MoveJob {
     pub blob: BlobId,
@@ -165,7 +165,7 @@ impl UnitCore {
             self.move_in_flight = None;
         }
         self.compact_dirty = true;
-        if let Some((old, new)) = self.orphan_moves.remove(&blob) {
+        if let Some((old, new)) = self.in_flight.take(blob, |o| o.moving.take()) {
             if let Some(old) = old {
                 self.release(old, Release::BlobFreed);
             }

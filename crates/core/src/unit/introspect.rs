@@ -38,13 +38,7 @@ impl UnitCore {
     pub fn held_ranges(&self) -> Vec<(u64, u64)> {
         self.quarantined
             .values()
-            .chain(self.orphan_promotions.values())
-            .chain(self.orphan_writes.values().filter_map(|(_, r)| r.as_ref()))
-            .chain(
-                self.orphan_moves
-                    .values()
-                    .flat_map(|(old, new)| old.iter().chain(std::iter::once(new))),
-            )
+            .chain(self.in_flight.ranges())
             .flat_map(|r| r.pieces().iter().copied())
             .collect()
     }

@@ -22,9 +22,12 @@ use crate::slab::{Region, SlabAllocator};
 mod blobs;
 mod compact;
 mod drive;
+mod in_flight;
 mod index;
+pub mod input;
 #[cfg(any(test, feature = "testing"))]
 mod introspect;
+pub mod op;
 mod pins;
 mod release;
 mod sessions;
@@ -37,7 +40,10 @@ use crate::{
     Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time,
 };
 pub use compact::MoveJob;
-pub use drive::{Action, Answer, Input, Op, SpareCommitted};
+pub use drive::Action;
+use in_flight::{InFlight, Orphan};
+pub use input::{Input, Op, Request};
+pub use op::{Resolved, SpareCommitted};
 use release::Release;
 pub use stats::{SessionStats, Stats};
 
@@ -60,7 +66,7 @@ pub struct CoreConfig {
     /// (a stream the unit cut off), before it is reused. Default 5 s.
     pub quarantine: Duration,
     /// How long the holds of a one-sided (nixl) peer whose connection ended
-    /// stay after the driver fenced its endpoint ([`Input::Fenced`]):
+    /// stay after the driver fenced its endpoint ([`input::Fenced`]):
     /// time for transfers already posted to drain. Default 5 s.
     pub nixl_quarantine: Duration,
     /// Bytes the key index may take (names, metadata and a fixed cost per
@@ -176,11 +182,11 @@ struct Holder {
 enum Kept {
     /// Its connection is open.
     Open,
-    /// Until the session's process is gone ([`Input::ProcessExited`]): a
+    /// Until the session's process is gone ([`input::ProcessExited`]): a
     /// peer that maps the slab, whose connection the unit cut.
     UntilGone,
     /// A one-sided (nixl) peer's: until its process is gone, or its
-    /// endpoint is fenced ([`Input::Fenced`]) and then
+    /// endpoint is fenced ([`input::Fenced`]) and then
     /// [`CoreConfig::nixl_quarantine`] has passed.
     UntilFenced,
     /// Fenced: released at this time, or when the process is gone.
@@ -208,12 +214,12 @@ enum State {
     Reserved {
         holder: Holder,
         /// The entry count the commit must name; `None` for a spare
-        /// ([`Op::ReserveSpare`]): any count, and the blob shrinks
+        /// ([`op::ReserveSpare`]): any count, and the blob shrinks
         /// to what the commit names.
         n_entries: Option<u32>,
     },
     /// A blob written to disk by the unit: its entries are published once
-    /// its file is durable ([`Input::DiskWritten`]).
+    /// its file is durable ([`input::DiskWritten`]).
     PendingDisk {
         partition: String,
         entries: Vec<EntrySpec>,
@@ -240,7 +246,7 @@ enum Disk {
 struct Blob {
     /// Its slab range; `None` while it lives only on disk.
     region: Option<Region>,
-    /// A slab range being filled from disk ([`Input::Promote`]).
+    /// A slab range being filled from disk ([`input::Promote`]).
     promoting: Option<Region>,
     /// The range compaction is copying the blob to ([`Action::Move`]).
     moving: Option<Region>,
@@ -330,7 +336,7 @@ impl Place {
 pub type Located = (Place, Vec<u8>);
 
 /// A blob the driver should copy from the slab to its disk file
-/// ([`Action::Spill`]), then report with [`Input::DiskWritten`]. If the
+/// ([`Action::Spill`]), then report with [`input::DiskWritten`]. If the
 /// blob is freed meanwhile, its range stays allocated until the report
 /// (the driver reads it alone), and the file it wrote is deleted through
 /// an [`Action::DeleteFile`] after it reports.
@@ -364,7 +370,7 @@ pub struct SnapshotEntry {
 }
 
 /// A consistent view of every committed entry, with the blobs that hold
-/// them pinned (until [`Op::Unpin`] of `pin`).
+/// them pinned (until [`op::Unpin`] of `pin`).
 #[derive(Clone, Debug)]
 pub struct Snapshot {
     pub pin: Option<PinId>,
@@ -402,21 +408,14 @@ pub struct UnitCore {
     freed_commits: VecDeque<BlobId>,
     freed_commit_set: HashSet<BlobId>,
     disk_used: u64,
-    /// Blobs freed while their file was being written: the file goes, and
-    /// the slab range the writer reads from is freed, once the write
-    /// reports back.
-    orphan_writes: HashMap<BlobId, (u64, Option<Region>)>,
+    /// The driver's work on blobs freed meanwhile (a file being written,
+    /// a promotion, a move): what it touches is released once it reports.
+    in_flight: InFlight,
     commit_seq: u64,
     /// What the driver must do for the core ([`UnitCore::poll_action`]).
     actions: VecDeque<Action>,
     /// An input came since spills were last worked out.
     spill_dirty: bool,
-    /// Slab ranges of promotions whose blob was freed before the driver
-    /// finished copying into them.
-    orphan_promotions: HashMap<BlobId, Region>,
-    /// Moves whose blob was freed (or spilled) while the driver copied:
-    /// both ranges are released when the move reports back.
-    orphan_moves: HashMap<BlobId, (Option<Region>, Region)>,
     /// The blob compaction is moving, if any (one move at a time).
     move_in_flight: Option<BlobId>,
     /// Free memory may have become scattered since compaction last looked.
@@ -490,12 +489,10 @@ impl UnitCore {
             freed_commits: VecDeque::new(),
             freed_commit_set: HashSet::new(),
             disk_used: 0,
-            orphan_writes: HashMap::new(),
+            in_flight: InFlight::default(),
             commit_seq: 0,
             actions: VecDeque::new(),
             spill_dirty: false,
-            orphan_promotions: HashMap::new(),
-            orphan_moves: HashMap::new(),
             move_in_flight: None,
             compact_dirty: false,
             compact_goal: 0,

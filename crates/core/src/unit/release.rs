@@ -61,33 +61,32 @@ impl UnitCore {
         {
             if let Some(b) = self.blobs.remove(&blob) {
                 // A spill still reads the range: it is released when the
-                // write reports back (Input::DiskWritten).
+                // write reports back (input::DiskWritten).
                 let mut region = b.region;
+                let mut work = Orphan::default();
                 if let Some(to) = b.moving {
                     // A move still reads the old range and writes the new:
                     // both are released when it reports back
-                    // (Input::Moved). (A blob being spilled never moves.)
-                    self.orphan_moves.insert(blob, (region.take(), to));
+                    // (input::Moved). (A blob being spilled never moves.)
+                    work.moving = Some((region.take(), to));
                 } else if b.disk != Disk::Writing {
                     if let Some(r) = region.take() {
                         self.release(r, Release::BlobFreed);
                     }
                 }
-                if let Some(r) = b.promoting {
-                    // The driver may still be copying into it: the range
-                    // is released when it reports back (Input::Promoted).
-                    self.orphan_promotions.insert(blob, r);
-                }
+                // The driver may still be copying into a promotion's
+                // range: it is released when it reports back
+                // (input::Promoted).
+                work.promotion = b.promoting;
                 match b.disk {
                     Disk::None => {}
                     Disk::Durable => {
                         self.disk_used -= b.nbytes;
                         self.actions.push_back(Action::DeleteFile(blob));
                     }
-                    Disk::Writing => {
-                        self.orphan_writes.insert(blob, (b.nbytes, region));
-                    }
+                    Disk::Writing => work.write = Some((b.nbytes, region)),
                 }
+                self.in_flight.orphan(blob, work);
                 self.remember_commit(blob);
             }
         }
@@ -121,7 +120,7 @@ impl UnitCore {
 
     /// Release quarantined ranges whose quarantine ended by `now`, and
     /// the holds of fenced one-sided peers whose quarantine ended
-    /// ([`Input::Fenced`]). Nothing else is ever reclaimed by time.
+    /// ([`input::Fenced`]). Nothing else is ever reclaimed by time.
     /// Returns the holds released.
     pub(super) fn expire(&mut self, now: Time) -> u64 {
         while let Some(entry) = self.quarantined.first_entry() {

@@ -61,8 +61,8 @@ impl UnitCore {
     /// network can end the connection while the peer still runs. So
     /// whatever the connection holds when it ends, however it ends, stays
     /// with its session until the session's process is gone
-    /// ([`Input::ProcessExited`]), or until the driver has fenced the
-    /// peer's endpoint ([`Input::Fenced`]) and then
+    /// ([`input::ProcessExited`]), or until the driver has fenced the
+    /// peer's endpoint ([`input::Fenced`]) and then
     /// [`CoreConfig::nixl_quarantine`] has passed.
     pub(super) fn make_one_sided(&mut self, owner: Owner) -> Result<(), CoreError> {
         self.reach_mut(owner).map(|r| r.one_sided = true)
@@ -108,9 +108,9 @@ impl UnitCore {
     /// it, or when the unit cut it and the peer does not map the slab
     /// (reservations then go through quarantine: a stream was cut). A
     /// mapped peer's holds stay with its session until
-    /// [`Input::ProcessExited`] when the unit cut it; a one-sided peer's
-    /// however it ended, until [`Input::ProcessExited`] or
-    /// [`Input::Fenced`] and its quarantine ([`Input::MakeOneSided`]).
+    /// [`input::ProcessExited`] when the unit cut it; a one-sided peer's
+    /// however it ended, until [`input::ProcessExited`] or
+    /// [`input::Fenced`] and its quarantine ([`input::MakeOneSided`]).
     ///
     /// Returns the holds (reservations and pins) released now.
     pub(super) fn detach(&mut self, owner: Owner, end: ConnEnd, now: Time) -> u64 {
@@ -217,7 +217,7 @@ impl UnitCore {
     /// invalidated the peer's NIXL agent, or could not and says so). Every
     /// hold of the session whose connection ended is released once
     /// [`CoreConfig::nixl_quarantine`] has passed from `now` (time for
-    /// transfers already posted to drain), by [`Input::Timeout`]; holds of
+    /// transfers already posted to drain), by [`input::Timeout`]; holds of
     /// open connections are untouched. Returns the holds that now wait.
     pub(super) fn fence(&mut self, session: SessionId, now: Time) -> u64 {
         let Some(s) = self.sessions.get(&session) else {

@@ -53,7 +53,7 @@ pub struct Stats {
     /// Bytes of pinned blobs (part of [`Stats::held_bytes`]).
     pub pinned_bytes: u64,
     /// Spares: reservations same-host clients hold for their next puts
-    /// ([`crate::Op::ReserveSpare`]; not counted in `blobs`, never
+    /// ([`op::ReserveSpare`]; not counted in `blobs`, never
     /// overdue), and their bytes (part of `reserved_bytes` and `used`).
     pub spares: u64,
     pub spare_bytes: u64,

@@ -23,7 +23,7 @@ impl UnitCore {
     /// Blobs to copy to disk now: past the high watermark, committed blobs
     /// in memory and not pinned, oldest first, until use would fall below
     /// the low watermark (or the disk tier is full). Each is marked as being
-    /// written; its memory stays until [`Input::DiskWritten`].
+    /// written; its memory stays until [`input::DiskWritten`].
     pub(super) fn spill_jobs(&mut self) -> Vec<SpillJob> {
         if !self.disk_on() {
             return Vec::new();
@@ -98,7 +98,7 @@ impl UnitCore {
 
     /// Refuse a bare commit of a blob reserved on the disk tier and not
     /// yet committed: its bytes must come with a put (the driver writes
-    /// its file, [`Op::CommitWritten`]), so a bare commit would wait for a
+    /// its file, [`op::CommitWritten`]), so a bare commit would wait for a
     /// file that nobody writes. (Only for the owner's session's own
     /// reservations: another session's commit is refused as not the
     /// owner's.)
@@ -128,7 +128,7 @@ impl UnitCore {
     /// synced). For a spill, the memory copy is freed (once unpinned); for a
     /// blob reserved on disk, its entries are published.
     pub(super) fn disk_written(&mut self, blob: BlobId, ok: bool) {
-        if let Some((nbytes, region)) = self.orphan_writes.remove(&blob) {
+        if let Some((nbytes, region)) = self.in_flight.take(blob, |o| o.write.take()) {
             self.disk_used -= nbytes;
             if let Some(r) = region {
                 self.release(r, Release::OrphanWrite);
@@ -215,9 +215,9 @@ impl UnitCore {
     }
 
     /// The driver filled (or, `ok == false`, failed to fill) the range from
-    /// [`Input::Promote`].
+    /// [`input::Promote`].
     pub(super) fn promote_done(&mut self, blob: BlobId, ok: bool) {
-        if let Some(r) = self.orphan_promotions.remove(&blob) {
+        if let Some(r) = self.in_flight.take(blob, |o| o.promotion.take()) {
             self.release(r, Release::Promotion);
             return;
         }

@@ -87,10 +87,7 @@ fn next_move(c: &mut UnitCore) -> MoveJob {
 }
 
 fn moved(c: &mut UnitCore, blob: BlobId, ok: bool) {
-    assert!(matches!(
-        c.handle(t(5), Input::Moved { blob, ok }),
-        Ok(Answer::Done)
-    ));
+    assert!(matches!(c.handle(t(5), input::Moved { blob, ok }), Ok(())));
 }
 
 #[test]

@@ -7,8 +7,8 @@ use tier::{disk_core, put};
 /// The calls these tests make, over the one entry point.
 impl UnitCore {
     fn tick(&mut self, now: Time) -> u64 {
-        match self.handle(now, Input::Timeout) {
-            Ok(Answer::Released(n)) => n,
+        match self.handle(now, input::Timeout) {
+            Ok(n) => n,
             other => panic!("Timeout answered {other:?}"),
         }
     }

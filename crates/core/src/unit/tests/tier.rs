@@ -160,27 +160,16 @@ fn a_bare_commit_of_a_disk_reservation_is_refused_but_a_written_one_waits() {
     let mut c = disk_core(1024, 1 << 20);
     let o = own(&mut c);
     assert_eq!(c.alloc(o, BlobId(1), 2048, 1, t(0)), Ok(Allocated::ToDisk));
-    let commit = |written: bool| {
-        let (partition, blob, entries) = ("p".to_owned(), BlobId(1), vec![entry(1, "f", 0, 2048)]);
-        if written {
-            Op::CommitWritten {
-                partition,
-                blob,
-                entries,
-            }
-        } else {
-            Op::Commit {
-                partition,
-                blob,
-                entries,
-            }
-        }
-    };
+    let (partition, blob, entries) = ("p".to_owned(), BlobId(1), vec![entry(1, "f", 0, 2048)]);
     let bare = c.handle(
         t(0),
-        Input::Request {
+        Request {
             owner: o,
-            op: commit(false),
+            op: op::Commit {
+                partition: partition.clone(),
+                blob,
+                entries: entries.clone(),
+            },
         },
     );
     assert!(
@@ -189,13 +178,14 @@ fn a_bare_commit_of_a_disk_reservation_is_refused_but_a_written_one_waits() {
     );
     let written = c.handle(
         t(0),
-        Input::Request {
+        Request {
             owner: o,
-            op: commit(true),
+            op: op::CommitWritten {
+                partition,
+                blob,
+                entries,
+            },
         },
     );
-    assert!(
-        matches!(written, Ok(Answer::Committed(Committed::Pending))),
-        "{written:?}"
-    );
+    assert!(matches!(written, Ok(Committed::Pending)), "{written:?}");
 }
