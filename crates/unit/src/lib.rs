@@ -285,9 +285,9 @@ impl Shared {
     }
 
     /// The core's counters, with the server's disk I/O counters.
-    pub(crate) fn stats(&self) -> stowage_core::Stats {
+    pub(crate) fn stats(&self) -> stowage_wire::Stats {
         let now = self.now();
-        let mut s = self.core().stats_at(now);
+        let mut s = stowage_wire::Stats::from(self.core().stats_at(now));
         if let Some(d) = &self.disk {
             s.disk_write_bytes = d.io.write_bytes.load(Ordering::Relaxed);
             s.disk_write_micros = d.io.write_micros.load(Ordering::Relaxed);

@@ -5,8 +5,8 @@
 //!
 //! Recording is a few relaxed atomic adds into arrays fixed at start: no
 //! lock, no allocation, no label lookup per request. The registry holds
-//! one [`Collector`] that encodes these atomics and the core's
-//! [`stowage_core::Stats`] when scraped.
+//! one [`Collector`] that encodes these atomics and the unit's
+//! [`stowage_wire::Stats`] when scraped.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};

@@ -2,8 +2,10 @@
 
 use super::*;
 
-/// Counters of a unit, as reported by the stats request.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+/// What the core counts: its slab, index, holds and disk tier. The unit
+/// server reports these with its own counters (disk I/O, traffic) in the
+/// wire's stats message.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Stats {
     pub capacity: u64,
     /// Slab bytes of stored data: committed blobs in memory (cleared ones
@@ -22,13 +24,6 @@ pub struct Stats {
     pub disk_used: u64,
     /// Blobs whose bytes are only on disk.
     pub spilled_blobs: u64,
-    /// Disk tier I/O since start, kept by the unit server (the core does
-    /// no I/O and reports 0): bytes written by spills and disk puts, and
-    /// the time spent writing them; bytes read back, and the time.
-    pub disk_write_bytes: u64,
-    pub disk_write_micros: u64,
-    pub disk_read_bytes: u64,
-    pub disk_read_micros: u64,
     /// Bytes the key index takes (see [`CoreConfig::index_budget`]).
     pub index_bytes: u64,
     /// Bytes held by sessions: reserved ranges and pinned blobs.
@@ -38,16 +33,6 @@ pub struct Stats {
     pub overdue_holds: u64,
     /// Every session that holds something or has a connection.
     pub sessions: Vec<SessionStats>,
-    /// Traffic since start, kept by the unit server (the core reports 0;
-    /// so does a unit started without metrics): requests answered, value
-    /// bytes written into the unit (puts, commits) and read out of it
-    /// (gets, resolves), and Busy answers. Two samples give rates
-    /// (`stowage status`). Last in the message, so a client that predates
-    /// them still reads the fields before.
-    pub ops: u64,
-    pub bytes_in: u64,
-    pub bytes_out: u64,
-    pub busy: u64,
     /// Partitions that hold rows (over every connection namespace).
     pub partitions: u64,
     /// Bytes of pinned blobs (part of [`Stats::held_bytes`]).
@@ -57,12 +42,6 @@ pub struct Stats {
     /// overdue), and their bytes (part of `reserved_bytes` and `used`).
     pub spares: u64,
     pub spare_bytes: u64,
-    /// Whether the unit serves one-sided NIXL transfers (`--nixl`; set by
-    /// the unit server, the core reports false). Last in the message.
-    pub serves_nixl: bool,
-    /// The slab's page mode: `4k`, `thp` or `hugetlb` (set by the unit
-    /// server, the core reports "").
-    pub page_mode: String,
     /// Free slab bytes (both zones), and the largest free range: a value
     /// larger than it is stored in pieces.
     pub free_bytes: u64,
@@ -74,13 +53,10 @@ pub struct Stats {
     pub compaction_bytes: u64,
     /// Blobs stored in more than one piece.
     pub split_blobs: u64,
-    /// Time compaction spent copying since start, in microseconds (kept by
-    /// the unit server; the core reports 0). Last in the message.
-    pub compaction_micros: u64,
 }
 
 /// What one session holds.
-#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SessionStats {
     pub session: u64,
     /// Open connections.
@@ -218,7 +194,6 @@ impl UnitCore {
             blobs: self.blobs.len() as u64 - spares,
             spares,
             spare_bytes,
-            serves_nixl: false,
             entries: self.entries,
             rows: self.index.values().map(|r| r.len() as u64).sum(),
             pins: self.pins.len() as u64,

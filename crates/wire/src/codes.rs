@@ -1,0 +1,28 @@
+//! The error classes a unit reports.
+
+use serde::{Deserialize, Serialize};
+
+/// Error classes a unit reports. Only ever appended to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum ErrorCode {
+    /// Not enough memory, now or after pending reclamation.
+    Full,
+    /// Memory will free up shortly; retry with backoff.
+    Busy,
+    /// The blob is not reserved: never allocated, already committed or
+    /// aborted, or given up when the session that held it ended (no timer
+    /// takes a reservation away; docs/fencing.md).
+    UnknownBlob,
+    /// Malformed or contradictory request.
+    InvalidRequest,
+    /// The protocol versions differ.
+    VersionMismatch,
+    /// The connection did not say Hello first, did not prove the unit's
+    /// shared secret, or was refused.
+    Unauthorized,
+    /// The unit failed internally (I/O); the request may be retried.
+    Internal,
+    /// The request names a reservation or pin that another session holds
+    /// (the connection itself is accepted: see [`ErrorCode::Unauthorized`]).
+    NotOwner,
+}

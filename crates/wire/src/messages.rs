@@ -1,0 +1,391 @@
+//! The messages: the envelope of every frame, requests (client → unit)
+//! and responses (unit → client), and the structs they carry.
+
+use serde::{Deserialize, Serialize};
+
+use crate::{auth, BlobId, EntrySpec, ErrorCode, Key, PinId, Stats};
+
+/// The header of a frame.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Envelope<T> {
+    /// Chosen by the client; echoed in the reply.
+    pub id: u64,
+    pub body: T,
+}
+
+/// Client → unit. Requests that name keys or rows act in a **partition**
+/// of the connection's namespace (e.g. one RL step's rows); partitions are
+/// isolated from each other like namespaces are.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Request {
+    /// First message on a connection. `want_fd`: hand over the slab's memfd
+    /// (Unix sockets only) so the client can copy bytes itself. `session`:
+    /// join the session the unit gave at an earlier Hello (a client's
+    /// connections to one unit form one session, which owns what they
+    /// reserve and pin); `None` starts a new one.
+    Hello {
+        version: u16,
+        namespace: String,
+        want_fd: bool,
+        session: Option<u128>,
+    },
+    /// Reserve `nbytes` for a blob of `n_entries` entries.
+    Alloc {
+        blob: BlobId,
+        nbytes: u64,
+        n_entries: u32,
+    },
+    /// Publish a reserved blob's entries (offsets relative to the blob).
+    Commit {
+        blob: BlobId,
+        partition: String,
+        entries: Vec<EntrySpec>,
+    },
+    /// Give up a reservation; `in_flight` when a transfer may still write.
+    Abort {
+        blob: BlobId,
+        in_flight: bool,
+    },
+    /// Locate keys and pin their blobs. Every pin lasts until Unpin (by
+    /// its session) or the end of the connection that took it; no lease
+    /// ends it. `hold` is kept for the wire layout and ignored.
+    Resolve {
+        partition: String,
+        keys: Vec<Key>,
+        hold: bool,
+    },
+    /// Drop a pin. With `reply: false` the unit sends nothing back.
+    Unpin {
+        pin: PinId,
+        reply: bool,
+    },
+    /// Clear whole rows (every field). Answered [`Response::Cleared`].
+    ClearRows {
+        partition: String,
+        rows: Vec<u64>,
+    },
+    Stats,
+    /// alloc + the blob's bytes (the frame's payload) + commit, in one
+    /// request: the unit reads the payload straight into the slab.
+    /// `timeout_ms`: the time left to the caller's deadline; a payload that
+    /// stalls longer is cut off (and its range quarantined).
+    Put {
+        blob: BlobId,
+        partition: String,
+        entries: Vec<EntrySpec>,
+        timeout_ms: u64,
+    },
+    /// resolve + the values' bytes in the reply's payload + unpin.
+    /// `timeout_ms`: a reader that does not take the reply within it is
+    /// cut off.
+    Read {
+        partition: String,
+        keys: Vec<Key>,
+        timeout_ms: u64,
+    },
+    /// The rows of a partition and their fields.
+    List {
+        partition: String,
+    },
+    /// Clear every row of a partition. Answered [`Response::Cleared`].
+    ClearPartition {
+        partition: String,
+    },
+    /// The partitions of this namespace that hold data.
+    ListPartitions,
+    /// Write every committed value and the index to `dir` on the unit's
+    /// host (all namespaces); answers metadata only. `dir` must lie under
+    /// the checkpoint root the unit was started with. A checkpoint
+    /// request: an admin, or any client of a unit with a shared secret.
+    Checkpoint {
+        dir: String,
+    },
+    /// Stop the unit within `timeout_ms`: abandon a checkpoint in progress
+    /// if it does not finish in time, remove the disk directory, exit. An
+    /// admin request.
+    Shutdown {
+        timeout_ms: u64,
+    },
+    /// First message to a unit with a shared secret: the client's fresh
+    /// nonce. The unit answers [`Response::Challenge`]; a unit without a
+    /// secret answers `Unauthorized` (a client that holds a secret talks
+    /// to no unit that cannot prove it).
+    Auth {
+        client_nonce: auth::Nonce,
+    },
+    /// The client's proof of the secret for this connection's nonces
+    /// ([`auth::Secret::client_proof`]). No reply when it is right (the
+    /// client sends Hello right after it); `Unauthorized` and the end of
+    /// the connection otherwise.
+    Prove {
+        client_proof: auth::Proof,
+    },
+    /// Commit (as [`Request::Commit`]) the bytes written into reservation
+    /// `written` as blob `blob`, then reserve a *spare* of `spare_nbytes`
+    /// for blob `spare`, held by this connection: the client writes its
+    /// next put into it before it asks the unit anything, and commits that
+    /// put with another CommitSpare naming the spare as `written`, so a
+    /// same-host put costs one round trip. `written` is `blob` itself
+    /// (reserved by Alloc) or a spare, whose commit names any number of
+    /// entries within its size. Answered [`Response::CommittedSpare`]
+    /// (`AlreadyCommitted` when `blob` was committed by an earlier try: the
+    /// spare `written` is then given up); a commit that fails answers as
+    /// Commit does and reserves nothing.
+    CommitSpare {
+        blob: BlobId,
+        written: BlobId,
+        partition: String,
+        entries: Vec<EntrySpec>,
+        spare: BlobId,
+        spare_nbytes: u64,
+    },
+    /// Ask how to reach this unit's slab with one-sided NIXL transfers:
+    /// answered [`Response::NixlInfo`] by a unit that serves nixl
+    /// (`stowage unit --nixl`), `InvalidRequest` by one that does not. The
+    /// connection's holds then outlive its end until the unit has fenced
+    /// the client's agent (docs/fencing.md): the client's WRITEs and READs
+    /// touch them directly.
+    ///
+    /// `agent`: the client's NIXL agent name, and `agent_metadata` what the
+    /// unit loads to reach it (its connection information), so that the
+    /// unit can invalidate it once the agent's last connection has ended;
+    /// both empty when the client cannot tell (its holds then wait out the
+    /// unit's nixl quarantine alone).
+    NixlInfo {
+        agent: String,
+        agent_metadata: Vec<u8>,
+    },
+    /// A connection that mapped the slab (`want_fd` on a Unix socket) asks
+    /// for a request ring of `bytes` bytes ([`RING_MIN`] to [`RING_MAX`],
+    /// a multiple of 4096): answered [`Response::Ring`] with the ring's
+    /// memfd attached (SCM_RIGHTS, as Hello's slab), or an error by a unit
+    /// that serves no rings (the client then never asks again on that
+    /// connection). From then on the connection's requests may come
+    /// through the ring (`stowage_shm::ring`), each entry one encoded
+    /// frame without payload; they are the connection's requests exactly
+    /// as if they came on its socket.
+    OpenRing {
+        bytes: u32,
+    },
+    /// No reply: "my ring has requests and you are parked" (sent on the
+    /// socket when `Ring::submit` says the unit parked the ring).
+    RingKick,
+    /// Serve the checkpoint in `dir` on the unit's host (under its
+    /// checkpoint root, as [`Request::Checkpoint`]'s, no link followed)
+    /// from a temporary restore unit that this unit starts in its own
+    /// process: the unit's own listeners' hosts, port 0, the same secret,
+    /// memory sized from the checkpoint's files. Answered
+    /// [`Response::Restore`] (also when there is nothing at `dir`: then
+    /// `opened` is `None` and `missing` says what is missing). The
+    /// restore unit stops at [`Request::CloseRestore`], when it has had no
+    /// connection for a while, and with this unit. A checkpoint request:
+    /// an admin, or any client of a unit with a shared secret.
+    OpenRestore {
+        dir: String,
+    },
+    /// Stop restore unit `id` (from [`Response::Restore`]). Answered
+    /// `Done` (also when it is already gone).
+    CloseRestore {
+        id: u64,
+    },
+}
+
+/// The smallest ring a client may ask for ([`Request::OpenRing`]).
+pub const RING_MIN: u32 = 4096;
+/// The largest ring a client may ask for ([`Request::OpenRing`]).
+pub const RING_MAX: u32 = 1 << 20;
+
+/// A file of a checkpoint.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointFile {
+    pub name: String,
+    pub size: u64,
+    pub xxh3: u64,
+}
+
+/// What a unit's checkpoint holds (metadata only).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CheckpointInfo {
+    pub rows: u64,
+    pub entries: u64,
+    pub bytes: u64,
+    pub files: Vec<CheckpointFile>,
+    /// Checksum of the unit's MANIFEST file.
+    pub manifest_xxh3: u64,
+    /// The name of the host whose unit wrote (or restored) it.
+    pub host: String,
+    /// Where it is, relative to that unit's checkpoint root
+    /// (`/`-separated names; empty when it was not asked under a root).
+    pub stored: String,
+}
+
+/// Reply to [`Request::OpenRestore`].
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreReply {
+    /// The name of the unit's host.
+    pub host: String,
+    /// The directory it looked at, on that host.
+    pub path: String,
+    /// The restore unit serving it; `None`: nothing there.
+    pub opened: Option<RestoreSource>,
+    /// What is missing, when `opened` is `None`.
+    pub missing: String,
+}
+
+/// A restore unit a unit started ([`Request::OpenRestore`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RestoreSource {
+    /// Its id, for [`Request::CloseRestore`].
+    pub id: u64,
+    /// Its TCP address (`ip:port`; the IP is the unit's own listener's,
+    /// which may be unspecified: then use the host the unit was reached
+    /// at), if the unit listens on TCP.
+    pub tcp: Option<String>,
+    /// Its Unix socket, if the unit listens on one.
+    pub uds: Option<String>,
+    /// What it serves.
+    pub info: CheckpointInfo,
+}
+
+/// A found key: where its bytes are in the slab, and its metadata.
+/// `on_disk`: the value is only in the unit's disk tier (and the slab had
+/// no room to bring it back): read it with [`Request::Read`]; `offset` is
+/// then meaningless.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Found {
+    pub offset: u64,
+    pub len: u64,
+    pub meta: Vec<u8>,
+    pub on_disk: bool,
+    /// A value stored across pieces of the slab: (slab offset, bytes) of
+    /// each part, in order (`offset` is then the first's). Empty for a
+    /// value in one range, the usual case.
+    pub parts: Vec<(u64, u64)>,
+}
+
+impl Found {
+    /// (slab offset, bytes) of each range the value lies in, in order.
+    pub fn ranges(&self) -> Vec<(u64, u64)> {
+        if self.parts.is_empty() {
+            vec![(self.offset, self.len)]
+        } else {
+            self.parts.clone()
+        }
+    }
+}
+
+/// A value in a [`Response::Data`] payload: its length and metadata.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Item {
+    pub len: u64,
+    pub meta: Vec<u8>,
+}
+
+/// Unit → client.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Response {
+    /// Reply to Hello. `fd_attached`: the slab's memfd rides along with
+    /// this frame as SCM_RIGHTS ancillary data.
+    Hello {
+        version: u16,
+        /// Random per unit process: a restarted unit (empty memory) has a
+        /// new one.
+        instance_id: u128,
+        slab_bytes: u64,
+        fd_attached: bool,
+        /// The session this connection belongs to (the one asked for, or
+        /// a new one when that one is gone). Random, not guessable.
+        session: u128,
+    },
+    /// Reply to Alloc: write the blob's bytes into these (slab offset,
+    /// bytes) pieces, in order (one piece unless the slab's free memory is
+    /// cut so that no single range holds the blob). `spares_back`: the
+    /// unit is short of memory; give back the spares this connection holds.
+    Allocated {
+        pieces: Vec<(u64, u64)>,
+        spares_back: bool,
+    },
+    /// Reply to Alloc: the slab has no room but the disk tier has; send the
+    /// bytes with [`Request::Put`] (same blob id).
+    ToDisk,
+    /// Reply to Commit or Put of a blob going to disk: not durable yet;
+    /// commit again shortly.
+    Pending,
+    AlreadyCommitted,
+    /// Commit, Abort, Unpin and Put succeeded.
+    Done,
+    Resolved {
+        pin: Option<PinId>,
+        found: Vec<Option<Found>>,
+        /// Positions of keys whose blob's disk file is corrupt (their
+        /// `found` is `None`).
+        corrupt: Vec<u32>,
+        /// As in [`Response::Allocated`].
+        spares_back: bool,
+    },
+    /// Reply to ClearRows and ClearPartition: how many values (entries)
+    /// were removed.
+    Cleared {
+        entries: u64,
+    },
+    /// Boxed: by far the largest reply, and a rare one.
+    Stats(Box<Stats>),
+    /// Reply to Read: each key's value (`None`: not found); the found
+    /// values' bytes follow in the payload, in key order.
+    Data {
+        items: Vec<Option<Item>>,
+        /// Positions of keys whose blob's disk file is corrupt (their
+        /// item is `None`).
+        corrupt: Vec<u32>,
+    },
+    /// Reply to List: (row, fields) pairs, rows ascending.
+    Listed {
+        rows: Vec<(u64, Vec<String>)>,
+    },
+    /// Reply to ListPartitions.
+    Partitions {
+        names: Vec<String>,
+    },
+    /// Reply to Checkpoint.
+    Checkpointed(CheckpointInfo),
+    /// Reply to Shutdown: what could not be done (empty: all went well).
+    ShutDown {
+        problems: Vec<String>,
+    },
+    Error {
+        code: ErrorCode,
+        message: String,
+    },
+    /// Reply to Auth: the unit's fresh nonce, and its own proof of the
+    /// secret for both nonces ([`auth::Secret::unit_proof`]), which the
+    /// client checks before it proves anything.
+    Challenge {
+        unit_nonce: auth::Nonce,
+        unit_proof: auth::Proof,
+    },
+    /// Reply to CommitSpare: the blob is published; `spare`: where the
+    /// spare is, `None` when the slab had no room for it now.
+    CommittedSpare {
+        spare: Option<u64>,
+        /// As in [`Response::Allocated`] (`spare` is then `None`).
+        spares_back: bool,
+    },
+    /// Reply to NixlInfo: the unit's NIXL agent metadata (to load with
+    /// `load_remote_md`) and the address its slab is registered at: a range
+    /// at slab offset `o` is at `slab_addr + o` for the peer's transfers.
+    NixlInfo {
+        metadata: Vec<u8>,
+        slab_addr: u64,
+    },
+    /// Reply to OpenRing: the ring's memfd (of `bytes` bytes) rides along
+    /// with this frame as SCM_RIGHTS ancillary data.
+    Ring {
+        bytes: u32,
+    },
+    /// Written into a ring's completion queue in place of a reply (with
+    /// the request's id) that does not fit there, or that carries a
+    /// payload: the real reply to that id follows on the socket.
+    OnSocket,
+    /// Reply to OpenRestore (boxed: a rare reply).
+    Restore(Box<RestoreReply>),
+}

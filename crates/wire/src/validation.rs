@@ -1,0 +1,174 @@
+//! What a request may hold: counts and name lengths checked against
+//! [`Limits`] once it is decoded.
+
+use crate::{Limits, Request, WireError, RING_MAX, RING_MIN};
+
+impl Request {
+    /// Check counts and name lengths against `limits`.
+    pub fn validate(&self, limits: &Limits) -> Result<(), WireError> {
+        let count = |what, n: usize| {
+            if n > limits.max_keys {
+                Err(WireError::TooMany {
+                    what,
+                    count: n,
+                    max: limits.max_keys,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let name = |what, s: &str| {
+            if s.len() > limits.max_name {
+                Err(WireError::TooMany {
+                    what,
+                    count: s.len(),
+                    max: limits.max_name,
+                })
+            } else {
+                Ok(())
+            }
+        };
+        let partition = |p: &str| {
+            name("partition name bytes", p)?;
+            if p.contains(PARTITION_SEPARATOR) {
+                return Err(WireError::Malformed(
+                    "partition names may not contain U+001F".into(),
+                ));
+            }
+            Ok(())
+        };
+        match self {
+            Request::Hello { namespace, .. } => {
+                name("namespace bytes", namespace)?;
+                if namespace.contains(PARTITION_SEPARATOR) {
+                    return Err(WireError::Malformed(
+                        "namespace names may not contain U+001F".into(),
+                    ));
+                }
+                Ok(())
+            }
+            Request::Alloc {
+                n_entries, nbytes, ..
+            } => {
+                if *nbytes > limits.max_payload {
+                    return Err(WireError::PayloadTooLarge {
+                        len: *nbytes,
+                        max: limits.max_payload,
+                    });
+                }
+                count("entries", *n_entries as usize)
+            }
+            Request::CommitSpare { spare_nbytes, .. } if *spare_nbytes > limits.max_payload => {
+                Err(WireError::PayloadTooLarge {
+                    len: *spare_nbytes,
+                    max: limits.max_payload,
+                })
+            }
+            Request::Commit {
+                entries,
+                partition: p,
+                ..
+            }
+            | Request::CommitSpare {
+                entries,
+                partition: p,
+                ..
+            }
+            | Request::Put {
+                entries,
+                partition: p,
+                ..
+            } => {
+                partition(p)?;
+                count("entries", entries.len())?;
+                // Their lengths add up within 64 bits (a blob holds them
+                // all), so that no one sums them past it.
+                if entries
+                    .iter()
+                    .try_fold(0u64, |sum, e| sum.checked_add(e.len))
+                    .is_none()
+                {
+                    return Err(WireError::Malformed(
+                        "the entries' lengths add up past 2^64 bytes".into(),
+                    ));
+                }
+                entries.iter().try_for_each(|e| {
+                    name("field name bytes", &e.key.field)?;
+                    if e.offset.checked_add(e.len).is_none() {
+                        return Err(WireError::Malformed(format!(
+                            "entry {} at {}+{} overflows",
+                            e.key, e.offset, e.len
+                        )));
+                    }
+                    if e.meta.len() > limits.max_meta {
+                        return Err(WireError::TooMany {
+                            what: "metadata bytes",
+                            count: e.meta.len(),
+                            max: limits.max_meta,
+                        });
+                    }
+                    Ok(())
+                })
+            }
+            Request::Resolve {
+                keys, partition: p, ..
+            }
+            | Request::Read {
+                keys, partition: p, ..
+            } => {
+                partition(p)?;
+                count("keys", keys.len())?;
+                keys.iter()
+                    .try_for_each(|k| name("field name bytes", &k.field))
+            }
+            Request::ClearRows { rows, partition: p } => {
+                partition(p)?;
+                count("rows", rows.len())
+            }
+            Request::List { partition: p } | Request::ClearPartition { partition: p } => {
+                partition(p)
+            }
+            Request::Checkpoint { dir } | Request::OpenRestore { dir } => {
+                name("checkpoint path bytes", dir)
+            }
+            Request::Shutdown { .. } => Ok(()),
+            Request::OpenRing { bytes } => {
+                if !(RING_MIN..=RING_MAX).contains(bytes) || bytes % 4096 != 0 {
+                    return Err(WireError::Malformed(format!(
+                        "a ring of {bytes} bytes: rings hold {RING_MIN} to {RING_MAX} bytes, in whole 4 KiB pages"
+                    )));
+                }
+                Ok(())
+            }
+            Request::Abort { .. }
+            | Request::Unpin { .. }
+            | Request::Stats
+            | Request::NixlInfo { .. }
+            | Request::ListPartitions
+            | Request::Auth { .. }
+            | Request::Prove { .. }
+            | Request::RingKick
+            | Request::CloseRestore { .. } => Ok(()),
+        }
+    }
+
+    /// Whether a frame of this request may carry a payload (only
+    /// [`Request::Put`]'s does; any other with a payload is invalid).
+    pub fn carries_payload(&self) -> bool {
+        matches!(self, Request::Put { .. })
+    }
+
+    /// Whether the unit answers this request once the connection is
+    /// open ([`Request::RingKick`] and an Unpin with `reply: false` are not
+    /// answered; a ring needs no room in its completion queue for them).
+    pub fn expects_reply(&self) -> bool {
+        !matches!(
+            self,
+            Request::RingKick | Request::Unpin { reply: false, .. }
+        )
+    }
+}
+
+/// Separates namespace and partition in the unit's index; not allowed in
+/// partition names.
+pub const PARTITION_SEPARATOR: char = '\u{1f}';
