@@ -16,7 +16,7 @@
 //!
 //! The slab is small and puts are large enough (up to 3/4 of it) that
 //! free memory gets cut into holes: puts then take several pieces, values
-//! are split across them (`Place::Split`), and compaction moves blobs.
+//! are split across them (`Placement::Split`), and compaction moves blobs.
 //!
 //! A shadow model keeps what each session was handed and has not released,
 //! every committed key's bytes, and a shadow slab and disk files that the
@@ -62,7 +62,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use stowage_core::{
     input as core_input, op as core_op, Action, BlobId, ConnEnd, CoreConfig, CoreError, EntrySpec,
-    Input as CoreInput, Key, Located, MoveJob, Owner, PinId, Place, Request as CoreRequest,
+    Input as CoreInput, Key, Placed, MoveJob, Owner, PinId, Placement, Request as CoreRequest,
     SessionId, Snapshot, Stats, Time, UnitCore,
 };
 use stowage_unit::handler::{self, error_response, scope, Asker, Dest, Plan};
@@ -436,7 +436,7 @@ struct Res {
 struct PinRec {
     session: SessionId,
     conn: Option<stowage_core::ConnId>,
-    reads: Vec<(Place, Vec<u8>)>,
+    reads: Vec<(Placement, Vec<u8>)>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -491,7 +491,7 @@ struct H {
     /// a corpus reaches: `request_handler corpus/request_handler -runs=0`).
     seen: BTreeMap<&'static str, u64>,
     disk_reads: std::cell::Cell<u64>,
-    /// Values read across pieces (`Place::Split`).
+    /// Values read across pieces (`Placement::Split`).
     split_reads: std::cell::Cell<u64>,
 }
 
@@ -826,16 +826,16 @@ impl H {
         self.slab[offset as usize..(offset + len) as usize].copy_from_slice(&p);
     }
 
-    fn read_place(&self, place: &Place) -> Vec<u8> {
+    fn read_place(&self, place: &Placement) -> Vec<u8> {
         match *place {
-            Place::Memory(l) => {
+            Placement::Memory(l) => {
                 assert!(
                     l.offset.checked_add(l.len).is_some_and(|e| e <= CAP),
                     "location {l:?} outside the slab"
                 );
                 self.slab[l.offset as usize..(l.offset + l.len) as usize].to_vec()
             }
-            Place::Split(ref parts) => {
+            Placement::Split(ref parts) => {
                 assert!(
                     parts.len() >= 2 && parts.iter().all(|l| l.len > 0),
                     "a split place of fewer than two parts, or an empty one: {place:?}"
@@ -852,7 +852,7 @@ impl H {
                     .copied()
                     .collect()
             }
-            Place::Disk { blob, offset, len } => {
+            Placement::Disk { blob, offset, len } => {
                 let f = self
                     .files
                     .get(&blob)
@@ -1569,8 +1569,8 @@ impl H {
         sc: &str,
         keys: &[Key],
         pin: Option<PinId>,
-        found: &[Option<Located>],
-    ) -> Vec<(Place, Vec<u8>)> {
+        found: &[Option<Placed>],
+    ) -> Vec<(Placement, Vec<u8>)> {
         assert_eq!(
             found.len(),
             keys.len(),
@@ -1596,10 +1596,10 @@ impl H {
                     )
                 }
                 (Some((place, meta)), Some(v)) => {
-                    if matches!(place, Place::Disk { .. }) {
+                    if matches!(place, Placement::Disk { .. }) {
                         self.disk_reads.set(self.disk_reads.get() + 1);
                     }
-                    if matches!(place, Place::Split(_)) {
+                    if matches!(place, Placement::Split(_)) {
                         self.split_reads.set(self.split_reads.get() + 1);
                     }
                     let got = self.read_place(place);
@@ -1621,7 +1621,7 @@ impl H {
         sc: &str,
         keys: &[Key],
         pin: Option<PinId>,
-        found: &[Option<Located>],
+        found: &[Option<Placed>],
     ) {
         let reads = self.check_found(sc, keys, pin, found);
         self.note("resolve");
@@ -1873,7 +1873,7 @@ impl H {
             other => panic!("Snapshot answered {other:?}"),
         };
         let mut got: Index = BTreeMap::new();
-        let places: BTreeMap<BlobId, (u64, Place)> = snap
+        let places: BTreeMap<BlobId, (u64, Placement)> = snap
             .blobs
             .iter()
             .map(|(b, n, p)| (*b, (*n, p.clone())))
@@ -1887,12 +1887,12 @@ impl H {
                 "snapshot entry outside its blob"
             );
             let bytes = match place {
-                Place::Memory(_) | Place::Split(_) => {
+                Placement::Memory(_) | Placement::Split(_) => {
                     let whole = self.read_place(place);
                     assert_eq!(whole.len() as u64, *n, "snapshot place of {:?}", e.blob);
                     whole[e.offset as usize..(e.offset + e.len) as usize].to_vec()
                 }
-                Place::Disk { blob, .. } => self.read_place(&Place::Disk {
+                Placement::Disk { blob, .. } => self.read_place(&Placement::Disk {
                     blob: *blob,
                     offset: e.offset,
                     len: e.len,
@@ -2134,9 +2134,9 @@ impl H {
             for p in &my_pins {
                 for (place, _) in &p.reads {
                     let parts = match place {
-                        Place::Memory(l) => vec![*l],
-                        Place::Split(parts) => parts.clone(),
-                        Place::Disk { .. } => Vec::new(),
+                        Placement::Memory(l) => vec![*l],
+                        Placement::Split(parts) => parts.clone(),
+                        Placement::Disk { .. } => Vec::new(),
                     };
                     for l in parts {
                         assert!(

@@ -32,7 +32,7 @@
 //!   (tcp); [`op::Commit`] publishes the blob's entries, each a
 //!   [`Key`] → (offset, length) inside the blob. Commit is idempotent, so a
 //!   client whose reply was lost asks again.
-//! * [`op::Resolve`] turns keys into slab [`Location`]s and pins the
+//! * [`op::Resolve`] turns keys into slab [`SlabRange`]s and pins the
 //!   blobs that hold them, so their bytes neither move nor change until
 //!   [`op::Unpin`].
 //! * [`op::ClearRows`] clears whole rows of a partition
@@ -102,9 +102,9 @@ pub mod slab;
 mod unit;
 
 pub use unit::{
-    input, op, Action, Committed, ConnEnd, CoreConfig, Input, Located, MoveJob, Op, Owner, Place,
-    Request, Resolved, SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats,
-    UnitCore,
+    input, op, Action, Committed, ConnEnd, CoreConfig, Input, Located, Location, MoveJob, Op,
+    Owner, Place, Placed, Placement, Request, Resolved, SessionStats, Snapshot, SnapshotEntry,
+    SpareCommitted, SpillJob, Stats, UnitCore,
 };
 
 use serde::{Deserialize, Serialize};
@@ -173,9 +173,10 @@ pub struct EntrySpec {
     pub meta: Vec<u8>,
 }
 
-/// Where a committed value lives in the slab.
+/// One range of the slab: `len` bytes at slab offset `offset` (a piece of
+/// a value's [`Placement`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Location {
+pub struct SlabRange {
     /// Byte offset in the slab.
     pub offset: u64,
     pub len: u64,

@@ -95,7 +95,7 @@
 //! A blob's slab range is one or more pieces, as the core answered them
 //! (`Allocated::Reserved { pieces }`): the model writes and reads a blob's
 //! bytes through its pieces in order, a value crossing pieces is found as
-//! `Place::Split` (its parts read back concatenated), and spill jobs read
+//! `Placement::Split` (its parts read back concatenated), and spill jobs read
 //! the pieces they name. The slab is cut into holes by clears, so that
 //! puts take several pieces. Every alloc is checked against the free
 //! memory: it is refused (Busy, Full) or sent to disk only when its
@@ -179,7 +179,7 @@ use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use stowage_core::{
     input, Action, Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, EntrySpec, Input,
-    Key, Located, Location, MoveJob, Owner, PinId, Place, Request, SessionId, SessionStats,
+    Key, MoveJob, Owner, PinId, Placed, Placement, Request, SessionId, SessionStats, SlabRange,
     Snapshot, SnapshotEntry, SpillJob, Stats, Time, UnitCore,
 };
 
@@ -287,7 +287,7 @@ trait Drive {
         partition: &str,
         keys: &[Key],
         now: Time,
-    ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
+    ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
         let op = stowage_core::op::Resolve {
             partition: partition.to_owned(),
             keys: keys.to_vec(),
@@ -302,7 +302,7 @@ trait Drive {
         partition: &str,
         keys: &[Key],
         now: Time,
-    ) -> Result<(Option<PinId>, Vec<Option<Place>>), CoreError> {
+    ) -> Result<(Option<PinId>, Vec<Option<Placement>>), CoreError> {
         let (pin, found) = self.resolve_with_meta(owner, partition, keys, now)?;
         Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
     }
@@ -485,7 +485,7 @@ fn locate(pieces: &[(u64, u64)], mut offset: u64, len: u64) -> Vec<(u64, u64)> {
 /// The place the core should answer for bytes `offset..offset + len` of a
 /// blob in `pieces`: one range, or its parts when it crosses pieces; a
 /// zero-length value where it would start.
-fn place_in(pieces: &[(u64, u64)], offset: u64, len: u64) -> Place {
+fn place_in(pieces: &[(u64, u64)], offset: u64, len: u64) -> Placement {
     let parts = locate(pieces, offset, len);
     match parts.as_slice() {
         [] => {
@@ -499,19 +499,19 @@ fn place_in(pieces: &[(u64, u64)], offset: u64, len: u64) -> Place {
                 at -= l;
             }
             let (o, l) = pieces[pieces.len() - 1];
-            Place::Memory(Location {
+            Placement::Memory(SlabRange {
                 offset: start.unwrap_or(o + l),
                 len: 0,
             })
         }
-        [(o, l)] => Place::Memory(Location {
+        [(o, l)] => Placement::Memory(SlabRange {
             offset: *o,
             len: *l,
         }),
-        _ => Place::Split(
+        _ => Placement::Split(
             parts
                 .into_iter()
-                .map(|(offset, len)| Location { offset, len })
+                .map(|(offset, len)| SlabRange { offset, len })
                 .collect(),
         ),
     }
@@ -852,7 +852,7 @@ struct MPin {
     blobs: BTreeSet<BlobId>,
     holder: MHolder,
     /// What the pin's holder was told, and the bytes it read there.
-    snapshots: Vec<(Place, Vec<u8>)>,
+    snapshots: Vec<(Placement, Vec<u8>)>,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -1127,10 +1127,10 @@ impl Harness {
 
     /// The bytes at `place` (a missing file or a range past its end:
     /// `None`); a split value's parts, concatenated.
-    fn read(&self, place: &Place) -> Option<Vec<u8>> {
+    fn read(&self, place: &Placement) -> Option<Vec<u8>> {
         match place {
-            Place::Memory(l) => Some(self.slab_bytes(l.offset, l.len).to_vec()),
-            Place::Split(parts) => {
+            Placement::Memory(l) => Some(self.slab_bytes(l.offset, l.len).to_vec()),
+            Placement::Split(parts) => {
                 if parts.len() < 2 || parts.iter().any(|l| l.len == 0) {
                     // A split place names two parts or more, none empty.
                     return None;
@@ -1142,7 +1142,7 @@ impl Harness {
                         .collect(),
                 )
             }
-            Place::Disk { blob, offset, len } => self
+            Placement::Disk { blob, offset, len } => self
                 .files
                 .get(blob)?
                 .get(*offset as usize..(offset + len) as usize)
@@ -1151,10 +1151,10 @@ impl Harness {
     }
 
     /// Where the value should be found now.
-    fn place(&self, v: &MValue) -> Place {
+    fn place(&self, v: &MValue) -> Placement {
         match self.blobs.get(&v.blob).and_then(|b| b.region.as_ref()) {
             Some(pieces) => place_in(pieces, v.offset, v.len),
-            None => Place::Disk {
+            None => Placement::Disk {
                 blob: v.blob,
                 offset: v.offset,
                 len: v.len,
@@ -2742,8 +2742,8 @@ impl Harness {
                         place
                     );
                     blobs.insert(v.blob);
-                    split |= matches!(place, Place::Split(_));
-                    if let Place::Disk { blob, .. } = place {
+                    split |= matches!(place, Placement::Split(_));
+                    if let Placement::Disk { blob, .. } = place {
                         on_disk.entry(blob).or_insert_with(|| k.clone());
                     }
                     snapshots.push((place, v.bytes.clone()));
@@ -2893,7 +2893,7 @@ impl Harness {
             let b = &self.blobs[id];
             let place = match &b.region {
                 Some(pieces) => place_in(pieces, 0, b.nbytes),
-                None => Place::Disk {
+                None => Placement::Disk {
                     blob: *id,
                     offset: 0,
                     len: b.nbytes,
@@ -3943,7 +3943,7 @@ impl Harness {
             let read_on_disk = self.pins.values().any(|p| {
                 p.snapshots
                     .iter()
-                    .any(|(place, _)| matches!(place, Place::Disk { blob, .. } if blob == b))
+                    .any(|(place, _)| matches!(place, Placement::Disk { blob, .. } if blob == b))
             });
             prop_assert!(
                 !read_on_disk,
@@ -4748,7 +4748,7 @@ fn late_promotion_copy_overwrites_a_reused_range() {
     // A reader finds row 1 on disk (pinned) and the driver starts
     // promoting it.
     let (pin, found) = c.resolve(o, NS, &[Key::new(1, "f")], t(0)).unwrap();
-    assert!(matches!(found[0], Some(Place::Disk { .. })));
+    assert!(matches!(found[0], Some(Placement::Disk { .. })));
     let promoting = c.promote_begin(BlobId(1)).expect("room to promote");
     // Meanwhile row 1 is cleared and the reader unpins.
     c.clear_rows(NS, &[1]);

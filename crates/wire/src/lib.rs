@@ -49,7 +49,7 @@ pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
 pub use limits::{Limits, WireError};
 pub use messages::{
-    CheckpointFile, CheckpointInfo, Envelope, Found, Item, Request, Response, RestoreReply,
+    CheckpointFile, CheckpointInfo, Envelope, Found, Item, Placed, Request, Response, RestoreReply,
     RestoreSource, RING_MAX, RING_MIN,
 };
 pub use stats::{SessionStats, Stats};
@@ -64,7 +64,7 @@ pub use validation::PARTITION_SEPARATOR;
 /// [`Request::NixlInfo`] (its name and connection metadata, so that the unit
 /// can fence that agent when its connections end); version 8
 /// [`ErrorCode::NotOwner`] (an older client could not decode it); version 9
-/// blobs in pieces ([`Response::Allocated`]'s `pieces`, [`Found`]'s
+/// blobs in pieces ([`Response::Allocated`]'s `pieces`, [`Placed`]'s
 /// `parts`), the unit's call to give spares back (`spares_back`) and the
 /// allocator's and compaction's counters in [`Stats`]; version 10 request
 /// rings ([`Request::OpenRing`], [`Request::RingKick`], [`Response::Ring`],
@@ -215,14 +215,14 @@ mod tests {
                 pin: Some(PinId(3)),
                 found: vec![
                     None,
-                    Some(Found {
+                    Some(Placed {
                         offset: 64,
                         len: 10,
                         meta: vec![9],
                         on_disk: true,
                         parts: Vec::new(),
                     }),
-                    Some(Found {
+                    Some(Placed {
                         offset: 64,
                         len: 100,
                         meta: vec![],

@@ -247,12 +247,13 @@ pub struct RestoreSource {
     pub info: CheckpointInfo,
 }
 
-/// A found key: where its bytes are in the slab, and its metadata.
-/// `on_disk`: the value is only in the unit's disk tier (and the slab had
+/// A found key, placed: its value's placement in the slab (one range, or
+/// its `parts`) and its metadata — the wire's form of the core's
+/// `Placed`. `on_disk`: the value is only in the unit's disk tier (and the slab had
 /// no room to bring it back): read it with [`Request::Read`]; `offset` is
 /// then meaningless.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Found {
+pub struct Placed {
     pub offset: u64,
     pub len: u64,
     pub meta: Vec<u8>,
@@ -263,7 +264,12 @@ pub struct Found {
     pub parts: Vec<(u64, u64)>,
 }
 
-impl Found {
+/// The old name of [`Placed`], kept only until the client's and the unit
+/// server's call sites (being reshaped beside this change) move to it.
+#[doc(hidden)]
+pub type Found = Placed;
+
+impl Placed {
     /// (slab offset, bytes) of each range the value lies in, in order.
     pub fn ranges(&self) -> Vec<(u64, u64)> {
         if self.parts.is_empty() {
@@ -316,7 +322,7 @@ pub enum Response {
     Done,
     Resolved {
         pin: Option<PinId>,
-        found: Vec<Option<Found>>,
+        found: Vec<Option<Placed>>,
         /// Positions of keys whose blob's disk file is corrupt (their
         /// `found` is `None`).
         corrupt: Vec<u32>,

@@ -114,28 +114,17 @@ impl UnitCore {
         }
         match self.blobs.get(&spare) {
             Some(Blob {
-                state:
-                    State::Reserved {
-                        holder,
-                        n_entries: None,
-                    },
-                ..
-            }) if holder.session == owner.session => {}
-            Some(Blob {
-                state: State::Reserved { holder, .. },
-                ..
-            }) if holder.session == owner.session => {
-                return Err(CoreError::Invalid(format!(
-                    "{spare:?} was reserved by Alloc, not as a spare"
-                )))
-            }
-            Some(Blob {
-                state: State::Reserved { .. },
+                state: State::Reserved { holder, n_entries },
                 ..
             }) => {
-                return Err(CoreError::NotOwner(format!(
-                    "{spare:?} is reserved by another session"
-                )))
+                holder.check(owner, || {
+                    format!("{spare:?} is reserved by another session")
+                })?;
+                if n_entries.is_some() {
+                    return Err(CoreError::Invalid(format!(
+                        "{spare:?} was reserved by Alloc, not as a spare"
+                    )));
+                }
             }
             _ => return Err(CoreError::UnknownBlob(spare)),
         }
@@ -182,11 +171,7 @@ impl UnitCore {
                     holder,
                     n_entries: n,
                 } if b.nbytes == nbytes && *n == n_entries => {
-                    if holder.session != owner.session {
-                        return Err(CoreError::NotOwner(format!(
-                            "blob {blob:?} is reserved by another session"
-                        )));
-                    }
+                    holder.check(owner, || reserved_elsewhere(blob))?;
                     match holder.conn {
                         Some(c) if c != owner.conn => {
                             return Err(CoreError::Busy {
@@ -376,11 +361,7 @@ impl UnitCore {
             State::Committed { .. } => return Ok(Committed::Done),
             State::PendingDisk { .. } => return Ok(Committed::Pending),
             State::Reserved { holder, n_entries } => {
-                if holder.session != owner.session {
-                    return Err(CoreError::NotOwner(format!(
-                        "blob {blob:?} is reserved by another session"
-                    )));
-                }
+                holder.check(owner, || reserved_elsewhere(blob))?;
                 if let Some(n_entries) = n_entries.filter(|&n| entries.len() != n as usize) {
                     return Err(CoreError::Invalid(format!(
                         "blob {blob:?} was reserved for {n_entries} entries, commit names {}",
@@ -518,13 +499,14 @@ impl UnitCore {
             ..
         }) = self.blobs.get(&blob)
         {
-            if holder.session != owner.session {
-                return Err(CoreError::NotOwner(format!(
-                    "blob {blob:?} is reserved by another session"
-                )));
-            }
+            holder.check(owner, || reserved_elsewhere(blob))?;
             self.release_reservation(blob, in_flight, now);
         }
         Ok(())
     }
+}
+
+/// Why another session may not use `blob`'s reservation.
+fn reserved_elsewhere(blob: BlobId) -> String {
+    format!("blob {blob:?} is reserved by another session")
 }

@@ -29,6 +29,7 @@ pub mod input;
 mod introspect;
 pub mod op;
 mod pins;
+mod placement;
 mod release;
 mod sessions;
 mod stats;
@@ -36,14 +37,15 @@ mod stats;
 mod tests;
 mod tier;
 
-use crate::{
-    Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, Location, PinId, SessionId, Time,
-};
+#[cfg(test)]
+use crate::SlabRange;
+use crate::{Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, PinId, SessionId, Time};
 pub use compact::MoveJob;
 pub use drive::Action;
 use in_flight::{InFlight, Orphan};
 pub use input::{Input, Op, Request};
 pub use op::{Resolved, SpareCommitted};
+pub use placement::{Located, Location, Place, Placed, Placement};
 use release::Release;
 pub use stats::{SessionStats, Stats};
 
@@ -177,6 +179,19 @@ struct Holder {
     kept: Kept,
 }
 
+impl Holder {
+    /// The one ownership check of a hold: only the session that took it
+    /// may use or end it; any other gets [`CoreError::NotOwner`] with
+    /// `refusal`.
+    fn check(&self, owner: Owner, refusal: impl FnOnce() -> String) -> Result<(), CoreError> {
+        if self.session == owner.session {
+            Ok(())
+        } else {
+            Err(CoreError::NotOwner(refusal()))
+        }
+    }
+}
+
 /// Until when a hold whose connection ended is kept.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kept {
@@ -285,56 +300,6 @@ type Map<K, V> = HashMap<K, V, foldhash::fast::RandomState>;
 
 type Rows = Map<u64, Map<String, Entry>>;
 
-/// Where a found value is.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Place {
-    /// In the slab, in one range.
-    Memory(Location),
-    /// In the slab, in several ranges (its blob is made of pieces and the
-    /// value crosses from one to the next): its bytes are these, in order.
-    Split(Vec<Location>),
-    /// Only in its blob's disk file, at `offset` from the blob's start.
-    Disk { blob: BlobId, offset: u64, len: u64 },
-}
-
-impl Place {
-    /// Where bytes `offset..offset + len` of `region` are.
-    pub(super) fn of(region: &Region, offset: u64, len: u64) -> Place {
-        let parts = region.locate(offset, len);
-        match parts.as_slice() {
-            [] => Place::Memory(Location {
-                offset: region.slab_offset(offset),
-                len: 0,
-            }),
-            [(o, l)] => Place::Memory(Location {
-                offset: *o,
-                len: *l,
-            }),
-            _ => Place::Split(
-                parts
-                    .into_iter()
-                    .map(|(offset, len)| Location { offset, len })
-                    .collect(),
-            ),
-        }
-    }
-
-    pub fn len(&self) -> u64 {
-        match self {
-            Place::Memory(l) => l.len,
-            Place::Split(parts) => parts.iter().map(|l| l.len).sum(),
-            Place::Disk { len, .. } => *len,
-        }
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-/// A found key: where its value is, and the metadata stored with it.
-pub type Located = (Place, Vec<u8>);
-
 /// A blob the driver should copy from the slab to its disk file
 /// ([`Action::Spill`]), then report with [`input::DiskWritten`]. If the
 /// blob is freed meanwhile, its range stays allocated until the report
@@ -376,7 +341,7 @@ pub struct Snapshot {
     pub pin: Option<PinId>,
     pub entries: Vec<SnapshotEntry>,
     /// Each blob once: its size and where its bytes are now.
-    pub blobs: Vec<(BlobId, u64, Place)>,
+    pub blobs: Vec<(BlobId, u64, Placement)>,
 }
 
 /// The sans-I/O state machine of one storage unit. See the crate docs.

@@ -141,7 +141,7 @@ pub struct Resolved {
     /// The pin, none when no key was found.
     pub pin: Option<PinId>,
     /// Each key's placement and metadata, in the order asked.
-    pub found: Vec<Option<Located>>,
+    pub found: Vec<Option<Placed>>,
 }
 
 /// The answer to [`CommitSpare`].

@@ -28,7 +28,7 @@ impl UnitCore {
         partition: &str,
         keys: &[Key],
         now: Time,
-    ) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
+    ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
         self.check_owner(owner)?;
         self.check_holds(owner.session, 0)?;
         let rows = self.index.get(partition);
@@ -41,8 +41,8 @@ impl UnitCore {
                 let b = blobs_map.get(&e.blob)?;
                 blobs.push(e.blob);
                 let place = match &b.region {
-                    Some(r) => Place::of(r, e.offset, e.len),
-                    None => Place::Disk {
+                    Some(r) => Placement::of(r, e.offset, e.len),
+                    None => Placement::Disk {
                         blob: e.blob,
                         offset: e.offset,
                         len: e.len,
@@ -115,8 +115,8 @@ impl UnitCore {
             .filter_map(|id| {
                 let b = self.blobs.get(id)?;
                 let place = match &b.region {
-                    Some(r) => Place::of(r, 0, b.nbytes),
-                    None => Place::Disk {
+                    Some(r) => Placement::of(r, 0, b.nbytes),
+                    None => Placement::Disk {
                         blob: *id,
                         offset: 0,
                         len: b.nbytes,
@@ -136,19 +136,16 @@ impl UnitCore {
     /// Drop a pin. Unknown pins (already dropped) are ignored; another
     /// session's pin is refused.
     pub(super) fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
-        match self.pins.get(&pin) {
-            None => Ok(()),
-            Some(p) if p.holder.session != owner.session => Err(CoreError::NotOwner(
-                "the pin belongs to another session".into(),
-            )),
-            Some(_) => {
-                if let Some(s) = self.sessions.get_mut(&owner.session) {
-                    s.pins.remove(&pin);
-                }
-                self.drop_pin(pin);
-                Ok(())
-            }
+        let Some(p) = self.pins.get(&pin) else {
+            return Ok(());
+        };
+        p.holder
+            .check(owner, || "the pin belongs to another session".into())?;
+        if let Some(s) = self.sessions.get_mut(&owner.session) {
+            s.pins.remove(&pin);
         }
+        self.drop_pin(pin);
+        Ok(())
     }
 
     /// Drop a pin whose session record is handled by the caller.

@@ -53,12 +53,12 @@ fn holes_hold_a_put_in_pieces_and_a_value_across_them() {
         .unwrap();
     assert_eq!(
         found[0],
-        Some(Place::Split(vec![
-            Location {
+        Some(Placement::Split(vec![
+            SlabRange {
                 offset: pieces[0].0 + 1000,
                 len: 24
             },
-            Location {
+            SlabRange {
                 offset: pieces[1].0,
                 len: 76
             },
@@ -67,7 +67,7 @@ fn holes_hold_a_put_in_pieces_and_a_value_across_them() {
     );
     assert_eq!(
         found[1],
-        Some(Place::Memory(Location {
+        Some(Placement::Memory(SlabRange {
             offset: pieces[2].0,
             len: 1024
         })),
@@ -108,7 +108,7 @@ fn compaction_moves_only_what_nobody_can_touch() {
         .unwrap();
     assert_eq!(
         found[0],
-        Some(Place::Memory(Location {
+        Some(Placement::Memory(SlabRange {
             offset: 59 << 10,
             len: 1024
         }))
@@ -135,7 +135,7 @@ fn compaction_moves_only_what_nobody_can_touch() {
         .unwrap();
     assert_eq!(
         found[0],
-        Some(Place::Memory(Location {
+        Some(Placement::Memory(SlabRange {
             offset: 0,
             len: 1024
         }))

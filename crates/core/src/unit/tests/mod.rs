@@ -33,7 +33,7 @@ impl UnitCore {
         partition: &str,
         keys: &[Key],
         now: Time,
-    ) -> Result<(Option<PinId>, Vec<Option<Place>>), CoreError> {
+    ) -> Result<(Option<PinId>, Vec<Option<Placement>>), CoreError> {
         let (pin, found) = self.resolve(owner, partition, keys, now)?;
         Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
     }
@@ -92,7 +92,7 @@ fn alloc_is_idempotent_and_commit_publishes() {
         .unwrap();
     assert_eq!(
         locs[0],
-        Some(Place::Memory(Location {
+        Some(Placement::Memory(SlabRange {
             offset: offset + 40,
             len: 60
         }))
@@ -186,7 +186,7 @@ fn a_spare_takes_the_puts_id_and_shrinks_to_its_entries() {
         .unwrap();
     assert_eq!(
         locs[0],
-        Some(Place::Memory(Location {
+        Some(Placement::Memory(SlabRange {
             offset: offset + 1000,
             len: 500
         }))

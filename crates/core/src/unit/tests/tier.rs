@@ -45,7 +45,7 @@ fn spill_oldest_first_then_promote() {
     let (pin, p) = c
         .resolve_places(o, "partition", &[Key::new(1, "f")], t(0))
         .unwrap();
-    assert!(matches!(p[0], Some(Place::Memory(_))));
+    assert!(matches!(p[0], Some(Placement::Memory(_))));
     c.disk_written(BlobId(1), true);
     assert_eq!(c.stats().used, 3072, "pinned: memory kept");
     c.unpin(o, pin.unwrap()).unwrap();
@@ -58,7 +58,7 @@ fn spill_oldest_first_then_promote() {
         .unwrap();
     assert_eq!(
         p[0],
-        Some(Place::Disk {
+        Some(Placement::Disk {
             blob: BlobId(1),
             offset: 0,
             len: 1024
@@ -74,7 +74,7 @@ fn spill_oldest_first_then_promote() {
         .unwrap();
     assert_eq!(
         p[0],
-        Some(Place::Memory(Location {
+        Some(Placement::Memory(SlabRange {
             offset: off,
             len: 1024
         }))
@@ -113,7 +113,7 @@ fn puts_without_memory_go_to_disk_and_publish_when_durable() {
         c.resolve_places(o, "partition", &[Key::new(2, "f")], t(0))
             .unwrap()
             .1[0],
-        Some(Place::Disk { .. })
+        Some(Placement::Disk { .. })
     ));
     // A failed disk write: the put never happened, its file goes.
     assert_eq!(put(&mut c, o, 3, 3, 1000), Allocated::ToDisk);
