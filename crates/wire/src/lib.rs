@@ -52,8 +52,8 @@ pub use messages::{
     CheckpointFile, CheckpointInfo, Envelope, Found, Item, Placed, Request, Response, RestoreReply,
     RestoreSource, RING_MAX, RING_MIN,
 };
-pub use stats::{SessionStats, Stats};
-pub use stowage_core::{BlobId, EntrySpec, Key, PinId};
+pub use stats::Stats;
+pub use stowage_core::{BlobId, EntrySpec, Key, PinId, SessionStats};
 pub use validation::PARTITION_SEPARATOR;
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
@@ -255,7 +255,7 @@ mod tests {
                 index_bytes: 16,
                 held_bytes: 17,
                 overdue_holds: 18,
-                sessions: vec![SessionStats {
+                sessions: vec![stowage_core::SessionStats {
                     session: 1,
                     connections: 2,
                     reservations: 3,

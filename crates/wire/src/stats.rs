@@ -1,6 +1,7 @@
 //! The stats message: the core's counters and the unit server's own.
 
 use serde::{Deserialize, Serialize};
+use stowage_core::SessionStats;
 
 /// Counters of a unit: the reply to [`crate::Request::Stats`]. The core's
 /// counters ([`stowage_core::Stats`], converted with `From`) and what the
@@ -82,26 +83,6 @@ pub struct Stats {
     pub compaction_micros: u64,
 }
 
-/// What one session holds.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct SessionStats {
-    pub session: u64,
-    /// Open connections.
-    pub connections: u32,
-    pub reservations: u32,
-    pub pins: u32,
-    /// Reserved bytes plus the bytes of pinned blobs.
-    pub held_bytes: u64,
-    /// Age of its oldest reservation or pin, in milliseconds.
-    pub oldest_hold_ms: u64,
-    /// Holds whose connection the unit cut: kept until the session's
-    /// process is gone.
-    pub orphaned: u32,
-    /// Of its reservations, the spares (held for its next puts; not in
-    /// `oldest_hold_ms`).
-    pub spares: u32,
-}
-
 impl From<stowage_core::Stats> for Stats {
     /// The core's counters; the server's own start at their defaults, for
     /// the unit to fill.
@@ -121,7 +102,7 @@ impl From<stowage_core::Stats> for Stats {
             index_bytes: s.index_bytes,
             held_bytes: s.held_bytes,
             overdue_holds: s.overdue_holds,
-            sessions: s.sessions.into_iter().map(SessionStats::from).collect(),
+            sessions: s.sessions,
             partitions: s.partitions,
             pinned_bytes: s.pinned_bytes,
             spares: s.spares,
@@ -133,21 +114,6 @@ impl From<stowage_core::Stats> for Stats {
             compaction_bytes: s.compaction_bytes,
             split_blobs: s.split_blobs,
             ..Stats::default()
-        }
-    }
-}
-
-impl From<stowage_core::SessionStats> for SessionStats {
-    fn from(s: stowage_core::SessionStats) -> Self {
-        SessionStats {
-            session: s.session,
-            connections: s.connections,
-            reservations: s.reservations,
-            pins: s.pins,
-            held_bytes: s.held_bytes,
-            oldest_hold_ms: s.oldest_hold_ms,
-            orphaned: s.orphaned,
-            spares: s.spares,
         }
     }
 }

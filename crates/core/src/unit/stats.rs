@@ -55,8 +55,8 @@ pub struct Stats {
     pub split_blobs: u64,
 }
 
-/// What one session holds.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// What one session holds (carried as is in the wire's stats message).
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct SessionStats {
     pub session: u64,
     /// Open connections.
