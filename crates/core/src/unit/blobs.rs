@@ -13,7 +13,7 @@ impl UnitCore {
             }) => holder.session,
             _ => return,
         };
-        if let Some(s) = self.sessions.get_mut(&session) {
+        if let Some(s) = self.holds.sessions.get_mut(&session) {
             s.reservations.remove(&blob);
         }
         self.release_reservation_of(blob, in_flight, now);
@@ -128,7 +128,7 @@ impl UnitCore {
             }
             _ => return Err(CoreError::UnknownBlob(spare)),
         }
-        if self.freed_commit_set.contains(&blob)
+        if self.freed.set.contains(&blob)
             || matches!(
                 self.blobs.get(&blob),
                 Some(Blob {
@@ -148,7 +148,7 @@ impl UnitCore {
         if let Some(b) = self.blobs.remove(&spare) {
             self.blobs.insert(blob, b);
         }
-        if let Some(s) = self.sessions.get_mut(&owner.session) {
+        if let Some(s) = self.holds.sessions.get_mut(&owner.session) {
             s.reservations.remove(&spare);
             s.reservations.insert(blob);
         }
@@ -201,7 +201,7 @@ impl UnitCore {
                 }
             };
         }
-        if self.freed_commit_set.contains(&blob) {
+        if self.freed.set.contains(&blob) {
             return Ok(Allocated::AlreadyCommitted);
         }
         self.check_holds(owner.session, nbytes)?;
@@ -261,7 +261,7 @@ impl UnitCore {
                     .filter_map(|b| b.region.as_ref().map(|r| r.len))
                     .sum();
                 let reclaimable = self.reserved_bytes - spare_bytes
-                    + self.quarantined_bytes
+                    + self.quarantined.bytes
                     + spilling
                     + unpinning;
                 let could_fit = SlabAllocator::rounded(nbytes) <= capacity;
@@ -298,7 +298,7 @@ impl UnitCore {
                 )
             }
             None => {
-                self.disk_used += nbytes;
+                self.tier.disk_used += nbytes;
                 (Disk::Writing, Allocated::ToDisk)
             }
         };
@@ -322,7 +322,7 @@ impl UnitCore {
                 seq: 0,
             },
         );
-        if let Some(s) = self.sessions.get_mut(&owner.session) {
+        if let Some(s) = self.holds.sessions.get_mut(&owner.session) {
             s.reservations.insert(blob);
         }
         Ok(answer)
@@ -350,7 +350,7 @@ impl UnitCore {
         entries: &[EntrySpec],
     ) -> Result<Committed, CoreError> {
         let Some(b) = self.blobs.get(&blob) else {
-            return if self.freed_commit_set.contains(&blob) {
+            return if self.freed.set.contains(&blob) {
                 Ok(Committed::Done)
             } else {
                 Err(CoreError::UnknownBlob(blob))
@@ -383,10 +383,10 @@ impl UnitCore {
             .iter()
             .map(|e| entry_cost(&e.key.field, e.meta.len()))
             .sum();
-        if self.index_bytes.saturating_add(cost) > self.cfg.index_budget {
+        if self.index.bytes.saturating_add(cost) > self.cfg.index_budget {
             return Err(CoreError::Full {
                 needed: cost,
-                free: self.cfg.index_budget.saturating_sub(self.index_bytes),
+                free: self.cfg.index_budget.saturating_sub(self.index.bytes),
                 capacity: self.cfg.index_budget,
             });
         }
@@ -397,7 +397,7 @@ impl UnitCore {
                 ..
             }
         );
-        if let Some(s) = self.sessions.get_mut(&owner.session) {
+        if let Some(s) = self.holds.sessions.get_mut(&owner.session) {
             s.reservations.remove(&blob);
         }
         let (in_memory, durable) = (b.region.is_some(), b.disk == Disk::Durable);
@@ -439,7 +439,7 @@ impl UnitCore {
             b.state = State::Committed { live: 0, pins: 0 };
             b.seq = seq;
         }
-        let rows = self.index.entry(partition.to_owned()).or_default();
+        let rows = self.index.parts.entry(partition.to_owned()).or_default();
         let mut replaced = Vec::new();
         let mut live = 0u32;
         for e in entries {
@@ -449,13 +449,13 @@ impl UnitCore {
                 len: e.len,
                 meta: e.meta.clone().into_boxed_slice(),
             };
-            self.index_bytes += entry_cost(&e.key.field, e.meta.len());
+            self.index.bytes += entry_cost(&e.key.field, e.meta.len());
             let old = rows
                 .entry(e.key.row)
                 .or_default()
                 .insert(e.key.field.clone(), entry);
             if let Some(old) = &old {
-                self.index_bytes -= entry_cost(&e.key.field, old.meta.len());
+                self.index.bytes -= entry_cost(&e.key.field, old.meta.len());
             }
             match old {
                 Some(old) if old.blob == blob => {} // a duplicate key in this blob: last wins
@@ -465,7 +465,7 @@ impl UnitCore {
                 }
                 None => {
                     live += 1;
-                    self.entries += 1;
+                    self.index.entries += 1;
                 }
             }
         }

@@ -39,6 +39,26 @@ const CANDIDATES: usize = 256;
 /// long (each scans every blob).
 pub(super) const RESCAN: Duration = Duration::from_millis(20);
 
+/// Compaction's state.
+#[derive(Default)]
+pub(super) struct Compactor {
+    /// The blob being moved, if any (one move at a time).
+    pub(super) moving: Option<BlobId>,
+    /// Free memory may have become scattered since compaction last looked.
+    pub(super) dirty: bool,
+    /// The latest look for a blob to move that found none (such looks
+    /// scan every blob: at most one per [`RESCAN`]).
+    pub(super) fruitless_scan: Option<Time>,
+    /// A put had to be stored in pieces: compaction runs until the largest
+    /// free range holds this many bytes (or nothing more can move).
+    pub(super) goal: u64,
+    /// Bytes compaction may still copy ([`CoreConfig::compact_ratio`]).
+    pub(super) credit: u64,
+    /// Moves and their bytes since start.
+    pub(super) moves: u64,
+    pub(super) bytes: u64,
+}
+
 impl UnitCore {
     /// Whether compaction has work: the data zone's free memory is
     /// scattered (enough of it, its largest range under
@@ -51,22 +71,22 @@ impl UnitCore {
         let spare_zone_full = self.slab.spare_free() < self.slab.spare_budget() / 4;
         free >= self.cfg.compact_min_free
             && (spare_zone_full
-                || largest < self.compact_goal
+                || largest < self.compactor.goal
                 || (largest as f64) < self.cfg.compact_below * free as f64)
     }
 
     /// A put was stored in `len` bytes of pieces: no free range held it.
     /// Compaction works towards a range that would have.
     pub(super) fn wants_range(&mut self, len: u64) {
-        self.compact_goal = self.compact_goal.max(len);
-        self.compact_dirty = true;
+        self.compactor.goal = self.compactor.goal.max(len);
+        self.compactor.dirty = true;
     }
 
     /// `nbytes` were stored: compaction earns its share of them.
     pub(super) fn earn_compaction(&mut self, nbytes: u64) {
         let earned = (nbytes as f64 * self.cfg.compact_ratio) as u64;
         let cap = self.slab.capacity() / 4;
-        self.compact_credit = self.compact_credit.saturating_add(earned).min(cap);
+        self.compactor.credit = self.compactor.credit.saturating_add(earned).min(cap);
     }
 
     /// Whether nobody can touch `b`: it may move.
@@ -82,24 +102,25 @@ impl UnitCore {
     /// a lower range (or, cut into pieces itself, into one range). One
     /// move at a time.
     pub(super) fn next_move(&mut self) -> Option<MoveJob> {
-        if self.move_in_flight.is_some() || !self.compact_dirty {
+        if self.compactor.moving.is_some() || !self.compactor.dirty {
             return None;
         }
         if !self.scattered() {
-            self.compact_dirty = false;
-            self.compact_goal = 0;
+            self.compactor.dirty = false;
+            self.compactor.goal = 0;
             return None;
         }
         if self
+            .compactor
             .fruitless_scan
             .is_some_and(|t| self.last_input.saturating_sub(t) < RESCAN)
         {
             // Stays dirty: a later input looks again.
             return None;
         }
-        self.compact_dirty = false;
+        self.compactor.dirty = false;
         // Within its budget: what storing data has earned.
-        let max = self.cfg.compact_max_move.min(self.compact_credit);
+        let max = self.cfg.compact_max_move.min(self.compactor.credit);
         // Blobs in pieces first, then the highest: moving them down
         // leaves the top free in one range.
         let mut candidates: Vec<(bool, u64, BlobId)> = self
@@ -147,13 +168,13 @@ impl UnitCore {
                 nbytes,
             };
             b.moving = Some(to);
-            self.move_in_flight = Some(id);
-            self.fruitless_scan = None;
+            self.compactor.moving = Some(id);
+            self.compactor.fruitless_scan = None;
             return Some(job);
         }
         // Nothing more can move: the goal is out of reach for now.
-        self.fruitless_scan = Some(self.last_input);
-        self.compact_goal = 0;
+        self.compactor.fruitless_scan = Some(self.last_input);
+        self.compactor.goal = 0;
         None
     }
 
@@ -161,10 +182,10 @@ impl UnitCore {
     /// a [`MoveJob`]: switch the blob to its new range if nobody touched it
     /// meanwhile, else give the new range back.
     pub(super) fn moved(&mut self, blob: BlobId, ok: bool) {
-        if self.move_in_flight == Some(blob) {
-            self.move_in_flight = None;
+        if self.compactor.moving == Some(blob) {
+            self.compactor.moving = None;
         }
-        self.compact_dirty = true;
+        self.compactor.dirty = true;
         if let Some((old, new)) = self.in_flight.take(blob, |o| o.moving.take()) {
             if let Some(old) = old {
                 self.release(old, Release::BlobFreed);
@@ -186,9 +207,9 @@ impl UnitCore {
         }
         let nbytes = b.nbytes;
         if let Some(old) = b.region.replace(to) {
-            self.compaction_moves += 1;
-            self.compaction_bytes += nbytes;
-            self.compact_credit = self.compact_credit.saturating_sub(nbytes);
+            self.compactor.moves += 1;
+            self.compactor.bytes += nbytes;
+            self.compactor.credit = self.compactor.credit.saturating_sub(nbytes);
             self.release(old, Release::Moved);
         }
     }

@@ -33,7 +33,7 @@ impl UnitCore {
     /// answers what that input answers ([`Input::Answer`]).
     pub fn handle<I: Input>(&mut self, now: Time, input: I) -> Result<I::Answer, CoreError> {
         // Any input may change what should spill.
-        self.spill_dirty = true;
+        self.tier.spill_dirty = true;
         self.last_input = now;
         input.apply(self, now, input::sealed::Token)
     }
@@ -45,8 +45,8 @@ impl UnitCore {
         if let Some(a) = self.actions.pop_front() {
             return Some(a);
         }
-        if self.spill_dirty {
-            self.spill_dirty = false;
+        if self.tier.spill_dirty {
+            self.tier.spill_dirty = false;
             if self.needs_spill() {
                 for job in self.spill_jobs() {
                     self.actions.push_back(Action::Spill(job));

@@ -2,12 +2,23 @@
 
 use super::*;
 
+/// The key index: partition → row → field → entry, and what it costs
+/// against [`CoreConfig::index_budget`].
+#[derive(Default)]
+pub(super) struct Index {
+    pub(super) parts: Map<String, Rows>,
+    /// Bytes the entries take (names, metadata, a fixed cost each).
+    pub(super) bytes: u64,
+    pub(super) entries: u64,
+}
+
 impl UnitCore {
     /// The rows of partition `partition` and the fields of each, rows ascending,
     /// fields sorted.
     pub fn list(&self, partition: &str) -> Vec<(u64, Vec<String>)> {
         let mut rows: Vec<(u64, Vec<String>)> = self
             .index
+            .parts
             .get(partition)
             .map(|r| {
                 r.iter()
@@ -27,6 +38,7 @@ impl UnitCore {
     pub fn partitions(&self, prefix: &str) -> Vec<String> {
         let mut n: Vec<String> = self
             .index
+            .parts
             .keys()
             .filter(|k| k.starts_with(prefix))
             .cloned()
@@ -41,7 +53,7 @@ impl UnitCore {
     /// rows API keeps a string row's name there): they are removed with
     /// their row but not counted.
     pub(super) fn clear_rows(&mut self, partition: &str, rows: &[u64]) -> u64 {
-        let Some(index) = self.index.get_mut(partition) else {
+        let Some(index) = self.index.parts.get_mut(partition) else {
             return 0;
         };
         let mut dropped = Vec::new();
@@ -50,15 +62,15 @@ impl UnitCore {
             if let Some(fields) = index.remove(row) {
                 hidden += fields.keys().filter(|f| f.starts_with('\0')).count() as u64;
                 for (field, e) in fields {
-                    self.index_bytes -= entry_cost(&field, e.meta.len());
+                    self.index.bytes -= entry_cost(&field, e.meta.len());
                     dropped.push(e.blob);
                 }
             }
         }
         if index.is_empty() {
-            self.index.remove(partition);
+            self.index.parts.remove(partition);
         }
-        self.entries -= dropped.len() as u64;
+        self.index.entries -= dropped.len() as u64;
         let n = dropped.len() as u64 - hidden;
         for blob in dropped {
             self.drop_entry_ref(blob);
@@ -70,6 +82,7 @@ impl UnitCore {
     pub(super) fn clear_partition(&mut self, partition: &str) -> u64 {
         let rows: Vec<u64> = self
             .index
+            .parts
             .get(partition)
             .map(|r| r.keys().copied().collect())
             .unwrap_or_default();

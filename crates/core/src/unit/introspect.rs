@@ -23,7 +23,7 @@ impl UnitCore {
 
     /// The blob compaction is moving and the range it moves to, if any.
     pub fn move_under_way(&self) -> Option<(BlobId, u64)> {
-        let id = self.move_in_flight?;
+        let id = self.compactor.moving?;
         let to = self
             .blobs
             .get(&id)
@@ -37,6 +37,7 @@ impl UnitCore {
     /// For invariant checks in tests.
     pub fn held_ranges(&self) -> Vec<(u64, u64)> {
         self.quarantined
+            .ranges
             .values()
             .chain(self.in_flight.ranges())
             .flat_map(|r| r.pieces().iter().copied())
@@ -46,7 +47,7 @@ impl UnitCore {
     /// The slab ranges `session` may touch directly: its reservations and
     /// the blobs it has pinned. For invariant checks in tests.
     pub fn session_ranges(&self, session: SessionId) -> Vec<(u64, u64)> {
-        let Some(s) = self.sessions.get(&session) else {
+        let Some(s) = self.holds.sessions.get(&session) else {
             return Vec::new();
         };
         let reserved = s
@@ -56,7 +57,7 @@ impl UnitCore {
         let pinned = s
             .pins
             .iter()
-            .filter_map(|p| self.pins.get(p))
+            .filter_map(|p| self.holds.pins.get(p))
             .flat_map(|p| p.blobs.iter())
             .filter_map(|b| self.blobs.get(b)?.region.as_ref());
         reserved
@@ -69,7 +70,8 @@ impl UnitCore {
     /// open (their connections were cut): the core has asked the
     /// driver to watch their processes ([`Action::CheckProcess`]).
     pub fn orphaned_sessions(&self) -> Vec<SessionId> {
-        self.sessions
+        self.holds
+            .sessions
             .iter()
             .filter(|(id, s)| {
                 **id != Owner::UNIT.session

@@ -349,55 +349,27 @@ pub struct UnitCore {
     cfg: CoreConfig,
     slab: SlabAllocator,
     blobs: Map<BlobId, Blob>,
-    /// partition → row → field → entry.
-    index: Map<String, Rows>,
-    pins: Map<PinId, Pin>,
-    /// Counter under the pin-id function.
-    pin_counter: u64,
-    /// Quarantined ranges by the time they may be reused.
-    quarantined: BTreeMap<(Time, u64), Region>,
-    quarantine_seq: u64,
-    /// Holds of fenced one-sided peers by the time they are released
-    /// ([`Kept::Until`]); an entry whose hold has gone or was taken over
-    /// is skipped.
-    fenced: BTreeMap<(Time, u64), (SessionId, Hold)>,
-    sessions: HashMap<SessionId, Session>,
-    next_session: u64,
-    next_conn: u64,
-    index_bytes: u64,
-    entries: u64,
     reserved_bytes: u64,
-    quarantined_bytes: u64,
-    /// Ids of committed blobs freed lately (at most [`REMEMBERED_COMMITS`]),
-    /// oldest first.
-    freed_commits: VecDeque<BlobId>,
-    freed_commit_set: HashSet<BlobId>,
-    disk_used: u64,
+    /// The key index and its byte budget's use.
+    index: index::Index,
+    /// Sessions, their connections and what they hold.
+    holds: sessions::Holds,
+    /// Ranges waiting out a quarantine.
+    quarantined: release::Quarantine,
+    /// Committed blobs freed lately.
+    freed: release::FreedCommits,
+    /// The disk tier's use.
+    tier: tier::Tier,
     /// The driver's work on blobs freed meanwhile (a file being written,
     /// a promotion, a move): what it touches is released once it reports.
     in_flight: InFlight,
     commit_seq: u64,
     /// What the driver must do for the core ([`UnitCore::poll_action`]).
     actions: VecDeque<Action>,
-    /// An input came since spills were last worked out.
-    spill_dirty: bool,
-    /// The blob compaction is moving, if any (one move at a time).
-    move_in_flight: Option<BlobId>,
-    /// Free memory may have become scattered since compaction last looked.
-    compact_dirty: bool,
-    /// The time of the latest input, and of the latest look for a blob to
-    /// move that found none (such looks scan every blob: at most one per
-    /// [`compact::RESCAN`]).
+    /// Compaction's state.
+    compactor: compact::Compactor,
+    /// The time of the latest input.
     last_input: Time,
-    fruitless_scan: Option<Time>,
-    /// A put had to be stored in pieces: compaction runs until the largest
-    /// free range holds this many bytes (or nothing more can move).
-    compact_goal: u64,
-    /// Bytes compaction may still copy ([`CoreConfig::compact_ratio`]).
-    compact_credit: u64,
-    /// Compaction's moves and bytes since start.
-    compaction_moves: u64,
-    compaction_bytes: u64,
 }
 
 impl UnitCore {
@@ -425,47 +397,21 @@ impl UnitCore {
                 cfg.low_watermark, cfg.high_watermark
             )));
         }
-        let mut sessions = HashMap::new();
-        sessions.insert(
-            Owner::UNIT.session,
-            Session {
-                conns: HashMap::from([(Owner::UNIT.conn, Reach::default())]),
-                reservations: HashSet::new(),
-                pins: HashSet::new(),
-            },
-        );
         Ok(Self {
             slab: SlabAllocator::new(cfg.capacity, cfg.spare_budget),
             cfg,
             blobs: Map::default(),
-            index: Map::default(),
-            pins: Map::default(),
-            pin_counter: 0,
-            quarantined: BTreeMap::new(),
-            quarantine_seq: 0,
-            fenced: BTreeMap::new(),
-            sessions,
-            next_session: 1,
-            next_conn: 1,
-            index_bytes: 0,
-            entries: 0,
             reserved_bytes: 0,
-            quarantined_bytes: 0,
-            freed_commits: VecDeque::new(),
-            freed_commit_set: HashSet::new(),
-            disk_used: 0,
+            index: index::Index::default(),
+            holds: sessions::Holds::new(),
+            quarantined: release::Quarantine::default(),
+            freed: release::FreedCommits::default(),
+            tier: tier::Tier::default(),
             in_flight: InFlight::default(),
             commit_seq: 0,
             actions: VecDeque::new(),
-            spill_dirty: false,
-            move_in_flight: None,
-            compact_dirty: false,
-            compact_goal: 0,
-            compact_credit: 0,
+            compactor: compact::Compactor::default(),
             last_input: Time::ZERO,
-            fruitless_scan: None,
-            compaction_moves: 0,
-            compaction_bytes: 0,
         })
     }
 
@@ -483,6 +429,6 @@ impl UnitCore {
     }
 
     pub(super) fn disk_free(&self) -> u64 {
-        self.cfg.disk_capacity.saturating_sub(self.disk_used)
+        self.cfg.disk_capacity.saturating_sub(self.tier.disk_used)
     }
 }

@@ -7,12 +7,12 @@ impl UnitCore {
     /// sequential nor guessable without the key.
     pub(super) fn new_pin_id(&mut self) -> PinId {
         loop {
-            self.pin_counter += 1;
+            self.holds.pin_counter += 1;
             let mut h =
                 siphasher::sip::SipHasher13::new_with_keys(self.cfg.id_key.0, self.cfg.id_key.1);
-            std::hash::Hasher::write_u64(&mut h, self.pin_counter);
+            std::hash::Hasher::write_u64(&mut h, self.holds.pin_counter);
             let id = PinId(std::hash::Hasher::finish(&h));
-            if id.0 != 0 && !self.pins.contains_key(&id) {
+            if id.0 != 0 && !self.holds.pins.contains_key(&id) {
                 return id;
             }
         }
@@ -31,7 +31,7 @@ impl UnitCore {
     ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
         self.check_owner(owner)?;
         self.check_holds(owner.session, 0)?;
-        let rows = self.index.get(partition);
+        let rows = self.index.parts.get(partition);
         let blobs_map = &self.blobs;
         let mut blobs = Vec::new();
         let found = keys
@@ -70,7 +70,7 @@ impl UnitCore {
             }
         }
         let pin = self.new_pin_id();
-        self.pins.insert(
+        self.holds.pins.insert(
             pin,
             Pin {
                 blobs,
@@ -82,7 +82,7 @@ impl UnitCore {
                 },
             },
         );
-        if let Some(s) = self.sessions.get_mut(&owner.session) {
+        if let Some(s) = self.holds.sessions.get_mut(&owner.session) {
             s.pins.insert(pin);
         }
         pin
@@ -91,9 +91,9 @@ impl UnitCore {
     /// Every committed entry of every partition, with their blobs pinned
     /// (held) so that their bytes stay while a checkpoint copies them.
     pub(super) fn snapshot(&mut self, now: Time) -> Snapshot {
-        let mut entries = Vec::with_capacity(self.entries as usize);
+        let mut entries = Vec::with_capacity(self.index.entries as usize);
         let mut blob_ids = Vec::new();
-        for (partition, rows) in &self.index {
+        for (partition, rows) in &self.index.parts {
             for (row, fields) in rows {
                 for (field, e) in fields {
                     entries.push(SnapshotEntry {
@@ -136,12 +136,12 @@ impl UnitCore {
     /// Drop a pin. Unknown pins (already dropped) are ignored; another
     /// session's pin is refused.
     pub(super) fn unpin(&mut self, owner: Owner, pin: PinId) -> Result<(), CoreError> {
-        let Some(p) = self.pins.get(&pin) else {
+        let Some(p) = self.holds.pins.get(&pin) else {
             return Ok(());
         };
         p.holder
             .check(owner, || "the pin belongs to another session".into())?;
-        if let Some(s) = self.sessions.get_mut(&owner.session) {
+        if let Some(s) = self.holds.sessions.get_mut(&owner.session) {
             s.pins.remove(&pin);
         }
         self.drop_pin(pin);
@@ -150,8 +150,8 @@ impl UnitCore {
 
     /// Drop a pin whose session record is handled by the caller.
     pub(super) fn drop_pin(&mut self, pin: PinId) {
-        if let Some(p) = self.pins.remove(&pin) {
-            if let Some(s) = self.sessions.get_mut(&p.holder.session) {
+        if let Some(p) = self.holds.pins.remove(&pin) {
+            if let Some(s) = self.holds.sessions.get_mut(&p.holder.session) {
                 s.pins.remove(&pin);
             }
             for blob in p.blobs {

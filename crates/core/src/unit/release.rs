@@ -32,24 +32,44 @@ pub(super) enum Release {
     MoveAbandoned,
 }
 
+/// Ranges waiting out a quarantine before reuse.
+#[derive(Default)]
+pub(super) struct Quarantine {
+    /// By the time they may be reused.
+    pub(super) ranges: BTreeMap<(Time, u64), Region>,
+    pub(super) seq: u64,
+    pub(super) bytes: u64,
+}
+
+/// Ids of committed blobs freed lately (at most [`REMEMBERED_COMMITS`]),
+/// oldest first: a retried alloc or commit of one answers "already
+/// committed".
+#[derive(Default)]
+pub(super) struct FreedCommits {
+    pub(super) order: VecDeque<BlobId>,
+    pub(super) set: HashSet<BlobId>,
+}
+
 impl UnitCore {
     /// Give `region` back to the allocator: the one place a slab range
     /// becomes reusable.
     pub(super) fn release(&mut self, region: Region, why: Release) {
         if why == Release::QuarantineEnded {
-            self.quarantined_bytes -= region.len;
+            self.quarantined.bytes -= region.len;
         }
         self.slab.free(region);
-        self.compact_dirty = true;
+        self.compactor.dirty = true;
     }
 
     /// Keep `r` unusable until the quarantine has passed (a transfer the
     /// unit cut may still land in it); [`UnitCore::expire`] releases it.
     pub(super) fn quarantine(&mut self, r: Region, now: Time) {
         let until = now + self.cfg.quarantine;
-        self.quarantined_bytes += r.len;
-        self.quarantine_seq += 1;
-        self.quarantined.insert((until, self.quarantine_seq), r);
+        self.quarantined.bytes += r.len;
+        self.quarantined.seq += 1;
+        self.quarantined
+            .ranges
+            .insert((until, self.quarantined.seq), r);
     }
 
     /// Free a committed blob that no entry and no pin refers to any more.
@@ -81,7 +101,7 @@ impl UnitCore {
                 match b.disk {
                     Disk::None => {}
                     Disk::Durable => {
-                        self.disk_used -= b.nbytes;
+                        self.tier.disk_used -= b.nbytes;
                         self.actions.push_back(Action::DeleteFile(blob));
                     }
                     Disk::Writing => work.write = Some((b.nbytes, region)),
@@ -109,13 +129,13 @@ impl UnitCore {
     }
 
     pub(super) fn remember_commit(&mut self, blob: BlobId) {
-        if self.freed_commits.len() >= REMEMBERED_COMMITS {
-            if let Some(old) = self.freed_commits.pop_front() {
-                self.freed_commit_set.remove(&old);
+        if self.freed.order.len() >= REMEMBERED_COMMITS {
+            if let Some(old) = self.freed.order.pop_front() {
+                self.freed.set.remove(&old);
             }
         }
-        self.freed_commits.push_back(blob);
-        self.freed_commit_set.insert(blob);
+        self.freed.order.push_back(blob);
+        self.freed.set.insert(blob);
     }
 
     /// Release quarantined ranges whose quarantine ended by `now`, and
@@ -123,7 +143,7 @@ impl UnitCore {
     /// ([`input::Fenced`]). Nothing else is ever reclaimed by time.
     /// Returns the holds released.
     pub(super) fn expire(&mut self, now: Time) -> u64 {
-        while let Some(entry) = self.quarantined.first_entry() {
+        while let Some(entry) = self.quarantined.ranges.first_entry() {
             if entry.key().0 > now {
                 break;
             }
@@ -131,11 +151,11 @@ impl UnitCore {
             self.release(r, Release::QuarantineEnded);
         }
         let mut released = 0;
-        while let Some((&(at, seq), &(session, hold))) = self.fenced.first_key_value() {
+        while let Some((&(at, seq), &(session, hold))) = self.holds.fenced.first_key_value() {
             if at > now {
                 break;
             }
-            self.fenced.remove(&(at, seq));
+            self.holds.fenced.remove(&(at, seq));
             if self.release_fenced(session, hold, at, now) {
                 released += 1;
                 self.maybe_forget_session(session);
@@ -146,8 +166,9 @@ impl UnitCore {
 
     /// When [`UnitCore::expire`] next has something to do.
     pub(super) fn next_expiry(&self) -> Option<Time> {
-        let q = self.quarantined.keys().next().map(|(t, _)| *t);
+        let q = self.quarantined.ranges.keys().next().map(|(t, _)| *t);
         let f = self
+            .holds
             .fenced
             .iter()
             .find(|((at, _), (s, h))| self.fenced_until(*s, *h, *at))

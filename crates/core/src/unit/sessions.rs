@@ -2,12 +2,46 @@
 
 use super::*;
 
+/// Sessions, their connections, and the holds (pins here; reservations
+/// are their blobs' state) with what ends them.
+pub(super) struct Holds {
+    pub(super) sessions: HashMap<SessionId, Session>,
+    pub(super) pins: Map<PinId, Pin>,
+    /// Counter under the pin-id function.
+    pub(super) pin_counter: u64,
+    /// Holds of fenced one-sided peers by the time they are released
+    /// ([`Kept::Until`]); an entry whose hold has gone or was taken over
+    /// is skipped.
+    pub(super) fenced: BTreeMap<(Time, u64), (SessionId, Hold)>,
+    pub(super) next_session: u64,
+    pub(super) next_conn: u64,
+}
+
+impl Holds {
+    /// The unit's own session ([`Owner::UNIT`]) and nothing else.
+    pub(super) fn new() -> Self {
+        let unit = Session {
+            conns: HashMap::from([(Owner::UNIT.conn, Reach::default())]),
+            reservations: HashSet::new(),
+            pins: HashSet::new(),
+        };
+        Holds {
+            sessions: HashMap::from([(Owner::UNIT.session, unit)]),
+            pins: Map::default(),
+            pin_counter: 0,
+            fenced: BTreeMap::new(),
+            next_session: 1,
+            next_conn: 1,
+        }
+    }
+}
+
 impl UnitCore {
     /// A new session, with no connection yet.
     pub(super) fn open_session(&mut self) -> SessionId {
-        let id = SessionId(self.next_session);
-        self.next_session += 1;
-        self.sessions.insert(
+        let id = SessionId(self.holds.next_session);
+        self.holds.next_session += 1;
+        self.holds.sessions.insert(
             id,
             Session {
                 conns: HashMap::new(),
@@ -20,7 +54,7 @@ impl UnitCore {
 
     /// Whether `session` exists (has a connection or holds something).
     pub fn has_session(&self, session: SessionId) -> bool {
-        self.sessions.contains_key(&session)
+        self.holds.sessions.contains_key(&session)
     }
 
     /// A new connection of `session`. `mapped`: its peer may map the slab
@@ -28,7 +62,7 @@ impl UnitCore {
     /// session has [`CoreConfig::max_session_conns`] connections already.
     pub(super) fn attach(&mut self, session: SessionId, mapped: bool) -> Result<Owner, CoreError> {
         let max = self.cfg.max_session_conns;
-        let Some(s) = self.sessions.get_mut(&session) else {
+        let Some(s) = self.holds.sessions.get_mut(&session) else {
             return Err(CoreError::Invalid(format!("no session {}", session.0)));
         };
         if s.conns.len() >= max {
@@ -37,8 +71,8 @@ impl UnitCore {
                 reclaimable: 0,
             });
         }
-        let conn = ConnId(self.next_conn);
-        self.next_conn += 1;
+        let conn = ConnId(self.holds.next_conn);
+        self.holds.next_conn += 1;
         s.conns.insert(
             conn,
             Reach {
@@ -69,7 +103,8 @@ impl UnitCore {
     }
 
     pub(super) fn reach_mut(&mut self, owner: Owner) -> Result<&mut Reach, CoreError> {
-        self.sessions
+        self.holds
+            .sessions
             .get_mut(&owner.session)
             .and_then(|s| s.conns.get_mut(&owner.conn))
             .ok_or_else(|| CoreError::Invalid(format!("no connection {}", owner.conn.0)))
@@ -117,7 +152,7 @@ impl UnitCore {
         if owner == Owner::UNIT {
             return 0;
         }
-        let Some(s) = self.sessions.get_mut(&owner.session) else {
+        let Some(s) = self.holds.sessions.get_mut(&owner.session) else {
             return 0;
         };
         let Some(reach) = s.conns.remove(&owner.conn) else {
@@ -136,7 +171,7 @@ impl UnitCore {
             .pins
             .iter()
             .copied()
-            .filter(|p| self.pins.get(p).is_some_and(|p| held(&p.holder)))
+            .filter(|p| self.holds.pins.get(p).is_some_and(|p| held(&p.holder)))
             .collect();
         let keep = Self::keep_after(reach, end);
         let released = if keep.is_some() {
@@ -160,7 +195,7 @@ impl UnitCore {
         }
         for pin in pins {
             if let Some(kept) = keep {
-                if let Some(p) = self.pins.get_mut(&pin) {
+                if let Some(p) = self.holds.pins.get_mut(&pin) {
                     p.holder.conn = None;
                     p.holder.kept = kept;
                 }
@@ -180,7 +215,7 @@ impl UnitCore {
     /// connections is open (its connections were cut, or it is one-sided).
     pub fn is_orphaned(&self, session: SessionId) -> bool {
         session != Owner::UNIT.session
-            && self.sessions.get(&session).is_some_and(|s| {
+            && self.holds.sessions.get(&session).is_some_and(|s| {
                 s.conns.is_empty() && (!s.reservations.is_empty() || !s.pins.is_empty())
             })
     }
@@ -191,7 +226,7 @@ impl UnitCore {
         if session == Owner::UNIT.session {
             return 0;
         }
-        let Some(s) = self.sessions.remove(&session) else {
+        let Some(s) = self.holds.sessions.remove(&session) else {
             return 0;
         };
         let released = (s.reservations.len() + s.pins.len()) as u64;
@@ -220,7 +255,7 @@ impl UnitCore {
     /// transfers already posted to drain), by [`input::Timeout`]; holds of
     /// open connections are untouched. Returns the holds that now wait.
     pub(super) fn fence(&mut self, session: SessionId, now: Time) -> u64 {
-        let Some(s) = self.sessions.get(&session) else {
+        let Some(s) = self.holds.sessions.get(&session) else {
             return 0;
         };
         let until = now + self.cfg.nixl_quarantine;
@@ -238,7 +273,7 @@ impl UnitCore {
             }
         }
         for pin in &s.pins {
-            if let Some(p) = self.pins.get_mut(pin) {
+            if let Some(p) = self.holds.pins.get_mut(pin) {
                 if p.holder.kept == Kept::UntilFenced {
                     p.holder.kept = Kept::Until(until);
                     holds.push(Hold::Pin(*pin));
@@ -247,9 +282,10 @@ impl UnitCore {
         }
         let n = holds.len() as u64;
         for h in holds {
-            self.quarantine_seq += 1;
-            self.fenced
-                .insert((until, self.quarantine_seq), (session, h));
+            self.quarantined.seq += 1;
+            self.holds
+                .fenced
+                .insert((until, self.quarantined.seq), (session, h));
         }
         n
     }
@@ -263,7 +299,7 @@ impl UnitCore {
                 self.blobs.get(&blob),
                 Some(Blob { state: State::Reserved { holder, .. }, .. }) if due(holder)
             ),
-            Hold::Pin(pin) => self.pins.get(&pin).is_some_and(|p| due(&p.holder)),
+            Hold::Pin(pin) => self.holds.pins.get(&pin).is_some_and(|p| due(&p.holder)),
         }
     }
 
@@ -292,17 +328,18 @@ impl UnitCore {
             return;
         }
         if self
+            .holds
             .sessions
             .get(&session)
             .is_some_and(|s| s.conns.is_empty() && s.reservations.is_empty() && s.pins.is_empty())
         {
-            self.sessions.remove(&session);
+            self.holds.sessions.remove(&session);
         }
     }
 
     /// Busy when `session` holds as many reservations and pins as it may.
     pub(super) fn check_holds(&self, session: SessionId, needed: u64) -> Result<(), CoreError> {
-        match self.sessions.get(&session) {
+        match self.holds.sessions.get(&session) {
             Some(s)
                 if session != Owner::UNIT.session
                     && s.reservations.len() + s.pins.len() >= self.cfg.max_session_holds =>
@@ -317,7 +354,7 @@ impl UnitCore {
     }
 
     pub(super) fn check_owner(&self, owner: Owner) -> Result<(), CoreError> {
-        match self.sessions.get(&owner.session) {
+        match self.holds.sessions.get(&owner.session) {
             Some(s) if s.conns.contains_key(&owner.conn) => Ok(()),
             _ => Err(CoreError::NotOwner(format!(
                 "connection {} of session {} is not attached",

@@ -83,7 +83,7 @@ impl UnitCore {
         let mut held_total = 0u64;
         let mut pinned_total = 0u64;
         let mut sessions: Vec<SessionStats> = Vec::new();
-        for (id, sess) in &self.sessions {
+        for (id, sess) in &self.holds.sessions {
             if sess.reservations.is_empty() && sess.pins.is_empty() && sess.conns.is_empty() {
                 continue;
             }
@@ -127,7 +127,7 @@ impl UnitCore {
                 }
             }
             for pin in &sess.pins {
-                if let Some(p) = self.pins.get(pin) {
+                if let Some(p) = self.holds.pins.get(pin) {
                     st.pins += 1;
                     let bytes = p
                         .blobs
@@ -186,26 +186,26 @@ impl UnitCore {
             free_bytes: self.slab.free_bytes(),
             largest_free: self.slab.largest_free(),
             spare_budget: self.slab.spare_budget(),
-            compaction_moves: self.compaction_moves,
-            compaction_bytes: self.compaction_bytes,
+            compaction_moves: self.compactor.moves,
+            compaction_bytes: self.compactor.bytes,
             split_blobs,
             reserved_bytes: self.reserved_bytes,
-            quarantined_bytes: self.quarantined_bytes,
+            quarantined_bytes: self.quarantined.bytes,
             blobs: self.blobs.len() as u64 - spares,
             spares,
             spare_bytes,
-            entries: self.entries,
-            rows: self.index.values().map(|r| r.len() as u64).sum(),
-            pins: self.pins.len() as u64,
+            entries: self.index.entries,
+            rows: self.index.parts.values().map(|r| r.len() as u64).sum(),
+            pins: self.holds.pins.len() as u64,
             disk_capacity: self.cfg.disk_capacity,
-            disk_used: self.disk_used,
+            disk_used: self.tier.disk_used,
             spilled_blobs: self
                 .blobs
                 .values()
                 .filter(|b| b.region.is_none() && b.disk == Disk::Durable)
                 .count() as u64,
-            index_bytes: self.index_bytes,
-            partitions: self.index.values().filter(|r| !r.is_empty()).count() as u64,
+            index_bytes: self.index.bytes,
+            partitions: self.index.parts.values().filter(|r| !r.is_empty()).count() as u64,
             ..Stats::default()
         }
     }

@@ -2,6 +2,15 @@
 
 use super::*;
 
+/// The disk tier's use.
+#[derive(Default)]
+pub(super) struct Tier {
+    /// Disk bytes held: files written or being written.
+    pub(super) disk_used: u64,
+    /// An input came since spills were last worked out.
+    pub(super) spill_dirty: bool,
+}
+
 impl UnitCore {
     /// Forget a blob reserved on disk (never published): its file goes.
     /// The driver must not report a write for it afterwards (the unit
@@ -16,7 +25,7 @@ impl UnitCore {
     /// The bookkeeping of [`UnitCore::drop_disk_reservation`] once the
     /// blob's record is removed.
     pub(super) fn disk_reservation_gone(&mut self, blob: BlobId, nbytes: u64) {
-        self.disk_used -= nbytes;
+        self.tier.disk_used -= nbytes;
         self.actions.push_back(Action::DeleteFile(blob));
     }
 
@@ -72,11 +81,11 @@ impl UnitCore {
                 }
                 Disk::Writing => {}
                 Disk::None => {
-                    if b.nbytes > self.cfg.disk_capacity.saturating_sub(self.disk_used) {
+                    if b.nbytes > self.cfg.disk_capacity.saturating_sub(self.tier.disk_used) {
                         continue;
                     }
                     b.disk = Disk::Writing;
-                    self.disk_used += b.nbytes;
+                    self.tier.disk_used += b.nbytes;
                     freed += r.len;
                     jobs.push(SpillJob {
                         blob: id,
@@ -129,7 +138,7 @@ impl UnitCore {
     /// blob reserved on disk, its entries are published.
     pub(super) fn disk_written(&mut self, blob: BlobId, ok: bool) {
         if let Some((nbytes, region)) = self.in_flight.take(blob, |o| o.write.take()) {
-            self.disk_used -= nbytes;
+            self.tier.disk_used -= nbytes;
             if let Some(r) = region {
                 self.release(r, Release::OrphanWrite);
             }
@@ -151,7 +160,7 @@ impl UnitCore {
                     State::Reserved { holder, .. } => Some(holder.session),
                     _ => None,
                 };
-                if let Some(s) = holder.and_then(|h| self.sessions.get_mut(&h)) {
+                if let Some(s) = holder.and_then(|h| self.holds.sessions.get_mut(&h)) {
                     s.reservations.remove(&blob);
                 }
                 self.drop_disk_reservation(blob);
@@ -160,7 +169,7 @@ impl UnitCore {
                 }
             } else {
                 b.disk = Disk::None;
-                self.disk_used -= b.nbytes;
+                self.tier.disk_used -= b.nbytes;
                 self.actions.push_back(Action::DeleteFile(blob));
             }
             return;
