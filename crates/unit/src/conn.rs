@@ -11,10 +11,10 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stowage_core::{BlobId, Owner, PinId};
+use stowage_core::{BlobId, Owner};
 use stowage_shm::Piece;
 use stowage_wire::io::{drain, read_header, read_prefix, ReadError};
-use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response};
+use stowage_wire::{encode, ErrorCode, Request, Response};
 
 use crate::auth::Gate;
 use crate::disk::DiskEngine;
@@ -529,28 +529,20 @@ impl Conn {
                 owner,
                 agent,
                 agent_metadata,
-            } => match &self.shared.nixl {
+            } => handler::nixl_info(
+                self.shared
+                    .nixl
+                    .as_ref()
+                    .map(|n| (&n.metadata, n.slab_addr)),
                 // From here on the peer's transfers touch the slab by
                 // themselves: its holds outlive the connection's end,
                 // however it ends, until its agent is invalidated and
                 // the nixl quarantine has passed (docs/fencing.md).
-                Some(n) => {
-                    match self
-                        .shared
+                || {
+                    self.shared
                         .map_session(owner, self.peer, &agent, &agent_metadata)
-                    {
-                        Ok(()) => Response::NixlInfo {
-                            metadata: n.metadata.clone(),
-                            slab_addr: n.slab_addr,
-                        },
-                        Err(e) => handler::error_response(&e),
-                    }
-                }
-                None => Response::Error {
-                    code: ErrorCode::InvalidRequest,
-                    message: "this unit does not serve nixl (start it with --nixl)".into(),
                 },
-            },
+            ),
             Plan::Checkpoint { dir } => self.checkpoint(&dir),
             Plan::OpenRestore { dir } => crate::restore::open(&self.shared, &dir),
             Plan::CloseRestore { id } => {
@@ -578,19 +570,9 @@ impl Conn {
     /// blob"; bytes a client wrote through its mapping are counted once
     /// published.
     fn committed(&self, blob: BlobId, reply: Response, shm_bytes: u64) -> Response {
-        let reply = match (&reply, &self.shared.disk) {
-            (
-                Response::Error {
-                    code: ErrorCode::UnknownBlob,
-                    ..
-                },
-                Some(d),
-            ) => match d.failed_put(blob) {
-                Some((code, message)) => Response::Error { code, message },
-                None => reply,
-            },
-            _ => reply,
-        };
+        let reply = handler::committed_reply(reply, || {
+            self.shared.disk.as_ref().and_then(|d| d.failed_put(blob))
+        });
         if shm_bytes > 0
             && matches!(
                 reply,
@@ -801,23 +783,7 @@ impl Conn {
                 let _ = w.finish();
             }
             let _ = d.engine.delete(blob);
-            // A full disk is a full unit (the client may wait for room or
-            // go elsewhere), not a failed transfer.
-            let (code, why) = if crate::disk::is_disk_full(&e) {
-                (
-                    ErrorCode::Full,
-                    format!(
-                        "the unit's memory is full and its disk tier has no space left \
-                         ({e}); nothing of this put is kept: clear rows, or give the disk \
-                         tier room"
-                    ),
-                )
-            } else {
-                (
-                    ErrorCode::Internal,
-                    format!("the put's blob file on the disk tier failed: {e}"),
-                )
-            };
+            let (code, why) = handler::disk_put_failed(&e);
             return self.reply_error(id, code, &why);
         }
         let resp = handler::put_landed(&mut self.shared.core(), put);
@@ -874,7 +840,7 @@ impl Conn {
         }
         let found = std::mem::take(&mut read.found);
         let served = shared.bring_back(found, buf.as_deref_mut(), true);
-        let (header_reply, total) = data_reply(&served);
+        let (header_reply, total) = handler::data_reply(&served);
         // (On the pool: `out` was sent before this began.)
         let mut header = std::mem::take(&mut self.out);
         header.clear();
@@ -984,99 +950,10 @@ impl Conn {
         };
         let served = self.shared.bring_back(found, buf.as_deref_mut(), false);
         drop(buf);
-        let (reply, bytes) = resolved_reply(pin, served, spares_back);
+        let (reply, bytes) = handler::resolved_reply(pin, served, spares_back);
         if let Some(m) = self.counters() {
             m.bytes_out(crate::metrics::Transport::Shm, bytes);
         }
         reply
     }
-}
-
-/// The reply to a Resolve whose spilled values were brought back where
-/// there was room (`served`, one per key); and the bytes it hands out of
-/// the slab.
-fn resolved_reply(
-    pin: Option<PinId>,
-    served: Vec<Option<Served>>,
-    spares_back: bool,
-) -> (Response, u64) {
-    let bytes = served
-        .iter()
-        .map(|f| match f {
-            Some(Served::Memory(l, _)) => l.len,
-            Some(Served::Split(parts, _)) => parts.iter().map(|l| l.len).sum(),
-            _ => 0,
-        })
-        .sum();
-    let mut corrupt = Vec::new();
-    let found = served
-        .into_iter()
-        .enumerate()
-        .map(|(i, f)| match f? {
-            Served::Memory(l, meta) => Some(Found {
-                offset: l.offset,
-                len: l.len,
-                meta,
-                on_disk: false,
-                parts: Vec::new(),
-            }),
-            Served::Split(parts, meta) => Some(Found {
-                offset: parts.first().map_or(0, |l| l.offset),
-                len: parts.iter().map(|l| l.len).sum(),
-                meta,
-                on_disk: false,
-                parts: parts.iter().map(|l| (l.offset, l.len)).collect(),
-            }),
-            Served::Disk { len, meta, .. } => Some(Found {
-                offset: 0,
-                len,
-                meta,
-                on_disk: true,
-                parts: Vec::new(),
-            }),
-            Served::Corrupt => {
-                corrupt.push(i as u32);
-                None
-            }
-        })
-        .collect();
-    (
-        Response::Resolved {
-            pin,
-            found,
-            corrupt,
-            spares_back,
-        },
-        bytes,
-    )
-}
-
-/// The header of a Read's reply for the values `served` (one per key), and
-/// the payload bytes that follow it.
-fn data_reply(served: &[Option<Served>]) -> (Response, u64) {
-    let mut corrupt = Vec::new();
-    let items: Vec<Option<Item>> = served
-        .iter()
-        .enumerate()
-        .map(|(i, s)| match s.as_ref()? {
-            Served::Memory(l, meta) => Some(Item {
-                len: l.len,
-                meta: meta.clone(),
-            }),
-            Served::Split(parts, meta) => Some(Item {
-                len: parts.iter().map(|l| l.len).sum(),
-                meta: meta.clone(),
-            }),
-            Served::Disk { len, meta, .. } => Some(Item {
-                len: *len,
-                meta: meta.clone(),
-            }),
-            Served::Corrupt => {
-                corrupt.push(i as u32);
-                None
-            }
-        })
-        .collect();
-    let total = items.iter().flatten().map(|it| it.len).sum();
-    (Response::Data { items, corrupt }, total)
 }
