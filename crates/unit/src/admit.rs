@@ -177,7 +177,7 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if let Some(sh) = self.pool.upgrade() {
-            sh.handshakes.leave(self.id);
+            sh.conns.handshakes.leave(self.id);
         }
     }
 }

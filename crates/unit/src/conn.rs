@@ -140,9 +140,9 @@ impl Conn {
 
     fn limits(&self) -> stowage_wire::Limits {
         if self.gate.is_open() {
-            self.shared.limits
+            self.shared.settings.limits
         } else {
-            self.shared.limits.handshake()
+            self.shared.settings.limits.handshake()
         }
     }
 
@@ -154,9 +154,11 @@ impl Conn {
         if !self.gate.is_open() {
             return Some(self.handshake_deadline);
         }
-        let mut d = self.out_since.map(|t| t + self.shared.frame_timeout);
+        let mut d = self
+            .out_since
+            .map(|t| t + self.shared.settings.frame_timeout);
         if !self.reader.buffer().is_empty() {
-            let f = self.frame_start + self.shared.frame_timeout;
+            let f = self.frame_start + self.shared.settings.frame_timeout;
             d = Some(d.map_or(f, |d| d.min(f)));
         }
         d
@@ -237,7 +239,8 @@ impl Conn {
         self.blocking = true;
         // A payload not sent whole with its header must come within the
         // frame's time, as it always had to.
-        self.reader.get_mut().deadline = Some(self.frame_start + self.shared.frame_timeout);
+        self.reader.get_mut().deadline =
+            Some(self.frame_start + self.shared.settings.frame_timeout);
         self.via_ring = p.via_ring;
         let r = self
             .flush_blocking()
@@ -349,7 +352,7 @@ impl Conn {
                 m.error(*code);
             }
             if !matches!(code, ErrorCode::Busy | ErrorCode::Full) {
-                tracing::debug!(unit = %self.shared.name, namespace = self.namespace.as_deref().unwrap_or(""), ?code, %message, "error answer");
+                tracing::debug!(unit = %self.shared.settings.name, namespace = self.namespace.as_deref().unwrap_or(""), ?code, %message, "error answer");
             }
         }
         if self.via_ring {
@@ -381,10 +384,12 @@ impl Conn {
     /// cuts it off: the caller's time left, within the unit's bounds.
     fn io_timeout(&self, timeout_ms: u64) -> Duration {
         if timeout_ms == 0 {
-            return self.shared.frame_timeout;
+            return self.shared.settings.frame_timeout;
         }
-        Duration::from_millis(timeout_ms)
-            .clamp(Duration::from_millis(10), self.shared.max_io_timeout)
+        Duration::from_millis(timeout_ms).clamp(
+            Duration::from_millis(10),
+            self.shared.settings.max_io_timeout,
+        )
     }
 
     fn set_write_timeout(&mut self, t: Duration) -> io::Result<()> {
@@ -468,8 +473,12 @@ impl Conn {
         let asker = Asker {
             hello: self.owner.zip(self.namespace.as_deref()),
             admin: self.admin,
-            checkpoints: self.admin || self.shared.secret.is_some(),
-            stopping: self.shared.stop.load(std::sync::atomic::Ordering::SeqCst),
+            checkpoints: self.admin || self.shared.settings.secret.is_some(),
+            stopping: self
+                .shared
+                .life
+                .stop
+                .load(std::sync::atomic::Ordering::SeqCst),
         };
         let now = self.shared.now();
         let plan = handler::handle(|| self.shared.core(), &asker, req, payload_len, now);
@@ -589,14 +598,21 @@ impl Conn {
     fn checkpoint(&mut self, dir: &str) -> Response {
         // (The handler checked that an admin asks, and that the unit was
         // not stopping then; it may have begun to since.)
-        if self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
+        if self
+            .shared
+            .life
+            .stop
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
             return Response::Error {
                 code: ErrorCode::Internal,
                 message: "the unit is shutting down".into(),
             };
         }
-        let dir = match crate::checkpoint::resolve_dir(self.shared.checkpoint_root.as_deref(), dir)
-        {
+        let dir = match crate::checkpoint::resolve_dir(
+            self.shared.settings.checkpoint_root.as_deref(),
+            dir,
+        ) {
             Ok(d) => d,
             Err(message) => {
                 return Response::Error {
@@ -607,18 +623,20 @@ impl Conn {
         };
         self.shared
             .checkpoints
+            .writing
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let t0 = Instant::now();
         let r = crate::checkpoint::write(&self.shared, &dir);
         self.shared
             .checkpoints
+            .writing
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         if let Some(m) = &self.shared.metrics {
             m.checkpoint(r.is_ok(), t0.elapsed());
         }
         match &r {
             Ok(info) => tracing::info!(
-                unit = %self.shared.name,
+                unit = %self.shared.settings.name,
                 dir = %dir.path.display(),
                 rows = info.rows,
                 entries = info.entries,
@@ -627,7 +645,7 @@ impl Conn {
                 "checkpoint written"
             ),
             Err(e) => tracing::warn!(
-                unit = %self.shared.name,
+                unit = %self.shared.settings.name,
                 dir = %dir.path.display(),
                 error = %e,
                 "checkpoint failed"
@@ -733,7 +751,7 @@ impl Conn {
             r.socket.as_fd(),
             offset + n as u64,
             len - n,
-            self.shared.spin,
+            self.shared.settings.spin,
             deadline,
         );
         if !matches!(got, Ok(false)) {
@@ -857,7 +875,7 @@ impl Conn {
         if sent {
             // The send set its own timeout: back to the frame timeout.
             self.write_timeout = Duration::ZERO;
-            self.set_write_timeout(self.shared.frame_timeout)?;
+            self.set_write_timeout(self.shared.settings.frame_timeout)?;
         }
         Ok(())
     }

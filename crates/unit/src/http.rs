@@ -37,7 +37,7 @@ pub(crate) fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
 pub(crate) fn accept(shared: Arc<Shared>, l: TcpListener, registry: Arc<Registry>) {
     let active = Arc::new(AtomicUsize::new(0));
     for stream in l.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.life.stop.load(Ordering::SeqCst) {
             return;
         }
         let Ok(s) = stream else {

@@ -199,11 +199,11 @@ fn register(registry: &Registry, fd: RawFd, idx: usize) -> std::io::Result<()> {
 impl Worker {
     fn run(mut self) {
         let mut events = Events::with_capacity(1024);
-        let spin = self.shared.spin;
+        let spin = self.shared.settings.spin;
         let mut busy_until = Instant::now();
         loop {
             let now = Instant::now();
-            let stopping = self.shared.stop.load(Ordering::SeqCst);
+            let stopping = self.shared.life.stop.load(Ordering::SeqCst);
             if stopping && self.me.conns.load(Ordering::Relaxed) == 0 {
                 return;
             }

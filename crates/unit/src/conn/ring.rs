@@ -66,7 +66,7 @@ impl Conn {
                 Ok(false) => break RingStep::Served(served),
                 Err(e) => break RingStep::End(EndReason::Invalid(format!("request ring: {e}"))),
             }
-            let limits = self.shared.limits;
+            let limits = self.shared.settings.limits;
             let (id, req) = match stowage_wire::decode_frame::<Request>(&entry, &limits) {
                 Ok(Some((f, used))) if used == entry.len() && f.payload.is_empty() => {
                     (f.envelope.id, f.envelope.body)

@@ -172,7 +172,7 @@ impl Collector for UnitCollector {
             &mut e,
             "slab_high_watermark_bytes",
             "Past this many used slab bytes the unit spills committed blobs to its disk tier.",
-            sh.high_watermark * cap,
+            sh.settings.high_watermark * cap,
         )?;
         gauge(
             &mut e,
@@ -275,13 +275,13 @@ impl Collector for UnitCollector {
             &mut e,
             "connections",
             "Connections being served (past their handshake).",
-            sh.connections.load(Relaxed) as f64,
+            sh.conns.connections.load(Relaxed) as f64,
         )?;
         gauge(
             &mut e,
             "handshakes",
             "Connections waiting to prove themselves (see --max-handshakes).",
-            sh.handshakes.len() as f64,
+            sh.conns.handshakes.len() as f64,
         )?;
         let Some(m) = sh.metrics.as_ref() else {
             return Ok(());
@@ -468,9 +468,9 @@ impl Collector for UnitCollector {
             &mut e,
             "uptime_seconds",
             "Seconds since the unit started.",
-            sh.started.elapsed().as_secs_f64(),
+            sh.settings.started.elapsed().as_secs_f64(),
         )?;
-        let instance = format!("{:032x}", sh.instance_id);
+        let instance = format!("{:032x}", sh.settings.instance_id);
         let mut d = e.encode_descriptor(
             "unit",
             "The unit's instance id (a new one after every restart).",
