@@ -129,7 +129,7 @@ impl Conn {
         if !self.metrics {
             return None;
         }
-        crate::metrics::thread_counters(&self.shared)
+        crate::metrics::thread_counters(self.shared.metrics.as_ref())
     }
 
     /// Its socket's descriptor (for the worker to watch).

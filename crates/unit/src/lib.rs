@@ -111,7 +111,7 @@ pub(crate) struct Shared {
     /// Checkpoints being written, and restore units ([`checkpoint`]).
     pub(crate) checkpoints: checkpoint::Checkpoints,
     /// What the request path records (`None`: metrics are off).
-    pub(crate) metrics: Option<metrics::UnitMetrics>,
+    pub(crate) metrics: Option<Arc<metrics::UnitMetrics>>,
     /// Stopping and exiting.
     pub(crate) life: Lifecycle,
 }
@@ -161,7 +161,7 @@ impl Shared {
         let ctx = sessions::JoinCtx {
             max_sessions: self.settings.max_sessions,
             name: &self.settings.name,
-            metrics: self.metrics.as_ref(),
+            metrics: self.metrics.as_deref(),
             now: self.now(),
         };
         self.sessions
@@ -491,7 +491,7 @@ pub(crate) fn start_with(
         nixl,
         disk,
         checkpoints: checkpoint::Checkpoints::default(),
-        metrics: cfg.metrics.then(metrics::UnitMetrics::default),
+        metrics: cfg.metrics.then(Default::default),
         life: Lifecycle {
             stop: AtomicBool::new(false),
             exit: (Mutex::new(false), std::sync::Condvar::new()),
@@ -559,7 +559,20 @@ pub(crate) fn start_with(
         registry: None,
     };
     if cfg.metrics {
-        let registry = Arc::new(metrics::registry(&shared, &cfg.name));
+        let weak = Arc::downgrade(&shared);
+        let source: metrics::Source = Box::new(move || {
+            let sh = weak.upgrade()?;
+            Some(metrics::Scrape {
+                stats: sh.stats(),
+                high_watermark: sh.settings.high_watermark,
+                connections: sh.conns.connections.load(Ordering::Relaxed),
+                handshakes: sh.conns.handshakes.len(),
+                metrics: sh.metrics.clone(),
+                started: sh.settings.started,
+                instance_id: sh.settings.instance_id,
+            })
+        });
+        let registry = Arc::new(metrics::registry(source, &cfg.name));
         if let Some(addr) = cfg.metrics_listen {
             let l = http::bind(addr).map_err(|err| StartError::Bind {
                 what: format!("metrics endpoint {addr}"),

@@ -10,7 +10,8 @@
 
 use std::fmt;
 use std::sync::atomic::Ordering::Relaxed;
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
+use std::time::Instant;
 
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
@@ -19,8 +20,6 @@ use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
-use crate::Shared;
-
 mod record;
 #[cfg(test)]
 mod tests;
@@ -28,9 +27,26 @@ mod tests;
 pub(crate) use record::*;
 pub use record::{recording_cost, Histogram, UnitMetrics};
 
+/// What a scrape reads of a unit besides the counters it recorded.
+pub(crate) struct Scrape {
+    pub(crate) stats: stowage_core::Stats,
+    /// The spill threshold, as a fraction of the slab.
+    pub(crate) high_watermark: f64,
+    /// Connections served, and still in their handshake.
+    pub(crate) connections: usize,
+    pub(crate) handshakes: usize,
+    pub(crate) metrics: Option<Arc<UnitMetrics>>,
+    pub(crate) started: Instant,
+    pub(crate) instance_id: u128,
+}
+
+/// Reads a unit for a scrape (`None`: the unit is gone).
+pub(crate) type Source = Box<dyn Fn() -> Option<Scrape> + Send + Sync>;
+
 /// The registry of a unit: its metrics under the `stowage_` prefix, each
-/// with the label `unit` (the unit's name).
-pub(crate) fn registry(shared: &Arc<Shared>, name: &str) -> Registry {
+/// with the label `unit` (the unit's name), read from `source` when
+/// scraped.
+pub(crate) fn registry(source: Source, name: &str) -> Registry {
     let mut r = Registry::with_prefix_and_labels(
         "stowage",
         [(
@@ -39,17 +55,21 @@ pub(crate) fn registry(shared: &Arc<Shared>, name: &str) -> Registry {
         )]
         .into_iter(),
     );
-    r.register_collector(Box::new(UnitCollector {
-        shared: Arc::downgrade(shared),
-    }));
+    r.register_collector(Box::new(UnitCollector { source }));
     r
 }
 
-/// Encodes a unit's metrics at scrape time. Holds the unit weakly: a
-/// stopped unit's registry encodes nothing.
-#[derive(Debug)]
+/// Encodes a unit's metrics at scrape time. Reads the unit through
+/// `source`, which holds it weakly: a stopped unit's registry encodes
+/// nothing.
 struct UnitCollector {
-    shared: Weak<Shared>,
+    source: Source,
+}
+
+impl std::fmt::Debug for UnitCollector {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UnitCollector").finish_non_exhaustive()
+    }
 }
 
 fn counter(e: &mut DescriptorEncoder, name: &str, help: &str, v: u64) -> fmt::Result {
@@ -96,10 +116,10 @@ fn counters(
 
 impl Collector for UnitCollector {
     fn encode(&self, mut e: DescriptorEncoder) -> fmt::Result {
-        let Some(sh) = self.shared.upgrade() else {
+        let Some(sh) = (self.source)() else {
             return Ok(());
         };
-        let s = sh.stats();
+        let s = sh.stats;
         let cap = s.capacity as f64;
         let f = |v: u64| v as f64;
 
@@ -172,7 +192,7 @@ impl Collector for UnitCollector {
             &mut e,
             "slab_high_watermark_bytes",
             "Past this many used slab bytes the unit spills committed blobs to its disk tier.",
-            sh.settings.high_watermark * cap,
+            sh.high_watermark * cap,
         )?;
         gauge(
             &mut e,
@@ -275,13 +295,13 @@ impl Collector for UnitCollector {
             &mut e,
             "connections",
             "Connections being served (past their handshake).",
-            sh.conns.connections.load(Relaxed) as f64,
+            sh.connections as f64,
         )?;
         gauge(
             &mut e,
             "handshakes",
             "Connections waiting to prove themselves (see --max-handshakes).",
-            sh.conns.handshakes.len() as f64,
+            sh.handshakes as f64,
         )?;
         let Some(m) = sh.metrics.as_ref() else {
             return Ok(());
@@ -468,9 +488,9 @@ impl Collector for UnitCollector {
             &mut e,
             "uptime_seconds",
             "Seconds since the unit started.",
-            sh.settings.started.elapsed().as_secs_f64(),
+            sh.started.elapsed().as_secs_f64(),
         )?;
-        let instance = format!("{:032x}", sh.settings.instance_id);
+        let instance = format!("{:032x}", sh.instance_id);
         let mut d = e.encode_descriptor(
             "unit",
             "The unit's instance id (a new one after every restart).",

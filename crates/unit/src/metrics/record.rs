@@ -9,8 +9,6 @@ use std::time::Duration;
 use prometheus_client::encoding::NoLabelSet;
 use stowage_wire::{ErrorCode, Request};
 
-use crate::Shared;
-
 /// A request kind, as the `op` label names it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Op {
@@ -309,7 +307,7 @@ impl PathCounters {
 /// unit's metrics for as long as the thread lives; dropping it folds them
 /// into the unit's totals.
 pub(crate) struct ThreadCounters {
-    pub(super) shared: Arc<Shared>,
+    pub(super) metrics: Arc<UnitMetrics>,
     pub(super) counters: Arc<PathCounters>,
 }
 
@@ -321,48 +319,45 @@ impl std::ops::Deref for ThreadCounters {
 }
 
 impl ThreadCounters {
-    /// New counters for a connection of the unit of `shared` (`None`:
-    /// metrics are off).
-    pub(crate) fn attach(shared: &Arc<Shared>) -> Option<Self> {
-        let m = shared.metrics.as_ref()?;
+    /// New counters for a connection of the unit whose metrics are `m`.
+    pub(crate) fn attach(m: &Arc<UnitMetrics>) -> Self {
         let counters = Arc::new(PathCounters::default());
         lock(&m.live).push(counters.clone());
-        Some(Self {
-            shared: shared.clone(),
+        Self {
+            metrics: m.clone(),
             counters,
-        })
+        }
     }
 }
 
 impl Drop for ThreadCounters {
     fn drop(&mut self) {
-        if let Some(m) = &self.shared.metrics {
-            // Under the lock readers take: a reader sees these counters
-            // either live or folded in, never both or neither.
-            let mut live = lock(&m.live);
-            self.counters.add_to(&m.closed);
-            live.retain(|c| !Arc::ptr_eq(c, &self.counters));
-        }
+        let m = &self.metrics;
+        // Under the lock readers take: a reader sees these counters
+        // either live or folded in, never both or neither.
+        let mut live = lock(&m.live);
+        self.counters.add_to(&m.closed);
+        live.retain(|c| !Arc::ptr_eq(c, &self.counters));
     }
 }
 
 /// The [`PathCounters`] the calling thread records into for the unit of
-/// `shared` (`None`: metrics are off). A serving or pool thread serves
+/// `metrics` (`None`: metrics are off). A serving or pool thread serves
 /// one connection at a time, so each thread's counters have one writer; a
 /// thread's are folded into the unit's totals when it exits. (Per thread,
 /// not per connection: ten thousand idle sessions cost no counters.)
-pub(crate) fn thread_counters(shared: &Arc<Shared>) -> Option<Arc<PathCounters>> {
-    shared.metrics.as_ref()?;
+pub(crate) fn thread_counters(metrics: Option<&Arc<UnitMetrics>>) -> Option<Arc<PathCounters>> {
+    let metrics = metrics?;
     thread_local! {
         static MINE: std::cell::RefCell<Vec<ThreadCounters>> =
             const { std::cell::RefCell::new(Vec::new()) };
     }
     MINE.with(|mine| {
         let mut mine = mine.borrow_mut();
-        if let Some(c) = mine.iter().find(|c| Arc::ptr_eq(&c.shared, shared)) {
+        if let Some(c) = mine.iter().find(|c| Arc::ptr_eq(&c.metrics, metrics)) {
             return Some(c.counters.clone());
         }
-        let c = ThreadCounters::attach(shared)?;
+        let c = ThreadCounters::attach(metrics);
         let counters = c.counters.clone();
         mine.push(c);
         Some(counters)
