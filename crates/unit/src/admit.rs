@@ -123,14 +123,15 @@ fn unknown_local_peer(peer: SocketAddr, local: SocketAddr, error: Option<std::io
     }
 }
 
-/// Why a handshake was cut before it finished.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Cut {
-    /// Its source opened more connections than its share.
-    Source = 1,
-    /// The pool was full and its source held the most.
-    Pool = 2,
+pub(crate) use crate::metrics::Cut;
+
+/// Count a connection while it is served (past its handshake).
+pub(crate) struct Counted(pub(crate) Arc<crate::Shared>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.conns.connections.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The handshake pool.

@@ -40,18 +40,6 @@ const MANIFEST_TMP: &str = "MANIFEST.tmp";
 const INDEX: &str = "index";
 const VERSION: u32 = 1;
 
-/// Checkpoints being written, and what restores are made from.
-#[derive(Default)]
-pub(crate) struct Checkpoints {
-    /// Checkpoints being written.
-    pub(crate) writing: std::sync::atomic::AtomicUsize,
-    /// The unit's configuration with its bound listeners (what its restore
-    /// units are made from).
-    pub(crate) config: std::sync::OnceLock<crate::UnitConfig>,
-    /// The restore units this unit started ([`crate::restore`]).
-    pub(crate) restores: std::sync::Mutex<crate::restore::Restores>,
-}
-
 /// Largest manifest a restore reads (about 60 bytes per file).
 const MAX_MANIFEST: u64 = 256 << 20;
 /// Largest index a restore reads.

@@ -30,13 +30,7 @@ pub(crate) use ring::RingStep;
 pub(crate) use session::EndReason;
 pub(crate) use session::{finish, open, Ended};
 
-/// Who is at the other end of a connection, as the kernel says
-/// (SO_PEERCRED, Unix sockets only).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Peer {
-    pub(crate) uid: Option<u32>,
-    pub(crate) pid: Option<i32>,
-}
+pub(crate) use crate::sessions::Peer;
 
 /// One connection's state between its requests; served by a worker of
 /// the reactor ([`crate::reactor`]), and by the blocking pool for a step

@@ -68,7 +68,7 @@ mod restore;
 mod sessions;
 mod tier;
 
-pub(crate) use listen::Counted;
+pub(crate) use admit::Counted;
 use listen::{accept_tcp, accept_uds, bind_uds};
 use nixl_serve::serve_nixl;
 pub(crate) use nixl_serve::NixlServe;
@@ -108,8 +108,8 @@ pub(crate) struct Shared {
     /// NIXL, when the unit serves it.
     pub(crate) nixl: Option<NixlServe>,
     pub(crate) disk: Option<DiskTier>,
-    /// Checkpoints being written, and restore units ([`checkpoint`]).
-    pub(crate) checkpoints: checkpoint::Checkpoints,
+    /// Checkpoints being written, and restore units ([`restore`]).
+    pub(crate) checkpoints: restore::Checkpoints,
     /// What the request path records (`None`: metrics are off).
     pub(crate) metrics: Option<Arc<metrics::UnitMetrics>>,
     /// Stopping and exiting.
@@ -490,7 +490,7 @@ pub(crate) fn start_with(
         slab,
         nixl,
         disk,
-        checkpoints: checkpoint::Checkpoints::default(),
+        checkpoints: restore::Checkpoints::default(),
         metrics: cfg.metrics.then(Default::default),
         life: Lifecycle {
             stop: AtomicBool::new(false),
@@ -582,7 +582,7 @@ pub(crate) fn start_with(
             let (sh, r) = (shared.clone(), registry.clone());
             std::thread::Builder::new()
                 .name("metrics-accept".into())
-                .spawn(move || http::accept(sh, l, r))
+                .spawn(move || http::accept(|| sh.life.stop.load(Ordering::SeqCst), l, r))
                 .map_err(StartError::Slab)?;
         }
         handle.registry = Some(registry);

@@ -53,14 +53,7 @@ fn turn_away(mut s: impl io::Write, code: stowage_wire::ErrorCode, message: &str
     }
 }
 
-/// Count a connection while it is served (past its handshake).
-pub(crate) struct Counted(Arc<Shared>);
-
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.0.conns.connections.fetch_sub(1, Ordering::SeqCst);
-    }
-}
+pub(crate) use admit::Counted;
 
 /// The connections a unit serves: those past their handshake (counted
 /// against `--max-connections`), those still in it, and the reactor that

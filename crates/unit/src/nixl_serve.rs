@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use stowage_core::{Answer, Input};
 use stowage_shm::Slab;
 
-use crate::{conn, NixlConfig, Shared, StartError};
+use crate::sessions::Peer;
+use crate::{NixlConfig, Shared, StartError};
 
 /// A unit's NIXL side: its agent and registered slab, and the client
 /// agents it knows.
@@ -84,7 +85,7 @@ impl Shared {
     pub(crate) fn map_session(
         &self,
         owner: stowage_core::Owner,
-        peer: conn::Peer,
+        peer: Peer,
         agent: &str,
         agent_metadata: &[u8],
     ) -> Result<(), stowage_core::CoreError> {

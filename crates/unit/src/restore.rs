@@ -36,6 +36,18 @@ const MIN_MEMORY: u64 = 64 << 20;
 /// How often a restore unit's watcher looks at it.
 const TICK: Duration = Duration::from_millis(250);
 
+/// Checkpoints being written, and what restores are made from.
+#[derive(Default)]
+pub(crate) struct Checkpoints {
+    /// Checkpoints being written.
+    pub(crate) writing: std::sync::atomic::AtomicUsize,
+    /// The unit's configuration with its bound listeners (what its restore
+    /// units are made from).
+    pub(crate) config: std::sync::OnceLock<crate::UnitConfig>,
+    /// The restore units this unit started (this module).
+    pub(crate) restores: Mutex<Restores>,
+}
+
 /// The restore units a unit started, by id.
 #[derive(Default)]
 pub(crate) struct Restores {

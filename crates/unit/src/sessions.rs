@@ -13,9 +13,16 @@ use std::time::Duration;
 
 use stowage_core::{Answer, Input, UnitCore};
 
-use crate::conn::Peer;
 use crate::handler::{self, unexpected};
 use crate::metrics::UnitMetrics;
+
+/// Who is at the other end of a connection, as the kernel says
+/// (SO_PEERCRED, Unix sockets only).
+#[derive(Clone, Copy, Debug, Default)]
+pub(crate) struct Peer {
+    pub(crate) uid: Option<u32>,
+    pub(crate) pid: Option<i32>,
+}
 
 /// Sessions by the token given at Hello, and their client processes.
 #[derive(Default)]

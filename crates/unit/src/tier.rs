@@ -4,7 +4,6 @@
 //! the slab, or checked and streamed from their files).
 
 use std::io;
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::Instant;
@@ -245,43 +244,7 @@ pub(crate) enum Served {
 /// and checkpoint I/O).
 pub(crate) const COPY_CHUNK: usize = 1 << 20;
 
-/// Read `len` bytes at `offset` of an open blob file through `buf`, piece
-/// by piece (each checked; pieces end on the file's chunk boundaries where
-/// they can, so no chunk is read twice), handing each piece to `sink`. The
-/// outer error is the file's, the inner one the sink's.
-pub(crate) fn read_through(
-    reader: &disk::BlobReader,
-    offset: u64,
-    len: u64,
-    buf: &mut [u8],
-    mut sink: impl FnMut(&[u8]) -> io::Result<()>,
-) -> Result<io::Result<()>, disk::DiskError> {
-    let chunk = u64::from(disk::CHUNK);
-    let end = offset
-        .checked_add(len)
-        .filter(|&e| e <= reader.size())
-        .ok_or_else(|| disk::DiskError::OutOfRange {
-            path: PathBuf::new(),
-            offset,
-            len,
-            size: reader.size(),
-        })?;
-    let mut pos = offset;
-    while pos < end {
-        let mut stop = (pos + buf.len() as u64).min(end);
-        let aligned = stop / chunk * chunk;
-        if stop < end && aligned > pos {
-            stop = aligned;
-        }
-        let piece = &mut buf[..(stop - pos) as usize];
-        reader.read_at(pos, piece)?;
-        if let Err(e) = sink(piece) {
-            return Ok(Err(e));
-        }
-        pos = stop;
-    }
-    Ok(Ok(()))
-}
+pub(crate) use crate::disk::read_through;
 
 impl Shared {
     /// Bring spilled values back for a reader that pinned them, through

@@ -259,7 +259,7 @@ impl BlobReader {
         mut sink: impl FnMut(&[u8]) -> io::Result<()>,
     ) -> Result<io::Result<()>, DiskError> {
         let Format::V1 = self.format else {
-            return crate::read_through(self, 0, self.nbytes, buf, sink);
+            return read_through(self, 0, self.nbytes, buf, sink);
         };
         assert!(!buf.is_empty() || self.nbytes == 0, "an empty buffer");
         let mut hash = Xxh3Default::new();
@@ -443,4 +443,42 @@ impl BlobWriter for FileWriter {
         }
         r.map(|()| self.file_hash.digest())
     }
+}
+
+/// Read `len` bytes at `offset` of an open blob file through `buf`, piece
+/// by piece (each checked; pieces end on the file's chunk boundaries where
+/// they can, so no chunk is read twice), handing each piece to `sink`. The
+/// outer error is the file's, the inner one the sink's.
+pub fn read_through(
+    reader: &BlobReader,
+    offset: u64,
+    len: u64,
+    buf: &mut [u8],
+    mut sink: impl FnMut(&[u8]) -> io::Result<()>,
+) -> Result<io::Result<()>, DiskError> {
+    let chunk = u64::from(CHUNK);
+    let end = offset
+        .checked_add(len)
+        .filter(|&e| e <= reader.size())
+        .ok_or_else(|| DiskError::OutOfRange {
+            path: PathBuf::new(),
+            offset,
+            len,
+            size: reader.size(),
+        })?;
+    let mut pos = offset;
+    while pos < end {
+        let mut stop = (pos + buf.len() as u64).min(end);
+        let aligned = stop / chunk * chunk;
+        if stop < end && aligned > pos {
+            stop = aligned;
+        }
+        let piece = &mut buf[..(stop - pos) as usize];
+        reader.read_at(pos, piece)?;
+        if let Err(e) = sink(piece) {
+            return Ok(Err(e));
+        }
+        pos = stop;
+    }
+    Ok(Ok(()))
 }

@@ -62,7 +62,7 @@ mod root;
 #[cfg(test)]
 pub(crate) use format::BYTES_READ;
 use format::*;
-pub use format::{is_disk_full, BlobReader, BlobWriter, DiskError, CHUNK};
+pub use format::{is_disk_full, read_through, BlobReader, BlobWriter, DiskError, CHUNK};
 pub(crate) use root::{entries, is_link_error, open_dir_in};
 pub use root::{open_in, open_private_root, OwnedDir};
 #[cfg(test)]

@@ -483,10 +483,10 @@ impl UnitMetrics {
     }
 
     /// A connection's handshake was cut to admit a newer one.
-    pub(crate) fn handshake_cut(&self, why: crate::admit::Cut) {
+    pub(crate) fn handshake_cut(&self, why: Cut) {
         let i = match why {
-            crate::admit::Cut::Source => 0,
-            crate::admit::Cut::Pool => 1,
+            Cut::Source => 0,
+            Cut::Pool => 1,
         };
         self.handshakes_cut[i].fetch_add(1, Relaxed);
     }
@@ -546,4 +546,14 @@ pub fn recording_cost(iters: u32) -> Duration {
     }
     std::hint::black_box(&m);
     t0.elapsed() / iters
+}
+
+/// Why a handshake was cut before it finished.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Cut {
+    /// Its source opened more connections than its share.
+    Source = 1,
+    /// The pool was full and its source held the most.
+    Pool = 2,
 }
