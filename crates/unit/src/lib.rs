@@ -7,13 +7,20 @@
 //! (loopback unless told otherwise; bytes are streamed between the socket
 //! and the slab with no intermediate buffer).
 //!
-//! Threads: one accept loop per listener (`listen.rs`), one thread per
-//! connection (`conn.rs`: blocking reads keep the request path to a single
-//! wake-up; `handler.rs` plans each request against the core), and the
-//! core's driver (`drive.rs`): a timer that sleeps until the core's
-//! `poll_timeout` and watches the processes of cut sessions, a spiller and
-//! a flusher. The core sits behind one mutex that is never held across
-//! I/O; every release of it runs the core's pending actions.
+//! Threads: one accept loop per listener (`listen.rs`); the reactor
+//! (`reactor.rs`): `--threads` workers that each wait on readiness events
+//! for their share of the connections and serve the whole frames a
+//! connection has without blocking (`conn.rs` moves the bytes,
+//! `conn/ring.rs` serves a same-host client's request ring, `handler.rs`
+//! plans each request against the core), and a bounded pool
+//! (`--io-threads`) that carries out the steps that block; and the core's
+//! driver (`drive.rs`): a timer that sleeps until the core's
+//! `poll_timeout` and watches the processes of cut sessions, a spiller, a
+//! flusher and a compactor. The core sits behind one mutex that is never
+//! held across I/O; every release of it runs the core's pending actions.
+//! `Shared` is the unit's parts, each owning its state (settings, the
+//! core's driver, the session registry, connections, the disk tier,
+//! checkpoints, metrics, lifecycle); see docs/architecture.md.
 //!
 //! A connection that sends a malformed or oversized frame gets an
 //! `InvalidRequest` error and is closed; everyone else carries on.

@@ -49,8 +49,7 @@ pub(super) fn pread(file: &File, buf: &mut [u8], at: u64) -> io::Result<()> {
     BYTES_READ.with(|n| n.set(n.get() + buf.len() as u64));
     Ok(())
 }
-/// Deepest directory nesting [`remove_tree`] descends into (a unit's
-/// directory has none; anything deeper was not made by a unit).
+
 /// Why a blob could not be read back.
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {

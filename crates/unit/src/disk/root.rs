@@ -14,6 +14,8 @@ use std::sync::Arc;
 use rustix::fs::{AtFlags, FileType, FlockOperation, Mode, OFlags, RenameFlags, ResolveFlags};
 use rustix::io::Errno;
 
+/// Deepest directory nesting [`remove_contents`] descends into (a unit's
+/// directory has none; anything deeper was not made by a unit).
 pub(super) const MAX_DEPTH: u32 = 16;
 
 /// A single path component: not empty, no `/`, not `.` or `..`, no NUL.
@@ -258,7 +260,7 @@ impl OwnedDir {
         )))
     }
 
-    /// The directory's file descriptor (for a [`FileEngine`]).
+    /// The directory's file descriptor (for a [`super::FileEngine`]).
     pub fn fd(&self) -> Arc<OwnedFd> {
         self.dir.clone()
     }
