@@ -55,6 +55,11 @@ impl Timer {
         }
     }
 
+    /// The sessions whose process is watched, locked.
+    fn watched(&self) -> MutexGuard<'_, std::collections::HashSet<stowage_core::SessionId>> {
+        self.watched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn wake(&self) {
         let mut w = self.woken.0.lock().unwrap_or_else(|p| p.into_inner());
         *w = true;
@@ -198,12 +203,7 @@ impl Shared {
                     }
                 }
                 Action::CheckProcess(session) => {
-                    let mut w = self
-                        .driver
-                        .timer
-                        .watched
-                        .lock()
-                        .unwrap_or_else(|p| p.into_inner());
+                    let mut w = self.driver.timer.watched();
                     if w.insert(session) && w.len() == 1 {
                         drop(w);
                         self.driver.timer.wake();
@@ -251,18 +251,9 @@ impl Shared {
                 wait = wait.min(WATCH_EVERY);
             }
             {
-                let w = self
-                    .driver
-                    .timer
-                    .woken
-                    .0
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner());
-                let (mut w, _) = self
-                    .driver
-                    .timer
-                    .woken
-                    .1
+                let (lock, woken) = &self.driver.timer.woken;
+                let w = lock.lock().unwrap_or_else(|p| p.into_inner());
+                let (mut w, _) = woken
                     .wait_timeout_while(w, wait, |woken| !*woken)
                     .unwrap_or_else(|p| p.into_inner());
                 *w = false;
@@ -277,12 +268,7 @@ impl Shared {
     /// are still watched.
     fn reap_sessions(&self) -> bool {
         let watched: Vec<stowage_core::SessionId> = {
-            let w = self
-                .driver
-                .timer
-                .watched
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
+            let w = self.driver.timer.watched();
             w.iter().copied().collect()
         };
         if watched.is_empty() {
@@ -311,12 +297,7 @@ impl Shared {
             (gone, done)
         };
         {
-            let mut w = self
-                .driver
-                .timer
-                .watched
-                .lock()
-                .unwrap_or_else(|p| p.into_inner());
+            let mut w = self.driver.timer.watched();
             for id in gone.iter().chain(&forget) {
                 w.remove(id);
             }
@@ -337,13 +318,7 @@ impl Shared {
                 "session closed: a cut session's process exited; released what it held"
             );
         }
-        !self
-            .driver
-            .timer
-            .watched
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+        !self.driver.timer.watched().is_empty()
     }
 }
 

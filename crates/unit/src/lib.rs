@@ -287,21 +287,10 @@ impl UnitHandle {
     /// Block until the unit is asked to exit (a Shutdown request, or
     /// [`UnitHandle::request_exit`]).
     pub fn wait_for_exit(&self) {
-        let mut e = self
-            .shared
-            .life
-            .exit
-            .0
-            .lock()
-            .unwrap_or_else(|p| p.into_inner());
+        let (exit, asked) = &self.shared.life.exit;
+        let mut e = exit.lock().unwrap_or_else(|p| p.into_inner());
         while !*e {
-            e = self
-                .shared
-                .life
-                .exit
-                .1
-                .wait(e)
-                .unwrap_or_else(|p| p.into_inner());
+            e = asked.wait(e).unwrap_or_else(|p| p.into_inner());
         }
     }
 
