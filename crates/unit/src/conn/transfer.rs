@@ -5,14 +5,16 @@
 
 use std::io::{self, BufRead as _, Read as _};
 use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
+use stowage_core::{Answer, Input};
 use stowage_shm::Piece;
 use stowage_wire::io::drain;
 use stowage_wire::{encode, ErrorCode, Response};
 
 use super::{Conn, EndReason};
-use crate::disk::DiskEngine;
+use crate::disk::{self, read_through, DiskEngine};
 use crate::handler::{self, Dest, Put, Read};
 use crate::{Served, Shared};
 
@@ -328,5 +330,146 @@ impl Conn {
             m.bytes_out(crate::metrics::Transport::Shm, bytes);
         }
         reply
+    }
+}
+
+impl Shared {
+    /// Bring spilled values back for a reader that pinned them, through
+    /// `buf` (a buffer of the disk tier's [`ReadBudget`]; without one,
+    /// nothing is brought back): each spilled blob is promoted into the
+    /// slab where there is room below the high watermark; with `verify`,
+    /// the ranges asked for of the others are read and checked (nothing is
+    /// kept: the reply streams them from their files afterwards), so that
+    /// a damaged file, or one that is not its blob's, is answered Corrupt
+    /// before the reply promises its bytes.
+    pub(crate) fn bring_back(
+        &self,
+        found: Vec<Option<stowage_core::Located>>,
+        mut buf: Option<&mut [u8]>,
+        verify: bool,
+    ) -> Vec<Option<Served>> {
+        use std::collections::{BTreeMap, HashMap, HashSet};
+        use stowage_core::{Location, Place};
+        // Each spilled blob, with the ranges of it that were asked for.
+        let mut on_disk: BTreeMap<stowage_core::BlobId, Vec<(u64, u64)>> = BTreeMap::new();
+        for (p, _) in found.iter().flatten() {
+            if let Place::Disk { blob, offset, len } = p {
+                on_disk.entry(*blob).or_default().push((*offset, *len));
+            }
+        }
+        let mut promoted = HashMap::new();
+        let mut corrupt = HashSet::new();
+        for (blob, mut wanted) in on_disk {
+            let Some(d) = &self.disk else {
+                corrupt.insert(blob);
+                continue;
+            };
+            let Some(buf) = buf.as_deref_mut() else {
+                continue;
+            };
+            let (slot, size) = {
+                let mut c = self.core();
+                let size = c.blob_size(blob);
+                let slot = match c.handle(self.now(), Input::Promote(blob)) {
+                    Ok(Answer::Promoting(slot)) => slot,
+                    _ => None,
+                };
+                (slot, size)
+            };
+            let Some(size) = size else {
+                if let Some(_slot) = slot {
+                    let done = Input::Promoted { blob, ok: false };
+                    let _ = self.core().handle(self.now(), done);
+                }
+                corrupt.insert(blob);
+                continue;
+            };
+            let t0 = Instant::now();
+            let reader = d.engine.reader(blob).and_then(|r| {
+                if r.size() == size {
+                    Ok(r)
+                } else {
+                    Err(disk::DiskError::Corrupt {
+                        path: d.engine.path(blob),
+                        reason: format!("holds {} bytes, expected {size}", r.size()),
+                    })
+                }
+            });
+            let read = match slot {
+                Some(offset) => {
+                    // This thread alone writes the promotion's range: the
+                    // core keeps it allocated until it is reported.
+                    let r = reader.and_then(|rd| {
+                        let mut at = 0;
+                        read_through(&rd, 0, size, buf, |piece| {
+                            self.slab
+                                .write(offset + at, piece)
+                                .map_err(io::Error::other)?;
+                            at += piece.len() as u64;
+                            Ok(())
+                        })?
+                        .map_err(disk::DiskError::Io)
+                    });
+                    let done = Input::Promoted {
+                        blob,
+                        ok: r.is_ok(),
+                    };
+                    let _ = self.core().handle(self.now(), done);
+                    if r.is_ok() {
+                        promoted.insert(blob, offset);
+                        if let Some(m) = &self.metrics {
+                            m.promoted_bytes.fetch_add(size, Ordering::Relaxed);
+                        }
+                    }
+                    r.map(|()| size)
+                }
+                None if verify => {
+                    wanted.sort_unstable();
+                    wanted.dedup();
+                    reader.and_then(|rd| {
+                        let mut bytes = 0;
+                        for (offset, len) in wanted {
+                            read_through(&rd, offset, len, buf, |_| Ok(()))??;
+                            bytes += len;
+                        }
+                        Ok(bytes)
+                    })
+                }
+                None => reader.map(|_| 0),
+            };
+            match read {
+                Ok(0) => {}
+                Ok(n) => d.io.read(n, t0),
+                Err(e) => {
+                    tracing::error!(error = %e, ?blob, "a spilled blob could not be read back; its keys fail");
+                    corrupt.insert(blob);
+                }
+            }
+        }
+        found
+            .into_iter()
+            .map(|f| {
+                f.map(|(place, meta)| match place {
+                    Place::Memory(l) => Served::Memory(l, meta),
+                    Place::Split(parts) => Served::Split(parts, meta),
+                    Place::Disk { blob, .. } if corrupt.contains(&blob) => Served::Corrupt,
+                    Place::Disk { blob, offset, len } => match promoted.get(&blob) {
+                        Some(base) => Served::Memory(
+                            Location {
+                                offset: base + offset,
+                                len,
+                            },
+                            meta,
+                        ),
+                        None => Served::Disk {
+                            blob,
+                            offset,
+                            len,
+                            meta,
+                        },
+                    },
+                })
+            })
+            .collect()
     }
 }
