@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -125,12 +125,13 @@ fn unknown_local_peer(peer: SocketAddr, local: SocketAddr, error: Option<std::io
 
 pub(crate) use crate::metrics::Cut;
 
-/// Count a connection while it is served (past its handshake).
-pub(crate) struct Counted(pub(crate) Arc<crate::Shared>);
+/// Count a connection while it is served (past its handshake): one of
+/// the unit's served connections, given back when dropped.
+pub(crate) struct Counted(pub(crate) Arc<AtomicUsize>);
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.0.conns.connections.fetch_sub(1, Ordering::SeqCst);
+        self.0.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -161,7 +162,7 @@ pub(crate) struct Ticket {
     id: u64,
     pub(crate) source: Source,
     cut: Arc<AtomicU8>,
-    pool: std::sync::Weak<crate::Shared>,
+    pool: std::sync::Weak<Handshakes>,
 }
 
 impl Ticket {
@@ -177,8 +178,8 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if let Some(sh) = self.pool.upgrade() {
-            sh.conns.handshakes.leave(self.id);
+        if let Some(pool) = self.pool.upgrade() {
+            pool.leave(self.id);
         }
     }
 }
@@ -206,8 +207,7 @@ impl Handshakes {
     /// its share) or of the source holding the most (when the pool is
     /// full). `None`: the socket could not be duplicated (out of fds).
     pub(crate) fn admit(
-        &self,
-        shared: &Arc<crate::Shared>,
+        self: &Arc<Self>,
         source: Source,
         socket: &impl AsFd,
     ) -> Option<(Ticket, Option<(Cut, Source)>)> {
@@ -266,7 +266,7 @@ impl Handshakes {
                 id,
                 source,
                 cut,
-                pool: Arc::downgrade(shared),
+                pool: Arc::downgrade(self),
             },
             evicted,
         ))

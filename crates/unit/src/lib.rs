@@ -479,8 +479,11 @@ pub(crate) fn start_with(
         driver: drive::Driver::new(core, moves_tx),
         sessions: sessions::Sessions::default(),
         conns: listen::Conns {
-            connections: std::sync::atomic::AtomicUsize::new(0),
-            handshakes: admit::Handshakes::new(cfg.max_handshakes, cfg.max_handshakes_per_source),
+            connections: Arc::default(),
+            handshakes: Arc::new(admit::Handshakes::new(
+                cfg.max_handshakes,
+                cfg.max_handshakes_per_source,
+            )),
             reactor: std::sync::OnceLock::new(),
         },
         slab,

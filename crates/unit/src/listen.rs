@@ -60,9 +60,9 @@ pub(crate) use admit::Counted;
 /// serves them.
 pub(crate) struct Conns {
     /// Connections being served (past their handshake).
-    pub(crate) connections: std::sync::atomic::AtomicUsize,
+    pub(crate) connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Connections still in their handshake.
-    pub(crate) handshakes: admit::Handshakes,
+    pub(crate) handshakes: Arc<admit::Handshakes>,
     /// The threads that serve connections.
     pub(crate) reactor: std::sync::OnceLock<crate::reactor::Reactor>,
 }
@@ -86,7 +86,7 @@ impl Shared {
                 self.settings.max_connections
             ));
         }
-        Ok(Counted(self.clone()))
+        Ok(Counted(self.conns.connections.clone()))
     }
 
     /// What a connection whose handshake was cut is told.
@@ -111,7 +111,7 @@ impl Shared {
 /// cut the oldest handshake of its source, or of the source holding the
 /// most.
 fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, source: admit::Source) {
-    let Some((ticket, cut)) = shared.conns.handshakes.admit(shared, source, &stream) else {
+    let Some((ticket, cut)) = shared.conns.handshakes.admit(source, &stream) else {
         tracing::warn!(%source, "out of file descriptors: a connection was turned away");
         if let Some(m) = &shared.metrics {
             m.turned_away();
