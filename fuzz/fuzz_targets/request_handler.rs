@@ -1228,7 +1228,11 @@ impl H {
         self.drive();
 
         let resp = match plan {
-            Plan::Reply(r) | Plan::Committed { reply: r, .. } => Some(r),
+            Plan::Reply(r) => Some(r),
+            // As the connection does: an unknown blob would name a pending
+            // put whose file failed, had the disk tier kept one (the
+            // target keeps none, so the reply stands).
+            Plan::Committed { reply, .. } => Some(handler::committed_reply(reply, || None)),
             Plan::Silent => None,
             Plan::Resolved { pin, found, .. } => {
                 let (sc, keys) = resolve.expect("Resolved answers a Resolve");

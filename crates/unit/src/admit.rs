@@ -28,7 +28,7 @@
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsFd, OwnedFd};
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
@@ -123,14 +123,16 @@ fn unknown_local_peer(peer: SocketAddr, local: SocketAddr, error: Option<std::io
     }
 }
 
-/// Why a handshake was cut before it finished.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum Cut {
-    /// Its source opened more connections than its share.
-    Source = 1,
-    /// The pool was full and its source held the most.
-    Pool = 2,
+pub(crate) use crate::metrics::Cut;
+
+/// Count a connection while it is served (past its handshake): one of
+/// the unit's served connections, given back when dropped.
+pub(crate) struct Counted(pub(crate) Arc<AtomicUsize>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 /// The handshake pool.
@@ -160,7 +162,7 @@ pub(crate) struct Ticket {
     id: u64,
     pub(crate) source: Source,
     cut: Arc<AtomicU8>,
-    pool: std::sync::Weak<crate::Shared>,
+    pool: std::sync::Weak<Handshakes>,
 }
 
 impl Ticket {
@@ -176,8 +178,8 @@ impl Ticket {
 
 impl Drop for Ticket {
     fn drop(&mut self) {
-        if let Some(sh) = self.pool.upgrade() {
-            sh.handshakes.leave(self.id);
+        if let Some(pool) = self.pool.upgrade() {
+            pool.leave(self.id);
         }
     }
 }
@@ -205,8 +207,7 @@ impl Handshakes {
     /// its share) or of the source holding the most (when the pool is
     /// full). `None`: the socket could not be duplicated (out of fds).
     pub(crate) fn admit(
-        &self,
-        shared: &Arc<crate::Shared>,
+        self: &Arc<Self>,
         source: Source,
         socket: &impl AsFd,
     ) -> Option<(Ticket, Option<(Cut, Source)>)> {
@@ -265,7 +266,7 @@ impl Handshakes {
                 id,
                 source,
                 cut,
-                pool: Arc::downgrade(shared),
+                pool: Arc::downgrade(self),
             },
             evicted,
         ))

@@ -39,6 +39,7 @@ const MANIFEST: &str = "MANIFEST";
 const MANIFEST_TMP: &str = "MANIFEST.tmp";
 const INDEX: &str = "index";
 const VERSION: u32 = 1;
+
 /// Largest manifest a restore reads (about 60 bytes per file).
 const MAX_MANIFEST: u64 = 256 << 20;
 /// Largest index a restore reads.
@@ -242,13 +243,13 @@ fn write_snapshot(
     snap: &stowage_core::Snapshot,
 ) -> Result<CheckpointInfo, CheckpointError> {
     let ioe = io_err(dir);
-    let out = FileEngine::checkpoint(dir_fd.clone(), dir.to_owned(), shared.instance_id);
+    let out = FileEngine::checkpoint(dir_fd.clone(), dir.to_owned(), shared.settings.instance_id);
     let mut files = Vec::with_capacity(snap.blobs.len() + 1);
     let mut bytes = 0;
     let mut buf = Vec::new();
     for (blob, nbytes, place) in &snap.blobs {
         let (blob, nbytes) = (*blob, *nbytes);
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.life.stop.load(Ordering::SeqCst) {
             return Err(CheckpointError::Abandoned);
         }
         let len = usize::try_from(nbytes)

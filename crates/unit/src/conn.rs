@@ -6,35 +6,30 @@
 //! client leaves or misbehaves. How a connection starts, passes its
 //! handshake and Hello, and ends: [`session`].
 
-use std::io::{self, BufRead as _, Read as _, Write};
+use std::io::{self, Write};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stowage_core::{BlobId, Owner, PinId};
-use stowage_shm::Piece;
+use stowage_core::{BlobId, Owner};
 use stowage_wire::io::{drain, read_header, read_prefix, ReadError};
-use stowage_wire::{encode, ErrorCode, Found, Item, Request, Response};
+use stowage_wire::{encode, ErrorCode, Request, Response};
 
 use crate::auth::Gate;
-use crate::disk::DiskEngine;
-use crate::handler::{self, Asker, Dest, Plan, Put, Read};
-use crate::{Served, Shared};
+use crate::handler::{self, Asker, Dest, Plan};
+use crate::Shared;
 
 mod inbuf;
+mod ring;
 mod session;
+mod transfer;
 
 use inbuf::{InBuf, Next};
+pub(crate) use ring::RingStep;
 pub(crate) use session::EndReason;
 pub(crate) use session::{finish, open, Ended};
 
-/// Who is at the other end of a connection, as the kernel says
-/// (SO_PEERCRED, Unix sockets only).
-#[derive(Clone, Copy, Debug, Default)]
-pub(crate) struct Peer {
-    pub(crate) uid: Option<u32>,
-    pub(crate) pid: Option<i32>,
-}
+pub(crate) use crate::sessions::Peer;
 
 /// One connection's state between its requests; served by a worker of
 /// the reactor ([`crate::reactor`]), and by the blocking pool for a step
@@ -92,16 +87,6 @@ pub(crate) struct Conn {
     entry: Vec<u8>,
 }
 
-/// What a worker's turn on a connection's ring came to.
-pub(crate) enum RingStep {
-    /// It served this many requests (0: none was there).
-    Served(usize),
-    /// A request's next step blocks: hand it to the pool.
-    Pool,
-    /// The ring broke the rules; the connection ends.
-    End(EndReason),
-}
-
 /// A request planned by a worker and carried out by the pool.
 struct Parked {
     id: u64,
@@ -130,10 +115,6 @@ pub(crate) enum Step {
 /// for its idle life).
 const KEEP_BUFFER: usize = 1 << 20;
 
-/// Room a request awaiting a reply needs in the reply ring: an
-/// [`Response::OnSocket`] marker at least.
-const ON_SOCKET_ROOM: usize = 64;
-
 impl Conn {
     /// What this thread records this connection's requests into (`None`:
     /// metrics are off).
@@ -141,7 +122,7 @@ impl Conn {
         if !self.metrics {
             return None;
         }
-        crate::metrics::thread_counters(&self.shared)
+        crate::metrics::thread_counters(self.shared.metrics.as_ref())
     }
 
     /// Its socket's descriptor (for the worker to watch).
@@ -152,9 +133,9 @@ impl Conn {
 
     fn limits(&self) -> stowage_wire::Limits {
         if self.gate.is_open() {
-            self.shared.limits
+            self.shared.settings.limits
         } else {
-            self.shared.limits.handshake()
+            self.shared.settings.limits.handshake()
         }
     }
 
@@ -166,9 +147,11 @@ impl Conn {
         if !self.gate.is_open() {
             return Some(self.handshake_deadline);
         }
-        let mut d = self.out_since.map(|t| t + self.shared.frame_timeout);
+        let mut d = self
+            .out_since
+            .map(|t| t + self.shared.settings.frame_timeout);
         if !self.reader.buffer().is_empty() {
-            let f = self.frame_start + self.shared.frame_timeout;
+            let f = self.frame_start + self.shared.settings.frame_timeout;
             d = Some(d.map_or(f, |d| d.min(f)));
         }
         d
@@ -249,7 +232,8 @@ impl Conn {
         self.blocking = true;
         // A payload not sent whole with its header must come within the
         // frame's time, as it always had to.
-        self.reader.get_mut().deadline = Some(self.frame_start + self.shared.frame_timeout);
+        self.reader.get_mut().deadline =
+            Some(self.frame_start + self.shared.settings.frame_timeout);
         self.via_ring = p.via_ring;
         let r = self
             .flush_blocking()
@@ -263,172 +247,6 @@ impl Conn {
         self.reader.get_mut().deadline = None;
         self.blocking = false;
         r
-    }
-
-    /// Whether the client kicked its ring since the last call.
-    pub(crate) fn take_kick(&mut self) -> bool {
-        std::mem::take(&mut self.kicked)
-    }
-
-    /// Whether it has a request ring.
-    pub(crate) fn has_ring(&self) -> bool {
-        self.ring.is_some()
-    }
-
-    /// The worker stops polling the ring: true when it may (the client
-    /// kicks it for its next request), false when requests came.
-    pub(crate) fn park_ring(&self) -> bool {
-        self.ring.as_ref().is_none_or(|r| r.park())
-    }
-
-    /// Serve at most `quantum` requests from the ring, without blocking.
-    /// Every entry is copied out, then decoded and checked as a socket
-    /// frame is; a ring that breaks its layout, an entry that is not one
-    /// whole frame without payload, or more requests awaiting replies than
-    /// its reply ring holds end the connection as cut (the client broke
-    /// the protocol; a same-host client's holds stay until its process
-    /// exits, as for any cut connection).
-    pub(crate) fn pump_ring(&mut self, quantum: usize) -> RingStep {
-        if let Err(e) = self.flush_ready() {
-            return RingStep::End(e.into());
-        }
-        let mut served = 0;
-        let mut entry = std::mem::take(&mut self.entry);
-        let step = loop {
-            if served >= quantum {
-                break RingStep::Served(served);
-            }
-            let Some(ring) = &self.ring else {
-                break RingStep::Served(served);
-            };
-            match ring.take_request(&mut entry) {
-                Ok(true) => {}
-                Ok(false) => break RingStep::Served(served),
-                Err(e) => break RingStep::End(EndReason::Invalid(format!("request ring: {e}"))),
-            }
-            let limits = self.shared.limits;
-            let (id, req) = match stowage_wire::decode_frame::<Request>(&entry, &limits) {
-                Ok(Some((f, used))) if used == entry.len() && f.payload.is_empty() => {
-                    (f.envelope.id, f.envelope.body)
-                }
-                Ok(_) => {
-                    break RingStep::End(EndReason::Invalid(
-                        "a ring entry is one whole frame without payload".into(),
-                    ))
-                }
-                Err(e) => break RingStep::End(EndReason::Invalid(format!("ring entry: {e}"))),
-            };
-            if let Err(e) = req.validate(&limits) {
-                break RingStep::End(EndReason::Invalid(e.to_string()));
-            }
-            if req.expects_reply() && ring.reply_room() < ON_SOCKET_ROOM {
-                // A client waits for one reply at a time per connection:
-                // one whose reply ring is full and asks more is flooding.
-                break RingStep::End(EndReason::Invalid(
-                    "requests past the room in the reply ring".into(),
-                ));
-            }
-            self.frame_start = Instant::now();
-            self.via_ring = true;
-            let r = self.handle(id, req, 0);
-            self.via_ring = false;
-            if let Err(e) = r {
-                break RingStep::End(e);
-            }
-            served += 1;
-            if let Some(m) = &self.shared.metrics {
-                m.ring_requests
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            if self.parked.is_some() {
-                break RingStep::Pool;
-            }
-        };
-        entry.clear();
-        if entry.capacity() <= 64 << 10 {
-            self.entry = entry;
-        }
-        step
-    }
-
-    /// Post a reply to the ring; one that does not fit goes on the socket,
-    /// after a marker saying so.
-    fn reply_to_ring(&mut self, id: u64, r: &Response) -> io::Result<()> {
-        // Encoded in the header buffer (free once a request is decoded):
-        // no allocation per reply.
-        let mut frame = std::mem::take(&mut self.scratch);
-        frame.clear();
-        let encoded = encode(id, r, 0, &mut frame).map_err(io::Error::other);
-        let posted = encoded.and_then(|()| match &self.ring {
-            Some(ring) => Ok(frame.len() <= ring.reply_room() && ring.post_reply(&frame).is_ok()),
-            None => Err(io::Error::other("a ring reply without a ring")),
-        });
-        self.scratch = frame;
-        if posted? {
-            return Ok(());
-        }
-        self.on_socket(id)?;
-        self.via_ring = false;
-        let sent = self.reply(id, r);
-        self.via_ring = true;
-        sent
-    }
-
-    /// Tell the ring that the reply to `id` comes on the socket.
-    fn on_socket(&mut self, id: u64) -> io::Result<()> {
-        let Some(ring) = &self.ring else {
-            return Ok(());
-        };
-        let mut marker = Vec::new();
-        encode(id, &Response::OnSocket, 0, &mut marker).map_err(io::Error::other)?;
-        ring.post_reply(&marker)
-            .map_err(|_| io::Error::other("no room in the reply ring for a marker"))
-    }
-
-    /// Make this connection's request ring and hand its memfd over with
-    /// the reply (on the pool: the socket may block).
-    fn open_ring(&mut self, id: u64, bytes: u32) -> Result<(), EndReason> {
-        if !self.maps {
-            return self.reply_error(
-                id,
-                ErrorCode::InvalidRequest,
-                "a request ring is for a connection that mapped the slab (Hello with want_fd on the Unix socket)",
-            );
-        }
-        if self.ring.is_some() || self.via_ring {
-            return self.reply_error(
-                id,
-                ErrorCode::InvalidRequest,
-                "this connection has a request ring already",
-            );
-        }
-        let (ring, fd) = match stowage_shm::ring::Ring::create(bytes as usize) {
-            Ok(r) => r,
-            Err(e) => {
-                return self.reply_error(
-                    id,
-                    ErrorCode::Internal,
-                    &format!("cannot make a request ring: {e}"),
-                )
-            }
-        };
-        // Parked from the start: the client's first request kicks it.
-        ring.park();
-        let mut out = Vec::new();
-        encode(id, &Response::Ring { bytes }, 0, &mut out).map_err(io::Error::other)?;
-        let sent = match &self.reader.src.socket {
-            stowage_wire::io::Socket::Unix(s) => {
-                stowage_shm::send_with_fd(s, &out, std::os::fd::AsFd::as_fd(&fd))?
-            }
-            stowage_wire::io::Socket::Tcp(_) => 0,
-        };
-        self.out.extend_from_slice(&out[sent..]);
-        self.flush_blocking()?;
-        self.ring = Some(ring);
-        if let Some(m) = &self.shared.metrics {
-            m.ring_opened();
-        }
-        Ok(())
     }
 
     /// Read and serve one frame that is whole in the buffer.
@@ -527,7 +345,7 @@ impl Conn {
                 m.error(*code);
             }
             if !matches!(code, ErrorCode::Busy | ErrorCode::Full) {
-                tracing::debug!(unit = %self.shared.name, namespace = self.namespace.as_deref().unwrap_or(""), ?code, %message, "error answer");
+                tracing::debug!(unit = %self.shared.settings.name, namespace = self.namespace.as_deref().unwrap_or(""), ?code, %message, "error answer");
             }
         }
         if self.via_ring {
@@ -559,10 +377,12 @@ impl Conn {
     /// cuts it off: the caller's time left, within the unit's bounds.
     fn io_timeout(&self, timeout_ms: u64) -> Duration {
         if timeout_ms == 0 {
-            return self.shared.frame_timeout;
+            return self.shared.settings.frame_timeout;
         }
-        Duration::from_millis(timeout_ms)
-            .clamp(Duration::from_millis(10), self.shared.max_io_timeout)
+        Duration::from_millis(timeout_ms).clamp(
+            Duration::from_millis(10),
+            self.shared.settings.max_io_timeout,
+        )
     }
 
     fn set_write_timeout(&mut self, t: Duration) -> io::Result<()> {
@@ -646,8 +466,12 @@ impl Conn {
         let asker = Asker {
             hello: self.owner.zip(self.namespace.as_deref()),
             admin: self.admin,
-            checkpoints: self.admin || self.shared.secret.is_some(),
-            stopping: self.shared.stop.load(std::sync::atomic::Ordering::SeqCst),
+            checkpoints: self.admin || self.shared.settings.secret.is_some(),
+            stopping: self
+                .shared
+                .life
+                .stop
+                .load(std::sync::atomic::Ordering::SeqCst),
         };
         let now = self.shared.now();
         let plan = handler::handle(|| self.shared.core(), &asker, req, payload_len, now);
@@ -707,28 +531,20 @@ impl Conn {
                 owner,
                 agent,
                 agent_metadata,
-            } => match &self.shared.nixl {
+            } => handler::nixl_info(
+                self.shared
+                    .nixl
+                    .as_ref()
+                    .map(|n| (&n.metadata, n.slab_addr)),
                 // From here on the peer's transfers touch the slab by
                 // themselves: its holds outlive the connection's end,
                 // however it ends, until its agent is invalidated and
                 // the nixl quarantine has passed (docs/fencing.md).
-                Some(n) => {
-                    match self
-                        .shared
+                || {
+                    self.shared
                         .map_session(owner, self.peer, &agent, &agent_metadata)
-                    {
-                        Ok(()) => Response::NixlInfo {
-                            metadata: n.metadata.clone(),
-                            slab_addr: n.slab_addr,
-                        },
-                        Err(e) => handler::error_response(&e),
-                    }
-                }
-                None => Response::Error {
-                    code: ErrorCode::InvalidRequest,
-                    message: "this unit does not serve nixl (start it with --nixl)".into(),
                 },
-            },
+            ),
             Plan::Checkpoint { dir } => self.checkpoint(&dir),
             Plan::OpenRestore { dir } => crate::restore::open(&self.shared, &dir),
             Plan::CloseRestore { id } => {
@@ -756,19 +572,9 @@ impl Conn {
     /// blob"; bytes a client wrote through its mapping are counted once
     /// published.
     fn committed(&self, blob: BlobId, reply: Response, shm_bytes: u64) -> Response {
-        let reply = match (&reply, &self.shared.disk) {
-            (
-                Response::Error {
-                    code: ErrorCode::UnknownBlob,
-                    ..
-                },
-                Some(d),
-            ) => match d.failed_put(blob) {
-                Some((code, message)) => Response::Error { code, message },
-                None => reply,
-            },
-            _ => reply,
-        };
+        let reply = handler::committed_reply(reply, || {
+            self.shared.disk.as_ref().and_then(|d| d.failed_put(blob))
+        });
         if shm_bytes > 0
             && matches!(
                 reply,
@@ -785,14 +591,21 @@ impl Conn {
     fn checkpoint(&mut self, dir: &str) -> Response {
         // (The handler checked that an admin asks, and that the unit was
         // not stopping then; it may have begun to since.)
-        if self.shared.stop.load(std::sync::atomic::Ordering::SeqCst) {
+        if self
+            .shared
+            .life
+            .stop
+            .load(std::sync::atomic::Ordering::SeqCst)
+        {
             return Response::Error {
                 code: ErrorCode::Internal,
                 message: "the unit is shutting down".into(),
             };
         }
-        let dir = match crate::checkpoint::resolve_dir(self.shared.checkpoint_root.as_deref(), dir)
-        {
+        let dir = match crate::checkpoint::resolve_dir(
+            self.shared.settings.checkpoint_root.as_deref(),
+            dir,
+        ) {
             Ok(d) => d,
             Err(message) => {
                 return Response::Error {
@@ -803,18 +616,20 @@ impl Conn {
         };
         self.shared
             .checkpoints
+            .writing
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let t0 = Instant::now();
         let r = crate::checkpoint::write(&self.shared, &dir);
         self.shared
             .checkpoints
+            .writing
             .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
         if let Some(m) = &self.shared.metrics {
             m.checkpoint(r.is_ok(), t0.elapsed());
         }
         match &r {
             Ok(info) => tracing::info!(
-                unit = %self.shared.name,
+                unit = %self.shared.settings.name,
                 dir = %dir.path.display(),
                 rows = info.rows,
                 entries = info.entries,
@@ -823,7 +638,7 @@ impl Conn {
                 "checkpoint written"
             ),
             Err(e) => tracing::warn!(
-                unit = %self.shared.name,
+                unit = %self.shared.settings.name,
                 dir = %dir.path.display(),
                 error = %e,
                 "checkpoint failed"
@@ -837,424 +652,4 @@ impl Conn {
             },
         }
     }
-}
-
-impl Conn {
-    /// Take a Put's payload where the handler reserved it, within the
-    /// Put's own time (a payload that stalls past it is cut off), and
-    /// answer what the handler makes of it.
-    fn receive(&mut self, id: u64, mut put: Put) -> Result<(), EndReason> {
-        let timeout = self.io_timeout(put.timeout_ms);
-        self.reader.get_mut().deadline = Some(Instant::now() + timeout);
-        match &put.into {
-            Dest::Slab { pieces } => {
-                let ranges = crate::cut(pieces, put.nbytes);
-                self.put_to_slab(id, &mut put, &ranges)
-            }
-            Dest::Disk => self.put_to_disk(id, &mut put),
-            Dest::Nowhere => {
-                drain(&mut self.reader, put.nbytes)?;
-                let resp = handler::put_landed(&mut self.shared.core(), &mut put);
-                self.reply(id, &resp)?;
-                Ok(())
-            }
-        }
-    }
-
-    /// The payload goes straight from the socket into the slab `ranges`
-    /// (the reserved pieces, cut to the payload's length), in order. This
-    /// thread is their only writer while it reads.
-    fn put_to_slab(
-        &mut self,
-        id: u64,
-        put: &mut Put,
-        ranges: &[(u64, u64)],
-    ) -> Result<(), EndReason> {
-        let mut got = Ok(());
-        for &(offset, len) in ranges {
-            let len = usize::try_from(len).map_err(|_| io::Error::other("payload too large"))?;
-            got = self.recv_payload(offset, len);
-            if got.is_err() {
-                break;
-            }
-        }
-        if let Err(e) = got {
-            let cut = matches!(
-                e.kind(),
-                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-            );
-            let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
-            return Err(e.into());
-        }
-        let resp = handler::put_landed(&mut self.shared.core(), put);
-        if matches!(resp, Response::Done | Response::Pending) {
-            self.count_in(put.nbytes);
-        }
-        self.reply(id, &resp)?;
-        Ok(())
-    }
-
-    /// How this connection streams bytes (for metrics).
-    fn stream_transport(&self) -> crate::metrics::Transport {
-        if self.unix {
-            crate::metrics::Transport::Uds
-        } else {
-            crate::metrics::Transport::Tcp
-        }
-    }
-
-    fn count_in(&self, n: u64) {
-        if let Some(m) = self.counters() {
-            m.bytes_in(self.stream_transport(), n);
-        }
-    }
-
-    /// Take `len` payload bytes into the slab at `offset`: what the reader
-    /// has buffered already, then straight from the socket (bounded by the
-    /// reader's deadline).
-    fn recv_payload(&mut self, offset: u64, len: usize) -> io::Result<()> {
-        let buffered = self.reader.buffer();
-        let n = buffered.len().min(len);
-        self.shared
-            .slab
-            .write(offset, &buffered[..n])
-            .map_err(io::Error::other)?;
-        self.reader.consume(n);
-        if n == len {
-            return Ok(());
-        }
-        let r = self.reader.get_mut();
-        let deadline = r.deadline;
-        let got = self.shared.slab.recv_into(
-            r.socket.as_fd(),
-            offset + n as u64,
-            len - n,
-            self.shared.spin,
-            deadline,
-        );
-        if !matches!(got, Ok(false)) {
-            r.timeout_changed();
-        }
-        got.map(|_| ())
-    }
-
-    /// The payload of a put that went to the disk tier: streamed into the
-    /// blob's file; the flusher syncs it and publishes the entries.
-    fn put_to_disk(&mut self, id: u64, put: &mut Put) -> Result<(), EndReason> {
-        let (blob, nbytes) = (put.blob, put.nbytes);
-        let abandon = |shared: &Shared| {
-            let _ = handler::put_abandoned(&mut shared.core(), put, false, shared.now());
-        };
-        let Some(d) = &self.shared.disk else {
-            drain(&mut self.reader, nbytes)?;
-            abandon(&self.shared);
-            return self.reply_error(id, ErrorCode::Internal, "disk tier missing");
-        };
-        let (mut writer, mut failure) = match d.engine.create(blob, nbytes) {
-            Ok(w) => (Some(w), None),
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot create a blob file");
-                (None, Some(e))
-            }
-        };
-        let mut left = nbytes;
-        let mut buf = vec![0u8; (64 << 10).min(nbytes as usize).max(1)];
-        while left > 0 {
-            let n = (left as usize).min(buf.len());
-            if let Err(e) = self.reader.read_exact(&mut buf[..n]) {
-                abandon(&self.shared);
-                return Err(e.into());
-            }
-            left -= n as u64;
-            if let (Some(w), None) = (writer.as_mut(), &failure) {
-                if let Err(e) = w.write(&buf[..n]) {
-                    failure = Some(e);
-                }
-            }
-        }
-        if let Some(e) = failure {
-            // Nothing of this put is kept; the client may retry.
-            abandon(&self.shared);
-            if let Some(w) = writer {
-                let _ = w.finish();
-            }
-            let _ = d.engine.delete(blob);
-            // A full disk is a full unit (the client may wait for room or
-            // go elsewhere), not a failed transfer.
-            let (code, why) = if crate::disk::is_disk_full(&e) {
-                (
-                    ErrorCode::Full,
-                    format!(
-                        "the unit's memory is full and its disk tier has no space left \
-                         ({e}); nothing of this put is kept: clear rows, or give the disk \
-                         tier room"
-                    ),
-                )
-            } else {
-                (
-                    ErrorCode::Internal,
-                    format!("the put's blob file on the disk tier failed: {e}"),
-                )
-            };
-            return self.reply_error(id, code, &why);
-        }
-        let resp = handler::put_landed(&mut self.shared.core(), put);
-        if matches!(resp, Response::Pending) {
-            self.count_in(nbytes);
-            if let Some(m) = &self.shared.metrics {
-                m.disk_put_bytes
-                    .fetch_add(nbytes, std::sync::atomic::Ordering::Relaxed);
-            }
-            if let Some(w) = writer {
-                let sent = d
-                    .flush
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .send((blob, w));
-                if sent.is_err() {
-                    self.shared
-                        .core()
-                        .disk_written(blob, false, self.shared.now());
-                }
-            }
-        }
-        self.reply(id, &resp)?;
-        Ok(())
-    }
-
-    /// Send a Read's pinned values: straight from the slab (or a spilled
-    /// blob's checked file) to the socket, within the Read's own time (a
-    /// reader that stalls past it is cut off); only then does the pin go.
-    fn send(&mut self, id: u64, mut read: Read) -> Result<(), EndReason> {
-        if std::mem::take(&mut self.via_ring) {
-            // Its values follow the reply on the socket (and so does a
-            // Busy answer).
-            self.on_socket(id)?;
-        }
-        let timeout = self.io_timeout(read.timeout_ms);
-        let until = Instant::now() + timeout;
-        // Spilled values stream through one buffer of the unit's disk-read
-        // budget, taken for the whole reply: a reader that finds none free
-        // waits for one (most of its time), then is answered Busy.
-        let shared = self.shared.clone();
-        let mut buf = None;
-        if let (true, Some(d)) = (read.has_disk(), &shared.disk) {
-            buf = d.reads.take(Instant::now() + timeout.mul_f64(0.9));
-            if buf.is_none() {
-                handler::read_sent(&mut self.shared.core(), &read, self.shared.now());
-                return self.reply_error(
-                    id,
-                    ErrorCode::Busy,
-                    "every buffer of the unit's disk-read budget is taken by other readers \
-                     of spilled values (--disk-read-budget); try again",
-                );
-            }
-        }
-        let found = std::mem::take(&mut read.found);
-        let served = shared.bring_back(found, buf.as_deref_mut(), true);
-        let (header_reply, total) = data_reply(&served);
-        // (On the pool: `out` was sent before this began.)
-        let mut header = std::mem::take(&mut self.out);
-        header.clear();
-        encode(id, &header_reply, total, &mut header).map_err(io::Error::other)?;
-        let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
-        drop(buf);
-        header.clear();
-        self.out = header;
-        handler::read_sent(&mut self.shared.core(), &read, self.shared.now());
-        let sent = sent?;
-        if let Some(m) = self.counters() {
-            m.bytes_out(self.stream_transport(), total);
-        }
-        if sent {
-            // The send set its own timeout: back to the frame timeout.
-            self.write_timeout = Duration::ZERO;
-            self.set_write_timeout(self.shared.frame_timeout)?;
-        }
-        Ok(())
-    }
-
-    /// Send a Data reply: `header`, then each served value, from the slab
-    /// or streamed from its spilled blob's file through `buf` (checked
-    /// chunk by chunk as it goes; the file was checked whole just before,
-    /// so a mismatch now means it changed underneath: the connection is
-    /// cut rather than a wrong byte sent). Returns whether a send changed
-    /// the socket's timeout.
-    fn send_served(
-        &self,
-        header: &[u8],
-        served: &[Option<Served>],
-        mut buf: Option<&mut [u8]>,
-        until: Instant,
-    ) -> Result<bool, EndReason> {
-        let slab = &self.shared.slab;
-        let fd = self.reader.src.socket.as_fd();
-        let mut changed = false;
-        let mut pieces = Vec::with_capacity(served.len() + 1);
-        pieces.push(Piece::Heap(header));
-        for s in served.iter().flatten() {
-            match s {
-                Served::Memory(l, _) => pieces.push(Piece::Slab {
-                    offset: l.offset,
-                    len: l.len as usize,
-                }),
-                Served::Split(parts, _) => pieces.extend(parts.iter().map(|l| Piece::Slab {
-                    offset: l.offset,
-                    len: l.len as usize,
-                })),
-                Served::Disk {
-                    blob, offset, len, ..
-                } => {
-                    changed |= slab.send_pieces(fd, &pieces, until)?;
-                    pieces.clear();
-                    let (Some(d), Some(buf)) = (&self.shared.disk, buf.as_deref_mut()) else {
-                        return Err(EndReason::Invalid(
-                            "a spilled value without a disk-read buffer".into(),
-                        ));
-                    };
-                    let t0 = Instant::now();
-                    let streamed = d.engine.reader(*blob).and_then(|r| {
-                        crate::read_through(&r, *offset, *len, buf, |piece| {
-                            changed |= slab.send_pieces(fd, &[Piece::Heap(piece)], until)?;
-                            Ok(())
-                        })
-                    });
-                    match streamed {
-                        Ok(Ok(())) => {
-                            d.io.read(*len, t0);
-                            if let Some(m) = &self.shared.metrics {
-                                m.disk_streamed_bytes
-                                    .fetch_add(*len, std::sync::atomic::Ordering::Relaxed);
-                            }
-                        }
-                        Ok(Err(e)) => return Err(e.into()),
-                        Err(e) => {
-                            tracing::error!(error = %e, ?blob, "a spilled blob's file changed while it was sent; the connection is cut");
-                            return Err(EndReason::Invalid(format!(
-                                "a spilled value's file failed its check while it was sent: {e}"
-                            )));
-                        }
-                    }
-                }
-                Served::Corrupt => {}
-            }
-        }
-        changed |= slab.send_pieces(fd, &pieces, until)?;
-        Ok(changed)
-    }
-
-    /// A Resolve's reply: spilled values are brought back into the slab
-    /// where there is room (the pin holds them meanwhile). Promotion copies
-    /// through a buffer of the read budget; when none is free soon, the
-    /// values stay on disk and the client reads them with a Read, which
-    /// waits for one.
-    fn resolved(
-        &mut self,
-        pin: Option<stowage_core::PinId>,
-        found: Vec<Option<stowage_core::Located>>,
-        spares_back: bool,
-    ) -> Response {
-        let mut buf = match &self.shared.disk {
-            Some(d) if handler::has_disk(&found) => {
-                d.reads.take(Instant::now() + Duration::from_millis(50))
-            }
-            _ => None,
-        };
-        let served = self.shared.bring_back(found, buf.as_deref_mut(), false);
-        drop(buf);
-        let (reply, bytes) = resolved_reply(pin, served, spares_back);
-        if let Some(m) = self.counters() {
-            m.bytes_out(crate::metrics::Transport::Shm, bytes);
-        }
-        reply
-    }
-}
-
-/// The reply to a Resolve whose spilled values were brought back where
-/// there was room (`served`, one per key); and the bytes it hands out of
-/// the slab.
-fn resolved_reply(
-    pin: Option<PinId>,
-    served: Vec<Option<Served>>,
-    spares_back: bool,
-) -> (Response, u64) {
-    let bytes = served
-        .iter()
-        .map(|f| match f {
-            Some(Served::Memory(l, _)) => l.len,
-            Some(Served::Split(parts, _)) => parts.iter().map(|l| l.len).sum(),
-            _ => 0,
-        })
-        .sum();
-    let mut corrupt = Vec::new();
-    let found = served
-        .into_iter()
-        .enumerate()
-        .map(|(i, f)| match f? {
-            Served::Memory(l, meta) => Some(Found {
-                offset: l.offset,
-                len: l.len,
-                meta,
-                on_disk: false,
-                parts: Vec::new(),
-            }),
-            Served::Split(parts, meta) => Some(Found {
-                offset: parts.first().map_or(0, |l| l.offset),
-                len: parts.iter().map(|l| l.len).sum(),
-                meta,
-                on_disk: false,
-                parts: parts.iter().map(|l| (l.offset, l.len)).collect(),
-            }),
-            Served::Disk { len, meta, .. } => Some(Found {
-                offset: 0,
-                len,
-                meta,
-                on_disk: true,
-                parts: Vec::new(),
-            }),
-            Served::Corrupt => {
-                corrupt.push(i as u32);
-                None
-            }
-        })
-        .collect();
-    (
-        Response::Resolved {
-            pin,
-            found,
-            corrupt,
-            spares_back,
-        },
-        bytes,
-    )
-}
-
-/// The header of a Read's reply for the values `served` (one per key), and
-/// the payload bytes that follow it.
-fn data_reply(served: &[Option<Served>]) -> (Response, u64) {
-    let mut corrupt = Vec::new();
-    let items: Vec<Option<Item>> = served
-        .iter()
-        .enumerate()
-        .map(|(i, s)| match s.as_ref()? {
-            Served::Memory(l, meta) => Some(Item {
-                len: l.len,
-                meta: meta.clone(),
-            }),
-            Served::Split(parts, meta) => Some(Item {
-                len: parts.iter().map(|l| l.len).sum(),
-                meta: meta.clone(),
-            }),
-            Served::Disk { len, meta, .. } => Some(Item {
-                len: *len,
-                meta: meta.clone(),
-            }),
-            Served::Corrupt => {
-                corrupt.push(i as u32);
-                None
-            }
-        })
-        .collect();
-    let total = items.iter().flatten().map(|it| it.len).sum();
-    (Response::Data { items, corrupt }, total)
 }

@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use stowage_core::{input, Action, UnitCore};
 
 use crate::disk::DiskEngine;
+use crate::sessions::process_exited;
 use crate::{metrics, Shared, COPY_CHUNK};
 
 /// The timer side of the driver: when the core next needs
@@ -54,6 +55,11 @@ impl Timer {
         }
     }
 
+    /// The sessions whose process is watched, locked.
+    fn watched(&self) -> MutexGuard<'_, std::collections::HashSet<stowage_core::SessionId>> {
+        self.watched.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     pub(crate) fn wake(&self) {
         let mut w = self.woken.0.lock().unwrap_or_else(|p| p.into_inner());
         *w = true;
@@ -61,11 +67,31 @@ impl Timer {
     }
 }
 
-/// Whether the process of a pidfd has exited (the pidfd is readable).
-pub(crate) fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
-    use rustix::event::{poll, PollFd, PollFlags};
-    let mut fds = [PollFd::new(fd, PollFlags::IN)];
-    matches!(poll(&mut fds, Some(&rustix::event::Timespec::default())), Ok(n) if n > 0)
+/// The core and what drives it: the timer that wakes it, the compactor's
+/// channel and its time spent copying.
+pub(crate) struct Driver {
+    pub(crate) core: Mutex<UnitCore>,
+    /// When to wake the core, and which processes to watch.
+    pub(crate) timer: Timer,
+    /// Compaction's moves, for the compactor thread.
+    pub(crate) moves: Mutex<std::sync::mpsc::Sender<stowage_core::MoveJob>>,
+    /// Time the compactor spent copying, in microseconds.
+    pub(crate) compaction_micros: AtomicU64,
+}
+
+impl Driver {
+    /// A driver of `core`, sending compaction's moves to `moves`.
+    pub(crate) fn new(
+        core: UnitCore,
+        moves: std::sync::mpsc::Sender<stowage_core::MoveJob>,
+    ) -> Self {
+        Self {
+            core: Mutex::new(core),
+            timer: Timer::new(),
+            moves: Mutex::new(moves),
+            compaction_micros: AtomicU64::new(0),
+        }
+    }
 }
 
 /// The core, locked. On release it drives the core: it carries out what
@@ -125,7 +151,7 @@ impl Shared {
     /// the unit staying up, so a poisoned lock is taken over.
     pub(crate) fn core(&self) -> CoreGuard<'_> {
         CoreGuard {
-            guard: Some(self.core.lock().unwrap_or_else(|p| p.into_inner())),
+            guard: Some(self.driver.core.lock().unwrap_or_else(|p| p.into_inner())),
             shared: self,
         }
     }
@@ -144,7 +170,7 @@ impl Shared {
         }
         let deadline = core.poll_timeout();
         drop(core);
-        self.timer.schedule(deadline);
+        self.driver.timer.schedule(deadline);
         let mut spills = Vec::new();
         for a in actions {
             match a {
@@ -158,6 +184,7 @@ impl Shared {
                 Action::Spill(job) => spills.push(job),
                 Action::Move(job) => {
                     let sent = self
+                        .driver
                         .moves
                         .lock()
                         .unwrap_or_else(|p| p.into_inner())
@@ -174,10 +201,10 @@ impl Shared {
                     }
                 }
                 Action::CheckProcess(session) => {
-                    let mut w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+                    let mut w = self.driver.timer.watched();
                     if w.insert(session) && w.len() == 1 {
                         drop(w);
-                        self.timer.wake();
+                        self.driver.timer.wake();
                     }
                 }
             }
@@ -191,7 +218,7 @@ impl Shared {
             if sent.is_err() {
                 // The spiller has stopped (so has the unit): the blobs
                 // stay in memory.
-                tracing::debug!(unit = %self.name, "spill jobs after the spiller stopped");
+                tracing::debug!(unit = %self.settings.name, "spill jobs after the spiller stopped");
             }
         }
     }
@@ -202,11 +229,11 @@ impl Shared {
     /// [`WATCH_EVERY`].
     pub(crate) fn run_timer(&self) {
         let mut watching = false;
-        while !self.stop.load(Ordering::Relaxed) {
+        while !self.life.stop.load(Ordering::Relaxed) {
             let now = self.now();
-            let at = self.timer.wake_at.load(Ordering::SeqCst);
+            let at = self.driver.timer.wake_at.load(Ordering::SeqCst);
             if at != u64::MAX && u128::from(at) <= now.as_nanos() {
-                self.timer.wake_at.store(u64::MAX, Ordering::SeqCst);
+                self.driver.timer.wake_at.store(u64::MAX, Ordering::SeqCst);
                 // Its release (drive) schedules the next timeout.
                 let _ = self.core().handle(now, input::Timeout);
                 continue;
@@ -222,11 +249,9 @@ impl Shared {
                 wait = wait.min(WATCH_EVERY);
             }
             {
-                let w = self.timer.woken.0.lock().unwrap_or_else(|p| p.into_inner());
-                let (mut w, _) = self
-                    .timer
-                    .woken
-                    .1
+                let (lock, woken) = &self.driver.timer.woken;
+                let w = lock.lock().unwrap_or_else(|p| p.into_inner());
+                let (mut w, _) = woken
                     .wait_timeout_while(w, wait, |woken| !*woken)
                     .unwrap_or_else(|p| p.into_inner());
                 *w = false;
@@ -241,15 +266,19 @@ impl Shared {
     /// are still watched.
     fn reap_sessions(&self) -> bool {
         let watched: Vec<stowage_core::SessionId> = {
-            let w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+            let w = self.driver.timer.watched();
             w.iter().copied().collect()
         };
         if watched.is_empty() {
             return false;
         }
         let (gone, forget): (Vec<_>, Vec<_>) = {
-            let sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-            let core = self.core.lock().unwrap_or_else(|p| p.into_inner());
+            let sessions = self
+                .sessions
+                .by_token
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let core = self.driver.core.lock().unwrap_or_else(|p| p.into_inner());
             let exited = |id: &stowage_core::SessionId| {
                 sessions
                     .values()
@@ -266,7 +295,7 @@ impl Shared {
             (gone, done)
         };
         {
-            let mut w = self.timer.watched.lock().unwrap_or_else(|p| p.into_inner());
+            let mut w = self.driver.timer.watched();
             for id in gone.iter().chain(&forget) {
                 w.remove(id);
             }
@@ -281,18 +310,13 @@ impl Shared {
                 m.reclaimed(metrics::Reclaim::ProcessExited, holds);
             }
             tracing::info!(
-                unit = %self.name,
+                unit = %self.settings.name,
                 session = id.0,
                 holds,
                 "session closed: a cut session's process exited; released what it held"
             );
         }
-        !self
-            .timer
-            .watched
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .is_empty()
+        !self.driver.timer.watched().is_empty()
     }
 }
 
@@ -327,14 +351,14 @@ pub(crate) fn spiller(
 ) {
     let Some(d) = &shared.disk else { return };
     let mut failing = false;
-    while !shared.stop.load(Ordering::Relaxed) {
+    while !shared.life.stop.load(Ordering::Relaxed) {
         let jobs = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(jobs) => jobs,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
             Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
         };
         let _busy = d.busy.lock().unwrap_or_else(|p| p.into_inner());
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.life.stop.load(Ordering::SeqCst) {
             break;
         }
         let batch_start = Instant::now();
@@ -379,7 +403,7 @@ pub(crate) fn spiller(
                 m.spill_batches.fetch_add(1, Ordering::Relaxed);
             }
             tracing::info!(
-                unit = %shared.name,
+                unit = %shared.settings.name,
                 blobs = n_jobs,
                 bytes = spilled,
                 seconds = batch_start.elapsed().as_secs_f64(),
@@ -399,7 +423,7 @@ pub(crate) fn spiller(
 /// reader that pins the blob during the copy reads the old range, which the
 /// core then keeps.
 pub(crate) fn compactor(shared: Arc<Shared>, rx: std::sync::mpsc::Receiver<stowage_core::MoveJob>) {
-    while !shared.stop.load(Ordering::Relaxed) {
+    while !shared.life.stop.load(Ordering::Relaxed) {
         let job = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(job) => job,
             Err(std::sync::mpsc::RecvTimeoutError::Timeout) => continue,
@@ -417,6 +441,7 @@ pub(crate) fn compactor(shared: Arc<Shared>, rx: std::sync::mpsc::Receiver<stowa
             to += len;
         }
         shared
+            .driver
             .compaction_micros
             .fetch_add(t0.elapsed().as_micros() as u64, Ordering::Relaxed);
         let _ = shared

@@ -19,6 +19,11 @@ use stowage_core::{
 };
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
+mod reply;
+
+pub use reply::{committed_reply, disk_put_failed};
+pub(crate) use reply::{data_reply, resolved_reply};
+
 /// Who sent a request, as the connection knows it.
 #[derive(Clone, Copy, Debug)]
 pub struct Asker<'a> {
@@ -678,4 +683,26 @@ pub fn scope(namespace: &str, partition: &str) -> String {
     s.push(PARTITION_SEPARATOR);
     s.push_str(partition);
     s
+}
+
+/// The answer to a NixlInfo: the unit's NIXL agent metadata and slab
+/// address (`serving`; `None`: the unit serves no nixl) once `map_session`
+/// made the asker's session one that moves bytes by itself.
+pub fn nixl_info(
+    serving: Option<(&Vec<u8>, u64)>,
+    map_session: impl FnOnce() -> Result<(), CoreError>,
+) -> Response {
+    match serving {
+        Some((metadata, slab_addr)) => match map_session() {
+            Ok(()) => Response::NixlInfo {
+                metadata: metadata.clone(),
+                slab_addr,
+            },
+            Err(e) => error_response(&e),
+        },
+        None => Response::Error {
+            code: ErrorCode::InvalidRequest,
+            message: "this unit does not serve nixl (start it with --nixl)".into(),
+        },
+    }
 }

@@ -19,8 +19,6 @@ use std::time::{Duration, Instant};
 
 use prometheus_client::registry::Registry;
 
-use crate::Shared;
-
 /// Most scrapes served at once.
 pub const MAX_CLIENTS: usize = 8;
 /// Largest request line plus headers.
@@ -33,11 +31,11 @@ pub(crate) fn bind(addr: SocketAddr) -> io::Result<TcpListener> {
     TcpListener::bind(addr)
 }
 
-/// Accept scrapes until the unit stops.
-pub(crate) fn accept(shared: Arc<Shared>, l: TcpListener, registry: Arc<Registry>) {
+/// Accept scrapes until the unit stops (`stopping`).
+pub(crate) fn accept(stopping: impl Fn() -> bool, l: TcpListener, registry: Arc<Registry>) {
     let active = Arc::new(AtomicUsize::new(0));
     for stream in l.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
+        if stopping() {
             return;
         }
         let Ok(s) = stream else {

@@ -7,13 +7,20 @@
 //! (loopback unless told otherwise; bytes are streamed between the socket
 //! and the slab with no intermediate buffer).
 //!
-//! Threads: one accept loop per listener (`listen.rs`), one thread per
-//! connection (`conn.rs`: blocking reads keep the request path to a single
-//! wake-up; `handler.rs` plans each request against the core), and the
-//! core's driver (`drive.rs`): a timer that sleeps until the core's
-//! `poll_timeout` and watches the processes of cut sessions, a spiller and
-//! a flusher. The core sits behind one mutex that is never held across
-//! I/O; every release of it runs the core's pending actions.
+//! Threads: one accept loop per listener (`listen.rs`); the reactor
+//! (`reactor.rs`): `--threads` workers that each wait on readiness events
+//! for their share of the connections and serve the whole frames a
+//! connection has without blocking (`conn.rs` moves the bytes,
+//! `conn/ring.rs` serves a same-host client's request ring, `handler.rs`
+//! plans each request against the core), and a bounded pool
+//! (`--io-threads`) that carries out the steps that block; and the core's
+//! driver (`drive.rs`): a timer that sleeps until the core's
+//! `poll_timeout` and watches the processes of cut sessions, a spiller, a
+//! flusher and a compactor. The core sits behind one mutex that is never
+//! held across I/O; every release of it runs the core's pending actions.
+//! `Shared` is the unit's parts, each owning its state (settings, the
+//! core's driver, the session registry, connections, the disk tier,
+//! checkpoints, metrics, lifecycle); see docs/architecture.md.
 //!
 //! A connection that sends a malformed or oversized frame gets an
 //! `InvalidRequest` error and is closed; everyone else carries on.
@@ -65,9 +72,10 @@ mod listen;
 mod nixl_serve;
 mod reactor;
 mod restore;
+mod sessions;
 mod tier;
 
-pub(crate) use listen::Counted;
+pub(crate) use admit::Counted;
 use listen::{accept_tcp, accept_uds, bind_uds};
 use nixl_serve::serve_nixl;
 pub(crate) use nixl_serve::NixlServe;
@@ -84,31 +92,45 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use drive::{compactor, flusher, spiller, Timer};
-use stowage_core::{input, CoreConfig, UnitCore};
+use drive::{compactor, flusher, spiller};
+use stowage_core::{CoreConfig, UnitCore};
 use stowage_shm::Slab;
 use stowage_wire::Limits;
 
 pub use stowage_config::{runtime_dir, NixlConfig, UnitConfig, DEFAULT_DISK_READ_BUDGET};
 
-/// State shared by every thread of a unit.
+/// A unit's parts, each owning its state; a module is handed the parts
+/// it works on (see docs/architecture.md, "The unit server").
 pub(crate) struct Shared {
-    pub(crate) core: Mutex<UnitCore>,
-    /// When to wake the core, and which processes to watch.
-    pub(crate) timer: Timer,
+    /// What the unit was started with and never changes.
+    pub(crate) settings: Settings,
+    /// The core, and what drives it ([`drive`]).
+    pub(crate) driver: drive::Driver,
+    /// Sessions by token, and their processes ([`sessions`]).
+    pub(crate) sessions: sessions::Sessions,
+    /// Connections served and in their handshake, and the reactor
+    /// ([`listen`]).
+    pub(crate) conns: listen::Conns,
     pub(crate) slab: Arc<Slab>,
     /// NIXL, when the unit serves it.
     pub(crate) nixl: Option<NixlServe>,
+    pub(crate) disk: Option<DiskTier>,
+    /// Checkpoints being written, and restore units ([`restore`]).
+    pub(crate) checkpoints: restore::Checkpoints,
+    /// What the request path records (`None`: metrics are off).
+    pub(crate) metrics: Option<Arc<metrics::UnitMetrics>>,
+    /// Stopping and exiting.
+    pub(crate) life: Lifecycle,
+}
+
+/// What a unit was started with: fixed for its life.
+pub(crate) struct Settings {
+    /// The unit's name (logs, the metrics' `unit` label).
+    pub(crate) name: String,
     pub(crate) started: Instant,
     pub(crate) instance_id: u128,
     pub(crate) limits: Limits,
-    pub(crate) stop: AtomicBool,
     pub(crate) spin: Duration,
-    pub(crate) disk: Option<DiskTier>,
-    /// Checkpoints being written.
-    pub(crate) checkpoints: std::sync::atomic::AtomicUsize,
-    /// Set when the unit is asked to exit.
-    pub(crate) exit: (Mutex<bool>, std::sync::Condvar),
     /// This process's uid.
     pub(crate) uid: u32,
     pub(crate) allow_other_uids: bool,
@@ -119,58 +141,23 @@ pub(crate) struct Shared {
     pub(crate) max_connections: usize,
     /// Most sessions at once.
     pub(crate) max_sessions: usize,
-    /// Sessions opened (to forget stale records now and then).
-    pub(crate) joins: std::sync::atomic::AtomicU64,
-    /// Connections being served (past their handshake).
-    pub(crate) connections: std::sync::atomic::AtomicUsize,
-    /// Connections still in their handshake.
-    pub(crate) handshakes: admit::Handshakes,
     pub(crate) handshake_timeout: Duration,
     /// The shared secret clients must prove, if any.
     pub(crate) secret: Option<stowage_wire::auth::Secret>,
-    /// Sessions by the token given at Hello.
-    pub(crate) sessions: Mutex<std::collections::HashMap<u128, SessionRec>>,
-    /// The unit's name (logs, the metrics' `unit` label).
-    pub(crate) name: String,
     /// The spill threshold, as a fraction of the slab.
     pub(crate) high_watermark: f64,
-    /// What the request path records (`None`: metrics are off).
-    pub(crate) metrics: Option<metrics::UnitMetrics>,
-    /// Compaction's moves, for the compactor thread.
-    pub(crate) moves: Mutex<std::sync::mpsc::Sender<stowage_core::MoveJob>>,
-    /// Time the compactor spent copying, in microseconds.
-    pub(crate) compaction_micros: std::sync::atomic::AtomicU64,
-    /// The threads that serve connections.
-    pub(crate) reactor: std::sync::OnceLock<reactor::Reactor>,
-    /// Client processes' pidfds, shared by their sessions.
-    pub(crate) pidfds: Mutex<std::collections::HashMap<i32, std::sync::Weak<std::os::fd::OwnedFd>>>,
-    /// The unit's configuration with its bound listeners (what its restore
-    /// units are made from).
-    pub(crate) config: std::sync::OnceLock<UnitConfig>,
-    /// The restore units this unit started ([`restore`]).
-    pub(crate) restores: Mutex<restore::Restores>,
 }
 
-/// A session as the server knows it: its id in the core and, for a
-/// Unix-socket peer, its process (to learn when it is certainly gone).
-pub(crate) struct SessionRec {
-    pub(crate) id: stowage_core::SessionId,
-    pub(crate) pid: Option<i32>,
-    /// Its process's pidfd, shared by every session of that process
-    /// ([`Shared::pidfd_of`]): one file descriptor per client process.
-    pub(crate) pidfd: Option<Arc<std::os::fd::OwnedFd>>,
-    /// The slab was handed to this session: its peer may copy by itself.
-    pub(crate) mapped: bool,
-    /// A connection of this session asked for nixl: its peer moves bytes
-    /// with one-sided transfers, and so may its other connections.
-    pub(crate) one_sided: bool,
+/// Whether the unit is stopping, and whether it was asked to exit.
+pub(crate) struct Lifecycle {
+    pub(crate) stop: AtomicBool,
+    /// Set when the unit is asked to exit.
+    pub(crate) exit: (Mutex<bool>, std::sync::Condvar),
 }
 
 impl Shared {
-    /// Join the session `token` names (when it still exists and, for a
-    /// Unix-socket peer, belongs to the same process) or start a new one;
-    /// attach a connection to it. Returns the session's token and the
-    /// connection's owner id.
+    /// Join the session `token` names, or start a new one, and attach a
+    /// connection to it ([`sessions::Sessions::join`]).
     pub(crate) fn join_session(
         &self,
         token: Option<u128>,
@@ -178,110 +165,14 @@ impl Shared {
         maps: bool,
         namespace: &str,
     ) -> Result<(u128, stowage_core::Owner), stowage_wire::Response> {
-        let refused = |e: stowage_core::CoreError| handler::error_response(&e);
-        let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        let mut core = self.core();
-        let joined = token.filter(|t| {
-            sessions
-                .get(t)
-                .is_some_and(|r| r.pid == peer.pid && core.has_session(r.id))
-        });
-        let token = match joined {
-            Some(t) => t,
-            None => {
-                // Forget sessions the core has forgotten (now and then:
-                // a unit holds thousands).
-                let joins = self.joins.fetch_add(1, Ordering::Relaxed);
-                if sessions.len() >= self.max_sessions || joins.is_multiple_of(1024) {
-                    sessions.retain(|_, r| core.has_session(r.id));
-                }
-                if sessions.len() >= self.max_sessions {
-                    if let Some(m) = &self.metrics {
-                        m.turned_away();
-                    }
-                    return Err(stowage_wire::Response::Error {
-                        code: stowage_wire::ErrorCode::Busy,
-                        message: format!(
-                            "the unit holds {} client sessions, its --max-sessions \
-                             (units.max_sessions); try again later",
-                            sessions.len()
-                        ),
-                    });
-                }
-                let mut b = [0u8; 16];
-                getrandom::fill(&mut b)
-                    .map_err(|e| refused(stowage_core::CoreError::Invalid(e.to_string())))?;
-                let token = u128::from_le_bytes(b);
-                let id = core
-                    .handle(self.now(), input::OpenSession)
-                    .map_err(refused)?;
-                if let Some(m) = &self.metrics {
-                    m.session_opened();
-                }
-                tracing::info!(unit = %self.name, session = id.0, namespace, pid = ?peer.pid, maps, "session opened");
-                sessions.insert(
-                    token,
-                    SessionRec {
-                        id,
-                        pid: peer.pid,
-                        pidfd: None,
-                        mapped: false,
-                        one_sided: false,
-                    },
-                );
-                token
-            }
+        let ctx = sessions::JoinCtx {
+            max_sessions: self.settings.max_sessions,
+            name: &self.settings.name,
+            metrics: self.metrics.as_deref(),
+            now: self.now(),
         };
-        let Some(rec) = sessions.get_mut(&token) else {
-            return Err(refused(stowage_core::CoreError::Invalid(
-                "session vanished".into(),
-            )));
-        };
-        if maps && rec.pidfd.is_none() {
-            // Taken while the peer is connected, so the pid is its own.
-            rec.pidfd = peer.pid.and_then(|pid| self.pidfd_of(pid));
-            if rec.pidfd.is_none() {
-                tracing::warn!(
-                    pid = ?peer.pid,
-                    "no pidfd for a client that maps the slab: if the unit cuts its connection, what it holds is kept until the unit stops"
-                );
-            }
-        }
-        rec.mapped |= maps;
-        let now = self.now();
-        let attach = input::Attach {
-            session: rec.id,
-            mapped: rec.mapped,
-        };
-        let owner = core.handle(now, attach).map_err(refused)?;
-        if rec.one_sided {
-            core.handle(now, input::MakeOneSided(owner))
-                .map_err(refused)?;
-        }
-        Ok((token, owner))
-    }
-
-    /// A pidfd of process `pid`, taken while one of its connections is
-    /// open (so the pid is its own): the one its other sessions hold when
-    /// that process is still running, so a client process with many
-    /// sessions costs one file descriptor. A cached pidfd whose process
-    /// has exited is never handed out: the pid may be another process's
-    /// now.
-    pub(crate) fn pidfd_of(&self, pid: i32) -> Option<Arc<std::os::fd::OwnedFd>> {
-        let mut known = self.pidfds.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(fd) = known.get(&pid).and_then(std::sync::Weak::upgrade) {
-            if !drive::process_exited(&fd) {
-                return Some(fd);
-            }
-        }
-        let raw = rustix::process::Pid::from_raw(pid)?;
-        let fd =
-            Arc::new(rustix::process::pidfd_open(raw, rustix::process::PidfdFlags::empty()).ok()?);
-        if known.len() >= 64 && known.len().is_power_of_two() {
-            known.retain(|_, w| w.strong_count() > 0);
-        }
-        known.insert(pid, Arc::downgrade(&fd));
-        Some(fd)
+        self.sessions
+            .join(|| self.core(), &ctx, token, peer, maps, namespace)
     }
 
     /// The core's counters, with the server's disk I/O counters.
@@ -298,16 +189,16 @@ impl Shared {
             (s.ops, s.bytes_in, s.bytes_out) = m.traffic();
             s.busy = m.busy_total();
         }
-        s.compaction_micros = self.compaction_micros.load(Ordering::Relaxed);
+        s.compaction_micros = self.driver.compaction_micros.load(Ordering::Relaxed);
         s.serves_nixl = self.nixl.is_some();
         s.page_mode = self.slab.page_mode().name().to_string();
         s
     }
 
     pub(crate) fn request_exit(&self) {
-        let mut e = self.exit.0.lock().unwrap_or_else(|p| p.into_inner());
+        let mut e = self.life.exit.0.lock().unwrap_or_else(|p| p.into_inner());
         *e = true;
-        self.exit.1.notify_all();
+        self.life.exit.1.notify_all();
     }
 
     /// Stop within `timeout`: refuse new work, let a checkpoint in progress
@@ -315,11 +206,11 @@ impl Shared {
     /// not be done.
     pub(crate) fn shut_down(&self, timeout: Duration) -> Vec<String> {
         let mut problems = Vec::new();
-        self.stop.store(true, Ordering::SeqCst);
-        self.timer.wake();
+        self.life.stop.store(true, Ordering::SeqCst);
+        self.driver.timer.wake();
         restore::stop_all(self);
         let end = Instant::now() + timeout;
-        while self.checkpoints.load(Ordering::SeqCst) > 0 {
+        while self.checkpoints.writing.load(Ordering::SeqCst) > 0 {
             if Instant::now() >= end {
                 problems.push("a checkpoint was still being written at the deadline".into());
                 break;
@@ -365,7 +256,7 @@ impl Shared {
 
 impl Shared {
     pub(crate) fn now(&self) -> Duration {
-        self.started.elapsed()
+        self.settings.started.elapsed()
     }
 }
 
@@ -384,7 +275,7 @@ pub struct UnitHandle {
 
 impl UnitHandle {
     pub fn instance_id(&self) -> u128 {
-        self.shared.instance_id
+        self.shared.settings.instance_id
     }
 
     /// The unit's metrics in the Prometheus text format, as its endpoint
@@ -396,14 +287,10 @@ impl UnitHandle {
     /// Block until the unit is asked to exit (a Shutdown request, or
     /// [`UnitHandle::request_exit`]).
     pub fn wait_for_exit(&self) {
-        let mut e = self.shared.exit.0.lock().unwrap_or_else(|p| p.into_inner());
+        let (exit, asked) = &self.shared.life.exit;
+        let mut e = exit.lock().unwrap_or_else(|p| p.into_inner());
         while !*e {
-            e = self
-                .shared
-                .exit
-                .1
-                .wait(e)
-                .unwrap_or_else(|p| p.into_inner());
+            e = asked.wait(e).unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -425,7 +312,7 @@ impl UnitHandle {
         for a in self.tcp.iter().chain(&self.metrics) {
             let _ = std::net::TcpStream::connect_timeout(a, Duration::from_millis(100));
         }
-        tracing::info!(unit = %self.shared.name, "unit stopped");
+        tracing::info!(unit = %self.shared.settings.name, "unit stopped");
     }
 }
 
@@ -571,41 +458,43 @@ pub(crate) fn start_with(
     }
     let (moves_tx, moves_rx) = std::sync::mpsc::channel();
     let shared = Arc::new(Shared {
-        moves: Mutex::new(moves_tx),
-        compaction_micros: std::sync::atomic::AtomicU64::new(0),
-        pidfds: Mutex::new(std::collections::HashMap::new()),
-        reactor: std::sync::OnceLock::new(),
-        core: Mutex::new(core),
-        timer: Timer::new(),
+        settings: Settings {
+            name: cfg.name.clone(),
+            started: Instant::now(),
+            instance_id,
+            limits: cfg.limits,
+            spin: cfg.spin,
+            uid: rustix::process::getuid().as_raw(),
+            allow_other_uids: cfg.allow_other_uids,
+            admin_tcp: cfg.admin_tcp,
+            frame_timeout: cfg.frame_timeout,
+            max_io_timeout: cfg.max_io_timeout,
+            checkpoint_root: cfg.checkpoint_root.clone(),
+            max_connections: cfg.max_connections.max(1),
+            max_sessions: cfg.max_sessions.max(1),
+            handshake_timeout: cfg.handshake_timeout,
+            secret: cfg.secret.clone(),
+            high_watermark: cfg.high_watermark,
+        },
+        driver: drive::Driver::new(core, moves_tx),
+        sessions: sessions::Sessions::default(),
+        conns: listen::Conns {
+            connections: Arc::default(),
+            handshakes: Arc::new(admit::Handshakes::new(
+                cfg.max_handshakes,
+                cfg.max_handshakes_per_source,
+            )),
+            reactor: std::sync::OnceLock::new(),
+        },
         slab,
         nixl,
-        started: Instant::now(),
-        instance_id,
-        limits: cfg.limits,
-        stop: AtomicBool::new(false),
-        spin: cfg.spin,
         disk,
-        checkpoints: std::sync::atomic::AtomicUsize::new(0),
-        exit: (Mutex::new(false), std::sync::Condvar::new()),
-        uid: rustix::process::getuid().as_raw(),
-        allow_other_uids: cfg.allow_other_uids,
-        admin_tcp: cfg.admin_tcp,
-        frame_timeout: cfg.frame_timeout,
-        max_io_timeout: cfg.max_io_timeout,
-        checkpoint_root: cfg.checkpoint_root.clone(),
-        max_connections: cfg.max_connections.max(1),
-        max_sessions: cfg.max_sessions.max(1),
-        joins: std::sync::atomic::AtomicU64::new(0),
-        connections: std::sync::atomic::AtomicUsize::new(0),
-        handshakes: admit::Handshakes::new(cfg.max_handshakes, cfg.max_handshakes_per_source),
-        handshake_timeout: cfg.handshake_timeout,
-        secret: cfg.secret.clone(),
-        sessions: Mutex::new(std::collections::HashMap::new()),
-        name: cfg.name.clone(),
-        high_watermark: cfg.high_watermark,
-        metrics: cfg.metrics.then(metrics::UnitMetrics::default),
-        config: std::sync::OnceLock::new(),
-        restores: Mutex::new(restore::Restores::default()),
+        checkpoints: restore::Checkpoints::default(),
+        metrics: cfg.metrics.then(Default::default),
+        life: Lifecycle {
+            stop: AtomicBool::new(false),
+            exit: (Mutex::new(false), std::sync::Condvar::new()),
+        },
     });
     let restored = match (restore_from, &cfg.restore) {
         (Some((fd, dir)), _) => Some((checkpoint::restore_from(&shared, fd, &dir), dir)),
@@ -659,7 +548,7 @@ pub(crate) fn start_with(
 
     let reactor =
         reactor::Reactor::start(&shared, cfg.threads, cfg.io_threads).map_err(StartError::Slab)?;
-    let _ = shared.reactor.set(reactor);
+    let _ = shared.conns.reactor.set(reactor);
 
     let mut handle = UnitHandle {
         shared: shared.clone(),
@@ -669,7 +558,20 @@ pub(crate) fn start_with(
         registry: None,
     };
     if cfg.metrics {
-        let registry = Arc::new(metrics::registry(&shared, &cfg.name));
+        let weak = Arc::downgrade(&shared);
+        let source: metrics::Source = Box::new(move || {
+            let sh = weak.upgrade()?;
+            Some(metrics::Scrape {
+                stats: sh.stats(),
+                high_watermark: sh.settings.high_watermark,
+                connections: sh.conns.connections.load(Ordering::Relaxed),
+                handshakes: sh.conns.handshakes.len(),
+                metrics: sh.metrics.clone(),
+                started: sh.settings.started,
+                instance_id: sh.settings.instance_id,
+            })
+        });
+        let registry = Arc::new(metrics::registry(source, &cfg.name));
         if let Some(addr) = cfg.metrics_listen {
             let l = http::bind(addr).map_err(|err| StartError::Bind {
                 what: format!("metrics endpoint {addr}"),
@@ -679,7 +581,7 @@ pub(crate) fn start_with(
             let (sh, r) = (shared.clone(), registry.clone());
             std::thread::Builder::new()
                 .name("metrics-accept".into())
-                .spawn(move || http::accept(sh, l, r))
+                .spawn(move || http::accept(|| sh.life.stop.load(Ordering::SeqCst), l, r))
                 .map_err(StartError::Slab)?;
         }
         handle.registry = Some(registry);
@@ -713,7 +615,7 @@ pub(crate) fn start_with(
         .name("timer".into())
         .spawn(move || sh.run_timer())
         .map_err(StartError::Slab)?;
-    let _ = shared.config.set(UnitConfig {
+    let _ = shared.checkpoints.config.set(UnitConfig {
         tcp: handle.tcp,
         uds: handle.uds.clone(),
         ..template
@@ -725,7 +627,7 @@ pub(crate) fn start_with(
         tcp = ?handle.tcp,
         metrics = ?handle.metrics,
         shared_secret = cfg.secret.is_some(),
-        instance = format!("{:032x}", shared.instance_id),
+        instance = format!("{:032x}", shared.settings.instance_id),
         "unit serving"
     );
     Ok((handle, restored))
@@ -760,7 +662,7 @@ fn fault_in_slab(shared: std::sync::Weak<Shared>, name: &str, lock: bool) {
     let mut offset = 0;
     loop {
         let Some(sh) = shared.upgrade() else { return };
-        if sh.stop.load(Ordering::Relaxed) {
+        if sh.life.stop.load(Ordering::Relaxed) {
             return;
         }
         let len = sh.slab.len();

@@ -53,13 +53,18 @@ fn turn_away(mut s: impl io::Write, code: stowage_wire::ErrorCode, message: &str
     }
 }
 
-/// Count a connection while it is served (past its handshake).
-pub(crate) struct Counted(Arc<Shared>);
+pub(crate) use admit::Counted;
 
-impl Drop for Counted {
-    fn drop(&mut self) {
-        self.0.connections.fetch_sub(1, Ordering::SeqCst);
-    }
+/// The connections a unit serves: those past their handshake (counted
+/// against `--max-connections`), those still in it, and the reactor that
+/// serves them.
+pub(crate) struct Conns {
+    /// Connections being served (past their handshake).
+    pub(crate) connections: Arc<std::sync::atomic::AtomicUsize>,
+    /// Connections still in their handshake.
+    pub(crate) handshakes: Arc<admit::Handshakes>,
+    /// The threads that serve connections.
+    pub(crate) reactor: std::sync::OnceLock<crate::reactor::Reactor>,
 }
 
 impl Shared {
@@ -68,20 +73,20 @@ impl Shared {
     /// it gets instead (its handshake was cut meanwhile, or the unit
     /// serves `max_connections` already).
     pub(crate) fn prove(self: &Arc<Self>, ticket: &admit::Ticket) -> Result<Counted, String> {
-        if !self.handshakes.prove(ticket) {
+        if !self.conns.handshakes.prove(ticket) {
             return Err(self.cut_message(ticket));
         }
-        if self.connections.fetch_add(1, Ordering::SeqCst) >= self.max_connections {
-            self.connections.fetch_sub(1, Ordering::SeqCst);
+        if self.conns.connections.fetch_add(1, Ordering::SeqCst) >= self.settings.max_connections {
+            self.conns.connections.fetch_sub(1, Ordering::SeqCst);
             if let Some(m) = &self.metrics {
                 m.turned_away();
             }
             return Err(format!(
                 "the unit has too many connections ({}, its --max-connections); try again later",
-                self.max_connections
+                self.settings.max_connections
             ));
         }
-        Ok(Counted(self.clone()))
+        Ok(Counted(self.conns.connections.clone()))
     }
 
     /// What a connection whose handshake was cut is told.
@@ -90,12 +95,12 @@ impl Shared {
             Some(admit::Cut::Source) => format!(
                 "too many connections waiting for their handshake from {} ({}, the unit's \
                  --max-handshakes-per-source): the oldest was cut; try again",
-                ticket.source, self.handshakes.per_source
+                ticket.source, self.conns.handshakes.per_source
             ),
             _ => format!(
                 "too many connections waiting for their handshake ({}, the unit's \
                  --max-handshakes): the oldest of the source holding the most was cut; try again",
-                self.handshakes.max
+                self.conns.handshakes.max
             ),
         }
     }
@@ -106,7 +111,7 @@ impl Shared {
 /// cut the oldest handshake of its source, or of the source holding the
 /// most.
 fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, source: admit::Source) {
-    let Some((ticket, cut)) = shared.handshakes.admit(shared, source, &stream) else {
+    let Some((ticket, cut)) = shared.conns.handshakes.admit(source, &stream) else {
         tracing::warn!(%source, "out of file descriptors: a connection was turned away");
         if let Some(m) = &shared.metrics {
             m.turned_away();
@@ -119,7 +124,7 @@ fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, source: ad
         }
         tracing::debug!(source = %from, reason = ?why, "cut a handshake to admit a new connection");
     }
-    let Some(reactor) = shared.reactor.get() else {
+    let Some(reactor) = shared.conns.reactor.get() else {
         tracing::error!("a connection came before the unit's serving threads started");
         return;
     };
@@ -129,7 +134,7 @@ fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, source: ad
 
 pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
     for stream in l.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.life.stop.load(Ordering::SeqCst) {
             return;
         }
         match stream {
@@ -139,7 +144,7 @@ pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
                     uid: cred.map(|c| c.uid.as_raw()),
                     pid: cred.map(|c| c.pid.as_raw_nonzero().get()),
                 };
-                if !shared.allow_other_uids && peer.uid != Some(shared.uid) {
+                if !shared.settings.allow_other_uids && peer.uid != Some(shared.settings.uid) {
                     tracing::warn!(uid = ?peer.uid, pid = ?peer.pid, "refused a client of another user");
                     let _ = s.set_write_timeout(Some(Duration::from_millis(100)));
                     turn_away(
@@ -165,7 +170,7 @@ pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
 pub(crate) fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
     let local = l.local_addr().ok();
     for stream in l.incoming() {
-        if shared.stop.load(Ordering::SeqCst) {
+        if shared.life.stop.load(Ordering::SeqCst) {
             return;
         }
         match stream {

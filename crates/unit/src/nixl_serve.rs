@@ -7,7 +7,8 @@ use std::sync::{Arc, Mutex};
 use stowage_core::input;
 use stowage_shm::Slab;
 
-use crate::{conn, NixlConfig, Shared, StartError};
+use crate::sessions::Peer;
+use crate::{NixlConfig, Shared, StartError};
 
 /// A unit's NIXL side: its agent and registered slab, and the client
 /// agents it knows.
@@ -84,7 +85,7 @@ impl Shared {
     pub(crate) fn map_session(
         &self,
         owner: stowage_core::Owner,
-        peer: conn::Peer,
+        peer: Peer,
         agent: &str,
         agent_metadata: &[u8],
     ) -> Result<(), stowage_core::CoreError> {
@@ -92,7 +93,11 @@ impl Shared {
         let Some(n) = &self.nixl else {
             return Err(invalid("this unit does not serve nixl".into()));
         };
-        let mut sessions = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sessions = self
+            .sessions
+            .by_token
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let Some(rec) = sessions.values_mut().find(|r| r.id == owner.session) else {
             return Err(invalid("session vanished".into()));
         };
@@ -100,7 +105,7 @@ impl Shared {
         let mut told = (!agent.is_empty()).then(|| agent.to_owned());
         if agent.len() > MAX_AGENT_NAME || agent_metadata.len() > MAX_AGENT_METADATA {
             tracing::warn!(
-                unit = %self.name,
+                unit = %self.settings.name,
                 name_bytes = agent.len(),
                 metadata_bytes = agent_metadata.len(),
                 "a nixl client's agent is past the unit's bounds: not loaded; what its \
@@ -130,7 +135,7 @@ impl Shared {
             Some(name) if peers.agents.contains_key(name) => Some(name.clone()),
             Some(name) => match n.agent.load_remote(agent_metadata) {
                 Ok(loaded) if loaded == *name => {
-                    tracing::debug!(unit = %self.name, agent = %loaded, metadata_bytes = agent_metadata.len(), "loaded a nixl client's agent");
+                    tracing::debug!(unit = %self.settings.name, agent = %loaded, metadata_bytes = agent_metadata.len(), "loaded a nixl client's agent");
                     Some(loaded)
                 }
                 Ok(loaded) => {
@@ -141,7 +146,7 @@ impl Shared {
                 }
                 Err(e) => {
                     tracing::warn!(
-                        unit = %self.name,
+                        unit = %self.settings.name,
                         agent = %name,
                         error = %e,
                         "cannot load a nixl client's agent: what its connections hold when \
@@ -153,7 +158,7 @@ impl Shared {
             None => None,
         };
         if rec.pidfd.is_none() {
-            rec.pidfd = peer.pid.and_then(|pid| self.pidfd_of(pid));
+            rec.pidfd = peer.pid.and_then(|pid| self.sessions.pidfd_of(pid));
         }
         rec.one_sided = true;
         self.core().handle(self.now(), input::MakeOneSided(owner))?;
@@ -199,7 +204,7 @@ impl Shared {
                     let sessions = peers.agents.remove(&name).unwrap_or_default();
                     let invalidated = n.agent.invalidate_remote(&name);
                     if let Err(e) = &invalidated {
-                        tracing::warn!(unit = %self.name, agent = %name, error = %e, "cannot invalidate a nixl client's agent");
+                        tracing::warn!(unit = %self.settings.name, agent = %name, error = %e, "cannot invalidate a nixl client's agent");
                     }
                     (sessions.into_iter().collect(), Some(name))
                 }
@@ -218,7 +223,7 @@ impl Shared {
         };
         if held > 0 {
             tracing::info!(
-                unit = %self.name,
+                unit = %self.settings.name,
                 agent = agent.as_deref().unwrap_or("(not told)"),
                 holds = held,
                 quarantine_ms = self.core().config().nixl_quarantine.as_millis() as u64,

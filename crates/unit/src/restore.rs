@@ -36,6 +36,18 @@ const MIN_MEMORY: u64 = 64 << 20;
 /// How often a restore unit's watcher looks at it.
 const TICK: Duration = Duration::from_millis(250);
 
+/// Checkpoints being written, and what restores are made from.
+#[derive(Default)]
+pub(crate) struct Checkpoints {
+    /// Checkpoints being written.
+    pub(crate) writing: std::sync::atomic::AtomicUsize,
+    /// The unit's configuration with its bound listeners (what its restore
+    /// units are made from).
+    pub(crate) config: std::sync::OnceLock<crate::UnitConfig>,
+    /// The restore units this unit started (this module).
+    pub(crate) restores: Mutex<Restores>,
+}
+
 /// The restore units a unit started, by id.
 #[derive(Default)]
 pub(crate) struct Restores {
@@ -65,10 +77,10 @@ fn memory_for(on_disk: u64) -> u64 {
 /// Serve the checkpoint in `dir` (a checkpoint request, already allowed)
 /// from a new restore unit; the reply says where, or what is missing.
 pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
-    if shared.stop.load(Ordering::SeqCst) {
+    if shared.life.stop.load(Ordering::SeqCst) {
         return refuse(ErrorCode::Internal, "the unit is shutting down".into());
     }
-    let found = match checkpoint::find_dir(shared.checkpoint_root.as_deref(), dir) {
+    let found = match checkpoint::find_dir(shared.settings.checkpoint_root.as_deref(), dir) {
         Ok(f) => f,
         Err(message) => return refuse(ErrorCode::Unauthorized, message),
     };
@@ -84,7 +96,7 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         }
         Found::Dir { fd, path, stored } => (fd, path, stored),
     };
-    let Some(template) = shared.config.get() else {
+    let Some(template) = shared.checkpoints.config.get() else {
         return refuse(ErrorCode::Busy, "the unit is still starting".into());
     };
     let on_disk = match checkpoint::files_bytes(fd.as_fd()) {
@@ -92,7 +104,7 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         Err(e) => return refuse(ErrorCode::Internal, format!("{}: {e}", path.display())),
     };
     let id = {
-        let mut r = lock(&shared.restores);
+        let mut r = lock(&shared.checkpoints.restores);
         if r.open.len() >= MAX_OPEN {
             return refuse(
                 ErrorCode::Busy,
@@ -153,8 +165,8 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         }
     };
     {
-        let mut r = lock(&shared.restores);
-        if shared.stop.load(Ordering::SeqCst) {
+        let mut r = lock(&shared.checkpoints.restores);
+        if shared.life.stop.load(Ordering::SeqCst) {
             drop(r);
             handle.stop();
             return refuse(ErrorCode::Internal, "the unit is shutting down".into());
@@ -171,7 +183,7 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         return refuse(ErrorCode::Internal, format!("starting a restore unit: {e}"));
     }
     tracing::info!(
-        unit = %shared.name,
+        unit = %shared.settings.name,
         restore = id,
         dir = %path.display(),
         rows = info.rows,
@@ -195,16 +207,16 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
 
 /// Stop restore unit `id` (nothing when it is gone already).
 pub(crate) fn close(shared: &Shared, id: u64) {
-    let handle = lock(&shared.restores).open.remove(&id);
+    let handle = lock(&shared.checkpoints.restores).open.remove(&id);
     if let Some(h) = handle {
         h.stop();
-        tracing::info!(unit = %shared.name, restore = id, "restore unit stopped");
+        tracing::info!(unit = %shared.settings.name, restore = id, "restore unit stopped");
     }
 }
 
 /// Stop every restore unit (the unit is stopping).
 pub(crate) fn stop_all(shared: &Shared) {
-    let all: Vec<_> = lock(&shared.restores).open.drain().collect();
+    let all: Vec<_> = lock(&shared.checkpoints.restores).open.drain().collect();
     for (_, h) in all {
         h.stop();
     }
@@ -222,19 +234,19 @@ fn watch(unit: Weak<Shared>, id: u64, handle: Weak<UnitHandle>) {
             }
             return;
         };
-        if sh.stop.load(Ordering::SeqCst) {
+        if sh.life.stop.load(Ordering::SeqCst) {
             return;
         }
         let Some(h) = handle.upgrade() else { return };
-        if !lock(&sh.restores).open.contains_key(&id) {
+        if !lock(&sh.checkpoints.restores).open.contains_key(&id) {
             return;
         }
-        if h.shared.connections.load(Ordering::SeqCst) > 0 {
+        if h.shared.conns.connections.load(Ordering::SeqCst) > 0 {
             busy = Instant::now();
         } else if busy.elapsed() >= IDLE {
             drop(h);
             close(&sh, id);
-            tracing::info!(unit = %sh.name, restore = id, "restore unit idle: stopped");
+            tracing::info!(unit = %sh.settings.name, restore = id, "restore unit idle: stopped");
             return;
         }
     }

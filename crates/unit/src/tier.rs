@@ -4,15 +4,11 @@
 //! the slab, or checked and streamed from their files).
 
 use std::io;
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
 use std::time::Instant;
 
-use crate::disk::{self, DiskEngine};
-use stowage_core::input;
-
-use crate::Shared;
+use crate::disk::{self};
 
 /// A unit's disk tier at run time.
 pub(crate) struct DiskTier {
@@ -245,181 +241,7 @@ pub(crate) enum Served {
 /// and checkpoint I/O).
 pub(crate) const COPY_CHUNK: usize = 1 << 20;
 
-/// Read `len` bytes at `offset` of an open blob file through `buf`, piece
-/// by piece (each checked; pieces end on the file's chunk boundaries where
-/// they can, so no chunk is read twice), handing each piece to `sink`. The
-/// outer error is the file's, the inner one the sink's.
-pub(crate) fn read_through(
-    reader: &disk::BlobReader,
-    offset: u64,
-    len: u64,
-    buf: &mut [u8],
-    mut sink: impl FnMut(&[u8]) -> io::Result<()>,
-) -> Result<io::Result<()>, disk::DiskError> {
-    let chunk = u64::from(disk::CHUNK);
-    let end = offset
-        .checked_add(len)
-        .filter(|&e| e <= reader.size())
-        .ok_or_else(|| disk::DiskError::OutOfRange {
-            path: PathBuf::new(),
-            offset,
-            len,
-            size: reader.size(),
-        })?;
-    let mut pos = offset;
-    while pos < end {
-        let mut stop = (pos + buf.len() as u64).min(end);
-        let aligned = stop / chunk * chunk;
-        if stop < end && aligned > pos {
-            stop = aligned;
-        }
-        let piece = &mut buf[..(stop - pos) as usize];
-        reader.read_at(pos, piece)?;
-        if let Err(e) = sink(piece) {
-            return Ok(Err(e));
-        }
-        pos = stop;
-    }
-    Ok(Ok(()))
-}
-
-impl Shared {
-    /// Bring spilled values back for a reader that pinned them, through
-    /// `buf` (a buffer of the disk tier's [`ReadBudget`]; without one,
-    /// nothing is brought back): each spilled blob is promoted into the
-    /// slab where there is room below the high watermark; with `verify`,
-    /// the ranges asked for of the others are read and checked (nothing is
-    /// kept: the reply streams them from their files afterwards), so that
-    /// a damaged file, or one that is not its blob's, is answered Corrupt
-    /// before the reply promises its bytes.
-    pub(crate) fn bring_back(
-        &self,
-        found: Vec<Option<stowage_core::Located>>,
-        mut buf: Option<&mut [u8]>,
-        verify: bool,
-    ) -> Vec<Option<Served>> {
-        use std::collections::{BTreeMap, HashMap, HashSet};
-        use stowage_core::{Location, Place};
-        // Each spilled blob, with the ranges of it that were asked for.
-        let mut on_disk: BTreeMap<stowage_core::BlobId, Vec<(u64, u64)>> = BTreeMap::new();
-        for (p, _) in found.iter().flatten() {
-            if let Place::Disk { blob, offset, len } = p {
-                on_disk.entry(*blob).or_default().push((*offset, *len));
-            }
-        }
-        let mut promoted = HashMap::new();
-        let mut corrupt = HashSet::new();
-        for (blob, mut wanted) in on_disk {
-            let Some(d) = &self.disk else {
-                corrupt.insert(blob);
-                continue;
-            };
-            let Some(buf) = buf.as_deref_mut() else {
-                continue;
-            };
-            let (slot, size) = {
-                let mut c = self.core();
-                let size = c.blob_size(blob);
-                let slot = c.handle(self.now(), input::Promote(blob)).unwrap_or(None);
-                (slot, size)
-            };
-            let Some(size) = size else {
-                if let Some(_slot) = slot {
-                    let done = input::Promoted { blob, ok: false };
-                    let _ = self.core().handle(self.now(), done);
-                }
-                corrupt.insert(blob);
-                continue;
-            };
-            let t0 = Instant::now();
-            let reader = d.engine.reader(blob).and_then(|r| {
-                if r.size() == size {
-                    Ok(r)
-                } else {
-                    Err(disk::DiskError::Corrupt {
-                        path: d.engine.path(blob),
-                        reason: format!("holds {} bytes, expected {size}", r.size()),
-                    })
-                }
-            });
-            let read = match slot {
-                Some(offset) => {
-                    // This thread alone writes the promotion's range: the
-                    // core keeps it allocated until it is reported.
-                    let r = reader.and_then(|rd| {
-                        let mut at = 0;
-                        read_through(&rd, 0, size, buf, |piece| {
-                            self.slab
-                                .write(offset + at, piece)
-                                .map_err(io::Error::other)?;
-                            at += piece.len() as u64;
-                            Ok(())
-                        })?
-                        .map_err(disk::DiskError::Io)
-                    });
-                    let done = input::Promoted {
-                        blob,
-                        ok: r.is_ok(),
-                    };
-                    let _ = self.core().handle(self.now(), done);
-                    if r.is_ok() {
-                        promoted.insert(blob, offset);
-                        if let Some(m) = &self.metrics {
-                            m.promoted_bytes.fetch_add(size, Ordering::Relaxed);
-                        }
-                    }
-                    r.map(|()| size)
-                }
-                None if verify => {
-                    wanted.sort_unstable();
-                    wanted.dedup();
-                    reader.and_then(|rd| {
-                        let mut bytes = 0;
-                        for (offset, len) in wanted {
-                            read_through(&rd, offset, len, buf, |_| Ok(()))??;
-                            bytes += len;
-                        }
-                        Ok(bytes)
-                    })
-                }
-                None => reader.map(|_| 0),
-            };
-            match read {
-                Ok(0) => {}
-                Ok(n) => d.io.read(n, t0),
-                Err(e) => {
-                    tracing::error!(error = %e, ?blob, "a spilled blob could not be read back; its keys fail");
-                    corrupt.insert(blob);
-                }
-            }
-        }
-        found
-            .into_iter()
-            .map(|f| {
-                f.map(|(place, meta)| match place {
-                    Place::Memory(l) => Served::Memory(l, meta),
-                    Place::Split(parts) => Served::Split(parts, meta),
-                    Place::Disk { blob, .. } if corrupt.contains(&blob) => Served::Corrupt,
-                    Place::Disk { blob, offset, len } => match promoted.get(&blob) {
-                        Some(base) => Served::Memory(
-                            Location {
-                                offset: base + offset,
-                                len,
-                            },
-                            meta,
-                        ),
-                        None => Served::Disk {
-                            blob,
-                            offset,
-                            len,
-                            meta,
-                        },
-                    },
-                })
-            })
-            .collect()
-    }
-}
+pub(crate) use crate::disk::read_through;
 
 /// The first `len` bytes of a region made of `pieces` ((slab offset,
 /// bytes) each, in order): the ranges they lie in, in order.

@@ -25,21 +25,21 @@ pub(crate) fn open(
     accepted: Instant,
 ) -> Box<Conn> {
     let unix = matches!(stream, Socket::Unix(_));
-    let admin = shared.admin_tcp || (unix && peer.uid == Some(shared.uid));
+    let admin = shared.settings.admin_tcp || (unix && peer.uid == Some(shared.settings.uid));
     // Replies that the peer does not take are cut off after this long
     // (the pool's sends; the workers' never wait).
-    let write_timeout = shared.frame_timeout;
+    let write_timeout = shared.settings.frame_timeout;
     let _ = stream.set_write_timeout(Some(write_timeout));
     Box::new(Conn {
         shared: shared.clone(),
-        reader: InBuf::new(SpinReader::new(stream, shared.spin)),
+        reader: InBuf::new(SpinReader::new(stream, shared.settings.spin)),
         peer,
         unix,
         admin,
         namespace: None,
         owner: None,
-        gate: Gate::new(shared.secret.clone()),
-        handshake_deadline: accepted + shared.handshake_timeout,
+        gate: Gate::new(shared.settings.secret.clone()),
+        handshake_deadline: accepted + shared.settings.handshake_timeout,
         ticket: Some(ticket),
         slot: None,
         write_timeout,
@@ -95,7 +95,7 @@ pub(crate) fn finish(mut c: Box<Conn>, ended: Ended) {
         }
         Ended::Panicked(what) => {
             tracing::error!(
-                unit = %shared.name,
+                unit = %shared.settings.name,
                 panic = %what,
                 "serving a connection panicked; the connection is cut and what it holds released as for a cut connection"
             );
@@ -130,7 +130,7 @@ pub(crate) fn finish(mut c: Box<Conn>, ended: Ended) {
         }
         if holds > 0 {
             tracing::info!(
-                unit = %shared.name,
+                unit = %shared.settings.name,
                 session = owner.session.0,
                 namespace = c.namespace.as_deref().unwrap_or(""),
                 holds,
@@ -140,7 +140,7 @@ pub(crate) fn finish(mut c: Box<Conn>, ended: Ended) {
         }
         if gone {
             tracing::info!(
-                unit = %shared.name,
+                unit = %shared.settings.name,
                 session = owner.session.0,
                 namespace = c.namespace.as_deref().unwrap_or(""),
                 "session closed"
@@ -289,7 +289,7 @@ impl Conn {
         let attach = want_fd && self.unix;
         let r = Response::Hello {
             version: PROTOCOL_VERSION,
-            instance_id: self.shared.instance_id,
+            instance_id: self.shared.settings.instance_id,
             slab_bytes: self.shared.slab.len(),
             fd_attached: attach,
             session: token,
