@@ -32,38 +32,16 @@ use stowage_wire::{
 
 /// Round trips a shm connection makes before it asks for a request ring
 /// (a connection that is used a few times only never costs the unit one).
+/// [`crate::ClientConfig::ring_after`]'s default.
 pub(crate) const RING_AFTER: u32 = 16;
 
-/// The round trips before a connection asks for a ring: [`RING_AFTER`],
-/// or `STOWAGE_RING_AFTER` (read once per process; tests and benchmarks
-/// set 0 to use rings from the first request).
-pub(crate) fn ring_after() -> u32 {
-    static AFTER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *AFTER.get_or_init(|| {
-        std::env::var("STOWAGE_RING_AFTER")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(RING_AFTER)
-    })
-}
+#[cfg(test)]
+use crate::config::rings_from_env;
 
 /// How often a request waiting on its ring looks whether the unit's
 /// socket has news (its end, or a reply there): a unit that dies is
 /// noticed within this, not at the deadline.
 const RING_SOCKET_CHECK: Duration = Duration::from_millis(20);
-
-/// Whether shm connections may use request rings: not when the
-/// environment says `STOWAGE_RINGS=0` (read once per process; any other
-/// value, or none, allows them).
-pub(crate) fn rings_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| rings_from_env(std::env::var("STOWAGE_RINGS").ok().as_deref()))
-}
-
-/// What `STOWAGE_RINGS` says: rings unless it is `0`.
-fn rings_from_env(v: Option<&str>) -> bool {
-    v.is_none_or(|v| v.trim() != "0")
-}
 
 /// A connection's request ring.
 enum RingState {
@@ -268,9 +246,26 @@ pub(crate) struct Conn {
     ring_entry: Vec<u8>,
     /// How long a reply is polled for before the caller sleeps.
     spin: Duration,
+    /// Round trips before the connection asks for a ring
+    /// ([`Conn::ring_when`]).
+    ring_after: u32,
 }
 
 impl Conn {
+    /// When a shm connection asks for a request ring: after `after` round
+    /// trips (default [`RING_AFTER`]), or never (`None`). Set before its
+    /// first request.
+    pub(crate) fn ring_when(&mut self, after: Option<u32>) {
+        match after {
+            Some(n) => self.ring_after = n,
+            None => {
+                if matches!(self.ring, RingState::Counting(_)) {
+                    self.ring = RingState::Off;
+                }
+            }
+        }
+    }
+
     /// Another handle on this connection's socket: the unit sees the
     /// connection end only once both are closed (a transfer that may still
     /// be running keeps what the connection holds).
@@ -324,6 +319,7 @@ impl Conn {
             ring_sent: None,
             ring_entry: Vec::new(),
             spin,
+            ring_after: RING_AFTER,
         };
         // The id of the proof, whose refusal may come in place of the
         // Hello's reply.
@@ -403,9 +399,7 @@ impl Conn {
                             return Err(ConnError::Protocol("slab fd missing from Hello".into()))
                         }
                     };
-                    if rings_enabled() {
-                        c.ring = RingState::Counting(0);
-                    }
+                    c.ring = RingState::Counting(0);
                 }
                 Ok(c)
             }
@@ -572,7 +566,7 @@ impl Conn {
     /// ring this process cannot map, never ask again.
     fn open_ring_when_due(&mut self, deadline: Instant) -> Result<(), ConnError> {
         match self.ring {
-            RingState::Counting(n) if n >= ring_after() && self.reader.buffer().is_empty() => {}
+            RingState::Counting(n) if n >= self.ring_after && self.reader.buffer().is_empty() => {}
             _ => return Ok(()),
         }
         self.ring = RingState::Off;

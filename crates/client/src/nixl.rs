@@ -21,6 +21,7 @@ use std::time::Instant;
 
 use stowage_nixl::{Agent, NixlError, Op, Range, Staging, Transfer, WaitError};
 
+use crate::config::Failpoints;
 use crate::conn::ConnError;
 use crate::pieces::{PieceWrite, Places};
 use crate::transport::{LocalFailure, Mover, OpFailure, Settle};
@@ -57,27 +58,6 @@ impl Default for NixlOptions {
         Self {
             require_rdma: true,
             zero_copy_min: ZERO_COPY_MIN,
-        }
-    }
-}
-
-/// Test failpoints of the nixl path, from `STOWAGE_FAILPOINTS`
-/// (comma-separated): `nixl-write-in-flight` (`nixl-read-in-flight`) makes
-/// every WRITE (READ) report failure when it is waited on, as a transfer
-/// cut off while it may still be running, and never counts it as ended.
-#[derive(Clone, Copy, Debug, Default)]
-struct Failpoints {
-    write_in_flight: bool,
-    read_in_flight: bool,
-}
-
-impl Failpoints {
-    fn from_env() -> Self {
-        let set = std::env::var("STOWAGE_FAILPOINTS").unwrap_or_default();
-        let has = |name: &str| set.split(',').any(|f| f.trim() == name);
-        Self {
-            write_in_flight: has("nixl-write-in-flight"),
-            read_in_flight: has("nixl-read-in-flight"),
         }
     }
 }
@@ -208,13 +188,13 @@ pub(crate) struct NixlClient {
 }
 
 impl NixlClient {
-    pub(crate) fn new(options: NixlOptions) -> Self {
+    pub(crate) fn new(options: NixlOptions, failpoints: Failpoints) -> Self {
         Self {
             options,
             agent: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),
             introduction: Mutex::new(None),
-            failpoints: Failpoints::from_env(),
+            failpoints,
             recv: Arc::new(RecvPool::new(RECV_POOL_MAX)),
         }
     }
@@ -400,7 +380,7 @@ impl NixlMover {
             .agent
             .post(Op::Read, staging, &xfer, &self.peer)
             .map_err(|e| failure("READ", e, false))?;
-        if t.ended() && !self.failpoints.read_in_flight {
+        if t.ended() && !self.failpoints.nixl_read_in_flight {
             // Done within the post (a cma copy).
             return Ok(false);
         }
@@ -426,7 +406,7 @@ impl NixlMover {
                 .agent
                 .post(Op::Read, &buf, &xfer, &self.peer)
                 .map_err(|e| failure("READ", e, false))?;
-            let running = !t.ended() || self.failpoints.read_in_flight;
+            let running = !t.ended() || self.failpoints.nixl_read_in_flight;
             if running {
                 self.reading = Some(t);
             }
@@ -444,8 +424,8 @@ impl NixlMover {
             Op::Read => "READ",
         };
         let stuck = match op {
-            Op::Write => self.failpoints.write_in_flight,
-            Op::Read => self.failpoints.read_in_flight,
+            Op::Write => self.failpoints.nixl_write_in_flight,
+            Op::Read => self.failpoints.nixl_read_in_flight,
         };
         if stuck {
             self.pending = Some(Pending {

@@ -57,9 +57,10 @@ use stowage_shm::Slab;
 use stowage_wire::{EntrySpec, Key};
 use stowage_wire::{Request, Response};
 
+use crate::failure::Outcome;
 use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
 use crate::transport::OpFailure;
-use crate::{lock, new_blob_id, BlobPut, Client, Error, Outcome, Result};
+use crate::{lock, new_blob_id, BlobPut, Client, Error, Result};
 
 /// The reserved field that holds a string row key's text.
 pub const KEY_FIELD: &str = "\0key";
@@ -406,7 +407,7 @@ pub struct View {
     /// that pinned something. The view keeps that connection open for as
     /// long as it lives: the unit releases a connection's pins only when
     /// the connection ends, and nothing else can end it.
-    pins: Vec<(usize, stowage_wire::PinId, Arc<Slab>, crate::ViewConn)>,
+    pins: Vec<(usize, stowage_wire::PinId, Arc<Slab>, crate::pool::ViewConn)>,
     tensors: Vec<Vec<ViewTensor>>,
 }
 
@@ -967,20 +968,21 @@ impl Client {
         &self,
         unit: usize,
         deadline: Instant,
-    ) -> std::result::Result<crate::ViewConn, OpFailure> {
+    ) -> std::result::Result<crate::pool::ViewConn, OpFailure> {
         if let Some(c) = lock(&self.units[unit].view_conn).clone() {
             return Ok(c);
         }
         // Opened without the slot's lock held: opening may meet a restarted
         // unit, which clears the slot.
-        let fresh: crate::ViewConn = Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
+        let fresh: crate::pool::ViewConn =
+            Arc::new(std::sync::Mutex::new(self.open(unit, deadline)?));
         let mut slot = lock(&self.units[unit].view_conn);
         Ok(slot.get_or_insert(fresh).clone())
     }
 
     /// After `f` failed on `conn`: a broken connection is not used for later
     /// views; views that pinned through it keep it (and their pins) alive.
-    fn forget_view_conn(&self, unit: usize, conn: &crate::ViewConn, f: &OpFailure) {
+    fn forget_view_conn(&self, unit: usize, conn: &crate::pool::ViewConn, f: &OpFailure) {
         if matches!(f, OpFailure::Conn { .. }) {
             let mut slot = lock(&self.units[unit].view_conn);
             if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
@@ -1003,7 +1005,7 @@ impl Client {
         deadline: Instant,
     ) -> Vec<(
         usize,
-        std::result::Result<(Response, Arc<Slab>, crate::ViewConn), OpFailure>,
+        std::result::Result<(Response, Arc<Slab>, crate::pool::ViewConn), OpFailure>,
     )> {
         let parts = by_unit.iter().map(|(&u, (keys, _))| async move {
             let conn = match self.view_conn(u, deadline) {
@@ -1125,7 +1127,7 @@ impl Client {
                     found
                 }
                 Response::Error { code, message } => {
-                    return Err(crate::unit_error(u, code, message, vec![]))
+                    return Err(crate::failure::unit_error(u, code, message, vec![]))
                 }
                 other => return Err(unexpected(u, other)),
             };
@@ -1216,7 +1218,9 @@ fn unexpected_found(unit: usize, message: String) -> Error {
 
 fn unexpected(unit: usize, r: Response) -> Error {
     match r {
-        Response::Error { code, message } => crate::unit_error(unit, code, message, vec![]),
+        Response::Error { code, message } => {
+            crate::failure::unit_error(unit, code, message, vec![])
+        }
         other => Error::TransferFailed {
             unit,
             blobs: vec![],
