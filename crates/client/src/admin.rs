@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use stowage_wire::{Request, Response};
 
 use crate::failure::unit_error;
-use crate::pool::NoConn;
 use crate::{fanout, metrics, Client, ClientConfig, Error, Result, UnitAddr};
 use crate::{CheckpointInfo, RestoreReply, RestoreSource, Stats};
 
@@ -222,8 +221,7 @@ impl Client {
     ) -> Result<Response> {
         let mut t = match self.checkout(unit, deadline).await {
             Ok(t) => t,
-            Err(NoConn::Open(f)) => return Err(self.failed_get(unit, f, &[], deadline)),
-            Err(NoConn::Wait) => return Err(self.wait_error(unit)),
+            Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
         };
         match t.call(req, deadline).await {
             Ok(Response::Error { code, message }) => {

@@ -6,10 +6,9 @@ use std::time::{Duration, Instant};
 
 use stowage_wire::{EntrySpec, Key, Request, Response};
 
-use crate::failure::Outcome;
-use crate::pool::NoConn;
+use crate::failure::Failure;
 use crate::sink::{Counting, ValueSink, VecSink};
-use crate::transport::{OpFailure, SharedSink};
+use crate::transport::SharedSink;
 use crate::{error, fanout, metrics, new_blob_id, BlobPut, Client, Error, GetSink, Result, Value};
 use crate::{BUSY_RETRY, BUSY_RETRY_MAX, DEFAULT_PARTITION};
 
@@ -78,38 +77,37 @@ impl Client {
         let mut backoff: Option<Duration> = None;
         for &put in queue {
             loop {
-                // A full unit is waited on like a busy one, when asked to.
-                let (full, outcome) = match self.put_one(unit, put, deadline).await {
+                let failure = match self.put_one(unit, put, deadline).await {
                     Ok(()) => {
                         timer.unit_done(&self.metrics, unit);
                         backoff = None;
                         break;
                     }
-                    Err(Outcome::Failed(Error::UnitFull { .. }))
-                        if wait_until.is_some_and(|w| Instant::now() < w) =>
-                    {
-                        (true, Outcome::Busy)
-                    }
-                    Err(o) => (false, o),
+                    Err(f) => f,
                 };
-                match outcome {
-                    Outcome::Busy => {
-                        let step = backoff
-                            .map(|d| (d * 2).min(BUSY_RETRY_MAX))
-                            .unwrap_or(BUSY_RETRY);
-                        let at = Instant::now() + step;
-                        if at >= deadline {
-                            return Err(Error::Timeout {
-                                unit: Some(unit),
-                                what: "the unit kept answering Busy".into(),
-                            });
-                        }
-                        self.metrics.retry(full, step);
-                        backoff = Some(step);
-                        fanout::pause_until(at).await;
+                // Busy is waited out; a full unit too, when asked to.
+                let full = !failure.is_busy();
+                if full {
+                    let keys = put.entries.iter().map(|e| e.key.clone()).collect();
+                    match self.classify(unit, failure, vec![put.blob], keys, deadline) {
+                        Error::UnitFull { .. }
+                            if wait_until.is_some_and(|w| Instant::now() < w) => {}
+                        e => return Err(e),
                     }
-                    Outcome::Failed(e) => return Err(e),
                 }
+                let step = backoff
+                    .map(|d| (d * 2).min(BUSY_RETRY_MAX))
+                    .unwrap_or(BUSY_RETRY);
+                let at = Instant::now() + step;
+                if at >= deadline {
+                    return Err(Error::Timeout {
+                        unit: Some(unit),
+                        what: "the unit kept answering Busy".into(),
+                    });
+                }
+                self.metrics.retry(full, step);
+                backoff = Some(step);
+                fanout::pause_until(at).await;
             }
         }
         Ok(())
@@ -121,16 +119,8 @@ impl Client {
         unit: usize,
         put: &BlobPut<'_>,
         deadline: Instant,
-    ) -> std::result::Result<(), Outcome> {
-        let failed = |f: OpFailure| {
-            let keys = put.entries.iter().map(|e| e.key.clone()).collect();
-            self.classify(unit, f, vec![put.blob], keys, deadline)
-        };
-        let mut t = match self.checkout(unit, deadline).await {
-            Ok(t) => t,
-            Err(NoConn::Open(f)) => return Err(failed(f)),
-            Err(NoConn::Wait) => return Err(Outcome::Failed(self.wait_error(unit))),
-        };
+    ) -> std::result::Result<(), Failure> {
+        let mut t = self.checkout(unit, deadline).await?;
         match t.put(put, deadline).await {
             Ok(()) => {
                 self.checkin(unit, t);
@@ -140,7 +130,7 @@ impl Client {
                 if f.keeps_connection() {
                     self.checkin(unit, t);
                 }
-                Err(failed(f))
+                Err(f)
             }
         }
     }
@@ -216,8 +206,7 @@ impl Client {
     ) -> Result<Vec<Key>> {
         let mut t = match self.checkout(unit, deadline).await {
             Ok(t) => t,
-            Err(NoConn::Open(f)) => return Err(self.failed_get(unit, f, keys, deadline)),
-            Err(NoConn::Wait) => return Err(self.wait_error(unit)),
+            Err(f) => return Err(self.failed_get(unit, f, keys, deadline)),
         };
         match t.get(partition, keys, index_of, sink, deadline).await {
             Ok(miss) => {
@@ -247,19 +236,19 @@ impl Client {
     pub(crate) fn failed_get(
         &self,
         unit: usize,
-        f: OpFailure,
+        f: Failure,
         keys: &[Key],
         deadline: Instant,
     ) -> Error {
-        match self.classify(unit, f, vec![], keys.to_vec(), deadline) {
-            Outcome::Failed(e) => e,
-            Outcome::Busy => Error::TransferFailed {
+        if f.is_busy() {
+            return Error::TransferFailed {
                 unit,
                 blobs: vec![],
                 reason: "unit busy".into(),
                 in_flight: false,
-            },
+            };
         }
+        self.classify(unit, f, vec![], keys.to_vec(), deadline)
     }
 
     /// Read `keys` into fresh vectors, in order.

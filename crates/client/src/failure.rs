@@ -1,17 +1,161 @@
-//! One unit's failure as the client classifies it into the public [`Error`].
+//! Failures: everything that goes wrong below the public API is one
+//! [`Failure`], from the connection (`conn`) through a transport's
+//! operation to the pool; [`Client::classify`] turns it into the public
+//! [`Error`], once, asking the directory when a connection broke.
 
+use std::io;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use stowage_wire::{BlobId, ErrorCode, Key};
+use stowage_wire::{BlobId, ErrorCode, Key, Response};
 
-use crate::transport::{ConnFailure, LocalFailure, OpFailure};
 use crate::{error, lock, Client, Error, Liveness};
 
-/// How one unit's part of an operation ended.
-pub(crate) enum Outcome {
-    Failed(Error),
-    Busy,
+/// Why a connection, one unit's operation or getting a connection failed,
+/// before the client classifies it. (`pub` only because the public
+/// [`Transport`](crate::Transport) trait returns it; it cannot be named
+/// outside this crate.)
+#[derive(Debug)]
+pub enum Failure {
+    /// The deadline passed.
+    Timeout,
+    /// The connection broke or could not be made.
+    Broken(io::Error),
+    /// The unit sent something this client cannot parse, or named
+    /// something it will not act on (a range outside its slab, pieces that
+    /// do not hold the blob): the connection goes, with what it holds.
+    Protocol(String),
+    /// The unit kept refusing the connection (Busy, or cut during its
+    /// handshake) until the deadline: why, the last time.
+    Refusing(String),
+    /// The unit answered with an error, or turned the connection away
+    /// (too many connections, another user, a session it refused).
+    Refused(ErrorCode, String),
+    /// A connection failure (one of the four above) while payload bytes
+    /// may still be on their way to the unit.
+    InFlight(Box<Failure>),
+    /// The disk files of some values failed their checks: `positions` in
+    /// the operation's key list. The connection is fine.
+    Corrupt { positions: Vec<usize> },
+    /// This client refused the caller's input or sink: a value does not
+    /// fit its buffer, too many entries in one blob, a view of a unit not
+    /// reached over shm. Reported as [`Error::InvalidRequest`].
+    Invalid(String),
+    /// This client does not trust the unit: it did not prove the shared
+    /// secret, runs as another user, or handed over a slab this client
+    /// cannot map. Reported as [`Error::Unauthorized`].
+    Distrust(String),
+    /// The client's own machinery is not ready (a nixl buffer still held
+    /// by a transfer); the connection is fine and the call may be retried.
+    /// Reported as [`Error::TransferFailed`].
+    Busy(String),
+    /// Every connection the pool's bound allows stayed in use until the
+    /// deadline. Reported as [`Error::Timeout`].
+    NoFreeConnection,
+}
+
+impl From<io::Error> for Failure {
+    fn from(e: io::Error) -> Self {
+        match e.kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => Failure::Timeout,
+            _ => Failure::Broken(e),
+        }
+    }
+}
+
+impl Failure {
+    /// A refusal on this client's side of the caller's input or sink.
+    pub(crate) fn invalid(message: impl Into<String>) -> Self {
+        Failure::Invalid(message.into())
+    }
+
+    /// The unit named something this client will not act on.
+    pub(crate) fn protocol(message: impl Into<String>) -> Self {
+        Failure::Protocol(message.into())
+    }
+
+    /// A reply that is not the one asked for: the unit's error, or a
+    /// protocol failure.
+    pub(crate) fn unexpected(r: Response) -> Self {
+        match r {
+            Response::Error { code, message } => Failure::Refused(code, message),
+            other => Failure::Protocol(format!("unexpected reply {other:?}")),
+        }
+    }
+
+    /// This failure, happening while payload bytes may still be on their
+    /// way to the unit: a connection failure is marked so (a refusal or a
+    /// local failure is not: nothing is travelling then).
+    pub(crate) fn in_flight(self) -> Self {
+        if self.is_connection() && !matches!(self, Failure::InFlight(_)) {
+            Failure::InFlight(Box::new(self))
+        } else {
+            self
+        }
+    }
+
+    /// Whether the connection failed (rather than the unit or this client
+    /// refusing).
+    pub(crate) fn is_connection(&self) -> bool {
+        matches!(
+            self,
+            Failure::Timeout
+                | Failure::Broken(_)
+                | Failure::Protocol(_)
+                | Failure::Refusing(_)
+                | Failure::InFlight(_)
+        )
+    }
+
+    /// Whether the unit answered Busy.
+    pub(crate) fn is_busy(&self) -> bool {
+        matches!(self, Failure::Refused(ErrorCode::Busy, _))
+    }
+
+    /// Whether the connection the operation failed on may serve the next
+    /// one: the unit refused a valid request (its state is known), or the
+    /// client's own machinery was not ready. Not after a broken connection,
+    /// nor after an invalid request or a refused sink (what is left on the
+    /// connection is not known).
+    pub(crate) fn keeps_connection(&self) -> bool {
+        match self {
+            Failure::Refused(code, _) => *code != ErrorCode::InvalidRequest,
+            Failure::Busy(_) => true,
+            _ => false,
+        }
+    }
+
+    /// A connection failure's words, and whether bytes may be in flight.
+    fn connection_text(&self) -> (String, bool) {
+        match self {
+            Failure::InFlight(f) => (f.connection_text().0, true),
+            Failure::Timeout => ("no answer before the deadline".into(), false),
+            Failure::Broken(e) => (format!("connection failed: {e}"), false),
+            Failure::Protocol(m) => (format!("protocol error: {m}"), false),
+            Failure::Refusing(m) => (format!("the unit kept refusing connections: {m}"), false),
+            other => (format!("{other:?}"), false),
+        }
+    }
+
+    /// A connection failure's reason, as a transfer failure names it.
+    fn reason(&self) -> String {
+        match self {
+            Failure::InFlight(f) => f.reason(),
+            Failure::Broken(e) => e.to_string(),
+            Failure::Protocol(m) | Failure::Refusing(m) => m.clone(),
+            _ => "timeout".into(),
+        }
+    }
+
+    /// Whether this is a connection failure that ran out of time or kept
+    /// being refused (the unit answered, or may yet: no probe).
+    fn timed_out(&self) -> bool {
+        match self {
+            Failure::InFlight(f) => f.timed_out(),
+            Failure::Timeout | Failure::Refusing(_) => true,
+            _ => false,
+        }
+    }
 }
 
 impl Client {
@@ -20,25 +164,27 @@ impl Client {
     /// answered at its address, [`Error::Timeout`] when it did not answer
     /// in time or kept refusing, the unit's or this client's refusal
     /// otherwise.
-    pub(crate) fn unreached_error(&self, unit: usize, f: OpFailure) -> Error {
+    pub(crate) fn unreached_error(&self, unit: usize, f: Failure) -> Error {
+        if f.is_connection() {
+            let (text, _) = f.connection_text();
+            return if f.timed_out() {
+                Error::Timeout {
+                    unit: Some(unit),
+                    what: text,
+                }
+            } else {
+                Error::Unreachable {
+                    unit,
+                    addr: self.units[unit].addr.to_string(),
+                    reason: text,
+                }
+            };
+        }
         match f {
-            OpFailure::Conn {
-                error: error @ (ConnFailure::Refusing(_) | ConnFailure::Timeout),
-                ..
-            } => Error::Timeout {
-                unit: Some(unit),
-                what: error.to_string(),
-            },
-            OpFailure::Conn { error, .. } => Error::Unreachable {
-                unit,
-                addr: self.units[unit].addr.to_string(),
-                reason: error.to_string(),
-            },
-            OpFailure::Unit { code, message } => unit_error(unit, code, message, vec![]),
-            OpFailure::Local(l) => local_error(unit, l, vec![]),
-            OpFailure::Corrupt { .. } => {
+            Failure::Corrupt { .. } => {
                 Error::Io(format!("unit {unit}: unexpected reply at connect"))
             }
+            other => self.refusal_error(unit, other, vec![]),
         }
     }
 
@@ -55,97 +201,96 @@ impl Client {
 
     /// Turn a unit's failure into an [`Error`], asking the directory when
     /// the connection broke. `blobs`/`keys`: what the operation touched.
+    /// (Busy is the caller's to retry: here it is a transfer failure.)
     pub(crate) fn classify(
         &self,
         unit: usize,
-        f: OpFailure,
+        f: Failure,
         blobs: Vec<BlobId>,
         keys: Vec<Key>,
         deadline: Instant,
-    ) -> Outcome {
+    ) -> Error {
         // A unit never reached: its first connection failed (nothing of
         // this client's can be lost there).
-        if matches!(f, OpFailure::Conn { .. }) && !self.units[unit].reached.load(Ordering::Acquire)
-        {
-            return Outcome::Failed(self.unreached_error(unit, f));
+        if f.is_connection() && !self.units[unit].reached.load(Ordering::Acquire) {
+            return self.unreached_error(unit, f);
         }
-        match f {
-            OpFailure::Unit {
-                code: ErrorCode::Busy,
-                ..
-            } => Outcome::Busy,
-            OpFailure::Unit { code, message } => {
-                Outcome::Failed(unit_error(unit, code, message, blobs))
-            }
-            OpFailure::Local(l) => Outcome::Failed(local_error(unit, l, blobs)),
-            OpFailure::Corrupt { positions } => {
-                let keys: Vec<Key> = positions
-                    .iter()
-                    .filter_map(|&i| keys.get(i).cloned())
-                    .collect();
-                Outcome::Failed(Error::Corrupt {
+        if !f.is_connection() {
+            return match f {
+                Failure::Corrupt { positions } => {
+                    let keys: Vec<Key> = positions
+                        .iter()
+                        .filter_map(|&i| keys.get(i).cloned())
+                        .collect();
+                    Error::Corrupt {
+                        unit,
+                        named: error::names(&keys),
+                        keys,
+                    }
+                }
+                other => self.refusal_error(unit, other, blobs),
+            };
+        }
+        // It answered (refusals), or ran out of time: no probe.
+        if f.timed_out() {
+            return Error::Timeout {
+                unit: Some(unit),
+                what: f.connection_text().0,
+            };
+        }
+        let (_, in_flight) = f.connection_text();
+        let reason = f.reason();
+        let known = lock(&self.units[unit].instance).current.unwrap_or(0);
+        match self
+            .cfg
+            .directory
+            .liveness(unit, &self.units[unit].addr, known, deadline)
+        {
+            Liveness::Dead | Liveness::Restarted => {
+                // Connections to the old instance are useless now,
+                // and its slab mapping only holds dead memory.
+                self.forget_instance(unit, None);
+                {
+                    let mut i = lock(&self.units[unit].instance);
+                    i.current = None;
+                    i.lost = None;
+                }
+                *lock(&self.units[unit].session) = None;
+                Error::LostKeys {
                     unit,
+                    blobs,
                     named: error::names(&keys),
                     keys,
-                })
-            }
-            OpFailure::Conn {
-                error: ConnFailure::Timeout,
-                ..
-            } => Outcome::Failed(Error::Timeout {
-                unit: Some(unit),
-                what: "no answer before the deadline".into(),
-            }),
-            // It answered (refusals), so it is alive: no probe.
-            OpFailure::Conn {
-                error: error @ ConnFailure::Refusing(_),
-                ..
-            } => Outcome::Failed(Error::Timeout {
-                unit: Some(unit),
-                what: error.to_string(),
-            }),
-            OpFailure::Conn { error, in_flight } => {
-                let known = lock(&self.units[unit].instance).current.unwrap_or(0);
-                let reason = match &error {
-                    ConnFailure::Broken(m)
-                    | ConnFailure::Protocol(m)
-                    | ConnFailure::Refusing(m) => m.clone(),
-                    ConnFailure::Timeout => "timeout".into(),
-                };
-                match self
-                    .cfg
-                    .directory
-                    .liveness(unit, &self.units[unit].addr, known, deadline)
-                {
-                    Liveness::Dead | Liveness::Restarted => {
-                        // Connections to the old instance are useless now,
-                        // and its slab mapping only holds dead memory.
-                        self.forget_instance(unit, None);
-                        {
-                            let mut i = lock(&self.units[unit].instance);
-                            i.current = None;
-                            i.lost = None;
-                        }
-                        *lock(&self.units[unit].session) = None;
-                        Outcome::Failed(Error::LostKeys {
-                            unit,
-                            blobs,
-                            named: error::names(&keys),
-                            keys,
-                        })
-                    }
-                    Liveness::Alive => Outcome::Failed(Error::TransferFailed {
-                        unit,
-                        blobs,
-                        reason,
-                        in_flight,
-                    }),
-                    Liveness::Unresponsive => Outcome::Failed(Error::Timeout {
-                        unit: Some(unit),
-                        what: format!("connection failed ({reason}) and the unit does not answer"),
-                    }),
                 }
             }
+            Liveness::Alive => Error::TransferFailed {
+                unit,
+                blobs,
+                reason,
+                in_flight,
+            },
+            Liveness::Unresponsive => Error::Timeout {
+                unit: Some(unit),
+                what: format!("connection failed ({reason}) and the unit does not answer"),
+            },
+        }
+    }
+
+    /// The error of a refusal, by the unit or by this client (a failure
+    /// that is not the connection's).
+    fn refusal_error(&self, unit: usize, f: Failure, blobs: Vec<BlobId>) -> Error {
+        match f {
+            Failure::Refused(code, message) => unit_error(unit, code, message, blobs),
+            Failure::Invalid(message) => Error::InvalidRequest(message),
+            Failure::Distrust(message) => Error::Unauthorized(message),
+            Failure::Busy(reason) => Error::TransferFailed {
+                unit,
+                blobs,
+                reason,
+                in_flight: false,
+            },
+            Failure::NoFreeConnection => self.wait_error(unit),
+            other => Error::Io(format!("unit {unit}: {other:?}")),
         }
     }
 }
@@ -165,20 +310,6 @@ pub(crate) fn unit_error(
             unit,
             blobs,
             reason: message,
-            in_flight: false,
-        },
-    }
-}
-
-/// The error of a failure on this client's own side.
-pub(crate) fn local_error(unit: usize, l: LocalFailure, blobs: Vec<BlobId>) -> Error {
-    match l {
-        LocalFailure::Invalid(message) => Error::InvalidRequest(message),
-        LocalFailure::Distrust(message) => Error::Unauthorized(message),
-        LocalFailure::Busy(reason) => Error::TransferFailed {
-            unit,
-            blobs,
-            reason,
             in_flight: false,
         },
     }

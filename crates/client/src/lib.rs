@@ -96,7 +96,7 @@ pub use stowage_wire::{CheckpointFile, CheckpointInfo, RestoreReply, RestoreSour
 pub use transport::Transport;
 pub use unit_directory::{host_id, TransportChoice, UnitDirectory, UnitEntry};
 
-use pool::{NoConn, UnitSlot};
+use pool::UnitSlot;
 
 /// One blob to write: its bytes are the concatenation of `segments`;
 /// `entries` name sub-ranges of it.
@@ -227,8 +227,7 @@ impl Client {
             let got = fanout::all_at_once([self.checkout(u, deadline)]);
             match got.into_iter().next() {
                 Some(Ok(t)) => self.checkin(u, t),
-                Some(Err(NoConn::Open(f))) => return Err(self.unreached_error(u, f)),
-                Some(Err(NoConn::Wait)) => return Err(self.wait_error(u)),
+                Some(Err(f)) => return Err(self.unreached_error(u, f)),
                 None => {}
             }
         }

@@ -22,9 +22,9 @@ use std::time::Instant;
 use stowage_nixl::{Agent, NixlError, Op, Range, Staging, Transfer, WaitError};
 
 use crate::config::Failpoints;
-use crate::conn::ConnError;
+use crate::failure::Failure;
 use crate::pieces::{PieceWrite, Places};
-use crate::transport::{LocalFailure, Mover, OpFailure, Settle};
+use crate::transport::{Mover, Settle};
 
 /// The smallest staging buffer a connection registers.
 const STAGING_MIN: usize = 1 << 20;
@@ -314,17 +314,19 @@ impl Settle for Pending {
     }
 }
 
-fn failure(op: &str, e: NixlError, in_flight: bool) -> OpFailure {
-    OpFailure::conn(
-        ConnError::Broken(std::io::Error::other(format!("nixl {op}: {e}"))),
-        in_flight,
-    )
+fn failure(op: &str, e: NixlError, in_flight: bool) -> Failure {
+    let f = Failure::Broken(std::io::Error::other(format!("nixl {op}: {e}")));
+    if in_flight {
+        f.in_flight()
+    } else {
+        f
+    }
 }
 
 impl NixlMover {
     /// The staging buffer, at least `len` bytes, for this process alone
     /// (no transfer holds it).
-    fn staging(&mut self, len: usize) -> Result<&mut Staging, OpFailure> {
+    fn staging(&mut self, len: usize) -> Result<&mut Staging, Failure> {
         let fits = self
             .staging
             .as_ref()
@@ -334,11 +336,10 @@ impl NixlMover {
             let s = Staging::new(&self.agent, size).map_err(|e| failure("staging", e, false))?;
             self.staging = Some(Arc::new(s));
         }
-        self.staging.as_mut().and_then(Arc::get_mut).ok_or_else(|| {
-            OpFailure::Local(LocalFailure::Busy(
-                "the staging buffer is still in use".into(),
-            ))
-        })
+        self.staging
+            .as_mut()
+            .and_then(Arc::get_mut)
+            .ok_or_else(|| Failure::Busy("the staging buffer is still in use".into()))
     }
 
     /// Post one READ of `places` (see [`Mover::start_fetch`]): `Ok(true)`
@@ -346,7 +347,7 @@ impl NixlMover {
     /// is done (or there was nothing to do). Into the staging buffer,
     /// every range (a split value's parts too) where [`Mover::read`] finds
     /// it by its slab offset.
-    fn post_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
+    fn post_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, Failure> {
         self.fetched.clear();
         self.lending = None;
         if lend {
@@ -360,7 +361,7 @@ impl NixlMover {
                 continue;
             }
             let len =
-                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
+                usize::try_from(len).map_err(|_| Failure::invalid("value larger than memory"))?;
             self.fetched.insert(offset, at);
             xfer.push(Range {
                 local: at,
@@ -392,7 +393,7 @@ impl NixlMover {
     /// each value at its own 64-byte-aligned place (a split value's parts
     /// back to back there, so that it is one span), to be lent to the
     /// caller ([`Mover::take_lent`]) once it has ended.
-    fn start_lent_fetch(&mut self, places: &Places) -> Result<bool, OpFailure> {
+    fn start_lent_fetch(&mut self, places: &Places) -> Result<bool, Failure> {
         let (spans, xfer, at) = lent_layout(places, self.slab_addr)?;
         let buf = Arc::new(
             self.recv
@@ -418,7 +419,7 @@ impl NixlMover {
 
     /// Wait for the posted transfer `t` within `deadline`; one still
     /// running then is kept (see [`Mover::take_pending`]).
-    fn finish(&mut self, op: Op, mut t: Transfer, deadline: Instant) -> Result<(), OpFailure> {
+    fn finish(&mut self, op: Op, mut t: Transfer, deadline: Instant) -> Result<(), Failure> {
         let what = match op {
             Op::Write => "WRITE",
             Op::Read => "READ",
@@ -470,7 +471,7 @@ type LentLayout = (Vec<Span<usize>>, Vec<Range>, usize);
 /// (64-byte aligned), a split value's parts back to back within its span;
 /// the transfer's ranges (empty ones left out) against the unit's slab at
 /// `slab_addr`; the buffer's length.
-fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, OpFailure> {
+fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, Failure> {
     let mut spans = Vec::with_capacity(places.len());
     let mut xfer = Vec::with_capacity(places.ranges().len());
     let mut at = 0usize;
@@ -479,7 +480,7 @@ fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, OpFailure>
         let start = at;
         for &(offset, len) in parts {
             let len =
-                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
+                usize::try_from(len).map_err(|_| Failure::invalid("value larger than memory"))?;
             if len > 0 {
                 xfer.push(Range {
                     local: at,
@@ -499,7 +500,7 @@ impl Mover for NixlMover {
         "nixl"
     }
 
-    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), OpFailure> {
+    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), Failure> {
         let total: usize = writes
             .iter()
             .flat_map(|(_, segs)| segs.iter().map(|s| s.len()))
@@ -561,11 +562,11 @@ impl Mover for NixlMover {
         self.finish(Op::Write, t, deadline)
     }
 
-    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
+    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, Failure> {
         self.post_fetch(places, lend)
     }
 
-    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), Failure> {
         match self.reading.take() {
             Some(t) => self.finish(Op::Read, t, deadline),
             None => Ok(()),

@@ -10,8 +10,9 @@ use std::time::{Duration, Instant};
 use stowage_shm::Slab;
 use stowage_wire::ErrorCode;
 
-use crate::conn::{self, Conn};
-use crate::transport::{self, OpFailure, ShmTransport, TcpTransport, Transport};
+use crate::conn::Conn;
+use crate::failure::Failure;
+use crate::transport::{self, ShmTransport, TcpTransport, Transport};
 use crate::{fanout, lock, nixl, Client, UnitAddr};
 
 pub(crate) struct UnitSlot {
@@ -124,14 +125,6 @@ impl Drop for Lease<'_> {
     }
 }
 
-/// Why [`Client::checkout`] got no connection.
-pub(crate) enum NoConn {
-    /// Opening one failed.
-    Open(OpFailure),
-    /// Every connection the bound allows stayed in use until the deadline.
-    Wait,
-}
-
 /// A connection shared by the views that pinned through it.
 pub(crate) type ViewConn = Arc<Mutex<Box<dyn Transport>>>;
 
@@ -153,7 +146,7 @@ impl Client {
         &self,
         unit: usize,
         deadline: Instant,
-    ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+    ) -> std::result::Result<Box<dyn Transport>, Failure> {
         let slot = &self.units[unit];
         let want_fd = self.cfg.shm && matches!(slot.addr, UnitAddr::Unix(_));
         let cached = lock(&slot.slab).clone();
@@ -168,7 +161,6 @@ impl Client {
                 self.cfg.secret.as_ref(),
                 deadline,
             )
-            .map_err(|e| OpFailure::conn(e, false))
         };
         // The first connection (no session yet) is made under the session's
         // lock, so that threads opening at once join one session rather
@@ -200,12 +192,7 @@ impl Client {
         let t: Box<dyn Transport> = match (&self.nixl, want_fd) {
             (_, true) => match ShmTransport::new(conn, self.cfg.spare_max) {
                 Some(t) => Box::new(t),
-                None => {
-                    return Err(OpFailure::conn(
-                        conn::ConnError::Protocol("the unit handed over no slab".into()),
-                        false,
-                    ))
-                }
+                None => return Err(Failure::Protocol("the unit handed over no slab".into())),
             },
             (Some(n), false) => self.open_nixl(unit, n, conn, deadline)?,
             (None, false) => Box::new(TcpTransport::new(conn)),
@@ -224,7 +211,7 @@ impl Client {
         n: &nixl::NixlClient,
         mut conn: Conn,
         deadline: Instant,
-    ) -> std::result::Result<Box<dyn Transport>, OpFailure> {
+    ) -> std::result::Result<Box<dyn Transport>, Failure> {
         // The unit learns this client's agent, to invalidate it once this
         // client's last connection to it has ended. Without an agent (NIXL
         // cannot run here) the unit's answer still tells whether it serves
@@ -234,20 +221,15 @@ impl Client {
             agent,
             agent_metadata,
         };
-        let id = conn
-            .send(&ask, &mut [], deadline)
-            .map_err(|e| OpFailure::conn(e, false))?;
-        match conn
-            .recv(id, deadline)
-            .map_err(|e| OpFailure::conn(e, false))?
-        {
+        let id = conn.send(&ask, &mut [], deadline)?;
+        match conn.recv(id, deadline)? {
             stowage_wire::Response::NixlInfo {
                 metadata,
                 slab_addr,
             } => {
                 let mover = n
                     .mover(&metadata, slab_addr)
-                    .map_err(|e| OpFailure::invalid(format!("nixl: {e}")))?;
+                    .map_err(|e| Failure::invalid(format!("nixl: {e}")))?;
                 Ok(Box::new(transport::OneSided::with_mover(
                     conn,
                     mover,
@@ -261,13 +243,10 @@ impl Client {
                 tracing::debug!(unit, %message, "the unit does not serve nixl: tcp");
                 Ok(Box::new(TcpTransport::new(conn)))
             }
-            stowage_wire::Response::Error { code, message } => {
-                Err(OpFailure::Unit { code, message })
-            }
-            other => Err(OpFailure::conn(
-                conn::ConnError::Protocol(format!("unexpected reply to NixlInfo: {other:?}")),
-                false,
-            )),
+            stowage_wire::Response::Error { code, message } => Err(Failure::Refused(code, message)),
+            other => Err(Failure::Protocol(format!(
+                "unexpected reply to NixlInfo: {other:?}"
+            ))),
         }
     }
 
@@ -333,7 +312,7 @@ impl Client {
         &self,
         unit: usize,
         deadline: Instant,
-    ) -> std::result::Result<Lease<'_>, NoConn> {
+    ) -> std::result::Result<Lease<'_>, Failure> {
         let slot = &self.units[unit];
         let mut nap = Duration::from_micros(50);
         loop {
@@ -353,7 +332,7 @@ impl Client {
                     p.open += 1;
                     true
                 } else if now >= deadline {
-                    return Err(NoConn::Wait);
+                    return Err(Failure::NoFreeConnection);
                 } else if fanout::alone() {
                     p.waiters += 1;
                     let (mut p, _) = slot
@@ -374,7 +353,7 @@ impl Client {
                     t: None,
                     pooled: false,
                 };
-                lease.t = Some(self.open(unit, deadline).map_err(NoConn::Open)?);
+                lease.t = Some(self.open(unit, deadline)?);
                 return Ok(lease);
             }
             fanout::pause_until((now + nap).min(deadline)).await;

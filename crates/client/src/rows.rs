@@ -57,9 +57,8 @@ use stowage_shm::Slab;
 use stowage_wire::{EntrySpec, Key};
 use stowage_wire::{Request, Response};
 
-use crate::failure::Outcome;
+use crate::failure::Failure;
 use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
-use crate::transport::OpFailure;
 use crate::{lock, new_blob_id, BlobPut, Client, Error, Result};
 
 /// The reserved field that holds a string row key's text.
@@ -968,7 +967,7 @@ impl Client {
         &self,
         unit: usize,
         deadline: Instant,
-    ) -> std::result::Result<crate::pool::ViewConn, OpFailure> {
+    ) -> std::result::Result<crate::pool::ViewConn, Failure> {
         if let Some(c) = lock(&self.units[unit].view_conn).clone() {
             return Ok(c);
         }
@@ -982,8 +981,8 @@ impl Client {
 
     /// After `f` failed on `conn`: a broken connection is not used for later
     /// views; views that pinned through it keep it (and their pins) alive.
-    fn forget_view_conn(&self, unit: usize, conn: &crate::pool::ViewConn, f: &OpFailure) {
-        if matches!(f, OpFailure::Conn { .. }) {
+    fn forget_view_conn(&self, unit: usize, conn: &crate::pool::ViewConn, f: &Failure) {
+        if f.is_connection() {
             let mut slot = lock(&self.units[unit].view_conn);
             if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
                 *slot = None;
@@ -1005,7 +1004,7 @@ impl Client {
         deadline: Instant,
     ) -> Vec<(
         usize,
-        std::result::Result<(Response, Arc<Slab>, crate::pool::ViewConn), OpFailure>,
+        std::result::Result<(Response, Arc<Slab>, crate::pool::ViewConn), Failure>,
     )> {
         let parts = by_unit.iter().map(|(&u, (keys, _))| async move {
             let conn = match self.view_conn(u, deadline) {
@@ -1015,7 +1014,7 @@ impl Client {
             let r = {
                 let mut t = lock(&conn);
                 match t.slab() {
-                    None => Err(OpFailure::invalid(
+                    None => Err(Failure::invalid(
                         "views need the shm transport (a unit on this host, reached by its Unix socket)",
                     )),
                     Some(slab) => {
@@ -1097,13 +1096,13 @@ impl Client {
         }
         if let Some((u, f)) = failure {
             let ks = by_unit[&u].0.clone();
-            return Err(match self.classify(u, f, vec![], ks, deadline) {
-                Outcome::Failed(e) => name_keys(e, keys),
-                Outcome::Busy => Error::Timeout {
+            if f.is_busy() {
+                return Err(Error::Timeout {
                     unit: Some(u),
                     what: "unit busy".into(),
-                },
-            });
+                });
+            }
+            return Err(name_keys(self.classify(u, f, vec![], ks, deadline), keys));
         }
         for (u, resp, slab_len) in answers {
             let (ks, idx) = &by_unit[&u];

@@ -31,116 +31,13 @@ use stowage_shm::Slab;
 use stowage_wire::BlobId;
 use stowage_wire::{EntrySpec, ErrorCode, Key, PinId, Request, Response};
 
-use crate::conn::{Conn, ConnError};
+use crate::conn::Conn;
+use crate::failure::Failure;
 use crate::fanout::{pause_until, turn};
 use crate::nixl::Lent;
 use crate::pieces::{check_found, check_pieces, ranges_of, scatter, split_dst, PieceWrite, Places};
 use crate::sink::{GetSink, ValueAsk};
 use crate::{new_blob_id, BlobPut, SPARES};
-
-/// Why one unit's operation failed, before the client classifies it.
-#[derive(Debug)]
-pub enum OpFailure {
-    /// The connection failed. `in_flight`: payload bytes may still be on
-    /// their way to the unit.
-    Conn { error: ConnFailure, in_flight: bool },
-    /// The disk files of some values failed their checks: `positions` in
-    /// the operation's key list. The connection is fine.
-    Corrupt { positions: Vec<usize> },
-    /// The unit answered with an error.
-    Unit { code: ErrorCode, message: String },
-    /// This client failed on its own side: the unit answered nothing
-    /// wrong (or was not asked).
-    Local(LocalFailure),
-}
-
-/// A failure on the client's own side of an operation.
-#[derive(Debug)]
-pub enum LocalFailure {
-    /// The caller's input or sink refused: a value does not fit its
-    /// buffer, too many entries in one blob, a view of a unit not
-    /// reached over shm. Reported as [`crate::Error::InvalidRequest`].
-    Invalid(String),
-    /// This client does not trust the unit: it did not prove the shared
-    /// secret, runs as another user, or handed over a slab this client
-    /// cannot map. Reported as [`crate::Error::Unauthorized`].
-    Distrust(String),
-    /// The client's own machinery is not ready (a nixl buffer still held
-    /// by a transfer); the connection is fine and the call may be retried.
-    /// Reported as [`crate::Error::TransferFailed`].
-    Busy(String),
-}
-
-/// A connection-level failure.
-#[derive(Debug)]
-pub enum ConnFailure {
-    Timeout,
-    Broken(String),
-    Protocol(String),
-    /// The unit kept refusing the connection until the deadline (why, the
-    /// last time).
-    Refusing(String),
-}
-
-impl std::fmt::Display for ConnFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ConnFailure::Timeout => f.write_str("no answer before the deadline"),
-            ConnFailure::Broken(m) => write!(f, "connection failed: {m}"),
-            ConnFailure::Protocol(m) => write!(f, "protocol error: {m}"),
-            ConnFailure::Refusing(m) => write!(f, "the unit kept refusing connections: {m}"),
-        }
-    }
-}
-
-impl OpFailure {
-    pub(crate) fn conn(e: ConnError, in_flight: bool) -> Self {
-        let error = match e {
-            ConnError::Timeout => ConnFailure::Timeout,
-            ConnError::Broken(e) => ConnFailure::Broken(e.to_string()),
-            ConnError::Protocol(m) => ConnFailure::Protocol(m),
-            ConnError::Refused(code, message) => return OpFailure::Unit { code, message },
-            ConnError::Distrust(m) => return OpFailure::Local(LocalFailure::Distrust(m)),
-            ConnError::Refusing(m) => ConnFailure::Refusing(m),
-        };
-        OpFailure::Conn { error, in_flight }
-    }
-
-    /// A refusal on this client's side of the caller's input or sink.
-    pub(crate) fn invalid(message: impl Into<String>) -> Self {
-        OpFailure::Local(LocalFailure::Invalid(message.into()))
-    }
-
-    /// The unit named something this client will not act on (a range
-    /// outside its slab, pieces that do not hold the blob): the
-    /// connection goes (and with it what it holds).
-    fn protocol(message: impl Into<String>) -> Self {
-        OpFailure::conn(ConnError::Protocol(message.into()), false)
-    }
-
-    fn unexpected(r: Response) -> Self {
-        match r {
-            Response::Error { code, message } => OpFailure::Unit { code, message },
-            other => OpFailure::conn(
-                ConnError::Protocol(format!("unexpected reply {other:?}")),
-                false,
-            ),
-        }
-    }
-
-    /// Whether the connection the operation failed on may serve the next
-    /// one: the unit refused a valid request (its state is known), or the
-    /// client's own machinery was not ready. Not after a broken connection,
-    /// nor after an invalid request or a refused sink (what is left on the
-    /// connection is not known).
-    pub(crate) fn keeps_connection(&self) -> bool {
-        match self {
-            OpFailure::Unit { code, .. } => *code != ErrorCode::InvalidRequest,
-            OpFailure::Local(LocalFailure::Busy(_)) => true,
-            _ => false,
-        }
-    }
-}
 
 /// A get's sink, shared by the parts of the units it reads from: each
 /// borrows it while it asks for and fills its values' buffers (never
@@ -148,7 +45,7 @@ impl OpFailure {
 pub type SharedSink<'s> = RefCell<&'s mut dyn GetSink>;
 
 /// One unit's part of an operation, run by `fanout::all_at_once`.
-pub type Op<'a, T> = Pin<Box<dyn Future<Output = Result<T, OpFailure>> + 'a>>;
+pub type Op<'a, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + 'a>>;
 
 /// What a finished get on one unit reports: the positions (in its own key
 /// list) of keys it does not have.
@@ -184,7 +81,7 @@ pub trait Transport: Send {
 
     /// Send a request the unit does not answer (an Unpin with
     /// `reply: false`).
-    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure>;
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure>;
 
     /// The unit's slab as this process maps it (shm transport only).
     fn slab(&self) -> Option<Arc<Slab>> {
@@ -203,23 +100,19 @@ fn total_len(put: &BlobPut<'_>) -> u64 {
     put.segments.iter().map(|s| s.len() as u64).sum()
 }
 
-fn n_entries(entries: &[EntrySpec]) -> Result<u32, OpFailure> {
-    u32::try_from(entries.len())
-        .map_err(|_| OpFailure::invalid("more than 2^32 entries in one blob"))
+fn n_entries(entries: &[EntrySpec]) -> Result<u32, Failure> {
+    u32::try_from(entries.len()).map_err(|_| Failure::invalid("more than 2^32 entries in one blob"))
 }
 
 /// Send `req` (no payload), let the other units' parts run, and take its
 /// reply.
-async fn call(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
-    conn.call(req, deadline)
-        .await
-        .map_err(|e| OpFailure::conn(e, false))
+async fn call(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<Response, Failure> {
+    conn.call(req, deadline).await
 }
 
 /// Send `req` without awaiting a reply (the unit sends none).
-fn notify(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
-    conn.send(req, &mut [], deadline)
-        .map_err(|e| OpFailure::conn(e, false))?;
+fn notify(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<(), Failure> {
+    conn.send(req, &mut [], deadline)?;
     Ok(())
 }
 
@@ -234,10 +127,10 @@ fn read_data(
     index_of: &[usize],
     sink: &SharedSink<'_>,
     deadline: Instant,
-) -> Result<Result<(Missing, Vec<usize>), OpFailure>, OpFailure> {
+) -> Result<Result<(Missing, Vec<usize>), Failure>, Failure> {
     let (items, corrupt) = match reply {
         Response::Data { items, corrupt } if items.len() == keys.len() => (items, corrupt),
-        other => return Err(OpFailure::unexpected(other)),
+        other => return Err(Failure::unexpected(other)),
     };
     let corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
     let mut missing = Vec::new();
@@ -269,11 +162,10 @@ fn read_data(
         match slot {
             Some(dst) => conn.read_payload(dst, deadline),
             None => conn.skip_payload(item.len, deadline),
-        }
-        .map_err(|e| OpFailure::conn(e, false))?;
+        }?;
     }
     Ok(match sink_error {
-        Some(message) => Err(OpFailure::invalid(message)),
+        Some(message) => Err(Failure::invalid(message)),
         None => Ok((missing, corrupt)),
     })
 }
@@ -306,7 +198,7 @@ async fn stream_put(
     put: &BlobPut<'_>,
     deadline: Instant,
     refused: Option<BlobId>,
-) -> Result<(), OpFailure> {
+) -> Result<(), Failure> {
     n_entries(&put.entries)?;
     let req = Request::Put {
         blob: put.blob,
@@ -317,14 +209,12 @@ async fn stream_put(
     let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
     let id = conn
         .send(&req, &mut payload, deadline)
-        .map_err(|e| OpFailure::conn(e, true))?;
+        .map_err(Failure::in_flight)?;
     drop(payload);
     turn().await;
     // The Put's bytes may still be on their way when its reply fails to
     // come.
-    let mut reply = conn
-        .recv(id, deadline)
-        .map_err(|e| OpFailure::conn(e, true))?;
+    let mut reply = conn.recv(id, deadline).map_err(Failure::in_flight)?;
     let mut recommitted = false;
     loop {
         match reply {
@@ -337,9 +227,9 @@ async fn stream_put(
                 if let Some(blob) = refused {
                     abort(conn, blob, deadline).await?;
                 }
-                return Err(OpFailure::Unit { code, message });
+                return Err(Failure::Refused(code, message));
             }
-            other => return Err(OpFailure::unexpected(other)),
+            other => return Err(Failure::unexpected(other)),
         }
     }
 }
@@ -350,8 +240,8 @@ async fn recommit(
     conn: &mut Conn,
     put: &BlobPut<'_>,
     deadline: Instant,
-) -> Result<Response, OpFailure> {
-    let left = crate::conn::remaining(deadline).map_err(|e| OpFailure::conn(e, false))?;
+) -> Result<Response, Failure> {
+    let left = crate::conn::remaining(deadline)?;
     pause_until(Instant::now() + PENDING_POLL.min(left)).await;
     let req = Request::Commit {
         blob: put.blob,
@@ -362,7 +252,7 @@ async fn recommit(
 }
 
 /// Give up reservation `blob`, and wait for the answer.
-async fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> Result<(), OpFailure> {
+async fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> Result<(), Failure> {
     let req = Request::Abort {
         blob,
         in_flight: false,
@@ -378,7 +268,7 @@ pub(crate) trait Mover: Send {
     /// Copy each piece's segments, one after another, to the piece's
     /// offset (a put's bytes scattered over its blob's pieces,
     /// [`crate::pieces::scatter`]; checked against the slab before).
-    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), OpFailure>;
+    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), Failure>;
     /// Start bringing the values at `places` within reach of
     /// [`Mover::read`] (nothing to do when the slab is mapped): every
     /// range of every value (a split value's parts are ranges of their
@@ -387,12 +277,12 @@ pub(crate) trait Mover: Send {
     /// nothing to do). `lend` (only where [`Mover::lends`]): into memory
     /// to lend instead ([`Mover::take_lent`]), one span per value (a
     /// split value's parts back to back in it).
-    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
+    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, Failure> {
         let _ = (places, lend);
         Ok(false)
     }
     /// Wait for the fetch [`Mover::start_fetch`] left under way.
-    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), Failure> {
         let _ = deadline;
         Ok(())
     }
@@ -441,10 +331,10 @@ impl Mover for Arc<Slab> {
         "shm"
     }
 
-    fn write(&mut self, writes: &[PieceWrite<'_>], _deadline: Instant) -> Result<(), OpFailure> {
+    fn write(&mut self, writes: &[PieceWrite<'_>], _deadline: Instant) -> Result<(), Failure> {
         for (offset, segments) in writes {
             self.write_gather(*offset, segments)
-                .map_err(|e| OpFailure::protocol(e.to_string()))?;
+                .map_err(|e| Failure::protocol(e.to_string()))?;
         }
         Ok(())
     }
@@ -559,7 +449,7 @@ impl<M: Mover> OneSided<M> {
         put: &BlobPut<'_>,
         written: BlobId,
         deadline: Instant,
-    ) -> Result<(), OpFailure> {
+    ) -> Result<(), Failure> {
         let n = total_len(put);
         let asked = self.spares_for(n).then(|| (new_blob_id(), spare_class(n)));
         let req = match asked {
@@ -610,9 +500,9 @@ impl<M: Mover> OneSided<M> {
                     if written != put.blob {
                         abort(&mut self.conn, written, deadline).await?;
                     }
-                    return Err(OpFailure::Unit { code, message });
+                    return Err(Failure::Refused(code, message));
                 }
-                other => return Err(OpFailure::unexpected(other)),
+                other => return Err(Failure::unexpected(other)),
             }
         }
     }
@@ -620,9 +510,9 @@ impl<M: Mover> OneSided<M> {
     /// Keep the spare the unit reserved: fill its page tables now (one
     /// call, instead of a fault per page in the next put), and give back
     /// the oldest past [`SPARES`].
-    async fn keep_spare(&mut self, spare: Spare, deadline: Instant) -> Result<(), OpFailure> {
+    async fn keep_spare(&mut self, spare: Spare, deadline: Instant) -> Result<(), Failure> {
         check_pieces(&[(spare.offset, spare.len)], spare.len, self.slab_len)
-            .map_err(|m| OpFailure::protocol(format!("spare: {m}")))?;
+            .map_err(|m| Failure::protocol(format!("spare: {m}")))?;
         self.mover.prepare(spare.offset, spare.len);
         self.spares.push(spare);
         if self.spares.len() > SPARES {
@@ -635,7 +525,7 @@ impl<M: Mover> OneSided<M> {
     /// Give every spare back (the unit is short of memory: it said so with
     /// `spares_back`, or refused an Alloc while this connection held
     /// spares).
-    async fn clear_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+    async fn clear_spares(&mut self, deadline: Instant) -> Result<(), Failure> {
         while let Some(s) = self.spares.pop() {
             abort(&mut self.conn, s.blob, deadline).await?;
         }
@@ -657,7 +547,7 @@ impl<M: Mover> OneSided<M> {
         mut corrupt: Vec<usize>,
         sink: &SharedSink<'_>,
         deadline: Instant,
-    ) -> Result<Result<(Missing, Vec<usize>), OpFailure>, OpFailure> {
+    ) -> Result<Result<(Missing, Vec<usize>), Failure>, Failure> {
         let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
         // Each value's ranges: one, or the parts of a value split across
         // pieces of the slab (its bytes are the parts back to back).
@@ -673,7 +563,7 @@ impl<M: Mover> OneSided<M> {
             let accepted = sink.borrow_mut().accept_lent(&asks_of(found, index_of));
             match accepted {
                 Some(Ok(())) => lend = true,
-                Some(Err(message)) => return Ok(Err(OpFailure::invalid(message))),
+                Some(Err(message)) => return Ok(Err(Failure::invalid(message))),
                 None => {}
             }
         }
@@ -686,7 +576,7 @@ impl<M: Mover> OneSided<M> {
         let mut on_disk = Vec::new();
         {
             let mut sink = sink.borrow_mut();
-            let refused = |m: String| Ok(Err(OpFailure::invalid(m)));
+            let refused = |m: String| Ok(Err(Failure::invalid(m)));
             // Many values, large in all: ask the sink for all their
             // buffers and fill them together on the cores (one by one
             // otherwise).
@@ -830,7 +720,7 @@ impl<M: Mover> Transport for OneSided<M> {
                         // with it the reservation).
                         let writes = check_pieces(&pieces, n, self.slab_len)
                             .and_then(|()| scatter(&put.segments, &pieces))
-                            .map_err(|m| OpFailure::protocol(format!("Allocated: {m}")))?;
+                            .map_err(|m| Failure::protocol(format!("Allocated: {m}")))?;
                         if spares_back {
                             self.clear_spares(deadline).await?;
                         }
@@ -849,7 +739,7 @@ impl<M: Mover> Transport for OneSided<M> {
                         return stream_put(&mut self.conn, put, deadline, Some(put.blob)).await
                     }
                     Response::AlreadyCommitted => return Ok(()),
-                    other => return Err(OpFailure::unexpected(other)),
+                    other => return Err(Failure::unexpected(other)),
                 }
             }
         })
@@ -877,13 +767,13 @@ impl<M: Mover> Transport for OneSided<M> {
                         corrupt,
                         spares_back,
                     } if found.len() == keys.len() => (pin, found, corrupt, spares_back),
-                    other => return Err(OpFailure::unexpected(other)),
+                    other => return Err(Failure::unexpected(other)),
                 };
             // Never a read outside the slab, nor a split value whose parts
             // are not its length: the connection goes (its end unpins).
             for f in found.iter().flatten() {
                 check_found(f, self.slab_len)
-                    .map_err(|m| OpFailure::protocol(format!("Resolved: {m}")))?;
+                    .map_err(|m| Failure::protocol(format!("Resolved: {m}")))?;
             }
             let corrupt = corrupt.into_iter().map(|c| c as usize).collect();
             // A failed connection goes, and its end unpins: no Unpin then.
@@ -904,7 +794,7 @@ impl<M: Mover> Transport for OneSided<M> {
             }
             let (missing, corrupt) = copied?;
             if !corrupt.is_empty() {
-                return Err(OpFailure::Corrupt { positions: corrupt });
+                return Err(Failure::Corrupt { positions: corrupt });
             }
             Ok(missing)
         })
@@ -928,7 +818,7 @@ impl<M: Mover> Transport for OneSided<M> {
         })
     }
 
-    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {
         notify(&mut self.conn, req, deadline)
     }
 
@@ -1009,7 +899,7 @@ impl Transport for TcpTransport {
             let (missing, corrupt) =
                 read_data(&mut self.conn, reply, keys, index_of, sink, deadline)??;
             if !corrupt.is_empty() {
-                return Err(OpFailure::Corrupt { positions: corrupt });
+                return Err(Failure::Corrupt { positions: corrupt });
             }
             Ok(missing)
         })
@@ -1019,7 +909,7 @@ impl Transport for TcpTransport {
         Box::pin(call(&mut self.conn, req, deadline))
     }
 
-    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {
         notify(&mut self.conn, req, deadline)
     }
 }
@@ -1036,7 +926,7 @@ mod tests {
             "memory"
         }
 
-        fn write(&mut self, writes: &[PieceWrite<'_>], _: Instant) -> Result<(), OpFailure> {
+        fn write(&mut self, writes: &[PieceWrite<'_>], _: Instant) -> Result<(), Failure> {
             for (offset, segs) in writes {
                 let mut at = *offset as usize;
                 for s in segs {
