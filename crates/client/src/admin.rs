@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use stowage_wire::{Request, Response};
 
-use crate::failure::unit_error;
+use crate::classify::unit_error;
 use crate::{fanout, metrics, Client, ClientConfig, Error, Result, UnitAddr};
 use crate::{CheckpointInfo, RestoreReply, RestoreSource, Stats};
 

@@ -6,18 +6,14 @@ use std::time::Duration;
 use std::sync::OnceLock;
 
 use crate::conn::RING_AFTER;
+use crate::nixl::Failpoints;
 #[cfg(doc)]
-use crate::{Client, Error, UnitDirectory};
+use crate::{Client, Error, UnitDirectory, SPARES};
 use crate::{Directory, NixlOptions, ProbeDirectory, Secret, UnitAddr};
 
 /// The partition of the raw-bytes conveniences ([`Client::put_rows`] and
 /// friends).
 pub const DEFAULT_PARTITION: &str = "";
-
-/// First Busy backoff.
-pub const BUSY_RETRY: Duration = Duration::from_millis(200);
-/// Largest Busy backoff.
-pub const BUSY_RETRY_MAX: Duration = Duration::from_secs(2);
 
 /// Settings of a client.
 #[derive(Clone)]
@@ -88,26 +84,14 @@ pub struct ClientConfig {
     pub failpoints: Failpoints,
 }
 
-/// Test failpoints, from `STOWAGE_FAILPOINTS` (comma-separated names).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Failpoints {
-    /// `nixl-write-in-flight`: every nixl WRITE reports failure when it is
-    /// waited on, as a transfer cut off while it may still be running, and
-    /// is never counted as ended.
-    pub nixl_write_in_flight: bool,
-    /// `nixl-read-in-flight`: the same for every nixl READ.
-    pub nixl_read_in_flight: bool,
-}
-
-impl Failpoints {
-    /// The failpoints `STOWAGE_FAILPOINTS` names (read at each call).
-    pub fn from_env() -> Self {
-        let set = std::env::var("STOWAGE_FAILPOINTS").unwrap_or_default();
-        let has = |name: &str| set.split(',').any(|f| f.trim() == name);
-        Self {
-            nixl_write_in_flight: has("nixl-write-in-flight"),
-            nixl_read_in_flight: has("nixl-read-in-flight"),
-        }
+/// The failpoints `STOWAGE_FAILPOINTS` names (comma-separated; read at
+/// each call).
+fn failpoints_from_env() -> Failpoints {
+    let set = std::env::var("STOWAGE_FAILPOINTS").unwrap_or_default();
+    let has = |name: &str| set.split(',').any(|f| f.trim() == name);
+    Failpoints {
+        nixl_write_in_flight: has("nixl-write-in-flight"),
+        nixl_read_in_flight: has("nixl-read-in-flight"),
     }
 }
 
@@ -135,8 +119,6 @@ pub const MAX_UNIT_CONNS: usize = 4;
 
 /// Default [`ClientConfig::spare_max`].
 pub const SPARE_MAX: u64 = 4 << 20;
-/// Most spares one same-host connection holds.
-pub const SPARES: usize = 4;
 
 impl ClientConfig {
     /// The defaults, with the switches the environment sets
@@ -158,7 +140,7 @@ impl ClientConfig {
             max_unit_conns: MAX_UNIT_CONNS,
             rings,
             ring_after,
-            failpoints: Failpoints::from_env(),
+            failpoints: failpoints_from_env(),
         }
     }
 }

@@ -30,6 +30,11 @@ use stowage_wire::{
     PROTOCOL_VERSION,
 };
 
+/// First Busy backoff.
+pub const BUSY_RETRY: Duration = Duration::from_millis(200);
+/// Largest Busy backoff.
+pub const BUSY_RETRY_MAX: Duration = Duration::from_secs(2);
+
 /// Round trips a shm connection makes before it asks for a request ring
 /// (a connection that is used a few times only never costs the unit one).
 /// [`crate::ClientConfig::ring_after`]'s default.
@@ -732,7 +737,7 @@ impl Conn {
         secret: Option<&Secret>,
         deadline: Instant,
     ) -> Result<Conn, Failure> {
-        let mut wait = crate::BUSY_RETRY;
+        let mut wait = BUSY_RETRY;
         loop {
             let tried = Self::connect(
                 addr,
@@ -756,7 +761,7 @@ impl Conn {
             }
             tracing::debug!(%addr, reason = %why, retry_in = ?wait, "the unit refused a connection; asking again");
             std::thread::sleep(wait);
-            wait = (wait * 2).min(crate::BUSY_RETRY_MAX);
+            wait = (wait * 2).min(BUSY_RETRY_MAX);
         }
     }
 }

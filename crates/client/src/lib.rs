@@ -60,33 +60,38 @@
 
 mod admin;
 mod blobs;
+mod classify;
 mod config;
 mod conn;
 mod directory;
 mod error;
 mod failure;
 mod fanout;
+mod lent;
 pub mod metrics;
 mod nixl;
+mod one_sided;
 mod pieces;
 mod pool;
+mod row_meta;
 pub mod rows;
 pub mod sink;
 pub mod transport;
 pub mod unit_directory;
+mod values;
+mod views;
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-pub use config::{
-    ClientConfig, Failpoints, BUSY_RETRY, BUSY_RETRY_MAX, DEFAULT_PARTITION, MAX_UNIT_CONNS,
-    SPARES, SPARE_MAX,
-};
-pub use conn::UnitAddr;
+pub use config::{ClientConfig, DEFAULT_PARTITION, MAX_UNIT_CONNS, SPARE_MAX};
+pub use conn::{UnitAddr, BUSY_RETRY, BUSY_RETRY_MAX};
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
-pub use nixl::{Lent, NixlOptions, RECV_POOL_MAX, ZERO_COPY_MIN};
+pub use lent::{Lent, RECV_POOL_MAX};
+pub use nixl::{Failpoints, NixlOptions, ZERO_COPY_MIN};
+pub use one_sided::SPARES;
 pub use pool::UnitConnections;
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, View, ViewTensor};
 pub use sink::{GetSink, Sink, SliceSink, TensorAsk, TensorSink, Value, ValueAsk};

@@ -14,17 +14,28 @@
 //! the connection open — and with it the unit's reservation or pin of the
 //! range — until it has ended (see [`crate::transport::Settle`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ops::Range as Span;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use stowage_nixl::{Agent, NixlError, Op, Range, Staging, Transfer, WaitError};
 
-use crate::config::Failpoints;
 use crate::failure::Failure;
+use crate::lent::{Lent, RecvPool, LENT_ALIGN, RECV_POOL_MAX};
+use crate::one_sided::{Mover, Settle};
 use crate::pieces::{PieceWrite, Places};
-use crate::transport::{Mover, Settle};
+
+/// Test failpoints, from `STOWAGE_FAILPOINTS` (comma-separated names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Failpoints {
+    /// `nixl-write-in-flight`: every nixl WRITE reports failure when it is
+    /// waited on, as a transfer cut off while it may still be running, and
+    /// is never counted as ended.
+    pub nixl_write_in_flight: bool,
+    /// `nixl-read-in-flight`: the same for every nixl READ.
+    pub nixl_read_in_flight: bool,
+}
 
 /// The smallest staging buffer a connection registers.
 const STAGING_MIN: usize = 1 << 20;
@@ -58,110 +69,6 @@ impl Default for NixlOptions {
         Self {
             require_rdma: true,
             zero_copy_min: ZERO_COPY_MIN,
-        }
-    }
-}
-
-/// Values in a lent buffer start on multiples of this (numpy's alignment
-/// for any dtype).
-const LENT_ALIGN: usize = 64;
-
-/// The smallest buffer of the receive pool.
-const RECV_MIN: usize = 64 << 10;
-
-/// How many bytes of free buffers the receive pool keeps registered for
-/// the next gets; buffers given back past it are deregistered and unmapped.
-pub const RECV_POOL_MAX: usize = 1 << 30;
-
-/// Registered buffers that gets READ into and lend their callers
-/// ([`Lent`]), kept when given back so that the next get of a similar size
-/// neither registers nor faults in memory (an RL loop gets the same sizes
-/// every step). Sizes are classes of eight per doubling.
-pub(crate) struct RecvPool {
-    free: Mutex<(BTreeMap<usize, Vec<Staging>>, usize)>,
-    limit: usize,
-}
-
-impl RecvPool {
-    fn new(limit: usize) -> Self {
-        Self {
-            free: Mutex::new((BTreeMap::new(), 0)),
-            limit,
-        }
-    }
-
-    /// A registered buffer of at least `len` bytes, for this caller alone.
-    fn take(&self, agent: &Agent, len: usize) -> Result<Staging, NixlError> {
-        let class = crate::transport::spare_class(len.max(RECV_MIN) as u64) as usize;
-        {
-            let mut free = crate::lock(&self.free);
-            if let Some(s) = free.0.get_mut(&class).and_then(Vec::pop) {
-                free.1 -= s.len();
-                return Ok(s);
-            }
-        }
-        Staging::new(agent, class)
-    }
-
-    fn give_back(&self, s: Staging) {
-        let mut free = crate::lock(&self.free);
-        if free.1 + s.len() <= self.limit {
-            free.1 += s.len();
-            free.0.entry(s.len()).or_default().push(s);
-        }
-    }
-}
-
-/// Memory a get lends its caller: a buffer of the client's registered
-/// receive pool that a nixl READ filled, so the values were never copied.
-/// It is the caller's alone (nothing else reads or writes it) and goes
-/// back to the pool when dropped. A READ that failed while it may still be
-/// running never lends its buffer: the buffer stays with the transfer
-/// until it has ended.
-pub struct Lent {
-    staging: Option<Staging>,
-    len: usize,
-    pool: Weak<RecvPool>,
-}
-
-impl Lent {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl std::fmt::Debug for Lent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Lent({} bytes)", self.len)
-    }
-}
-
-impl std::ops::Deref for Lent {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.staging
-            .as_ref()
-            .map_or(&[], |s| &s.as_slice()[..self.len])
-    }
-}
-
-impl std::ops::DerefMut for Lent {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        let len = self.len;
-        self.staging
-            .as_mut()
-            .map_or(&mut [], |s| &mut s.as_mut_slice()[..len])
-    }
-}
-
-impl Drop for Lent {
-    fn drop(&mut self) {
-        if let (Some(s), Some(pool)) = (self.staging.take(), self.pool.upgrade()) {
-            pool.give_back(s);
         }
     }
 }
@@ -582,14 +489,7 @@ impl Mover for NixlMover {
         // The READ has ended (its transfer, which held the other reference,
         // is gone): the buffer is this call's alone.
         let staging = Arc::try_unwrap(staging).ok()?;
-        Some((
-            Lent {
-                staging: Some(staging),
-                len,
-                pool: Arc::downgrade(&self.recv),
-            },
-            spans,
-        ))
+        Some((Lent::new(staging, len, Arc::downgrade(&self.recv)), spans))
     }
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {

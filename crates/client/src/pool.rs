@@ -12,7 +12,8 @@ use stowage_wire::ErrorCode;
 
 use crate::conn::Conn;
 use crate::failure::Failure;
-use crate::transport::{self, ShmTransport, TcpTransport, Transport};
+use crate::one_sided::{OneSided, ShmTransport};
+use crate::transport::{TcpTransport, Transport};
 use crate::{fanout, lock, nixl, Client, UnitAddr};
 
 pub(crate) struct UnitSlot {
@@ -65,7 +66,7 @@ impl UnitSlot {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct UnitConnections {
     /// Open: idle, in use by an operation, or being opened; at most
-    /// [`ClientConfig::max_unit_conns`].
+    /// [`ClientConfig::max_unit_conns`](crate::ClientConfig::max_unit_conns).
     pub open: usize,
     /// Open and in use by no operation.
     pub idle: usize,
@@ -77,7 +78,7 @@ pub(crate) struct Pool {
     /// Connections no operation is using.
     pub(crate) idle: Vec<Box<dyn Transport>>,
     /// Connections open to the unit: idle, checked out, or being opened
-    /// (at most [`ClientConfig::max_unit_conns`]).
+    /// (at most [`ClientConfig::max_unit_conns`](crate::ClientConfig::max_unit_conns)).
     pub(crate) open: usize,
     /// Threads waiting on `freed` for a connection: only then does a
     /// connection given back wake one (a notify is a system call).
@@ -137,7 +138,7 @@ pub(crate) struct Instance {
 }
 
 impl Client {
-    /// [`ClientConfig::max_unit_conns`], at least one.
+    /// [`ClientConfig::max_unit_conns`](crate::ClientConfig::max_unit_conns), at least one.
     pub(crate) fn max_conns(&self) -> usize {
         self.cfg.max_unit_conns.max(1)
     }
@@ -230,7 +231,7 @@ impl Client {
                 let mover = n
                     .mover(&metadata, slab_addr)
                     .map_err(|e| Failure::invalid(format!("nixl: {e}")))?;
-                Ok(Box::new(transport::OneSided::with_mover(
+                Ok(Box::new(OneSided::with_mover(
                     conn,
                     mover,
                     self.cfg.spare_max,
@@ -303,7 +304,7 @@ impl Client {
     }
 
     /// A connection to unit `unit`: an idle one from its pool, else a new
-    /// one while fewer than [`ClientConfig::max_unit_conns`] are open,
+    /// one while fewer than [`ClientConfig::max_unit_conns`](crate::ClientConfig::max_unit_conns) are open,
     /// else the first to come free before `deadline`. While it waits, the
     /// other units' parts of the call go on (a part alone blocks), so
     /// threads holding connections to several units never wait on each

@@ -11,7 +11,7 @@
 use std::ops::Range;
 use std::sync::Arc;
 
-use crate::rows::DType;
+use crate::values::DType;
 use crate::Lent;
 
 /// A value of the blob API, as its get asks for a buffer.
@@ -124,7 +124,7 @@ impl Sink<ValueAsk<'_>> for Counting<'_> {
     }
 }
 
-/// A value a get returned ([`Client::get_values`]): a vector of its own,
+/// A value a get returned ([`Client::get_values`](crate::Client::get_values)): a vector of its own,
 /// or its span of memory the transport lent the call (zero-copy over
 /// nixl; the values one unit sent share it, and it goes back to the
 /// client's receive pool when the last of them is dropped).

@@ -1,0 +1,242 @@
+//! What the unit keeps beside each value of a row: its dtype and shape and,
+//! for a string-keyed row, the name it was put under (or that name's
+//! digest), which reads compare with the name asked for (`rows`' module
+//! docs: string keys whose hashes collide).
+
+use serde::{Deserialize, Serialize};
+
+use std::collections::HashMap;
+
+#[cfg(test)]
+use crate::values::NAME_BIT;
+use crate::values::{DType, RowKey};
+use crate::{Error, Result};
+
+/// The reserved field that holds a string row key's text.
+pub const KEY_FIELD: &str = "\0key";
+
+/// Names up to this many bytes are stored beside each of their row's
+/// values; a longer name is stored there as a digest (see the module
+/// docs), which keeps every value's metadata well under the unit's limit.
+pub const MAX_TAGGED_NAME: usize = 512;
+
+/// Seed of the digest of long names: apart from the row id's (seed 0).
+const DIGEST_SEED: u64 = 0x0053_544f_5741_4745; // "STOWAGE"
+
+/// What the unit keeps beside each value. For a value of a string-keyed
+/// row a [`PutName`] follows it in the same metadata bytes (index rows'
+/// metadata is this alone, as it was before owners were recorded).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct ValueMeta {
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<u64>,
+}
+
+/// The name a value of a string-keyed row was put under.
+#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum PutName<'a> {
+    Name(&'a str),
+    /// A name longer than [`MAX_TAGGED_NAME`], by its digest.
+    Digest(u128),
+}
+
+impl PutName<'_> {
+    pub(crate) fn of(name: &str) -> PutName<'_> {
+        if name.len() <= MAX_TAGGED_NAME {
+            PutName::Name(name)
+        } else {
+            PutName::Digest(digest(name))
+        }
+    }
+}
+
+pub(crate) fn digest(name: &str) -> u128 {
+    xxhash_rust::xxh3::xxh3_128_with_seed(name.as_bytes(), DIGEST_SEED)
+}
+
+/// Whether a value may be handed out as `key`'s.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Ownership {
+    Mine,
+    /// Put before owners were recorded: check the row's [`KEY_FIELD`].
+    Unknown,
+    /// Another name's (`None`: known by digest only).
+    Other(Option<String>),
+}
+
+pub(crate) fn ownership(key: &RowKey, owner: Option<PutName>) -> Ownership {
+    // Index rows and string rows never share ids (NAME_BIT).
+    let RowKey::Name(name) = key else {
+        return Ownership::Mine;
+    };
+    match owner {
+        None => Ownership::Unknown,
+        Some(PutName::Name(n)) if n == *name => Ownership::Mine,
+        Some(PutName::Name(n)) => Ownership::Other(Some(n.to_owned())),
+        Some(PutName::Digest(d)) if name.len() > MAX_TAGGED_NAME && d == digest(name) => {
+            Ownership::Mine
+        }
+        Some(PutName::Digest(_)) => Ownership::Other(None),
+    }
+}
+
+pub(crate) fn collision(partition: &str, requested: &RowKey, stored: Option<String>) -> Error {
+    Error::KeyCollision {
+        partition: partition.to_owned(),
+        requested: requested.to_string(),
+        stored,
+    }
+}
+
+/// The metadata of a value of `dtype` and `shape` in a row named `owner`.
+pub(crate) fn encode_meta(dtype: DType, shape: &[u64], owner: Option<&[u8]>) -> Result<Vec<u8>> {
+    let mut meta = postcard::to_allocvec(&ValueMeta {
+        dtype,
+        shape: shape.to_vec(),
+    })
+    .map_err(|e| Error::InvalidRequest(format!("value metadata: {e}")))?;
+    meta.extend_from_slice(owner.unwrap_or_default());
+    Ok(meta)
+}
+
+pub(crate) fn decode_meta(
+    meta: &[u8],
+) -> std::result::Result<(ValueMeta, Option<PutName<'_>>), String> {
+    let bad =
+        |e: postcard::Error| format!("value metadata unreadable ({e}): not put by the rows API?");
+    let (m, rest) = postcard::take_from_bytes::<ValueMeta>(meta).map_err(bad)?;
+    if rest.is_empty() {
+        return Ok((m, None));
+    }
+    let (owner, rest) = postcard::take_from_bytes::<PutName>(rest).map_err(bad)?;
+    if !rest.is_empty() {
+        return Err("value metadata has trailing bytes: not put by the rows API?".into());
+    }
+    Ok((m, Some(owner)))
+}
+
+/// Refuse two different names of one call that share a row id (a put of
+/// both would leave one row holding both).
+pub(crate) fn check_distinct_rows(
+    partition: &str,
+    keys: &[RowKey],
+    row_id: impl Fn(&RowKey) -> Result<u64>,
+) -> Result<()> {
+    let mut names: HashMap<u64, &str> = HashMap::new();
+    for key in keys {
+        if let RowKey::Name(n) = key {
+            match names.insert(row_id(key)?, n) {
+                Some(other) if other != n => {
+                    return Err(collision(partition, key, Some(other.to_owned())))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn check_field(f: &str) -> Result<()> {
+    if f.is_empty() || f.starts_with('\0') {
+        return Err(Error::InvalidRequest(format!(
+            "field name {f:?} is empty or reserved (starts with NUL)"
+        )));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(name: &str) -> Vec<u8> {
+        postcard::to_allocvec(&PutName::of(name)).unwrap()
+    }
+
+    #[test]
+    fn index_rows_keep_the_metadata_they_always_had() {
+        let meta = encode_meta(DType::F32, &[3, 4], None).unwrap();
+        let before = postcard::to_allocvec(&ValueMeta {
+            dtype: DType::F32,
+            shape: vec![3, 4],
+        })
+        .unwrap();
+        assert_eq!(meta, before);
+        let (m, owner) = decode_meta(&meta).unwrap();
+        assert_eq!((m.dtype, m.shape, owner), (DType::F32, vec![3, 4], None));
+    }
+
+    #[test]
+    fn values_of_string_rows_carry_their_name() {
+        let meta = encode_meta(DType::I64, &[7], Some(&named("uid_g3"))).unwrap();
+        let (m, owner) = decode_meta(&meta).unwrap();
+        assert_eq!((m.dtype, m.shape), (DType::I64, vec![7]));
+        assert_eq!(owner, Some(PutName::Name("uid_g3")));
+        let long = "x".repeat(MAX_TAGGED_NAME + 1);
+        let meta = encode_meta(DType::I64, &[7], Some(&named(&long))).unwrap();
+        assert_eq!(
+            decode_meta(&meta).unwrap().1,
+            Some(PutName::Digest(digest(&long)))
+        );
+        // Trailing garbage is not taken for an owner.
+        let mut bad = meta.clone();
+        bad.push(0);
+        assert!(decode_meta(&bad).is_err());
+    }
+
+    #[test]
+    fn the_longest_tagged_name_fits_the_units_metadata_limit() {
+        let name = "n".repeat(MAX_TAGGED_NAME);
+        let shape = [u64::MAX; 32];
+        let meta = encode_meta(DType::F64, &shape, Some(&named(&name))).unwrap();
+        assert!(meta.len() <= stowage_wire::Limits::default().max_meta);
+    }
+
+    #[test]
+    fn only_the_owner_gets_a_value() {
+        let a = RowKey::Name("a".into());
+        fn own(n: &str) -> Option<PutName<'_>> {
+            Some(PutName::of(n))
+        }
+        assert_eq!(ownership(&a, own("a")), Ownership::Mine);
+        assert_eq!(ownership(&a, own("b")), Ownership::Other(Some("b".into())));
+        assert_eq!(ownership(&a, None), Ownership::Unknown);
+        // Index rows never share ids with string rows.
+        assert_eq!(ownership(&RowKey::Index(3), None), Ownership::Mine);
+        // Long names by digest, both ways.
+        let (l1, l2) = ("p".repeat(600), "q".repeat(600));
+        let k1 = RowKey::Name(l1.clone());
+        assert_eq!(ownership(&k1, own(&l1)), Ownership::Mine);
+        assert_eq!(ownership(&k1, own(&l2)), Ownership::Other(None));
+        assert_eq!(ownership(&k1, own("a")), Ownership::Other(Some("a".into())));
+        assert_eq!(ownership(&a, own(&l1)), Ownership::Other(None));
+        // A digest never matches a short name, not even its own digest.
+        let digest_of_a = Some(PutName::Digest(digest("a")));
+        assert_eq!(ownership(&a, digest_of_a), Ownership::Other(None));
+    }
+
+    #[test]
+    fn one_put_naming_two_colliding_names_is_refused() {
+        // Every name hashes alike here.
+        let same = |k: &RowKey| match k {
+            RowKey::Name(_) => Ok(NAME_BIT | 1),
+            RowKey::Index(i) => Ok(*i),
+        };
+        let keys = [
+            RowKey::Index(1),
+            RowKey::Name("a".into()),
+            RowKey::Name("a".into()),
+        ];
+        check_distinct_rows("p", &keys, same).unwrap();
+        let keys = [RowKey::Name("a".into()), RowKey::Name("b".into())];
+        assert_eq!(
+            check_distinct_rows("p", &keys, same),
+            Err(Error::KeyCollision {
+                partition: "p".into(),
+                requested: "b".into(),
+                stored: Some("a".into()),
+            })
+        );
+        check_distinct_rows("p", &keys, RowKey::row_id).unwrap();
+    }
+}
