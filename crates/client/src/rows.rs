@@ -48,28 +48,22 @@
 //! read made only when such a value is met (the values may then already
 //! be in the caller's buffers when the error is returned).
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeSet, HashMap};
 use std::time::Instant;
 
-use stowage_wire::{EntrySpec, Key};
+use stowage_wire::Key;
 use stowage_wire::{Request, Response};
 
 use crate::classify::{name_keys, unexpected};
 use crate::row_meta::{
-    check_distinct_rows, check_field, collision, decode_meta, encode_meta, ownership, Ownership,
-    PutName, ValueMeta,
+    check_field, collision, decode_meta, ownership, put_blobs, Ownership, ValueMeta,
 };
 pub use crate::row_meta::{KEY_FIELD, MAX_TAGGED_NAME};
 use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
 use crate::values::{byte_len, NAME_BIT};
 pub use crate::values::{Column, DType, OwnedTensor, RowKey, Tensor};
 pub use crate::views::{View, ViewTensor};
-use crate::{new_blob_id, BlobPut, Client, Error, Result};
-
-/// Every value starts at a multiple of this many bytes within its blob.
-const VALUE_ALIGN: u64 = 64;
-
-static PADDING: [u8; VALUE_ALIGN as usize] = [0; VALUE_ALIGN as usize];
+use crate::{Client, Error, Result};
 
 impl Client {
     fn unit_of_key(&self, row_id: u64, unit: Option<usize>) -> Result<usize> {
@@ -94,113 +88,10 @@ impl Client {
         unit: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
-        let n = keys.len();
-        let mut seen = std::collections::HashSet::new();
-        let mut per_column: Vec<(&str, Vec<Tensor<'_>>)> = Vec::with_capacity(columns.len());
-        for (field, col) in columns {
-            check_field(field)?;
-            if !seen.insert(*field) {
-                return Err(Error::InvalidRequest(format!(
-                    "field {field:?} given twice"
-                )));
-            }
-            let values = match col {
-                Column::Jagged(v) => {
-                    if v.len() != n {
-                        return Err(Error::InvalidRequest(format!(
-                            "field {field:?} has {} values for {n} keys",
-                            v.len()
-                        )));
-                    }
-                    for t in v {
-                        Tensor::new(t.dtype, t.shape.clone(), t.data)?;
-                    }
-                    v.clone()
-                }
-                Column::Dense(t) => {
-                    let t = Tensor::new(t.dtype, t.shape.clone(), t.data)?;
-                    if t.shape.first().copied() != Some(n as u64) {
-                        return Err(Error::InvalidRequest(format!(
-                            "field {field:?}: a dense array's first axis ({:?}) must match the {n} keys",
-                            t.shape.first()
-                        )));
-                    }
-                    let row_shape = t.shape[1..].to_vec();
-                    let row_bytes = byte_len(t.dtype, &row_shape)? as usize;
-                    (0..n)
-                        .map(|i| Tensor {
-                            dtype: t.dtype,
-                            shape: row_shape.clone(),
-                            data: &t.data[i * row_bytes..(i + 1) * row_bytes],
-                        })
-                        .collect()
-                }
-            };
-            per_column.push((field, values));
-        }
-        if n == 0 {
+        let blobs = put_blobs(partition, keys, columns, |row| self.unit_of_key(row, unit))?;
+        if blobs.is_empty() {
             return Ok(());
         }
-        check_distinct_rows(partition, keys, RowKey::row_id)?;
-        struct Building<'a> {
-            segments: Vec<&'a [u8]>,
-            entries: Vec<EntrySpec>,
-            size: u64,
-        }
-        impl<'a> Building<'a> {
-            fn push(&mut self, key: Key, data: &'a [u8], meta: Vec<u8>) {
-                let pad = self.size.next_multiple_of(VALUE_ALIGN) - self.size;
-                if pad > 0 {
-                    self.segments.push(&PADDING[..pad as usize]);
-                    self.size += pad;
-                }
-                self.entries.push(EntrySpec {
-                    key,
-                    offset: self.size,
-                    len: data.len() as u64,
-                    meta,
-                });
-                if !data.is_empty() {
-                    self.segments.push(data);
-                }
-                self.size += data.len() as u64;
-            }
-        }
-        let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
-        for (r, key) in keys.iter().enumerate() {
-            let row = key.row_id()?;
-            let u = self.unit_of_key(row, unit)?;
-            let b = by_unit.entry(u).or_insert_with(|| Building {
-                segments: Vec::new(),
-                entries: Vec::new(),
-                size: 0,
-            });
-            let owner = match key {
-                RowKey::Name(name) => {
-                    b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
-                    Some(
-                        postcard::to_allocvec(&PutName::of(name))
-                            .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
-                    )
-                }
-                RowKey::Index(_) => None,
-            };
-            for (field, values) in &per_column {
-                let t = &values[r];
-                let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;
-                b.push(Key::new(row, *field), t.data, meta);
-            }
-        }
-        let blobs: Vec<BlobPut<'_>> = by_unit
-            .into_iter()
-            .map(|(u, b)| BlobPut {
-                unit: u,
-                partition,
-                blob: new_blob_id(),
-                segments: b.segments,
-                entries: b.entries,
-            })
-            .collect();
         self.put_many(&blobs, deadline)
             .map_err(|e| name_keys(e, keys))
     }

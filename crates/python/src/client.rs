@@ -277,20 +277,15 @@ impl Client {
     ) -> PyResult<()> {
         let deadline = self.deadline(timeout)?;
         let keys = row_keys(keys)?;
-        let n = keys.len();
         let mut sources: Vec<(String, Source<'_>)> = Vec::new();
         for item in columns.try_iter()? {
             let item = item?;
             let (name, col): (String, Bound<'_, PyAny>) = item
                 .extract()
                 .map_err(|_| invalid("columns must be (field, column) pairs"))?;
+            // Column lengths are checked by the client's put, for every
+            // caller alike.
             let src = if let Ok(list) = col.cast::<PyList>() {
-                if list.len() != n {
-                    return Err(invalid(format!(
-                        "column {name:?} has {} values for {n} keys",
-                        list.len()
-                    )));
-                }
                 let arrays = list
                     .iter()
                     .enumerate()
@@ -298,22 +293,7 @@ impl Client {
                     .collect::<PyResult<Vec<_>>>()?;
                 Source::Jagged(arrays)
             } else {
-                let a = ArrayBytes::new(&col, &|| format!("column {name:?}"))?;
-                match a.shape.first() {
-                    Some(&rows) if rows == n as u64 => {}
-                    Some(&rows) => {
-                        return Err(invalid(format!(
-                            "column {name:?}: a dense array has {rows} rows (its first axis) for {n} keys; \
-                             pass a list of arrays for values of different shapes"
-                        )))
-                    }
-                    None => {
-                        return Err(invalid(format!(
-                            "column {name:?}: a 0-d array cannot be split into rows"
-                        )))
-                    }
-                }
-                Source::Dense(a)
+                Source::Dense(ArrayBytes::new(&col, &|| format!("column {name:?}"))?)
             };
             sources.push((name, src));
         }

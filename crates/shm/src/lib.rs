@@ -12,7 +12,7 @@
 //! this crate, for the slab's mapping and fd passing, the request
 //! rings' shared header and entries ([`ring`]) and the page that tells a
 //! forked child it is one ([`fork`]); the Python
-//! extension's `arrays.rs` and `client.rs`, for numpy arrays over caller
+//! extension's `arrays.rs`, `client.rs` and `read_sinks.rs`, for numpy arrays over caller
 //! memory, memory Rust owns or a unit's slab; and `stowage-nixl`'s
 //! `imp.rs`, which implements the nixl binding's unsafe `MemoryRegion`
 //! trait for a registered slab. Here, all of it is in [`Slab`]'s accessors. No accessor hands out a Rust reference into the
