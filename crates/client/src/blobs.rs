@@ -382,9 +382,35 @@ impl Client {
         self.get(DEFAULT_PARTITION, &placed, deadline)
     }
 
-    /// Clear rows of the default partition (row `r` on unit `r % N`).
-    pub fn clear_rows(&self, rows: &[u64], deadline: Instant) -> Result<u64> {
-        let placed: Vec<(usize, u64)> = rows.iter().map(|&r| (self.unit_of_row(r), r)).collect();
+    /// Clear rows of the default partition (row `r` on unit `r % N`),
+    /// named as [`Client::put_rows`] and [`Client::get_rows`] name them, by
+    /// their keys, or by their ids ([`RowOf`]). A key clears its whole row,
+    /// every field of it.
+    pub fn clear_rows<R: RowOf>(&self, rows: &[R], deadline: Instant) -> Result<u64> {
+        let placed: Vec<(usize, u64)> = rows
+            .iter()
+            .map(|r| (self.unit_of_row(r.row()), r.row()))
+            .collect();
         self.clear_placed_rows(DEFAULT_PARTITION, &placed, deadline)
+    }
+}
+
+/// A row of the default partition as [`Client::clear_rows`] takes it: its
+/// id, or a key of it (the keys [`Client::put_rows`] and
+/// [`Client::get_rows`] take; the key's field is not looked at).
+pub trait RowOf {
+    /// The row's id.
+    fn row(&self) -> u64;
+}
+
+impl RowOf for u64 {
+    fn row(&self) -> u64 {
+        *self
+    }
+}
+
+impl RowOf for Key {
+    fn row(&self) -> u64 {
+        self.row
     }
 }

@@ -35,7 +35,8 @@
 //! failure is retryable: [`Error::TransferFailed`]).
 //!
 //! Convenience over the blob API, placing row `r` on unit `r % N`:
-//! [`Client::put_rows`], [`Client::get_rows`], [`Client::clear_rows`].
+//! [`Client::put_rows`], [`Client::get_rows`], [`Client::clear_rows`], each
+//! taking the same keys ([`Key`]: row and field; a clear clears their rows).
 //!
 //! The rows × fields API ([`rows`]) is what RL frameworks call:
 //!
@@ -85,6 +86,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+pub use blobs::RowOf;
 pub use config::{ClientConfig, DEFAULT_PARTITION, MAX_UNIT_CONNS, SPARE_MAX};
 pub use conn::{UnitAddr, BUSY_RETRY, BUSY_RETRY_MAX};
 pub use directory::{Directory, Liveness, ProbeDirectory};
