@@ -13,6 +13,20 @@ use crate::{error, fanout, metrics, new_blob_id, BlobPut, Client, Error, GetSink
 use crate::{BUSY_RETRY, BUSY_RETRY_MAX, DEFAULT_PARTITION};
 
 impl Client {
+    /// Run `f` as one operation of kind `op` (counted, timed from here to
+    /// the last unit's answer). `f` gets the operation's timer, to record
+    /// each unit's answer with.
+    pub(crate) fn timed<T>(
+        &self,
+        op: metrics::ClientOp,
+        f: impl FnOnce(&metrics::OpTimer) -> Result<T>,
+    ) -> Result<T> {
+        let timer = metrics::OpTimer::start();
+        let r = f(&timer);
+        self.metrics.op(op, r.is_ok(), timer.took());
+        r
+    }
+
     /// Write blobs: each unit's blobs one after another, every unit at
     /// once. Returns once every blob is committed, or with the first
     /// unit's error (in unit order) (blobs committed on other

@@ -288,20 +288,6 @@ impl Client {
         registry.register_collector(Box::new(metrics::ClientCollector(self.metrics.clone())));
     }
 
-    /// Run `f` as one operation of kind `op` (counted, timed from here to
-    /// the last unit's answer). `f` gets the operation's timer, to record
-    /// each unit's answer with.
-    pub(crate) fn timed<T>(
-        &self,
-        op: metrics::ClientOp,
-        f: impl FnOnce(&metrics::OpTimer) -> Result<T>,
-    ) -> Result<T> {
-        let timer = metrics::OpTimer::start();
-        let r = f(&timer);
-        self.metrics.op(op, r.is_ok(), timer.took());
-        r
-    }
-
     /// The instance id unit `unit` answered with last (`None`: not reached
     /// yet, or found dead).
     pub fn instance_id(&self, unit: usize) -> Option<u128> {

@@ -18,8 +18,8 @@ use crate::lent::{spare_class, Lent};
 use crate::pieces::{check_found, check_pieces, ranges_of, scatter, split_dst, PieceWrite, Places};
 use crate::sink::ValueAsk;
 use crate::transport::{
-    abort, asks_of, call, n_entries, notify, read_data, recommit, stream_put, timeout_ms,
-    total_len, Missing, Op, SharedSink, Transport,
+    abort, asks_of, n_entries, notify, read_data, recommit, stream_put, timeout_ms, total_len,
+    Missing, Op, SharedSink, Transport,
 };
 use crate::{new_blob_id, BlobPut};
 
@@ -225,7 +225,7 @@ impl<M: Mover> OneSided<M> {
                 }
             }
         };
-        let mut reply = call(&mut self.conn, &req, deadline).await?;
+        let mut reply = self.conn.call(&req, deadline).await?;
         loop {
             match reply {
                 Response::Done | Response::AlreadyCommitted => return Ok(()),
@@ -409,7 +409,7 @@ impl<M: Mover> OneSided<M> {
                 keys: disk_keys.clone(),
                 timeout_ms: timeout_ms(deadline),
             };
-            let reply = call(&mut self.conn, &req, deadline).await?;
+            let reply = self.conn.call(&req, deadline).await?;
             match read_data(
                 &mut self.conn,
                 reply,
@@ -465,7 +465,7 @@ impl<M: Mover> Transport for OneSided<M> {
                 n_entries,
             };
             loop {
-                match call(&mut self.conn, &alloc, deadline).await? {
+                match self.conn.call(&alloc, deadline).await? {
                     Response::Allocated {
                         pieces,
                         spares_back,
@@ -515,7 +515,7 @@ impl<M: Mover> Transport for OneSided<M> {
                 hold: false,
             };
             let (pin, found, corrupt, spares_back): Resolved =
-                match call(&mut self.conn, &req, deadline).await? {
+                match self.conn.call(&req, deadline).await? {
                     Response::Resolved {
                         pin,
                         found,
@@ -557,7 +557,7 @@ impl<M: Mover> Transport for OneSided<M> {
 
     fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
         Box::pin(async move {
-            let reply = call(&mut self.conn, req, deadline).await?;
+            let reply = self.conn.call(req, deadline).await?;
             // A Resolve of a view: the unit may ask for spares back there
             // too (a view connection never puts, so it holds none).
             if matches!(

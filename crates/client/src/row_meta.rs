@@ -1,19 +1,22 @@
-//! A put's blobs ([`put_blobs`]: its columns checked and laid out, one blob
-//! per unit) and what the unit keeps beside each value of a row: its dtype
-//! and shape and, for a string-keyed row, the name it was put under (or
-//! that name's digest), which reads compare with the name asked for
-//! (`rows`' module docs: string keys whose hashes collide).
-
-use serde::{Deserialize, Serialize};
+//! The rows × fields put ([`Client::put`]: its columns checked and laid
+//! out, one blob per unit, [`put_blobs`]) and what the unit keeps beside
+//! each value of a row: its dtype and shape and, for a string-keyed row,
+//! the name it was put under (or that name's digest), which reads compare
+//! with the name asked for (`rows`' module docs: string keys whose hashes
+//! collide). The put is here, beside what it writes, so that it runs in
+//! one file from the caller's columns to the blob API.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
 
+use serde::{Deserialize, Serialize};
 use stowage_wire::{EntrySpec, Key};
 
+use crate::classify::name_keys;
 #[cfg(test)]
 use crate::values::NAME_BIT;
 use crate::values::{byte_len, Column, DType, RowKey, Tensor};
-use crate::{new_blob_id, BlobPut, Error, Result};
+use crate::{new_blob_id, BlobPut, Client, Error, Result};
 
 /// The reserved field that holds a string row key's text.
 pub const KEY_FIELD: &str = "\0key";
@@ -152,6 +155,38 @@ pub(crate) fn check_field(f: &str) -> Result<()> {
 const VALUE_ALIGN: u64 = 64;
 
 static PADDING: [u8; VALUE_ALIGN as usize] = [0; VALUE_ALIGN as usize];
+
+impl Client {
+    pub(crate) fn unit_of_key(&self, row_id: u64, unit: Option<usize>) -> Result<usize> {
+        match unit {
+            Some(u) if u < self.units.len() => Ok(u),
+            Some(u) => Err(Error::InvalidRequest(format!(
+                "unit {u} does not exist ({} units)",
+                self.units.len()
+            ))),
+            None => Ok(self.unit_of_row(row_id)),
+        }
+    }
+
+    /// Write `columns` for `keys` in `partition`: all of one unit's values
+    /// go out as one blob, all units at once. A put may add fields to
+    /// rows that exist; writing an existing (key, field) replaces it.
+    pub fn put(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        columns: &[(&str, Column<'_>)],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let blobs = put_blobs(partition, keys, columns, |row| self.unit_of_key(row, unit))?;
+        if blobs.is_empty() {
+            return Ok(());
+        }
+        self.put_many(&blobs, deadline)
+            .map_err(|e| name_keys(e, keys))
+    }
+}
 
 /// The blobs of a put of `columns` for `keys` in `partition`, one per unit
 /// (`unit_of`: a row id's unit): every column checked first — its field

@@ -55,9 +55,7 @@ use stowage_wire::Key;
 use stowage_wire::{Request, Response};
 
 use crate::classify::{name_keys, unexpected};
-use crate::row_meta::{
-    check_field, collision, decode_meta, ownership, put_blobs, Ownership, ValueMeta,
-};
+use crate::row_meta::{check_field, collision, decode_meta, ownership, Ownership, ValueMeta};
 pub use crate::row_meta::{KEY_FIELD, MAX_TAGGED_NAME};
 use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
 use crate::values::{byte_len, NAME_BIT};
@@ -66,36 +64,6 @@ pub use crate::views::{View, ViewTensor};
 use crate::{Client, Error, Result};
 
 impl Client {
-    fn unit_of_key(&self, row_id: u64, unit: Option<usize>) -> Result<usize> {
-        match unit {
-            Some(u) if u < self.units.len() => Ok(u),
-            Some(u) => Err(Error::InvalidRequest(format!(
-                "unit {u} does not exist ({} units)",
-                self.units.len()
-            ))),
-            None => Ok(self.unit_of_row(row_id)),
-        }
-    }
-
-    /// Write `columns` for `keys` in `partition`: all of one unit's values
-    /// go out as one blob, all units at once. A put may add fields to
-    /// rows that exist; writing an existing (key, field) replaces it.
-    pub fn put(
-        &self,
-        partition: &str,
-        keys: &[RowKey],
-        columns: &[(&str, Column<'_>)],
-        unit: Option<usize>,
-        deadline: Instant,
-    ) -> Result<()> {
-        let blobs = put_blobs(partition, keys, columns, |row| self.unit_of_key(row, unit))?;
-        if blobs.is_empty() {
-            return Ok(());
-        }
-        self.put_many(&blobs, deadline)
-            .map_err(|e| name_keys(e, keys))
-    }
-
     /// Read `fields` of `keys` from `partition` into the buffers `sink`
     /// hands out. A missing (key, field) fails the call with
     /// [`Error::NotFound`] naming every missing pair.

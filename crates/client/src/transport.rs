@@ -102,16 +102,6 @@ pub(crate) fn n_entries(entries: &[EntrySpec]) -> Result<u32, Failure> {
     u32::try_from(entries.len()).map_err(|_| Failure::invalid("more than 2^32 entries in one blob"))
 }
 
-/// Send `req` (no payload), let the other units' parts run, and take its
-/// reply.
-pub(crate) async fn call(
-    conn: &mut Conn,
-    req: &Request,
-    deadline: Instant,
-) -> Result<Response, Failure> {
-    conn.call(req, deadline).await
-}
-
 /// Send `req` without awaiting a reply (the unit sends none).
 pub(crate) fn notify(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<(), Failure> {
     conn.send(req, &mut [], deadline)?;
@@ -253,7 +243,7 @@ pub(crate) async fn recommit(
         partition: put.partition.to_owned(),
         entries: put.entries.clone(),
     };
-    call(conn, &req, deadline).await
+    conn.call(&req, deadline).await
 }
 
 /// Give up reservation `blob`, and wait for the answer.
@@ -262,7 +252,7 @@ pub(crate) async fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> R
         blob,
         in_flight: false,
     };
-    call(conn, &req, deadline).await.map(drop)
+    conn.call(&req, deadline).await.map(drop)
 }
 
 /// The tcp transport. See the module docs.
@@ -307,7 +297,7 @@ impl Transport for TcpTransport {
                 keys: keys.to_vec(),
                 timeout_ms: timeout_ms(deadline),
             };
-            let reply = call(&mut self.conn, &req, deadline).await?;
+            let reply = self.conn.call(&req, deadline).await?;
             let (missing, corrupt) =
                 read_data(&mut self.conn, reply, keys, index_of, sink, deadline)??;
             if !corrupt.is_empty() {
@@ -318,7 +308,7 @@ impl Transport for TcpTransport {
     }
 
     fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
-        Box::pin(call(&mut self.conn, req, deadline))
+        Box::pin(self.conn.call(req, deadline))
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {
