@@ -5,8 +5,7 @@ use std::time::{Duration, Instant};
 
 use stowage_wire::{Request, Response};
 
-use crate::classify::unit_error;
-use crate::{fanout, metrics, Client, ClientConfig, Error, Result, UnitAddr};
+use crate::{metrics, Client, ClientConfig, Error, Result, UnitAddr};
 use crate::{CheckpointInfo, RestoreReply, RestoreSource, Stats};
 
 impl Client {
@@ -151,30 +150,6 @@ impl Client {
         Client::connect(cfg)
     }
 
-    /// One control request to unit `unit`.
-    pub(crate) fn call_one(
-        &self,
-        unit: usize,
-        req: Request,
-        deadline: Instant,
-    ) -> Result<Response> {
-        if unit >= self.units.len() {
-            return Err(Error::InvalidRequest(format!(
-                "no unit {unit}: the client has {}",
-                self.units.len()
-            )));
-        }
-        let timer = metrics::OpTimer::start();
-        let r = self
-            .call_units(vec![(unit, req)], deadline)
-            .pop()
-            .map(|(_, r)| r)
-            .unwrap_or_else(|| Err(Error::Io("no reply".into())));
-        self.metrics
-            .op(metrics::ClientOp::Control, r.is_ok(), timer.took());
-        r
-    }
-
     /// Stop every unit within `timeout`: a unit abandons a checkpoint that
     /// does not finish in time, removes its disk directory and exits.
     /// Never fails: returns, per unit, what could not be done (a unit that
@@ -196,43 +171,5 @@ impl Client {
             self.forget_instance(unit, None);
         }
         out
-    }
-
-    /// Send one control request per unit and await its reply, all units
-    /// at once. The replies in unit order (as `reqs`).
-    pub(crate) fn call_units(
-        &self,
-        reqs: Vec<(usize, Request)>,
-        deadline: Instant,
-    ) -> Vec<(usize, Result<Response>)> {
-        let results = fanout::all_at_once(
-            reqs.iter()
-                .map(|(unit, req)| self.call_unit(*unit, req, deadline)),
-        );
-        reqs.iter().map(|(unit, _)| *unit).zip(results).collect()
-    }
-
-    /// One unit's part of a control call.
-    pub(crate) async fn call_unit(
-        &self,
-        unit: usize,
-        req: &Request,
-        deadline: Instant,
-    ) -> Result<Response> {
-        let mut t = match self.checkout(unit, deadline).await {
-            Ok(t) => t,
-            Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
-        };
-        match t.call(req, deadline).await {
-            Ok(Response::Error { code, message }) => {
-                self.checkin(unit, t);
-                Err(unit_error(unit, code, message, vec![]))
-            }
-            Ok(r) => {
-                self.checkin(unit, t);
-                Ok(r)
-            }
-            Err(f) => Err(self.failed_get(unit, f, &[], deadline)),
-        }
     }
 }
