@@ -128,28 +128,6 @@ impl Client {
         Ok(())
     }
 
-    /// Write one blob on a pooled connection to its unit.
-    pub(crate) async fn put_one(
-        &self,
-        unit: usize,
-        put: &BlobPut<'_>,
-        deadline: Instant,
-    ) -> std::result::Result<(), Failure> {
-        let mut t = self.checkout(unit, deadline).await?;
-        match t.put(put, deadline).await {
-            Ok(()) => {
-                self.checkin(unit, t);
-                Ok(())
-            }
-            Err(f) => {
-                if f.keeps_connection() {
-                    self.checkin(unit, t);
-                }
-                Err(f)
-            }
-        }
-    }
-
     /// Read `keys` (each with its unit): one resolve and one read per unit,
     /// every unit at once. Every value is handed to `sink` under its index
     /// in `keys`. Keys that are not stored fail the call with
