@@ -44,8 +44,11 @@ from . import _native
 from . import config as config  # stowage.config.load
 from . import placement as placement  # stowage.placement.*
 from ._native import (
+    Corrupt,
     Error,
     InvalidRequest,
+    Io,
+    KeyCollision,
     LostKeys,
     NotFound,
     NotOwner,
@@ -62,9 +65,12 @@ if TYPE_CHECKING:  # pragma: no cover
 __version__: str = _native.__version__
 
 __all__ = [
+    "Corrupt",
     "DataPlane",
     "Error",
     "InvalidRequest",
+    "Io",
+    "KeyCollision",
     "LostKeys",
     "NotFound",
     "NotOwner",

@@ -10,8 +10,11 @@ import numpy as np
 __version__: str
 __all__ = [
     "Client",
+    "Corrupt",
     "Error",
     "InvalidRequest",
+    "Io",
+    "KeyCollision",
     "LocalPlane",
     "LostKeys",
     "NotFound",
@@ -23,6 +26,7 @@ __all__ = [
     "UnitFull",
     "Unreachable",
     "__version__",
+    "_error_of",
     "copy",
     "directory_secret",
     "generate_secret",
@@ -90,6 +94,21 @@ class NotOwner(Error):
 class Unreachable(Error):
     address: str
     reason: str
+
+class Corrupt(Error):
+    unit: int
+    keys: List[Tuple[_RowKey, str]]
+
+class KeyCollision(Error):
+    partition: str
+    requested: str
+    stored: Optional[str]
+
+class Io(Error): ...
+
+def _error_of(variant: str) -> Error:
+    """The exception a sample of the client's error ``variant`` (its Rust
+    name) becomes (tests check every variant has its class)."""
 
 def host_id() -> str: ...
 def route_logs() -> None:

@@ -30,40 +30,26 @@ use stowage_wire::{
     PROTOCOL_VERSION,
 };
 
+/// First Busy backoff.
+pub const BUSY_RETRY: Duration = Duration::from_millis(200);
+/// Largest Busy backoff.
+pub const BUSY_RETRY_MAX: Duration = Duration::from_secs(2);
+
 /// Round trips a shm connection makes before it asks for a request ring
 /// (a connection that is used a few times only never costs the unit one).
+/// [`crate::ClientConfig::ring_after`]'s default.
 pub(crate) const RING_AFTER: u32 = 16;
 
-/// The round trips before a connection asks for a ring: [`RING_AFTER`],
-/// or `STOWAGE_RING_AFTER` (read once per process; tests and benchmarks
-/// set 0 to use rings from the first request).
-pub(crate) fn ring_after() -> u32 {
-    static AFTER: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    *AFTER.get_or_init(|| {
-        std::env::var("STOWAGE_RING_AFTER")
-            .ok()
-            .and_then(|v| v.trim().parse().ok())
-            .unwrap_or(RING_AFTER)
-    })
-}
+#[cfg(test)]
+use crate::config::rings_from_env;
+#[cfg(test)]
+use crate::failure::Failure as ConnError;
+use crate::failure::Failure;
 
 /// How often a request waiting on its ring looks whether the unit's
 /// socket has news (its end, or a reply there): a unit that dies is
 /// noticed within this, not at the deadline.
 const RING_SOCKET_CHECK: Duration = Duration::from_millis(20);
-
-/// Whether shm connections may use request rings: not when the
-/// environment says `STOWAGE_RINGS=0` (read once per process; any other
-/// value, or none, allows them).
-pub(crate) fn rings_enabled() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| rings_from_env(std::env::var("STOWAGE_RINGS").ok().as_deref()))
-}
-
-/// What `STOWAGE_RINGS` says: rings unless it is `0`.
-fn rings_from_env(v: Option<&str>) -> bool {
-    v.is_none_or(|v| v.trim() != "0")
-}
 
 /// A connection's request ring.
 enum RingState {
@@ -116,40 +102,11 @@ impl std::fmt::Display for UnitAddr {
     }
 }
 
-/// A failure on a connection, before classification.
-#[derive(Debug)]
-pub(crate) enum ConnError {
-    /// The deadline passed.
-    Timeout,
-    /// The connection broke or could not be made.
-    Broken(io::Error),
-    /// The unit sent something this client cannot parse.
-    Protocol(String),
-    /// The unit turned the connection away (too many connections, another
-    /// user, a session it refused).
-    Refused(ErrorCode, String),
-    /// The unit kept refusing the connection (Busy, or cut during its
-    /// handshake) until the deadline: why, the last time.
-    Refusing(String),
-    /// This client refused the unit: it did not prove the shared secret,
-    /// runs as another user, or handed over a slab that cannot be mapped.
-    Distrust(String),
-}
-
-impl From<io::Error> for ConnError {
-    fn from(e: io::Error) -> Self {
-        match e.kind() {
-            io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut => ConnError::Timeout,
-            _ => ConnError::Broken(e),
-        }
-    }
-}
-
-impl From<ReadError> for ConnError {
+impl From<ReadError> for Failure {
     fn from(e: ReadError) -> Self {
         match e {
             ReadError::Io(e) => e.into(),
-            ReadError::Wire(e) => ConnError::Protocol(e.to_string()),
+            ReadError::Wire(e) => Failure::Protocol(e.to_string()),
         }
     }
 }
@@ -157,7 +114,7 @@ impl From<ReadError> for ConnError {
 /// Connect to a Unix socket within `deadline`: a unit that is stopped with
 /// its listen backlog full makes a blocking connect wait for ever, so the
 /// connect does not block and is retried until the deadline.
-fn connect_unix(path: &std::path::Path, deadline: Instant) -> Result<UnixStream, ConnError> {
+fn connect_unix(path: &std::path::Path, deadline: Instant) -> Result<UnixStream, Failure> {
     use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
     let addr = SocketAddrUnix::new(path).map_err(io::Error::from)?;
     let mut wait = Duration::from_micros(100);
@@ -189,11 +146,11 @@ fn connect_unix(path: &std::path::Path, deadline: Instant) -> Result<UnixStream,
 /// Without a shared secret nothing proves who listens on a Unix socket:
 /// refuse a unit of another user (one that bound the path first would
 /// otherwise be handed this client's data, and hand it memory of its own).
-fn check_peer_uid(s: &UnixStream, path: &std::path::Path) -> Result<(), ConnError> {
+fn check_peer_uid(s: &UnixStream, path: &std::path::Path) -> Result<(), Failure> {
     let mine = rustix::process::geteuid();
     let cred = rustix::net::sockopt::socket_peercred(s).map_err(io::Error::from)?;
     if cred.uid != mine {
-        return Err(ConnError::Distrust(format!(
+        return Err(Failure::Distrust(format!(
             "the process serving {} runs as uid {}, not as this client's uid {}: without a \
                  shared secret a client talks only to units of its own user (give the units' \
                  secret, or use a socket in a private directory)",
@@ -234,10 +191,10 @@ fn variant_name(r: &Response) -> &'static str {
 }
 
 /// The remaining time, or Timeout when none is left.
-pub(crate) fn remaining(deadline: Instant) -> Result<Duration, ConnError> {
+pub(crate) fn remaining(deadline: Instant) -> Result<Duration, Failure> {
     let left = deadline.saturating_duration_since(Instant::now());
     if left.is_zero() {
-        Err(ConnError::Timeout)
+        Err(Failure::Timeout)
     } else {
         Ok(left)
     }
@@ -268,9 +225,26 @@ pub(crate) struct Conn {
     ring_entry: Vec<u8>,
     /// How long a reply is polled for before the caller sleeps.
     spin: Duration,
+    /// Round trips before the connection asks for a ring
+    /// ([`Conn::ring_when`]).
+    ring_after: u32,
 }
 
 impl Conn {
+    /// When a shm connection asks for a request ring: after `after` round
+    /// trips (default [`RING_AFTER`]), or never (`None`). Set before its
+    /// first request.
+    pub(crate) fn ring_when(&mut self, after: Option<u32>) {
+        match after {
+            Some(n) => self.ring_after = n,
+            None => {
+                if matches!(self.ring, RingState::Counting(_)) {
+                    self.ring = RingState::Off;
+                }
+            }
+        }
+    }
+
     /// Another handle on this connection's socket: the unit sees the
     /// connection end only once both are closed (a transfer that may still
     /// be running keeps what the connection holds).
@@ -291,7 +265,7 @@ impl Conn {
         spin: Duration,
         secret: Option<&Secret>,
         deadline: Instant,
-    ) -> Result<Conn, ConnError> {
+    ) -> Result<Conn, Failure> {
         let left = remaining(deadline)?;
         let (reader, writer) = match addr {
             UnitAddr::Unix(p) => {
@@ -324,6 +298,7 @@ impl Conn {
             ring_sent: None,
             ring_entry: Vec::new(),
             spin,
+            ring_after: RING_AFTER,
         };
         // The id of the proof, whose refusal may come in place of the
         // Hello's reply.
@@ -337,7 +312,7 @@ impl Conn {
                     unit_proof,
                 } => {
                     if !secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof) {
-                        return Err(ConnError::Distrust(
+                        return Err(Failure::Distrust(
                             "the unit did not prove the shared secret: its secret is not this client's"
                                 .into(),
                         ));
@@ -345,9 +320,9 @@ impl Conn {
                     let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
                     prove_id = Some(c.send_first(&Request::Prove { client_proof }, deadline)?);
                 }
-                Response::Error { code, message } => return Err(ConnError::Refused(code, message)),
+                Response::Error { code, message } => return Err(Failure::Refused(code, message)),
                 other => {
-                    return Err(ConnError::Protocol(format!(
+                    return Err(Failure::Protocol(format!(
                         "unexpected reply to Auth: {}",
                         variant_name(&other)
                     )))
@@ -382,9 +357,7 @@ impl Conn {
                 c.slab_bytes = slab_bytes;
                 if want_fd {
                     if !fd_attached {
-                        return Err(ConnError::Protocol(
-                            "unit did not hand over its slab".into(),
-                        ));
+                        return Err(Failure::Protocol("unit did not hand over its slab".into()));
                     }
                     c.slab = match (cached_slab, fd) {
                         (Some((inst, slab)), _) if inst == instance_id => Some(slab),
@@ -396,21 +369,19 @@ impl Conn {
                             // 2 s for a 4 GiB slab here, for every client.
                             Some(Arc::new(
                                 Slab::open(fd, slab_bytes)
-                                    .map_err(|e| ConnError::Distrust(e.to_string()))?,
+                                    .map_err(|e| Failure::Distrust(e.to_string()))?,
                             ))
                         }
                         (_, None) => {
-                            return Err(ConnError::Protocol("slab fd missing from Hello".into()))
+                            return Err(Failure::Protocol("slab fd missing from Hello".into()))
                         }
                     };
-                    if rings_enabled() {
-                        c.ring = RingState::Counting(0);
-                    }
+                    c.ring = RingState::Counting(0);
                 }
                 Ok(c)
             }
-            Response::Error { code, message } => Err(ConnError::Refused(code, message)),
-            other => Err(ConnError::Protocol(format!(
+            Response::Error { code, message } => Err(Failure::Refused(code, message)),
+            other => Err(Failure::Protocol(format!(
                 "unexpected reply to Hello: {}",
                 variant_name(&other)
             ))),
@@ -421,14 +392,14 @@ impl Conn {
     /// many connections, another user, no proof of the secret) answers
     /// and closes: when the send finds the connection closed, its answer
     /// is read rather than a broken connection reported.
-    fn send_first(&mut self, req: &Request, deadline: Instant) -> Result<u64, ConnError> {
+    fn send_first(&mut self, req: &Request, deadline: Instant) -> Result<u64, Failure> {
         match self.send(req, &mut [], deadline) {
             Ok(id) => Ok(id),
-            Err(ConnError::Broken(e)) => {
+            Err(Failure::Broken(e)) => {
                 let sent: Vec<u64> = (1..self.next_id).collect();
                 Err(match self.recv_for(&sent, deadline) {
-                    Ok(Response::Error { code, message }) => ConnError::Refused(code, message),
-                    _ => ConnError::Broken(e),
+                    Ok(Response::Error { code, message }) => Failure::Refused(code, message),
+                    _ => Failure::Broken(e),
                 })
             }
             Err(e) => Err(e),
@@ -440,15 +411,15 @@ impl Conn {
     fn recv_hello_with_fd(
         &mut self,
         deadline: Instant,
-    ) -> Result<(Response, Option<std::os::fd::OwnedFd>), ConnError> {
+    ) -> Result<(Response, Option<std::os::fd::OwnedFd>), Failure> {
         let Socket::Unix(s) = &self.reader.get_ref().socket else {
-            return Err(ConnError::Protocol("fd passing needs a Unix socket".into()));
+            return Err(Failure::Protocol("fd passing needs a Unix socket".into()));
         };
         s.set_read_timeout(Some(remaining(deadline)?))?;
         let mut buf = vec![0u8; 4096];
         let (mut n, fd) = stowage_shm::recv_with_fd(s, &mut buf)?;
         if n == 0 {
-            return Err(ConnError::Broken(io::ErrorKind::UnexpectedEof.into()));
+            return Err(Failure::Broken(io::ErrorKind::UnexpectedEof.into()));
         }
         loop {
             match stowage_wire::decode_frame::<Response>(&buf[..n], &self.limits) {
@@ -456,17 +427,17 @@ impl Conn {
                 Ok(None) if n < buf.len() => {
                     let m = self.reader.get_mut().read(&mut buf[n..])?;
                     if m == 0 {
-                        return Err(ConnError::Broken(io::ErrorKind::UnexpectedEof.into()));
+                        return Err(Failure::Broken(io::ErrorKind::UnexpectedEof.into()));
                     }
                     n += m;
                 }
-                Ok(None) => return Err(ConnError::Protocol("Hello reply too long".into())),
-                Err(e) => return Err(ConnError::Protocol(e.to_string())),
+                Ok(None) => return Err(Failure::Protocol("Hello reply too long".into())),
+                Err(e) => return Err(Failure::Protocol(e.to_string())),
             }
         }
     }
 
-    fn set_timeouts(&mut self, deadline: Instant) -> Result<(), ConnError> {
+    fn set_timeouts(&mut self, deadline: Instant) -> Result<(), Failure> {
         let left = remaining(deadline)?;
         // Only tighten or refresh when it matters: a stale longer timeout is
         // refreshed, a slightly shorter one is close enough to the deadline.
@@ -489,7 +460,7 @@ impl Conn {
         req: &Request,
         payload: &mut [IoSlice<'_>],
         deadline: Instant,
-    ) -> Result<u64, ConnError> {
+    ) -> Result<u64, Failure> {
         remaining(deadline)?;
         if payload.is_empty() {
             self.open_ring_when_due(deadline)?;
@@ -499,7 +470,7 @@ impl Conn {
         let payload_len: u64 = payload.iter().map(|s| s.len() as u64).sum();
         self.out.clear();
         encode(id, req, payload_len, &mut self.out)
-            .map_err(|e| ConnError::Protocol(e.to_string()))?;
+            .map_err(|e| Failure::Protocol(e.to_string()))?;
         if payload.is_empty() {
             if let RingState::On(ring) = &self.ring {
                 if self.out.len() <= ring.max_entry() {
@@ -532,7 +503,7 @@ impl Conn {
         &mut self,
         req: &Request,
         deadline: Instant,
-    ) -> Result<Response, ConnError> {
+    ) -> Result<Response, Failure> {
         let id = self.send(req, &mut [], deadline)?;
         crate::fanout::turn().await;
         self.recv(id, deadline)
@@ -540,7 +511,7 @@ impl Conn {
 
     /// Receive the reply to request `id` (its payload, if any, is left on
     /// the stream for [`Conn::read_payload`]).
-    pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, ConnError> {
+    pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, Failure> {
         let reply = match &self.ring {
             RingState::On(ring) if self.ring_sent == Some(id) => {
                 let ring = ring.clone();
@@ -555,13 +526,13 @@ impl Conn {
     }
 
     /// Tell the unit, which parked the ring, that it has requests.
-    fn kick(&mut self, deadline: Instant) -> Result<(), ConnError> {
+    fn kick(&mut self, deadline: Instant) -> Result<(), Failure> {
         self.set_timeouts(deadline)?;
         let id = self.next_id;
         self.next_id += 1;
         self.out.clear();
         encode(id, &Request::RingKick, 0, &mut self.out)
-            .map_err(|e| ConnError::Protocol(e.to_string()))?;
+            .map_err(|e| Failure::Protocol(e.to_string()))?;
         self.writer.write_all(&self.out)?;
         Ok(())
     }
@@ -570,9 +541,9 @@ impl Conn {
     /// round trips (and has nothing left unread): map it on
     /// [`Response::Ring`]; on an error (a unit that serves no rings), or a
     /// ring this process cannot map, never ask again.
-    fn open_ring_when_due(&mut self, deadline: Instant) -> Result<(), ConnError> {
+    fn open_ring_when_due(&mut self, deadline: Instant) -> Result<(), Failure> {
         match self.ring {
-            RingState::Counting(n) if n >= ring_after() && self.reader.buffer().is_empty() => {}
+            RingState::Counting(n) if n >= self.ring_after && self.reader.buffer().is_empty() => {}
             _ => return Ok(()),
         }
         self.ring = RingState::Off;
@@ -582,13 +553,13 @@ impl Conn {
         self.next_id += 1;
         self.out.clear();
         encode(id, &Request::OpenRing { bytes: asked }, 0, &mut self.out)
-            .map_err(|e| ConnError::Protocol(e.to_string()))?;
+            .map_err(|e| Failure::Protocol(e.to_string()))?;
         self.writer.write_all(&self.out)?;
         let (reply, fd) = self.recv_frame_with_fd(id)?;
         match reply {
             Response::Ring { bytes } => {
                 let Some(fd) = fd else {
-                    return Err(ConnError::Protocol("ring fd missing from its reply".into()));
+                    return Err(Failure::Protocol("ring fd missing from its reply".into()));
                 };
                 match Ring::open(fd, bytes as usize) {
                     Ok(ring) => self.ring = RingState::On(Arc::new(ring)),
@@ -603,7 +574,7 @@ impl Conn {
                 tracing::debug!(?code, %message, "the unit serves no request rings");
             }
             other => {
-                return Err(ConnError::Protocol(format!(
+                return Err(Failure::Protocol(format!(
                     "unexpected reply to OpenRing: {}",
                     variant_name(&other)
                 )))
@@ -618,27 +589,27 @@ impl Conn {
     fn recv_frame_with_fd(
         &mut self,
         id: u64,
-    ) -> Result<(Response, Option<std::os::fd::OwnedFd>), ConnError> {
+    ) -> Result<(Response, Option<std::os::fd::OwnedFd>), Failure> {
         let Socket::Unix(s) = &self.reader.get_ref().socket else {
-            return Err(ConnError::Protocol("fd passing needs a Unix socket".into()));
+            return Err(Failure::Protocol("fd passing needs a Unix socket".into()));
         };
         let mut prefix = [0u8; PREFIX_LEN];
         let (n, fd) = stowage_shm::recv_with_fd(s, &mut prefix)?;
         if n == 0 {
-            return Err(ConnError::Broken(io::ErrorKind::UnexpectedEof.into()));
+            return Err(Failure::Broken(io::ErrorKind::UnexpectedEof.into()));
         }
         self.reader.read_exact(&mut prefix[n..])?;
         let prefix = FramePrefix::parse(&prefix, &self.limits)
-            .map_err(|e| ConnError::Protocol(e.to_string()))?;
+            .map_err(|e| Failure::Protocol(e.to_string()))?;
         let env: Envelope<Response> = read_header(&mut self.reader, &prefix, &mut self.scratch)?;
         if env.id != id && env.id != 0 {
-            return Err(ConnError::Protocol(format!(
+            return Err(Failure::Protocol(format!(
                 "reply for request {} while waiting for {id}",
                 env.id
             )));
         }
         if prefix.payload_len != 0 {
-            return Err(ConnError::Protocol(format!(
+            return Err(Failure::Protocol(format!(
                 "a {} reply with a payload",
                 variant_name(&env.body)
             )));
@@ -649,18 +620,13 @@ impl Conn {
     /// Receive the reply to `id`, sent through `ring`: from the ring, or
     /// from the socket where the ring says so ([`Response::OnSocket`]) or
     /// where the socket has something to say (the unit's end, an error).
-    fn recv_ring(
-        &mut self,
-        ring: &Ring,
-        id: u64,
-        deadline: Instant,
-    ) -> Result<Response, ConnError> {
+    fn recv_ring(&mut self, ring: &Ring, id: u64, deadline: Instant) -> Result<Response, Failure> {
         let mut spin = self.spin;
         let mut socket_ready = false;
         loop {
             let taken = ring
                 .take_reply(&mut self.ring_entry)
-                .map_err(|e| ConnError::Protocol(e.to_string()))?;
+                .map_err(|e| Failure::Protocol(e.to_string()))?;
             if taken {
                 let env = decode_entry(&self.ring_entry, &self.limits)?;
                 match env.body {
@@ -670,7 +636,7 @@ impl Conn {
                     Response::OnSocket if env.id < id => continue,
                     body if env.id == id || env.id == 0 => return Ok(body),
                     _ => {
-                        return Err(ConnError::Protocol(format!(
+                        return Err(Failure::Protocol(format!(
                             "ring reply for request {} while waiting for {id}",
                             env.id
                         )))
@@ -686,7 +652,7 @@ impl Conn {
             }
             let now = Instant::now();
             if now >= deadline {
-                return Err(ConnError::Timeout);
+                return Err(Failure::Timeout);
             }
             if ring.wait_reply(deadline.min(now + RING_SOCKET_CHECK), spin) {
                 continue;
@@ -697,7 +663,7 @@ impl Conn {
     }
 
     /// Whether the socket has bytes (or its end) to read, without waiting.
-    fn socket_readable(&self) -> Result<bool, ConnError> {
+    fn socket_readable(&self) -> Result<bool, Failure> {
         if !self.reader.buffer().is_empty() {
             return Ok(true);
         }
@@ -717,14 +683,14 @@ impl Conn {
 
     /// Receive a reply to one of the requests `ids` (or one with id 0,
     /// sent before any request was read).
-    fn recv_for(&mut self, ids: &[u64], deadline: Instant) -> Result<Response, ConnError> {
+    fn recv_for(&mut self, ids: &[u64], deadline: Instant) -> Result<Response, Failure> {
         self.set_timeouts(deadline)?;
         let prefix = read_prefix(&mut self.reader, &self.limits)?
-            .ok_or_else(|| ConnError::Broken(io::ErrorKind::UnexpectedEof.into()))?;
+            .ok_or_else(|| Failure::Broken(io::ErrorKind::UnexpectedEof.into()))?;
         let env: Envelope<Response> = read_header(&mut self.reader, &prefix, &mut self.scratch)?;
         if !ids.contains(&env.id) && env.id != 0 {
             let id = ids.first().copied().unwrap_or(0);
-            return Err(ConnError::Protocol(format!(
+            return Err(Failure::Protocol(format!(
                 "reply for request {} while waiting for {id}",
                 env.id
             )));
@@ -737,14 +703,14 @@ impl Conn {
         &mut self,
         dst: &mut [u8],
         deadline: Instant,
-    ) -> Result<(), ConnError> {
+    ) -> Result<(), Failure> {
         self.set_timeouts(deadline)?;
         self.reader.read_exact(dst)?;
         Ok(())
     }
 
     /// Discard payload bytes of the last reply.
-    pub(crate) fn skip_payload(&mut self, n: u64, deadline: Instant) -> Result<(), ConnError> {
+    pub(crate) fn skip_payload(&mut self, n: u64, deadline: Instant) -> Result<(), Failure> {
         self.set_timeouts(deadline)?;
         stowage_wire::io::drain(&mut self.reader, n)?;
         Ok(())
@@ -757,7 +723,7 @@ impl Conn {
     /// handshake to admit another) or resets the connection during the
     /// handshake is asked again with the Busy backoff (0.2 s doubling to
     /// 2 s) within the deadline; at the deadline the error says why it
-    /// refused ([`ConnError::Refusing`]). A refused TCP connect or a
+    /// refused ([`Failure::Refusing`]). A refused TCP connect or a
     /// missing socket file is not retried: nothing listens there (the
     /// unit is gone, which the caller must learn at once).
     #[allow(clippy::too_many_arguments)]
@@ -770,8 +736,8 @@ impl Conn {
         spin: Duration,
         secret: Option<&Secret>,
         deadline: Instant,
-    ) -> Result<Conn, ConnError> {
-        let mut wait = crate::BUSY_RETRY;
+    ) -> Result<Conn, Failure> {
+        let mut wait = BUSY_RETRY;
         loop {
             let tried = Self::connect(
                 addr,
@@ -784,33 +750,33 @@ impl Conn {
                 deadline,
             );
             let why = match tried {
-                Err(ConnError::Refused(ErrorCode::Busy, message)) => message,
-                Err(ConnError::Broken(e)) if cut_in_handshake(&e) => {
+                Err(Failure::Refused(ErrorCode::Busy, message)) => message,
+                Err(Failure::Broken(e)) if cut_in_handshake(&e) => {
                     format!("the unit cut the connection during its handshake ({e})")
                 }
                 other => return other,
             };
             if Instant::now() + wait >= deadline {
-                return Err(ConnError::Refusing(why));
+                return Err(Failure::Refusing(why));
             }
             tracing::debug!(%addr, reason = %why, retry_in = ?wait, "the unit refused a connection; asking again");
             std::thread::sleep(wait);
-            wait = (wait * 2).min(crate::BUSY_RETRY_MAX);
+            wait = (wait * 2).min(BUSY_RETRY_MAX);
         }
     }
 }
 
 /// A ring entry as a reply: exactly one frame, without payload.
-fn decode_entry(entry: &[u8], limits: &Limits) -> Result<Envelope<Response>, ConnError> {
+fn decode_entry(entry: &[u8], limits: &Limits) -> Result<Envelope<Response>, Failure> {
     match stowage_wire::decode_frame::<Response>(entry, limits) {
         Ok(Some((frame, used))) if used == entry.len() && frame.payload.is_empty() => {
             Ok(frame.envelope)
         }
-        Ok(_) => Err(ConnError::Protocol(format!(
+        Ok(_) => Err(Failure::Protocol(format!(
             "a ring entry of {} bytes is not one frame without payload",
             entry.len()
         ))),
-        Err(e) => Err(ConnError::Protocol(format!("a ring entry: {e}"))),
+        Err(e) => Err(Failure::Protocol(format!("a ring entry: {e}"))),
     }
 }
 

@@ -6,7 +6,8 @@ use std::time::{Duration, Instant};
 
 use stowage_wire::auth::Secret;
 
-use crate::conn::{Conn, ConnError, UnitAddr};
+use crate::conn::{Conn, UnitAddr};
+use crate::failure::Failure;
 
 /// What the directory says of a unit after an operation on it failed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,7 +88,7 @@ impl Directory for ProbeDirectory {
                 Ok(_) => return Liveness::Restarted,
                 // Nothing listens at the address (refused, or the socket
                 // file is gone): dead.
-                Err(ConnError::Broken(e))
+                Err(Failure::Broken(e))
                     if matches!(
                         e.kind(),
                         std::io::ErrorKind::ConnectionRefused | std::io::ErrorKind::NotFound
@@ -98,15 +99,11 @@ impl Directory for ProbeDirectory {
                 // Another breakage (a unit that is exiting resets the
                 // connections its listener had queued): not proof either
                 // way; ask again shortly, within the probe's time.
-                Err(ConnError::Broken(_)) if Instant::now() + PROBE_RETRY < end => {
+                Err(Failure::Broken(_)) if Instant::now() + PROBE_RETRY < end => {
                     std::thread::sleep(PROBE_RETRY)
                 }
-                Err(ConnError::Broken(_))
-                | Err(ConnError::Timeout)
-                | Err(ConnError::Protocol(_))
-                | Err(ConnError::Refused(..))
-                | Err(ConnError::Refusing(_))
-                | Err(ConnError::Distrust(_)) => return Liveness::Unresponsive,
+                // Anything else: it does not answer as a unit should.
+                Err(_) => return Liveness::Unresponsive,
             }
         }
     }

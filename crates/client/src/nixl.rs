@@ -14,16 +14,28 @@
 //! the connection open — and with it the unit's reservation or pin of the
 //! range — until it has ended (see [`crate::transport::Settle`]).
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::ops::Range as Span;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
 use stowage_nixl::{Agent, NixlError, Op, Range, Staging, Transfer, WaitError};
 
-use crate::conn::ConnError;
+use crate::failure::Failure;
+use crate::lent::{Lent, RecvPool, LENT_ALIGN, RECV_POOL_MAX};
+use crate::one_sided::{Mover, Settle};
 use crate::pieces::{PieceWrite, Places};
-use crate::transport::{LocalFailure, Mover, OpFailure, Settle};
+
+/// Test failpoints, from `STOWAGE_FAILPOINTS` (comma-separated names).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Failpoints {
+    /// `nixl-write-in-flight`: every nixl WRITE reports failure when it is
+    /// waited on, as a transfer cut off while it may still be running, and
+    /// is never counted as ended.
+    pub nixl_write_in_flight: bool,
+    /// `nixl-read-in-flight`: the same for every nixl READ.
+    pub nixl_read_in_flight: bool,
+}
 
 /// The smallest staging buffer a connection registers.
 const STAGING_MIN: usize = 1 << 20;
@@ -61,131 +73,6 @@ impl Default for NixlOptions {
     }
 }
 
-/// Test failpoints of the nixl path, from `STOWAGE_FAILPOINTS`
-/// (comma-separated): `nixl-write-in-flight` (`nixl-read-in-flight`) makes
-/// every WRITE (READ) report failure when it is waited on, as a transfer
-/// cut off while it may still be running, and never counts it as ended.
-#[derive(Clone, Copy, Debug, Default)]
-struct Failpoints {
-    write_in_flight: bool,
-    read_in_flight: bool,
-}
-
-impl Failpoints {
-    fn from_env() -> Self {
-        let set = std::env::var("STOWAGE_FAILPOINTS").unwrap_or_default();
-        let has = |name: &str| set.split(',').any(|f| f.trim() == name);
-        Self {
-            write_in_flight: has("nixl-write-in-flight"),
-            read_in_flight: has("nixl-read-in-flight"),
-        }
-    }
-}
-
-/// Values in a lent buffer start on multiples of this (numpy's alignment
-/// for any dtype).
-const LENT_ALIGN: usize = 64;
-
-/// The smallest buffer of the receive pool.
-const RECV_MIN: usize = 64 << 10;
-
-/// How many bytes of free buffers the receive pool keeps registered for
-/// the next gets; buffers given back past it are deregistered and unmapped.
-pub const RECV_POOL_MAX: usize = 1 << 30;
-
-/// Registered buffers that gets READ into and lend their callers
-/// ([`Lent`]), kept when given back so that the next get of a similar size
-/// neither registers nor faults in memory (an RL loop gets the same sizes
-/// every step). Sizes are classes of eight per doubling.
-pub(crate) struct RecvPool {
-    free: Mutex<(BTreeMap<usize, Vec<Staging>>, usize)>,
-    limit: usize,
-}
-
-impl RecvPool {
-    fn new(limit: usize) -> Self {
-        Self {
-            free: Mutex::new((BTreeMap::new(), 0)),
-            limit,
-        }
-    }
-
-    /// A registered buffer of at least `len` bytes, for this caller alone.
-    fn take(&self, agent: &Agent, len: usize) -> Result<Staging, NixlError> {
-        let class = crate::transport::spare_class(len.max(RECV_MIN) as u64) as usize;
-        {
-            let mut free = crate::lock(&self.free);
-            if let Some(s) = free.0.get_mut(&class).and_then(Vec::pop) {
-                free.1 -= s.len();
-                return Ok(s);
-            }
-        }
-        Staging::new(agent, class)
-    }
-
-    fn give_back(&self, s: Staging) {
-        let mut free = crate::lock(&self.free);
-        if free.1 + s.len() <= self.limit {
-            free.1 += s.len();
-            free.0.entry(s.len()).or_default().push(s);
-        }
-    }
-}
-
-/// Memory a get lends its caller: a buffer of the client's registered
-/// receive pool that a nixl READ filled, so the values were never copied.
-/// It is the caller's alone (nothing else reads or writes it) and goes
-/// back to the pool when dropped. A READ that failed while it may still be
-/// running never lends its buffer: the buffer stays with the transfer
-/// until it has ended.
-pub struct Lent {
-    staging: Option<Staging>,
-    len: usize,
-    pool: Weak<RecvPool>,
-}
-
-impl Lent {
-    pub fn len(&self) -> usize {
-        self.len
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-}
-
-impl std::fmt::Debug for Lent {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Lent({} bytes)", self.len)
-    }
-}
-
-impl std::ops::Deref for Lent {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        self.staging
-            .as_ref()
-            .map_or(&[], |s| &s.as_slice()[..self.len])
-    }
-}
-
-impl std::ops::DerefMut for Lent {
-    fn deref_mut(&mut self) -> &mut [u8] {
-        let len = self.len;
-        self.staging
-            .as_mut()
-            .map_or(&mut [], |s| &mut s.as_mut_slice()[..len])
-    }
-}
-
-impl Drop for Lent {
-    fn drop(&mut self) {
-        if let (Some(s), Some(pool)) = (self.staging.take(), self.pool.upgrade()) {
-            pool.give_back(s);
-        }
-    }
-}
-
 /// A unit's agent as this client loaded it: its name, and a handle that
 /// lives as long as a mover uses it.
 type LoadedPeer = (String, Weak<String>);
@@ -208,13 +95,13 @@ pub(crate) struct NixlClient {
 }
 
 impl NixlClient {
-    pub(crate) fn new(options: NixlOptions) -> Self {
+    pub(crate) fn new(options: NixlOptions, failpoints: Failpoints) -> Self {
         Self {
             options,
             agent: Mutex::new(None),
             peers: Mutex::new(HashMap::new()),
             introduction: Mutex::new(None),
-            failpoints: Failpoints::from_env(),
+            failpoints,
             recv: Arc::new(RecvPool::new(RECV_POOL_MAX)),
         }
     }
@@ -334,17 +221,19 @@ impl Settle for Pending {
     }
 }
 
-fn failure(op: &str, e: NixlError, in_flight: bool) -> OpFailure {
-    OpFailure::conn(
-        ConnError::Broken(std::io::Error::other(format!("nixl {op}: {e}"))),
-        in_flight,
-    )
+fn failure(op: &str, e: NixlError, in_flight: bool) -> Failure {
+    let f = Failure::Broken(std::io::Error::other(format!("nixl {op}: {e}")));
+    if in_flight {
+        f.in_flight()
+    } else {
+        f
+    }
 }
 
 impl NixlMover {
     /// The staging buffer, at least `len` bytes, for this process alone
     /// (no transfer holds it).
-    fn staging(&mut self, len: usize) -> Result<&mut Staging, OpFailure> {
+    fn staging(&mut self, len: usize) -> Result<&mut Staging, Failure> {
         let fits = self
             .staging
             .as_ref()
@@ -354,11 +243,10 @@ impl NixlMover {
             let s = Staging::new(&self.agent, size).map_err(|e| failure("staging", e, false))?;
             self.staging = Some(Arc::new(s));
         }
-        self.staging.as_mut().and_then(Arc::get_mut).ok_or_else(|| {
-            OpFailure::Local(LocalFailure::Busy(
-                "the staging buffer is still in use".into(),
-            ))
-        })
+        self.staging
+            .as_mut()
+            .and_then(Arc::get_mut)
+            .ok_or_else(|| Failure::Busy("the staging buffer is still in use".into()))
     }
 
     /// Post one READ of `places` (see [`Mover::start_fetch`]): `Ok(true)`
@@ -366,7 +254,7 @@ impl NixlMover {
     /// is done (or there was nothing to do). Into the staging buffer,
     /// every range (a split value's parts too) where [`Mover::read`] finds
     /// it by its slab offset.
-    fn post_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
+    fn post_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, Failure> {
         self.fetched.clear();
         self.lending = None;
         if lend {
@@ -380,7 +268,7 @@ impl NixlMover {
                 continue;
             }
             let len =
-                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
+                usize::try_from(len).map_err(|_| Failure::invalid("value larger than memory"))?;
             self.fetched.insert(offset, at);
             xfer.push(Range {
                 local: at,
@@ -400,7 +288,7 @@ impl NixlMover {
             .agent
             .post(Op::Read, staging, &xfer, &self.peer)
             .map_err(|e| failure("READ", e, false))?;
-        if t.ended() && !self.failpoints.read_in_flight {
+        if t.ended() && !self.failpoints.nixl_read_in_flight {
             // Done within the post (a cma copy).
             return Ok(false);
         }
@@ -412,7 +300,7 @@ impl NixlMover {
     /// each value at its own 64-byte-aligned place (a split value's parts
     /// back to back there, so that it is one span), to be lent to the
     /// caller ([`Mover::take_lent`]) once it has ended.
-    fn start_lent_fetch(&mut self, places: &Places) -> Result<bool, OpFailure> {
+    fn start_lent_fetch(&mut self, places: &Places) -> Result<bool, Failure> {
         let (spans, xfer, at) = lent_layout(places, self.slab_addr)?;
         let buf = Arc::new(
             self.recv
@@ -426,7 +314,7 @@ impl NixlMover {
                 .agent
                 .post(Op::Read, &buf, &xfer, &self.peer)
                 .map_err(|e| failure("READ", e, false))?;
-            let running = !t.ended() || self.failpoints.read_in_flight;
+            let running = !t.ended() || self.failpoints.nixl_read_in_flight;
             if running {
                 self.reading = Some(t);
             }
@@ -438,14 +326,14 @@ impl NixlMover {
 
     /// Wait for the posted transfer `t` within `deadline`; one still
     /// running then is kept (see [`Mover::take_pending`]).
-    fn finish(&mut self, op: Op, mut t: Transfer, deadline: Instant) -> Result<(), OpFailure> {
+    fn finish(&mut self, op: Op, mut t: Transfer, deadline: Instant) -> Result<(), Failure> {
         let what = match op {
             Op::Write => "WRITE",
             Op::Read => "READ",
         };
         let stuck = match op {
-            Op::Write => self.failpoints.write_in_flight,
-            Op::Read => self.failpoints.read_in_flight,
+            Op::Write => self.failpoints.nixl_write_in_flight,
+            Op::Read => self.failpoints.nixl_read_in_flight,
         };
         if stuck {
             self.pending = Some(Pending {
@@ -490,7 +378,7 @@ type LentLayout = (Vec<Span<usize>>, Vec<Range>, usize);
 /// (64-byte aligned), a split value's parts back to back within its span;
 /// the transfer's ranges (empty ones left out) against the unit's slab at
 /// `slab_addr`; the buffer's length.
-fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, OpFailure> {
+fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, Failure> {
     let mut spans = Vec::with_capacity(places.len());
     let mut xfer = Vec::with_capacity(places.ranges().len());
     let mut at = 0usize;
@@ -499,7 +387,7 @@ fn lent_layout(places: &Places, slab_addr: u64) -> Result<LentLayout, OpFailure>
         let start = at;
         for &(offset, len) in parts {
             let len =
-                usize::try_from(len).map_err(|_| OpFailure::invalid("value larger than memory"))?;
+                usize::try_from(len).map_err(|_| Failure::invalid("value larger than memory"))?;
             if len > 0 {
                 xfer.push(Range {
                     local: at,
@@ -519,7 +407,7 @@ impl Mover for NixlMover {
         "nixl"
     }
 
-    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), OpFailure> {
+    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), Failure> {
         let total: usize = writes
             .iter()
             .flat_map(|(_, segs)| segs.iter().map(|s| s.len()))
@@ -581,11 +469,11 @@ impl Mover for NixlMover {
         self.finish(Op::Write, t, deadline)
     }
 
-    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
+    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, Failure> {
         self.post_fetch(places, lend)
     }
 
-    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
+    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), Failure> {
         match self.reading.take() {
             Some(t) => self.finish(Op::Read, t, deadline),
             None => Ok(()),
@@ -601,14 +489,7 @@ impl Mover for NixlMover {
         // The READ has ended (its transfer, which held the other reference,
         // is gone): the buffer is this call's alone.
         let staging = Arc::try_unwrap(staging).ok()?;
-        Some((
-            Lent {
-                staging: Some(staging),
-                len,
-                pool: Arc::downgrade(&self.recv),
-            },
-            spans,
-        ))
+        Some((Lent::new(staging, len, Arc::downgrade(&self.recv)), spans))
     }
 
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {

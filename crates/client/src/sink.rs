@@ -9,8 +9,9 @@
 //! unit's part asks the sink for the buffers of its own unit's values.
 
 use std::ops::Range;
+use std::sync::Arc;
 
-use crate::rows::DType;
+use crate::values::DType;
 use crate::Lent;
 
 /// A value of the blob API, as its get asks for a buffer.
@@ -83,3 +84,148 @@ impl<T: ?Sized + for<'a> Sink<ValueAsk<'a>>> GetSink for T {}
 pub trait TensorSink: for<'a> Sink<TensorAsk<'a>> {}
 
 impl<T: ?Sized + for<'a> Sink<TensorAsk<'a>>> TensorSink for T {}
+
+/// A sink that counts the bytes it is handed (for metrics).
+pub(crate) struct Counting<'a> {
+    pub(crate) inner: &'a mut dyn GetSink,
+    pub(crate) bytes: u64,
+}
+
+impl Sink<ValueAsk<'_>> for Counting<'_> {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        self.bytes += ask.len;
+        self.inner.slot(ask)
+    }
+
+    fn slots(
+        &mut self,
+        asks: &[ValueAsk<'_>],
+    ) -> Option<std::result::Result<Vec<&mut [u8]>, String>> {
+        let r = self.inner.slots(asks);
+        if matches!(r, Some(Ok(_))) {
+            self.bytes += asks.iter().map(|a| a.len).sum::<u64>();
+        }
+        r
+    }
+
+    fn accept_lent(&mut self, asks: &[ValueAsk<'_>]) -> Option<std::result::Result<(), String>> {
+        self.inner.accept_lent(asks)
+    }
+
+    fn lent(
+        &mut self,
+        asks: &[ValueAsk<'_>],
+        buf: Lent,
+        spans: &[std::ops::Range<usize>],
+    ) -> std::result::Result<(), String> {
+        self.inner.lent(asks, buf, spans)?;
+        self.bytes += asks.iter().map(|a| a.len).sum::<u64>();
+        Ok(())
+    }
+}
+
+/// A value a get returned ([`Client::get_values`](crate::Client::get_values)): a vector of its own,
+/// or its span of memory the transport lent the call (zero-copy over
+/// nixl; the values one unit sent share it, and it goes back to the
+/// client's receive pool when the last of them is dropped).
+#[derive(Debug)]
+pub enum Value {
+    Owned(Vec<u8>),
+    Lent(Arc<Lent>, std::ops::Range<usize>),
+}
+
+impl std::ops::Deref for Value {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            Value::Owned(v) => v,
+            Value::Lent(buf, span) => &buf[span.clone()],
+        }
+    }
+}
+
+/// A new zeroed vector of `len` bytes for a value a sink collects.
+fn zeroed(len: u64) -> std::result::Result<Vec<u8>, String> {
+    let len = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+    Ok(vec![0u8; len])
+}
+
+/// A sink that collects values into [`Value`]s, taking lent memory.
+pub(crate) struct ValueSink(pub(crate) Vec<Option<Value>>);
+
+impl Sink<ValueAsk<'_>> for ValueSink {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let fresh = zeroed(ask.len)?;
+        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
+        match v.insert(Value::Owned(fresh)) {
+            Value::Owned(v) => Ok(v.as_mut_slice()),
+            Value::Lent(..) => Err("a lent value".into()),
+        }
+    }
+
+    fn accept_lent(&mut self, asks: &[ValueAsk<'_>]) -> Option<std::result::Result<(), String>> {
+        let n = self.0.len();
+        Some(match asks.iter().find(|a| a.index >= n) {
+            Some(_) => Err("key index out of range".into()),
+            None => Ok(()),
+        })
+    }
+
+    fn lent(
+        &mut self,
+        asks: &[ValueAsk<'_>],
+        buf: Lent,
+        spans: &[std::ops::Range<usize>],
+    ) -> std::result::Result<(), String> {
+        let buf = Arc::new(buf);
+        for (a, span) in asks.iter().zip(spans) {
+            let v = self.0.get_mut(a.index).ok_or("key index out of range")?;
+            *v = Some(Value::Lent(buf.clone(), span.clone()));
+        }
+        Ok(())
+    }
+}
+
+/// A sink that collects values into fresh vectors.
+pub(crate) struct VecSink(pub(crate) Vec<Option<Vec<u8>>>);
+
+impl Sink<ValueAsk<'_>> for VecSink {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let fresh = zeroed(ask.len)?;
+        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
+        Ok(v.insert(fresh).as_mut_slice())
+    }
+}
+
+/// A sink over caller buffers: value `i` goes to the front of `bufs[i]`,
+/// its length to `lens[i]`.
+pub struct SliceSink<'a, 'b> {
+    pub bufs: &'a mut [&'b mut [u8]],
+    pub lens: Vec<u64>,
+}
+
+impl<'a, 'b> SliceSink<'a, 'b> {
+    pub fn new(bufs: &'a mut [&'b mut [u8]]) -> Self {
+        let n = bufs.len();
+        Self {
+            bufs,
+            lens: vec![0; n],
+        }
+    }
+}
+
+impl Sink<ValueAsk<'_>> for SliceSink<'_, '_> {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let ValueAsk { index, len, .. } = ask;
+        let buf = self.bufs.get_mut(index).ok_or("key index out of range")?;
+        let n = usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
+        if n > buf.len() {
+            return Err(format!(
+                "value {index} is {len} bytes, its buffer only {}",
+                buf.len()
+            ));
+        }
+        self.lens[index] = len;
+        Ok(&mut buf[..n])
+    }
+}

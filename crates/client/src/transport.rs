@@ -29,118 +29,13 @@ use std::time::Instant;
 
 use stowage_shm::Slab;
 use stowage_wire::BlobId;
-use stowage_wire::{EntrySpec, ErrorCode, Key, PinId, Request, Response};
+use stowage_wire::{EntrySpec, Key, Request, Response};
 
-use crate::conn::{Conn, ConnError};
+use crate::conn::Conn;
+use crate::failure::Failure;
 use crate::fanout::{pause_until, turn};
-use crate::nixl::Lent;
-use crate::pieces::{check_found, check_pieces, ranges_of, scatter, split_dst, PieceWrite, Places};
 use crate::sink::{GetSink, ValueAsk};
-use crate::{new_blob_id, BlobPut, SPARES};
-
-/// Why one unit's operation failed, before the client classifies it.
-#[derive(Debug)]
-pub enum OpFailure {
-    /// The connection failed. `in_flight`: payload bytes may still be on
-    /// their way to the unit.
-    Conn { error: ConnFailure, in_flight: bool },
-    /// The disk files of some values failed their checks: `positions` in
-    /// the operation's key list. The connection is fine.
-    Corrupt { positions: Vec<usize> },
-    /// The unit answered with an error.
-    Unit { code: ErrorCode, message: String },
-    /// This client failed on its own side: the unit answered nothing
-    /// wrong (or was not asked).
-    Local(LocalFailure),
-}
-
-/// A failure on the client's own side of an operation.
-#[derive(Debug)]
-pub enum LocalFailure {
-    /// The caller's input or sink refused: a value does not fit its
-    /// buffer, too many entries in one blob, a view of a unit not
-    /// reached over shm. Reported as [`crate::Error::InvalidRequest`].
-    Invalid(String),
-    /// This client does not trust the unit: it did not prove the shared
-    /// secret, runs as another user, or handed over a slab this client
-    /// cannot map. Reported as [`crate::Error::Unauthorized`].
-    Distrust(String),
-    /// The client's own machinery is not ready (a nixl buffer still held
-    /// by a transfer); the connection is fine and the call may be retried.
-    /// Reported as [`crate::Error::TransferFailed`].
-    Busy(String),
-}
-
-/// A connection-level failure.
-#[derive(Debug)]
-pub enum ConnFailure {
-    Timeout,
-    Broken(String),
-    Protocol(String),
-    /// The unit kept refusing the connection until the deadline (why, the
-    /// last time).
-    Refusing(String),
-}
-
-impl std::fmt::Display for ConnFailure {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            ConnFailure::Timeout => f.write_str("no answer before the deadline"),
-            ConnFailure::Broken(m) => write!(f, "connection failed: {m}"),
-            ConnFailure::Protocol(m) => write!(f, "protocol error: {m}"),
-            ConnFailure::Refusing(m) => write!(f, "the unit kept refusing connections: {m}"),
-        }
-    }
-}
-
-impl OpFailure {
-    pub(crate) fn conn(e: ConnError, in_flight: bool) -> Self {
-        let error = match e {
-            ConnError::Timeout => ConnFailure::Timeout,
-            ConnError::Broken(e) => ConnFailure::Broken(e.to_string()),
-            ConnError::Protocol(m) => ConnFailure::Protocol(m),
-            ConnError::Refused(code, message) => return OpFailure::Unit { code, message },
-            ConnError::Distrust(m) => return OpFailure::Local(LocalFailure::Distrust(m)),
-            ConnError::Refusing(m) => ConnFailure::Refusing(m),
-        };
-        OpFailure::Conn { error, in_flight }
-    }
-
-    /// A refusal on this client's side of the caller's input or sink.
-    pub(crate) fn invalid(message: impl Into<String>) -> Self {
-        OpFailure::Local(LocalFailure::Invalid(message.into()))
-    }
-
-    /// The unit named something this client will not act on (a range
-    /// outside its slab, pieces that do not hold the blob): the
-    /// connection goes (and with it what it holds).
-    fn protocol(message: impl Into<String>) -> Self {
-        OpFailure::conn(ConnError::Protocol(message.into()), false)
-    }
-
-    fn unexpected(r: Response) -> Self {
-        match r {
-            Response::Error { code, message } => OpFailure::Unit { code, message },
-            other => OpFailure::conn(
-                ConnError::Protocol(format!("unexpected reply {other:?}")),
-                false,
-            ),
-        }
-    }
-
-    /// Whether the connection the operation failed on may serve the next
-    /// one: the unit refused a valid request (its state is known), or the
-    /// client's own machinery was not ready. Not after a broken connection,
-    /// nor after an invalid request or a refused sink (what is left on the
-    /// connection is not known).
-    pub(crate) fn keeps_connection(&self) -> bool {
-        match self {
-            OpFailure::Unit { code, .. } => *code != ErrorCode::InvalidRequest,
-            OpFailure::Local(LocalFailure::Busy(_)) => true,
-            _ => false,
-        }
-    }
-}
+use crate::BlobPut;
 
 /// A get's sink, shared by the parts of the units it reads from: each
 /// borrows it while it asks for and fills its values' buffers (never
@@ -148,7 +43,7 @@ impl OpFailure {
 pub type SharedSink<'s> = RefCell<&'s mut dyn GetSink>;
 
 /// One unit's part of an operation, run by `fanout::all_at_once`.
-pub type Op<'a, T> = Pin<Box<dyn Future<Output = Result<T, OpFailure>> + 'a>>;
+pub type Op<'a, T> = Pin<Box<dyn Future<Output = Result<T, Failure>> + 'a>>;
 
 /// What a finished get on one unit reports: the positions (in its own key
 /// list) of keys it does not have.
@@ -184,7 +79,7 @@ pub trait Transport: Send {
 
     /// Send a request the unit does not answer (an Unpin with
     /// `reply: false`).
-    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure>;
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure>;
 
     /// The unit's slab as this process maps it (shm transport only).
     fn slab(&self) -> Option<Arc<Slab>> {
@@ -194,32 +89,22 @@ pub trait Transport: Send {
 
 /// The time left to `deadline`, as a request tells the unit (at least
 /// 1 ms: a transfer the unit cuts off when the caller has given up).
-fn timeout_ms(deadline: Instant) -> u64 {
+pub(crate) fn timeout_ms(deadline: Instant) -> u64 {
     let left = deadline.saturating_duration_since(Instant::now());
     u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1)
 }
 
-fn total_len(put: &BlobPut<'_>) -> u64 {
+pub(crate) fn total_len(put: &BlobPut<'_>) -> u64 {
     put.segments.iter().map(|s| s.len() as u64).sum()
 }
 
-fn n_entries(entries: &[EntrySpec]) -> Result<u32, OpFailure> {
-    u32::try_from(entries.len())
-        .map_err(|_| OpFailure::invalid("more than 2^32 entries in one blob"))
-}
-
-/// Send `req` (no payload), let the other units' parts run, and take its
-/// reply.
-async fn call(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<Response, OpFailure> {
-    conn.call(req, deadline)
-        .await
-        .map_err(|e| OpFailure::conn(e, false))
+pub(crate) fn n_entries(entries: &[EntrySpec]) -> Result<u32, Failure> {
+    u32::try_from(entries.len()).map_err(|_| Failure::invalid("more than 2^32 entries in one blob"))
 }
 
 /// Send `req` without awaiting a reply (the unit sends none).
-fn notify(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
-    conn.send(req, &mut [], deadline)
-        .map_err(|e| OpFailure::conn(e, false))?;
+pub(crate) fn notify(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<(), Failure> {
+    conn.send(req, &mut [], deadline)?;
     Ok(())
 }
 
@@ -227,17 +112,17 @@ fn notify(conn: &mut Conn, req: &Request, deadline: Instant) -> Result<(), OpFai
 /// positions of missing and of corrupt keys (outer error: the connection
 /// failed; inner error: the sink refused a value, the payload was still
 /// read off so the connection stays usable).
-fn read_data(
+pub(crate) fn read_data(
     conn: &mut Conn,
     reply: Response,
     keys: &[Key],
     index_of: &[usize],
     sink: &SharedSink<'_>,
     deadline: Instant,
-) -> Result<Result<(Missing, Vec<usize>), OpFailure>, OpFailure> {
+) -> Result<Result<(Missing, Vec<usize>), Failure>, Failure> {
     let (items, corrupt) = match reply {
         Response::Data { items, corrupt } if items.len() == keys.len() => (items, corrupt),
-        other => return Err(OpFailure::unexpected(other)),
+        other => return Err(Failure::unexpected(other)),
     };
     let corrupt: Vec<usize> = corrupt.into_iter().map(|c| c as usize).collect();
     let mut missing = Vec::new();
@@ -269,18 +154,20 @@ fn read_data(
         match slot {
             Some(dst) => conn.read_payload(dst, deadline),
             None => conn.skip_payload(item.len, deadline),
-        }
-        .map_err(|e| OpFailure::conn(e, false))?;
+        }?;
     }
     Ok(match sink_error {
-        Some(message) => Err(OpFailure::invalid(message)),
+        Some(message) => Err(Failure::invalid(message)),
         None => Ok((missing, corrupt)),
     })
 }
 
 /// The values of a Resolve's answer that are in the unit's memory, as a
 /// sink is asked for them.
-fn asks_of<'f>(found: &'f [Option<stowage_wire::Found>], index_of: &[usize]) -> Vec<ValueAsk<'f>> {
+pub(crate) fn asks_of<'f>(
+    found: &'f [Option<stowage_wire::Found>],
+    index_of: &[usize],
+) -> Vec<ValueAsk<'f>> {
     found
         .iter()
         .enumerate()
@@ -301,12 +188,12 @@ pub const PENDING_POLL: std::time::Duration = std::time::Duration::from_millis(1
 /// or its disk tier) and await until it is published. `refused`: a
 /// reservation to give back when a later Commit (after Pending) is
 /// refused, before the refusal is returned.
-async fn stream_put(
+pub(crate) async fn stream_put(
     conn: &mut Conn,
     put: &BlobPut<'_>,
     deadline: Instant,
     refused: Option<BlobId>,
-) -> Result<(), OpFailure> {
+) -> Result<(), Failure> {
     n_entries(&put.entries)?;
     let req = Request::Put {
         blob: put.blob,
@@ -317,14 +204,12 @@ async fn stream_put(
     let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
     let id = conn
         .send(&req, &mut payload, deadline)
-        .map_err(|e| OpFailure::conn(e, true))?;
+        .map_err(Failure::in_flight)?;
     drop(payload);
     turn().await;
     // The Put's bytes may still be on their way when its reply fails to
     // come.
-    let mut reply = conn
-        .recv(id, deadline)
-        .map_err(|e| OpFailure::conn(e, true))?;
+    let mut reply = conn.recv(id, deadline).map_err(Failure::in_flight)?;
     let mut recommitted = false;
     loop {
         match reply {
@@ -337,630 +222,37 @@ async fn stream_put(
                 if let Some(blob) = refused {
                     abort(conn, blob, deadline).await?;
                 }
-                return Err(OpFailure::Unit { code, message });
+                return Err(Failure::Refused(code, message));
             }
-            other => return Err(OpFailure::unexpected(other)),
+            other => return Err(Failure::unexpected(other)),
         }
     }
 }
 
 /// The blob is not durable yet (Pending): wait a little, commit it again
 /// (commit is idempotent) and return the reply.
-async fn recommit(
+pub(crate) async fn recommit(
     conn: &mut Conn,
     put: &BlobPut<'_>,
     deadline: Instant,
-) -> Result<Response, OpFailure> {
-    let left = crate::conn::remaining(deadline).map_err(|e| OpFailure::conn(e, false))?;
+) -> Result<Response, Failure> {
+    let left = crate::conn::remaining(deadline)?;
     pause_until(Instant::now() + PENDING_POLL.min(left)).await;
     let req = Request::Commit {
         blob: put.blob,
         partition: put.partition.to_owned(),
         entries: put.entries.clone(),
     };
-    call(conn, &req, deadline).await
+    conn.call(&req, deadline).await
 }
 
 /// Give up reservation `blob`, and wait for the answer.
-async fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> Result<(), OpFailure> {
+pub(crate) async fn abort(conn: &mut Conn, blob: BlobId, deadline: Instant) -> Result<(), Failure> {
     let req = Request::Abort {
         blob,
         in_flight: false,
     };
-    call(conn, &req, deadline).await.map(drop)
-}
-
-/// How a one-sided transport reaches a unit's slab: the shm transport
-/// maps it ([`Slab`]), the nixl transport moves bytes with NIXL
-/// ([`crate::nixl::NixlMover`]). Offsets are slab offsets.
-pub(crate) trait Mover: Send {
-    fn name(&self) -> &'static str;
-    /// Copy each piece's segments, one after another, to the piece's
-    /// offset (a put's bytes scattered over its blob's pieces,
-    /// [`crate::pieces::scatter`]; checked against the slab before).
-    fn write(&mut self, writes: &[PieceWrite<'_>], deadline: Instant) -> Result<(), OpFailure>;
-    /// Start bringing the values at `places` within reach of
-    /// [`Mover::read`] (nothing to do when the slab is mapped): every
-    /// range of every value (a split value's parts are ranges of their
-    /// own). `Ok(true)` when the transfer is still under way, to end with
-    /// [`Mover::finish_fetch`]; `Ok(false)` when it is done (or there was
-    /// nothing to do). `lend` (only where [`Mover::lends`]): into memory
-    /// to lend instead ([`Mover::take_lent`]), one span per value (a
-    /// split value's parts back to back in it).
-    fn start_fetch(&mut self, places: &Places, lend: bool) -> Result<bool, OpFailure> {
-        let _ = (places, lend);
-        Ok(false)
-    }
-    /// Wait for the fetch [`Mover::start_fetch`] left under way.
-    fn finish_fetch(&mut self, deadline: Instant) -> Result<(), OpFailure> {
-        let _ = deadline;
-        Ok(())
-    }
-    /// Whether fetched values can be lent to the caller instead of copied
-    /// ([`Mover::take_lent`]): memory of the mover's that the transfer
-    /// itself filled.
-    fn lends(&self) -> bool {
-        false
-    }
-    /// The memory a finished lending fetch filled, and where each of its
-    /// values lies in it (in the order of the values).
-    fn take_lent(&mut self) -> Option<(Lent, Vec<std::ops::Range<usize>>)> {
-        None
-    }
-    /// Copy the (fetched) range at `offset` into `dst` (a value in one
-    /// range, or one part of a split value).
-    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String>;
-    /// Copy many (fetched) ranges, on several threads where that helps.
-    fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String>;
-    /// Whether a get of `total` bytes in several values should ask its
-    /// sink for every buffer at once.
-    fn batch(&self, total: usize) -> bool;
-    /// A range is about to be written (a spare): prepare for it.
-    fn prepare(&self, offset: u64, len: u64) {
-        let _ = (offset, len);
-    }
-    fn slab(&self) -> Option<Arc<Slab>> {
-        None
-    }
-    /// A transfer that failed while it may still be running: the caller
-    /// keeps the connection open (and with it the ranges it holds) until
-    /// it has ended.
-    fn take_pending(&mut self) -> Option<Box<dyn Settle>> {
-        None
-    }
-}
-
-/// A transfer that may still be running.
-pub(crate) trait Settle: Send {
-    /// Whether it has ended (completed or failed).
-    fn settled(&mut self) -> bool;
-}
-
-impl Mover for Arc<Slab> {
-    fn name(&self) -> &'static str {
-        "shm"
-    }
-
-    fn write(&mut self, writes: &[PieceWrite<'_>], _deadline: Instant) -> Result<(), OpFailure> {
-        for (offset, segments) in writes {
-            self.write_gather(*offset, segments)
-                .map_err(|e| OpFailure::protocol(e.to_string()))?;
-        }
-        Ok(())
-    }
-
-    fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
-        Slab::read(self, offset, dst).map_err(|e| e.to_string())
-    }
-
-    fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String> {
-        Slab::read_scatter(self, reads).map_err(|e| e.to_string())
-    }
-
-    fn batch(&self, total: usize) -> bool {
-        stowage_shm::copy_threads(total) > 1
-    }
-
-    fn prepare(&self, offset: u64, len: u64) {
-        Slab::prepare(self, offset, len);
-    }
-
-    fn slab(&self) -> Option<Arc<Slab>> {
-        Some(self.clone())
-    }
-}
-
-/// The shm transport. See the module docs.
-pub(crate) type ShmTransport = OneSided<Arc<Slab>>;
-
-/// A transport that moves bytes itself between the caller's memory and
-/// the unit's slab (shm, nixl): put = Alloc (or a spare) → write → Commit;
-/// get = Resolve (pins) → read → Unpin.
-pub(crate) struct OneSided<M: Mover> {
-    conn: Conn,
-    mover: M,
-    /// Reservations this connection holds for its next puts, oldest first.
-    spares: Vec<Spare>,
-    /// Puts up to this size use and keep spares (0: never).
-    spare_max: u64,
-    /// The slab's length (from Hello): every range the unit names is
-    /// checked against it before a byte moves.
-    slab_len: u64,
-}
-
-/// A Resolve's answer: the pin, each key's value (if found), the corrupt
-/// keys' positions, whether the unit asks for spares back.
-type Resolved = (
-    Option<PinId>,
-    Vec<Option<stowage_wire::Found>>,
-    Vec<u32>,
-    bool,
-);
-
-/// Copy one (fetched) value, in one range or in parts (`ranges`, checked
-/// to add up to its length), into `dst`.
-fn read_value<M: Mover>(mover: &M, ranges: &[(u64, u64)], dst: &mut [u8]) -> Result<(), String> {
-    match ranges {
-        [(offset, _)] => mover.read(*offset, dst),
-        parts => split_dst(dst, parts)?
-            .into_iter()
-            .try_for_each(|(offset, d)| mover.read(offset, d)),
-    }
-}
-
-/// A spare reservation ([`Request::CommitSpare`]) held by one connection.
-#[derive(Clone, Copy, Debug)]
-struct Spare {
-    blob: BlobId,
-    offset: u64,
-    len: u64,
-}
-
-/// The size class whose spares a put of `n` bytes uses: powers of two up
-/// to 4 KiB, then eight classes per doubling (at most 1/8 of a spare goes
-/// unused).
-pub(crate) fn spare_class(n: u64) -> u64 {
-    if n <= 4096 {
-        return n.next_power_of_two().max(64);
-    }
-    let step = 1u64 << (63 - n.leading_zeros() - 3);
-    n.div_ceil(step) * step
-}
-
-impl ShmTransport {
-    pub(crate) fn new(conn: Conn, spare_max: u64) -> Option<Self> {
-        let slab = conn.slab.clone()?;
-        Some(OneSided::with_mover(conn, slab, spare_max))
-    }
-}
-
-impl<M: Mover> OneSided<M> {
-    pub(crate) fn with_mover(conn: Conn, mover: M, spare_max: u64) -> Self {
-        let slab_len = conn.slab_bytes;
-        Self {
-            conn,
-            mover,
-            spares: Vec::new(),
-            spare_max,
-            slab_len,
-        }
-    }
-
-    /// Whether a put of `n` bytes uses and keeps spares.
-    fn spares_for(&self, n: u64) -> bool {
-        n > 0 && n <= self.spare_max
-    }
-
-    /// Commit the put, whose bytes are in reservation `written` (its own,
-    /// or a spare's), and await until it is published; ask for a spare of
-    /// the put's class when its size calls for one.
-    async fn commit(
-        &mut self,
-        put: &BlobPut<'_>,
-        written: BlobId,
-        deadline: Instant,
-    ) -> Result<(), OpFailure> {
-        let n = total_len(put);
-        let asked = self.spares_for(n).then(|| (new_blob_id(), spare_class(n)));
-        let req = match asked {
-            Some((spare, spare_nbytes)) => Request::CommitSpare {
-                blob: put.blob,
-                written,
-                partition: put.partition.to_owned(),
-                entries: put.entries.clone(),
-                spare,
-                spare_nbytes,
-            },
-            None => {
-                debug_assert_eq!(written, put.blob, "only CommitSpare commits a spare");
-                Request::Commit {
-                    blob: put.blob,
-                    partition: put.partition.to_owned(),
-                    entries: put.entries.clone(),
-                }
-            }
-        };
-        let mut reply = call(&mut self.conn, &req, deadline).await?;
-        loop {
-            match reply {
-                Response::Done | Response::AlreadyCommitted => return Ok(()),
-                Response::CommittedSpare { spare, spares_back } => {
-                    if let (Some(offset), Some((blob, len))) = (spare, asked) {
-                        let spare = Spare { blob, offset, len };
-                        if spares_back {
-                            // Short of memory: not kept (the unit should
-                            // not have reserved it then).
-                            abort(&mut self.conn, blob, deadline).await?;
-                        } else {
-                            self.keep_spare(spare, deadline).await?;
-                        }
-                    }
-                    if spares_back {
-                        self.clear_spares(deadline).await?;
-                    }
-                    return Ok(());
-                }
-                Response::Pending => reply = recommit(&mut self.conn, put, deadline).await?,
-                Response::Error { code, message } => {
-                    // The commit was refused (e.g. the index is full):
-                    // give the reservation back rather than hold it for as
-                    // long as this connection lives. (A spare may have
-                    // taken the put's id before the refusal: give up both.)
-                    abort(&mut self.conn, put.blob, deadline).await?;
-                    if written != put.blob {
-                        abort(&mut self.conn, written, deadline).await?;
-                    }
-                    return Err(OpFailure::Unit { code, message });
-                }
-                other => return Err(OpFailure::unexpected(other)),
-            }
-        }
-    }
-
-    /// Keep the spare the unit reserved: fill its page tables now (one
-    /// call, instead of a fault per page in the next put), and give back
-    /// the oldest past [`SPARES`].
-    async fn keep_spare(&mut self, spare: Spare, deadline: Instant) -> Result<(), OpFailure> {
-        check_pieces(&[(spare.offset, spare.len)], spare.len, self.slab_len)
-            .map_err(|m| OpFailure::protocol(format!("spare: {m}")))?;
-        self.mover.prepare(spare.offset, spare.len);
-        self.spares.push(spare);
-        if self.spares.len() > SPARES {
-            let old = self.spares.remove(0);
-            abort(&mut self.conn, old.blob, deadline).await?;
-        }
-        Ok(())
-    }
-
-    /// Give every spare back (the unit is short of memory: it said so with
-    /// `spares_back`, or refused an Alloc while this connection held
-    /// spares).
-    async fn clear_spares(&mut self, deadline: Instant) -> Result<(), OpFailure> {
-        while let Some(s) = self.spares.pop() {
-            abort(&mut self.conn, s.blob, deadline).await?;
-        }
-        Ok(())
-    }
-
-    /// Copy out what a Resolve found, into `sink`: the values in the
-    /// unit's memory through the mover, those only on its disk with one
-    /// streamed Read (while the pin holds their blobs). The missing and
-    /// the corrupt keys' positions (outer error: the connection failed;
-    /// inner error: the sink refused, the connection is still usable).
-    #[allow(clippy::too_many_arguments)]
-    async fn copy_out(
-        &mut self,
-        partition: &str,
-        keys: &[Key],
-        index_of: &[usize],
-        found: &[Option<stowage_wire::Found>],
-        mut corrupt: Vec<usize>,
-        sink: &SharedSink<'_>,
-        deadline: Instant,
-    ) -> Result<Result<(Missing, Vec<usize>), OpFailure>, OpFailure> {
-        let in_memory = || found.iter().flatten().filter(|l| !l.on_disk);
-        // Each value's ranges: one, or the parts of a value split across
-        // pieces of the slab (its bytes are the parts back to back).
-        let mut places = Places::default();
-        in_memory().for_each(|l| places.push(l));
-        // Over nixl: one READ of every value, into memory lent to the sink
-        // when it takes that (zero-copy), else into the staging buffer.
-        // Failing, the connection goes: its end unpins (or, if the READ
-        // may still be running, the connection stays open until it has
-        // ended, and the READ keeps its buffer).
-        let mut lend = false;
-        if !places.is_empty() && self.mover.lends() {
-            let accepted = sink.borrow_mut().accept_lent(&asks_of(found, index_of));
-            match accepted {
-                Some(Ok(())) => lend = true,
-                Some(Err(message)) => return Ok(Err(OpFailure::invalid(message))),
-                None => {}
-            }
-        }
-        // Left under way while the other units start theirs.
-        if self.mover.start_fetch(&places, lend)? {
-            turn().await;
-            self.mover.finish_fetch(deadline)?;
-        }
-        let mut missing = Vec::new();
-        let mut on_disk = Vec::new();
-        {
-            let mut sink = sink.borrow_mut();
-            let refused = |m: String| Ok(Err(OpFailure::invalid(m)));
-            // Many values, large in all: ask the sink for all their
-            // buffers and fill them together on the cores (one by one
-            // otherwise).
-            let batched = places.len() > 1
-                && self
-                    .mover
-                    .batch(usize::try_from(places.total()).unwrap_or(usize::MAX));
-            let mut copied_all = false;
-            if lend {
-                let asks = asks_of(found, index_of);
-                let handed = match self.mover.take_lent() {
-                    Some((buf, spans)) => sink.lent(&asks, buf, &spans),
-                    None => Err("the fetched values were not kept".into()),
-                };
-                if let Err(m) = handed {
-                    return refused(m);
-                }
-                copied_all = true;
-            } else if batched {
-                let asks = asks_of(found, index_of);
-                match sink.slots(&asks) {
-                    Some(Ok(bufs)) => {
-                        // One read per range: a split value's buffer cut
-                        // into one sub-slice per part.
-                        let mut reads: Vec<(u64, &mut [u8])> =
-                            Vec::with_capacity(places.ranges().len());
-                        for (ranges, buf) in places.values().zip(bufs) {
-                            if let [(offset, _)] = ranges {
-                                reads.push((*offset, buf));
-                                continue;
-                            }
-                            match split_dst(buf, ranges) {
-                                Ok(parts) => reads.extend(parts),
-                                Err(m) => return refused(m),
-                            }
-                        }
-                        if let Err(m) = self.mover.read_scatter(reads) {
-                            return refused(m);
-                        }
-                        copied_all = true;
-                    }
-                    Some(Err(m)) => return refused(m),
-                    None => {}
-                }
-            }
-            for (i, f) in found.iter().enumerate() {
-                match f {
-                    None if corrupt.contains(&i) => {}
-                    None => missing.push(i),
-                    Some(l) if l.on_disk => on_disk.push(i),
-                    Some(_) if copied_all => {}
-                    Some(l) => {
-                        let ask = ValueAsk {
-                            index: index_of[i],
-                            len: l.len,
-                            meta: &l.meta,
-                        };
-                        let copied = sink
-                            .slot(ask)
-                            .and_then(|dst| read_value(&self.mover, &ranges_of(l), dst));
-                        if let Err(m) = copied {
-                            return refused(m);
-                        }
-                    }
-                }
-            }
-        }
-        // Values only on the unit's disk (no room to bring them back into
-        // the slab): one streamed read, while the pin holds their blobs.
-        if !on_disk.is_empty() {
-            let disk_keys: Vec<Key> = on_disk.iter().map(|&i| keys[i].clone()).collect();
-            let disk_index: Vec<usize> = on_disk.iter().map(|&i| index_of[i]).collect();
-            let req = Request::Read {
-                partition: partition.to_owned(),
-                keys: disk_keys.clone(),
-                timeout_ms: timeout_ms(deadline),
-            };
-            let reply = call(&mut self.conn, &req, deadline).await?;
-            match read_data(
-                &mut self.conn,
-                reply,
-                &disk_keys,
-                &disk_index,
-                sink,
-                deadline,
-            )? {
-                Ok((miss, bad)) => {
-                    missing.extend(miss.into_iter().map(|j| on_disk[j]));
-                    corrupt.extend(bad.into_iter().map(|j| on_disk[j]));
-                }
-                Err(f) => return Ok(Err(f)),
-            }
-        }
-        Ok(Ok((missing, corrupt)))
-    }
-}
-
-impl<M: Mover> Transport for OneSided<M> {
-    fn name(&self) -> &'static str {
-        self.mover.name()
-    }
-
-    fn instance_id(&self) -> u128 {
-        self.conn.instance_id
-    }
-
-    fn session(&self) -> u128 {
-        self.conn.session
-    }
-
-    fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()> {
-        Box::pin(async move {
-            let n_entries = n_entries(&put.entries)?;
-            let n = total_len(put);
-            if self.spares_for(n) {
-                let class = spare_class(n);
-                if let Some(i) = self.spares.iter().position(|s| s.len == class) {
-                    // This connection holds the spare's reservation: write,
-                    // then one round trip to publish it.
-                    let spare = self.spares.remove(i);
-                    // One range, checked when it was kept (its class holds
-                    // the put).
-                    self.mover
-                        .write(&[(spare.offset, put.segments.clone())], deadline)?;
-                    return self.commit(put, spare.blob, deadline).await;
-                }
-            }
-            let alloc = Request::Alloc {
-                blob: put.blob,
-                nbytes: n,
-                n_entries,
-            };
-            loop {
-                match call(&mut self.conn, &alloc, deadline).await? {
-                    Response::Allocated {
-                        pieces,
-                        spares_back,
-                    } => {
-                        // Never a byte outside the slab, nor a blob the
-                        // pieces do not hold: the connection goes (and
-                        // with it the reservation).
-                        let writes = check_pieces(&pieces, n, self.slab_len)
-                            .and_then(|()| scatter(&put.segments, &pieces))
-                            .map_err(|m| OpFailure::protocol(format!("Allocated: {m}")))?;
-                        if spares_back {
-                            self.clear_spares(deadline).await?;
-                        }
-                        self.mover.write(&writes, deadline)?;
-                        return self.commit(put, put.blob, deadline).await;
-                    }
-                    // Short of memory while this connection holds spares:
-                    // give them back and ask again.
-                    Response::Error {
-                        code: ErrorCode::Full | ErrorCode::Busy,
-                        ..
-                    } if !self.spares.is_empty() => self.clear_spares(deadline).await?,
-                    // No room in the slab, room on disk: send the bytes
-                    // along.
-                    Response::ToDisk => {
-                        return stream_put(&mut self.conn, put, deadline, Some(put.blob)).await
-                    }
-                    Response::AlreadyCommitted => return Ok(()),
-                    other => return Err(OpFailure::unexpected(other)),
-                }
-            }
-        })
-    }
-
-    fn get<'a>(
-        &'a mut self,
-        partition: &'a str,
-        keys: &'a [Key],
-        index_of: &'a [usize],
-        sink: &'a SharedSink<'_>,
-        deadline: Instant,
-    ) -> Op<'a, Missing> {
-        Box::pin(async move {
-            let req = Request::Resolve {
-                partition: partition.to_owned(),
-                keys: keys.to_vec(),
-                hold: false,
-            };
-            let (pin, found, corrupt, spares_back): Resolved =
-                match call(&mut self.conn, &req, deadline).await? {
-                    Response::Resolved {
-                        pin,
-                        found,
-                        corrupt,
-                        spares_back,
-                    } if found.len() == keys.len() => (pin, found, corrupt, spares_back),
-                    other => return Err(OpFailure::unexpected(other)),
-                };
-            // Never a read outside the slab, nor a split value whose parts
-            // are not its length: the connection goes (its end unpins).
-            for f in found.iter().flatten() {
-                check_found(f, self.slab_len)
-                    .map_err(|m| OpFailure::protocol(format!("Resolved: {m}")))?;
-            }
-            let corrupt = corrupt.into_iter().map(|c| c as usize).collect();
-            // A failed connection goes, and its end unpins: no Unpin then.
-            let copied = self
-                .copy_out(partition, keys, index_of, &found, corrupt, sink, deadline)
-                .await?;
-            if let Some(pin) = pin {
-                // No reply: an unpin lost with its connection is covered by
-                // the connection's end, which releases what it held.
-                notify(
-                    &mut self.conn,
-                    &Request::Unpin { pin, reply: false },
-                    deadline,
-                )?;
-            }
-            if spares_back {
-                self.clear_spares(deadline).await?;
-            }
-            let (missing, corrupt) = copied?;
-            if !corrupt.is_empty() {
-                return Err(OpFailure::Corrupt { positions: corrupt });
-            }
-            Ok(missing)
-        })
-    }
-
-    fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
-        Box::pin(async move {
-            let reply = call(&mut self.conn, req, deadline).await?;
-            // A Resolve of a view: the unit may ask for spares back there
-            // too (a view connection never puts, so it holds none).
-            if matches!(
-                reply,
-                Response::Resolved {
-                    spares_back: true,
-                    ..
-                }
-            ) {
-                self.clear_spares(deadline).await?;
-            }
-            Ok(reply)
-        })
-    }
-
-    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
-        notify(&mut self.conn, req, deadline)
-    }
-
-    fn slab(&self) -> Option<Arc<Slab>> {
-        self.mover.slab()
-    }
-}
-
-impl<M: Mover> Drop for OneSided<M> {
-    fn drop(&mut self) {
-        // A transfer that failed while it may still be running: the unit
-        // must not reuse what this connection holds until it has ended, so
-        // the connection stays open (another handle on its socket) until
-        // then: held by a thread that polls the transfer.
-        let Some(mut pending) = self.mover.take_pending() else {
-            return;
-        };
-        let keep = self.conn.keep_open();
-        let spawned = std::thread::Builder::new()
-            .name("stowage-settle".into())
-            .spawn(move || {
-                while !pending.settled() {
-                    std::thread::sleep(std::time::Duration::from_millis(1));
-                }
-                drop(keep);
-            });
-        if let Err(e) = spawned {
-            // No thread: keep the socket open for the process's life.
-            tracing::warn!(error = %e, "cannot start a thread to wait out a transfer; its connection stays open");
-            std::mem::forget(self.conn.keep_open());
-        }
-    }
+    conn.call(&req, deadline).await.map(drop)
 }
 
 /// The tcp transport. See the module docs.
@@ -1005,102 +297,21 @@ impl Transport for TcpTransport {
                 keys: keys.to_vec(),
                 timeout_ms: timeout_ms(deadline),
             };
-            let reply = call(&mut self.conn, &req, deadline).await?;
+            let reply = self.conn.call(&req, deadline).await?;
             let (missing, corrupt) =
                 read_data(&mut self.conn, reply, keys, index_of, sink, deadline)??;
             if !corrupt.is_empty() {
-                return Err(OpFailure::Corrupt { positions: corrupt });
+                return Err(Failure::Corrupt { positions: corrupt });
             }
             Ok(missing)
         })
     }
 
     fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
-        Box::pin(call(&mut self.conn, req, deadline))
+        Box::pin(self.conn.call(req, deadline))
     }
 
-    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), OpFailure> {
+    fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {
         notify(&mut self.conn, req, deadline)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A "slab" in plain memory, for what the transports do with ranges.
-    struct Memory(Vec<u8>);
-
-    impl Mover for Memory {
-        fn name(&self) -> &'static str {
-            "memory"
-        }
-
-        fn write(&mut self, writes: &[PieceWrite<'_>], _: Instant) -> Result<(), OpFailure> {
-            for (offset, segs) in writes {
-                let mut at = *offset as usize;
-                for s in segs {
-                    self.0[at..at + s.len()].copy_from_slice(s);
-                    at += s.len();
-                }
-            }
-            Ok(())
-        }
-
-        fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String> {
-            let o = offset as usize;
-            let src = self.0.get(o..o + dst.len()).ok_or("outside")?;
-            dst.copy_from_slice(src);
-            Ok(())
-        }
-
-        fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String> {
-            reads.into_iter().try_for_each(|(o, d)| self.read(o, d))
-        }
-
-        fn batch(&self, _: usize) -> bool {
-            true
-        }
-    }
-
-    /// A put scattered over its pieces reads back, value by value, as
-    /// split values' parts: the bytes that were put.
-    #[test]
-    fn a_blob_in_pieces_reads_back_by_parts() {
-        let mut m = Memory(vec![0; 1 << 16]);
-        let a: Vec<u8> = (0..100u8).collect();
-        let b: Vec<u8> = (100..230u8).collect();
-        // The blob: a at 0..100, padding to 128, b at 128..258.
-        let pad = [0u8; 28];
-        let segs: Vec<&[u8]> = vec![&a, &pad, &b];
-        let pieces = [(8192, 64), (256, 128), (40960, 128)];
-        check_pieces(&pieces, 258, 1 << 16).unwrap();
-        let writes = scatter(&segs, &pieces).unwrap();
-        m.write(&writes, Instant::now()).unwrap();
-        // a: 64 bytes in the first piece, 36 in the second; b: from byte
-        // 64 of the second piece (64 bytes), then 66 in the third.
-        let fa = stowage_wire::Found {
-            offset: 8192,
-            len: 100,
-            meta: vec![],
-            on_disk: false,
-            parts: vec![(8192, 64), (256, 36)],
-        };
-        let fb = stowage_wire::Found {
-            offset: 320,
-            len: 130,
-            meta: vec![],
-            on_disk: false,
-            parts: vec![(320, 64), (40960, 66)],
-        };
-        for (f, want) in [(&fa, &a), (&fb, &b)] {
-            check_found(f, 1 << 16).unwrap();
-            let mut got = vec![0u8; want.len()];
-            read_value(&m, &ranges_of(f), &mut got).unwrap();
-            assert_eq!(&got, want);
-        }
-        // A buffer of the wrong size is refused, not overrun.
-        let mut short = vec![0u8; 99];
-        assert!(read_value(&m, &ranges_of(&fa), &mut short).is_err());
     }
 }

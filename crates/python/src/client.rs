@@ -11,14 +11,14 @@ use std::time::{Duration, Instant};
 use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString};
-use stowage_client::Error as ClientError;
 use stowage_client::{
-    Client as Inner, ClientConfig, Column, DType, RowKey, Secret, Sink, Stats, Tensor, TensorAsk,
-    UnitAddr, View,
+    Client as Inner, ClientConfig, Column, DType, RowKey, Secret, Tensor, UnitAddr,
 };
 
-use crate::arrays::{array_over, descr_for, ArrayBytes, HostBuf, OwnedBytes, RawDest};
+use crate::arrays::{array_over, descr_for, ArrayBytes, OwnedBytes};
+use crate::dicts::{checkpoint_dict, stats_dict};
 use crate::errors::{invalid, to_py};
+use crate::read_sinks::{nbytes, split_copies, AllocSink, Dest, OutSink, ReadData, ViewPins};
 
 /// A connection-pooling client of a set of units (see `stowage.connect`).
 /// Safe to share between threads; calls from several threads run at once.
@@ -118,346 +118,6 @@ fn key_object<'py>(py: Python<'py>, k: &RowKey) -> PyResult<Bound<'py, PyAny>> {
 enum Source<'py> {
     Dense(ArrayBytes<'py>),
     Jagged(Vec<ArrayBytes<'py>>),
-}
-
-/// One value read into new memory.
-struct ReadTensor {
-    dtype: DType,
-    shape: Vec<u64>,
-    data: ReadData,
-}
-
-/// Where a value read into new memory lies.
-enum ReadData {
-    /// Memory of its own (see [`HostBuf`]).
-    Own(HostBuf),
-    /// `len` bytes at `offset` of the sink's batch buffer `buf`: the
-    /// values a unit handed over together share one buffer (one mapping
-    /// from the read cache, instead of a zeroed allocation per value).
-    Shared {
-        buf: usize,
-        offset: usize,
-        len: usize,
-    },
-}
-
-/// A sink allocating new memory per value, or per batch of values.
-struct AllocSink {
-    values: Vec<Vec<Option<ReadTensor>>>,
-    batches: Vec<HostBuf>,
-}
-
-/// Values in a batch buffer start on multiples of this (numpy's alignment
-/// for any dtype).
-const VALUE_ALIGN: usize = 64;
-
-impl AllocSink {
-    fn new(fields: usize, rows: usize) -> Self {
-        Self {
-            values: (0..fields)
-                .map(|_| (0..rows).map(|_| None).collect())
-                .collect(),
-            batches: Vec::new(),
-        }
-    }
-
-    fn place(&mut self, field: usize, row: usize) -> Result<&mut Option<ReadTensor>, String> {
-        self.values
-            .get_mut(field)
-            .and_then(|f| f.get_mut(row))
-            .ok_or_else(|| "value index out of range".to_string())
-    }
-
-    fn all_slots(&mut self, asks: &[TensorAsk<'_>]) -> Result<Vec<&mut [u8]>, String> {
-        let mut total = 0usize;
-        let mut spans = Vec::with_capacity(asks.len());
-        for &TensorAsk { dtype, shape, .. } in asks {
-            let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
-            let offset = total.next_multiple_of(VALUE_ALIGN);
-            total = offset.checked_add(len).ok_or("values larger than memory")?;
-            spans.push((offset, len));
-        }
-        let buf = self.batches.len();
-        let mem = HostBuf::new(total).map_err(|e| format!("cannot map {total} bytes: {e}"))?;
-        let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for (
-            &TensorAsk {
-                field,
-                row,
-                dtype,
-                shape,
-            },
-            &(offset, len),
-        ) in asks.iter().zip(&spans)
-        {
-            if !seen.insert((field, row)) {
-                return Err(format!("value {field}/{row} asked twice"));
-            }
-            *self.place(field, row)? = Some(ReadTensor {
-                dtype,
-                shape: shape.to_vec(),
-                data: ReadData::Shared { buf, offset, len },
-            });
-        }
-        // Small batches are zeroed heap memory, large ones may hold stale
-        // bytes of this process: either way every value's bytes are
-        // written by the get before anyone sees them.
-        self.batches.push(mem);
-        let mut rest: &mut [u8] = self.batches.last_mut().map_or(&mut [], |b| &mut b[..]);
-        let mut at = 0usize;
-        let mut out = Vec::with_capacity(spans.len());
-        for &(offset, len) in &spans {
-            let (_, tail) = std::mem::take(&mut rest).split_at_mut(offset - at);
-            let (value, tail) = tail.split_at_mut(len);
-            out.push(value);
-            rest = tail;
-            at = offset + len;
-        }
-        Ok(out)
-    }
-}
-
-impl Sink<TensorAsk<'_>> for AllocSink {
-    fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
-        let TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } = ask;
-        let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
-        let data = HostBuf::new(len).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
-        let t = self.place(field, row)?.insert(ReadTensor {
-            dtype,
-            shape: shape.to_vec(),
-            data: ReadData::Own(data),
-        });
-        match &mut t.data {
-            ReadData::Own(d) => Ok(&mut d[..]),
-            ReadData::Shared { .. } => Err("a value in a batch buffer".into()),
-        }
-    }
-
-    fn slots(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<Vec<&mut [u8]>, String>> {
-        Some(self.all_slots(asks))
-    }
-
-    fn accept_lent(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<(), String>> {
-        let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for &TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } in asks
-        {
-            if !seen.insert((field, row)) {
-                return Some(Err(format!("value {field}/{row} asked twice")));
-            }
-            if let Err(e) = self.place(field, row) {
-                return Some(Err(e));
-            }
-            if nbytes(dtype, shape).is_none() {
-                return Some(Err("value larger than memory".into()));
-            }
-        }
-        Some(Ok(()))
-    }
-
-    /// The values share the lent buffer as they share a batch buffer.
-    fn lent(
-        &mut self,
-        asks: &[TensorAsk<'_>],
-        lent: stowage_client::Lent,
-        spans: &[std::ops::Range<usize>],
-    ) -> Result<(), String> {
-        let buf = self.batches.len();
-        for (
-            &TensorAsk {
-                field,
-                row,
-                dtype,
-                shape,
-            },
-            span,
-        ) in asks.iter().zip(spans)
-        {
-            *self.place(field, row)? = Some(ReadTensor {
-                dtype,
-                shape: shape.to_vec(),
-                data: ReadData::Shared {
-                    buf,
-                    offset: span.start,
-                    len: span.len(),
-                },
-            });
-        }
-        self.batches.push(HostBuf::Lent(lent));
-        Ok(())
-    }
-}
-
-/// Where the values of one field go in `get(..., out=...)`.
-struct Dest {
-    dtype: DType,
-    /// One per row.
-    rows: Vec<RawDest>,
-}
-
-/// A sink writing into caller arrays, checking dtype and size. The first
-/// mismatch is remembered: it is the caller's error, whatever the client
-/// makes of the refusal.
-struct OutSink {
-    dests: Vec<Dest>,
-    fields: Vec<String>,
-    error: Option<String>,
-}
-
-impl Sink<TensorAsk<'_>> for OutSink {
-    fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
-        let TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } = ask;
-        let r = self.check(field, row, dtype, shape);
-        match r {
-            Ok(d) => {
-                // SAFETY: the destinations are disjoint (checked before the
-                // call) and their arrays are held by the caller until the
-                // call returns.
-                Ok(unsafe { d.slice() })
-            }
-            Err(m) => {
-                self.error.get_or_insert(m.clone());
-                Err(m)
-            }
-        }
-    }
-
-    fn slots(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<Vec<&mut [u8]>, String>> {
-        let mut dests = Vec::with_capacity(asks.len());
-        let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for &TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } in asks
-        {
-            match self.check(field, row, dtype, shape) {
-                Ok(d) if seen.insert((field, row)) => dests.push(d),
-                Ok(_) => return Some(Err(format!("value {field}/{row} asked twice"))),
-                Err(m) => {
-                    self.error.get_or_insert(m.clone());
-                    return Some(Err(m));
-                }
-            }
-        }
-        // SAFETY: the destinations of different values are disjoint
-        // (checked before the call), each is handed out once (above), and
-        // their arrays are held by the caller until the call returns.
-        Some(Ok(dests.iter().map(|d| unsafe { d.slice() }).collect()))
-    }
-}
-
-impl OutSink {
-    fn check(
-        &self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<RawDest, String> {
-        let d = self
-            .dests
-            .get(field)
-            .and_then(|f| f.rows.get(row).map(|r| (f.dtype, *r)))
-            .ok_or_else(|| format!("no destination for field {field} row {row}"))?;
-        let name = &self.fields[field];
-        if d.0 != dtype {
-            return Err(format!(
-                "out[{name:?}] row {row}: the value is {} but the array is {}",
-                dtype.name(),
-                d.0.name()
-            ));
-        }
-        let bytes = nbytes(dtype, shape).ok_or("value size overflows")?;
-        if bytes != d.1.len() {
-            return Err(format!(
-                "out[{name:?}] row {row}: the value is {} {shape:?} ({bytes} bytes), the array has {} bytes",
-                dtype.name(),
-                d.1.len()
-            ));
-        }
-        Ok(d.1)
-    }
-}
-
-fn nbytes(dtype: DType, shape: &[u64]) -> Option<usize> {
-    dtype.nbytes(shape).and_then(|n| usize::try_from(n).ok())
-}
-
-/// Copies of the split values of `view` (those not in one range of their
-/// unit's slab): `[field][row]`, `None` for a value viewed in place.
-fn split_copies(view: &View) -> Result<Vec<Vec<Option<HostBuf>>>, ClientError> {
-    view.tensors()
-        .iter()
-        .map(|rows| {
-            rows.iter()
-                .map(|t| {
-                    if !t.is_split() {
-                        return Ok(None);
-                    }
-                    let mut buf = HostBuf::new(t.len()).map_err(|e| {
-                        ClientError::InvalidRequest(format!("cannot map {} bytes: {e}", t.len()))
-                    })?;
-                    view.read_into(t, &mut buf)?;
-                    Ok(Some(buf))
-                })
-                .collect()
-        })
-        .collect()
-}
-
-/// The pins of one `get_view` call, released when the last array over
-/// them is garbage-collected.
-#[pyclass(module = "stowage._native", frozen)]
-pub(crate) struct ViewPins {
-    /// Always `Some` until dropped.
-    view: Option<View>,
-}
-
-impl Drop for ViewPins {
-    fn drop(&mut self) {
-        // Releasing the pins talks to the units (and may have to reconnect
-        // to one): never with the GIL held.
-        if let Some(view) = self.view.take() {
-            Python::attach(|py| py.detach(move || drop(view)));
-        }
-    }
-}
-
-/// A checkpoint's metadata as a dict (rows, entries, bytes, files as
-/// (name, size, xxh3), manifest_xxh3, host, stored).
-fn checkpoint_dict(
-    py: Python<'_>,
-    info: stowage_client::CheckpointInfo,
-) -> PyResult<Bound<'_, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("rows", info.rows)?;
-    d.set_item("entries", info.entries)?;
-    d.set_item("bytes", info.bytes)?;
-    let files = PyList::empty(py);
-    for f in info.files {
-        files.append((f.name, f.size, f.xxh3))?;
-    }
-    d.set_item("files", files)?;
-    d.set_item("manifest_xxh3", info.manifest_xxh3)?;
-    d.set_item("host", info.host)?;
-    d.set_item("stored", info.stored)?;
-    Ok(d)
 }
 
 impl Client {
@@ -617,20 +277,15 @@ impl Client {
     ) -> PyResult<()> {
         let deadline = self.deadline(timeout)?;
         let keys = row_keys(keys)?;
-        let n = keys.len();
         let mut sources: Vec<(String, Source<'_>)> = Vec::new();
         for item in columns.try_iter()? {
             let item = item?;
             let (name, col): (String, Bound<'_, PyAny>) = item
                 .extract()
                 .map_err(|_| invalid("columns must be (field, column) pairs"))?;
+            // Column lengths are checked by the client's put, for every
+            // caller alike.
             let src = if let Ok(list) = col.cast::<PyList>() {
-                if list.len() != n {
-                    return Err(invalid(format!(
-                        "column {name:?} has {} values for {n} keys",
-                        list.len()
-                    )));
-                }
                 let arrays = list
                     .iter()
                     .enumerate()
@@ -638,22 +293,7 @@ impl Client {
                     .collect::<PyResult<Vec<_>>>()?;
                 Source::Jagged(arrays)
             } else {
-                let a = ArrayBytes::new(&col, &|| format!("column {name:?}"))?;
-                match a.shape.first() {
-                    Some(&rows) if rows == n as u64 => {}
-                    Some(&rows) => {
-                        return Err(invalid(format!(
-                            "column {name:?}: a dense array has {rows} rows (its first axis) for {n} keys; \
-                             pass a list of arrays for values of different shapes"
-                        )))
-                    }
-                    None => {
-                        return Err(invalid(format!(
-                            "column {name:?}: a 0-d array cannot be split into rows"
-                        )))
-                    }
-                }
-                Source::Dense(a)
+                Source::Dense(ArrayBytes::new(&col, &|| format!("column {name:?}"))?)
             };
             sources.push((name, src));
         }
@@ -1190,60 +830,4 @@ impl Client {
         let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::from_secs(30));
         py.detach(|| client.shutdown(t))
     }
-}
-
-/// A unit's counters as a dict (`stats()` of a client and of an in-process
-/// unit).
-pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py, PyDict>> {
-    let d = PyDict::new(py);
-    d.set_item("capacity", s.capacity)?;
-    d.set_item("used", s.used)?;
-    d.set_item("reserved_bytes", s.reserved_bytes)?;
-    d.set_item("quarantined_bytes", s.quarantined_bytes)?;
-    d.set_item("blobs", s.blobs)?;
-    d.set_item("entries", s.entries)?;
-    d.set_item("rows", s.rows)?;
-    d.set_item("pins", s.pins)?;
-    d.set_item("disk_capacity", s.disk_capacity)?;
-    d.set_item("disk_used", s.disk_used)?;
-    d.set_item("spilled_blobs", s.spilled_blobs)?;
-    d.set_item("disk_write_bytes", s.disk_write_bytes)?;
-    d.set_item("disk_write_micros", s.disk_write_micros)?;
-    d.set_item("disk_read_bytes", s.disk_read_bytes)?;
-    d.set_item("disk_read_micros", s.disk_read_micros)?;
-    d.set_item("index_bytes", s.index_bytes)?;
-    d.set_item("held_bytes", s.held_bytes)?;
-    d.set_item("overdue_holds", s.overdue_holds)?;
-    d.set_item("pinned_bytes", s.pinned_bytes)?;
-    d.set_item("spares", s.spares)?;
-    d.set_item("spare_bytes", s.spare_bytes)?;
-    d.set_item("serves_nixl", s.serves_nixl)?;
-    d.set_item("page_mode", &s.page_mode)?;
-    d.set_item("free_bytes", s.free_bytes)?;
-    d.set_item("largest_free", s.largest_free)?;
-    d.set_item("spare_budget", s.spare_budget)?;
-    d.set_item("compaction_moves", s.compaction_moves)?;
-    d.set_item("compaction_bytes", s.compaction_bytes)?;
-    d.set_item("split_blobs", s.split_blobs)?;
-    d.set_item("compaction_micros", s.compaction_micros)?;
-    d.set_item("partitions", s.partitions)?;
-    d.set_item("ops", s.ops)?;
-    d.set_item("bytes_in", s.bytes_in)?;
-    d.set_item("bytes_out", s.bytes_out)?;
-    d.set_item("busy", s.busy)?;
-    let sessions = PyList::empty(py);
-    for x in &s.sessions {
-        let e = PyDict::new(py);
-        e.set_item("session", x.session)?;
-        e.set_item("connections", x.connections)?;
-        e.set_item("reservations", x.reservations)?;
-        e.set_item("pins", x.pins)?;
-        e.set_item("held_bytes", x.held_bytes)?;
-        e.set_item("oldest_hold_ms", x.oldest_hold_ms)?;
-        e.set_item("orphaned", x.orphaned)?;
-        e.set_item("spares", x.spares)?;
-        sessions.append(e)?;
-    }
-    d.set_item("sessions", sessions)?;
-    Ok(d)
 }

@@ -70,6 +70,24 @@ create_exception!(
     Error,
     "A unit refused a request on a reservation or pin that another session holds (not an authentication failure: see Unauthorized)."
 );
+create_exception!(
+    stowage,
+    Corrupt,
+    Error,
+    "A unit's disk copy of these keys' values failed its checks (a corrupt or truncated file): their bytes are not returned, never wrong ones. Attributes: unit, keys (a list of (row, field))."
+);
+create_exception!(
+    stowage,
+    KeyCollision,
+    Error,
+    "Two string row keys hash to the same row: a value asked for under `requested` was put under the other name, `stored` (None when only its digest is known), or one put named both. No value of one is given as the other's; rename one of the two rows. Attributes: partition, requested, stored."
+);
+create_exception!(
+    stowage,
+    Io,
+    Error,
+    "A local I/O failure that is none of the other errors."
+);
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     let py = m.py();
@@ -87,6 +105,10 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("Unauthorized", py.get_type::<Unauthorized>())?;
     m.add("NotOwner", py.get_type::<NotOwner>())?;
     m.add("Unreachable", py.get_type::<Unreachable>())?;
+    m.add("Corrupt", py.get_type::<Corrupt>())?;
+    m.add("KeyCollision", py.get_type::<KeyCollision>())?;
+    m.add("Io", py.get_type::<Io>())?;
+    m.add_function(wrap_pyfunction!(_error_of, m)?)?;
     Ok(())
 }
 
@@ -173,8 +195,94 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
                 ("reason", obj(py, reason)),
             ],
         ),
+        ClientError::Corrupt {
+            unit, keys: bad, ..
+        } => with_attrs::<Corrupt>(
+            py,
+            message,
+            retryable,
+            &[("unit", obj(py, unit)), ("keys", key_list(py, &bad, keys))],
+        ),
+        ClientError::KeyCollision {
+            partition,
+            requested,
+            stored,
+        } => with_attrs::<KeyCollision>(
+            py,
+            message,
+            retryable,
+            &[
+                ("partition", obj(py, partition)),
+                ("requested", obj(py, requested)),
+                ("stored", obj(py, stored)),
+            ],
+        ),
+        ClientError::Io(_) => with_attrs::<Io>(py, message, retryable, &[]),
+        // A variant added to the client's error later: the base class
+        // until it gets its own (`_error_of` lists every variant).
         _ => with_attrs::<Error>(py, message, retryable, &[]),
     }
+}
+
+/// The exception [`to_py`] makes of an example of each variant of
+/// [`stowage_client::Error`], by the variant's name: the tests check that
+/// every variant has its own class, including those Python cannot provoke
+/// (a hash collision of two row keys, a local I/O failure).
+#[pyfunction]
+fn _error_of(py: Python<'_>, variant: &str) -> PyResult<Py<PyAny>> {
+    let unit = 0;
+    let key = || vec![Key::new(1, "f")];
+    let e = match variant {
+        "UnitFull" => ClientError::UnitFull {
+            unit,
+            message: "full".into(),
+        },
+        "TransferFailed" => ClientError::TransferFailed {
+            unit,
+            blobs: vec![],
+            reason: "cut".into(),
+            in_flight: false,
+        },
+        "LostKeys" => ClientError::LostKeys {
+            unit,
+            blobs: vec![],
+            keys: key(),
+            named: vec![],
+        },
+        "Timeout" => ClientError::Timeout {
+            unit: Some(unit),
+            what: "a reply".into(),
+        },
+        "NotFound" => ClientError::NotFound {
+            keys: key(),
+            named: vec![],
+        },
+        "Corrupt" => ClientError::Corrupt {
+            unit,
+            keys: key(),
+            named: vec![],
+        },
+        "KeyCollision" => ClientError::KeyCollision {
+            partition: "p".into(),
+            requested: "a".into(),
+            stored: Some("b".into()),
+        },
+        "InvalidRequest" => ClientError::InvalidRequest("bad".into()),
+        "Unauthorized" => ClientError::Unauthorized("who".into()),
+        "NotOwner" => ClientError::NotOwner("theirs".into()),
+        "Unreachable" => ClientError::Unreachable {
+            unit,
+            addr: "tcp:127.0.0.1:1".into(),
+            reason: "refused".into(),
+        },
+        "Io" => ClientError::Io("disk".into()),
+        other => {
+            return Err(pyo3::exceptions::PyValueError::new_err(format!(
+                "no variant {other:?} of stowage_client::Error"
+            )))
+        }
+    };
+    Ok(to_py(py, e, &[]).into_value(py).into_any())
 }
 
 /// `[(row, field), ...]` with each row as the caller named it.

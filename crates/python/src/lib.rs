@@ -26,10 +26,12 @@ use pyo3::prelude::*;
 mod arrays;
 mod client;
 mod cluster;
+mod dicts;
 mod directory;
 mod errors;
 mod local;
 mod logbridge;
+mod read_sinks;
 mod unit;
 
 /// Run the `stowage` command line with `argv` (the first item is the

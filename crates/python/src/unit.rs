@@ -22,7 +22,8 @@ use pyo3::types::PyDict;
 use stowage_client::{Client as Inner, ClientConfig, Secret, UnitAddr};
 use stowage_unit::{UnitConfig, UnitHandle};
 
-use crate::client::{secret_arg, stats_dict};
+use crate::client::secret_arg;
+use crate::dicts::stats_dict;
 use crate::errors::{invalid, to_py, Error};
 use crate::local::size_arg;
 

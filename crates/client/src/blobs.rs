@@ -1,0 +1,471 @@
+//! The blob API: put, get and clear, every unit's part at once
+//! (`fanout::all_at_once`), and the raw-row conveniences over it.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::{Duration, Instant};
+
+use stowage_wire::{EntrySpec, Key, Request, Response};
+
+use crate::classify::unit_error;
+use crate::failure::Failure;
+use crate::sink::{Counting, ValueSink, VecSink};
+use crate::transport::SharedSink;
+use crate::{error, fanout, metrics, new_blob_id, BlobPut, Client, Error, GetSink, Result, Value};
+use crate::{BUSY_RETRY, BUSY_RETRY_MAX, DEFAULT_PARTITION};
+
+impl Client {
+    /// Run `f` as one operation of kind `op` (counted, timed from here to
+    /// the last unit's answer). `f` gets the operation's timer, to record
+    /// each unit's answer with.
+    pub(crate) fn timed<T>(
+        &self,
+        op: metrics::ClientOp,
+        f: impl FnOnce(&metrics::OpTimer) -> Result<T>,
+    ) -> Result<T> {
+        let timer = metrics::OpTimer::start();
+        let r = f(&timer);
+        self.metrics.op(op, r.is_ok(), timer.took());
+        r
+    }
+
+    /// Write blobs: each unit's blobs one after another, every unit at
+    /// once. Returns once every blob is committed, or with the first
+    /// unit's error (in unit order) (blobs committed on other
+    /// units stay committed; retrying with the same ids is idempotent).
+    pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
+        self.timed(metrics::ClientOp::Put, |timer| {
+            self.put_blobs(blobs, deadline, timer)?;
+            let bytes = blobs
+                .iter()
+                .flat_map(|b| b.segments.iter())
+                .map(|s| s.len() as u64)
+                .sum();
+            self.metrics.put_bytes(bytes);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn put_blobs(
+        &self,
+        blobs: &[BlobPut<'_>],
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        let mut queues: BTreeMap<usize, Vec<&BlobPut<'_>>> = BTreeMap::new();
+        for b in blobs {
+            if b.unit >= self.units.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "unit {} does not exist ({} units)",
+                    b.unit,
+                    self.units.len()
+                )));
+            }
+            queues.entry(b.unit).or_default().push(b);
+        }
+        let wait_until = self
+            .cfg
+            .wait_for_memory
+            .map(|w| (Instant::now() + w).min(deadline));
+        let results = fanout::all_at_once(
+            queues
+                .iter()
+                .map(|(&unit, queue)| self.put_unit(unit, queue, deadline, wait_until, timer)),
+        );
+        // The first unit's error (in unit order); what other units
+        // committed stays committed.
+        results.into_iter().collect::<Result<Vec<()>>>().map(drop)
+    }
+
+    /// One unit's part of a put: its blobs one after another, each
+    /// written and committed ([`Transport::put`]). A unit that answers
+    /// Busy (or, with [`ClientConfig::wait_for_memory`], Full) is asked
+    /// again after [`BUSY_RETRY`], doubling to [`BUSY_RETRY_MAX`], within
+    /// the deadline.
+    pub(crate) async fn put_unit(
+        &self,
+        unit: usize,
+        queue: &[&BlobPut<'_>],
+        deadline: Instant,
+        wait_until: Option<Instant>,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        let mut backoff: Option<Duration> = None;
+        for &put in queue {
+            loop {
+                let failure = match self.put_one(unit, put, deadline).await {
+                    Ok(()) => {
+                        timer.unit_done(&self.metrics, unit);
+                        backoff = None;
+                        break;
+                    }
+                    Err(f) => f,
+                };
+                // Busy is waited out; a full unit too, when asked to.
+                let full = !failure.is_busy();
+                if full {
+                    let keys = put.entries.iter().map(|e| e.key.clone()).collect();
+                    match self.classify(unit, failure, vec![put.blob], keys, deadline) {
+                        Error::UnitFull { .. }
+                            if wait_until.is_some_and(|w| Instant::now() < w) => {}
+                        e => return Err(e),
+                    }
+                }
+                let step = backoff
+                    .map(|d| (d * 2).min(BUSY_RETRY_MAX))
+                    .unwrap_or(BUSY_RETRY);
+                let at = Instant::now() + step;
+                if at >= deadline {
+                    return Err(Error::Timeout {
+                        unit: Some(unit),
+                        what: "the unit kept answering Busy".into(),
+                    });
+                }
+                self.metrics.retry(full, step);
+                backoff = Some(step);
+                fanout::pause_until(at).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Read `keys` (each with its unit): one resolve and one read per unit,
+    /// every unit at once. Every value is handed to `sink` under its index
+    /// in `keys`. Keys that are not stored fail the call with
+    /// [`Error::NotFound`] naming each of them.
+    pub fn get_into(
+        &self,
+        partition: &str,
+        keys: &[(usize, Key)],
+        sink: &mut dyn GetSink,
+        deadline: Instant,
+    ) -> Result<()> {
+        self.timed(metrics::ClientOp::Get, |timer| {
+            let mut counting = Counting {
+                inner: sink,
+                bytes: 0,
+            };
+            self.get_from_units(partition, keys, &mut counting, deadline, timer)?;
+            self.metrics.got_bytes(counting.bytes);
+            Ok(())
+        })
+    }
+
+    pub(crate) fn get_from_units(
+        &self,
+        partition: &str,
+        keys: &[(usize, Key)],
+        sink: &mut dyn GetSink,
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
+        for (i, (unit, key)) in keys.iter().enumerate() {
+            if *unit >= self.units.len() {
+                return Err(Error::InvalidRequest(format!("unit {unit} does not exist")));
+            }
+            let e = by_unit.entry(*unit).or_default();
+            e.0.push(key.clone());
+            e.1.push(i);
+        }
+        let sink: SharedSink<'_> = std::cell::RefCell::new(sink);
+        let results = fanout::all_at_once(by_unit.iter().map(|(&unit, (ks, idx))| {
+            self.get_unit(partition, unit, ks, idx, &sink, deadline, timer)
+        }));
+        let mut missing: Vec<Key> = Vec::new();
+        for r in results {
+            missing.extend(r?);
+        }
+        if !missing.is_empty() {
+            return Err(Error::NotFound {
+                named: error::names(&missing),
+                keys: missing,
+            });
+        }
+        Ok(())
+    }
+
+    /// One unit's part of a get ([`Transport::get`]): the keys it does
+    /// not have.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) async fn get_unit(
+        &self,
+        partition: &str,
+        unit: usize,
+        keys: &[Key],
+        index_of: &[usize],
+        sink: &SharedSink<'_>,
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<Vec<Key>> {
+        let mut t = match self.checkout(unit, deadline).await {
+            Ok(t) => t,
+            Err(f) => return Err(self.failed_get(unit, f, keys, deadline)),
+        };
+        match t.get(partition, keys, index_of, sink, deadline).await {
+            Ok(miss) => {
+                timer.unit_done(&self.metrics, unit);
+                let restarted = !miss.is_empty() && self.take_restart(unit);
+                self.checkin(unit, t);
+                let miss: Vec<Key> = miss.into_iter().map(|i| keys[i].clone()).collect();
+                if restarted {
+                    return Err(Error::LostKeys {
+                        unit,
+                        blobs: vec![],
+                        named: error::names(&miss),
+                        keys: miss,
+                    });
+                }
+                Ok(miss)
+            }
+            Err(f) => {
+                if f.keeps_connection() {
+                    self.checkin(unit, t);
+                }
+                Err(self.failed_get(unit, f, keys, deadline))
+            }
+        }
+    }
+
+    pub(crate) fn failed_get(
+        &self,
+        unit: usize,
+        f: Failure,
+        keys: &[Key],
+        deadline: Instant,
+    ) -> Error {
+        if f.is_busy() {
+            return Error::TransferFailed {
+                unit,
+                blobs: vec![],
+                reason: "unit busy".into(),
+                in_flight: false,
+            };
+        }
+        self.classify(unit, f, vec![], keys.to_vec(), deadline)
+    }
+
+    /// Read `keys` into fresh vectors, in order.
+    pub fn get(
+        &self,
+        partition: &str,
+        keys: &[(usize, Key)],
+        deadline: Instant,
+    ) -> Result<Vec<Vec<u8>>> {
+        let mut sink = VecSink(vec![None; keys.len()]);
+        self.get_into(partition, keys, &mut sink, deadline)?;
+        Ok(sink.0.into_iter().map(Option::unwrap_or_default).collect())
+    }
+
+    /// Read `keys` into [`Value`]s, in order: over nixl each unit's values
+    /// land, without a copy, in one buffer of the client's registered
+    /// receive pool that the values share ([`Value::Lent`]); over shm and
+    /// tcp each is a vector of its own.
+    pub fn get_values(
+        &self,
+        partition: &str,
+        keys: &[(usize, Key)],
+        deadline: Instant,
+    ) -> Result<Vec<Value>> {
+        let mut sink = ValueSink((0..keys.len()).map(|_| None).collect());
+        self.get_into(partition, keys, &mut sink, deadline)?;
+        Ok(sink
+            .0
+            .into_iter()
+            .map(|v| v.unwrap_or(Value::Owned(Vec::new())))
+            .collect())
+    }
+
+    /// Clear whole rows (each with its unit): one awaited ClearRows per
+    /// unit, all units at once. Rows on a dead unit are already gone, so
+    /// clearing them succeeds; a live unit that does not answer fails the
+    /// call (retryable). Returns the number of entries removed.
+    pub fn clear_placed_rows(
+        &self,
+        partition: &str,
+        rows: &[(usize, u64)],
+        deadline: Instant,
+    ) -> Result<u64> {
+        self.timed(metrics::ClientOp::Clear, |_| {
+            self.clear_rows_of_units(partition, rows, deadline)
+        })
+    }
+
+    pub(crate) fn clear_rows_of_units(
+        &self,
+        partition: &str,
+        rows: &[(usize, u64)],
+        deadline: Instant,
+    ) -> Result<u64> {
+        let mut by_unit: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for &(unit, row) in rows {
+            if unit >= self.units.len() {
+                return Err(Error::InvalidRequest(format!("unit {unit} does not exist")));
+            }
+            by_unit.entry(unit).or_default().push(row);
+        }
+        let mut removed = 0;
+        let replies = self.call_units(
+            by_unit
+                .into_iter()
+                .map(|(u, rows)| {
+                    (
+                        u,
+                        Request::ClearRows {
+                            partition: partition.to_owned(),
+                            rows,
+                        },
+                    )
+                })
+                .collect(),
+            deadline,
+        );
+        for (unit, r) in replies {
+            match r {
+                Ok(Response::Cleared { entries }) => removed += entries,
+                Ok(other) => {
+                    return Err(Error::TransferFailed {
+                        unit,
+                        blobs: vec![],
+                        reason: format!("unexpected reply {other:?}"),
+                        in_flight: false,
+                    })
+                }
+                Err(Error::LostKeys { .. }) => {} // a dead unit's rows are gone already
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(removed)
+    }
+
+    /// Put raw values by key in the default partition, one blob per unit
+    /// (row `r` on unit `r % N`), all units at once.
+    pub fn put_rows(&self, values: &[(Key, &[u8])], deadline: Instant) -> Result<()> {
+        let mut by_unit: BTreeMap<usize, BlobPut<'_>> = BTreeMap::new();
+        let mut sizes: HashMap<usize, u64> = HashMap::new();
+        for (key, bytes) in values {
+            let unit = self.unit_of_row(key.row);
+            let b = by_unit.entry(unit).or_insert_with(|| BlobPut {
+                unit,
+                partition: DEFAULT_PARTITION,
+                blob: new_blob_id(),
+                segments: Vec::new(),
+                entries: Vec::new(),
+            });
+            let off = sizes.entry(unit).or_insert(0);
+            b.entries.push(EntrySpec {
+                key: key.clone(),
+                offset: *off,
+                len: bytes.len() as u64,
+                meta: Vec::new(),
+            });
+            b.segments.push(bytes);
+            *off += bytes.len() as u64;
+        }
+        let blobs: Vec<BlobPut<'_>> = by_unit.into_values().collect();
+        self.put_many(&blobs, deadline)
+    }
+
+    /// Get raw values by key from the default partition (row `r` on unit
+    /// `r % N`), in order.
+    pub fn get_rows(&self, keys: &[Key], deadline: Instant) -> Result<Vec<Vec<u8>>> {
+        let placed: Vec<(usize, Key)> = keys
+            .iter()
+            .map(|k| (self.unit_of_row(k.row), k.clone()))
+            .collect();
+        self.get(DEFAULT_PARTITION, &placed, deadline)
+    }
+
+    /// Clear rows of the default partition (row `r` on unit `r % N`),
+    /// named as [`Client::put_rows`] and [`Client::get_rows`] name them, by
+    /// their keys, or by their ids ([`RowOf`]). A key clears its whole row,
+    /// every field of it.
+    pub fn clear_rows<R: RowOf>(&self, rows: &[R], deadline: Instant) -> Result<u64> {
+        let placed: Vec<(usize, u64)> = rows
+            .iter()
+            .map(|r| (self.unit_of_row(r.row()), r.row()))
+            .collect();
+        self.clear_placed_rows(DEFAULT_PARTITION, &placed, deadline)
+    }
+
+    /// One control request to unit `unit`.
+    pub(crate) fn call_one(
+        &self,
+        unit: usize,
+        req: Request,
+        deadline: Instant,
+    ) -> Result<Response> {
+        if unit >= self.units.len() {
+            return Err(Error::InvalidRequest(format!(
+                "no unit {unit}: the client has {}",
+                self.units.len()
+            )));
+        }
+        let timer = metrics::OpTimer::start();
+        let r = self
+            .call_units(vec![(unit, req)], deadline)
+            .pop()
+            .map(|(_, r)| r)
+            .unwrap_or_else(|| Err(Error::Io("no reply".into())));
+        self.metrics
+            .op(metrics::ClientOp::Control, r.is_ok(), timer.took());
+        r
+    }
+
+    /// Send one control request per unit and await its reply, all units
+    /// at once. The replies in unit order (as `reqs`).
+    pub(crate) fn call_units(
+        &self,
+        reqs: Vec<(usize, Request)>,
+        deadline: Instant,
+    ) -> Vec<(usize, Result<Response>)> {
+        let results = fanout::all_at_once(
+            reqs.iter()
+                .map(|(unit, req)| self.call_unit(*unit, req, deadline)),
+        );
+        reqs.iter().map(|(unit, _)| *unit).zip(results).collect()
+    }
+
+    /// One unit's part of a control call.
+    pub(crate) async fn call_unit(
+        &self,
+        unit: usize,
+        req: &Request,
+        deadline: Instant,
+    ) -> Result<Response> {
+        let mut t = match self.checkout(unit, deadline).await {
+            Ok(t) => t,
+            Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
+        };
+        match t.call(req, deadline).await {
+            Ok(Response::Error { code, message }) => {
+                self.checkin(unit, t);
+                Err(unit_error(unit, code, message, vec![]))
+            }
+            Ok(r) => {
+                self.checkin(unit, t);
+                Ok(r)
+            }
+            Err(f) => Err(self.failed_get(unit, f, &[], deadline)),
+        }
+    }
+}
+
+/// A row of the default partition as [`Client::clear_rows`] takes it: its
+/// id, or a key of it (the keys [`Client::put_rows`] and
+/// [`Client::get_rows`] take; the key's field is not looked at).
+pub trait RowOf {
+    /// The row's id.
+    fn row(&self) -> u64;
+}
+
+impl RowOf for u64 {
+    fn row(&self) -> u64 {
+        *self
+    }
+}
+
+impl RowOf for Key {
+    fn row(&self) -> u64 {
+        self.row
+    }
+}

@@ -1,0 +1,414 @@
+//! The rows × fields put ([`Client::put`]: its columns checked and laid
+//! out, one blob per unit, [`put_blobs`]) and what the unit keeps beside
+//! each value of a row: its dtype and shape and, for a string-keyed row,
+//! the name it was put under (or that name's digest), which reads compare
+//! with the name asked for (`rows`' module docs: string keys whose hashes
+//! collide). The put is here, beside what it writes, so that it runs in
+//! one file from the caller's columns to the blob API.
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Instant;
+
+use serde::{Deserialize, Serialize};
+use stowage_wire::{EntrySpec, Key};
+
+use crate::classify::name_keys;
+#[cfg(test)]
+use crate::values::NAME_BIT;
+use crate::values::{byte_len, Column, DType, RowKey, Tensor};
+use crate::{new_blob_id, BlobPut, Client, Error, Result};
+
+/// The reserved field that holds a string row key's text.
+pub const KEY_FIELD: &str = "\0key";
+
+/// Names up to this many bytes are stored beside each of their row's
+/// values; a longer name is stored there as a digest (see the module
+/// docs), which keeps every value's metadata well under the unit's limit.
+pub const MAX_TAGGED_NAME: usize = 512;
+
+/// Seed of the digest of long names: apart from the row id's (seed 0).
+const DIGEST_SEED: u64 = 0x0053_544f_5741_4745; // "STOWAGE"
+
+/// What the unit keeps beside each value. For a value of a string-keyed
+/// row a [`PutName`] follows it in the same metadata bytes (index rows'
+/// metadata is this alone, as it was before owners were recorded).
+#[derive(Serialize, Deserialize)]
+pub(crate) struct ValueMeta {
+    pub(crate) dtype: DType,
+    pub(crate) shape: Vec<u64>,
+}
+
+/// The name a value of a string-keyed row was put under.
+#[derive(Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub(crate) enum PutName<'a> {
+    Name(&'a str),
+    /// A name longer than [`MAX_TAGGED_NAME`], by its digest.
+    Digest(u128),
+}
+
+impl PutName<'_> {
+    pub(crate) fn of(name: &str) -> PutName<'_> {
+        if name.len() <= MAX_TAGGED_NAME {
+            PutName::Name(name)
+        } else {
+            PutName::Digest(digest(name))
+        }
+    }
+}
+
+pub(crate) fn digest(name: &str) -> u128 {
+    xxhash_rust::xxh3::xxh3_128_with_seed(name.as_bytes(), DIGEST_SEED)
+}
+
+/// Whether a value may be handed out as `key`'s.
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Ownership {
+    Mine,
+    /// Put before owners were recorded: check the row's [`KEY_FIELD`].
+    Unknown,
+    /// Another name's (`None`: known by digest only).
+    Other(Option<String>),
+}
+
+pub(crate) fn ownership(key: &RowKey, owner: Option<PutName>) -> Ownership {
+    // Index rows and string rows never share ids (NAME_BIT).
+    let RowKey::Name(name) = key else {
+        return Ownership::Mine;
+    };
+    match owner {
+        None => Ownership::Unknown,
+        Some(PutName::Name(n)) if n == *name => Ownership::Mine,
+        Some(PutName::Name(n)) => Ownership::Other(Some(n.to_owned())),
+        Some(PutName::Digest(d)) if name.len() > MAX_TAGGED_NAME && d == digest(name) => {
+            Ownership::Mine
+        }
+        Some(PutName::Digest(_)) => Ownership::Other(None),
+    }
+}
+
+pub(crate) fn collision(partition: &str, requested: &RowKey, stored: Option<String>) -> Error {
+    Error::KeyCollision {
+        partition: partition.to_owned(),
+        requested: requested.to_string(),
+        stored,
+    }
+}
+
+/// The metadata of a value of `dtype` and `shape` in a row named `owner`.
+pub(crate) fn encode_meta(dtype: DType, shape: &[u64], owner: Option<&[u8]>) -> Result<Vec<u8>> {
+    let mut meta = postcard::to_allocvec(&ValueMeta {
+        dtype,
+        shape: shape.to_vec(),
+    })
+    .map_err(|e| Error::InvalidRequest(format!("value metadata: {e}")))?;
+    meta.extend_from_slice(owner.unwrap_or_default());
+    Ok(meta)
+}
+
+pub(crate) fn decode_meta(
+    meta: &[u8],
+) -> std::result::Result<(ValueMeta, Option<PutName<'_>>), String> {
+    let bad =
+        |e: postcard::Error| format!("value metadata unreadable ({e}): not put by the rows API?");
+    let (m, rest) = postcard::take_from_bytes::<ValueMeta>(meta).map_err(bad)?;
+    if rest.is_empty() {
+        return Ok((m, None));
+    }
+    let (owner, rest) = postcard::take_from_bytes::<PutName>(rest).map_err(bad)?;
+    if !rest.is_empty() {
+        return Err("value metadata has trailing bytes: not put by the rows API?".into());
+    }
+    Ok((m, Some(owner)))
+}
+
+/// Refuse two different names of one call that share a row id (a put of
+/// both would leave one row holding both).
+pub(crate) fn check_distinct_rows(
+    partition: &str,
+    keys: &[RowKey],
+    row_id: impl Fn(&RowKey) -> Result<u64>,
+) -> Result<()> {
+    let mut names: HashMap<u64, &str> = HashMap::new();
+    for key in keys {
+        if let RowKey::Name(n) = key {
+            match names.insert(row_id(key)?, n) {
+                Some(other) if other != n => {
+                    return Err(collision(partition, key, Some(other.to_owned())))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+pub(crate) fn check_field(f: &str) -> Result<()> {
+    if f.is_empty() || f.starts_with('\0') {
+        return Err(Error::InvalidRequest(format!(
+            "field name {f:?} is empty or reserved (starts with NUL)"
+        )));
+    }
+    Ok(())
+}
+
+/// Every value starts at a multiple of this many bytes within its blob.
+const VALUE_ALIGN: u64 = 64;
+
+static PADDING: [u8; VALUE_ALIGN as usize] = [0; VALUE_ALIGN as usize];
+
+impl Client {
+    pub(crate) fn unit_of_key(&self, row_id: u64, unit: Option<usize>) -> Result<usize> {
+        match unit {
+            Some(u) if u < self.units.len() => Ok(u),
+            Some(u) => Err(Error::InvalidRequest(format!(
+                "unit {u} does not exist ({} units)",
+                self.units.len()
+            ))),
+            None => Ok(self.unit_of_row(row_id)),
+        }
+    }
+
+    /// Write `columns` for `keys` in `partition`: all of one unit's values
+    /// go out as one blob, all units at once. A put may add fields to
+    /// rows that exist; writing an existing (key, field) replaces it.
+    pub fn put(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        columns: &[(&str, Column<'_>)],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let blobs = put_blobs(partition, keys, columns, |row| self.unit_of_key(row, unit))?;
+        if blobs.is_empty() {
+            return Ok(());
+        }
+        self.put_many(&blobs, deadline)
+            .map_err(|e| name_keys(e, keys))
+    }
+}
+
+/// The blobs of a put of `columns` for `keys` in `partition`, one per unit
+/// (`unit_of`: a row id's unit): every column checked first — its field
+/// name, its values against the keys (the one place column lengths are
+/// checked, for every caller) — then each value laid out on a
+/// [`VALUE_ALIGN`] boundary with its metadata. None when there are no keys.
+pub(crate) fn put_blobs<'a>(
+    partition: &'a str,
+    keys: &'a [RowKey],
+    columns: &[(&'a str, Column<'a>)],
+    unit_of: impl Fn(u64) -> Result<usize>,
+) -> Result<Vec<BlobPut<'a>>> {
+    let n = keys.len();
+    let mut seen = HashSet::new();
+    let mut per_column: Vec<(&str, Vec<Tensor<'_>>)> = Vec::with_capacity(columns.len());
+    for (field, col) in columns {
+        check_field(field)?;
+        if !seen.insert(*field) {
+            return Err(Error::InvalidRequest(format!(
+                "field {field:?} given twice"
+            )));
+        }
+        let values = match col {
+            Column::Jagged(v) => {
+                if v.len() != n {
+                    return Err(Error::InvalidRequest(format!(
+                        "column {field:?} has {} values for {n} keys",
+                        v.len()
+                    )));
+                }
+                for t in v {
+                    Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                }
+                v.clone()
+            }
+            Column::Dense(t) => {
+                let t = Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                match t.shape.first() {
+                    Some(&rows) if rows == n as u64 => {}
+                    Some(&rows) => {
+                        return Err(Error::InvalidRequest(format!(
+                            "column {field:?}: a dense array has {rows} rows (its first axis) for {n} keys; \
+                             pass a list of arrays for values of different shapes"
+                        )))
+                    }
+                    None => {
+                        return Err(Error::InvalidRequest(format!(
+                            "column {field:?}: a 0-d array cannot be split into rows"
+                        )))
+                    }
+                }
+                let row_shape = t.shape[1..].to_vec();
+                let row_bytes = byte_len(t.dtype, &row_shape)? as usize;
+                (0..n)
+                    .map(|i| Tensor {
+                        dtype: t.dtype,
+                        shape: row_shape.clone(),
+                        data: &t.data[i * row_bytes..(i + 1) * row_bytes],
+                    })
+                    .collect()
+            }
+        };
+        per_column.push((field, values));
+    }
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    check_distinct_rows(partition, keys, RowKey::row_id)?;
+    struct Building<'a> {
+        segments: Vec<&'a [u8]>,
+        entries: Vec<EntrySpec>,
+        size: u64,
+    }
+    impl<'a> Building<'a> {
+        fn push(&mut self, key: Key, data: &'a [u8], meta: Vec<u8>) {
+            let pad = self.size.next_multiple_of(VALUE_ALIGN) - self.size;
+            if pad > 0 {
+                self.segments.push(&PADDING[..pad as usize]);
+                self.size += pad;
+            }
+            self.entries.push(EntrySpec {
+                key,
+                offset: self.size,
+                len: data.len() as u64,
+                meta,
+            });
+            if !data.is_empty() {
+                self.segments.push(data);
+            }
+            self.size += data.len() as u64;
+        }
+    }
+    let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
+    for (r, key) in keys.iter().enumerate() {
+        let row = key.row_id()?;
+        let u = unit_of(row)?;
+        let b = by_unit.entry(u).or_insert_with(|| Building {
+            segments: Vec::new(),
+            entries: Vec::new(),
+            size: 0,
+        });
+        let owner = match key {
+            RowKey::Name(name) => {
+                b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
+                Some(
+                    postcard::to_allocvec(&PutName::of(name))
+                        .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
+                )
+            }
+            RowKey::Index(_) => None,
+        };
+        for (field, values) in &per_column {
+            let t = &values[r];
+            let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;
+            b.push(Key::new(row, *field), t.data, meta);
+        }
+    }
+    let blobs: Vec<BlobPut<'a>> = by_unit
+        .into_iter()
+        .map(|(u, b)| BlobPut {
+            unit: u,
+            partition,
+            blob: new_blob_id(),
+            segments: b.segments,
+            entries: b.entries,
+        })
+        .collect();
+    Ok(blobs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn named(name: &str) -> Vec<u8> {
+        postcard::to_allocvec(&PutName::of(name)).unwrap()
+    }
+
+    #[test]
+    fn index_rows_keep_the_metadata_they_always_had() {
+        let meta = encode_meta(DType::F32, &[3, 4], None).unwrap();
+        let before = postcard::to_allocvec(&ValueMeta {
+            dtype: DType::F32,
+            shape: vec![3, 4],
+        })
+        .unwrap();
+        assert_eq!(meta, before);
+        let (m, owner) = decode_meta(&meta).unwrap();
+        assert_eq!((m.dtype, m.shape, owner), (DType::F32, vec![3, 4], None));
+    }
+
+    #[test]
+    fn values_of_string_rows_carry_their_name() {
+        let meta = encode_meta(DType::I64, &[7], Some(&named("uid_g3"))).unwrap();
+        let (m, owner) = decode_meta(&meta).unwrap();
+        assert_eq!((m.dtype, m.shape), (DType::I64, vec![7]));
+        assert_eq!(owner, Some(PutName::Name("uid_g3")));
+        let long = "x".repeat(MAX_TAGGED_NAME + 1);
+        let meta = encode_meta(DType::I64, &[7], Some(&named(&long))).unwrap();
+        assert_eq!(
+            decode_meta(&meta).unwrap().1,
+            Some(PutName::Digest(digest(&long)))
+        );
+        // Trailing garbage is not taken for an owner.
+        let mut bad = meta.clone();
+        bad.push(0);
+        assert!(decode_meta(&bad).is_err());
+    }
+
+    #[test]
+    fn the_longest_tagged_name_fits_the_units_metadata_limit() {
+        let name = "n".repeat(MAX_TAGGED_NAME);
+        let shape = [u64::MAX; 32];
+        let meta = encode_meta(DType::F64, &shape, Some(&named(&name))).unwrap();
+        assert!(meta.len() <= stowage_wire::Limits::default().max_meta);
+    }
+
+    #[test]
+    fn only_the_owner_gets_a_value() {
+        let a = RowKey::Name("a".into());
+        fn own(n: &str) -> Option<PutName<'_>> {
+            Some(PutName::of(n))
+        }
+        assert_eq!(ownership(&a, own("a")), Ownership::Mine);
+        assert_eq!(ownership(&a, own("b")), Ownership::Other(Some("b".into())));
+        assert_eq!(ownership(&a, None), Ownership::Unknown);
+        // Index rows never share ids with string rows.
+        assert_eq!(ownership(&RowKey::Index(3), None), Ownership::Mine);
+        // Long names by digest, both ways.
+        let (l1, l2) = ("p".repeat(600), "q".repeat(600));
+        let k1 = RowKey::Name(l1.clone());
+        assert_eq!(ownership(&k1, own(&l1)), Ownership::Mine);
+        assert_eq!(ownership(&k1, own(&l2)), Ownership::Other(None));
+        assert_eq!(ownership(&k1, own("a")), Ownership::Other(Some("a".into())));
+        assert_eq!(ownership(&a, own(&l1)), Ownership::Other(None));
+        // A digest never matches a short name, not even its own digest.
+        let digest_of_a = Some(PutName::Digest(digest("a")));
+        assert_eq!(ownership(&a, digest_of_a), Ownership::Other(None));
+    }
+
+    #[test]
+    fn one_put_naming_two_colliding_names_is_refused() {
+        // Every name hashes alike here.
+        let same = |k: &RowKey| match k {
+            RowKey::Name(_) => Ok(NAME_BIT | 1),
+            RowKey::Index(i) => Ok(*i),
+        };
+        let keys = [
+            RowKey::Index(1),
+            RowKey::Name("a".into()),
+            RowKey::Name("a".into()),
+        ];
+        check_distinct_rows("p", &keys, same).unwrap();
+        let keys = [RowKey::Name("a".into()), RowKey::Name("b".into())];
+        assert_eq!(
+            check_distinct_rows("p", &keys, same),
+            Err(Error::KeyCollision {
+                partition: "p".into(),
+                requested: "b".into(),
+                stored: Some("a".into()),
+            })
+        );
+        check_distinct_rows("p", &keys, RowKey::row_id).unwrap();
+    }
+}
