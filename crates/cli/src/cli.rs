@@ -1,7 +1,6 @@
 //! The `stowage` command line, as a library function so that the binary
 //! and the Python package (`python -m stowage ...`) run the same code.
 
-use std::io::Read;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -648,10 +647,7 @@ fn up(
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     if exit_with_stdin {
         let tx = tx.clone();
-        std::thread::spawn(move || {
-            let mut sink = [0u8; 256];
-            let mut stdin = std::io::stdin();
-            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        crate::unit::when_stdin_closes(move || {
             let _ = tx.send("standard input closed".into());
         });
     }

@@ -326,10 +326,7 @@ pub(crate) fn run(args: UnitArgs, matches: Option<&ArgMatches>) -> Result<(), St
     let handle = std::sync::Arc::new(handle);
     if exit_with_stdin {
         let h = handle.clone();
-        std::thread::spawn(move || {
-            let mut sink = [0u8; 256];
-            let mut stdin = std::io::stdin();
-            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        when_stdin_closes(move || {
             tracing::info!("standard input closed; unit exiting");
             h.request_exit();
         });
@@ -337,6 +334,17 @@ pub(crate) fn run(args: UnitArgs, matches: Option<&ArgMatches>) -> Result<(), St
     handle.wait_for_exit();
     handle.stop();
     Ok(())
+}
+
+/// Run `then` on a thread of its own once standard input closes (the
+/// parent that holds its other end is gone).
+pub(crate) fn when_stdin_closes(then: impl FnOnce() + Send + 'static) {
+    std::thread::spawn(move || {
+        let mut sink = [0u8; 256];
+        let mut stdin = std::io::stdin();
+        while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        then();
+    });
 }
 
 /// Tell a launcher waiting for `READY …` on stdout why this process will

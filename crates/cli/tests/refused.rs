@@ -73,15 +73,9 @@ fn stowage_up_fails_at_once_with_the_units_reason() {
     )
     .unwrap();
     let t0 = Instant::now();
-    let (mut up, lines) = spawn_reaped(
-        Command::new(binary())
-            .args(["up", "--exit-with-stdin", "--config"])
-            .arg(&config)
-            .env_remove("STOWAGE_SECRET")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null()),
-    );
+    let mut up = Command::new(binary());
+    up.args(["up", "--config"]).arg(&config);
+    let (mut up, lines) = spawn_reaped(up.stdout(Stdio::piped()).stderr(Stdio::null()));
     let failed = lines
         .recv_timeout(Duration::from_secs(2))
         .expect("stowage up said nothing within 2 s");
