@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 import os
+import re
 import sys
 import warnings
 import weakref
@@ -724,6 +725,10 @@ def unit_command() -> List[str]:
     return [sys.executable, "-c", _UNIT_BOOT, _native.__file__, "unit"]
 
 
+# How a local plane's start fails when a unit refused its settings.
+_REFUSED = re.compile(r"unit \d+ refused to start: ")
+
+
 def local(
     units: int = 2,
     memory: Union[int, str] = "256MiB",
@@ -767,7 +772,11 @@ def local(
     open to every local user); :attr:`DataPlane.directory` carries a
     generated one to other processes. ``insecure=True``: units without a
     secret; every local user can then read, overwrite and clear every value
-    over their loopback TCP listeners."""
+    over their loopback TCP listeners.
+
+    A unit that refuses its settings (e.g. a ``disk`` root another user
+    owns) raises :class:`InvalidRequest` at once, with the unit's own
+    reason (``unit I refused to start: ...``)."""
     if transport not in ("shm", "tcp", "nixl"):
         raise InvalidRequest(f"transport must be 'shm', 'tcp' or 'nixl', not {transport!r}")
     command = unit_command()
@@ -790,9 +799,23 @@ def local(
         args += ["--checkpoint-root", str(checkpoint_root)]
     if insecure and secret is not None:
         raise InvalidRequest("insecure means units without a secret, but one was given")
-    plane = _native.LocalPlane(
-        command, units, memory, args, 30.0, None if insecure else _secret(secret), insecure=insecure
-    )
+    try:
+        plane = _native.LocalPlane(
+            command,
+            units,
+            memory,
+            args,
+            30.0,
+            None if insecure else _secret(secret),
+            insecure=insecure,
+        )
+    except Error as e:
+        # A unit that refused its settings ("unit I refused to start:
+        # REASON", in its own words, as soon as it exited): the settings
+        # are what was wrong.
+        if _REFUSED.match(str(e)):
+            raise InvalidRequest(str(e)) from None
+        raise
     secret = plane.secret
     try:
         addrs = plane.uds_addrs if transport == "shm" else plane.tcp_addrs

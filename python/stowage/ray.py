@@ -51,6 +51,7 @@ from . import Error, InvalidRequest, _native, _secret
 __all__ = [
     "PlacementError",
     "StowageUnit",
+    "UnitRefused",
     "Units",
     "liveness",
     "start_units",
@@ -387,6 +388,18 @@ def _waiting_work() -> str:
     return "; ".join(f"{n} x {{{k}}}" for k, n in sorted(shapes.items())) or "none"
 
 
+class UnitRefused(PlacementError, InvalidRequest):
+    """A unit refused its settings (e.g. a disk root another user owns):
+    the message carries the unit's own reason. A :class:`PlacementError`
+    like every failed start, and an :class:`stowage.InvalidRequest`: the
+    settings are what was wrong."""
+
+
+# What a unit's actor says when its unit refused to start (the native
+# `Unit`'s error, the last line of the actor's creation error).
+_REFUSED = "the unit could not start: "
+
+
 def _await_units(
     refs: List[Any],
     actors: List[Any],
@@ -401,7 +414,8 @@ def _await_units(
     pinned to ``nodes[i]``; stored into ``results[i]``) until every one came,
     one failed, or the deadline passed (``deadline``: the monotonic time and
     the timeout it came from; ``need``: the CPUs and Ray memory each unit
-    reserves). Raises :class:`PlacementError` (``what`` did not start) naming
+    reserves). Raises :class:`PlacementError` (``what`` did not start;
+    :class:`UnitRefused` when a unit refused its settings) naming
     each unit that did not come up (``labels[i]`` names it) and, after a
     timeout, what Ray says about the cluster. Every unit still pending at the deadline is reported with
     why it waits (:func:`_pending_reasons`); after a unit failed, the others
@@ -409,6 +423,7 @@ def _await_units(
     at, timeout = deadline
     index = {r: i for i, r in enumerate(refs)}
     failed: List[str] = []
+    refused = False
     pending = list(refs)
     while pending and not failed:
         left = at - time.monotonic()
@@ -420,7 +435,9 @@ def _await_units(
             try:
                 results[i] = ray.get(ref, timeout=max(0.1, at - time.monotonic()))
             except Exception as e:  # noqa: BLE001 - reported per unit
-                failed.append(f"{labels[i]} on node {nodes[i]} failed to start: {_short(e)}")
+                said = _short(e)
+                refused = refused or _REFUSED in said
+                failed.append(f"{labels[i]} on node {nodes[i]} failed to start: {said}")
     why: Dict[int, str] = {}
     cluster = ""
     timed_out = bool(pending) and not failed
@@ -437,7 +454,7 @@ def _await_units(
         else:
             failed.append(f"{labels[i]} on node {nodes[i]} was not waited for")
     if failed:
-        raise PlacementError(
+        raise (UnitRefused if refused else PlacementError)(
             f"{what} did not start: " + "; ".join(failed) + (f" ({cluster})" if cluster else "")
         )
 
@@ -561,7 +578,9 @@ def start_units(
 
     Raises :class:`PlacementError` when a planned node is missing, dead or
     short of CPUs or memory (at once, before anything starts), or when a
-    unit fails to start or is not up within ``timeout`` seconds (default
+    unit fails to start (:class:`UnitRefused`, also an
+    :class:`stowage.InvalidRequest`, at once with the unit's own reason
+    when it refused its settings) or is not up within ``timeout`` seconds (default
     ``timeouts.start``, 2 minutes); the message names each unit and what
     was missing: for a unit still pending, its actor's state, the CPUs
     and memory it needs against what its node has free, and, for the

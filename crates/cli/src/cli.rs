@@ -1,12 +1,11 @@
 //! The `stowage` command line, as a library function so that the binary
 //! and the Python package (`python -m stowage ...`) run the same code.
 
-use std::io::Read;
 use std::process::ExitCode;
 use std::time::Duration;
 
+use crate::unit::{DiskArgs, UnitArgs};
 use crate::{bench, parse_duration, parse_size, workload};
-use clap::parser::ValueSource;
 use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
 use stowage_client::{Client, ClientConfig, Secret, TransportChoice, UnitAddr, UnitDirectory};
 use stowage_cluster::config::Config;
@@ -65,55 +64,9 @@ enum TransportArg {
     Tcp,
 }
 
-/// The disk tier's settings (a unit's, or every unit's of a local plane).
-#[derive(clap::Args, Clone, Debug)]
-struct DiskArgs {
-    /// Root directory of the disk tier (each unit works in its own
-    /// owner-only, locked subdirectory). Without it, no disk tier.
-    #[arg(long)]
-    disk: Option<std::path::PathBuf>,
-    /// Disk tier capacity per unit.
-    #[arg(long, value_parser = parse_size, default_value = "20GiB")]
-    disk_capacity: u64,
-    /// Spill to disk past this fraction of the slab in use.
-    #[arg(long, default_value_t = 0.9)]
-    high_watermark: f64,
-    /// Stop spilling below this fraction.
-    #[arg(long, default_value_t = 0.8)]
-    low_watermark: f64,
-    /// Most heap a unit's reads from its disk tier take at once, all
-    /// readers together: spilled values stream from file to socket (or
-    /// into the slab) through buffers of at most 1 MiB taken from this;
-    /// a reader finding none free waits within its deadline, then is
-    /// answered Busy. At least 64KiB.
-    #[arg(long, value_parser = parse_size, default_value = "8MiB")]
-    disk_read_budget: u64,
-}
-
-impl DiskArgs {
-    /// The same settings as `stowage unit` arguments.
-    fn unit_args(&self) -> Vec<String> {
-        let Some(dir) = &self.disk else {
-            return Vec::new();
-        };
-        vec![
-            "--disk".into(),
-            dir.display().to_string(),
-            "--disk-capacity".into(),
-            self.disk_capacity.to_string(),
-            "--high-watermark".into(),
-            self.high_watermark.to_string(),
-            "--low-watermark".into(),
-            self.low_watermark.to_string(),
-            "--disk-read-budget".into(),
-            self.disk_read_budget.to_string(),
-        ]
-    }
-}
-
 /// Where the shared secret comes from (units and clients alike).
 #[derive(clap::Args, Clone, Debug, Default)]
-struct SecretArgs {
+pub(crate) struct SecretArgs {
     /// A file holding the shared secret (owner-only, at least 16 bytes; a
     /// trailing line break is dropped). Without it, the environment
     /// variable STOWAGE_SECRET is used when set; with neither, no secret
@@ -124,7 +77,7 @@ struct SecretArgs {
 
 impl SecretArgs {
     /// The secret: `--secret-file` over `STOWAGE_SECRET`.
-    fn secret(&self) -> Result<Option<Secret>, String> {
+    pub(crate) fn secret(&self) -> Result<Option<Secret>, String> {
         match &self.secret_file {
             Some(p) => Secret::from_file(p).map(Some),
             None => Secret::from_env(),
@@ -178,177 +131,7 @@ fn parse_addrs(units: &[String]) -> Result<Vec<UnitAddr>, String> {
 #[derive(Subcommand)]
 enum Cmd {
     /// Run one storage unit.
-    Unit {
-        /// Take the unit's settings from this config file (docs/config.md);
-        /// options given on the command line override it.
-        #[arg(long, value_name = "FILE")]
-        config: Option<std::path::PathBuf>,
-        /// With --config: this unit's index (its name, its TCP port when
-        /// the file names a base port, its socket in listen.unix_dir).
-        #[arg(long, default_value_t = 0)]
-        index: usize,
-        /// Slab memory, e.g. 1GiB.
-        #[arg(long, value_parser = parse_size, default_value = "1GiB")]
-        memory: u64,
-        /// Where to listen: unix:/path/unit.sock and/or tcp:127.0.0.1:PORT
-        /// (repeatable; TCP needs a secret or --insecure). Default:
-        /// unix:$XDG_RUNTIME_DIR/stowage/unit-0.sock, else
-        /// unix:/tmp/stowage-UID/unit-0.sock (a private 0700 directory),
-        /// else, when another user made that directory first (or it is a
-        /// link), unix:$HOME/.stowage/run/unit-0.sock, with a warning.
-        #[arg(long)]
-        listen: Vec<String>,
-        /// A name for logs.
-        #[arg(long, default_value = "unit-0")]
-        name: String,
-        /// A pin held longer is reported as overdue in stats (never taken
-        /// from its holder: a paused client may resume its copy).
-        #[arg(long, value_parser = parse_duration, default_value = "30s")]
-        pin_lease: Duration,
-        /// An uncommitted reservation held longer is reported as overdue
-        /// in stats (never taken from its holder).
-        #[arg(long, value_parser = parse_duration, default_value = "30s")]
-        reservation_lease: Duration,
-        /// Quarantine of the range of a put stream the unit cut off.
-        #[arg(long, value_parser = parse_duration, default_value = "5s")]
-        quarantine: Duration,
-        /// Checkpoints are written only under this directory (without it,
-        /// the unit takes none).
-        #[arg(long)]
-        checkpoint_root: Option<std::path::PathBuf>,
-        /// Accept Unix-socket clients of other users (default: only this
-        /// user's; a client that connects maps the slab).
-        #[arg(long)]
-        allow_other_uids: bool,
-        /// Accept admin requests (shutdown, checkpoint) over TCP too
-        /// (default: only same-user clients on the Unix socket).
-        #[arg(long)]
-        admin: bool,
-        /// Once a request frame has begun, the rest must arrive within this.
-        #[arg(long, value_parser = parse_duration, default_value = "10s")]
-        frame_timeout: Duration,
-        /// Most connections served at once: those that proved the shared
-        /// secret (or, without one, said Hello). Past it, a connection
-        /// that proves itself is answered Busy.
-        #[arg(long, default_value_t = 16384)]
-        max_connections: usize,
-        /// Most client sessions at once; past it, a new session is
-        /// answered Busy.
-        #[arg(long, default_value_t = 16_384)]
-        max_sessions: usize,
-        /// Threads that serve connections, each waiting on readiness
-        /// events for its share of them (0: one per core).
-        #[arg(long, default_value_t = 0)]
-        threads: usize,
-        /// Most threads for blocking work (a tcp put's or get's bytes,
-        /// disk reads, checkpoints, nixl setup); idle ones exit.
-        #[arg(long, default_value_t = 8)]
-        io_threads: usize,
-        /// Most connections at once that have not proved themselves yet;
-        /// they never take a served connection's slot. Past it, a new
-        /// connection cuts the oldest handshake of the source holding the
-        /// most.
-        #[arg(long, default_value_t = 128)]
-        max_handshakes: usize,
-        /// Most of those from one source (a local user, over the Unix
-        /// socket or TCP from this host, loopback or a host address;
-        /// otherwise an address, an IPv6 /64):
-        /// past it, a new one cuts that source's oldest handshake.
-        #[arg(long, default_value_t = 32)]
-        max_handshakes_per_source: usize,
-        /// A connection must prove the shared secret and say Hello within
-        /// this of its accept, or it is cut.
-        #[arg(long, value_parser = parse_duration, default_value = "1s")]
-        handshake_timeout: Duration,
-        /// Most connections of one client session.
-        #[arg(long, default_value_t = 64)]
-        max_session_connections: usize,
-        /// Most reservations and pins one client session may hold at once.
-        #[arg(long, default_value_t = 16384)]
-        max_session_holds: usize,
-        /// Bytes the key index may take (default: a quarter of the memory,
-        /// at least 64 MiB); commits past it answer UnitFull.
-        #[arg(long, value_parser = parse_size)]
-        index_budget: Option<u64>,
-        /// Bytes at the top of the slab that spares (reservations same-host
-        /// clients keep for their next puts) come from; default 1/16 of
-        /// the memory, at most half; 0: no spares.
-        #[arg(long, value_parser = parse_size)]
-        spare_budget: Option<u64>,
-        /// Compaction's budget: bytes it may copy (moving blobs nobody can
-        /// touch, to gather free memory into ranges) per byte stored; 0
-        /// turns compaction off.
-        #[arg(long, default_value_t = 0.25)]
-        compaction_ratio: f64,
-        /// Do not try to mlock the slab.
-        #[arg(long)]
-        no_mlock: bool,
-        /// The slab's page mode: auto (hugetlb if the free huge pages hold
-        /// the slab, else thp if shmem_enabled allows it, else 4k; never
-        /// fails), hugetlb (MFD_HUGETLB: needs /proc/sys/vm/nr_hugepages;
-        /// the slab rounds up to whole huge pages), thp (MADV_HUGEPAGE:
-        /// needs /sys/kernel/mm/transparent_hugepage/shmem_enabled at
-        /// advise or within_size) or 4k.
-        #[arg(long, value_name = "MODE", default_value = "auto")]
-        huge_pages: stowage_config::HugePages,
-        /// Exit when standard input closes (the parent is gone).
-        #[arg(long)]
-        exit_with_stdin: bool,
-        /// How long a serving thread polls for more requests after its
-        /// last one before it sleeps in its readiness wait (0 disables
-        /// adaptive polling). A same-host client's request ring stays
-        /// polled this long, or four of that client's recent gaps between
-        /// requests when that is longer (at most 500us), before it is
-        /// parked.
-        #[arg(long, value_parser = parse_duration, default_value = "50us")]
-        spin: Duration,
-        #[command(flatten)]
-        disk: DiskArgs,
-        /// Turn on a failpoint (tests): `disk-write` fails every disk write;
-        /// `disk-sync` fails every blob file's last step (sync and rename),
-        /// after a put to disk was answered Pending.
-        #[arg(long)]
-        failpoint: Vec<String>,
-        /// Serve the checkpoint in this directory (a unit's own
-        /// subdirectory of a checkpoint); refuses an incomplete one.
-        #[arg(long)]
-        restore: Option<std::path::PathBuf>,
-        /// Every client must prove this shared secret at connect.
-        #[command(flatten)]
-        secret: SecretArgs,
-        /// Serve TCP without a shared secret, loopback included (refused
-        /// otherwise): every local user, and anyone who reaches the
-        /// address, can then read, overwrite and clear every value.
-        #[arg(long)]
-        insecure: bool,
-        /// Serve Prometheus metrics on http://ADDR/metrics (default
-        /// 127.0.0.1:0: loopback, any free port, printed in the READY
-        /// line); `off`: no endpoint.
-        #[arg(long, value_name = "ADDR")]
-        metrics_listen: Option<String>,
-        /// Record no metrics at all (no endpoint; stats carry no traffic
-        /// counters).
-        #[arg(long)]
-        no_metrics: bool,
-        /// Serve one-sided NIXL transfers (UCX): register the slab with a
-        /// NIXL agent and give clients its metadata (docs/nixl.md). Needs
-        /// a build with the `nixl` feature and libnixl_capi.so on
-        /// LD_LIBRARY_PATH; refused unless UCX_TLS holds UCX to RDMA
-        /// transports, but see --nixl-allow-tcp.
-        #[arg(long)]
-        nixl: bool,
-        /// With --nixl: let UCX move the bytes over tcp (tests, hosts
-        /// without RDMA NICs); figures then say nothing of RDMA speed.
-        #[arg(long, requires = "nixl")]
-        nixl_allow_tcp: bool,
-        /// With --nixl: what a nixl client held when its connection ended
-        /// (a clean close included: a network can end it while the
-        /// client's one-sided transfers still run) is released this long
-        /// after the unit invalidated the client's NIXL agent, once that
-        /// agent's last connection ended (docs/fencing.md).
-        #[arg(long, requires = "nixl", value_parser = parse_duration, default_value = "5s")]
-        nixl_quarantine: Duration,
-    },
+    Unit(UnitArgs),
     /// Start a local data plane and run a workload against it.
     Local {
         /// Number of units.
@@ -527,220 +310,7 @@ where
 
 fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
     match cli.cmd {
-        Cmd::Unit {
-            config,
-            index,
-            memory,
-            listen,
-            name,
-            pin_lease,
-            reservation_lease,
-            quarantine,
-            no_mlock,
-            huge_pages,
-            exit_with_stdin,
-            spin,
-            disk,
-            failpoint,
-            restore,
-            checkpoint_root,
-            allow_other_uids,
-            admin,
-            frame_timeout,
-            max_connections,
-            max_sessions,
-            threads,
-            io_threads,
-            max_handshakes,
-            max_handshakes_per_source,
-            handshake_timeout,
-            max_session_connections,
-            max_session_holds,
-            index_budget,
-            spare_budget,
-            compaction_ratio,
-            secret,
-            insecure,
-            metrics_listen,
-            no_metrics,
-            nixl,
-            nixl_allow_tcp,
-            nixl_quarantine,
-        } => {
-            let file = config
-                .as_deref()
-                .map(Config::from_file)
-                .transpose()
-                .map_err(|e| e.to_string())?;
-            // Without a file every option applies (its default included);
-            // with one, only those given on the command line.
-            let unit_matches = matches.subcommand_matches("unit");
-            let set = |id: &str| {
-                file.is_none()
-                    || unit_matches.and_then(|m| m.value_source(id))
-                        == Some(ValueSource::CommandLine)
-            };
-            let mut cfg = match &file {
-                Some(c) => {
-                    let mut u = c
-                        .unit_config(index, None, None)
-                        .map_err(|e| e.to_string())?;
-                    let port = match c.listen.tcp_port {
-                        0 => 0,
-                        p => u16::try_from(usize::from(p) + index).map_err(|_| {
-                            format!("listen.tcp_port {p} + unit index {index} is past 65535")
-                        })?,
-                    };
-                    u.tcp = Some(std::net::SocketAddr::new(c.resolve_listen_host(), port));
-                    u.uds = Some(c.unit_socket(index).map_err(|e| e.to_string())?);
-                    u
-                }
-                None => stowage_unit::UnitConfig::new(name.clone(), memory),
-            };
-            if set("name") {
-                cfg.name = name;
-            }
-            if set("memory") {
-                cfg.memory = memory;
-            }
-            if set("secret_file") {
-                cfg.secret = secret.secret()?;
-            }
-            cfg.insecure |= insecure;
-            if set("checkpoint_root") {
-                cfg.checkpoint_root = checkpoint_root;
-            }
-            cfg.allow_other_uids = allow_other_uids;
-            cfg.admin_tcp = admin;
-            if set("frame_timeout") {
-                cfg.frame_timeout = frame_timeout;
-            }
-            if set("max_connections") {
-                cfg.max_connections = max_connections;
-            }
-            if set("max_sessions") {
-                cfg.max_sessions = max_sessions;
-            }
-            if set("threads") {
-                cfg.threads = threads;
-            }
-            if set("io_threads") {
-                cfg.io_threads = io_threads.max(1);
-            }
-            if set("max_handshakes") {
-                cfg.max_handshakes = max_handshakes;
-            }
-            if set("max_handshakes_per_source") {
-                cfg.max_handshakes_per_source = max_handshakes_per_source;
-            }
-            if set("handshake_timeout") {
-                cfg.handshake_timeout = handshake_timeout;
-            }
-            if set("max_session_connections") {
-                cfg.max_session_connections = max_session_connections;
-            }
-            if set("max_session_holds") {
-                cfg.max_session_holds = max_session_holds;
-            }
-            cfg.index_budget = index_budget;
-            if set("spare_budget") {
-                cfg.spare_budget = spare_budget;
-            }
-            if set("compaction_ratio") {
-                cfg.compaction_ratio = compaction_ratio;
-            }
-            if set("pin_lease") {
-                cfg.pin_lease = pin_lease;
-            }
-            if set("reservation_lease") {
-                cfg.reservation_lease = reservation_lease;
-            }
-            cfg.quarantine = quarantine;
-            cfg.mlock = !no_mlock;
-            if set("huge_pages") {
-                cfg.huge_pages = huge_pages;
-            }
-            cfg.spin = spin;
-            if set("disk") {
-                cfg.disk = disk.disk.map(|d| (d, disk.disk_capacity));
-            } else if let (Some(d), true) = (&mut cfg.disk, set("disk_capacity")) {
-                d.1 = disk.disk_capacity;
-            }
-            if set("high_watermark") {
-                cfg.high_watermark = disk.high_watermark;
-            }
-            if set("low_watermark") {
-                cfg.low_watermark = disk.low_watermark;
-            }
-            if set("disk_read_budget") {
-                cfg.disk_read_budget = disk.disk_read_budget;
-            }
-            cfg.failpoints = failpoint;
-            cfg.restore = restore;
-            if no_metrics {
-                cfg.metrics = false;
-            }
-            if nixl {
-                cfg.nixl = Some(stowage_unit::NixlConfig {
-                    require_rdma: !nixl_allow_tcp,
-                    quarantine: nixl_quarantine,
-                });
-            }
-            match metrics_listen.as_deref() {
-                None => {}
-                Some("off" | "none") => cfg.metrics_listen = None,
-                Some(a) => {
-                    cfg.metrics_listen = Some(a.parse().map_err(|_| {
-                        format!(
-                        "--metrics-listen {a:?}: not an address such as 127.0.0.1:9464 (or off)"
-                    )
-                    })?)
-                }
-            }
-            if !listen.is_empty() {
-                cfg.uds = None;
-                cfg.tcp = None;
-                for l in &listen {
-                    match l.parse::<UnitAddr>()? {
-                        UnitAddr::Unix(p) => cfg.uds = Some(p),
-                        UnitAddr::Tcp(a) => cfg.tcp = Some(a),
-                    }
-                }
-            } else if file.is_none() {
-                cfg.uds =
-                    Some(stowage_unit::runtime_dir::default_socket(0).map_err(|e| e.to_string())?);
-            }
-            let handle = stowage_unit::start(cfg).map_err(|e| e.to_string())?;
-            // One line on stdout tells a launcher where the unit listens.
-            println!(
-                "READY uds={} tcp={} instance={:032x} metrics={}",
-                handle
-                    .uds
-                    .as_ref()
-                    .map(|p| p.display().to_string())
-                    .unwrap_or_default(),
-                handle.tcp.map(|a| a.to_string()).unwrap_or_default(),
-                handle.instance_id(),
-                handle
-                    .metrics
-                    .map(|a| format!("http://{a}/metrics"))
-                    .unwrap_or_default(),
-            );
-            let handle = std::sync::Arc::new(handle);
-            if exit_with_stdin {
-                let h = handle.clone();
-                std::thread::spawn(move || {
-                    let mut sink = [0u8; 256];
-                    let mut stdin = std::io::stdin();
-                    while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
-                    tracing::info!("standard input closed; unit exiting");
-                    h.request_exit();
-                });
-            }
-            handle.wait_for_exit();
-            handle.stop();
-            Ok(())
-        }
+        Cmd::Unit(args) => crate::unit::run(args, matches.subcommand_matches("unit")),
         Cmd::Local {
             units,
             memory,
@@ -827,7 +397,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             directory,
             units,
             exit_with_stdin,
-        } => up(&config, directory.as_deref(), units, exit_with_stdin),
+        } => up(&config, directory.as_deref(), units, exit_with_stdin)
+            .inspect_err(|e| crate::unit::say_failed(e)),
         Cmd::Checkpoint {
             dir,
             units,
@@ -1018,7 +589,10 @@ fn control_client(
     Ok(client)
 }
 
-/// `stowage up`: the config's units on this host, until interrupted.
+/// `stowage up`: the config's units on this host, until interrupted. It
+/// prints `READY directory=…` once they serve, or (as a unit does)
+/// `FAILED <reason>` when they cannot start: a unit that refuses to start
+/// fails it at once with the unit's reason.
 fn up(
     config: &std::path::Path,
     directory: Option<&std::path::Path>,
@@ -1073,10 +647,7 @@ fn up(
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     if exit_with_stdin {
         let tx = tx.clone();
-        std::thread::spawn(move || {
-            let mut sink = [0u8; 256];
-            let mut stdin = std::io::stdin();
-            while matches!(stdin.read(&mut sink), Ok(n) if n > 0) {}
+        crate::unit::when_stdin_closes(move || {
             let _ = tx.send("standard input closed".into());
         });
     }

@@ -17,6 +17,7 @@
 pub mod bench;
 pub mod cli;
 pub mod status;
+mod unit;
 pub mod workload;
 
 pub use stowage_config::{parse_duration, parse_size};

@@ -92,6 +92,16 @@ fn tcp_port(opts: &LocalOptions, i: usize) -> Result<u16, String> {
     }
 }
 
+/// What a starting unit's first telling line on stdout said.
+enum Started {
+    /// `READY uds=… tcp=… instance=… metrics=…`.
+    Ready(String),
+    /// `FAILED <reason>`: it refused to start, in its own words.
+    Failed(String),
+    /// Its stdout closed without either (it exited).
+    Exited,
+}
+
 /// One running unit process.
 pub struct LocalUnit {
     child: Child,
@@ -127,7 +137,11 @@ pub struct LocalPlane {
 }
 
 impl LocalPlane {
-    /// Start `opts.units` units with `opts.command`.
+    /// Start `opts.units` units with `opts.command`, one after another,
+    /// each within `opts.start_timeout`. A unit that refuses to start (it
+    /// prints `FAILED <reason>` and exits) fails this at once with `unit
+    /// <i> refused to start: <reason>`, in the unit's own words; one that
+    /// exits without a word fails it at once too.
     pub fn start(opts: &LocalOptions) -> Result<Self, String> {
         if opts.command.is_empty() {
             return Err("no command to start a unit with".into());
@@ -227,20 +241,34 @@ impl LocalPlane {
             let mut lines = BufReader::new(stdout).lines();
             while let Some(Ok(line)) = lines.next() {
                 if line.starts_with("READY ") {
-                    let _ = tx.send(line);
+                    let _ = tx.send(Started::Ready(line));
+                    return;
+                }
+                if let Some(why) = line.strip_prefix("FAILED ") {
+                    let _ = tx.send(Started::Failed(why.to_owned()));
                     return;
                 }
             }
+            let _ = tx.send(Started::Exited);
         });
         let line = match rx.recv_timeout(opts.start_timeout) {
-            Ok(l) => l,
-            Err(_) => {
+            Ok(Started::Ready(l)) => l,
+            other => {
+                // Refused (its reason), gone (its stderr said why) or too
+                // slow: either way it is stopped and reaped now.
                 let _ = child.kill();
-                let _ = child.wait();
-                return Err(format!(
-                    "unit {i} did not report ready within {:?}",
-                    opts.start_timeout
-                ));
+                let status = child.wait();
+                return Err(match other {
+                    Ok(Started::Failed(why)) => format!("unit {i} refused to start: {why}"),
+                    Ok(_) => format!(
+                        "unit {i} exited before reporting ready ({}); its standard error says why",
+                        status.map_or_else(|e| e.to_string(), |s| s.to_string())
+                    ),
+                    Err(_) => format!(
+                        "unit {i} did not report ready within {:?}",
+                        opts.start_timeout
+                    ),
+                });
             }
         };
         let tcp = line
