@@ -46,7 +46,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from . import Error, InvalidRequest, _native, _secret
+from . import Error, InvalidRequest, _compat, _native, _secret
 
 __all__ = [
     "PlacementError",
@@ -376,9 +376,7 @@ def _waiting_work() -> str:
     autoscaler state in its control store (GCS) reports it, e.g. ``2 x {1
     CPU}`` (the demands ``ray status`` shows; actors pinned to a node, as
     units are, are not among them)."""
-    from ray.autoscaler.v2.sdk import get_cluster_status
-
-    status = get_cluster_status(ray.get_runtime_context().gcs_address, timeout=2)
+    status = _compat.cluster_status(ray.get_runtime_context().gcs_address, timeout=2)
     shapes: Dict[str, int] = {}
     for demand in status.resource_demands.ray_task_actor_demand:
         for by_count in demand.bundles_by_count:
@@ -452,9 +450,9 @@ def _pending_reasons(
     actors wait for."""
     states, avail, total, work = _bounded_all(
         [
-            lambda: ray._private.state.actors(),
-            lambda: ray._private.state.available_resources_per_node(),
-            lambda: ray._private.state.total_resources_per_node(),
+            _compat.actor_states,
+            _compat.available_resources_per_node,
+            _compat.total_resources_per_node,
             _waiting_work,
         ],
         DIAGNOSE_S,
@@ -463,7 +461,7 @@ def _pending_reasons(
     need = {"CPU": cpus, "memory": float(memory)}
     out = {}
     for i, actor in actors.items():
-        state = (states.get(actor._actor_id.hex()) or {}).get("State")
+        state = (states.get(_compat.actor_id_hex(actor)) or {}).get("State")
         why = f"still {state or 'not started'}"
         needs = " and ".join(_resource(k, v) for k, v in need.items() if v > 0)
         why += f"; it needs {needs} on node {nodes[i]}"
@@ -746,7 +744,7 @@ def _actor_state(actor_id: str, timeout: float) -> Optional[str]:
     """The actor's state as Ray's control store (GCS) knows it ("ALIVE",
     "DEAD", "PENDING_CREATION", ...), or None when not known within
     ``timeout`` seconds."""
-    info = _bounded(lambda: ray._private.state.actors(actor_id=actor_id), timeout)
+    info = _bounded(lambda: _compat.actor_info(actor_id), timeout)
     return info.get("State") if isinstance(info, Mapping) else None
 
 

@@ -1,0 +1,127 @@
+"""stowage._compat, the one module that uses Ray's and TransferQueue's
+private APIs: it checks the installed version once, goes on with one
+logged warning on a version it was not written for while the API is
+there, and raises UnsupportedVersion naming both versions when it is not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import types
+
+import pytest
+
+import stowage
+from stowage import _compat
+
+needs_ray = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None,
+    reason="Ray is not installed (pip install 'stowage-rl[ray]')",
+)
+
+
+@pytest.fixture
+def fresh(monkeypatch, caplog):
+    """A process whose versions were not checked yet."""
+    monkeypatch.setattr(_compat, "_seen", {})
+    caplog.set_level(logging.WARNING, logger="stowage.compat")
+    return caplog
+
+
+class _Id:
+    def hex(self) -> str:
+        return "ab12"
+
+
+class _Handle:
+    _actor_id = _Id()
+
+
+def _warnings(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if r.name == "stowage.compat"]
+
+
+def _fake_tq(monkeypatch, version: str) -> None:
+    module = types.ModuleType("transfer_queue")
+    module.__version__ = version  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transfer_queue", module)
+
+
+def test_versions_match_what_the_extras_pin():
+    assert _compat.supports(_compat.RAY, "2.60.0") and _compat.supports(_compat.RAY, "2.60.3")
+    assert not _compat.supports(_compat.RAY, "2.61.0")
+    assert not _compat.supports(_compat.RAY, "2.6")
+    assert _compat.supports(_compat.TQ, "0.1.11")
+    assert not _compat.supports(_compat.TQ, "0.1.110")
+    assert not _compat.supports(_compat.TQ, "0.1.12")
+
+
+@needs_ray
+def test_a_supported_ray_is_used_without_a_warning(fresh, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "__version__", "2.60.0")
+    assert _compat.actor_id_hex(_Handle()) == "ab12"
+    assert _warnings(fresh) == []
+
+
+@needs_ray
+def test_the_installed_ray_has_every_private_name_used():
+    import ray
+
+    if not _compat.supports(_compat.RAY, ray.__version__):
+        pytest.skip(f"Ray {ray.__version__} is not the supported {_compat.RAY.supported}")
+    for name in ("actors", "available_resources_per_node", "total_resources_per_node"):
+        assert callable(_compat._attr(_compat.RAY, "ray._private.state", name))
+    assert callable(_compat._attr(_compat.RAY, "ray.autoscaler.v2.sdk", "get_cluster_status"))
+
+
+@needs_ray
+def test_another_ray_with_the_api_works_with_one_warning(fresh, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "__version__", "2.61.0")
+    assert _compat.actor_id_hex(_Handle()) == "ab12"
+    assert _compat.actor_id_hex(_Handle()) == "ab12"
+    (warning,) = _warnings(fresh)
+    assert "Ray 2.60" in warning and "Ray 2.61.0" in warning
+
+
+@needs_ray
+def test_another_ray_without_the_api_says_which_version_it_found(fresh, monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "__version__", "3.0.0")
+    with pytest.raises(_compat.UnsupportedVersion) as e:
+        _compat.actor_id_hex(object())
+    assert isinstance(e.value, stowage.Error)
+    assert "Ray 3.0.0" in str(e.value) and "supports Ray 2.60" in str(e.value)
+    assert "_actor_id" in str(e.value)
+    with pytest.raises(_compat.UnsupportedVersion, match=r"ray\._private\.state\.nothing_here"):
+        _compat._attr(_compat.RAY, "ray._private.state", "nothing_here")
+    assert len(_warnings(fresh)) == 1
+
+
+def test_transferqueue_versions_are_checked_the_same_way(fresh, monkeypatch):
+    meta = types.SimpleNamespace(_custom_backend_meta=[{"f": "x"}])
+    _fake_tq(monkeypatch, "0.1.11")
+    assert _compat.custom_backend_meta(meta) == [{"f": "x"}]
+    assert _warnings(fresh) == []
+
+    monkeypatch.setattr(_compat, "_seen", {})
+    _fake_tq(monkeypatch, "0.2.0")
+    assert _compat.custom_backend_meta(meta) == [{"f": "x"}]
+    with pytest.raises(_compat.UnsupportedVersion) as e:
+        _compat.custom_backend_meta(object())
+    assert "TransferQueue 0.2.0" in str(e.value)
+    assert "supports TransferQueue 0.1.11" in str(e.value)
+    (warning,) = _warnings(fresh)
+    assert "TransferQueue 0.1.11" in warning and "TransferQueue 0.2.0" in warning
+
+
+def test_a_supported_version_missing_the_api_raises_as_it_is(fresh, monkeypatch):
+    _fake_tq(monkeypatch, "0.1.11")
+    with pytest.raises(AttributeError):
+        _compat.custom_backend_meta(object())
