@@ -36,6 +36,7 @@ it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -702,42 +703,34 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> Any:
     """``fn()`` on a helper thread, or None when it fails or does not
     return within ``timeout`` seconds (a stuck Ray call cannot hold the
     caller past its bound)."""
-    result: List[Any] = [None]
-
-    def run() -> None:
-        try:
-            result[0] = fn()
-        except Exception:  # noqa: BLE001 - unknown
-            pass
-
-    t = threading.Thread(target=run, name="stowage-ray-query", daemon=True)
-    t.start()
-    t.join(timeout)
-    return result[0]
+    return _bounded_all([fn], timeout)[0]
 
 
 def _bounded_all(fns: List[Callable[[], Any]], timeout: float) -> List[Any]:
     """Every ``fn()`` at once, each on a helper thread; the results of
     those that returned within ``timeout`` seconds in all (None for the
     others, and for those that failed)."""
-    results: List[Any] = [None] * len(fns)
+    futures = [_on_daemon_thread(fn) for fn in fns]
+    concurrent.futures.wait(futures, timeout)
+    return [f.result() if f.done() and f.exception() is None else None for f in futures]
 
-    def run(i: int) -> None:
+
+def _on_daemon_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """A future of ``fn()``, run on a thread of its own. A daemon thread,
+    not a :class:`concurrent.futures.ThreadPoolExecutor`'s: the interpreter
+    waits for those at exit, and a Ray call that never returns would keep
+    the process from exiting."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
         try:
-            results[i] = fns[i]()
-        except Exception:  # noqa: BLE001 - unknown
-            pass
+            future.set_result(fn())
+        except Exception as e:  # noqa: BLE001 - unknown: the caller gets None
+            future.set_exception(e)
 
-    threads = [
-        threading.Thread(target=run, args=(i,), name="stowage-ray-query", daemon=True)
-        for i in range(len(fns))
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return list(results)
+    threading.Thread(target=run, name="stowage-ray-query", daemon=True).start()
+    return future
 
 
 def _actor_state(actor_id: str, timeout: float) -> Optional[str]:

@@ -2,13 +2,15 @@
 private APIs: it checks the installed version once, goes on with one
 logged warning on a version it was not written for while the API is
 there, and raises UnsupportedVersion naming both versions when it is not.
-"""
+Also stowage.ray's bounded calls."""
 
 from __future__ import annotations
 
 import importlib.util
 import logging
 import sys
+import threading
+import time
 import types
 
 import pytest
@@ -125,3 +127,35 @@ def test_a_supported_version_missing_the_api_raises_as_it_is(fresh, monkeypatch)
     _fake_tq(monkeypatch, "0.1.11")
     with pytest.raises(AttributeError):
         _compat.custom_backend_meta(object())
+
+
+# -- stowage.ray: calls with a time limit --------------------------------------
+
+
+@needs_ray
+def test_bounded_calls_return_what_finished_in_time_and_none_for_the_rest():
+    from stowage.ray import _bounded, _bounded_all
+
+    release = threading.Event()
+
+    def stuck():
+        release.wait(30)
+        return "late"
+
+    def fails():
+        raise RuntimeError("no")
+
+    try:
+        t0 = time.monotonic()
+        assert _bounded_all([lambda: 1, stuck, fails, lambda: "two"], 0.3) == [
+            1,
+            None,
+            None,
+            "two",
+        ]
+        assert _bounded(stuck, 0.2) is None
+        assert time.monotonic() - t0 < 5
+        assert _bounded(lambda: {"State": "ALIVE"}, 5) == {"State": "ALIVE"}
+        assert _bounded(fails, 5) is None
+    finally:
+        release.set()
