@@ -2,7 +2,8 @@
 private APIs: it checks the installed version once, goes on with one
 logged warning on a version it was not written for while the API is
 there, and raises UnsupportedVersion naming both versions when it is not.
-Also stowage.ray's bounded calls."""
+Also stowage.tq_worker's post-import hook (wrapt) and stowage.ray's
+bounded calls."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import threading
 import time
 import types
 
+import drivers
 import pytest
 
 import stowage
@@ -127,6 +129,47 @@ def test_a_supported_version_missing_the_api_raises_as_it_is(fresh, monkeypatch)
     _fake_tq(monkeypatch, "0.1.11")
     with pytest.raises(AttributeError):
         _compat.custom_backend_meta(object())
+
+
+# -- stowage.tq_worker: the post-import hook ---------------------------------
+
+
+def test_setup_worker_imports_the_backend_once_transfer_queue_has_run(tmp_path):
+    pkg = tmp_path / "transfer_queue"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("RAN = True\n")
+    (pkg / "data.txt").write_text("resource")
+    out = drivers.driver(
+        f"import sys\nsys.path.insert(0, {str(tmp_path)!r})\n",
+        """
+        import importlib, importlib.resources
+        import stowage.tq_worker as w
+
+        seen = []
+
+        def record(name):
+            tq = sys.modules["transfer_queue"]
+            seen.append((name, getattr(tq, "RAN", False)))
+
+        w.importlib = type("I", (), {"import_module": staticmethod(record)})
+        w.setup_worker()
+        w.setup_worker()
+        print("BEFORE", seen)
+        import transfer_queue
+        print("AFTER", seen)
+        loader = transfer_queue.__loader__
+        print("LOADER", type(loader).__name__, type(transfer_queue.__spec__.loader).__name__)
+        print("RESOURCE", importlib.resources.files("transfer_queue").joinpath("data.txt").read_text())
+        w.setup_worker()
+        print("AGAIN", seen)
+        """,
+        60,
+    )
+    assert drivers.line(out, "BEFORE") == "[]"
+    assert drivers.line(out, "AFTER") == "[('stowage.tq', True)]"
+    assert drivers.line(out, "LOADER") == "SourceFileLoader SourceFileLoader"
+    assert drivers.line(out, "RESOURCE") == "resource"
+    assert drivers.line(out, "AGAIN") == "[('stowage.tq', True), ('stowage.tq', True)]"
 
 
 # -- stowage.ray: calls with a time limit --------------------------------------
