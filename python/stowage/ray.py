@@ -36,6 +36,7 @@ it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -46,7 +47,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from . import Error, InvalidRequest, _native, _secret
+from . import Error, InvalidRequest, _compat, _native, _secret
 
 __all__ = [
     "PlacementError",
@@ -377,9 +378,7 @@ def _waiting_work() -> str:
     autoscaler state in its control store (GCS) reports it, e.g. ``2 x {1
     CPU}`` (the demands ``ray status`` shows; actors pinned to a node, as
     units are, are not among them)."""
-    from ray.autoscaler.v2.sdk import get_cluster_status
-
-    status = get_cluster_status(ray.get_runtime_context().gcs_address, timeout=2)
+    status = _compat.cluster_status(ray.get_runtime_context().gcs_address, timeout=2)
     shapes: Dict[str, int] = {}
     for demand in status.resource_demands.ray_task_actor_demand:
         for by_count in demand.bundles_by_count:
@@ -469,9 +468,9 @@ def _pending_reasons(
     actors wait for."""
     states, avail, total, work = _bounded_all(
         [
-            lambda: ray._private.state.actors(),
-            lambda: ray._private.state.available_resources_per_node(),
-            lambda: ray._private.state.total_resources_per_node(),
+            _compat.actor_states,
+            _compat.available_resources_per_node,
+            _compat.total_resources_per_node,
             _waiting_work,
         ],
         DIAGNOSE_S,
@@ -480,7 +479,7 @@ def _pending_reasons(
     need = {"CPU": cpus, "memory": float(memory)}
     out = {}
     for i, actor in actors.items():
-        state = (states.get(actor._actor_id.hex()) or {}).get("State")
+        state = (states.get(_compat.actor_id_hex(actor)) or {}).get("State")
         why = f"still {state or 'not started'}"
         needs = " and ".join(_resource(k, v) for k, v in need.items() if v > 0)
         why += f"; it needs {needs} on node {nodes[i]}"
@@ -723,49 +722,41 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> Any:
     """``fn()`` on a helper thread, or None when it fails or does not
     return within ``timeout`` seconds (a stuck Ray call cannot hold the
     caller past its bound)."""
-    result: List[Any] = [None]
-
-    def run() -> None:
-        try:
-            result[0] = fn()
-        except Exception:  # noqa: BLE001 - unknown
-            pass
-
-    t = threading.Thread(target=run, name="stowage-ray-query", daemon=True)
-    t.start()
-    t.join(timeout)
-    return result[0]
+    return _bounded_all([fn], timeout)[0]
 
 
 def _bounded_all(fns: List[Callable[[], Any]], timeout: float) -> List[Any]:
     """Every ``fn()`` at once, each on a helper thread; the results of
     those that returned within ``timeout`` seconds in all (None for the
     others, and for those that failed)."""
-    results: List[Any] = [None] * len(fns)
+    futures = [_on_daemon_thread(fn) for fn in fns]
+    concurrent.futures.wait(futures, timeout)
+    return [f.result() if f.done() and f.exception() is None else None for f in futures]
 
-    def run(i: int) -> None:
+
+def _on_daemon_thread(fn: Callable[[], Any]) -> concurrent.futures.Future:
+    """A future of ``fn()``, run on a thread of its own. A daemon thread,
+    not a :class:`concurrent.futures.ThreadPoolExecutor`'s: the interpreter
+    waits for those at exit, and a Ray call that never returns would keep
+    the process from exiting."""
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def run() -> None:
+        future.set_running_or_notify_cancel()
         try:
-            results[i] = fns[i]()
-        except Exception:  # noqa: BLE001 - unknown
-            pass
+            future.set_result(fn())
+        except Exception as e:  # noqa: BLE001 - unknown: the caller gets None
+            future.set_exception(e)
 
-    threads = [
-        threading.Thread(target=run, args=(i,), name="stowage-ray-query", daemon=True)
-        for i in range(len(fns))
-    ]
-    for t in threads:
-        t.start()
-    deadline = time.monotonic() + timeout
-    for t in threads:
-        t.join(max(0.0, deadline - time.monotonic()))
-    return list(results)
+    threading.Thread(target=run, name="stowage-ray-query", daemon=True).start()
+    return future
 
 
 def _actor_state(actor_id: str, timeout: float) -> Optional[str]:
     """The actor's state as Ray's control store (GCS) knows it ("ALIVE",
     "DEAD", "PENDING_CREATION", ...), or None when not known within
     ``timeout`` seconds."""
-    info = _bounded(lambda: ray._private.state.actors(actor_id=actor_id), timeout)
+    info = _bounded(lambda: _compat.actor_info(actor_id), timeout)
     return info.get("State") if isinstance(info, Mapping) else None
 
 

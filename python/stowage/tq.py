@@ -64,7 +64,7 @@ import numpy as np
 
 import stowage
 
-from . import _tq_cells
+from . import _compat, _tq_cells
 from ._tq_cells import UntrustedCell
 from .tq_worker import ray_runtime_env_hook, setup_worker
 
@@ -333,9 +333,7 @@ class _Redacted:
 
 def _register_yaml_redaction() -> None:
     try:
-        from omegaconf._utils import get_omega_conf_dumper
-
-        get_omega_conf_dumper().add_representer(
+        _compat.omegaconf_dumper().add_representer(
             _Redacted, lambda dumper, _v: dumper.represent_str("<redacted>")
         )
     except Exception:  # noqa: BLE001  # pragma: no cover - another omegaconf; str/repr stay redacted
@@ -433,9 +431,7 @@ def _controller_cpus() -> float:
     """The Ray CPUs TransferQueue's controller actor reserves (1 in
     transferqueue 0.1.11)."""
     try:
-        from transfer_queue.controller import TransferQueueController
-
-        return float(TransferQueueController._default_options.get("num_cpus", 1))
+        return float(_compat.controller_default_options().get("num_cpus", 1))
     except Exception:  # noqa: BLE001 - another TransferQueue: assume Ray's default
         return 1.0
 
@@ -446,13 +442,11 @@ def _abandon_controller() -> None:
     forever for a config that never comes."""
     try:
         import ray
-        from transfer_queue import interface
 
-        ctl = interface._TQ_CONTROLLER
+        ctl = _compat.controller()
         if ctl is not None:
             ray.kill(ctl, no_restart=True)
-        interface._TQ_CONTROLLER = None
-        interface._TQ_STORAGE = None
+        _compat.forget_controller()
     except Exception as e:  # noqa: BLE001 - best effort; the original error matters
         logger.warning(
             "could not remove TransferQueue's controller after a failed bootstrap: %r", e
@@ -657,10 +651,7 @@ def _register() -> None:
     from transfer_queue.storage.managers.base import StorageManager, StorageManagerFactory
 
     global StowageStorageManager
-    if (
-        StorageManagerFactory._registry.get(BACKEND) is not None
-        and StowageStorageManager is not None
-    ):
+    if _compat.registered_manager(BACKEND) is not None and StowageStorageManager is not None:
         return
 
     class _Manager(StorageManager):
@@ -799,7 +790,7 @@ def _register() -> None:
                     col = rows[f]
                     for i, v in zip(positions, vals):
                         col[i] = v
-            backend_meta = metadata._custom_backend_meta
+            backend_meta = _compat.custom_backend_meta(metadata)
             parts = list(metadata.partition_ids)
             key, ns, insecure = self._cell_key, self._namespace, self._insecure_pickles
             for f in fields:
