@@ -62,7 +62,7 @@ use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use stowage_core::{
     input as core_input, op as core_op, Action, BlobId, ConnEnd, CoreConfig, CoreError, EntrySpec,
-    Input as CoreInput, Key, Placed, MoveJob, Owner, PinId, Placement, Request as CoreRequest,
+    Input as CoreInput, Key, MoveJob, Owner, PinId, Placed, Placement, Request as CoreRequest,
     SessionId, Snapshot, Stats, Time, UnitCore,
 };
 use stowage_unit::handler::{self, error_response, scope, Asker, Dest, Plan};

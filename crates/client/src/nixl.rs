@@ -533,10 +533,10 @@ impl Mover for NixlMover {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use stowage_wire::Found;
+    use stowage_wire::Placed;
 
-    fn found(offset: u64, len: u64, parts: Vec<(u64, u64)>) -> Found {
-        Found {
+    fn found(offset: u64, len: u64, parts: Vec<(u64, u64)>) -> Placed {
+        Placed {
             offset,
             len,
             meta: Vec::new(),

@@ -148,7 +148,7 @@ pub(crate) struct OneSided<M: Mover> {
 /// keys' positions, whether the unit asks for spares back.
 type Resolved = (
     Option<PinId>,
-    Vec<Option<stowage_wire::Found>>,
+    Vec<Option<stowage_wire::Placed>>,
     Vec<u32>,
     bool,
 );
@@ -298,7 +298,7 @@ impl<M: Mover> OneSided<M> {
         partition: &str,
         keys: &[Key],
         index_of: &[usize],
-        found: &[Option<stowage_wire::Found>],
+        found: &[Option<stowage_wire::Placed>],
         mut corrupt: Vec<usize>,
         sink: &SharedSink<'_>,
         deadline: Instant,
@@ -663,14 +663,14 @@ mod tests {
         m.write(&writes, Instant::now()).unwrap();
         // a: 64 bytes in the first piece, 36 in the second; b: from byte
         // 64 of the second piece (64 bytes), then 66 in the third.
-        let fa = stowage_wire::Found {
+        let fa = stowage_wire::Placed {
             offset: 8192,
             len: 100,
             meta: vec![],
             on_disk: false,
             parts: vec![(8192, 64), (256, 36)],
         };
-        let fb = stowage_wire::Found {
+        let fb = stowage_wire::Placed {
             offset: 320,
             len: 130,
             meta: vec![],

@@ -5,7 +5,7 @@
 //!
 //! Pure functions: the transports call them; no I/O.
 
-use stowage_wire::Found;
+use stowage_wire::Placed;
 
 /// One piece's share of a put: the piece's slab offset and the parts of
 /// the put's segments that fill it from there, back to back.
@@ -46,7 +46,7 @@ pub(crate) fn check_pieces(pieces: &[SlabRange], nbytes: u64, slab_len: u64) -> 
 /// parts adding up to its length, no more parts than a value of its
 /// length can have, none overlapping. Values only on the unit's disk are
 /// not read through the slab and pass.
-pub(crate) fn check_found(f: &Found, slab_len: u64) -> Result<(), String> {
+pub(crate) fn check_found(f: &Placed, slab_len: u64) -> Result<(), String> {
     if f.on_disk {
         return Ok(());
     }
@@ -176,7 +176,7 @@ pub(crate) fn split_dst<'d>(
 }
 
 /// A found value's ranges in the slab: its parts, or its one range.
-pub(crate) fn ranges_of(f: &Found) -> RangesOf<'_> {
+pub(crate) fn ranges_of(f: &Placed) -> RangesOf<'_> {
     if f.parts.is_empty() {
         RangesOf::One([(f.offset, f.len)])
     } else {
@@ -211,7 +211,7 @@ pub(crate) struct Places {
 }
 
 impl Places {
-    pub(crate) fn push(&mut self, f: &Found) {
+    pub(crate) fn push(&mut self, f: &Placed) {
         self.ranges.extend_from_slice(&ranges_of(f));
         self.ends.push(self.ranges.len());
     }
@@ -249,8 +249,8 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
-    fn found(offset: u64, len: u64, parts: Vec<SlabRange>) -> Found {
-        Found {
+    fn found(offset: u64, len: u64, parts: Vec<SlabRange>) -> Placed {
+        Placed {
             offset,
             len,
             meta: Vec::new(),

@@ -165,7 +165,7 @@ pub(crate) fn read_data(
 /// The values of a Resolve's answer that are in the unit's memory, as a
 /// sink is asked for them.
 pub(crate) fn asks_of<'f>(
-    found: &'f [Option<stowage_wire::Found>],
+    found: &'f [Option<stowage_wire::Placed>],
     index_of: &[usize],
 ) -> Vec<ValueAsk<'f>> {
     found

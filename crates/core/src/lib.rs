@@ -102,9 +102,9 @@ pub mod slab;
 mod unit;
 
 pub use unit::{
-    input, op, Action, Committed, ConnEnd, CoreConfig, Input, Located, Location, MoveJob, Op,
-    Owner, Place, Placed, Placement, Request, Resolved, SessionStats, Snapshot, SnapshotEntry,
-    SpareCommitted, SpillJob, Stats, UnitCore,
+    input, op, Action, Committed, ConnEnd, CoreConfig, Input, MoveJob, Op, Owner, Placed,
+    Placement, Request, Resolved, SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob,
+    Stats, UnitCore,
 };
 
 use serde::{Deserialize, Serialize};

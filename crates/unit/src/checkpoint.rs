@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use rustix::fs::{AtFlags, Mode, OFlags};
 use serde::{Deserialize, Serialize};
-use stowage_core::{Allocated, BlobId, Committed, EntrySpec, Key, Place};
+use stowage_core::{Allocated, BlobId, Committed, EntrySpec, Key, Placement};
 use stowage_wire::{CheckpointFile, CheckpointInfo};
 
 use crate::disk::{self, DiskEngine, FileEngine};
@@ -257,13 +257,13 @@ fn write_snapshot(
         let mut w = out.create(blob, nbytes).map_err(&ioe)?;
         match place {
             // The snapshot's pin holds the range while it is copied.
-            Place::Memory(l) => shared
+            Placement::Memory(l) => shared
                 .slab
                 .copy_out_chunked(l.offset, len, crate::COPY_CHUNK, |c| w.write(c))
                 .map_err(|e| ioe(io::Error::other(e)))?
                 .map_err(&ioe)?,
             // A blob in pieces: each in turn.
-            Place::Split(parts) => {
+            Placement::Split(parts) => {
                 for l in parts {
                     shared
                         .slab
@@ -274,7 +274,7 @@ fn write_snapshot(
                         .map_err(&ioe)?;
                 }
             }
-            Place::Disk { .. } => {
+            Placement::Disk { .. } => {
                 let Some(d) = &shared.disk else {
                     return Err(CheckpointError::Restore(
                         "spilled blob without a disk tier".into(),

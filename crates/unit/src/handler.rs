@@ -14,7 +14,7 @@ use std::ops::DerefMut;
 use std::time::Duration;
 
 use stowage_core::{
-    op, Allocated, BlobId, Committed, CoreError, EntrySpec, Located, Op, Owner, PinId, Place,
+    op, Allocated, BlobId, Committed, CoreError, EntrySpec, Op, Owner, PinId, Placed, Placement,
     SpareCommitted, Time, UnitCore,
 };
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
@@ -79,7 +79,7 @@ pub enum Plan {
     /// unpins).
     Resolved {
         pin: Option<PinId>,
-        found: Vec<Option<Located>>,
+        found: Vec<Option<Placed>>,
         /// The unit is short of memory: the client gives its spares back.
         spares_back: bool,
     },
@@ -154,7 +154,7 @@ pub enum Dest {
 pub struct Read {
     pub owner: Owner,
     pub pin: Option<PinId>,
-    pub found: Vec<Option<Located>>,
+    pub found: Vec<Option<Placed>>,
     /// How long the client lets the reply take (as [`Put::timeout_ms`]).
     pub timeout_ms: u64,
 }
@@ -167,11 +167,11 @@ impl Read {
 }
 
 /// Whether any found value lies on the disk tier.
-pub fn has_disk(found: &[Option<Located>]) -> bool {
+pub fn has_disk(found: &[Option<Placed>]) -> bool {
     found
         .iter()
         .flatten()
-        .any(|(p, _)| matches!(p, Place::Disk { .. }))
+        .any(|(p, _)| matches!(p, Placement::Disk { .. }))
 }
 
 /// Plan `req`, from `asker`, carrying `payload_len` payload bytes. The
@@ -501,7 +501,7 @@ fn resolve(
     partition: String,
     keys: Vec<stowage_core::Key>,
     now: Time,
-) -> Result<(Option<PinId>, Vec<Option<Located>>), CoreError> {
+) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
     let r = request(core, now, owner, op::Resolve { partition, keys })?;
     Ok((r.pin, r.found))
 }

@@ -221,9 +221,9 @@ impl DiskIo {
 /// A found value as a connection serves it.
 pub(crate) enum Served {
     /// In the slab (possibly just brought back from disk).
-    Memory(stowage_core::Location, Vec<u8>),
+    Memory(stowage_core::SlabRange, Vec<u8>),
     /// In the slab, across pieces: its bytes are these ranges, in order.
-    Split(Vec<stowage_core::Location>, Vec<u8>),
+    Split(Vec<stowage_core::SlabRange>, Vec<u8>),
     /// Only on disk: `len` bytes at `offset` into the blob, streamed from
     /// its file as the reply is written ([`read_through`]).
     Disk {

@@ -49,7 +49,7 @@ pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
 pub use limits::{Limits, WireError};
 pub use messages::{
-    CheckpointFile, CheckpointInfo, Envelope, Found, Item, Placed, Request, Response, RestoreReply,
+    CheckpointFile, CheckpointInfo, Envelope, Item, Placed, Request, Response, RestoreReply,
     RestoreSource, RING_MAX, RING_MIN,
 };
 pub use stats::Stats;

@@ -264,11 +264,6 @@ pub struct Placed {
     pub parts: Vec<(u64, u64)>,
 }
 
-/// The old name of [`Placed`], kept only until the client's and the unit
-/// server's call sites (being reshaped beside this change) move to it.
-#[doc(hidden)]
-pub type Found = Placed;
-
 impl Placed {
     /// (slab offset, bytes) of each range the value lies in, in order.
     pub fn ranges(&self) -> Vec<(u64, u64)> {

@@ -45,7 +45,7 @@ pub use drive::Action;
 use in_flight::{InFlight, Orphan};
 pub use input::{Input, Op, Request};
 pub use op::{Resolved, SpareCommitted};
-pub use placement::{Located, Location, Place, Placed, Placement};
+pub use placement::{Placed, Placement};
 use release::Release;
 pub use stats::{SessionStats, Stats};
 

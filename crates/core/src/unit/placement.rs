@@ -55,13 +55,3 @@ impl Placement {
 
 /// A found key: its value's placement, and the metadata stored with it.
 pub type Placed = (Placement, Vec<u8>);
-
-/// The old names of [`Placement`], [`SlabRange`] and [`Placed`], kept only
-/// until the unit server's call sites (being reshaped beside this change)
-/// move to the new ones.
-#[doc(hidden)]
-pub type Place = Placement;
-#[doc(hidden)]
-pub type Location = SlabRange;
-#[doc(hidden)]
-pub type Located = Placed;

@@ -314,7 +314,7 @@ impl Conn {
     pub(super) fn resolved(
         &mut self,
         pin: Option<stowage_core::PinId>,
-        found: Vec<Option<stowage_core::Located>>,
+        found: Vec<Option<stowage_core::Placed>>,
         spares_back: bool,
     ) -> Response {
         let mut buf = match &self.shared.disk {
@@ -344,16 +344,16 @@ impl Shared {
     /// before the reply promises its bytes.
     pub(crate) fn bring_back(
         &self,
-        found: Vec<Option<stowage_core::Located>>,
+        found: Vec<Option<stowage_core::Placed>>,
         mut buf: Option<&mut [u8]>,
         verify: bool,
     ) -> Vec<Option<Served>> {
         use std::collections::{BTreeMap, HashMap, HashSet};
-        use stowage_core::{Location, Place};
+        use stowage_core::{Placement, SlabRange};
         // Each spilled blob, with the ranges of it that were asked for.
         let mut on_disk: BTreeMap<stowage_core::BlobId, Vec<(u64, u64)>> = BTreeMap::new();
         for (p, _) in found.iter().flatten() {
-            if let Place::Disk { blob, offset, len } = p {
+            if let Placement::Disk { blob, offset, len } = p {
                 on_disk.entry(*blob).or_default().push((*offset, *len));
             }
         }
@@ -447,12 +447,12 @@ impl Shared {
             .into_iter()
             .map(|f| {
                 f.map(|(place, meta)| match place {
-                    Place::Memory(l) => Served::Memory(l, meta),
-                    Place::Split(parts) => Served::Split(parts, meta),
-                    Place::Disk { blob, .. } if corrupt.contains(&blob) => Served::Corrupt,
-                    Place::Disk { blob, offset, len } => match promoted.get(&blob) {
+                    Placement::Memory(l) => Served::Memory(l, meta),
+                    Placement::Split(parts) => Served::Split(parts, meta),
+                    Placement::Disk { blob, .. } if corrupt.contains(&blob) => Served::Corrupt,
+                    Placement::Disk { blob, offset, len } => match promoted.get(&blob) {
                         Some(base) => Served::Memory(
-                            Location {
+                            SlabRange {
                                 offset: base + offset,
                                 len,
                             },

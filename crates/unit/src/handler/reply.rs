@@ -3,7 +3,7 @@
 //! headers of a Resolve and a Read from what was served.
 
 use stowage_core::PinId;
-use stowage_wire::{ErrorCode, Found, Item, Response};
+use stowage_wire::{ErrorCode, Item, Placed, Response};
 
 use crate::tier::Served;
 
@@ -68,21 +68,21 @@ pub(crate) fn resolved_reply(
         .into_iter()
         .enumerate()
         .map(|(i, f)| match f? {
-            Served::Memory(l, meta) => Some(Found {
+            Served::Memory(l, meta) => Some(Placed {
                 offset: l.offset,
                 len: l.len,
                 meta,
                 on_disk: false,
                 parts: Vec::new(),
             }),
-            Served::Split(parts, meta) => Some(Found {
+            Served::Split(parts, meta) => Some(Placed {
                 offset: parts.first().map_or(0, |l| l.offset),
                 len: parts.iter().map(|l| l.len).sum(),
                 meta,
                 on_disk: false,
                 parts: parts.iter().map(|l| (l.offset, l.len)).collect(),
             }),
-            Served::Disk { len, meta, .. } => Some(Found {
+            Served::Disk { len, meta, .. } => Some(Placed {
                 offset: 0,
                 len,
                 meta,
