@@ -33,7 +33,8 @@ use stowage_wire::{CheckpointFile, CheckpointInfo};
 
 use crate::disk::{self, DiskEngine, FileEngine};
 use crate::handler;
-use crate::Shared;
+use crate::shared::Shared;
+use crate::tier::{cut, read_through, PieceWriter, COPY_CHUNK};
 
 const MANIFEST: &str = "MANIFEST";
 const MANIFEST_TMP: &str = "MANIFEST.tmp";
@@ -259,7 +260,7 @@ fn write_snapshot(
             // The snapshot's pin holds the range while it is copied.
             Placement::Memory(l) => shared
                 .slab
-                .copy_out_chunked(l.offset, len, crate::COPY_CHUNK, |c| w.write(c))
+                .copy_out_chunked(l.offset, len, COPY_CHUNK, |c| w.write(c))
                 .map_err(|e| ioe(io::Error::other(e)))?
                 .map_err(&ioe)?,
             // A blob in pieces: each in turn.
@@ -267,9 +268,7 @@ fn write_snapshot(
                 for l in parts {
                     shared
                         .slab
-                        .copy_out_chunked(l.offset, l.len as usize, crate::COPY_CHUNK, |c| {
-                            w.write(c)
-                        })
+                        .copy_out_chunked(l.offset, l.len as usize, COPY_CHUNK, |c| w.write(c))
                         .map_err(|e| ioe(io::Error::other(e)))?
                         .map_err(&ioe)?;
                 }
@@ -280,10 +279,11 @@ fn write_snapshot(
                         "spilled blob without a disk tier".into(),
                     ));
                 };
-                buf.resize(len.min(crate::COPY_CHUNK), 0);
-                let r = d.engine.reader(blob).and_then(|r| {
-                    crate::read_through(&r, 0, nbytes, &mut buf, |piece| w.write(piece))
-                });
+                buf.resize(len.min(COPY_CHUNK), 0);
+                let r = d
+                    .engine
+                    .reader(blob)
+                    .and_then(|r| read_through(&r, 0, nbytes, &mut buf, |piece| w.write(piece)));
                 match r {
                     Ok(Ok(())) => {}
                     Ok(Err(e)) => return Err(ioe(e)),
@@ -528,7 +528,7 @@ pub(crate) fn restore_from(
     }
     let mut listed = HashSet::new();
     let mut index_size = None;
-    let mut buf = vec![0u8; crate::COPY_CHUNK];
+    let mut buf = vec![0u8; COPY_CHUNK];
     for f in &manifest.files {
         if !is_checkpoint_name(&f.name) {
             return Err(incomplete(format!(
@@ -637,7 +637,7 @@ pub(crate) fn restore_from(
                 // Reserved space is no client's to read until the commit
                 // below, which a failed check (a version 1 file is checked
                 // only after all of it was copied) never reaches.
-                let mut into = crate::PieceWriter::new(&shared.slab, crate::cut(&pieces, size));
+                let mut into = PieceWriter::new(&shared.slab, cut(&pieces, size));
                 reader
                     .copy_all(&mut buf, |piece| into.write(piece))
                     .map_err(bad)?

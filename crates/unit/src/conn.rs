@@ -17,9 +17,10 @@ use stowage_wire::{encode, ErrorCode, Request, Response};
 
 use crate::auth::Gate;
 use crate::handler::{self, Asker, Dest, Plan};
-use crate::Shared;
+use crate::shared::Shared;
 
 mod inbuf;
+mod nixl;
 mod ring;
 mod session;
 mod transfer;
@@ -53,7 +54,7 @@ pub(crate) struct Conn {
     /// Its place in the handshake pool, until it proves itself.
     ticket: Option<crate::admit::Ticket>,
     /// Its slot among the served connections, once it proved itself.
-    slot: Option<crate::Counted>,
+    slot: Option<crate::admit::Counted>,
     /// The send timeout set on the socket.
     write_timeout: Duration,
     /// Reply bytes the peer has not taken yet.

@@ -9,90 +9,21 @@
 //! ([`UnitCore::poll_timeout`]), unlocks, and then removes files, hands
 //! spill jobs to the spiller and adds processes to the timer's watch.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use stowage_core::{input, Action, UnitCore};
 
 use crate::disk::DiskEngine;
+use crate::metrics;
 use crate::sessions::process_exited;
-use crate::{metrics, Shared, COPY_CHUNK};
-
-/// The timer side of the driver: when the core next needs
-/// [`input::Timeout`], and the processes it asked the unit to watch.
-pub(crate) struct Timer {
-    /// The core's [`UnitCore::poll_timeout`], in nanoseconds of
-    /// [`Shared::now`] (`u64::MAX`: none).
-    wake_at: AtomicU64,
-    /// Set, and the condition notified, to wake the timer thread early.
-    woken: (Mutex<bool>, std::sync::Condvar),
-    /// Sessions whose process the core asked to watch
-    /// ([`Action::CheckProcess`]).
-    watched: Mutex<std::collections::HashSet<stowage_core::SessionId>>,
-}
+use crate::shared::Shared;
+use crate::tier::{cut, COPY_CHUNK};
 
 /// How often the timer thread looks at the processes it watches (whose
 /// pidfds it polls; nothing of the core is ticked).
 const WATCH_EVERY: Duration = Duration::from_millis(200);
-
-impl Timer {
-    pub(crate) fn new() -> Self {
-        Self {
-            wake_at: AtomicU64::new(u64::MAX),
-            woken: (Mutex::new(false), std::sync::Condvar::new()),
-            watched: Mutex::new(std::collections::HashSet::new()),
-        }
-    }
-
-    /// Wake the timer thread by `at` (or at once when `at` is earlier than
-    /// what it sleeps until).
-    fn schedule(&self, at: Option<Duration>) {
-        let Some(at) = at else { return };
-        let at = u64::try_from(at.as_nanos()).unwrap_or(u64::MAX - 1);
-        if self.wake_at.fetch_min(at, Ordering::SeqCst) > at {
-            self.wake();
-        }
-    }
-
-    /// The sessions whose process is watched, locked.
-    fn watched(&self) -> MutexGuard<'_, std::collections::HashSet<stowage_core::SessionId>> {
-        self.watched.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    pub(crate) fn wake(&self) {
-        let mut w = self.woken.0.lock().unwrap_or_else(|p| p.into_inner());
-        *w = true;
-        self.woken.1.notify_one();
-    }
-}
-
-/// The core and what drives it: the timer that wakes it, the compactor's
-/// channel and its time spent copying.
-pub(crate) struct Driver {
-    pub(crate) core: Mutex<UnitCore>,
-    /// When to wake the core, and which processes to watch.
-    pub(crate) timer: Timer,
-    /// Compaction's moves, for the compactor thread.
-    pub(crate) moves: Mutex<std::sync::mpsc::Sender<stowage_core::MoveJob>>,
-    /// Time the compactor spent copying, in microseconds.
-    pub(crate) compaction_micros: AtomicU64,
-}
-
-impl Driver {
-    /// A driver of `core`, sending compaction's moves to `moves`.
-    pub(crate) fn new(
-        core: UnitCore,
-        moves: std::sync::mpsc::Sender<stowage_core::MoveJob>,
-    ) -> Self {
-        Self {
-            core: Mutex::new(core),
-            timer: Timer::new(),
-            moves: Mutex::new(moves),
-            compaction_micros: AtomicU64::new(0),
-        }
-    }
-}
 
 /// The core, locked. On release it drives the core: it carries out what
 /// the core asks ([`Shared::drive`]) — outside the lock.
@@ -154,6 +85,26 @@ impl Shared {
             guard: Some(self.driver.core.lock().unwrap_or_else(|p| p.into_inner())),
             shared: self,
         }
+    }
+
+    /// The core's counters, with the server's disk I/O counters.
+    pub(crate) fn stats(&self) -> stowage_wire::Stats {
+        let now = self.now();
+        let mut s = stowage_wire::Stats::from(self.core().stats_at(now));
+        if let Some(d) = &self.disk {
+            s.disk_write_bytes = d.io.write_bytes.load(Ordering::Relaxed);
+            s.disk_write_micros = d.io.write_micros.load(Ordering::Relaxed);
+            s.disk_read_bytes = d.io.read_bytes.load(Ordering::Relaxed);
+            s.disk_read_micros = d.io.read_micros.load(Ordering::Relaxed);
+        }
+        if let Some(m) = &self.metrics {
+            (s.ops, s.bytes_in, s.bytes_out) = m.traffic();
+            s.busy = m.busy_total();
+        }
+        s.compaction_micros = self.driver.compaction_micros.load(Ordering::Relaxed);
+        s.serves_nixl = self.nixl.is_some();
+        s.page_mode = self.slab.page_mode().name().to_string();
+        s
     }
 
     /// The one place the core is driven: after every input (each
@@ -369,7 +320,7 @@ pub(crate) fn spiller(
             // reported, even if the blob is freed meanwhile: this thread
             // reads it alone.
             let written = d.engine.create(job.blob, job.nbytes).and_then(|mut w| {
-                for (offset, len) in crate::cut(&job.pieces, job.nbytes) {
+                for (offset, len) in cut(&job.pieces, job.nbytes) {
                     shared
                         .slab
                         .copy_out_chunked(offset, len as usize, COPY_CHUNK, |c| w.write(c))
@@ -432,7 +383,7 @@ pub(crate) fn compactor(shared: Arc<Shared>, rx: std::sync::mpsc::Receiver<stowa
         let t0 = Instant::now();
         let mut to = job.to;
         let mut ok = true;
-        for (from, len) in crate::cut(&job.from, job.nbytes) {
+        for (from, len) in cut(&job.from, job.nbytes) {
             if let Err(e) = shared.slab.copy_within(from, to, len as usize) {
                 tracing::error!(error = %e, blob = ?job.blob, "a compaction move is out of the slab");
                 ok = false;

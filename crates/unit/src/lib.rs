@@ -60,29 +60,35 @@
 
 #![forbid(unsafe_code)]
 
-mod admit;
-pub mod auth;
+// Top to bottom (docs/architecture.md, "The unit server"): every
+// module imports only modules listed below it.
+// Serving:
 mod checkpoint;
 mod conn;
-pub mod disk;
 mod drive;
-pub mod handler;
 mod http;
 mod listen;
-mod nixl_serve;
 mod reactor;
 mod restore;
+// The parts, tied together:
+mod shared;
+// Owners and leaves:
+mod admit;
+pub mod auth;
+pub mod disk;
+mod driver;
+mod error;
+pub mod handler;
+pub mod metrics;
+mod nixl_serve;
 mod sessions;
 mod tier;
 
-pub(crate) use admit::Counted;
+pub use error::StartError;
 use listen::{accept_tcp, accept_uds, bind_uds};
 use nixl_serve::serve_nixl;
-pub(crate) use nixl_serve::NixlServe;
-pub(crate) use tier::{
-    cut, read_through, DiskIo, DiskTier, PieceWriter, ReadBudget, Served, COPY_CHUNK,
-};
-pub mod metrics;
+use shared::{Checkpoints, Conns, Lifecycle, RestoreUnit, Settings, Shared};
+use tier::{DiskIo, DiskTier, ReadBudget};
 
 use std::io;
 use std::net::SocketAddr;
@@ -95,170 +101,8 @@ use std::time::{Duration, Instant};
 use drive::{compactor, flusher, spiller};
 use stowage_core::{CoreConfig, UnitCore};
 use stowage_shm::Slab;
-use stowage_wire::Limits;
 
 pub use stowage_config::{runtime_dir, NixlConfig, UnitConfig, DEFAULT_DISK_READ_BUDGET};
-
-/// A unit's parts, each owning its state; a module is handed the parts
-/// it works on (see docs/architecture.md, "The unit server").
-pub(crate) struct Shared {
-    /// What the unit was started with and never changes.
-    pub(crate) settings: Settings,
-    /// The core, and what drives it ([`drive`]).
-    pub(crate) driver: drive::Driver,
-    /// Sessions by token, and their processes ([`sessions`]).
-    pub(crate) sessions: sessions::Sessions,
-    /// Connections served and in their handshake, and the reactor
-    /// ([`listen`]).
-    pub(crate) conns: listen::Conns,
-    pub(crate) slab: Arc<Slab>,
-    /// NIXL, when the unit serves it.
-    pub(crate) nixl: Option<NixlServe>,
-    pub(crate) disk: Option<DiskTier>,
-    /// Checkpoints being written, and restore units ([`restore`]).
-    pub(crate) checkpoints: restore::Checkpoints,
-    /// What the request path records (`None`: metrics are off).
-    pub(crate) metrics: Option<Arc<metrics::UnitMetrics>>,
-    /// Stopping and exiting.
-    pub(crate) life: Lifecycle,
-}
-
-/// What a unit was started with: fixed for its life.
-pub(crate) struct Settings {
-    /// The unit's name (logs, the metrics' `unit` label).
-    pub(crate) name: String,
-    pub(crate) started: Instant,
-    pub(crate) instance_id: u128,
-    pub(crate) limits: Limits,
-    pub(crate) spin: Duration,
-    /// This process's uid.
-    pub(crate) uid: u32,
-    pub(crate) allow_other_uids: bool,
-    pub(crate) admin_tcp: bool,
-    pub(crate) frame_timeout: Duration,
-    pub(crate) max_io_timeout: Duration,
-    pub(crate) checkpoint_root: Option<PathBuf>,
-    pub(crate) max_connections: usize,
-    /// Most sessions at once.
-    pub(crate) max_sessions: usize,
-    pub(crate) handshake_timeout: Duration,
-    /// The shared secret clients must prove, if any.
-    pub(crate) secret: Option<stowage_wire::auth::Secret>,
-    /// The spill threshold, as a fraction of the slab.
-    pub(crate) high_watermark: f64,
-}
-
-/// Whether the unit is stopping, and whether it was asked to exit.
-pub(crate) struct Lifecycle {
-    pub(crate) stop: AtomicBool,
-    /// Set when the unit is asked to exit.
-    pub(crate) exit: (Mutex<bool>, std::sync::Condvar),
-}
-
-impl Shared {
-    /// Join the session `token` names, or start a new one, and attach a
-    /// connection to it ([`sessions::Sessions::join`]).
-    pub(crate) fn join_session(
-        &self,
-        token: Option<u128>,
-        peer: conn::Peer,
-        maps: bool,
-        namespace: &str,
-    ) -> Result<(u128, stowage_core::Owner), stowage_wire::Response> {
-        let ctx = sessions::JoinCtx {
-            max_sessions: self.settings.max_sessions,
-            name: &self.settings.name,
-            metrics: self.metrics.as_deref(),
-            now: self.now(),
-        };
-        self.sessions
-            .join(|| self.core(), &ctx, token, peer, maps, namespace)
-    }
-
-    /// The core's counters, with the server's disk I/O counters.
-    pub(crate) fn stats(&self) -> stowage_wire::Stats {
-        let now = self.now();
-        let mut s = stowage_wire::Stats::from(self.core().stats_at(now));
-        if let Some(d) = &self.disk {
-            s.disk_write_bytes = d.io.write_bytes.load(Ordering::Relaxed);
-            s.disk_write_micros = d.io.write_micros.load(Ordering::Relaxed);
-            s.disk_read_bytes = d.io.read_bytes.load(Ordering::Relaxed);
-            s.disk_read_micros = d.io.read_micros.load(Ordering::Relaxed);
-        }
-        if let Some(m) = &self.metrics {
-            (s.ops, s.bytes_in, s.bytes_out) = m.traffic();
-            s.busy = m.busy_total();
-        }
-        s.compaction_micros = self.driver.compaction_micros.load(Ordering::Relaxed);
-        s.serves_nixl = self.nixl.is_some();
-        s.page_mode = self.slab.page_mode().name().to_string();
-        s
-    }
-
-    pub(crate) fn request_exit(&self) {
-        let mut e = self.life.exit.0.lock().unwrap_or_else(|p| p.into_inner());
-        *e = true;
-        self.life.exit.1.notify_all();
-    }
-
-    /// Stop within `timeout`: refuse new work, let a checkpoint in progress
-    /// finish or abandon it, remove the disk directory. Returns what could
-    /// not be done.
-    pub(crate) fn shut_down(&self, timeout: Duration) -> Vec<String> {
-        let mut problems = Vec::new();
-        self.life.stop.store(true, Ordering::SeqCst);
-        self.driver.timer.wake();
-        restore::stop_all(self);
-        let end = Instant::now() + timeout;
-        while self.checkpoints.writing.load(Ordering::SeqCst) > 0 {
-            if Instant::now() >= end {
-                problems.push("a checkpoint was still being written at the deadline".into());
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        if let Some(d) = &self.disk {
-            // Wait for the spiller and the flusher to put their pens down.
-            let idle = loop {
-                match d.busy.try_lock() {
-                    Ok(g) => break Some(g),
-                    Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
-                    Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                    Err(std::sync::TryLockError::WouldBlock) => break None,
-                }
-            };
-            if idle.is_none() {
-                problems.push("a disk write was still running at the deadline".into());
-            }
-            let mut last = None;
-            for _ in 0..5 {
-                match d.dir.remove() {
-                    Ok(()) => {
-                        last = None;
-                        break;
-                    }
-                    // A connection may have just created a file: try again.
-                    Err(e) => {
-                        last = Some(e);
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                }
-            }
-            if let Some(e) = last {
-                problems.push(format!("could not remove {}: {e}", d.dir.path.display()));
-            }
-        }
-        problems
-    }
-}
-
-impl Shared {
-    pub(crate) fn now(&self) -> Duration {
-        self.settings.started.elapsed()
-    }
-}
 
 /// A running unit (its threads run until the process exits or
 /// [`UnitHandle::stop`]).
@@ -316,17 +160,33 @@ impl UnitHandle {
     }
 }
 
-/// Why a unit could not start.
-#[derive(Debug, thiserror::Error)]
-pub enum StartError {
-    #[error("invalid configuration: {0}")]
-    Config(String),
-    #[error("creating the slab: {0}")]
-    Slab(io::Error),
-    #[error("binding {what}: {err}")]
-    Bind { what: String, err: io::Error },
-    #[error("{0}")]
-    Restore(String),
+impl RestoreUnit for UnitHandle {
+    fn stop(&self) {
+        UnitHandle::stop(self);
+    }
+
+    fn tcp(&self) -> Option<SocketAddr> {
+        self.tcp
+    }
+
+    fn uds(&self) -> Option<&std::path::Path> {
+        self.uds.as_deref()
+    }
+
+    fn connections(&self) -> usize {
+        self.shared.conns.connections.load(Ordering::SeqCst)
+    }
+}
+
+/// [`start_with`] for a restore unit (the [`shared::StartRestore`] a unit
+/// hands down to `restore.rs`).
+fn start_restore(
+    cfg: UnitConfig,
+    fd: std::os::fd::OwnedFd,
+    dir: PathBuf,
+) -> Result<(Arc<dyn RestoreUnit>, Option<stowage_wire::CheckpointInfo>), StartError> {
+    let (h, info) = start_with(cfg, Some((fd, dir)))?;
+    Ok((Arc::new(h), info))
 }
 
 /// Create the slab, bind the listeners and start serving.
@@ -476,20 +336,19 @@ pub(crate) fn start_with(
             secret: cfg.secret.clone(),
             high_watermark: cfg.high_watermark,
         },
-        driver: drive::Driver::new(core, moves_tx),
+        driver: driver::Driver::new(core, moves_tx),
         sessions: sessions::Sessions::default(),
-        conns: listen::Conns {
+        conns: Conns {
             connections: Arc::default(),
             handshakes: Arc::new(admit::Handshakes::new(
                 cfg.max_handshakes,
                 cfg.max_handshakes_per_source,
             )),
-            reactor: std::sync::OnceLock::new(),
         },
         slab,
         nixl,
         disk,
-        checkpoints: restore::Checkpoints::default(),
+        checkpoints: Checkpoints::new(start_restore),
         metrics: cfg.metrics.then(Default::default),
         life: Lifecycle {
             stop: AtomicBool::new(false),
@@ -546,9 +405,9 @@ pub(crate) fn start_with(
             .map_err(StartError::Slab)?;
     }
 
-    let reactor =
-        reactor::Reactor::start(&shared, cfg.threads, cfg.io_threads).map_err(StartError::Slab)?;
-    let _ = shared.conns.reactor.set(reactor);
+    let reactor = Arc::new(
+        reactor::Reactor::start(&shared, cfg.threads, cfg.io_threads).map_err(StartError::Slab)?,
+    );
 
     let mut handle = UnitHandle {
         shared: shared.clone(),
@@ -592,10 +451,10 @@ pub(crate) fn start_with(
             err,
         })?;
         handle.uds = Some(path.clone());
-        let sh = shared.clone();
+        let (sh, r) = (shared.clone(), reactor.clone());
         std::thread::Builder::new()
             .name("uds-accept".into())
-            .spawn(move || accept_uds(sh, l))
+            .spawn(move || accept_uds(sh, &r, l))
             .map_err(StartError::Slab)?;
     }
     if let Some(addr) = cfg.tcp {
@@ -604,10 +463,10 @@ pub(crate) fn start_with(
             err,
         })?;
         handle.tcp = Some(l.local_addr().map_err(StartError::Slab)?);
-        let sh = shared.clone();
+        let (sh, r) = (shared.clone(), reactor.clone());
         std::thread::Builder::new()
             .name("tcp-accept".into())
-            .spawn(move || accept_tcp(sh, l))
+            .spawn(move || accept_tcp(sh, &r, l))
             .map_err(StartError::Slab)?;
     }
     let sh = shared.clone();

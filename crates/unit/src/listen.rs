@@ -12,7 +12,9 @@ use std::time::{Duration, Instant};
 
 use stowage_wire::io::Socket;
 
-use crate::{admit, conn, Shared};
+use crate::reactor::Reactor;
+use crate::shared::Shared;
+use crate::{admit, conn};
 
 /// Bind a Unix socket, replacing a stale socket file (one nobody listens
 /// on) but never a live unit's.
@@ -53,64 +55,17 @@ fn turn_away(mut s: impl io::Write, code: stowage_wire::ErrorCode, message: &str
     }
 }
 
-pub(crate) use admit::Counted;
-
-/// The connections a unit serves: those past their handshake (counted
-/// against `--max-connections`), those still in it, and the reactor that
-/// serves them.
-pub(crate) struct Conns {
-    /// Connections being served (past their handshake).
-    pub(crate) connections: Arc<std::sync::atomic::AtomicUsize>,
-    /// Connections still in their handshake.
-    pub(crate) handshakes: Arc<admit::Handshakes>,
-    /// The threads that serve connections.
-    pub(crate) reactor: std::sync::OnceLock<crate::reactor::Reactor>,
-}
-
-impl Shared {
-    /// The connection of `ticket` proved itself: it leaves the handshake
-    /// pool and takes a served connection's slot. `Err`: the Busy answer
-    /// it gets instead (its handshake was cut meanwhile, or the unit
-    /// serves `max_connections` already).
-    pub(crate) fn prove(self: &Arc<Self>, ticket: &admit::Ticket) -> Result<Counted, String> {
-        if !self.conns.handshakes.prove(ticket) {
-            return Err(self.cut_message(ticket));
-        }
-        if self.conns.connections.fetch_add(1, Ordering::SeqCst) >= self.settings.max_connections {
-            self.conns.connections.fetch_sub(1, Ordering::SeqCst);
-            if let Some(m) = &self.metrics {
-                m.turned_away();
-            }
-            return Err(format!(
-                "the unit has too many connections ({}, its --max-connections); try again later",
-                self.settings.max_connections
-            ));
-        }
-        Ok(Counted(self.conns.connections.clone()))
-    }
-
-    /// What a connection whose handshake was cut is told.
-    pub(crate) fn cut_message(&self, ticket: &admit::Ticket) -> String {
-        match ticket.cut() {
-            Some(admit::Cut::Source) => format!(
-                "too many connections waiting for their handshake from {} ({}, the unit's \
-                 --max-handshakes-per-source): the oldest was cut; try again",
-                ticket.source, self.conns.handshakes.per_source
-            ),
-            _ => format!(
-                "too many connections waiting for their handshake ({}, the unit's \
-                 --max-handshakes): the oldest of the source holding the most was cut; try again",
-                self.conns.handshakes.max
-            ),
-        }
-    }
-}
-
 /// Serve `stream` (on a worker of the reactor). It waits in the handshake pool
 /// until it proves itself (see `admit.rs`): taking its place there may
 /// cut the oldest handshake of its source, or of the source holding the
 /// most.
-fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, source: admit::Source) {
+fn spawn_conn(
+    shared: &Arc<Shared>,
+    reactor: &Reactor,
+    stream: Socket,
+    peer: conn::Peer,
+    source: admit::Source,
+) {
     let Some((ticket, cut)) = shared.conns.handshakes.admit(source, &stream) else {
         tracing::warn!(%source, "out of file descriptors: a connection was turned away");
         if let Some(m) = &shared.metrics {
@@ -124,15 +79,11 @@ fn spawn_conn(shared: &Arc<Shared>, stream: Socket, peer: conn::Peer, source: ad
         }
         tracing::debug!(source = %from, reason = ?why, "cut a handshake to admit a new connection");
     }
-    let Some(reactor) = shared.conns.reactor.get() else {
-        tracing::error!("a connection came before the unit's serving threads started");
-        return;
-    };
     let c = conn::open(shared.clone(), stream, peer, ticket, Instant::now());
     reactor.admit(c);
 }
 
-pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
+pub(crate) fn accept_uds(shared: Arc<Shared>, reactor: &Reactor, l: UnixListener) {
     for stream in l.incoming() {
         if shared.life.stop.load(Ordering::SeqCst) {
             return;
@@ -157,7 +108,7 @@ pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
                 // Same-user peers prove themselves too before they are
                 // served; a peer without credentials counts as one user.
                 let source = admit::Source::Uid(peer.uid.unwrap_or(u32::MAX));
-                spawn_conn(&shared, Socket::Unix(s), peer, source);
+                spawn_conn(&shared, reactor, Socket::Unix(s), peer, source);
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on the Unix socket failed");
@@ -167,7 +118,7 @@ pub(crate) fn accept_uds(shared: Arc<Shared>, l: UnixListener) {
     }
 }
 
-pub(crate) fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
+pub(crate) fn accept_tcp(shared: Arc<Shared>, reactor: &Reactor, l: TcpListener) {
     let local = l.local_addr().ok();
     for stream in l.incoming() {
         if shared.life.stop.load(Ordering::SeqCst) {
@@ -182,7 +133,13 @@ pub(crate) fn accept_tcp(shared: Arc<Shared>, l: TcpListener) {
                     Ok(p) => admit::Source::of_tcp(p, s.local_addr().ok().or(local)),
                     Err(_) => continue, // already gone
                 };
-                spawn_conn(&shared, Socket::Tcp(s), conn::Peer::default(), source);
+                spawn_conn(
+                    &shared,
+                    reactor,
+                    Socket::Tcp(s),
+                    conn::Peer::default(),
+                    source,
+                );
             }
             Err(e) => {
                 tracing::warn!(error = %e, "accept on TCP failed");

@@ -31,7 +31,7 @@ use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
 use crate::conn::{Conn, Ended, Step};
-use crate::Shared;
+use crate::shared::Shared;
 
 mod rings;
 

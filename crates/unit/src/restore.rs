@@ -15,7 +15,6 @@
 //! [`IDLE`], and with its unit (it lives in the unit's process, so it dies
 //! with it too). A unit serves at most [`MAX_OPEN`] at once.
 
-use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
@@ -25,7 +24,10 @@ use std::time::{Duration, Instant};
 use stowage_wire::{ErrorCode, Response, RestoreReply, RestoreSource};
 
 use crate::checkpoint::{self, Found};
-use crate::{Shared, StartError, UnitConfig, UnitHandle};
+use stowage_config::UnitConfig;
+
+use crate::error::StartError;
+use crate::shared::{RestoreUnit, Restores, Shared};
 
 /// Most restore units one unit serves at once.
 pub(crate) const MAX_OPEN: usize = 8;
@@ -35,25 +37,6 @@ pub(crate) const IDLE: Duration = Duration::from_secs(120);
 const MIN_MEMORY: u64 = 64 << 20;
 /// How often a restore unit's watcher looks at it.
 const TICK: Duration = Duration::from_millis(250);
-
-/// Checkpoints being written, and what restores are made from.
-#[derive(Default)]
-pub(crate) struct Checkpoints {
-    /// Checkpoints being written.
-    pub(crate) writing: std::sync::atomic::AtomicUsize,
-    /// The unit's configuration with its bound listeners (what its restore
-    /// units are made from).
-    pub(crate) config: std::sync::OnceLock<crate::UnitConfig>,
-    /// The restore units this unit started (this module).
-    pub(crate) restores: Mutex<Restores>,
-}
-
-/// The restore units a unit started, by id.
-#[derive(Default)]
-pub(crate) struct Restores {
-    next: u64,
-    open: HashMap<u64, Arc<UnitHandle>>,
-}
 
 fn lock(m: &Mutex<Restores>) -> MutexGuard<'_, Restores> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -147,8 +130,8 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         io_threads: 2,
         ..template.clone()
     };
-    let (handle, info) = match crate::start_with(cfg, Some((fd, path.clone()))) {
-        Ok((h, Some(info))) => (Arc::new(h), info),
+    let (handle, info) = match (shared.checkpoints.start)(cfg, fd, path.clone()) {
+        Ok((h, Some(info))) => (h, info),
         Ok((h, None)) => {
             h.stop();
             return refuse(
@@ -188,8 +171,8 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         dir = %path.display(),
         rows = info.rows,
         bytes = info.bytes,
-        tcp = ?handle.tcp,
-        uds = ?handle.uds,
+        tcp = ?handle.tcp(),
+        uds = ?handle.uds(),
         "restore unit serving a checkpoint"
     );
     Response::Restore(Box::new(RestoreReply {
@@ -197,8 +180,8 @@ pub(crate) fn open(shared: &Arc<Shared>, dir: &str) -> Response {
         path: path.display().to_string(),
         opened: Some(RestoreSource {
             id,
-            tcp: handle.tcp.map(|a| a.to_string()),
-            uds: handle.uds.as_ref().map(|p| p.display().to_string()),
+            tcp: handle.tcp().map(|a| a.to_string()),
+            uds: handle.uds().map(|p| p.display().to_string()),
             info: stowage_wire::CheckpointInfo { stored, ..info },
         }),
         missing: String::new(),
@@ -224,7 +207,7 @@ pub(crate) fn stop_all(shared: &Shared) {
 
 /// Stop restore unit `id` once it has had no connection for [`IDLE`]; end
 /// when it was closed, or its unit stopped or is gone.
-fn watch(unit: Weak<Shared>, id: u64, handle: Weak<UnitHandle>) {
+fn watch(unit: Weak<Shared>, id: u64, handle: Weak<dyn RestoreUnit>) {
     let mut busy = Instant::now();
     loop {
         std::thread::sleep(TICK);
@@ -241,7 +224,7 @@ fn watch(unit: Weak<Shared>, id: u64, handle: Weak<UnitHandle>) {
         if !lock(&sh.checkpoints.restores).open.contains_key(&id) {
             return;
         }
-        if h.shared.conns.connections.load(Ordering::SeqCst) > 0 {
+        if h.connections() > 0 {
             busy = Instant::now();
         } else if busy.elapsed() >= IDLE {
             drop(h);
@@ -249,6 +232,60 @@ fn watch(unit: Weak<Shared>, id: u64, handle: Weak<UnitHandle>) {
             tracing::info!(unit = %sh.settings.name, restore = id, "restore unit idle: stopped");
             return;
         }
+    }
+}
+
+impl Shared {
+    /// Stop within `timeout`: refuse new work, let a checkpoint in progress
+    /// finish or abandon it, remove the disk directory. Returns what could
+    /// not be done.
+    pub(crate) fn shut_down(&self, timeout: Duration) -> Vec<String> {
+        let mut problems = Vec::new();
+        self.life.stop.store(true, Ordering::SeqCst);
+        self.driver.timer.wake();
+        stop_all(self);
+        let end = Instant::now() + timeout;
+        while self.checkpoints.writing.load(Ordering::SeqCst) > 0 {
+            if Instant::now() >= end {
+                problems.push("a checkpoint was still being written at the deadline".into());
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        if let Some(d) = &self.disk {
+            // Wait for the spiller and the flusher to put their pens down.
+            let idle = loop {
+                match d.busy.try_lock() {
+                    Ok(g) => break Some(g),
+                    Err(std::sync::TryLockError::Poisoned(p)) => break Some(p.into_inner()),
+                    Err(std::sync::TryLockError::WouldBlock) if Instant::now() < end => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                    Err(std::sync::TryLockError::WouldBlock) => break None,
+                }
+            };
+            if idle.is_none() {
+                problems.push("a disk write was still running at the deadline".into());
+            }
+            let mut last = None;
+            for _ in 0..5 {
+                match d.dir.remove() {
+                    Ok(()) => {
+                        last = None;
+                        break;
+                    }
+                    // A connection may have just created a file: try again.
+                    Err(e) => {
+                        last = Some(e);
+                        std::thread::sleep(Duration::from_millis(10));
+                    }
+                }
+            }
+            if let Some(e) = last {
+                problems.push(format!("could not remove {}: {e}", d.dir.path.display()));
+            }
+        }
+        problems
     }
 }
 

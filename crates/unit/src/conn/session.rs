@@ -12,7 +12,8 @@ use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
 
 use super::{Conn, InBuf, Peer};
 use crate::auth::{Gate, Verdict};
-use crate::Shared;
+use crate::sessions;
+use crate::shared::Shared;
 
 /// A connection, from accept: its state, waiting in the handshake pool
 /// (`ticket`) until it proves itself; `accepted`: when it was accepted
@@ -311,5 +312,26 @@ impl Conn {
             self.flush_ready()?;
         }
         Ok(())
+    }
+}
+
+impl Shared {
+    /// Join the session `token` names, or start a new one, and attach a
+    /// connection to it ([`sessions::Sessions::join`]).
+    pub(crate) fn join_session(
+        &self,
+        token: Option<u128>,
+        peer: Peer,
+        maps: bool,
+        namespace: &str,
+    ) -> Result<(u128, stowage_core::Owner), stowage_wire::Response> {
+        let ctx = sessions::JoinCtx {
+            max_sessions: self.settings.max_sessions,
+            name: &self.settings.name,
+            metrics: self.metrics.as_deref(),
+            now: self.now(),
+        };
+        self.sessions
+            .join(|| self.core(), &ctx, token, peer, maps, namespace)
     }
 }

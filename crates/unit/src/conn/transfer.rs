@@ -16,7 +16,8 @@ use stowage_wire::{encode, ErrorCode, Response};
 use super::{Conn, EndReason};
 use crate::disk::{self, read_through, DiskEngine};
 use crate::handler::{self, Dest, Put, Read};
-use crate::{Served, Shared};
+use crate::shared::Shared;
+use crate::tier::{cut, Served};
 
 impl Conn {
     /// Take a Put's payload where the handler reserved it, within the
@@ -27,7 +28,7 @@ impl Conn {
         self.reader.get_mut().deadline = Some(Instant::now() + timeout);
         match &put.into {
             Dest::Slab { pieces } => {
-                let ranges = crate::cut(pieces, put.nbytes);
+                let ranges = cut(pieces, put.nbytes);
                 self.put_to_slab(id, &mut put, &ranges)
             }
             Dest::Disk => self.put_to_disk(id, &mut put),
@@ -277,7 +278,7 @@ impl Conn {
                     };
                     let t0 = Instant::now();
                     let streamed = d.engine.reader(*blob).and_then(|r| {
-                        crate::read_through(&r, *offset, *len, buf, |piece| {
+                        read_through(&r, *offset, *len, buf, |piece| {
                             changed |= slab.send_pieces(fd, &[Piece::Heap(piece)], until)?;
                             Ok(())
                         })
