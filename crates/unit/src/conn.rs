@@ -11,91 +11,27 @@ use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use stowage_core::{BlobId, Owner};
+use stowage_core::BlobId;
 use stowage_wire::io::{drain, read_header, read_prefix, ReadError};
 use stowage_wire::{encode, ErrorCode, Request, Response};
 
-use crate::auth::Gate;
 use crate::handler::{self, Asker, Dest, Plan};
-use crate::shared::Shared;
 
 mod inbuf;
 mod nixl;
 mod ring;
 mod session;
+mod state;
 mod transfer;
 
-use inbuf::{InBuf, Next};
+use inbuf::Next;
 pub(crate) use ring::RingStep;
 pub(crate) use session::EndReason;
 pub(crate) use session::{finish, open, Ended};
+pub(crate) use state::Conn;
+use state::Parked;
 
 pub(crate) use crate::sessions::Peer;
-
-/// One connection's state between its requests; served by a worker of
-/// the reactor ([`crate::reactor`]), and by the blocking pool for a step
-/// that blocks ([`Conn::run_parked`]).
-pub(crate) struct Conn {
-    shared: Arc<Shared>,
-    /// Its socket, and what was read from it and not yet served.
-    reader: InBuf,
-    peer: Peer,
-    /// A Unix-socket peer: it may be handed the slab.
-    unix: bool,
-    /// May send admin requests (shutdown, checkpoint).
-    admin: bool,
-    namespace: Option<String>,
-    owner: Option<Owner>,
-    /// The handshake before Hello (the shared secret's challenge).
-    gate: Gate,
-    /// The handshake, up to the Hello, must be done by then: a peer that
-    /// has not proved anything holds no connection for long.
-    handshake_deadline: Instant,
-    /// Its place in the handshake pool, until it proves itself.
-    ticket: Option<crate::admit::Ticket>,
-    /// Its slot among the served connections, once it proved itself.
-    slot: Option<crate::admit::Counted>,
-    /// The send timeout set on the socket.
-    write_timeout: Duration,
-    /// Reply bytes the peer has not taken yet.
-    out: Vec<u8>,
-    /// Since when `out` has waited for the peer.
-    out_since: Option<Instant>,
-    scratch: Vec<u8>,
-    /// The current request was answered with an error (for metrics).
-    failed: bool,
-    /// When the current request's frame began to arrive (its deadline's
-    /// base, and its latency's start: one clock read for both).
-    frame_start: Instant,
-    /// Whether its requests are recorded (the unit keeps metrics).
-    metrics: bool,
-    /// Carried out by the blocking pool (its socket calls block, bounded
-    /// by their deadlines); otherwise every socket call returns at once.
-    blocking: bool,
-    /// A planned request whose next step blocks: for the pool.
-    parked: Option<Parked>,
-    /// The connection's Hello mapped the slab (a request ring may be
-    /// made for it).
-    maps: bool,
-    /// Its request ring, once it asked for one.
-    ring: Option<stowage_shm::ring::Ring>,
-    /// The request being served came through the ring: its reply goes
-    /// back there.
-    via_ring: bool,
-    /// The client kicked the ring (the worker polls it again).
-    kicked: bool,
-    /// A ring entry, copied out before it is decoded.
-    entry: Vec<u8>,
-}
-
-/// A request planned by a worker and carried out by the pool.
-struct Parked {
-    id: u64,
-    plan: Plan,
-    op: Option<crate::metrics::Op>,
-    /// It came through the ring.
-    via_ring: bool,
-}
 
 /// What a worker's turn on a connection came to.
 pub(crate) enum Step {

@@ -8,7 +8,8 @@ use std::time::Instant;
 
 use stowage_wire::{encode, ErrorCode, Request, Response};
 
-use super::{Conn, EndReason};
+use super::session::EndReason;
+use super::state::Conn;
 
 /// What a worker's turn on a connection's ring came to.
 pub(crate) enum RingStep {

@@ -10,9 +10,11 @@ use std::time::Instant;
 use stowage_wire::io::{Socket, SpinReader};
 use stowage_wire::{encode, ErrorCode, Request, Response, PROTOCOL_VERSION};
 
-use super::{Conn, InBuf, Peer};
+use super::inbuf::InBuf;
+use super::state::Conn;
 use crate::auth::{Gate, Verdict};
 use crate::sessions;
+use crate::sessions::Peer;
 use crate::shared::Shared;
 
 /// A connection, from accept: its state, waiting in the handshake pool

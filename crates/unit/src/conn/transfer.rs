@@ -13,7 +13,8 @@ use stowage_shm::Piece;
 use stowage_wire::io::drain;
 use stowage_wire::{encode, ErrorCode, Response};
 
-use super::{Conn, EndReason};
+use super::session::EndReason;
+use super::state::Conn;
 use crate::disk::{self, read_through, DiskEngine};
 use crate::handler::{self, Dest, Put, Read};
 use crate::shared::Shared;
