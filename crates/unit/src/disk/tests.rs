@@ -21,6 +21,18 @@ fn engine(p: &Path) -> FileEngine {
     FileEngine::new(dirfd(p), p.to_owned(), 1)
 }
 
+/// An engine over `p` whose files have chunks of `chunk` bytes.
+fn chunked(p: &Path, chunk: u32) -> FileEngine {
+    FileEngine::with_chunk(dirfd(p), p.to_owned(), chunk)
+}
+
+/// `blob`, read whole, is `bytes`.
+fn assert_reads_whole(e: &FileEngine, blob: BlobId, bytes: &[u8]) {
+    let mut whole = vec![0u8; bytes.len()];
+    e.read(blob, &mut whole).unwrap();
+    assert!(whole == bytes, "{blob:?} read whole");
+}
+
 #[test]
 fn blob_files_round_trip_and_detect_damage() {
     let dir = tempfile::tempdir().unwrap();
@@ -140,7 +152,7 @@ fn flip(path: &Path, at: usize) {
 fn read_at_returns_exactly_every_range() {
     let dir = tempfile::tempdir().unwrap();
     for chunk in [1u32, 7, 16, 50, 64] {
-        let e = FileEngine::with_chunk(dirfd(dir.path()), dir.path().to_owned(), chunk);
+        let e = chunked(dir.path(), chunk);
         for n in [0usize, 1, 15, 16, 17, 50] {
             let blob = BlobId(u128::from(chunk) << 32 | n as u128);
             let bytes = data(n, blob.0 as u64);
@@ -150,9 +162,7 @@ fn read_at_returns_exactly_every_range() {
             let chunks = (n as u64).div_ceil(u64::from(chunk));
             assert_eq!(file.len() as u64, HEADER + n as u64 + chunks * SUM);
             assert_eq!(e.blob_size(blob).unwrap(), n as u64);
-            let mut whole = vec![0u8; n];
-            e.read(blob, &mut whole).unwrap();
-            assert_eq!(whole, bytes);
+            assert_reads_whole(&e, blob, &bytes);
             for offset in 0..=n {
                 for len in 0..=n - offset {
                     let mut got = vec![0xAAu8; len];
@@ -199,9 +209,7 @@ fn read_at_chunk_boundaries() {
             assert!(got == bytes[a..b], "{} bytes at {a}", b - a);
         }
     }
-    let mut whole = vec![0u8; n];
-    e.read(BlobId(1), &mut whole).unwrap();
-    assert!(whole == bytes);
+    assert_reads_whole(&e, BlobId(1), &bytes);
 }
 
 /// More chunks than one read of the sum table holds: the sums are
@@ -209,13 +217,11 @@ fn read_at_chunk_boundaries() {
 #[test]
 fn many_chunks_are_checked_against_their_own_sums() {
     let dir = tempfile::tempdir().unwrap();
-    let e = FileEngine::with_chunk(dirfd(dir.path()), dir.path().to_owned(), 2);
+    let e = chunked(dir.path(), 2);
     let n = 4 * SUMS_AT_ONCE + 3;
     let bytes = data(n, 5);
     put(&e, BlobId(1), &bytes, &[333]);
-    let mut whole = vec![0u8; n];
-    e.read(BlobId(1), &mut whole).unwrap();
-    assert!(whole == bytes);
+    assert_reads_whole(&e, BlobId(1), &bytes);
     for (a, b) in [(1, n - 1), (2 * SUMS_AT_ONCE - 1, n), (1500, 1501)] {
         let mut got = vec![0u8; b - a];
         e.read_at(BlobId(1), a as u64, &mut got).unwrap();
@@ -296,8 +302,7 @@ fn read_at_is_checked_where_it_reads() {
     assert!(corrupt_at(&e, BlobId(1), 0, 1));
 
     fs::write(&p, &clean).unwrap();
-    e.read(BlobId(1), &mut whole).unwrap();
-    assert!(whole == bytes);
+    assert_reads_whole(&e, BlobId(1), &bytes);
 }
 
 /// Ranges not inside the blob are errors, never panics; empty ranges
@@ -305,7 +310,7 @@ fn read_at_is_checked_where_it_reads() {
 #[test]
 fn read_at_out_of_range_empty_and_empty_blobs() {
     let dir = tempfile::tempdir().unwrap();
-    let e = FileEngine::with_chunk(dirfd(dir.path()), dir.path().to_owned(), 16);
+    let e = chunked(dir.path(), 16);
     put(&e, BlobId(1), &data(40, 1), &[40]);
     let out_of_range = |offset: u64, len: usize| {
         matches!(

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use prometheus_client::collector::Collector;
-use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::metrics::MetricType;
@@ -82,34 +82,39 @@ fn gauge(e: &mut DescriptorEncoder, name: &str, help: &str, v: f64) -> fmt::Resu
     g.encode(e.encode_descriptor(name, help, None, MetricType::Gauge)?)
 }
 
-/// One gauge family with one label.
-fn gauges(
-    e: &mut DescriptorEncoder,
-    name: &str,
-    help: &str,
-    label: &str,
-    values: &[(&str, f64)],
-) -> fmt::Result {
-    let mut m = e.encode_descriptor(name, help, None, MetricType::Gauge)?;
-    for (l, v) in values {
-        let labels = [(label, *l)];
-        ConstGauge::new(*v).encode(m.encode_family(&labels)?)?;
-    }
-    Ok(())
+/// A value of a family with one label: an `f64` is a gauge's, a `u64` a
+/// counter's.
+trait Labelled: Copy {
+    const TYPE: MetricType;
+    fn encode(self, m: MetricEncoder) -> fmt::Result;
 }
 
-/// One counter family with one label.
-fn counters(
+impl Labelled for f64 {
+    const TYPE: MetricType = MetricType::Gauge;
+    fn encode(self, m: MetricEncoder) -> fmt::Result {
+        ConstGauge::new(self).encode(m)
+    }
+}
+
+impl Labelled for u64 {
+    const TYPE: MetricType = MetricType::Counter;
+    fn encode(self, m: MetricEncoder) -> fmt::Result {
+        ConstCounter::new(self).encode(m)
+    }
+}
+
+/// One family with one label: gauges or counters, by the values' type.
+fn family<V: Labelled>(
     e: &mut DescriptorEncoder,
     name: &str,
     help: &str,
     label: &str,
-    values: &[(&str, u64)],
+    values: &[(&str, V)],
 ) -> fmt::Result {
-    let mut m = e.encode_descriptor(name, help, None, MetricType::Counter)?;
+    let mut m = e.encode_descriptor(name, help, None, V::TYPE)?;
     for (l, v) in values {
         let labels = [(label, *l)];
-        ConstCounter::new(*v).encode(m.encode_family(&labels)?)?;
+        v.encode(m.encode_family(&labels)?)?;
     }
     Ok(())
 }
@@ -130,7 +135,7 @@ impl Collector for UnitCollector {
             "Bytes of the unit's slab.",
             cap,
         )?;
-        gauges(
+        family(
             &mut e,
             "slab_bytes",
             "Slab bytes by state: used (stored data: committed blobs), reserved (puts being written), spares (reservations clients keep for their next puts), quarantined, free; pinned (stored data someone reads, part of used).",
@@ -181,7 +186,7 @@ impl Collector for UnitCollector {
             s.compaction_micros,
         )?;
         let mode = s.page_mode.as_str();
-        gauges(
+        family(
             &mut e,
             "slab_page_mode",
             "The slab's page mode: 1 for the mode in effect (4k, thp: transparent huge pages, hugetlb), 0 for the others.",
@@ -207,7 +212,7 @@ impl Collector for UnitCollector {
             "Bytes of the disk tier (0: no disk tier).",
             f(s.disk_capacity),
         )?;
-        gauges(
+        family(
             &mut e,
             "disk_bytes",
             "Disk tier bytes: used (files written or being written) and free.",
@@ -247,7 +252,7 @@ impl Collector for UnitCollector {
             )
         });
         gauge(&mut e, "pins", "Pins held (blobs being read).", f(s.pins))?;
-        gauges(
+        family(
             &mut e,
             "holds",
             "Reservations and pins held by client sessions.",
@@ -348,7 +353,7 @@ impl Collector for UnitCollector {
             .zip(&m.errors)
             .map(|(n, c)| (*n, c.load(Relaxed)))
             .collect();
-        counters(
+        family(
             &mut e,
             "errors",
             "Error answers, by kind (the wire error code).",
@@ -384,7 +389,7 @@ impl Collector for UnitCollector {
             .zip(&m.handshakes_cut)
             .map(|(n, c)| (*n, c.load(Relaxed)))
             .collect();
-        counters(
+        family(
             &mut e,
             "handshakes_cut",
             "Connections cut before they proved themselves, by reason (source_limit: their source opened more than --max-handshakes-per-source; pool_full: --max-handshakes were waiting and their source held the most; timeout: no proof within --handshake-timeout).",
@@ -410,7 +415,7 @@ impl Collector for UnitCollector {
             .zip(&m.reclaimed)
             .map(|(n, c)| (*n, c.load(Relaxed)))
             .collect();
-        counters(
+        family(
             &mut e,
             "reclaimed_holds",
             "Reservations and pins released because their holder went away, by how (closed: the peer closed its connection or died; cut: the unit cut a tcp peer; process_exited: a cut shm peer's process exited).",
@@ -448,7 +453,7 @@ impl Collector for UnitCollector {
             "Bytes read from the disk tier for a get without bringing them back into the slab.",
             m.disk_streamed_bytes.load(Relaxed),
         )?;
-        counters(
+        family(
             &mut e,
             "disk_io_bytes",
             "Disk tier I/O bytes, by direction.",
@@ -468,7 +473,7 @@ impl Collector for UnitCollector {
             }
         }
         // Checkpoints.
-        counters(
+        family(
             &mut e,
             "checkpoints",
             "Checkpoints written, by outcome.",
