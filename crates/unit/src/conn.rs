@@ -6,13 +6,13 @@
 //! client leaves or misbehaves. How a connection starts, passes its
 //! handshake and Hello, and ends: [`session`].
 
-use std::io::{self, Write};
+use std::io::{self, BufRead as _, Write};
 use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use stowage_core::BlobId;
-use stowage_wire::io::{drain, read_header, read_prefix, ReadError};
+use stowage_wire::io::{drain, ReadError};
 use stowage_wire::{encode, ErrorCode, Request, Response};
 
 use crate::handler::{self, Asker, Dest, Plan};
@@ -25,7 +25,6 @@ mod state;
 mod transfer;
 
 use inbuf::Next;
-pub(crate) use ring::RingStep;
 pub(crate) use session::EndReason;
 pub(crate) use session::{finish, open, Ended};
 pub(crate) use state::Conn;
@@ -47,10 +46,58 @@ pub(crate) enum Step {
     End(Result<(), EndReason>),
 }
 
+/// What a worker's turn on a connection's ring came to.
+pub(crate) enum RingStep {
+    /// It served this many requests (0: none was there).
+    Served(usize),
+    /// A request's next step blocks: hand it to the pool.
+    Pool,
+    /// The ring broke the rules; the connection ends.
+    End(EndReason),
+}
+
+/// Room a request awaiting a reply needs in the reply ring: an
+/// [`Response::OnSocket`] marker at least.
+const ON_SOCKET_ROOM: usize = 64;
+
 /// Header and reply buffers grown past this by one large request are
 /// given back once it is answered (a connection keeps no 64 MiB buffer
 /// for its idle life).
 const KEEP_BUFFER: usize = 1 << 20;
+
+/// A request read from the front of a buffer: its id, the request as
+/// validated under the limits, the payload that follows it, and the
+/// bytes its prefix and header took.
+struct Decoded {
+    id: u64,
+    req: Result<Request, stowage_wire::WireError>,
+    payload_len: u64,
+    used: usize,
+}
+
+/// Decode and validate the request whose prefix and header are at the
+/// front of `bytes` (a ring entry, or a socket's buffered bytes): the one
+/// place either path turns bytes into a request. An `Io` error: they are
+/// not whole there.
+fn decode_request(bytes: &[u8], limits: &stowage_wire::Limits) -> Result<Decoded, ReadError> {
+    use stowage_wire::{FramePrefix, PREFIX_LEN};
+    let short = || io::Error::from(io::ErrorKind::UnexpectedEof);
+    let p: &[u8; PREFIX_LEN] = bytes
+        .get(..PREFIX_LEN)
+        .and_then(|p| p.try_into().ok())
+        .ok_or_else(short)?;
+    let prefix = FramePrefix::parse(p, limits)?;
+    let header = bytes[PREFIX_LEN..]
+        .get(..prefix.header_len as usize)
+        .ok_or_else(short)?;
+    let env = stowage_wire::decode_header::<Request>(header)?;
+    Ok(Decoded {
+        id: env.id,
+        req: env.body.validate(limits).map(|()| env.body),
+        payload_len: prefix.payload_len,
+        used: PREFIX_LEN + header.len(),
+    })
+}
 
 impl Conn {
     /// What this thread records this connection's requests into (`None`:
@@ -150,6 +197,110 @@ impl Conn {
         }
     }
 
+    /// Serve at most `quantum` requests from the ring, without blocking.
+    /// Every entry is copied out, then decoded and checked as a socket
+    /// frame is; a ring that breaks its layout, an entry that is not one
+    /// whole frame without payload, or more requests awaiting replies than
+    /// its reply ring holds end the connection as cut (the client broke
+    /// the protocol; a same-host client's holds stay until its process
+    /// exits, as for any cut connection).
+    pub(crate) fn pump_ring(&mut self, quantum: usize) -> RingStep {
+        if let Err(e) = self.flush_ready() {
+            return RingStep::End(e.into());
+        }
+        let mut served = 0;
+        let mut entry = std::mem::take(&mut self.entry);
+        let step = loop {
+            if served >= quantum {
+                break RingStep::Served(served);
+            }
+            let Some(ring) = &self.ring else {
+                break RingStep::Served(served);
+            };
+            match ring.take_request(&mut entry) {
+                Ok(true) => {}
+                Ok(false) => break RingStep::Served(served),
+                Err(e) => break RingStep::End(EndReason::Invalid(format!("request ring: {e}"))),
+            }
+            let limits = self.shared.settings.limits;
+            let (id, req) = match decode_request(&entry, &limits) {
+                Ok(d) if d.used == entry.len() && d.payload_len == 0 => match d.req {
+                    Ok(req) => (d.id, req),
+                    Err(e) => break RingStep::End(EndReason::Invalid(e.to_string())),
+                },
+                Ok(_) | Err(ReadError::Io(_)) => {
+                    break RingStep::End(EndReason::Invalid(
+                        "a ring entry is one whole frame without payload".into(),
+                    ))
+                }
+                Err(ReadError::Wire(e)) => {
+                    break RingStep::End(EndReason::Invalid(format!("ring entry: {e}")))
+                }
+            };
+            if req.expects_reply() && ring.reply_room() < ON_SOCKET_ROOM {
+                // A client waits for one reply at a time per connection:
+                // one whose reply ring is full and asks more is flooding.
+                break RingStep::End(EndReason::Invalid(
+                    "requests past the room in the reply ring".into(),
+                ));
+            }
+            self.frame_start = Instant::now();
+            self.via_ring = true;
+            let r = self.handle(id, req, 0);
+            self.via_ring = false;
+            if let Err(e) = r {
+                break RingStep::End(e);
+            }
+            served += 1;
+            if let Some(m) = &self.shared.metrics {
+                m.ring_requests
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            if self.parked.is_some() {
+                break RingStep::Pool;
+            }
+        };
+        entry.clear();
+        if entry.capacity() <= 64 << 10 {
+            self.entry = entry;
+        }
+        step
+    }
+
+    /// Post a reply to the ring; one that does not fit goes on the socket,
+    /// after a marker saying so.
+    pub(super) fn reply_to_ring(&mut self, id: u64, r: &Response) -> io::Result<()> {
+        // Encoded in the header buffer (free once a request is decoded):
+        // no allocation per reply.
+        let mut frame = std::mem::take(&mut self.scratch);
+        frame.clear();
+        let encoded = encode(id, r, 0, &mut frame).map_err(io::Error::other);
+        let posted = encoded.and_then(|()| match &self.ring {
+            Some(ring) => Ok(frame.len() <= ring.reply_room() && ring.post_reply(&frame).is_ok()),
+            None => Err(io::Error::other("a ring reply without a ring")),
+        });
+        self.scratch = frame;
+        if posted? {
+            return Ok(());
+        }
+        self.on_socket(id)?;
+        self.via_ring = false;
+        let sent = self.reply(id, r);
+        self.via_ring = true;
+        sent
+    }
+
+    /// Tell the ring that the reply to `id` comes on the socket.
+    pub(super) fn on_socket(&mut self, id: u64) -> io::Result<()> {
+        let Some(ring) = &self.ring else {
+            return Ok(());
+        };
+        let mut marker = Vec::new();
+        encode(id, &Response::OnSocket, 0, &mut marker).map_err(io::Error::other)?;
+        ring.post_reply(&marker)
+            .map_err(|_| io::Error::other("no room in the reply ring for a marker"))
+    }
+
     /// Nothing buffered, nothing to send: give the buffers back.
     fn go_idle(&mut self) {
         self.reader.release_if_empty();
@@ -198,32 +349,28 @@ impl Conn {
                 self.out = Vec::new();
             }
         }
-        let prefix = match read_prefix(&mut self.reader, &limits) {
-            Ok(Some(p)) => p,
-            Ok(None) => return Err(io::Error::from(io::ErrorKind::UnexpectedEof).into()),
+        // The buffer holds the frame's prefix and header whole (or a
+        // prefix the limits refuse): they are decoded in place.
+        let d = match decode_request(self.reader.buffer(), &limits) {
+            Ok(d) => d,
             Err(ReadError::Io(e)) => return Err(e.into()),
             Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
             Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
         };
-        let env = match read_header::<_, Request>(&mut self.reader, &prefix, &mut self.scratch) {
-            Ok(env) => env,
-            Err(ReadError::Io(e)) => return Err(e.into()),
-            Err(ReadError::Wire(e)) if open => return self.refuse(0, e.to_string()),
-            Err(ReadError::Wire(e)) => return self.pass_gate(0, Err(e)),
-        };
+        self.reader.consume(d.used);
         if !open {
             // Handshake frames carry no payload (the limits say so).
-            let frame = env.body.validate(&limits).map(|()| env.body);
-            return self.pass_gate(env.id, frame);
+            return self.pass_gate(d.id, d.req);
         }
-        if let Err(e) = env.body.validate(&limits) {
-            return self.refuse(env.id, e.to_string());
+        let req = match d.req {
+            Ok(req) => req,
+            Err(e) => return self.refuse(d.id, e.to_string()),
+        };
+        let carries_payload = matches!(req, Request::Put { .. });
+        if d.payload_len > 0 && !carries_payload {
+            return self.refuse(d.id, "this request carries no payload".into());
         }
-        let carries_payload = matches!(env.body, Request::Put { .. });
-        if prefix.payload_len > 0 && !carries_payload {
-            return self.refuse(env.id, "this request carries no payload".into());
-        }
-        self.handle(env.id, env.body, prefix.payload_len)
+        self.handle(d.id, req, d.payload_len)
     }
 
     /// Send what waits in `out` without blocking; whether all of it went.
@@ -411,7 +558,7 @@ impl Conn {
                 .load(std::sync::atomic::Ordering::SeqCst),
         };
         let now = self.shared.now();
-        let plan = handler::handle(|| self.shared.core(), &asker, req, payload_len, now);
+        let plan = handler::handle(self.shared.core_on_call(), &asker, req, payload_len, now);
         if self.blocks(&plan) {
             self.parked = Some(Parked {
                 id,

@@ -87,6 +87,14 @@ impl Shared {
         }
     }
 
+    /// [`Shared::core`], when the returned closure is called: what the
+    /// handler is handed, so that it locks the core only for the requests
+    /// that need it, and the lock is taken here with no hop back to the
+    /// caller.
+    pub(crate) fn core_on_call<'a>(&'a self) -> impl FnOnce() -> CoreGuard<'a> + 'a {
+        move || self.core()
+    }
+
     /// The core's counters, with the server's disk I/O counters.
     pub(crate) fn stats(&self) -> stowage_wire::Stats {
         let now = self.now();

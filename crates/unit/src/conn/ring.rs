@@ -4,26 +4,11 @@
 //! the ring, or on the socket after a marker when they do not fit.
 
 use std::io;
-use std::time::Instant;
 
-use stowage_wire::{encode, ErrorCode, Request, Response};
+use stowage_wire::{encode, ErrorCode, Response};
 
 use super::session::EndReason;
 use super::state::Conn;
-
-/// What a worker's turn on a connection's ring came to.
-pub(crate) enum RingStep {
-    /// It served this many requests (0: none was there).
-    Served(usize),
-    /// A request's next step blocks: hand it to the pool.
-    Pool,
-    /// The ring broke the rules; the connection ends.
-    End(EndReason),
-}
-
-/// Room a request awaiting a reply needs in the reply ring: an
-/// [`Response::OnSocket`] marker at least.
-const ON_SOCKET_ROOM: usize = 64;
 
 impl Conn {
     /// Whether the client kicked its ring since the last call.
@@ -40,110 +25,6 @@ impl Conn {
     /// kicks it for its next request), false when requests came.
     pub(crate) fn park_ring(&self) -> bool {
         self.ring.as_ref().is_none_or(|r| r.park())
-    }
-
-    /// Serve at most `quantum` requests from the ring, without blocking.
-    /// Every entry is copied out, then decoded and checked as a socket
-    /// frame is; a ring that breaks its layout, an entry that is not one
-    /// whole frame without payload, or more requests awaiting replies than
-    /// its reply ring holds end the connection as cut (the client broke
-    /// the protocol; a same-host client's holds stay until its process
-    /// exits, as for any cut connection).
-    pub(crate) fn pump_ring(&mut self, quantum: usize) -> RingStep {
-        if let Err(e) = self.flush_ready() {
-            return RingStep::End(e.into());
-        }
-        let mut served = 0;
-        let mut entry = std::mem::take(&mut self.entry);
-        let step = loop {
-            if served >= quantum {
-                break RingStep::Served(served);
-            }
-            let Some(ring) = &self.ring else {
-                break RingStep::Served(served);
-            };
-            match ring.take_request(&mut entry) {
-                Ok(true) => {}
-                Ok(false) => break RingStep::Served(served),
-                Err(e) => break RingStep::End(EndReason::Invalid(format!("request ring: {e}"))),
-            }
-            let limits = self.shared.settings.limits;
-            let (id, req) = match stowage_wire::decode_frame::<Request>(&entry, &limits) {
-                Ok(Some((f, used))) if used == entry.len() && f.payload.is_empty() => {
-                    (f.envelope.id, f.envelope.body)
-                }
-                Ok(_) => {
-                    break RingStep::End(EndReason::Invalid(
-                        "a ring entry is one whole frame without payload".into(),
-                    ))
-                }
-                Err(e) => break RingStep::End(EndReason::Invalid(format!("ring entry: {e}"))),
-            };
-            if let Err(e) = req.validate(&limits) {
-                break RingStep::End(EndReason::Invalid(e.to_string()));
-            }
-            if req.expects_reply() && ring.reply_room() < ON_SOCKET_ROOM {
-                // A client waits for one reply at a time per connection:
-                // one whose reply ring is full and asks more is flooding.
-                break RingStep::End(EndReason::Invalid(
-                    "requests past the room in the reply ring".into(),
-                ));
-            }
-            self.frame_start = Instant::now();
-            self.via_ring = true;
-            let r = self.handle(id, req, 0);
-            self.via_ring = false;
-            if let Err(e) = r {
-                break RingStep::End(e);
-            }
-            served += 1;
-            if let Some(m) = &self.shared.metrics {
-                m.ring_requests
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-            }
-            if self.parked.is_some() {
-                break RingStep::Pool;
-            }
-        };
-        entry.clear();
-        if entry.capacity() <= 64 << 10 {
-            self.entry = entry;
-        }
-        step
-    }
-
-    /// Post a reply to the ring; one that does not fit goes on the socket,
-    /// after a marker saying so.
-    pub(super) fn reply_to_ring(&mut self, id: u64, r: &Response) -> io::Result<()> {
-        // Encoded in the header buffer (free once a request is decoded):
-        // no allocation per reply.
-        let mut frame = std::mem::take(&mut self.scratch);
-        frame.clear();
-        let encoded = encode(id, r, 0, &mut frame).map_err(io::Error::other);
-        let posted = encoded.and_then(|()| match &self.ring {
-            Some(ring) => Ok(frame.len() <= ring.reply_room() && ring.post_reply(&frame).is_ok()),
-            None => Err(io::Error::other("a ring reply without a ring")),
-        });
-        self.scratch = frame;
-        if posted? {
-            return Ok(());
-        }
-        self.on_socket(id)?;
-        self.via_ring = false;
-        let sent = self.reply(id, r);
-        self.via_ring = true;
-        sent
-    }
-
-    /// Tell the ring that the reply to `id` comes on the socket.
-    pub(super) fn on_socket(&mut self, id: u64) -> io::Result<()> {
-        let Some(ring) = &self.ring else {
-            return Ok(());
-        };
-        let mut marker = Vec::new();
-        encode(id, &Response::OnSocket, 0, &mut marker).map_err(io::Error::other)?;
-        ring.post_reply(&marker)
-            .map_err(|_| io::Error::other("no room in the reply ring for a marker"))
     }
 
     /// Make this connection's request ring and hand its memfd over with
