@@ -10,9 +10,9 @@
 //! Threads: one accept loop per listener (`listen.rs`); the reactor
 //! (`reactor.rs`): `--threads` workers that each wait on readiness events
 //! for their share of the connections and serve the whole frames a
-//! connection has without blocking (`conn.rs` moves the bytes,
-//! `conn/ring.rs` serves a same-host client's request ring, `handler.rs`
-//! plans each request against the core), and a bounded pool
+//! connection has without blocking (`conn.rs` moves the bytes and
+//! serves a same-host client's request ring, `conn/ring.rs` makes it,
+//! `handler.rs` plans each request against the core), and a bounded pool
 //! (`--io-threads`) that carries out the steps that block; and the core's
 //! driver (`drive.rs`): a timer that sleeps until the core's
 //! `poll_timeout` and watches the processes of cut sessions, a spiller, a
@@ -60,8 +60,10 @@
 
 #![forbid(unsafe_code)]
 
-// Top to bottom (docs/architecture.md, "The unit server"): every
-// module imports only modules listed below it.
+// Layered (docs/architecture.md, "The unit server"): every import
+// points down — the serving modules (listen, reactor, conn, restore,
+// checkpoint, drive, http) above `shared`, which ties together the parts
+// owned by the modules below it.
 // Serving:
 mod checkpoint;
 mod conn;
