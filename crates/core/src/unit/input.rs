@@ -44,12 +44,28 @@ pub struct Request<O> {
     pub op: O,
 }
 
-impl<O: Op> Input for Request<O> {
-    type Answer = O::Answer;
-    fn apply(self, core: &mut UnitCore, now: Time, t: Token) -> Result<O::Answer, CoreError> {
-        self.op.apply(core, now, self.owner, t)
-    }
+/// How an [`op`](crate::op) type applies: `apply_op!(Ty => Answer, |op,
+/// core, now, owner| ...)`, written in the module that owns what it
+/// changes, so that [`UnitCore::handle`] goes into that one module.
+macro_rules! apply_op {
+    ($ty:path => $answer:ty, $apply:expr) => {
+        impl Op for $ty {
+            type Answer = $answer;
+            fn apply(
+                self,
+                core: &mut UnitCore,
+                now: Time,
+                owner: Owner,
+                _: super::input::sealed::Token,
+            ) -> Result<$answer, CoreError> {
+                let apply: fn($ty, &mut UnitCore, Time, Owner) -> Result<$answer, CoreError> =
+                    $apply;
+                apply(self, core, now, owner)
+            }
+        }
+    };
 }
+pub(super) use apply_op;
 
 /// An input type: its fields, its answer, and how the core applies it.
 macro_rules! input {
