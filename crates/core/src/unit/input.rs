@@ -69,6 +69,18 @@ pub(super) use apply_op;
 
 /// An input type: its fields, its answer, and how the core applies it.
 macro_rules! input {
+    // A driver's report of its work on a blob: `ok` or not, answered with
+    // nothing, applied by the named method.
+    ($(#[$doc:meta])* report $ty:ident => $method:ident) => {
+        input! {
+            $(#[$doc])*
+            $ty { pub blob: BlobId, pub ok: bool } => (),
+            |$ty { blob, ok }, core, _| {
+                core.$method(blob, ok);
+                Ok(())
+            }
+        }
+    };
     ($(#[$doc:meta])* $ty:ident => $answer:ty, $apply:expr) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug)]
@@ -155,11 +167,7 @@ input! {
 }
 input! {
     /// The driver filled (`ok`) or failed to fill a promotion's range.
-    Promoted { pub blob: BlobId, pub ok: bool } => (),
-    |Promoted { blob, ok }, core, _| {
-        core.promote_done(blob, ok);
-        Ok(())
-    }
+    report Promoted => promote_done
 }
 input! {
     /// The driver finished writing a blob's file (`ok`: complete and
@@ -168,21 +176,13 @@ input! {
     /// (once unpinned); for a blob reserved on disk, its entries are
     /// published (if it was committed). A report of a blob with no write
     /// under way is ignored.
-    DiskWritten { pub blob: BlobId, pub ok: bool } => (),
-    |DiskWritten { blob, ok }, core, _| {
-        core.disk_written(blob, ok);
-        Ok(())
-    }
+    report DiskWritten => disk_written
 }
 input! {
     /// The driver copied (`ok`) or failed to copy the blob of an
     /// [`Action::Move`]. A report of a blob with no move under way is
     /// ignored.
-    Moved { pub blob: BlobId, pub ok: bool } => (),
-    |Moved { blob, ok }, core, _| {
-        core.moved(blob, ok);
-        Ok(())
-    }
+    report Moved => moved
 }
 input! {
     /// The time [`UnitCore::poll_timeout`] named has come (or passed):
