@@ -1,6 +1,41 @@
-//! Reservations, spares and commits.
+//! Reservations, spares and commits: the ops that reserve, commit or
+//! abort a blob are applied here, with leaf helpers only.
 
+use super::input::apply_op;
+use super::op::{Abort, Alloc, Commit, CommitSpare, CommitWritten, NameSpare, ReserveSpare};
 use super::*;
+
+apply_op!(Alloc => Allocated, |Alloc { blob, nbytes, n_entries }, core, now, owner| {
+    core.alloc(owner, blob, nbytes, n_entries, now)
+});
+apply_op!(ReserveSpare => Option<u64>, |ReserveSpare { blob, nbytes }, core, now, owner| {
+    core.reserve_spare(owner, blob, nbytes, now)
+});
+apply_op!(NameSpare => bool, |NameSpare { spare, blob }, core, now, owner| {
+    core.name_spare(owner, spare, blob, now)
+});
+apply_op!(Commit => Committed, |Commit { partition, blob, entries }, core, _, owner| {
+    core.refuse_disk_reservation(owner, blob)?;
+    core.commit(owner, &partition, blob, &entries)
+});
+apply_op!(CommitWritten => Committed, |op, core, _, owner| {
+    core.commit(owner, &op.partition, op.blob, &op.entries)
+});
+apply_op!(CommitSpare => SpareCommitted, |op, core, now, owner| {
+    core.refuse_disk_reservation(owner, op.blob)?;
+    if !core.name_spare(owner, op.written, op.blob, now)? {
+        return Ok(SpareCommitted::AlreadyCommitted);
+    }
+    Ok(match core.commit(owner, &op.partition, op.blob, &op.entries)? {
+        Committed::Pending => SpareCommitted::Pending,
+        Committed::Done => SpareCommitted::Committed {
+            spare: core.reserve_spare(owner, op.spare, op.spare_nbytes, now)?,
+        },
+    })
+});
+apply_op!(Abort => (), |Abort { blob, in_flight }, core, now, owner| {
+    core.abort(owner, blob, in_flight, now)
+});
 
 impl UnitCore {
     /// Give up a reservation (any holder): free its range, or quarantine it
@@ -336,6 +371,29 @@ impl UnitCore {
         self.slab.data_free() < (self.slab.capacity() / 8).max(self.slab.spare_budget())
     }
 
+    /// Refuse a bare commit of a blob reserved on the disk tier and not
+    /// yet committed: its bytes must come with a put (the driver writes
+    /// its file, [`op::CommitWritten`]), so a bare commit would wait for a
+    /// file that nobody writes. (Only for the owner's session's own
+    /// reservations: another session's commit is refused as not the
+    /// owner's.)
+    pub(super) fn refuse_disk_reservation(
+        &self,
+        owner: Owner,
+        blob: BlobId,
+    ) -> Result<(), CoreError> {
+        match self.blobs.get(&blob) {
+            Some(Blob {
+                state: State::Reserved { holder, .. },
+                region: None,
+                ..
+            }) if holder.session == owner.session => Err(CoreError::Invalid(format!(
+                "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
+            ))),
+            _ => Ok(()),
+        }
+    }
+
     /// Publish the entries of a reserved blob in partition `partition`.
     ///
     /// Idempotent: committing a committed blob again succeeds without
@@ -480,7 +538,11 @@ impl UnitCore {
             self.drop_entry_ref(old);
         }
         self.earn_compaction(stored);
-        self.maybe_free(blob);
+        if live == 0 {
+            // Nothing of it was published (no entries, or each replaced by
+            // a later one of the same blob): it goes now.
+            self.maybe_free(blob);
+        }
     }
 
     /// Give up a reservation. With `in_flight` (a transfer may still write

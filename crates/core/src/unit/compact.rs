@@ -100,11 +100,9 @@ impl UnitCore {
 
     /// The next move, when free memory is scattered and a blob can move to
     /// a lower range (or, cut into pieces itself, into one range). One
-    /// move at a time.
+    /// move at a time: [`UnitCore::poll_action`] asks only while
+    /// [`Compactor::dirty`] and no move is under way.
     pub(super) fn next_move(&mut self) -> Option<MoveJob> {
-        if self.compactor.moving.is_some() || !self.compactor.dirty {
-            return None;
-        }
         if !self.scattered() {
             self.compactor.dirty = false;
             self.compactor.goal = 0;

@@ -28,6 +28,20 @@ pub enum Action {
     CheckProcess(SessionId),
 }
 
+/// A request goes straight to the module that applies its op (see
+/// `apply_op` in `input.rs`).
+impl<O: Op> Input for Request<O> {
+    type Answer = O::Answer;
+    fn apply(
+        self,
+        core: &mut UnitCore,
+        now: Time,
+        t: input::sealed::Token,
+    ) -> Result<O::Answer, CoreError> {
+        self.op.apply(core, now, self.owner, t)
+    }
+}
+
 impl UnitCore {
     /// Apply one input at `now` (the driver's clock, never going back):
     /// answers what that input answers ([`Input::Answer`]).
@@ -38,31 +52,38 @@ impl UnitCore {
         input.apply(self, now, input::sealed::Token)
     }
 
-    /// The next thing the driver must do for the core, if any. Spills are
-    /// worked out here, once per input, while the slab is past its high
-    /// watermark.
+    /// The next thing the driver must do for the core, if any: the queue
+    /// filled as the work was done, then what is due lazily, each behind a
+    /// flag kept by its module — spills (worked out here, once per input,
+    /// while the slab is past its high watermark) and compaction's next
+    /// move (while free memory may have become scattered). When nothing is
+    /// due it calls into no other module.
     pub fn poll_action(&mut self) -> Option<Action> {
         if let Some(a) = self.actions.pop_front() {
             return Some(a);
         }
-        if self.tier.spill_dirty {
-            self.tier.spill_dirty = false;
-            if self.needs_spill() {
-                for job in self.spill_jobs() {
-                    self.actions.push_back(Action::Spill(job));
-                }
+        if std::mem::take(&mut self.tier.spill_dirty) && self.needs_spill() {
+            for job in self.spill_jobs() {
+                self.actions.push_back(Action::Spill(job));
+            }
+            if let Some(a) = self.actions.pop_front() {
+                return Some(a);
             }
         }
-        if let Some(a) = self.actions.pop_front() {
-            return Some(a);
+        if !self.compactor.dirty || self.compactor.moving.is_some() {
+            return None;
         }
         self.next_move().map(Action::Move)
     }
 
     /// The next instant the core needs [`input::Timeout`] (a quarantine or
     /// a fenced hold's nixl quarantine ends), or none. Nothing else is ever
-    /// reclaimed by time.
+    /// reclaimed by time. With no timer at all it calls into no other
+    /// module.
     pub fn poll_timeout(&self) -> Option<Time> {
+        if self.quarantined.ranges.is_empty() && self.holds.fenced.is_empty() {
+            return None;
+        }
         self.next_expiry()
     }
 }

@@ -1,6 +1,16 @@
-//! The key index: listing and clearing rows and partitions.
+//! The key index: listing and clearing rows and partitions
+//! ([`op::ClearRows`] and [`op::ClearPartition`] are applied here).
 
+use super::input::apply_op;
+use super::op::{ClearPartition, ClearRows};
 use super::*;
+
+apply_op!(ClearRows => u64, |ClearRows { partition, rows }, core, _, _| {
+    Ok(core.clear_rows(&partition, &rows))
+});
+apply_op!(ClearPartition => u64, |ClearPartition { partition }, core, _, _| {
+    Ok(core.clear_partition(&partition))
+});
 
 /// The key index: partition → row → field → entry, and what it costs
 /// against [`CoreConfig::index_budget`].

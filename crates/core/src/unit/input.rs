@@ -44,15 +44,43 @@ pub struct Request<O> {
     pub op: O,
 }
 
-impl<O: Op> Input for Request<O> {
-    type Answer = O::Answer;
-    fn apply(self, core: &mut UnitCore, now: Time, t: Token) -> Result<O::Answer, CoreError> {
-        self.op.apply(core, now, self.owner, t)
-    }
+/// How an [`op`](crate::op) type applies: `apply_op!(Ty => Answer, |op,
+/// core, now, owner| ...)`, written in the module that owns what it
+/// changes, so that [`UnitCore::handle`] goes into that one module.
+macro_rules! apply_op {
+    ($ty:path => $answer:ty, $apply:expr) => {
+        impl Op for $ty {
+            type Answer = $answer;
+            fn apply(
+                self,
+                core: &mut UnitCore,
+                now: Time,
+                owner: Owner,
+                _: super::input::sealed::Token,
+            ) -> Result<$answer, CoreError> {
+                let apply: fn($ty, &mut UnitCore, Time, Owner) -> Result<$answer, CoreError> =
+                    $apply;
+                apply(self, core, now, owner)
+            }
+        }
+    };
 }
+pub(super) use apply_op;
 
 /// An input type: its fields, its answer, and how the core applies it.
 macro_rules! input {
+    // A driver's report of its work on a blob: `ok` or not, answered with
+    // nothing, applied by the named method.
+    ($(#[$doc:meta])* report $ty:ident => $method:ident) => {
+        input! {
+            $(#[$doc])*
+            $ty { pub blob: BlobId, pub ok: bool } => (),
+            |$ty { blob, ok }, core, _| {
+                core.$method(blob, ok);
+                Ok(())
+            }
+        }
+    };
     ($(#[$doc:meta])* $ty:ident => $answer:ty, $apply:expr) => {
         $(#[$doc])*
         #[derive(Clone, Copy, Debug)]
@@ -139,11 +167,7 @@ input! {
 }
 input! {
     /// The driver filled (`ok`) or failed to fill a promotion's range.
-    Promoted { pub blob: BlobId, pub ok: bool } => (),
-    |Promoted { blob, ok }, core, _| {
-        core.promote_done(blob, ok);
-        Ok(())
-    }
+    report Promoted => promote_done
 }
 input! {
     /// The driver finished writing a blob's file (`ok`: complete and
@@ -152,21 +176,13 @@ input! {
     /// (once unpinned); for a blob reserved on disk, its entries are
     /// published (if it was committed). A report of a blob with no write
     /// under way is ignored.
-    DiskWritten { pub blob: BlobId, pub ok: bool } => (),
-    |DiskWritten { blob, ok }, core, _| {
-        core.disk_written(blob, ok);
-        Ok(())
-    }
+    report DiskWritten => disk_written
 }
 input! {
     /// The driver copied (`ok`) or failed to copy the blob of an
     /// [`Action::Move`]. A report of a blob with no move under way is
     /// ignored.
-    Moved { pub blob: BlobId, pub ok: bool } => (),
-    |Moved { blob, ok }, core, _| {
-        core.moved(blob, ok);
-        Ok(())
-    }
+    report Moved => moved
 }
 input! {
     /// The time [`UnitCore::poll_timeout`] named has come (or passed):

@@ -1,138 +1,110 @@
 //! A connection's requests, one type each, sent in a [`Request`](crate::Request) and
-//! answered with [`Op::Answer`].
+//! answered with [`Op::Answer`]. Each is applied by the module that owns what it
+//! changes (`blobs.rs`: reservations and commits; `pins.rs`: resolving
+//! and unpinning; `index.rs`: clearing), so that a request goes from
+//! [`UnitCore::handle`] into that one module and back.
 
-use super::input::Op;
 use super::*;
 
-/// An op type: its fields, its answer, and how the core applies it for
-/// the connection that asks.
-macro_rules! op {
-    ($(#[$doc:meta])* $ty:ident {$($f:tt)*} => $answer:ty, $apply:expr) => {
-        $(#[$doc])*
-        #[derive(Clone, Debug)]
-        pub struct $ty {$($f)*}
-        impl Op for $ty {
-            type Answer = $answer;
-            fn apply(
-                self,
-                core: &mut UnitCore,
-                now: Time,
-                owner: Owner,
-                _: super::input::sealed::Token,
-            ) -> Result<$answer, CoreError> {
-                let apply: fn($ty, &mut UnitCore, Time, Owner) -> Result<$answer, CoreError> =
-                    $apply;
-                apply(self, core, now, owner)
-            }
-        }
-    };
+/// Reserve `nbytes` for `blob`, held by the connection until it commits
+/// or aborts, or its connection ends. A retry answers the same; a blob
+/// committed since answers [`Allocated::AlreadyCommitted`]. When the
+/// slab has no room and the disk tier has, the blob is reserved on disk
+/// ([`Allocated::ToDisk`]): its bytes must come with the request
+/// ([`CommitWritten`]).
+#[derive(Clone, Debug)]
+pub struct Alloc {
+    pub blob: BlobId,
+    pub nbytes: u64,
+    pub n_entries: u32,
 }
 
-op! {
-    /// Reserve `nbytes` for `blob`, held by the connection until it commits
-    /// or aborts, or its connection ends. A retry answers the same; a blob
-    /// committed since answers [`Allocated::AlreadyCommitted`]. When the
-    /// slab has no room and the disk tier has, the blob is reserved on disk
-    /// ([`Allocated::ToDisk`]): its bytes must come with the request
-    /// ([`CommitWritten`]).
-    Alloc { pub blob: BlobId, pub nbytes: u64, pub n_entries: u32 } => Allocated,
-    |Alloc { blob, nbytes, n_entries }, core, now, owner| {
-        core.alloc(owner, blob, nbytes, n_entries, now)
-    }
+/// Reserve a spare: `nbytes` of slab memory for a put whose size and
+/// entries are not known yet. Answers its offset, or `None` when the
+/// slab has no room now — a spare is an offer, never an error for want
+/// of room.
+#[derive(Clone, Debug)]
+pub struct ReserveSpare {
+    pub blob: BlobId,
+    pub nbytes: u64,
 }
-op! {
-    /// Reserve a spare: `nbytes` of slab memory for a put whose size and
-    /// entries are not known yet. Answers its offset, or `None` when the
-    /// slab has no room now — a spare is an offer, never an error for want
-    /// of room.
-    ReserveSpare { pub blob: BlobId, pub nbytes: u64 } => Option<u64>,
-    |ReserveSpare { blob, nbytes }, core, now, owner| core.reserve_spare(owner, blob, nbytes, now)
+
+/// Give the spare `spare` the id `blob` of the put written into it.
+/// Answers whether it took the id (false, and the spare given up, when
+/// `blob` was committed by an earlier try).
+#[derive(Clone, Debug)]
+pub struct NameSpare {
+    pub spare: BlobId,
+    pub blob: BlobId,
 }
-op! {
-    /// Give the spare `spare` the id `blob` of the put written into it.
-    /// Answers whether it took the id (false, and the spare given up, when
-    /// `blob` was committed by an earlier try).
-    NameSpare { pub spare: BlobId, pub blob: BlobId } => bool,
-    |NameSpare { spare, blob }, core, now, owner| core.name_spare(owner, spare, blob, now)
+
+/// Publish the entries of a reserved blob whose bytes the client
+/// wrote itself (or that were committed already). A blob reserved on
+/// the disk tier is refused: its bytes must come with a put.
+#[derive(Clone, Debug)]
+pub struct Commit {
+    pub partition: String,
+    pub blob: BlobId,
+    pub entries: Vec<EntrySpec>,
 }
-op! {
-    /// Publish the entries of a reserved blob whose bytes the client
-    /// wrote itself (or that were committed already). A blob reserved on
-    /// the disk tier is refused: its bytes must come with a put.
-    Commit { pub partition: String, pub blob: BlobId, pub entries: Vec<EntrySpec> } => Committed,
-    |Commit { partition, blob, entries }, core, _, owner| {
-        core.refuse_disk_reservation(owner, blob)?;
-        core.commit(owner, &partition, blob, &entries)
-    }
+
+/// [`Commit`] of a blob whose bytes the driver wrote (a put whose
+/// payload it streamed into the slab or the blob's file, a restored
+/// checkpoint): a blob reserved on disk answers [`Committed::Pending`]
+/// until its file is durable.
+#[derive(Clone, Debug)]
+pub struct CommitWritten {
+    pub partition: String,
+    pub blob: BlobId,
+    pub entries: Vec<EntrySpec>,
 }
-op! {
-    /// [`Commit`] of a blob whose bytes the driver wrote (a put whose
-    /// payload it streamed into the slab or the blob's file, a restored
-    /// checkpoint): a blob reserved on disk answers [`Committed::Pending`]
-    /// until its file is durable.
-    CommitWritten {
-        pub partition: String,
-        pub blob: BlobId,
-        pub entries: Vec<EntrySpec>,
-    } => Committed,
-    |CommitWritten { partition, blob, entries }, core, _, owner| {
-        core.commit(owner, &partition, blob, &entries)
-    }
+
+/// A put written into the spare `written`, committed as `blob`, and a
+/// new spare `spare` of `spare_nbytes` for the next put, in one step.
+#[derive(Clone, Debug)]
+pub struct CommitSpare {
+    pub written: BlobId,
+    pub blob: BlobId,
+    pub partition: String,
+    pub entries: Vec<EntrySpec>,
+    pub spare: BlobId,
+    pub spare_nbytes: u64,
 }
-op! {
-    /// A put written into the spare `written`, committed as `blob`, and a
-    /// new spare `spare` of `spare_nbytes` for the next put, in one step.
-    CommitSpare {
-        pub written: BlobId,
-        pub blob: BlobId,
-        pub partition: String,
-        pub entries: Vec<EntrySpec>,
-        pub spare: BlobId,
-        pub spare_nbytes: u64,
-    } => SpareCommitted,
-    |op, core, now, owner| {
-        core.refuse_disk_reservation(owner, op.blob)?;
-        if !core.name_spare(owner, op.written, op.blob, now)? {
-            return Ok(SpareCommitted::AlreadyCommitted);
-        }
-        Ok(match core.commit(owner, &op.partition, op.blob, &op.entries)? {
-            Committed::Pending => SpareCommitted::Pending,
-            Committed::Done => SpareCommitted::Committed {
-                spare: core.reserve_spare(owner, op.spare, op.spare_nbytes, now)?,
-            },
-        })
-    }
+
+/// Give up a reservation; with `in_flight` (a transfer may still write
+/// into it) its range is quarantined before reuse.
+#[derive(Clone, Debug)]
+pub struct Abort {
+    pub blob: BlobId,
+    pub in_flight: bool,
 }
-op! {
-    /// Give up a reservation; with `in_flight` (a transfer may still write
-    /// into it) its range is quarantined before reuse.
-    Abort { pub blob: BlobId, pub in_flight: bool } => (),
-    |Abort { blob, in_flight }, core, now, owner| core.abort(owner, blob, in_flight, now)
+
+/// Where `keys` of `partition` live, with their metadata; pins the
+/// blobs holding the found ones.
+#[derive(Clone, Debug)]
+pub struct Resolve {
+    pub partition: String,
+    pub keys: Vec<Key>,
 }
-op! {
-    /// Where `keys` of `partition` live, with their metadata; pins the
-    /// blobs holding the found ones.
-    Resolve { pub partition: String, pub keys: Vec<Key> } => Resolved,
-    |Resolve { partition, keys }, core, now, owner| {
-        let (pin, found) = core.resolve(owner, &partition, &keys, now)?;
-        Ok(Resolved { pin, found })
-    }
+
+/// Drop a pin (an unknown one is ignored).
+#[derive(Clone, Debug)]
+pub struct Unpin {
+    pub pin: PinId,
 }
-op! {
-    /// Drop a pin (an unknown one is ignored).
-    Unpin { pub pin: PinId } => (),
-    |Unpin { pin }, core, _, owner| core.unpin(owner, pin)
+
+/// Remove every entry of the given rows. Answers the entries removed
+/// (a client's NUL-prefixed bookkeeping fields not counted).
+#[derive(Clone, Debug)]
+pub struct ClearRows {
+    pub partition: String,
+    pub rows: Vec<u64>,
 }
-op! {
-    /// Remove every entry of the given rows. Answers the entries removed
-    /// (a client's NUL-prefixed bookkeeping fields not counted).
-    ClearRows { pub partition: String, pub rows: Vec<u64> } => u64,
-    |ClearRows { partition, rows }, core, _, _| Ok(core.clear_rows(&partition, &rows))
-}
-op! {
-    /// Remove every entry of `partition`. Answers the entries removed.
-    ClearPartition { pub partition: String } => u64,
-    |ClearPartition { partition }, core, _, _| Ok(core.clear_partition(&partition))
+
+/// Remove every entry of `partition`. Answers the entries removed.
+#[derive(Clone, Debug)]
+pub struct ClearPartition {
+    pub partition: String,
 }
 
 /// The answer to [`Resolve`].

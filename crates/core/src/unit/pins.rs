@@ -1,6 +1,14 @@
-//! Resolving keys to places, pins and snapshots.
+//! Resolving keys to places, pins and snapshots: [`op::Resolve`] and
+//! [`op::Unpin`] are applied here, with leaf helpers only.
 
+use super::input::apply_op;
 use super::*;
+
+apply_op!(op::Resolve => Resolved, |op::Resolve { partition, keys }, core, now, owner| {
+    let (pin, found) = core.resolve(owner, &partition, &keys, now)?;
+    Ok(Resolved { pin, found })
+});
+apply_op!(op::Unpin => (), |op::Unpin { pin }, core, _, owner| core.unpin(owner, pin));
 
 impl UnitCore {
     /// The next pin id: a keyed hash of a counter, so ids are neither
@@ -155,15 +163,23 @@ impl UnitCore {
                 s.pins.remove(&pin);
             }
             for blob in p.blobs {
-                if let Some(Blob {
-                    state: State::Committed { pins, .. },
-                    ..
-                }) = self.blobs.get_mut(&blob)
-                {
-                    *pins -= 1;
+                // Only a blob left unpinned with no entry, or spilled, may
+                // give memory back now (the release module's business).
+                let idle = match self.blobs.get_mut(&blob) {
+                    Some(Blob {
+                        state: State::Committed { pins, live },
+                        disk,
+                        ..
+                    }) => {
+                        *pins -= 1;
+                        *pins == 0 && (*live == 0 || *disk == Disk::Durable)
+                    }
+                    _ => false,
+                };
+                if idle {
+                    self.maybe_free(blob);
+                    self.maybe_release_memory(blob);
                 }
-                self.maybe_free(blob);
-                self.maybe_release_memory(blob);
             }
         }
     }

@@ -3,9 +3,9 @@
 use super::*;
 
 /// What the core counts: its slab, index, holds and disk tier. The unit
-/// server reports these with its own counters (disk I/O, traffic) in the
-/// wire's stats message.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+/// server reports these, carried as is, with its own counters (disk I/O,
+/// traffic) in the wire's stats message.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Stats {
     pub capacity: u64,
     /// Slab bytes of stored data: committed blobs in memory (cleared ones

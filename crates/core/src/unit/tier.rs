@@ -105,29 +105,6 @@ impl UnitCore {
             && self.slab.allocated() as f64 > self.cfg.high_watermark * self.slab.capacity() as f64
     }
 
-    /// Refuse a bare commit of a blob reserved on the disk tier and not
-    /// yet committed: its bytes must come with a put (the driver writes
-    /// its file, [`op::CommitWritten`]), so a bare commit would wait for a
-    /// file that nobody writes. (Only for the owner's session's own
-    /// reservations: another session's commit is refused as not the
-    /// owner's.)
-    pub(super) fn refuse_disk_reservation(
-        &self,
-        owner: Owner,
-        blob: BlobId,
-    ) -> Result<(), CoreError> {
-        match self.blobs.get(&blob) {
-            Some(Blob {
-                state: State::Reserved { holder, .. },
-                region: None,
-                ..
-            }) if holder.session == owner.session => Err(CoreError::Invalid(format!(
-                "blob {blob:?} is reserved on the disk tier: send its bytes with Put"
-            ))),
-            _ => Ok(()),
-        }
-    }
-
     /// A blob's size in bytes.
     pub fn blob_size(&self, blob: BlobId) -> Option<u64> {
         self.blobs.get(&blob).map(|b| b.nbytes)
