@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use stowage_wire::{EntrySpec, Key, Request, Response};
 
-use crate::classify::unit_error;
+use crate::classify::{unexpected, unit_error};
 use crate::failure::Failure;
 use crate::sink::{Counting, ValueSink, VecSink};
 use crate::transport::SharedSink;
@@ -223,14 +223,7 @@ impl Client {
         for (unit, r) in replies {
             match r {
                 Ok(Response::Cleared { entries }) => removed += entries,
-                Ok(other) => {
-                    return Err(Error::TransferFailed {
-                        unit,
-                        blobs: vec![],
-                        reason: format!("unexpected reply {other:?}"),
-                        in_flight: false,
-                    })
-                }
+                Ok(other) => return Err(unexpected(unit, other)),
                 Err(Error::LostKeys { .. }) => {} // a dead unit's rows are gone already
                 Err(e) => return Err(e),
             }
