@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use stowage_wire::{Request, Response};
 
+use crate::classify::unexpected;
 use crate::{metrics, Client, ClientConfig, Error, Result, UnitAddr};
 use crate::{CheckpointInfo, RestoreReply, RestoreSource, Stats};
 
@@ -18,12 +19,7 @@ impl Client {
             .into_iter()
             .map(|(unit, r)| match r? {
                 Response::Stats(s) => Ok(*s),
-                other => Err(Error::TransferFailed {
-                    unit,
-                    blobs: vec![],
-                    reason: format!("unexpected reply {other:?}"),
-                    in_flight: false,
-                }),
+                other => Err(unexpected(unit, other)),
             })
             .collect::<Vec<_>>();
         let ok = all.iter().all(|r| r.is_ok());
@@ -56,14 +52,7 @@ impl Client {
         for (unit, r) in self.call_units(reqs, deadline) {
             match r? {
                 Response::Checkpointed(info) => out.push(info),
-                other => {
-                    return Err(Error::TransferFailed {
-                        unit,
-                        blobs: vec![],
-                        reason: format!("unexpected reply {other:?}"),
-                        in_flight: false,
-                    })
-                }
+                other => return Err(unexpected(unit, other)),
             }
         }
         Ok(out)
@@ -81,12 +70,7 @@ impl Client {
         let req = Request::OpenRestore { dir: dir.into() };
         match self.call_one(unit, req, deadline)? {
             Response::Restore(r) => Ok(*r),
-            other => Err(Error::TransferFailed {
-                unit,
-                blobs: vec![],
-                reason: format!("unexpected reply {other:?}"),
-                in_flight: false,
-            }),
+            other => Err(unexpected(unit, other)),
         }
     }
 
@@ -94,12 +78,7 @@ impl Client {
     pub fn close_restore(&self, unit: usize, id: u64, deadline: Instant) -> Result<()> {
         match self.call_one(unit, Request::CloseRestore { id }, deadline)? {
             Response::Done => Ok(()),
-            other => Err(Error::TransferFailed {
-                unit,
-                blobs: vec![],
-                reason: format!("unexpected reply {other:?}"),
-                in_flight: false,
-            }),
+            other => Err(unexpected(unit, other)),
         }
     }
 

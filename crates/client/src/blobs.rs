@@ -1,17 +1,18 @@
-//! The blob API: put, get and clear, every unit's part at once
-//! (`fanout::all_at_once`), and the raw-row conveniences over it.
+//! The blob API: get and clear, every unit's part at once
+//! (`fanout::all_at_once`), and the raw-row conveniences over it (the put
+//! is `put.rs`).
 
 use std::collections::{BTreeMap, HashMap};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use stowage_wire::{EntrySpec, Key, Request, Response};
 
-use crate::classify::unit_error;
+use crate::classify::{unexpected, unit_error};
 use crate::failure::Failure;
 use crate::sink::{Counting, ValueSink, VecSink};
 use crate::transport::SharedSink;
+use crate::DEFAULT_PARTITION;
 use crate::{error, fanout, metrics, new_blob_id, BlobPut, Client, Error, GetSink, Result, Value};
-use crate::{BUSY_RETRY, BUSY_RETRY_MAX, DEFAULT_PARTITION};
 
 impl Client {
     /// Run `f` as one operation of kind `op` (counted, timed from here to
@@ -26,106 +27,6 @@ impl Client {
         let r = f(&timer);
         self.metrics.op(op, r.is_ok(), timer.took());
         r
-    }
-
-    /// Write blobs: each unit's blobs one after another, every unit at
-    /// once. Returns once every blob is committed, or with the first
-    /// unit's error (in unit order) (blobs committed on other
-    /// units stay committed; retrying with the same ids is idempotent).
-    pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
-        self.timed(metrics::ClientOp::Put, |timer| {
-            self.put_blobs(blobs, deadline, timer)?;
-            let bytes = blobs
-                .iter()
-                .flat_map(|b| b.segments.iter())
-                .map(|s| s.len() as u64)
-                .sum();
-            self.metrics.put_bytes(bytes);
-            Ok(())
-        })
-    }
-
-    pub(crate) fn put_blobs(
-        &self,
-        blobs: &[BlobPut<'_>],
-        deadline: Instant,
-        timer: &metrics::OpTimer,
-    ) -> Result<()> {
-        let mut queues: BTreeMap<usize, Vec<&BlobPut<'_>>> = BTreeMap::new();
-        for b in blobs {
-            if b.unit >= self.units.len() {
-                return Err(Error::InvalidRequest(format!(
-                    "unit {} does not exist ({} units)",
-                    b.unit,
-                    self.units.len()
-                )));
-            }
-            queues.entry(b.unit).or_default().push(b);
-        }
-        let wait_until = self
-            .cfg
-            .wait_for_memory
-            .map(|w| (Instant::now() + w).min(deadline));
-        let results = fanout::all_at_once(
-            queues
-                .iter()
-                .map(|(&unit, queue)| self.put_unit(unit, queue, deadline, wait_until, timer)),
-        );
-        // The first unit's error (in unit order); what other units
-        // committed stays committed.
-        results.into_iter().collect::<Result<Vec<()>>>().map(drop)
-    }
-
-    /// One unit's part of a put: its blobs one after another, each
-    /// written and committed ([`Transport::put`]). A unit that answers
-    /// Busy (or, with [`ClientConfig::wait_for_memory`], Full) is asked
-    /// again after [`BUSY_RETRY`], doubling to [`BUSY_RETRY_MAX`], within
-    /// the deadline.
-    pub(crate) async fn put_unit(
-        &self,
-        unit: usize,
-        queue: &[&BlobPut<'_>],
-        deadline: Instant,
-        wait_until: Option<Instant>,
-        timer: &metrics::OpTimer,
-    ) -> Result<()> {
-        let mut backoff: Option<Duration> = None;
-        for &put in queue {
-            loop {
-                let failure = match self.put_one(unit, put, deadline).await {
-                    Ok(()) => {
-                        timer.unit_done(&self.metrics, unit);
-                        backoff = None;
-                        break;
-                    }
-                    Err(f) => f,
-                };
-                // Busy is waited out; a full unit too, when asked to.
-                let full = !failure.is_busy();
-                if full {
-                    let keys = put.entries.iter().map(|e| e.key.clone()).collect();
-                    match self.classify(unit, failure, vec![put.blob], keys, deadline) {
-                        Error::UnitFull { .. }
-                            if wait_until.is_some_and(|w| Instant::now() < w) => {}
-                        e => return Err(e),
-                    }
-                }
-                let step = backoff
-                    .map(|d| (d * 2).min(BUSY_RETRY_MAX))
-                    .unwrap_or(BUSY_RETRY);
-                let at = Instant::now() + step;
-                if at >= deadline {
-                    return Err(Error::Timeout {
-                        unit: Some(unit),
-                        what: "the unit kept answering Busy".into(),
-                    });
-                }
-                self.metrics.retry(full, step);
-                backoff = Some(step);
-                fanout::pause_until(at).await;
-            }
-        }
-        Ok(())
     }
 
     /// Read `keys` (each with its unit): one resolve and one read per unit,
@@ -322,14 +223,7 @@ impl Client {
         for (unit, r) in replies {
             match r {
                 Ok(Response::Cleared { entries }) => removed += entries,
-                Ok(other) => {
-                    return Err(Error::TransferFailed {
-                        unit,
-                        blobs: vec![],
-                        reason: format!("unexpected reply {other:?}"),
-                        in_flight: false,
-                    })
-                }
+                Ok(other) => return Err(unexpected(unit, other)),
                 Err(Error::LostKeys { .. }) => {} // a dead unit's rows are gone already
                 Err(e) => return Err(e),
             }

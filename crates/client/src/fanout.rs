@@ -105,16 +105,23 @@ pub(crate) fn turn() -> impl Future<Output = ()> {
     Turn(false)
 }
 
-/// Wait until `at`, while the other units' parts go on.
+/// Wait until `at`, while the other units' parts go on (alone, on the
+/// spot).
 pub(crate) fn pause_until(at: Instant) -> impl Future<Output = ()> {
     struct Pause(Instant);
     impl Future for Pause {
         type Output = ();
         fn poll(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<()> {
-            if Instant::now() >= self.0 {
+            let now = Instant::now();
+            if now >= self.0 {
                 return Poll::Ready(());
             }
             let mut pass = PASS.get();
+            if pass.alone {
+                // Nothing else to run meanwhile: wait here.
+                std::thread::sleep(self.0 - now);
+                return Poll::Ready(());
+            }
             pass.until = Some(pass.until.map_or(self.0, |u| u.min(self.0)));
             PASS.set(pass);
             Poll::Pending

@@ -74,6 +74,7 @@ mod nixl;
 mod one_sided;
 mod pieces;
 mod pool;
+mod put;
 mod row_meta;
 pub mod rows;
 pub mod sink;

@@ -507,14 +507,6 @@ impl Mover for NixlMover {
         Ok(())
     }
 
-    fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String> {
-        reads.into_iter().try_for_each(|(o, d)| self.read(o, d))
-    }
-
-    fn batch(&self, _total: usize) -> bool {
-        true
-    }
-
     fn take_pending(&mut self) -> Option<Box<dyn Settle>> {
         // A READ left under way when the call gave up (another unit failed
         // first) may still be running, as one that missed its deadline.

@@ -66,11 +66,17 @@ pub(crate) trait Mover: Send {
     /// Copy the (fetched) range at `offset` into `dst` (a value in one
     /// range, or one part of a split value).
     fn read(&self, offset: u64, dst: &mut [u8]) -> Result<(), String>;
-    /// Copy many (fetched) ranges, on several threads where that helps.
-    fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String>;
+    /// Copy many (fetched) ranges, on several threads where that helps
+    /// (one after another unless the mover knows better).
+    fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String> {
+        reads.into_iter().try_for_each(|(o, d)| self.read(o, d))
+    }
     /// Whether a get of `total` bytes in several values should ask its
-    /// sink for every buffer at once.
-    fn batch(&self, total: usize) -> bool;
+    /// sink for every buffer at once (yes, unless the mover knows better).
+    fn batch(&self, total: usize) -> bool {
+        let _ = total;
+        true
+    }
     /// A range is about to be written (a spare): prepare for it.
     fn prepare(&self, offset: u64, len: u64) {
         let _ = (offset, len);
@@ -637,13 +643,17 @@ mod tests {
             dst.copy_from_slice(src);
             Ok(())
         }
+    }
 
-        fn read_scatter(&self, reads: Vec<(u64, &mut [u8])>) -> Result<(), String> {
-            reads.into_iter().try_for_each(|(o, d)| self.read(o, d))
-        }
-
-        fn batch(&self, _: usize) -> bool {
-            true
+    /// A value of `len` bytes at `parts` (the first part's offset is the
+    /// value's).
+    fn placed(len: u64, parts: Vec<(u64, u64)>) -> stowage_wire::Placed {
+        stowage_wire::Placed {
+            offset: parts[0].0,
+            len,
+            meta: vec![],
+            on_disk: false,
+            parts,
         }
     }
 
@@ -663,20 +673,8 @@ mod tests {
         m.write(&writes, Instant::now()).unwrap();
         // a: 64 bytes in the first piece, 36 in the second; b: from byte
         // 64 of the second piece (64 bytes), then 66 in the third.
-        let fa = stowage_wire::Placed {
-            offset: 8192,
-            len: 100,
-            meta: vec![],
-            on_disk: false,
-            parts: vec![(8192, 64), (256, 36)],
-        };
-        let fb = stowage_wire::Placed {
-            offset: 320,
-            len: 130,
-            meta: vec![],
-            on_disk: false,
-            parts: vec![(320, 64), (40960, 66)],
-        };
+        let fa = placed(100, vec![(8192, 64), (256, 36)]);
+        let fb = placed(130, vec![(320, 64), (40960, 66)]);
         for (f, want) in [(&fa, &a), (&fb, &b)] {
             check_found(f, 1 << 16).unwrap();
             let mut got = vec![0u8; want.len()];

@@ -14,7 +14,6 @@ use crate::conn::Conn;
 use crate::failure::Failure;
 use crate::one_sided::{OneSided, ShmTransport};
 use crate::transport::{TcpTransport, Transport};
-use crate::BlobPut;
 use crate::{fanout, lock, nixl, Client, UnitAddr};
 
 pub(crate) struct UnitSlot {
@@ -381,31 +380,6 @@ impl Client {
         lease.pooled = true;
         if wake {
             slot.freed.notify_one();
-        }
-    }
-
-    /// Write one blob on a pooled connection to its unit: checked out,
-    /// the transport's put, checked back in (unless the failure leaves the
-    /// connection unknown). Here, beside the pool, so that a put goes from
-    /// the fan-out to the transport and back without a side trip.
-    pub(crate) async fn put_one(
-        &self,
-        unit: usize,
-        put: &BlobPut<'_>,
-        deadline: Instant,
-    ) -> std::result::Result<(), Failure> {
-        let mut t = self.checkout(unit, deadline).await?;
-        match t.put(put, deadline).await {
-            Ok(()) => {
-                self.checkin(unit, t);
-                Ok(())
-            }
-            Err(f) => {
-                if f.keeps_connection() {
-                    self.checkin(unit, t);
-                }
-                Err(f)
-            }
         }
     }
 }

@@ -1,22 +1,17 @@
-//! The rows × fields put ([`Client::put`]: its columns checked and laid
-//! out, one blob per unit, [`put_blobs`]) and what the unit keeps beside
-//! each value of a row: its dtype and shape and, for a string-keyed row,
-//! the name it was put under (or that name's digest), which reads compare
-//! with the name asked for (`rows`' module docs: string keys whose hashes
-//! collide). The put is here, beside what it writes, so that it runs in
-//! one file from the caller's columns to the blob API.
+//! What the unit keeps beside each value of a row put by the rows API
+//! (`put.rs`): its dtype and shape and, for a string-keyed row, the name
+//! it was put under (or that name's digest), which reads compare with the
+//! name asked for (`rows`' module docs: string keys whose hashes collide);
+//! the checks of a put's fields and row names.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
-use std::time::Instant;
+use std::collections::HashMap;
 
 use serde::{Deserialize, Serialize};
-use stowage_wire::{EntrySpec, Key};
 
-use crate::classify::name_keys;
 #[cfg(test)]
 use crate::values::NAME_BIT;
-use crate::values::{byte_len, Column, DType, RowKey, Tensor};
-use crate::{new_blob_id, BlobPut, Client, Error, Result};
+use crate::values::{DType, RowKey};
+use crate::{Client, Error, Result};
 
 /// The reserved field that holds a string row key's text.
 pub const KEY_FIELD: &str = "\0key";
@@ -151,11 +146,6 @@ pub(crate) fn check_field(f: &str) -> Result<()> {
     Ok(())
 }
 
-/// Every value starts at a multiple of this many bytes within its blob.
-const VALUE_ALIGN: u64 = 64;
-
-static PADDING: [u8; VALUE_ALIGN as usize] = [0; VALUE_ALIGN as usize];
-
 impl Client {
     pub(crate) fn unit_of_key(&self, row_id: u64, unit: Option<usize>) -> Result<usize> {
         match unit {
@@ -167,154 +157,6 @@ impl Client {
             None => Ok(self.unit_of_row(row_id)),
         }
     }
-
-    /// Write `columns` for `keys` in `partition`: all of one unit's values
-    /// go out as one blob, all units at once. A put may add fields to
-    /// rows that exist; writing an existing (key, field) replaces it.
-    pub fn put(
-        &self,
-        partition: &str,
-        keys: &[RowKey],
-        columns: &[(&str, Column<'_>)],
-        unit: Option<usize>,
-        deadline: Instant,
-    ) -> Result<()> {
-        let blobs = put_blobs(partition, keys, columns, |row| self.unit_of_key(row, unit))?;
-        if blobs.is_empty() {
-            return Ok(());
-        }
-        self.put_many(&blobs, deadline)
-            .map_err(|e| name_keys(e, keys))
-    }
-}
-
-/// The blobs of a put of `columns` for `keys` in `partition`, one per unit
-/// (`unit_of`: a row id's unit): every column checked first — its field
-/// name, its values against the keys (the one place column lengths are
-/// checked, for every caller) — then each value laid out on a
-/// [`VALUE_ALIGN`] boundary with its metadata. None when there are no keys.
-pub(crate) fn put_blobs<'a>(
-    partition: &'a str,
-    keys: &'a [RowKey],
-    columns: &[(&'a str, Column<'a>)],
-    unit_of: impl Fn(u64) -> Result<usize>,
-) -> Result<Vec<BlobPut<'a>>> {
-    let n = keys.len();
-    let mut seen = HashSet::new();
-    let mut per_column: Vec<(&str, Vec<Tensor<'_>>)> = Vec::with_capacity(columns.len());
-    for (field, col) in columns {
-        check_field(field)?;
-        if !seen.insert(*field) {
-            return Err(Error::InvalidRequest(format!(
-                "field {field:?} given twice"
-            )));
-        }
-        let values = match col {
-            Column::Jagged(v) => {
-                if v.len() != n {
-                    return Err(Error::InvalidRequest(format!(
-                        "column {field:?} has {} values for {n} keys",
-                        v.len()
-                    )));
-                }
-                for t in v {
-                    Tensor::new(t.dtype, t.shape.clone(), t.data)?;
-                }
-                v.clone()
-            }
-            Column::Dense(t) => {
-                let t = Tensor::new(t.dtype, t.shape.clone(), t.data)?;
-                match t.shape.first() {
-                    Some(&rows) if rows == n as u64 => {}
-                    Some(&rows) => {
-                        return Err(Error::InvalidRequest(format!(
-                            "column {field:?}: a dense array has {rows} rows (its first axis) for {n} keys; \
-                             pass a list of arrays for values of different shapes"
-                        )))
-                    }
-                    None => {
-                        return Err(Error::InvalidRequest(format!(
-                            "column {field:?}: a 0-d array cannot be split into rows"
-                        )))
-                    }
-                }
-                let row_shape = t.shape[1..].to_vec();
-                let row_bytes = byte_len(t.dtype, &row_shape)? as usize;
-                (0..n)
-                    .map(|i| Tensor {
-                        dtype: t.dtype,
-                        shape: row_shape.clone(),
-                        data: &t.data[i * row_bytes..(i + 1) * row_bytes],
-                    })
-                    .collect()
-            }
-        };
-        per_column.push((field, values));
-    }
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    check_distinct_rows(partition, keys, RowKey::row_id)?;
-    struct Building<'a> {
-        segments: Vec<&'a [u8]>,
-        entries: Vec<EntrySpec>,
-        size: u64,
-    }
-    impl<'a> Building<'a> {
-        fn push(&mut self, key: Key, data: &'a [u8], meta: Vec<u8>) {
-            let pad = self.size.next_multiple_of(VALUE_ALIGN) - self.size;
-            if pad > 0 {
-                self.segments.push(&PADDING[..pad as usize]);
-                self.size += pad;
-            }
-            self.entries.push(EntrySpec {
-                key,
-                offset: self.size,
-                len: data.len() as u64,
-                meta,
-            });
-            if !data.is_empty() {
-                self.segments.push(data);
-            }
-            self.size += data.len() as u64;
-        }
-    }
-    let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
-    for (r, key) in keys.iter().enumerate() {
-        let row = key.row_id()?;
-        let u = unit_of(row)?;
-        let b = by_unit.entry(u).or_insert_with(|| Building {
-            segments: Vec::new(),
-            entries: Vec::new(),
-            size: 0,
-        });
-        let owner = match key {
-            RowKey::Name(name) => {
-                b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
-                Some(
-                    postcard::to_allocvec(&PutName::of(name))
-                        .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
-                )
-            }
-            RowKey::Index(_) => None,
-        };
-        for (field, values) in &per_column {
-            let t = &values[r];
-            let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;
-            b.push(Key::new(row, *field), t.data, meta);
-        }
-    }
-    let blobs: Vec<BlobPut<'a>> = by_unit
-        .into_iter()
-        .map(|(u, b)| BlobPut {
-            unit: u,
-            partition,
-            blob: new_blob_id(),
-            segments: b.segments,
-            entries: b.entries,
-        })
-        .collect();
-    Ok(blobs)
 }
 
 #[cfg(test)]

@@ -238,18 +238,12 @@ impl Client {
         struct Collect(Vec<Vec<Option<OwnedTensor>>>);
         impl Sink<TensorAsk<'_>> for Collect {
             fn slot(&mut self, ask: TensorAsk<'_>) -> std::result::Result<&mut [u8], String> {
-                let TensorAsk {
-                    field,
-                    row,
-                    dtype,
-                    shape,
-                } = ask;
-                let len = byte_len(dtype, shape).map_err(|e| e.to_string())?;
+                let len = byte_len(ask.dtype, ask.shape).map_err(|e| e.to_string())?;
                 let len =
                     usize::try_from(len).map_err(|_| "value larger than memory".to_string())?;
-                let t = self.0[field][row].insert(OwnedTensor {
-                    dtype,
-                    shape: shape.to_vec(),
+                let t = self.0[ask.field][ask.row].insert(OwnedTensor {
+                    dtype: ask.dtype,
+                    shape: ask.shape.to_vec(),
                     data: vec![0; len],
                 });
                 Ok(&mut t.data)

@@ -219,157 +219,146 @@ impl Client {
         deadline: Instant,
     ) -> Result<View> {
         self.timed(crate::metrics::ClientOp::View, |_| {
-            self.make_view(partition, keys, fields, unit, deadline)
-        })
-    }
-
-    fn make_view(
-        self: &Arc<Self>,
-        partition: &str,
-        keys: &[RowKey],
-        fields: &[&str],
-        unit: Option<usize>,
-        deadline: Instant,
-    ) -> Result<View> {
-        let placed = self.place(keys, fields, unit)?;
-        let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
-        for (i, (u, k)) in placed.into_iter().enumerate() {
-            let e = by_unit.entry(u).or_default();
-            e.0.push(k);
-            e.1.push(i);
-        }
-        let mut view = View {
-            client: self.clone(),
-            pins: Vec::new(),
-            tensors: Vec::new(),
-        };
-        let mut flat: Vec<Option<ViewTensor>> = vec![None; keys.len() * fields.len()];
-        let mut missing = Vec::new();
-        let mut unknown = BTreeSet::new();
-        let resolved = self.resolve_views(partition, &by_unit, deadline);
-        // Every pin taken is in `view.pins` before any error returns, so
-        // that dropping `view` unpins them all.
-        let mut answers = Vec::with_capacity(resolved.len());
-        let mut failure = None;
-        for (u, r) in resolved {
-            match r {
-                Ok((resp, slab, conn)) => {
-                    if let Response::Resolved { pin: Some(p), .. } = &resp {
-                        view.pins.push((u, *p, slab.clone(), conn.clone()));
-                    }
-                    answers.push((u, resp, slab.len()));
-                }
-                Err(f) => {
-                    failure.get_or_insert((u, f));
-                }
+            let placed = self.place(keys, fields, unit)?;
+            let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
+            for (i, (u, k)) in placed.into_iter().enumerate() {
+                let e = by_unit.entry(u).or_default();
+                e.0.push(k);
+                e.1.push(i);
             }
-        }
-        if let Some((u, f)) = failure {
-            let ks = by_unit[&u].0.clone();
-            if f.is_busy() {
-                return Err(Error::Timeout {
-                    unit: Some(u),
-                    what: "unit busy".into(),
-                });
-            }
-            return Err(name_keys(self.classify(u, f, vec![], ks, deadline), keys));
-        }
-        for (u, resp, slab_len) in answers {
-            let (ks, idx) = &by_unit[&u];
-            let found = match resp {
-                Response::Resolved { found, corrupt, .. } if found.len() == ks.len() => {
-                    if !corrupt.is_empty() {
-                        let bad: Vec<Key> = corrupt
-                            .iter()
-                            .filter_map(|&i| ks.get(i as usize).cloned())
-                            .collect();
-                        let named = crate::error::names(&bad);
-                        return Err(name_keys(
-                            Error::Corrupt {
-                                unit: u,
-                                keys: bad,
-                                named,
-                            },
-                            keys,
-                        ));
-                    }
-                    found
-                }
-                Response::Error { code, message } => {
-                    return Err(crate::classify::unit_error(u, code, message, vec![]))
-                }
-                other => return Err(unexpected(u, other)),
+            let mut view = View {
+                client: self.clone(),
+                pins: Vec::new(),
+                tensors: Vec::new(),
             };
-            for ((f, &i), k) in found.into_iter().zip(idx).zip(ks) {
-                match f {
-                    None => missing.push(k.clone()),
-                    Some(f) if f.on_disk => {
-                        return Err(Error::TransferFailed {
-                            unit: u,
-                            blobs: vec![],
-                            reason: format!(
-                                "{k} is in the unit's disk tier and its slab has no room to bring it back; \
-                                 read it with a copying get"
-                            ),
-                            in_flight: false,
-                        })
-                    }
-                    Some(f) => {
-                        // `view` drops here and unpins what was pinned.
-                        crate::pieces::check_found(&f, slab_len)
-                            .map_err(|m| unexpected_found(u, m))?;
-                        let (m, owner) = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
-                        let row = i % keys.len();
-                        match ownership(&keys[row], owner) {
-                            Ownership::Mine => {}
-                            Ownership::Unknown => {
-                                unknown.insert(row);
-                            }
-                            // `view` drops here and unpins what was pinned.
-                            Ownership::Other(stored) => {
-                                return Err(collision(partition, &keys[row], stored))
-                            }
+            let mut flat: Vec<Option<ViewTensor>> = vec![None; keys.len() * fields.len()];
+            let mut missing = Vec::new();
+            let mut unknown = BTreeSet::new();
+            let resolved = self.resolve_views(partition, &by_unit, deadline);
+            // Every pin taken is in `view.pins` before any error returns, so
+            // that dropping `view` unpins them all.
+            let mut answers = Vec::with_capacity(resolved.len());
+            let mut failure = None;
+            for (u, r) in resolved {
+                match r {
+                    Ok((resp, slab, conn)) => {
+                        if let Response::Resolved { pin: Some(p), .. } = &resp {
+                            view.pins.push((u, *p, slab.clone(), conn.clone()));
                         }
-                        let len = usize::try_from(f.len).map_err(|_| {
-                            Error::InvalidRequest("value larger than memory".into())
-                        })?;
-                        flat[i] = Some(ViewTensor {
-                            dtype: m.dtype,
-                            shape: m.shape,
-                            unit: u,
-                            offset: f.offset,
-                            len,
-                            parts: f.parts,
-                        });
+                        answers.push((u, resp, slab.len()));
+                    }
+                    Err(f) => {
+                        failure.get_or_insert((u, f));
                     }
                 }
             }
-        }
-        if !missing.is_empty() {
-            // `view` drops here and unpins what was pinned.
-            let named = crate::error::names(&missing);
-            return Err(name_keys(
-                Error::NotFound {
-                    keys: missing,
-                    named,
-                },
-                keys,
-            ));
-        }
-        self.check_names(partition, keys, &unknown, unit, deadline)?;
-        let mut it = flat.into_iter();
-        view.tensors = (0..fields.len())
-            .map(|_| {
-                it.by_ref()
-                    .take(keys.len())
-                    .map(|t| {
-                        t.ok_or_else(|| {
-                            Error::InvalidRequest("a unit did not answer for a key".into())
+            if let Some((u, f)) = failure {
+                let ks = by_unit[&u].0.clone();
+                if f.is_busy() {
+                    return Err(Error::Timeout {
+                        unit: Some(u),
+                        what: "unit busy".into(),
+                    });
+                }
+                return Err(name_keys(self.classify(u, f, vec![], ks, deadline), keys));
+            }
+            for (u, resp, slab_len) in answers {
+                let (ks, idx) = &by_unit[&u];
+                let found = match resp {
+                    Response::Resolved { found, corrupt, .. } if found.len() == ks.len() => {
+                        if !corrupt.is_empty() {
+                            let bad: Vec<Key> = corrupt
+                                .iter()
+                                .filter_map(|&i| ks.get(i as usize).cloned())
+                                .collect();
+                            let named = crate::error::names(&bad);
+                            return Err(name_keys(
+                                Error::Corrupt {
+                                    unit: u,
+                                    keys: bad,
+                                    named,
+                                },
+                                keys,
+                            ));
+                        }
+                        found
+                    }
+                    Response::Error { code, message } => {
+                        return Err(crate::classify::unit_error(u, code, message, vec![]))
+                    }
+                    other => return Err(unexpected(u, other)),
+                };
+                for ((f, &i), k) in found.into_iter().zip(idx).zip(ks) {
+                    match f {
+                        None => missing.push(k.clone()),
+                        Some(f) if f.on_disk => {
+                            return Err(Error::TransferFailed {
+                                unit: u,
+                                blobs: vec![],
+                                reason: format!(
+                                    "{k} is in the unit's disk tier and its slab has no room to bring it back; \
+                                     read it with a copying get"
+                                ),
+                                in_flight: false,
+                            })
+                        }
+                        Some(f) => {
+                            // `view` drops here and unpins what was pinned.
+                            crate::pieces::check_found(&f, slab_len)
+                                .map_err(|m| unexpected_found(u, m))?;
+                            let (m, owner) = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
+                            let row = i % keys.len();
+                            match ownership(&keys[row], owner) {
+                                Ownership::Mine => {}
+                                Ownership::Unknown => {
+                                    unknown.insert(row);
+                                }
+                                // `view` drops here and unpins what was pinned.
+                                Ownership::Other(stored) => {
+                                    return Err(collision(partition, &keys[row], stored))
+                                }
+                            }
+                            let len = usize::try_from(f.len).map_err(|_| {
+                                Error::InvalidRequest("value larger than memory".into())
+                            })?;
+                            flat[i] = Some(ViewTensor {
+                                dtype: m.dtype,
+                                shape: m.shape,
+                                unit: u,
+                                offset: f.offset,
+                                len,
+                                parts: f.parts,
+                            });
+                        }
+                    }
+                }
+            }
+            if !missing.is_empty() {
+                // `view` drops here and unpins what was pinned.
+                let named = crate::error::names(&missing);
+                return Err(name_keys(
+                    Error::NotFound {
+                        keys: missing,
+                        named,
+                    },
+                    keys,
+                ));
+            }
+            self.check_names(partition, keys, &unknown, unit, deadline)?;
+            let mut it = flat.into_iter();
+            view.tensors = (0..fields.len())
+                .map(|_| {
+                    it.by_ref()
+                        .take(keys.len())
+                        .map(|t| {
+                            t.ok_or_else(|| {
+                                Error::InvalidRequest("a unit did not answer for a key".into())
+                            })
                         })
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })
-            .collect::<Result<_>>()?;
-        Ok(view)
+                        .collect::<Result<Vec<_>>>()
+                })
+                .collect::<Result<_>>()?;
+            Ok(view)
+        })
     }
 }

@@ -115,16 +115,19 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 /// An `InvalidRequest` with `message`.
 pub(crate) fn invalid(message: impl Into<String>) -> PyErr {
     let message = message.into();
-    Python::attach(|py| with_attrs::<InvalidRequest>(py, message, false, &[]))
+    Python::attach(|py| with_attrs(py.get_type::<InvalidRequest>(), message, false, &[]))
 }
 
-fn with_attrs<T: pyo3::PyTypeInfo>(
-    py: Python<'_>,
+/// An exception of type `ty` with `message`, its `retryable` flag and
+/// `attrs` set.
+fn with_attrs(
+    ty: Bound<'_, pyo3::types::PyType>,
     message: String,
     retryable: bool,
     attrs: &[(&str, Py<PyAny>)],
 ) -> PyErr {
-    let err = PyErr::new::<T, _>(message);
+    let py = ty.py();
+    let err = PyErr::from_type(ty, message);
     let value = err.value(py);
     // Setting attributes on a fresh exception instance cannot fail short
     // of memory exhaustion; the error itself is still worth raising then.
@@ -146,19 +149,18 @@ fn obj<'py>(py: Python<'py>, v: impl IntoPyObjectExt<'py>) -> Py<PyAny> {
 pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
     let message = e.to_string();
     let retryable = e.is_retryable();
+    let raise = |ty, attrs: &[(&str, Py<PyAny>)]| with_attrs(ty, message, retryable, attrs);
     match e {
         ClientError::UnitFull { unit, .. } => {
-            with_attrs::<UnitFull>(py, message, retryable, &[("unit", obj(py, unit))])
+            raise(py.get_type::<UnitFull>(), &[("unit", obj(py, unit))])
         }
         ClientError::TransferFailed {
             unit,
             reason,
             in_flight,
             ..
-        } => with_attrs::<TransferFailed>(
-            py,
-            message,
-            retryable,
+        } => raise(
+            py.get_type::<TransferFailed>(),
             &[
                 ("unit", obj(py, unit)),
                 ("reason", obj(py, reason)),
@@ -167,28 +169,22 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
         ),
         ClientError::LostKeys {
             unit, keys: lost, ..
-        } => with_attrs::<LostKeys>(
-            py,
-            message,
-            retryable,
+        } => raise(
+            py.get_type::<LostKeys>(),
             &[("unit", obj(py, unit)), ("keys", key_list(py, &lost, keys))],
         ),
         ClientError::Timeout { unit, .. } => {
-            with_attrs::<Timeout>(py, message, retryable, &[("unit", obj(py, unit))])
+            raise(py.get_type::<Timeout>(), &[("unit", obj(py, unit))])
         }
-        ClientError::NotFound { keys: missing, .. } => with_attrs::<NotFound>(
-            py,
-            message,
-            retryable,
+        ClientError::NotFound { keys: missing, .. } => raise(
+            py.get_type::<NotFound>(),
             &[("keys", key_list(py, &missing, keys))],
         ),
-        ClientError::InvalidRequest(_) => with_attrs::<InvalidRequest>(py, message, retryable, &[]),
-        ClientError::Unauthorized(_) => with_attrs::<Unauthorized>(py, message, retryable, &[]),
-        ClientError::NotOwner(_) => with_attrs::<NotOwner>(py, message, retryable, &[]),
-        ClientError::Unreachable { unit, addr, reason } => with_attrs::<Unreachable>(
-            py,
-            message,
-            retryable,
+        ClientError::InvalidRequest(_) => raise(py.get_type::<InvalidRequest>(), &[]),
+        ClientError::Unauthorized(_) => raise(py.get_type::<Unauthorized>(), &[]),
+        ClientError::NotOwner(_) => raise(py.get_type::<NotOwner>(), &[]),
+        ClientError::Unreachable { unit, addr, reason } => raise(
+            py.get_type::<Unreachable>(),
             &[
                 ("unit", obj(py, unit)),
                 ("address", obj(py, addr)),
@@ -197,30 +193,26 @@ pub(crate) fn to_py(py: Python<'_>, e: ClientError, keys: &[RowKey]) -> PyErr {
         ),
         ClientError::Corrupt {
             unit, keys: bad, ..
-        } => with_attrs::<Corrupt>(
-            py,
-            message,
-            retryable,
+        } => raise(
+            py.get_type::<Corrupt>(),
             &[("unit", obj(py, unit)), ("keys", key_list(py, &bad, keys))],
         ),
         ClientError::KeyCollision {
             partition,
             requested,
             stored,
-        } => with_attrs::<KeyCollision>(
-            py,
-            message,
-            retryable,
+        } => raise(
+            py.get_type::<KeyCollision>(),
             &[
                 ("partition", obj(py, partition)),
                 ("requested", obj(py, requested)),
                 ("stored", obj(py, stored)),
             ],
         ),
-        ClientError::Io(_) => with_attrs::<Io>(py, message, retryable, &[]),
+        ClientError::Io(_) => raise(py.get_type::<Io>(), &[]),
         // A variant added to the client's error later: the base class
         // until it gets its own (`_error_of` lists every variant).
-        _ => with_attrs::<Error>(py, message, retryable, &[]),
+        _ => raise(py.get_type::<Error>(), &[]),
     }
 }
 

@@ -3,7 +3,7 @@
 //! A thin layer over [`stowage_client`] and [`stowage_cli`]; the Python
 //! package `stowage` (`python/stowage`) builds its API on top of it.
 //!
-//! * [`main`] runs the `stowage` command line (`python -m stowage ...`).
+//! * `main` runs the `stowage` command line (`python -m stowage ...`).
 //! * [`local::LocalPlane`] starts unit processes on this machine.
 //! * [`unit::Unit`] runs a unit inside this process, on its own threads
 //!   (what a Ray actor of `stowage.ray` holds).

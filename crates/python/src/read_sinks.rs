@@ -68,22 +68,11 @@ impl AllocSink {
         let buf = self.batches.len();
         let mem = HostBuf::new(total).map_err(|e| format!("cannot map {total} bytes: {e}"))?;
         let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for (
-            &TensorAsk {
-                field,
-                row,
-                dtype,
-                shape,
-            },
-            &(offset, len),
-        ) in asks.iter().zip(&spans)
-        {
-            if !seen.insert((field, row)) {
-                return Err(format!("value {field}/{row} asked twice"));
-            }
-            *self.place(field, row)? = Some(ReadTensor {
-                dtype,
-                shape: shape.to_vec(),
+        for (ask, &(offset, len)) in asks.iter().zip(&spans) {
+            asked_once(&mut seen, ask)?;
+            *self.place(ask.field, ask.row)? = Some(ReadTensor {
+                dtype: ask.dtype,
+                shape: ask.shape.to_vec(),
                 data: ReadData::Shared { buf, offset, len },
             });
         }
@@ -107,17 +96,11 @@ impl AllocSink {
 
 impl Sink<TensorAsk<'_>> for AllocSink {
     fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
-        let TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } = ask;
-        let len = nbytes(dtype, shape).ok_or("value larger than memory")?;
+        let len = nbytes(ask.dtype, ask.shape).ok_or("value larger than memory")?;
         let data = HostBuf::new(len).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
-        let t = self.place(field, row)?.insert(ReadTensor {
-            dtype,
-            shape: shape.to_vec(),
+        let t = self.place(ask.field, ask.row)?.insert(ReadTensor {
+            dtype: ask.dtype,
+            shape: ask.shape.to_vec(),
             data: ReadData::Own(data),
         });
         match &mut t.data {
@@ -132,20 +115,12 @@ impl Sink<TensorAsk<'_>> for AllocSink {
 
     fn accept_lent(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<(), String>> {
         let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for &TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } in asks
-        {
-            if !seen.insert((field, row)) {
-                return Some(Err(format!("value {field}/{row} asked twice")));
-            }
-            if let Err(e) = self.place(field, row) {
+        for ask in asks {
+            if let Err(e) = asked_once(&mut seen, ask).and_then(|()| self.place(ask.field, ask.row))
+            {
                 return Some(Err(e));
             }
-            if nbytes(dtype, shape).is_none() {
+            if nbytes(ask.dtype, ask.shape).is_none() {
                 return Some(Err("value larger than memory".into()));
             }
         }
@@ -203,14 +178,7 @@ pub(crate) struct OutSink {
 
 impl Sink<TensorAsk<'_>> for OutSink {
     fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
-        let TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } = ask;
-        let r = self.check(field, row, dtype, shape);
-        match r {
+        match self.check(&ask) {
             Ok(d) => {
                 // SAFETY: the destinations are disjoint (checked before the
                 // call) and their arrays are held by the caller until the
@@ -227,16 +195,14 @@ impl Sink<TensorAsk<'_>> for OutSink {
     fn slots(&mut self, asks: &[TensorAsk<'_>]) -> Option<Result<Vec<&mut [u8]>, String>> {
         let mut dests = Vec::with_capacity(asks.len());
         let mut seen = std::collections::HashSet::with_capacity(asks.len());
-        for &TensorAsk {
-            field,
-            row,
-            dtype,
-            shape,
-        } in asks
-        {
-            match self.check(field, row, dtype, shape) {
-                Ok(d) if seen.insert((field, row)) => dests.push(d),
-                Ok(_) => return Some(Err(format!("value {field}/{row} asked twice"))),
+        for ask in asks {
+            match self.check(ask) {
+                Ok(d) => {
+                    if let Err(m) = asked_once(&mut seen, ask) {
+                        return Some(Err(m));
+                    }
+                    dests.push(d)
+                }
                 Err(m) => {
                     self.error.get_or_insert(m.clone());
                     return Some(Err(m));
@@ -251,13 +217,8 @@ impl Sink<TensorAsk<'_>> for OutSink {
 }
 
 impl OutSink {
-    pub(crate) fn check(
-        &self,
-        field: usize,
-        row: usize,
-        dtype: DType,
-        shape: &[u64],
-    ) -> Result<RawDest, String> {
+    pub(crate) fn check(&self, ask: &TensorAsk<'_>) -> Result<RawDest, String> {
+        let (field, row, dtype, shape) = (ask.field, ask.row, ask.dtype, ask.shape);
         let d = self
             .dests
             .get(field)
@@ -280,6 +241,19 @@ impl OutSink {
             ));
         }
         Ok(d.1)
+    }
+}
+
+/// Refuse a value asked for twice in one call (`seen`: the values asked
+/// for so far).
+fn asked_once(
+    seen: &mut std::collections::HashSet<(usize, usize)>,
+    ask: &TensorAsk<'_>,
+) -> Result<(), String> {
+    if seen.insert((ask.field, ask.row)) {
+        Ok(())
+    } else {
+        Err(format!("value {}/{} asked twice", ask.field, ask.row))
     }
 }
 

@@ -5,7 +5,27 @@
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
 
+use rustix::net::sockopt::Timeout;
+
 use crate::Slab;
+
+/// `TimedOut` once `deadline` has passed; else, when `blocking`, the time
+/// left set as `sock`'s `which` timeout. Whether it set one.
+fn bound_by(
+    sock: BorrowedFd<'_>,
+    deadline: std::time::Instant,
+    which: Timeout,
+    blocking: bool,
+) -> io::Result<bool> {
+    let left = deadline.saturating_duration_since(std::time::Instant::now());
+    if left.is_zero() {
+        return Err(io::ErrorKind::TimedOut.into());
+    }
+    if blocking {
+        rustix::net::sockopt::set_socket_timeout(sock, which, Some(left))?;
+    }
+    Ok(blocking)
+}
 
 impl Slab {
     /// Receive exactly `len` bytes from the stream socket `sock` straight
@@ -37,18 +57,7 @@ impl Slab {
             let poll = !spin.is_zero() && polling_since.is_none_or(|t| t.elapsed() < spin);
             let flags = if poll { libc::MSG_DONTWAIT } else { 0 };
             if let Some(d) = deadline {
-                let left = d.saturating_duration_since(std::time::Instant::now());
-                if left.is_zero() {
-                    return Err(io::ErrorKind::TimedOut.into());
-                }
-                if !poll {
-                    rustix::net::sockopt::set_socket_timeout(
-                        sock,
-                        rustix::net::sockopt::Timeout::Recv,
-                        Some(left),
-                    )?;
-                    changed = true;
-                }
+                changed |= bound_by(sock, d, Timeout::Recv, !poll)?;
             }
             // SAFETY: [start + done, start + len) lies inside the mapping
             // (`check`), which lives as long as `self` and never shrinks.
@@ -124,18 +133,7 @@ impl Slab {
         let mut blocking = false;
         let mut changed = false;
         while first < iov.len() {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            if left.is_zero() {
-                return Err(io::ErrorKind::TimedOut.into());
-            }
-            if blocking {
-                rustix::net::sockopt::set_socket_timeout(
-                    sock,
-                    rustix::net::sockopt::Timeout::Send,
-                    Some(left),
-                )?;
-                changed = true;
-            }
+            changed |= bound_by(sock, deadline, Timeout::Send, blocking)?;
             let n = (iov.len() - first).min(1024);
             // SAFETY: every iovec names either a caller's slice, borrowed
             // for this call, or a range inside the mapping (`check`), which

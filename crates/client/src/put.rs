@@ -1,0 +1,332 @@
+//! A put, from the caller's rows to every unit's commit, in one file: the
+//! rows × fields put ([`Client::put`]) checks its columns and lays them out,
+//! one blob per unit ([`plan`], each value beside its metadata,
+//! `row_meta.rs`); [`Client::put_many`] (the blob API's put, which
+//! [`Client::put_rows`] uses too) runs each unit's part: a connection
+//! checked out of the unit's pool, the transport's put
+//! ([`Transport::put`](crate::Transport::put): with a spare, write → commit; else alloc → write →
+//! commit), Busy (and, when asked, Full) waited out, the connection checked
+//! back in. The parts of several units run at once
+//! (`fanout::all_at_once`); a put to one unit runs its part straight on
+//! the calling thread.
+
+use std::collections::{BTreeMap, HashSet};
+use std::future::Future;
+use std::pin::pin;
+use std::task::{Context, Poll, Waker};
+use std::time::{Duration, Instant};
+
+use stowage_wire::{EntrySpec, Key};
+
+use crate::classify::name_keys;
+use crate::failure::Failure;
+use crate::row_meta::{check_distinct_rows, check_field, encode_meta, PutName, KEY_FIELD};
+use crate::values::{byte_len, Column, RowKey, Tensor};
+use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
+use crate::{BUSY_RETRY, BUSY_RETRY_MAX};
+
+/// Every value starts at a multiple of this many bytes within its blob.
+const VALUE_ALIGN: u64 = 64;
+
+static PADDING: [u8; VALUE_ALIGN as usize] = [0; VALUE_ALIGN as usize];
+
+impl Client {
+    /// Write `columns` for `keys` in `partition`: all of one unit's values
+    /// go out as one blob, all units at once. A put may add fields to
+    /// rows that exist; writing an existing (key, field) replaces it.
+    pub fn put(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        columns: &[(&str, Column<'_>)],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        let blobs = plan(partition, keys, columns, |row| self.unit_of_key(row, unit))?;
+        if blobs.is_empty() {
+            return Ok(());
+        }
+        self.put_many(&blobs, deadline)
+            .map_err(|e| name_keys(e, keys))
+    }
+
+    /// Write blobs: each unit's blobs one after another, every unit at
+    /// once. Returns once every blob is committed, or with the first
+    /// unit's error (in unit order) (blobs committed on other
+    /// units stay committed; retrying with the same ids is idempotent).
+    pub fn put_many(&self, blobs: &[BlobPut<'_>], deadline: Instant) -> Result<()> {
+        // Timed here rather than through `Client::timed`: the put runs
+        // straight down from this file.
+        let timer = metrics::OpTimer::start();
+        let r = self.put_units(blobs, deadline, &timer);
+        if r.is_ok() {
+            let bytes = blobs
+                .iter()
+                .flat_map(|b| b.segments.iter())
+                .map(|s| s.len() as u64)
+                .sum();
+            self.metrics.put_bytes(bytes);
+        }
+        self.metrics
+            .op(metrics::ClientOp::Put, r.is_ok(), timer.took());
+        r
+    }
+
+    pub(crate) fn put_units(
+        &self,
+        blobs: &[BlobPut<'_>],
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        for b in blobs {
+            if b.unit >= self.units.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "unit {} does not exist ({} units)",
+                    b.unit,
+                    self.units.len()
+                )));
+            }
+        }
+        let wait_until = self
+            .cfg
+            .wait_for_memory
+            .map(|w| (Instant::now() + w).min(deadline));
+        // Every blob to one unit: its part runs alone, on this thread,
+        // without the fan-out.
+        if let Some(first) = blobs.first() {
+            if fanout::alone() && blobs.iter().all(|b| b.unit == first.unit) {
+                let part = self.put_unit(first.unit, blobs, deadline, wait_until, timer);
+                return run_alone(part);
+            }
+        }
+        let mut queues: BTreeMap<usize, Vec<&BlobPut<'_>>> = BTreeMap::new();
+        for b in blobs {
+            queues.entry(b.unit).or_default().push(b);
+        }
+        let results = fanout::all_at_once(queues.iter().map(|(&unit, queue)| {
+            self.put_unit(unit, queue.iter().copied(), deadline, wait_until, timer)
+        }));
+        // The first unit's error (in unit order); what other units
+        // committed stays committed.
+        results.into_iter().collect::<Result<Vec<()>>>().map(drop)
+    }
+
+    /// One unit's part of a put: its blobs one after another, each
+    /// written and committed ([`Transport::put`](crate::Transport::put)). A unit that answers
+    /// Busy (or, with [`ClientConfig::wait_for_memory`], Full) is asked
+    /// again after [`BUSY_RETRY`], doubling to [`BUSY_RETRY_MAX`], within
+    /// the deadline.
+    pub(crate) async fn put_unit<'b, 'c: 'b>(
+        &self,
+        unit: usize,
+        queue: impl IntoIterator<Item = &'b BlobPut<'c>>,
+        deadline: Instant,
+        wait_until: Option<Instant>,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        let mut backoff: Option<Duration> = None;
+        for put in queue {
+            loop {
+                let failure = match self.put_one(unit, put, deadline).await {
+                    Ok(()) => {
+                        timer.unit_done(&self.metrics, unit);
+                        backoff = None;
+                        break;
+                    }
+                    Err(f) => f,
+                };
+                // Busy is waited out; a full unit too, when asked to.
+                let full = !failure.is_busy();
+                if full {
+                    let keys = put.entries.iter().map(|e| e.key.clone()).collect();
+                    match self.classify(unit, failure, vec![put.blob], keys, deadline) {
+                        Error::UnitFull { .. }
+                            if wait_until.is_some_and(|w| Instant::now() < w) => {}
+                        e => return Err(e),
+                    }
+                }
+                let step = backoff
+                    .map(|d| (d * 2).min(BUSY_RETRY_MAX))
+                    .unwrap_or(BUSY_RETRY);
+                let at = Instant::now() + step;
+                if at >= deadline {
+                    return Err(Error::Timeout {
+                        unit: Some(unit),
+                        what: "the unit kept answering Busy".into(),
+                    });
+                }
+                self.metrics.retry(full, step);
+                backoff = Some(step);
+                fanout::pause_until(at).await;
+            }
+        }
+        Ok(())
+    }
+
+    /// Write one blob on a pooled connection to its unit: checked out,
+    /// the transport's put, checked back in (unless the failure leaves the
+    /// connection unknown).
+    pub(crate) async fn put_one(
+        &self,
+        unit: usize,
+        put: &BlobPut<'_>,
+        deadline: Instant,
+    ) -> std::result::Result<(), Failure> {
+        let mut t = self.checkout(unit, deadline).await?;
+        match t.put(put, deadline).await {
+            Ok(()) => {
+                self.checkin(unit, t);
+                Ok(())
+            }
+            Err(f) => {
+                if f.keeps_connection() {
+                    self.checkin(unit, t);
+                }
+                Err(f)
+            }
+        }
+    }
+}
+
+/// Run one unit's part of a call to its end on this thread, where it runs
+/// alone ([`fanout::alone`]): it never waits on another part then
+/// ([`fanout::turn`] passes at once, [`fanout::pause_until`] sleeps), so
+/// its first poll ends it.
+fn run_alone<F: Future>(part: F) -> F::Output {
+    let mut part = pin!(part);
+    let mut cx = Context::from_waker(Waker::noop());
+    loop {
+        if let Poll::Ready(v) = part.as_mut().poll(&mut cx) {
+            return v;
+        }
+    }
+}
+
+/// The blobs of a put of `columns` for `keys` in `partition`, one per unit
+/// (`unit_of`: a row id's unit): every column checked first — its field
+/// name, its values against the keys (the one place column lengths are
+/// checked, for every caller) — then each value laid out on a
+/// [`VALUE_ALIGN`] boundary with its metadata. None when there are no keys.
+pub(crate) fn plan<'a>(
+    partition: &'a str,
+    keys: &'a [RowKey],
+    columns: &[(&'a str, Column<'a>)],
+    unit_of: impl Fn(u64) -> Result<usize>,
+) -> Result<Vec<BlobPut<'a>>> {
+    let n = keys.len();
+    let mut seen = HashSet::new();
+    let mut per_column: Vec<(&str, Vec<Tensor<'_>>)> = Vec::with_capacity(columns.len());
+    for (field, col) in columns {
+        check_field(field)?;
+        if !seen.insert(*field) {
+            return Err(Error::InvalidRequest(format!(
+                "field {field:?} given twice"
+            )));
+        }
+        let values = match col {
+            Column::Jagged(v) => {
+                if v.len() != n {
+                    return Err(Error::InvalidRequest(format!(
+                        "column {field:?} has {} values for {n} keys",
+                        v.len()
+                    )));
+                }
+                for t in v {
+                    Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                }
+                v.clone()
+            }
+            Column::Dense(t) => {
+                let t = Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                match t.shape.first() {
+                    Some(&rows) if rows == n as u64 => {}
+                    Some(&rows) => {
+                        return Err(Error::InvalidRequest(format!(
+                            "column {field:?}: a dense array has {rows} rows (its first axis) for {n} keys; \
+                             pass a list of arrays for values of different shapes"
+                        )))
+                    }
+                    None => {
+                        return Err(Error::InvalidRequest(format!(
+                            "column {field:?}: a 0-d array cannot be split into rows"
+                        )))
+                    }
+                }
+                let row_shape = t.shape[1..].to_vec();
+                let row_bytes = byte_len(t.dtype, &row_shape)? as usize;
+                (0..n)
+                    .map(|i| Tensor {
+                        dtype: t.dtype,
+                        shape: row_shape.clone(),
+                        data: &t.data[i * row_bytes..(i + 1) * row_bytes],
+                    })
+                    .collect()
+            }
+        };
+        per_column.push((field, values));
+    }
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    check_distinct_rows(partition, keys, RowKey::row_id)?;
+    struct Building<'a> {
+        segments: Vec<&'a [u8]>,
+        entries: Vec<EntrySpec>,
+        size: u64,
+    }
+    impl<'a> Building<'a> {
+        fn push(&mut self, key: Key, data: &'a [u8], meta: Vec<u8>) {
+            let pad = self.size.next_multiple_of(VALUE_ALIGN) - self.size;
+            if pad > 0 {
+                self.segments.push(&PADDING[..pad as usize]);
+                self.size += pad;
+            }
+            self.entries.push(EntrySpec {
+                key,
+                offset: self.size,
+                len: data.len() as u64,
+                meta,
+            });
+            if !data.is_empty() {
+                self.segments.push(data);
+            }
+            self.size += data.len() as u64;
+        }
+    }
+    let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
+    for (r, key) in keys.iter().enumerate() {
+        let row = key.row_id()?;
+        let u = unit_of(row)?;
+        let b = by_unit.entry(u).or_insert_with(|| Building {
+            segments: Vec::new(),
+            entries: Vec::new(),
+            size: 0,
+        });
+        let owner = match key {
+            RowKey::Name(name) => {
+                b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
+                Some(
+                    postcard::to_allocvec(&PutName::of(name))
+                        .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
+                )
+            }
+            RowKey::Index(_) => None,
+        };
+        for (field, values) in &per_column {
+            let t = &values[r];
+            let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;
+            b.push(Key::new(row, *field), t.data, meta);
+        }
+    }
+    let blobs: Vec<BlobPut<'a>> = by_unit
+        .into_iter()
+        .map(|(u, b)| BlobPut {
+            unit: u,
+            partition,
+            blob: new_blob_id(),
+            segments: b.segments,
+            entries: b.entries,
+        })
+        .collect();
+    Ok(blobs)
+}
