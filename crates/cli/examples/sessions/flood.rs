@@ -3,7 +3,7 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -13,7 +13,9 @@ use stowage_local::LocalPlane;
 
 use crate::foreground::foreground;
 use crate::probe::{Children, Sampler, Status};
-use crate::{client_config, header, one_line, put_get, unit_addr, verdict, Opts, Res, VALUE};
+use crate::{
+    client_config, header, one_line, put_get, spawn_piped, unit_addr, verdict, Opts, Res, VALUE,
+};
 
 /// Connections to `addr` that never send a byte; each one the unit closes
 /// is opened again. Stops (closing them all) when dropped.
@@ -100,18 +102,13 @@ impl Flood {
     /// attacker on the machine is. Its counts come back on its stdout.
     pub(crate) fn start_as(addr: std::net::SocketAddr, n: usize, uid: u32) -> Res<Flood> {
         let exe = std::env::current_exe().map_err(|e| e.to_string())?;
-        let mut c = Command::new("setpriv")
-            .args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
+        let mut c = Command::new("setpriv");
+        c.args(["--reuid", &uid.to_string(), "--regid", &uid.to_string()])
             .args(["--clear-groups", "--"])
             .arg(&exe)
             .arg("--flood-child")
-            .args(["--tcp", &addr.to_string(), "--conns", &n.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("setpriv (util-linux) for --flood-uid: {e}"))?;
-        let stdout = c.stdout.take().ok_or("flood child stdout missing")?;
+            .args(["--tcp", &addr.to_string(), "--conns", &n.to_string()]);
+        let (c, stdout) = spawn_piped(&mut c, "setpriv (util-linux) for --flood-uid")?;
         let stop = Arc::new(AtomicBool::new(false));
         let open = Arc::new(AtomicUsize::new(0));
         let reopened = Arc::new(AtomicU64::new(0));

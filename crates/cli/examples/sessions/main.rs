@@ -57,7 +57,7 @@ mod foreground;
 mod probe;
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -122,6 +122,19 @@ fn put_get(c: &Client, row: u64, value: &[u8], out: &mut [u8]) -> Res<()> {
         return Err("get: the value read back differs".into());
     }
     Ok(())
+}
+
+/// Start `cmd` with its stdin and stdout piped (stderr inherited): the
+/// child and its stdout; `what` says which failed to start.
+fn spawn_piped(cmd: &mut Command, what: &str) -> Res<(Child, ChildStdout)> {
+    let mut c = cmd
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .map_err(|e| format!("{what}: {e}"))?;
+    let stdout = c.stdout.take().ok_or("child stdout missing")?;
+    Ok((c, stdout))
 }
 
 fn one_line(s: &str) -> String {
@@ -270,19 +283,14 @@ fn sessions(o: &Opts, plane: &LocalPlane, nofile: u64) -> Res<()> {
     let (tx, rx) = mpsc::channel::<(usize, String)>();
     let t = Instant::now();
     for i in 0..o.procs {
-        let mut c = Command::new(&exe)
-            .arg("--child")
+        let mut c = Command::new(&exe);
+        c.arg("--child")
             .args(["--addr", &addr.to_string()])
             .args(["--sessions", &o.sessions.to_string()])
             .args(["--tag", &i.to_string()])
             .args(["--openers", &o.openers.to_string()])
-            .args(["--timeout", &o.timeout.to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("starting child {i}: {e}"))?;
-        let stdout = c.stdout.take().ok_or("child stdout missing")?;
+            .args(["--timeout", &o.timeout.to_string()]);
+        let (c, stdout) = spawn_piped(&mut c, &format!("starting child {i}"))?;
         kids.0.push(c);
         let stdin = kids.0[i].stdin.as_mut().ok_or("child stdin missing")?;
         writeln!(stdin, "{secret_hex}").map_err(|e| format!("child {i}: {e}"))?;
