@@ -2,10 +2,11 @@
 //! file's, when one is given), and the run of one unit.
 //!
 //! Each setting that goes straight into a [`UnitConfig`] field is written
-//! once, in the [`unit_settings!`] table: its flag (name, help, default)
-//! and the field it sets. The options that are more than a field (the
-//! listeners, the secret, the disk tier, metrics, NIXL, the config file)
-//! are [`UnitArgs`]' own.
+//! once, in [`stowage_config::unit_settings_table!`]: its flag (name,
+//! help, default), the field it sets and its config file key, which
+//! [`unit_settings!`] makes options of. The options that are more than a
+//! field (the listeners, the secret, the disk tier, metrics, NIXL, the
+//! config file) are [`UnitArgs`]' own.
 
 use std::io::Read;
 use std::path::PathBuf;
@@ -15,19 +16,23 @@ use clap::parser::ValueSource;
 use clap::ArgMatches;
 use stowage_client::UnitAddr;
 use stowage_cluster::config::Config;
-use stowage_config::{HugePages, UnitConfig};
+#[cfg(test)]
+use stowage_config::HugePages;
+use stowage_config::UnitConfig;
 
 use crate::cli::SecretArgs;
 use crate::{parse_duration, parse_size};
 
-/// The table of settings that `stowage unit` copies into a [`UnitConfig`]:
-/// each entry is a field of [`UnitSettings`] (its doc comment is the
-/// flag's help, its `#[arg]` the flag and its default) and how it sets
-/// the config. With `--config`, only those given on the command line are
-/// applied over the file's settings; without it, every one is (its
-/// default included).
+/// The options of `stowage unit` that each set one [`UnitConfig`]
+/// field, from the table both they and the config file's keys come from
+/// ([`stowage_config::unit_settings_table!`]): each entry is a field of
+/// [`UnitSettings`] (its doc comment is the flag's help, its `#[arg]` the
+/// flag and its default) and the config field it sets. With `--config`,
+/// only those given on the command line are applied over the file's
+/// settings; without it, every one is (its default included).
 macro_rules! unit_settings {
-    ($($(#[$attr:meta])* $flag:ident: $ty:ty => $apply:expr,)*) => {
+    ($($(#[$attr:meta])* $flag:ident: $ty:ty => $field:ident $(= |$v:ident| $set:expr)?
+        $(, file $section:ident.$key:ident)?;)*) => {
         /// The options of `stowage unit` that each set one [`UnitConfig`]
         /// setting.
         #[derive(clap::Args, Clone, Debug)]
@@ -40,138 +45,16 @@ macro_rules! unit_settings {
             /// `applies(id)` (`id`: the field's name, clap's id of it).
             fn apply(self, cfg: &mut UnitConfig, applies: impl Fn(&str) -> bool) {
                 $(if applies(stringify!($flag)) {
-                    let set: fn(&mut UnitConfig, $ty) = $apply;
-                    set(cfg, self.$flag);
+                    let value = self.$flag;
+                    $(let value = { let $v = value; $set };)?
+                    cfg.$field = value;
                 })*
             }
         }
     };
 }
 
-unit_settings! {
-    /// Slab memory, e.g. 1GiB.
-    #[arg(long, value_parser = parse_size, default_value = "1GiB")]
-    memory: u64 => |c, v| c.memory = v,
-    /// A name for logs.
-    #[arg(long, default_value = "unit-0")]
-    name: String => |c, v| c.name = v,
-    /// A pin held longer is reported as overdue in stats (never taken
-    /// from its holder: a paused client may resume its copy).
-    #[arg(long, value_parser = parse_duration, default_value = "30s")]
-    pin_lease: Duration => |c, v| c.pin_lease = v,
-    /// An uncommitted reservation held longer is reported as overdue
-    /// in stats (never taken from its holder).
-    #[arg(long, value_parser = parse_duration, default_value = "30s")]
-    reservation_lease: Duration => |c, v| c.reservation_lease = v,
-    /// Quarantine of the range of a put stream the unit cut off.
-    #[arg(long, value_parser = parse_duration, default_value = "5s")]
-    quarantine: Duration => |c, v| c.quarantine = v,
-    /// Checkpoints are written only under this directory (without it,
-    /// the unit takes none).
-    #[arg(long)]
-    checkpoint_root: Option<PathBuf> => |c, v| c.checkpoint_root = v,
-    /// Accept Unix-socket clients of other users (default: only this
-    /// user's; a client that connects maps the slab).
-    #[arg(long)]
-    allow_other_uids: bool => |c, v| c.allow_other_uids = v,
-    /// Accept admin requests (shutdown, checkpoint) over TCP too
-    /// (default: only same-user clients on the Unix socket).
-    #[arg(long)]
-    admin: bool => |c, v| c.admin_tcp = v,
-    /// Once a request frame has begun, the rest must arrive within this.
-    #[arg(long, value_parser = parse_duration, default_value = "10s")]
-    frame_timeout: Duration => |c, v| c.frame_timeout = v,
-    /// Most connections served at once: those that proved the shared
-    /// secret (or, without one, said Hello). Past it, a connection
-    /// that proves itself is answered Busy.
-    #[arg(long, default_value_t = 16384)]
-    max_connections: usize => |c, v| c.max_connections = v,
-    /// Most client sessions at once; past it, a new session is
-    /// answered Busy.
-    #[arg(long, default_value_t = 16_384)]
-    max_sessions: usize => |c, v| c.max_sessions = v,
-    /// Threads that serve connections, each waiting on readiness
-    /// events for its share of them (0: one per core).
-    #[arg(long, default_value_t = 0)]
-    threads: usize => |c, v| c.threads = v,
-    /// Most threads for blocking work (a tcp put's or get's bytes,
-    /// disk reads, checkpoints, nixl setup); idle ones exit.
-    #[arg(long, default_value_t = 8)]
-    io_threads: usize => |c, v| c.io_threads = v.max(1),
-    /// Most connections at once that have not proved themselves yet;
-    /// they never take a served connection's slot. Past it, a new
-    /// connection cuts the oldest handshake of the source holding the
-    /// most.
-    #[arg(long, default_value_t = 128)]
-    max_handshakes: usize => |c, v| c.max_handshakes = v,
-    /// Most of those from one source (a local user, over the Unix
-    /// socket or TCP from this host, loopback or a host address;
-    /// otherwise an address, an IPv6 /64):
-    /// past it, a new one cuts that source's oldest handshake.
-    #[arg(long, default_value_t = 32)]
-    max_handshakes_per_source: usize => |c, v| c.max_handshakes_per_source = v,
-    /// A connection must prove the shared secret and say Hello within
-    /// this of its accept, or it is cut.
-    #[arg(long, value_parser = parse_duration, default_value = "1s")]
-    handshake_timeout: Duration => |c, v| c.handshake_timeout = v,
-    /// Most connections of one client session.
-    #[arg(long, default_value_t = 64)]
-    max_session_connections: usize => |c, v| c.max_session_connections = v,
-    /// Most reservations and pins one client session may hold at once.
-    #[arg(long, default_value_t = 16384)]
-    max_session_holds: usize => |c, v| c.max_session_holds = v,
-    /// Bytes the key index may take (default: a quarter of the memory,
-    /// at least 64 MiB); commits past it answer UnitFull.
-    #[arg(long, value_parser = parse_size)]
-    index_budget: Option<u64> => |c, v| c.index_budget = v,
-    /// Bytes at the top of the slab that spares (reservations same-host
-    /// clients keep for their next puts) come from; default 1/16 of
-    /// the memory, at most half; 0: no spares.
-    #[arg(long, value_parser = parse_size)]
-    spare_budget: Option<u64> => |c, v| c.spare_budget = v,
-    /// Compaction's budget: bytes it may copy (moving blobs nobody can
-    /// touch, to gather free memory into ranges) per byte stored; 0
-    /// turns compaction off.
-    #[arg(long, default_value_t = 0.25)]
-    compaction_ratio: f64 => |c, v| c.compaction_ratio = v,
-    /// Do not try to mlock the slab.
-    #[arg(long)]
-    no_mlock: bool => |c, v| c.mlock = !v,
-    /// The slab's page mode: auto (hugetlb if the free huge pages hold
-    /// the slab, else thp if shmem_enabled allows it, else 4k; never
-    /// fails), hugetlb (MFD_HUGETLB: needs /proc/sys/vm/nr_hugepages;
-    /// the slab rounds up to whole huge pages), thp (MADV_HUGEPAGE:
-    /// needs /sys/kernel/mm/transparent_hugepage/shmem_enabled at
-    /// advise or within_size) or 4k.
-    #[arg(long, value_name = "MODE", default_value = "auto")]
-    huge_pages: HugePages => |c, v| c.huge_pages = v,
-    /// How long a serving thread polls for more requests after its
-    /// last one before it sleeps in its readiness wait (0 disables
-    /// adaptive polling). A same-host client's request ring stays
-    /// polled this long, or four of that client's recent gaps between
-    /// requests when that is longer (at most 500us), before it is
-    /// parked.
-    #[arg(long, value_parser = parse_duration, default_value = "50us")]
-    spin: Duration => |c, v| c.spin = v,
-    /// Turn on a failpoint (tests): `disk-write` fails every disk write;
-    /// `disk-sync` fails every blob file's last step (sync and rename),
-    /// after a put to disk was answered Pending.
-    #[arg(long)]
-    failpoint: Vec<String> => |c, v| c.failpoints = v,
-    /// Serve the checkpoint in this directory (a unit's own
-    /// subdirectory of a checkpoint); refuses an incomplete one.
-    #[arg(long)]
-    restore: Option<PathBuf> => |c, v| c.restore = v,
-    /// Serve TCP without a shared secret, loopback included (refused
-    /// otherwise): every local user, and anyone who reaches the
-    /// address, can then read, overwrite and clear every value.
-    #[arg(long)]
-    insecure: bool => |c, v| c.insecure = v,
-    /// Record no metrics at all (no endpoint; stats carry no traffic
-    /// counters).
-    #[arg(long)]
-    no_metrics: bool => |c, v| c.metrics = !v,
-}
+stowage_config::unit_settings_table!(unit_settings);
 
 /// The disk tier's settings (a unit's, or every unit's of a local plane).
 #[derive(clap::Args, Clone, Debug)]

@@ -579,9 +579,13 @@ impl Config {
     }
 
     /// The settings of unit `index` (named `unit-<index>`), listening on
-    /// `tcp` and `uds`: memory, leases, connection caps, checkpoint root,
-    /// the disk tier and its watermarks, and the frame timeout come from
-    /// this config; everything else keeps [`UnitConfig::new`]'s defaults.
+    /// `tcp` and `uds`: those with a config file key in
+    /// [`stowage_config::unit_settings_table!`] (memory, leases,
+    /// connection caps, checkpoint root, page mode, spares, frame and
+    /// handshake timeouts, `auth.insecure`, `metrics.enabled`), the disk
+    /// tier and its watermarks, NIXL, the metrics endpoint and the secret
+    /// come from this config; everything else keeps [`UnitConfig::new`]'s
+    /// defaults.
     pub fn unit_config(
         &self,
         index: usize,
@@ -592,33 +596,19 @@ impl Config {
         let mut c = UnitConfig::new(format!("unit-{index}"), u.memory);
         c.tcp = tcp;
         c.uds = uds;
-        c.reservation_lease = u.reservation_lease;
-        c.pin_lease = u.pin_lease;
-        c.max_connections = u.max_connections;
-        c.max_sessions = u.max_sessions;
-        c.threads = u.threads;
-        c.max_handshakes = u.max_handshakes;
-        c.max_handshakes_per_source = u.max_handshakes_per_source;
-        c.handshake_timeout = self.timeouts.handshake;
-        c.max_session_connections = u.max_session_connections;
-        c.max_session_holds = u.max_session_holds;
-        c.checkpoint_root = u.checkpoint_root.clone();
-        c.huge_pages = u.huge_pages;
-        c.spare_budget = u.spare_budget;
+        self.apply_unit_settings(&mut c);
         if let Some(d) = &u.disk {
             c.disk = Some((d.root.clone(), d.capacity));
             c.high_watermark = d.high_watermark;
             c.low_watermark = d.low_watermark;
             c.disk_read_budget = d.read_budget;
         }
-        c.frame_timeout = self.timeouts.frame;
         if u.nixl {
             c.nixl = Some(stowage_config::NixlConfig {
                 require_rdma: u.require_rdma,
                 quarantine: u.nixl_quarantine,
             });
         }
-        c.metrics = self.metrics.enabled;
         let mut m = self.metrics.listen;
         if m.port() != 0 {
             let port =
@@ -632,7 +622,6 @@ impl Config {
         }
         c.metrics_listen = Some(m);
         c.secret = self.secret()?;
-        c.insecure = self.auth.insecure;
         Ok(c)
     }
 
@@ -675,6 +664,24 @@ impl Config {
         }
     }
 }
+
+/// The config file's side of [`stowage_config::unit_settings_table!`]:
+/// `Config::apply_unit_settings` sets each field that has a file key
+/// (`file section.key`) to that key's value; the flags' side is
+/// `stowage-cli`'s.
+macro_rules! file_settings {
+    ($($(#[$attr:meta])* $flag:ident: $ty:ty => $field:ident $(= |$v:ident| $set:expr)?
+        $(, file $section:ident.$key:ident)?;)*) => {
+        impl Config {
+            /// Set `c`'s fields that the config file has keys for.
+            fn apply_unit_settings(&self, c: &mut UnitConfig) {
+                $($(c.$field = Clone::clone(&self.$section.$key);)?)*
+            }
+        }
+    };
+}
+
+stowage_config::unit_settings_table!(file_settings);
 
 /// This node's address as other nodes reach it: the local address of a UDP
 /// socket "connected" to a public address (`8.8.8.8:53`, else

@@ -5,11 +5,13 @@
 //! command line, the Python package) build it without depending on the
 //! server. [`runtime_dir`] says where a unit's socket goes by default, and
 //! [`parse_size`] / [`parse_duration`] read the sizes and durations every
-//! front end accepts (`256MiB`, `30s`).
+//! front end accepts (`256MiB`, `30s`). [`unit_settings_table!`] lists the
+//! settings that are one field each, with their flag and config file key.
 
 #![forbid(unsafe_code)]
 
 pub mod runtime_dir;
+mod settings;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

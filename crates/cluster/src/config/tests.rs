@@ -131,196 +131,58 @@ fn disk_section_defaults() {
 /// message.
 #[test]
 fn errors_name_the_key() {
+    // One case a line: (the file, the key its error names, a phrase of it).
+    #[rustfmt::skip]
     let cases: &[(&str, &str, &str)] = &[
-        (
-            "[units]\nmemroy = \"1GiB\"\n",
-            "units.memroy",
-            "unknown field `memroy`",
-        ),
+        ("[units]\nmemroy = \"1GiB\"\n", "units.memroy", "unknown field `memroy`"),
         ("[unit]\nmemory = 1\n", "unit", "unknown field `unit`"),
         ("typo = 1\n", "typo", "unknown field `typo`"),
-        (
-            "[units.disk]\nroot = \"/d\"\ncapacty = 1\n",
-            "units.disk.capacty",
-            "unknown field",
-        ),
+        ("[units.disk]\nroot = \"/d\"\ncapacty = 1\n", "units.disk.capacty", "unknown field"),
         ("[units]\nmemory = \"lots\"\n", "units.memory", "not a size"),
         ("[units]\nmemory = -5\n", "units.memory", "negative"),
         ("[units]\nmemory = 0\n", "units.memory", "more than 0"),
-        (
-            "[units]\nmemory = true\n",
-            "units.memory",
-            "expected a size",
-        ),
+        ("[units]\nmemory = true\n", "units.memory", "expected a size"),
         ("[units]\ncount = 0\n", "units.count", "at least 1"),
         ("[units]\ncount = -1\n", "units.count", ""),
         ("[units]\ncount = \"4\"\n", "units.count", ""),
         ("[units]\ncpus = -1\n", "units.cpus", "0 or more"),
-        (
-            "[units]\npin_lease = 30\n",
-            "units.pin_lease",
-            "duration string",
-        ),
-        (
-            "[units]\npin_lease = \"soon\"\n",
-            "units.pin_lease",
-            "not a duration",
-        ),
-        (
-            "[units]\nreservation_lease = \"0s\"\n",
-            "units.reservation_lease",
-            "longer than 0",
-        ),
-        (
-            "[units]\nmax_connections = 0\n",
-            "units.max_connections",
-            "at least 1",
-        ),
-        (
-            "[units]\nmax_session_connections = 0\n",
-            "units.max_session_connections",
-            "at least 1",
-        ),
-        (
-            "[units]\nmax_handshakes = 0\n",
-            "units.max_handshakes",
-            "at least 1",
-        ),
-        (
-            "[units]\nmax_handshakes_per_source = 0\n",
-            "units.max_handshakes_per_source",
-            "at least 1",
-        ),
-        (
-            "[timeouts]\nhandshake = \"0s\"\n",
-            "timeouts.handshake",
-            "longer than 0",
-        ),
-        (
-            "[units]\nmax_session_holds = 0\n",
-            "units.max_session_holds",
-            "at least 1",
-        ),
-        (
-            "[units]\ncheckpoint_root = \"ckpt\"\n",
-            "units.checkpoint_root",
-            "absolute",
-        ),
-        (
-            "[units]\nhuge_pages = \"big\"\n",
-            "units.huge_pages",
-            "expected auto, hugetlb, thp or 4k",
-        ),
-        (
-            "[units.disk]\nroot = \"rel/dir\"\n",
-            "units.disk.root",
-            "absolute",
-        ),
-        (
-            "[units.disk]\nroot = \"/d\"\ncapacity = 0\n",
-            "units.disk.capacity",
-            "more than 0",
-        ),
-        (
-            "[units.disk]\nroot = \"/d\"\nhigh_watermark = 1.5\n",
-            "units.disk.high_watermark",
-            "(0, 1]",
-        ),
-        (
-            "[units.disk]\nroot = \"/d\"\nhigh_watermark = 0\n",
-            "units.disk.high_watermark",
-            "(0, 1]",
-        ),
-        (
-            "[units.disk]\nroot = \"/d\"\nlow_watermark = 0\n",
-            "units.disk.low_watermark",
-            "(0, 1]",
-        ),
-        (
-            "[units.disk]\nroot = \"/d\"\nlow_watermark = 0.9\n",
-            "units.disk.low_watermark",
-            "below",
-        ),
-        (
-            "[units.disk]\nroot = \"/d\"\nhigh_watermark = 0.5\nlow_watermark = 0.6\n",
-            "units.disk.low_watermark",
-            "below",
-        ),
-        (
-            "[placement]\nclusters = \"train\"\n",
-            "placement.clusters",
-            "[\"train\"]",
-        ),
-        (
-            "[placement]\nclusters = []\n",
-            "placement.clusters",
-            "names no cluster",
-        ),
-        (
-            "[placement]\nclusters = [\"\"]\n",
-            "placement.clusters",
-            "empty",
-        ),
-        (
-            "[placement]\nclusters = [1]\n",
-            "placement.clusters",
-            "list of cluster names",
-        ),
-        (
-            "[listen]\nhost = \"localhost\"\n",
-            "listen.host",
-            "not a listen host",
-        ),
+        ("[units]\npin_lease = 30\n", "units.pin_lease", "duration string"),
+        ("[units]\npin_lease = \"soon\"\n", "units.pin_lease", "not a duration"),
+        ("[units]\nreservation_lease = \"0s\"\n", "units.reservation_lease", "longer than 0"),
+        ("[units]\nmax_connections = 0\n", "units.max_connections", "at least 1"),
+        ("[units]\nmax_session_connections = 0\n", "units.max_session_connections", "at least 1"),
+        ("[units]\nmax_handshakes = 0\n", "units.max_handshakes", "at least 1"),
+        ("[units]\nmax_handshakes_per_source = 0\n", "units.max_handshakes_per_source", "at least 1"),
+        ("[timeouts]\nhandshake = \"0s\"\n", "timeouts.handshake", "longer than 0"),
+        ("[units]\nmax_session_holds = 0\n", "units.max_session_holds", "at least 1"),
+        ("[units]\ncheckpoint_root = \"ckpt\"\n", "units.checkpoint_root", "absolute"),
+        ("[units]\nhuge_pages = \"big\"\n", "units.huge_pages", "expected auto, hugetlb, thp or 4k"),
+        ("[units.disk]\nroot = \"rel/dir\"\n", "units.disk.root", "absolute"),
+        ("[units.disk]\nroot = \"/d\"\ncapacity = 0\n", "units.disk.capacity", "more than 0"),
+        ("[units.disk]\nroot = \"/d\"\nhigh_watermark = 1.5\n", "units.disk.high_watermark", "(0, 1]"),
+        ("[units.disk]\nroot = \"/d\"\nhigh_watermark = 0\n", "units.disk.high_watermark", "(0, 1]"),
+        ("[units.disk]\nroot = \"/d\"\nlow_watermark = 0\n", "units.disk.low_watermark", "(0, 1]"),
+        ("[units.disk]\nroot = \"/d\"\nlow_watermark = 0.9\n", "units.disk.low_watermark", "below"),
+        ("[units.disk]\nroot = \"/d\"\nhigh_watermark = 0.5\nlow_watermark = 0.6\n", "units.disk.low_watermark", "below"),
+        ("[placement]\nclusters = \"train\"\n", "placement.clusters", "[\"train\"]"),
+        ("[placement]\nclusters = []\n", "placement.clusters", "names no cluster"),
+        ("[placement]\nclusters = [\"\"]\n", "placement.clusters", "empty"),
+        ("[placement]\nclusters = [1]\n", "placement.clusters", "list of cluster names"),
+        ("[listen]\nhost = \"localhost\"\n", "listen.host", "not a listen host"),
         ("[listen]\nhost = \"node_ip\"\n", "listen.host", "node-ip"),
         ("[listen]\ntcp_port = 70000\n", "listen.tcp_port", ""),
-        (
-            "[listen]\nunix_dir = \"run\"\n",
-            "listen.unix_dir",
-            "absolute",
-        ),
-        (
-            "[auth]\nsecret_file = \"secret\"\n",
-            "auth.secret_file",
-            "absolute",
-        ),
-        (
-            "[auth]\nsecret_file = \"/s\"\ninsecure = true\n",
-            "auth.insecure",
-            "secret_file",
-        ),
+        ("[listen]\nunix_dir = \"run\"\n", "listen.unix_dir", "absolute"),
+        ("[auth]\nsecret_file = \"secret\"\n", "auth.secret_file", "absolute"),
+        ("[auth]\nsecret_file = \"/s\"\ninsecure = true\n", "auth.insecure", "secret_file"),
         ("[auth]\ninsecure = \"yes\"\n", "auth.insecure", ""),
         ("[timeouts]\nop = \"0s\"\n", "timeouts.op", "longer than 0"),
-        (
-            "[timeouts]\nstart = 120\n",
-            "timeouts.start",
-            "duration string",
-        ),
-        (
-            "[timeouts]\nstop = \"0ms\"\n",
-            "timeouts.stop",
-            "longer than 0",
-        ),
-        (
-            "[timeouts]\nframe = \"ten seconds\"\n",
-            "timeouts.frame",
-            "not a duration",
-        ),
-        (
-            "[timeouts]\nconnect = \"1s\"\n",
-            "timeouts.connect",
-            "unknown field",
-        ),
+        ("[timeouts]\nstart = 120\n", "timeouts.start", "duration string"),
+        ("[timeouts]\nstop = \"0ms\"\n", "timeouts.stop", "longer than 0"),
+        ("[timeouts]\nframe = \"ten seconds\"\n", "timeouts.frame", "not a duration"),
+        ("[timeouts]\nconnect = \"1s\"\n", "timeouts.connect", "unknown field"),
         ("[client]\nnamespace = \"\"\n", "client.namespace", "empty"),
-        (
-            "[client]\ntransport = \"rdma\"\n",
-            "client.transport",
-            "unknown variant `rdma`",
-        ),
-        (
-            "[client]\nwait_for_memory = 5\n",
-            "client.wait_for_memory",
-            "duration string",
-        ),
+        ("[client]\ntransport = \"rdma\"\n", "client.transport", "unknown variant `rdma`"),
+        ("[client]\nwait_for_memory = 5\n", "client.wait_for_memory", "duration string"),
     ];
     for (text, key, phrase) in cases {
         let e = err(text);
@@ -340,33 +202,20 @@ fn syntax_errors_have_a_position() {
     };
     assert_eq!(*key, None);
     assert_eq!(line.map(|(l, _)| l), Some(3), "{e}");
-    // A value error points at the value.
-    let e = err("[units]\n\nmemory = \"lots\"\n");
-    assert!(
-        e.to_string()
-            .starts_with("<config text>:3:10: units.memory: "),
-        "{e}"
-    );
-    // So does a value out of range, in a section or in a dotted key.
-    let e = err("[units.disk]\nroot = \"/d\"\n  low_watermark = 0.95\n");
-    assert!(
-        e.to_string()
-            .starts_with("<config text>:3:19: units.disk.low_watermark: must be below"),
-        "{e}"
-    );
-    let e = err("units.disk = { root = \"/d\", high_watermark = 2.0 }\n");
-    assert!(
-        e.to_string()
-            .starts_with("<config text>:1:46: units.disk.high_watermark: "),
-        "{e}"
-    );
-    // A rule about a key the file leaves out: no position.
-    let e = err("[units.disk]\nroot = \"/d\"\nhigh_watermark = 0.5\n");
-    assert!(
-        e.to_string()
-            .starts_with("<config text>: units.disk.low_watermark: "),
-        "{e}"
-    );
+    #[rustfmt::skip]
+    let cases = [
+        // A value error points at the value.
+        ("[units]\n\nmemory = \"lots\"\n", "<config text>:3:10: units.memory: "),
+        // So does a value out of range, in a section or in a dotted key.
+        ("[units.disk]\nroot = \"/d\"\n  low_watermark = 0.95\n", "<config text>:3:19: units.disk.low_watermark: must be below"),
+        ("units.disk = { root = \"/d\", high_watermark = 2.0 }\n", "<config text>:1:46: units.disk.high_watermark: "),
+        // A rule about a key the file leaves out: no position.
+        ("[units.disk]\nroot = \"/d\"\nhigh_watermark = 0.5\n", "<config text>: units.disk.low_watermark: "),
+    ];
+    for (text, start) in cases {
+        let e = err(text);
+        assert!(e.to_string().starts_with(start), "{e}");
+    }
 }
 
 #[test]
