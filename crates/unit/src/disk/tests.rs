@@ -350,14 +350,16 @@ fn read_at_out_of_range_empty_and_empty_blobs() {
     assert!(corrupt_at(&e, BlobId(3), 0, 0));
 }
 
-/// Files of format version 1 (in checkpoints written before chunk
-/// sums) still read, whole or in part, and are still checked.
-#[test]
-fn version_1_files_still_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let e = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
-    let n = 3 * READ_RUN as usize + 5;
-    let bytes = data(n, 3);
+/// A checkpoint engine over `dir` holding blob 1 as a file of format
+/// version 1 (one sum after all the bytes): the engine, the blob's `n`
+/// bytes (`data(n, seed)`), the file's path and its contents.
+fn version_1_file(
+    dir: &Path,
+    n: usize,
+    seed: u64,
+) -> (FileEngine, Vec<u8>, std::path::PathBuf, Vec<u8>) {
+    let e = FileEngine::checkpoint(dirfd(dir), dir.to_owned(), 1);
+    let bytes = data(n, seed);
     let mut file = Vec::new();
     file.extend_from_slice(MAGIC);
     file.extend_from_slice(&1u32.to_le_bytes());
@@ -366,6 +368,16 @@ fn version_1_files_still_read() {
     file.extend_from_slice(&xxh3_64(&bytes).to_le_bytes());
     let p = e.path(BlobId(1));
     fs::write(&p, &file).unwrap();
+    (e, bytes, p, file)
+}
+
+/// Files of format version 1 (in checkpoints written before chunk
+/// sums) still read, whole or in part, and are still checked.
+#[test]
+fn version_1_files_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 3 * READ_RUN as usize + 5;
+    let (e, bytes, p, file) = version_1_file(dir.path(), n, 3);
     assert_eq!(e.blob_size(BlobId(1)).unwrap(), n as u64);
     let mut whole = vec![0u8; n];
     e.read(BlobId(1), &mut whole).unwrap();
@@ -395,17 +407,8 @@ fn version_1_files_still_read() {
 #[test]
 fn version_1_files_are_copied_in_one_pass() {
     let dir = tempfile::tempdir().unwrap();
-    let e = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
     let n = (8 << 20) + 5;
-    let bytes = data(n, 4);
-    let mut file = Vec::new();
-    file.extend_from_slice(MAGIC);
-    file.extend_from_slice(&1u32.to_le_bytes());
-    file.extend_from_slice(&(n as u64).to_le_bytes());
-    file.extend_from_slice(&bytes);
-    file.extend_from_slice(&xxh3_64(&bytes).to_le_bytes());
-    let p = e.path(BlobId(1));
-    fs::write(&p, &file).unwrap();
+    let (e, bytes, p, file) = version_1_file(dir.path(), n, 4);
     let copy = |buf: &mut [u8]| {
         let before = BYTES_READ.with(|b| b.get());
         let mut got = Vec::new();
