@@ -55,9 +55,11 @@ mod child;
 mod flood;
 mod foreground;
 mod probe;
+#[path = "../common/procs.rs"]
+mod procs;
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -68,6 +70,7 @@ use child::{child, fg_child, flood_child};
 use flood::flood;
 use foreground::foreground;
 use probe::{Children, Sampler, Status};
+use procs::spawn_piped;
 
 type Res<T> = Result<T, String>;
 
@@ -122,19 +125,6 @@ fn put_get(c: &Client, row: u64, value: &[u8], out: &mut [u8]) -> Res<()> {
         return Err("get: the value read back differs".into());
     }
     Ok(())
-}
-
-/// Start `cmd` with its stdin and stdout piped (stderr inherited): the
-/// child and its stdout; `what` says which failed to start.
-fn spawn_piped(cmd: &mut Command, what: &str) -> Res<(Child, ChildStdout)> {
-    let mut c = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| format!("{what}: {e}"))?;
-    let stdout = c.stdout.take().ok_or("child stdout missing")?;
-    Ok((c, stdout))
 }
 
 fn one_line(s: &str) -> String {
