@@ -40,8 +40,11 @@
 //! prints how idle it was. Ends with rate(64) / rate(16) and
 //! rate(256) / rate(16) where those points ran.
 
+#[path = "common/procs.rs"]
+mod procs;
+
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Barrier};
 use std::time::{Duration, Instant};
@@ -49,6 +52,8 @@ use std::time::{Duration, Instant};
 use stowage_cli::bench::{median_min_max, wait_quiet};
 use stowage_client::{Client, ClientConfig, Key, Secret, SliceSink, UnitAddr, DEFAULT_PARTITION};
 use stowage_local::{LocalOptions, LocalPlane};
+
+use procs::{reap, spawn_piped};
 
 type Res<T> = Result<T, String>;
 
@@ -377,19 +382,7 @@ impl Drop for Children {
         let end = Instant::now() + Duration::from_secs(5);
         for mut c in self.0.drain(..) {
             drop(c.stdin.take());
-            loop {
-                match c.try_wait() {
-                    Ok(Some(_)) => break,
-                    Ok(None) if Instant::now() < end => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                    _ => {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        break;
-                    }
-                }
-            }
+            reap(&mut c, end, Duration::from_millis(5));
         }
     }
 }
@@ -414,19 +407,16 @@ fn point_procs(n: usize, secs: f64, t: &Target<'_>) -> Res<Point> {
     let mut kids = Children(Vec::with_capacity(n));
     let (tx, rx) = mpsc::channel::<(usize, Report)>();
     for i in 0..n {
-        let mut c = Command::new(&exe)
-            .arg("--child")
-            .args(["--addrs", &addrs])
-            .args(["--tid", &i.to_string()])
-            .args(["--value", &t.value.to_string()])
-            .args(["--seconds", &secs.to_string()])
-            .args(["--spin-us", &t.spin.as_micros().to_string()])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| format!("starting child {i}: {e}"))?;
-        let stdout = c.stdout.take().ok_or("child stdout missing")?;
+        let (c, stdout) = spawn_piped(
+            Command::new(&exe)
+                .arg("--child")
+                .args(["--addrs", &addrs])
+                .args(["--tid", &i.to_string()])
+                .args(["--value", &t.value.to_string()])
+                .args(["--seconds", &secs.to_string()])
+                .args(["--spin-us", &t.spin.as_micros().to_string()]),
+            &format!("starting child {i}"),
+        )?;
         kids.0.push(c);
         let stdin = kids.0[i].stdin.as_mut().ok_or("child stdin missing")?;
         writeln!(stdin, "{secret}").map_err(|e| format!("child {i}: {e}"))?;

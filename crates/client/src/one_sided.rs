@@ -18,8 +18,8 @@ use crate::lent::{spare_class, Lent};
 use crate::pieces::{check_found, check_pieces, ranges_of, scatter, split_dst, PieceWrite, Places};
 use crate::sink::ValueAsk;
 use crate::transport::{
-    abort, asks_of, n_entries, notify, read_data, recommit, stream_put, timeout_ms, total_len,
-    Missing, Op, SharedSink, Transport,
+    abort, asks_of, n_entries, notify, read_data, recommit, stream_put, total_len, Missing, Op,
+    SharedSink, Transport,
 };
 use crate::{new_blob_id, BlobPut};
 
@@ -410,20 +410,16 @@ impl<M: Mover> OneSided<M> {
         if !on_disk.is_empty() {
             let disk_keys: Vec<Key> = on_disk.iter().map(|&i| keys[i].clone()).collect();
             let disk_index: Vec<usize> = on_disk.iter().map(|&i| index_of[i]).collect();
-            let req = Request::Read {
-                partition: partition.to_owned(),
-                keys: disk_keys.clone(),
-                timeout_ms: timeout_ms(deadline),
-            };
-            let reply = self.conn.call(&req, deadline).await?;
             match read_data(
                 &mut self.conn,
-                reply,
+                partition,
                 &disk_keys,
                 &disk_index,
                 sink,
                 deadline,
-            )? {
+            )
+            .await?
+            {
                 Ok((miss, bad)) => {
                     missing.extend(miss.into_iter().map(|j| on_disk[j]));
                     corrupt.extend(bad.into_iter().map(|j| on_disk[j]));

@@ -108,19 +108,25 @@ pub(crate) fn notify(conn: &mut Conn, req: &Request, deadline: Instant) -> Resul
     Ok(())
 }
 
-/// Take a Data reply's values off the connection into `sink`: the
+/// Read `keys` of `partition` streamed over the connection (a Read, its
+/// Data reply's values taken off the connection into `sink`): the
 /// positions of missing and of corrupt keys (outer error: the connection
 /// failed; inner error: the sink refused a value, the payload was still
 /// read off so the connection stays usable).
-pub(crate) fn read_data(
+pub(crate) async fn read_data(
     conn: &mut Conn,
-    reply: Response,
+    partition: &str,
     keys: &[Key],
     index_of: &[usize],
     sink: &SharedSink<'_>,
     deadline: Instant,
 ) -> Result<Result<(Missing, Vec<usize>), Failure>, Failure> {
-    let (items, corrupt) = match reply {
+    let req = Request::Read {
+        partition: partition.to_owned(),
+        keys: keys.to_vec(),
+        timeout_ms: timeout_ms(deadline),
+    };
+    let (items, corrupt) = match conn.call(&req, deadline).await? {
         Response::Data { items, corrupt } if items.len() == keys.len() => (items, corrupt),
         other => return Err(Failure::unexpected(other)),
     };
@@ -292,14 +298,8 @@ impl Transport for TcpTransport {
         deadline: Instant,
     ) -> Op<'a, Missing> {
         Box::pin(async move {
-            let req = Request::Read {
-                partition: partition.to_owned(),
-                keys: keys.to_vec(),
-                timeout_ms: timeout_ms(deadline),
-            };
-            let reply = self.conn.call(&req, deadline).await?;
             let (missing, corrupt) =
-                read_data(&mut self.conn, reply, keys, index_of, sink, deadline)??;
+                read_data(&mut self.conn, partition, keys, index_of, sink, deadline).await??;
             if !corrupt.is_empty() {
                 return Err(Failure::Corrupt { positions: corrupt });
             }

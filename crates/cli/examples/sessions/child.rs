@@ -11,7 +11,7 @@ use stowage_client::{Client, Secret, UnitAddr};
 
 use crate::flood::Flood;
 use crate::foreground::{foreground, quantile};
-use crate::{client_config, one_line, put_get, raise_nofile, Res, VALUE};
+use crate::{arg, client_config, one_line, put_get, raise_nofile, value, Res, VALUE};
 
 /// The secret's hex (or an empty line: none) from the first line of stdin.
 pub(crate) fn read_secret(stdin: &mut impl BufRead) -> Res<Option<Secret>> {
@@ -36,13 +36,12 @@ pub(crate) fn child(args: &[String]) -> Res<()> {
     let (mut sessions, mut tag, mut openers, mut timeout) = (1000usize, 0u64, 32usize, 5.0f64);
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--addr" => addrs.push(val()?.parse::<UnitAddr>()?),
-            "--sessions" => sessions = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
-            "--tag" => tag = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
-            "--openers" => openers = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
-            "--timeout" => timeout = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
+            "--addr" => addrs.push(value(a, &mut it)?.parse::<UnitAddr>()?),
+            "--sessions" => sessions = arg(a, &mut it)?,
+            "--tag" => tag = arg(a, &mut it)?,
+            "--openers" => openers = arg(a, &mut it)?,
+            "--timeout" => timeout = arg(a, &mut it)?,
             o => return Err(format!("child: unknown argument {o:?}")),
         }
     }
@@ -128,11 +127,10 @@ pub(crate) fn fg_child(args: &[String]) -> Res<()> {
     let (mut addrs, mut secs, mut timeout) = (Vec::new(), 5.0f64, 5.0f64);
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--addr" => addrs.push(val()?.parse::<UnitAddr>()?),
-            "--seconds" => secs = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
-            "--timeout" => timeout = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
+            "--addr" => addrs.push(value(a, &mut it)?.parse::<UnitAddr>()?),
+            "--seconds" => secs = arg(a, &mut it)?,
+            "--timeout" => timeout = arg(a, &mut it)?,
             o => return Err(format!("fg-child: unknown argument {o:?}")),
         }
     }
@@ -165,10 +163,9 @@ pub(crate) fn flood_child(args: &[String]) -> Res<()> {
     let (mut addr, mut n) = (None, 1000usize);
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
         match a.as_str() {
-            "--tcp" => addr = Some(val()?.parse().map_err(|e| format!("{a}: {e}"))?),
-            "--conns" => n = val()?.parse().map_err(|e| format!("{a}: {e}"))?,
+            "--tcp" => addr = Some(arg(a, &mut it)?),
+            "--conns" => n = arg(a, &mut it)?,
             o => return Err(format!("flood-child: unknown argument {o:?}")),
         }
     }

@@ -55,9 +55,11 @@ mod child;
 mod flood;
 mod foreground;
 mod probe;
+#[path = "../common/procs.rs"]
+mod procs;
 
 use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdout, Command, Stdio};
+use std::process::Command;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
@@ -68,6 +70,7 @@ use child::{child, fg_child, flood_child};
 use flood::flood;
 use foreground::foreground;
 use probe::{Children, Sampler, Status};
+use procs::spawn_piped;
 
 type Res<T> = Result<T, String>;
 
@@ -124,19 +127,6 @@ fn put_get(c: &Client, row: u64, value: &[u8], out: &mut [u8]) -> Res<()> {
     Ok(())
 }
 
-/// Start `cmd` with its stdin and stdout piped (stderr inherited): the
-/// child and its stdout; `what` says which failed to start.
-fn spawn_piped(cmd: &mut Command, what: &str) -> Res<(Child, ChildStdout)> {
-    let mut c = cmd
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .map_err(|e| format!("{what}: {e}"))?;
-    let stdout = c.stdout.take().ok_or("child stdout missing")?;
-    Ok((c, stdout))
-}
-
 fn one_line(s: &str) -> String {
     s.replace(['\n', '\r'], " ")
 }
@@ -157,6 +147,19 @@ struct Opts {
     unit_args: Vec<String>,
 }
 
+/// The value after the flag `a`.
+fn value<'a>(a: &str, it: &mut std::slice::Iter<'a, String>) -> Res<&'a String> {
+    it.next().ok_or_else(|| format!("{a} needs a value"))
+}
+
+/// The value after the flag `a`, parsed.
+fn arg<T: std::str::FromStr>(a: &str, it: &mut std::slice::Iter<'_, String>) -> Res<T>
+where
+    T::Err: std::fmt::Display,
+{
+    value(a, it)?.parse().map_err(|e| format!("{a}: {e}"))
+}
+
 fn parse(args: &[String]) -> Res<Opts> {
     let mut o = Opts {
         procs: 10,
@@ -174,26 +177,23 @@ fn parse(args: &[String]) -> Res<Opts> {
     let mut stowage = None;
     let mut it = args.iter();
     while let Some(a) = it.next() {
-        let mut val = || it.next().ok_or_else(|| format!("{a} needs a value"));
-        let bad = |e: std::num::ParseIntError| format!("{a}: {e}");
-        let badf = |e: std::num::ParseFloatError| format!("{a}: {e}");
         match a.as_str() {
-            "--procs" => o.procs = val()?.parse().map_err(bad)?,
-            "--sessions" => o.sessions = val()?.parse().map_err(bad)?,
+            "--procs" => o.procs = arg(a, &mut it)?,
+            "--sessions" => o.sessions = arg(a, &mut it)?,
             "--transport" => {
-                o.transport = val()?.clone();
+                o.transport = value(a, &mut it)?.clone();
                 if o.transport != "tcp" && o.transport != "shm" {
                     return Err(format!("--transport {:?}: tcp or shm", o.transport));
                 }
             }
-            "--seconds" => o.secs = val()?.parse().map_err(badf)?,
-            "--memory-mib" => o.memory = val()?.parse::<u64>().map_err(bad)? << 20,
-            "--timeout" => o.timeout = val()?.parse().map_err(badf)?,
-            "--openers" => o.openers = val()?.parse().map_err(bad)?,
-            "--flood" => o.flood = val()?.parse().map_err(bad)?,
-            "--flood-uid" => o.flood_uid = Some(val()?.parse().map_err(bad)?),
-            "--stowage" => stowage = Some(std::path::PathBuf::from(val()?)),
-            "--unit-arg" => o.unit_args.push(val()?.clone()),
+            "--seconds" => o.secs = arg(a, &mut it)?,
+            "--memory-mib" => o.memory = arg::<u64>(a, &mut it)? << 20,
+            "--timeout" => o.timeout = arg(a, &mut it)?,
+            "--openers" => o.openers = arg(a, &mut it)?,
+            "--flood" => o.flood = arg(a, &mut it)?,
+            "--flood-uid" => o.flood_uid = Some(arg(a, &mut it)?),
+            "--stowage" => stowage = Some(std::path::PathBuf::from(value(a, &mut it)?)),
+            "--unit-arg" => o.unit_args.push(value(a, &mut it)?.clone()),
             other => return Err(format!("unknown argument {other:?}")),
         }
     }

@@ -7,6 +7,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use crate::procs::reap;
+
 /// Children stopped by their pids when dropped (every path out).
 pub(crate) struct Children(pub(crate) Vec<Child>);
 
@@ -21,19 +23,7 @@ impl Children {
         }
         let end = Instant::now() + grace;
         for mut c in self.0.drain(..) {
-            loop {
-                match c.try_wait() {
-                    Ok(Some(_)) => break,
-                    Ok(None) if Instant::now() < end => {
-                        std::thread::sleep(Duration::from_millis(10))
-                    }
-                    _ => {
-                        let _ = c.kill();
-                        let _ = c.wait();
-                        break;
-                    }
-                }
-            }
+            reap(&mut c, end, Duration::from_millis(10));
         }
     }
 }

@@ -57,36 +57,18 @@ fn blob_files_round_trip_and_detect_damage() {
     let mut bytes = fs::read(&p).unwrap();
     bytes[HEADER as usize + 3] ^= 1;
     fs::write(&p, &bytes).unwrap();
-    assert!(matches!(
-        e.read(BlobId(7), &mut out),
-        Err(DiskError::Corrupt { .. })
-    ));
-    assert!(matches!(
-        e.read_at(BlobId(7), 3, &mut part[..1]),
-        Err(DiskError::Corrupt { .. })
-    ));
+    assert!(corrupt(&e, BlobId(7), &mut out));
+    assert!(corrupt_at(&e, BlobId(7), 3, 1));
     // Truncate it, within the header and after it.
     for keep in [12, bytes.len() - 1] {
         fs::write(&p, &bytes[..keep]).unwrap();
-        assert!(matches!(
-            e.read(BlobId(7), &mut out),
-            Err(DiskError::Corrupt { .. })
-        ));
-        assert!(matches!(
-            e.read_at(BlobId(7), 0, &mut part[..1]),
-            Err(DiskError::Corrupt { .. })
-        ));
+        assert!(corrupt(&e, BlobId(7), &mut out));
+        assert!(corrupt_at(&e, BlobId(7), 0, 1));
     }
     e.delete(BlobId(7)).unwrap();
     e.delete(BlobId(7)).unwrap();
-    assert!(matches!(
-        e.read(BlobId(7), &mut out),
-        Err(DiskError::Corrupt { .. })
-    ));
-    assert!(matches!(
-        e.read_at(BlobId(7), 0, &mut []),
-        Err(DiskError::Corrupt { .. })
-    ));
+    assert!(corrupt(&e, BlobId(7), &mut out));
+    assert!(corrupt_at(&e, BlobId(7), 0, 0));
     // Short and long writes and the failpoint leave no file.
     let mut w = e.create(BlobId(8), 10).unwrap();
     w.write(b"short").unwrap();
@@ -131,6 +113,11 @@ fn put(e: &FileEngine, blob: BlobId, bytes: &[u8], pieces: &[usize]) -> u64 {
         rest = later;
     }
     w.finish().unwrap()
+}
+
+/// A whole read of `blob` into `out` finds it corrupt.
+fn corrupt(e: &FileEngine, blob: BlobId, out: &mut [u8]) -> bool {
+    matches!(e.read(blob, out), Err(DiskError::Corrupt { .. }))
 }
 
 fn corrupt_at(e: &FileEngine, blob: BlobId, offset: u64, len: usize) -> bool {
@@ -262,10 +249,7 @@ fn read_at_is_checked_where_it_reads() {
     assert!(got == bytes[..3 * c as usize], "chunks 0-2 are intact");
     e.read_at(BlobId(1), 4 * c, &mut got[..10]).unwrap();
     assert!(got[..10] == bytes[4 * c as usize..][..10]);
-    assert!(matches!(
-        e.read(BlobId(1), &mut whole),
-        Err(DiskError::Corrupt { .. })
-    ));
+    assert!(corrupt(&e, BlobId(1), &mut whole));
 
     // A flipped byte in the last (short) chunk.
     fs::write(&p, &clean).unwrap();
@@ -278,10 +262,7 @@ fn read_at_is_checked_where_it_reads() {
     flip(&p, (HEADER + n + 5 * SUM + 2) as usize);
     assert!(corrupt_at(&e, BlobId(1), 5 * c + 1, 1));
     e.read_at(BlobId(1), 4 * c, &mut got[..c as usize]).unwrap();
-    assert!(matches!(
-        e.read(BlobId(1), &mut whole),
-        Err(DiskError::Corrupt { .. })
-    ));
+    assert!(corrupt(&e, BlobId(1), &mut whole));
 
     // Any flipped header byte (magic, version, size, chunk size,
     // padding, the header's own sum) fails every read.
@@ -328,10 +309,7 @@ fn read_at_out_of_range_empty_and_empty_blobs() {
         e.read_at(BlobId(1), offset, &mut []).unwrap();
     }
     // The whole-blob read wants exactly the blob's size.
-    assert!(matches!(
-        e.read(BlobId(1), &mut [0u8; 39]),
-        Err(DiskError::Corrupt { .. })
-    ));
+    assert!(corrupt(&e, BlobId(1), &mut [0u8; 39]));
 
     put(&e, BlobId(2), &[], &[1]);
     assert_eq!(fs::metadata(e.path(BlobId(2))).unwrap().len(), HEADER);
@@ -350,14 +328,16 @@ fn read_at_out_of_range_empty_and_empty_blobs() {
     assert!(corrupt_at(&e, BlobId(3), 0, 0));
 }
 
-/// Files of format version 1 (in checkpoints written before chunk
-/// sums) still read, whole or in part, and are still checked.
-#[test]
-fn version_1_files_still_read() {
-    let dir = tempfile::tempdir().unwrap();
-    let e = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
-    let n = 3 * READ_RUN as usize + 5;
-    let bytes = data(n, 3);
+/// A checkpoint engine over `dir` holding blob 1 as a file of format
+/// version 1 (one sum after all the bytes): the engine, the blob's `n`
+/// bytes (`data(n, seed)`), the file's path and its contents.
+fn version_1_file(
+    dir: &Path,
+    n: usize,
+    seed: u64,
+) -> (FileEngine, Vec<u8>, std::path::PathBuf, Vec<u8>) {
+    let e = FileEngine::checkpoint(dirfd(dir), dir.to_owned(), 1);
+    let bytes = data(n, seed);
     let mut file = Vec::new();
     file.extend_from_slice(MAGIC);
     file.extend_from_slice(&1u32.to_le_bytes());
@@ -366,6 +346,16 @@ fn version_1_files_still_read() {
     file.extend_from_slice(&xxh3_64(&bytes).to_le_bytes());
     let p = e.path(BlobId(1));
     fs::write(&p, &file).unwrap();
+    (e, bytes, p, file)
+}
+
+/// Files of format version 1 (in checkpoints written before chunk
+/// sums) still read, whole or in part, and are still checked.
+#[test]
+fn version_1_files_still_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = 3 * READ_RUN as usize + 5;
+    let (e, bytes, p, file) = version_1_file(dir.path(), n, 3);
     assert_eq!(e.blob_size(BlobId(1)).unwrap(), n as u64);
     let mut whole = vec![0u8; n];
     e.read(BlobId(1), &mut whole).unwrap();
@@ -382,10 +372,7 @@ fn version_1_files_still_read() {
     }
     flip(&p, V1_HEADER as usize + n - 1);
     assert!(corrupt_at(&e, BlobId(1), 0, 1), "one sum covers all");
-    assert!(matches!(
-        e.read(BlobId(1), &mut whole),
-        Err(DiskError::Corrupt { .. })
-    ));
+    assert!(corrupt(&e, BlobId(1), &mut whole));
     fs::write(&p, &file[..file.len() - 1]).unwrap();
     assert!(corrupt_at(&e, BlobId(1), 0, 1));
 }
@@ -395,17 +382,8 @@ fn version_1_files_still_read() {
 #[test]
 fn version_1_files_are_copied_in_one_pass() {
     let dir = tempfile::tempdir().unwrap();
-    let e = FileEngine::checkpoint(dirfd(dir.path()), dir.path().to_owned(), 1);
     let n = (8 << 20) + 5;
-    let bytes = data(n, 4);
-    let mut file = Vec::new();
-    file.extend_from_slice(MAGIC);
-    file.extend_from_slice(&1u32.to_le_bytes());
-    file.extend_from_slice(&(n as u64).to_le_bytes());
-    file.extend_from_slice(&bytes);
-    file.extend_from_slice(&xxh3_64(&bytes).to_le_bytes());
-    let p = e.path(BlobId(1));
-    fs::write(&p, &file).unwrap();
+    let (e, bytes, p, file) = version_1_file(dir.path(), n, 4);
     let copy = |buf: &mut [u8]| {
         let before = BYTES_READ.with(|b| b.get());
         let mut got = Vec::new();

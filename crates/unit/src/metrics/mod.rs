@@ -9,6 +9,7 @@
 //! [`stowage_wire::Stats`] when scraped.
 
 use std::fmt;
+use std::sync::atomic::AtomicU64;
 use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
 use std::time::Instant;
@@ -117,6 +118,15 @@ fn family<V: Labelled>(
         v.encode(m.encode_family(&labels)?)?;
     }
     Ok(())
+}
+
+/// The values of `counts`, each with its label value from `names`.
+fn loaded<'n>(names: &[&'n str], counts: &[AtomicU64]) -> Vec<(&'n str, u64)> {
+    names
+        .iter()
+        .zip(counts)
+        .map(|(n, c)| (*n, c.load(Relaxed)))
+        .collect()
 }
 
 impl Collector for UnitCollector {
@@ -348,11 +358,7 @@ impl Collector for UnitCollector {
                 encode_histogram(&LATENCY_BOUNDS, per, *sum_ns, d.encode_family(&labels)?)?;
             }
         }
-        let errors: Vec<(&str, u64)> = CODE_NAMES
-            .iter()
-            .zip(&m.errors)
-            .map(|(n, c)| (*n, c.load(Relaxed)))
-            .collect();
+        let errors = loaded(&CODE_NAMES, &m.errors);
         family(
             &mut e,
             "errors",
@@ -384,11 +390,7 @@ impl Collector for UnitCollector {
             "Requests served through request rings.",
             m.ring_requests.load(Relaxed),
         )?;
-        let cut: Vec<(&str, u64)> = HANDSHAKE_CUT_NAMES
-            .iter()
-            .zip(&m.handshakes_cut)
-            .map(|(n, c)| (*n, c.load(Relaxed)))
-            .collect();
+        let cut = loaded(&HANDSHAKE_CUT_NAMES, &m.handshakes_cut);
         family(
             &mut e,
             "handshakes_cut",
@@ -410,11 +412,7 @@ impl Collector for UnitCollector {
                 }
             }
         }
-        let reclaimed: Vec<(&str, u64)> = RECLAIM_NAMES
-            .iter()
-            .zip(&m.reclaimed)
-            .map(|(n, c)| (*n, c.load(Relaxed)))
-            .collect();
+        let reclaimed = loaded(&RECLAIM_NAMES, &m.reclaimed);
         family(
             &mut e,
             "reclaimed_holds",
