@@ -187,6 +187,9 @@ fn variant_name(r: &Response) -> &'static str {
         Response::Ring { .. } => "Ring",
         Response::OnSocket => "OnSocket",
         Response::Restore(_) => "Restore",
+        Response::Claimed { .. } => "Claimed",
+        Response::Settled { .. } => "Settled",
+        Response::ClaimStatus(_) => "ClaimStatus",
     }
 }
 
@@ -471,7 +474,9 @@ impl Conn {
         self.out.clear();
         encode(id, req, payload_len, &mut self.out)
             .map_err(|e| Failure::Protocol(e.to_string()))?;
-        if payload.is_empty() {
+        // A request whose answer may wait for other clients stays off the
+        // ring, whose replies come back in order.
+        if payload.is_empty() && !req.may_wait() {
             if let RingState::On(ring) = &self.ring {
                 if self.out.len() <= ring.max_entry() {
                     if let Ok(parked) = ring.submit(&self.out) {

@@ -61,6 +61,7 @@
 
 mod admin;
 mod blobs;
+mod claims;
 mod classify;
 mod config;
 mod conn;
@@ -99,7 +100,7 @@ pub use pool::UnitConnections;
 pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, View, ViewTensor};
 pub use sink::{GetSink, Sink, SliceSink, TensorAsk, TensorSink, Value, ValueAsk};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
-pub use stowage_wire::{BlobId, EntrySpec, Key, Stats};
+pub use stowage_wire::{BlobId, ClaimProgress, EntrySpec, Key, Stats, GROUP_FIELD_PREFIX};
 pub use stowage_wire::{CheckpointFile, CheckpointInfo, RestoreReply, RestoreSource};
 pub use transport::Transport;
 pub use unit_directory::{host_id, TransportChoice, UnitDirectory, UnitEntry};

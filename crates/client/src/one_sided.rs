@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use stowage_shm::Slab;
+use stowage_wire::io::Socket;
 use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, Response};
 
 use crate::conn::Conn;
@@ -577,6 +578,10 @@ impl<M: Mover> Transport for OneSided<M> {
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {
         notify(&mut self.conn, req, deadline)
+    }
+
+    fn interrupter(&self) -> Option<Socket> {
+        self.conn.keep_open()
     }
 
     fn slab(&self) -> Option<Arc<Slab>> {

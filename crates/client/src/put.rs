@@ -24,6 +24,7 @@ use crate::row_meta::{check_distinct_rows, check_field, encode_meta, PutName, KE
 use crate::values::{byte_len, Column, RowKey, Tensor};
 use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
 use crate::{BUSY_RETRY, BUSY_RETRY_MAX};
+use stowage_wire::GROUP_FIELD_PREFIX;
 
 /// Every value starts at a multiple of this many bytes within its blob.
 const VALUE_ALIGN: u64 = 64;
@@ -42,7 +43,39 @@ impl Client {
         unit: Option<usize>,
         deadline: Instant,
     ) -> Result<()> {
-        let blobs = plan(partition, keys, columns, |row| self.unit_of_key(row, unit))?;
+        self.put_grouped(partition, keys, None, columns, unit, deadline)
+    }
+
+    /// [`Client::put`], each row in the group `groups[i]` (its claims
+    /// take whole groups: [`Client::register_tasks`]). A grouped row
+    /// lives on its group's unit ([`Client::unit_of`]) unless `unit` is
+    /// given: read and clear it with that unit.
+    pub fn put_grouped(
+        &self,
+        partition: &str,
+        keys: &[RowKey],
+        groups: Option<&[String]>,
+        columns: &[(&str, Column<'_>)],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<()> {
+        if let Some(g) = groups {
+            if g.len() != keys.len() {
+                return Err(Error::InvalidRequest(format!(
+                    "{} groups for {} keys",
+                    g.len(),
+                    keys.len()
+                )));
+            }
+            if let Some(bad) = g.iter().find(|g| g.is_empty()) {
+                return Err(Error::InvalidRequest(format!("group id {bad:?} is empty")));
+            }
+        }
+        let place = |r: usize, row| match (groups, unit) {
+            (Some(g), None) => Ok(self.unit_of(&g[r])),
+            _ => self.unit_of_key(row, unit),
+        };
+        let blobs = plan(partition, keys, groups, columns, place)?;
         if blobs.is_empty() {
             return Ok(());
         }
@@ -210,8 +243,9 @@ fn run_alone<F: Future>(part: F) -> F::Output {
 pub(crate) fn plan<'a>(
     partition: &'a str,
     keys: &'a [RowKey],
+    groups: Option<&'a [String]>,
     columns: &[(&'a str, Column<'a>)],
-    unit_of: impl Fn(u64) -> Result<usize>,
+    unit_of: impl Fn(usize, u64) -> Result<usize>,
 ) -> Result<Vec<BlobPut<'a>>> {
     let n = keys.len();
     let mut seen = HashSet::new();
@@ -296,7 +330,7 @@ pub(crate) fn plan<'a>(
     let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
     for (r, key) in keys.iter().enumerate() {
         let row = key.row_id()?;
-        let u = unit_of(row)?;
+        let u = unit_of(r, row)?;
         let b = by_unit.entry(u).or_insert_with(|| Building {
             segments: Vec::new(),
             entries: Vec::new(),
@@ -312,6 +346,9 @@ pub(crate) fn plan<'a>(
             }
             RowKey::Index(_) => None,
         };
+        if let Some(g) = groups {
+            b.push(Key::new(row, format!("{GROUP_FIELD_PREFIX}{}", g[r])), &[], Vec::new());
+        }
         for (field, values) in &per_column {
             let t = &values[r];
             let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;

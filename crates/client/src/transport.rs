@@ -29,6 +29,7 @@ use std::time::Instant;
 
 use stowage_shm::Slab;
 use stowage_wire::BlobId;
+use stowage_wire::io::Socket;
 use stowage_wire::{EntrySpec, Key, Request, Response};
 
 use crate::conn::Conn;
@@ -85,6 +86,10 @@ pub trait Transport: Send {
     fn slab(&self) -> Option<Arc<Slab>> {
         None
     }
+
+    /// Another handle on the connection's socket, to cut a call waiting
+    /// on it from another thread (a claim that waits on every unit).
+    fn interrupter(&self) -> Option<Socket>;
 }
 
 /// The time left to `deadline`, as a request tells the unit (at least
@@ -313,5 +318,9 @@ impl Transport for TcpTransport {
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {
         notify(&mut self.conn, req, deadline)
+    }
+
+    fn interrupter(&self) -> Option<Socket> {
+        self.conn.keep_open()
     }
 }

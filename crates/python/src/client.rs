@@ -265,7 +265,11 @@ impl Client {
     /// Put rows: `columns` is a list of `(field, column)` where a column is
     /// one array whose first axis has one entry per key, or a list of one
     /// array per key.
-    #[pyo3(signature = (partition, keys, columns, unit = None, timeout = None))]
+    /// `groups`: one group id per key; rows of a group are claimed whole
+    /// (`register_tasks`) and live on the group's unit (`unit_of`) unless
+    /// `unit` is given: read and clear them with that unit.
+    #[pyo3(signature = (partition, keys, columns, unit = None, timeout = None, groups = None))]
+    #[allow(clippy::too_many_arguments)]
     fn put(
         &self,
         py: Python<'_>,
@@ -274,6 +278,7 @@ impl Client {
         columns: &Bound<'_, PyAny>,
         unit: Option<usize>,
         timeout: Option<f64>,
+        groups: Option<Vec<String>>,
     ) -> PyResult<()> {
         let deadline = self.deadline(timeout)?;
         let keys = row_keys(keys)?;
@@ -315,8 +320,84 @@ impl Client {
             })
             .collect();
         let client = self.client()?;
-        py.detach(|| client.put(partition, &keys, &columns, unit, deadline))
-            .map_err(|e| to_py(py, e, &keys))
+        py.detach(|| {
+            client.put_grouped(partition, &keys, groups.as_deref(), &columns, unit, deadline)
+        })
+        .map_err(|e| to_py(py, e, &keys))
+    }
+
+    /// The unit the row named `name`, or the rows of group `name`, live on.
+    fn unit_of(&self, name: &str) -> PyResult<usize> {
+        Ok(self.client()?.unit_of(name))
+    }
+
+    /// Declare the consumer `tasks` of `partition` on every unit:
+    /// `samples` rows expected in all; with `group_size`, rows put with
+    /// `groups` are claimed in whole groups. Idempotent.
+    #[pyo3(signature = (partition, tasks, samples, group_size = None, timeout = None))]
+    fn register_tasks(
+        &self,
+        py: Python<'_>,
+        partition: &str,
+        tasks: Vec<String>,
+        samples: u64,
+        group_size: Option<u32>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let g = group_size.unwrap_or(0);
+        py.detach(|| client.register_tasks(partition, &tasks, samples, g, deadline))
+            .map_err(|e| to_py(py, e, &[]))
+    }
+
+    /// Claim for `task` up to `count` rows of `partition` that have all of
+    /// `fields`: each row once per task, over every client. `block`: wait
+    /// (woken by the units) until a row is ready, raising `Timeout` at
+    /// `timeout`; else `[]` when none is. Returns the rows' keys.
+    #[pyo3(signature = (partition, task, fields, count, block = true, timeout = None))]
+    #[allow(clippy::too_many_arguments)]
+    fn claim<'py>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        task: &str,
+        fields: Vec<String>,
+        count: u32,
+        block: bool,
+        timeout: Option<f64>,
+    ) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let rows = py
+            .detach(|| client.claim(partition, task, &fields, count, block, deadline))
+            .map_err(|e| to_py(py, e, &[]))?;
+        rows.iter().map(|k| key_object(py, k)).collect()
+    }
+
+    /// `task`'s progress through `partition`, summed over the units:
+    /// `registered` (0 or 1), `samples`, `group_size`, `consumed` (rows
+    /// claimed for good), `leased` (rows being claimed now).
+    #[pyo3(signature = (partition, task, timeout = None))]
+    fn claim_status<'py>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        task: &str,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let p = py
+            .detach(|| client.claim_status(partition, task, deadline))
+            .map_err(|e| to_py(py, e, &[]))?;
+        let d = PyDict::new(py);
+        d.set_item("registered", u64::from(p.registered))?;
+        d.set_item("samples", p.samples)?;
+        d.set_item("group_size", p.group_size)?;
+        d.set_item("consumed", p.consumed)?;
+        d.set_item("leased", p.leased)?;
+        Ok(d)
     }
 
     /// Get rows: a list (per field) of lists (per row) of new arrays with

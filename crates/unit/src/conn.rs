@@ -422,6 +422,29 @@ impl Conn {
         Err(EndReason::Invalid(message))
     }
 
+    /// A claim of this connection began to wait: the worker leaves a
+    /// mailbox for its answer (once).
+    pub(crate) fn take_wait_started(&mut self) -> Option<stowage_core::ConnId> {
+        if std::mem::take(&mut self.wait_started) {
+            self.owner.map(|o| o.conn)
+        } else {
+            None
+        }
+    }
+
+    /// The answer to the claim that waited, sent as far as the socket
+    /// takes it (the rest with the connection's next turn).
+    pub(crate) fn deliver(&mut self, r: Response) -> io::Result<()> {
+        let Some(id) = self.waiting.take() else {
+            return Ok(());
+        };
+        // On the socket, whatever the last request came through.
+        let ring = std::mem::replace(&mut self.via_ring, false);
+        let sent = self.reply(id, &r);
+        self.via_ring = ring;
+        sent
+    }
+
     fn reply(&mut self, id: u64, r: &Response) -> io::Result<()> {
         if let Response::Error { code, message } = r {
             self.failed = true;
@@ -536,6 +559,7 @@ impl Conn {
             | Plan::Shutdown { .. } => true,
             Plan::Reply(_)
             | Plan::Silent
+            | Plan::Wait
             | Plan::Committed { .. }
             | Plan::Stats
             | Plan::Close { .. }
@@ -557,6 +581,12 @@ impl Conn {
                 .stop
                 .load(std::sync::atomic::Ordering::SeqCst),
         };
+        if req.may_wait() && (self.via_ring || self.waiting.is_some()) {
+            return self.refuse(
+                id,
+                "a claim that waits goes on the socket, one at a time per connection".into(),
+            );
+        }
         let now = self.shared.now();
         let plan = handler::handle(self.shared.core_on_call(), &asker, req, payload_len, now);
         if self.blocks(&plan) {
@@ -576,6 +606,13 @@ impl Conn {
         let resp = match plan {
             Plan::Reply(r) => r,
             Plan::Silent => return Ok(()),
+            Plan::Wait => {
+                // Answered later, through the unit's Answers, into the
+                // mailbox the worker leaves (`take_wait_started`).
+                self.waiting = Some(id);
+                self.wait_started = true;
+                return Ok(());
+            }
             Plan::RingKick => {
                 self.kicked = true;
                 return Ok(());

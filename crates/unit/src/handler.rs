@@ -53,6 +53,9 @@ pub enum Plan {
     RingKick,
     /// Send nothing (an Unpin with `reply: false`).
     Silent,
+    /// Send nothing now: a claim waits for rows, and the core answers it
+    /// later (`Action::Claimed`, delivered through the unit's answers).
+    Wait,
     /// A Commit of bytes the client wrote through its mapping: send
     /// `reply`, or, when it is `UnknownBlob`, what the disk tier remembers
     /// of `blob`'s failed put; `shm_bytes` were published when it succeeds.

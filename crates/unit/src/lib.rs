@@ -76,6 +76,7 @@ mod restore;
 mod shared;
 // Owners and leaves:
 mod admit;
+mod claims;
 pub mod auth;
 pub mod disk;
 mod driver;
@@ -341,6 +342,7 @@ pub(crate) fn start_with(
         driver: driver::Driver::new(core, moves_tx),
         sessions: sessions::Sessions::default(),
         conns: Conns {
+            answers: Default::default(),
             connections: Arc::default(),
             handshakes: Arc::new(admit::Handshakes::new(
                 cfg.max_handshakes,

@@ -32,6 +32,7 @@ use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
 use crate::conn::{Conn, Ended, RingStep, Step};
 use crate::shared::Shared;
+use stowage_wire::Response;
 
 /// Frames of one connection a worker serves before it turns to the next
 /// ready connection.
@@ -46,6 +47,9 @@ enum Msg {
     /// A connection back from the pool: its slot, the slot's generation,
     /// and how its blocking step ended.
     Back(usize, u64, Box<Conn>, Ended),
+    /// The answer to the waiting claim of the connection in a slot (and
+    /// the slot's generation).
+    Deliver(usize, u64, Response),
 }
 
 struct Handle {
@@ -151,6 +155,8 @@ struct Slot {
     /// [`RING_LINGER_MAX`]).
     ring_last: Option<Instant>,
     ring_gap: Duration,
+    /// The answer to its waiting claim, come while it was on the pool.
+    delivery: Option<Response>,
 }
 
 struct Worker {
@@ -278,6 +284,7 @@ impl Worker {
                     ring_idle: None,
                     ring_last: None,
                     ring_gap: Duration::ZERO,
+                    delivery: None,
                 });
                 // Its first bytes may be there already (no edge will say so).
                 self.enqueue(idx);
@@ -296,6 +303,9 @@ impl Worker {
                         let ring = conn.has_ring();
                         s.conn = Some(conn);
                         s.away = false;
+                        if let Some(r) = s.delivery.take() {
+                            self.deliver(idx, gen, r);
+                        }
                         if ring {
                             self.poll_ring(idx);
                         }
@@ -305,7 +315,49 @@ impl Worker {
                     ended => self.end(idx, conn, ended),
                 }
             }
+            Msg::Deliver(idx, gen, r) => self.deliver(idx, gen, r),
         }
+    }
+
+    /// Send the connection in slot `idx` the answer to its waiting claim
+    /// (kept until it is back, when the pool has it).
+    fn deliver(&mut self, idx: usize, gen: u64, r: Response) {
+        let Some(Some(s)) = self.slots.get_mut(idx) else {
+            return;
+        };
+        if s.gen != gen {
+            return;
+        }
+        let Some(conn) = s.conn.as_mut() else {
+            s.delivery = Some(r);
+            return;
+        };
+        match conn.deliver(r) {
+            // The rest of the answer, if the socket took only part, goes
+            // with the connection's next turn.
+            Ok(()) => self.enqueue(idx),
+            Err(e) => {
+                if let Some(conn) = self.slots[idx].as_mut().and_then(|s| s.conn.take()) {
+                    self.end(idx, conn, Ended::Ran(Err(e.into())));
+                }
+            }
+        }
+    }
+
+    /// A claim of the connection in slot `idx` began to wait: leave a
+    /// mailbox for its answer, which comes back to this worker.
+    fn mailbox(&mut self, idx: usize, conn: &mut Conn) {
+        let Some(id) = conn.take_wait_started() else {
+            return;
+        };
+        let Some(Some(s)) = self.slots.get(idx) else {
+            return;
+        };
+        let (gen, me) = (s.gen, self.me.clone());
+        self.shared
+            .conns
+            .answers
+            .wait(id, Box::new(move |r| me.send(Msg::Deliver(idx, gen, r))));
     }
 
     fn fire_timers(&mut self) {
@@ -370,6 +422,7 @@ impl Worker {
         if conn.take_kick() && conn.has_ring() {
             self.poll_ring(idx);
         }
+        self.mailbox(idx, &mut conn);
         match step {
             Step::Wait(deadline) => {
                 if let Some(Some(s)) = self.slots.get_mut(idx) {

@@ -21,6 +21,7 @@ use stowage_shm::Slab;
 use stowage_wire::Limits;
 
 use crate::admit::{Counted, Cut, Handshakes, Ticket};
+use crate::claims::Answers;
 use crate::driver::Driver;
 use crate::error::StartError;
 use crate::metrics::UnitMetrics;
@@ -93,6 +94,8 @@ pub(crate) struct Conns {
     pub(crate) connections: Arc<std::sync::atomic::AtomicUsize>,
     /// Connections still in their handshake.
     pub(crate) handshakes: Arc<Handshakes>,
+    /// Where the answers to claims that waited go.
+    pub(crate) answers: Answers,
 }
 
 impl Shared {

@@ -130,6 +130,15 @@ impl Socket {
     }
 
     /// Bound blocking writes (`None`: unbounded).
+    /// Shut both directions: a read blocked on the socket in another
+    /// thread returns at once, and the peer sees the connection end.
+    pub fn shutdown(&self) -> io::Result<()> {
+        match self {
+            Socket::Unix(s) => s.shutdown(std::net::Shutdown::Both),
+            Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
+        }
+    }
+
     pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
         match self {
             Socket::Unix(s) => s.set_write_timeout(t),

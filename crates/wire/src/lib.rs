@@ -49,8 +49,8 @@ pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
 pub use limits::{Limits, WireError};
 pub use messages::{
-    CheckpointFile, CheckpointInfo, Envelope, Item, Placed, Request, Response, RestoreReply,
-    RestoreSource, RING_MAX, RING_MIN,
+    CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, Response,
+    RestoreReply, RestoreSource, GROUP_FIELD_PREFIX, RING_MAX, RING_MIN,
 };
 pub use stats::Stats;
 pub use stowage_core::{BlobId, EntrySpec, Key, PinId, SessionStats};
@@ -73,8 +73,10 @@ pub use validation::PARTITION_SEPARATOR;
 /// [`CheckpointInfo`], and restores a unit opens on its own host
 /// ([`Request::OpenRestore`], [`Request::CloseRestore`],
 /// [`Response::Restore`]); version 12 [`Stats`] as the core's counters
-/// (one field, first) and then the server's own.
-pub const PROTOCOL_VERSION: u16 = 12;
+/// (one field, first) and then the server's own; version 13 claims
+/// ([`Request::RegisterTasks`], [`Request::Claim`], [`Request::Settle`],
+/// [`Request::ClaimStatus`] and their replies).
+pub const PROTOCOL_VERSION: u16 = 13;
 
 #[cfg(test)]
 mod tests {
@@ -178,6 +180,27 @@ mod tests {
                 dir: "step-1/stowage/unit-0".into(),
             },
             Request::CloseRestore { id: 7 },
+            Request::RegisterTasks {
+                partition: "step-1".into(),
+                tasks: vec!["train".into(), "reward".into()],
+                samples: 512,
+                group_size: 8,
+            },
+            Request::Claim {
+                partition: "step-1".into(),
+                task: "train".into(),
+                fields: vec!["input_ids".into(), "advantages".into()],
+                want: 64,
+                wait_ms: 1000,
+            },
+            Request::Settle {
+                lease: 9,
+                keep: vec![1, 2, 3],
+            },
+            Request::ClaimStatus {
+                partition: "step-1".into(),
+                task: "train".into(),
+            },
         ]
     }
 
@@ -353,6 +376,18 @@ mod tests {
                 opened: None,
                 missing: "no directory".into(),
             })),
+            Response::Claimed {
+                lease: 4,
+                rows: vec![7, 1 << 63],
+            },
+            Response::Settled { rows: vec![7] },
+            Response::ClaimStatus(ClaimProgress {
+                registered: true,
+                samples: 512,
+                group_size: 8,
+                consumed: 100,
+                leased: 8,
+            }),
         ]
     }
 
@@ -426,6 +461,37 @@ mod tests {
             missing: String::new(),
         }));
         assert_eq!(index(postcard::to_stdvec(&reply).unwrap()), 20);
+        // Claims (protocol 13).
+        let claim = Request::Claim {
+            partition: String::new(),
+            task: String::new(),
+            fields: vec![],
+            want: 1,
+            wait_ms: 0,
+        };
+        assert_eq!(index(postcard::to_stdvec(&claim).unwrap()), 24);
+        let claimed = Response::Claimed {
+            lease: 0,
+            rows: vec![],
+        };
+        assert_eq!(index(postcard::to_stdvec(&claimed).unwrap()), 21);
+    }
+
+    /// Only a claim that waits may wait; it never goes on a ring.
+    #[test]
+    fn only_a_claim_with_a_wait_may_wait() {
+        let claim = |wait_ms| Request::Claim {
+            partition: "p".into(),
+            task: "t".into(),
+            fields: vec!["f".into()],
+            want: 4,
+            wait_ms,
+        };
+        assert!(claim(10).may_wait());
+        assert!(!claim(0).may_wait());
+        for r in all_requests() {
+            assert_eq!(r.may_wait(), matches!(r, Request::Claim { wait_ms, .. } if wait_ms > 0));
+        }
     }
 
     #[test]

@@ -188,6 +188,65 @@ pub enum Request {
     CloseRestore {
         id: u64,
     },
+    /// Declare `tasks`, the consumers of `partition` that claim its rows
+    /// ([`Request::Claim`]); `samples`: the rows the partition is expected
+    /// to hold over all units (reported back by [`Request::ClaimStatus`]);
+    /// `group_size` above 1: rows sharing a group (their field named
+    /// [`GROUP_FIELD_PREFIX`] + the group's id) are claimed whole.
+    /// Idempotent; tasks add up. Answered `Done` (protocol 13).
+    RegisterTasks {
+        partition: String,
+        tasks: Vec<String>,
+        samples: u64,
+        group_size: u32,
+    },
+    /// Lease up to `want` rows of `partition` that have every one of
+    /// `fields` and that `task` has neither claimed nor leased, to this
+    /// connection: answered [`Response::Claimed`]. When none is ready
+    /// the answer waits up to `wait_ms` for one (0: answered at once, the
+    /// lease then empty) — the only request whose answer waits for other
+    /// clients, so never sent on a request ring. The lease is kept by
+    /// [`Request::Settle`] on the same connection; it gives its rows back
+    /// if the connection ends or the unit's claim lease passes first.
+    Claim {
+        partition: String,
+        task: String,
+        fields: Vec<String>,
+        want: u32,
+        wait_ms: u32,
+    },
+    /// Keep the rows `keep` of lease `lease` (they are claimed by its task
+    /// for good) and give its others back. Answered [`Response::Settled`]
+    /// with the rows kept: those still leased (not given back by a lease
+    /// that ran out, nor cleared).
+    Settle {
+        lease: u64,
+        keep: Vec<u64>,
+    },
+    /// How far `task` got through `partition` on this unit: answered
+    /// [`Response::ClaimStatus`].
+    ClaimStatus {
+        partition: String,
+        task: String,
+    },
+}
+
+/// The field a row's group id is written under, after this prefix
+/// ([`Request::RegisterTasks`]'s `group_size`).
+pub const GROUP_FIELD_PREFIX: &str = "\0g:";
+
+/// Reply to [`Request::ClaimStatus`]: a task's progress on one unit.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClaimProgress {
+    /// Whether the task is registered for the partition here.
+    pub registered: bool,
+    /// The rows the partition was registered with (over all units).
+    pub samples: u64,
+    pub group_size: u32,
+    /// Rows the task claimed for good (settled) on this unit.
+    pub consumed: u64,
+    /// Rows leased now, not settled yet.
+    pub leased: u64,
 }
 
 /// The smallest ring a client may ask for ([`Request::OpenRing`]).
@@ -389,4 +448,16 @@ pub enum Response {
     OnSocket,
     /// Reply to OpenRestore (boxed: a rare reply).
     Restore(Box<RestoreReply>),
+    /// Reply to Claim: the lease and its rows (none: nothing was ready
+    /// within the wait; the lease is then 0).
+    Claimed {
+        lease: u64,
+        rows: Vec<u64>,
+    },
+    /// Reply to Settle: the rows kept.
+    Settled {
+        rows: Vec<u64>,
+    },
+    /// Reply to ClaimStatus.
+    ClaimStatus(ClaimProgress),
 }

@@ -132,6 +132,31 @@ impl Request {
                 name("checkpoint path bytes", dir)
             }
             Request::Shutdown { .. } => Ok(()),
+            Request::RegisterTasks {
+                partition: p,
+                tasks,
+                ..
+            } => {
+                partition(p)?;
+                count("tasks", tasks.len())?;
+                tasks.iter().try_for_each(|t| name("task name bytes", t))
+            }
+            Request::Claim {
+                partition: p,
+                task,
+                fields,
+                ..
+            } => {
+                partition(p)?;
+                name("task name bytes", task)?;
+                count("fields", fields.len())?;
+                fields.iter().try_for_each(|f| name("field name bytes", f))
+            }
+            Request::Settle { keep, .. } => count("rows", keep.len()),
+            Request::ClaimStatus { partition: p, task } => {
+                partition(p)?;
+                name("task name bytes", task)
+            }
             Request::OpenRing { bytes } => {
                 if !(RING_MIN..=RING_MAX).contains(bytes) || bytes % 4096 != 0 {
                     return Err(WireError::Malformed(format!(
@@ -156,6 +181,13 @@ impl Request {
     /// [`Request::Put`]'s does; any other with a payload is invalid).
     pub fn carries_payload(&self) -> bool {
         matches!(self, Request::Put { .. })
+    }
+
+    /// Whether the answer may wait for other clients (a [`Request::Claim`]
+    /// with a wait): such a request never goes on a request ring, whose
+    /// replies come back in order.
+    pub fn may_wait(&self) -> bool {
+        matches!(self, Request::Claim { wait_ms, .. } if *wait_ms > 0)
     }
 
     /// Whether the unit answers this request once the connection is

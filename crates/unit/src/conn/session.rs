@@ -58,6 +58,8 @@ pub(crate) fn open(
         ring: None,
         via_ring: false,
         kicked: false,
+        waiting: None,
+        wait_started: false,
         entry: Vec::new(),
     })
 }
@@ -121,6 +123,8 @@ pub(crate) fn finish(mut c: Box<Conn>, ended: Ended) {
             let holds = core.conn_ended(owner, end, now);
             (holds, !core.has_session(owner.session))
         };
+        // Its waiting claim was dropped by the core: nothing is answered.
+        shared.conns.answers.forget(owner.conn);
         // A nixl connection's holds outlive it: fenced once its client's
         // agent has no connection left.
         shared.nixl_conn_ended(owner);

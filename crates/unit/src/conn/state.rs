@@ -67,6 +67,11 @@ pub(crate) struct Conn {
     pub(super) kicked: bool,
     /// A ring entry, copied out before it is decoded.
     pub(super) entry: Vec<u8>,
+    /// The id of its claim that waits for rows (answered through the
+    /// unit's `Answers`), and whether the worker has yet to leave a
+    /// mailbox for it.
+    pub(super) waiting: Option<u64>,
+    pub(super) wait_started: bool,
 }
 
 /// A request planned by a worker and carried out by the pool.

@@ -1,0 +1,381 @@
+//! Claims: consumers ("tasks") take the rows of a partition once each
+//! row has the fields they need, each row once per task, with no
+//! controller — every unit keeps the claims of its own rows.
+//!
+//! A claim asks every unit at once. A unit *leases* up to the rows asked
+//! for to the connection that asked (whole groups, when the partition has
+//! groups); the client keeps as many leases as fit in what it asked for
+//! and *settles* each lease on the connection that took it: the rows kept
+//! are the task's for good, the others go back. A lease whose connection
+//! ends (the client was killed) or that outlives the unit's claim lease
+//! (the client was stopped) gives its rows back, so a row is never lost
+//! to a task, and never claimed twice by it.
+//!
+//! When no unit has a row ready, a blocking claim waits on every unit at
+//! once, one thread each: a unit answers as soon as a put makes a row
+//! ready (no polling). The first answer with rows ends the wait; the
+//! connections still waiting are cut, which gives back whatever their
+//! units leased meanwhile.
+
+use std::collections::HashMap;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use stowage_wire::{ClaimProgress, Key, Request, Response};
+
+use crate::classify::{unexpected, unit_error};
+use crate::failure::Failure;
+use crate::fanout;
+use crate::pool::Lease;
+use crate::row_meta::KEY_FIELD;
+use crate::values::NAME_BIT;
+use crate::{Client, Error, Result, RowKey};
+
+/// How much sooner than the caller's deadline a unit ends a claim's wait,
+/// so that its answer (and the settle) still fit before it.
+const WAIT_MARGIN: Duration = Duration::from_millis(20);
+
+/// One unit's lease of a claim: its rows, and the connection to settle
+/// it on.
+struct Leased<'a> {
+    unit: usize,
+    conn: Lease<'a>,
+    lease: u64,
+    rows: Vec<u64>,
+}
+
+impl Client {
+    /// The unit a row named `name`, or the rows of the group `name`, live
+    /// on.
+    pub fn unit_of(&self, name: &str) -> usize {
+        let id = RowKey::Name(name.to_owned())
+            .row_id()
+            .expect("a string key always has an id");
+        self.unit_of_row(id)
+    }
+
+    /// Declare the consumer `tasks` of `partition` on every unit:
+    /// `samples` rows expected over all units, `group_size` above 1 for
+    /// rows claimed in whole groups ([`Client::put_grouped`]).
+    /// Idempotent; tasks add up; a different group size than registered
+    /// is an [`Error::InvalidRequest`].
+    pub fn register_tasks(
+        &self,
+        partition: &str,
+        tasks: &[String],
+        samples: u64,
+        group_size: u32,
+        deadline: Instant,
+    ) -> Result<()> {
+        if tasks.is_empty() {
+            return Err(Error::InvalidRequest("no task to register".into()));
+        }
+        let req = Request::RegisterTasks {
+            partition: partition.to_owned(),
+            tasks: tasks.to_vec(),
+            samples,
+            group_size,
+        };
+        let reqs = (0..self.units.len()).map(|u| (u, req.clone())).collect();
+        for (unit, r) in self.call_units(reqs, deadline) {
+            match r? {
+                Response::Done => {}
+                other => return Err(unexpected(unit, other)),
+            }
+        }
+        Ok(())
+    }
+
+    /// Claim for `task` up to `want` rows of `partition` that have every
+    /// one of `fields`, over all units: each row at most once per task,
+    /// across every client. Returns the rows' keys (none when nothing is
+    /// ready and `wait` is false). With `wait`, waits until a unit has a
+    /// row ready, and fails with [`Error::Timeout`] at `deadline`.
+    pub fn claim(
+        &self,
+        partition: &str,
+        task: &str,
+        fields: &[String],
+        want: u32,
+        wait: bool,
+        deadline: Instant,
+    ) -> Result<Vec<RowKey>> {
+        if want == 0 {
+            return Err(Error::InvalidRequest("a claim of 0 rows".into()));
+        }
+        let ask = |wait_ms: u32| Request::Claim {
+            partition: partition.to_owned(),
+            task: task.to_owned(),
+            fields: fields.to_vec(),
+            want,
+            wait_ms,
+        };
+        // Every unit at once, answered at once.
+        let mut conns = self.checkout_all(deadline)?;
+        let now = ask(0);
+        let answers = fanout::all_at_once(conns.iter_mut().map(|(_, c)| c.call(&now, deadline)));
+        let mut leased = Vec::new();
+        let mut first_err = None;
+        for ((unit, conn), answer) in conns.into_iter().zip(answers) {
+            match self.leased(unit, conn, answer, deadline) {
+                Ok(Some(l)) => leased.push(l),
+                Ok(None) => {}
+                Err(e) => {
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        if let Some(e) = first_err {
+            // Whatever was leased goes back when its settle keeps nothing.
+            self.settle(leased, 0, deadline)?;
+            return Err(e);
+        }
+        if leased.iter().all(|l| l.rows.is_empty()) && wait {
+            for l in leased {
+                self.checkin(l.unit, l.conn);
+            }
+            leased = self.wait_for_rows(&ask, deadline)?;
+        }
+        let rows = self.settle(leased, want as usize, deadline)?;
+        if rows.is_empty() && wait {
+            return Err(Error::Timeout {
+                unit: None,
+                what: format!("claim of {partition:?} for task {task:?}: no row was ready"),
+            });
+        }
+        self.row_keys(partition, rows, deadline)
+    }
+
+    /// `task`'s progress through `partition`, summed over the units.
+    pub fn claim_status(
+        &self,
+        partition: &str,
+        task: &str,
+        deadline: Instant,
+    ) -> Result<ClaimProgress> {
+        let req = Request::ClaimStatus {
+            partition: partition.to_owned(),
+            task: task.to_owned(),
+        };
+        let reqs = (0..self.units.len()).map(|u| (u, req.clone())).collect();
+        let mut sum = ClaimProgress::default();
+        for (unit, r) in self.call_units(reqs, deadline) {
+            match r? {
+                Response::ClaimStatus(p) => {
+                    sum.registered |= p.registered;
+                    sum.samples = sum.samples.max(p.samples);
+                    sum.group_size = sum.group_size.max(p.group_size);
+                    sum.consumed += p.consumed;
+                    sum.leased += p.leased;
+                }
+                other => return Err(unexpected(unit, other)),
+            }
+        }
+        Ok(sum)
+    }
+
+    /// A connection to every unit, checked out at once.
+    fn checkout_all(&self, deadline: Instant) -> Result<Vec<(usize, Lease<'_>)>> {
+        let got = fanout::all_at_once((0..self.units.len()).map(|u| self.checkout(u, deadline)));
+        let mut conns = Vec::with_capacity(got.len());
+        for (unit, c) in got.into_iter().enumerate() {
+            match c {
+                Ok(c) => conns.push((unit, c)),
+                Err(f) => {
+                    for (u, c) in conns {
+                        self.checkin(u, c);
+                    }
+                    return Err(self.failed_get(unit, f, &[], deadline));
+                }
+            }
+        }
+        Ok(conns)
+    }
+
+    /// A unit's answer to a claim: its lease (none if the unit has nothing
+    /// leased), or its error. A broken connection is dropped (closed),
+    /// which gives back anything it had leased.
+    fn leased<'a>(
+        &'a self,
+        unit: usize,
+        conn: Lease<'a>,
+        answer: std::result::Result<Response, Failure>,
+        deadline: Instant,
+    ) -> Result<Option<Leased<'a>>> {
+        match answer {
+            Ok(Response::Claimed { lease, rows }) => Ok(Some(Leased {
+                unit,
+                conn,
+                lease,
+                rows,
+            })),
+            Ok(Response::Error { code, message }) => {
+                self.checkin(unit, conn);
+                Err(unit_error(unit, code, message, vec![]))
+            }
+            Ok(other) => Err(unexpected(unit, other)),
+            Err(f) => {
+                drop(conn);
+                Err(self.failed_get(unit, f, &[], deadline))
+            }
+        }
+    }
+
+    /// Nothing was ready anywhere: wait on every unit at once, one thread
+    /// each, until one answers with rows; then cut the others.
+    fn wait_for_rows<'a>(
+        &'a self,
+        ask: &(dyn Fn(u32) -> Request + Sync),
+        deadline: Instant,
+    ) -> Result<Vec<Leased<'a>>> {
+        let wait = deadline
+            .saturating_duration_since(Instant::now())
+            .saturating_sub(WAIT_MARGIN);
+        if wait.is_zero() {
+            return Ok(Vec::new());
+        }
+        let req = ask(u32::try_from(wait.as_millis()).unwrap_or(u32::MAX).max(1));
+        let conns = self.checkout_all(deadline)?;
+        let cuts: Vec<_> = conns.iter().map(|(_, c)| c.interrupter()).collect();
+        let (tx, rx) = mpsc::channel();
+        std::thread::scope(|s| {
+            let req = &req;
+            for (i, (unit, mut conn)) in conns.into_iter().enumerate() {
+                let tx = tx.clone();
+                s.spawn(move || {
+                    let answer = fanout::all_at_once([conn.call(req, deadline)]).pop();
+                    let answer = answer.expect("one part, one answer");
+                    let _ = tx.send((i, unit, conn, answer));
+                });
+            }
+            drop(tx);
+            let mut leased = Vec::new();
+            let mut first_err = None;
+            let mut cut = false;
+            // Every thread sends once; the scope joins them.
+            for (i, unit, conn, answer) in rx.iter() {
+                let got_rows = matches!(&answer, Ok(Response::Claimed { rows, .. }) if !rows.is_empty());
+                if cut && !got_rows {
+                    // Cut by us: closed, nothing of it is kept.
+                    drop(conn);
+                    continue;
+                }
+                match self.leased(unit, conn, answer, deadline) {
+                    Ok(Some(l)) => leased.push(l),
+                    Ok(None) => {}
+                    Err(e) => {
+                        first_err.get_or_insert(e);
+                    }
+                }
+                if got_rows && !cut {
+                    cut = true;
+                    for (j, c) in cuts.iter().enumerate() {
+                        if j != i {
+                            if let Some(c) = c {
+                                let _ = c.shutdown();
+                            }
+                        }
+                    }
+                }
+            }
+            match first_err {
+                Some(e) if leased.iter().all(|l| l.rows.is_empty()) => {
+                    for l in leased {
+                        self.checkin(l.unit, l.conn);
+                    }
+                    Err(e)
+                }
+                _ => Ok(leased),
+            }
+        })
+    }
+
+    /// Settle every lease: keep whole leases while they fit in `want`
+    /// rows (a lease is whole groups: never split), give the rest back.
+    /// Returns the (unit, row) of the rows kept.
+    fn settle(
+        &self,
+        leased: Vec<Leased<'_>>,
+        want: usize,
+        deadline: Instant,
+    ) -> Result<Vec<(usize, u64)>> {
+        let mut room = want;
+        let mut plans = Vec::new();
+        for l in leased {
+            if l.lease == 0 {
+                self.checkin(l.unit, l.conn);
+                continue;
+            }
+            let keep = if l.rows.len() <= room {
+                room -= l.rows.len();
+                l.rows.clone()
+            } else {
+                Vec::new()
+            };
+            plans.push((l, keep));
+        }
+        let answers = fanout::all_at_once(plans.iter_mut().map(|(l, keep)| {
+            let req = Request::Settle {
+                lease: l.lease,
+                keep: std::mem::take(keep),
+            };
+            let conn = &mut l.conn;
+            async move { conn.call(&req, deadline).await }
+        }));
+        let mut kept = Vec::new();
+        let mut first_err = None;
+        for ((l, _), answer) in plans.into_iter().zip(answers) {
+            match answer {
+                Ok(Response::Settled { rows }) => {
+                    kept.extend(rows.into_iter().map(|r| (l.unit, r)));
+                    self.checkin(l.unit, l.conn);
+                }
+                Ok(Response::Error { code, message }) => {
+                    self.checkin(l.unit, l.conn);
+                    first_err.get_or_insert(unit_error(l.unit, code, message, vec![]));
+                }
+                Ok(other) => {
+                    first_err.get_or_insert(unexpected(l.unit, other));
+                }
+                Err(f) => {
+                    let unit = l.unit;
+                    drop(l.conn);
+                    first_err.get_or_insert(self.failed_get(unit, f, &[], deadline));
+                }
+            }
+        }
+        match first_err {
+            Some(e) if kept.is_empty() => Err(e),
+            _ => Ok(kept),
+        }
+    }
+
+    /// The keys of claimed rows: a string row's name read from its
+    /// [`KEY_FIELD`] (one read per unit).
+    fn row_keys(
+        &self,
+        partition: &str,
+        rows: Vec<(usize, u64)>,
+        deadline: Instant,
+    ) -> Result<Vec<RowKey>> {
+        let named: Vec<(usize, Key)> = rows
+            .iter()
+            .filter(|(_, r)| r & NAME_BIT != 0)
+            .map(|(u, r)| (*u, Key::new(*r, KEY_FIELD)))
+            .collect();
+        let mut names: HashMap<(usize, u64), String> = HashMap::new();
+        if !named.is_empty() {
+            let raw = self.get(partition, &named, deadline)?;
+            for ((u, k), v) in named.iter().zip(raw) {
+                names.insert((*u, k.row), String::from_utf8_lossy(&v).into_owned());
+            }
+        }
+        Ok(rows
+            .into_iter()
+            .map(|(u, r)| match names.remove(&(u, r)) {
+                Some(n) => RowKey::Name(n),
+                None => RowKey::Index(r),
+            })
+            .collect())
+    }
+}
