@@ -102,9 +102,9 @@ pub mod slab;
 mod unit;
 
 pub use unit::{
-    input, op, Action, Committed, ConnEnd, CoreConfig, Input, MoveJob, Op, Owner, Placed,
-    Placement, Request, Resolved, SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob,
-    Stats, UnitCore,
+    input, op, Action, ClaimAnswer, ClaimReply, ClaimStatusAnswer, Committed, ConnEnd, CoreConfig,
+    Input, Lease, MoveJob, Op, Owner, Placed, Placement, Request, Resolved, SessionStats, Snapshot,
+    SnapshotEntry, SpareCommitted, SpillJob, Stats, UnitCore,
 };
 
 use serde::{Deserialize, Serialize};
@@ -130,6 +130,12 @@ impl std::fmt::Display for BlobId {
 /// pseudo-random function ([`CoreConfig::id_key`]), never sequential.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct PinId(pub u64);
+
+/// A lease of rows claimed for a consumer task ([`op::Claim`]), settled
+/// with [`op::Settle`]. `LeaseId(0)` is never a lease: it names the empty
+/// answer of a claim that found nothing.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct LeaseId(pub u64);
 
 /// A session: a client's connections to one unit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]

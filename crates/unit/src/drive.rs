@@ -166,6 +166,7 @@ impl Shared {
                         self.driver.timer.wake();
                     }
                 }
+                Action::Claimed(_) => {}
             }
         }
         if let (false, Some(d)) = (spills.is_empty(), &self.disk) {

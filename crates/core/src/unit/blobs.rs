@@ -538,6 +538,7 @@ impl UnitCore {
             self.drop_entry_ref(old);
         }
         self.earn_compaction(stored);
+        self.claims_published(partition, entries);
         if live == 0 {
             // Nothing of it was published (no entries, or each replaced by
             // a later one of the same blob): it goes now.

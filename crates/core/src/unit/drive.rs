@@ -26,6 +26,11 @@ pub enum Action {
     /// open: watch its process, and report [`input::ProcessExited`] once it
     /// has certainly exited. Asked again each time the session is left so.
     CheckProcess(SessionId),
+    /// A claim that waited ([`op::Claim`] answered
+    /// [`ClaimAnswer::Waiting`]) is answered: send `lease` to `owner`'s
+    /// connection as the answer of the claim tagged `tag` (an empty lease
+    /// when its `wait_until` came first).
+    Claimed(ClaimReply),
 }
 
 /// A request goes straight to the module that applies its op (see
@@ -77,13 +82,18 @@ impl UnitCore {
     }
 
     /// The next instant the core needs [`input::Timeout`] (a quarantine or
-    /// a fenced hold's nixl quarantine ends), or none. Nothing else is ever
-    /// reclaimed by time. With no timer at all it calls into no other
-    /// module.
+    /// a fenced hold's nixl quarantine ends, a claim's lease expires or a
+    /// waiting claim's `wait_until` comes), or none. No hold is ever
+    /// reclaimed by time otherwise. With no timer at all it calls into no
+    /// other module.
     pub fn poll_timeout(&self) -> Option<Time> {
+        let claims = self.claims.next_deadline();
         if self.quarantined.ranges.is_empty() && self.holds.fenced.is_empty() {
-            return None;
+            return claims;
         }
-        self.next_expiry()
+        match (self.next_expiry(), claims) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
     }
 }

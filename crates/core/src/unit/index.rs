@@ -63,6 +63,7 @@ impl UnitCore {
     /// rows API keeps a string row's name there): they are removed with
     /// their row but not counted.
     pub(super) fn clear_rows(&mut self, partition: &str, rows: &[u64]) -> u64 {
+        self.claims_cleared(partition, rows);
         let Some(index) = self.index.parts.get_mut(partition) else {
             return 0;
         };
@@ -88,8 +89,10 @@ impl UnitCore {
         n
     }
 
-    /// Remove every entry of `partition`; returns how many.
+    /// Remove every entry of `partition`, and its claims state (see
+    /// `claims.rs`); returns how many.
     pub(super) fn clear_partition(&mut self, partition: &str) -> u64 {
+        self.claims_drop_partition(partition);
         let rows: Vec<u64> = self
             .index
             .parts

@@ -187,6 +187,8 @@ input! {
 input! {
     /// The time [`UnitCore::poll_timeout`] named has come (or passed):
     /// quarantines that ended release their ranges, fenced holds whose
-    /// quarantine ended are released. Answers the holds released.
+    /// quarantine ended are released; waiting claims whose `wait_until`
+    /// came are answered empty and expired claim leases give their rows
+    /// back ([`op::Claim`]). Answers the holds released.
     Timeout => u64, |_, core, now| Ok(core.expire(now))
 }

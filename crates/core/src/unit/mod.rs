@@ -10,6 +10,8 @@
 //! * [`pins`]: resolving keys, pins and snapshots;
 //! * [`tier`]: the disk tier (spills, disk reservations, promotions);
 //! * [`release`]: when a slab range is given back — the one place it is;
+//! * [`claims`]: consumer tasks claiming ready rows, leases, waiting
+//!   claims;
 //! * [`stats`] — counters;
 //! * [`drive`]: the one entry point ([`UnitCore::handle`]) and the polled
 //!   outputs ([`UnitCore::poll_action`], [`UnitCore::poll_timeout`]).
@@ -20,6 +22,7 @@ use std::time::Duration;
 use crate::slab::{Region, SlabAllocator};
 
 mod blobs;
+mod claims;
 mod compact;
 mod drive;
 mod in_flight;
@@ -39,12 +42,14 @@ mod tier;
 
 #[cfg(test)]
 use crate::SlabRange;
-use crate::{Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, PinId, SessionId, Time};
+use crate::{
+    Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, LeaseId, PinId, SessionId, Time,
+};
 pub use compact::MoveJob;
 pub use drive::Action;
 use in_flight::{InFlight, Orphan};
 pub use input::{Input, Op, Request};
-pub use op::{Resolved, SpareCommitted};
+pub use op::{ClaimAnswer, ClaimReply, ClaimStatusAnswer, Lease, Resolved, SpareCommitted};
 pub use placement::{Placed, Placement};
 use release::Release;
 pub use stats::{SessionStats, Stats};
@@ -110,6 +115,9 @@ pub struct CoreConfig {
     /// the slab, and spends it on moves). 0 turns compaction off.
     /// Default 0.25.
     pub compact_ratio: f64,
+    /// A claim's lease ([`op::Claim`]) not settled within this gives its
+    /// rows back. Default 30 s.
+    pub claim_lease: Duration,
 }
 
 impl CoreConfig {
@@ -132,6 +140,7 @@ impl CoreConfig {
             compact_min_free: (capacity / 64).max(64 << 10),
             compact_max_move: 64 << 20,
             compact_ratio: 0.25,
+            claim_lease: Duration::from_secs(30),
         }
     }
 }
@@ -368,6 +377,8 @@ pub struct UnitCore {
     actions: VecDeque<Action>,
     /// Compaction's state.
     compactor: compact::Compactor,
+    /// Consumer tasks, their leases and waiting claims.
+    claims: claims::Claims,
     /// The time of the latest input.
     last_input: Time,
 }
@@ -411,6 +422,7 @@ impl UnitCore {
             commit_seq: 0,
             actions: VecDeque::new(),
             compactor: compact::Compactor::default(),
+            claims: claims::Claims::default(),
             last_input: Time::ZERO,
         })
     }

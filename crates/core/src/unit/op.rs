@@ -127,3 +127,96 @@ pub enum SpareCommitted {
     /// Published; the next spare's offset (none for want of room).
     Committed { spare: Option<u64> },
 }
+
+/// Declare the consumer tasks of `partition` (applied in `claims.rs`).
+/// Idempotent: registering again adds tasks. `samples` is the expected
+/// total of rows over all units, stored and reported back by
+/// [`ClaimStatus`] (0: not given; a non-zero value replaces the stored
+/// one). `group_size` 0 or 1: no groups; a non-zero size other than the
+/// registered one is [`CoreError::Invalid`]. Task names are non-empty, at
+/// most [`MAX_TASKS`](super::claims::MAX_TASKS) per partition.
+#[derive(Clone, Debug)]
+pub struct RegisterTasks {
+    pub partition: String,
+    pub tasks: Vec<String>,
+    pub samples: u64,
+    pub group_size: u32,
+}
+
+/// Lease up to `want` rows of `partition` that are ready for `task` (an
+/// entry for every name of `fields`) and neither consumed by nor leased
+/// under it, oldest first (by the arrival of the row's first entry).
+/// With groups (`group_size` g > 1) only whole groups of g rows are taken.
+/// When none is ready and `wait_until` lies ahead, the claim waits
+/// ([`ClaimAnswer::Waiting`]) and is answered later through
+/// [`Action::Claimed`] with `tag`: once rows are ready (a lease), at
+/// `wait_until` (an empty lease), or never if its connection ends first.
+#[derive(Clone, Debug)]
+pub struct Claim {
+    pub partition: String,
+    pub task: String,
+    pub fields: Vec<String>,
+    pub want: u32,
+    pub wait_until: Option<Time>,
+    pub tag: u64,
+}
+
+/// Settle a lease: the rows of `keep` still leased under it are consumed
+/// by its task for good (the answer); its other rows are given back.
+/// An unknown or expired lease answers nothing; another connection's
+/// lease is [`CoreError::NotOwner`].
+#[derive(Clone, Debug)]
+pub struct Settle {
+    pub lease: LeaseId,
+    pub keep: Vec<u64>,
+}
+
+/// Where `task` of `partition` stands on this unit.
+#[derive(Clone, Debug)]
+pub struct ClaimStatus {
+    pub partition: String,
+    pub task: String,
+}
+
+/// Rows leased to a connection: `rows` in claim order (oldest first; a
+/// group's rows ascending, together). An empty lease has id `LeaseId(0)`
+/// and is recorded nowhere.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Lease {
+    pub id: LeaseId,
+    pub rows: Vec<u64>,
+}
+
+/// The answer to [`Claim`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ClaimAnswer {
+    /// Rows leased now (empty when none was ready and the claim does not wait).
+    Leased(Lease),
+    /// Nothing ready: the claim waits, answered by an [`Action::Claimed`].
+    Waiting,
+}
+
+/// The later answer to a claim that waited, for the driver to send to
+/// `owner`'s connection: `tag` is the claim's.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClaimReply {
+    pub owner: Owner,
+    pub tag: u64,
+    pub lease: Lease,
+}
+
+/// The answer to [`ClaimStatus`].
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct ClaimStatusAnswer {
+    /// The task is registered for the partition.
+    pub registered: bool,
+    pub samples: u64,
+    pub group_size: u32,
+    /// Rows settled (kept) for the task on this unit since the partition
+    /// was registered; clearing a consumed row does not lower it.
+    pub consumed: u64,
+    /// Rows leased under the task now.
+    pub leased: u64,
+    /// Rows of the partition on this unit.
+    pub rows: u64,
+}

@@ -140,8 +140,10 @@ impl UnitCore {
 
     /// Release quarantined ranges whose quarantine ended by `now`, and
     /// the holds of fenced one-sided peers whose quarantine ended
-    /// ([`input::Fenced`]). Nothing else is ever reclaimed by time.
-    /// Returns the holds released.
+    /// ([`input::Fenced`]); answer waiting claims whose `wait_until` came
+    /// and give back the rows of expired claim leases (`claims.rs`; not
+    /// holds). Nothing else is ever reclaimed by time. Returns the holds
+    /// released.
     pub(super) fn expire(&mut self, now: Time) -> u64 {
         while let Some(entry) = self.quarantined.ranges.first_entry() {
             if entry.key().0 > now {
@@ -150,6 +152,7 @@ impl UnitCore {
             let r = entry.remove();
             self.release(r, Release::QuarantineEnded);
         }
+        self.claims_expire(now);
         let mut released = 0;
         while let Some((&(at, seq), &(session, hold))) = self.holds.fenced.first_key_value() {
             if at > now {

@@ -152,6 +152,7 @@ impl UnitCore {
         if owner == Owner::UNIT {
             return 0;
         }
+        self.claims_conn_ended(owner, now);
         let Some(s) = self.holds.sessions.get_mut(&owner.session) else {
             return 0;
         };

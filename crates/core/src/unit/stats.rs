@@ -53,6 +53,11 @@ pub struct Stats {
     pub compaction_bytes: u64,
     /// Blobs stored in more than one piece.
     pub split_blobs: u64,
+    /// Claims answered with rows ([`op::Claim`], at once or after
+    /// waiting), claims that waited, and leases that expired unsettled.
+    pub claims: u64,
+    pub claim_waits: u64,
+    pub leases_expired: u64,
 }
 
 /// What one session holds (carried as is in the wire's stats message).
@@ -189,6 +194,9 @@ impl UnitCore {
             compaction_moves: self.compactor.moves,
             compaction_bytes: self.compactor.bytes,
             split_blobs,
+            claims: self.claims.claims,
+            claim_waits: self.claims.claim_waits,
+            leases_expired: self.claims.leases_expired,
             reserved_bytes: self.reserved_bytes,
             quarantined_bytes: self.quarantined.bytes,
             blobs: self.blobs.len() as u64 - spares,
