@@ -353,6 +353,7 @@ class DataPlane:
         unit: Optional[int] = None,
         *,
         timeout: Optional[float] = None,
+        groups: Optional[Sequence[str]] = None,
     ) -> None:
         """Write ``columns`` (field -> column) for ``keys`` in ``partition``.
 
@@ -362,6 +363,10 @@ class DataPlane:
         C-contiguous. Writing an existing (key, field) replaces it
         atomically; a put may add fields to existing rows. ``unit``: place
         every row on that unit (then name it again to read or clear them).
+        ``groups``: one group id per key; rows sharing one are claimed
+        whole (:meth:`register_tasks`) and live on the group's unit
+        (:meth:`unit_of`) unless ``unit`` is given: read and clear them
+        with ``unit=unit_of(group)``.
 
         Raises InvalidRequest for bad input (nothing is stored then),
         UnitFull, TransferFailed, LostKeys, Timeout.
@@ -373,7 +378,9 @@ class DataPlane:
         cols = []
         for name, col in columns.items():
             cols.append((name, _column(name, col)))
-        self._client.put(partition, keys, cols, unit, timeout)
+        self._client.put(
+            partition, keys, cols, unit, timeout, None if groups is None else list(groups)
+        )
 
     def get(
         self,
@@ -461,6 +468,61 @@ class DataPlane:
     def clear_partition(self, partition: str, *, timeout: Optional[float] = None) -> int:
         """Clear every row of ``partition``; returns the number of values removed."""
         return self._client.clear_partition(partition, timeout)
+
+    # -- claims --------------------------------------------------------------
+
+    def unit_of(self, name: str) -> int:
+        """The unit the row named ``name``, or the rows of group ``name``, live on."""
+        return self._client.unit_of(name)
+
+    def register_tasks(
+        self,
+        partition: str,
+        tasks: Sequence[str],
+        samples: int,
+        group_size: Optional[int] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """Declare the consumer ``tasks`` of ``partition`` on every unit.
+
+        ``samples``: the rows the partition is expected to hold in all
+        (:meth:`claim_status` reports it back); ``group_size``: rows put
+        with ``groups`` are claimed in whole groups of this size.
+        Idempotent; tasks add up; another group size than the registered
+        one raises InvalidRequest.
+        """
+        self._client.register_tasks(partition, list(tasks), samples, group_size, timeout)
+
+    def claim(
+        self,
+        partition: str,
+        task: str,
+        fields: Union[str, Iterable[str]],
+        count: int,
+        *,
+        block: bool = True,
+        timeout: Optional[float] = None,
+    ) -> List[RowKey]:
+        """Claim for ``task`` up to ``count`` rows of ``partition`` that have
+        every one of ``fields``; returns their keys.
+
+        Each row is claimed at most once per task, by any client; the
+        units keep the claims (no controller). With ``block``, waits until
+        a unit has a row ready (the unit answers as soon as a put makes
+        one ready) and raises Timeout at ``timeout``; without, returns
+        ``[]`` when none is. Rows of a group come whole. An unregistered
+        task raises InvalidRequest.
+        """
+        return self._client.claim(partition, task, _fields(fields), count, block, timeout)
+
+    def claim_status(
+        self, partition: str, task: str, *, timeout: Optional[float] = None
+    ) -> Dict[str, int]:
+        """``task``'s progress through ``partition``, summed over the units:
+        ``registered`` (0 or 1), ``samples``, ``group_size``, ``consumed``
+        (rows claimed for good) and ``leased`` (being claimed now)."""
+        return self._client.claim_status(partition, task, timeout)
 
     def list(self, partition: str, *, timeout: Optional[float] = None) -> Dict[RowKey, List[str]]:
         """The rows of ``partition``: key -> its field names."""

@@ -167,7 +167,29 @@ class Client:
         columns: Sequence[Tuple[str, _ColumnArg]],
         unit: Optional[int] = None,
         timeout: Optional[float] = None,
+        groups: Optional[List[str]] = None,
     ) -> None: ...
+    def unit_of(self, name: str) -> int: ...
+    def register_tasks(
+        self,
+        partition: str,
+        tasks: List[str],
+        samples: int,
+        group_size: Optional[int] = None,
+        timeout: Optional[float] = None,
+    ) -> None: ...
+    def claim(
+        self,
+        partition: str,
+        task: str,
+        fields: List[str],
+        count: int,
+        block: bool = True,
+        timeout: Optional[float] = None,
+    ) -> List[_RowKey]: ...
+    def claim_status(
+        self, partition: str, task: str, timeout: Optional[float] = None
+    ) -> Dict[str, int]: ...
     def get(
         self,
         partition: str,

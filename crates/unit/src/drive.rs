@@ -166,7 +166,10 @@ impl Shared {
                         self.driver.timer.wake();
                     }
                 }
-                Action::Claimed(_) => {}
+                Action::Claimed(reply) => self
+                    .conns
+                    .answers
+                    .answer(reply.owner.conn, crate::handler::claimed(reply.lease)),
             }
         }
         if let (false, Some(d)) = (spills.is_empty(), &self.disk) {

@@ -19,8 +19,10 @@ use stowage_core::{
 };
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
+mod claims;
 mod reply;
 
+pub use claims::claimed;
 pub use reply::{committed_reply, disk_put_failed};
 pub(crate) use reply::{data_reply, resolved_reply};
 
@@ -434,6 +436,10 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         // by the connection; a kick wakes the unit's polling of it.
         Request::OpenRing { bytes } => Plan::OpenRing { bytes },
         Request::RingKick => Plan::RingKick,
+        req @ (Request::RegisterTasks { .. }
+        | Request::Claim { .. }
+        | Request::Settle { .. }
+        | Request::ClaimStatus { .. }) => claims::plan(&mut core(), owner, namespace, req, now),
         other @ (Request::Hello { .. } | Request::Auth { .. } | Request::Prove { .. }) => {
             Plan::Refuse(format!("unexpected request {other:?}"))
         }
@@ -672,10 +678,13 @@ pub fn error_response(e: &CoreError) -> Response {
         CoreError::Invalid(_) => ErrorCode::InvalidRequest,
         CoreError::NotOwner(_) => ErrorCode::NotOwner,
     };
-    Response::Error {
-        code,
-        message: e.to_string(),
-    }
+    // The code says what kind of error it is; the client's error says
+    // it again.
+    let message = match e {
+        CoreError::Invalid(m) => m.clone(),
+        e => e.to_string(),
+    };
+    Response::Error { code, message }
 }
 
 /// The core partition of a request's `partition` in a connection's

@@ -28,9 +28,12 @@ pub(crate) enum Op {
     Checkpoint,
     Shutdown,
     Auth,
+    Claim,
+    Settle,
+    ClaimControl,
 }
 
-pub(super) const OPS: usize = 16;
+pub(super) const OPS: usize = 19;
 /// The `op` label values. The clear requests keep the labels of the names
 /// they had before (`release_rows`, `drop_partition`), so that dashboards
 /// and alerts over them keep working.
@@ -51,6 +54,9 @@ pub(super) const OP_NAMES: [&str; OPS] = [
     "checkpoint",
     "shutdown",
     "auth",
+    "claim",
+    "settle",
+    "claim_control",
 ];
 
 impl Op {
@@ -78,6 +84,11 @@ impl Op {
             | Request::OpenRestore { .. }
             | Request::CloseRestore { .. } => Op::Checkpoint,
             Request::Shutdown { .. } => Op::Shutdown,
+            // A claim is timed until it is planned: a wait for rows is not
+            // the unit's time.
+            Request::Claim { .. } => Op::Claim,
+            Request::Settle { .. } => Op::Settle,
+            Request::RegisterTasks { .. } | Request::ClaimStatus { .. } => Op::ClaimControl,
             Request::Auth { .. } | Request::Prove { .. } => Op::Auth,
         }
     }
