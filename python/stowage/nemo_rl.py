@@ -52,15 +52,11 @@ from ._nemo_rl_codec import (
 __all__ = ["KVBatchMeta", "StowageDataPlaneClient", "group_of"]
 
 try:  # NeMo-RL's own boundary types, when it is installed.
-    from nemo_rl.data_plane.interfaces import (  # type: ignore[import-not-found]
-        DataPlaneClient as _Base,
-    )
-    from nemo_rl.data_plane.interfaces import (  # type: ignore[import-not-found]
-        KVBatchMeta as _NemoKVBatchMeta,
-    )
+    import nemo_rl.data_plane.interfaces as _nemo  # type: ignore[import-not-found]
 except ImportError:
-    _Base = None
-    _NemoKVBatchMeta = None
+    _nemo = None
+_Base: Any = _nemo.DataPlaneClient if _nemo is not None else None
+_NemoKVBatchMeta: Any = _nemo.KVBatchMeta if _nemo is not None else None
 
 
 @dataclass
@@ -162,21 +158,28 @@ _BaseClass: Any = _Base if _Base is not None else object
 
 # -- the client's claim methods ----------------------------------------------
 # Every call of Client.register_tasks, claim, claim_status, unit_of and of
-# put's groups= keyword is in this block.
+# put's groups= keyword is in this block (client: the extension's Client,
+# typed Any here so that these calls check the same before and after its
+# stubs have the methods).
 
 
-def _unit_of(client: _native.Client, group: str) -> int:
-    return int(client.unit_of(group))  # type: ignore[attr-defined]
+def _unit_of(client: Any, group: str) -> int:
+    return int(client.unit_of(group))
 
 
 def _register_tasks(
-    client: _native.Client, partition: str, tasks: List[str], samples: int, group_size: Optional[int]
+    client: Any,
+    partition: str,
+    tasks: List[str],
+    samples: int,
+    group_size: Optional[int],
+    timeout: Optional[float],
 ) -> None:
-    client.register_tasks(partition, tasks, samples, group_size)  # type: ignore[attr-defined]
+    client.register_tasks(partition, tasks, samples, group_size=group_size, timeout=timeout)
 
 
 def _claim(
-    client: _native.Client,
+    client: Any,
     partition: str,
     task: str,
     fields: List[str],
@@ -184,24 +187,25 @@ def _claim(
     block: bool,
     timeout: Optional[float],
 ) -> List[Union[str, int]]:
-    return list(
-        client.claim(partition, task, fields, count, block=block, timeout=timeout)  # type: ignore[attr-defined]
-    )
+    return list(client.claim(partition, task, fields, count, block=block, timeout=timeout))
 
 
-def _claim_status(client: _native.Client, partition: str, task: str) -> Dict[str, int]:
-    return dict(client.claim_status(partition, task))  # type: ignore[attr-defined]
+def _claim_status(
+    client: Any, partition: str, task: str, timeout: Optional[float]
+) -> Dict[str, int]:
+    return dict(client.claim_status(partition, task, timeout=timeout))
 
 
 def _put_rows(
-    client: _native.Client,
+    client: Any,
     partition: str,
     keys: List[str],
     columns: List[Tuple[str, Any]],
     unit: int,
     groups: List[str],
+    timeout: Optional[float],
 ) -> None:
-    client.put(partition, keys, columns, unit=unit, groups=groups)  # type: ignore[call-arg]
+    client.put(partition, keys, columns, unit=unit, timeout=timeout, groups=groups)
 
 
 # ------------------------------------------------------------------------------
@@ -227,7 +231,7 @@ def _not_found(e: stowage.NotFound, partition: str) -> KeyError:
     )
 
 
-class StowageDataPlaneClient(_BaseClass):  # type: ignore[misc]
+class StowageDataPlaneClient(_BaseClass):
     """NeMo-RL's ``DataPlaneClient`` on stowage units.
 
     ``client``: a :class:`stowage.DataPlane` (from :func:`stowage.connect`
@@ -311,7 +315,12 @@ class StowageDataPlaneClient(_BaseClass):  # type: ignore[misc]
         g = int(grpo_group_size) if grpo_group_size is not None else None
         try:
             _register_tasks(
-                self._client, partition_id, [str(t) for t in consumer_tasks], int(num_samples), g
+                self._client,
+                partition_id,
+                [str(t) for t in consumer_tasks],
+                int(num_samples),
+                g,
+                self._timeout,
             )
         except stowage.InvalidRequest as e:
             raise ValueError(f"register_partition({partition_id!r}): {e}") from e
@@ -352,7 +361,7 @@ class StowageDataPlaneClient(_BaseClass):  # type: ignore[misc]
                 f"after {timeout_s} s"
             ) from e
         except stowage.InvalidRequest as e:
-            status = _claim_status(self._client, partition_id, task_name)
+            status = _claim_status(self._client, partition_id, task_name, self._timeout)
             if not status.get("registered"):
                 raise KeyError(
                     f"task {task_name!r} is not registered on partition {partition_id!r} "
@@ -389,7 +398,7 @@ class StowageDataPlaneClient(_BaseClass):  # type: ignore[misc]
         for it (summed over the units; false for an unregistered task)."""
         self._check_open()
         for t in task_names:
-            s = _claim_status(self._client, partition_id, t)
+            s = _claim_status(self._client, partition_id, t, self._timeout)
             if not s.get("registered") or s.get("consumed", 0) < s.get("samples", 0):
                 return False
         return True
@@ -429,6 +438,7 @@ class StowageDataPlaneClient(_BaseClass):  # type: ignore[misc]
                     part,
                     unit,
                     [group_of(k) for k in keys],
+                    self._timeout,
                 )
         produced = self._produced.setdefault(partition_id, {})
         for s in ids:
@@ -546,4 +556,3 @@ class StowageDataPlaneClient(_BaseClass):  # type: ignore[misc]
             for i, v in zip(rows, values):
                 tags[i] = decode_tags(v)
         return tags
-

@@ -11,13 +11,15 @@ import itertools
 
 import pytest
 
-pytest.importorskip("torch", reason="stowage.nemo_rl needs torch: pip install 'stowage-rl[nemo-rl]'")
+pytest.importorskip(
+    "torch", reason="stowage.nemo_rl needs torch: pip install 'stowage-rl[nemo-rl]'"
+)
 pytest.importorskip(
     "tensordict", reason="stowage.nemo_rl needs tensordict: pip install 'stowage-rl[nemo-rl]'"
 )
 
-import stowage  # noqa: E402
-from stowage.nemo_rl import StowageDataPlaneClient  # noqa: E402
+import stowage
+from stowage.nemo_rl import StowageDataPlaneClient
 
 _counter = itertools.count()
 

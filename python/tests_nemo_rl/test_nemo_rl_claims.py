@@ -175,7 +175,9 @@ def test_register_partition_is_idempotent(dp, part):
 
 def test_groups_are_claimed_whole(dp, part):
     g = 4
-    dp.register_partition(part, ["x"], num_samples=3 * g, consumer_tasks=["train"], grpo_group_size=g)
+    dp.register_partition(
+        part, ["x"], num_samples=3 * g, consumer_tasks=["train"], grpo_group_size=g
+    )
     full = [f"{u}_g{i}" for u in ("p0", "p1") for i in range(g)]
     partial = [f"p2_g{i}" for i in range(g - 1)]
     _put(dp, part, full + partial)
@@ -192,7 +194,7 @@ def test_groups_are_claimed_whole(dp, part):
     # The last member completes p2: claimable now, as a whole group.
     _put(dp, part, [f"p2_g{g - 1}"])
     m = dp.claim_meta(part, "train", ["x"], batch_size=g, timeout_s=WAIT_S)
-    assert sorted(m.sample_ids) == sorted(partial + [f"p2_g{g - 1}"])
+    assert sorted(m.sample_ids) == sorted([*partial, f"p2_g{g - 1}"])
     assert dp.check_consumption_status(part, ["train"])
 
 

@@ -207,7 +207,7 @@ def test_unsupported_dtype_is_refused_naming_the_field(dp, part):
     td = TensorDict(
         {"x": torch.zeros(2), "z": torch.zeros(2, 3, dtype=torch.complex64)}, batch_size=[2]
     )
-    with pytest.raises(TypeError, match="'z'.*complex64"):
+    with pytest.raises(TypeError, match=r"'z'.*complex64"):
         dp.put_samples(_ids(2), part, td)
     assert dp.list_sample_ids(part) == []
 
