@@ -520,6 +520,22 @@ class StowageDataPlaneClient(_BaseClass):
         if not produced:
             self._produced.pop(partition_id, None)
 
+    # -- checkpoints (NeMo-RL's later interface) ------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint_dir: Any, *, metadata: Optional[Dict[str, Any]] = None
+    ) -> None:
+        """Not implemented: raises NotImplementedError. (Defined so that the
+        class can be made under the NeMo-RL versions whose interface declares it.)"""
+        raise NotImplementedError(
+            "StowageDataPlaneClient.save_checkpoint is not implemented (stowage's own "
+            "DataPlane.checkpoint saves the units' data, not the claims)"
+        )
+
+    def load_checkpoint(self, checkpoint_dir: Any) -> Dict[str, Any]:
+        """Not implemented: raises NotImplementedError (see save_checkpoint)."""
+        raise NotImplementedError("StowageDataPlaneClient.load_checkpoint is not implemented")
+
     # -- (C) lifecycle ------------------------------------------------------------
 
     def close(self) -> None:

@@ -13,7 +13,8 @@ import pytest
 import stowage.nemo_rl as nr
 
 # A stand-in for nemo_rl.data_plane.interfaces: an ABC with the boundary's
-# methods (list_sample_ids included, as NeMo-RL's later versions have it)
+# methods (list_sample_ids, save_checkpoint and load_checkpoint included, as
+# NeMo-RL's later versions have them)
 # and a KVBatchMeta class of its own.
 _FAKE_INTERFACES = """
 from abc import ABC, abstractmethod
@@ -37,7 +38,8 @@ class DataPlaneClient(ABC):
     pass
 
 for _name in ["register_partition", "claim_meta", "get_data", "check_consumption_status",
-              "put_samples", "get_samples", "list_sample_ids", "clear_samples", "close"]:
+              "put_samples", "get_samples", "list_sample_ids", "clear_samples",
+              "save_checkpoint", "load_checkpoint", "close"]:
     setattr(DataPlaneClient, _name, abstractmethod(lambda self, *a, **k: None))
 DataPlaneClient.__abstractmethods__ = frozenset(
     n for n in dir(DataPlaneClient) if getattr(getattr(DataPlaneClient, n), "__isabstractmethod__", False)
@@ -53,6 +55,13 @@ with stowage.local(units=1, memory="16MiB") as plane:
     c = nr.StowageDataPlaneClient(plane)   # TypeError if an abstract method is missing
     m = c.put_samples([], "p")
     assert type(m) is KVBatchMeta, type(m)
+    for call in (lambda: c.save_checkpoint("/nowhere"), lambda: c.load_checkpoint("/nowhere")):
+        try:
+            call()
+        except NotImplementedError:
+            pass
+        else:
+            raise AssertionError("checkpoints are not implemented, yet a call returned")
     c.close()
 print("ok")
 """
