@@ -248,7 +248,7 @@ class StowageDataPlaneClient(_BaseClass):
         self._client = _native_client(client)
         self._owns = owns_client
         self._timeout = timeout
-        # Per partition: the sample ids this process put, in order (the
+        # Per partition: the sample ids this client put, in order (the
         # clear_samples(None, ...) form clears them).
         self._produced: Dict[str, Dict[str, None]] = {}
         self._closed = False
@@ -496,16 +496,17 @@ class StowageDataPlaneClient(_BaseClass):
         return sorted(str(k) for k in self._client.list(partition_id, self._timeout))
 
     def clear_samples(self, sample_ids: Optional[List[str]], partition_id: str) -> None:
-        """Clear whole rows. ``None``: the samples this process put in
-        ``partition_id`` (warns when it put none there: pass the ids)."""
+        """Clear whole rows. ``None``: the samples this client put in
+        ``partition_id`` and has not cleared (warns when there are none:
+        pass the ids)."""
         self._check_open()
         produced = self._produced.get(partition_id, {})
         if sample_ids is None:
             ids = list(produced)
             if not ids:
                 warnings.warn(
-                    f"clear_samples(None, {partition_id!r}): this process put no samples in "
-                    "that partition, so nothing was cleared; pass the sample ids "
+                    f"clear_samples(None, {partition_id!r}): this client put no samples in "
+                    "that partition (or cleared them), so nothing was cleared; pass the sample ids "
                     "(KVBatchMeta.sample_ids) to clear what others put",
                     RuntimeWarning,
                     stacklevel=2,
