@@ -540,7 +540,7 @@ class StowageDataPlaneClient(_BaseClass):
     # -- (C) lifecycle ------------------------------------------------------------
 
     def close(self) -> None:
-        """Forget this process's put registry, and close the connection when
+        """Forget this client's put registry, and close the connection when
         this client owns it. Idempotent."""
         if self._closed:
             return
