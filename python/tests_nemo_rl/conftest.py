@@ -2,8 +2,9 @@
 for the module (each test works in a partition of its own), and a
 StowageDataPlaneClient over it.
 
-Needs torch and tensordict (``pip install 'stowage-rl[nemo-rl]'``; the
-venv that ``scripts/test-tq`` builds has both)."""
+The tests need torch and tensordict (``pip install 'stowage-rl[nemo-rl]'``;
+the venv that ``scripts/test-tq`` builds has both); each module skips
+without them."""
 
 from __future__ import annotations
 
@@ -11,15 +12,7 @@ import itertools
 
 import pytest
 
-pytest.importorskip(
-    "torch", reason="stowage.nemo_rl needs torch: pip install 'stowage-rl[nemo-rl]'"
-)
-pytest.importorskip(
-    "tensordict", reason="stowage.nemo_rl needs tensordict: pip install 'stowage-rl[nemo-rl]'"
-)
-
 import stowage
-from stowage.nemo_rl import StowageDataPlaneClient
 
 _counter = itertools.count()
 
@@ -35,6 +28,8 @@ def plane():
 @pytest.fixture
 def dp(plane):
     """A client over the module's plane (it does not own the plane)."""
+    from stowage.nemo_rl import StowageDataPlaneClient
+
     client = StowageDataPlaneClient(plane)
     yield client
     client.close()

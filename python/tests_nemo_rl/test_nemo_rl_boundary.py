@@ -10,6 +10,13 @@ import sys
 
 import pytest
 
+pytest.importorskip(
+    "torch", reason="stowage.nemo_rl needs torch: pip install 'stowage-rl[nemo-rl]'"
+)
+pytest.importorskip(
+    "tensordict", reason="stowage.nemo_rl needs tensordict: pip install 'stowage-rl[nemo-rl]'"
+)
+
 import stowage.nemo_rl as nr
 
 # A stand-in for nemo_rl.data_plane.interfaces: an ABC with the boundary's
@@ -17,8 +24,8 @@ import stowage.nemo_rl as nr
 # NeMo-RL's later versions have them)
 # and a KVBatchMeta class of its own.
 _FAKE_INTERFACES = """
-from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from abc import ABC, abstractmethod  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
 
 @dataclass
 class KVBatchMeta:
@@ -47,8 +54,8 @@ DataPlaneClient.__abstractmethods__ = frozenset(
 """
 
 _CHECK = """
-import stowage, stowage.nemo_rl as nr
-from nemo_rl.data_plane.interfaces import DataPlaneClient, KVBatchMeta
+import stowage, stowage.nemo_rl as nr  # noqa: E402
+from nemo_rl.data_plane.interfaces import DataPlaneClient, KVBatchMeta  # noqa: E402
 assert issubclass(nr.StowageDataPlaneClient, DataPlaneClient)
 assert nr.KVBatchMeta is KVBatchMeta
 with stowage.local(units=1, memory="16MiB") as plane:

@@ -9,6 +9,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+
+pytest.importorskip(
+    "torch", reason="stowage.nemo_rl needs torch: pip install 'stowage-rl[nemo-rl]'"
+)
+pytest.importorskip(
+    "tensordict", reason="stowage.nemo_rl needs tensordict: pip install 'stowage-rl[nemo-rl]'"
+)
 import torch
 from tensordict import TensorDict
 

@@ -16,6 +16,13 @@ import warnings
 
 import numpy as np
 import pytest
+
+pytest.importorskip(
+    "torch", reason="stowage.nemo_rl needs torch: pip install 'stowage-rl[nemo-rl]'"
+)
+pytest.importorskip(
+    "tensordict", reason="stowage.nemo_rl needs tensordict: pip install 'stowage-rl[nemo-rl]'"
+)
 import torch
 from tensordict import NonTensorData, NonTensorStack, TensorDict
 
