@@ -379,6 +379,7 @@ impl Drive for UnitCore {
                 Action::Spill(j) => spills.push(j),
                 Action::CheckProcess(s) => watch.push(s),
                 Action::Move(m) => moves.push(m),
+                Action::Claimed(r) => panic!("no claim was made, yet one was answered: {r:?}"),
             }
         }
         (deletes, spills, watch, moves)

@@ -51,6 +51,8 @@ use super::*;
 /// Most tasks one partition may register.
 pub(super) const MAX_TASKS: usize = 64;
 
+type Set<T> = HashSet<T, foldhash::fast::RandomState>;
+
 /// The prefix of the field that names a row's group.
 const GROUP_PREFIX: &str = "\0g:";
 
@@ -89,8 +91,8 @@ pub(super) struct Claims {
 
 #[derive(Default)]
 struct ByOwner {
-    leases: HashSet<LeaseId>,
-    waits: HashSet<u64>,
+    leases: Set<LeaseId>,
+    waits: Set<u64>,
 }
 
 /// A registered partition.
@@ -109,7 +111,7 @@ struct Part {
     groups: Map<String, u64>,
     /// Waiting claims, oldest first.
     waiting: BTreeSet<u64>,
-    leases: HashSet<LeaseId>,
+    leases: Set<LeaseId>,
 }
 
 struct RowInfo {
@@ -121,7 +123,7 @@ struct RowInfo {
 struct Task {
     name: String,
     /// Rows settled for the task (a cleared row leaves).
-    consumed: HashSet<u64>,
+    consumed: Set<u64>,
     /// Rows leased under the task, and their lease.
     leased: Map<u64, LeaseId>,
     /// Units whose rows are all neither consumed nor leased, by arrival.
@@ -171,7 +173,7 @@ impl Part {
             units: Map::default(),
             groups: Map::default(),
             waiting: BTreeSet::new(),
-            leases: HashSet::new(),
+            leases: Set::default(),
         }
     }
 
@@ -565,7 +567,7 @@ impl UnitCore {
         for name in new {
             part.tasks.push(Task {
                 name,
-                consumed: HashSet::new(),
+                consumed: Set::default(),
                 leased: Map::default(),
                 cands: BTreeSet::new(),
                 consumed_total: 0,

@@ -1,0 +1,1043 @@
+//! Claims: consumer tasks lease ready rows, each row at most once per
+//! task, settle or give them back; waiting claims are answered through
+//! `Action::Claimed`. Every test drives the core only through
+//! `UnitCore::handle` with a virtual clock, and drains `poll_action` after
+//! every input as the unit's driver does.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+use proptest::prelude::*;
+use stowage_core::op::{
+    Alloc, Claim, ClaimStatus, ClearPartition, ClearRows, CommitWritten, RegisterTasks, Settle,
+};
+use stowage_core::{
+    input, Action, BlobId, ClaimAnswer, ClaimReply, ClaimStatusAnswer, Committed, ConnEnd,
+    CoreConfig, CoreError, EntrySpec, Input, Key, Lease, LeaseId, Owner, Request, Time, UnitCore,
+};
+
+const LEASE: Duration = Duration::from_secs(30);
+
+struct Unit {
+    core: UnitCore,
+    now: Time,
+    next_blob: u128,
+    /// Answers of waiting claims, in the order the core gave them.
+    replies: Vec<ClaimReply>,
+}
+
+impl Unit {
+    fn new() -> Self {
+        let mut cfg = CoreConfig::new(4 << 20);
+        cfg.claim_lease = LEASE;
+        Unit {
+            core: UnitCore::new(cfg).unwrap(),
+            now: Time::ZERO,
+            next_blob: 1,
+            replies: Vec::new(),
+        }
+    }
+
+    fn input<I: Input>(&mut self, input: I) -> Result<I::Answer, CoreError> {
+        let r = self.core.handle(self.now, input);
+        while let Some(a) = self.core.poll_action() {
+            if let Action::Claimed(reply) = a {
+                self.replies.push(reply);
+            }
+        }
+        if let Err(e) = self.core.check_claims() {
+            panic!("claims state broken: {e}");
+        }
+        r
+    }
+
+    fn request<O: stowage_core::Op>(
+        &mut self,
+        owner: Owner,
+        op: O,
+    ) -> Result<O::Answer, CoreError> {
+        self.input(Request { owner, op })
+    }
+
+    fn conn(&mut self) -> Owner {
+        let s = self.input(input::OpenSession).unwrap();
+        self.input(input::Attach {
+            session: s,
+            mapped: false,
+        })
+        .unwrap()
+    }
+
+    fn end(&mut self, owner: Owner) {
+        self.input(input::ConnEnded {
+            owner,
+            end: ConnEnd::Closed,
+        })
+        .unwrap();
+    }
+
+    /// Store the given (row, field) values of `partition`, one blob.
+    fn put(&mut self, who: Owner, partition: &str, keys: &[(u64, &str)]) {
+        let blob = BlobId(self.next_blob);
+        self.next_blob += 1;
+        let entries: Vec<EntrySpec> = keys
+            .iter()
+            .enumerate()
+            .map(|(i, (row, field))| EntrySpec {
+                key: Key::new(*row, *field),
+                offset: i as u64 * 8,
+                len: 8,
+                meta: Vec::new(),
+            })
+            .collect();
+        self.request(
+            who,
+            Alloc {
+                blob,
+                nbytes: 8 * keys.len() as u64,
+                n_entries: keys.len() as u32,
+            },
+        )
+        .unwrap();
+        let done = self
+            .request(
+                who,
+                CommitWritten {
+                    partition: partition.into(),
+                    blob,
+                    entries,
+                },
+            )
+            .unwrap();
+        assert_eq!(done, Committed::Done);
+    }
+
+    fn register(
+        &mut self,
+        who: Owner,
+        partition: &str,
+        tasks: &[&str],
+        samples: u64,
+        group_size: u32,
+    ) -> Result<(), CoreError> {
+        self.request(
+            who,
+            RegisterTasks {
+                partition: partition.into(),
+                tasks: tasks.iter().map(|t| t.to_string()).collect(),
+                samples,
+                group_size,
+            },
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn claim_op(
+        &mut self,
+        who: Owner,
+        partition: &str,
+        task: &str,
+        fields: &[&str],
+        want: u32,
+        wait_until: Option<Time>,
+        tag: u64,
+    ) -> Result<ClaimAnswer, CoreError> {
+        self.request(
+            who,
+            Claim {
+                partition: partition.into(),
+                task: task.into(),
+                fields: fields.iter().map(|f| f.to_string()).collect(),
+                want,
+                wait_until,
+                tag,
+            },
+        )
+    }
+
+    /// A claim that does not wait: its lease.
+    fn claim(
+        &mut self,
+        who: Owner,
+        partition: &str,
+        task: &str,
+        fields: &[&str],
+        want: u32,
+    ) -> Lease {
+        match self.claim_op(who, partition, task, fields, want, None, 0) {
+            Ok(ClaimAnswer::Leased(l)) => l,
+            other => panic!("claim answered {other:?}"),
+        }
+    }
+
+    /// A claim of partition "p" that waits until `wait_ms` from now.
+    fn claim_waiting(
+        &mut self,
+        who: Owner,
+        task: &str,
+        fields: &[&str],
+        want: u32,
+        wait_ms: u64,
+        tag: u64,
+    ) -> ClaimAnswer {
+        let until = self.now + Duration::from_millis(wait_ms);
+        self.claim_op(who, "p", task, fields, want, Some(until), tag)
+            .unwrap()
+    }
+
+    fn settle(&mut self, who: Owner, lease: LeaseId, keep: &[u64]) -> Result<Vec<u64>, CoreError> {
+        self.request(
+            who,
+            Settle {
+                lease,
+                keep: keep.to_vec(),
+            },
+        )
+    }
+
+    fn status(&mut self, who: Owner, partition: &str, task: &str) -> ClaimStatusAnswer {
+        self.request(
+            who,
+            ClaimStatus {
+                partition: partition.into(),
+                task: task.into(),
+            },
+        )
+        .unwrap()
+    }
+
+    fn advance(&mut self, by: Duration) {
+        self.now += by;
+        self.input(input::Timeout).unwrap();
+    }
+
+    fn take_replies(&mut self) -> Vec<ClaimReply> {
+        std::mem::take(&mut self.replies)
+    }
+}
+
+fn invalid<T: std::fmt::Debug>(r: Result<T, CoreError>) -> String {
+    match r {
+        Err(CoreError::Invalid(m)) => m,
+        other => panic!("expected Invalid, got {other:?}"),
+    }
+}
+
+/// A unit with partition "p" registered for "train" and "reward", and a
+/// connection.
+fn registered() -> (Unit, Owner) {
+    let mut u = Unit::new();
+    let c = u.conn();
+    u.register(c, "p", &["train", "reward"], 100, 0).unwrap();
+    (u, c)
+}
+
+#[test]
+fn registration_is_idempotent_adds_tasks_and_refuses_what_contradicts_it() {
+    let mut u = Unit::new();
+    let c = u.conn();
+    u.register(c, "p", &["train"], 10, 4).unwrap();
+    u.register(c, "p", &["train"], 10, 4).unwrap();
+    u.register(c, "p", &["reward"], 0, 0).unwrap();
+    for task in ["train", "reward"] {
+        let s = u.status(c, "p", task);
+        assert!(s.registered, "{task}");
+        assert_eq!((s.samples, s.group_size), (10, 4));
+    }
+    assert!(!u.status(c, "p", "other").registered);
+    assert!(!u.status(c, "q", "train").registered);
+    let m = invalid(u.register(c, "p", &["train"], 10, 2));
+    assert!(m.contains("groups"), "{m}");
+    invalid(u.register(c, "p", &[""], 0, 0));
+    let many: Vec<String> = (0..63).map(|i| format!("t{i}")).collect();
+    let many: Vec<&str> = many.iter().map(|s| s.as_str()).collect();
+    // 2 + 63 > 64: refused whole.
+    invalid(u.register(c, "p", &many, 0, 0));
+    assert!(!u.status(c, "p", "t0").registered);
+    u.register(c, "p", &many[..62], 0, 0).unwrap();
+    assert!(u.status(c, "p", "t61").registered);
+    invalid(u.register(c, "p", &["one-more"], 0, 0));
+    // Registering the same tasks again adds none.
+    u.register(c, "p", &many[..62], 0, 0).unwrap();
+}
+
+#[test]
+fn a_claim_of_an_unregistered_task_or_asking_nothing_is_refused() {
+    let (mut u, c) = registered();
+    u.put(c, "p", &[(0, "a")]);
+    let m = invalid(u.claim_op(c, "p", "eval", &["a"], 1, None, 0));
+    assert!(m.contains("not registered"), "{m}");
+    invalid(u.claim_op(c, "q", "train", &["a"], 1, None, 0));
+    invalid(u.claim_op(c, "p", "train", &["a"], 0, None, 0));
+    invalid(u.claim_op(c, "p", "train", &[], 1, None, 0));
+    // Nothing was taken by the refused claims.
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, vec![0]);
+}
+
+#[test]
+fn a_row_is_ready_only_with_every_field_asked() {
+    let (mut u, c) = registered();
+    u.put(c, "p", &[(0, "prompt"), (1, "prompt"), (1, "response")]);
+    u.put(c, "p", &[(2, "response")]);
+    let l = u.claim(c, "p", "train", &["prompt", "response"], 8);
+    assert_eq!(l.rows, vec![1]);
+    assert_eq!(
+        u.claim(c, "p", "train", &["prompt", "response"], 8).rows,
+        Vec::<u64>::new()
+    );
+    u.put(c, "p", &[(0, "response")]);
+    assert_eq!(
+        u.claim(c, "p", "train", &["prompt", "response"], 8).rows,
+        vec![0]
+    );
+    // Asking one field only, row 2 (which has just it) is ready too.
+    assert_eq!(
+        u.claim(c, "p", "reward", &["response"], 8).rows,
+        vec![0, 1, 2]
+    );
+}
+
+#[test]
+fn rows_come_oldest_first_by_their_first_entry() {
+    let (mut u, c) = registered();
+    u.put(c, "p", &[(5, "a")]);
+    u.put(c, "p", &[(2, "a")]);
+    u.put(c, "p", &[(9, "a"), (3, "a")]);
+    // A later entry of an old row does not make it younger.
+    u.put(c, "p", &[(5, "b")]);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 2).rows, vec![5, 2]);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, vec![9, 3]);
+    // Rows stored before the partition is registered arrive at
+    // registration, ascending.
+    u.put(c, "q", &[(7, "a"), (4, "a")]);
+    u.register(c, "q", &["train"], 0, 0).unwrap();
+    u.put(c, "q", &[(1, "a")]);
+    assert_eq!(u.claim(c, "q", "train", &["a"], 8).rows, vec![4, 7, 1]);
+}
+
+#[test]
+fn a_row_is_claimed_once_per_task_and_again_by_another_task() {
+    let (mut u, c) = registered();
+    u.put(c, "p", &[(0, "a"), (1, "a"), (2, "a")]);
+    let l = u.claim(c, "p", "train", &["a"], 2);
+    assert_eq!(l.rows, vec![0, 1]);
+    // Leased: not claimable for train; claimable for reward.
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, vec![2]);
+    assert_eq!(u.claim(c, "p", "reward", &["a"], 8).rows, vec![0, 1, 2]);
+    assert_eq!(u.settle(c, l.id, &[0, 1]).unwrap(), vec![0, 1]);
+    // Consumed: never again for train.
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, Vec::<u64>::new());
+    let s = u.status(c, "p", "train");
+    assert_eq!((s.consumed, s.leased, s.rows), (2, 1, 3));
+}
+
+#[test]
+fn two_connections_never_get_the_same_row() {
+    let (mut u, c) = registered();
+    let d = u.conn();
+    u.put(c, "p", &[(0, "a"), (1, "a"), (2, "a"), (3, "a")]);
+    let x = u.claim(c, "p", "train", &["a"], 3);
+    let y = u.claim(d, "p", "train", &["a"], 3);
+    assert_eq!(x.rows, vec![0, 1, 2]);
+    assert_eq!(y.rows, vec![3]);
+    assert_ne!(x.id, y.id);
+    // Another connection may not settle a lease: it stays whole.
+    assert!(matches!(
+        u.settle(d, x.id, &[0]),
+        Err(CoreError::NotOwner(_))
+    ));
+    assert_eq!(u.claim(d, "p", "train", &["a"], 3).rows, Vec::<u64>::new());
+    assert_eq!(u.settle(c, x.id, &[0]).unwrap(), vec![0]);
+}
+
+#[test]
+fn settle_keeps_exactly_what_is_kept_and_gives_back_the_rest() {
+    let (mut u, c) = registered();
+    u.put(c, "p", &[(0, "a"), (1, "a"), (2, "a"), (3, "a")]);
+    let l = u.claim(c, "p", "train", &["a"], 4);
+    // Rows not in the lease, and a row named twice, are not kept twice.
+    assert_eq!(u.settle(c, l.id, &[2, 7, 0, 2]).unwrap(), vec![2, 0]);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, vec![1, 3]);
+    // A settled lease is gone; an unknown lease answers nothing.
+    assert_eq!(u.settle(c, l.id, &[1]).unwrap(), Vec::<u64>::new());
+    assert_eq!(u.settle(c, LeaseId(987), &[1]).unwrap(), Vec::<u64>::new());
+    let s = u.status(c, "p", "train");
+    assert_eq!((s.consumed, s.leased), (2, 2));
+}
+
+#[test]
+fn an_ended_connections_lease_gives_its_rows_back() {
+    let (mut u, c) = registered();
+    let d = u.conn();
+    u.put(c, "p", &[(0, "a"), (1, "a")]);
+    let l = u.claim(d, "p", "train", &["a"], 1);
+    assert_eq!(l.rows, vec![0]);
+    u.end(d);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, vec![0, 1]);
+}
+
+#[test]
+fn an_expired_lease_gives_its_rows_back() {
+    let (mut u, c) = registered();
+    u.put(c, "p", &[(0, "a"), (1, "a")]);
+    let l = u.claim(c, "p", "train", &["a"], 2);
+    assert_eq!(u.core.poll_timeout(), Some(u.now + LEASE));
+    u.advance(LEASE - Duration::from_millis(1));
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, Vec::<u64>::new());
+    u.advance(Duration::from_millis(1));
+    assert_eq!(u.core.stats().leases_expired, 1);
+    assert_eq!(u.core.poll_timeout(), None);
+    assert_eq!(u.settle(c, l.id, &[0, 1]).unwrap(), Vec::<u64>::new());
+    let again = u.claim(c, "p", "train", &["a"], 8);
+    assert_eq!(again.rows, vec![0, 1]);
+    // Past its time but before the Timeout: a settle finds it expired.
+    u.now += LEASE;
+    assert_eq!(u.settle(c, again.id, &[0]).unwrap(), Vec::<u64>::new());
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, vec![0, 1]);
+    assert_eq!(u.core.stats().leases_expired, 2);
+    assert_eq!(u.status(c, "p", "train").consumed, 0);
+}
+
+#[test]
+fn a_waiting_claim_is_answered_by_the_commit_that_makes_a_row_ready() {
+    let (mut u, c) = registered();
+    let d = u.conn();
+    u.put(c, "p", &[(0, "a")]);
+    assert_eq!(
+        u.claim_waiting(d, "train", &["a", "b"], 4, 5000, 11),
+        ClaimAnswer::Waiting
+    );
+    assert_eq!(
+        u.claim_waiting(c, "train", &["a", "b"], 4, 5000, 12),
+        ClaimAnswer::Waiting
+    );
+    assert_eq!(u.core.stats().claim_waits, 2);
+    assert_eq!(
+        u.core.poll_timeout(),
+        Some(u.now + Duration::from_millis(5000))
+    );
+    u.put(c, "p", &[(1, "a")]);
+    assert!(u.take_replies().is_empty(), "row 1 is not ready");
+    u.put(c, "p", &[(0, "b")]);
+    // The oldest waiting claim gets the row, through the action queue.
+    let r = u.take_replies();
+    assert_eq!(r.len(), 1);
+    assert_eq!(
+        (r[0].owner, r[0].tag, r[0].lease.rows.clone()),
+        (d, 11, vec![0])
+    );
+    assert_ne!(r[0].lease.id, LeaseId(0));
+    u.put(c, "p", &[(1, "b")]);
+    let r = u.take_replies();
+    assert_eq!(r.len(), 1);
+    assert_eq!(
+        (r[0].owner, r[0].tag, r[0].lease.rows.clone()),
+        (c, 12, vec![1])
+    );
+    // Its lease is a lease like any other.
+    assert_eq!(u.settle(c, r[0].lease.id, &[1]).unwrap(), vec![1]);
+    assert_eq!(u.core.stats().claims, 2);
+}
+
+#[test]
+fn rows_given_back_answer_a_waiting_claim() {
+    let (mut u, c) = registered();
+    let d = u.conn();
+    u.put(c, "p", &[(0, "a"), (1, "a")]);
+    let l = u.claim(c, "p", "train", &["a"], 2);
+    assert_eq!(
+        u.claim_waiting(d, "train", &["a"], 4, 60_000, 3),
+        ClaimAnswer::Waiting
+    );
+    u.settle(c, l.id, &[0]).unwrap();
+    let r = u.take_replies();
+    assert_eq!(r.len(), 1);
+    assert_eq!(
+        (r[0].owner, r[0].tag, r[0].lease.rows.clone()),
+        (d, 3, vec![1])
+    );
+    // Its lease expires; the rows answer the next waiting claim.
+    assert_eq!(
+        u.claim_waiting(c, "train", &["a"], 4, 60_000, 4),
+        ClaimAnswer::Waiting
+    );
+    u.advance(LEASE);
+    let r = u.take_replies();
+    assert_eq!(r.len(), 1);
+    assert_eq!(
+        (r[0].owner, r[0].tag, r[0].lease.rows.clone()),
+        (c, 4, vec![1])
+    );
+    // A connection's end gives its rows back to a waiting claim too.
+    assert_eq!(
+        u.claim_waiting(d, "train", &["a"], 4, 60_000, 5),
+        ClaimAnswer::Waiting
+    );
+    u.end(c);
+    let r = u.take_replies();
+    assert_eq!(r.len(), 1);
+    assert_eq!(
+        (r[0].owner, r[0].tag, r[0].lease.rows.clone()),
+        (d, 5, vec![1])
+    );
+}
+
+#[test]
+fn a_waiting_claim_is_answered_empty_at_its_deadline() {
+    let (mut u, c) = registered();
+    assert_eq!(
+        u.claim_waiting(c, "train", &["a"], 1, 1000, 9),
+        ClaimAnswer::Waiting
+    );
+    // A deadline that is not ahead does not wait.
+    assert_eq!(
+        u.claim_op(c, "p", "train", &["a"], 1, Some(u.now), 10)
+            .unwrap(),
+        ClaimAnswer::Leased(Lease {
+            id: LeaseId(0),
+            rows: vec![]
+        })
+    );
+    let deadline = u.now + Duration::from_millis(1000);
+    assert_eq!(u.core.poll_timeout(), Some(deadline));
+    u.advance(Duration::from_millis(999));
+    assert!(u.take_replies().is_empty());
+    u.advance(Duration::from_millis(1));
+    let r = u.take_replies();
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].owner, r[0].tag), (c, 9));
+    assert_eq!(
+        r[0].lease,
+        Lease {
+            id: LeaseId(0),
+            rows: vec![]
+        }
+    );
+    assert_eq!(u.core.poll_timeout(), None);
+    // Answered once: a row arriving now answers nothing.
+    u.put(c, "p", &[(0, "a")]);
+    assert!(u.take_replies().is_empty());
+}
+
+#[test]
+fn a_waiting_claim_is_dropped_when_its_connection_ends() {
+    let (mut u, c) = registered();
+    let d = u.conn();
+    assert_eq!(
+        u.claim_waiting(d, "train", &["a"], 1, 1000, 1),
+        ClaimAnswer::Waiting
+    );
+    u.end(d);
+    assert_eq!(u.core.poll_timeout(), None);
+    u.put(c, "p", &[(0, "a")]);
+    u.advance(Duration::from_millis(2000));
+    assert!(u.take_replies().is_empty());
+    // The row went to nobody.
+    assert_eq!(u.claim(c, "p", "train", &["a"], 1).rows, vec![0]);
+}
+
+#[test]
+fn groups_are_never_split() {
+    let mut u = Unit::new();
+    let c = u.conn();
+    u.register(c, "p", &["train"], 0, 2).unwrap();
+    let g = |id: &str| format!("\0g:{id}");
+    let (gx, gy, gz) = (g("x"), g("y"), g("z"));
+    u.put(c, "p", &[(0, "a"), (0, &gx), (1, "a"), (1, &gx)]);
+    u.put(c, "p", &[(2, "a"), (2, &gy)]);
+    u.put(c, "p", &[(3, "a")]); // no group: a group of its own, never whole
+    invalid(u.claim_op(c, "p", "train", &["a"], 1, None, 0));
+    // Group y has one row of two: not claimable.
+    assert_eq!(u.claim(c, "p", "train", &["a"], 3).rows, vec![0, 1]);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, Vec::<u64>::new());
+    u.put(c, "p", &[(4, &gy)]);
+    // Row 4 lacks "a": the group is not ready.
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, Vec::<u64>::new());
+    u.put(c, "p", &[(4, "a")]);
+    u.put(c, "p", &[(5, "a"), (5, &gz), (6, "a"), (6, &gz)]);
+    // Whole groups only, as many as fit: 3 rows fit one group.
+    assert_eq!(u.claim(c, "p", "train", &["a"], 3).rows, vec![2, 4]);
+    let l = u.claim(c, "p", "train", &["a"], 8);
+    assert_eq!(l.rows, vec![5, 6]);
+    // A group partly kept is never whole again.
+    assert_eq!(u.settle(c, l.id, &[5]).unwrap(), vec![5]);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, Vec::<u64>::new());
+}
+
+#[test]
+fn clearing_rows_drops_them_from_consumed_and_leased_and_consumed_stays_counted() {
+    let (mut u, c) = registered();
+    u.put(c, "p", &[(0, "a"), (1, "a"), (2, "a")]);
+    let l = u.claim(c, "p", "train", &["a"], 1);
+    assert_eq!(u.settle(c, l.id, &[0]).unwrap(), vec![0]);
+    let l = u.claim(c, "p", "train", &["a"], 2);
+    assert_eq!(l.rows, vec![1, 2]);
+    u.request(
+        c,
+        ClearRows {
+            partition: "p".into(),
+            rows: vec![0, 1],
+        },
+    )
+    .unwrap();
+    // A settle of a cleared row does not return it.
+    assert_eq!(u.settle(c, l.id, &[1, 2]).unwrap(), vec![2]);
+    let s = u.status(c, "p", "train");
+    assert_eq!((s.consumed, s.leased, s.rows), (2, 0, 1));
+    // Rows put again are new rows: claimable again, the newest last.
+    u.put(c, "p", &[(1, "a"), (0, "a")]);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 8).rows, vec![1, 0]);
+    // Clearing a consumed row does not lower the count.
+    u.request(
+        c,
+        ClearRows {
+            partition: "p".into(),
+            rows: vec![2],
+        },
+    )
+    .unwrap();
+    assert_eq!(u.status(c, "p", "train").consumed, 2);
+}
+
+#[test]
+fn clearing_a_partition_drops_its_claims_state() {
+    let (mut u, c) = registered();
+    let d = u.conn();
+    u.put(c, "p", &[(0, "a"), (1, "a")]);
+    let l = u.claim(c, "p", "train", &["a"], 2);
+    u.settle(c, l.id, &[0]).unwrap();
+    let l = u.claim(c, "p", "train", &["a"], 2);
+    assert_eq!(l.rows, vec![1]);
+    assert_eq!(
+        u.claim_waiting(d, "reward", &["b"], 1, 5000, 7),
+        ClaimAnswer::Waiting
+    );
+    u.request(
+        c,
+        ClearPartition {
+            partition: "p".into(),
+        },
+    )
+    .unwrap();
+    // The waiting claim is answered, empty.
+    let r = u.take_replies();
+    assert_eq!(r.len(), 1);
+    assert_eq!((r[0].owner, r[0].tag), (d, 7));
+    assert!(r[0].lease.rows.is_empty());
+    // The registration, the lease and the timers are gone.
+    assert_eq!(u.core.poll_timeout(), None);
+    assert_eq!(u.status(c, "p", "train"), ClaimStatusAnswer::default());
+    assert_eq!(u.settle(c, l.id, &[1]).unwrap(), Vec::<u64>::new());
+    invalid(u.claim_op(c, "p", "train", &["a"], 1, None, 0));
+    // Registered afresh, the rows put again are claimable again.
+    u.register(c, "p", &["train"], 0, 0).unwrap();
+    u.put(c, "p", &[(0, "a")]);
+    assert_eq!(u.claim(c, "p", "train", &["a"], 2).rows, vec![0]);
+}
+
+#[test]
+fn a_detached_connection_may_not_claim() {
+    let (mut u, _) = registered();
+    let d = u.conn();
+    u.end(d);
+    assert!(matches!(
+        u.claim_op(d, "p", "train", &["a"], 1, Some(u.now + LEASE), 0),
+        Err(CoreError::NotOwner(_))
+    ));
+    assert_eq!(u.core.poll_timeout(), None);
+}
+
+// ---------------------------------------------------------------------------
+// Random interleavings against a model.
+
+const TASKS: [&str; 2] = ["train", "reward"];
+const FIELDS: [&str; 2] = ["a", "b"];
+
+#[derive(Clone, Debug)]
+enum Step {
+    /// Put fields (bit 0: "a", bit 1: "b") of rows.
+    Put {
+        rows: Vec<u64>,
+        fields: u8,
+    },
+    Claim {
+        conn: usize,
+        task: usize,
+        both: bool,
+        want: u32,
+        wait_ms: Option<u64>,
+    },
+    /// Settle the `pick`-th live lease of `conn` (any connection's, if it has
+    /// none), keeping rows whose bit in `keep` is set.
+    Settle {
+        conn: usize,
+        pick: usize,
+        keep: u64,
+        other: bool,
+    },
+    End {
+        conn: usize,
+    },
+    ClearRows {
+        rows: Vec<u64>,
+    },
+    ClearPartition,
+    Advance {
+        ms: u64,
+    },
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let row = 0u64..10;
+    prop_oneof![
+        4 => (prop::collection::vec(row.clone(), 1..4), 1u8..4)
+            .prop_map(|(rows, fields)| Step::Put { rows, fields }),
+        4 => (0usize..3, 0usize..2, any::<bool>(), 1u32..5, prop::option::of(1u64..40_000))
+            .prop_map(|(conn, task, both, want, wait_ms)| Step::Claim { conn, task, both, want, wait_ms }),
+        3 => (0usize..3, 0usize..4, any::<u64>(), prop::bool::weighted(0.1))
+            .prop_map(|(conn, pick, keep, other)| Step::Settle { conn, pick, keep, other }),
+        1 => (0usize..3).prop_map(|conn| Step::End { conn }),
+        1 => prop::collection::vec(row, 1..3).prop_map(|rows| Step::ClearRows { rows }),
+        1 => Just(Step::ClearPartition),
+        2 => (0u64..45_000).prop_map(|ms| Step::Advance { ms }),
+    ]
+}
+
+struct ModelLease {
+    conn: usize,
+    task: usize,
+    rows: BTreeSet<u64>,
+    expires: Time,
+}
+
+struct ModelWait {
+    conn: usize,
+    task: usize,
+    fields: Vec<&'static str>,
+    want: u32,
+    until: Time,
+}
+
+#[derive(Default)]
+struct Model {
+    /// Fields stored per row.
+    rows: BTreeMap<u64, BTreeSet<&'static str>>,
+    registered: bool,
+    consumed: [BTreeSet<u64>; 2],
+    leases: BTreeMap<LeaseId, ModelLease>,
+    waits: BTreeMap<u64, ModelWait>,
+}
+
+impl Model {
+    fn ready(&self, row: u64, fields: &[&str]) -> bool {
+        self.rows
+            .get(&row)
+            .is_some_and(|f| fields.iter().all(|n| f.contains(n)))
+    }
+
+    fn leased(&self, task: usize, row: u64) -> bool {
+        self.leases
+            .values()
+            .any(|l| l.task == task && l.rows.contains(&row))
+    }
+
+    /// Rows a claim of `task` for `fields` could take now.
+    fn claimable(&self, task: usize, fields: &[&str]) -> BTreeSet<u64> {
+        self.rows
+            .keys()
+            .copied()
+            .filter(|r| {
+                self.ready(*r, fields) && !self.consumed[task].contains(r) && !self.leased(task, *r)
+            })
+            .collect()
+    }
+
+    /// A lease the core gave: check it and record it.
+    fn leased_now(
+        &mut self,
+        conn: usize,
+        task: usize,
+        fields: &[&str],
+        want: u32,
+        l: &Lease,
+        now: Time,
+    ) -> Result<(), TestCaseError> {
+        prop_assert!(!l.rows.is_empty());
+        prop_assert!(l.rows.len() <= want as usize);
+        let can = self.claimable(task, fields);
+        let rows: BTreeSet<u64> = l.rows.iter().copied().collect();
+        prop_assert_eq!(rows.len(), l.rows.len(), "a row twice in one lease");
+        prop_assert!(
+            rows.is_subset(&can),
+            "leased {:?}, claimable {:?}",
+            rows,
+            can
+        );
+        prop_assert!(!self.leases.contains_key(&l.id));
+        self.leases.insert(
+            l.id,
+            ModelLease {
+                conn,
+                task,
+                rows,
+                expires: now + LEASE,
+            },
+        );
+        Ok(())
+    }
+}
+
+struct Run {
+    u: Unit,
+    conns: [Owner; 3],
+    m: Model,
+    next_tag: u64,
+}
+
+impl Run {
+    /// Check the answers of waiting claims the last input gave.
+    fn replies(&mut self) -> Result<(), TestCaseError> {
+        for r in self.u.take_replies() {
+            let w = self.m.waits.remove(&r.tag);
+            prop_assert!(w.is_some(), "an answer to no waiting claim: {:?}", r);
+            let w = w.unwrap();
+            prop_assert_eq!(r.owner, self.conns[w.conn]);
+            if r.lease.rows.is_empty() {
+                prop_assert!(
+                    w.until <= self.u.now || !self.m.registered,
+                    "answered empty before its time"
+                );
+            } else {
+                prop_assert!(w.until > self.u.now);
+                let fields = w.fields.clone();
+                self.m
+                    .leased_now(w.conn, w.task, &fields, w.want, &r.lease, self.u.now)?;
+            }
+        }
+        // No waiting claim could take a row now.
+        for (tag, w) in &self.m.waits {
+            if w.until > self.u.now {
+                let can = self.m.claimable(w.task, &w.fields);
+                prop_assert!(
+                    can.is_empty(),
+                    "claim {} waits while {:?} are claimable",
+                    tag,
+                    can
+                );
+            }
+        }
+        Ok(())
+    }
+
+    fn apply(&mut self, s: &Step) -> Result<(), TestCaseError> {
+        let now = self.u.now;
+        match s {
+            Step::Put { rows, fields } => {
+                let mut keys = Vec::new();
+                for r in rows {
+                    for (i, f) in FIELDS.iter().enumerate() {
+                        if fields & (1 << i) != 0 && !keys.contains(&(*r, *f)) {
+                            keys.push((*r, *f));
+                            self.m.rows.entry(*r).or_default().insert(*f);
+                        }
+                    }
+                }
+                self.u.put(self.conns[0], "p", &keys);
+            }
+            Step::Claim {
+                conn,
+                task,
+                both,
+                want,
+                wait_ms,
+            } => {
+                let fields: Vec<&'static str> = if *both { FIELDS.to_vec() } else { vec!["a"] };
+                let tag = self.next_tag;
+                self.next_tag += 1;
+                let until = wait_ms.map(|ms| now + Duration::from_millis(ms));
+                let a = self.u.claim_op(
+                    self.conns[*conn],
+                    "p",
+                    TASKS[*task],
+                    &fields,
+                    *want,
+                    until,
+                    tag,
+                );
+                if !self.m.registered {
+                    prop_assert!(matches!(a, Err(CoreError::Invalid(_))), "{:?}", a);
+                    return Ok(());
+                }
+                let can = self.m.claimable(*task, &fields);
+                match a {
+                    Ok(ClaimAnswer::Leased(l)) if l.rows.is_empty() => {
+                        prop_assert!(can.is_empty(), "nothing leased of {:?}", can);
+                        prop_assert!(until.is_none_or(|t| t <= now));
+                        prop_assert_eq!(l.id, LeaseId(0));
+                    }
+                    Ok(ClaimAnswer::Leased(l)) => {
+                        prop_assert_eq!(l.rows.len(), can.len().min(*want as usize));
+                        self.m.leased_now(*conn, *task, &fields, *want, &l, now)?;
+                    }
+                    Ok(ClaimAnswer::Waiting) => {
+                        prop_assert!(can.is_empty());
+                        self.m.waits.insert(
+                            tag,
+                            ModelWait {
+                                conn: *conn,
+                                task: *task,
+                                fields,
+                                want: *want,
+                                until: until.unwrap(),
+                            },
+                        );
+                    }
+                    Err(e) => prop_assert!(false, "claim refused: {:?}", e),
+                }
+            }
+            Step::Settle {
+                conn,
+                pick,
+                keep,
+                other,
+            } => {
+                let mine: Vec<LeaseId> = self
+                    .m
+                    .leases
+                    .iter()
+                    .filter(|(_, l)| l.conn == *conn)
+                    .map(|(id, _)| *id)
+                    .collect();
+                let all: Vec<LeaseId> = self.m.leases.keys().copied().collect();
+                let pool = if mine.is_empty() || *other {
+                    &all
+                } else {
+                    &mine
+                };
+                let id = if pool.is_empty() {
+                    LeaseId(1_000_000)
+                } else {
+                    pool[pick % pool.len()]
+                };
+                let keep_rows: Vec<u64> = (0..10).filter(|r| keep & (1 << r) != 0).collect();
+                let owner_conn = self.m.leases.get(&id).map(|l| l.conn);
+                let got = self.u.settle(self.conns[*conn], id, &keep_rows);
+                match owner_conn {
+                    Some(c) if c != *conn => {
+                        prop_assert!(matches!(got, Err(CoreError::NotOwner(_))), "{:?}", got);
+                    }
+                    Some(_) => {
+                        let l = self.m.leases.remove(&id).unwrap();
+                        let want: Vec<u64> = if l.expires <= now {
+                            vec![]
+                        } else {
+                            keep_rows
+                                .iter()
+                                .copied()
+                                .filter(|r| l.rows.contains(r))
+                                .collect()
+                        };
+                        prop_assert_eq!(got.clone().unwrap(), want.clone());
+                        for r in want {
+                            prop_assert!(
+                                self.m.consumed[l.task].insert(r),
+                                "row {} consumed twice",
+                                r
+                            );
+                        }
+                    }
+                    None => prop_assert_eq!(got.unwrap(), Vec::<u64>::new()),
+                }
+            }
+            Step::End { conn } => {
+                let old = self.conns[*conn];
+                self.u.end(old);
+                self.m.leases.retain(|_, l| l.conn != *conn);
+                self.m.waits.retain(|_, w| w.conn != *conn);
+                self.conns[*conn] = self.u.conn();
+            }
+            Step::ClearRows { rows } => {
+                self.u
+                    .request(
+                        self.conns[0],
+                        ClearRows {
+                            partition: "p".into(),
+                            rows: rows.clone(),
+                        },
+                    )
+                    .unwrap();
+                for r in rows {
+                    self.m.rows.remove(r);
+                    for c in &mut self.m.consumed {
+                        c.remove(r);
+                    }
+                    for l in self.m.leases.values_mut() {
+                        l.rows.remove(r);
+                    }
+                }
+            }
+            Step::ClearPartition => {
+                self.u
+                    .request(
+                        self.conns[0],
+                        ClearPartition {
+                            partition: "p".into(),
+                        },
+                    )
+                    .unwrap();
+                self.m.rows.clear();
+                self.m.consumed = Default::default();
+                self.m.leases.clear();
+                self.m.registered = false;
+                // Its waiting claims are answered empty (checked in `replies`);
+                // register again so the run goes on.
+                self.replies()?;
+                prop_assert!(self.m.waits.is_empty());
+                self.u.register(self.conns[0], "p", &TASKS, 0, 0).unwrap();
+                self.m.registered = true;
+            }
+            Step::Advance { ms } => {
+                self.u.advance(Duration::from_millis(*ms));
+                let now = self.u.now;
+                self.m.leases.retain(|_, l| l.expires > now);
+            }
+        }
+        self.replies()
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 192, ..ProptestConfig::default() })]
+
+    #[test]
+    fn claims_match_a_model(steps in prop::collection::vec(step(), 1..60)) {
+        let mut u = Unit::new();
+        let conns = [u.conn(), u.conn(), u.conn()];
+        u.register(conns[0], "p", &TASKS, 0, 0).unwrap();
+        let mut run = Run { u, conns, m: Model { registered: true, ..Model::default() }, next_tag: 1 };
+        for s in &steps {
+            run.apply(s)?;
+        }
+        // Every lease ends, every waiting claim is answered: then a final
+        // claim of each task takes exactly the ready rows not consumed.
+        for c in 0..3 {
+            run.apply(&Step::End { conn: c })?;
+        }
+        run.apply(&Step::Advance { ms: 100_000 })?;
+        prop_assert!(run.m.waits.is_empty());
+        prop_assert!(run.m.leases.is_empty());
+        for (task, name) in TASKS.iter().enumerate() {
+            for fields in [&["a"][..], &FIELDS[..]] {
+                let want: BTreeSet<u64> = run.m.rows.keys().copied()
+                    .filter(|r| run.m.ready(*r, fields) && !run.m.consumed[task].contains(r))
+                    .collect();
+                let l = run.u.claim(run.conns[0], "p", name, fields, 1000);
+                let got: BTreeSet<u64> = l.rows.iter().copied().collect();
+                prop_assert_eq!(got, want);
+                if !l.rows.is_empty() {
+                    prop_assert!(run.u.settle(run.conns[0], l.id, &[]).unwrap().is_empty());
+                }
+            }
+        }
+    }
+}
