@@ -254,7 +254,8 @@ impl Client {
             let mut cut = false;
             // Every thread sends once; the scope joins them.
             for (i, unit, conn, answer) in rx.iter() {
-                let got_rows = matches!(&answer, Ok(Response::Claimed { rows, .. }) if !rows.is_empty());
+                let got_rows =
+                    matches!(&answer, Ok(Response::Claimed { rows, .. }) if !rows.is_empty());
                 if cut && !got_rows {
                     // Cut by us: closed, nothing of it is kept.
                     drop(conn);

@@ -347,7 +347,11 @@ pub(crate) fn plan<'a>(
             RowKey::Index(_) => None,
         };
         if let Some(g) = groups {
-            b.push(Key::new(row, format!("{GROUP_FIELD_PREFIX}{}", g[r])), &[], Vec::new());
+            b.push(
+                Key::new(row, format!("{GROUP_FIELD_PREFIX}{}", g[r])),
+                &[],
+                Vec::new(),
+            );
         }
         for (field, values) in &per_column {
             let t = &values[r];

@@ -28,8 +28,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use stowage_shm::Slab;
-use stowage_wire::BlobId;
 use stowage_wire::io::Socket;
+use stowage_wire::BlobId;
 use stowage_wire::{EntrySpec, Key, Request, Response};
 
 use crate::conn::Conn;

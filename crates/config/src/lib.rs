@@ -53,6 +53,9 @@ pub struct UnitConfig {
     pub pin_lease: Duration,
     /// Quarantine of the range of a put stream the unit cut off. Default 5 s.
     pub quarantine: Duration,
+    /// Rows a claim leased and did not settle within this go back to the
+    /// task. Default 30 s.
+    pub claim_lease: Duration,
     /// Frame limits.
     pub limits: Limits,
     /// Try to mlock the slab. Default true.
@@ -193,6 +196,7 @@ impl UnitConfig {
             tcp: None,
             reservation_lease: Duration::from_secs(30),
             pin_lease: Duration::from_secs(30),
+            claim_lease: Duration::from_secs(30),
             quarantine: Duration::from_secs(5),
             limits: Limits::default(),
             mlock: true,

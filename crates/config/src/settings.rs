@@ -36,6 +36,9 @@ macro_rules! unit_settings_table {
         /// An uncommitted reservation held longer is reported as overdue
         /// in stats (never taken from its holder).
         #[arg(long, value_parser = $crate::parse_duration, default_value = "30s")] reservation_lease: ::std::time::Duration => reservation_lease, file units.reservation_lease;
+        /// Rows a claim leased and its client did not settle within this
+        /// go back to the task (a consumer stopped mid-claim).
+        #[arg(long, value_parser = $crate::parse_duration, default_value = "30s")] claim_lease: ::std::time::Duration => claim_lease;
         /// Quarantine of the range of a put stream the unit cut off.
         #[arg(long, value_parser = $crate::parse_duration, default_value = "5s")] quarantine: ::std::time::Duration => quarantine;
         /// Checkpoints are written only under this directory (without it,

@@ -321,7 +321,14 @@ impl Client {
             .collect();
         let client = self.client()?;
         py.detach(|| {
-            client.put_grouped(partition, &keys, groups.as_deref(), &columns, unit, deadline)
+            client.put_grouped(
+                partition,
+                &keys,
+                groups.as_deref(),
+                &columns,
+                unit,
+                deadline,
+            )
         })
         .map_err(|e| to_py(py, e, &keys))
     }

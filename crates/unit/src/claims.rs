@@ -61,7 +61,8 @@ impl Answers {
             }
             None => {
                 let now = Instant::now();
-                i.early.retain(|_, (_, at)| now.duration_since(*at) < EARLY_KEPT);
+                i.early
+                    .retain(|_, (_, at)| now.duration_since(*at) < EARLY_KEPT);
                 i.early.insert(conn, (r, now));
             }
         }

@@ -76,8 +76,8 @@ mod restore;
 mod shared;
 // Owners and leaves:
 mod admit;
-mod claims;
 pub mod auth;
+mod claims;
 pub mod disk;
 mod driver;
 mod error;
@@ -260,6 +260,7 @@ pub(crate) fn start_with(
     );
     core_cfg.reservation_lease = cfg.reservation_lease;
     core_cfg.pin_lease = cfg.pin_lease;
+    core_cfg.claim_lease = cfg.claim_lease;
     core_cfg.quarantine = cfg.quarantine;
     if let Some(n) = &cfg.nixl {
         core_cfg.nixl_quarantine = n.quarantine;

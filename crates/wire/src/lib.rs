@@ -493,7 +493,10 @@ mod tests {
         assert!(claim(10).may_wait());
         assert!(!claim(0).may_wait());
         for r in all_requests() {
-            assert_eq!(r.may_wait(), matches!(r, Request::Claim { wait_ms, .. } if wait_ms > 0));
+            assert_eq!(
+                r.may_wait(),
+                matches!(r, Request::Claim { wait_ms, .. } if wait_ms > 0)
+            );
         }
     }
 
