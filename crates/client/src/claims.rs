@@ -110,6 +110,36 @@ impl Client {
             want,
             wait_ms,
         };
+        loop {
+            let (rows, leased_any) = self.claim_once(&ask, want, wait, deadline)?;
+            if !rows.is_empty() {
+                return self.row_keys(partition, rows, deadline);
+            }
+            // Rows leased, but none kept: the leases ran out before their
+            // settle (this client was paused). Claim again while there is
+            // time.
+            if !wait || !leased_any || Instant::now() >= deadline {
+                break;
+            }
+        }
+        if wait {
+            return Err(Error::Timeout {
+                unit: None,
+                what: format!("claim of {partition:?} for task {task:?}: no row was ready"),
+            });
+        }
+        Ok(Vec::new())
+    }
+
+    /// One try of [`Client::claim`]: the (unit, row) of the rows kept, and
+    /// whether any unit leased rows.
+    fn claim_once(
+        &self,
+        ask: &(dyn Fn(u32) -> Request + Sync),
+        want: u32,
+        wait: bool,
+        deadline: Instant,
+    ) -> Result<(Vec<(usize, u64)>, bool)> {
         // Every unit at once, answered at once.
         let mut conns = self.checkout_all(deadline)?;
         let now = ask(0);
@@ -134,16 +164,11 @@ impl Client {
             for l in leased {
                 self.checkin(l.unit, l.conn);
             }
-            leased = self.wait_for_rows(&ask, deadline)?;
+            leased = self.wait_for_rows(ask, deadline)?;
         }
+        let leased_any = leased.iter().any(|l| !l.rows.is_empty());
         let rows = self.settle(leased, want as usize, deadline)?;
-        if rows.is_empty() && wait {
-            return Err(Error::Timeout {
-                unit: None,
-                what: format!("claim of {partition:?} for task {task:?}: no row was ready"),
-            });
-        }
-        self.row_keys(partition, rows, deadline)
+        Ok((rows, leased_any))
     }
 
     /// `task`'s progress through `partition`, summed over the units.
@@ -254,13 +279,15 @@ impl Client {
             let mut cut = false;
             // Every thread sends once; the scope joins them.
             for (i, unit, conn, answer) in rx.iter() {
-                let got_rows =
-                    matches!(&answer, Ok(Response::Claimed { rows, .. }) if !rows.is_empty());
-                if cut && !got_rows {
-                    // Cut by us: closed, nothing of it is kept.
+                if cut {
+                    // Cut by us (its answer may have come first, but its
+                    // socket is shut): closed, which gives back whatever
+                    // its unit leased.
                     drop(conn);
                     continue;
                 }
+                let got_rows =
+                    matches!(&answer, Ok(Response::Claimed { rows, .. }) if !rows.is_empty());
                 match self.leased(unit, conn, answer, deadline) {
                     Ok(Some(l)) => leased.push(l),
                     Ok(None) => {}
@@ -268,7 +295,7 @@ impl Client {
                         first_err.get_or_insert(e);
                     }
                 }
-                if got_rows && !cut {
+                if got_rows {
                     cut = true;
                     for (j, c) in cuts.iter().enumerate() {
                         if j != i {

@@ -68,6 +68,8 @@ impl H {
                     );
                     self.watched.insert(s);
                 }
+                // The steps send no claim, so no claim waits for an answer.
+                Action::Claimed(r) => panic!("a claim answered that nobody made: {r:?}"),
             }
         }
         let core = &self.core;

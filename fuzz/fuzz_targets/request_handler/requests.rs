@@ -196,6 +196,7 @@ impl H {
             // target keeps none, so the reply stands).
             Plan::Committed { reply, .. } => Some(handler::committed_reply(reply, || None)),
             Plan::Silent => None,
+            Plan::Wait => panic!("a claim waits, but the steps send none"),
             Plan::Resolved { pin, found, .. } => {
                 let (sc, keys) = resolve.expect("Resolved answers a Resolve");
                 self.resolved(o, &sc, &keys, pin, &found);
