@@ -392,7 +392,7 @@ fn eight_consumers_over_four_units_killed_and_paused_claim_each_row_once() {
     assert_eq!(s.leased, 0, "{s:?}");
     let unreported = GROUPS * GROUP - claimed.len();
     assert!(unreported <= 2 * 8, "{unreported} rows unreported");
-    assert!(unreported % GROUP == 0);
+    assert!(unreported.is_multiple_of(GROUP));
     assert!(c
         .claim("p", TASK, &fields, 8, false, c.deadline())
         .unwrap()
