@@ -158,9 +158,7 @@ _BaseClass: Any = _Base if _Base is not None else object
 
 # -- the client's claim methods ----------------------------------------------
 # Every call of Client.register_tasks, claim, claim_status, unit_of and of
-# put's groups= keyword is in this block (client: the extension's Client,
-# typed Any here so that these calls check the same before and after its
-# stubs have the methods).
+# put's groups= keyword is in this block.
 
 
 def _unit_of(client: Any, group: str) -> int:
