@@ -50,6 +50,7 @@ EXAMPLES = {
     "## From Python": "grpo_step.py",
     "## On a Ray cluster": "ray_units.py",
     "## With TransferQueue": "tq_stowage.py",
+    "## Streaming GRPO across processes": "grpo_stream.py",
 }
 
 #: Python blocks that are fragments of a larger setup, not programs: the
