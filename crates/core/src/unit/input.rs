@@ -158,6 +158,22 @@ input! {
     /// unit ([`Owner::UNIT`]) until it unpins.
     TakeSnapshot => Snapshot, |_, core, now| Ok(core.snapshot(now))
 }
+/// Put back the claims state a [`Snapshot`] took ([`Snapshot::claims`]),
+/// over the entries restored before it: registrations, the rows' order,
+/// each task's consumed rows and counter. A partition already registered
+/// loses its claims state (leases, waiting claims) first. Invalid, with
+/// nothing changed, when a partition or a task is given twice, a task's
+/// name is empty, or a partition has more tasks than one may register.
+#[derive(Clone, Debug)]
+pub struct RestoreClaims(pub Vec<PartitionClaims>);
+
+impl Input for RestoreClaims {
+    type Answer = ();
+    fn apply(self, core: &mut UnitCore, _: Time, _: Token) -> Result<(), CoreError> {
+        core.restore_claims(self.0)
+    }
+}
+
 input! {
     /// A reader that pinned a spilled blob wants it back in the slab:
     /// answers the slab offset of the range to fill from its file (when
