@@ -664,6 +664,10 @@ fn a_checkpoint_keeps_the_claims_of_its_partitions() {
     let st = c2.claim_status("step", "reward", c2.deadline()).unwrap();
     assert!(st.registered);
     assert_eq!(st.consumed, 3);
+    // Each unit's claims state as restored, before anything is claimed.
+    let states: Vec<Vec<u8>> = (0..2)
+        .map(|u| c2.claims_state(u, c2.deadline()).unwrap())
+        .collect();
     let again = claim_all(&c2, "train");
     assert_eq!(again, &all - &train, "train after the restore");
     assert!(leased.iter().all(|r| again.contains(r)));
@@ -690,4 +694,25 @@ fn a_checkpoint_keeps_the_claims_of_its_partitions() {
     let st = c3.claim_status("step", "train", c3.deadline()).unwrap();
     assert!(!st.registered);
     assert_eq!(st.consumed, 0);
+
+    // Loaded into running units that hold the same rows, the claims
+    // states read from the restored ones bring the consumption back; in
+    // another namespace they name other partitions.
+    let mut cfg = ClientConfig::new("other", q.uds_addrs());
+    cfg.secret = q.secret().cloned();
+    let other = Client::connect(cfg).unwrap();
+    for (u, state) in states.iter().enumerate() {
+        other.load_claims(u, state, other.deadline()).unwrap();
+    }
+    let st = c3.claim_status("step", "train", c3.deadline()).unwrap();
+    assert!(!st.registered, "a namespace's claims stay in it");
+    for (u, state) in states.iter().enumerate() {
+        c3.load_claims(u, state, c3.deadline()).unwrap();
+    }
+    let st = c3.claim_status("step", "train", c3.deadline()).unwrap();
+    assert!(st.registered);
+    assert_eq!((st.samples, st.consumed), (n, 7));
+    assert_eq!(claim_all(&c3, "train"), &all - &train);
+    assert_eq!(claim_all(&c3, "reward"), &all - &reward);
+    assert!(c3.load_claims(0, b"junk", c3.deadline()).is_err());
 }

@@ -38,7 +38,7 @@ use crate::handler;
 use crate::shared::Shared;
 use crate::tier::{cut, read_through, PieceWriter, COPY_CHUNK};
 
-mod claims;
+pub(crate) mod claims;
 use claims::{CLAIMS, MAX_CLAIMS};
 
 const MANIFEST: &str = "MANIFEST";

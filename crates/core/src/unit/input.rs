@@ -158,6 +158,12 @@ input! {
     /// unit ([`Owner::UNIT`]) until it unpins.
     TakeSnapshot => Snapshot, |_, core, now| Ok(core.snapshot(now))
 }
+input! {
+    /// The claims state of every registered partition, as a [`Snapshot`]
+    /// takes it ([`Snapshot::claims`]), without the entries.
+    TakeClaims => Vec<PartitionClaims>, |_, core, _| Ok(core.claims_snapshot())
+}
+
 /// Put back the claims state a [`Snapshot`] took ([`Snapshot::claims`]),
 /// over the entries restored before it: registrations, the rows' order,
 /// each task's consumed rows and counter. A partition already registered

@@ -44,7 +44,7 @@ struct SavedTask {
 }
 
 /// The file's bytes for `parts`.
-pub(super) fn encode(parts: &[PartitionClaims]) -> Result<Vec<u8>, postcard::Error> {
+pub(crate) fn encode(parts: &[PartitionClaims]) -> Result<Vec<u8>, postcard::Error> {
     let saved: Vec<SavedPart> = parts
         .iter()
         .map(|p| SavedPart {
@@ -70,7 +70,7 @@ pub(super) fn encode(parts: &[PartitionClaims]) -> Result<Vec<u8>, postcard::Err
 
 /// The claims state in the file's `bytes`; why not, when they are not one
 /// this build reads.
-pub(super) fn decode(bytes: &[u8]) -> Result<Vec<PartitionClaims>, String> {
+pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<PartitionClaims>, String> {
     let (version, rest) =
         postcard::take_from_bytes::<u32>(bytes).map_err(|e| format!("{CLAIMS} unreadable: {e}"))?;
     if version != VERSION {
