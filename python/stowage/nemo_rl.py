@@ -242,7 +242,6 @@ class _Borrowed:
         return list(self._client.checkpoint(str(dir), None))
 
 
-
 def _native_client(client: Any) -> _native.Client:
     """The extension's Client of a ``stowage.DataPlane`` or a Client itself."""
     if isinstance(client, stowage.DataPlane):
@@ -654,7 +653,7 @@ class StowageDataPlaneClient(_BaseClass):
                 _load_claims(self._client, unit, state, self._timeout)
         finally:
             for part in parts:
-                part.close(plane)  # type: ignore[arg-type]
+                part.close(plane)
         return dict(user)
 
     def _copy_part(self, src: Any, unit: int) -> None:
@@ -671,7 +670,9 @@ class StowageDataPlaneClient(_BaseClass):
                 for s in range(0, len(keys), 4096):
                     chunk = keys[s : s + 4096]
                     vals = src.get(p, chunk, [f], None, self._timeout, True)[0]
-                    vals = [("bfloat16", v.view(np.int16)) if v.dtype.kind == "V" else v for v in vals]
+                    vals = [
+                        ("bfloat16", v.view(np.int16)) if v.dtype.kind == "V" else v for v in vals
+                    ]
                     ids = [str(k) for k in chunk]
                     _put_rows(
                         self._client,
