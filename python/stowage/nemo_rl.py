@@ -33,12 +33,13 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
+import numpy as np
 import torch
 from tensordict import TensorDict
 
 import stowage
 
-from . import _column, _native
+from . import _column, _native, _tq_checkpoint
 from ._nemo_rl_codec import (
     TAGS_FIELD,
     columns_of,
@@ -194,6 +195,14 @@ def _claim_status(
     return dict(client.claim_status(partition, task, timeout=timeout))
 
 
+def _claims_state(client: Any, unit: int, timeout: Optional[float]) -> bytes:
+    return bytes(client.claims_state(unit, timeout))
+
+
+def _load_claims(client: Any, unit: int, state: bytes, timeout: Optional[float]) -> None:
+    client.load_claims(unit, state, timeout)
+
+
 def _put_rows(
     client: Any,
     partition: str,
@@ -207,6 +216,28 @@ def _put_rows(
 
 
 # ------------------------------------------------------------------------------
+
+#: The adapter's record in a checkpoint directory: its format and the
+#: caller's metadata.
+_METADATA = "stowage_nemo_rl.json"
+#: The field that names a row's group (``put(..., groups=)`` writes it).
+_GROUP_FIELD = "\0g:"
+
+
+class _Borrowed:
+    """What the checkpoint helpers of ``stowage.tq`` use of a
+    ``stowage.DataPlane`` (its client, units and checkpoint), over a client
+    this adapter does not own: nothing here closes it."""
+
+    def __init__(self, client: Any) -> None:
+        self._client = client
+
+    @property
+    def units(self) -> List[str]:
+        return list(self._client.units)
+
+    def checkpoint(self, dir: str) -> List[Dict[str, Any]]:
+        return list(self._client.checkpoint(str(dir), None))
 
 
 def _native_client(client: Any) -> _native.Client:
@@ -250,6 +281,8 @@ class StowageDataPlaneClient(_BaseClass):
         # clear_samples(None, ...) form clears them).
         self._produced: Dict[str, Dict[str, None]] = {}
         self._closed = False
+        # Whether a data operation (or a load) ran through this client.
+        self._used = False
 
     @classmethod
     def from_directory(
@@ -291,6 +324,12 @@ class StowageDataPlaneClient(_BaseClass):
         if self._closed:
             raise RuntimeError("StowageDataPlaneClient is closed")
 
+    def _begin(self) -> None:
+        """A data operation: the client must be open, and a later
+        :meth:`load_checkpoint` is refused."""
+        self._check_open()
+        self._used = True
+
     # -- (A) task-mediated -------------------------------------------------------
 
     def register_partition(
@@ -307,7 +346,7 @@ class StowageDataPlaneClient(_BaseClass):
         Idempotent; ``fields`` and ``enums`` need no declaring in stowage
         (fields come into being when put)."""
         del fields, enums
-        self._check_open()
+        self._begin()
         if not consumer_tasks:
             return
         g = int(grpo_group_size) if grpo_group_size is not None else None
@@ -341,7 +380,7 @@ class StowageDataPlaneClient(_BaseClass):
         none. An unregistered task raises KeyError. ``dp_rank`` is
         reserved (ignored), as in NeMo-RL."""
         del dp_rank
-        self._check_open()
+        self._begin()
         fields = [str(f) for f in required_fields]
         try:
             keys = _claim(
@@ -394,7 +433,7 @@ class StowageDataPlaneClient(_BaseClass):
     def check_consumption_status(self, partition_id: str, task_names: List[str]) -> bool:
         """Whether every task has claimed at least the samples registered
         for it (summed over the units; false for an unregistered task)."""
-        self._check_open()
+        self._begin()
         for t in task_names:
             s = _claim_status(self._client, partition_id, t, self._timeout)
             if not s.get("registered") or s.get("consumed", 0) < s.get("samples", 0):
@@ -415,7 +454,7 @@ class StowageDataPlaneClient(_BaseClass):
         unit. Fields already stored are replaced, others kept; tags are
         replaced only when given. Non-tensor leaves and unsupported dtypes
         raise TypeError before anything is stored."""
-        self._check_open()
+        self._begin()
         ids = [str(s) for s in sample_ids]
         if not ids:
             return KVBatchMeta(partition_id=partition_id, task_name=None, sample_ids=[])
@@ -468,7 +507,7 @@ class StowageDataPlaneClient(_BaseClass):
         dense tensor where every row has the same shape, a nested tensor
         (jagged layout) where rows differ. A (sample, field) that was
         cleared or never put raises KeyError. Claims nothing."""
-        self._check_open()
+        self._begin()
         ids = [str(s) for s in sample_ids]
         fields = [str(f) for f in select_fields]
         if not ids:
@@ -490,14 +529,14 @@ class StowageDataPlaneClient(_BaseClass):
         """The ids of the samples stored in ``partition_id`` now, sorted
         (metadata only: no tensor is read, nothing is claimed; an unknown
         partition has none)."""
-        self._check_open()
+        self._begin()
         return sorted(str(k) for k in self._client.list(partition_id, self._timeout))
 
     def clear_samples(self, sample_ids: Optional[List[str]], partition_id: str) -> None:
         """Clear whole rows. ``None``: the samples this client put in
         ``partition_id`` and has not cleared (warns when there are none:
         pass the ids)."""
-        self._check_open()
+        self._begin()
         produced = self._produced.get(partition_id, {})
         if sample_ids is None:
             ids = list(produced)
@@ -524,16 +563,124 @@ class StowageDataPlaneClient(_BaseClass):
     def save_checkpoint(
         self, checkpoint_dir: Any, *, metadata: Optional[Dict[str, Any]] = None
     ) -> None:
-        """Not implemented: raises NotImplementedError. (Defined so that the
-        class can be made under the NeMo-RL versions whose interface declares it.)"""
-        raise NotImplementedError(
-            "StowageDataPlaneClient.save_checkpoint is not implemented (stowage's own "
-            "DataPlane.checkpoint saves the units' data, not the claims)"
+        """Save the units' data plane to ``checkpoint_dir``: every unit writes
+        its rows (tensors and tags) and its claims state (each registered
+        partition's tasks, group size, samples, the order its rows are
+        claimed in, and what each task consumed) under its own checkpoint
+        root, as ``DataPlane.checkpoint`` does; ``checkpoint_dir`` gets a
+        record of where the parts are and ``metadata`` (JSON, returned by
+        :meth:`load_checkpoint`). Samples leased by a claim in flight are
+        saved as not consumed: after a load they are claimable again.
+        Callers keep clears and other saves away until it returns."""
+        self._check_open()
+        meta = {} if metadata is None else metadata
+        if not isinstance(meta, dict):
+            raise TypeError(f"save_checkpoint: metadata is a {type(meta).__name__}, not a dict")
+        body = json.dumps({"format": 1, "user_metadata": meta})
+        root = os.path.abspath(os.fspath(checkpoint_dir))
+        owner = self._owner if isinstance(self._owner, stowage.DataPlane) else None
+        _tq_checkpoint._save_checkpoint(
+            owner if owner is not None else _Borrowed(self._client),  # type: ignore[arg-type]
+            self._client.namespace,
+            root,
         )
+        tmp = os.path.join(root, _METADATA + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(root, _METADATA))
 
     def load_checkpoint(self, checkpoint_dir: Any) -> Dict[str, Any]:
-        """Not implemented: raises NotImplementedError (see save_checkpoint)."""
-        raise NotImplementedError("StowageDataPlaneClient.load_checkpoint is not implemented")
+        """Restore a checkpoint :meth:`save_checkpoint` wrote into the units
+        this client uses, before any data operation through it (refused
+        after one: RuntimeError). Each part is served by a unit restored
+        from it (on this host, or by a live unit on the part's host, as
+        ``stowage.tq`` loads do); its partitions are cleared in the live
+        units, its rows put back on the unit of the same index, and its
+        claims state loaded there (``Client.load_claims``): registrations,
+        row order and each task's consumption as saved. The live plane must
+        have as many units as the saved one (ValueError). Returns the
+        ``metadata`` given to :meth:`save_checkpoint`. Not transactional: a
+        failed load leaves this client refusing another."""
+        self._check_open()
+        if self._used:
+            raise RuntimeError(
+                "load_checkpoint needs a client before any data operation (register, claim, "
+                "put, get, list, clear, consumption status) or another load"
+            )
+        root = os.path.realpath(os.fspath(checkpoint_dir))
+        with open(os.path.join(root, _METADATA), encoding="utf-8") as f:
+            saved = json.load(f)
+        user = saved.get("user_metadata", {}) if isinstance(saved, dict) else None
+        if not isinstance(user, dict) or saved.get("format") != 1:
+            raise ValueError(f"{os.path.join(root, _METADATA)} is not a checkpoint's metadata")
+        record = _tq_checkpoint._checkpoint_record(root)
+        entries = record["units"]
+        units = len(self._client.units)
+        if len(entries) != units:
+            raise ValueError(
+                f"the checkpoint {root} has {len(entries)} parts and this data plane "
+                f"{units} units: a load needs as many units as the save had"
+            )
+        self._used = True
+        ns = record.get("namespace") or self._client.namespace
+        plane = _Borrowed(self._client)
+        parts: List[Any] = []
+        try:
+            for i, entry in enumerate(entries):
+                path = _tq_checkpoint._checkpoint_here(root, entry)
+                if path is not None:
+                    local = stowage.local(
+                        units=1,
+                        memory=_tq_checkpoint._checkpoint_unit(path, entry),
+                        namespace=ns,
+                        timeout=self._timeout or 30.0,
+                        unit_args=["--restore", path],
+                    )
+                    parts.append(_tq_checkpoint._Part(local))
+                else:
+                    parts.append(_tq_checkpoint._open_elsewhere(plane, root, i, entry, ns))  # type: ignore[arg-type]
+            names = sorted({p for part in parts for p in part.source.partitions()})
+            for p in names:
+                self._client.clear_partition(p, self._timeout)
+            for unit, part in enumerate(parts):
+                self._copy_part(part.source._client, unit)
+            for unit, part in enumerate(parts):
+                state = _claims_state(part.source._client, 0, self._timeout)
+                _load_claims(self._client, unit, state, self._timeout)
+        finally:
+            for part in parts:
+                part.close(plane)
+        return dict(user)
+
+    def _copy_part(self, src: Any, unit: int) -> None:
+        """Every row of the restored part ``src`` put on unit ``unit``, each
+        with its group."""
+        for p in src.partitions(self._timeout):
+            by_field: Dict[str, List[Any]] = {}
+            for key, fields in src.list(p, self._timeout).items():
+                for f in fields:
+                    # A group's field comes back with the put's groups.
+                    if not f.startswith(_GROUP_FIELD):
+                        by_field.setdefault(f, []).append(key)
+            for f, keys in by_field.items():
+                for s in range(0, len(keys), 4096):
+                    chunk = keys[s : s + 4096]
+                    vals = src.get(p, chunk, [f], None, self._timeout, True)[0]
+                    vals = [
+                        ("bfloat16", v.view(np.int16)) if v.dtype.kind == "V" else v for v in vals
+                    ]
+                    ids = [str(k) for k in chunk]
+                    _put_rows(
+                        self._client,
+                        p,
+                        chunk,
+                        [(f, vals)],
+                        unit,
+                        [group_of(k) for k in ids],
+                        self._timeout,
+                    )
 
     # -- (C) lifecycle ------------------------------------------------------------
 

@@ -573,3 +573,146 @@ fn over_tcp_with_the_secret_units_checkpoint_and_serve_restores() {
     }
     assert!(!ckpt.path().join("s3").exists());
 }
+
+/// The rows of `keys` (index keys), as a set.
+fn index_rows(keys: &[RowKey]) -> std::collections::BTreeSet<u64> {
+    keys.iter()
+        .map(|k| match k {
+            RowKey::Index(r) => *r,
+            other => panic!("{other:?}"),
+        })
+        .collect()
+}
+
+fn claim_all(c: &Client, task: &str) -> std::collections::BTreeSet<u64> {
+    let keys = c
+        .claim("step", task, &["x".into()], 1000, false, c.deadline())
+        .unwrap();
+    let rows = index_rows(&keys);
+    assert_eq!(rows.len(), keys.len(), "a row twice in one claim");
+    rows
+}
+
+/// A checkpoint keeps each partition's claims: restored into fresh units,
+/// the tasks are registered as before, their consumed counts are kept, a
+/// claim returns exactly the rows not consumed before the checkpoint, and
+/// rows leased but not settled when it was taken are claimable again. A
+/// checkpoint without its claims file (an older one) restores with none.
+#[test]
+fn a_checkpoint_keeps_the_claims_of_its_partitions() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let root = ckpt.path().display().to_string();
+    let (mut p, _) = plane(2, 16 * MIB, &["--checkpoint-root", &root]);
+    let c = connect(&p);
+    let n = 40u64;
+    for r in 0..n {
+        put(&c, r, 0);
+    }
+    let tasks = ["train".to_string(), "reward".to_string()];
+    c.register_tasks("step", &tasks, n, 0, c.deadline())
+        .unwrap();
+    let train = index_rows(
+        &c.claim("step", "train", &["x".into()], 7, false, c.deadline())
+            .unwrap(),
+    );
+    let reward = index_rows(
+        &c.claim("step", "reward", &["x".into()], 3, false, c.deadline())
+            .unwrap(),
+    );
+    assert_eq!((train.len(), reward.len()), (7, 3));
+    // A lease of unit 0 left unsettled while the checkpoint is taken.
+    let mut raw = common::Raw::hello(&p.units[0].uds, "ns");
+    let leased = match raw.call(&stowage_wire::Request::Claim {
+        partition: "step".into(),
+        task: "train".into(),
+        fields: vec!["x".into()],
+        want: 2,
+        wait_ms: 0,
+    }) {
+        stowage_wire::Response::Claimed { rows, .. } => rows,
+        other => panic!("{other:?}"),
+    };
+    assert!(!leased.is_empty());
+    assert!(leased.iter().all(|r| !train.contains(r)));
+    let st = c.claim_status("step", "train", c.deadline()).unwrap();
+    assert_eq!((st.consumed, st.leased), (7, leased.len() as u64));
+    let infos = c.checkpoint(&ckpt.path().join("c1"), c.deadline()).unwrap();
+    for i in &infos {
+        assert!(i.files.iter().any(|f| f.name == "claims"), "{i:?}");
+    }
+    drop(raw);
+    p.stop();
+
+    let restore = |dir: &Path| {
+        let mut opts = LocalOptions::new(2, 16 * MIB);
+        opts.command = vec![binary().into(), "unit".into()];
+        opts.unit_args = vec!["--no-mlock".into()];
+        opts.restore = Some(dir.to_owned());
+        LocalPlane::start(&opts).unwrap()
+    };
+    let all: std::collections::BTreeSet<u64> = (0..n).collect();
+    let q = restore(&ckpt.path().join("c1"));
+    let c2 = connect(&q);
+    let st = c2.claim_status("step", "train", c2.deadline()).unwrap();
+    assert!(st.registered);
+    assert_eq!((st.samples, st.group_size), (n, 0));
+    assert_eq!(
+        (st.consumed, st.leased),
+        (7, 0),
+        "the lease is not consumed"
+    );
+    let st = c2.claim_status("step", "reward", c2.deadline()).unwrap();
+    assert!(st.registered);
+    assert_eq!(st.consumed, 3);
+    // Each unit's claims state as restored, before anything is claimed.
+    let states: Vec<Vec<u8>> = (0..2)
+        .map(|u| c2.claims_state(u, c2.deadline()).unwrap())
+        .collect();
+    let again = claim_all(&c2, "train");
+    assert_eq!(again, &all - &train, "train after the restore");
+    assert!(leased.iter().all(|r| again.contains(r)));
+    assert_eq!(claim_all(&c2, "reward"), &all - &reward);
+    assert!(claim_all(&c2, "train").is_empty());
+    assert_eq!(
+        c2.claim_status("step", "train", c2.deadline())
+            .unwrap()
+            .consumed,
+        n
+    );
+    drop(c2);
+    drop(q);
+
+    // The same checkpoint without its claims file: the data, no claims.
+    for i in 0..2 {
+        let dir = ckpt.path().join(format!("c1/unit-{i}"));
+        rewrite_manifest(&dir, |m| m.files.retain(|f| f.name != "claims"));
+        std::fs::remove_file(dir.join("claims")).unwrap();
+    }
+    let q = restore(&ckpt.path().join("c1"));
+    let c3 = connect(&q);
+    assert_eq!(c3.list("step", c3.deadline()).unwrap().len() as u64, n);
+    let st = c3.claim_status("step", "train", c3.deadline()).unwrap();
+    assert!(!st.registered);
+    assert_eq!(st.consumed, 0);
+
+    // Loaded into running units that hold the same rows, the claims
+    // states read from the restored ones bring the consumption back; in
+    // another namespace they name other partitions.
+    let mut cfg = ClientConfig::new("other", q.uds_addrs());
+    cfg.secret = q.secret().cloned();
+    let other = Client::connect(cfg).unwrap();
+    for (u, state) in states.iter().enumerate() {
+        other.load_claims(u, state, other.deadline()).unwrap();
+    }
+    let st = c3.claim_status("step", "train", c3.deadline()).unwrap();
+    assert!(!st.registered, "a namespace's claims stay in it");
+    for (u, state) in states.iter().enumerate() {
+        c3.load_claims(u, state, c3.deadline()).unwrap();
+    }
+    let st = c3.claim_status("step", "train", c3.deadline()).unwrap();
+    assert!(st.registered);
+    assert_eq!((st.samples, st.consumed), (n, 7));
+    assert_eq!(claim_all(&c3, "train"), &all - &train);
+    assert_eq!(claim_all(&c3, "reward"), &all - &reward);
+    assert!(c3.load_claims(0, b"junk", c3.deadline()).is_err());
+}

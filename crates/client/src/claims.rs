@@ -199,6 +199,32 @@ impl Client {
         Ok(sum)
     }
 
+    /// The claims state of this namespace on `unit` (each registered
+    /// partition's tasks, rows' order and consumption), in a checkpoint's
+    /// `claims` format: what [`Client::load_claims`] puts back on a unit
+    /// that holds the same rows (a checkpoint's load reads it from the
+    /// unit that restored a part).
+    pub fn claims_state(&self, unit: usize, deadline: Instant) -> Result<Vec<u8>> {
+        match self.call_one(unit, Request::ClaimsState, deadline)? {
+            Response::ClaimsState { state } => Ok(state),
+            other => Err(unexpected(unit, other)),
+        }
+    }
+
+    /// Put back on `unit` a claims state [`Client::claims_state`]
+    /// answered, over the rows `unit` holds now: each partition it names
+    /// takes the saved registration and consumption there (its leases and
+    /// waiting claims end).
+    pub fn load_claims(&self, unit: usize, state: &[u8], deadline: Instant) -> Result<()> {
+        let req = Request::LoadClaims {
+            state: state.to_vec(),
+        };
+        match self.call_one(unit, req, deadline)? {
+            Response::Done => Ok(()),
+            other => Err(unexpected(unit, other)),
+        }
+    }
+
     /// A connection to every unit, checked out at once.
     fn checkout_all(&self, deadline: Instant) -> Result<Vec<(usize, Lease<'_>)>> {
         let got = fanout::all_at_once((0..self.units.len()).map(|u| self.checkout(u, deadline)));

@@ -190,6 +190,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::Claimed { .. } => "Claimed",
         Response::Settled { .. } => "Settled",
         Response::ClaimStatus(_) => "ClaimStatus",
+        Response::ClaimsState { .. } => "ClaimsState",
     }
 }
 

@@ -103,8 +103,8 @@ mod unit;
 
 pub use unit::{
     input, op, Action, ClaimAnswer, ClaimReply, ClaimStatusAnswer, Committed, ConnEnd, CoreConfig,
-    Input, Lease, MoveJob, Op, Owner, Placed, Placement, Request, Resolved, SessionStats, Snapshot,
-    SnapshotEntry, SpareCommitted, SpillJob, Stats, UnitCore,
+    Input, Lease, MoveJob, Op, Owner, PartitionClaims, Placed, Placement, Request, Resolved,
+    SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats, TaskClaims, UnitCore,
 };
 
 use serde::{Deserialize, Serialize};

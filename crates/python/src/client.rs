@@ -31,6 +31,8 @@ pub(crate) struct Client {
     /// Whether Unix-socket units are reached through shared memory.
     shm_enabled: bool,
     addrs: Vec<String>,
+    /// The namespace every request acts in.
+    namespace: String,
     /// The key that authenticates TransferQueue's pickled cells (see
     /// [`Client::cell_key`]), derived from the secret at connect; the
     /// secret itself stays in the connection config.
@@ -181,7 +183,7 @@ impl Client {
             .collect::<PyResult<Vec<_>>>()?;
         let derived = secret.as_ref().map(cell_key);
         let all_shm = shm && addrs.iter().all(|a| matches!(a, UnitAddr::Unix(_)));
-        let mut cfg = ClientConfig::new(namespace, addrs.clone());
+        let mut cfg = ClientConfig::new(namespace.clone(), addrs.clone());
         cfg.timeout = Duration::try_from_secs_f64(timeout)
             .map_err(|_| invalid("timeout must be a non-negative number of seconds"))?;
         cfg.shm = shm;
@@ -233,6 +235,7 @@ impl Client {
             shm: all_shm,
             shm_enabled: shm,
             addrs: addrs.iter().map(|a| a.to_string()).collect(),
+            namespace,
             cell_key: derived,
         })
     }
@@ -247,6 +250,12 @@ impl Client {
     #[getter]
     fn units(&self) -> Vec<String> {
         self.addrs.clone()
+    }
+
+    /// The namespace every request acts in.
+    #[getter]
+    fn namespace(&self) -> String {
+        self.namespace.clone()
     }
 
     /// Whether every unit is reached through shared memory.
@@ -405,6 +414,41 @@ impl Client {
         d.set_item("consumed", p.consumed)?;
         d.set_item("leased", p.leased)?;
         Ok(d)
+    }
+
+    /// The claims state of this namespace on unit `unit`, as bytes (a
+    /// checkpoint's `claims` format): what `load_claims` puts back on a
+    /// unit holding the same rows.
+    #[pyo3(signature = (unit, timeout = None))]
+    fn claims_state<'py>(
+        &self,
+        py: Python<'py>,
+        unit: usize,
+        timeout: Option<f64>,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        let state = py
+            .detach(|| client.claims_state(unit, deadline))
+            .map_err(|e| to_py(py, e, &[]))?;
+        Ok(PyBytes::new(py, &state))
+    }
+
+    /// Put back on unit `unit` a claims state `claims_state` answered,
+    /// over the rows the unit holds now: each partition it names takes
+    /// the saved registration and consumption there.
+    #[pyo3(signature = (unit, state, timeout = None))]
+    fn load_claims(
+        &self,
+        py: Python<'_>,
+        unit: usize,
+        state: Vec<u8>,
+        timeout: Option<f64>,
+    ) -> PyResult<()> {
+        let deadline = self.deadline(timeout)?;
+        let client = self.client()?;
+        py.detach(|| client.load_claims(unit, &state, deadline))
+            .map_err(|e| to_py(py, e, &[]))
     }
 
     /// Get rows: a list (per field) of lists (per row) of new arrays with
@@ -887,6 +931,7 @@ impl Client {
             shm,
             shm_enabled: self.shm_enabled,
             addrs: vec![addr.to_string()],
+            namespace: namespace.clone(),
             cell_key: self.cell_key,
         };
         d.set_item("client", Py::new(py, c)?)?;

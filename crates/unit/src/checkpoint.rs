@@ -6,6 +6,7 @@
 //! ```text
 //!  <blob>.blob   one per blob, the disk tier's format (bytes + xxh3 per chunk)
 //!  index         postcard: every entry (namespace, row, field, blob, offset, len, meta)
+//!  claims        postcard: every registered partition's tasks and consumption ([`claims`])
 //!  MANIFEST      postcard: version, counts, each file's name, size and xxh3; then its own xxh3
 //! ```
 //!
@@ -16,7 +17,8 @@
 //! Consistency: the entries are taken from the core in one step (every put
 //! that completed before the request is in, nothing half-committed is) and
 //! their blobs are pinned while they are copied; committed blobs never
-//! change, so no blob is torn.
+//! change, so no blob is torn. The claims state is taken in that same
+//! step: a row is consumed in the checkpoint only if its entries are in it.
 
 use std::collections::{BTreeMap, HashSet};
 use std::fs::File;
@@ -35,6 +37,9 @@ use crate::disk::{self, DiskEngine, FileEngine};
 use crate::handler;
 use crate::shared::Shared;
 use crate::tier::{cut, read_through, PieceWriter, COPY_CHUNK};
+
+pub(crate) mod claims;
+use claims::{CLAIMS, MAX_CLAIMS};
 
 const MANIFEST: &str = "MANIFEST";
 const MANIFEST_TMP: &str = "MANIFEST.tmp";
@@ -63,7 +68,8 @@ struct Manifest {
     rows: u64,
     entries: u64,
     bytes: u64,
-    /// Blob files, then the index.
+    /// Blob files, then the index, then the claims (none in a checkpoint
+    /// written before claims were kept).
     files: Vec<CheckpointFile>,
 }
 
@@ -320,6 +326,14 @@ fn write_snapshot(
         size: index_bytes.len() as u64,
         xxh3: xxhash_rust::xxh3::xxh3_64(&index_bytes),
     });
+    let claims_bytes =
+        claims::encode(&snap.claims).map_err(|e| CheckpointError::Restore(e.to_string()))?;
+    write_synced(dir_fd.as_fd(), CLAIMS, &claims_bytes).map_err(&ioe)?;
+    files.push(CheckpointFile {
+        name: CLAIMS.into(),
+        size: claims_bytes.len() as u64,
+        xxh3: xxhash_rust::xxh3::xxh3_64(&claims_bytes),
+    });
     let rows = {
         let mut r: Vec<(&str, u64)> = snap
             .entries
@@ -438,10 +452,12 @@ fn file_name(p: &Path) -> String {
         .unwrap_or_default()
 }
 
-/// Whether `name` is one a checkpoint holds: the index, or a blob file
-/// (`<32 hex digits>.blob`), a plain name in the checkpoint's directory.
+/// Whether `name` is one a checkpoint holds: the index, the claims, or a
+/// blob file (`<32 hex digits>.blob`), a plain name in the checkpoint's
+/// directory.
 fn is_checkpoint_name(name: &str) -> bool {
     name == INDEX
+        || name == CLAIMS
         || name.strip_suffix(".blob").is_some_and(|h| {
             h.len() == 32
                 && h.bytes()
@@ -532,8 +548,8 @@ pub(crate) fn restore_from(
     for f in &manifest.files {
         if !is_checkpoint_name(&f.name) {
             return Err(incomplete(format!(
-                "the manifest names {:?}, which is no file of a checkpoint (only {INDEX} and \
-                 <32 hex digits>.blob, in the checkpoint's own directory): refused",
+                "the manifest names {:?}, which is no file of a checkpoint (only {INDEX}, \
+                 {CLAIMS} and <32 hex digits>.blob, in the checkpoint's own directory): refused",
                 f.name
             )));
         }
@@ -581,6 +597,18 @@ pub(crate) fn restore_from(
     }
     let index: Vec<IndexEntry> = postcard::from_bytes(&index_bytes)
         .map_err(|e| incomplete(format!("index unreadable: {e}")))?;
+    // Read and checked before any blob is stored; put back after them.
+    let claims = match manifest.files.iter().find(|f| f.name == CLAIMS) {
+        None => Vec::new(),
+        Some(f) => {
+            let bytes = read_file(dfd.as_fd(), CLAIMS, f.size.min(MAX_CLAIMS))
+                .map_err(|e| incomplete(format!("{CLAIMS}: {e}")))?;
+            if xxhash_rust::xxh3::xxh3_64(&bytes) != f.xxh3 {
+                return Err(incomplete(format!("{CLAIMS} changed while it was read")));
+            }
+            claims::decode(&bytes).map_err(incomplete)?
+        }
+    };
     // Group entries by blob: one blob's entries come from one commit, so
     // one namespace.
     let mut by_blob: BTreeMap<BlobId, (String, Vec<EntrySpec>)> = BTreeMap::new();
@@ -685,6 +713,10 @@ pub(crate) fn restore_from(
             }
         }
     }
+    shared
+        .core()
+        .handle(shared.now(), stowage_core::input::RestoreClaims(claims))
+        .map_err(|e| CheckpointError::Restore(format!("the claims: {e}")))?;
     Ok(CheckpointInfo {
         rows: manifest.rows,
         entries: manifest.entries,

@@ -439,7 +439,9 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         req @ (Request::RegisterTasks { .. }
         | Request::Claim { .. }
         | Request::Settle { .. }
-        | Request::ClaimStatus { .. }) => claims::plan(&mut core(), owner, namespace, req, now),
+        | Request::ClaimStatus { .. }
+        | Request::ClaimsState
+        | Request::LoadClaims { .. }) => claims::plan(&mut core(), owner, namespace, req, now),
         other @ (Request::Hello { .. } | Request::Auth { .. } | Request::Prove { .. }) => {
             Plan::Refuse(format!("unexpected request {other:?}"))
         }

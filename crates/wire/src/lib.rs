@@ -75,8 +75,10 @@ pub use validation::PARTITION_SEPARATOR;
 /// [`Response::Restore`]); version 12 [`Stats`] as the core's counters
 /// (one field, first) and then the server's own; version 13 claims
 /// ([`Request::RegisterTasks`], [`Request::Claim`], [`Request::Settle`],
-/// [`Request::ClaimStatus`] and their replies).
-pub const PROTOCOL_VERSION: u16 = 13;
+/// [`Request::ClaimStatus`] and their replies); version 14 claims in
+/// checkpoint loads ([`Request::ClaimsState`], [`Request::LoadClaims`],
+/// [`Response::ClaimsState`]).
+pub const PROTOCOL_VERSION: u16 = 14;
 
 #[cfg(test)]
 mod tests {
@@ -200,6 +202,10 @@ mod tests {
             Request::ClaimStatus {
                 partition: "step-1".into(),
                 task: "train".into(),
+            },
+            Request::ClaimsState,
+            Request::LoadClaims {
+                state: vec![1, 0, 7],
             },
         ]
     }
@@ -391,6 +397,9 @@ mod tests {
                 consumed: 100,
                 leased: 8,
             }),
+            Response::ClaimsState {
+                state: vec![1, 2, 3],
+            },
         ]
     }
 

@@ -229,6 +229,21 @@ pub enum Request {
         partition: String,
         task: String,
     },
+    /// The claims state of this namespace's registered partitions on this
+    /// unit, as a checkpoint keeps it (each partition's registration, its
+    /// rows in claim order, each task's consumed rows and count; rows
+    /// leased now are not consumed): answered [`Response::ClaimsState`],
+    /// in the format of a checkpoint's `claims` file. What a load reads
+    /// from the unit that restored a checkpoint's part.
+    ClaimsState,
+    /// Put back a claims state that [`Request::ClaimsState`] answered, in
+    /// this namespace, over the rows this unit holds now (store them
+    /// first): each partition it names loses its claims state here
+    /// (leases, waiting claims) and takes the saved one; rows it names
+    /// that this unit does not hold are left out. Answered `Done`.
+    LoadClaims {
+        state: Vec<u8>,
+    },
 }
 
 /// The field a row's group id is written under, after this prefix
@@ -460,4 +475,8 @@ pub enum Response {
     },
     /// Reply to ClaimStatus.
     ClaimStatus(ClaimProgress),
+    /// Reply to ClaimsState.
+    ClaimsState {
+        state: Vec<u8>,
+    },
 }

@@ -153,6 +153,7 @@ impl Request {
                 fields.iter().try_for_each(|f| name("field name bytes", f))
             }
             Request::Settle { keep, .. } => count("rows", keep.len()),
+            Request::LoadClaims { .. } | Request::ClaimsState => Ok(()),
             Request::ClaimStatus { partition: p, task } => {
                 partition(p)?;
                 name("task name bytes", task)

@@ -48,6 +48,8 @@ use super::input::apply_op;
 use super::op::{Claim, ClaimStatus, RegisterTasks, Settle};
 use super::*;
 
+mod snapshot;
+
 /// Most tasks one partition may register.
 pub(super) const MAX_TASKS: usize = 64;
 

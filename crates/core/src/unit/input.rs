@@ -159,6 +159,28 @@ input! {
     TakeSnapshot => Snapshot, |_, core, now| Ok(core.snapshot(now))
 }
 input! {
+    /// The claims state of every registered partition, as a [`Snapshot`]
+    /// takes it ([`Snapshot::claims`]), without the entries.
+    TakeClaims => Vec<PartitionClaims>, |_, core, _| Ok(core.claims_snapshot())
+}
+
+/// Put back the claims state a [`Snapshot`] took ([`Snapshot::claims`]),
+/// over the entries restored before it: registrations, the rows' order,
+/// each task's consumed rows and counter. A partition already registered
+/// loses its claims state (leases, waiting claims) first. Invalid, with
+/// nothing changed, when a partition or a task is given twice, a task's
+/// name is empty, or a partition has more tasks than one may register.
+#[derive(Clone, Debug)]
+pub struct RestoreClaims(pub Vec<PartitionClaims>);
+
+impl Input for RestoreClaims {
+    type Answer = ();
+    fn apply(self, core: &mut UnitCore, _: Time, _: Token) -> Result<(), CoreError> {
+        core.restore_claims(self.0)
+    }
+}
+
+input! {
     /// A reader that pinned a spilled blob wants it back in the slab:
     /// answers the slab offset of the range to fill from its file (when
     /// the slab has room below the high watermark), to report with

@@ -351,6 +351,36 @@ pub struct Snapshot {
     pub entries: Vec<SnapshotEntry>,
     /// Each blob once: its size and where its bytes are now.
     pub blobs: Vec<(BlobId, u64, Placement)>,
+    /// The claims state of every registered partition, by name, taken in
+    /// the same step as the entries ([`input::RestoreClaims`] puts it
+    /// back).
+    pub claims: Vec<PartitionClaims>,
+}
+
+/// The claims state of one registered partition, as a checkpoint keeps
+/// it: its registration, its rows in the order claims take them, and what
+/// each task consumed. Rows leased at the time are not consumed (a
+/// restore gives them back); waiting claims are not kept.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PartitionClaims {
+    pub partition: String,
+    pub samples: u64,
+    pub group_size: u32,
+    /// The partition's rows in the order claims take them (the rows of
+    /// one unit of claiming, a row or a group, together), each once.
+    pub order: Vec<u64>,
+    /// Its tasks, in the order they were registered.
+    pub tasks: Vec<TaskClaims>,
+}
+
+/// What one task of a [`PartitionClaims`] consumed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TaskClaims {
+    pub name: String,
+    /// The rows settled for the task and still stored, ascending.
+    pub consumed: Vec<u64>,
+    /// Rows ever settled for the task (never lowered).
+    pub consumed_total: u64,
 }
 
 /// The sans-I/O state machine of one storage unit. See the crate docs.

@@ -97,7 +97,8 @@ impl UnitCore {
     }
 
     /// Every committed entry of every partition, with their blobs pinned
-    /// (held) so that their bytes stay while a checkpoint copies them.
+    /// (held) so that their bytes stay while a checkpoint copies them, and
+    /// the claims state of every registered partition.
     pub(super) fn snapshot(&mut self, now: Time) -> Snapshot {
         let mut entries = Vec::with_capacity(self.index.entries as usize);
         let mut blob_ids = Vec::new();
@@ -138,6 +139,7 @@ impl UnitCore {
             pin,
             entries,
             blobs,
+            claims: self.claims_snapshot(),
         }
     }
 

@@ -106,6 +106,37 @@ pub(super) fn plan(
                 })
             }),
         ),
+        Request::ClaimsState => {
+            let prefix = scope(namespace, "");
+            let mut parts = match core.handle(now, stowage_core::input::TakeClaims) {
+                Ok(p) => p,
+                Err(e) => return error(e),
+            };
+            parts.retain_mut(|p| match p.partition.strip_prefix(&prefix) {
+                Some(name) => {
+                    p.partition = name.to_owned();
+                    true
+                }
+                None => false,
+            });
+            match crate::checkpoint::claims::encode(&parts) {
+                Ok(state) => Plan::Reply(Response::ClaimsState { state }),
+                Err(e) => error(CoreError::Invalid(format!("the claims state: {e}"))),
+            }
+        }
+        Request::LoadClaims { state } => {
+            let mut parts = match crate::checkpoint::claims::decode(&state) {
+                Ok(p) => p,
+                Err(e) => return error(CoreError::Invalid(e)),
+            };
+            for p in &mut parts {
+                p.partition = scope(namespace, &p.partition);
+            }
+            answer(
+                core.handle(now, stowage_core::input::RestoreClaims(parts))
+                    .map(|()| Response::Done),
+            )
+        }
         other => Plan::Refuse(format!("not a claims request: {other:?}")),
     }
 }

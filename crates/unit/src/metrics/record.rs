@@ -88,7 +88,10 @@ impl Op {
             // the unit's time.
             Request::Claim { .. } => Op::Claim,
             Request::Settle { .. } => Op::Settle,
-            Request::RegisterTasks { .. } | Request::ClaimStatus { .. } => Op::ClaimControl,
+            Request::RegisterTasks { .. }
+            | Request::ClaimStatus { .. }
+            | Request::ClaimsState
+            | Request::LoadClaims { .. } => Op::ClaimControl,
             Request::Auth { .. } | Request::Prove { .. } => Op::Auth,
         }
     }
