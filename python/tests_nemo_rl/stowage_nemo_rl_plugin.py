@@ -20,8 +20,9 @@ own ``NoOpDataPlaneClient``:
   ``NoOpDataPlaneClient()``; for ``[stowage]`` the plugin puts a maker of
   stowage clients in that module's namespace for the test's duration
   (``monkeypatch``), and closes what it made at the test's end. So for
-  the tests of the other :data:`MAKES_NOOP` suites whose bodies call
-  ``NoOpDataPlaneClient()``.
+  the tests of the other :data:`MAKES_NOOP` suites that call
+  ``NoOpDataPlaneClient()`` in their bodies or in a fixture of their
+  module (test_observability.py's ``wrapped_client``).
 
 A ``[stowage]`` test that made no stowage client fails: the suite would
 have changed how it makes its clients, and run NoOp under stowage's id.
@@ -47,7 +48,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import itertools
-from typing import Any, Callable, Iterator, List, Optional
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import pytest
 
@@ -93,18 +94,25 @@ def _is_data_plane_suite(module: Any, name: str) -> bool:
     return _module_name(module) == name and ".data_plane." in f".{module.__name__}"
 
 
-def _makes_noop(module: Any, function: Any) -> bool:
+def _makes_noop(module: Any, function: Any, fixturenames: Sequence[str]) -> bool:
     """Whether ``function``, a test of one of MAKES_NOOP, makes its client
-    with ``NoOpDataPlaneClient()`` (the name the plugin substitutes)."""
+    with ``NoOpDataPlaneClient()`` (the name the plugin substitutes), in its
+    body or in a fixture of its module that it requests."""
     if _module_name(module) not in MAKES_NOOP or ".data_plane." not in f".{module.__name__}":
         return False
     if getattr(module, "NoOpDataPlaneClient", None) is None:
         return False
-    try:
-        source = inspect.getsource(function)
-    except (OSError, TypeError):
-        return False
-    return "NoOpDataPlaneClient()" in source
+    makers = [function] + [
+        getattr(module, name) for name in fixturenames if callable(getattr(module, name, None))
+    ]
+    for f in makers:
+        try:
+            source = inspect.getsource(f)
+        except (OSError, TypeError):
+            continue
+        if "NoOpDataPlaneClient()" in source:
+            return True
+    return False
 
 
 def _skip_without_algorithms(function: Any) -> None:
@@ -176,7 +184,10 @@ def pytest_generate_tests(metafunc):
         metafunc.definition.add_marker(
             pytest.mark.parametrize("client", [noop, build_stowage], indirect=True, ids=ADAPTER_IDS)
         )
-    elif _makes_noop(module, metafunc.function) and "nemo_rl_adapter" in metafunc.fixturenames:
+    elif (
+        _makes_noop(module, metafunc.function, metafunc.fixturenames)
+        and "nemo_rl_adapter" in metafunc.fixturenames
+    ):
         if (_module_name(module), metafunc.definition.originalname) in NOOP_ONLY:
             ids = ["noop"]
         else:
@@ -211,7 +222,7 @@ def nemo_rl_adapter(request, monkeypatch) -> Iterator[Optional[str]]:
         return c
 
     maker: Callable[[], Any] = make
-    if _makes_noop(request.module, request.function):
+    if _makes_noop(request.module, request.function, request.fixturenames):
         monkeypatch.setattr(request.module, "NoOpDataPlaneClient", maker)
     try:
         yield adapter
