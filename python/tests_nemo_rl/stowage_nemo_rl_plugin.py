@@ -81,6 +81,10 @@ NEEDS_FULL_NEMO_RL = ("nemo_rl.algorithms.grpo_sync",)
 ADAPTER_IDS = ["noop", "stowage"]
 
 _plane: Any = None
+# The session's pytest config: its base temporary directory holds every
+# test's tmp_path, so it is the units' checkpoint root (NeMo-RL's
+# checkpoint tests save under tmp_path).
+_config: Any = None
 _namespaces = itertools.count()
 #: How many stowage clients build_stowage has made (see nemo_rl_adapter).
 _built = 0
@@ -141,8 +145,14 @@ def _local_plane() -> Any:
     if _plane is None:
         import stowage
 
-        _plane = stowage.local(units=2, memory="64MiB")
+        root = _config._tmp_path_factory.getbasetemp() if _config is not None else None
+        _plane = stowage.local(units=2, memory="64MiB", checkpoint_root=root)
     return _plane
+
+
+def pytest_configure(config):
+    global _config
+    _config = config
 
 
 def build_stowage() -> Any:
