@@ -380,6 +380,7 @@ impl Drive for UnitCore {
                 Action::CheckProcess(s) => watch.push(s),
                 Action::Move(m) => moves.push(m),
                 Action::Claimed(r) => panic!("no claim was made, yet one was answered: {r:?}"),
+                Action::SessionEnded(_) => {}
             }
         }
         (deletes, spills, watch, moves)

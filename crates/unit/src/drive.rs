@@ -131,6 +131,7 @@ impl Shared {
         drop(core);
         self.driver.timer.schedule(deadline);
         let mut spills = Vec::new();
+        let mut ended = Vec::new();
         for a in actions {
             match a {
                 Action::DeleteFile(blob) => {
@@ -170,7 +171,13 @@ impl Shared {
                     .conns
                     .answers
                     .answer(reply.owner.conn, crate::handler::claimed(reply.lease)),
+                Action::SessionEnded(session) => ended.push(session),
             }
+        }
+        if !ended.is_empty() && self.sessions.ended(ended) {
+            // The registry is held (maybe by this thread, joining): the
+            // timer drops the records.
+            self.driver.timer.wake();
         }
         if let (false, Some(d)) = (spills.is_empty(), &self.disk) {
             let sent = d
@@ -219,6 +226,7 @@ impl Shared {
                     .unwrap_or_else(|p| p.into_inner());
                 *w = false;
             }
+            self.sessions.forget_ended();
             watching = self.reap_sessions();
         }
     }

@@ -2,7 +2,9 @@
 //! token each session was given at Hello, its client's pid and pidfd (one
 //! per client process, shared by its sessions), whether it mapped the slab
 //! or moves bytes with nixl, and the join logic that finds or opens a
-//! session and attaches a connection to it.
+//! session and attaches a connection to it. A record goes when the core
+//! forgets its session ([`stowage_core::Action::SessionEnded`]), and a
+//! client process's pidfd with its last session's record.
 
 use std::collections::HashMap;
 use std::ops::DerefMut;
@@ -33,6 +35,13 @@ pub(crate) struct Sessions {
     pidfds: Mutex<HashMap<i32, Weak<OwnedFd>>>,
     /// Sessions opened (to forget stale records now and then).
     joins: AtomicU64,
+    /// Sessions the core has forgotten ([`Action::SessionEnded`]) whose
+    /// records are still in `by_token`: taken out by whoever next holds
+    /// it ([`Sessions::ended`], [`Sessions::forget_ended`]). Always the
+    /// innermost lock.
+    ///
+    /// [`Action::SessionEnded`]: stowage_core::Action::SessionEnded
+    ended: Mutex<Vec<stowage_core::SessionId>>,
 }
 
 /// What a join needs of the rest of the unit.
@@ -152,6 +161,66 @@ impl Sessions {
                 .map_err(refused)?;
         }
         Ok((token, owner))
+    }
+
+    /// The core has forgotten `ids` ([`stowage_core::Action::SessionEnded`]):
+    /// drop their records, and with the last session of a client process
+    /// its pidfd, now if `by_token` is free. Returns whether some are left
+    /// for [`Sessions::forget_ended`] (it is held, maybe by this very
+    /// thread, which may be driving the core inside a join).
+    pub(crate) fn ended(&self, ids: impl IntoIterator<Item = stowage_core::SessionId>) -> bool {
+        self.ended
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .extend(ids);
+        match self.by_token.try_lock() {
+            Ok(mut sessions) => self.forget(&mut sessions),
+            Err(std::sync::TryLockError::Poisoned(p)) => self.forget(&mut p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => return true,
+        }
+        false
+    }
+
+    /// Drop the records of the sessions [`Sessions::ended`] left (waits
+    /// for `by_token`; never call it while holding it).
+    pub(crate) fn forget_ended(&self) {
+        if self
+            .ended
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .is_empty()
+        {
+            return;
+        }
+        let mut sessions = self.by_token.lock().unwrap_or_else(|p| p.into_inner());
+        self.forget(&mut sessions);
+    }
+
+    /// Drop the records of the ended sessions from `sessions` (the locked
+    /// `by_token`): their pidfds close with the last session of their
+    /// process, and that process leaves `pidfds`.
+    fn forget(&self, sessions: &mut HashMap<u128, SessionRec>) {
+        let ended = std::mem::take(&mut *self.ended.lock().unwrap_or_else(|p| p.into_inner()));
+        if ended.is_empty() {
+            return;
+        }
+        let ended: std::collections::HashSet<_> = ended.into_iter().collect();
+        let mut pids = Vec::new();
+        sessions.retain(|_, r| {
+            let keep = !ended.contains(&r.id);
+            if !keep {
+                pids.extend(r.pid);
+            }
+            keep
+        });
+        if !pids.is_empty() {
+            let mut known = self.pidfds.lock().unwrap_or_else(|p| p.into_inner());
+            for pid in pids {
+                if known.get(&pid).is_some_and(|w| w.strong_count() == 0) {
+                    known.remove(&pid);
+                }
+            }
+        }
     }
 
     /// A pidfd of process `pid`, taken while one of its connections is

@@ -31,6 +31,11 @@ pub enum Action {
     /// connection as the answer of the claim tagged `tag` (an empty lease
     /// when its `wait_until` came first).
     Claimed(ClaimReply),
+    /// The core has forgotten the session (its last connection ended with
+    /// nothing held, what it kept was released, or its process exited):
+    /// [`UnitCore::has_session`] is false from now on, and whatever the
+    /// driver keeps for it (its token, its process's pidfd) can go.
+    SessionEnded(SessionId),
 }
 
 /// A request goes straight to the module that applies its op (see

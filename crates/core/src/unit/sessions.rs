@@ -230,6 +230,7 @@ impl UnitCore {
         let Some(s) = self.holds.sessions.remove(&session) else {
             return 0;
         };
+        self.actions.push_back(Action::SessionEnded(session));
         let released = (s.reservations.len() + s.pins.len()) as u64;
         for blob in s.reservations {
             // Only its own: nothing of the process runs any more, so no
@@ -335,6 +336,7 @@ impl UnitCore {
             .is_some_and(|s| s.conns.is_empty() && s.reservations.is_empty() && s.pins.is_empty())
         {
             self.holds.sessions.remove(&session);
+            self.actions.push_back(Action::SessionEnded(session));
         }
     }
 

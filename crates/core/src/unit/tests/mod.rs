@@ -278,6 +278,52 @@ fn a_cut_peer_keeps_its_spares_until_its_session_is_gone() {
     assert_eq!(c.stats().free_bytes, 1 << 20);
 }
 
+/// The sessions the core has forgotten, as its actions say (other
+/// actions stay queued).
+fn ended_sessions(c: &mut UnitCore) -> Vec<SessionId> {
+    let (ended, rest): (Vec<Action>, Vec<Action>) = std::mem::take(&mut c.actions)
+        .into_iter()
+        .partition(|a| matches!(a, Action::SessionEnded(_)));
+    c.actions = rest.into();
+    ended
+        .into_iter()
+        .map(|a| match a {
+            Action::SessionEnded(s) => s,
+            _ => unreachable!(),
+        })
+        .collect()
+}
+
+/// Whenever the core forgets a session it says so, once, so that the
+/// driver can drop what it keeps for it (a client process's pidfd): its
+/// last connection closed with nothing held; the process of a cut one
+/// exited; never while a connection or a hold is left.
+#[test]
+fn a_forgotten_session_is_reported_once() {
+    let mut c = core(1 << 20);
+    // Two connections, one closed: the session lives on.
+    let a = own(&mut c);
+    let a2 = c.attach(a.session, true).unwrap();
+    c.detach(a, ConnEnd::Closed, t(0));
+    assert!(ended_sessions(&mut c).is_empty());
+    c.detach(a2, ConnEnd::Closed, t(0));
+    assert_eq!(ended_sessions(&mut c), vec![a.session]);
+    assert!(!c.has_session(a.session));
+    // Cut while it maps the slab and holds a spare: kept until its
+    // process is gone.
+    let b = own(&mut c);
+    c.reserve_spare(b, BlobId(5), 8192, t(1)).unwrap().unwrap();
+    c.detach(b, ConnEnd::Cut, t(1));
+    assert!(ended_sessions(&mut c).is_empty());
+    assert!(c.has_session(b.session));
+    assert_eq!(c.handle(t(2), input::ProcessExited(b.session)), Ok(1));
+    assert_eq!(ended_sessions(&mut c), vec![b.session]);
+    // Gone already: nothing more to say.
+    assert_eq!(c.handle(t(3), input::ProcessExited(b.session)), Ok(0));
+    c.detach(a2, ConnEnd::Closed, t(3));
+    assert!(ended_sessions(&mut c).is_empty());
+}
+
 #[test]
 fn snapshots_pin_every_committed_blob() {
     let mut c = disk_core(4096, 1 << 20);
