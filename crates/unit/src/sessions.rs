@@ -253,3 +253,55 @@ pub(crate) fn process_exited(fd: &std::os::fd::OwnedFd) -> bool {
     let mut fds = [PollFd::new(fd, PollFlags::IN)];
     matches!(poll(&mut fds, Some(&rustix::event::Timespec::default())), Ok(n) if n > 0)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use stowage_core::SessionId;
+
+    /// An ended session's record goes, and its process's pidfd with the
+    /// last of that process's sessions; while the registry is held (a
+    /// join driving the core) they wait for `forget_ended`.
+    #[test]
+    fn an_ended_sessions_record_and_pidfd_go_even_while_the_registry_is_held() {
+        let s = Sessions::default();
+        let pid = i32::try_from(std::process::id()).unwrap();
+        let fd = s.pidfd_of(pid).expect("a pidfd of this process");
+        let closed = Arc::downgrade(&fd);
+        let rec = |id, fd| SessionRec {
+            id: SessionId(id),
+            pid: Some(pid),
+            pidfd: Some(fd),
+            mapped: true,
+            one_sided: false,
+        };
+        {
+            let mut by_token = s.by_token.lock().unwrap();
+            by_token.insert(10, rec(1, fd.clone()));
+            by_token.insert(20, rec(2, fd));
+        }
+        let tokens = |s: &Sessions| {
+            let mut t: Vec<u128> = s.by_token.lock().unwrap().keys().copied().collect();
+            t.sort_unstable();
+            t
+        };
+        {
+            let _joining = s.by_token.lock().unwrap();
+            assert!(s.ended([SessionId(1)]), "taken while the registry is held");
+        }
+        assert_eq!(tokens(&s), [10, 20]);
+        s.forget_ended();
+        assert_eq!(tokens(&s), [20]);
+        assert!(
+            closed.upgrade().is_some(),
+            "its process's other session holds it"
+        );
+        assert!(!s.ended([SessionId(2)]));
+        assert!(tokens(&s).is_empty());
+        assert!(
+            closed.upgrade().is_none(),
+            "the pidfd outlived its sessions"
+        );
+        assert!(s.pidfds.lock().unwrap().is_empty());
+    }
+}
