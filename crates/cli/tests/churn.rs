@@ -3,8 +3,9 @@
 //! request ring and tcp, exits that skip every destructor while holding a
 //! view, SIGKILLs in the middle of their puts and gets, and connections
 //! that just close at each step of their handshake — leave the
-//! unit with the file descriptors, threads, sessions and (within 2 MiB)
-//! the resident memory it had before them.
+//! unit with the file descriptors, threads and sessions it had before
+//! them, and (within 2 MiB) its resident memory, and (within a few dozen)
+//! its mappings.
 //!
 //! The clients are this test binary re-run as child processes
 //! (`churn_child`), using the client library as a user would.
@@ -143,6 +144,8 @@ struct Levels {
     /// RssAnon, KiB: the unit's heap (and stacks); it reports no heap
     /// figure of its own.
     anon_kib: u64,
+    /// Mappings (/proc/PID/maps lines): a request ring's is one.
+    maps: u64,
 }
 
 impl Levels {
@@ -154,6 +157,10 @@ impl Levels {
             threads: proc_status(pid, "Threads"),
             rss_kib: proc_status(pid, "VmRSS"),
             anon_kib: proc_status(pid, "RssAnon"),
+            maps: std::fs::read_to_string(format!("/proc/{pid}/maps"))
+                .expect("the unit's mappings")
+                .lines()
+                .count() as u64,
         }
     }
 }
@@ -277,6 +284,14 @@ fn short_lived_clients_leave_nothing_behind() {
         now.threads,
         start.threads,
         holds(&mut watcher)
+    );
+    // A request ring is one mapping; thread stacks and allocator arenas
+    // come and go by a few dozen.
+    assert!(
+        now.maps <= start.maps + 64,
+        "after {n} client processes the unit has {} mappings (was {})",
+        now.maps,
+        start.maps
     );
     assert!(
         now.rss_kib <= start.rss_kib + 2048 && now.anon_kib <= start.anon_kib + 2048,
