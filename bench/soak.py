@@ -426,7 +426,9 @@ def main() -> int:
     ap.add_argument("--verify", type=int, default=2, help="values per trainer and step compared (default 2)")
     ap.add_argument("--op-timeout", type=float, default=30.0, help="seconds per call (default 30)")
     ap.add_argument("--step-timeout", type=float, default=120.0, help="a step not done by then ends the run")
-    ap.add_argument("--sample-every", type=float, default=5.0, help="seconds between unit samples, taken between steps (default 5)")
+    ap.add_argument(
+        "--sample-every", type=float, default=5.0, help="seconds between unit samples, taken between steps (default 5)"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the JSON line to PATH")
     args = ap.parse_args()
     if args.rollouts < 1 or args.trainers < 1 or args.rows < max(args.rollouts, args.trainers):
@@ -541,7 +543,7 @@ def main() -> int:
                     if c.proc.exitcode != 0:
                         run.errors.append(f"{c.name}: exit code {c.proc.exitcode} after its exit")
                     run.rollouts_ended["close" if close else "exit"] += 1
-                run.stopped[c.name] = c.stop()
+                run.stopped[f"{c.name} pid {c.proc.pid}"] = c.stop()
                 nxt = next(p for p in pending if p.slot == c.slot)
                 pending.remove(nxt)
                 nxt.ends = step + args.rollout_steps
@@ -582,7 +584,7 @@ def main() -> int:
                     run.absorb(c.expect("bye", 30.0))
                 except Exception as e:  # noqa: BLE001
                     run.errors.append(f"{c.name} at the end: {type(e).__name__}: {e}")
-            run.stopped[c.name] = c.stop()
+            run.stopped[f"{c.name} pid {c.proc.pid}"] = c.stop()
         if dp is not None:
             dp.close()  # stops the units
         for pid in unit_pids:
@@ -708,6 +710,13 @@ def summary(run, sampler, t0, elapsed, warm, unit_pids):
         "  p99 over the run, ms: "
         + ", ".join(f"{k} {lat[k] * 1e3:.1f}" if lat[k] is not None else f"{k} n/a" for k in KINDS)
     )
+    slowest = sorted(run.ops, key=lambda o: -o[2])[:5]
+    print(
+        "  slowest calls: "
+        + ", ".join(
+            f"{k} {sec * 1e3:.0f} ms at {end - sec - t0:.1f} s ({nb / MiB:.1f} MiB)" for k, end, sec, nb in slowest
+        )
+    )
     print(f"errors: {len(run.errors)} (besides the {run.kills} kills it caused)")
     for e in run.errors[:10]:
         print(f"  {e}")
@@ -732,6 +741,7 @@ def summary(run, sampler, t0, elapsed, warm, unit_pids):
         "op_rate_windows": [[round(t, 1), round(r, 2)] for t, r in rates],
         "op_rate_trend_pct_per_10min": rate_pct,
         "p99_s": lat,
+        "slowest": [[k, round(end - sec - t0, 3), sec, nb] for k, end, sec, nb in slowest],
         "samples": [[round(t - t0, 1), s] for t, s in sampler.samples],
         "stopped": run.stopped,
     }
