@@ -570,7 +570,7 @@ def main() -> int:
             while time.monotonic() - t0 >= next_minute * 60.0:
                 print_minute(run, sampler, t0, next_minute, unit_pids)
                 next_minute += 1
-    except Exception:  # noqa: BLE001 - the run ends; the report says why
+    except (Exception, KeyboardInterrupt):  # noqa: BLE001 - the run ends; the report says why
         aborted = traceback.format_exc()
         print(f"the run stopped early:\n{aborted}", file=sys.stderr)
         run.errors.append("run stopped early: " + aborted.strip().splitlines()[-1][:300])
