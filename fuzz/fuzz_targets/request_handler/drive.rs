@@ -68,6 +68,13 @@ impl H {
                     );
                     self.watched.insert(s);
                 }
+                Action::SessionEnded(s) => {
+                    self.note("session_ended");
+                    assert!(
+                        !self.core.has_session(s),
+                        "{s:?} reported ended while the core still has it"
+                    );
+                }
                 // The steps send no claim, so no claim waits for an answer.
                 Action::Claimed(r) => panic!("a claim answered that nobody made: {r:?}"),
             }
