@@ -184,11 +184,11 @@ def consumer(system, handle, partition, args, ready, go, claimed_total, out):
     got, claims, stopped, waits = [], 0, False, []
     while not stopped:
         tc = now_ns()
-        # A long timeout that never fires while rows are there: a claim
-        # that times out may have consumed rows its caller never sees
-        # (stowage, this branch). Every row is put before the first claim,
-        # so an empty answer after it means the claims are stuck; the
-        # exactly-once check then fails.
+        # A long timeout that never fires while rows are there (every row
+        # is put before the first claim), so that the run measures claims,
+        # not timeouts; consumers stop on the rows put for that purpose
+        # after the last sample. An empty answer means the claims are
+        # stuck: the exactly-once check then fails.
         keys = side.claim(partition, args.claim_batch, CLAIM_TIMEOUT_S, TIGHT_POLL_S)
         if not keys:
             break

@@ -512,7 +512,9 @@ class DataPlane:
         a unit has a row ready (the unit answers as soon as a put makes
         one ready) and raises Timeout at ``timeout``; without, returns
         ``[]`` when none is. Rows of a group come whole. An unregistered
-        task raises InvalidRequest.
+        task raises InvalidRequest. A claim that has leased rows when its
+        timeout comes finishes taking them (up to 10 s more) rather than
+        lose them to the task.
         """
         return self._client.claim(partition, task, _fields(fields), count, block, timeout)
 

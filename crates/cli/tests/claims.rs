@@ -422,3 +422,43 @@ fn eight_consumers_over_four_units_killed_and_paused_claim_each_row_once() {
         .chain(&lines[3])
         .any(|l| l.contains("CLAIM") || l.contains("DONE")));
 }
+
+/// A claim whose deadline passes while it takes the rows it leased (the
+/// settle, the names) still returns them: every row the units count as
+/// consumed was returned to a caller, once, however short the deadlines.
+#[test]
+fn claims_that_run_out_of_time_never_lose_a_row() {
+    const GROUPS: usize = 64;
+    let (p, _) = plane(2, 16 * MIB, &[]);
+    let c = client_of(&p);
+    let fields = vec!["x".to_owned()];
+    let rows = (GROUPS * GROUP) as u64;
+    c.register_tasks("p", &[TASK.into()], rows, 0, c.deadline())
+        .unwrap();
+    put_groups(&c, "p", 0..GROUPS);
+    let mut got: BTreeMap<String, usize> = BTreeMap::new();
+    let mut timeouts = 0;
+    for i in 0..20_000 {
+        let deadline = Instant::now() + Duration::from_micros(50 + (i % 7) * 100);
+        match c.claim("p", TASK, &fields, 16, true, deadline) {
+            Ok(keys) => {
+                for k in keys {
+                    *got.entry(format!("{k:?}")).or_default() += 1;
+                }
+            }
+            Err(Error::Timeout { .. }) => timeouts += 1,
+            Err(e) => panic!("{e}"),
+        }
+        if c.claim_status("p", TASK, c.deadline()).unwrap().consumed == rows {
+            break;
+        }
+    }
+    let s = c.claim_status("p", TASK, c.deadline()).unwrap();
+    assert_eq!(s.consumed, rows, "{s:?} after {timeouts} timeouts");
+    assert!(got.values().all(|&n| n == 1), "a row returned twice");
+    assert_eq!(
+        got.len() as u64,
+        rows,
+        "rows consumed that no claim returned ({timeouts} claims timed out)"
+    );
+}

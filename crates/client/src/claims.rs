@@ -35,6 +35,18 @@ use crate::{Client, Error, Result, RowKey};
 /// so that its answer (and the settle) still fit before it.
 const WAIT_MARGIN: Duration = Duration::from_millis(20);
 
+/// Once rows are leased, taking them (the settle, then the rows' names)
+/// goes on this long past the caller's deadline if it must: a claim that
+/// gave up between a settle and its answer would leave rows consumed that
+/// no caller got.
+const TAKE_GRACE: Duration = Duration::from_secs(10);
+
+/// The deadline of taking leased rows: `deadline`, or [`TAKE_GRACE`] from
+/// now when that is later.
+fn take_deadline(deadline: Instant) -> Instant {
+    deadline.max(Instant::now() + TAKE_GRACE)
+}
+
 /// One unit's lease of a claim: its rows, and the connection to settle
 /// it on.
 struct Leased<'a> {
@@ -113,7 +125,7 @@ impl Client {
         loop {
             let (rows, leased_any) = self.claim_once(&ask, want, wait, deadline)?;
             if !rows.is_empty() {
-                return self.row_keys(partition, rows, deadline);
+                return self.row_keys(partition, rows, take_deadline(deadline));
             }
             // Rows leased, but none kept: the leases ran out before their
             // settle (this client was paused). Claim again while there is
@@ -157,7 +169,7 @@ impl Client {
         }
         if let Some(e) = first_err {
             // Whatever was leased goes back when its settle keeps nothing.
-            self.settle(leased, 0, deadline)?;
+            self.settle(leased, 0, take_deadline(deadline))?;
             return Err(e);
         }
         if leased.iter().all(|l| l.rows.is_empty()) && wait {
@@ -167,7 +179,7 @@ impl Client {
             leased = self.wait_for_rows(ask, deadline)?;
         }
         let leased_any = leased.iter().any(|l| !l.rows.is_empty());
-        let rows = self.settle(leased, want as usize, deadline)?;
+        let rows = self.settle(leased, want as usize, take_deadline(deadline))?;
         Ok((rows, leased_any))
     }
 
@@ -418,14 +430,41 @@ impl Client {
             .map(|(u, r)| (*u, Key::new(*r, KEY_FIELD)))
             .collect();
         let mut names: HashMap<(usize, u64), String> = HashMap::new();
-        if !named.is_empty() {
-            let raw = self.get(partition, &named, deadline)?;
-            for ((u, k), v) in named.iter().zip(raw) {
-                names.insert((*u, k.row), String::from_utf8_lossy(&v).into_owned());
+        let mut named = named;
+        // A row cleared since it was claimed has no name to read: it is
+        // left out (its values are gone), and the others' names read again.
+        let mut cleared: std::collections::HashSet<(usize, u64)> = Default::default();
+        while !named.is_empty() {
+            match self.get(partition, &named, deadline) {
+                Ok(raw) => {
+                    for ((u, k), v) in named.iter().zip(raw) {
+                        names.insert((*u, k.row), String::from_utf8_lossy(&v).into_owned());
+                    }
+                    break;
+                }
+                Err(Error::NotFound { keys, .. }) if !keys.is_empty() => {
+                    let gone: std::collections::HashSet<u64> = keys.iter().map(|k| k.row).collect();
+                    let before = named.len();
+                    named.retain(|(u, k)| {
+                        let keep = !gone.contains(&k.row);
+                        if !keep {
+                            cleared.insert((*u, k.row));
+                        }
+                        keep
+                    });
+                    if named.len() == before {
+                        return Err(Error::NotFound {
+                            keys,
+                            named: vec![],
+                        });
+                    }
+                }
+                Err(e) => return Err(e),
             }
         }
         Ok(rows
             .into_iter()
+            .filter(|ur| !cleared.contains(ur))
             .map(|(u, r)| match names.remove(&(u, r)) {
                 Some(n) => RowKey::Name(n),
                 None => RowKey::Index(r),
