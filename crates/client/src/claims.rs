@@ -102,7 +102,9 @@ impl Client {
     /// one of `fields`, over all units: each row at most once per task,
     /// across every client. Returns the rows' keys (none when nothing is
     /// ready and `wait` is false). With `wait`, waits until a unit has a
-    /// row ready, and fails with [`Error::Timeout`] at `deadline`.
+    /// row ready, and fails with [`Error::Timeout`] at `deadline`. A claim
+    /// that has leased rows when `deadline` comes finishes taking them (up
+    /// to 10 s more) rather than leave them consumed with no caller.
     pub fn claim(
         &self,
         partition: &str,
