@@ -713,7 +713,7 @@ def connect(
     finds a unit full (memory and disk) waits up to this many seconds,
     within its deadline, for a clear (or views dropped) to make room
     instead of raising UnitFull at once; it asks again every 5 ms doubling
-    to 50 ms, so it goes in that soon after the memory is freed.
+    to 20 ms, so it goes in that soon after the memory is freed.
 
     ``secret`` (bytes or str, at least 16 bytes): the units' shared secret,
     proved at every connect; the units must prove it back. Default: the

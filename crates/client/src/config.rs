@@ -35,7 +35,7 @@ pub struct ClientConfig {
     /// A put that finds a unit full (memory and disk) waits up to this long
     /// — within its own deadline — for a clear, or views dropped, to make
     /// room, instead of failing with [`Error::UnitFull`] at once (it asks
-    /// again after 5 ms, doubling to 50 ms: it goes in that soon after the
+    /// again after 5 ms, doubling to 20 ms: it goes in that soon after the
     /// memory is freed). Default `None` (fail).
     pub wait_for_memory: Option<Duration>,
     /// The instance each unit is expected to be (from a

@@ -22,8 +22,8 @@ use crate::classify::name_keys;
 use crate::failure::Failure;
 use crate::row_meta::{check_distinct_rows, check_field, encode_meta, PutName, KEY_FIELD};
 use crate::values::{byte_len, Column, RowKey, Tensor};
+use crate::BUSY_RETRY_MAX;
 use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
-use crate::{BUSY_RETRY, BUSY_RETRY_MAX};
 use stowage_wire::GROUP_FIELD_PREFIX;
 
 /// While a put waits for memory ([`ClientConfig::wait_for_memory`](crate::ClientConfig::wait_for_memory)),
@@ -31,7 +31,14 @@ use stowage_wire::GROUP_FIELD_PREFIX;
 /// put goes in that soon after the memory is freed (views dropped, rows
 /// cleared), at the cost of one small request per try.
 const FULL_RETRY: Duration = Duration::from_millis(5);
-const FULL_RETRY_MAX: Duration = Duration::from_millis(50);
+const FULL_RETRY_MAX: Duration = Duration::from_millis(20);
+
+/// A put answered Busy is asked again after this, doubling to
+/// [`BUSY_RETRY_MAX`]: what a put's Busy waits for (puts under way that
+/// commit or abort, reads of cleared values, a quarantine, a compaction
+/// move) mostly ends within milliseconds, and a unit whose memory those
+/// holds do not free answers Full then, which the caller gets at once.
+const PUT_BUSY_RETRY: Duration = Duration::from_millis(5);
 
 /// Every value starts at a multiple of this many bytes within its blob.
 const VALUE_ALIGN: u64 = 64;
@@ -153,7 +160,7 @@ impl Client {
 
     /// One unit's part of a put: its blobs one after another, each
     /// written and committed ([`Transport::put`](crate::Transport::put)). A unit that answers
-    /// Busy is asked again after [`BUSY_RETRY`], doubling to
+    /// Busy is asked again after [`PUT_BUSY_RETRY`], doubling to
     /// [`BUSY_RETRY_MAX`], within the deadline; a full one fails the put
     /// with [`Error::UnitFull`] at once or, with
     /// [`ClientConfig::wait_for_memory`](crate::ClientConfig::wait_for_memory), is asked again after
@@ -196,7 +203,7 @@ impl Client {
                 let (first, most) = if full {
                     (FULL_RETRY, FULL_RETRY_MAX)
                 } else {
-                    (BUSY_RETRY, BUSY_RETRY_MAX)
+                    (PUT_BUSY_RETRY, BUSY_RETRY_MAX)
                 };
                 let step = backoff.map(|d| (d * 2).min(most)).unwrap_or(first);
                 let mut at = Instant::now() + step;
