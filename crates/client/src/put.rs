@@ -221,9 +221,12 @@ impl Client {
                         what: "the unit kept answering Busy".into(),
                     });
                 }
-                self.metrics.retry(full, step);
                 backoff = Some(step);
+                // The time waited as it passed (a pause of a few
+                // milliseconds may overshoot by as much).
+                let paused = Instant::now();
                 fanout::pause_until(at).await;
+                self.metrics.retry(full, paused.elapsed());
             }
         }
         Ok(())
