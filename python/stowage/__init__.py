@@ -713,8 +713,9 @@ def connect(
     ``namespace`` isolates runs sharing units; ``timeout`` is the default
     deadline of every call, in seconds. ``wait_for_memory``: a put that
     finds a unit full (memory and disk) waits up to this many seconds,
-    within its deadline, for a clear to make room instead of raising
-    UnitFull.
+    within its deadline, for a clear (or views dropped) to make room
+    instead of raising UnitFull at once; it asks again every 5 ms doubling
+    to 20 ms, so it goes in that soon after the memory is freed.
 
     ``secret`` (bytes or str, at least 16 bytes): the units' shared secret,
     proved at every connect; the units must prove it back. Default: the

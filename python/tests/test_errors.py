@@ -175,6 +175,35 @@ def test_unit_full_is_typed_and_stores_nothing(part):
         assert same(plane.get(part, [0], ["x"])["x"][0], np.ones(1000))
 
 
+def test_views_of_cleared_values_are_full_at_once_and_a_waiting_put_goes_in_once_dropped(part):
+    # Issue 37: memory that views of cleared or replaced values hold is
+    # used. A put short of it is UnitFull at once (not Busy until its
+    # deadline), naming the views; with wait_for_memory it goes in once
+    # they are dropped. (The same with separate processes:
+    # crates/cli/tests/full_views.rs.)
+    with stowage.local(units=1, memory="16MiB") as plane:
+        v = np.ones(6 << 20, np.uint8)
+        plane.put(part, [0], {"x": [v]})
+        views = [plane.get_view(part, [0], "x")]
+        plane.put(part, [0], {"x": [v]})  # replaced under the first view
+        views.append(plane.get_view(part, [0], "x"))
+        assert plane.clear(part, [0]) == 1  # cleared under the second
+        with pytest.raises(stowage.UnitFull) as e:
+            plane.put(part, [1], {"x": [v]}, timeout=30)
+        assert "views of cleared or replaced values" in str(e.value), str(e.value)
+        assert "this client's own views" in str(e.value), str(e.value)
+        waiting = stowage.connect(plane.directory, timeout=60, wait_for_memory=60)
+        done = []
+        t = threading.Thread(target=lambda: done.append(waiting.put(part, [1], {"x": [v]})))
+        t.start()
+        t.join(0.5)
+        assert t.is_alive() and not done, "the put went in while the views held the memory"
+        views.clear()
+        t.join(60)
+        assert done == [None], "the waiting put did not go in once the views were dropped"
+        assert same(plane.get(part, [1], ["x"])["x"][0], v)
+
+
 def test_lost_keys_when_a_unit_is_killed(part):
     with stowage.local(units=2, memory="16MiB") as plane:
         keys = list(range(6))

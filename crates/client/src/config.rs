@@ -33,8 +33,10 @@ pub struct ClientConfig {
     /// costs CPU while polling). Default 50 µs; zero disables it.
     pub spin: Duration,
     /// A put that finds a unit full (memory and disk) waits up to this long
-    /// — within its own deadline — for a clear to make room, instead of
-    /// failing with [`Error::UnitFull`] at once. Default `None` (fail).
+    /// — within its own deadline — for a clear, or views dropped, to make
+    /// room, instead of failing with [`Error::UnitFull`] at once (it asks
+    /// again after 5 ms, doubling to 20 ms: it goes in that soon after the
+    /// memory is freed). Default `None` (fail).
     pub wait_for_memory: Option<Duration>,
     /// The instance each unit is expected to be (from a
     /// [`UnitDirectory`]); empty or `None`: whichever answers first. A unit

@@ -14,8 +14,10 @@
 //!
 //! * [`Client::put_many`] writes blobs: each unit's blobs one after
 //!   another, every unit at once (a put waits for the slowest unit, not
-//!   the sum). A unit answering Busy is asked again after 0.2 s, doubling to 2 s,
-//!   inside the deadline. Blob ids ([`BlobId`], chosen by the caller, e.g.
+//!   the sum). A unit answering Busy is asked again after 5 ms, doubling to 2 s,
+//!   inside the deadline; a full one is `UnitFull` at once (or, with
+//!   `wait_for_memory`, asked again every 5 ms doubling to 20 ms until that
+//!   wait ends). Blob ids ([`BlobId`], chosen by the caller, e.g.
 //!   [`new_blob_id`]) make a retried put idempotent.
 //! * [`Client::get_into`] resolves and reads every unit's keys at once,
 //!   into buffers the caller's [`GetSink`] provides.

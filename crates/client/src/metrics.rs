@@ -215,7 +215,7 @@ impl ClientMetrics {
     }
 
     /// A unit answered Busy (or full, while waiting for memory): the
-    /// client waits `backoff` and asks again.
+    /// client waited `backoff` (as it passed) and asks again.
     pub(crate) fn retry(&self, memory: bool, backoff: Duration) {
         let ns = u64::try_from(backoff.as_nanos()).unwrap_or(u64::MAX);
         if memory {

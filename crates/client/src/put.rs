@@ -22,9 +22,23 @@ use crate::classify::name_keys;
 use crate::failure::Failure;
 use crate::row_meta::{check_distinct_rows, check_field, encode_meta, PutName, KEY_FIELD};
 use crate::values::{byte_len, Column, RowKey, Tensor};
+use crate::BUSY_RETRY_MAX;
 use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
-use crate::{BUSY_RETRY, BUSY_RETRY_MAX};
 use stowage_wire::GROUP_FIELD_PREFIX;
+
+/// While a put waits for memory ([`ClientConfig::wait_for_memory`](crate::ClientConfig::wait_for_memory)),
+/// the unit is asked again after this, doubling to [`FULL_RETRY_MAX`]: a
+/// put goes in that soon after the memory is freed (views dropped, rows
+/// cleared), at the cost of one small request per try.
+const FULL_RETRY: Duration = Duration::from_millis(5);
+const FULL_RETRY_MAX: Duration = Duration::from_millis(20);
+
+/// A put answered Busy is asked again after this, doubling to
+/// [`BUSY_RETRY_MAX`]: what a put's Busy waits for (puts under way that
+/// commit or abort, reads of cleared values, a quarantine, a compaction
+/// move) mostly ends within milliseconds, and a unit whose memory those
+/// holds do not free answers Full then, which the caller gets at once.
+const PUT_BUSY_RETRY: Duration = Duration::from_millis(5);
 
 /// Every value starts at a multiple of this many bytes within its blob.
 const VALUE_ALIGN: u64 = 64;
@@ -146,9 +160,12 @@ impl Client {
 
     /// One unit's part of a put: its blobs one after another, each
     /// written and committed ([`Transport::put`](crate::Transport::put)). A unit that answers
-    /// Busy (or, with [`ClientConfig::wait_for_memory`], Full) is asked
-    /// again after [`BUSY_RETRY`], doubling to [`BUSY_RETRY_MAX`], within
-    /// the deadline.
+    /// Busy is asked again after [`PUT_BUSY_RETRY`], doubling to
+    /// [`BUSY_RETRY_MAX`], within the deadline; a full one fails the put
+    /// with [`Error::UnitFull`] at once or, with
+    /// [`ClientConfig::wait_for_memory`](crate::ClientConfig::wait_for_memory), is asked again after
+    /// [`FULL_RETRY`], doubling to [`FULL_RETRY_MAX`], until that wait ends
+    /// (then its UnitFull stands).
     pub(crate) async fn put_unit<'b, 'c: 'b>(
         &self,
         unit: usize,
@@ -168,29 +185,48 @@ impl Client {
                     }
                     Err(f) => f,
                 };
-                // Busy is waited out; a full unit too, when asked to.
+                // Busy is waited out; a full unit too, when asked to
+                // (`wait_for_memory`), and only that long.
                 let full = !failure.is_busy();
+                let mut waiting_for_memory = None;
                 if full {
                     let keys = put.entries.iter().map(|e| e.key.clone()).collect();
                     match self.classify(unit, failure, vec![put.blob], keys, deadline) {
-                        Error::UnitFull { .. }
-                            if wait_until.is_some_and(|w| Instant::now() < w) => {}
+                        e @ Error::UnitFull { .. }
+                            if wait_until.is_some_and(|w| Instant::now() < w) =>
+                        {
+                            waiting_for_memory = wait_until.map(|w| (w, e));
+                        }
                         e => return Err(e),
                     }
                 }
-                let step = backoff
-                    .map(|d| (d * 2).min(BUSY_RETRY_MAX))
-                    .unwrap_or(BUSY_RETRY);
-                let at = Instant::now() + step;
+                let (first, most) = if full {
+                    (FULL_RETRY, FULL_RETRY_MAX)
+                } else {
+                    (PUT_BUSY_RETRY, BUSY_RETRY_MAX)
+                };
+                let step = backoff.map(|d| (d * 2).min(most)).unwrap_or(first);
+                let mut at = Instant::now() + step;
+                if let Some((w, e)) = waiting_for_memory {
+                    // The last try is at the end of the wait; past the
+                    // deadline, the unit's answer stands.
+                    at = at.min(w);
+                    if at >= deadline {
+                        return Err(e);
+                    }
+                }
                 if at >= deadline {
                     return Err(Error::Timeout {
                         unit: Some(unit),
                         what: "the unit kept answering Busy".into(),
                     });
                 }
-                self.metrics.retry(full, step);
                 backoff = Some(step);
+                // The time waited as it passed (a pause of a few
+                // milliseconds may overshoot by as much).
+                let paused = Instant::now();
                 fanout::pause_until(at).await;
+                self.metrics.retry(full, paused.elapsed());
             }
         }
         Ok(())

@@ -191,16 +191,21 @@ pub struct SlabRange {
 /// Why the core refused a request.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CoreError {
-    /// Not enough memory now nor once pending reclamation ends.
-    #[error("unit full: {needed} bytes requested, {free} free of {capacity}")]
+    /// Not enough memory now nor once the holds that end by themselves
+    /// have ended. `held`: what holds the memory that is not free (views
+    /// of cleared or replaced values count as used: a view lasts as long
+    /// as its holder wants).
+    #[error("unit full: {needed} bytes requested, {free} free of {capacity}{held}")]
     Full {
         needed: u64,
         free: u64,
         capacity: u64,
+        held: Held,
     },
-    /// Not enough free memory now, but held reservations, quarantined
-    /// ranges, spills under way or pinned cleared blobs will free enough
-    /// once they end: ask again shortly.
+    /// Not enough free memory now, but holds that end by themselves will
+    /// free enough: puts under way (reservations), quarantined ranges,
+    /// spills being written, cleared values only reads in flight or a
+    /// checkpoint pin, a compaction move. Ask again shortly.
     #[error("unit busy: {needed} bytes requested, {reclaimable} bytes awaiting reclamation")]
     Busy { needed: u64, reclaimable: u64 },
     /// The blob is not reserved (never allocated, or aborted).
@@ -212,6 +217,61 @@ pub enum CoreError {
     /// The request contradicts itself or the unit's state.
     #[error("invalid request: {0}")]
     Invalid(String),
+}
+
+/// What holds a unit's memory that a refused put could not have
+/// ([`CoreError::Full`]); written into the error's message in words.
+/// Bytes are slab bytes (whole allocation units).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    /// Values cleared or replaced (no entry names them any more) that
+    /// views still pin (`op::Resolve` with `view`): freed when the views
+    /// are dropped, not before.
+    pub views: u64,
+    /// Of `views`, the bytes the asking session's own views pin (its
+    /// process holds them: dropping them frees the memory).
+    pub own_views: u64,
+    /// Reservations of puts under way (their holders commit or abort).
+    pub reservations: u64,
+    /// Spares: reservations kept for a session's next put.
+    pub spares: u64,
+    /// Compaction: a move's target range (and, for a blob freed while it
+    /// moved, its old range), given back when the move reports.
+    pub compaction: u64,
+}
+
+impl std::fmt::Display for Held {
+    /// Nothing when nothing is held; else `"; held: …"`, naming the
+    /// caller's own views first.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if *self == Held::default() {
+            return Ok(());
+        }
+        let mut parts = Vec::new();
+        if self.views > 0 {
+            let mut v = format!(
+                "{} bytes by views of cleared or replaced values",
+                self.views
+            );
+            if self.own_views > 0 {
+                v += &format!(
+                    " ({} of them by this client's own views: drop them to free the memory)",
+                    self.own_views
+                );
+            }
+            parts.push(v);
+        }
+        for (bytes, what) in [
+            (self.reservations, "in reservations of puts under way"),
+            (self.spares, "in spares"),
+            (self.compaction, "by compaction"),
+        ] {
+            if bytes > 0 {
+                parts.push(format!("{bytes} bytes {what}"));
+            }
+        }
+        write!(f, "; held: {}", parts.join(", "))
+    }
 }
 
 /// The answer to an alloc.

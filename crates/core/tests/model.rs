@@ -178,9 +178,9 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::{Config as ProptestConfig, TestCaseError, TestRunner};
 use stowage_core::{
-    input, Action, Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, EntrySpec, Input,
-    Key, MoveJob, Owner, PinId, Placed, Placement, Request, SessionId, SessionStats, SlabRange,
-    Snapshot, SnapshotEntry, SpillJob, Stats, Time, UnitCore,
+    input, Action, Allocated, BlobId, Committed, ConnEnd, CoreConfig, CoreError, EntrySpec, Held,
+    Input, Key, MoveJob, Owner, PinId, Placed, Placement, Request, SessionId, SessionStats,
+    SlabRange, Snapshot, SnapshotEntry, SpillJob, Stats, Time, UnitCore,
 };
 
 /// The calls this test makes, each one input through the core's one entry
@@ -286,11 +286,13 @@ trait Drive {
         owner: Owner,
         partition: &str,
         keys: &[Key],
+        view: bool,
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
         let op = stowage_core::op::Resolve {
             partition: partition.to_owned(),
             keys: keys.to_vec(),
+            view,
         };
         self.request(owner, op, now).map(|r| (r.pin, r.found))
     }
@@ -303,7 +305,7 @@ trait Drive {
         keys: &[Key],
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Placement>>), CoreError> {
-        let (pin, found) = self.resolve_with_meta(owner, partition, keys, now)?;
+        let (pin, found) = self.resolve_with_meta(owner, partition, keys, false, now)?;
         Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
     }
 
@@ -853,6 +855,9 @@ struct MValue {
 struct MPin {
     blobs: BTreeSet<BlobId>,
     holder: MHolder,
+    /// A view's pin: held as long as its holder wants (what it keeps of a
+    /// cleared value counts as used), not a read's.
+    view: bool,
     /// What the pin's holder was told, and the bytes it read there.
     snapshots: Vec<(Placement, Vec<u8>)>,
 }
@@ -1745,19 +1750,52 @@ impl Harness {
             .sum()
     }
 
-    /// Slab bytes that will come back without a session's say: blobs
-    /// whose spill is being written, and committed blobs no entry refers
-    /// to any more (only pins keep them). Each counted once.
-    fn spilling_or_unpinning_bytes(&self) -> u64 {
+    /// Slab bytes of committed blobs no entry refers to any more (only
+    /// pins keep them), not being spilled: (those a client's view pins,
+    /// of those the ones `session`'s own views pin, those only reads and
+    /// the unit's pins keep — they come back without a session's say).
+    fn cleared_pinned(&self, session: SessionId) -> (u64, u64, u64) {
         let live: BTreeSet<BlobId> = self.values.values().map(|v| v.blob).collect();
-        self.blobs
-            .iter()
-            .filter(|(id, b)| {
-                b.disk == MDisk::Writing || b.state == MState::Committed && !live.contains(id)
-            })
-            .filter_map(|(_, b)| b.region.as_ref())
-            .map(|r| r.iter().map(|p| p.1).sum::<u64>())
-            .sum()
+        let (mut views, mut own, mut reads) = (0, 0, 0);
+        for (id, b) in &self.blobs {
+            if b.state != MState::Committed || live.contains(id) || b.disk == MDisk::Writing {
+                continue;
+            }
+            let Some(r) = &b.region else { continue };
+            let len = r.iter().map(|p| p.1).sum::<u64>();
+            let viewers: Vec<SessionId> = self
+                .pins
+                .values()
+                .filter(|p| p.view && p.blobs.contains(id))
+                .map(|p| p.holder.session)
+                .collect();
+            if viewers.is_empty() {
+                reads += len;
+            } else {
+                views += len;
+                if viewers.contains(&session) {
+                    own += len;
+                }
+            }
+        }
+        (views, own, reads)
+    }
+
+    /// Slab bytes compaction holds: the targets of moves under way, and
+    /// both ranges of a move whose blob was freed meanwhile.
+    fn moving_bytes(&self) -> u64 {
+        let moves: u64 = self
+            .blobs
+            .values()
+            .filter_map(|b| b.moving)
+            .map(|m| m.1)
+            .sum();
+        let orphans: u64 = self
+            .orphan_moves
+            .values()
+            .map(|(old, to)| old.iter().map(|p| p.1).sum::<u64>() + to.1)
+            .sum();
+        moves + orphans
     }
 
     fn disk_used(&self) -> u64 {
@@ -2370,10 +2408,16 @@ impl Harness {
                         .any(|b| matches!(b.state, MState::Reserved { .. }));
                 // Reservations and quarantines may end; spills under way
                 // give their memory back once written, cleared blobs that
-                // only pins keep once unpinned.
+                // only reads keep once unpinned, moves once they report.
+                // Cleared blobs that views keep are used: their holders
+                // let go when they want.
+                let (views, own_views, reads) = self.cleared_pinned(who.session);
+                let compaction = self.moving_bytes();
                 let reclaimable = self.reserved_bytes()
                     + self.quarantined_bytes()
-                    + self.spilling_or_unpinning_bytes();
+                    + self.spilling_bytes()
+                    + reads
+                    + compaction;
                 let fits_disk = self.disk_cap > 0 && nbytes <= self.disk_free();
                 let holder = MHolder::of(who, self.now);
                 if len <= free && nothing_held {
@@ -2527,12 +2571,21 @@ impl Harness {
                                     needed: nbytes,
                                     free,
                                     capacity: self.cap,
+                                    held: Held {
+                                        views,
+                                        own_views,
+                                        reservations: self.reserved_bytes(),
+                                        spares: 0,
+                                        compaction,
+                                    },
                                 }
                             };
-                        self.count(if matches!(expected, CoreError::Busy { .. }) {
-                            "alloc busy"
-                        } else {
-                            "alloc full"
+                        self.count(match &expected {
+                            CoreError::Busy { .. } => "alloc busy",
+                            CoreError::Full { held, .. } if held.views > 0 => {
+                                "alloc full: views of cleared values hold memory"
+                            }
+                            _ => "alloc full",
                         });
                         prop_assert_eq!(&e, &expected, "refused alloc of {} bytes", nbytes);
                     }
@@ -2607,7 +2660,8 @@ impl Harness {
                         Err(CoreError::Full {
                             needed: cost,
                             free: INDEX_BUDGET.saturating_sub(index),
-                            capacity: INDEX_BUDGET
+                            capacity: INDEX_BUDGET,
+                            held: Held::default(),
                         }),
                         "commit of {:?} past the index budget",
                         id
@@ -2710,7 +2764,9 @@ impl Harness {
         keys: &[Key],
         promote: u8,
     ) -> Result<Option<PinId>, TestCaseError> {
-        let got = self.core.resolve_with_meta(who, NS, keys, self.now);
+        // Bit 0x40 of `promote`: a view's pin (a client's only).
+        let view = promote & 0x40 != 0 && who != Owner::UNIT;
+        let got = self.core.resolve_with_meta(who, NS, keys, view, self.now);
         if !self.is_live(who) {
             prop_assert!(
                 matches!(got, Err(CoreError::NotOwner(_))),
@@ -2775,6 +2831,7 @@ impl Harness {
             MPin {
                 blobs,
                 holder: MHolder::of(who, self.now),
+                view,
                 snapshots,
             },
         );
@@ -2932,6 +2989,7 @@ impl Harness {
                 MPin {
                     blobs: ids,
                     holder: MHolder::of(Owner::UNIT, self.now),
+                    view: false,
                     snapshots,
                 },
             );
@@ -4610,6 +4668,7 @@ const SESSION_EVENTS: &[&str] = &[
     "commit refused: index budget",
     "alloc busy",
     "alloc full",
+    "alloc full: views of cleared values hold memory",
 ];
 
 /// Extents and compaction: events both tests must reach.

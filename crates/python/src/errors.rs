@@ -20,7 +20,7 @@ create_exception!(
     stowage,
     UnitFull,
     Error,
-    "A unit refused a put for lack of space (nothing stored is evicted). Clear rows, then retry. Attribute: unit."
+    "A unit refused a put for lack of space (nothing stored is evicted); the message says what holds the memory (views of cleared or replaced values, and whether they are this client's own, reservations, spares, compaction). Clear rows or drop views, then retry. Attribute: unit."
 );
 create_exception!(
     stowage,

@@ -351,10 +351,21 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             now,
         ),
         Request::Resolve {
-            partition, keys, ..
+            partition,
+            keys,
+            hold,
         } => {
+            // `hold`: a view (the client keeps the pin as long as its
+            // caller wants), not a get that copies out and unpins.
             let mut core = core();
-            match resolve(&mut core, owner, scope(namespace, &partition), keys, now) {
+            match resolve(
+                &mut core,
+                owner,
+                scope(namespace, &partition),
+                keys,
+                hold,
+                now,
+            ) {
                 Ok((pin, found)) => Plan::Resolved {
                     pin,
                     found,
@@ -367,7 +378,14 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             partition,
             keys,
             timeout_ms,
-        } => match resolve(&mut core(), owner, scope(namespace, &partition), keys, now) {
+        } => match resolve(
+            &mut core(),
+            owner,
+            scope(namespace, &partition),
+            keys,
+            false,
+            now,
+        ) {
             Ok((pin, found)) => Plan::Send(Read {
                 owner,
                 pin,
@@ -511,9 +529,15 @@ fn resolve(
     owner: Owner,
     partition: String,
     keys: Vec<stowage_core::Key>,
+    view: bool,
     now: Time,
 ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
-    let r = request(core, now, owner, op::Resolve { partition, keys })?;
+    let op = op::Resolve {
+        partition,
+        keys,
+        view,
+    };
+    let r = request(core, now, owner, op)?;
     Ok((r.pin, r.found))
 }
 

@@ -48,7 +48,10 @@ pub enum Request {
     },
     /// Locate keys and pin their blobs. Every pin lasts until Unpin (by
     /// its session) or the end of the connection that took it; no lease
-    /// ends it. `hold` is kept for the wire layout and ignored.
+    /// ends it. `hold`: the pin is a view's, kept as long as its caller
+    /// wants (not a get's, unpinned once copied out): what it keeps of a
+    /// cleared or replaced value counts as used (a put short of memory is
+    /// answered Full, naming the views, not Busy).
     Resolve {
         partition: String,
         keys: Vec<Key>,

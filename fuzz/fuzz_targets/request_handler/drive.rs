@@ -209,6 +209,7 @@ impl H {
             let op = core_op::Resolve {
                 partition: sc.clone(),
                 keys: keys.clone(),
+                view: false,
             };
             let (pin, found) = match self.core.handle(
                 self.now,

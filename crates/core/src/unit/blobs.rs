@@ -263,6 +263,7 @@ impl UnitCore {
                     needed: nbytes,
                     free: self.slab.spare_free(),
                     capacity: self.slab.spare_budget(),
+                    held: Held::default(),
                 })
             }
             None if fits_disk => None,
@@ -277,46 +278,8 @@ impl UnitCore {
                         reclaimable: 0,
                     });
                 }
-                // Spares are not waited for: their holders may be idle.
-                let (_, spare_bytes) = self.spares();
-                // Memory that spills under way will give back counts too.
-                let spilling: u64 = self
-                    .blobs
-                    .values()
-                    .filter(|b| b.disk == Disk::Writing)
-                    .filter_map(|b| b.region.as_ref().map(|r| r.len))
-                    .sum();
-                // Cleared blobs that only pins keep: freed at unpin (those
-                // being spilled are counted above already).
-                let unpinning: u64 = self
-                    .blobs
-                    .values()
-                    .filter(|b| matches!(b.state, State::Committed { live: 0, .. }))
-                    .filter(|b| b.disk != Disk::Writing)
-                    .filter_map(|b| b.region.as_ref().map(|r| r.len))
-                    .sum();
-                let reclaimable = self.reserved_bytes - spare_bytes
-                    + self.quarantined.bytes
-                    + spilling
-                    + unpinning;
-                let could_fit = SlabAllocator::rounded(nbytes) <= capacity;
-                return Err(
-                    if could_fit
-                        && free + reclaimable >= SlabAllocator::rounded(nbytes)
-                        && reclaimable > 0
-                    {
-                        CoreError::Busy {
-                            needed: nbytes,
-                            reclaimable,
-                        }
-                    } else {
-                        CoreError::Full {
-                            needed: nbytes,
-                            free,
-                            capacity,
-                        }
-                    },
-                );
+                // Full or Busy, by what holds the memory (`full.rs`).
+                return Err(self.short_of_memory(owner, nbytes));
             }
         };
         if region.as_ref().is_some_and(|r| !r.is_contiguous()) {
@@ -446,6 +409,7 @@ impl UnitCore {
                 needed: cost,
                 free: self.cfg.index_budget.saturating_sub(self.index.bytes),
                 capacity: self.cfg.index_budget,
+                held: Held::default(),
             });
         }
         let spare = matches!(

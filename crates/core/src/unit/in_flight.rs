@@ -64,6 +64,16 @@ impl InFlight {
         part
     }
 
+    /// Slab bytes of moves whose blob was freed meanwhile (the old range
+    /// and the new): given back when each move reports.
+    pub(super) fn moving_bytes(&self) -> u64 {
+        self.0
+            .values()
+            .filter_map(|o| o.moving.as_ref())
+            .map(|(old, new)| old.as_ref().map_or(0, |r| r.len) + new.len)
+            .sum()
+    }
+
     /// Every slab range orphaned work still reads or writes.
     #[cfg(any(test, feature = "testing"))]
     pub(super) fn ranges(&self) -> impl Iterator<Item = &Region> {

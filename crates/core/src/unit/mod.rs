@@ -25,6 +25,7 @@ mod blobs;
 mod claims;
 mod compact;
 mod drive;
+mod full;
 mod in_flight;
 mod index;
 pub mod input;
@@ -43,7 +44,7 @@ mod tier;
 #[cfg(test)]
 use crate::SlabRange;
 use crate::{
-    Allocated, BlobId, ConnId, CoreError, EntrySpec, Key, LeaseId, PinId, SessionId, Time,
+    Allocated, BlobId, ConnId, CoreError, EntrySpec, Held, Key, LeaseId, PinId, SessionId, Time,
 };
 pub use compact::MoveJob;
 pub use drive::Action;
@@ -293,6 +294,9 @@ struct Entry {
 struct Pin {
     blobs: Vec<BlobId>,
     holder: Holder,
+    /// Taken for a view ([`op::Resolve::view`]): held as long as its
+    /// holder wants, so what it keeps counts as used.
+    view: bool,
 }
 
 /// A reservation or a pin.

@@ -85,6 +85,11 @@ pub struct Abort {
 pub struct Resolve {
     pub partition: String,
     pub keys: Vec<Key>,
+    /// A view: the pin lasts as long as its holder wants (not a read that
+    /// copies out and unpins). The memory of a cleared or replaced value a
+    /// view pins counts as used ([`crate::CoreError::Full`], naming it);
+    /// a read's, as ending by itself ([`crate::CoreError::Busy`]).
+    pub view: bool,
 }
 
 /// Drop a pin (an unknown one is ignored).

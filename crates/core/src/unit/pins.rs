@@ -4,8 +4,8 @@
 use super::input::apply_op;
 use super::*;
 
-apply_op!(op::Resolve => Resolved, |op::Resolve { partition, keys }, core, now, owner| {
-    let (pin, found) = core.resolve(owner, &partition, &keys, now)?;
+apply_op!(op::Resolve => Resolved, |op::Resolve { partition, keys, view }, core, now, owner| {
+    let (pin, found) = core.resolve(owner, &partition, &keys, view, now)?;
     Ok(Resolved { pin, found })
 });
 apply_op!(op::Unpin => (), |op::Unpin { pin }, core, _, owner| core.unpin(owner, pin));
@@ -35,6 +35,7 @@ impl UnitCore {
         owner: Owner,
         partition: &str,
         keys: &[Key],
+        view: bool,
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
         self.check_owner(owner)?;
@@ -62,10 +63,16 @@ impl UnitCore {
         if blobs.is_empty() {
             return Ok((None, found));
         }
-        Ok((Some(self.pin_blobs(owner, blobs, now)), found))
+        Ok((Some(self.pin_blobs(owner, blobs, view, now)), found))
     }
 
-    pub(super) fn pin_blobs(&mut self, owner: Owner, mut blobs: Vec<BlobId>, now: Time) -> PinId {
+    pub(super) fn pin_blobs(
+        &mut self,
+        owner: Owner,
+        mut blobs: Vec<BlobId>,
+        view: bool,
+        now: Time,
+    ) -> PinId {
         blobs.sort_unstable();
         blobs.dedup();
         for id in &blobs {
@@ -88,6 +95,7 @@ impl UnitCore {
                     since: now,
                     kept: Kept::Open,
                 },
+                view,
             },
         );
         if let Some(s) = self.holds.sessions.get_mut(&owner.session) {
@@ -134,7 +142,7 @@ impl UnitCore {
                 Some((*id, b.nbytes, place))
             })
             .collect();
-        let pin = (!blob_ids.is_empty()).then(|| self.pin_blobs(Owner::UNIT, blob_ids, now));
+        let pin = (!blob_ids.is_empty()).then(|| self.pin_blobs(Owner::UNIT, blob_ids, false, now));
         Snapshot {
             pin,
             entries,

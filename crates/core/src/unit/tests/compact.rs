@@ -217,7 +217,11 @@ fn spares_come_from_their_zone_and_stop_when_memory_runs_short() {
         Err(CoreError::Full {
             needed: 64,
             free: 0,
-            capacity: cap
+            capacity: cap,
+            held: Held {
+                spares: 4096,
+                ..Held::default()
+            },
         })
     );
 }

@@ -34,8 +34,14 @@ impl UnitCore {
         keys: &[Key],
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Placement>>), CoreError> {
-        let (pin, found) = self.resolve(owner, partition, keys, now)?;
+        let (pin, found) = self.resolve(owner, partition, keys, false, now)?;
         Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
+    }
+
+    /// [`UnitCore::resolve_places`] for a view: the pin lasts as long as
+    /// its holder wants.
+    fn view_places(&mut self, owner: Owner, partition: &str, keys: &[Key]) -> Option<PinId> {
+        self.resolve(owner, partition, keys, true, t(0)).unwrap().0
     }
 }
 
@@ -138,7 +144,7 @@ fn metadata_listing_and_held_pins() {
         ]
     );
     assert_eq!(c.partitions(""), vec!["p".to_string()]);
-    let (pin, found) = c.resolve(o, "p", &[Key::new(5, "a")], t(0)).unwrap();
+    let (pin, found) = c.resolve(o, "p", &[Key::new(5, "a")], false, t(0)).unwrap();
     assert_eq!(found[0].as_ref().map(|(_, m)| m.clone()), Some(vec![5]));
     c.clear_rows("p", &[5, 2]);
     // A held pin outlives any lease, and keeps the blob.
@@ -378,6 +384,87 @@ fn full_and_busy_are_answers() {
         c.alloc(o, BlobId(4), 64, 0, t(0)),
         Err(CoreError::Full { .. })
     ));
+}
+
+/// Memory that views of cleared or replaced values hold is used: Full at
+/// once, naming the views (and the asker's own), not Busy; the same bytes
+/// held by a read (which copies out and unpins) are Busy.
+#[test]
+fn views_of_cleared_values_are_full_reads_are_busy() {
+    const K48: u64 = 48 << 10;
+    let mut c = core(1 << 16);
+    let viewer = own(&mut c);
+    let writer = own(&mut c);
+    let put = |c: &mut UnitCore, blob: u128, row: u64| {
+        c.alloc(writer, BlobId(blob), K48, 1, t(0)).map(|_| {
+            c.commit(writer, "p", BlobId(blob), &[entry(row, "f", 0, K48)])
+                .unwrap();
+        })
+    };
+    // A value viewed, then cleared: only the view keeps its bytes.
+    put(&mut c, 1, 0).unwrap();
+    let view = c.view_places(viewer, "p", &[Key::new(0, "f")]).unwrap();
+    assert_eq!(c.clear_rows("p", &[0]), 1);
+    let full = |viewed_by_asker: u64| CoreError::Full {
+        needed: K48,
+        free: 16 << 10,
+        capacity: 1 << 16,
+        held: Held {
+            views: K48,
+            own_views: viewed_by_asker,
+            ..Held::default()
+        },
+    };
+    let e = c.alloc(writer, BlobId(2), K48, 1, t(0)).unwrap_err();
+    assert_eq!(e, full(0));
+    assert!(
+        e.to_string()
+            .contains("views of cleared or replaced values")
+            && !e.to_string().contains("own views"),
+        "{e}"
+    );
+    // The viewer's own put is told the views are its own.
+    let e = c.alloc(viewer, BlobId(3), K48, 1, t(0)).unwrap_err();
+    assert_eq!(e, full(K48));
+    assert!(e.to_string().contains("own views"), "{e}");
+    // The view dropped: the put goes in.
+    c.unpin(viewer, view).unwrap();
+    put(&mut c, 2, 1).unwrap();
+    // A value a read pins, replaced under it: its bytes come back when the
+    // read ends (Busy). With a view beside the read: Full.
+    let (read, _) = c
+        .resolve_places(viewer, "p", &[Key::new(1, "f")], t(0))
+        .unwrap();
+    let read = read.unwrap();
+    let e = c.alloc(writer, BlobId(4), K48, 1, t(0)).unwrap_err();
+    assert!(
+        matches!(e, CoreError::Full { held, .. } if held == Held::default()),
+        "{e:?}"
+    );
+    assert_eq!(c.clear_rows("p", &[1]), 1);
+    assert_eq!(
+        c.alloc(writer, BlobId(4), K48, 1, t(0)),
+        Err(CoreError::Busy {
+            needed: K48,
+            reclaimable: K48
+        })
+    );
+    let view = c.view_places(writer, "p", &[Key::new(1, "f")]);
+    assert_eq!(view, None, "a cleared value is not found");
+    c.unpin(viewer, read).unwrap();
+    put(&mut c, 4, 2).unwrap();
+    let view = c.view_places(viewer, "p", &[Key::new(2, "f")]).unwrap();
+    let (read, _) = c
+        .resolve_places(writer, "p", &[Key::new(2, "f")], t(0))
+        .unwrap();
+    assert_eq!(c.clear_rows("p", &[2]), 1);
+    assert_eq!(
+        c.alloc(writer, BlobId(5), K48, 1, t(0)).unwrap_err(),
+        full(0)
+    );
+    c.unpin(writer, read.unwrap()).unwrap();
+    c.unpin(viewer, view).unwrap();
+    put(&mut c, 5, 3).unwrap();
 }
 
 #[test]
