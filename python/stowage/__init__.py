@@ -212,8 +212,9 @@ def _column(name: str, col: Any, writable: bool = False) -> Any:
         # The common case: numpy arrays, passed on as they are (the native
         # layer checks each one). A loop, not all() over a generator: this
         # runs on every call, and a one-row call is a few microseconds.
+        ndarray = np.ndarray  # once, not a module lookup per value
         for a in col:
-            if type(a) is not np.ndarray:
+            if type(a) is not ndarray:
                 return [_array(a, name, i, writable) for i, a in enumerate(col)]
         return col if type(col) is list else list(col)
     if isinstance(col, (np.ndarray, np.generic)) or _is_tensor(col):

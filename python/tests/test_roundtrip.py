@@ -147,6 +147,40 @@ def test_a_large_batch_of_small_values_reads_back_exactly(dp, part):
         dp.get(part, keys, list(cols), out=bad)
 
 
+def test_small_values_of_a_get_share_their_buffers(dp, part):
+    # Small values read one by one (a batch too small to copy on several
+    # threads) go into shared 64 KiB buffers, one Python object keeping
+    # each, not one per value: values up to 4 KiB, across several chunks,
+    # every one exact, aligned, writable and independent of the others.
+    rng = np.random.default_rng(4)
+    n = 300
+    sizes = [0, 1, 63, 64, 65, 512, 4095 // 8, 4096 // 8] + [
+        int(k) for k in rng.integers(0, 513, n - 8)
+    ]
+    vals = [rng.integers(-(1 << 60), 1 << 60, k, dtype=np.int64) for k in sizes]
+    flags = [rng.random(k) > 0.5 for k in sizes]
+    keys = list(range(n))
+    dp.put(part, keys, {"v": vals, "f": flags})
+    got = dp.get(part, keys, ["v", "f"])
+    assert all(same(a, b) for a, b in zip(vals, got["v"]))
+    assert all(same(a, b) for a, b in zip(flags, got["f"]))
+    assert all(a.flags.aligned and a.flags.writeable for a in got["v"])
+    # Shared: far fewer owners than values (about 0.7 MB in 64 KiB chunks).
+    owners = {id(a.base) for f in ("v", "f") for a in got[f] if a.nbytes}
+    assert 2 <= len(owners) < n // 4, len(owners)
+    # Independent: writing one value changes no neighbour in its chunk.
+    for a in got["v"]:
+        a[:] = -7
+    assert all(same(a, b) for a, b in zip(flags, got["f"]))
+    keep = got["v"][n - 1]
+    del got
+    import gc
+
+    gc.collect()
+    assert np.all(keep == -7)
+    assert same(dp.get(part, [n - 1], ["v"])["v"][0], vals[n - 1])
+
+
 def test_value_of_256_mib():
     n = (256 << 20) // 8
     big = np.arange(n, dtype=np.int64)

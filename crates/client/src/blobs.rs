@@ -40,6 +40,18 @@ impl Client {
         sink: &mut dyn GetSink,
         deadline: Instant,
     ) -> Result<()> {
+        self.get_placed_into(partition, keys.to_vec(), sink, deadline)
+    }
+
+    /// [`Client::get_into`] of keys the caller gives up (each goes into
+    /// its unit's request as it is: no copy per key).
+    pub(crate) fn get_placed_into(
+        &self,
+        partition: &str,
+        keys: Vec<(usize, Key)>,
+        sink: &mut dyn GetSink,
+        deadline: Instant,
+    ) -> Result<()> {
         self.timed(metrics::ClientOp::Get, |timer| {
             let mut counting = Counting {
                 inner: sink,
@@ -54,18 +66,18 @@ impl Client {
     pub(crate) fn get_from_units(
         &self,
         partition: &str,
-        keys: &[(usize, Key)],
+        keys: Vec<(usize, Key)>,
         sink: &mut dyn GetSink,
         deadline: Instant,
         timer: &metrics::OpTimer,
     ) -> Result<()> {
         let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
-        for (i, (unit, key)) in keys.iter().enumerate() {
-            if *unit >= self.units.len() {
+        for (i, (unit, key)) in keys.into_iter().enumerate() {
+            if unit >= self.units.len() {
                 return Err(Error::InvalidRequest(format!("unit {unit} does not exist")));
             }
-            let e = by_unit.entry(*unit).or_default();
-            e.0.push(key.clone());
+            let e = by_unit.entry(unit).or_default();
+            e.0.push(key);
             e.1.push(i);
         }
         let sink: SharedSink<'_> = std::cell::RefCell::new(sink);

@@ -26,9 +26,29 @@ use stowage_wire::io::{
     read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
 use stowage_wire::{
-    encode, Envelope, ErrorCode, FramePrefix, Limits, Request, Response, PREFIX_LEN,
+    encode, Envelope, ErrorCode, FramePrefix, Limits, Request, RequestRef, Response, PREFIX_LEN,
     PROTOCOL_VERSION,
 };
+
+/// What a connection sends: a [`Request`], or a [`RequestRef`] that
+/// encodes as one without copying a put's entries.
+pub(crate) trait Outgoing: serde::Serialize {
+    /// [`Request::may_wait`].
+    fn may_wait(&self) -> bool;
+}
+
+impl Outgoing for Request {
+    fn may_wait(&self) -> bool {
+        Request::may_wait(self)
+    }
+}
+
+impl Outgoing for RequestRef<'_> {
+    /// A commit or a put never waits for other clients.
+    fn may_wait(&self) -> bool {
+        false
+    }
+}
 
 /// First Busy backoff.
 pub const BUSY_RETRY: Duration = Duration::from_millis(200);
@@ -461,7 +481,7 @@ impl Conn {
     /// frame fits (a full ring: on the socket).
     pub(crate) fn send(
         &mut self,
-        req: &Request,
+        req: &impl Outgoing,
         payload: &mut [IoSlice<'_>],
         deadline: Instant,
     ) -> Result<u64, Failure> {
@@ -507,7 +527,7 @@ impl Conn {
     /// is left on the stream for [`Conn::read_payload`]).
     pub(crate) async fn call(
         &mut self,
-        req: &Request,
+        req: &impl Outgoing,
         deadline: Instant,
     ) -> Result<Response, Failure> {
         let id = self.send(req, &mut [], deadline)?;

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
-use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, Response};
+use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, RequestRef, Response};
 
 use crate::conn::Conn;
 use crate::failure::Failure;
@@ -215,20 +215,20 @@ impl<M: Mover> OneSided<M> {
         let n = total_len(put);
         let asked = self.spares_for(n).then(|| (new_blob_id(), spare_class(n)));
         let req = match asked {
-            Some((spare, spare_nbytes)) => Request::CommitSpare {
+            Some((spare, spare_nbytes)) => RequestRef::CommitSpare {
                 blob: put.blob,
                 written,
-                partition: put.partition.to_owned(),
-                entries: put.entries.clone(),
+                partition: put.partition,
+                entries: &put.entries,
                 spare,
                 spare_nbytes,
             },
             None => {
                 debug_assert_eq!(written, put.blob, "only CommitSpare commits a spare");
-                Request::Commit {
+                RequestRef::Commit {
                     blob: put.blob,
-                    partition: put.partition.to_owned(),
-                    entries: put.entries.clone(),
+                    partition: put.partition,
+                    entries: &put.entries,
                 }
             }
         };
@@ -282,6 +282,27 @@ impl<M: Mover> OneSided<M> {
             abort(&mut self.conn, old.blob, deadline).await?;
         }
         Ok(())
+    }
+
+    /// [`Transport::call`], [`Transport::call_ref`].
+    async fn call_any(
+        &mut self,
+        req: &impl crate::conn::Outgoing,
+        deadline: Instant,
+    ) -> Result<Response, Failure> {
+        let reply = self.conn.call(req, deadline).await?;
+        // A Resolve of a view: the unit may ask for spares back there
+        // too (a view connection never puts, so it holds none).
+        if matches!(
+            reply,
+            Response::Resolved {
+                spares_back: true,
+                ..
+            }
+        ) {
+            self.clear_spares(deadline).await?;
+        }
+        Ok(reply)
     }
 
     /// Give every spare back (the unit is short of memory: it said so with
@@ -512,9 +533,9 @@ impl<M: Mover> Transport for OneSided<M> {
         deadline: Instant,
     ) -> Op<'a, Missing> {
         Box::pin(async move {
-            let req = Request::Resolve {
-                partition: partition.to_owned(),
-                keys: keys.to_vec(),
+            let req = RequestRef::Resolve {
+                partition,
+                keys,
                 hold: false,
             };
             let (pin, found, corrupt, spares_back): Resolved =
@@ -559,21 +580,11 @@ impl<M: Mover> Transport for OneSided<M> {
     }
 
     fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
-        Box::pin(async move {
-            let reply = self.conn.call(req, deadline).await?;
-            // A Resolve of a view: the unit may ask for spares back there
-            // too (a view connection never puts, so it holds none).
-            if matches!(
-                reply,
-                Response::Resolved {
-                    spares_back: true,
-                    ..
-                }
-            ) {
-                self.clear_spares(deadline).await?;
-            }
-            Ok(reply)
-        })
+        Box::pin(self.call_any(req, deadline))
+    }
+
+    fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response> {
+        Box::pin(self.call_any(req, deadline))
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {

@@ -10,6 +10,7 @@
 //! (`fanout::all_at_once`); a put to one unit runs its part straight on
 //! the calling thread.
 
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashSet};
 use std::future::Future;
 use std::pin::pin;
@@ -285,7 +286,9 @@ pub(crate) fn plan<'a>(
 ) -> Result<Vec<BlobPut<'a>>> {
     let n = keys.len();
     let mut seen = HashSet::new();
-    let mut per_column: Vec<(&str, Vec<Tensor<'_>>)> = Vec::with_capacity(columns.len());
+    // A jagged column's values as they are (checked, not copied); a dense
+    // one's cut into rows.
+    let mut per_column: Vec<(&str, Cow<'_, [Tensor<'_>]>)> = Vec::with_capacity(columns.len());
     for (field, col) in columns {
         check_field(field)?;
         if !seen.insert(*field) {
@@ -302,12 +305,12 @@ pub(crate) fn plan<'a>(
                     )));
                 }
                 for t in v {
-                    Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                    t.check()?;
                 }
-                v.clone()
+                Cow::Borrowed(v.as_slice())
             }
             Column::Dense(t) => {
-                let t = Tensor::new(t.dtype, t.shape.clone(), t.data)?;
+                t.check()?;
                 match t.shape.first() {
                     Some(&rows) if rows == n as u64 => {}
                     Some(&rows) => {
@@ -324,13 +327,15 @@ pub(crate) fn plan<'a>(
                 }
                 let row_shape = t.shape[1..].to_vec();
                 let row_bytes = byte_len(t.dtype, &row_shape)? as usize;
-                (0..n)
-                    .map(|i| Tensor {
-                        dtype: t.dtype,
-                        shape: row_shape.clone(),
-                        data: &t.data[i * row_bytes..(i + 1) * row_bytes],
-                    })
-                    .collect()
+                Cow::Owned(
+                    (0..n)
+                        .map(|i| Tensor {
+                            dtype: t.dtype,
+                            shape: row_shape.clone(),
+                            data: &t.data[i * row_bytes..(i + 1) * row_bytes],
+                        })
+                        .collect(),
+                )
             }
         };
         per_column.push((field, values));

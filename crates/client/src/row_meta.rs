@@ -90,14 +90,26 @@ pub(crate) fn collision(partition: &str, requested: &RowKey, stored: Option<Stri
 }
 
 /// The metadata of a value of `dtype` and `shape` in a row named `owner`.
+///
+/// One allocation of the metadata's size: a put encodes this for every
+/// value it writes, so neither the shape nor a growing buffer is copied.
 pub(crate) fn encode_meta(dtype: DType, shape: &[u64], owner: Option<&[u8]>) -> Result<Vec<u8>> {
-    let mut meta = postcard::to_allocvec(&ValueMeta {
-        dtype,
-        shape: shape.to_vec(),
-    })
-    .map_err(|e| Error::InvalidRequest(format!("value metadata: {e}")))?;
-    meta.extend_from_slice(owner.unwrap_or_default());
+    let owner = owner.unwrap_or_default();
+    // At most: a varint of the dtype's index, of the shape's length and of
+    // each dimension (postcard: 10 bytes a u64 at most).
+    let cap = 10 * (2 + shape.len()) + owner.len();
+    let mut meta = postcard::to_extend(&ValueMetaRef { dtype, shape }, Vec::with_capacity(cap))
+        .map_err(|e| Error::InvalidRequest(format!("value metadata: {e}")))?;
+    meta.extend_from_slice(owner);
     Ok(meta)
+}
+
+/// [`ValueMeta`] over a borrowed shape: the same bytes (serde writes a
+/// slice as it writes a Vec).
+#[derive(Serialize)]
+struct ValueMetaRef<'a> {
+    dtype: DType,
+    shape: &'a [u64],
 }
 
 pub(crate) fn decode_meta(

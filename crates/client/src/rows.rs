@@ -184,7 +184,7 @@ impl Client {
             collision: None,
             unknown: BTreeSet::new(),
         };
-        let got = self.get_into(partition, &placed, &mut adapter, deadline);
+        let got = self.get_placed_into(partition, placed, &mut adapter, deadline);
         if let Some((row, stored)) = adapter.collision {
             return Err(collision(partition, &keys[row], stored));
         }

@@ -30,7 +30,7 @@ use std::time::Instant;
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
 use stowage_wire::BlobId;
-use stowage_wire::{EntrySpec, Key, Request, Response};
+use stowage_wire::{EntrySpec, Key, Request, RequestRef, Response};
 
 use crate::conn::Conn;
 use crate::failure::Failure;
@@ -77,6 +77,10 @@ pub trait Transport: Send {
 
     /// Send a control request (no payload) and await its reply.
     fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response>;
+
+    /// [`Transport::call`] of a request that borrows its keys or entries
+    /// (a view's Resolve).
+    fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response>;
 
     /// Send a request the unit does not answer (an Unpin with
     /// `reply: false`).
@@ -206,10 +210,10 @@ pub(crate) async fn stream_put(
     refused: Option<BlobId>,
 ) -> Result<(), Failure> {
     n_entries(&put.entries)?;
-    let req = Request::Put {
+    let req = RequestRef::Put {
         blob: put.blob,
-        partition: put.partition.to_owned(),
-        entries: put.entries.clone(),
+        partition: put.partition,
+        entries: &put.entries,
         timeout_ms: timeout_ms(deadline),
     };
     let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
@@ -249,10 +253,10 @@ pub(crate) async fn recommit(
 ) -> Result<Response, Failure> {
     let left = crate::conn::remaining(deadline)?;
     pause_until(Instant::now() + PENDING_POLL.min(left)).await;
-    let req = Request::Commit {
+    let req = RequestRef::Commit {
         blob: put.blob,
-        partition: put.partition.to_owned(),
-        entries: put.entries.clone(),
+        partition: put.partition,
+        entries: &put.entries,
     };
     conn.call(&req, deadline).await
 }
@@ -313,6 +317,10 @@ impl Transport for TcpTransport {
     }
 
     fn call<'a>(&'a mut self, req: &'a Request, deadline: Instant) -> Op<'a, Response> {
+        Box::pin(self.conn.call(req, deadline))
+    }
+
+    fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response> {
         Box::pin(self.conn.call(req, deadline))
     }
 

@@ -137,16 +137,25 @@ pub struct Tensor<'a> {
 impl<'a> Tensor<'a> {
     /// A tensor over `data`, which must hold exactly the shape's bytes.
     pub fn new(dtype: DType, shape: Vec<u64>, data: &'a [u8]) -> Result<Self> {
-        let want = byte_len(dtype, &shape)?;
-        if want != data.len() as u64 {
-            return Err(Error::InvalidRequest(format!(
-                "a {} tensor of shape {shape:?} has {want} bytes, not {}",
-                dtype.name(),
-                data.len()
-            )));
-        }
+        check_len(dtype, &shape, data.len())?;
         Ok(Self { dtype, shape, data })
     }
+
+    /// What [`Tensor::new`] checks, of a tensor built field by field.
+    pub(crate) fn check(&self) -> Result<()> {
+        check_len(self.dtype, &self.shape, self.data.len())
+    }
+}
+
+fn check_len(dtype: DType, shape: &[u64], len: usize) -> Result<()> {
+    let want = byte_len(dtype, shape)?;
+    if want != len as u64 {
+        return Err(Error::InvalidRequest(format!(
+            "a {} tensor of shape {shape:?} has {want} bytes, not {len}",
+            dtype.name(),
+        )));
+    }
+    Ok(())
 }
 
 /// A value read back.

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use stowage_shm::Slab;
-use stowage_wire::{Key, Request, Response};
+use stowage_wire::{Key, Request, RequestRef, Response};
 
 use crate::classify::{name_keys, unexpected, unexpected_found};
 use crate::failure::Failure;
@@ -188,12 +188,12 @@ impl Client {
                         "views need the shm transport (a unit on this host, reached by its Unix socket)",
                     )),
                     Some(slab) => {
-                        let req = Request::Resolve {
-                            partition: partition.to_owned(),
-                            keys: keys.clone(),
+                        let req = RequestRef::Resolve {
+                            partition,
+                            keys,
                             hold: true,
                         };
-                        t.call(&req, deadline).await.map(|resp| (resp, slab))
+                        t.call_ref(&req, deadline).await.map(|resp| (resp, slab))
                     }
                 }
             };

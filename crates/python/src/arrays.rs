@@ -469,10 +469,19 @@ pub(crate) unsafe fn array_over<'py>(
     writeable: bool,
     base: Bound<'py, PyAny>,
 ) -> PyResult<Bound<'py, PyAny>> {
-    let mut dims = shape
-        .iter()
-        .map(|&d| npy_intp::try_from(d).map_err(|_| invalid(format!("dimension {d} too large"))))
-        .collect::<PyResult<Vec<npy_intp>>>()?;
+    // On the stack for the dimensions numpy allows (one array per value of
+    // a get or a view: no allocation each).
+    let mut on_stack = [0 as npy_intp; 64];
+    let mut on_heap = Vec::new();
+    let dims: &mut [npy_intp] = if shape.len() <= on_stack.len() {
+        &mut on_stack[..shape.len()]
+    } else {
+        on_heap.resize(shape.len(), 0);
+        &mut on_heap
+    };
+    for (out, &d) in dims.iter_mut().zip(shape) {
+        *out = npy_intp::try_from(d).map_err(|_| invalid(format!("dimension {d} too large")))?;
+    }
     let data = if data.is_null() {
         // numpy allocates when handed no memory; a zero-size array still
         // needs a pointer of its own.

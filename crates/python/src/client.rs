@@ -311,19 +311,22 @@ impl Client {
             };
             sources.push((name, src));
         }
-        fn tensor<'a>(a: &'a ArrayBytes<'_>) -> Tensor<'a> {
+        // Each array's shape moves into its tensor (no copy per value).
+        fn tensor<'a>(a: &'a mut ArrayBytes<'_>) -> Tensor<'a> {
+            let shape = std::mem::take(&mut a.shape);
+            let a: &'a ArrayBytes<'_> = a;
             Tensor {
                 dtype: a.dtype,
-                shape: a.shape.clone(),
+                shape,
                 data: a.bytes(),
             }
         }
         let columns: Vec<(&str, Column<'_>)> = sources
-            .iter()
+            .iter_mut()
             .map(|(name, s)| {
                 let col = match s {
                     Source::Dense(a) => Column::Dense(tensor(a)),
-                    Source::Jagged(v) => Column::Jagged(v.iter().map(tensor).collect()),
+                    Source::Jagged(v) => Column::Jagged(v.iter_mut().map(tensor).collect()),
                 };
                 (name.as_str(), col)
             })

@@ -33,7 +33,16 @@ pub(crate) enum ReadData {
 pub(crate) struct AllocSink {
     pub(crate) values: Vec<Vec<Option<ReadTensor>>>,
     pub(crate) batches: Vec<HostBuf>,
+    /// The batch buffer small values read one by one go into, and how
+    /// many of its bytes are taken.
+    chunk: Option<(usize, usize)>,
 }
+
+/// Values of at most this many bytes read one by one share batch buffers
+/// of [`CHUNK`] bytes: one allocation (and one Python object keeping it)
+/// per chunk, not per value. An array kept alive keeps its chunk.
+pub(crate) const SMALL: usize = 4096;
+pub(crate) const CHUNK: usize = 64 << 10;
 
 /// Values in a batch buffer start on multiples of this (numpy's alignment
 /// for any dtype).
@@ -46,7 +55,31 @@ impl AllocSink {
                 .map(|_| (0..rows).map(|_| None).collect())
                 .collect(),
             batches: Vec::new(),
+            chunk: None,
         }
+    }
+
+    /// `len` bytes (at most [`SMALL`]) for `field` and `row` in the
+    /// current chunk, or in a new one.
+    fn small_slot(&mut self, ask: &TensorAsk<'_>, len: usize) -> Result<&mut [u8], String> {
+        let (buf, offset) = match self.chunk {
+            Some((buf, used)) if used.next_multiple_of(VALUE_ALIGN) + len <= CHUNK => {
+                (buf, used.next_multiple_of(VALUE_ALIGN))
+            }
+            _ => {
+                let mem =
+                    HostBuf::new(CHUNK).map_err(|e| format!("cannot map {CHUNK} bytes: {e}"))?;
+                self.batches.push(mem);
+                (self.batches.len() - 1, 0)
+            }
+        };
+        self.chunk = Some((buf, offset + len));
+        *self.place(ask.field, ask.row)? = Some(ReadTensor {
+            dtype: ask.dtype,
+            shape: ask.shape.to_vec(),
+            data: ReadData::Shared { buf, offset, len },
+        });
+        Ok(&mut self.batches[buf][offset..offset + len])
     }
 
     fn place(&mut self, field: usize, row: usize) -> Result<&mut Option<ReadTensor>, String> {
@@ -97,6 +130,9 @@ impl AllocSink {
 impl Sink<TensorAsk<'_>> for AllocSink {
     fn slot(&mut self, ask: TensorAsk<'_>) -> Result<&mut [u8], String> {
         let len = nbytes(ask.dtype, ask.shape).ok_or("value larger than memory")?;
+        if len <= SMALL {
+            return self.small_slot(&ask, len);
+        }
         let data = HostBuf::new(len).map_err(|e| format!("cannot map {len} bytes: {e}"))?;
         let t = self.place(ask.field, ask.row)?.insert(ReadTensor {
             dtype: ask.dtype,

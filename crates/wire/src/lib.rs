@@ -49,8 +49,8 @@ pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
 pub use limits::{Limits, WireError};
 pub use messages::{
-    CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, Response,
-    RestoreReply, RestoreSource, GROUP_FIELD_PREFIX, RING_MAX, RING_MIN,
+    CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, RequestRef,
+    Response, RestoreReply, RestoreSource, GROUP_FIELD_PREFIX, RING_MAX, RING_MIN,
 };
 pub use stats::Stats;
 pub use stowage_core::{BlobId, EntrySpec, Key, PinId, SessionStats};
@@ -427,6 +427,70 @@ mod tests {
             r.validate(&Limits::default()).unwrap();
             round_trip(r);
         }
+    }
+
+    /// A borrowed Commit, Put, CommitSpare or Resolve is the owned one's bytes:
+    /// the unit decodes it as the owned request.
+    #[test]
+    fn borrowed_requests_encode_as_owned_ones() {
+        let mut seen = 0;
+        for r in all_requests() {
+            let borrowed = match &r {
+                Request::Commit {
+                    blob,
+                    partition,
+                    entries,
+                } => RequestRef::Commit {
+                    blob: *blob,
+                    partition,
+                    entries,
+                },
+                Request::Put {
+                    blob,
+                    partition,
+                    entries,
+                    timeout_ms,
+                } => RequestRef::Put {
+                    blob: *blob,
+                    partition,
+                    entries,
+                    timeout_ms: *timeout_ms,
+                },
+                Request::CommitSpare {
+                    blob,
+                    written,
+                    partition,
+                    entries,
+                    spare,
+                    spare_nbytes,
+                } => RequestRef::CommitSpare {
+                    blob: *blob,
+                    written: *written,
+                    partition,
+                    entries,
+                    spare: *spare,
+                    spare_nbytes: *spare_nbytes,
+                },
+                Request::Resolve {
+                    partition,
+                    keys,
+                    hold,
+                } => RequestRef::Resolve {
+                    partition,
+                    keys,
+                    hold: *hold,
+                },
+                _ => continue,
+            };
+            seen += 1;
+            let (mut owned, mut by_ref) = (Vec::new(), Vec::new());
+            encode(7, &r, 0, &mut owned).unwrap();
+            encode(7, &borrowed, 0, &mut by_ref).unwrap();
+            assert_eq!(by_ref, owned, "{r:?}");
+            let back: Envelope<Request> = decode_header(&by_ref[PREFIX_LEN..]).unwrap();
+            assert_eq!(back.body, r);
+        }
+        assert_eq!(seen, 4);
     }
 
     #[test]

@@ -249,6 +249,116 @@ pub enum Request {
     },
 }
 
+/// A [`Request`] that carries a put's entries, or a resolve's keys, by
+/// reference: it encodes to exactly the bytes of the [`Request`] variant
+/// of the same name (the unit decodes it as that), without copying every
+/// entry's key and metadata first. For calls of many values.
+#[derive(Clone, Copy, Debug)]
+pub enum RequestRef<'a> {
+    /// [`Request::Commit`].
+    Commit {
+        blob: BlobId,
+        partition: &'a str,
+        entries: &'a [EntrySpec],
+    },
+    /// [`Request::Put`].
+    Put {
+        blob: BlobId,
+        partition: &'a str,
+        entries: &'a [EntrySpec],
+        timeout_ms: u64,
+    },
+    /// [`Request::Resolve`].
+    Resolve {
+        partition: &'a str,
+        keys: &'a [Key],
+        hold: bool,
+    },
+    /// [`Request::CommitSpare`].
+    CommitSpare {
+        blob: BlobId,
+        written: BlobId,
+        partition: &'a str,
+        entries: &'a [EntrySpec],
+        spare: BlobId,
+        spare_nbytes: u64,
+    },
+}
+
+impl RequestRef<'_> {
+    /// The index serde gives the variant in [`Request`] (its place in the
+    /// enum; `borrowed_requests_encode_as_owned_ones` checks each).
+    fn variant(&self) -> (u32, &'static str) {
+        match self {
+            RequestRef::Commit { .. } => (2, "Commit"),
+            RequestRef::Resolve { .. } => (4, "Resolve"),
+            RequestRef::Put { .. } => (8, "Put"),
+            RequestRef::CommitSpare { .. } => (17, "CommitSpare"),
+        }
+    }
+}
+
+impl Serialize for RequestRef<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeStructVariant;
+        let (index, name) = self.variant();
+        match *self {
+            RequestRef::Commit {
+                blob,
+                partition,
+                entries,
+            } => {
+                let mut v = s.serialize_struct_variant("Request", index, name, 3)?;
+                v.serialize_field("blob", &blob)?;
+                v.serialize_field("partition", partition)?;
+                v.serialize_field("entries", entries)?;
+                v.end()
+            }
+            RequestRef::Put {
+                blob,
+                partition,
+                entries,
+                timeout_ms,
+            } => {
+                let mut v = s.serialize_struct_variant("Request", index, name, 4)?;
+                v.serialize_field("blob", &blob)?;
+                v.serialize_field("partition", partition)?;
+                v.serialize_field("entries", entries)?;
+                v.serialize_field("timeout_ms", &timeout_ms)?;
+                v.end()
+            }
+            RequestRef::Resolve {
+                partition,
+                keys,
+                hold,
+            } => {
+                let mut v = s.serialize_struct_variant("Request", index, name, 3)?;
+                v.serialize_field("partition", partition)?;
+                v.serialize_field("keys", keys)?;
+                v.serialize_field("hold", &hold)?;
+                v.end()
+            }
+            RequestRef::CommitSpare {
+                blob,
+                written,
+                partition,
+                entries,
+                spare,
+                spare_nbytes,
+            } => {
+                let mut v = s.serialize_struct_variant("Request", index, name, 6)?;
+                v.serialize_field("blob", &blob)?;
+                v.serialize_field("written", &written)?;
+                v.serialize_field("partition", partition)?;
+                v.serialize_field("entries", entries)?;
+                v.serialize_field("spare", &spare)?;
+                v.serialize_field("spare_nbytes", &spare_nbytes)?;
+                v.end()
+            }
+        }
+    }
+}
+
 /// The field a row's group id is written under, after this prefix
 /// ([`Request::RegisterTasks`]'s `group_size`).
 pub const GROUP_FIELD_PREFIX: &str = "\0g:";

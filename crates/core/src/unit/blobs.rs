@@ -16,17 +16,17 @@ apply_op!(NameSpare => bool, |NameSpare { spare, blob }, core, now, owner| {
 });
 apply_op!(Commit => Committed, |Commit { partition, blob, entries }, core, _, owner| {
     core.refuse_disk_reservation(owner, blob)?;
-    core.commit(owner, &partition, blob, &entries)
+    core.commit(owner, &partition, blob, entries)
 });
 apply_op!(CommitWritten => Committed, |op, core, _, owner| {
-    core.commit(owner, &op.partition, op.blob, &op.entries)
+    core.commit(owner, &op.partition, op.blob, op.entries)
 });
 apply_op!(CommitSpare => SpareCommitted, |op, core, now, owner| {
     core.refuse_disk_reservation(owner, op.blob)?;
     if !core.name_spare(owner, op.written, op.blob, now)? {
         return Ok(SpareCommitted::AlreadyCommitted);
     }
-    Ok(match core.commit(owner, &op.partition, op.blob, &op.entries)? {
+    Ok(match core.commit(owner, &op.partition, op.blob, op.entries)? {
         Committed::Pending => SpareCommitted::Pending,
         Committed::Done => SpareCommitted::Committed {
             spare: core.reserve_spare(owner, op.spare, op.spare_nbytes, now)?,
@@ -368,8 +368,9 @@ impl UnitCore {
         owner: Owner,
         partition: &str,
         blob: BlobId,
-        entries: &[EntrySpec],
+        entries: impl Into<Vec<EntrySpec>>,
     ) -> Result<Committed, CoreError> {
+        let entries = entries.into();
         let Some(b) = self.blobs.get(&blob) else {
             return if self.freed.set.contains(&blob) {
                 Ok(Committed::Done)
@@ -391,7 +392,7 @@ impl UnitCore {
                 }
             }
         }
-        for e in entries {
+        for e in &entries {
             if e.offset.checked_add(e.len).is_none_or(|end| end > nbytes) {
                 return Err(CoreError::Invalid(format!(
                     "entry {} at {}+{} lies outside blob of {nbytes} bytes",
@@ -440,7 +441,7 @@ impl UnitCore {
             if let Some(b) = self.blobs.get_mut(&blob) {
                 b.state = State::PendingDisk {
                     partition: partition.to_owned(),
-                    entries: entries.to_vec(),
+                    entries,
                 };
             }
             return Ok(Committed::Pending);
@@ -449,7 +450,10 @@ impl UnitCore {
         Ok(Committed::Done)
     }
 
-    pub(super) fn publish(&mut self, partition: &str, blob: BlobId, entries: &[EntrySpec]) {
+    ///
+    /// The entries' field names and metadata move into the index (a put of
+    /// many values allocates nothing more per value here).
+    pub(super) fn publish(&mut self, partition: &str, blob: BlobId, entries: Vec<EntrySpec>) {
         self.commit_seq += 1;
         let seq = self.commit_seq;
         let mut stored = 0;
@@ -461,23 +465,28 @@ impl UnitCore {
             b.state = State::Committed { live: 0, pins: 0 };
             b.seq = seq;
         }
+        // The claims of the partition, if any, learn of the rows after
+        // the index has them: their keys are kept for that.
+        let claimed = self.claims_track(partition).then(|| entries.clone());
         let rows = self.index.parts.entry(partition.to_owned()).or_default();
         let mut replaced = Vec::new();
         let mut live = 0u32;
         for e in entries {
+            let field_len = e.key.field.len();
+            self.index.bytes += entry_cost(&e.key.field, e.meta.len());
             let entry = Entry {
                 blob,
                 offset: e.offset,
                 len: e.len,
-                meta: e.meta.clone().into_boxed_slice(),
+                meta: e.meta.into_boxed_slice(),
             };
-            self.index.bytes += entry_cost(&e.key.field, e.meta.len());
             let old = rows
                 .entry(e.key.row)
                 .or_default()
-                .insert(e.key.field.clone(), entry);
+                .insert(e.key.field, entry);
             if let Some(old) = &old {
-                self.index.bytes -= entry_cost(&e.key.field, old.meta.len());
+                // entry_cost of the same field name with the old metadata.
+                self.index.bytes -= ENTRY_OVERHEAD + field_len as u64 + old.meta.len() as u64;
             }
             match old {
                 Some(old) if old.blob == blob => {} // a duplicate key in this blob: last wins
@@ -502,7 +511,9 @@ impl UnitCore {
             self.drop_entry_ref(old);
         }
         self.earn_compaction(stored);
-        self.claims_published(partition, entries);
+        if let Some(entries) = claimed {
+            self.claims_published(partition, &entries);
+        }
         if live == 0 {
             // Nothing of it was published (no entries, or each replaced by
             // a later one of the same blob): it goes now.

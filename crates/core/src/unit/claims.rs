@@ -710,6 +710,12 @@ impl UnitCore {
         }
     }
 
+    /// Whether entries published into `partition` concern the claims
+    /// state (a task is registered there): [`Self::claims_published`].
+    pub(super) fn claims_track(&self, partition: &str) -> bool {
+        self.claims.parts.contains_key(partition)
+    }
+
     /// Entries were published into `partition`: its rows join the claims
     /// state (one map lookup when no task is registered), and its waiting
     /// claims are tried.

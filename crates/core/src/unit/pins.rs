@@ -48,7 +48,11 @@ impl UnitCore {
             .map(|k| {
                 let e = rows?.get(&k.row)?.get(&k.field)?;
                 let b = blobs_map.get(&e.blob)?;
-                blobs.push(e.blob);
+                // The values of one put share a blob: one id per run of
+                // them (pin_blobs sorts and dedups what is left).
+                if blobs.last() != Some(&e.blob) {
+                    blobs.push(e.blob);
+                }
                 let place = match &b.region {
                     Some(r) => Placement::of(r, e.offset, e.len),
                     None => Placement::Disk {

@@ -156,7 +156,7 @@ impl UnitCore {
             if let State::PendingDisk { partition, entries } =
                 std::mem::replace(&mut b.state, State::Committed { live: 0, pins: 0 })
             {
-                self.publish(&partition, blob, &entries);
+                self.publish(&partition, blob, entries);
             }
             return;
         }

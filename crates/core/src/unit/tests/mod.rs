@@ -720,7 +720,7 @@ fn index_budget_answers_full() {
         })
         .collect();
     assert!(matches!(
-        c.commit(o, "partition", BlobId(1), &four),
+        c.commit(o, "partition", BlobId(1), four.as_slice()),
         Err(CoreError::Full { .. })
     ));
     c.abort(o, BlobId(1), false, t(0)).unwrap();
