@@ -23,7 +23,7 @@ use stowage_shm::ring::{Ring, RING_BYTES};
 use stowage_shm::Slab;
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
-    read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
+    may_spin, read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
 };
 use stowage_wire::{
     encode, Envelope, ErrorCode, FramePrefix, Limits, Request, Response, PREFIX_LEN,
@@ -627,7 +627,12 @@ impl Conn {
     /// from the socket where the ring says so ([`Response::OnSocket`]) or
     /// where the socket has something to say (the unit's end, an error).
     fn recv_ring(&mut self, ring: &Ring, id: u64, deadline: Instant) -> Result<Response, Failure> {
-        let mut spin = self.spin;
+        // Spin only with a core to spare; else sleep on the futex at once.
+        let mut spin = if may_spin() {
+            self.spin
+        } else {
+            Duration::ZERO
+        };
         let mut socket_ready = false;
         loop {
             let taken = ring

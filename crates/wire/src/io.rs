@@ -81,8 +81,98 @@ pub fn write_all_vectored<W: Write>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -
     Ok(())
 }
 
+// ---- whether a waiting thread may spin ----
+
+/// How long a look at the host's runnable count is reused: reading
+/// `/proc/loadavg` costs a few microseconds, a wait about as much.
+const RUNNABLE_TTL: Duration = Duration::from_millis(10);
+
+/// The decision: a thread waiting for a reply may spin (poll, yielding)
+/// only while it has a core to itself, that is while the host's runnable
+/// threads (`runnable`, the waiter among them) are no more than the cores
+/// this process may use. Past that every spinning waiter holds a core some
+/// other thread (the unit that would answer, another client) needs, and it
+/// should sleep at once. Unknown figures (0) allow spinning, as before.
+pub fn spin_fits(runnable: u32, cores: u32) -> bool {
+    runnable == 0 || cores == 0 || runnable <= cores
+}
+
+/// The running count in `/proc/loadavg`'s text: its fourth field,
+/// `running/total` (threads runnable at that instant, the reader among
+/// them).
+pub fn loadavg_running(text: &str) -> Option<u32> {
+    let field = text.split_ascii_whitespace().nth(3)?;
+    field.split_once('/')?.0.parse().ok()
+}
+
+fn cores() -> u32 {
+    static CORES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    // Affinity and cgroup quota both counted.
+    *CORES.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map_or(0, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+    })
+}
+
+fn runnable_now() -> u32 {
+    let mut buf = [0u8; 128];
+    let Ok(fd) = rustix::fs::open(
+        "/proc/loadavg",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    ) else {
+        return 0;
+    };
+    let n = rustix::io::read(&fd, &mut buf).unwrap_or(0);
+    std::str::from_utf8(&buf[..n])
+        .ok()
+        .and_then(loadavg_running)
+        .unwrap_or(0)
+}
+
+/// Whether a thread about to wait may spin now ([`spin_fits`] of the
+/// host's runnable threads and this process's cores), looked up at most
+/// every [`RUNNABLE_TTL`] per process. `STOWAGE_SPIN_ALWAYS=1` in the
+/// environment (read once) skips the look and always allows it, as before
+/// (for comparisons).
+pub fn may_spin() -> bool {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    static ALWAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    // Nanoseconds after EPOCH of the next look (0: none yet).
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static FITS: AtomicBool = AtomicBool::new(true);
+    if *ALWAYS.get_or_init(|| std::env::var_os("STOWAGE_SPIN_ALWAYS").is_some_and(|v| v == "1")) {
+        return true;
+    }
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    let now = u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    let next = NEXT.load(Ordering::Relaxed);
+    if now < next {
+        return FITS.load(Ordering::Relaxed);
+    }
+    let ttl = u64::try_from(RUNNABLE_TTL.as_nanos()).unwrap_or(u64::MAX);
+    // One thread looks; the others use the last answer meanwhile.
+    if NEXT
+        .compare_exchange(
+            next,
+            now.saturating_add(ttl),
+            Ordering::Relaxed,
+            Ordering::Relaxed,
+        )
+        .is_err()
+    {
+        return FITS.load(Ordering::Relaxed);
+    }
+    let fits = spin_fits(runnable_now(), cores());
+    FITS.store(fits, Ordering::Relaxed);
+    fits
+}
+
 /// Adaptive polling: try to read from a socket without blocking, for up to
 /// `budget`. `None` when nothing arrived in time (the caller then blocks).
+/// No polling at all where the host has more runnable threads than this
+/// process has cores ([`may_spin`]).
 ///
 /// A blocking wake-up costs tens of microseconds on a VM; a reply that
 /// comes within the budget is picked up without one. The budget bounds the
@@ -92,7 +182,7 @@ pub fn spin_read(
     buf: &mut [u8],
     budget: Duration,
 ) -> Option<io::Result<usize>> {
-    if budget.is_zero() {
+    if budget.is_zero() || !may_spin() {
         return None;
     }
     let end = Instant::now() + budget;
@@ -295,6 +385,32 @@ pub fn drain<R: Read>(r: &mut R, n: u64) -> io::Result<()> {
 mod tests {
     use super::*;
     use crate::{encode, Request};
+
+    #[test]
+    fn a_waiter_spins_only_with_a_core_to_itself() {
+        // As many runnable threads as cores (the waiter among them): spin.
+        assert!(spin_fits(1, 2));
+        assert!(spin_fits(2, 2));
+        assert!(spin_fits(16, 16));
+        // One more runnable than cores, or many more: sleep at once.
+        assert!(!spin_fits(3, 2));
+        assert!(!spin_fits(66, 2));
+        assert!(!spin_fits(2, 1));
+        // Unknown figures keep the old behaviour (spin).
+        assert!(spin_fits(0, 2));
+        assert!(spin_fits(5, 0));
+    }
+
+    #[test]
+    fn the_running_count_is_read_from_loadavg() {
+        assert_eq!(loadavg_running("0.52 0.61 0.70 3/512 12345\n"), Some(3));
+        assert_eq!(loadavg_running("1.00 1.00 1.00 66/1024 7"), Some(66));
+        assert_eq!(loadavg_running("0.00 0.00 0.00"), None);
+        assert_eq!(loadavg_running("0.00 0.00 0.00 x/5 1"), None);
+        // This host's own file parses, and counts this thread.
+        let text = std::fs::read_to_string("/proc/loadavg").expect("/proc/loadavg");
+        assert!(loadavg_running(&text).is_some_and(|n| n >= 1), "{text}");
+    }
 
     #[test]
     fn frames_read_back_from_a_stream() {
