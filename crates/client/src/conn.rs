@@ -23,7 +23,8 @@ use stowage_shm::ring::{Ring, RING_BYTES};
 use stowage_shm::Slab;
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
-    may_spin, read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
+    may_spin, read_header, read_prefix, spin_yield, write_all_vectored, ReadError, Socket,
+    SpinReader,
 };
 use stowage_wire::{
     encode, Envelope, ErrorCode, FramePrefix, Limits, Request, Response, PREFIX_LEN,
@@ -665,7 +666,7 @@ impl Conn {
             if now >= deadline {
                 return Err(Failure::Timeout);
             }
-            if ring.wait_reply(deadline.min(now + RING_SOCKET_CHECK), spin) {
+            if ring.wait_reply_with(deadline.min(now + RING_SOCKET_CHECK), spin, spin_yield) {
                 continue;
             }
             spin = Duration::ZERO;
