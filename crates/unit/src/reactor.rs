@@ -187,17 +187,9 @@ fn register(registry: &Registry, fd: RawFd, idx: usize) -> std::io::Result<()> {
 impl Worker {
     fn run(mut self) {
         let mut events = Events::with_capacity(1024);
-        let settings_spin = self.shared.settings.spin;
+        let spin = self.shared.settings.spin;
         let mut busy_until = Instant::now();
         loop {
-            // Poll (rings, the busy window) only with a core to spare: past
-            // that the clients need the cores, rings park at once and the
-            // thread sleeps in its readiness wait.
-            let spin = if stowage_wire::io::may_spin() {
-                settings_spin
-            } else {
-                Duration::ZERO
-            };
             let now = Instant::now();
             let stopping = self.shared.life.stop.load(Ordering::SeqCst);
             if stopping && self.me.conns.load(Ordering::Relaxed) == 0 {
@@ -250,9 +242,8 @@ impl Worker {
                 busy_until = Instant::now() + spin;
             } else if self.ready.is_empty() {
                 // Polling while nothing came: let the clients (on the same
-                // cores, often) run first; a slow yield (they had work for
-                // this core) ends the polling for a while (`may_spin`).
-                stowage_wire::io::spin_yield();
+                // cores, often) run first.
+                std::thread::yield_now();
             }
         }
     }
