@@ -3,7 +3,7 @@ than the cores (issue 37: a waiting client must not steal the unit's core).
 
     .venv/bin/python bench/client_procs.py [--procs 1,4,16,64] [--units 2]
         [--value 4096] [--seconds 3] [--rounds 1] [--spin adaptive,always]
-        [--json PATH]
+        [--hogs 0] [--json PATH]
 
 Starts ``--units`` local units (``stowage.local``, shm, 1 GiB each, default
 placement: row r on unit r % units). Each point runs N client processes
@@ -16,7 +16,9 @@ request rings) before it says ready; all start on one word and run for
 ``--seconds``. Rounds interleave the points. ``--spin always,adaptive``
 runs each point twice, alternating, on two planes: waiters that spin as
 before issue 37 (``STOWAGE_SPIN_ALWAYS=1`` in the units and clients), and
-waiters that spin only with a core to spare (the default).
+waiters that spin only with a core to spare (the default). ``--hogs N``
+keeps N busy-loop processes running beside, as other work on a shared
+host.
 
 Reported per point (median [min-max] over the rounds): op/s (puts and gets
 of all clients, over the time from the start word to the last client's
@@ -33,6 +35,8 @@ import json
 import multiprocessing as mp
 import os
 import statistics
+import subprocess
+import sys
 import time
 
 CLEAR_EVERY = 16
@@ -144,6 +148,13 @@ def main() -> None:
         help="how waiters spin, comma-separated to compare: adaptive (the default: only with a core"
         " to spare) or always (STOWAGE_SPIN_ALWAYS=1, as before issue 37)",
     )
+    ap.add_argument(
+        "--hogs",
+        type=int,
+        default=0,
+        help="CPU-bound processes (busy loops) kept running through the run: other work that wants"
+        " the cores, as on a shared host (default 0)",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every figure to PATH")
     args = ap.parse_args()
     points = [int(x) for x in args.procs.split(",")]
@@ -155,6 +166,9 @@ def main() -> None:
     modes = args.spin.split(",")
     runs = {(m, n): [] for m in modes for n in points}
     planes = {}
+    hogs = [
+        subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)
+    ]
     try:
         for m in modes:
             # The units read STOWAGE_SPIN_ALWAYS once, from the environment
@@ -180,6 +194,9 @@ def main() -> None:
     finally:
         for dp in planes.values():
             dp.close()
+        for h in hogs:
+            h.kill()
+            h.wait()
 
     def med(m, n, k):
         v = [x[k] for x in runs[(m, n)]]
@@ -187,7 +204,7 @@ def main() -> None:
 
     print(
         f"\n{args.units} units, shm, {args.value} B put+get, Python client processes;"
-        f" median [min-max] of {args.rounds} round(s)"
+        f" median [min-max] of {args.rounds} round(s); {args.hogs} busy-loop process(es) beside"
     )
     print("| waiting | processes | op/s | p50 µs | p99 µs | client CPU/op µs | unit CPU/op µs |")
     print("|---|---|---|---|---|---|---|")

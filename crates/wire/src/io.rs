@@ -85,7 +85,7 @@ pub fn write_all_vectored<W: Write>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -
 //
 // A waiter polls (yielding between looks) only while it has a core to
 // itself. Two signs say it has not: a yield that kept it off its core for
-// longer than [`YIELD_SLOW`] (200 µs: a thread with work to do, not another
+// longer than [`YIELD_SLOW`] (3 ms: a thread with work to do, not another
 // poller, took the core), and then, looked up to confirm, more runnable
 // threads on the host than this process has cores. Either alone would do
 // worse: the host-wide count also counts pollers that give their core
@@ -94,7 +94,7 @@ pub fn write_all_vectored<W: Write>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -
 
 /// A yield that kept its thread off the core this long gave the core to a
 /// thread with work to do (a poller gives it back within microseconds).
-pub const YIELD_SLOW: Duration = Duration::from_micros(200);
+pub const YIELD_SLOW: Duration = Duration::from_millis(3);
 
 /// How long a slow yield, and a look at the host's runnable count, hold:
 /// reading `/proc/loadavg` costs a few microseconds, a wait about as much.
