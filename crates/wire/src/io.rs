@@ -94,6 +94,9 @@ pub fn write_all_vectored<W: Write>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -
 
 /// A yield that kept its thread off the core this long gave the core to a
 /// thread with work to do (a poller gives it back within microseconds).
+/// Shorter ones slept where yielding paid: up to 64 client processes on
+/// an idle 2-core host pass the core among themselves within a few
+/// hundred microseconds (docs/scale.md, `bench/client_procs.py`).
 pub const YIELD_SLOW: Duration = Duration::from_millis(3);
 
 /// How long a slow yield, and a look at the host's runnable count, hold:
