@@ -50,6 +50,12 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / tick
 
 
+def loadavg_running() -> str:
+    """/proc/loadavg's runnable/total threads, now."""
+    with open("/proc/loadavg") as f:
+        return f.read().split()[3]
+
+
 def client(idx, directory, mode, value, seconds, ready, go, results):
     if mode == "always":
         os.environ["STOWAGE_SPIN_ALWAYS"] = "1"  # read at the first wait
@@ -106,7 +112,10 @@ def point(ctx, directory, mode, unit_pids, n, args):
     ready, results = ctx.Queue(), ctx.Queue()
     go = ctx.Event()
     procs = [
-        ctx.Process(target=client, args=(i, directory, mode, args.value, args.seconds, ready, go, results))
+        ctx.Process(
+            target=client,
+            args=(i, directory, mode, args.value, args.seconds, ready, go, results),
+        )
         for i in range(n)
     ]
     for p in procs:
@@ -137,7 +146,9 @@ def point(ctx, directory, mode, unit_pids, n, args):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--procs", default="1,4,16,64", help="client processes per point (default 1,4,16,64)")
+    ap.add_argument(
+        "--procs", default="1,4,16,64", help="client processes per point (default 1,4,16,64)"
+    )
     ap.add_argument("--units", type=int, default=2, help="local units (default 2)")
     ap.add_argument("--value", type=int, default=4096, help="bytes per value (default 4096)")
     ap.add_argument("--seconds", type=float, default=3.0, help="seconds per point (default 3)")
@@ -188,7 +199,7 @@ def main() -> None:
                         f"round {r + 1} {m:8s} procs {n:3d}: {res['ops_per_s']:9,.0f} op/s"
                         f"  p50 {res['p50_us']:8.1f} us  p99 {res['p99_us']:9.1f} us"
                         f"  cpu/op client {res['client_cpu_per_op_us']:5.1f} us"
-                        f" unit {res['unit_cpu_per_op_us']:5.1f} us  loadavg {open('/proc/loadavg').read().split()[3]}",
+                        f" unit {res['unit_cpu_per_op_us']:5.1f} us  loadavg {loadavg_running()}",
                         flush=True,
                     )
     finally:
@@ -206,7 +217,9 @@ def main() -> None:
         f"\n{args.units} units, shm, {args.value} B put+get, Python client processes;"
         f" median [min-max] of {args.rounds} round(s); {args.hogs} busy-loop process(es) beside"
     )
-    print("| waiting | processes | op/s | p50 µs | p99 µs | client CPU/op µs | unit CPU/op µs |")
+    print(
+        "| waiting | processes | op/s | p50 µs | p99 µs | client CPU/op µs | unit CPU/op µs |"
+    )
     print("|---|---|---|---|---|---|---|")
     for m in modes:
         for n in points:
@@ -227,7 +240,8 @@ def main() -> None:
             print(f"{m}: p99(16) = {med(m, 16, 'p99_us')[0] / 1e3:.2f} ms (target <= 1)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "runs": {f"{m} {n}": v for (m, n), v in runs.items()}}, f)
+            by_name = {f"{m} {n}": v for (m, n), v in runs.items()}
+            json.dump({"args": vars(args), "runs": by_name}, f)
 
 
 if __name__ == "__main__":
