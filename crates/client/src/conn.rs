@@ -23,7 +23,8 @@ use stowage_shm::ring::{Ring, RING_BYTES};
 use stowage_shm::Slab;
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
-    read_header, read_prefix, write_all_vectored, ReadError, Socket, SpinReader,
+    may_spin, read_header, read_prefix, spin_yield, write_all_vectored, ReadError, Socket,
+    SpinReader,
 };
 use stowage_wire::{
     encode, Envelope, ErrorCode, FramePrefix, Limits, Request, RequestRef, Response, PREFIX_LEN,
@@ -647,7 +648,12 @@ impl Conn {
     /// from the socket where the ring says so ([`Response::OnSocket`]) or
     /// where the socket has something to say (the unit's end, an error).
     fn recv_ring(&mut self, ring: &Ring, id: u64, deadline: Instant) -> Result<Response, Failure> {
-        let mut spin = self.spin;
+        // Spin only with a core to spare; else sleep on the futex at once.
+        let mut spin = if may_spin() {
+            self.spin
+        } else {
+            Duration::ZERO
+        };
         let mut socket_ready = false;
         loop {
             let taken = ring
@@ -680,7 +686,7 @@ impl Conn {
             if now >= deadline {
                 return Err(Failure::Timeout);
             }
-            if ring.wait_reply(deadline.min(now + RING_SOCKET_CHECK), spin) {
+            if ring.wait_reply_with(deadline.min(now + RING_SOCKET_CHECK), spin, spin_yield) {
                 continue;
             }
             spin = Duration::ZERO;

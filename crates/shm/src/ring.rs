@@ -403,6 +403,21 @@ impl Ring {
     /// to `spin`, then sleep on the ring's futex until a reply comes or
     /// `deadline` passes. `true`: a reply is there.
     pub fn wait_reply(&self, deadline: Instant, spin: Duration) -> bool {
+        self.wait_reply_with(deadline, spin, || {
+            std::thread::yield_now();
+            true
+        })
+    }
+
+    /// [`Ring::wait_reply`], with `pause` between polls instead of a plain
+    /// yield: it gives the core away, and `false` from it ends the spin at
+    /// once (the caller found its core wanted by others).
+    pub fn wait_reply_with(
+        &self,
+        deadline: Instant,
+        spin: Duration,
+        mut pause: impl FnMut() -> bool,
+    ) -> bool {
         let start = Instant::now();
         loop {
             if self.reply_ready() {
@@ -412,10 +427,9 @@ impl Ring {
             if now >= deadline {
                 return false;
             }
-            if now.duration_since(start) >= spin {
+            if now.duration_since(start) >= spin || !pause() {
                 break;
             }
-            std::thread::yield_now();
         }
         let seq = self.word32(CQ_SEQ);
         let waiting = self.word32(CLIENT_WAITING);

@@ -81,8 +81,157 @@ pub fn write_all_vectored<W: Write>(w: &mut W, mut slices: &mut [IoSlice<'_>]) -
     Ok(())
 }
 
+// ---- whether a waiting thread may spin ----
+//
+// A waiter polls (yielding between looks) only while it has a core to
+// itself. Two signs say it has not: a yield that kept it off its core for
+// longer than [`YIELD_SLOW`] (3 ms: a thread with work to do, not another
+// poller, took the core), and then, looked up to confirm, more runnable
+// threads on the host than this process has cores. Either alone would do
+// worse: the host-wide count also counts pollers that give their core
+// back at once (a unit lingering on a client's ring), and a slow yield
+// may be the hypervisor's.
+
+/// A yield that kept its thread off the core this long gave the core to a
+/// thread with work to do (a poller gives it back within microseconds).
+/// Shorter ones slept where yielding paid: up to 64 client processes on
+/// an idle 2-core host pass the core among themselves within a few
+/// hundred microseconds (docs/scale.md, `bench/client_procs.py`).
+pub const YIELD_SLOW: Duration = Duration::from_millis(3);
+
+/// How long a slow yield, and a look at the host's runnable count, hold:
+/// reading `/proc/loadavg` costs a few microseconds, a wait about as much.
+const CONTENDED_TTL: Duration = Duration::from_millis(10);
+
+/// The decision: a thread waiting for a reply may spin (poll, yielding)
+/// unless a recent yield of this process was slow (`yield_slow`) and the
+/// host's runnable threads (`runnable`, the waiter among them) outnumber
+/// the cores this process may use (`cores`): then every spinning waiter
+/// holds a core another thread (the unit that would answer, another
+/// client) needs, and it sleeps at once. Unknown figures (0) count as
+/// outnumbered.
+pub fn spin_fits(runnable: u32, cores: u32, yield_slow: bool) -> bool {
+    !yield_slow || (runnable != 0 && cores != 0 && runnable <= cores)
+}
+
+/// The running count in `/proc/loadavg`'s text: its fourth field,
+/// `running/total` (threads runnable at that instant, the reader among
+/// them).
+pub fn loadavg_running(text: &str) -> Option<u32> {
+    let field = text.split_ascii_whitespace().nth(3)?;
+    field.split_once('/')?.0.parse().ok()
+}
+
+fn cores() -> u32 {
+    static CORES: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    // Affinity and cgroup quota both counted.
+    *CORES.get_or_init(|| {
+        std::thread::available_parallelism()
+            .map_or(0, |n| u32::try_from(n.get()).unwrap_or(u32::MAX))
+    })
+}
+
+fn runnable_now() -> u32 {
+    let mut buf = [0u8; 128];
+    let Ok(fd) = rustix::fs::open(
+        "/proc/loadavg",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    ) else {
+        return 0;
+    };
+    let n = rustix::io::read(&fd, &mut buf).unwrap_or(0);
+    std::str::from_utf8(&buf[..n])
+        .ok()
+        .and_then(loadavg_running)
+        .unwrap_or(0)
+}
+
+mod contention {
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::OnceLock;
+    use std::time::{Duration, Instant};
+
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    /// Nanoseconds after EPOCH until which the last slow yield holds.
+    static SLOW_UNTIL: AtomicU64 = AtomicU64::new(0);
+    /// Until when the last look at the runnable count holds, and its answer.
+    static LOOKED_UNTIL: AtomicU64 = AtomicU64::new(0);
+    static FITS: AtomicBool = AtomicBool::new(true);
+
+    fn nanos(d: Duration) -> u64 {
+        u64::try_from(d.as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    pub(super) fn now() -> u64 {
+        nanos(EPOCH.get_or_init(Instant::now).elapsed())
+    }
+
+    pub(super) fn slow_yield(at: u64) {
+        SLOW_UNTIL.store(
+            at.saturating_add(nanos(super::CONTENDED_TTL)),
+            Ordering::Relaxed,
+        );
+    }
+
+    pub(super) fn yield_slow(at: u64) -> bool {
+        at < SLOW_UNTIL.load(Ordering::Relaxed)
+    }
+
+    /// The host's runnable count against the cores, looked up at most
+    /// every TTL by one thread (the others use the last answer).
+    pub(super) fn cores_fit(at: u64) -> bool {
+        let until = LOOKED_UNTIL.load(Ordering::Relaxed);
+        if at < until
+            || LOOKED_UNTIL
+                .compare_exchange(
+                    until,
+                    at.saturating_add(nanos(super::CONTENDED_TTL)),
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_err()
+        {
+            return FITS.load(Ordering::Relaxed);
+        }
+        let fits = super::spin_fits(super::runnable_now(), super::cores(), true);
+        FITS.store(fits, Ordering::Relaxed);
+        fits
+    }
+}
+
+/// Whether a thread about to wait may spin now ([`spin_fits`]: no slow
+/// yield in this process lately, or, after one, no more runnable threads
+/// on the host than this process's cores). `STOWAGE_SPIN_ALWAYS=1` in the
+/// environment (read once) always allows it, as before issue 37 (for
+/// comparisons).
+pub fn may_spin() -> bool {
+    static ALWAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *ALWAYS.get_or_init(|| std::env::var_os("STOWAGE_SPIN_ALWAYS").is_some_and(|v| v == "1")) {
+        return true;
+    }
+    let now = contention::now();
+    !contention::yield_slow(now) || contention::cores_fit(now)
+}
+
+/// Give the core away between polls ([`std::thread::yield_now`]), timing
+/// the yield: `false` when it was slow ([`YIELD_SLOW`]; noted for
+/// [`may_spin`]) and the caller should stop polling and sleep.
+pub fn spin_yield() -> bool {
+    let t = Instant::now();
+    std::thread::yield_now();
+    let took = t.elapsed();
+    if took < YIELD_SLOW {
+        return true;
+    }
+    contention::slow_yield(contention::now());
+    may_spin()
+}
+
 /// Adaptive polling: try to read from a socket without blocking, for up to
 /// `budget`. `None` when nothing arrived in time (the caller then blocks).
+/// No polling at all where the host has more runnable threads than this
+/// process has cores ([`may_spin`]).
 ///
 /// A blocking wake-up costs tens of microseconds on a VM; a reply that
 /// comes within the budget is picked up without one. The budget bounds the
@@ -92,7 +241,7 @@ pub fn spin_read(
     buf: &mut [u8],
     budget: Duration,
 ) -> Option<io::Result<usize>> {
-    if budget.is_zero() {
+    if budget.is_zero() || !may_spin() {
         return None;
     }
     let end = Instant::now() + budget;
@@ -108,7 +257,10 @@ pub fn spin_read(
                 // than cores (units and clients on a small host), pure
                 // spinning starved the thread that would answer, and
                 // 64 KiB gets over two units took 66 us instead of 24.
-                std::thread::yield_now();
+                // A slow yield: the core is wanted, stop polling.
+                if !spin_yield() {
+                    return None;
+                }
             }
             Err(e) => return Some(Err(e.into())),
         }
@@ -295,6 +447,36 @@ pub fn drain<R: Read>(r: &mut R, n: u64) -> io::Result<()> {
 mod tests {
     use super::*;
     use crate::{encode, Request};
+
+    #[test]
+    fn a_waiter_spins_only_with_a_core_to_itself() {
+        // No slow yield lately: spin, whatever the host-wide count (it
+        // counts pollers that give their core back at once).
+        assert!(spin_fits(1, 2, false));
+        assert!(spin_fits(66, 2, false));
+        // After a slow yield: spin only while the runnable threads (the
+        // waiter among them) are no more than the cores.
+        assert!(spin_fits(1, 2, true));
+        assert!(spin_fits(2, 2, true));
+        assert!(spin_fits(16, 16, true));
+        assert!(!spin_fits(3, 2, true));
+        assert!(!spin_fits(66, 2, true));
+        assert!(!spin_fits(2, 1, true));
+        // Unknown figures after a slow yield: sleep.
+        assert!(!spin_fits(0, 2, true));
+        assert!(!spin_fits(5, 0, true));
+    }
+
+    #[test]
+    fn the_running_count_is_read_from_loadavg() {
+        assert_eq!(loadavg_running("0.52 0.61 0.70 3/512 12345\n"), Some(3));
+        assert_eq!(loadavg_running("1.00 1.00 1.00 66/1024 7"), Some(66));
+        assert_eq!(loadavg_running("0.00 0.00 0.00"), None);
+        assert_eq!(loadavg_running("0.00 0.00 0.00 x/5 1"), None);
+        // This host's own file parses, and counts this thread.
+        let text = std::fs::read_to_string("/proc/loadavg").expect("/proc/loadavg");
+        assert!(loadavg_running(&text).is_some_and(|n| n >= 1), "{text}");
+    }
 
     #[test]
     fn frames_read_back_from_a_stream() {
