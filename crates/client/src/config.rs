@@ -98,10 +98,15 @@ fn failpoints_from_env() -> Failpoints {
 }
 
 /// `STOWAGE_RINGS` and `STOWAGE_RING_AFTER`, read by the first config made
-/// in the process: `(rings, ring_after)`.
+/// in the process: `(rings, ring_after)`; and `STOWAGE_SPIN_ALWAYS=1`,
+/// which lets every wait of the process spin whatever the host's load
+/// (`stowage_wire::io::spin_always`, for comparisons).
 fn ring_switches() -> (bool, u32) {
     static SWITCHES: OnceLock<(bool, u32)> = OnceLock::new();
     *SWITCHES.get_or_init(|| {
+        if std::env::var("STOWAGE_SPIN_ALWAYS").is_ok_and(|v| v.trim() == "1") {
+            stowage_wire::io::spin_always(true);
+        }
         let rings = rings_from_env(std::env::var("STOWAGE_RINGS").ok().as_deref());
         let after = std::env::var("STOWAGE_RING_AFTER")
             .ok()
@@ -124,7 +129,8 @@ pub const SPARE_MAX: u64 = 4 << 20;
 
 impl ClientConfig {
     /// The defaults, with the switches the environment sets
-    /// (`STOWAGE_RINGS`, `STOWAGE_RING_AFTER`, `STOWAGE_FAILPOINTS`).
+    /// (`STOWAGE_RINGS`, `STOWAGE_RING_AFTER`, `STOWAGE_FAILPOINTS`,
+    /// `STOWAGE_SPIN_ALWAYS`).
     pub fn new(namespace: impl Into<String>, units: Vec<UnitAddr>) -> Self {
         let (rings, ring_after) = ring_switches();
         Self {

@@ -200,14 +200,22 @@ mod contention {
     }
 }
 
+/// Set by [`spin_always`].
+static SPIN_ALWAYS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Let every wait of this process spin whatever the host's load, as before
+/// waits looked at it (for comparisons: the client's config sets it from
+/// `STOWAGE_SPIN_ALWAYS=1`).
+pub fn spin_always(on: bool) {
+    SPIN_ALWAYS.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
 /// Whether a thread about to wait may spin now ([`spin_fits`]: no slow
 /// yield in this process lately, or, after one, no more runnable threads
-/// on the host than this process's cores). `STOWAGE_SPIN_ALWAYS=1` in the
-/// environment (read once) always allows it, as before issue 37 (for
-/// comparisons).
+/// on the host than this process's cores), or always after
+/// [`spin_always`].
 pub fn may_spin() -> bool {
-    static ALWAYS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    if *ALWAYS.get_or_init(|| std::env::var_os("STOWAGE_SPIN_ALWAYS").is_some_and(|v| v == "1")) {
+    if SPIN_ALWAYS.load(std::sync::atomic::Ordering::Relaxed) {
         return true;
     }
     let now = contention::now();
