@@ -462,3 +462,34 @@ fn claims_that_run_out_of_time_never_lose_a_row() {
         "rows consumed that no claim returned ({timeouts} claims timed out)"
     );
 }
+
+/// A consumer stopped (SIGSTOP) and continued while its claim waits on the
+/// units gets the rows put afterwards: the reads its wait was blocked in
+/// (which the kernel fails with EINTR after a stop, timeouts being set)
+/// are read again, not reported as a failed transfer.
+#[test]
+fn a_waiting_claimer_stopped_and_continued_still_gets_its_rows() {
+    let (p, _) = plane(2, 16 * MIB, &[]);
+    let c = client_of(&p);
+    c.register_tasks("p", &[TASK.into()], 8, GROUP as u32, c.deadline())
+        .unwrap();
+    let addrs: Vec<String> = p.uds_addrs().iter().map(|a| a.to_string()).collect();
+    let spec = format!("{};p;20000", addrs.join(","));
+    let mut child = helper_child_of(&p, "claim_child", ("STOWAGE_CLAIM", &spec));
+    let lines = stdout_lines(&mut child);
+    let k = Child2 { child, lines };
+    k.expect_line("READY", Duration::from_secs(30));
+    for _ in 0..3 {
+        std::thread::sleep(Duration::from_millis(200)); // waiting in its claim
+        signal(&k.child, "-STOP");
+        assert!(eventually(Duration::from_secs(5), || is_stopped(
+            k.child.id()
+        )));
+        std::thread::sleep(Duration::from_millis(100));
+        signal(&k.child, "-CONT");
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    put_groups(&c, "p", 0..1);
+    let got = k.expect_line("CLAIM", Duration::from_secs(15));
+    assert_eq!(got.matches(',').count(), GROUP - 1, "{got}");
+}

@@ -62,25 +62,38 @@ pub fn send_with_fd(sock: impl AsFd, bytes: &[u8], fd: BorrowedFd<'_>) -> io::Re
     if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
         return Err(io::Error::other("control buffer too small for one fd"));
     }
-    let n = rustix::net::sendmsg(
-        sock,
-        &[io::IoSlice::new(bytes)],
-        &mut control,
-        SendFlags::NOSIGNAL,
-    )?;
-    Ok(n)
+    loop {
+        match rustix::net::sendmsg(
+            &sock,
+            &[io::IoSlice::new(bytes)],
+            &mut control,
+            SendFlags::NOSIGNAL,
+        ) {
+            // EINTR after a stop and resume, as in `recv_with_fd`.
+            Err(rustix::io::Errno::INTR) => continue,
+            r => return Ok(r?),
+        }
+    }
 }
 
 /// Receive into `buf`, taking the first fd that rides along, if any.
 pub fn recv_with_fd(sock: impl AsFd, buf: &mut [u8]) -> io::Result<(usize, Option<OwnedFd>)> {
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
-    let msg = rustix::net::recvmsg(
-        sock,
-        &mut [io::IoSliceMut::new(buf)],
-        &mut control,
-        RecvFlags::CMSG_CLOEXEC,
-    )?;
+    let msg = loop {
+        match rustix::net::recvmsg(
+            &sock,
+            &mut [io::IoSliceMut::new(buf)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        ) {
+            // A receive with a timeout fails with EINTR when the process
+            // was stopped (SIGSTOP) and resumed, even with no signal
+            // handler (signal(7)): receive again.
+            Err(rustix::io::Errno::INTR) => continue,
+            r => break r?,
+        }
+    };
     let mut fd = None;
     for m in control.drain() {
         if let RecvAncillaryMessage::ScmRights(fds) = m {

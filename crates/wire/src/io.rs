@@ -430,14 +430,24 @@ impl Read for SpinReader {
         if let Some(r) = spin_read(self.socket.as_fd(), buf, self.spin) {
             return r;
         }
-        if self.deadline.is_some() || self.set_timeout.is_some() {
-            self.apply_deadline()?;
-        }
-        match self.socket.read(buf) {
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock && self.deadline.is_some() => {
-                Err(io::ErrorKind::TimedOut.into())
+        loop {
+            if self.deadline.is_some() || self.set_timeout.is_some() {
+                self.apply_deadline()?;
             }
-            r => r,
+            match self.socket.read(buf) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock && self.deadline.is_some() => {
+                    return Err(io::ErrorKind::TimedOut.into())
+                }
+                // A read with a timeout fails with EINTR when the process
+                // was stopped (SIGSTOP) and resumed, even with no signal
+                // handler (signal(7)): read again, within the deadline.
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                    if self.deadline.is_some_and(|d| Instant::now() >= d) {
+                        return Err(io::ErrorKind::TimedOut.into());
+                    }
+                }
+                r => return r,
+            }
         }
     }
 }
