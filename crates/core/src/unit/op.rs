@@ -139,7 +139,7 @@ pub enum SpareCommitted {
 /// [`ClaimStatus`] (0: not given; a non-zero value replaces the stored
 /// one). `group_size` 0 or 1: no groups; a non-zero size other than the
 /// registered one is [`CoreError::Invalid`]. Task names are non-empty, at
-/// most [`MAX_TASKS`](super::claims::MAX_TASKS) per partition.
+/// most 64 per partition.
 #[derive(Clone, Debug)]
 pub struct RegisterTasks {
     pub partition: String,
