@@ -128,17 +128,7 @@ impl Paused {
     }
 
     fn expect_line(&self, prefix: &str, within: Duration) -> String {
-        let end = Instant::now() + within;
-        let mut seen = Vec::new();
-        loop {
-            let left = end.saturating_duration_since(Instant::now());
-            match self.lines.recv_timeout(left) {
-                // libtest may print "test fence_child ... " before it.
-                Ok(l) if l.contains(prefix) => return l[l.find(prefix).unwrap_or(0)..].to_string(),
-                Ok(l) => seen.push(l),
-                Err(e) => panic!("the child never printed {prefix:?} ({e}); it printed {seen:?}"),
-            }
-        }
+        expect_line(&self.lines, prefix, within)
     }
 
     fn signal(&self, sig: &str) {

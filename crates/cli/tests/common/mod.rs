@@ -499,3 +499,23 @@ pub fn metric(p: &LocalPlane, unit: usize, name: &str) -> u64 {
         .map(|v| v as u64)
         .sum()
 }
+
+/// The first line a child prints (on `lines`, from [`stdout_lines`]) that
+/// contains `prefix`, from `prefix` on (libtest may print before it);
+/// fails the test, naming what it did print, when none comes `within`.
+pub fn expect_line(
+    lines: &std::sync::mpsc::Receiver<String>,
+    prefix: &str,
+    within: Duration,
+) -> String {
+    let end = Instant::now() + within;
+    let mut seen = Vec::new();
+    loop {
+        let left = end.saturating_duration_since(Instant::now());
+        match lines.recv_timeout(left) {
+            Ok(l) if l.contains(prefix) => return l[l.find(prefix).unwrap_or(0)..].to_string(),
+            Ok(l) => seen.push(l),
+            Err(e) => panic!("the child never printed {prefix:?} ({e}); it printed {seen:?}"),
+        }
+    }
+}
