@@ -3,7 +3,7 @@ than the cores (issue 37: a waiting client must not steal the unit's core).
 
     .venv/bin/python bench/client_procs.py [--procs 1,4,16,64] [--units 2]
         [--value 4096] [--seconds 3] [--rounds 1] [--spin adaptive,always]
-        [--hogs 0] [--json PATH]
+        [--hogs 0] [--floor] [--json PATH]
 
 Starts ``--units`` local units (``stowage.local``, shm, 1 GiB each, default
 placement: row r on unit r % units). Each point runs N client processes
@@ -18,7 +18,13 @@ runs each point twice, alternating, on two planes: waiters that spin as
 before issue 37 (``STOWAGE_SPIN_ALWAYS=1`` in the units and clients), and
 waiters that spin only with a core to spare (the default). ``--hogs N``
 keeps N busy-loop processes running beside, as other work on a shared
-host.
+host. ``--floor`` adds a row per point, alternating with the others: the
+same client processes doing the same put-then-get loop of ``--value``
+bytes over a Unix socket against ``echo_floor`` (a one-thread epoll server
+that stores nothing and answers each request at once; build it with
+``cargo build --release -p stowage-cli --example echo_floor``): the rate a
+synchronous request and reply allows at all on this host, whatever the
+server does.
 
 Reported per point (median [min-max] over the rounds): op/s (puts and gets
 of all clients, over the time from the start word to the last client's
@@ -54,6 +60,35 @@ def loadavg_running() -> str:
     """/proc/loadavg's runnable/total threads, now."""
     with open("/proc/loadavg") as f:
         return f.read().split()[3]
+
+
+class FloorServer:
+    """echo_floor, started on a socket in a temporary directory and stopped
+    by its pid."""
+
+    def __init__(self):
+        import tempfile
+
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        exe = os.path.join(root, "target", "release", "examples", "echo_floor")
+        if not os.path.exists(exe):
+            raise SystemExit(
+                f"--floor needs {exe}: cargo build --release -p stowage-cli --example echo_floor"
+            )
+        self.dir = tempfile.TemporaryDirectory(prefix="stowage-floor-")
+        self.path = os.path.join(self.dir.name, "floor.sock")
+        self.proc = subprocess.Popen([exe, self.path])
+        deadline = time.monotonic() + 10
+        while not os.path.exists(self.path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                raise SystemExit("echo_floor did not start")
+            time.sleep(0.01)
+
+    def close(self):
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+        self.dir.cleanup()
 
 
 def client(idx, directory, mode, value, seconds, ready, go, results):
@@ -106,6 +141,67 @@ def client(idx, directory, mode, value, seconds, ready, go, results):
     dp.close()
 
 
+def floor_client(idx, path, mode, value, seconds, ready, go, results):
+    """`client`'s loop against echo_floor: a put sends a header and the
+    value and reads an 8-byte answer; a get sends a header and reads the
+    header and the value into the same kind of out= buffer."""
+    import socket
+    import struct
+
+    import numpy as np
+
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(path)
+    src = np.full(value, idx % 251, dtype=np.uint8)
+    put_msg = struct.pack("<II", 1, value) + src.tobytes()
+    get_msg = struct.pack("<II", 2, value)
+    head = bytearray(8)
+    out = np.zeros(value, dtype=np.uint8)
+    out_view = memoryview(out).cast("B")
+
+    def recv_exactly(view):
+        got = 0
+        while got < len(view):
+            n = sock.recv_into(view[got:])
+            if n == 0:
+                raise SystemExit(f"floor client {idx}: the server closed")
+            got += n
+
+    def put():
+        sock.sendall(put_msg)
+        recv_exactly(memoryview(head))
+
+    def get():
+        sock.sendall(get_msg)
+        recv_exactly(memoryview(head))
+        recv_exactly(out_view)
+
+    for _ in range(64):
+        put()
+        get()
+    ready.put(idx)
+    go.wait()
+    cpu0 = time.process_time()
+    lat = []
+    t_end = time.monotonic() + seconds
+    i = 0
+    clock = time.perf_counter_ns
+    while True:
+        t0 = clock()
+        put()
+        t1 = clock()
+        get()
+        t2 = clock()
+        lat.append(t1 - t0)
+        lat.append(t2 - t1)
+        i += 1
+        if i % CLEAR_EVERY == 0 and time.monotonic() >= t_end:
+            break
+    end = time.monotonic()
+    results.put((idx, end, time.process_time() - cpu0, np.asarray(lat, dtype=np.int64).tobytes()))
+    sock.close()
+
+
 def point(ctx, directory, mode, unit_pids, n, args):
     import numpy as np
 
@@ -113,7 +209,7 @@ def point(ctx, directory, mode, unit_pids, n, args):
     go = ctx.Event()
     procs = [
         ctx.Process(
-            target=client,
+            target=floor_client if mode == "floor" else client,
             args=(i, directory, mode, args.value, args.seconds, ready, go, results),
         )
         for i in range(n)
@@ -166,6 +262,11 @@ def main() -> None:
         help="CPU-bound processes (busy loops) kept running through the run: other work that wants"
         " the cores, as on a shared host (default 0)",
     )
+    ap.add_argument(
+        "--floor",
+        action="store_true",
+        help="add the same loop against echo_floor (a server that stores nothing) at each point",
+    )
     ap.add_argument("--json", metavar="PATH", help="also write every figure to PATH")
     args = ap.parse_args()
     points = [int(x) for x in args.procs.split(",")]
@@ -174,14 +275,19 @@ def main() -> None:
 
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["numpy", "stowage"])
-    modes = args.spin.split(",")
+    modes = args.spin.split(",") + (["floor"] if args.floor else [])
     runs = {(m, n): [] for m in modes for n in points}
     planes = {}
+    floor_server = None
     hogs = [
         subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.hogs)
     ]
     try:
+        if args.floor:
+            floor_server = FloorServer()
         for m in modes:
+            if m == "floor":
+                continue
             # The units read STOWAGE_SPIN_ALWAYS once, from the environment
             # they start with.
             if m == "always":
@@ -192,8 +298,11 @@ def main() -> None:
             for n in points:
                 # Modes alternate point by point (and their order each round).
                 for m in modes if r % 2 == 0 else modes[::-1]:
-                    dp = planes[m]
-                    res = point(ctx, dp.directory, m, list(dp.unit_pids), n, args)
+                    if m == "floor":
+                        where, pids = floor_server.path, [floor_server.proc.pid]
+                    else:
+                        where, pids = planes[m].directory, list(planes[m].unit_pids)
+                    res = point(ctx, where, m, pids, n, args)
                     runs[(m, n)].append(res)
                     print(
                         f"round {r + 1} {m:8s} procs {n:3d}: {res['ops_per_s']:9,.0f} op/s"
@@ -205,6 +314,8 @@ def main() -> None:
     finally:
         for dp in planes.values():
             dp.close()
+        if floor_server is not None:
+            floor_server.close()
         for h in hogs:
             h.kill()
             h.wait()
@@ -229,6 +340,11 @@ def main() -> None:
                 f" {med(m, n, 'p99_us')[0]:.1f} | {med(m, n, 'client_cpu_per_op_us')[0]:.1f} |"
                 f" {med(m, n, 'unit_cpu_per_op_us')[0]:.1f} |"
             )
+    if args.floor and 64 in points:
+        for m in modes:
+            if m != "floor":
+                ratio = med(m, 64, "ops_per_s")[0] / med("floor", 64, "ops_per_s")[0]
+                print(f"{m}: rate(64) / floor's rate(64) = {ratio:.2f}")
     for m in modes:
         if 4 in points and 64 in points:
             ratio = med(m, 64, "ops_per_s")[0] / med(m, 4, "ops_per_s")[0]
