@@ -23,7 +23,6 @@ use crate::classify::name_keys;
 use crate::failure::Failure;
 use crate::row_meta::{check_distinct_rows, check_field, encode_meta, PutName, KEY_FIELD};
 use crate::values::{byte_len, Column, RowKey, Tensor};
-use crate::BUSY_RETRY_MAX;
 use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
 use stowage_wire::GROUP_FIELD_PREFIX;
 
@@ -35,11 +34,22 @@ const FULL_RETRY: Duration = Duration::from_millis(5);
 const FULL_RETRY_MAX: Duration = Duration::from_millis(20);
 
 /// A put answered Busy is asked again after this, doubling to
-/// [`BUSY_RETRY_MAX`]: what a put's Busy waits for (puts under way that
-/// commit or abort, reads of cleared values, a quarantine, a compaction
-/// move) mostly ends within milliseconds, and a unit whose memory those
-/// holds do not free answers Full then, which the caller gets at once.
+/// [`PUT_BUSY_RETRY_MAX`]: what a put's Busy waits for (puts under way at
+/// its first refusal that commit or abort, reads of cleared values, a
+/// quarantine, a compaction move) mostly ends within milliseconds, and a
+/// unit whose memory those holds do not free answers Full then, which the
+/// caller gets at once.
 const PUT_BUSY_RETRY: Duration = Duration::from_millis(5);
+/// The longest pause between a put's asks while its unit answers Busy:
+/// the put hears Full (or goes in) at most this long after the holds it
+/// waits for have ended. Doubling to the connection backoff's 2 s
+/// ([`BUSY_RETRY_MAX`](crate::BUSY_RETRY_MAX)) made a put that met a few
+/// Busy answers ask again hundreds of milliseconds after the hold ended
+/// (issue 37: refusals that took 35-315 ms, nearly all of it backoff); the
+/// unit keeps a put Busy only for holds that existed at its first refusal
+/// (`stowage_core`'s `full.rs`), so the asks are few, one small request
+/// every 20 ms at most while they last.
+const PUT_BUSY_RETRY_MAX: Duration = Duration::from_millis(20);
 
 /// Every value starts at a multiple of this many bytes within its blob.
 const VALUE_ALIGN: u64 = 64;
@@ -162,7 +172,7 @@ impl Client {
     /// One unit's part of a put: its blobs one after another, each
     /// written and committed ([`Transport::put`](crate::Transport::put)). A unit that answers
     /// Busy is asked again after [`PUT_BUSY_RETRY`], doubling to
-    /// [`BUSY_RETRY_MAX`], within the deadline; a full one fails the put
+    /// [`PUT_BUSY_RETRY_MAX`], within the deadline; a full one fails the put
     /// with [`Error::UnitFull`] at once or, with
     /// [`ClientConfig::wait_for_memory`](crate::ClientConfig::wait_for_memory), is asked again after
     /// [`FULL_RETRY`], doubling to [`FULL_RETRY_MAX`], until that wait ends
@@ -201,12 +211,7 @@ impl Client {
                         e => return Err(e),
                     }
                 }
-                let (first, most) = if full {
-                    (FULL_RETRY, FULL_RETRY_MAX)
-                } else {
-                    (PUT_BUSY_RETRY, BUSY_RETRY_MAX)
-                };
-                let step = backoff.map(|d| (d * 2).min(most)).unwrap_or(first);
+                let step = retry_pause(backoff, full);
                 let mut at = Instant::now() + step;
                 if let Some((w, e)) = waiting_for_memory {
                     // The last try is at the end of the wait; past the
@@ -256,6 +261,19 @@ impl Client {
             }
         }
     }
+}
+
+/// How long a put pauses before it asks its unit again, after `previous`
+/// (none: this is its first refusal): Busy from [`PUT_BUSY_RETRY`], a
+/// full unit it waits for (`full`) from [`FULL_RETRY`], doubling to
+/// [`PUT_BUSY_RETRY_MAX`] or [`FULL_RETRY_MAX`].
+fn retry_pause(previous: Option<Duration>, full: bool) -> Duration {
+    let (first, most) = if full {
+        (FULL_RETRY, FULL_RETRY_MAX)
+    } else {
+        (PUT_BUSY_RETRY, PUT_BUSY_RETRY_MAX)
+    };
+    previous.map_or(first, |d| (d * 2).min(most))
 }
 
 /// Run one unit's part of a call to its end on this thread, where it runs
@@ -411,4 +429,29 @@ pub(crate) fn plan<'a>(
         })
         .collect();
     Ok(blobs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A put that meets many Busy answers asks again every 20 ms at most:
+    /// it hears Full (or goes in) at most that long after the holds it
+    /// waits for end (doubling to the connection backoff's 2 s, a put
+    /// asked again up to as long after as it had waited, issue 37). So
+    /// does one waiting for memory.
+    #[test]
+    fn a_put_answered_busy_asks_again_within_20_ms() {
+        for full in [false, true] {
+            let mut pauses = vec![];
+            let mut previous = None;
+            for _ in 0..12 {
+                let p = retry_pause(previous, full);
+                pauses.push(p.as_millis());
+                previous = Some(p);
+            }
+            assert_eq!(pauses[..4], [5, 10, 20, 20], "full: {full}");
+            assert!(pauses.iter().all(|&p| p <= 20), "full: {full}: {pauses:?}");
+        }
+    }
 }

@@ -203,7 +203,9 @@ pub enum CoreError {
         held: Held,
     },
     /// Not enough free memory now, but holds that end by themselves will
-    /// free enough: puts under way (reservations), quarantined ranges,
+    /// free enough: puts under way (reservations; of those, only the ones
+    /// taken by the refused put's first refusal: a retry of the same blob
+    /// is not kept Busy by puts that began since), quarantined ranges,
     /// spills being written, cleared values only reads in flight or a
     /// checkpoint pin, a compaction move. Ask again shortly.
     #[error("unit busy: {needed} bytes requested, {reclaimable} bytes awaiting reclamation")]

@@ -535,7 +535,8 @@ enum Op {
     /// holding connection (same answer), another connection of its session
     /// (Busy, or a takeover after a cut; reconnecting if need be) or
     /// another session (NotOwner); any parameters for a committed one
-    /// (AlreadyCommitted).
+    /// (AlreadyCommitted); the same parameters for a put answered Busy for
+    /// memory (Busy again only for the reservations of its first refusal).
     Retry {
         who: u8,
         pick: u8,
@@ -991,6 +992,11 @@ struct Harness {
     /// Committed blobs since freed: the unit remembers them, so a retried
     /// alloc answers AlreadyCommitted and a retried commit succeeds.
     freed_commits: BTreeSet<BlobId>,
+    /// Puts answered Busy for memory, by blob id: the time of their first
+    /// refusal (and their size and entry count, for a retry). Such a put is
+    /// Busy only for the reservations held by then (newer ones count as
+    /// used); forgotten once it is reserved or Full.
+    first_refusals: BTreeMap<BlobId, (Time, u64, u32)>,
     /// File removals the current op must produce.
     expect_deletes: Vec<BlobId>,
     seq: u64,
@@ -1053,6 +1059,7 @@ impl Harness {
             dead_pins: Vec::new(),
             driver_pins: BTreeSet::new(),
             freed_commits: BTreeSet::new(),
+            first_refusals: BTreeMap::new(),
             expect_deletes: Vec::new(),
             seq: 0,
             next_private: 1 << 20,
@@ -1736,6 +1743,16 @@ impl Harness {
             .sum()
     }
 
+    /// Slab bytes of reservations taken at or before `t`.
+    fn reserved_bytes_since(&self, t: Time) -> u64 {
+        self.blobs
+            .values()
+            .filter(|b| matches!(b.state, MState::Reserved { holder, .. } if holder.since <= t))
+            .filter_map(|b| b.region.as_ref())
+            .map(|r| r.iter().map(|p| p.1).sum::<u64>())
+            .sum()
+    }
+
     fn quarantined_bytes(&self) -> u64 {
         self.quarantine.iter().map(|q| q.1).sum()
     }
@@ -2269,7 +2286,15 @@ impl Harness {
         let reserved = self.blobs_where(|s| matches!(s, MState::Reserved { .. }));
         let committed =
             self.blobs_where(|s| matches!(s, MState::Committed | MState::PendingDisk { .. }));
-        if pick.is_multiple_of(2) && !reserved.is_empty() {
+        if pick % 4 == 3 && !self.first_refusals.is_empty() {
+            // A put answered Busy for memory asks again (the same blob).
+            let i = usize::from(pick / 4) % self.first_refusals.len();
+            let (&id, &(_, nbytes, n)) = self.first_refusals.iter().nth(i).unwrap();
+            let Some(o) = self.live_owner(who) else {
+                return Ok(());
+            };
+            self.alloc(o, id, nbytes, n)
+        } else if pick.is_multiple_of(2) && !reserved.is_empty() {
             let id = reserved[usize::from(pick / 2) % reserved.len()];
             let b = &self.blobs[&id];
             let MState::Reserved { holder, n } = b.state else {
@@ -2410,14 +2435,16 @@ impl Harness {
                 // give their memory back once written, cleared blobs that
                 // only reads keep once unpinned, moves once they report.
                 // Cleared blobs that views keep are used: their holders
-                // let go when they want.
+                // let go when they want. Of reservations, a put waits only
+                // for those held at its first refusal (a commit keeps its
+                // memory: newer ones count as used).
                 let (views, own_views, reads) = self.cleared_pinned(who.session);
                 let compaction = self.moving_bytes();
-                let reclaimable = self.reserved_bytes()
-                    + self.quarantined_bytes()
-                    + self.spilling_bytes()
-                    + reads
-                    + compaction;
+                let first = self.first_refusals.get(&id).map_or(self.now, |r| r.0);
+                let waited = self.reserved_bytes_since(first);
+                let newer = self.reserved_bytes() - waited;
+                let reclaimable =
+                    waited + self.quarantined_bytes() + self.spilling_bytes() + reads + compaction;
                 let fits_disk = self.disk_cap > 0 && nbytes <= self.disk_free();
                 let holder = MHolder::of(who, self.now);
                 if len <= free && nothing_held {
@@ -2434,6 +2461,9 @@ impl Harness {
                     if len > largest {
                         self.count("put larger than any free range, nothing held: in pieces");
                     }
+                }
+                if got.is_ok() {
+                    self.first_refusals.remove(&id);
                 }
                 match got {
                     Ok(Allocated::Reserved { pieces }) => {
@@ -2580,6 +2610,23 @@ impl Harness {
                                     },
                                 }
                             };
+                        match &expected {
+                            CoreError::Busy { .. } => {
+                                if self.first_refusals.insert(id, (first, nbytes, n)).is_some() {
+                                    self.count("busy again: a put under way at its first refusal");
+                                }
+                            }
+                            _ => {
+                                if self.first_refusals.remove(&id).is_some()
+                                    && len <= self.cap
+                                    && free + reclaimable + newer >= len
+                                {
+                                    self.count(
+                                        "full, not busy: reservations newer than its first refusal",
+                                    );
+                                }
+                            }
+                        }
                         self.count(match &expected {
                             CoreError::Busy { .. } => "alloc busy",
                             CoreError::Full { held, .. } if held.views > 0 => {
@@ -4648,6 +4695,7 @@ const SESSION_EVENTS: &[&str] = &[
     "not owner: unpin",
     "not owner: request of an ended connection",
     "busy: retry while the holding connection is open",
+    "busy again: a put under way at its first refusal",
     "takeover of a cut connection's reservation",
     "retry on the holding connection",
     "commit from another connection of the session",

@@ -279,7 +279,7 @@ impl UnitCore {
                     });
                 }
                 // Full or Busy, by what holds the memory (`full.rs`).
-                return Err(self.short_of_memory(owner, nbytes));
+                return Err(self.short_of_memory(owner, blob, nbytes, now));
             }
         };
         if region.as_ref().is_some_and(|r| !r.is_contiguous()) {
@@ -323,6 +323,7 @@ impl UnitCore {
         if let Some(s) = self.holds.sessions.get_mut(&owner.session) {
             s.reservations.insert(blob);
         }
+        self.refusals.forget(blob);
         Ok(answer)
     }
 

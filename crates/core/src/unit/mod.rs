@@ -401,6 +401,8 @@ pub struct UnitCore {
     quarantined: release::Quarantine,
     /// Committed blobs freed lately.
     freed: release::FreedCommits,
+    /// Puts answered Busy for memory: when each was first refused.
+    refusals: full::FirstRefusals,
     /// The disk tier's use.
     tier: tier::Tier,
     /// The driver's work on blobs freed meanwhile (a file being written,
@@ -451,6 +453,7 @@ impl UnitCore {
             holds: sessions::Holds::new(),
             quarantined: release::Quarantine::default(),
             freed: release::FreedCommits::default(),
+            refusals: full::FirstRefusals::default(),
             tier: tier::Tier::default(),
             in_flight: InFlight::default(),
             commit_seq: 0,

@@ -386,6 +386,98 @@ fn full_and_busy_are_answers() {
     ));
 }
 
+/// A put short of memory is Busy only for the puts under way at its first
+/// refusal (their commit may replace values, or they may abort): a
+/// reservation taken after it counts as used, since a commit keeps its
+/// memory. Counting every reservation kept a put on a nearly full unit
+/// that other writers keep putting to Busy until its deadline (issue 37):
+/// here the retry at 5 ms was answered Busy again for a reservation taken
+/// at 4 ms. Another put, first refused after that reservation, waits for it.
+#[test]
+fn a_refused_put_waits_only_for_the_puts_under_way_at_its_first_refusal() {
+    const K: u64 = 1 << 10;
+    let mut c = core(64 * K);
+    let writer = own(&mut c);
+    let asker = own(&mut c);
+    c.alloc(writer, BlobId(1), 32 * K, 1, t(0)).unwrap();
+    c.commit(writer, "p", BlobId(1), &[entry(0, "f", 0, 32 * K)])
+        .unwrap();
+    // A put under way; the asker's put of 24 KiB finds 16 KiB free.
+    c.alloc(writer, BlobId(2), 16 * K, 1, t(1)).unwrap();
+    let busy = |reclaimable| CoreError::Busy {
+        needed: 24 * K,
+        reclaimable,
+    };
+    assert_eq!(
+        c.alloc(asker, BlobId(10), 24 * K, 1, t(2)),
+        Err(busy(16 * K))
+    );
+    // Asked again while that put is still under way: Busy still.
+    assert_eq!(
+        c.alloc(asker, BlobId(10), 24 * K, 1, t(3)),
+        Err(busy(16 * K))
+    );
+    // It commits (its memory stays used); a row is cleared, and a new put
+    // takes the room.
+    c.commit(writer, "p", BlobId(2), &[entry(1, "f", 0, 16 * K)])
+        .unwrap();
+    assert_eq!(c.clear_rows("p", &[0]), 1);
+    c.alloc(writer, BlobId(3), 32 * K, 1, t(4)).unwrap();
+    // The put under way at the asker's first refusal has ended: the one
+    // taken since counts as used, and the asker's put is Full at once.
+    let full = CoreError::Full {
+        needed: 24 * K,
+        free: 16 * K,
+        capacity: 64 * K,
+        held: Held {
+            reservations: 32 * K,
+            ..Held::default()
+        },
+    };
+    assert_eq!(c.alloc(asker, BlobId(10), 24 * K, 1, t(5)), Err(full));
+    // Another put, first refused now, waits for that reservation.
+    assert_eq!(
+        c.alloc(asker, BlobId(11), 24 * K, 1, t(5)),
+        Err(busy(32 * K))
+    );
+    // It aborts: both go in when asked again (the first, answered Full,
+    // asks afresh).
+    c.abort(writer, BlobId(3), false, t(6)).unwrap();
+    assert!(matches!(
+        c.alloc(asker, BlobId(11), 24 * K, 1, t(7)),
+        Ok(Allocated::Reserved { .. })
+    ));
+    assert!(matches!(
+        c.alloc(asker, BlobId(10), 24 * K, 1, t(7)),
+        Ok(Allocated::Reserved { .. })
+    ));
+    assert_eq!(c.refusals.len(), 0, "a put that went in is forgotten");
+}
+
+/// The first refusals a unit remembers are bounded: puts answered Busy and
+/// never asked again (their clients gave up) are forgotten, oldest first.
+#[test]
+fn first_refusals_are_bounded() {
+    let mut c = core(4096);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 4096, 1, t(0)).unwrap();
+    let n = super::full::REMEMBERED_REFUSALS as u128;
+    for id in 0..n + 10 {
+        assert!(matches!(
+            c.alloc(o, BlobId(100 + id), 64, 1, t(1)),
+            Err(CoreError::Busy { .. })
+        ));
+    }
+    assert_eq!(c.refusals.len(), n as usize);
+    // The oldest was forgotten: asked again at 2 ms, it is first refused
+    // anew, and still waits for the reservation of 0 ms.
+    assert!(matches!(
+        c.alloc(o, BlobId(100), 64, 1, t(2)),
+        Err(CoreError::Busy { .. })
+    ));
+    assert_eq!(c.refusals.len(), n as usize);
+}
+
 /// Memory that views of cleared or replaced values hold is used: Full at
 /// once, naming the views (and the asker's own), not Busy; the same bytes
 /// held by a read (which copies out and unpins) are Busy.
