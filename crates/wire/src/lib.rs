@@ -494,6 +494,39 @@ mod tests {
     }
 
     #[test]
+    fn rows_and_fields_encode_as_the_keys_they_name() {
+        let rows = [3, 0, 1 << 40];
+        let fields = ["input_ids", "", "mask"];
+        for (rows, fields) in [
+            (&rows[..], &fields[..]),
+            (&rows[..0], &fields[..]),
+            (&rows[..], &fields[..0]),
+        ] {
+            let keys: Vec<Key> = fields
+                .iter()
+                .flat_map(|f| rows.iter().map(move |&r| Key::new(r, *f)))
+                .collect();
+            let owned = Request::Resolve {
+                partition: "p".into(),
+                keys,
+                hold: true,
+            };
+            let borrowed = RequestRef::ResolveRows {
+                partition: "p",
+                rows,
+                fields,
+                hold: true,
+            };
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            encode(9, &owned, 0, &mut a).unwrap();
+            encode(9, &borrowed, 0, &mut b).unwrap();
+            assert_eq!(a, b);
+            let back: Envelope<Request> = decode_header(&b[PREFIX_LEN..]).unwrap();
+            assert_eq!(back.body, owned);
+        }
+    }
+
+    #[test]
     fn every_response_round_trips() {
         for r in all_responses() {
             round_trip(r);
