@@ -384,7 +384,7 @@ fn views_see_values_in_place_and_keep_them_pinned() {
         c.deadline(),
     )
     .unwrap();
-    for (i, t) in view.tensors()[0].iter().enumerate() {
+    for (i, t) in view.field(0).iter().enumerate() {
         assert_eq!(t.dtype, DType::F64);
         let bytes = view.to_vec(t);
         assert!(bytes == data[i], "row {i} changed under a view");
@@ -566,7 +566,7 @@ fn colliding_names_never_read_as_each_other(kind: Kind) {
     );
     if kind == Kind::Shm {
         let v = c.view("p", std::slice::from_ref(&a), &["y"], None, c.deadline());
-        assert_eq!(v.map(|v| v.to_vec(&v.tensors()[0][0])).unwrap(), [2; 8]);
+        assert_eq!(v.map(|v| v.to_vec(&v.field(0)[0])).unwrap(), [2; 8]);
         match c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline()) {
             Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_b"),
             other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),
@@ -634,7 +634,7 @@ fn values_without_an_owner_are_checked_against_the_row_name(kind: Kind) {
     assert_collision(get_u8(&c, &b, &["x"]), "uid_b", Some("uid_c"));
     if kind == Kind::Shm {
         let v = c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline());
-        assert_eq!(v.map(|v| v.to_vec(&v.tensors()[0][0])).unwrap(), [7; 8]);
+        assert_eq!(v.map(|v| v.to_vec(&v.field(0)[0])).unwrap(), [7; 8]);
         match c.view("p", std::slice::from_ref(&b), &["x"], None, c.deadline()) {
             Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_c"),
             other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),

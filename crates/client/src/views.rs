@@ -6,14 +6,20 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
+use smallvec::SmallVec;
 use stowage_shm::Slab;
-use stowage_wire::{Key, Request, RequestRef, Response};
+use stowage_wire::{Key, PinId, Placed, Request, RequestRef, Response};
 
 use crate::classify::{name_keys, unexpected, unexpected_found};
 use crate::failure::Failure;
-use crate::row_meta::{collision, decode_meta, ownership, Ownership};
+use crate::pool::ViewConn;
+use crate::row_meta::{check_field, collision, decode_meta_shape, ownership, Ownership};
 use crate::values::{DType, RowKey};
 use crate::{lock, Client, Error, Result};
+
+/// A value's dimensions: inline up to four (no allocation per value of a
+/// view of thousands).
+pub type Shape = SmallVec<[u64; 4]>;
 
 /// A view's value: read-only bytes in this process's mapping of a unit's
 /// slab, valid while its [`View`] lives. A value the unit stored split
@@ -22,8 +28,12 @@ use crate::{lock, Client, Error, Result};
 #[derive(Clone, Debug)]
 pub struct ViewTensor {
     pub dtype: DType,
-    pub shape: Vec<u64>,
+    /// Its dimensions; they make exactly [`ViewTensor::len`] bytes of
+    /// `dtype` (the view checks).
+    pub shape: Shape,
     unit: usize,
+    /// Where the unit's slab is in [`View`]'s pins.
+    slot: usize,
     offset: u64,
     len: usize,
     /// (slab offset, bytes) of each part of a split value, in order;
@@ -32,6 +42,17 @@ pub struct ViewTensor {
 }
 
 impl ViewTensor {
+    /// What a view's places hold until their values are in.
+    const PLACEHOLDER: ViewTensor = ViewTensor {
+        dtype: DType::U8,
+        shape: SmallVec::new_const(),
+        unit: 0,
+        slot: 0,
+        offset: 0,
+        len: 0,
+        parts: Vec::new(),
+    };
+
     /// Whether the value lies in several ranges of its unit's slab (it
     /// was stored across pieces): no pointer can view it in place.
     pub fn is_split(&self) -> bool {
@@ -46,6 +67,11 @@ impl ViewTensor {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
+
+    /// The unit that holds the value.
+    pub fn unit(&self) -> usize {
+        self.unit
+    }
 }
 
 /// Zero-copy access to values in the units' slabs (same host only). The
@@ -57,14 +83,35 @@ pub struct View {
     /// that pinned something. The view keeps that connection open for as
     /// long as it lives: the unit releases a connection's pins only when
     /// the connection ends, and nothing else can end it.
-    pins: Vec<(usize, stowage_wire::PinId, Arc<Slab>, crate::pool::ViewConn)>,
-    tensors: Vec<Vec<ViewTensor>>,
+    pins: Vec<(usize, PinId, Arc<Slab>, ViewConn)>,
+    /// Field-major: field `f` of the call's row `r` is `tensors[f * rows + r]`.
+    tensors: Vec<ViewTensor>,
+    rows: usize,
+    fields: usize,
 }
 
 impl View {
-    /// `[field][row]`, in the order of the call.
-    pub fn tensors(&self) -> &[Vec<ViewTensor>] {
-        &self.tensors
+    /// How many fields the call asked for.
+    pub fn fields(&self) -> usize {
+        self.fields
+    }
+
+    /// How many keys the call asked for.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Field `f`'s values, in the order of the call's keys.
+    pub fn field(&self, f: usize) -> &[ViewTensor] {
+        let n = self.rows;
+        self.tensors.get(f * n..(f + 1) * n).unwrap_or(&[])
+    }
+
+    fn slab(&self, slot: usize) -> Result<&Slab> {
+        self.pins
+            .get(slot)
+            .map(|(_, _, slab, _)| &**slab)
+            .ok_or_else(|| Error::InvalidRequest("the value's unit is not in this view".into()))
     }
 
     /// The address of a value of this view in this process's mapping of
@@ -77,18 +124,14 @@ impl View {
         if t.is_split() {
             return None;
         }
-        let (_, _, slab, _) = self.pins.iter().find(|(u, ..)| *u == t.unit)?;
+        let slab = self.slab(t.slot).ok()?;
         slab.range_ptr(t.offset, t.len).ok().map(|p| (p, t.len))
     }
 
     /// Copy a value of this view into `dst` (exactly its length): a value
     /// in one range, or a split value's parts back to back.
     pub fn read_into(&self, t: &ViewTensor, dst: &mut [u8]) -> Result<()> {
-        let (_, _, slab, _) = self
-            .pins
-            .iter()
-            .find(|(u, ..)| *u == t.unit)
-            .ok_or_else(|| Error::InvalidRequest("the value's unit is not in this view".into()))?;
+        let slab = self.slab(t.slot)?;
         if dst.len() != t.len {
             return Err(Error::InvalidRequest(format!(
                 "a buffer of {} bytes for a value of {}",
@@ -96,9 +139,6 @@ impl View {
                 t.len
             )));
         }
-        let outside = |e: stowage_shm::OutOfBounds| {
-            Error::InvalidRequest(format!("the value lies outside its unit's slab: {e}"))
-        };
         if t.parts.is_empty() {
             return slab.read(t.offset, dst).map_err(outside);
         }
@@ -116,6 +156,10 @@ impl View {
     }
 }
 
+fn outside(e: stowage_shm::OutOfBounds) -> Error {
+    Error::InvalidRequest(format!("the value lies outside its unit's slab: {e}"))
+}
+
 impl Drop for View {
     fn drop(&mut self) {
         let deadline = self.client.deadline();
@@ -125,6 +169,28 @@ impl Drop for View {
             // connection's end released it); nothing to report.
             let _ = lock(&conn).notify(&req, deadline);
         }
+    }
+}
+
+/// One unit's share of a view call: the row ids it holds and their
+/// positions in the call's keys.
+#[derive(Default)]
+struct UnitRows {
+    ids: Vec<u64>,
+    at: Vec<usize>,
+}
+
+impl UnitRows {
+    /// The wire keys of its `i`-th value of the unit's answer (field-major).
+    fn key(&self, i: usize, fields: &[&str]) -> Key {
+        let n = self.ids.len().max(1);
+        Key::new(self.ids[i % n], fields[i / n])
+    }
+
+    fn keys(&self, fields: &[&str]) -> Vec<Key> {
+        (0..self.ids.len() * fields.len())
+            .map(|i| self.key(i, fields))
+            .collect()
     }
 }
 
@@ -160,23 +226,25 @@ impl Client {
         }
     }
 
-    /// Resolve-and-hold `by_unit`'s keys on every unit at once, each on
-    /// its unit's view connection. The parts lock their connections in
-    /// unit order (as every view does: views never wait on each other in
-    /// a cycle) and hold them until their answer is in. In unit order.
+    /// Resolve-and-hold every field of `by_unit`'s rows on every unit at
+    /// once, each on its unit's view connection. The parts lock their
+    /// connections in unit order (as every view does: views never wait on
+    /// each other in a cycle) and hold them until their answer is in. In
+    /// unit order.
     // The parts run on this thread (`fanout::all_at_once`): a connection's
     // lock held across a turn waits on no other part of the call.
     #[allow(clippy::type_complexity, clippy::await_holding_lock)]
     fn resolve_views(
         &self,
         partition: &str,
-        by_unit: &BTreeMap<usize, (Vec<Key>, Vec<usize>)>,
+        by_unit: &BTreeMap<usize, UnitRows>,
+        fields: &[&str],
         deadline: Instant,
     ) -> Vec<(
         usize,
-        std::result::Result<(Response, Arc<Slab>, crate::pool::ViewConn), Failure>,
+        std::result::Result<(Response, Arc<Slab>, ViewConn), Failure>,
     )> {
-        let parts = by_unit.iter().map(|(&u, (keys, _))| async move {
+        let parts = by_unit.iter().map(|(&u, rows)| async move {
             let conn = match self.view_conn(u, deadline) {
                 Ok(c) => c,
                 Err(f) => return (u, Err(f)),
@@ -188,9 +256,10 @@ impl Client {
                         "views need the shm transport (a unit on this host, reached by its Unix socket)",
                     )),
                     Some(slab) => {
-                        let req = RequestRef::Resolve {
+                        let req = RequestRef::ResolveRows {
                             partition,
-                            keys,
+                            rows: &rows.ids,
+                            fields,
                             hold: true,
                         };
                         t.call_ref(&req, deadline).await.map(|resp| (resp, slab))
@@ -219,22 +288,24 @@ impl Client {
         deadline: Instant,
     ) -> Result<View> {
         self.timed(crate::metrics::ClientOp::View, |_| {
-            let placed = self.place(keys, fields, unit)?;
-            let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
-            for (i, (u, k)) in placed.into_iter().enumerate() {
-                let e = by_unit.entry(u).or_default();
-                e.0.push(k);
-                e.1.push(i);
+            for f in fields {
+                check_field(f)?;
+            }
+            let mut by_unit: BTreeMap<usize, UnitRows> = BTreeMap::new();
+            for (i, k) in keys.iter().enumerate() {
+                let id = k.row_id()?;
+                let e = by_unit.entry(self.unit_of_key(id, unit)?).or_default();
+                e.ids.push(id);
+                e.at.push(i);
             }
             let mut view = View {
                 client: self.clone(),
                 pins: Vec::new(),
                 tensors: Vec::new(),
+                rows: keys.len(),
+                fields: fields.len(),
             };
-            let mut flat: Vec<Option<ViewTensor>> = vec![None; keys.len() * fields.len()];
-            let mut missing = Vec::new();
-            let mut unknown = BTreeSet::new();
-            let resolved = self.resolve_views(partition, &by_unit, deadline);
+            let resolved = self.resolve_views(partition, &by_unit, fields, deadline);
             // Every pin taken is in `view.pins` before any error returns, so
             // that dropping `view` unpins them all.
             let mut answers = Vec::with_capacity(resolved.len());
@@ -242,10 +313,14 @@ impl Client {
             for (u, r) in resolved {
                 match r {
                     Ok((resp, slab, conn)) => {
-                        if let Response::Resolved { pin: Some(p), .. } = &resp {
-                            view.pins.push((u, *p, slab.clone(), conn.clone()));
-                        }
-                        answers.push((u, resp, slab.len()));
+                        let slot = match &resp {
+                            Response::Resolved { pin: Some(p), .. } => {
+                                view.pins.push((u, *p, slab.clone(), conn.clone()));
+                                Some(view.pins.len() - 1)
+                            }
+                            _ => None,
+                        };
+                        answers.push((u, resp, slab.len(), slot));
                     }
                     Err(f) => {
                         failure.get_or_insert((u, f));
@@ -253,23 +328,33 @@ impl Client {
                 }
             }
             if let Some((u, f)) = failure {
-                let ks = by_unit[&u].0.clone();
                 if f.is_busy() {
                     return Err(Error::Timeout {
                         unit: Some(u),
                         what: "unit busy".into(),
                     });
                 }
+                let ks = by_unit[&u].keys(fields);
                 return Err(name_keys(self.classify(u, f, vec![], ks, deadline), keys));
             }
-            for (u, resp, slab_len) in answers {
-                let (ks, idx) = &by_unit[&u];
+            let n = keys.len();
+            // Every place is filled below: the units' shares of the keys
+            // cover them once each, and each share's answer was checked
+            // to hold a value (or a miss) per field of every key.
+            view.tensors = vec![ViewTensor::PLACEHOLDER; n * fields.len()];
+            let mut missing = Vec::new();
+            let mut unknown = BTreeSet::new();
+            for (u, resp, slab_len, slot) in answers {
+                let rows = &by_unit[&u];
                 let found = match resp {
-                    Response::Resolved { found, corrupt, .. } if found.len() == ks.len() => {
+                    Response::Resolved { found, corrupt, .. }
+                        if found.len() == rows.ids.len() * fields.len() =>
+                    {
                         if !corrupt.is_empty() {
                             let bad: Vec<Key> = corrupt
                                 .iter()
-                                .filter_map(|&i| ks.get(i as usize).cloned())
+                                .filter(|&&i| (i as usize) < found.len())
+                                .map(|&i| rows.key(i as usize, fields))
                                 .collect();
                             let named = crate::error::names(&bad);
                             return Err(name_keys(
@@ -288,53 +373,35 @@ impl Client {
                     }
                     other => return Err(unexpected(u, other)),
                 };
-                for ((f, &i), k) in found.into_iter().zip(idx).zip(ks) {
-                    match f {
-                        None => missing.push(k.clone()),
-                        Some(f) if f.on_disk => {
-                            return Err(Error::TransferFailed {
-                                unit: u,
-                                blobs: vec![],
-                                reason: format!(
-                                    "{k} is in the unit's disk tier and its slab has no room to bring it back; \
-                                     read it with a copying get"
-                                ),
-                                in_flight: false,
-                            })
-                        }
-                        Some(f) => {
-                            // `view` drops here and unpins what was pinned.
-                            crate::pieces::check_found(&f, slab_len)
-                                .map_err(|m| unexpected_found(u, m))?;
-                            let (m, owner) = decode_meta(&f.meta).map_err(Error::InvalidRequest)?;
-                            let row = i % keys.len();
-                            match ownership(&keys[row], owner) {
-                                Ownership::Mine => {}
-                                Ownership::Unknown => {
-                                    unknown.insert(row);
-                                }
-                                // `view` drops here and unpins what was pinned.
-                                Ownership::Other(stored) => {
-                                    return Err(collision(partition, &keys[row], stored))
-                                }
-                            }
-                            let len = usize::try_from(f.len).map_err(|_| {
-                                Error::InvalidRequest("value larger than memory".into())
-                            })?;
-                            flat[i] = Some(ViewTensor {
-                                dtype: m.dtype,
-                                shape: m.shape,
-                                unit: u,
-                                offset: f.offset,
-                                len,
-                                parts: f.parts,
-                            });
-                        }
+                let per_field = rows.ids.len();
+                for (i, f) in found.into_iter().enumerate() {
+                    let (field, j) = (i / per_field, i % per_field);
+                    let row = rows.at[j];
+                    let Some(f) = f else {
+                        missing.push(rows.key(i, fields));
+                        continue;
+                    };
+                    // `view` drops on every error return and unpins what
+                    // was pinned.
+                    if f.on_disk {
+                        return Err(Error::TransferFailed {
+                            unit: u,
+                            blobs: vec![],
+                            reason: format!(
+                                "{} is in the unit's disk tier and its slab has no room to bring it back; \
+                                 read it with a copying get",
+                                rows.key(i, fields)
+                            ),
+                            in_flight: false,
+                        });
                     }
+                    let t = view_tensor(u, slot, f, slab_len, partition, &keys[row], &mut || {
+                        unknown.insert(row);
+                    })?;
+                    view.tensors[field * n + row] = t;
                 }
             }
             if !missing.is_empty() {
-                // `view` drops here and unpins what was pinned.
                 let named = crate::error::names(&missing);
                 return Err(name_keys(
                     Error::NotFound {
@@ -345,20 +412,52 @@ impl Client {
                 ));
             }
             self.check_names(partition, keys, &unknown, unit, deadline)?;
-            let mut it = flat.into_iter();
-            view.tensors = (0..fields.len())
-                .map(|_| {
-                    it.by_ref()
-                        .take(keys.len())
-                        .map(|t| {
-                            t.ok_or_else(|| {
-                                Error::InvalidRequest("a unit did not answer for a key".into())
-                            })
-                        })
-                        .collect::<Result<Vec<_>>>()
-                })
-                .collect::<Result<_>>()?;
             Ok(view)
         })
     }
+}
+
+/// A value in memory unit `u` found (and pinned, in the view's pin `slot`) as a
+/// [`ViewTensor`], checked: inside the slab of `slab_len` bytes, its
+/// metadata readable and making exactly its bytes, put under `key`
+/// (`unknown`: put before owners were recorded, to be checked by name).
+fn view_tensor(
+    u: usize,
+    slot: Option<usize>,
+    f: Placed,
+    slab_len: u64,
+    partition: &str,
+    key: &RowKey,
+    unknown: &mut dyn FnMut(),
+) -> Result<ViewTensor> {
+    crate::pieces::check_found(&f, slab_len).map_err(|m| unexpected_found(u, m))?;
+    let (dtype, shape, owner) = decode_meta_shape(&f.meta).map_err(Error::InvalidRequest)?;
+    match ownership(key, owner) {
+        Ownership::Mine => {}
+        Ownership::Unknown => unknown(),
+        Ownership::Other(stored) => return Err(collision(partition, key, stored)),
+    }
+    let len = usize::try_from(f.len)
+        .map_err(|_| Error::InvalidRequest("value larger than memory".into()))?;
+    if dtype.nbytes(&shape) != Some(f.len) {
+        return Err(unexpected_found(
+            u,
+            format!(
+                "{} bytes do not make a {} {:?} value",
+                f.len,
+                dtype.name(),
+                &shape[..]
+            ),
+        ));
+    }
+    let slot = slot.ok_or_else(|| unexpected_found(u, "a value found without a pin".into()))?;
+    Ok(ViewTensor {
+        dtype,
+        shape,
+        unit: u,
+        slot,
+        offset: f.offset,
+        len,
+        parts: f.parts,
+    })
 }
