@@ -384,16 +384,27 @@ fn views_see_values_in_place_and_keep_them_pinned() {
         c.deadline(),
     )
     .unwrap();
+    // A put lays each unit's values of a field back to back in the order
+    // of the call (what a packed view views in place), the first on a
+    // 64-byte boundary, each aligned for its dtype.
+    let mut next: std::collections::HashMap<usize, usize> = Default::default();
     for (i, t) in view.field(0).iter().enumerate() {
         assert_eq!(t.dtype, DType::F64);
         let bytes = view.to_vec(t);
         assert!(bytes == data[i], "row {i} changed under a view");
-        assert_eq!(
-            view.as_ptr(t).unwrap().0 as usize % 64,
-            0,
-            "values are 64-byte aligned"
-        );
+        let (ptr, len) = view.as_ptr(t).unwrap();
+        let at = ptr as usize;
+        assert_eq!(at % 8, 0, "row {i}: values are aligned for their dtype");
+        match next.insert(t.unit(), at + len) {
+            None => assert_eq!(
+                at % 64,
+                0,
+                "row {i}: a unit's first value is 64-byte aligned"
+            ),
+            Some(end) => assert_eq!(at, end, "row {i} follows its unit's row before it"),
+        }
     }
+    assert_eq!(next.len(), 2, "the rows are on both units");
     drop(view);
     assert!(common::eventually(Duration::from_secs(5), || {
         c.stats(c.deadline())

@@ -13,9 +13,12 @@
 //!   names a unit (then it must name the same unit to read or clear it).
 //! * A string key's text is stored once per put as the row's reserved field
 //!   [`KEY_FIELD`], so that [`Client::list`] can give the names back.
-//! * Each value's dtype and shape travel as the entry's metadata; its bytes
-//!   start on a 64-byte boundary of the blob, so a zero-copy view of any
-//!   dtype is aligned.
+//! * Each value's dtype and shape travel as the entry's metadata. A unit's
+//!   blob holds its rows' values field by field: a field's values back to
+//!   back in the order of the call, the first on a 64-byte boundary of the
+//!   blob, each at a multiple of its dtype's size — so a zero-copy view of
+//!   any dtype is aligned, and each field's values of those rows are one
+//!   range of the slab.
 //! * One put sends one blob per unit, all units at once; writing a
 //!   (key, field) again replaces it atomically (the unit swaps the index
 //!   entry at commit; readers that pinned the old value keep it).
