@@ -351,6 +351,107 @@ fn concurrent_replacements_are_never_torn(kind: Kind) {
 }
 
 #[test]
+fn a_packed_view_points_at_each_units_values_of_a_field_or_copies_them() {
+    let (p, _) = plane(2, 16 * MIB, &[]);
+    let c = Arc::new(client(&p, Kind::Shm, Duration::from_secs(30)));
+    let keys: Vec<RowKey> = (0..6).map(RowKey::Index).collect();
+    // Row r: r + 1 elements of 3 int16s; the second field a byte per row.
+    let data: Vec<Vec<u8>> = (0..6)
+        .map(|r| pattern(r, 5, (r as usize + 1) * 6))
+        .collect();
+    let ids = Column::Jagged(
+        data.iter()
+            .map(|b| Tensor::new(DType::I16, vec![b.len() as u64 / 6, 3], b).unwrap())
+            .collect(),
+    );
+    let bytes: Vec<[u8; 1]> = (0..6).map(|r| [r as u8]).collect();
+    let one = Column::Jagged(
+        bytes
+            .iter()
+            .map(|b| Tensor::new(DType::U8, vec![], b).unwrap())
+            .collect(),
+    );
+    c.put(
+        "p",
+        &keys,
+        &[("ids", ids), ("one", one)],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    let packed_bytes =
+        |view: &stowage_client::View, chunk: &stowage_client::PackedChunk, f: usize| {
+            let p = &chunk.fields[f];
+            let mut copy = vec![0u8; p.len];
+            view.read_packed_into(chunk, f, &mut copy).unwrap();
+            if let Some((ptr, len)) = view.packed_ptr(p) {
+                // SAFETY: the view pins the values it points at until dropped.
+                assert_eq!(unsafe { std::slice::from_raw_parts(ptr, len) }, copy);
+            }
+            copy
+        };
+    // Rows r live on unit r % 2: a chunk each, the put's order, in place.
+    let view = c
+        .view("p", &keys, &["ids", "one"], None, c.deadline())
+        .unwrap();
+    let chunks = view.packed(&["ids", "one"]).unwrap();
+    assert_eq!(chunks.len(), 2);
+    for (u, chunk) in chunks.iter().enumerate() {
+        assert_eq!(chunk.unit, u);
+        assert_eq!(chunk.rows, (u..6).step_by(2).collect::<Vec<_>>());
+        let ids = &chunk.fields[0];
+        assert!(ids.in_place() && chunk.fields[1].in_place());
+        assert_eq!((ids.dtype, &ids.inner[..]), (DType::I16, &[3][..]));
+        let mut at = vec![0];
+        at.extend(chunk.rows.iter().scan(0, |n, &r| {
+            *n += r as u64 + 1;
+            Some(*n)
+        }));
+        assert_eq!(ids.offsets, at);
+        assert_eq!(&ids.shape()[..], &[*at.last().unwrap(), 3]);
+        let want: Vec<u8> = chunk.rows.iter().flat_map(|&r| data[r].clone()).collect();
+        assert_eq!(packed_bytes(&view, chunk, 0), want);
+        let one = &chunk.fields[1];
+        assert_eq!(
+            one.offsets,
+            (0..=3).collect::<Vec<u64>>(),
+            "a 0-d value is one element"
+        );
+        let want: Vec<u8> = chunk.rows.iter().map(|&r| r as u8).collect();
+        assert_eq!(packed_bytes(&view, chunk, 1), want);
+    }
+    // Out of the put's order: copied, the rows in the order asked for.
+    let back: Vec<RowKey> = keys.iter().rev().cloned().collect();
+    let view = c.view("p", &back, &["ids"], None, c.deadline()).unwrap();
+    let chunks = view.packed(&["ids"]).unwrap();
+    for chunk in &chunks {
+        assert!(!chunk.fields[0].in_place());
+        assert!(view.packed_ptr(&chunk.fields[0]).is_none());
+        let want: Vec<u8> = chunk
+            .rows
+            .iter()
+            .flat_map(|&i| data[5 - i].clone())
+            .collect();
+        assert_eq!(packed_bytes(&view, chunk, 0), want);
+    }
+    // Values that cannot be packed: refused, naming the field.
+    let t = Tensor::new(DType::I16, vec![3], &data[0][..6]).unwrap();
+    c.put(
+        "p",
+        &keys[..1],
+        &[("ids", Column::Jagged(vec![t]))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    let view = c.view("p", &keys, &["ids"], None, c.deadline()).unwrap();
+    match view.packed(&["ids"]) {
+        Err(Error::InvalidRequest(m)) => assert!(m.contains("\"ids\" cannot be packed"), "{m}"),
+        other => panic!("expected InvalidRequest, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
 fn views_see_values_in_place_and_keep_them_pinned() {
     let (p, _) = plane(2, 16 * MIB, &[]);
     let c = Arc::new(client(&p, Kind::Shm, Duration::from_secs(30)));

@@ -1,6 +1,8 @@
 //! Views: values read in place in this process's mapping of the units'
 //! slabs, pinned on a connection of their own per unit until the view is
-//! dropped.
+//! dropped; and the same values packed a field at a time ([`View::packed`]):
+//! the values of one unit's rows back to back, as one range of its slab
+//! where a put laid them so (`put.rs`), else copied into one buffer.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
@@ -72,6 +74,16 @@ impl ViewTensor {
     pub fn unit(&self) -> usize {
         self.unit
     }
+
+    /// Elements along the first axis (a 0-d value counts as one).
+    fn rows(&self) -> u64 {
+        self.shape.first().copied().unwrap_or(1)
+    }
+
+    /// Its dimensions past the first.
+    fn inner(&self) -> &[u64] {
+        self.shape.get(1..).unwrap_or(&[])
+    }
 }
 
 /// Zero-copy access to values in the units' slabs (same host only). The
@@ -88,6 +100,53 @@ pub struct View {
     tensors: Vec<ViewTensor>,
     rows: usize,
     fields: usize,
+}
+
+/// One unit's share of a view's rows ([`View::packed`]): the rows of the
+/// call that live on `unit`, in the order of the call, and each field's
+/// values of them packed along the first axis.
+#[derive(Clone, Debug)]
+pub struct PackedChunk {
+    pub unit: usize,
+    /// Positions in the call's keys.
+    pub rows: Vec<usize>,
+    /// In the order of the call's fields.
+    pub fields: Vec<PackedField>,
+}
+
+/// One field's values of a [`PackedChunk`]'s rows, back to back along the
+/// first axis: an array of `dtype` and shape `[offsets.last(), inner..]`
+/// whose rows `offsets[i]..offsets[i + 1]` are the value of the chunk's
+/// row `i` (a 0-d value is one element).
+#[derive(Clone, Debug)]
+pub struct PackedField {
+    pub dtype: DType,
+    /// The values' dimensions past the first (the same for every value).
+    pub inner: Shape,
+    /// `rows + 1` positions along the first axis, from 0.
+    pub offsets: Vec<u64>,
+    /// Bytes of the packed values.
+    pub len: usize,
+    /// The slot and slab offset of the values when they lie back to back
+    /// in one range of the unit's slab (a view in place); `None`: they
+    /// must be copied ([`View::read_packed_into`]).
+    in_place: Option<(usize, u64)>,
+}
+
+impl PackedField {
+    /// Whether the values lie back to back in one range of the unit's
+    /// slab ([`View::packed_ptr`] points at them).
+    pub fn in_place(&self) -> bool {
+        self.in_place.is_some()
+    }
+
+    /// The packed array's dimensions.
+    pub fn shape(&self) -> Shape {
+        let mut s = Shape::new();
+        s.push(self.offsets.last().copied().unwrap_or(0));
+        s.extend_from_slice(&self.inner);
+        s
+    }
 }
 
 impl View {
@@ -153,6 +212,136 @@ impl View {
             out.clear();
         }
         out
+    }
+
+    /// The view's rows grouped by the unit that holds them (in unit
+    /// order), each field's values of a group packed along the first axis
+    /// ([`PackedChunk`]): in place where they lie back to back in one
+    /// range of the unit's slab, in the order of the call (as a put of
+    /// those rows lays them), else to be copied. Every value of a field
+    /// must have the same dtype and the same dimensions past the first;
+    /// a field that does not is refused (`InvalidRequest`, naming it).
+    /// `names`: the fields' names, for that error.
+    pub fn packed(&self, names: &[&str]) -> Result<Vec<PackedChunk>> {
+        let nf = self.fields();
+        let mut by_unit: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        if nf > 0 {
+            for (r, t) in self.field(0).iter().enumerate() {
+                by_unit.entry(t.unit).or_default().push(r);
+            }
+        }
+        for f in 0..nf {
+            let values = self.field(f);
+            if let Some(first) = values.first() {
+                if let Some(t) = values
+                    .iter()
+                    .find(|t| t.dtype != first.dtype || t.inner() != first.inner())
+                {
+                    let name = names.get(f).copied().unwrap_or("?");
+                    return Err(Error::InvalidRequest(format!(
+                        "field {name:?} cannot be packed: it holds {} values of dimensions {:?} past the first \
+                         and {} values of {:?} (read it with get_view)",
+                        first.dtype.name(),
+                        first.inner(),
+                        t.dtype.name(),
+                        t.inner()
+                    )));
+                }
+            }
+        }
+        Ok(by_unit
+            .into_iter()
+            .map(|(unit, rows)| {
+                let fields = (0..nf)
+                    .map(|f| {
+                        let values = self.field(f);
+                        let first = &values[rows[0]];
+                        let mut offsets = Vec::with_capacity(rows.len() + 1);
+                        offsets.push(0u64);
+                        let mut at = 0u64;
+                        let mut len = 0usize;
+                        // Back to back in one range: each value starts where
+                        // the one before it ends.
+                        let mut next = (!first.is_split()).then_some(first.offset);
+                        for &r in &rows {
+                            let t = &values[r];
+                            at += t.rows();
+                            offsets.push(at);
+                            len += t.len;
+                            next = match next {
+                                Some(o)
+                                    if !t.is_split() && t.offset == o && t.slot == first.slot =>
+                                {
+                                    Some(o + t.len as u64)
+                                }
+                                _ => None,
+                            };
+                        }
+                        PackedField {
+                            dtype: first.dtype,
+                            inner: first.inner().into(),
+                            offsets,
+                            len,
+                            in_place: next.map(|_| (first.slot, first.offset)),
+                        }
+                    })
+                    .collect();
+                PackedChunk { unit, rows, fields }
+            })
+            .collect())
+    }
+
+    /// The address of a packed field's values in place and their length
+    /// (see [`View::as_ptr`]); `None` for values to be copied.
+    pub fn packed_ptr(&self, p: &PackedField) -> Option<(*const u8, usize)> {
+        let (slot, offset) = p.in_place?;
+        let slab = self.slab(slot).ok()?;
+        slab.range_ptr(offset, p.len).ok().map(|ptr| (ptr, p.len))
+    }
+
+    /// Copy field `f` of `chunk` (from this view's [`View::packed`]) into
+    /// `dst` (exactly its length): its values back to back.
+    pub fn read_packed_into(&self, chunk: &PackedChunk, f: usize, dst: &mut [u8]) -> Result<()> {
+        let p = chunk
+            .fields
+            .get(f)
+            .ok_or_else(|| Error::InvalidRequest(format!("no field {f} in the chunk")))?;
+        if dst.len() != p.len {
+            return Err(Error::InvalidRequest(format!(
+                "a buffer of {} bytes for packed values of {}",
+                dst.len(),
+                p.len
+            )));
+        }
+        let values = self.field(f);
+        let mut rest = dst;
+        // Gathered per slab: every value of a chunk is on its unit.
+        let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(chunk.rows.len());
+        let mut slot = None;
+        for &r in &chunk.rows {
+            let t = values
+                .get(r)
+                .ok_or_else(|| Error::InvalidRequest(format!("no row {r} in the view")))?;
+            if slot.is_some_and(|s| s != t.slot) {
+                return Err(Error::InvalidRequest(
+                    "a chunk's values on two units".into(),
+                ));
+            }
+            slot = Some(t.slot);
+            let (head, tail) = std::mem::take(&mut rest).split_at_mut(t.len);
+            rest = tail;
+            if t.parts.is_empty() {
+                reads.push((t.offset, head));
+            } else {
+                reads.extend(
+                    crate::pieces::split_dst(head, &t.parts).map_err(Error::InvalidRequest)?,
+                );
+            }
+        }
+        match slot {
+            Some(s) => self.slab(s)?.read_scatter(reads).map_err(outside),
+            None => Ok(()),
+        }
     }
 }
 

@@ -16,7 +16,7 @@ use stowage_client::{
     UnitAddr,
 };
 
-use crate::arrays::{array_over, descr_for, ArrayBytes, OwnedBytes};
+use crate::arrays::{array_over, descr_for, ArrayBytes, HostBuf, OwnedBytes};
 use crate::dicts::{checkpoint_dict, stats_dict};
 use crate::errors::{invalid, to_py};
 use crate::read_sinks::{nbytes, split_copies, AllocSink, Dest, OutSink, ReadData, ViewPins};
@@ -715,6 +715,103 @@ impl Client {
                 arrays.push(a);
             }
             out.push(PyList::new(py, arrays)?);
+        }
+        PyList::new(py, out)
+    }
+
+    /// The values of a view packed a field at a time, per unit: a list of
+    /// `(unit, rows, values, offsets)`, one per unit that holds some of
+    /// the keys (unit order). `rows`: int64 positions in `keys` of that
+    /// unit's rows, in the order of `keys`; `values[f]`: field `f`'s
+    /// values of those rows back to back along the first axis; `offsets[f]`:
+    /// int64, `len(rows) + 1` positions along that axis. A field's values
+    /// that lie back to back in one range of the unit's slab (as a put of
+    /// those rows in that order lays them) are a read-only array over
+    /// them, pinned like `get_view`'s; others are copied (with the GIL
+    /// released) into a new writeable array.
+    #[pyo3(signature = (partition, keys, fields, unit = None, timeout = None, raw_bfloat16 = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_packed_view<'py>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        keys: &Bound<'py, PyAny>,
+        fields: Vec<String>,
+        unit: Option<usize>,
+        timeout: Option<f64>,
+        raw_bfloat16: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
+        let (pins, (chunks, mut copies)) =
+            self.view(py, partition, keys, &fields, unit, timeout, |view| {
+                let chunks = view.packed(&names)?;
+                let mut copies = std::collections::BTreeMap::new();
+                for (c, chunk) in chunks.iter().enumerate() {
+                    for (f, p) in chunk.fields.iter().enumerate() {
+                        if p.in_place() {
+                            continue;
+                        }
+                        let mut buf = HostBuf::new(p.len).map_err(|e| {
+                            ClientError::InvalidRequest(format!("cannot map {} bytes: {e}", p.len))
+                        })?;
+                        view.read_packed_into(chunk, f, &mut buf)?;
+                        copies.insert((c, f), buf);
+                    }
+                }
+                Ok((chunks, copies))
+            })?;
+        let Some(view) = pins.get().view.as_ref() else {
+            return Err(invalid("the view is gone"));
+        };
+        let mut descrs = Descrs::new(raw_bfloat16);
+        let mut out = Vec::with_capacity(chunks.len());
+        for (c, chunk) in chunks.iter().enumerate() {
+            let rows: Vec<i64> = chunk.rows.iter().map(|&r| r as i64).collect();
+            let mut values = Vec::with_capacity(chunk.fields.len());
+            let mut offsets = Vec::with_capacity(chunk.fields.len());
+            for (f, p) in chunk.fields.iter().enumerate() {
+                let descr = descrs.get(py, p.dtype)?;
+                let shape = p.shape();
+                let a = if let Some(buf) = copies.remove(&(c, f)) {
+                    let base = Bound::new(py, OwnedBytes::new(buf))?;
+                    let ptr = base.get().as_mut_ptr();
+                    // SAFETY: `ptr` is the `p.len` bytes `base` owns (the
+                    // packed values: their dims make exactly that many),
+                    // which lives as long as the array; nothing else reads
+                    // or writes them.
+                    unsafe { array_over(py, descr, &shape, ptr, true, base.into_any())? }
+                } else {
+                    let Some((ptr, _)) = view.packed_ptr(p) else {
+                        return Err(invalid(format!(
+                            "field {:?}: the values lie outside their unit's slab",
+                            fields[f]
+                        )));
+                    };
+                    // SAFETY: the view's memory stays mapped and pinned
+                    // while `pins` lives; the array keeps `pins` alive and
+                    // is read-only; the packed values' bytes make its shape
+                    // (each value's were checked by the view).
+                    unsafe {
+                        array_over(
+                            py,
+                            descr,
+                            &shape,
+                            ptr as *mut u8,
+                            false,
+                            pins.clone().into_any(),
+                        )?
+                    }
+                };
+                values.push(a);
+                let o: Vec<i64> = p.offsets.iter().map(|&o| o as i64).collect();
+                offsets.push(numpy::PyArray1::from_vec(py, o));
+            }
+            out.push((
+                chunk.unit,
+                numpy::PyArray1::from_vec(py, rows),
+                PyList::new(py, values)?,
+                PyList::new(py, offsets)?,
+            ));
         }
         PyList::new(py, out)
     }
