@@ -558,7 +558,7 @@ fn transplant(
     }) {
         Response::Data { items, .. } => items
             .into_iter()
-            .map(|i| i.expect("transplanted value exists").meta)
+            .map(|i| i.expect("transplanted value exists").meta.to_vec())
             .collect::<Vec<_>>(),
         other => panic!("{other:?}"),
     };

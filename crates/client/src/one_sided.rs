@@ -663,7 +663,7 @@ mod tests {
         stowage_wire::Placed {
             offset: parts[0].0,
             len,
-            meta: vec![],
+            meta: Default::default(),
             on_disk: false,
             parts,
         }

@@ -53,7 +53,7 @@ pub use messages::{
     Response, RestoreReply, RestoreSource, GROUP_FIELD_PREFIX, RING_MAX, RING_MIN,
 };
 pub use stats::Stats;
-pub use stowage_core::{BlobId, EntrySpec, Key, PinId, SessionStats};
+pub use stowage_core::{BlobId, EntrySpec, Key, Meta, PinId, SessionStats};
 pub use validation::PARTITION_SEPARATOR;
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
@@ -248,14 +248,14 @@ mod tests {
                     Some(Placed {
                         offset: 64,
                         len: 10,
-                        meta: vec![9],
+                        meta: vec![9u8].into(),
                         on_disk: true,
                         parts: Vec::new(),
                     }),
                     Some(Placed {
                         offset: 64,
                         len: 100,
-                        meta: vec![],
+                        meta: Meta::default(),
                         on_disk: false,
                         parts: vec![(64, 36), (4096, 64)],
                     }),
@@ -322,7 +322,7 @@ mod tests {
                 items: vec![
                     Some(Item {
                         len: 3,
-                        meta: vec![],
+                        meta: Meta::default(),
                     }),
                     None,
                 ],
@@ -491,6 +491,53 @@ mod tests {
             assert_eq!(back.body, r);
         }
         assert_eq!(seen, 4);
+    }
+
+    /// Placed and Item keep the bytes they had when their metadata was a
+    /// `Vec<u8>` (protocol 14).
+    #[test]
+    fn inline_metadata_keeps_the_bytes_of_a_vec() {
+        #[derive(Serialize)]
+        struct OldPlaced {
+            offset: u64,
+            len: u64,
+            meta: Vec<u8>,
+            on_disk: bool,
+            parts: Vec<(u64, u64)>,
+        }
+        #[derive(Serialize)]
+        struct OldItem {
+            len: u64,
+            meta: Vec<u8>,
+        }
+        for meta in [vec![], vec![4, 1, 0x80, 0x04], vec![7; 33], vec![1; 300]] {
+            let new = Placed {
+                offset: 1 << 40,
+                len: 512,
+                meta: Meta::from(&meta[..]),
+                on_disk: false,
+                parts: vec![(64, 256), (1024, 256)],
+            };
+            let old = OldPlaced {
+                offset: 1 << 40,
+                len: 512,
+                meta: meta.clone(),
+                on_disk: false,
+                parts: vec![(64, 256), (1024, 256)],
+            };
+            let bytes = postcard::to_stdvec(&old).unwrap();
+            assert_eq!(postcard::to_stdvec(&new).unwrap(), bytes);
+            assert_eq!(postcard::from_bytes::<Placed>(&bytes).unwrap(), new);
+            let item = Item {
+                len: 9,
+                meta: Meta::from(&meta[..]),
+            };
+            let old = OldItem { len: 9, meta };
+            assert_eq!(
+                postcard::to_stdvec(&item).unwrap(),
+                postcard::to_stdvec(&old).unwrap()
+            );
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{auth, BlobId, EntrySpec, ErrorCode, Key, PinId, Stats};
+use crate::{auth, BlobId, EntrySpec, ErrorCode, Key, Meta, PinId, Stats};
 
 /// The header of a frame.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -496,7 +496,8 @@ pub struct RestoreSource {
 pub struct Placed {
     pub offset: u64,
     pub len: u64,
-    pub meta: Vec<u8>,
+    /// Encoded as a `Vec<u8>`; inline up to 32 bytes ([`Meta`]).
+    pub meta: Meta,
     pub on_disk: bool,
     /// A value stored across pieces of the slab: (slab offset, bytes) of
     /// each part, in order (`offset` is then the first's). Empty for a
@@ -519,7 +520,8 @@ impl Placed {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Item {
     pub len: u64,
-    pub meta: Vec<u8>,
+    /// Encoded as a `Vec<u8>`; inline up to 32 bytes ([`Meta`]).
+    pub meta: Meta,
 }
 
 /// Unit → client.
