@@ -112,14 +112,26 @@ struct ValueMetaRef<'a> {
     shape: &'a [u64],
 }
 
-/// [`decode_meta`] for views of thousands of values: the dimensions
-/// inline, read straight from postcard's bytes (a varint of the dtype's
-/// index, of the number of dimensions, of each), the owner, when there is
-/// one, as `decode_meta` reads it. Accepts and refuses what `decode_meta`
-/// does (the tests compare them on arbitrary bytes).
+/// [`decode_meta_into`] a new shape.
+#[cfg(test)]
 pub(crate) fn decode_meta_shape(
     meta: &[u8],
 ) -> std::result::Result<(DType, crate::views::Shape, Option<PutName<'_>>), String> {
+    let mut shape = crate::views::Shape::new();
+    let (dtype, owner) = decode_meta_into(meta, &mut shape)?;
+    Ok((dtype, shape, owner))
+}
+
+/// [`decode_meta`] for views of thousands of values: the dimensions
+/// inline, in `shape` (cleared first) where the caller keeps them,
+/// read straight from postcard's bytes (a varint of the dtype's index, of
+/// the number of dimensions, of each); the owner, when there is one, as
+/// `decode_meta` reads it. Accepts and refuses what `decode_meta` does
+/// (the tests compare them on arbitrary bytes).
+pub(crate) fn decode_meta_into<'m>(
+    meta: &'m [u8],
+    shape: &mut crate::views::Shape,
+) -> std::result::Result<(DType, Option<PutName<'m>>), String> {
     let bad = || "value metadata unreadable: not put by the rows API?".to_string();
     let mut rest = meta;
     let tag = varint(&mut rest, 5).ok_or_else(bad)?;
@@ -134,19 +146,19 @@ pub(crate) fn decode_meta_shape(
     if ndim > rest.len() as u64 {
         return Err(bad());
     }
-    let mut shape = crate::views::Shape::new();
+    shape.clear();
     for _ in 0..ndim {
         shape.push(varint(&mut rest, 10).ok_or_else(bad)?);
     }
     if rest.is_empty() {
-        return Ok((dtype, shape, None));
+        return Ok((dtype, None));
     }
     let (owner, rest) = postcard::take_from_bytes::<PutName>(rest)
         .map_err(|e| format!("value metadata unreadable ({e}): not put by the rows API?"))?;
     if !rest.is_empty() {
         return Err("value metadata has trailing bytes: not put by the rows API?".into());
     }
-    Ok((dtype, shape, Some(owner)))
+    Ok((dtype, Some(owner)))
 }
 
 /// A postcard varint of at most `max` bytes (5: a u32, 10: a u64) off the

@@ -4,18 +4,19 @@
 //! the values of one unit's rows back to back, as one range of its slab
 //! where a put laid them so (`put.rs`), else copied into one buffer.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 use std::time::Instant;
 
 use smallvec::SmallVec;
 use stowage_shm::Slab;
-use stowage_wire::{Key, PinId, Placed, Request, RequestRef, Response};
+use stowage_wire::{Key, PinId, PlacedRef, Request, RequestRef, ResolvedHead, Response, Streamed};
 
 use crate::classify::{name_keys, unexpected, unexpected_found};
 use crate::failure::Failure;
 use crate::pool::ViewConn;
-use crate::row_meta::{check_field, collision, decode_meta_shape, ownership, Ownership};
+use crate::row_meta::{check_field, collision, decode_meta_into, ownership, Ownership};
 use crate::values::{DType, RowKey};
 use crate::{lock, Client, Error, Result};
 
@@ -34,13 +35,11 @@ pub struct ViewTensor {
     /// `dtype` (the view checks).
     pub shape: Shape,
     unit: usize,
-    /// Where the unit's slab is in [`View`]'s pins.
-    slot: usize,
     offset: u64,
     len: usize,
     /// (slab offset, bytes) of each part of a split value, in order;
-    /// empty for a value in one range.
-    parts: Vec<(u64, u64)>,
+    /// `None` for a value in one range (boxed: a view holds thousands).
+    parts: Option<Box<[(u64, u64)]>>,
 }
 
 impl ViewTensor {
@@ -49,16 +48,15 @@ impl ViewTensor {
         dtype: DType::U8,
         shape: SmallVec::new_const(),
         unit: 0,
-        slot: 0,
         offset: 0,
         len: 0,
-        parts: Vec::new(),
+        parts: None,
     };
 
     /// Whether the value lies in several ranges of its unit's slab (it
     /// was stored across pieces): no pointer can view it in place.
     pub fn is_split(&self) -> bool {
-        !self.parts.is_empty()
+        self.parts.is_some()
     }
 
     /// The value's length in bytes.
@@ -96,6 +94,8 @@ pub struct View {
     /// long as it lives: the unit releases a connection's pins only when
     /// the connection ends, and nothing else can end it.
     pins: Vec<(usize, PinId, Arc<Slab>, ViewConn)>,
+    /// Unit `u`'s place in `pins` (`usize::MAX`: none).
+    slot_of: Vec<usize>,
     /// Field-major: field `f` of the call's row `r` is `tensors[f * rows + r]`.
     tensors: Vec<ViewTensor>,
     rows: usize,
@@ -127,7 +127,7 @@ pub struct PackedField {
     pub offsets: Vec<u64>,
     /// Bytes of the packed values.
     pub len: usize,
-    /// The slot and slab offset of the values when they lie back to back
+    /// The unit and slab offset of the values when they lie back to back
     /// in one range of the unit's slab (a view in place); `None`: they
     /// must be copied ([`View::read_packed_into`]).
     in_place: Option<(usize, u64)>,
@@ -166,9 +166,10 @@ impl View {
         self.tensors.get(f * n..(f + 1) * n).unwrap_or(&[])
     }
 
-    fn slab(&self, slot: usize) -> Result<&Slab> {
-        self.pins
-            .get(slot)
+    fn slab(&self, unit: usize) -> Result<&Slab> {
+        self.slot_of
+            .get(unit)
+            .and_then(|&slot| self.pins.get(slot))
             .map(|(_, _, slab, _)| &**slab)
             .ok_or_else(|| Error::InvalidRequest("the value's unit is not in this view".into()))
     }
@@ -183,14 +184,14 @@ impl View {
         if t.is_split() {
             return None;
         }
-        let slab = self.slab(t.slot).ok()?;
+        let slab = self.slab(t.unit).ok()?;
         slab.range_ptr(t.offset, t.len).ok().map(|p| (p, t.len))
     }
 
     /// Copy a value of this view into `dst` (exactly its length): a value
     /// in one range, or a split value's parts back to back.
     pub fn read_into(&self, t: &ViewTensor, dst: &mut [u8]) -> Result<()> {
-        let slab = self.slab(t.slot)?;
+        let slab = self.slab(t.unit)?;
         if dst.len() != t.len {
             return Err(Error::InvalidRequest(format!(
                 "a buffer of {} bytes for a value of {}",
@@ -198,10 +199,10 @@ impl View {
                 t.len
             )));
         }
-        if t.parts.is_empty() {
+        let Some(parts) = &t.parts else {
             return slab.read(t.offset, dst).map_err(outside);
-        }
-        let reads = crate::pieces::split_dst(dst, &t.parts).map_err(Error::InvalidRequest)?;
+        };
+        let reads = crate::pieces::split_dst(dst, parts).map_err(Error::InvalidRequest)?;
         slab.read_scatter(reads).map_err(outside)
     }
 
@@ -270,7 +271,7 @@ impl View {
                             len += t.len;
                             next = match next {
                                 Some(o)
-                                    if !t.is_split() && t.offset == o && t.slot == first.slot =>
+                                    if !t.is_split() && t.offset == o && t.unit == first.unit =>
                                 {
                                     Some(o + t.len as u64)
                                 }
@@ -282,7 +283,7 @@ impl View {
                             inner: first.inner().into(),
                             offsets,
                             len,
-                            in_place: next.map(|_| (first.slot, first.offset)),
+                            in_place: next.map(|_| (first.unit, first.offset)),
                         }
                     })
                     .collect();
@@ -294,8 +295,8 @@ impl View {
     /// The address of a packed field's values in place and their length
     /// (see [`View::as_ptr`]); `None` for values to be copied.
     pub fn packed_ptr(&self, p: &PackedField) -> Option<(*const u8, usize)> {
-        let (slot, offset) = p.in_place?;
-        let slab = self.slab(slot).ok()?;
+        let (unit, offset) = p.in_place?;
+        let slab = self.slab(unit).ok()?;
         slab.range_ptr(offset, p.len).ok().map(|ptr| (ptr, p.len))
     }
 
@@ -317,29 +318,27 @@ impl View {
         let mut rest = dst;
         // Gathered per slab: every value of a chunk is on its unit.
         let mut reads: Vec<(u64, &mut [u8])> = Vec::with_capacity(chunk.rows.len());
-        let mut slot = None;
+        let mut unit = None;
         for &r in &chunk.rows {
             let t = values
                 .get(r)
                 .ok_or_else(|| Error::InvalidRequest(format!("no row {r} in the view")))?;
-            if slot.is_some_and(|s| s != t.slot) {
+            if unit.is_some_and(|u| u != t.unit) {
                 return Err(Error::InvalidRequest(
                     "a chunk's values on two units".into(),
                 ));
             }
-            slot = Some(t.slot);
+            unit = Some(t.unit);
             let (head, tail) = std::mem::take(&mut rest).split_at_mut(t.len);
             rest = tail;
-            if t.parts.is_empty() {
-                reads.push((t.offset, head));
-            } else {
-                reads.extend(
-                    crate::pieces::split_dst(head, &t.parts).map_err(Error::InvalidRequest)?,
-                );
+            match &t.parts {
+                None => reads.push((t.offset, head)),
+                Some(parts) => reads
+                    .extend(crate::pieces::split_dst(head, parts).map_err(Error::InvalidRequest)?),
             }
         }
-        match slot {
-            Some(s) => self.slab(s)?.read_scatter(reads).map_err(outside),
+        match unit {
+            Some(u) => self.slab(u)?.read_scatter(reads).map_err(outside),
             None => Ok(()),
         }
     }
@@ -416,27 +415,38 @@ impl Client {
     }
 
     /// Resolve-and-hold every field of `by_unit`'s rows on every unit at
-    /// once, each on its unit's view connection. The parts lock their
-    /// connections in unit order (as every view does: views never wait on
-    /// each other in a cycle) and hold them until their answer is in. In
-    /// unit order.
+    /// once, each on its unit's view connection, each found value made a
+    /// [`ViewTensor`] in its place of `tensors` (`n`: the call's keys) as
+    /// the reply is decoded. The parts lock their connections in unit
+    /// order (as every view does: views never wait on each other in a
+    /// cycle) and hold them until their answer is in. In unit order.
     // The parts run on this thread (`fanout::all_at_once`): a connection's
-    // lock held across a turn waits on no other part of the call.
-    #[allow(clippy::type_complexity, clippy::await_holding_lock)]
+    // lock held across a turn waits on no other part of the call, and
+    // `tensors` is borrowed by one part at a time, for one value.
+    #[allow(
+        clippy::type_complexity,
+        clippy::await_holding_lock,
+        clippy::too_many_arguments
+    )]
     fn resolve_views(
         &self,
         partition: &str,
+        keys: &[RowKey],
         by_unit: &BTreeMap<usize, UnitRows>,
         fields: &[&str],
+        tensors: &RefCell<Vec<ViewTensor>>,
         deadline: Instant,
     ) -> Vec<(
         usize,
-        std::result::Result<(Response, Arc<Slab>, ViewConn), Failure>,
+        std::result::Result<(Streamed, Arc<Slab>, ViewConn), Failure>,
+        Answer,
     )> {
+        let n = keys.len();
         let parts = by_unit.iter().map(|(&u, rows)| async move {
+            let mut answer = Answer::default();
             let conn = match self.view_conn(u, deadline) {
                 Ok(c) => c,
-                Err(f) => return (u, Err(f)),
+                Err(f) => return (u, Err(f), answer),
             };
             let r = {
                 let mut t = lock(&conn);
@@ -451,15 +461,55 @@ impl Client {
                             fields,
                             hold: true,
                         };
-                        t.call_ref(&req, deadline).await.map(|resp| (resp, slab))
+                        let slab_len = slab.len();
+                        let per_field = rows.ids.len();
+                        let mut each = |i: usize, v: Option<PlacedRef<'_>>| {
+                            if answer.error.is_some() {
+                                return;
+                            }
+                            if i >= per_field * fields.len() {
+                                answer.error =
+                                    Some(unexpected_found(u, "more values than keys".into()));
+                                return;
+                            }
+                            let (field, j) = (i / per_field, i % per_field);
+                            let row = rows.at[j];
+                            let Some(p) = v else {
+                                answer.missing.push(rows.key(i, fields));
+                                return;
+                            };
+                            if p.on_disk {
+                                answer.error = Some(Error::TransferFailed {
+                                    unit: u,
+                                    blobs: vec![],
+                                    reason: format!(
+                                        "{} is in the unit's disk tier and its slab has no room to bring it back; \
+                                         read it with a copying get",
+                                        rows.key(i, fields)
+                                    ),
+                                    in_flight: false,
+                                });
+                                return;
+                            }
+                            let mut tensors = tensors.borrow_mut();
+                            let t = &mut tensors[field * n + row];
+                            match view_tensor(t, u, p, slab_len, partition, &keys[row]) {
+                                Ok(true) => answer.unknown.push(row),
+                                Ok(false) => {}
+                                Err(e) => answer.error = Some(e),
+                            }
+                        };
+                        t.call_ref_streamed(&req, deadline, &mut each)
+                            .await
+                            .map(|resp| (resp, slab))
                     }
                 }
             };
             match r {
-                Ok((resp, slab)) => (u, Ok((resp, slab, conn))),
+                Ok((resp, slab)) => (u, Ok((resp, slab, conn)), answer),
                 Err(f) => {
                     self.forget_view_conn(u, &conn, &f);
-                    (u, Err(f))
+                    (u, Err(f), answer)
                 }
             }
         });
@@ -490,26 +540,31 @@ impl Client {
             let mut view = View {
                 client: self.clone(),
                 pins: Vec::new(),
+                slot_of: vec![usize::MAX; self.units.len()],
                 tensors: Vec::new(),
                 rows: keys.len(),
                 fields: fields.len(),
             };
-            let resolved = self.resolve_views(partition, &by_unit, fields, deadline);
+            // Every place is filled as the replies are read: the units'
+            // shares of the keys cover them once each, and each share's
+            // answer is checked below to hold a value (or a miss) per field
+            // of every key.
+            let tensors = RefCell::new(vec![ViewTensor::PLACEHOLDER; keys.len() * fields.len()]);
+            let resolved =
+                self.resolve_views(partition, keys, &by_unit, fields, &tensors, deadline);
+            view.tensors = tensors.into_inner();
             // Every pin taken is in `view.pins` before any error returns, so
             // that dropping `view` unpins them all.
             let mut answers = Vec::with_capacity(resolved.len());
             let mut failure = None;
-            for (u, r) in resolved {
+            for (u, r, answer) in resolved {
                 match r {
                     Ok((resp, slab, conn)) => {
-                        let slot = match &resp {
-                            Response::Resolved { pin: Some(p), .. } => {
-                                view.pins.push((u, *p, slab.clone(), conn.clone()));
-                                Some(view.pins.len() - 1)
-                            }
-                            _ => None,
-                        };
-                        answers.push((u, resp, slab.len(), slot));
+                        if let Streamed::Resolved(ResolvedHead { pin: Some(p), .. }) = &resp {
+                            view.slot_of[u] = view.pins.len();
+                            view.pins.push((u, *p, slab, conn));
+                        }
+                        answers.push((u, resp, answer));
                     }
                     Err(f) => {
                         failure.get_or_insert((u, f));
@@ -526,23 +581,17 @@ impl Client {
                 let ks = by_unit[&u].keys(fields);
                 return Err(name_keys(self.classify(u, f, vec![], ks, deadline), keys));
             }
-            let n = keys.len();
-            // Every place is filled below: the units' shares of the keys
-            // cover them once each, and each share's answer was checked
-            // to hold a value (or a miss) per field of every key.
-            view.tensors = vec![ViewTensor::PLACEHOLDER; n * fields.len()];
             let mut missing = Vec::new();
             let mut unknown = BTreeSet::new();
-            for (u, resp, slab_len, slot) in answers {
+            for (u, resp, answer) in answers {
                 let rows = &by_unit[&u];
-                let found = match resp {
-                    Response::Resolved { found, corrupt, .. }
-                        if found.len() == rows.ids.len() * fields.len() =>
-                    {
-                        if !corrupt.is_empty() {
-                            let bad: Vec<Key> = corrupt
+                match resp {
+                    Streamed::Resolved(h) if h.found == rows.ids.len() * fields.len() => {
+                        if !h.corrupt.is_empty() {
+                            let bad: Vec<Key> = h
+                                .corrupt
                                 .iter()
-                                .filter(|&&i| (i as usize) < found.len())
+                                .filter(|&&i| (i as usize) < h.found)
                                 .map(|&i| rows.key(i as usize, fields))
                                 .collect();
                             let named = crate::error::names(&bad);
@@ -555,40 +604,29 @@ impl Client {
                                 keys,
                             ));
                         }
-                        found
                     }
-                    Response::Error { code, message } => {
+                    Streamed::Resolved(h) => {
+                        return Err(unexpected_found(
+                            u,
+                            format!(
+                                "{} values for {} keys",
+                                h.found,
+                                rows.ids.len() * fields.len()
+                            ),
+                        ))
+                    }
+                    Streamed::Other(Response::Error { code, message }) => {
                         return Err(crate::classify::unit_error(u, code, message, vec![]))
                     }
-                    other => return Err(unexpected(u, other)),
-                };
-                let per_field = rows.ids.len();
-                for (i, f) in found.into_iter().enumerate() {
-                    let (field, j) = (i / per_field, i % per_field);
-                    let row = rows.at[j];
-                    let Some(f) = f else {
-                        missing.push(rows.key(i, fields));
-                        continue;
-                    };
-                    // `view` drops on every error return and unpins what
-                    // was pinned.
-                    if f.on_disk {
-                        return Err(Error::TransferFailed {
-                            unit: u,
-                            blobs: vec![],
-                            reason: format!(
-                                "{} is in the unit's disk tier and its slab has no room to bring it back; \
-                                 read it with a copying get",
-                                rows.key(i, fields)
-                            ),
-                            in_flight: false,
-                        });
-                    }
-                    let t = view_tensor(u, slot, f, slab_len, partition, &keys[row], &mut || {
-                        unknown.insert(row);
-                    })?;
-                    view.tensors[field * n + row] = t;
+                    Streamed::Other(other) => return Err(unexpected(u, other)),
                 }
+                // `view` drops on every error return and unpins what was
+                // pinned.
+                if let Some(e) = answer.error {
+                    return Err(e);
+                }
+                missing.extend(answer.missing);
+                unknown.extend(answer.unknown);
             }
             if !missing.is_empty() {
                 let named = crate::error::names(&missing);
@@ -606,47 +644,55 @@ impl Client {
     }
 }
 
-/// A value in memory unit `u` found (and pinned, in the view's pin `slot`) as a
-/// [`ViewTensor`], checked: inside the slab of `slab_len` bytes, its
-/// metadata readable and making exactly its bytes, put under `key`
-/// (`unknown`: put before owners were recorded, to be checked by name).
+/// What a unit's answer to a view's resolve left besides its values.
+#[derive(Default)]
+struct Answer {
+    /// Keys it does not hold.
+    missing: Vec<Key>,
+    /// Positions in the call's keys of values put before owners were
+    /// recorded (their names are checked after).
+    unknown: Vec<usize>,
+    /// The first value that cannot be viewed.
+    error: Option<Error>,
+}
+
+/// A value in memory unit `u` found (and pinned) made `t` (in place:
+/// nothing is moved per value), checked: inside the slab of `slab_len`
+/// bytes, its metadata readable and making exactly its bytes, put under
+/// `key`. Whether it was put before owners were recorded (its name is
+/// then checked by the caller).
 fn view_tensor(
+    t: &mut ViewTensor,
     u: usize,
-    slot: Option<usize>,
-    f: Placed,
+    f: PlacedRef<'_>,
     slab_len: u64,
     partition: &str,
     key: &RowKey,
-    unknown: &mut dyn FnMut(),
-) -> Result<ViewTensor> {
-    crate::pieces::check_found(&f, slab_len).map_err(|m| unexpected_found(u, m))?;
-    let (dtype, shape, owner) = decode_meta_shape(&f.meta).map_err(Error::InvalidRequest)?;
-    match ownership(key, owner) {
-        Ownership::Mine => {}
-        Ownership::Unknown => unknown(),
+) -> Result<bool> {
+    crate::pieces::check_place(f.on_disk, f.offset, f.len, &f.parts, slab_len)
+        .map_err(|m| unexpected_found(u, m))?;
+    let (dtype, owner) = decode_meta_into(f.meta, &mut t.shape).map_err(Error::InvalidRequest)?;
+    let unknown = match ownership(key, owner) {
+        Ownership::Mine => false,
+        Ownership::Unknown => true,
         Ownership::Other(stored) => return Err(collision(partition, key, stored)),
-    }
-    let len = usize::try_from(f.len)
+    };
+    t.len = usize::try_from(f.len)
         .map_err(|_| Error::InvalidRequest("value larger than memory".into()))?;
-    if dtype.nbytes(&shape) != Some(f.len) {
+    if dtype.nbytes(&t.shape) != Some(f.len) {
         return Err(unexpected_found(
             u,
             format!(
                 "{} bytes do not make a {} {:?} value",
                 f.len,
                 dtype.name(),
-                &shape[..]
+                &t.shape[..]
             ),
         ));
     }
-    let slot = slot.ok_or_else(|| unexpected_found(u, "a value found without a pin".into()))?;
-    Ok(ViewTensor {
-        dtype,
-        shape,
-        unit: u,
-        slot,
-        offset: f.offset,
-        len,
-        parts: f.parts,
-    })
+    t.dtype = dtype;
+    t.unit = u;
+    t.offset = f.offset;
+    t.parts = (!f.parts.is_empty()).then(|| f.parts.into_boxed_slice());
+    Ok(unknown)
 }

@@ -43,6 +43,7 @@ mod frame;
 mod limits;
 mod messages;
 mod stats;
+mod streamed;
 mod validation;
 
 pub use codes::ErrorCode;
@@ -54,6 +55,7 @@ pub use messages::{
 };
 pub use stats::Stats;
 pub use stowage_core::{BlobId, EntrySpec, Key, Meta, PinId, SessionStats};
+pub use streamed::{decode_streamed, PlacedRef, ResolvedHead, Streamed};
 pub use validation::PARTITION_SEPARATOR;
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
