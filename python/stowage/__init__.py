@@ -37,7 +37,19 @@ import re
 import sys
 import warnings
 import weakref
-from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Mapping, Optional, Sequence, Union
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    Dict,
+    Iterable,
+    List,
+    Mapping,
+    NamedTuple,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
 
 import numpy as np
 
@@ -75,6 +87,8 @@ __all__ = [
     "LostKeys",
     "NotFound",
     "NotOwner",
+    "PackedChunk",
+    "PackedView",
     "RowKey",
     "Timeout",
     "TransferFailed",
@@ -246,6 +260,83 @@ def _to_torch(a: np.ndarray) -> Any:
         raise InvalidRequest(f"a {a.dtype} array has no torch equivalent ({e})") from None
 
 
+class PackedChunk(NamedTuple):
+    """One unit's share of a :meth:`DataPlane.get_packed_view`: the keys
+    that live on ``unit`` and, per field, their values packed along the
+    first axis."""
+
+    #: The unit that holds these rows.
+    unit: int
+    #: int64 positions in the call's ``keys`` of this chunk's rows, in the
+    #: order of ``keys``.
+    rows: np.ndarray
+    #: field -> the rows' values back to back along the first axis: row
+    #: ``rows[i]``'s value is ``values[f][offsets[f][i]:offsets[f][i + 1]]``.
+    #: A read-only array over the unit's memory when the values lie back
+    #: to back there, else a writeable copy.
+    values: Dict[str, np.ndarray]
+    #: field -> int64 offsets along the first axis, ``len(rows) + 1`` of
+    #: them, from 0 (the same for every field whose values have the same
+    #: first dimensions).
+    offsets: Dict[str, np.ndarray]
+
+
+class PackedView:
+    """The values of a :meth:`DataPlane.get_packed_view`: one
+    :class:`PackedChunk` per unit that holds some of the keys, in unit
+    order (:attr:`chunks`), and :meth:`joined` for one field's values of
+    every key in the order of the keys. The values stay pinned until every
+    array of the call is garbage-collected."""
+
+    def __init__(self, fields: List[str], n: int, chunks: List[PackedChunk]):
+        self._fields = fields
+        self._n = n
+        #: One per unit that holds some of the keys, in unit order.
+        self.chunks: List[PackedChunk] = chunks
+
+    @property
+    def fields(self) -> List[str]:
+        """The fields asked for."""
+        return list(self._fields)
+
+    def __len__(self) -> int:
+        """How many keys were asked for."""
+        return self._n
+
+    def __repr__(self) -> str:
+        units = [c.unit for c in self.chunks]
+        return f"<stowage PackedView of {self._n} rows x {self._fields} on units {units}>"
+
+    def joined(self, field: str) -> Tuple[np.ndarray, np.ndarray]:
+        """``(values, offsets)`` of ``field`` for every key in the order of
+        the call's keys (``values[offsets[i]:offsets[i + 1]]`` is key
+        ``i``'s value): what ``torch.nested.nested_tensor_from_jagged``
+        takes. The chunk's own arrays (no copy) when one chunk holds every
+        key in order; else one copy into new arrays."""
+        if field not in self._fields:
+            raise InvalidRequest(f"field {field!r} was not asked for ({self._fields})")
+        if len(self.chunks) == 1:
+            c = self.chunks[0]
+            if np.array_equal(c.rows, np.arange(self._n)):
+                return c.values[field], c.offsets[field]
+        if not self.chunks:
+            raise InvalidRequest("an empty view has no values to join")
+        # Each key's (chunk, position in it), then its slice, in key order.
+        lengths = np.zeros(self._n, dtype=np.int64)
+        for c in self.chunks:
+            lengths[c.rows] = np.diff(c.offsets[field])
+        offsets = np.zeros(self._n + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        first = self.chunks[0].values[field]
+        out = np.empty((int(offsets[-1]), *first.shape[1:]), dtype=first.dtype)
+        for c in self.chunks:
+            o = c.offsets[field]
+            v = c.values[field]
+            for i, r in enumerate(c.rows):
+                out[offsets[r] : offsets[r + 1]] = v[o[i] : o[i + 1]]
+        return out, offsets
+
+
 class DataPlane:
     """A client of a set of storage units; from :func:`connect` or :func:`local`.
 
@@ -287,7 +378,7 @@ class DataPlane:
 
     def close(self) -> None:
         """Drop the connections and stop the units of a local plane. Arrays
-        from :meth:`get_view` stay readable until they are garbage-collected
+        from :meth:`get_view` and :meth:`get_packed_view` stay readable until they are garbage-collected
         (for a local plane: until the units stop, so drop them first)."""
         self._finalizer()
 
@@ -453,6 +544,46 @@ class DataPlane:
         fields = _fields(fields)
         got = self._client.get_view(partition, keys, fields, unit, timeout, False)
         return dict(zip(fields, got))
+
+    def get_packed_view(
+        self,
+        partition: str,
+        keys: Keys,
+        fields: Union[str, Sequence[str]],
+        unit: Optional[int] = None,
+        *,
+        timeout: Optional[float] = None,
+    ) -> PackedView:
+        """``fields`` of ``keys`` packed a field at a time, for jagged
+        batches: per unit that holds some of the keys, one
+        :class:`PackedChunk` with that unit's rows (positions in ``keys``,
+        in the order of ``keys``) and, per field, their values back to back
+        along the first axis in one array plus int64 ``offsets``
+        (``len(rows) + 1``): what ``torch.nested.nested_tensor_from_jagged(
+        values, offsets)`` takes. :meth:`PackedView.joined` gives one
+        field for every key in key order. Shared-memory units only.
+
+        A field's values of a chunk are one read-only array over the unit's
+        memory (no copy, pinned as :meth:`get_view`'s arrays are) when they
+        lie back to back there: a put lays each unit's values of a field
+        so, in the order of its keys, so a view of rows put by one call, in
+        the order they were put (default placement: every unit's share of
+        them), is zero-copy. Otherwise (rows of several puts, another
+        order, a value the unit stored in pieces) that field's values of
+        the chunk are copied once, with the GIL released, into a new
+        writeable array.
+
+        Every value of a field must have the same dtype and the same
+        dimensions past the first (a 0-d value counts as one element);
+        else InvalidRequest. Raises as :meth:`get_view` does otherwise.
+        """
+        fields = _fields(fields)
+        got = self._client.get_packed_view(partition, keys, fields, unit, timeout, False)
+        chunks = [
+            PackedChunk(u, rows, dict(zip(fields, values)), dict(zip(fields, offsets)))
+            for u, rows, values, offsets in got
+        ]
+        return PackedView(fields, len(keys), chunks)
 
     def clear(
         self,

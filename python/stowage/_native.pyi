@@ -225,6 +225,21 @@ class Client:
         a value stored split across pieces of a slab comes back as a copy,
         a new writeable array as ``get`` returns it."""
         ...
+    def get_packed_view(
+        self,
+        partition: str,
+        keys: _Keys,
+        fields: List[str],
+        unit: Optional[int] = None,
+        timeout: Optional[float] = None,
+        raw_bfloat16: bool = False,
+    ) -> List[Tuple[int, np.ndarray, List[np.ndarray], List[np.ndarray]]]:
+        """Per unit that holds some of the keys, ``(unit, rows, values,
+        offsets)``: the int64 positions in ``keys`` of its rows, and per
+        field their values back to back along the first axis (read-only
+        over the slab when they lie so there, else a writeable copy) and
+        int64 offsets along that axis."""
+        ...
     def clear(
         self,
         partition: str,

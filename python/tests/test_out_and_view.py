@@ -132,6 +132,9 @@ def test_a_value_stored_in_pieces_reads_back_whole_and_views_as_a_copy():
         view = dp.get_view("p", ["big"], ["x"])["x"][0]
         assert same(view, big)
         assert view.flags.writeable and view.flags.owndata is not None
+        packed = dp.get_packed_view("p", ["big"], ["x"]).chunks[0].values["x"]
+        assert same(packed, big) and packed.flags.writeable, "a packed view copies it too"
+        del packed
         del pinned
         gc.collect()
         assert settled_pins(dp, 0) == 0, "a copied split value holds no pin"

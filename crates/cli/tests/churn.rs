@@ -77,7 +77,7 @@ fn churn_child() {
     };
     let view = || {
         let view = c.view("churn", &keys, &["f"], None, c.deadline()).unwrap();
-        assert_eq!(view.to_vec(&view.tensors()[0][0]), v);
+        assert_eq!(view.to_vec(&view.field(0)[0]), v);
         view
     };
     for _ in 0..4 {

@@ -425,7 +425,7 @@ fn a_failed_view_call_never_releases_another_views_pins() {
     c.put("p", &key, &[("v", col(&ones))], None, c.deadline())
         .unwrap();
     let view = c.view("p", &key, &["v"], None, c.deadline()).unwrap();
-    let t = view.tensors()[0][0].clone();
+    let t = view.field(0)[0].clone();
     assert!(view.to_vec(&t).iter().all(|&b| b == 0x01));
     // The unit stops answering: a second view call times out, and its
     // connection is given up.

@@ -351,6 +351,107 @@ fn concurrent_replacements_are_never_torn(kind: Kind) {
 }
 
 #[test]
+fn a_packed_view_points_at_each_units_values_of_a_field_or_copies_them() {
+    let (p, _) = plane(2, 16 * MIB, &[]);
+    let c = Arc::new(client(&p, Kind::Shm, Duration::from_secs(30)));
+    let keys: Vec<RowKey> = (0..6).map(RowKey::Index).collect();
+    // Row r: r + 1 elements of 3 int16s; the second field a byte per row.
+    let data: Vec<Vec<u8>> = (0..6)
+        .map(|r| pattern(r, 5, (r as usize + 1) * 6))
+        .collect();
+    let ids = Column::Jagged(
+        data.iter()
+            .map(|b| Tensor::new(DType::I16, vec![b.len() as u64 / 6, 3], b).unwrap())
+            .collect(),
+    );
+    let bytes: Vec<[u8; 1]> = (0..6).map(|r| [r as u8]).collect();
+    let one = Column::Jagged(
+        bytes
+            .iter()
+            .map(|b| Tensor::new(DType::U8, vec![], b).unwrap())
+            .collect(),
+    );
+    c.put(
+        "p",
+        &keys,
+        &[("ids", ids), ("one", one)],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    let packed_bytes =
+        |view: &stowage_client::View, chunk: &stowage_client::PackedChunk, f: usize| {
+            let p = &chunk.fields[f];
+            let mut copy = vec![0u8; p.len];
+            view.read_packed_into(chunk, f, &mut copy).unwrap();
+            if let Some((ptr, len)) = view.packed_ptr(p) {
+                // SAFETY: the view pins the values it points at until dropped.
+                assert_eq!(unsafe { std::slice::from_raw_parts(ptr, len) }, copy);
+            }
+            copy
+        };
+    // Rows r live on unit r % 2: a chunk each, the put's order, in place.
+    let view = c
+        .view("p", &keys, &["ids", "one"], None, c.deadline())
+        .unwrap();
+    let chunks = view.packed(&["ids", "one"]).unwrap();
+    assert_eq!(chunks.len(), 2);
+    for (u, chunk) in chunks.iter().enumerate() {
+        assert_eq!(chunk.unit, u);
+        assert_eq!(chunk.rows, (u..6).step_by(2).collect::<Vec<_>>());
+        let ids = &chunk.fields[0];
+        assert!(ids.in_place() && chunk.fields[1].in_place());
+        assert_eq!((ids.dtype, &ids.inner[..]), (DType::I16, &[3][..]));
+        let mut at = vec![0];
+        at.extend(chunk.rows.iter().scan(0, |n, &r| {
+            *n += r as u64 + 1;
+            Some(*n)
+        }));
+        assert_eq!(ids.offsets, at);
+        assert_eq!(&ids.shape()[..], &[*at.last().unwrap(), 3]);
+        let want: Vec<u8> = chunk.rows.iter().flat_map(|&r| data[r].clone()).collect();
+        assert_eq!(packed_bytes(&view, chunk, 0), want);
+        let one = &chunk.fields[1];
+        assert_eq!(
+            one.offsets,
+            (0..=3).collect::<Vec<u64>>(),
+            "a 0-d value is one element"
+        );
+        let want: Vec<u8> = chunk.rows.iter().map(|&r| r as u8).collect();
+        assert_eq!(packed_bytes(&view, chunk, 1), want);
+    }
+    // Out of the put's order: copied, the rows in the order asked for.
+    let back: Vec<RowKey> = keys.iter().rev().cloned().collect();
+    let view = c.view("p", &back, &["ids"], None, c.deadline()).unwrap();
+    let chunks = view.packed(&["ids"]).unwrap();
+    for chunk in &chunks {
+        assert!(!chunk.fields[0].in_place());
+        assert!(view.packed_ptr(&chunk.fields[0]).is_none());
+        let want: Vec<u8> = chunk
+            .rows
+            .iter()
+            .flat_map(|&i| data[5 - i].clone())
+            .collect();
+        assert_eq!(packed_bytes(&view, chunk, 0), want);
+    }
+    // Values that cannot be packed: refused, naming the field.
+    let t = Tensor::new(DType::I16, vec![3], &data[0][..6]).unwrap();
+    c.put(
+        "p",
+        &keys[..1],
+        &[("ids", Column::Jagged(vec![t]))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    let view = c.view("p", &keys, &["ids"], None, c.deadline()).unwrap();
+    match view.packed(&["ids"]) {
+        Err(Error::InvalidRequest(m)) => assert!(m.contains("\"ids\" cannot be packed"), "{m}"),
+        other => panic!("expected InvalidRequest, got {:?}", other.map(|_| ())),
+    }
+}
+
+#[test]
 fn views_see_values_in_place_and_keep_them_pinned() {
     let (p, _) = plane(2, 16 * MIB, &[]);
     let c = Arc::new(client(&p, Kind::Shm, Duration::from_secs(30)));
@@ -384,16 +485,27 @@ fn views_see_values_in_place_and_keep_them_pinned() {
         c.deadline(),
     )
     .unwrap();
-    for (i, t) in view.tensors()[0].iter().enumerate() {
+    // A put lays each unit's values of a field back to back in the order
+    // of the call (what a packed view views in place), the first on a
+    // 64-byte boundary, each aligned for its dtype.
+    let mut next: std::collections::HashMap<usize, usize> = Default::default();
+    for (i, t) in view.field(0).iter().enumerate() {
         assert_eq!(t.dtype, DType::F64);
         let bytes = view.to_vec(t);
         assert!(bytes == data[i], "row {i} changed under a view");
-        assert_eq!(
-            view.as_ptr(t).unwrap().0 as usize % 64,
-            0,
-            "values are 64-byte aligned"
-        );
+        let (ptr, len) = view.as_ptr(t).unwrap();
+        let at = ptr as usize;
+        assert_eq!(at % 8, 0, "row {i}: values are aligned for their dtype");
+        match next.insert(t.unit(), at + len) {
+            None => assert_eq!(
+                at % 64,
+                0,
+                "row {i}: a unit's first value is 64-byte aligned"
+            ),
+            Some(end) => assert_eq!(at, end, "row {i} follows its unit's row before it"),
+        }
     }
+    assert_eq!(next.len(), 2, "the rows are on both units");
     drop(view);
     assert!(common::eventually(Duration::from_secs(5), || {
         c.stats(c.deadline())
@@ -446,7 +558,7 @@ fn transplant(
     }) {
         Response::Data { items, .. } => items
             .into_iter()
-            .map(|i| i.expect("transplanted value exists").meta)
+            .map(|i| i.expect("transplanted value exists").meta.to_vec())
             .collect::<Vec<_>>(),
         other => panic!("{other:?}"),
     };
@@ -566,7 +678,7 @@ fn colliding_names_never_read_as_each_other(kind: Kind) {
     );
     if kind == Kind::Shm {
         let v = c.view("p", std::slice::from_ref(&a), &["y"], None, c.deadline());
-        assert_eq!(v.map(|v| v.to_vec(&v.tensors()[0][0])).unwrap(), [2; 8]);
+        assert_eq!(v.map(|v| v.to_vec(&v.field(0)[0])).unwrap(), [2; 8]);
         match c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline()) {
             Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_b"),
             other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),
@@ -634,7 +746,7 @@ fn values_without_an_owner_are_checked_against_the_row_name(kind: Kind) {
     assert_collision(get_u8(&c, &b, &["x"]), "uid_b", Some("uid_c"));
     if kind == Kind::Shm {
         let v = c.view("p", std::slice::from_ref(&a), &["x"], None, c.deadline());
-        assert_eq!(v.map(|v| v.to_vec(&v.tensors()[0][0])).unwrap(), [7; 8]);
+        assert_eq!(v.map(|v| v.to_vec(&v.field(0)[0])).unwrap(), [7; 8]);
         match c.view("p", std::slice::from_ref(&b), &["x"], None, c.deadline()) {
             Err(Error::KeyCollision { stored, .. }) => assert_eq!(stored.unwrap(), "uid_c"),
             other => panic!("expected KeyCollision, got {:?}", other.map(|_| ())),

@@ -23,13 +23,29 @@ use stowage_shm::ring::{Ring, RING_BYTES};
 use stowage_shm::Slab;
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
-    may_spin, read_header, read_prefix, spin_yield, write_all_vectored, ReadError, Socket,
-    SpinReader,
+    may_spin, read_header, read_header_bytes, read_prefix, spin_yield, write_all_vectored,
+    ReadError, Socket, SpinReader,
 };
 use stowage_wire::{
-    encode, Envelope, ErrorCode, FramePrefix, Limits, Request, RequestRef, Response, PREFIX_LEN,
-    PROTOCOL_VERSION,
+    decode_header, decode_streamed, encode, Envelope, ErrorCode, FramePrefix, Limits, PlacedRef,
+    Request, RequestRef, Response, Streamed, WireError, PREFIX_LEN, PROTOCOL_VERSION,
 };
+
+/// How a reply's header is decoded: whole ([`whole`]), or with a
+/// Resolved's values handed over one by one ([`decode_streamed`]).
+type Decode<'d> = &'d mut dyn FnMut(&[u8]) -> Result<Envelope<Streamed>, WireError>;
+
+/// A reply decoded whole.
+fn whole(header: &[u8]) -> Result<Envelope<Streamed>, WireError> {
+    decode_header::<Response>(header).map(|e| Envelope {
+        id: e.id,
+        body: Streamed::Other(e.body),
+    })
+}
+
+/// What a view's resolve hands each found value to: its position in the
+/// reply, and the value borrowed from the reply's bytes.
+pub(crate) type EachPlaced<'e> = &'e mut dyn for<'h> FnMut(usize, Option<PlacedRef<'h>>);
 
 /// What a connection sends: a [`Request`], or a [`RequestRef`] that
 /// encodes as one without copying a put's entries.
@@ -536,15 +552,43 @@ impl Conn {
         self.recv(id, deadline)
     }
 
+    /// [`Conn::call`] of a request answered by a Resolve's reply, its
+    /// values handed to `each` one by one as its header is decoded (no
+    /// `Vec<Option<Placed>>` is built); any other reply comes back whole.
+    pub(crate) async fn call_streamed(
+        &mut self,
+        req: &impl Outgoing,
+        deadline: Instant,
+        each: EachPlaced<'_>,
+    ) -> Result<Streamed, Failure> {
+        let id = self.send(req, &mut [], deadline)?;
+        crate::fanout::turn().await;
+        self.recv_with(id, deadline, &mut |h| decode_streamed(h, each))
+    }
+
     /// Receive the reply to request `id` (its payload, if any, is left on
     /// the stream for [`Conn::read_payload`]).
     pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, Failure> {
+        match self.recv_with(id, deadline, &mut whole)? {
+            Streamed::Other(r) => Ok(r),
+            // `whole` streams nothing.
+            Streamed::Resolved(_) => Err(Failure::Protocol("a streamed reply".into())),
+        }
+    }
+
+    /// [`Conn::recv`], the header decoded by `decode`.
+    fn recv_with(
+        &mut self,
+        id: u64,
+        deadline: Instant,
+        decode: Decode<'_>,
+    ) -> Result<Streamed, Failure> {
         let reply = match &self.ring {
             RingState::On(ring) if self.ring_sent == Some(id) => {
                 let ring = ring.clone();
-                self.recv_ring(&ring, id, deadline)?
+                self.recv_ring(&ring, id, deadline, decode)?
             }
-            _ => self.recv_for(&[id], deadline)?,
+            _ => self.recv_for_with(&[id], deadline, decode)?,
         };
         if let RingState::Counting(n) = &mut self.ring {
             *n += 1;
@@ -647,7 +691,13 @@ impl Conn {
     /// Receive the reply to `id`, sent through `ring`: from the ring, or
     /// from the socket where the ring says so ([`Response::OnSocket`]) or
     /// where the socket has something to say (the unit's end, an error).
-    fn recv_ring(&mut self, ring: &Ring, id: u64, deadline: Instant) -> Result<Response, Failure> {
+    fn recv_ring(
+        &mut self,
+        ring: &Ring,
+        id: u64,
+        deadline: Instant,
+        decode: Decode<'_>,
+    ) -> Result<Streamed, Failure> {
         // Spin only with a core to spare; else sleep on the futex at once.
         let mut spin = if may_spin() {
             self.spin
@@ -660,12 +710,14 @@ impl Conn {
                 .take_reply(&mut self.ring_entry)
                 .map_err(|e| Failure::Protocol(e.to_string()))?;
             if taken {
-                let env = decode_entry(&self.ring_entry, &self.limits)?;
+                let env = decode_entry(&self.ring_entry, &self.limits, decode)?;
                 match env.body {
-                    Response::OnSocket if env.id == id => return self.recv_for(&[id], deadline),
+                    Streamed::Other(Response::OnSocket) if env.id == id => {
+                        return self.recv_for_with(&[id], deadline, decode)
+                    }
                     // Announced after its reply was read off the socket
                     // (see below): nothing left to do for it.
-                    Response::OnSocket if env.id < id => continue,
+                    Streamed::Other(Response::OnSocket) if env.id < id => continue,
                     body if env.id == id || env.id == 0 => return Ok(body),
                     _ => {
                         return Err(Failure::Protocol(format!(
@@ -680,7 +732,7 @@ impl Conn {
             // seen by the look above, so what is on the socket is this
             // request's reply, an error, or the unit's end.
             if socket_ready {
-                return self.recv_for(&[id], deadline);
+                return self.recv_for_with(&[id], deadline, decode);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -716,10 +768,24 @@ impl Conn {
     /// Receive a reply to one of the requests `ids` (or one with id 0,
     /// sent before any request was read).
     fn recv_for(&mut self, ids: &[u64], deadline: Instant) -> Result<Response, Failure> {
+        match self.recv_for_with(ids, deadline, &mut whole)? {
+            Streamed::Other(r) => Ok(r),
+            Streamed::Resolved(_) => Err(Failure::Protocol("a streamed reply".into())),
+        }
+    }
+
+    /// [`Conn::recv_for`], the header decoded by `decode`.
+    fn recv_for_with(
+        &mut self,
+        ids: &[u64],
+        deadline: Instant,
+        decode: Decode<'_>,
+    ) -> Result<Streamed, Failure> {
         self.set_timeouts(deadline)?;
         let prefix = read_prefix(&mut self.reader, &self.limits)?
             .ok_or_else(|| Failure::Broken(io::ErrorKind::UnexpectedEof.into()))?;
-        let env: Envelope<Response> = read_header(&mut self.reader, &prefix, &mut self.scratch)?;
+        read_header_bytes(&mut self.reader, &prefix, &mut self.scratch)?;
+        let env = decode(&self.scratch).map_err(ReadError::from)?;
         if !ids.contains(&env.id) && env.id != 0 {
             let id = ids.first().copied().unwrap_or(0);
             return Err(Failure::Protocol(format!(
@@ -798,18 +864,33 @@ impl Conn {
     }
 }
 
-/// A ring entry as a reply: exactly one frame, without payload.
-fn decode_entry(entry: &[u8], limits: &Limits) -> Result<Envelope<Response>, Failure> {
-    match stowage_wire::decode_frame::<Response>(entry, limits) {
-        Ok(Some((frame, used))) if used == entry.len() && frame.payload.is_empty() => {
-            Ok(frame.envelope)
-        }
-        Ok(_) => Err(Failure::Protocol(format!(
+/// A ring entry as a reply: exactly one frame, without payload, its
+/// header decoded by `decode`.
+fn decode_entry(
+    entry: &[u8],
+    limits: &Limits,
+    decode: Decode<'_>,
+) -> Result<Envelope<Streamed>, Failure> {
+    let bad = |e: WireError| Failure::Protocol(format!("a ring entry: {e}"));
+    let header = entry
+        .get(..PREFIX_LEN)
+        .and_then(|p| <&[u8; PREFIX_LEN]>::try_from(p).ok())
+        .map(|p| FramePrefix::parse(p, limits))
+        .transpose()
+        .map_err(bad)?
+        .filter(|p| p.payload_len == 0)
+        .and_then(|p| {
+            entry
+                .get(PREFIX_LEN..)
+                .filter(|h| h.len() == p.header_len as usize)
+        });
+    let Some(header) = header else {
+        return Err(Failure::Protocol(format!(
             "a ring entry of {} bytes is not one frame without payload",
             entry.len()
-        ))),
-        Err(e) => Err(Failure::Protocol(format!("a ring entry: {e}"))),
-    }
+        )));
+    };
+    decode(header).map_err(bad)
 }
 
 /// Whether a connection that was made broke the way a unit's cutting a

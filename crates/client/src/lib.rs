@@ -100,7 +100,9 @@ pub use lent::{Lent, RECV_POOL_MAX};
 pub use nixl::{Failpoints, NixlOptions, ZERO_COPY_MIN};
 pub use one_sided::SPARES;
 pub use pool::UnitConnections;
-pub use rows::{Column, DType, OwnedTensor, RowKey, Tensor, View, ViewTensor};
+pub use rows::{
+    Column, DType, OwnedTensor, PackedChunk, PackedField, RowKey, Shape, Tensor, View, ViewTensor,
+};
 pub use sink::{GetSink, Sink, SliceSink, TensorAsk, TensorSink, Value, ValueAsk};
 pub use stowage_wire::auth::{Secret, SecretError, SECRET_ENV};
 pub use stowage_wire::{BlobId, ClaimProgress, EntrySpec, Key, Stats, GROUP_FIELD_PREFIX};

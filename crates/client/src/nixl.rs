@@ -531,7 +531,7 @@ mod tests {
         Placed {
             offset,
             len,
-            meta: Vec::new(),
+            meta: Default::default(),
             on_disk: false,
             parts,
         }

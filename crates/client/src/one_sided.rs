@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
-use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, RequestRef, Response};
+use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, RequestRef, Response, Streamed};
 
-use crate::conn::Conn;
+use crate::conn::{Conn, EachPlaced};
 use crate::failure::Failure;
 use crate::fanout::turn;
 use crate::lent::{spare_class, Lent};
@@ -587,6 +587,22 @@ impl<M: Mover> Transport for OneSided<M> {
         Box::pin(self.call_any(req, deadline))
     }
 
+    fn call_ref_streamed<'a>(
+        &'a mut self,
+        req: &'a RequestRef<'_>,
+        deadline: Instant,
+        each: EachPlaced<'a>,
+    ) -> Op<'a, Streamed> {
+        Box::pin(async move {
+            let reply = self.conn.call_streamed(req, deadline, each).await?;
+            // As in `call_any`: the unit may ask for spares back here too.
+            if matches!(&reply, Streamed::Resolved(h) if h.spares_back) {
+                self.clear_spares(deadline).await?;
+            }
+            Ok(reply)
+        })
+    }
+
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {
         notify(&mut self.conn, req, deadline)
     }
@@ -663,7 +679,7 @@ mod tests {
         stowage_wire::Placed {
             offset: parts[0].0,
             len,
-            meta: vec![],
+            meta: Default::default(),
             on_disk: false,
             parts,
         }

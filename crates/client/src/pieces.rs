@@ -47,34 +47,43 @@ pub(crate) fn check_pieces(pieces: &[SlabRange], nbytes: u64, slab_len: u64) -> 
 /// length can have, none overlapping. Values only on the unit's disk are
 /// not read through the slab and pass.
 pub(crate) fn check_found(f: &Placed, slab_len: u64) -> Result<(), String> {
-    if f.on_disk {
+    check_place(f.on_disk, f.offset, f.len, &f.parts, slab_len)
+}
+
+/// [`check_found`] of a value's fields.
+pub(crate) fn check_place(
+    on_disk: bool,
+    offset: u64,
+    len: u64,
+    parts: &[SlabRange],
+    slab_len: u64,
+) -> Result<(), String> {
+    if on_disk {
         return Ok(());
     }
-    if f.parts.is_empty() {
-        return check_range(f.offset, f.len, slab_len);
+    if parts.is_empty() {
+        return check_range(offset, len, slab_len);
     }
     // A value starting inside a piece: a partial first part, whole pieces
     // (64 bytes or more each), a partial last part.
-    let most = usize::try_from(f.len.div_ceil(64).saturating_add(1)).unwrap_or(usize::MAX);
-    if f.parts.len() > most {
+    let most = usize::try_from(len.div_ceil(64).saturating_add(1)).unwrap_or(usize::MAX);
+    if parts.len() > most {
         return Err(format!(
-            "a value of {} bytes in {} parts (at most {most})",
-            f.len,
-            f.parts.len()
+            "a value of {len} bytes in {} parts (at most {most})",
+            parts.len()
         ));
     }
     let mut total = 0u64;
-    for &(offset, len) in &f.parts {
+    for &(offset, len) in parts {
         check_range(offset, len, slab_len)?;
         total = total.saturating_add(len);
     }
-    if total != f.len {
+    if total != len {
         return Err(format!(
-            "a value of {} bytes whose parts add up to {total}",
-            f.len
+            "a value of {len} bytes whose parts add up to {total}"
         ));
     }
-    no_overlap(&f.parts)
+    no_overlap(parts)
 }
 
 /// `len` bytes at `offset` lie inside a slab of `slab_len` bytes.
@@ -253,7 +262,7 @@ mod tests {
         Placed {
             offset,
             len,
-            meta: Vec::new(),
+            meta: Default::default(),
             on_disk: false,
             parts,
         }

@@ -51,7 +51,8 @@ const PUT_BUSY_RETRY: Duration = Duration::from_millis(5);
 /// every 20 ms at most while they last.
 const PUT_BUSY_RETRY_MAX: Duration = Duration::from_millis(20);
 
-/// Every value starts at a multiple of this many bytes within its blob.
+/// Each field's values of a blob start at a multiple of this many bytes
+/// within it (and each value at a multiple of its dtype's size).
 const VALUE_ALIGN: u64 = 64;
 
 static PADDING: [u8; VALUE_ALIGN as usize] = [0; VALUE_ALIGN as usize];
@@ -293,8 +294,11 @@ fn run_alone<F: Future>(part: F) -> F::Output {
 /// The blobs of a put of `columns` for `keys` in `partition`, one per unit
 /// (`unit_of`: a row id's unit): every column checked first — its field
 /// name, its values against the keys (the one place column lengths are
-/// checked, for every caller) — then each value laid out on a
-/// [`VALUE_ALIGN`] boundary with its metadata. None when there are no keys.
+/// checked, for every caller) — then each unit's values laid out with
+/// their metadata field by field: a field's values of the unit's rows
+/// back to back in the order of the call, each at a multiple of its
+/// dtype's size, the first on a [`VALUE_ALIGN`] boundary. None when
+/// there are no keys.
 pub(crate) fn plan<'a>(
     partition: &'a str,
     keys: &'a [RowKey],
@@ -362,18 +366,25 @@ pub(crate) fn plan<'a>(
         return Ok(Vec::new());
     }
     check_distinct_rows(partition, keys, RowKey::row_id)?;
+    #[derive(Default)]
     struct Building<'a> {
         segments: Vec<&'a [u8]>,
         entries: Vec<EntrySpec>,
         size: u64,
     }
     impl<'a> Building<'a> {
-        fn push(&mut self, key: Key, data: &'a [u8], meta: Vec<u8>) {
-            let pad = self.size.next_multiple_of(VALUE_ALIGN) - self.size;
+        /// Pad to a multiple of `align` (at most [`VALUE_ALIGN`]).
+        fn align(&mut self, align: u64) {
+            let pad = self.size.next_multiple_of(align) - self.size;
             if pad > 0 {
                 self.segments.push(&PADDING[..pad as usize]);
                 self.size += pad;
             }
+        }
+
+        /// The value at the next multiple of `align`.
+        fn push(&mut self, key: Key, data: &'a [u8], meta: Vec<u8>, align: u64) {
+            self.align(align);
             self.entries.push(EntrySpec {
                 key,
                 offset: self.size,
@@ -386,36 +397,56 @@ pub(crate) fn plan<'a>(
             self.size += data.len() as u64;
         }
     }
-    let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
+    /// A unit's row: its place in the call, its id, the name it is put
+    /// under (encoded, for its values' metadata).
+    type UnitRow = (usize, u64, Option<Vec<u8>>);
+    let mut rows_of: BTreeMap<usize, Vec<UnitRow>> = BTreeMap::new();
     for (r, key) in keys.iter().enumerate() {
         let row = key.row_id()?;
-        let u = unit_of(r, row)?;
-        let b = by_unit.entry(u).or_insert_with(|| Building {
-            segments: Vec::new(),
-            entries: Vec::new(),
-            size: 0,
-        });
         let owner = match key {
-            RowKey::Name(name) => {
-                b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new());
-                Some(
-                    postcard::to_allocvec(&PutName::of(name))
-                        .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
-                )
-            }
+            RowKey::Name(name) => Some(
+                postcard::to_allocvec(&PutName::of(name))
+                    .map_err(|e| Error::InvalidRequest(format!("row name: {e}")))?,
+            ),
             RowKey::Index(_) => None,
         };
-        if let Some(g) = groups {
-            b.push(
-                Key::new(row, format!("{GROUP_FIELD_PREFIX}{}", g[r])),
-                &[],
-                Vec::new(),
-            );
+        rows_of
+            .entry(unit_of(r, row)?)
+            .or_default()
+            .push((r, row, owner));
+    }
+    let mut by_unit: BTreeMap<usize, Building<'_>> = BTreeMap::new();
+    for (u, rows) in rows_of {
+        let b = by_unit.entry(u).or_default();
+        // The rows' names and groups first, then each field's values of
+        // the unit's rows back to back in the order of the call (each at
+        // a multiple of its dtype's size, the first on a VALUE_ALIGN
+        // boundary): what a view packs in place (`views.rs`).
+        for &(r, row, _) in &rows {
+            if let RowKey::Name(name) = &keys[r] {
+                b.push(Key::new(row, KEY_FIELD), name.as_bytes(), Vec::new(), 1);
+            }
+            if let Some(g) = groups {
+                b.push(
+                    Key::new(row, format!("{GROUP_FIELD_PREFIX}{}", g[r])),
+                    &[],
+                    Vec::new(),
+                    1,
+                );
+            }
         }
         for (field, values) in &per_column {
-            let t = &values[r];
-            let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;
-            b.push(Key::new(row, *field), t.data, meta);
+            b.align(VALUE_ALIGN);
+            for (r, row, owner) in &rows {
+                let t = &values[*r];
+                let meta = encode_meta(t.dtype, &t.shape, owner.as_deref())?;
+                b.push(
+                    Key::new(*row, *field),
+                    t.data,
+                    meta,
+                    t.dtype.itemsize() as u64,
+                );
+            }
         }
     }
     let blobs: Vec<BlobPut<'a>> = by_unit

@@ -112,6 +112,76 @@ struct ValueMetaRef<'a> {
     shape: &'a [u64],
 }
 
+/// [`decode_meta_into`] a new shape.
+#[cfg(test)]
+pub(crate) fn decode_meta_shape(
+    meta: &[u8],
+) -> std::result::Result<(DType, crate::views::Shape, Option<PutName<'_>>), String> {
+    let mut shape = crate::views::Shape::new();
+    let (dtype, owner) = decode_meta_into(meta, &mut shape)?;
+    Ok((dtype, shape, owner))
+}
+
+/// [`decode_meta`] for views of thousands of values: the dimensions
+/// inline, in `shape` (cleared first) where the caller keeps them,
+/// read straight from postcard's bytes (a varint of the dtype's index, of
+/// the number of dimensions, of each); the owner, when there is one, as
+/// `decode_meta` reads it. Accepts and refuses what `decode_meta` does
+/// (the tests compare them on arbitrary bytes).
+pub(crate) fn decode_meta_into<'m>(
+    meta: &'m [u8],
+    shape: &mut crate::views::Shape,
+) -> std::result::Result<(DType, Option<PutName<'m>>), String> {
+    let bad = || "value metadata unreadable: not put by the rows API?".to_string();
+    let mut rest = meta;
+    let tag = varint(&mut rest, 5).ok_or_else(bad)?;
+    let dtype = usize::try_from(tag)
+        .ok()
+        .and_then(|i| DType::ALL.get(i))
+        .copied()
+        .ok_or_else(bad)?;
+    let ndim = varint(&mut rest, 10).ok_or_else(bad)?;
+    // Each dimension takes a byte at least: more than the bytes left is
+    // malformed (and no allocation is sized by it).
+    if ndim > rest.len() as u64 {
+        return Err(bad());
+    }
+    shape.clear();
+    for _ in 0..ndim {
+        shape.push(varint(&mut rest, 10).ok_or_else(bad)?);
+    }
+    if rest.is_empty() {
+        return Ok((dtype, None));
+    }
+    let (owner, rest) = postcard::take_from_bytes::<PutName>(rest)
+        .map_err(|e| format!("value metadata unreadable ({e}): not put by the rows API?"))?;
+    if !rest.is_empty() {
+        return Err("value metadata has trailing bytes: not put by the rows API?".into());
+    }
+    Ok((dtype, Some(owner)))
+}
+
+/// A postcard varint of at most `max` bytes (5: a u32, 10: a u64) off the
+/// front of `bytes`; `None` when it is cut short, longer, or holds more
+/// bits than its type (as postcard refuses them).
+fn varint(bytes: &mut &[u8], max: usize) -> Option<u64> {
+    let bits = if max == 5 { 32 } else { 64 };
+    let mut v = 0u64;
+    for i in 0..max {
+        let b = *bytes.get(i)?;
+        let shift = 7 * i as u32;
+        v |= u64::from(b & 0x7f) << shift;
+        if b & 0x80 == 0 {
+            if i == max - 1 && u32::from(b) >> (bits - shift) != 0 {
+                return None;
+            }
+            *bytes = &bytes[i + 1..];
+            return Some(v);
+        }
+    }
+    None
+}
+
 pub(crate) fn decode_meta(
     meta: &[u8],
 ) -> std::result::Result<(ValueMeta, Option<PutName<'_>>), String> {
@@ -208,6 +278,77 @@ mod tests {
         let mut bad = meta.clone();
         bad.push(0);
         assert!(decode_meta(&bad).is_err());
+    }
+
+    fn both_decoders(meta: &[u8]) -> Option<(DType, Vec<u64>, Option<PutName<'_>>)> {
+        let by_serde = decode_meta(meta).ok().map(|(m, o)| (m.dtype, m.shape, o));
+        let by_hand = decode_meta_shape(meta)
+            .ok()
+            .map(|(d, s, o)| (d, s.to_vec(), o));
+        assert_eq!(by_hand, by_serde, "{meta:?}");
+        by_hand
+    }
+
+    #[test]
+    fn inline_shapes_decode_as_vectors_do() {
+        let shapes = [
+            vec![],
+            vec![7],
+            vec![2, 3, 4, 5],
+            vec![1, 2, 3, 4, 5, 6],
+            vec![u64::MAX, 0, 1 << 35],
+        ];
+        for dtype in DType::ALL {
+            for shape in &shapes {
+                for owner in [
+                    None,
+                    Some(named("uid_g3")),
+                    Some(named(&"x".repeat(MAX_TAGGED_NAME + 1))),
+                ] {
+                    let meta = encode_meta(dtype, shape, owner.as_deref()).unwrap();
+                    let (d, s, _) = both_decoders(&meta).unwrap();
+                    assert_eq!((d, &s), (dtype, shape));
+                }
+            }
+        }
+        let mut bad = encode_meta(DType::I64, &[7], None).unwrap();
+        bad.push(0);
+        assert!(both_decoders(&bad).is_none());
+        assert!(both_decoders(&[]).is_none());
+        // Padded varints read as postcard reads them; overflowing ones
+        // are refused.
+        assert!(both_decoders(&[0x84, 0x80, 0x80, 0x80, 0x00, 0]).is_some());
+        assert!(both_decoders(&[0x80, 0x80, 0x80, 0x80, 0x10, 0]).is_none());
+        assert!(
+            both_decoders(&[4, 1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x02])
+                .is_none()
+        );
+        assert!(
+            both_decoders(&[4, 1, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0x01])
+                .is_some()
+        );
+        // A dtype index past the last.
+        assert!(both_decoders(&[13, 0]).is_none());
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_inline_decoder_reads_what_serde_reads(meta in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..24)) {
+            both_decoders(&meta);
+        }
+
+        #[test]
+        fn the_inline_decoder_reads_what_was_written(
+            dtype in 0..13usize,
+            shape in proptest::collection::vec(proptest::prelude::any::<u64>(), 0..8),
+            name in proptest::option::of("[a-z]{0,12}"),
+        ) {
+            let owner = name.as_deref().map(named);
+            let meta = encode_meta(DType::ALL[dtype], &shape, owner.as_deref()).unwrap();
+            let (d, s, o) = both_decoders(&meta).unwrap();
+            proptest::prop_assert_eq!((d, s), (DType::ALL[dtype], shape));
+            proptest::prop_assert_eq!(o, name.as_deref().map(PutName::of));
+        }
     }
 
     #[test]

@@ -13,9 +13,13 @@
 //!   names a unit (then it must name the same unit to read or clear it).
 //! * A string key's text is stored once per put as the row's reserved field
 //!   [`KEY_FIELD`], so that [`Client::list`] can give the names back.
-//! * Each value's dtype and shape travel as the entry's metadata; its bytes
-//!   start on a 64-byte boundary of the blob, so a zero-copy view of any
-//!   dtype is aligned.
+//! * Each value's dtype and shape travel as the entry's metadata. A unit's
+//!   blob holds its rows' values field by field: a field's values back to
+//!   back in the order of the call, the first on a 64-byte boundary of the
+//!   blob, each at a multiple of its dtype's size — so a zero-copy view of
+//!   any dtype is aligned, and a packed view ([`View::packed`]) of those
+//!   rows is one range of the slab per field (unless the unit stored the
+//!   blob in pieces).
 //! * One put sends one blob per unit, all units at once; writing a
 //!   (key, field) again replaces it atomically (the unit swaps the index
 //!   entry at commit; readers that pinned the old value keep it).
@@ -60,7 +64,7 @@ pub use crate::row_meta::{KEY_FIELD, MAX_TAGGED_NAME};
 use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
 use crate::values::{byte_len, NAME_BIT};
 pub use crate::values::{Column, DType, OwnedTensor, RowKey, Tensor};
-pub use crate::views::{View, ViewTensor};
+pub use crate::views::{PackedChunk, PackedField, Shape, View, ViewTensor};
 use crate::{Client, Error, Result};
 
 impl Client {

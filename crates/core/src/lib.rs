@@ -98,8 +98,11 @@
 
 #![forbid(unsafe_code)]
 
+mod meta;
 pub mod slab;
 mod unit;
+
+pub use meta::Meta;
 
 pub use unit::{
     input, op, Action, ClaimAnswer, ClaimReply, ClaimStatusAnswer, Committed, ConnEnd, CoreConfig,

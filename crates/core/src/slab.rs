@@ -88,6 +88,22 @@ impl Region {
     /// (slab offset, bytes) of each part, in order (one part unless the
     /// range crosses a piece's end). Empty for `len == 0` (the range's
     /// start is then `self.start() + offset` clamped to the first piece).
+    /// [`Region::locate`] of a range that lies in one piece, without a
+    /// vector: its slab offset; `None` when it crosses pieces (or is
+    /// empty, or past the region).
+    pub fn locate_one(&self, mut offset: u64, len: u64) -> Option<u64> {
+        if len == 0 {
+            return None;
+        }
+        for &(start, plen) in &self.pieces {
+            if offset < plen {
+                return (len <= plen - offset).then_some(start + offset);
+            }
+            offset -= plen;
+        }
+        None
+    }
+
     pub fn locate(&self, mut offset: u64, len: u64) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         let mut left = len;
@@ -401,6 +417,24 @@ mod tests {
         a.free(r2);
         assert_eq!(a.allocated(), 0);
         assert_eq!(a.free_ranges(), 1);
+    }
+
+    #[test]
+    fn locating_in_one_piece_agrees_with_locating_in_parts() {
+        let r = Region {
+            len: 448,
+            pieces: vec![(1024, 128), (64, 64), (4096, 256)],
+        };
+        for offset in 0..=460 {
+            for len in 0..=460 {
+                let parts = r.locate(offset, len);
+                let one = match parts.as_slice() {
+                    [(at, n)] if *n == len && len > 0 => Some(*at),
+                    _ => None,
+                };
+                assert_eq!(r.locate_one(offset, len), one, "{offset}+{len}: {parts:?}");
+            }
+        }
     }
 
     #[test]

@@ -2838,7 +2838,12 @@ impl Harness {
                 None => prop_assert_eq!(f, &None, "key {} not committed", k),
                 Some(v) => {
                     let place = self.place(v);
-                    prop_assert_eq!(f, &Some((place.clone(), v.meta.clone())), "place of {}", k);
+                    prop_assert_eq!(
+                        f,
+                        &Some((place.clone(), stowage_core::Meta::from(&v.meta[..]))),
+                        "place of {}",
+                        k
+                    );
                     prop_assert_eq!(
                         self.read(&place),
                         Some(v.bytes.clone()),

@@ -514,7 +514,9 @@ pub(crate) unsafe fn array_over<'py>(
             return Err(PyErr::fetch(py));
         }
         let arr = Bound::from_owned_ptr(py, arr);
-        // Steals the reference to `base`.
+        // Steals the reference to `base`. The flags need no update after:
+        // numpy set the contiguity ones from the default strides, and the
+        // aligned one from `data`, when it made the array.
         if PY_ARRAY_API.PyArray_SetBaseObject(
             py,
             arr.as_ptr() as *mut npyffi::PyArrayObject,
@@ -523,11 +525,6 @@ pub(crate) unsafe fn array_over<'py>(
         {
             return Err(PyErr::fetch(py));
         }
-        PY_ARRAY_API.PyArray_UpdateFlags(
-            py,
-            arr.as_ptr() as *mut npyffi::PyArrayObject,
-            npyffi::NPY_ARRAY_UPDATE_ALL,
-        );
         Ok(arr)
     }
 }

@@ -12,10 +12,11 @@ use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString};
 use stowage_client::{
-    Client as Inner, ClientConfig, Column, DType, RowKey, Secret, Tensor, UnitAddr,
+    Client as Inner, ClientConfig, Column, DType, Error as ClientError, RowKey, Secret, Tensor,
+    UnitAddr,
 };
 
-use crate::arrays::{array_over, descr_for, ArrayBytes, OwnedBytes};
+use crate::arrays::{array_over, descr_for, ArrayBytes, HostBuf, OwnedBytes};
 use crate::dicts::{checkpoint_dict, stats_dict};
 use crate::errors::{invalid, to_py};
 use crate::read_sinks::{nbytes, split_copies, AllocSink, Dest, OutSink, ReadData, ViewPins};
@@ -672,89 +673,147 @@ impl Client {
         timeout: Option<f64>,
         raw_bfloat16: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        if !self.shm {
-            return Err(invalid(
-                "get_view needs the shm transport (units on this host, reached through unix: addresses)",
-            ));
-        }
-        let deadline = self.deadline(timeout)?;
-        let keys = row_keys(keys)?;
-        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
-        let client = self.client()?;
-        // Split values are copied out here, without the GIL: `copies[f][r]`.
-        let (view, mut copies) = py
-            .detach(|| {
-                let view = client.view(partition, &keys, &names, unit, deadline)?;
-                let copies = split_copies(&view)?;
-                Ok((view, copies))
-            })
-            .map_err(|e| to_py(py, e, &keys))?;
-        let pins = Bound::new(py, ViewPins { view: Some(view) })?;
-        let out = PyList::empty(py);
+        let (pins, mut copies) =
+            self.view(py, partition, keys, &fields, unit, timeout, |view| {
+                split_copies(view)
+            })?;
         let Some(view) = pins.get().view.as_ref() else {
             return Err(invalid("the view is gone"));
         };
-        for (f, rows) in view.tensors().iter().enumerate() {
-            let list = PyList::empty(py);
-            for (r, t) in rows.iter().enumerate() {
-                if let Some(buf) = copies
-                    .get_mut(f)
-                    .and_then(|c| c.get_mut(r))
-                    .and_then(Option::take)
-                {
-                    let len = buf.len();
-                    if nbytes(t.dtype, &t.shape) != Some(len) {
-                        return Err(invalid(format!(
-                            "field {:?} row {r}: {len} bytes do not make a {} {:?} array",
-                            fields[f],
-                            t.dtype.name(),
-                            t.shape
-                        )));
-                    }
+        let base = pins.as_any();
+        let mut descrs = Descrs::new(raw_bfloat16);
+        let mut out = Vec::with_capacity(view.fields());
+        for (f, name) in fields.iter().enumerate().take(view.fields()) {
+            let values = view.field(f);
+            let mut arrays = Vec::with_capacity(values.len());
+            for (r, t) in values.iter().enumerate() {
+                let descr = descrs.get(py, t.dtype)?;
+                // The value's bytes were checked to make its shape (the
+                // client's view checks every value).
+                if let Some(buf) = copies.remove(&(f, r)) {
                     let base = Bound::new(py, OwnedBytes::new(buf))?;
                     let ptr = base.get().as_mut_ptr();
-                    let descr = descr_for(py, t.dtype, raw_bfloat16)?;
-                    // SAFETY: `ptr` is the `len` bytes `base` owns (checked
-                    // above: exactly the array's bytes), which lives as long
-                    // as the array; nothing else reads or writes them.
+                    // SAFETY: `ptr` is the bytes `base` owns (exactly the
+                    // value's: `split_copies` read that many), which lives
+                    // as long as the array; nothing else reads or writes
+                    // them.
                     let a = unsafe { array_over(py, descr, &t.shape, ptr, true, base.into_any())? };
-                    list.append(a)?;
+                    arrays.push(a);
                     continue;
                 }
-                let Some((ptr, len)) = view.as_ptr(t) else {
+                let Some((ptr, _)) = view.as_ptr(t) else {
                     return Err(invalid(format!(
-                        "field {:?} row {r}: the value lies outside its unit's slab",
-                        fields[f]
+                        "field {name:?} row {r}: the value lies outside its unit's slab"
                     )));
                 };
-                if nbytes(t.dtype, &t.shape) != Some(len) {
-                    return Err(invalid(format!(
-                        "field {:?} row {r}: {} bytes do not make a {} {:?} array",
-                        fields[f],
-                        len,
-                        t.dtype.name(),
-                        t.shape
-                    )));
-                }
-                let descr = descr_for(py, t.dtype, raw_bfloat16)?;
                 // SAFETY: the view's memory stays mapped and pinned while
                 // `pins` lives; the array keeps `pins` alive and is
-                // read-only.
+                // read-only; its bytes make its shape (checked by the view).
                 let a = unsafe {
-                    array_over(
-                        py,
-                        descr,
-                        &t.shape,
-                        ptr as *mut u8,
-                        false,
-                        pins.clone().into_any(),
-                    )?
+                    array_over(py, descr, &t.shape, ptr as *mut u8, false, base.clone())?
                 };
-                list.append(a)?;
+                arrays.push(a);
             }
-            out.append(list)?;
+            out.push(PyList::new(py, arrays)?);
         }
-        Ok(out)
+        PyList::new(py, out)
+    }
+
+    /// The values of a view packed a field at a time, per unit: a list of
+    /// `(unit, rows, values, offsets)`, one per unit that holds some of
+    /// the keys (unit order). `rows`: int64 positions in `keys` of that
+    /// unit's rows, in the order of `keys`; `values[f]`: field `f`'s
+    /// values of those rows back to back along the first axis; `offsets[f]`:
+    /// int64, `len(rows) + 1` positions along that axis. A field's values
+    /// that lie back to back in one range of the unit's slab (as a put of
+    /// those rows in that order lays them) are a read-only array over
+    /// them, pinned like `get_view`'s; others are copied (with the GIL
+    /// released) into a new writeable array.
+    #[pyo3(signature = (partition, keys, fields, unit = None, timeout = None, raw_bfloat16 = false))]
+    #[allow(clippy::too_many_arguments)]
+    fn get_packed_view<'py>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        keys: &Bound<'py, PyAny>,
+        fields: Vec<String>,
+        unit: Option<usize>,
+        timeout: Option<f64>,
+        raw_bfloat16: bool,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
+        let (pins, (chunks, mut copies)) =
+            self.view(py, partition, keys, &fields, unit, timeout, |view| {
+                let chunks = view.packed(&names)?;
+                let mut copies = std::collections::BTreeMap::new();
+                for (c, chunk) in chunks.iter().enumerate() {
+                    for (f, p) in chunk.fields.iter().enumerate() {
+                        if p.in_place() {
+                            continue;
+                        }
+                        let mut buf = HostBuf::new(p.len).map_err(|e| {
+                            ClientError::InvalidRequest(format!("cannot map {} bytes: {e}", p.len))
+                        })?;
+                        view.read_packed_into(chunk, f, &mut buf)?;
+                        copies.insert((c, f), buf);
+                    }
+                }
+                Ok((chunks, copies))
+            })?;
+        let Some(view) = pins.get().view.as_ref() else {
+            return Err(invalid("the view is gone"));
+        };
+        let mut descrs = Descrs::new(raw_bfloat16);
+        let mut out = Vec::with_capacity(chunks.len());
+        for (c, chunk) in chunks.iter().enumerate() {
+            let rows: Vec<i64> = chunk.rows.iter().map(|&r| r as i64).collect();
+            let mut values = Vec::with_capacity(chunk.fields.len());
+            let mut offsets = Vec::with_capacity(chunk.fields.len());
+            for (f, p) in chunk.fields.iter().enumerate() {
+                let descr = descrs.get(py, p.dtype)?;
+                let shape = p.shape();
+                let a = if let Some(buf) = copies.remove(&(c, f)) {
+                    let base = Bound::new(py, OwnedBytes::new(buf))?;
+                    let ptr = base.get().as_mut_ptr();
+                    // SAFETY: `ptr` is the `p.len` bytes `base` owns (the
+                    // packed values: their dims make exactly that many),
+                    // which lives as long as the array; nothing else reads
+                    // or writes them.
+                    unsafe { array_over(py, descr, &shape, ptr, true, base.into_any())? }
+                } else {
+                    let Some((ptr, _)) = view.packed_ptr(p) else {
+                        return Err(invalid(format!(
+                            "field {:?}: the values lie outside their unit's slab",
+                            fields[f]
+                        )));
+                    };
+                    // SAFETY: the view's memory stays mapped and pinned
+                    // while `pins` lives; the array keeps `pins` alive and
+                    // is read-only; the packed values' bytes make its shape
+                    // (each value's were checked by the view).
+                    unsafe {
+                        array_over(
+                            py,
+                            descr,
+                            &shape,
+                            ptr as *mut u8,
+                            false,
+                            pins.clone().into_any(),
+                        )?
+                    }
+                };
+                values.push(a);
+                let o: Vec<i64> = p.offsets.iter().map(|&o| o as i64).collect();
+                offsets.push(numpy::PyArray1::from_vec(py, o));
+            }
+            out.push((
+                chunk.unit,
+                numpy::PyArray1::from_vec(py, rows),
+                PyList::new(py, values)?,
+                PyList::new(py, offsets)?,
+            ));
+        }
+        PyList::new(py, out)
     }
 
     /// Clear rows (every field of each key in `partition`). Returns the
@@ -965,5 +1024,66 @@ impl Client {
         };
         let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::from_secs(30));
         py.detach(|| client.shutdown(t))
+    }
+}
+
+impl Client {
+    /// Pin `fields` of `keys` for a view (shm units only) and run `then`
+    /// on it, all without the GIL; the pins as the Python object every
+    /// array over the view keeps alive.
+    #[allow(clippy::too_many_arguments)]
+    fn view<'py, T: Send>(
+        &self,
+        py: Python<'py>,
+        partition: &str,
+        keys: &Bound<'py, PyAny>,
+        fields: &[String],
+        unit: Option<usize>,
+        timeout: Option<f64>,
+        then: impl FnOnce(&stowage_client::View) -> Result<T, ClientError> + Send,
+    ) -> PyResult<(Bound<'py, ViewPins>, T)> {
+        if !self.shm {
+            return Err(invalid(
+                "get_view needs the shm transport (units on this host, reached through unix: addresses)",
+            ));
+        }
+        let deadline = self.deadline(timeout)?;
+        let keys = row_keys(keys)?;
+        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
+        let client = self.client()?;
+        let (view, got) = py
+            .detach(|| {
+                let view = client.view(partition, &keys, &names, unit, deadline)?;
+                let got = then(&view)?;
+                Ok((view, got))
+            })
+            .map_err(|e| to_py(py, e, &keys))?;
+        Ok((Bound::new(py, ViewPins { view: Some(view) })?, got))
+    }
+}
+
+/// numpy dtypes of the values of one call, looked up once per dtype met.
+struct Descrs<'py> {
+    raw_bf16: bool,
+    last: Option<(DType, Bound<'py, numpy::PyArrayDescr>)>,
+}
+
+impl<'py> Descrs<'py> {
+    fn new(raw_bf16: bool) -> Self {
+        Self {
+            raw_bf16,
+            last: None,
+        }
+    }
+
+    fn get(&mut self, py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, numpy::PyArrayDescr>> {
+        match &self.last {
+            Some((d, descr)) if *d == dtype => Ok(descr.clone()),
+            _ => {
+                let descr = descr_for(py, dtype, self.raw_bf16)?;
+                self.last = Some((dtype, descr.clone()));
+                Ok(descr)
+            }
+        }
     }
 }

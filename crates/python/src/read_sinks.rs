@@ -298,25 +298,24 @@ pub(crate) fn nbytes(dtype: DType, shape: &[u64]) -> Option<usize> {
 }
 
 /// Copies of the split values of `view` (those not in one range of their
-/// unit's slab): `[field][row]`, `None` for a value viewed in place.
-pub(crate) fn split_copies(view: &View) -> Result<Vec<Vec<Option<HostBuf>>>, ClientError> {
-    view.tensors()
-        .iter()
-        .map(|rows| {
-            rows.iter()
-                .map(|t| {
-                    if !t.is_split() {
-                        return Ok(None);
-                    }
-                    let mut buf = HostBuf::new(t.len()).map_err(|e| {
-                        ClientError::InvalidRequest(format!("cannot map {} bytes: {e}", t.len()))
-                    })?;
-                    view.read_into(t, &mut buf)?;
-                    Ok(Some(buf))
-                })
-                .collect()
-        })
-        .collect()
+/// unit's slab), by (field, row); none for values viewed in place.
+pub(crate) fn split_copies(
+    view: &View,
+) -> Result<std::collections::BTreeMap<(usize, usize), HostBuf>, ClientError> {
+    let mut copies = std::collections::BTreeMap::new();
+    for f in 0..view.fields() {
+        for (r, t) in view.field(f).iter().enumerate() {
+            if !t.is_split() {
+                continue;
+            }
+            let mut buf = HostBuf::new(t.len()).map_err(|e| {
+                ClientError::InvalidRequest(format!("cannot map {} bytes: {e}", t.len()))
+            })?;
+            view.read_into(t, &mut buf)?;
+            copies.insert((f, r), buf);
+        }
+    }
+    Ok(copies)
 }
 
 /// The pins of one `get_view` call, released when the last array over

@@ -221,16 +221,16 @@ impl DiskIo {
 /// A found value as a connection serves it.
 pub(crate) enum Served {
     /// In the slab (possibly just brought back from disk).
-    Memory(stowage_core::SlabRange, Vec<u8>),
+    Memory(stowage_core::SlabRange, stowage_core::Meta),
     /// In the slab, across pieces: its bytes are these ranges, in order.
-    Split(Vec<stowage_core::SlabRange>, Vec<u8>),
+    Split(Vec<stowage_core::SlabRange>, stowage_core::Meta),
     /// Only on disk: `len` bytes at `offset` into the blob, streamed from
     /// its file as the reply is written ([`read_through`]).
     Disk {
         blob: stowage_core::BlobId,
         offset: u64,
         len: u64,
-        meta: Vec<u8>,
+        meta: stowage_core::Meta,
     },
     /// Its blob's file failed its checksum, is not that blob's, or could
     /// not be read.

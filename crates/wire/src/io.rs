@@ -47,6 +47,17 @@ pub fn read_header<R: Read, T: DeserializeOwned>(
     prefix: &FramePrefix,
     buf: &mut Vec<u8>,
 ) -> Result<Envelope<T>, ReadError> {
+    read_header_bytes(r, prefix, buf)?;
+    Ok(decode_header(buf)?)
+}
+
+/// [`read_header`] without decoding: the header's bytes in `buf`, for a
+/// caller that decodes them its own way (`decode_streamed`).
+pub fn read_header_bytes<R: Read>(
+    r: &mut R,
+    prefix: &FramePrefix,
+    buf: &mut Vec<u8>,
+) -> Result<(), ReadError> {
     const STEP: usize = 64 << 10;
     let want = prefix.header_len as usize;
     buf.clear();
@@ -61,7 +72,7 @@ pub fn read_header<R: Read, T: DeserializeOwned>(
             Err(e) => return Err(e.into()),
         }
     }
-    Ok(decode_header(buf)?)
+    Ok(())
 }
 
 /// Write every byte of every slice, with as few syscalls as the stream

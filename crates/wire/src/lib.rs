@@ -43,6 +43,7 @@ mod frame;
 mod limits;
 mod messages;
 mod stats;
+mod streamed;
 mod validation;
 
 pub use codes::ErrorCode;
@@ -53,7 +54,8 @@ pub use messages::{
     Response, RestoreReply, RestoreSource, GROUP_FIELD_PREFIX, RING_MAX, RING_MIN,
 };
 pub use stats::Stats;
-pub use stowage_core::{BlobId, EntrySpec, Key, PinId, SessionStats};
+pub use stowage_core::{BlobId, EntrySpec, Key, Meta, PinId, SessionStats};
+pub use streamed::{decode_streamed, PlacedRef, ResolvedHead, Streamed};
 pub use validation::PARTITION_SEPARATOR;
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
@@ -248,14 +250,14 @@ mod tests {
                     Some(Placed {
                         offset: 64,
                         len: 10,
-                        meta: vec![9],
+                        meta: vec![9u8].into(),
                         on_disk: true,
                         parts: Vec::new(),
                     }),
                     Some(Placed {
                         offset: 64,
                         len: 100,
-                        meta: vec![],
+                        meta: Meta::default(),
                         on_disk: false,
                         parts: vec![(64, 36), (4096, 64)],
                     }),
@@ -322,7 +324,7 @@ mod tests {
                 items: vec![
                     Some(Item {
                         len: 3,
-                        meta: vec![],
+                        meta: Meta::default(),
                     }),
                     None,
                 ],
@@ -491,6 +493,86 @@ mod tests {
             assert_eq!(back.body, r);
         }
         assert_eq!(seen, 4);
+    }
+
+    /// Placed and Item keep the bytes they had when their metadata was a
+    /// `Vec<u8>` (protocol 14).
+    #[test]
+    fn inline_metadata_keeps_the_bytes_of_a_vec() {
+        #[derive(Serialize)]
+        struct OldPlaced {
+            offset: u64,
+            len: u64,
+            meta: Vec<u8>,
+            on_disk: bool,
+            parts: Vec<(u64, u64)>,
+        }
+        #[derive(Serialize)]
+        struct OldItem {
+            len: u64,
+            meta: Vec<u8>,
+        }
+        for meta in [vec![], vec![4, 1, 0x80, 0x04], vec![7; 33], vec![1; 300]] {
+            let new = Placed {
+                offset: 1 << 40,
+                len: 512,
+                meta: Meta::from(&meta[..]),
+                on_disk: false,
+                parts: vec![(64, 256), (1024, 256)],
+            };
+            let old = OldPlaced {
+                offset: 1 << 40,
+                len: 512,
+                meta: meta.clone(),
+                on_disk: false,
+                parts: vec![(64, 256), (1024, 256)],
+            };
+            let bytes = postcard::to_stdvec(&old).unwrap();
+            assert_eq!(postcard::to_stdvec(&new).unwrap(), bytes);
+            assert_eq!(postcard::from_bytes::<Placed>(&bytes).unwrap(), new);
+            let item = Item {
+                len: 9,
+                meta: Meta::from(&meta[..]),
+            };
+            let old = OldItem { len: 9, meta };
+            assert_eq!(
+                postcard::to_stdvec(&item).unwrap(),
+                postcard::to_stdvec(&old).unwrap()
+            );
+        }
+    }
+
+    #[test]
+    fn rows_and_fields_encode_as_the_keys_they_name() {
+        let rows = [3, 0, 1 << 40];
+        let fields = ["input_ids", "", "mask"];
+        for (rows, fields) in [
+            (&rows[..], &fields[..]),
+            (&rows[..0], &fields[..]),
+            (&rows[..], &fields[..0]),
+        ] {
+            let keys: Vec<Key> = fields
+                .iter()
+                .flat_map(|f| rows.iter().map(move |&r| Key::new(r, *f)))
+                .collect();
+            let owned = Request::Resolve {
+                partition: "p".into(),
+                keys,
+                hold: true,
+            };
+            let borrowed = RequestRef::ResolveRows {
+                partition: "p",
+                rows,
+                fields,
+                hold: true,
+            };
+            let (mut a, mut b) = (Vec::new(), Vec::new());
+            encode(9, &owned, 0, &mut a).unwrap();
+            encode(9, &borrowed, 0, &mut b).unwrap();
+            assert_eq!(a, b);
+            let back: Envelope<Request> = decode_header(&b[PREFIX_LEN..]).unwrap();
+            assert_eq!(back.body, owned);
+        }
     }
 
     #[test]

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{auth, BlobId, EntrySpec, ErrorCode, Key, PinId, Stats};
+use crate::{auth, BlobId, EntrySpec, ErrorCode, Key, Meta, PinId, Stats};
 
 /// The header of a frame.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -274,6 +274,16 @@ pub enum RequestRef<'a> {
         keys: &'a [Key],
         hold: bool,
     },
+    /// [`Request::Resolve`] of every field of `rows`: the keys are each
+    /// field's rows in turn (`fields[0]` of every row, then `fields[1]`…),
+    /// encoded from the rows and field names as they are (no [`Key`] is
+    /// built: a view of thousands of values names each field once here).
+    ResolveRows {
+        partition: &'a str,
+        rows: &'a [u64],
+        fields: &'a [&'a str],
+        hold: bool,
+    },
     /// [`Request::CommitSpare`].
     CommitSpare {
         blob: BlobId,
@@ -291,7 +301,7 @@ impl RequestRef<'_> {
     fn variant(&self) -> (u32, &'static str) {
         match self {
             RequestRef::Commit { .. } => (2, "Commit"),
-            RequestRef::Resolve { .. } => (4, "Resolve"),
+            RequestRef::Resolve { .. } | RequestRef::ResolveRows { .. } => (4, "Resolve"),
             RequestRef::Put { .. } => (8, "Put"),
             RequestRef::CommitSpare { .. } => (17, "CommitSpare"),
         }
@@ -338,6 +348,18 @@ impl Serialize for RequestRef<'_> {
                 v.serialize_field("hold", &hold)?;
                 v.end()
             }
+            RequestRef::ResolveRows {
+                partition,
+                rows,
+                fields,
+                hold,
+            } => {
+                let mut v = s.serialize_struct_variant("Request", index, name, 3)?;
+                v.serialize_field("partition", partition)?;
+                v.serialize_field("keys", &KeyGrid { rows, fields })?;
+                v.serialize_field("hold", &hold)?;
+                v.end()
+            }
             RequestRef::CommitSpare {
                 blob,
                 written,
@@ -356,6 +378,37 @@ impl Serialize for RequestRef<'_> {
                 v.end()
             }
         }
+    }
+}
+
+/// Every field of `rows` as a sequence of [`Key`]s, field by field: the
+/// bytes of the `Vec<Key>` it stands for.
+struct KeyGrid<'a> {
+    rows: &'a [u64],
+    fields: &'a [&'a str],
+}
+
+impl Serialize for KeyGrid<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::{SerializeSeq, SerializeStruct};
+        /// A [`Key`] over a borrowed field name (serde writes `&str` as it
+        /// writes `String`).
+        struct KeyRef<'a>(u64, &'a str);
+        impl Serialize for KeyRef<'_> {
+            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+                let mut k = s.serialize_struct("Key", 2)?;
+                k.serialize_field("row", &self.0)?;
+                k.serialize_field("field", self.1)?;
+                k.end()
+            }
+        }
+        let mut seq = s.serialize_seq(Some(self.rows.len() * self.fields.len()))?;
+        for f in self.fields {
+            for &row in self.rows {
+                seq.serialize_element(&KeyRef(row, f))?;
+            }
+        }
+        seq.end()
     }
 }
 
@@ -443,7 +496,8 @@ pub struct RestoreSource {
 pub struct Placed {
     pub offset: u64,
     pub len: u64,
-    pub meta: Vec<u8>,
+    /// Encoded as a `Vec<u8>`; inline up to 32 bytes ([`Meta`]).
+    pub meta: Meta,
     pub on_disk: bool,
     /// A value stored across pieces of the slab: (slab offset, bytes) of
     /// each part, in order (`offset` is then the first's). Empty for a
@@ -466,7 +520,8 @@ impl Placed {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Item {
     pub len: u64,
-    pub meta: Vec<u8>,
+    /// Encoded as a `Vec<u8>`; inline up to 32 bytes ([`Meta`]).
+    pub meta: Meta,
 }
 
 /// Unit → client.

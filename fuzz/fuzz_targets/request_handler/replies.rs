@@ -266,7 +266,7 @@ impl H {
                         got == v.bytes,
                         "{sc:?} {k} at {place:?} reads other bytes than committed"
                     );
-                    assert_eq!(meta, &v.meta, "{sc:?} {k}: metadata");
+                    assert_eq!(meta.as_slice(), &v.meta[..], "{sc:?} {k}: metadata");
                     reads.push((place.clone(), got));
                 }
             }

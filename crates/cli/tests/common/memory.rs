@@ -125,7 +125,7 @@ pub fn pin_child_main() {
     c.put("pin", &key, &[("v", col)], None, c.deadline())
         .unwrap();
     let view = c.view("pin", &key, &["v"], None, c.deadline()).unwrap();
-    let t = view.tensors()[0][0].clone();
+    let t = view.field(0)[0].clone();
     assert!(view.to_vec(&t) == v, "the view does not read the value");
     say("PINNED");
     wait_for_stdin_to_close(Duration::from_secs(180));

@@ -71,7 +71,7 @@ fn answer(req: Request) -> Option<(Response, Vec<u8>)> {
                     .map(|_| {
                         Some(Item {
                             len: 3,
-                            meta: vec![],
+                            meta: Default::default(),
                         })
                     })
                     .collect(),

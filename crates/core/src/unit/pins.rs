@@ -61,7 +61,7 @@ impl UnitCore {
                         len: e.len,
                     },
                 };
-                Some((place, e.meta.to_vec()))
+                Some((place, crate::Meta::from(&e.meta[..])))
             })
             .collect();
         if blobs.is_empty() {

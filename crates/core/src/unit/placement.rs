@@ -21,6 +21,10 @@ pub enum Placement {
 impl Placement {
     /// Where bytes `offset..offset + len` of `region` are.
     pub(super) fn of(region: &Region, offset: u64, len: u64) -> Placement {
+        // Most values lie in one piece: no vector of parts for them.
+        if let Some(at) = region.locate_one(offset, len) {
+            return Placement::Memory(SlabRange { offset: at, len });
+        }
         let parts = region.locate(offset, len);
         match parts.as_slice() {
             [] => Placement::Memory(SlabRange {
@@ -54,4 +58,4 @@ impl Placement {
 }
 
 /// A found key: its value's placement, and the metadata stored with it.
-pub type Placed = (Placement, Vec<u8>);
+pub type Placed = (Placement, crate::Meta);

@@ -145,7 +145,7 @@ fn metadata_listing_and_held_pins() {
     );
     assert_eq!(c.partitions(""), vec!["p".to_string()]);
     let (pin, found) = c.resolve(o, "p", &[Key::new(5, "a")], false, t(0)).unwrap();
-    assert_eq!(found[0].as_ref().map(|(_, m)| m.clone()), Some(vec![5]));
+    assert_eq!(found[0].as_ref().map(|(_, m)| m.to_vec()), Some(vec![5]));
     c.clear_rows("p", &[5, 2]);
     // A held pin outlives any lease, and keeps the blob.
     c.tick(t(3_600_000));
