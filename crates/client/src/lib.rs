@@ -15,8 +15,10 @@
 //! * [`Client::put_many`] writes blobs: each unit's blobs one after
 //!   another, every unit at once (a put waits for the slowest unit, not
 //!   the sum). A unit answering Busy is asked again after 5 ms, doubling to 20 ms,
-//!   inside the deadline (short of memory, the unit keeps a put Busy only for
-//!   the holds that existed at its first refusal); a full one is `UnitFull` at once (or, with
+//!   inside the deadline (short of memory, the unit counts other puts'
+//!   reservations as holds that end only if they existed at this put's
+//!   first refusal; over tcp, where each ask carries the blob, the pause
+//!   doubles to 2 s); a full one is `UnitFull` at once (or, with
 //!   `wait_for_memory`, asked again every 5 ms doubling to 20 ms until that
 //!   wait ends). Blob ids ([`BlobId`], chosen by the caller, e.g.
 //!   [`new_blob_id`]) make a retried put idempotent.

@@ -48,7 +48,12 @@ const PUT_BUSY_RETRY: Duration = Duration::from_millis(5);
 /// (issue 37: refusals that took 35-315 ms, nearly all of it backoff); the
 /// unit keeps a put Busy only for holds that existed at its first refusal
 /// (`stowage_core`'s `full.rs`), so the asks are few, one small request
-/// every 20 ms at most while they last.
+/// every 20 ms at most while they last. Only where the ask is that small:
+/// a put over tcp carries its bytes in the request, and the unit reads
+/// and drops them when it answers Busy, so there the pause doubles to
+/// [`BUSY_RETRY_MAX`](crate::BUSY_RETRY_MAX) as before (a put held Busy
+/// by a silent client's reservation until its deadline would otherwise
+/// send its blob again every 20 ms).
 const PUT_BUSY_RETRY_MAX: Duration = Duration::from_millis(20);
 
 /// Each field's values of a blob start at a multiple of this many bytes
@@ -212,7 +217,9 @@ impl Client {
                         e => return Err(e),
                     }
                 }
-                let step = retry_pause(backoff, full);
+                // Whether asking again sends the blob's bytes again.
+                let resends = *crate::lock(&self.units[unit].transport) == Some("tcp");
+                let step = retry_pause(backoff, full, resends);
                 let mut at = Instant::now() + step;
                 if let Some((w, e)) = waiting_for_memory {
                     // The last try is at the end of the wait; past the
@@ -267,12 +274,14 @@ impl Client {
 /// How long a put pauses before it asks its unit again, after `previous`
 /// (none: this is its first refusal): Busy from [`PUT_BUSY_RETRY`], a
 /// full unit it waits for (`full`) from [`FULL_RETRY`], doubling to
-/// [`PUT_BUSY_RETRY_MAX`] or [`FULL_RETRY_MAX`].
-fn retry_pause(previous: Option<Duration>, full: bool) -> Duration {
-    let (first, most) = if full {
-        (FULL_RETRY, FULL_RETRY_MAX)
-    } else {
-        (PUT_BUSY_RETRY, PUT_BUSY_RETRY_MAX)
+/// [`PUT_BUSY_RETRY_MAX`] or [`FULL_RETRY_MAX`]; Busy where each ask
+/// sends the blob again (`resends`: tcp) doubling to
+/// [`BUSY_RETRY_MAX`](crate::BUSY_RETRY_MAX).
+fn retry_pause(previous: Option<Duration>, full: bool, resends: bool) -> Duration {
+    let (first, most) = match (full, resends) {
+        (true, _) => (FULL_RETRY, FULL_RETRY_MAX),
+        (false, false) => (PUT_BUSY_RETRY, PUT_BUSY_RETRY_MAX),
+        (false, true) => (PUT_BUSY_RETRY, crate::BUSY_RETRY_MAX),
     };
     previous.map_or(first, |d| (d * 2).min(most))
 }
@@ -477,12 +486,31 @@ mod tests {
             let mut pauses = vec![];
             let mut previous = None;
             for _ in 0..12 {
-                let p = retry_pause(previous, full);
+                let p = retry_pause(previous, full, false);
                 pauses.push(p.as_millis());
                 previous = Some(p);
             }
             assert_eq!(pauses[..4], [5, 10, 20, 20], "full: {full}");
             assert!(pauses.iter().all(|&p| p <= 20), "full: {full}: {pauses:?}");
         }
+    }
+
+    /// Over tcp each ask carries the blob: Busy backs off to 2 s there.
+    #[test]
+    fn a_put_that_resends_its_bytes_backs_off_to_2_s_while_busy() {
+        let mut previous = None;
+        let mut pauses = vec![];
+        for _ in 0..12 {
+            let p = retry_pause(previous, false, true);
+            pauses.push(p.as_millis());
+            previous = Some(p);
+        }
+        assert_eq!(pauses[..4], [5, 10, 20, 40]);
+        assert_eq!(*pauses.last().unwrap(), 2000);
+        // A full unit waited for (wait_for_memory) keeps its own pacing.
+        assert_eq!(
+            retry_pause(Some(Duration::from_millis(20)), true, true).as_millis(),
+            20
+        );
     }
 }

@@ -248,6 +248,17 @@ impl View {
                         t.inner()
                     )));
                 }
+                // Offsets count rows in a u64 (below, unchecked).
+                if values
+                    .iter()
+                    .try_fold(0u64, |n, t| n.checked_add(t.rows()))
+                    .is_none()
+                {
+                    let name = names.get(f).copied().unwrap_or("?");
+                    return Err(Error::InvalidRequest(format!(
+                        "field {name:?} cannot be packed: its values' leading dimensions add up past 2^64"
+                    )));
+                }
             }
         }
         Ok(by_unit
@@ -329,6 +340,12 @@ impl View {
                 ));
             }
             unit = Some(t.unit);
+            if t.len > rest.len() {
+                // A chunk of another view: its rows do not add up to `p.len`.
+                return Err(Error::InvalidRequest(
+                    "a chunk whose rows are not this view's".into(),
+                ));
+            }
             let (head, tail) = std::mem::take(&mut rest).split_at_mut(t.len);
             rest = tail;
             match &t.parts {

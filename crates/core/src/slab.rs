@@ -84,10 +84,6 @@ impl Region {
         self.pieces.len() == 1
     }
 
-    /// Where bytes `offset..offset + len` of the region lie in the slab:
-    /// (slab offset, bytes) of each part, in order (one part unless the
-    /// range crosses a piece's end). Empty for `len == 0` (the range's
-    /// start is then `self.start() + offset` clamped to the first piece).
     /// [`Region::locate`] of a range that lies in one piece, without a
     /// vector: its slab offset; `None` when it crosses pieces (or is
     /// empty, or past the region).
@@ -104,6 +100,10 @@ impl Region {
         None
     }
 
+    /// Where bytes `offset..offset + len` of the region lie in the slab:
+    /// (slab offset, bytes) of each part, in order (one part unless the
+    /// range crosses a piece's end). Empty for `len == 0` (the range's
+    /// start is then `self.start() + offset` clamped to the first piece).
     pub fn locate(&self, mut offset: u64, len: u64) -> Vec<(u64, u64)> {
         let mut out = Vec::new();
         let mut left = len;
