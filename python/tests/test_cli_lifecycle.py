@@ -89,6 +89,53 @@ def test_close_stops_units():
     assert not any(alive(p) for p in pids)
 
 
+def huge_page_advised_heap(pid: int) -> list[str]:
+    """The private anonymous mappings of `pid` advised MADV_HUGEPAGE (the
+    `hg` of their VmFlags in /proc/<pid>/smaps): its heap's, not a slab's
+    (a shared memfd) nor a file's."""
+    found, head = [], None
+    with open(f"/proc/{pid}/smaps") as f:
+        for line in f:
+            fields = line.split()
+            if fields and not fields[0].endswith(":") and "-" in fields[0]:
+                # address perms offset dev inode [path]
+                path = fields[5] if len(fields) > 5 else ""
+                anonymous = not path or path in ("[heap]", "[stack]")
+                head = line.strip() if fields[1].endswith("p") and anonymous else None
+            elif fields and fields[0] == "VmFlags:" and head is not None and "hg" in fields[1:]:
+                found.append(head)
+    return found
+
+
+def test_a_units_heap_is_not_advised_for_huge_pages(tmp_path):
+    # A unit started from Python allocates with the extension's mimalloc,
+    # which by default advised its arenas MADV_HUGEPAGE: there a page in
+    # use made its 2 MiB region resident, at fault or when khugepaged
+    # collapsed it, and the soak's units' heaps were twice their use and
+    # grew with time (docs/benchmarks.md, Soak). Puts past the slab spill
+    # to the disk tier and gets read them back, so the unit's threads have
+    # all allocated.
+    plane = stowage.local(
+        units=1,
+        memory="8MiB",
+        disk=str(tmp_path),
+        disk_capacity="64MiB",
+        high_watermark=0.5,
+        low_watermark=0.3,
+    )
+    try:
+        pid = plane.unit_pids[0]
+        # 32 MB: most of it spills
+        vals = [np.full(100_000 + i, i, dtype=np.int64) for i in range(40)]
+        plane.put("p", list(range(40)), {"x": vals})
+        got = plane.get("p", list(range(40)), ["x"])["x"]
+        assert all(same(a, b) for a, b in zip(got, vals))
+        assert plane.stats()[0]["disk_used"] > 0
+        assert huge_page_advised_heap(pid) == []
+    finally:
+        plane.close()
+
+
 def test_garbage_collection_stops_units():
     plane = stowage.local(units=1, memory="8MiB")
     pid = plane.unit_pids[0]

@@ -623,19 +623,23 @@ impl Slab {
         Ok(())
     }
 
-    /// Copy `len` bytes at `offset` to `sink` in pieces of at most `chunk`
-    /// bytes, through one heap buffer (e.g. to write a range to a file and
-    /// checksum it: the sink never sees a reference into shared memory).
-    /// The caller must hold a pin (or the reservation) of the range.
+    /// Copy `len` bytes at `offset` to `sink` in pieces of at most
+    /// `buf.len()` bytes, through the caller's `buf` (e.g. to write a range
+    /// to a file and checksum it: the sink never sees a reference into
+    /// shared memory; a caller that copies again and again keeps one
+    /// buffer instead of allocating one per copy). An empty `buf` is taken
+    /// as one byte long. The caller must hold a pin (or the reservation) of
+    /// the range.
     pub fn copy_out_chunked<E>(
         &self,
         offset: u64,
         len: usize,
-        chunk: usize,
+        buf: &mut [u8],
         mut sink: impl FnMut(&[u8]) -> Result<(), E>,
     ) -> Result<Result<(), E>, OutOfBounds> {
         self.check(offset, len)?;
-        let mut buf = vec![0u8; chunk.max(1).min(len.max(1))];
+        let mut one = [0u8; 1];
+        let buf = if buf.is_empty() { &mut one[..] } else { buf };
         let mut at = 0usize;
         while at < len {
             let n = (len - at).min(buf.len());

@@ -176,7 +176,7 @@ fn write_read_and_bounds() {
     .unwrap()
     .unwrap();
     let mut back = Vec::new();
-    s.copy_out_chunked(10, 1000, 96, |c| {
+    s.copy_out_chunked(10, 1000, &mut [0u8; 96], |c| {
         back.extend_from_slice(c);
         Ok::<(), ()>(())
     })
@@ -184,7 +184,7 @@ fn write_read_and_bounds() {
     .unwrap();
     assert_eq!(back, src);
     assert!(s
-        .copy_out_chunked(1 << 16, 1, 8, |_| Ok::<(), ()>(()))
+        .copy_out_chunked(1 << 16, 1, &mut [0u8; 8], |_| Ok::<(), ()>(()))
         .is_err());
     assert!(s.range_ptr(u64::MAX, 1).is_err());
 }

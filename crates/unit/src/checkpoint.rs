@@ -264,17 +264,21 @@ fn write_snapshot(
         let mut w = out.create(blob, nbytes).map_err(&ioe)?;
         match place {
             // The snapshot's pin holds the range while it is copied.
-            Placement::Memory(l) => shared
-                .slab
-                .copy_out_chunked(l.offset, len, COPY_CHUNK, |c| w.write(c))
-                .map_err(|e| ioe(io::Error::other(e)))?
-                .map_err(&ioe)?,
+            Placement::Memory(l) => {
+                buf.resize(len.min(COPY_CHUNK), 0);
+                shared
+                    .slab
+                    .copy_out_chunked(l.offset, len, &mut buf, |c| w.write(c))
+                    .map_err(|e| ioe(io::Error::other(e)))?
+                    .map_err(&ioe)?
+            }
             // A blob in pieces: each in turn.
             Placement::Split(parts) => {
                 for l in parts {
+                    buf.resize((l.len as usize).min(COPY_CHUNK), 0);
                     shared
                         .slab
-                        .copy_out_chunked(l.offset, l.len as usize, COPY_CHUNK, |c| w.write(c))
+                        .copy_out_chunked(l.offset, l.len as usize, &mut buf, |c| w.write(c))
                         .map_err(|e| ioe(io::Error::other(e)))?
                         .map_err(&ioe)?;
                 }

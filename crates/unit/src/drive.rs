@@ -322,6 +322,9 @@ pub(crate) fn spiller(
 ) {
     let Some(d) = &shared.disk else { return };
     let mut failing = false;
+    // Every spill copies through this one buffer (the thread's, made at
+    // its first spill), not an allocation of up to 1 MiB per piece.
+    let mut buf = Vec::new();
     while !shared.life.stop.load(Ordering::Relaxed) {
         let jobs = match rx.recv_timeout(Duration::from_millis(100)) {
             Ok(jobs) => jobs,
@@ -341,9 +344,12 @@ pub(crate) fn spiller(
             // reads it alone.
             let written = d.engine.create(job.blob, job.nbytes).and_then(|mut w| {
                 for (offset, len) in cut(&job.pieces, job.nbytes) {
+                    if buf.len() < (len as usize).min(COPY_CHUNK) {
+                        buf.resize((len as usize).min(COPY_CHUNK), 0);
+                    }
                     shared
                         .slab
-                        .copy_out_chunked(offset, len as usize, COPY_CHUNK, |c| w.write(c))
+                        .copy_out_chunked(offset, len as usize, &mut buf, |c| w.write(c))
                         .map_err(std::io::Error::other)??;
                 }
                 w.finish()
