@@ -56,6 +56,10 @@ const PUT_BUSY_RETRY: Duration = Duration::from_millis(5);
 /// send its blob again every 20 ms).
 const PUT_BUSY_RETRY_MAX: Duration = Duration::from_millis(20);
 
+/// What a unit's `UnitFull` says when the asking client's own views hold
+/// memory (`stowage_core`'s `CoreError::Full` message).
+const OWN_VIEWS: &str = "this client's own views";
+
 /// Each field's values of a blob start at a multiple of this many bytes
 /// within it (and each value at a multiple of its dtype's size).
 const VALUE_ALIGN: u64 = 64;
@@ -193,6 +197,8 @@ impl Client {
     ) -> Result<()> {
         let mut backoff: Option<Duration> = None;
         for put in queue {
+            // Whether this put has waited for its own views' unpins.
+            let mut synced = false;
             loop {
                 let failure = match self.put_one(unit, put, deadline).await {
                     Ok(()) => {
@@ -208,7 +214,18 @@ impl Client {
                 let mut waiting_for_memory = None;
                 if full {
                     let keys = put.entries.iter().map(|e| e.key.clone()).collect();
-                    match self.classify(unit, failure, vec![put.blob], keys, deadline) {
+                    let e = self.classify(unit, failure, vec![put.blob], keys, deadline);
+                    // Views dropped just before this put unpin on their own
+                    // connection, without an answer: the unit may not have
+                    // read those unpins yet. Once per put, a round trip on
+                    // that connection (read after them) and ask again.
+                    if matches!(&e, Error::UnitFull { message, .. } if message.contains(OWN_VIEWS))
+                        && !std::mem::replace(&mut synced, true)
+                        && self.views_settled(unit, deadline).await
+                    {
+                        continue;
+                    }
+                    match e {
                         e @ Error::UnitFull { .. }
                             if wait_until.is_some_and(|w| Instant::now() < w) =>
                         {
@@ -244,6 +261,27 @@ impl Client {
             }
         }
         Ok(())
+    }
+
+    /// Wait until `unit` has read every unpin this client's dropped views
+    /// sent it (a round trip on their connection, which the unit answers
+    /// after them). `false` when there is no such connection or the call
+    /// failed.
+    async fn views_settled(&self, unit: usize, deadline: Instant) -> bool {
+        let Some(conn) = crate::lock(&self.units[unit].view_conn).clone() else {
+            return false;
+        };
+        let r = {
+            let mut t = crate::lock(&conn);
+            t.call(&stowage_wire::Request::Stats, deadline).await
+        };
+        match r {
+            Ok(_) => true,
+            Err(f) => {
+                self.forget_view_conn(unit, &conn, &f);
+                false
+            }
+        }
     }
 
     /// Write one blob on a pooled connection to its unit: checked out,

@@ -422,7 +422,7 @@ impl Client {
 
     /// After `f` failed on `conn`: a broken connection is not used for later
     /// views; views that pinned through it keep it (and their pins) alive.
-    fn forget_view_conn(&self, unit: usize, conn: &crate::pool::ViewConn, f: &Failure) {
+    pub(crate) fn forget_view_conn(&self, unit: usize, conn: &crate::pool::ViewConn, f: &Failure) {
         if f.is_connection() {
             let mut slot = lock(&self.units[unit].view_conn);
             if slot.as_ref().is_some_and(|c| Arc::ptr_eq(c, conn)) {
