@@ -267,6 +267,11 @@ impl Client {
     /// sent it (a round trip on their connection, which the unit answers
     /// after them). `false` when there is no such connection or the call
     /// failed.
+    // The lock is the view connection's, held for one round trip: this
+    // part waits on no other part of the call meanwhile (each part holds
+    // at most its own unit's), and a view call on another thread waits
+    // for it as for another view.
+    #[allow(clippy::await_holding_lock)]
     async fn views_settled(&self, unit: usize, deadline: Instant) -> bool {
         let Some(conn) = crate::lock(&self.units[unit].view_conn).clone() else {
             return false;
