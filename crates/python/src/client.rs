@@ -8,18 +8,18 @@
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use numpy::{PyArrayDescrMethods, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 use stowage_client::{
-    Client as Inner, ClientConfig, Column, DType, Error as ClientError, RowKey, Secret, Tensor,
-    UnitAddr,
+    Client as Inner, ClientConfig, Column, DType, Error as ClientError, Secret, Tensor, UnitAddr,
 };
 
 use crate::arrays::{array_over, descr_for, ArrayBytes, HostBuf, OwnedBytes};
 use crate::dicts::{checkpoint_dict, stats_dict};
 use crate::errors::{invalid, to_py};
-use crate::read_sinks::{nbytes, split_copies, AllocSink, Dest, OutSink, ReadData, ViewPins};
+use crate::read_sinks::{nbytes, split_copies, AllocSink, Dest, OutSink, ReadData};
+use crate::row_keys::{key_object, row_keys};
+use crate::view_calls::Descrs;
 
 /// A connection-pooling client of a set of units (see `stowage.connect`).
 /// Safe to share between threads; calls from several threads run at once.
@@ -28,7 +28,7 @@ pub(crate) struct Client {
     inner: Mutex<Option<Arc<Inner>>>,
     timeout: Duration,
     /// Whether every unit is reached through shared memory (get_view).
-    shm: bool,
+    pub(crate) shm: bool,
     /// Whether Unix-socket units are reached through shared memory.
     shm_enabled: bool,
     addrs: Vec<String>,
@@ -66,57 +66,6 @@ pub(crate) fn secret_arg(ob: &Bound<'_, PyAny>) -> PyResult<Secret> {
     Secret::from_bytes(bytes).map_err(|e| invalid(e.to_string()))
 }
 
-/// Row keys from a list of ints and strs or a 1-D integer numpy array.
-fn row_keys(ob: &Bound<'_, PyAny>) -> PyResult<Vec<RowKey>> {
-    const HINT: &str = "row keys are ints in [0, 2**63) or strs";
-    if ob.is_instance_of::<PyString>() {
-        return Err(invalid(
-            "keys must be a list of keys (or an int array), not one str",
-        ));
-    }
-    let list;
-    let ob = if let Ok(a) = ob.cast::<PyUntypedArray>() {
-        let kind = a.dtype().kind();
-        if a.ndim() != 1 || !(kind == b'i' || kind == b'u') {
-            return Err(invalid(format!(
-                "a key array must be 1-D of integers, not {}-D {}",
-                a.ndim(),
-                a.dtype()
-            )));
-        }
-        list = a.call_method0("tolist")?;
-        &list
-    } else {
-        ob
-    };
-    let iter = ob
-        .try_iter()
-        .map_err(|_| invalid(format!("keys must be a list: {HINT}")))?;
-    let mut keys = Vec::with_capacity(ob.len().unwrap_or(0));
-    for item in iter {
-        let item = item?;
-        if let Ok(s) = item.cast::<PyString>() {
-            keys.push(RowKey::Name(s.to_string()));
-            continue;
-        }
-        if item.is_instance_of::<PyBool>() {
-            return Err(invalid(format!("bad key {item}: {HINT}, not bools")));
-        }
-        match item.extract::<u64>() {
-            Ok(i) if i < 1 << 63 => keys.push(RowKey::Index(i)),
-            _ => return Err(invalid(format!("bad key {item}: {HINT}"))),
-        }
-    }
-    Ok(keys)
-}
-
-fn key_object<'py>(py: Python<'py>, k: &RowKey) -> PyResult<Bound<'py, PyAny>> {
-    Ok(match k {
-        RowKey::Index(i) => i.into_pyobject(py)?.into_any(),
-        RowKey::Name(n) => PyString::new(py, n).into_any(),
-    })
-}
-
 /// A column as given: one array split along axis 0, or one per row.
 enum Source<'py> {
     Dense(ArrayBytes<'py>),
@@ -124,7 +73,7 @@ enum Source<'py> {
 }
 
 impl Client {
-    fn client(&self) -> PyResult<Arc<Inner>> {
+    pub(crate) fn client(&self) -> PyResult<Arc<Inner>> {
         self.inner
             .lock()
             .unwrap_or_else(|p| p.into_inner())
@@ -132,7 +81,7 @@ impl Client {
             .ok_or_else(|| invalid("the data plane is closed"))
     }
 
-    fn deadline(&self, timeout: Option<f64>) -> PyResult<Instant> {
+    pub(crate) fn deadline(&self, timeout: Option<f64>) -> PyResult<Instant> {
         let t = match timeout {
             None => self.timeout,
             Some(s) => Duration::try_from_secs_f64(s)
@@ -1024,66 +973,5 @@ impl Client {
         };
         let t = Duration::try_from_secs_f64(timeout).unwrap_or(Duration::from_secs(30));
         py.detach(|| client.shutdown(t))
-    }
-}
-
-impl Client {
-    /// Pin `fields` of `keys` for a view (shm units only) and run `then`
-    /// on it, all without the GIL; the pins as the Python object every
-    /// array over the view keeps alive.
-    #[allow(clippy::too_many_arguments)]
-    fn view<'py, T: Send>(
-        &self,
-        py: Python<'py>,
-        partition: &str,
-        keys: &Bound<'py, PyAny>,
-        fields: &[String],
-        unit: Option<usize>,
-        timeout: Option<f64>,
-        then: impl FnOnce(&stowage_client::View) -> Result<T, ClientError> + Send,
-    ) -> PyResult<(Bound<'py, ViewPins>, T)> {
-        if !self.shm {
-            return Err(invalid(
-                "get_view needs the shm transport (units on this host, reached through unix: addresses)",
-            ));
-        }
-        let deadline = self.deadline(timeout)?;
-        let keys = row_keys(keys)?;
-        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
-        let client = self.client()?;
-        let (view, got) = py
-            .detach(|| {
-                let view = client.view(partition, &keys, &names, unit, deadline)?;
-                let got = then(&view)?;
-                Ok((view, got))
-            })
-            .map_err(|e| to_py(py, e, &keys))?;
-        Ok((Bound::new(py, ViewPins { view: Some(view) })?, got))
-    }
-}
-
-/// numpy dtypes of the values of one call, looked up once per dtype met.
-struct Descrs<'py> {
-    raw_bf16: bool,
-    last: Option<(DType, Bound<'py, numpy::PyArrayDescr>)>,
-}
-
-impl<'py> Descrs<'py> {
-    fn new(raw_bf16: bool) -> Self {
-        Self {
-            raw_bf16,
-            last: None,
-        }
-    }
-
-    fn get(&mut self, py: Python<'py>, dtype: DType) -> PyResult<Bound<'py, numpy::PyArrayDescr>> {
-        match &self.last {
-            Some((d, descr)) if *d == dtype => Ok(descr.clone()),
-            _ => {
-                let descr = descr_for(py, dtype, self.raw_bf16)?;
-                self.last = Some((dtype, descr.clone()));
-                Ok(descr)
-            }
-        }
     }
 }

@@ -32,7 +32,9 @@ mod errors;
 mod local;
 mod logbridge;
 mod read_sinks;
+mod row_keys;
 mod unit;
+mod view_calls;
 
 /// Run the `stowage` command line with `argv` (the first item is the
 /// program name) and return its exit status. The GIL is released while it
