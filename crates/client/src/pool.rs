@@ -38,6 +38,11 @@ pub(crate) struct UnitSlot {
     /// the connection it pinned on alive (a failure elsewhere never drops
     /// it); a broken one is replaced here for later views.
     pub(crate) view_conn: Mutex<Option<ViewConn>>,
+    /// The connection a dropped view last sent its unpins on (they have no
+    /// answer): a put refused for this client's own views waits for the
+    /// unit to read them with a round trip on it. Weak: it keeps nothing
+    /// open.
+    pub(crate) unpinned_on: Mutex<Option<WeakViewConn>>,
     /// The transport of the last connection opened to it.
     pub(crate) transport: Mutex<Option<&'static str>>,
 }
@@ -57,6 +62,7 @@ impl UnitSlot {
             }),
             session: Mutex::new(None),
             view_conn: Mutex::new(None),
+            unpinned_on: Mutex::new(None),
             transport: Mutex::new(None),
         }
     }
@@ -128,6 +134,9 @@ impl Drop for Lease<'_> {
 
 /// A connection shared by the views that pinned through it.
 pub(crate) type ViewConn = Arc<Mutex<Box<dyn Transport>>>;
+
+/// A handle on a [`ViewConn`] that keeps nothing open.
+pub(crate) type WeakViewConn = std::sync::Weak<Mutex<Box<dyn Transport>>>;
 
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Instance {

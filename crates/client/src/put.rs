@@ -263,9 +263,9 @@ impl Client {
         Ok(())
     }
 
-    /// Wait until `unit` has read every unpin this client's dropped views
-    /// sent it (a round trip on their connection, which the unit answers
-    /// after them). `false` when there is no such connection or the call
+    /// Wait until `unit` has read the unpins this client's last dropped
+    /// view sent it (a round trip on their connection, which the unit
+    /// answers after them). `false` when there is no such connection or the call
     /// failed.
     // The lock is the view connection's, held for one round trip: this
     // part waits on no other part of the call meanwhile (each part holds
@@ -273,8 +273,16 @@ impl Client {
     // for it as for another view.
     #[allow(clippy::await_holding_lock)]
     async fn views_settled(&self, unit: usize, deadline: Instant) -> bool {
-        let Some(conn) = crate::lock(&self.units[unit].view_conn).clone() else {
+        let dropped = crate::lock(&self.units[unit].unpinned_on).clone();
+        let Some(weak) = dropped else {
             return false;
+        };
+        let Some(conn) = weak.upgrade() else {
+            // That view held the connection's last handle: closing it
+            // released its pins, which the unit sees when it reads the
+            // end. No round trip can follow that: give it a moment.
+            fanout::pause_until(Instant::now() + PUT_BUSY_RETRY_MAX).await;
+            return true;
         };
         let r = {
             let mut t = crate::lock(&conn);

@@ -368,7 +368,10 @@ fn outside(e: stowage_shm::OutOfBounds) -> Error {
 impl Drop for View {
     fn drop(&mut self) {
         let deadline = self.client.deadline();
-        for (_, pin, _, conn) in self.pins.drain(..) {
+        for (unit, pin, _, conn) in self.pins.drain(..) {
+            if let Some(slot) = self.client.units.get(unit) {
+                *lock(&slot.unpinned_on) = Some(Arc::downgrade(&conn));
+            }
             let req = Request::Unpin { pin, reply: false };
             // If the unit or the connection is gone, so is the pin (the
             // connection's end released it); nothing to report.
