@@ -30,6 +30,7 @@ DeprecationWarning: ``stowage.Key`` is now :data:`RowKey`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -44,7 +45,6 @@ from typing import (
     Iterable,
     List,
     Mapping,
-    NamedTuple,
     Optional,
     Sequence,
     Tuple,
@@ -260,7 +260,8 @@ def _to_torch(a: np.ndarray) -> Any:
         raise InvalidRequest(f"a {a.dtype} array has no torch equivalent ({e})") from None
 
 
-class PackedChunk(NamedTuple):
+@dataclasses.dataclass(frozen=True)
+class PackedChunk:
     """One unit's share of a :meth:`DataPlane.get_packed_view`: the keys
     that live on ``unit`` and, per field, their values packed along the
     first axis."""
