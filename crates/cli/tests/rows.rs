@@ -384,17 +384,16 @@ fn a_packed_view_points_at_each_units_values_of_a_field_or_copies_them() {
             let p = &chunk.fields[f];
             let mut copy = vec![0u8; p.len];
             view.read_packed_into(chunk, f, &mut copy).unwrap();
-            if let Some((ptr, len)) = view.packed_ptr(p) {
+            if let Some((ptr, len)) = view.packed_ptr(chunk, p) {
                 // SAFETY: the view pins the values it points at until dropped.
                 assert_eq!(unsafe { std::slice::from_raw_parts(ptr, len) }, copy);
             }
             copy
         };
     // Rows r live on unit r % 2: a chunk each, the put's order, in place.
-    let view = c
-        .view("p", &keys, &["ids", "one"], None, c.deadline())
+    let (view, chunks) = c
+        .packed_view("p", &keys, &["ids", "one"], None, c.deadline())
         .unwrap();
-    let chunks = view.packed(&["ids", "one"]).unwrap();
     assert_eq!(chunks.len(), 2);
     for (u, chunk) in chunks.iter().enumerate() {
         assert_eq!(chunk.unit, u);
@@ -422,15 +421,35 @@ fn a_packed_view_points_at_each_units_values_of_a_field_or_copies_them() {
     }
     // Out of the put's order: copied, the rows in the order asked for.
     let back: Vec<RowKey> = keys.iter().rev().cloned().collect();
-    let view = c.view("p", &back, &["ids"], None, c.deadline()).unwrap();
-    let chunks = view.packed(&["ids"]).unwrap();
+    let (view, chunks) = c
+        .packed_view("p", &back, &["ids"], None, c.deadline())
+        .unwrap();
     for chunk in &chunks {
         assert!(!chunk.fields[0].in_place());
-        assert!(view.packed_ptr(&chunk.fields[0]).is_none());
+        assert!(view.packed_ptr(chunk, &chunk.fields[0]).is_none());
         let want: Vec<u8> = chunk
             .rows
             .iter()
             .flat_map(|&i| data[5 - i].clone())
+            .collect();
+        assert_eq!(packed_bytes(&view, chunk, 0), want);
+    }
+    // In the put's order for two values, then not: unit 0's rows 2, 4
+    // and 0 are copied (the first two as one range), unit 1's in place.
+    let order: Vec<RowKey> = [2, 4, 0, 1, 3, 5]
+        .iter()
+        .map(|&i| keys[i].clone())
+        .collect();
+    let (view, chunks) = c
+        .packed_view("p", &order, &["ids"], None, c.deadline())
+        .unwrap();
+    assert_eq!(chunks[0].rows, [0, 1, 2]);
+    assert!(!chunks[0].fields[0].in_place() && chunks[1].fields[0].in_place());
+    for chunk in &chunks {
+        let want: Vec<u8> = chunk
+            .rows
+            .iter()
+            .flat_map(|&i| data[[2, 4, 0, 1, 3, 5][i]].clone())
             .collect();
         assert_eq!(packed_bytes(&view, chunk, 0), want);
     }
@@ -444,8 +463,7 @@ fn a_packed_view_points_at_each_units_values_of_a_field_or_copies_them() {
         c.deadline(),
     )
     .unwrap();
-    let view = c.view("p", &keys, &["ids"], None, c.deadline()).unwrap();
-    match view.packed(&["ids"]) {
+    match c.packed_view("p", &keys, &["ids"], None, c.deadline()) {
         Err(Error::InvalidRequest(m)) => assert!(m.contains("\"ids\" cannot be packed"), "{m}"),
         other => panic!("expected InvalidRequest, got {:?}", other.map(|_| ())),
     }

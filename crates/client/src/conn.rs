@@ -23,29 +23,13 @@ use stowage_shm::ring::{Ring, RING_BYTES};
 use stowage_shm::Slab;
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
-    may_spin, read_header, read_header_bytes, read_prefix, spin_yield, write_all_vectored,
-    ReadError, Socket, SpinReader,
+    may_spin, read_header, read_prefix, spin_yield, write_all_vectored, ReadError, Socket,
+    SpinReader,
 };
 use stowage_wire::{
-    decode_header, decode_streamed, encode, Envelope, ErrorCode, FramePrefix, Limits, PlacedRef,
-    Request, RequestRef, Response, Streamed, WireError, PREFIX_LEN, PROTOCOL_VERSION,
+    decode_header, encode, Envelope, ErrorCode, FramePrefix, Limits, Request, RequestRef, Response,
+    WireError, PREFIX_LEN, PROTOCOL_VERSION,
 };
-
-/// How a reply's header is decoded: whole ([`whole`]), or with a
-/// Resolved's values handed over one by one ([`decode_streamed`]).
-type Decode<'d> = &'d mut dyn FnMut(&[u8]) -> Result<Envelope<Streamed>, WireError>;
-
-/// A reply decoded whole.
-fn whole(header: &[u8]) -> Result<Envelope<Streamed>, WireError> {
-    decode_header::<Response>(header).map(|e| Envelope {
-        id: e.id,
-        body: Streamed::Other(e.body),
-    })
-}
-
-/// What a view's resolve hands each found value to: its position in the
-/// reply, and the value borrowed from the reply's bytes.
-pub(crate) type EachPlaced<'e> = &'e mut dyn for<'h> FnMut(usize, Option<PlacedRef<'h>>);
 
 /// What a connection sends: a [`Request`], or a [`RequestRef`] that
 /// encodes as one without copying a put's entries.
@@ -228,6 +212,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::Settled { .. } => "Settled",
         Response::ClaimStatus(_) => "ClaimStatus",
         Response::ClaimsState { .. } => "ClaimsState",
+        Response::ResolvedRows(_) => "ResolvedRows",
     }
 }
 
@@ -552,43 +537,15 @@ impl Conn {
         self.recv(id, deadline)
     }
 
-    /// [`Conn::call`] of a request answered by a Resolve's reply, its
-    /// values handed to `each` one by one as its header is decoded (no
-    /// `Vec<Option<Placed>>` is built); any other reply comes back whole.
-    pub(crate) async fn call_streamed(
-        &mut self,
-        req: &impl Outgoing,
-        deadline: Instant,
-        each: EachPlaced<'_>,
-    ) -> Result<Streamed, Failure> {
-        let id = self.send(req, &mut [], deadline)?;
-        crate::fanout::turn().await;
-        self.recv_with(id, deadline, &mut |h| decode_streamed(h, each))
-    }
-
     /// Receive the reply to request `id` (its payload, if any, is left on
     /// the stream for [`Conn::read_payload`]).
     pub(crate) fn recv(&mut self, id: u64, deadline: Instant) -> Result<Response, Failure> {
-        match self.recv_with(id, deadline, &mut whole)? {
-            Streamed::Other(r) => Ok(r),
-            // `whole` streams nothing.
-            Streamed::Resolved(_) => Err(Failure::Protocol("a streamed reply".into())),
-        }
-    }
-
-    /// [`Conn::recv`], the header decoded by `decode`.
-    fn recv_with(
-        &mut self,
-        id: u64,
-        deadline: Instant,
-        decode: Decode<'_>,
-    ) -> Result<Streamed, Failure> {
         let reply = match &self.ring {
             RingState::On(ring) if self.ring_sent == Some(id) => {
                 let ring = ring.clone();
-                self.recv_ring(&ring, id, deadline, decode)?
+                self.recv_ring(&ring, id, deadline)?
             }
-            _ => self.recv_for_with(&[id], deadline, decode)?,
+            _ => self.recv_for(&[id], deadline)?,
         };
         if let RingState::Counting(n) = &mut self.ring {
             *n += 1;
@@ -691,13 +648,7 @@ impl Conn {
     /// Receive the reply to `id`, sent through `ring`: from the ring, or
     /// from the socket where the ring says so ([`Response::OnSocket`]) or
     /// where the socket has something to say (the unit's end, an error).
-    fn recv_ring(
-        &mut self,
-        ring: &Ring,
-        id: u64,
-        deadline: Instant,
-        decode: Decode<'_>,
-    ) -> Result<Streamed, Failure> {
+    fn recv_ring(&mut self, ring: &Ring, id: u64, deadline: Instant) -> Result<Response, Failure> {
         // Spin only with a core to spare; else sleep on the futex at once.
         let mut spin = if may_spin() {
             self.spin
@@ -710,14 +661,12 @@ impl Conn {
                 .take_reply(&mut self.ring_entry)
                 .map_err(|e| Failure::Protocol(e.to_string()))?;
             if taken {
-                let env = decode_entry(&self.ring_entry, &self.limits, decode)?;
+                let env = decode_entry(&self.ring_entry, &self.limits)?;
                 match env.body {
-                    Streamed::Other(Response::OnSocket) if env.id == id => {
-                        return self.recv_for_with(&[id], deadline, decode)
-                    }
+                    Response::OnSocket if env.id == id => return self.recv_for(&[id], deadline),
                     // Announced after its reply was read off the socket
                     // (see below): nothing left to do for it.
-                    Streamed::Other(Response::OnSocket) if env.id < id => continue,
+                    Response::OnSocket if env.id < id => continue,
                     body if env.id == id || env.id == 0 => return Ok(body),
                     _ => {
                         return Err(Failure::Protocol(format!(
@@ -732,7 +681,7 @@ impl Conn {
             // seen by the look above, so what is on the socket is this
             // request's reply, an error, or the unit's end.
             if socket_ready {
-                return self.recv_for_with(&[id], deadline, decode);
+                return self.recv_for(&[id], deadline);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -768,24 +717,10 @@ impl Conn {
     /// Receive a reply to one of the requests `ids` (or one with id 0,
     /// sent before any request was read).
     fn recv_for(&mut self, ids: &[u64], deadline: Instant) -> Result<Response, Failure> {
-        match self.recv_for_with(ids, deadline, &mut whole)? {
-            Streamed::Other(r) => Ok(r),
-            Streamed::Resolved(_) => Err(Failure::Protocol("a streamed reply".into())),
-        }
-    }
-
-    /// [`Conn::recv_for`], the header decoded by `decode`.
-    fn recv_for_with(
-        &mut self,
-        ids: &[u64],
-        deadline: Instant,
-        decode: Decode<'_>,
-    ) -> Result<Streamed, Failure> {
         self.set_timeouts(deadline)?;
         let prefix = read_prefix(&mut self.reader, &self.limits)?
             .ok_or_else(|| Failure::Broken(io::ErrorKind::UnexpectedEof.into()))?;
-        read_header_bytes(&mut self.reader, &prefix, &mut self.scratch)?;
-        let env = decode(&self.scratch).map_err(ReadError::from)?;
+        let env: Envelope<Response> = read_header(&mut self.reader, &prefix, &mut self.scratch)?;
         if !ids.contains(&env.id) && env.id != 0 {
             let id = ids.first().copied().unwrap_or(0);
             return Err(Failure::Protocol(format!(
@@ -864,13 +799,8 @@ impl Conn {
     }
 }
 
-/// A ring entry as a reply: exactly one frame, without payload, its
-/// header decoded by `decode`.
-fn decode_entry(
-    entry: &[u8],
-    limits: &Limits,
-    decode: Decode<'_>,
-) -> Result<Envelope<Streamed>, Failure> {
+/// A ring entry as a reply: exactly one frame, without payload.
+fn decode_entry(entry: &[u8], limits: &Limits) -> Result<Envelope<Response>, Failure> {
     let bad = |e: WireError| Failure::Protocol(format!("a ring entry: {e}"));
     let header = entry
         .get(..PREFIX_LEN)
@@ -890,7 +820,7 @@ fn decode_entry(
             entry.len()
         )));
     };
-    decode(header).map_err(bad)
+    decode_header(header).map_err(bad)
 }
 
 /// Whether a connection that was made broke the way a unit's cutting a

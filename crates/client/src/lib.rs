@@ -78,6 +78,7 @@ mod lent;
 pub mod metrics;
 mod nixl;
 mod one_sided;
+mod packed;
 mod pieces;
 mod pool;
 mod put;

@@ -10,9 +10,9 @@ use std::time::Instant;
 
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
-use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, RequestRef, Response, Streamed};
+use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, RequestRef, Response};
 
-use crate::conn::{Conn, EachPlaced};
+use crate::conn::Conn;
 use crate::failure::Failure;
 use crate::fanout::turn;
 use crate::lent::{spare_class, Lent};
@@ -293,13 +293,12 @@ impl<M: Mover> OneSided<M> {
         let reply = self.conn.call(req, deadline).await?;
         // A Resolve of a view: the unit may ask for spares back there
         // too (a view connection never puts, so it holds none).
-        if matches!(
-            reply,
-            Response::Resolved {
-                spares_back: true,
-                ..
-            }
-        ) {
+        let spares_back = match &reply {
+            Response::Resolved { spares_back, .. } => *spares_back,
+            Response::ResolvedRows(r) => r.spares_back,
+            _ => false,
+        };
+        if spares_back {
             self.clear_spares(deadline).await?;
         }
         Ok(reply)
@@ -585,22 +584,6 @@ impl<M: Mover> Transport for OneSided<M> {
 
     fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response> {
         Box::pin(self.call_any(req, deadline))
-    }
-
-    fn call_ref_streamed<'a>(
-        &'a mut self,
-        req: &'a RequestRef<'_>,
-        deadline: Instant,
-        each: EachPlaced<'a>,
-    ) -> Op<'a, Streamed> {
-        Box::pin(async move {
-            let reply = self.conn.call_streamed(req, deadline, each).await?;
-            // As in `call_any`: the unit may ask for spares back here too.
-            if matches!(&reply, Streamed::Resolved(h) if h.spares_back) {
-                self.clear_spares(deadline).await?;
-            }
-            Ok(reply)
-        })
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {

@@ -59,12 +59,13 @@ use stowage_wire::Key;
 use stowage_wire::{Request, Response};
 
 use crate::classify::{name_keys, unexpected};
+pub use crate::packed::{PackedChunk, PackedField};
 use crate::row_meta::{check_field, collision, decode_meta, ownership, Ownership, ValueMeta};
 pub use crate::row_meta::{KEY_FIELD, MAX_TAGGED_NAME};
 use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
 use crate::values::{byte_len, NAME_BIT};
 pub use crate::values::{Column, DType, OwnedTensor, RowKey, Tensor};
-pub use crate::views::{PackedChunk, PackedField, Shape, View, ViewTensor};
+pub use crate::views::{Shape, View, ViewTensor};
 use crate::{Client, Error, Result};
 
 impl Client {

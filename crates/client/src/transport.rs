@@ -30,9 +30,9 @@ use std::time::Instant;
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
 use stowage_wire::BlobId;
-use stowage_wire::{EntrySpec, Key, Request, RequestRef, Response, Streamed};
+use stowage_wire::{EntrySpec, Key, Request, RequestRef, Response};
 
-use crate::conn::{Conn, EachPlaced};
+use crate::conn::Conn;
 use crate::failure::Failure;
 use crate::fanout::{pause_until, turn};
 use crate::sink::{GetSink, ValueAsk};
@@ -81,16 +81,6 @@ pub trait Transport: Send {
     /// [`Transport::call`] of a request that borrows its keys or entries
     /// (a view's Resolve).
     fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response>;
-
-    /// [`Transport::call_ref`] of a Resolve: the reply's values go to
-    /// `each` one by one as it is decoded ([`Streamed::Resolved`]); any
-    /// other reply comes back whole.
-    fn call_ref_streamed<'a>(
-        &'a mut self,
-        req: &'a RequestRef<'_>,
-        deadline: Instant,
-        each: EachPlaced<'a>,
-    ) -> Op<'a, Streamed>;
 
     /// Send a request the unit does not answer (an Unpin with
     /// `reply: false`).
@@ -332,15 +322,6 @@ impl Transport for TcpTransport {
 
     fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response> {
         Box::pin(self.conn.call(req, deadline))
-    }
-
-    fn call_ref_streamed<'a>(
-        &'a mut self,
-        req: &'a RequestRef<'_>,
-        deadline: Instant,
-        each: EachPlaced<'a>,
-    ) -> Op<'a, Streamed> {
-        Box::pin(self.conn.call_streamed(req, deadline, each))
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {

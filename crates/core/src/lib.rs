@@ -164,6 +164,50 @@ impl Key {
     }
 }
 
+/// The keys of a resolve: a list, or every field of some rows (a view
+/// of thousands of values names each field once).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Keys {
+    List(Vec<Key>),
+    /// Field-major: `fields[0]` of every row, then `fields[1]`...
+    Grid {
+        rows: Vec<u64>,
+        fields: Vec<String>,
+    },
+}
+
+impl Keys {
+    /// How many keys.
+    pub fn len(&self) -> usize {
+        match self {
+            Keys::List(k) => k.len(),
+            Keys::Grid { rows, fields } => rows.len().saturating_mul(fields.len()),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The `i`-th key's row and field.
+    pub fn get(&self, i: usize) -> Option<(u64, &str)> {
+        match self {
+            Keys::List(k) => k.get(i).map(|k| (k.row, k.field.as_str())),
+            Keys::Grid { rows, fields } => {
+                let n = rows.len();
+                let f = fields.get(i.checked_div(n)?)?;
+                Some((rows[i % n], f.as_str()))
+            }
+        }
+    }
+}
+
+impl From<Vec<Key>> for Keys {
+    fn from(keys: Vec<Key>) -> Self {
+        Keys::List(keys)
+    }
+}
+
 impl std::fmt::Display for Key {
     /// TransferQueue's text form, `"{row}@{field}"`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

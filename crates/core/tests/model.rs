@@ -291,7 +291,7 @@ trait Drive {
     ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
         let op = stowage_core::op::Resolve {
             partition: partition.to_owned(),
-            keys: keys.to_vec(),
+            keys: keys.to_vec().into(),
             view,
         };
         self.request(owner, op, now).map(|r| (r.pin, r.found))

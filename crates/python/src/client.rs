@@ -622,10 +622,18 @@ impl Client {
         timeout: Option<f64>,
         raw_bfloat16: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        let (pins, mut copies) =
-            self.view(py, partition, keys, &fields, unit, timeout, |view| {
-                split_copies(view)
-            })?;
+        let (pins, mut copies) = self.view(
+            py,
+            keys,
+            &fields,
+            unit,
+            timeout,
+            Box::new(|client, keys, names, unit, deadline| {
+                let view = client.view(partition, keys, names, unit, deadline)?;
+                let copies = split_copies(&view)?;
+                Ok((view, copies))
+            }),
+        )?;
         let Some(view) = pins.get().view.as_ref() else {
             return Err(invalid("the view is gone"));
         };
@@ -690,10 +698,14 @@ impl Client {
         timeout: Option<f64>,
         raw_bfloat16: bool,
     ) -> PyResult<Bound<'py, PyList>> {
-        let names: Vec<&str> = fields.iter().map(String::as_str).collect();
-        let (pins, (chunks, mut copies)) =
-            self.view(py, partition, keys, &fields, unit, timeout, |view| {
-                let chunks = view.packed(&names)?;
+        let (pins, (chunks, mut copies)) = self.view(
+            py,
+            keys,
+            &fields,
+            unit,
+            timeout,
+            Box::new(|client, keys, names, unit, deadline| {
+                let (view, chunks) = client.packed_view(partition, keys, names, unit, deadline)?;
                 let mut copies = std::collections::BTreeMap::new();
                 for (c, chunk) in chunks.iter().enumerate() {
                     for (f, p) in chunk.fields.iter().enumerate() {
@@ -707,8 +719,9 @@ impl Client {
                         copies.insert((c, f), buf);
                     }
                 }
-                Ok((chunks, copies))
-            })?;
+                Ok((view, (chunks, copies)))
+            }),
+        )?;
         let Some(view) = pins.get().view.as_ref() else {
             return Err(invalid("the view is gone"));
         };
@@ -730,7 +743,7 @@ impl Client {
                     // or writes them.
                     unsafe { array_over(py, descr, &shape, ptr, true, base.into_any())? }
                 } else {
-                    let Some((ptr, _)) = view.packed_ptr(p) else {
+                    let Some((ptr, _)) = view.packed_ptr(chunk, p) else {
                         return Err(invalid(format!(
                             "field {:?}: the values lie outside their unit's slab",
                             fields[f]

@@ -10,20 +10,32 @@ use crate::errors::{invalid, to_py};
 use crate::read_sinks::ViewPins;
 use crate::row_keys::row_keys;
 
+/// How a view call pins its values: `Client::view` or `Client::packed_view`
+/// and what is made of them, given the client, the keys, the fields'
+/// names, the unit asked for and the deadline.
+pub(crate) type Pin<'a, T> = dyn FnOnce(
+        &std::sync::Arc<stowage_client::Client>,
+        &[stowage_client::RowKey],
+        &[&str],
+        Option<usize>,
+        std::time::Instant,
+    ) -> Result<(stowage_client::View, T), ClientError>
+    + Send
+    + 'a;
+
 impl Client {
-    /// Pin `fields` of `keys` for a view (shm units only) and run `then`
-    /// on it, all without the GIL; the pins as the Python object every
-    /// array over the view keeps alive.
+    /// Pin `fields` of `keys` for a view (shm units only) with `pin`, all
+    /// without the GIL; the pins as the Python object every array over the
+    /// view keeps alive, and what `pin` made of them.
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn view<'py, T: Send>(
         &self,
         py: Python<'py>,
-        partition: &str,
         keys: &Bound<'py, PyAny>,
         fields: &[String],
         unit: Option<usize>,
         timeout: Option<f64>,
-        then: impl FnOnce(&stowage_client::View) -> Result<T, ClientError> + Send,
+        pin: Box<Pin<'_, T>>,
     ) -> PyResult<(Bound<'py, ViewPins>, T)> {
         if !self.shm {
             return Err(invalid(
@@ -35,11 +47,7 @@ impl Client {
         let names: Vec<&str> = fields.iter().map(String::as_str).collect();
         let client = self.client()?;
         let (view, got) = py
-            .detach(|| {
-                let view = client.view(partition, &keys, &names, unit, deadline)?;
-                let got = then(&view)?;
-                Ok((view, got))
-            })
+            .detach(|| pin(&client, &keys, &names, unit, deadline))
             .map_err(|e| to_py(py, e, &keys))?;
         Ok((Bound::new(py, ViewPins { view: Some(view) })?, got))
     }

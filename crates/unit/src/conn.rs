@@ -640,7 +640,8 @@ impl Conn {
                 pin,
                 found,
                 spares_back,
-            } => self.resolved(pin, found, spares_back),
+                rows,
+            } => self.resolved(pin, found, spares_back, rows),
             Plan::Send(read) => return self.send(id, read),
             Plan::Hello {
                 namespace,

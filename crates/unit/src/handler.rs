@@ -14,8 +14,8 @@ use std::ops::DerefMut;
 use std::time::Duration;
 
 use stowage_core::{
-    op, Allocated, BlobId, Committed, CoreError, EntrySpec, Op, Owner, PinId, Placed, Placement,
-    SpareCommitted, Time, UnitCore,
+    op, Allocated, BlobId, Committed, CoreError, EntrySpec, Keys, Op, Owner, PinId, Placed,
+    Placement, SpareCommitted, Time, UnitCore,
 };
 use stowage_wire::{ErrorCode, Request, Response, PARTITION_SEPARATOR};
 
@@ -24,7 +24,7 @@ mod reply;
 
 pub use claims::claimed;
 pub use reply::{committed_reply, disk_put_failed};
-pub(crate) use reply::{data_reply, resolved_reply};
+pub(crate) use reply::{data_reply, resolved_reply, resolved_rows_reply};
 
 /// Who sent a request, as the connection knows it.
 #[derive(Clone, Copy, Debug)]
@@ -87,6 +87,9 @@ pub enum Plan {
         found: Vec<Option<Placed>>,
         /// The unit is short of memory: the client gives its spares back.
         spares_back: bool,
+        /// Answered in columns ([`Response::ResolvedRows`]: the request was
+        /// a ResolveRows), else as a [`Response::Resolved`].
+        rows: bool,
     },
     /// A Read, pinned: send the values (a Data header, then their bytes),
     /// then [`read_sent`].
@@ -355,25 +358,22 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             keys,
             hold,
         } => {
-            // `hold`: a view (the client keeps the pin as long as its
-            // caller wants), not a get that copies out and unpins.
-            let mut core = core();
-            match resolve(
-                &mut core,
-                owner,
-                scope(namespace, &partition),
-                keys,
-                hold,
-                now,
-            ) {
-                Ok((pin, found)) => Plan::Resolved {
-                    pin,
-                    found,
-                    spares_back: core.spares_short(),
-                },
-                Err(e) => Plan::Reply(error_response(&e)),
-            }
+            let keys = keys.into();
+            resolved(core, owner, scope(namespace, &partition), keys, hold, now)
         }
+        Request::ResolveRows {
+            partition,
+            rows,
+            fields,
+            hold,
+        } => resolved(
+            core,
+            owner,
+            scope(namespace, &partition),
+            Keys::Grid { rows, fields },
+            hold,
+            now,
+        ),
         Request::Read {
             partition,
             keys,
@@ -382,7 +382,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             &mut core(),
             owner,
             scope(namespace, &partition),
-            keys,
+            keys.into(),
             false,
             now,
         ) {
@@ -524,11 +524,36 @@ pub(crate) fn unpin(
     request(core, now, owner, op::Unpin { pin }).map(|_| ())
 }
 
+/// A Resolve's plan: its values found and pinned (`view`: the client
+/// keeps the pin as long as its caller wants, not a get that copies out
+/// and unpins), or the core's refusal. The values of a grid of rows and
+/// fields are answered in columns.
+fn resolved<G: DerefMut<Target = UnitCore>>(
+    core: impl FnOnce() -> G,
+    owner: Owner,
+    partition: String,
+    keys: Keys,
+    view: bool,
+    now: Time,
+) -> Plan {
+    let mut core = core();
+    let rows = matches!(keys, Keys::Grid { .. });
+    match resolve(&mut core, owner, partition, keys, view, now) {
+        Ok((pin, found)) => Plan::Resolved {
+            pin,
+            found,
+            spares_back: core.spares_short(),
+            rows,
+        },
+        Err(e) => Plan::Reply(error_response(&e)),
+    }
+}
+
 fn resolve(
     core: &mut UnitCore,
     owner: Owner,
     partition: String,
-    keys: Vec<stowage_core::Key>,
+    keys: Keys,
     view: bool,
     now: Time,
 ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {

@@ -51,9 +51,8 @@ pub fn read_header<R: Read, T: DeserializeOwned>(
     Ok(decode_header(buf)?)
 }
 
-/// [`read_header`] without decoding: the header's bytes in `buf`, for a
-/// caller that decodes them its own way (`decode_streamed`).
-pub fn read_header_bytes<R: Read>(
+/// [`read_header`] without decoding: the header's bytes in `buf`.
+fn read_header_bytes<R: Read>(
     r: &mut R,
     prefix: &FramePrefix,
     buf: &mut Vec<u8>,

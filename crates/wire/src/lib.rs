@@ -43,7 +43,6 @@ mod frame;
 mod limits;
 mod messages;
 mod stats;
-mod streamed;
 mod validation;
 
 pub use codes::ErrorCode;
@@ -51,11 +50,11 @@ pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_
 pub use limits::{Limits, WireError};
 pub use messages::{
     CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, RequestRef,
-    Response, RestoreReply, RestoreSource, GROUP_FIELD_PREFIX, RING_MAX, RING_MIN,
+    Response, RestoreReply, RestoreSource, RowValue, RowsResolved, GROUP_FIELD_PREFIX, RING_MAX,
+    RING_MIN,
 };
 pub use stats::Stats;
 pub use stowage_core::{BlobId, EntrySpec, Key, Meta, PinId, SessionStats};
-pub use streamed::{decode_streamed, PlacedRef, ResolvedHead, Streamed};
 pub use validation::PARTITION_SEPARATOR;
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
@@ -79,8 +78,9 @@ pub use validation::PARTITION_SEPARATOR;
 /// ([`Request::RegisterTasks`], [`Request::Claim`], [`Request::Settle`],
 /// [`Request::ClaimStatus`] and their replies); version 14 claims in
 /// checkpoint loads ([`Request::ClaimsState`], [`Request::LoadClaims`],
-/// [`Response::ClaimsState`]).
-pub const PROTOCOL_VERSION: u16 = 14;
+/// [`Response::ClaimsState`]); version 15 a resolve of every field of
+/// some rows, each row and field named once ([`Request::ResolveRows`]).
+pub const PROTOCOL_VERSION: u16 = 15;
 
 #[cfg(test)]
 mod tests {
@@ -208,6 +208,12 @@ mod tests {
             Request::ClaimsState,
             Request::LoadClaims {
                 state: vec![1, 0, 7],
+            },
+            Request::ResolveRows {
+                partition: "p".into(),
+                rows: vec![0, u64::MAX],
+                fields: vec!["input_ids".into(), String::new()],
+                hold: false,
             },
         ]
     }
@@ -402,7 +408,64 @@ mod tests {
             Response::ClaimsState {
                 state: vec![1, 2, 3],
             },
+            Response::ResolvedRows(Box::new(rows_resolved())),
         ]
+    }
+
+    /// Three values: one found (metadata [3, 1, 9]), one missing, one split.
+    fn rows_resolved() -> RowsResolved {
+        let mut r = RowsResolved {
+            pin: Some(PinId(4)),
+            missing: vec![1],
+            split: vec![(2, vec![(4096, 8), (0, 8)])],
+            spares_back: true,
+            ..RowsResolved::default()
+        };
+        r.push(1 << 33, 24, &[3, 1, 9]);
+        r.push(0, 0, &[]);
+        r.push(4096, 16, &[3, 1, 2]);
+        r
+    }
+
+    #[test]
+    fn rows_resolved_reads_back_its_values_and_refuses_bad_columns() {
+        let r = rows_resolved();
+        let got: Vec<RowValue<'_>> = r.values().unwrap().collect();
+        assert_eq!(
+            got,
+            [
+                RowValue {
+                    offset: 1 << 33,
+                    len: 24,
+                    meta: &[3, 1, 9]
+                },
+                RowValue {
+                    offset: 0,
+                    len: 0,
+                    meta: &[]
+                },
+                RowValue {
+                    offset: 4096,
+                    len: 16,
+                    meta: &[3, 1, 2]
+                },
+            ]
+        );
+        let mut short = r.clone();
+        short.places.pop();
+        assert!(short.values().is_err());
+        let mut more = r.clone();
+        more.n = 4;
+        assert!(more.values().is_err());
+        let mut past = r.clone();
+        past.meta_ends[8..].copy_from_slice(&7u32.to_le_bytes());
+        assert!(past.values().is_err(), "metadata past its column");
+        let mut back = r.clone();
+        back.meta_ends[4..8].copy_from_slice(&1u32.to_le_bytes());
+        assert!(back.values().is_err(), "metadata ending before it starts");
+        let mut beyond = r;
+        beyond.on_disk = vec![3];
+        assert!(beyond.values().is_err(), "a position past the values");
     }
 
     fn round_trip<T: Serialize + DeserializeOwned + PartialEq + std::fmt::Debug>(msg: T) {
@@ -543,7 +606,7 @@ mod tests {
     }
 
     #[test]
-    fn rows_and_fields_encode_as_the_keys_they_name() {
+    fn borrowed_rows_and_fields_encode_as_the_owned_request() {
         let rows = [3, 0, 1 << 40];
         let fields = ["input_ids", "", "mask"];
         for (rows, fields) in [
@@ -551,13 +614,10 @@ mod tests {
             (&rows[..0], &fields[..]),
             (&rows[..], &fields[..0]),
         ] {
-            let keys: Vec<Key> = fields
-                .iter()
-                .flat_map(|f| rows.iter().map(move |&r| Key::new(r, *f)))
-                .collect();
-            let owned = Request::Resolve {
+            let owned = Request::ResolveRows {
                 partition: "p".into(),
-                keys,
+                rows: rows.to_vec(),
+                fields: fields.iter().map(|f| f.to_string()).collect(),
                 hold: true,
             };
             let borrowed = RequestRef::ResolveRows {
@@ -744,6 +804,20 @@ mod tests {
             hold: false,
         };
         assert!(r.validate(&limits).is_err());
+        // A grid's keys are its rows times its fields, counted without
+        // overflow (2 x 2 is past 2; so is any product past usize).
+        let grid = |rows: Vec<u64>, fields: &[&str]| Request::ResolveRows {
+            partition: String::new(),
+            rows,
+            fields: fields.iter().map(|f| f.to_string()).collect(),
+            hold: true,
+        };
+        assert!(grid(vec![1, 2], &["a"]).validate(&limits).is_ok());
+        assert!(matches!(
+            grid(vec![1, 2], &["a", "b"]).validate(&limits),
+            Err(WireError::TooMany { what: "keys", .. })
+        ));
+        assert!(grid(vec![1], &["long-name"]).validate(&limits).is_err());
         let r = Request::List {
             partition: "a\u{1f}b".into(),
         };

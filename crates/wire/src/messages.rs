@@ -247,6 +247,16 @@ pub enum Request {
     LoadClaims {
         state: Vec<u8>,
     },
+    /// [`Request::Resolve`] of every field of `rows`, named once each: the
+    /// keys are each field's rows in turn (`fields[0]` of every row, then
+    /// `fields[1]`...), and so are the values of the Resolved reply. What
+    /// a view of thousands of values sends (protocol 15).
+    ResolveRows {
+        partition: String,
+        rows: Vec<u64>,
+        fields: Vec<String>,
+        hold: bool,
+    },
 }
 
 /// A [`Request`] that carries a put's entries, or a resolve's keys, by
@@ -274,10 +284,7 @@ pub enum RequestRef<'a> {
         keys: &'a [Key],
         hold: bool,
     },
-    /// [`Request::Resolve`] of every field of `rows`: the keys are each
-    /// field's rows in turn (`fields[0]` of every row, then `fields[1]`…),
-    /// encoded from the rows and field names as they are (no [`Key`] is
-    /// built: a view of thousands of values names each field once here).
+    /// [`Request::ResolveRows`], from borrowed rows and field names.
     ResolveRows {
         partition: &'a str,
         rows: &'a [u64],
@@ -301,9 +308,10 @@ impl RequestRef<'_> {
     fn variant(&self) -> (u32, &'static str) {
         match self {
             RequestRef::Commit { .. } => (2, "Commit"),
-            RequestRef::Resolve { .. } | RequestRef::ResolveRows { .. } => (4, "Resolve"),
+            RequestRef::Resolve { .. } => (4, "Resolve"),
             RequestRef::Put { .. } => (8, "Put"),
             RequestRef::CommitSpare { .. } => (17, "CommitSpare"),
+            RequestRef::ResolveRows { .. } => (29, "ResolveRows"),
         }
     }
 }
@@ -354,9 +362,10 @@ impl Serialize for RequestRef<'_> {
                 fields,
                 hold,
             } => {
-                let mut v = s.serialize_struct_variant("Request", index, name, 3)?;
+                let mut v = s.serialize_struct_variant("Request", index, name, 4)?;
                 v.serialize_field("partition", partition)?;
-                v.serialize_field("keys", &KeyGrid { rows, fields })?;
+                v.serialize_field("rows", rows)?;
+                v.serialize_field("fields", fields)?;
                 v.serialize_field("hold", &hold)?;
                 v.end()
             }
@@ -378,37 +387,6 @@ impl Serialize for RequestRef<'_> {
                 v.end()
             }
         }
-    }
-}
-
-/// Every field of `rows` as a sequence of [`Key`]s, field by field: the
-/// bytes of the `Vec<Key>` it stands for.
-struct KeyGrid<'a> {
-    rows: &'a [u64],
-    fields: &'a [&'a str],
-}
-
-impl Serialize for KeyGrid<'_> {
-    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::{SerializeSeq, SerializeStruct};
-        /// A [`Key`] over a borrowed field name (serde writes `&str` as it
-        /// writes `String`).
-        struct KeyRef<'a>(u64, &'a str);
-        impl Serialize for KeyRef<'_> {
-            fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-                let mut k = s.serialize_struct("Key", 2)?;
-                k.serialize_field("row", &self.0)?;
-                k.serialize_field("field", self.1)?;
-                k.end()
-            }
-        }
-        let mut seq = s.serialize_seq(Some(self.rows.len() * self.fields.len()))?;
-        for f in self.fields {
-            for &row in self.rows {
-                seq.serialize_element(&KeyRef(row, f))?;
-            }
-        }
-        seq.end()
     }
 }
 
@@ -647,4 +625,112 @@ pub enum Response {
     ClaimsState {
         state: Vec<u8>,
     },
+    /// Reply to [`Request::ResolveRows`]: its values in columns, in the
+    /// order of its keys, each column one run of bytes (a view of
+    /// thousands of values encodes and decodes no structure per value).
+    /// Found values are pinned as [`Response::Resolved`]'s are.
+    ResolvedRows(Box<RowsResolved>),
+}
+
+/// The columns of a [`Response::ResolvedRows`]; read them with
+/// [`RowsResolved::values`].
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RowsResolved {
+    pub pin: Option<PinId>,
+    /// How many values (the request's rows times its fields).
+    pub n: u32,
+    /// Each value's slab offset and length, two little-endian u64s (16
+    /// bytes per value; zeros for a value not found or corrupt; the
+    /// length and zero offset of a value on disk).
+    #[serde(with = "serde_bytes")]
+    pub places: Vec<u8>,
+    /// Each value's metadata, back to back.
+    #[serde(with = "serde_bytes")]
+    pub metas: Vec<u8>,
+    /// Where each value's metadata ends in `metas`, a little-endian u32
+    /// per value (it starts where the one before it ends).
+    #[serde(with = "serde_bytes")]
+    pub meta_ends: Vec<u8>,
+    /// Positions of values not found.
+    pub missing: Vec<u32>,
+    /// Positions of values whose blob's disk file is corrupt.
+    pub corrupt: Vec<u32>,
+    /// Positions of values only on disk (no room in the slab for them).
+    pub on_disk: Vec<u32>,
+    /// Values stored across pieces of the slab: position, and (slab
+    /// offset, bytes) of each part in order (its place is the first's
+    /// offset and the total length).
+    pub split: Vec<(u32, Vec<(u64, u64)>)>,
+    /// As in [`Response::Allocated`].
+    pub spares_back: bool,
+}
+
+/// One value of a [`RowsResolved`] as [`RowsResolved::values`] reads it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowValue<'a> {
+    pub offset: u64,
+    pub len: u64,
+    pub meta: &'a [u8],
+}
+
+impl RowsResolved {
+    /// Append a value's place and metadata (the unit, building the
+    /// reply; positions are counted by the caller).
+    pub fn push(&mut self, offset: u64, len: u64, meta: &[u8]) {
+        self.places.extend_from_slice(&offset.to_le_bytes());
+        self.places.extend_from_slice(&len.to_le_bytes());
+        self.metas.extend_from_slice(meta);
+        // Metadata is bounded far below 4 GiB per request (Limits).
+        let end = u32::try_from(self.metas.len()).unwrap_or(u32::MAX);
+        self.meta_ends.extend_from_slice(&end.to_le_bytes());
+        self.n += 1;
+    }
+
+    /// Every value in order, checked: the columns hold exactly `n`
+    /// values, and each value's metadata lies in `metas`.
+    pub fn values(&self) -> Result<impl Iterator<Item = RowValue<'_>> + '_, String> {
+        let n = self.n as usize;
+        if self.places.len() != n.saturating_mul(16) || self.meta_ends.len() != n.saturating_mul(4)
+        {
+            return Err(format!(
+                "columns of {} and {} bytes for {n} values",
+                self.places.len(),
+                self.meta_ends.len()
+            ));
+        }
+        let mut start = 0usize;
+        for end in self.meta_ends.chunks_exact(4) {
+            let end = u32::from_le_bytes(end.try_into().unwrap_or_default()) as usize;
+            if end < start || end > self.metas.len() {
+                return Err(format!("metadata ending at {end}, after {start}"));
+            }
+            start = end;
+        }
+        if self
+            .missing
+            .iter()
+            .chain(&self.corrupt)
+            .chain(&self.on_disk)
+            .chain(self.split.iter().map(|(i, _)| i))
+            .any(|&i| i as usize >= n)
+        {
+            return Err(format!("a position past the {n} values"));
+        }
+        let u64_at = |b: &[u8]| u64::from_le_bytes(b.try_into().unwrap_or_default());
+        let mut start = 0usize;
+        Ok(self
+            .places
+            .chunks_exact(16)
+            .zip(self.meta_ends.chunks_exact(4))
+            .map(move |(place, end)| {
+                let end = u32::from_le_bytes(end.try_into().unwrap_or_default()) as usize;
+                let meta = &self.metas[start..end];
+                start = end;
+                RowValue {
+                    offset: u64_at(&place[..8]),
+                    len: u64_at(&place[8..]),
+                    meta,
+                }
+            }))
+    }
 }

@@ -121,6 +121,16 @@ impl Request {
                 keys.iter()
                     .try_for_each(|k| name("field name bytes", &k.field))
             }
+            Request::ResolveRows {
+                partition: p,
+                rows,
+                fields,
+                ..
+            } => {
+                partition(p)?;
+                count("keys", rows.len().saturating_mul(fields.len()))?;
+                fields.iter().try_for_each(|f| name("field name bytes", f))
+            }
             Request::ClearRows { rows, partition: p } => {
                 partition(p)?;
                 count("rows", rows.len())

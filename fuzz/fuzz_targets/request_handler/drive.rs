@@ -208,7 +208,7 @@ impl H {
         for (sc, keys) in scopes {
             let op = core_op::Resolve {
                 partition: sc.clone(),
-                keys: keys.clone(),
+                keys: keys.clone().into(),
                 view: false,
             };
             let (pin, found) = match self.core.handle(

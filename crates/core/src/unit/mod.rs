@@ -44,7 +44,8 @@ mod tier;
 #[cfg(test)]
 use crate::SlabRange;
 use crate::{
-    Allocated, BlobId, ConnId, CoreError, EntrySpec, Held, Key, LeaseId, PinId, SessionId, Time,
+    Allocated, BlobId, ConnId, CoreError, EntrySpec, Held, Key, Keys, LeaseId, PinId, SessionId,
+    Time,
 };
 pub use compact::MoveJob;
 pub use drive::Action;

@@ -84,7 +84,7 @@ pub struct Abort {
 #[derive(Clone, Debug)]
 pub struct Resolve {
     pub partition: String,
-    pub keys: Vec<Key>,
+    pub keys: Keys,
     /// A view: the pin lasts as long as its holder wants (not a read that
     /// copies out and unpins). The memory of a cleared or replaced value a
     /// view pins counts as used ([`crate::CoreError::Full`], naming it);

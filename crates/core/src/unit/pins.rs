@@ -34,7 +34,7 @@ impl UnitCore {
         &mut self,
         owner: Owner,
         partition: &str,
-        keys: &[Key],
+        keys: &Keys,
         view: bool,
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Placed>>), CoreError> {
@@ -43,27 +43,44 @@ impl UnitCore {
         let rows = self.index.parts.get(partition);
         let blobs_map = &self.blobs;
         let mut blobs = Vec::new();
-        let found = keys
-            .iter()
-            .map(|k| {
-                let e = rows?.get(&k.row)?.get(&k.field)?;
-                let b = blobs_map.get(&e.blob)?;
-                // The values of one put share a blob: one id per run of
-                // them (pin_blobs sorts and dedups what is left).
-                if blobs.last() != Some(&e.blob) {
-                    blobs.push(e.blob);
+        let mut place = |e: &Entry| {
+            let b = blobs_map.get(&e.blob)?;
+            // The values of one put share a blob: one id per run of
+            // them (pin_blobs sorts and dedups what is left).
+            if blobs.last() != Some(&e.blob) {
+                blobs.push(e.blob);
+            }
+            let place = match &b.region {
+                Some(r) => Placement::of(r, e.offset, e.len),
+                None => Placement::Disk {
+                    blob: e.blob,
+                    offset: e.offset,
+                    len: e.len,
+                },
+            };
+            Some((place, crate::Meta::from(&e.meta[..])))
+        };
+        let found = match keys {
+            Keys::List(keys) => keys
+                .iter()
+                .map(|k| place(rows?.get(&k.row)?.get(&k.field)?))
+                .collect(),
+            Keys::Grid { rows: ids, fields } => {
+                // Each row looked up once, its fields in turn; the answer
+                // is field-major, as the keys are.
+                let n = ids.len();
+                let mut found = vec![None; keys.len()];
+                for (j, id) in ids.iter().enumerate() {
+                    let Some(row) = rows.and_then(|r| r.get(id)) else {
+                        continue;
+                    };
+                    for (f, field) in fields.iter().enumerate() {
+                        found[f * n + j] = row.get(field).and_then(&mut place);
+                    }
                 }
-                let place = match &b.region {
-                    Some(r) => Placement::of(r, e.offset, e.len),
-                    None => Placement::Disk {
-                        blob: e.blob,
-                        offset: e.offset,
-                        len: e.len,
-                    },
-                };
-                Some((place, crate::Meta::from(&e.meta[..])))
-            })
-            .collect();
+                found
+            }
+        };
         if blobs.is_empty() {
             return Ok((None, found));
         }

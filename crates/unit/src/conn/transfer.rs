@@ -318,6 +318,7 @@ impl Conn {
         pin: Option<stowage_core::PinId>,
         found: Vec<Option<stowage_core::Placed>>,
         spares_back: bool,
+        rows: bool,
     ) -> Response {
         let mut buf = match &self.shared.disk {
             Some(d) if handler::has_disk(&found) => {
@@ -327,7 +328,11 @@ impl Conn {
         };
         let served = self.shared.bring_back(found, buf.as_deref_mut(), false);
         drop(buf);
-        let (reply, bytes) = handler::resolved_reply(pin, served, spares_back);
+        let (reply, bytes) = if rows {
+            handler::resolved_rows_reply(pin, served, spares_back)
+        } else {
+            handler::resolved_reply(pin, served, spares_back)
+        };
         if let Some(m) = self.counters() {
             m.bytes_out(crate::metrics::Transport::Shm, bytes);
         }

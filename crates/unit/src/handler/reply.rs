@@ -3,7 +3,7 @@
 //! headers of a Resolve and a Read from what was served.
 
 use stowage_core::PinId;
-use stowage_wire::{ErrorCode, Item, Placed, Response};
+use stowage_wire::{ErrorCode, Item, Placed, Response, RowsResolved};
 
 use crate::tier::Served;
 
@@ -104,6 +104,54 @@ pub(crate) fn resolved_reply(
         },
         bytes,
     )
+}
+
+/// [`resolved_reply`] in columns, the reply to a ResolveRows: nothing
+/// is built per value but its bytes in the columns.
+pub(crate) fn resolved_rows_reply(
+    pin: Option<PinId>,
+    served: Vec<Option<Served>>,
+    spares_back: bool,
+) -> (Response, u64) {
+    let n = served.len();
+    let mut r = RowsResolved {
+        pin,
+        places: Vec::with_capacity(n * 16),
+        metas: Vec::with_capacity(n * 8),
+        meta_ends: Vec::with_capacity(n * 4),
+        spares_back,
+        ..RowsResolved::default()
+    };
+    let mut bytes = 0;
+    for (i, f) in served.into_iter().enumerate() {
+        let i = i as u32;
+        match f {
+            Some(Served::Memory(l, meta)) => {
+                bytes += l.len;
+                r.push(l.offset, l.len, &meta);
+            }
+            Some(Served::Split(parts, meta)) => {
+                let len = parts.iter().map(|l| l.len).sum();
+                bytes += len;
+                r.push(parts.first().map_or(0, |l| l.offset), len, &meta);
+                r.split
+                    .push((i, parts.iter().map(|l| (l.offset, l.len)).collect()));
+            }
+            Some(Served::Disk { len, meta, .. }) => {
+                r.push(0, len, &meta);
+                r.on_disk.push(i);
+            }
+            Some(Served::Corrupt) => {
+                r.push(0, 0, &[]);
+                r.corrupt.push(i);
+            }
+            None => {
+                r.push(0, 0, &[]);
+                r.missing.push(i);
+            }
+        }
+    }
+    (Response::ResolvedRows(Box::new(r)), bytes)
 }
 
 /// The header of a Read's reply for the values `served` (one per key), and

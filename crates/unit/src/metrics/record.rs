@@ -71,7 +71,7 @@ impl Op {
             // A commit that also reserves the client's next spare.
             Request::Commit { .. } | Request::CommitSpare { .. } => Op::Commit,
             Request::Abort { .. } => Op::Abort,
-            Request::Resolve { .. } => Op::Resolve,
+            Request::Resolve { .. } | Request::ResolveRows { .. } => Op::Resolve,
             Request::Unpin { .. } => Op::Unpin,
             Request::ClearRows { .. } => Op::ClearRows,
             Request::Put { .. } => Op::Put,

@@ -34,14 +34,16 @@ impl UnitCore {
         keys: &[Key],
         now: Time,
     ) -> Result<(Option<PinId>, Vec<Option<Placement>>), CoreError> {
-        let (pin, found) = self.resolve(owner, partition, keys, false, now)?;
+        let (pin, found) = self.resolve(owner, partition, &keys.to_vec().into(), false, now)?;
         Ok((pin, found.into_iter().map(|f| f.map(|(p, _)| p)).collect()))
     }
 
     /// [`UnitCore::resolve_places`] for a view: the pin lasts as long as
     /// its holder wants.
     fn view_places(&mut self, owner: Owner, partition: &str, keys: &[Key]) -> Option<PinId> {
-        self.resolve(owner, partition, keys, true, t(0)).unwrap().0
+        self.resolve(owner, partition, &keys.to_vec().into(), true, t(0))
+            .unwrap()
+            .0
     }
 }
 
@@ -144,7 +146,9 @@ fn metadata_listing_and_held_pins() {
         ]
     );
     assert_eq!(c.partitions(""), vec!["p".to_string()]);
-    let (pin, found) = c.resolve(o, "p", &[Key::new(5, "a")], false, t(0)).unwrap();
+    let (pin, found) = c
+        .resolve(o, "p", &vec![Key::new(5, "a")].into(), false, t(0))
+        .unwrap();
     assert_eq!(found[0].as_ref().map(|(_, m)| m.to_vec()), Some(vec![5]));
     c.clear_rows("p", &[5, 2]);
     // A held pin outlives any lease, and keeps the blob.
@@ -153,6 +157,54 @@ fn metadata_listing_and_held_pins() {
     assert_eq!(c.stats().blobs, 1);
     c.unpin(o, pin.unwrap()).unwrap();
     assert_eq!(c.stats().used, 0);
+}
+
+/// A resolve of every field of some rows answers what the list of those
+/// keys, field by field, answers: the same places and metadata in the
+/// same order, missing rows and fields `None`, one pin for both.
+#[test]
+fn a_grid_of_rows_and_fields_resolves_as_its_list_of_keys() {
+    let mut c = core(1 << 20);
+    let o = own(&mut c);
+    c.alloc(o, BlobId(1), 24, 3, t(0)).unwrap();
+    c.commit(
+        o,
+        "p",
+        BlobId(1),
+        &[
+            entry(5, "a", 0, 8),
+            entry(5, "b", 8, 8),
+            entry(2, "a", 16, 8),
+        ],
+    )
+    .unwrap();
+    let rows = vec![2, 7, 5];
+    let fields = vec!["a".to_string(), "b".to_string(), "c".to_string()];
+    let list: Vec<Key> = fields
+        .iter()
+        .flat_map(|f| rows.iter().map(move |&r| Key::new(r, f.as_str())))
+        .collect();
+    let (pin_l, by_list) = c.resolve(o, "p", &list.into(), true, t(0)).unwrap();
+    let grid = Keys::Grid { rows, fields };
+    let (pin_g, by_grid) = c.resolve(o, "p", &grid, true, t(0)).unwrap();
+    assert_eq!(by_grid, by_list);
+    let found: Vec<bool> = by_grid.iter().map(Option::is_some).collect();
+    // a of 2, 7, 5; b of 2, 7, 5; c of none.
+    assert_eq!(
+        found,
+        [true, false, true, false, false, true, false, false, false]
+    );
+    assert_eq!(c.stats().pins, 2);
+    c.unpin(o, pin_l.unwrap()).unwrap();
+    c.unpin(o, pin_g.unwrap()).unwrap();
+    let (pin, none) = c.resolve(o, "q", &grid, true, t(0)).unwrap();
+    assert!(pin.is_none() && none.iter().all(Option::is_none) && none.len() == 9);
+    let empty = Keys::Grid {
+        rows: vec![],
+        fields: vec!["a".into()],
+    };
+    assert_eq!(empty.get(0), None);
+    assert_eq!(grid.get(4), Some((7, "b")));
 }
 
 #[test]
