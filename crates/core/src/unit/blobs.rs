@@ -479,7 +479,7 @@ impl UnitCore {
                 blob,
                 offset: e.offset,
                 len: e.len,
-                meta: e.meta.into_boxed_slice(),
+                meta: crate::Meta::from(e.meta),
             };
             let old = rows
                 .entry(e.key.row)

@@ -43,13 +43,20 @@ impl UnitCore {
         let rows = self.index.parts.get(partition);
         let blobs_map = &self.blobs;
         let mut blobs = Vec::new();
+        // The values of one put share a blob: it is looked up once per run
+        // of them, and its id kept once (pin_blobs sorts and dedups what
+        // is left).
+        let mut last: Option<(BlobId, &Blob)> = None;
         let mut place = |e: &Entry| {
-            let b = blobs_map.get(&e.blob)?;
-            // The values of one put share a blob: one id per run of
-            // them (pin_blobs sorts and dedups what is left).
-            if blobs.last() != Some(&e.blob) {
-                blobs.push(e.blob);
-            }
+            let b = match last {
+                Some((id, b)) if id == e.blob => b,
+                _ => {
+                    let b = blobs_map.get(&e.blob)?;
+                    last = Some((e.blob, b));
+                    blobs.push(e.blob);
+                    b
+                }
+            };
             let place = match &b.region {
                 Some(r) => Placement::of(r, e.offset, e.len),
                 None => Placement::Disk {
@@ -58,7 +65,7 @@ impl UnitCore {
                     len: e.len,
                 },
             };
-            Some((place, crate::Meta::from(&e.meta[..])))
+            Some((place, e.meta.clone()))
         };
         let found = match keys {
             Keys::List(keys) => keys
