@@ -137,7 +137,9 @@ pub(crate) struct UnitArgs {
     /// unix:$XDG_RUNTIME_DIR/stowage/unit-0.sock, else
     /// unix:/tmp/stowage-UID/unit-0.sock (a private 0700 directory),
     /// else, when another user made that directory first (or it is a
-    /// link), unix:$HOME/.stowage/run/unit-0.sock, with a warning.
+    /// link), unix:$HOME/.stowage/run/unit-0.sock, else (no usable HOME)
+    /// unix:/tmp/stowage-UID-XXXXXX/unit-0.sock, a private directory of
+    /// its own; a warning names the fallback.
     #[arg(long)]
     listen: Vec<String>,
     #[command(flatten)]

@@ -655,8 +655,9 @@ impl Config {
     /// this user's private runtime directory
     /// ([`stowage_config::runtime_dir::runtime_dir`]: `$XDG_RUNTIME_DIR/stowage`,
     /// else `/tmp/stowage-<uid>`, else `$HOME/.stowage/run` when another
-    /// user took that name; 0700), which fails when that directory
-    /// is not this user's own.
+    /// user took that name, else `/tmp/stowage-<uid>-XXXXXX` of its own
+    /// when there is no usable home; 0700), which fails when that
+    /// directory is not this user's own.
     pub fn unit_socket(&self, index: usize) -> std::io::Result<PathBuf> {
         match &self.listen.unix_dir {
             Some(d) => Ok(d.join(format!("unit-{index}.sock"))),
