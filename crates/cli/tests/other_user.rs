@@ -11,6 +11,8 @@
 //! refused is the connection, never the exec.
 
 mod common;
+#[path = "common/flood.rs"]
+mod flood;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -798,4 +800,131 @@ fn a_slab_fd_that_could_shrink_is_never_mapped() {
         Err(e) => panic!("refused, but not for the fd's seals: {e}"),
         Ok(_) => panic!("a client mapped an unsealed fd"),
     }
+}
+
+/// Not a test on its own: floods the metrics endpoint at
+/// `STOWAGE_TEST_FLOOD` (an address) as `flood::flood` does, from 4
+/// threads, printing `FLOODING` once started and `CONNECTS <n>` about
+/// every 500 ms; stops by itself after 60 s.
+#[test]
+#[ignore = "a helper process of the metrics flood test"]
+fn metrics_flood_child() {
+    let addr: std::net::SocketAddr = std::env::var("STOWAGE_TEST_FLOOD")
+        .expect("run only by its test")
+        .parse()
+        .unwrap();
+    println!("FLOODING");
+    std::io::stdout().flush().unwrap();
+    let connects = std::sync::atomic::AtomicU64::new(0);
+    flood::flood(
+        addr,
+        4,
+        Instant::now() + Duration::from_secs(60),
+        &std::sync::atomic::AtomicBool::new(false),
+        &connects,
+        |n| {
+            println!("CONNECTS {n}");
+            let _ = std::io::stdout().flush();
+        },
+    );
+}
+
+/// The latest `CONNECTS <n>` the flood child printed on `lines` within
+/// `within`, once it is at least `at_least` (else the latest seen).
+fn flood_connects(
+    lines: &std::sync::mpsc::Receiver<String>,
+    at_least: u64,
+    within: Duration,
+) -> u64 {
+    let end = Instant::now() + within;
+    let mut latest = 0;
+    while latest < at_least {
+        let Ok(l) = lines.recv_timeout(end.saturating_duration_since(Instant::now())) else {
+            break;
+        };
+        if let Some(n) = l.trim().strip_prefix("CONNECTS ") {
+            latest = n.parse().unwrap_or(latest);
+        }
+    }
+    latest
+}
+
+#[test]
+fn the_owners_scrapes_get_through_while_another_user_floods_the_metrics_endpoint() {
+    if !can_switch_user() {
+        return;
+    }
+    let shared = Shared::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut unit, lines) = spawn_reaped(
+        Command::new(binary())
+            .args(["unit", "--no-mlock", "--memory", "16MiB", "--exit-with-stdin"])
+            .arg("--listen")
+            .arg(format!("unix:{}", dir.path().join("u.sock").display()))
+            .env_remove("STOWAGE_SECRET")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let ready = expect_line(&lines, "READY ", Duration::from_secs(30));
+    let addr: std::net::SocketAddr = ready
+        .split(' ')
+        .find_map(|w| w.strip_prefix("metrics=http://"))
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no metrics endpoint in {ready}"));
+    flood::scrape(addr, Duration::from_secs(5)).expect("a scrape before the flood");
+    // The other user holds the endpoint: connects, re-opens what is cut,
+    // sends partial heads.
+    let (mut hostile, flooding) = spawn_reaped(
+        as_other(&shared.path("tests"))
+            .args([
+                "--exact",
+                "metrics_flood_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("STOWAGE_TEST_FLOOD", addr.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    assert!(
+        wait_for_line(&flooding, "FLOODING", Duration::from_secs(30)),
+        "the flood never started"
+    );
+    // In full swing: far more connects than the endpoint has places.
+    let before = flood_connects(&flooding, 2000, Duration::from_secs(20));
+    assert!(before >= 2000, "the flood made only {before} connects");
+    let (ok, failed) = flood::scrapes(
+        addr,
+        10,
+        Duration::from_secs(5),
+        Duration::from_millis(100),
+    );
+    // Still flooding while the owner scraped.
+    let after = flood_connects(&flooding, before + 2000, Duration::from_secs(5));
+    assert!(
+        hostile.0.try_wait().unwrap().is_none(),
+        "the flood ended before the scrapes did"
+    );
+    let _ = hostile.0.kill(); // by its pid; reaped on drop
+    eprintln!(
+        "owner's scrapes: {ok}/10 under a flood of {} connects; failures: {failed:?}",
+        after - before
+    );
+    assert!(
+        after >= before + 2000,
+        "the flood was not running during the scrapes ({before} then {after} connects)"
+    );
+    assert!(
+        ok >= 9,
+        "the owner's scrapes succeeded {ok}/10 while another user held the endpoint: {failed:?}"
+    );
+    // The unit served throughout and still answers.
+    flood::scrape(addr, Duration::from_secs(5)).expect("a scrape after the flood");
+    drop(hostile);
+    drop(unit.0.stdin.take());
+    wait_bounded(&mut unit.0, Duration::from_secs(10));
 }
