@@ -23,7 +23,13 @@ fn main() {
     });
     let dir = tempfile::tempdir().unwrap();
     let mut unit = Command::new(&binary)
-        .args(["unit", "--no-mlock", "--memory", "16MiB", "--exit-with-stdin"])
+        .args([
+            "unit",
+            "--no-mlock",
+            "--memory",
+            "16MiB",
+            "--exit-with-stdin",
+        ])
         .arg("--listen")
         .arg(format!("unix:{}", dir.path().join("u.sock").display()))
         .env_remove("STOWAGE_SECRET")

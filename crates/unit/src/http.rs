@@ -175,11 +175,8 @@ fn accept_some(
                 None => continue, // every place holds a token: dropped
             },
         };
-        poll.registry().register(
-            &mut s,
-            Token(i),
-            Interest::READABLE | Interest::WRITABLE,
-        )?;
+        poll.registry()
+            .register(&mut s, Token(i), Interest::READABLE | Interest::WRITABLE)?;
         let now = Instant::now();
         let mut c = Client {
             s,
@@ -268,7 +265,10 @@ fn progress(c: &mut Client, registry: &Registry, token: Option<&str>) -> Progres
 /// showed the token.
 fn answer(head: Option<&[u8]>, registry: &Registry, token: Option<&str>) -> (Vec<u8>, bool) {
     let Some(head) = head else {
-        return (respond(431, "text/plain", b"request head too large\n"), false);
+        return (
+            respond(431, "text/plain", b"request head too large\n"),
+            false,
+        );
     };
     let Ok(head) = std::str::from_utf8(head) else {
         return (respond(400, "text/plain", b"bad request\n"), false);
@@ -291,7 +291,10 @@ fn answer(head: Option<&[u8]>, registry: &Registry, token: Option<&str>) -> (Vec
     }
     let path = target.split('?').next().unwrap_or("");
     if path != "/metrics" {
-        return (respond(404, "text/plain", b"not found: try /metrics\n"), shown);
+        return (
+            respond(404, "text/plain", b"not found: try /metrics\n"),
+            shown,
+        );
     }
     if method != "GET" {
         return (respond(405, "text/plain", b"only GET\n"), shown);

@@ -451,9 +451,7 @@ pub(crate) fn start_with(
             let (sh, r) = (shared.clone(), registry.clone());
             std::thread::Builder::new()
                 .name("metrics-accept".into())
-                .spawn(move || {
-                    http::accept(|| sh.life.stop.load(Ordering::SeqCst), l, r, token)
-                })
+                .spawn(move || http::accept(|| sh.life.stop.load(Ordering::SeqCst), l, r, token))
                 .map_err(StartError::Slab)?;
         }
         handle.registry = Some(registry);

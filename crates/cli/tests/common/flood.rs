@@ -36,7 +36,8 @@ pub fn flood(
             scope.spawn(|| {
                 let mut held = VecDeque::with_capacity(HELD + 1);
                 while Instant::now() < until && !stop.load(Ordering::Relaxed) {
-                    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
+                    let Ok(mut s) = TcpStream::connect_timeout(&addr, Duration::from_secs(1))
+                    else {
                         continue;
                     };
                     let _ = s.write_all(b"GET /metr");
@@ -61,8 +62,12 @@ pub fn flood(
 pub fn scrape(addr: SocketAddr, within: Duration) -> Result<String, String> {
     let end = Instant::now() + within;
     let mut s = TcpStream::connect_timeout(&addr, within).map_err(|e| format!("connect: {e}"))?;
-    let left = || end.saturating_duration_since(Instant::now()).max(Duration::from_millis(1));
-    s.set_write_timeout(Some(left())).map_err(|e| e.to_string())?;
+    let left = || {
+        end.saturating_duration_since(Instant::now())
+            .max(Duration::from_millis(1))
+    };
+    s.set_write_timeout(Some(left()))
+        .map_err(|e| e.to_string())?;
     s.write_all(b"GET /metrics HTTP/1.1\r\nHost: stowage\r\n\r\n")
         .map_err(|e| format!("sending the request: {e}"))?;
     let mut answer = Vec::new();
@@ -71,7 +76,8 @@ pub fn scrape(addr: SocketAddr, within: Duration) -> Result<String, String> {
         if Instant::now() >= end {
             return Err("no whole answer in time".into());
         }
-        s.set_read_timeout(Some(left())).map_err(|e| e.to_string())?;
+        s.set_read_timeout(Some(left()))
+            .map_err(|e| e.to_string())?;
         match s.read(&mut buf) {
             Ok(0) => break,
             Ok(n) => answer.extend_from_slice(&buf[..n]),
@@ -94,7 +100,12 @@ pub fn scrape(addr: SocketAddr, within: Duration) -> Result<String, String> {
 
 /// `n` scrapes, `gap` apart, each within `within`: how many succeeded,
 /// and why the others failed.
-pub fn scrapes(addr: SocketAddr, n: usize, within: Duration, gap: Duration) -> (usize, Vec<String>) {
+pub fn scrapes(
+    addr: SocketAddr,
+    n: usize,
+    within: Duration,
+    gap: Duration,
+) -> (usize, Vec<String>) {
     let mut ok = 0;
     let mut failed = Vec::new();
     for _ in 0..n {
