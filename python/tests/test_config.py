@@ -38,7 +38,7 @@ DEFAULTS = {
     "auth": {"secret_file": None, "insecure": False},
     "timeouts": {"op": 30.0, "start": 120.0, "stop": 30.0, "frame": 10.0, "handshake": 1.0},
     "client": {"namespace": "default", "transport": "auto", "wait_for_memory": None},
-    "metrics": {"enabled": True, "listen": "127.0.0.1:0"},
+    "metrics": {"enabled": True, "listen": "127.0.0.1:0", "token_file": None},
 }
 
 
@@ -63,7 +63,11 @@ def test_the_example_file_loads(tmp_path):
     assert cfg["auth"]["secret_file"] == "/etc/stowage/secret"
     assert cfg["timeouts"]["start"] == 120.0
     assert cfg["client"]["wait_for_memory"] == 10.0
-    assert cfg["metrics"] == {"enabled": True, "listen": "127.0.0.1:9464"}
+    assert cfg["metrics"] == {
+        "enabled": True,
+        "listen": "127.0.0.1:9464",
+        "token_file": "/etc/stowage/metrics.token",
+    }
     # Every key of every section is there, and no other.
     for section, keys in DEFAULTS.items():
         assert set(cfg[section]) == set(keys), section

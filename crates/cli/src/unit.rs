@@ -137,7 +137,9 @@ pub(crate) struct UnitArgs {
     /// unix:$XDG_RUNTIME_DIR/stowage/unit-0.sock, else
     /// unix:/tmp/stowage-UID/unit-0.sock (a private 0700 directory),
     /// else, when another user made that directory first (or it is a
-    /// link), unix:$HOME/.stowage/run/unit-0.sock, with a warning.
+    /// link), unix:$HOME/.stowage/run/unit-0.sock, else (no usable HOME)
+    /// unix:/tmp/stowage-UID-XXXXXX/unit-0.sock, a private directory of
+    /// its own; a warning names the fallback.
     #[arg(long)]
     listen: Vec<String>,
     #[command(flatten)]
@@ -365,6 +367,7 @@ mod tests {
             "--restore=/r",
             "--insecure",
             "--no-metrics",
+            "--metrics-token-file=/t",
         ]);
         let s = Duration::from_secs;
         assert_eq!((c.memory, c.name.as_str()), (2 << 20, "u"));
@@ -375,6 +378,7 @@ mod tests {
         assert_eq!(c.checkpoint_root, Some("/ck".into()));
         assert!(c.allow_other_uids && c.admin_tcp && c.insecure);
         assert!(!c.mlock && !c.metrics);
+        assert_eq!(c.metrics_token_file, Some("/t".into()));
         assert_eq!((c.frame_timeout, c.handshake_timeout), (s(4), s(11)));
         assert_eq!(
             [c.max_connections, c.max_sessions, c.threads, c.io_threads],

@@ -11,6 +11,8 @@
 //! refused is the connection, never the exec.
 
 mod common;
+#[path = "common/flood.rs"]
+mod flood;
 
 use std::io::{Read, Write};
 use std::os::unix::fs::PermissionsExt;
@@ -382,23 +384,31 @@ fn a_unit_will_not_serve_tcp_without_a_secret_unless_insecure_loopback_included(
 
 /// `stowage unit` with default flags, its temporary directory `tmp`.
 fn default_unit(tmp: &Path, home: &Path) -> (Reap, String) {
-    let (child, lines) = spawn_reaped(
-        Command::new(binary())
-            .args([
-                "unit",
-                "--no-mlock",
-                "--memory",
-                "8MiB",
-                "--exit-with-stdin",
-            ])
-            .env_remove("XDG_RUNTIME_DIR")
-            .env("TMPDIR", tmp)
-            .env("HOME", home)
-            .env_remove("STOWAGE_SECRET")
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped()),
-    );
+    default_unit_in(tmp, Some(home))
+}
+
+/// `stowage unit` with default flags, its temporary directory `tmp`, no
+/// XDG_RUNTIME_DIR, and `home` as HOME (none when `None`).
+fn default_unit_in(tmp: &Path, home: Option<&Path>) -> (Reap, String) {
+    let mut cmd = Command::new(binary());
+    cmd.args([
+        "unit",
+        "--no-mlock",
+        "--memory",
+        "8MiB",
+        "--exit-with-stdin",
+    ])
+    .env_remove("XDG_RUNTIME_DIR")
+    .env("TMPDIR", tmp)
+    .env_remove("HOME")
+    .env_remove("STOWAGE_SECRET")
+    .stdin(Stdio::piped())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    if let Some(h) = home {
+        cmd.env("HOME", h);
+    }
+    let (child, lines) = spawn_reaped(&mut cmd);
     let line = lines
         .recv_timeout(Duration::from_secs(30))
         .unwrap_or_default();
@@ -497,6 +507,105 @@ fn a_runtime_directory_another_user_made_first_is_not_used() {
     assert_eq!(std::fs::read_dir(elsewhere.path()).unwrap().count(), 0);
     let err = stopped_stderr(unit);
     assert!(err.contains("symbolic link"), "{err}");
+}
+
+#[test]
+fn a_service_account_starts_in_a_private_directory_of_its_own() {
+    // Neither HOME nor XDG_RUNTIME_DIR, and another user made
+    // $TMPDIR/stowage-UID first: the unit makes a private directory of its
+    // own, says where, and its clients find it.
+    if !can_switch_user() {
+        return;
+    }
+    let shared = Shared::new();
+    let tmp = shared.path("tmp");
+    std::fs::create_dir(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    let uid = rustix::process::geteuid().as_raw();
+    let taken = tmp.join(format!("stowage-{uid}"));
+    let out = as_other(Path::new("/bin/mkdir"))
+        .args(["-m", "777"])
+        .arg(&taken)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out));
+    let (unit, ready) = default_unit_in(&tmp, None);
+    // READY uds=TMP/stowage-UID-XXXXXX/unit-0.sock tcp= ...
+    let sock = ready
+        .split(' ')
+        .find_map(|w| w.strip_prefix("uds="))
+        .map(PathBuf::from)
+        .unwrap_or_else(|| panic!("the service account's unit did not start: {ready}"));
+    assert!(ready.starts_with("READY "), "{ready}");
+    let dir = sock.parent().unwrap().to_path_buf();
+    assert_eq!(sock.file_name().unwrap(), "unit-0.sock");
+    assert_eq!(dir.parent(), Some(tmp.as_path()), "{ready}");
+    let name = dir.file_name().unwrap().to_str().unwrap().to_string();
+    let suffix = name
+        .strip_prefix(&format!("stowage-{uid}-"))
+        .unwrap_or_else(|| panic!("not a fallback of this user: {name}"));
+    assert_eq!(suffix.len(), 6, "{name}");
+    let st = std::fs::symlink_metadata(&dir).unwrap();
+    assert!(st.is_dir());
+    assert_eq!(st.permissions().mode() & 0o7777, 0o700);
+    assert_eq!(std::os::unix::fs::MetadataExt::uid(&st), uid);
+    // Its own client puts and gets through it.
+    let c = Client::connect(ClientConfig::new("own", vec![UnitAddr::Unix(sock.clone())]))
+        .expect("its own user connects in the fallback");
+    let key = stowage_client::Key::new(3, "f");
+    c.put_rows(&[(key.clone(), b"service")], c.deadline())
+        .unwrap();
+    assert_eq!(
+        c.get_rows(&[key], c.deadline()).unwrap(),
+        vec![b"service".to_vec()]
+    );
+    drop(c);
+    // A client that computes the default directory (`stowage status
+    // --config` with no listen.unix_dir), in the same environment, finds
+    // the same socket.
+    let config = shared.path("stowage.toml");
+    std::fs::write(&config, "[units]\ncount = 1\n").unwrap();
+    let mut status = Command::new(binary())
+        .args(["status", "--json", "--config"])
+        .arg(&config)
+        .env_remove("XDG_RUNTIME_DIR")
+        .env_remove("HOME")
+        .env("TMPDIR", &tmp)
+        .env_remove("STOWAGE_SECRET")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_bounded(&mut status, Duration::from_secs(30));
+    let o = status.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", text(&o));
+    let t = text(&o);
+    assert!(t.contains(&sock.display().to_string()), "{t}");
+    assert!(t.contains("\"up\""), "the unit was not found up: {t}");
+    // Nothing was made in the directory the other user made, no other
+    // fallback was made, and the log names both.
+    assert_eq!(std::fs::read_dir(&taken).unwrap().count(), 0);
+    let fallbacks = std::fs::read_dir(&tmp)
+        .unwrap()
+        .filter(|e| {
+            let n = e.as_ref().unwrap().file_name();
+            n.to_str().unwrap().starts_with(&format!("stowage-{uid}-"))
+        })
+        .count();
+    assert_eq!(fallbacks, 1);
+    let err = stopped_stderr(unit);
+    assert!(
+        err.contains(&taken.display().to_string()) && err.contains(&dir.display().to_string()),
+        "{err}"
+    );
+    // Started again, it finds the same directory.
+    let (unit, ready) = default_unit_in(&tmp, None);
+    assert!(
+        ready.contains(&format!("uds={} ", sock.display())),
+        "{ready}"
+    );
+    drop(unit);
 }
 
 #[test]
@@ -691,4 +800,132 @@ fn a_slab_fd_that_could_shrink_is_never_mapped() {
         Err(e) => panic!("refused, but not for the fd's seals: {e}"),
         Ok(_) => panic!("a client mapped an unsealed fd"),
     }
+}
+
+/// Not a test on its own: floods the metrics endpoint at
+/// `STOWAGE_TEST_FLOOD` (an address) as `flood::flood` does, from 4
+/// threads, printing `FLOODING` once started and `CONNECTS <n>` about
+/// every 500 ms; stops by itself after 60 s.
+#[test]
+#[ignore = "a helper process of the metrics flood test"]
+fn metrics_flood_child() {
+    let addr: std::net::SocketAddr = std::env::var("STOWAGE_TEST_FLOOD")
+        .expect("run only by its test")
+        .parse()
+        .unwrap();
+    println!("FLOODING");
+    std::io::stdout().flush().unwrap();
+    let connects = std::sync::atomic::AtomicU64::new(0);
+    flood::flood(
+        addr,
+        4,
+        Instant::now() + Duration::from_secs(60),
+        &std::sync::atomic::AtomicBool::new(false),
+        &connects,
+        |n| {
+            println!("CONNECTS {n}");
+            let _ = std::io::stdout().flush();
+        },
+    );
+}
+
+/// The latest `CONNECTS <n>` the flood child printed on `lines` within
+/// `within`, once it is at least `at_least` (else the latest seen).
+fn flood_connects(
+    lines: &std::sync::mpsc::Receiver<String>,
+    at_least: u64,
+    within: Duration,
+) -> u64 {
+    let end = Instant::now() + within;
+    let mut latest = 0;
+    while latest < at_least {
+        let Ok(l) = lines.recv_timeout(end.saturating_duration_since(Instant::now())) else {
+            break;
+        };
+        if let Some(n) = l.trim().strip_prefix("CONNECTS ") {
+            latest = n.parse().unwrap_or(latest);
+        }
+    }
+    latest
+}
+
+#[test]
+fn the_owners_scrapes_get_through_while_another_user_floods_the_metrics_endpoint() {
+    if !can_switch_user() {
+        return;
+    }
+    let shared = Shared::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut unit, lines) = spawn_reaped(
+        Command::new(binary())
+            .args([
+                "unit",
+                "--no-mlock",
+                "--memory",
+                "16MiB",
+                "--exit-with-stdin",
+            ])
+            .arg("--listen")
+            .arg(format!("unix:{}", dir.path().join("u.sock").display()))
+            .env_remove("STOWAGE_SECRET")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    let ready = expect_line(&lines, "READY ", Duration::from_secs(30));
+    let addr: std::net::SocketAddr = ready
+        .split(' ')
+        .find_map(|w| w.strip_prefix("metrics=http://"))
+        .and_then(|a| a.strip_suffix("/metrics"))
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("no metrics endpoint in {ready}"));
+    flood::scrape(addr, Duration::from_secs(5)).expect("a scrape before the flood");
+    // The other user holds the endpoint: connects, re-opens what is cut,
+    // sends partial heads.
+    let (mut hostile, flooding) = spawn_reaped(
+        as_other(&shared.path("tests"))
+            .args([
+                "--exact",
+                "metrics_flood_child",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("STOWAGE_TEST_FLOOD", addr.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null()),
+    );
+    assert!(
+        wait_for_line(&flooding, "FLOODING", Duration::from_secs(30)),
+        "the flood never started"
+    );
+    // In full swing: far more connects than the endpoint has places.
+    let before = flood_connects(&flooding, 2000, Duration::from_secs(20));
+    assert!(before >= 2000, "the flood made only {before} connects");
+    let (ok, failed) = flood::scrapes(addr, 10, Duration::from_secs(5), Duration::from_millis(100));
+    // Still flooding while the owner scraped.
+    let after = flood_connects(&flooding, before + 1, Duration::from_secs(5));
+    assert!(
+        hostile.0.try_wait().unwrap().is_none(),
+        "the flood ended before the scrapes did"
+    );
+    let _ = hostile.0.kill(); // by its pid; reaped on drop
+    eprintln!(
+        "owner's scrapes: {ok}/10 under a flood of {} connects; failures: {failed:?}",
+        after - before
+    );
+    assert!(
+        after > before,
+        "the flood was not running during the scrapes ({before} then {after} connects)"
+    );
+    assert!(
+        ok >= 9,
+        "the owner's scrapes succeeded {ok}/10 while another user held the endpoint: {failed:?}"
+    );
+    // The unit served throughout and still answers.
+    flood::scrape(addr, Duration::from_secs(5)).expect("a scrape after the flood");
+    drop(hostile);
+    drop(unit.0.stdin.take());
+    wait_bounded(&mut unit.0, Duration::from_secs(10));
 }

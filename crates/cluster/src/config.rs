@@ -54,6 +54,10 @@ pub struct MetricsSection {
     /// Where unit `I` serves `GET /metrics`: this address with port
     /// `port + I`; port 0 (default): any free port. Default 127.0.0.1:0.
     pub listen: SocketAddr,
+    /// A file holding the endpoint's bearer token (absolute path): every
+    /// scrape must send `Authorization: Bearer <token>`. Default: none.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub token_file: Option<PathBuf>,
 }
 
 impl Default for MetricsSection {
@@ -61,6 +65,7 @@ impl Default for MetricsSection {
         Self {
             enabled: true,
             listen: SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), 0),
+            token_file: None,
         }
     }
 }
@@ -559,6 +564,7 @@ impl Config {
         }
         absolute("listen.unix_dir", self.listen.unix_dir.as_deref())?;
         absolute("auth.secret_file", self.auth.secret_file.as_deref())?;
+        absolute("metrics.token_file", self.metrics.token_file.as_deref())?;
         if self.auth.insecure && self.auth.secret_file.is_some() {
             return Err((
                 "auth.insecure",
@@ -655,8 +661,9 @@ impl Config {
     /// this user's private runtime directory
     /// ([`stowage_config::runtime_dir::runtime_dir`]: `$XDG_RUNTIME_DIR/stowage`,
     /// else `/tmp/stowage-<uid>`, else `$HOME/.stowage/run` when another
-    /// user took that name; 0700), which fails when that directory
-    /// is not this user's own.
+    /// user took that name, else `/tmp/stowage-<uid>-XXXXXX` of its own
+    /// when there is no usable home; 0700), which fails when that
+    /// directory is not this user's own.
     pub fn unit_socket(&self, index: usize) -> std::io::Result<PathBuf> {
         match &self.listen.unix_dir {
             Some(d) => Ok(d.join(format!("unit-{index}.sock"))),

@@ -157,6 +157,11 @@ pub struct UnitConfig {
     /// port: `UnitHandle::metrics` tells which); `None`: no endpoint
     /// (the metrics are still recorded for stats).
     pub metrics_listen: Option<SocketAddr>,
+    /// A file holding the metrics endpoint's bearer token: with it, every
+    /// scrape must send `Authorization: Bearer <token>` (others are
+    /// answered 401) and a connection that showed it is never evicted
+    /// for another. `None` (default): no token.
+    pub metrics_token_file: Option<std::path::PathBuf>,
     /// Serve one-sided NIXL transfers (docs/nixl.md): the slab is
     /// registered with a NIXL agent at start and clients that ask
     /// (`NixlInfo`) get its metadata. Needs a build with the `nixl`
@@ -229,6 +234,7 @@ impl UnitConfig {
             insecure: false,
             metrics: true,
             metrics_listen: Some(SocketAddr::from(([127, 0, 0, 1], 0))),
+            metrics_token_file: None,
             nixl: None,
         }
     }

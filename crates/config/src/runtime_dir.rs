@@ -4,17 +4,25 @@
 //! directory (`/tmp` unless `TMPDIR` says otherwise), else -- when that
 //! name was taken first by another user, or is a symbolic link or not a
 //! directory -- `$HOME/.stowage/run/`, with a warning naming the taken
-//! path. Units and clients compute the same directory the same way.
+//! path, else -- when there is no usable home either (a service account:
+//! no `HOME`, or one that cannot be written) -- a private directory of its
+//! own in the temporary directory, `stowage-<uid>-XXXXXX/` (random
+//! suffix, made like `mkdtemp`), with a warning naming it. Units and
+//! clients compute the same directory the same way: the last fallback is
+//! the smallest-named such directory of this user (0700, not a link)
+//! already there, and only when there is none is one made.
 //!
 //! A fixed name in a shared directory is a name another user can take
 //! first: bind a socket there and hand clients a memory fd of its own, or
 //! keep the unit from starting. This directory is made owner-only (0700)
 //! and used only when it is a real directory (not a symbolic link) of this
 //! user with exactly that mode. A taken name in the temporary directory
-//! is never used (nothing is created in it): the home fallback is. A
-//! directory of this user with another mode is refused with an error that
-//! says how to fix it. In a sticky temporary directory nobody else can
-//! rename or replace this user's directory.
+//! is never used (nothing is created in it): a fallback is. A random name
+//! cannot be taken in advance, and names of the fallback's pattern that
+//! belong to another user are passed over. A directory of this user with
+//! another mode is refused with an error that says how to fix it. In a
+//! sticky temporary directory nobody else can rename or replace this
+//! user's directory.
 
 use std::ffi::OsString;
 use std::io;
@@ -48,56 +56,68 @@ fn resolve(xdg: Option<OsString>, tmp: PathBuf, home: Option<OsString>) -> io::R
         }
     }
     let shared = tmp.join(format!("stowage-{}", uid.as_raw()));
-    match check_private_dir(&shared) {
-        Ok(()) => Ok(shared),
+    let why = match check_private_dir(&shared) {
+        Ok(()) => return Ok(shared),
+        Err(Refused::Other(e) | Refused::Cannot(e)) => return Err(e),
+        Err(Refused::Taken(why)) => why,
+    };
+    match home_fallback(home, &shared, &why) {
+        Ok(run) => Ok(run),
         Err(Refused::Other(e)) => Err(e),
-        Err(Refused::Taken(why)) => home_fallback(home, &shared, &why),
+        Err(Refused::Taken(no_home) | Refused::Cannot(no_home)) => {
+            temp_fallback(&tmp, &shared, &why, &no_home)
+        }
     }
 }
 
 /// `$HOME/.stowage/run` (made owner-only, checked as every runtime
-/// directory), used because `taken` was refused for `why`.
-fn home_fallback(home: Option<OsString>, taken: &Path, why: &io::Error) -> io::Result<PathBuf> {
+/// directory), used because `taken` was refused for `why`. Refused as
+/// `Other` only for this user's own directory with another mode (for the
+/// user to fix); any other reason (no absolute `HOME`, a home that cannot
+/// be written, a name there that is not this user's directory) leaves
+/// the next fallback.
+fn home_fallback(
+    home: Option<OsString>,
+    taken: &Path,
+    why: &io::Error,
+) -> Result<PathBuf, Refused> {
     let uid = rustix::process::geteuid();
     let home = match home.map(PathBuf::from) {
         Some(h) if h.is_absolute() => h,
         _ => {
-            return Err(io::Error::new(
-                io::ErrorKind::PermissionDenied,
-                format!(
-                    "{why}; and HOME is not an absolute path, so the fallback $HOME/.stowage/run \
-                     cannot be used: set XDG_RUNTIME_DIR to a private directory"
-                ),
-            ))
+            return Err(Refused::Cannot(io::Error::new(
+                io::ErrorKind::NotFound,
+                "HOME is not an absolute path, so $HOME/.stowage/run cannot be used",
+            )))
         }
     };
     let parent = home.join(".stowage");
     match rustix::fs::mkdir(&parent, Mode::from_raw_mode(0o700)) {
         Ok(()) | Err(rustix::io::Errno::EXIST) => {}
         Err(e) => {
-            return Err(io::Error::new(
+            return Err(Refused::Cannot(io::Error::new(
                 io::Error::from(e).kind(),
-                format!(
-                    "{why}; and the fallback {} cannot be made ({e}): set XDG_RUNTIME_DIR to a \
-                     private directory",
-                    parent.display()
-                ),
-            ))
+                format!("{} cannot be made ({e})", parent.display()),
+            )))
         }
     }
     if !owned_dir(&parent, uid) {
-        return Err(io::Error::new(
+        return Err(Refused::Taken(io::Error::new(
             io::ErrorKind::PermissionDenied,
             format!(
-                "{why}; and the fallback's parent {} is not a directory of this user (a symbolic \
-                 link is refused): set XDG_RUNTIME_DIR to a private directory",
+                "{} is not a directory of this user (a symbolic link is refused)",
                 parent.display()
             ),
-        ));
+        )));
     }
     let run = parent.join("run");
-    ensure_private_dir(&run)
-        .map_err(|e| io::Error::new(e.kind(), format!("{why}; and the fallback: {e}")))?;
+    check_private_dir(&run).map_err(|r| match r {
+        Refused::Other(e) => Refused::Other(io::Error::new(
+            e.kind(),
+            format!("{why}; and the fallback: {e}"),
+        )),
+        r => r,
+    })?;
     tracing::warn!(
         taken = %taken.display(),
         fallback = %run.display(),
@@ -105,6 +125,133 @@ fn home_fallback(home: Option<OsString>, taken: &Path, why: &io::Error) -> io::R
         run.display()
     );
     Ok(run)
+}
+
+/// The last fallback: a private directory of this user's own in the
+/// temporary directory `tmp`, `stowage-<uid>-XXXXXX`. The smallest-named
+/// one already there (a directory of this user, mode 0700, not a link)
+/// is used, so that a unit and its clients find the same; only when
+/// there is none is one made, with a random suffix (another user cannot
+/// take a name it cannot guess; a name found taken is retried). Used
+/// because `taken` was refused for `why`, and the home for `no_home`.
+fn temp_fallback(
+    tmp: &Path,
+    taken: &Path,
+    why: &io::Error,
+    no_home: &io::Error,
+) -> io::Result<PathBuf> {
+    let cannot = |e: io::Error| {
+        io::Error::new(
+            e.kind(),
+            format!(
+                "{why}; and {no_home}; and a private directory of its own in {} cannot be made \
+                 ({e}): set XDG_RUNTIME_DIR to a private directory",
+                tmp.display()
+            ),
+        )
+    };
+    let dir = match own_fallbacks(tmp).map_err(cannot)?.into_iter().next() {
+        Some(d) => d,
+        None => {
+            let made = make_fallback(tmp).map_err(cannot)?;
+            // Another process of this user may have made one at the same
+            // time: the smallest name is the one (an empty loser is
+            // removed).
+            let first = own_fallbacks(tmp).map_err(cannot)?.into_iter().next();
+            match first {
+                Some(f) if f != made => {
+                    let _ = std::fs::remove_dir(&made);
+                    f
+                }
+                _ => made,
+            }
+        }
+    };
+    // Opened without following links, owner and mode checked again.
+    ensure_private_dir(&dir).map_err(cannot)?;
+    tracing::warn!(
+        taken = %taken.display(),
+        fallback = %dir.display(),
+        "{why}; and {no_home}; the private runtime directory is {} instead (its own, made \
+         once and found again by its name; set XDG_RUNTIME_DIR to choose one)",
+        dir.display()
+    );
+    Ok(dir)
+}
+
+/// The prefix of the last fallback's names, `stowage-<uid>-`.
+fn fallback_prefix() -> String {
+    format!("stowage-{}-", rustix::process::geteuid().as_raw())
+}
+
+/// How many random characters end a fallback's name.
+const FALLBACK_SUFFIX: usize = 6;
+
+/// The directories in `tmp` named `stowage-<uid>-XXXXXX` that are this
+/// user's (not links) with mode 0700, smallest name first.
+fn own_fallbacks(tmp: &Path) -> io::Result<Vec<PathBuf>> {
+    let prefix = fallback_prefix();
+    let uid = rustix::process::geteuid();
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(tmp)? {
+        let e = e?;
+        let name = e.file_name();
+        let Some(suffix) = name.to_str().and_then(|n| n.strip_prefix(&prefix)) else {
+            continue;
+        };
+        if suffix.len() != FALLBACK_SUFFIX || !suffix.bytes().all(|b| b.is_ascii_alphanumeric()) {
+            continue;
+        }
+        let p = e.path();
+        let private = rustix::fs::lstat(&p).is_ok_and(|st| {
+            rustix::fs::FileType::from_raw_mode(st.st_mode) == rustix::fs::FileType::Directory
+                && st.st_uid == uid.as_raw()
+                && st.st_mode & 0o7777 == 0o700
+        });
+        if private {
+            found.push(p);
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Make a new `stowage-<uid>-XXXXXX` in `tmp`, 0700 (`mkdtemp`'s way: a
+/// random suffix, another on a name already there).
+fn make_fallback(tmp: &Path) -> io::Result<PathBuf> {
+    use std::hash::{BuildHasher, Hasher};
+    const CHARS: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    let prefix = fallback_prefix();
+    for attempt in 0u32..100 {
+        // std's RandomState is keyed from the OS's random source.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(attempt);
+        let mut r = h.finish();
+        let mut name = prefix.clone();
+        for _ in 0..FALLBACK_SUFFIX {
+            name.push(CHARS[(r % CHARS.len() as u64) as usize] as char);
+            r /= CHARS.len() as u64;
+        }
+        let p = tmp.join(name);
+        match rustix::fs::mkdir(&p, Mode::from_raw_mode(0o700)) {
+            Ok(()) => {
+                // The umask may have taken bits off; exactly 0700.
+                let fd = rustix::fs::open(
+                    &p,
+                    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+                    Mode::empty(),
+                )?;
+                rustix::fs::fchmod(&fd, Mode::from_raw_mode(0o700))?;
+                return Ok(p);
+            }
+            Err(rustix::io::Errno::EXIST) => continue,
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Err(io::Error::new(
+        io::ErrorKind::AlreadyExists,
+        "100 random names were all taken",
+    ))
 }
 
 /// Unit `index`'s default Unix socket: `unit-<index>.sock` in
@@ -144,9 +291,11 @@ enum Refused {
     /// Not a directory of this user (another user's, a symbolic link, a
     /// file): in a shared directory, a name someone else may have taken.
     Taken(io::Error),
-    /// Anything else (this user's directory with another mode, an error
-    /// making it): for the user to fix.
+    /// Anything else (this user's directory with another mode): for the
+    /// user to fix.
     Other(io::Error),
+    /// It could not be made (its parent is missing or not writable).
+    Cannot(io::Error),
 }
 
 /// Make `path` an owner-only directory of this user, or check that it is
@@ -154,7 +303,7 @@ enum Refused {
 /// that others may enter.
 pub fn ensure_private_dir(path: &Path) -> io::Result<()> {
     check_private_dir(path).map_err(|r| match r {
-        Refused::Taken(e) | Refused::Other(e) => e,
+        Refused::Taken(e) | Refused::Other(e) | Refused::Cannot(e) => e,
     })
 }
 
@@ -163,7 +312,7 @@ fn check_private_dir(path: &Path) -> Result<(), Refused> {
         Ok(()) => true,
         Err(rustix::io::Errno::EXIST) => false,
         Err(e) => {
-            return Err(Refused::Other(io::Error::new(
+            return Err(Refused::Cannot(io::Error::new(
                 io::Error::from(e).kind(),
                 format!(
                     "creating the private runtime directory {}: {e}",
@@ -296,11 +445,94 @@ mod tests {
             d
         );
         assert_eq!(std::fs::read_dir(&taken).unwrap().count(), 0);
-        // Without a home to fall back to: an error naming the taken path.
-        let e = resolve(None, tmp.clone(), None).unwrap_err().to_string();
-        assert!(
-            e.contains(&taken.display().to_string()) && e.contains("HOME"),
-            "{e}"
+        // Without a home to fall back to: a private directory of its own.
+        let own = resolve(None, tmp.clone(), None).unwrap();
+        assert_is_a_fallback(&tmp, &own);
+        assert_eq!(std::fs::read_dir(&taken).unwrap().count(), 0);
+        // A fallback's name another user made first is passed over.
+        let theirs = tmp.join(format!("{}000000", fallback_prefix()));
+        std::fs::create_dir(&theirs).unwrap();
+        std::fs::set_permissions(&theirs, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(65534), Some(65534)).unwrap();
+        assert!(theirs < own);
+        assert_eq!(resolve(None, tmp.clone(), None).unwrap(), own);
+    }
+
+    /// `d` is a fallback in `tmp`: `stowage-<uid>-XXXXXX`, 0700, this
+    /// user's.
+    fn assert_is_a_fallback(tmp: &Path, d: &Path) {
+        assert_eq!(d.parent(), Some(tmp));
+        let name = d.file_name().unwrap().to_str().unwrap();
+        let suffix = name.strip_prefix(&fallback_prefix()).expect(name);
+        assert_eq!(suffix.len(), FALLBACK_SUFFIX, "{name}");
+        assert!(suffix.bytes().all(|b| b.is_ascii_alphanumeric()), "{name}");
+        assert_eq!(mode(d), 0o700);
+        let st = std::fs::symlink_metadata(d).unwrap();
+        assert!(st.is_dir());
+        assert_eq!(
+            std::os::unix::fs::MetadataExt::uid(&st),
+            rustix::process::geteuid().as_raw()
+        );
+    }
+
+    #[test]
+    fn without_a_usable_home_a_taken_name_falls_back_to_a_directory_of_its_own() {
+        let (t, tmp, _home) = shared_tmp_and_home();
+        let taken = taken_name(&tmp);
+        let elsewhere = t.path().join("elsewhere");
+        std::fs::create_dir(&elsewhere).unwrap();
+        std::fs::set_permissions(&elsewhere, std::fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::symlink(&elsewhere, &taken).unwrap();
+        // No HOME (a service account).
+        let d = resolve(None, tmp.clone(), None).unwrap();
+        assert_is_a_fallback(&tmp, &d);
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        // Computed again (a client of that unit), with no HOME, a relative
+        // one, or one that cannot be written: the same directory, and no
+        // other made.
+        let file = t.path().join("not-a-dir");
+        std::fs::write(&file, b"x").unwrap();
+        for home in [None, Some("relative".into()), Some(file.into_os_string())] {
+            assert_eq!(resolve(None, tmp.clone(), home).unwrap(), d);
+        }
+        let prefix = fallback_prefix();
+        let count = || {
+            std::fs::read_dir(&tmp)
+                .unwrap()
+                .filter(|e| {
+                    let n = e.as_ref().unwrap().file_name();
+                    n.to_str().unwrap().starts_with(&prefix)
+                })
+                .count()
+        };
+        assert_eq!(count(), 1);
+        // Names of its pattern that are not a private directory of this
+        // user (a link to one, one open to others, a file) are passed
+        // over, even the smallest.
+        std::fs::remove_dir(&d).unwrap();
+        let link = tmp.join(format!("{prefix}000000"));
+        std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+        let open = tmp.join(format!("{prefix}000001"));
+        std::fs::create_dir(&open).unwrap();
+        std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::write(tmp.join(format!("{prefix}000002")), b"x").unwrap();
+        let d2 = resolve(None, tmp.clone(), None).unwrap();
+        assert_is_a_fallback(&tmp, &d2);
+        assert!(![&link, &open].contains(&&d2), "{}", d2.display());
+        assert_eq!(mode(&open), 0o755);
+        assert_eq!(std::fs::read_dir(&elsewhere).unwrap().count(), 0);
+        // Of two of its own, the smallest name is the one.
+        let first = tmp.join(format!("{prefix}00000A"));
+        std::fs::create_dir(&first).unwrap();
+        std::fs::set_permissions(&first, std::fs::Permissions::from_mode(0o700)).unwrap();
+        assert!(first < d2);
+        assert_eq!(resolve(None, tmp.clone(), None).unwrap(), first);
+        // HOME usable again: the home fallback comes first.
+        let home = t.path().join("home2");
+        std::fs::create_dir(&home).unwrap();
+        assert_eq!(
+            resolve(None, tmp, Some(home.clone().into())).unwrap(),
+            home.join(".stowage").join("run")
         );
     }
 

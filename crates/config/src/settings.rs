@@ -123,6 +123,12 @@ macro_rules! unit_settings_table {
         /// Record no metrics at all (no endpoint; stats carry no traffic
         /// counters).
         #[arg(long)] no_metrics: bool => metrics = |v| !v, file metrics.enabled;
+        /// The metrics endpoint wants this bearer token (the file's one
+        /// line, 16+ visible characters): a scrape without
+        /// `Authorization: Bearer <token>` is answered 401, and one that
+        /// shows it is never evicted for another connection (Prometheus:
+        /// `authorization: {credentials_file: FILE}`).
+        #[arg(long, value_name = "FILE")] metrics_token_file: Option<::std::path::PathBuf> => metrics_token_file, file metrics.token_file;
         }
     };
 }

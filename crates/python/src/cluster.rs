@@ -263,6 +263,7 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     let metrics = PyDict::new(py);
     metrics.set_item("enabled", c.metrics.enabled)?;
     metrics.set_item("listen", c.metrics.listen.to_string())?;
+    metrics.set_item("token_file", path_str(&c.metrics.token_file))?;
 
     let d = PyDict::new(py);
     d.set_item("units", units)?;

@@ -437,6 +437,12 @@ pub(crate) fn start_with(
         });
         let registry = Arc::new(metrics::registry(source, &cfg.name));
         if let Some(addr) = cfg.metrics_listen {
+            let token = cfg
+                .metrics_token_file
+                .as_deref()
+                .map(http::read_token)
+                .transpose()
+                .map_err(StartError::Config)?;
             let l = http::bind(addr).map_err(|err| StartError::Bind {
                 what: format!("metrics endpoint {addr}"),
                 err,
@@ -445,7 +451,7 @@ pub(crate) fn start_with(
             let (sh, r) = (shared.clone(), registry.clone());
             std::thread::Builder::new()
                 .name("metrics-accept".into())
-                .spawn(move || http::accept(|| sh.life.stop.load(Ordering::SeqCst), l, r))
+                .spawn(move || http::accept(|| sh.life.stop.load(Ordering::SeqCst), l, r, token))
                 .map_err(StartError::Slab)?;
         }
         handle.registry = Some(registry);
