@@ -65,6 +65,7 @@ pub(crate) enum Ownership {
     Other(Option<String>),
 }
 
+#[inline]
 pub(crate) fn ownership(key: &RowKey, owner: Option<PutName>) -> Ownership {
     // Index rows and string rows never share ids (NAME_BIT).
     let RowKey::Name(name) = key else {
@@ -128,6 +129,7 @@ pub(crate) fn decode_meta_shape(
 /// the number of dimensions, of each); the owner, when there is one, as
 /// `decode_meta` reads it. Accepts and refuses what `decode_meta` does
 /// (the tests compare them on arbitrary bytes).
+#[inline]
 pub(crate) fn decode_meta_into<'m>(
     meta: &'m [u8],
     shape: &mut crate::views::Shape,
@@ -164,6 +166,7 @@ pub(crate) fn decode_meta_into<'m>(
 /// A postcard varint of at most `max` bytes (5: a u32, 10: a u64) off the
 /// front of `bytes`; `None` when it is cut short, longer, or holds more
 /// bits than its type (as postcard refuses them).
+#[inline]
 fn varint(bytes: &mut &[u8], max: usize) -> Option<u64> {
     let bits = if max == 5 { 32 } else { 64 };
     let mut v = 0u64;
