@@ -87,6 +87,7 @@ impl Region {
     /// [`Region::locate`] of a range that lies in one piece, without a
     /// vector: its slab offset; `None` when it crosses pieces (or is
     /// empty, or past the region).
+    #[inline]
     pub fn locate_one(&self, mut offset: u64, len: u64) -> Option<u64> {
         if len == 0 {
             return None;

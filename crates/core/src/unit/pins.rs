@@ -73,16 +73,13 @@ impl UnitCore {
                 .map(|k| place(rows?.get(&k.row)?.get(&k.field)?))
                 .collect(),
             Keys::Grid { rows: ids, fields } => {
-                // Each row looked up once, its fields in turn; the answer
-                // is field-major, as the keys are.
-                let n = ids.len();
-                let mut found = vec![None; keys.len()];
-                for (j, id) in ids.iter().enumerate() {
-                    let Some(row) = rows.and_then(|r| r.get(id)) else {
-                        continue;
-                    };
-                    for (f, field) in fields.iter().enumerate() {
-                        found[f * n + j] = row.get(field).and_then(&mut place);
+                // Each row looked up once; the answer is field-major, as
+                // the keys are, written in order.
+                let of_rows: Vec<_> = ids.iter().map(|id| rows.and_then(|r| r.get(id))).collect();
+                let mut found = Vec::with_capacity(keys.len());
+                for field in fields {
+                    for row in &of_rows {
+                        found.push(row.and_then(|r| r.get(field)).and_then(&mut place));
                     }
                 }
                 found

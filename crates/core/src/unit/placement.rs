@@ -19,12 +19,21 @@ pub enum Placement {
 }
 
 impl Placement {
-    /// Where bytes `offset..offset + len` of `region` are.
+    /// Where bytes `offset..offset + len` of `region` are. Inlined into a
+    /// resolve's loop: its answer, returned through memory in narrower
+    /// stores than the loop reads it with, stalled on store forwarding.
+    #[inline]
     pub(super) fn of(region: &Region, offset: u64, len: u64) -> Placement {
         // Most values lie in one piece: no vector of parts for them.
-        if let Some(at) = region.locate_one(offset, len) {
-            return Placement::Memory(SlabRange { offset: at, len });
+        match region.locate_one(offset, len) {
+            Some(at) => Placement::Memory(SlabRange { offset: at, len }),
+            None => Placement::of_parts(region, offset, len),
         }
+    }
+
+    /// [`Placement::of`] of a range not in one piece (or empty).
+    #[inline(never)]
+    fn of_parts(region: &Region, offset: u64, len: u64) -> Placement {
         let parts = region.locate(offset, len);
         match parts.as_slice() {
             [] => Placement::Memory(SlabRange {
