@@ -154,6 +154,8 @@ impl Conn {
         }
         if let Some(since) = self.starved.take() {
             self.frame_paused += since.elapsed();
+            // Its wait was the unit's: its bytes are stalled only from now.
+            self.charge.progressed();
         }
         self.reserve = reserve;
         Some(plan)
