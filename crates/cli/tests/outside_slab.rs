@@ -271,7 +271,7 @@ fn the_budget_cuts_the_holder_of_the_most_stalled_bytes_first() {
     }
     // A third that does not fit waits, then the unit cuts the holder of
     // the most stalled bytes: A (40 MiB), not B (20 MiB).
-    let mut c = Staller::start(RawTcp::hello(addr, p.secret()), 30 * MIB, 1024);
+    let c = Staller::start(RawTcp::hello(addr, p.secret()), 30 * MIB, 1024);
     let mut ra = RawTcp {
         s: a.s.try_clone().unwrap(),
         next: 0,
