@@ -138,6 +138,11 @@ pub struct UnitsSection {
     /// spares.
     #[serde(with = "opt_size", skip_serializing_if = "Option::is_none")]
     pub spare_budget: Option<u64>,
+    /// Bytes each unit may hold outside its slab for its connections
+    /// (`stowage unit --outside-slab-budget`); `None`: a quarter of the
+    /// slab, at least 64 MiB, at most 1 GiB.
+    #[serde(with = "opt_size", skip_serializing_if = "Option::is_none")]
+    pub outside_slab_budget: Option<u64>,
 }
 
 impl Default for UnitsSection {
@@ -163,6 +168,7 @@ impl Default for UnitsSection {
             nixl_quarantine: stowage_config::NixlConfig::default().quarantine,
             huge_pages: unit.huge_pages,
             spare_budget: unit.spare_budget,
+            outside_slab_budget: unit.outside_slab_budget,
         }
     }
 }

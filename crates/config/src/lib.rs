@@ -20,6 +20,13 @@ use std::time::Duration;
 pub use stowage_shm::HugePages;
 use stowage_wire::Limits;
 
+/// The default budget for the bytes a unit holds outside its slab
+/// ([`UnitConfig::outside_slab_budget`]) for a slab of `memory` bytes: a
+/// quarter of it, at least 64 MiB, at most 1 GiB.
+pub fn default_outside_slab_budget(memory: u64) -> u64 {
+    (memory / 4).clamp(64 << 20, 1 << 30)
+}
+
 /// Parse a byte size: `1GiB`, `256MiB`, `64KiB`, `4096`.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     s.trim()
@@ -137,6 +144,13 @@ pub struct UnitConfig {
     /// `units.spare_budget`); `None`: 1/16 of the slab. At most half the
     /// slab is used; 0 turns spares off.
     pub spare_budget: Option<u64>,
+    /// Bytes the unit may hold outside its slab on behalf of connections
+    /// (`--outside-slab-budget`, `units.outside_slab_budget`): request
+    /// headers being read, replies being written, per-connection buffers;
+    /// `None`: [`default_outside_slab_budget`] of the slab. Small frames
+    /// take a quarter of it again (its headroom); a frame's header up to
+    /// the frame limit always fits.
+    pub outside_slab_budget: Option<u64>,
     /// Compaction's budget (`--compaction-ratio`): bytes it may copy per
     /// byte stored; 0 turns it off. Default 0.25.
     pub compaction_ratio: f64,
@@ -229,6 +243,7 @@ impl UnitConfig {
             max_session_holds: 16384,
             index_budget: None,
             spare_budget: None,
+            outside_slab_budget: None,
             compaction_ratio: 0.25,
             secret: None,
             insecure: false,

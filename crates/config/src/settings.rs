@@ -89,6 +89,14 @@ macro_rules! unit_settings_table {
         /// clients keep for their next puts) come from; default 1/16 of
         /// the memory, at most half; 0: no spares.
         #[arg(long, value_parser = $crate::parse_size)] spare_budget: Option<u64> => spare_budget, file units.spare_budget;
+        /// Bytes the unit may hold outside its slab for its connections
+        /// (request headers being read, replies being written, their
+        /// buffers; default: a quarter of the memory, at least 64 MiB, at
+        /// most 1 GiB; small frames take a quarter of it again). When it
+        /// is spent, connections wait before they read more; one that has
+        /// waited 1s makes the unit cut the connection holding the most
+        /// stalled bytes.
+        #[arg(long, value_parser = $crate::parse_size)] outside_slab_budget: Option<u64> => outside_slab_budget, file units.outside_slab_budget;
         /// Compaction's budget: bytes it may copy (moving blobs nobody can
         /// touch, to gather free memory into ranges) per byte stored; 0
         /// turns compaction off.

@@ -43,7 +43,8 @@ pub(crate) fn stats_dict<'py>(py: Python<'py>, s: &Stats) -> PyResult<Bound<'py,
         disk_read_bytes, disk_read_micros, index_bytes, held_bytes, overdue_holds,
         pinned_bytes, spares, spare_bytes, serves_nixl, page_mode, free_bytes, largest_free,
         spare_budget, compaction_moves, compaction_bytes, split_blobs, compaction_micros,
-        partitions, ops, bytes_in, bytes_out, busy
+        partitions, ops, bytes_in, bytes_out, busy, outside_slab_bytes, outside_slab_limit,
+        outside_slab_waits, outside_slab_cuts
     );
     let sessions = PyList::empty(py);
     for x in &s.sessions {

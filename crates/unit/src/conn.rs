@@ -42,6 +42,9 @@ pub(crate) enum Step {
     Again,
     /// Its next step blocks: hand it to the pool ([`Conn::run_parked`]).
     Pool,
+    /// Its next read waits for the unit's budget for memory outside the
+    /// slab: try it again shortly (or when the deadline given comes).
+    Starved(Option<Instant>),
     /// It ended.
     End(Result<(), EndReason>),
 }
@@ -109,6 +112,72 @@ impl Conn {
         crate::metrics::thread_counters(self.shared.metrics.as_ref())
     }
 
+    /// The bytes its buffers hold besides the input buffer (replies not
+    /// taken, the ring's entry and reply scratch), plus `extra`.
+    fn others(&self, extra: usize) -> usize {
+        self.out.capacity() + self.scratch.capacity() + self.entry.capacity() + extra
+    }
+
+    /// Count what its buffers hold now (and `extra` bytes held outside
+    /// them) against the budget: one atomic add per part that changed by
+    /// a granule, none otherwise.
+    pub(crate) fn settle(&mut self, extra: usize) {
+        let bytes = self.reader.capacity().max(self.reserve) + self.others(extra);
+        self.charge.set(bytes);
+    }
+
+    /// Ask the budget for what the next read takes (its buffer's growth,
+    /// or the whole frame once its prefix says it is large): the read's
+    /// plan, or `None` when it must wait (counted once per wait; past the
+    /// grace, the unit cuts the holder of the most stalled bytes).
+    fn admit_read(&mut self, limits: &stowage_wire::Limits) -> Option<(usize, usize)> {
+        let frame = self.reader.frame_len(limits);
+        let plan = self.reader.plan_read(self.reader.lacking(limits), frame);
+        let reserve = if frame > crate::budget::GRANULE {
+            frame
+        } else {
+            0
+        };
+        let bytes = plan.1.max(reserve) + self.others(0);
+        if bytes > self.charge.held() && !self.charge.try_hold(bytes) {
+            match self.starved {
+                None => {
+                    self.starved = Some(Instant::now());
+                    self.shared.budget.waited();
+                }
+                Some(since) if since.elapsed() >= crate::budget::GRACE => {
+                    self.shared.budget.cut_stalled(self.shared.now());
+                }
+                Some(_) => {}
+            }
+            return None;
+        }
+        if let Some(since) = self.starved.take() {
+            self.frame_paused += since.elapsed();
+            // Its wait was the unit's: its bytes are stalled only from now.
+            self.charge.progressed();
+        }
+        self.reserve = reserve;
+        Some(plan)
+    }
+
+    /// Whether the budget chose to cut it.
+    pub(crate) fn budget_cut(&self) -> bool {
+        self.charge.is_cut()
+    }
+
+    /// It was chosen for a cut while away on the pool: it may be chosen
+    /// again.
+    pub(crate) fn spare_cut(&self) {
+        self.charge.spare();
+    }
+
+    /// Make it a candidate for the budget's cuts: `wake` asks its serving
+    /// thread to cut it.
+    pub(crate) fn register_charge(&self, wake: Box<dyn Fn() + Send + Sync>) {
+        self.charge.register(wake);
+    }
+
     /// Its socket's descriptor (for the worker to watch).
     pub(crate) fn fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsRawFd;
@@ -134,8 +203,9 @@ impl Conn {
         let mut d = self
             .out_since
             .map(|t| t + self.shared.settings.frame_timeout);
-        if !self.reader.buffer().is_empty() {
-            let f = self.frame_start + self.shared.settings.frame_timeout;
+        // While it waits for the budget its frame's time stands still.
+        if !self.reader.buffer().is_empty() && self.starved.is_none() {
+            let f = self.frame_start + self.frame_paused + self.shared.settings.frame_timeout;
             d = Some(d.map_or(f, |d| d.min(f)));
         }
         d
@@ -144,6 +214,16 @@ impl Conn {
     /// Serve what the socket has now, without blocking: at most `quantum`
     /// frames.
     pub(crate) fn pump(&mut self, quantum: usize) -> Step {
+        let step = self.pump_frames(quantum);
+        self.settle(0);
+        if matches!(step, Step::Wait(_) | Step::Starved(_)) {
+            let shared = &self.shared;
+            self.charge.quiet(|| shared.now());
+        }
+        step
+    }
+
+    fn pump_frames(&mut self, quantum: usize) -> Step {
         let mut served = 0;
         loop {
             match self.flush_ready() {
@@ -159,7 +239,10 @@ impl Conn {
                 Next::Frame => {}
                 next => {
                     let was_empty = matches!(next, Next::Empty);
-                    match self.reader.recv_ready(self.reader.lacking(&limits)) {
+                    let Some(plan) = self.admit_read(&limits) else {
+                        return Step::Starved(self.deadline());
+                    };
+                    match self.reader.recv_ready(plan) {
                         Ok(0) if was_empty => return Step::End(Ok(())),
                         Ok(0) => {
                             return Step::End(Err(
@@ -167,8 +250,10 @@ impl Conn {
                             ))
                         }
                         Ok(_) => {
+                            self.charge.progressed();
                             if was_empty {
                                 self.frame_start = Instant::now();
+                                self.frame_paused = Duration::ZERO;
                             }
                             continue;
                         }
@@ -183,6 +268,8 @@ impl Conn {
                     }
                 }
             }
+            // The frame is whole: what it holds is its buffer's.
+            self.reserve = 0;
             if let Err(e) = self.serve_frame() {
                 return Step::End(Err(e));
             }
@@ -190,9 +277,11 @@ impl Conn {
             if self.parked.is_some() {
                 return Step::Pool;
             }
+            self.reader.shrink(KEEP_BUFFER);
             if !self.reader.buffer().is_empty() {
                 // The next frame came with this one.
                 self.frame_start = Instant::now();
+                self.frame_paused = Duration::ZERO;
             }
         }
     }
@@ -264,6 +353,10 @@ impl Conn {
         if entry.capacity() <= 64 << 10 {
             self.entry = entry;
         }
+        if self.scratch.capacity() > KEEP_BUFFER {
+            self.scratch = Vec::new();
+        }
+        self.settle(0);
         step
     }
 
@@ -334,6 +427,12 @@ impl Conn {
         self.via_ring = false;
         self.reader.get_mut().deadline = None;
         self.blocking = false;
+        self.reader.shrink(KEEP_BUFFER);
+        if self.scratch.capacity() > KEEP_BUFFER {
+            self.scratch = Vec::new();
+        }
+        self.settle(0);
+        self.charge.progressed();
         r
     }
 
@@ -390,8 +489,15 @@ impl Conn {
             }
         }
         self.out.drain(..sent);
+        if sent > 0 {
+            self.charge.progressed();
+        }
         if self.out.is_empty() {
             self.out_since = None;
+            if self.out.capacity() > KEEP_BUFFER {
+                // A large reply went: its buffer goes with it.
+                self.out = Vec::new();
+            }
             Ok(true)
         } else {
             self.out_since.get_or_insert_with(Instant::now);

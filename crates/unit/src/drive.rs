@@ -110,6 +110,10 @@ impl Shared {
             s.busy = m.busy_total();
         }
         s.compaction_micros = self.driver.compaction_micros.load(Ordering::Relaxed);
+        s.outside_slab_bytes = self.budget.used();
+        s.outside_slab_limit = self.budget.limit();
+        s.outside_slab_waits = self.budget.waits();
+        s.outside_slab_cuts = self.budget.cuts();
         s.serves_nixl = self.nixl.is_some();
         s.page_mode = self.slab.page_mode().name().to_string();
         s

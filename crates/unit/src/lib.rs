@@ -77,6 +77,7 @@ mod shared;
 // Owners and leaves:
 mod admit;
 pub mod auth;
+mod budget;
 mod claims;
 pub mod disk;
 mod driver;
@@ -354,6 +355,11 @@ pub(crate) fn start_with(
         nixl,
         disk,
         checkpoints: Checkpoints::new(start_restore),
+        budget: budget::Budget::new(
+            cfg.outside_slab_budget
+                .unwrap_or_else(|| stowage_config::default_outside_slab_budget(cfg.memory)),
+            stowage_wire::PREFIX_LEN + cfg.limits.max_header as usize,
+        ),
         metrics: cfg.metrics.then(Default::default),
         life: Lifecycle {
             stop: AtomicBool::new(false),

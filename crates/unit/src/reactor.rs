@@ -30,7 +30,8 @@ use std::time::{Duration, Instant};
 use mio::unix::SourceFd;
 use mio::{Events, Interest, Poll, Registry, Token, Waker};
 
-use crate::conn::{Conn, Ended, RingStep, Step};
+use crate::budget;
+use crate::conn::{Conn, EndReason, Ended, RingStep, Step};
 use crate::shared::Shared;
 use stowage_wire::Response;
 
@@ -50,6 +51,9 @@ enum Msg {
     /// The answer to the waiting claim of the connection in a slot (and
     /// the slot's generation).
     Deliver(usize, u64, Response),
+    /// The budget for memory outside the slab chose to cut the
+    /// connection in a slot (of this generation).
+    Cut(usize, u64),
 }
 
 struct Handle {
@@ -112,6 +116,8 @@ impl Reactor {
                 timers: BinaryHeap::new(),
                 ready: VecDeque::new(),
                 rings: Vec::new(),
+                starved: Vec::new(),
+                retry_at: Instant::now(),
                 next_gen: 0,
             };
             std::thread::Builder::new()
@@ -173,6 +179,10 @@ struct Worker {
     /// is, until it has been idle for its linger ([`ring_linger`]), then it is parked and the
     /// client kicks it on its socket.
     rings: Vec<usize>,
+    /// Connections whose next read waits for the budget (slot and
+    /// generation), tried again every [`budget::RETRY`].
+    starved: Vec<(usize, u64)>,
+    retry_at: Instant,
     next_gen: u64,
 }
 
@@ -198,10 +208,14 @@ impl Worker {
             let timeout = if !self.ready.is_empty() || !self.rings.is_empty() || now < busy_until {
                 Some(Duration::ZERO)
             } else {
-                let next = self
+                let mut next = self
                     .timers
                     .peek()
                     .map(|Reverse((t, _, _))| t.saturating_duration_since(now));
+                if !self.starved.is_empty() {
+                    let retry = self.retry_at.saturating_duration_since(now);
+                    next = Some(next.map_or(retry, |t| t.min(retry)));
+                }
                 match (next, stopping) {
                     (Some(t), true) => Some(t.min(Duration::from_millis(100))),
                     (None, true) => Some(Duration::from_millis(100)),
@@ -228,6 +242,7 @@ impl Worker {
                 self.take(m);
             }
             self.fire_timers();
+            self.retry_starved();
             // Serve each connection ready now once (a quantum each); those
             // that have more go to the back.
             for _ in 0..self.ready.len() {
@@ -286,6 +301,13 @@ impl Worker {
                     ring_gap: Duration::ZERO,
                     delivery: None,
                 });
+                let me = self.me.clone();
+                let gen = self.next_gen;
+                if let Some(Some(s)) = self.slots.get(idx) {
+                    if let Some(c) = &s.conn {
+                        c.register_charge(Box::new(move || me.send(Msg::Cut(idx, gen))));
+                    }
+                }
                 // Its first bytes may be there already (no edge will say so).
                 self.enqueue(idx);
             }
@@ -295,6 +317,10 @@ impl Worker {
                 };
                 if s.gen != gen {
                     return;
+                }
+                if conn.budget_cut() {
+                    // Chosen while it made progress on the pool.
+                    conn.spare_cut();
                 }
                 match ended {
                     Ended::Ran(Ok(())) => {
@@ -316,6 +342,44 @@ impl Worker {
                 }
             }
             Msg::Deliver(idx, gen, r) => self.deliver(idx, gen, r),
+            Msg::Cut(idx, gen) => {
+                let Some(Some(s)) = self.slots.get_mut(idx) else {
+                    return;
+                };
+                if s.gen != gen {
+                    return;
+                }
+                // (On the pool, it is spared when it comes back.)
+                if let Some(conn) = s.conn.take_if(|c| c.budget_cut()) {
+                    let why = "cut: the unit's budget for memory outside its slab \
+                               (--outside-slab-budget) was spent and this connection held \
+                               the most stalled bytes";
+                    self.end(idx, conn, Ended::Ran(Err(EndReason::Busy(why.into()))));
+                }
+            }
+        }
+    }
+
+    /// Try again the connections that wait for the budget, every
+    /// [`budget::RETRY`].
+    fn retry_starved(&mut self) {
+        if self.starved.is_empty() {
+            return;
+        }
+        let now = Instant::now();
+        if now < self.retry_at {
+            return;
+        }
+        self.retry_at = now + budget::RETRY;
+        for (idx, gen) in std::mem::take(&mut self.starved) {
+            if self
+                .slots
+                .get(idx)
+                .and_then(Option::as_ref)
+                .is_some_and(|s| s.gen == gen)
+            {
+                self.enqueue(idx);
+            }
         }
     }
 
@@ -423,8 +487,14 @@ impl Worker {
             self.poll_ring(idx);
         }
         self.mailbox(idx, &mut conn);
+        if let Step::Starved(_) = step {
+            if self.starved.is_empty() {
+                self.retry_at = Instant::now() + budget::RETRY;
+            }
+            self.starved.push((idx, gen));
+        }
         match step {
-            Step::Wait(deadline) => {
+            Step::Wait(deadline) | Step::Starved(deadline) => {
                 if let Some(Some(s)) = self.slots.get_mut(idx) {
                     s.conn = Some(conn);
                 }

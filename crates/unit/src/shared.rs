@@ -21,6 +21,7 @@ use stowage_shm::Slab;
 use stowage_wire::Limits;
 
 use crate::admit::{Counted, Cut, Handshakes, Ticket};
+use crate::budget::Budget;
 use crate::claims::Answers;
 use crate::driver::Driver;
 use crate::error::StartError;
@@ -48,6 +49,8 @@ pub(crate) struct Shared {
     pub(crate) disk: Option<DiskTier>,
     /// Checkpoints being written, and restore units ([`Checkpoints`]).
     pub(crate) checkpoints: Checkpoints,
+    /// The bytes held outside the slab for connections ([`Budget`]).
+    pub(crate) budget: Arc<Budget>,
     /// What the request path records (`None`: metrics are off).
     pub(crate) metrics: Option<Arc<UnitMetrics>>,
     /// Stopping and exiting.

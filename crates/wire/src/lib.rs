@@ -79,8 +79,11 @@ pub use validation::PARTITION_SEPARATOR;
 /// [`Request::ClaimStatus`] and their replies); version 14 claims in
 /// checkpoint loads ([`Request::ClaimsState`], [`Request::LoadClaims`],
 /// [`Response::ClaimsState`]); version 15 a resolve of every field of
-/// some rows, each row and field named once ([`Request::ResolveRows`]).
-pub const PROTOCOL_VERSION: u16 = 15;
+/// some rows, each row and field named once ([`Request::ResolveRows`]);
+/// version 16 the unit's memory outside its slab at the end of [`Stats`]
+/// (`outside_slab_bytes`, `outside_slab_limit`, `outside_slab_waits`,
+/// `outside_slab_cuts`; an older client could not decode them).
+pub const PROTOCOL_VERSION: u16 = 16;
 
 #[cfg(test)]
 mod tests {
@@ -325,6 +328,10 @@ mod tests {
                 serves_nixl: true,
                 page_mode: "thp".into(),
                 compaction_micros: 900,
+                outside_slab_bytes: 30,
+                outside_slab_limit: 31,
+                outside_slab_waits: 32,
+                outside_slab_cuts: 33,
             })),
             Response::Data {
                 items: vec![

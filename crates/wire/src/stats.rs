@@ -33,6 +33,18 @@ pub struct Stats {
     pub page_mode: String,
     /// Time compaction spent copying since start, in microseconds.
     pub compaction_micros: u64,
+    /// Bytes the unit holds outside its slab for its connections now
+    /// (request headers being read, replies being written, their
+    /// buffers), and the most it holds before their reads wait (its
+    /// `--outside-slab-budget` and that budget's headroom for small
+    /// frames).
+    pub outside_slab_bytes: u64,
+    pub outside_slab_limit: u64,
+    /// Since start: times a connection's read waited for that budget, and
+    /// connections cut because it was spent (the holder of the most
+    /// stalled bytes first).
+    pub outside_slab_waits: u64,
+    pub outside_slab_cuts: u64,
 }
 
 impl std::ops::Deref for Stats {

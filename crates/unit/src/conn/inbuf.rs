@@ -61,6 +61,61 @@ impl InBuf {
         }
     }
 
+    /// The bytes of memory it holds.
+    pub(crate) fn capacity(&self) -> usize {
+        self.buf.capacity()
+    }
+
+    /// A buffer grown past `keep` by a large frame that was taken: give
+    /// the memory back, keeping only the bytes not taken yet.
+    pub(crate) fn shrink(&mut self, keep: usize) {
+        if self.buf.capacity() > keep && self.buf.len() - self.pos <= keep / 2 {
+            self.buf.drain(..self.pos);
+            self.pos = 0;
+            if self.buf.is_empty() {
+                self.buf = Vec::new();
+            } else {
+                self.buf.shrink_to_fit();
+            }
+        }
+    }
+
+    /// The bytes of the frame at the front (its prefix and header) once
+    /// its prefix is here; 0 before, or when the limits refuse it.
+    pub(crate) fn frame_len(&self, limits: &Limits) -> usize {
+        let b = self.buffer();
+        let Some(prefix) = b.get(..PREFIX_LEN) else {
+            return 0;
+        };
+        let mut p = [0u8; PREFIX_LEN];
+        p.copy_from_slice(prefix);
+        match FramePrefix::parse(&p, limits) {
+            Ok(f) => PREFIX_LEN + f.header_len as usize,
+            Err(_) => 0,
+        }
+    }
+
+    /// How many bytes the next [`InBuf::recv_ready`] asks for, and the
+    /// capacity the buffer has then: it grows by doubling, never past
+    /// the frame at its front (`frame`, when known), so a header takes
+    /// memory as its bytes come and no more than it needs.
+    pub(crate) fn plan_read(&self, want: usize, frame: usize) -> (usize, usize) {
+        let kept = self.buf.len() - self.pos;
+        let step = want.max(4096).min(READ_STEP.max(kept));
+        let need = kept + step;
+        let cap = self.buf.capacity();
+        if need <= cap {
+            return (step, cap);
+        }
+        let mut grown = need.max(cap.saturating_mul(2));
+        if frame > need {
+            grown = grown.min(frame);
+        } else {
+            grown = need;
+        }
+        (step, grown)
+    }
+
     /// What the buffered bytes hold of the next frame under `limits`.
     pub(crate) fn next(&self, limits: &Limits) -> Next {
         let b = self.buffer();
@@ -84,13 +139,17 @@ impl InBuf {
     /// of the stream, `WouldBlock` that nothing is there. At most
     /// `READ_STEP` bytes, or as many as it holds already (a large header
     /// takes memory as its bytes come, never as its prefix announces).
-    pub(crate) fn recv_ready(&mut self, want: usize) -> io::Result<usize> {
+    /// `plan`: what [`InBuf::plan_read`] said (the bytes to ask for, the
+    /// capacity to grow to).
+    pub(crate) fn recv_ready(&mut self, (step, cap): (usize, usize)) -> io::Result<usize> {
         if self.pos > 0 {
             self.buf.drain(..self.pos);
             self.pos = 0;
         }
         let at = self.buf.len();
-        let step = want.max(4096).min(READ_STEP.max(at));
+        if cap > self.buf.capacity() {
+            self.buf.reserve_exact(cap - at);
+        }
         self.buf.resize(at + step, 0);
         let got = rustix::net::recv(
             self.src.socket.as_fd(),

@@ -61,6 +61,10 @@ pub(crate) fn open(
         waiting: None,
         wait_started: false,
         entry: Vec::new(),
+        charge: shared.budget.charge(),
+        reserve: 0,
+        starved: None,
+        frame_paused: std::time::Duration::ZERO,
     })
 }
 

@@ -8,6 +8,7 @@ use stowage_core::Owner;
 use super::inbuf::InBuf;
 use crate::admit::{Counted, Ticket};
 use crate::auth::Gate;
+use crate::budget::Charge;
 use crate::handler::Plan;
 use crate::metrics::Op;
 use crate::sessions::Peer;
@@ -72,6 +73,17 @@ pub(crate) struct Conn {
     /// mailbox for it.
     pub(super) waiting: Option<u64>,
     pub(super) wait_started: bool,
+    /// Its share of the unit's budget for memory outside the slab: what
+    /// its buffers hold, or the frame it reads when that is more.
+    pub(super) charge: Charge,
+    /// The whole frame being read, reserved from the budget as soon as
+    /// its prefix said how large it is (0: a small one, or none).
+    pub(super) reserve: usize,
+    /// Since when it waits for the budget to read its next bytes.
+    pub(super) starved: Option<Instant>,
+    /// Time the current frame waited for the budget: its deadline moves
+    /// by as much (a peer is not cut for the unit's own wait).
+    pub(super) frame_paused: Duration,
 }
 
 /// A request planned by a worker and carried out by the pool.

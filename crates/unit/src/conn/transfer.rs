@@ -222,10 +222,16 @@ impl Conn {
         let mut header = std::mem::take(&mut self.out);
         header.clear();
         encode(id, &header_reply, total, &mut header).map_err(io::Error::other)?;
+        // The reply's header is counted while it is sent.
+        self.settle(header.capacity());
         let sent = self.send_served(&header, &served, buf.as_deref_mut(), until);
         drop(buf);
         header.clear();
+        if header.capacity() > super::KEEP_BUFFER {
+            header = Vec::new();
+        }
         self.out = header;
+        self.settle(0);
         handler::read_sent(&mut self.shared.core(), &read, self.shared.now());
         let sent = sent?;
         if let Some(m) = self.counters() {

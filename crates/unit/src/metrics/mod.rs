@@ -215,6 +215,30 @@ impl Collector for UnitCollector {
             "Bytes the key index takes (commits past the index budget answer UnitFull).",
             f(s.index_bytes),
         )?;
+        gauge(
+            &mut e,
+            "outside_slab_bytes",
+            "Bytes the unit holds outside its slab for its connections: request headers being read, replies being written, their buffers.",
+            f(s.outside_slab_bytes),
+        )?;
+        gauge(
+            &mut e,
+            "outside_slab_limit_bytes",
+            "The most bytes held outside the slab before connections' reads wait: --outside-slab-budget and its headroom for small frames (a quarter of it).",
+            f(s.outside_slab_limit),
+        )?;
+        counter(
+            &mut e,
+            "outside_slab_waits",
+            "Times a connection's read waited because the budget for memory outside the slab was spent (backpressure).",
+            s.outside_slab_waits,
+        )?;
+        counter(
+            &mut e,
+            "outside_slab_cuts",
+            "Connections cut because the budget for memory outside the slab was spent and a connection had waited for it past the grace (the holder of the most stalled bytes first).",
+            s.outside_slab_cuts,
+        )?;
         // Disk tier.
         gauge(
             &mut e,
