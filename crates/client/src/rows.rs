@@ -17,7 +17,7 @@
 //!   blob holds its rows' values field by field: a field's values back to
 //!   back in the order of the call, the first on a 64-byte boundary of the
 //!   blob, each at a multiple of its dtype's size — so a zero-copy view of
-//!   any dtype is aligned, and a packed view ([`View::packed`]) of those
+//!   any dtype is aligned, and a packed view ([`Client::packed_view`](crate::Client::packed_view)) of those
 //!   rows is one range of the slab per field (unless the unit stored the
 //!   blob in pieces).
 //! * One put sends one blob per unit, all units at once; writing a
