@@ -14,8 +14,7 @@ use std::time::Duration;
 use common::*;
 use stowage_client::{Error, Key};
 use stowage_wire::{
-    decode_header, encode, BlobId, EntrySpec, Envelope, ErrorCode, FramePrefix, Limits, Request,
-    Response, PREFIX_LEN, PROTOCOL_VERSION,
+    encode, BlobId, EntrySpec, ErrorCode, Limits, Request, Response, PREFIX_LEN, PROTOCOL_VERSION,
 };
 
 const MIB: u64 = 1 << 20;
@@ -178,73 +177,6 @@ fn a_put_retried_after_its_connection_dropped_succeeds() {
     );
     let s = stats(&mut watcher);
     assert_eq!((s.reserved_bytes, s.entries), (0, 2), "{s:?}");
-}
-
-/// A raw protocol connection over TCP.
-struct RawTcp {
-    s: TcpStream,
-    next: u64,
-}
-
-impl RawTcp {
-    /// Connect over TCP and say Hello.
-    fn hello(addr: impl std::net::ToSocketAddrs) -> RawTcp {
-        Self::hello_proving(addr, None)
-    }
-
-    /// Connect over TCP, prove `secret` (a plane's), and say Hello.
-    fn hello_proving(
-        addr: impl std::net::ToSocketAddrs,
-        secret: Option<&stowage_wire::auth::Secret>,
-    ) -> RawTcp {
-        let s = TcpStream::connect(addr).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        let mut t = RawTcp { s, next: 1 };
-        if let Some(secret) = secret {
-            let client_nonce = stowage_wire::auth::fresh_nonce().unwrap();
-            let Response::Challenge {
-                unit_nonce,
-                unit_proof,
-            } = t.call(&Request::Auth { client_nonce })
-            else {
-                panic!("no challenge");
-            };
-            assert!(secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof));
-            let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
-            let mut buf = Vec::new();
-            encode(t.next, &Request::Prove { client_proof }, 0, &mut buf).unwrap();
-            t.next += 1;
-            t.s.write_all(&buf).unwrap();
-        }
-        let h = t.call(&Request::Hello {
-            version: PROTOCOL_VERSION,
-            namespace: "ns".into(),
-            want_fd: false,
-            session: None,
-        });
-        assert!(matches!(h, Response::Hello { .. }), "{h:?}");
-        t
-    }
-
-    fn call(&mut self, req: &Request) -> Response {
-        let id = self.next;
-        self.next += 1;
-        let mut buf = Vec::new();
-        encode(id, req, 0, &mut buf).unwrap();
-        self.s.write_all(&buf).unwrap();
-        self.recv().expect("a reply").body
-    }
-
-    fn recv(&mut self) -> Option<Envelope<Response>> {
-        let mut p = [0u8; PREFIX_LEN];
-        self.s.read_exact(&mut p).ok()?;
-        let prefix = FramePrefix::parse(&p, &Limits::default()).ok()?;
-        let mut h = vec![0u8; prefix.header_len as usize];
-        self.s.read_exact(&mut h).ok()?;
-        let mut payload = vec![0u8; prefix.payload_len as usize];
-        self.s.read_exact(&mut payload).ok()?;
-        decode_header(&h).ok()
-    }
 }
 
 fn vm_rss_kib(pid: u32) -> u64 {

@@ -12,10 +12,7 @@ use std::time::{Duration, Instant};
 
 use common::*;
 use stowage_client::Key;
-use stowage_wire::{
-    decode_header, encode, Envelope, FramePrefix, Limits, Request, Response, PREFIX_LEN,
-    PROTOCOL_VERSION,
-};
+use stowage_wire::{encode, Request, Response, PREFIX_LEN};
 
 const MIB: u64 = 1 << 20;
 /// The largest request header a unit reads (the wire's limit).
@@ -25,64 +22,12 @@ const MAX_HEADER: u64 = 64 << 20;
 /// decoded requests in hand, the key index of the honest client's puts.
 const OVERHEAD: u64 = 48 * MIB;
 
-/// A raw protocol connection over TCP that proved the plane's secret.
-struct RawTcp {
-    s: TcpStream,
-    next: u64,
+/// What these tests ask of a raw connection besides common's.
+trait Closed {
+    fn closed_within(&mut self, within: Duration) -> bool;
 }
 
-impl RawTcp {
-    fn hello(addr: SocketAddr, secret: Option<&stowage_wire::auth::Secret>) -> RawTcp {
-        let s = TcpStream::connect_timeout(&addr, Duration::from_secs(10)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        s.set_write_timeout(Some(Duration::from_secs(60))).unwrap();
-        let mut t = RawTcp { s, next: 1 };
-        if let Some(secret) = secret {
-            let client_nonce = stowage_wire::auth::fresh_nonce().unwrap();
-            let Response::Challenge {
-                unit_nonce,
-                unit_proof,
-            } = t.call(&Request::Auth { client_nonce })
-            else {
-                panic!("no challenge");
-            };
-            assert!(secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof));
-            let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
-            let mut buf = Vec::new();
-            encode(t.next, &Request::Prove { client_proof }, 0, &mut buf).unwrap();
-            t.next += 1;
-            t.s.write_all(&buf).unwrap();
-        }
-        let h = t.call(&Request::Hello {
-            version: PROTOCOL_VERSION,
-            namespace: "ns".into(),
-            want_fd: false,
-            session: None,
-        });
-        assert!(matches!(h, Response::Hello { .. }), "{h:?}");
-        t
-    }
-
-    fn call(&mut self, req: &Request) -> Response {
-        let id = self.next;
-        self.next += 1;
-        let mut buf = Vec::new();
-        encode(id, req, 0, &mut buf).unwrap();
-        self.s.write_all(&buf).unwrap();
-        self.recv().expect("a reply").body
-    }
-
-    fn recv(&mut self) -> Option<Envelope<Response>> {
-        let mut p = [0u8; PREFIX_LEN];
-        self.s.read_exact(&mut p).ok()?;
-        let prefix = FramePrefix::parse(&p, &Limits::default()).ok()?;
-        let mut h = vec![0u8; prefix.header_len as usize];
-        self.s.read_exact(&mut h).ok()?;
-        let mut payload = vec![0u8; prefix.payload_len as usize];
-        self.s.read_exact(&mut payload).ok()?;
-        decode_header(&h).ok()
-    }
-
+impl Closed for RawTcp {
     /// Whether the unit closed it (an end of stream or a reset within
     /// `within`); false when it is still open.
     fn closed_within(&mut self, within: Duration) -> bool {
@@ -167,7 +112,7 @@ fn stalled_maximal_headers_stay_within_the_budget_and_honest_clients_keep_going(
     honest
         .put_rows(&[(Key::new(0, "f"), &v)], honest.deadline())
         .unwrap();
-    let mut watcher = RawTcp::hello(addr, p.secret());
+    let mut watcher = RawTcp::hello_proving(addr, p.secret());
     let Response::Stats(s) = watcher.call(&Request::Stats) else {
         panic!("stats")
     };
@@ -182,7 +127,7 @@ fn stalled_maximal_headers_stay_within_the_budget_and_honest_clients_keep_going(
     let before = rss_kib(pid);
 
     let stallers: Vec<Staller> = (0..32)
-        .map(|_| Staller::start(RawTcp::hello(addr, p.secret()), MAX_HEADER, 1024))
+        .map(|_| Staller::start(RawTcp::hello_proving(addr, p.secret()), MAX_HEADER, 1024))
         .collect();
     // The honest client's 4 KiB put+get, again and again while they
     // stall: every one completes (within the client's deadline).
@@ -261,9 +206,9 @@ fn the_budget_cuts_the_holder_of_the_most_stalled_bytes_first() {
         ],
     );
     let addr = tcp_addr(&p);
-    let mut watcher = RawTcp::hello(addr, p.secret());
-    let mut a = Staller::start(RawTcp::hello(addr, p.secret()), 40 * MIB, 1024);
-    let mut b = Staller::start(RawTcp::hello(addr, p.secret()), 20 * MIB, 1024);
+    let mut watcher = RawTcp::hello_proving(addr, p.secret());
+    let mut a = Staller::start(RawTcp::hello_proving(addr, p.secret()), 40 * MIB, 1024);
+    let mut b = Staller::start(RawTcp::hello_proving(addr, p.secret()), 20 * MIB, 1024);
     // Both fit the budget: their bytes all go.
     for s in [&mut a, &mut b] {
         let done = eventually(Duration::from_secs(20), || s.sent.is_finished());
@@ -271,7 +216,7 @@ fn the_budget_cuts_the_holder_of_the_most_stalled_bytes_first() {
     }
     // A third that does not fit waits, then the unit cuts the holder of
     // the most stalled bytes: A (40 MiB), not B (20 MiB).
-    let c = Staller::start(RawTcp::hello(addr, p.secret()), 30 * MIB, 1024);
+    let c = Staller::start(RawTcp::hello_proving(addr, p.secret()), 30 * MIB, 1024);
     let mut ra = RawTcp {
         s: a.s.try_clone().unwrap(),
         next: 0,
@@ -291,7 +236,7 @@ fn the_budget_cuts_the_holder_of_the_most_stalled_bytes_first() {
         "a smaller holder was cut before the largest"
     );
     // A fourth that does not fit: now C (30 MiB) goes, B (20 MiB) stays.
-    let d = Staller::start(RawTcp::hello(addr, p.secret()), 30 * MIB, 1024);
+    let d = Staller::start(RawTcp::hello_proving(addr, p.secret()), 30 * MIB, 1024);
     let mut rc = RawTcp {
         s: c.s.try_clone().unwrap(),
         next: 0,
@@ -331,7 +276,7 @@ fn clients_that_never_read_their_replies_hold_the_unit_to_its_budget() {
     let addr = tcp_addr(&p);
     let honest = client(&p, Kind::Tcp, Duration::from_secs(10));
     let v = vec![9u8; 4096];
-    let mut watcher = RawTcp::hello(addr, p.secret());
+    let mut watcher = RawTcp::hello_proving(addr, p.secret());
     let Response::Stats(s) = watcher.call(&Request::Stats) else {
         panic!("stats")
     };
@@ -357,7 +302,7 @@ fn clients_that_never_read_their_replies_hold_the_unit_to_its_budget() {
     let frame = std::sync::Arc::new(frame);
     let deaf: Vec<Staller> = (0..32)
         .map(|_| {
-            let mut t = RawTcp::hello(addr, p.secret());
+            let mut t = RawTcp::hello_proving(addr, p.secret());
             let s = t.s.try_clone().unwrap();
             let frame = frame.clone();
             let sent = std::thread::spawn(move || t.s.write_all(&frame).is_ok());

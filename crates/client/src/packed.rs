@@ -5,7 +5,7 @@
 //! straight from the units' columns: nothing is kept per value but the
 //! offsets.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -170,8 +170,7 @@ impl Ask<'_> {
     fn chunk(&self, r: &RowsResolved, unknown: &mut BTreeSet<usize>) -> Result<PackedChunk> {
         let u = self.unit;
         let per_field = self.rows.ids.len();
-        let split: BTreeMap<u32, &[(u64, u64)]> =
-            r.split.iter().map(|(i, p)| (*i, &p[..])).collect();
+        let split = r.split_parts();
         let mut values = r.values().map_err(|m| unexpected_found(u, m))?;
         let mut shape = Shape::new();
         let mut fields = Vec::with_capacity(self.fields.len());

@@ -430,8 +430,7 @@ impl Client {
             let mut unknown = BTreeSet::new();
             for (u, rows, r) in parts.iter().filter(|(_, _, r)| r.n > 0) {
                 let slab_len = view.slab(*u)?.len();
-                let split: BTreeMap<u32, &[(u64, u64)]> =
-                    r.split.iter().map(|(i, p)| (*i, &p[..])).collect();
+                let split = r.split_parts();
                 let per_field = rows.ids.len();
                 // Checked by resolve_rows.
                 let values = r.values().map_err(|m| unexpected_found(*u, m))?;

@@ -686,6 +686,11 @@ impl RowsResolved {
         self.n += 1;
     }
 
+    /// The parts of each split value, by its position.
+    pub fn split_parts(&self) -> std::collections::BTreeMap<u32, &[(u64, u64)]> {
+        self.split.iter().map(|(i, p)| (*i, &p[..])).collect()
+    }
+
     /// Every value in order, checked: the columns hold exactly `n`
     /// values, and each value's metadata lies in `metas`.
     pub fn values(&self) -> Result<impl Iterator<Item = RowValue<'_>> + '_, String> {

@@ -387,6 +387,75 @@ pub fn stdout_lines(child: &mut std::process::Child) -> std::sync::mpsc::Receive
     rx
 }
 
+/// A raw protocol connection over TCP (bounded reads and writes).
+pub struct RawTcp {
+    pub s: std::net::TcpStream,
+    pub next: u64,
+}
+
+impl RawTcp {
+    /// Connect over TCP and say Hello.
+    pub fn hello(addr: impl std::net::ToSocketAddrs) -> RawTcp {
+        Self::hello_proving(addr, None)
+    }
+
+    /// Connect over TCP, prove `secret` (a plane's), and say Hello.
+    pub fn hello_proving(
+        addr: impl std::net::ToSocketAddrs,
+        secret: Option<&stowage_wire::auth::Secret>,
+    ) -> RawTcp {
+        let addr = addr.to_socket_addrs().unwrap().next().expect("an address");
+        let s = std::net::TcpStream::connect_timeout(&addr, Duration::from_secs(10)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        s.set_write_timeout(Some(Duration::from_secs(60))).unwrap();
+        let mut t = RawTcp { s, next: 1 };
+        if let Some(secret) = secret {
+            let client_nonce = stowage_wire::auth::fresh_nonce().unwrap();
+            let Response::Challenge {
+                unit_nonce,
+                unit_proof,
+            } = t.call(&Request::Auth { client_nonce })
+            else {
+                panic!("no challenge");
+            };
+            assert!(secret.verify_unit_proof(&client_nonce, &unit_nonce, &unit_proof));
+            let client_proof = secret.client_proof(&client_nonce, &unit_nonce);
+            let mut buf = Vec::new();
+            encode(t.next, &Request::Prove { client_proof }, 0, &mut buf).unwrap();
+            t.next += 1;
+            t.s.write_all(&buf).unwrap();
+        }
+        let h = t.call(&Request::Hello {
+            version: stowage_wire::PROTOCOL_VERSION,
+            namespace: "ns".into(),
+            want_fd: false,
+            session: None,
+        });
+        assert!(matches!(h, Response::Hello { .. }), "{h:?}");
+        t
+    }
+
+    pub fn call(&mut self, req: &Request) -> Response {
+        let id = self.next;
+        self.next += 1;
+        let mut buf = Vec::new();
+        encode(id, req, 0, &mut buf).unwrap();
+        self.s.write_all(&buf).unwrap();
+        self.recv().expect("a reply").body
+    }
+
+    pub fn recv(&mut self) -> Option<Envelope<Response>> {
+        let mut p = [0u8; PREFIX_LEN];
+        self.s.read_exact(&mut p).ok()?;
+        let prefix = FramePrefix::parse(&p, &Limits::default()).ok()?;
+        let mut h = vec![0u8; prefix.header_len as usize];
+        self.s.read_exact(&mut h).ok()?;
+        let mut payload = vec![0u8; prefix.payload_len as usize];
+        self.s.read_exact(&mut payload).ok()?;
+        decode_header(&h).ok()
+    }
+}
+
 /// A child process stopped by its pid when the test lets go of it (or
 /// ends early): a child reading a piped stdin (`--exit-with-stdin`) first
 /// sees it closed and gets 10 s to stop by itself; then it is killed and
