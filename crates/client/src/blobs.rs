@@ -8,6 +8,7 @@ use std::time::Instant;
 use stowage_wire::{EntrySpec, Key, Request, Response};
 
 use crate::classify::{unexpected, unit_error};
+use crate::copies::next_copy_may_serve;
 use crate::failure::Failure;
 use crate::sink::{Counting, ValueSink, VecSink};
 use crate::transport::SharedSink;
@@ -71,6 +72,7 @@ impl Client {
         deadline: Instant,
         timer: &metrics::OpTimer,
     ) -> Result<()> {
+        // By the unit of copy 0: its keys, and their indexes in `keys`.
         let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
         for (i, (unit, key)) in keys.into_iter().enumerate() {
             if unit >= self.units.len() {
@@ -81,12 +83,39 @@ impl Client {
             e.1.push(i);
         }
         let sink: SharedSink<'_> = std::cell::RefCell::new(sink);
-        let results = fanout::all_at_once(by_unit.iter().map(|(&unit, (ks, idx))| {
-            self.get_unit(partition, unit, ks, idx, &sink, deadline, timer)
-        }));
+        let copies = self.replicas();
         let mut missing: Vec<Key> = Vec::new();
-        for r in results {
-            missing.extend(r?);
+        // Copy after copy: what one copy could not give (its unit gone or
+        // not answering, keys it does not hold) is asked of the next.
+        for copy in 0..copies {
+            let last = copy + 1 == copies;
+            let at = self.copy_deadline(deadline, copy);
+            let results = fanout::all_at_once(by_unit.iter().map(|(&unit, (ks, idx))| {
+                let unit = self.copy_unit(unit, copy);
+                self.get_unit(partition, unit, ks, idx, &sink, at, timer)
+            }));
+            let mut next: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
+            for ((unit, (ks, idx)), r) in by_unit.into_iter().zip(results) {
+                match r {
+                    Ok(miss) if miss.is_empty() => {}
+                    Ok(miss) if last => missing.extend(miss.into_iter().map(|m| ks[m].clone())),
+                    Ok(miss) => {
+                        let e = next.entry(unit).or_default();
+                        for m in miss {
+                            e.0.push(ks[m].clone());
+                            e.1.push(idx[m]);
+                        }
+                    }
+                    Err(e) if !last && next_copy_may_serve(&e) => {
+                        next.insert(unit, (ks, idx));
+                    }
+                    Err(e) => return Err(e),
+                }
+            }
+            by_unit = next;
+            if by_unit.is_empty() {
+                break;
+            }
         }
         if !missing.is_empty() {
             return Err(Error::NotFound {
@@ -97,8 +126,8 @@ impl Client {
         Ok(())
     }
 
-    /// One unit's part of a get ([`Transport::get`]): the keys it does
-    /// not have.
+    /// One unit's part of a get ([`Transport::get`]): the positions in
+    /// `keys` of those it does not have.
     #[allow(clippy::too_many_arguments)]
     pub(crate) async fn get_unit(
         &self,
@@ -109,7 +138,7 @@ impl Client {
         sink: &SharedSink<'_>,
         deadline: Instant,
         timer: &metrics::OpTimer,
-    ) -> Result<Vec<Key>> {
+    ) -> Result<Vec<usize>> {
         let mut t = match self.checkout(unit, deadline).await {
             Ok(t) => t,
             Err(f) => return Err(self.failed_get(unit, f, keys, deadline)),
@@ -119,8 +148,8 @@ impl Client {
                 timer.unit_done(&self.metrics, unit);
                 let restarted = !miss.is_empty() && self.take_restart(unit);
                 self.checkin(unit, t);
-                let miss: Vec<Key> = miss.into_iter().map(|i| keys[i].clone()).collect();
                 if restarted {
+                    let miss: Vec<Key> = miss.into_iter().map(|i| keys[i].clone()).collect();
                     return Err(Error::LostKeys {
                         unit,
                         blobs: vec![],
@@ -209,18 +238,22 @@ impl Client {
         rows: &[(usize, u64)],
         deadline: Instant,
     ) -> Result<u64> {
-        let mut by_unit: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        // By copy and unit: every copy of each row is cleared
+        // (docs/replication.md), each copy's count apart.
+        let mut by_unit: BTreeMap<(usize, usize), Vec<u64>> = BTreeMap::new();
         for &(unit, row) in rows {
             if unit >= self.units.len() {
                 return Err(Error::InvalidRequest(format!("unit {unit} does not exist")));
             }
-            by_unit.entry(unit).or_default().push(row);
+            for (copy, u) in self.copies_of(unit).enumerate() {
+                by_unit.entry((copy, u)).or_default().push(row);
+            }
         }
-        let mut removed = 0;
+        let copies: Vec<usize> = by_unit.keys().map(|&(c, _)| c).collect();
         let replies = self.call_units(
             by_unit
                 .into_iter()
-                .map(|(u, rows)| {
+                .map(|((_, u), rows)| {
                     (
                         u,
                         Request::ClearRows {
@@ -232,14 +265,18 @@ impl Client {
                 .collect(),
             deadline,
         );
-        for (unit, r) in replies {
+        // The entries removed: the most any one copy of the rows held (a
+        // copy on a dead unit counts none).
+        let mut removed = vec![0; self.replicas()];
+        for (copy, (unit, r)) in copies.into_iter().zip(replies) {
             match r {
-                Ok(Response::Cleared { entries }) => removed += entries,
+                Ok(Response::Cleared { entries }) => removed[copy] += entries,
                 Ok(other) => return Err(unexpected(unit, other)),
                 Err(Error::LostKeys { .. }) => {} // a dead unit's rows are gone already
                 Err(e) => return Err(e),
             }
         }
+        let removed = removed.into_iter().max().unwrap_or(0);
         Ok(removed)
     }
 

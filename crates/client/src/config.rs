@@ -82,6 +82,12 @@ pub struct ClientConfig {
     /// process; tests and benchmarks set 0 to use rings from the first
     /// request).
     pub ring_after: u32,
+    /// Copies of every row, each on another unit (docs/replication.md):
+    /// a put is acknowledged once every copy is committed, a get reads
+    /// the next copy when one is gone, a clear clears every live copy.
+    /// Every client of a plane must use the same number. At least 1, at
+    /// most the number of units. Default 1.
+    pub replicas: usize,
     /// Test failpoints. Default: those `STOWAGE_FAILPOINTS` names.
     pub failpoints: Failpoints,
 }
@@ -148,6 +154,7 @@ impl ClientConfig {
             max_unit_conns: MAX_UNIT_CONNS,
             rings,
             ring_after,
+            replicas: 1,
             failpoints: failpoints_from_env(),
         }
     }

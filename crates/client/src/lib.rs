@@ -70,6 +70,7 @@ mod claims;
 mod classify;
 mod config;
 mod conn;
+mod copies;
 mod directory;
 mod error;
 mod failure;
@@ -193,6 +194,14 @@ impl Client {
     pub fn connect(mut cfg: ClientConfig) -> Result<Client> {
         if cfg.units.is_empty() {
             return Err(Error::InvalidRequest("no units given".into()));
+        }
+        if cfg.replicas == 0 || cfg.replicas > cfg.units.len() {
+            return Err(Error::InvalidRequest(format!(
+                "replicas = {} for {} units: each copy needs a unit of its own (1 to {})",
+                cfg.replicas,
+                cfg.units.len(),
+                cfg.units.len()
+            )));
         }
         if !cfg.instances.is_empty() && cfg.instances.len() != cfg.units.len() {
             return Err(Error::InvalidRequest(format!(

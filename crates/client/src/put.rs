@@ -155,6 +155,27 @@ impl Client {
                 )));
             }
         }
+        // Every copy after the first: the same bytes as a blob of its own
+        // on the copy's unit (docs/replication.md); the put stands once
+        // all of them are committed.
+        let with_copies: Vec<BlobPut<'_>>;
+        let blobs = if self.replicas() > 1 {
+            with_copies = blobs
+                .iter()
+                .flat_map(|b| {
+                    (0..self.replicas()).map(move |i| BlobPut {
+                        unit: self.copy_unit(b.unit, i),
+                        partition: b.partition,
+                        blob: if i == 0 { b.blob } else { new_blob_id() },
+                        segments: b.segments.clone(),
+                        entries: b.entries.clone(),
+                    })
+                })
+                .collect();
+            &with_copies[..]
+        } else {
+            blobs
+        };
         let wait_until = self
             .cfg
             .wait_for_memory
