@@ -87,33 +87,38 @@ impl Client {
         let mut missing: Vec<Key> = Vec::new();
         // Copy after copy: what one copy could not give (its unit gone or
         // not answering, keys it does not hold) is asked of the next.
+        // `answered`: a live copy said it does not hold these keys, so
+        // they are not found (not lost) when the copies after it are gone.
+        let mut asked: Vec<(usize, Vec<Key>, Vec<usize>, bool)> = by_unit
+            .into_iter()
+            .map(|(unit, (ks, idx))| (unit, ks, idx, false))
+            .collect();
         for copy in 0..copies {
             let last = copy + 1 == copies;
             let at = self.copy_deadline(deadline, copy);
-            let results = fanout::all_at_once(by_unit.iter().map(|(&unit, (ks, idx))| {
-                let unit = self.copy_unit(unit, copy);
+            let results = fanout::all_at_once(asked.iter().map(|(unit, ks, idx, _)| {
+                let unit = self.copy_unit(*unit, copy);
                 self.get_unit(partition, unit, ks, idx, &sink, at, timer)
             }));
-            let mut next: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
-            for ((unit, (ks, idx)), r) in by_unit.into_iter().zip(results) {
+            let mut next = Vec::new();
+            for ((unit, ks, idx, answered), r) in asked.into_iter().zip(results) {
                 match r {
                     Ok(miss) if miss.is_empty() => {}
                     Ok(miss) if last => missing.extend(miss.into_iter().map(|m| ks[m].clone())),
                     Ok(miss) => {
-                        let e = next.entry(unit).or_default();
-                        for m in miss {
-                            e.0.push(ks[m].clone());
-                            e.1.push(idx[m]);
-                        }
+                        let keys = miss.iter().map(|&m| ks[m].clone()).collect();
+                        let idx = miss.iter().map(|&m| idx[m]).collect();
+                        next.push((unit, keys, idx, true));
                     }
-                    Err(e) if !last && next_copy_may_serve(&e) => {
-                        next.insert(unit, (ks, idx));
+                    Err(e) if next_copy_may_serve(&e) && !last => {
+                        next.push((unit, ks, idx, answered))
                     }
+                    Err(e) if next_copy_may_serve(&e) && answered => missing.extend(ks),
                     Err(e) => return Err(e),
                 }
             }
-            by_unit = next;
-            if by_unit.is_empty() {
+            asked = next;
+            if asked.is_empty() {
                 break;
             }
         }

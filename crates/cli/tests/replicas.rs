@@ -1,0 +1,323 @@
+//! Copies (`ClientConfig::replicas`, docs/replication.md) with real
+//! processes: a 4-unit plane, every row on 2 units, 8 client processes
+//! looping over put, get (checked byte for byte) and clear while one unit
+//! is killed (SIGKILL) or paused (SIGSTOP, then continued). No row whose
+//! put was acknowledged is lost, and no get returns bytes other than a
+//! value the row may hold.
+//!
+//! Each client (`replica_child`, this test binary re-run) keeps a model of
+//! its own rows: for each row, the values it may hold (a put or a clear
+//! that failed may have reached some copies and not others, so the row
+//! holds the old value or the new one). Every get must return one of
+//! them, or a typed error; a row whose every put and clear was
+//! acknowledged must be read back exactly at the end.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::{BufRead, Write};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use common::*;
+use stowage_client::{Client, ClientConfig, Column, DType, Error, RowKey, Tensor, UnitAddr};
+use stowage_local::LocalPlane;
+
+const MIB: u64 = 1 << 20;
+const CLIENTS: usize = 8;
+const UNITS: usize = 4;
+/// Rows of one client: its rows are `client * ROWS ..`, so consecutive rows
+/// go round the units and their copies.
+const ROWS: u64 = 24;
+const FIELDS: [&str; 2] = ["tokens", "logprobs"];
+
+/// What a row may hold: a version of its values (`Some`), or nothing.
+type May = BTreeSet<Option<u64>>;
+
+/// The bytes of field `f` of `row` at `version`: 1 to 48 KiB, by both.
+fn value(row: u64, version: u64, f: usize) -> Vec<u8> {
+    let len = 1024 + ((row * 7 + version * 13 + f as u64 * 5) % 48) as usize * 1024;
+    pattern(row, version * 2 + f as u64, len)
+}
+
+fn put_row(c: &Client, row: u64, version: u64, deadline: Instant) -> stowage_client::Result<()> {
+    let vals: Vec<Vec<u8>> = (0..FIELDS.len()).map(|f| value(row, version, f)).collect();
+    let cols: Vec<(&str, Column<'_>)> = FIELDS
+        .iter()
+        .zip(&vals)
+        .map(|(name, v)| {
+            let t = Tensor {
+                dtype: DType::U8,
+                shape: vec![v.len() as u64],
+                data: v,
+            };
+            (*name, Column::Jagged(vec![t]))
+        })
+        .collect();
+    c.put("p", &[RowKey::Index(row)], &cols, None, deadline)
+}
+
+/// What `row` holds now: `Ok(Some(version))` when its values are those of
+/// a version in `may` (byte for byte), `Ok(None)` when it is not stored;
+/// panics on bytes of no version it may hold.
+fn get_row(
+    c: &Client,
+    row: u64,
+    may: &May,
+    deadline: Instant,
+) -> stowage_client::Result<Option<u64>> {
+    match c.get_tensors("p", &[RowKey::Index(row)], &FIELDS, None, deadline) {
+        Ok(got) => {
+            let version = may
+                .iter()
+                .flatten()
+                .copied()
+                .find(|&v| (0..FIELDS.len()).all(|f| got[f][0].data == value(row, v, f)));
+            match version {
+                Some(v) => Ok(Some(v)),
+                None => panic!("row {row}: bytes of no version it may hold ({may:?})"),
+            }
+        }
+        Err(Error::NotFound { .. }) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// Not a test on its own: a client of the tests below.
+/// `STOWAGE_REPLICA_CHILD=index;transport;addr,addr,...`: loops over put,
+/// get and clear of its own rows until its stdin closes, then reads every
+/// row back and prints `DONE ops=… failed=… exact=…`.
+#[test]
+#[ignore = "a helper process of the replicas tests"]
+fn replica_child() {
+    let spec = std::env::var("STOWAGE_REPLICA_CHILD").expect("run only by the replicas tests");
+    let mut parts = spec.split(';');
+    let index: u64 = parts.next().unwrap().parse().unwrap();
+    let shm = parts.next().unwrap() == "shm";
+    let addrs: Vec<UnitAddr> = parts
+        .next()
+        .unwrap()
+        .split(',')
+        .map(|a| a.parse().unwrap())
+        .collect();
+    let mut cfg = ClientConfig::new("test", addrs);
+    cfg.secret = child_secret();
+    cfg.shm = shm;
+    cfg.timeout = Duration::from_secs(4);
+    cfg.replicas = 2;
+    let c = Client::connect(cfg).unwrap();
+    // Stdin closing is the word to stop.
+    let (stop_tx, stop) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        let _ = std::io::stdin().lock().read_line(&mut line);
+        let _ = stop_tx.send(());
+    });
+    let rows: Vec<u64> = (index * ROWS..(index + 1) * ROWS).collect();
+    let mut may: BTreeMap<u64, May> = rows.iter().map(|&r| (r, May::from([None]))).collect();
+    let (mut ops, mut failed) = (0u64, 0u64);
+    let mut version = 0u64;
+    let mut x = index.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    println!("READY");
+    std::io::stdout().flush().unwrap();
+    while stop.try_recv().is_err() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let row = rows[(x % ROWS) as usize];
+        let m = may.get_mut(&row).unwrap();
+        let deadline = c.deadline();
+        ops += 1;
+        match (x >> 32) % 10 {
+            0..=4 => {
+                version += 1;
+                match put_row(&c, row, version, deadline) {
+                    Ok(()) => *m = May::from([Some(version)]),
+                    Err(_) => {
+                        failed += 1;
+                        m.insert(Some(version));
+                    }
+                }
+            }
+            5..=7 => match get_row(&c, row, m, deadline) {
+                // What it read, it holds; the other copy may differ only
+                // where a put or clear failed, which `m` keeps.
+                Ok(_) => {}
+                Err(_) => failed += 1,
+            },
+            _ => match c.clear("p", &[RowKey::Index(row)], None, deadline) {
+                Ok(_) => *m = May::from([None]),
+                Err(_) => {
+                    failed += 1;
+                    m.insert(None);
+                }
+            },
+        }
+        assert!(
+            Instant::now() < deadline + Duration::from_secs(2),
+            "an operation ran 2 s past its deadline"
+        );
+    }
+    // Every row read back: a row whose last put or clear was acknowledged
+    // holds exactly that.
+    let mut exact = 0;
+    for &row in &rows {
+        let m = &may[&row];
+        let got = get_row(&c, row, m, c.deadline())
+            .unwrap_or_else(|e| panic!("row {row} ({m:?}) could not be read: {e}"));
+        if m.len() == 1 {
+            assert_eq!(Some(&got), m.first(), "row {row}");
+            exact += 1;
+        }
+    }
+    println!("DONE ops={ops} failed={failed} exact={exact}");
+    std::io::stdout().flush().unwrap();
+}
+
+/// What a fault does to the unit it picks.
+#[derive(Clone, Copy, Debug)]
+enum Fault {
+    /// SIGKILL: the unit and its copies are gone.
+    Kill,
+    /// SIGSTOP for longer than a client's deadline, then SIGCONT.
+    Pause,
+}
+
+fn clients(p: &LocalPlane, transport: &str) -> Vec<(Reap, std::sync::mpsc::Receiver<String>)> {
+    let addrs = if transport == "shm" {
+        p.uds_addrs()
+    } else {
+        p.tcp_addrs()
+    };
+    let addrs: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+    (0..CLIENTS)
+        .map(|i| {
+            let spec = format!("{i};{transport};{}", addrs.join(","));
+            spawn_reaped(
+                helper_command(p, "replica_child", ("STOWAGE_REPLICA_CHILD", &spec))
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::inherit()),
+            )
+        })
+        .collect()
+}
+
+fn one_unit_fails_while_clients_loop(transport: &str, fault: Fault) {
+    let (mut p, _) = plane(UNITS, 64 * MIB, &[]);
+    let mut children = clients(&p, transport);
+    for (_, lines) in &children {
+        expect_line(lines, "READY", Duration::from_secs(30));
+    }
+    std::thread::sleep(Duration::from_millis(1500));
+    let victim = 1;
+    match fault {
+        Fault::Kill => p.kill9(victim),
+        Fault::Pause => {
+            let pid = p.units[victim].pid();
+            p.units[victim]
+                .signal(rustix::process::Signal::STOP)
+                .unwrap();
+            assert!(eventually(Duration::from_secs(5), || is_stopped(pid)));
+            // Past every client's 4 s deadline.
+            std::thread::sleep(Duration::from_secs(5));
+            p.units[victim]
+                .signal(rustix::process::Signal::CONT)
+                .unwrap();
+        }
+    }
+    std::thread::sleep(Duration::from_millis(2500));
+    for (child, _) in &mut children {
+        drop(child.0.stdin.take());
+    }
+    let mut acked = 0;
+    for (i, (child, lines)) in children.iter_mut().enumerate() {
+        let done = expect_line(lines, "DONE", Duration::from_secs(60));
+        let exact: u64 = done
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("exact="))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("client {i}: {done}"));
+        acked += exact;
+        let status = child.0.wait().unwrap();
+        assert!(status.success(), "client {i} failed: {status}");
+        eprintln!("client {i}: {done}");
+    }
+    // Rows whose put or clear was acknowledged are most rows: the check
+    // above had something to check.
+    assert!(
+        acked >= (CLIENTS as u64 * ROWS) / 2,
+        "only {acked} rows were checked exactly"
+    );
+}
+
+#[test]
+fn a_unit_killed_under_eight_clients_loses_no_acknowledged_row_shm() {
+    one_unit_fails_while_clients_loop("shm", Fault::Kill);
+}
+
+#[test]
+fn a_unit_killed_under_eight_clients_loses_no_acknowledged_row_tcp() {
+    one_unit_fails_while_clients_loop("tcp", Fault::Kill);
+}
+
+#[test]
+fn a_unit_paused_past_the_deadline_under_eight_clients_serves_nothing_wrong() {
+    one_unit_fails_while_clients_loop("shm", Fault::Pause);
+}
+
+/// More copies than units is refused at connect, naming both numbers.
+#[test]
+fn more_copies_than_units_is_refused() {
+    let (p, _) = plane(2, 16 * MIB, &[]);
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.replicas = 3;
+    match Client::connect(cfg) {
+        Err(Error::InvalidRequest(m)) => assert!(m.contains("replicas = 3 for 2 units"), "{m}"),
+        Err(e) => panic!("wrong error: {e}"),
+        Ok(_) => panic!("3 copies on 2 units was accepted"),
+    }
+}
+
+/// With 2 copies a get reads the other copy of a killed unit's rows, and
+/// a clear of them succeeds on the copy left; with 1 copy the same kill
+/// loses them (the test above would catch a plane that kept only one).
+#[test]
+fn the_second_copy_serves_a_killed_units_rows_and_one_copy_does_not() {
+    for replicas in [1, 2] {
+        let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
+        let mut cfg = ClientConfig::new("test", p.uds_addrs());
+        cfg.secret = p.secret().cloned();
+        cfg.timeout = Duration::from_secs(5);
+        cfg.replicas = replicas;
+        let c = Client::connect(cfg).unwrap();
+        let rows: Vec<u64> = (0..16).collect();
+        for &r in &rows {
+            put_row(&c, r, 1, c.deadline()).unwrap();
+        }
+        // Each copy is on its own unit: unit 1 holds rows 1, 5, 9, 13 and,
+        // with 2 copies, rows 0, 4, 8, 12 as their second copy.
+        let held = c.stats(c.deadline());
+        let rows_of = |u: usize| held[u].as_ref().unwrap().rows;
+        assert_eq!(rows_of(1), 4 * replicas as u64, "rows of unit 1");
+        p.kill9(1);
+        let one = May::from([Some(1)]);
+        for &r in &rows {
+            let got = get_row(&c, r, &one, c.deadline());
+            if replicas == 2 || r % UNITS as u64 != 1 {
+                assert_eq!(got, Ok(Some(1)), "row {r}, {replicas} copies");
+            } else {
+                assert!(
+                    matches!(got, Err(Error::LostKeys { unit: 1, .. })),
+                    "row {r}, 1 copy: {got:?}"
+                );
+            }
+        }
+        if replicas == 2 {
+            c.clear("p", &[RowKey::Index(5)], None, c.deadline())
+                .unwrap();
+            assert_eq!(get_row(&c, 5, &one, c.deadline()), Ok(None));
+        }
+    }
+}
