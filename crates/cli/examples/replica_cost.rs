@@ -1,0 +1,163 @@
+//! What a second copy of every row costs (`ClientConfig::replicas`,
+//! docs/replication.md): puts and gets with 1 and with 2 copies, in one
+//! run, as ratios.
+//!
+//! Starts two units (512 MiB each, the `stowage` binary beside this
+//! example). Per transport (`shm`, `tcp` over loopback), value size and
+//! round, alternating 1 and 2 copies: a new writer process (this program
+//! again) connects, fills a buffer of `--total` MiB (cold by the time it
+//! is read: larger than the caches) and puts it, one value per put; then
+//! a new reader process gets every value, one per get, into a buffer it
+//! made before timing; then the rows are cleared. It prints each side's
+//! GB/s (of the caller's bytes: a 2-copy put moves twice as many) and
+//! the medians' ratio, 2 copies against 1.
+//!
+//! ```text
+//! cargo build --release -p stowage-cli --bin stowage --example replica_cost
+//! target/release/examples/replica_cost [--rounds 3] [--total 256] [--sizes 1,16]
+//! ```
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use stowage_cli::bench::quantile;
+use stowage_client::{Client, ClientConfig, Column, DType, RowKey, Secret, Tensor, UnitAddr};
+use stowage_local::{LocalOptions, LocalPlane};
+
+const MIB: usize = 1 << 20;
+const FIELD: &str = "tokens";
+
+fn arg(args: &[String], name: &str, default: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| default.to_string())
+}
+
+/// A writer or reader process: `child ROLE ADDRS SECRET_FILE SHM REPLICAS
+/// SIZE TOTAL`; prints the seconds its puts or gets took.
+fn child(a: &[String]) {
+    let (role, addrs, secret) = (&a[0], &a[1], &a[2]);
+    let shm = a[3] == "shm";
+    let replicas: usize = a[4].parse().unwrap();
+    let size: usize = a[5].parse().unwrap();
+    let total: usize = a[6].parse().unwrap();
+    let addrs: Vec<UnitAddr> = addrs.split(',').map(|s| s.parse().unwrap()).collect();
+    let mut cfg = ClientConfig::new("replica-cost", addrs);
+    cfg.secret = Some(Secret::from_file(std::path::Path::new(secret)).unwrap());
+    cfg.shm = shm;
+    cfg.replicas = replicas;
+    cfg.timeout = Duration::from_secs(60);
+    let c = Client::connect(cfg).unwrap();
+    c.check_units(c.deadline()).unwrap();
+    let n = total / size;
+    let mut buf = vec![0u8; total];
+    for (i, b) in buf.iter_mut().enumerate() {
+        *b = (i * 31 / 7) as u8;
+    }
+    let t0 = Instant::now();
+    for (i, chunk) in buf.chunks_mut(size).enumerate().take(n) {
+        let key = [RowKey::Index(i as u64)];
+        if role == "put" {
+            let t = Tensor {
+                dtype: DType::U8,
+                shape: vec![size as u64],
+                data: chunk,
+            };
+            c.put("p", &key, &[(FIELD, Column::Jagged(vec![t]))], None, c.deadline())
+                .unwrap();
+        } else {
+            let got = c
+                .get_tensors("p", &key, &[FIELD], None, c.deadline())
+                .unwrap();
+            assert_eq!(got[0][0].data.len(), size);
+            chunk.copy_from_slice(&got[0][0].data);
+        }
+    }
+    println!("{}", t0.elapsed().as_secs_f64());
+}
+
+fn run_child(exe: &std::path::Path, args: &[String]) -> f64 {
+    let out = Command::new(exe).arg("child").args(args).output().unwrap();
+    assert!(
+        out.status.success(),
+        "child {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    if args.get(1).map(String::as_str) == Some("child") {
+        return child(&args[2..]);
+    }
+    let rounds: usize = arg(&args, "--rounds", "3").parse().unwrap();
+    let total = arg(&args, "--total", "256").parse::<usize>().unwrap() * MIB;
+    let sizes: Vec<usize> = arg(&args, "--sizes", "1,16")
+        .split(',')
+        .map(|s| s.parse::<usize>().unwrap() * MIB)
+        .collect();
+    let stowage = stowage_cli::bench::stowage_binary(None).unwrap_or_else(|e| panic!("{e}"));
+    let mut opts = LocalOptions::new(2, 512 << 20);
+    opts.command = vec![stowage.into(), "unit".into()];
+    let plane = LocalPlane::start(&opts).expect("starting two units");
+    let secret = plane.private_dir().join("secret");
+    let exe = std::env::current_exe().unwrap();
+    let mut cfg = ClientConfig::new("replica-cost", plane.uds_addrs());
+    cfg.secret = plane.secret().cloned();
+    cfg.replicas = 2;
+    let admin = Client::connect(cfg).unwrap();
+    println!(
+        "two units, {} MiB per round, values one per call; GB/s of the caller's bytes; median [min-max] over {rounds} rounds",
+        total / MIB
+    );
+    for transport in ["shm", "tcp"] {
+        let addrs = if transport == "shm" {
+            plane.uds_addrs()
+        } else {
+            plane.tcp_addrs()
+        };
+        let addrs: Vec<String> = addrs.iter().map(ToString::to_string).collect();
+        let addrs = addrs.join(",");
+        for &size in &sizes {
+            // [replicas - 1][put, get] seconds per round.
+            let mut secs = vec![[Vec::new(), Vec::new()]; 2];
+            for _ in 0..rounds {
+                for replicas in [1usize, 2] {
+                    let common = |role: &str| {
+                        vec![
+                            role.to_string(),
+                            addrs.clone(),
+                            secret.display().to_string(),
+                            transport.to_string(),
+                            replicas.to_string(),
+                            size.to_string(),
+                            total.to_string(),
+                        ]
+                    };
+                    secs[replicas - 1][0].push(run_child(&exe, &common("put")));
+                    secs[replicas - 1][1].push(run_child(&exe, &common("get")));
+                    admin
+                        .clear_partition("p", admin.deadline())
+                        .expect("clear");
+                }
+            }
+            let gbps = |s: &mut Vec<f64>| {
+                let med = quantile(s, 0.5);
+                let (lo, hi) = (s[0], s[s.len() - 1]);
+                let g = |t: f64| total as f64 / t / 1e9;
+                (med, format!("{:.2} [{:.2}-{:.2}]", g(med), g(hi), g(lo)))
+            };
+            for (side, name) in [(0, "put"), (1, "get")] {
+                let (one, one_s) = gbps(&mut secs[0][side]);
+                let (two, two_s) = gbps(&mut secs[1][side]);
+                println!(
+                    "{transport} {:>2} MiB {name}: 1 copy {one_s} GB/s, 2 copies {two_s} GB/s; 2 copies take {:.2}x the time of 1",
+                    size / MIB,
+                    two / one
+                );
+            }
+        }
+    }
+}
