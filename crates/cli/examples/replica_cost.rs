@@ -64,8 +64,14 @@ fn child(a: &[String]) {
                 shape: vec![size as u64],
                 data: chunk,
             };
-            c.put("p", &key, &[(FIELD, Column::Jagged(vec![t]))], None, c.deadline())
-                .unwrap();
+            c.put(
+                "p",
+                &key,
+                &[(FIELD, Column::Jagged(vec![t]))],
+                None,
+                c.deadline(),
+            )
+            .unwrap();
         } else {
             let got = c
                 .get_tensors("p", &key, &[FIELD], None, c.deadline())
@@ -138,9 +144,7 @@ fn main() {
                     };
                     secs[replicas - 1][0].push(run_child(&exe, &common("put")));
                     secs[replicas - 1][1].push(run_child(&exe, &common("get")));
-                    admin
-                        .clear_partition("p", admin.deadline())
-                        .expect("clear");
+                    admin.clear_partition("p", admin.deadline()).expect("clear");
                 }
             }
             let gbps = |s: &mut Vec<f64>| {

@@ -321,3 +321,38 @@ fn the_second_copy_serves_a_killed_units_rows_and_one_copy_does_not() {
         }
     }
 }
+
+/// A view of rows whose unit was killed pins and maps their other copy;
+/// with 1 copy the same view fails naming the lost unit.
+#[test]
+fn a_view_maps_the_other_copy_of_a_killed_units_rows() {
+    for replicas in [1, 2] {
+        let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
+        let mut cfg = ClientConfig::new("test", p.uds_addrs());
+        cfg.secret = p.secret().cloned();
+        cfg.timeout = Duration::from_secs(5);
+        cfg.replicas = replicas;
+        let c = std::sync::Arc::new(Client::connect(cfg).unwrap());
+        let rows: Vec<u64> = (0..8).collect();
+        for &r in &rows {
+            put_row(&c, r, 3, c.deadline()).unwrap();
+        }
+        p.kill9(1);
+        let keys: Vec<RowKey> = rows.iter().map(|&r| RowKey::Index(r)).collect();
+        let view = c.view("p", &keys, &FIELDS, None, c.deadline());
+        if replicas == 1 {
+            assert!(
+                matches!(view, Err(Error::LostKeys { unit: 1, .. })),
+                "1 copy: {:?}",
+                view.err()
+            );
+            continue;
+        }
+        let view = view.expect("2 copies: the view maps the copies left");
+        for (f, _) in FIELDS.iter().enumerate() {
+            for (i, &r) in rows.iter().enumerate() {
+                assert_eq!(view.to_vec(&view.field(f)[i]), value(r, 3, f), "row {r}");
+            }
+        }
+    }
+}

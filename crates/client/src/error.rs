@@ -119,6 +119,19 @@ pub(crate) fn names(keys: &[Key]) -> Vec<String> {
 }
 
 impl Error {
+    /// The unit the error is about, where it names one.
+    pub fn unit(&self) -> Option<usize> {
+        match self {
+            Error::UnitFull { unit, .. }
+            | Error::TransferFailed { unit, .. }
+            | Error::LostKeys { unit, .. }
+            | Error::Corrupt { unit, .. }
+            | Error::Unreachable { unit, .. } => Some(*unit),
+            Error::Timeout { unit, .. } => *unit,
+            _ => None,
+        }
+    }
+
     /// Whether the same call may succeed if made again (with the same blob
     /// ids: they make the retry idempotent).
     pub fn is_retryable(&self) -> bool {

@@ -13,6 +13,7 @@ use stowage_shm::Slab;
 use stowage_wire::{Key, PinId, Request, RequestRef, Response, RowValue, RowsResolved};
 
 use crate::classify::{name_keys, unexpected, unexpected_found};
+use crate::copies::next_copy_may_serve;
 use crate::failure::Failure;
 use crate::pool::ViewConn;
 use crate::row_meta::{check_field, collision, decode_meta_into, ownership, Ownership};
@@ -293,7 +294,11 @@ impl Client {
 
     /// Pin `fields` of `keys` on the units that hold them and check their
     /// answers ([`Resolution`]): a value not found, corrupt, or only on
-    /// disk fails the call (the view it made unpins as it drops).
+    /// disk fails the call (the view it made unpins as it drops). With
+    /// copies ([`crate::ClientConfig::replicas`]) a view that one copy
+    /// cannot give (its unit gone or not answering, a value it lacks)
+    /// pins the next copy of every row instead: a view pins, and maps,
+    /// one copy of each value.
     pub(crate) fn resolve_rows(
         self: &Arc<Self>,
         partition: &str,
@@ -302,13 +307,77 @@ impl Client {
         unit: Option<usize>,
         deadline: Instant,
     ) -> Result<Resolution> {
+        // The copy each row is asked of: every row starts at copy 0 and
+        // goes on to its next copy when the unit it was asked of is gone,
+        // does not answer, or lacks it.
+        let mut copy_of = vec![0usize; keys.len()];
+        let mut not_found = None;
+        loop {
+            let tried = copy_of.iter().copied().max().unwrap_or(0);
+            let at = self.copy_deadline(deadline, tried);
+            let e = match self.resolve_copy(partition, keys, fields, unit, &copy_of, at) {
+                Ok(r) => return Ok(r),
+                Err(e) => e,
+            };
+            // The rows the failure names: those not found, or those asked
+            // of the unit that failed.
+            let failed: Vec<usize> = match &e {
+                Error::NotFound { keys: missing, .. } => {
+                    let rows: BTreeSet<u64> = missing.iter().map(|k| k.row).collect();
+                    (0..keys.len())
+                        .filter(|&i| keys[i].row_id().is_ok_and(|id| rows.contains(&id)))
+                        .collect()
+                }
+                e if next_copy_may_serve(e) => match e.unit() {
+                    Some(u) => (0..keys.len())
+                        .filter(|&i| {
+                            keys[i].row_id().is_ok_and(|id| {
+                                self.unit_of_key(id, unit)
+                                    .is_ok_and(|p| self.copy_unit(p, copy_of[i]) == u)
+                            })
+                        })
+                        .collect(),
+                    None => Vec::new(),
+                },
+                _ => Vec::new(),
+            };
+            let last = failed.iter().any(|&i| copy_of[i] + 1 >= self.replicas());
+            if failed.is_empty() || last {
+                // No copy is left for some row: what the copies that
+                // answered said (not found) stands over a lost unit.
+                return Err(match (e, not_found) {
+                    (e, Some(nf)) if next_copy_may_serve(&e) => nf,
+                    (e, _) => e,
+                });
+            }
+            if matches!(e, Error::NotFound { .. }) {
+                not_found = Some(e);
+            }
+            for i in failed {
+                copy_of[i] += 1;
+            }
+        }
+    }
+
+    /// [`Client::resolve_rows`] of copy `copy_of[i]` of row `keys[i]`.
+    fn resolve_copy(
+        self: &Arc<Self>,
+        partition: &str,
+        keys: &[RowKey],
+        fields: &[&str],
+        unit: Option<usize>,
+        copy_of: &[usize],
+        deadline: Instant,
+    ) -> Result<Resolution> {
         for f in fields {
             check_field(f)?;
         }
         let mut by_unit: BTreeMap<usize, UnitRows> = BTreeMap::new();
         for (i, k) in keys.iter().enumerate() {
             let id = k.row_id()?;
-            let e = by_unit.entry(self.unit_of_key(id, unit)?).or_default();
+            let e = by_unit
+                .entry(self.copy_unit(self.unit_of_key(id, unit)?, copy_of[i]))
+                .or_default();
             e.ids.push(id);
             e.at.push(i);
         }
