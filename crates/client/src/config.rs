@@ -88,6 +88,11 @@ pub struct ClientConfig {
     /// Every client of a plane must use the same number. At least 1, at
     /// most the number of units. Default 1.
     pub replicas: usize,
+    /// The host of each unit (its directory's `host`; empty or `None`:
+    /// unknown). With [`ClientConfig::replicas`] over 1, a row's copies
+    /// go on units of distinct hosts whenever there are enough of them.
+    /// Default empty.
+    pub hosts: Vec<Option<String>>,
     /// Test failpoints. Default: those `STOWAGE_FAILPOINTS` names.
     pub failpoints: Failpoints,
 }
@@ -155,6 +160,7 @@ impl ClientConfig {
             rings,
             ring_after,
             replicas: 1,
+            hosts: Vec::new(),
             failpoints: failpoints_from_env(),
         }
     }

@@ -1,13 +1,78 @@
 //! Copies of rows on several units ([`ClientConfig::replicas`]): which
 //! units hold the copies of what a unit holds, and which failures of one
-//! copy send a read on to the next. The put (`put.rs`), the get
-//! (`blobs.rs`) and the clear (`blobs.rs`) ask here.
+//! copy send a read on to the next. The put (`put.rs`), the get and the
+//! clear (`blobs.rs`) and views (`views.rs`) ask here.
+//!
+//! Copy 0 of a row is on the row's own unit; copy `i` on the `i`-th unit
+//! after it (wrapping round) whose host holds none of the copies before
+//! it, or, when there are too few hosts, on the next unit not holding one.
+//! Every client of a plane computes the same placement from the same
+//! units and hosts.
 
+use std::collections::HashSet;
 use std::time::Instant;
 
 #[cfg(doc)]
 use crate::ClientConfig;
 use crate::{Client, Error};
+
+/// Where the copies of each unit's rows go.
+#[derive(Debug, Default)]
+pub(crate) struct Copies {
+    /// `units[u]`: the units of the copies of what unit `u` holds, copy 0
+    /// (`u`) first; empty with one copy.
+    units: Vec<Box<[usize]>>,
+    /// Units whose copies share a host (too few distinct hosts).
+    pub(crate) short_of_hosts: usize,
+}
+
+impl Copies {
+    /// The placement of `replicas` copies over `n` units on `hosts`
+    /// (`None`, or a list shorter than `n`: a host of its own).
+    pub(crate) fn place(n: usize, replicas: usize, hosts: &[Option<String>]) -> Copies {
+        if replicas <= 1 {
+            return Copies::default();
+        }
+        let host = |u: usize| hosts.get(u).and_then(Option::as_deref);
+        let mut short = 0;
+        let units = (0..n)
+            .map(|u| {
+                let mut set = vec![u];
+                let mut used: HashSet<&str> = host(u).into_iter().collect();
+                for v in (1..n).map(|j| (u + j) % n) {
+                    if set.len() == replicas {
+                        break;
+                    }
+                    match host(v) {
+                        Some(h) if used.contains(h) => {}
+                        Some(h) => {
+                            used.insert(h);
+                            set.push(v);
+                        }
+                        None => set.push(v),
+                    }
+                }
+                // Too few hosts: the next units not holding a copy yet.
+                if set.len() < replicas {
+                    short += 1;
+                    for v in (1..n).map(|j| (u + j) % n) {
+                        if set.len() == replicas {
+                            break;
+                        }
+                        if !set.contains(&v) {
+                            set.push(v);
+                        }
+                    }
+                }
+                set.into_boxed_slice()
+            })
+            .collect();
+        Copies {
+            units,
+            short_of_hosts: short,
+        }
+    }
+}
 
 impl Client {
     /// How many units hold a copy of each row ([`ClientConfig::replicas`]).
@@ -15,15 +80,25 @@ impl Client {
         self.cfg.replicas
     }
 
-    /// The unit of copy `i` of what `unit` holds: copy 0 is `unit` itself,
-    /// copy `i` the `i`-th unit after it (wrapping round).
+    /// The unit of copy `i` of what `unit` holds: copy 0 is `unit` itself
+    /// (see the module docs for the others).
     pub fn copy_unit(&self, unit: usize, i: usize) -> usize {
-        (unit + i) % self.units.len()
+        match self.copies.units.get(unit) {
+            Some(set) => set[i],
+            None => unit,
+        }
     }
 
     /// The units holding the copies of what `unit` holds, copy 0 first.
     pub fn copies_of(&self, unit: usize) -> impl Iterator<Item = usize> + '_ {
         (0..self.cfg.replicas).map(move |i| self.copy_unit(unit, i))
+    }
+
+    /// How many units' copies share a host with another copy of the same
+    /// rows (the plane has fewer hosts than copies): 0 when every row's
+    /// copies are on distinct hosts, or the hosts are not known.
+    pub fn copies_short_of_hosts(&self) -> usize {
+        self.copies.short_of_hosts
     }
 
     /// The deadline of one try at copy `i`: an even share of what is left
@@ -51,4 +126,54 @@ pub(crate) fn next_copy_may_serve(e: &Error) -> bool {
             | Error::Corrupt { .. }
             | Error::Io(_)
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn hosts(h: &[&str]) -> Vec<Option<String>> {
+        h.iter().map(|h| Some(h.to_string())).collect()
+    }
+
+    #[test]
+    fn without_hosts_the_copies_are_the_next_units() {
+        let c = Copies::place(4, 2, &[]);
+        let sets: Vec<&[usize]> = c.units.iter().map(|s| &s[..]).collect();
+        assert_eq!(sets, [&[0, 1][..], &[1, 2], &[2, 3], &[3, 0]]);
+        assert_eq!(c.short_of_hosts, 0);
+    }
+
+    #[test]
+    fn copies_skip_units_of_a_host_that_holds_one() {
+        // Two units per host: a unit's neighbour shares its host.
+        let c = Copies::place(6, 2, &hosts(&["a", "a", "b", "b", "c", "c"]));
+        let sets: Vec<&[usize]> = c.units.iter().map(|s| &s[..]).collect();
+        assert_eq!(
+            sets,
+            [&[0, 2][..], &[1, 2], &[2, 4], &[3, 4], &[4, 0], &[5, 0]]
+        );
+        assert_eq!(c.short_of_hosts, 0);
+        let c = Copies::place(6, 3, &hosts(&["a", "a", "b", "b", "c", "c"]));
+        assert_eq!(&c.units[1][..], &[1, 2, 4]);
+    }
+
+    #[test]
+    fn too_few_hosts_are_counted_and_still_give_every_copy_a_unit() {
+        let c = Copies::place(4, 3, &hosts(&["a", "a", "b", "b"]));
+        for (u, set) in c.units.iter().enumerate() {
+            assert_eq!(set.len(), 3, "unit {u}");
+            assert_eq!(set[0], u);
+            let distinct: HashSet<_> = set.iter().collect();
+            assert_eq!(distinct.len(), 3, "unit {u}: {set:?}");
+        }
+        assert_eq!(c.short_of_hosts, 4);
+    }
+
+    #[test]
+    fn one_copy_places_nothing() {
+        assert!(Copies::place(3, 1, &hosts(&["a", "b", "c"]))
+            .units
+            .is_empty());
+    }
 }

@@ -181,6 +181,8 @@ pub struct Client {
     units: Vec<UnitSlot>,
     metrics: Arc<metrics::ClientMetrics>,
     nixl: Option<nixl::NixlClient>,
+    /// With copies: the units of each unit's copies, copy 0 first.
+    copies: copies::Copies,
 }
 
 impl Client {
@@ -202,6 +204,22 @@ impl Client {
                 cfg.units.len(),
                 cfg.units.len()
             )));
+        }
+        if !cfg.hosts.is_empty() && cfg.hosts.len() != cfg.units.len() {
+            return Err(Error::InvalidRequest(format!(
+                "{} hosts for {} units",
+                cfg.hosts.len(),
+                cfg.units.len()
+            )));
+        }
+        let copies = copies::Copies::place(cfg.units.len(), cfg.replicas, &cfg.hosts);
+        if copies.short_of_hosts > 0 {
+            tracing::warn!(
+                "replicas = {}: {} of {} units have copies on a host that holds another copy of the same rows (too few hosts); a host's loss may take every copy of their rows",
+                cfg.replicas,
+                copies.short_of_hosts,
+                cfg.units.len()
+            );
         }
         if !cfg.instances.is_empty() && cfg.instances.len() != cfg.units.len() {
             return Err(Error::InvalidRequest(format!(
@@ -240,6 +258,7 @@ impl Client {
             units,
             metrics,
             nixl,
+            copies,
         })
     }
 
