@@ -8,7 +8,7 @@ use std::time::Instant;
 use stowage_wire::{EntrySpec, Key, Request, Response};
 
 use crate::classify::{unexpected, unit_error};
-use crate::copies::next_copy_may_serve;
+use crate::copies::{next_copy_may_serve, ReadOrder};
 use crate::failure::Failure;
 use crate::sink::{Counting, ValueSink, VecSink};
 use crate::transport::SharedSink;
@@ -89,29 +89,35 @@ impl Client {
         // not answering, keys it does not hold) is asked of the next.
         // `answered`: a live copy said it does not hold these keys, so
         // they are not found (not lost) when the copies after it are gone.
-        let mut asked: Vec<(usize, Vec<Key>, Vec<usize>, bool)> = by_unit
+        let mut asked: Vec<(ReadOrder, Vec<Key>, Vec<usize>, bool)> = by_unit
             .into_iter()
-            .map(|(unit, (ks, idx))| (unit, ks, idx, false))
+            .map(|(unit, (ks, idx))| (self.read_order(unit), ks, idx, false))
             .collect();
         for copy in 0..copies {
             let last = copy + 1 == copies;
             let at = self.copy_deadline(deadline, copy);
-            let results = fanout::all_at_once(asked.iter().map(|(unit, ks, idx, _)| {
-                let unit = self.copy_unit(*unit, copy);
-                self.get_unit(partition, unit, ks, idx, &sink, at, timer)
+            let results = fanout::all_at_once(asked.iter().map(|(order, ks, idx, _)| {
+                self.get_unit(partition, order[copy], ks, idx, &sink, at, timer)
             }));
             let mut next = Vec::new();
-            for ((unit, ks, idx, answered), r) in asked.into_iter().zip(results) {
+            for ((order, ks, idx, answered), r) in asked.into_iter().zip(results) {
+                if copies > 1 {
+                    match &r {
+                        Err(e) if next_copy_may_serve(e) => self.suspect(order[copy]),
+                        Err(_) => {}
+                        Ok(_) => self.trust(order[copy]),
+                    }
+                }
                 match r {
                     Ok(miss) if miss.is_empty() => {}
                     Ok(miss) if last => missing.extend(miss.into_iter().map(|m| ks[m].clone())),
                     Ok(miss) => {
                         let keys = miss.iter().map(|&m| ks[m].clone()).collect();
                         let idx = miss.iter().map(|&m| idx[m]).collect();
-                        next.push((unit, keys, idx, true));
+                        next.push((order, keys, idx, true));
                     }
                     Err(e) if next_copy_may_serve(&e) && !last => {
-                        next.push((unit, ks, idx, answered))
+                        next.push((order, ks, idx, answered))
                     }
                     Err(e) if next_copy_may_serve(&e) && answered => missing.extend(ks),
                     Err(e) => return Err(e),

@@ -8,30 +8,55 @@
 //! it, or, when there are too few hosts, on the next unit not holding one.
 //! Every client of a plane computes the same placement from the same
 //! units and hosts.
+//!
+//! A read goes to the copies in order, except that a unit a read found
+//! gone or not answering within [`SUSPECT_FOR`] is asked last: while a
+//! unit is stopped, reads of its rows go straight to their next copy
+//! instead of each waiting out its share of the deadline.
 
 use std::collections::HashSet;
-use std::time::Instant;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::time::{Duration, Instant};
+
+use smallvec::SmallVec;
 
 #[cfg(doc)]
 use crate::ClientConfig;
 use crate::{Client, Error};
 
+/// How long a unit that a read found gone or not answering is asked
+/// after the other copies.
+pub(crate) const SUSPECT_FOR: Duration = Duration::from_secs(5);
+
+/// The copies' units, in the order a read asks them.
+pub(crate) type ReadOrder = SmallVec<[usize; 4]>;
+
 /// Where the copies of each unit's rows go.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Copies {
     /// `units[u]`: the units of the copies of what unit `u` holds, copy 0
     /// (`u`) first; empty with one copy.
     units: Vec<Box<[usize]>>,
     /// Units whose copies share a host (too few distinct hosts).
     pub(crate) short_of_hosts: usize,
+    /// Per unit (with copies), until when (ms after `born`) reads ask it
+    /// last; 0: not suspected.
+    suspect: Box<[AtomicU64]>,
+    born: Instant,
 }
 
 impl Copies {
     /// The placement of `replicas` copies over `n` units on `hosts`
     /// (`None`, or a list shorter than `n`: a host of its own).
     pub(crate) fn place(n: usize, replicas: usize, hosts: &[Option<String>]) -> Copies {
+        let born = Instant::now();
         if replicas <= 1 {
-            return Copies::default();
+            return Copies {
+                units: Vec::new(),
+                short_of_hosts: 0,
+                suspect: Box::new([]),
+                born,
+            };
         }
         let host = |u: usize| hosts.get(u).and_then(Option::as_deref);
         let mut short = 0;
@@ -70,7 +95,19 @@ impl Copies {
         Copies {
             units,
             short_of_hosts: short,
+            suspect: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            born,
         }
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
+    }
+
+    fn suspected(&self, unit: usize) -> bool {
+        self.suspect
+            .get(unit)
+            .is_some_and(|s| s.load(Relaxed) > self.now_ms())
     }
 }
 
@@ -92,6 +129,32 @@ impl Client {
     /// The units holding the copies of what `unit` holds, copy 0 first.
     pub fn copies_of(&self, unit: usize) -> impl Iterator<Item = usize> + '_ {
         (0..self.cfg.replicas).map(move |i| self.copy_unit(unit, i))
+    }
+
+    /// The units of `unit`'s copies in the order a read asks them: copy 0
+    /// first, units suspected of being gone last (see the module docs).
+    pub(crate) fn read_order(&self, unit: usize) -> ReadOrder {
+        let mut order: ReadOrder = self.copies_of(unit).collect();
+        order.sort_by_key(|&u| self.copies.suspected(u));
+        order
+    }
+
+    /// A read found `unit` gone or not answering: reads ask it last for
+    /// [`SUSPECT_FOR`].
+    pub(crate) fn suspect(&self, unit: usize) {
+        if let Some(s) = self.copies.suspect.get(unit) {
+            let until = self.copies.now_ms() + SUSPECT_FOR.as_millis() as u64;
+            s.store(until, Relaxed);
+        }
+    }
+
+    /// `unit` answered: reads ask it in its turn again.
+    pub(crate) fn trust(&self, unit: usize) {
+        if let Some(s) = self.copies.suspect.get(unit) {
+            if s.load(Relaxed) != 0 {
+                s.store(0, Relaxed);
+            }
+        }
     }
 
     /// How many units' copies share a host with another copy of the same
@@ -168,6 +231,25 @@ mod tests {
             assert_eq!(distinct.len(), 3, "unit {u}: {set:?}");
         }
         assert_eq!(c.short_of_hosts, 4);
+    }
+
+    #[test]
+    fn a_suspected_unit_is_read_last_until_it_answers() {
+        let cfg = crate::ClientConfig::new(
+            "t",
+            (0..3)
+                .map(|i| crate::UnitAddr::Unix(format!("/nonexistent/{i}").into()))
+                .collect(),
+        );
+        let mut cfg = cfg;
+        cfg.replicas = 3;
+        let c = Client::connect(cfg).unwrap();
+        assert_eq!(&c.read_order(1)[..], &[1, 2, 0]);
+        c.suspect(1);
+        assert_eq!(&c.read_order(1)[..], &[2, 0, 1]);
+        assert_eq!(&c.read_order(0)[..], &[0, 2, 1]);
+        c.trust(1);
+        assert_eq!(&c.read_order(1)[..], &[1, 2, 0]);
     }
 
     #[test]

@@ -307,15 +307,25 @@ impl Client {
         unit: Option<usize>,
         deadline: Instant,
     ) -> Result<Resolution> {
-        // The copy each row is asked of: every row starts at copy 0 and
-        // goes on to its next copy when the unit it was asked of is gone,
-        // does not answer, or lacks it.
+        if self.replicas() == 1 {
+            return self.resolve_copy(partition, keys, fields, deadline, |_, id| {
+                self.unit_of_key(id, unit)
+            });
+        }
+        // The copy each row is asked of, in its read order: every row
+        // starts at the first and goes on to the next when the unit it
+        // was asked of is gone, does not answer, or lacks it.
+        let orders = keys
+            .iter()
+            .map(|k| Ok(self.read_order(self.unit_of_key(k.row_id()?, unit)?)))
+            .collect::<Result<Vec<_>>>()?;
         let mut copy_of = vec![0usize; keys.len()];
         let mut not_found = None;
         loop {
             let tried = copy_of.iter().copied().max().unwrap_or(0);
             let at = self.copy_deadline(deadline, tried);
-            let e = match self.resolve_copy(partition, keys, fields, unit, &copy_of, at) {
+            let asked = |i: usize, _| Ok(orders[i][copy_of[i]]);
+            let e = match self.resolve_copy(partition, keys, fields, at, asked) {
                 Ok(r) => return Ok(r),
                 Err(e) => e,
             };
@@ -329,14 +339,12 @@ impl Client {
                         .collect()
                 }
                 e if next_copy_may_serve(e) => match e.unit() {
-                    Some(u) => (0..keys.len())
-                        .filter(|&i| {
-                            keys[i].row_id().is_ok_and(|id| {
-                                self.unit_of_key(id, unit)
-                                    .is_ok_and(|p| self.copy_unit(p, copy_of[i]) == u)
-                            })
-                        })
-                        .collect(),
+                    Some(u) => {
+                        self.suspect(u);
+                        (0..keys.len())
+                            .filter(|&i| orders[i][copy_of[i]] == u)
+                            .collect()
+                    }
                     None => Vec::new(),
                 },
                 _ => Vec::new(),
@@ -359,15 +367,15 @@ impl Client {
         }
     }
 
-    /// [`Client::resolve_rows`] of copy `copy_of[i]` of row `keys[i]`.
+    /// [`Client::resolve_rows`] of each row `keys[i]` (row id `id`) on
+    /// unit `unit_for(i, id)`.
     fn resolve_copy(
         self: &Arc<Self>,
         partition: &str,
         keys: &[RowKey],
         fields: &[&str],
-        unit: Option<usize>,
-        copy_of: &[usize],
         deadline: Instant,
+        unit_for: impl Fn(usize, u64) -> Result<usize>,
     ) -> Result<Resolution> {
         for f in fields {
             check_field(f)?;
@@ -375,9 +383,7 @@ impl Client {
         let mut by_unit: BTreeMap<usize, UnitRows> = BTreeMap::new();
         for (i, k) in keys.iter().enumerate() {
             let id = k.row_id()?;
-            let e = by_unit
-                .entry(self.copy_unit(self.unit_of_key(id, unit)?, copy_of[i]))
-                .or_default();
+            let e = by_unit.entry(unit_for(i, id)?).or_default();
             e.ids.push(id);
             e.at.push(i);
         }
