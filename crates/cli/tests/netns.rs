@@ -2,8 +2,9 @@
 //! unit in each of two, a client in a third, joined by veth pairs with
 //! addresses private to the namespaces. Data goes over tcp with the shared
 //! secret; a link brought down turns only its unit's operations into
-//! Timeout or LostKeys, within the deadline; a client with the wrong secret
-//! is refused. The namespaces are removed at the end, also when the test
+//! Timeout or LostKeys, within the deadline, while a client keeping 2
+//! copies of its rows (one per host) reads all of them from the host
+//! left; a client with the wrong secret is refused. The namespaces are removed at the end, also when the test
 //! fails (a guard's Drop). Skipped, saying why, where namespaces cannot be
 //! made (not root, no `ip`).
 
@@ -212,6 +213,8 @@ fn units_on_two_hosts_a_client_on_a_third() {
     assert!(line.contains("UNIT-A FAILED-IN-TIME"), "{line}");
     let line = expect("UNIT-B", Duration::from_secs(30));
     assert!(line.contains("UNIT-B SERVES"), "{line}");
+    let line = expect("COPIES", Duration::from_secs(30));
+    assert!(line.contains("COPIES SERVE"), "{line}");
 
     let names = hosts.names.clone();
     drop(hosts);
@@ -266,6 +269,21 @@ fn netns_client() {
     c.put_rows(&puts, c.deadline()).expect("put over tcp");
     let got = c.get_rows(&keys, c.deadline()).expect("get over tcp");
     assert_eq!(got, values);
+    // A client keeping 2 copies, each on its own host, of other rows.
+    let mut cfg = config(SECRET, &[UNIT_A, UNIT_B], deadline);
+    cfg.replicas = 2;
+    cfg.hosts = vec![Some("a".into()), Some("b".into())];
+    let copies = Client::connect(cfg).expect("connects");
+    assert_eq!(copies.copies_short_of_hosts(), 0);
+    let copy_keys: Vec<Key> = (100..108).map(|r| Key::new(r, "f")).collect();
+    let copy_puts: Vec<(Key, &[u8])> = copy_keys
+        .iter()
+        .cloned()
+        .zip(values.iter().map(|v| v.as_slice()))
+        .collect();
+    copies
+        .put_rows(&copy_puts, copies.deadline())
+        .expect("put of 2 copies over tcp");
     println!("BOTH-SERVE");
 
     let mut line = String::new();
@@ -292,5 +310,14 @@ fn netns_client() {
             println!("UNIT-B SERVES")
         }
         other => println!("UNIT-B UNEXPECTED {other:?}"),
+    }
+    // Every row of the 2-copy client is read from host b, within the
+    // deadline: copy 0 of the even rows is on the host cut off.
+    let start = Instant::now();
+    match copies.get_rows(&copy_keys, Instant::now() + deadline) {
+        Ok(v) if v == values && start.elapsed() <= deadline + Duration::from_secs(2) => {
+            println!("COPIES SERVE")
+        }
+        other => println!("COPIES UNEXPECTED {other:?} after {:?}", start.elapsed()),
     }
 }

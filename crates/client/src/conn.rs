@@ -216,6 +216,10 @@ fn variant_name(r: &Response) -> &'static str {
     }
 }
 
+/// How long a reply whose bytes were there when its deadline passed may
+/// take to be read whole ([`Conn::recv`]).
+const REPLY_GRACE: Duration = Duration::from_millis(250);
+
 /// The remaining time, or Timeout when none is left.
 pub(crate) fn remaining(deadline: Instant) -> Result<Duration, Failure> {
     let left = deadline.saturating_duration_since(Instant::now());
@@ -695,6 +699,22 @@ impl Conn {
         }
     }
 
+    /// The deadline to read a reply by: `deadline`, or, once it has
+    /// passed while the reply's bytes are there already, [`REPLY_GRACE`]
+    /// from now. A call's parts run on one thread (`fanout.rs`): while one
+    /// unit's part waited out the deadline, another unit's reply came, and
+    /// that unit did answer in time.
+    fn reply_deadline(&self, deadline: Instant) -> Result<Instant, Failure> {
+        let now = Instant::now();
+        if now < deadline {
+            Ok(deadline)
+        } else if self.socket_readable()? {
+            Ok(now + REPLY_GRACE)
+        } else {
+            Err(Failure::Timeout)
+        }
+    }
+
     /// Whether the socket has bytes (or its end) to read, without waiting.
     fn socket_readable(&self) -> Result<bool, Failure> {
         if !self.reader.buffer().is_empty() {
@@ -717,6 +737,7 @@ impl Conn {
     /// Receive a reply to one of the requests `ids` (or one with id 0,
     /// sent before any request was read).
     fn recv_for(&mut self, ids: &[u64], deadline: Instant) -> Result<Response, Failure> {
+        let deadline = self.reply_deadline(deadline)?;
         self.set_timeouts(deadline)?;
         let prefix = read_prefix(&mut self.reader, &self.limits)?
             .ok_or_else(|| Failure::Broken(io::ErrorKind::UnexpectedEof.into()))?;
@@ -737,6 +758,7 @@ impl Conn {
         dst: &mut [u8],
         deadline: Instant,
     ) -> Result<(), Failure> {
+        let deadline = self.reply_deadline(deadline)?;
         self.set_timeouts(deadline)?;
         self.reader.read_exact(dst)?;
         Ok(())
@@ -744,6 +766,7 @@ impl Conn {
 
     /// Discard payload bytes of the last reply.
     pub(crate) fn skip_payload(&mut self, n: u64, deadline: Instant) -> Result<(), Failure> {
+        let deadline = self.reply_deadline(deadline)?;
         self.set_timeouts(deadline)?;
         stowage_wire::io::drain(&mut self.reader, n)?;
         Ok(())
