@@ -335,7 +335,8 @@ class DataPlane:
     def directory(self) -> Dict[str, Any]:
         """A local plane's directory: pass it (or a JSON file holding it) to
         :func:`connect` in another process, on this host (shared memory) or
-        another one (tcp, if the units listen beyond loopback). When the
+        another one (tcp, if the units listen beyond loopback); its
+        ``replicas`` is the plane's, which those clients use. When the
         plane generated its secret, the directory carries it
         (``secret_hex``): keep it, and any file holding it, owner-only
         (``chmod 600``; a client refuses a directory file with a secret
