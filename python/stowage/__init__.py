@@ -326,10 +326,17 @@ class DataPlane:
         return self._client.units
 
     @property
+    def replicas(self) -> int:
+        """Copies of every row, each on another unit: copy ``i`` of what unit
+        ``u`` holds is on unit ``(u + i) % N`` (see :func:`connect`)."""
+        return self._client.replicas
+
+    @property
     def directory(self) -> Dict[str, Any]:
         """A local plane's directory: pass it (or a JSON file holding it) to
         :func:`connect` in another process, on this host (shared memory) or
-        another one (tcp, if the units listen beyond loopback). When the
+        another one (tcp, if the units listen beyond loopback); its
+        ``replicas`` is the plane's, which those clients use. When the
         plane generated its secret, the directory carries it
         (``secret_hex``): keep it, and any file holding it, owner-only
         (``chmod 600``; a client refuses a directory file with a secret
@@ -342,7 +349,7 @@ class DataPlane:
             zip(self._plane.uds_addrs, self._plane.tcp_addrs, self._plane.pids)
         ):
             units.append({"index": i, "host": host, "uds": uds, "tcp": tcp, "pid": pid})
-        d: Dict[str, Any] = {"stowage_directory": 1, "units": units}
+        d: Dict[str, Any] = {"stowage_directory": 1, "replicas": self.replicas, "units": units}
         secret = self._plane.secret
         if self._plane.secret_generated and secret is not None:
             d["secret_hex"] = secret.hex()
@@ -741,6 +748,7 @@ def connect(
     secret: Optional[Union[bytes, str]] = None,
     nixl: bool = False,
     require_rdma: bool = True,
+    replicas: Optional[int] = None,
 ) -> DataPlane:
     """A client of running units. Connecting opens no connection: each
     unit's first is opened by the first call that touches it, so a client
@@ -786,7 +794,15 @@ def connect(
     where they do not). Needs a package built with the nixl feature and
     ``libnixl_capi.so`` (docs/nixl.md). ``require_rdma`` (default true):
     refuse to run nixl unless ``UCX_TLS`` holds UCX to RDMA transports.
-    :meth:`DataPlane.stats` tells each unit's transport."""
+    :meth:`DataPlane.stats` tells each unit's transport.
+
+    ``replicas``: copies of every row, each on another unit (a put returns
+    once every copy is committed; a get reads the next copy when one is
+    gone). Every client of a plane must use the same number: by default
+    the directory's (``replicas``, which the launchers write; 1 when it
+    does not say, or for a list of addresses); one given that differs
+    from the directory's raises :class:`InvalidRequest`. At least 1, at
+    most the number of units."""
     if transport not in ("auto", "shm", "tcp", "nixl"):
         raise InvalidRequest(f"transport must be 'auto', 'shm', 'tcp' or 'nixl', not {transport!r}")
     use_nixl = nixl or transport == "nixl"
@@ -798,6 +814,7 @@ def connect(
         secret = _secret(secret)
         if secret is None:
             secret = _native.directory_secret(text)
+        replicas = _native.directory_replicas(text, replicas)
         return DataPlane(
             _native.Client(
                 addrs,
@@ -810,6 +827,7 @@ def connect(
                 liveness=_liveness_of(directory),
                 nixl=use_nixl,
                 require_rdma=require_rdma,
+                replicas=replicas,
             )
         )
     if isinstance(units, (str, os.PathLike)):
@@ -824,6 +842,7 @@ def connect(
             _secret(secret),
             nixl=use_nixl,
             require_rdma=require_rdma,
+            replicas=1 if replicas is None else replicas,
         )
     )
 
@@ -863,6 +882,7 @@ def local(
     checkpoint_root: Optional[str] = None,
     secret: Optional[Union[bytes, str]] = None,
     insecure: bool = False,
+    replicas: int = 1,
 ) -> DataPlane:
     """Start ``units`` storage units of ``memory`` each (bytes, or e.g.
     ``"1GiB"``) as child processes of this interpreter and connect to them
@@ -893,6 +913,10 @@ def local(
     secret; every local user can then read, overwrite and clear every value
     over their loopback TCP listeners.
 
+    ``replicas``: copies of every row, each on another unit (at most
+    ``units``; more raises :class:`InvalidRequest` before any unit starts);
+    :attr:`DataPlane.directory` carries it to the plane's other clients.
+
     A unit that refuses its settings (e.g. a ``disk`` root another user
     owns) raises :class:`InvalidRequest` at once, with the unit's own
     reason (``unit I refused to start: ...``)."""
@@ -918,6 +942,11 @@ def local(
         args += ["--checkpoint-root", str(checkpoint_root)]
     if insecure and secret is not None:
         raise InvalidRequest("insecure means units without a secret, but one was given")
+    if not 1 <= replicas <= units:
+        raise InvalidRequest(
+            f"replicas={replicas} for {units} units: each copy of a row needs a unit of its own "
+            f"(1 to {units})"
+        )
     try:
         plane = _native.LocalPlane(
             command,
@@ -947,6 +976,7 @@ def local(
             secret,
             nixl=transport == "nixl",
             require_rdma=False,
+            replicas=replicas,
         )
         # Over tcp, admin requests take the Unix sockets (units accept them
         # there from their own user only).

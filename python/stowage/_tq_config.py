@@ -22,6 +22,9 @@ BACKEND = "Stowage"
 DEFAULTS: Dict[str, Any] = {
     "count": 2,  # storage units
     "memory": "1GiB",  # per unit (also reserved as Ray memory)
+    # Copies of every row, each on another unit; None: the directory's (1
+    # for the units started here). Every client of the plane uses it.
+    "replicas": None,
     # Ray CPUs per unit actor: none by default. A unit serves on its own
     # threads and needs no Ray CPU to do it; TransferQueue's controller
     # already takes one, and on a 2-CPU machine a unit that took more
@@ -79,6 +82,8 @@ def _block(config: Any) -> Dict[str, Any]:
 def _unit_config(block: Mapping[str, Any]) -> Dict[str, Any]:
     """The stowage config (docs/config.md sections) for start_units."""
     units: Dict[str, Any] = {"memory": block["memory"], "cpus": float(block["cpus"])}
+    if block["replicas"] is not None:
+        units["replicas"] = block["replicas"]
     if block["checkpoint_root"] is not None:
         units["checkpoint_root"] = os.fspath(block["checkpoint_root"])
     disk = block["disk"]

@@ -240,6 +240,7 @@ def register(provider: Callable[[Any], Any]) -> Any:
                 namespace=self._namespace,
                 timeout=self._timeout,
                 secret=_client_secret(block),
+                replicas=block["replicas"],
             )
             self._shm = all(u.startswith("unix:") for u in self._plane.units)
             # The key of the pickled cells' tags, derived from the plane's

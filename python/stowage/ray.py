@@ -216,6 +216,7 @@ class _Settings:
         cfg = _load_config(config)
         units, listen, timeouts = cfg["units"], cfg["listen"], cfg["timeouts"]
         self.count: Optional[int] = units["count"]
+        self.replicas: int = units["replicas"]
         self.placement = cfg["placement"]["clusters"]
         self.memory: int = units["memory"]
         self.cpus: float = units["cpus"]
@@ -554,7 +555,11 @@ def start_units(
     ``"node-ip"``, Ray's address of the unit's node, which units on several
     hosts need; ``tcp_port``; ``unix_dir``), ``timeouts.start``,
     ``timeouts.stop`` (for :func:`stop_units`), ``timeouts.frame`` and
-    ``timeouts.handshake``.
+    ``timeouts.handshake``, and ``units.replicas``: the copies of every
+    row the plane's clients keep, written into the directory (its
+    ``replicas``) so that :func:`stowage.connect` uses it; fewer planned
+    units than that raises :class:`stowage.InvalidRequest`, naming both
+    numbers, before any unit starts.
 
     ``clusters_or_nodes``: a list of Ray node ids, one per unit (already
     planned), or a mapping of cluster name -> cluster (then the clusters
@@ -597,9 +602,14 @@ def start_units(
     if timeout is None:
         timeout = settings.start_timeout
     deadline = t0 + timeout
+    nodes = _plan(settings, clusters_or_nodes)
+    if len(nodes) < settings.replicas:
+        raise InvalidRequest(
+            f"units.replicas = {settings.replicas} needs at least {settings.replicas} units, "
+            f"but {len(nodes)} were planned"
+        )
     if not ray.is_initialized():
         raise PlacementError("Ray is not initialized: call ray.init() before start_units")
-    nodes = _plan(settings, clusters_or_nodes)
     _check_nodes(nodes, settings)
 
     actors: List[Any] = []
@@ -640,7 +650,11 @@ def start_units(
         raise
     logger.info("started %d storage units in %.1f s", len(actors), time.monotonic() - t0)
     _warn_if_no_cpu_is_left(settings.cpus * len(actors), f"{len(actors)} storage unit(s)")
-    directory: Dict[str, Any] = {"stowage_directory": 1, "units": units}
+    directory: Dict[str, Any] = {
+        "stowage_directory": 1,
+        "replicas": settings.replicas,
+        "units": units,
+    }
     if settings.generated is not None:
         directory["secret_hex"] = settings.generated.hex()
     return Units(actors, directory, settings.stop_timeout)

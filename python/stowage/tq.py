@@ -48,6 +48,7 @@ that it prints as ``<redacted>``: TransferQueue logs its whole config.
 
 from __future__ import annotations
 
+import json
 import logging
 import weakref
 from typing import Any, List, Mapping
@@ -60,7 +61,14 @@ from ._tq_checkpoint import CheckpointRefused, _fallback_checkpoint_root, defaul
 from ._tq_checkpoint import _load_checkpoint as _load_checkpoint
 from ._tq_checkpoint import _RestoredCells as _RestoredCells
 from ._tq_checkpoint import _save_checkpoint as _save_checkpoint
-from ._tq_config import BACKEND, DEFAULTS, _block, _publish_directory, _unit_config
+from ._tq_config import (
+    BACKEND,
+    DEFAULTS,
+    _block,
+    _publish_directory,
+    _reveal_directory,
+    _unit_config,
+)
 from ._tq_manager import RowsLost
 from .tq_worker import ray_runtime_env_hook, setup_worker
 
@@ -184,6 +192,9 @@ def initialize_stowage_storage(conf: Any) -> StowageStorage:
                     f"backend.{BACKEND}.directory must be a directory (a dict or a JSON file), "
                     f"not {block['directory']!r}"
                 )
+            # A replicas given must be the directory's (raises otherwise).
+            text = json.dumps(_reveal_directory(directory))
+            stowage._native.directory_replicas(text, block["replicas"])
             _publish_directory(conf, directory)
             return StowageStorage(None, directory, float(block["stop_timeout"]))
         if block["checkpoint_root"] is None:

@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 DEFAULTS = {
     "units": {
         "count": None,
+        "replicas": 1,
         "memory": 1 << 30,
         "cpus": 0.0,
         "reservation_lease": 30.0,
@@ -51,6 +52,7 @@ def test_defaults():
 def test_the_example_file_loads(tmp_path):
     cfg = stowage.config.load(ROOT / "examples" / "stowage.toml")
     assert cfg["units"]["count"] == 4
+    assert cfg["units"]["replicas"] == 2
     assert cfg["units"]["memory"] == 1 << 30
     assert cfg["units"]["disk"] == {
         "root": "/local/stowage",

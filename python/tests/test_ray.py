@@ -196,6 +196,7 @@ def test_units_start_on_their_planned_nodes(cluster, units):
     assert len(units) == 3
     entries = units.directory["units"]
     assert units.directory["stowage_directory"] == 1
+    assert units.directory["replicas"] == 1
     # Each actor reports the node it runs on (ray.get_runtime_context()
     # inside the actor), asked here from another worker.
     assert ray.get([node_of_actor.remote(a) for a in units], timeout=60) == cluster.node_ids
@@ -420,6 +421,26 @@ def test_clusters_by_name_and_a_config_file(cluster, tmp_path):
         stowage.ray.start_units({"placement": {"clusters": ["teacher:x"]}}, clusters, timeout=5)
     with pytest.raises(stowage.InvalidRequest, match=r"units\.memroy"):
         stowage.ray.start_units({"units": {"memroy": "1GiB"}}, [head], timeout=5)
+
+
+def test_units_for_two_copies_of_every_row(cluster, part):
+    """units.replicas: the directory carries it, a client connecting by it
+    keeps two copies of every row, and fewer planned units than copies
+    start nothing."""
+    cfg = {"units": {"memory": "16MiB", "replicas": 2}}
+    with pytest.raises(stowage.InvalidRequest, match="needs at least 2 units, but 1 were planned"):
+        stowage.ray.start_units(cfg, cluster.node_ids[:1], timeout=START_S)
+    two = stowage.ray.start_units(cfg, cluster.node_ids[:2], timeout=START_S)
+    try:
+        assert two.directory["replicas"] == 2
+        with stowage.connect(two.directory, timeout=10) as plane:
+            assert plane.replicas == 2
+            plane.put(part, [0, 1, 2], {"x": np.arange(3)})
+            assert [int(a) for a in plane.get(part, [0, 1, 2], ["x"])["x"]] == [0, 1, 2]
+        # Every row on both units.
+        assert [ray.get(u.stats.remote(), timeout=30)["rows"] for u in two] == [3, 3]
+    finally:
+        assert stowage.ray.stop_units(two, timeout=20) == [[], []]
 
 
 def test_units_with_a_shared_secret(cluster, tmp_path, part, monkeypatch):

@@ -605,6 +605,7 @@ fn up(
     if n == 0 {
         return Err("--units must be at least 1".into());
     }
+    c.units.check_replicas(n)?;
     // Watch for the signals before any unit starts: an early Ctrl-C still
     // stops them properly.
     let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM, SIGHUP])
@@ -621,7 +622,8 @@ fn up(
     opts.tcp_port_base = c.listen.tcp_port;
     opts.start_timeout = c.timeouts.start;
     let mut plane = LocalPlane::start(&opts)?;
-    let dir = plane.directory();
+    let mut dir = plane.directory();
+    dir.replicas = c.units.replicas;
     let write = |path: &std::path::Path| {
         dir.write_file(path)
             .map_err(|e| format!("writing the directory to {}: {e}", path.display()))

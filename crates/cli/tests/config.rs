@@ -76,7 +76,7 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     std::fs::write(
         &config,
         format!(
-            "[units]\ncount = 3\nmemory = \"40MiB\"\n[units.disk]\nroot = {:?}\ncapacity = \"64MiB\"\n\
+            "[units]\ncount = 3\nreplicas = 2\nmemory = \"40MiB\"\n[units.disk]\nroot = {:?}\ncapacity = \"64MiB\"\n\
              [auth]\nsecret_file = {:?}\n[timeouts]\nstop = \"10s\"\n\
              [metrics]\nlisten = \"127.0.0.1:{metrics}\"\n",
             disk.display().to_string(),
@@ -102,6 +102,8 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
 
     let d = UnitDirectory::from_file(&directory).unwrap();
     assert_eq!(d.units.len(), 3);
+    // The file's copies of every row, for every client of the plane.
+    assert_eq!(d.replicas, 2);
     let pids: Vec<u32> = d.units.iter().map(|u| u.pid.unwrap()).collect();
     assert!(pids.iter().all(|&p| alive(p)));
     // Every unit keeps a disk directory while it runs.
@@ -124,6 +126,7 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
         .all(|a| matches!(a, stowage_client::UnitAddr::Unix(_))));
     let mut cfg = ClientConfig::new("cfg", addrs);
     cfg.instances = d.instances();
+    cfg.replicas = d.replicas;
     cfg.secret = Some(Secret::from_bytes(SECRET.as_bytes().to_vec()).unwrap());
     let c = Client::connect(cfg).unwrap();
     let keys: Vec<Key> = (0..6).map(|r| Key::new(r, "f")).collect();
@@ -164,7 +167,8 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     );
     let printed = String::from_utf8_lossy(&out.stdout);
     assert_eq!(printed.matches("unix:").count(), 3);
-    // Each unit took two 4 KiB rows and served them back once.
+    // Each unit took two 4 KiB rows of its own and copies of the two of
+    // the unit before it, and served its own back once.
     assert_eq!(
         printed
             .matches("1 partitions, 0 bytes pinned, 0 spares (0 bytes); since start: ")
@@ -174,7 +178,7 @@ fn up_starts_the_configured_units_and_stops_them_on_sigterm() {
     );
     assert_eq!(
         printed
-            .matches(" 8192 bytes in, 8192 bytes out, 0 busy answers")
+            .matches(" 16384 bytes in, 8192 bytes out, 0 busy answers")
             .count(),
         3,
         "{printed}"
@@ -308,6 +312,29 @@ fn a_config_that_listens_beyond_loopback_without_a_secret_is_refused() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("memroy"), "{err}");
+}
+
+/// `stowage up` for fewer units than the file's copies of every row:
+/// refused before any unit starts, naming both numbers.
+#[test]
+fn up_refuses_fewer_units_than_replicas() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("stowage.toml");
+    std::fs::write(&config, "[units]\nreplicas = 3\nmemory = \"8MiB\"\n").unwrap();
+    let out = Command::new(binary())
+        .args(["up", "--units", "2", "--config"])
+        .arg(&config)
+        .env("STOWAGE_SECRET", SECRET)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+    assert!(
+        text.contains("units.replicas = 3 needs at least 3 units, but the plane has 2"),
+        "{text}"
+    );
+    assert!(!text.contains("READY"), "{text}");
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! every client, on any host.
 //!
 //! ```json
-//! {"stowage_directory": 1,
+//! {"stowage_directory": 1, "replicas": 1,
 //!  "units": [{"index": 0, "node": "…", "host": "…",
 //!             "uds": "unix:/tmp/…/unit.sock", "tcp": "tcp:10.0.0.2:40123",
 //!             "instance_id": "0123…", "pid": 1234, "ray": {…}}]}
@@ -13,6 +13,10 @@
 //! on the same host as the client (same [`host_id`]) and has a Unix socket,
 //! tcp otherwise. Keys a client does not know (such as `ray`, the
 //! launcher's liveness source) are kept as they are.
+//!
+//! A directory carries the plane's number of copies of every row
+//! (`"replicas"`, [`ClientConfig::replicas`]), which every client of the
+//! plane must use; a directory written without it means 1.
 //!
 //! A directory may carry the units' shared secret (`"secret_hex"`: its
 //! bytes as lowercase hex digits), which a client then proves unless it
@@ -28,6 +32,8 @@ use serde::{Deserialize, Serialize};
 use stowage_wire::auth::Secret;
 
 use crate::conn::UnitAddr;
+#[cfg(doc)]
+use crate::ClientConfig;
 
 /// The format version this client reads and writes.
 pub const DIRECTORY_VERSION: u32 = 1;
@@ -39,6 +45,12 @@ pub struct UnitDirectory {
     /// Always [`DIRECTORY_VERSION`].
     pub stowage_directory: u32,
     pub units: Vec<UnitEntry>,
+    /// Copies of every row, each on another unit
+    /// ([`ClientConfig::replicas`]): every client of the plane uses this
+    /// number. 1 to the number of units; 1 when the directory does not
+    /// say (one written before the key was).
+    #[serde(default = "one_replica")]
+    pub replicas: usize,
     /// The units' shared secret as lowercase hex digits
     /// ([`Secret::to_hex`]), if the launcher hands it over this way.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -50,12 +62,17 @@ impl std::fmt::Debug for UnitDirectory {
         f.debug_struct("UnitDirectory")
             .field("stowage_directory", &self.stowage_directory)
             .field("units", &self.units)
+            .field("replicas", &self.replicas)
             .field(
                 "secret_hex",
                 &self.secret_hex.as_ref().map(|_| format_args!("<redacted>")),
             )
             .finish()
     }
+}
+
+fn one_replica() -> usize {
+    1
 }
 
 /// One unit of a directory.
@@ -230,6 +247,15 @@ impl UnitDirectory {
         if self.units.is_empty() {
             return Err("the directory lists no units".into());
         }
+        if self.replicas == 0 || self.replicas > self.units.len() {
+            return Err(format!(
+                "the directory's replicas = {} for {} units: each copy of a row needs a unit \
+                 of its own (1 to {})",
+                self.replicas,
+                self.units.len(),
+                self.units.len()
+            ));
+        }
         for (i, u) in self.units.iter().enumerate() {
             if u.index != i {
                 return Err(format!(
@@ -363,10 +389,47 @@ mod tests {
     }
 
     #[test]
+    fn replicas_are_carried_and_default_to_one() {
+        // A directory written before the key: one copy.
+        let old = r#"{"stowage_directory": 1, "units": [{"index": 0, "tcp": "tcp:127.0.0.1:5"}]}"#;
+        let d = UnitDirectory::parse(old).unwrap();
+        assert_eq!(d.replicas, 1);
+        assert!(d.to_json().contains("\"replicas\": 1"), "{}", d.to_json());
+        let two = UnitDirectory {
+            stowage_directory: 1,
+            units: vec![entry(0, "here"), entry(1, "there"), entry(2, "there")],
+            replicas: 2,
+            secret_hex: None,
+        };
+        let back = UnitDirectory::parse(&two.to_json()).unwrap();
+        assert_eq!(back.replicas, 2);
+        assert_eq!(back, two);
+        assert!(format!("{two:?}").contains("replicas: 2"));
+        // More copies than units, or none: refused, naming both numbers.
+        for (n, want) in [
+            (4, "replicas = 4 for 3 units"),
+            (0, "replicas = 0 for 3 units"),
+        ] {
+            let bad = UnitDirectory {
+                replicas: n,
+                ..two.clone()
+            };
+            let e = UnitDirectory::parse(&bad.to_json()).unwrap_err();
+            assert!(e.contains(want), "{e}");
+        }
+        let e = UnitDirectory::parse(
+            r#"{"stowage_directory": 1, "replicas": -1, "units": [{"index": 0, "tcp": "tcp:127.0.0.1:5"}]}"#,
+        )
+        .unwrap_err();
+        assert!(e.contains("not a stowage directory"), "{e}");
+    }
+
+    #[test]
     fn transport_is_chosen_per_unit() {
         let d = UnitDirectory {
             stowage_directory: 1,
             units: vec![entry(0, "here"), entry(1, "there")],
+            replicas: 2,
             secret_hex: None,
         };
         let auto = d.addrs(TransportChoice::Auto, "here").unwrap();
@@ -440,6 +503,7 @@ mod tests {
         let d = UnitDirectory {
             stowage_directory: 1,
             units: vec![entry(0, "here")],
+            replicas: 1,
             secret_hex: Some(secret.to_hex()),
         };
         // A file already there, readable by all, is replaced, not reused.
@@ -477,6 +541,7 @@ mod tests {
         let d = UnitDirectory {
             stowage_directory: 1,
             units: vec![entry(0, "here")],
+            replicas: 1,
             secret_hex: Some(hex.clone()),
         };
         for shown in [format!("{d:?}"), format!("{d:#?}")] {

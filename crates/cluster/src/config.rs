@@ -77,6 +77,10 @@ pub struct UnitsSection {
     /// How many units; `None`: two per node of the selected clusters.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub count: Option<usize>,
+    /// Copies of every row, each on another unit: every client of the
+    /// plane uses this number (the plane's directory carries it). At
+    /// least 1, at most the number of units. Default 1.
+    pub replicas: usize,
     /// Slab memory of each unit, bytes. Default 1 GiB.
     #[serde(with = "size")]
     pub memory: u64,
@@ -150,6 +154,7 @@ impl Default for UnitsSection {
         let unit = UnitConfig::new("", 1 << 30);
         Self {
             count: None,
+            replicas: 1,
             memory: unit.memory,
             cpus: 0.0,
             reservation_lease: unit.reservation_lease,
@@ -170,6 +175,21 @@ impl Default for UnitsSection {
             spare_budget: unit.spare_budget,
             outside_slab_budget: unit.outside_slab_budget,
         }
+    }
+}
+
+impl UnitsSection {
+    /// Whether a plane of `units` units can hold `replicas` copies of
+    /// every row (each copy needs a unit of its own); the error names
+    /// both numbers. Launchers ask before they start anything.
+    pub fn check_replicas(&self, units: usize) -> Result<(), String> {
+        if self.replicas > units {
+            return Err(format!(
+                "units.replicas = {} needs at least {} units, but the plane has {units}",
+                self.replicas, self.replicas
+            ));
+        }
+        Ok(())
     }
 }
 
@@ -505,6 +525,21 @@ impl Config {
             return Err((
                 "units.count",
                 "must be at least 1 (omit it for two units per node)".into(),
+            ));
+        }
+        if u.replicas == 0 {
+            return Err((
+                "units.replicas",
+                "must be at least 1 (1: one copy of every row)".into(),
+            ));
+        }
+        if let Some(count) = u.count.filter(|&c| c < u.replicas) {
+            return Err((
+                "units.replicas",
+                format!(
+                    "{} copies of every row need at least {} units, but units.count is {count}",
+                    u.replicas, u.replicas
+                ),
             ));
         }
         if u.memory == 0 {

@@ -333,7 +333,8 @@ impl LocalPlane {
     /// The plane's directory: what another process, on this host or
     /// another, passes to connect. It carries the plane's secret when the
     /// plane generated it: write it with [`UnitDirectory::write_file`]
-    /// (then owner-only).
+    /// (then owner-only). It says one copy of every row (`replicas`); a
+    /// launcher that starts the plane for more sets its own number.
     pub fn directory(&self) -> UnitDirectory {
         let host = stowage_client::host_id();
         UnitDirectory {
@@ -357,6 +358,7 @@ impl LocalPlane {
                         .collect(),
                 })
                 .collect(),
+            replicas: 1,
             secret_hex: self
                 .secret
                 .as_ref()

@@ -34,6 +34,8 @@ pub(crate) struct Client {
     addrs: Vec<String>,
     /// The namespace every request acts in.
     namespace: String,
+    /// Copies of every row ([`ClientConfig::replicas`]).
+    replicas: usize,
     /// The key that authenticates TransferQueue's pickled cells (see
     /// [`Client::cell_key`]), derived from the secret at connect; the
     /// secret itself stays in the connection config.
@@ -108,9 +110,11 @@ impl Client {
     /// failed. `nixl`: reach the units not reached over shared memory with
     /// one-sided NIXL transfers where they serve it (tcp where they do
     /// not); `require_rdma`: refuse to run nixl unless UCX is held to RDMA
-    /// transports.
+    /// transports. `replicas`: copies of every row, each on another unit
+    /// (1 to the number of units); every client of a plane must use the
+    /// same number.
     #[new]
-    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, secret = None, instances = None, liveness = None, nixl = false, require_rdma = true))]
+    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, secret = None, instances = None, liveness = None, nixl = false, require_rdma = true, replicas = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -124,6 +128,7 @@ impl Client {
         liveness: Option<Py<PyAny>>,
         nixl: bool,
         require_rdma: bool,
+        replicas: i64,
     ) -> PyResult<Self> {
         crate::logbridge::install();
         let secret = secret.map(secret_arg).transpose()?;
@@ -142,6 +147,9 @@ impl Client {
             .transpose()
             .map_err(|_| invalid("wait_for_memory must be a non-negative number of seconds"))?;
         cfg.secret = secret;
+        // 0 and more than the units are refused by connect, naming both.
+        cfg.replicas = usize::try_from(replicas)
+            .map_err(|_| invalid(format!("replicas must be at least 1, got {replicas}")))?;
         if nixl {
             cfg.nixl = Some(stowage_client::NixlOptions {
                 require_rdma,
@@ -149,25 +157,7 @@ impl Client {
             });
         }
         if let Some(ids) = instances {
-            if ids.len() != addrs.len() {
-                return Err(invalid(format!(
-                    "{} instance ids for {} units",
-                    ids.len(),
-                    addrs.len()
-                )));
-            }
-            cfg.instances = ids
-                .iter()
-                .map(|s| {
-                    s.as_deref()
-                        .map(|h| {
-                            u128::from_str_radix(h, 16).map_err(|_| {
-                                invalid(format!("instance id {h:?} is not 32 hex digits"))
-                            })
-                        })
-                        .transpose()
-                })
-                .collect::<PyResult<_>>()?;
+            cfg.instances = crate::directory::instance_ids(&ids, addrs.len())?;
         }
         if let Some(callable) = liveness {
             if !callable.bind(py).is_callable() {
@@ -175,7 +165,7 @@ impl Client {
             }
             cfg.directory = Arc::new(crate::directory::PyLiveness::new(callable));
         }
-        let timeout = cfg.timeout;
+        let (timeout, replicas) = (cfg.timeout, cfg.replicas);
         let client = py
             .detach(move || Inner::connect(cfg))
             .map_err(|e| to_py(py, e, &[]))?;
@@ -186,6 +176,7 @@ impl Client {
             shm_enabled: shm,
             addrs: addrs.iter().map(|a| a.to_string()).collect(),
             namespace,
+            replicas,
             cell_key: derived,
         })
     }
@@ -212,6 +203,12 @@ impl Client {
     #[getter]
     fn shm(&self) -> bool {
         self.shm
+    }
+
+    /// Copies of every row, each on another unit.
+    #[getter]
+    fn replicas(&self) -> usize {
+        self.replicas
     }
 
     /// The key (32 bytes) that authenticates the TransferQueue backend's
@@ -950,6 +947,7 @@ impl Client {
         d.set_item("info", checkpoint_dict(py, src.info)?)?;
         let shm = matches!(addr, UnitAddr::Unix(_)) && self.shm_enabled;
         let c = Client {
+            replicas: restored.replicas(),
             inner: Mutex::new(Some(Arc::new(restored))),
             timeout: self.timeout,
             shm,

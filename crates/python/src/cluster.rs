@@ -206,6 +206,7 @@ fn config_dict<'py>(py: Python<'py>, c: &Config) -> PyResult<Bound<'py, PyDict>>
     let units = PyDict::new(py);
     let u = &c.units;
     units.set_item("count", u.count)?;
+    units.set_item("replicas", u.replicas)?;
     units.set_item("memory", u.memory)?;
     units.set_item("cpus", u.cpus)?;
     units.set_item("reservation_lease", secs(u.reservation_lease))?;

@@ -1,4 +1,5 @@
-//! Directories from Python: [`host_id`], [`resolve_directory`], and
+//! Directories from Python: [`host_id`], [`resolve_directory`],
+//! [`directory_replicas`], and
 //! [`PyLiveness`], a [`Directory`] that asks a Python callable (the Ray
 //! launcher's liveness check) whether a unit is dead — only after an
 //! operation on it failed, never on the operation path.
@@ -39,6 +40,45 @@ pub(crate) fn resolve_directory(
         addrs.iter().map(|a| a.to_string()).collect(),
         d.units.iter().map(|u| u.instance_id.clone()).collect(),
     ))
+}
+
+/// The number of copies of every row a client of the directory (JSON
+/// text) uses: the directory's (1 when it does not say), or `given`,
+/// which must then be the directory's: every client of a plane uses the
+/// same number.
+#[pyfunction]
+#[pyo3(signature = (json, given = None))]
+pub(crate) fn directory_replicas(json: &str, given: Option<i64>) -> PyResult<usize> {
+    let d = UnitDirectory::parse(json).map_err(invalid)?;
+    match given {
+        Some(n) if usize::try_from(n).ok() != Some(d.replicas) => Err(invalid(format!(
+            "replicas={n} was given, but the plane's directory says {}: every client of a \
+             plane must use the plane's number (leave replicas out to take it)",
+            d.replicas
+        ))),
+        _ => Ok(d.replicas),
+    }
+}
+
+/// Instance ids (32 hex digits each, or None) as a client expects them,
+/// one for each of `units` units.
+pub(crate) fn instance_ids(ids: &[Option<String>], units: usize) -> PyResult<Vec<Option<u128>>> {
+    if ids.len() != units {
+        return Err(invalid(format!(
+            "{} instance ids for {units} units",
+            ids.len()
+        )));
+    }
+    ids.iter()
+        .map(|s| {
+            s.as_deref()
+                .map(|h| {
+                    u128::from_str_radix(h, 16)
+                        .map_err(|_| invalid(format!("instance id {h:?} is not 32 hex digits")))
+                })
+                .transpose()
+        })
+        .collect()
 }
 
 /// A fresh shared secret for a data plane (64 hex digits, as bytes): what

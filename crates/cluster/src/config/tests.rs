@@ -12,6 +12,7 @@ fn empty_file_is_the_default() {
     assert_eq!(Config::from_toml_str("").unwrap(), Config::default());
     let d = Config::default();
     assert_eq!(d.units.count, None);
+    assert_eq!(d.units.replicas, 1);
     assert_eq!(d.units.memory, 1 << 30);
     assert_eq!(d.units.cpus, 0.0);
     assert_eq!(d.units.reservation_lease, Duration::from_secs(30));
@@ -49,6 +50,7 @@ fn values_parse() {
         r#"
             [units]
             count = 6
+            replicas = 3
             memory = "512MiB"
             cpus = 0.5
             reservation_lease = "1m"
@@ -83,6 +85,7 @@ fn values_parse() {
     )
     .unwrap();
     assert_eq!(c.units.count, Some(6));
+    assert_eq!(c.units.replicas, 3);
     assert_eq!(c.units.memory, 512 << 20);
     assert_eq!(c.units.cpus, 0.5);
     assert_eq!(c.units.reservation_lease, Duration::from_secs(60));
@@ -146,6 +149,11 @@ fn errors_name_the_key() {
         ("[units]\ncount = -1\n", "units.count", ""),
         ("[units]\ncount = \"4\"\n", "units.count", ""),
         ("[units]\ncpus = -1\n", "units.cpus", "0 or more"),
+        ("[units]\nreplicas = 0\n", "units.replicas", "at least 1"),
+        ("[units]\nreplicas = -2\n", "units.replicas", "expected usize"),
+        ("[units]\nreplicas = 1.5\n", "units.replicas", "expected usize"),
+        ("[units]\nreplicas = \"2\"\n", "units.replicas", "expected usize"),
+        ("[units]\ncount = 2\nreplicas = 3\n", "units.replicas", "3 copies of every row need at least 3 units, but units.count is 2"),
         ("[units]\npin_lease = 30\n", "units.pin_lease", "duration string"),
         ("[units]\npin_lease = \"soon\"\n", "units.pin_lease", "not a duration"),
         ("[units]\nreservation_lease = \"0s\"\n", "units.reservation_lease", "longer than 0"),
@@ -192,6 +200,36 @@ fn errors_name_the_key() {
         assert!(msg.contains(&format!("{key}: ")), "{text:?}: {msg}");
         assert!(msg.contains(phrase), "{text:?}: {msg} lacks {phrase:?}");
     }
+}
+
+/// `units.replicas` against the units a plane has: as many copies as
+/// units is the most; the count the file sets is checked as it is read,
+/// the count a launcher plans (two per node) when it starts.
+#[test]
+fn replicas_need_a_unit_each() {
+    let c = Config::from_toml_str("[units]\ncount = 3\nreplicas = 3\n").unwrap();
+    assert_eq!((c.units.count, c.units.replicas), (Some(3), 3));
+    let c = Config::from_toml_str("[units]\nreplicas = 4\n").unwrap();
+    assert_eq!(c.units.replicas, 4);
+    c.units.check_replicas(4).unwrap();
+    c.units.check_replicas(9).unwrap();
+    let e = c.units.check_replicas(3).unwrap_err();
+    assert_eq!(
+        e,
+        "units.replicas = 4 needs at least 4 units, but the plane has 3"
+    );
+    // A config built in code is checked as a file is.
+    let mut built = Config::default();
+    built.units.replicas = 0;
+    let e = built.validate().unwrap_err();
+    assert_eq!(e.key(), Some("units.replicas"), "{e}");
+    // The error points at the value.
+    let e = err("[units]\ncount = 2\nreplicas = 5\n");
+    assert!(
+        e.to_string()
+            .starts_with("<config text>:3:12: units.replicas: "),
+        "{e}"
+    );
 }
 
 #[test]
