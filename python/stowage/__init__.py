@@ -328,8 +328,18 @@ class DataPlane:
     @property
     def replicas(self) -> int:
         """Copies of every row, each on another unit: copy ``i`` of what unit
-        ``u`` holds is on unit ``(u + i) % N`` (see :func:`connect`)."""
+        ``u`` holds is on the ``i``-th unit after ``u`` whose host holds no
+        earlier copy, when the plane has enough hosts (docs/replication.md;
+        see :func:`connect`)."""
         return self._client.replicas
+
+    @property
+    def copies_short_of_hosts(self) -> int:
+        """How many units' rows have copies sharing a host (the plane has
+        fewer hosts than copies; every unit of a :func:`local` plane): 0
+        when every row's copies are on distinct hosts. Also logged at
+        connect."""
+        return self._client.copies_short_of_hosts()
 
     @property
     def directory(self) -> Dict[str, Any]:
@@ -828,6 +838,7 @@ def connect(
                 nixl=use_nixl,
                 require_rdma=require_rdma,
                 replicas=replicas,
+                hosts=_native.directory_hosts(text),
             )
         )
     if isinstance(units, (str, os.PathLike)):
@@ -977,6 +988,7 @@ def local(
             nixl=transport == "nixl",
             require_rdma=False,
             replicas=replicas,
+            hosts=[_native.host_id()] * units,
         )
         # Over tcp, admin requests take the Unix sockets (units accept them
         # there from their own user only).

@@ -29,6 +29,8 @@ def dp2():
 def test_a_local_plane_keeps_two_copies_and_its_directory_says_so(dp2, part, tmp_path):
     assert dp2.replicas == 2
     assert dp2.directory["replicas"] == 2
+    # One host: no row's copies are on hosts of their own, and it says so.
+    assert dp2.copies_short_of_hosts == 3
     keys = list(range(12))
     dp2.put(part, keys, {"x": [np.arange(k + 1) for k in keys]})
     # Every row on two units: 12 rows, 24 stored, 8 on each unit (its own
@@ -43,6 +45,7 @@ def test_a_local_plane_keeps_two_copies_and_its_directory_says_so(dp2, part, tmp
         json.dump(dp2.directory, f)
     with stowage.connect(str(path)) as c:
         assert c.replicas == 2
+        assert c.copies_short_of_hosts == 3
         got = c.get(part, keys, ["x"])["x"]
         assert [len(a) for a in got] == [k + 1 for k in keys]
         # Its puts keep two copies too.

@@ -112,9 +112,10 @@ impl Client {
     /// not); `require_rdma`: refuse to run nixl unless UCX is held to RDMA
     /// transports. `replicas`: copies of every row, each on another unit
     /// (1 to the number of units); every client of a plane must use the
-    /// same number.
+    /// same number. `hosts`: each unit's host, from a directory (copies go
+    /// on distinct hosts when there are enough).
     #[new]
-    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, secret = None, instances = None, liveness = None, nixl = false, require_rdma = true, replicas = 1))]
+    #[pyo3(signature = (units, namespace = "default".to_string(), timeout = 30.0, shm = true, wait_for_memory = None, secret = None, instances = None, liveness = None, nixl = false, require_rdma = true, replicas = 1, hosts = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -129,6 +130,7 @@ impl Client {
         nixl: bool,
         require_rdma: bool,
         replicas: i64,
+        hosts: Option<Vec<Option<String>>>,
     ) -> PyResult<Self> {
         crate::logbridge::install();
         let secret = secret.map(secret_arg).transpose()?;
@@ -159,6 +161,7 @@ impl Client {
         if let Some(ids) = instances {
             cfg.instances = crate::directory::instance_ids(&ids, addrs.len())?;
         }
+        cfg.hosts = hosts.unwrap_or_default();
         if let Some(callable) = liveness {
             if !callable.bind(py).is_callable() {
                 return Err(invalid("liveness must be a callable f(unit_index) -> str"));
@@ -209,6 +212,11 @@ impl Client {
     #[getter]
     fn replicas(&self) -> usize {
         self.replicas
+    }
+
+    /// Units whose rows' copies share a host (the plane has too few).
+    fn copies_short_of_hosts(&self) -> PyResult<usize> {
+        Ok(self.client()?.copies_short_of_hosts())
     }
 
     /// The key (32 bytes) that authenticates the TransferQueue backend's

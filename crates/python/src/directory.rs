@@ -1,5 +1,5 @@
 //! Directories from Python: [`host_id`], [`resolve_directory`],
-//! [`directory_replicas`], and
+//! [`directory_replicas`], [`directory_hosts`], and
 //! [`PyLiveness`], a [`Directory`] that asks a Python callable (the Ray
 //! launcher's liveness check) whether a unit is dead — only after an
 //! operation on it failed, never on the operation path.
@@ -40,6 +40,14 @@ pub(crate) fn resolve_directory(
         addrs.iter().map(|a| a.to_string()).collect(),
         d.units.iter().map(|u| u.instance_id.clone()).collect(),
     ))
+}
+
+/// The host of each unit of the directory (JSON text), as listed (None:
+/// not said).
+#[pyfunction]
+pub(crate) fn directory_hosts(json: &str) -> PyResult<Vec<Option<String>>> {
+    let d = UnitDirectory::parse(json).map_err(invalid)?;
+    Ok(d.units.iter().map(|u| u.host.clone()).collect())
 }
 
 /// The number of copies of every row a client of the directory (JSON

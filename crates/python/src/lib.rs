@@ -76,6 +76,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(directory::write_directory_file, m)?)?;
     m.add_function(wrap_pyfunction!(directory::directory_secret, m)?)?;
     m.add_function(wrap_pyfunction!(directory::directory_replicas, m)?)?;
+    m.add_function(wrap_pyfunction!(directory::directory_hosts, m)?)?;
     m.add_class::<unit::Unit>()?;
     m.add_function(wrap_pyfunction!(logbridge::route_logs, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::host_empty, m)?)?;
