@@ -464,14 +464,18 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 .map_err(|e| e.to_string())?;
             let mut expected = Vec::new();
             let mut dir_secret = None;
+            let (mut replicas, mut hosts) = (1, Vec::new());
             let addrs: Vec<UnitAddr> = if let Some(d) = &directory {
                 let dir = UnitDirectory::from_file(d)?;
                 expected = dir.instances();
+                replicas = dir.replicas;
+                hosts = dir.units.iter().map(|u| u.host.clone()).collect();
                 dir_secret = dir.secret()?;
                 dir.addrs(TransportChoice::Auto, &stowage_client::host_id())?
             } else if !units.is_empty() {
                 parse_addrs(&units)?
             } else if let Some(c) = &file {
+                replicas = c.units.replicas;
                 (0..c.units.count.unwrap_or(2))
                     .map(|i| c.unit_socket(i).map(UnitAddr::Unix))
                     .collect::<Result<_, _>>()
@@ -492,6 +496,8 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 timeout,
                 watch,
                 json,
+                replicas,
+                hosts,
             };
             crate::status::run(&opts, &mut std::io::stdout().lock())
         }

@@ -29,6 +29,10 @@ pub struct StatusOptions {
     pub timeout: Duration,
     pub watch: bool,
     pub json: bool,
+    /// Copies of every row (from a directory; 1 otherwise).
+    pub replicas: usize,
+    /// Each unit's host (from a directory; empty: unknown).
+    pub hosts: Vec<Option<String>>,
 }
 
 /// One unit's state.
@@ -108,6 +112,60 @@ pub struct Report {
     pub interval_s: f64,
     pub units: Vec<UnitStatus>,
     pub total: Total,
+    /// With more than one copy of every row: where they stand.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub copies: Option<CopiesStatus>,
+}
+
+/// The copies of a plane's rows (docs/replication.md).
+#[derive(Clone, Debug, Serialize)]
+pub struct CopiesStatus {
+    /// Copies of every row.
+    pub replicas: usize,
+    /// Units whose rows' copies share a host (the plane has too few).
+    pub short_of_hosts: usize,
+    /// Units whose rows have a copy on a unit not up now (unreachable or
+    /// restarted): those rows have fewer copies than asked.
+    pub short_of_a_copy: Vec<usize>,
+}
+
+impl CopiesStatus {
+    fn of(opts: &StatusOptions, units: &[UnitStatus]) -> Option<CopiesStatus> {
+        if opts.replicas <= 1 || opts.replicas > units.len() {
+            return None;
+        }
+        let (sets, short_of_hosts) =
+            stowage_client::copy_sets(units.len(), opts.replicas, &opts.hosts);
+        let down = |u: usize| matches!(units[u].state, State::Unreachable | State::Restarted);
+        let short_of_a_copy = (0..units.len())
+            .filter(|&u| sets[u].iter().any(|&c| down(c)))
+            .collect();
+        Some(CopiesStatus {
+            replicas: opts.replicas,
+            short_of_hosts,
+            short_of_a_copy,
+        })
+    }
+
+    fn render(&self) -> String {
+        let mut s = format!("copies: {} of every row", self.replicas);
+        if self.short_of_hosts > 0 {
+            s += &format!(
+                "; {} units' copies share a host (too few hosts: a host's loss may take every copy of their rows)",
+                self.short_of_hosts
+            );
+        } else {
+            s += ", on distinct hosts where the directory names them";
+        }
+        if !self.short_of_a_copy.is_empty() {
+            let list: Vec<String> = self.short_of_a_copy.iter().map(|u| u.to_string()).collect();
+            s += &format!(
+                "; the rows of units {} are short of a copy (a unit holding one is down; not repaired)",
+                list.join(", ")
+            );
+        }
+        s + "\n"
+    }
 }
 
 /// A sample from a worker.
@@ -344,6 +402,7 @@ pub fn run(opts: &StatusOptions, out: &mut dyn Write) -> Result<(), String> {
         let report = Report {
             interval_s: opts.interval.as_secs_f64(),
             total: total(&units),
+            copies: CopiesStatus::of(opts, &units),
             units,
         };
         if opts.json {
@@ -539,6 +598,9 @@ pub fn render(r: &Report) -> String {
         format!("{:.1}", t.ops_per_s),
         format!("{:.3}", t.bytes_per_s / 1e9),
     );
+    if let Some(c) = &r.copies {
+        s += &c.render();
+    }
     s
 }
 

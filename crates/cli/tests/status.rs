@@ -265,3 +265,62 @@ fn json_logs_parse_and_carry_the_unit_and_session() {
         assert!(events.len() < 20, "{log}");
     }
 }
+
+/// With 2 copies of every row (the directory says so), status says
+/// whether they are on distinct hosts, and which units' rows are short of
+/// a copy once a unit holding copies is killed.
+#[test]
+fn status_reports_copies_short_of_hosts_and_of_a_unit() {
+    let (mut p, _) = plane(3, 16 << 20, &[]);
+    let dir = tempfile::tempdir().expect("tempdir");
+    let dir_file = dir.path().join("dir.json");
+    let mut d = p.directory();
+    d.replicas = 2;
+    d.write_file(&dir_file).expect("directory written");
+    let dir_arg = dir_file.to_str().expect("utf-8");
+    let r = status(&["--directory", dir_arg, "--interval", "100ms"]);
+    // One host: every unit's copies share it.
+    assert_eq!(r["copies"]["replicas"], 2, "{r}");
+    assert_eq!(r["copies"]["short_of_hosts"], 3, "{r}");
+    assert_eq!(r["copies"]["short_of_a_copy"], serde_json::json!([]), "{r}");
+
+    // Hosts of their own for units 0 and 2, unit 1 beside unit 0: copies
+    // go to the next unit on another host.
+    for (u, h) in d.units.iter_mut().zip(["a", "a", "b"]) {
+        u.host = Some(h.into());
+    }
+    d.write_file(&dir_file).expect("directory written");
+    let r = status(&["--directory", dir_arg, "--interval", "100ms"]);
+    assert_eq!(r["copies"]["short_of_hosts"], 0, "{r}");
+
+    // Unit 1 killed. The copies' units: unit 0's rows on {0, 2} (unit 1
+    // shares unit 0's host), unit 1's on {1, 2}, unit 2's on {2, 0}: only
+    // unit 1's rows are short of a copy.
+    p.kill9(1);
+    let r = status(&[
+        "--directory",
+        dir_arg,
+        "--interval",
+        "100ms",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(
+        r["copies"]["short_of_a_copy"],
+        serde_json::json!([1]),
+        "{r}"
+    );
+
+    // The table says it in words.
+    let out = Command::new(binary())
+        .args(["status", "--directory", dir_arg, "--interval", "100ms"])
+        .args(["--timeout", "1s"])
+        .output()
+        .expect("status runs");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("copies: 2 of every row") && text.contains("the rows of units 1 are short"),
+        "{text}"
+    );
+    p.stop();
+}

@@ -111,6 +111,25 @@ impl Copies {
     }
 }
 
+/// Where the copies of each unit's rows go on a plane of `units` units on
+/// `hosts` (as [`ClientConfig::hosts`]): for each unit, its copies' units,
+/// copy 0 first; and how many units' copies share a host (too few hosts).
+/// What every client of such a plane computes; for reports
+/// (`stowage status`).
+pub fn copy_sets(
+    units: usize,
+    replicas: usize,
+    hosts: &[Option<String>],
+) -> (Vec<Vec<usize>>, usize) {
+    let c = Copies::place(units, replicas, hosts);
+    let sets = if c.units.is_empty() {
+        (0..units).map(|u| vec![u]).collect()
+    } else {
+        c.units.iter().map(|s| s.to_vec()).collect()
+    };
+    (sets, c.short_of_hosts)
+}
+
 impl Client {
     /// How many units hold a copy of each row ([`ClientConfig::replicas`]).
     pub fn replicas(&self) -> usize {

@@ -98,6 +98,7 @@ use std::time::Instant;
 pub use blobs::RowOf;
 pub use config::{ClientConfig, DEFAULT_PARTITION, MAX_UNIT_CONNS, SPARE_MAX};
 pub use conn::{UnitAddr, BUSY_RETRY, BUSY_RETRY_MAX};
+pub use copies::copy_sets;
 pub use directory::{Directory, Liveness, ProbeDirectory};
 pub use error::{Error, Result};
 pub use lent::{Lent, RECV_POOL_MAX};
