@@ -116,6 +116,8 @@ fn replica_child() {
     let rows: Vec<u64> = (index * ROWS..(index + 1) * ROWS).collect();
     let mut may: BTreeMap<u64, May> = rows.iter().map(|&r| (r, May::from([None]))).collect();
     let (mut ops, mut failed) = (0u64, 0u64);
+    // When each acknowledged put was made.
+    let mut acked_at: Vec<Instant> = Vec::new();
     let mut version = 0u64;
     let mut x = index.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
     println!("READY");
@@ -132,7 +134,10 @@ fn replica_child() {
             0..=4 => {
                 version += 1;
                 match put_row(&c, row, version, deadline) {
-                    Ok(()) => *m = May::from([Some(version)]),
+                    Ok(()) => {
+                        *m = May::from([Some(version)]);
+                        acked_at.push(Instant::now());
+                    }
                     Err(_) => {
                         failed += 1;
                         m.insert(Some(version));
@@ -158,6 +163,14 @@ fn replica_child() {
             "an operation ran 2 s past its deadline"
         );
     }
+    // Puts acknowledged in the last second: after the fault, puts go in
+    // again (the copies of a killed unit's rows go to the next unit up;
+    // a paused one answers again).
+    let stopped = Instant::now();
+    let late = acked_at
+        .iter()
+        .filter(|&&t| stopped.duration_since(t) < Duration::from_secs(1))
+        .count();
     // Every row read back: a row whose last put or clear was acknowledged
     // holds exactly that.
     let mut exact = 0;
@@ -170,7 +183,7 @@ fn replica_child() {
             exact += 1;
         }
     }
-    println!("DONE ops={ops} failed={failed} exact={exact}");
+    println!("DONE ops={ops} failed={failed} exact={exact} late={late}");
     std::io::stdout().flush().unwrap();
 }
 
@@ -239,6 +252,15 @@ fn one_unit_fails_while_clients_loop(transport: &str, fault: Fault) {
             .and_then(|n| n.parse().ok())
             .unwrap_or_else(|| panic!("client {i}: {done}"));
         acked += exact;
+        let late: u64 = done
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("late="))
+            .and_then(|n| n.parse().ok())
+            .unwrap_or(0);
+        assert!(
+            late > 0,
+            "client {i}: no put went in after the fault: {done}"
+        );
         let status = child.0.wait().unwrap();
         assert!(status.success(), "client {i} failed: {status}");
         eprintln!("client {i}: {done}");
@@ -318,6 +340,46 @@ fn the_second_copy_serves_a_killed_units_rows_and_one_copy_does_not() {
             c.clear("p", &[RowKey::Index(5)], None, c.deadline())
                 .unwrap();
             assert_eq!(get_row(&c, 5, &one, c.deadline()), Ok(None));
+            // The killed unit's rows are placed on the next units up: a
+            // put of row 1 goes to units 2 (which held its other copy)
+            // and 3, 2 copies again; row 16's (unit 0's) to units 0 and 2.
+            let before = c.stats(c.deadline());
+            let rows_of = |s: &[stowage_client::Result<stowage_client::Stats>], u: usize| {
+                s[u].as_ref().unwrap().rows
+            };
+            put_row(&c, 1, 2, c.deadline()).unwrap();
+            put_row(&c, 16, 2, c.deadline()).unwrap();
+            let after = c.stats(c.deadline());
+            assert_eq!(
+                rows_of(&after, 0),
+                rows_of(&before, 0) + 1,
+                "row 16 on unit 0"
+            );
+            assert_eq!(
+                rows_of(&after, 2),
+                rows_of(&before, 2) + 1,
+                "row 16 on unit 2"
+            );
+            assert_eq!(
+                rows_of(&after, 3),
+                rows_of(&before, 3) + 1,
+                "row 1 on unit 3"
+            );
+            let two = May::from([Some(2)]);
+            assert_eq!(get_row(&c, 1, &two, c.deadline()), Ok(Some(2)));
+            // Another client, which has not met the dead unit yet, reads
+            // and clears where the copies are now.
+            let mut cfg = ClientConfig::new("test", p.uds_addrs());
+            cfg.secret = p.secret().cloned();
+            cfg.timeout = Duration::from_secs(5);
+            cfg.replicas = 2;
+            let other = Client::connect(cfg).unwrap();
+            assert_eq!(get_row(&other, 1, &two, other.deadline()), Ok(Some(2)));
+            other
+                .clear("p", &[RowKey::Index(1)], None, other.deadline())
+                .unwrap();
+            assert_eq!(get_row(&c, 1, &two, c.deadline()), Ok(None));
+            assert_eq!(get_row(&other, 1, &two, other.deadline()), Ok(None));
         }
     }
 }

@@ -72,6 +72,38 @@ impl Client {
         deadline: Instant,
         timer: &metrics::OpTimer,
     ) -> Result<()> {
+        if self.replicas() == 1 {
+            return self.get_copies(partition, keys, sink, deadline, timer);
+        }
+        // A unit found gone during the get places its copies anew: a key
+        // not found or lost is asked again where its copies are now.
+        let mut tries = 0;
+        loop {
+            let epoch = self.copies_epoch();
+            match self.get_copies(partition, keys.clone(), sink, deadline, timer) {
+                Err(e)
+                    if (matches!(e, Error::NotFound { .. }) || next_copy_may_serve(&e))
+                        && self.copies_epoch() != epoch
+                        && tries < self.units.len()
+                        && Instant::now() < deadline =>
+                {
+                    tries += 1
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// One pass of [`Client::get_from_units`]: copy after copy of where
+    /// the copies are now.
+    fn get_copies(
+        &self,
+        partition: &str,
+        keys: Vec<(usize, Key)>,
+        sink: &mut dyn GetSink,
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
         // By the unit of copy 0: its keys, and their indexes in `keys`.
         let mut by_unit: BTreeMap<usize, (Vec<Key>, Vec<usize>)> = BTreeMap::new();
         for (i, (unit, key)) in keys.into_iter().enumerate() {
@@ -94,13 +126,15 @@ impl Client {
             .map(|(unit, (ks, idx))| (self.read_order(unit), ks, idx, false))
             .collect();
         for copy in 0..copies {
-            let last = copy + 1 == copies;
             let at = self.copy_deadline(deadline, copy);
             let results = fanout::all_at_once(asked.iter().map(|(order, ks, idx, _)| {
                 self.get_unit(partition, order[copy], ks, idx, &sink, at, timer)
             }));
             let mut next = Vec::new();
             for ((order, ks, idx, answered), r) in asked.into_iter().zip(results) {
+                // No copy after this one (fewer units up than copies, or
+                // the last copy).
+                let last = copy + 1 >= order.len();
                 if copies > 1 {
                     match &r {
                         Err(e) if next_copy_may_serve(e) => self.suspect(order[copy]),
@@ -249,6 +283,28 @@ impl Client {
         rows: &[(usize, u64)],
         deadline: Instant,
     ) -> Result<u64> {
+        // A unit found gone during the clear places its copies anew (on a
+        // unit another client may have put them on already): clear the
+        // rows' copies where they are now too.
+        let mut removed = 0;
+        for _ in 0..=self.units.len() {
+            let epoch = self.copies_epoch();
+            removed = removed.max(self.clear_copies(partition, rows, deadline)?);
+            if self.copies_epoch() == epoch {
+                break;
+            }
+        }
+        Ok(removed)
+    }
+
+    /// One pass of [`Client::clear_rows_of_units`]: every copy of each row
+    /// where the copies are now.
+    fn clear_copies(
+        &self,
+        partition: &str,
+        rows: &[(usize, u64)],
+        deadline: Instant,
+    ) -> Result<u64> {
         // By copy and unit: every copy of each row is cleared
         // (docs/replication.md), each copy's count apart.
         let mut by_unit: BTreeMap<(usize, usize), Vec<u64>> = BTreeMap::new();
@@ -256,7 +312,7 @@ impl Client {
             if unit >= self.units.len() {
                 return Err(Error::InvalidRequest(format!("unit {unit} does not exist")));
             }
-            for (copy, u) in self.copies_of(unit).enumerate() {
+            for (copy, u) in self.copies_of(unit).into_iter().enumerate() {
                 by_unit.entry((copy, u)).or_default().push(row);
             }
         }

@@ -68,6 +68,21 @@ impl Client {
         // A unit never reached: its first connection failed (nothing of
         // this client's can be lost there).
         if f.is_connection() && !self.units[unit].reached.load(Ordering::Acquire) {
+            // With copies, a unit other clients may have put copies on:
+            // one found dead is gone for this client too (its copies go
+            // to the next unit up), and what it held is lost.
+            if self.replicas() > 1 && !f.timed_out() {
+                let addr = &self.units[unit].addr;
+                if self.cfg.directory.liveness(unit, addr, 0, deadline) == Liveness::Dead {
+                    self.unit_down(unit);
+                    return Error::LostKeys {
+                        unit,
+                        blobs,
+                        named: error::names(&keys),
+                        keys,
+                    };
+                }
+            }
             return self.unreached_error(unit, f);
         }
         if !f.is_connection() {
@@ -102,6 +117,8 @@ impl Client {
             .liveness(unit, &self.units[unit].addr, known, deadline)
         {
             Liveness::Dead | Liveness::Restarted => {
+                // With copies, nothing goes there any more.
+                self.unit_down(unit);
                 // Connections to the old instance are useless now,
                 // and its slab mapping only holds dead memory.
                 self.forget_instance(unit, None);

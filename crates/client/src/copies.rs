@@ -15,7 +15,8 @@
 //! instead of each waiting out its share of the deadline.
 
 use std::collections::HashSet;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -34,70 +35,116 @@ pub(crate) type ReadOrder = SmallVec<[usize; 4]>;
 /// Where the copies of each unit's rows go.
 #[derive(Debug)]
 pub(crate) struct Copies {
+    replicas: usize,
+    hosts: Vec<Option<String>>,
     /// `units[u]`: the units of the copies of what unit `u` holds, copy 0
-    /// (`u`) first; empty with one copy.
-    units: Vec<Box<[usize]>>,
-    /// Units whose copies share a host (too few distinct hosts).
+    /// first (`u` while it is up); empty with one copy. Made again when a
+    /// unit goes down.
+    units: RwLock<Arc<Vec<Box<[usize]>>>>,
+    /// Units whose copies share a host (too few distinct hosts), when
+    /// the client connected.
     pub(crate) short_of_hosts: usize,
+    /// Units found dead or restarted: no copy goes there any more.
+    down: Box<[AtomicBool]>,
+    /// Counts the units gone down (a call that saw it change places again).
+    pub(crate) epoch: AtomicU64,
     /// Per unit (with copies), until when (ms after `born`) reads ask it
     /// last; 0: not suspected.
     suspect: Box<[AtomicU64]>,
     born: Instant,
 }
 
+/// The copies' units of every unit's rows: for unit `u`, the first
+/// `replicas` units up from `u` on, skipping units whose host holds an
+/// earlier copy, then (too few hosts) any unit up not holding one; and how
+/// many units' sets had to share a host.
+fn place_all(
+    n: usize,
+    replicas: usize,
+    hosts: &[Option<String>],
+    down: &dyn Fn(usize) -> bool,
+) -> (Vec<Box<[usize]>>, usize) {
+    let host = |u: usize| hosts.get(u).and_then(Option::as_deref);
+    let mut short = 0;
+    let units = (0..n)
+        .map(|u| {
+            let mut set = Vec::with_capacity(replicas);
+            let mut used: HashSet<&str> = HashSet::new();
+            for v in (0..n).map(|j| (u + j) % n).filter(|&v| !down(v)) {
+                if set.len() == replicas {
+                    break;
+                }
+                match host(v) {
+                    Some(h) if used.contains(h) => {}
+                    Some(h) => {
+                        used.insert(h);
+                        set.push(v);
+                    }
+                    None => set.push(v),
+                }
+            }
+            if set.len() < replicas {
+                short += 1;
+                for v in (0..n).map(|j| (u + j) % n).filter(|&v| !down(v)) {
+                    if set.len() == replicas {
+                        break;
+                    }
+                    if !set.contains(&v) {
+                        set.push(v);
+                    }
+                }
+            }
+            set.into_boxed_slice()
+        })
+        .collect();
+    (units, short)
+}
+
 impl Copies {
     /// The placement of `replicas` copies over `n` units on `hosts`
     /// (`None`, or a list shorter than `n`: a host of its own).
     pub(crate) fn place(n: usize, replicas: usize, hosts: &[Option<String>]) -> Copies {
-        let born = Instant::now();
-        if replicas <= 1 {
-            return Copies {
-                units: Vec::new(),
-                short_of_hosts: 0,
-                suspect: Box::new([]),
-                born,
-            };
-        }
-        let host = |u: usize| hosts.get(u).and_then(Option::as_deref);
-        let mut short = 0;
-        let units = (0..n)
-            .map(|u| {
-                let mut set = vec![u];
-                let mut used: HashSet<&str> = host(u).into_iter().collect();
-                for v in (1..n).map(|j| (u + j) % n) {
-                    if set.len() == replicas {
-                        break;
-                    }
-                    match host(v) {
-                        Some(h) if used.contains(h) => {}
-                        Some(h) => {
-                            used.insert(h);
-                            set.push(v);
-                        }
-                        None => set.push(v),
-                    }
-                }
-                // Too few hosts: the next units not holding a copy yet.
-                if set.len() < replicas {
-                    short += 1;
-                    for v in (1..n).map(|j| (u + j) % n) {
-                        if set.len() == replicas {
-                            break;
-                        }
-                        if !set.contains(&v) {
-                            set.push(v);
-                        }
-                    }
-                }
-                set.into_boxed_slice()
-            })
-            .collect();
+        let (units, short) = if replicas > 1 {
+            place_all(n, replicas, hosts, &|_| false)
+        } else {
+            (Vec::new(), 0)
+        };
+        let per_unit = if replicas > 1 { n } else { 0 };
         Copies {
-            units,
+            replicas,
+            hosts: hosts.to_vec(),
+            units: RwLock::new(Arc::new(units)),
             short_of_hosts: short,
-            suspect: (0..n).map(|_| AtomicU64::new(0)).collect(),
-            born,
+            down: (0..per_unit).map(|_| AtomicBool::new(false)).collect(),
+            epoch: AtomicU64::new(0),
+            suspect: (0..per_unit).map(|_| AtomicU64::new(0)).collect(),
+            born: Instant::now(),
         }
+    }
+
+    /// The copies' units of `unit`'s rows now.
+    fn set(&self, unit: usize) -> ReadOrder {
+        let units = self.units.read().unwrap_or_else(|p| p.into_inner());
+        match units.get(unit) {
+            Some(set) => set.iter().copied().collect(),
+            None => std::iter::once(unit).collect(),
+        }
+    }
+
+    /// `unit` was found dead or restarted: place every set again without
+    /// it. Whether it was up until now.
+    fn went_down(&self, unit: usize) -> bool {
+        let Some(d) = self.down.get(unit) else {
+            return false;
+        };
+        if d.swap(true, Relaxed) {
+            return false;
+        }
+        let down = |u: usize| self.down[u].load(Relaxed);
+        let (units, _) = place_all(self.down.len(), self.replicas, &self.hosts, &down);
+        *self.units.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(units);
+        self.epoch.fetch_add(1, Relaxed);
+        true
     }
 
     fn now_ms(&self) -> u64 {
@@ -122,11 +169,7 @@ pub fn copy_sets(
     hosts: &[Option<String>],
 ) -> (Vec<Vec<usize>>, usize) {
     let c = Copies::place(units, replicas, hosts);
-    let sets = if c.units.is_empty() {
-        (0..units).map(|u| vec![u]).collect()
-    } else {
-        c.units.iter().map(|s| s.to_vec()).collect()
-    };
+    let sets = (0..units).map(|u| c.set(u).to_vec()).collect();
     (sets, c.short_of_hosts)
 }
 
@@ -136,24 +179,33 @@ impl Client {
         self.cfg.replicas
     }
 
-    /// The unit of copy `i` of what `unit` holds: copy 0 is `unit` itself
-    /// (see the module docs for the others).
-    pub fn copy_unit(&self, unit: usize, i: usize) -> usize {
-        match self.copies.units.get(unit) {
-            Some(set) => set[i],
-            None => unit,
+    /// The units holding the copies of what `unit` holds now, copy 0
+    /// first: `replicas` of them, or fewer when fewer units are up.
+    pub fn copies_of(&self, unit: usize) -> SmallVec<[usize; 4]> {
+        self.copies.set(unit)
+    }
+
+    /// A unit found dead, or restarted with empty memory: with copies,
+    /// nothing goes there any more, and the rows it held a copy of are
+    /// placed on the next unit up (docs/replication.md).
+    pub(crate) fn unit_down(&self, unit: usize) {
+        if self.copies.went_down(unit) {
+            tracing::warn!(
+                "unit {unit} is gone (dead, or restarted empty): the copies it held go to the next unit up from now on; rows put before keep one copy fewer (not repaired)"
+            );
         }
     }
 
-    /// The units holding the copies of what `unit` holds, copy 0 first.
-    pub fn copies_of(&self, unit: usize) -> impl Iterator<Item = usize> + '_ {
-        (0..self.cfg.replicas).map(move |i| self.copy_unit(unit, i))
+    /// How many times units went down since the client connected (a call
+    /// that saw it change places its copies again).
+    pub(crate) fn copies_epoch(&self) -> u64 {
+        self.copies.epoch.load(Relaxed)
     }
 
     /// The units of `unit`'s copies in the order a read asks them: copy 0
     /// first, units suspected of being gone last (see the module docs).
     pub(crate) fn read_order(&self, unit: usize) -> ReadOrder {
-        let mut order: ReadOrder = self.copies_of(unit).collect();
+        let mut order = self.copies_of(unit);
         order.sort_by_key(|&u| self.copies.suspected(u));
         order
     }
@@ -218,11 +270,16 @@ mod tests {
         h.iter().map(|h| Some(h.to_string())).collect()
     }
 
+    fn sets(c: &Copies) -> Vec<Vec<usize>> {
+        (0..c.hosts.len().max(c.down.len()))
+            .map(|u| c.set(u).to_vec())
+            .collect()
+    }
+
     #[test]
     fn without_hosts_the_copies_are_the_next_units() {
         let c = Copies::place(4, 2, &[]);
-        let sets: Vec<&[usize]> = c.units.iter().map(|s| &s[..]).collect();
-        assert_eq!(sets, [&[0, 1][..], &[1, 2], &[2, 3], &[3, 0]]);
+        assert_eq!(sets(&c), [[0, 1], [1, 2], [2, 3], [3, 0]]);
         assert_eq!(c.short_of_hosts, 0);
     }
 
@@ -230,26 +287,38 @@ mod tests {
     fn copies_skip_units_of_a_host_that_holds_one() {
         // Two units per host: a unit's neighbour shares its host.
         let c = Copies::place(6, 2, &hosts(&["a", "a", "b", "b", "c", "c"]));
-        let sets: Vec<&[usize]> = c.units.iter().map(|s| &s[..]).collect();
-        assert_eq!(
-            sets,
-            [&[0, 2][..], &[1, 2], &[2, 4], &[3, 4], &[4, 0], &[5, 0]]
-        );
+        assert_eq!(sets(&c), [[0, 2], [1, 2], [2, 4], [3, 4], [4, 0], [5, 0]]);
         assert_eq!(c.short_of_hosts, 0);
         let c = Copies::place(6, 3, &hosts(&["a", "a", "b", "b", "c", "c"]));
-        assert_eq!(&c.units[1][..], &[1, 2, 4]);
+        assert_eq!(&c.set(1)[..], &[1, 2, 4]);
     }
 
     #[test]
     fn too_few_hosts_are_counted_and_still_give_every_copy_a_unit() {
         let c = Copies::place(4, 3, &hosts(&["a", "a", "b", "b"]));
-        for (u, set) in c.units.iter().enumerate() {
+        for (u, set) in sets(&c).iter().enumerate() {
             assert_eq!(set.len(), 3, "unit {u}");
             assert_eq!(set[0], u);
             let distinct: HashSet<_> = set.iter().collect();
             assert_eq!(distinct.len(), 3, "unit {u}: {set:?}");
         }
         assert_eq!(c.short_of_hosts, 4);
+    }
+
+    #[test]
+    fn a_unit_gone_down_is_skipped_and_the_copies_left_keep_their_places() {
+        let c = Copies::place(4, 2, &[]);
+        assert!(c.went_down(1));
+        assert!(!c.went_down(1), "once");
+        assert_eq!(c.epoch.load(Relaxed), 1);
+        // Every unit up that held a copy still does: a read of the set
+        // finds what was put before.
+        assert_eq!(sets(&c), [[0, 2], [2, 3], [2, 3], [3, 0]]);
+        assert!(c.went_down(2));
+        assert_eq!(sets(&c), [[0, 3], [3, 0], [3, 0], [3, 0]]);
+        // Fewer units up than copies: the sets are short.
+        assert!(c.went_down(3));
+        assert_eq!(sets(&c), [[0], [0], [0], [0]]);
     }
 
     #[test]
@@ -273,8 +342,8 @@ mod tests {
 
     #[test]
     fn one_copy_places_nothing() {
-        assert!(Copies::place(3, 1, &hosts(&["a", "b", "c"]))
-            .units
-            .is_empty());
+        let c = Copies::place(3, 1, &hosts(&["a", "b", "c"]));
+        assert_eq!(sets(&c), [[0], [1], [2]]);
+        assert!(!c.went_down(1), "with one copy nothing is placed again");
     }
 }

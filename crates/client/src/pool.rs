@@ -272,6 +272,7 @@ impl Client {
                 i.lost = Some(c);
                 i.current = Some(instance);
                 drop(i);
+                self.unit_down(unit);
                 self.forget_instance(unit, Some(instance));
             }
             Some(_) => {}

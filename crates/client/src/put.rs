@@ -155,27 +155,68 @@ impl Client {
                 )));
             }
         }
-        // Every copy after the first: the same bytes as a blob of its own
-        // on the copy's unit (docs/replication.md); the put stands once
-        // all of them are committed.
-        let with_copies: Vec<BlobPut<'_>>;
-        let blobs = if self.replicas() > 1 {
-            with_copies = blobs
-                .iter()
-                .flat_map(|b| {
-                    (0..self.replicas()).map(move |i| BlobPut {
-                        unit: self.copy_unit(b.unit, i),
-                        partition: b.partition,
-                        blob: if i == 0 { b.blob } else { new_blob_id() },
-                        segments: b.segments.clone(),
-                        entries: b.entries.clone(),
-                    })
-                })
-                .collect();
-            &with_copies[..]
-        } else {
-            blobs
-        };
+        if self.replicas() == 1 {
+            return self.put_placed(blobs, deadline, timer);
+        }
+        // A unit found gone during the put places its copies anew: put
+        // again, to the units up (at most once per unit, within the
+        // deadline).
+        let mut tries = 0;
+        loop {
+            let epoch = self.copies_epoch();
+            let with_copies = self.with_copies(blobs)?;
+            match self.put_placed(&with_copies, deadline, timer) {
+                Err(_)
+                    if self.copies_epoch() != epoch
+                        && tries < self.units.len()
+                        && Instant::now() < deadline =>
+                {
+                    tries += 1
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// Every blob and a blob of each copy after the first: the same bytes
+    /// on each unit of the copies (docs/replication.md). Fails when fewer
+    /// units are up than copies: a put never keeps fewer than asked.
+    fn with_copies<'a>(&self, blobs: &[BlobPut<'a>]) -> Result<Vec<BlobPut<'a>>> {
+        let mut out = Vec::with_capacity(blobs.len() * self.replicas());
+        for b in blobs {
+            let set = self.copies_of(b.unit);
+            if set.len() < self.replicas() {
+                return Err(Error::TransferFailed {
+                    unit: b.unit,
+                    blobs: vec![b.blob],
+                    reason: format!(
+                        "{} copies of every row, but only {} units are up to hold them",
+                        self.replicas(),
+                        set.len()
+                    ),
+                    in_flight: false,
+                });
+            }
+            for (i, &unit) in set.iter().enumerate() {
+                out.push(BlobPut {
+                    unit,
+                    partition: b.partition,
+                    blob: if i == 0 { b.blob } else { new_blob_id() },
+                    segments: b.segments.clone(),
+                    entries: b.entries.clone(),
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    /// [`Client::put_units`] of blobs placed already, copies and all.
+    fn put_placed(
+        &self,
+        blobs: &[BlobPut<'_>],
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
         let wait_until = self
             .cfg
             .wait_for_memory

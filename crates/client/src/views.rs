@@ -312,6 +312,35 @@ impl Client {
                 self.unit_of_key(id, unit)
             });
         }
+        // A unit found gone during the call places its copies anew: rows
+        // not found or lost are looked for where their copies are now.
+        let mut tries = 0;
+        loop {
+            let epoch = self.copies_epoch();
+            match self.resolve_copies(partition, keys, fields, unit, deadline) {
+                Err(e)
+                    if (matches!(e, Error::NotFound { .. }) || next_copy_may_serve(&e))
+                        && self.copies_epoch() != epoch
+                        && tries < self.units.len()
+                        && Instant::now() < deadline =>
+                {
+                    tries += 1
+                }
+                r => return r,
+            }
+        }
+    }
+
+    /// One pass of [`Client::resolve_rows`] with copies: each row on the
+    /// first of its copies that gives it.
+    fn resolve_copies(
+        self: &Arc<Self>,
+        partition: &str,
+        keys: &[RowKey],
+        fields: &[&str],
+        unit: Option<usize>,
+        deadline: Instant,
+    ) -> Result<Resolution> {
         // The copy each row is asked of, in its read order: every row
         // starts at the first and goes on to the next when the unit it
         // was asked of is gone, does not answer, or lacks it.
@@ -349,7 +378,7 @@ impl Client {
                 },
                 _ => Vec::new(),
             };
-            let last = failed.iter().any(|&i| copy_of[i] + 1 >= self.replicas());
+            let last = failed.iter().any(|&i| copy_of[i] + 1 >= orders[i].len());
             if failed.is_empty() || last {
                 // No copy is left for some row: what the copies that
                 // answered said (not found) stands over a lost unit.
