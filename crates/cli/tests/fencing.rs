@@ -567,9 +567,40 @@ with_1_and_2_copies!(
 /// release them, and its bytes never change under it.
 #[test]
 fn a_failed_view_call_never_releases_another_views_pins() {
+    failed_view_call(1);
+}
+
+/// [`a_failed_view_call_never_releases_another_views_pins`] with 2 copies:
+/// the view pins unit 0's copy (views read copy 0), the stopped unit is
+/// unit 0. The refused put of row 1 still commits its copy on unit 1,
+/// where the clear freed the first value's copy at once (a put's
+/// committed copies stay when another copy fails), and none in unit 0's
+/// viewed range; that copy is cleared before row 1 is put again.
+#[test]
+fn a_failed_view_call_never_releases_another_views_pins_with_2_copies() {
+    failed_view_call(2);
+}
+
+/// Unit `unit`'s copy of field "v" of `row` of partition "p", read there
+/// alone (through a client with one copy, as [`copy_of`]).
+fn view_copy_of(p: &LocalPlane, unit: usize, row: u64) -> stowage_client::Result<Vec<u8>> {
+    use stowage_client::RowKey;
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(10);
+    let c = stowage_client::Client::connect(cfg).unwrap();
+    c.get_tensors("p", &[RowKey::Index(row)], &["v"], Some(unit), c.deadline())
+        .map(|mut t| t.remove(0).remove(0).data)
+}
+
+fn failed_view_call(copies: usize) {
     use stowage_client::{Column, DType, RowKey, Tensor};
-    let (p, _) = plane(1, 12 * MIB, SHORT_LEASES);
-    let c = std::sync::Arc::new(client(&p, Kind::Shm, Duration::from_secs(10)));
+    let (p, _) = plane(copies, 12 * MIB, SHORT_LEASES);
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(10);
+    cfg.replicas = copies;
+    let c = std::sync::Arc::new(stowage_client::Client::connect(cfg).unwrap());
     let big = 8 << 20;
     let (ones, twos) = (vec![0x01u8; big], vec![0x02u8; big]);
     fn col(bytes: &[u8]) -> Column<'_> {
@@ -587,11 +618,11 @@ fn a_failed_view_call_never_releases_another_views_pins() {
     assert!(eventually(Duration::from_secs(5), || is_stopped(
         p.units[0].pid()
     )));
-    // (Another row, so that the late answer to this call pins nothing of
-    // the first view's.)
+    // (Another row of unit 0, so that the late answer to this call pins
+    // nothing of the first view's.)
     let failed = c.view(
         "p",
-        &[RowKey::Index(5)],
+        &[RowKey::Index(5 * copies as u64)],
         &["v"],
         None,
         Instant::now() + Duration::from_millis(300),
@@ -610,9 +641,25 @@ fn a_failed_view_call_never_releases_another_views_pins() {
         view.to_vec(&t).iter().all(|&b| b == 0x01),
         "a view's bytes changed"
     );
+    if copies > 1 {
+        let on_0 = view_copy_of(&p, 0, 1);
+        assert!(
+            matches!(on_0, Err(Error::NotFound { .. })),
+            "row 1 went into unit 0: {:?}",
+            on_0.map(|v| v.len())
+        );
+        assert!(view_copy_of(&p, 1, 1).is_ok_and(|v| v == twos));
+        c.clear("p", &other, None, c.deadline()).unwrap();
+    }
     drop(view);
     c.put("p", &other, &[("v", col(&twos))], None, c.deadline())
         .unwrap();
+    for u in 0..copies {
+        assert!(
+            view_copy_of(&p, u, 1).is_ok_and(|v| v == twos),
+            "unit {u}'s copy of row 1"
+        );
+    }
 }
 
 /// Not a test on its own: a same-host writer that holds a spare, run by
