@@ -663,18 +663,23 @@ fn failed_view_call(copies: usize) {
 }
 
 /// Not a test on its own: a same-host writer that holds a spare, run by
-/// the spare tests below. `STOWAGE_SPARE=addr,go_file`: puts row 0 (1 MiB
-/// of 0x11), which leaves it a 1 MiB spare; prints `SPARE`; waits (at most
-/// 60 s) for `go_file` to exist; puts row 2 (1 MiB of 0x12) into the spare;
-/// prints `RESULT ok` or `RESULT err <error>`.
+/// the spare tests below. `STOWAGE_SPARE=addrs,go_file,copies` (`addrs`:
+/// every unit's address, joined by `|`; `copies`: its
+/// `ClientConfig::replicas`): puts row 0 (1 MiB of 0x11), which leaves it
+/// a 1 MiB spare on each unit a copy went to; prints `SPARE`; waits (at
+/// most 60 s) for `go_file` to exist; puts row 2 (1 MiB of 0x12) into the
+/// spares; prints `RESULT ok` or `RESULT err <error>`.
 #[test]
 #[ignore = "a helper process of the spare fencing tests"]
 fn spare_child() {
     let spec = std::env::var("STOWAGE_SPARE").expect("run only by the spare tests");
-    let (addr, go) = spec.split_once(',').expect("addr,go_file");
-    let mut cfg = ClientConfig::new("fence", vec![addr.parse::<UnitAddr>().unwrap()]);
+    let parts: Vec<&str> = spec.split(',').collect();
+    let (addrs, go, copies) = (parts[0], parts[1], parts[2]);
+    let addrs = addrs.split('|').map(|a| a.parse::<UnitAddr>().unwrap());
+    let mut cfg = ClientConfig::new("fence", addrs.collect());
     cfg.secret = common::child_secret();
     cfg.timeout = Duration::from_secs(60);
+    cfg.replicas = copies.parse().unwrap();
     let c = stowage_client::Client::connect(cfg).unwrap();
     let first = vec![0x11u8; MIB as usize];
     c.put_rows(&[(Key::new(0, "a"), &first)], c.deadline())
@@ -701,24 +706,41 @@ fn spare_child() {
 /// holds a spare gives it back.
 #[test]
 fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
+    spare_kept(1);
+}
+
+/// [`a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back`]
+/// with 2 copies: the writer holds a spare on each unit (each copy's
+/// commit reserves one), keeps both while the other client fills both
+/// slabs, writes both copies of its next put into them, and gives both
+/// back when killed; every value is checked on every copy.
+#[test]
+fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back_with_2_copies() {
+    spare_kept(2);
+}
+
+/// Every watched unit holds `reserved` bytes of reservations.
+fn assert_reserved(watchers: &mut [Raw], reserved: u64, what: &str) {
+    for (u, s) in every_stats(watchers).iter().enumerate() {
+        assert_eq!(s.reserved_bytes, reserved, "unit {u}: {what}");
+    }
+}
+
+fn spare_kept(copies: usize) {
     const SLAB_MIB: u64 = 16;
-    let (p, _) = plane(1, SLAB_MIB * MIB, SHORT_LEASES);
-    let sock = p.units[0].uds.clone();
-    let mut watcher = Raw::hello(&sock, "watch");
+    let (p, _) = plane(copies, SLAB_MIB * MIB, SHORT_LEASES);
+    let mut watchers = watchers(&p);
     let dir = tempfile::tempdir().unwrap();
     let go = dir.path().join("go");
-    let spec = format!("{},{}", p.uds_addrs()[0], go.display());
+    let addrs: Vec<String> = p.uds_addrs().iter().map(ToString::to_string).collect();
+    let spec = format!("{},{},{copies}", addrs.join("|"), go.display());
     let mut child = helper_child_of(&p, "spare_child", ("STOWAGE_SPARE", &spec));
     let w = Paused {
         lines: stdout_lines(&mut child),
         child,
     };
     w.expect_line("SPARE", Duration::from_secs(30));
-    assert_eq!(
-        stats(&mut watcher).reserved_bytes,
-        MIB,
-        "the writer holds one 1 MiB spare"
-    );
+    assert_reserved(&mut watchers, MIB, "the writer holds one 1 MiB spare");
     w.signal("-STOP");
     assert!(eventually(Duration::from_secs(5), || is_stopped(
         w.child.id()
@@ -730,13 +752,17 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
     cfg.secret = p.secret().cloned();
     cfg.timeout = Duration::from_secs(2);
     cfg.spare_max = 0;
+    cfg.replicas = copies;
     let other = stowage_client::Client::connect(cfg).unwrap();
-    let mut acked = Vec::new();
+    let (mut acked, mut refused) = (Vec::new(), None);
     for row in 10..10 + SLAB_MIB {
         let v = pattern(row, 7, MIB as usize);
         match other.put_rows(&[(Key::new(row, "b"), &v)], other.deadline()) {
             Ok(()) => acked.push(row),
-            Err(Error::UnitFull { .. } | Error::Timeout { .. }) => break,
+            Err(Error::UnitFull { .. } | Error::Timeout { .. }) => {
+                refused = Some(row);
+                break;
+            }
             Err(e) => panic!("{e}"),
         }
     }
@@ -747,7 +773,7 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
         !acked.is_empty() && acked.len() as u64 <= SLAB_MIB - 2,
         "{acked:?}"
     );
-    assert_eq!(stats(&mut watcher).reserved_bytes, MIB);
+    assert_reserved(&mut watchers, MIB, "the paused writer's spare");
 
     std::fs::write(&go, b"").unwrap();
     w.signal("-CONT");
@@ -766,12 +792,36 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
         let v = c.get_rows(&[Key::new(row, "b")], c.deadline()).unwrap();
         assert!(v[0] == pattern(row, 7, MIB as usize), "row {row} changed");
     }
+    // Every copy, each read from its own unit.
+    for u in 0..copies {
+        for (row, byte) in [(0, 0x11), (2, 0x12)] {
+            let v = copy_of(&p, u, &Key::new(row, "a"));
+            assert!(
+                v.as_ref().is_ok_and(|v| *v == vec![byte; MIB as usize]),
+                "unit {u}'s copy of row {row}: {:?}",
+                v.map(|v| v.len())
+            );
+        }
+        for &row in &acked {
+            let v = copy_of(&p, u, &Key::new(row, "b"));
+            assert!(
+                v.as_ref()
+                    .is_ok_and(|v| *v == pattern(row, 7, MIB as usize)),
+                "unit {u}'s copy of row {row} changed"
+            );
+        }
+    }
 
     // A writer killed while it holds a spare (and row 0 again) gives the
     // spare back once its connection closes. (The other client's rows go
-    // too: a unit short of memory offers no spares.)
+    // too: a unit short of memory offers no spares. With 2 copies, so does
+    // what its refused put left: a copy committed on a unit that had room.)
     c.clear_rows(&[0, 2], c.deadline()).unwrap();
     c.clear_rows(&acked, c.deadline()).unwrap();
+    if copies > 1 {
+        c.clear_rows(&Vec::from_iter(refused), c.deadline())
+            .unwrap();
+    }
     let _ = std::fs::remove_file(&go);
     let mut child = helper_child_of(&p, "spare_child", ("STOWAGE_SPARE", &spec));
     let k = Paused {
@@ -780,14 +830,14 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
     };
     k.expect_line("SPARE", Duration::from_secs(30));
     k.signal("-STOP");
-    assert_eq!(stats(&mut watcher).reserved_bytes, MIB);
+    assert_reserved(&mut watchers, MIB, "the writer's spare");
     k.signal("-KILL");
     assert!(
-        eventually(Duration::from_secs(5), || stats(&mut watcher)
-            .reserved_bytes
-            == 0),
+        eventually(Duration::from_secs(5), || every_stats(&mut watchers)
+            .iter()
+            .all(|s| s.reserved_bytes == 0)),
         "the killed writer's spare was not given back: {:?}",
-        stats(&mut watcher)
+        every_stats(&mut watchers)
     );
     drop(k);
 }
