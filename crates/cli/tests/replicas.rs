@@ -418,3 +418,40 @@ fn a_view_maps_the_other_copy_of_a_killed_units_rows() {
         }
     }
 }
+
+/// A unit restarted empty at the same address is another instance: the
+/// client reads its rows from their other copies, takes it as down, and
+/// puts no copy there any more.
+#[test]
+fn a_restarted_unit_is_read_around_and_takes_no_copy() {
+    let (mut p, opts) = plane(UNITS, 16 * MIB, &[]);
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(5);
+    cfg.replicas = 2;
+    let c = Client::connect(cfg).unwrap();
+    let rows: Vec<u64> = (0..8).collect();
+    for &r in &rows {
+        put_row(&c, r, 1, c.deadline()).unwrap();
+    }
+    p.restart(1, &opts).expect("unit 1 restarts");
+    let one = May::from([Some(1)]);
+    for &r in &rows {
+        assert_eq!(get_row(&c, r, &one, c.deadline()), Ok(Some(1)), "row {r}");
+    }
+    for &r in &rows {
+        put_row(&c, r, 2, c.deadline()).unwrap();
+    }
+    let stats = c.stats(c.deadline());
+    assert_eq!(
+        stats[1].as_ref().unwrap().rows,
+        0,
+        "the restarted unit took a copy"
+    );
+    // 8 rows, 2 copies each, on the 3 units left.
+    let held: u64 = [0, 2, 3]
+        .iter()
+        .map(|&u| stats[u].as_ref().unwrap().rows)
+        .sum();
+    assert_eq!(held, 16);
+}

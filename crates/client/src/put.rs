@@ -160,21 +160,20 @@ impl Client {
         }
         // A unit found gone during the put places its copies anew: put
         // again, to the units up (at most once per unit, within the
-        // deadline).
+        // deadline). Also when the put went in: a unit found restarted
+        // as the put met it may hold a copy no client reads any more.
         let mut tries = 0;
         loop {
             let epoch = self.copies_epoch();
             let with_copies = self.with_copies(blobs)?;
-            match self.put_placed(&with_copies, deadline, timer) {
-                Err(_)
-                    if self.copies_epoch() != epoch
-                        && tries < self.units.len()
-                        && Instant::now() < deadline =>
-                {
-                    tries += 1
-                }
-                r => return r,
+            let r = self.put_placed(&with_copies, deadline, timer);
+            if self.copies_epoch() == epoch
+                || tries >= self.units.len()
+                || Instant::now() >= deadline
+            {
+                return r;
             }
+            tries += 1;
         }
     }
 
