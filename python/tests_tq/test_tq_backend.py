@@ -125,6 +125,44 @@ def test_unit_killed_mid_step_names_the_lost_rows(system):
     assert torch.equal(torch.stack(list(got["ids"].unbind())), want)
 
 
+def test_with_two_copies_a_unit_killed_mid_run_loses_no_row():
+    """replicas: 2 over 3 units: a unit killed mid-step loses nothing; the
+    job goes on (puts, gets and clears of the next steps)."""
+    tq.init(_conf(count=3, replicas=2))
+    try:
+        system = interface._TQ_STORAGE["Stowage"]
+        keys = [f"k{i}" for i in range(12)]
+
+        def put(step):
+            ids = torch.arange(12 * 4).reshape(12, 4) + 1000 * step
+            tq.kv_batch_put(
+                keys=keys,
+                partition_id=f"step-{step}",
+                fields=TensorDict({"ids": ids}, batch_size=12),
+                tags=[{} for _ in keys],
+            )
+            return ids
+
+        def check(step, want):
+            got = tq.kv_batch_get(keys=keys, partition_id=f"step-{step}")
+            assert torch.equal(_rows(got["ids"]), want), step
+
+        want0 = put(0)
+        entry = system.directory["units"][0]
+        ray.kill(system.units[0], no_restart=True)
+        assert _wait_gone([entry["pid"]]) == []
+        # Every row of the step put before the kill reads back.
+        check(0, want0)
+        # The next steps: put, read, clear, with one unit fewer.
+        for step in (1, 2):
+            check(step, put(step))
+        tq.kv_clear(keys=keys, partition_id="step-1")
+        check(2, put(2))
+        check(0, want0)
+    finally:
+        tq.close()
+
+
 def _rows(nested):
     return torch.stack(list(nested.unbind()))
 
