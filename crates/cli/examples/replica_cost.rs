@@ -4,7 +4,7 @@
 //!
 //! Starts two units (512 MiB each, the `stowage` binary beside this
 //! example). Per transport (`shm`, `tcp` over loopback), value size and
-//! round, alternating 1 and 2 copies: a new writer process (this program
+//! round, 1 and 2 copies (which first alternates by round): a new writer process (this program
 //! again) connects, fills a buffer of `--total` MiB (cold by the time it
 //! is read: larger than the caches) and puts it, one value per put; then
 //! a new reader process gets every value, one per get, into a buffer it
@@ -21,7 +21,9 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use stowage_cli::bench::quantile;
-use stowage_client::{Client, ClientConfig, Column, DType, RowKey, Secret, Tensor, UnitAddr};
+use stowage_client::{
+    Client, ClientConfig, Column, DType, RowKey, Secret, Sink, Tensor, TensorAsk, UnitAddr,
+};
 use stowage_local::{LocalOptions, LocalPlane};
 
 const MIB: usize = 1 << 20;
@@ -73,14 +75,22 @@ fn child(a: &[String]) {
             )
             .unwrap();
         } else {
-            let got = c
-                .get_tensors("p", &key, &[FIELD], None, c.deadline())
+            let mut into = Into(chunk);
+            c.get_tensors_into("p", &key, &[FIELD], None, &mut into, c.deadline())
                 .unwrap();
-            assert_eq!(got[0][0].data.len(), size);
-            chunk.copy_from_slice(&got[0][0].data);
         }
     }
     println!("{}", t0.elapsed().as_secs_f64());
+}
+
+/// A get's sink: the value goes straight into the reader's buffer.
+struct Into<'a>(&'a mut [u8]);
+
+impl<'x> Sink<TensorAsk<'x>> for Into<'_> {
+    fn slot(&mut self, ask: TensorAsk<'x>) -> Result<&mut [u8], String> {
+        assert_eq!(ask.shape, [self.0.len() as u64]);
+        Ok(&mut self.0[..])
+    }
 }
 
 fn run_child(exe: &std::path::Path, args: &[String]) -> f64 {
@@ -129,8 +139,10 @@ fn main() {
         for &size in &sizes {
             // [replicas - 1][put, get] seconds per round.
             let mut secs = vec![[Vec::new(), Vec::new()]; 2];
-            for _ in 0..rounds {
-                for replicas in [1usize, 2] {
+            for r in 0..rounds {
+                // Which goes first alternates from round to round.
+                let order = if r % 2 == 0 { [1usize, 2] } else { [2, 1] };
+                for replicas in order {
                     let common = |role: &str| {
                         vec![
                             role.to_string(),

@@ -89,20 +89,27 @@ pub struct Slab {
     fd: OwnedFd,
     len: usize,
     mode: PageMode,
-    /// For a slab a client mapped ([`Slab::open`]): one bit per
-    /// [`REGION`] whose page tables this process has filled.
-    filled: Option<Box<[AtomicU64]>>,
-    /// For a slab a client mapped: one bit per [`CHUNK`] whose page tables
-    /// [`Slab::prepare`] has filled (a filled region's chunks count too).
+    /// For a slab a client mapped ([`Slab::open`]): one bit per [`CHUNK`]
+    /// whose page tables this process has filled (a copy, or
+    /// [`Slab::prepare`]).
     chunks: Option<Box<[AtomicU64]>>,
     /// For a slab a client mapped: one bit per [`PAGE`] that
     /// [`Slab::prepare`] filled for a range too small to fill its chunk.
     pages: Option<LazyBits>,
 }
 
-/// The unit in which a client's mapping fills its page tables.
-const REGION: usize = 2 << 20;
-/// Copies at least this large fill the page tables of their regions first.
+/// Whether bit `i` is set.
+fn is_set(bits: &[AtomicU64], i: usize) -> bool {
+    bits[i / 64].load(Ordering::Relaxed) & (1u64 << (i % 64)) != 0
+}
+
+/// Set bit `i`.
+fn set(bits: &[AtomicU64], i: usize) {
+    bits[i / 64].fetch_or(1u64 << (i % 64), Ordering::Relaxed);
+}
+
+/// Copies at least this large through a client's mapping fill the page
+/// tables of the [`CHUNK`]s they reach first.
 const FILL_MIN: usize = 256 << 10;
 /// The unit in which [`Slab::prepare`] fills a small range's page tables,
 /// once per mapping: filling pages already mapped costs about as much as
@@ -258,7 +265,6 @@ impl Slab {
             fd,
             len,
             mode,
-            filled: None,
             chunks: None,
             pages: None,
         })
@@ -306,10 +312,11 @@ impl Slab {
     /// the pages fault in on first touch, or through [`Slab::fault_in`].
     ///
     /// Copies through it of 256 KiB or more ([`Slab::write`],
-    /// [`Slab::read`], [`Slab::range_ptr`]) fill the page tables of each
-    /// 2 MiB region they touch first, in one `MADV_POPULATE_WRITE` (no
-    /// change to contents): one system call instead of up to 512 page
-    /// faults, which cost 2-3 us each on this class of VM.
+    /// [`Slab::read`], [`Slab::range_ptr`]) fill the page tables of the
+    /// 64 KiB chunks they touch first, each run of them in one
+    /// `MADV_POPULATE_WRITE` (no change to contents): one system call
+    /// instead of a page fault per page, which cost 2-3 us each on this
+    /// class of VM.
     ///
     /// The fd must be what a unit hands over: a memfd of exactly `len`
     /// bytes (the size its Hello announced), sealed against shrinking,
@@ -337,39 +344,33 @@ impl Slab {
                 .map(|_| AtomicU64::new(0))
                 .collect()
         };
-        s.filled = Some(bits(REGION));
         s.chunks = Some(bits(CHUNK));
         // Without it (no mapping to be had) small ranges fill every time.
         s.pages = LazyBits::new(len.div_ceil(PAGE).div_ceil(64)).ok();
         Ok(s)
     }
 
-    /// Fill the page tables of the regions of `[start, start + len)` not
-    /// filled yet (client mappings only; failures only cost faults).
+    /// Fill the page tables of the chunks of `[start, start + len)` not
+    /// filled yet, each run in one call (client mappings only; failures
+    /// only cost faults). Only the chunks the copy reaches: filling whole
+    /// 2 MiB regions filled twice the pages a reader used where its values
+    /// lie between others' (a unit holding copies of another's rows: 1 MiB
+    /// gets took 1.2 to 1.7 times as long as with one copy).
     fn fill(&self, start: usize, len: usize) {
-        let Some(bits) = &self.filled else { return };
+        let Some(chunks) = &self.chunks else { return };
         if len < FILL_MIN {
             // A small copy takes the faults of the few pages it touches:
-            // filling whole regions for it cost more when many clients
-            // each write a little of every region.
+            // filling whole chunks for it cost more when many clients
+            // each write a little of every chunk.
             return;
         }
-        for r in start / REGION..=(start + len - 1) / REGION {
-            let (word, bit) = (r / 64, 1u64 << (r % 64));
-            if bits[word].load(Ordering::Relaxed) & bit != 0 {
-                continue;
-            }
-            let at = r * REGION;
-            let _ = self.populate(at, REGION.min(self.len - at));
-            bits[word].fetch_or(bit, Ordering::Relaxed);
-        }
+        self.fill_chunk_runs(chunks, start, len);
     }
 
     /// Fill this mapping's page tables for `[offset, offset + len)`, about
     /// to be written (a client's spare), in one call instead of a fault
-    /// per page: a range of 256 KiB or more fills the 2 MiB regions it
-    /// reaches, once each (as its copy would); one of 32 KiB or more the
-    /// 64 KiB chunks it reaches, once each; a smaller one its own 4 KiB
+    /// per page: a range of 32 KiB or more fills the 64 KiB chunks it
+    /// reaches, once each (as its copy would); a smaller one its own 4 KiB
     /// pages, once each, unless every chunk it reaches is filled already
     /// (filling a whole chunk for a few pages cost more when many clients
     /// each write a little of every chunk; filling pages already mapped
@@ -384,10 +385,8 @@ impl Slab {
         if n >= FILL_MIN {
             self.fill(start, n);
         } else if n > 0 {
-            match (&self.filled, &self.chunks, &self.pages) {
-                (Some(regions), Some(chunks), Some(pages)) => {
-                    self.fill_chunks(regions, chunks, pages.words(), start, n)
-                }
+            match (&self.chunks, &self.pages) {
+                (Some(chunks), Some(pages)) => self.fill_chunks(chunks, pages.words(), start, n),
                 _ => {
                     let _ = self.populate(start, n);
                 }
@@ -396,42 +395,33 @@ impl Slab {
     }
 
     /// [`Slab::prepare`] of a range under [`FILL_MIN`] in a client's
-    /// mapping. A chunk counts as filled when its bit is set or its region
-    /// was filled.
-    fn fill_chunks(
-        &self,
-        regions: &[AtomicU64],
-        chunks: &[AtomicU64],
-        pages: &[AtomicU64],
-        start: usize,
-        n: usize,
-    ) {
-        let is_set = |bits: &[AtomicU64], i: usize| {
-            bits[i / 64].load(Ordering::Relaxed) & (1u64 << (i % 64)) != 0
-        };
-        let set = |bits: &[AtomicU64], i: usize| {
-            bits[i / 64].fetch_or(1u64 << (i % 64), Ordering::Relaxed);
-        };
-        let filled = |c: usize| is_set(chunks, c) || is_set(regions, c * CHUNK / REGION);
-        let (first, last) = (start / CHUNK, (start + n - 1) / CHUNK);
+    /// mapping.
+    fn fill_chunks(&self, chunks: &[AtomicU64], pages: &[AtomicU64], start: usize, n: usize) {
         if n < CHUNK_FILL_MIN {
+            let (first, last) = (start / CHUNK, (start + n - 1) / CHUNK);
             let (p0, p1) = (start / PAGE, (start + n - 1) / PAGE);
-            if (first..=last).all(filled) || (p0..=p1).all(|p| is_set(pages, p)) {
+            if (first..=last).all(|c| is_set(chunks, c)) || (p0..=p1).all(|p| is_set(pages, p)) {
                 return;
             }
             let _ = self.populate(start, n);
             (p0..=p1).for_each(|p| set(pages, p));
             return;
         }
-        // Each run of chunks not filled yet, in one call, then marked.
+        self.fill_chunk_runs(chunks, start, n);
+    }
+
+    /// Fill the chunks `[start, start + n)` reaches that are not filled
+    /// yet: each run of them in one call, then marked.
+    fn fill_chunk_runs(&self, chunks: &[AtomicU64], start: usize, n: usize) {
+        let (first, last) = (start / CHUNK, (start + n - 1) / CHUNK);
         let mut c = first;
         while c <= last {
-            if filled(c) {
+            if is_set(chunks, c) {
                 c += 1;
                 continue;
             }
             let run = c;
-            while c <= last && !filled(c) {
+            while c <= last && !is_set(chunks, c) {
                 c += 1;
             }
             let at = run * CHUNK;

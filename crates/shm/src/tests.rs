@@ -72,13 +72,21 @@ fn prepare_fills_a_small_range_once_per_chunk() {
     lazy.prepare(3 * c as u64 + 4000, 5000);
     assert!(all(3 * c, 3 * c + 3 * 4096, true));
     assert!(all(3 * c + 3 * 4096, 4 * c, false));
-    // A region filled by a large copy counts for its chunks.
+    // A large copy fills the chunks it reaches, and only those (a reader
+    // of every other value does not fill the values between): they
+    // count as filled.
     let mut big = vec![0u8; FILL_MIN];
-    lazy.read(4 << 20, &mut big).unwrap();
+    let at = 4 << 20;
+    lazy.read(at as u64, &mut big).unwrap();
+    assert!(all(at, at + FILL_MIN, true));
+    assert!(all(at + FILL_MIN, 6 << 20, false), "the rest of the region");
     drop_tables();
-    lazy.prepare((4 << 20) + 3 * c as u64, 100);
-    lazy.prepare((4 << 20) + 5 * c as u64, 40_000);
-    assert!(all(4 << 20, 6 << 20, false));
+    lazy.prepare(at as u64 + c as u64, 100);
+    lazy.prepare(at as u64 + 2 * c as u64, 40_000);
+    assert!(all(at, at + FILL_MIN, false), "filled twice");
+    lazy.prepare(at as u64 + 5 * c as u64, 40_000);
+    assert!(all(at + 5 * c, at + 6 * c, true));
+    assert!(all(at + FILL_MIN, at + 5 * c, false));
 }
 
 #[test]
