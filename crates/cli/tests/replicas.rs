@@ -454,4 +454,16 @@ fn a_restarted_unit_is_read_around_and_takes_no_copy() {
         .map(|&u| stats[u].as_ref().unwrap().rows)
         .sum();
     assert_eq!(held, 16);
+    // The client's metrics say so.
+    let mut registry = prometheus_client::registry::Registry::default();
+    c.register_metrics(&mut registry);
+    let mut text = String::new();
+    prometheus_client::encoding::text::encode(&mut text, &registry).unwrap();
+    for line in [
+        "stowage_client_copies 2",
+        "stowage_client_units_down 1",
+        "stowage_client_copies_short_of_hosts 0",
+    ] {
+        assert!(text.lines().any(|l| l == line), "no {line:?} in {text}");
+    }
 }

@@ -190,6 +190,7 @@ impl Client {
     /// placed on the next unit up (docs/replication.md).
     pub(crate) fn unit_down(&self, unit: usize) {
         if self.copies.went_down(unit) {
+            self.metrics.unit_down();
             tracing::warn!(
                 "unit {unit} is gone (dead, or restarted empty): the copies it held go to the next unit up from now on; rows put before keep one copy fewer (not repaired)"
             );

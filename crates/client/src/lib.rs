@@ -245,6 +245,7 @@ impl Client {
             .collect();
         metrics::warm_clock();
         let metrics = Arc::new(metrics::ClientMetrics::new(&cfg.units));
+        metrics.copies(cfg.replicas, copies.short_of_hosts);
         let failpoints = cfg.failpoints;
         let nixl = cfg.nixl.map(|o| nixl::NixlClient::new(o, failpoints));
         // The agent (its UCX backend takes tens of milliseconds to make) is

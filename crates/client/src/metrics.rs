@@ -173,6 +173,9 @@ pub struct ClientMetrics {
     /// Each unit's transport now (index into [`TRANSPORTS`] plus one; 0:
     /// not reached yet).
     unit_transport: Vec<std::sync::atomic::AtomicU8>,
+    /// Copies of every row, units whose copies share a host, units found
+    /// down (docs/replication.md).
+    copies: [AtomicU64; 3],
 }
 
 /// The transports a client reaches units by.
@@ -194,10 +197,23 @@ impl ClientMetrics {
                 .map(|a| (a.to_string(), Histogram::default()))
                 .collect(),
             unit_transport: units.iter().map(|_| Default::default()).collect(),
+            copies: [AtomicU64::new(1), AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
     /// Unit `unit` is reached over `transport` (`shm`, `tcp`, `nixl`).
+    /// The client's copies: `replicas`, and the units whose copies share
+    /// a host.
+    pub(crate) fn copies(&self, replicas: usize, short_of_hosts: usize) {
+        self.copies[0].store(replicas as u64, Relaxed);
+        self.copies[1].store(short_of_hosts as u64, Relaxed);
+    }
+
+    /// A unit was found down (with copies: given no copy any more).
+    pub(crate) fn unit_down(&self) {
+        self.copies[2].fetch_add(1, Relaxed);
+    }
+
     pub(crate) fn transport(&self, unit: usize, transport: &str) {
         if let (Some(slot), Some(i)) = (
             self.unit_transport.get(unit),
@@ -432,6 +448,30 @@ impl Collector for ClientCollector {
                 ConstCounter::new(v.load(Relaxed))
                     .encode(d.encode_family(&[("direction", dir)])?)?;
             }
+        }
+        for (i, (name, help)) in [
+            (
+                "stowage_client_copies",
+                "Copies of every row this client keeps (replicas).",
+            ),
+            (
+                "stowage_client_copies_short_of_hosts",
+                "Units whose rows' copies share a host (the plane has fewer hosts than copies).",
+            ),
+            (
+                "stowage_client_units_down",
+                "Units this client found dead or restarted; with copies, they are given no copy any more.",
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            ConstGauge::new(m.copies[i].load(Relaxed) as i64).encode(e.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Gauge,
+            )?)?;
         }
         {
             let mut d = e.encode_descriptor(
