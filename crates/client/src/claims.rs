@@ -66,6 +66,20 @@ impl Client {
         self.unit_of_row(id)
     }
 
+    /// Claims with copies ([`ClientConfig::replicas`](crate::ClientConfig::replicas) over 1) are
+    /// refused: each unit claims from every row it holds, copies included,
+    /// so a row could be claimed once per copy (docs/replication.md).
+    fn claims_need_one_copy(&self) -> Result<()> {
+        if self.replicas() > 1 {
+            return Err(Error::InvalidRequest(format!(
+                "claims need replicas = 1 (this client keeps {} copies of every row, and a \
+                 unit would claim its copies of other units' rows too); see docs/replication.md",
+                self.replicas()
+            )));
+        }
+        Ok(())
+    }
+
     /// Declare the consumer `tasks` of `partition` on every unit:
     /// `samples` rows expected over all units, `group_size` above 1 for
     /// rows claimed in whole groups ([`Client::put_grouped`]).
@@ -82,6 +96,7 @@ impl Client {
         if tasks.is_empty() {
             return Err(Error::InvalidRequest("no task to register".into()));
         }
+        self.claims_need_one_copy()?;
         let req = Request::RegisterTasks {
             partition: partition.to_owned(),
             tasks: tasks.to_vec(),
@@ -117,6 +132,7 @@ impl Client {
         if want == 0 {
             return Err(Error::InvalidRequest("a claim of 0 rows".into()));
         }
+        self.claims_need_one_copy()?;
         let ask = |wait_ms: u32| Request::Claim {
             partition: partition.to_owned(),
             task: task.to_owned(),
