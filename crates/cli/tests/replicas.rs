@@ -489,3 +489,42 @@ fn claims_with_two_copies_are_refused() {
         }
     }
 }
+
+/// With 2 copies, a list names each row once (with its fields), also
+/// after a unit holding copies is killed; the partition is still listed.
+#[test]
+fn a_list_names_each_row_once_and_survives_a_killed_unit() {
+    let (mut p, _) = plane(3, 16 * MIB, &[]);
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(5);
+    cfg.replicas = 2;
+    let c = Client::connect(cfg).unwrap();
+    let names: Vec<RowKey> = (0..6).map(|i| RowKey::Name(format!("r{i}"))).collect();
+    let v = [7u8; 16];
+    let t = || Tensor {
+        dtype: DType::U8,
+        shape: vec![16],
+        data: &v,
+    };
+    c.put(
+        "p",
+        &names,
+        &[("x", Column::Jagged((0..6).map(|_| t()).collect()))],
+        None,
+        c.deadline(),
+    )
+    .unwrap();
+    let want: Vec<(RowKey, Vec<String>)> = {
+        let mut w: Vec<_> = names
+            .iter()
+            .map(|k| (k.clone(), vec!["x".to_owned()]))
+            .collect();
+        w.sort();
+        w
+    };
+    assert_eq!(c.list("p", c.deadline()).unwrap(), want);
+    p.kill9(1);
+    assert_eq!(c.list("p", c.deadline()).unwrap(), want);
+    assert_eq!(c.partitions(c.deadline()).unwrap(), vec!["p".to_owned()]);
+}

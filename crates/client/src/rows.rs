@@ -52,7 +52,7 @@
 //! read made only when such a value is met (the values may then already
 //! be in the caller's buffers when the error is returned).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Instant;
 
 use stowage_wire::Key;
@@ -357,12 +357,31 @@ impl Client {
             .collect();
         let mut listed: Vec<(usize, u64, Vec<String>)> = Vec::new();
         for (unit, r) in self.call_units(reqs, deadline) {
-            match r? {
-                Response::Listed { rows } => {
+            match r {
+                Ok(Response::Listed { rows }) => {
                     listed.extend(rows.into_iter().map(|(row, fields)| (unit, row, fields)))
                 }
-                other => return Err(unexpected(unit, other)),
+                Ok(other) => return Err(unexpected(unit, other)),
+                // With copies, a dead unit's rows are listed from the
+                // copies left.
+                Err(Error::LostKeys { .. }) if self.replicas() > 1 => {}
+                Err(e) => return Err(e),
             }
+        }
+        if self.replicas() > 1 {
+            // Each row once, with the fields of all its copies.
+            let mut by_row: BTreeMap<u64, (usize, BTreeSet<String>)> = BTreeMap::new();
+            for (unit, row, fields) in listed {
+                by_row
+                    .entry(row)
+                    .or_insert((unit, BTreeSet::new()))
+                    .1
+                    .extend(fields);
+            }
+            listed = by_row
+                .into_iter()
+                .map(|(row, (unit, fields))| (unit, row, fields.into_iter().collect()))
+                .collect();
         }
         // String rows: fetch their names (one read per unit).
         let named: Vec<(usize, Key)> = listed
@@ -403,9 +422,12 @@ impl Client {
             .collect();
         let mut all = std::collections::BTreeSet::new();
         for (unit, r) in self.call_units(reqs, deadline) {
-            match r? {
-                Response::Partitions { names } => all.extend(names),
-                other => return Err(unexpected(unit, other)),
+            match r {
+                Ok(Response::Partitions { names }) => all.extend(names),
+                Ok(other) => return Err(unexpected(unit, other)),
+                // With copies, a dead unit's partitions are on the copies.
+                Err(Error::LostKeys { .. }) if self.replicas() > 1 => {}
+                Err(e) => return Err(e),
             }
         }
         Ok(all.into_iter().collect())
