@@ -16,9 +16,13 @@ mod common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io::{BufRead, Write};
-use std::process::Stdio;
+use std::process::{Command, Stdio};
+use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
+use common::netns::{
+    ip, make_hosts, netns_listed, start_unit, write_secret, Hosts, UNIT_A, UNIT_B,
+};
 use common::*;
 use stowage_client::{Client, ClientConfig, Column, DType, Error, RowKey, Tensor, UnitAddr};
 use stowage_local::LocalPlane;
@@ -196,7 +200,7 @@ enum Fault {
     Pause,
 }
 
-fn clients(p: &LocalPlane, transport: &str) -> Vec<(Reap, std::sync::mpsc::Receiver<String>)> {
+fn clients(p: &LocalPlane, transport: &str) -> Vec<(Reap, Receiver<String>)> {
     let addrs = if transport == "shm" {
         p.uds_addrs()
     } else {
@@ -218,10 +222,8 @@ fn clients(p: &LocalPlane, transport: &str) -> Vec<(Reap, std::sync::mpsc::Recei
 
 fn one_unit_fails_while_clients_loop(transport: &str, fault: Fault) {
     let (mut p, _) = plane(UNITS, 64 * MIB, &[]);
-    let mut children = clients(&p, transport);
-    for (_, lines) in &children {
-        expect_line(lines, "READY", Duration::from_secs(30));
-    }
+    let children = clients(&p, transport);
+    await_clients(&children);
     std::thread::sleep(Duration::from_millis(1500));
     let victim = 1;
     match fault {
@@ -240,6 +242,20 @@ fn one_unit_fails_while_clients_loop(transport: &str, fault: Fault) {
         }
     }
     std::thread::sleep(Duration::from_millis(2500));
+    stop_and_check(children);
+}
+
+/// Wait for every client's `READY`.
+fn await_clients(children: &[(Reap, Receiver<String>)]) {
+    for (_, lines) in children {
+        expect_line(lines, "READY", Duration::from_secs(30));
+    }
+}
+
+/// Tell every client to stop, and check what each says: its rows read
+/// back as their last acknowledged put or clear left them, a put went in
+/// after the fault, and it exited cleanly.
+fn stop_and_check(mut children: Vec<(Reap, Receiver<String>)>) {
     for (child, _) in &mut children {
         drop(child.0.stdin.take());
     }
@@ -286,6 +302,67 @@ fn a_unit_killed_under_eight_clients_loses_no_acknowledged_row_tcp() {
 #[test]
 fn a_unit_paused_past_the_deadline_under_eight_clients_serves_nothing_wrong() {
     one_unit_fails_while_clients_loop("shm", Fault::Pause);
+}
+
+/// Two hosts (network namespaces, one unit each), 8 client processes on
+/// a third looping over tcp with 2 copies of every row; one host's link
+/// goes down past every deadline, then up again. Puts and clears of its
+/// copies fail within their deadlines meanwhile (the unit is not known to
+/// be dead, so nothing goes on without it), gets read the other host's
+/// copy; after, no row is other than its last acknowledged put or clear
+/// left it, and puts go in again.
+#[test]
+fn a_host_cut_off_under_eight_clients_serves_nothing_wrong() {
+    let tag = format!("stwr{}", std::process::id() % 100_000);
+    let mut hosts = Hosts {
+        names: Vec::new(),
+        procs: Vec::new(),
+    };
+    if let Err(why) = make_hosts(&tag, &mut hosts) {
+        eprintln!(
+            "SKIPPED: cannot create network namespaces here (needs root and iproute2): {why}"
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let secret = write_secret(dir.path());
+    for (h, addr) in [("a", UNIT_A), ("b", UNIT_B)] {
+        let unit = start_unit(&format!("{tag}{h}"), addr, &secret);
+        hosts.procs.push(unit);
+    }
+    let addrs = format!("tcp:{UNIT_A},tcp:{UNIT_B}");
+    let exe = std::env::current_exe().unwrap();
+    let children: Vec<_> = (0..CLIENTS)
+        .map(|i| {
+            spawn_reaped(
+                Command::new("ip")
+                    .args(["netns", "exec", &format!("{tag}c")])
+                    .arg(&exe)
+                    .args(["--exact", "replica_child", "--ignored", "--nocapture"])
+                    .args(["--test-threads=1"])
+                    .env("STOWAGE_REPLICA_CHILD", format!("{i};tcp;{addrs}"))
+                    .env("STOWAGE_TEST_SECRET_FILE", &secret)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::inherit()),
+            )
+        })
+        .collect();
+    await_clients(&children);
+    std::thread::sleep(Duration::from_millis(1500));
+    let link = format!("{tag}ac");
+    let host_a = format!("{tag}a");
+    ip(&["-n", &host_a, "link", "set", &link, "down"]).unwrap();
+    // Past every client's 4 s deadline.
+    std::thread::sleep(Duration::from_secs(5));
+    ip(&["-n", &host_a, "link", "set", &link, "up"]).unwrap();
+    std::thread::sleep(Duration::from_millis(2500));
+    stop_and_check(children);
+    let names = hosts.names.clone();
+    drop(hosts);
+    for n in names {
+        assert!(!netns_listed(&n), "namespace {n} left behind");
+    }
 }
 
 /// More copies than units is refused at connect, naming both numbers.

@@ -17,6 +17,7 @@ use stowage_wire::{
 
 /// Helpers of the free-memory tests (values, client processes).
 pub mod memory;
+pub mod netns;
 
 /// Slab bytes a unit holds for data: everything in use but the spares
 /// same-host clients keep for their next puts (which stay theirs until
