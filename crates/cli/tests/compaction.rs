@@ -383,11 +383,17 @@ fn idle_clients_spares_stay_within_the_spare_budget() {
         "{}",
         brief(&s)
     );
-    assert!(
-        s.largest_free >= s.capacity - s.spare_budget,
-        "spares cut the data's memory: {}",
-        brief(&s)
-    );
+    // The clients' cleared values leave holes that compaction closes in
+    // the background (the moves may still run when the last client says
+    // IDLE: a run under load once saw 13 moves still under way): the
+    // largest free range is all the slab but the budget once they are
+    // done, within 10 s.
+    let mut last = s;
+    let whole = eventually(Duration::from_secs(10), || {
+        last = stats(&mut watcher);
+        last.largest_free >= last.capacity - last.spare_budget
+    });
+    assert!(whole, "spares cut the data's memory: {}", brief(&last));
     drop(idle);
     assert!(
         eventually(Duration::from_secs(10), || stats(&mut watcher).spare_bytes
