@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::netns::{
-    ip, make_hosts, netns_listed, start_unit, write_secret, Hosts, SECRET, UNIT_A, UNIT_B,
+    hosts_or_skip, ip, netns_listed, start_unit, write_secret, SECRET, UNIT_A, UNIT_B,
 };
 use common::stdout_lines;
 use stowage_client::{Client, ClientConfig, Error, Key, Secret};
@@ -23,16 +23,9 @@ use stowage_client::{Client, ClientConfig, Error, Key, Secret};
 #[test]
 fn units_on_two_hosts_a_client_on_a_third() {
     let tag = format!("stw{}", std::process::id() % 1_000_000);
-    let mut hosts = Hosts {
-        names: Vec::new(),
-        procs: Vec::new(),
-    };
-    if let Err(why) = make_hosts(&tag, &mut hosts) {
-        eprintln!(
-            "SKIPPED: cannot create network namespaces here (needs root and iproute2): {why}"
-        );
+    let Some(mut hosts) = hosts_or_skip(&tag) else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     let secret_file = write_secret(dir.path());
     hosts

@@ -20,9 +20,7 @@ use std::process::{Command, Stdio};
 use std::sync::mpsc::Receiver;
 use std::time::{Duration, Instant};
 
-use common::netns::{
-    ip, make_hosts, netns_listed, start_unit, write_secret, Hosts, UNIT_A, UNIT_B,
-};
+use common::netns::{hosts_or_skip, ip, netns_listed, start_unit, write_secret, UNIT_A, UNIT_B};
 use common::*;
 use stowage_client::{Client, ClientConfig, Column, DType, Error, RowKey, Tensor, UnitAddr};
 use stowage_local::LocalPlane;
@@ -191,6 +189,15 @@ fn replica_child() {
     std::io::stdout().flush().unwrap();
 }
 
+/// A shm client of `p` keeping `replicas` copies, 5 s deadlines.
+fn copies_client(p: &LocalPlane, replicas: usize) -> Client {
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(5);
+    cfg.replicas = replicas;
+    Client::connect(cfg).unwrap()
+}
+
 /// What a fault does to the unit it picks.
 #[derive(Clone, Copy, Debug)]
 enum Fault {
@@ -314,16 +321,9 @@ fn a_unit_paused_past_the_deadline_under_eight_clients_serves_nothing_wrong() {
 #[test]
 fn a_host_cut_off_under_eight_clients_serves_nothing_wrong() {
     let tag = format!("stwr{}", std::process::id() % 100_000);
-    let mut hosts = Hosts {
-        names: Vec::new(),
-        procs: Vec::new(),
-    };
-    if let Err(why) = make_hosts(&tag, &mut hosts) {
-        eprintln!(
-            "SKIPPED: cannot create network namespaces here (needs root and iproute2): {why}"
-        );
+    let Some(mut hosts) = hosts_or_skip(&tag) else {
         return;
-    }
+    };
     let dir = tempfile::tempdir().unwrap();
     let secret = write_secret(dir.path());
     for (h, addr) in [("a", UNIT_A), ("b", UNIT_B)] {
@@ -386,11 +386,7 @@ fn more_copies_than_units_is_refused() {
 fn the_second_copy_serves_a_killed_units_rows_and_one_copy_does_not() {
     for replicas in [1, 2] {
         let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
-        let mut cfg = ClientConfig::new("test", p.uds_addrs());
-        cfg.secret = p.secret().cloned();
-        cfg.timeout = Duration::from_secs(5);
-        cfg.replicas = replicas;
-        let c = Client::connect(cfg).unwrap();
+        let c = copies_client(&p, replicas);
         let rows: Vec<u64> = (0..16).collect();
         for &r in &rows {
             put_row(&c, r, 1, c.deadline()).unwrap();
@@ -446,11 +442,7 @@ fn the_second_copy_serves_a_killed_units_rows_and_one_copy_does_not() {
             assert_eq!(get_row(&c, 1, &two, c.deadline()), Ok(Some(2)));
             // Another client, which has not met the dead unit yet, reads
             // and clears where the copies are now.
-            let mut cfg = ClientConfig::new("test", p.uds_addrs());
-            cfg.secret = p.secret().cloned();
-            cfg.timeout = Duration::from_secs(5);
-            cfg.replicas = 2;
-            let other = Client::connect(cfg).unwrap();
+            let other = copies_client(&p, 2);
             assert_eq!(get_row(&other, 1, &two, other.deadline()), Ok(Some(2)));
             other
                 .clear("p", &[RowKey::Index(1)], None, other.deadline())
@@ -467,11 +459,7 @@ fn the_second_copy_serves_a_killed_units_rows_and_one_copy_does_not() {
 fn a_view_maps_the_other_copy_of_a_killed_units_rows() {
     for replicas in [1, 2] {
         let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
-        let mut cfg = ClientConfig::new("test", p.uds_addrs());
-        cfg.secret = p.secret().cloned();
-        cfg.timeout = Duration::from_secs(5);
-        cfg.replicas = replicas;
-        let c = std::sync::Arc::new(Client::connect(cfg).unwrap());
+        let c = std::sync::Arc::new(copies_client(&p, replicas));
         let rows: Vec<u64> = (0..8).collect();
         for &r in &rows {
             put_row(&c, r, 3, c.deadline()).unwrap();
@@ -502,11 +490,7 @@ fn a_view_maps_the_other_copy_of_a_killed_units_rows() {
 #[test]
 fn a_restarted_unit_is_read_around_and_takes_no_copy() {
     let (mut p, opts) = plane(UNITS, 16 * MIB, &[]);
-    let mut cfg = ClientConfig::new("test", p.uds_addrs());
-    cfg.secret = p.secret().cloned();
-    cfg.timeout = Duration::from_secs(5);
-    cfg.replicas = 2;
-    let c = Client::connect(cfg).unwrap();
+    let c = copies_client(&p, 2);
     let rows: Vec<u64> = (0..8).collect();
     for &r in &rows {
         put_row(&c, r, 1, c.deadline()).unwrap();
@@ -572,11 +556,7 @@ fn claims_with_two_copies_are_refused() {
 #[test]
 fn a_list_names_each_row_once_and_survives_a_killed_unit() {
     let (mut p, _) = plane(3, 16 * MIB, &[]);
-    let mut cfg = ClientConfig::new("test", p.uds_addrs());
-    cfg.secret = p.secret().cloned();
-    cfg.timeout = Duration::from_secs(5);
-    cfg.replicas = 2;
-    let c = Client::connect(cfg).unwrap();
+    let c = copies_client(&p, 2);
     let names: Vec<RowKey> = (0..6).map(|i| RowKey::Name(format!("r{i}"))).collect();
     let v = [7u8; 16];
     let t = || Tensor {

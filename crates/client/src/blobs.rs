@@ -77,21 +77,9 @@ impl Client {
         }
         // A unit found gone during the get places its copies anew: a key
         // not found or lost is asked again where its copies are now.
-        let mut tries = 0;
-        loop {
-            let epoch = self.copies_epoch();
-            match self.get_copies(partition, keys.clone(), sink, deadline, timer) {
-                Err(e)
-                    if (matches!(e, Error::NotFound { .. }) || next_copy_may_serve(&e))
-                        && self.copies_epoch() != epoch
-                        && tries < self.units.len()
-                        && Instant::now() < deadline =>
-                {
-                    tries += 1
-                }
-                r => return r,
-            }
-        }
+        self.read_again_where_copies_are(deadline, || {
+            self.get_copies(partition, keys.clone(), &mut *sink, deadline, timer)
+        })
     }
 
     /// One pass of [`Client::get_from_units`]: copy after copy of where

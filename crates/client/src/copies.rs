@@ -203,6 +203,31 @@ impl Client {
         self.copies.epoch.load(Relaxed)
     }
 
+    /// Run a read `call` again where the copies are now when a unit went
+    /// down while it ran and it failed for want of a copy (not found, or
+    /// a copy gone): at most once per unit, within `deadline`.
+    pub(crate) fn read_again_where_copies_are<T>(
+        &self,
+        deadline: Instant,
+        mut call: impl FnMut() -> crate::Result<T>,
+    ) -> crate::Result<T> {
+        let mut tries = 0;
+        loop {
+            let epoch = self.copies_epoch();
+            match call() {
+                Err(e)
+                    if (matches!(e, Error::NotFound { .. }) || next_copy_may_serve(&e))
+                        && self.copies_epoch() != epoch
+                        && tries < self.units.len()
+                        && Instant::now() < deadline =>
+                {
+                    tries += 1
+                }
+                r => return r,
+            }
+        }
+    }
+
     /// The units of `unit`'s copies in the order a read asks them: copy 0
     /// first, units suspected of being gone last (see the module docs).
     pub(crate) fn read_order(&self, unit: usize) -> ReadOrder {

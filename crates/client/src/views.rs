@@ -314,21 +314,9 @@ impl Client {
         }
         // A unit found gone during the call places its copies anew: rows
         // not found or lost are looked for where their copies are now.
-        let mut tries = 0;
-        loop {
-            let epoch = self.copies_epoch();
-            match self.resolve_copies(partition, keys, fields, unit, deadline) {
-                Err(e)
-                    if (matches!(e, Error::NotFound { .. }) || next_copy_may_serve(&e))
-                        && self.copies_epoch() != epoch
-                        && tries < self.units.len()
-                        && Instant::now() < deadline =>
-                {
-                    tries += 1
-                }
-                r => return r,
-            }
-        }
+        self.read_again_where_copies_are(deadline, || {
+            self.resolve_copies(partition, keys, fields, unit, deadline)
+        })
     }
 
     /// One pass of [`Client::resolve_rows`] with copies: each row on the

@@ -134,3 +134,22 @@ pub fn write_secret(dir: &std::path::Path) -> std::path::PathBuf {
     std::fs::set_permissions(&file, std::os::unix::fs::PermissionsExt::from_mode(0o600)).unwrap();
     file
 }
+
+/// The hosts of [`make_hosts`] under `tag`, or `None` (having said why
+/// the test is skipped) where namespaces cannot be made (not root, no
+/// `ip`).
+pub fn hosts_or_skip(tag: &str) -> Option<Hosts> {
+    let mut hosts = Hosts {
+        names: Vec::new(),
+        procs: Vec::new(),
+    };
+    match make_hosts(tag, &mut hosts) {
+        Ok(()) => Some(hosts),
+        Err(why) => {
+            eprintln!(
+                "SKIPPED: cannot create network namespaces here (needs root and iproute2): {why}"
+            );
+            None
+        }
+    }
+}
