@@ -190,7 +190,7 @@ impl UnitCore {
         Ok(true)
     }
 
-    fn reserve(
+    pub(super) fn reserve(
         &mut self,
         owner: Owner,
         blob: BlobId,

@@ -5,10 +5,14 @@ use super::input::apply_op;
 use super::op::{ClearPartition, ClearRows};
 use super::*;
 
+// A clear is remembered for the open repair windows (`repair.rs`)
+// whether or not this unit holds the rows.
 apply_op!(ClearRows => u64, |ClearRows { partition, rows }, core, _, _| {
+    core.repair_clear_rows(&partition, &rows);
     Ok(core.clear_rows(&partition, &rows))
 });
 apply_op!(ClearPartition => u64, |ClearPartition { partition }, core, _, _| {
+    core.repair_clear_partition(&partition);
     Ok(core.clear_partition(&partition))
 });
 

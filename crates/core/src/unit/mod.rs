@@ -12,6 +12,8 @@
 //! * [`release`]: when a slab range is given back — the one place it is;
 //! * [`claims`]: consumer tasks claiming ready rows, leases, waiting
 //!   claims;
+//! * [`repair`]: repair windows, the clears they remember and the repair
+//!   puts they filter;
 //! * [`stats`] — counters;
 //! * [`drive`]: the one entry point ([`UnitCore::handle`]) and the polled
 //!   outputs ([`UnitCore::poll_action`], [`UnitCore::poll_timeout`]).
@@ -35,6 +37,7 @@ pub mod op;
 mod pins;
 mod placement;
 mod release;
+mod repair;
 mod sessions;
 mod stats;
 #[cfg(test)]
@@ -120,6 +123,14 @@ pub struct CoreConfig {
     /// A claim's lease ([`op::Claim`]) not settled within this gives its
     /// rows back. Default 30 s.
     pub claim_lease: Duration,
+    /// Cleared rows the repair windows may remember at once (about 40
+    /// bytes each, `repair.rs`); past it a cleared row is remembered as
+    /// its whole partition. Default 2^20.
+    pub repair_row_tombstones: usize,
+    /// Partitions the repair windows may remember at once (about 100
+    /// bytes and the name each); past it every open window loses track of
+    /// clears (its repair puts answer Busy). Default 2^16.
+    pub repair_partitions: usize,
 }
 
 impl CoreConfig {
@@ -143,6 +154,8 @@ impl CoreConfig {
             compact_max_move: 64 << 20,
             compact_ratio: 0.25,
             claim_lease: Duration::from_secs(30),
+            repair_row_tombstones: 1 << 20,
+            repair_partitions: 1 << 16,
         }
     }
 }
@@ -418,6 +431,8 @@ pub struct UnitCore {
     compactor: compact::Compactor,
     /// Consumer tasks, their leases and waiting claims.
     claims: claims::Claims,
+    /// Repair windows and the clears they remember.
+    repairs: repair::Repairs,
     /// The time of the latest input.
     last_input: Time,
 }
@@ -463,6 +478,7 @@ impl UnitCore {
             actions: VecDeque::new(),
             compactor: compact::Compactor::default(),
             claims: claims::Claims::default(),
+            repairs: repair::Repairs::default(),
             last_input: Time::ZERO,
         })
     }

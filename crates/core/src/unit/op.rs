@@ -225,3 +225,60 @@ pub struct ClaimStatusAnswer {
     /// Rows of the partition on this unit.
     pub rows: u64,
 }
+
+/// Open a repair window (applied in `repair.rs`): from now until
+/// [`CloseRepair`] or the end of the session, every row and partition
+/// cleared in the namespace whose partitions start with `scope` is
+/// remembered, so that a [`RepairCommit`] through the window refuses what
+/// was cleared after this point. `key` names what is repaired (the
+/// window is the only one of that `key` in `scope`: another session's
+/// open window of the same key answers [`CoreError::Busy`]). Answers the
+/// window's id.
+#[derive(Clone, Debug)]
+pub struct OpenRepair {
+    /// The prefix of every partition of the window's namespace (the
+    /// namespace and its separator).
+    pub scope: String,
+    pub key: String,
+}
+
+/// Close a window of the session (an unknown one is ignored; another
+/// session's is [`CoreError::NotOwner`]).
+#[derive(Clone, Debug)]
+pub struct CloseRepair {
+    pub window: u64,
+}
+
+/// [`Alloc`] for a repair put through `window`: reserved in the slab
+/// only (never on the disk tier: a slab with no room answers Full or
+/// Busy as an alloc does). Invalid when `window` is not an open window of
+/// the session; Busy when it lost track of clears.
+#[derive(Clone, Debug)]
+pub struct RepairAlloc {
+    pub window: u64,
+    pub blob: BlobId,
+    pub nbytes: u64,
+    pub n_entries: u32,
+}
+
+/// [`CommitWritten`] of a blob reserved by [`RepairAlloc`] that publishes
+/// only the entries whose key has no value here and whose row and
+/// partition were not cleared since `window` opened; the others are
+/// skipped (their bytes stay unreferenced in the blob, which is freed at
+/// once when nothing of it is published). Answers how many of each. A
+/// blob committed already (a retry) publishes nothing and answers every
+/// entry skipped.
+#[derive(Clone, Debug)]
+pub struct RepairCommit {
+    pub window: u64,
+    pub partition: String,
+    pub blob: BlobId,
+    pub entries: Vec<EntrySpec>,
+}
+
+/// The answer to [`RepairCommit`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Repaired {
+    pub stored: u32,
+    pub skipped: u32,
+}

@@ -231,6 +231,7 @@ impl UnitCore {
             return 0;
         };
         self.actions.push_back(Action::SessionEnded(session));
+        self.repair_session_ended(session);
         let released = (s.reservations.len() + s.pins.len()) as u64;
         for blob in s.reservations {
             // Only its own: nothing of the process runs any more, so no
@@ -337,6 +338,7 @@ impl UnitCore {
         {
             self.holds.sessions.remove(&session);
             self.actions.push_back(Action::SessionEnded(session));
+            self.repair_session_ended(session);
         }
     }
 

@@ -1,6 +1,7 @@
 use super::*;
 
 mod compact;
+mod repair;
 mod tier;
 use tier::{disk_core, put};
 
