@@ -213,6 +213,8 @@ fn variant_name(r: &Response) -> &'static str {
         Response::ClaimStatus(_) => "ClaimStatus",
         Response::ClaimsState { .. } => "ClaimsState",
         Response::ResolvedRows(_) => "ResolvedRows",
+        Response::RepairOpened { .. } => "RepairOpened",
+        Response::Repaired { .. } => "Repaired",
     }
 }
 

@@ -108,6 +108,7 @@ pub use unit::{
     input, op, Action, ClaimAnswer, ClaimReply, ClaimStatusAnswer, Committed, ConnEnd, CoreConfig,
     Input, Lease, MoveJob, Op, Owner, PartitionClaims, Placed, Placement, Request, Resolved,
     SessionStats, Snapshot, SnapshotEntry, SpareCommitted, SpillJob, Stats, TaskClaims, UnitCore,
+    MAX_REPAIR_WINDOWS,
 };
 
 use serde::{Deserialize, Serialize};

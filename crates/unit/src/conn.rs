@@ -465,8 +465,7 @@ impl Conn {
             Ok(req) => req,
             Err(e) => return self.refuse(d.id, e.to_string()),
         };
-        let carries_payload = matches!(req, Request::Put { .. });
-        if d.payload_len > 0 && !carries_payload {
+        if d.payload_len > 0 && !req.carries_payload() {
             return self.refuse(d.id, "this request carries no payload".into());
         }
         self.handle(d.id, req, d.payload_len)

@@ -125,6 +125,7 @@ pub enum Plan {
 }
 
 /// A Put whose slab range or file is reserved: its payload goes to `into`.
+/// A RepairPut is one with a `repair` window.
 #[derive(Debug)]
 pub struct Put {
     pub owner: Owner,
@@ -141,6 +142,10 @@ pub struct Put {
     pub into: Dest,
     /// When it was reserved.
     pub now: Time,
+    /// A RepairPut's window: its commit publishes only what the window
+    /// lets through, answered [`Response::Repaired`] (its blob lies in the
+    /// slab, never on the disk tier).
+    pub repair: Option<u64>,
 }
 
 /// Where a Put's payload goes.
@@ -235,6 +240,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
     let writes = match &req {
         Request::Alloc { .. }
         | Request::Put { .. }
+        | Request::RepairPut { .. }
         | Request::Checkpoint { .. }
         | Request::OpenRestore { .. } => true,
         Request::CommitSpare { blob, written, .. } => blob != written,
@@ -351,7 +357,46 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             entries,
             payload_len,
             timeout_ms,
+            None,
             now,
+        ),
+        Request::RepairPut {
+            window,
+            blob,
+            partition,
+            entries,
+            timeout_ms,
+        } => put(
+            &mut core(),
+            owner,
+            scope(namespace, &partition),
+            blob,
+            entries,
+            payload_len,
+            timeout_ms,
+            Some(window),
+            now,
+        ),
+        Request::OpenRepair { key } => {
+            let op = op::OpenRepair {
+                scope: scope(namespace, ""),
+                key: key.clone(),
+            };
+            Plan::Reply(match request(&mut core(), now, owner, op) {
+                Ok(window) => Response::RepairOpened { window },
+                Err(CoreError::Busy { .. }) => error(
+                    ErrorCode::Busy,
+                    format!(
+                        "another session holds a repair window for {key:?} in this namespace \
+                         (or the unit holds {} windows)",
+                        stowage_core::MAX_REPAIR_WINDOWS
+                    ),
+                ),
+                Err(e) => error_response(&e),
+            })
+        }
+        Request::CloseRepair { window } => answer(
+            request(&mut core(), now, owner, op::CloseRepair { window }).map(|()| Response::Done),
         ),
         Request::Resolve {
             partition,
@@ -619,7 +664,8 @@ fn entry_bytes(entries: &[EntrySpec]) -> u64 {
 /// the disk tier has room, into the blob's file. The connection's thread
 /// holds the reservation while it reads, and no timer takes it away
 /// meanwhile (docs/fencing.md); a payload that stalls past its timeout is
-/// cut off, and the range of a cut one goes through quarantine.
+/// cut off, and the range of a cut one goes through quarantine. A
+/// RepairPut (`repair`: its window) reserves in the slab only.
 #[allow(clippy::too_many_arguments)]
 fn put(
     core: &mut UnitCore,
@@ -629,6 +675,7 @@ fn put(
     entries: Vec<EntrySpec>,
     nbytes: u64,
     timeout_ms: u64,
+    repair: Option<u64>,
     now: Time,
 ) -> Plan {
     let refuse = |reply| Plan::Drain {
@@ -639,11 +686,23 @@ fn put(
     let Ok(n_entries) = u32::try_from(entries.len()) else {
         return refuse(error(ErrorCode::InvalidRequest, "too many entries".into()));
     };
-    let into = match alloc(core, owner, blob, nbytes, n_entries, now) {
+    let reserved = match repair {
+        None => alloc(core, owner, blob, nbytes, n_entries, now),
+        Some(window) => {
+            let op = op::RepairAlloc {
+                window,
+                blob,
+                nbytes,
+                n_entries,
+            };
+            request(core, now, owner, op)
+        }
+    };
+    let into = match reserved {
         Ok(Allocated::Reserved { pieces }) => Dest::Slab { pieces },
         Ok(Allocated::ToDisk) => Dest::Disk,
         Ok(Allocated::AlreadyCommitted) => Dest::Nowhere,
-        Err(e) => return refuse(error_response(&e)),
+        Err(e) => return refuse(repair_error(core, repair, &e)),
     };
     Plan::Receive(Put {
         owner,
@@ -654,12 +713,16 @@ fn put(
         timeout_ms,
         into,
         now,
+        repair,
     })
 }
 
 /// A Put's payload has all arrived into [`Put::into`]: commit it. The
 /// reply. A slab or disk put that the core refuses is aborted.
 pub fn put_landed(core: &mut UnitCore, put: &mut Put) -> Response {
+    if let Some(window) = put.repair {
+        return repair_landed(core, put, window);
+    }
     // The commit takes the entries; the put keeps its blob and size.
     let r = commit_written(
         core,
@@ -679,6 +742,44 @@ pub fn put_landed(core: &mut UnitCore, put: &mut Put) -> Response {
             let _ = abort(core, put, false, put.now);
             error_response(&e)
         }
+    }
+}
+
+/// [`put_landed`] of a RepairPut: the repair commit (a retry of a blob
+/// committed already stores nothing and counts every entry skipped).
+fn repair_landed(core: &mut UnitCore, put: &mut Put, window: u64) -> Response {
+    let op = op::RepairCommit {
+        window,
+        partition: std::mem::take(&mut put.partition),
+        blob: put.blob,
+        entries: std::mem::take(&mut put.entries),
+    };
+    match request(core, put.now, put.owner, op) {
+        Ok(r) => Response::Repaired {
+            stored: r.stored,
+            skipped: r.skipped,
+        },
+        Err(e) => {
+            if put.into != Dest::Nowhere {
+                let _ = abort(core, put, false, put.now);
+            }
+            repair_error(core, Some(window), &e)
+        }
+    }
+}
+
+/// The wire form of a refusal of a put through `repair` (a RepairPut's
+/// window): Busy says so when the window lost track of clears.
+fn repair_error(core: &UnitCore, repair: Option<u64>, e: &CoreError) -> Response {
+    match (repair, e) {
+        (Some(window), CoreError::Busy { .. }) if core.repair_window_lost(window) => error(
+            ErrorCode::Busy,
+            format!(
+                "repair window {window} lost track of clears (the unit remembers a bounded \
+                 number): open a new window and repair again"
+            ),
+        ),
+        _ => error_response(e),
     }
 }
 

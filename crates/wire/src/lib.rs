@@ -139,7 +139,7 @@ mod tests {
             Request::Put {
                 blob: BlobId(1),
                 partition: "p".into(),
-                entries: vec![e],
+                entries: vec![e.clone()],
                 timeout_ms: 30_000,
             },
             Request::Read {
@@ -217,6 +217,17 @@ mod tests {
                 rows: vec![0, u64::MAX],
                 fields: vec!["input_ids".into(), String::new()],
                 hold: false,
+            },
+            Request::OpenRepair {
+                key: "group 3".into(),
+            },
+            Request::CloseRepair { window: u64::MAX },
+            Request::RepairPut {
+                window: 4,
+                blob: BlobId(11),
+                partition: "p".into(),
+                entries: vec![e.clone(), e],
+                timeout_ms: 5_000,
             },
         ]
     }
@@ -416,6 +427,11 @@ mod tests {
                 state: vec![1, 2, 3],
             },
             Response::ResolvedRows(Box::new(rows_resolved())),
+            Response::RepairOpened { window: 7 },
+            Response::Repaired {
+                stored: 3,
+                skipped: u32::MAX,
+            },
         ]
     }
 
@@ -501,7 +517,7 @@ mod tests {
         }
     }
 
-    /// A borrowed Commit, Put, CommitSpare or Resolve is the owned one's bytes:
+    /// A borrowed Commit, Put, CommitSpare, Resolve or RepairPut is the owned one's bytes:
     /// the unit decodes it as the owned request.
     #[test]
     fn borrowed_requests_encode_as_owned_ones() {
@@ -552,6 +568,19 @@ mod tests {
                     keys,
                     hold: *hold,
                 },
+                Request::RepairPut {
+                    window,
+                    blob,
+                    partition,
+                    entries,
+                    timeout_ms,
+                } => RequestRef::RepairPut {
+                    window: *window,
+                    blob: *blob,
+                    partition,
+                    entries,
+                    timeout_ms: *timeout_ms,
+                },
                 _ => continue,
             };
             seen += 1;
@@ -562,7 +591,7 @@ mod tests {
             let back: Envelope<Request> = decode_header(&by_ref[PREFIX_LEN..]).unwrap();
             assert_eq!(back.body, r);
         }
-        assert_eq!(seen, 4);
+        assert_eq!(seen, 5);
     }
 
     /// Placed and Item keep the bytes they had when their metadata was a
@@ -700,6 +729,18 @@ mod tests {
             rows: vec![],
         };
         assert_eq!(index(postcard::to_stdvec(&claimed).unwrap()), 21);
+        // Repair windows, appended at the end (no variant moved).
+        let open = Request::OpenRepair { key: String::new() };
+        assert_eq!(index(postcard::to_stdvec(&open).unwrap()), 30);
+        let close = Request::CloseRepair { window: 0 };
+        assert_eq!(index(postcard::to_stdvec(&close).unwrap()), 31);
+        let opened = Response::RepairOpened { window: 0 };
+        assert_eq!(index(postcard::to_stdvec(&opened).unwrap()), 26);
+        let repaired = Response::Repaired {
+            stored: 0,
+            skipped: 0,
+        };
+        assert_eq!(index(postcard::to_stdvec(&repaired).unwrap()), 27);
     }
 
     /// Only a claim that waits may wait; it never goes on a ring.
@@ -736,6 +777,12 @@ mod tests {
         }
         assert!(!Request::OpenRing { bytes: 4096 }.carries_payload());
         assert!(!Request::RingKick.carries_payload());
+        for r in all_requests() {
+            assert_eq!(
+                r.carries_payload(),
+                matches!(r, Request::Put { .. } | Request::RepairPut { .. })
+            );
+        }
         assert!(!Request::RingKick.expects_reply());
         assert!(Request::OpenRing { bytes: 4096 }.expects_reply());
     }

@@ -257,6 +257,36 @@ pub enum Request {
         fields: Vec<String>,
         hold: bool,
     },
+    /// Open a repair window on this unit for `key` (the repairer's name
+    /// for what it repairs, e.g. "group 3"): from now until
+    /// [`Request::CloseRepair`] (or the end of the session), the unit
+    /// remembers every row and partition of this namespace that is
+    /// cleared, so that [`Request::RepairPut`] can refuse what was cleared
+    /// after this point. Answered [`Response::RepairOpened`]; `Busy` when
+    /// another session holds a window with the same key in the same
+    /// namespace.
+    OpenRepair {
+        key: String,
+    },
+    /// Close window `window` (`Done`; an unknown window is `Done` too).
+    CloseRepair {
+        window: u64,
+    },
+    /// Put (payload = the blob's bytes, as [`Request::Put`]) whose entries
+    /// are each stored only if this unit holds no value for the key and
+    /// the key's row and partition were not cleared since `window` opened.
+    /// Answered [`Response::Repaired`]; `InvalidRequest` when `window` is
+    /// not open in this session; `Busy` when the window lost track of
+    /// clears (the unit's cap on what it remembers) — the repairer then
+    /// starts over with a new window. Never lands on the disk tier: a slab
+    /// with no room answers `Full` (or `Busy`) as a put's alloc would.
+    RepairPut {
+        window: u64,
+        blob: BlobId,
+        partition: String,
+        entries: Vec<EntrySpec>,
+        timeout_ms: u64,
+    },
 }
 
 /// A [`Request`] that carries a put's entries, or a resolve's keys, by
@@ -300,6 +330,14 @@ pub enum RequestRef<'a> {
         spare: BlobId,
         spare_nbytes: u64,
     },
+    /// [`Request::RepairPut`].
+    RepairPut {
+        window: u64,
+        blob: BlobId,
+        partition: &'a str,
+        entries: &'a [EntrySpec],
+        timeout_ms: u64,
+    },
 }
 
 impl RequestRef<'_> {
@@ -312,6 +350,7 @@ impl RequestRef<'_> {
             RequestRef::Put { .. } => (8, "Put"),
             RequestRef::CommitSpare { .. } => (17, "CommitSpare"),
             RequestRef::ResolveRows { .. } => (29, "ResolveRows"),
+            RequestRef::RepairPut { .. } => (32, "RepairPut"),
         }
     }
 }
@@ -384,6 +423,21 @@ impl Serialize for RequestRef<'_> {
                 v.serialize_field("entries", entries)?;
                 v.serialize_field("spare", &spare)?;
                 v.serialize_field("spare_nbytes", &spare_nbytes)?;
+                v.end()
+            }
+            RequestRef::RepairPut {
+                window,
+                blob,
+                partition,
+                entries,
+                timeout_ms,
+            } => {
+                let mut v = s.serialize_struct_variant("Request", index, name, 5)?;
+                v.serialize_field("window", &window)?;
+                v.serialize_field("blob", &blob)?;
+                v.serialize_field("partition", partition)?;
+                v.serialize_field("entries", entries)?;
+                v.serialize_field("timeout_ms", &timeout_ms)?;
                 v.end()
             }
         }
@@ -630,6 +684,17 @@ pub enum Response {
     /// thousands of values encodes and decodes no structure per value).
     /// Found values are pinned as [`Response::Resolved`]'s are.
     ResolvedRows(Box<RowsResolved>),
+    /// Reply to [`Request::OpenRepair`].
+    RepairOpened {
+        window: u64,
+    },
+    /// Reply to [`Request::RepairPut`]: entries stored, and entries
+    /// skipped (a value already there, or cleared since the window
+    /// opened).
+    Repaired {
+        stored: u32,
+        skipped: u32,
+    },
 }
 
 /// The columns of a [`Response::ResolvedRows`]; read them with

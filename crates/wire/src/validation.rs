@@ -78,6 +78,11 @@ impl Request {
                 entries,
                 partition: p,
                 ..
+            }
+            | Request::RepairPut {
+                entries,
+                partition: p,
+                ..
             } => {
                 partition(p)?;
                 count("entries", entries.len())?;
@@ -142,6 +147,7 @@ impl Request {
                 name("checkpoint path bytes", dir)
             }
             Request::Shutdown { .. } => Ok(()),
+            Request::OpenRepair { key } => name("repair key bytes", key),
             Request::RegisterTasks {
                 partition: p,
                 tasks,
@@ -184,14 +190,16 @@ impl Request {
             | Request::Auth { .. }
             | Request::Prove { .. }
             | Request::RingKick
-            | Request::CloseRestore { .. } => Ok(()),
+            | Request::CloseRestore { .. }
+            | Request::CloseRepair { .. } => Ok(()),
         }
     }
 
     /// Whether a frame of this request may carry a payload (only
-    /// [`Request::Put`]'s does; any other with a payload is invalid).
+    /// [`Request::Put`]'s and [`Request::RepairPut`]'s do; any other with
+    /// a payload is invalid).
     pub fn carries_payload(&self) -> bool {
-        matches!(self, Request::Put { .. })
+        matches!(self, Request::Put { .. } | Request::RepairPut { .. })
     }
 
     /// Whether the answer may wait for other clients (a [`Request::Claim`]

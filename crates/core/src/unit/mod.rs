@@ -57,6 +57,7 @@ pub use input::{Input, Op, Request};
 pub use op::{ClaimAnswer, ClaimReply, ClaimStatusAnswer, Lease, Resolved, SpareCommitted};
 pub use placement::{Placed, Placement};
 use release::Release;
+pub use repair::MAX_REPAIR_WINDOWS;
 pub use stats::{SessionStats, Stats};
 
 /// How many freed committed blob ids a unit remembers, so that a retried

@@ -28,14 +28,14 @@
 //! partition cap every open window *loses track* — everything remembered
 //! is dropped and each open window's repair puts answer Busy, so its
 //! repairer starts over with a new window. Each window costs its key and
-//! scope and about 80 bytes; a unit holds at most [`MAX_WINDOWS`].
+//! scope and about 80 bytes; a unit holds at most [`MAX_REPAIR_WINDOWS`].
 
 use super::input::apply_op;
 use super::op::{CloseRepair, OpenRepair, RepairAlloc, RepairCommit, Repaired};
 use super::*;
 
 /// Most repair windows open at once on a unit; past it, Busy.
-pub const MAX_WINDOWS: usize = 1 << 16;
+pub const MAX_REPAIR_WINDOWS: usize = 1 << 16;
 
 apply_op!(OpenRepair => u64, |OpenRepair { scope, key }, core, _, owner| {
     core.open_repair(owner, scope, key)
@@ -179,7 +179,7 @@ impl UnitCore {
             .windows
             .values()
             .any(|w| w.session != owner.session && w.scope == scope && w.key == key);
-        if taken || r.windows.len() >= MAX_WINDOWS {
+        if taken || r.windows.len() >= MAX_REPAIR_WINDOWS {
             return Err(CoreError::Busy {
                 needed: 0,
                 reclaimable: 0,

@@ -35,7 +35,7 @@ impl Conn {
             Dest::Disk => self.put_to_disk(id, &mut put),
             Dest::Nowhere => {
                 drain(&mut self.reader, put.nbytes)?;
-                let resp = handler::put_landed(&mut self.shared.core(), &mut put);
+                let resp = self.landed(&mut put);
                 self.reply(id, &resp)?;
                 Ok(())
             }
@@ -67,12 +67,24 @@ impl Conn {
             let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
             return Err(e.into());
         }
-        let resp = handler::put_landed(&mut self.shared.core(), put);
-        if matches!(resp, Response::Done | Response::Pending) {
+        let resp = self.landed(put);
+        if matches!(
+            resp,
+            Response::Done | Response::Pending | Response::Repaired { .. }
+        ) {
             self.count_in(put.nbytes);
         }
         self.reply(id, &resp)?;
         Ok(())
+    }
+
+    /// [`handler::put_landed`], with a repair put's values counted.
+    fn landed(&mut self, put: &mut Put) -> Response {
+        let resp = handler::put_landed(&mut self.shared.core(), put);
+        if let (Response::Repaired { stored, skipped }, Some(m)) = (&resp, &self.shared.metrics) {
+            m.repaired(*stored, *skipped);
+        }
+        resp
     }
 
     /// How this connection streams bytes (for metrics).
@@ -163,6 +175,7 @@ impl Conn {
             let (code, why) = handler::disk_put_failed(&e);
             return self.reply_error(id, code, &why);
         }
+        // (A repair put never lands on disk: plain put_landed.)
         let resp = handler::put_landed(&mut self.shared.core(), put);
         if matches!(resp, Response::Pending) {
             self.count_in(nbytes);

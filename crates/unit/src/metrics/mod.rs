@@ -494,6 +494,16 @@ impl Collector for UnitCollector {
                 ConstCounter::new(us as f64 / 1e6).encode(d.encode_family(&labels)?)?;
             }
         }
+        family(
+            &mut e,
+            "repaired_values",
+            "Values of repair puts (a repairer copying rows into this unit), by outcome (stored; skipped: a value was there already, or its row or partition was cleared since the repair window opened).",
+            "outcome",
+            &[
+                ("stored", m.repaired[0].load(Relaxed)),
+                ("skipped", m.repaired[1].load(Relaxed)),
+            ],
+        )?;
         // Checkpoints.
         family(
             &mut e,

@@ -31,9 +31,11 @@ pub(crate) enum Op {
     Claim,
     Settle,
     ClaimControl,
+    RepairControl,
+    RepairPut,
 }
 
-pub(super) const OPS: usize = 19;
+pub(super) const OPS: usize = 21;
 /// The `op` label values. The clear requests keep the labels of the names
 /// they had before (`release_rows`, `drop_partition`), so that dashboards
 /// and alerts over them keep working.
@@ -57,6 +59,8 @@ pub(super) const OP_NAMES: [&str; OPS] = [
     "claim",
     "settle",
     "claim_control",
+    "repair_control",
+    "repair_put",
 ];
 
 impl Op {
@@ -93,6 +97,8 @@ impl Op {
             | Request::ClaimsState
             | Request::LoadClaims { .. } => Op::ClaimControl,
             Request::Auth { .. } | Request::Prove { .. } => Op::Auth,
+            Request::OpenRepair { .. } | Request::CloseRepair { .. } => Op::RepairControl,
+            Request::RepairPut { .. } => Op::RepairPut,
         }
     }
 }
@@ -413,6 +419,8 @@ pub struct UnitMetrics {
     pub(crate) disk_put_bytes: AtomicU64,
     pub(crate) promoted_bytes: AtomicU64,
     pub(crate) disk_streamed_bytes: AtomicU64,
+    /// Values of repair puts: [stored, skipped].
+    pub(super) repaired: [AtomicU64; 2],
     pub(super) checkpoints: [AtomicU64; 2],
     pub(super) checkpoint_seconds: Histogram,
 }
@@ -435,6 +443,7 @@ impl Default for UnitMetrics {
             disk_put_bytes: AtomicU64::new(0),
             promoted_bytes: AtomicU64::new(0),
             disk_streamed_bytes: AtomicU64::new(0),
+            repaired: Default::default(),
             checkpoints: Default::default(),
             checkpoint_seconds: Histogram::new(&CHECKPOINT_BOUNDS),
         }
@@ -514,6 +523,12 @@ impl UnitMetrics {
         if holds > 0 {
             self.reclaimed[why as usize].fetch_add(holds, Relaxed);
         }
+    }
+
+    /// A repair put stored `stored` values and skipped `skipped`.
+    pub(crate) fn repaired(&self, stored: u32, skipped: u32) {
+        self.repaired[0].fetch_add(u64::from(stored), Relaxed);
+        self.repaired[1].fetch_add(u64::from(skipped), Relaxed);
     }
 
     pub(crate) fn session_opened(&self) {
