@@ -396,3 +396,174 @@ fn busy_backs_off_until_the_holder_lets_go_or_the_deadline_passes() {
     );
     assert!(c.get_rows(&[Key::new(0, "v")], c.deadline()).unwrap()[0] == v);
 }
+
+/// A raw connection over either transport, for the repair requests.
+trait RawConn {
+    fn write(&mut self, bytes: &[u8]);
+    fn read(&mut self) -> Option<stowage_wire::Envelope<Response>>;
+}
+
+impl RawConn for Raw {
+    fn write(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).unwrap();
+    }
+    fn read(&mut self) -> Option<stowage_wire::Envelope<Response>> {
+        self.recv()
+    }
+}
+
+impl RawConn for common::RawTcp {
+    fn write(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).unwrap();
+    }
+    fn read(&mut self) -> Option<stowage_wire::Envelope<Response>> {
+        self.recv()
+    }
+}
+
+/// Send `req` with `payload` and read its reply (bounded by the
+/// connection's read timeout).
+fn call_raw(c: &mut dyn RawConn, req: &Request, payload: &[u8]) -> Response {
+    let mut buf = Vec::new();
+    encode(77, req, payload.len() as u64, &mut buf).unwrap();
+    buf.extend_from_slice(payload);
+    c.write(&buf);
+    let e = c.read().expect("a reply");
+    assert_eq!(e.id, 77);
+    e.body
+}
+
+/// A RepairPut of 4 bytes per row of `rows` (field "x"), in partition
+/// `part`.
+fn repair_put(c: &mut dyn RawConn, window: u64, blob: u128, part: &str, rows: &[u64]) -> Response {
+    let entries = rows
+        .iter()
+        .enumerate()
+        .map(|(i, &row)| EntrySpec {
+            key: Key::new(row, "x"),
+            offset: 4 * i as u64,
+            len: 4,
+            meta: vec![],
+        })
+        .collect();
+    let payload: Vec<u8> = rows
+        .iter()
+        .flat_map(|r| (*r as u32).to_le_bytes())
+        .collect();
+    let req = Request::RepairPut {
+        window,
+        blob: BlobId(blob),
+        partition: part.into(),
+        entries,
+        timeout_ms: 10_000,
+    };
+    call_raw(c, &req, &payload)
+}
+
+fn is_error(r: &Response, want: ErrorCode) -> bool {
+    matches!(r, Response::Error { code, .. } if *code == want)
+}
+
+#[test]
+fn repair_windows_over_unix_and_tcp() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let sock = p.units[0].uds.clone();
+    let connect = |tcp: bool| -> Box<dyn RawConn> {
+        if tcp {
+            Box::new(common::RawTcp::hello_proving(p.units[0].tcp, p.secret()))
+        } else {
+            Box::new(Raw::hello(&sock, "ns"))
+        }
+    };
+    let mut watcher = Raw::hello(&sock, "ns");
+    for (tcp, base) in [(false, 100u128), (true, 200)] {
+        let what = if tcp { "tcp" } else { "unix" };
+        let part = format!("p-{what}");
+        let key = format!("group {what}");
+        let (mut a, mut b) = (connect(tcp), connect(tcp));
+        let open = |c: &mut dyn RawConn, key: &str| {
+            call_raw(c, &Request::OpenRepair { key: key.into() }, &[])
+        };
+        let Response::RepairOpened { window } = open(&mut *a, &key) else {
+            panic!("{what}: no window");
+        };
+        // Another session, the same key: Busy; another key: its own window.
+        let r = open(&mut *b, &key);
+        assert!(is_error(&r, ErrorCode::Busy), "{what}: {r:?}");
+        let Response::RepairOpened { window: other } = open(&mut *b, "another") else {
+            panic!("{what}: no second window");
+        };
+        assert_ne!(window, other);
+        // Stored when absent.
+        let r = repair_put(&mut *a, window, base, &part, &[1, 2]);
+        assert_eq!(
+            r,
+            Response::Repaired {
+                stored: 2,
+                skipped: 0
+            },
+            "{what}"
+        );
+        // Row 3 cleared after the window opened (not here at all); row 1
+        // present: only row 4 is stored.
+        let clear = Request::ClearRows {
+            partition: part.clone(),
+            rows: vec![3],
+        };
+        assert_eq!(
+            call_raw(&mut *b, &clear, &[]),
+            Response::Cleared { entries: 0 }
+        );
+        let r = repair_put(&mut *a, window, base + 1, &part, &[1, 3, 4]);
+        assert_eq!(
+            r,
+            Response::Repaired {
+                stored: 1,
+                skipped: 2
+            },
+            "{what}"
+        );
+        let listed = call_raw(
+            &mut *b,
+            &Request::List {
+                partition: part.clone(),
+            },
+            &[],
+        );
+        let Response::Listed { rows } = listed else {
+            panic!("{what}: {listed:?}");
+        };
+        let rows: Vec<u64> = rows.into_iter().map(|(r, _)| r).collect();
+        assert_eq!(rows, vec![1, 2, 4], "{what}");
+        // A window of another session is refused (its payload drained, the
+        // connection kept).
+        let r = repair_put(&mut *a, other, base + 2, &part, &[9]);
+        assert!(is_error(&r, ErrorCode::InvalidRequest), "{what}: {r:?}");
+        // Closed (and an unknown window closes fine): refused too.
+        let close =
+            |c: &mut dyn RawConn, window| call_raw(c, &Request::CloseRepair { window }, &[]);
+        assert_eq!(close(&mut *a, window), Response::Done);
+        assert_eq!(close(&mut *a, u64::MAX), Response::Done);
+        let r = repair_put(&mut *a, window, base + 3, &part, &[9]);
+        assert!(is_error(&r, ErrorCode::InvalidRequest), "{what}: {r:?}");
+        // Closed: the key is free for the other session.
+        assert!(
+            matches!(open(&mut *b, &key), Response::RepairOpened { .. }),
+            "{what}"
+        );
+        assert_eq!(close(&mut *b, other), Response::Done);
+        // The end of a session closes its windows.
+        drop(b);
+        assert!(
+            eventually(Duration::from_secs(5), || matches!(
+                open(&mut *a, &key),
+                Response::RepairOpened { .. }
+            )),
+            "{what}: the ended session's window stays open"
+        );
+        let s = stats(&mut watcher);
+        assert_eq!(s.reserved_bytes, 0, "{what}: {s:?}");
+    }
+    let s = stats(&mut watcher);
+    assert_eq!(s.entries, 6, "{s:?}");
+}
