@@ -82,7 +82,11 @@ pub use validation::PARTITION_SEPARATOR;
 /// some rows, each row and field named once ([`Request::ResolveRows`]);
 /// version 16 the unit's memory outside its slab at the end of [`Stats`]
 /// (`outside_slab_bytes`, `outside_slab_limit`, `outside_slab_waits`,
-/// `outside_slab_cuts`; an older client could not decode them).
+/// `outside_slab_cuts`; an older client could not decode them). The
+/// repair requests ([`Request::OpenRepair`], [`Request::CloseRepair`],
+/// [`Request::RepairPut`] and their replies) were appended within 16: no
+/// variant moved, and a unit that predates them refuses them as requests
+/// it cannot decode.
 pub const PROTOCOL_VERSION: u16 = 16;
 
 #[cfg(test)]
