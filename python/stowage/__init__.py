@@ -632,7 +632,10 @@ class DataPlane:
         the calls that succeeded and failed and their latency; Busy answers
         waited out (``busy_retries``, ``busy_wait_seconds``); waits for
         memory (``memory_waits``, ``memory_wait_seconds``); value bytes put
-        and got; and per unit the latency of its part of puts and gets.
+        and got; per unit the latency of its part of puts and gets; and,
+        with copies, repairs (``repairs_pending``, ``repaired_newcomers``,
+        ``repaired_values``, ``repaired_bytes``,
+        ``repair_refused_values``: docs/replication.md#repair).
         Latencies are ``{"count", "sum_seconds", "buckets"}`` with
         cumulative ``(upper bound in seconds, count)`` buckets, the last
         bound ``inf``. ``metrics_text()`` gives the same in the Prometheus

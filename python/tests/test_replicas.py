@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import time
 
 import numpy as np
 import pytest
@@ -65,6 +66,33 @@ def test_a_connected_client_reads_the_next_copy_of_a_dead_unit(part):
             os.kill(victim, signal.SIGKILL)
             assert wait_dead(victim)
             # Unit 0's rows come from their copies on unit 1.
+            got = c.get(part, keys, ["x"], timeout=10.0)["x"]
+            assert [int(a) for a in got] == [k * 10 for k in keys]
+
+
+def test_a_client_repairs_a_dead_units_copies_in_the_background(part):
+    """Once a client finds a unit dead, its background repair gives the
+    rows that had a copy there their second copy on the units left: so a
+    second unit's death afterwards loses nothing."""
+    with stowage.local(units=3, memory="32MiB", replicas=2) as plane:
+        keys = list(range(12))
+        plane.put(part, keys, {"x": np.arange(12) * 10})
+        with stowage.connect(plane.directory) as c:
+            pids = plane.unit_pids
+            os.kill(pids[0], signal.SIGKILL)
+            assert wait_dead(pids[0])
+            # The get finds unit 0 dead: rows 0, 3, 6, 9 (copies on 0 and
+            # 1) and 2, 5, 8, 11 (on 2 and 0) are short of a copy.
+            got = c.get(part, keys, ["x"], timeout=10.0)["x"]
+            assert [int(a) for a in got] == [k * 10 for k in keys]
+            until = time.monotonic() + 30
+            while c.metrics()["repairs_pending"] or not c.metrics()["repaired_newcomers"]:
+                assert time.monotonic() < until, c.metrics()
+                time.sleep(0.05)
+            m = c.metrics()
+            assert (m["repaired_newcomers"], m["repaired_values"]) == (2, 8), m
+            os.kill(pids[1], signal.SIGKILL)
+            assert wait_dead(pids[1])
             got = c.get(part, keys, ["x"], timeout=10.0)["x"]
             assert [int(a) for a in got] == [k * 10 for k in keys]
 

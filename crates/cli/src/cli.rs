@@ -263,6 +263,10 @@ enum Cmd {
         /// Print JSON (one object a line with --watch).
         #[arg(long)]
         json: bool,
+        /// With copies and a unit down: the namespace whose rows short of
+        /// a copy are counted.
+        #[arg(long, default_value = "default")]
+        namespace: String,
         #[command(flatten)]
         secret: SecretArgs,
     },
@@ -455,6 +459,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             timeout,
             watch,
             json,
+            namespace,
             secret,
         } => {
             let file = config
@@ -498,6 +503,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 json,
                 replicas,
                 hosts,
+                namespace,
             };
             crate::status::run(&opts, &mut std::io::stdout().lock())
         }

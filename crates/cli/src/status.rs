@@ -33,6 +33,9 @@ pub struct StatusOptions {
     pub replicas: usize,
     /// Each unit's host (from a directory; empty: unknown).
     pub hosts: Vec<Option<String>>,
+    /// With copies and a unit down: the namespace whose rows short of a
+    /// copy are counted.
+    pub namespace: String,
 }
 
 /// One unit's state.
@@ -127,6 +130,52 @@ pub struct CopiesStatus {
     /// Units whose rows have a copy on a unit not up now (unreachable or
     /// restarted): those rows have fewer copies than asked.
     pub short_of_a_copy: Vec<usize>,
+    /// Of their rows in the namespace asked, those that lack the copy
+    /// (a repair copies them: docs/replication.md#repair), or why they
+    /// could not be counted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lacking: Option<Lacking>,
+}
+
+/// Rows and values short of a copy ([`stowage_client::Client::under_replicated`]).
+#[derive(Clone, Debug, Serialize)]
+pub struct Lacking {
+    pub namespace: String,
+    pub rows: u64,
+    pub values: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Count what the units that took the copies of `down` units' rows lack,
+/// as a client of the plane that takes those units as gone sees it (it
+/// lists, and copies nothing).
+fn lacking(opts: &StatusOptions, down: &[usize]) -> Lacking {
+    let mut out = Lacking {
+        namespace: opts.namespace.clone(),
+        rows: 0,
+        values: 0,
+        error: None,
+    };
+    let mut cfg = ClientConfig::new(opts.namespace.clone(), opts.units.clone());
+    cfg.secret = opts.secret.clone();
+    cfg.replicas = opts.replicas;
+    cfg.hosts = opts.hosts.clone();
+    cfg.timeout = opts.timeout;
+    let counted = Client::connect(cfg).and_then(|c| {
+        for &u in down {
+            c.unit_gone(u);
+        }
+        c.under_replicated(c.deadline())
+    });
+    match counted {
+        Ok(short) => {
+            out.rows = short.iter().map(|s| s.rows).sum();
+            out.values = short.iter().map(|s| s.values).sum();
+        }
+        Err(e) => out.error = Some(e.to_string()),
+    }
+    out
 }
 
 impl CopiesStatus {
@@ -137,13 +186,16 @@ impl CopiesStatus {
         let (sets, short_of_hosts) =
             stowage_client::copy_sets(units.len(), opts.replicas, &opts.hosts);
         let down = |u: usize| matches!(units[u].state, State::Unreachable | State::Restarted);
-        let short_of_a_copy = (0..units.len())
+        let short_of_a_copy: Vec<usize> = (0..units.len())
             .filter(|&u| sets[u].iter().any(|&c| down(c)))
             .collect();
+        let gone: Vec<usize> = (0..units.len()).filter(|&u| down(u)).collect();
+        let lacking = (!gone.is_empty() && gone.len() < units.len()).then(|| lacking(opts, &gone));
         Some(CopiesStatus {
             replicas: opts.replicas,
             short_of_hosts,
             short_of_a_copy,
+            lacking,
         })
     }
 
@@ -160,9 +212,23 @@ impl CopiesStatus {
         if !self.short_of_a_copy.is_empty() {
             let list: Vec<String> = self.short_of_a_copy.iter().map(|u| u.to_string()).collect();
             s += &format!(
-                "; the rows of units {} are short of a copy (a unit holding one is down; not repaired)",
+                "; the rows of units {} are short of a copy (a unit holding one is down)",
                 list.join(", ")
             );
+        }
+        match &self.lacking {
+            Some(Lacking {
+                error: Some(e),
+                namespace,
+                ..
+            }) => s += &format!("; rows lacking a copy in namespace {namespace:?}: not counted ({e})"),
+            Some(l) => {
+                s += &format!(
+                    "; in namespace {:?}, {} rows ({} values) lack that copy until a client of the plane repairs them",
+                    l.namespace, l.rows, l.values
+                )
+            }
+            None => {}
         }
         s + "\n"
     }

@@ -43,6 +43,17 @@ fn value(row: u64, version: u64, f: usize) -> Vec<u8> {
 }
 
 fn put_row(c: &Client, row: u64, version: u64, deadline: Instant) -> stowage_client::Result<()> {
+    put_row_on(c, row, version, None, deadline)
+}
+
+/// [`put_row`] on the unit named (`None`: the row's own).
+fn put_row_on(
+    c: &Client,
+    row: u64,
+    version: u64,
+    unit: Option<usize>,
+    deadline: Instant,
+) -> stowage_client::Result<()> {
     let vals: Vec<Vec<u8>> = (0..FIELDS.len()).map(|f| value(row, version, f)).collect();
     let cols: Vec<(&str, Column<'_>)> = FIELDS
         .iter()
@@ -56,7 +67,7 @@ fn put_row(c: &Client, row: u64, version: u64, deadline: Instant) -> stowage_cli
             (*name, Column::Jagged(vec![t]))
         })
         .collect();
-    c.put("p", &[RowKey::Index(row)], &cols, None, deadline)
+    c.put("p", &[RowKey::Index(row)], &cols, unit, deadline)
 }
 
 /// What `row` holds now: `Ok(Some(version))` when its values are those of
@@ -107,7 +118,9 @@ fn replica_child() {
     cfg.shm = shm;
     cfg.timeout = Duration::from_secs(4);
     cfg.replicas = 2;
-    let c = Client::connect(cfg).unwrap();
+    let c = std::sync::Arc::new(Client::connect(cfg).unwrap());
+    // Repairs run while the loop puts, gets and clears.
+    stowage_client::repair_in_background(&c);
     // Stdin closing is the word to stop.
     let (stop_tx, stop) = std::sync::mpsc::channel::<()>();
     std::thread::spawn(move || {
@@ -185,7 +198,8 @@ fn replica_child() {
             exact += 1;
         }
     }
-    println!("DONE ops={ops} failed={failed} exact={exact} late={late}");
+    let repaired = c.metrics().repaired_values;
+    println!("DONE ops={ops} failed={failed} exact={exact} late={late} repaired={repaired}");
     std::io::stdout().flush().unwrap();
 }
 
@@ -250,6 +264,77 @@ fn one_unit_fails_while_clients_loop(transport: &str, fault: Fault) {
     }
     std::thread::sleep(Duration::from_millis(2500));
     stop_and_check(children);
+    if let Fault::Kill = fault {
+        // After repair every row has its 2 copies, each on the units its
+        // copies are placed on now.
+        let c = copies_client(&p, 2);
+        let rows: Vec<u64> = (0..CLIENTS as u64 * ROWS).collect();
+        learn_down(&c, &rows);
+        repair_all(&c);
+        let checked = copies_are_where_they_belong(&p, &c, &[victim], &|r| c.unit_of_row(r));
+        assert!(checked > 0, "no row left to check");
+    }
+}
+
+/// Read `rows` with `c` (values not checked) so that it meets a dead unit
+/// and places its copies anew.
+fn learn_down(c: &Client, rows: &[u64]) {
+    for &r in rows {
+        let _ = c.get_tensors("p", &[RowKey::Index(r)], &FIELDS, None, c.deadline());
+    }
+    assert!(c.repairs_pending() > 0, "the client met no dead unit");
+}
+
+/// Repair passes with `c` until it knows of no repair due (bounded).
+fn repair_all(c: &Client) -> stowage_client::Repaired {
+    let until = Instant::now() + Duration::from_secs(60);
+    let mut all = stowage_client::Repaired::default();
+    loop {
+        let r = c.repair(c.deadline()).unwrap();
+        all.values += r.values;
+        all.bytes += r.bytes;
+        all.skipped += r.skipped;
+        all.done += r.done;
+        if c.repairs_pending() == 0 {
+            return all;
+        }
+        assert!(Instant::now() < until, "repairs still due: {:?}", r.errors);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Check unit by unit (a one-unit client each) that every row of `p`
+/// is held by exactly the units its copies are placed on now, with the
+/// same fields on each; returns how many rows were checked.
+fn copies_are_where_they_belong(
+    p: &LocalPlane,
+    c: &Client,
+    dead: &[usize],
+    home: &dyn Fn(u64) -> usize,
+) -> usize {
+    let mut holders: BTreeMap<u64, BTreeMap<usize, Vec<String>>> = BTreeMap::new();
+    for (u, addr) in p.uds_addrs().into_iter().enumerate() {
+        if dead.contains(&u) {
+            continue;
+        }
+        let mut cfg = ClientConfig::new("test", vec![addr]);
+        cfg.secret = p.secret().cloned();
+        let one = Client::connect(cfg).unwrap();
+        for (key, fields) in one.list("p", one.deadline()).unwrap() {
+            let RowKey::Index(row) = key else {
+                panic!("unit {u}: a named row {key:?}")
+            };
+            holders.entry(row).or_default().insert(u, fields);
+        }
+    }
+    for (row, on) in &holders {
+        let want: BTreeSet<usize> = c.copies_of(home(*row)).into_iter().collect();
+        let got: BTreeSet<usize> = on.keys().copied().collect();
+        assert_eq!(got, want, "row {row}: held by {on:?}");
+        let fields: BTreeSet<&Vec<String>> = on.values().collect();
+        assert_eq!(fields.len(), 1, "row {row}: fields differ by copy: {on:?}");
+    }
+    holders.len()
 }
 
 /// Wait for every client's `READY`.
@@ -451,6 +536,170 @@ fn the_second_copy_serves_a_killed_units_rows_and_one_copy_does_not() {
             assert_eq!(get_row(&other, 1, &two, other.deadline()), Ok(None));
         }
     }
+}
+
+/// After a unit is killed, a repair gives its rows, and the rows it held
+/// a second copy of, their 2 copies again on the units placed now (rows
+/// put on the unit a caller named too): what a client that has not
+/// repaired sees missing (`under_replicated`) is copied, exact to the
+/// byte, and a row cleared after the kill is not brought back. Another
+/// client's pass finds nothing left to copy.
+#[test]
+fn a_repair_gives_every_row_its_copies_again_and_brings_back_no_cleared_row() {
+    let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
+    let c = copies_client(&p, 2);
+    let rows: Vec<u64> = (0..68).collect();
+    // Rows 64..68 on unit 1, which the caller names.
+    let home = |r: u64| if r >= 64 { 1 } else { c.unit_of_row(r) };
+    for &r in &rows {
+        let named = (r >= 64).then_some(1);
+        put_row_on(&c, r, 1, named, c.deadline()).unwrap();
+    }
+    p.kill9(1);
+    learn_down(&c, &rows[..64]);
+    // Unit 0's rows (second copy was on 1) and unit 1's (first on 1).
+    assert_eq!(c.repairs_pending(), 2);
+    let cleared: Vec<u64> = (0..16).collect();
+    let keys: Vec<RowKey> = cleared.iter().map(|&r| RowKey::Index(r)).collect();
+    c.clear("p", &keys, None, c.deadline()).unwrap();
+    let mut short = c.under_replicated(c.deadline()).unwrap();
+    short.sort_by_key(|s| s.unit);
+    // 12 rows of each of units 0 and 1 are left of the 16 each had, 2
+    // values each; and unit 1's 4 named rows, 3 values each (the third
+    // records the unit named) but row 65, whose own unit is 1 anyway.
+    let found: Vec<_> = short
+        .iter()
+        .map(|s| (s.unit, s.source, s.target, s.rows, s.values))
+        .collect();
+    assert_eq!(found, [(0, 0, 2, 12, 24), (1, 2, 3, 16, 35)], "{short:?}");
+    let r = repair_all(&c);
+    assert_eq!((r.done, r.values, r.skipped), (2, 59, 0), "{r:?}");
+    let m = c.metrics();
+    assert_eq!((m.repaired_values, m.repairs_pending), (59, 0));
+    assert_eq!(copies_are_where_they_belong(&p, &c, &[1], &home), 52);
+    // Every copy reads back exact: each unit's alone.
+    let one = May::from([Some(1)]);
+    let mut read = 0;
+    for (u, addr) in p
+        .uds_addrs()
+        .into_iter()
+        .enumerate()
+        .filter(|(u, _)| *u != 1)
+    {
+        let mut cfg = ClientConfig::new("test", vec![addr]);
+        cfg.secret = p.secret().cloned();
+        let alone = Client::connect(cfg).unwrap();
+        for &r in &rows[16..] {
+            if c.copies_of(home(r)).contains(&u) {
+                let got = get_row(&alone, r, &one, alone.deadline());
+                assert_eq!(got, Ok(Some(1)), "row {r} on unit {u}");
+                read += 1;
+            }
+        }
+        for &r in &cleared {
+            let got = get_row(&alone, r, &one, alone.deadline());
+            assert_eq!(got, Ok(None), "cleared row {r} on unit {u}");
+        }
+    }
+    assert_eq!(read, 2 * 52);
+    // Another client, which has not repaired, finds nothing missing, and
+    // its pass copies nothing.
+    let other = copies_client(&p, 2);
+    learn_down(&other, &rows[..64]);
+    let short = other.under_replicated(other.deadline()).unwrap();
+    assert!(short.iter().all(|s| s.values == 0), "{short:?}");
+    let again = repair_all(&other);
+    assert_eq!((again.done, again.values), (2, 0), "{again:?}");
+}
+
+/// A repair that read a row's value from the copy left, and a clear of
+/// the row that lands before the repair sends the value on: the newcomer
+/// refuses the value (its repair window saw the row cleared), so the row
+/// is gone from every unit; a row not cleared gets its copy. And a clear
+/// reaches the newcomer again after the other copies (counted on each
+/// unit): the order the repair window's guarantee rests on.
+#[test]
+fn a_row_cleared_while_a_repair_holds_its_value_is_not_brought_back() {
+    let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
+    let c = copies_client(&p, 2);
+    // Rows 0 and 4: unit 0's, copies on 0 and 1; row 2: unit 2's.
+    for r in [0, 2, 4] {
+        put_row(&c, r, 1, c.deadline()).unwrap();
+    }
+    p.kill9(1);
+    // A read of unit 1's row 1 meets the dead unit.
+    learn_down(&c, &[1]);
+    assert_eq!(&c.copies_of(0)[..], &[0, 2], "unit 2 is the newcomer");
+    let clears = |u: usize| metric_with(&p, u, "stowage_operations_total", "op=\"release_rows\"");
+    let before: Vec<u64> = [0, 2, 3].iter().map(|&u| clears(u)).collect();
+    // A row of a newcomer's: units 0 and 2 once, then unit 2 again; a row
+    // of unit 2's (copies on 2 and 3, neither new): each once.
+    c.clear("p", &[RowKey::Index(8)], None, c.deadline())
+        .unwrap();
+    c.clear("p", &[RowKey::Index(6)], None, c.deadline())
+        .unwrap();
+    let after: Vec<u64> = [0, 2, 3].iter().map(|&u| clears(u)).collect();
+    let sent: Vec<u64> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+    assert_eq!(sent, [1, 3, 1], "ClearRows answered by units 0, 2, 3");
+
+    // The repairer stops after reading unit 0's rows from unit 0.
+    let gate = std::process::id() ^ 0x5eed;
+    let dir = std::env::temp_dir();
+    let open = dir.join(format!("stowage-repair-gate-{gate}"));
+    let reached = dir.join(format!("stowage-repair-gate-{gate}.reached"));
+    let _ = std::fs::remove_file(&open);
+    let _ = std::fs::remove_file(&reached);
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.replicas = 2;
+    cfg.failpoints.repair_gate = Some(gate);
+    let r = Client::connect(cfg).unwrap();
+    r.unit_gone(1);
+    let repairer = std::thread::spawn(move || {
+        let done = r.repair(Instant::now() + Duration::from_secs(60));
+        (done, r)
+    });
+    assert!(
+        eventually(Duration::from_secs(30), || reached.exists()),
+        "the repair never read its batch"
+    );
+    c.clear("p", &[RowKey::Index(0)], None, c.deadline())
+        .unwrap();
+    std::fs::write(&open, b"").unwrap();
+    let (done, r) = repairer.join().unwrap();
+    let done = done.unwrap();
+    let _ = std::fs::remove_file(&open);
+    let _ = std::fs::remove_file(&reached);
+    // Unit 0's pair: rows 0 and 4 read, row 0 refused; unit 1's: nothing
+    // (rows 1, 5... were never put).
+    assert_eq!(
+        (done.left, done.values, done.skipped),
+        (0, 2, 2),
+        "{done:?}"
+    );
+    assert_eq!(r.repairs_pending(), 0);
+    let one = May::from([Some(1)]);
+    for (u, addr) in p
+        .uds_addrs()
+        .into_iter()
+        .enumerate()
+        .filter(|(u, _)| *u != 1)
+    {
+        let mut cfg = ClientConfig::new("test", vec![addr]);
+        cfg.secret = p.secret().cloned();
+        let alone = Client::connect(cfg).unwrap();
+        assert_eq!(
+            get_row(&alone, 0, &one, alone.deadline()),
+            Ok(None),
+            "row 0 on unit {u}"
+        );
+    }
+    let home = |row: u64| c.unit_of_row(row);
+    assert_eq!(
+        copies_are_where_they_belong(&p, &c, &[1], &home),
+        2,
+        "rows 2 and 4"
+    );
 }
 
 /// A view of rows whose unit was killed pins and maps their other copy;

@@ -292,6 +292,30 @@ fn status_reports_copies_short_of_hosts_and_of_a_unit() {
     d.write_file(&dir_file).expect("directory written");
     let r = status(&["--directory", dir_arg, "--interval", "100ms"]);
     assert_eq!(r["copies"]["short_of_hosts"], 0, "{r}");
+    // 9 rows, 3 on each unit, 2 fields each, with 2 copies.
+    let mut cfg = stowage_client::ClientConfig::new("default", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.replicas = 2;
+    cfg.hosts = d.units.iter().map(|u| u.host.clone()).collect();
+    let c = stowage_client::Client::connect(cfg).expect("client");
+    let keys: Vec<stowage_client::RowKey> = (0..9).map(stowage_client::RowKey::Index).collect();
+    let col = |v: &'static [u8]| {
+        let t = stowage_client::Tensor {
+            dtype: stowage_client::DType::U8,
+            shape: vec![v.len() as u64, 1],
+            data: v,
+        };
+        stowage_client::Column::Dense(t)
+    };
+    let data: &'static [u8] = &[7; 9];
+    c.put(
+        "p",
+        &keys,
+        &[("a", col(data)), ("b", col(data))],
+        None,
+        c.deadline(),
+    )
+    .expect("put");
 
     // Unit 1 killed. The copies' units: unit 0's rows on {0, 2} (unit 1
     // shares unit 0's host), unit 1's on {1, 2}, unit 2's on {2, 0}: only
@@ -310,6 +334,27 @@ fn status_reports_copies_short_of_hosts_and_of_a_unit() {
         serde_json::json!([1]),
         "{r}"
     );
+    // Its 3 rows (6 values) lack their copy on unit 0, which took it.
+    let lacking = &r["copies"]["lacking"];
+    assert_eq!(
+        (&lacking["rows"], &lacking["values"]),
+        (&3.into(), &6.into()),
+        "{r}"
+    );
+    assert_eq!(lacking["namespace"], "default", "{r}");
+    // A client that takes unit 1 as gone repairs them: none lack it now.
+    c.unit_gone(1);
+    let repaired = c.repair(c.deadline()).expect("repair");
+    assert_eq!((repaired.values, repaired.left), (6, 0), "{repaired:?}");
+    let r = status(&[
+        "--directory",
+        dir_arg,
+        "--interval",
+        "100ms",
+        "--timeout",
+        "1s",
+    ]);
+    assert_eq!(r["copies"]["lacking"]["rows"], 0, "{r}");
 
     // The table says it in words.
     let out = Command::new(binary())
@@ -319,7 +364,9 @@ fn status_reports_copies_short_of_hosts_and_of_a_unit() {
         .expect("status runs");
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
-        text.contains("copies: 2 of every row") && text.contains("the rows of units 1 are short"),
+        text.contains("copies: 2 of every row")
+            && text.contains("the rows of units 1 are short")
+            && text.contains("0 rows (0 values) lack that copy"),
         "{text}"
     );
     p.stop();

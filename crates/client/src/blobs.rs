@@ -332,7 +332,46 @@ impl Client {
             }
         }
         let removed = removed.into_iter().max().unwrap_or(0);
+        self.clear_newcomers_again(partition, rows, deadline)?;
         Ok(removed)
+    }
+
+    /// Clear the rows again on their newcomers (units that took a copy
+    /// after a unit went down), now that every copy was cleared once: a
+    /// repair copies a row to a newcomer only while the newcomer has not
+    /// seen it cleared since the repair read it, so each clear must reach
+    /// the newcomer after the copy the repair reads from
+    /// (docs/replication.md#repair).
+    fn clear_newcomers_again(
+        &self,
+        partition: &str,
+        rows: &[(usize, u64)],
+        deadline: Instant,
+    ) -> Result<()> {
+        if self.replicas() == 1 {
+            return Ok(());
+        }
+        let mut by_unit: BTreeMap<usize, Vec<u64>> = BTreeMap::new();
+        for &(unit, row) in rows {
+            for u in self.newcomers_of(unit) {
+                by_unit.entry(u).or_default().push(row);
+            }
+        }
+        let reqs = by_unit
+            .into_iter()
+            .map(|(u, rows)| {
+                let partition = partition.to_owned();
+                (u, Request::ClearRows { partition, rows })
+            })
+            .collect();
+        for (unit, r) in self.call_units(reqs, deadline) {
+            match r {
+                Ok(Response::Cleared { .. }) | Err(Error::LostKeys { .. }) => {}
+                Ok(other) => return Err(unexpected(unit, other)),
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(())
     }
 
     /// Put raw values by key in the default partition, one blob per unit

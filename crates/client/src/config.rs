@@ -93,9 +93,15 @@ pub struct ClientConfig {
     /// go on units of distinct hosts whenever there are enough of them.
     /// Default empty.
     pub hosts: Vec<Option<String>>,
+    /// Bytes per second a repair copies at most (docs/replication.md#repair);
+    /// 0: as fast as it goes. Default 2 GB/s.
+    pub repair_rate: u64,
     /// Test failpoints. Default: those `STOWAGE_FAILPOINTS` names.
     pub failpoints: Failpoints,
 }
+
+/// Default [`ClientConfig::repair_rate`]: 2 GB/s.
+pub const REPAIR_RATE: u64 = 2_000_000_000;
 
 /// The failpoints `STOWAGE_FAILPOINTS` names (comma-separated; read at
 /// each call).
@@ -105,6 +111,9 @@ fn failpoints_from_env() -> Failpoints {
     Failpoints {
         nixl_write_in_flight: has("nixl-write-in-flight"),
         nixl_read_in_flight: has("nixl-read-in-flight"),
+        repair_gate: set
+            .split(',')
+            .find_map(|f| f.trim().strip_prefix("repair-gate=")?.parse().ok()),
     }
 }
 
@@ -161,6 +170,7 @@ impl ClientConfig {
             ring_after,
             replicas: 1,
             hosts: Vec::new(),
+            repair_rate: REPAIR_RATE,
             failpoints: failpoints_from_env(),
         }
     }

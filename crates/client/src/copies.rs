@@ -16,7 +16,7 @@
 
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
 use smallvec::SmallVec;
@@ -41,6 +41,14 @@ pub(crate) struct Copies {
     /// first (`u` while it is up); empty with one copy. Made again when a
     /// unit goes down.
     units: RwLock<Arc<Vec<Box<[usize]>>>>,
+    /// `units` when the client connected: what every client of the plane
+    /// starts from. A unit in a set now that is not in its first set is a
+    /// *newcomer* to those rows: it holds only what was put since, until a
+    /// repair copies the rest (`repair.rs`).
+    first: Vec<Box<[usize]>>,
+    /// (unit, newcomer) pairs this client repaired: the newcomer holds
+    /// every row of the unit's that a copy it was repaired from held.
+    repaired: Mutex<HashSet<(usize, usize)>>,
     /// Units whose copies share a host (too few distinct hosts), when
     /// the client connected.
     pub(crate) short_of_hosts: usize,
@@ -113,6 +121,8 @@ impl Copies {
         Copies {
             replicas,
             hosts: hosts.to_vec(),
+            first: units.clone(),
+            repaired: Mutex::new(HashSet::new()),
             units: RwLock::new(Arc::new(units)),
             short_of_hosts: short,
             down: (0..per_unit).map(|_| AtomicBool::new(false)).collect(),
@@ -141,10 +151,49 @@ impl Copies {
             return false;
         }
         let down = |u: usize| self.down[u].load(Relaxed);
-        let (units, _) = place_all(self.down.len(), self.replicas, &self.hosts, &down);
-        *self.units.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(units);
+        let (placed, _) = place_all(self.down.len(), self.replicas, &self.hosts, &down);
+        let mut units = self.units.write().unwrap_or_else(|p| p.into_inner());
+        // The copies left first, in their order, then the newcomers: a
+        // read asks a copy that holds every row before one that may still
+        // be repaired, and a clear reaches the newcomers last.
+        let now: Vec<Box<[usize]>> = units
+            .iter()
+            .zip(placed)
+            .map(|(old, new)| {
+                let left = old.iter().copied().filter(|u| new.contains(u));
+                let came = new.iter().copied().filter(|u| !old.contains(u));
+                left.chain(came).collect()
+            })
+            .collect();
+        *units = Arc::new(now);
+        drop(units);
         self.epoch.fetch_add(1, Relaxed);
         true
+    }
+
+    /// The units in `unit`'s set now that were not in it at connect.
+    fn newcomers(&self, unit: usize) -> ReadOrder {
+        let first = self.first.get(unit).map_or(&[][..], |f| &f[..]);
+        let mut set = self.set(unit);
+        set.retain(|u| !first.contains(u));
+        set
+    }
+
+    /// The repairs `unit`'s rows wait for: (source, newcomer) pairs, the
+    /// source a copy that holds every row (one of the first placement, or
+    /// a newcomer this client repaired). None when no such copy is up.
+    fn repairs_of(&self, unit: usize) -> Vec<(usize, usize)> {
+        let first = self.first.get(unit).map_or(&[][..], |f| &f[..]);
+        let repaired = self.repaired.lock().unwrap_or_else(|p| p.into_inner());
+        let set = self.set(unit);
+        let whole = |u: &usize| first.contains(u) || repaired.contains(&(unit, *u));
+        let Some(&source) = set.iter().find(|u| whole(u)) else {
+            return Vec::new();
+        };
+        set.iter()
+            .filter(|u| !whole(u))
+            .map(|&t| (source, t))
+            .collect()
     }
 
     fn now_ms(&self) -> u64 {
@@ -185,16 +234,66 @@ impl Client {
         self.copies.set(unit)
     }
 
+    /// Tell the client that unit `unit` is gone for good (its process
+    /// dead, as a cluster manager knows, e.g. Ray's actor state): with
+    /// copies, no copy goes there any more, the rows it held a copy of
+    /// are placed on the next unit up, and repairs give them their copy
+    /// there. Never for a unit that may still serve: a put would then go
+    /// on without it.
+    pub fn unit_gone(&self, unit: usize) {
+        self.unit_down(unit);
+    }
+
     /// A unit found dead, or restarted with empty memory: with copies,
     /// nothing goes there any more, and the rows it held a copy of are
     /// placed on the next unit up (docs/replication.md).
     pub(crate) fn unit_down(&self, unit: usize) {
         if self.copies.went_down(unit) {
             self.metrics.unit_down();
+            self.metrics.repairs_pending(self.repairs_due().len());
             tracing::warn!(
-                "unit {unit} is gone (dead, or restarted empty): the copies it held go to the next unit up from now on; rows put before keep one copy fewer (not repaired)"
+                "unit {unit} is gone (dead, or restarted empty): the copies it held go to the next unit up from now on; rows put before get their copy there by repair"
             );
         }
+    }
+
+    /// The units holding copies of `unit`'s rows now that did not at
+    /// connect (they hold what was put since; repairs copy the rest).
+    pub(crate) fn newcomers_of(&self, unit: usize) -> ReadOrder {
+        self.copies.newcomers(unit)
+    }
+
+    /// Every unit that is a newcomer to some unit's rows (see
+    /// [`Client::newcomers_of`]), ascending.
+    pub(crate) fn newcomers(&self) -> Vec<usize> {
+        let mut all: Vec<usize> = (0..self.copies.first.len())
+            .flat_map(|u| self.copies.newcomers(u))
+            .collect();
+        all.sort_unstable();
+        all.dedup();
+        all
+    }
+
+    /// The repairs this client knows to be due: (unit whose rows, source
+    /// copy, newcomer) for every unit whose copies moved.
+    pub(crate) fn repairs_due(&self) -> Vec<(usize, usize, usize)> {
+        (0..self.copies.first.len())
+            .flat_map(|u| {
+                self.copies
+                    .repairs_of(u)
+                    .into_iter()
+                    .map(move |(s, t)| (u, s, t))
+            })
+            .collect()
+    }
+
+    /// `target` now holds every row of `unit`'s its source held.
+    pub(crate) fn repaired(&self, unit: usize, target: usize) {
+        self.copies
+            .repaired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert((unit, target));
     }
 
     /// How many times units went down since the client connected (a call
@@ -345,6 +444,35 @@ mod tests {
         // Fewer units up than copies: the sets are short.
         assert!(c.went_down(3));
         assert_eq!(sets(&c), [[0], [0], [0], [0]]);
+    }
+
+    #[test]
+    fn newcomers_come_after_the_copies_left_and_are_what_repair_fills() {
+        let c = Copies::place(4, 2, &hosts(&["a", "b", "b", "c"]));
+        assert_eq!(sets(&c), [[0, 1], [1, 3], [2, 3], [3, 0]]);
+        assert!(c.went_down(1));
+        // The walk from 1 meets 2 before 3; 3, the copy left, stays first.
+        assert_eq!(sets(&c), [[0, 2], [3, 2], [2, 3], [3, 0]]);
+        assert_eq!(&c.newcomers(0)[..], &[2]);
+        assert_eq!(&c.newcomers(1)[..], &[2]);
+        assert!(c.newcomers(2).is_empty());
+        assert_eq!(c.repairs_of(0), [(0, 2)]);
+        // Unit 1's own rows: the copy left (3) is the source.
+        assert_eq!(c.repairs_of(1), [(3, 2)]);
+        assert!(c.repairs_of(2).is_empty());
+        c.repaired.lock().unwrap().insert((1, 2));
+        assert!(c.repairs_of(1).is_empty());
+        // The repaired newcomer is a source once the first copy is gone
+        // too.
+        assert!(c.went_down(3));
+        assert_eq!(&c.set(1)[..], &[2, 0]);
+        assert_eq!(c.repairs_of(1), [(2, 0)]);
+        assert_eq!(c.repairs_of(3), [(0, 2)]);
+        // No whole copy left: nothing to repair from.
+        let c = Copies::place(3, 2, &[]);
+        assert!(c.went_down(0));
+        assert!(c.went_down(1));
+        assert!(c.repairs_of(0).is_empty());
     }
 
     #[test]

@@ -83,6 +83,7 @@ mod packed;
 mod pieces;
 mod pool;
 mod put;
+mod repair;
 mod row_meta;
 pub mod rows;
 pub mod sink;
@@ -96,7 +97,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 pub use blobs::RowOf;
-pub use config::{ClientConfig, DEFAULT_PARTITION, MAX_UNIT_CONNS, SPARE_MAX};
+pub use config::{ClientConfig, DEFAULT_PARTITION, MAX_UNIT_CONNS, REPAIR_RATE, SPARE_MAX};
 pub use conn::{UnitAddr, BUSY_RETRY, BUSY_RETRY_MAX};
 pub use copies::copy_sets;
 pub use directory::{Directory, Liveness, ProbeDirectory};
@@ -105,6 +106,7 @@ pub use lent::{Lent, RECV_POOL_MAX};
 pub use nixl::{Failpoints, NixlOptions, ZERO_COPY_MIN};
 pub use one_sided::SPARES;
 pub use pool::UnitConnections;
+pub use repair::{repair_in_background, Repaired, Shortfall};
 pub use rows::{
     Column, DType, OwnedTensor, PackedChunk, PackedField, RowKey, Shape, Tensor, View, ViewTensor,
 };

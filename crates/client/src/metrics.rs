@@ -176,6 +176,9 @@ pub struct ClientMetrics {
     /// Copies of every row, units whose copies share a host, units found
     /// down (docs/replication.md).
     copies: [AtomicU64; 3],
+    /// Repairs due, newcomers repaired, values stored and their bytes,
+    /// values refused (`repair.rs`).
+    repair: [AtomicU64; 5],
 }
 
 /// The transports a client reaches units by.
@@ -198,6 +201,7 @@ impl ClientMetrics {
                 .collect(),
             unit_transport: units.iter().map(|_| Default::default()).collect(),
             copies: [AtomicU64::new(1), AtomicU64::new(0), AtomicU64::new(0)],
+            repair: Default::default(),
         }
     }
 
@@ -212,6 +216,24 @@ impl ClientMetrics {
     /// A unit was found down (with copies: given no copy any more).
     pub(crate) fn unit_down(&self) {
         self.copies[2].fetch_add(1, Relaxed);
+    }
+
+    /// Repairs this client knows to be due now.
+    pub(crate) fn repairs_pending(&self, n: usize) {
+        self.repair[0].store(n as u64, Relaxed);
+    }
+
+    /// A newcomer was brought up to every row of a unit's.
+    pub(crate) fn repaired_pair(&self) {
+        self.repair[1].fetch_add(1, Relaxed);
+    }
+
+    /// A repair stored `values` values of `bytes` bytes and had `refused`
+    /// refused.
+    pub(crate) fn repaired(&self, values: u64, bytes: u64, refused: u64) {
+        self.repair[2].fetch_add(values, Relaxed);
+        self.repair[3].fetch_add(bytes, Relaxed);
+        self.repair[4].fetch_add(refused, Relaxed);
     }
 
     pub(crate) fn transport(&self, unit: usize, transport: &str) {
@@ -289,6 +311,11 @@ impl ClientMetrics {
                     latency: h.snapshot(),
                 })
                 .collect(),
+            repairs_pending: self.repair[0].load(Relaxed),
+            repaired_newcomers: self.repair[1].load(Relaxed),
+            repaired_values: self.repair[2].load(Relaxed),
+            repaired_bytes: self.repair[3].load(Relaxed),
+            repair_refused_values: self.repair[4].load(Relaxed),
         }
     }
 }
@@ -326,6 +353,13 @@ pub struct MetricsSnapshot {
     pub bytes_put: u64,
     pub bytes_got: u64,
     pub units: Vec<UnitSnapshot>,
+    /// Repairs (docs/replication.md#repair): due now, newcomers repaired,
+    /// values stored and their bytes, values refused.
+    pub repairs_pending: u64,
+    pub repaired_newcomers: u64,
+    pub repaired_values: u64,
+    pub repaired_bytes: u64,
+    pub repair_refused_values: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -471,6 +505,40 @@ impl Collector for ClientCollector {
                 help,
                 None,
                 MetricType::Gauge,
+            )?)?;
+        }
+        ConstGauge::new(m.repair[0].load(Relaxed) as i64).encode(e.encode_descriptor(
+            "stowage_client_repairs_pending",
+            "Repairs this client knows to be due: pairs of a unit whose copies moved to a newcomer, and the newcomer, not repaired yet.",
+            None,
+            MetricType::Gauge,
+        )?)?;
+        for (i, (name, help)) in [
+            (
+                "stowage_client_repaired_newcomers",
+                "Newcomers this client brought up to every row of a unit's.",
+            ),
+            (
+                "stowage_client_repaired_values",
+                "Values this client's repairs stored on newcomers.",
+            ),
+            (
+                "stowage_client_repaired_bytes",
+                "Bytes of the values this client's repairs stored on newcomers.",
+            ),
+            (
+                "stowage_client_repair_refused_values",
+                "Values newcomers refused from this client's repairs: already there, or cleared since the repair read them.",
+            ),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            ConstCounter::new(m.repair[i + 1].load(Relaxed)).encode(e.encode_descriptor(
+                name,
+                help,
+                None,
+                MetricType::Counter,
             )?)?;
         }
         {

@@ -35,6 +35,12 @@ pub struct Failpoints {
     pub nixl_write_in_flight: bool,
     /// `nixl-read-in-flight`: the same for every nixl READ.
     pub nixl_read_in_flight: bool,
+    /// `repair-gate=N`: a repair, once it has read a batch from its
+    /// source, creates `stowage-repair-gate-N.reached` in the temporary
+    /// directory and waits (at most 60 s) until `stowage-repair-gate-N`
+    /// is there before it sends the batch on: a test can clear rows in
+    /// between.
+    pub repair_gate: Option<u32>,
 }
 
 /// The smallest staging buffer a connection registers.

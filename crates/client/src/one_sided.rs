@@ -19,8 +19,8 @@ use crate::lent::{spare_class, Lent};
 use crate::pieces::{check_found, check_pieces, ranges_of, scatter, split_dst, PieceWrite, Places};
 use crate::sink::ValueAsk;
 use crate::transport::{
-    abort, asks_of, n_entries, notify, read_data, recommit, stream_put, total_len, Missing, Op,
-    SharedSink, Transport,
+    abort, asks_of, n_entries, notify, read_data, recommit, send_repair_put, stream_put, total_len,
+    Missing, Op, SharedSink, Transport,
 };
 use crate::{new_blob_id, BlobPut};
 
@@ -463,6 +463,15 @@ impl<M: Mover> Transport for OneSided<M> {
 
     fn session(&self) -> u128 {
         self.conn.session
+    }
+
+    fn repair_put<'a>(
+        &'a mut self,
+        window: u64,
+        put: &'a BlobPut<'_>,
+        deadline: Instant,
+    ) -> Op<'a, Response> {
+        Box::pin(send_repair_put(&mut self.conn, window, put, deadline))
     }
 
     fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()> {

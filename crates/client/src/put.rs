@@ -26,6 +26,8 @@ use crate::values::{byte_len, Column, RowKey, Tensor};
 use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
 use stowage_wire::GROUP_FIELD_PREFIX;
 
+use crate::row_meta::UNIT_FIELD_PREFIX;
+
 /// While a put waits for memory ([`ClientConfig::wait_for_memory`](crate::ClientConfig::wait_for_memory)),
 /// the unit is asked again after this, doubling to [`FULL_RETRY_MAX`]: a
 /// put goes in that soon after the memory is freed (views dropped, rows
@@ -110,7 +112,13 @@ impl Client {
             (Some(g), None) => Ok(self.unit_of(&g[r])),
             _ => self.unit_of_key(row, unit),
         };
-        let blobs = plan(partition, keys, groups, columns, place)?;
+        // With copies, a row put on a unit the caller named says so, for
+        // repairs to find its copies (`repair.rs`).
+        let named_unit = |r: usize, row, u| {
+            self.replicas() > 1
+                && u != groups.map_or_else(|| self.unit_of_row(row), |g| self.unit_of(&g[r]))
+        };
+        let blobs = plan(partition, keys, groups, columns, place, named_unit)?;
         if blobs.is_empty() {
             return Ok(());
         }
@@ -426,6 +434,7 @@ pub(crate) fn plan<'a>(
     groups: Option<&'a [String]>,
     columns: &[(&'a str, Column<'a>)],
     unit_of: impl Fn(usize, u64) -> Result<usize>,
+    named_unit: impl Fn(usize, u64, usize) -> bool,
 ) -> Result<Vec<BlobPut<'a>>> {
     let n = keys.len();
     let mut seen = HashSet::new();
@@ -550,6 +559,14 @@ pub(crate) fn plan<'a>(
             if let Some(g) = groups {
                 b.push(
                     Key::new(row, format!("{GROUP_FIELD_PREFIX}{}", g[r])),
+                    &[],
+                    Vec::new(),
+                    1,
+                );
+            }
+            if named_unit(r, row, u) {
+                b.push(
+                    Key::new(row, format!("{UNIT_FIELD_PREFIX}{u}")),
                     &[],
                     Vec::new(),
                     1,

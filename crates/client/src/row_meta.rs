@@ -16,6 +16,11 @@ use crate::{Client, Error, Result};
 /// The reserved field that holds a string row key's text.
 pub const KEY_FIELD: &str = "\0key";
 
+/// With copies, a row put on a unit the caller named (not its own, nor
+/// its group's) has an empty field of this prefix and the unit's index,
+/// so that a repair finds which unit's rows it is (`repair.rs`).
+pub(crate) const UNIT_FIELD_PREFIX: &str = "\0u:";
+
 /// Names up to this many bytes are stored beside each of their row's
 /// values; a longer name is stored there as a digest (see the module
 /// docs), which keeps every value's metadata well under the unit's limit.

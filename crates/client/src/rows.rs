@@ -60,6 +60,7 @@ use stowage_wire::{Request, Response};
 
 use crate::classify::{name_keys, unexpected};
 pub use crate::packed::{PackedChunk, PackedField};
+use crate::row_meta::UNIT_FIELD_PREFIX;
 use crate::row_meta::{check_field, collision, decode_meta, ownership, Ownership, ValueMeta};
 pub use crate::row_meta::{KEY_FIELD, MAX_TAGGED_NAME};
 use crate::sink::{Sink, TensorAsk, TensorSink, ValueAsk};
@@ -340,6 +341,23 @@ impl Client {
                 Err(e) => return Err(e),
             }
         }
+        // Again on the units that took copies after a unit went down, as
+        // a clear of rows does (`Client::clear_newcomers_again`).
+        let again = self
+            .newcomers()
+            .into_iter()
+            .map(|u| {
+                let partition = partition.to_owned();
+                (u, Request::ClearPartition { partition })
+            })
+            .collect();
+        for (unit, r) in self.call_units(again, deadline) {
+            match r {
+                Ok(Response::Cleared { .. }) | Err(Error::LostKeys { .. }) => {}
+                Ok(other) => return Err(unexpected(unit, other)),
+                Err(e) => return Err(e),
+            }
+        }
         Ok(removed)
     }
 
@@ -408,7 +426,8 @@ impl Client {
                     Some(n) => RowKey::Name(n.clone()),
                     None => RowKey::Index(row),
                 };
-                (key, fields.into_iter().filter(|f| f != KEY_FIELD).collect())
+                let shown = |f: &String| f != KEY_FIELD && !f.starts_with(UNIT_FIELD_PREFIX);
+                (key, fields.into_iter().filter(shown).collect())
             })
             .collect();
         out.sort();

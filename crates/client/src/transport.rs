@@ -82,6 +82,15 @@ pub trait Transport: Send {
     /// (a view's Resolve).
     fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response>;
 
+    /// Send a RepairPut carrying `put`'s bytes into repair window
+    /// `window` (`repair.rs`), and take the unit's reply.
+    fn repair_put<'a>(
+        &'a mut self,
+        window: u64,
+        put: &'a BlobPut<'_>,
+        deadline: Instant,
+    ) -> Op<'a, Response>;
+
     /// Send a request the unit does not answer (an Unpin with
     /// `reply: false`).
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure>;
@@ -244,6 +253,30 @@ pub(crate) async fn stream_put(
     }
 }
 
+/// [`Transport::repair_put`] over a connection.
+pub(crate) async fn send_repair_put(
+    conn: &mut Conn,
+    window: u64,
+    put: &BlobPut<'_>,
+    deadline: Instant,
+) -> Result<Response, Failure> {
+    n_entries(&put.entries)?;
+    let req = Request::RepairPut {
+        window,
+        blob: put.blob,
+        partition: put.partition.to_owned(),
+        entries: put.entries.clone(),
+        timeout_ms: timeout_ms(deadline),
+    };
+    let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
+    let id = conn
+        .send(&req, &mut payload, deadline)
+        .map_err(Failure::in_flight)?;
+    drop(payload);
+    turn().await;
+    conn.recv(id, deadline).map_err(Failure::in_flight)
+}
+
 /// The blob is not durable yet (Pending): wait a little, commit it again
 /// (commit is idempotent) and return the reply.
 pub(crate) async fn recommit(
@@ -322,6 +355,15 @@ impl Transport for TcpTransport {
 
     fn call_ref<'a>(&'a mut self, req: &'a RequestRef<'_>, deadline: Instant) -> Op<'a, Response> {
         Box::pin(self.conn.call(req, deadline))
+    }
+
+    fn repair_put<'a>(
+        &'a mut self,
+        window: u64,
+        put: &'a BlobPut<'_>,
+        deadline: Instant,
+    ) -> Op<'a, Response> {
+        Box::pin(send_repair_put(&mut self.conn, window, put, deadline))
     }
 
     fn notify(&mut self, req: &Request, deadline: Instant) -> Result<(), Failure> {

@@ -172,8 +172,11 @@ impl Client {
         let client = py
             .detach(move || Inner::connect(cfg))
             .map_err(|e| to_py(py, e, &[]))?;
+        let client = Arc::new(client);
+        // With copies: newcomers' repairs run in the background.
+        stowage_client::repair_in_background(&client);
         Ok(Self {
-            inner: Mutex::new(Some(Arc::new(client))),
+            inner: Mutex::new(Some(client)),
             timeout,
             shm: all_shm,
             shm_enabled: shm,

@@ -548,6 +548,12 @@ pub fn thread_bound() -> u64 {
 /// A metric of unit `unit` of plane `p`, summed over its labels, scraped
 /// from its metrics endpoint.
 pub fn metric(p: &LocalPlane, unit: usize, name: &str) -> u64 {
+    metric_with(p, unit, name, "")
+}
+
+/// [`metric`] over the lines whose labels contain `label` (e.g.
+/// `op="get"`).
+pub fn metric_with(p: &LocalPlane, unit: usize, name: &str, label: &str) -> u64 {
     let url = p.units[unit]
         .metrics
         .clone()
@@ -564,7 +570,7 @@ pub fn metric(p: &LocalPlane, unit: usize, name: &str) -> u64 {
     let mut text = String::new();
     s.read_to_string(&mut text).unwrap();
     text.lines()
-        .filter(|l| !l.starts_with('#') && l.starts_with(name))
+        .filter(|l| !l.starts_with('#') && l.starts_with(name) && l.contains(label))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .map(|v| v as u64)
         .sum()

@@ -1,0 +1,559 @@
+//! Repair: when a unit goes down, the units that take its copies
+//! (*newcomers*, `copies.rs`) hold only what was put since; a repair
+//! copies the rest to them from a copy that holds every row
+//! (docs/replication.md#repair).
+//!
+//! For each unit whose rows have a newcomer, and each newcomer: open a
+//! repair window on the newcomer (`OpenRepair`; a window another client
+//! holds for the same rows answers Busy, and this client leaves them to
+//! it for now), list the source's partitions and, per partition, the
+//! source's and the newcomer's fields of those rows; read what the
+//! newcomer lacks from the source in batches and send each batch to the
+//! newcomer (`RepairPut`). The newcomer stores a value only if it holds
+//! none for the key and did not see the key's row or partition cleared
+//! since the window opened. Because every clear reaches a newcomer again
+//! after it reached every other copy (`Client::clear_newcomers_again`),
+//! a value the repair read before a clear is refused by the newcomer,
+//! and one it read after was not there to read: a repair never brings
+//! back a cleared row, nor writes over a newer value.
+//!
+//! Repairs run in the background ([`repair_in_background`]) within
+//! [`ClientConfig::repair_rate`], or one pass at a time
+//! ([`Client::repair`]).
+
+use std::collections::BTreeSet;
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use stowage_wire::{EntrySpec, ErrorCode, Key, Request, Response, GROUP_FIELD_PREFIX};
+
+use crate::classify::{unexpected, unit_error};
+use crate::row_meta::UNIT_FIELD_PREFIX;
+use crate::sink::{Sink, ValueAsk};
+use crate::transport::SharedSink;
+use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
+
+#[cfg(doc)]
+use crate::ClientConfig;
+
+/// Bytes read from the source and sent to the newcomer at a time.
+const BATCH_BYTES: u64 = 32 << 20;
+/// Keys read at a time (values of unknown size: the first batch's sizes
+/// set the next ones').
+const BATCH_KEYS: usize = 1024;
+/// How often the background repairer looks for repairs due.
+const LOOK_EVERY: Duration = Duration::from_millis(100);
+/// How long it waits after a pass that left repairs due (another client
+/// holds their window, or a unit did not answer).
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The longest pass of the background repairer.
+const PASS_MAX: Duration = Duration::from_secs(3600);
+/// Value alignment in a repair's blobs (as a put lays them out).
+const ALIGN: u64 = 64;
+
+/// What a repair pass did.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Repaired {
+    /// Newcomers brought up to every row of a unit's (pairs of the unit
+    /// and the newcomer).
+    pub done: usize,
+    /// Pairs still due: another client holds the newcomer's repair
+    /// window, or a unit failed (`errors` says which).
+    pub left: usize,
+    /// Values stored on newcomers.
+    pub values: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Values the newcomers refused: already there, or cleared since
+    /// the repair read them.
+    pub skipped: u64,
+    /// Why pairs were left, one line each.
+    pub errors: Vec<String>,
+}
+
+/// What a newcomer lacks of a unit's rows ([`Client::under_replicated`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Shortfall {
+    /// The unit whose rows (row `r` is unit `r % units`'s).
+    pub unit: usize,
+    /// The copy that holds them all.
+    pub source: usize,
+    /// The newcomer.
+    pub target: usize,
+    /// Rows the newcomer lacks a value of, and those values.
+    pub rows: u64,
+    pub values: u64,
+}
+
+/// A value a repair read: its bytes and metadata.
+type Value = (Vec<u8>, Vec<u8>);
+
+/// The values a repair read, by key position.
+struct Taken(Vec<Option<Value>>);
+
+impl Sink<ValueAsk<'_>> for Taken {
+    fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
+        let len = usize::try_from(ask.len).map_err(|_| "value larger than memory".to_string())?;
+        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
+        Ok(v.insert((vec![0u8; len], ask.meta.to_vec()))
+            .0
+            .as_mut_slice())
+    }
+}
+
+/// One pair's repair failed: `busy` when another client holds its window
+/// (or the window lost track of clears: start over).
+struct PairFailed {
+    busy: bool,
+    error: Error,
+}
+
+impl From<Error> for PairFailed {
+    fn from(error: Error) -> Self {
+        PairFailed { busy: false, error }
+    }
+}
+
+impl Client {
+    /// Repairs this client knows to be due: pairs of a unit whose copies
+    /// moved and a newcomer it has not repaired yet.
+    pub fn repairs_pending(&self) -> usize {
+        self.repairs_due().len()
+    }
+
+    /// One repair pass: every newcomer gets the values of the rows it
+    /// took a copy of that it lacks, from a copy that holds them all,
+    /// by `deadline` (each call within the client's timeout) and
+    /// [`ClientConfig::repair_rate`].
+    /// Safe to run from many clients at once, and alongside puts, gets
+    /// and clears (module docs).
+    pub fn repair(&self, deadline: Instant) -> Result<Repaired> {
+        self.repair_pass(deadline, &|| false)
+    }
+
+    /// [`Client::repair`] that gives up between batches once `stop` says
+    /// so.
+    fn repair_pass(&self, deadline: Instant, stop: &dyn Fn() -> bool) -> Result<Repaired> {
+        let mut out = Repaired::default();
+        let started = Instant::now();
+        for (unit, source, target) in self.repairs_due() {
+            let before = (out.values, out.bytes, out.skipped);
+            if stop() {
+                out.left += 1;
+                continue;
+            }
+            match self.repair_pair(unit, source, target, deadline, started, stop, &mut out) {
+                Ok(()) => {
+                    self.repaired(unit, target);
+                    out.done += 1;
+                    self.metrics.repaired_pair();
+                }
+                Err(f) => {
+                    out.left += 1;
+                    out.errors.push(format!(
+                        "unit {unit}'s rows from unit {source} to unit {target}: {}{}",
+                        if f.busy { "busy: " } else { "" },
+                        f.error
+                    ));
+                }
+            }
+            self.metrics.repaired(
+                out.values - before.0,
+                out.bytes - before.1,
+                out.skipped - before.2,
+            );
+        }
+        self.metrics.repairs_pending(self.repairs_pending());
+        Ok(out)
+    }
+
+    /// What each newcomer lacks now (lists only; nothing is copied).
+    pub fn under_replicated(&self, deadline: Instant) -> Result<Vec<Shortfall>> {
+        let mut out = Vec::new();
+        for (unit, source, target) in self.repairs_due() {
+            let (mut rows, mut values) = (0, 0);
+            for partition in self.partitions_of(source, deadline)? {
+                let lacks = self.lacks(&partition, unit, source, target, deadline)?;
+                values += lacks.len() as u64;
+                rows += lacks.iter().map(|k| k.row).collect::<BTreeSet<_>>().len() as u64;
+            }
+            out.push(Shortfall {
+                unit,
+                source,
+                target,
+                rows,
+                values,
+            });
+        }
+        Ok(out)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn repair_pair(
+        &self,
+        unit: usize,
+        source: usize,
+        target: usize,
+        deadline: Instant,
+        started: Instant,
+        stop: &dyn Fn() -> bool,
+        out: &mut Repaired,
+    ) -> std::result::Result<(), PairFailed> {
+        let key = format!("rows of unit {unit} of {}", self.units.len());
+        let window = match self.repair_call(target, Request::OpenRepair { key }, deadline)? {
+            Response::RepairOpened { window } => window,
+            other => return Err(unexpected(target, other).into()),
+        };
+        let r = self.fill(unit, source, target, window, deadline, started, stop, out);
+        // The window closes with the session too; a failed close costs
+        // the newcomer only its bookkeeping until then.
+        let _ = self.repair_call(target, Request::CloseRepair { window }, deadline);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn fill(
+        &self,
+        unit: usize,
+        source: usize,
+        target: usize,
+        window: u64,
+        deadline: Instant,
+        started: Instant,
+        stop: &dyn Fn() -> bool,
+        out: &mut Repaired,
+    ) -> std::result::Result<(), PairFailed> {
+        let mut per_key = BATCH_KEYS;
+        for partition in self.partitions_of(source, deadline)? {
+            let lacks = self.lacks(&partition, unit, source, target, deadline)?;
+            let mut rest = &lacks[..];
+            while !rest.is_empty() {
+                if stop() {
+                    return Err(Error::InvalidRequest("the client is closing".into()).into());
+                }
+                let (batch, after) = rest.split_at(per_key.min(rest.len()));
+                rest = after;
+                let taken = self.take(&partition, source, batch, deadline)?;
+                if let Some(gate) = self.cfg.failpoints.repair_gate {
+                    wait_at_gate(gate);
+                }
+                let (values, bytes) = taken
+                    .iter()
+                    .flatten()
+                    .fold((0u64, 0u64), |(n, b), (v, _)| (n + 1, b + v.len() as u64));
+                if values > 0 {
+                    per_key = ((BATCH_BYTES * values / bytes.max(1)) as usize).clamp(1, BATCH_KEYS);
+                }
+                let (stored, skipped) =
+                    self.send_repair(&partition, target, window, batch, &taken, deadline)?;
+                out.values += stored;
+                out.skipped += skipped;
+                out.bytes += bytes;
+                self.pace(out.bytes, started, deadline);
+            }
+        }
+        Ok(())
+    }
+
+    /// Sleep as long as `bytes` since `started` are ahead of the repair
+    /// rate (never past `deadline`).
+    fn pace(&self, bytes: u64, started: Instant, deadline: Instant) {
+        let rate = self.cfg.repair_rate;
+        if rate == 0 {
+            return;
+        }
+        let due = started + Duration::from_secs_f64(bytes as f64 / rate as f64);
+        let until = due.min(deadline);
+        if let Some(wait) = until.checked_duration_since(Instant::now()) {
+            std::thread::sleep(wait);
+        }
+    }
+
+    /// The deadline of one call of a pass that ends by `pass`: the
+    /// client's timeout from now.
+    fn per_call(&self, pass: Instant) -> Instant {
+        (Instant::now() + self.cfg.timeout).min(pass)
+    }
+
+    fn partitions_of(&self, unit: usize, deadline: Instant) -> Result<Vec<String>> {
+        let deadline = self.per_call(deadline);
+        match self.call_one(unit, Request::ListPartitions, deadline)? {
+            Response::Partitions { names } => Ok(names),
+            other => Err(unexpected(unit, other)),
+        }
+    }
+
+    /// `partition`'s (row, field) of `unit`'s rows on `on`.
+    fn listed(
+        &self,
+        partition: &str,
+        unit: usize,
+        on: usize,
+        deadline: Instant,
+    ) -> Result<BTreeSet<(u64, String)>> {
+        let deadline = self.per_call(deadline);
+        let req = Request::List {
+            partition: partition.to_owned(),
+        };
+        match self.call_one(on, req, deadline)? {
+            Response::Listed { rows } => Ok(rows
+                .into_iter()
+                .filter(|(row, fields)| self.home_of(*row, fields) == unit)
+                .flat_map(|(row, fields)| fields.into_iter().map(move |f| (row, f)))
+                .collect()),
+            other => Err(unexpected(on, other)),
+        }
+    }
+
+    /// Which unit's rows `row` is, from its fields: the unit its put
+    /// named, else its group's unit, else its own (as the put placed it).
+    fn home_of(&self, row: u64, fields: &[String]) -> usize {
+        let named = fields.iter().find_map(|f| {
+            f.strip_prefix(UNIT_FIELD_PREFIX)
+                .and_then(|u| u.parse::<usize>().ok())
+        });
+        let group = || {
+            fields
+                .iter()
+                .find_map(|f| f.strip_prefix(GROUP_FIELD_PREFIX))
+                .map(|g| self.unit_of(g))
+        };
+        named
+            .filter(|&u| u < self.units.len())
+            .or_else(group)
+            .unwrap_or_else(|| self.unit_of_row(row))
+    }
+
+    /// The keys of `unit`'s rows in `partition` that `source` holds and
+    /// `target` does not.
+    fn lacks(
+        &self,
+        partition: &str,
+        unit: usize,
+        source: usize,
+        target: usize,
+        deadline: Instant,
+    ) -> Result<Vec<Key>> {
+        let has = self.listed(partition, unit, target, deadline)?;
+        Ok(self
+            .listed(partition, unit, source, deadline)?
+            .into_iter()
+            .filter(|k| !has.contains(k))
+            .map(|(row, field)| Key::new(row, field))
+            .collect())
+    }
+
+    /// Read `keys` from `source` (a key cleared since it was listed is
+    /// `None`).
+    fn take(
+        &self,
+        partition: &str,
+        source: usize,
+        keys: &[Key],
+        deadline: Instant,
+    ) -> Result<Vec<Option<Value>>> {
+        let deadline = self.per_call(deadline);
+        let mut taken = Taken(vec![None; keys.len()]);
+        let idx: Vec<usize> = (0..keys.len()).collect();
+        let timer = metrics::OpTimer::start();
+        {
+            let sink: SharedSink<'_> = std::cell::RefCell::new(&mut taken);
+            let part = self.get_unit(partition, source, keys, &idx, &sink, deadline, &timer);
+            fanout::all_at_once([part])
+                .pop()
+                .unwrap_or_else(|| Err(Error::Io("no reply".into())))?;
+        }
+        Ok(taken.0)
+    }
+
+    /// Send the values taken to `target` in one RepairPut: (stored,
+    /// skipped).
+    fn send_repair(
+        &self,
+        partition: &str,
+        target: usize,
+        window: u64,
+        keys: &[Key],
+        taken: &[Option<Value>],
+        deadline: Instant,
+    ) -> std::result::Result<(u64, u64), PairFailed> {
+        let deadline = self.per_call(deadline);
+        const PAD: [u8; ALIGN as usize] = [0; ALIGN as usize];
+        let mut put = BlobPut {
+            unit: target,
+            partition,
+            blob: new_blob_id(),
+            segments: Vec::new(),
+            entries: Vec::new(),
+        };
+        let mut size = 0u64;
+        for (key, value) in keys.iter().zip(taken) {
+            let Some((bytes, meta)) = value else { continue };
+            let pad = size.next_multiple_of(ALIGN) - size;
+            if pad > 0 {
+                put.segments.push(&PAD[..pad as usize]);
+                size += pad;
+            }
+            put.entries.push(EntrySpec {
+                key: key.clone(),
+                offset: size,
+                len: bytes.len() as u64,
+                meta: meta.clone(),
+            });
+            if !bytes.is_empty() {
+                put.segments.push(bytes);
+            }
+            size += bytes.len() as u64;
+        }
+        if put.entries.is_empty() {
+            return Ok((0, 0));
+        }
+        let part = async {
+            let mut t = self
+                .checkout(target, deadline)
+                .await
+                .map_err(|f| self.failed_get(target, f, &[], deadline))?;
+            let r = t.repair_put(window, &put, deadline).await;
+            match r {
+                Ok(reply) => {
+                    self.checkin(target, t);
+                    Ok(reply)
+                }
+                Err(f) => {
+                    if f.keeps_connection() {
+                        self.checkin(target, t);
+                    }
+                    Err(self.failed_get(target, f, &[], deadline))
+                }
+            }
+        };
+        let reply = fanout::all_at_once([part])
+            .pop()
+            .unwrap_or_else(|| Err(Error::Io("no reply".into())))?;
+        match reply {
+            Response::Repaired { stored, skipped } => Ok((stored.into(), skipped.into())),
+            other => Err(refusal(target, other)),
+        }
+    }
+
+    /// A control call of the repair: a Busy answer is told apart (another
+    /// client's window).
+    fn repair_call(
+        &self,
+        unit: usize,
+        req: Request,
+        deadline: Instant,
+    ) -> std::result::Result<Response, PairFailed> {
+        let deadline = self.per_call(deadline);
+        let part = async {
+            let mut t = self
+                .checkout(unit, deadline)
+                .await
+                .map_err(|f| self.failed_get(unit, f, &[], deadline))?;
+            match t.call(&req, deadline).await {
+                Ok(r) => {
+                    self.checkin(unit, t);
+                    Ok(r)
+                }
+                Err(f) => Err(self.failed_get(unit, f, &[], deadline)),
+            }
+        };
+        let reply = fanout::all_at_once([part])
+            .pop()
+            .unwrap_or_else(|| Err(Error::Io("no reply".into())))?;
+        match reply {
+            Response::Error { .. } => Err(refusal(unit, reply)),
+            r => Ok(r),
+        }
+    }
+}
+
+/// The `repair-gate` failpoint ([`crate::Failpoints::repair_gate`]).
+fn wait_at_gate(gate: u32) {
+    let dir = std::env::temp_dir();
+    let open = dir.join(format!("stowage-repair-gate-{gate}"));
+    let _ = std::fs::write(dir.join(format!("stowage-repair-gate-{gate}.reached")), b"");
+    let until = Instant::now() + Duration::from_secs(60);
+    while !open.exists() && Instant::now() < until {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A unit's refusal of a repair call, Busy told apart.
+fn refusal(unit: usize, reply: Response) -> PairFailed {
+    match reply {
+        Response::Error { code, message } => PairFailed {
+            busy: code == ErrorCode::Busy,
+            error: unit_error(unit, code, message, vec![]),
+        },
+        other => unexpected(unit, other).into(),
+    }
+}
+
+/// Repair `client`'s newcomers in the background while it lives: a
+/// thread that looks for repairs due every 100 ms and runs passes
+/// ([`Client::repair`]) until none is left, one second apart while some
+/// are left (another client holds their window, or a unit failed). It
+/// holds the client only during a pass, and ends once the client is
+/// dropped. Nothing to do with one copy: no thread is started.
+pub fn repair_in_background(client: &Arc<Client>) {
+    if client.replicas() == 1 {
+        return;
+    }
+    let weak: Weak<Client> = Arc::downgrade(client);
+    let spawned = std::thread::Builder::new()
+        .name("stowage-repair".into())
+        .spawn(move || repair_loop(&weak));
+    if let Err(e) = spawned {
+        tracing::warn!("no repair thread: {e}");
+    }
+}
+
+/// The background repairer's thread ([`repair_in_background`]).
+fn repair_loop(weak: &Weak<Client>) {
+    // The copies' epoch at which nothing was left due: nothing is due
+    // until a unit goes down again.
+    let mut settled = Some(0);
+    loop {
+        std::thread::sleep(LOOK_EVERY);
+        let Some(client) = weak.upgrade() else { return };
+        let epoch = client.copies_epoch();
+        if settled == Some(epoch) {
+            continue;
+        }
+        if client.repairs_pending() == 0 {
+            settled = Some(epoch);
+            continue;
+        }
+        settled = None;
+        // A pass may take long; each of its calls has the client's
+        // timeout. It stops once nothing but this thread holds the client
+        // (it was closed).
+        let pass = Instant::now() + PASS_MAX;
+        let closed = || Arc::strong_count(&client) == 1;
+        let left = match client.repair_pass(pass, &closed) {
+            Ok(r) if r.left == 0 => {
+                tracing::info!(
+                    done = r.done,
+                    values = r.values,
+                    bytes = r.bytes,
+                    refused = r.skipped,
+                    "repaired the newcomers' copies"
+                );
+                false
+            }
+            Ok(r) => {
+                tracing::warn!("repair left {} pairs: {}", r.left, r.errors.join("; "));
+                true
+            }
+            Err(e) => {
+                tracing::warn!("repair failed: {e}");
+                true
+            }
+        };
+        drop(client);
+        if left {
+            std::thread::sleep(RETRY_AFTER);
+        }
+    }
+}
