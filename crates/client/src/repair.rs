@@ -38,9 +38,11 @@ use crate::ClientConfig;
 
 /// Bytes read from the source and sent to the newcomer at a time.
 const BATCH_BYTES: u64 = 32 << 20;
-/// Keys read at a time (values of unknown size: the first batch's sizes
-/// set the next ones').
+/// Most keys read at a time.
 const BATCH_KEYS: usize = 1024;
+/// Keys of a repair's first batch (values of unknown size: its sizes
+/// set the next batches').
+const FIRST_BATCH_KEYS: usize = 16;
 /// How often the background repairer looks for repairs due.
 const LOOK_EVERY: Duration = Duration::from_millis(100);
 /// How long it waits after a pass that left repairs due (another client
@@ -85,19 +87,46 @@ pub struct Shortfall {
     pub values: u64,
 }
 
-/// A value a repair read: its bytes and metadata.
-type Value = (Vec<u8>, Vec<u8>);
+/// The values a repair read, by key position: bytes and metadata, and
+/// whether the key was found. Its buffers are used again batch after
+/// batch (a repair touches fresh memory only for its first batch).
+#[derive(Default)]
+struct Taken {
+    values: Vec<(Vec<u8>, Vec<u8>)>,
+    found: Vec<bool>,
+}
 
-/// The values a repair read, by key position.
-struct Taken(Vec<Option<Value>>);
+impl Taken {
+    /// Ready for a batch of `n` keys.
+    fn reset(&mut self, n: usize) {
+        self.values.resize_with(n.max(self.values.len()), Default::default);
+        self.found.clear();
+        self.found.resize(n, false);
+    }
+
+    /// The values found of the batch, by key position.
+    fn iter(&self) -> impl Iterator<Item = Option<&(Vec<u8>, Vec<u8>)>> {
+        self.found
+            .iter()
+            .zip(&self.values)
+            .map(|(&f, v)| f.then_some(v))
+    }
+}
 
 impl Sink<ValueAsk<'_>> for Taken {
     fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
         let len = usize::try_from(ask.len).map_err(|_| "value larger than memory".to_string())?;
-        let v = self.0.get_mut(ask.index).ok_or("key index out of range")?;
-        Ok(v.insert((vec![0u8; len], ask.meta.to_vec()))
-            .0
-            .as_mut_slice())
+        let (Some(found), Some((bytes, meta))) =
+            (self.found.get_mut(ask.index), self.values.get_mut(ask.index))
+        else {
+            return Err("key index out of range".into());
+        };
+        *found = true;
+        meta.clear();
+        meta.extend_from_slice(ask.meta);
+        bytes.clear();
+        bytes.resize(len, 0);
+        Ok(bytes.as_mut_slice())
     }
 }
 
@@ -223,7 +252,9 @@ impl Client {
         stop: &dyn Fn() -> bool,
         out: &mut Repaired,
     ) -> std::result::Result<(), PairFailed> {
-        let mut per_key = BATCH_KEYS;
+        // Few keys first: their sizes set the next batches'.
+        let mut per_key = FIRST_BATCH_KEYS;
+        let mut taken = Taken::default();
         for partition in self.partitions_of(source, deadline)? {
             let lacks = self.lacks(&partition, unit, source, target, deadline)?;
             let mut rest = &lacks[..];
@@ -233,7 +264,7 @@ impl Client {
                 }
                 let (batch, after) = rest.split_at(per_key.min(rest.len()));
                 rest = after;
-                let taken = self.take(&partition, source, batch, deadline)?;
+                self.take(&partition, source, batch, &mut taken, deadline)?;
                 if let Some(gate) = self.cfg.failpoints.repair_gate {
                     wait_at_gate(gate);
                 }
@@ -350,20 +381,19 @@ impl Client {
         partition: &str,
         source: usize,
         keys: &[Key],
+        taken: &mut Taken,
         deadline: Instant,
-    ) -> Result<Vec<Option<Value>>> {
+    ) -> Result<()> {
         let deadline = self.per_call(deadline);
-        let mut taken = Taken(vec![None; keys.len()]);
+        taken.reset(keys.len());
         let idx: Vec<usize> = (0..keys.len()).collect();
         let timer = metrics::OpTimer::start();
-        {
-            let sink: SharedSink<'_> = std::cell::RefCell::new(&mut taken);
-            let part = self.get_unit(partition, source, keys, &idx, &sink, deadline, &timer);
-            fanout::all_at_once([part])
-                .pop()
-                .unwrap_or_else(|| Err(Error::Io("no reply".into())))?;
-        }
-        Ok(taken.0)
+        let sink: SharedSink<'_> = std::cell::RefCell::new(taken);
+        let part = self.get_unit(partition, source, keys, &idx, &sink, deadline, &timer);
+        fanout::all_at_once([part])
+            .pop()
+            .unwrap_or_else(|| Err(Error::Io("no reply".into())))?;
+        Ok(())
     }
 
     /// Send the values taken to `target` in one RepairPut: (stored,
@@ -374,7 +404,7 @@ impl Client {
         target: usize,
         window: u64,
         keys: &[Key],
-        taken: &[Option<Value>],
+        taken: &Taken,
         deadline: Instant,
     ) -> std::result::Result<(u64, u64), PairFailed> {
         let deadline = self.per_call(deadline);
@@ -387,7 +417,7 @@ impl Client {
             entries: Vec::new(),
         };
         let mut size = 0u64;
-        for (key, value) in keys.iter().zip(taken) {
+        for (key, value) in keys.iter().zip(taken.iter()) {
             let Some((bytes, meta)) = value else { continue };
             let pad = size.next_multiple_of(ALIGN) - size;
             if pad > 0 {
