@@ -702,6 +702,51 @@ fn a_row_cleared_while_a_repair_holds_its_value_is_not_brought_back() {
     );
 }
 
+/// Rows left with one copy each (what units restarted from a checkpoint
+/// that kept one copy hold) get their second copy back from
+/// `rebuild_copies`, every row on the units its copies are placed on; a
+/// second rebuild copies nothing.
+#[test]
+fn rebuild_copies_gives_rows_left_with_one_copy_their_copies_again() {
+    let (p, _) = plane(UNITS, 16 * MIB, &[]);
+    let c = copies_client(&p, 2);
+    let rows: Vec<u64> = (0..32).collect();
+    for &r in &rows {
+        put_row(&c, r, 1, c.deadline()).unwrap();
+    }
+    // Each unit keeps its own rows only.
+    for (u, addr) in p.uds_addrs().into_iter().enumerate() {
+        let mut cfg = ClientConfig::new("test", vec![addr]);
+        cfg.secret = p.secret().cloned();
+        let alone = Client::connect(cfg).unwrap();
+        let others: Vec<RowKey> = rows
+            .iter()
+            .filter(|&&r| c.unit_of_row(r) != u)
+            .map(|&r| RowKey::Index(r))
+            .collect();
+        // The 8 rows it held a second copy of, 2 values each.
+        assert_eq!(
+            alone.clear("p", &others, None, alone.deadline()).unwrap(),
+            8 * 2
+        );
+    }
+    let r = c.rebuild_copies(c.deadline()).unwrap();
+    // 4 units' rows, each from its first copy to its second and back.
+    assert_eq!(
+        (r.done, r.left, r.values, r.skipped),
+        (8, 0, 64, 0),
+        "{r:?}"
+    );
+    let home = |row: u64| c.unit_of_row(row);
+    assert_eq!(copies_are_where_they_belong(&p, &c, &[], &home), 32);
+    let again = c.rebuild_copies(c.deadline()).unwrap();
+    assert_eq!((again.done, again.values), (8, 0), "{again:?}");
+    let one = May::from([Some(1)]);
+    for &r in &rows {
+        assert_eq!(get_row(&c, r, &one, c.deadline()), Ok(Some(1)), "row {r}");
+    }
+}
+
 /// A view of rows whose unit was killed pins and maps their other copy;
 /// with 1 copy the same view fails naming the lost unit.
 #[test]

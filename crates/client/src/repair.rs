@@ -99,7 +99,8 @@ struct Taken {
 impl Taken {
     /// Ready for a batch of `n` keys.
     fn reset(&mut self, n: usize) {
-        self.values.resize_with(n.max(self.values.len()), Default::default);
+        self.values
+            .resize_with(n.max(self.values.len()), Default::default);
         self.found.clear();
         self.found.resize(n, false);
     }
@@ -116,9 +117,10 @@ impl Taken {
 impl Sink<ValueAsk<'_>> for Taken {
     fn slot(&mut self, ask: ValueAsk<'_>) -> std::result::Result<&mut [u8], String> {
         let len = usize::try_from(ask.len).map_err(|_| "value larger than memory".to_string())?;
-        let (Some(found), Some((bytes, meta))) =
-            (self.found.get_mut(ask.index), self.values.get_mut(ask.index))
-        else {
+        let (Some(found), Some((bytes, meta))) = (
+            self.found.get_mut(ask.index),
+            self.values.get_mut(ask.index),
+        ) else {
             return Err("key index out of range".into());
         };
         *found = true;
@@ -163,9 +165,48 @@ impl Client {
     /// [`Client::repair`] that gives up between batches once `stop` says
     /// so.
     fn repair_pass(&self, deadline: Instant, stop: &dyn Fn() -> bool) -> Result<Repaired> {
+        let out = self.repair_pairs(self.repairs_due(), deadline, stop, true);
+        self.metrics.repairs_pending(self.repairs_pending());
+        Ok(out)
+    }
+
+    /// Every row on every unit of its copies, from whichever copy holds
+    /// it: for each unit's rows, each copy gets what another copy holds
+    /// and it lacks. For a plane whose units were restarted from a
+    /// checkpoint that kept one copy of each row (docs/replication.md#checkpoints):
+    /// run it before the plane serves. Alongside other clients' clears of
+    /// the same rows it could bring one back (they clear these copies only
+    /// once, not again after the others, as they do a newcomer's).
+    pub fn rebuild_copies(&self, deadline: Instant) -> Result<Repaired> {
+        let pairs = (0..self.units.len())
+            .flat_map(|u| {
+                let set = self.copies_of(u);
+                let pairs: Vec<(usize, usize, usize)> = set
+                    .iter()
+                    .flat_map(|&s| {
+                        set.iter()
+                            .filter(move |&&t| t != s)
+                            .map(move |&t| (u, s, t))
+                    })
+                    .collect();
+                pairs
+            })
+            .collect();
+        Ok(self.repair_pairs(pairs, deadline, &|| false, false))
+    }
+
+    /// Repair each (unit whose rows, source, target) pair; `newcomers`:
+    /// the targets are newcomers, repaired for good once done.
+    fn repair_pairs(
+        &self,
+        pairs: Vec<(usize, usize, usize)>,
+        deadline: Instant,
+        stop: &dyn Fn() -> bool,
+        newcomers: bool,
+    ) -> Repaired {
         let mut out = Repaired::default();
         let started = Instant::now();
-        for (unit, source, target) in self.repairs_due() {
+        for (unit, source, target) in pairs {
             let before = (out.values, out.bytes, out.skipped);
             if stop() {
                 out.left += 1;
@@ -173,9 +214,11 @@ impl Client {
             }
             match self.repair_pair(unit, source, target, deadline, started, stop, &mut out) {
                 Ok(()) => {
-                    self.repaired(unit, target);
+                    if newcomers {
+                        self.repaired(unit, target);
+                        self.metrics.repaired_pair();
+                    }
                     out.done += 1;
-                    self.metrics.repaired_pair();
                 }
                 Err(f) => {
                     out.left += 1;
@@ -192,8 +235,7 @@ impl Client {
                 out.skipped - before.2,
             );
         }
-        self.metrics.repairs_pending(self.repairs_pending());
-        Ok(out)
+        out
     }
 
     /// What each newcomer lacks now (lists only; nothing is copied).
