@@ -270,6 +270,29 @@ enum Cmd {
         #[command(flatten)]
         secret: SecretArgs,
     },
+    /// With copies (a directory's `replicas` over 1): find the units that
+    /// are dead or restarted, and give the rows that had a copy there
+    /// their copies again on the units up (docs/replication.md#repair).
+    /// Exits non-zero when repairs are left (another client holds their
+    /// window past --within, or a unit failed).
+    Repair {
+        /// The plane's directory file (from `stowage up` or a launcher).
+        #[arg(long, value_name = "FILE")]
+        directory: std::path::PathBuf,
+        /// The namespace whose rows are repaired.
+        #[arg(long, default_value = "default")]
+        namespace: String,
+        /// Every row's copies from whichever copy holds it, not only the
+        /// rows of dead units: after restarting units from a checkpoint
+        /// that kept one copy, before the plane serves.
+        #[arg(long)]
+        rebuild: bool,
+        /// Keep trying, a second apart, for this long.
+        #[arg(long, value_parser = parse_duration, default_value = "10m")]
+        within: Duration,
+        #[command(flatten)]
+        secret: SecretArgs,
+    },
     /// Print every unit's counters.
     Stats {
         #[command(flatten)]
@@ -506,6 +529,25 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 namespace,
             };
             crate::status::run(&opts, &mut std::io::stdout().lock())
+        }
+        Cmd::Repair {
+            directory,
+            namespace,
+            rebuild,
+            within,
+            secret,
+        } => {
+            let opts = crate::repair::RepairOptions {
+                directory: &directory,
+                namespace: &namespace,
+                secret: secret.secret()?,
+                rebuild,
+                within,
+            };
+            match crate::repair::run(&opts, &mut std::io::stdout().lock())? {
+                true => Ok(()),
+                false => Err("repairs are left".into()),
+            }
         }
         Cmd::Stats {
             units,

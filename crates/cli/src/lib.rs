@@ -8,6 +8,8 @@
 //!   ([`bench`](mod@bench)).
 //! * `stowage stats` prints every unit's counters; `stowage status`
 //!   ([`status`]) every unit's state and traffic at a glance.
+//! * `stowage repair` ([`repair`](mod@repair)) gives the rows of a plane with
+//!   copies their copies again after a unit's death.
 //!
 //! The library half exists so that integration tests and benchmarks start
 //! local planes the same way the command does.
@@ -16,6 +18,7 @@
 
 pub mod bench;
 pub mod cli;
+pub mod repair;
 pub mod status;
 mod unit;
 pub mod workload;

@@ -747,6 +747,49 @@ fn rebuild_copies_gives_rows_left_with_one_copy_their_copies_again() {
     }
 }
 
+/// `stowage repair --directory FILE` finds a killed unit dead and gives
+/// its rows, and the rows it held a copy of, their copies on the units up;
+/// a second run has nothing left to copy.
+#[test]
+fn stowage_repair_gives_a_killed_units_rows_their_copies_again() {
+    let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
+    let c = copies_client(&p, 2);
+    for r in 0..32 {
+        put_row(&c, r, 1, c.deadline()).unwrap();
+    }
+    p.kill9(1);
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dir.json");
+    let mut d = p.directory();
+    d.replicas = 2;
+    d.write_file(&file).unwrap();
+    let repair = || {
+        let out = Command::new(binary())
+            .args(["repair", "--directory", file.to_str().unwrap()])
+            .args(["--namespace", "test", "--within", "60s"])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    // Units 0's and 1's rows: 8 rows each, 2 values a row.
+    let text = repair();
+    assert!(
+        text.contains("repaired 2 pairs") && text.contains(": 32 values"),
+        "{text}"
+    );
+    c.unit_gone(1);
+    let home = |row: u64| c.unit_of_row(row);
+    assert_eq!(copies_are_where_they_belong(&p, &c, &[1], &home), 32);
+    let text = repair();
+    assert!(text.contains(": 0 values"), "{text}");
+}
+
 /// A view of rows whose unit was killed pins and maps their other copy;
 /// with 1 copy the same view fails naming the lost unit.
 #[test]
