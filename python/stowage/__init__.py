@@ -341,6 +341,30 @@ class DataPlane:
         connect."""
         return self._client.copies_short_of_hosts()
 
+    def repair(self, *, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """One repair pass now (with copies; docs/replication.md#repair):
+        the units that took the copies of a unit this client found dead get
+        the rows they lack. The client also repairs by itself in the
+        background. Returns ``done`` and ``left`` (pairs of a unit's rows
+        and a newcomer), ``values``, ``bytes``, ``refused`` (there
+        already, or cleared since they were read) and ``errors``."""
+        return _native.repair(self._client, timeout)
+
+    def rebuild_copies(self, *, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Every row's copies on every unit of its set, from whichever copy
+        holds it: after restarting units from a checkpoint that kept one
+        copy of each row, before the plane serves (a rebuild alongside
+        other clients' clears of the same rows could bring one back).
+        Reported as :meth:`repair` reports."""
+        return _native.rebuild_copies(self._client, timeout)
+
+    def under_replicated(self, *, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
+        """What the units that took a dead unit's copies lack (lists only):
+        per unit whose rows moved and newcomer, ``unit``, ``source``,
+        ``target``, ``rows`` and ``values``; empty when this client found
+        no unit down or has repaired them."""
+        return _native.under_replicated(self._client, timeout)
+
     @property
     def directory(self) -> Dict[str, Any]:
         """A local plane's directory: pass it (or a JSON file holding it) to

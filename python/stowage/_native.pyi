@@ -39,11 +39,14 @@ __all__ = [
     "main",
     "plan_unit_nodes",
     "read_directory_file",
+    "rebuild_copies",
+    "repair",
     "resolve_directory",
     "resolve_listen_host",
     "route_logs",
     "select_clusters",
     "set_host_cache",
+    "under_replicated",
     "write_directory_file",
 ]
 
@@ -139,6 +142,15 @@ def directory_secret(json: str) -> Optional[bytes]: ...
 def directory_hosts(json: str) -> List[Optional[str]]:
     """The host of each unit of the directory (None where it does not
     say)."""
+
+def repair(client: Client, timeout: Optional[float] = None) -> Dict[str, Any]:
+    """One repair pass of ``client``."""
+
+def rebuild_copies(client: Client, timeout: Optional[float] = None) -> Dict[str, Any]:
+    """Every row's copies from whichever copy holds it."""
+
+def under_replicated(client: Client, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
+    """What each newcomer lacks."""
 
 def directory_replicas(json: str, given: Optional[int] = None) -> int:
     """The directory's copies of every row (1 when it does not say); a

@@ -91,10 +91,40 @@ def test_a_client_repairs_a_dead_units_copies_in_the_background(part):
                 time.sleep(0.05)
             m = c.metrics()
             assert (m["repaired_newcomers"], m["repaired_values"]) == (2, 8), m
+            # Nothing left: a pass now copies nothing, and nothing lacks.
+            assert c.under_replicated() == []
+            r = c.repair()
+            assert (r["done"], r["left"], r["values"]) == (0, 0, 0), r
             os.kill(pids[1], signal.SIGKILL)
             assert wait_dead(pids[1])
             got = c.get(part, keys, ["x"], timeout=10.0)["x"]
             assert [int(a) for a in got] == [k * 10 for k in keys]
+
+
+def test_what_a_newcomer_lacks_is_counted_and_a_pass_copies_it(part):
+    """A client that finds a unit dead counts what the units that took its
+    copies lack, and one pass (as the background repair would) copies it;
+    rows left with one copy get their copies from rebuild_copies."""
+    with stowage.local(units=3, memory="32MiB", replicas=2) as plane:
+        keys = list(range(12))
+        plane.put(part, keys, {"x": np.arange(12) * 10, "y": np.arange(12)})
+        with stowage.connect(plane.directory) as c:
+            assert c.under_replicated() == []
+            r = c.rebuild_copies()
+            # Every unit's rows, each copy to the other: nothing missing.
+            assert (r["done"], r["left"], r["values"]) == (6, 0, 0), r
+            pid = plane.unit_pids[2]
+            os.kill(pid, signal.SIGKILL)
+            assert wait_dead(pid)
+            c.get(part, keys, ["x"], timeout=10.0)
+            short = sorted((s["unit"], s["rows"], s["values"]) for s in c.under_replicated())
+            # Unit 1's rows (copies on 1 and 2) and unit 2's (on 2 and 0),
+            # 4 rows of 2 values each, unless the background pass was first.
+            assert short in ([(1, 4, 8), (2, 4, 8)], []), short
+            c.repair()
+            assert c.under_replicated() == []
+            # By this pass or the background one, in this client: 16.
+            assert c.metrics()["repaired_values"] == 16, c.metrics()
 
 
 def test_another_number_than_the_directorys_is_refused(dp2):

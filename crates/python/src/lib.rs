@@ -32,6 +32,7 @@ mod errors;
 mod local;
 mod logbridge;
 mod read_sinks;
+mod repair;
 mod row_keys;
 mod unit;
 mod view_calls;
@@ -78,6 +79,9 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(directory::directory_replicas, m)?)?;
     m.add_function(wrap_pyfunction!(directory::directory_hosts, m)?)?;
     m.add_class::<unit::Unit>()?;
+    m.add_function(wrap_pyfunction!(repair::repair, m)?)?;
+    m.add_function(wrap_pyfunction!(repair::rebuild_copies, m)?)?;
+    m.add_function(wrap_pyfunction!(repair::under_replicated, m)?)?;
     m.add_function(wrap_pyfunction!(logbridge::route_logs, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::host_empty, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::host_cache_info, m)?)?;

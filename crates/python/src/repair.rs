@@ -1,0 +1,82 @@
+//! Repair from Python (docs/replication.md#repair): one pass now, the
+//! rebuild after a one-copy restore, and what newcomers lack. A client
+//! with copies also repairs by itself in the background.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+use stowage_client::Repaired;
+
+use crate::client::Client;
+use crate::errors::to_py;
+
+fn repaired_dict<'py>(py: Python<'py>, r: Repaired) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("done", r.done)?;
+    d.set_item("left", r.left)?;
+    d.set_item("values", r.values)?;
+    d.set_item("bytes", r.bytes)?;
+    d.set_item("refused", r.skipped)?;
+    d.set_item("errors", r.errors)?;
+    Ok(d)
+}
+
+/// One repair pass of `client` (`Client::repair`): a dict of `done`,
+/// `left`, `values`, `bytes`, `refused` and `errors`.
+#[pyfunction]
+#[pyo3(signature = (client, timeout = None))]
+pub(crate) fn repair<'py>(
+    py: Python<'py>,
+    client: &Client,
+    timeout: Option<f64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let deadline = client.deadline(timeout)?;
+    let c = client.client()?;
+    let r = py
+        .detach(|| c.repair(deadline))
+        .map_err(|e| to_py(py, e, &[]))?;
+    repaired_dict(py, r)
+}
+
+/// Every row's copies from whichever copy holds it
+/// (`Client::rebuild_copies`), as [`repair`] reports it.
+#[pyfunction]
+#[pyo3(signature = (client, timeout = None))]
+pub(crate) fn rebuild_copies<'py>(
+    py: Python<'py>,
+    client: &Client,
+    timeout: Option<f64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let deadline = client.deadline(timeout)?;
+    let c = client.client()?;
+    let r = py
+        .detach(|| c.rebuild_copies(deadline))
+        .map_err(|e| to_py(py, e, &[]))?;
+    repaired_dict(py, r)
+}
+
+/// What each newcomer lacks (`Client::under_replicated`): dicts of
+/// `unit`, `source`, `target`, `rows`, `values`.
+#[pyfunction]
+#[pyo3(signature = (client, timeout = None))]
+pub(crate) fn under_replicated<'py>(
+    py: Python<'py>,
+    client: &Client,
+    timeout: Option<f64>,
+) -> PyResult<Bound<'py, PyList>> {
+    let deadline = client.deadline(timeout)?;
+    let c = client.client()?;
+    let short = py
+        .detach(|| c.under_replicated(deadline))
+        .map_err(|e| to_py(py, e, &[]))?;
+    let out = PyList::empty(py);
+    for s in short {
+        let d = PyDict::new(py);
+        d.set_item("unit", s.unit)?;
+        d.set_item("source", s.source)?;
+        d.set_item("target", s.target)?;
+        d.set_item("rows", s.rows)?;
+        d.set_item("values", s.values)?;
+        out.append(d)?;
+    }
+    Ok(out)
+}
