@@ -127,7 +127,8 @@ def test_unit_killed_mid_step_names_the_lost_rows(system):
 
 def test_with_two_copies_a_unit_killed_mid_run_loses_no_row():
     """replicas: 2 over 3 units: a unit killed mid-step loses nothing; the
-    job goes on (puts, gets and clears of the next steps)."""
+    job goes on (puts, gets and clears of the next steps); once repaired,
+    a second unit's death loses nothing either."""
     tq.init(_conf(count=3, replicas=2))
     try:
         system = interface._TQ_STORAGE["Stowage"]
@@ -157,8 +158,24 @@ def test_with_two_copies_a_unit_killed_mid_run_loses_no_row():
         for step in (1, 2):
             check(step, put(step))
         tq.kv_clear(keys=keys, partition_id="step-1")
-        check(2, put(2))
+        want2 = put(2)
+        check(2, want2)
         check(0, want0)
+        # Repaired (by the job's own clients in the background, or by this
+        # pass): every row has its 2 copies on the 2 units left, so a
+        # second kill loses nothing either.
+        with _connect(system.directory) as c:
+            # Asking every unit finds unit 0 dead.
+            with pytest.raises(stowage.Error):
+                c.stats()
+            r = c.repair(timeout=60.0)
+            assert r["left"] == 0, r
+            assert c.under_replicated() == []
+        entry = system.directory["units"][1]
+        ray.kill(system.units[1], no_restart=True)
+        assert _wait_gone([entry["pid"]]) == []
+        check(0, want0)
+        check(2, want2)
     finally:
         tq.close()
 

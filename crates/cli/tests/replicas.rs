@@ -602,14 +602,24 @@ fn a_repair_gives_every_row_its_copies_again_and_brings_back_no_cleared_row() {
         }
     }
     assert_eq!(read, 2 * 52);
-    // Another client, which has not repaired, finds nothing missing, and
-    // its pass copies nothing.
+    // Another client, which has not repaired: its pass reads the marks
+    // the newcomers got and lists nothing, and it finds nothing missing.
     let other = copies_client(&p, 2);
     learn_down(&other, &rows[..64]);
-    let short = other.under_replicated(other.deadline()).unwrap();
-    assert!(short.iter().all(|s| s.values == 0), "{short:?}");
+    let lists = || -> u64 {
+        [0, 2, 3]
+            .iter()
+            .map(|&u| metric_with(&p, u, "stowage_operations_total", "op=\"list\""))
+            .sum()
+    };
+    let before = lists();
     let again = repair_all(&other);
     assert_eq!((again.done, again.values), (2, 0), "{again:?}");
+    assert_eq!(lists(), before, "a marked pair was listed");
+    let short = other.under_replicated(other.deadline()).unwrap();
+    assert!(short.iter().all(|s| s.values == 0), "{short:?}");
+    // The marks are not a partition of the client's.
+    assert_eq!(other.partitions(other.deadline()).unwrap(), ["p"]);
 }
 
 /// A repair that read a row's value from the copy left, and a clear of

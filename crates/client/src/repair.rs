@@ -50,6 +50,16 @@ const LOOK_EVERY: Duration = Duration::from_millis(100);
 const RETRY_AFTER: Duration = Duration::from_secs(1);
 /// The longest pass of the background repairer.
 const PASS_MAX: Duration = Duration::from_secs(3600);
+/// The partition (of the client's namespace) where a newcomer keeps, for
+/// each unit whose rows a repair gave it in full, a mark (row: the unit,
+/// field [`MARK_FIELD`]): a newcomer goes on receiving every put and clear
+/// of those rows, so the mark stays true while the unit lives (a unit that
+/// restarts loses it with the rest). Other clients read it and skip the
+/// lists of a pass (`stowage status` and `list` do not show it).
+pub(crate) const MARKS: &str = "\0stowage:repaired";
+const MARK_FIELD: &str = "whole";
+/// Partitions of this prefix are the client's bookkeeping, not rows.
+pub(crate) const RESERVED_PARTITIONS: &str = "\0stowage:";
 /// Value alignment in a repair's blobs (as a put lays them out).
 const ALIGN: u64 = 64;
 
@@ -212,7 +222,8 @@ impl Client {
                 out.left += 1;
                 continue;
             }
-            match self.repair_pair(unit, source, target, deadline, started, stop, &mut out) {
+            let pair = (unit, source, target);
+            match self.repair_pair(pair, deadline, started, stop, newcomers, &mut out) {
                 Ok(()) => {
                     if newcomers {
                         self.repaired(unit, target);
@@ -259,27 +270,49 @@ impl Client {
         Ok(out)
     }
 
-    #[allow(clippy::too_many_arguments)]
+    /// Repair one (unit whose rows, source, target) pair. `mark`: the
+    /// target is a newcomer; once it holds every row it gets a mark that
+    /// later repairers of the pair read instead of listing ([`MARKS`]).
     fn repair_pair(
         &self,
-        unit: usize,
-        source: usize,
-        target: usize,
+        (unit, source, target): (usize, usize, usize),
         deadline: Instant,
         started: Instant,
         stop: &dyn Fn() -> bool,
+        mark: bool,
         out: &mut Repaired,
     ) -> std::result::Result<(), PairFailed> {
+        if mark && self.marked(unit, target, deadline) {
+            return Ok(());
+        }
         let key = format!("rows of unit {unit} of {}", self.units.len());
         let window = match self.repair_call(target, Request::OpenRepair { key }, deadline)? {
             Response::RepairOpened { window } => window,
             other => return Err(unexpected(target, other).into()),
         };
-        let r = self.fill(unit, source, target, window, deadline, started, stop, out);
+        let mut r = self.fill(unit, source, target, window, deadline, started, stop, out);
+        if r.is_ok() && mark {
+            let mut whole = Taken::default();
+            whole.reset(1);
+            whole.found[0] = true;
+            whole.values[0].0.push(1);
+            let key = [Key::new(unit as u64, MARK_FIELD)];
+            r = self
+                .send_repair(MARKS, target, window, &key, &whole, deadline)
+                .map(drop);
+        }
         // The window closes with the session too; a failed close costs
         // the newcomer only its bookkeeping until then.
         let _ = self.repair_call(target, Request::CloseRepair { window }, deadline);
         r
+    }
+
+    /// Whether `target` holds the mark of having every row of `unit`'s.
+    fn marked(&self, unit: usize, target: usize, deadline: Instant) -> bool {
+        let mut taken = Taken::default();
+        let key = [Key::new(unit as u64, MARK_FIELD)];
+        self.take(MARKS, target, &key, &mut taken, deadline).is_ok()
+            && taken.iter().next().flatten().is_some()
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -351,7 +384,10 @@ impl Client {
     fn partitions_of(&self, unit: usize, deadline: Instant) -> Result<Vec<String>> {
         let deadline = self.per_call(deadline);
         match self.call_one(unit, Request::ListPartitions, deadline)? {
-            Response::Partitions { names } => Ok(names),
+            Response::Partitions { names } => Ok(names
+                .into_iter()
+                .filter(|n| !n.starts_with(RESERVED_PARTITIONS))
+                .collect()),
             other => Err(unexpected(unit, other)),
         }
     }

@@ -442,7 +442,11 @@ impl Client {
         let mut all = std::collections::BTreeSet::new();
         for (unit, r) in self.call_units(reqs, deadline) {
             match r {
-                Ok(Response::Partitions { names }) => all.extend(names),
+                Ok(Response::Partitions { names }) => all.extend(
+                    names
+                        .into_iter()
+                        .filter(|n| !n.starts_with(crate::repair::RESERVED_PARTITIONS)),
+                ),
                 Ok(other) => return Err(unexpected(unit, other)),
                 // With copies, a dead unit's partitions are on the copies.
                 Err(Error::LostKeys { .. }) if self.replicas() > 1 => {}
