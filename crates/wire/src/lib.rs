@@ -40,6 +40,7 @@
 
 mod codes;
 mod frame;
+mod home;
 mod limits;
 mod messages;
 mod stats;
@@ -47,6 +48,7 @@ mod validation;
 
 pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
+pub use home::{home_unit, UNIT_FIELD_PREFIX};
 pub use limits::{Limits, WireError};
 pub use messages::{
     CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, RequestRef,
