@@ -88,7 +88,7 @@ pub use validation::PARTITION_SEPARATOR;
 /// repair requests ([`Request::OpenRepair`], [`Request::CloseRepair`],
 /// [`Request::RepairPut`] and their replies) were appended within 16: no
 /// variant moved, and a unit that predates them refuses them as requests
-/// it cannot decode.
+/// it cannot decode; so was [`Request::CheckpointHomes`].
 pub const PROTOCOL_VERSION: u16 = 16;
 
 #[cfg(test)]
@@ -234,6 +234,11 @@ mod tests {
                 partition: "p".into(),
                 entries: vec![e.clone(), e],
                 timeout_ms: 5_000,
+            },
+            Request::CheckpointHomes {
+                dir: "step-1/unit-2".into(),
+                units: 4,
+                homes: vec![1, 2],
             },
         ]
     }
@@ -747,6 +752,13 @@ mod tests {
             skipped: 0,
         };
         assert_eq!(index(postcard::to_stdvec(&repaired).unwrap()), 27);
+        // A checkpoint of some homes' rows, after the repair windows.
+        let homes = Request::CheckpointHomes {
+            dir: String::new(),
+            units: 1,
+            homes: vec![],
+        };
+        assert_eq!(index(postcard::to_stdvec(&homes).unwrap()), 33);
     }
 
     /// Only a claim that waits may wait; it never goes on a ring.
