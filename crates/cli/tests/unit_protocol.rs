@@ -567,3 +567,77 @@ fn repair_windows_over_unix_and_tcp() {
     let s = stats(&mut watcher);
     assert_eq!(s.entries, 6, "{s:?}");
 }
+
+/// A checkpoint of some homes' rows: refused among 0 units or for a home
+/// past them (the connection kept), kept to its root like a Checkpoint,
+/// and written with only the rows of its homes (their bytes alone).
+#[test]
+fn a_checkpoint_of_some_homes_checks_them_and_keeps_only_their_rows() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let root = ckpt.path().display().to_string();
+    let (p, _) = plane(1, 16 * MIB, &["--checkpoint-root", &root]);
+    let mut r = Raw::hello(&p.units[0].uds, "ns");
+    // Rows 0..4 in one blob, 4 bytes each: homes 0, 1, 0, 1 of 2 units.
+    let entries = (0..4u64)
+        .map(|row| EntrySpec {
+            key: Key::new(row, "x"),
+            offset: 4 * row,
+            len: 4,
+            meta: vec![],
+        })
+        .collect();
+    let put = Request::Put {
+        blob: BlobId(7),
+        partition: "p".into(),
+        entries,
+        timeout_ms: 10_000,
+    };
+    assert_eq!(call_raw(&mut r, &put, &[7; 16]), Response::Done);
+    let homes = |dir: &str, units, homes: &[u32]| Request::CheckpointHomes {
+        dir: dir.into(),
+        units,
+        homes: homes.to_vec(),
+    };
+    for (units, h) in [(0, &[][..]), (0, &[0][..]), (4, &[4][..]), (2, &[1, 2][..])] {
+        let got = r.call(&homes("bad", units, h));
+        assert!(
+            is_error(&got, ErrorCode::InvalidRequest),
+            "{units} units, homes {h:?}: {got:?}"
+        );
+    }
+    assert!(!ckpt.path().join("bad").exists());
+    // Outside the root: refused as a Checkpoint is.
+    let got = r.call(&homes("/tmp/elsewhere", 2, &[0]));
+    assert!(is_error(&got, ErrorCode::Unauthorized), "{got:?}");
+    // Home 1 of 2: rows 1 and 3, their 8 bytes (row 3's at 12 % 64 after
+    // row 1's 4 at 4 % 64: 16 bytes written).
+    let Response::Checkpointed(info) = r.call(&homes("odd", 2, &[1])) else {
+        panic!("no checkpoint");
+    };
+    assert_eq!(
+        (info.rows, info.entries, info.bytes),
+        (2, 2, 16),
+        "{info:?}"
+    );
+    assert_eq!(info.stored, "odd");
+    // No home: an empty part, written all the same.
+    let Response::Checkpointed(info) = r.call(&homes("none", 2, &[])) else {
+        panic!("no checkpoint");
+    };
+    assert_eq!((info.rows, info.entries, info.bytes), (0, 0, 0), "{info:?}");
+    assert!(ckpt.path().join("none/MANIFEST").exists());
+    // Every home: what a Checkpoint writes.
+    let Response::Checkpointed(all) = r.call(&homes("all", 2, &[0, 1])) else {
+        panic!("no checkpoint");
+    };
+    let Response::Checkpointed(plain) = r.call(&Request::Checkpoint {
+        dir: "plain".into(),
+    }) else {
+        panic!("no checkpoint");
+    };
+    assert_eq!((all.rows, all.entries, all.bytes), (4, 4, 16), "{all:?}");
+    assert_eq!(
+        (all.rows, all.entries, all.bytes, all.files.len()),
+        (plain.rows, plain.entries, plain.bytes, plain.files.len())
+    );
+}

@@ -32,26 +32,57 @@ impl Client {
     /// `dir/unit-<i>` on its own host (bytes never pass through this
     /// client). Returns each unit's metadata, in unit order; a unit started
     /// with `--restore dir/unit-<i>` serves the same keys.
+    ///
+    /// With copies ([`ClientConfig::replicas`] over 1) the checkpoint
+    /// keeps **one copy of each row**: unit `u` writes only the rows of
+    /// the units whose *source* it is (the first of their copies now that
+    /// holds all their rows: one of their first placement, or a newcomer
+    /// this client repaired), by the rows' homes
+    /// ([`stowage_wire::home_unit`]); a unit that is the source of none
+    /// still writes its (empty) part. A unit this client knows to be down
+    /// is asked nothing and writes no part: its place in the result is an
+    /// info of 0 rows, entries and bytes, no files, and an empty `host`
+    /// and `stored`. The rows of a unit with no whole copy left are not
+    /// written (they are lost anyway). To restore, start every unit with
+    /// `--restore dir/unit-<i>` (a unit that was down, empty) and run
+    /// [`Client::rebuild_copies`] before the plane serves
+    /// (docs/replication.md).
     pub fn checkpoint(
         &self,
         dir: &std::path::Path,
         deadline: Instant,
     ) -> Result<Vec<CheckpointInfo>> {
-        let reqs = (0..self.units.len())
-            .map(|u| {
-                let d = dir.join(format!("unit-{u}"));
-                (
-                    u,
-                    Request::Checkpoint {
-                        dir: d.to_string_lossy().into_owned(),
-                    },
-                )
-            })
-            .collect();
-        let mut out = Vec::with_capacity(self.units.len());
+        let n = self.units.len();
+        let part = |u: usize| dir.join(format!("unit-{u}")).to_string_lossy().into_owned();
+        let reqs: Vec<(usize, Request)> = if self.replicas() > 1 {
+            let mut homes = vec![Vec::new(); n];
+            for g in 0..n {
+                if let Some(s) = self.copies.source_of(g) {
+                    homes[s].push(g as u32);
+                }
+            }
+            homes
+                .into_iter()
+                .enumerate()
+                .filter(|&(u, _)| !self.copies.is_down(u))
+                .map(|(u, homes)| {
+                    let req = Request::CheckpointHomes {
+                        dir: part(u),
+                        units: n as u32,
+                        homes,
+                    };
+                    (u, req)
+                })
+                .collect()
+        } else {
+            (0..n)
+                .map(|u| (u, Request::Checkpoint { dir: part(u) }))
+                .collect()
+        };
+        let mut out: Vec<CheckpointInfo> = (0..n).map(|_| down_unit_part()).collect();
         for (unit, r) in self.call_units(reqs, deadline) {
             match r? {
-                Response::Checkpointed(info) => out.push(info),
+                Response::Checkpointed(info) => out[unit] = info,
                 other => return Err(unexpected(unit, other)),
             }
         }
@@ -150,5 +181,19 @@ impl Client {
             self.forget_instance(unit, None);
         }
         out
+    }
+}
+
+/// The place of a unit that was down in a checkpoint's result: it wrote
+/// nothing.
+fn down_unit_part() -> CheckpointInfo {
+    CheckpointInfo {
+        rows: 0,
+        entries: 0,
+        bytes: 0,
+        files: Vec::new(),
+        manifest_xxh3: 0,
+        host: String::new(),
+        stored: String::new(),
     }
 }

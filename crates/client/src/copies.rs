@@ -183,17 +183,45 @@ impl Copies {
     /// source a copy that holds every row (one of the first placement, or
     /// a newcomer this client repaired). None when no such copy is up.
     fn repairs_of(&self, unit: usize) -> Vec<(usize, usize)> {
-        let first = self.first.get(unit).map_or(&[][..], |f| &f[..]);
-        let repaired = self.repaired.lock().unwrap_or_else(|p| p.into_inner());
         let set = self.set(unit);
-        let whole = |u: &usize| first.contains(u) || repaired.contains(&(unit, *u));
-        let Some(&source) = set.iter().find(|u| whole(u)) else {
+        let Some(source) = self.source_in(unit, &set) else {
             return Vec::new();
         };
         set.iter()
-            .filter(|u| !whole(u))
+            .filter(|&&u| !self.whole(unit, u))
             .map(|&t| (source, t))
             .collect()
+    }
+
+    /// Whether `copy` holds every row of `unit`'s: it is one of the first
+    /// placement's copies, or a newcomer this client repaired.
+    fn whole(&self, unit: usize, copy: usize) -> bool {
+        let first = self.first.get(unit).map_or(&[][..], |f| &f[..]);
+        first.contains(&copy)
+            || self
+                .repaired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .contains(&(unit, copy))
+    }
+
+    /// The first unit of `set` (`unit`'s copies now) that holds all of
+    /// `unit`'s rows.
+    fn source_in(&self, unit: usize, set: &[usize]) -> Option<usize> {
+        set.iter().copied().find(|&u| self.whole(unit, u))
+    }
+
+    /// The *source* of `unit`'s rows: the first of its copies now that
+    /// holds them all (what repairs copy from, and what a checkpoint
+    /// writes them from); `None` when no such copy is up.
+    pub(crate) fn source_of(&self, unit: usize) -> Option<usize> {
+        self.source_in(unit, &self.set(unit))
+    }
+
+    /// Whether `unit` is known to be down (found dead or restarted, or
+    /// declared gone).
+    pub(crate) fn is_down(&self, unit: usize) -> bool {
+        self.down.get(unit).is_some_and(|d| d.load(Relaxed))
     }
 
     fn now_ms(&self) -> u64 {
@@ -460,6 +488,10 @@ mod tests {
         // Unit 1's own rows: the copy left (3) is the source.
         assert_eq!(c.repairs_of(1), [(3, 2)]);
         assert!(c.repairs_of(2).is_empty());
+        // The sources a checkpoint writes each unit's rows from.
+        let sources = |c: &Copies| (0..4).map(|u| c.source_of(u)).collect::<Vec<_>>();
+        assert_eq!(sources(&c), [Some(0), Some(3), Some(2), Some(3)]);
+        assert!(c.is_down(1) && !c.is_down(0));
         c.repaired.lock().unwrap().insert((1, 2));
         assert!(c.repairs_of(1).is_empty());
         // The repaired newcomer is a source once the first copy is gone
@@ -468,11 +500,14 @@ mod tests {
         assert_eq!(&c.set(1)[..], &[2, 0]);
         assert_eq!(c.repairs_of(1), [(2, 0)]);
         assert_eq!(c.repairs_of(3), [(0, 2)]);
-        // No whole copy left: nothing to repair from.
+        assert_eq!(sources(&c), [Some(0), Some(2), Some(2), Some(0)]);
+        // No whole copy left: nothing to repair from, nor to write.
         let c = Copies::place(3, 2, &[]);
         assert!(c.went_down(0));
         assert!(c.went_down(1));
         assert!(c.repairs_of(0).is_empty());
+        assert_eq!(c.source_of(0), None);
+        assert_eq!(c.source_of(2), Some(2));
     }
 
     #[test]

@@ -25,10 +25,9 @@ use std::collections::BTreeSet;
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use stowage_wire::{EntrySpec, ErrorCode, Key, Request, Response, GROUP_FIELD_PREFIX};
+use stowage_wire::{EntrySpec, ErrorCode, Key, Request, Response};
 
 use crate::classify::{unexpected, unit_error};
-use crate::row_meta::UNIT_FIELD_PREFIX;
 use crate::sink::{Sink, ValueAsk};
 use crate::transport::SharedSink;
 use crate::{fanout, metrics, new_blob_id, BlobPut, Client, Error, Result};
@@ -415,22 +414,10 @@ impl Client {
     }
 
     /// Which unit's rows `row` is, from its fields: the unit its put
-    /// named, else its group's unit, else its own (as the put placed it).
+    /// named, else its group's unit, else its own (as the put placed it;
+    /// the rule is [`stowage_wire::home_unit`], which units share).
     fn home_of(&self, row: u64, fields: &[String]) -> usize {
-        let named = fields.iter().find_map(|f| {
-            f.strip_prefix(UNIT_FIELD_PREFIX)
-                .and_then(|u| u.parse::<usize>().ok())
-        });
-        let group = || {
-            fields
-                .iter()
-                .find_map(|f| f.strip_prefix(GROUP_FIELD_PREFIX))
-                .map(|g| self.unit_of(g))
-        };
-        named
-            .filter(|&u| u < self.units.len())
-            .or_else(group)
-            .unwrap_or_else(|| self.unit_of_row(row))
+        stowage_wire::home_unit(row, fields.iter().map(String::as_str), self.units.len())
     }
 
     /// The keys of `unit`'s rows in `partition` that `source` holds and

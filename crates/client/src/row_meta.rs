@@ -18,8 +18,9 @@ pub const KEY_FIELD: &str = "\0key";
 
 /// With copies, a row put on a unit the caller named (not its own, nor
 /// its group's) has an empty field of this prefix and the unit's index,
-/// so that a repair finds which unit's rows it is (`repair.rs`).
-pub(crate) const UNIT_FIELD_PREFIX: &str = "\0u:";
+/// so that a repair, and a unit writing a checkpoint, find which unit's
+/// rows it is ([`stowage_wire::home_unit`]).
+pub(crate) use stowage_wire::UNIT_FIELD_PREFIX;
 
 /// Names up to this many bytes are stored beside each of their row's
 /// values; a longer name is stored there as a digest (see the module
@@ -255,6 +256,24 @@ mod tests {
 
     fn named(name: &str) -> Vec<u8> {
         postcard::to_allocvec(&PutName::of(name)).unwrap()
+    }
+
+    /// The shared home rule places a named row, and a group, where the
+    /// client's own ids put them (`Client::unit_of`: the row id modulo
+    /// the units).
+    #[test]
+    fn the_wires_home_rule_is_the_clients_placement() {
+        for units in 1..9 {
+            for name in ["a", "row-17", "grp/3"] {
+                let id = RowKey::Name(name.into()).row_id().unwrap();
+                let own = (id % units as u64) as usize;
+                assert_eq!(stowage_wire::home_unit(id, [KEY_FIELD, "v"], units), own);
+                let group = format!("{}{name}", stowage_wire::GROUP_FIELD_PREFIX);
+                assert_eq!(stowage_wire::home_unit(5, ["v", &group], units), own);
+            }
+            let on = format!("{UNIT_FIELD_PREFIX}{}", units - 1);
+            assert_eq!(stowage_wire::home_unit(0, ["v", &on], units), units - 1);
+        }
     }
 
     #[test]

@@ -40,6 +40,8 @@ use crate::tier::{cut, read_through, PieceWriter, COPY_CHUNK};
 
 pub(crate) mod claims;
 use claims::{CLAIMS, MAX_CLAIMS};
+pub(crate) mod homes;
+use homes::{Homes, Piece};
 
 const MANIFEST: &str = "MANIFEST";
 const MANIFEST_TMP: &str = "MANIFEST.tmp";
@@ -191,11 +193,13 @@ fn through_link(dir: &str, name: &str) -> String {
 }
 
 /// Write the unit's committed data and index to `dir` (which must not
-/// exist or be empty), every file through the directory's descriptor.
+/// exist or be empty), every file through the directory's descriptor:
+/// every row, or with `homes` only the rows of those homes ([`homes`]).
 /// Returns the metadata; no payload leaves the unit.
 pub(crate) fn write(
     shared: &Shared,
     dir: &CheckpointDir,
+    homes: Option<&Homes>,
 ) -> Result<CheckpointInfo, CheckpointError> {
     let ioe = io_err(&dir.path);
     let mut cur = dir.root.try_clone().map_err(&ioe)?;
@@ -232,7 +236,13 @@ pub(crate) fn write(
             ))))
         }
     };
-    let result = write_snapshot(shared, Arc::new(cur), &dir.path, &snap);
+    let result = match homes {
+        None => write_snapshot(shared, Arc::new(cur), &dir.path, &snap, &Default::default()),
+        Some(h) => {
+            let (kept, pieces) = homes::keep(&snap, h);
+            write_snapshot(shared, Arc::new(cur), &dir.path, &kept, &pieces)
+        }
+    };
     if let Some(pin) = snap.pin {
         let now = shared.now();
         let _ = handler::unpin(&mut shared.core(), stowage_core::Owner::UNIT, pin, now);
@@ -243,11 +253,14 @@ pub(crate) fn write(
     })
 }
 
+/// Write `snap`'s blobs, index and claims; a blob `compacted` names is
+/// written as its pieces (its size in `snap` is theirs), any other whole.
 fn write_snapshot(
     shared: &Shared,
     dir_fd: Arc<OwnedFd>,
     dir: &Path,
     snap: &stowage_core::Snapshot,
+    compacted: &std::collections::HashMap<BlobId, Vec<Piece>>,
 ) -> Result<CheckpointInfo, CheckpointError> {
     let ioe = io_err(dir);
     let out = FileEngine::checkpoint(dir_fd.clone(), dir.to_owned(), shared.settings.instance_id);
@@ -259,47 +272,32 @@ fn write_snapshot(
         if shared.life.stop.load(Ordering::SeqCst) {
             return Err(CheckpointError::Abandoned);
         }
-        let len = usize::try_from(nbytes)
-            .map_err(|_| CheckpointError::Restore("blob too large".into()))?;
+        usize::try_from(nbytes).map_err(|_| CheckpointError::Restore("blob too large".into()))?;
         let mut w = out.create(blob, nbytes).map_err(&ioe)?;
-        match place {
-            // The snapshot's pin holds the range while it is copied.
-            Placement::Memory(l) => {
-                buf.resize(len.min(COPY_CHUNK), 0);
-                shared
-                    .slab
-                    .copy_out_chunked(l.offset, len, &mut buf, |c| w.write(c))
-                    .map_err(|e| ioe(io::Error::other(e)))?
-                    .map_err(&ioe)?
-            }
-            // A blob in pieces: each in turn.
-            Placement::Split(parts) => {
-                for l in parts {
-                    buf.resize((l.len as usize).min(COPY_CHUNK), 0);
-                    shared
-                        .slab
-                        .copy_out_chunked(l.offset, l.len as usize, &mut buf, |c| w.write(c))
-                        .map_err(|e| ioe(io::Error::other(e)))?
-                        .map_err(&ioe)?;
+        let whole = [Piece::Copy {
+            from: 0,
+            len: nbytes,
+        }];
+        let pieces = compacted.get(&blob).map_or(&whole[..], |p| &p[..]);
+        for piece in pieces {
+            let (from, len) = match *piece {
+                Piece::Copy { from, len } => (from, len),
+                Piece::Zeros(n) => {
+                    buf.clear();
+                    buf.resize((n as usize).min(COPY_CHUNK), 0);
+                    let mut left = n as usize;
+                    while left > 0 {
+                        let k = left.min(buf.len());
+                        w.write(&buf[..k]).map_err(&ioe)?;
+                        left -= k;
+                    }
+                    continue;
                 }
-            }
-            Placement::Disk { .. } => {
-                let Some(d) = &shared.disk else {
-                    return Err(CheckpointError::Restore(
-                        "spilled blob without a disk tier".into(),
-                    ));
-                };
-                buf.resize(len.min(COPY_CHUNK), 0);
-                let r = d
-                    .engine
-                    .reader(blob)
-                    .and_then(|r| read_through(&r, 0, nbytes, &mut buf, |piece| w.write(piece)));
-                match r {
-                    Ok(Ok(())) => {}
-                    Ok(Err(e)) => return Err(ioe(e)),
-                    Err(e) => return Err(ioe(io::Error::other(e.to_string()))),
-                }
-            }
+            };
+            copy_range(shared, blob, place, from, len, &mut buf, &mut |c| {
+                w.write(c)
+            })?
+            .map_err(&ioe)?;
         }
         let xxh3 = w.finish().map_err(&ioe)?;
         let name = file_name(&out.path(blob));
@@ -371,6 +369,56 @@ fn write_snapshot(
         host: host_name(),
         stored: String::new(),
     })
+}
+
+/// Pass bytes `from..from + len` of blob `blob`, at `place`, to `sink`
+/// (through `buf`, in pieces of at most [`COPY_CHUNK`]).
+fn copy_range(
+    shared: &Shared,
+    blob: BlobId,
+    place: &Placement,
+    from: u64,
+    len: u64,
+    buf: &mut Vec<u8>,
+    sink: &mut dyn FnMut(&[u8]) -> io::Result<()>,
+) -> Result<io::Result<()>, CheckpointError> {
+    let bounds = |e| CheckpointError::Restore(format!("blob {blob:?}: {e}"));
+    let ranges = match place {
+        // The snapshot's pin holds the ranges while they are copied.
+        Placement::Memory(l) => vec![(l.offset + from, len)],
+        // A blob in pieces: the ones the range lies in, in turn.
+        Placement::Split(parts) => {
+            let parts: Vec<(u64, u64)> = parts.iter().map(|l| (l.offset, l.len)).collect();
+            homes::within(&parts, from, len)
+        }
+        Placement::Disk { .. } => {
+            let Some(d) = &shared.disk else {
+                return Err(CheckpointError::Restore(
+                    "spilled blob without a disk tier".into(),
+                ));
+            };
+            buf.resize((len as usize).min(COPY_CHUNK), 0);
+            return match d
+                .engine
+                .reader(blob)
+                .and_then(|r| read_through(&r, from, len, buf, sink))
+            {
+                Ok(r) => Ok(r),
+                Err(e) => Ok(Err(io::Error::other(e.to_string()))),
+            };
+        }
+    };
+    for (offset, n) in ranges {
+        buf.resize((n as usize).min(COPY_CHUNK), 0);
+        let r = shared
+            .slab
+            .copy_out_chunked(offset, n as usize, buf, &mut *sink)
+            .map_err(bounds)?;
+        if r.is_err() {
+            return Ok(r);
+        }
+    }
+    Ok(Ok(()))
 }
 
 /// This host's name (`/proc/sys/kernel/hostname`; empty if unreadable).

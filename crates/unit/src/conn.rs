@@ -772,7 +772,7 @@ impl Conn {
                         .map_session(owner, self.peer, &agent, &agent_metadata)
                 },
             ),
-            Plan::Checkpoint { dir } => self.checkpoint(&dir),
+            Plan::Checkpoint { dir, homes } => self.checkpoint(&dir, homes.as_ref()),
             Plan::OpenRestore { dir } => crate::restore::open(&self.shared, &dir),
             Plan::CloseRestore { id } => {
                 crate::restore::close(&self.shared, id);
@@ -815,7 +815,11 @@ impl Conn {
         reply
     }
 
-    fn checkpoint(&mut self, dir: &str) -> Response {
+    fn checkpoint(
+        &mut self,
+        dir: &str,
+        homes: Option<&crate::checkpoint::homes::Homes>,
+    ) -> Response {
         // (The handler checked that an admin asks, and that the unit was
         // not stopping then; it may have begun to since.)
         if self
@@ -846,7 +850,7 @@ impl Conn {
             .writing
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let t0 = Instant::now();
-        let r = crate::checkpoint::write(&self.shared, &dir);
+        let r = crate::checkpoint::write(&self.shared, &dir, homes);
         self.shared
             .checkpoints
             .writing

@@ -108,8 +108,12 @@ pub enum Plan {
         agent: String,
         agent_metadata: Vec<u8>,
     },
-    /// Write a checkpoint into `dir` (an admin asked).
-    Checkpoint { dir: String },
+    /// Write a checkpoint into `dir` (an admin asked): every row, or the
+    /// rows of `homes` ([`Request::CheckpointHomes`]).
+    Checkpoint {
+        dir: String,
+        homes: Option<crate::checkpoint::homes::Homes>,
+    },
     /// Start a restore unit serving the checkpoint in `dir`.
     OpenRestore { dir: String },
     /// Stop restore unit `id`.
@@ -242,6 +246,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         | Request::Put { .. }
         | Request::RepairPut { .. }
         | Request::Checkpoint { .. }
+        | Request::CheckpointHomes { .. }
         | Request::OpenRestore { .. } => true,
         Request::CommitSpare { blob, written, .. } => blob != written,
         _ => false,
@@ -484,12 +489,24 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         Request::Shutdown { .. } if !asker.admin => {
             Plan::Reply(error(ErrorCode::Unauthorized, NOT_ADMIN.into()))
         }
-        Request::Checkpoint { .. } | Request::OpenRestore { .. } | Request::CloseRestore { .. }
+        Request::Checkpoint { .. }
+        | Request::CheckpointHomes { .. }
+        | Request::OpenRestore { .. }
+        | Request::CloseRestore { .. }
             if !asker.checkpoints =>
         {
             Plan::Reply(error(ErrorCode::Unauthorized, NOT_ADMIN.into()))
         }
-        Request::Checkpoint { dir } => Plan::Checkpoint { dir },
+        Request::Checkpoint { dir } => Plan::Checkpoint { dir, homes: None },
+        Request::CheckpointHomes { dir, units, homes } => {
+            match crate::checkpoint::homes::Homes::new(units, &homes) {
+                Ok(h) => Plan::Checkpoint {
+                    dir,
+                    homes: Some(h),
+                },
+                Err(message) => Plan::Reply(error(ErrorCode::InvalidRequest, message)),
+            }
+        }
         Request::OpenRestore { dir } => Plan::OpenRestore { dir },
         Request::CloseRestore { id } => Plan::CloseRestore { id },
         Request::Shutdown { timeout_ms } => Plan::Shutdown {

@@ -40,6 +40,7 @@
 
 mod codes;
 mod frame;
+mod home;
 mod limits;
 mod messages;
 mod stats;
@@ -47,6 +48,7 @@ mod validation;
 
 pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
+pub use home::{home_unit, UNIT_FIELD_PREFIX};
 pub use limits::{Limits, WireError};
 pub use messages::{
     CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, RequestRef,
@@ -86,7 +88,7 @@ pub use validation::PARTITION_SEPARATOR;
 /// repair requests ([`Request::OpenRepair`], [`Request::CloseRepair`],
 /// [`Request::RepairPut`] and their replies) were appended within 16: no
 /// variant moved, and a unit that predates them refuses them as requests
-/// it cannot decode.
+/// it cannot decode; so was [`Request::CheckpointHomes`].
 pub const PROTOCOL_VERSION: u16 = 16;
 
 #[cfg(test)]
@@ -232,6 +234,11 @@ mod tests {
                 partition: "p".into(),
                 entries: vec![e.clone(), e],
                 timeout_ms: 5_000,
+            },
+            Request::CheckpointHomes {
+                dir: "step-1/unit-2".into(),
+                units: 4,
+                homes: vec![1, 2],
             },
         ]
     }
@@ -745,6 +752,13 @@ mod tests {
             skipped: 0,
         };
         assert_eq!(index(postcard::to_stdvec(&repaired).unwrap()), 27);
+        // A checkpoint of some homes' rows, after the repair windows.
+        let homes = Request::CheckpointHomes {
+            dir: String::new(),
+            units: 1,
+            homes: vec![],
+        };
+        assert_eq!(index(postcard::to_stdvec(&homes).unwrap()), 33);
     }
 
     /// Only a claim that waits may wait; it never goes on a ring.

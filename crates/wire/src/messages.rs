@@ -287,6 +287,19 @@ pub enum Request {
         entries: Vec<EntrySpec>,
         timeout_ms: u64,
     },
+    /// [`Request::Checkpoint`] (same directory rules, same authorization,
+    /// answered [`Response::Checkpointed`]) of one copy of each row: the
+    /// index and values written keep only the rows whose home
+    /// ([`home_unit`](crate::home_unit) over the row's fields in its
+    /// partition, among `units` units) is one of `homes`; the info counts
+    /// what was written. What a client with copies asks of each unit, so
+    /// that a checkpoint holds every row once. `InvalidRequest` when
+    /// `units` is 0 or a home is not below it.
+    CheckpointHomes {
+        dir: String,
+        units: u32,
+        homes: Vec<u32>,
+    },
 }
 
 /// A [`Request`] that carries a put's entries, or a resolve's keys, by

@@ -146,6 +146,10 @@ impl Request {
             Request::Checkpoint { dir } | Request::OpenRestore { dir } => {
                 name("checkpoint path bytes", dir)
             }
+            Request::CheckpointHomes { dir, homes, .. } => {
+                name("checkpoint path bytes", dir)?;
+                count("homes", homes.len())
+            }
             Request::Shutdown { .. } => Ok(()),
             Request::OpenRepair { key } => name("repair key bytes", key),
             Request::RegisterTasks {

@@ -85,6 +85,7 @@ impl Op {
             Request::ListPartitions => Op::ListPartitions,
             Request::Stats => Op::Stats,
             Request::Checkpoint { .. }
+            | Request::CheckpointHomes { .. }
             | Request::OpenRestore { .. }
             | Request::CloseRestore { .. } => Op::Checkpoint,
             Request::Shutdown { .. } => Op::Shutdown,
