@@ -119,6 +119,18 @@ impl UnitsArgs {
             None => Ok((parse_addrs(&self.units)?, given)),
         }
     }
+
+    /// The directory's copies of every row and each unit's host (1 and
+    /// none without a directory).
+    fn copies(&self) -> Result<(usize, Vec<Option<String>>), String> {
+        match &self.directory {
+            Some(path) => {
+                let d = UnitDirectory::from_file(path)?;
+                Ok((d.replicas, d.units.iter().map(|u| u.host.clone()).collect()))
+            }
+            None => Ok((1, Vec::new())),
+        }
+    }
 }
 
 /// Unit addresses as given on the command line.
@@ -433,11 +445,31 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             secret,
         } => {
             let (addrs, secret) = units.resolve(&secret)?;
-            let client = control_client(&addrs, timeout, secret)?;
+            let (replicas, hosts) = units.copies()?;
+            let client = if replicas > 1 {
+                // With copies, one copy of each row is written: a unit
+                // down (found by asking every unit) writes nothing, its
+                // rows' copies write them.
+                let mut cfg = ClientConfig::new("default", addrs.clone());
+                cfg.shm = false;
+                cfg.secret = secret;
+                cfg.timeout = timeout;
+                cfg.replicas = replicas;
+                cfg.hosts = hosts;
+                let c = Client::connect(cfg).map_err(|e| e.to_string())?;
+                let _ = c.stats(c.deadline());
+                c
+            } else {
+                control_client(&addrs, timeout, secret)?
+            };
             let infos = client
                 .checkpoint(&dir, client.deadline())
                 .map_err(|e| e.to_string())?;
             for (i, info) in infos.iter().enumerate() {
+                if replicas > 1 && info.files.is_empty() && info.host.is_empty() {
+                    println!("unit {i}: down, its rows written by their copies");
+                    continue;
+                }
                 println!(
                     "unit {i}: {} rows, {} entries, {} bytes, {} files, manifest xxh3 {:016x} -> {}",
                     info.rows,

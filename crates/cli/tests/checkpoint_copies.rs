@@ -365,3 +365,67 @@ fn a_blob_of_several_homes_is_written_compacted_and_restores_exact() {
     let want: Vec<RowKey> = kept.iter().map(|&r| RowKey::Index(r)).collect();
     assert_eq!(listed, want);
 }
+
+/// The command line, by the plane's directory (which says 2 copies):
+/// `stowage checkpoint DIR --directory FILE` writes one copy of each row,
+/// and after a restore `stowage repair --rebuild --directory FILE` gives
+/// every row its copies again.
+#[test]
+fn the_commands_checkpoint_one_copy_and_rebuild_the_others() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let root = ckpt.path().display().to_string();
+    let (mut p, _) = plane(UNITS, 32 * MIB, &["--checkpoint-root", &root]);
+    let c = copies_client(&p, 2);
+    let rows = put_all(&c);
+    drop(c);
+    let with_copies = |p: &LocalPlane, name: &str| {
+        let file = ckpt.path().join(name);
+        let mut d = p.directory();
+        d.replicas = 2;
+        d.write_file(&file).unwrap();
+        file
+    };
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(binary())
+            .args(args)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{args:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    let file = with_copies(&p, "dir.json");
+    let dir = ckpt.path().join("c1");
+    let text = run(&[
+        "checkpoint",
+        dir.to_str().unwrap(),
+        "--directory",
+        file.to_str().unwrap(),
+    ]);
+    // "unit i: N rows, ...": the parts add up to one copy of each row.
+    let written: u64 = text
+        .lines()
+        .filter_map(|l| l.split(": ").nth(1)?.split(' ').next()?.parse::<u64>().ok())
+        .sum();
+    assert_eq!(written, rows.len() as u64, "{text}");
+    p.stop();
+
+    let q = restored(&dir, None);
+    let file = with_copies(&q, "restored.json");
+    let text = run(&[
+        "repair",
+        "--rebuild",
+        "--directory",
+        file.to_str().unwrap(),
+        "--namespace",
+        "test",
+    ]);
+    assert!(text.starts_with("rebuilt 8 pairs"), "{text}");
+    let c = copies_client(&q, 2);
+    check_units(&q, &rows, &|r| c.copies_of(r.home).into_iter().collect());
+    read_all(&c, &rows);
+}
