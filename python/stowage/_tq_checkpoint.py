@@ -130,6 +130,9 @@ def _save_checkpoint(plane: stowage.DataPlane, namespace: str, checkpoint_dir: s
                 "dir": f"{parts}/unit-{i}",
                 "address": addresses[i],
                 **{k: v for k, v in info.items() if k != "dir"},
+                # With copies, a unit down at the save writes no part:
+                # its rows are in their copies' parts.
+                **({"down": True} if _down_at_save(info) else {}),
             }
             for i, info in enumerate(infos)
         ],
@@ -392,6 +395,12 @@ def _open_elsewhere(
     )
 
 
+def _down_at_save(info: Mapping[str, Any]) -> bool:
+    """Whether a checkpoint's info is that of a unit that was down (with
+    copies: no part, no host, nothing written; docs/replication.md)."""
+    return not info.get("host") and not info.get("files") and not info.get("rows")
+
+
 def _load_checkpoint(
     plane: stowage.DataPlane, cells: _RestoredCells, checkpoint_dir: str, timeout: float
 ) -> None:
@@ -416,11 +425,12 @@ def _load_checkpoint(
     record = _checkpoint_record(root)
     ns = record.get("namespace") or cells.namespace
     cells.saved_namespace = ns
-    entries = record["units"]
-    here = [_checkpoint_here(root, u) for u in entries]
+    # A unit down at the save (with copies) has no part to read back.
+    entries = [(i, u) for i, u in enumerate(record["units"]) if u.get("down") is not True]
+    here = [_checkpoint_here(root, u) for _, u in entries]
     parts: List[_Part] = []
     try:
-        for i, (entry, path) in enumerate(zip(entries, here)):
+        for (i, entry), path in zip(entries, here):
             if path is not None:
                 memory = _checkpoint_unit(path, entry)
                 local = stowage.local(

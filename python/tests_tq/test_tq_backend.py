@@ -180,6 +180,53 @@ def test_with_two_copies_a_unit_killed_mid_run_loses_no_row():
         tq.close()
 
 
+def test_with_two_copies_a_checkpoint_keeps_one_copy_and_loads_with_a_unit_down(tmp_path):
+    """replicas: 2 over 3 units: a save writes each row once; with a unit
+    killed (and found dead) before the save, its part is marked down and
+    its rows are in the others' parts, and a load puts every row back."""
+    tq.init(_conf(count=3, replicas=2))
+    try:
+        system = interface._TQ_STORAGE["Stowage"]
+        keys = [f"k{i}" for i in range(12)]
+        ids = torch.arange(12 * 4).reshape(12, 4)
+        tq.kv_batch_put(
+            keys=keys,
+            partition_id="train",
+            fields=TensorDict({"ids": ids}, batch_size=12),
+            tags=[{} for _ in keys],
+        )
+        plane = _connect(system.directory)
+        try:
+            stored = len(plane.list("train"))
+        finally:
+            plane.close()
+        ckpt = tmp_path / "ckpt"
+        tq.save_checkpoint(str(ckpt))
+        record = json.loads((ckpt / "stowage_checkpoint.json").read_text())
+        assert sum(u["rows"] for u in record["units"]) == stored, record
+
+        entry = system.directory["units"][0]
+        ray.kill(system.units[0], no_restart=True)
+        assert _wait_gone([entry["pid"]]) == []
+        # The job's client finds unit 0 dead as it reads.
+        got = tq.kv_batch_get(keys=keys, partition_id="train")
+        assert torch.equal(_rows(got["ids"]), ids)
+        ckpt2 = tmp_path / "ckpt2"
+        tq.save_checkpoint(str(ckpt2))
+        record = json.loads((ckpt2 / "stowage_checkpoint.json").read_text())
+        units = record["units"]
+        assert units[0].get("down") is True and units[0]["rows"] == 0, units[0]
+        assert sum(u["rows"] for u in units) == stored, record
+        assert not (ckpt2 / units[0]["dir"]).exists()
+
+        tq.kv_clear(keys=keys[6:], partition_id="train")
+        tq.load_checkpoint(str(ckpt2))
+        got = tq.kv_batch_get(keys=keys, partition_id="train")
+        assert torch.equal(_rows(got["ids"]), ids)
+    finally:
+        tq.close()
+
+
 def _rows(nested):
     return torch.stack(list(nested.unbind()))
 
