@@ -47,6 +47,8 @@ const LOOK_EVERY: Duration = Duration::from_millis(100);
 /// How long it waits after a pass that left repairs due (another client
 /// holds their window, or a unit did not answer).
 const RETRY_AFTER: Duration = Duration::from_secs(1);
+/// The longest wait between passes that leave repairs due.
+const RETRY_MAX: Duration = Duration::from_secs(30);
 /// The longest pass of the background repairer.
 const PASS_MAX: Duration = Duration::from_secs(3600);
 /// The partition (of the client's namespace) where a newcomer keeps, for
@@ -587,8 +589,9 @@ fn refusal(unit: usize, reply: Response) -> PairFailed {
 
 /// Repair `client`'s newcomers in the background while it lives: a
 /// thread that looks for repairs due every 100 ms and runs passes
-/// ([`Client::repair`]) until none is left, one second apart while some
-/// are left (another client holds their window, or a unit failed). It
+/// ([`Client::repair`]) until none is left, 1 s apart while some are left
+/// (another client holds their window, or a unit failed), doubling to
+/// 30 s while passes keep leaving some. It
 /// holds the client only during a pass, and ends once the client is
 /// dropped. Nothing to do with one copy: no thread is started.
 pub fn repair_in_background(client: &Arc<Client>) {
@@ -609,6 +612,10 @@ fn repair_loop(weak: &Weak<Client>) {
     // The copies' epoch at which nothing was left due: nothing is due
     // until a unit goes down again.
     let mut settled = Some(0);
+    // After a pass that left repairs due: 1 s, doubling to 30 s while
+    // passes keep leaving some (a newcomer without room, a unit that does
+    // not answer), so that a stuck repair neither spins nor floods the log.
+    let mut backoff = RETRY_AFTER;
     loop {
         std::thread::sleep(LOOK_EVERY);
         let Some(client) = weak.upgrade() else { return };
@@ -648,7 +655,10 @@ fn repair_loop(weak: &Weak<Client>) {
         };
         drop(client);
         if left {
-            std::thread::sleep(RETRY_AFTER);
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(RETRY_MAX);
+        } else {
+            backoff = RETRY_AFTER;
         }
     }
 }
