@@ -800,6 +800,94 @@ fn stowage_repair_gives_a_killed_units_rows_their_copies_again() {
     assert!(text.contains(": 0 values"), "{text}");
 }
 
+/// Not a test on its own: a repairer of the test below.
+/// `STOWAGE_REPAIR_CHILD=dead_unit;addr,addr,...` (with the `repair-gate`
+/// failpoint set): takes the unit as gone, runs one repair pass and
+/// prints `DONE done=… left=… values=…`.
+#[test]
+#[ignore = "a helper process of the replicas tests"]
+fn repair_child() {
+    let spec = std::env::var("STOWAGE_REPAIR_CHILD").expect("run only by the replicas tests");
+    let (dead, addrs) = spec.split_once(';').unwrap();
+    let addrs: Vec<UnitAddr> = addrs.split(',').map(|a| a.parse().unwrap()).collect();
+    let mut cfg = ClientConfig::new("test", addrs);
+    cfg.secret = child_secret();
+    cfg.replicas = 2;
+    cfg.timeout = Duration::from_secs(10);
+    assert!(cfg.failpoints.repair_gate.is_some(), "the gate is set");
+    let c = Client::connect(cfg).unwrap();
+    c.unit_gone(dead.parse().unwrap());
+    let r = c.repair(Instant::now() + Duration::from_secs(60)).unwrap();
+    println!("DONE done={} left={} values={}", r.done, r.left, r.values);
+    std::io::stdout().flush().unwrap();
+}
+
+/// A repairer stopped (SIGSTOP) in the middle of a repair, its window open
+/// on the newcomer, past the units' repair window lease: another client
+/// takes the window over and repairs, and once the first continues, the
+/// values it had read are refused (its window lost) — nothing it held is
+/// stored, every row ends on its 2 copies, exact.
+#[test]
+fn a_repairer_stopped_mid_repair_is_taken_over_and_stores_nothing_after() {
+    let (mut p, _) = plane(UNITS, 16 * MIB, &["--repair-window-lease", "2s"]);
+    let c = copies_client(&p, 2);
+    for r in 0..32 {
+        put_row(&c, r, 1, c.deadline()).unwrap();
+    }
+    p.kill9(1);
+    let gate = std::process::id() ^ 0x57_0a;
+    let dir = std::env::temp_dir();
+    let open = dir.join(format!("stowage-repair-gate-{gate}"));
+    let reached = dir.join(format!("stowage-repair-gate-{gate}.reached"));
+    let _ = std::fs::remove_file(&open);
+    let _ = std::fs::remove_file(&reached);
+    let addrs: Vec<String> = p.uds_addrs().iter().map(ToString::to_string).collect();
+    let spec = format!("1;{}", addrs.join(","));
+    let (mut child, lines) = spawn_reaped(
+        helper_command(&p, "repair_child", ("STOWAGE_REPAIR_CHILD", &spec))
+            .env("STOWAGE_FAILPOINTS", format!("repair-gate={gate}"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit()),
+    );
+    assert!(
+        eventually(Duration::from_secs(30), || reached.exists()),
+        "the repairer never read its first batch"
+    );
+    let pid = child.0.id();
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::STOP,
+    )
+    .unwrap();
+    assert!(eventually(Duration::from_secs(5), || is_stopped(pid)));
+    std::fs::write(&open, b"").unwrap();
+    // Past the lease (2 s), another client repairs everything.
+    std::thread::sleep(Duration::from_millis(2500));
+    let other = copies_client(&p, 2);
+    other.unit_gone(1);
+    let r = repair_all(&other);
+    assert_eq!((r.done, r.values), (2, 32), "{r:?}");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(pid as i32).unwrap(),
+        rustix::process::Signal::CONT,
+    )
+    .unwrap();
+    let done = expect_line(&lines, "DONE", Duration::from_secs(60));
+    // Its first pair's window was taken over: nothing of it stored; its
+    // second pair it found marked.
+    assert_eq!(done, "DONE done=1 left=1 values=0", "{done}");
+    assert!(child.0.wait().unwrap().success());
+    let _ = std::fs::remove_file(&open);
+    let _ = std::fs::remove_file(&reached);
+    c.unit_gone(1);
+    let home = |row: u64| c.unit_of_row(row);
+    assert_eq!(copies_are_where_they_belong(&p, &c, &[1], &home), 32);
+    let one = May::from([Some(1)]);
+    for r in 0..32 {
+        assert_eq!(get_row(&c, r, &one, c.deadline()), Ok(Some(1)), "row {r}");
+    }
+}
+
 /// A view of rows whose unit was killed pins and maps their other copy;
 /// with 1 copy the same view fails naming the lost unit.
 #[test]

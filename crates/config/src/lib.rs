@@ -63,6 +63,9 @@ pub struct UnitConfig {
     /// Rows a claim leased and did not settle within this go back to the
     /// task. Default 30 s.
     pub claim_lease: Duration,
+    /// A repair window idle this long may be taken over by another
+    /// client's (docs/replication.md#repair). Default 30 s.
+    pub repair_window_lease: Duration,
     /// Frame limits.
     pub limits: Limits,
     /// Try to mlock the slab. Default true.
@@ -216,6 +219,7 @@ impl UnitConfig {
             reservation_lease: Duration::from_secs(30),
             pin_lease: Duration::from_secs(30),
             claim_lease: Duration::from_secs(30),
+            repair_window_lease: Duration::from_secs(30),
             quarantine: Duration::from_secs(5),
             limits: Limits::default(),
             mlock: true,

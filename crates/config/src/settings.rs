@@ -39,6 +39,12 @@ macro_rules! unit_settings_table {
         /// Rows a claim leased and its client did not settle within this
         /// go back to the task (a consumer stopped mid-claim).
         #[arg(long, value_parser = $crate::parse_duration, default_value = "30s")] claim_lease: ::std::time::Duration => claim_lease;
+        /// A repair window (docs/replication.md#repair) whose client sent
+        /// nothing through it for this long may be taken over by another
+        /// client repairing the same rows (the first one's later repair
+        /// puts are refused): a repairer stopped mid-repair does not hold
+        /// the repair up.
+        #[arg(long, value_parser = $crate::parse_duration, default_value = "30s")] repair_window_lease: ::std::time::Duration => repair_window_lease;
         /// Quarantine of the range of a put stream the unit cut off.
         #[arg(long, value_parser = $crate::parse_duration, default_value = "5s")] quarantine: ::std::time::Duration => quarantine;
         /// Checkpoints are written only under this directory (without it,

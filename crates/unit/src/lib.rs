@@ -262,6 +262,7 @@ pub(crate) fn start_with(
     core_cfg.reservation_lease = cfg.reservation_lease;
     core_cfg.pin_lease = cfg.pin_lease;
     core_cfg.claim_lease = cfg.claim_lease;
+    core_cfg.repair_window_lease = cfg.repair_window_lease;
     core_cfg.quarantine = cfg.quarantine;
     if let Some(n) = &cfg.nixl {
         core_cfg.nixl_quarantine = n.quarantine;

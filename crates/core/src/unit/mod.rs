@@ -132,6 +132,13 @@ pub struct CoreConfig {
     /// bytes and the name each); past it every open window loses track of
     /// clears (its repair puts answer Busy). Default 2^16.
     pub repair_partitions: usize,
+    /// A repair window whose session sent no repair request for this
+    /// long may be taken over: another session's OpenRepair of the same
+    /// key makes it lose track (its repair puts answer Busy, nothing of
+    /// them is stored) and opens its own, so that a repairer stopped
+    /// mid-repair (SIGSTOP, a host cut off) does not hold the repair up.
+    /// Default 30 s.
+    pub repair_window_lease: Duration,
 }
 
 impl CoreConfig {
@@ -157,6 +164,7 @@ impl CoreConfig {
             claim_lease: Duration::from_secs(30),
             repair_row_tombstones: 1 << 20,
             repair_partitions: 1 << 16,
+            repair_window_lease: Duration::from_secs(30),
         }
     }
 }

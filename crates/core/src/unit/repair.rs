@@ -37,14 +37,15 @@ use super::*;
 /// Most repair windows open at once on a unit; past it, Busy.
 pub const MAX_REPAIR_WINDOWS: usize = 1 << 16;
 
-apply_op!(OpenRepair => u64, |OpenRepair { scope, key }, core, _, owner| {
-    core.open_repair(owner, scope, key)
+apply_op!(OpenRepair => u64, |OpenRepair { scope, key }, core, now, owner| {
+    core.open_repair(owner, scope, key, now)
 });
 apply_op!(CloseRepair => (), |CloseRepair { window }, core, _, owner| {
     core.close_repair(owner, window)
 });
 apply_op!(RepairAlloc => Allocated, |op, core, now, owner| {
     core.repair_window(owner, op.window, None)?;
+    core.repair_window_used(op.window, now);
     match core.reserve(owner, op.blob, op.nbytes, Some(op.n_entries), false, now)? {
         // Only a blob a Put reserved on disk before (the same id): a
         // repair put's entries are filtered at its commit, in memory.
@@ -55,8 +56,10 @@ apply_op!(RepairAlloc => Allocated, |op, core, now, owner| {
         a => Ok(a),
     }
 });
-apply_op!(RepairCommit => Repaired, |op, core, _, owner| {
-    core.repair_commit(owner, op.window, &op.partition, op.blob, op.entries)
+apply_op!(RepairCommit => Repaired, |op, core, now, owner| {
+    let r = core.repair_commit(owner, op.window, &op.partition, op.blob, op.entries);
+    core.repair_window_used(op.window, now);
+    r
 });
 
 /// One open window.
@@ -68,9 +71,11 @@ struct Window {
     /// The clear sequence when it opened: a tombstone above it was
     /// cleared since.
     opened: u64,
-    /// It lost track of clears (the partition cap): its repair puts
-    /// answer Busy.
+    /// It lost track of clears (the partition cap), or another session
+    /// took it over: its repair puts answer Busy.
     lost: bool,
+    /// When its session last opened it or sent a repair put through it.
+    used: Time,
 }
 
 /// What is remembered of one partition.
@@ -160,6 +165,25 @@ impl Repairs {
         }
     }
 
+    /// Window `id` loses track (another session took its key over): its
+    /// repair puts answer Busy, and what only it needed is dropped.
+    fn take_over(&mut self, id: u64) {
+        let Some(w) = self.windows.get_mut(&id) else {
+            return;
+        };
+        if w.lost {
+            return;
+        }
+        w.lost = true;
+        if let Some(n) = self.scopes.get_mut(&w.scope) {
+            *n -= 1;
+            if *n == 0 {
+                self.scopes.remove(&w.scope);
+            }
+        }
+        self.prune();
+    }
+
     /// Every open window loses track of clears (the partition cap): all
     /// that is remembered goes.
     fn lose_track(&mut self) {
@@ -172,13 +196,36 @@ impl Repairs {
 }
 
 impl UnitCore {
-    fn open_repair(&mut self, owner: Owner, scope: String, key: String) -> Result<u64, CoreError> {
+    fn open_repair(
+        &mut self,
+        owner: Owner,
+        scope: String,
+        key: String,
+        now: Time,
+    ) -> Result<u64, CoreError> {
         self.check_owner(owner)?;
+        let lease = self.cfg.repair_window_lease;
         let r = &mut self.repairs;
-        let taken = r
-            .windows
-            .values()
-            .any(|w| w.session != owner.session && w.scope == scope && w.key == key);
+        let mut taken = false;
+        let mut idle = Vec::new();
+        for (&id, w) in &r.windows {
+            if w.session == owner.session || w.scope != scope || w.key != key || w.lost {
+                continue;
+            }
+            if now.saturating_sub(w.used) >= lease {
+                idle.push(id);
+            } else {
+                taken = true;
+            }
+        }
+        if !taken {
+            // Another session's window of the key, idle past the lease:
+            // it loses track (nothing more of it is stored) and this
+            // session repairs instead.
+            for id in idle {
+                r.take_over(id);
+            }
+        }
         if taken || r.windows.len() >= MAX_REPAIR_WINDOWS {
             return Err(CoreError::Busy {
                 needed: 0,
@@ -196,9 +243,17 @@ impl UnitCore {
                 key,
                 opened: r.seq,
                 lost: false,
+                used: now,
             },
         );
         Ok(id)
+    }
+
+    /// Window `window` was used now (a repair put through it).
+    fn repair_window_used(&mut self, window: u64, now: Time) {
+        if let Some(w) = self.repairs.windows.get_mut(&window) {
+            w.used = now;
+        }
     }
 
     fn close_repair(&mut self, owner: Owner, window: u64) -> Result<(), CoreError> {

@@ -507,3 +507,68 @@ fn a_repair_put_never_goes_to_the_disk_tier() {
         Err(CoreError::Invalid(_))
     ));
 }
+
+/// A repair put through `window` at `at` (one 8-byte value for `row`).
+fn repair_at(
+    c: &mut UnitCore,
+    o: Owner,
+    at: Time,
+    window: u64,
+    blob: u128,
+    row: u64,
+) -> Result<Repaired, CoreError> {
+    let op = RepairAlloc {
+        window,
+        blob: BlobId(blob),
+        nbytes: 8,
+        n_entries: 1,
+    };
+    c.handle(at, Request { owner: o, op })?;
+    let op = RepairCommit {
+        window,
+        partition: part("p"),
+        blob: BlobId(blob),
+        entries: vec![entry(row, "x", 0, 8)],
+    };
+    c.handle(at, Request { owner: o, op })
+}
+
+#[test]
+fn a_window_idle_past_its_lease_is_taken_over_and_its_puts_refused() {
+    let mut c = core(1 << 20);
+    let (a, r) = (own(&mut c), own(&mut c));
+    let lease = c.config().repair_window_lease;
+    let open_at = |c: &mut UnitCore, o: Owner, at: Time| {
+        let op = OpenRepair {
+            scope: NS.into(),
+            key: "g".into(),
+        };
+        c.handle(at, Request { owner: o, op })
+    };
+    let w = open_at(&mut c, r, t(0)).unwrap();
+    // A repair put keeps it in use: a lease after the open but not after
+    // the put, another session is still refused.
+    let used = t(10_000);
+    assert_eq!(repair_at(&mut c, r, used, w, 1, 1), stored(1, 1));
+    assert!(matches!(
+        open_at(&mut c, a, used + lease - t(1)),
+        Err(CoreError::Busy { .. })
+    ));
+    // Idle a whole lease: another session takes the key over.
+    let late = used + lease;
+    let w2 = open_at(&mut c, a, late).unwrap();
+    // The first window's puts are refused from now on, its session's
+    // stored nothing more; the new one stores, and remembers clears.
+    assert!(matches!(
+        repair_at(&mut c, r, late, w, 2, 2),
+        Err(CoreError::Busy { .. })
+    ));
+    assert_eq!(repair_at(&mut c, a, late, w2, 3, 3), stored(1, 1));
+    clear_rows(&mut c, a, &part("p"), &[4]);
+    assert_eq!(repair_at(&mut c, a, late, w2, 4, 4), stored(0, 1));
+    assert_eq!(c.stats().entries, 2);
+    // The first session's window, lost, blocks nobody; closing it is fine.
+    close(&mut c, r, w).unwrap();
+    close(&mut c, a, w2).unwrap();
+    assert_eq!(c.repair_tombstones(), (0, 0, 0));
+}
