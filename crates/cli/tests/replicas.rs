@@ -303,6 +303,13 @@ fn repair_all(c: &Client) -> stowage_client::Repaired {
     }
 }
 
+/// A client of unit `u` of `p` alone (one copy): what that unit holds.
+fn unit_alone(p: &LocalPlane, u: usize) -> Client {
+    let mut cfg = ClientConfig::new("test", vec![p.uds_addrs()[u].clone()]);
+    cfg.secret = p.secret().cloned();
+    Client::connect(cfg).unwrap()
+}
+
 /// Check unit by unit (a one-unit client each) that every row of `p`
 /// is held by exactly the units its copies are placed on now, with the
 /// same fields on each; returns how many rows were checked.
@@ -313,13 +320,8 @@ fn copies_are_where_they_belong(
     home: &dyn Fn(u64) -> usize,
 ) -> usize {
     let mut holders: BTreeMap<u64, BTreeMap<usize, Vec<String>>> = BTreeMap::new();
-    for (u, addr) in p.uds_addrs().into_iter().enumerate() {
-        if dead.contains(&u) {
-            continue;
-        }
-        let mut cfg = ClientConfig::new("test", vec![addr]);
-        cfg.secret = p.secret().cloned();
-        let one = Client::connect(cfg).unwrap();
+    for u in (0..p.uds_addrs().len()).filter(|u| !dead.contains(u)) {
+        let one = unit_alone(p, u);
         for (key, fields) in one.list("p", one.deadline()).unwrap() {
             let RowKey::Index(row) = key else {
                 panic!("unit {u}: a named row {key:?}")
@@ -580,15 +582,8 @@ fn a_repair_gives_every_row_its_copies_again_and_brings_back_no_cleared_row() {
     // Every copy reads back exact: each unit's alone.
     let one = May::from([Some(1)]);
     let mut read = 0;
-    for (u, addr) in p
-        .uds_addrs()
-        .into_iter()
-        .enumerate()
-        .filter(|(u, _)| *u != 1)
-    {
-        let mut cfg = ClientConfig::new("test", vec![addr]);
-        cfg.secret = p.secret().cloned();
-        let alone = Client::connect(cfg).unwrap();
+    for u in [0, 2, 3] {
+        let alone = unit_alone(&p, u);
         for &r in &rows[16..] {
             if c.copies_of(home(r)).contains(&u) {
                 let got = get_row(&alone, r, &one, alone.deadline());
@@ -689,15 +684,8 @@ fn a_row_cleared_while_a_repair_holds_its_value_is_not_brought_back() {
     );
     assert_eq!(r.repairs_pending(), 0);
     let one = May::from([Some(1)]);
-    for (u, addr) in p
-        .uds_addrs()
-        .into_iter()
-        .enumerate()
-        .filter(|(u, _)| *u != 1)
-    {
-        let mut cfg = ClientConfig::new("test", vec![addr]);
-        cfg.secret = p.secret().cloned();
-        let alone = Client::connect(cfg).unwrap();
+    for u in [0, 2, 3] {
+        let alone = unit_alone(&p, u);
         assert_eq!(
             get_row(&alone, 0, &one, alone.deadline()),
             Ok(None),
@@ -725,10 +713,8 @@ fn rebuild_copies_gives_rows_left_with_one_copy_their_copies_again() {
         put_row(&c, r, 1, c.deadline()).unwrap();
     }
     // Each unit keeps its own rows only.
-    for (u, addr) in p.uds_addrs().into_iter().enumerate() {
-        let mut cfg = ClientConfig::new("test", vec![addr]);
-        cfg.secret = p.secret().cloned();
-        let alone = Client::connect(cfg).unwrap();
+    for u in 0..UNITS {
+        let alone = unit_alone(&p, u);
         let others: Vec<RowKey> = rows
             .iter()
             .filter(|&&r| c.unit_of_row(r) != u)

@@ -4,7 +4,9 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
-use stowage_client::Repaired;
+use std::time::Instant;
+
+use stowage_client::{Client as Inner, Repaired};
 
 use crate::client::Client;
 use crate::errors::to_py;
@@ -20,6 +22,22 @@ fn repaired_dict<'py>(py: Python<'py>, r: Repaired) -> PyResult<Bound<'py, PyDic
     Ok(d)
 }
 
+/// Run `call` on `client`'s native client without the GIL, reported as
+/// [`repaired_dict`].
+fn pass<'py>(
+    py: Python<'py>,
+    client: &Client,
+    timeout: Option<f64>,
+    call: impl FnOnce(&Inner, Instant) -> stowage_client::Result<Repaired> + Send,
+) -> PyResult<Bound<'py, PyDict>> {
+    let deadline = client.deadline(timeout)?;
+    let c = client.client()?;
+    let r = py
+        .detach(|| call(&c, deadline))
+        .map_err(|e| to_py(py, e, &[]))?;
+    repaired_dict(py, r)
+}
+
 /// One repair pass of `client` (`Client::repair`): a dict of `done`,
 /// `left`, `values`, `bytes`, `refused` and `errors`.
 #[pyfunction]
@@ -29,12 +47,7 @@ pub(crate) fn repair<'py>(
     client: &Client,
     timeout: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let deadline = client.deadline(timeout)?;
-    let c = client.client()?;
-    let r = py
-        .detach(|| c.repair(deadline))
-        .map_err(|e| to_py(py, e, &[]))?;
-    repaired_dict(py, r)
+    pass(py, client, timeout, |c, deadline| c.repair(deadline))
 }
 
 /// Every row's copies from whichever copy holds it
@@ -46,12 +59,9 @@ pub(crate) fn rebuild_copies<'py>(
     client: &Client,
     timeout: Option<f64>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let deadline = client.deadline(timeout)?;
-    let c = client.client()?;
-    let r = py
-        .detach(|| c.rebuild_copies(deadline))
-        .map_err(|e| to_py(py, e, &[]))?;
-    repaired_dict(py, r)
+    pass(py, client, timeout, |c, deadline| {
+        c.rebuild_copies(deadline)
+    })
 }
 
 /// What each newcomer lacks (`Client::under_replicated`): dicts of
