@@ -40,8 +40,9 @@ const BATCH_BYTES: u64 = 32 << 20;
 /// Most keys read at a time.
 const BATCH_KEYS: usize = 1024;
 /// Keys of a repair's first batch (values of unknown size: its sizes
-/// set the next batches').
-const FIRST_BATCH_KEYS: usize = 16;
+/// set the next batches'), so that the buffers a repair holds stay near
+/// [`BATCH_BYTES`] and one value, whatever the values' size.
+const FIRST_BATCH_KEYS: usize = 1;
 /// How often the background repairer looks for repairs due.
 const LOOK_EVERY: Duration = Duration::from_millis(100);
 /// How long it waits after a pass that left repairs due (another client
