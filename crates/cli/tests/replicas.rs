@@ -675,13 +675,12 @@ fn a_row_cleared_while_a_repair_holds_its_value_is_not_brought_back() {
     let done = done.unwrap();
     let _ = std::fs::remove_file(&open);
     let _ = std::fs::remove_file(&reached);
-    // Unit 0's pair: rows 0 and 4 read, row 0 refused; unit 1's: nothing
-    // (rows 1, 5... were never put).
-    assert_eq!(
-        (done.left, done.values, done.skipped),
-        (0, 2, 2),
-        "{done:?}"
-    );
+    // Unit 0's pair: row 4's 2 values stored; of row 0, what the repair
+    // had read before the clear refused (its first batch: at least one
+    // value), the rest not found at the source any more. Unit 1's pair:
+    // nothing (rows 1, 5... were never put).
+    assert_eq!((done.left, done.values), (0, 2), "{done:?}");
+    assert!(done.skipped >= 1, "nothing refused: {done:?}");
     assert_eq!(r.repairs_pending(), 0);
     let one = May::from([Some(1)]);
     for u in [0, 2, 3] {
