@@ -609,7 +609,9 @@ fn a_repair_gives_every_row_its_copies_again_and_brings_back_no_cleared_row() {
     };
     let before = lists();
     let again = repair_all(&other);
-    assert_eq!((again.done, again.values), (2, 0), "{again:?}");
+    // Both pairs settled by their marks: none repaired by this pass.
+    assert_eq!((again.done, again.left, again.values), (0, 0, 0), "{again:?}");
+    assert_eq!(other.repairs_pending(), 0);
     assert_eq!(lists(), before, "a marked pair was listed");
     let short = other.under_replicated(other.deadline()).unwrap();
     assert!(short.iter().all(|s| s.values == 0), "{short:?}");
@@ -869,6 +871,43 @@ fn a_repairer_stopped_mid_repair_is_taken_over_and_stores_nothing_after() {
     assert_eq!(copies_are_where_they_belong(&p, &c, &[1], &home), 32);
     let one = May::from([Some(1)]);
     for r in 0..32 {
+        assert_eq!(get_row(&c, r, &one, c.deadline()), Ok(Some(1)), "row {r}");
+    }
+}
+
+/// Two deaths one after the other: after the first, one client repairs
+/// (its newcomers get their marks) and goes away; after the second, the
+/// copies left of some rows are only those newcomers. A client that never
+/// repaired reads their marks, takes them as whole, and repairs from them:
+/// every row ends on 2 of the 2 units left, exact.
+#[test]
+fn after_a_second_death_a_client_repairs_from_newcomers_another_client_filled() {
+    let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
+    let rows: Vec<u64> = (0..32).collect();
+    {
+        let first = copies_client(&p, 2);
+        for &r in &rows {
+            put_row(&first, r, 1, first.deadline()).unwrap();
+        }
+        p.kill9(1);
+        first.unit_gone(1);
+        repair_all(&first);
+        // Unit 0's rows: on 0 and 2 (the newcomer, marked).
+        assert_eq!(&first.copies_of(0)[..], &[0, 2]);
+    }
+    p.kill9(0);
+    let c = copies_client(&p, 2);
+    c.unit_gone(1);
+    c.unit_gone(0);
+    // Unit 0's rows: left on 2 only (not of its first placement); the
+    // newcomer is 3.
+    assert_eq!(&c.copies_of(0)[..], &[2, 3]);
+    let r = repair_all(&c);
+    assert_eq!(r.left, 0, "{r:?}");
+    let home = |row: u64| c.unit_of_row(row);
+    assert_eq!(copies_are_where_they_belong(&p, &c, &[0, 1], &home), 32);
+    let one = May::from([Some(1)]);
+    for &r in &rows {
         assert_eq!(get_row(&c, r, &one, c.deadline()), Ok(Some(1)), "row {r}");
     }
 }

@@ -315,6 +315,21 @@ impl Client {
             .collect()
     }
 
+    /// Every (unit, copy) of a set now whose copy this client does not
+    /// know to hold all the unit's rows (a newcomer it has not repaired,
+    /// nor read the mark of), with or without a source to repair it from.
+    pub(crate) fn unsettled(&self) -> Vec<(usize, usize)> {
+        (0..self.copies.first.len())
+            .flat_map(|u| {
+                self.copies
+                    .set(u)
+                    .into_iter()
+                    .filter(move |&t| !self.copies.whole(u, t))
+                    .map(move |t| (u, t))
+            })
+            .collect()
+    }
+
     /// `target` now holds every row of `unit`'s its source held.
     pub(crate) fn repaired(&self, unit: usize, target: usize) {
         self.copies

@@ -177,6 +177,7 @@ impl Client {
     /// [`Client::repair`] that gives up between batches once `stop` says
     /// so.
     fn repair_pass(&self, deadline: Instant, stop: &dyn Fn() -> bool) -> Result<Repaired> {
+        self.learn_marks(deadline);
         let out = self.repair_pairs(self.repairs_due(), deadline, stop, true);
         self.metrics.repairs_pending(self.repairs_pending());
         Ok(out)
@@ -253,6 +254,7 @@ impl Client {
 
     /// What each newcomer lacks now (lists only; nothing is copied).
     pub fn under_replicated(&self, deadline: Instant) -> Result<Vec<Shortfall>> {
+        self.learn_marks(deadline);
         let mut out = Vec::new();
         for (unit, source, target) in self.repairs_due() {
             let (mut rows, mut values) = (0, 0);
@@ -307,6 +309,17 @@ impl Client {
         // the newcomer only its bookkeeping until then.
         let _ = self.repair_call(target, Request::CloseRepair { window }, deadline);
         r
+    }
+
+    /// The newcomers another client repaired (their mark) hold every row
+    /// for this client too: after a second unit's death, the rows whose
+    /// copies left are only such newcomers have a source again.
+    fn learn_marks(&self, deadline: Instant) {
+        for (unit, target) in self.unsettled() {
+            if self.marked(unit, target, deadline) {
+                self.repaired(unit, target);
+            }
+        }
     }
 
     /// Whether `target` holds the mark of having every row of `unit`'s.
@@ -624,7 +637,7 @@ fn repair_loop(weak: &Weak<Client>) {
         if settled == Some(epoch) {
             continue;
         }
-        if client.repairs_pending() == 0 {
+        if client.unsettled().is_empty() {
             settled = Some(epoch);
             continue;
         }
@@ -635,6 +648,9 @@ fn repair_loop(weak: &Weak<Client>) {
         let pass = Instant::now() + PASS_MAX;
         let closed = || Arc::strong_count(&client) == 1;
         let left = match client.repair_pass(pass, &closed) {
+            // Copies with nothing to repair them from (every whole copy
+            // gone) stay unsettled: looked at again after the backoff.
+            Ok(_) if !client.unsettled().is_empty() && client.repairs_pending() == 0 => true,
             Ok(r) if r.left == 0 => {
                 tracing::info!(
                     done = r.done,
