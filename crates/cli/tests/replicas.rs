@@ -610,7 +610,11 @@ fn a_repair_gives_every_row_its_copies_again_and_brings_back_no_cleared_row() {
     let before = lists();
     let again = repair_all(&other);
     // Both pairs settled by their marks: none repaired by this pass.
-    assert_eq!((again.done, again.left, again.values), (0, 0, 0), "{again:?}");
+    assert_eq!(
+        (again.done, again.left, again.values),
+        (0, 0, 0),
+        "{again:?}"
+    );
     assert_eq!(other.repairs_pending(), 0);
     assert_eq!(lists(), before, "a marked pair was listed");
     let short = other.under_replicated(other.deadline()).unwrap();
@@ -878,11 +882,14 @@ fn a_repairer_stopped_mid_repair_is_taken_over_and_stores_nothing_after() {
 /// Two deaths one after the other: after the first, one client repairs
 /// (its newcomers get their marks) and goes away; after the second, the
 /// copies left of some rows are only those newcomers. A client that never
-/// repaired reads their marks, takes them as whole, and repairs from them:
-/// every row ends on 2 of the 2 units left, exact.
+/// repaired reads their marks, takes them as whole, and repairs from them
+/// (and a checkpoint writes those rows from them): every row ends on 2 of
+/// the 2 units left, exact.
 #[test]
 fn after_a_second_death_a_client_repairs_from_newcomers_another_client_filled() {
-    let (mut p, _) = plane(UNITS, 16 * MIB, &[]);
+    let ckpt = tempfile::tempdir().unwrap();
+    let root = ckpt.path().display().to_string();
+    let (mut p, _) = plane(UNITS, 16 * MIB, &["--checkpoint-root", &root]);
     let rows: Vec<u64> = (0..32).collect();
     {
         let first = copies_client(&p, 2);
@@ -896,6 +903,16 @@ fn after_a_second_death_a_client_repairs_from_newcomers_another_client_filled() 
         assert_eq!(&first.copies_of(0)[..], &[0, 2]);
     }
     p.kill9(0);
+    // A checkpoint by a client that never repaired: the marked newcomer
+    // is the source of unit 0's rows, so each row is written once.
+    let ck = copies_client(&p, 2);
+    ck.unit_gone(1);
+    ck.unit_gone(0);
+    let info = ck
+        .checkpoint(&ckpt.path().join("c1"), ck.deadline())
+        .unwrap();
+    let written: u64 = info.iter().map(|i| i.rows).sum();
+    assert_eq!(written, rows.len() as u64, "{info:?}");
     let c = copies_client(&p, 2);
     c.unit_gone(1);
     c.unit_gone(0);

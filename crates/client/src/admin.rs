@@ -54,6 +54,10 @@ impl Client {
     ) -> Result<Vec<CheckpointInfo>> {
         let n = self.units.len();
         let part = |u: usize| dir.join(format!("unit-{u}")).to_string_lossy().into_owned();
+        if self.replicas() > 1 {
+            // A newcomer another client filled is a source too.
+            self.learn_marks(deadline);
+        }
         let reqs: Vec<(usize, Request)> = if self.replicas() > 1 {
             let mut homes = vec![Vec::new(); n];
             for g in 0..n {

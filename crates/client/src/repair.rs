@@ -61,7 +61,7 @@ const PASS_MAX: Duration = Duration::from_secs(3600);
 pub(crate) const MARKS: &str = "\0stowage:repaired";
 const MARK_FIELD: &str = "whole";
 /// Partitions of this prefix are the client's bookkeeping, not rows.
-pub(crate) const RESERVED_PARTITIONS: &str = "\0stowage:";
+pub(crate) const RESERVED_PARTITIONS: &str = stowage_wire::RESERVED_PARTITION_PREFIX;
 /// Value alignment in a repair's blobs (as a put lays them out).
 const ALIGN: u64 = 64;
 
@@ -314,7 +314,7 @@ impl Client {
     /// The newcomers another client repaired (their mark) hold every row
     /// for this client too: after a second unit's death, the rows whose
     /// copies left are only such newcomers have a source again.
-    fn learn_marks(&self, deadline: Instant) {
+    pub(crate) fn learn_marks(&self, deadline: Instant) {
         for (unit, target) in self.unsettled() {
             if self.marked(unit, target, deadline) {
                 self.repaired(unit, target);

@@ -11,6 +11,12 @@ use crate::GROUP_FIELD_PREFIX;
 /// index (`"\0u:3"`): that unit is its home.
 pub const UNIT_FIELD_PREFIX: &str = "\0u:";
 
+/// Partitions whose name begins with this are a client's bookkeeping, not
+/// rows (the marks of repaired copies): lists of partitions leave them
+/// out, and a checkpoint of some homes does not write them (they describe
+/// what a unit holds now, not data).
+pub const RESERVED_PARTITION_PREFIX: &str = "\0stowage:";
+
 /// The bit string row names set in their row id (ids of indices lie
 /// below it).
 const NAME_BIT: u64 = 1 << 63;

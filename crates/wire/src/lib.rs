@@ -48,7 +48,7 @@ mod validation;
 
 pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
-pub use home::{home_unit, UNIT_FIELD_PREFIX};
+pub use home::{home_unit, RESERVED_PARTITION_PREFIX, UNIT_FIELD_PREFIX};
 pub use limits::{Limits, WireError};
 pub use messages::{
     CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, RequestRef,

@@ -61,6 +61,15 @@ pub(crate) enum Piece {
     Zeros(u64),
 }
 
+/// Whether a core partition (`namespace` + separator + name) is a
+/// client's bookkeeping ([`stowage_wire::RESERVED_PARTITION_PREFIX`]: the
+/// marks of repaired copies, true of this unit now, not data to restore).
+fn reserved(partition: &str) -> bool {
+    partition
+        .split_once(stowage_wire::PARTITION_SEPARATOR)
+        .is_some_and(|(_, name)| name.starts_with(stowage_wire::RESERVED_PARTITION_PREFIX))
+}
+
 /// What of a snapshot a checkpoint of `homes` writes: the snapshot of the
 /// kept entries (offsets moved in compacted blobs) and blobs (with their
 /// sizes as written), and the pieces of each compacted blob (a blob not
@@ -76,8 +85,9 @@ pub(crate) fn keep(snap: &Snapshot, homes: &Homes) -> (Snapshot, HashMap<BlobId,
     }
     let kept_row: HashSet<(&str, u64)> = fields
         .into_iter()
-        .filter(|((_, row), f)| {
-            homes.keep[stowage_wire::home_unit(*row, f.iter().copied(), homes.units)]
+        .filter(|((partition, row), f)| {
+            !reserved(partition)
+                && homes.keep[stowage_wire::home_unit(*row, f.iter().copied(), homes.units)]
         })
         .map(|(k, _)| k)
         .collect();
@@ -225,6 +235,23 @@ mod tests {
         assert!(Homes::new(4, &[0, 9]).is_err());
         assert!(Homes::new(4, &[]).is_ok());
         assert!(Homes::new(4, &[3, 0]).is_ok());
+    }
+
+    #[test]
+    fn a_clients_bookkeeping_partitions_are_never_written() {
+        let snap = Snapshot {
+            pin: None,
+            entries: vec![
+                entry("ns\u{1f}p", 0, "a", 1, 0, 8),
+                entry("ns\u{1f}\0stowage:repaired", 0, "whole", 2, 0, 1),
+            ],
+            blobs: vec![(BlobId(1), 8, place()), (BlobId(2), 1, place())],
+            claims: vec![],
+        };
+        let (kept, _) = keep(&snap, &Homes::new(2, &[0, 1]).unwrap());
+        let parts: Vec<&str> = kept.entries.iter().map(|e| e.partition.as_str()).collect();
+        assert_eq!(parts, ["ns\u{1f}p"]);
+        assert_eq!(kept.blobs.len(), 1, "the mark's blob is not written");
     }
 
     #[test]
