@@ -30,18 +30,12 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use stowage_cli::bench::arg;
 use stowage_client::{Client, ClientConfig, Key, UnitAddr};
 
 const MIB: usize = 1 << 20;
 const SHMEM_ENABLED: &str = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
 const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
-
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_string())
-}
 
 /// The selected word of a `[selected]` sysfs list, or the trimmed value.
 fn setting(path: &str) -> String {

@@ -20,18 +20,11 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use stowage_cli::bench::quantile;
+use stowage_cli::bench::{arg, quantile};
 use stowage_client::{Client, ClientConfig, Column, DType, RowKey, Secret, Tensor, UnitAddr};
 use stowage_local::{LocalOptions, LocalPlane};
 
 const MIB: usize = 1 << 20;
-
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_string())
-}
 
 fn client(addrs: &str, secret: &str, shm: bool) -> Client {
     let addrs: Vec<UnitAddr> = addrs.split(',').map(|s| s.parse().unwrap()).collect();

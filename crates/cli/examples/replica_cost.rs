@@ -20,7 +20,7 @@
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use stowage_cli::bench::quantile;
+use stowage_cli::bench::{arg, quantile};
 use stowage_client::{
     Client, ClientConfig, Column, DType, RowKey, Secret, Sink, Tensor, TensorAsk, UnitAddr,
 };
@@ -28,13 +28,6 @@ use stowage_local::{LocalOptions, LocalPlane};
 
 const MIB: usize = 1 << 20;
 const FIELD: &str = "tokens";
-
-fn arg(args: &[String], name: &str, default: &str) -> String {
-    args.iter()
-        .position(|a| a == name)
-        .and_then(|i| args.get(i + 1).cloned())
-        .unwrap_or_else(|| default.to_string())
-}
 
 /// A writer or reader process: `child ROLE ADDRS SECRET_FILE SHM REPLICAS
 /// SIZE TOTAL`; prints the seconds its puts or gets took.

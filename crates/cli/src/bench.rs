@@ -181,6 +181,15 @@ pub fn latency_us(
     Ok((puts, gets))
 }
 
+/// The value after `name` on an example's command line `args`, else
+/// `default`.
+pub fn arg(args: &[String], name: &str, default: &str) -> String {
+    args.iter()
+        .position(|a| a == name)
+        .and_then(|i| args.get(i + 1).cloned())
+        .unwrap_or_else(|| default.to_string())
+}
+
 /// The `q`-quantile of `v` (sorted in place).
 pub fn quantile(v: &mut [f64], q: f64) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));

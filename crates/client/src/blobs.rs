@@ -469,15 +469,25 @@ impl Client {
         req: &Request,
         deadline: Instant,
     ) -> Result<Response> {
+        match self.call_unit_answer(unit, req, deadline).await? {
+            Response::Error { code, message } => Err(unit_error(unit, code, message, vec![])),
+            r => Ok(r),
+        }
+    }
+
+    /// [`Client::call_unit`] that gives a unit's refusal back as it came
+    /// (`Response::Error`), for a caller that tells its codes apart.
+    pub(crate) async fn call_unit_answer(
+        &self,
+        unit: usize,
+        req: &Request,
+        deadline: Instant,
+    ) -> Result<Response> {
         let mut t = match self.checkout(unit, deadline).await {
             Ok(t) => t,
             Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
         };
         match t.call(req, deadline).await {
-            Ok(Response::Error { code, message }) => {
-                self.checkin(unit, t);
-                Err(unit_error(unit, code, message, vec![]))
-            }
             Ok(r) => {
                 self.checkin(unit, t);
                 Ok(r)

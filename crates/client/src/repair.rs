@@ -556,20 +556,7 @@ impl Client {
         deadline: Instant,
     ) -> std::result::Result<Response, PairFailed> {
         let deadline = self.per_call(deadline);
-        let part = async {
-            let mut t = self
-                .checkout(unit, deadline)
-                .await
-                .map_err(|f| self.failed_get(unit, f, &[], deadline))?;
-            match t.call(&req, deadline).await {
-                Ok(r) => {
-                    self.checkin(unit, t);
-                    Ok(r)
-                }
-                Err(f) => Err(self.failed_get(unit, f, &[], deadline)),
-            }
-        };
-        let reply = fanout::all_at_once([part])
+        let reply = fanout::all_at_once([self.call_unit_answer(unit, &req, deadline)])
             .pop()
             .unwrap_or_else(|| Err(Error::Io("no reply".into())))?;
         match reply {

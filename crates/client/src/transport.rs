@@ -225,15 +225,7 @@ pub(crate) async fn stream_put(
         entries: &put.entries,
         timeout_ms: timeout_ms(deadline),
     };
-    let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
-    let id = conn
-        .send(&req, &mut payload, deadline)
-        .map_err(Failure::in_flight)?;
-    drop(payload);
-    turn().await;
-    // The Put's bytes may still be on their way when its reply fails to
-    // come.
-    let mut reply = conn.recv(id, deadline).map_err(Failure::in_flight)?;
+    let mut reply = send_with_blob(conn, &req, put, deadline).await?;
     let mut recommitted = false;
     loop {
         match reply {
@@ -261,16 +253,28 @@ pub(crate) async fn send_repair_put(
     deadline: Instant,
 ) -> Result<Response, Failure> {
     n_entries(&put.entries)?;
-    let req = Request::RepairPut {
+    let req = RequestRef::RepairPut {
         window,
         blob: put.blob,
-        partition: put.partition.to_owned(),
-        entries: put.entries.clone(),
+        partition: put.partition,
+        entries: &put.entries,
         timeout_ms: timeout_ms(deadline),
     };
+    send_with_blob(conn, &req, put, deadline).await
+}
+
+/// Send `req` with `put`'s bytes as its payload, let the other units'
+/// parts run, and take the reply. The bytes may still be on their way
+/// when the reply fails to come: failures are in flight.
+async fn send_with_blob(
+    conn: &mut Conn,
+    req: &RequestRef<'_>,
+    put: &BlobPut<'_>,
+    deadline: Instant,
+) -> Result<Response, Failure> {
     let mut payload: Vec<IoSlice<'_>> = put.segments.iter().map(|s| IoSlice::new(s)).collect();
     let id = conn
-        .send(&req, &mut payload, deadline)
+        .send(req, &mut payload, deadline)
         .map_err(Failure::in_flight)?;
     drop(payload);
     turn().await;
