@@ -628,6 +628,7 @@ fn a_checkpoint_keeps_the_claims_of_its_partitions() {
         fields: vec!["x".into()],
         want: 2,
         wait_ms: 0,
+        homes: None,
     }) {
         stowage_wire::Response::Claimed { rows, .. } => rows,
         other => panic!("{other:?}"),

@@ -150,8 +150,9 @@ fn lease_child() {
         fields: vec!["x".into()],
         want: 8,
         wait_ms: 0,
+        homes: None,
     }) {
-        Response::Claimed { lease, rows } => (lease, rows),
+        Response::Claimed { lease, rows, .. } => (lease, rows),
         other => panic!("{other:?}"),
     };
     println!("LEASED {lease} {rows:?}");

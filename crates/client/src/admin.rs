@@ -59,13 +59,8 @@ impl Client {
             self.learn_marks(deadline);
         }
         let reqs: Vec<(usize, Request)> = if self.replicas() > 1 {
-            let mut homes = vec![Vec::new(); n];
-            for g in 0..n {
-                if let Some(s) = self.copies.source_of(g) {
-                    homes[s].push(g as u32);
-                }
-            }
-            homes
+            self.copies
+                .homes_by_source()
                 .into_iter()
                 .enumerate()
                 .filter(|&(u, _)| !self.copies.is_down(u))

@@ -16,12 +16,22 @@
 //! ready (no polling). The first answer with rows ends the wait; the
 //! connections still waiting are cut, which gives back whatever their
 //! units leased meanwhile.
+//!
+//! **With copies** every unit holds copies of other units' rows, so each
+//! unit claims only the rows of the *homes* it is the source of (its own
+//! while it is up; a dead unit's go to the first of their copies left),
+//! and names each row's home in its lease. Once a lease is settled, the
+//! client writes a consumption mark (an empty hidden field,
+//! `stowage_wire::consumed_field`) to every copy of each row kept: a unit
+//! that later claims those homes' rows (after the claimer's death) takes
+//! them as consumed, and repairs and checkpoints carry the marks with
+//! the rows (docs/replication.md#claims).
 
 use std::collections::HashMap;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use stowage_wire::{ClaimProgress, Key, Request, Response};
+use stowage_wire::{consumed_field, ClaimProgress, EntrySpec, Homes, Key, Request, Response};
 
 use crate::classify::{unexpected, unit_error};
 use crate::failure::Failure;
@@ -29,7 +39,7 @@ use crate::fanout;
 use crate::pool::Lease;
 use crate::row_meta::KEY_FIELD;
 use crate::values::NAME_BIT;
-use crate::{Client, Error, Result, RowKey};
+use crate::{new_blob_id, BlobPut, Client, Error, Result, RowKey};
 
 /// How much sooner than the caller's deadline a unit ends a claim's wait,
 /// so that its answer (and the settle) still fit before it.
@@ -47,14 +57,19 @@ fn take_deadline(deadline: Instant) -> Instant {
     deadline.max(Instant::now() + TAKE_GRACE)
 }
 
-/// One unit's lease of a claim: its rows, and the connection to settle
-/// it on.
+/// One unit's lease of a claim: its rows (with copies, and their homes),
+/// and the connection to settle it on.
 struct Leased<'a> {
     unit: usize,
     conn: Lease<'a>,
     lease: u64,
     rows: Vec<u64>,
+    homes: Vec<u32>,
 }
+
+/// A claim's request to one unit, for a wait in ms and the homes it
+/// claims (with copies).
+type Ask<'a> = dyn Fn(u32, Option<Homes>) -> Request + Sync + 'a;
 
 impl Client {
     /// The unit a row named `name`, or the rows of the group `name`, live
@@ -66,18 +81,29 @@ impl Client {
         self.unit_of_row(id)
     }
 
-    /// Claims with copies ([`ClientConfig::replicas`](crate::ClientConfig::replicas) over 1) are
-    /// refused: each unit claims from every row it holds, copies included,
-    /// so a row could be claimed once per copy (docs/replication.md).
-    fn claims_need_one_copy(&self) -> Result<()> {
-        if self.replicas() > 1 {
-            return Err(Error::InvalidRequest(format!(
-                "claims need replicas = 1 (this client keeps {} copies of every row, and a \
-                 unit would claim its copies of other units' rows too); see docs/replication.md",
-                self.replicas()
-            )));
+    /// The units a claim asks, and with copies the homes each claims:
+    /// every unit up that is the source of some home
+    /// (docs/replication.md#claims).
+    fn claimers(&self) -> Vec<(usize, Option<Homes>)> {
+        let n = self.units.len();
+        if self.replicas() == 1 {
+            return (0..n).map(|u| (u, None)).collect();
         }
-        Ok(())
+        let units = n as u32;
+        self.copies
+            .homes_by_source()
+            .into_iter()
+            .enumerate()
+            .filter(|(u, of)| !of.is_empty() && !self.copies.is_down(*u))
+            .map(|(u, of)| (u, Some(Homes { units, of })))
+            .collect()
+    }
+
+    /// The units up (with copies, a dead unit's part is on its copies).
+    fn units_up(&self) -> Vec<usize> {
+        (0..self.units.len())
+            .filter(|&u| self.replicas() == 1 || !self.copies.is_down(u))
+            .collect()
     }
 
     /// Declare the consumer `tasks` of `partition` on every unit:
@@ -96,18 +122,24 @@ impl Client {
         if tasks.is_empty() {
             return Err(Error::InvalidRequest("no task to register".into()));
         }
-        self.claims_need_one_copy()?;
         let req = Request::RegisterTasks {
             partition: partition.to_owned(),
             tasks: tasks.to_vec(),
             samples,
             group_size,
         };
-        let reqs = (0..self.units.len()).map(|u| (u, req.clone())).collect();
+        let reqs = self
+            .units_up()
+            .into_iter()
+            .map(|u| (u, req.clone()))
+            .collect();
         for (unit, r) in self.call_units(reqs, deadline) {
-            match r? {
-                Response::Done => {}
-                other => return Err(unexpected(unit, other)),
+            match r {
+                Ok(Response::Done) => {}
+                Ok(other) => return Err(unexpected(unit, other)),
+                // With copies, a unit found dead claims nothing any more.
+                Err(Error::LostKeys { .. }) if self.replicas() > 1 => {}
+                Err(e) => return Err(e),
             }
         }
         Ok(())
@@ -132,17 +164,30 @@ impl Client {
         if want == 0 {
             return Err(Error::InvalidRequest("a claim of 0 rows".into()));
         }
-        self.claims_need_one_copy()?;
-        let ask = |wait_ms: u32| Request::Claim {
+        let ask = |wait_ms: u32, homes: Option<Homes>| Request::Claim {
             partition: partition.to_owned(),
             task: task.to_owned(),
             fields: fields.to_vec(),
             want,
             wait_ms,
+            homes,
         };
         loop {
-            let (rows, leased_any) = self.claim_once(&ask, want, wait, deadline)?;
+            let epoch = self.copies_epoch();
+            let (rows, leased_any) = match self.claim_once(&ask, want, wait, deadline) {
+                // A unit found down meanwhile: its homes are claimed by
+                // their copies now; ask again.
+                Err(_)
+                    if self.replicas() > 1
+                        && self.copies_epoch() != epoch
+                        && Instant::now() < deadline =>
+                {
+                    continue
+                }
+                r => r?,
+            };
             if !rows.is_empty() {
+                self.mark_consumed(partition, task, &rows, take_deadline(deadline));
                 return self.row_keys(partition, rows, take_deadline(deadline));
             }
             // Rows leased, but none kept: the leases ran out before their
@@ -161,19 +206,63 @@ impl Client {
         Ok(Vec::new())
     }
 
-    /// One try of [`Client::claim`]: the (unit, row) of the rows kept, and
-    /// whether any unit leased rows.
+    /// With copies: write the consumption of `rows` (home, row) by `task`
+    /// to every copy of each (docs/replication.md#claims). They are the
+    /// caller's already (settled on their claimer): a mark that fails is
+    /// logged, and leaves the row claimable again only if its claimer
+    /// dies before the mark is written.
+    fn mark_consumed(&self, partition: &str, task: &str, rows: &[(usize, u64)], deadline: Instant) {
+        if self.replicas() == 1 {
+            return;
+        }
+        let mut by_home: std::collections::BTreeMap<usize, Vec<EntrySpec>> = Default::default();
+        for &(home, row) in rows {
+            by_home.entry(home).or_default().push(EntrySpec {
+                key: Key::new(row, consumed_field(home as u32, task)),
+                offset: 0,
+                len: 0,
+                meta: Vec::new(),
+            });
+        }
+        let blobs: Vec<BlobPut<'_>> = by_home
+            .into_iter()
+            .map(|(unit, entries)| BlobPut {
+                unit,
+                partition,
+                blob: new_blob_id(),
+                segments: Vec::new(),
+                entries,
+            })
+            .collect();
+        if let Err(e) = self.put_many(&blobs, deadline) {
+            tracing::warn!(
+                error = %e, partition, task, rows = rows.len(),
+                "claimed rows' consumption marks were not written to every copy"
+            );
+        }
+    }
+
+    /// One try of [`Client::claim`]: the (unit, row) of the rows kept
+    /// (with copies, the row's home instead of its claimer), and whether
+    /// any unit leased rows.
     fn claim_once(
         &self,
-        ask: &(dyn Fn(u32) -> Request + Sync),
+        ask: &Ask<'_>,
         want: u32,
         wait: bool,
         deadline: Instant,
     ) -> Result<(Vec<(usize, u64)>, bool)> {
-        // Every unit at once, answered at once.
-        let mut conns = self.checkout_all(deadline)?;
-        let now = ask(0);
-        let answers = fanout::all_at_once(conns.iter_mut().map(|(_, c)| c.call(&now, deadline)));
+        // Every claimer at once, answered at once.
+        let claimers = self.claimers();
+        let units: Vec<usize> = claimers.iter().map(|(u, _)| *u).collect();
+        let mut conns = self.checkout_units(&units, deadline)?;
+        let reqs: Vec<Request> = claimers.into_iter().map(|(_, h)| ask(0, h)).collect();
+        let answers = fanout::all_at_once(
+            conns
+                .iter_mut()
+                .zip(&reqs)
+                .map(|((_, c), req)| c.call(req, deadline)),
+        );
         let mut leased = Vec::new();
         let mut first_err = None;
         for ((unit, conn), answer) in conns.into_iter().zip(answers) {
@@ -208,11 +297,18 @@ impl Client {
         task: &str,
         deadline: Instant,
     ) -> Result<ClaimProgress> {
-        let req = Request::ClaimStatus {
-            partition: partition.to_owned(),
-            task: task.to_owned(),
-        };
-        let reqs = (0..self.units.len()).map(|u| (u, req.clone())).collect();
+        let reqs = self
+            .claimers()
+            .into_iter()
+            .map(|(u, homes)| {
+                let req = Request::ClaimStatus {
+                    partition: partition.to_owned(),
+                    task: task.to_owned(),
+                    homes,
+                };
+                (u, req)
+            })
+            .collect();
         let mut sum = ClaimProgress::default();
         for (unit, r) in self.call_units(reqs, deadline) {
             match r? {
@@ -255,11 +351,15 @@ impl Client {
         }
     }
 
-    /// A connection to every unit, checked out at once.
-    fn checkout_all(&self, deadline: Instant) -> Result<Vec<(usize, Lease<'_>)>> {
-        let got = fanout::all_at_once((0..self.units.len()).map(|u| self.checkout(u, deadline)));
+    /// A connection to each of `units`, checked out at once.
+    fn checkout_units(
+        &self,
+        units: &[usize],
+        deadline: Instant,
+    ) -> Result<Vec<(usize, Lease<'_>)>> {
+        let got = fanout::all_at_once(units.iter().map(|&u| self.checkout(u, deadline)));
         let mut conns = Vec::with_capacity(got.len());
-        for (unit, c) in got.into_iter().enumerate() {
+        for (&unit, c) in units.iter().zip(got) {
             match c {
                 Ok(c) => conns.push((unit, c)),
                 Err(f) => {
@@ -284,11 +384,12 @@ impl Client {
         deadline: Instant,
     ) -> Result<Option<Leased<'a>>> {
         match answer {
-            Ok(Response::Claimed { lease, rows }) => Ok(Some(Leased {
+            Ok(Response::Claimed { lease, rows, homes }) => Ok(Some(Leased {
                 unit,
                 conn,
                 lease,
                 rows,
+                homes,
             })),
             Ok(Response::Error { code, message }) => {
                 self.checkin(unit, conn);
@@ -304,24 +405,22 @@ impl Client {
 
     /// Nothing was ready anywhere: wait on every unit at once, one thread
     /// each, until one answers with rows; then cut the others.
-    fn wait_for_rows<'a>(
-        &'a self,
-        ask: &(dyn Fn(u32) -> Request + Sync),
-        deadline: Instant,
-    ) -> Result<Vec<Leased<'a>>> {
+    fn wait_for_rows<'a>(&'a self, ask: &Ask<'_>, deadline: Instant) -> Result<Vec<Leased<'a>>> {
         let wait = deadline
             .saturating_duration_since(Instant::now())
             .saturating_sub(WAIT_MARGIN);
         if wait.is_zero() {
             return Ok(Vec::new());
         }
-        let req = ask(u32::try_from(wait.as_millis()).unwrap_or(u32::MAX).max(1));
-        let conns = self.checkout_all(deadline)?;
+        let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX).max(1);
+        let claimers = self.claimers();
+        let units: Vec<usize> = claimers.iter().map(|(u, _)| *u).collect();
+        let reqs: Vec<Request> = claimers.into_iter().map(|(_, h)| ask(wait_ms, h)).collect();
+        let conns = self.checkout_units(&units, deadline)?;
         let cuts: Vec<_> = conns.iter().map(|(_, c)| c.interrupter()).collect();
         let (tx, rx) = mpsc::channel();
         std::thread::scope(|s| {
-            let req = &req;
-            for (i, (unit, mut conn)) in conns.into_iter().enumerate() {
+            for (i, ((unit, mut conn), req)) in conns.into_iter().zip(&reqs).enumerate() {
                 let tx = tx.clone();
                 s.spawn(move || {
                     let answer = fanout::all_at_once([conn.call(req, deadline)]).pop();
@@ -411,7 +510,13 @@ impl Client {
         for ((l, _), answer) in plans.into_iter().zip(answers) {
             match answer {
                 Ok(Response::Settled { rows }) => {
-                    kept.extend(rows.into_iter().map(|r| (l.unit, r)));
+                    // With copies a row is read, and marked, by its home.
+                    let home = |r: u64| {
+                        let at = l.rows.iter().position(|x| *x == r);
+                        at.and_then(|at| l.homes.get(at))
+                            .map_or(l.unit, |&h| h as usize)
+                    };
+                    kept.extend(rows.into_iter().map(|r| (home(r), r)));
                     self.checkin(l.unit, l.conn);
                 }
                 Ok(Response::Error { code, message }) => {

@@ -218,6 +218,19 @@ impl Copies {
         self.source_in(unit, &self.set(unit))
     }
 
+    /// The homes each unit is the source of ([`Copies::source_of`]), by
+    /// unit: what it checkpoints and claims with copies.
+    pub(crate) fn homes_by_source(&self) -> Vec<Vec<u32>> {
+        let n = self.down.len();
+        let mut homes = vec![Vec::new(); n];
+        for g in 0..n {
+            if let Some(s) = self.source_of(g) {
+                homes[s].push(g as u32);
+            }
+        }
+        homes
+    }
+
     /// Whether `unit` is known to be down (found dead or restarted, or
     /// declared gone).
     pub(crate) fn is_down(&self, unit: usize) -> bool {

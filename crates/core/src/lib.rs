@@ -98,6 +98,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod home;
 mod meta;
 pub mod slab;
 mod unit;

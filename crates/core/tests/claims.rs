@@ -8,213 +8,11 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use proptest::prelude::*;
-use stowage_core::op::{
-    Alloc, Claim, ClaimStatus, ClearPartition, ClearRows, CommitWritten, RegisterTasks, Settle,
-};
-use stowage_core::{
-    input, Action, BlobId, ClaimAnswer, ClaimReply, ClaimStatusAnswer, Committed, ConnEnd,
-    CoreConfig, CoreError, EntrySpec, Input, Key, Lease, LeaseId, Owner, Request, Time, UnitCore,
-};
+use stowage_core::op::{ClearPartition, ClearRows};
+use stowage_core::{input, ClaimAnswer, ClaimStatusAnswer, CoreError, Lease, LeaseId, Owner, Time};
 
-const LEASE: Duration = Duration::from_secs(30);
-
-struct Unit {
-    core: UnitCore,
-    now: Time,
-    next_blob: u128,
-    /// Answers of waiting claims, in the order the core gave them.
-    replies: Vec<ClaimReply>,
-}
-
-impl Unit {
-    fn new() -> Self {
-        let mut cfg = CoreConfig::new(4 << 20);
-        cfg.claim_lease = LEASE;
-        Unit {
-            core: UnitCore::new(cfg).unwrap(),
-            now: Time::ZERO,
-            next_blob: 1,
-            replies: Vec::new(),
-        }
-    }
-
-    fn input<I: Input>(&mut self, input: I) -> Result<I::Answer, CoreError> {
-        let r = self.core.handle(self.now, input);
-        while let Some(a) = self.core.poll_action() {
-            if let Action::Claimed(reply) = a {
-                self.replies.push(reply);
-            }
-        }
-        if let Err(e) = self.core.check_claims() {
-            panic!("claims state broken: {e}");
-        }
-        r
-    }
-
-    fn request<O: stowage_core::Op>(
-        &mut self,
-        owner: Owner,
-        op: O,
-    ) -> Result<O::Answer, CoreError> {
-        self.input(Request { owner, op })
-    }
-
-    fn conn(&mut self) -> Owner {
-        let s = self.input(input::OpenSession).unwrap();
-        self.input(input::Attach {
-            session: s,
-            mapped: false,
-        })
-        .unwrap()
-    }
-
-    fn end(&mut self, owner: Owner) {
-        self.input(input::ConnEnded {
-            owner,
-            end: ConnEnd::Closed,
-        })
-        .unwrap();
-    }
-
-    /// Store the given (row, field) values of `partition`, one blob.
-    fn put(&mut self, who: Owner, partition: &str, keys: &[(u64, &str)]) {
-        let blob = BlobId(self.next_blob);
-        self.next_blob += 1;
-        let entries: Vec<EntrySpec> = keys
-            .iter()
-            .enumerate()
-            .map(|(i, (row, field))| EntrySpec {
-                key: Key::new(*row, *field),
-                offset: i as u64 * 8,
-                len: 8,
-                meta: Vec::new(),
-            })
-            .collect();
-        self.request(
-            who,
-            Alloc {
-                blob,
-                nbytes: 8 * keys.len() as u64,
-                n_entries: keys.len() as u32,
-            },
-        )
-        .unwrap();
-        let done = self
-            .request(
-                who,
-                CommitWritten {
-                    partition: partition.into(),
-                    blob,
-                    entries,
-                },
-            )
-            .unwrap();
-        assert_eq!(done, Committed::Done);
-    }
-
-    fn register(
-        &mut self,
-        who: Owner,
-        partition: &str,
-        tasks: &[&str],
-        samples: u64,
-        group_size: u32,
-    ) -> Result<(), CoreError> {
-        self.request(
-            who,
-            RegisterTasks {
-                partition: partition.into(),
-                tasks: tasks.iter().map(|t| t.to_string()).collect(),
-                samples,
-                group_size,
-            },
-        )
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn claim_op(
-        &mut self,
-        who: Owner,
-        partition: &str,
-        task: &str,
-        fields: &[&str],
-        want: u32,
-        wait_until: Option<Time>,
-        tag: u64,
-    ) -> Result<ClaimAnswer, CoreError> {
-        self.request(
-            who,
-            Claim {
-                partition: partition.into(),
-                task: task.into(),
-                fields: fields.iter().map(|f| f.to_string()).collect(),
-                want,
-                wait_until,
-                tag,
-            },
-        )
-    }
-
-    /// A claim that does not wait: its lease.
-    fn claim(
-        &mut self,
-        who: Owner,
-        partition: &str,
-        task: &str,
-        fields: &[&str],
-        want: u32,
-    ) -> Lease {
-        match self.claim_op(who, partition, task, fields, want, None, 0) {
-            Ok(ClaimAnswer::Leased(l)) => l,
-            other => panic!("claim answered {other:?}"),
-        }
-    }
-
-    /// A claim of partition "p" that waits until `wait_ms` from now.
-    fn claim_waiting(
-        &mut self,
-        who: Owner,
-        task: &str,
-        fields: &[&str],
-        want: u32,
-        wait_ms: u64,
-        tag: u64,
-    ) -> ClaimAnswer {
-        let until = self.now + Duration::from_millis(wait_ms);
-        self.claim_op(who, "p", task, fields, want, Some(until), tag)
-            .unwrap()
-    }
-
-    fn settle(&mut self, who: Owner, lease: LeaseId, keep: &[u64]) -> Result<Vec<u64>, CoreError> {
-        self.request(
-            who,
-            Settle {
-                lease,
-                keep: keep.to_vec(),
-            },
-        )
-    }
-
-    fn status(&mut self, who: Owner, partition: &str, task: &str) -> ClaimStatusAnswer {
-        self.request(
-            who,
-            ClaimStatus {
-                partition: partition.into(),
-                task: task.into(),
-            },
-        )
-        .unwrap()
-    }
-
-    fn advance(&mut self, by: Duration) {
-        self.now += by;
-        self.input(input::Timeout).unwrap();
-    }
-
-    fn take_replies(&mut self) -> Vec<ClaimReply> {
-        std::mem::take(&mut self.replies)
-    }
-}
+mod common;
+use common::{Unit, LEASE};
 
 fn invalid<T: std::fmt::Debug>(r: Result<T, CoreError>) -> String {
     match r {
@@ -495,7 +293,8 @@ fn a_waiting_claim_is_answered_empty_at_its_deadline() {
             .unwrap(),
         ClaimAnswer::Leased(Lease {
             id: LeaseId(0),
-            rows: vec![]
+            rows: vec![],
+            homes: vec![]
         })
     );
     let deadline = u.now + Duration::from_millis(1000);
@@ -510,7 +309,8 @@ fn a_waiting_claim_is_answered_empty_at_its_deadline() {
         r[0].lease,
         Lease {
             id: LeaseId(0),
-            rows: vec![]
+            rows: vec![],
+            homes: vec![]
         }
     );
     assert_eq!(u.core.poll_timeout(), None);

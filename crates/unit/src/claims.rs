@@ -85,6 +85,7 @@ mod tests {
         Response::Claimed {
             lease,
             rows: vec![lease],
+            homes: vec![],
         }
     }
 

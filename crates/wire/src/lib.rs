@@ -40,7 +40,6 @@
 
 mod codes;
 mod frame;
-mod home;
 mod limits;
 mod messages;
 mod stats;
@@ -48,14 +47,17 @@ mod validation;
 
 pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
-pub use home::{home_unit, RESERVED_PARTITION_PREFIX, UNIT_FIELD_PREFIX};
 pub use limits::{Limits, WireError};
 pub use messages::{
     CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, RequestRef,
-    Response, RestoreReply, RestoreSource, RowValue, RowsResolved, GROUP_FIELD_PREFIX, RING_MAX,
-    RING_MIN,
+    Response, RestoreReply, RestoreSource, RowValue, RowsResolved, RESERVED_PARTITION_PREFIX,
+    RING_MAX, RING_MIN,
 };
 pub use stats::Stats;
+pub use stowage_core::home::{
+    consumed_field, consumed_of, home_unit, Homes, CONSUMED_FIELD_PREFIX, GROUP_FIELD_PREFIX,
+    UNIT_FIELD_PREFIX,
+};
 pub use stowage_core::{BlobId, EntrySpec, Key, Meta, PinId, SessionStats};
 pub use validation::PARTITION_SEPARATOR;
 
@@ -88,8 +90,10 @@ pub use validation::PARTITION_SEPARATOR;
 /// repair requests ([`Request::OpenRepair`], [`Request::CloseRepair`],
 /// [`Request::RepairPut`] and their replies) were appended within 16: no
 /// variant moved, and a unit that predates them refuses them as requests
-/// it cannot decode; so was [`Request::CheckpointHomes`].
-pub const PROTOCOL_VERSION: u16 = 16;
+/// it cannot decode; so was [`Request::CheckpointHomes`]. Version 17:
+/// claims with copies (`homes` in [`Request::Claim`] and
+/// [`Request::ClaimStatus`], and in [`Response::Claimed`]).
+pub const PROTOCOL_VERSION: u16 = 17;
 
 #[cfg(test)]
 mod tests {
@@ -205,6 +209,18 @@ mod tests {
                 fields: vec!["input_ids".into(), "advantages".into()],
                 want: 64,
                 wait_ms: 1000,
+                homes: None,
+            },
+            Request::Claim {
+                partition: "step-1".into(),
+                task: "train".into(),
+                fields: vec!["input_ids".into()],
+                want: 8,
+                wait_ms: 0,
+                homes: Some(Homes {
+                    units: 4,
+                    of: vec![1, 2],
+                }),
             },
             Request::Settle {
                 lease: 9,
@@ -213,6 +229,15 @@ mod tests {
             Request::ClaimStatus {
                 partition: "step-1".into(),
                 task: "train".into(),
+                homes: None,
+            },
+            Request::ClaimStatus {
+                partition: "step-1".into(),
+                task: "train".into(),
+                homes: Some(Homes {
+                    units: 3,
+                    of: vec![0],
+                }),
             },
             Request::ClaimsState,
             Request::LoadClaims {
@@ -425,6 +450,12 @@ mod tests {
             Response::Claimed {
                 lease: 4,
                 rows: vec![7, 1 << 63],
+                homes: vec![],
+            },
+            Response::Claimed {
+                lease: 5,
+                rows: vec![7, 9],
+                homes: vec![1, 2],
             },
             Response::Settled { rows: vec![7] },
             Response::ClaimStatus(ClaimProgress {
@@ -733,11 +764,13 @@ mod tests {
             fields: vec![],
             want: 1,
             wait_ms: 0,
+            homes: None,
         };
         assert_eq!(index(postcard::to_stdvec(&claim).unwrap()), 24);
         let claimed = Response::Claimed {
             lease: 0,
             rows: vec![],
+            homes: vec![],
         };
         assert_eq!(index(postcard::to_stdvec(&claimed).unwrap()), 21);
         // Repair windows, appended at the end (no variant moved).
@@ -770,6 +803,7 @@ mod tests {
             fields: vec!["f".into()],
             want: 4,
             wait_ms,
+            homes: None,
         };
         assert!(claim(10).may_wait());
         assert!(!claim(0).may_wait());

@@ -3,7 +3,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use crate::{auth, BlobId, EntrySpec, ErrorCode, Key, Meta, PinId, Stats};
+use crate::{auth, BlobId, EntrySpec, ErrorCode, Homes, Key, Meta, PinId, Stats};
 
 /// The header of a frame.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -211,12 +211,18 @@ pub enum Request {
     /// clients, so never sent on a request ring. The lease is kept by
     /// [`Request::Settle`] on the same connection; it gives its rows back
     /// if the connection ends or the unit's claim lease passes first.
+    ///
+    /// With copies, `homes` names the homes whose rows this unit claims
+    /// (it holds copies of other units' rows, which their claimers claim):
+    /// the lease's rows are of those homes only, and the answer names each
+    /// row's home.
     Claim {
         partition: String,
         task: String,
         fields: Vec<String>,
         want: u32,
         wait_ms: u32,
+        homes: Option<Homes>,
     },
     /// Keep the rows `keep` of lease `lease` (they are claimed by its task
     /// for good) and give its others back. Answered [`Response::Settled`]
@@ -227,10 +233,12 @@ pub enum Request {
         keep: Vec<u64>,
     },
     /// How far `task` got through `partition` on this unit: answered
-    /// [`Response::ClaimStatus`].
+    /// [`Response::ClaimStatus`]. With copies, `homes` counts the
+    /// consumption of those homes' rows only.
     ClaimStatus {
         partition: String,
         task: String,
+        homes: Option<Homes>,
     },
     /// The claims state of this namespace's registered partitions on this
     /// unit, as a checkpoint keeps it (each partition's registration, its
@@ -457,9 +465,11 @@ impl Serialize for RequestRef<'_> {
     }
 }
 
-/// The field a row's group id is written under, after this prefix
-/// ([`Request::RegisterTasks`]'s `group_size`).
-pub const GROUP_FIELD_PREFIX: &str = "\0g:";
+/// Partitions whose name begins with this are a client's bookkeeping, not
+/// rows (the marks of repaired copies): lists of partitions leave them
+/// out, and a checkpoint of some homes does not write them (they describe
+/// what a unit holds now, not data).
+pub const RESERVED_PARTITION_PREFIX: &str = "\0stowage:";
 
 /// Reply to [`Request::ClaimStatus`]: a task's progress on one unit.
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -677,10 +687,12 @@ pub enum Response {
     /// Reply to OpenRestore (boxed: a rare reply).
     Restore(Box<RestoreReply>),
     /// Reply to Claim: the lease and its rows (none: nothing was ready
-    /// within the wait; the lease is then 0).
+    /// within the wait; the lease is then 0); with the claim's `homes`,
+    /// each row's home in `rows`' order (else empty).
     Claimed {
         lease: u64,
         rows: Vec<u64>,
+        homes: Vec<u32>,
     },
     /// Reply to Settle: the rows kept.
     Settled {

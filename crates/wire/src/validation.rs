@@ -37,6 +37,16 @@ impl Request {
             }
             Ok(())
         };
+        let homes = |h: &Option<crate::Homes>| match h {
+            None => Ok(()),
+            Some(h) if h.units == 0 || h.of.iter().any(|&u| u >= h.units) => {
+                Err(WireError::Malformed(format!(
+                    "homes {:?} are not units of a plane of {}",
+                    h.of, h.units
+                )))
+            }
+            Some(h) => count("homes", h.of.len()),
+        };
         match self {
             Request::Hello { namespace, .. } => {
                 name("namespace bytes", namespace)?;
@@ -165,17 +175,24 @@ impl Request {
                 partition: p,
                 task,
                 fields,
+                homes: h,
                 ..
             } => {
                 partition(p)?;
+                homes(h)?;
                 name("task name bytes", task)?;
                 count("fields", fields.len())?;
                 fields.iter().try_for_each(|f| name("field name bytes", f))
             }
             Request::Settle { keep, .. } => count("rows", keep.len()),
             Request::LoadClaims { .. } | Request::ClaimsState => Ok(()),
-            Request::ClaimStatus { partition: p, task } => {
+            Request::ClaimStatus {
+                partition: p,
+                task,
+                homes: h,
+            } => {
                 partition(p)?;
+                homes(h)?;
                 name("task name bytes", task)
             }
             Request::OpenRing { bytes } => {

@@ -455,6 +455,7 @@ impl UnitCore {
     /// The entries' field names and metadata move into the index (a put of
     /// many values allocates nothing more per value here).
     pub(super) fn publish(&mut self, partition: &str, blob: BlobId, entries: Vec<EntrySpec>) {
+        let entries = self.without_stray_marks(partition, entries);
         self.commit_seq += 1;
         let seq = self.commit_seq;
         let mut stored = 0;
@@ -520,6 +521,30 @@ impl UnitCore {
             // a later one of the same blob): it goes now.
             self.maybe_free(blob);
         }
+    }
+
+    /// `entries` less the consumption marks
+    /// ([`crate::home::CONSUMED_FIELD_PREFIX`]) of rows neither stored
+    /// here nor put by another of `entries`: a mark that comes after its
+    /// row was cleared (or before a repair brought the row) must not make
+    /// a row of its own. Their bytes (none) stay unreferenced.
+    fn without_stray_marks(&self, partition: &str, mut entries: Vec<EntrySpec>) -> Vec<EntrySpec> {
+        let is_mark = |e: &EntrySpec| e.key.field.starts_with(crate::home::CONSUMED_FIELD_PREFIX);
+        if !entries.iter().any(is_mark) {
+            return entries;
+        }
+        let stored = self.index.parts.get(partition);
+        let put: HashSet<u64> = entries
+            .iter()
+            .filter(|e| !is_mark(e))
+            .map(|e| e.key.row)
+            .collect();
+        entries.retain(|e| {
+            !is_mark(e)
+                || put.contains(&e.key.row)
+                || stored.is_some_and(|r| r.contains_key(&e.key.row))
+        });
+        entries
     }
 
     /// Give up a reservation. With `in_flight` (a transfer may still write

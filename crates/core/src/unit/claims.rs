@@ -47,6 +47,7 @@ use std::collections::BTreeSet;
 use super::input::apply_op;
 use super::op::{Claim, ClaimStatus, RegisterTasks, Settle};
 use super::*;
+use crate::home::{consumed_of, Homes, GROUP_FIELD_PREFIX as GROUP_PREFIX};
 
 mod snapshot;
 
@@ -55,16 +56,13 @@ pub(super) const MAX_TASKS: usize = 64;
 
 type Set<T> = HashSet<T, foldhash::fast::RandomState>;
 
-/// The prefix of the field that names a row's group.
-const GROUP_PREFIX: &str = "\0g:";
-
 apply_op!(RegisterTasks => (), |op, core, _, owner| core.register_tasks(owner, op));
 apply_op!(Claim => ClaimAnswer, |op, core, now, owner| core.claim(owner, op, now));
 apply_op!(Settle => Vec<u64>, |Settle { lease, keep }, core, now, owner| {
     core.settle(owner, lease, &keep, now)
 });
-apply_op!(ClaimStatus => ClaimStatusAnswer, |ClaimStatus { partition, task }, core, _, _| {
-    Ok(core.claim_status(&partition, &task))
+apply_op!(ClaimStatus => ClaimStatusAnswer, |ClaimStatus { partition, task, homes }, core, _, _| {
+    Ok(core.claim_status(&partition, &task, homes.as_ref()))
 });
 
 /// The claims state of the unit: registered partitions, leases, waiting
@@ -132,6 +130,10 @@ struct Task {
     cands: BTreeSet<u64>,
     /// Rows ever settled for the task (never lowered).
     consumed_total: u64,
+    /// With copies: rows ever consumed by the task per home (settled here
+    /// under a lease of [`Claim::homes`], or marked consumed), never
+    /// lowered.
+    by_home: Map<u32, u64>,
 }
 
 struct LeaseRec {
@@ -139,6 +141,8 @@ struct LeaseRec {
     task: usize,
     owner: Owner,
     rows: Vec<u64>,
+    /// With [`Claim::homes`]: each row's home (else empty).
+    homes: Vec<u32>,
     expires: Time,
 }
 
@@ -150,6 +154,7 @@ struct Waiter {
     until: Time,
     owner: Owner,
     tag: u64,
+    homes: Option<Homes>,
 }
 
 /// The empty answer of a waiting claim.
@@ -160,8 +165,18 @@ fn empty_reply(w: &Waiter) -> Action {
         lease: Lease {
             id: LeaseId(0),
             rows: Vec::new(),
+            homes: Vec::new(),
         },
     })
+}
+
+/// What a claim picked: the rows (claim order), their units of claiming,
+/// and with [`Claim::homes`] each row's home.
+#[derive(Default)]
+struct Picked {
+    rows: Vec<u64>,
+    units: Vec<u64>,
+    homes: Vec<u32>,
 }
 
 impl Part {
@@ -300,23 +315,58 @@ impl Part {
         }
     }
 
+    /// Task `t` consumed `row` of home `home`: marked so by the claimer of
+    /// another copy ([`crate::home::CONSUMED_FIELD_PREFIX`]). A lease of it here keeps
+    /// it no more (its claimer settled it elsewhere first).
+    fn mark_consumed(&mut self, t: usize, row: u64, home: u32) {
+        let task = &mut self.tasks[t];
+        if !task.consumed.insert(row) {
+            return;
+        }
+        task.leased.remove(&row);
+        *task.by_home.entry(home).or_default() += 1;
+        if let Some(seq) = self.rows.get(&row).and_then(|i| i.unit) {
+            self.refresh(t, seq);
+        }
+    }
+
+    /// The rows of `index` marked consumed by task `t` are consumed.
+    fn learn_marks(&mut self, t: usize, index: Option<&Rows>) {
+        let Some(index) = index else { return };
+        let name = self.tasks[t].name.clone();
+        let marked: Vec<(u64, u32)> = index
+            .iter()
+            .flat_map(|(row, fields)| {
+                fields
+                    .keys()
+                    .filter_map(|f| consumed_of(f))
+                    .filter(|(_, task)| *task == name)
+                    .map(move |(home, _)| (*row, home))
+            })
+            .collect();
+        for (row, home) in marked {
+            self.mark_consumed(t, row, home);
+        }
+    }
+
     /// The oldest claimable units of task `t` for `fields`, as many whole
-    /// ones as fit in `want` rows: their rows (claim order) and units.
+    /// ones as fit in `want` rows; with `homes`, of those homes only.
     fn pick(
         &self,
         t: usize,
         fields: &[String],
         want: u32,
         index: Option<&Rows>,
-    ) -> (Vec<u64>, Vec<u64>) {
-        let (mut rows, mut units) = (Vec::new(), Vec::new());
+        homes: Option<&Homes>,
+    ) -> Picked {
+        let mut picked = Picked::default();
         let Some(index) = index else {
-            return (rows, units);
+            return picked;
         };
         let g = self.g();
         let want = want as usize;
         for seq in &self.tasks[t].cands {
-            if rows.len() + g > want {
+            if picked.rows.len() + g > want {
                 break;
             }
             let Some(unit) = self.units.get(seq) else {
@@ -330,12 +380,23 @@ impl Part {
                     .get(r)
                     .is_some_and(|f| fields.iter().all(|n| f.contains_key(n)))
             });
-            if ready {
-                rows.extend_from_slice(unit);
-                units.push(*seq);
+            if !ready {
+                continue;
             }
+            // A unit of claiming is one home's: a group's rows share
+            // their group's unit.
+            if let Some(h) = homes {
+                let first = unit[0];
+                let fields = index[&first].keys().map(String::as_str);
+                let Some(home) = h.home_of(first, fields) else {
+                    continue;
+                };
+                picked.homes.extend(std::iter::repeat_n(home, unit.len()));
+            }
+            picked.rows.extend_from_slice(unit);
+            picked.units.push(*seq);
         }
-        (rows, units)
+        picked
     }
 }
 
@@ -365,7 +426,7 @@ impl Claims {
         partition: &str,
         t: usize,
         owner: Owner,
-        (rows, units): (Vec<u64>, Vec<u64>),
+        Picked { rows, units, homes }: Picked,
         expires: Time,
     ) -> Lease {
         self.next_lease += 1;
@@ -389,13 +450,14 @@ impl Claims {
                 task: t,
                 owner,
                 rows: rows.clone(),
+                homes: homes.clone(),
                 expires,
             },
         );
         self.expiries.insert((expires, id));
         self.by_owner.entry(owner).or_default().leases.insert(id);
         self.claims += 1;
-        Lease { id, rows }
+        Lease { id, rows, homes }
     }
 
     /// End lease `id`: the rows of `keep` still leased under it are
@@ -416,6 +478,11 @@ impl Claims {
                 task.leased.remove(&r);
                 task.consumed.insert(r);
                 task.consumed_total += 1;
+                if let Some(at) = rec.rows.iter().position(|x| *x == r) {
+                    if let Some(&home) = rec.homes.get(at) {
+                        *task.by_home.entry(home).or_default() += 1;
+                    }
+                }
                 kept.push(r);
             }
         }
@@ -468,9 +535,14 @@ impl Claims {
                 actions.push_back(empty_reply(&waiter));
                 continue;
             }
-            let picked =
-                self.parts[partition].pick(waiter.task, &waiter.fields, waiter.want, index);
-            if picked.0.is_empty() {
+            let picked = self.parts[partition].pick(
+                waiter.task,
+                &waiter.fields,
+                waiter.want,
+                index,
+                waiter.homes.as_ref(),
+            );
+            if picked.rows.is_empty() {
                 continue;
             }
             let waiter = self.remove_waiter(w).expect("present");
@@ -573,12 +645,14 @@ impl UnitCore {
                 leased: Map::default(),
                 cands: BTreeSet::new(),
                 consumed_total: 0,
+                by_home: Map::default(),
             });
             let t = part.tasks.len() - 1;
             let seqs: Vec<u64> = part.units.keys().copied().collect();
             for seq in seqs {
                 part.refresh(t, seq);
             }
+            part.learn_marks(t, self.index.parts.get(&partition));
         }
         Ok(())
     }
@@ -597,6 +671,7 @@ impl UnitCore {
             want,
             wait_until,
             tag,
+            homes,
         } = op;
         if want == 0 {
             return Err(CoreError::Invalid("a claim wants no row".into()));
@@ -618,8 +693,14 @@ impl UnitCore {
                 part.g()
             )));
         }
-        let picked = part.pick(t, &fields, want, self.index.parts.get(&partition));
-        if !picked.0.is_empty() {
+        let picked = part.pick(
+            t,
+            &fields,
+            want,
+            self.index.parts.get(&partition),
+            homes.as_ref(),
+        );
+        if !picked.rows.is_empty() {
             let expires = now + self.cfg.claim_lease;
             let lease = self.claims.lease(&partition, t, owner, picked, expires);
             return Ok(ClaimAnswer::Leased(lease));
@@ -646,6 +727,7 @@ impl UnitCore {
                         until,
                         owner,
                         tag,
+                        homes,
                     },
                 );
                 c.claim_waits += 1;
@@ -654,6 +736,7 @@ impl UnitCore {
             _ => Ok(ClaimAnswer::Leased(Lease {
                 id: LeaseId(0),
                 rows: Vec::new(),
+                homes: Vec::new(),
             })),
         }
     }
@@ -687,7 +770,12 @@ impl UnitCore {
         Ok(kept)
     }
 
-    pub(super) fn claim_status(&self, partition: &str, task: &str) -> ClaimStatusAnswer {
+    pub(super) fn claim_status(
+        &self,
+        partition: &str,
+        task: &str,
+        homes: Option<&Homes>,
+    ) -> ClaimStatusAnswer {
         let rows = self
             .index
             .parts
@@ -704,7 +792,10 @@ impl UnitCore {
             registered: t.is_some(),
             samples: part.samples,
             group_size: part.group_size,
-            consumed: t.map_or(0, |t| t.consumed_total),
+            consumed: t.map_or(0, |t| match homes {
+                None => t.consumed_total,
+                Some(h) => h.of.iter().filter_map(|home| t.by_home.get(home)).sum(),
+            }),
             leased: t.map_or(0, |t| t.leased.len() as u64),
             rows,
         }
@@ -725,6 +816,14 @@ impl UnitCore {
         };
         for e in entries {
             part.add_row(e.key.row, e.key.field.strip_prefix(GROUP_PREFIX));
+        }
+        for e in entries {
+            let Some((home, task)) = consumed_of(&e.key.field) else {
+                continue;
+            };
+            if let Some(t) = part.tasks.iter().position(|k| k.name == task) {
+                part.mark_consumed(t, e.key.row, home);
+            }
         }
         if !part.waiting.is_empty() {
             let now = self.last_input;

@@ -410,6 +410,9 @@ pub struct TaskClaims {
     pub consumed: Vec<u64>,
     /// Rows ever settled for the task (never lowered).
     pub consumed_total: u64,
+    /// With copies: rows ever consumed per home, settled here or marked
+    /// consumed (never lowered), by home, ascending.
+    pub by_home: Vec<(u32, u64)>,
 }
 
 /// The sans-I/O state machine of one storage unit. See the crate docs.

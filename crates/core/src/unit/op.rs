@@ -5,6 +5,7 @@
 //! [`UnitCore::handle`] into that one module and back.
 
 use super::*;
+use crate::home::Homes;
 
 /// Reserve `nbytes` for `blob`, held by the connection until it commits
 /// or aborts, or its connection ends. A retry answers the same; a blob
@@ -164,6 +165,9 @@ pub struct Claim {
     pub want: u32,
     pub wait_until: Option<Time>,
     pub tag: u64,
+    /// With copies: claim only the rows of these homes (the unit holds
+    /// copies of other units' rows, which their own claimers claim).
+    pub homes: Option<Homes>,
 }
 
 /// Settle a lease: the rows of `keep` still leased under it are consumed
@@ -181,6 +185,8 @@ pub struct Settle {
 pub struct ClaimStatus {
     pub partition: String,
     pub task: String,
+    /// With copies: count the consumption of these homes' rows only.
+    pub homes: Option<Homes>,
 }
 
 /// Rows leased to a connection: `rows` in claim order (oldest first; a
@@ -190,6 +196,9 @@ pub struct ClaimStatus {
 pub struct Lease {
     pub id: LeaseId,
     pub rows: Vec<u64>,
+    /// With [`Claim::homes`]: the home of each row, in `rows`' order
+    /// (else empty).
+    pub homes: Vec<u32>,
 }
 
 /// The answer to [`Claim`].
@@ -218,7 +227,10 @@ pub struct ClaimStatusAnswer {
     pub samples: u64,
     pub group_size: u32,
     /// Rows settled (kept) for the task on this unit since the partition
-    /// was registered; clearing a consumed row does not lower it.
+    /// was registered; clearing a consumed row does not lower it. With
+    /// [`ClaimStatus::homes`]: the rows of those homes consumed, settled
+    /// here or marked consumed by a claimer of another copy
+    /// ([`crate::home::CONSUMED_FIELD_PREFIX`]), counted the same way.
     pub consumed: u64,
     /// Rows leased under the task now.
     pub leased: u64,

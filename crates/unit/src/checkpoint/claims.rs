@@ -4,9 +4,11 @@
 //!
 //! ```text
 //!  claims   postcard: its version (a varint), then each partition's name, samples,
-//!           group size, rows in claim order, and per task its name, consumed rows
-//!           and consumed count
+//!           group size, rows in claim order, and per task its name, consumed rows,
+//!           consumed count and (version 2) its counts of rows consumed per home
 //! ```
+//!
+//! Version 1 (no counts per home) is read too: its counts per home are none.
 //!
 //! It is listed in the manifest (size and xxh3) like every other file,
 //! checked with them before anything is restored, and put back
@@ -22,18 +24,18 @@ use stowage_core::{PartitionClaims, TaskClaims};
 
 /// The file's name in the checkpoint directory.
 pub(super) const CLAIMS: &str = "claims";
-/// The version this build writes and reads.
-const VERSION: u32 = 1;
+/// The version this build writes (it reads 1 too).
+const VERSION: u32 = 2;
 /// Largest claims file a restore reads.
 pub(super) const MAX_CLAIMS: u64 = 4 << 30;
 
 #[derive(Serialize, Deserialize)]
-struct SavedPart {
+struct SavedPart<T> {
     partition: String,
     samples: u64,
     group_size: u32,
     order: Vec<u64>,
-    tasks: Vec<SavedTask>,
+    tasks: Vec<T>,
 }
 
 #[derive(Serialize, Deserialize)]
@@ -41,11 +43,53 @@ struct SavedTask {
     name: String,
     consumed: Vec<u64>,
     consumed_total: u64,
+    by_home: Vec<(u32, u64)>,
+}
+
+/// A task as version 1 saved it.
+#[derive(Serialize, Deserialize)]
+struct SavedTaskV1 {
+    name: String,
+    consumed: Vec<u64>,
+    consumed_total: u64,
+}
+
+impl From<SavedTaskV1> for SavedTask {
+    fn from(t: SavedTaskV1) -> Self {
+        SavedTask {
+            name: t.name,
+            consumed: t.consumed,
+            consumed_total: t.consumed_total,
+            by_home: Vec::new(),
+        }
+    }
+}
+
+/// The parts of `rest` (after the version), each task read as `T`.
+fn take_parts<T>(rest: &[u8]) -> Result<Vec<SavedPart<SavedTask>>, String>
+where
+    T: for<'de> Deserialize<'de> + Into<SavedTask>,
+{
+    let (saved, left) = postcard::take_from_bytes::<Vec<SavedPart<T>>>(rest)
+        .map_err(|e| format!("{CLAIMS} unreadable: {e}"))?;
+    if !left.is_empty() {
+        return Err(format!("{CLAIMS} has {} bytes past its end", left.len()));
+    }
+    Ok(saved
+        .into_iter()
+        .map(|p| SavedPart {
+            partition: p.partition,
+            samples: p.samples,
+            group_size: p.group_size,
+            order: p.order,
+            tasks: p.tasks.into_iter().map(Into::into).collect(),
+        })
+        .collect())
 }
 
 /// The file's bytes for `parts`.
 pub(crate) fn encode(parts: &[PartitionClaims]) -> Result<Vec<u8>, postcard::Error> {
-    let saved: Vec<SavedPart> = parts
+    let saved: Vec<SavedPart<SavedTask>> = parts
         .iter()
         .map(|p| SavedPart {
             partition: p.partition.clone(),
@@ -59,6 +103,7 @@ pub(crate) fn encode(parts: &[PartitionClaims]) -> Result<Vec<u8>, postcard::Err
                     name: t.name.clone(),
                     consumed: t.consumed.clone(),
                     consumed_total: t.consumed_total,
+                    by_home: t.by_home.clone(),
                 })
                 .collect(),
         })
@@ -73,16 +118,15 @@ pub(crate) fn encode(parts: &[PartitionClaims]) -> Result<Vec<u8>, postcard::Err
 pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<PartitionClaims>, String> {
     let (version, rest) =
         postcard::take_from_bytes::<u32>(bytes).map_err(|e| format!("{CLAIMS} unreadable: {e}"))?;
-    if version != VERSION {
-        return Err(format!(
-            "{CLAIMS} has version {version} (this build reads {VERSION})"
-        ));
-    }
-    let (saved, left) = postcard::take_from_bytes::<Vec<SavedPart>>(rest)
-        .map_err(|e| format!("{CLAIMS} unreadable: {e}"))?;
-    if !left.is_empty() {
-        return Err(format!("{CLAIMS} has {} bytes past its end", left.len()));
-    }
+    let saved = match version {
+        1 => take_parts::<SavedTaskV1>(rest)?,
+        VERSION => take_parts::<SavedTask>(rest)?,
+        _ => {
+            return Err(format!(
+                "{CLAIMS} has version {version} (this build reads 1 and {VERSION})"
+            ))
+        }
+    };
     Ok(saved
         .into_iter()
         .map(|p| PartitionClaims {
@@ -97,6 +141,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<PartitionClaims>, String> {
                     name: t.name,
                     consumed: t.consumed,
                     consumed_total: t.consumed_total,
+                    by_home: t.by_home,
                 })
                 .collect(),
         })
@@ -118,10 +163,28 @@ mod tests {
                 name: "train".into(),
                 consumed: vec![1, 3],
                 consumed_total: 5,
+                by_home: vec![(0, 2), (3, 1)],
             }],
         }];
         let bytes = encode(&parts).unwrap();
         assert_eq!(decode(&bytes).unwrap(), parts);
+        // A version 1 file reads with no counts per home.
+        let v1 = vec![SavedPart {
+            partition: "p".to_owned(),
+            samples: 8,
+            group_size: 2,
+            order: vec![3, 1, 2],
+            tasks: vec![SavedTaskV1 {
+                name: "train".into(),
+                consumed: vec![1, 3],
+                consumed_total: 5,
+            }],
+        }];
+        let mut old = postcard::to_allocvec(&1u32).unwrap();
+        old.extend_from_slice(&postcard::to_allocvec(&v1).unwrap());
+        let mut want = parts.clone();
+        want[0].tasks[0].by_home.clear();
+        assert_eq!(decode(&old).unwrap(), want);
         let mut other = postcard::to_allocvec(&(VERSION + 1)).unwrap();
         other.extend_from_slice(&bytes[1..]);
         assert!(decode(&other).unwrap_err().contains("version"));

@@ -58,6 +58,7 @@ pub(super) fn plan(
             fields,
             want,
             wait_ms,
+            homes,
         } => {
             let wait_until = (wait_ms > 0).then(|| now + Duration::from_millis(wait_ms.into()));
             let op = op::Claim {
@@ -67,6 +68,7 @@ pub(super) fn plan(
                 want,
                 wait_until,
                 tag: 0,
+                homes,
             };
             match request(core, now, owner, op) {
                 Ok(ClaimAnswer::Leased(lease)) => Plan::Reply(claimed(lease)),
@@ -86,7 +88,11 @@ pub(super) fn plan(
             )
             .map(|rows| Response::Settled { rows }),
         ),
-        Request::ClaimStatus { partition, task } => answer(
+        Request::ClaimStatus {
+            partition,
+            task,
+            homes,
+        } => answer(
             request(
                 core,
                 now,
@@ -94,6 +100,7 @@ pub(super) fn plan(
                 op::ClaimStatus {
                     partition: scope(namespace, &partition),
                     task,
+                    homes,
                 },
             )
             .map(|s| {
@@ -146,5 +153,6 @@ pub fn claimed(lease: Lease) -> Response {
     Response::Claimed {
         lease: lease.id.0,
         rows: lease.rows,
+        homes: lease.homes,
     }
 }

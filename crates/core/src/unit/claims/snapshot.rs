@@ -34,6 +34,12 @@ impl UnitCore {
                             name: t.name.clone(),
                             consumed,
                             consumed_total: t.consumed_total,
+                            by_home: {
+                                let mut h: Vec<(u32, u64)> =
+                                    t.by_home.iter().map(|(k, v)| (*k, *v)).collect();
+                                h.sort_unstable();
+                                h
+                            },
                         }
                     })
                     .collect();
@@ -123,11 +129,19 @@ impl UnitCore {
                     consumed,
                     leased: Map::default(),
                     cands: BTreeSet::new(),
+                    by_home: t.by_home.into_iter().collect(),
                 });
             }
             let seqs: Vec<u64> = part.units.keys().copied().collect();
             for seq in seqs {
                 part.refresh_all(seq);
+            }
+            // Rows marked consumed by another copy's claimer are consumed
+            // (counted already when the state was taken).
+            for t in 0..part.tasks.len() {
+                let counts = part.tasks[t].by_home.clone();
+                part.learn_marks(t, self.index.parts.get(&saved.partition));
+                part.tasks[t].by_home = counts;
             }
             self.claims.parts.insert(saved.partition, part);
         }

@@ -1,21 +1,60 @@
 //! Which unit's rows a row is (its *home*), from its id and its fields:
 //! the rule every client and unit of a plane shares, so that a unit can
-//! write one copy of each row to a checkpoint
-//! ([`Request::CheckpointHomes`](crate::Request::CheckpointHomes)) and a
-//! client can repair copies (`stowage_client`'s repair).
+//! write one copy of each row to a checkpoint (`CheckpointHomes` in
+//! `stowage-wire`), claim only the rows of the homes it is asked to
+//! ([`op::Claim`](crate::op::Claim)'s `homes`), and a client can repair
+//! copies (`stowage_client`'s repair).
 
-use crate::GROUP_FIELD_PREFIX;
+/// The field a row's group id is written under, after this prefix.
+pub const GROUP_FIELD_PREFIX: &str = "\0g:";
+
+/// With copies, a claimed row's consumption by a task is written to every
+/// copy of the row as an empty field named this prefix, the row's home,
+/// `':'` and the task (`"\0c:3:train"`), so that whichever copy claims the
+/// row next knows it consumed ([`op::Claim`](crate::op::Claim)).
+pub const CONSUMED_FIELD_PREFIX: &str = "\0c:";
+
+/// With copies, the homes whose rows a unit claims
+/// ([`op::Claim`](crate::op::Claim)) or counts
+/// ([`op::ClaimStatus`](crate::op::ClaimStatus)): the rows whose
+/// [`home_unit`] among `units` units is one of `of`. The client names
+/// them: each home is claimed by one unit, the first of its copies that
+/// holds all its rows.
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct Homes {
+    pub units: u32,
+    pub of: Vec<u32>,
+}
+
+impl Homes {
+    /// The home of `row` (of `fields`) among these units, when it is one
+    /// of [`Homes::of`].
+    pub fn home_of<'a>(&self, row: u64, fields: impl IntoIterator<Item = &'a str>) -> Option<u32> {
+        if self.units == 0 {
+            return None;
+        }
+        let home = home_unit(row, fields, self.units as usize) as u32;
+        self.of.contains(&home).then_some(home)
+    }
+}
+
+/// The field that marks `home`'s row consumed by `task`
+/// ([`CONSUMED_FIELD_PREFIX`]).
+pub fn consumed_field(home: u32, task: &str) -> String {
+    format!("{CONSUMED_FIELD_PREFIX}{home}:{task}")
+}
+
+/// The home and task a [`consumed_field`] names; none for another field.
+pub fn consumed_of(field: &str) -> Option<(u32, &str)> {
+    let rest = field.strip_prefix(CONSUMED_FIELD_PREFIX)?;
+    let (home, task) = rest.split_once(':')?;
+    Some((home.parse().ok()?, task))
+}
 
 /// With copies, a row put on a unit the caller named (not its own, nor
 /// its group's) has an empty field of this prefix followed by the unit's
 /// index (`"\0u:3"`): that unit is its home.
 pub const UNIT_FIELD_PREFIX: &str = "\0u:";
-
-/// Partitions whose name begins with this are a client's bookkeeping, not
-/// rows (the marks of repaired copies): lists of partitions leave them
-/// out, and a checkpoint of some homes does not write them (they describe
-/// what a unit holds now, not data).
-pub const RESERVED_PARTITION_PREFIX: &str = "\0stowage:";
 
 /// The bit string row names set in their row id (ids of indices lie
 /// below it).
@@ -85,6 +124,15 @@ mod tests {
         assert_eq!(home_unit(5, ["\0u:x"], 4), 1);
         let unit = ((xxhash_rust::xxh3::xxh3_64(b"g") | NAME_BIT) % 4) as usize;
         assert_eq!(home_unit(5, ["\0u:9", "\0g:g"], 4), unit);
+    }
+
+    #[test]
+    fn a_consumed_field_names_its_home_and_task() {
+        let f = consumed_field(3, "train:v2");
+        assert_eq!(f, "\0c:3:train:v2");
+        assert_eq!(consumed_of(&f), Some((3, "train:v2")));
+        assert_eq!(consumed_of("\0c:x:train"), None);
+        assert_eq!(consumed_of("\0g:3:train"), None);
     }
 
     #[test]
