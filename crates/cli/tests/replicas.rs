@@ -1005,28 +1005,6 @@ fn a_restarted_unit_is_read_around_and_takes_no_copy() {
     }
 }
 
-/// Claims with 2 copies are refused, saying why: each unit would claim
-/// its copies of other units' rows too, a row once per copy.
-#[test]
-fn claims_with_two_copies_are_refused() {
-    let (p, _) = plane(2, 16 * MIB, &[]);
-    let mut cfg = ClientConfig::new("test", p.uds_addrs());
-    cfg.secret = p.secret().cloned();
-    cfg.replicas = 2;
-    let c = Client::connect(cfg).unwrap();
-    let tasks = vec!["train".to_owned()];
-    for r in [
-        c.register_tasks("p", &tasks, 8, 1, c.deadline()),
-        c.claim("p", "train", &["x".to_owned()], 4, false, c.deadline())
-            .map(drop),
-    ] {
-        match r {
-            Err(Error::InvalidRequest(m)) => assert!(m.contains("claims need replicas = 1"), "{m}"),
-            other => panic!("claims with 2 copies: {other:?}"),
-        }
-    }
-}
-
 /// With 2 copies, a list names each row once (with its fields), also
 /// after a unit holding copies is killed; the partition is still listed.
 #[test]

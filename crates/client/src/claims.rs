@@ -84,10 +84,15 @@ impl Client {
     /// The units a claim asks, and with copies the homes each claims:
     /// every unit up that is the source of some home
     /// (docs/replication.md#claims).
-    fn claimers(&self) -> Vec<(usize, Option<Homes>)> {
+    fn claimers(&self, deadline: Instant) -> Vec<(usize, Option<Homes>)> {
         let n = self.units.len();
         if self.replicas() == 1 {
             return (0..n).map(|u| (u, None)).collect();
+        }
+        if (0..n).any(|h| self.copies.source_of(h).is_none()) {
+            // A home with no whole copy this client knows of: a newcomer
+            // another client repaired may be one.
+            self.learn_marks(deadline);
         }
         let units = n as u32;
         self.copies
@@ -253,7 +258,7 @@ impl Client {
         deadline: Instant,
     ) -> Result<(Vec<(usize, u64)>, bool)> {
         // Every claimer at once, answered at once.
-        let claimers = self.claimers();
+        let claimers = self.claimers(deadline);
         let units: Vec<usize> = claimers.iter().map(|(u, _)| *u).collect();
         let mut conns = self.checkout_units(&units, deadline)?;
         let reqs: Vec<Request> = claimers.into_iter().map(|(_, h)| ask(0, h)).collect();
@@ -298,7 +303,7 @@ impl Client {
         deadline: Instant,
     ) -> Result<ClaimProgress> {
         let reqs = self
-            .claimers()
+            .claimers(deadline)
             .into_iter()
             .map(|(u, homes)| {
                 let req = Request::ClaimStatus {
@@ -413,7 +418,7 @@ impl Client {
             return Ok(Vec::new());
         }
         let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX).max(1);
-        let claimers = self.claimers();
+        let claimers = self.claimers(deadline);
         let units: Vec<usize> = claimers.iter().map(|(u, _)| *u).collect();
         let reqs: Vec<Request> = claimers.into_iter().map(|(_, h)| ask(wait_ms, h)).collect();
         let conns = self.checkout_units(&units, deadline)?;

@@ -426,7 +426,11 @@ impl Client {
                     Some(n) => RowKey::Name(n.clone()),
                     None => RowKey::Index(row),
                 };
-                let shown = |f: &String| f != KEY_FIELD && !f.starts_with(UNIT_FIELD_PREFIX);
+                let shown = |f: &String| {
+                    f != KEY_FIELD
+                        && !f.starts_with(UNIT_FIELD_PREFIX)
+                        && !f.starts_with(stowage_wire::CONSUMED_FIELD_PREFIX)
+                };
                 (key, fields.into_iter().filter(shown).collect())
             })
             .collect();

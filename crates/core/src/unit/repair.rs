@@ -460,7 +460,7 @@ impl UnitCore {
         {
             *n_entries = Some(stored);
         }
-        match self.commit(owner, partition, blob, kept)? {
+        match self.commit_as(owner, partition, blob, kept, false)? {
             Committed::Done => Ok(Repaired {
                 stored,
                 skipped: all.saturating_sub(stored),
