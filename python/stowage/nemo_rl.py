@@ -571,8 +571,12 @@ class StowageDataPlaneClient(_BaseClass):
         record of where the parts are and ``metadata`` (JSON, returned by
         :meth:`load_checkpoint`). Samples leased by a claim in flight are
         saved as not consumed: after a load they are claimable again.
-        Callers keep clears and other saves away until it returns."""
+        Callers keep clears and other saves away until it returns. With
+        copies (``replicas`` over 1) it raises NotImplementedError: a load
+        would give each unit's consumption to that unit alone, not to its
+        copies (docs/replication.md)."""
         self._check_open()
+        self._check_one_copy("save_checkpoint")
         meta = {} if metadata is None else metadata
         if not isinstance(meta, dict):
             raise TypeError(f"save_checkpoint: metadata is a {type(meta).__name__}, not a dict")
@@ -602,8 +606,10 @@ class StowageDataPlaneClient(_BaseClass):
         row order and each task's consumption as saved. The live plane must
         have as many units as the saved one (ValueError). Returns the
         ``metadata`` given to :meth:`save_checkpoint`. Not transactional: a
-        failed load leaves this client refusing another."""
+        failed load leaves this client refusing another. With copies it
+        raises NotImplementedError, as :meth:`save_checkpoint` does."""
         self._check_open()
+        self._check_one_copy("load_checkpoint")
         if self._used:
             raise RuntimeError(
                 "load_checkpoint needs a client before any data operation (register, claim, "
@@ -653,6 +659,14 @@ class StowageDataPlaneClient(_BaseClass):
             for part in parts:
                 part.close(plane)
         return dict(user)
+
+    def _check_one_copy(self, what: str) -> None:
+        if self._client.replicas > 1:
+            raise NotImplementedError(
+                f"{what} with replicas = {self._client.replicas}: a load would put each unit's "
+                "consumption on that unit alone, not on its copies; checkpoints of this client "
+                "need replicas = 1 (docs/replication.md)"
+            )
 
     def _copy_part(self, src: Any, unit: int) -> None:
         """Every row of the restored part ``src`` put on unit ``unit``, each
