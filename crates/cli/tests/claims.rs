@@ -82,7 +82,7 @@ fn signal(child: &Child, sig: &str) {
 }
 
 /// Not a test on its own: a consumer, run by the tests below.
-/// `STOWAGE_CLAIM=addr,addr,...;partition;idle_ms`: claims up to 8 rows of
+/// `STOWAGE_CLAIM=addr,addr,...;partition;idle_ms;replicas`: claims up to 8 rows of
 /// task "train" needing "x", waiting, and prints `CLAIM name,name,...`
 /// for each claim; after `idle_ms` without a row it prints `DONE`.
 #[test]
@@ -98,9 +98,11 @@ fn claim_child() {
         .collect();
     let partition = parts.next().unwrap().to_owned();
     let idle = Duration::from_millis(parts.next().unwrap().parse().unwrap());
+    let replicas = parts.next().unwrap().parse().unwrap();
     let mut cfg = ClientConfig::new("test", addrs);
     cfg.secret = child_secret();
     cfg.timeout = Duration::from_secs(30);
+    cfg.replicas = replicas;
     let c = Client::connect(cfg).unwrap();
     println!("READY");
     std::io::stdout().flush().unwrap();
@@ -281,9 +283,27 @@ fn a_killed_or_paused_claimer_gives_its_lease_back_and_never_keeps_it_twice() {
 /// consumed exactly once by the units' count, and every value reads back.
 #[test]
 fn eight_consumers_over_four_units_killed_and_paused_claim_each_row_once() {
+    consumers_killed_and_paused_claim_each_row_once(1);
+}
+
+/// The same with two copies of every row (docs/replication.md#claims),
+/// and a unit killed too, half-way: its rows are claimed from their copies,
+/// still each once.
+#[test]
+fn with_two_copies_and_a_unit_killed_eight_consumers_claim_each_row_once() {
+    consumers_killed_and_paused_claim_each_row_once(2);
+}
+
+fn consumers_killed_and_paused_claim_each_row_once(replicas: usize) {
     const GROUPS: usize = 96;
-    let (p, _) = plane(4, 16 * MIB, LEASE);
-    let c = client_of(&p);
+    let (mut p, _) = plane(4, 16 * MIB, LEASE);
+    let c = {
+        let mut cfg = ClientConfig::new("test", p.uds_addrs());
+        cfg.secret = p.secret().cloned();
+        cfg.timeout = Duration::from_secs(10);
+        cfg.replicas = replicas;
+        Client::connect(cfg).unwrap()
+    };
     let fields = vec!["x".to_owned()];
     c.register_tasks(
         "p",
@@ -294,7 +314,7 @@ fn eight_consumers_over_four_units_killed_and_paused_claim_each_row_once() {
     )
     .unwrap();
     let addrs: Vec<String> = p.uds_addrs().iter().map(|a| a.to_string()).collect();
-    let spec = format!("{};p;3000", addrs.join(","));
+    let spec = format!("{};p;3000;{replicas}", addrs.join(","));
     let consumers: Vec<Child2> = (0..8)
         .map(|_| {
             let mut child = helper_child_of(&p, "claim_child", ("STOWAGE_CLAIM", &spec));
@@ -322,6 +342,9 @@ fn eight_consumers_over_four_units_killed_and_paused_claim_each_row_once() {
             signal(&consumers[1].child, "-KILL");
             signal(&consumers[2].child, "-STOP");
             signal(&consumers[3].child, "-STOP");
+        }
+        if g == GROUPS / 2 && replicas > 1 {
+            p.kill9(1);
         }
         if g == 2 * GROUPS / 3 {
             std::thread::sleep(Duration::from_millis(600)); // past the lease
@@ -465,7 +488,7 @@ fn a_waiting_claimer_stopped_and_continued_still_gets_its_rows() {
     c.register_tasks("p", &[TASK.into()], 8, GROUP as u32, c.deadline())
         .unwrap();
     let addrs: Vec<String> = p.uds_addrs().iter().map(|a| a.to_string()).collect();
-    let spec = format!("{};p;20000", addrs.join(","));
+    let spec = format!("{};p;20000;1", addrs.join(","));
     let mut child = helper_child_of(&p, "claim_child", ("STOWAGE_CLAIM", &spec));
     let lines = stdout_lines(&mut child);
     let k = Child2 { child, lines };
