@@ -348,7 +348,7 @@ def run_stowage(ctx, args) -> dict:
     import stowage
 
     res = {"tp": {}, "ready": {}}
-    with stowage.local(units=args.units, memory="1GiB") as dp:
+    with stowage.local(units=args.units, memory="1GiB", replicas=args.replicas) as dp:
         handle = dp.directory
         for n in args.procs:
             part = f"tp{n}"
@@ -447,6 +447,12 @@ def main() -> None:
     ap.add_argument(
         "--units", type=int, default=2, help="stowage units (default 2, as TQ's storage units)"
     )
+    ap.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="stowage copies of every row (default 1; docs/replication.md#claims)",
+    )
     ap.add_argument("--trials", type=int, help="readiness trials (default 1000; quick 200)")
     ap.add_argument(
         "--slow-trials", type=int, help="readiness trials at the 0.5 s poll (default 100; quick 30)"
@@ -472,7 +478,7 @@ def main() -> None:
     print(f"# bench/claims.py {'--quick ' if args.quick else ''}on {machine()}")
     print(
         f"# {args.rows} samples of {args.tokens} int32 tokens, {args.put_batch} rows per put, "
-        f"{args.claim_batch} rows per claim; stowage: {args.units} units"
+        f"{args.claim_batch} rows per claim; stowage: {args.units} units, {args.replicas} cop{'y' if args.replicas == 1 else 'ies'} of every row"
     )
     print(f"# load average (1 min) at start {load0:.2f}, at end {os.getloadavg()[0]:.2f}")
     print()

@@ -300,3 +300,69 @@ fn concurrent_claimers_with_copies_never_share_a_row() {
     );
     each_once(&all, &views);
 }
+
+/// A blocking claim that waits while the unit claiming the rows it waits
+/// for is killed asks that unit's copy instead, and returns once the rows
+/// are ready there, long before its deadline.
+#[test]
+fn a_waiting_claim_whose_claimer_dies_is_answered_by_the_copy() {
+    let (mut p, _) = plane(UNITS, 32 * MIB, &[]);
+    let (a, writer) = (copies_client(&p), copies_client(&p));
+    let all = names(0..16);
+    writer
+        .register_tasks("w", &[TASK.to_owned()], 16, 1, writer.deadline())
+        .unwrap();
+    put(&writer, "w", &all, 1);
+    // Only the rows of unit 1 will get "y": only its claimer has any ready.
+    let ones: Vec<String> = all
+        .iter()
+        .filter(|n| writer.unit_of(n) == 1)
+        .cloned()
+        .collect();
+    assert!(!ones.is_empty(), "no row of unit 1 among {all:?}");
+    let fields = ["x".to_owned(), "y".to_owned()];
+    let started = Instant::now();
+    let deadline = started + Duration::from_secs(60);
+    let got = std::thread::scope(|s| {
+        let waiting = s.spawn(|| a.claim("w", TASK, &fields, 100, true, deadline));
+        std::thread::sleep(Duration::from_millis(500));
+        p.kill9(1);
+        std::thread::sleep(Duration::from_millis(500));
+        let keys: Vec<RowKey> = ones.iter().map(|n| RowKey::Name(n.clone())).collect();
+        let v = [1u8; 8];
+        let col: Vec<Tensor<'_>> = ones
+            .iter()
+            .map(|_| Tensor {
+                dtype: DType::U8,
+                shape: vec![8],
+                data: &v,
+            })
+            .collect();
+        writer
+            .put(
+                "w",
+                &keys,
+                &[("y", Column::Jagged(col))],
+                None,
+                writer.deadline(),
+            )
+            .unwrap();
+        waiting.join().unwrap().unwrap()
+    });
+    assert!(
+        started.elapsed() < Duration::from_secs(30),
+        "the claim waited {:?}: it kept waiting on the dead unit's homes' old claimer",
+        started.elapsed()
+    );
+    let mut got: Vec<String> = got
+        .into_iter()
+        .map(|k| match k {
+            RowKey::Name(n) => n,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    got.sort();
+    let mut want = ones.clone();
+    want.sort();
+    assert_eq!(got, want);
+}

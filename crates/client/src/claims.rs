@@ -409,7 +409,8 @@ impl Client {
     }
 
     /// Nothing was ready anywhere: wait on every unit at once, one thread
-    /// each, until one answers with rows; then cut the others.
+    /// each, until one answers with rows (or, with copies, one is found
+    /// down); then cut the others.
     fn wait_for_rows<'a>(&'a self, ask: &Ask<'_>, deadline: Instant) -> Result<Vec<Leased<'a>>> {
         let wait = deadline
             .saturating_duration_since(Instant::now())
@@ -418,6 +419,7 @@ impl Client {
             return Ok(Vec::new());
         }
         let wait_ms = u32::try_from(wait.as_millis()).unwrap_or(u32::MAX).max(1);
+        let epoch = self.copies_epoch();
         let claimers = self.claimers(deadline);
         let units: Vec<usize> = claimers.iter().map(|(u, _)| *u).collect();
         let reqs: Vec<Request> = claimers.into_iter().map(|(_, h)| ask(wait_ms, h)).collect();
@@ -455,7 +457,11 @@ impl Client {
                         first_err.get_or_insert(e);
                     }
                 }
-                if got_rows {
+                // With copies, a unit found down while the others wait:
+                // its homes are claimed by their copies now, which the
+                // waits do not ask for; end them (the claim asks again).
+                let went_down = self.replicas() > 1 && self.copies_epoch() != epoch;
+                if got_rows || went_down {
                     cut = true;
                     for (j, c) in cuts.iter().enumerate() {
                         if j != i {
