@@ -659,7 +659,9 @@ class DataPlane:
         and got; per unit the latency of its part of puts and gets; and,
         with copies, repairs (``repairs_pending``, ``repaired_newcomers``,
         ``repaired_values``, ``repaired_bytes``,
-        ``repair_refused_values``: docs/replication.md#repair).
+        ``repair_refused_values``: docs/replication.md#repair) and claimed
+        rows whose consumption marks were not written to every copy
+        (``claim_marks_failed``: docs/replication.md#claims).
         Latencies are ``{"count", "sum_seconds", "buckets"}`` with
         cumulative ``(upper bound in seconds, count)`` buckets, the last
         bound ``inf``. ``metrics_text()`` gives the same in the Prometheus

@@ -48,12 +48,15 @@ def _wait_dead(pid: int, timeout: float = 10.0) -> bool:
 
 
 def _claim_all(dp, part, task, batch):
+    """Claim until a claim gets nothing (at most 60 s)."""
     got = []
+    deadline = time.monotonic() + 60.0
     while True:
         m = dp.claim_meta(part, task, ["x"], batch_size=batch, blocking=False)
         if m.size == 0:
             return got
         got += m.sample_ids
+        assert time.monotonic() < deadline, "claims never ran dry"
 
 
 def test_with_two_copies_a_killed_unit_loses_and_repeats_no_claimed_sample(part):
@@ -68,8 +71,11 @@ def test_with_two_copies_a_killed_unit_loses_and_repeats_no_claimed_sample(part)
             first = a.claim_meta(part, "train", ["x"], batch_size=6, timeout_s=WAIT_S)
             second = b.claim_meta(part, "train", ["x"], batch_size=6, timeout_s=WAIT_S)
             assert first.size > 0 and second.size > 0
-
-            victim = plane.unit_pids[1]
+            # The unit that claimed them (each claim keeps the first unit's
+            # lease first) dies: its copy claims its samples now.
+            homes = {plane.unit_of(s) for s in list(first.sample_ids) + list(second.sample_ids)}
+            assert 0 in homes, homes
+            victim = plane.unit_pids[0]
             os.kill(victim, signal.SIGKILL)
             assert _wait_dead(victim)
 

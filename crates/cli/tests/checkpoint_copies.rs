@@ -429,3 +429,68 @@ fn the_commands_checkpoint_one_copy_and_rebuild_the_others() {
     check_units(&q, &rows, &|r| c.copies_of(r.home).into_iter().collect());
     read_all(&c, &rows);
 }
+
+/// Claims across a checkpoint with copies (docs/replication.md#claims):
+/// rows claimed before it stay consumed after a restore and
+/// `rebuild_copies` (their marks come back with them), the consumption
+/// counts add up once, also after a unit's death once restored, and
+/// every row left is claimed exactly once.
+#[test]
+fn claims_survive_a_checkpoint_with_copies_and_count_once() {
+    let ckpt = tempfile::tempdir().unwrap();
+    let root = ckpt.path().display().to_string();
+    let (mut p, _) = plane(UNITS, 32 * MIB, &["--checkpoint-root", &root]);
+    let c = copies_client(&p, 2);
+    let task = "train".to_owned();
+    let keys: Vec<RowKey> = (0..40).map(|i| RowKey::Name(format!("s{i}"))).collect();
+    let seeds: Vec<u64> = (0..40).collect();
+    c.register_tasks("p", std::slice::from_ref(&task), 40, 1, c.deadline())
+        .unwrap();
+    put(&c, &keys, &seeds, None, None);
+    let fields = vec!["a".to_owned()];
+    let before = c
+        .claim("p", &task, &fields, 1000, false, c.deadline())
+        .unwrap();
+    let consumed = c.claim_status("p", &task, c.deadline()).unwrap().consumed;
+    assert_eq!(consumed, before.len() as u64);
+    assert_eq!(consumed, 40, "one claim of every row took them all");
+    // Clear some claimed rows, put them again: claimable again.
+    c.clear("p", &keys[..5], None, c.deadline()).unwrap();
+    put(&c, &keys[..5], &seeds[..5], None, None);
+    let dir = ckpt.path().join("c1");
+    c.checkpoint(&dir, c.deadline()).unwrap();
+    drop(c);
+    p.stop();
+
+    let q = restored(&dir, None);
+    let c = copies_client(&q, 2);
+    let r = c.rebuild_copies(c.deadline()).unwrap();
+    assert_eq!(r.left, 0, "{r:?}");
+    let s = c.claim_status("p", &task, c.deadline()).unwrap();
+    assert_eq!((s.registered, s.consumed), (true, 40), "{s:?}");
+    let after = c
+        .claim("p", &task, &fields, 1000, false, c.deadline())
+        .unwrap();
+    let mut names: Vec<String> = after.iter().map(|k| format!("{k:?}")).collect();
+    names.sort();
+    let mut want: Vec<String> = keys[..5].iter().map(|k| format!("{k:?}")).collect();
+    want.sort();
+    assert_eq!(names, want, "only the rows put again after their claim");
+    assert_eq!(
+        c.claim_status("p", &task, c.deadline()).unwrap().consumed,
+        45
+    );
+    // A unit's death after the restore: its homes' rows are claimed and
+    // counted by their copy now, whose counts came from its own part.
+    let mut q = q;
+    q.kill9(1);
+    c.unit_gone(1);
+    assert_eq!(
+        c.claim_status("p", &task, c.deadline()).unwrap().consumed,
+        45
+    );
+    assert!(c
+        .claim("p", &task, &fields, 1000, false, c.deadline())
+        .unwrap()
+        .is_empty());
+}

@@ -137,39 +137,51 @@ fn each_row_is_claimed_once_across_a_killed_claimer_a_repair_and_a_second_death(
     a.register_tasks("p", &[TASK.to_owned()], all.len() as u64, 1, a.deadline())
         .unwrap();
     put(&a, "p", &all, 1);
-    // Both clients claim; then unit 1 holds a lease it never settles.
+    // Both clients claim; then unit 0 holds a lease it never settles.
     // (A claim keeps whole leases of units while they fit in what it
-    // asked: it may get fewer rows than rows are ready.)
-    let a1 = claim(&a, "p", 20);
-    let b1 = claim(&b, "p", 12);
+    // asked, the first unit's first: it may get fewer rows than rows are
+    // ready.)
+    let a1 = claim(&a, "p", 12);
+    let b1 = claim(&b, "p", 6);
     assert!(!a1.is_empty() && !b1.is_empty());
-    let (_held, leased) = lease_unsettled(&p, 1, "p");
+    let home = |n: &String| a.unit_of(n);
+    assert!(
+        a1.iter().chain(&b1).any(|n| home(n) == 0),
+        "no row of unit 0 claimed before it dies"
+    );
+    let (_held, leased) = lease_unsettled(&p, 0, "p");
     assert!(!leased.is_empty());
     let progress = |c: &Client| c.claim_status("p", TASK, c.deadline()).unwrap();
     assert_eq!(progress(&a).consumed, (a1.len() + b1.len()) as u64);
 
-    // Unit 1, the claimer of its own rows, dies: its copy claims them now,
-    // knowing which were consumed (marks), and its lease's rows come back.
-    p.kill9(1);
+    // Unit 0, the claimer of its own rows, dies: its copy (unit 1)
+    // claims them now, knowing which were consumed (marks), and its
+    // lease's rows come back. The marks of what it claims now reach the
+    // newcomer (unit 2) before the repair brings their rows.
+    p.kill9(0);
     let a2 = claim(&a, "p", 16);
     let b2 = claim(&b, "p", 16);
     assert!(!a2.is_empty() && !b2.is_empty());
+    assert!(
+        a2.iter().chain(&b2).any(|n| home(n) == 0),
+        "no row of unit 0 claimed from its copy"
+    );
     let so_far = a1.len() + b1.len() + a2.len() + b2.len();
     assert_eq!(progress(&b).consumed, so_far as u64);
 
-    // A repair fills the newcomer of unit 1's rows (unit 3 for rows of
-    // home 1: its copies were units 1 and 2), marks included; then unit
-    // 2 dies too, and home 1's rows are claimed from the newcomer.
+    // A repair fills the newcomer of unit 0's rows (unit 2: their copies
+    // were units 0 and 1), marks included; then unit 1 dies too, and
+    // home 0's rows are claimed from the newcomer.
     let until = Instant::now() + Duration::from_secs(60);
     while a.repairs_pending() > 0 {
         a.repair(a.deadline()).unwrap();
         assert!(Instant::now() < until, "repairs still due");
     }
-    p.kill9(2);
-    // A client started now knows only the plane: it finds both dead.
+    p.kill9(1);
+    // A client started now knows only the plane: it is told both died.
     let c = copies_client(&p);
+    c.unit_gone(0);
     c.unit_gone(1);
-    c.unit_gone(2);
     // One claim may take every row left: each unit's lease holds only
     // the rows of the homes it claims, never a copy of another's.
     let c3 = claim_rest(&c, "p", 1000);
@@ -218,7 +230,8 @@ fn groups_with_copies_are_claimed_whole_once_across_a_killed_claimer() {
 }
 
 /// A claim of every row gets each once; its rows are listed as the
-/// caller's rows, the consumption marks it writes hidden.
+/// caller's rows, the consumption marks it writes hidden (also a late
+/// mark of a row cleared meanwhile).
 #[test]
 fn one_claim_takes_each_row_once_and_its_marks_are_not_listed() {
     let (p, _) = plane(UNITS, 32 * MIB, &[]);
@@ -254,6 +267,27 @@ fn one_claim_takes_each_row_once_and_its_marks_are_not_listed() {
         })
         .sum();
     assert_eq!(marks, 80);
+    // A mark that comes after its row was cleared (a claim's marks racing
+    // a clear) is a row of its own on the units, never listed.
+    let gone = RowKey::Name(all[0].clone()).row_id().unwrap();
+    a.clear("p", &[RowKey::Name(all[0].clone())], None, a.deadline())
+        .unwrap();
+    let late = stowage_client::BlobPut {
+        unit: a.unit_of(&all[0]),
+        partition: "p",
+        blob: stowage_client::new_blob_id(),
+        segments: Vec::new(),
+        entries: vec![stowage_wire::EntrySpec {
+            key: stowage_wire::Key::new(gone, stowage_wire::consumed_field(0, TASK)),
+            offset: 0,
+            len: 0,
+            meta: Vec::new(),
+        }],
+    };
+    a.put_many(&[late], a.deadline()).unwrap();
+    let listed = a.list("p", a.deadline()).unwrap();
+    assert_eq!(listed.len(), 39, "{listed:?}");
+    assert!(!listed.iter().any(|(k, _)| k == &RowKey::Index(gone)));
 }
 
 /// Four clients claim at once, each from its own thread, until no row is

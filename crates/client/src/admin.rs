@@ -60,10 +60,8 @@ impl Client {
         }
         let reqs: Vec<(usize, Request)> = if self.replicas() > 1 {
             self.copies
-                .homes_by_source()
+                .sources_up()
                 .into_iter()
-                .enumerate()
-                .filter(|&(u, _)| !self.copies.is_down(u))
                 .map(|(u, homes)| {
                     let req = Request::CheckpointHomes {
                         dir: part(u),

@@ -22,10 +22,12 @@
 //! while it is up; a dead unit's go to the first of their copies left),
 //! and names each row's home in its lease. Once a lease is settled, the
 //! client writes a consumption mark (an empty hidden field,
-//! `stowage_wire::consumed_field`) to every copy of each row kept: a unit
-//! that later claims those homes' rows (after the claimer's death) takes
-//! them as consumed, and repairs and checkpoints carry the marks with
-//! the rows (docs/replication.md#claims).
+//! `stowage_wire::consumed_field`) to every copy of each row kept before
+//! the claim returns: a unit that later claims those homes' rows (after
+//! the claimer's death) takes them as consumed, and repairs and
+//! checkpoints carry the marks with the rows. A claimer that dies between
+//! the settle and the marks may have its rows served once more
+//! (docs/replication.md#claims).
 
 use std::collections::HashMap;
 use std::sync::mpsc;
@@ -96,10 +98,9 @@ impl Client {
         }
         let units = n as u32;
         self.copies
-            .homes_by_source()
+            .sources_up()
             .into_iter()
-            .enumerate()
-            .filter(|(u, of)| !of.is_empty() && !self.copies.is_down(*u))
+            .filter(|(_, of)| !of.is_empty())
             .map(|(u, of)| (u, Some(Homes { units, of })))
             .collect()
     }
@@ -240,6 +241,7 @@ impl Client {
             })
             .collect();
         if let Err(e) = self.put_many(&blobs, deadline) {
+            self.metrics.marks_failed(rows.len());
             tracing::warn!(
                 error = %e, partition, task, rows = rows.len(),
                 "claimed rows' consumption marks were not written to every copy"
@@ -522,11 +524,13 @@ impl Client {
             match answer {
                 Ok(Response::Settled { rows }) => {
                     // With copies a row is read, and marked, by its home.
-                    let home = |r: u64| {
-                        let at = l.rows.iter().position(|x| *x == r);
-                        at.and_then(|at| l.homes.get(at))
-                            .map_or(l.unit, |&h| h as usize)
-                    };
+                    let homes: HashMap<u64, u32> = l
+                        .rows
+                        .iter()
+                        .copied()
+                        .zip(l.homes.iter().copied())
+                        .collect();
+                    let home = |r: u64| homes.get(&r).map_or(l.unit, |&h| h as usize);
                     kept.extend(rows.into_iter().map(|r| (home(r), r)));
                     self.checkin(l.unit, l.conn);
                 }

@@ -218,9 +218,10 @@ impl Copies {
         self.source_in(unit, &self.set(unit))
     }
 
-    /// The homes each unit is the source of ([`Copies::source_of`]), by
-    /// unit: what it checkpoints and claims with copies.
-    pub(crate) fn homes_by_source(&self) -> Vec<Vec<u32>> {
+    /// Each unit up, and the homes it is the source of
+    /// ([`Copies::source_of`]; none for some): what it checkpoints and
+    /// claims with copies.
+    pub(crate) fn sources_up(&self) -> Vec<(usize, Vec<u32>)> {
         let n = self.down.len();
         let mut homes = vec![Vec::new(); n];
         for g in 0..n {
@@ -229,6 +230,10 @@ impl Copies {
             }
         }
         homes
+            .into_iter()
+            .enumerate()
+            .filter(|&(u, _)| !self.is_down(u))
+            .collect()
     }
 
     /// Whether `unit` is known to be down (found dead or restarted, or

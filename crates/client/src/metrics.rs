@@ -179,6 +179,9 @@ pub struct ClientMetrics {
     /// Repairs due, newcomers repaired, values stored and their bytes,
     /// values refused (`repair.rs`).
     repair: [AtomicU64; 5],
+    /// Claimed rows whose consumption marks were not written to every
+    /// copy (`claims.rs`).
+    marks_failed: AtomicU64,
 }
 
 /// The transports a client reaches units by.
@@ -202,6 +205,7 @@ impl ClientMetrics {
             unit_transport: units.iter().map(|_| Default::default()).collect(),
             copies: [AtomicU64::new(1), AtomicU64::new(0), AtomicU64::new(0)],
             repair: Default::default(),
+            marks_failed: AtomicU64::new(0),
         }
     }
 
@@ -234,6 +238,12 @@ impl ClientMetrics {
         self.repair[2].fetch_add(values, Relaxed);
         self.repair[3].fetch_add(bytes, Relaxed);
         self.repair[4].fetch_add(refused, Relaxed);
+    }
+
+    /// The consumption marks of `rows` claimed rows were not written to
+    /// every copy.
+    pub(crate) fn marks_failed(&self, rows: usize) {
+        self.marks_failed.fetch_add(rows as u64, Relaxed);
     }
 
     pub(crate) fn transport(&self, unit: usize, transport: &str) {
@@ -316,6 +326,7 @@ impl ClientMetrics {
             repaired_values: self.repair[2].load(Relaxed),
             repaired_bytes: self.repair[3].load(Relaxed),
             repair_refused_values: self.repair[4].load(Relaxed),
+            claim_marks_failed: self.marks_failed.load(Relaxed),
         }
     }
 }
@@ -360,6 +371,9 @@ pub struct MetricsSnapshot {
     pub repaired_values: u64,
     pub repaired_bytes: u64,
     pub repair_refused_values: u64,
+    /// Claimed rows whose consumption marks were not written to every
+    /// copy (docs/replication.md#claims).
+    pub claim_marks_failed: u64,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -541,6 +555,12 @@ impl Collector for ClientCollector {
                 MetricType::Counter,
             )?)?;
         }
+        ConstCounter::new(m.marks_failed.load(Relaxed)).encode(e.encode_descriptor(
+            "stowage_client_claim_marks_failed",
+            "Claimed rows whose consumption marks this client could not write to every copy: until a later mark, the unit that claims them after their claimer's death may serve them again.",
+            None,
+            MetricType::Counter,
+        )?)?;
         {
             let mut d = e.encode_descriptor(
                 "stowage_client_unit_transport",

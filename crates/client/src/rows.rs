@@ -419,18 +419,19 @@ impl Client {
                 .map(|((_, k), v)| (k.row, String::from_utf8_lossy(&v).into_owned()))
                 .collect()
         };
+        let mark = |f: &String| f.starts_with(stowage_wire::CONSUMED_FIELD_PREFIX);
         let mut out: Vec<(RowKey, Vec<String>)> = listed
             .into_iter()
+            // A claim's consumption mark that came after its row was
+            // cleared is a row of marks alone: not the caller's.
+            .filter(|(_, _, fields)| !fields.iter().all(|f| mark(f) || f == KEY_FIELD))
             .map(|(_, row, fields)| {
                 let key = match names.get(&row) {
                     Some(n) => RowKey::Name(n.clone()),
                     None => RowKey::Index(row),
                 };
-                let shown = |f: &String| {
-                    f != KEY_FIELD
-                        && !f.starts_with(UNIT_FIELD_PREFIX)
-                        && !f.starts_with(stowage_wire::CONSUMED_FIELD_PREFIX)
-                };
+                let shown =
+                    |f: &String| f != KEY_FIELD && !f.starts_with(UNIT_FIELD_PREFIX) && !mark(f);
                 (key, fields.into_iter().filter(shown).collect())
             })
             .collect();

@@ -364,11 +364,6 @@ impl UnitCore {
     /// change. A key that already has a value is replaced atomically (the
     /// old value stays readable to whoever pinned it). A blob reserved on
     /// disk answers [`Committed::Pending`] until its file is durable.
-    ///
-    /// A consumption mark ([`crate::home::CONSUMED_FIELD_PREFIX`]) of a
-    /// row neither stored here nor put by the same commit is dropped: a
-    /// mark that comes after its row was cleared (or before a repair
-    /// brought the row) must not make a row of its own.
     pub(super) fn commit(
         &mut self,
         owner: Owner,
@@ -376,20 +371,7 @@ impl UnitCore {
         blob: BlobId,
         entries: impl Into<Vec<EntrySpec>>,
     ) -> Result<Committed, CoreError> {
-        self.commit_as(owner, partition, blob, entries.into(), true)
-    }
-
-    /// [`UnitCore::commit`]; a repair's (`stray_marks` false) keeps every
-    /// mark: it copies a source that holds the row, a batch of which may
-    /// bring the mark before the row's other fields.
-    pub(super) fn commit_as(
-        &mut self,
-        owner: Owner,
-        partition: &str,
-        blob: BlobId,
-        entries: Vec<EntrySpec>,
-        stray_marks: bool,
-    ) -> Result<Committed, CoreError> {
+        let entries = entries.into();
         let Some(b) = self.blobs.get(&blob) else {
             return if self.freed.set.contains(&blob) {
                 Ok(Committed::Done)
@@ -443,11 +425,6 @@ impl UnitCore {
             s.reservations.remove(&blob);
         }
         let (in_memory, durable) = (b.region.is_some(), b.disk == Disk::Durable);
-        let entries = if stray_marks {
-            self.without_stray_marks(partition, entries)
-        } else {
-            entries
-        };
         if spare {
             // A spare holds what its commit names (spills, checkpoints and
             // promotions move those bytes only).
@@ -543,29 +520,6 @@ impl UnitCore {
             // a later one of the same blob): it goes now.
             self.maybe_free(blob);
         }
-    }
-
-    /// `entries` less the consumption marks
-    /// ([`crate::home::CONSUMED_FIELD_PREFIX`]) of rows neither stored
-    /// here nor put by another of `entries` ([`UnitCore::commit`]). Their
-    /// bytes (none) stay unreferenced.
-    fn without_stray_marks(&self, partition: &str, mut entries: Vec<EntrySpec>) -> Vec<EntrySpec> {
-        let is_mark = |e: &EntrySpec| e.key.field.starts_with(crate::home::CONSUMED_FIELD_PREFIX);
-        if !entries.iter().any(is_mark) {
-            return entries;
-        }
-        let stored = self.index.parts.get(partition);
-        let put: HashSet<u64> = entries
-            .iter()
-            .filter(|e| !is_mark(e))
-            .map(|e| e.key.row)
-            .collect();
-        entries.retain(|e| {
-            !is_mark(e)
-                || put.contains(&e.key.row)
-                || stored.is_some_and(|r| r.contains_key(&e.key.row))
-        });
-        entries
     }
 
     /// Give up a reservation. With `in_flight` (a transfer may still write

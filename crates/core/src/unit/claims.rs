@@ -301,15 +301,16 @@ impl Part {
         self.refresh_all(seq);
     }
 
-    /// `row` was cleared: it leaves every set.
+    /// `row` was cleared: it leaves every set (also a consumed row a
+    /// restore knew of and the index did not hold).
     fn remove_row(&mut self, row: u64) {
-        let Some(info) = self.rows.remove(&row) else {
-            return;
-        };
         for task in &mut self.tasks {
             task.consumed.remove(&row);
             task.leased.remove(&row);
         }
+        let Some(info) = self.rows.remove(&row) else {
+            return;
+        };
         if let Some(seq) = info.unit {
             self.leave(seq, row, info.group.as_deref().unwrap_or(""));
         }
@@ -473,15 +474,20 @@ impl Claims {
         part.leases.remove(&id);
         let task = &mut part.tasks[rec.task];
         let mut kept = Vec::new();
+        // With homes: each row's, looked up once per row kept.
+        let homes: Map<u64, u32> = rec
+            .rows
+            .iter()
+            .copied()
+            .zip(rec.homes.iter().copied())
+            .collect();
         for &r in keep {
             if task.leased.get(&r) == Some(&id) {
                 task.leased.remove(&r);
                 task.consumed.insert(r);
                 task.consumed_total += 1;
-                if let Some(at) = rec.rows.iter().position(|x| *x == r) {
-                    if let Some(&home) = rec.homes.get(at) {
-                        *task.by_home.entry(home).or_default() += 1;
-                    }
+                if let Some(&home) = homes.get(&r) {
+                    *task.by_home.entry(home).or_default() += 1;
                 }
                 kept.push(r);
             }

@@ -460,7 +460,7 @@ impl UnitCore {
         {
             *n_entries = Some(stored);
         }
-        match self.commit_as(owner, partition, blob, kept, false)? {
+        match self.commit(owner, partition, blob, kept)? {
             Committed::Done => Ok(Repaired {
                 stored,
                 skipped: all.saturating_sub(stored),

@@ -60,9 +60,10 @@ impl UnitCore {
     /// took it, over the rows the index holds now (restore the entries
     /// first). A partition already registered loses its claims state
     /// first. The rows arrive in the saved order, then any other row of
-    /// the index ascending; a consumed row the index does not hold is
-    /// dropped (as clearing it would), its count stays. Checked whole
-    /// before anything changes.
+    /// the index ascending; a consumed row the index does not hold stays
+    /// consumed, for when it comes (with copies, a rebuild brings other
+    /// homes' rows), and a clear of it forgets it. Checked whole before
+    /// anything changes.
     pub(in crate::unit) fn restore_claims(
         &mut self,
         parts: Vec<PartitionClaims>,
@@ -118,11 +119,11 @@ impl UnitCore {
                 }
             }
             for t in saved.tasks {
-                let consumed: Set<u64> = t
-                    .consumed
-                    .into_iter()
-                    .filter(|r| part.rows.contains_key(r))
-                    .collect();
+                // Kept also when the index does not hold the row (yet):
+                // with copies a part holds its own homes' rows, and the
+                // copies of others' come back with `rebuild_copies`,
+                // consumed already (their marks not counted again).
+                let consumed: Set<u64> = t.consumed.into_iter().collect();
                 part.tasks.push(Task {
                     name: t.name,
                     consumed_total: t.consumed_total.max(consumed.len() as u64),
