@@ -8,6 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
 use proptest::prelude::*;
+use stowage_core::home::consumed_field;
 use stowage_core::op::{ClearPartition, ClearRows};
 use stowage_core::{input, ClaimAnswer, ClaimStatusAnswer, CoreError, Lease, LeaseId, Owner, Time};
 
@@ -452,6 +453,9 @@ fn a_detached_connection_may_not_claim() {
 
 const TASKS: [&str; 2] = ["train", "reward"];
 const FIELDS: [&str; 2] = ["a", "b"];
+/// Units of the model's plane (claims with homes): row `r`'s home is
+/// `r % HOME_UNITS`.
+const HOME_UNITS: u32 = 4;
 
 #[derive(Clone, Debug)]
 enum Step {
@@ -466,6 +470,14 @@ enum Step {
         both: bool,
         want: u32,
         wait_ms: Option<u64>,
+        /// With copies: the homes claimed (bit `h`: home `h`).
+        homes: Option<u8>,
+    },
+    /// Another copy's claimer consumed `rows` for `task`: their
+    /// consumption marks arrive.
+    Mark {
+        rows: Vec<u64>,
+        task: usize,
     },
     /// Settle the `pick`-th live lease of `conn` (any connection's, if it has
     /// none), keeping rows whose bit in `keep` is set.
@@ -492,8 +504,11 @@ fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         4 => (prop::collection::vec(row.clone(), 1..4), 1u8..4)
             .prop_map(|(rows, fields)| Step::Put { rows, fields }),
-        4 => (0usize..3, 0usize..2, any::<bool>(), 1u32..5, prop::option::of(1u64..40_000))
-            .prop_map(|(conn, task, both, want, wait_ms)| Step::Claim { conn, task, both, want, wait_ms }),
+        4 => (0usize..3, 0usize..2, any::<bool>(), 1u32..5, prop::option::of(1u64..40_000),
+              prop::option::weighted(0.5, 0u8..16))
+            .prop_map(|(conn, task, both, want, wait_ms, homes)| Step::Claim { conn, task, both, want, wait_ms, homes }),
+        1 => (prop::collection::vec(row.clone(), 1..3), 0usize..2)
+            .prop_map(|(rows, task)| Step::Mark { rows, task }),
         3 => (0usize..3, 0usize..4, any::<u64>(), prop::bool::weighted(0.1))
             .prop_map(|(conn, pick, keep, other)| Step::Settle { conn, pick, keep, other }),
         1 => (0usize..3).prop_map(|conn| Step::End { conn }),
@@ -508,6 +523,8 @@ struct ModelLease {
     task: usize,
     rows: BTreeSet<u64>,
     expires: Time,
+    /// Leased by a claim of homes: its rows count for their homes.
+    homes: bool,
 }
 
 struct ModelWait {
@@ -516,6 +533,19 @@ struct ModelWait {
     fields: Vec<&'static str>,
     want: u32,
     until: Time,
+    homes: Option<u8>,
+}
+
+/// The homes a claim names (bit `h`: home `h`).
+fn homes_of(bits: Option<u8>) -> Option<stowage_core::home::Homes> {
+    bits.map(|b| stowage_core::home::Homes {
+        units: HOME_UNITS,
+        of: (0..HOME_UNITS).filter(|h| b & (1 << h) != 0).collect(),
+    })
+}
+
+fn in_homes(bits: Option<u8>, row: u64) -> bool {
+    bits.is_none_or(|b| b & (1 << (row % HOME_UNITS as u64)) != 0)
 }
 
 #[derive(Default)]
@@ -524,6 +554,9 @@ struct Model {
     rows: BTreeMap<u64, BTreeSet<&'static str>>,
     registered: bool,
     consumed: [BTreeSet<u64>; 2],
+    /// Per task, rows consumed per home (settled under a claim of homes,
+    /// or marked), never lowered but by a partition's clear.
+    by_home: [BTreeMap<u32, u64>; 2],
     leases: BTreeMap<LeaseId, ModelLease>,
     waits: BTreeMap<u64, ModelWait>,
 }
@@ -541,30 +574,53 @@ impl Model {
             .any(|l| l.task == task && l.rows.contains(&row))
     }
 
-    /// Rows a claim of `task` for `fields` could take now.
-    fn claimable(&self, task: usize, fields: &[&str]) -> BTreeSet<u64> {
+    /// Rows a claim of `task` for `fields` (of `homes`) could take now.
+    fn claimable(&self, task: usize, fields: &[&str], homes: Option<u8>) -> BTreeSet<u64> {
         self.rows
             .keys()
             .copied()
             .filter(|r| {
-                self.ready(*r, fields) && !self.consumed[task].contains(r) && !self.leased(task, *r)
+                self.ready(*r, fields)
+                    && in_homes(homes, *r)
+                    && !self.consumed[task].contains(r)
+                    && !self.leased(task, *r)
             })
             .collect()
     }
 
+    /// `row` became consumed by `task`: counted for its home.
+    fn count(&mut self, task: usize, row: u64) {
+        *self.by_home[task]
+            .entry((row % HOME_UNITS as u64) as u32)
+            .or_default() += 1;
+    }
+
     /// A lease the core gave: check it and record it.
+    #[allow(clippy::too_many_arguments)]
     fn leased_now(
         &mut self,
         conn: usize,
         task: usize,
         fields: &[&str],
         want: u32,
+        homes: Option<u8>,
         l: &Lease,
         now: Time,
     ) -> Result<(), TestCaseError> {
         prop_assert!(!l.rows.is_empty());
         prop_assert!(l.rows.len() <= want as usize);
-        let can = self.claimable(task, fields);
+        match homes {
+            None => prop_assert!(l.homes.is_empty()),
+            Some(_) => {
+                let want: Vec<u32> = l
+                    .rows
+                    .iter()
+                    .map(|r| (r % HOME_UNITS as u64) as u32)
+                    .collect();
+                prop_assert_eq!(&l.homes, &want, "each row's home");
+            }
+        }
+        let can = self.claimable(task, fields, homes);
         let rows: BTreeSet<u64> = l.rows.iter().copied().collect();
         prop_assert_eq!(rows.len(), l.rows.len(), "a row twice in one lease");
         prop_assert!(
@@ -581,6 +637,7 @@ impl Model {
                 task,
                 rows,
                 expires: now + LEASE,
+                homes: homes.is_some(),
             },
         );
         Ok(())
@@ -610,14 +667,15 @@ impl Run {
             } else {
                 prop_assert!(w.until > self.u.now);
                 let fields = w.fields.clone();
-                self.m
-                    .leased_now(w.conn, w.task, &fields, w.want, &r.lease, self.u.now)?;
+                self.m.leased_now(
+                    w.conn, w.task, &fields, w.want, w.homes, &r.lease, self.u.now,
+                )?;
             }
         }
         // No waiting claim could take a row now.
         for (tag, w) in &self.m.waits {
             if w.until > self.u.now {
-                let can = self.m.claimable(w.task, &w.fields);
+                let can = self.m.claimable(w.task, &w.fields, w.homes);
                 prop_assert!(
                     can.is_empty(),
                     "claim {} waits while {:?} are claimable",
@@ -650,12 +708,13 @@ impl Run {
                 both,
                 want,
                 wait_ms,
+                homes,
             } => {
                 let fields: Vec<&'static str> = if *both { FIELDS.to_vec() } else { vec!["a"] };
                 let tag = self.next_tag;
                 self.next_tag += 1;
                 let until = wait_ms.map(|ms| now + Duration::from_millis(ms));
-                let a = self.u.claim_op(
+                let a = self.u.claim_of(
                     self.conns[*conn],
                     "p",
                     TASKS[*task],
@@ -663,12 +722,13 @@ impl Run {
                     *want,
                     until,
                     tag,
+                    homes_of(*homes),
                 );
                 if !self.m.registered {
                     prop_assert!(matches!(a, Err(CoreError::Invalid(_))), "{:?}", a);
                     return Ok(());
                 }
-                let can = self.m.claimable(*task, &fields);
+                let can = self.m.claimable(*task, &fields, *homes);
                 match a {
                     Ok(ClaimAnswer::Leased(l)) if l.rows.is_empty() => {
                         prop_assert!(can.is_empty(), "nothing leased of {:?}", can);
@@ -677,7 +737,8 @@ impl Run {
                     }
                     Ok(ClaimAnswer::Leased(l)) => {
                         prop_assert_eq!(l.rows.len(), can.len().min(*want as usize));
-                        self.m.leased_now(*conn, *task, &fields, *want, &l, now)?;
+                        self.m
+                            .leased_now(*conn, *task, &fields, *want, *homes, &l, now)?;
                     }
                     Ok(ClaimAnswer::Waiting) => {
                         prop_assert!(can.is_empty());
@@ -689,6 +750,7 @@ impl Run {
                                 fields,
                                 want: *want,
                                 until: until.unwrap(),
+                                homes: *homes,
                             },
                         );
                     }
@@ -744,9 +806,38 @@ impl Run {
                                 "row {} consumed twice",
                                 r
                             );
+                            if l.homes {
+                                self.m.count(l.task, r);
+                            }
                         }
                     }
                     None => prop_assert_eq!(got.unwrap(), Vec::<u64>::new()),
+                }
+            }
+            Step::Mark { rows, task } => {
+                let names: Vec<String> = rows
+                    .iter()
+                    .map(|r| consumed_field((r % HOME_UNITS as u64) as u32, TASKS[*task]))
+                    .collect();
+                let keys: Vec<(u64, &str)> = rows
+                    .iter()
+                    .zip(&names)
+                    .map(|(r, n)| (*r, n.as_str()))
+                    .collect();
+                self.u.put(self.conns[0], "p", &keys);
+                for &r in rows {
+                    // A mark makes its row (of no field the claims ask
+                    // for) when it comes first.
+                    self.m.rows.entry(r).or_default();
+                    if self.m.consumed[*task].insert(r) {
+                        self.m.count(*task, r);
+                    }
+                    // A lease of it keeps it no more.
+                    for l in self.m.leases.values_mut() {
+                        if l.task == *task {
+                            l.rows.remove(&r);
+                        }
+                    }
                 }
             }
             Step::End { conn } => {
@@ -787,6 +878,7 @@ impl Run {
                     .unwrap();
                 self.m.rows.clear();
                 self.m.consumed = Default::default();
+                self.m.by_home = Default::default();
                 self.m.leases.clear();
                 self.m.registered = false;
                 // Its waiting claims are answered empty (checked in `replies`);
@@ -802,7 +894,19 @@ impl Run {
                 self.m.leases.retain(|_, l| l.expires > now);
             }
         }
-        self.replies()
+        self.replies()?;
+        // The counts per home, one home at a time.
+        for (t, name) in TASKS.iter().enumerate() {
+            for h in 0..HOME_UNITS {
+                let got = self
+                    .u
+                    .status_of(self.conns[0], "p", name, homes_of(Some(1 << h)))
+                    .consumed;
+                let want = self.m.by_home[t].get(&h).copied().unwrap_or(0);
+                prop_assert_eq!(got, want, "task {} home {}", name, h);
+            }
+        }
+        Ok(())
     }
 }
 
