@@ -12,9 +12,15 @@
 //! GB/s (of the caller's bytes: a 2-copy put moves twice as many) and
 //! the medians' ratio, 2 copies against 1.
 //!
+//! With `--netns` (root: `ip netns`), tcp only, between two network
+//! namespaces: the units listen on one end of a veth pair in this
+//! program's namespace, and the writer and reader run in a namespace the
+//! program makes (`stowage-rc-<pid>`, removed at its end), on the pair's
+//! other end.
+//!
 //! ```text
 //! cargo build --release -p stowage-cli --bin stowage --example replica_cost
-//! target/release/examples/replica_cost [--rounds 3] [--total 256] [--sizes 1,16]
+//! target/release/examples/replica_cost [--rounds 3] [--total 256] [--sizes 1,16] [--netns]
 //! ```
 
 use std::process::Command;
@@ -86,14 +92,79 @@ impl<'x> Sink<TensorAsk<'x>> for Into<'_> {
     }
 }
 
-fn run_child(exe: &std::path::Path, args: &[String]) -> f64 {
-    let out = Command::new(exe).arg("child").args(args).output().unwrap();
+fn run_child(exe: &std::path::Path, netns: Option<&Netns>, args: &[String]) -> f64 {
+    let mut cmd = match netns {
+        Some(n) => {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &n.name]).arg(exe);
+            c
+        }
+        None => Command::new(exe),
+    };
+    let out = cmd.arg("child").args(args).output().unwrap();
     assert!(
         out.status.success(),
         "child {args:?} failed: {}",
         String::from_utf8_lossy(&out.stderr)
     );
     String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+}
+
+/// A network namespace for the writer and reader, joined to this one by
+/// a veth pair (`UNITS_IP` here, `CLIENT_IP` there); removed on drop.
+struct Netns {
+    name: String,
+}
+
+const UNITS_IP: &str = "10.79.0.1";
+const CLIENT_IP: &str = "10.79.0.2";
+
+fn ip(args: &[&str]) {
+    let out = Command::new("ip").args(args).output().expect("running ip");
+    assert!(
+        out.status.success(),
+        "ip {}: {}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stderr).trim()
+    );
+}
+
+impl Netns {
+    fn make() -> Netns {
+        let name = format!("stowage-rc-{}", std::process::id());
+        let (here, there) = (
+            format!("rc{}h", std::process::id()),
+            format!("rc{}c", std::process::id()),
+        );
+        ip(&["netns", "add", &name]);
+        let n = Netns { name };
+        ip(&["-n", &n.name, "link", "set", "lo", "up"]);
+        ip(&[
+            "link", "add", &here, "type", "veth", "peer", "name", &there, "netns", &n.name,
+        ]);
+        ip(&["addr", "add", &format!("{UNITS_IP}/24"), "dev", &here]);
+        ip(&["link", "set", &here, "up"]);
+        ip(&[
+            "-n",
+            &n.name,
+            "addr",
+            "add",
+            &format!("{CLIENT_IP}/24"),
+            "dev",
+            &there,
+        ]);
+        ip(&["-n", &n.name, "link", "set", &there, "up"]);
+        n
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        // Its end of the pair goes with it, and so the pair.
+        let _ = Command::new("ip")
+            .args(["netns", "del", &self.name])
+            .status();
+    }
 }
 
 fn main() {
@@ -107,9 +178,13 @@ fn main() {
         .split(',')
         .map(|s| s.parse::<usize>().unwrap() * MIB)
         .collect();
+    let netns = args.iter().any(|a| a == "--netns").then(Netns::make);
     let stowage = stowage_cli::bench::stowage_binary(None).unwrap_or_else(|e| panic!("{e}"));
     let mut opts = LocalOptions::new(2, 512 << 20);
     opts.command = vec![stowage.into(), "unit".into()];
+    if netns.is_some() {
+        opts.tcp_host = UNITS_IP.parse().unwrap();
+    }
     let plane = LocalPlane::start(&opts).expect("starting two units");
     let secret = plane.private_dir().join("secret");
     let exe = std::env::current_exe().unwrap();
@@ -118,10 +193,20 @@ fn main() {
     cfg.replicas = 2;
     let admin = Client::connect(cfg).unwrap();
     println!(
-        "two units, {} MiB per round, values one per call; GB/s of the caller's bytes; median [min-max] over {rounds} rounds",
-        total / MIB
+        "two units, {} MiB per round, values one per call; GB/s of the caller's bytes; median [min-max] over {rounds} rounds{}",
+        total / MIB,
+        if netns.is_some() {
+            "; writer and reader in another network namespace (veth)"
+        } else {
+            ""
+        }
     );
-    for transport in ["shm", "tcp"] {
+    let transports: &[&str] = if netns.is_some() {
+        &["tcp"]
+    } else {
+        &["shm", "tcp"]
+    };
+    for &transport in transports {
         let addrs = if transport == "shm" {
             plane.uds_addrs()
         } else {
@@ -147,8 +232,9 @@ fn main() {
                             total.to_string(),
                         ]
                     };
-                    secs[replicas - 1][0].push(run_child(&exe, &common("put")));
-                    secs[replicas - 1][1].push(run_child(&exe, &common("get")));
+                    let ns = netns.as_ref();
+                    secs[replicas - 1][0].push(run_child(&exe, ns, &common("put")));
+                    secs[replicas - 1][1].push(run_child(&exe, ns, &common("get")));
                     admin.clear_partition("p", admin.deadline()).expect("clear");
                 }
             }
@@ -161,6 +247,11 @@ fn main() {
             for (side, name) in [(0, "put"), (1, "get")] {
                 let (one, one_s) = gbps(&mut secs[0][side]);
                 let (two, two_s) = gbps(&mut secs[1][side]);
+                let transport = if netns.is_some() {
+                    "tcp/netns"
+                } else {
+                    transport
+                };
                 println!(
                     "{transport} {:>2} MiB {name}: 1 copy {one_s} GB/s, 2 copies {two_s} GB/s; 2 copies take {:.2}x the time of 1",
                     size / MIB,
