@@ -195,7 +195,7 @@ pub enum Request {
     /// ([`Request::Claim`]); `samples`: the rows the partition is expected
     /// to hold over all units (reported back by [`Request::ClaimStatus`]);
     /// `group_size` above 1: rows sharing a group (their field named
-    /// [`GROUP_FIELD_PREFIX`] + the group's id) are claimed whole.
+    /// [`GROUP_FIELD_PREFIX`](crate::GROUP_FIELD_PREFIX) + the group's id) are claimed whole.
     /// Idempotent; tasks add up. Answered `Done` (protocol 13).
     RegisterTasks {
         partition: String,
