@@ -36,6 +36,11 @@ fn names(range: std::ops::Range<usize>) -> Vec<String> {
 /// Rows `names` of `partition`, field "x" (8 bytes), in groups of
 /// `group` rows when `group` is above 1.
 fn put(c: &Client, partition: &str, names: &[String], group: usize) {
+    put_field(c, partition, names, "x", group);
+}
+
+/// [`put`] of field `field`.
+fn put_field(c: &Client, partition: &str, names: &[String], field: &str, group: usize) {
     let keys: Vec<RowKey> = names.iter().map(|n| RowKey::Name(n.clone())).collect();
     let v = [7u8; 8];
     let col: Vec<Tensor<'_>> = names
@@ -51,7 +56,7 @@ fn put(c: &Client, partition: &str, names: &[String], group: usize) {
         partition,
         &keys,
         (group > 1).then_some(&groups[..]),
-        &[("x", Column::Jagged(col))],
+        &[(field, Column::Jagged(col))],
         None,
         c.deadline(),
     )
@@ -362,25 +367,7 @@ fn a_waiting_claim_whose_claimer_dies_is_answered_by_the_copy() {
         std::thread::sleep(Duration::from_millis(500));
         p.kill9(1);
         std::thread::sleep(Duration::from_millis(500));
-        let keys: Vec<RowKey> = ones.iter().map(|n| RowKey::Name(n.clone())).collect();
-        let v = [1u8; 8];
-        let col: Vec<Tensor<'_>> = ones
-            .iter()
-            .map(|_| Tensor {
-                dtype: DType::U8,
-                shape: vec![8],
-                data: &v,
-            })
-            .collect();
-        writer
-            .put(
-                "w",
-                &keys,
-                &[("y", Column::Jagged(col))],
-                None,
-                writer.deadline(),
-            )
-            .unwrap();
+        put_field(&writer, "w", &ones, "y", 1);
         waiting.join().unwrap().unwrap()
     });
     assert!(
