@@ -214,9 +214,9 @@ impl Client {
 
     /// With copies: write the consumption of `rows` (home, row) by `task`
     /// to every copy of each (docs/replication.md#claims). They are the
-    /// caller's already (settled on their claimer): a mark that fails is
-    /// logged, and leaves the row claimable again only if its claimer
-    /// dies before the mark is written.
+    /// caller's already (settled on their claimer): marks that fail are
+    /// logged and counted (`stowage_client_claim_marks_failed_total`), and
+    /// leave their rows claimable again only if their claimer dies.
     fn mark_consumed(&self, partition: &str, task: &str, rows: &[(usize, u64)], deadline: Instant) {
         if self.replicas() == 1 {
             return;
