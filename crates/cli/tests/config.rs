@@ -219,21 +219,16 @@ fn a_unit_takes_its_settings_from_the_file_and_options_override_them() {
     let socks = dir.path().join("socks");
     std::fs::create_dir(&socks).unwrap();
     let config = dir.path().join("stowage.toml");
-    // A free port base: bind one, release it (unit 1 takes base + 1).
-    let base = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-        .min(60000);
-    std::fs::write(
-        &config,
-        format!(
-            "[units]\nmemory = \"24MiB\"\npin_lease = \"9s\"\n[listen]\ntcp_port = {base}\nunix_dir = {:?}\n[auth]\ninsecure = true\n",
-            socks.display().to_string()
-        ),
-    )
-    .unwrap();
+    let write_config = |base: u16| {
+        std::fs::write(
+            &config,
+            format!(
+                "[units]\nmemory = \"24MiB\"\npin_lease = \"9s\"\n[listen]\ntcp_port = {base}\nunix_dir = {:?}\n[auth]\ninsecure = true\n",
+                socks.display().to_string()
+            ),
+        )
+        .unwrap();
+    };
     let start = |extra: &[&str]| {
         // No piped stdin: `Reap` kills it at once (it does not exit with stdin).
         let (child, lines) = spawn_reaped(
@@ -251,7 +246,22 @@ fn a_unit_takes_its_settings_from_the_file_and_options_override_them() {
             .expect("the unit reports ready");
         (child, ready)
     };
-    let (unit, ready) = start(&[]);
+    // Unit 1 listens on base + 1. Between a free port found here and the
+    // unit's bind, another test's connection can take an ephemeral port,
+    // so bases come from below the ephemeral range, and a base that was
+    // taken all the same is tried again with the next (10 at most).
+    let mut found = None;
+    for attempt in 0..10u16 {
+        let base = free_port_pair_below_ephemeral(attempt);
+        write_config(base);
+        let (unit, ready) = start(&[]);
+        if ready.contains("Address already in use") {
+            continue;
+        }
+        found = Some((base, unit, ready));
+        break;
+    }
+    let (base, unit, ready) = found.expect("a free port pair in 10 tries");
     let uds = socks.join("unit-1.sock");
     assert!(ready.contains(&format!("uds={}", uds.display())), "{ready}");
     assert!(
@@ -283,6 +293,28 @@ fn a_unit_takes_its_settings_from_the_file_and_options_override_them() {
     );
     drop(c);
     drop(unit);
+}
+
+/// A port `p`, with `p + 1` free too, below the kernel's ephemeral range
+/// (where the ports of other tests' connections come from); `salt` picks
+/// a different one on each try.
+fn free_port_pair_below_ephemeral(salt: u16) -> u16 {
+    let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|r| r.split_whitespace().next()?.parse().ok())
+        .unwrap_or(32768);
+    let (first, last) = (10_000u16, low.saturating_sub(2).max(10_002));
+    let span = u32::from(last - first);
+    let seed =
+        std::process::id().wrapping_mul(2_654_435_761) ^ u32::from(salt).wrapping_mul(40_503);
+    for step in 0..span {
+        let port = first + ((seed.wrapping_add(step * 7)) % span) as u16;
+        let free = |p: u16| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok();
+        if free(port) && free(port + 1) {
+            return port;
+        }
+    }
+    panic!("no free port pair between {first} and {last}");
 }
 
 #[test]
