@@ -4,7 +4,9 @@
 //!
 //! Starts two units (512 MiB each, the `stowage` binary beside this
 //! example). Per transport (`shm`, `tcp` over loopback), value size and
-//! round, 1 and 2 copies (which first alternates by round): a new writer process (this program
+//! round, 1 and 2 copies (over tcp 2 copies twice: forwarded by the first
+//! copy's unit, and sent by the client to both; which goes first turns by
+//! round): a new writer process (this program
 //! again) connects, fills a buffer of `--total` MiB (cold by the time it
 //! is read: larger than the caches) and puts it, one value per put; then
 //! a new reader process gets every value, one per get, into a buffer it
@@ -36,18 +38,20 @@ const MIB: usize = 1 << 20;
 const FIELD: &str = "tokens";
 
 /// A writer or reader process: `child ROLE ADDRS SECRET_FILE SHM REPLICAS
-/// SIZE TOTAL`; prints the seconds its puts or gets took.
+/// SIZE TOTAL FORWARD`; prints the seconds its puts or gets took.
 fn child(a: &[String]) {
     let (role, addrs, secret) = (&a[0], &a[1], &a[2]);
     let shm = a[3] == "shm";
     let replicas: usize = a[4].parse().unwrap();
     let size: usize = a[5].parse().unwrap();
     let total: usize = a[6].parse().unwrap();
+    let forward = a[7] == "forward";
     let addrs: Vec<UnitAddr> = addrs.split(',').map(|s| s.parse().unwrap()).collect();
     let mut cfg = ClientConfig::new("replica-cost", addrs);
     cfg.secret = Some(Secret::from_file(std::path::Path::new(secret)).unwrap());
     cfg.shm = shm;
     cfg.replicas = replicas;
+    cfg.forward = forward;
     cfg.timeout = Duration::from_secs(60);
     let c = Client::connect(cfg).unwrap();
     c.check_units(c.deadline()).unwrap();
@@ -215,12 +219,25 @@ fn main() {
         let addrs: Vec<String> = addrs.iter().map(ToString::to_string).collect();
         let addrs = addrs.join(",");
         for &size in &sizes {
-            // [replicas - 1][put, get] seconds per round.
-            let mut secs = vec![[Vec::new(), Vec::new()]; 2];
+            // What is compared: 1 copy; 2 copies, the unit forwarding the
+            // second (tcp only: over shm the client writes both copies);
+            // 2 copies, the client sending both.
+            let variants: &[(usize, bool, &str)] = if transport == "tcp" {
+                &[
+                    (1, true, "1 copy"),
+                    (2, true, "2 copies forwarded"),
+                    (2, false, "2 copies sent by the client"),
+                ]
+            } else {
+                &[(1, true, "1 copy"), (2, true, "2 copies")]
+            };
+            // [variant][put, get] seconds per round.
+            let mut secs = vec![[Vec::new(), Vec::new()]; variants.len()];
             for r in 0..rounds {
-                // Which goes first alternates from round to round.
-                let order = if r % 2 == 0 { [1usize, 2] } else { [2, 1] };
-                for replicas in order {
+                // Which goes first turns from round to round.
+                for k in 0..variants.len() {
+                    let v = (r + k) % variants.len();
+                    let (replicas, forward, _) = variants[v];
                     let common = |role: &str| {
                         vec![
                             role.to_string(),
@@ -230,11 +247,12 @@ fn main() {
                             replicas.to_string(),
                             size.to_string(),
                             total.to_string(),
+                            if forward { "forward" } else { "send" }.to_string(),
                         ]
                     };
                     let ns = netns.as_ref();
-                    secs[replicas - 1][0].push(run_child(&exe, ns, &common("put")));
-                    secs[replicas - 1][1].push(run_child(&exe, ns, &common("get")));
+                    secs[v][0].push(run_child(&exe, ns, &common("put")));
+                    secs[v][1].push(run_child(&exe, ns, &common("get")));
                     admin.clear_partition("p", admin.deadline()).expect("clear");
                 }
             }
@@ -244,19 +262,22 @@ fn main() {
                 let g = |t: f64| total as f64 / t / 1e9;
                 (med, format!("{:.2} [{:.2}-{:.2}]", g(med), g(hi), g(lo)))
             };
+            let transport = if netns.is_some() {
+                "tcp/netns"
+            } else {
+                transport
+            };
             for (side, name) in [(0, "put"), (1, "get")] {
                 let (one, one_s) = gbps(&mut secs[0][side]);
-                let (two, two_s) = gbps(&mut secs[1][side]);
-                let transport = if netns.is_some() {
-                    "tcp/netns"
-                } else {
-                    transport
-                };
-                println!(
-                    "{transport} {:>2} MiB {name}: 1 copy {one_s} GB/s, 2 copies {two_s} GB/s; 2 copies take {:.2}x the time of 1",
-                    size / MIB,
-                    two / one
+                let mut line = format!(
+                    "{transport} {:>2} MiB {name}: 1 copy {one_s} GB/s",
+                    size / MIB
                 );
+                for (v, &(_, _, label)) in variants.iter().enumerate().skip(1) {
+                    let (t, t_s) = gbps(&mut secs[v][side]);
+                    line += &format!("; {label} {t_s} GB/s, {:.2}x the time of 1", t / one);
+                }
+                println!("{line}");
             }
         }
     }

@@ -93,6 +93,14 @@ pub struct ClientConfig {
     /// go on units of distinct hosts whenever there are enough of them.
     /// Default empty.
     pub hosts: Vec<Option<String>>,
+    /// With [`ClientConfig::replicas`] over 1, a put whose copies are all
+    /// on units this client reaches over tcp sends its bytes once, to the
+    /// first copy's unit, which forwards them to the others as they
+    /// arrive (docs/replication.md#forwarding); a copy whose forward
+    /// fails, the client writes itself. Default true; false when the
+    /// environment says `STOWAGE_FORWARD=0` (read at each config made):
+    /// the client writes every copy.
+    pub forward: bool,
     /// Bytes per second a repair copies at most (docs/replication.md#repair);
     /// 0: as fast as it goes. Default 2 GB/s.
     pub repair_rate: u64,
@@ -136,7 +144,7 @@ fn ring_switches() -> (bool, u32) {
     })
 }
 
-/// What `STOWAGE_RINGS` says: rings unless it is `0`.
+/// What `STOWAGE_RINGS` (or `STOWAGE_FORWARD`) says: on unless it is `0`.
 pub(crate) fn rings_from_env(v: Option<&str>) -> bool {
     v.is_none_or(|v| v.trim() != "0")
 }
@@ -150,7 +158,7 @@ pub const SPARE_MAX: u64 = 4 << 20;
 impl ClientConfig {
     /// The defaults, with the switches the environment sets
     /// (`STOWAGE_RINGS`, `STOWAGE_RING_AFTER`, `STOWAGE_FAILPOINTS`,
-    /// `STOWAGE_SPIN_ALWAYS`).
+    /// `STOWAGE_SPIN_ALWAYS`, `STOWAGE_FORWARD`).
     pub fn new(namespace: impl Into<String>, units: Vec<UnitAddr>) -> Self {
         let (rings, ring_after) = ring_switches();
         Self {
@@ -170,6 +178,7 @@ impl ClientConfig {
             ring_after,
             replicas: 1,
             hosts: Vec::new(),
+            forward: rings_from_env(std::env::var("STOWAGE_FORWARD").ok().as_deref()),
             repair_rate: REPAIR_RATE,
             failpoints: failpoints_from_env(),
         }

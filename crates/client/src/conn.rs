@@ -23,8 +23,7 @@ use stowage_shm::ring::{Ring, RING_BYTES};
 use stowage_shm::Slab;
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{
-    may_spin, read_header, read_prefix, spin_yield, write_all_vectored, ReadError, Socket,
-    SpinReader,
+    may_spin, read_header, read_prefix, spin_yield, ReadError, Socket, SpinReader,
 };
 use stowage_wire::{
     decode_header, encode, Envelope, ErrorCode, FramePrefix, Limits, Request, RequestRef, Response,
@@ -215,6 +214,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::ResolvedRows(_) => "ResolvedRows",
         Response::RepairOpened { .. } => "RepairOpened",
         Response::Repaired { .. } => "Repaired",
+        Response::Forwarded { .. } => "Forwarded",
     }
 }
 
@@ -525,7 +525,17 @@ impl Conn {
             let mut all = Vec::with_capacity(payload.len() + 1);
             all.push(IoSlice::new(&self.out));
             all.extend(payload.iter().map(|s| IoSlice::new(s)));
-            write_all_vectored(&mut self.writer, &mut all)?;
+            match self.writer.write_all_until(&mut all, deadline) {
+                // The send timeout stands as `set_timeouts` left it.
+                Ok(false) => {}
+                // Re-armed for a later write: refreshed by the next
+                // `set_timeouts`.
+                Ok(true) => self.read_timeout = None,
+                Err(e) => {
+                    self.read_timeout = None;
+                    return Err(e.into());
+                }
+            }
         }
         Ok(id)
     }

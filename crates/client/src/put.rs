@@ -8,18 +8,23 @@
 //! commit), Busy (and, when asked, Full) waited out, the connection checked
 //! back in. The parts of several units run at once
 //! (`fanout::all_at_once`); a put to one unit runs its part straight on
-//! the calling thread.
+//! the calling thread. With copies, each blob goes to every unit of its
+//! copies, or, where all of them are reached over tcp, to the first,
+//! which forwards it to the others ([`Forwards`]; a copy whose forward
+//! failed is then written by the client).
 
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::future::Future;
 use std::pin::pin;
+use std::sync::Mutex;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use stowage_wire::{EntrySpec, Key};
+use stowage_wire::{BlobId, EntrySpec, FailedCopy, Hop, Key};
 
 use crate::classify::name_keys;
+use crate::conn::UnitAddr;
 use crate::failure::Failure;
 use crate::row_meta::{check_distinct_rows, check_field, encode_meta, PutName, KEY_FIELD};
 use crate::values::{byte_len, Column, RowKey, Tensor};
@@ -164,7 +169,7 @@ impl Client {
             }
         }
         if self.replicas() == 1 {
-            return self.put_placed(blobs, deadline, timer);
+            return self.put_placed(blobs, deadline, timer, &Forwards::default());
         }
         // A unit found gone during the put places its copies anew: put
         // again, to the units up (at most once per unit, within the
@@ -173,8 +178,10 @@ impl Client {
         let mut tries = 0;
         loop {
             let epoch = self.copies_epoch();
-            let with_copies = self.with_copies(blobs)?;
-            let r = self.put_placed(&with_copies, deadline, timer);
+            let (with_copies, forwards) = self.with_copies(blobs)?;
+            let r = self
+                .put_placed(&with_copies, deadline, timer, &forwards)
+                .and_then(|()| self.put_unforwarded(&with_copies, forwards, deadline, timer));
             if self.copies_epoch() == epoch
                 || tries >= self.units.len()
                 || Instant::now() >= deadline
@@ -186,10 +193,13 @@ impl Client {
     }
 
     /// Every blob and a blob of each copy after the first: the same bytes
-    /// on each unit of the copies (docs/replication.md). Fails when fewer
-    /// units are up than copies: a put never keeps fewer than asked.
-    fn with_copies<'a>(&self, blobs: &[BlobPut<'a>]) -> Result<Vec<BlobPut<'a>>> {
+    /// on each unit of the copies (docs/replication.md); a blob whose
+    /// copies are all reached over tcp goes to its first copy only, which
+    /// forwards it to the others ([`Forwards`]). Fails when fewer units
+    /// are up than copies: a put never keeps fewer than asked.
+    fn with_copies<'a>(&self, blobs: &[BlobPut<'a>]) -> Result<(Vec<BlobPut<'a>>, Forwards)> {
         let mut out = Vec::with_capacity(blobs.len() * self.replicas());
+        let mut forwards = Forwards::default();
         for b in blobs {
             let set = self.copies_of(b.unit);
             if set.len() < self.replicas() {
@@ -204,6 +214,17 @@ impl Client {
                     in_flight: false,
                 });
             }
+            if let Some(to) = self.forward_to(&set) {
+                forwards.hops.insert(b.blob, to);
+                out.push(BlobPut {
+                    unit: set[0],
+                    partition: b.partition,
+                    blob: b.blob,
+                    segments: b.segments.clone(),
+                    entries: b.entries.clone(),
+                });
+                continue;
+            }
             for (i, &unit) in set.iter().enumerate() {
                 out.push(BlobPut {
                     unit,
@@ -214,7 +235,64 @@ impl Client {
                 });
             }
         }
-        Ok(out)
+        Ok((out, forwards))
+    }
+
+    /// The copies after the first of `set`, as its first unit forwards to
+    /// them: `None` where the client writes every copy itself (forwarding
+    /// off, nixl, or a copy this client reaches other than by tcp).
+    fn forward_to(&self, set: &[usize]) -> Option<Vec<Hop>> {
+        if !self.cfg.forward || self.cfg.nixl.is_some() {
+            return None;
+        }
+        let tcp = |u: usize| match &self.cfg.units[u] {
+            UnitAddr::Tcp(a) => Some(*a),
+            UnitAddr::Unix(_) => None,
+        };
+        tcp(*set.first()?)?;
+        set[1..]
+            .iter()
+            .map(|&u| {
+                Some(Hop {
+                    unit: u32::try_from(u).ok()?,
+                    addr: tcp(u)?.to_string(),
+                })
+            })
+            .collect()
+    }
+
+    /// The copies whose forward failed, written by this client to their
+    /// units (`placed`: the blobs sent, whose bytes they are).
+    fn put_unforwarded(
+        &self,
+        placed: &[BlobPut<'_>],
+        forwards: Forwards,
+        deadline: Instant,
+        timer: &metrics::OpTimer,
+    ) -> Result<()> {
+        let failed = forwards
+            .failed
+            .into_inner()
+            .unwrap_or_else(|p| p.into_inner());
+        if failed.is_empty() {
+            return Ok(());
+        }
+        let by_blob: HashMap<BlobId, &BlobPut<'_>> = placed.iter().map(|b| (b.blob, b)).collect();
+        let again: Vec<BlobPut<'_>> = failed
+            .iter()
+            .filter_map(|(blob, f)| {
+                tracing::debug!(unit = f.unit, code = ?f.code, message = %f.message, "a forwarded copy failed; the client writes it");
+                let b = by_blob.get(blob)?;
+                Some(BlobPut {
+                    unit: f.unit as usize,
+                    partition: b.partition,
+                    blob: new_blob_id(),
+                    segments: b.segments.clone(),
+                    entries: b.entries.clone(),
+                })
+            })
+            .collect();
+        self.put_placed(&again, deadline, timer, &Forwards::default())
     }
 
     /// [`Client::put_units`] of blobs placed already, copies and all.
@@ -223,6 +301,7 @@ impl Client {
         blobs: &[BlobPut<'_>],
         deadline: Instant,
         timer: &metrics::OpTimer,
+        forwards: &Forwards,
     ) -> Result<()> {
         let wait_until = self
             .cfg
@@ -232,7 +311,7 @@ impl Client {
         // without the fan-out.
         if let Some(first) = blobs.first() {
             if fanout::alone() && blobs.iter().all(|b| b.unit == first.unit) {
-                let part = self.put_unit(first.unit, blobs, deadline, wait_until, timer);
+                let part = self.put_unit(first.unit, blobs, deadline, wait_until, timer, forwards);
                 return run_alone(part);
             }
         }
@@ -241,7 +320,14 @@ impl Client {
             queues.entry(b.unit).or_default().push(b);
         }
         let results = fanout::all_at_once(queues.iter().map(|(&unit, queue)| {
-            self.put_unit(unit, queue.iter().copied(), deadline, wait_until, timer)
+            self.put_unit(
+                unit,
+                queue.iter().copied(),
+                deadline,
+                wait_until,
+                timer,
+                forwards,
+            )
         }));
         // The first unit's error (in unit order); what other units
         // committed stays committed.
@@ -263,13 +349,14 @@ impl Client {
         deadline: Instant,
         wait_until: Option<Instant>,
         timer: &metrics::OpTimer,
+        forwards: &Forwards,
     ) -> Result<()> {
         let mut backoff: Option<Duration> = None;
         for put in queue {
             // Whether this put has waited for its own views' unpins.
             let mut synced = false;
             loop {
-                let failure = match self.put_one(unit, put, deadline).await {
+                let failure = match self.put_one(unit, put, deadline, forwards).await {
                     Ok(()) => {
                         timer.unit_done(&self.metrics, unit);
                         backoff = None;
@@ -374,9 +461,17 @@ impl Client {
         unit: usize,
         put: &BlobPut<'_>,
         deadline: Instant,
+        forwards: &Forwards,
     ) -> std::result::Result<(), Failure> {
         let mut t = self.checkout(unit, deadline).await?;
-        match t.put(put, deadline).await {
+        let r = match forwards.hops.get(&put.blob) {
+            Some(to) => t
+                .forward_put(put, to, deadline)
+                .await
+                .map(|failed| forwards.record(put.blob, failed)),
+            None => t.put(put, deadline).await,
+        };
+        match r {
             Ok(()) => {
                 self.checkin(unit, t);
                 Ok(())
@@ -387,6 +482,23 @@ impl Client {
                 }
                 Err(f)
             }
+        }
+    }
+}
+
+/// The blobs of a put that the unit of their first copy forwards to the
+/// others (docs/replication.md#forwarding): by blob id, the copies; and
+/// the copies whose forward failed, which the client then writes itself.
+#[derive(Default)]
+pub(crate) struct Forwards {
+    hops: HashMap<BlobId, Vec<Hop>>,
+    failed: Mutex<Vec<(BlobId, FailedCopy)>>,
+}
+
+impl Forwards {
+    fn record(&self, blob: BlobId, failed: Vec<FailedCopy>) {
+        if !failed.is_empty() {
+            crate::lock(&self.failed).extend(failed.into_iter().map(|f| (blob, f)));
         }
     }
 }

@@ -30,7 +30,7 @@ use std::time::Instant;
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
 use stowage_wire::BlobId;
-use stowage_wire::{EntrySpec, Key, Request, RequestRef, Response};
+use stowage_wire::{EntrySpec, ErrorCode, FailedCopy, Hop, Key, Request, RequestRef, Response};
 
 use crate::conn::Conn;
 use crate::failure::Failure;
@@ -62,6 +62,23 @@ pub trait Transport: Send {
 
     /// Write one blob; ends once it is committed (published).
     fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()>;
+
+    /// Write one blob here and have the unit forward it to the copies
+    /// `to` (docs/replication.md#forwarding); ends once it is committed
+    /// here, with the copies that are not committed (the caller writes
+    /// them itself). A transport that does not forward puts the blob here
+    /// and names every copy.
+    fn forward_put<'a>(
+        &'a mut self,
+        put: &'a BlobPut<'_>,
+        to: &'a [Hop],
+        deadline: Instant,
+    ) -> Op<'a, Vec<FailedCopy>> {
+        Box::pin(async move {
+            self.put(put, deadline).await?;
+            Ok(not_forwarded(to, "this transport does not forward"))
+        })
+    }
 
     /// Read `keys` of `partition` into `sink`: `index_of[i]` is the
     /// call-wide index of `keys[i]`, passed to the sink. Returns the
@@ -245,6 +262,57 @@ pub(crate) async fn stream_put(
     }
 }
 
+/// Every copy of `to`, failed for `why`.
+pub(crate) fn not_forwarded(to: &[Hop], why: &str) -> Vec<FailedCopy> {
+    to.iter()
+        .map(|h| FailedCopy {
+            unit: h.unit,
+            code: ErrorCode::Internal,
+            message: why.to_owned(),
+        })
+        .collect()
+}
+
+/// [`Transport::forward_put`] over a connection: a ForwardPut carrying
+/// the blob's bytes, answered once this unit committed them and every
+/// copy answered.
+pub(crate) async fn stream_forward_put(
+    conn: &mut Conn,
+    put: &BlobPut<'_>,
+    to: &[Hop],
+    deadline: Instant,
+) -> Result<Vec<FailedCopy>, Failure> {
+    n_entries(&put.entries)?;
+    let req = RequestRef::ForwardPut {
+        blob: put.blob,
+        partition: put.partition,
+        entries: &put.entries,
+        timeout_ms: timeout_ms(deadline),
+        to,
+    };
+    match send_with_blob(conn, &req, put, deadline).await? {
+        Response::Forwarded { pending, failed } => {
+            if pending {
+                // Durable here later, as a Put's Pending.
+                let mut reply = recommit(conn, put, deadline).await?;
+                while matches!(reply, Response::Pending) {
+                    reply = recommit(conn, put, deadline).await?;
+                }
+                match reply {
+                    Response::Done | Response::AlreadyCommitted => {}
+                    Response::Error { code, message } => {
+                        return Err(Failure::Refused(code, message))
+                    }
+                    other => return Err(Failure::unexpected(other)),
+                }
+            }
+            Ok(failed)
+        }
+        Response::Error { code, message } => Err(Failure::Refused(code, message)),
+        other => Err(Failure::unexpected(other)),
+    }
+}
+
 /// [`Transport::repair_put`] over a connection.
 pub(crate) async fn send_repair_put(
     conn: &mut Conn,
@@ -333,6 +401,15 @@ impl Transport for TcpTransport {
 
     fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()> {
         Box::pin(stream_put(&mut self.conn, put, deadline, None))
+    }
+
+    fn forward_put<'a>(
+        &'a mut self,
+        put: &'a BlobPut<'_>,
+        to: &'a [Hop],
+        deadline: Instant,
+    ) -> Op<'a, Vec<FailedCopy>> {
+        Box::pin(stream_forward_put(&mut self.conn, put, to, deadline))
     }
 
     fn get<'a>(

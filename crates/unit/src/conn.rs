@@ -17,6 +17,7 @@ use stowage_wire::{encode, ErrorCode, Request, Response};
 
 use crate::handler::{self, Asker, Dest, Plan};
 
+mod forwarding;
 mod inbuf;
 mod nixl;
 mod ring;
@@ -405,6 +406,14 @@ impl Conn {
         }
     }
 
+    /// Whether the parked step forwards a put to other units: it runs on
+    /// the forwarding pool, never on the one that serves the puts other
+    /// units forward here (two units forwarding to each other would
+    /// otherwise each wait on the other's full pool).
+    pub(crate) fn parked_forwards(&self) -> bool {
+        matches!(&self.parked, Some(p) if matches!(&p.plan, Plan::Receive(put) if put.forward.is_some()))
+    }
+
     /// Carry out the parked request's blocking step (on the pool).
     pub(crate) fn run_parked(&mut self) -> Result<(), EndReason> {
         let Some(p) = self.parked.take() else {
@@ -647,6 +656,8 @@ impl Conn {
         let buffered = self.reader.buffer().len() as u64;
         match plan {
             Plan::Drain { len, .. } => buffered < *len,
+            // A forward waits on the other copies' units.
+            Plan::Receive(put) if put.forward.is_some() => true,
             Plan::Receive(put) => match put.into {
                 Dest::Slab { .. } | Dest::Nowhere => buffered < put.nbytes,
                 Dest::Disk => true,

@@ -150,6 +150,19 @@ pub struct Put {
     /// lets through, answered [`Response::Repaired`] (its blob lies in the
     /// slab, never on the disk tier).
     pub repair: Option<u64>,
+    /// A ForwardPut's other copies: its payload goes on to them as it
+    /// arrives, answered [`Response::Forwarded`].
+    pub forward: Option<Forward>,
+}
+
+/// Where a ForwardPut's bytes go besides this unit.
+#[derive(Debug)]
+pub struct Forward {
+    pub to: Vec<stowage_wire::Hop>,
+    /// The request's partition (not scoped: each copy's unit scopes it).
+    pub partition: String,
+    /// The connection's namespace, said in Hello to the copies' units.
+    pub namespace: String,
 }
 
 /// Where a Put's payload goes.
@@ -245,6 +258,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         Request::Alloc { .. }
         | Request::Put { .. }
         | Request::RepairPut { .. }
+        | Request::ForwardPut { .. }
         | Request::Checkpoint { .. }
         | Request::CheckpointHomes { .. }
         | Request::OpenRestore { .. } => true,
@@ -382,6 +396,33 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             Some(window),
             now,
         ),
+        Request::ForwardPut {
+            blob,
+            partition,
+            entries,
+            timeout_ms,
+            to,
+        } => {
+            let mut plan = put(
+                &mut core(),
+                owner,
+                scope(namespace, &partition),
+                blob,
+                entries,
+                payload_len,
+                timeout_ms,
+                None,
+                now,
+            );
+            if let Plan::Receive(put) = &mut plan {
+                put.forward = Some(Forward {
+                    to,
+                    partition,
+                    namespace: namespace.to_owned(),
+                });
+            }
+            plan
+        }
         Request::OpenRepair { key } => {
             let op = op::OpenRepair {
                 scope: scope(namespace, ""),
@@ -731,6 +772,7 @@ fn put(
         into,
         now,
         repair,
+        forward: None,
     })
 }
 

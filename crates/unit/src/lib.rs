@@ -82,6 +82,7 @@ mod claims;
 pub mod disk;
 mod driver;
 mod error;
+mod forward;
 pub mod handler;
 pub mod metrics;
 mod nixl_serve;
@@ -356,6 +357,7 @@ pub(crate) fn start_with(
         nixl,
         disk,
         checkpoints: Checkpoints::new(start_restore),
+        peers: forward::Peers::new(cfg.secret.clone()),
         budget: budget::Budget::new(
             cfg.outside_slab_budget
                 .unwrap_or_else(|| stowage_config::default_outside_slab_budget(cfg.memory)),

@@ -94,7 +94,11 @@ impl Reactor {
             0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
             n => n,
         };
-        let pool = Arc::new(Pool::new(io_threads.max(1)));
+        let pool = Arc::new(Pool::new("io", io_threads.max(1)));
+        // Puts forwarded to other units wait on those units' pools: a
+        // pool of their own, so that the pool serving puts forwarded here
+        // never waits on another unit.
+        let forward_pool = Arc::new(Pool::new("fwd", io_threads.max(1)));
         let mut workers = Vec::with_capacity(threads);
         for i in 0..threads {
             let poll = Poll::new()?;
@@ -111,6 +115,7 @@ impl Reactor {
                 rx,
                 me: handle.clone(),
                 pool: pool.clone(),
+                forward_pool: forward_pool.clone(),
                 slots: Vec::new(),
                 free: Vec::new(),
                 timers: BinaryHeap::new(),
@@ -171,6 +176,8 @@ struct Worker {
     rx: Receiver<Msg>,
     me: Arc<Handle>,
     pool: Arc<Pool>,
+    /// The pool of steps that forward puts (`Conn::parked_forwards`).
+    forward_pool: Arc<Pool>,
     slots: Vec<Option<Slot>>,
     free: Vec<usize>,
     timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
@@ -531,7 +538,12 @@ impl Worker {
             s.away = true;
         }
         let me = self.me.clone();
-        self.pool.submit(Box::new(move || {
+        let pool = if conn.parked_forwards() {
+            &self.forward_pool
+        } else {
+            &self.pool
+        };
+        pool.submit(Box::new(move || {
             let mut conn = conn;
             let ran = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| conn.run_parked()));
             let ended = match ran {
@@ -565,6 +577,8 @@ pub(crate) struct Pool {
     state: Mutex<PoolState>,
     cv: Condvar,
     max: usize,
+    /// Its threads' names' prefix.
+    name: &'static str,
 }
 
 struct PoolState {
@@ -574,8 +588,9 @@ struct PoolState {
 }
 
 impl Pool {
-    fn new(max: usize) -> Self {
+    fn new(name: &'static str, max: usize) -> Self {
         Self {
+            name,
             state: Mutex::new(PoolState {
                 queue: VecDeque::new(),
                 threads: 0,
@@ -598,7 +613,7 @@ impl Pool {
         drop(st);
         let me = self.clone();
         let spawned = std::thread::Builder::new()
-            .name(format!("io-{n}"))
+            .name(format!("{}-{n}", self.name))
             .spawn(move || me.work());
         if let Err(e) = spawned {
             tracing::error!(error = %e, "cannot start a blocking-pool thread");

@@ -25,6 +25,7 @@ use crate::budget::Budget;
 use crate::claims::Answers;
 use crate::driver::Driver;
 use crate::error::StartError;
+use crate::forward::Peers;
 use crate::metrics::UnitMetrics;
 use crate::nixl_serve::NixlServe;
 use crate::sessions::Sessions;
@@ -49,6 +50,9 @@ pub(crate) struct Shared {
     pub(crate) disk: Option<DiskTier>,
     /// Checkpoints being written, and restore units ([`Checkpoints`]).
     pub(crate) checkpoints: Checkpoints,
+    /// Connections to other units, for puts this unit forwards
+    /// ([`Peers`]).
+    pub(crate) peers: Peers,
     /// The bytes held outside the slab for connections ([`Budget`]).
     pub(crate) budget: Arc<Budget>,
     /// What the request path records (`None`: metrics are off).

@@ -299,7 +299,6 @@ impl Socket {
         })
     }
 
-    /// Bound blocking writes (`None`: unbounded).
     /// Shut both directions: a read blocked on the socket in another
     /// thread returns at once, and the peer sees the connection end.
     pub fn shutdown(&self) -> io::Result<()> {
@@ -307,6 +306,43 @@ impl Socket {
             Socket::Unix(s) => s.shutdown(std::net::Shutdown::Both),
             Socket::Tcp(s) => s.shutdown(std::net::Shutdown::Both),
         }
+    }
+
+    /// [`write_all_vectored`] bounded as a whole by `deadline`: a write
+    /// that sent part of its bytes is followed by one whose send timeout
+    /// is the time left (`TimedOut` once it passes). The first write
+    /// takes the timeout the socket has: the caller sets it to the time
+    /// left. (A send timeout bounds one system call: a peer that takes a
+    /// few bytes now and then would otherwise stretch a payload's write
+    /// past its deadline, up to the timeout per call.) Returns whether it
+    /// changed the socket's send timeout.
+    pub fn write_all_until(
+        &mut self,
+        mut slices: &mut [IoSlice<'_>],
+        deadline: std::time::Instant,
+    ) -> io::Result<bool> {
+        IoSlice::advance_slices(&mut slices, 0);
+        let (mut first, mut first_only) = (true, true);
+        while !slices.is_empty() {
+            if !first {
+                let left = deadline.saturating_duration_since(std::time::Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                self.set_write_timeout(Some(left))?;
+                first_only = false;
+            }
+            first = false;
+            // Linux takes at most 1024 slices per writev.
+            let n = slices.len().min(1024);
+            match self.write_vectored(&slices[..n]) {
+                Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+                Ok(written) => IoSlice::advance_slices(&mut slices, written),
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(!first_only)
     }
 
     pub fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {

@@ -49,9 +49,9 @@ pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
 pub use limits::{Limits, WireError};
 pub use messages::{
-    CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, Item, Placed, Request, RequestRef,
-    Response, RestoreReply, RestoreSource, RowValue, RowsResolved, RESERVED_PARTITION_PREFIX,
-    RING_MAX, RING_MIN,
+    CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, FailedCopy, Hop, Item, Placed,
+    Request, RequestRef, Response, RestoreReply, RestoreSource, RowValue, RowsResolved,
+    RESERVED_PARTITION_PREFIX, RING_MAX, RING_MIN,
 };
 pub use stats::Stats;
 pub use stowage_core::home::{
@@ -59,7 +59,7 @@ pub use stowage_core::home::{
     UNIT_FIELD_PREFIX,
 };
 pub use stowage_core::{BlobId, EntrySpec, Key, Meta, PinId, SessionStats};
-pub use validation::PARTITION_SEPARATOR;
+pub use validation::{MAX_HOPS, PARTITION_SEPARATOR};
 
 /// The protocol this build speaks. A unit refuses any other. Version 3
 /// added the shared-secret handshake; version 4 the traffic counters at
@@ -92,8 +92,10 @@ pub use validation::PARTITION_SEPARATOR;
 /// variant moved, and a unit that predates them refuses them as requests
 /// it cannot decode; so was [`Request::CheckpointHomes`]. Version 17:
 /// claims with copies (`homes` in [`Request::Claim`] and
-/// [`Request::ClaimStatus`], and in [`Response::Claimed`]).
-pub const PROTOCOL_VERSION: u16 = 17;
+/// [`Request::ClaimStatus`], and in [`Response::Claimed`]). Version 18:
+/// puts the unit forwards to the other copies ([`Request::ForwardPut`],
+/// [`Response::Forwarded`]).
+pub const PROTOCOL_VERSION: u16 = 18;
 
 #[cfg(test)]
 mod tests {

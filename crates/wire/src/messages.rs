@@ -308,6 +308,39 @@ pub enum Request {
         units: u32,
         homes: Vec<u32>,
     },
+    /// A [`Request::Put`] (payload = the blob's bytes) that this unit also
+    /// forwards to the other copies `to`, over tcp, as the bytes arrive
+    /// (docs/replication.md#forwarding): the client sends the bytes once.
+    /// Answered [`Response::Forwarded`] once this unit committed its copy
+    /// and every copy of `to` answered (or failed); a refusal of this
+    /// unit's own copy is answered as a Put's, and forwards nothing.
+    ForwardPut {
+        blob: BlobId,
+        partition: String,
+        entries: Vec<EntrySpec>,
+        timeout_ms: u64,
+        to: Vec<Hop>,
+    },
+}
+
+/// A copy a [`Request::ForwardPut`] is forwarded to: unit `unit` of the
+/// plane (as the client numbers them, to name it in a failure) at the tcp
+/// address `addr` (`ip:port`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Hop {
+    pub unit: u32,
+    pub addr: String,
+}
+
+/// A copy of a [`Request::ForwardPut`] that is not committed: which
+/// unit's, and why (the error its unit answered; `Internal` when the
+/// forward could not reach it, or the connection failed on the way, as
+/// `message` says).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FailedCopy {
+    pub unit: u32,
+    pub code: ErrorCode,
+    pub message: String,
 }
 
 /// A [`Request`] that carries a put's entries, or a resolve's keys, by
@@ -359,6 +392,14 @@ pub enum RequestRef<'a> {
         entries: &'a [EntrySpec],
         timeout_ms: u64,
     },
+    /// [`Request::ForwardPut`].
+    ForwardPut {
+        blob: BlobId,
+        partition: &'a str,
+        entries: &'a [EntrySpec],
+        timeout_ms: u64,
+        to: &'a [Hop],
+    },
 }
 
 impl RequestRef<'_> {
@@ -372,6 +413,7 @@ impl RequestRef<'_> {
             RequestRef::CommitSpare { .. } => (17, "CommitSpare"),
             RequestRef::ResolveRows { .. } => (29, "ResolveRows"),
             RequestRef::RepairPut { .. } => (32, "RepairPut"),
+            RequestRef::ForwardPut { .. } => (34, "ForwardPut"),
         }
     }
 }
@@ -459,6 +501,21 @@ impl Serialize for RequestRef<'_> {
                 v.serialize_field("partition", partition)?;
                 v.serialize_field("entries", entries)?;
                 v.serialize_field("timeout_ms", &timeout_ms)?;
+                v.end()
+            }
+            RequestRef::ForwardPut {
+                blob,
+                partition,
+                entries,
+                timeout_ms,
+                to,
+            } => {
+                let mut v = s.serialize_struct_variant("Request", index, name, 5)?;
+                v.serialize_field("blob", &blob)?;
+                v.serialize_field("partition", partition)?;
+                v.serialize_field("entries", entries)?;
+                v.serialize_field("timeout_ms", &timeout_ms)?;
+                v.serialize_field("to", to)?;
                 v.end()
             }
         }
@@ -719,6 +776,14 @@ pub enum Response {
     Repaired {
         stored: u32,
         skipped: u32,
+    },
+    /// Reply to [`Request::ForwardPut`]: this unit committed its copy
+    /// (`pending`: it is still being made durable on its disk tier, as
+    /// [`Response::Pending`]); every copy it was to forward to is
+    /// committed but those in `failed`, which the client writes itself.
+    Forwarded {
+        pending: bool,
+        failed: Vec<FailedCopy>,
     },
 }
 

@@ -93,7 +93,15 @@ impl Request {
                 entries,
                 partition: p,
                 ..
+            }
+            | Request::ForwardPut {
+                entries,
+                partition: p,
+                ..
             } => {
+                if let Request::ForwardPut { to, .. } = self {
+                    hops(to)?;
+                }
                 partition(p)?;
                 count("entries", entries.len())?;
                 // Their lengths add up within 64 bits (a blob holds them
@@ -217,10 +225,14 @@ impl Request {
     }
 
     /// Whether a frame of this request may carry a payload (only
-    /// [`Request::Put`]'s and [`Request::RepairPut`]'s do; any other with
+    /// [`Request::Put`]'s, [`Request::RepairPut`]'s and
+    /// [`Request::ForwardPut`]'s do; any other with
     /// a payload is invalid).
     pub fn carries_payload(&self) -> bool {
-        matches!(self, Request::Put { .. } | Request::RepairPut { .. })
+        matches!(
+            self,
+            Request::Put { .. } | Request::RepairPut { .. } | Request::ForwardPut { .. }
+        )
     }
 
     /// Whether the answer may wait for other clients (a [`Request::Claim`]
@@ -239,6 +251,35 @@ impl Request {
             Request::RingKick | Request::Unpin { reply: false, .. }
         )
     }
+}
+
+/// The most copies a [`Request::ForwardPut`] forwards to.
+pub const MAX_HOPS: usize = 7;
+
+/// A [`Request::ForwardPut`]'s copies: 1 to [`MAX_HOPS`], each a distinct
+/// unit at an `ip:port` address.
+fn hops(to: &[crate::Hop]) -> Result<(), WireError> {
+    if to.is_empty() || to.len() > MAX_HOPS {
+        return Err(WireError::Malformed(format!(
+            "a forwarded put to {} copies: 1 to {MAX_HOPS}",
+            to.len()
+        )));
+    }
+    for (i, h) in to.iter().enumerate() {
+        if h.addr.len() > 64 || h.addr.parse::<std::net::SocketAddr>().is_err() {
+            return Err(WireError::Malformed(format!(
+                "copy {} of a forwarded put is not at an ip:port address",
+                h.unit
+            )));
+        }
+        if to[..i].iter().any(|o| o.unit == h.unit) {
+            return Err(WireError::Malformed(format!(
+                "unit {} named twice in a forwarded put",
+                h.unit
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Separates namespace and partition in the unit's index; not allowed in

@@ -13,6 +13,7 @@ use stowage_shm::Piece;
 use stowage_wire::io::drain;
 use stowage_wire::{encode, ErrorCode, Response};
 
+use super::forwarding::{forwarded_reply, none_forwarded};
 use super::session::EndReason;
 use super::state::Conn;
 use crate::disk::{self, read_through, DiskEngine};
@@ -30,12 +31,20 @@ impl Conn {
         match &put.into {
             Dest::Slab { pieces } => {
                 let ranges = cut(pieces, put.nbytes);
-                self.put_to_slab(id, &mut put, &ranges)
+                if put.forward.is_some() {
+                    self.put_forwarding(id, &mut put, &ranges)
+                } else {
+                    self.put_to_slab(id, &mut put, &ranges)
+                }
             }
             Dest::Disk => self.put_to_disk(id, &mut put),
             Dest::Nowhere => {
                 drain(&mut self.reader, put.nbytes)?;
-                let resp = self.landed(&mut put);
+                let mut resp = self.landed(&mut put);
+                if put.forward.is_some() {
+                    let failed = none_forwarded(&put, "the blob was committed here already");
+                    resp = forwarded_reply(resp, failed);
+                }
                 self.reply(id, &resp)?;
                 Ok(())
             }
@@ -96,7 +105,7 @@ impl Conn {
         }
     }
 
-    fn count_in(&self, n: u64) {
+    pub(super) fn count_in(&self, n: u64) {
         if let Some(m) = self.counters() {
             m.bytes_in(self.stream_transport(), n);
         }
@@ -105,7 +114,7 @@ impl Conn {
     /// Take `len` payload bytes into the slab at `offset`: what the reader
     /// has buffered already, then straight from the socket (bounded by the
     /// reader's deadline).
-    fn recv_payload(&mut self, offset: u64, len: usize) -> io::Result<()> {
+    pub(super) fn recv_payload(&mut self, offset: u64, len: usize) -> io::Result<()> {
         let buffered = self.reader.buffer();
         let n = buffered.len().min(len);
         self.shared
@@ -176,7 +185,7 @@ impl Conn {
             return self.reply_error(id, code, &why);
         }
         // (A repair put never lands on disk: plain put_landed.)
-        let resp = handler::put_landed(&mut self.shared.core(), put);
+        let mut resp = handler::put_landed(&mut self.shared.core(), put);
         if matches!(resp, Response::Pending) {
             self.count_in(nbytes);
             if let Some(m) = &self.shared.metrics {
@@ -195,6 +204,10 @@ impl Conn {
                         .disk_written(blob, false, self.shared.now());
                 }
             }
+        }
+        if put.forward.is_some() {
+            let failed = none_forwarded(put, "this unit's copy went to its disk tier");
+            resp = forwarded_reply(resp, failed);
         }
         self.reply(id, &resp)?;
         Ok(())

@@ -504,6 +504,22 @@ impl Collector for UnitCollector {
                 ("skipped", m.repaired[1].load(Relaxed)),
             ],
         )?;
+        family(
+            &mut e,
+            "forwarded_copies",
+            "Copies of puts this unit forwarded to the units of their other copies (docs/replication.md#forwarding), by outcome (committed; failed: the client writes that copy itself).",
+            "outcome",
+            &[
+                ("committed", m.forwarded[0].load(Relaxed)),
+                ("failed", m.forwarded[1].load(Relaxed)),
+            ],
+        )?;
+        counter(
+            &mut e,
+            "forwarded_bytes",
+            "Bytes this unit forwarded to the committed copies of puts.",
+            m.forwarded_bytes.load(Relaxed),
+        )?;
         // Checkpoints.
         family(
             &mut e,

@@ -33,9 +33,10 @@ pub(crate) enum Op {
     ClaimControl,
     RepairControl,
     RepairPut,
+    ForwardPut,
 }
 
-pub(super) const OPS: usize = 21;
+pub(super) const OPS: usize = 22;
 /// The `op` label values. The clear requests keep the labels of the names
 /// they had before (`release_rows`, `drop_partition`), so that dashboards
 /// and alerts over them keep working.
@@ -61,6 +62,7 @@ pub(super) const OP_NAMES: [&str; OPS] = [
     "claim_control",
     "repair_control",
     "repair_put",
+    "forward_put",
 ];
 
 impl Op {
@@ -100,6 +102,7 @@ impl Op {
             Request::Auth { .. } | Request::Prove { .. } => Op::Auth,
             Request::OpenRepair { .. } | Request::CloseRepair { .. } => Op::RepairControl,
             Request::RepairPut { .. } => Op::RepairPut,
+            Request::ForwardPut { .. } => Op::ForwardPut,
         }
     }
 }
@@ -422,6 +425,10 @@ pub struct UnitMetrics {
     pub(crate) disk_streamed_bytes: AtomicU64,
     /// Values of repair puts: [stored, skipped].
     pub(super) repaired: [AtomicU64; 2],
+    /// Copies of forwarded puts: [committed, failed], and the bytes sent
+    /// to the committed ones.
+    pub(super) forwarded: [AtomicU64; 2],
+    pub(super) forwarded_bytes: AtomicU64,
     pub(super) checkpoints: [AtomicU64; 2],
     pub(super) checkpoint_seconds: Histogram,
 }
@@ -445,6 +452,8 @@ impl Default for UnitMetrics {
             promoted_bytes: AtomicU64::new(0),
             disk_streamed_bytes: AtomicU64::new(0),
             repaired: Default::default(),
+            forwarded: Default::default(),
+            forwarded_bytes: AtomicU64::new(0),
             checkpoints: Default::default(),
             checkpoint_seconds: Histogram::new(&CHECKPOINT_BOUNDS),
         }
@@ -524,6 +533,15 @@ impl UnitMetrics {
         if holds > 0 {
             self.reclaimed[why as usize].fetch_add(holds, Relaxed);
         }
+    }
+
+    /// A forwarded put's copies: `committed` (each sent `bytes`) and
+    /// `failed`.
+    pub(crate) fn forwarded(&self, committed: u64, failed: u64, bytes: u64) {
+        self.forwarded[0].fetch_add(committed, Relaxed);
+        self.forwarded[1].fetch_add(failed, Relaxed);
+        self.forwarded_bytes
+            .fetch_add(committed.saturating_mul(bytes), Relaxed);
     }
 
     /// A repair put stored `stored` values and skipped `skipped`.

@@ -1,0 +1,101 @@
+//! The forwarded put's messages: a borrowed ForwardPut is the owned one's
+//! bytes, both round-trip with their reply, and validation refuses a
+//! forward to no copy, too many, a unit named twice or an address that is
+//! not `ip:port`.
+
+use stowage_wire::{
+    decode_header, encode, BlobId, EntrySpec, Envelope, ErrorCode, FailedCopy, Hop, Key, Limits,
+    Request, RequestRef, Response, MAX_HOPS, PREFIX_LEN,
+};
+
+fn hop(unit: u32) -> Hop {
+    Hop {
+        unit,
+        addr: format!("10.0.0.{unit}:4000"),
+    }
+}
+
+fn forward(to: Vec<Hop>) -> Request {
+    Request::ForwardPut {
+        blob: BlobId(42),
+        partition: "step-3".into(),
+        entries: vec![EntrySpec {
+            key: Key {
+                row: 7,
+                field: "tokens".into(),
+            },
+            offset: 0,
+            len: 4096,
+            meta: vec![1, 2, 3],
+        }],
+        timeout_ms: 9_000,
+        to,
+    }
+}
+
+#[test]
+fn a_borrowed_forward_put_is_the_owned_ones_bytes_and_round_trips() {
+    let r = forward(vec![hop(1), hop(3)]);
+    let Request::ForwardPut {
+        blob,
+        partition,
+        entries,
+        timeout_ms,
+        to,
+    } = &r
+    else {
+        unreachable!()
+    };
+    let borrowed = RequestRef::ForwardPut {
+        blob: *blob,
+        partition,
+        entries,
+        timeout_ms: *timeout_ms,
+        to,
+    };
+    let (mut owned, mut by_ref) = (Vec::new(), Vec::new());
+    encode(5, &r, 4096, &mut owned).unwrap();
+    encode(5, &borrowed, 4096, &mut by_ref).unwrap();
+    assert_eq!(by_ref, owned);
+    let back: Envelope<Request> = decode_header(&by_ref[PREFIX_LEN..]).unwrap();
+    assert_eq!(back.body, r);
+    assert!(r.carries_payload());
+    r.validate(&Limits::default()).unwrap();
+
+    let reply = Response::Forwarded {
+        pending: true,
+        failed: vec![FailedCopy {
+            unit: 3,
+            code: ErrorCode::Full,
+            message: "no room".into(),
+        }],
+    };
+    let mut out = Vec::new();
+    encode(5, &reply, 0, &mut out).unwrap();
+    let back: Envelope<Response> = decode_header(&out[PREFIX_LEN..]).unwrap();
+    assert_eq!(back.body, reply);
+}
+
+#[test]
+fn a_forward_to_no_copy_too_many_a_unit_twice_or_a_bad_address_is_refused() {
+    let limits = Limits::default();
+    let refused = |r: Request, says: &str| {
+        let e = r.validate(&limits).unwrap_err().to_string();
+        assert!(e.contains(says), "{e}");
+    };
+    refused(forward(vec![]), "0 copies");
+    refused(
+        forward((0..=MAX_HOPS as u32).map(hop).collect()),
+        &format!("{} copies", MAX_HOPS + 1),
+    );
+    refused(forward(vec![hop(2), hop(2)]), "unit 2 named twice");
+    let mut named = hop(4);
+    named.addr = "unit-4.example:4000".into();
+    refused(forward(vec![named]), "copy 4");
+    let mut unix = hop(5);
+    unix.addr = "/tmp/unit.sock".into();
+    refused(forward(vec![unix]), "copy 5");
+    forward((1..=MAX_HOPS as u32).map(hop).collect())
+        .validate(&limits)
+        .unwrap();
+}
