@@ -74,7 +74,7 @@ impl Client {
             if self.replicas() > 1 && !f.timed_out() {
                 let addr = &self.units[unit].addr;
                 if self.cfg.directory.liveness(unit, addr, 0, deadline) == Liveness::Dead {
-                    self.unit_down(unit);
+                    self.take_down_on_word(unit, deadline);
                     return Error::LostKeys {
                         unit,
                         blobs,
@@ -87,6 +87,17 @@ impl Client {
         }
         if !f.is_connection() {
             return match f {
+                // Fenced by another client: gone as a dead unit is.
+                Failure::Refused(ErrorCode::Fenced, _) => {
+                    self.unit_down(unit);
+                    self.forget_gone(unit);
+                    Error::LostKeys {
+                        unit,
+                        blobs,
+                        named: error::names(&keys),
+                        keys,
+                    }
+                }
                 Failure::Corrupt { positions } => {
                     let keys: Vec<Key> = positions
                         .iter()
@@ -116,18 +127,15 @@ impl Client {
             .directory
             .liveness(unit, &self.units[unit].addr, known, deadline)
         {
-            Liveness::Dead | Liveness::Restarted => {
-                // With copies, nothing goes there any more.
-                self.unit_down(unit);
-                // Connections to the old instance are useless now,
-                // and its slab mapping only holds dead memory.
-                self.forget_instance(unit, None);
-                {
-                    let mut i = lock(&self.units[unit].instance);
-                    i.current = None;
-                    i.lost = None;
+            live @ (Liveness::Dead | Liveness::Restarted) => {
+                // With copies, nothing goes there any more: a unit said
+                // dead that may still serve is fenced first.
+                if live == Liveness::Dead {
+                    self.take_down_on_word(unit, deadline);
+                } else {
+                    self.unit_down(unit);
                 }
-                *lock(&self.units[unit].session) = None;
+                self.forget_gone(unit);
                 Error::LostKeys {
                     unit,
                     blobs,
@@ -146,6 +154,18 @@ impl Client {
                 what: format!("connection failed ({reason}) and the unit does not answer"),
             },
         }
+    }
+
+    /// Connections to a unit's old instance are useless once it is gone,
+    /// and its slab mapping only holds dead memory.
+    fn forget_gone(&self, unit: usize) {
+        self.forget_instance(unit, None);
+        {
+            let mut i = lock(&self.units[unit].instance);
+            i.current = None;
+            i.lost = None;
+        }
+        *lock(&self.units[unit].session) = None;
     }
 
     /// The error of a refusal, by the unit or by this client (a failure
@@ -178,6 +198,11 @@ pub(crate) fn unit_error(
         ErrorCode::InvalidRequest | ErrorCode::VersionMismatch => Error::InvalidRequest(message),
         ErrorCode::Unauthorized => Error::Unauthorized(message),
         ErrorCode::NotOwner => Error::NotOwner(message),
+        ErrorCode::Fenced => Error::Unreachable {
+            unit,
+            addr: String::new(),
+            reason: message,
+        },
         ErrorCode::Busy | ErrorCode::UnknownBlob | ErrorCode::Internal => Error::TransferFailed {
             unit,
             blobs,

@@ -54,6 +54,9 @@ pub(crate) struct Copies {
     pub(crate) short_of_hosts: usize,
     /// Units found dead or restarted: no copy goes there any more.
     down: Box<[AtomicBool]>,
+    /// Units taken as down on a word that is not proof, which did not
+    /// answer when this client fenced them (`fence.rs`): asked again.
+    pub(crate) fences: Mutex<Vec<usize>>,
     /// Counts the units gone down (a call that saw it change places again).
     pub(crate) epoch: AtomicU64,
     /// Per unit (with copies), until when (ms after `born`) reads ask it
@@ -126,6 +129,7 @@ impl Copies {
             units: RwLock::new(Arc::new(units)),
             short_of_hosts: short,
             down: (0..per_unit).map(|_| AtomicBool::new(false)).collect(),
+            fences: Mutex::new(Vec::new()),
             epoch: AtomicU64::new(0),
             suspect: (0..per_unit).map(|_| AtomicU64::new(0)).collect(),
             born: Instant::now(),
@@ -284,10 +288,11 @@ impl Client {
     /// dead, as a cluster manager knows, e.g. Ray's actor state): with
     /// copies, no copy goes there any more, the rows it held a copy of
     /// are placed on the next unit up, and repairs give them their copy
-    /// there. Never for a unit that may still serve: a put would then go
-    /// on without it.
+    /// there. A unit that still answers is fenced first (it stops serving
+    /// and exits: docs/replication.md#fencing); one that does not answer
+    /// is fenced once it does, by the background repairer.
     pub fn unit_gone(&self, unit: usize) {
-        self.unit_down(unit);
+        self.take_down_on_word(unit, Instant::now());
     }
 
     /// A unit found dead, or restarted with empty memory: with copies,

@@ -86,6 +86,8 @@ impl Directory for ProbeDirectory {
             match probe {
                 Ok(c) if c.instance_id == instance => return Liveness::Alive,
                 Ok(_) => return Liveness::Restarted,
+                // Fenced: it serves nothing any more, and is exiting.
+                Err(Failure::Refused(stowage_wire::ErrorCode::Fenced, _)) => return Liveness::Dead,
                 // Nothing listens at the address (refused, or the socket
                 // file is gone): dead.
                 Err(Failure::Broken(e))

@@ -75,6 +75,7 @@ mod directory;
 mod error;
 mod failure;
 mod fanout;
+mod fence;
 mod lent;
 pub mod metrics;
 mod nixl;

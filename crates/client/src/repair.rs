@@ -588,8 +588,13 @@ fn refusal(unit: usize, reply: Response) -> PairFailed {
     }
 }
 
+/// How often the background repairer fences the units taken as down
+/// that did not answer (`fence.rs`).
+const FENCE_EVERY: Duration = Duration::from_secs(1);
+
 /// Repair `client`'s newcomers in the background while it lives: a
-/// thread that looks for repairs due every 100 ms and runs passes
+/// thread that looks for repairs due every 100 ms (and fences, every
+/// second, the units taken as down that did not answer then) and runs passes
 /// ([`Client::repair`]) until none is left, 1 s apart while some are left
 /// (another client holds their window, or a unit failed), doubling to
 /// 30 s while passes keep leaving some. It
@@ -617,9 +622,15 @@ fn repair_loop(weak: &Weak<Client>) {
     // passes keep leaving some (a newcomer without room, a unit that does
     // not answer), so that a stuck repair neither spins nor floods the log.
     let mut backoff = RETRY_AFTER;
+    // When units taken as down that did not answer were last fenced.
+    let mut fenced_at: Option<Instant> = None;
     loop {
         std::thread::sleep(LOOK_EVERY);
         let Some(client) = weak.upgrade() else { return };
+        if client.fences_due() && fenced_at.is_none_or(|t| t.elapsed() >= FENCE_EVERY) {
+            client.fence_due();
+            fenced_at = Some(Instant::now());
+        }
         let epoch = client.copies_epoch();
         if settled == Some(epoch) {
             continue;

@@ -672,7 +672,8 @@ impl Conn {
             | Plan::Checkpoint { .. }
             | Plan::OpenRestore { .. }
             | Plan::CloseRestore { .. }
-            | Plan::Shutdown { .. } => true,
+            | Plan::Shutdown { .. }
+            | Plan::Fence { .. } => true,
             Plan::Reply(_)
             | Plan::Silent
             | Plan::Wait
@@ -695,6 +696,11 @@ impl Conn {
                 .shared
                 .life
                 .stop
+                .load(std::sync::atomic::Ordering::SeqCst),
+            fenced: self
+                .shared
+                .life
+                .fenced
                 .load(std::sync::atomic::Ordering::SeqCst),
         };
         if req.may_wait() && (self.via_ring || self.waiting.is_some()) {
@@ -792,6 +798,27 @@ impl Conn {
             Plan::Shutdown { timeout } => {
                 let problems = self.shared.shut_down(timeout);
                 self.reply(id, &Response::ShutDown { problems })?;
+                self.shared.request_exit();
+                return Err(EndReason::Shutdown);
+            }
+            Plan::Fence { instance } => {
+                let me = self.shared.settings.instance_id;
+                if instance != me {
+                    return self.reply_error(
+                        id,
+                        ErrorCode::InvalidRequest,
+                        &format!("this unit is instance {me:032x}, not {instance:032x}"),
+                    );
+                }
+                // Every request from here on, on any connection, is
+                // refused: nothing is served once the fencer hears Done.
+                let life = &self.shared.life;
+                life.fenced.store(true, std::sync::atomic::Ordering::SeqCst);
+                life.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+                tracing::error!(
+                    "fenced: a client took this unit as down (its directory says it is dead); it serves nothing more and exits"
+                );
+                self.reply(id, &Response::Done)?;
                 self.shared.request_exit();
                 return Err(EndReason::Shutdown);
             }

@@ -40,6 +40,8 @@ pub struct Asker<'a> {
     pub checkpoints: bool,
     /// The unit is shutting down: no new work is taken.
     pub stopping: bool,
+    /// The unit was fenced: nothing is served.
+    pub fenced: bool,
 }
 
 /// What the connection does for a request.
@@ -121,6 +123,9 @@ pub enum Plan {
     /// Shut the unit down within `timeout`, answer, and end the connection
     /// (an admin asked).
     Shutdown { timeout: Duration },
+    /// Stop serving for good and exit, this unit being `instance`
+    /// (`Request::Fence`; the connection checks the instance).
+    Fence { instance: u128 },
     /// Send `reply`, then end the connection (cut by the unit): `reason`.
     Close { reply: Response, reason: String },
     /// An invalid request: answer `InvalidRequest` with this message, log
@@ -214,6 +219,20 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
     payload_len: u64,
     now: Time,
 ) -> Plan {
+    if asker.fenced {
+        let reply = error(ErrorCode::Fenced, FENCED.into());
+        if payload_len > 0 {
+            return Plan::Drain {
+                len: payload_len,
+                put_timeout_ms: None,
+                reply,
+            };
+        }
+        return Plan::Close {
+            reply,
+            reason: "fenced".into(),
+        };
+    }
     let ((owner, namespace), req) = match (asker.hello, req) {
         (
             None,
@@ -534,6 +553,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         | Request::CheckpointHomes { .. }
         | Request::OpenRestore { .. }
         | Request::CloseRestore { .. }
+        | Request::Fence { .. }
             if !asker.checkpoints =>
         {
             Plan::Reply(error(ErrorCode::Unauthorized, NOT_ADMIN.into()))
@@ -553,6 +573,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         Request::Shutdown { timeout_ms } => Plan::Shutdown {
             timeout: Duration::from_millis(timeout_ms),
         },
+        Request::Fence { instance } => Plan::Fence { instance },
         // A connection's request ring: made (and its memfd handed over)
         // by the connection; a kick wakes the unit's polling of it.
         Request::OpenRing { bytes } => Plan::OpenRing { bytes },
@@ -568,6 +589,9 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         }
     }
 }
+
+/// What a fenced unit answers every request.
+pub const FENCED: &str = "this unit was fenced: a client took it as down (its directory says it is dead), and it serves nothing any more";
 
 /// Who may send admin requests, for those who may not.
 pub const NOT_ADMIN: &str = "admin requests (shutdown, checkpoint) need a same-user client on the unit's Unix socket, or a unit started with --admin; checkpoints (and restores) are also taken from any client of a unit with a shared secret";

@@ -366,6 +366,7 @@ pub(crate) fn start_with(
         metrics: cfg.metrics.then(Default::default),
         life: Lifecycle {
             stop: AtomicBool::new(false),
+            fenced: AtomicBool::new(false),
             exit: (Mutex::new(false), std::sync::Condvar::new()),
         },
     });

@@ -89,6 +89,9 @@ pub(crate) struct Settings {
 /// Whether the unit is stopping, and whether it was asked to exit.
 pub(crate) struct Lifecycle {
     pub(crate) stop: AtomicBool,
+    /// Set when a client fenced the unit (`Request::Fence`): every
+    /// request is refused from then on, and the unit exits.
+    pub(crate) fenced: AtomicBool,
     /// Set when the unit is asked to exit.
     pub(crate) exit: (Mutex<bool>, std::sync::Condvar),
 }

@@ -25,4 +25,7 @@ pub enum ErrorCode {
     /// The request names a reservation or pin that another session holds
     /// (the connection itself is accepted: see [`ErrorCode::Unauthorized`]).
     NotOwner,
+    /// The unit was fenced ([`crate::Request::Fence`]): a client took it
+    /// as down, and it serves nothing any more (it is exiting).
+    Fenced,
 }

@@ -94,7 +94,8 @@ pub use validation::{MAX_HOPS, PARTITION_SEPARATOR};
 /// claims with copies (`homes` in [`Request::Claim`] and
 /// [`Request::ClaimStatus`], and in [`Response::Claimed`]). Version 18:
 /// puts the unit forwards to the other copies ([`Request::ForwardPut`],
-/// [`Response::Forwarded`]).
+/// [`Response::Forwarded`]), and fencing a unit taken as down
+/// ([`Request::Fence`], [`ErrorCode::Fenced`]).
 pub const PROTOCOL_VERSION: u16 = 18;
 
 #[cfg(test)]

@@ -321,6 +321,17 @@ pub enum Request {
         timeout_ms: u64,
         to: Vec<Hop>,
     },
+    /// Stop serving for good, if this unit is instance `instance`
+    /// (docs/replication.md#fencing): a client took the unit as down on
+    /// its directory's word (Ray says its actor is dead) while it may still
+    /// serve. From before the answer on, every request is refused
+    /// [`ErrorCode::Fenced`] and the unit exits. Answered
+    /// [`Response::Done`]; `InvalidRequest` naming the instance when it is
+    /// another; taken from an admin, or any client of a unit with a
+    /// shared secret.
+    Fence {
+        instance: u128,
+    },
 }
 
 /// A copy a [`Request::ForwardPut`] is forwarded to: unit `unit` of the

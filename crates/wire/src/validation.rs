@@ -220,7 +220,8 @@ impl Request {
             | Request::Prove { .. }
             | Request::RingKick
             | Request::CloseRestore { .. }
-            | Request::CloseRepair { .. } => Ok(()),
+            | Request::CloseRepair { .. }
+            | Request::Fence { .. } => Ok(()),
         }
     }
 

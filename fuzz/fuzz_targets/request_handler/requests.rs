@@ -184,6 +184,7 @@ impl H {
             admin: true,
             checkpoints: true,
             stopping: false,
+            fenced: false,
         };
         self.free_before = before.free_bytes;
         let plan = handler::handle(|| &mut self.core, &asker, req, 0, self.now);
@@ -217,6 +218,7 @@ impl H {
                 return;
             }
             Plan::Shutdown { .. }
+            | Plan::Fence { .. }
             | Plan::Checkpoint { .. }
             | Plan::OpenRestore { .. }
             | Plan::CloseRestore { .. } => return,
@@ -356,6 +358,7 @@ impl H {
             admin: true,
             checkpoints: true,
             stopping: false,
+            fenced: false,
         };
         self.free_before = self.core.stats().free_bytes;
         let plan = handler::handle(|| &mut self.core, &asker, req, nbytes, self.now);

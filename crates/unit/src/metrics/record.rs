@@ -103,11 +103,12 @@ impl Op {
             Request::OpenRepair { .. } | Request::CloseRepair { .. } => Op::RepairControl,
             Request::RepairPut { .. } => Op::RepairPut,
             Request::ForwardPut { .. } => Op::ForwardPut,
+            Request::Fence { .. } => Op::Shutdown,
         }
     }
 }
 
-pub(super) const CODES: usize = 8;
+pub(super) const CODES: usize = 9;
 pub(super) const CODE_NAMES: [&str; CODES] = [
     "full",
     "busy",
@@ -117,6 +118,7 @@ pub(super) const CODE_NAMES: [&str; CODES] = [
     "unauthorized",
     "internal",
     "not_owner",
+    "fenced",
 ];
 
 pub(super) fn code_index(c: ErrorCode) -> usize {
@@ -129,6 +131,7 @@ pub(super) fn code_index(c: ErrorCode) -> usize {
         ErrorCode::Unauthorized => 5,
         ErrorCode::Internal => 6,
         ErrorCode::NotOwner => 7,
+        ErrorCode::Fenced => 8,
     }
 }
 

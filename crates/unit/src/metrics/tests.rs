@@ -46,9 +46,11 @@ fn totals_count_open_and_closed_connections_once() {
 
 #[test]
 fn every_op_has_a_name() {
-    assert_eq!(Op::RepairPut as usize, OPS - 1);
+    assert_eq!(Op::ForwardPut as usize, OPS - 1);
+    assert_eq!(OP_NAMES[Op::ForwardPut as usize], "forward_put");
     assert_eq!(OP_NAMES[Op::RepairPut as usize], "repair_put");
     assert_eq!(OP_NAMES[Op::Claim as usize], "claim");
     assert_eq!(OP_NAMES.len(), OPS);
-    assert_eq!(code_index(ErrorCode::NotOwner), CODES - 1);
+    assert_eq!(code_index(ErrorCode::Fenced), CODES - 1);
+    assert_eq!(CODE_NAMES[code_index(ErrorCode::Fenced)], "fenced");
 }

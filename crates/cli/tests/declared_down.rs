@@ -1,0 +1,194 @@
+//! A unit taken as down on a word that is not proof — its directory's
+//! (Ray says its actor is dead), or its caller's (`Client::unit_gone`) —
+//! while it may still serve (docs/replication.md#fencing), with real unit
+//! processes: it is fenced before anything is written around it (it
+//! refuses every request, and exits), or, paused, once it answers again;
+//! no client reads from it after, so none reads a row as it was before
+//! it was rewritten or cleared around it.
+
+mod common;
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::*;
+use stowage_client::{Client, ClientConfig, Column, DType, Error, RowKey, Tensor, UnitAddr};
+use stowage_local::LocalPlane;
+use stowage_wire::{ErrorCode, Request, Response};
+
+const MIB: u64 = 1 << 20;
+const ROWS: u64 = 30;
+
+fn copies_client(p: &LocalPlane) -> Client {
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(5);
+    cfg.replicas = 2;
+    Client::connect(cfg).unwrap()
+}
+
+fn value(row: u64, version: u64) -> Vec<u8> {
+    pattern(row, version, 20_000 + row as usize * 64)
+}
+
+fn put_all(c: &Client, version: u64) {
+    for row in 0..ROWS {
+        let v = value(row, version);
+        let t = Tensor {
+            dtype: DType::U8,
+            shape: vec![v.len() as u64],
+            data: &v,
+        };
+        c.put(
+            "p",
+            &[RowKey::Index(row)],
+            &[("x", Column::Jagged(vec![t]))],
+            None,
+            c.deadline(),
+        )
+        .unwrap();
+    }
+}
+
+/// Every row read with `c`: rows below `cleared_from` hold `version`,
+/// the others are not found.
+fn reads_back(c: &Client, version: u64, cleared_from: u64) {
+    for row in 0..ROWS {
+        let got = c.get_tensors("p", &[RowKey::Index(row)], &["x"], None, c.deadline());
+        if row < cleared_from {
+            let got = got.unwrap_or_else(|e| panic!("row {row}: {e}"));
+            assert!(
+                got[0][0].data == value(row, version),
+                "row {row}: not the bytes of version {version}"
+            );
+        } else {
+            assert!(
+                matches!(got, Err(Error::NotFound { .. })),
+                "row {row} was cleared: {:?}",
+                got.map(|_| "its bytes")
+            );
+        }
+    }
+}
+
+/// Whether process `pid` is gone (exited, reaped or a zombie).
+fn exited(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|s| s.rsplit_once(") ").map(|(_, rest)| rest.starts_with('Z')))
+        .unwrap_or(true)
+}
+
+fn socket(p: &LocalPlane, u: usize) -> PathBuf {
+    match &p.uds_addrs()[u] {
+        UnitAddr::Unix(path) => path.clone(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Unit 1 is taken as down while it serves (`unit_gone`): it is fenced
+/// and exits, and then rows are rewritten and cleared around it. A client
+/// that read every row from it before, and a new client, read the new
+/// bytes, and the cleared rows are not found. (Without the fence, unit 1
+/// went on serving the old bytes of its rows to both.)
+#[test]
+fn a_unit_taken_as_down_while_it_serves_is_fenced_before_rows_are_written_around_it() {
+    let (p, _) = plane(3, 64 * MIB, &[]);
+    let a = copies_client(&p);
+    put_all(&a, 1);
+    let stale = copies_client(&p);
+    reads_back(&stale, 1, ROWS);
+    let pid = p.units[1].pid();
+    let took = Instant::now();
+    a.unit_gone(1);
+    assert!(
+        took.elapsed() < Duration::from_secs(2),
+        "unit_gone took {:?}",
+        took.elapsed()
+    );
+    assert!(
+        eventually(Duration::from_secs(10), || exited(pid)),
+        "the fenced unit did not exit"
+    );
+    assert!(!a.copies_of(1).contains(&1), "unit 1 is not down");
+    put_all(&a, 2);
+    let rows: Vec<RowKey> = (20..ROWS).map(RowKey::Index).collect();
+    a.clear("p", &rows, None, a.deadline()).unwrap();
+    reads_back(&stale, 2, 20);
+    reads_back(&copies_client(&p), 2, 20);
+}
+
+/// Unit 1 is taken as down while it is paused (SIGSTOP): the fence finds
+/// no answer, rows are rewritten around it, and once it is continued the
+/// background repairer fences it (it exits, within a few seconds); a new
+/// client then reads the new bytes.
+#[test]
+fn a_unit_taken_as_down_while_paused_is_fenced_once_it_answers() {
+    let (p, _) = plane(3, 64 * MIB, &[]);
+    let a = Arc::new(copies_client(&p));
+    stowage_client::repair_in_background(&a);
+    put_all(&a, 1);
+    let pid = p.units[1].pid();
+    p.units[1].signal(rustix::process::Signal::STOP).unwrap();
+    assert!(eventually(Duration::from_secs(5), || is_stopped(pid)));
+    let took = Instant::now();
+    a.unit_gone(1);
+    assert!(
+        took.elapsed() < Duration::from_secs(3),
+        "unit_gone took {:?}",
+        took.elapsed()
+    );
+    put_all(&a, 2);
+    assert!(!exited(pid), "a paused unit exited");
+    p.units[1].signal(rustix::process::Signal::CONT).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || exited(pid)),
+        "the unit was not fenced once it answered"
+    );
+    reads_back(&copies_client(&p), 2, ROWS);
+}
+
+/// The unit's side: a fence naming another instance is refused, naming
+/// the unit's; one naming it is answered Done, and from then on every
+/// request on every connection is refused `Fenced` (the connection
+/// closed), a new connection's Hello too, and the unit exits.
+#[test]
+fn a_fenced_unit_refuses_every_request_and_exits() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let path = socket(&p, 0);
+    let mut other = Raw::hello(&path, "ns");
+    let mut r = Raw::connect(&path);
+    let instance = match r.call(&Request::Hello {
+        version: stowage_wire::PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: false,
+        session: None,
+    }) {
+        Response::Hello { instance_id, .. } => instance_id,
+        other => panic!("{other:?}"),
+    };
+    match r.call(&Request::Fence {
+        instance: instance ^ 1,
+    }) {
+        Response::Error {
+            code: ErrorCode::InvalidRequest,
+            message,
+        } => assert!(message.contains(&format!("{instance:032x}")), "{message}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(r.call(&Request::Fence { instance }), Response::Done);
+    match other.call(&Request::Stats) {
+        Response::Error {
+            code: ErrorCode::Fenced,
+            ..
+        } => {}
+        other => panic!("{other:?}"),
+    }
+    assert!(other.closed());
+    let pid = p.units[0].pid();
+    assert!(
+        eventually(Duration::from_secs(10), || exited(pid)),
+        "the fenced unit did not exit"
+    );
+}
