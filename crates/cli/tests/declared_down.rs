@@ -150,9 +150,9 @@ fn a_unit_taken_as_down_while_paused_is_fenced_once_it_answers() {
 }
 
 /// The unit's side: a fence naming another instance is refused, naming
-/// the unit's; one naming it is answered Done, and from then on every
-/// request on every connection is refused `Fenced` (the connection
-/// closed), a new connection's Hello too, and the unit exits.
+/// the unit's; one naming it is answered Done, and from then on a request
+/// on another connection is refused `Fenced` (the connection closed), or
+/// finds the unit gone, and the unit exits.
 #[test]
 fn a_fenced_unit_refuses_every_request_and_exits() {
     let (p, _) = plane(1, 16 * MIB, &[]);
@@ -178,17 +178,63 @@ fn a_fenced_unit_refuses_every_request_and_exits() {
         other => panic!("{other:?}"),
     }
     assert_eq!(r.call(&Request::Fence { instance }), Response::Done);
-    match other.call(&Request::Stats) {
-        Response::Error {
+    // Refused `Fenced`, or the unit is gone already: never served.
+    other.send(&Request::Stats);
+    match other.recv().map(|e| e.body) {
+        None => {}
+        Some(Response::Error {
             code: ErrorCode::Fenced,
             ..
-        } => {}
-        other => panic!("{other:?}"),
+        }) => assert!(other.closed()),
+        Some(served) => panic!("a fenced unit answered {served:?}"),
     }
-    assert!(other.closed());
     let pid = p.units[0].pid();
     assert!(
         eventually(Duration::from_secs(10), || exited(pid)),
         "the fenced unit did not exit"
     );
+}
+
+/// A unit that runs inside another process (as in a Ray actor, where it
+/// does not exit) stays fenced: a new connection's Hello is refused
+/// `Fenced`, and a client's liveness probe takes it as dead.
+#[test]
+fn a_fenced_unit_in_a_process_that_lives_on_stays_fenced() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("unit.sock");
+    let mut cfg = stowage_config::UnitConfig::new("in-process", 16 * MIB);
+    cfg.mlock = false;
+    cfg.metrics_listen = None;
+    cfg.insecure = true;
+    cfg.uds = Some(path.clone());
+    let unit = stowage_unit::start(cfg).unwrap();
+    let instance = unit.instance_id();
+    // Same user, over the Unix socket: an admin, who may fence.
+    let mut r = Raw::hello(&path, "ns");
+    assert_eq!(r.call(&Request::Fence { instance }), Response::Done);
+    for _ in 0..2 {
+        let mut again = Raw::connect(&path);
+        match again.call(&Request::Hello {
+            version: stowage_wire::PROTOCOL_VERSION,
+            namespace: "ns".into(),
+            want_fd: false,
+            session: None,
+        }) {
+            Response::Error {
+                code: ErrorCode::Fenced,
+                ..
+            } => {}
+            other => panic!("a fenced unit answered Hello: {other:?}"),
+        }
+    }
+    let probe = stowage_client::ProbeDirectory::default();
+    let said = stowage_client::Directory::liveness(
+        &probe,
+        0,
+        &UnitAddr::Unix(path.clone()),
+        instance,
+        Instant::now() + Duration::from_secs(2),
+    );
+    assert_eq!(said, stowage_client::Liveness::Dead);
+    unit.stop();
 }

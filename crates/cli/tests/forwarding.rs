@@ -18,12 +18,21 @@ const MIB: u64 = 1 << 20;
 
 /// A tcp client of `p` keeping 2 copies; `forward` as configured.
 fn tcp_client(p: &LocalPlane, forward: bool, timeout: Duration) -> Client {
+    tcp_client_of(p, 2, forward, timeout)
+}
+
+/// A tcp client of `p` keeping `replicas` copies.
+fn tcp_client_of(p: &LocalPlane, replicas: usize, forward: bool, timeout: Duration) -> Client {
     let mut cfg = ClientConfig::new("test", p.tcp_addrs());
     cfg.secret = p.secret().cloned();
     cfg.timeout = timeout;
-    cfg.replicas = 2;
+    cfg.replicas = replicas;
     cfg.forward = forward;
     Client::connect(cfg).unwrap()
+}
+
+fn forwarded(p: &LocalPlane, u: usize, outcome: &str) -> u64 {
+    metric_with(p, u, "stowage_forwarded_copies", outcome)
 }
 
 /// A client of unit `u` of `p` alone (one copy, over its Unix socket):
@@ -273,4 +282,64 @@ fn a_forwarding_unit_paused_mid_put_leaves_nothing_reserved_or_wrong() {
         "a reservation outlived the puts: {:?}",
         c.stats(c.deadline())
     );
+}
+
+/// With 3 copies the bytes go down a chain: the first copy's unit
+/// forwards them to the second's, which forwards them to the third's
+/// (each counts one forward per put; the third none), and all three hold
+/// them.
+#[test]
+fn three_copies_go_down_a_chain_each_unit_forwarding_once() {
+    let (p, _) = plane(4, 64 * MIB, &[]);
+    let data = |row: u64| pattern(row, 19, 200_000);
+    let c = tcp_client_of(&p, 3, true, Duration::from_secs(10));
+    let rows: Vec<u64> = (0..40)
+        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1, 2])
+        .collect();
+    assert!(!rows.is_empty());
+    for &r in &rows {
+        put_row(&c, r, &data(r), c.deadline()).unwrap();
+    }
+    let n = rows.len() as u64;
+    assert_eq!(
+        forwarded(&p, 0, "committed"),
+        n,
+        "unit 0 forwards once per put"
+    );
+    assert_eq!(
+        forwarded(&p, 1, "committed"),
+        n,
+        "unit 1 forwards once per put"
+    );
+    assert_eq!(
+        forwarded(&p, 2, "committed"),
+        0,
+        "the chain's last unit forwards nothing"
+    );
+    copies_hold(&p, &c, &[0, 1, 2, 3], &rows, &data);
+}
+
+/// The middle unit of a 3-copy chain is killed: the first copy's unit
+/// names it and the copy after it failed, the client finds it gone,
+/// places the copies anew and puts again; every row is on the units of
+/// its copies now, with its bytes.
+#[test]
+fn a_chain_whose_middle_unit_is_killed_puts_again_where_the_copies_are_now() {
+    let (mut p, _) = plane(4, 64 * MIB, &[]);
+    let data = |row: u64| pattern(row, 23, 150_000);
+    let c = tcp_client_of(&p, 3, true, Duration::from_secs(10));
+    let rows: Vec<u64> = (0..40)
+        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1, 2])
+        .collect();
+    assert!(!rows.is_empty());
+    p.kill9(1);
+    for &r in &rows {
+        put_row(&c, r, &data(r), c.deadline()).unwrap();
+    }
+    assert!(
+        forwarded(&p, 0, "failed") > 0,
+        "unit 0 never met the killed unit"
+    );
+    assert_eq!(c.copies_of(0).as_slice(), [0, 2, 3]);
+    copies_hold(&p, &c, &[0, 2, 3], &rows, &data);
 }

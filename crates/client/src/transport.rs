@@ -289,6 +289,7 @@ pub(crate) async fn stream_forward_put(
         entries: &put.entries,
         timeout_ms: timeout_ms(deadline),
         to,
+        hop: 0,
     };
     match send_with_blob(conn, &req, put, deadline).await? {
         Response::Forwarded { pending, failed } => {

@@ -406,12 +406,20 @@ impl Conn {
         }
     }
 
-    /// Whether the parked step forwards a put to other units: it runs on
-    /// the forwarding pool, never on the one that serves the puts other
-    /// units forward here (two units forwarding to each other would
-    /// otherwise each wait on the other's full pool).
-    pub(crate) fn parked_forwards(&self) -> bool {
-        matches!(&self.parked, Some(p) if matches!(&p.plan, Plan::Receive(put) if put.forward.is_some()))
+    /// The place in its chain of a parked step that forwards a put to
+    /// other units (`None`: it forwards nothing). Each place runs on a
+    /// pool of its own, never on the one that serves the plain puts the
+    /// last units of chains get: a step waits only on steps further down
+    /// its chain, so two units forwarding to each other cannot each wait
+    /// on the other's full pool.
+    pub(crate) fn parked_forwards(&self) -> Option<u8> {
+        match &self.parked {
+            Some(p) => match &p.plan {
+                Plan::Receive(put) => put.forward.as_ref().map(|f| f.hop),
+                _ => None,
+            },
+            None => None,
+        }
     }
 
     /// Carry out the parked request's blocking step (on the pool).
@@ -812,9 +820,11 @@ impl Conn {
                 }
                 // Every request from here on, on any connection, is
                 // refused: nothing is served once the fencer hears Done.
+                // (Not `stop`: a unit inside another process that lives on
+                // keeps refusing Hellos with `Fenced`, the proof clients
+                // take it down on.)
                 let life = &self.shared.life;
                 life.fenced.store(true, std::sync::atomic::Ordering::SeqCst);
-                life.stop.store(true, std::sync::atomic::Ordering::SeqCst);
                 tracing::error!(
                     "fenced: a client took this unit as down (its directory says it is dead); it serves nothing more and exits"
                 );

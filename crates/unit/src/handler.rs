@@ -160,10 +160,13 @@ pub struct Put {
     pub forward: Option<Forward>,
 }
 
-/// Where a ForwardPut's bytes go besides this unit.
+/// Where a ForwardPut's bytes go besides this unit: on to the first of
+/// `to`, which forwards them to the rest.
 #[derive(Debug)]
 pub struct Forward {
     pub to: Vec<stowage_wire::Hop>,
+    /// This unit's place in the chain (0: the client's first copy).
+    pub hop: u8,
     /// The request's partition (not scoped: each copy's unit scopes it).
     pub partition: String,
     /// The connection's namespace, said in Hello to the copies' units.
@@ -421,6 +424,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             entries,
             timeout_ms,
             to,
+            hop,
         } => {
             let mut plan = put(
                 &mut core(),
@@ -436,6 +440,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             if let Plan::Receive(put) = &mut plan {
                 put.forward = Some(Forward {
                     to,
+                    hop,
                     partition,
                     namespace: namespace.to_owned(),
                 });

@@ -96,9 +96,12 @@ impl Reactor {
         };
         let pool = Arc::new(Pool::new("io", io_threads.max(1)));
         // Puts forwarded to other units wait on those units' pools: a
-        // pool of their own, so that the pool serving puts forwarded here
-        // never waits on another unit.
-        let forward_pool = Arc::new(Pool::new("fwd", io_threads.max(1)));
+        // pool of their own per place in a chain (threads start only when
+        // a step needs one), so that a step waits only on pools further
+        // down its chain, and the pool serving plain puts on none.
+        let forward_pools: Arc<[Arc<Pool>]> = (0..stowage_wire::MAX_HOPS)
+            .map(|_| Arc::new(Pool::new("fwd", io_threads.max(1))))
+            .collect();
         let mut workers = Vec::with_capacity(threads);
         for i in 0..threads {
             let poll = Poll::new()?;
@@ -115,7 +118,7 @@ impl Reactor {
                 rx,
                 me: handle.clone(),
                 pool: pool.clone(),
-                forward_pool: forward_pool.clone(),
+                forward_pools: forward_pools.clone(),
                 slots: Vec::new(),
                 free: Vec::new(),
                 timers: BinaryHeap::new(),
@@ -176,8 +179,9 @@ struct Worker {
     rx: Receiver<Msg>,
     me: Arc<Handle>,
     pool: Arc<Pool>,
-    /// The pool of steps that forward puts (`Conn::parked_forwards`).
-    forward_pool: Arc<Pool>,
+    /// The pools of steps that forward puts, one per place in a chain
+    /// (`Conn::parked_forwards`).
+    forward_pools: Arc<[Arc<Pool>]>,
     slots: Vec<Option<Slot>>,
     free: Vec<usize>,
     timers: BinaryHeap<Reverse<(Instant, usize, u64)>>,
@@ -538,10 +542,12 @@ impl Worker {
             s.away = true;
         }
         let me = self.me.clone();
-        let pool = if conn.parked_forwards() {
-            &self.forward_pool
-        } else {
-            &self.pool
+        let pool = match conn.parked_forwards() {
+            Some(hop) => {
+                let last = self.forward_pools.len() - 1;
+                &self.forward_pools[usize::from(hop).min(last)]
+            }
+            None => &self.pool,
         };
         pool.submit(Box::new(move || {
             let mut conn = conn;

@@ -310,16 +310,22 @@ pub enum Request {
     },
     /// A [`Request::Put`] (payload = the blob's bytes) that this unit also
     /// forwards to the other copies `to`, over tcp, as the bytes arrive
-    /// (docs/replication.md#forwarding): the client sends the bytes once.
-    /// Answered [`Response::Forwarded`] once this unit committed its copy
-    /// and every copy of `to` answered (or failed); a refusal of this
-    /// unit's own copy is answered as a Put's, and forwards nothing.
+    /// (docs/replication.md#forwarding), down a chain: to the first of
+    /// `to`, with the rest of `to` to forward on (the last gets a plain
+    /// Put). The client sends the bytes once. `hop`: this unit's place in
+    /// the chain (0 from the client; 1 + `hop` for the next; a unit
+    /// serves each hop on a pool of its own, so a chain never waits on
+    /// itself). Answered [`Response::Forwarded`] once this unit committed
+    /// its copy and the rest of the chain answered (or failed); a refusal
+    /// of this unit's own copy is answered as a Put's, and forwards
+    /// nothing.
     ForwardPut {
         blob: BlobId,
         partition: String,
         entries: Vec<EntrySpec>,
         timeout_ms: u64,
         to: Vec<Hop>,
+        hop: u8,
     },
     /// Stop serving for good, if this unit is instance `instance`
     /// (docs/replication.md#fencing): a client took the unit as down on
@@ -410,6 +416,7 @@ pub enum RequestRef<'a> {
         entries: &'a [EntrySpec],
         timeout_ms: u64,
         to: &'a [Hop],
+        hop: u8,
     },
 }
 
@@ -520,13 +527,15 @@ impl Serialize for RequestRef<'_> {
                 entries,
                 timeout_ms,
                 to,
+                hop,
             } => {
-                let mut v = s.serialize_struct_variant("Request", index, name, 5)?;
+                let mut v = s.serialize_struct_variant("Request", index, name, 6)?;
                 v.serialize_field("blob", &blob)?;
                 v.serialize_field("partition", partition)?;
                 v.serialize_field("entries", entries)?;
                 v.serialize_field("timeout_ms", &timeout_ms)?;
                 v.serialize_field("to", to)?;
+                v.serialize_field("hop", &hop)?;
                 v.end()
             }
         }
@@ -790,8 +799,8 @@ pub enum Response {
     },
     /// Reply to [`Request::ForwardPut`]: this unit committed its copy
     /// (`pending`: it is still being made durable on its disk tier, as
-    /// [`Response::Pending`]); every copy it was to forward to is
-    /// committed but those in `failed`, which the client writes itself.
+    /// [`Response::Pending`]); every copy down the chain is committed but
+    /// those in `failed`, which the client writes itself.
     Forwarded {
         pending: bool,
         failed: Vec<FailedCopy>,

@@ -99,8 +99,8 @@ impl Request {
                 partition: p,
                 ..
             } => {
-                if let Request::ForwardPut { to, .. } = self {
-                    hops(to)?;
+                if let Request::ForwardPut { to, hop, .. } = self {
+                    hops(to, *hop)?;
                 }
                 partition(p)?;
                 count("entries", entries.len())?;
@@ -254,15 +254,16 @@ impl Request {
     }
 }
 
-/// The most copies a [`Request::ForwardPut`] forwards to.
+/// The most copies a [`Request::ForwardPut`] forwards to, down its
+/// whole chain.
 pub const MAX_HOPS: usize = 7;
 
-/// A [`Request::ForwardPut`]'s copies: 1 to [`MAX_HOPS`], each a distinct
-/// unit at an `ip:port` address.
-fn hops(to: &[crate::Hop]) -> Result<(), WireError> {
-    if to.is_empty() || to.len() > MAX_HOPS {
+/// A [`Request::ForwardPut`]'s copies: 1 to [`MAX_HOPS`] with the hops
+/// before it, each a distinct unit at an `ip:port` address.
+fn hops(to: &[crate::Hop], hop: u8) -> Result<(), WireError> {
+    if to.is_empty() || to.len() + usize::from(hop) > MAX_HOPS {
         return Err(WireError::Malformed(format!(
-            "a forwarded put to {} copies: 1 to {MAX_HOPS}",
+            "a forwarded put to {} copies at hop {hop}: 1 to {MAX_HOPS} copies down a chain",
             to.len()
         )));
     }

@@ -1,7 +1,7 @@
 //! The forwarded put's messages: a borrowed ForwardPut is the owned one's
 //! bytes, both round-trip with their reply, and validation refuses a
-//! forward to no copy, too many, a unit named twice or an address that is
-//! not `ip:port`.
+//! forward to no copy, too many (counting the hops before it down its
+//! chain), a unit named twice or an address that is not `ip:port`.
 
 use stowage_wire::{
     decode_header, encode, BlobId, EntrySpec, Envelope, ErrorCode, FailedCopy, Hop, Key, Limits,
@@ -30,6 +30,7 @@ fn forward(to: Vec<Hop>) -> Request {
         }],
         timeout_ms: 9_000,
         to,
+        hop: 0,
     }
 }
 
@@ -42,6 +43,7 @@ fn a_borrowed_forward_put_is_the_owned_ones_bytes_and_round_trips() {
         entries,
         timeout_ms,
         to,
+        hop,
     } = &r
     else {
         unreachable!()
@@ -52,6 +54,7 @@ fn a_borrowed_forward_put_is_the_owned_ones_bytes_and_round_trips() {
         entries,
         timeout_ms: *timeout_ms,
         to,
+        hop: *hop,
     };
     let (mut owned, mut by_ref) = (Vec::new(), Vec::new());
     encode(5, &r, 4096, &mut owned).unwrap();
@@ -88,6 +91,12 @@ fn a_forward_to_no_copy_too_many_a_unit_twice_or_a_bad_address_is_refused() {
         forward((0..=MAX_HOPS as u32).map(hop).collect()),
         &format!("{} copies", MAX_HOPS + 1),
     );
+    // Down a chain: the hops before count.
+    let mut late = forward(vec![hop(1), hop(2)]);
+    if let Request::ForwardPut { hop, .. } = &mut late {
+        *hop = (MAX_HOPS - 1) as u8;
+    }
+    refused(late, "2 copies at hop 6");
     refused(forward(vec![hop(2), hop(2)]), "unit 2 named twice");
     let mut named = hop(4);
     named.addr = "unit-4.example:4000".into();

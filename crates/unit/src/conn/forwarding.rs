@@ -1,8 +1,9 @@
 //! Serving a ForwardPut (docs/replication.md#forwarding): the payload
 //! goes into this unit's slab and, a chunk at a time as it arrives, on to
-//! the unit of every other copy (`forward.rs`: this unit as their
-//! client); the answer, once this unit committed and every copy answered
-//! or failed, names the copies that failed.
+//! the next copy's unit (`forward.rs`: this unit as its client), with the
+//! rest of the chain for it to forward to; the answer, once this unit
+//! committed and the chain answered or failed, names the copies that
+//! failed.
 
 use std::io;
 use std::time::Instant;
@@ -19,9 +20,9 @@ use crate::handler::{self, Put};
 /// few system calls.
 const CHUNK: usize = 256 << 10;
 
-/// A copy a forward is under way to: its unit, address, the connection
-/// and the id of its Put.
-struct Copy {
+/// The next unit of a chain a forward is under way to: its unit,
+/// address, the connection and the id of its request.
+struct Next {
     unit: u32,
     addr: String,
     conn: PeerConn,
@@ -61,8 +62,8 @@ pub(super) fn forwarded_reply(landed: Response, failed: Vec<FailedCopy>) -> Resp
 
 impl Conn {
     /// A ForwardPut whose payload goes into the slab `ranges` (the
-    /// reserved pieces, cut to the payload's length), and on to its
-    /// copies. The payload's deadline is the reader's.
+    /// reserved pieces, cut to the payload's length), and on down its
+    /// chain. The payload's deadline is the reader's.
     pub(super) fn put_forwarding(
         &mut self,
         id: u64,
@@ -74,8 +75,20 @@ impl Conn {
             .get_mut()
             .deadline
             .unwrap_or_else(|| Instant::now() + self.shared.settings.frame_timeout);
-        let (copies, mut failed) = self.open_copies(put, deadline);
-        let mut copies: Vec<Option<Copy>> = copies.into_iter().map(Some).collect();
+        // (Validation leaves every ForwardPut a copy to forward to.)
+        let to: Vec<stowage_wire::Hop> =
+            put.forward.as_ref().map_or_else(Vec::new, |f| f.to.clone());
+        let Some(first) = to.first().map(|h| h.unit) else {
+            return self.put_to_slab(id, put, ranges);
+        };
+        let mut failed = Vec::new();
+        let mut next = match self.open_next(put, deadline) {
+            Ok(c) => Some(c),
+            Err(e) => {
+                failed = chain_failed(&to, e.of_copy(first));
+                None
+            }
+        };
         let mut got = Ok(());
         'ranges: for &(offset, len) in ranges {
             let Ok(len) = usize::try_from(len) else {
@@ -90,19 +103,18 @@ impl Conn {
                 if got.is_err() {
                     break 'ranges;
                 }
-                for slot in &mut copies {
-                    let Some(c) = slot else { continue };
+                if let Some(c) = &mut next {
                     if let Err(e) = c.conn.send_slab(&self.shared.slab, at, n, deadline) {
-                        failed.push(e.of_copy(c.unit));
-                        *slot = None;
+                        failed = chain_failed(&to, e.of_copy(c.unit));
+                        next = None;
                     }
                 }
                 done += n;
             }
         }
         if let Err(e) = got {
-            // The copies' connections close with `copies`: their units
-            // give up what they reserved for it.
+            // The next unit's connection closes with `next`: it gives up
+            // what it reserved for this put, and so on down the chain.
             let cut = matches!(
                 e.kind(),
                 io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
@@ -114,15 +126,12 @@ impl Conn {
         if matches!(landed, Response::Done | Response::Pending) {
             self.count_in(put.nbytes);
         }
-        let mut committed = 0u64;
-        for c in copies.into_iter().flatten() {
-            match self.copy_answer(c, put, deadline) {
-                Ok(()) => committed += 1,
-                Err(f) => failed.push(f),
-            }
+        if let Some(c) = next {
+            failed = self.chain_answer(c, put, &to, deadline);
         }
         if let Some(m) = &self.shared.metrics {
-            m.forwarded(committed, failed.len() as u64, put.nbytes);
+            let next_failed = failed.iter().any(|f| f.unit == first);
+            m.forwarded(u64::from(!next_failed), u64::from(next_failed), put.nbytes);
         }
         failed.sort_by_key(|f| f.unit);
         let resp = forwarded_reply(landed, failed);
@@ -130,64 +139,113 @@ impl Conn {
         Ok(())
     }
 
-    /// A connection to each copy's unit, each sent the Put's header; the
-    /// copies that could not be reached or sent to are failed.
-    fn open_copies(&self, put: &Put, deadline: Instant) -> (Vec<Copy>, Vec<FailedCopy>) {
-        let (mut open, mut failed) = (Vec::new(), Vec::new());
+    /// A connection to the next unit of the chain, sent the header of a
+    /// ForwardPut of the rest of the chain (a plain Put when it is the
+    /// last).
+    fn open_next(&self, put: &Put, deadline: Instant) -> Result<Next, PeerError> {
         let Some(fwd) = &put.forward else {
-            return (open, failed);
+            return Err(PeerError::Io("nothing to forward".into()));
         };
-        for hop in &fwd.to {
-            let started = self
-                .shared
-                .peers
-                .checkout(&hop.addr, &fwd.namespace, deadline)
-                .and_then(|mut conn| {
-                    let left = deadline.saturating_duration_since(Instant::now());
-                    let req = RequestRef::Put {
-                        blob: put.blob,
-                        partition: &fwd.partition,
-                        entries: &put.entries,
-                        timeout_ms: u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1),
-                    };
-                    let id = conn.send_put(&req, put.nbytes, deadline)?;
-                    Ok((conn, id))
-                });
-            match started {
-                Ok((conn, id)) => open.push(Copy {
-                    unit: hop.unit,
-                    addr: hop.addr.clone(),
-                    conn,
-                    id,
-                }),
-                Err(e) => failed.push(e.of_copy(hop.unit)),
+        let (first, rest) = fwd
+            .to
+            .split_first()
+            .ok_or_else(|| PeerError::Io("nothing to forward".into()))?;
+        let mut conn = self
+            .shared
+            .peers
+            .checkout(&first.addr, &fwd.namespace, deadline)?;
+        let left = deadline.saturating_duration_since(Instant::now());
+        let timeout_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
+        let req = if rest.is_empty() {
+            RequestRef::Put {
+                blob: put.blob,
+                partition: &fwd.partition,
+                entries: &put.entries,
+                timeout_ms,
             }
-        }
-        (open, failed)
+        } else {
+            RequestRef::ForwardPut {
+                blob: put.blob,
+                partition: &fwd.partition,
+                entries: &put.entries,
+                timeout_ms,
+                to: rest,
+                hop: fwd.hop.saturating_add(1),
+            }
+        };
+        let id = conn.send_put(&req, put.nbytes, deadline)?;
+        Ok(Next {
+            unit: first.unit,
+            addr: first.addr.clone(),
+            conn,
+            id,
+        })
     }
 
-    /// Copy `c`'s answer to its Put: committed (its connection kept for
-    /// the next forward), or why not.
-    fn copy_answer(&self, mut c: Copy, put: &Put, deadline: Instant) -> Result<(), FailedCopy> {
+    /// The chain's answer, from its next unit: the copies down it that
+    /// failed (the next unit's connection kept for the next forward when
+    /// its answer came whole).
+    fn chain_answer(
+        &self,
+        mut c: Next,
+        put: &Put,
+        to: &[stowage_wire::Hop],
+        deadline: Instant,
+    ) -> Vec<FailedCopy> {
         let namespace = put.forward.as_ref().map_or("", |f| f.namespace.as_str());
-        let answer = c.conn.recv(c.id, deadline);
-        let failure = match answer {
-            Ok(Response::Done | Response::AlreadyCommitted) => None,
-            // On that unit's disk tier, not yet durable: the client
-            // writes this copy itself, as for any other failure.
-            Ok(Response::Pending) => Some(PeerError::Refused(
-                ErrorCode::Busy,
-                "the copy went to its unit's disk tier and is not durable yet".into(),
-            )),
-            Ok(Response::Error { code, message }) => Some(PeerError::Refused(code, message)),
-            Ok(_) => Some(PeerError::Io("an unexpected reply to a Put".into())),
-            Err(e) => return Err(e.of_copy(c.unit)),
+        let answer = match c.conn.recv(c.id, deadline) {
+            Ok(a) => a,
+            Err(e) => return chain_failed(to, e.of_copy(c.unit)),
         };
         // The reply came whole: the connection serves the next forward.
         self.shared.peers.checkin(&c.addr, namespace, c.conn);
-        match failure {
-            None => Ok(()),
-            Some(e) => Err(e.of_copy(c.unit)),
+        let refused = |e: PeerError| chain_failed(to, e.of_copy(c.unit));
+        match answer {
+            Response::Done | Response::AlreadyCommitted => Vec::new(),
+            Response::Forwarded {
+                pending: false,
+                failed,
+            } => failed,
+            // On that unit's disk tier, not yet durable: the client
+            // writes that copy itself, as for any other failure.
+            Response::Pending
+            | Response::Forwarded {
+                pending: true,
+                failed: _,
+            } => {
+                let mut f = match answer {
+                    Response::Forwarded { failed, .. } => failed,
+                    _ => Vec::new(),
+                };
+                f.push(
+                    PeerError::Refused(
+                        ErrorCode::Busy,
+                        "the copy went to its unit's disk tier and is not durable yet".into(),
+                    )
+                    .of_copy(c.unit),
+                );
+                f
+            }
+            Response::Error { code, message } => refused(PeerError::Refused(code, message)),
+            _ => refused(PeerError::Io(
+                "an unexpected reply to a forwarded put".into(),
+            )),
         }
     }
+}
+
+/// Every copy of the chain `to` failed: the first (the next unit) for
+/// `first`'s reason, the rest because the chain broke before them.
+fn chain_failed(to: &[stowage_wire::Hop], first: FailedCopy) -> Vec<FailedCopy> {
+    let why = format!(
+        "not forwarded: the copy of unit {} before it failed",
+        first.unit
+    );
+    let mut out = vec![first];
+    out.extend(to.iter().skip(1).map(|h| FailedCopy {
+        unit: h.unit,
+        code: ErrorCode::Internal,
+        message: why.clone(),
+    }));
+    out
 }

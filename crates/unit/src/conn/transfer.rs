@@ -54,7 +54,7 @@ impl Conn {
     /// The payload goes straight from the socket into the slab `ranges`
     /// (the reserved pieces, cut to the payload's length), in order. This
     /// thread is their only writer while it reads.
-    fn put_to_slab(
+    pub(super) fn put_to_slab(
         &mut self,
         id: u64,
         put: &mut Put,

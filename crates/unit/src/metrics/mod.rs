@@ -507,7 +507,7 @@ impl Collector for UnitCollector {
         family(
             &mut e,
             "forwarded_copies",
-            "Copies of puts this unit forwarded to the units of their other copies (docs/replication.md#forwarding), by outcome (committed; failed: the client writes that copy itself).",
+            "Copies of puts this unit forwarded to the next unit of their chain (docs/replication.md#forwarding), by outcome (committed; failed: the client writes that copy itself).",
             "outcome",
             &[
                 ("committed", m.forwarded[0].load(Relaxed)),
@@ -517,7 +517,7 @@ impl Collector for UnitCollector {
         counter(
             &mut e,
             "forwarded_bytes",
-            "Bytes this unit forwarded to the committed copies of puts.",
+            "Bytes this unit forwarded to the next unit of a put's chain, where that unit committed them.",
             m.forwarded_bytes.load(Relaxed),
         )?;
         // Checkpoints.

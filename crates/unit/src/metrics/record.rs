@@ -428,8 +428,9 @@ pub struct UnitMetrics {
     pub(crate) disk_streamed_bytes: AtomicU64,
     /// Values of repair puts: [stored, skipped].
     pub(super) repaired: [AtomicU64; 2],
-    /// Copies of forwarded puts: [committed, failed], and the bytes sent
-    /// to the committed ones.
+    /// Copies of forwarded puts this unit sent on to the next unit of
+    /// their chain: [committed, failed], and the bytes sent to the
+    /// committed ones.
     pub(super) forwarded: [AtomicU64; 2],
     pub(super) forwarded_bytes: AtomicU64,
     pub(super) checkpoints: [AtomicU64; 2],
@@ -538,8 +539,8 @@ impl UnitMetrics {
         }
     }
 
-    /// A forwarded put's copies: `committed` (each sent `bytes`) and
-    /// `failed`.
+    /// A forwarded put's copies this unit sent on: `committed` (each sent
+    /// `bytes`) and `failed`.
     pub(crate) fn forwarded(&self, committed: u64, failed: u64, bytes: u64) {
         self.forwarded[0].fetch_add(committed, Relaxed);
         self.forwarded[1].fetch_add(failed, Relaxed);
