@@ -197,6 +197,13 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             # An error: more than memory and disk can hold is UnitFull.
             with pytest.raises(stowage.UnitFull):
                 plane.put("big", ["huge"], {"x": [np.zeros(80 * MIB, dtype=np.uint8)]})
+            # A unit counts a request once it has answered it: a scrape
+            # right after the answer may come first (bounded waits below).
+            assert eventually(
+                lambda: v(scrape(), "stowage_operations_total", op="alloc", outcome="error")
+                > v(m4, "stowage_operations_total", op="alloc", outcome="error"),
+                timeout=5,
+            )
             m5 = scrape()
             assert v(m5, "stowage_errors_total", kind="full") > v(
                 m4, "stowage_errors_total", kind="full"
@@ -208,6 +215,12 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             # Clears: the partitions go, and so do their rows.
             plane.clear_partition("p")
             plane.clear_partition("q")
+            dropped = v(m5, "stowage_operations_total", op="drop_partition", outcome="ok")
+            assert eventually(
+                lambda: v(scrape(), "stowage_operations_total", op="drop_partition", outcome="ok")
+                >= dropped + 2,
+                timeout=5,
+            )
             m6 = scrape()
             assert (
                 v(m6, "stowage_operations_total", op="drop_partition", outcome="ok")
