@@ -343,3 +343,214 @@ fn a_chain_whose_middle_unit_is_killed_puts_again_where_the_copies_are_now() {
     assert_eq!(c.copies_of(0).as_slice(), [0, 2, 3]);
     copies_hold(&p, &c, &[0, 2, 3], &rows, &data);
 }
+
+/// The client's directory names another instance for unit 1 than the one
+/// at its address (a unit restarted there): the copy forwarded to it is
+/// failed by the unit forwarding (it checks the instance, as the client's
+/// own put would), the client's own put of it finds the unit restarted,
+/// takes it as down and the put goes to the next unit. Every row is on
+/// units 0 and 2, with its bytes. (Without the check, every put was
+/// acknowledged with its second copy on the other instance, which no
+/// other client reads, and the client never took unit 1 as down.)
+#[test]
+fn a_forward_to_another_instance_than_the_client_knows_is_failed_and_goes_around_it() {
+    let (p, _) = plane(4, 16 * MIB, &[]);
+    let mut cfg = ClientConfig::new("test", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(10);
+    cfg.replicas = 2;
+    cfg.instances = p
+        .units
+        .iter()
+        .enumerate()
+        .map(|(i, u)| {
+            Some(if i == 1 {
+                u.instance ^ 0xdead
+            } else {
+                u.instance
+            })
+        })
+        .collect();
+    let c = Client::connect(cfg).unwrap();
+    let rows: Vec<u64> = (0..40)
+        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1])
+        .collect();
+    assert!(!rows.is_empty());
+    let data = |row: u64| pattern(row, 29, 10_000);
+    for &r in &rows {
+        put_row(&c, r, &data(r), c.deadline()).unwrap();
+    }
+    assert!(
+        forwarded(&p, 0, "failed") > 0,
+        "no forward met the other instance"
+    );
+    assert_eq!(
+        c.copies_of(0).as_slice(),
+        [0, 2],
+        "unit 1 was not taken as down"
+    );
+    // At most the copy of the put that found the restart (the client's
+    // own put of it, as without forwarding), which no client reads.
+    let other = unit_alone(&p, 1);
+    let strays = other.stats(other.deadline())[0].as_ref().unwrap().rows;
+    assert!(strays <= 1, "{strays} copies went to the other instance");
+    let held = held(&p, &[0, 2, 3]);
+    for &row in &rows {
+        let on: BTreeSet<usize> = held[&row].keys().copied().collect();
+        assert_eq!(on, BTreeSet::from([0, 2]), "row {row}");
+        assert!(held[&row].values().all(|b| *b == data(row)), "row {row}");
+    }
+}
+
+/// Two units with one blocking thread each (`--io-threads=1`) forward to
+/// each other at once: 8 clients put rows whose first copies are on
+/// either unit. Every put goes in (a forward runs on a pool of its own
+/// place in the chain: on the one pool, each unit's forwards waited on
+/// the other's until every put's deadline).
+#[test]
+fn units_forwarding_to_each_other_with_one_io_thread_never_wait_on_each_other() {
+    let (p, _) = plane(2, 512 * MIB, &["--io-threads=1"]);
+    let probe = tcp_client(&p, true, Duration::from_secs(5));
+    let first_on = |u: usize| -> Vec<u64> {
+        (0..200)
+            .filter(|&r| probe.copies_of(probe.unit_of_row(r))[0] == u)
+            .take(4)
+            .collect()
+    };
+    let rows: Vec<u64> = first_on(0).into_iter().chain(first_on(1)).collect();
+    let data = vec![7u8; 4 << 20];
+    let failed = std::sync::atomic::AtomicUsize::new(0);
+    std::thread::scope(|s| {
+        for &r in &rows {
+            let c = tcp_client(&p, true, Duration::from_secs(5));
+            let (data, failed) = (&data, &failed);
+            s.spawn(move || {
+                for _ in 0..5 {
+                    if let Err(e) = put_row(&c, r, data, c.deadline()) {
+                        eprintln!("row {r}: {e}");
+                        failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+            });
+        }
+    });
+    assert_eq!(failed.load(std::sync::atomic::Ordering::SeqCst), 0);
+    let forwards: u64 = (0..2).map(|u| forwarded(&p, u, "committed")).sum();
+    assert_eq!(forwards, rows.len() as u64 * 5, "every put was forwarded");
+}
+
+/// The second copy's unit is full (another client filled it): it refuses
+/// the forwarded copy, the client's own put of that copy is refused too,
+/// and the put fails `UnitFull`: never acknowledged with one copy.
+#[test]
+fn a_copy_refused_by_a_full_unit_fails_the_put() {
+    let (p, _) = plane(3, 16 * MIB, &[]);
+    let c = tcp_client(&p, true, Duration::from_secs(5));
+    let row = (0..40)
+        .find(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1])
+        .unwrap();
+    // Unit 1 filled by a one-copy client, its rows named to it.
+    let mut cfg = ClientConfig::new("filler", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
+    let filler = Client::connect(cfg).unwrap();
+    let block = vec![1u8; 1 << 20];
+    let mut filled = 0;
+    for r in 1000.. {
+        let t = Tensor {
+            dtype: DType::U8,
+            shape: vec![block.len() as u64],
+            data: &block,
+        };
+        let put = filler.put(
+            "p",
+            &[RowKey::Index(r)],
+            &[("x", Column::Jagged(vec![t]))],
+            Some(1),
+            filler.deadline(),
+        );
+        match put {
+            Ok(()) => filled += 1,
+            Err(stowage_client::Error::UnitFull { .. }) => break,
+            Err(e) => panic!("{e}"),
+        }
+        assert!(filled < 64, "unit 1 never filled");
+    }
+    let r = put_row(&c, row, &pattern(row, 31, 2 << 20), c.deadline());
+    assert!(
+        matches!(r, Err(stowage_client::Error::UnitFull { unit: 1, .. })),
+        "{r:?}"
+    );
+    assert!(forwarded(&p, 0, "failed") > 0, "unit 0 did not forward");
+}
+
+/// More copies than a chain holds (`MAX_HOPS` + 1 = 8): the client sends
+/// every copy itself, and the put goes in.
+#[test]
+fn nine_copies_over_tcp_are_sent_by_the_client() {
+    let (p, _) = plane(9, 16 * MIB, &[]);
+    let c = tcp_client_of(&p, 9, true, Duration::from_secs(10));
+    let data = |row: u64| pattern(row, 37, 50_000);
+    put_row(&c, 1, &data(1), c.deadline()).unwrap();
+    let all: Vec<usize> = (0..9).collect();
+    copies_hold(&p, &c, &all, &[1], &data);
+}
+
+/// A unit without a shared secret forwards nothing (a client could
+/// otherwise make it connect anywhere): a ForwardPut it gets lands here,
+/// its other copies are named failed for the client to write, and no
+/// connection is made to the address named.
+#[test]
+fn a_unit_without_a_secret_forwards_nothing_and_connects_nowhere() {
+    use std::io::Write as _;
+    use stowage_wire::{encode, EntrySpec, Hop, Key, Request, Response};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("unit.sock");
+    let mut cfg = stowage_config::UnitConfig::new("insecure", 16 * MIB);
+    cfg.mlock = false;
+    cfg.metrics_listen = None;
+    cfg.insecure = true;
+    cfg.uds = Some(path.clone());
+    let unit = stowage_unit::start(cfg).unwrap();
+    let elsewhere = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    elsewhere.set_nonblocking(true).unwrap();
+    let mut r = Raw::hello(&path, "ns");
+    let value = vec![5u8; 4096];
+    let req = Request::ForwardPut {
+        blob: stowage_wire::BlobId(77),
+        partition: "p".into(),
+        entries: vec![EntrySpec {
+            key: Key::new(3, "x"),
+            offset: 0,
+            len: value.len() as u64,
+            meta: Vec::new(),
+        }],
+        timeout_ms: 5_000,
+        to: vec![Hop {
+            unit: 1,
+            addr: elsewhere.local_addr().unwrap().to_string(),
+            instance: None,
+        }],
+        hop: 0,
+    };
+    let mut frame = Vec::new();
+    encode(9, &req, value.len() as u64, &mut frame).unwrap();
+    frame.extend_from_slice(&value);
+    r.s.write_all(&frame).unwrap();
+    match r.recv().map(|e| e.body) {
+        Some(Response::Forwarded {
+            pending: false,
+            failed,
+        }) => {
+            assert_eq!(failed.len(), 1, "{failed:?}");
+            assert_eq!(failed[0].unit, 1);
+            assert!(failed[0].message.contains("secret"), "{failed:?}");
+        }
+        other => panic!("{other:?}"),
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert!(
+        elsewhere.accept().is_err(),
+        "the unit connected to the address a client named"
+    );
+    unit.stop();
+}

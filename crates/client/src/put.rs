@@ -181,7 +181,7 @@ impl Client {
             let (with_copies, forwards) = self.with_copies(blobs)?;
             let r = self
                 .put_placed(&with_copies, deadline, timer, &forwards)
-                .and_then(|()| self.put_unforwarded(&with_copies, forwards, deadline, timer));
+                .and_then(|()| self.put_unforwarded(&with_copies, &forwards, deadline, timer));
             if self.copies_epoch() == epoch
                 || tries >= self.units.len()
                 || Instant::now() >= deadline
@@ -242,7 +242,13 @@ impl Client {
     /// them: `None` where the client writes every copy itself (forwarding
     /// off, nixl, or a copy this client reaches other than by tcp).
     fn forward_to(&self, set: &[usize]) -> Option<Vec<Hop>> {
-        if !self.cfg.forward || self.cfg.nixl.is_some() {
+        // Units forward only with the plane's secret (they prove it to the
+        // next unit), and a chain of at most MAX_HOPS.
+        if !self.cfg.forward
+            || self.cfg.nixl.is_some()
+            || self.cfg.secret.is_none()
+            || set.len() > stowage_wire::MAX_HOPS + 1
+        {
             return None;
         }
         let tcp = |u: usize| match &self.cfg.units[u] {
@@ -256,6 +262,11 @@ impl Client {
                 Some(Hop {
                     unit: u32::try_from(u).ok()?,
                     addr: tcp(u)?.to_string(),
+                    // The instance this client knows there: the unit
+                    // forwarding checks it, as this client's own put would.
+                    instance: crate::lock(&self.units[u].instance)
+                        .current
+                        .or_else(|| self.cfg.instances.get(u).copied().flatten()),
                 })
             })
             .collect()
@@ -266,14 +277,11 @@ impl Client {
     fn put_unforwarded(
         &self,
         placed: &[BlobPut<'_>],
-        forwards: Forwards,
+        forwards: &Forwards,
         deadline: Instant,
         timer: &metrics::OpTimer,
     ) -> Result<()> {
-        let failed = forwards
-            .failed
-            .into_inner()
-            .unwrap_or_else(|p| p.into_inner());
+        let failed = std::mem::take(&mut *crate::lock(&forwards.failed));
         if failed.is_empty() {
             return Ok(());
         }
@@ -281,6 +289,12 @@ impl Client {
         let again: Vec<BlobPut<'_>> = failed
             .iter()
             .filter_map(|(blob, f)| {
+                // Only a copy the blob was forwarded to (a unit's answer
+                // names no other).
+                let to = forwards.hops.get(blob)?;
+                if !to.iter().any(|h| h.unit == f.unit) {
+                    return None;
+                }
                 tracing::debug!(unit = f.unit, code = ?f.code, message = %f.message, "a forwarded copy failed; the client writes it");
                 let b = by_blob.get(blob)?;
                 Some(BlobPut {

@@ -680,9 +680,11 @@ impl Conn {
             | Plan::Checkpoint { .. }
             | Plan::OpenRestore { .. }
             | Plan::CloseRestore { .. }
-            | Plan::Shutdown { .. }
-            | Plan::Fence { .. } => true,
-            Plan::Reply(_)
+            | Plan::Shutdown { .. } => true,
+            // Set at once, never behind slow steps on the pool: the
+            // fencer's answer must not wait on them.
+            Plan::Fence { .. }
+            | Plan::Reply(_)
             | Plan::Silent
             | Plan::Wait
             | Plan::Committed { .. }

@@ -15,7 +15,7 @@ use std::io::{self, BufReader, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::AsFd;
 use std::sync::Mutex;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use stowage_shm::{Piece, Slab};
 use stowage_wire::auth::{fresh_nonce, Secret};
@@ -25,8 +25,14 @@ use stowage_wire::{
     PROTOCOL_VERSION,
 };
 
-/// Idle connections kept per (address, namespace).
+/// Idle connections kept per (address, namespace), and in all.
 const KEEP_IDLE: usize = 4;
+const KEEP_IDLE_ALL: usize = 256;
+
+/// The most a connection to the next unit (connect, handshake, Hello)
+/// takes of a put's time: a unit that cannot reach the next one fails
+/// that copy soon, and the client has the rest of its time to write it.
+const CONNECT_MAX: Duration = Duration::from_secs(1);
 
 /// Why a forward to one copy failed: its unit's answer, or what happened
 /// on the way there.
@@ -76,6 +82,14 @@ pub(crate) struct Peers {
     idle: Mutex<HashMap<(String, String), Vec<PeerConn>>>,
 }
 
+/// Where a forward goes: the next unit's address, the namespace it says
+/// Hello in, and the instance it must be (when the client knows it).
+pub(crate) struct PeerKey<'a> {
+    pub(crate) addr: &'a str,
+    pub(crate) namespace: &'a str,
+    pub(crate) instance: Option<u128>,
+}
+
 impl Peers {
     pub(crate) fn new(secret: Option<Secret>) -> Self {
         Self {
@@ -84,30 +98,57 @@ impl Peers {
         }
     }
 
-    /// A connection to `addr` in `namespace`: an idle one, or a new one
-    /// (handshake and Hello within `deadline`).
+    /// Whether this unit forwards puts: only with the plane's shared
+    /// secret, which it proves to the next unit and checks it proves back
+    /// (without one, a client could make it connect anywhere).
+    pub(crate) fn forwards(&self) -> bool {
+        self.secret.is_some()
+    }
+
+    /// A connection to the unit of `key`: an idle one of that instance,
+    /// or a new one (connect, handshake and Hello within a second, and
+    /// within `deadline`), refused when another instance answers.
     pub(crate) fn checkout(
         &self,
-        addr: &str,
-        namespace: &str,
+        key: &PeerKey<'_>,
         deadline: Instant,
     ) -> Result<PeerConn, PeerError> {
-        let kept = self
-            .idle
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get_mut(&(addr.to_owned(), namespace.to_owned()))
-            .and_then(Vec::pop);
-        match kept {
-            Some(c) => Ok(c),
-            None => PeerConn::connect(addr, namespace, self.secret.as_ref(), deadline),
+        let kept = {
+            let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+            let mut conns = idle.get_mut(&(key.addr.to_owned(), key.namespace.to_owned()));
+            // Connections to another instance than the one asked for are
+            // of a unit gone: dropped.
+            let mut found = None;
+            while let Some(c) = conns.as_deref_mut().and_then(Vec::pop) {
+                if key.instance.is_none_or(|i| i == c.instance) {
+                    found = Some(c);
+                    break;
+                }
+            }
+            found
+        };
+        if let Some(c) = kept {
+            return Ok(c);
+        }
+        let connect_by = deadline.min(Instant::now() + CONNECT_MAX);
+        let c = PeerConn::connect(key.addr, key.namespace, self.secret.as_ref(), connect_by)?;
+        match key.instance {
+            Some(i) if i != c.instance => Err(PeerError::Io(format!(
+                "another instance answers at {} ({:032x}, not {i:032x}): the unit was restarted",
+                key.addr, c.instance
+            ))),
+            _ => Ok(c),
         }
     }
 
     /// Keep `conn` (whose last request was answered whole) for the next
-    /// forward to `addr` in `namespace`.
+    /// forward to `addr` in `namespace` (a few per address and namespace,
+    /// and [`KEEP_IDLE_ALL`] in all).
     pub(crate) fn checkin(&self, addr: &str, namespace: &str, conn: PeerConn) {
         let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.values().map(Vec::len).sum::<usize>() >= KEEP_IDLE_ALL {
+            return;
+        }
         let kept = idle
             .entry((addr.to_owned(), namespace.to_owned()))
             .or_default();
@@ -119,6 +160,8 @@ impl Peers {
 
 /// One connection to another unit, which has said Hello.
 pub(crate) struct PeerConn {
+    /// The instance that answered its Hello.
+    instance: u128,
     writer: TcpStream,
     reader: BufReader<TcpStream>,
     next_id: u64,
@@ -142,6 +185,7 @@ impl PeerConn {
             .map_err(|e| PeerError::Io(format!("cannot connect to {addr}: {e}")))?;
         s.set_nodelay(true)?;
         let mut c = PeerConn {
+            instance: 0,
             reader: BufReader::with_capacity(16 << 10, s.try_clone()?),
             writer: s,
             next_id: 1,
@@ -178,9 +222,12 @@ impl PeerConn {
         let id = c.send(&hello, 0, deadline)?;
         match c.recv_any(deadline)? {
             Envelope {
-                body: Response::Hello { .. },
+                body: Response::Hello { instance_id, .. },
                 id: got,
-            } if got == id => Ok(c),
+            } if got == id => {
+                c.instance = instance_id;
+                Ok(c)
+            }
             Envelope { body, .. } => Err(refused(body, "Hello")),
         }
     }

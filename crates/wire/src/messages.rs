@@ -342,11 +342,14 @@ pub enum Request {
 
 /// A copy a [`Request::ForwardPut`] is forwarded to: unit `unit` of the
 /// plane (as the client numbers them, to name it in a failure) at the tcp
-/// address `addr` (`ip:port`).
+/// address `addr` (`ip:port`), which must answer as instance `instance`
+/// when the client knows it (another instance there fails that copy: the
+/// client then finds the unit restarted, as its own put would).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Hop {
     pub unit: u32,
     pub addr: String,
+    pub instance: Option<u128>,
 }
 
 /// A copy of a [`Request::ForwardPut`] that is not committed: which

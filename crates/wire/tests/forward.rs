@@ -12,6 +12,7 @@ fn hop(unit: u32) -> Hop {
     Hop {
         unit,
         addr: format!("10.0.0.{unit}:4000"),
+        instance: unit.is_multiple_of(2).then_some(u128::from(unit) << 64),
     }
 }
 

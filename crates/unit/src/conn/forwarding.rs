@@ -12,7 +12,7 @@ use stowage_wire::{ErrorCode, FailedCopy, RequestRef, Response};
 
 use super::session::EndReason;
 use super::state::Conn;
-use crate::forward::{PeerConn, PeerError};
+use crate::forward::{PeerConn, PeerError, PeerKey};
 use crate::handler::{self, Put};
 
 /// The bytes received before they go on to the copies: small enough that
@@ -150,10 +150,12 @@ impl Conn {
             .to
             .split_first()
             .ok_or_else(|| PeerError::Io("nothing to forward".into()))?;
-        let mut conn = self
-            .shared
-            .peers
-            .checkout(&first.addr, &fwd.namespace, deadline)?;
+        let key = PeerKey {
+            addr: &first.addr,
+            namespace: &fwd.namespace,
+            instance: first.instance,
+        };
+        let mut conn = self.shared.peers.checkout(&key, deadline)?;
         let left = deadline.saturating_duration_since(Instant::now());
         let timeout_ms = u64::try_from(left.as_millis()).unwrap_or(u64::MAX).max(1);
         let req = if rest.is_empty() {

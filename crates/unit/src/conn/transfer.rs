@@ -31,7 +31,7 @@ impl Conn {
         match &put.into {
             Dest::Slab { pieces } => {
                 let ranges = cut(pieces, put.nbytes);
-                if put.forward.is_some() {
+                if put.forward.is_some() && self.shared.peers.forwards() {
                     self.put_forwarding(id, &mut put, &ranges)
                 } else {
                     self.put_to_slab(id, &mut put, &ranges)
@@ -76,12 +76,21 @@ impl Conn {
             let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
             return Err(e.into());
         }
-        let resp = self.landed(put);
+        let mut resp = self.landed(put);
         if matches!(
             resp,
             Response::Done | Response::Pending | Response::Repaired { .. }
         ) {
             self.count_in(put.nbytes);
+        }
+        if put.forward.is_some() {
+            // A ForwardPut this unit does not forward (`put_forwarding`
+            // forwards the others): every other copy is the client's.
+            let failed = none_forwarded(
+                put,
+                "this unit forwards only with the plane's shared secret",
+            );
+            resp = forwarded_reply(resp, failed);
         }
         self.reply(id, &resp)?;
         Ok(())
