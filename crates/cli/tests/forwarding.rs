@@ -79,6 +79,34 @@ fn held(p: &LocalPlane, live: &[usize]) -> BTreeMap<u64, BTreeMap<usize, Vec<u8>
     out
 }
 
+/// The rows below `below` whose copies are on `units`, in that order
+/// (at least one).
+fn rows_with_copies(c: &Client, units: &[usize], below: u64) -> Vec<u64> {
+    let rows: Vec<u64> = (0..below)
+        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == units)
+        .collect();
+    assert!(
+        !rows.is_empty(),
+        "no row below {below} has copies on {units:?}"
+    );
+    rows
+}
+
+/// Within `within`, no unit `c` reaches holds a reservation other than
+/// its clients' spares.
+fn no_reservation_outlives_the_puts(c: &Client, within: Duration) {
+    let clean = eventually(within, || {
+        c.stats(c.deadline())
+            .iter()
+            .all(|s| s.as_ref().is_ok_and(|s| s.reserved_bytes == s.spare_bytes))
+    });
+    assert!(
+        clean,
+        "a reservation outlived the puts: {:?}",
+        c.stats(c.deadline())
+    );
+}
+
 /// Every row of `rows` is on exactly the units of its copies, with the
 /// bytes `data(row)` on each.
 fn copies_hold(
@@ -162,10 +190,7 @@ fn a_forward_to_a_killed_unit_fails_and_the_put_goes_to_the_copies_left() {
     let data = |row: u64| pattern(row, 11, 300_000);
     let c = tcp_client(&p, true, Duration::from_secs(10));
     // Rows whose first copy is unit 0 and second unit 1.
-    let rows: Vec<u64> = (0..30)
-        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1])
-        .collect();
-    assert!(!rows.is_empty());
+    let rows: Vec<u64> = rows_with_copies(&c, &[0, 1], 30);
     p.kill9(1);
     for &r in &rows {
         put_row(&c, r, &data(r), c.deadline()).unwrap();
@@ -192,9 +217,7 @@ fn a_paused_copy_unit_fails_the_put_in_its_deadline_and_holds_nothing_wrong() {
     let (p, _) = plane(3, 64 * MIB, &[]);
     let data = |row: u64| pattern(row, 13, 4 << 20);
     let c = tcp_client(&p, true, Duration::from_secs(2));
-    let row = (0..30)
-        .find(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1])
-        .unwrap();
+    let row = rows_with_copies(&c, &[0, 1], 30)[0];
     let victim = &p.units[1];
     victim.signal(rustix::process::Signal::STOP).unwrap();
     assert!(eventually(Duration::from_secs(5), || is_stopped(
@@ -214,16 +237,7 @@ fn a_paused_copy_unit_fails_the_put_in_its_deadline_and_holds_nothing_wrong() {
     put_row(&c, row, &data(row), c.deadline()).unwrap();
     copies_hold(&p, &c, &[0, 1, 2], &[row], &data);
     // What the failed put reserved on either unit is given back.
-    let clean = eventually(Duration::from_secs(15), || {
-        c.stats(c.deadline())
-            .iter()
-            .all(|s| s.as_ref().is_ok_and(|s| s.reserved_bytes == s.spare_bytes))
-    });
-    assert!(
-        clean,
-        "a reservation outlived the puts: {:?}",
-        c.stats(c.deadline())
-    );
+    no_reservation_outlives_the_puts(&c, Duration::from_secs(15));
 }
 
 /// The unit forwarding a put (its first copy) is paused mid-payload past
@@ -236,9 +250,7 @@ fn a_forwarding_unit_paused_mid_put_leaves_nothing_reserved_or_wrong() {
     let (p, _) = plane(3, 256 * MIB, &[]);
     let data = |row: u64| pattern(row, 17, 96 << 20);
     let c = tcp_client(&p, true, Duration::from_secs(3));
-    let row = (0..30)
-        .find(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1])
-        .unwrap();
+    let row = rows_with_copies(&c, &[0, 1], 30)[0];
     let bytes = data(row);
     let forwarder = p.units[0].pid();
     let (r, took) = std::thread::scope(|s| {
@@ -272,16 +284,7 @@ fn a_forwarding_unit_paused_mid_put_leaves_nothing_reserved_or_wrong() {
     }
     put_row(&c, row, &bytes, c.deadline()).unwrap();
     copies_hold(&p, &c, &[0, 1, 2], &[row], &data);
-    let clean = eventually(Duration::from_secs(20), || {
-        c.stats(c.deadline())
-            .iter()
-            .all(|s| s.as_ref().is_ok_and(|s| s.reserved_bytes == s.spare_bytes))
-    });
-    assert!(
-        clean,
-        "a reservation outlived the puts: {:?}",
-        c.stats(c.deadline())
-    );
+    no_reservation_outlives_the_puts(&c, Duration::from_secs(20));
 }
 
 /// With 3 copies the bytes go down a chain: the first copy's unit
@@ -293,10 +296,7 @@ fn three_copies_go_down_a_chain_each_unit_forwarding_once() {
     let (p, _) = plane(4, 64 * MIB, &[]);
     let data = |row: u64| pattern(row, 19, 200_000);
     let c = tcp_client_of(&p, 3, true, Duration::from_secs(10));
-    let rows: Vec<u64> = (0..40)
-        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1, 2])
-        .collect();
-    assert!(!rows.is_empty());
+    let rows: Vec<u64> = rows_with_copies(&c, &[0, 1, 2], 40);
     for &r in &rows {
         put_row(&c, r, &data(r), c.deadline()).unwrap();
     }
@@ -328,10 +328,7 @@ fn a_chain_whose_middle_unit_is_killed_puts_again_where_the_copies_are_now() {
     let (mut p, _) = plane(4, 64 * MIB, &[]);
     let data = |row: u64| pattern(row, 23, 150_000);
     let c = tcp_client_of(&p, 3, true, Duration::from_secs(10));
-    let rows: Vec<u64> = (0..40)
-        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1, 2])
-        .collect();
-    assert!(!rows.is_empty());
+    let rows: Vec<u64> = rows_with_copies(&c, &[0, 1, 2], 40);
     p.kill9(1);
     for &r in &rows {
         put_row(&c, r, &data(r), c.deadline()).unwrap();
@@ -372,10 +369,7 @@ fn a_forward_to_another_instance_than_the_client_knows_is_failed_and_goes_around
         })
         .collect();
     let c = Client::connect(cfg).unwrap();
-    let rows: Vec<u64> = (0..40)
-        .filter(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1])
-        .collect();
-    assert!(!rows.is_empty());
+    let rows: Vec<u64> = rows_with_copies(&c, &[0, 1], 40);
     let data = |row: u64| pattern(row, 29, 10_000);
     for &r in &rows {
         put_row(&c, r, &data(r), c.deadline()).unwrap();
@@ -446,9 +440,7 @@ fn units_forwarding_to_each_other_with_one_io_thread_never_wait_on_each_other() 
 fn a_copy_refused_by_a_full_unit_fails_the_put() {
     let (p, _) = plane(3, 16 * MIB, &[]);
     let c = tcp_client(&p, true, Duration::from_secs(5));
-    let row = (0..40)
-        .find(|&r| c.copies_of(c.unit_of_row(r)).as_slice() == [0, 1])
-        .unwrap();
+    let row = rows_with_copies(&c, &[0, 1], 40)[0];
     // Unit 1 filled by a one-copy client, its rows named to it.
     let mut cfg = ClientConfig::new("filler", p.tcp_addrs());
     cfg.secret = p.secret().cloned();

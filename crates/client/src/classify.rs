@@ -90,13 +90,7 @@ impl Client {
                 // Fenced by another client: gone as a dead unit is.
                 Failure::Refused(ErrorCode::Fenced, _) => {
                     self.unit_down(unit);
-                    self.forget_gone(unit);
-                    Error::LostKeys {
-                        unit,
-                        blobs,
-                        named: error::names(&keys),
-                        keys,
-                    }
+                    self.gone_error(unit, blobs, keys)
                 }
                 Failure::Corrupt { positions } => {
                     let keys: Vec<Key> = positions
@@ -135,13 +129,7 @@ impl Client {
                 } else {
                     self.unit_down(unit);
                 }
-                self.forget_gone(unit);
-                Error::LostKeys {
-                    unit,
-                    blobs,
-                    named: error::names(&keys),
-                    keys,
-                }
+                self.gone_error(unit, blobs, keys)
             }
             Liveness::Alive => Error::TransferFailed {
                 unit,
@@ -156,9 +144,10 @@ impl Client {
         }
     }
 
-    /// Connections to a unit's old instance are useless once it is gone,
-    /// and its slab mapping only holds dead memory.
-    fn forget_gone(&self, unit: usize) {
+    /// A unit gone (dead, restarted, fenced): its keys `keys` are lost
+    /// there. Connections to its old instance are useless, and its slab
+    /// mapping only holds dead memory: both go.
+    fn gone_error(&self, unit: usize, blobs: Vec<BlobId>, keys: Vec<Key>) -> Error {
         self.forget_instance(unit, None);
         {
             let mut i = lock(&self.units[unit].instance);
@@ -166,6 +155,12 @@ impl Client {
             i.lost = None;
         }
         *lock(&self.units[unit].session) = None;
+        Error::LostKeys {
+            unit,
+            blobs,
+            named: error::names(&keys),
+            keys,
+        }
     }
 
     /// The error of a refusal, by the unit or by this client (a failure
