@@ -200,8 +200,10 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             # A unit counts a request once it has answered it: a scrape
             # right after the answer may come first (bounded waits below).
             assert eventually(
-                lambda: v(scrape(), "stowage_operations_total", op="alloc", outcome="error")
-                > v(m4, "stowage_operations_total", op="alloc", outcome="error"),
+                lambda: (
+                    v(scrape(), "stowage_operations_total", op="alloc", outcome="error")
+                    > v(m4, "stowage_operations_total", op="alloc", outcome="error")
+                ),
                 timeout=5,
             )
             m5 = scrape()
@@ -217,8 +219,10 @@ def test_counters_and_histograms_move_through_puts_gets_clears_spills_and_errors
             plane.clear_partition("q")
             dropped = v(m5, "stowage_operations_total", op="drop_partition", outcome="ok")
             assert eventually(
-                lambda: v(scrape(), "stowage_operations_total", op="drop_partition", outcome="ok")
-                >= dropped + 2,
+                lambda: (
+                    v(scrape(), "stowage_operations_total", op="drop_partition", outcome="ok")
+                    >= dropped + 2
+                ),
                 timeout=5,
             )
             m6 = scrape()
