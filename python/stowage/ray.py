@@ -20,10 +20,12 @@ passes to :func:`stowage.connect`: clients on a unit's host use shared
 memory, the others tcp.
 
 Ray is not on the operation path: clients talk to the units directly.
-After an operation on a unit failed, the client asks :func:`liveness`
-whether Ray considers that unit's actor dead (then its keys are lost:
-:class:`stowage.LostKeys`) or alive (a slow unit: a retryable error or
-:class:`stowage.Timeout`).
+After an operation on a unit failed (its connection broke, or, with
+copies, it ran out of time), the client asks :func:`liveness` whether Ray
+considers that unit's actor dead (then its keys are lost:
+:class:`stowage.LostKeys`; with copies the client goes on without the
+unit, and fences it — it stops serving — as soon as it answers) or alive
+(a slow unit: a retryable error or :class:`stowage.Timeout`).
 
 :func:`stop_units` runs every unit's teardown explicitly (Ray ends actors
 — ``ray.kill``, the end of their job — without running any), bounded, and

@@ -54,6 +54,24 @@ def wait_dead(pid: int, timeout: float = 10.0) -> bool:
     return False
 
 
+def wait_stopped(pid: int, timeout: float = 10.0) -> None:
+    """Wait until every thread of `pid` has stopped: a stop signal takes
+    effect thread by thread, and a thread may still answer meanwhile."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except FileNotFoundError:
+                pass
+        if states and all(s in ("T", "t") for s in states):
+            return
+        time.sleep(0.005)
+    raise AssertionError(f"unit {pid} did not stop")
+
+
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     """Same dtype, shape and bytes."""
     return (

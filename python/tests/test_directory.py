@@ -1,6 +1,7 @@
 """Directories: connect by directory (dict or file) from another process,
 the transport chosen per unit, the expected instance checked, and the
-liveness source asked only after a failure."""
+liveness source asked only after a failure (with copies, a unit it says
+is dead is gone around and fenced)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import pytest
 import stowage
 from stowage import _native
 
-from conftest import wait_dead
+from conftest import wait_dead, wait_stopped
 
 
 def test_another_process_connects_by_directory_file(dp, part, tmp_path):
@@ -120,3 +121,49 @@ def test_a_local_planes_socket_directory_is_owner_only(dp):
     for u in dp.units:
         sock_dir = os.path.dirname(u[len("unix:") :])
         assert stat.S_IMODE(os.stat(sock_dir).st_mode) == 0o700, sock_dir
+
+
+def test_a_silent_unit_the_liveness_source_says_is_dead_is_gone_around_and_fenced(part):
+    """With 2 copies: unit 1 stops answering (SIGSTOP, as a lost host whose
+    address refuses nothing) and the liveness source (Ray's, in a Ray
+    plane) says it is dead. The put that runs out of time on it asks,
+    and the client goes on without it: the puts after go in. Once it
+    answers again the client fences it (it exits), and a new client reads
+    every row as last put (docs/replication.md#fencing)."""
+    said = {"dead": False}
+
+    def liveness(unit: int) -> str:
+        return "dead" if unit == 1 and said["dead"] else "alive"
+
+    with stowage.local(units=3, memory="32MiB", replicas=2) as plane:
+        client = _native.Client(
+            plane.units,
+            "default",
+            2.0,
+            secret=plane._plane.secret,
+            liveness=liveness,
+            replicas=2,
+        )
+        c = stowage.DataPlane(client)
+        keys = list(range(12))
+        c.put(part, keys, {"x": np.arange(12)})
+        victim = plane.unit_pids[1]
+        os.kill(victim, signal.SIGSTOP)
+        try:
+            wait_stopped(victim)
+            said["dead"] = True
+            failed = 0
+            for k in keys:
+                try:
+                    c.put(part, [k], {"x": np.array([k + 100])})
+                except stowage.Error:
+                    failed += 1
+                    c.put(part, [k], {"x": np.array([k + 100])})
+            assert failed <= 1, f"{failed} puts failed after unit 1 was taken as down"
+        finally:
+            os.kill(victim, signal.SIGCONT)
+        assert wait_dead(victim), "unit 1 was not fenced once it answered"
+        c.close()
+        with stowage.connect(plane.directory) as fresh:
+            got = fresh.get(part, keys, ["x"])["x"]
+            assert [int(a) for a in got] == [k + 100 for k in keys]

@@ -15,7 +15,7 @@ import pytest
 
 import stowage
 
-from conftest import same
+from conftest import same, wait_stopped
 
 
 def test_hierarchy():
@@ -226,24 +226,6 @@ def test_lost_keys_when_a_unit_is_killed(part):
         got = plane.get(part, [0, 2, 4], ["a", "b"])
         assert [float(a) for a in got["a"]] == [0.0, 2.0, 4.0]
         assert all(same(b, np.arange(k)) for b, k in zip(got["b"], (0, 2, 4)))
-
-
-def wait_stopped(pid: int, timeout: float = 10.0) -> None:
-    """Wait until every thread of `pid` has stopped: a stop signal takes
-    effect thread by thread, and a thread may still answer meanwhile."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for task in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{task}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                pass
-        if states and all(s in ("T", "t") for s in states):
-            return
-        time.sleep(0.005)
-    raise AssertionError(f"unit {pid} did not stop")
 
 
 def test_timeout_when_a_unit_stops_answering_and_gil_is_released(part):

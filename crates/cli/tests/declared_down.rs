@@ -238,3 +238,99 @@ fn a_fenced_unit_in_a_process_that_lives_on_stays_fenced() {
     assert_eq!(said, stowage_client::Liveness::Dead);
     unit.stop();
 }
+
+/// What a cluster manager says (as the Ray launcher's liveness check
+/// does): unit `dead` is dead once `said` is set; otherwise the address
+/// is probed.
+struct ClusterSays {
+    dead: usize,
+    said: Arc<std::sync::atomic::AtomicBool>,
+    probe: stowage_client::ProbeDirectory,
+}
+
+impl stowage_client::Directory for ClusterSays {
+    fn liveness(
+        &self,
+        unit: usize,
+        addr: &UnitAddr,
+        instance: u128,
+        deadline: Instant,
+    ) -> stowage_client::Liveness {
+        if self.says_dead(unit) {
+            return stowage_client::Liveness::Dead;
+        }
+        self.probe.liveness(unit, addr, instance, deadline)
+    }
+
+    fn says_dead(&self, unit: usize) -> bool {
+        unit == self.dead && self.said.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A unit stops answering (SIGSTOP: a host lost or cut off, whose address
+/// refuses nothing) and the cluster manager says it is dead: a call that
+/// runs out of time on it asks, and the client goes on without it — the
+/// next puts of its rows go to the units up — and fences it once it
+/// answers again (it exits). A new client then reads every row as last
+/// put. (Without asking after a timeout, every put of a row with a copy
+/// there failed `Timeout` for as long as the unit did not answer.)
+#[test]
+fn a_silent_unit_the_cluster_says_is_dead_is_gone_around_and_fenced_once_it_answers() {
+    let (p, _) = plane(3, 64 * MIB, &[]);
+    let said = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = Duration::from_secs(2);
+    cfg.replicas = 2;
+    cfg.directory = Arc::new(ClusterSays {
+        dead: 1,
+        said: said.clone(),
+        probe: stowage_client::ProbeDirectory {
+            max_wait: None,
+            secret: p.secret().cloned(),
+        },
+    });
+    let a = Arc::new(Client::connect(cfg).unwrap());
+    stowage_client::repair_in_background(&a);
+    put_all(&a, 1);
+    let pid = p.units[1].pid();
+    p.units[1].signal(rustix::process::Signal::STOP).unwrap();
+    assert!(eventually(Duration::from_secs(5), || is_stopped(pid)));
+    said.store(true, std::sync::atomic::Ordering::SeqCst);
+    // The put that meets the silent unit spends its deadline on it and
+    // fails; the unit is down from then on, and every put goes in.
+    let mut failed = 0;
+    for row in 0..ROWS {
+        let v = value(row, 2);
+        let t = Tensor {
+            dtype: DType::U8,
+            shape: vec![v.len() as u64],
+            data: &v,
+        };
+        let put = |c: &Client| {
+            c.put(
+                "p",
+                &[RowKey::Index(row)],
+                &[("x", Column::Jagged(vec![t.clone()]))],
+                None,
+                c.deadline(),
+            )
+        };
+        if put(&a).is_err() {
+            failed += 1;
+            put(&a).unwrap_or_else(|e| panic!("row {row}, asked again: {e}"));
+        }
+    }
+    assert!(
+        failed <= 1,
+        "{failed} puts failed after the unit was taken as down"
+    );
+    assert!(!a.copies_of(1).contains(&1), "unit 1 is not down");
+    assert!(!exited(pid), "a paused unit exited");
+    p.units[1].signal(rustix::process::Signal::CONT).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || exited(pid)),
+        "the unit was not fenced once it answered"
+    );
+    reads_back(&copies_client(&p), 2, ROWS);
+}

@@ -71,9 +71,14 @@ impl Client {
             // With copies, a unit other clients may have put copies on:
             // one found dead is gone for this client too (its copies go
             // to the next unit up), and what it held is lost.
-            if self.replicas() > 1 && !f.timed_out() {
-                let addr = &self.units[unit].addr;
-                if self.cfg.directory.liveness(unit, addr, 0, deadline) == Liveness::Dead {
+            if self.replicas() > 1 {
+                let dead = if f.timed_out() {
+                    self.cfg.directory.says_dead(unit)
+                } else {
+                    let addr = &self.units[unit].addr;
+                    self.cfg.directory.liveness(unit, addr, 0, deadline) == Liveness::Dead
+                };
+                if dead {
                     self.take_down_on_word(unit, deadline);
                     return Error::LostKeys {
                         unit,
@@ -106,8 +111,15 @@ impl Client {
                 other => self.refusal_error(unit, other, blobs),
             };
         }
-        // It answered (refusals), or ran out of time: no probe.
+        // It answered (refusals), or ran out of time: no probe. With
+        // copies, a unit that ran out of time which the directory's word
+        // says is dead (Ray's, for a host lost) is gone: fenced once it
+        // answers, and nothing waits for it.
         if f.timed_out() {
+            if self.replicas() > 1 && self.cfg.directory.says_dead(unit) {
+                self.take_down_on_word(unit, deadline);
+                return self.gone_error(unit, blobs, keys);
+            }
             return Error::Timeout {
                 unit: Some(unit),
                 what: f.connection_text().0,

@@ -30,6 +30,18 @@ pub trait Directory: Send + Sync {
     fn liveness(&self, unit: usize, addr: &UnitAddr, instance: u128, deadline: Instant)
         -> Liveness;
 
+    /// Whether a word this directory has says `unit` is dead, asked after
+    /// a call to the unit ran out of time (a unit that does not answer,
+    /// whose address refuses nothing: a host lost, or cut off): a
+    /// cluster manager's word (the Ray launcher's liveness check), never a
+    /// probe of the unit. A client with copies then goes on without the
+    /// unit, fencing it once it answers (docs/replication.md#fencing).
+    /// Default: no such word (`false`).
+    fn says_dead(&self, unit: usize) -> bool {
+        let _ = unit;
+        false
+    }
+
     /// This directory, proving `secret` when it connects to units itself:
     /// [`crate::Client::connect`] asks it with the client's secret and
     /// uses what it returns. `None` (the default): keep this directory as

@@ -168,6 +168,10 @@ impl Directory for PyLiveness {
         }
     }
 
+    fn says_dead(&self, unit: usize) -> bool {
+        ask(&self.callable, unit) == "dead"
+    }
+
     fn with_secret(&self, secret: &Secret) -> Option<Arc<dyn Directory>> {
         // The probe proves the client's secret, as the client does.
         let probe = self.probe.with_secret(secret)?;
