@@ -475,6 +475,36 @@ fn a_copy_refused_by_a_full_unit_fails_the_put() {
     assert!(forwarded(&p, 0, "failed") > 0, "unit 0 did not forward");
 }
 
+/// Units whose hosts the client knows: a put whose first copy's unit is
+/// on the client's own host is not forwarded (its bytes would leave this
+/// host all the same, one local hop later), and one whose first copy's
+/// unit is on another host is.
+#[test]
+fn a_put_is_forwarded_only_from_a_unit_on_another_host() {
+    let (p, _) = plane(3, 16 * MIB, &[]);
+    let here = stowage_client::host_id();
+    let mut cfg = ClientConfig::new("test", p.tcp_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.replicas = 2;
+    // Unit 0 on this host, units 1 and 2 elsewhere (as a directory says).
+    cfg.hosts = vec![Some(here), Some("host-b".into()), Some("host-c".into())];
+    let c = Client::connect(cfg).unwrap();
+    let data = |row: u64| pattern(row, 41, 30_000);
+    let here_rows = rows_with_copies(&c, &[0, 1], 30);
+    let there_rows = rows_with_copies(&c, &[1, 2], 30);
+    for &r in here_rows.iter().chain(&there_rows) {
+        put_row(&c, r, &data(r), c.deadline()).unwrap();
+    }
+    assert_eq!(
+        forwarded(&p, 0, "committed"),
+        0,
+        "unit 0 is on the client's host"
+    );
+    assert_eq!(forwarded(&p, 1, "committed"), there_rows.len() as u64);
+    copies_hold(&p, &c, &[0, 1, 2], &here_rows, &data);
+    copies_hold(&p, &c, &[0, 1, 2], &there_rows, &data);
+}
+
 /// More copies than a chain holds (`MAX_HOPS` + 1 = 8): the client sends
 /// every copy itself, and the put goes in.
 #[test]

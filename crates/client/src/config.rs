@@ -95,7 +95,8 @@ pub struct ClientConfig {
     pub hosts: Vec<Option<String>>,
     /// With [`ClientConfig::replicas`] over 1, a put whose copies are all
     /// on units this client reaches over tcp sends its bytes once, to the
-    /// first copy's unit, which forwards them to the others as they
+    /// first copy's unit (unless [`ClientConfig::hosts`] puts that unit
+    /// on this client's host), which forwards them to the others as they
     /// arrive (docs/replication.md#forwarding); a copy whose forward
     /// fails, the client writes itself. Default true; false when the
     /// environment says `STOWAGE_FORWARD=0` (read at each config made):

@@ -187,6 +187,10 @@ pub struct Client {
     nixl: Option<nixl::NixlClient>,
     /// With copies: the units of each unit's copies, copy 0 first.
     copies: copies::Copies,
+    /// This process's host ([`host_id`]), when the units' hosts are known
+    /// (`ClientConfig::hosts`): a put is not forwarded from a unit of this
+    /// host (`put.rs`).
+    host: Option<String>,
 }
 
 impl Client {
@@ -258,12 +262,14 @@ impl Client {
             n.agent()
                 .map_err(|e| Error::InvalidRequest(format!("nixl: {e}")))?;
         }
+        let host = (cfg.replicas > 1 && cfg.hosts.iter().any(Option::is_some)).then(host_id);
         Ok(Client {
             cfg,
             units,
             metrics,
             nixl,
             copies,
+            host,
         })
     }
 

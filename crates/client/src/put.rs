@@ -240,7 +240,9 @@ impl Client {
 
     /// The copies after the first of `set`, as its first unit forwards to
     /// them: `None` where the client writes every copy itself (forwarding
-    /// off, nixl, or a copy this client reaches other than by tcp).
+    /// off, nixl, no secret, more copies than a chain holds, the first
+    /// copy's unit on this client's host, or a copy this client reaches
+    /// other than by tcp).
     fn forward_to(&self, set: &[usize]) -> Option<Vec<Hop>> {
         // Units forward only with the plane's secret (they prove it to the
         // next unit), and a chain of at most MAX_HOPS.
@@ -251,11 +253,19 @@ impl Client {
         {
             return None;
         }
+        // The first copy's unit on this host: forwarding would send the
+        // bytes out of this host all the same, one local hop later.
+        let first = *set.first()?;
+        if self.host.is_some()
+            && self.cfg.hosts.get(first).and_then(Option::as_ref) == self.host.as_ref()
+        {
+            return None;
+        }
         let tcp = |u: usize| match &self.cfg.units[u] {
             UnitAddr::Tcp(a) => Some(*a),
             UnitAddr::Unix(_) => None,
         };
-        tcp(*set.first()?)?;
+        tcp(first)?;
         set[1..]
             .iter()
             .map(|&u| {
