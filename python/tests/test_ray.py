@@ -43,6 +43,7 @@ from conftest import (  # noqa: E402
     can_switch_user,
     stowage_as_other_user,
     wait_dead,
+    wait_stopped,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -268,24 +269,6 @@ def test_a_client_in_another_ray_worker_puts_and_gets(units, part):
         plane.clear_partition(part)
 
 
-def all_stopped(pid: int, timeout: float = 10.0) -> bool:
-    """Whether every thread of `pid` is stopped (SIGSTOP reaches a thread
-    that runs on another CPU a moment after kill() returns)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        states = []
-        for tid in os.listdir(f"/proc/{pid}/task"):
-            try:
-                with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                    states.append(f.read().rsplit(")", 1)[1].split()[0])
-            except FileNotFoundError:
-                continue
-        if states and all(s in ("T", "t") for s in states):
-            return True
-        time.sleep(0.01)
-    return False
-
-
 def test_killing_a_unit_loses_exactly_its_keys(cluster, part, monkeypatch, tmp_path):
     calls = []
     real = stowage.ray.liveness
@@ -322,7 +305,7 @@ def test_killing_a_unit_loses_exactly_its_keys(cluster, part, monkeypatch, tmp_p
         # error, and its keys are not lost.
         os.kill(entries[0]["pid"], signal.SIGSTOP)
         try:
-            assert all_stopped(entries[0]["pid"]), "the unit's threads did not stop"
+            wait_stopped(entries[0]["pid"])
             with pytest.raises(stowage.Error) as e:
                 plane.get(part, [0, 2], ["x"], timeout=1.0)
             assert isinstance(e.value, (stowage.Timeout, stowage.TransferFailed)), repr(e.value)

@@ -80,6 +80,18 @@ fn exited(pid: u32) -> bool {
         .unwrap_or(true)
 }
 
+/// Unit `u` of `p`, paused and taken as down, has not exited; continued,
+/// it is fenced (it exits) within 10 s.
+fn continued_it_is_fenced(p: &LocalPlane, u: usize) {
+    let pid = p.units[u].pid();
+    assert!(!exited(pid), "a paused unit exited");
+    p.units[u].signal(rustix::process::Signal::CONT).unwrap();
+    assert!(
+        eventually(Duration::from_secs(10), || exited(pid)),
+        "the unit was not fenced once it answered"
+    );
+}
+
 fn socket(p: &LocalPlane, u: usize) -> PathBuf {
     match &p.uds_addrs()[u] {
         UnitAddr::Unix(path) => path.clone(),
@@ -140,12 +152,7 @@ fn a_unit_taken_as_down_while_paused_is_fenced_once_it_answers() {
         took.elapsed()
     );
     put_all(&a, 2);
-    assert!(!exited(pid), "a paused unit exited");
-    p.units[1].signal(rustix::process::Signal::CONT).unwrap();
-    assert!(
-        eventually(Duration::from_secs(10), || exited(pid)),
-        "the unit was not fenced once it answered"
-    );
+    continued_it_is_fenced(&p, 1);
     reads_back(&copies_client(&p), 2, ROWS);
 }
 
@@ -326,11 +333,6 @@ fn a_silent_unit_the_cluster_says_is_dead_is_gone_around_and_fenced_once_it_answ
         "{failed} puts failed after the unit was taken as down"
     );
     assert!(!a.copies_of(1).contains(&1), "unit 1 is not down");
-    assert!(!exited(pid), "a paused unit exited");
-    p.units[1].signal(rustix::process::Signal::CONT).unwrap();
-    assert!(
-        eventually(Duration::from_secs(10), || exited(pid)),
-        "the unit was not fenced once it answered"
-    );
+    continued_it_is_fenced(&p, 1);
     reads_back(&copies_client(&p), 2, ROWS);
 }

@@ -115,12 +115,7 @@ impl Conn {
         if let Err(e) = got {
             // The next unit's connection closes with `next`: it gives up
             // what it reserved for this put, and so on down the chain.
-            let cut = matches!(
-                e.kind(),
-                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-            );
-            let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
-            return Err(e.into());
+            return Err(self.abandon(put, e));
         }
         let landed = handler::put_landed(&mut self.shared.core(), put);
         if matches!(landed, Response::Done | Response::Pending) {

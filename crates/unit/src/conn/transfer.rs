@@ -69,12 +69,7 @@ impl Conn {
             }
         }
         if let Err(e) = got {
-            let cut = matches!(
-                e.kind(),
-                io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-            );
-            let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
-            return Err(e.into());
+            return Err(self.abandon(put, e));
         }
         let mut resp = self.landed(put);
         if matches!(
@@ -94,6 +89,18 @@ impl Conn {
         }
         self.reply(id, &resp)?;
         Ok(())
+    }
+
+    /// A put whose payload stopped coming (`e`): given up (its range
+    /// quarantined when it was cut off at its deadline, for the bytes may
+    /// still be on their way); the connection ends for `e`.
+    pub(super) fn abandon(&self, put: &mut Put, e: io::Error) -> EndReason {
+        let cut = matches!(
+            e.kind(),
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
+        );
+        let _ = handler::put_abandoned(&mut self.shared.core(), put, cut, self.shared.now());
+        e.into()
     }
 
     /// [`handler::put_landed`], with a repair put's values counted.
