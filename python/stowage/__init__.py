@@ -365,6 +365,21 @@ class DataPlane:
         no unit down or has repaired them."""
         return _native.under_replicated(self._client, timeout)
 
+    def rejoin(self, unit: int, *, timeout: Optional[float] = None) -> Dict[str, Any]:
+        """Take unit ``unit`` back into the plane (with copies;
+        docs/replication.md#rejoining): the unit started again at its
+        address after it died or was fenced (empty, another instance) is
+        named in a new view of the plane, which every unit up and then
+        every client moves to; copies go there again, the copies that
+        stood in for it are cleared of its rows, and a repair (this
+        client's background one, or :meth:`repair`) gives it the rows put
+        before. Needs the plane's secret. Returns ``unit``, ``instance``
+        (hex), ``epoch`` (the new view's), ``already`` (it was a member:
+        nothing changed), ``moved`` (units that took the view),
+        ``unreached`` and ``cleared`` (values cleared where copies
+        left)."""
+        return _native.rejoin(self._client, unit, timeout)
+
     @property
     def directory(self) -> Dict[str, Any]:
         """A local plane's directory: pass it (or a JSON file holding it) to

@@ -40,6 +40,7 @@ __all__ = [
     "plan_unit_nodes",
     "read_directory_file",
     "rebuild_copies",
+    "rejoin",
     "repair",
     "resolve_directory",
     "resolve_listen_host",
@@ -151,6 +152,10 @@ def rebuild_copies(client: Client, timeout: Optional[float] = None) -> Dict[str,
 
 def under_replicated(client: Client, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
     """What each newcomer lacks."""
+
+def rejoin(client: Client, unit: int, timeout: Optional[float] = None) -> Dict[str, Any]:
+    """Take ``unit`` back into the plane as the instance started again at
+    its address."""
 
 def directory_replicas(json: str, given: Optional[int] = None) -> int:
     """The directory's copies of every row (1 when it does not say); a

@@ -188,3 +188,46 @@ def test_the_transferqueue_block_passes_replicas_on():
     assert cfg["units"]["replicas"] == 2
     # What start_units reads of it.
     assert _native.load_config(mapping=cfg)["units"]["replicas"] == 2
+
+
+def test_a_unit_started_again_rejoins_and_is_repaired(part):
+    """Unit 1 is killed; rows are rewritten and cleared around it; a unit
+    started again at its socket (empty, another instance) is taken back in
+    with ``rejoin`` (docs/replication.md#rejoining), the background repair
+    fills it, and with unit 2 then killed every row of unit 1's reads back
+    from the rejoined unit as last put, the cleared ones not found."""
+    with stowage.local(units=3, memory="32MiB", replicas=2) as plane:
+        keys = list(range(12))
+        plane.put(part, keys, {"x": np.arange(12)})
+        with stowage.connect(plane.directory) as c:
+            pids = plane.unit_pids
+            os.kill(pids[1], signal.SIGKILL)
+            assert wait_dead(pids[1])
+            c.put(part, keys, {"x": np.arange(12) + 100}, timeout=10.0)
+            c.clear(part, [9, 10, 11])
+            assert c.rejoin(0)["already"]
+            again = _native.Unit(
+                "32MiB",
+                uds=plane.units[1][len("unix:") :],
+                secret=plane._plane.secret,
+                mlock=False,
+                metrics=False,
+            )
+            try:
+                r = c.rejoin(1)
+                assert not r["already"] and r["epoch"] == 1, r
+                assert r["instance"] == again.instance_id, r
+                assert (r["moved"], r["unreached"]) == (3, []), r
+                until = time.monotonic() + 30
+                while c.under_replicated() or c.metrics()["repairs_pending"]:
+                    assert time.monotonic() < until, c.under_replicated()
+                    time.sleep(0.05)
+                os.kill(pids[2], signal.SIGKILL)
+                assert wait_dead(pids[2])
+                got = c.get(part, keys[:9], ["x"], timeout=10.0)["x"]
+                assert [int(a) for a in got] == [k + 100 for k in keys[:9]]
+                for k in (9, 10, 11):
+                    with pytest.raises(stowage.NotFound):
+                        c.get(part, [k], ["x"], timeout=10.0)
+            finally:
+                again.stop()

@@ -299,6 +299,12 @@ enum Cmd {
         /// that kept one copy, before the plane serves.
         #[arg(long)]
         rebuild: bool,
+        /// Take unit UNIT back into the plane first: the instance started
+        /// again at its address (empty, after it died or was fenced)
+        /// rejoins, and the repair gives it the rows it held
+        /// (docs/replication.md#rejoining). May be given more than once.
+        #[arg(long, value_name = "UNIT")]
+        rejoin: Vec<usize>,
         /// Keep trying, a second apart, for this long.
         #[arg(long, value_parser = parse_duration, default_value = "10m")]
         within: Duration,
@@ -566,6 +572,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
             directory,
             namespace,
             rebuild,
+            rejoin,
             within,
             secret,
         } => {
@@ -574,6 +581,7 @@ fn run(cli: Cli, matches: &ArgMatches) -> Result<(), String> {
                 namespace: &namespace,
                 secret: secret.secret()?,
                 rebuild,
+                rejoin,
                 within,
             };
             match crate::repair::run(&opts, &mut std::io::stdout().lock())? {

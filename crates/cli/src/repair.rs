@@ -3,7 +3,9 @@
 //! (docs/replication.md#repair). Clients of the plane repair by
 //! themselves in the background; this is the operator's pass (after the
 //! clients that found the unit dead are gone, say), and the rebuild after
-//! units were restarted from a one-copy checkpoint (`--rebuild`).
+//! units were restarted from a one-copy checkpoint (`--rebuild`); with
+//! `--rejoin UNIT`, a unit started again in a dead one's place is taken
+//! back in first (docs/replication.md#rejoining).
 
 use std::io::Write;
 use std::path::Path;
@@ -20,6 +22,9 @@ pub struct RepairOptions<'a> {
     /// Every row's copies from whichever copy holds it, not only the
     /// newcomers' (`Client::rebuild_copies`).
     pub rebuild: bool,
+    /// Units to take back into the plane before the repair: the instance
+    /// started again at each one's address rejoins (`Client::rejoin`).
+    pub rejoin: Vec<usize>,
     /// Passes go on, a second apart, until nothing is left due or this
     /// has passed.
     pub within: Duration,
@@ -51,6 +56,29 @@ pub fn run(o: &RepairOptions<'_>, out: &mut dyn Write) -> Result<bool, String> {
     // for this client, and their rows' copies placed anew.
     let _ = c.stats(c.deadline());
     let until = Instant::now() + o.within;
+    for &unit in &o.rejoin {
+        let r = c
+            .rejoin(unit, until)
+            .map_err(|e| format!("unit {unit} did not rejoin: {e}"))?;
+        if r.already {
+            writeln!(out, "unit {unit} is a member already (instance {:032x})", r.instance)
+        } else {
+            writeln!(
+                out,
+                "unit {unit} rejoined as instance {:032x}: the plane's view {} ({} units moved{}); {} values cleared on copies that left",
+                r.instance,
+                r.epoch,
+                r.moved,
+                if r.unreached.is_empty() {
+                    String::new()
+                } else {
+                    format!(", {:?} not reached", r.unreached)
+                },
+                r.cleared
+            )
+        }
+        .map_err(|e| e.to_string())?;
+    }
     let mut all = Repaired::default();
     loop {
         let r = if o.rebuild {

@@ -4,7 +4,10 @@
 //! processes: it is fenced before anything is written around it (it
 //! refuses every request, and exits), or, paused, once it answers again;
 //! no client reads from it after, so none reads a row as it was before
-//! it was rewritten or cleared around it.
+//! it was rewritten or cleared around it. A unit started again in its
+//! place comes back only by rejoining (docs/replication.md#rejoining):
+//! empty, in a new view of the plane that every client is moved to, and
+//! filled by repair; no client reads a stale or cleared row from it.
 
 mod common;
 
@@ -15,7 +18,7 @@ use std::time::{Duration, Instant};
 use common::*;
 use stowage_client::{Client, ClientConfig, Column, DType, Error, RowKey, Tensor, UnitAddr};
 use stowage_local::LocalPlane;
-use stowage_wire::{ErrorCode, Request, Response};
+use stowage_wire::{ErrorCode, Member, PlaneView, Request, Response};
 
 const MIB: u64 = 1 << 20;
 const ROWS: u64 = 30;
@@ -33,7 +36,11 @@ fn value(row: u64, version: u64) -> Vec<u8> {
 }
 
 fn put_all(c: &Client, version: u64) {
-    for row in 0..ROWS {
+    put_rows(c, 0..ROWS, version);
+}
+
+fn put_rows(c: &Client, rows: std::ops::Range<u64>, version: u64) {
+    for row in rows {
         let v = value(row, version);
         let t = Tensor {
             dtype: DType::U8,
@@ -54,9 +61,15 @@ fn put_all(c: &Client, version: u64) {
 /// Every row read with `c`: rows below `cleared_from` hold `version`,
 /// the others are not found.
 fn reads_back(c: &Client, version: u64, cleared_from: u64) {
+    reads_as(c, &|row| (row < cleared_from).then_some(version));
+}
+
+/// Every row read with `c` holds the version `want` says, or is not found
+/// (`None`).
+fn reads_as(c: &Client, want: &dyn Fn(u64) -> Option<u64>) {
     for row in 0..ROWS {
         let got = c.get_tensors("p", &[RowKey::Index(row)], &["x"], None, c.deadline());
-        if row < cleared_from {
+        if let Some(version) = want(row) {
             let got = got.unwrap_or_else(|e| panic!("row {row}: {e}"));
             assert!(
                 got[0][0].data == value(row, version),
@@ -90,6 +103,21 @@ fn continued_it_is_fenced(p: &LocalPlane, u: usize) {
         eventually(Duration::from_secs(10), || exited(pid)),
         "the unit was not fenced once it answered"
     );
+}
+
+/// A raw connection to the unit at `path` that said Hello, and the
+/// unit's instance.
+fn hello_instance(path: &std::path::Path) -> (Raw, u128) {
+    let mut r = Raw::connect(path);
+    match r.call(&Request::Hello {
+        version: stowage_wire::PROTOCOL_VERSION,
+        namespace: "ns".into(),
+        want_fd: false,
+        session: None,
+    }) {
+        Response::Hello { instance_id, .. } => (r, instance_id),
+        other => panic!("{other:?}"),
+    }
 }
 
 fn socket(p: &LocalPlane, u: usize) -> PathBuf {
@@ -165,16 +193,7 @@ fn a_fenced_unit_refuses_every_request_and_exits() {
     let (p, _) = plane(1, 16 * MIB, &[]);
     let path = socket(&p, 0);
     let mut other = Raw::hello(&path, "ns");
-    let mut r = Raw::connect(&path);
-    let instance = match r.call(&Request::Hello {
-        version: stowage_wire::PROTOCOL_VERSION,
-        namespace: "ns".into(),
-        want_fd: false,
-        session: None,
-    }) {
-        Response::Hello { instance_id, .. } => instance_id,
-        other => panic!("{other:?}"),
-    };
+    let (mut r, instance) = hello_instance(&path);
     match r.call(&Request::Fence {
         instance: instance ^ 1,
     }) {
@@ -335,4 +354,186 @@ fn a_silent_unit_the_cluster_says_is_dead_is_gone_around_and_fenced_once_it_answ
     assert!(!a.copies_of(1).contains(&1), "unit 1 is not down");
     continued_it_is_fenced(&p, 1);
     reads_back(&copies_client(&p), 2, ROWS);
+}
+
+/// How unit 1 went down in a rejoin test.
+#[derive(Clone, Copy, Debug)]
+enum Down {
+    /// Killed (SIGKILL).
+    Killed,
+    /// Paused (SIGSTOP) past the liveness check, declared dead
+    /// (`unit_gone`), then continued: fenced, it exits.
+    PausedAndDeclared,
+}
+
+/// Repair passes with `c` until it knows of no repair due (bounded).
+fn repair_all(c: &Client) {
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = c.repair(c.deadline()).unwrap();
+        if c.repairs_pending() == 0 {
+            return;
+        }
+        assert!(Instant::now() < until, "repairs still due: {:?}", r.errors);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+/// Unit 1 of 3 (2 copies of each row) goes down (`down`); rows are
+/// rewritten and some cleared around it; a unit started again in its
+/// place (empty, another instance) is taken back in with `rejoin`. A
+/// client that knew the plane before (its view the old one) is refused by
+/// the units moved to the new view, takes it, and reads every row as last
+/// put; its puts go to the new placement. Once repaired, each row is on
+/// exactly the units of its copies (the copies that stood in for unit 1
+/// were cleared), and with the first copy of unit 1's rows killed, the
+/// rejoined unit serves them alone: the bytes last put, and nothing of a
+/// row cleared while it was down.
+fn a_unit_comes_back_by_rejoining(down: Down) {
+    let (mut p, opts) = plane(3, 64 * MIB, &[]);
+    // Its background repairer fences a paused unit once it answers.
+    let a = Arc::new(copies_client(&p));
+    stowage_client::repair_in_background(&a);
+    put_all(&a, 1);
+    let old = copies_client(&p);
+    reads_back(&old, 1, ROWS);
+    match down {
+        Down::Killed => p.kill9(1),
+        Down::PausedAndDeclared => {
+            let pid = p.units[1].pid();
+            p.units[1].signal(rustix::process::Signal::STOP).unwrap();
+            assert!(eventually(Duration::from_secs(5), || is_stopped(pid)));
+            a.unit_gone(1);
+        }
+    }
+    put_all(&a, 2);
+    let cleared: Vec<RowKey> = (20..ROWS).map(RowKey::Index).collect();
+    a.clear("p", &cleared, None, a.deadline()).unwrap();
+    if let Down::PausedAndDeclared = down {
+        continued_it_is_fenced(&p, 1);
+    }
+    assert!(!a.copies_of(1).contains(&1), "unit 1 is not down");
+    p.restart(1, &opts).expect("unit 1 starts again");
+    let r = a.rejoin(1, a.deadline()).unwrap();
+    assert!(!r.already, "{r:?}");
+    assert_eq!((r.epoch, r.moved), (1, 3), "{r:?}");
+    assert!(r.unreached.is_empty(), "{r:?}");
+    // Units 0's and 1's rows below 20 had a copy standing in for unit 1.
+    assert!(
+        r.cleared > 0,
+        "nothing was cleared where copies left: {r:?}"
+    );
+    assert_eq!(a.plane_view().epoch, 1);
+    for g in 0..3 {
+        assert!(
+            g == 2 || a.copies_of(g).contains(&1),
+            "unit 1 holds no copy of unit {g}'s rows: {:?}",
+            a.copies_of(g)
+        );
+    }
+    // The rejoined unit holds nothing yet; the copies left serve.
+    reads_back(&old, 2, 20);
+    assert_eq!(old.plane_view().epoch, 1, "the old client kept its view");
+    for g in 0..3 {
+        assert_eq!(old.copies_of(g), a.copies_of(g), "unit {g}'s copies");
+    }
+    reads_back(&copies_client(&p), 2, 20);
+    put_rows(&old, 0..10, 3);
+    repair_all(&a);
+    let home = |row: u64| a.unit_of_row(row);
+    assert_eq!(copies_are_where_they_belong(&p, &a, &[], &home), 20);
+    let want = |row: u64| match row {
+        0..10 => Some(3),
+        10..20 => Some(2),
+        _ => None,
+    };
+    // Unit 1's rows: copies on 2, then 1 (the copy left first).
+    assert_eq!(&a.copies_of(1)[..], &[2, 1]);
+    p.kill9(2);
+    reads_as(&a, &want);
+    reads_as(&copies_client(&p), &want);
+    let again = a.rejoin(1, a.deadline()).unwrap();
+    assert!(again.already, "{again:?}");
+}
+
+#[test]
+fn a_killed_unit_started_again_rejoins_empty_and_serves_nothing_stale() {
+    a_unit_comes_back_by_rejoining(Down::Killed);
+}
+
+#[test]
+fn a_unit_paused_past_the_liveness_check_comes_back_only_by_rejoining() {
+    a_unit_comes_back_by_rejoining(Down::PausedAndDeclared);
+}
+
+/// The unit's side: it serves row requests only on connections that
+/// speak for its view of the plane (`Epoch`); it takes a newer view and
+/// keeps its own against an older one or another of the same epoch; a
+/// view that does not name its instance leaves it serving no rows.
+#[test]
+fn a_unit_serves_rows_only_to_connections_of_its_view() {
+    let (p, _) = plane(1, 16 * MIB, &[]);
+    let path = socket(&p, 0);
+    let (mut r, instance) = hello_instance(&path);
+    let rows = |r: &mut Raw| r.call(&Request::ListPartitions);
+    assert!(matches!(rows(&mut r), Response::Partitions { .. }));
+    let view = |epoch, instance| PlaneView {
+        epoch,
+        members: vec![Member {
+            instance: Some(instance),
+            since: 0,
+        }],
+    };
+    let stale = |resp: Response| {
+        assert!(
+            matches!(
+                resp,
+                Response::Error {
+                    code: ErrorCode::Stale,
+                    ..
+                }
+            ),
+            "{resp:?}"
+        )
+    };
+    let answer = r.call(&Request::SetView {
+        view: view(1, instance),
+    });
+    assert_eq!(
+        answer,
+        Response::View {
+            view: view(1, instance)
+        }
+    );
+    // This connection still speaks for view 0.
+    stale(rows(&mut r));
+    assert!(matches!(r.call(&Request::Stats), Response::Stats(_)));
+    assert_eq!(
+        r.call(&Request::Epoch { epoch: 1 }),
+        Response::View {
+            view: view(1, instance)
+        }
+    );
+    assert!(matches!(rows(&mut r), Response::Partitions { .. }));
+    // An older view, or another of the same epoch: the unit's stays.
+    for offered in [view(0, instance), view(1, instance ^ 1)] {
+        assert_eq!(
+            r.call(&Request::SetView { view: offered }),
+            Response::View {
+                view: view(1, instance)
+            }
+        );
+    }
+    assert!(matches!(rows(&mut r), Response::Partitions { .. }));
+    // A view naming another instance in its place: no rows for anyone.
+    assert_eq!(
+        r.call(&Request::SetView {
+            view: view(2, instance ^ 1)
+        }),
+        Response::View {
+            view: view(2, instance ^ 1)
+        }
+    );
+    r.call(&Request::Epoch { epoch: 2 });
+    stale(rows(&mut r));
 }

@@ -303,42 +303,6 @@ fn repair_all(c: &Client) -> stowage_client::Repaired {
     }
 }
 
-/// A client of unit `u` of `p` alone (one copy): what that unit holds.
-fn unit_alone(p: &LocalPlane, u: usize) -> Client {
-    let mut cfg = ClientConfig::new("test", vec![p.uds_addrs()[u].clone()]);
-    cfg.secret = p.secret().cloned();
-    Client::connect(cfg).unwrap()
-}
-
-/// Check unit by unit (a one-unit client each) that every row of `p`
-/// is held by exactly the units its copies are placed on now, with the
-/// same fields on each; returns how many rows were checked.
-fn copies_are_where_they_belong(
-    p: &LocalPlane,
-    c: &Client,
-    dead: &[usize],
-    home: &dyn Fn(u64) -> usize,
-) -> usize {
-    let mut holders: BTreeMap<u64, BTreeMap<usize, Vec<String>>> = BTreeMap::new();
-    for u in (0..p.uds_addrs().len()).filter(|u| !dead.contains(u)) {
-        let one = unit_alone(p, u);
-        for (key, fields) in one.list("p", one.deadline()).unwrap() {
-            let RowKey::Index(row) = key else {
-                panic!("unit {u}: a named row {key:?}")
-            };
-            holders.entry(row).or_default().insert(u, fields);
-        }
-    }
-    for (row, on) in &holders {
-        let want: BTreeSet<usize> = c.copies_of(home(*row)).into_iter().collect();
-        let got: BTreeSet<usize> = on.keys().copied().collect();
-        assert_eq!(got, want, "row {row}: held by {on:?}");
-        let fields: BTreeSet<&Vec<String>> = on.values().collect();
-        assert_eq!(fields.len(), 1, "row {row}: fields differ by copy: {on:?}");
-    }
-    holders.len()
-}
-
 /// Wait for every client's `READY`.
 fn await_clients(children: &[(Reap, Receiver<String>)]) {
     for (_, lines) in children {
@@ -764,20 +728,7 @@ fn stowage_repair_gives_a_killed_units_rows_their_copies_again() {
     let mut d = p.directory();
     d.replicas = 2;
     d.write_file(&file).unwrap();
-    let repair = || {
-        let out = Command::new(binary())
-            .args(["repair", "--directory", file.to_str().unwrap()])
-            .args(["--namespace", "test", "--within", "60s"])
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "{text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        text
-    };
+    let repair = || stowage_repair(&file, &[]);
     // Units 0's and 1's rows: 8 rows each, 2 values a row.
     let text = repair();
     assert!(
@@ -789,6 +740,67 @@ fn stowage_repair_gives_a_killed_units_rows_their_copies_again() {
     assert_eq!(copies_are_where_they_belong(&p, &c, &[1], &home), 32);
     let text = repair();
     assert!(text.contains(": 0 values"), "{text}");
+}
+
+/// `stowage repair --directory FILE` in namespace `test` with `extra`
+/// arguments, within 60 s: what it printed (it must succeed).
+fn stowage_repair(file: &std::path::Path, extra: &[&str]) -> String {
+    let out = Command::new(binary())
+        .args(["repair", "--directory", file.to_str().unwrap()])
+        .args(["--namespace", "test", "--within", "60s"])
+        .args(extra)
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(
+        out.status.success(),
+        "{text}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    text
+}
+
+/// `stowage repair --rejoin 1` (docs/replication.md#rejoining) with a
+/// plane's directory file: unit 1, killed and started again at its
+/// address, is taken back in and filled; a client of the old view then
+/// finds every row on exactly the units of its copies, unit 1 among them,
+/// and reads each as put. Run again, it finds unit 1 a member already.
+#[test]
+fn stowage_repair_rejoin_takes_a_unit_started_again_back_in() {
+    let (mut p, opts) = plane(UNITS, 16 * MIB, &[]);
+    let c = copies_client(&p, 2);
+    for r in 0..32 {
+        put_row(&c, r, 1, c.deadline()).unwrap();
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dir.json");
+    let mut d = p.directory();
+    d.replicas = 2;
+    d.write_file(&file).unwrap();
+    p.kill9(1);
+    p.restart(1, &opts).expect("unit 1 starts again");
+    let rejoin = || stowage_repair(&file, &["--rejoin", "1"]);
+    let text = rejoin();
+    assert!(
+        text.contains("unit 1 rejoined as instance")
+            && text.contains("the plane's view 1 (4 units moved)"),
+        "{text}"
+    );
+    // Units 0's and 1's rows on unit 1 again: 8 rows each, 2 values a row.
+    assert!(
+        text.contains("repaired 2 pairs") && text.contains(": 32 values"),
+        "{text}"
+    );
+    let one = May::from([Some(1)]);
+    for r in 0..32 {
+        assert_eq!(get_row(&c, r, &one, c.deadline()), Ok(Some(1)), "row {r}");
+    }
+    assert_eq!(c.plane_view().epoch, 1);
+    assert!(c.copies_of(0).contains(&1) && c.copies_of(1).contains(&1));
+    let home = |row: u64| c.unit_of_row(row);
+    assert_eq!(copies_are_where_they_belong(&p, &c, &[], &home), 32);
+    let text = rejoin();
+    assert!(text.contains("unit 1 is a member already"), "{text}");
 }
 
 /// Not a test on its own: a repairer of the test below.

@@ -5,7 +5,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::time::Instant;
 
-use stowage_wire::{EntrySpec, Key, Request, Response};
+use stowage_wire::{EntrySpec, ErrorCode, Key, Request, Response};
 
 use crate::classify::{unexpected, unit_error};
 use crate::copies::{next_copy_may_serve, ReadOrder};
@@ -483,16 +483,28 @@ impl Client {
         req: &Request,
         deadline: Instant,
     ) -> Result<Response> {
-        let mut t = match self.checkout(unit, deadline).await {
-            Ok(t) => t,
-            Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
-        };
-        match t.call(req, deadline).await {
-            Ok(r) => {
-                self.checkin(unit, t);
-                Ok(r)
+        // Asked again once after a `Stale` refusal, in the view learned.
+        let mut stale = false;
+        loop {
+            let mut t = match self.checkout(unit, deadline).await {
+                Ok(t) => t,
+                Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
+            };
+            match t.call(req, deadline).await {
+                Ok(Response::Error {
+                    code: ErrorCode::Stale,
+                    ..
+                }) if !stale => {
+                    stale = true;
+                    self.checkin(unit, t);
+                    self.view_refused(unit, deadline);
+                }
+                Ok(r) => {
+                    self.checkin(unit, t);
+                    return Ok(r);
+                }
+                Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
             }
-            Err(f) => Err(self.failed_get(unit, f, &[], deadline)),
         }
     }
 }

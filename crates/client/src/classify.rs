@@ -92,6 +92,18 @@ impl Client {
         }
         if !f.is_connection() {
             return match f {
+                // The unit has another view of the plane (a unit rejoined):
+                // learn it; the operation, asked again, goes where the
+                // copies are now.
+                Failure::Refused(ErrorCode::Stale, message) => {
+                    self.view_refused(unit, deadline);
+                    Error::TransferFailed {
+                        unit,
+                        blobs,
+                        reason: message,
+                        in_flight: false,
+                    }
+                }
                 // Fenced by another client: gone as a dead unit is.
                 Failure::Refused(ErrorCode::Fenced, _) => {
                     self.unit_down(unit);
@@ -210,12 +222,14 @@ pub(crate) fn unit_error(
             addr: String::new(),
             reason: message,
         },
-        ErrorCode::Busy | ErrorCode::UnknownBlob | ErrorCode::Internal => Error::TransferFailed {
-            unit,
-            blobs,
-            reason: message,
-            in_flight: false,
-        },
+        ErrorCode::Busy | ErrorCode::UnknownBlob | ErrorCode::Internal | ErrorCode::Stale => {
+            Error::TransferFailed {
+                unit,
+                blobs,
+                reason: message,
+                in_flight: false,
+            }
+        }
     }
 }
 

@@ -213,6 +213,7 @@ fn variant_name(r: &Response) -> &'static str {
         Response::ClaimsState { .. } => "ClaimsState",
         Response::ResolvedRows(_) => "ResolvedRows",
         Response::RepairOpened { .. } => "RepairOpened",
+        Response::View { .. } => "View",
         Response::Repaired { .. } => "Repaired",
         Response::Forwarded { .. } => "Forwarded",
     }
@@ -238,6 +239,9 @@ pub(crate) struct Conn {
     pub(crate) instance_id: u128,
     /// The session this connection belongs to (the unit's token).
     pub(crate) session: u128,
+    /// The view of the plane it speaks for (`Request::Epoch`; 0 until it
+    /// says).
+    pub(crate) epoch: u64,
     pub(crate) slab: Option<Arc<Slab>>,
     /// The slab's length as the unit's Hello announced it: the bound of
     /// every range the unit names (checked before a one-sided transport
@@ -318,6 +322,7 @@ impl Conn {
             reader: BufReader::with_capacity(64 << 10, SpinReader::new(reader, spin)),
             writer,
             instance_id: 0,
+            epoch: 0,
             session: 0,
             slab: None,
             slab_bytes: 0,

@@ -23,7 +23,7 @@ use smallvec::SmallVec;
 
 #[cfg(doc)]
 use crate::ClientConfig;
-use crate::{Client, Error};
+use crate::{lock, Client, Error};
 
 /// How long a unit that a read found gone or not answering is asked
 /// after the other copies.
@@ -54,6 +54,10 @@ pub(crate) struct Copies {
     pub(crate) short_of_hosts: usize,
     /// Units found dead or restarted: no copy goes there any more.
     down: Box<[AtomicBool]>,
+    /// Units that rejoined the plane as another instance
+    /// (docs/replication.md#rejoining): empty when they came, so not a
+    /// copy that holds every row of the first placement's, until repaired.
+    rejoined: Mutex<HashSet<usize>>,
     /// Units taken as down on a word that is not proof, which did not
     /// answer when this client fenced them (`fence.rs`): asked again.
     pub(crate) fences: Mutex<Vec<usize>>,
@@ -129,6 +133,7 @@ impl Copies {
             units: RwLock::new(Arc::new(units)),
             short_of_hosts: short,
             down: (0..per_unit).map(|_| AtomicBool::new(false)).collect(),
+            rejoined: Mutex::new(HashSet::new()),
             fences: Mutex::new(Vec::new()),
             epoch: AtomicU64::new(0),
             suspect: (0..per_unit).map(|_| AtomicU64::new(0)).collect(),
@@ -147,7 +152,7 @@ impl Copies {
 
     /// `unit` was found dead or restarted: place every set again without
     /// it. Whether it was up until now.
-    fn went_down(&self, unit: usize) -> bool {
+    pub(crate) fn went_down(&self, unit: usize) -> bool {
         let Some(d) = self.down.get(unit) else {
             return false;
         };
@@ -175,12 +180,57 @@ impl Copies {
         true
     }
 
-    /// The units in `unit`'s set now that were not in it at connect.
+    /// `unit` rejoined the plane as another instance, empty: copies go
+    /// there again, after the copies left of each set it joins (a read
+    /// asks a copy that holds every row first), and it holds none of the
+    /// rows it had until a repair copies them. The (unit, copy) pairs
+    /// that left a set: those copies are no longer kept up to date (what
+    /// a rejoin clears there). Empty when `unit` was up already.
+    pub(crate) fn came_up(&self, unit: usize) -> Vec<(usize, usize)> {
+        let Some(d) = self.down.get(unit) else {
+            return Vec::new();
+        };
+        if !d.swap(false, Relaxed) {
+            return Vec::new();
+        }
+        lock(&self.rejoined).insert(unit);
+        let down = |u: usize| self.down[u].load(Relaxed);
+        let (placed, _) = place_all(self.down.len(), self.replicas, &self.hosts, &down);
+        let mut units = self.units.write().unwrap_or_else(|p| p.into_inner());
+        let mut left_sets = Vec::new();
+        let now: Vec<Box<[usize]>> = units
+            .iter()
+            .zip(placed)
+            .enumerate()
+            .map(|(g, (old, new))| {
+                left_sets.extend(old.iter().filter(|u| !new.contains(u)).map(|&u| (g, u)));
+                let left = old.iter().copied().filter(|u| new.contains(u));
+                let came = new.iter().copied().filter(|u| !old.contains(u));
+                left.chain(came).collect()
+            })
+            .collect();
+        *units = Arc::new(now);
+        drop(units);
+        let mut repaired = lock(&self.repaired);
+        repaired.retain(|&(g, c)| c != unit && !left_sets.contains(&(g, c)));
+        drop(repaired);
+        self.epoch.fetch_add(1, Relaxed);
+        left_sets
+    }
+
+    /// The units in `unit`'s set now that were not in it at connect, or
+    /// rejoined since.
     fn newcomers(&self, unit: usize) -> ReadOrder {
-        let first = self.first.get(unit).map_or(&[][..], |f| &f[..]);
         let mut set = self.set(unit);
-        set.retain(|u| !first.contains(u));
+        set.retain(|u| !self.in_first(unit, *u));
         set
+    }
+
+    /// Whether `copy` is one of `unit`'s first placement's copies, as the
+    /// instance it was then.
+    fn in_first(&self, unit: usize, copy: usize) -> bool {
+        let first = self.first.get(unit).map_or(&[][..], |f| &f[..]);
+        first.contains(&copy) && !lock(&self.rejoined).contains(&copy)
     }
 
     /// The repairs `unit`'s rows wait for: (source, newcomer) pairs, the
@@ -200,8 +250,7 @@ impl Copies {
     /// Whether `copy` holds every row of `unit`'s: it is one of the first
     /// placement's copies, or a newcomer this client repaired.
     fn whole(&self, unit: usize, copy: usize) -> bool {
-        let first = self.first.get(unit).map_or(&[][..], |f| &f[..]);
-        first.contains(&copy)
+        self.in_first(unit, copy)
             || self
                 .repaired
                 .lock()
@@ -546,6 +595,38 @@ mod tests {
         assert!(c.repairs_of(0).is_empty());
         assert_eq!(c.source_of(0), None);
         assert_eq!(c.source_of(2), Some(2));
+    }
+
+    #[test]
+    fn a_unit_that_rejoins_comes_after_the_copies_left_and_is_repaired_like_a_newcomer() {
+        let c = Copies::place(3, 2, &[]);
+        assert!(c.went_down(1));
+        assert_eq!(sets(&c), [[0, 2], [2, 0], [2, 0]]);
+        // Unit 2 stood in for 1 in 0's set and was repaired there.
+        c.repaired.lock().unwrap().insert((0, 2));
+        c.repaired.lock().unwrap().insert((1, 0));
+        let epoch = c.epoch.load(Relaxed);
+        let mut left = c.came_up(1);
+        left.sort_unstable();
+        // The copies that left a set: 2 of 0's rows, 0 of 1's.
+        assert_eq!(left, [(0, 2), (1, 0)]);
+        assert!(c.came_up(1).is_empty(), "once");
+        assert_eq!(c.epoch.load(Relaxed), epoch + 1);
+        // Back in its sets, after the copies left: a read asks a copy
+        // that holds every row first.
+        assert_eq!(sets(&c), [[0, 1], [2, 1], [2, 0]]);
+        assert!(!c.is_down(1));
+        // Empty when it came: not whole for the rows it held at connect,
+        // and the repairs of the copies that left are forgotten.
+        assert_eq!(c.repairs_of(0), [(0, 1)]);
+        assert_eq!(c.repairs_of(1), [(2, 1)]);
+        assert!(c.repaired.lock().unwrap().is_empty());
+        assert_eq!(&c.newcomers(0)[..], &[1]);
+        assert_eq!(c.source_of(1), Some(2));
+        c.repaired.lock().unwrap().insert((1, 1));
+        assert!(c.repairs_of(1).is_empty());
+        // A unit never down does not come up.
+        assert!(c.came_up(0).is_empty());
     }
 
     #[test]

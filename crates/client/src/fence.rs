@@ -85,6 +85,25 @@ impl Client {
         !lock(&self.copies.fences).is_empty()
     }
 
+    /// A connection to `unit` for a request outside any session's state
+    /// (a fence, a view's exchange, a rejoin): no namespace, no slab.
+    pub(crate) fn control_conn(
+        &self,
+        unit: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Conn, Failure> {
+        Conn::connect(
+            &self.units[unit].addr,
+            "",
+            false,
+            None,
+            None,
+            Duration::ZERO,
+            self.cfg.secret.as_ref(),
+            deadline,
+        )
+    }
+
     /// Ask `unit` to stop serving, if it answers as the instance this
     /// client knew (or, knowing none, whichever answers), within
     /// [`FENCE_WAIT`] of now or `deadline` (at least [`FENCE_FLOOR`]).
@@ -96,17 +115,7 @@ impl Client {
             .saturating_duration_since(Instant::now())
             .clamp(FENCE_FLOOR, FENCE_WAIT);
         let end = Instant::now() + left;
-        let conn = Conn::connect(
-            &self.units[unit].addr,
-            "",
-            false,
-            None,
-            None,
-            Duration::ZERO,
-            self.cfg.secret.as_ref(),
-            end,
-        );
-        let mut c = match conn {
+        let mut c = match self.control_conn(unit, end) {
             Ok(c) => c,
             Err(f) => return unreached(f),
         };

@@ -84,6 +84,7 @@ mod packed;
 mod pieces;
 mod pool;
 mod put;
+mod rejoin;
 mod repair;
 mod row_meta;
 pub mod rows;
@@ -107,6 +108,7 @@ pub use lent::{Lent, RECV_POOL_MAX};
 pub use nixl::{Failpoints, NixlOptions, ZERO_COPY_MIN};
 pub use one_sided::SPARES;
 pub use pool::UnitConnections;
+pub use rejoin::Rejoined;
 pub use repair::{repair_in_background, Repaired, Shortfall};
 pub use rows::{
     Column, DType, OwnedTensor, PackedChunk, PackedField, RowKey, Shape, Tensor, View, ViewTensor,
@@ -191,6 +193,8 @@ pub struct Client {
     /// (`ClientConfig::hosts`): a put is not forwarded from a unit of this
     /// host (`put.rs`).
     host: Option<String>,
+    /// The view of the plane this client speaks for (`rejoin.rs`).
+    plane: rejoin::Plane,
 }
 
 impl Client {
@@ -270,6 +274,7 @@ impl Client {
             nixl,
             copies,
             host,
+            plane: Default::default(),
         })
     }
 

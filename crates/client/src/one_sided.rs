@@ -465,6 +465,10 @@ impl<M: Mover> Transport for OneSided<M> {
         self.conn.session
     }
 
+    fn epoch(&self) -> u64 {
+        self.conn.epoch
+    }
+
     fn repair_put<'a>(
         &'a mut self,
         window: u64,

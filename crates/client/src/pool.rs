@@ -193,6 +193,7 @@ impl Client {
                 c
             }
         };
+        self.speak_for_view(unit, &mut conn, deadline)?;
         conn.ring_when(self.cfg.rings.then_some(self.cfg.ring_after));
         slot.reached.store(true, Ordering::Release);
         self.met_instance(unit, conn.instance_id);
@@ -332,12 +333,18 @@ impl Client {
             // parts run a while; the pool's lock is never held across that.
             let open_one = {
                 let mut p = lock(&slot.pool);
-                if let Some(t) = p.idle.pop() {
-                    return Ok(Lease {
-                        slot,
-                        t: Some(t),
-                        pooled: false,
-                    });
+                // A connection of an older view of the plane is closed:
+                // its row requests would be refused.
+                let epoch = self.plane_epoch();
+                while let Some(t) = p.idle.pop() {
+                    if t.epoch() == epoch {
+                        return Ok(Lease {
+                            slot,
+                            t: Some(t),
+                            pooled: false,
+                        });
+                    }
+                    p.open = p.open.saturating_sub(1);
                 }
                 if p.open < self.max_conns() {
                     p.open += 1;
@@ -378,7 +385,7 @@ impl Client {
         // judged against the new instance.
         let current = lock(&self.units[unit].instance).current;
         let Some(t) = lease.t.take() else { return };
-        if current.is_some_and(|c| c != t.instance_id()) {
+        if current.is_some_and(|c| c != t.instance_id()) || t.epoch() != self.plane_epoch() {
             return;
         }
         let slot = &self.units[unit];

@@ -392,11 +392,11 @@ impl Client {
 
     /// The deadline of one call of a pass that ends by `pass`: the
     /// client's timeout from now.
-    fn per_call(&self, pass: Instant) -> Instant {
+    pub(crate) fn per_call(&self, pass: Instant) -> Instant {
         (Instant::now() + self.cfg.timeout).min(pass)
     }
 
-    fn partitions_of(&self, unit: usize, deadline: Instant) -> Result<Vec<String>> {
+    pub(crate) fn partitions_of(&self, unit: usize, deadline: Instant) -> Result<Vec<String>> {
         let deadline = self.per_call(deadline);
         match self.call_one(unit, Request::ListPartitions, deadline)? {
             Response::Partitions { names } => Ok(names
@@ -408,7 +408,7 @@ impl Client {
     }
 
     /// `partition`'s (row, field) of `unit`'s rows on `on`.
-    fn listed(
+    pub(crate) fn listed(
         &self,
         partition: &str,
         unit: usize,

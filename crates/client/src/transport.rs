@@ -59,6 +59,8 @@ pub trait Transport: Send {
     fn instance_id(&self) -> u128;
     /// The session the unit put this connection in.
     fn session(&self) -> u128;
+    /// The view of the plane the connection speaks for.
+    fn epoch(&self) -> u64;
 
     /// Write one blob; ends once it is committed (published).
     fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()>;
@@ -398,6 +400,10 @@ impl Transport for TcpTransport {
 
     fn session(&self) -> u128 {
         self.conn.session
+    }
+
+    fn epoch(&self) -> u64 {
+        self.conn.epoch
     }
 
     fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()> {

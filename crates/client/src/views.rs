@@ -219,8 +219,18 @@ impl Client {
         unit: usize,
         deadline: Instant,
     ) -> std::result::Result<crate::pool::ViewConn, Failure> {
-        if let Some(c) = lock(&self.units[unit].view_conn).clone() {
-            return Ok(c);
+        let kept = lock(&self.units[unit].view_conn).clone();
+        if let Some(c) = kept {
+            // One of an older view of the plane is not used for later views
+            // (those that pinned through it keep it). Its lock is taken
+            // without the slot's, as a view's part takes them.
+            if lock(&c).epoch() == self.plane_epoch() {
+                return Ok(c);
+            }
+            let mut slot = lock(&self.units[unit].view_conn);
+            if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, &c)) {
+                *slot = None;
+            }
         }
         // Opened without the slot's lock held: opening may meet a restarted
         // unit, which clears the slot.

@@ -1,6 +1,7 @@
 //! Repair from Python (docs/replication.md#repair): one pass now, the
-//! rebuild after a one-copy restore, and what newcomers lack. A client
-//! with copies also repairs by itself in the background.
+//! rebuild after a one-copy restore, what newcomers lack, and taking a
+//! unit started again back in (rejoin). A client with copies also repairs
+//! by itself in the background.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -89,4 +90,32 @@ pub(crate) fn under_replicated<'py>(
         out.append(d)?;
     }
     Ok(out)
+}
+
+/// Take unit `unit` back into the plane as the instance started again at
+/// its address (`Client::rejoin`, docs/replication.md#rejoining): a dict
+/// of `unit`, `instance` (hex), `epoch`, `already`, `moved`, `unreached`
+/// and `cleared`.
+#[pyfunction]
+#[pyo3(signature = (client, unit, timeout = None))]
+pub(crate) fn rejoin<'py>(
+    py: Python<'py>,
+    client: &Client,
+    unit: usize,
+    timeout: Option<f64>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let deadline = client.deadline(timeout)?;
+    let c = client.client()?;
+    let r = py
+        .detach(|| c.rejoin(unit, deadline))
+        .map_err(|e| to_py(py, e, &[]))?;
+    let d = PyDict::new(py);
+    d.set_item("unit", r.unit)?;
+    d.set_item("instance", format!("{:032x}", r.instance))?;
+    d.set_item("epoch", r.epoch)?;
+    d.set_item("already", r.already)?;
+    d.set_item("moved", r.moved)?;
+    d.set_item("unreached", r.unreached)?;
+    d.set_item("cleared", r.cleared)?;
+    Ok(d)
 }

@@ -684,6 +684,8 @@ impl Conn {
             // Set at once, never behind slow steps on the pool: the
             // fencer's answer must not wait on them.
             Plan::Fence { .. }
+            | Plan::Epoch { .. }
+            | Plan::SetView { .. }
             | Plan::Reply(_)
             | Plan::Silent
             | Plan::Wait
@@ -712,6 +714,7 @@ impl Conn {
                 .life
                 .fenced
                 .load(std::sync::atomic::Ordering::SeqCst),
+            stale: self.stale(),
         };
         if req.may_wait() && (self.via_ring || self.waiting.is_some()) {
             return self.refuse(
@@ -834,6 +837,15 @@ impl Conn {
                 self.shared.request_exit();
                 return Err(EndReason::Shutdown);
             }
+            Plan::Epoch { epoch } => {
+                self.epoch = epoch;
+                Response::View {
+                    view: self.shared.plane.view(),
+                }
+            }
+            Plan::SetView { view } => Response::View {
+                view: self.shared.plane.offer(view),
+            },
             Plan::Close { reply, reason } => {
                 self.reply(id, &reply)?;
                 return Err(EndReason::Invalid(reason));

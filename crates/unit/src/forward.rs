@@ -88,6 +88,8 @@ pub(crate) struct PeerKey<'a> {
     pub(crate) addr: &'a str,
     pub(crate) namespace: &'a str,
     pub(crate) instance: Option<u128>,
+    /// The view of the plane the forward speaks for (its client's).
+    pub(crate) epoch: u64,
 }
 
 impl Peers {
@@ -120,7 +122,7 @@ impl Peers {
             // of a unit gone: dropped.
             let mut found = None;
             while let Some(c) = conns.as_deref_mut().and_then(Vec::pop) {
-                if key.instance.is_none_or(|i| i == c.instance) {
+                if key.instance.is_none_or(|i| i == c.instance) && c.epoch == key.epoch {
                     found = Some(c);
                     break;
                 }
@@ -131,7 +133,16 @@ impl Peers {
             return Ok(c);
         }
         let connect_by = deadline.min(Instant::now() + CONNECT_MAX);
-        let c = PeerConn::connect(key.addr, key.namespace, self.secret.as_ref(), connect_by)?;
+        let mut c = PeerConn::connect(key.addr, key.namespace, self.secret.as_ref(), connect_by)?;
+        if key.epoch != 0 {
+            // Its requests speak for the client's view: a unit of another
+            // refuses them Stale, and the client writes that copy itself.
+            match c.call(&Request::Epoch { epoch: key.epoch }, connect_by)? {
+                Response::View { .. } => {}
+                other => return Err(refused(other, "Epoch")),
+            }
+        }
+        c.epoch = key.epoch;
         match key.instance {
             Some(i) if i != c.instance => Err(PeerError::Io(format!(
                 "another instance answers at {} ({:032x}, not {i:032x}): the unit was restarted",
@@ -162,6 +173,8 @@ impl Peers {
 pub(crate) struct PeerConn {
     /// The instance that answered its Hello.
     instance: u128,
+    /// The view of the plane it speaks for.
+    epoch: u64,
     writer: TcpStream,
     reader: BufReader<TcpStream>,
     next_id: u64,
@@ -186,6 +199,7 @@ impl PeerConn {
         s.set_nodelay(true)?;
         let mut c = PeerConn {
             instance: 0,
+            epoch: 0,
             reader: BufReader::with_capacity(16 << 10, s.try_clone()?),
             writer: s,
             next_id: 1,

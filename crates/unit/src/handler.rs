@@ -42,6 +42,9 @@ pub struct Asker<'a> {
     pub stopping: bool,
     /// The unit was fenced: nothing is served.
     pub fenced: bool,
+    /// The connection speaks for another view of the plane than the
+    /// unit's (`Request::Epoch`): no row request is served.
+    pub stale: bool,
 }
 
 /// What the connection does for a request.
@@ -126,6 +129,12 @@ pub enum Plan {
     /// Stop serving for good and exit, this unit being `instance`
     /// (`Request::Fence`; the connection checks the instance).
     Fence { instance: u128 },
+    /// This connection speaks for plane view `epoch`: answer the unit's
+    /// view (`Request::Epoch`).
+    Epoch { epoch: u64 },
+    /// Take `view` if it is newer than the unit's; answer the unit's view
+    /// (`Request::SetView`).
+    SetView { view: stowage_wire::PlaneView },
     /// Send `reply`, then end the connection (cut by the unit): `reason`.
     Close { reply: Response, reason: String },
     /// An invalid request: answer `InvalidRequest` with this message, log
@@ -236,6 +245,9 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             reason: "fenced".into(),
         };
     }
+    if asker.stale && req.needs_view() {
+        return refused(error(ErrorCode::Stale, STALE.into()), payload_len);
+    }
     let ((owner, namespace), req) = match (asker.hello, req) {
         (
             None,
@@ -289,14 +301,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
     };
     if writes && asker.stopping {
         let reply = error(ErrorCode::Internal, "the unit is shutting down".into());
-        if payload_len > 0 {
-            return Plan::Drain {
-                len: payload_len,
-                put_timeout_ms: None,
-                reply,
-            };
-        }
-        return Plan::Reply(reply);
+        return refused(reply, payload_len);
     }
     let answer = |r: Result<Response, CoreError>| match r {
         Ok(r) => Plan::Reply(r),
@@ -559,6 +564,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         | Request::OpenRestore { .. }
         | Request::CloseRestore { .. }
         | Request::Fence { .. }
+        | Request::SetView { .. }
             if !asker.checkpoints =>
         {
             Plan::Reply(error(ErrorCode::Unauthorized, NOT_ADMIN.into()))
@@ -579,6 +585,8 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             timeout: Duration::from_millis(timeout_ms),
         },
         Request::Fence { instance } => Plan::Fence { instance },
+        Request::Epoch { epoch } => Plan::Epoch { epoch },
+        Request::SetView { view } => Plan::SetView { view },
         // A connection's request ring: made (and its memfd handed over)
         // by the connection; a kick wakes the unit's polling of it.
         Request::OpenRing { bytes } => Plan::OpenRing { bytes },
@@ -594,6 +602,23 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         }
     }
 }
+
+/// A request refused before it acts with `reply`: its `payload_len`
+/// payload bytes, if any, are taken and dropped first.
+fn refused(reply: Response, payload_len: u64) -> Plan {
+    if payload_len > 0 {
+        return Plan::Drain {
+            len: payload_len,
+            put_timeout_ms: None,
+            reply,
+        };
+    }
+    Plan::Reply(reply)
+}
+
+/// What a unit answers a row request on a connection of another view of
+/// the plane than its own.
+pub const STALE: &str = "this connection speaks for another view of the plane than the unit's (a unit rejoined): take the unit's view (Epoch) and ask again";
 
 /// What a fenced unit answers every request.
 pub const FENCED: &str = "this unit was fenced: a client took it as down (its directory says it is dead), and it serves nothing any more";

@@ -86,6 +86,7 @@ mod forward;
 pub mod handler;
 pub mod metrics;
 mod nixl_serve;
+mod plane;
 mod sessions;
 mod tier;
 
@@ -369,6 +370,7 @@ pub(crate) fn start_with(
             fenced: AtomicBool::new(false),
             exit: (Mutex::new(false), std::sync::Condvar::new()),
         },
+        plane: plane::Plane::new(instance_id),
     });
     let restored = match (restore_from, &cfg.restore) {
         (Some((fd, dir)), _) => Some((checkpoint::restore_from(&shared, fd, &dir), dir)),

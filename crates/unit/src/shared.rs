@@ -28,6 +28,7 @@ use crate::error::StartError;
 use crate::forward::Peers;
 use crate::metrics::UnitMetrics;
 use crate::nixl_serve::NixlServe;
+use crate::plane::Plane;
 use crate::sessions::Sessions;
 use crate::tier::DiskTier;
 
@@ -59,6 +60,8 @@ pub(crate) struct Shared {
     pub(crate) metrics: Option<Arc<UnitMetrics>>,
     /// Stopping and exiting.
     pub(crate) life: Lifecycle,
+    /// The unit's view of the plane ([`Plane`]).
+    pub(crate) plane: Plane,
 }
 
 /// What a unit was started with: fixed for its life.

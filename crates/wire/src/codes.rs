@@ -28,4 +28,9 @@ pub enum ErrorCode {
     /// The unit was fenced ([`crate::Request::Fence`]): a client took it
     /// as down, and it serves nothing any more (it is exiting).
     Fenced,
+    /// The connection speaks for another view of the plane than the
+    /// unit's ([`crate::Request::Epoch`]): the placement of copies changed
+    /// (a unit rejoined). Ask for the unit's view, take it (or, when
+    /// the unit's is older, give it the newer), and ask again.
+    Stale,
 }

@@ -49,8 +49,8 @@ pub use codes::ErrorCode;
 pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_LEN};
 pub use limits::{Limits, WireError};
 pub use messages::{
-    CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, FailedCopy, Hop, Item, Placed,
-    Request, RequestRef, Response, RestoreReply, RestoreSource, RowValue, RowsResolved,
+    CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, FailedCopy, Hop, Item, Member, Placed,
+    PlaneView, Request, RequestRef, Response, RestoreReply, RestoreSource, RowValue, RowsResolved,
     RESERVED_PARTITION_PREFIX, RING_MAX, RING_MIN,
 };
 pub use stats::Stats;
@@ -95,8 +95,13 @@ pub use validation::{MAX_HOPS, PARTITION_SEPARATOR};
 /// [`Request::ClaimStatus`], and in [`Response::Claimed`]). Version 18:
 /// puts the unit forwards to the other copies ([`Request::ForwardPut`],
 /// [`Response::Forwarded`]), and fencing a unit taken as down
-/// ([`Request::Fence`], [`ErrorCode::Fenced`]).
-pub const PROTOCOL_VERSION: u16 = 18;
+/// ([`Request::Fence`], [`ErrorCode::Fenced`]). Version 19: plane views,
+/// which let a restarted unit rejoin ([`Request::Epoch`],
+/// [`Request::SetView`], [`Response::View`], [`ErrorCode::Stale`]).
+pub const PROTOCOL_VERSION: u16 = 19;
+
+/// Most units a [`PlaneView`] names.
+pub const MAX_MEMBERS: usize = 1 << 16;
 
 #[cfg(test)]
 mod tests {

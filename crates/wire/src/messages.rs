@@ -338,6 +338,44 @@ pub enum Request {
     Fence {
         instance: u128,
     },
+    /// This connection speaks for plane view `epoch`
+    /// (docs/replication.md#rejoining): from the answer on, the unit
+    /// serves its requests that read or write rows only while the unit's
+    /// own view has that epoch, and refuses them [`ErrorCode::Stale`]
+    /// otherwise. A connection that never sends it speaks for epoch 0.
+    /// Answered [`Response::View`] with the unit's view.
+    Epoch {
+        epoch: u64,
+    },
+    /// Take `view` as the plane's view if it is newer than the unit's (a
+    /// higher epoch), or keep the unit's; answered [`Response::View`] with
+    /// the unit's view after (`view` when it was taken or is the unit's
+    /// already). A unit moved to a new view refuses, from before the
+    /// answer, the row requests of every connection of an older epoch.
+    /// Taken from an admin, or any client of a unit with a shared secret.
+    SetView {
+        view: PlaneView,
+    },
+}
+
+/// Which unit instances make up a plane, and since when
+/// (docs/replication.md#rejoining): `epoch` counts the views, 0 the one
+/// the plane started with (where `members` is empty: the directory's
+/// units). `members[u]`: the instance that serves unit `u` now, and the
+/// epoch of the view that took it in (0: it was there at the start). A
+/// member taken in after the start holds only what was put since, until
+/// a repair copies the rest to it.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct PlaneView {
+    pub epoch: u64,
+    pub members: Vec<Member>,
+}
+
+/// One unit's place in a [`PlaneView`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct Member {
+    pub instance: Option<u128>,
+    pub since: u64,
 }
 
 /// A copy a [`Request::ForwardPut`] is forwarded to: unit `unit` of the
@@ -807,6 +845,11 @@ pub enum Response {
     Forwarded {
         pending: bool,
         failed: Vec<FailedCopy>,
+    },
+    /// Reply to [`Request::Epoch`] and [`Request::SetView`]: the unit's
+    /// view of the plane.
+    View {
+        view: PlaneView,
     },
 }
 

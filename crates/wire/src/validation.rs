@@ -221,8 +221,46 @@ impl Request {
             | Request::RingKick
             | Request::CloseRestore { .. }
             | Request::CloseRepair { .. }
-            | Request::Fence { .. } => Ok(()),
+            | Request::Fence { .. }
+            | Request::Epoch { .. } => Ok(()),
+            Request::SetView { view } => {
+                if view.members.len() > crate::MAX_MEMBERS {
+                    return Err(WireError::Malformed(format!(
+                        "a plane view of {} units: at most {} are named",
+                        view.members.len(),
+                        crate::MAX_MEMBERS
+                    )));
+                }
+                Ok(())
+            }
         }
+    }
+
+    /// Whether the request reads or writes rows, so that a unit serves it
+    /// only on a connection that speaks for the unit's view of the plane
+    /// ([`Request::Epoch`]): everything but the connection's set-up, the
+    /// unit's statistics and administration, and letting go of what the
+    /// connection holds (aborts, unpins, a repair window's close).
+    pub fn needs_view(&self) -> bool {
+        !matches!(
+            self,
+            Request::Hello { .. }
+                | Request::Auth { .. }
+                | Request::Prove { .. }
+                | Request::Abort { .. }
+                | Request::Unpin { .. }
+                | Request::Stats
+                | Request::Shutdown { .. }
+                | Request::NixlInfo { .. }
+                | Request::OpenRing { .. }
+                | Request::RingKick
+                | Request::OpenRestore { .. }
+                | Request::CloseRestore { .. }
+                | Request::CloseRepair { .. }
+                | Request::Fence { .. }
+                | Request::Epoch { .. }
+                | Request::SetView { .. }
+        )
     }
 
     /// Whether a frame of this request may carry a payload (only

@@ -185,6 +185,7 @@ impl H {
             checkpoints: true,
             stopping: false,
             fenced: false,
+            stale: false,
         };
         self.free_before = before.free_bytes;
         let plan = handler::handle(|| &mut self.core, &asker, req, 0, self.now);
@@ -359,6 +360,7 @@ impl H {
             checkpoints: true,
             stopping: false,
             fenced: false,
+            stale: false,
         };
         self.free_before = self.core.stats().free_bytes;
         let plan = handler::handle(|| &mut self.core, &asker, req, nbytes, self.now);

@@ -595,3 +595,42 @@ pub fn expect_line(
         }
     }
 }
+
+/// A client of unit `u` of `p` alone (one copy): what that unit holds.
+pub fn unit_alone(p: &LocalPlane, u: usize) -> Client {
+    let mut cfg = ClientConfig::new("test", vec![p.uds_addrs()[u].clone()]);
+    cfg.secret = p.secret().cloned();
+    Client::connect(cfg).unwrap()
+}
+
+/// Check unit by unit (a one-unit client each) that every row of `p`
+/// is held by exactly the units its copies are placed on now, with the
+/// same fields on each; returns how many rows were checked.
+pub fn copies_are_where_they_belong(
+    p: &LocalPlane,
+    c: &Client,
+    dead: &[usize],
+    home: &dyn Fn(u64) -> usize,
+) -> usize {
+    let mut holders: std::collections::BTreeMap<
+        u64,
+        std::collections::BTreeMap<usize, Vec<String>>,
+    > = Default::default();
+    for u in (0..p.uds_addrs().len()).filter(|u| !dead.contains(u)) {
+        let one = unit_alone(p, u);
+        for (key, fields) in one.list("p", one.deadline()).unwrap() {
+            let stowage_client::RowKey::Index(row) = key else {
+                panic!("unit {u}: a named row {key:?}")
+            };
+            holders.entry(row).or_default().insert(u, fields);
+        }
+    }
+    for (row, on) in &holders {
+        let want: std::collections::BTreeSet<usize> = c.copies_of(home(*row)).into_iter().collect();
+        let got: std::collections::BTreeSet<usize> = on.keys().copied().collect();
+        assert_eq!(got, want, "row {row}: held by {on:?}");
+        let fields: std::collections::BTreeSet<&Vec<String>> = on.values().collect();
+        assert_eq!(fields.len(), 1, "row {row}: fields differ by copy: {on:?}");
+    }
+    holders.len()
+}

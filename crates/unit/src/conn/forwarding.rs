@@ -149,6 +149,7 @@ impl Conn {
             addr: &first.addr,
             namespace: &fwd.namespace,
             instance: first.instance,
+            epoch: self.epoch,
         };
         let mut conn = self.shared.peers.checkout(&key, deadline)?;
         let left = deadline.saturating_duration_since(Instant::now());

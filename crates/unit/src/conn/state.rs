@@ -84,6 +84,17 @@ pub(crate) struct Conn {
     /// Time the current frame waited for the budget: its deadline moves
     /// by as much (a peer is not cut for the unit's own wait).
     pub(super) frame_paused: Duration,
+    /// The view of the plane it speaks for (`Request::Epoch`; 0 until it
+    /// says): its row requests are served only while it is the unit's.
+    pub(super) epoch: u64,
+}
+
+impl Conn {
+    /// Whether the connection speaks for another view of the plane than
+    /// the unit's.
+    pub(super) fn stale(&self) -> bool {
+        !self.shared.plane.serves(self.epoch)
+    }
 }
 
 /// A request planned by a worker and carried out by the pool.

@@ -105,6 +105,15 @@ impl Conn {
 
     /// [`handler::put_landed`], with a repair put's values counted.
     fn landed(&mut self, put: &mut Put) -> Response {
+        if self.stale() {
+            // The plane's view changed while the bytes came: a put of the
+            // old placement is not committed once the new one is served.
+            let _ = handler::put_abandoned(&mut self.shared.core(), put, false, self.shared.now());
+            return Response::Error {
+                code: ErrorCode::Stale,
+                message: handler::STALE.into(),
+            };
+        }
         let resp = handler::put_landed(&mut self.shared.core(), put);
         if let (Response::Repaired { stored, skipped }, Some(m)) = (&resp, &self.shared.metrics) {
             m.repaired(*stored, *skipped);

@@ -104,11 +104,13 @@ impl Op {
             Request::RepairPut { .. } => Op::RepairPut,
             Request::ForwardPut { .. } => Op::ForwardPut,
             Request::Fence { .. } => Op::Shutdown,
+            Request::Epoch { .. } => Op::Hello,
+            Request::SetView { .. } => Op::RepairControl,
         }
     }
 }
 
-pub(super) const CODES: usize = 9;
+pub(super) const CODES: usize = 10;
 pub(super) const CODE_NAMES: [&str; CODES] = [
     "full",
     "busy",
@@ -119,6 +121,7 @@ pub(super) const CODE_NAMES: [&str; CODES] = [
     "internal",
     "not_owner",
     "fenced",
+    "stale",
 ];
 
 pub(super) fn code_index(c: ErrorCode) -> usize {
@@ -132,6 +135,7 @@ pub(super) fn code_index(c: ErrorCode) -> usize {
         ErrorCode::Internal => 6,
         ErrorCode::NotOwner => 7,
         ErrorCode::Fenced => 8,
+        ErrorCode::Stale => 9,
     }
 }
 

@@ -51,6 +51,7 @@ fn every_op_has_a_name() {
     assert_eq!(OP_NAMES[Op::RepairPut as usize], "repair_put");
     assert_eq!(OP_NAMES[Op::Claim as usize], "claim");
     assert_eq!(OP_NAMES.len(), OPS);
-    assert_eq!(code_index(ErrorCode::Fenced), CODES - 1);
+    assert_eq!(code_index(ErrorCode::Stale), CODES - 1);
     assert_eq!(CODE_NAMES[code_index(ErrorCode::Fenced)], "fenced");
+    assert_eq!(CODE_NAMES[code_index(ErrorCode::Stale)], "stale");
 }
