@@ -4,9 +4,9 @@
 //!
 //! Starts two units (512 MiB each, the `stowage` binary beside this
 //! example). Per transport (`shm`, `tcp` over loopback), value size and
-//! round, 1 and 2 copies (over tcp 2 copies twice: forwarded by the first
-//! copy's unit, and sent by the client to both; which goes first turns by
-//! round): a new writer process (this program
+//! round, 1 and 2 copies (2 copies twice: forwarded by the first copy's
+//! unit — down a chain over tcp, slab to slab over shm — and sent by the
+//! client to both; which goes first turns by round): a new writer process (this program
 //! again) connects, fills a buffer of `--total` MiB (cold by the time it
 //! is read: larger than the caches) and puts it, one value per put; then
 //! a new reader process gets every value, one per get, into a buffer it
@@ -220,17 +220,13 @@ fn main() {
         let addrs = addrs.join(",");
         for &size in &sizes {
             // What is compared: 1 copy; 2 copies, the unit forwarding the
-            // second (tcp only: over shm the client writes both copies);
-            // 2 copies, the client sending both.
-            let variants: &[(usize, bool, &str)] = if transport == "tcp" {
-                &[
-                    (1, true, "1 copy"),
-                    (2, true, "2 copies forwarded"),
-                    (2, false, "2 copies sent by the client"),
-                ]
-            } else {
-                &[(1, true, "1 copy"), (2, true, "2 copies")]
-            };
+            // second (over tcp down a chain, over shm copying from its slab
+            // into the other's); 2 copies, the client sending both.
+            let variants: &[(usize, bool, &str)] = &[
+                (1, true, "1 copy"),
+                (2, true, "2 copies forwarded"),
+                (2, false, "2 copies sent by the client"),
+            ];
             // [variant][put, get] seconds per round.
             let mut secs = vec![[Vec::new(), Vec::new()]; variants.len()];
             for r in 0..rounds {

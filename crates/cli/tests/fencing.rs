@@ -285,34 +285,51 @@ fn assert_no_copy(p: &LocalPlane, units: std::ops::Range<usize>, key: &Key, what
 
 /// Whether a writer's put of row 0 is under way on unit 0 (it holds a
 /// reservation there) and done on no unit. With 2 copies, which copy's
-/// transfer is under way with unit 0's depends on the transport: the
-/// client runs every copy's part at once on one thread
-/// (`fanout::all_at_once`), each until it awaits a reply. Over a one-sided
-/// transport (shm, rings, nixl) a part's first request is its Alloc, so
-/// every copy is reserved before any copy's bytes are written, and stays
-/// reserved until its Commit: the other units hold the writer's
-/// reservations too. Over tcp the writer sends its blob once, to unit 0,
-/// which forwards it to the other copies as it arrives
-/// (docs/replication.md#forwarding): the other units hold unit 0's
-/// reservations for it once unit 0 has begun, and hold no row yet.
-/// (Stopped elsewhere — unit 1's copy reserved but not unit 0's, or
+/// transfer is under way with unit 0's depends on the transport
+/// (docs/replication.md#forwarding). Over nixl the client runs every
+/// copy's part at once on one thread (`fanout::all_at_once`), each until
+/// it awaits a reply; a part's first request is its Alloc, so every copy
+/// is reserved before any copy's bytes are written, and stays reserved
+/// until its Commit: the other units hold the writer's reservations too.
+/// Over shm and rings the writer writes unit 0's copy only, and then asks
+/// unit 0 to copy it into the other units' slabs: stopped while it
+/// writes, it holds unit 0's range, and the other units hold nothing of
+/// its yet. Over tcp the writer sends its blob once, to unit 0, which
+/// forwards it to the other copies as it arrives: the other units hold
+/// unit 0's reservations for it once unit 0 has begun, and hold no row
+/// yet. (Stopped elsewhere — unit 1's copy reserved but not unit 0's, or
 /// committed — the other client's put would meet another plane than the
 /// tests below describe: the child is let go and run again.)
 fn writer_mid_copy(kind: Kind, s: &[Stats]) -> bool {
     s[0].reserved_bytes > 0
         && s[1..].iter().all(|u| match kind {
-            Kind::Shm | Kind::Ring | Kind::Nixl => u.reserved_bytes > 0,
+            Kind::Nixl => u.reserved_bytes > 0,
+            Kind::Shm | Kind::Ring => u.reserved_bytes == 0 && u.rows == 0,
             Kind::Tcp => u.rows == 0,
         })
 }
 
+/// The units a paused writer of `copies` copies sent its requests to
+/// (over shm and rings, and tcp, the first copy's unit forwards to the
+/// others).
+fn writer_units(kind: Kind, copies: usize) -> std::ops::Range<usize> {
+    match kind {
+        Kind::Nixl => 0..copies,
+        Kind::Shm | Kind::Ring | Kind::Tcp => 0..1,
+    }
+}
+
 /// While a paused child holds a range of the slab on every unit it has
 /// begun its transfer to, and past every lease, another client puts `b`
-/// (0x02) into row 1. Over shm the paused child still holds its range: `b`
+/// (0x02) as `key_b`. Over shm the paused child still holds its range: `b`
 /// does not fit and is not acknowledged. Over tcp the unit cuts the child
 /// at its deadline (3 s; the cut range is quarantined, then freed) and `b`
 /// goes in. Returns that client and `b`.
-fn put_b_past_every_lease(p: &LocalPlane, kind: Kind) -> (stowage_client::Client, Vec<u8>) {
+fn put_b_past_every_lease(
+    p: &LocalPlane,
+    kind: Kind,
+    key_b: &Key,
+) -> (stowage_client::Client, Vec<u8>) {
     std::thread::sleep(Duration::from_millis(800));
     let timeout = match kind {
         Kind::Shm | Kind::Ring | Kind::Nixl => Duration::from_secs(4),
@@ -320,7 +337,7 @@ fn put_b_past_every_lease(p: &LocalPlane, kind: Kind) -> (stowage_client::Client
     };
     let other = fclient(p, kind, timeout);
     let vb = vec![0x02u8; VALUE];
-    let b_put = other.put_rows(&[(Key::new(1, "b"), &vb)], other.deadline());
+    let b_put = other.put_rows(&[(key_b.clone(), &vb)], other.deadline());
     match kind {
         Kind::Shm | Kind::Ring | Kind::Nixl => assert!(
             matches!(
@@ -346,14 +363,18 @@ fn all(v: &[u8], byte: u8) -> bool {
 /// to another put. Over shm it resumes and its put completes; over tcp the
 /// unit cuts the stalled stream (the child's deadline), quarantines the
 /// range, and only then lets another put have it — the resumed writer's
-/// bytes go nowhere. With 2 copies: over shm both copies' ranges are held
-/// (neither unit takes `b`), then both hold `a` exactly; over tcp the
-/// child is stopped before unit 1's copy begins, and every unit ends with
-/// `b` exactly and no `a`.
+/// bytes go nowhere. With 2 copies (`b` in row 2, whose first copy is
+/// unit 0's, as row 0's): over nixl both copies' ranges are held (neither
+/// unit takes `b`), then both hold `a` exactly; over shm and rings unit
+/// 0's range is held (`b` is refused there, and so written nowhere: its
+/// first copy's unit copies it on), and once the writer resumes unit 0
+/// copies `a` into unit 1, both holding it exactly; over tcp the child is
+/// stopped before unit 1's copy begins, and every unit ends with `b`
+/// exactly and no `a`.
 fn paused_writer(kind: Kind, copies: usize) {
     let (p, _) = plane(copies, SLAB, SHORT_LEASES);
     let mut watchers = watchers(&p);
-    let (key_a, key_b) = (Key::new(0, "a"), Key::new(1, "b"));
+    let (key_a, key_b) = (Key::new(0, "a"), Key::new(2, "b"));
     let mut stopped = None;
     for _ in 0..5 {
         // Over shm the writer's deadline outlasts the pause, so its put can
@@ -374,7 +395,7 @@ fn paused_writer(kind: Kind, copies: usize) {
         c.clear_rows(&[0], c.deadline()).unwrap();
     }
     let w = stopped.expect("never caught the writer mid-copy");
-    let (other, vb) = put_b_past_every_lease(&p, kind);
+    let (other, vb) = put_b_past_every_lease(&p, kind, &key_b);
     if kind != Kind::Tcp {
         // Refused everywhere: no copy of `b` went into a held range.
         assert_no_copy(&p, 0..copies, &key_b, "b was refused");
@@ -401,10 +422,12 @@ fn paused_writer(kind: Kind, copies: usize) {
         }
     }
     // Every acknowledged value reads back exactly, on every copy.
-    let got = c.get_rows(&[Key::new(1, "b")], c.deadline()).unwrap();
+    let got = c
+        .get_rows(std::slice::from_ref(&key_b), c.deadline())
+        .unwrap();
     assert!(all(&got[0], 0x02), "b was overwritten");
     assert_every_copy(&p, &key_b, 0x02, "b was overwritten");
-    rings_were_used(&p, kind, 0..copies);
+    rings_were_used(&p, kind, writer_units(kind, copies));
 }
 
 /// With [`Kind::Ring`], the paused children's requests went through
@@ -450,7 +473,7 @@ fn paused_reader(kind: Kind, copies: usize) {
     }
     let r = stopped.expect("never caught the reader mid-copy");
     c.clear_rows(&[0], c.deadline()).unwrap();
-    let (other, vb) = put_b_past_every_lease(&p, kind);
+    let (other, vb) = put_b_past_every_lease(&p, kind, &key_b);
     if kind != Kind::Tcp && copies > 1 {
         assert_no_copy(&p, 0..1, &key_b, "b went into the pinned range");
         for u in 1..copies {
@@ -682,6 +705,9 @@ fn spare_child() {
     cfg.secret = common::child_secret();
     cfg.timeout = Duration::from_secs(60);
     cfg.replicas = copies.parse().unwrap();
+    // It writes every copy itself (a forwarded put's other copies are
+    // reserved by the first copy's unit when it is made, not ahead).
+    cfg.forward = false;
     let c = stowage_client::Client::connect(cfg).unwrap();
     let first = vec![0x11u8; MIB as usize];
     c.put_rows(&[(Key::new(0, "a"), &first)], c.deadline())
@@ -712,10 +738,13 @@ fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back() {
 }
 
 /// [`a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back`]
-/// with 2 copies: the writer holds a spare on each unit (each copy's
-/// commit reserves one), keeps both while the other client fills both
-/// slabs, writes both copies of its next put into them, and gives both
-/// back when killed; every value is checked on every copy.
+/// with 2 copies, the writer writing each copy itself (forwarding off:
+/// with it, over shm, the first copy's unit reserves the other copies
+/// when a put is made, so a spare covers the first copy only;
+/// docs/replication.md#forwarding): it holds a spare on each unit (each
+/// copy's commit reserves one), keeps both while the other client fills
+/// both slabs, writes both copies of its next put into them, and gives
+/// both back when killed; every value is checked on every copy.
 #[test]
 fn a_paused_writer_keeps_its_spare_and_a_killed_one_gives_it_back_with_2_copies() {
     spare_kept(2);

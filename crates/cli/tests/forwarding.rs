@@ -1,9 +1,11 @@
 //! Forwarded puts (docs/replication.md#forwarding), with real unit
 //! processes: a client that reaches every copy over tcp sends a put's
 //! bytes once, to the first copy's unit, which streams them on to the
-//! other copy as they arrive; a copy whose forward fails (its unit killed,
-//! paused) is written by the client, or the put fails within its deadline,
-//! and no copy ever holds other bytes than the put's.
+//! other copy as they arrive; over shm the client writes the first copy's
+//! slab, and that unit copies the bytes into the other copies' slabs. A
+//! copy whose forward fails (its unit killed, paused) is written by the
+//! client, or the put fails within its deadline, and no copy ever holds
+//! other bytes than the put's.
 
 mod common;
 
@@ -33,6 +35,16 @@ fn tcp_client_of(p: &LocalPlane, replicas: usize, forward: bool, timeout: Durati
 
 fn forwarded(p: &LocalPlane, u: usize, outcome: &str) -> u64 {
     metric_with(p, u, "stowage_forwarded_copies", outcome)
+}
+
+/// An shm client of `p` keeping 2 copies; `forward` as configured.
+fn shm_client(p: &LocalPlane, forward: bool, timeout: Duration) -> Client {
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.timeout = timeout;
+    cfg.replicas = 2;
+    cfg.forward = forward;
+    Client::connect(cfg).unwrap()
 }
 
 /// A client of unit `u` of `p` alone (one copy, over its Unix socket):
@@ -130,6 +142,36 @@ fn copies_hold(
     }
 }
 
+/// `c` (2 copies, forwarding on) puts `rows` of 3-unit plane `p`: each
+/// put's second copy is forwarded exactly once (counted committed on the
+/// unit that made it, none failed), the bytes forwarded are the blobs'
+/// (each a value, its metadata and padding: at least the value, never
+/// twice), and every copy holds the put's bytes. The forwards counted.
+fn every_put_forwarded_once(
+    p: &LocalPlane,
+    c: &Client,
+    rows: &[u64],
+    data: &dyn Fn(u64) -> Vec<u8>,
+) -> u64 {
+    for &r in rows {
+        put_row(c, r, &data(r), c.deadline()).unwrap();
+    }
+    let committed: u64 = (0..3).map(|u| forwarded(p, u, "committed")).sum();
+    let failed: u64 = (0..3).map(|u| forwarded(p, u, "failed")).sum();
+    let bytes: u64 = (0..3)
+        .map(|u| metric(p, u, "stowage_forwarded_bytes"))
+        .sum();
+    assert_eq!(committed, rows.len() as u64, "one forward per put");
+    assert_eq!(failed, 0);
+    let values: u64 = rows.iter().map(|&r| data(r).len() as u64).sum();
+    assert!(
+        bytes >= values && bytes < 2 * values,
+        "{bytes} bytes forwarded for {values} bytes of values"
+    );
+    copies_hold(p, c, &[0, 1, 2], rows, data);
+    committed
+}
+
 /// Puts over tcp with 2 copies go to one unit each, which forwards the
 /// other copy: every forward is counted committed on the unit that made
 /// it, the bytes forwarded are the bytes put, and both copies hold them.
@@ -140,28 +182,7 @@ fn a_put_over_tcp_is_sent_once_and_its_first_copy_forwards_the_other() {
     let rows: Vec<u64> = (0..12).collect();
     let data = |row: u64| pattern(row, 7, 100_000 + row as usize * 4099);
     let c = tcp_client(&p, true, Duration::from_secs(10));
-    for &r in &rows {
-        put_row(&c, r, &data(r), c.deadline()).unwrap();
-    }
-    let committed: u64 = (0..3)
-        .map(|u| metric_with(&p, u, "stowage_forwarded_copies", "committed"))
-        .sum();
-    let failed: u64 = (0..3)
-        .map(|u| metric_with(&p, u, "stowage_forwarded_copies", "failed"))
-        .sum();
-    let bytes: u64 = (0..3)
-        .map(|u| metric(&p, u, "stowage_forwarded_bytes"))
-        .sum();
-    assert_eq!(committed, rows.len() as u64, "one forward per put");
-    assert_eq!(failed, 0);
-    // Each put's blob is its value (and its metadata, padded): at least
-    // the value's bytes went on, and not twice.
-    let values: u64 = rows.iter().map(|&r| data(r).len() as u64).sum();
-    assert!(
-        bytes >= values && bytes < 2 * values,
-        "{bytes} bytes forwarded for {values} bytes of values"
-    );
-    copies_hold(&p, &c, &[0, 1, 2], &rows, &data);
+    let committed = every_put_forwarded_once(&p, &c, &rows, &data);
 
     // Forwarding off: the client writes both copies; nothing more is
     // forwarded, and the copies are the same.
@@ -189,14 +210,23 @@ fn a_forward_to_a_killed_unit_fails_and_the_put_goes_to_the_copies_left() {
     let (mut p, _) = plane(3, 64 * MIB, &[]);
     let data = |row: u64| pattern(row, 11, 300_000);
     let c = tcp_client(&p, true, Duration::from_secs(10));
+    forward_to_a_killed_unit(&mut p, &c, &data);
+}
+
+/// Unit 1 of `p` (3 units) is killed after `c` put a row with copies on
+/// units 0 and 1 (the forwarding unit keeps its connection): unit 0's
+/// forwards to it fail, the client finds it gone and puts again where
+/// the copies are now; every row is then on the units of its copies.
+fn forward_to_a_killed_unit(p: &mut LocalPlane, c: &Client, data: &dyn Fn(u64) -> Vec<u8>) {
     // Rows whose first copy is unit 0 and second unit 1.
-    let rows: Vec<u64> = rows_with_copies(&c, &[0, 1], 30);
+    let rows: Vec<u64> = rows_with_copies(c, &[0, 1], 30);
+    put_row(c, rows[0], &data(rows[0]), c.deadline()).unwrap();
     p.kill9(1);
     for &r in &rows {
-        put_row(&c, r, &data(r), c.deadline()).unwrap();
+        put_row(c, r, &data(r), c.deadline()).unwrap();
     }
     assert!(
-        metric_with(&p, 0, "stowage_forwarded_copies", "failed") > 0,
+        forwarded(p, 0, "failed") > 0,
         "unit 0 never met the killed unit"
     );
     assert_eq!(
@@ -204,7 +234,7 @@ fn a_forward_to_a_killed_unit_fails_and_the_put_goes_to_the_copies_left() {
         [0, 2],
         "unit 1 was not found gone"
     );
-    copies_hold(&p, &c, &[0, 2], &rows, &data);
+    copies_hold(p, c, &[0, 2], &rows, data);
 }
 
 /// The unit of a put's second copy is paused (SIGSTOP) past the put's
@@ -575,4 +605,143 @@ fn a_unit_without_a_secret_forwards_nothing_and_connects_nowhere() {
         "the unit connected to the address a client named"
     );
     unit.stop();
+}
+
+/// Puts over shm with 2 copies: the client writes the first copy's slab
+/// only, and asks its unit to copy the bytes into the second copy's slab
+/// (mapped over its Unix socket) before committing: every copy is counted
+/// forwarded on the unit that made it, its bytes are the blob's, and both
+/// copies hold the put's bytes. With forwarding off, the client writes
+/// both copies and nothing more is forwarded.
+#[test]
+fn a_put_over_shm_is_written_once_and_its_first_copy_unit_copies_it_slab_to_slab() {
+    let (p, _) = plane(3, 64 * MIB, &[]);
+    let rows: Vec<u64> = (0..12).collect();
+    // Small values and values past a spare's size, in one or more pieces.
+    let data = |row: u64| pattern(row, 43, 1000 + (row % 12) as usize * 700_001);
+    let c = shm_client(&p, true, Duration::from_secs(10));
+    let committed = every_put_forwarded_once(&p, &c, &rows, &data);
+    no_reservation_outlives_the_puts(&c, Duration::from_secs(5));
+
+    let off = shm_client(&p, false, Duration::from_secs(10));
+    let more: Vec<u64> = (100..106).collect();
+    for &r in &more {
+        put_row(&off, r, &data(r), off.deadline()).unwrap();
+    }
+    let after: u64 = (0..3).map(|u| forwarded(&p, u, "committed")).sum();
+    assert_eq!(after, committed, "a put was copied with forwarding off");
+    copies_hold(&p, &c, &[0, 1, 2], &more, &data);
+}
+
+/// Over shm, the unit of a put's second copy is killed: the first copy's
+/// unit cannot copy there, the client finds the unit gone and puts again
+/// where the copies are now; every put is acknowledged and every row is
+/// on the units of its copies, with its bytes.
+#[test]
+fn a_copy_over_shm_to_a_killed_unit_fails_and_the_put_goes_to_the_copies_left() {
+    let (mut p, _) = plane(3, 64 * MIB, &[]);
+    let data = |row: u64| pattern(row, 47, 300_000);
+    let c = shm_client(&p, true, Duration::from_secs(10));
+    forward_to_a_killed_unit(&mut p, &c, &data);
+}
+
+/// Over shm, the unit copying a put into the next copy's slab is paused
+/// (SIGSTOP) while it holds the reservation it copies into there, past
+/// every lease: that unit keeps the range (no timer takes it; another
+/// put never gets it), and once the copying unit is killed, the range is
+/// given back. The put is never acknowledged with other bytes on a copy.
+#[test]
+fn a_unit_paused_mid_copy_over_shm_keeps_its_range_on_the_next_unit_until_it_ends() {
+    // Two values never fit one slab at once.
+    const VALUE: usize = 96 << 20;
+    let (mut p, _) = plane(
+        2,
+        160 * MIB,
+        &["--reservation-lease", "200ms", "--quarantine", "100ms"],
+    );
+    let data = |row: u64| pattern(row, 53, VALUE);
+    let next = unit_alone(&p, 1);
+    let reserved = |c: &Client| -> u64 {
+        c.stats(c.deadline())[0]
+            .as_ref()
+            .map_or(0, |s| s.reserved_bytes - s.spare_bytes)
+    };
+    let mut caught = None;
+    for attempt in 0..5 {
+        let c = shm_client(&p, true, Duration::from_secs(5));
+        let row = rows_with_copies(&c, &[0, 1], 30)[attempt];
+        let bytes = data(row);
+        let stopped = std::thread::scope(|s| {
+            let put = s.spawn(|| put_row(&c, row, &bytes, c.deadline()));
+            // Unit 1 holds unit 0's reservation while unit 0 copies.
+            let end = Instant::now() + Duration::from_secs(5);
+            while reserved(&next) < VALUE as u64 && Instant::now() < end && !put.is_finished() {}
+            let mid = reserved(&next) >= VALUE as u64;
+            if mid {
+                p.units[0].signal(rustix::process::Signal::STOP).unwrap();
+            }
+            let mid = mid && eventually(Duration::from_secs(5), || is_stopped(p.units[0].pid()));
+            // Stopped before unit 0 committed there: the range is held.
+            let held = mid && reserved(&next) >= VALUE as u64;
+            if mid && !held {
+                p.units[0].signal(rustix::process::Signal::CONT).unwrap();
+            }
+            let r = put.join().unwrap();
+            (held, r)
+        });
+        match stopped {
+            (true, r) => {
+                caught = Some((row, r));
+                break;
+            }
+            (false, _) => {
+                let c = shm_client(&p, true, Duration::from_secs(10));
+                c.clear("p", &[RowKey::Index(row)], None, c.deadline())
+                    .unwrap();
+            }
+        }
+    }
+    let (row, r) = caught.expect("never caught unit 0 mid-copy");
+    assert!(
+        r.is_err(),
+        "a put acknowledged while its copy was under way"
+    );
+    // Past every lease and quarantine: still held, and another put to
+    // unit 1 alone does not get the range (the slab holds one such value).
+    std::thread::sleep(Duration::from_millis(800));
+    assert!(
+        reserved(&next) >= VALUE as u64,
+        "the paused unit's range was taken"
+    );
+    let big = vec![9u8; VALUE];
+    let t = Tensor {
+        dtype: DType::U8,
+        shape: vec![big.len() as u64],
+        data: &big,
+    };
+    let other = next.put(
+        "p",
+        &[RowKey::Index(999)],
+        &[("x", Column::Jagged(vec![t]))],
+        None,
+        Instant::now() + Duration::from_secs(3),
+    );
+    assert!(
+        matches!(
+            other,
+            Err(stowage_client::Error::UnitFull { .. } | stowage_client::Error::Timeout { .. })
+        ),
+        "{other:?}"
+    );
+    // Killed: its connection ends, and unit 1 gives the range back.
+    p.kill9(0);
+    assert!(
+        eventually(Duration::from_secs(10), || reserved(&next) == 0),
+        "the killed unit's range on unit 1 was never given back"
+    );
+    let held = held(&p, &[1]);
+    assert!(
+        !held.contains_key(&row),
+        "the unfinished copy was committed"
+    );
 }

@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use stowage_shm::Slab;
 use stowage_wire::io::Socket;
-use stowage_wire::{BlobId, ErrorCode, Key, PinId, Request, RequestRef, Response};
+use stowage_wire::{BlobId, ErrorCode, FailedCopy, Hop, Key, PinId, Request, RequestRef, Response};
 
 use crate::conn::Conn;
 use crate::failure::Failure;
@@ -19,8 +19,8 @@ use crate::lent::{spare_class, Lent};
 use crate::pieces::{check_found, check_pieces, ranges_of, scatter, split_dst, PieceWrite, Places};
 use crate::sink::ValueAsk;
 use crate::transport::{
-    abort, asks_of, n_entries, notify, read_data, recommit, send_repair_put, stream_put, total_len,
-    Missing, Op, SharedSink, Transport,
+    abort, asks_of, n_entries, not_forwarded, notify, read_data, recommit, send_repair_put,
+    stream_put, timeout_ms, total_len, Missing, Op, SharedSink, Transport,
 };
 use crate::{new_blob_id, BlobPut};
 
@@ -269,6 +269,110 @@ impl<M: Mover> OneSided<M> {
         }
     }
 
+    /// A put (Alloc, or a spare, → write → commit) whose other copies `to`,
+    /// when given, the unit copies from its slab into theirs before the
+    /// commit (`CopyReserved`, docs/replication.md#forwarding): the
+    /// copies that are not committed, which the caller writes itself.
+    async fn put_copying(
+        &mut self,
+        put: &BlobPut<'_>,
+        to: Option<&[Hop]>,
+        deadline: Instant,
+    ) -> Result<Vec<FailedCopy>, Failure> {
+        let n_entries = n_entries(&put.entries)?;
+        let n = total_len(put);
+        if self.spares_for(n) {
+            let class = spare_class(n);
+            if let Some(i) = self.spares.iter().position(|s| s.len == class) {
+                // This connection holds the spare's reservation: write,
+                // then one round trip to publish it.
+                let spare = self.spares.remove(i);
+                // One range, checked when it was kept (its class holds
+                // the put).
+                self.mover
+                    .write(&[(spare.offset, put.segments.clone())], deadline)?;
+                let failed = self.copy_reserved(put, spare.blob, to, deadline).await?;
+                self.commit(put, spare.blob, deadline).await?;
+                return Ok(failed);
+            }
+        }
+        let alloc = Request::Alloc {
+            blob: put.blob,
+            nbytes: n,
+            n_entries,
+        };
+        let none = |why: &str| to.map_or_else(Vec::new, |to| not_forwarded(to, why));
+        loop {
+            match self.conn.call(&alloc, deadline).await? {
+                Response::Allocated {
+                    pieces,
+                    spares_back,
+                } => {
+                    // Never a byte outside the slab, nor a blob the
+                    // pieces do not hold: the connection goes (and
+                    // with it the reservation).
+                    let writes = check_pieces(&pieces, n, self.slab_len)
+                        .and_then(|()| scatter(&put.segments, &pieces))
+                        .map_err(|m| Failure::protocol(format!("Allocated: {m}")))?;
+                    if spares_back {
+                        self.clear_spares(deadline).await?;
+                    }
+                    self.mover.write(&writes, deadline)?;
+                    let failed = self.copy_reserved(put, put.blob, to, deadline).await?;
+                    self.commit(put, put.blob, deadline).await?;
+                    return Ok(failed);
+                }
+                // Short of memory while this connection holds spares:
+                // give them back and ask again.
+                Response::Error {
+                    code: ErrorCode::Full | ErrorCode::Busy,
+                    ..
+                } if !self.spares.is_empty() => self.clear_spares(deadline).await?,
+                // No room in the slab, room on disk: send the bytes
+                // along.
+                Response::ToDisk => {
+                    stream_put(&mut self.conn, put, deadline, Some(put.blob)).await?;
+                    return Ok(none("the blob went to the unit's disk tier"));
+                }
+                Response::AlreadyCommitted => {
+                    return Ok(none("the blob was committed here already"))
+                }
+                other => return Err(Failure::unexpected(other)),
+            }
+        }
+    }
+
+    /// Ask the unit to copy reservation `written` (holding `put`'s bytes)
+    /// into the slabs of the other copies' units `to` (none: nothing to
+    /// ask); the copies that failed. A refusal gives the reservation back,
+    /// as a refused commit does.
+    async fn copy_reserved(
+        &mut self,
+        put: &BlobPut<'_>,
+        written: BlobId,
+        to: Option<&[Hop]>,
+        deadline: Instant,
+    ) -> Result<Vec<FailedCopy>, Failure> {
+        let Some(to) = to else {
+            return Ok(Vec::new());
+        };
+        let ask = RequestRef::CopyReserved {
+            blob: written,
+            partition: put.partition,
+            entries: &put.entries,
+            timeout_ms: timeout_ms(deadline),
+            to,
+        };
+        match self.conn.call(&ask, deadline).await? {
+            Response::Forwarded { failed, .. } => Ok(failed),
+            Response::Error { code, message } => {
+                abort(&mut self.conn, written, deadline).await?;
+                Err(Failure::Refused(code, message))
+            }
+            other => Err(Failure::unexpected(other)),
+        }
+    }
+
     /// Keep the spare the unit reserved: fill its page tables now (one
     /// call, instead of a fault per page in the next put), and give back
     /// the oldest past [`SPARES`].
@@ -479,61 +583,16 @@ impl<M: Mover> Transport for OneSided<M> {
     }
 
     fn put<'a>(&'a mut self, put: &'a BlobPut<'_>, deadline: Instant) -> Op<'a, ()> {
-        Box::pin(async move {
-            let n_entries = n_entries(&put.entries)?;
-            let n = total_len(put);
-            if self.spares_for(n) {
-                let class = spare_class(n);
-                if let Some(i) = self.spares.iter().position(|s| s.len == class) {
-                    // This connection holds the spare's reservation: write,
-                    // then one round trip to publish it.
-                    let spare = self.spares.remove(i);
-                    // One range, checked when it was kept (its class holds
-                    // the put).
-                    self.mover
-                        .write(&[(spare.offset, put.segments.clone())], deadline)?;
-                    return self.commit(put, spare.blob, deadline).await;
-                }
-            }
-            let alloc = Request::Alloc {
-                blob: put.blob,
-                nbytes: n,
-                n_entries,
-            };
-            loop {
-                match self.conn.call(&alloc, deadline).await? {
-                    Response::Allocated {
-                        pieces,
-                        spares_back,
-                    } => {
-                        // Never a byte outside the slab, nor a blob the
-                        // pieces do not hold: the connection goes (and
-                        // with it the reservation).
-                        let writes = check_pieces(&pieces, n, self.slab_len)
-                            .and_then(|()| scatter(&put.segments, &pieces))
-                            .map_err(|m| Failure::protocol(format!("Allocated: {m}")))?;
-                        if spares_back {
-                            self.clear_spares(deadline).await?;
-                        }
-                        self.mover.write(&writes, deadline)?;
-                        return self.commit(put, put.blob, deadline).await;
-                    }
-                    // Short of memory while this connection holds spares:
-                    // give them back and ask again.
-                    Response::Error {
-                        code: ErrorCode::Full | ErrorCode::Busy,
-                        ..
-                    } if !self.spares.is_empty() => self.clear_spares(deadline).await?,
-                    // No room in the slab, room on disk: send the bytes
-                    // along.
-                    Response::ToDisk => {
-                        return stream_put(&mut self.conn, put, deadline, Some(put.blob)).await
-                    }
-                    Response::AlreadyCommitted => return Ok(()),
-                    other => return Err(Failure::unexpected(other)),
-                }
-            }
-        })
+        Box::pin(async move { self.put_copying(put, None, deadline).await.map(drop) })
+    }
+
+    fn forward_put<'a>(
+        &'a mut self,
+        put: &'a BlobPut<'_>,
+        to: &'a [Hop],
+        deadline: Instant,
+    ) -> Op<'a, Vec<FailedCopy>> {
+        Box::pin(self.put_copying(put, Some(to), deadline))
     }
 
     fn get<'a>(

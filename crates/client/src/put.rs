@@ -239,10 +239,12 @@ impl Client {
     }
 
     /// The copies after the first of `set`, as its first unit forwards to
-    /// them: `None` where the client writes every copy itself (forwarding
-    /// off, nixl, no secret, more copies than a chain holds, the first
-    /// copy's unit on this client's host, or a copy this client reaches
-    /// other than by tcp).
+    /// them: over tcp down a chain, over shm (every copy's unit on this
+    /// host, reached at its Unix socket) by copying from its slab into
+    /// theirs. `None` where the client writes every copy itself
+    /// (forwarding off, nixl, no secret, more copies than a chain holds,
+    /// over tcp the first copy's unit on this client's host, or copies
+    /// reached in different ways).
     fn forward_to(&self, set: &[usize]) -> Option<Vec<Hop>> {
         // Units forward only with the plane's secret (they prove it to the
         // next unit), and a chain of at most MAX_HOPS.
@@ -253,9 +255,37 @@ impl Client {
         {
             return None;
         }
+        let first = *set.first()?;
+        let instance = |u: usize| {
+            // The instance this client knows there: the unit forwarding
+            // checks it, as this client's own put would.
+            crate::lock(&self.units[u].instance)
+                .current
+                .or_else(|| self.cfg.instances.get(u).copied().flatten())
+        };
+        if let UnitAddr::Unix(_) = &self.cfg.units[first] {
+            // Over shm, the first copy's unit copies its slab's bytes into
+            // the other copies' slabs on this host.
+            let path = |u: usize| match &self.cfg.units[u] {
+                UnitAddr::Unix(p) if p.is_absolute() => p.to_str().map(str::to_owned),
+                _ => None,
+            };
+            if !self.cfg.shm {
+                return None;
+            }
+            return set[1..]
+                .iter()
+                .map(|&u| {
+                    Some(Hop {
+                        unit: u32::try_from(u).ok()?,
+                        addr: path(u)?,
+                        instance: instance(u),
+                    })
+                })
+                .collect();
+        }
         // The first copy's unit on this host: forwarding would send the
         // bytes out of this host all the same, one local hop later.
-        let first = *set.first()?;
         if self.host.is_some()
             && self.cfg.hosts.get(first).and_then(Option::as_ref) == self.host.as_ref()
         {
@@ -272,11 +302,7 @@ impl Client {
                 Some(Hop {
                     unit: u32::try_from(u).ok()?,
                     addr: tcp(u)?.to_string(),
-                    // The instance this client knows there: the unit
-                    // forwarding checks it, as this client's own put would.
-                    instance: crate::lock(&self.units[u].instance)
-                        .current
-                        .or_else(|| self.cfg.instances.get(u).copied().flatten()),
+                    instance: instance(u),
                 })
             })
             .collect()

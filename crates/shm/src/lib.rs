@@ -498,6 +498,34 @@ impl Slab {
         Ok(())
     }
 
+    /// Copy `len` bytes of this slab from `from` into another slab `dst` at
+    /// `to` (a unit copying a put to the next copy's unit on its host).
+    /// Large copies are split over the machine's cores. The caller must
+    /// hold the source range (its reservation or a pin) and the
+    /// destination range's reservation.
+    pub fn copy_to(&self, from: u64, dst: &Slab, to: u64, len: usize) -> Result<(), OutOfBounds> {
+        let src = self.check(from, len)?;
+        let at = dst.check(to, len)?;
+        self.fill(src, len);
+        dst.fill(at, len);
+        let (src, at) = (
+            self.map.as_ptr() as usize + src,
+            dst.map.as_mut_ptr() as usize + at,
+        );
+        parallel_chunks(len, |off, n| {
+            // SAFETY: `check` proved both ranges lie inside their mappings,
+            // which live as long as `self` and `dst` and never shrink
+            // (sealed). Both are raw shared memory, never Rust references.
+            // They cannot overlap: two slabs are two memfds mapped apart,
+            // and the same slab mapped twice would hold a range reserved
+            // twice, which the core never hands out.
+            unsafe {
+                std::ptr::copy_nonoverlapping((src + off) as *const u8, (at + off) as *mut u8, n);
+            }
+        });
+        Ok(())
+    }
+
     /// Copy `srcs`, back to back, into the slab from `offset` (a blob's
     /// values and padding). When they add up to [`PARALLEL_COPY_MIN`] or
     /// more, the whole range is split over the machine's cores (at most 4)

@@ -416,6 +416,9 @@ impl Conn {
         match &self.parked {
             Some(p) => match &p.plan {
                 Plan::Receive(put) => put.forward.as_ref().map(|f| f.hop),
+                // A copy into another unit's slab waits on that unit's
+                // Hello, Alloc and Commit only, never on a forward.
+                Plan::CopyOut(_) => Some(0),
                 _ => None,
             },
             None => None,
@@ -671,7 +674,7 @@ impl Conn {
                 Dest::Disk => true,
             },
             Plan::Resolved { found, .. } => self.shared.disk.is_some() && handler::has_disk(found),
-            Plan::Send(_) => true,
+            Plan::Send(_) | Plan::CopyOut(_) => true,
             // Its memfd rides on the reply.
             Plan::OpenRing { .. } => true,
             // The slab's memfd rides on the reply.
@@ -753,6 +756,7 @@ impl Conn {
                 return Ok(());
             }
             Plan::OpenRing { bytes } => return self.open_ring(id, bytes),
+            Plan::CopyOut(copy) => return self.copy_out(id, copy),
             Plan::Committed {
                 blob,
                 reply,

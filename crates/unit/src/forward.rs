@@ -7,13 +7,18 @@
 //! fencing applies to it as to any client (its reservation there ends
 //! with its connection, never by a timer). It sends each copy a plain
 //! [`RequestRef::Put`] whose payload it streams out of its own slab as the
-//! bytes arrive from the client (`conn/transfer.rs`). Connections are
-//! kept per (address, namespace) for the next forward, a few each.
+//! bytes arrive from the client (`conn/transfer.rs`). On one host
+//! ([`Request::CopyReserved`]) it connects to the next unit's Unix socket
+//! instead, maps its slab as a client does, and copies the put's bytes
+//! from its own slab into a reservation there ([`PeerConn::copy_in`]).
+//! Connections are kept per (address, namespace) for the next forward, a
+//! few each (with their mapping).
 
 use std::collections::HashMap;
-use std::io::{self, BufReader, Write as _};
+use std::io::{self, BufReader, Read, Write};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, BorrowedFd};
+use std::os::unix::net::UnixStream;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -21,8 +26,8 @@ use stowage_shm::{Piece, Slab};
 use stowage_wire::auth::{fresh_nonce, Secret};
 use stowage_wire::io::{read_header, read_prefix, ReadError};
 use stowage_wire::{
-    encode, Envelope, ErrorCode, FailedCopy, Limits, Request, RequestRef, Response,
-    PROTOCOL_VERSION,
+    encode, BlobId, EntrySpec, Envelope, ErrorCode, FailedCopy, FramePrefix, Limits, Request,
+    RequestRef, Response, PREFIX_LEN, PROTOCOL_VERSION,
 };
 
 /// Idle connections kept per (address, namespace), and in all.
@@ -169,14 +174,77 @@ impl Peers {
     }
 }
 
+/// A connection's socket: tcp (a forward), or a Unix socket of this host
+/// (a copy into the next unit's slab).
+enum Stream {
+    Tcp(TcpStream),
+    Unix(UnixStream),
+}
+
+impl Stream {
+    fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+        })
+    }
+
+    fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_read_timeout(t),
+            Stream::Unix(s) => s.set_read_timeout(t),
+        }
+    }
+
+    fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Tcp(s) => s.set_write_timeout(t),
+            Stream::Unix(s) => s.set_write_timeout(t),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.read(buf),
+            Stream::Unix(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Tcp(s) => s.write(buf),
+            Stream::Unix(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+impl AsFd for Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Tcp(s) => s.as_fd(),
+            Stream::Unix(s) => s.as_fd(),
+        }
+    }
+}
+
 /// One connection to another unit, which has said Hello.
 pub(crate) struct PeerConn {
     /// The instance that answered its Hello.
     instance: u128,
     /// The view of the plane it speaks for.
     epoch: u64,
-    writer: TcpStream,
-    reader: BufReader<TcpStream>,
+    writer: Stream,
+    reader: BufReader<Stream>,
+    /// The unit's slab, mapped (a connection over its Unix socket).
+    slab: Option<Slab>,
     next_id: u64,
     out: Vec<u8>,
     scratch: Vec<u8>,
@@ -190,18 +258,26 @@ impl PeerConn {
         secret: Option<&Secret>,
         deadline: Instant,
     ) -> Result<PeerConn, PeerError> {
-        let sa: SocketAddr = addr
-            .parse()
-            .map_err(|_| PeerError::Io(format!("{addr} is not an ip:port address")))?;
-        let left = left(deadline)?;
-        let s = TcpStream::connect_timeout(&sa, left)
-            .map_err(|e| PeerError::Io(format!("cannot connect to {addr}: {e}")))?;
-        s.set_nodelay(true)?;
+        let cannot = |e: io::Error| PeerError::Io(format!("cannot connect to {addr}: {e}"));
+        // An absolute path: the Unix socket of a unit of this host, whose
+        // slab the connection maps.
+        let s = if addr.starts_with('/') {
+            Stream::Unix(UnixStream::connect(addr).map_err(cannot)?)
+        } else {
+            let sa: SocketAddr = addr
+                .parse()
+                .map_err(|_| PeerError::Io(format!("{addr} is not an ip:port address")))?;
+            let s = TcpStream::connect_timeout(&sa, left(deadline)?).map_err(cannot)?;
+            s.set_nodelay(true)?;
+            Stream::Tcp(s)
+        };
+        let want_fd = matches!(s, Stream::Unix(_));
         let mut c = PeerConn {
             instance: 0,
             epoch: 0,
             reader: BufReader::with_capacity(16 << 10, s.try_clone()?),
             writer: s,
+            slab: None,
             next_id: 1,
             out: Vec::new(),
             scratch: Vec::new(),
@@ -230,20 +306,170 @@ impl PeerConn {
         let hello = Request::Hello {
             version: PROTOCOL_VERSION,
             namespace: namespace.to_owned(),
-            want_fd: false,
+            want_fd,
             session: None,
         };
         let id = c.send(&hello, 0, deadline)?;
-        match c.recv_any(deadline)? {
+        let (answer, fd) = if want_fd {
+            c.recv_with_fd(deadline)?
+        } else {
+            (c.recv_any(deadline)?, None)
+        };
+        match answer {
             Envelope {
-                body: Response::Hello { instance_id, .. },
+                body:
+                    Response::Hello {
+                        instance_id,
+                        slab_bytes,
+                        ..
+                    },
                 id: got,
             } if got == id => {
                 c.instance = instance_id;
+                if want_fd {
+                    let fd = fd.ok_or_else(|| {
+                        PeerError::Io(format!("the unit at {addr} handed over no slab"))
+                    })?;
+                    let slab = Slab::open(fd, slab_bytes).map_err(|e| {
+                        PeerError::Io(format!("cannot map the slab of {addr}: {e}"))
+                    })?;
+                    c.slab = Some(slab);
+                }
                 Ok(c)
             }
             Envelope { body, .. } => Err(refused(body, "Hello")),
         }
+    }
+
+    /// The reply to a Hello that asked for the slab: its frame, and the
+    /// slab's memfd that rides on its first bytes.
+    fn recv_with_fd(
+        &mut self,
+        deadline: Instant,
+    ) -> Result<(Envelope<Response>, Option<std::os::fd::OwnedFd>), PeerError> {
+        let Stream::Unix(s) = self.reader.get_ref() else {
+            return Err(PeerError::Io("fd passing needs a Unix socket".into()));
+        };
+        s.set_read_timeout(Some(left(deadline)?))?;
+        // Nothing was read past the handshake's last answer: the frame
+        // starts at the socket.
+        let mut prefix = [0u8; PREFIX_LEN];
+        let (n, fd) = stowage_shm::recv_with_fd(s, &mut prefix)?;
+        if n == 0 {
+            return Err(PeerError::Io("the unit closed the connection".into()));
+        }
+        self.reader.read_exact(&mut prefix[n..])?;
+        let prefix =
+            FramePrefix::parse(&prefix, &self.limits).map_err(|e| PeerError::Io(e.to_string()))?;
+        if prefix.payload_len > 0 {
+            return Err(PeerError::Io("a reply with a payload".into()));
+        }
+        Ok((
+            read_header(&mut self.reader, &prefix, &mut self.scratch)?,
+            fd,
+        ))
+    }
+
+    /// Copy the `nbytes` at `pieces` of `src` (this unit's slab; the caller
+    /// holds their reservation) into a reservation on the unit at the other
+    /// end (its slab mapped), and commit it there with `entries` in
+    /// `partition`. A refusal is the unit's; a copy that fails midway gives
+    /// the reservation back.
+    pub(crate) fn copy_in(
+        &mut self,
+        src: &Slab,
+        pieces: &[(u64, u64)],
+        nbytes: u64,
+        partition: &str,
+        entries: &[EntrySpec],
+        deadline: Instant,
+    ) -> Result<(), PeerError> {
+        if self.slab.is_none() {
+            return Err(PeerError::Io("no slab mapped on this connection".into()));
+        }
+        let blob = fresh_blob()?;
+        let n_entries =
+            u32::try_from(entries.len()).map_err(|_| PeerError::Io("too many entries".into()))?;
+        let to =
+            match self.call(
+                &Request::Alloc {
+                    blob,
+                    nbytes,
+                    n_entries,
+                },
+                deadline,
+            )? {
+                Response::Allocated { pieces, .. } => pieces,
+                Response::ToDisk => return Err(PeerError::Refused(
+                    ErrorCode::Full,
+                    "the unit's slab has no room (its disk tier has): the client writes this copy"
+                        .into(),
+                )),
+                other => return Err(refused(other, "Alloc")),
+            };
+        let copied = self.copy_pieces(src, pieces, &to, nbytes);
+        if let Err(e) = copied {
+            let _ = self.call(
+                &Request::Abort {
+                    blob,
+                    in_flight: false,
+                },
+                deadline,
+            );
+            return Err(e);
+        }
+        let commit = RequestRef::Commit {
+            blob,
+            partition,
+            entries,
+        };
+        let id = self.send(&commit, 0, deadline)?;
+        match self.recv(id, deadline)? {
+            Response::Done | Response::AlreadyCommitted => Ok(()),
+            other => {
+                let _ = self.call(
+                    &Request::Abort {
+                        blob,
+                        in_flight: false,
+                    },
+                    deadline,
+                );
+                Err(refused(other, "Commit"))
+            }
+        }
+    }
+
+    /// Copy `nbytes` from `src`'s `from` pieces to this connection's slab's
+    /// `to` pieces, both in order.
+    fn copy_pieces(
+        &self,
+        src: &Slab,
+        from: &[(u64, u64)],
+        to: &[(u64, u64)],
+        nbytes: u64,
+    ) -> Result<(), PeerError> {
+        let dst = self.slab.as_ref().expect("checked by copy_in");
+        let (mut i, mut j, mut a, mut b, mut done) = (0, 0, 0u64, 0u64, 0u64);
+        while done < nbytes {
+            let (Some(&(fo, fl)), Some(&(to_o, tl))) = (from.get(i), to.get(j)) else {
+                return Err(PeerError::Io(
+                    "the pieces do not hold the blob's bytes".into(),
+                ));
+            };
+            let n = (fl - a).min(tl - b).min(nbytes - done);
+            let n_usize =
+                usize::try_from(n).map_err(|_| PeerError::Io("piece too large".into()))?;
+            src.copy_to(fo + a, dst, to_o + b, n_usize)
+                .map_err(|e| PeerError::Io(format!("a piece outside a slab: {e}")))?;
+            (a, b, done) = (a + n, b + n, done + n);
+            if a == fl {
+                (i, a) = (i + 1, 0);
+            }
+            if b == tl {
+                (j, b) = (j + 1, 0);
+            }
+        }
+        Ok(())
     }
 
     /// Send a request whose `payload_len` payload bytes follow; its id.
@@ -329,6 +555,14 @@ fn left(deadline: Instant) -> Result<std::time::Duration, PeerError> {
         return Err(PeerError::Io("the put's time ran out".into()));
     }
     Ok(left.max(std::time::Duration::from_millis(1)))
+}
+
+/// A fresh blob id for a copy's reservation (random, as a client's).
+fn fresh_blob() -> Result<BlobId, PeerError> {
+    let n = fresh_nonce()?;
+    let mut b = [0u8; 16];
+    b.copy_from_slice(&n[..16]);
+    Ok(BlobId(u128::from_le_bytes(b)))
 }
 
 /// A handshake reply other than the one awaited.

@@ -132,6 +132,9 @@ pub enum Plan {
     /// This connection speaks for plane view `epoch`: answer the unit's
     /// view (`Request::Epoch`).
     Epoch { epoch: u64 },
+    /// Copy a reserved blob into the other copies' units' slabs, and
+    /// answer `Forwarded` (`Request::CopyReserved`).
+    CopyOut(CopyOut),
     /// Take `view` if it is newer than the unit's; answer the unit's view
     /// (`Request::SetView`).
     SetView { view: stowage_wire::PlaneView },
@@ -180,6 +183,21 @@ pub struct Forward {
     pub partition: String,
     /// The connection's namespace, said in Hello to the copies' units.
     pub namespace: String,
+}
+
+/// A reserved blob this unit copies into the slabs of the other copies'
+/// units on its host (`Request::CopyReserved`).
+#[derive(Debug)]
+pub struct CopyOut {
+    /// The reservation's (slab offset, bytes) pieces, in order.
+    pub pieces: Vec<(u64, u64)>,
+    /// The blob's bytes (where its last entry ends).
+    pub nbytes: u64,
+    /// The copies (`to`: Unix socket paths), and the partition and
+    /// namespace they are committed in.
+    pub forward: Forward,
+    pub entries: Vec<stowage_wire::EntrySpec>,
+    pub timeout_ms: u64,
 }
 
 /// Where a Put's payload goes.
@@ -293,6 +311,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
         | Request::Put { .. }
         | Request::RepairPut { .. }
         | Request::ForwardPut { .. }
+        | Request::CopyReserved { .. }
         | Request::Checkpoint { .. }
         | Request::CheckpointHomes { .. }
         | Request::OpenRestore { .. } => true,
@@ -451,6 +470,36 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
                 });
             }
             plan
+        }
+        Request::CopyReserved {
+            blob,
+            partition,
+            entries,
+            timeout_ms,
+            to,
+        } => {
+            let nbytes = entries.iter().map(|e| e.offset + e.len).max().unwrap_or(0);
+            match core().reserved_pieces(owner, blob) {
+                Ok(pieces) if pieces.iter().map(|p| p.1).sum::<u64>() >= nbytes => {
+                    Plan::CopyOut(CopyOut {
+                        pieces,
+                        nbytes,
+                        forward: Forward {
+                            to,
+                            hop: 0,
+                            partition,
+                            namespace: namespace.to_owned(),
+                        },
+                        entries,
+                        timeout_ms,
+                    })
+                }
+                Ok(_) => Plan::Reply(error(
+                    ErrorCode::InvalidRequest,
+                    format!("the entries of blob {blob:?} lie past its reservation"),
+                )),
+                Err(e) => Plan::Reply(error_response(&e)),
+            }
         }
         Request::OpenRepair { key } => {
             let op = op::OpenRepair {

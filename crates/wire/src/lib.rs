@@ -42,6 +42,7 @@ mod codes;
 mod frame;
 mod limits;
 mod messages;
+mod request_ref;
 mod stats;
 mod validation;
 
@@ -50,9 +51,10 @@ pub use frame::{decode_frame, decode_header, encode, Frame, FramePrefix, PREFIX_
 pub use limits::{Limits, WireError};
 pub use messages::{
     CheckpointFile, CheckpointInfo, ClaimProgress, Envelope, FailedCopy, Hop, Item, Member, Placed,
-    PlaneView, Request, RequestRef, Response, RestoreReply, RestoreSource, RowValue, RowsResolved,
+    PlaneView, Request, Response, RestoreReply, RestoreSource, RowValue, RowsResolved,
     RESERVED_PARTITION_PREFIX, RING_MAX, RING_MIN,
 };
+pub use request_ref::RequestRef;
 pub use stats::Stats;
 pub use stowage_core::home::{
     consumed_field, consumed_of, home_unit, Homes, CONSUMED_FIELD_PREFIX, GROUP_FIELD_PREFIX,

@@ -98,9 +98,17 @@ impl Request {
                 entries,
                 partition: p,
                 ..
+            }
+            | Request::CopyReserved {
+                entries,
+                partition: p,
+                ..
             } => {
                 if let Request::ForwardPut { to, hop, .. } = self {
-                    hops(to, *hop)?;
+                    hops(to, *hop, Reach::Tcp)?;
+                }
+                if let Request::CopyReserved { to, .. } = self {
+                    hops(to, 0, Reach::Unix)?;
                 }
                 partition(p)?;
                 count("entries", entries.len())?;
@@ -298,7 +306,20 @@ pub const MAX_HOPS: usize = 7;
 
 /// A [`Request::ForwardPut`]'s copies: 1 to [`MAX_HOPS`] with the hops
 /// before it, each a distinct unit at an `ip:port` address.
-fn hops(to: &[crate::Hop], hop: u8) -> Result<(), WireError> {
+/// How the copies of a forwarded put are reached.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Reach {
+    /// Over tcp, at `ip:port` ([`Request::ForwardPut`]).
+    Tcp,
+    /// Over a Unix socket of this host, at an absolute path
+    /// ([`Request::CopyReserved`]).
+    Unix,
+}
+
+/// Most bytes of a Unix socket's path (`sun_path`, its NUL included).
+const UNIX_PATH_MAX: usize = 107;
+
+fn hops(to: &[crate::Hop], hop: u8, reach: Reach) -> Result<(), WireError> {
     if to.is_empty() || to.len() + usize::from(hop) > MAX_HOPS {
         return Err(WireError::Malformed(format!(
             "a forwarded put to {} copies at hop {hop}: 1 to {MAX_HOPS} copies down a chain",
@@ -306,10 +327,20 @@ fn hops(to: &[crate::Hop], hop: u8) -> Result<(), WireError> {
         )));
     }
     for (i, h) in to.iter().enumerate() {
-        if h.addr.len() > 64 || h.addr.parse::<std::net::SocketAddr>().is_err() {
+        let reachable = match reach {
+            Reach::Tcp => h.addr.len() <= 64 && h.addr.parse::<std::net::SocketAddr>().is_ok(),
+            Reach::Unix => {
+                h.addr.len() <= UNIX_PATH_MAX && h.addr.starts_with('/') && !h.addr.contains('\0')
+            }
+        };
+        if !reachable {
             return Err(WireError::Malformed(format!(
-                "copy {} of a forwarded put is not at an ip:port address",
-                h.unit
+                "copy {} of a forwarded put is not at {}",
+                h.unit,
+                match reach {
+                    Reach::Tcp => "an ip:port address",
+                    Reach::Unix => "the absolute path of a Unix socket",
+                }
             )));
         }
         if to[..i].iter().any(|o| o.unit == h.unit) {

@@ -109,3 +109,82 @@ fn a_forward_to_no_copy_too_many_a_unit_twice_or_a_bad_address_is_refused() {
         .validate(&limits)
         .unwrap();
 }
+
+fn copy_reserved(to: Vec<Hop>) -> Request {
+    let Request::ForwardPut {
+        blob,
+        partition,
+        entries,
+        timeout_ms,
+        ..
+    } = forward(vec![hop(1)])
+    else {
+        unreachable!()
+    };
+    Request::CopyReserved {
+        blob,
+        partition,
+        entries,
+        timeout_ms,
+        to,
+    }
+}
+
+fn unix_hop(unit: u32) -> Hop {
+    Hop {
+        unit,
+        addr: format!("/run/stowage/unit-{unit}.sock"),
+        instance: Some(u128::from(unit)),
+    }
+}
+
+/// The copy of a reserved blob to the units of one host: a borrowed
+/// CopyReserved is the owned one's bytes; its copies are at absolute
+/// Unix socket paths (not tcp addresses, relative paths or paths too long
+/// for a socket), each unit named once.
+#[test]
+fn a_copy_of_a_reserved_blob_names_unix_sockets_and_encodes_as_borrowed() {
+    let r = copy_reserved(vec![unix_hop(1), unix_hop(2)]);
+    let Request::CopyReserved {
+        blob,
+        partition,
+        entries,
+        timeout_ms,
+        to,
+    } = &r
+    else {
+        unreachable!()
+    };
+    let borrowed = RequestRef::CopyReserved {
+        blob: *blob,
+        partition,
+        entries,
+        timeout_ms: *timeout_ms,
+        to,
+    };
+    let (mut owned, mut by_ref) = (Vec::new(), Vec::new());
+    encode(6, &r, 0, &mut owned).unwrap();
+    encode(6, &borrowed, 0, &mut by_ref).unwrap();
+    assert_eq!(by_ref, owned);
+    let back: Envelope<Request> = decode_header(&by_ref[PREFIX_LEN..]).unwrap();
+    assert_eq!(back.body, r);
+    assert!(!r.carries_payload());
+    let limits = Limits::default();
+    r.validate(&limits).unwrap();
+    let refused = |r: Request, says: &str| {
+        let e = r.validate(&limits).unwrap_err().to_string();
+        assert!(e.contains(says), "{e}");
+    };
+    refused(copy_reserved(vec![hop(3)]), "copy 3");
+    let mut relative = unix_hop(4);
+    relative.addr = "unit-4.sock".into();
+    refused(copy_reserved(vec![relative]), "copy 4");
+    let mut long = unix_hop(5);
+    long.addr = format!("/{}", "x".repeat(107));
+    refused(copy_reserved(vec![long]), "copy 5");
+    refused(
+        copy_reserved(vec![unix_hop(6), unix_hop(6)]),
+        "unit 6 named twice",
+    );
+    refused(copy_reserved(vec![]), "0 copies");
+}

@@ -335,6 +335,35 @@ impl UnitCore {
         self.slab.data_free() < (self.slab.capacity() / 8).max(self.slab.spare_budget())
     }
 
+    /// The slab pieces of blob `blob`, reserved by `owner` and not
+    /// committed: what its client wrote, for the unit to copy on to the
+    /// other copies' units (`Request::CopyReserved`). Its reservation
+    /// keeps the range where it is (compaction never moves a reserved
+    /// blob) until its commit or abort.
+    pub fn reserved_pieces(
+        &self,
+        owner: Owner,
+        blob: BlobId,
+    ) -> Result<Vec<(u64, u64)>, CoreError> {
+        match self.blobs.get(&blob) {
+            Some(Blob {
+                state: State::Reserved { holder, .. },
+                region: Some(region),
+                ..
+            }) => {
+                holder.check(owner, || reserved_elsewhere(blob))?;
+                Ok(region.pieces().to_vec())
+            }
+            Some(Blob {
+                state: State::Reserved { .. },
+                ..
+            }) => Err(CoreError::Invalid(format!(
+                "blob {blob:?} is reserved on the disk tier: there is nothing in the slab to copy"
+            ))),
+            _ => Err(CoreError::UnknownBlob(blob)),
+        }
+    }
+
     /// Refuse a bare commit of a blob reserved on the disk tier and not
     /// yet committed: its bytes must come with a put (the driver writes
     /// its file, [`op::CommitWritten`]), so a bare commit would wait for a

@@ -3,7 +3,8 @@
 //! the next copy's unit (`forward.rs`: this unit as its client), with the
 //! rest of the chain for it to forward to; the answer, once this unit
 //! committed and the chain answered or failed, names the copies that
-//! failed.
+//! failed. And a CopyReserved: a blob its client wrote into this unit's
+//! slab, copied into the slabs of the other copies' units on this host.
 
 use std::io;
 use std::time::Instant;
@@ -13,7 +14,7 @@ use stowage_wire::{ErrorCode, FailedCopy, RequestRef, Response};
 use super::session::EndReason;
 use super::state::Conn;
 use crate::forward::{PeerConn, PeerError, PeerKey};
-use crate::handler::{self, Put};
+use crate::handler::{self, CopyOut, Put};
 
 /// The bytes received before they go on to the copies: small enough that
 /// the copies receive while this unit still does, large enough to take
@@ -131,6 +132,74 @@ impl Conn {
         failed.sort_by_key(|f| f.unit);
         let resp = forwarded_reply(landed, failed);
         self.reply(id, &resp)?;
+        Ok(())
+    }
+
+    /// A CopyReserved: the reserved blob's bytes copied into each other
+    /// copy's unit's slab (mapped over its Unix socket) and committed there,
+    /// one unit after the other; answered `Forwarded` with the copies
+    /// that failed (the client writes them, then commits its own).
+    pub(super) fn copy_out(&mut self, id: u64, c: CopyOut) -> Result<(), EndReason> {
+        // Half the put's time: a copy whose unit does not answer (paused,
+        // its connection kept from an earlier put) fails in time for the
+        // client to write it itself, or to find that unit down.
+        let deadline = Instant::now() + self.io_timeout(c.timeout_ms) / 2;
+        let failed: Vec<FailedCopy> = if self.shared.peers.forwards() {
+            c.forward
+                .to
+                .iter()
+                .filter_map(|hop| {
+                    let key = PeerKey {
+                        addr: &hop.addr,
+                        namespace: &c.forward.namespace,
+                        instance: hop.instance,
+                        epoch: self.epoch,
+                    };
+                    let mut conn = match self.shared.peers.checkout(&key, deadline) {
+                        Ok(conn) => conn,
+                        Err(e) => return Some(e.of_copy(hop.unit)),
+                    };
+                    let copied = conn.copy_in(
+                        &self.shared.slab,
+                        &c.pieces,
+                        c.nbytes,
+                        &c.forward.partition,
+                        &c.entries,
+                        deadline,
+                    );
+                    // A refusal leaves the connection as it was.
+                    if !matches!(copied, Err(PeerError::Io(_))) {
+                        self.shared
+                            .peers
+                            .checkin(&hop.addr, &c.forward.namespace, conn);
+                    }
+                    copied.err().map(|e| e.of_copy(hop.unit))
+                })
+                .collect()
+        } else {
+            c.forward
+                .to
+                .iter()
+                .map(|h| FailedCopy {
+                    unit: h.unit,
+                    code: ErrorCode::Internal,
+                    message: "not copied: this unit forwards only with the plane's shared secret"
+                        .into(),
+                })
+                .collect()
+        };
+        if let Some(m) = &self.shared.metrics {
+            let n = c.forward.to.len() as u64;
+            let bad = failed.len() as u64;
+            m.forwarded(n - bad, bad, c.nbytes);
+        }
+        self.reply(
+            id,
+            &Response::Forwarded {
+                pending: false,
+                failed,
+            },
+        )?;
         Ok(())
     }
 

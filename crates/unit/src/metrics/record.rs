@@ -102,7 +102,7 @@ impl Op {
             Request::Auth { .. } | Request::Prove { .. } => Op::Auth,
             Request::OpenRepair { .. } | Request::CloseRepair { .. } => Op::RepairControl,
             Request::RepairPut { .. } => Op::RepairPut,
-            Request::ForwardPut { .. } => Op::ForwardPut,
+            Request::ForwardPut { .. } | Request::CopyReserved { .. } => Op::ForwardPut,
             Request::Fence { .. } => Op::Shutdown,
             Request::Epoch { .. } => Op::Hello,
             Request::SetView { .. } => Op::RepairControl,
