@@ -223,8 +223,14 @@ impl H {
             | Plan::Checkpoint { .. }
             | Plan::OpenRestore { .. }
             | Plan::CloseRestore { .. } => return,
-            // A connection's own ring: nothing of the core's.
-            Plan::OpenRing { .. } | Plan::RingKick => return,
+            // A connection's own ring, or its view of the plane: nothing of
+            // the core's. (No step sends a CopyReserved: a copy into another
+            // unit's slab happens outside the core, after its plan.)
+            Plan::OpenRing { .. }
+            | Plan::RingKick
+            | Plan::Epoch { .. }
+            | Plan::SetView { .. }
+            | Plan::CopyOut(_) => return,
             p @ (Plan::Drain { .. }
             | Plan::Receive(_)
             | Plan::Hello { .. }
