@@ -37,6 +37,7 @@ __all__ = [
     "host_id",
     "load_config",
     "main",
+    "merge_claims_states",
     "plan_unit_nodes",
     "read_directory_file",
     "rebuild_copies",
@@ -152,6 +153,10 @@ def rebuild_copies(client: Client, timeout: Optional[float] = None) -> Dict[str,
 
 def under_replicated(client: Client, timeout: Optional[float] = None) -> List[Dict[str, Any]]:
     """What each newcomer lacks."""
+
+def merge_claims_states(states: List[bytes]) -> bytes:
+    """One claims state for every unit of a plane with copies, from a
+    checkpoint's parts' states."""
 
 def rejoin(client: Client, unit: int, timeout: Optional[float] = None) -> Dict[str, Any]:
     """Take ``unit`` back into the plane as the instance started again at

@@ -572,11 +572,10 @@ class StowageDataPlaneClient(_BaseClass):
         :meth:`load_checkpoint`). Samples leased by a claim in flight are
         saved as not consumed: after a load they are claimable again.
         Callers keep clears and other saves away until it returns. With
-        copies (``replicas`` over 1) it raises NotImplementedError: a load
-        would give each unit's consumption to that unit alone, not to its
-        copies (docs/replication.md)."""
+        copies (``replicas`` over 1) each row is saved once, by the unit
+        that is its source (a unit down at the save writes no part: its
+        rows are in their copies' parts; docs/replication.md#checkpoints)."""
         self._check_open()
-        self._check_one_copy("save_checkpoint")
         meta = {} if metadata is None else metadata
         if not isinstance(meta, dict):
             raise TypeError(f"save_checkpoint: metadata is a {type(meta).__name__}, not a dict")
@@ -606,10 +605,14 @@ class StowageDataPlaneClient(_BaseClass):
         row order and each task's consumption as saved. The live plane must
         have as many units as the saved one (ValueError). Returns the
         ``metadata`` given to :meth:`save_checkpoint`. Not transactional: a
-        failed load leaves this client refusing another. With copies it
-        raises NotImplementedError, as :meth:`save_checkpoint` does."""
+        failed load leaves this client refusing another. With copies every
+        row is put back with its copies (a part's rows on the unit of its
+        index, as the save's sources held them), and every unit gets the
+        claims state of all the parts together: the consumption of every
+        row it may come to claim, so that a unit's death after the load
+        neither serves a consumed sample again nor loses a count
+        (docs/replication.md#checkpoints)."""
         self._check_open()
-        self._check_one_copy("load_checkpoint")
         if self._used:
             raise RuntimeError(
                 "load_checkpoint needs a client before any data operation (register, claim, "
@@ -633,8 +636,12 @@ class StowageDataPlaneClient(_BaseClass):
         ns = record.get("namespace") or self._client.namespace
         plane = _Borrowed(self._client)
         parts: List[Any] = []
+        # With copies, a unit down at the save wrote no part (its rows are
+        # in its copies' parts).
+        present = [i for i, entry in enumerate(entries) if entry.get("down") is not True]
         try:
-            for i, entry in enumerate(entries):
+            for i in present:
+                entry = entries[i]
                 path = _tq_checkpoint._checkpoint_here(root, entry)
                 if path is not None:
                     local = stowage.local(
@@ -650,23 +657,20 @@ class StowageDataPlaneClient(_BaseClass):
             names = sorted({p for part in parts for p in part.source.partitions()})
             for p in names:
                 self._client.clear_partition(p, self._timeout)
-            for unit, part in enumerate(parts):
+            for unit, part in zip(present, parts):
                 self._copy_part(part.source._client, unit)
-            for unit, part in enumerate(parts):
-                state = _claims_state(part.source._client, 0, self._timeout)
-                _load_claims(self._client, unit, state, self._timeout)
+            states = [_claims_state(part.source._client, 0, self._timeout) for part in parts]
+            if self._client.replicas > 1:
+                merged = _native.merge_claims_states(states)
+                for unit in range(units):
+                    _load_claims(self._client, unit, merged, self._timeout)
+            else:
+                for unit, state in zip(present, states):
+                    _load_claims(self._client, unit, state, self._timeout)
         finally:
             for part in parts:
                 part.close(plane)
         return dict(user)
-
-    def _check_one_copy(self, what: str) -> None:
-        if self._client.replicas > 1:
-            raise NotImplementedError(
-                f"{what} with replicas = {self._client.replicas}: a load would put each unit's "
-                "consumption on that unit alone, not on its copies; checkpoints of this client "
-                "need replicas = 1 (docs/replication.md)"
-            )
 
     def _copy_part(self, src: Any, unit: int) -> None:
         """Every row of the restored part ``src`` put on unit ``unit``, each

@@ -1,7 +1,8 @@
 """StowageDataPlaneClient's claims on a plane that keeps two copies of
 every sample: a unit killed (SIGKILL) between claims loses no sample and
 serves none twice, and consumption status still adds up (the claimed
-samples' consumption is marked on every copy; docs/replication.md#claims).
+samples' consumption is marked on every copy; docs/replication.md#claims);
+the same after a checkpoint saved and loaded with two copies.
 """
 
 from __future__ import annotations
@@ -92,15 +93,56 @@ def test_with_two_copies_a_killed_unit_loses_and_repeats_no_claimed_sample(part)
             b.close()
 
 
-def test_with_two_copies_checkpoints_are_refused_saying_why(tmp_path):
-    with stowage.local(units=2, memory="32MiB", replicas=2) as plane:
-        dp = StowageDataPlaneClient(plane)
+@pytest.mark.parametrize("down_at_save", [False, True], ids=["all_up", "unit_down_at_save"])
+def test_with_two_copies_a_load_keeps_every_consumption_through_a_unit_death(
+    tmp_path, down_at_save
+):
+    """Saved with two copies after some samples were consumed (with
+    ``unit_down_at_save``, unit 2 killed first: its rows are in their
+    copies' parts), loaded into a fresh plane of two copies; then the unit
+    whose samples were claimed first is killed. Its copy claims its
+    samples now: no sample consumed before the save is served again, every
+    other one is served once, the counts add up, and the data reads back
+    (docs/replication.md#checkpoints)."""
+    root = tmp_path / "ckroot"
+    os.mkdir(root, 0o700)
+    ids = [f"s{i}" for i in range(30)]
+    values = list(range(100, 130))
+    with stowage.local(units=3, memory="64MiB", replicas=2, checkpoint_root=str(root)) as a:
+        dp = StowageDataPlaneClient(a)
         try:
-            for call in (
-                lambda: dp.save_checkpoint(tmp_path / "c"),
-                lambda: dp.load_checkpoint(tmp_path / "c"),
-            ):
-                with pytest.raises(NotImplementedError, match="replicas = 2"):
-                    call()
+            dp.register_partition("p", ["x"], num_samples=len(ids), consumer_tasks=["train", "rm"])
+            dp.put_samples(ids, "p", TensorDict({"x": torch.tensor(values)}, batch_size=[30]))
+            train = list(
+                dp.claim_meta("p", "train", ["x"], batch_size=11, blocking=False).sample_ids
+            )
+            rm = list(dp.claim_meta("p", "rm", ["x"], batch_size=4, blocking=False).sample_ids)
+            assert (len(train), len(rm)) == (11, 4)
+            if down_at_save:
+                victim = a.unit_pids[2]
+                os.kill(victim, signal.SIGKILL)
+                assert _wait_dead(victim)
+                # Reading every sample finds it dead (the save needs to know).
+                assert dp.get_samples(ids, "p", ["x"])["x"].tolist() == values
+            dp.save_checkpoint(root / "ck", metadata={"step": 3})
+        finally:
+            dp.close()
+
+    with stowage.local(units=3, memory="64MiB", replicas=2) as b:
+        dp = StowageDataPlaneClient(b)
+        try:
+            assert dp.load_checkpoint(root / "ck") == {"step": 3}
+            assert dp.list_sample_ids("p") == sorted(ids)
+            assert not dp.check_consumption_status("p", ["train"])
+            victim = b.unit_pids[0]
+            os.kill(victim, signal.SIGKILL)
+            assert _wait_dead(victim)
+            left = _claim_all(dp, "p", "train", 4)
+            assert sorted(left) == sorted(set(ids) - set(train)), "each unconsumed sample once"
+            assert dp.check_consumption_status("p", ["train"])
+            rest = _claim_all(dp, "p", "rm", 7)
+            assert sorted(rest) == sorted(set(ids) - set(rm))
+            assert dp.check_consumption_status("p", ["rm"])
+            assert dp.get_samples(ids, "p", ["x"])["x"].tolist() == values
         finally:
             dp.close()

@@ -83,6 +83,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(repair::rebuild_copies, m)?)?;
     m.add_function(wrap_pyfunction!(repair::under_replicated, m)?)?;
     m.add_function(wrap_pyfunction!(repair::rejoin, m)?)?;
+    m.add_function(wrap_pyfunction!(repair::merge_claims_states, m)?)?;
     m.add_function(wrap_pyfunction!(logbridge::route_logs, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::host_empty, m)?)?;
     m.add_function(wrap_pyfunction!(arrays::host_cache_info, m)?)?;

@@ -1,6 +1,7 @@
 //! Repair from Python (docs/replication.md#repair): one pass now, the
-//! rebuild after a one-copy restore, what newcomers lack, and taking a
-//! unit started again back in (rejoin). A client with copies also repairs
+//! rebuild after a one-copy restore, what newcomers lack, taking a unit
+//! started again back in (rejoin), and the claims state a checkpoint with
+//! copies loads into every unit. A client with copies also repairs
 //! by itself in the background.
 
 use pyo3::prelude::*;
@@ -118,4 +119,19 @@ pub(crate) fn rejoin<'py>(
     d.set_item("unreached", r.unreached)?;
     d.set_item("cleared", r.cleared)?;
     Ok(d)
+}
+
+/// One claims state for every unit of a plane with copies, from the
+/// states (`Client.claims_state` bytes) of a checkpoint's parts
+/// (`stowage_unit::merge_claims_states`): what a NeMo-RL checkpoint with
+/// copies loads into each unit. `InvalidRequest` for bytes that are no
+/// claims state, or parts that disagree on a partition's group size.
+#[pyfunction]
+pub(crate) fn merge_claims_states<'py>(
+    py: Python<'py>,
+    states: Vec<Vec<u8>>,
+) -> PyResult<Bound<'py, pyo3::types::PyBytes>> {
+    let views: Vec<&[u8]> = states.iter().map(Vec::as_slice).collect();
+    let merged = stowage_unit::merge_claims_states(&views).map_err(crate::errors::invalid)?;
+    Ok(pyo3::types::PyBytes::new(py, &merged))
 }

@@ -39,6 +39,7 @@ use crate::shared::Shared;
 use crate::tier::{cut, read_through, PieceWriter, COPY_CHUNK};
 
 pub(crate) mod claims;
+pub use claims::merge as merge_claims_states;
 use claims::{CLAIMS, MAX_CLAIMS};
 pub(crate) mod homes;
 use homes::{Homes, Piece};

@@ -90,6 +90,7 @@ mod plane;
 mod sessions;
 mod tier;
 
+pub use checkpoint::merge_claims_states;
 pub use error::StartError;
 use listen::{accept_tcp, accept_uds, bind_uds};
 use nixl_serve::serve_nixl;

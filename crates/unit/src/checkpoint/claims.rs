@@ -148,6 +148,57 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<PartitionClaims>, String> {
         .collect())
 }
 
+/// One claims state for every unit of a plane with copies, from the states
+/// of a checkpoint's parts (each a unit's [`encode`] bytes): per partition,
+/// its registration (the parts must agree on its group size), its rows in
+/// the order the parts had them (each row once, the first part's place),
+/// and per task the union of the rows consumed, the most rows any part
+/// counted settled, and per home the most rows any part counted consumed
+/// (its claimer's count, or a copy's by the marks it got). Loaded into
+/// every unit, it gives each the consumption of every row it may come to
+/// claim (a unit claims for another home once that home's claimer is
+/// down), whichever part held it (docs/replication.md#checkpoints).
+pub fn merge(states: &[&[u8]]) -> Result<Vec<u8>, String> {
+    let mut out: Vec<PartitionClaims> = Vec::new();
+    for state in states {
+        for p in decode(state)? {
+            let Some(m) = out.iter_mut().find(|m| m.partition == p.partition) else {
+                out.push(p);
+                continue;
+            };
+            if m.group_size != p.group_size {
+                return Err(format!(
+                    "partition {:?} has groups of {} in one part and {} in another",
+                    p.partition, m.group_size, p.group_size
+                ));
+            }
+            m.samples = m.samples.max(p.samples);
+            let seen: std::collections::HashSet<u64> = m.order.iter().copied().collect();
+            m.order
+                .extend(p.order.into_iter().filter(|r| !seen.contains(r)));
+            for t in p.tasks {
+                let Some(mt) = m.tasks.iter_mut().find(|mt| mt.name == t.name) else {
+                    m.tasks.push(t);
+                    continue;
+                };
+                mt.consumed.extend(t.consumed);
+                mt.consumed.sort_unstable();
+                mt.consumed.dedup();
+                mt.consumed_total = mt.consumed_total.max(t.consumed_total);
+                for (home, n) in t.by_home {
+                    match mt.by_home.iter_mut().find(|(h, _)| *h == home) {
+                        Some((_, c)) => *c = (*c).max(n),
+                        None => mt.by_home.push((home, n)),
+                    }
+                }
+                mt.by_home.sort_unstable();
+            }
+        }
+    }
+    out.sort_unstable_by(|a, b| a.partition.cmp(&b.partition));
+    encode(&out).map_err(|e| format!("the merged claims state: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +243,69 @@ mod tests {
         longer.push(0);
         assert!(decode(&longer).is_err());
         assert!(decode(&bytes[..bytes.len() - 1]).is_err());
+    }
+
+    #[test]
+    fn merged_states_hold_every_parts_consumption_for_every_unit() {
+        let part = |order: Vec<u64>, consumed: Vec<u64>, total, by_home: Vec<(u32, u64)>| {
+            encode(&[PartitionClaims {
+                partition: "p".into(),
+                samples: 6,
+                group_size: 1,
+                order,
+                tasks: vec![TaskClaims {
+                    name: "train".into(),
+                    consumed,
+                    consumed_total: total,
+                    by_home,
+                }],
+            }])
+            .unwrap()
+        };
+        // Unit 0 claimed two of its rows; unit 1 one of its own, and got
+        // the marks of unit 0's (it holds their copies); another task and
+        // partition only on unit 1.
+        let zero = part(vec![0, 2, 4], vec![0, 2], 2, vec![(0, 2)]);
+        let mut one_parts =
+            decode(&part(vec![1, 3, 5], vec![0, 1, 2], 1, vec![(0, 2), (1, 1)])).unwrap();
+        one_parts[0].tasks.push(TaskClaims {
+            name: "reward".into(),
+            consumed: vec![3],
+            consumed_total: 1,
+            by_home: vec![(1, 1)],
+        });
+        one_parts.push(PartitionClaims {
+            partition: "q".into(),
+            samples: 1,
+            group_size: 1,
+            order: vec![9],
+            tasks: Vec::new(),
+        });
+        let one = encode(&one_parts).unwrap();
+        let merged = decode(&merge(&[&zero, &one]).unwrap()).unwrap();
+        assert_eq!(merged.len(), 2);
+        let p = &merged[0];
+        assert_eq!((p.partition.as_str(), p.samples), ("p", 6));
+        assert_eq!(p.order, [0, 2, 4, 1, 3, 5]);
+        assert_eq!(p.tasks.len(), 2);
+        let train = &p.tasks[0];
+        assert_eq!(train.consumed, [0, 1, 2]);
+        assert_eq!(train.consumed_total, 2);
+        assert_eq!(train.by_home, [(0, 2), (1, 1)]);
+        assert_eq!(p.tasks[1].consumed, [3]);
+        assert_eq!(merged[1].partition, "q");
+        // Merging one state changes nothing; parts that disagree on a
+        // group size are refused.
+        assert_eq!(
+            decode(&merge(&[&zero]).unwrap()).unwrap(),
+            decode(&zero).unwrap()
+        );
+        let mut grouped = decode(&zero).unwrap();
+        grouped[0].group_size = 2;
+        let grouped = encode(&grouped).unwrap();
+        assert!(merge(&[&zero, &grouped])
+            .unwrap_err()
+            .contains("groups of 1"));
+        assert!(merge(&[b"junk"]).is_err());
     }
 }
