@@ -149,7 +149,7 @@ pub(crate) fn decode(bytes: &[u8]) -> Result<Vec<PartitionClaims>, String> {
 }
 
 /// One claims state for every unit of a plane with copies, from the states
-/// of a checkpoint's parts (each a unit's [`encode`] bytes): per partition,
+/// of a checkpoint's parts (each a unit's `ClaimsState` bytes): per partition,
 /// its registration (the parts must agree on its group size), its rows in
 /// the order the parts had them (each row once, the first part's place),
 /// and per task the union of the rows consumed, the most rows any part
