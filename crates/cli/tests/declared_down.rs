@@ -537,3 +537,86 @@ fn a_unit_serves_rows_only_to_connections_of_its_view() {
     r.call(&Request::Epoch { epoch: 2 });
     stale(rows(&mut r));
 }
+
+/// A put made while a rejoin's round is under way — the rejoining unit
+/// and one other moved to the new view, the first copy's unit not yet —
+/// by a client of the old view: the first copy's unit (old view) takes
+/// its copy, and the copy it makes on the moved unit is refused `Stale`.
+/// The client learns the new view and puts again where the copies are in
+/// it: no copy is left on a unit outside the row's set (writing the
+/// refused copy itself instead, on a connection it opened in the new view,
+/// it left one on unit 1: run so, and it failed), and the row reads back.
+#[test]
+fn a_put_made_while_a_rejoin_moves_the_units_leaves_no_copy_outside_the_new_sets() {
+    let (mut p, opts) = plane(3, 64 * MIB, &[]);
+    put_all(&copies_client(&p), 1);
+    p.kill9(2);
+    // A client that finds unit 2 dead reading unit 2's rows (from unit 0:
+    // their copies are on 0 and 1 now), and holds no connection to unit 1.
+    let a = copies_client(&p);
+    let unit_2s: Vec<u64> = (0..ROWS).filter(|&r| a.unit_of_row(r) == 2).collect();
+    for &r in &unit_2s {
+        a.get_tensors("p", &[RowKey::Index(r)], &["x"], None, a.deadline())
+            .unwrap();
+    }
+    assert_eq!(&a.copies_of(2)[..], &[0, 1]);
+    p.restart(2, &opts).expect("unit 2 starts again");
+    // The round, part way: the rejoining unit and unit 1 take the view
+    // that names unit 2's new instance; unit 0 not yet.
+    let instance = |u: usize| hello_instance(&socket(&p, u)).1;
+    let next = PlaneView {
+        epoch: 1,
+        members: vec![
+            Member {
+                instance: Some(instance(0)),
+                since: 0,
+            },
+            Member {
+                instance: Some(instance(1)),
+                since: 0,
+            },
+            Member {
+                instance: Some(instance(2)),
+                since: 1,
+            },
+        ],
+    };
+    for u in [2, 1] {
+        let (mut r, _) = hello_instance(&socket(&p, u));
+        assert_eq!(
+            r.call(&Request::SetView { view: next.clone() }),
+            Response::View { view: next.clone() }
+        );
+    }
+    // A new row of unit 2's: its first copy's unit (0) is still in the
+    // old view, and copies it to unit 1, which refuses.
+    let row = (100..200).find(|&r| a.unit_of_row(r) == 2).unwrap();
+    put_rows(&a, row..row + 1, 3);
+    assert_eq!(
+        a.plane_view().epoch,
+        1,
+        "the client did not take the new view"
+    );
+    assert_eq!(&a.copies_of(2)[..], &[0, 2]);
+    let key = [RowKey::Index(row)];
+    // Each unit read alone (a one-copy client: its first row request,
+    // a list, takes the unit's view).
+    let alone = |u: usize| {
+        let one = unit_alone(&p, u);
+        one.list("p", one.deadline()).unwrap();
+        one
+    };
+    for u in [0, 2] {
+        let one = alone(u);
+        let got = one.get_tensors("p", &key, &["x"], None, one.deadline());
+        let got = got.unwrap_or_else(|e| panic!("unit {u}: {e}"));
+        assert!(got[0][0].data == value(row, 3), "unit {u}: other bytes");
+    }
+    let one = alone(1);
+    let stray = one.get_tensors("p", &key, &["x"], None, one.deadline());
+    assert!(
+        matches!(stray, Err(Error::NotFound { .. })),
+        "unit 1, outside the row's set, holds a copy: {:?}",
+        stray.map(|_| "its bytes")
+    );
+}

@@ -488,6 +488,11 @@ impl Client {
         loop {
             let mut t = match self.checkout(unit, deadline).await {
                 Ok(t) => t,
+                Err(Failure::Refused(ErrorCode::Stale, _)) if !stale => {
+                    // The view changed as the connection opened.
+                    stale = true;
+                    continue;
+                }
                 Err(f) => return Err(self.failed_get(unit, f, &[], deadline)),
             };
             match t.call(req, deadline).await {

@@ -193,7 +193,18 @@ impl Client {
                 c
             }
         };
+        let view = self.plane_epoch();
         self.speak_for_view(unit, &mut conn, deadline)?;
+        if self.plane_epoch() != view {
+            // The plane's view changed as this connection opened: the
+            // operation opening it was placed in the old one. It is asked
+            // again where the copies are now (a copy written here would be
+            // one no client reads).
+            return Err(Failure::Refused(
+                ErrorCode::Stale,
+                "the plane's view changed as the connection opened (a unit rejoined)".into(),
+            ));
+        }
         conn.ring_when(self.cfg.rings.then_some(self.cfg.ring_after));
         slot.reached.store(true, Ordering::Release);
         self.met_instance(unit, conn.instance_id);

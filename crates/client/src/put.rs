@@ -21,7 +21,7 @@ use std::sync::Mutex;
 use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
-use stowage_wire::{BlobId, EntrySpec, FailedCopy, Hop, Key};
+use stowage_wire::{BlobId, EntrySpec, ErrorCode, FailedCopy, Hop, Key};
 
 use crate::classify::name_keys;
 use crate::conn::UnitAddr;
@@ -320,6 +320,19 @@ impl Client {
         let failed = std::mem::take(&mut *crate::lock(&forwards.failed));
         if failed.is_empty() {
             return Ok(());
+        }
+        // A copy refused `Stale`: the plane's view changed (a rejoin moves
+        // the units), and the copies may be elsewhere in the new one. Not
+        // written here (it would be a copy no client reads): the view is
+        // learned, and the put made again where the copies are now.
+        if let Some((blob, f)) = failed.iter().find(|(_, f)| f.code == ErrorCode::Stale) {
+            self.view_refused(f.unit as usize, deadline);
+            return Err(Error::TransferFailed {
+                unit: f.unit as usize,
+                blobs: vec![*blob],
+                reason: f.message.clone(),
+                in_flight: false,
+            });
         }
         let by_blob: HashMap<BlobId, &BlobPut<'_>> = placed.iter().map(|b| (b.blob, b)).collect();
         let again: Vec<BlobPut<'_>> = failed
