@@ -620,3 +620,46 @@ fn a_put_made_while_a_rejoin_moves_the_units_leaves_no_copy_outside_the_new_sets
         stray.map(|_| "its bytes")
     );
 }
+
+/// A rejoin cut short — its process gone after every unit took the view
+/// naming the new instance, before it cleared the copies that stood in
+/// for the unit — is finished by running it again: the unit is a member
+/// already, and the stand-ins are cleared of its rows; after a repair every
+/// row is on exactly the units of its copies (run again without that
+/// clear, the stand-ins kept the rows: run so, and failed).
+#[test]
+fn a_rejoin_cut_short_is_finished_by_running_it_again() {
+    let (mut p, opts) = plane(3, 64 * MIB, &[]);
+    let a = copies_client(&p);
+    put_all(&a, 1);
+    p.kill9(1);
+    put_all(&a, 2);
+    p.restart(1, &opts).expect("unit 1 starts again");
+    let instance = |u: usize| hello_instance(&socket(&p, u)).1;
+    let member = |u: usize, since| Member {
+        instance: Some(instance(u)),
+        since,
+    };
+    let view = PlaneView {
+        epoch: 1,
+        members: vec![member(0, 0), member(1, 1), member(2, 0)],
+    };
+    for u in [1, 0, 2] {
+        let (mut r, _) = hello_instance(&socket(&p, u));
+        assert_eq!(
+            r.call(&Request::SetView { view: view.clone() }),
+            Response::View { view: view.clone() }
+        );
+    }
+    let b = copies_client(&p);
+    let r = b.rejoin(1, b.deadline()).unwrap();
+    assert!(r.already && r.epoch == 1, "{r:?}");
+    assert!(r.cleared > 0, "the stand-ins were not cleared: {r:?}");
+    repair_all(&b);
+    let home = |row: u64| b.unit_of_row(row);
+    assert_eq!(
+        copies_are_where_they_belong(&p, &b, &[], &home),
+        ROWS as usize
+    );
+    reads_back(&b, 2, ROWS);
+}

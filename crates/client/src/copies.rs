@@ -218,6 +218,14 @@ impl Copies {
         left_sets
     }
 
+    /// Every unit's copies' units (as sets: their order is the history's)
+    /// were `unit` down too: where clients that take it as down place
+    /// copies.
+    pub(crate) fn members_without(&self, unit: usize) -> Vec<Box<[usize]>> {
+        let down = |u: usize| u == unit || self.down.get(u).is_some_and(|d| d.load(Relaxed));
+        place_all(self.down.len(), self.replicas, &self.hosts, &down).0
+    }
+
     /// The units in `unit`'s set now that were not in it at connect, or
     /// rejoined since.
     fn newcomers(&self, unit: usize) -> ReadOrder {

@@ -59,7 +59,8 @@ pub struct Rejoined {
     pub instance: u128,
     /// The epoch of the plane's view that took it in.
     pub epoch: u64,
-    /// Whether that instance was a member already (nothing changed).
+    /// Whether that instance was a member already (no view changed; the
+    /// copies a rejoin cut short left are cleared all the same).
     pub already: bool,
     /// Units that took the view (the rejoining one among them).
     pub moved: usize,
@@ -243,18 +244,22 @@ impl Client {
             let cur = self.plane_view();
             let member = cur.members.get(unit).copied().unwrap_or_default();
             let known = self.instance_id(unit);
+            // The sets as clients place them while the unit is down.
+            let before = self.copies.members_without(unit);
             if (member.instance == Some(instance) || (cur.epoch == 0 && known == Some(instance)))
                 && !self.copies.is_down(unit)
             {
                 out.already = true;
                 out.epoch = cur.epoch;
+                // A rejoin cut short (its process gone after the round)
+                // left the copies that stood in for the unit uncleared:
+                // cleared now. (Nothing there after a whole one.)
+                if member.since > 0 {
+                    out.cleared = self.clear_left(unit, &before, deadline)?;
+                }
                 return Ok(out);
             }
             let next = self.next_view(&cur, unit, instance);
-            // The sets as clients of the current view place them: without
-            // the unit (its instance there is not a member).
-            self.copies.went_down(unit);
-            let before: Vec<_> = (0..self.units.len()).map(|g| self.copies_of(g)).collect();
             match self.move_units(unit, &next, deadline, &mut out)? {
                 Moved::All => {}
                 Moved::Other(theirs) => {
@@ -356,12 +361,7 @@ impl Client {
     /// holding them all: no longer kept up to date, they must never be
     /// served again (a later placement may make it a copy of them once
     /// more, which a repair then fills). The values cleared.
-    fn clear_left(
-        &self,
-        unit: usize,
-        before: &[crate::copies::ReadOrder],
-        deadline: Instant,
-    ) -> Result<u64> {
+    fn clear_left(&self, unit: usize, before: &[Box<[usize]>], deadline: Instant) -> Result<u64> {
         let mut cleared = 0;
         for (g, old) in before.iter().enumerate() {
             let now = self.copies_of(g);
