@@ -394,10 +394,24 @@ class DataPlane:
             raise InvalidRequest("not a local data plane: use the directory its launcher returned")
         host = _native.host_id()
         units = []
-        for i, (uds, tcp, pid) in enumerate(
-            zip(self._plane.uds_addrs, self._plane.tcp_addrs, self._plane.pids)
+        for i, (uds, tcp, pid, instance) in enumerate(
+            zip(
+                self._plane.uds_addrs,
+                self._plane.tcp_addrs,
+                self._plane.pids,
+                self._plane.instance_ids,
+            )
         ):
-            units.append({"index": i, "host": host, "uds": uds, "tcp": tcp, "pid": pid})
+            units.append(
+                {
+                    "index": i,
+                    "host": host,
+                    "uds": uds,
+                    "tcp": tcp,
+                    "pid": pid,
+                    "instance_id": instance,
+                }
+            )
         d: Dict[str, Any] = {"stowage_directory": 1, "replicas": self.replicas, "units": units}
         secret = self._plane.secret
         if self._plane.secret_generated and secret is not None:

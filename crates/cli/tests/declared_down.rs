@@ -433,7 +433,11 @@ fn a_unit_comes_back_by_rejoining(down: Down) {
     }
     // The rejoined unit holds nothing yet; the copies left serve.
     reads_back(&old, 2, 20);
-    assert_eq!(old.plane_view().epoch, 1, "the old client kept its view");
+    assert_eq!(
+        old.plane_view().epoch,
+        1,
+        "the old client did not take the new view"
+    );
     for g in 0..3 {
         assert_eq!(old.copies_of(g), a.copies_of(g), "unit {g}'s copies");
     }
@@ -467,7 +471,8 @@ fn a_unit_paused_past_the_liveness_check_comes_back_only_by_rejoining() {
 }
 
 /// The unit's side: it serves row requests only on connections that
-/// speak for its view of the plane (`Epoch`); it takes a newer view and
+/// speak for its view of the plane (`Epoch`: its epoch and digest, so
+/// that another view of the same epoch is refused); it takes a newer view and
 /// keeps its own against an older one or another of the same epoch; a
 /// view that does not name its instance leaves it serving no rows.
 #[test]
@@ -508,8 +513,17 @@ fn a_unit_serves_rows_only_to_connections_of_its_view() {
     // This connection still speaks for view 0.
     stale(rows(&mut r));
     assert!(matches!(r.call(&Request::Stats), Response::Stats(_)));
+    // Another view of the same epoch (another rejoin's): refused too.
+    r.call(&Request::Epoch {
+        epoch: 1,
+        digest: view(1, instance ^ 1).digest(),
+    });
+    stale(rows(&mut r));
     assert_eq!(
-        r.call(&Request::Epoch { epoch: 1 }),
+        r.call(&Request::Epoch {
+            epoch: 1,
+            digest: view(1, instance).digest()
+        }),
         Response::View {
             view: view(1, instance)
         }
@@ -534,7 +548,10 @@ fn a_unit_serves_rows_only_to_connections_of_its_view() {
             view: view(2, instance ^ 1)
         }
     );
-    r.call(&Request::Epoch { epoch: 2 });
+    r.call(&Request::Epoch {
+        epoch: 2,
+        digest: view(2, instance ^ 1).digest(),
+    });
     stale(rows(&mut r));
 }
 
@@ -662,4 +679,29 @@ fn a_rejoin_cut_short_is_finished_by_running_it_again() {
         ROWS as usize
     );
     reads_back(&b, 2, ROWS);
+}
+
+/// A rejoin takes in only an empty unit of another instance than the one
+/// the plane had there: a live unit that holds rows is refused (a client
+/// that cannot tell it from one started again, knowing no instance from a
+/// directory), and one the directory names as it answers is a member
+/// already.
+#[test]
+fn a_rejoin_refuses_a_unit_that_holds_rows() {
+    let (p, _) = plane(3, 64 * MIB, &[]);
+    let a = copies_client(&p);
+    put_all(&a, 1);
+    let r = a.rejoin(0, a.deadline());
+    assert!(
+        matches!(&r, Err(Error::InvalidRequest(m)) if m.contains("holds") && m.contains("rows")),
+        "{r:?}"
+    );
+    let mut cfg = ClientConfig::new("test", p.uds_addrs());
+    cfg.secret = p.secret().cloned();
+    cfg.replicas = 2;
+    cfg.instances = p.directory().instances();
+    let known = Client::connect(cfg).unwrap();
+    let r = known.rejoin(0, known.deadline()).unwrap();
+    assert!(r.already && r.epoch == 0, "{r:?}");
+    reads_back(&a, 1, ROWS);
 }

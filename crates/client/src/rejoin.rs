@@ -108,11 +108,27 @@ impl Client {
         // Each turn takes a newer view, or hands the unit ours: a few
         // turns settle unless views keep changing meanwhile.
         for _ in 0..4 {
-            let mine = self.plane_epoch();
-            let theirs = ask_view(conn, &Request::Epoch { epoch: mine }, deadline)?;
+            let ours = self.plane_view();
+            let mine = ours.epoch;
+            let ask = Request::Epoch {
+                epoch: mine,
+                digest: ours.digest(),
+            };
+            let theirs = ask_view(conn, &ask, deadline)?;
             conn.epoch = mine;
-            if theirs.epoch == mine {
+            if theirs == ours {
                 return Ok(());
+            }
+            if theirs.epoch == mine {
+                // Two views of one epoch: rejoins at once. Their rounds
+                // move every unit to a view of a later epoch that has
+                // both; until then this unit serves this client nothing.
+                return Err(Failure::Refused(
+                    ErrorCode::Stale,
+                    format!(
+                        "unit {unit} has another view of the plane of the same epoch ({mine}): two rejoins run at once"
+                    ),
+                ));
             }
             if theirs.epoch > mine {
                 self.take_view(theirs);
@@ -226,8 +242,15 @@ impl Client {
                 "with one copy of each row there is nothing to rejoin: a unit started again is used as it is (its rows were lost with it)".into(),
             ));
         }
-        let instance = match self.control_conn(unit, deadline) {
-            Ok(c) => c.instance_id,
+        // Who answers there now, and what it holds.
+        let (instance, rows) = match self.control_conn(unit, deadline).and_then(|mut c| {
+            let id = c.send(&Request::Stats, &mut [], deadline)?;
+            match c.recv(id, deadline)? {
+                Response::Stats(s) => Ok((c.instance_id, s.rows)),
+                other => Err(Failure::unexpected(other)),
+            }
+        }) {
+            Ok(found) => found,
             Err(f) => return Err(self.rejoin_failed(unit, f)),
         };
         let mut out = Rejoined {
@@ -239,14 +262,27 @@ impl Client {
         // that stand in for them are where other clients put rows, which
         // the copies that leave a set below are found from.
         let _ = self.stats(deadline);
+        // Another rejoin's view of the epoch this one's round met: the next
+        // view is made from it, so that one of a later epoch has both.
+        let mut split: Option<PlaneView> = None;
         for _ in 0..ROUNDS {
-            self.learn_view(unit, deadline);
-            let cur = self.plane_view();
+            let (cur, settled) = match split.take() {
+                Some(theirs) => (theirs, false),
+                None => {
+                    self.learn_view(unit, deadline);
+                    (self.plane_view(), true)
+                }
+            };
             let member = cur.members.get(unit).copied().unwrap_or_default();
+            // At the plane's first view, the directory's instance (a client
+            // that met only the new one cannot tell it from the old).
+            let first = self.cfg.instances.get(unit).copied().flatten();
             let known = self.instance_id(unit);
             // The sets as clients place them while the unit is down.
             let before = self.copies.members_without(unit);
-            if (member.instance == Some(instance) || (cur.epoch == 0 && known == Some(instance)))
+            if settled
+                && (member.instance == Some(instance)
+                    || (cur.epoch == 0 && known == Some(instance) && first == Some(instance)))
                 && !self.copies.is_down(unit)
             {
                 out.already = true;
@@ -259,11 +295,33 @@ impl Client {
                 }
                 return Ok(out);
             }
-            let next = self.next_view(&cur, unit, instance);
+            // Taken in, it must be another instance than the one the plane
+            // had there, and empty: it holds nothing of what was written
+            // or cleared while it was down.
+            // (Another rejoin's view that took it in already: no check.)
+            let was = member
+                .instance
+                .or_else(|| self.cfg.instances.get(unit).copied().flatten());
+            let theirs = !settled && member.instance == Some(instance);
+            if was == Some(instance) && !theirs {
+                return Err(Error::InvalidRequest(format!(
+                    "unit {unit} answers as the instance the plane had there ({instance:032x}): a unit taken as down comes back only started again, empty"
+                )));
+            }
+            if rows > 0 && !theirs {
+                return Err(Error::InvalidRequest(format!(
+                    "unit {unit} holds {rows} rows: a unit rejoins empty (started again without --restore)"
+                )));
+            }
+            let next = self.next_view(&cur, unit, instance)?;
             match self.move_units(unit, &next, deadline, &mut out)? {
                 Moved::All => {}
                 Moved::Other(theirs) => {
-                    self.take_view(theirs);
+                    // A later view is taken (the next round starts from
+                    // it); one of the same epoch is another rejoin's.
+                    if !self.take_view(theirs.clone()) && theirs.epoch >= next.epoch {
+                        split = Some(theirs);
+                    }
                     continue;
                 }
             }
@@ -287,17 +345,23 @@ impl Client {
         for u in (0..self.units.len()).filter(|&u| u != except && !self.copies.is_down(u)) {
             let end = deadline.min(Instant::now() + VIEW_WAIT);
             let mine = self.plane_epoch();
+            let ask = Request::Epoch {
+                epoch: mine,
+                digest: 0,
+            };
             if let Ok(v) = self
                 .control_conn(u, end)
-                .and_then(|mut c| ask_view(&mut c, &Request::Epoch { epoch: mine }, end))
+                .and_then(|mut c| ask_view(&mut c, &ask, end))
             {
                 self.take_view(v);
             }
         }
     }
 
-    /// The view after `cur` with `unit` served by `instance`.
-    fn next_view(&self, cur: &PlaneView, unit: usize, instance: u128) -> PlaneView {
+    /// The view after `cur` with `unit` served by `instance`. Refused when
+    /// a unit up is of an instance not known (the first view names every
+    /// unit's: a unit a view does not name serves no rows).
+    fn next_view(&self, cur: &PlaneView, unit: usize, instance: u128) -> Result<PlaneView> {
         let epoch = cur.epoch + 1;
         let mut members = if cur.members.len() == self.units.len() {
             cur.members.clone()
@@ -315,7 +379,16 @@ impl Client {
             instance: Some(instance),
             since: epoch,
         };
-        PlaneView { epoch, members }
+        if let Some(u) =
+            (0..members.len()).find(|&u| members[u].instance.is_none() && !self.copies.is_down(u))
+        {
+            return Err(Error::Unreachable {
+                unit: u,
+                addr: self.units[u].addr.to_string(),
+                reason: "its instance is not known (it did not answer, and the directory names none): a view naming another would leave it serving nothing".into(),
+            });
+        }
+        Ok(PlaneView { epoch, members })
     }
 
     /// Hand `next` to `unit`, then to every other unit up. Stops at a

@@ -21,6 +21,8 @@ pub(crate) struct LocalPlane {
     uds: Vec<String>,
     tcp: Vec<String>,
     pids: Vec<u32>,
+    /// The units' instance ids (32 hex digits), as they reported them.
+    instances: Vec<String>,
     secret: Option<stowage_client::Secret>,
     generated: bool,
 }
@@ -77,6 +79,11 @@ impl LocalPlane {
             uds: plane.uds_addrs().iter().map(|a| a.to_string()).collect(),
             tcp: plane.tcp_addrs().iter().map(|a| a.to_string()).collect(),
             pids: plane.units.iter().map(|u| u.pid()).collect(),
+            instances: plane
+                .units
+                .iter()
+                .map(|u| stowage_client::unit_directory::instance_hex(u.instance))
+                .collect(),
             secret: plane.secret().cloned(),
             generated: plane.directory().secret_hex.is_some(),
             plane: Mutex::new(Some(plane)),
@@ -115,6 +122,13 @@ impl LocalPlane {
     #[getter]
     fn pids(&self) -> Vec<u32> {
         self.pids.clone()
+    }
+
+    /// The units' instance ids (32 hex digits): a directory names them, so
+    /// that a client tells a unit started again from the one it replaced.
+    #[getter]
+    fn instance_ids(&self) -> Vec<String> {
+        self.instances.clone()
     }
 
     /// Whether the units are running (`stop()` not called yet).

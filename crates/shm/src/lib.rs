@@ -500,8 +500,8 @@ impl Slab {
 
     /// Copy `len` bytes of this slab from `from` into another slab `dst` at
     /// `to` (a unit copying a put to the next copy's unit on its host).
-    /// Large copies are split over the machine's cores. The caller must
-    /// hold the source range (its reservation or a pin) and the
+    /// Large copies are split over the machine's cores. The caller should
+    /// hold the source range (its reservation or a pin) and must hold the
     /// destination range's reservation.
     pub fn copy_to(&self, from: u64, dst: &Slab, to: u64, len: usize) -> Result<(), OutOfBounds> {
         let src = self.check(from, len)?;
@@ -516,11 +516,13 @@ impl Slab {
             // SAFETY: `check` proved both ranges lie inside their mappings,
             // which live as long as `self` and `dst` and never shrink
             // (sealed). Both are raw shared memory, never Rust references.
-            // They cannot overlap: two slabs are two memfds mapped apart,
-            // and the same slab mapped twice would hold a range reserved
-            // twice, which the core never hands out.
+            // `ptr::copy` allows them to overlap: two slabs are two memfds
+            // mapped apart, but a client may name the copying unit's own
+            // socket, or give its source range back mid-copy (then the
+            // bytes are wrong, as it could make them through its own
+            // mapping, and nothing worse).
             unsafe {
-                std::ptr::copy_nonoverlapping((src + off) as *const u8, (at + off) as *mut u8, n);
+                std::ptr::copy((src + off) as *const u8, (at + off) as *mut u8, n);
             }
         });
         Ok(())

@@ -841,8 +841,8 @@ impl Conn {
                 self.shared.request_exit();
                 return Err(EndReason::Shutdown);
             }
-            Plan::Epoch { epoch } => {
-                self.epoch = epoch;
+            Plan::Epoch { epoch, digest } => {
+                self.epoch = (epoch, digest);
                 Response::View {
                     view: self.shared.plane.view(),
                 }

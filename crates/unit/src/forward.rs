@@ -93,8 +93,9 @@ pub(crate) struct PeerKey<'a> {
     pub(crate) addr: &'a str,
     pub(crate) namespace: &'a str,
     pub(crate) instance: Option<u128>,
-    /// The view of the plane the forward speaks for (its client's).
-    pub(crate) epoch: u64,
+    /// The view of the plane the forward speaks for (its client's: epoch
+    /// and digest).
+    pub(crate) epoch: (u64, u64),
 }
 
 impl Peers {
@@ -139,10 +140,11 @@ impl Peers {
         }
         let connect_by = deadline.min(Instant::now() + CONNECT_MAX);
         let mut c = PeerConn::connect(key.addr, key.namespace, self.secret.as_ref(), connect_by)?;
-        if key.epoch != 0 {
+        if key.epoch != crate::plane::Plane::first() {
             // Its requests speak for the client's view: a unit of another
-            // refuses them Stale, and the client writes that copy itself.
-            match c.call(&Request::Epoch { epoch: key.epoch }, connect_by)? {
+            // refuses them Stale, and the client learns the view.
+            let (epoch, digest) = key.epoch;
+            match c.call(&Request::Epoch { epoch, digest }, connect_by)? {
                 Response::View { .. } => {}
                 other => return Err(refused(other, "Epoch")),
             }
@@ -240,7 +242,7 @@ pub(crate) struct PeerConn {
     /// The instance that answered its Hello.
     instance: u128,
     /// The view of the plane it speaks for.
-    epoch: u64,
+    epoch: (u64, u64),
     writer: Stream,
     reader: BufReader<Stream>,
     /// The unit's slab, mapped (a connection over its Unix socket).
@@ -262,7 +264,7 @@ impl PeerConn {
         // An absolute path: the Unix socket of a unit of this host, whose
         // slab the connection maps.
         let s = if addr.starts_with('/') {
-            Stream::Unix(UnixStream::connect(addr).map_err(cannot)?)
+            Stream::Unix(connect_unix(addr, deadline).map_err(cannot)?)
         } else {
             let sa: SocketAddr = addr
                 .parse()
@@ -274,7 +276,7 @@ impl PeerConn {
         let want_fd = matches!(s, Stream::Unix(_));
         let mut c = PeerConn {
             instance: 0,
-            epoch: 0,
+            epoch: crate::plane::Plane::first(),
             reader: BufReader::with_capacity(16 << 10, s.try_clone()?),
             writer: s,
             slab: None,
@@ -390,33 +392,29 @@ impl PeerConn {
         let blob = fresh_blob()?;
         let n_entries =
             u32::try_from(entries.len()).map_err(|_| PeerError::Io("too many entries".into()))?;
-        let to =
-            match self.call(
-                &Request::Alloc {
-                    blob,
-                    nbytes,
-                    n_entries,
-                },
-                deadline,
-            )? {
-                Response::Allocated { pieces, .. } => pieces,
-                Response::ToDisk => return Err(PeerError::Refused(
+        let to = match self.call(
+            &Request::Alloc {
+                blob,
+                nbytes,
+                n_entries,
+            },
+            deadline,
+        )? {
+            Response::Allocated { pieces, .. } => pieces,
+            // Reserved on its disk tier (its slab has no room): given
+            // back; the client writes this copy.
+            Response::ToDisk => {
+                let full = PeerError::Refused(
                     ErrorCode::Full,
                     "the unit's slab has no room (its disk tier has): the client writes this copy"
                         .into(),
-                )),
-                other => return Err(refused(other, "Alloc")),
-            };
-        let copied = self.copy_pieces(src, pieces, &to, nbytes);
-        if let Err(e) = copied {
-            let _ = self.call(
-                &Request::Abort {
-                    blob,
-                    in_flight: false,
-                },
-                deadline,
-            );
-            return Err(e);
+                );
+                return Err(self.give_back(blob, full));
+            }
+            other => return Err(refused(other, "Alloc")),
+        };
+        if let Err(e) = self.copy_pieces(src, pieces, &to, nbytes) {
+            return Err(self.give_back(blob, e));
         }
         let commit = RequestRef::Commit {
             blob,
@@ -427,15 +425,30 @@ impl PeerConn {
         match self.recv(id, deadline)? {
             Response::Done | Response::AlreadyCommitted => Ok(()),
             other => {
-                let _ = self.call(
-                    &Request::Abort {
-                        blob,
-                        in_flight: false,
-                    },
-                    deadline,
-                );
-                Err(refused(other, "Commit"))
+                let e = refused(other, "Commit");
+                Err(self.give_back(blob, e))
             }
+        }
+    }
+
+    /// `e`, once reservation `blob` on this connection is given back
+    /// (within a second of its own, the put's time perhaps spent); when
+    /// it cannot be, `Io`: the connection is not kept, and its end gives
+    /// the reservation back.
+    fn give_back(&mut self, blob: BlobId, e: PeerError) -> PeerError {
+        let abort = Request::Abort {
+            blob,
+            in_flight: false,
+        };
+        match self.call(&abort, Instant::now() + Duration::from_secs(1)) {
+            Ok(Response::Done) => e,
+            _ => PeerError::Io(format!(
+                "{}; giving its reservation back failed: the connection closes",
+                match e {
+                    PeerError::Refused(code, m) => format!("{code:?}: {m}"),
+                    PeerError::Io(m) => m,
+                }
+            )),
         }
     }
 
@@ -555,6 +568,39 @@ fn left(deadline: Instant) -> Result<std::time::Duration, PeerError> {
         return Err(PeerError::Io("the put's time ran out".into()));
     }
     Ok(left.max(std::time::Duration::from_millis(1)))
+}
+
+/// Connect to the Unix socket at `path` by `deadline`: a listener whose
+/// backlog is full (its unit paused, taking no connection) is asked again
+/// until then, never waited on without end (a blocking connect would).
+fn connect_unix(path: &str, deadline: Instant) -> io::Result<UnixStream> {
+    use rustix::io::Errno;
+    use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+    let addr = SocketAddrUnix::new(path)?;
+    loop {
+        let fd = rustix::net::socket_with(
+            AddressFamily::UNIX,
+            SocketType::STREAM,
+            SocketFlags::NONBLOCK | SocketFlags::CLOEXEC,
+            None,
+        )?;
+        match rustix::net::connect(&fd, &addr) {
+            Ok(()) => {
+                rustix::io::ioctl_fionbio(&fd, false)?;
+                return Ok(UnixStream::from(fd));
+            }
+            Err(Errno::AGAIN) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            Err(Errno::AGAIN) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "its socket took no connection in time (its backlog is full)",
+                ))
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
 }
 
 /// A fresh blob id for a copy's reservation (random, as a client's).

@@ -131,7 +131,7 @@ pub enum Plan {
     Fence { instance: u128 },
     /// This connection speaks for plane view `epoch`: answer the unit's
     /// view (`Request::Epoch`).
-    Epoch { epoch: u64 },
+    Epoch { epoch: u64, digest: u64 },
     /// Copy a reserved blob into the other copies' units' slabs, and
     /// answer `Forwarded` (`Request::CopyReserved`).
     CopyOut(CopyOut),
@@ -634,7 +634,7 @@ pub fn handle<G: DerefMut<Target = UnitCore>>(
             timeout: Duration::from_millis(timeout_ms),
         },
         Request::Fence { instance } => Plan::Fence { instance },
-        Request::Epoch { epoch } => Plan::Epoch { epoch },
+        Request::Epoch { epoch, digest } => Plan::Epoch { epoch, digest },
         Request::SetView { view } => Plan::SetView { view },
         // A connection's request ring: made (and its memfd handed over)
         // by the connection; a kick wakes the unit's polling of it.

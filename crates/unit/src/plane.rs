@@ -15,6 +15,8 @@ pub(crate) struct Plane {
     /// This unit's instance.
     me: u128,
     epoch: AtomicU64,
+    /// The view's [`PlaneView::digest`].
+    digest: AtomicU64,
     view: Mutex<PlaneView>,
     /// Whether the view names this instance (a view of the start names
     /// none: every unit serves). A unit started again in a member's place
@@ -28,14 +30,24 @@ impl Plane {
         Plane {
             me,
             epoch: AtomicU64::new(0),
+            digest: AtomicU64::new(PlaneView::default().digest()),
             view: Mutex::new(PlaneView::default()),
             member: AtomicBool::new(true),
         }
     }
 
-    /// Whether row requests of a connection of view `epoch` are served.
-    pub(crate) fn serves(&self, epoch: u64) -> bool {
-        self.epoch() == epoch && self.member.load(Ordering::SeqCst)
+    /// Whether row requests of a connection of view `(epoch, digest)`
+    /// are served.
+    pub(crate) fn serves(&self, (epoch, digest): (u64, u64)) -> bool {
+        // The member flag is set before the epoch moves, and read after.
+        self.epoch() == epoch
+            && self.digest.load(Ordering::SeqCst) == digest
+            && self.member.load(Ordering::SeqCst)
+    }
+
+    /// What a connection that never said Epoch speaks for.
+    pub(crate) fn first() -> (u64, u64) {
+        (0, PlaneView::default().digest())
     }
 
     /// The epoch of the unit's view.
@@ -62,7 +74,12 @@ impl Plane {
             );
             *mine = view;
             let member = mine.members.iter().any(|m| m.instance == Some(self.me));
+            // A connection checks the epoch before the rest: moved last,
+            // so no connection of the old epoch is served by the new
+            // digest and member flag, nor one of the new by the old.
+            self.epoch.store(u64::MAX, Ordering::SeqCst);
             self.member.store(member, Ordering::SeqCst);
+            self.digest.store(mine.digest(), Ordering::SeqCst);
             self.epoch.store(mine.epoch, Ordering::SeqCst);
             if !member {
                 tracing::warn!(
@@ -99,19 +116,23 @@ mod tests {
         assert_eq!(p.offer(view(1, 8)), view(2, 7));
         assert_eq!(p.offer(view(2, 8)), view(2, 7));
         assert_eq!(p.epoch(), 2);
-        assert!(p.serves(2) && !p.serves(1) && !p.serves(3));
+        let at = |v: &PlaneView| (v.epoch, v.digest());
+        assert!(p.serves(at(&view(2, 7))));
+        assert!(!p.serves(at(&view(1, 7))) && !p.serves(at(&view(3, 7))));
+        // The same epoch, another view: not served.
+        assert!(!p.serves(at(&view(2, 8))));
         assert_eq!(p.offer(view(3, 8)), view(3, 8));
         assert_eq!(p.view(), view(3, 8));
         // A view that names another instance in this unit's place.
-        assert!(!p.serves(3), "not a member");
+        assert!(!p.serves(at(&view(3, 8))), "not a member");
         assert_eq!(p.offer(view(4, 7)), view(4, 7));
-        assert!(p.serves(4));
+        assert!(p.serves(at(&view(4, 7))));
     }
 
     #[test]
     fn a_unit_serves_every_connection_of_the_start_until_a_view_comes() {
         let p = Plane::new(1);
-        assert!(p.serves(0));
-        assert!(!p.serves(1));
+        assert!(p.serves(Plane::first()));
+        assert!(!p.serves((1, PlaneView::default().digest())));
     }
 }

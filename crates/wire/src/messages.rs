@@ -338,14 +338,17 @@ pub enum Request {
     Fence {
         instance: u128,
     },
-    /// This connection speaks for plane view `epoch`
-    /// (docs/replication.md#rejoining): from the answer on, the unit
-    /// serves its requests that read or write rows only while the unit's
-    /// own view has that epoch, and refuses them [`ErrorCode::Stale`]
-    /// otherwise. A connection that never sends it speaks for epoch 0.
+    /// This connection speaks for plane view `epoch`, whose
+    /// [`PlaneView::digest`] is `digest` (docs/replication.md#rejoining):
+    /// from the answer on, the unit serves its requests that read or write
+    /// rows only while its own view is that one, and refuses them
+    /// [`ErrorCode::Stale`] otherwise (two views of one epoch, made by
+    /// rejoins at once, are told apart by their digests). A connection that
+    /// never sends it speaks for the first view (epoch 0, no members).
     /// Answered [`Response::View`] with the unit's view.
     Epoch {
         epoch: u64,
+        digest: u64,
     },
     /// Take `view` as the plane's view if it is newer than the unit's (a
     /// higher epoch), or keep the unit's; answered [`Response::View`] with
@@ -385,6 +388,18 @@ pub enum Request {
 pub struct PlaneView {
     pub epoch: u64,
     pub members: Vec<Member>,
+}
+
+impl PlaneView {
+    /// A digest of the whole view (FNV-1a over its encoding): what a
+    /// connection names besides the epoch, so that two views of one epoch
+    /// never pass for each other.
+    pub fn digest(&self) -> u64 {
+        let bytes = postcard::to_allocvec(self).unwrap_or_default();
+        bytes.iter().fold(0xcbf2_9ce4_8422_2325_u64, |h, &b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+        })
+    }
 }
 
 /// One unit's place in a [`PlaneView`].

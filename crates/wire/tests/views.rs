@@ -32,7 +32,10 @@ where
 
 #[test]
 fn the_view_messages_round_trip() {
-    round_trip(Request::Epoch { epoch: u64::MAX });
+    round_trip(Request::Epoch {
+        epoch: u64::MAX,
+        digest: 7,
+    });
     round_trip(Request::SetView { view: view(5) });
     round_trip(Response::View { view: view(0) });
     round_trip(Response::View { view: view(4) });
@@ -41,7 +44,12 @@ fn the_view_messages_round_trip() {
         message: "another view".into(),
     });
     let limits = Limits::default();
-    Request::Epoch { epoch: 1 }.validate(&limits).unwrap();
+    Request::Epoch {
+        epoch: 1,
+        digest: 0,
+    }
+    .validate(&limits)
+    .unwrap();
     Request::SetView { view: view(5) }
         .validate(&limits)
         .unwrap();
@@ -90,7 +98,10 @@ fn rows_are_served_only_in_the_units_view_and_letting_go_always() {
     }
     let any_view = [
         Request::Stats,
-        Request::Epoch { epoch: 2 },
+        Request::Epoch {
+            epoch: 2,
+            digest: 0,
+        },
         Request::SetView { view: view(1) },
         Request::Abort {
             blob: BlobId(1),
@@ -102,4 +113,16 @@ fn rows_are_served_only_in_the_units_view_and_letting_go_always() {
     for r in &any_view {
         assert!(!r.needs_view(), "{r:?}");
     }
+}
+
+#[test]
+fn views_of_one_epoch_are_told_apart_by_their_digests() {
+    assert_eq!(view(3).digest(), view(3).digest());
+    assert_ne!(view(3).digest(), view(4).digest());
+    let mut other = view(3);
+    other.members[1].since = 9;
+    assert_eq!(other.epoch, view(3).epoch);
+    assert_ne!(other.digest(), view(3).digest());
+    // Two views without members, of two epochs.
+    assert_ne!(PlaneView::default().digest(), view(0).digest());
 }

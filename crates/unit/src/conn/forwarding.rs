@@ -14,7 +14,7 @@ use stowage_wire::{ErrorCode, FailedCopy, RequestRef, Response};
 use super::session::EndReason;
 use super::state::Conn;
 use crate::forward::{PeerConn, PeerError, PeerKey};
-use crate::handler::{self, CopyOut, Put};
+use crate::handler::{CopyOut, Put};
 
 /// The bytes received before they go on to the copies: small enough that
 /// the copies receive while this unit still does, large enough to take
@@ -118,7 +118,7 @@ impl Conn {
             // what it reserved for this put, and so on down the chain.
             return Err(self.abandon(put, e));
         }
-        let landed = handler::put_landed(&mut self.shared.core(), put);
+        let landed = self.landed(put);
         if matches!(landed, Response::Done | Response::Pending) {
             self.count_in(put.nbytes);
         }

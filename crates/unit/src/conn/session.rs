@@ -65,7 +65,7 @@ pub(crate) fn open(
         reserve: 0,
         starved: None,
         frame_paused: std::time::Duration::ZERO,
-        epoch: 0,
+        epoch: crate::plane::Plane::first(),
     })
 }
 

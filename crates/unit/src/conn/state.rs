@@ -84,9 +84,10 @@ pub(crate) struct Conn {
     /// Time the current frame waited for the budget: its deadline moves
     /// by as much (a peer is not cut for the unit's own wait).
     pub(super) frame_paused: Duration,
-    /// The view of the plane it speaks for (`Request::Epoch`; 0 until it
-    /// says): its row requests are served only while it is the unit's.
-    pub(super) epoch: u64,
+    /// The view of the plane it speaks for, epoch and digest
+    /// (`Request::Epoch`; the first view until it says): its row requests
+    /// are served only while it is the unit's.
+    pub(super) epoch: (u64, u64),
 }
 
 impl Conn {

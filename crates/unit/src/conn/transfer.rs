@@ -103,8 +103,9 @@ impl Conn {
         e.into()
     }
 
-    /// [`handler::put_landed`], with a repair put's values counted.
-    fn landed(&mut self, put: &mut Put) -> Response {
+    /// [`handler::put_landed`], with a repair put's values counted; a put
+    /// of another view of the plane than the unit's now is abandoned.
+    pub(super) fn landed(&mut self, put: &mut Put) -> Response {
         if self.stale() {
             // The plane's view changed while the bytes came: a put of the
             // old placement is not committed once the new one is served.
@@ -208,6 +209,15 @@ impl Conn {
             let _ = d.engine.delete(blob);
             let (code, why) = handler::disk_put_failed(&e);
             return self.reply_error(id, code, &why);
+        }
+        if self.stale() {
+            // The plane's view changed while the bytes came (as `landed`).
+            abandon(&self.shared);
+            if let Some(w) = writer {
+                let _ = w.finish();
+            }
+            let _ = d.engine.delete(blob);
+            return self.reply_error(id, ErrorCode::Stale, handler::STALE);
         }
         // (A repair put never lands on disk: plain put_landed.)
         let mut resp = handler::put_landed(&mut self.shared.core(), put);
