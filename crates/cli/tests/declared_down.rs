@@ -705,3 +705,60 @@ fn a_rejoin_refuses_a_unit_that_holds_rows() {
     assert!(r.already && r.epoch == 0, "{r:?}");
     reads_back(&a, 1, ROWS);
 }
+
+/// Two rejoins at once, of two units started again (4 units, 2 copies):
+/// both end with every unit at one view that names both new instances
+/// (a round that met the other's view made the next from it), and a
+/// client that repairs reads every row as last put.
+#[test]
+fn two_rejoins_at_once_end_in_one_view_with_both() {
+    let (mut p, opts) = plane(4, 64 * MIB, &[]);
+    // Clients of the plane's directory from its start: they tell a unit
+    // started again from the one it replaced.
+    let first = p.directory().instances();
+    let (addrs, secret) = (p.uds_addrs(), p.secret().cloned());
+    let client = || {
+        let mut cfg = ClientConfig::new("test", addrs.clone());
+        cfg.secret = secret.clone();
+        cfg.timeout = Duration::from_secs(5);
+        cfg.replicas = 2;
+        cfg.instances = first.clone();
+        Client::connect(cfg).unwrap()
+    };
+    let a = client();
+    put_all(&a, 1);
+    p.kill9(1);
+    p.kill9(3);
+    put_all(&a, 2);
+    p.restart(1, &opts).expect("unit 1 starts again");
+    p.restart(3, &opts).expect("unit 3 starts again");
+    let b = client();
+    reads_back(&b, 2, ROWS);
+    let (one, three) = std::thread::scope(|s| {
+        let one = s.spawn(|| a.rejoin(1, a.deadline()));
+        let three = s.spawn(|| b.rejoin(3, b.deadline()));
+        (one.join().unwrap(), three.join().unwrap())
+    });
+    let (one, three) = (one.unwrap(), three.unwrap());
+    let views: Vec<PlaneView> = (0..4)
+        .map(|u| {
+            let (mut r, _) = hello_instance(&socket(&p, u));
+            match r.call(&Request::Epoch {
+                epoch: 0,
+                digest: 0,
+            }) {
+                Response::View { view } => view,
+                other => panic!("unit {u}: {other:?}"),
+            }
+        })
+        .collect();
+    assert!(views.iter().all(|v| *v == views[0]), "{views:?}");
+    let last = &views[0];
+    assert!(last.epoch >= 2, "{last:?}");
+    assert_eq!(last.members[1].instance, Some(one.instance));
+    assert_eq!(last.members[3].instance, Some(three.instance));
+    let c = client();
+    repair_all(&c);
+    reads_back(&c, 2, ROWS);
+    reads_back(&a, 2, ROWS);
+}

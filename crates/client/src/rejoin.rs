@@ -368,9 +368,14 @@ impl Client {
         } else {
             (0..self.units.len())
                 .map(|u| Member {
-                    instance: self
-                        .instance_id(u)
-                        .or_else(|| self.cfg.instances.get(u).copied().flatten()),
+                    // The plane's first instance there: the directory's,
+                    // else the one this client met (not when it found the
+                    // unit down: that may be an instance started again).
+                    instance: self.cfg.instances.get(u).copied().flatten().or_else(|| {
+                        (!self.copies.is_down(u))
+                            .then(|| self.instance_id(u))
+                            .flatten()
+                    }),
                     since: 0,
                 })
                 .collect()
