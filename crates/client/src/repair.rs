@@ -9,7 +9,7 @@
 //! it for now), list the source's partitions and, per partition, the
 //! source's and the newcomer's fields of those rows; read what the
 //! newcomer lacks from the source in batches and send each batch to the
-//! newcomer (`RepairPut`). The newcomer stores a value only if it holds
+//! newcomer (`RepairPut`) while the next is read. The newcomer stores a value only if it holds
 //! none for the key and did not see the key's row or partition cleared
 //! since the window opened. Because every clear reaches a newcomer again
 //! after it reached every other copy (`Client::clear_newcomers_again`),
@@ -115,6 +115,15 @@ impl Taken {
             .resize_with(n.max(self.values.len()), Default::default);
         self.found.clear();
         self.found.resize(n, false);
+    }
+
+    /// How many values were found, and their bytes.
+    fn count(&self) -> u64 {
+        self.iter().flatten().count() as u64
+    }
+
+    fn bytes(&self) -> u64 {
+        self.iter().flatten().map(|(v, _)| v.len() as u64).sum()
     }
 
     /// The values found of the batch, by key position.
@@ -342,38 +351,73 @@ impl Client {
         stop: &dyn Fn() -> bool,
         out: &mut Repaired,
     ) -> std::result::Result<(), PairFailed> {
-        // Few keys first: their sizes set the next batches'.
+        // Few keys first: their sizes set the next batches'. Each batch
+        // is sent to the newcomer while the next is read from the source
+        // (two buffers, one each way).
         let mut per_key = FIRST_BATCH_KEYS;
-        let mut taken = Taken::default();
+        let (mut read, mut send) = (Taken::default(), Taken::default());
         for partition in self.partitions_of(source, deadline)? {
             let lacks = self.lacks(&partition, unit, source, target, deadline)?;
             let mut rest = &lacks[..];
-            while !rest.is_empty() {
+            // The batch read and not yet sent.
+            let mut held: &[Key] = &[];
+            while !rest.is_empty() || !held.is_empty() {
                 if stop() {
                     return Err(Error::InvalidRequest("the client is closing".into()).into());
                 }
                 let (batch, after) = rest.split_at(per_key.min(rest.len()));
                 rest = after;
-                self.take(&partition, source, batch, &mut taken, deadline)?;
-                if let Some(gate) = self.cfg.failpoints.repair_gate {
-                    wait_at_gate(gate);
+                std::mem::swap(&mut read, &mut send);
+                let sending = held;
+                let (took, sent) = std::thread::scope(|s| {
+                    let sent = (!sending.is_empty()).then(|| {
+                        let send = &send;
+                        let partition = &partition;
+                        s.spawn(move || {
+                            self.send_repair(partition, target, window, sending, send, deadline)
+                        })
+                    });
+                    let took = (!batch.is_empty())
+                        .then(|| self.take_batch(&partition, source, batch, &mut read, deadline));
+                    let sent = sent.map(|h| h.join().expect("a repair's send panicked"));
+                    (took, sent)
+                });
+                if let Some(sent) = sent {
+                    let (stored, skipped) = sent?;
+                    let bytes = send.bytes();
+                    out.values += stored;
+                    out.skipped += skipped;
+                    out.bytes += bytes;
+                    self.pace(out.bytes, started, deadline);
                 }
-                let (values, bytes) = taken
-                    .iter()
-                    .flatten()
-                    .fold((0u64, 0u64), |(n, b), (v, _)| (n + 1, b + v.len() as u64));
-                if values > 0 {
-                    per_key = ((BATCH_BYTES * values / bytes.max(1)) as usize).clamp(1, BATCH_KEYS);
+                if let Some(took) = took {
+                    let (values, bytes) = took?;
+                    if values > 0 {
+                        per_key =
+                            ((BATCH_BYTES * values / bytes.max(1)) as usize).clamp(1, BATCH_KEYS);
+                    }
                 }
-                let (stored, skipped) =
-                    self.send_repair(&partition, target, window, batch, &taken, deadline)?;
-                out.values += stored;
-                out.skipped += skipped;
-                out.bytes += bytes;
-                self.pace(out.bytes, started, deadline);
+                held = batch;
             }
         }
         Ok(())
+    }
+
+    /// Read a batch for [`Self::fill`] (then wait at the `repair-gate`
+    /// failpoint): the values found and their bytes.
+    fn take_batch(
+        &self,
+        partition: &str,
+        source: usize,
+        batch: &[Key],
+        taken: &mut Taken,
+        deadline: Instant,
+    ) -> Result<(u64, u64)> {
+        self.take(partition, source, batch, taken, deadline)?;
+        if let Some(gate) = self.cfg.failpoints.repair_gate {
+            wait_at_gate(gate);
+        }
+        Ok((taken.count(), taken.bytes()))
     }
 
     /// Sleep as long as `bytes` since `started` are ahead of the repair
