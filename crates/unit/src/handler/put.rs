@@ -16,7 +16,7 @@ use super::{alloc, commit_written, error, error_response, request, Plan};
 pub struct Put {
     pub owner: Owner,
     /// The core partition (the connection's namespace and the request's
-    /// partition, see [`scope`]).
+    /// partition, see [`scope`](super::scope)).
     pub partition: String,
     pub blob: BlobId,
     pub entries: Vec<EntrySpec>,
